@@ -1,0 +1,251 @@
+"""Experiment configuration: typed sections, YAML + ``key=value`` overrides, strict validation.
+
+Each component reads only its own section. Validation happens before any MPI work: an
+unknown key names itself and the closest valid key; a bad value names the key and what
+is allowed; an import path (``pkg.module:attr``) must resolve.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .plugins import is_import_path, resolve
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+def _f(default: Any, doc: str, **rules: Any) -> Any:
+    factory = dict(default_factory=default) if callable(default) else dict(default=default)
+    return field(metadata={"doc": doc, **rules}, **factory)
+
+
+@dataclass
+class ClientsConfig:
+    """Who takes part."""
+
+    num_clients: int = _f(8, "logical clients in the federation (may exceed client ranks)", min=1)
+    per_round: Optional[int] = _f(None, "clients sampled per round (overrides fraction)", min=1)
+    fraction: float = _f(1.0, "fraction of clients sampled per round", min=0.0, max=1.0, exclusive_min=True)
+
+
+@dataclass
+class DataConfig:
+    """The dataset and how it is split across logical clients."""
+
+    dataset: str = _f("digits", "built-in dataset or import path returning (x_train, y_train, x_test, y_test)",
+                      choices=("digits", "synthetic"), import_ok=True)
+    kwargs: dict = _f(dict, "keyword arguments for the dataset function")
+    partition: str = _f("iid", "how training samples are split", choices=("iid", "dirichlet"))
+    alpha: float = _f(0.5, "Dirichlet concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
+
+
+@dataclass
+class ModelConfig:
+    """The model every rank builds."""
+
+    name: str = _f("mlp", "built-in model or import path to a function returning an nn.Module",
+                   choices=("mlp", "cnn", "blob"), import_ok=True)
+    kwargs: dict = _f(dict, "keyword arguments for the model function")
+    dtype: str = _f("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class TrainConfig:
+    """Local training on each logical client."""
+
+    trainer: str = _f("torch", "'torch' (plain loop), 'none' (model-only exchange) or an import path",
+                      choices=("torch", "none"), import_ok=True)
+    optimizer: str = _f("sgd", "local optimizer", choices=("sgd", "adam", "adamw"))
+    lr: float = _f(0.05, "local learning rate", min=0.0, exclusive_min=True)
+    momentum: float = _f(0.0, "SGD momentum", min=0.0, max=1.0)
+    weight_decay: float = _f(0.0, "weight decay", min=0.0)
+    local_epochs: int = _f(1, "passes over the local data per round", min=1)
+    local_steps: Optional[int] = _f(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
+    batch_size: int = _f(32, "local minibatch size", min=1)
+    loss: str = _f("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
+                   choices=("cross_entropy", "mse"), import_ok=True)
+
+
+@dataclass
+class StrategyConfig:
+    """How the server combines updates."""
+
+    name: str = _f("fedavg", "aggregation strategy", choices=("fedavg",))
+    weighting: str = _f("samples", "client weight: by sample count or equal", choices=("samples", "equal"))
+
+
+@dataclass
+class TransportConfig:
+    """Chunked exchange."""
+
+    chunk_mb: float = _f(16.0, "largest message in MiB (16 was best on shared-memory MPICH)", min=0.0,
+                         exclusive_min=True)
+    inflight: int = _f(4, "chunks in flight per peer", min=1)
+    pool_mb: float = _f(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
+                        exclusive_min=True)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * 2**20))
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of the global model on the server."""
+
+    every: int = _f(1, "evaluate every K rounds (0 = never); the last round is always evaluated", min=0)
+    batch_size: int = _f(512, "evaluation batch size", min=1)
+
+
+@dataclass
+class OutputConfig:
+    """What a run writes."""
+
+    dir: Optional[str] = _f(None, "run directory (default runs/<config name>-<time>)")
+    save_model: bool = _f(True, "write the final global model to <run dir>/model.h5")
+    progress: bool = _f(True, "progress bar on rank 0")
+
+
+@dataclass
+class Config:
+    """One experiment."""
+
+    name: str = _f("experiment", "experiment name (used in the default run directory)")
+    seed: int = _f(0, "root seed: sampling, partitioning and client randomness derive from it", min=0)
+    rounds: int = _f(10, "federated rounds", min=1)
+    clients: ClientsConfig = _f(ClientsConfig, "participation")
+    data: DataConfig = _f(DataConfig, "dataset and partitioning")
+    model: ModelConfig = _f(ModelConfig, "model")
+    train: TrainConfig = _f(TrainConfig, "local training")
+    strategy: StrategyConfig = _f(StrategyConfig, "aggregation")
+    transport: TransportConfig = _f(TransportConfig, "chunked exchange")
+    eval: EvalConfig = _f(EvalConfig, "evaluation")
+    output: OutputConfig = _f(OutputConfig, "outputs")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def clients_per_round(self) -> int:
+        """How many logical clients take part in each round."""
+        if self.clients.per_round is not None:
+            return min(self.clients.per_round, self.clients.num_clients)
+        return max(1, round(self.clients.fraction * self.clients.num_clients))
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), data: dict | None = None) -> Config:
+    """Read a YAML file (or a dict), apply ``key=value`` overrides, validate everything."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raw.setdefault("name", path.stem)
+    if data:
+        raw = _merge(raw, data)
+    for item in overrides:
+        _apply_override(raw, item)
+    return _build(Config, raw, "")
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rounds=5)")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text else None
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key {prefix}{key!r}" + hint)
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, raw[name] or {}, f"{prefix}{name}.")
+        else:
+            values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
+    return cls(**values)
+
+
+def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
+    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: a value is required ({rules.get('doc', '')})")
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    value = _coerce(key, value, base)
+    _check_rules(key, value, rules)
+    return value
+
+
+def _coerce(key: str, value: Any, base: Any) -> Any:
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if base in (float, str, dict) and not isinstance(value, base):
+        raise ConfigError(f"{key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_rules(key: str, value: Any, rules: typing.Mapping) -> None:
+    if "min" in rules and (value < rules["min"] or (rules.get("exclusive_min") and value == rules["min"])):
+        op = ">" if rules.get("exclusive_min") else ">="
+        raise ConfigError(f"{key}: must be {op} {rules['min']}, got {value!r}")
+    if "max" in rules and value > rules["max"]:
+        raise ConfigError(f"{key}: must be <= {rules['max']}, got {value!r}")
+    choices = rules.get("choices")
+    if choices and value not in choices:
+        if rules.get("import_ok") and is_import_path(value):
+            try:
+                resolve(value)
+            except ImportError as err:
+                raise ConfigError(f"{key}: {err}") from None
+            return
+        extra = " or an import path 'package.module:function'" if rules.get("import_ok") else ""
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}{extra}")
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

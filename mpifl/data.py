@@ -1,0 +1,128 @@
+"""Offline datasets and partitioners.
+
+A dataset function returns ``(x_train, y_train, x_test, y_test)`` (tensors or arrays).
+Built in: ``digits`` (UCI optical handwritten digits, 1797 8x8 images, shipped with
+mpifl) and ``synthetic`` (Gaussian class clusters). Partitioners split the training
+indices across logical clients deterministically from the seed.
+"""
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from importlib import resources
+
+import numpy as np
+import torch
+
+from .config import DataConfig
+from .federation import PARTITION, derive_seed
+from .plugins import resolve
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train and held-out tensors."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return int(max(self.y_train.max(), self.y_test.max())) + 1
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One logical client's local training data."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def digits(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """UCI handwritten digits (8x8, 10 classes), scaled to [0, 1], as (N, 1, 8, 8) images."""
+    with resources.files("mpifl").joinpath("data/digits.csv.gz").open("rb") as raw:
+        table = np.loadtxt(gzip.open(raw), delimiter=",", dtype=np.float32)
+    x = torch.from_numpy(table[:, :64] / 16.0).reshape(-1, 1, 8, 8)
+    y = torch.from_numpy(table[:, 64].astype(np.int64))
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
+    n_test = int(len(y) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int = 10, noise: float = 1.0,
+              test_fraction: float = 0.2, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Gaussian clusters, one per class, with unit noise around random centres."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0.0, 2.0, size=(num_classes, num_features))
+    y = rng.integers(0, num_classes, size=num_samples)
+    x = centres[y] + noise * rng.normal(size=(num_samples, num_features))
+    n_test = int(num_samples * test_fraction)
+    as_x = lambda a: torch.from_numpy(a.astype(np.float32))  # noqa: E731
+    as_y = lambda a: torch.from_numpy(a.astype(np.int64))  # noqa: E731
+    return as_x(x[n_test:]), as_y(y[n_test:]), as_x(x[:n_test]), as_y(y[:n_test])
+
+
+BUILTIN = {"digits": digits, "synthetic": synthetic}
+
+
+def load_dataset(cfg: DataConfig) -> Dataset:
+    """Call the configured dataset function and check what it returns."""
+    fn = BUILTIN.get(cfg.dataset) or resolve(cfg.dataset)
+    parts = fn(**cfg.kwargs)
+    if not isinstance(parts, (tuple, list)) or len(parts) != 4:
+        raise TypeError(f"data.dataset {cfg.dataset!r} must return (x_train, y_train, x_test, y_test)")
+    x_tr, y_tr, x_te, y_te = (torch.as_tensor(p) for p in parts)
+    if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
+        raise ValueError(f"data.dataset {cfg.dataset!r}: inputs and labels differ in length")
+    return Dataset(x_tr, y_tr.long(), x_te, y_te.long())
+
+
+def iid_partition(num_samples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle and deal indices into near-equal parts."""
+    return [np.sort(part) for part in np.array_split(rng.permutation(num_samples), num_clients)]
+
+
+def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
+                        min_size: int = 1) -> list[np.ndarray]:
+    """Label skew: each class is split across clients by proportions drawn from Dir(alpha)."""
+    if len(labels) < num_clients * min_size:
+        raise ValueError(f"{len(labels)} samples cannot give {num_clients} clients {min_size} each")
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for cls in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        cuts = (np.cumsum(rng.dirichlet(np.full(num_clients, alpha))) * len(idx)).astype(int)[:-1]
+        for client, piece in enumerate(np.split(idx, cuts)):
+            parts[client].extend(piece.tolist())
+    # Clients left with too few samples take them from the largest (keeps every weight > 0).
+    for client in range(num_clients):
+        while len(parts[client]) < min_size:
+            donor = max(range(num_clients), key=lambda c: len(parts[c]))
+            parts[client].append(parts[donor].pop())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int) -> list[np.ndarray]:
+    """The configured partition of the training set (identical on every rank)."""
+    rng = np.random.default_rng(derive_seed(seed, PARTITION))
+    if cfg.partition == "iid":
+        if len(labels) < num_clients:
+            raise ValueError(f"{len(labels)} training samples cannot be split across {num_clients} clients")
+        return iid_partition(len(labels), num_clients, rng)
+    return dirichlet_partition(labels.numpy(), num_clients, cfg.alpha, rng)
+
+
+def client_data(dataset: Dataset, indices: np.ndarray) -> ClientData:
+    """One client's slice of the training set."""
+    idx = torch.from_numpy(indices)
+    return ClientData(dataset.x_train[idx], dataset.y_train[idx])

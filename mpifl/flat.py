@@ -1,0 +1,192 @@
+"""Flat buffers: a model's exchanged tensors as views into one contiguous byte buffer.
+
+Layout: tensors are grouped by dtype into *segments* (one per dtype, in order of first
+appearance), each segment 64-byte aligned inside one ``uint8`` buffer. Parameters and
+floating-point buffers are exchanged; integer and bool buffers (BatchNorm's
+``num_batches_tracked``) are *local*: they never travel, are never averaged, and every
+logical client starts from the value the model was built with.
+
+A :class:`ModelSpec` records names, shapes, dtypes and offsets; its hash is compared
+at start-up so a client with a different model is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+ALIGN = 64
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the short name ('float32', 'bfloat16', ...) of a floating torch dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one exchanged tensor lives in the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int  # bytes from the start of the buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of tensors that share one dtype."""
+
+    dtype: str
+    offset: int
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One message on the wire: a slice of one segment, whole elements only."""
+
+    index: int
+    dtype: str
+    offset: int
+    nbytes: int
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.itemsize
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Ordered description of the exchanged tensors; equal specs mean compatible models."""
+
+    entries: tuple[TensorEntry, ...]
+    segments: tuple[Segment, ...]
+    total_bytes: int
+
+    @property
+    def hash(self) -> str:
+        payload = [(e.name, e.shape, e.dtype, e.offset) for e in self.entries]
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+    def first_difference(self, other: "ModelSpec") -> str | None:
+        """Describe the first tensor that differs from ``other``, or None when equal."""
+        for mine, theirs in zip(self.entries, other.entries):
+            if (mine.name, mine.shape, mine.dtype) != (theirs.name, theirs.shape, theirs.dtype):
+                return (f"tensor {mine.name!r}: {list(mine.shape)} {mine.dtype} here, "
+                        f"{theirs.name!r}: {list(theirs.shape)} {theirs.dtype} there")
+        if len(self.entries) != len(other.entries):
+            longer, n = (self, len(other.entries)) if len(self.entries) > len(other.entries) else (other, len(self.entries))
+            side = "here" if longer is self else "there"
+            return f"tensor {longer.entries[n].name!r} exists only {side}"
+        return None
+
+    def chunks(self, chunk_bytes: int) -> list[Chunk]:
+        """Split every segment into chunks of at most ``chunk_bytes`` (at least one element)."""
+        return list(_iter_chunks(self.segments, chunk_bytes))
+
+    def to_dict(self) -> dict:
+        return {"entries": [e.__dict__ for e in self.entries]}
+
+
+def _iter_chunks(segments: tuple[Segment, ...], chunk_bytes: int) -> Iterator[Chunk]:
+    index = 0
+    for seg in segments:
+        step = max(1, chunk_bytes // seg.itemsize) * seg.itemsize
+        for start in range(0, seg.nbytes, step):
+            yield Chunk(index, seg.dtype, seg.offset + start, min(step, seg.nbytes - start), seg.itemsize)
+            index += 1
+
+
+def exchanged_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and floating buffers, in ``state_dict`` order, tied weights once."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not tensor.is_floating_point() or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor))
+    return out
+
+
+def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
+    """Lay tensors out by dtype segments, each segment aligned to 64 bytes."""
+    by_dtype: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        by_dtype.setdefault(dtype_name(t.dtype), []).append((name, t))
+    entries, segments, offset = [], [], 0
+    for dtype, group in by_dtype.items():
+        offset = _align(offset)
+        start = offset
+        for name, t in group:
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(name, tuple(t.shape), dtype, offset, nbytes))
+            offset += nbytes
+        segments.append(Segment(dtype, start, offset - start))
+    return ModelSpec(tuple(entries), tuple(segments), _align(offset))
+
+
+class FlatModel:
+    """A module whose exchanged tensors are views into one contiguous ``uint8`` buffer."""
+
+    def __init__(self, module: torch.nn.Module):
+        named = exchanged_tensors(module)
+        self.module = module
+        self.spec = build_spec(named)
+        self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8)
+        self.bytes = self.buffer.numpy()  # same memory, for MPI buffer slices
+        for (name, tensor), entry in zip(named, self.spec.entries):
+            view = self.view(entry)
+            with torch.no_grad():
+                view.copy_(tensor.detach())
+            # Rebinding .data on the Parameter object keeps tied weights tied and
+            # frees the original storage at once: peak is buffer + one tensor.
+            tensor.data = view
+        self._local_init = {n: t.detach().clone() for n, t in module.state_dict().items()
+                            if not t.is_floating_point()}
+
+    def view(self, entry: TensorEntry) -> torch.Tensor:
+        """The typed view of one tensor inside the buffer."""
+        raw = self.buffer[entry.offset:entry.offset + entry.nbytes]
+        return raw.view(DTYPES[entry.dtype]).view(entry.shape)
+
+    def chunk_view(self, chunk: Chunk) -> torch.Tensor:
+        """The typed 1-D view of one chunk inside the buffer."""
+        return self.buffer[chunk.offset:chunk.offset + chunk.nbytes].view(DTYPES[chunk.dtype])
+
+    def chunk_bytes(self, chunk: Chunk):
+        """The chunk as a numpy ``uint8`` slice, ready to be an MPI buffer."""
+        return self.bytes[chunk.offset:chunk.offset + chunk.nbytes]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, typed view) for every exchanged tensor."""
+        for entry in self.spec.entries:
+            yield entry.name, self.view(entry)
+
+    def reset_local_state(self) -> None:
+        """Give integer buffers back the values the model was built with."""
+        state = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in self._local_init.items():
+                state[name].copy_(value)

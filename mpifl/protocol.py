@@ -1,0 +1,50 @@
+"""The wire protocol, on one screen.
+
+Start-up (collective, once):
+    bcast   spec entries from rank 0; each client compares with its own model and
+            refuses, naming the first differing tensor.
+Every round r:
+    0 -> c  HEADER  RoundHeader (pickled, small): round, the logical clients this rank
+                    serves this round (ascending ids), or stop=True to end.
+    0 -> c  MODEL   the global model, chunk by chunk (Isend/Irecv of raw bytes, chunk
+                    order), only to ranks that serve at least one client this round.
+    c -> 0  META    UpdateMeta (pickled, small) for each logical client, ascending id,
+                    sent just before that client's chunks.
+    c -> 0  UPDATE  that client's model, chunk by chunk (raw bytes, chunk order).
+MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
+no per-chunk header: both sides derive the layout from the same ModelSpec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SERVER = 0
+
+HEADER = 11
+MODEL = 12
+META = 13
+UPDATE = 14
+
+
+@dataclass(frozen=True)
+class RoundHeader:
+    """What a client rank does this round."""
+
+    round: int
+    clients: tuple[int, ...] = ()
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateMeta:
+    """Sent before a logical client's update chunks."""
+
+    client: int
+    num_samples: int
+    train_seconds: float
+    metrics: dict = field(default_factory=dict)
+
+
+def rank_of_client(client: int, client_ranks: int) -> int:
+    """The rank hosting a logical client: round-robin over ranks 1..client_ranks."""
+    return 1 + client % client_ranks

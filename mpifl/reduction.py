@@ -1,0 +1,198 @@
+"""The streamed, deterministic reduction on the server.
+
+Every participant's update arrives as a stream of chunks from its rank. Each rank has a
+few receive slots; ``Testsome`` over all of them progresses every stream at once. An
+arrived chunk (participant p, chunk j) is folded as soon as it is next in the fixed
+order for chunk j (participants by ascending id); early arrivals wait in their slots.
+So the sum for every element is taken in the same order whatever order chunks land in,
+and the result is bitwise reproducible.
+
+Memory: the receive slots plus at most ``window`` chunk accumulators. When a rank hosts
+several participants in one round it sends them one after another, so chunk j of its
+second participant comes only after every chunk of its first: the window must then
+span the whole model (documented in the README), otherwise it is derived from the budget.
+Deadlock-free: the lowest-id participant with chunks outstanding can always fold.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import protocol
+from .aggregation import ACCUMULATOR_DTYPE, Strategy
+from .flat import DTYPES, Chunk, FlatModel
+from .transport import Backoff, touched_empty
+
+
+@dataclass
+class ReductionStats:
+    """What one round's reduction observed."""
+
+    metas: dict[int, protocol.UpdateMeta] = field(default_factory=dict)
+    first_arrival: float | None = None  # perf_counter when the first update meta landed
+    aggregate_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Receive slots per rank and the accumulator window, derived from a memory budget."""
+
+    slots_per_rank: int
+    window: int
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, chunk_bytes: int, acc_chunk_bytes: int, ranks: int,
+                    inflight: int, num_chunks: int, sequential: bool) -> "PoolPlan":
+        """Split the budget between slots (half) and accumulators (half)."""
+        slots = max(1, min(inflight, budget_bytes // 2 // max(1, ranks * chunk_bytes)))
+        window = num_chunks if sequential else max(2, budget_bytes // 2 // max(1, acc_chunk_bytes))
+        return cls(slots, min(window, num_chunks))
+
+
+class ReceivePool:
+    """Preallocated, pre-touched receive slots and accumulators, reused every round."""
+
+    def __init__(self, chunks: list[Chunk]):
+        self.chunk_bytes = max(c.nbytes for c in chunks)
+        self.acc_numel = max(c.numel for c in chunks)
+        self.slots: list[np.ndarray] = []
+        self.accumulators: list[torch.Tensor] = []
+
+    def ensure(self, slots: int, accumulators: int) -> None:
+        """Grow (never shrink) to at least this many slots and accumulators."""
+        while len(self.slots) < slots:
+            self.slots.append(touched_empty(self.chunk_bytes))
+        while len(self.accumulators) < accumulators:
+            self.accumulators.append(torch.zeros(self.acc_numel, dtype=ACCUMULATOR_DTYPE))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.slots) * self.chunk_bytes + sum(a.numel() * a.element_size() for a in self.accumulators)
+
+
+class StreamedReduction:
+    """Receive and fold one round of updates into ``flat`` (the global model)."""
+
+    def __init__(self, comm: MPI.Comm, flat: FlatModel, chunks: list[Chunk], strategy: Strategy,
+                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan):
+        self.comm, self.flat, self.chunks, self.strategy = comm, flat, chunks, strategy
+        self.order = sorted(c for clients in by_rank.values() for c in clients)
+        self.position = {c: i for i, c in enumerate(self.order)}
+        self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
+        self.plan = plan
+        pool.ensure(plan.slots_per_rank * len(by_rank), plan.window)
+        self.pool = pool
+        # Each rank's stream: its participants in ascending id, each one's chunks in order.
+        self.streams = {r: [(c, j) for c in sorted(cl) for j in range(len(chunks))] for r, cl in by_rank.items()}
+        self.posted = {r: 0 for r in by_rank}
+        self.meta_next = {r: 0 for r in by_rank}
+        self.clients_on = {r: len(cl) for r, cl in by_rank.items()}
+        self.free_slots = list(range(len(pool.slots)))
+        self.requests: list[MPI.Request] = []
+        self.tickets: list[tuple] = []
+        self.arrived: dict[tuple[int, int], int] = {}  # (chunk, position) -> slot
+        self.next_position = [0] * len(chunks)
+        self.acc_of: dict[int, torch.Tensor] = {}
+        self.low = 0  # smallest unfinished chunk
+        self.finished = [False] * len(chunks)
+        self.stats = ReductionStats()
+
+    def run(self) -> ReductionStats:
+        """Post receives, fold chunks in order as they land, finish every chunk."""
+        for rank in self.streams:
+            self._post_meta(rank)
+            for _ in range(self.plan.slots_per_rank):
+                self._post_chunk(rank, self.free_slots.pop())
+        backoff = Backoff()
+        while self.low < len(self.chunks):
+            done, objects = MPI.Request.testsome(self.requests)
+            if done is None:
+                raise RuntimeError(f"reduction stalled with chunks {self.low}.. unfinished and nothing posted")
+            if not done:
+                backoff.pause()
+                continue
+            backoff.reset()
+            for index, obj in zip(done, objects):
+                self.requests[index] = MPI.REQUEST_NULL
+                self._landed(self.tickets[index], obj)
+            self._drain()
+        return self.stats
+
+    def _add_request(self, request: MPI.Request, ticket: tuple) -> None:
+        for i, old in enumerate(self.requests):
+            if old == MPI.REQUEST_NULL:
+                self.requests[i], self.tickets[i] = request, ticket
+                return
+        self.requests.append(request)
+        self.tickets.append(ticket)
+
+    def _post_meta(self, rank: int) -> None:
+        if self.meta_next[rank] < self.clients_on[rank]:
+            request = self.comm.irecv(source=rank, tag=protocol.META)
+            self._add_request(request, ("meta", rank))
+
+    def _post_chunk(self, rank: int, slot: int) -> None:
+        stream = self.streams[rank]
+        if self.posted[rank] >= len(stream):
+            self.free_slots.append(slot)
+            return
+        client, j = stream[self.posted[rank]]
+        self.posted[rank] += 1
+        buf = self.pool.slots[slot][: self.chunks[j].nbytes]
+        request = self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=protocol.UPDATE)
+        self._add_request(request, ("chunk", rank, slot, client, j))
+
+    def _landed(self, ticket: tuple, meta: object) -> None:
+        if ticket[0] == "meta":
+            if not isinstance(meta, protocol.UpdateMeta) or self.rank_of.get(meta.client) != ticket[1]:
+                raise RuntimeError(f"rank {ticket[1]} sent an unexpected update header: {meta!r}")
+            if self.stats.first_arrival is None:
+                self.stats.first_arrival = time.perf_counter()
+            self.stats.metas[meta.client] = meta
+            self.meta_next[ticket[1]] += 1
+            self._post_meta(ticket[1])
+        else:
+            _, rank, slot, client, j = ticket
+            self.arrived[(j, self.position[client])] = slot
+
+    def _drain(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for (j, pos), slot in list(self.arrived.items()):
+                if self._ready(j, pos):
+                    del self.arrived[(j, pos)]
+                    self._fold(j, pos, slot)
+                    progressed = True
+
+    def _ready(self, j: int, pos: int) -> bool:
+        return (j < self.low + self.plan.window and self.next_position[j] == pos
+                and self.order[pos] in self.stats.metas)
+
+    def _fold(self, j: int, pos: int, slot: int) -> None:
+        start = time.perf_counter()
+        chunk = self.chunks[j]
+        client = self.order[pos]
+        acc = self.acc_of.get(j)
+        if acc is None:
+            acc = self.acc_of[j] = self.pool.accumulators[j % self.plan.window][: chunk.numel].zero_()
+        x = torch.from_numpy(self.pool.slots[slot][: chunk.nbytes]).view(DTYPES[chunk.dtype])
+        self.strategy.fold(acc, x, self.strategy.weight(self.stats.metas[client]))
+        self.next_position[j] += 1
+        if self.next_position[j] == len(self.order):
+            self._finish(j)
+        self.stats.aggregate_seconds += time.perf_counter() - start
+        self._post_chunk(self.rank_of[client], slot)
+
+    def _finish(self, j: int) -> None:
+        total = sum(self.strategy.weight(m) for m in self.stats.metas.values())
+        if total <= 0:
+            raise RuntimeError(f"round has zero total client weight (clients {self.order}); cannot average")
+        self.strategy.finish(self.acc_of.pop(j), total, self.flat.chunk_view(self.chunks[j]))
+        self.finished[j] = True
+        while self.low < len(self.chunks) and self.finished[self.low]:
+            self.low += 1

@@ -1,0 +1,151 @@
+"""Rank 0: sample, stream the global model out, reduce updates as they stream back."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from mpi4py import MPI
+from tqdm import tqdm
+
+from . import protocol
+from .aggregation import make_strategy
+from .config import Config
+from .data import Dataset
+from .federation import group_by_rank, sample_clients
+from .flat import FlatModel
+from .launch import log
+from .metrics import JsonLines, current_rss_bytes, peak_rss_bytes
+from .reduction import PoolPlan, ReceivePool, StreamedReduction
+from .trainers import evaluate, make_loss
+from .transport import send_chunks, send_object, wait_all
+
+
+@dataclass
+class RoundTimes:
+    """Wall-clock marks of one round (perf_counter seconds)."""
+
+    start: float
+    dispatched: float
+    first_update: float
+    reduced: float
+    evaluated: float
+    end: float
+    aggregate: float  # seconds spent folding/finishing, inside [first_update, reduced]
+
+    def split(self) -> dict[str, float]:
+        """Disjoint parts that add up to the round (no double counting, cf. seed 004)."""
+        receive = self.reduced - self.first_update
+        return {
+            "dispatch": self.dispatched - self.start,
+            "client_train": self.first_update - self.dispatched,
+            "return": receive - self.aggregate,
+            "aggregate": self.aggregate,
+            "eval": self.evaluated - self.reduced,
+            "other": self.end - self.evaluated,
+            "round": self.end - self.start,
+        }
+
+
+class Server:
+    """Runs the rounds; owns the global model (a FlatModel) and the receive pool."""
+
+    def __init__(self, comm: MPI.Comm, cfg: Config, flat: FlatModel, dataset: Dataset | None, sink: JsonLines):
+        self.comm, self.cfg, self.flat, self.dataset, self.sink = comm, cfg, flat, dataset, sink
+        self.client_ranks = comm.Get_size() - 1
+        self.chunks = flat.spec.chunks(cfg.transport.chunk_bytes)
+        self.chunk_buffers = [flat.chunk_bytes(c) for c in self.chunks]
+        self.strategy = make_strategy(cfg.strategy)
+        self.pool = ReceivePool(self.chunks)
+        self.loss_fn = make_loss(cfg.train.loss)
+        self.history: list[dict] = []
+
+    def run(self) -> list[dict]:
+        """All rounds, then tell the clients to stop."""
+        bar = tqdm(total=self.cfg.rounds, desc="[rank 0] rounds", disable=not (self.cfg.output.progress and sys.stderr.isatty()),
+                   leave=False, dynamic_ncols=True)
+        try:
+            for rnd in range(1, self.cfg.rounds + 1):
+                record = self.round(rnd)
+                self.history.append(record)
+                self.sink.write(record)
+                bar.update(1)
+                if "eval" in record:
+                    bar.write(f"[rank 0] round {rnd}/{self.cfg.rounds}: " + _summary(record))
+        finally:
+            bar.close()
+        self._broadcast_headers({}, self.cfg.rounds + 1, stop=True)
+        return self.history
+
+    def round(self, rnd: int) -> dict:
+        """One round, top to bottom."""
+        start = time.perf_counter()
+        participants = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients_per_round())
+        by_rank = group_by_rank(participants, self.client_ranks)
+        self._broadcast_headers(by_rank, rnd)
+        send_chunks(self.comm, sorted(by_rank), protocol.MODEL, self.chunk_buffers, self.cfg.transport.inflight)
+        dispatched = time.perf_counter()
+        stats = StreamedReduction(self.comm, self.flat, self.chunks, self.strategy, by_rank, self.pool,
+                                  self._plan(by_rank)).run()
+        reduced = time.perf_counter()
+        evaluation = self._evaluate(rnd)
+        evaluated = time.perf_counter()
+        record = self._record(rnd, participants, by_rank, stats.metas, evaluation)
+        end = time.perf_counter()
+        times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, end,
+                           stats.aggregate_seconds)
+        record["time"] = times.split()
+        return record
+
+    def _plan(self, by_rank: dict[int, list[int]]) -> PoolPlan:
+        t = self.cfg.transport
+        return PoolPlan.from_budget(
+            budget_bytes=int(t.pool_mb * 2**20), chunk_bytes=self.pool.chunk_bytes,
+            acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=t.inflight,
+            num_chunks=len(self.chunks), sequential=any(len(c) > 1 for c in by_rank.values()))
+
+    def _broadcast_headers(self, by_rank: dict[int, list[int]], rnd: int, stop: bool = False) -> None:
+        requests = [self.comm.isend(protocol.RoundHeader(rnd, tuple(by_rank.get(r, ())), stop), dest=r,
+                                    tag=protocol.HEADER) for r in range(1, self.client_ranks + 1)]
+        wait_all(requests)
+
+    def _evaluate(self, rnd: int) -> dict | None:
+        every = self.cfg.eval.every
+        if self.dataset is None or every == 0 or (rnd % every and rnd != self.cfg.rounds):
+            return None
+        return evaluate(self.flat.module, self.dataset.x_test, self.dataset.y_test, self.loss_fn,
+                        self.cfg.eval.batch_size)
+
+    def _record(self, rnd: int, participants: list[int], by_rank: dict, metas: dict, evaluation: dict | None) -> dict:
+        samples = sum(m.num_samples for m in metas.values())
+        losses = [(m.metrics["loss"], m.num_samples) for m in metas.values() if "loss" in m.metrics]
+        model_bytes = self.flat.spec.total_bytes
+        record = {
+            "round": rnd,
+            "participants": participants,
+            "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
+            "num_samples": samples,
+            "bytes_sent": model_bytes * len(by_rank),
+            "bytes_received": model_bytes * len(participants),
+            "server_rss_bytes": current_rss_bytes(),
+            "server_peak_rss_bytes": peak_rss_bytes(),
+            "client_train_seconds": max(m.train_seconds for m in metas.values()),
+        }
+        if evaluation is not None:
+            record["eval"] = evaluation
+        return record
+
+
+def _summary(record: dict) -> str:
+    parts = []
+    if record.get("train_loss") is not None:
+        parts.append(f"train_loss {record['train_loss']:.4f}")
+    parts += [f"{k} {v:.4f}" for k, v in record["eval"].items()]
+    return ", ".join(parts)
+
+
+def log_final(history: list[dict], where: str) -> None:
+    """One closing line with the last evaluation."""
+    last = next((r for r in reversed(history) if "eval" in r), None)
+    detail = f"round {last['round']}: " + _summary(last) if last else "no evaluation"
+    log(f"finished {len(history)} rounds; final {detail}; outputs in {where}", rank=0)

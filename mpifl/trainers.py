@@ -1,0 +1,119 @@
+"""Local trainers behind one small protocol, plus evaluation and losses."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .data import ClientData
+from .plugins import resolve
+
+
+@dataclass
+class TrainResult:
+    """What a logical client reports with its update."""
+
+    num_samples: int
+    metrics: dict = field(default_factory=dict)
+
+
+class Trainer(Protocol):
+    """Trains a model in place on one logical client's data."""
+
+    modifies_weights: bool
+
+    def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult: ...
+
+
+LOSSES: dict[str, Callable] = {
+    "cross_entropy": nn.functional.cross_entropy,
+    "mse": nn.functional.mse_loss,
+}
+
+
+def make_loss(name: str) -> Callable:
+    """The loss named in the config (built in or import path)."""
+    return LOSSES.get(name) or resolve(name)
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters()), torch.float32)
+
+
+class TorchTrainer:
+    """A plain PyTorch loop: shuffled minibatches, epochs or a fixed number of steps."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.loss_fn = make_loss(cfg.loss)
+
+    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        c = self.cfg
+        if c.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+        cls = torch.optim.Adam if c.optimizer == "adam" else torch.optim.AdamW
+        return cls(params, lr=c.lr, weight_decay=c.weight_decay)
+
+    def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
+        if data is None or len(data) == 0:
+            raise ValueError("the torch trainer needs local data; this client has none")
+        generator = torch.Generator().manual_seed(seed)
+        steps = self.cfg.local_steps or self.cfg.local_epochs * math.ceil(len(data) / self.cfg.batch_size)
+        optimizer = self._optimizer(model)
+        dtype = _param_dtype(model)
+        model.train()
+        total, count = 0.0, 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # dropout and other in-model randomness
+            order = torch.empty(0, dtype=torch.long)
+            for _ in range(steps):
+                if len(order) == 0:
+                    order = torch.randperm(len(data), generator=generator)
+                batch, order = order[: self.cfg.batch_size], order[self.cfg.batch_size:]
+                x, y = data.x[batch].to(dtype), data.y[batch]
+                optimizer.zero_grad(set_to_none=True)
+                loss = self.loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                total += loss.item() * len(batch)
+                count += len(batch)
+        return TrainResult(len(data), {"loss": total / max(count, 1)})
+
+
+class NoTrainer:
+    """Model-only exchange: receive and send back, no computation (communication benchmarks)."""
+
+    modifies_weights = False
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
+        return TrainResult(len(data) if data is not None else 1, {})
+
+
+def make_trainer(cfg: TrainConfig) -> Trainer:
+    """The trainer named in the config; an import path gets the TrainConfig."""
+    builtin = {"torch": TorchTrainer, "none": NoTrainer}
+    return (builtin.get(cfg.trainer) or resolve(cfg.trainer))(cfg)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, batch_size: int) -> dict:
+    """Accuracy and mean loss of a classifier on held-out data."""
+    model.eval()
+    dtype = _param_dtype(model)
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start:start + batch_size].to(dtype), y[start:start + batch_size]
+        out = model(xb)
+        loss_sum += float(loss_fn(out.float(), yb, reduction="sum"))
+        correct += int((out.argmax(dim=1) == yb).sum())
+    return {"accuracy": correct / len(y), "loss": loss_sum / len(y)}
