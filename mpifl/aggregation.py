@@ -2,8 +2,9 @@
 
 A strategy decides, it never communicates. The server folds client chunks into an fp32
 accumulator in a fixed client order and then finishes each chunk into the new global
-model. The fold is torch's fused multiply-add (``acc.add_(x, alpha=w)``, one rounding),
-which is bitwise reproducible on a given machine and torch build.
+model: ``acc = w0*x0``, then ``acc += w*x`` with torch's fused multiply-add
+(``acc.add_(x, alpha=w)``, one rounding, bitwise reproducible on a given machine and
+torch build), then ``acc / sum(w)`` rounded once to the model's dtype.
 """
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from .protocol import UpdateMeta
 ACCUMULATOR_DTYPE = torch.float32
 
 
-def fold(acc: torch.Tensor, x: torch.Tensor, weight: float) -> None:
-    """acc += weight * x, fused, in place (x may be bf16/fp16; acc is fp32)."""
-    acc.add_(x, alpha=weight)
+def fold(acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool) -> None:
+    """acc = weight * x for the first term, else acc += weight * x fused (x may be bf16; acc is fp32)."""
+    if first:
+        torch.mul(x, weight, out=acc)
+    else:
+        acc.add_(x, alpha=weight)
 
 
 def weighted_mean_into(out: torch.Tensor, acc: torch.Tensor, total_weight: float) -> None:
-    """out = acc / total_weight, rounded to out's dtype (acc is consumed)."""
-    out.copy_(acc.div_(total_weight))
+    """out = acc / total_weight, computed in fp32 and rounded once to out's dtype."""
+    torch.div(acc, total_weight, out=out)
 
 
 class Strategy(Protocol):
@@ -32,7 +36,7 @@ class Strategy(Protocol):
 
     def weight(self, meta: UpdateMeta) -> float: ...
 
-    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float) -> None: ...
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool) -> None: ...
 
     def finish(self, acc: torch.Tensor, total_weight: float, global_chunk: torch.Tensor) -> None: ...
 
@@ -46,8 +50,8 @@ class FedAvg:
     def weight(self, meta: UpdateMeta) -> float:
         return float(meta.num_samples) if self.by_samples else 1.0
 
-    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float) -> None:
-        fold(acc, x, weight)
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool) -> None:
+        fold(acc, x, weight, first)
 
     def finish(self, acc: torch.Tensor, total_weight: float, global_chunk: torch.Tensor) -> None:
         weighted_mean_into(global_chunk, acc, total_weight)

@@ -190,8 +190,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown key {prefix}{key!r}" + hint)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key '{prefix}{key}'" + hint)
     values = {}
     for name, f in fields.items():
         if name not in raw:

@@ -47,7 +47,7 @@ class PoolPlan:
     @classmethod
     def from_budget(cls, budget_bytes: int, chunk_bytes: int, acc_chunk_bytes: int, ranks: int,
                     inflight: int, num_chunks: int, sequential: bool) -> "PoolPlan":
-        """Split the budget between slots (half) and accumulators (half)."""
+        """Split the budget between slots (half) and accumulators (half); at least 1 slot and 2 accumulators."""
         slots = max(1, min(inflight, budget_bytes // 2 // max(1, ranks * chunk_bytes)))
         window = num_chunks if sequential else max(2, budget_bytes // 2 // max(1, acc_chunk_bytes))
         return cls(slots, min(window, num_chunks))
@@ -177,11 +177,11 @@ class StreamedReduction:
         start = time.perf_counter()
         chunk = self.chunks[j]
         client = self.order[pos]
-        acc = self.acc_of.get(j)
-        if acc is None:
-            acc = self.acc_of[j] = self.pool.accumulators[j % self.plan.window][: chunk.numel].zero_()
+        first = pos == 0
+        if first:
+            self.acc_of[j] = self.pool.accumulators[j % self.plan.window][: chunk.numel]
         x = torch.from_numpy(self.pool.slots[slot][: chunk.nbytes]).view(DTYPES[chunk.dtype])
-        self.strategy.fold(acc, x, self.strategy.weight(self.stats.metas[client]))
+        self.strategy.fold(self.acc_of[j], x, self.strategy.weight(self.stats.metas[client]), first)
         self.next_position[j] += 1
         if self.next_position[j] == len(self.order):
             self._finish(j)

@@ -99,8 +99,10 @@ class Server:
 
     def _plan(self, by_rank: dict[int, list[int]]) -> PoolPlan:
         t = self.cfg.transport
+        # Never spend more than a quarter of the model on the pool (the server's bound is ~1.25 x model).
+        budget = min(int(t.pool_mb * 2**20), self.flat.spec.total_bytes // 4)
         return PoolPlan.from_budget(
-            budget_bytes=int(t.pool_mb * 2**20), chunk_bytes=self.pool.chunk_bytes,
+            budget_bytes=budget, chunk_bytes=self.pool.chunk_bytes,
             acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=t.inflight,
             num_chunks=len(self.chunks), sequential=any(len(c) > 1 for c in by_rank.values()))
 

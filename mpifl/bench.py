@@ -1,0 +1,183 @@
+"""``mpifl bench exchange``: model-only exchange, mpifl against the raw-MPI floor and the pickle path.
+
+All three run in one job on the same ranks, one after another:
+1. mpifl: the real ``mpifl run`` machinery (blob model, no training, every client every round).
+   Peak RSS per rank is read right after this phase, before the other paths can raise it.
+2. floor: the fastest plain mpi4py way to do the same work: chunked Isend/Irecv of raw bytes,
+   sleep-polled waits, fused multiply-add into an fp32 accumulator in arrival order.
+3. pickle: what FedML/APPFL do: ``comm.send(state_dict)`` out and back, the server keeping
+   every client's model until all have arrived, then averaging.
+Each method runs one warm-up round (not timed) and then ``--rounds`` timed rounds; medians are
+reported.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+from mpi4py import MPI
+
+from .config import load_config
+from .flat import DTYPES
+from .launch import guarded
+from .metrics import peak_rss_bytes
+from .models import Blob
+from .runner import check_world, run_rank
+from .transport import Backoff, recv_chunks, send_chunks, touched_empty, wait_all
+
+TAG_DOWN, TAG_UP = 101, 102
+MIB = 2**20
+
+
+def exchange_main(args: argparse.Namespace) -> int:
+    """Entry point of ``mpifl bench exchange``."""
+    comm = MPI.COMM_WORLD
+    cfg = load_config(None, data={
+        "name": "bench-exchange", "rounds": args.rounds + 1,
+        "clients": {"num_clients": comm.Get_size() - 1, "fraction": 1.0},
+        "model": {"name": "blob", "kwargs": {"size_mb": args.model_mb},
+                  "dtype": "bfloat16" if args.dtype == "bf16" else "float32"},
+        "train": {"trainer": "none"}, "eval": {"every": 0},
+        "transport": {"chunk_mb": args.chunk_mb}, "output": {"progress": False, "save_model": False}})
+    check_world(comm.Get_size(), cfg)
+    return guarded(lambda: _exchange(comm, cfg, args))
+
+
+def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    rank = comm.Get_rank()
+    comm.Barrier()
+    history = run_rank(comm, cfg, None)
+    peaks = comm.gather(peak_rss_bytes(), root=0)
+    gc.collect()
+    dtype = DTYPES[cfg.model.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    model_bytes = int(args.model_mb * MIB) // itemsize * itemsize
+    floor = _timed(comm, args.rounds, lambda: _floor_round(comm, model_bytes, dtype, cfg.transport.chunk_bytes))
+    pickle_rounds = args.rounds if args.pickle_rounds is None else args.pickle_rounds
+    pickled = _pickle_rounds(comm, args.model_mb, dtype, pickle_rounds)
+    if rank != 0:
+        return 0
+    mpifl_times = [r["time"]["round"] for r in history[1:]]
+    result = {
+        "model_bytes": model_bytes, "clients": comm.Get_size() - 1, "dtype": args.dtype,
+        "chunk_bytes": cfg.transport.chunk_bytes, "rounds": args.rounds,
+        "seconds_per_round": {"mpifl": statistics.median(mpifl_times), "floor": statistics.median(floor),
+                              "pickle": statistics.median(pickled) if pickled else None},
+        "time_split": {k: statistics.median(r["time"][k] for r in history[1:]) for k in history[1]["time"]},
+        "peak_rss_bytes": {"server": peaks[0], "clients": peaks[1:]},
+    }
+    secs = result["seconds_per_round"]
+    result["ratio_to_floor"] = {k: (v / secs["floor"] if v is not None else None) for k, v in secs.items()
+                                if k != "floor"}
+    print(_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _timed(comm: MPI.Comm, rounds: int, fn) -> list[float]:
+    """Warm up once, then time ``rounds`` calls on rank 0's clock (all ranks in step)."""
+    times = []
+    for i in range(rounds + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+_floor_buffers: dict = {}
+
+
+def _floor_round(comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int) -> None:
+    """Raw chunked exchange + fused reduction in arrival order (no ordering, no bookkeeping)."""
+    rank, clients = comm.Get_rank(), comm.Get_size() - 1
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    step = max(1, chunk_bytes // itemsize) * itemsize
+    spans = [(o, min(step, model_bytes - o)) for o in range(0, model_bytes, step)]
+    if "model" not in _floor_buffers:  # preallocated and touched once, as a careful hand-written code would
+        _floor_buffers["model"] = touched_empty(model_bytes)
+        if rank == 0:
+            _floor_buffers["slots"] = [[touched_empty(step) for _ in range(4)] for _ in range(clients)]
+            _floor_buffers["acc"] = torch.zeros(model_bytes // itemsize, dtype=torch.float32)
+    model = _floor_buffers["model"]
+    if rank != 0:
+        recv_chunks(comm, 0, TAG_DOWN, [model[o:o + n] for o, n in spans], 4)
+        send_chunks(comm, [0], TAG_UP, [model[o:o + n] for o, n in spans], 4)
+        return
+    send_chunks(comm, list(range(1, clients + 1)), TAG_DOWN, [model[o:o + n] for o, n in spans], 4)
+    acc, slots = _floor_buffers["acc"], _floor_buffers["slots"]
+    acc.zero_()
+    requests, tickets, nxt = [], [], [0] * clients
+    for c in range(clients):
+        for s in range(min(4, len(spans))):
+            o, n = spans[nxt[c]]
+            requests.append(comm.Irecv([slots[c][s][:n], MPI.BYTE], source=c + 1, tag=TAG_UP))
+            tickets.append((c, s, nxt[c]))
+            nxt[c] += 1
+    remaining, backoff = clients * len(spans), Backoff()
+    while remaining:
+        done = MPI.Request.Testsome(requests)
+        if not done:
+            backoff.pause()
+            continue
+        backoff.reset()
+        for i in done:
+            c, s, j = tickets[i]
+            o, n = spans[j]
+            x = torch.from_numpy(slots[c][s][:n]).view(dtype)
+            acc[o // itemsize:(o + n) // itemsize].add_(x, alpha=1.0 / clients)
+            remaining -= 1
+            if nxt[c] < len(spans):
+                o, n = spans[nxt[c]]
+                requests[i] = comm.Irecv([slots[c][s][:n], MPI.BYTE], source=c + 1, tag=TAG_UP)
+                tickets[i] = (c, s, nxt[c])
+                nxt[c] += 1
+
+
+def _pickle_rounds(comm: MPI.Comm, model_mb: float, dtype: torch.dtype, rounds: int) -> list[float]:
+    """``comm.send(state_dict)`` both ways; the server holds all client models, then averages."""
+    _floor_buffers.clear()
+    gc.collect()
+    if rounds == 0:
+        return []
+    rank, clients = comm.Get_rank(), comm.Get_size() - 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        state = Blob(model_mb, dtype=dtype).state_dict()
+
+    def one_round() -> None:
+        nonlocal state
+        if rank != 0:
+            state = comm.recv(source=0, tag=TAG_DOWN)
+            comm.send(state, dest=0, tag=TAG_UP)
+            return
+        wait_all([comm.isend(state, dest=c, tag=TAG_DOWN) for c in range(1, clients + 1)])
+        received = [comm.recv(source=c, tag=TAG_UP) for c in range(1, clients + 1)]
+        state = {k: sum(r[k].float() for r in received).div_(clients).to(dtype) for k in state}
+
+    return _timed(comm, rounds, one_round)
+
+
+def _table(r: dict) -> str:
+    secs, ratio = r["seconds_per_round"], r["ratio_to_floor"]
+    lines = [f"model-only exchange: {r['model_bytes'] / MIB:.0f} MiB {r['dtype']}, {r['clients']} clients, "
+             f"{r['chunk_bytes'] / MIB:g} MiB chunks, median of {r['rounds']} rounds",
+             f"{'method':<8} {'s/round':>9} {'x floor':>8}"]
+    for name in ("mpifl", "floor", "pickle"):
+        s = secs[name]
+        x = 1.0 if name == "floor" else ratio[name]
+        lines.append(f"{name:<8} {s:>9.3f} {x:>8.2f}" if s is not None else f"{name:<8} {'skipped':>9}")
+    peaks = r["peak_rss_bytes"]
+    lines.append(f"mpifl peak RSS: server {peaks['server'] / MIB:.0f} MiB; clients "
+                 + ", ".join(f"{p / MIB:.0f}" for p in peaks["clients"]) + " MiB")
+    lines.append("time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_split"].items()))
+    return "\n".join(lines)
+

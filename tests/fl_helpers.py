@@ -1,0 +1,52 @@
+"""User code for the tests, loaded by import path (``fl_helpers:...``) on every rank."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpifl.config import TrainConfig
+from mpifl.trainers import TrainResult
+
+
+class NoiseTrainer:
+    """Deterministic stand-in for training: adds seeded noise to every exchanged tensor."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg: TrainConfig):
+        self.scale = cfg.lr
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                if t.is_floating_point():
+                    t.add_((torch.randn(t.shape, generator=g) * self.scale).to(t.dtype))
+        return TrainResult(len(data), {"loss": float(seed % 97)})
+
+
+class FailingOnRank2:
+    """Trains nothing, except on MPI rank 2, where it raises."""
+
+    modifies_weights = False
+
+    def __init__(self, cfg: TrainConfig):
+        pass
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 2:
+            raise RuntimeError("deliberate failure inside a client's training step")
+        return TrainResult(len(data), {})
+
+
+def tiny_mlp(width: int = 7) -> nn.Module:
+    """A model with odd-sized tensors and a BatchNorm (floating and integer buffers)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.BatchNorm1d(width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+def wider_mlp() -> nn.Module:
+    """Differs from tiny_mlp in its second layer's width."""
+    return tiny_mlp(width=9)

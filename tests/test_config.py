@@ -1,0 +1,86 @@
+"""Config: strict validation with messages that name the key, before any MPI work."""
+import subprocess
+import sys
+
+import pytest
+
+from mpifl.config import ConfigError, load_config
+
+ROOT = __import__("pathlib").Path(__file__).parent.parent
+
+
+def load(**data):
+    return load_config(None, data=data)
+
+
+def test_defaults_are_valid():
+    cfg = load()
+    assert cfg.rounds == 10 and cfg.clients.num_clients == 8 and cfg.transport.chunk_bytes == 16 * 2**20
+
+
+def test_unknown_key_names_it_and_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.lrr'; did you mean 'train\.lr'\?"):
+        load(train={"lrr": 0.1})
+    with pytest.raises(ConfigError, match=r"unknown key 'roundz'; did you mean 'rounds'"):
+        load(roundz=3)
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(ConfigError, match=r"rounds: expected an integer, got 'ten'"):
+        load(rounds="ten")
+    with pytest.raises(ConfigError, match=r"output.save_model: expected true or false"):
+        load(output={"save_model": "yes"})
+
+
+def test_out_of_range_and_bad_choice_list_what_is_allowed():
+    with pytest.raises(ConfigError, match=r"clients.fraction: must be <= 1.0"):
+        load(clients={"fraction": 1.5})
+    with pytest.raises(ConfigError, match=r"train.optimizer: 'rmsprop' is not allowed; choose one of 'sgd', 'adam'"):
+        load(train={"optimizer": "rmsprop"})
+
+
+def test_import_paths_must_resolve():
+    with pytest.raises(ConfigError, match=r"model.name: cannot import module 'no_such_pkg.models'"):
+        load(model={"name": "no_such_pkg.models:net"})
+    with pytest.raises(ConfigError, match=r"has no attribute 'nope'"):
+        load(model={"name": "mpifl.models:nope"})
+    assert load(model={"name": "mpifl.models:mlp"}).model.name == "mpifl.models:mlp"
+
+
+def test_overrides_are_typed_yaml_values(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("rounds: 3\ntrain: {lr: 0.1}\n")
+    cfg = load_config(path, ["rounds=7", "train.lr=0.5", "clients.per_round=2", "model.kwargs={hidden: [8]}"])
+    assert (cfg.rounds, cfg.train.lr, cfg.clients.per_round, cfg.model.kwargs) == (7, 0.5, 2, {"hidden": [8]})
+    assert cfg.name == "exp"
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(path, ["rounds"])
+
+
+def test_bad_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+
+
+def test_clients_per_round():
+    assert load(clients={"num_clients": 10, "fraction": 0.25}).clients_per_round() == 2
+    assert load(clients={"num_clients": 10, "per_round": 20}).clients_per_round() == 10
+
+
+def test_shipped_configs_validate():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+def test_validate_command_exit_codes(tmp_path):
+    good = ROOT / "configs" / "quickstart.yaml"
+    ok = subprocess.run([sys.executable, "-m", "mpifl", "validate", str(good)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "mpifl", "validate", str(good), "train.batchsize=3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in bad.stderr
