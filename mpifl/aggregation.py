@@ -20,8 +20,10 @@ ACCUMULATOR_DTYPE = torch.float32
 
 def fold(acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool) -> None:
     """acc = weight * x for the first term, else acc += weight * x fused (x may be bf16; acc is fp32)."""
-    if first:
+    if first and x.dtype == acc.dtype:
         torch.mul(x, weight, out=acc)
+    elif first:  # torch.mul would compute a bf16 product: widen first (exact), then scale in fp32
+        acc.copy_(x).mul_(weight)
     else:
         acc.add_(x, alpha=weight)
 

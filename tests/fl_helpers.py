@@ -50,3 +50,10 @@ def tiny_mlp(width: int = 7) -> nn.Module:
 def wider_mlp() -> nn.Module:
     """Differs from tiny_mlp in its second layer's width."""
     return tiny_mlp(width=9)
+
+
+def rank_dependent_mlp() -> nn.Module:
+    """tiny_mlp everywhere except on MPI rank 2 (to test the spec check)."""
+    from mpi4py import MPI
+
+    return wider_mlp() if MPI.COMM_WORLD.Get_rank() == 2 else tiny_mlp()

@@ -1,0 +1,69 @@
+"""Under mpiexec: the quick start learns, writes its outputs, and its time split adds up."""
+from __future__ import annotations
+
+import json
+
+import h5py
+import pytest
+import yaml
+
+from conftest import ROOT, run_mpi
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("qs") / "run"
+    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir, result
+
+
+def test_quickstart_reaches_accuracy_well_above_chance(quickstart):
+    run_dir, result = quickstart
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(1, 16))
+    assert records[-1]["eval"]["accuracy"] > 0.8  # 10 classes: chance is 0.1
+    assert "final round 15" in result.stderr and "accuracy" in result.stderr
+
+
+def test_metrics_lines_hold_the_documented_fields(quickstart):
+    run_dir, _ = quickstart
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("round", "participants", "train_loss", "bytes_sent", "bytes_received", "server_rss_bytes", "time"):
+        assert key in record, key
+    assert len(record["participants"]) == 4 and record["bytes_received"] == 2 * record["bytes_sent"]
+    assert set(record["time"]) >= {"dispatch", "client_train", "return", "aggregate", "round"}
+
+
+def test_time_split_parts_sum_to_the_round(quickstart):
+    run_dir, _ = quickstart
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        t = json.loads(line)["time"]
+        parts = sum(v for k, v in t.items() if k != "round")
+        assert parts == pytest.approx(t["round"], rel=0.05)
+        assert all(v >= 0 for v in t.values())
+
+
+def test_resolved_config_and_model_file_are_written(quickstart):
+    run_dir, _ = quickstart
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["rounds"] == 15 and cfg["model"]["name"] == "mlp"
+    with h5py.File(run_dir / "model.h5") as f:
+        assert set(f["model"]) == {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+        assert f["model/1.weight"].shape == (128, 64) and f["model/1.weight"].attrs["dtype"] == "float32"
+        assert f.attrs["round"] == 15 and "version_torch" in f.attrs
+
+
+def test_exchange_benchmark_reports_all_three_paths(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_mpi(3, "bench", "exchange", "--model-mb", "8", "--chunk-mb", "1", "--rounds", "2",
+                     "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["model_bytes"] == 8 * 2**20 and data["clients"] == 2
+    secs = data["seconds_per_round"]
+    assert all(secs[k] > 0 for k in ("mpifl", "floor", "pickle"))
+    assert data["ratio_to_floor"]["mpifl"] == pytest.approx(secs["mpifl"] / secs["floor"])
+    assert len(data["peak_rss_bytes"]["clients"]) == 2
+    assert all(p > data["model_bytes"] for p in [data["peak_rss_bytes"]["server"], *data["peak_rss_bytes"]["clients"]])
+    assert "mpifl" in result.stdout and "x floor" in result.stdout
