@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from .config import Config, ConfigError, dump_config, load_config
-from .launch import env_rank, guarded, log
+from .launch import agree, guarded, log
+from .storage import CheckpointError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,9 +18,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="experiment YAML file")
     run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 train.lr=0.1")
     run.add_argument("--run-dir", help="output directory (default: output.dir or runs/<name>-<time>)")
+    run.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
+                     help="continue from the newest checkpoint in the run directory, or from CKPT")
     val = sub.add_parser("validate", help="check a config without running it (no MPI needed)")
     val.add_argument("config")
     val.add_argument("overrides", nargs="*")
+    ins = sub.add_parser("inspect", help="print a checkpoint's round, tensors, config and versions")
+    ins.add_argument("checkpoint")
+    exp = sub.add_parser("export", help="write a checkpoint's model as safetensors")
+    exp.add_argument("checkpoint")
+    exp.add_argument("out", help="output .safetensors file")
     bench = sub.add_parser("bench", help="benchmarks (under mpiexec)")
     kinds = bench.add_subparsers(dest="kind", required=True)
     ex = kinds.add_parser("exchange", help="model-only exchange: mpifl vs raw MPI floor vs pickle")
@@ -35,18 +43,60 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also come after options (`run CFG --run-dir D rounds=3`)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray or (extra and args.command not in ("run", "validate")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "validate":
             return _validate(args)
         if args.command == "run":
             cfg = load_config(args.config, args.overrides)
-            return _run(cfg, args.run_dir)
+            resume = _find_resume(cfg, args) if args.resume else None
+            return _run(cfg, args.run_dir, resume)
+        if args.command in ("inspect", "export"):
+            from . import tools
+            return tools.inspect(args.checkpoint) if args.command == "inspect" else tools.export(args.checkpoint,
+                                                                                                  args.out)
         from .bench import exchange_main
         return exchange_main(args)
     except ConfigError as err:
         log(f"mpifl: config error: {err}")
         return 2
+    except CheckpointError as err:
+        log(f"mpifl: {err}")
+        return 2
+
+
+def _find_resume(cfg: Config, args: argparse.Namespace) -> Path:
+    """The checkpoint to resume from, checked against the config before any MPI work."""
+    import yaml
+
+    from .config import resume_conflict
+    from .storage import Checkpoint, latest_checkpoint
+
+    if args.resume == "latest":
+        run_dir = args.run_dir or cfg.output.dir
+        if not run_dir:
+            raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
+        ckpt = latest_checkpoint(Path(run_dir) / "checkpoints")
+        if ckpt is None:
+            raise CheckpointError(f"{run_dir}/checkpoints: no usable checkpoint to resume from")
+    else:
+        ckpt = Checkpoint(args.resume)
+    with ckpt:
+        conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
+        if conflict:
+            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only "
+                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.* may change)")
+        if ckpt.round >= cfg.rounds:
+            raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} >= rounds={cfg.rounds}; "
+                              "raise rounds to continue")
+        return ckpt.path
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -57,7 +107,7 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(cfg: Config, run_dir_arg: str | None) -> int:
+def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None = None) -> int:
     from mpi4py import MPI
 
     from .launch import SetupError
@@ -66,8 +116,8 @@ def _run(cfg: Config, run_dir_arg: str | None) -> int:
     comm = MPI.COMM_WORLD
     try:
         check_world(comm.Get_size(), cfg)
-        run_dir = _agree(comm, lambda: _prepare_run_dir(cfg, run_dir_arg))
-        guarded(lambda: run_rank(comm, cfg, run_dir))
+        run_dir = agree(comm, lambda: _prepare_run_dir(cfg, run_dir_arg, resume))
+        guarded(lambda: run_rank(comm, cfg, run_dir, resume))
     except SetupError as err:
         if comm.Get_rank() == 0:
             log(f"mpifl: {err}", rank=0)
@@ -75,31 +125,36 @@ def _run(cfg: Config, run_dir_arg: str | None) -> int:
     return 0
 
 
-def _agree(comm, fn):
-    """Run ``fn`` on rank 0 and share its result (or its error) with every rank."""
-    from .launch import SetupError
-
-    result = error = None
-    if comm.Get_rank() == 0:
-        try:
-            result = fn()
-        except (OSError, SetupError) as err:
-            error = str(err)
-    result, error = comm.bcast((result, error), root=0)
-    if error:
-        raise SetupError(error)
-    return result
-
-
-def _prepare_run_dir(cfg: Config, run_dir_arg: str | None) -> Path:
+def _prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None) -> Path:
     path = Path(run_dir_arg or cfg.output.dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (path / "metrics.jsonl").exists():
+    if resume is not None:
+        _rewind_metrics(path / "metrics.jsonl", resume)
+    elif (path / "metrics.jsonl").exists():
         from .launch import SetupError
         raise SetupError(f"run directory {str(path)!r} already holds a run (metrics.jsonl); "
                          "choose another --run-dir so nothing is overwritten")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(dump_config(cfg))
     return path
+
+
+def _rewind_metrics(metrics: Path, resume: Path) -> None:
+    """Keep the metrics lines up to the checkpoint's round (atomically): no duplicated or missing rounds."""
+    import json
+    import os
+
+    from .storage import Checkpoint
+
+    with Checkpoint(resume) as ckpt:
+        saved, upto = ckpt.metrics(), ckpt.round
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    kept = [line for line in lines if line.strip() and json.loads(line)["round"] <= upto]
+    if [json.loads(line)["round"] for line in kept] != list(range(1, upto + 1)):
+        kept = [json.dumps(r) for r in saved]  # the file lost lines: the checkpoint's copy is complete
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    tmp = metrics.with_name(metrics.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, metrics)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,24 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """HDF5 checkpoints in <run dir>/checkpoints (always one after the last round)."""
+
+    every: int = _f(0, "save every K rounds (0 = only at the end and on SIGTERM)", min=0)
+    keep: int = _f(3, "keep the newest K checkpoints (the final one is always the newest)", min=1)
+
+
+@dataclass
+class ServerConfig:
+    """Where the server keeps the global model."""
+
+    state: str = _f("memory", "'memory', or 'disk': out-of-core, window by window from HDF5",
+                    choices=("memory", "disk"))
+    window_mb: float = _f(64.0, "out-of-core read window for streaming the model out, MiB", min=0.0,
+                          exclusive_min=True)
+
+
+@dataclass
 class OutputConfig:
     """What a run writes."""
 
@@ -128,6 +146,8 @@ class Config:
     strategy: StrategyConfig = _f(StrategyConfig, "aggregation")
     transport: TransportConfig = _f(TransportConfig, "chunked exchange")
     eval: EvalConfig = _f(EvalConfig, "evaluation")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "checkpoints")
+    server: ServerConfig = _f(ServerConfig, "server state")
     output: OutputConfig = _f(OutputConfig, "outputs")
 
     def to_dict(self) -> dict:
@@ -158,7 +178,36 @@ def load_config(path: str | Path | None, overrides: list[str] = (), data: dict |
         raw = _merge(raw, data)
     for item in overrides:
         _apply_override(raw, item)
-    return _build(Config, raw, "")
+    cfg = _build(Config, raw, "")
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: Config) -> None:
+    if cfg.model.name == "blob" and (cfg.train.trainer != "none" or cfg.eval.every):
+        raise ConfigError("model.name: 'blob' is a benchmark payload: it needs train.trainer='none' and eval.every=0")
+    if cfg.server.state == "disk" and cfg.eval.every:
+        raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
+                          "so it cannot evaluate it; set eval.every=0")
+
+
+# Keys that may differ between a checkpoint's config and the config that resumes it.
+RESUMABLE = ("name", "rounds", "checkpoint", "output", "eval", "transport", "server")
+
+
+def resume_conflict(saved: dict, current: dict) -> str | None:
+    """The first key whose change would make a resumed run differ from an uninterrupted one."""
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUMABLE:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = resume_conflict({f"{key}.{k}": v for k, v in a.items()}, {f"{key}.{k}": v for k, v in b.items()})
+            if inner:
+                return inner
+        elif a != b:
+            return f"{key}: {a!r} in the checkpoint, {b!r} now"
+    return None
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -12,6 +13,34 @@ T = TypeVar("T")
 
 class SetupError(RuntimeError):
     """A problem every rank detects identically: reported once, exit status 2, no abort."""
+
+
+class StopRequest:
+    """Records SIGTERM (what PBS sends at walltime) so the server can stop at a round boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> "StopRequest":
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def agree(comm, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and share its result with every rank; its error becomes SetupError everywhere."""
+    result = error = None
+    if comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except (OSError, ValueError, SetupError) as err:
+            error = str(err)
+    result, error = comm.bcast((result, error), root=0)
+    if error:
+        raise SetupError(error)
+    return result
 
 
 def env_rank() -> int | None:

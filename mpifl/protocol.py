@@ -3,6 +3,8 @@
 Start-up (collective, once):
     bcast   spec entries from rank 0; each client compares with its own model and
             refuses, naming the first differing tensor.
+    1 -> 0  INIT    out-of-core server, fresh start only: rank 1 streams its freshly
+                    built model (chunk order), which the server writes as round 0.
 Every round r:
     0 -> c  HEADER  RoundHeader (pickled, small): round, the logical clients this rank
                     serves this round (ascending ids), or stop=True to end.
@@ -24,6 +26,7 @@ HEADER = 11
 MODEL = 12
 META = 13
 UPDATE = 14
+INIT = 15
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,8 +25,16 @@ from mpi4py import MPI
 
 from . import protocol
 from .aggregation import ACCUMULATOR_DTYPE, Strategy
-from .flat import DTYPES, Chunk, FlatModel
+from .flat import DTYPES, Chunk
 from .transport import Backoff, touched_empty
+
+
+class GlobalState(Protocol):
+    """Where finished chunks of the new global model go (see state.py)."""
+
+    def finish_target(self, chunk: Chunk) -> torch.Tensor: ...
+
+    def commit(self, chunk: Chunk) -> None: ...
 
 
 @dataclass
@@ -75,11 +84,11 @@ class ReceivePool:
 
 
 class StreamedReduction:
-    """Receive and fold one round of updates into ``flat`` (the global model)."""
+    """Receive and fold one round of updates into the global model held by ``state``."""
 
-    def __init__(self, comm: MPI.Comm, flat: FlatModel, chunks: list[Chunk], strategy: Strategy,
+    def __init__(self, comm: MPI.Comm, state: GlobalState, chunks: list[Chunk], strategy: Strategy,
                  by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan):
-        self.comm, self.flat, self.chunks, self.strategy = comm, flat, chunks, strategy
+        self.comm, self.state, self.chunks, self.strategy = comm, state, chunks, strategy
         self.order = sorted(c for clients in by_rank.values() for c in clients)
         self.position = {c: i for i, c in enumerate(self.order)}
         self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
@@ -192,7 +201,9 @@ class StreamedReduction:
         total = sum(self.strategy.weight(m) for m in self.stats.metas.values())
         if total <= 0:
             raise RuntimeError(f"round has zero total client weight (clients {self.order}); cannot average")
-        self.strategy.finish(self.acc_of.pop(j), total, self.flat.chunk_view(self.chunks[j]))
+        chunk = self.chunks[j]
+        self.strategy.finish(self.acc_of.pop(j), total, self.state.finish_target(chunk))
+        self.state.commit(chunk)
         self.finished[j] = True
         while self.low < len(self.chunks) and self.finished[self.low]:
             self.low += 1

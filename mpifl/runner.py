@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import time
 from pathlib import Path
 
@@ -9,16 +10,20 @@ import h5py
 import torch
 from mpi4py import MPI
 
+from . import protocol
 from .client import ClientRank
 from .config import Config, dump_config
 from .data import Dataset, client_data, load_dataset, partition
 from .federation import clients_of_rank
-from .flat import FlatModel, ModelSpec
-from .launch import SetupError
+from .flat import FlatModel, ModelSpec, build_spec, exchanged_tensors
+from .launch import SetupError, StopRequest, agree
 from .metrics import JsonLines
 from .models import build_model
 from .server import Server, log_final
-from .storage import save_model
+from .state import InMemoryState, OnDiskState
+from .storage import Checkpoint, checkpoint_name
+from .trainers import evaluate, make_loss
+from .transport import recv_chunks, send_chunks
 
 
 def check_world(size: int, cfg: Config) -> None:
@@ -29,6 +34,10 @@ def check_world(size: int, cfg: Config) -> None:
     if size - 1 > cfg.clients.num_clients:
         raise SetupError(f"{size - 1} client ranks but clients.num_clients={cfg.clients.num_clients}: "
                          f"use at most {cfg.clients.num_clients + 1} ranks or raise clients.num_clients")
+    if cfg.server.state == "disk" and cfg.clients_per_round() > size - 1:
+        raise SetupError(f"server.state='disk' streams one participant per client rank, but "
+                         f"{cfg.clients_per_round()} clients per round > {size - 1} client ranks: launch "
+                         f"{cfg.clients_per_round() + 1} ranks or lower clients.per_round")
 
 
 def needs_dataset(cfg: Config) -> bool:
@@ -49,8 +58,9 @@ def agree_on_spec(comm: MPI.Comm, spec: ModelSpec) -> None:
 
 
 def versions() -> dict[str, str]:
-    """Library versions recorded with every saved model."""
-    out = {"torch": str(torch.__version__), "h5py": h5py.__version__, "mpi": MPI.Get_library_version().splitlines()[0]}
+    """Library versions recorded with every checkpoint."""
+    out = {"torch": str(torch.__version__), "h5py": h5py.__version__,
+           "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
     try:
         out["mpifl"] = importlib.metadata.version("mpifl")
     except importlib.metadata.PackageNotFoundError:
@@ -58,28 +68,92 @@ def versions() -> dict[str, str]:
     return out
 
 
-def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None) -> list[dict] | None:
+def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | None = None) -> list[dict] | None:
     """Run one rank's part of the experiment; rank 0 returns the metrics history."""
     rank = comm.Get_rank()
+    stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
     dataset = load_dataset(cfg.data) if needs_dataset(cfg) else None
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
-    flat = FlatModel(build_model(cfg.model, cfg.seed, **shape))
-    agree_on_spec(comm, flat.spec)
+    out_of_core = rank == 0 and cfg.server.state == "disk"
+    if out_of_core:  # shapes only: the server never allocates the model
+        with torch.device("meta"):
+            spec = build_spec(exchanged_tensors(build_model(cfg.model, cfg.seed, **shape)))
+        flat = None
+    else:
+        flat = FlatModel(build_model(cfg.model, cfg.seed, **shape))
+        spec = flat.spec
+    agree_on_spec(comm, spec)
+    opened: dict[str, Checkpoint] = {}
+    if resume is not None:  # rank 0 checks; every rank learns whether it fits
+        agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)
+    upload_initial = cfg.server.state == "disk" and resume is None
     if rank != 0:
+        if upload_initial and rank == 1:
+            send_chunks(comm, [0], protocol.INIT, [flat.chunk_bytes(c) for c in _chunks(cfg, spec)],
+                        cfg.transport.inflight)
         ClientRank(comm, cfg, flat, _local_data(cfg, dataset, rank, comm.Get_size() - 1)).run()
         return None
+    return _serve(comm, cfg, run_dir, opened.get("ckpt"), spec, flat, dataset, stop)
+
+
+def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spec: ModelSpec,
+           flat: FlatModel | None, dataset: Dataset | None, stop: StopRequest) -> list[dict]:
+    chunks = _chunks(cfg, spec)
+    ckpt_dir = run_dir / "checkpoints" if run_dir else None
+    if ckpt_dir:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    attrs = {"config": dump_config(cfg), "seed": cfg.seed, "strategy": cfg.strategy.name,
+             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **{f"version_{k}": v for k, v in versions().items()}}
+    if flat is not None:
+        state = InMemoryState(flat, chunks, ckpt_dir, cfg.checkpoint.keep)
+    else:
+        if ckpt_dir is None:
+            raise SetupError("server.state='disk' needs a run directory for its HDF5 state")
+        state = OnDiskState(spec, chunks, ckpt_dir, cfg.checkpoint.keep, int(cfg.server.window_mb * 2**20))
+    start, history = 0, []
+    if ckpt is not None:
+        start, history = ckpt.round, ckpt.metrics()
+        state.load(ckpt)
+    elif isinstance(state, OnDiskState):
+        state.write_initial({**attrs, "round": 0},
+                            lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, cfg.transport.inflight))
+    evaluator = None
+    if dataset is not None and flat is not None:
+        loss_fn = make_loss(cfg.train.loss)
+        evaluator = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test, loss_fn,  # noqa: E731
+                                     cfg.eval.batch_size)
     sink = JsonLines(run_dir / "metrics.jsonl" if run_dir else None)
     try:
-        history = Server(comm, cfg, flat, dataset, sink).run()
+        history = Server(comm, cfg, state, sink, evaluator, attrs, stop).run(start, history)
     finally:
         sink.close()
-    if run_dir and cfg.output.save_model:
-        save_model(run_dir / "model.h5", flat, {
-            "round": cfg.rounds, "config": dump_config(cfg), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            **{f"version_{k}": v for k, v in versions().items()}})
+    if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
+        _link_final(ckpt_dir / checkpoint_name(cfg.rounds), run_dir / "model.h5")
     log_final(history, str(run_dir) if run_dir else "(no run directory)")
     return history
+
+
+def _open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
+    ckpt = Checkpoint(path)
+    ckpt.check_spec(spec)
+    return ckpt
+
+
+def _link_final(final: Path, model_file: Path) -> None:
+    """model.h5 is the final checkpoint (a hard link where possible: no second copy on disk)."""
+    tmp = model_file.with_name(model_file.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(final, tmp)
+    except OSError:
+        import shutil
+        shutil.copyfile(final, tmp)
+    os.replace(tmp, model_file)
+
+
+def _chunks(cfg: Config, spec: ModelSpec):
+    return spec.chunks(cfg.transport.chunk_bytes)
 
 
 def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:

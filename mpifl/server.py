@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from mpi4py import MPI
 from tqdm import tqdm
@@ -11,14 +12,12 @@ from tqdm import tqdm
 from . import protocol
 from .aggregation import make_strategy
 from .config import Config
-from .data import Dataset
 from .federation import group_by_rank, sample_clients
-from .flat import FlatModel
-from .launch import log
+from .launch import StopRequest, log
 from .metrics import JsonLines, current_rss_bytes, peak_rss_bytes
 from .reduction import PoolPlan, ReceivePool, StreamedReduction
-from .trainers import evaluate, make_loss
-from .transport import send_chunks, send_object, wait_all
+from .state import InMemoryState, OnDiskState
+from .transport import send_chunks, wait_all
 
 
 @dataclass
@@ -30,6 +29,7 @@ class RoundTimes:
     first_update: float
     reduced: float
     evaluated: float
+    checkpointed: float
     end: float
     aggregate: float  # seconds spent folding/finishing, inside [first_update, reduced]
 
@@ -42,36 +42,40 @@ class RoundTimes:
             "return": receive - self.aggregate,
             "aggregate": self.aggregate,
             "eval": self.evaluated - self.reduced,
-            "other": self.end - self.evaluated,
+            "checkpoint": self.checkpointed - self.evaluated,
+            "other": self.end - self.checkpointed,
             "round": self.end - self.start,
         }
 
 
 class Server:
-    """Runs the rounds; owns the global model (a FlatModel) and the receive pool."""
+    """Runs the rounds over a global-model state (in memory or on disk) and a receive pool."""
 
-    def __init__(self, comm: MPI.Comm, cfg: Config, flat: FlatModel, dataset: Dataset | None, sink: JsonLines):
-        self.comm, self.cfg, self.flat, self.dataset, self.sink = comm, cfg, flat, dataset, sink
+    def __init__(self, comm: MPI.Comm, cfg: Config, state: InMemoryState | OnDiskState, sink: JsonLines,
+                 evaluate: Callable[[], dict] | None, attrs: dict, stop: StopRequest):
+        self.comm, self.cfg, self.state, self.sink, self.evaluate = comm, cfg, state, sink, evaluate
+        self.attrs, self.stop = attrs, stop
         self.client_ranks = comm.Get_size() - 1
-        self.chunks = flat.spec.chunks(cfg.transport.chunk_bytes)
-        self.chunk_buffers = [flat.chunk_bytes(c) for c in self.chunks]
+        self.chunks = state.chunks
         self.strategy = make_strategy(cfg.strategy)
         self.pool = ReceivePool(self.chunks)
-        self.loss_fn = make_loss(cfg.train.loss)
         self.history: list[dict] = []
 
-    def run(self) -> list[dict]:
-        """All rounds, then tell the clients to stop."""
-        bar = tqdm(total=self.cfg.rounds, desc="[rank 0] rounds", disable=not (self.cfg.output.progress and sys.stderr.isatty()),
-                   leave=False, dynamic_ncols=True)
+    def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
+        """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
+        self.history = list(history)
+        bar = tqdm(total=self.cfg.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
+                   disable=not (self.cfg.output.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
-            for rnd in range(1, self.cfg.rounds + 1):
+            for rnd in range(start_round + 1, self.cfg.rounds + 1):
                 record = self.round(rnd)
-                self.history.append(record)
                 self.sink.write(record)
                 bar.update(1)
                 if "eval" in record:
                     bar.write(f"[rank 0] round {rnd}/{self.cfg.rounds}: " + _summary(record))
+                if self.stop.requested and rnd < self.cfg.rounds:
+                    log(f"SIGTERM: stopped after round {rnd} with a checkpoint; continue with --resume", rank=0)
+                    break
         finally:
             bar.close()
         self._broadcast_headers({}, self.cfg.rounds + 1, stop=True)
@@ -83,24 +87,34 @@ class Server:
         participants = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients_per_round())
         by_rank = group_by_rank(participants, self.client_ranks)
         self._broadcast_headers(by_rank, rnd)
-        send_chunks(self.comm, sorted(by_rank), protocol.MODEL, self.chunk_buffers, self.cfg.transport.inflight)
+        for window in self.state.outgoing():
+            send_chunks(self.comm, sorted(by_rank), protocol.MODEL, window, self.cfg.transport.inflight)
         dispatched = time.perf_counter()
-        stats = StreamedReduction(self.comm, self.flat, self.chunks, self.strategy, by_rank, self.pool,
+        self.state.begin_round(rnd)
+        stats = StreamedReduction(self.comm, self.state, self.chunks, self.strategy, by_rank, self.pool,
                                   self._plan(by_rank)).run()
         reduced = time.perf_counter()
         evaluation = self._evaluate(rnd)
         evaluated = time.perf_counter()
         record = self._record(rnd, participants, by_rank, stats.metas, evaluation)
-        end = time.perf_counter()
-        times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, end,
-                           stats.aggregate_seconds)
+        times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
+                           evaluated, stats.aggregate_seconds)
+        record["time"] = times.split()
+        self.history.append(record)
+        every = self.cfg.checkpoint.every
+        save = rnd == self.cfg.rounds or self.stop.requested or bool(every and rnd % every == 0)
+        self.state.end_round(rnd, {**self.attrs, "round": rnd}, self.history, save)
+        times.checkpointed = time.perf_counter()
+        times.end = time.perf_counter()
         record["time"] = times.split()
         return record
 
     def _plan(self, by_rank: dict[int, list[int]]) -> PoolPlan:
         t = self.cfg.transport
-        # Never spend more than a quarter of the model on the pool (the server's bound is ~1.25 x model).
-        budget = min(int(t.pool_mb * 2**20), self.flat.spec.total_bytes // 4)
+        budget = int(t.pool_mb * 2**20)
+        if isinstance(self.state, InMemoryState):
+            # At most a quarter of the model: the in-memory server's bound is ~1.25 x model.
+            budget = min(budget, self.state.spec.total_bytes // 4)
         return PoolPlan.from_budget(
             budget_bytes=budget, chunk_bytes=self.pool.chunk_bytes,
             acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=t.inflight,
@@ -113,15 +127,14 @@ class Server:
 
     def _evaluate(self, rnd: int) -> dict | None:
         every = self.cfg.eval.every
-        if self.dataset is None or every == 0 or (rnd % every and rnd != self.cfg.rounds):
+        if self.evaluate is None or every == 0 or (rnd % every and rnd != self.cfg.rounds):
             return None
-        return evaluate(self.flat.module, self.dataset.x_test, self.dataset.y_test, self.loss_fn,
-                        self.cfg.eval.batch_size)
+        return self.evaluate()
 
     def _record(self, rnd: int, participants: list[int], by_rank: dict, metas: dict, evaluation: dict | None) -> dict:
         samples = sum(m.num_samples for m in metas.values())
         losses = [(m.metrics["loss"], m.num_samples) for m in metas.values() if "loss" in m.metrics]
-        model_bytes = self.flat.spec.total_bytes
+        model_bytes = self.state.spec.total_bytes
         record = {
             "round": rnd,
             "participants": participants,

@@ -1,61 +1,267 @@
-"""HDF5 model files: one dataset per tensor under /model/<name>, published atomically.
+"""HDF5 checkpoints: one dataset per tensor under /model/<name>, published atomically. No pickle.
 
-bf16 has no HDF5/numpy type: it is stored as its raw 16-bit patterns (uint16) with the
-dataset attribute ``dtype = "bfloat16"``; every dataset carries its torch dtype name.
+Layout of ``ckpt-r<round>.h5``::
+
+    /                  attrs: format, format_version, round, spec_hash, config (YAML), seed,
+                              strategy, created, version_* (mpifl, torch, h5py, mpi)
+    /model/<name>      one dataset per exchanged tensor, in its own dtype; bf16 is stored as
+                       its raw uint16 bits; every dataset has attr ``dtype`` (torch dtype name)
+    /server_state/...  strategy state (empty for FedAvg)
+    /metrics           the metrics history so far, one JSON string per round
+
+Publishing writes ``<name>.tmp`` in the same directory, flushes, fsyncs, then ``os.replace``:
+a crash at any moment leaves the previous checkpoint intact. Tensor data is read and
+written by flat byte ranges, so a server can work window by window (out-of-core).
 """
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 from pathlib import Path
+from typing import Iterable
 
 import h5py
 import numpy as np
 import torch
 
-from .flat import DTYPES, FlatModel
+from .flat import ModelSpec, TensorEntry
 
-_STORED_AS = {"bfloat16": np.uint16}
+FORMAT = "mpifl-checkpoint"
+FORMAT_VERSION = 1
+_STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+_NAME = re.compile(r"^ckpt-r(\d{6,})\.h5$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used, with the file and the reason in the message."""
+
+
+def checkpoint_name(round_: int) -> str:
+    """File name of the checkpoint after ``round_``."""
+    return f"ckpt-r{round_:06d}.h5"
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a tensor; bf16 as its raw uint16 bits."""
-    name = str(tensor.dtype).replace("torch.", "")
-    if name in _STORED_AS:
-        return tensor.view(torch.int16).numpy().view(_STORED_AS[name])
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
 
 
-def save_model(path: str | Path, flat: FlatModel, attrs: dict) -> Path:
-    """Write the model to ``path`` via a temporary file, fsync, then atomic rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with h5py.File(tmp, "w") as f:
-            for key, value in attrs.items():
-                f.attrs[key] = value
-            f.attrs["spec_hash"] = flat.spec.hash
-            group = f.create_group("model")
-            for (name, tensor), entry in zip(flat.tensors(), flat.spec.entries):
-                ds = group.create_dataset(name, data=to_numpy(tensor))
-                ds.attrs["dtype"] = entry.dtype
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        raise OSError(f"could not save the model to {str(path)!r}: {err}") from err
-    return path
+class CheckpointWriter:
+    """Writes one checkpoint to a temporary file; ``publish()`` makes it visible atomically."""
+
+    def __init__(self, path: Path, spec: ModelSpec, attrs: dict):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.spec = spec
+        try:
+            self.file = h5py.File(self.tmp, "w")
+        except OSError as err:
+            raise OSError(f"cannot write checkpoint {str(self.tmp)!r}: {err}") from None
+        self.file.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "spec_hash": spec.hash,
+                                **{k: v for k, v in attrs.items() if v is not None}})
+        model = self.file.create_group("model")
+        self.datasets = {}
+        for e in spec.entries:
+            ds = model.create_dataset(e.name, shape=e.shape, dtype=_STORED_AS[e.dtype])
+            ds.attrs["dtype"] = e.dtype
+            self.datasets[e.name] = ds
+        self.file.create_group("server_state")
+
+    def write_range(self, offset: int, data: np.ndarray) -> None:
+        """Write flat bytes ``data`` at byte ``offset`` of the model's flat layout."""
+        _io_range(self.spec, self.datasets, offset, data, write=True)
+
+    def write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write whole tensors by name."""
+        for name, t in tensors:
+            self.datasets[name][...] = to_numpy(t.detach())
+
+    def write_metrics(self, history: list[dict]) -> None:
+        lines = [json.dumps(r) for r in history]
+        self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()), dtype=h5py.string_dtype())
+
+    def publish(self) -> Path:
+        """Flush, fsync, and atomically rename into place."""
+        try:
+            self.file.flush()
+            self.file.close()
+            with open(self.tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.path)
+            _fsync_dir(self.path.parent)
+        except OSError as err:
+            self.abandon()
+            raise OSError(f"could not publish checkpoint {str(self.path)!r}: {err}") from err
+        return self.path
+
+    def abandon(self) -> None:
+        """Drop the temporary file; the previous checkpoint stays as it was."""
+        try:
+            self.file.close()
+        except Exception:  # noqa: BLE001 - closing a half-written file may fail again
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+
+class Checkpoint:
+    """A validated, read-only checkpoint."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such checkpoint file")
+        try:
+            self.file = h5py.File(self.path, "r")
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{self.path}: not a readable HDF5 file (truncated or corrupt?): {err}") from None
+        attrs = self.file.attrs
+        if attrs.get("format") != FORMAT or "model" not in self.file:
+            self.file.close()
+            raise CheckpointError(f"{self.path}: not an mpifl checkpoint (no format={FORMAT!r} attribute or "
+                                  "/model group)")
+        self.round = int(attrs["round"])
+        self.spec_hash = str(attrs["spec_hash"])
+        self.config = str(attrs.get("config", ""))
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __repr__(self) -> str:
+        return f"<mpifl checkpoint {self.path.name}: round {self.round}, spec {self.spec_hash}>"
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Refuse a checkpoint of another model, naming the first differing tensor."""
+        if spec.hash == self.spec_hash:
+            return
+        model = self.file["model"]
+        for e in spec.entries:
+            ds = model.get(e.name)
+            if ds is None:
+                raise CheckpointError(f"{self.path}: checkpoint of another model: tensor {e.name!r} is missing")
+            if tuple(ds.shape) != e.shape or ds.attrs.get("dtype") != e.dtype:
+                raise CheckpointError(f"{self.path}: checkpoint of another model: tensor {e.name!r} is "
+                                      f"{list(ds.shape)} {ds.attrs.get('dtype')} there, {list(e.shape)} {e.dtype} here")
+        raise CheckpointError(f"{self.path}: checkpoint of another model (spec {self.spec_hash} != {spec.hash})")
+
+    def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""
+        _io_range(spec, self.file["model"], offset, out, write=False)
+
+    def read_into(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Read every tensor straight into the given (flat-buffer) views: no second copy."""
+        model = self.file["model"]
+        for name, t in named:
+            model[name].read_direct(to_numpy(t))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """All tensors as torch tensors of their recorded dtypes (loads the whole model)."""
+        out = {}
+        for name, ds in _datasets(self.file["model"]):
+            data = torch.from_numpy(np.array(ds))
+            out[name] = data.view(torch.bfloat16) if ds.attrs.get("dtype") == "bfloat16" else data
+        return out
+
+    def entries(self) -> list[tuple[str, tuple, str, int]]:
+        """(name, shape, dtype, nbytes) of every tensor."""
+        return [(n, tuple(ds.shape), str(ds.attrs.get("dtype", ds.dtype)), ds.size * ds.dtype.itemsize)
+                for n, ds in _datasets(self.file["model"])]
+
+    def metrics(self) -> list[dict]:
+        """The metrics history saved with the checkpoint."""
+        if "metrics" not in self.file:
+            return []
+        return [json.loads(s) for s in self.file["metrics"].asstr()[...]]
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read every /model/<name> dataset back as a torch tensor of its recorded dtype."""
-    out = {}
-    with h5py.File(path, "r") as f:
-        if "model" not in f:
-            raise ValueError(f"{path}: no /model group; not an mpifl model file")
-        def visit(name: str, obj: object) -> None:
-            if isinstance(obj, h5py.Dataset):
-                data = torch.from_numpy(np.array(obj))
-                dtype = obj.attrs.get("dtype", "")
-                out[name] = data.view(DTYPES[dtype]) if dtype in _STORED_AS else data
-        f["model"].visititems(visit)
+    """Read every /model/<name> dataset of a checkpoint as a torch tensor."""
+    with Checkpoint(path) as ckpt:
+        return ckpt.tensors()
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Published checkpoints in a directory, oldest round first (``.tmp`` files ignored)."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: Path) -> Checkpoint | None:
+    """The newest checkpoint that opens and validates; broken newer files are skipped loudly."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return Checkpoint(path)
+        except CheckpointError as err:
+            print(f"mpifl: skipping unusable checkpoint: {err}", flush=True)
+    return None
+
+
+def prune_checkpoints(directory: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        path.unlink(missing_ok=True)
+
+
+def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
+    out: list[tuple[str, h5py.Dataset]] = []
+    group.visititems(lambda n, o: out.append((n, o)) if isinstance(o, h5py.Dataset) else None)
     return out
+
+
+def _io_range(spec: ModelSpec, datasets, offset: int, buf: np.ndarray, write: bool) -> None:
+    """Copy between flat bytes [offset, offset+len(buf)) and the per-tensor datasets."""
+    end = offset + len(buf)
+    for e in spec.entries:
+        lo, hi = max(offset, e.offset), min(end, e.offset + e.nbytes)
+        if lo >= hi:
+            continue
+        ds = datasets[e.name]
+        piece = buf[lo - offset:hi - offset].view(_STORED_AS[e.dtype])
+        itemsize = piece.dtype.itemsize
+        _io_elements(ds, e, (lo - e.offset) // itemsize, (hi - e.offset) // itemsize, piece, write)
+
+
+def _io_elements(ds: h5py.Dataset, e: TensorEntry, a: int, b: int, piece: np.ndarray, write: bool) -> None:
+    """Elements [a, b) of a tensor in row-major order, via whole rows of the dataset."""
+    if not e.shape:  # 0-d tensor: one element
+        if write:
+            ds[()] = piece[0]
+        else:
+            piece[0] = ds[()]
+        return
+    if len(e.shape) == 1:
+        if write:
+            ds[a:b] = piece
+        else:
+            piece[...] = ds[a:b]
+        return
+    row = math.prod(e.shape[1:])
+    r0, r1 = a // row, -(-b // row)
+    if not write:
+        piece[...] = ds[r0:r1].reshape(-1)[a - r0 * row:b - r0 * row]
+    elif a == r0 * row and b == r1 * row:
+        ds[r0:r1] = piece.reshape((r1 - r0,) + e.shape[1:])
+    else:  # partial rows at a chunk boundary: read, patch, write back
+        block = ds[r0:r1]
+        block.reshape(-1)[a - r0 * row:b - r0 * row] = piece
+        ds[r0:r1] = block
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,140 @@
+"""Where the server's global model lives: in RAM (a FlatModel) or on disk (out-of-core HDF5).
+
+Both give the round loop the same three things: the model's chunks to stream out (window
+by window), a place to finish each chunk of the new model, and a way to publish a
+checkpoint. They produce bitwise-identical models.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .flat import DTYPES, Chunk, FlatModel, ModelSpec
+from .storage import Checkpoint, CheckpointWriter, checkpoint_name, prune_checkpoints
+from .transport import touched_empty
+
+
+def chunk_windows(chunks: list[Chunk], window_bytes: int) -> list[list[Chunk]]:
+    """Group consecutive chunks into windows of at most ``window_bytes`` (at least one chunk)."""
+    windows: list[list[Chunk]] = [[]]
+    for c in chunks:
+        if windows[-1] and c.offset + c.nbytes - windows[-1][0].offset > window_bytes:
+            windows.append([])
+        windows[-1].append(c)
+    return windows if windows[0] else []
+
+
+class InMemoryState:
+    """The global model is a FlatModel; finished chunks overwrite it in place."""
+
+    def __init__(self, flat: FlatModel, chunks: list[Chunk], directory: Path | None, keep: int):
+        self.flat, self.chunks, self.directory, self.keep = flat, chunks, directory, keep
+        self.spec = flat.spec
+
+    def outgoing(self) -> Iterator[list[np.ndarray]]:
+        """The whole model is already in memory: one window."""
+        yield [self.flat.chunk_bytes(c) for c in self.chunks]
+
+    def begin_round(self, round_: int) -> None:
+        pass
+
+    def finish_target(self, chunk: Chunk) -> torch.Tensor:
+        return self.flat.chunk_view(chunk)
+
+    def commit(self, chunk: Chunk) -> None:
+        pass
+
+    def end_round(self, round_: int, attrs: dict, history: list[dict], save: bool) -> Path | None:
+        """Publish a checkpoint when asked to."""
+        if not save or self.directory is None:
+            return None
+        writer = CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, attrs)
+        try:
+            writer.write_tensors(self.flat.tensors())
+            writer.write_metrics(history)
+        except BaseException:
+            writer.abandon()
+            raise
+        path = writer.publish()
+        prune_checkpoints(self.directory, self.keep)
+        return path
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Read a checkpoint straight into the flat buffer, then close it."""
+        with ckpt:
+            ckpt.read_into(self.flat.tensors())
+
+
+class OnDiskState:
+    """Out-of-core: the global model is the newest checkpoint; every round publishes the next one.
+
+    Memory: one read window for streaming the model out and one chunk of staging for
+    writing finished chunks, whatever the model's size.
+    """
+
+    def __init__(self, spec: ModelSpec, chunks: list[Chunk], directory: Path, keep: int, window_bytes: int):
+        self.spec, self.chunks, self.directory, self.keep = spec, chunks, directory, keep
+        self.windows = chunk_windows(chunks, window_bytes)
+        span = max(w[-1].offset + w[-1].nbytes - w[0].offset for w in self.windows)
+        self.window = touched_empty(span)
+        self.staging = touched_empty(max(c.nbytes for c in chunks))
+        self.current: Checkpoint | None = None
+        self.writer: CheckpointWriter | None = None
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Adopt a published checkpoint as the current global model."""
+        if self.current is not None:
+            self.current.close()
+        self.current = ckpt
+
+    def outgoing(self) -> Iterator[list[np.ndarray]]:
+        """Read the model window by window; each window is valid until the next is requested."""
+        for window in self.windows:
+            base = window[0].offset
+            span = window[-1].offset + window[-1].nbytes - base
+            self.current.read_range(self.spec, base, self.window[:span])
+            yield [self.window[c.offset - base:c.offset - base + c.nbytes] for c in window]
+
+    def begin_round(self, round_: int) -> None:
+        self.writer = CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, {})
+
+    def finish_target(self, chunk: Chunk) -> torch.Tensor:
+        return torch.from_numpy(self.staging[:chunk.nbytes]).view(DTYPES[chunk.dtype])
+
+    def commit(self, chunk: Chunk) -> None:
+        self.writer.write_range(chunk.offset, self.staging[:chunk.nbytes])
+
+    def end_round(self, round_: int, attrs: dict, history: list[dict], save: bool) -> Path:
+        """Every round's result is published atomically, like a checkpoint."""
+        writer, self.writer = self.writer, None
+        try:
+            writer.file.attrs.update({k: v for k, v in attrs.items() if v is not None})
+            writer.write_metrics(history)
+        except BaseException:
+            writer.abandon()
+            raise
+        path = writer.publish()
+        self.load(Checkpoint(path))
+        prune_checkpoints(self.directory, self.keep)
+        return path
+
+    def write_initial(self, attrs: dict, receive_window) -> Path:
+        """Publish round 0 from chunks streamed in by ``receive_window(window_chunks, buffers)``."""
+        writer = CheckpointWriter(self.directory / checkpoint_name(0), self.spec, attrs)
+        try:
+            for window in self.windows:
+                base = window[0].offset
+                bufs = [self.window[c.offset - base:c.offset - base + c.nbytes] for c in window]
+                receive_window(bufs)
+                span = window[-1].offset + window[-1].nbytes - base
+                writer.write_range(base, self.window[:span])
+            writer.write_metrics([])
+        except BaseException:
+            writer.abandon()
+            raise
+        path = writer.publish()
+        self.load(Checkpoint(path))
+        return path

@@ -1,0 +1,39 @@
+"""``mpifl inspect`` and ``mpifl export``: checkpoints for people and for other tools."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .storage import Checkpoint
+
+
+def inspect(path: str) -> int:
+    """Print a checkpoint's round, tensors, config and versions."""
+    with Checkpoint(path) as ckpt:
+        attrs = dict(ckpt.file.attrs)
+        entries = ckpt.entries()
+        total = sum(n for *_, n in entries)
+        print(f"{ckpt.path}: round {ckpt.round}, spec {ckpt.spec_hash}, created {attrs.get('created', '?')}")
+        print("versions: " + ", ".join(f"{k[8:]} {v}" for k, v in sorted(attrs.items()) if k.startswith("version_")))
+        print(f"tensors: {len(entries)}, {total / 2**20:.2f} MiB")
+        width = max((len(n) for n, *_ in entries), default=4)
+        for name, shape, dtype, nbytes in entries:
+            print(f"  {name:<{width}}  {str(list(shape)):<18} {dtype:<9} {nbytes:>12,d} B")
+        state = list(ckpt.file["server_state"]) if "server_state" in ckpt.file else []
+        print(f"server state: {', '.join(state) or '(none)'}")
+        print(f"metrics: {len(ckpt.metrics())} rounds")
+        print("config:\n  " + ckpt.config.strip().replace("\n", "\n  "))
+    return 0
+
+
+def export(path: str, out: str) -> int:
+    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' (or pip install safetensors)")
+    with Checkpoint(path) as ckpt:
+        tensors = ckpt.tensors()
+        meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, Path(out), metadata=meta)
+    print(f"wrote {len(tensors)} tensors to {out}")
+    return 0
