@@ -184,8 +184,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (), data: dict |
 
 
 def _check_combinations(cfg: Config) -> None:
-    if cfg.model.name == "blob" and (cfg.train.trainer != "none" or cfg.eval.every):
-        raise ConfigError("model.name: 'blob' is a benchmark payload: it needs train.trainer='none' and eval.every=0")
+    if cfg.model.name == "blob" and (cfg.train.trainer == "torch" or cfg.eval.every):
+        raise ConfigError("model.name: 'blob' is a benchmark payload with no data: it needs eval.every=0 and a "
+                          "trainer other than 'torch' (e.g. train.trainer='none')")
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")

@@ -51,14 +51,10 @@ class InMemoryState:
         """Publish a checkpoint when asked to."""
         if not save or self.directory is None:
             return None
-        writer = CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, attrs)
-        try:
+        with CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, attrs) as writer:
             writer.write_tensors(self.flat.tensors())
             writer.write_metrics(history)
-        except BaseException:
-            writer.abandon()
-            raise
-        path = writer.publish()
+            path = writer.publish()
         prune_checkpoints(self.directory, self.keep)
         return path
 
@@ -110,31 +106,23 @@ class OnDiskState:
     def end_round(self, round_: int, attrs: dict, history: list[dict], save: bool) -> Path:
         """Every round's result is published atomically, like a checkpoint."""
         writer, self.writer = self.writer, None
-        try:
+        with writer:
             writer.file.attrs.update({k: v for k, v in attrs.items() if v is not None})
             writer.write_metrics(history)
-        except BaseException:
-            writer.abandon()
-            raise
-        path = writer.publish()
+            path = writer.publish()
         self.load(Checkpoint(path))
         prune_checkpoints(self.directory, self.keep)
         return path
 
     def write_initial(self, attrs: dict, receive_window) -> Path:
         """Publish round 0 from chunks streamed in by ``receive_window(window_chunks, buffers)``."""
-        writer = CheckpointWriter(self.directory / checkpoint_name(0), self.spec, attrs)
-        try:
+        with CheckpointWriter(self.directory / checkpoint_name(0), self.spec, attrs) as writer:
             for window in self.windows:
                 base = window[0].offset
-                bufs = [self.window[c.offset - base:c.offset - base + c.nbytes] for c in window]
-                receive_window(bufs)
+                receive_window([self.window[c.offset - base:c.offset - base + c.nbytes] for c in window])
                 span = window[-1].offset + window[-1].nbytes - base
                 writer.write_range(base, self.window[:span])
             writer.write_metrics([])
-        except BaseException:
-            writer.abandon()
-            raise
-        path = writer.publish()
+            path = writer.publish()
         self.load(Checkpoint(path))
         return path

@@ -15,6 +15,7 @@ written by flat byte ranges, so a server can work window by window (out-of-core)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -71,14 +72,31 @@ class CheckpointWriter:
             self.datasets[e.name] = ds
         self.file.create_group("server_state")
 
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """On error, drop the temporary file (the previous checkpoint is untouched)."""
+        if exc_type is not None:
+            self.abandon()
+
     def write_range(self, offset: int, data: np.ndarray) -> None:
         """Write flat bytes ``data`` at byte ``offset`` of the model's flat layout."""
-        _io_range(self.spec, self.datasets, offset, data, write=True)
+        with self._naming_errors():
+            _io_range(self.spec, self.datasets, offset, data, write=True)
 
     def write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write whole tensors by name."""
-        for name, t in tensors:
-            self.datasets[name][...] = to_numpy(t.detach())
+        with self._naming_errors():
+            for name, t in tensors:
+                self.datasets[name][...] = to_numpy(t.detach())
+
+    @contextlib.contextmanager
+    def _naming_errors(self):
+        try:
+            yield
+        except OSError as err:  # disk full, quota, I/O error: say which file
+            raise OSError(f"could not write checkpoint {str(self.tmp)!r}: {err}") from err
 
     def write_metrics(self, history: list[dict]) -> None:
         lines = [json.dumps(r) for r in history]

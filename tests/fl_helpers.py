@@ -17,12 +17,27 @@ class NoiseTrainer:
         self.scale = cfg.lr
 
     def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        _test_hooks()
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for t in model.state_dict().values():
                 if t.is_floating_point():
                     t.add_((torch.randn(t.shape, generator=g) * self.scale).to(t.dtype))
-        return TrainResult(len(data), {"loss": float(seed % 97)})
+        return TrainResult(len(data) if data is not None else 1, {"loss": float(seed % 97)})
+
+
+def _test_hooks() -> None:
+    """Slow training down (FL_HELPERS_SLEEP seconds) and record this rank's pid (FL_HELPERS_PID_DIR)."""
+    import os
+    import time
+
+    from mpi4py import MPI
+
+    if os.environ.get("FL_HELPERS_PID_DIR"):
+        path = os.path.join(os.environ["FL_HELPERS_PID_DIR"], f"rank{MPI.COMM_WORLD.Get_rank()}.pid")
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(float(os.environ.get("FL_HELPERS_SLEEP", "0")))
 
 
 class FailingOnRank2:

@@ -1,0 +1,169 @@
+"""Checkpoints: plain-h5py-readable, atomically published, and loud about bad files."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mpifl.config import resume_conflict
+from mpifl.flat import FlatModel
+from mpifl.storage import (Checkpoint, CheckpointError, CheckpointWriter, checkpoint_name, latest_checkpoint,
+                           list_checkpoints, load_tensors, prune_checkpoints)
+
+
+class Odd(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(5, 7, 3, dtype=dtype))
+        self.b = nn.Parameter(torch.randn(11, dtype=dtype))
+        self.register_buffer("scale", torch.tensor(2.5, dtype=dtype))  # 0-d tensor
+
+
+def save(path, flat, round_=1, history=()):
+    with CheckpointWriter(path, flat.spec, {"round": round_, "config": "rounds: 3\n"}) as writer:
+        writer.write_tensors(flat.tensors())
+        writer.write_metrics(list(history))
+        return writer.publish()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensors_round_trip_by_name_with_their_dtype(tmp_path, dtype):
+    torch.manual_seed(0)
+    flat = FlatModel(Odd(dtype))
+    path = save(tmp_path / "c.h5", flat, history=[{"round": 1, "loss": 0.5}])
+    back = load_tensors(path)
+    for name, t in flat.tensors():
+        assert back[name].dtype == dtype and torch.equal(back[name].view(-1), t.reshape(-1)), name
+    with h5py.File(path) as f:  # plain h5py sees one dataset per tensor with its dtype recorded
+        assert f["model/a"].shape == (5, 7, 3) and f["model/a"].attrs["dtype"] == str(dtype)[6:]
+        assert f.attrs["format"] == "mpifl-checkpoint" and f.attrs["round"] == 1
+    with Checkpoint(path) as ckpt:
+        assert ckpt.metrics() == [{"round": 1, "loss": 0.5}]
+
+
+@pytest.mark.parametrize("step", [1, 6, 13, 64, 10**6])
+def test_flat_byte_ranges_write_and_read_back_exactly(tmp_path, step):
+    torch.manual_seed(1)
+    flat = FlatModel(Odd(torch.bfloat16))
+    with CheckpointWriter(tmp_path / "c.h5", flat.spec, {"round": 1}) as writer:
+        for off in range(0, flat.spec.total_bytes, step * 2):  # even steps keep bf16 elements whole
+            writer.write_range(off, flat.bytes[off:off + step * 2])
+        writer.write_metrics([])
+        path = writer.publish()
+    out = np.zeros_like(flat.bytes)
+    with Checkpoint(path) as ckpt:
+        for off in range(0, flat.spec.total_bytes, step * 2):
+            ckpt.read_range(flat.spec, off, out[off:off + step * 2])
+    for e in flat.spec.entries:
+        assert np.array_equal(out[e.offset:e.offset + e.nbytes], flat.bytes[e.offset:e.offset + e.nbytes]), e.name
+
+
+def test_publish_is_atomic_and_old_checkpoints_are_pruned(tmp_path):
+    flat = FlatModel(Odd())
+    for r in range(1, 6):
+        save(tmp_path / checkpoint_name(r), flat, r)
+        prune_checkpoints(tmp_path, keep=3)
+    (tmp_path / (checkpoint_name(6) + ".tmp")).write_bytes(b"half a file")
+    assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(r) for r in (3, 4, 5)]
+    assert latest_checkpoint(tmp_path).round == 5
+
+
+def test_truncated_corrupt_and_foreign_files_are_named_and_explained(tmp_path):
+    flat = FlatModel(Odd())
+    good = save(tmp_path / "good.h5", flat)
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[:700])
+    garbage = tmp_path / "garbage.h5"
+    garbage.write_bytes(b"\x00not hdf5" * 100)
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["weights"] = np.zeros(3)
+    for path, reason in [(truncated, "truncated or corrupt"), (garbage, "truncated or corrupt"),
+                         (foreign, "not an mpifl checkpoint"), (tmp_path / "missing.h5", "no such checkpoint")]:
+        with pytest.raises(CheckpointError, match=reason) as err:
+            Checkpoint(path)
+        assert str(path) in str(err.value)
+
+
+def test_latest_checkpoint_skips_a_damaged_newest_file(tmp_path):
+    flat = FlatModel(Odd())
+    save(tmp_path / checkpoint_name(1), flat, 1)
+    (tmp_path / checkpoint_name(2)).write_bytes(b"damaged")
+    assert latest_checkpoint(tmp_path).round == 1
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
+    path = save(tmp_path / "c.h5", FlatModel(Odd()))
+    other = FlatModel(nn.Linear(3, 3)).spec
+    with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match="tensor 'weight' is missing"):
+        ckpt.check_spec(other)
+    m = Odd()
+    m.b = nn.Parameter(torch.randn(12))
+    with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match=r"tensor 'b' is \[11\] float32 there"):
+        ckpt.check_spec(FlatModel(m).spec)
+
+
+def test_an_unwritable_directory_fails_clearly(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(OSError, match="cannot write checkpoint"):
+        CheckpointWriter(not_a_dir / "c.h5", FlatModel(Odd()).spec, {"round": 1})
+
+
+FULL_DISK = """
+import resource, signal, sys, torch
+from torch import nn
+from mpifl.flat import FlatModel
+from mpifl.storage import CheckpointWriter
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint import save
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+flat = FlatModel(nn.Linear(1000, 1000))
+try:
+    save(sys.argv[1], flat, 2)
+except OSError as err:
+    print("FAILED:", err)
+"""
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
+    small = save(tmp_path / "ckpt.h5", FlatModel(Odd()), 1)
+    before = small.read_bytes()
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(small), str(__import__("pathlib").Path(__file__).parent)],
+                            capture_output=True, text=True, timeout=120)
+    assert "FAILED:" in result.stdout and "ckpt.h5" in result.stdout, result.stdout + result.stderr
+    assert small.read_bytes() == before
+    assert not (tmp_path / "ckpt.h5.tmp").exists()
+    assert Checkpoint(small).round == 1
+
+
+def test_resume_may_change_rounds_but_not_the_model():
+    saved = {"rounds": 5, "model": {"name": "mlp", "dtype": "float32"}, "checkpoint": {"every": 1}}
+    assert resume_conflict(saved, {**saved, "rounds": 9, "checkpoint": {"every": 3}}) is None
+    changed = {**saved, "model": {"name": "mlp", "dtype": "bfloat16"}}
+    assert resume_conflict(saved, changed) == "model.dtype: 'float32' in the checkpoint, 'bfloat16' now"
+
+
+def test_inspect_and_export_a_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    flat = FlatModel(Odd(torch.bfloat16))
+    path = save(tmp_path / "c.h5", flat, 4)
+    shown = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(path)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "round 4" in shown.stdout and "bfloat16" in shown.stdout
+    out = tmp_path / "m.safetensors"
+    done = subprocess.run([sys.executable, "-m", "mpifl", "export", str(path), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded = load_file(out)
+    for name, t in flat.tensors():
+        assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], t), name
+    bad = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(tmp_path / "nope.h5")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "no such checkpoint file" in bad.stderr

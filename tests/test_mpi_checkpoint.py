@@ -1,0 +1,229 @@
+"""Under mpiexec: crashes at any point leave a loadable checkpoint, and --resume reproduces the
+uninterrupted run bitwise; the out-of-core server matches the in-memory one in bounded memory."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MPI_TIMEOUT, TESTS, mpiexec, run_mpi, write_config
+from mpifl.storage import Checkpoint, latest_checkpoint, load_tensors
+
+NOISE = """
+seed: 5
+rounds: 6
+clients: {num_clients: 6, per_round: 2}
+data: {dataset: synthetic, kwargs: {num_samples: 600, num_features: 16}}
+model: {name: mlp, kwargs: {hidden: [32]}}
+train: {trainer: "fl_helpers:NoiseTrainer", lr: 0.01}
+checkpoint: {every: 1, keep: 2}
+eval: {every: 2}
+output: {progress: false}
+"""
+
+BLOB = """
+seed: 1
+rounds: 5
+clients: {num_clients: 2}
+model: {name: blob, kwargs: {size_mb: 96, tensor_mb: 8}}
+train: {trainer: "fl_helpers:NoiseTrainer", lr: 0.01}
+checkpoint: {every: 1, keep: 2}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def bits(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v.view(torch.int16 if v.element_size() == 2 else torch.int32) for k, v in load_tensors(path).items()}
+
+
+def same_model(a: Path, b: Path) -> bool:
+    x, y = bits(a), bits(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def rounds_logged(run_dir: Path) -> list[int]:
+    return [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs of both configs."""
+    out = {}
+    base = tmp_path_factory.mktemp("reference")
+    for name, text in (("noise", NOISE), ("blob", BLOB)):
+        cfg = write_config(base / f"{name}.yaml", text)
+        result = run_mpi(3, "run", str(cfg), "--run-dir", str(base / name))
+        assert result.returncode == 0, result.stderr
+        out[name] = (cfg, base / name / "model.h5")
+    return out
+
+
+def launch(cfg: Path, run_dir: Path, pid_dir: Path, sleep: float) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(TESTS), FL_HELPERS_SLEEP=str(sleep), FL_HELPERS_PID_DIR=str(pid_dir))
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(cfg), "--run-dir", str(run_dir)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 60, poll: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"never saw {what}: {proc.communicate()[1][-2000:]}")
+        time.sleep(poll)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=MPI_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("mpiexec did not end after the kill")
+    return proc.returncode, err
+
+
+def resume_and_compare(cfg: Path, run_dir: Path, reference_model: Path, rounds: int) -> None:
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None, "no loadable checkpoint after the kill"
+    latest.close()
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume")
+    assert result.returncode == 0, result.stderr
+    assert same_model(run_dir / "model.h5", reference_model)
+    assert rounds_logged(run_dir) == list(range(1, rounds + 1))
+
+
+@pytest.mark.parametrize("after_checkpoint", [2, 4])
+def test_kill_9_of_the_whole_job_then_resume_is_bitwise_equal(tmp_path, reference, after_checkpoint):
+    cfg, ref = reference["noise"]
+    run_dir = tmp_path / "run"
+    proc = launch(cfg, run_dir, tmp_path, sleep=0.3)
+    wait_for(lambda: (run_dir / "checkpoints" / f"ckpt-r{after_checkpoint:06d}.h5").exists(), proc,
+             f"checkpoint {after_checkpoint}")
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    resume_and_compare(cfg, run_dir, ref, 6)
+
+
+def test_kill_9_of_one_client_rank_ends_the_job_then_resume_is_bitwise_equal(tmp_path, reference):
+    cfg, ref = reference["noise"]
+    run_dir = tmp_path / "run"
+    proc = launch(cfg, run_dir, tmp_path, sleep=0.3)
+    wait_for(lambda: (run_dir / "checkpoints" / "ckpt-r000003.h5").exists() and (tmp_path / "rank1.pid").exists(),
+             proc, "checkpoint 3")
+    os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGKILL)
+    code, _ = finish(proc)
+    assert code != 0
+    resume_and_compare(cfg, run_dir, ref, 6)
+
+
+def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, reference):
+    cfg, ref = reference["blob"]
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    proc = launch(cfg, run_dir, tmp_path, sleep=0.0)
+    def writing_after_a_published_one() -> bool:
+        names = [p.name for p in ckpts.iterdir()] if ckpts.is_dir() else []
+        return any(n.endswith(".h5.tmp") for n in names) and any(n.endswith(".h5") for n in names)
+
+    wait_for(writing_after_a_published_one, proc, "a checkpoint being written", poll=0.001)
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    assert any(p.suffix == ".tmp" for p in ckpts.iterdir()), "the kill should have interrupted a write"
+    resume_and_compare(cfg, run_dir, ref, 5)
+
+
+def test_sigterm_checkpoints_at_the_round_boundary_and_exits_cleanly(tmp_path, reference):
+    cfg, ref = reference["noise"]
+    every_0 = write_config(tmp_path / "c.yaml", NOISE.replace("every: 1, keep: 2", "every: 0, keep: 2"))
+    run_dir = tmp_path / "run"
+    proc = launch(every_0, run_dir, tmp_path, sleep=0.3)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
+    proc.send_signal(signal.SIGTERM)  # mpiexec forwards it to every rank, as PBS does at walltime
+    code, err = finish(proc)
+    assert code == 0, err
+    assert "SIGTERM: stopped after round" in err
+    with latest_checkpoint(run_dir / "checkpoints") as ckpt:
+        assert 2 <= ckpt.round < 6 and rounds_logged(run_dir) == list(range(1, ckpt.round + 1))
+    resume_and_compare(every_0, run_dir, ref, 6)
+
+
+DISK = """
+seed: 3
+rounds: 3
+clients: {num_clients: 8, per_round: 2}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: "fl_helpers:tiny_mlp", dtype: bfloat16}
+train: {trainer: "fl_helpers:NoiseTrainer", lr: 0.01}
+transport: {chunk_mb: 0.0001}
+server: {window_mb: 0.0003}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def test_out_of_core_server_equals_in_memory_server_bitwise_and_resumes(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", DISK)
+    memory = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "memory"))
+    assert memory.returncode == 0, memory.stderr
+    disk = run_mpi(3, "run", str(cfg), "server.state=disk", "--run-dir", str(tmp_path / "disk"))
+    assert disk.returncode == 0, disk.stderr
+    assert same_model(tmp_path / "memory" / "model.h5", tmp_path / "disk" / "model.h5")
+    # every round is published like a checkpoint
+    with Checkpoint(tmp_path / "disk" / "checkpoints" / "ckpt-r000002.h5") as ckpt:
+        assert ckpt.round == 2 and len(ckpt.metrics()) == 2
+    part = run_mpi(3, "run", str(cfg), "server.state=disk", "rounds=2", "--run-dir", str(tmp_path / "split"))
+    assert part.returncode == 0, part.stderr
+    rest = run_mpi(3, "run", str(cfg), "server.state=disk", "--run-dir", str(tmp_path / "split"), "--resume")
+    assert rest.returncode == 0, rest.stderr
+    assert same_model(tmp_path / "memory" / "model.h5", tmp_path / "split" / "model.h5")
+
+
+OOC = """
+rounds: 1
+clients: {num_clients: 2}
+model: {name: blob, kwargs: {size_mb: 96}}
+train: {trainer: none}
+eval: {every: 0}
+server: {state: disk}
+checkpoint: {keep: 3}
+output: {progress: false}
+"""
+
+
+def server_peak(run_dir: Path) -> int:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["server_peak_rss_bytes"]
+
+
+def test_out_of_core_server_memory_does_not_grow_with_the_model(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", OOC)
+    peaks = {}
+    for mb in (96, 768):
+        result = run_mpi(3, "run", str(cfg), f"model.kwargs.size_mb={mb}", "--run-dir", str(tmp_path / str(mb)))
+        assert result.returncode == 0, result.stderr
+        peaks[mb] = server_peak(tmp_path / str(mb))
+    assert peaks[768] <= 1.10 * peaks[96], peaks
+    assert peaks[768] < 1 << 30
+
+
+def test_out_of_core_server_runs_under_an_address_space_limit_smaller_than_the_model(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", OOC)
+    run_dir = tmp_path / "run"
+    args = ["run", str(cfg), "--run-dir", str(run_dir), "model.kwargs.size_mb=1100", "transport.chunk_mb=4",
+            "transport.pool_mb=32", "server.window_mb=16"]
+    mpifl = [sys.executable, "-m", "mpifl", *args]
+    limited = ["bash", "-c", 'ulimit -v 1000000 && exec "$@"', "limited", *mpifl]  # 976 MiB < 1100 MiB
+    cmd = [mpiexec(), "-n", "1", *limited, ":", "-n", "2", *mpifl]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpts = run_dir / "checkpoints"
+    # model-only exchange of identical models: the averaged model equals the initial one bit for bit
+    assert same_model(ckpts / "ckpt-r000000.h5", ckpts / "ckpt-r000001.h5")
