@@ -10,6 +10,7 @@ from .config import Config
 from .data import ClientData
 from .federation import client_seed
 from .flat import FlatModel
+from .metrics import peak_rss_bytes
 from .trainers import make_trainer
 from .transport import recv_chunks, recv_object, send_chunks, send_object
 
@@ -44,6 +45,7 @@ class ClientRank:
             start = time.perf_counter()
             result = self.trainer.train(self.flat.module, self.local_data.get(client),
                                         client_seed(self.cfg.seed, header.round, client))
-            meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, result.metrics)
+            metrics = {**result.metrics, "rank_peak_rss_bytes": peak_rss_bytes()}
+            meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics)
             send_object(self.comm, meta, protocol.SERVER, protocol.META)
             send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.chunk_buffers, inflight)

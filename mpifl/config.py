@@ -55,6 +55,8 @@ class ModelConfig:
                    choices=("mlp", "cnn", "blob"), import_ok=True)
     kwargs: dict = _f(dict, "keyword arguments for the model function")
     dtype: str = _f("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+    init_from: Optional[str] = _f(None, "an mpifl checkpoint to start from: every rank builds the model on the "
+                                  "meta device and reads the weights straight into its flat buffer")
 
 
 @dataclass
@@ -187,6 +189,8 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.model.name == "blob" and (cfg.train.trainer == "torch" or cfg.eval.every):
         raise ConfigError("model.name: 'blob' is a benchmark payload with no data: it needs eval.every=0 and a "
                           "trainer other than 'torch' (e.g. train.trainer='none')")
+    if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_file():
+        raise ConfigError(f"model.init_from: checkpoint file {cfg.model.init_from!r} does not exist")
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")

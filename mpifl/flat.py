@@ -154,17 +154,35 @@ class FlatModel:
         named = exchanged_tensors(module)
         self.module = module
         self.spec = build_spec(named)
-        self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8)
+        self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device="cpu")
         self.bytes = self.buffer.numpy()  # same memory, for MPI buffer slices
-        for (name, tensor), entry in zip(named, self.spec.entries):
-            view = self.view(entry)
-            with torch.no_grad():
-                view.copy_(tensor.detach())
-            # Rebinding .data on the Parameter object keeps tied weights tied and
-            # frees the original storage at once: peak is buffer + one tensor.
-            tensor.data = view
+        if any(t.is_meta for _, t in named):
+            self._bind_meta(named)
+        else:
+            for (name, tensor), entry in zip(named, self.spec.entries):
+                view = self.view(entry)
+                with torch.no_grad():
+                    view.copy_(tensor.detach())
+                # Rebinding .data on the Parameter object keeps tied weights tied and
+                # frees the original storage at once: peak is buffer + one tensor.
+                tensor.data = view
         self._local_init = {n: t.detach().clone() for n, t in module.state_dict().items()
                             if not t.is_floating_point()}
+
+    def _bind_meta(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """A module built on the meta device: its tensors become views of the (uninitialised)
+        buffer, so the weights are allocated once; integer buffers start at zero."""
+        views = {id(t): self.view(e) for (_, t), e in zip(named, self.spec.entries)}
+        bound: dict[int, torch.Tensor] = {}
+        for mod in self.module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in views:
+                    new = bound.setdefault(id(p), torch.nn.Parameter(views[id(p)], requires_grad=p.requires_grad))
+                    mod._parameters[name] = new
+            for name, b in list(mod._buffers.items()):
+                if b is None:
+                    continue
+                mod._buffers[name] = views[id(b)] if id(b) in views else torch.zeros_like(b, device="cpu")
 
     def view(self, entry: TensorEntry) -> torch.Tensor:
         """The typed view of one tensor inside the buffer."""

@@ -80,6 +80,14 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
         with torch.device("meta"):
             spec = build_spec(exchanged_tensors(build_model(cfg.model, cfg.seed, **shape)))
         flat = None
+    elif cfg.model.init_from:  # allocate once, read the weights straight into the flat buffer
+        with torch.device("meta"):
+            module = build_model(cfg.model, cfg.seed, **shape)
+        flat = FlatModel(module)
+        spec = flat.spec
+        with Checkpoint(cfg.model.init_from) as init:
+            init.check_spec(spec)
+            init.read_into(flat.tensors())
     else:
         flat = FlatModel(build_model(cfg.model, cfg.seed, **shape))
         spec = flat.spec
@@ -87,7 +95,7 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     opened: dict[str, Checkpoint] = {}
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
         agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)
-    upload_initial = cfg.server.state == "disk" and resume is None
+    upload_initial = cfg.server.state == "disk" and resume is None and not cfg.model.init_from
     if rank != 0:
         if upload_initial and rank == 1:
             send_chunks(comm, [0], protocol.INIT, [flat.chunk_bytes(c) for c in _chunks(cfg, spec)],
@@ -115,6 +123,10 @@ def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spe
     if ckpt is not None:
         start, history = ckpt.round, ckpt.metrics()
         state.load(ckpt)
+    elif isinstance(state, OnDiskState) and cfg.model.init_from:
+        init = Checkpoint(cfg.model.init_from)
+        init.check_spec(spec)
+        state.load(init)
     elif isinstance(state, OnDiskState):
         state.write_initial({**attrs, "round": 0},
                             lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, cfg.transport.inflight))

@@ -145,6 +145,7 @@ class Server:
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
             "client_train_seconds": max(m.train_seconds for m in metas.values()),
+            "client_peak_rss_bytes": max(m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()),
         }
         if evaluation is not None:
             record["eval"] = evaluation

@@ -100,3 +100,18 @@ def test_tied_weights_travel_once_and_stay_tied():
     assert [e.name for e in flat.spec.entries] == ["emb.weight"]
     flat.buffer.zero_()
     assert float(m["head"].weight.detach().abs().sum()) == 0
+
+
+def test_a_meta_device_model_is_allocated_once_inside_the_flat_buffer():
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    flat = FlatModel(m)
+    base = flat.buffer.untyped_storage().data_ptr()
+    assert all(not p.is_meta and p.untyped_storage().data_ptr() == base for p in m.parameters())
+    assert int(m[1].num_batches_tracked) == 0 and not m[1].running_mean.is_meta
+    reference = model()
+    for (_, mine), (_, theirs) in zip(flat.tensors(), FlatModel(reference).tensors()):
+        mine.copy_(theirs)
+    x = torch.randn(4, 5)
+    m.eval(), reference.eval()
+    assert torch.equal(m(x), reference(x))
