@@ -1,0 +1,43 @@
+"""Models and local training, without MPI."""
+import torch
+
+from mpifl.config import load_config
+from mpifl.data import client_data, load_dataset, partition
+from mpifl.flat import FlatModel
+from mpifl.models import build_model
+from mpifl.trainers import evaluate, make_loss, make_trainer
+
+
+def setup(model="cnn", **train):
+    cfg = load_config(None, data={"model": {"name": model}, "train": train, "clients": {"num_clients": 4}})
+    data = load_dataset(cfg.data)
+    flat = FlatModel(build_model(cfg.model, cfg.seed, data.input_shape, data.num_classes))
+    mine = client_data(data, partition(cfg.data, data.y_train, 4, cfg.seed)[0])
+    return cfg, data, flat, mine
+
+
+def test_the_cnn_learns_digits_in_its_flat_buffer():
+    cfg, data, flat, mine = setup("cnn", lr=0.1, momentum=0.9, local_epochs=5)
+    before = evaluate(flat.module, data.x_test, data.y_test, make_loss("cross_entropy"), 256)
+    start = flat.buffer.clone()
+    result = make_trainer(cfg.train).train(flat.module, mine, seed=7)
+    after = evaluate(flat.module, data.x_test, data.y_test, make_loss("cross_entropy"), 256)
+    assert not torch.equal(start, flat.buffer)  # training wrote into the exchanged buffer
+    assert after["loss"] < before["loss"] and result.num_samples == len(mine)
+
+
+def test_training_is_a_function_of_the_seed():
+    cfg, _, flat, mine = setup("mlp", optimizer="adam", lr=0.01, local_steps=5)
+    start = flat.buffer.clone()
+    make_trainer(cfg.train).train(flat.module, mine, seed=3)
+    first = flat.buffer.clone()
+    flat.buffer.copy_(start)
+    make_trainer(cfg.train).train(flat.module, mine, seed=3)
+    assert torch.equal(first, flat.buffer)
+
+
+def test_the_no_training_trainer_leaves_the_model_alone():
+    cfg, _, flat, mine = setup("mlp", trainer="none")
+    start = flat.buffer.clone()
+    assert make_trainer(cfg.train).train(flat.module, mine, seed=0).num_samples == len(mine)
+    assert torch.equal(start, flat.buffer)
