@@ -1,4 +1,4 @@
-"""The ``mpifl`` command: run, validate, bench."""
+"""The ``mpifl`` command: run, validate, inspect, export, report, profile-report, pbs, bench."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .config import Config, ConfigError, dump_config, load_config
-from .launch import agree, guarded, log
+from .launch import agree, bind_gpu_from_local_rank, guarded, log
 from .storage import CheckpointError
 
 
@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="output directory (default: output.dir or runs/<name>-<time>)")
     run.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
                      help="continue from the newest checkpoint in the run directory, or from CKPT")
+    run.add_argument("--memray", metavar="DIR", help="profile every rank with memray: DIR/rank00000.bin, ...")
+    run.add_argument("--memray-native", action="store_true", help="record native stacks too (slower)")
     val = sub.add_parser("validate", help="check a config without running it (no MPI needed)")
     val.add_argument("config")
     val.add_argument("overrides", nargs="*")
@@ -28,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="write a checkpoint's model as safetensors")
     exp.add_argument("checkpoint")
     exp.add_argument("out", help="output .safetensors file")
+    rep = sub.add_parser("report", help="plot a run's metrics (quality, time split, bytes, memory) as PNGs")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    prof = sub.add_parser("profile-report", help="peak table and memory-over-time plots from --memray profiles")
+    prof.add_argument("profile_dir")
+    prof.add_argument("--flamegraph", action="store_true", help="also write memray flamegraph HTML per rank")
+    from .pbs import add_parser as add_pbs_parser
+    add_pbs_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (under mpiexec)")
     kinds = bench.add_subparsers(dest="kind", required=True)
     ex = kinds.add_parser("exchange", help="model-only exchange: mpifl vs raw MPI floor vs pickle")
@@ -47,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also come after options (`run CFG --run-dir D rounds=3`)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
-    if stray or (extra and args.command not in ("run", "validate")):
+    if stray or (extra and args.command not in ("run", "validate", "pbs")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if getattr(args, "resume", None) and "=" in args.resume and not Path(args.resume).exists():
+        extra.append(args.resume)  # `--resume rounds=9`: the optional CKPT swallowed an override
+        args.resume = "latest"
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
@@ -57,7 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cfg = load_config(args.config, args.overrides)
             resume = _find_resume(cfg, args) if args.resume else None
-            return _run(cfg, args.run_dir, resume)
+            return _run(cfg, args.run_dir, resume, args.memray, args.memray_native)
+        if args.command == "report":
+            from .report import write_report
+            for path in write_report(args.run_dir, args.out):
+                print(f"wrote {path}")
+            return 0
+        if args.command == "profile-report":
+            from .profiling import write_profile_report
+            write_profile_report(args.profile_dir, args.flamegraph)
+            return 0
+        if args.command == "pbs":
+            from .pbs import main as pbs_main
+            args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
+            return pbs_main(args)
         if args.command in ("inspect", "export"):
             from . import tools
             return tools.inspect(args.checkpoint) if args.command == "inspect" else tools.export(args.checkpoint,
@@ -107,8 +133,12 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None = None) -> int:
+def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None = None, memray_dir: str | None = None,
+         memray_native: bool = False) -> int:
+    bind_gpu_from_local_rank()
     from mpi4py import MPI
+
+    from .profiling import tracked
 
     from .launch import SetupError
     from .runner import check_world, run_rank
@@ -117,7 +147,8 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None = None) -> in
     try:
         check_world(comm.Get_size(), cfg)
         run_dir = agree(comm, lambda: _prepare_run_dir(cfg, run_dir_arg, resume))
-        guarded(lambda: run_rank(comm, cfg, run_dir, resume))
+        with tracked(memray_dir, comm.Get_rank(), memray_native):
+            guarded(lambda: run_rank(comm, cfg, run_dir, resume))
     except SetupError as err:
         if comm.Get_rank() == 0:
             log(f"mpifl: {err}", rank=0)

@@ -51,6 +51,23 @@ def env_rank() -> int | None:
     return None
 
 
+def env_local_rank() -> int | None:
+    """This process's rank within its node, as the launcher tells it."""
+    for var in ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
+                "MV2_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def bind_gpu_from_local_rank() -> None:
+    """With MPIFL_GPUS_PER_NODE=G > 0, let each rank see one GPU: local rank mod G (before CUDA starts)."""
+    gpus = int(os.environ.get("MPIFL_GPUS_PER_NODE", "0") or 0)
+    local = env_local_rank()
+    if gpus > 0 and local is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
+
+
 def log(message: str, rank: int | None = None) -> None:
     """Print one line to stderr prefixed with the rank."""
     rank = env_rank() if rank is None else rank

@@ -68,12 +68,12 @@ class Server:
                    disable=not (self.cfg.output.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
             for rnd in range(start_round + 1, self.cfg.rounds + 1):
-                record = self.round(rnd)
+                record, stopping = self.round(rnd)
                 self.sink.write(record)
                 bar.update(1)
                 if "eval" in record:
                     bar.write(f"[rank 0] round {rnd}/{self.cfg.rounds}: " + _summary(record))
-                if self.stop.requested and rnd < self.cfg.rounds:
+                if stopping and rnd < self.cfg.rounds:
                     log(f"SIGTERM: stopped after round {rnd} with a checkpoint; continue with --resume", rank=0)
                     break
         finally:
@@ -81,8 +81,8 @@ class Server:
         self._broadcast_headers({}, self.cfg.rounds + 1, stop=True)
         return self.history
 
-    def round(self, rnd: int) -> dict:
-        """One round, top to bottom."""
+    def round(self, rnd: int) -> tuple[dict, bool]:
+        """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         start = time.perf_counter()
         participants = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients_per_round())
         by_rank = group_by_rank(participants, self.client_ranks)
@@ -102,12 +102,13 @@ class Server:
         record["time"] = times.split()
         self.history.append(record)
         every = self.cfg.checkpoint.every
-        save = rnd == self.cfg.rounds or self.stop.requested or bool(every and rnd % every == 0)
+        stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
+        save = rnd == self.cfg.rounds or stopping or bool(every and rnd % every == 0)
         self.state.end_round(rnd, {**self.attrs, "round": rnd}, self.history, save)
         times.checkpointed = time.perf_counter()
         times.end = time.perf_counter()
         record["time"] = times.split()
-        return record
+        return record, stopping
 
     def _plan(self, by_rank: dict[int, list[int]]) -> PoolPlan:
         t = self.cfg.transport

@@ -1,0 +1,46 @@
+"""`mpifl report` and memray profiles per rank."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_mpi
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("profiled")
+    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "rounds=4", "--run-dir", str(base / "run"),
+                     "--memray", str(base / "memray"))
+    assert result.returncode == 0, result.stderr
+    return base
+
+
+def test_report_writes_the_plots(profiled_run, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mpifl", "report", str(profiled_run / "run"), "--out",
+                             str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for name in ("quality.png", "time_split.png", "bytes.png", "memory.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG, name
+
+
+def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
+    from mpifl.profiling import summarize
+
+    prof = profiled_run / "memray"
+    assert sorted(p.name for p in prof.glob("*.bin")) == ["rank00000.bin", "rank00001.bin", "rank00002.bin"]
+    result = subprocess.run([sys.executable, "-m", "mpifl", "profile-report", str(prof)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert "| 0 | server |" in (prof / "peaks.md").read_text()
+    for rank in range(3):
+        assert (prof / f"rank{rank:05d}-memory.png").read_bytes()[:8] == PNG
+    server = summarize(prof / "rank00000.bin")
+    ru_maxrss = json.loads((profiled_run / "run" / "metrics.jsonl").read_text().splitlines()[-1])[
+        "server_peak_rss_bytes"]
+    assert abs(server["peak_rss_bytes"] - ru_maxrss) <= 0.2 * ru_maxrss
