@@ -159,7 +159,7 @@ class FlatModel:
         if any(t.is_meta for _, t in named):
             self._bind_meta(named)
         else:
-            for (name, tensor), entry in zip(named, self.spec.entries):
+            for (_, tensor), entry in zip(named, self.spec.entries):
                 view = self.view(entry)
                 with torch.no_grad():
                     view.copy_(tensor.detach())

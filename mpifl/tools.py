@@ -30,7 +30,7 @@ def export(path: str, out: str) -> int:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' (or pip install safetensors)")
+        raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' (or pip install safetensors)") from None
     with Checkpoint(path) as ckpt:
         tensors = ckpt.tensors()
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
