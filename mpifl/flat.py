@@ -105,9 +105,6 @@ class ModelSpec:
         """Split every segment into chunks of at most ``chunk_bytes`` (at least one element)."""
         return list(_iter_chunks(self.segments, chunk_bytes))
 
-    def to_dict(self) -> dict:
-        return {"entries": [e.__dict__ for e in self.entries]}
-
 
 def _iter_chunks(segments: tuple[Segment, ...], chunk_bytes: int) -> Iterator[Chunk]:
     index = 0

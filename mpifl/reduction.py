@@ -78,10 +78,6 @@ class ReceivePool:
         while len(self.accumulators) < accumulators:
             self.accumulators.append(torch.zeros(self.acc_numel, dtype=ACCUMULATOR_DTYPE))
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.slots) * self.chunk_bytes + sum(a.numel() * a.element_size() for a in self.accumulators)
-
 
 class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""

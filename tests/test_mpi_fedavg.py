@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, run_mpi, write_config
 from mpifl.config import load_config
 from mpifl.data import client_data, load_dataset, partition
 from mpifl.federation import client_seed, sample_clients
@@ -73,7 +73,7 @@ def reference_run(cfg) -> dict[str, np.ndarray]:
 
 def run_bits(tmp_path, ranks: int, name: str, **params) -> dict[str, np.ndarray]:
     cfg_path = write_config(tmp_path / f"{name}.yaml", CONFIG.format(**params))
-    run = run_mpi(ranks, "run", str(cfg_path), "--run-dir", str(tmp_path / name))
+    run = run_mpi(ranks, "run", str(cfg_path), "--run-dir", str(tmp_path / name), timeout=MPI_TIMEOUT)
     assert run.returncode == 0, run.stderr
     tensors = load_tensors(tmp_path / name / "model.h5")
     return {n: t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy() for n, t in tensors.items()}

@@ -7,13 +7,13 @@ import h5py
 import pytest
 import yaml
 
-from conftest import ROOT, run_mpi
+from conftest import MPI_TIMEOUT, ROOT, run_mpi
 
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("qs") / "run"
-    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir))
+    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     return run_dir, result
 
@@ -57,7 +57,7 @@ def test_resolved_config_and_model_file_are_written(quickstart):
 def test_exchange_benchmark_reports_all_three_paths(tmp_path):
     out = tmp_path / "bench.json"
     result = run_mpi(3, "bench", "exchange", "--model-mb", "8", "--chunk-mb", "1", "--rounds", "2",
-                     "--json", str(out))
+                     "--json", str(out), timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert data["model_bytes"] == 8 * 2**20 and data["clients"] == 2
