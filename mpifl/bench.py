@@ -57,7 +57,9 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     dtype = DTYPES[cfg.model.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     model_bytes = int(args.model_mb * MIB) // itemsize * itemsize
-    floor = _timed(comm, args.rounds, lambda: _floor_round(comm, model_bytes, dtype, cfg.transport.chunk_bytes))
+    exchange = FloorExchange(comm, model_bytes, dtype, cfg.transport.chunk_bytes)
+    floor = _timed(comm, args.rounds, exchange.round)
+    del exchange  # free the floor's buffers before the pickle path allocates its own
     pickle_rounds = args.rounds if args.pickle_rounds is None else args.pickle_rounds
     pickled = _pickle_rounds(comm, args.model_mb, dtype, pickle_rounds)
     if rank != 0:
@@ -93,58 +95,65 @@ def _timed(comm: MPI.Comm, rounds: int, fn) -> list[float]:
     return times
 
 
-_floor_buffers: dict = {}
+class FloorExchange:
+    """Raw chunked exchange + fused reduction in arrival order (no ordering, no bookkeeping).
 
+    Buffers are preallocated and touched once, as careful hand-written code would do.
+    """
 
-def _floor_round(comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int) -> None:
-    """Raw chunked exchange + fused reduction in arrival order (no ordering, no bookkeeping)."""
-    rank, clients = comm.Get_rank(), comm.Get_size() - 1
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    step = max(1, chunk_bytes // itemsize) * itemsize
-    spans = [(o, min(step, model_bytes - o)) for o in range(0, model_bytes, step)]
-    if "model" not in _floor_buffers:  # preallocated and touched once, as a careful hand-written code would
-        _floor_buffers["model"] = touched_empty(model_bytes)
-        if rank == 0:
-            _floor_buffers["slots"] = [[touched_empty(step) for _ in range(4)] for _ in range(clients)]
-            _floor_buffers["acc"] = torch.zeros(model_bytes // itemsize, dtype=torch.float32)
-    model = _floor_buffers["model"]
-    if rank != 0:
-        recv_chunks(comm, 0, TAG_DOWN, [model[o:o + n] for o, n in spans], 4)
-        send_chunks(comm, [0], TAG_UP, [model[o:o + n] for o, n in spans], 4)
-        return
-    send_chunks(comm, list(range(1, clients + 1)), TAG_DOWN, [model[o:o + n] for o, n in spans], 4)
-    acc, slots = _floor_buffers["acc"], _floor_buffers["slots"]
-    acc.zero_()
-    requests, tickets, nxt = [], [], [0] * clients
-    for c in range(clients):
-        for s in range(min(4, len(spans))):
-            o, n = spans[nxt[c]]
-            requests.append(comm.Irecv([slots[c][s][:n], MPI.BYTE], source=c + 1, tag=TAG_UP))
-            tickets.append((c, s, nxt[c]))
-            nxt[c] += 1
-    remaining, backoff = clients * len(spans), Backoff()
-    while remaining:
-        done = MPI.Request.Testsome(requests)
-        if not done:
-            backoff.pause()
-            continue
-        backoff.reset()
-        for i in done:
-            c, s, j = tickets[i]
-            o, n = spans[j]
-            x = torch.from_numpy(slots[c][s][:n]).view(dtype)
-            acc[o // itemsize:(o + n) // itemsize].add_(x, alpha=1.0 / clients)
-            remaining -= 1
-            if nxt[c] < len(spans):
-                o, n = spans[nxt[c]]
-                requests[i] = comm.Irecv([slots[c][s][:n], MPI.BYTE], source=c + 1, tag=TAG_UP)
-                tickets[i] = (c, s, nxt[c])
+    SLOTS = 4
+
+    def __init__(self, comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int):
+        self.comm, self.dtype = comm, dtype
+        self.rank, self.clients = comm.Get_rank(), comm.Get_size() - 1
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        step = max(1, chunk_bytes // self.itemsize) * self.itemsize
+        self.spans = [(o, min(step, model_bytes - o)) for o in range(0, model_bytes, step)]
+        self.model = touched_empty(model_bytes)
+        self.chunks = [self.model[o:o + n] for o, n in self.spans]
+        if self.rank == 0:
+            self.slots = [[touched_empty(step) for _ in range(self.SLOTS)] for _ in range(self.clients)]
+            self.acc = torch.zeros(model_bytes // self.itemsize, dtype=torch.float32)
+
+    def round(self) -> None:
+        """One round: model out to every client, every client's model back and folded."""
+        if self.rank != 0:
+            recv_chunks(self.comm, 0, TAG_DOWN, self.chunks, self.SLOTS)
+            send_chunks(self.comm, [0], TAG_UP, self.chunks, self.SLOTS)
+            return
+        send_chunks(self.comm, list(range(1, self.clients + 1)), TAG_DOWN, self.chunks, self.SLOTS)
+        self.acc.zero_()
+        requests, tickets, nxt = [], [], [0] * self.clients
+        for c in range(self.clients):
+            for s in range(min(self.SLOTS, len(self.spans))):
+                requests.append(self._post(c, s, nxt[c]))
+                tickets.append((c, s, nxt[c]))
                 nxt[c] += 1
+        remaining, backoff = self.clients * len(self.spans), Backoff()
+        while remaining:
+            done = MPI.Request.Testsome(requests)
+            if not done:
+                backoff.pause()
+                continue
+            backoff.reset()
+            for i in done:
+                c, s, j = tickets[i]
+                o, n = self.spans[j]
+                x = torch.from_numpy(self.slots[c][s][:n]).view(self.dtype)
+                self.acc[o // self.itemsize:(o + n) // self.itemsize].add_(x, alpha=1.0 / self.clients)
+                remaining -= 1
+                if nxt[c] < len(self.spans):
+                    requests[i] = self._post(c, s, nxt[c])
+                    tickets[i] = (c, s, nxt[c])
+                    nxt[c] += 1
+
+    def _post(self, client: int, slot: int, j: int) -> MPI.Request:
+        n = self.spans[j][1]
+        return self.comm.Irecv([self.slots[client][slot][:n], MPI.BYTE], source=client + 1, tag=TAG_UP)
 
 
 def _pickle_rounds(comm: MPI.Comm, model_mb: float, dtype: torch.dtype, rounds: int) -> list[float]:
     """``comm.send(state_dict)`` both ways; the server holds all client models, then averages."""
-    _floor_buffers.clear()
     gc.collect()
     if rounds == 0:
         return []

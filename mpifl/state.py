@@ -27,6 +27,11 @@ def chunk_windows(chunks: list[Chunk], window_bytes: int) -> list[list[Chunk]]:
     return windows if windows[0] else []
 
 
+def _span(window: list[Chunk]) -> int:
+    """Bytes from the first chunk's start to the last chunk's end."""
+    return window[-1].offset + window[-1].nbytes - window[0].offset
+
+
 class InMemoryState:
     """The global model is a FlatModel; finished chunks overwrite it in place."""
 
@@ -74,11 +79,15 @@ class OnDiskState:
     def __init__(self, spec: ModelSpec, chunks: list[Chunk], directory: Path, keep: int, window_bytes: int):
         self.spec, self.chunks, self.directory, self.keep = spec, chunks, directory, keep
         self.windows = chunk_windows(chunks, window_bytes)
-        span = max(w[-1].offset + w[-1].nbytes - w[0].offset for w in self.windows)
-        self.window = touched_empty(span)
+        self.window = touched_empty(max(_span(w) for w in self.windows))
         self.staging = touched_empty(max(c.nbytes for c in chunks))
         self.current: Checkpoint | None = None
         self.writer: CheckpointWriter | None = None
+
+    def _views(self, window: list[Chunk]) -> tuple[int, list[np.ndarray]]:
+        """The window's base offset and each chunk's slice of the window buffer."""
+        base = window[0].offset
+        return base, [self.window[c.offset - base:c.offset - base + c.nbytes] for c in window]
 
     def load(self, ckpt: Checkpoint) -> None:
         """Adopt a published checkpoint as the current global model."""
@@ -89,10 +98,9 @@ class OnDiskState:
     def outgoing(self) -> Iterator[list[np.ndarray]]:
         """Read the model window by window; each window is valid until the next is requested."""
         for window in self.windows:
-            base = window[0].offset
-            span = window[-1].offset + window[-1].nbytes - base
-            self.current.read_range(self.spec, base, self.window[:span])
-            yield [self.window[c.offset - base:c.offset - base + c.nbytes] for c in window]
+            base, views = self._views(window)
+            self.current.read_range(self.spec, base, self.window[:_span(window)])
+            yield views
 
     def begin_round(self, round_: int) -> None:
         self.writer = CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, {})
@@ -118,10 +126,9 @@ class OnDiskState:
         """Publish round 0 from chunks streamed in by ``receive_window(window_chunks, buffers)``."""
         with CheckpointWriter(self.directory / checkpoint_name(0), self.spec, attrs) as writer:
             for window in self.windows:
-                base = window[0].offset
-                receive_window([self.window[c.offset - base:c.offset - base + c.nbytes] for c in window])
-                span = window[-1].offset + window[-1].nbytes - base
-                writer.write_range(base, self.window[:span])
+                base, views = self._views(window)
+                receive_window(views)
+                writer.write_range(base, self.window[:_span(window)])
             writer.write_metrics([])
             path = writer.publish()
         self.load(Checkpoint(path))
