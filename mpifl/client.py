@@ -3,25 +3,67 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+import torch
 from mpi4py import MPI
 
 from . import protocol
 from .config import Config
 from .data import ClientData
 from .federation import client_seed
-from .flat import FlatModel
+from .flat import DTYPES, Chunk, FlatModel, wire_chunks
 from .metrics import peak_rss_bytes
-from .trainers import make_trainer
-from .transport import recv_chunks, recv_object, send_chunks, send_object
+from .trainers import TrainResult, evaluate, make_loss, make_trainer
+from .transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
+
+
+class UpdateEncoder:
+    """Turns the trained model into what a client sends: its weights or its delta, in the wire dtype.
+
+    Weights in the model's dtype go straight from the flat buffer (zero copy); a delta is
+    formed in place in the flat buffer; a narrower wire dtype adds one wire buffer
+    (half the model's float32 bytes for bf16).
+    """
+
+    def __init__(self, flat: FlatModel, chunks: list[Chunk], wire: list[Chunk], delta: bool):
+        self.flat, self.chunks, self.wire, self.delta = flat, chunks, wire, delta
+        self.narrowed = wire is not chunks
+        if self.narrowed:
+            self.wire_bytes = touched_empty(wire[-1].offset + wire[-1].nbytes)
+            self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in wire]
+        else:
+            self.buffers = [flat.chunk_bytes(c) for c in chunks]
+
+    def encode(self, previous: torch.Tensor | None) -> list[np.ndarray]:
+        """Fill and return the outgoing chunk buffers; ``previous`` is the global model's bytes (delta mode)."""
+        for c, w, buf in zip(self.chunks, self.wire, self.buffers):
+            x = self.flat.chunk_view(c)
+            if self.delta:
+                x.sub_(previous[c.offset:c.offset + c.nbytes].view(x.dtype))
+            if self.narrowed:
+                torch.from_numpy(buf).view(DTYPES[w.dtype]).copy_(x)
+        return self.buffers
+
+    def count_nonfinite(self) -> int:
+        """NaN and Inf values in what is about to be sent (after any narrowing)."""
+        return sum(int((~torch.isfinite(torch.from_numpy(buf).view(DTYPES[w.dtype]))).sum())
+                   for w, buf in zip(self.wire, self.buffers))
 
 
 class ClientRank:
     """One model in memory; its logical clients train one after another in it."""
 
-    def __init__(self, comm: MPI.Comm, cfg: Config, flat: FlatModel, local_data: dict[int, ClientData | None]):
+    def __init__(self, comm: MPI.Comm, cfg: Config, flat: FlatModel,
+                 local_data: dict[int, tuple[ClientData | None, ClientData | None]]):
         self.comm, self.cfg, self.flat, self.local_data = comm, cfg, flat, local_data
+        self.rank = comm.Get_rank()
         self.trainer = make_trainer(cfg.train)
-        self.chunk_buffers = [flat.chunk_bytes(c) for c in flat.spec.chunks(cfg.transport.chunk_bytes)]
+        chunks = flat.spec.chunks(cfg.transport.chunk_bytes)
+        self.chunk_buffers = [flat.chunk_bytes(c) for c in chunks]
+        self.delta = cfg.strategy.update == "delta"
+        self.encoder = UpdateEncoder(flat, chunks, wire_chunks(chunks, cfg.strategy.wire_dtype), self.delta)
+        self.snapshot: torch.Tensor | None = None
+        self.loss_fn = make_loss(cfg.train.loss) if cfg.eval.federated_every else None
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -36,16 +78,47 @@ class ClientRank:
         """Receive the global model once, then train and send each logical client in id order."""
         inflight = self.cfg.transport.inflight
         recv_chunks(self.comm, protocol.SERVER, protocol.MODEL, self.chunk_buffers, inflight)
-        # Training overwrites the model: keep the global for the next logical client.
-        keep = self.flat.buffer.clone() if len(header.clients) > 1 and self.trainer.modifies_weights else None
+        # Training (and forming a delta) overwrites the model: keep the global for what follows.
+        keep = None
+        if self.delta or (len(header.clients) > 1 and self.trainer.modifies_weights):
+            if self.snapshot is None:
+                self.snapshot = torch.empty_like(self.flat.buffer)
+            keep = self.snapshot.copy_(self.flat.buffer)
         for i, client in enumerate(header.clients):
             if i and keep is not None:
                 self.flat.buffer.copy_(keep)
             self.flat.reset_local_state()
-            start = time.perf_counter()
-            result = self.trainer.train(self.flat.module, self.local_data.get(client),
-                                        client_seed(self.cfg.seed, header.round, client))
-            metrics = {**result.metrics, "rank_peak_rss_bytes": peak_rss_bytes()}
-            meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics)
+            meta, buffers = self._serve_client(header.round, client, keep)
             send_object(self.comm, meta, protocol.SERVER, protocol.META)
-            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.chunk_buffers, inflight)
+            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, inflight)
+
+    def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list]:
+        train, val = self.local_data.get(client, (None, None))
+        metrics = self._federated_eval(round_, val)
+        start = time.perf_counter()
+        error = None
+        try:
+            result = self.trainer.train(self.flat.module, train, client_seed(self.cfg.seed, round_, client))
+        except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
+            if not self.cfg.clients.accept_failures:
+                raise
+            error, result = f"{type(err).__name__}: {err}", TrainResult(0, {})
+        buffers = self.encoder.encode(keep)
+        if error is None and (self.trainer.modifies_weights or self.encoder.narrowed):
+            bad = self.encoder.count_nonfinite()
+            if bad:
+                error = f"update contains {bad} NaN/Inf values"
+                if not self.cfg.clients.accept_failures:
+                    raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
+                                             "(clients.accept_failures=false)")
+        metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
+        meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error)
+        return meta, buffers
+
+    def _federated_eval(self, round_: int, val: ClientData | None) -> dict:
+        """The received global model on this client's validation split (before training)."""
+        every = self.cfg.eval.federated_every
+        if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.cfg.rounds):
+            return {}
+        result = evaluate(self.flat.module, val.x, val.y, self.loss_fn, self.cfg.eval.batch_size)
+        return {"val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": len(val)}

@@ -34,6 +34,9 @@ class ClientsConfig:
     num_clients: int = _f(8, "logical clients in the federation (may exceed client ranks)", min=1)
     per_round: Optional[int] = _f(None, "clients sampled per round (overrides fraction)", min=1)
     fraction: float = _f(1.0, "fraction of clients sampled per round", min=0.0, max=1.0, exclusive_min=True)
+    accept_failures: bool = _f(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
+                               "with client, rank and reason) instead of aborting the job")
+    min_participants: int = _f(1, "abort the round, and the job, when fewer updates than this remain", min=1)
 
 
 @dataclass
@@ -43,8 +46,14 @@ class DataConfig:
     dataset: str = _f("digits", "built-in dataset or import path returning (x_train, y_train, x_test, y_test)",
                       choices=("digits", "synthetic"), import_ok=True)
     kwargs: dict = _f(dict, "keyword arguments for the dataset function")
-    partition: str = _f("iid", "how training samples are split", choices=("iid", "dirichlet"))
+    partition: str = _f("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
+                        "per client) or unbalanced (lognormal sizes, iid labels)",
+                        choices=("iid", "dirichlet", "shards", "unbalanced"))
     alpha: float = _f(0.5, "Dirichlet concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
+    classes_per_client: int = _f(2, "shards: classes each client holds", min=1)
+    size_sigma: float = _f(1.0, "unbalanced: sigma of the lognormal client sizes (0 = equal)", min=0.0)
+    val_fraction: float = _f(0.0, "share of each client's samples kept as its local validation split "
+                             "(federated evaluation)", min=0.0, max=0.9)
 
 
 @dataclass
@@ -72,16 +81,34 @@ class TrainConfig:
     local_epochs: int = _f(1, "passes over the local data per round", min=1)
     local_steps: Optional[int] = _f(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
     batch_size: int = _f(32, "local minibatch size", min=1)
+    prox_mu: float = _f(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
     loss: str = _f("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
                    choices=("cross_entropy", "mse"), import_ok=True)
+
+
+STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
 
 
 @dataclass
 class StrategyConfig:
     """How the server combines updates."""
 
-    name: str = _f("fedavg", "aggregation strategy", choices=("fedavg",))
-    weighting: str = _f("samples", "client weight: by sample count or equal", choices=("samples", "equal"))
+    name: str = _f("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
+                   "median or trimmed_mean (coordinate-wise, unweighted)", choices=STRATEGIES)
+    weighting: str = _f("samples", "client weight in means: by sample count or equal", choices=("samples", "equal"))
+    update: str = _f("weights", "what a client sends: its trained weights or its delta (trained - global)",
+                     choices=("weights", "delta"))
+    wire_dtype: Optional[str] = _f(None, "dtype of float32/float64 tensors in client updates (e.g. bfloat16 halves "
+                                   "the bytes; the server still accumulates in float32); default: the model's",
+                                   choices=("float32", "bfloat16", "float16"))
+    server_lr: Optional[float] = _f(None, "server learning rate eta (default 1.0 for fedavgm, 0.01 for the "
+                                    "adaptive ones)", min=0.0, exclusive_min=True)
+    momentum: float = _f(0.9, "fedavgm: server momentum beta", min=0.0, max=1.0)
+    beta1: float = _f(0.9, "fedadam/fedyogi: first-moment decay", min=0.0, max=1.0)
+    beta2: float = _f(0.99, "fedadam/fedyogi: second-moment decay", min=0.0, max=1.0)
+    tau: float = _f(1e-3, "adaptive strategies: adaptivity tau (also v's initial value tau^2)", min=0.0,
+                    exclusive_min=True)
+    trim_fraction: float = _f(0.1, "trimmed_mean: fraction beta trimmed from each end (< 0.5)", min=0.0, max=0.49)
 
 
 @dataclass
@@ -104,6 +131,8 @@ class EvalConfig:
     """Held-out evaluation of the global model on the server."""
 
     every: int = _f(1, "evaluate every K rounds (0 = never); the last round is always evaluated", min=0)
+    federated_every: int = _f(0, "every K rounds, clients evaluate the global model they received on their local "
+                              "validation split (data.val_fraction); 0 = never", min=0)
     batch_size: int = _f(512, "evaluation batch size", min=1)
 
 
@@ -191,6 +220,12 @@ def _check_combinations(cfg: Config) -> None:
                           "trainer other than 'torch' (e.g. train.trainer='none')")
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_file():
         raise ConfigError(f"model.init_from: checkpoint file {cfg.model.init_from!r} does not exist")
+    if cfg.eval.federated_every and cfg.data.val_fraction == 0:
+        raise ConfigError("eval.federated_every: federated evaluation needs local validation splits; "
+                          "set data.val_fraction (e.g. 0.1)")
+    if cfg.clients.min_participants > cfg.clients_per_round():
+        raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
+                          f"{cfg.clients_per_round()} clients sampled per round")
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")

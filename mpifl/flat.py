@@ -115,6 +115,35 @@ def _iter_chunks(segments: tuple[Segment, ...], chunk_bytes: int) -> Iterator[Ch
             index += 1
 
 
+NARROWABLE = ("float32", "float64")
+
+
+def wire_chunks(chunks: list[Chunk], wire_dtype: str | None) -> list[Chunk]:
+    """The same chunks as a client sends them: float32/float64 ones cast to ``wire_dtype``.
+
+    Offsets are into the client's separate wire buffer (each chunk 64-byte aligned). With no
+    narrowing this is ``chunks`` itself: updates go straight from the flat buffer.
+    """
+    if wire_dtype is None or all(c.dtype == wire_dtype or c.dtype not in NARROWABLE for c in chunks):
+        return chunks
+    itemsize = torch.empty((), dtype=DTYPES[wire_dtype]).element_size()
+    out, offset = [], 0
+    for c in chunks:
+        dtype, size = (wire_dtype, itemsize) if c.dtype in NARROWABLE else (c.dtype, c.itemsize)
+        out.append(Chunk(c.index, dtype, offset, c.numel * size, size))
+        offset = _align(offset + c.numel * size)
+    return out
+
+
+def element_offsets(chunks: list[Chunk]) -> list[int]:
+    """Each chunk's first element in the model's element numbering (server-state vectors)."""
+    out, total = [], 0
+    for c in chunks:
+        out.append(total)
+        total += c.numel
+    return out + [total]
+
+
 def exchanged_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and floating buffers, in ``state_dict`` order, tied weights once."""
     seen: set[int] = set()

@@ -11,8 +11,10 @@ Every round r:
     0 -> c  MODEL   the global model, chunk by chunk (Isend/Irecv of raw bytes, chunk
                     order), only to ranks that serve at least one client this round.
     c -> 0  META    UpdateMeta (pickled, small) for each logical client, ascending id,
-                    sent just before that client's chunks.
-    c -> 0  UPDATE  that client's model, chunk by chunk (raw bytes, chunk order).
+                    sent just before that client's chunks; ``error`` set means the
+                    client failed (accept_failures) and the server skips its chunks.
+    c -> 0  UPDATE  that client's weights or delta, chunk by chunk (raw bytes, chunk
+                    order), float32 tensors optionally narrowed to strategy.wire_dtype.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 """
@@ -46,6 +48,7 @@ class UpdateMeta:
     num_samples: int
     train_seconds: float
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why this client's update must not be used (it still sends its chunks)
 
 
 def rank_of_client(client: int, client_ranks: int) -> int:

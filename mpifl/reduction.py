@@ -12,6 +12,12 @@ several participants in one round it sends them one after another, so chunk j of
 second participant comes only after every chunk of its first: the window must then
 span the whole model (documented in the README), otherwise it is derived from the budget.
 Deadlock-free: the lowest-id participant with chunks outstanding can always fold.
+
+Robust strategies (median, trimmed mean) keep a stack of every participant's chunk j:
+the accumulator window then holds participants x chunk per chunk, never participants
+x model. A participant whose header carries an error (``clients.accept_failures``) is
+skipped in every chunk; ``clients.min_participants`` is checked before the first
+finished chunk is written, so an aborted round leaves the global model untouched.
 """
 from __future__ import annotations
 
@@ -34,7 +40,13 @@ class GlobalState(Protocol):
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor: ...
 
+    def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]: ...
+
     def commit(self, chunk: Chunk) -> None: ...
+
+
+class RoundAborted(RuntimeError):
+    """Too few usable updates: the round is not applied and the job stops."""
 
 
 @dataclass
@@ -63,11 +75,16 @@ class PoolPlan:
 
 
 class ReceivePool:
-    """Preallocated, pre-touched receive slots and accumulators, reused every round."""
+    """Preallocated, pre-touched receive slots and accumulators, reused every round.
 
-    def __init__(self, chunks: list[Chunk]):
+    ``chunks`` are the chunks as they arrive (the wire layout); ``rows`` is 1 for a mean,
+    the participants per round for a robust stack.
+    """
+
+    def __init__(self, chunks: list[Chunk], rows: int = 1):
         self.chunk_bytes = max(c.nbytes for c in chunks)
-        self.acc_numel = max(c.numel for c in chunks)
+        self.rows = rows
+        self.acc_numel = max(c.numel for c in chunks) * rows
         self.slots: list[np.ndarray] = []
         self.accumulators: list[torch.Tensor] = []
 
@@ -83,8 +100,13 @@ class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""
 
     def __init__(self, comm: MPI.Comm, state: GlobalState, chunks: list[Chunk], strategy: Strategy,
-                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan):
+                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan,
+                 wire: list[Chunk] | None = None, min_participants: int = 1, round_: int = 0):
         self.comm, self.state, self.chunks, self.strategy = comm, state, chunks, strategy
+        self.wire = wire or chunks
+        self.min_participants, self.round = min_participants, round_
+        self.included = [0] * len(chunks)
+        self.checked = False
         self.order = sorted(c for clients in by_rank.values() for c in clients)
         self.position = {c: i for i, c in enumerate(self.order)}
         self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
@@ -147,7 +169,7 @@ class StreamedReduction:
             return
         client, j = stream[self.posted[rank]]
         self.posted[rank] += 1
-        buf = self.pool.slots[slot][: self.chunks[j].nbytes]
+        buf = self.pool.slots[slot][: self.wire[j].nbytes]
         request = self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=protocol.UPDATE)
         self._add_request(request, ("chunk", rank, slot, client, j))
 
@@ -180,25 +202,47 @@ class StreamedReduction:
 
     def _fold(self, j: int, pos: int, slot: int) -> None:
         start = time.perf_counter()
-        chunk = self.chunks[j]
+        wire = self.wire[j]
         client = self.order[pos]
-        first = pos == 0
-        if first:
-            self.acc_of[j] = self.pool.accumulators[j % self.plan.window][: chunk.numel]
-        x = torch.from_numpy(self.pool.slots[slot][: chunk.nbytes]).view(DTYPES[chunk.dtype])
-        self.strategy.fold(self.acc_of[j], x, self.strategy.weight(self.stats.metas[client]), first)
+        meta = self.stats.metas[client]
+        if meta.error is None:
+            index = self.included[j]
+            if index == 0:
+                self.acc_of[j] = self._accumulator(j)
+            x = torch.from_numpy(self.pool.slots[slot][: wire.nbytes]).view(DTYPES[wire.dtype])
+            self.strategy.fold(self.acc_of[j], x, self.strategy.weight(meta), index)
+            self.included[j] += 1
         self.next_position[j] += 1
         if self.next_position[j] == len(self.order):
             self._finish(j)
         self.stats.aggregate_seconds += time.perf_counter() - start
         self._post_chunk(self.rank_of[client], slot)
 
+    def _accumulator(self, j: int) -> torch.Tensor:
+        numel = self.chunks[j].numel
+        storage = self.pool.accumulators[j % self.plan.window]
+        if self.strategy.stacked:
+            return storage[: len(self.order) * numel].view(len(self.order), numel)
+        return storage[:numel]
+
+    def _check_participation(self) -> None:
+        """Before anything is written: enough usable updates, with positive total weight."""
+        usable = [m for m in self.stats.metas.values() if m.error is None]
+        if len(usable) < self.min_participants:
+            raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.order)} participants sent a "
+                               f"usable update, fewer than clients.min_participants={self.min_participants}; "
+                               "the round is not applied")
+        if sum(self.strategy.weight(m) for m in usable) <= 0:
+            raise RoundAborted(f"round {self.round}: zero total client weight (clients {self.order}); cannot average")
+        self.checked = True
+
     def _finish(self, j: int) -> None:
-        total = sum(self.strategy.weight(m) for m in self.stats.metas.values())
-        if total <= 0:
-            raise RuntimeError(f"round has zero total client weight (clients {self.order}); cannot average")
+        if not self.checked:
+            self._check_participation()
+        total = sum(self.strategy.weight(m) for m in self.stats.metas.values() if m.error is None)
         chunk = self.chunks[j]
-        self.strategy.finish(self.acc_of.pop(j), total, self.state.finish_target(chunk))
+        self.strategy.finish(self.acc_of.pop(j), self.included[j], total, self.state.finish_target(chunk),
+                             self.state.server_state(chunk))
         self.state.commit(chunk)
         self.finished[j] = True
         while self.low < len(self.chunks) and self.finished[self.low]:

@@ -13,10 +13,11 @@ from mpi4py import MPI
 from . import protocol
 from .client import ClientRank
 from .config import Config, dump_config
-from .data import Dataset, client_data, load_dataset, partition
+from .aggregation import make_strategy
+from .data import Dataset, client_data, label_histogram, load_dataset, partition, partition_table, split_validation
 from .federation import clients_of_rank
 from .flat import FlatModel, ModelSpec, build_spec, exchanged_tensors
-from .launch import SetupError, StopRequest, agree
+from .launch import SetupError, StopRequest, agree, log
 from .metrics import JsonLines
 from .models import build_model
 from .server import Server, log_final
@@ -113,12 +114,21 @@ def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spe
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     attrs = {"config": dump_config(cfg), "seed": cfg.seed, "strategy": cfg.strategy.name,
              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **{f"version_{k}": v for k, v in versions().items()}}
+    strategy = make_strategy(cfg.strategy)
+    if strategy.stacked and cfg.clients_per_round() > comm.Get_size() - 1:
+        log(f"strategy {cfg.strategy.name}: {cfg.clients_per_round()} participants per round on "
+            f"{comm.Get_size() - 1} client ranks: a rank's participants arrive one after another, so the server "
+            "stacks every participant's whole model (participants x model x 4 bytes); one client rank per "
+            "participant keeps it at participants x chunk", rank=0)
     if flat is not None:
-        state = InMemoryState(flat, chunks, ckpt_dir, cfg.checkpoint.keep)
+        state = InMemoryState(flat, chunks, ckpt_dir, cfg.checkpoint.keep, strategy.state_init)
     else:
         if ckpt_dir is None:
             raise SetupError("server.state='disk' needs a run directory for its HDF5 state")
-        state = OnDiskState(spec, chunks, ckpt_dir, cfg.checkpoint.keep, int(cfg.server.window_mb * 2**20))
+        state = OnDiskState(spec, chunks, ckpt_dir, cfg.checkpoint.keep, int(cfg.server.window_mb * 2**20),
+                            strategy.state_init, read_previous=strategy.needs_previous_global)
+    if dataset is not None and start_of(ckpt) == 0:
+        _report_partition(cfg, dataset, run_dir)
     start, history = 0, []
     if ckpt is not None:
         start, history = ckpt.round, ckpt.metrics()
@@ -137,13 +147,31 @@ def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spe
                                      cfg.eval.batch_size)
     sink = JsonLines(run_dir / "metrics.jsonl" if run_dir else None)
     try:
-        history = Server(comm, cfg, state, sink, evaluator, attrs, stop).run(start, history)
+        history = Server(comm, cfg, state, sink, evaluator, attrs, stop, strategy).run(start, history)
     finally:
         sink.close()
     if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
         _link_final(ckpt_dir / checkpoint_name(cfg.rounds), run_dir / "model.h5")
     log_final(history, str(run_dir) if run_dir else "(no run directory)")
     return history
+
+
+def start_of(ckpt: Checkpoint | None) -> int:
+    """The round a run resumes after (0 for a fresh start)."""
+    return ckpt.round if ckpt is not None else 0
+
+
+def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
+    """Print the clients x labels table; keep it as partition.csv in the run directory."""
+    labels = dataset.y_train.numpy()
+    histogram = label_histogram(partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed), labels,
+                                dataset.num_classes)
+    log(f"partition '{cfg.data.partition}' of {len(labels)} training samples:\n" + partition_table(histogram), rank=0)
+    if run_dir is not None:
+        import numpy as np
+        header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
+        np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
+                   delimiter=",", header=header, comments="")
 
 
 def _open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
@@ -171,6 +199,10 @@ def _chunks(cfg: Config, spec: ModelSpec):
 def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:
     mine = clients_of_rank(rank, cfg.clients.num_clients, client_ranks)
     if dataset is None:
-        return {c: None for c in mine}
+        return {c: (None, None) for c in mine}
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
-    return {c: client_data(dataset, parts[c]) for c in mine}
+    out = {}
+    for c in mine:
+        train, val = split_validation(parts[c], cfg.data.val_fraction, cfg.seed, c)
+        out[c] = (client_data(dataset, train), client_data(dataset, val) if len(val) else None)
+    return out

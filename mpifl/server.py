@@ -10,12 +10,13 @@ from mpi4py import MPI
 from tqdm import tqdm
 
 from . import protocol
-from .aggregation import make_strategy
+from .aggregation import Strategy
 from .config import Config
 from .federation import group_by_rank, sample_clients
 from .launch import StopRequest, log
 from .metrics import JsonLines, current_rss_bytes, peak_rss_bytes
-from .reduction import PoolPlan, ReceivePool, StreamedReduction
+from .flat import wire_chunks
+from .reduction import PoolPlan, ReceivePool, RoundAborted, StreamedReduction
 from .state import InMemoryState, OnDiskState
 from .transport import send_chunks, wait_all
 
@@ -52,13 +53,14 @@ class Server:
     """Runs the rounds over a global-model state (in memory or on disk) and a receive pool."""
 
     def __init__(self, comm: MPI.Comm, cfg: Config, state: InMemoryState | OnDiskState, sink: JsonLines,
-                 evaluate: Callable[[], dict] | None, attrs: dict, stop: StopRequest):
+                 evaluate: Callable[[], dict] | None, attrs: dict, stop: StopRequest, strategy: Strategy):
         self.comm, self.cfg, self.state, self.sink, self.evaluate = comm, cfg, state, sink, evaluate
         self.attrs, self.stop = attrs, stop
         self.client_ranks = comm.Get_size() - 1
         self.chunks = state.chunks
-        self.strategy = make_strategy(cfg.strategy)
-        self.pool = ReceivePool(self.chunks)
+        self.wire = wire_chunks(self.chunks, cfg.strategy.wire_dtype)
+        self.strategy = strategy
+        self.pool = ReceivePool(self.wire, cfg.clients_per_round() if strategy.stacked else 1)
         self.history: list[dict] = []
 
     def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
@@ -71,7 +73,7 @@ class Server:
                 record, stopping = self.round(rnd)
                 self.sink.write(record)
                 bar.update(1)
-                if "eval" in record:
+                if "eval" in record or "federated_eval" in record:
                     bar.write(f"[rank 0] round {rnd}/{self.cfg.rounds}: " + _summary(record))
                 if stopping and rnd < self.cfg.rounds:
                     log(f"SIGTERM: stopped after round {rnd} with a checkpoint; continue with --resume", rank=0)
@@ -91,8 +93,14 @@ class Server:
             send_chunks(self.comm, sorted(by_rank), protocol.MODEL, window, self.cfg.transport.inflight)
         dispatched = time.perf_counter()
         self.state.begin_round(rnd)
-        stats = StreamedReduction(self.comm, self.state, self.chunks, self.strategy, by_rank, self.pool,
-                                  self._plan(by_rank)).run()
+        reduction = StreamedReduction(self.comm, self.state, self.chunks, self.strategy, by_rank, self.pool,
+                                      self._plan(by_rank), self.wire, self.cfg.clients.min_participants, rnd)
+        try:
+            stats = reduction.run()
+        except RoundAborted:
+            self._save_before_abort(rnd, reduction.stats.metas)
+            raise
+        self._log_drops(rnd, stats.metas)
         reduced = time.perf_counter()
         evaluation = self._evaluate(rnd)
         evaluated = time.perf_counter()
@@ -110,12 +118,31 @@ class Server:
         record["time"] = times.split()
         return record, stopping
 
+    def _log_drops(self, rnd: int, metas: dict) -> None:
+        for client, meta in sorted(metas.items()):
+            if meta.error is not None:
+                log(f"round {rnd}: dropped logical client {client} (rank {self._rank_of(client)}): {meta.error}",
+                    rank=0)
+
+    def _rank_of(self, client: int) -> int:
+        return protocol.rank_of_client(client, self.client_ranks)
+
+    def _save_before_abort(self, rnd: int, metas: dict) -> None:
+        """The round is not applied: keep the model as it was after the previous round, on disk."""
+        self._log_drops(rnd, metas)
+        self.state.abandon_round()
+        if rnd > 1 and isinstance(self.state, InMemoryState):
+            path = self.state.end_round(rnd - 1, {**self.attrs, "round": rnd - 1}, self.history, save=True)
+            log(f"round {rnd} aborted; the global model after round {rnd - 1} is saved in {path}", rank=0)
+
     def _plan(self, by_rank: dict[int, list[int]]) -> PoolPlan:
         t = self.cfg.transport
         budget = int(t.pool_mb * 2**20)
         if isinstance(self.state, InMemoryState):
             # At most a quarter of the model: the in-memory server's bound is ~1.25 x model.
             budget = min(budget, self.state.spec.total_bytes // 4)
+        if self.strategy.stacked:  # at least two chunks' stacks, whatever the budget
+            budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)
         return PoolPlan.from_budget(
             budget_bytes=budget, chunk_bytes=self.pool.chunk_bytes,
             acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=t.inflight,
@@ -133,16 +160,19 @@ class Server:
         return self.evaluate()
 
     def _record(self, rnd: int, participants: list[int], by_rank: dict, metas: dict, evaluation: dict | None) -> dict:
-        samples = sum(m.num_samples for m in metas.values())
-        losses = [(m.metrics["loss"], m.num_samples) for m in metas.values() if "loss" in m.metrics]
-        model_bytes = self.state.spec.total_bytes
+        samples = sum(m.num_samples for m in metas.values() if m.error is None)
+        losses = [(m.metrics["loss"], m.num_samples) for m in metas.values() if "loss" in m.metrics and m.error is None]
+        model_bytes = sum(c.nbytes for c in self.chunks)
+        usable = {c: m for c, m in metas.items() if m.error is None}
         record = {
             "round": rnd,
             "participants": participants,
+            "dropped": [{"client": c, "rank": self._rank_of(c), "reason": m.error}
+                        for c, m in sorted(metas.items()) if m.error is not None],
             "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": samples,
             "bytes_sent": model_bytes * len(by_rank),
-            "bytes_received": model_bytes * len(participants),
+            "bytes_received": sum(w.nbytes for w in self.wire) * len(participants),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
             "client_train_seconds": max(m.train_seconds for m in metas.values()),
@@ -150,14 +180,30 @@ class Server:
         }
         if evaluation is not None:
             record["eval"] = evaluation
+        federated = federated_evaluation(usable.values())
+        if federated is not None:
+            record["federated_eval"] = federated
         return record
+
+
+def federated_evaluation(metas) -> dict | None:
+    """Clients' validation metrics of the global model they received, weighted by validation samples."""
+    reports = [m.metrics for m in metas if "val_samples" in m.metrics]
+    if not reports:
+        return None
+    n = sum(r["val_samples"] for r in reports)
+    return {"accuracy": sum(r["val_accuracy"] * r["val_samples"] for r in reports) / n,
+            "loss": sum(r["val_loss"] * r["val_samples"] for r in reports) / n,
+            "clients": len(reports), "samples": n}
 
 
 def _summary(record: dict) -> str:
     parts = []
     if record.get("train_loss") is not None:
         parts.append(f"train_loss {record['train_loss']:.4f}")
-    parts += [f"{k} {v:.4f}" for k, v in record["eval"].items()]
+    parts += [f"{k} {v:.4f}" for k, v in record.get("eval", {}).items()]
+    if "federated_eval" in record:
+        parts += [f"federated_{k} {record['federated_eval'][k]:.4f}" for k in ("accuracy", "loss")]
     return ", ".join(parts)
 
 

@@ -1,8 +1,14 @@
 """Where the server's global model lives: in RAM (a FlatModel) or on disk (out-of-core HDF5).
 
-Both give the round loop the same three things: the model's chunks to stream out (window
-by window), a place to finish each chunk of the new model, and a way to publish a
-checkpoint. They produce bitwise-identical models.
+Both give the round loop the same things: the model's chunks to stream out (window by
+window), a place to finish each chunk of the new model (holding the old chunk on entry),
+the strategy's server-state slices for that chunk, and a way to publish a checkpoint.
+They produce bitwise-identical models.
+
+Server state (FedAvgM's velocity, FedAdam's moments) is a set of fp32 vectors with one
+element per model element, addressed by the chunks' element offsets: whole vectors in
+RAM for the in-memory server, ``/server_state/<name>`` datasets read and written chunk
+by chunk for the out-of-core one.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .flat import DTYPES, Chunk, FlatModel, ModelSpec
+from .flat import DTYPES, Chunk, FlatModel, ModelSpec, element_offsets
 from .storage import Checkpoint, CheckpointWriter, checkpoint_name, prune_checkpoints
 from .transport import touched_empty
 
@@ -35,9 +41,14 @@ def _span(window: list[Chunk]) -> int:
 class InMemoryState:
     """The global model is a FlatModel; finished chunks overwrite it in place."""
 
-    def __init__(self, flat: FlatModel, chunks: list[Chunk], directory: Path | None, keep: int):
+    def __init__(self, flat: FlatModel, chunks: list[Chunk], directory: Path | None, keep: int,
+                 state_init: dict[str, float] | None = None):
         self.flat, self.chunks, self.directory, self.keep = flat, chunks, directory, keep
         self.spec = flat.spec
+        self.elements = element_offsets(chunks)
+        self.state_init = dict(state_init or {})
+        self.vectors = {name: torch.full((self.elements[-1],), value, dtype=torch.float32)
+                        for name, value in self.state_init.items()}
 
     def outgoing(self) -> Iterator[list[np.ndarray]]:
         """The whole model is already in memory: one window."""
@@ -49,24 +60,36 @@ class InMemoryState:
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
         return self.flat.chunk_view(chunk)
 
+    def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        start = self.elements[chunk.index]
+        return {name: v[start:start + chunk.numel] for name, v in self.vectors.items()}
+
     def commit(self, chunk: Chunk) -> None:
+        pass
+
+    def abandon_round(self) -> None:
         pass
 
     def end_round(self, round_: int, attrs: dict, history: list[dict], save: bool) -> Path | None:
         """Publish a checkpoint when asked to."""
         if not save or self.directory is None:
             return None
-        with CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, attrs) as writer:
+        sizes = {name: (self.elements[-1], value) for name, value in self.state_init.items()}
+        with CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, attrs, sizes) as writer:
             writer.write_tensors(self.flat.tensors())
+            for name, vector in self.vectors.items():
+                writer.write_state(name, 0, vector.numpy())
             writer.write_metrics(history)
             path = writer.publish()
         prune_checkpoints(self.directory, self.keep)
         return path
 
     def load(self, ckpt: Checkpoint) -> None:
-        """Read a checkpoint straight into the flat buffer, then close it."""
+        """Read a checkpoint straight into the flat buffer (and the server state), then close it."""
         with ckpt:
             ckpt.read_into(self.flat.tensors())
+            for name, vector in self.vectors.items():
+                ckpt.read_state(name, 0, vector.numpy(), self.state_init[name])
 
 
 class OnDiskState:
@@ -76,11 +99,18 @@ class OnDiskState:
     writing finished chunks, whatever the model's size.
     """
 
-    def __init__(self, spec: ModelSpec, chunks: list[Chunk], directory: Path, keep: int, window_bytes: int):
+    def __init__(self, spec: ModelSpec, chunks: list[Chunk], directory: Path, keep: int, window_bytes: int,
+                 state_init: dict[str, float] | None = None, read_previous: bool = False):
         self.spec, self.chunks, self.directory, self.keep = spec, chunks, directory, keep
         self.windows = chunk_windows(chunks, window_bytes)
         self.window = touched_empty(max(_span(w) for w in self.windows))
         self.staging = touched_empty(max(c.nbytes for c in chunks))
+        self.read_previous = read_previous
+        self.elements = element_offsets(chunks)
+        self.state_init = dict(state_init or {})
+        most = max(c.numel for c in chunks)
+        self.state_staging = {name: torch.from_numpy(touched_empty(4 * most)).view(torch.float32)
+                              for name in self.state_init}
         self.current: Checkpoint | None = None
         self.writer: CheckpointWriter | None = None
 
@@ -102,14 +132,35 @@ class OnDiskState:
             self.current.read_range(self.spec, base, self.window[:_span(window)])
             yield views
 
+    def _state_sizes(self) -> dict[str, tuple[int, float]]:
+        return {name: (self.elements[-1], value) for name, value in self.state_init.items()}
+
     def begin_round(self, round_: int) -> None:
-        self.writer = CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, {})
+        self.writer = CheckpointWriter(self.directory / checkpoint_name(round_), self.spec, {}, self._state_sizes())
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
+        if self.read_previous:
+            self.current.read_range(self.spec, chunk.offset, self.staging[:chunk.nbytes])
         return torch.from_numpy(self.staging[:chunk.nbytes]).view(DTYPES[chunk.dtype])
+
+    def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        start, out = self.elements[chunk.index], {}
+        for name, staging in self.state_staging.items():
+            out[name] = staging[:chunk.numel]
+            self.current.read_state(name, start, out[name].numpy(), self.state_init[name])
+        return out
 
     def commit(self, chunk: Chunk) -> None:
         self.writer.write_range(chunk.offset, self.staging[:chunk.nbytes])
+        start = self.elements[chunk.index]
+        for name, staging in self.state_staging.items():
+            self.writer.write_state(name, start, staging[:chunk.numel].numpy())
+
+    def abandon_round(self) -> None:
+        """Drop the half-written next checkpoint; the current one stays the global model."""
+        if self.writer is not None:
+            self.writer.abandon()
+            self.writer = None
 
     def end_round(self, round_: int, attrs: dict, history: list[dict], save: bool) -> Path:
         """Every round's result is published atomically, like a checkpoint."""
@@ -124,7 +175,7 @@ class OnDiskState:
 
     def write_initial(self, attrs: dict, receive_window) -> Path:
         """Publish round 0 from chunks streamed in by ``receive_window(window_chunks, buffers)``."""
-        with CheckpointWriter(self.directory / checkpoint_name(0), self.spec, attrs) as writer:
+        with CheckpointWriter(self.directory / checkpoint_name(0), self.spec, attrs, self._state_sizes()) as writer:
             for window in self.windows:
                 base, views = self._views(window)
                 receive_window(views)

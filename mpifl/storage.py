@@ -6,7 +6,9 @@ Layout of ``ckpt-r<round>.h5``::
                               strategy, created, version_* (mpifl, torch, h5py, mpi)
     /model/<name>      one dataset per exchanged tensor, in its own dtype; bf16 is stored as
                        its raw uint16 bits; every dataset has attr ``dtype`` (torch dtype name)
-    /server_state/...  strategy state (empty for FedAvg)
+    /server_state/<n>  strategy state: one float32 vector per name (FedAvgM ``velocity``,
+                       FedAdam/Yogi/Adagrad ``m`` and ``v``), one element per model element
+                       in chunk order; attr ``fill`` is its initial value (empty for FedAvg)
     /metrics           the metrics history so far, one JSON string per round
 
 Publishing writes ``<name>.tmp`` in the same directory, flushes, fsyncs, then ``os.replace``:
@@ -54,7 +56,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 class CheckpointWriter:
     """Writes one checkpoint to a temporary file; ``publish()`` makes it visible atomically."""
 
-    def __init__(self, path: Path, spec: ModelSpec, attrs: dict):
+    def __init__(self, path: Path, spec: ModelSpec, attrs: dict, state: dict[str, tuple[int, float]] | None = None):
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.spec = spec
@@ -70,7 +72,10 @@ class CheckpointWriter:
             ds = model.create_dataset(e.name, shape=e.shape, dtype=_STORED_AS[e.dtype])
             ds.attrs["dtype"] = e.dtype
             self.datasets[e.name] = ds
-        self.file.create_group("server_state")
+        server_state = self.file.create_group("server_state")
+        for name, (size, fill) in (state or {}).items():  # unwritten parts read as the fill value
+            ds = server_state.create_dataset(name, shape=(size,), dtype=np.float32, fillvalue=np.float32(fill))
+            ds.attrs["fill"] = fill
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -84,6 +89,11 @@ class CheckpointWriter:
         """Write flat bytes ``data`` at byte ``offset`` of the model's flat layout."""
         with self._naming_errors():
             _io_range(self.spec, self.datasets, offset, data, write=True)
+
+    def write_state(self, name: str, start: int, data: np.ndarray) -> None:
+        """Write float32 ``data`` into server-state vector ``name`` from element ``start``."""
+        with self._naming_errors():
+            self.file["server_state"][name][start:start + len(data)] = data
 
     def write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write whole tensors by name."""
@@ -174,6 +184,18 @@ class Checkpoint:
     def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""
         _io_range(spec, self.file["model"], offset, out, write=False)
+
+    def read_state(self, name: str, start: int, out: np.ndarray, fill: float) -> None:
+        """Fill float32 ``out`` from server-state vector ``name`` at element ``start`` (``fill`` if absent)."""
+        group = self.file.get("server_state")
+        if group is None or name not in group:
+            out.fill(fill)
+            return
+        ds = group[name]
+        if start + len(out) > ds.shape[0]:
+            raise CheckpointError(f"{self.path}: server_state/{name} has {ds.shape[0]} elements, "
+                                  f"needs {start + len(out)}")
+        ds.read_direct(out, source_sel=np.s_[start:start + len(out)])
 
     def read_into(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Read every tensor straight into the given (flat-buffer) views: no second copy."""

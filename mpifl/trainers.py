@@ -44,8 +44,13 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters()), torch.float32)
 
 
+def proximal_term(params: list[torch.Tensor], anchors: list[torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx (Li et al. 2020): mu/2 * ||w - w_global||^2 over the trained parameters."""
+    return mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
+
+
 class TorchTrainer:
-    """A plain PyTorch loop: shuffled minibatches, epochs or a fixed number of steps."""
+    """A plain PyTorch loop: shuffled minibatches, epochs or a fixed number of steps (optionally FedProx)."""
 
     modifies_weights = True
 
@@ -67,6 +72,8 @@ class TorchTrainer:
         generator = torch.Generator().manual_seed(seed)
         steps = self.cfg.local_steps or self.cfg.local_epochs * math.ceil(len(data) / self.cfg.batch_size)
         optimizer = self._optimizer(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        anchors = [p.detach().clone() for p in params] if self.cfg.prox_mu else []  # the received global model
         dtype = _param_dtype(model)
         model.train()
         total, count = 0.0, 0
@@ -80,7 +87,8 @@ class TorchTrainer:
                 x, y = data.x[batch].to(dtype), data.y[batch]
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.loss_fn(model(x), y)
-                loss.backward()
+                objective = loss + proximal_term(params, anchors, self.cfg.prox_mu) if anchors else loss
+                objective.backward()
                 optimizer.step()
                 total += loss.item() * len(batch)
                 count += len(batch)

@@ -35,8 +35,9 @@ def _test_hooks() -> None:
 
     if os.environ.get("FL_HELPERS_PID_DIR"):
         path = os.path.join(os.environ["FL_HELPERS_PID_DIR"], f"rank{MPI.COMM_WORLD.Get_rank()}.pid")
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # a reader never sees an empty file
     time.sleep(float(os.environ.get("FL_HELPERS_SLEEP", "0")))
 
 
