@@ -7,12 +7,8 @@ import torch
 
 from conftest import MPI_TIMEOUT, run_mpi, write_config
 from mpifl.config import load_config
-from mpifl.data import client_data, load_dataset, partition
-from mpifl.federation import client_seed, sample_clients
-from mpifl.flat import FlatModel
-from mpifl.models import build_model
 from mpifl.storage import load_tensors
-from mpifl.trainers import make_trainer
+from reference import fp32_to_bf16_bits, reference_run
 
 CONFIG = """
 seed: 3
@@ -28,47 +24,10 @@ output: {{progress: false}}
 """
 
 
-def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round fp32 to bf16 (round to nearest even), returning the 16-bit patterns."""
-    u = x.view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def fma32(acc: np.ndarray, w: float, x: np.ndarray) -> np.ndarray:
-    """acc + w*x with a single rounding to fp32, like torch's fused add_(x, alpha=w)."""
-    wide = np.longdouble
-    return (acc.astype(wide) + wide(w) * x.astype(wide)).astype(np.float32)
-
-
-def reference_fedavg(updates: list[tuple[float, np.ndarray]]) -> np.ndarray:
-    """Whole-model weighted mean in fp32, summed in ascending client id order."""
-    (w0, x0), rest = updates[0], updates[1:]
-    acc = np.float32(w0) * x0
-    for w, x in rest:
-        acc = fma32(acc, w, x)
-    return acc / np.float32(sum(w for w, _ in updates))
-
-
-def reference_run(cfg) -> dict[str, np.ndarray]:
-    """All client models in memory, averaged per tensor; returns final tensors as raw bits."""
-    dataset = load_dataset(cfg.data)
-    flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
-    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
-    trainer = make_trainer(cfg.train)
-    bf16 = cfg.model.dtype == "bfloat16"
-    for rnd in range(1, cfg.rounds + 1):
-        start = flat.buffer.clone()
-        updates = []
-        for c in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
-            flat.buffer.copy_(start)
-            result = trainer.train(flat.module, client_data(dataset, parts[c]), client_seed(cfg.seed, rnd, c))
-            weight = float(result.num_samples) if cfg.strategy.weighting == "samples" else 1.0
-            updates.append((weight, {n: t.float().numpy().copy() for n, t in flat.tensors()}))
-        for name, tensor in flat.tensors():
-            mean = reference_fedavg([(w, x[name]) for w, x in updates])
-            bits = fp32_to_bf16_bits(mean) if bf16 else mean.view(np.uint32)
-            tensor.view(torch.int16 if bf16 else torch.int32).copy_(torch.from_numpy(bits.view(np.int16 if bf16 else np.int32)))
-    return {n: t.view(torch.int16 if bf16 else torch.int32).numpy().copy() for n, t in flat.tensors()}
+def bits(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Raw bit patterns of fp32 arrays, as the model dtype stores them."""
+    return {n: fp32_to_bf16_bits(x).view(np.int16) if dtype == "bfloat16" else x.view(np.int32)
+            for n, x in tensors.items()}
 
 
 def run_bits(tmp_path, ranks: int, name: str, **params) -> dict[str, np.ndarray]:
@@ -89,7 +48,7 @@ def test_streamed_fedavg_equals_whole_model_reference_bitwise(tmp_path, ranks, d
     params = dict(dtype=dtype, chunk_mb=chunk_bytes / 2**20, weighting=weighting)
     got = run_bits(tmp_path, ranks, "run", **params)
     cfg = load_config(None, data=__import__("yaml").safe_load(CONFIG.format(**params)))
-    expected = reference_run(cfg)
+    expected = bits(reference_run(cfg), dtype)
     assert got.keys() == expected.keys()
     for name in expected:
         assert np.array_equal(got[name], expected[name]), f"{name} differs from the reference"

@@ -1,0 +1,128 @@
+"""A plain whole-model numpy reference of a federated run: every client model in memory at once.
+
+It follows the papers' formulas, not mpifl's chunked code; the tests compare the two.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from mpifl.config import Config
+from mpifl.data import client_data, load_dataset, partition
+from mpifl.federation import client_seed, sample_clients
+from mpifl.flat import FlatModel
+from mpifl.models import build_model
+from mpifl.trainers import make_trainer
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round fp32 to bf16 (round to nearest even), returning the 16-bit patterns."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 values rounded once to a model/wire dtype and widened back to fp32 (exact)."""
+    if dtype == "bfloat16":
+        return bf16_bits_to_fp32(fp32_to_bf16_bits(x))
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    return x.astype(np.float32)
+
+
+def fma32(acc: np.ndarray, w: float, x: np.ndarray) -> np.ndarray:
+    """acc + w*x with a single rounding to fp32, like torch's fused add_(x, alpha=w)."""
+    wide = np.longdouble
+    return (acc.astype(wide) + wide(w) * x.astype(wide)).astype(np.float32)
+
+
+def weighted_mean(updates: list[tuple[float, np.ndarray]]) -> np.ndarray:
+    """Weighted mean in fp32, summed in ascending client id order."""
+    (w0, x0), rest = updates[0], updates[1:]
+    acc = np.float32(w0) * x0
+    for w, x in rest:
+        acc = fma32(acc, w, x)
+    return acc / np.float32(sum(w for w, _ in updates))
+
+
+def median(stack: np.ndarray) -> np.ndarray:
+    s = np.sort(stack, axis=0)
+    p = len(s)
+    return s[p // 2] if p % 2 else (s[p // 2 - 1] + s[p // 2]) * np.float32(0.5)
+
+
+def trimmed_mean(stack: np.ndarray, beta: float) -> np.ndarray:
+    s = np.sort(stack, axis=0)
+    p = len(s)
+    k = min(math.floor(beta * p + 1e-9), (p - 1) // 2)
+    acc = s[k].copy()
+    for row in s[k + 1:p - k]:
+        acc += row
+    return acc / np.float32(p - 2 * k)
+
+
+def server_step(name: str, delta: np.ndarray, state: dict, cfg) -> np.ndarray:
+    """The server optimizer's step for pseudo-gradient delta (Reddi et al. 2021, Algorithm 2)."""
+    f = np.float32
+    lr = cfg.server_lr if cfg.server_lr is not None else (1.0 if name == "fedavgm" else 0.01)
+    if name == "fedavgm":
+        state["velocity"] = f(cfg.momentum) * state["velocity"] + delta
+        return f(lr) * state["velocity"]
+    m = state["m"] = f(cfg.beta1) * state["m"] + f(1 - cfg.beta1) * delta
+    d2 = delta * delta
+    if name == "fedadam":
+        state["v"] = f(cfg.beta2) * state["v"] + f(1 - cfg.beta2) * d2
+    elif name == "fedyogi":
+        state["v"] = state["v"] - f(1 - cfg.beta2) * d2 * np.sign(state["v"] - d2)
+    else:
+        state["v"] = state["v"] + d2
+    return f(lr) * m / (np.sqrt(state["v"]) + f(cfg.tau))
+
+
+def reference_run(cfg: Config) -> dict[str, np.ndarray]:
+    """Train every sampled client, combine whole models, apply the server rule; final tensors as fp32."""
+    dataset = load_dataset(cfg.data)
+    flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
+    trainer = make_trainer(cfg.train)
+    s = cfg.strategy
+    dtype = cfg.model.dtype
+    wire = s.wire_dtype if s.wire_dtype and dtype == "float32" else dtype
+    state: dict[str, dict] = {}
+    for rnd in range(1, cfg.rounds + 1):
+        start = flat.buffer.clone()
+        old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+        sent = []
+        for c in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+            flat.buffer.copy_(start)
+            result = trainer.train(flat.module, client_data(dataset, parts[c]), client_seed(cfg.seed, rnd, c))
+            weight = float(result.num_samples) if s.weighting == "samples" else 1.0
+            update = {}
+            for n, t in flat.tensors():
+                x = t.float().numpy()
+                if s.update == "delta":  # formed in the model's dtype, then cast to the wire dtype
+                    x = round_to(x - old[n], dtype)
+                update[n] = round_to(x, wire)
+            sent.append((weight, update))
+        for name, tensor in flat.tensors():
+            if s.name == "median":
+                combined = median(np.stack([u[name] for _, u in sent]))
+            elif s.name == "trimmed_mean":
+                combined = trimmed_mean(np.stack([u[name] for _, u in sent]), s.trim_fraction)
+            else:
+                combined = weighted_mean([(w, u[name]) for w, u in sent])
+            if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+                delta = combined if s.update == "delta" else combined - old[name]
+                tensor_state = state.setdefault(name, {"velocity": np.zeros_like(delta), "m": np.zeros_like(delta),
+                                                       "v": np.full_like(delta, np.float32(s.tau) ** 2)})
+                new = server_step(s.name, delta, tensor_state, s) + old[name]
+            else:
+                new = combined + old[name] if s.update == "delta" else combined
+            tensor.copy_(torch.from_numpy(round_to(new.astype(np.float32), dtype)))
+    return {n: t.float().numpy().copy() for n, t in flat.tensors()}
