@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Callable, TypeVar
 
@@ -75,6 +76,9 @@ def log(message: str, rank: int | None = None) -> None:
     print(prefix + message, file=sys.stderr, flush=True)
 
 
+ABORT_GRACE_SECONDS = 1.0
+
+
 def guarded(fn: Callable[[], T]) -> T:
     """Run ``fn``; on any exception print rank, host and traceback, then abort every rank."""
     from mpi4py import MPI
@@ -90,5 +94,8 @@ def guarded(fn: Callable[[], T]) -> T:
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         sys.stderr.write(f"[mpifl rank {rank} on {socket.gethostname()}] failed, aborting the job:\n{text}")
         sys.stderr.flush()
+        # The launcher kills every rank on Abort, possibly before its proxy has forwarded
+        # what we just wrote: give it a moment, so the reason reaches the user.
+        time.sleep(ABORT_GRACE_SECONDS)
         MPI.COMM_WORLD.Abort(1)
         os._exit(1)  # Abort may return before the launcher kills us: never unwind further

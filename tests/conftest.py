@@ -24,9 +24,11 @@ def mpiexec() -> str:
     return found
 
 
-def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python -m mpifl ARGS`` and kill the whole process group on timeout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, **(env or {}),
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpifl", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=cwd or ROOT, start_new_session=True)

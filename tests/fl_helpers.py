@@ -73,3 +73,32 @@ def rank_dependent_mlp() -> nn.Module:
     from mpi4py import MPI
 
     return wider_mlp() if MPI.COMM_WORLD.Get_rank() == 2 else tiny_mlp()
+
+
+class FailingClients(NoiseTrainer):
+    """NoiseTrainer, except for chosen logical clients (from a chosen round on), which raise or
+    return NaN. Set by the environment: FL_HELPERS_RAISE and FL_HELPERS_NAN (comma-separated
+    client ids), FL_HELPERS_FROM_ROUND (default 1), FL_HELPERS_SEED (the config's root seed)."""
+
+    def __init__(self, cfg: TrainConfig):
+        import os
+
+        from mpifl.federation import client_seed
+
+        super().__init__(cfg)
+        seed, first = int(os.environ.get("FL_HELPERS_SEED", "0")), int(os.environ.get("FL_HELPERS_FROM_ROUND", "1"))
+
+        def seeds(var: str) -> dict[int, int]:
+            ids = [int(c) for c in os.environ.get(var, "").split(",") if c]
+            return {client_seed(seed, r, c): c for c in ids for r in range(first, 200)}
+
+        self.raising, self.poisoned = seeds("FL_HELPERS_RAISE"), seeds("FL_HELPERS_NAN")
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        if seed in self.raising:
+            raise RuntimeError(f"deliberate failure of logical client {self.raising[seed]}")
+        result = super().train(model, data, seed)
+        if seed in self.poisoned:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")
+        return result

@@ -85,8 +85,9 @@ def server_step(name: str, delta: np.ndarray, state: dict, cfg) -> np.ndarray:
     return f(lr) * m / (np.sqrt(state["v"]) + f(cfg.tau))
 
 
-def reference_run(cfg: Config) -> dict[str, np.ndarray]:
-    """Train every sampled client, combine whole models, apply the server rule; final tensors as fp32."""
+def reference_run(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, np.ndarray]:
+    """Train every sampled client (but those in ``drop``), combine whole models, apply the server rule;
+    final tensors as fp32."""
     dataset = load_dataset(cfg.data)
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
@@ -100,6 +101,8 @@ def reference_run(cfg: Config) -> dict[str, np.ndarray]:
         old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
         sent = []
         for c in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+            if c in drop:
+                continue
             flat.buffer.copy_(start)
             result = trainer.train(flat.module, client_data(dataset, parts[c]), client_seed(cfg.seed, rnd, c))
             weight = float(result.num_samples) if s.weighting == "samples" else 1.0

@@ -75,3 +75,72 @@ def test_an_existing_run_is_never_overwritten(tmp_path):
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), timeout=60)
     assert result.returncode == 2 and "already holds a run" in result.stderr
     assert (run_dir / "metrics.jsonl").read_text() == '{"round": 1}\n'
+
+
+FAILURES = """
+seed: 5
+rounds: 3
+clients: {num_clients: 8, per_round: 6, accept_failures: true}
+data: {dataset: digits, partition: iid}
+model: {name: "fl_helpers:tiny_mlp"}
+train: {trainer: "fl_helpers:FailingClients", lr: 0.02}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def run_failures(tmp_path, *overrides: str, raising: str = "", poisoned: str = "", from_round: int = 1):
+    cfg = write_config(tmp_path / "f.yaml", FAILURES)
+    env = {"FL_HELPERS_RAISE": raising, "FL_HELPERS_NAN": poisoned, "FL_HELPERS_SEED": "5",
+           "FL_HELPERS_FROM_ROUND": str(from_round)}
+    return run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, env=env, timeout=90)
+
+
+def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path):
+    import json
+
+    import numpy as np
+    import yaml
+
+    from mpifl.config import load_config
+    from mpifl.storage import load_tensors
+    from reference import reference_run
+
+    result = run_failures(tmp_path, raising="3", poisoned="5")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        dropped = {d["client"]: d for d in record["dropped"]}
+        assert set(dropped) == {3, 5} & set(record["participants"])
+        if 3 in dropped:
+            assert dropped[3]["rank"] == 1 + 3 % 3 and "RuntimeError: deliberate failure" in dropped[3]["reason"]
+            assert f"round {record['round']}: dropped logical client 3 (rank 1): RuntimeError" in result.stderr
+        if 5 in dropped:
+            assert "NaN/Inf" in dropped[5]["reason"]
+    assert any(r["dropped"] for r in records)
+    want = reference_run(load_config(None, data=yaml.safe_load(FAILURES)), drop=frozenset({3, 5}))
+    got = load_tensors(tmp_path / "run" / "model.h5")
+    for name, value in want.items():
+        assert np.array_equal(got[name].float().numpy(), value), name
+
+
+@pytest.mark.parametrize("kind", ["raising", "poisoned"])
+def test_without_accept_failures_a_bad_client_aborts_the_job_naming_it(tmp_path, kind):
+    start = time.monotonic()
+    result = run_failures(tmp_path, "clients.accept_failures=false", **{kind: "3"})
+    assert result.returncode != 0
+    expected = ("deliberate failure of logical client 3" if kind == "raising"
+                else "logical client 3 on rank 1: update contains 1 NaN/Inf values (clients.accept_failures=false)")
+    assert expected in result.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_too_few_participants_abort_the_round_and_keep_the_previous_model(tmp_path):
+    from mpifl.storage import Checkpoint
+
+    result = run_failures(tmp_path, "clients.min_participants=5", raising="0,1,2,3,4,5,6,7", from_round=2)
+    assert result.returncode != 0
+    assert "round 2: only 0 of 6 participants sent a usable update, fewer than clients.min_participants=5" \
+        in result.stderr
+    with Checkpoint(tmp_path / "run" / "checkpoints" / "ckpt-r000001.h5") as ckpt:
+        assert ckpt.round == 1  # round 1's model was saved before the job stopped
