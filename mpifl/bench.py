@@ -42,6 +42,7 @@ def exchange_main(args: argparse.Namespace) -> int:
         "model": {"name": "blob", "kwargs": {"size_mb": args.model_mb},
                   "dtype": "bfloat16" if args.dtype == "bf16" else "float32"},
         "train": {"trainer": "none"}, "eval": {"every": 0},
+        "strategy": {"name": args.strategy, "wire_dtype": args.wire_dtype},
         "transport": {"chunk_mb": args.chunk_mb}, "output": {"progress": False, "save_model": False}})
     check_world(comm.Get_size(), cfg)
     return guarded(lambda: _exchange(comm, cfg, args))
@@ -67,6 +68,7 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     mpifl_times = [r["time"]["round"] for r in history[1:]]
     result = {
         "model_bytes": model_bytes, "clients": comm.Get_size() - 1, "dtype": args.dtype,
+        "strategy": args.strategy, "wire_dtype": args.wire_dtype,
         "chunk_bytes": cfg.transport.chunk_bytes, "rounds": args.rounds,
         "seconds_per_round": {"mpifl": statistics.median(mpifl_times), "floor": statistics.median(floor),
                               "pickle": statistics.median(pickled) if pickled else None},
@@ -178,7 +180,8 @@ def _pickle_rounds(comm: MPI.Comm, model_mb: float, dtype: torch.dtype, rounds: 
 def _table(r: dict) -> str:
     secs, ratio = r["seconds_per_round"], r["ratio_to_floor"]
     lines = [f"model-only exchange: {r['model_bytes'] / MIB:.0f} MiB {r['dtype']}, {r['clients']} clients, "
-             f"{r['chunk_bytes'] / MIB:g} MiB chunks, median of {r['rounds']} rounds",
+             f"{r['chunk_bytes'] / MIB:g} MiB chunks, mpifl strategy {r['strategy']}"
+             + (f", {r['wire_dtype']} updates" if r["wire_dtype"] else "") + f", median of {r['rounds']} rounds",
              f"{'method':<8} {'s/round':>9} {'x floor':>8}"]
     for name in ("mpifl", "floor", "pickle"):
         s = secs[name]

@@ -25,6 +25,14 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a config without running it (no MPI needed)")
     val.add_argument("config")
     val.add_argument("overrides", nargs="*")
+    part = sub.add_parser("partition", help="print how a config splits the data (clients x labels); optional plot")
+    part.add_argument("config")
+    part.add_argument("overrides", nargs="*")
+    part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
+    cmp_ = sub.add_parser("compare", help="rounds to a target accuracy, per run directory (e.g. one per strategy)")
+    cmp_.add_argument("run_dirs", nargs="+")
+    cmp_.add_argument("--target", type=float, required=True, help="accuracy to reach, e.g. 0.9")
+    cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")
     ins = sub.add_parser("inspect", help="print a checkpoint's round, tensors, config and versions")
     ins.add_argument("checkpoint")
     exp = sub.add_parser("export", help="write a checkpoint's model as safetensors")
@@ -47,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--rounds", type=int, default=3, help="timed rounds per method (median reported)")
     ex.add_argument("--pickle-rounds", type=int, default=None, help="rounds for the slow pickle path "
                     "(default: same as --rounds); 0 skips it")
+    ex.add_argument("--strategy", default="fedavg", help="mpifl's strategy (e.g. median: the server stacks "
+                    "participants x chunk); the floor and pickle paths always average")
+    ex.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
+                    help="clients send updates in this dtype (mpifl only)")
     ex.add_argument("--json", help="write the results to this JSON file")
     return p
 
@@ -57,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also come after options (`run CFG --run-dir D rounds=3`)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
-    if stray or (extra and args.command not in ("run", "validate", "pbs")):
+    if stray or (extra and args.command not in ("run", "validate", "pbs", "partition")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if getattr(args, "resume", None) and "=" in args.resume and not Path(args.resume).exists():
         extra.append(args.resume)  # `--resume rounds=9`: the optional CKPT swallowed an override
@@ -71,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             resume = _find_resume(cfg, args) if args.resume else None
             return _run(cfg, args.run_dir, resume, args.memray, args.memray_native)
+        if args.command == "partition":
+            return _partition(load_config(args.config, args.overrides), args.plot)
+        if args.command == "compare":
+            from .report import compare_table
+            print(compare_table(args.run_dirs, args.target, args.metric))
+            return 0
         if args.command == "report":
             from .report import write_report
             for path in write_report(args.run_dir, args.out):
@@ -96,6 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         log(f"mpifl: {err}")
         return 2
+
+
+def _partition(cfg: Config, plot: str | None) -> int:
+    from .data import label_histogram, load_dataset, partition, partition_table, plot_partition
+
+    dataset = load_dataset(cfg.data)
+    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
+    histogram = label_histogram(parts, dataset.y_train.numpy(), dataset.num_classes)
+    print(partition_table(histogram, max_rows=10**6))
+    if plot:
+        plot_partition(histogram, plot)
+        print(f"wrote {plot}")
+    return 0
 
 
 def _find_resume(cfg: Config, args: argparse.Namespace) -> Path:

@@ -27,6 +27,37 @@ def load_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def metric_of(record: dict, dotted: str) -> float | None:
+    """A dotted key (``eval.accuracy``) of a round's record, or None where absent."""
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def rounds_to_target(records: list[dict], target: float, metric: str = "eval.accuracy") -> int | None:
+    """The first round whose metric reaches ``target`` (None if never)."""
+    return next((r["round"] for r in records if (metric_of(r, metric) or float("-inf")) >= target), None)
+
+
+def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accuracy") -> str:
+    """A Markdown table: per run, its strategy, rounds to ``target``, best and final metric."""
+    import yaml
+
+    rows = [f"| run | strategy | rounds to {metric} >= {target} | best | final |", "|---|---|---|---|---|"]
+    for run_dir in map(Path, run_dirs):
+        records = load_metrics(run_dir)
+        config = run_dir / "config.yaml"
+        strategy = (yaml.safe_load(config.read_text()) or {}).get("strategy", {}) if config.is_file() else {}
+        values = [v for v in (metric_of(r, metric) for r in records) if v is not None]
+        reached = rounds_to_target(records, target, metric)
+        rows.append(f"| {run_dir.name} | {strategy.get('name', '?')} | {reached if reached else 'not reached'} | "
+                    f"{max(values, default=float('nan')):.4f} | {values[-1] if values else float('nan'):.4f} |")
+    return "\n".join(rows)
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Write quality, time-split, bytes and memory plots; return their paths."""
     run_dir = Path(run_dir)
