@@ -84,3 +84,16 @@ def test_validate_command_exit_codes(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in bad.stderr
+
+
+def test_strategy_and_evaluation_combinations_are_checked():
+    with pytest.raises(ConfigError, match=r"strategy.name: 'krum' is not allowed; choose one of 'fedavg', 'fedavgm'"):
+        load(strategy={"name": "krum"})
+    with pytest.raises(ConfigError, match=r"strategy.trim_fraction: must be <= 0.49"):
+        load(strategy={"name": "trimmed_mean", "trim_fraction": 0.5})
+    with pytest.raises(ConfigError, match=r"eval.federated_every: .* set data.val_fraction"):
+        load(eval={"federated_every": 2})
+    with pytest.raises(ConfigError, match=r"clients.min_participants: 5 is more than the 4 clients sampled"):
+        load(clients={"num_clients": 8, "per_round": 4, "min_participants": 5})
+    cfg = load(strategy={"name": "fedadam", "update": "delta", "wire_dtype": "bfloat16"})
+    assert (cfg.strategy.tau, cfg.strategy.server_lr) == (1e-3, None)

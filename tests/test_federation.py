@@ -47,3 +47,46 @@ def test_builtin_datasets_load_offline():
     assert float(x.max()) <= 1.0
     x, y, xt, yt = synthetic(num_samples=100, num_features=4)
     assert x.shape == (80, 4) and xt.dtype == torch.float32
+
+
+def test_shards_give_every_client_exactly_k_classes_and_use_every_class():
+    from mpifl.data import shard_partition
+
+    labels = np.repeat(np.arange(10), 40)
+    parts = shard_partition(labels, 8, 3, np.random.default_rng(1))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(400))
+    assert [len(np.unique(labels[p])) for p in parts] == [3] * 8
+    assert set(np.unique(labels[np.concatenate(parts)])) == set(range(10))
+
+
+def test_unbalanced_sizes_vary_widely_and_cover_the_data():
+    from mpifl.data import unbalanced_partition
+
+    parts = unbalanced_partition(1000, 20, 1.5, np.random.default_rng(0))
+    sizes = sorted(map(len, parts))
+    assert sum(sizes) == 1000 and sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    assert sizes[0] >= 1 and sizes[-1] > 5 * sizes[len(sizes) // 2] / 2
+    equal = unbalanced_partition(1000, 20, 0.0, np.random.default_rng(0))
+    assert max(map(len, equal)) - min(map(len, equal)) <= 1
+
+
+def test_validation_split_is_seeded_disjoint_and_optional():
+    from mpifl.data import split_validation
+
+    idx = np.arange(100, 200)
+    train, val = split_validation(idx, 0.2, seed=0, client=3)
+    assert len(val) == 20 and not set(train) & set(val) and sorted([*train, *val]) == idx.tolist()
+    assert np.array_equal(val, split_validation(idx, 0.2, seed=0, client=3)[1])
+    assert not np.array_equal(val, split_validation(idx, 0.2, seed=0, client=4)[1])
+    assert len(split_validation(idx, 0.0, seed=0, client=3)[1]) == 0
+
+
+def test_partition_table_shows_samples_and_label_counts_per_client():
+    from mpifl.data import label_histogram, partition_table
+
+    labels = np.array([0, 0, 1, 2, 2, 2])
+    table = partition_table(label_histogram([np.array([0, 1, 2]), np.array([3, 4, 5])], labels, 3))
+    lines = table.splitlines()
+    assert lines[0].split() == ["client", "samples", "c0", "c1", "c2"]
+    assert lines[1].split() == ["0", "3", "2", "1", "0"] and lines[2].split() == ["1", "3", "0", "0", "3"]
+    assert "2 clients" in lines[-1]

@@ -67,3 +67,19 @@ def test_exchange_benchmark_reports_all_three_paths(tmp_path):
     assert len(data["peak_rss_bytes"]["clients"]) == 2
     assert all(p > data["model_bytes"] for p in [data["peak_rss_bytes"]["server"], *data["peak_rss_bytes"]["clients"]])
     assert "mpifl" in result.stdout and "x floor" in result.stdout
+
+
+def test_federated_evaluation_shards_and_fedprox_under_mpiexec(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), "rounds=4",
+                     "data.partition=shards", "data.classes_per_client=3", "data.val_fraction=0.2",
+                     "eval.federated_every=2", "train.prox_mu=0.01", "eval.every=4", timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert "partition 'shards' of 1438 training samples" in result.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [("federated_eval" in r) for r in records] == [False, True, False, True]
+    fed = records[-1]["federated_eval"]
+    assert fed["clients"] == 4 and 0.0 <= fed["accuracy"] <= 1.0 and fed["loss"] > 0
+    assert fed["samples"] == pytest.approx(0.2 * 1438 / 2, rel=0.25)  # half the clients, a fifth of their data
+    counts = (run_dir / "partition.csv").read_text().splitlines()
+    assert len(counts) == 9 and all(sum(int(n) > 0 for n in row.split(",")[1:]) == 3 for row in counts[1:])
