@@ -14,20 +14,15 @@ from .storage import CheckpointError
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpifl", description="MPI federated learning simulation.")
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a federated experiment (under mpiexec, >= 2 ranks)")
-    run.add_argument("config", help="experiment YAML file")
-    run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 train.lr=0.1")
+    run = _config_arguments(sub.add_parser("run", help="run a federated experiment (under mpiexec, >= 2 ranks)"))
     run.add_argument("--run-dir", help="output directory (default: output.dir or runs/<name>-<time>)")
     run.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
                      help="continue from the newest checkpoint in the run directory, or from CKPT")
     run.add_argument("--memray", metavar="DIR", help="profile every rank with memray: DIR/rank00000.bin, ...")
     run.add_argument("--memray-native", action="store_true", help="record native stacks too (slower)")
-    val = sub.add_parser("validate", help="check a config without running it (no MPI needed)")
-    val.add_argument("config")
-    val.add_argument("overrides", nargs="*")
-    part = sub.add_parser("partition", help="print how a config splits the data (clients x labels); optional plot")
-    part.add_argument("config")
-    part.add_argument("overrides", nargs="*")
+    _config_arguments(sub.add_parser("validate", help="check a config without running it (no MPI needed)"))
+    part = _config_arguments(sub.add_parser("partition", help="print how a config splits the data (clients x "
+                                            "labels); optional plot"))
     part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
     cmp_ = sub.add_parser("compare", help="rounds to a target accuracy, per run directory (e.g. one per strategy)")
     cmp_.add_argument("run_dirs", nargs="+")
@@ -61,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="clients send updates in this dtype (mpifl only)")
     ex.add_argument("--json", help="write the results to this JSON file")
     return p
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A config file and key=value overrides, as every config-taking command reads them."""
+    parser.add_argument("config", help="experiment YAML file")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 train.lr=0.1")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,11 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _partition(cfg: Config, plot: str | None) -> int:
-    from .data import label_histogram, load_dataset, partition, partition_table, plot_partition
+    from .data import load_dataset, partition_histogram, partition_table, plot_partition
 
-    dataset = load_dataset(cfg.data)
-    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
-    histogram = label_histogram(parts, dataset.y_train.numpy(), dataset.num_classes)
+    histogram = partition_histogram(cfg.data, load_dataset(cfg.data), cfg.clients.num_clients, cfg.seed)
     print(partition_table(histogram, max_rows=10**6))
     if plot:
         plot_partition(histogram, plot)

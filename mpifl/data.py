@@ -172,6 +172,12 @@ def label_histogram(parts: list[np.ndarray], labels: np.ndarray, num_classes: in
     return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts]) if parts else np.zeros((0, 0))
 
 
+def partition_histogram(cfg: DataConfig, dataset: Dataset, num_clients: int, seed: int) -> np.ndarray:
+    """Clients x classes sample counts of the configured partition."""
+    parts = partition(cfg, dataset.y_train, num_clients, seed)
+    return label_histogram(parts, dataset.y_train.numpy(), dataset.num_classes)
+
+
 def partition_table(histogram: np.ndarray, max_rows: int = 20) -> str:
     """The partition as a text table: one row per client (samples, then per-class counts)."""
     num_classes = histogram.shape[1]

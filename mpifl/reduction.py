@@ -83,7 +83,6 @@ class ReceivePool:
 
     def __init__(self, chunks: list[Chunk], rows: int = 1):
         self.chunk_bytes = max(c.nbytes for c in chunks)
-        self.rows = rows
         self.acc_numel = max(c.numel for c in chunks) * rows
         self.slots: list[np.ndarray] = []
         self.accumulators: list[torch.Tensor] = []
@@ -106,7 +105,7 @@ class StreamedReduction:
         self.wire = wire or chunks
         self.min_participants, self.round = min_participants, round_
         self.included = [0] * len(chunks)
-        self.checked = False
+        self.total_weight: float | None = None  # set once every header is in, before the first finish
         self.order = sorted(c for clients in by_rank.values() for c in clients)
         self.position = {c: i for i, c in enumerate(self.order)}
         self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
@@ -232,16 +231,15 @@ class StreamedReduction:
             raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.order)} participants sent a "
                                f"usable update, fewer than clients.min_participants={self.min_participants}; "
                                "the round is not applied")
-        if sum(self.strategy.weight(m) for m in usable) <= 0:
+        self.total_weight = sum(self.strategy.weight(m) for m in usable)
+        if self.total_weight <= 0:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {self.order}); cannot average")
-        self.checked = True
 
     def _finish(self, j: int) -> None:
-        if not self.checked:
+        if self.total_weight is None:
             self._check_participation()
-        total = sum(self.strategy.weight(m) for m in self.stats.metas.values() if m.error is None)
         chunk = self.chunks[j]
-        self.strategy.finish(self.acc_of.pop(j), self.included[j], total, self.state.finish_target(chunk),
+        self.strategy.finish(self.acc_of.pop(j), self.included[j], self.total_weight, self.state.finish_target(chunk),
                              self.state.server_state(chunk))
         self.state.commit(chunk)
         self.finished[j] = True

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import h5py
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -14,7 +15,7 @@ from . import protocol
 from .client import ClientRank
 from .config import Config, dump_config
 from .aggregation import make_strategy
-from .data import Dataset, client_data, label_histogram, load_dataset, partition, partition_table, split_validation
+from .data import Dataset, client_data, load_dataset, partition, partition_histogram, partition_table, split_validation
 from .federation import clients_of_rank
 from .flat import FlatModel, ModelSpec, build_spec, exchanged_tensors
 from .launch import SetupError, StopRequest, agree, log
@@ -127,7 +128,7 @@ def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spe
             raise SetupError("server.state='disk' needs a run directory for its HDF5 state")
         state = OnDiskState(spec, chunks, ckpt_dir, cfg.checkpoint.keep, int(cfg.server.window_mb * 2**20),
                             strategy.state_init, read_previous=strategy.needs_previous_global)
-    if dataset is not None and start_of(ckpt) == 0:
+    if dataset is not None and ckpt is None:
         _report_partition(cfg, dataset, run_dir)
     start, history = 0, []
     if ckpt is not None:
@@ -156,19 +157,12 @@ def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spe
     return history
 
 
-def start_of(ckpt: Checkpoint | None) -> int:
-    """The round a run resumes after (0 for a fresh start)."""
-    return ckpt.round if ckpt is not None else 0
-
-
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
     """Print the clients x labels table; keep it as partition.csv in the run directory."""
-    labels = dataset.y_train.numpy()
-    histogram = label_histogram(partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed), labels,
-                                dataset.num_classes)
-    log(f"partition '{cfg.data.partition}' of {len(labels)} training samples:\n" + partition_table(histogram), rank=0)
+    histogram = partition_histogram(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
+    log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples:\n"
+        + partition_table(histogram), rank=0)
     if run_dir is not None:
-        import numpy as np
         header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
         np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
                    delimiter=",", header=header, comments="")

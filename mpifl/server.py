@@ -160,10 +160,10 @@ class Server:
         return self.evaluate()
 
     def _record(self, rnd: int, participants: list[int], by_rank: dict, metas: dict, evaluation: dict | None) -> dict:
-        samples = sum(m.num_samples for m in metas.values() if m.error is None)
-        losses = [(m.metrics["loss"], m.num_samples) for m in metas.values() if "loss" in m.metrics and m.error is None]
+        usable = [m for m in metas.values() if m.error is None]
+        samples = sum(m.num_samples for m in usable)
+        losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         model_bytes = sum(c.nbytes for c in self.chunks)
-        usable = {c: m for c, m in metas.items() if m.error is None}
         record = {
             "round": rnd,
             "participants": participants,
@@ -180,7 +180,7 @@ class Server:
         }
         if evaluation is not None:
             record["eval"] = evaluation
-        federated = federated_evaluation(usable.values())
+        federated = federated_evaluation(usable)
         if federated is not None:
             record["federated_eval"] = federated
         return record
