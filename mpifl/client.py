@@ -13,7 +13,7 @@ from .data import ClientData
 from .federation import client_seed
 from .flat import DTYPES, Chunk, FlatModel, wire_chunks
 from .metrics import peak_rss_bytes
-from .trainers import TrainResult, evaluate, make_loss, make_trainer
+from .trainers import TrainResult, make_evaluator, make_trainer
 from .transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
 
 
@@ -63,7 +63,7 @@ class ClientRank:
         self.delta = cfg.strategy.update == "delta"
         self.encoder = UpdateEncoder(flat, chunks, wire_chunks(chunks, cfg.strategy.wire_dtype), self.delta)
         self.snapshot: torch.Tensor | None = None
-        self.loss_fn = make_loss(cfg.train.loss) if cfg.eval.federated_every else None
+        self.evaluate = make_evaluator(cfg) if cfg.eval.federated_every else None
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -120,5 +120,5 @@ class ClientRank:
         every = self.cfg.eval.federated_every
         if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.cfg.rounds):
             return {}
-        result = evaluate(self.flat.module, val.x, val.y, self.loss_fn, self.cfg.eval.batch_size)
-        return {"val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": len(val)}
+        result = self.evaluate(self.flat.module, val.x, val.y)
+        return {**{f"val_{k}": v for k, v in result.items()}, "val_samples": len(val)}

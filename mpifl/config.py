@@ -43,8 +43,9 @@ class ClientsConfig:
 class DataConfig:
     """The dataset and how it is split across logical clients."""
 
-    dataset: str = _f("digits", "built-in dataset or import path returning (x_train, y_train, x_test, y_test)",
-                      choices=("digits", "synthetic"), import_ok=True)
+    dataset: str = _f("digits", "built-in dataset ('digits', 'synthetic', or 'text': token blocks for causal-LM "
+                      "training, see mpifl.data.text) or import path returning (x_train, y_train, x_test, y_test)",
+                      choices=("digits", "synthetic", "text"), import_ok=True)
     kwargs: dict = _f(dict, "keyword arguments for the dataset function")
     partition: str = _f("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
                         "per client) or unbalanced (lognormal sizes, iid labels)",
@@ -57,23 +58,55 @@ class DataConfig:
 
 
 @dataclass
+class TransformersConfig:
+    """A Hugging Face transformers causal LM (model.name='transformers'), built offline."""
+
+    architecture: Optional[str] = _f(None, "model_type as transformers names it (gpt2, llama, mistral, ...); "
+                                     "optional when path has a config.json")
+    config: dict = _f(dict, "config values (n_layer, hidden_size, num_hidden_layers, ...) over the architecture's "
+                      "defaults or over path's config.json")
+    path: Optional[str] = _f(None, "local folder with config.json (and, with pretrained, *.safetensors shards); "
+                             "never a hub name: nothing is downloaded")
+    pretrained: bool = _f(False, "load the weights from path's safetensors shards, shard by shard into the flat "
+                          "buffer (else: random init from the seed)")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (the 'lora' extra); only the adapters train and travel."""
+
+    r: int = _f(0, "adapter rank (0 = no LoRA)", min=0)
+    alpha: float = _f(16.0, "LoRA scaling alpha", min=0.0, exclusive_min=True)
+    dropout: float = _f(0.0, "dropout on the adapter input", min=0.0, max=1.0)
+    target_modules: list = _f(list, "module names to adapt, e.g. [c_attn] (gpt2) or [q_proj, v_proj] (llama); "
+                              "default: peft's choice for the architecture")
+
+
+@dataclass
 class ModelConfig:
     """The model every rank builds."""
 
-    name: str = _f("mlp", "built-in model or import path to a function returning an nn.Module",
-                   choices=("mlp", "cnn", "blob"), import_ok=True)
+    name: str = _f("mlp", "built-in model ('mlp', 'cnn', 'blob', 'transformers') or import path to a function "
+                   "returning an nn.Module", choices=("mlp", "cnn", "blob", "transformers"), import_ok=True)
     kwargs: dict = _f(dict, "keyword arguments for the model function")
     dtype: str = _f("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
     init_from: Optional[str] = _f(None, "an mpifl checkpoint to start from: every rank builds the model on the "
                                   "meta device and reads the weights straight into its flat buffer")
+    transformers: TransformersConfig = _f(TransformersConfig, "model.name='transformers': architecture and config")
+    trainable: list = _f(list, "glob patterns of parameter names that train (e.g. ['*.h.11.*', 'lm_head.*']); "
+                         "the others are frozen; default: all")
+    exchange: str = _f("trainable", "what travels and is reduced: only the trainable tensors (frozen ones stay "
+                       "where they are) or all", choices=("trainable", "all"))
+    lora: LoraConfig = _f(LoraConfig, "LoRA adapters (model.name='transformers')")
 
 
 @dataclass
 class TrainConfig:
     """Local training on each logical client."""
 
-    trainer: str = _f("torch", "'torch' (plain loop), 'none' (model-only exchange) or an import path",
-                      choices=("torch", "none"), import_ok=True)
+    trainer: str = _f("torch", "'torch' (plain loop), 'causal_lm' (transformers fine-tuning on data.dataset='text'), "
+                      "'none' (model-only exchange) or an import path", choices=("torch", "causal_lm", "none"),
+                      import_ok=True)
     optimizer: str = _f("sgd", "local optimizer", choices=("sgd", "adam", "adamw"))
     lr: float = _f(0.05, "local learning rate", min=0.0, exclusive_min=True)
     momentum: float = _f(0.0, "SGD momentum", min=0.0, max=1.0)
@@ -81,6 +114,11 @@ class TrainConfig:
     local_epochs: int = _f(1, "passes over the local data per round", min=1)
     local_steps: Optional[int] = _f(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
     batch_size: int = _f(32, "local minibatch size", min=1)
+    grad_accum_steps: int = _f(1, "micro-batches of batch_size accumulated per optimizer step", min=1)
+    gradient_checkpointing: bool = _f(False, "causal_lm: recompute activations in the backward pass (less memory, "
+                                      "~30% more compute)")
+    max_grad_norm: Optional[float] = _f(None, "clip the gradient norm to this before each step", min=0.0,
+                                        exclusive_min=True)
     prox_mu: float = _f(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
     loss: str = _f("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
                    choices=("cross_entropy", "mse"), import_ok=True)
@@ -218,6 +256,7 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.model.name == "blob" and (cfg.train.trainer == "torch" or cfg.eval.every):
         raise ConfigError("model.name: 'blob' is a benchmark payload with no data: it needs eval.every=0 and a "
                           "trainer other than 'torch' (e.g. train.trainer='none')")
+    _check_transformers(cfg)
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_file():
         raise ConfigError(f"model.init_from: checkpoint file {cfg.model.init_from!r} does not exist")
     if cfg.eval.federated_every and cfg.data.val_fraction == 0:
@@ -229,6 +268,41 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")
+
+
+def _check_transformers(cfg: Config) -> None:
+    model, hf = cfg.model, cfg.model.transformers
+    if model.name != "transformers":
+        if model.lora.r:
+            raise ConfigError("model.lora.r: LoRA adapters need model.name='transformers'")
+        if cfg.train.trainer == "causal_lm":
+            raise ConfigError("train.trainer: 'causal_lm' needs model.name='transformers'")
+        return
+    if model.kwargs:
+        raise ConfigError("model.kwargs: a transformers model takes its settings from model.transformers.config")
+    if hf.architecture is None and hf.path is None:
+        raise ConfigError("model.transformers: name an architecture (e.g. gpt2, llama) or a local path with a "
+                          "config.json")
+    if hf.path is not None and not Path(hf.path).is_dir():
+        raise ConfigError(f"model.transformers.path: {hf.path!r} is not a local folder (nothing is downloaded: "
+                          "hub names are not accepted)")
+    if hf.path is not None and hf.architecture is None and not (Path(hf.path) / "config.json").is_file():
+        raise ConfigError(f"model.transformers.path: {hf.path!r} has no config.json; set model.transformers.architecture")
+    if hf.pretrained and (hf.path is None or not any(Path(hf.path).glob("*.safetensors"))):
+        raise ConfigError(f"model.transformers.pretrained: no *.safetensors files in model.transformers.path "
+                          f"({hf.path!r})")
+    if hf.pretrained and model.init_from:
+        raise ConfigError("model.init_from: choose one source of weights: a pretrained folder or an mpifl checkpoint")
+    if cfg.train.trainer == "torch":
+        raise ConfigError("train.trainer: a transformers model trains with 'causal_lm' (or 'none' for model-only "
+                          "exchange), not 'torch'")
+    reads_text = cfg.train.trainer == "causal_lm" or cfg.eval.every or cfg.eval.federated_every
+    if reads_text and cfg.data.dataset != "text" and not is_import_path(cfg.data.dataset):
+        raise ConfigError(f"data.dataset: causal-LM training and perplexity read token blocks; use 'text', not "
+                          f"{cfg.data.dataset!r} (or set eval.every=0 with train.trainer='none')")
+    if cfg.data.dataset == "text" and cfg.data.partition in ("dirichlet", "shards"):
+        raise ConfigError(f"data.partition: {cfg.data.partition!r} splits by label; text blocks have none "
+                          "(use iid or unbalanced)")
 
 
 # Keys that may differ between a checkpoint's config and the config that resumes it.
@@ -312,8 +386,10 @@ def _coerce(key: str, value: Any, base: Any) -> Any:
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if base is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if base in (float, str, dict) and not isinstance(value, base):
+    if base in (float, str, dict, list) and not isinstance(value, base):
         raise ConfigError(f"{key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
+    if base is list and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
     return value
 
 

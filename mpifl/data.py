@@ -2,7 +2,8 @@
 
 A dataset function returns ``(x_train, y_train, x_test, y_test)`` (tensors or arrays).
 Built in: ``digits`` (UCI optical handwritten digits, 1797 8x8 images, shipped with
-mpifl) and ``synthetic`` (Gaussian class clusters). Partitioners split the training
+mpifl), ``synthetic`` (Gaussian class clusters) and ``text`` (token blocks for causal-LM
+training, :mod:`mpifl.text`). Partitioners split the training
 indices across logical clients deterministically from the seed.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from .config import DataConfig
 from .federation import PARTITION, derive_seed
 from .plugins import resolve
+from .text import text
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int 
     return as_x(x[n_test:]), as_y(y[n_test:]), as_x(x[:n_test]), as_y(y[:n_test])
 
 
-BUILTIN = {"digits": digits, "synthetic": synthetic}
+BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text}
 
 
 def load_dataset(cfg: DataConfig) -> Dataset:

@@ -8,6 +8,10 @@ logical client starts from the value the model was built with.
 
 A :class:`ModelSpec` records names, shapes, dtypes and offsets; its hash is compared
 at start-up so a client with a different model is refused.
+
+With ``trainable_only``, frozen parameters (``requires_grad=False``: frozen layers, the base
+model under LoRA) go to a second flat buffer that never travels: only the trainable tensors
+are in the spec, on the wire, in the reduction and in checkpoints.
 """
 from __future__ import annotations
 
@@ -144,7 +148,7 @@ def element_offsets(chunks: list[Chunk]) -> list[int]:
     return out + [total]
 
 
-def exchanged_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def floating_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and floating buffers, in ``state_dict`` order, tied weights once."""
     seen: set[int] = set()
     out = []
@@ -154,6 +158,16 @@ def exchanged_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
         seen.add(id(tensor))
         out.append((name, tensor))
     return out
+
+
+def is_frozen(tensor: torch.Tensor) -> bool:
+    """A parameter that does not train (floating buffers always count as state that changes)."""
+    return isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
+
+
+def exchanged_tensors(module: torch.nn.Module, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The tensors that travel: all floating ones, or with ``trainable_only`` all but frozen parameters."""
+    return [(n, t) for n, t in floating_tensors(module) if not (trainable_only and is_frozen(t))]
 
 
 def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
@@ -174,19 +188,26 @@ def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
 
 
 class FlatModel:
-    """A module whose exchanged tensors are views into one contiguous ``uint8`` buffer."""
+    """A module whose exchanged tensors are views into one contiguous ``uint8`` buffer
+    (and whose frozen parameters, with ``trainable_only``, are views into a second one)."""
 
-    def __init__(self, module: torch.nn.Module):
-        named = exchanged_tensors(module)
+    def __init__(self, module: torch.nn.Module, trainable_only: bool = False):
+        named = floating_tensors(module)
+        exchanged = [(n, t) for n, t in named if not (trainable_only and is_frozen(t))]
+        frozen = [(n, t) for n, t in named if trainable_only and is_frozen(t)]
         self.module = module
-        self.spec = build_spec(named)
+        self.spec = build_spec(exchanged)
+        self.frozen_spec = build_spec(frozen)
         self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device="cpu")
+        self.frozen = torch.empty(self.frozen_spec.total_bytes, dtype=torch.uint8, device="cpu")
         self.bytes = self.buffer.numpy()  # same memory, for MPI buffer slices
+        views = {id(t): self.view(e) for (_, t), e in zip(exchanged, self.spec.entries)}
+        views.update({id(t): self.view(e, self.frozen) for (_, t), e in zip(frozen, self.frozen_spec.entries)})
         if any(t.is_meta for _, t in named):
-            self._bind_meta(named)
+            self._bind_meta(views)
         else:
-            for (_, tensor), entry in zip(named, self.spec.entries):
-                view = self.view(entry)
+            for _, tensor in named:
+                view = views[id(tensor)]
                 with torch.no_grad():
                     view.copy_(tensor.detach())
                 # Rebinding .data on the Parameter object keeps tied weights tied and
@@ -195,24 +216,34 @@ class FlatModel:
         self._local_init = {n: t.detach().clone() for n, t in module.state_dict().items()
                             if not t.is_floating_point()}
 
-    def _bind_meta(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _bind_meta(self, views: dict[int, torch.Tensor]) -> None:
         """A module built on the meta device: its tensors become views of the (uninitialised)
-        buffer, so the weights are allocated once; integer buffers start at zero."""
-        views = {id(t): self.view(e) for (_, t), e in zip(named, self.spec.entries)}
+        buffers, so the weights are allocated once. Buffers that were built for real keep
+        their values; meta integer buffers start at zero."""
         bound: dict[int, torch.Tensor] = {}
         for mod in self.module.modules():
             for name, p in list(mod._parameters.items()):
-                if p is not None and id(p) in views:
-                    new = bound.setdefault(id(p), torch.nn.Parameter(views[id(p)], requires_grad=p.requires_grad))
-                    mod._parameters[name] = new
+                if p is None or id(p) not in views:
+                    continue
+                if id(p) not in bound:
+                    view = views[id(p)]
+                    if not p.is_meta:
+                        view.copy_(p.detach())
+                    bound[id(p)] = torch.nn.Parameter(view, requires_grad=p.requires_grad)
+                mod._parameters[name] = bound[id(p)]
             for name, b in list(mod._buffers.items()):
                 if b is None:
                     continue
-                mod._buffers[name] = views[id(b)] if id(b) in views else torch.zeros_like(b, device="cpu")
+                if id(b) in views:
+                    if not b.is_meta:
+                        views[id(b)].copy_(b)
+                    mod._buffers[name] = views[id(b)]
+                elif b.is_meta:
+                    mod._buffers[name] = torch.zeros_like(b, device="cpu")
 
-    def view(self, entry: TensorEntry) -> torch.Tensor:
-        """The typed view of one tensor inside the buffer."""
-        raw = self.buffer[entry.offset:entry.offset + entry.nbytes]
+    def view(self, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The typed view of one tensor inside the buffer (or inside ``buffer``)."""
+        raw = (self.buffer if buffer is None else buffer)[entry.offset:entry.offset + entry.nbytes]
         return raw.view(DTYPES[entry.dtype]).view(entry.shape)
 
     def chunk_view(self, chunk: Chunk) -> torch.Tensor:
@@ -227,6 +258,11 @@ class FlatModel:
         """Yield (name, typed view) for every exchanged tensor."""
         for entry in self.spec.entries:
             yield entry.name, self.view(entry)
+
+    def frozen_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, typed view) for every frozen tensor (those that never travel)."""
+        for entry in self.frozen_spec.entries:
+            yield entry.name, self.view(entry, self.frozen)
 
     def reset_local_state(self) -> None:
         """Give integer buffers back the values the model was built with."""

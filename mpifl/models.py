@@ -1,14 +1,16 @@
-"""Built-in models (MLP, small CNN, benchmark blob) and the model factory."""
+"""Built-in models (MLP, small CNN, benchmark blob), the model factory, and the one place
+where a rank allocates its model: :func:`build_flat_model`."""
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .flat import DTYPES
+from .config import ConfigError, ModelConfig
+from .flat import DTYPES, FlatModel, ModelSpec, build_spec, exchanged_tensors, floating_tensors
 from .plugins import resolve
 
 
@@ -56,6 +58,9 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
     """Build the configured model with seeded initialisation, in the configured dtype."""
     dtype = DTYPES[cfg.dtype]
     kwargs: dict[str, Any] = dict(cfg.kwargs)
+    if cfg.name == "transformers":  # parameters on meta; weights come after binding
+        from . import hf
+        return freeze_except(hf.build(cfg), cfg.trainable)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if cfg.name == "blob":
@@ -68,4 +73,56 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
             model = resolve(cfg.name)(**kwargs)
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model.name {cfg.name!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return model.to(dtype)
+    return freeze_except(model.to(dtype), cfg.trainable)
+
+
+def freeze_except(model: nn.Module, patterns: Sequence[str]) -> nn.Module:
+    """Only parameters whose name matches one of the glob ``patterns`` train (no patterns: leave as is)."""
+    if not patterns:
+        return model
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ConfigError(f"model.trainable: {pattern!r} matches no parameter (names look like "
+                              f"{names[0]!r} ... {names[-1]!r})")
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(fnmatch.fnmatchcase(name, p) for p in patterns))
+    return model
+
+
+def model_spec(cfg: ModelConfig, seed: int, **shape: Any) -> tuple[ModelSpec, ModelSpec]:
+    """The exchanged and the frozen tensors' layouts, from a meta-device build: nothing is allocated."""
+    with torch.device("meta"):
+        module = build_model(cfg, seed, **shape)
+    named = floating_tensors(module)
+    exchanged = exchanged_tensors(module, trainable_only=cfg.exchange == "trainable")
+    ids = {id(t) for _, t in exchanged}
+    return build_spec(exchanged), build_spec([(n, t) for n, t in named if id(t) not in ids])
+
+
+def build_flat_model(cfg: ModelConfig, seed: int, **shape: Any) -> FlatModel:
+    """Build the model with its weights allocated once, in the flat buffer(s).
+
+    Transformers models and ``init_from`` runs are built on the meta device and their
+    weights written after binding (seeded init, pretrained shards, or the checkpoint);
+    small built-in models are built normally and moved into the buffer tensor by tensor.
+    """
+    trainable_only = cfg.exchange == "trainable"
+    if cfg.name == "transformers":
+        from . import hf
+        flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
+        hf.initialize(flat.module, seed)
+        if cfg.transformers.pretrained:
+            hf.load_pretrained(flat, cfg.transformers.path)
+    elif cfg.init_from and not (trainable_only and cfg.trainable):  # the checkpoint holds every tensor
+        with torch.device("meta"):
+            module = build_model(cfg, seed, **shape)
+        flat = FlatModel(module, trainable_only)
+    else:
+        flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
+    if cfg.init_from:
+        from .storage import Checkpoint
+        with Checkpoint(cfg.init_from) as init:
+            init.check_spec(flat.spec)
+            init.read_into(flat.tensors())
+    return flat

@@ -17,14 +17,14 @@ from .config import Config, dump_config
 from .aggregation import make_strategy
 from .data import Dataset, client_data, load_dataset, partition, partition_histogram, partition_table, split_validation
 from .federation import clients_of_rank
-from .flat import FlatModel, ModelSpec, build_spec, exchanged_tensors
+from .flat import FlatModel, ModelSpec
 from .launch import SetupError, StopRequest, agree, log
 from .metrics import JsonLines
-from .models import build_model
+from .models import build_flat_model, model_spec
 from .server import Server, log_final
 from .state import InMemoryState, OnDiskState
 from .storage import Checkpoint, checkpoint_name
-from .trainers import evaluate, make_loss
+from .trainers import make_evaluator
 from .transport import recv_chunks, send_chunks
 
 
@@ -43,8 +43,20 @@ def check_world(size: int, cfg: Config) -> None:
 
 
 def needs_dataset(cfg: Config) -> bool:
-    """The benchmark blob is a payload without data."""
-    return cfg.model.name != "blob"
+    """Whether the run reads data: to size the model, to train or to evaluate (the benchmark blob never does)."""
+    if cfg.model.name == "blob":
+        return False
+    return (cfg.model.name in ("mlp", "cnn") or cfg.train.trainer != "none" or cfg.eval.every > 0
+            or cfg.eval.federated_every > 0)
+
+
+def check_vocabulary(flat: FlatModel, dataset: Dataset) -> None:
+    """Token ids must fit the transformers model's embedding."""
+    rows = flat.module.get_input_embeddings().num_embeddings
+    largest = int(max(dataset.x_train.max(), dataset.x_test.max()))
+    if largest >= rows:
+        raise SetupError(f"data: token id {largest} does not fit the model's {rows}-row embedding; raise "
+                         "model.transformers.config's vocab_size or lower data.kwargs.vocab_size")
 
 
 def agree_on_spec(comm: MPI.Comm, spec: ModelSpec) -> None:
@@ -75,25 +87,20 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     rank = comm.Get_rank()
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
-    dataset = load_dataset(cfg.data) if needs_dataset(cfg) else None
+    dataset = agree(comm, lambda: load_dataset(cfg.data)) if needs_dataset(cfg) else None  # read once, shared
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
-    out_of_core = rank == 0 and cfg.server.state == "disk"
-    if out_of_core:  # shapes only: the server never allocates the model
-        with torch.device("meta"):
-            spec = build_spec(exchanged_tensors(build_model(cfg.model, cfg.seed, **shape)))
-        flat = None
-    elif cfg.model.init_from:  # allocate once, read the weights straight into the flat buffer
-        with torch.device("meta"):
-            module = build_model(cfg.model, cfg.seed, **shape)
-        flat = FlatModel(module)
-        spec = flat.spec
-        with Checkpoint(cfg.model.init_from) as init:
-            init.check_spec(spec)
-            init.read_into(flat.tensors())
+    if rank == 0 and cfg.server.state == "disk":  # shapes only: the out-of-core server never allocates the model
+        spec, flat = model_spec(cfg.model, cfg.seed, **shape)[0], None
     else:
-        flat = FlatModel(build_model(cfg.model, cfg.seed, **shape))
+        flat = build_flat_model(cfg.model, cfg.seed, **shape)
         spec = flat.spec
+        if dataset is not None and cfg.model.name == "transformers":
+            check_vocabulary(flat, dataset)
     agree_on_spec(comm, spec)
+    if rank == 1 and flat.frozen_spec.entries:
+        log(f"exchanging {len(spec.entries)} trainable tensors ({spec.total_bytes / 2**20:.1f} MiB); "
+            f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / 2**20:.1f} MiB) "
+            "stay on every rank", rank=1)
     opened: dict[str, Checkpoint] = {}
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
         agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)
@@ -143,9 +150,8 @@ def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spe
                             lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, cfg.transport.inflight))
     evaluator = None
     if dataset is not None and flat is not None:
-        loss_fn = make_loss(cfg.train.loss)
-        evaluator = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test, loss_fn,  # noqa: E731
-                                     cfg.eval.batch_size)
+        score = make_evaluator(cfg)
+        evaluator = lambda: score(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
     sink = JsonLines(run_dir / "metrics.jsonl" if run_dir else None)
     try:
         history = Server(comm, cfg, state, sink, evaluator, attrs, stop, strategy).run(start, history)

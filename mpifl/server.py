@@ -1,6 +1,7 @@
 """Rank 0: sample, stream the global model out, reduce updates as they stream back."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -192,9 +193,11 @@ def federated_evaluation(metas) -> dict | None:
     if not reports:
         return None
     n = sum(r["val_samples"] for r in reports)
-    return {"accuracy": sum(r["val_accuracy"] * r["val_samples"] for r in reports) / n,
-            "loss": sum(r["val_loss"] * r["val_samples"] for r in reports) / n,
-            "clients": len(reports), "samples": n}
+    keys = [k for k in reports[0] if k.startswith("val_") and k != "val_samples"]
+    out = {k[4:]: sum(r[k] * r["val_samples"] for r in reports) / n for k in keys}
+    if "perplexity" in out:  # of the pooled loss, not a mean of perplexities
+        out["perplexity"] = math.exp(min(out["loss"], 50.0))
+    return {**out, "clients": len(reports), "samples": n}
 
 
 def _summary(record: dict) -> str:
@@ -203,7 +206,7 @@ def _summary(record: dict) -> str:
         parts.append(f"train_loss {record['train_loss']:.4f}")
     parts += [f"{k} {v:.4f}" for k, v in record.get("eval", {}).items()]
     if "federated_eval" in record:
-        parts += [f"federated_{k} {record['federated_eval'][k]:.4f}" for k in ("accuracy", "loss")]
+        parts += [f"federated_{k} {v:.4f}" for k, v in record["federated_eval"].items() if k not in ("clients", "samples")]
     return ", ".join(parts)
 
 

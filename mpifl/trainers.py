@@ -8,7 +8,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from .config import Config, TrainConfig
 from .data import ClientData
 from .plugins import resolve
 
@@ -40,6 +40,14 @@ def make_loss(name: str) -> Callable:
     return LOSSES.get(name) or resolve(name)
 
 
+def make_optimizer(params: list[torch.Tensor], c: TrainConfig) -> torch.optim.Optimizer:
+    """The local optimizer named in the config."""
+    if c.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+    cls = torch.optim.Adam if c.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=c.lr, weight_decay=c.weight_decay)
+
+
 def _param_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters()), torch.float32)
 
@@ -58,21 +66,14 @@ class TorchTrainer:
         self.cfg = cfg
         self.loss_fn = make_loss(cfg.loss)
 
-    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        c = self.cfg
-        if c.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
-        cls = torch.optim.Adam if c.optimizer == "adam" else torch.optim.AdamW
-        return cls(params, lr=c.lr, weight_decay=c.weight_decay)
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         if data is None or len(data) == 0:
             raise ValueError("the torch trainer needs local data; this client has none")
         generator = torch.Generator().manual_seed(seed)
         steps = self.cfg.local_steps or self.cfg.local_epochs * math.ceil(len(data) / self.cfg.batch_size)
-        optimizer = self._optimizer(model)
         params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = make_optimizer(params, self.cfg)
         anchors = [p.detach().clone() for p in params] if self.cfg.prox_mu else []  # the received global model
         dtype = _param_dtype(model)
         model.train()
@@ -95,6 +96,70 @@ class TorchTrainer:
         return TrainResult(len(data), {"loss": total / max(count, 1)})
 
 
+class CausalLMTrainer:
+    """Causal-LM fine-tuning of a transformers model on token blocks: next-token loss, the
+    configured optimizer (AdamW in the presets), gradient accumulation, optional gradient
+    checkpointing and clipping. bf16/fp16 weights train through fp32 master copies of the
+    trainable tensors, so the optimizer's steps and state are fp32; the result is written back
+    into the (flat-buffer) weights at every step."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self._checkpointing = False
+
+    def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
+        if data is None or len(data) == 0:
+            raise ValueError("the causal_lm trainer needs local token blocks; this client has none")
+        c = self.cfg
+        if c.gradient_checkpointing and not self._checkpointing:
+            from .hf import enable_gradient_checkpointing
+            enable_gradient_checkpointing(model)
+            self._checkpointing = True
+        params = [p for p in model.parameters() if p.requires_grad]
+        masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params]
+        mixed = any(m is not p for m, p in zip(masters, params))
+        anchors = [m.detach().clone() for m in masters] if c.prox_mu else []
+        optimizer = make_optimizer(masters, c)
+        per_step = c.batch_size * c.grad_accum_steps
+        steps = c.local_steps or c.local_epochs * math.ceil(len(data) / per_step)
+        generator = torch.Generator().manual_seed(seed)
+        model.train()
+        total, count = 0.0, 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # dropout
+            order = torch.empty(0, dtype=torch.long)
+            for _ in range(steps):
+                optimizer.zero_grad(set_to_none=True)
+                for _ in range(c.grad_accum_steps):
+                    if len(order) == 0:
+                        order = torch.randperm(len(data), generator=generator)
+                    batch, order = order[: c.batch_size], order[c.batch_size:]
+                    ids = data.x[batch]
+                    loss = model(input_ids=ids, labels=ids).loss
+                    (loss / c.grad_accum_steps).backward()
+                    total += loss.item() * len(batch)
+                    count += len(batch)
+                if mixed:
+                    for m, p in zip(masters, params):
+                        m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+                if anchors:
+                    with torch.no_grad():
+                        for m, a in zip(masters, anchors):  # gradient of mu/2 ||w - w_global||^2
+                            if m.grad is not None:
+                                m.grad.add_(m - a, alpha=c.prox_mu)
+                if c.max_grad_norm:
+                    nn.utils.clip_grad_norm_(masters, c.max_grad_norm)
+                optimizer.step()
+                if mixed:
+                    with torch.no_grad():
+                        for m, p in zip(masters, params):
+                            p.copy_(m)
+        mean = total / max(count, 1)
+        return TrainResult(len(data), {"loss": mean, "perplexity": math.exp(min(mean, 50.0))})
+
+
 class NoTrainer:
     """Model-only exchange: receive and send back, no computation (communication benchmarks)."""
 
@@ -109,7 +174,7 @@ class NoTrainer:
 
 def make_trainer(cfg: TrainConfig) -> Trainer:
     """The trainer named in the config; an import path gets the TrainConfig."""
-    builtin = {"torch": TorchTrainer, "none": NoTrainer}
+    builtin = {"torch": TorchTrainer, "causal_lm": CausalLMTrainer, "none": NoTrainer}
     return (builtin.get(cfg.trainer) or resolve(cfg.trainer))(cfg)
 
 
@@ -125,3 +190,28 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callab
         loss_sum += float(loss_fn(out.float(), yb, reduction="sum"))
         correct += int((out.argmax(dim=1) == yb).sum())
     return {"accuracy": correct / len(y), "loss": loss_sum / len(y)}
+
+
+@torch.no_grad()
+def evaluate_language_model(model: nn.Module, tokens: torch.Tensor, batch_size: int) -> dict:
+    """Mean next-token loss and perplexity of a causal LM on held-out token blocks."""
+    model.eval()
+    loss_sum, predicted = 0.0, 0
+    for start in range(0, len(tokens), batch_size):
+        ids = tokens[start:start + batch_size]
+        n = ids.numel() - len(ids)  # every position but the first of each block is predicted
+        loss_sum += float(model(input_ids=ids, labels=ids).loss.float()) * n
+        predicted += n
+    loss = loss_sum / predicted
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+Evaluator = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
+
+
+def make_evaluator(cfg: Config) -> Evaluator:
+    """How held-out data is scored: perplexity for transformers LMs, accuracy and loss otherwise."""
+    if cfg.model.name == "transformers":
+        return lambda model, x, y: evaluate_language_model(model, x, cfg.eval.batch_size)
+    loss_fn = make_loss(cfg.train.loss)
+    return lambda model, x, y: evaluate(model, x, y, loss_fn, cfg.eval.batch_size)

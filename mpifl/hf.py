@@ -1,0 +1,182 @@
+"""Hugging Face transformers causal LMs, offline and allocated once.
+
+The model is built with its parameters on the ``meta`` device (buffers such as rotary
+frequencies are computed for real: they are small), then :class:`~mpifl.flat.FlatModel`
+allocates the flat buffer and binds every parameter into it, and only then are the weights
+written: a seeded ``initialize_weights`` or the safetensors shards of a local folder, one
+tensor at a time. Peak memory is the buffer plus one tensor.
+
+Nothing is ever downloaded: configs come from ``model.transformers`` (inline values over an
+architecture's defaults) or from a local folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .config import ConfigError, LoraConfig, ModelConfig
+from .flat import DTYPES, FlatModel
+
+# Hub access stays off for every rank, whatever the user's environment says.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("model.name='transformers' needs the 'hf' extra: pip install 'mpifl[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def load_config(cfg: ModelConfig):
+    """The transformers config: a local folder's config.json or an architecture's defaults, with
+    ``model.transformers.config`` values on top; an unknown key is an error, not silently kept."""
+    transformers = _transformers()
+    hf = cfg.transformers
+    if hf.path is not None:
+        config = transformers.AutoConfig.from_pretrained(hf.path, local_files_only=True)
+        if hf.architecture is not None and hf.architecture != config.model_type:
+            raise ConfigError(f"model.transformers.architecture: {hf.architecture!r}, but {hf.path}/config.json "
+                              f"says {config.model_type!r}")
+    else:
+        try:
+            config = transformers.AutoConfig.for_model(hf.architecture)
+        except ValueError:
+            known = list(transformers.CONFIG_MAPPING.keys())
+            close = difflib.get_close_matches(hf.architecture, known, n=3)
+            raise ConfigError(f"model.transformers.architecture: {hf.architecture!r} is not a transformers "
+                              f"model_type{'; did you mean ' + ', '.join(close) + '?' if close else ''}") from None
+    known = set(config.to_dict())
+    for key in hf.config:
+        if key not in known and not hasattr(config, key):
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"model.transformers.config.{key}: not a {config.model_type} config key{hint}")
+    config.update(dict(hf.config))
+    return config
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device (no memory, no init work);
+    buffers are built for real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build(cfg: ModelConfig) -> nn.Module:
+    """The causal LM with parameters on the meta device (inside ``torch.device('meta')``,
+    buffers too), LoRA adapters added when configured."""
+    transformers = _transformers()
+    config = load_config(cfg)
+    dtype = DTYPES[cfg.dtype]
+    with parameters_on_meta():
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        if cfg.lora.r:
+            model = apply_lora(model, cfg.lora)
+    return model
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Wrap with peft LoRA adapters; peft freezes the base model."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("model.lora needs peft: pip install 'mpifl[lora]'") from None
+    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, lora)
+    except ValueError as err:
+        raise ConfigError(f"model.lora.target_modules: {err}") from None
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def initialize(model: nn.Module, seed: int) -> None:
+    """Seeded transformers initialisation, in place (into the flat buffer once bound); LoRA
+    adapters as peft initialises them (A Kaiming-uniform, B zero)."""
+    base = base_model(model)
+    for module in model.modules():  # transformers marks what post_init already initialised (on meta)
+        module.__dict__.pop("_is_hf_initialized", None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.__dict__.pop("_is_hf_initialized", None)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        if hasattr(base, "initialize_weights"):
+            base.initialize_weights()
+        else:  # transformers 4.x
+            base.apply(base._initialize_weights)
+        for module in model.modules():
+            if hasattr(module, "reset_lora_parameters"):
+                for adapter in module.lora_A:
+                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's name as ``save_pretrained`` writes it: peft's wrapper prefixes removed."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def load_pretrained(flat: FlatModel, path: str | Path) -> int:
+    """Read a local folder's safetensors shards tensor by tensor into the flat buffers; every
+    tensor of the model must be found (LoRA adapters excepted). Returns the tensors read."""
+    from safetensors import safe_open
+
+    prefix = getattr(base_model(flat.module), "base_model_prefix", "")
+    targets = {checkpoint_name(n): t for n, t in [*flat.tensors(), *flat.frozen_tensors()]}
+    found: set[str] = set()
+    shards = sorted(Path(path).glob("*.safetensors"))
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                name = key if key in targets else f"{prefix}.{key}"
+                if name not in targets:
+                    continue
+                target, tensor = targets[name], f.get_tensor(key)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{shard}: tensor {key!r} has shape {list(tensor.shape)}, the model "
+                                     f"expects {list(target.shape)}")
+                target.copy_(tensor)
+                found.add(name)
+    missing = [n for n in targets if n not in found and ".lora_" not in n]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} of the model's tensors are in none of its {len(shards)} "
+                         f"safetensors shards, first {missing[0]!r}")
+    return len(found)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in the backward pass (non-reentrant, so frozen inputs are fine)."""
+    base = base_model(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -1,0 +1,113 @@
+"""Text for causal-LM training, offline: a corpus, a tokenizer, and fixed-length token blocks.
+
+The default corpus is the docstrings of Python's own standard library, read at run time
+(about 1.6 M characters on CPython 3.11): every machine has it, nothing is downloaded. It
+depends on the Python version, so runs are comparable on one interpreter. Any local UTF-8
+files can be named instead. The tokenizer is a local ``tokenizer.json`` (a file or a folder
+holding one) or a byte-level BPE trained on the spot with the ``tokenizers`` library.
+"""
+from __future__ import annotations
+
+import ast
+import sysconfig
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+EOS = "<|endoftext|>"
+SKIPPED_PACKAGES = ("test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages")
+
+
+def stdlib_docstrings(max_chars: int | None = None) -> list[str]:
+    """Module, class and function docstrings of the running Python's standard library, in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not any(part in SKIPPED_PACKAGES for part in p.relative_to(root).parts))
+    docs, total = [], 0
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for path in files:
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            doc = ast.get_docstring(node) if isinstance(node, kinds) else None
+            if doc:
+                docs.append(doc)
+                total += len(doc)
+                if max_chars is not None and total >= max_chars:
+                    return docs
+    return docs
+
+
+def read_files(files: Sequence[str], max_chars: int | None = None) -> list[str]:
+    """Local UTF-8 text files, one document each."""
+    docs, total = [], 0
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"data.kwargs.files: {name!r} is not a file")
+        docs.append(path.read_text(encoding="utf-8"))
+        total += len(docs[-1])
+        if max_chars is not None and total >= max_chars:
+            break
+    return docs
+
+
+def load_tokenizer(path: str):
+    """A ``tokenizers`` tokenizer from ``tokenizer.json`` or a folder holding one."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(f"data.kwargs.tokenizer: no tokenizer.json at {path!r}")
+    return Tokenizer.from_file(str(file))
+
+
+def train_tokenizer(docs: list[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 style) trained on ``docs``; deterministic for the same input."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ImportError("data.dataset='text' needs the tokenizers library: pip install 'mpifl[hf]'") from None
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(docs, trainer)
+    return tokenizer
+
+
+def token_blocks(tokenizer, docs: list[str], seq_len: int) -> torch.Tensor:
+    """All documents as one stream (EOS between them) cut into ``[blocks, seq_len]``; the tail is dropped."""
+    eos = tokenizer.token_to_id(EOS)
+    stream: list[int] = []
+    for encoding in tokenizer.encode_batch(docs):
+        stream.extend(encoding.ids)
+        if eos is not None:
+            stream.append(eos)
+    blocks = len(stream) // seq_len
+    if blocks < 2:
+        raise ValueError(f"data.kwargs.seq_len: the corpus has {len(stream)} tokens, fewer than two blocks of "
+                         f"{seq_len}")
+    return torch.from_numpy(np.asarray(stream[:blocks * seq_len], dtype=np.int64).reshape(blocks, seq_len))
+
+
+def text(files: Sequence[str] | None = None, tokenizer: str | None = None, vocab_size: int = 8192,
+         seq_len: int = 128, test_fraction: float = 0.1, max_chars: int | None = None,
+         split_seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Token blocks for causal-LM training: ``x`` is ``[blocks, seq_len]`` token ids (the max
+    sequence length), ``y`` is all zeros (one "class", so iid and unbalanced partitions apply).
+    A shuffled ``test_fraction`` of the blocks is the held-out split for perplexity."""
+    docs = read_files(files, max_chars) if files else stdlib_docstrings(max_chars)
+    tok = load_tokenizer(tokenizer) if tokenizer else train_tokenizer(docs, vocab_size)
+    blocks = token_blocks(tok, docs, seq_len)
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(blocks)))
+    n_test = max(1, int(len(blocks) * test_fraction))
+    test, train = blocks[order[:n_test]], blocks[order[n_test:]]
+    zeros = lambda n: torch.zeros(n, dtype=torch.long)  # noqa: E731
+    return train, zeros(len(train)), test, zeros(len(test))
+
