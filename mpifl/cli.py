@@ -39,8 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile-report", help="peak table and memory-over-time plots from --memray profiles")
     prof.add_argument("profile_dir")
     prof.add_argument("--flamegraph", action="store_true", help="also write memray flamegraph HTML per rank")
-    from .pbs import add_parser as add_pbs_parser
+    from .pbs import add_parser as add_pbs_parser, add_plan_parser
     add_pbs_parser(sub)
+    add_plan_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (under mpiexec)")
     kinds = bench.add_subparsers(dest="kind", required=True)
     ex = kinds.add_parser("exchange", help="model-only exchange: mpifl vs raw MPI floor vs pickle")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also come after options (`run CFG --run-dir D rounds=3`)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
-    if stray or (extra and args.command not in ("run", "validate", "pbs", "partition")):
+    if stray or (extra and args.command not in ("run", "validate", "pbs", "plan", "partition")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if getattr(args, "resume", None) and "=" in args.resume and not Path(args.resume).exists():
         extra.append(args.resume)  # `--resume rounds=9`: the optional CKPT swallowed an override
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             from .profiling import write_profile_report
             write_profile_report(args.profile_dir, args.flamegraph)
             return 0
+        if args.command == "plan":
+            from .pbs import plan_main
+            return plan_main(args)
         if args.command == "pbs":
             from .pbs import main as pbs_main
             args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
@@ -158,9 +162,14 @@ def _find_resume(cfg: Config, args: argparse.Namespace) -> Path:
 
 def _validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    model = f"{cfg.model.name} {cfg.model.dtype}"
+    if cfg.model.name == "transformers":  # the transformers config is checked by building it on meta
+        from .pbs import GIB, model_bytes
+        size = model_bytes(cfg)
+        model += (f" ({size.parameters / 1e9:.3f} B parameters, {size.exchanged / GIB:.2f} GiB exchanged, "
+                  f"{size.frozen / GIB:.2f} GiB frozen)")
     print(f"{args.config}: valid ({cfg.rounds} rounds, {cfg.clients_per_round()} of "
-          f"{cfg.clients.num_clients} clients per round, model {cfg.model.name} {cfg.model.dtype}, "
-          f"strategy {cfg.strategy.name})")
+          f"{cfg.clients.num_clients} clients per round, model {model}, strategy {cfg.strategy.name})")
     return 0
 
 

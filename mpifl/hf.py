@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import os
 from pathlib import Path
 from typing import Iterator
@@ -43,26 +44,26 @@ def load_config(cfg: ModelConfig):
     transformers = _transformers()
     hf = cfg.transformers
     if hf.path is not None:
-        config = transformers.AutoConfig.from_pretrained(hf.path, local_files_only=True)
-        if hf.architecture is not None and hf.architecture != config.model_type:
+        base = transformers.AutoConfig.from_pretrained(hf.path, local_files_only=True)
+        if hf.architecture is not None and hf.architecture != base.model_type:
             raise ConfigError(f"model.transformers.architecture: {hf.architecture!r}, but {hf.path}/config.json "
-                              f"says {config.model_type!r}")
+                              f"says {base.model_type!r}")
     else:
         try:
-            config = transformers.AutoConfig.for_model(hf.architecture)
+            base = transformers.AutoConfig.for_model(hf.architecture)
         except ValueError:
-            known = list(transformers.CONFIG_MAPPING.keys())
-            close = difflib.get_close_matches(hf.architecture, known, n=3)
+            close = difflib.get_close_matches(hf.architecture, list(transformers.CONFIG_MAPPING.keys()), n=3)
             raise ConfigError(f"model.transformers.architecture: {hf.architecture!r} is not a transformers "
                               f"model_type{'; did you mean ' + ', '.join(close) + '?' if close else ''}") from None
-    known = set(config.to_dict())
+    known = set(base.to_dict()) | set(inspect.signature(type(base).__init__).parameters)
     for key in hf.config:
-        if key not in known and not hasattr(config, key):
+        if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"model.transformers.config.{key}: not a {config.model_type} config key{hint}")
-    config.update(dict(hf.config))
-    return config
+            raise ConfigError(f"model.transformers.config.{key}: not a {base.model_type} config key{hint}")
+    if hf.path is not None:
+        return transformers.AutoConfig.from_pretrained(hf.path, local_files_only=True, **hf.config)
+    return transformers.AutoConfig.for_model(hf.architecture, **hf.config)
 
 
 @contextlib.contextmanager
@@ -122,10 +123,12 @@ def initialize(model: nn.Module, seed: int) -> None:
     """Seeded transformers initialisation, in place (into the flat buffer once bound); LoRA
     adapters as peft initialises them (A Kaiming-uniform, B zero)."""
     base = base_model(model)
-    for module in model.modules():  # transformers marks what post_init already initialised (on meta)
+    for name, module in model.named_modules():  # transformers marks what post_init initialised (on meta)
         module.__dict__.pop("_is_hf_initialized", None)
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             tensor.__dict__.pop("_is_hf_initialized", None)
+        if ".lora_" in name:  # adapters are peft's to initialise: the base model's draws stay as without LoRA
+            module._is_hf_initialized = True
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         if hasattr(base, "initialize_weights"):

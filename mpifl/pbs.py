@@ -85,6 +85,19 @@ exec "$MPIEXEC" -n "$NRANKS" "${{HOSTS[@]}}" "${{PLACE[@]}}" "${{RUN[@]}}"
 
 
 @dataclass(frozen=True)
+class ModelBytes:
+    """The configured model's size, from a meta-device build (nothing allocated)."""
+
+    exchanged: int  # what travels, is reduced and checkpointed
+    frozen: int  # frozen parameters: on every rank that builds the model, never on the wire
+    parameters: int  # element count, exchanged and frozen
+
+    @property
+    def total(self) -> int:
+        return self.exchanged + self.frozen
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """Bytes per rank and per node, from the memory formulas in the README."""
 
@@ -98,43 +111,66 @@ class MemoryPlan:
                 f"client rank ~{self.client_bytes / GIB:.2f} GiB; fullest node ~{self.node_bytes / GIB:.1f} GiB")
 
 
-def model_bytes(cfg: Config) -> int:
-    """Exchanged bytes of the configured model, from a meta-device build (nothing allocated)."""
-    import torch
-
+def model_bytes(cfg: Config) -> ModelBytes:
+    """Exchanged and frozen bytes of the configured model, from a meta-device build."""
     from .data import load_dataset
-    from .flat import build_spec, exchanged_tensors
-    from .models import build_model
+    from .models import model_spec
 
     shape = {}
     if cfg.model.name in ("mlp", "cnn"):
         data = load_dataset(cfg.data)
         shape = dict(input_shape=data.input_shape, num_classes=data.num_classes)
-    with torch.device("meta"):
-        return build_spec(exchanged_tensors(build_model(cfg.model, cfg.seed, **shape))).total_bytes
+    exchanged, frozen = model_spec(cfg.model, cfg.seed, **shape)
+    elements = sum(e.nbytes // ITEMSIZE[e.dtype] for e in (*exchanged.entries, *frozen.entries))
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
 
 
-def memory_plan(cfg: Config, nbytes: int, nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryPlan:
-    """Per-rank and fullest-node memory for this config."""
-    itemsize = 4 if cfg.model.dtype == "float32" else 2
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryPlan:
+    """Per-rank and fullest-node memory for this config (activations not included)."""
+    nbytes = size.exchanged
+    itemsize = ITEMSIZE[cfg.model.dtype]
+    elements = nbytes // itemsize  # of the exchanged tensors
     if cfg.server.state == "disk":
         pool = max(cfg.transport.pool_mb * 2**20, (nranks - 1 + 4) * cfg.transport.chunk_bytes)
         server = IMPORTS_BYTES + int(cfg.server.window_mb * 2**20 + pool)
     else:
-        server = IMPORTS_BYTES + nbytes + min(int(cfg.transport.pool_mb * 2**20), nbytes // 4)
-        server += 4 * (nbytes // itemsize) * {"fedavgm": 1, "fedadam": 2, "fedyogi": 2, "fedadagrad": 2}.get(cfg.strategy.name, 0)
+        server = IMPORTS_BYTES + size.total + min(int(cfg.transport.pool_mb * 2**20), nbytes // 4)
+        server += 4 * elements * {"fedavgm": 1, "fedadam": 2, "fedyogi": 2, "fedadagrad": 2}.get(cfg.strategy.name, 0)
     if cfg.strategy.name in ("median", "trimmed_mean"):  # two chunks' participants x chunk fp32 stacks
         server += 2 * cfg.clients_per_round() * (cfg.transport.chunk_bytes // itemsize) * 4
-    client = IMPORTS_BYTES + nbytes
-    if cfg.train.trainer != "none":
+    client = IMPORTS_BYTES + size.total
+    if cfg.train.trainer != "none":  # optimizer and gradients cover the trainable (exchanged) tensors only
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-        client += nbytes * (1 + states)  # gradients + optimizer state
+        masters = cfg.train.trainer == "causal_lm" and itemsize < 4  # fp32 master weights and their gradients
+        client += nbytes + (8 * elements if masters else 0) + states * (4 * elements if masters else nbytes)
         if cfg.clients_per_round() > nranks - 1 or cfg.strategy.update == "delta":
             client += nbytes  # the global model kept for the next logical client or for the delta
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
         client += nbytes // 2  # the narrowed update
     first = server if server_alone else server + (ranks_per_node - 1) * client
     return MemoryPlan(nbytes, server, client, max(first, ranks_per_node * client))
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
+    cfg = load_config(args.config, args.overrides)
+    client_ranks = args.client_ranks or min(cfg.clients.num_clients, cfg.clients_per_round())
+    size = model_bytes(cfg)
+    plan = memory_plan(cfg, size, client_ranks + 1, args.ranks_per_node, args.server_alone)
+    rounds_bytes = size.exchanged * client_ranks + size.exchanged * cfg.clients_per_round()
+    print(f"{args.config}: {size.parameters / 1e9:.3f} B parameters ({cfg.model.dtype}); exchanged "
+          f"{size.exchanged / GIB:.2f} GiB, frozen {size.frozen / GIB:.2f} GiB; {client_ranks} client ranks, "
+          f"{cfg.clients_per_round()} clients per round, ~{rounds_bytes / GIB:.1f} GiB moved per round")
+    where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + strategy state"
+    print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}]")
+    print(f"  ranks 1-{client_ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
+          f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}; activations not included]")
+    print(f"  fullest node at {args.ranks_per_node} ranks per node"
+          f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -160,6 +196,16 @@ def main(args: argparse.Namespace) -> int:
     out.chmod(0o755)
     print(f"wrote {out}: {nranks} ranks on {nodes} node(s); {plan.describe()}")
     return 0
+
+
+def add_plan_parser(sub) -> None:
+    """The ``plan`` subcommand's options."""
+    p = sub.add_parser("plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--client-ranks", type=int, help="client ranks (default: clients per round)")
+    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
 
 
 def add_parser(sub) -> None:

@@ -102,3 +102,39 @@ class FailingClients(NoiseTrainer):
             with torch.no_grad():
                 next(model.parameters()).view(-1)[0] = float("nan")
         return result
+
+
+def frozen_digest(model: nn.Module) -> str:
+    """A hash of every frozen parameter's bytes, in name order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if not p.requires_grad:
+            digest.update(name.encode())
+            digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class FrozenWatchTrainer:
+    """The causal-LM trainer, recording the frozen tensors' digest before and after each client's
+    training in FL_HELPERS_DIGESTS/rank<r>.txt."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg: TrainConfig):
+        from mpifl.trainers import CausalLMTrainer
+
+        self.inner = CausalLMTrainer(cfg)
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        import os
+
+        from mpi4py import MPI
+
+        before = frozen_digest(model)
+        result = self.inner.train(model, data, seed)
+        path = os.path.join(os.environ["FL_HELPERS_DIGESTS"], f"rank{MPI.COMM_WORLD.Get_rank()}.txt")
+        with open(path, "a") as f:
+            f.write(f"{before} {frozen_digest(model)}\n")
+        return result

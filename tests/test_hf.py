@@ -1,0 +1,206 @@
+"""Transformers models: allocated once through the meta device, configured offline, loaded from
+local folders, trained as causal LMs, and exchanged trainable-only."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from mpifl import hf  # noqa: E402
+from mpifl.config import ConfigError, load_config  # noqa: E402
+from mpifl.data import ClientData  # noqa: E402
+from mpifl.models import build_flat_model, model_spec  # noqa: E402
+from mpifl.text import stdlib_docstrings, text  # noqa: E402
+from mpifl.trainers import CausalLMTrainer, evaluate_language_model  # noqa: E402
+
+TINY = {
+    "gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 256, "n_positions": 64},
+    "llama": {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64},
+}
+
+
+def model_cfg(architecture: str = "gpt2", dtype: str = "float32", **model):
+    transformers_section = model.pop("transformers", {"architecture": architecture, "config": TINY[architecture]})
+    return load_config(None, data={"model": {"name": "transformers", "dtype": dtype,
+                                             "transformers": transformers_section, **model},
+                                   "train": {"trainer": "none"}, "eval": {"every": 0}}).model
+
+
+def normal_build(cfg, seed: int):
+    """transformers' own from_config on CPU (torch allocates every tensor), then the same seeded init."""
+    model = transformers.AutoModelForCausalLM.from_config(hf.load_config(cfg), dtype=torch.float32)
+    hf.initialize(model, seed)
+    return model
+
+
+def same_storage(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_meta_built_parameters_are_views_of_the_flat_buffer_and_forward_equals_a_normal_build(architecture):
+    cfg = model_cfg(architecture)
+    flat = build_flat_model(cfg, seed=3)
+    params = list(flat.module.named_parameters())
+    assert params and all(same_storage(p, flat.buffer) for _, p in params)
+    assert sum(p.numel() * p.element_size() for _, p in params) <= flat.buffer.numel()
+    reference = normal_build(cfg, seed=3)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    flat.module.eval(), reference.eval()
+    with torch.no_grad():
+        assert torch.equal(flat.module(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_tied_embeddings_stay_one_tensor_in_the_buffer():
+    flat = build_flat_model(model_cfg("gpt2"), seed=0)
+    model = flat.module
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert [e.name for e in flat.spec.entries].count("transformer.wte.weight") == 1
+    assert not any(e.name == "lm_head.weight" for e in flat.spec.entries)
+
+
+def test_bf16_model_is_bf16_in_the_buffer_and_on_the_wire():
+    flat = build_flat_model(model_cfg("llama", dtype="bfloat16"), seed=0)
+    assert {e.dtype for e in flat.spec.entries} == {"bfloat16"}
+    assert all(p.dtype == torch.bfloat16 for p in flat.module.parameters())
+    assert flat.module.model.rotary_emb.inv_freq.dtype == torch.float32  # computed buffers keep their dtype
+
+
+def test_the_seed_decides_the_weights():
+    a, b, c = (build_flat_model(model_cfg(), seed=s) for s in (1, 1, 2))
+    assert torch.equal(a.buffer, b.buffer) and not torch.equal(a.buffer, c.buffer)
+
+
+def test_pretrained_folder_is_read_shard_by_shard_into_the_buffer(tmp_path):
+    source = normal_build(model_cfg("llama"), seed=5)
+    source.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    flat = build_flat_model(model_cfg(transformers={"path": str(tmp_path), "pretrained": True}), seed=0)
+    loaded = flat.module.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in source.state_dict().items())
+
+
+def test_a_pretrained_folder_missing_a_tensor_names_it(tmp_path):
+    from safetensors.torch import save_file
+
+    source = normal_build(model_cfg("gpt2"), seed=5)
+    source.config.save_pretrained(tmp_path)
+    state = {k: v for k, v in source.state_dict().items() if k != "transformer.ln_f.bias" and k != "lm_head.weight"}
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="transformer.ln_f.bias"):
+        build_flat_model(model_cfg(transformers={"path": str(tmp_path), "pretrained": True}), seed=0)
+
+
+def test_config_mistakes_are_named_before_anything_is_built(tmp_path):
+    with pytest.raises(ConfigError, match="n_layers.*did you mean 'n_layer'"):
+        hf.load_config(model_cfg(transformers={"architecture": "gpt2", "config": {"n_layers": 2}}))
+    with pytest.raises(ConfigError, match="'lama' is not a transformers model_type; did you mean.*llama"):
+        hf.load_config(model_cfg(transformers={"architecture": "lama"}))
+    with pytest.raises(ConfigError, match="not a local folder.*nothing is downloaded"):
+        model_cfg(transformers={"path": "openai-community/gpt2"})
+    with pytest.raises(ConfigError, match="pretrained: no \\*.safetensors"):
+        model_cfg(transformers={"path": str(tmp_path), "architecture": "gpt2", "pretrained": True})
+
+
+def test_trainable_patterns_put_frozen_tensors_in_a_buffer_that_never_travels():
+    cfg = model_cfg(trainable=["transformer.h.1.*", "transformer.ln_f.*"])
+    flat = build_flat_model(cfg, seed=0)
+    exchanged = [e.name for e in flat.spec.entries]
+    frozen = [e.name for e in flat.frozen_spec.entries]
+    assert exchanged and all(n.startswith(("transformer.h.1.", "transformer.ln_f.")) for n in exchanged)
+    assert "transformer.wte.weight" in frozen and not set(exchanged) & set(frozen)
+    for name, p in flat.module.named_parameters():
+        assert same_storage(p, flat.buffer if p.requires_grad else flat.frozen), name
+    assert model_spec(cfg, 0) == (flat.spec, flat.frozen_spec)  # the dry run sees the same split
+    everything = build_flat_model(model_cfg(trainable=["transformer.h.1.*"], exchange="all"), seed=0)
+    assert not everything.frozen_spec.entries and len(everything.spec.entries) == len(exchanged) + len(frozen)
+
+
+def test_a_trainable_pattern_that_matches_nothing_is_named():
+    with pytest.raises(ConfigError, match="'decoder.layers.*' matches no parameter"):
+        build_flat_model(model_cfg(trainable=["decoder.layers.*"]), seed=0)
+
+
+def test_lora_exchanges_only_adapters_and_starts_as_the_base_model():
+    pytest.importorskip("peft")
+    cfg = model_cfg(lora={"r": 4, "target_modules": ["c_attn"]})
+    flat = build_flat_model(cfg, seed=7)
+    names = [e.name for e in flat.spec.entries]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert all(float(t.abs().max()) == 0 for n, t in flat.tensors() if ".lora_B." in n)
+    assert all(float(t.abs().max()) > 0 for n, t in flat.tensors() if ".lora_A." in n)
+    base = normal_build(model_cfg(), seed=7)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    flat.module.eval(), base.eval()
+    with torch.no_grad():
+        assert torch.equal(flat.module(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
+def test_text_blocks_come_from_local_files_with_a_tokenizer_trained_on_the_spot(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Return the sum of two numbers. Raise ValueError when empty.\n" * 200)
+    x, y, x_test, y_test = text(files=[str(corpus)], vocab_size=300, seq_len=16, test_fraction=0.25)
+    assert x.shape[1] == 16 and x_test.shape[1] == 16 and len(x_test) == (len(x) + len(x_test)) // 4
+    assert int(x.max()) < 300 and not y.any() and not y_test.any()
+    again = text(files=[str(corpus)], vocab_size=300, seq_len=16, test_fraction=0.25)
+    assert torch.equal(x, again[0])  # the trained tokenizer is deterministic
+
+
+def test_a_local_tokenizer_file_is_used_as_is(tmp_path):
+    from mpifl.text import train_tokenizer
+
+    train_tokenizer(["alpha beta gamma delta"] * 50, vocab_size=280).save(str(tmp_path / "tokenizer.json"))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("alpha beta gamma delta " * 100)
+    x, *_ = text(files=[str(corpus)], tokenizer=str(tmp_path), seq_len=8)
+    assert int(x.max()) < 280
+
+
+def test_the_default_corpus_is_the_standard_librarys_docstrings():
+    docs = stdlib_docstrings(max_chars=20_000)
+    assert sum(map(len, docs)) >= 20_000 and all(isinstance(d, str) and d for d in docs)
+
+
+def tiny_lm_data(n: int = 32, seq_len: int = 16) -> ClientData:
+    pattern = torch.arange(n * seq_len) % 7  # a learnable sequence
+    return ClientData(pattern.reshape(n, seq_len), torch.zeros(n, dtype=torch.long))
+
+
+def lm_train_cfg(**train):
+    return load_config(None, data={"model": {"name": "transformers", "transformers": {"architecture": "gpt2"}},
+                                   "data": {"dataset": "text"},
+                                   "train": {"trainer": "causal_lm", "optimizer": "adamw", "lr": 3e-3,
+                                             "batch_size": 8, "local_steps": 20, **train}}).train
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_causal_lm_training_lowers_held_out_loss_and_leaves_frozen_tensors_bitwise_alone(dtype):
+    torch.set_num_threads(1)
+    flat = build_flat_model(model_cfg(dtype=dtype, trainable=["transformer.h.*"]), seed=0)
+    data = tiny_lm_data()
+    frozen_before = flat.frozen.clone()
+    trainable_before = flat.buffer.clone()
+    before = evaluate_language_model(flat.module, data.x, 16)
+    result = CausalLMTrainer(lm_train_cfg(grad_accum_steps=2, max_grad_norm=1.0)).train(flat.module, data, seed=1)
+    after = evaluate_language_model(flat.module, data.x, 16)
+    assert after["loss"] < before["loss"] - 0.3
+    assert math.isclose(after["perplexity"], math.exp(after["loss"]))
+    assert result.num_samples == 32 and result.metrics["loss"] > 0
+    assert torch.equal(flat.frozen, frozen_before)
+    assert not torch.equal(flat.buffer, trainable_before)
+    assert all(p.dtype == getattr(torch, dtype) for p in flat.module.parameters())
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    torch.set_num_threads(1)
+    results = []
+    for checkpointing in (False, True):
+        flat = build_flat_model(model_cfg(), seed=0)
+        CausalLMTrainer(lm_train_cfg(local_steps=3, gradient_checkpointing=checkpointing)).train(
+            flat.module, tiny_lm_data(), seed=4)
+        results.append(flat.buffer.view(torch.float32).clone())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
