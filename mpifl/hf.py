@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import inspect
 import os
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -109,7 +110,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                            target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
     try:
-        return peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft's notes on Conv1D (GPT-2) layout and deprecated names
+            warnings.simplefilter("ignore", category=UserWarning)
+            warnings.simplefilter("ignore", category=FutureWarning)
+            return peft.get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"model.lora.target_modules: {err}") from None
 
