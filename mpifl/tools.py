@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 from .storage import Checkpoint
 
 
@@ -34,6 +36,25 @@ def export(path: str, out: str) -> int:
     with Checkpoint(path) as ckpt:
         tensors = ckpt.tensors()
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
+        config = ckpt.config
     save_file({k: v.contiguous() for k, v in tensors.items()}, Path(out), metadata=meta)
     print(f"wrote {len(tensors)} tensors to {out}")
+    _write_transformers_config(config, Path(out).parent)
     return 0
+
+
+def _write_transformers_config(config_yaml: str, folder: Path) -> None:
+    """For a whole transformers model, config.json beside the weights: the folder then loads with
+    ``model.transformers.path`` + ``pretrained: true`` (and with transformers' ``from_pretrained``)."""
+    from .config import load_config
+
+    raw = yaml.safe_load(config_yaml) or {}
+    if (raw.get("model") or {}).get("name") != "transformers":
+        return
+    cfg = load_config(None, data={"model": raw["model"], "train": {"trainer": "none"}, "eval": {"every": 0}})
+    if cfg.model.name != "transformers" or cfg.model.lora.r or (cfg.model.trainable and cfg.model.exchange == "trainable"):
+        return  # not a transformers model, or a checkpoint of its trainable tensors only
+    from .hf import load_config as load_transformers_config
+
+    load_transformers_config(cfg.model).save_pretrained(folder)
+    print(f"wrote {folder / 'config.json'}")

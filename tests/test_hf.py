@@ -204,3 +204,29 @@ def test_gradient_checkpointing_gives_the_same_update():
             flat.module, tiny_lm_data(), seed=4)
         results.append(flat.buffer.view(torch.float32).clone())
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
+
+
+def run_cli(*args: str, address_space: int | None = None):
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        if address_space:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    return subprocess.run([sys.executable, "-m", "mpifl", *args], capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit)
+
+
+@pytest.mark.parametrize("preset, parameters", [("llama3.1-8b", "8.030 B"), ("llama3.1-70b", "70.554 B")])
+def test_cluster_presets_validate_and_plan_without_allocating_the_model(preset, parameters):
+    from conftest import ROOT
+
+    config = str(ROOT / "configs" / f"{preset}.yaml")
+    validated = run_cli("validate", config)
+    assert validated.returncode == 0 and parameters in validated.stdout, validated.stderr
+    # 6 GiB of address space: far less than the model (15 or 131 GiB), so nothing may be allocated
+    planned = run_cli("plan", config, "--ranks-per-node", "1", "--server-alone", address_space=6 * 2**30)
+    assert planned.returncode == 0, planned.stderr
+    assert parameters in planned.stdout and "rank 0 (server)" in planned.stdout and "clients" in planned.stdout

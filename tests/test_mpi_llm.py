@@ -76,3 +76,22 @@ def test_a_lora_run_aggregates_only_adapter_weights(tmp_path):
     assert names and all(".lora_" in n for n in names)
     assert records[-1]["bytes_received"] == 4 * flat.spec.total_bytes < flat.frozen_spec.total_bytes
     assert {d for pair in digests for d in pair} == {frozen_digest(flat.module)}
+
+
+def test_an_exported_final_model_is_a_folder_that_loads_as_pretrained(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    cfg, _, _ = lm_run(tmp_path, "rounds=1", "output.save_model=true")
+    folder = tmp_path / "export"
+    folder.mkdir()
+    done = subprocess.run([sys.executable, "-m", "mpifl", "export", str(tmp_path / "run" / "model.h5"),
+                           str(folder / "model.safetensors")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and (folder / "config.json").is_file(), done.stderr
+    cfg.model.transformers.path, cfg.model.transformers.pretrained = str(folder), True
+    loaded = build_flat_model(cfg.model, seed=123)  # another seed: every weight must come from the folder
+    with Checkpoint(tmp_path / "run" / "model.h5") as final:
+        saved = final.tensors()
+    assert all(torch.equal(t, saved[name]) for name, t in loaded.tensors())
