@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(args)
         if args.command == "run":
             cfg = load_config(args.config, args.overrides)
+            if cfg.model.name == "transformers":  # config keys checked on every rank before MPI starts
+                from .hf import load_config as load_transformers_config
+                load_transformers_config(cfg.model)
             resume = _find_resume(cfg, args) if args.resume else None
             return _run(cfg, args.run_dir, resume, args.memray, args.memray_native)
         if args.command == "partition":

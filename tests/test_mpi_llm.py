@@ -95,3 +95,11 @@ def test_an_exported_final_model_is_a_folder_that_loads_as_pretrained(tmp_path):
     with Checkpoint(tmp_path / "run" / "model.h5") as final:
         saved = final.tensors()
     assert all(torch.equal(t, saved[name]) for name, t in loaded.tensors())
+
+
+def test_a_wrong_transformers_config_key_stops_every_rank_before_mpi_work(tmp_path):
+    cfg = write_config(tmp_path / "lm.yaml", CONFIG.format(corpus=tmp_path / "unused.txt"))
+    result = run_mpi(3, "run", str(cfg), "model.transformers.config.n_layers=2", timeout=60)
+    assert result.returncode == 2
+    assert "model.transformers.config.n_layers: not a gpt2 config key; did you mean 'n_layer'?" in result.stderr
+    assert "Traceback" not in result.stderr
