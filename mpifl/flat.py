@@ -32,6 +32,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in :data:`DTYPES`."""
+    return DTYPES[dtype].itemsize
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the short name ('float32', 'bfloat16', ...) of a floating torch dtype."""
     return str(dtype).replace("torch.", "")
@@ -62,7 +67,7 @@ class Segment:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -130,10 +135,10 @@ def wire_chunks(chunks: list[Chunk], wire_dtype: str | None) -> list[Chunk]:
     """
     if wire_dtype is None or all(c.dtype == wire_dtype or c.dtype not in NARROWABLE for c in chunks):
         return chunks
-    itemsize = torch.empty((), dtype=DTYPES[wire_dtype]).element_size()
+    wire_itemsize = itemsize(wire_dtype)
     out, offset = [], 0
     for c in chunks:
-        dtype, size = (wire_dtype, itemsize) if c.dtype in NARROWABLE else (c.dtype, c.itemsize)
+        dtype, size = (wire_dtype, wire_itemsize) if c.dtype in NARROWABLE else (c.dtype, c.itemsize)
         out.append(Chunk(c.index, dtype, offset, c.numel * size, size))
         offset = _align(offset + c.numel * size)
     return out
@@ -165,9 +170,15 @@ def is_frozen(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
 
 
-def exchanged_tensors(module: torch.nn.Module, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """The tensors that travel: all floating ones, or with ``trainable_only`` all but frozen parameters."""
-    return [(n, t) for n, t in floating_tensors(module) if not (trainable_only and is_frozen(t))]
+Named = list[tuple[str, torch.Tensor]]
+
+
+def split_tensors(module: torch.nn.Module, trainable_only: bool = False) -> tuple[Named, Named]:
+    """(exchanged, frozen): the tensors that travel, and with ``trainable_only`` the frozen
+    parameters that stay (without it, every floating tensor travels and none is frozen)."""
+    named = floating_tensors(module)
+    frozen = [(n, t) for n, t in named if trainable_only and is_frozen(t)]
+    return [(n, t) for n, t in named if not (trainable_only and is_frozen(t))], frozen
 
 
 def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
@@ -192,9 +203,8 @@ class FlatModel:
     (and whose frozen parameters, with ``trainable_only``, are views into a second one)."""
 
     def __init__(self, module: torch.nn.Module, trainable_only: bool = False):
-        named = floating_tensors(module)
-        exchanged = [(n, t) for n, t in named if not (trainable_only and is_frozen(t))]
-        frozen = [(n, t) for n, t in named if trainable_only and is_frozen(t)]
+        exchanged, frozen = split_tensors(module, trainable_only)
+        named = exchanged + frozen
         self.module = module
         self.spec = build_spec(exchanged)
         self.frozen_spec = build_spec(frozen)

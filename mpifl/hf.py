@@ -92,10 +92,7 @@ def build(cfg: ModelConfig) -> nn.Module:
     config = load_config(cfg)
     dtype = DTYPES[cfg.dtype]
     with parameters_on_meta():
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         if cfg.lora.r:
             model = apply_lora(model, cfg.lora)
     return model
@@ -135,10 +132,7 @@ def initialize(model: nn.Module, seed: int) -> None:
             module._is_hf_initialized = True
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        if hasattr(base, "initialize_weights"):
-            base.initialize_weights()
-        else:  # transformers 4.x
-            base.apply(base._initialize_weights)
+        base.initialize_weights()
         for module in model.modules():
             if hasattr(module, "reset_lora_parameters"):
                 for adapter in module.lora_A:
@@ -151,9 +145,9 @@ def checkpoint_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def load_pretrained(flat: FlatModel, path: str | Path) -> int:
+def load_pretrained(flat: FlatModel, path: str | Path) -> None:
     """Read a local folder's safetensors shards tensor by tensor into the flat buffers; every
-    tensor of the model must be found (LoRA adapters excepted). Returns the tensors read."""
+    tensor of the model must be found (LoRA adapters excepted)."""
     from safetensors import safe_open
 
     prefix = getattr(base_model(flat.module), "base_model_prefix", "")
@@ -176,7 +170,6 @@ def load_pretrained(flat: FlatModel, path: str | Path) -> int:
     if missing:
         raise ValueError(f"{path}: {len(missing)} of the model's tensors are in none of its {len(shards)} "
                          f"safetensors shards, first {missing[0]!r}")
-    return len(found)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ModelConfig
-from .flat import DTYPES, FlatModel, ModelSpec, build_spec, exchanged_tensors, floating_tensors
+from .flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
 from .plugins import resolve
 
 
@@ -94,10 +94,8 @@ def model_spec(cfg: ModelConfig, seed: int, **shape: Any) -> tuple[ModelSpec, Mo
     """The exchanged and the frozen tensors' layouts, from a meta-device build: nothing is allocated."""
     with torch.device("meta"):
         module = build_model(cfg, seed, **shape)
-    named = floating_tensors(module)
-    exchanged = exchanged_tensors(module, trainable_only=cfg.exchange == "trainable")
-    ids = {id(t) for _, t in exchanged}
-    return build_spec(exchanged), build_spec([(n, t) for n, t in named if id(t) not in ids])
+    exchanged, frozen = split_tensors(module, trainable_only=cfg.exchange == "trainable")
+    return build_spec(exchanged), build_spec(frozen)
 
 
 def build_flat_model(cfg: ModelConfig, seed: int, **shape: Any) -> FlatModel:

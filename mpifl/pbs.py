@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, load_config
+from .flat import itemsize
 
 GIB = 2**30
 IMPORTS_BYTES = int(0.5 * GIB)  # torch + mpi4py + h5py per rank, with headroom
@@ -121,18 +122,15 @@ def model_bytes(cfg: Config) -> ModelBytes:
         data = load_dataset(cfg.data)
         shape = dict(input_shape=data.input_shape, num_classes=data.num_classes)
     exchanged, frozen = model_spec(cfg.model, cfg.seed, **shape)
-    elements = sum(e.nbytes // ITEMSIZE[e.dtype] for e in (*exchanged.entries, *frozen.entries))
+    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
     return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
-
-
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryPlan:
     """Per-rank and fullest-node memory for this config (activations not included)."""
     nbytes = size.exchanged
-    itemsize = ITEMSIZE[cfg.model.dtype]
-    elements = nbytes // itemsize  # of the exchanged tensors
+    width = itemsize(cfg.model.dtype)
+    elements = nbytes // width  # of the exchanged tensors
     if cfg.server.state == "disk":
         pool = max(cfg.transport.pool_mb * 2**20, (nranks - 1 + 4) * cfg.transport.chunk_bytes)
         server = IMPORTS_BYTES + int(cfg.server.window_mb * 2**20 + pool)
@@ -140,11 +138,11 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         server = IMPORTS_BYTES + size.total + min(int(cfg.transport.pool_mb * 2**20), nbytes // 4)
         server += 4 * elements * {"fedavgm": 1, "fedadam": 2, "fedyogi": 2, "fedadagrad": 2}.get(cfg.strategy.name, 0)
     if cfg.strategy.name in ("median", "trimmed_mean"):  # two chunks' participants x chunk fp32 stacks
-        server += 2 * cfg.clients_per_round() * (cfg.transport.chunk_bytes // itemsize) * 4
+        server += 2 * cfg.clients_per_round() * (cfg.transport.chunk_bytes // width) * 4
     client = IMPORTS_BYTES + size.total
     if cfg.train.trainer != "none":  # optimizer and gradients cover the trainable (exchanged) tensors only
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-        masters = cfg.train.trainer == "causal_lm" and itemsize < 4  # fp32 master weights and their gradients
+        masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
         client += nbytes + (8 * elements if masters else 0) + states * (4 * elements if masters else nbytes)
         if cfg.clients_per_round() > nranks - 1 or cfg.strategy.update == "delta":
             client += nbytes  # the global model kept for the next logical client or for the delta
@@ -154,13 +152,18 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
     return MemoryPlan(nbytes, server, client, max(first, ranks_per_node * client))
 
 
+def _client_ranks(cfg: Config, args: argparse.Namespace) -> int:
+    """--client-ranks, or one client rank per client sampled in a round."""
+    return args.client_ranks or cfg.clients_per_round()
+
+
 def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
     cfg = load_config(args.config, args.overrides)
-    client_ranks = args.client_ranks or min(cfg.clients.num_clients, cfg.clients_per_round())
+    client_ranks = _client_ranks(cfg, args)
     size = model_bytes(cfg)
     plan = memory_plan(cfg, size, client_ranks + 1, args.ranks_per_node, args.server_alone)
-    rounds_bytes = size.exchanged * client_ranks + size.exchanged * cfg.clients_per_round()
+    rounds_bytes = size.exchanged * (client_ranks + cfg.clients_per_round())  # the model out, the updates back
     print(f"{args.config}: {size.parameters / 1e9:.3f} B parameters ({cfg.model.dtype}); exchanged "
           f"{size.exchanged / GIB:.2f} GiB, frozen {size.frozen / GIB:.2f} GiB; {client_ranks} client ranks, "
           f"{cfg.clients_per_round()} clients per round, ~{rounds_bytes / GIB:.1f} GiB moved per round")
@@ -176,7 +179,7 @@ def plan_main(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl pbs``."""
     cfg = load_config(args.config, args.overrides)
-    client_ranks = args.client_ranks or min(cfg.clients.num_clients, cfg.clients_per_round())
+    client_ranks = _client_ranks(cfg, args)
     nranks = client_ranks + 1
     nodes = args.nodes or (1 if args.server_alone else 0) + math.ceil(
         (nranks - (1 if args.server_alone else 0)) / args.ranks_per_node)

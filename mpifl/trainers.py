@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -52,6 +52,15 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters()), torch.float32)
 
 
+def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """Index batches of shuffled passes over the data, without end; the last batch of a pass may be short."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(num_samples, generator=generator)
+        for start in range(0, num_samples, batch_size):
+            yield order[start:start + batch_size]
+
+
 def proximal_term(params: list[torch.Tensor], anchors: list[torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx (Li et al. 2020): mu/2 * ||w - w_global||^2 over the trained parameters."""
     return mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
@@ -70,7 +79,6 @@ class TorchTrainer:
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         if data is None or len(data) == 0:
             raise ValueError("the torch trainer needs local data; this client has none")
-        generator = torch.Generator().manual_seed(seed)
         steps = self.cfg.local_steps or self.cfg.local_epochs * math.ceil(len(data) / self.cfg.batch_size)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_optimizer(params, self.cfg)
@@ -80,11 +88,9 @@ class TorchTrainer:
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # dropout and other in-model randomness
-            order = torch.empty(0, dtype=torch.long)
+            batches = minibatches(len(data), self.cfg.batch_size, seed)
             for _ in range(steps):
-                if len(order) == 0:
-                    order = torch.randperm(len(data), generator=generator)
-                batch, order = order[: self.cfg.batch_size], order[self.cfg.batch_size:]
+                batch = next(batches)
                 x, y = data.x[batch].to(dtype), data.y[batch]
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.loss_fn(model(x), y)
@@ -124,18 +130,15 @@ class CausalLMTrainer:
         optimizer = make_optimizer(masters, c)
         per_step = c.batch_size * c.grad_accum_steps
         steps = c.local_steps or c.local_epochs * math.ceil(len(data) / per_step)
-        generator = torch.Generator().manual_seed(seed)
         model.train()
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # dropout
-            order = torch.empty(0, dtype=torch.long)
+            batches = minibatches(len(data), c.batch_size, seed)
             for _ in range(steps):
                 optimizer.zero_grad(set_to_none=True)
                 for _ in range(c.grad_accum_steps):
-                    if len(order) == 0:
-                        order = torch.randperm(len(data), generator=generator)
-                    batch, order = order[: c.batch_size], order[c.batch_size:]
+                    batch = next(batches)
                     ids = data.x[batch]
                     loss = model(input_ids=ids, labels=ids).loss
                     (loss / c.grad_accum_steps).backward()
