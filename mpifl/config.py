@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .plugins import is_import_path, resolve
+from mpifl.plugins import is_import_path, resolve
 
 
 class ConfigError(ValueError):
@@ -44,7 +44,7 @@ class DataConfig:
     """The dataset and how it is split across logical clients."""
 
     dataset: str = _f("digits", "built-in dataset ('digits', 'synthetic', or 'text': token blocks for causal-LM "
-                      "training, see mpifl.data.text) or import path returning (x_train, y_train, x_test, y_test)",
+                      "training, see mpifl.learning.text) or import path returning (x_train, y_train, x_test, y_test)",
                       choices=("digits", "synthetic", "text"), import_ok=True)
     kwargs: dict = _f(dict, "keyword arguments for the dataset function")
     partition: str = _f("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "

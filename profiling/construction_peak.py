@@ -21,7 +21,7 @@ def measure(config: str, way: str) -> dict:
     import torch
 
     from mpifl.config import load_config
-    from mpifl.flat import FlatModel
+    from mpifl.wire.flat import FlatModel
     from mpifl.metrics import current_rss_bytes, peak_rss_bytes
 
     torch.set_num_threads(1)
@@ -31,11 +31,11 @@ def measure(config: str, way: str) -> dict:
     baseline = current_rss_bytes()
     start = time.perf_counter()
     if way == "mpifl":
-        from mpifl.models import build_flat_model
+        from mpifl.learning.models import build_flat_model
         flat = build_flat_model(cfg.model, cfg.seed)
     else:
-        from mpifl import hf
-        from mpifl.flat import DTYPES
+        from mpifl.learning import hf
+        from mpifl.wire.flat import DTYPES
         model = __import__("transformers").AutoModelForCausalLM.from_config(hf.load_config(cfg.model),
                                                                             dtype=DTYPES[cfg.model.dtype])
         flat = FlatModel(model)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mpifl.config import TrainConfig
-from mpifl.trainers import TrainResult
+from mpifl.learning.trainers import TrainResult
 
 
 class NoiseTrainer:
@@ -83,7 +83,7 @@ class FailingClients(NoiseTrainer):
     def __init__(self, cfg: TrainConfig):
         import os
 
-        from mpifl.federation import client_seed
+        from mpifl.roles.federation import client_seed
 
         super().__init__(cfg)
         seed, first = int(os.environ.get("FL_HELPERS_SEED", "0")), int(os.environ.get("FL_HELPERS_FROM_ROUND", "1"))
@@ -123,7 +123,7 @@ class FrozenWatchTrainer:
     modifies_weights = True
 
     def __init__(self, cfg: TrainConfig):
-        from mpifl.trainers import CausalLMTrainer
+        from mpifl.learning.trainers import CausalLMTrainer
 
         self.inner = CausalLMTrainer(cfg)
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from mpifl.config import resume_conflict
-from mpifl.flat import FlatModel
-from mpifl.storage import (Checkpoint, CheckpointError, CheckpointWriter, checkpoint_name, latest_checkpoint,
+from mpifl.wire.flat import FlatModel
+from mpifl.storage.hdf5 import (Checkpoint, CheckpointError, CheckpointWriter, checkpoint_name, latest_checkpoint,
                            list_checkpoints, load_tensors, prune_checkpoints)
 
 
@@ -118,8 +118,8 @@ def test_an_unwritable_directory_fails_clearly(tmp_path):
 FULL_DISK = """
 import resource, signal, sys, torch
 from torch import nn
-from mpifl.flat import FlatModel
-from mpifl.storage import CheckpointWriter
+from mpifl.wire.flat import FlatModel
+from mpifl.storage.hdf5 import CheckpointWriter
 sys.path.insert(0, sys.argv[2])
 from test_checkpoint import save
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG, like a full disk

@@ -43,8 +43,8 @@ def test_import_paths_must_resolve():
     with pytest.raises(ConfigError, match=r"model.name: cannot import module 'no_such_pkg.models'"):
         load(model={"name": "no_such_pkg.models:net"})
     with pytest.raises(ConfigError, match=r"has no attribute 'nope'"):
-        load(model={"name": "mpifl.models:nope"})
-    assert load(model={"name": "mpifl.models:mlp"}).model.name == "mpifl.models:mlp"
+        load(model={"name": "mpifl.learning.models:nope"})
+    assert load(model={"name": "mpifl.learning.models:mlp"}).model.name == "mpifl.learning.models:mlp"
 
 
 def test_overrides_are_typed_yaml_values(tmp_path):

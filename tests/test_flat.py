@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpifl.flat import FlatModel
+from mpifl.wire.flat import FlatModel
 
 
 def model(dtype=torch.float32):

@@ -9,12 +9,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mpifl import hf  # noqa: E402
+from mpifl.learning import hf  # noqa: E402
 from mpifl.config import ConfigError, load_config  # noqa: E402
-from mpifl.data import ClientData  # noqa: E402
-from mpifl.models import build_flat_model, model_spec  # noqa: E402
-from mpifl.text import stdlib_docstrings, text  # noqa: E402
-from mpifl.trainers import CausalLMTrainer, evaluate_language_model  # noqa: E402
+from mpifl.learning.datasets import ClientData  # noqa: E402
+from mpifl.learning.models import build_flat_model, model_spec  # noqa: E402
+from mpifl.learning.text import stdlib_docstrings, text  # noqa: E402
+from mpifl.learning.trainers import CausalLMTrainer, evaluate_language_model  # noqa: E402
 
 TINY = {
     "gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 256, "n_positions": 64},
@@ -151,7 +151,7 @@ def test_text_blocks_come_from_local_files_with_a_tokenizer_trained_on_the_spot(
 
 
 def test_a_local_tokenizer_file_is_used_as_is(tmp_path):
-    from mpifl.text import train_tokenizer
+    from mpifl.learning.text import train_tokenizer
 
     train_tokenizer(["alpha beta gamma delta"] * 50, vocab_size=280).save(str(tmp_path / "tokenizer.json"))
     corpus = tmp_path / "c.txt"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import MPI_TIMEOUT, TESTS, mpiexec, run_mpi, write_config
-from mpifl.storage import Checkpoint, latest_checkpoint, load_tensors
+from mpifl.storage.hdf5 import Checkpoint, latest_checkpoint, load_tensors
 
 NOISE = """
 seed: 5

@@ -103,7 +103,7 @@ def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path)
     import yaml
 
     from mpifl.config import load_config
-    from mpifl.storage import load_tensors
+    from mpifl.storage.hdf5 import load_tensors
     from reference import reference_run
 
     result = run_failures(tmp_path, raising="3", poisoned="5")
@@ -136,7 +136,7 @@ def test_without_accept_failures_a_bad_client_aborts_the_job_naming_it(tmp_path,
 
 
 def test_too_few_participants_abort_the_round_and_keep_the_previous_model(tmp_path):
-    from mpifl.storage import Checkpoint
+    from mpifl.storage.hdf5 import Checkpoint
 
     result = run_failures(tmp_path, "clients.min_participants=5", raising="0,1,2,3,4,5,6,7", from_round=2)
     assert result.returncode != 0

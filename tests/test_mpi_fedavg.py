@@ -7,7 +7,7 @@ import torch
 
 from conftest import MPI_TIMEOUT, run_mpi, write_config
 from mpifl.config import load_config
-from mpifl.storage import load_tensors
+from mpifl.storage.hdf5 import load_tensors
 from reference import fp32_to_bf16_bits, reference_run
 
 CONFIG = """

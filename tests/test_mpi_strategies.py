@@ -9,7 +9,7 @@ import yaml
 
 from conftest import MPI_TIMEOUT, run_mpi, write_config
 from mpifl.config import load_config
-from mpifl.storage import Checkpoint, load_tensors
+from mpifl.storage.hdf5 import Checkpoint, load_tensors
 from reference import reference_run
 
 CONFIG = """

@@ -30,7 +30,7 @@ def test_report_writes_the_plots(profiled_run, tmp_path):
 
 
 def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
-    from mpifl.profiling import summarize
+    from mpifl.cli.profiling import summarize
 
     prof = profiled_run / "memray"
     assert sorted(p.name for p in prof.glob("*.bin")) == ["rank00000.bin", "rank00001.bin", "rank00002.bin"]

@@ -2,10 +2,10 @@
 import torch
 
 from mpifl.config import load_config
-from mpifl.data import client_data, load_dataset, partition
-from mpifl.flat import FlatModel
-from mpifl.models import build_model
-from mpifl.trainers import evaluate, make_loss, make_trainer
+from mpifl.learning.datasets import client_data, load_dataset, partition
+from mpifl.wire.flat import FlatModel
+from mpifl.learning.models import build_model
+from mpifl.learning.trainers import evaluate, make_loss, make_trainer
 
 
 def setup(model="cnn", **train):

@@ -9,9 +9,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .config import ConfigError, ModelConfig
-from .flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
-from .plugins import resolve
+from mpifl.config import ConfigError, ModelConfig
+from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
+from mpifl.plugins import resolve
 
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (128, 64)) -> nn.Module:
@@ -59,7 +59,7 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
     dtype = DTYPES[cfg.dtype]
     kwargs: dict[str, Any] = dict(cfg.kwargs)
     if cfg.name == "transformers":  # parameters on meta; weights come after binding
-        from . import hf
+        from mpifl.learning import hf
         return freeze_except(hf.build(cfg), cfg.trainable)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -107,7 +107,7 @@ def build_flat_model(cfg: ModelConfig, seed: int, **shape: Any) -> FlatModel:
     """
     trainable_only = cfg.exchange == "trainable"
     if cfg.name == "transformers":
-        from . import hf
+        from mpifl.learning import hf
         flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
         hf.initialize(flat.module, seed)
         if cfg.transformers.pretrained:
@@ -119,7 +119,7 @@ def build_flat_model(cfg: ModelConfig, seed: int, **shape: Any) -> FlatModel:
     else:
         flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
     if cfg.init_from:
-        from .storage import Checkpoint
+        from mpifl.storage.hdf5 import Checkpoint
         with Checkpoint(cfg.init_from) as init:
             init.check_spec(flat.spec)
             init.read_into(flat.tensors())

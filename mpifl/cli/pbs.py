@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, load_config
-from .flat import itemsize
+from mpifl.config import Config, load_config
+from mpifl.wire.flat import itemsize
 
 GIB = 2**30
 IMPORTS_BYTES = int(0.5 * GIB)  # torch + mpi4py + h5py per rank, with headroom
@@ -114,8 +114,8 @@ class MemoryPlan:
 
 def model_bytes(cfg: Config) -> ModelBytes:
     """Exchanged and frozen bytes of the configured model, from a meta-device build."""
-    from .data import load_dataset
-    from .models import model_spec
+    from mpifl.learning.datasets import load_dataset
+    from mpifl.learning.models import model_spec
 
     shape = {}
     if cfg.model.name in ("mlp", "cnn"):

@@ -18,9 +18,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .flat import DTYPES, Chunk, FlatModel, ModelSpec, element_offsets
-from .storage import Checkpoint, CheckpointWriter, checkpoint_name, prune_checkpoints
-from .transport import touched_empty
+from mpifl.wire.flat import DTYPES, Chunk, FlatModel, ModelSpec, element_offsets
+from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter, checkpoint_name, prune_checkpoints
+from mpifl.wire.transport import touched_empty
 
 
 def chunk_windows(chunks: list[Chunk], window_bytes: int) -> list[list[Chunk]]:

@@ -11,21 +11,21 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import protocol
-from .client import ClientRank
-from .config import Config, dump_config
-from .aggregation import make_strategy
-from .data import Dataset, client_data, load_dataset, partition, partition_histogram, partition_table, split_validation
-from .federation import clients_of_rank
-from .flat import FlatModel, ModelSpec
-from .launch import SetupError, StopRequest, agree, log
-from .metrics import JsonLines
-from .models import build_flat_model, model_spec
-from .server import Server, log_final
-from .state import InMemoryState, OnDiskState
-from .storage import Checkpoint, checkpoint_name
-from .trainers import make_evaluator
-from .transport import recv_chunks, send_chunks
+from mpifl.wire import protocol
+from mpifl.roles.client import ClientRank
+from mpifl.config import Config, dump_config
+from mpifl.aggregation.strategies import make_strategy
+from mpifl.learning.datasets import Dataset, client_data, load_dataset, partition, partition_histogram, partition_table, split_validation
+from mpifl.roles.federation import clients_of_rank
+from mpifl.wire.flat import FlatModel, ModelSpec
+from mpifl.roles.launch import SetupError, StopRequest, agree, log
+from mpifl.metrics import JsonLines
+from mpifl.learning.models import build_flat_model, model_spec
+from mpifl.roles.server import Server, log_final
+from mpifl.storage.stores import InMemoryState, OnDiskState
+from mpifl.storage.hdf5 import Checkpoint, checkpoint_name
+from mpifl.learning.trainers import make_evaluator
+from mpifl.wire.transport import recv_chunks, send_chunks
 
 
 def check_world(size: int, cfg: Config) -> None:

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import protocol
-from .aggregation import ACCUMULATOR_DTYPE, Strategy
-from .flat import DTYPES, Chunk
-from .transport import Backoff, touched_empty
+from mpifl.wire import protocol
+from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
+from mpifl.wire.flat import DTYPES, Chunk
+from mpifl.wire.transport import Backoff, touched_empty
 
 
 class GlobalState(Protocol):

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from .config import StrategyConfig
-from .protocol import UpdateMeta
+from mpifl.config import StrategyConfig
+from mpifl.wire.protocol import UpdateMeta
 
 ACCUMULATOR_DTYPE = torch.float32
 ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from .storage import Checkpoint
+from mpifl.storage.hdf5 import Checkpoint
 
 
 def inspect(path: str) -> int:
@@ -46,7 +46,7 @@ def export(path: str, out: str) -> int:
 def _write_transformers_config(config_yaml: str, folder: Path) -> None:
     """For a whole transformers model, config.json beside the weights: the folder then loads with
     ``model.transformers.path`` + ``pretrained: true`` (and with transformers' ``from_pretrained``)."""
-    from .config import load_config
+    from mpifl.config import load_config
 
     raw = yaml.safe_load(config_yaml) or {}
     if (raw.get("model") or {}).get("name") != "transformers":
@@ -54,7 +54,7 @@ def _write_transformers_config(config_yaml: str, folder: Path) -> None:
     cfg = load_config(None, data={"model": raw["model"], "train": {"trainer": "none"}, "eval": {"every": 0}})
     if cfg.model.name != "transformers" or cfg.model.lora.r or (cfg.model.trainable and cfg.model.exchange == "trainable"):
         return  # not a transformers model, or a checkpoint of its trainable tensors only
-    from .hf import load_config as load_transformers_config
+    from mpifl.learning.hf import load_config as load_transformers_config
 
     load_transformers_config(cfg.model).save_pretrained(folder)
     print(f"wrote {folder / 'config.json'}")

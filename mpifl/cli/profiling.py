@@ -83,7 +83,7 @@ def write_profile_report(directory: str | Path, flamegraph: bool = False) -> Pat
 
 
 def _plot(directory: Path, summaries: list[dict]) -> None:
-    from .report import _pyplot
+    from mpifl.cli.report import _pyplot
 
     plt = _pyplot()
     for s in summaries:

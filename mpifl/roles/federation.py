@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .protocol import rank_of_client
+from mpifl.wire.protocol import rank_of_client
 
 SAMPLING = 1  # stream keys keep the seed derivations of different purposes apart
 CLIENT = 2

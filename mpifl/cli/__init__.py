@@ -6,9 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import Config, ConfigError, dump_config, load_config
-from .launch import agree, bind_gpu_from_local_rank, guarded, log
-from .storage import CheckpointError
+from mpifl.config import Config, ConfigError, dump_config, load_config
+from mpifl.roles.launch import agree, bind_gpu_from_local_rank, guarded, log
+from mpifl.storage.hdf5 import CheckpointError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile-report", help="peak table and memory-over-time plots from --memray profiles")
     prof.add_argument("profile_dir")
     prof.add_argument("--flamegraph", action="store_true", help="also write memray flamegraph HTML per rank")
-    from .pbs import add_parser as add_pbs_parser, add_plan_parser
+    from mpifl.cli.pbs import add_parser as add_pbs_parser, add_plan_parser
     add_pbs_parser(sub)
     add_plan_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (under mpiexec)")
@@ -85,37 +85,37 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cfg = load_config(args.config, args.overrides)
             if cfg.model.name == "transformers":  # config keys checked on every rank before MPI starts
-                from .hf import load_config as load_transformers_config
+                from mpifl.learning.hf import load_config as load_transformers_config
                 load_transformers_config(cfg.model)
             resume = _find_resume(cfg, args) if args.resume else None
             return _run(cfg, args.run_dir, resume, args.memray, args.memray_native)
         if args.command == "partition":
             return _partition(load_config(args.config, args.overrides), args.plot)
         if args.command == "compare":
-            from .report import compare_table
+            from mpifl.cli.report import compare_table
             print(compare_table(args.run_dirs, args.target, args.metric))
             return 0
         if args.command == "report":
-            from .report import write_report
+            from mpifl.cli.report import write_report
             for path in write_report(args.run_dir, args.out):
                 print(f"wrote {path}")
             return 0
         if args.command == "profile-report":
-            from .profiling import write_profile_report
+            from mpifl.cli.profiling import write_profile_report
             write_profile_report(args.profile_dir, args.flamegraph)
             return 0
         if args.command == "plan":
-            from .pbs import plan_main
+            from mpifl.cli.pbs import plan_main
             return plan_main(args)
         if args.command == "pbs":
-            from .pbs import main as pbs_main
+            from mpifl.cli.pbs import main as pbs_main
             args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
             return pbs_main(args)
         if args.command in ("inspect", "export"):
-            from . import tools
+            from mpifl.cli import checkpoints as tools
             return tools.inspect(args.checkpoint) if args.command == "inspect" else tools.export(args.checkpoint,
                                                                                                   args.out)
-        from .bench import exchange_main
+        from mpifl.cli.bench import exchange_main
         return exchange_main(args)
     except ConfigError as err:
         log(f"mpifl: config error: {err}")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _partition(cfg: Config, plot: str | None) -> int:
-    from .data import load_dataset, partition_histogram, partition_table, plot_partition
+    from mpifl.learning.datasets import load_dataset, partition_histogram, partition_table, plot_partition
 
     histogram = partition_histogram(cfg.data, load_dataset(cfg.data), cfg.clients.num_clients, cfg.seed)
     print(partition_table(histogram, max_rows=10**6))
@@ -140,8 +140,8 @@ def _find_resume(cfg: Config, args: argparse.Namespace) -> Path:
     """The checkpoint to resume from, checked against the config before any MPI work."""
     import yaml
 
-    from .config import resume_conflict
-    from .storage import Checkpoint, latest_checkpoint
+    from mpifl.config import resume_conflict
+    from mpifl.storage.hdf5 import Checkpoint, latest_checkpoint
 
     if args.resume == "latest":
         run_dir = args.run_dir or cfg.output.dir
@@ -167,7 +167,7 @@ def _validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     model = f"{cfg.model.name} {cfg.model.dtype}"
     if cfg.model.name == "transformers":  # the transformers config is checked by building it on meta
-        from .pbs import GIB, model_bytes
+        from mpifl.cli.pbs import GIB, model_bytes
         size = model_bytes(cfg)
         model += (f" ({size.parameters / 1e9:.3f} B parameters, {size.exchanged / GIB:.2f} GiB exchanged, "
                   f"{size.frozen / GIB:.2f} GiB frozen)")
@@ -181,10 +181,10 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None = None, memra
     bind_gpu_from_local_rank()
     from mpi4py import MPI
 
-    from .profiling import tracked
+    from mpifl.cli.profiling import tracked
 
-    from .launch import SetupError
-    from .runner import check_world, run_rank
+    from mpifl.roles.launch import SetupError
+    from mpifl.roles.runner import check_world, run_rank
 
     comm = MPI.COMM_WORLD
     try:
@@ -204,7 +204,7 @@ def _prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None) 
     if resume is not None:
         _rewind_metrics(path / "metrics.jsonl", resume)
     elif (path / "metrics.jsonl").exists():
-        from .launch import SetupError
+        from mpifl.roles.launch import SetupError
         raise SetupError(f"run directory {str(path)!r} already holds a run (metrics.jsonl); "
                          "choose another --run-dir so nothing is overwritten")
     path.mkdir(parents=True, exist_ok=True)
@@ -217,7 +217,7 @@ def _rewind_metrics(metrics: Path, resume: Path) -> None:
     import json
     import os
 
-    from .storage import Checkpoint
+    from mpifl.storage.hdf5 import Checkpoint
 
     with Checkpoint(resume) as ckpt:
         saved, upto = ckpt.metrics(), ckpt.round

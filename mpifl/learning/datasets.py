@@ -3,7 +3,7 @@
 A dataset function returns ``(x_train, y_train, x_test, y_test)`` (tensors or arrays).
 Built in: ``digits`` (UCI optical handwritten digits, 1797 8x8 images, shipped with
 mpifl), ``synthetic`` (Gaussian class clusters) and ``text`` (token blocks for causal-LM
-training, :mod:`mpifl.text`). Partitioners split the training
+training, :mod:`mpifl.learning.text`). Partitioners split the training
 indices across logical clients deterministically from the seed.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from importlib import resources
 import numpy as np
 import torch
 
-from .config import DataConfig
-from .federation import PARTITION, derive_seed
-from .plugins import resolve
-from .text import text
+from mpifl.config import DataConfig
+from mpifl.roles.federation import PARTITION, derive_seed
+from mpifl.plugins import resolve
+from mpifl.learning.text import text
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,16 @@ from typing import Callable
 from mpi4py import MPI
 from tqdm import tqdm
 
-from . import protocol
-from .aggregation import Strategy
-from .config import Config
-from .federation import group_by_rank, sample_clients
-from .launch import StopRequest, log
-from .metrics import JsonLines, current_rss_bytes, peak_rss_bytes
-from .flat import wire_chunks
-from .reduction import PoolPlan, ReceivePool, RoundAborted, StreamedReduction
-from .state import InMemoryState, OnDiskState
-from .transport import send_chunks, wait_all
+from mpifl.wire import protocol
+from mpifl.aggregation.strategies import Strategy
+from mpifl.config import Config
+from mpifl.roles.federation import group_by_rank, sample_clients
+from mpifl.roles.launch import StopRequest, log
+from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
+from mpifl.wire.flat import wire_chunks
+from mpifl.aggregation.reduction import PoolPlan, ReceivePool, RoundAborted, StreamedReduction
+from mpifl.storage.stores import InMemoryState, OnDiskState
+from mpifl.wire.transport import send_chunks, wait_all
 
 
 @dataclass

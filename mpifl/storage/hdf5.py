@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 import torch
 
-from .flat import ModelSpec, TensorEntry
+from mpifl.wire.flat import ModelSpec, TensorEntry
 
 FORMAT = "mpifl-checkpoint"
 FORMAT_VERSION = 1

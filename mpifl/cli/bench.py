@@ -21,13 +21,13 @@ import time
 import torch
 from mpi4py import MPI
 
-from .config import load_config
-from .flat import DTYPES
-from .launch import guarded
-from .metrics import peak_rss_bytes
-from .models import Blob
-from .runner import check_world, run_rank
-from .transport import Backoff, recv_chunks, send_chunks, touched_empty, wait_all
+from mpifl.config import load_config
+from mpifl.wire.flat import DTYPES
+from mpifl.roles.launch import guarded
+from mpifl.metrics import peak_rss_bytes
+from mpifl.learning.models import Blob
+from mpifl.roles.runner import check_world, run_rank
+from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, touched_empty, wait_all
 
 TAG_DOWN, TAG_UP = 101, 102
 MIB = 2**20

@@ -1,7 +1,7 @@
 """Hugging Face transformers causal LMs, offline and allocated once.
 
 The model is built with its parameters on the ``meta`` device (buffers such as rotary
-frequencies are computed for real: they are small), then :class:`~mpifl.flat.FlatModel`
+frequencies are computed for real: they are small), then :class:`~mpifl.wire.flat.FlatModel`
 allocates the flat buffer and binds every parameter into it, and only then are the weights
 written: a seeded ``initialize_weights`` or the safetensors shards of a local folder, one
 tensor at a time. Peak memory is the buffer plus one tensor.
@@ -22,8 +22,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .config import ConfigError, LoraConfig, ModelConfig
-from .flat import DTYPES, FlatModel
+from mpifl.config import ConfigError, LoraConfig, ModelConfig
+from mpifl.wire.flat import DTYPES, FlatModel
 
 # Hub access stays off for every rank, whatever the user's environment says.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,14 +7,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import protocol
-from .config import Config
-from .data import ClientData
-from .federation import client_seed
-from .flat import DTYPES, Chunk, FlatModel, wire_chunks
-from .metrics import peak_rss_bytes
-from .trainers import TrainResult, make_evaluator, make_trainer
-from .transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
+from mpifl.wire import protocol
+from mpifl.config import Config
+from mpifl.learning.datasets import ClientData
+from mpifl.roles.federation import client_seed
+from mpifl.wire.flat import DTYPES, Chunk, FlatModel, wire_chunks
+from mpifl.metrics import peak_rss_bytes
+from mpifl.learning.trainers import TrainResult, make_evaluator, make_trainer
+from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
 
 
 class UpdateEncoder:

@@ -8,9 +8,9 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-from .config import Config, TrainConfig
-from .data import ClientData
-from .plugins import resolve
+from mpifl.config import Config, TrainConfig
+from mpifl.learning.datasets import ClientData
+from mpifl.plugins import resolve
 
 
 @dataclass
@@ -120,7 +120,7 @@ class CausalLMTrainer:
             raise ValueError("the causal_lm trainer needs local token blocks; this client has none")
         c = self.cfg
         if c.gradient_checkpointing and not self._checkpointing:
-            from .hf import enable_gradient_checkpointing
+            from mpifl.learning.hf import enable_gradient_checkpointing
             enable_gradient_checkpointing(model)
             self._checkpointing = True
         params = [p for p in model.parameters() if p.requires_grad]
