@@ -15,7 +15,9 @@ from typing import Any, Optional
 
 import yaml
 
+from mpifl.aggregation.registry import STRATEGIES  # torch-free: the registered strategy names
 from mpifl.plugins import is_import_path, resolve
+from mpifl.units import MIB
 
 
 class ConfigError(ValueError):
@@ -37,6 +39,12 @@ class ClientsConfig:
     accept_failures: bool = _f(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                "with client, rank and reason) instead of aborting the job")
     min_participants: int = _f(1, "abort the round, and the job, when fewer updates than this remain", min=1)
+
+    def per_round_count(self) -> int:
+        """How many logical clients take part in each round."""
+        if self.per_round is not None:
+            return min(self.per_round, self.num_clients)
+        return max(1, round(self.fraction * self.num_clients))
 
 
 @dataclass
@@ -124,15 +132,13 @@ class TrainConfig:
                    choices=("cross_entropy", "mse"), import_ok=True)
 
 
-STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
-
-
 @dataclass
 class StrategyConfig:
     """How the server combines updates."""
 
     name: str = _f("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
-                   "median or trimmed_mean (coordinate-wise, unweighted)", choices=STRATEGIES)
+                   "median or trimmed_mean (coordinate-wise, unweighted), or an import path to a function "
+                   "StrategyConfig -> Strategy (mpifl.aggregation.strategies)", choices=STRATEGIES, import_ok=True)
     weighting: str = _f("samples", "client weight in means: by sample count or equal", choices=("samples", "equal"))
     update: str = _f("weights", "what a client sends: its trained weights or its delta (trained - global)",
                      choices=("weights", "delta"))
@@ -161,7 +167,7 @@ class TransportConfig:
 
     @property
     def chunk_bytes(self) -> int:
-        return max(1, int(self.chunk_mb * 2**20))
+        return max(1, int(self.chunk_mb * MIB))
 
 
 @dataclass
@@ -224,9 +230,7 @@ class Config:
 
     def clients_per_round(self) -> int:
         """How many logical clients take part in each round."""
-        if self.clients.per_round is not None:
-            return min(self.clients.per_round, self.clients.num_clients)
-        return max(1, round(self.clients.fraction * self.clients.num_clients))
+        return self.clients.per_round_count()
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), data: dict | None = None) -> Config:

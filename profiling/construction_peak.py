@@ -1,4 +1,4 @@
-"""Peak RSS of building a config's model, as a client rank builds it, against the issue's bound.
+"""Peak RSS of building a config's model, as a client rank builds it, against 1.15 x model + 600 MB.
 
 Each way of building runs in a fresh process (peak RSS is per process):
   mpifl:  meta device -> one flat buffer -> seeded init into it (what every rank does)
@@ -21,8 +21,8 @@ def measure(config: str, way: str) -> dict:
     import torch
 
     from mpifl.config import load_config
-    from mpifl.wire.flat import FlatModel
     from mpifl.metrics import current_rss_bytes, peak_rss_bytes
+    from mpifl.wire.flat import FlatModel
 
     torch.set_num_threads(1)
     cfg = load_config(config)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from mpifl.config import load_config
 from mpifl.learning.datasets import load_dataset
-from mpifl.wire.flat import FlatModel
 from mpifl.learning.models import build_model
 from mpifl.storage.hdf5 import load_tensors
+from mpifl.wire.flat import FlatModel
 
 VARIANTS = {"fp32 weights": ("weights", "null"), "bf16 weights": ("weights", "bfloat16"),
             "bf16 delta": ("delta", "bfloat16"), "fp16 delta": ("delta", "float16")}

@@ -11,10 +11,10 @@ import torch
 
 from mpifl.config import Config
 from mpifl.learning.datasets import client_data, load_dataset, partition
-from mpifl.roles.federation import client_seed, sample_clients
-from mpifl.wire.flat import FlatModel
 from mpifl.learning.models import build_model
 from mpifl.learning.trainers import make_trainer
+from mpifl.roles.federation import client_seed, sample_clients
+from mpifl.wire.flat import FlatModel
 
 
 def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

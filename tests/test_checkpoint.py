@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from mpifl.config import resume_conflict
+from mpifl.storage.checkpointer import checkpoint_name, latest_checkpoint, list_checkpoints, prune_checkpoints
+from mpifl.storage.hdf5 import Checkpoint, CheckpointError, CheckpointWriter, load_tensors
 from mpifl.wire.flat import FlatModel
-from mpifl.storage.hdf5 import (Checkpoint, CheckpointError, CheckpointWriter, checkpoint_name, latest_checkpoint,
-                           list_checkpoints, load_tensors, prune_checkpoints)
 
 
 class Odd(nn.Module):

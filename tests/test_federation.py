@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from mpifl.learning.datasets import dirichlet_partition, digits, iid_partition, synthetic
+from mpifl.learning.datasets import digits, dirichlet_partition, iid_partition, synthetic
 from mpifl.roles.federation import client_seed, clients_of_rank, group_by_rank, sample_clients
 
 

@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mpifl.learning import hf  # noqa: E402
 from mpifl.config import ConfigError, load_config  # noqa: E402
+from mpifl.learning import hf  # noqa: E402
 from mpifl.learning.datasets import ClientData  # noqa: E402
 from mpifl.learning.models import build_flat_model, model_spec  # noqa: E402
 from mpifl.learning.text import stdlib_docstrings, text  # noqa: E402
@@ -32,7 +32,7 @@ def model_cfg(architecture: str = "gpt2", dtype: str = "float32", **model):
 
 def normal_build(cfg, seed: int):
     """transformers' own from_config on CPU (torch allocates every tensor), then the same seeded init."""
-    model = transformers.AutoModelForCausalLM.from_config(hf.load_config(cfg), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf.transformers_config(cfg), dtype=torch.float32)
     hf.initialize(model, seed)
     return model
 
@@ -97,9 +97,9 @@ def test_a_pretrained_folder_missing_a_tensor_names_it(tmp_path):
 
 def test_config_mistakes_are_named_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError, match="n_layers.*did you mean 'n_layer'"):
-        hf.load_config(model_cfg(transformers={"architecture": "gpt2", "config": {"n_layers": 2}}))
+        hf.transformers_config(model_cfg(transformers={"architecture": "gpt2", "config": {"n_layers": 2}}))
     with pytest.raises(ConfigError, match="'lama' is not a transformers model_type; did you mean.*llama"):
-        hf.load_config(model_cfg(transformers={"architecture": "lama"}))
+        hf.transformers_config(model_cfg(transformers={"architecture": "lama"}))
     with pytest.raises(ConfigError, match="not a local folder.*nothing is downloaded"):
         model_cfg(transformers={"path": "openai-community/gpt2"})
     with pytest.raises(ConfigError, match="pretrained: no \\*.safetensors"):

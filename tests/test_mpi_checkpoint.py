@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MPI_TIMEOUT, TESTS, mpiexec, run_mpi, write_config
-from mpifl.storage.hdf5 import Checkpoint, latest_checkpoint, load_tensors
+
+from mpifl.storage.checkpointer import latest_checkpoint
+from mpifl.storage.hdf5 import Checkpoint, load_tensors
 
 NOISE = """
 seed: 5

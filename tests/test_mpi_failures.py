@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import run_mpi, write_config
 
 BASE = """
@@ -101,10 +100,10 @@ def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path)
 
     import numpy as np
     import yaml
+    from reference import reference_run
 
     from mpifl.config import load_config
     from mpifl.storage.hdf5 import load_tensors
-    from reference import reference_run
 
     result = run_failures(tmp_path, raising="3", poisoned="5")
     assert result.returncode == 0, result.stderr

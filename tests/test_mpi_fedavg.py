@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import MPI_TIMEOUT, run_mpi, write_config
+from reference import fp32_to_bf16_bits, reference_run
+
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import load_tensors
-from reference import fp32_to_bf16_bits, reference_run
 
 CONFIG = """
 seed: 3

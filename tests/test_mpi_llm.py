@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 
 from conftest import run_mpi, write_config  # noqa: E402
 from fl_helpers import frozen_digest  # noqa: E402
+
 from mpifl.config import load_config  # noqa: E402
 from mpifl.learning.models import build_flat_model  # noqa: E402
 from mpifl.storage.hdf5 import Checkpoint  # noqa: E402

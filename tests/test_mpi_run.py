@@ -6,7 +6,6 @@ import json
 import h5py
 import pytest
 import yaml
-
 from conftest import MPI_TIMEOUT, ROOT, run_mpi
 
 

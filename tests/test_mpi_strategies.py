@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 import yaml
-
 from conftest import MPI_TIMEOUT, run_mpi, write_config
+from reference import reference_run
+
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import Checkpoint, load_tensors
-from reference import reference_run
 
 CONFIG = """
 seed: 5

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import MPI_TIMEOUT, ROOT, mpiexec, write_config
 
 SHIPPED = sorted((ROOT / "pbs").glob("*.pbs"))

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run_mpi
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -3,9 +3,9 @@ import torch
 
 from mpifl.config import load_config
 from mpifl.learning.datasets import client_data, load_dataset, partition
-from mpifl.wire.flat import FlatModel
 from mpifl.learning.models import build_model
 from mpifl.learning.trainers import evaluate, make_loss, make_trainer
+from mpifl.wire.flat import FlatModel
 
 
 def setup(model="cnn", **train):

@@ -22,15 +22,15 @@ import torch
 from mpi4py import MPI
 
 from mpifl.config import load_config
-from mpifl.wire.flat import DTYPES
-from mpifl.roles.launch import guarded
-from mpifl.metrics import peak_rss_bytes
 from mpifl.learning.models import Blob
+from mpifl.metrics import peak_rss_bytes
+from mpifl.roles.launch import guarded
 from mpifl.roles.runner import check_world, run_rank
+from mpifl.units import MIB
+from mpifl.wire.flat import DTYPES, itemsize
 from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, touched_empty, wait_all
 
 TAG_DOWN, TAG_UP = 101, 102
-MIB = 2**20
 
 
 def exchange_main(args: argparse.Namespace) -> int:
@@ -56,8 +56,8 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     peaks = comm.gather(peak_rss_bytes(), root=0)
     gc.collect()
     dtype = DTYPES[cfg.model.dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    model_bytes = int(args.model_mb * MIB) // itemsize * itemsize
+    width = itemsize(cfg.model.dtype)
+    model_bytes = int(args.model_mb * MIB) // width * width
     exchange = FloorExchange(comm, model_bytes, dtype, cfg.transport.chunk_bytes)
     floor = _timed(comm, args.rounds, exchange.round)
     del exchange  # free the floor's buffers before the pickle path allocates its own
@@ -108,7 +108,7 @@ class FloorExchange:
     def __init__(self, comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int):
         self.comm, self.dtype = comm, dtype
         self.rank, self.clients = comm.Get_rank(), comm.Get_size() - 1
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         step = max(1, chunk_bytes // self.itemsize) * self.itemsize
         self.spans = [(o, min(step, model_bytes - o)) for o in range(0, model_bytes, step)]
         self.model = touched_empty(model_bytes)

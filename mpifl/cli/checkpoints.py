@@ -6,6 +6,7 @@ from pathlib import Path
 import yaml
 
 from mpifl.storage.hdf5 import Checkpoint
+from mpifl.units import MIB
 
 
 def inspect(path: str) -> int:
@@ -16,7 +17,7 @@ def inspect(path: str) -> int:
         total = sum(n for *_, n in entries)
         print(f"{ckpt.path}: round {ckpt.round}, spec {ckpt.spec_hash}, created {attrs.get('created', '?')}")
         print("versions: " + ", ".join(f"{k[8:]} {v}" for k, v in sorted(attrs.items()) if k.startswith("version_")))
-        print(f"tensors: {len(entries)}, {total / 2**20:.2f} MiB")
+        print(f"tensors: {len(entries)}, {total / MIB:.2f} MiB")
         width = max((len(n) for n, *_ in entries), default=4)
         for name, shape, dtype, nbytes in entries:
             print(f"  {name:<{width}}  {str(list(shape)):<18} {dtype:<9} {nbytes:>12,d} B")
@@ -54,7 +55,7 @@ def _write_transformers_config(config_yaml: str, folder: Path) -> None:
     cfg = load_config(None, data={"model": raw["model"], "train": {"trainer": "none"}, "eval": {"every": 0}})
     if cfg.model.name != "transformers" or cfg.model.lora.r or (cfg.model.trainable and cfg.model.exchange == "trainable"):
         return  # not a transformers model, or a checkpoint of its trainable tensors only
-    from mpifl.learning.hf import load_config as load_transformers_config
+    from mpifl.learning.hf import transformers_config
 
-    load_transformers_config(cfg.model).save_pretrained(folder)
+    transformers_config(cfg.model).save_pretrained(folder)
     print(f"wrote {folder / 'config.json'}")

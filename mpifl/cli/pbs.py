@@ -12,10 +12,11 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, make_strategy
 from mpifl.config import Config, load_config
+from mpifl.units import GIB, MIB
 from mpifl.wire.flat import itemsize
 
-GIB = 2**30
 IMPORTS_BYTES = int(0.5 * GIB)  # torch + mpi4py + h5py per rank, with headroom
 
 TEMPLATE = r"""#!/bin/bash -l
@@ -131,14 +132,16 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
     nbytes = size.exchanged
     width = itemsize(cfg.model.dtype)
     elements = nbytes // width  # of the exchanged tensors
+    strategy = make_strategy(cfg.strategy)
     if cfg.server.state == "disk":
-        pool = max(cfg.transport.pool_mb * 2**20, (nranks - 1 + 4) * cfg.transport.chunk_bytes)
-        server = IMPORTS_BYTES + int(cfg.server.window_mb * 2**20 + pool)
+        pool = max(cfg.transport.pool_mb * MIB, (nranks - 1 + 4) * cfg.transport.chunk_bytes)
+        server = IMPORTS_BYTES + int(cfg.server.window_mb * MIB + pool)
     else:
-        server = IMPORTS_BYTES + size.total + min(int(cfg.transport.pool_mb * 2**20), nbytes // 4)
-        server += 4 * elements * {"fedavgm": 1, "fedadam": 2, "fedyogi": 2, "fedadagrad": 2}.get(cfg.strategy.name, 0)
-    if cfg.strategy.name in ("median", "trimmed_mean"):  # two chunks' participants x chunk fp32 stacks
-        server += 2 * cfg.clients_per_round() * (cfg.transport.chunk_bytes // width) * 4
+        server = IMPORTS_BYTES + size.total + min(int(cfg.transport.pool_mb * MIB), nbytes // 4)
+        server += strategy.state_bytes(elements)  # fp32 server-state vectors (momentum, moments)
+    if strategy.stacked:  # two chunks' participants x chunk fp32 stacks
+        stack = strategy.accumulator_rows(cfg.clients_per_round()) * (cfg.transport.chunk_bytes // width)
+        server += 2 * stack * ACCUMULATOR_DTYPE.itemsize
     client = IMPORTS_BYTES + size.total
     if cfg.train.trainer != "none":  # optimizer and gradients cover the trainable (exchanged) tensors only
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]

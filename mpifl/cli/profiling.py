@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from mpifl.units import MIB
+
 RANK_FILE = "rank{rank:05d}.bin"  # the one template for per-rank profile names
-MIB = 2**20
 
 
 def _memray():

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mpifl.units import MIB
+
 SPLIT = ("dispatch", "client_train", "return", "aggregate", "eval", "checkpoint", "other")
-MIB = 2**20
 
 
 def _pyplot():
@@ -65,18 +66,22 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     out.mkdir(parents=True, exist_ok=True)
     records = load_metrics(run_dir)
     plt = _pyplot()
-    rounds = [r["round"] for r in records]
     written = []
-
-    def save(fig, name: str) -> None:
+    for name, draw in (("quality.png", _quality), ("time_split.png", _time_split), ("bytes.png", _bytes),
+                       ("memory.png", _memory)):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw(fig, ax, records)
         if not fig.legends:
             fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         written.append(out / name)
+    return written
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(rounds, [r.get("train_loss") for r in records], marker=".", label="train loss (clients)")
+
+def _quality(fig, ax, records: list[dict]) -> None:
+    ax.plot([r["round"] for r in records], [r.get("train_loss") for r in records], marker=".",
+            label="train loss (clients)")
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
     if evals:
         ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], marker="o", label="held-out loss")
@@ -91,10 +96,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     ax.set_title("Model quality")
     fig.legend(loc="lower center", ncols=3, fontsize="small")
     fig.subplots_adjust(bottom=0.25)
-    save(fig, "quality.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = [0.0] * len(records)
+
+def _time_split(fig, ax, records: list[dict]) -> None:
+    rounds, bottom = [r["round"] for r in records], [0.0] * len(records)
     for part in SPLIT:
         values = [r["time"].get(part, 0.0) for r in records]
         if any(values):
@@ -104,18 +109,20 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     ax.set_ylabel("seconds")
     ax.set_title("Where each round's time goes (parts add up to the round)")
     ax.legend(fontsize="small")
-    save(fig, "time_split.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _bytes(fig, ax, records: list[dict]) -> None:
+    rounds = [r["round"] for r in records]
     ax.plot(rounds, [r["bytes_sent"] / MIB for r in records], marker=".", label="sent by server")
     ax.plot(rounds, [r["bytes_received"] / MIB for r in records], marker=".", label="received by server")
     ax.set_xlabel("round")
     ax.set_ylabel("MiB")
     ax.set_title("Bytes moved per round")
     ax.legend()
-    save(fig, "bytes.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _memory(fig, ax, records: list[dict]) -> None:
+    rounds = [r["round"] for r in records]
     ax.plot(rounds, [r["server_rss_bytes"] / MIB for r in records], marker=".", label="server RSS")
     ax.plot(rounds, [r["server_peak_rss_bytes"] / MIB for r in records], linestyle="--", label="server peak RSS")
     if any("client_peak_rss_bytes" in r for r in records):
@@ -126,5 +133,3 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     ax.set_ylim(bottom=0)
     ax.set_title("Memory")
     ax.legend()
-    save(fig, "memory.png")
-    return written

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from mpifl.config import DataConfig
-from mpifl.roles.federation import PARTITION, derive_seed
-from mpifl.plugins import resolve
 from mpifl.learning.text import text
+from mpifl.plugins import resolve
+from mpifl.roles.federation import PARTITION, derive_seed
 
 
 @dataclass(frozen=True)

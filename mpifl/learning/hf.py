@@ -25,12 +25,15 @@ from torch import nn
 from mpifl.config import ConfigError, LoraConfig, ModelConfig
 from mpifl.wire.flat import DTYPES, FlatModel
 
-# Hub access stays off for every rank, whatever the user's environment says.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+def stay_offline() -> None:
+    """Keep hub access off (before transformers is imported): nothing is ever downloaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def _transformers():
+    stay_offline()
     try:
         import transformers
     except ImportError:
@@ -39,7 +42,7 @@ def _transformers():
     return transformers
 
 
-def load_config(cfg: ModelConfig):
+def transformers_config(cfg: ModelConfig):
     """The transformers config: a local folder's config.json or an architecture's defaults, with
     ``model.transformers.config`` values on top; an unknown key is an error, not silently kept."""
     transformers = _transformers()
@@ -89,7 +92,7 @@ def build(cfg: ModelConfig) -> nn.Module:
     """The causal LM with parameters on the meta device (inside ``torch.device('meta')``,
     buffers too), LoRA adapters added when configured."""
     transformers = _transformers()
-    config = load_config(cfg)
+    config = transformers_config(cfg)
     dtype = DTYPES[cfg.dtype]
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -101,6 +104,7 @@ def build(cfg: ModelConfig) -> nn.Module:
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap with peft LoRA adapters; peft freezes the base model."""
     try:
+        stay_offline()
         import peft
     except ImportError:
         raise ImportError("model.lora needs peft: pip install 'mpifl[lora]'") from None
@@ -139,7 +143,7 @@ def initialize(model: nn.Module, seed: int) -> None:
                     module.reset_lora_parameters(adapter, init_lora_weights=True)
 
 
-def checkpoint_name(name: str) -> str:
+def saved_name(name: str) -> str:
     """A parameter's name as ``save_pretrained`` writes it: peft's wrapper prefixes removed."""
     name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
@@ -151,7 +155,7 @@ def load_pretrained(flat: FlatModel, path: str | Path) -> None:
     from safetensors import safe_open
 
     prefix = getattr(base_model(flat.module), "base_model_prefix", "")
-    targets = {checkpoint_name(n): t for n, t in [*flat.tensors(), *flat.frozen_tensors()]}
+    targets = {saved_name(n): t for n, t in [*flat.tensors(), *flat.frozen_tensors()]}
     found: set[str] = set()
     shards = sorted(Path(path).glob("*.safetensors"))
     for shard in shards:

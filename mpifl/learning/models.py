@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from mpifl.config import ConfigError, ModelConfig
-from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
 from mpifl.plugins import resolve
+from mpifl.units import MIB
+from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
 
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (128, 64)) -> nn.Module:
@@ -44,8 +45,8 @@ class Blob(nn.Module):
     def __init__(self, size_mb: float = 100.0, tensor_mb: float = 64.0, dtype: torch.dtype = torch.float32):
         super().__init__()
         itemsize = torch.empty((), dtype=dtype).element_size()
-        total = int(size_mb * 2**20) // itemsize
-        per = max(1, int(tensor_mb * 2**20) // itemsize)
+        total = int(size_mb * MIB) // itemsize
+        per = max(1, int(tensor_mb * MIB) // itemsize)
         sizes = [per] * (total // per) + ([total % per] if total % per else [])
         self.weights = nn.ParameterList(nn.Parameter(torch.empty(n, dtype=dtype).uniform_(-1, 1)) for n in sizes)
 

@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.wire import protocol
-from mpifl.config import Config
 from mpifl.learning.datasets import ClientData
-from mpifl.roles.federation import client_seed
-from mpifl.wire.flat import DTYPES, Chunk, FlatModel, wire_chunks
+from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
-from mpifl.learning.trainers import TrainResult, make_evaluator, make_trainer
+from mpifl.roles.federation import client_seed
+from mpifl.wire import protocol
+from mpifl.wire.flat import DTYPES, FlatModel
+from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
 
 
@@ -25,14 +26,14 @@ class UpdateEncoder:
     (half the model's float32 bytes for bf16).
     """
 
-    def __init__(self, flat: FlatModel, chunks: list[Chunk], wire: list[Chunk], delta: bool):
-        self.flat, self.chunks, self.wire, self.delta = flat, chunks, wire, delta
-        self.narrowed = wire is not chunks
+    def __init__(self, flat: FlatModel, plan: ExchangePlan, delta: bool):
+        self.flat, self.chunks, self.wire, self.delta = flat, plan.chunks, plan.wire, delta
+        self.narrowed = plan.narrowed
         if self.narrowed:
-            self.wire_bytes = touched_empty(wire[-1].offset + wire[-1].nbytes)
-            self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in wire]
+            self.wire_bytes = touched_empty(plan.wire_buffer_bytes)
+            self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in plan.wire]
         else:
-            self.buffers = [flat.chunk_bytes(c) for c in chunks]
+            self.buffers = plan.chunk_slices(flat.bytes)
 
     def encode(self, previous: torch.Tensor | None) -> list[np.ndarray]:
         """Fill and return the outgoing chunk buffers; ``previous`` is the global model's bytes (delta mode)."""
@@ -50,20 +51,31 @@ class UpdateEncoder:
                    for w, buf in zip(self.wire, self.buffers))
 
 
+@dataclass
+class ClientParts:
+    """What a client rank works with, each part built from its own config section."""
+
+    plan: ExchangePlan
+    trainer: Trainer
+    seed: int  # the root seed: each logical client's seed derives from it, the round and its id
+    delta: bool  # strategy.update: send trained - global instead of the trained weights
+    accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
+    evaluate: Evaluator | None = None  # federated evaluation of the received model, when due
+    evaluate_every: int = 0
+    rounds: int = 0
+
+
 class ClientRank:
     """One model in memory; its logical clients train one after another in it."""
 
-    def __init__(self, comm: MPI.Comm, cfg: Config, flat: FlatModel,
-                 local_data: dict[int, tuple[ClientData | None, ClientData | None]]):
-        self.comm, self.cfg, self.flat, self.local_data = comm, cfg, flat, local_data
+    def __init__(self, comm: MPI.Comm, flat: FlatModel, local_data: dict[int, tuple[ClientData | None, ClientData | None]],
+                 parts: ClientParts):
+        self.comm, self.flat, self.local_data, self.parts = comm, flat, local_data, parts
         self.rank = comm.Get_rank()
-        self.trainer = make_trainer(cfg.train)
-        chunks = flat.spec.chunks(cfg.transport.chunk_bytes)
-        self.chunk_buffers = [flat.chunk_bytes(c) for c in chunks]
-        self.delta = cfg.strategy.update == "delta"
-        self.encoder = UpdateEncoder(flat, chunks, wire_chunks(chunks, cfg.strategy.wire_dtype), self.delta)
+        self.trainer = parts.trainer
+        self.chunk_buffers = parts.plan.chunk_slices(flat.bytes)
+        self.encoder = UpdateEncoder(flat, parts.plan, parts.delta)
         self.snapshot: torch.Tensor | None = None
-        self.evaluate = make_evaluator(cfg) if cfg.eval.federated_every else None
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -76,11 +88,11 @@ class ClientRank:
 
     def serve_round(self, header: protocol.RoundHeader) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
-        inflight = self.cfg.transport.inflight
+        inflight = self.parts.plan.inflight
         recv_chunks(self.comm, protocol.SERVER, protocol.MODEL, self.chunk_buffers, inflight)
         # Training (and forming a delta) overwrites the model: keep the global for what follows.
         keep = None
-        if self.delta or (len(header.clients) > 1 and self.trainer.modifies_weights):
+        if self.parts.delta or (len(header.clients) > 1 and self.trainer.modifies_weights):
             if self.snapshot is None:
                 self.snapshot = torch.empty_like(self.flat.buffer)
             keep = self.snapshot.copy_(self.flat.buffer)
@@ -98,9 +110,9 @@ class ClientRank:
         start = time.perf_counter()
         error = None
         try:
-            result = self.trainer.train(self.flat.module, train, client_seed(self.cfg.seed, round_, client))
+            result = self.trainer.train(self.flat.module, train, client_seed(self.parts.seed, round_, client))
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            if not self.cfg.clients.accept_failures:
+            if not self.parts.accept_failures:
                 raise
             error, result = f"{type(err).__name__}: {err}", TrainResult(0, {})
         buffers = self.encoder.encode(keep)
@@ -108,7 +120,7 @@ class ClientRank:
             bad = self.encoder.count_nonfinite()
             if bad:
                 error = f"update contains {bad} NaN/Inf values"
-                if not self.cfg.clients.accept_failures:
+                if not self.parts.accept_failures:
                     raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
                                              "(clients.accept_failures=false)")
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
@@ -117,8 +129,8 @@ class ClientRank:
 
     def _federated_eval(self, round_: int, val: ClientData | None) -> dict:
         """The received global model on this client's validation split (before training)."""
-        every = self.cfg.eval.federated_every
-        if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.cfg.rounds):
+        every = self.parts.evaluate_every
+        if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.parts.rounds):
             return {}
-        result = self.evaluate(self.flat.module, val.x, val.y)
+        result = self.parts.evaluate(self.flat.module, val.x, val.y)
         return {**{f"val_{k}": v for k, v in result.items()}, "val_samples": len(val)}

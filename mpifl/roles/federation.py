@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpifl.wire.protocol import rank_of_client
+from mpifl.config import ClientsConfig
 
 SAMPLING = 1  # stream keys keep the seed derivations of different purposes apart
 CLIENT = 2
@@ -27,6 +27,11 @@ def sample_clients(seed: int, round_: int, num_clients: int, per_round: int) -> 
     return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
 
 
+def rank_of_client(client: int, client_ranks: int) -> int:
+    """The rank hosting a logical client: round-robin over ranks 1..client_ranks."""
+    return 1 + client % client_ranks
+
+
 def group_by_rank(clients: list[int], client_ranks: int) -> dict[int, list[int]]:
     """Map each hosting rank to the (ascending) participants it serves."""
     out: dict[int, list[int]] = {}
@@ -38,3 +43,23 @@ def group_by_rank(clients: list[int], client_ranks: int) -> dict[int, list[int]]
 def clients_of_rank(rank: int, num_clients: int, client_ranks: int) -> list[int]:
     """Every logical client a rank hosts."""
     return [c for c in range(num_clients) if rank_of_client(c, client_ranks) == rank]
+
+
+class Sampler:
+    """Each round's participants and their ranks, from the root seed and the ``clients`` section."""
+
+    def __init__(self, seed: int, clients: ClientsConfig, client_ranks: int):
+        self.seed, self.clients, self.client_ranks = seed, clients, client_ranks
+        self.per_round = clients.per_round_count()
+
+    def participants(self, round_: int) -> list[int]:
+        """The sorted logical client ids taking part in ``round_``."""
+        return sample_clients(self.seed, round_, self.clients.num_clients, self.per_round)
+
+    def by_rank(self, participants: list[int]) -> dict[int, list[int]]:
+        """Each hosting rank's participants, ascending."""
+        return group_by_rank(participants, self.client_ranks)
+
+    def rank_of(self, client: int) -> int:
+        """The rank hosting ``client``."""
+        return rank_of_client(client, self.client_ranks)

@@ -1,4 +1,4 @@
-"""One launch path for every rank: rank-prefixed logs, and abort-on-exception."""
+"""One launch path for every rank: agreement on setup errors, SIGTERM, GPU binding, abort-on-exception."""
 from __future__ import annotations
 
 import os
@@ -44,14 +44,6 @@ def agree(comm, fn: Callable[[], T]) -> T:
     return result
 
 
-def env_rank() -> int | None:
-    """This process's rank as the launcher tells it, before MPI is initialised."""
-    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "MV2_COMM_WORLD_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
-
-
 def env_local_rank() -> int | None:
     """This process's rank within its node, as the launcher tells it."""
     for var in ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
@@ -67,13 +59,6 @@ def bind_gpu_from_local_rank() -> None:
     local = env_local_rank()
     if gpus > 0 and local is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
-
-
-def log(message: str, rank: int | None = None) -> None:
-    """Print one line to stderr prefixed with the rank."""
-    rank = env_rank() if rank is None else rank
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(prefix + message, file=sys.stderr, flush=True)
 
 
 ABORT_GRACE_SECONDS = 1.0

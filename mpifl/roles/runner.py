@@ -1,30 +1,41 @@
-"""What every rank does for ``mpifl run``: build, agree on the model, then serve or train."""
+"""What every rank does for ``mpifl run``: build, agree on the model, then serve or train.
+
+This is the one place that reads the whole config: each role gets only its own parts.
+"""
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.wire import protocol
-from mpifl.roles.client import ClientRank
-from mpifl.config import Config, dump_config
-from mpifl.aggregation.strategies import make_strategy
-from mpifl.learning.datasets import Dataset, client_data, load_dataset, partition, partition_histogram, partition_table, split_validation
-from mpifl.roles.federation import clients_of_rank
-from mpifl.wire.flat import FlatModel, ModelSpec
-from mpifl.roles.launch import SetupError, StopRequest, agree, log
-from mpifl.metrics import JsonLines
+from mpifl.aggregation.strategies import Strategy, make_strategy
+from mpifl.config import Config
+from mpifl.learning.datasets import (
+    Dataset,
+    client_data,
+    load_dataset,
+    partition,
+    partition_histogram,
+    partition_table,
+    split_validation,
+)
 from mpifl.learning.models import build_flat_model, model_spec
-from mpifl.roles.server import Server, log_final
-from mpifl.storage.stores import InMemoryState, OnDiskState
-from mpifl.storage.hdf5 import Checkpoint, checkpoint_name
-from mpifl.learning.trainers import make_evaluator
+from mpifl.learning.trainers import make_evaluator, make_trainer
+from mpifl.logs import log
+from mpifl.metrics import JsonLines
+from mpifl.roles.client import ClientParts, ClientRank
+from mpifl.roles.federation import Sampler, clients_of_rank
+from mpifl.roles.launch import SetupError, StopRequest, agree
+from mpifl.roles.server import Evaluation, Server, ServerParts, log_final
+from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
+from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.stores import open_store
+from mpifl.units import MIB
+from mpifl.wire import protocol
+from mpifl.wire.flat import FlatModel, ModelSpec
+from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, send_chunks
 
 
@@ -71,25 +82,13 @@ def agree_on_spec(comm: MPI.Comm, spec: ModelSpec) -> None:
                          f"(client spec hash != server {server_spec.hash})")
 
 
-def versions() -> dict[str, str]:
-    """Library versions recorded with every checkpoint."""
-    out = {"torch": str(torch.__version__), "h5py": h5py.__version__,
-           "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
-    try:
-        out["mpifl"] = importlib.metadata.version("mpifl")
-    except importlib.metadata.PackageNotFoundError:
-        out["mpifl"] = "unknown"
-    return out
-
-
 def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | None = None) -> list[dict] | None:
     """Run one rank's part of the experiment; rank 0 returns the metrics history."""
-    rank = comm.Get_rank()
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
     dataset = agree(comm, lambda: load_dataset(cfg.data)) if needs_dataset(cfg) else None  # read once, shared
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
-    if rank == 0 and cfg.server.state == "disk":  # shapes only: the out-of-core server never allocates the model
+    if comm.Get_rank() == 0 and cfg.server.state == "disk":  # the out-of-core server never allocates the model
         spec, flat = model_spec(cfg.model, cfg.seed, **shape)[0], None
     else:
         flat = build_flat_model(cfg.model, cfg.seed, **shape)
@@ -97,70 +96,75 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
         if dataset is not None and cfg.model.name == "transformers":
             check_vocabulary(flat, dataset)
     agree_on_spec(comm, spec)
-    if rank == 1 and flat.frozen_spec.entries:
-        log(f"exchanging {len(spec.entries)} trainable tensors ({spec.total_bytes / 2**20:.1f} MiB); "
-            f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / 2**20:.1f} MiB) "
-            "stay on every rank", rank=1)
+    plan = ExchangePlan.from_config(spec, cfg)
     opened: dict[str, Checkpoint] = {}
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
         agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)
-    upload_initial = cfg.server.state == "disk" and resume is None and not cfg.model.init_from
-    if rank != 0:
-        if upload_initial and rank == 1:
-            send_chunks(comm, [0], protocol.INIT, [flat.chunk_bytes(c) for c in _chunks(cfg, spec)],
-                        cfg.transport.inflight)
-        ClientRank(comm, cfg, flat, _local_data(cfg, dataset, rank, comm.Get_size() - 1)).run()
+    if comm.Get_rank() != 0:
+        _serve_as_client(comm, cfg, plan, flat, dataset, upload_initial=resume is None)
         return None
-    return _serve(comm, cfg, run_dir, opened.get("ckpt"), spec, flat, dataset, stop)
+    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, opened.get("ckpt"), stop)
 
 
-def _serve(comm, cfg: Config, run_dir: Path | None, ckpt: Checkpoint | None, spec: ModelSpec,
-           flat: FlatModel | None, dataset: Dataset | None, stop: StopRequest) -> list[dict]:
-    chunks = _chunks(cfg, spec)
-    ckpt_dir = run_dir / "checkpoints" if run_dir else None
-    if ckpt_dir:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    attrs = {"config": dump_config(cfg), "seed": cfg.seed, "strategy": cfg.strategy.name,
-             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **{f"version_{k}": v for k, v in versions().items()}}
+def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel, dataset: Dataset | None,
+                     upload_initial: bool) -> None:
+    if comm.Get_rank() == 1 and flat.frozen_spec.entries:
+        log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
+            f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
+            "stay on every rank", rank=1)
+    if comm.Get_rank() == 1 and upload_initial and cfg.server.state == "disk" and not cfg.model.init_from:
+        send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
+    federated = cfg.eval.federated_every > 0
+    parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
+                        cfg.clients.accept_failures, make_evaluator(cfg) if federated else None,
+                        cfg.eval.federated_every, cfg.rounds)
+    local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
+    ClientRank(comm, flat, local, parts).run()
+
+
+def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel | None,
+                     dataset: Dataset | None, run_dir: Path | None, resume: Checkpoint | None,
+                     stop: StopRequest) -> list[dict]:
     strategy = make_strategy(cfg.strategy)
-    if strategy.stacked and cfg.clients_per_round() > comm.Get_size() - 1:
-        log(f"strategy {cfg.strategy.name}: {cfg.clients_per_round()} participants per round on "
-            f"{comm.Get_size() - 1} client ranks: a rank's participants arrive one after another, so the server "
-            "stacks every participant's whole model (participants x model x 4 bytes); one client rank per "
-            "participant keeps it at participants x chunk", rank=0)
-    if flat is not None:
-        state = InMemoryState(flat, chunks, ckpt_dir, cfg.checkpoint.keep, strategy.state_init)
-    else:
-        if ckpt_dir is None:
-            raise SetupError("server.state='disk' needs a run directory for its HDF5 state")
-        state = OnDiskState(spec, chunks, ckpt_dir, cfg.checkpoint.keep, int(cfg.server.window_mb * 2**20),
-                            strategy.state_init, read_previous=strategy.needs_previous_global)
-    if dataset is not None and ckpt is None:
+    _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
+    if flat is None and run_dir is None:
+        raise SetupError("server.state='disk' needs a run directory for its HDF5 state")
+    directory = run_dir / CHECKPOINTS if run_dir else None
+    if directory:
+        directory.mkdir(parents=True, exist_ok=True)
+    attrs = checkpoint_attrs(cfg)
+    store = open_store(plan, flat, lambda r: directory / checkpoint_name(r), int(cfg.server.window_mb * MIB),
+                       strategy.state_init, read_previous=strategy.needs_previous_global)
+    if dataset is not None and resume is None:
         _report_partition(cfg, dataset, run_dir)
-    start, history = 0, []
-    if ckpt is not None:
-        start, history = ckpt.round, ckpt.metrics()
-        state.load(ckpt)
-    elif isinstance(state, OnDiskState) and cfg.model.init_from:
-        init = Checkpoint(cfg.model.init_from)
-        init.check_spec(spec)
-        state.load(init)
-    elif isinstance(state, OnDiskState):
-        state.write_initial({**attrs, "round": 0},
-                            lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, cfg.transport.inflight))
-    evaluator = None
+    start, history = (resume.round, resume.metrics()) if resume is not None else (0, [])
+    store.start(resume, cfg.model.init_from, {**attrs, "round": 0},
+                lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, plan.inflight))
+    score = None
     if dataset is not None and flat is not None:
-        score = make_evaluator(cfg)
-        evaluator = lambda: score(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
-    sink = JsonLines(run_dir / "metrics.jsonl" if run_dir else None)
+        evaluate = make_evaluator(cfg)
+        score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
+    checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs)
+    sink = JsonLines(run_dir / METRICS if run_dir else None)
+    parts = ServerParts(plan, Sampler(cfg.seed, cfg.clients, comm.Get_size() - 1), strategy, store, checkpointer,
+                        Evaluation(score, cfg.eval.every, cfg.rounds), sink)
     try:
-        history = Server(comm, cfg, state, sink, evaluator, attrs, stop, strategy).run(start, history)
+        history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
+                         cfg.clients.min_participants).run(start, history)
     finally:
         sink.close()
     if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
-        _link_final(ckpt_dir / checkpoint_name(cfg.rounds), run_dir / "model.h5")
+        checkpointer.link_final_model(run_dir)
     log_final(history, str(run_dir) if run_dir else "(no run directory)")
     return history
+
+
+def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> None:
+    if strategy.stacked and cfg.clients_per_round() > client_ranks:
+        log(f"strategy {cfg.strategy.name}: {cfg.clients_per_round()} participants per round on "
+            f"{client_ranks} client ranks: a rank's participants arrive one after another, so the server "
+            "stacks every participant's whole model (participants x model x 4 bytes); one client rank per "
+            "participant keeps it at participants x chunk", rank=0)
 
 
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
@@ -178,22 +182,6 @@ def _open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
     ckpt = Checkpoint(path)
     ckpt.check_spec(spec)
     return ckpt
-
-
-def _link_final(final: Path, model_file: Path) -> None:
-    """model.h5 is the final checkpoint (a hard link where possible: no second copy on disk)."""
-    tmp = model_file.with_name(model_file.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(final, tmp)
-    except OSError:
-        import shutil
-        shutil.copyfile(final, tmp)
-    os.replace(tmp, model_file)
-
-
-def _chunks(cfg: Config, spec: ModelSpec):
-    return spec.chunks(cfg.transport.chunk_bytes)
 
 
 def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:

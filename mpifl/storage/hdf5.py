@@ -1,6 +1,6 @@
 """HDF5 checkpoints: one dataset per tensor under /model/<name>, published atomically. No pickle.
 
-Layout of ``ckpt-r<round>.h5``::
+Layout of a checkpoint file (named ``ckpt-r<round>.h5`` by the checkpointer)::
 
     /                  attrs: format, format_version, round, spec_hash, config (YAML), seed,
                               strategy, created, version_* (mpifl, torch, h5py, mpi)
@@ -21,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Iterable
 
@@ -34,16 +33,10 @@ from mpifl.wire.flat import ModelSpec, TensorEntry
 FORMAT = "mpifl-checkpoint"
 FORMAT_VERSION = 1
 _STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
-_NAME = re.compile(r"^ckpt-r(\d{6,})\.h5$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used, with the file and the reason in the message."""
-
-
-def checkpoint_name(round_: int) -> str:
-    """File name of the checkpoint after ``round_``."""
-    return f"ckpt-r{round_:06d}.h5"
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -227,30 +220,6 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Read every /model/<name> dataset of a checkpoint as a torch tensor."""
     with Checkpoint(path) as ckpt:
         return ckpt.tensors()
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Published checkpoints in a directory, oldest round first (``.tmp`` files ignored)."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(directory: Path) -> Checkpoint | None:
-    """The newest checkpoint that opens and validates; broken newer files are skipped loudly."""
-    for path in reversed(list_checkpoints(directory)):
-        try:
-            return Checkpoint(path)
-        except CheckpointError as err:
-            print(f"mpifl: skipping unusable checkpoint: {err}", flush=True)
-    return None
-
-
-def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
-    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        path.unlink(missing_ok=True)
 
 
 def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:

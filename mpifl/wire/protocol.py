@@ -50,7 +50,3 @@ class UpdateMeta:
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # why this client's update must not be used (it still sends its chunks)
 
-
-def rank_of_client(client: int, client_ranks: int) -> int:
-    """The rank hosting a logical client: round-robin over ranks 1..client_ranks."""
-    return 1 + client % client_ranks

@@ -1,0 +1,100 @@
+"""Combiners, the first stage of a strategy: how the participants' chunks become one fp32 chunk.
+
+The streamed reduction hands a combiner, chunk by chunk, every included participant's chunk in
+ascending client order (``fold``), then asks for the combined chunk (``combine``, in place in the
+accumulator, or ``combine_into`` the global chunk when nothing else follows). The accumulator is
+reused memory: ``fold`` with ``index == 0`` must overwrite, never read, it. A combiner declares
+``stacked`` (one accumulator row per participant instead of one running row) and so how many
+fp32 rows it needs per chunk. New combiners go here and are named in ``registry.BUILTIN``.
+"""
+from __future__ import annotations
+
+import torch
+
+from mpifl.aggregation import kernels
+from mpifl.config import StrategyConfig
+
+
+class Combiner:
+    """Base class: an unweighted, unstacked combiner; subclasses implement fold and combine."""
+
+    stacked = False  # True: the accumulator is a (participants, chunk) stack, not one running row
+
+    def __init__(self, cfg: StrategyConfig) -> None:
+        self.cfg = cfg
+
+    def weight(self, num_samples: int) -> float:
+        """A participant's weight, from its sample count (equal weights here)."""
+        return 1.0
+
+    def accumulator_rows(self, participants: int) -> int:
+        """fp32 accumulator rows per chunk for ``participants`` participants."""
+        return participants if self.stacked else 1
+
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
+        """Take in the ``index``-th included participant's chunk ``x`` (wire dtype) into ``acc`` (fp32)."""
+        raise NotImplementedError
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        """The combined fp32 chunk of ``count`` participants, computed in ``acc``'s memory."""
+        raise NotImplementedError
+
+    def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
+        """Write the combined chunk into ``out`` (the model's dtype), rounded once."""
+        out.copy_(self.combine(acc, count, total_weight))
+
+
+class WeightedMean(Combiner):
+    """FedAvg (McMahan et al. 2017): the mean weighted by sample count (or equal weights), fused fp32 sums."""
+
+    def weight(self, num_samples: int) -> float:
+        """The sample count with ``strategy.weighting: samples``, else 1."""
+        return float(num_samples) if self.cfg.weighting == "samples" else 1.0
+
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
+        """acc = w*x for the first participant, then acc += w*x (one rounding each)."""
+        kernels.fold(acc, x, weight, index == 0)
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        """acc / total_weight, in place."""
+        return acc.div_(total_weight)
+
+    def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
+        """One fp32 division straight into ``out``, one rounding."""
+        kernels.weighted_mean_into(out, acc, total_weight)
+
+
+class SortedStack(Combiner):
+    """A coordinate-wise statistic of every participant's chunk (unweighted; Yin et al. 2018)."""
+
+    stacked = True
+
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
+        """Copy the chunk into stack row ``index`` (widened to fp32, exact)."""
+        acc[index].copy_(x)
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        """Sort the first ``count`` rows column by column, then reduce them."""
+        rows = acc[:count]
+        kernels.sort_columns(rows)
+        return self.of_sorted(rows)
+
+    def of_sorted(self, rows: torch.Tensor) -> torch.Tensor:
+        """The statistic of column-sorted rows (may overwrite them)."""
+        raise NotImplementedError
+
+
+class Median(SortedStack):
+    """Coordinate-wise median; the mean of the middle two for an even count."""
+
+    def of_sorted(self, rows: torch.Tensor) -> torch.Tensor:
+        """Coordinate-wise median of sorted rows."""
+        return kernels.median_of_sorted(rows)
+
+
+class TrimmedMean(SortedStack):
+    """Coordinate-wise mean after dropping floor(beta * participants) values at each end."""
+
+    def of_sorted(self, rows: torch.Tensor) -> torch.Tensor:
+        """Trimmed mean of sorted rows, beta = ``strategy.trim_fraction``."""
+        return kernels.trimmed_mean_of_sorted(rows, self.cfg.trim_fraction)

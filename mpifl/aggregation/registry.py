@@ -1,0 +1,34 @@
+"""The strategy registry: each built-in name -> (combiner, server update), torch-free.
+
+``mpifl.config`` lists these names as ``strategy.name``'s choices, so this module imports
+neither torch nor the config: the stages are named here and imported on first use. A new
+algorithm is a small class in ``combiners.py`` or ``updates.py`` plus one line below. User
+strategies need no registration: ``strategy.name: package.module:attr`` (see strategies.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mpifl.plugins import resolve
+
+COMBINERS = "mpifl.aggregation.combiners"
+UPDATES = "mpifl.aggregation.updates"
+
+# name: (combiner class in combiners.py, server update class in updates.py)
+BUILTIN: dict[str, tuple[str, str]] = {
+    "fedavg": ("WeightedMean", "Replace"),
+    "fedavgm": ("WeightedMean", "Momentum"),
+    "fedadam": ("WeightedMean", "FedAdam"),
+    "fedyogi": ("WeightedMean", "FedYogi"),
+    "fedadagrad": ("WeightedMean", "FedAdagrad"),
+    "median": ("Median", "Replace"),
+    "trimmed_mean": ("TrimmedMean", "Replace"),
+}
+
+STRATEGIES: tuple[str, ...] = tuple(BUILTIN)
+
+
+def stages(name: str) -> tuple[Any, Any]:
+    """The (combiner class, server update class) registered as ``name`` (KeyError if none)."""
+    combiner, update = BUILTIN[name]
+    return resolve(f"{COMBINERS}:{combiner}"), resolve(f"{UPDATES}:{update}")

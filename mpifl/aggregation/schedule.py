@@ -1,0 +1,158 @@
+"""The fold schedule: in which order the server folds a round's update chunks (no MPI, no tensors).
+
+Every participant's update arrives as a stream of chunks from its rank; each rank sends its
+participants in ascending id, each one's header (``UpdateMeta``) just before its chunks, the
+chunks in order. An arrived chunk (participant p, chunk j) is folded as soon as it is next in
+the fixed order for chunk j (participants by ascending id) and p's header is in; early arrivals
+wait in their receive slots. So the sum for every element is taken in the same order whatever
+order chunks land in, and the result is bitwise reproducible.
+
+At most ``window`` chunks are in progress at once: chunk j folds only while j < low + window,
+``low`` being the lowest unfinished chunk, and uses accumulator ``j % window``. When a rank hosts
+several participants it sends them one after another, so chunk j of its second participant comes
+only after every chunk of its first: the window must then span the whole model. Deadlock-free:
+the lowest-id participant with chunks outstanding can always fold.
+
+A participant whose header carries an error keeps its place in the order: its chunks are still
+received and "folded" (skipped, ``row`` None), so the participants after it can go on.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class MetaTicket:
+    """A posted receive for the next update header from ``rank``."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class ChunkTicket:
+    """A posted receive into ``slot`` for chunk ``chunk`` of ``client``'s update, sent by ``rank``."""
+
+    rank: int
+    slot: int
+    client: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Fold ``client``'s chunk ``chunk`` from ``slot`` as included participant ``row`` (None: failed, skip it).
+
+    Afterwards the slot is free for ``rank``'s next receive.
+    """
+
+    chunk: int
+    client: int
+    position: int
+    rank: int
+    slot: int
+    row: int | None
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Every participant's chunk ``chunk`` is folded; ``count`` of them were included."""
+
+    chunk: int
+    count: int
+
+
+Ticket = Union[MetaTicket, ChunkTicket]  # Union, not |: these aliases are evaluated at import (Python 3.9)
+Step = Union[Fold, Finish]
+
+
+class FoldSchedule:
+    """What may be folded now, given which headers and chunks have arrived."""
+
+    def __init__(self, by_rank: Mapping[int, Sequence[int]], num_chunks: int, window: int):
+        if num_chunks and window < 1:
+            raise ValueError(f"the accumulator window must hold at least one chunk, not {window}")
+        if window < num_chunks and any(len(clients) > 1 for clients in by_rank.values()):
+            raise ValueError(f"a rank hosts several participants: the window ({window}) must span "
+                             f"all {num_chunks} chunks")
+        self.num_chunks, self.window = num_chunks, window
+        self.ranks = list(by_rank)  # in the caller's order: receives are first posted in it
+        self.order: list[int] = sorted(c for clients in by_rank.values() for c in clients)
+        self.position = {c: i for i, c in enumerate(self.order)}
+        self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
+        self._streams = {r: [(c, j) for c in sorted(clients) for j in range(num_chunks)]
+                         for r, clients in by_rank.items()}
+        self.low = 0  # the lowest unfinished chunk
+        self.finished = [False] * num_chunks
+        self._posted = {r: 0 for r in by_rank}  # entries of each rank's stream with a receive posted
+        self._headers_owed = {r: len(clients) for r, clients in by_rank.items()}
+        self._usable: dict[int, bool] = {}  # client -> header in, without an error
+        self._waiting: dict[tuple[int, int], ChunkTicket] = {}  # (chunk, position) -> landed, not folded
+        self._next_position = [0] * num_chunks
+        self._included = [0] * num_chunks
+
+    @property
+    def done(self) -> bool:
+        """Whether every chunk is finished."""
+        return self.low >= self.num_chunks
+
+    def stream(self, rank: int) -> list[tuple[int, int]]:
+        """What ``rank`` sends, in order: (client, chunk), its clients ascending, each one's chunks in order."""
+        return self._streams[rank]
+
+    def meta_ticket(self, rank: int) -> MetaTicket | None:
+        """The header receive to post on ``rank``; None once every header from it is in."""
+        return MetaTicket(rank) if self._headers_owed[rank] > 0 else None
+
+    def chunk_ticket(self, rank: int, slot: int) -> ChunkTicket | None:
+        """Claim the next entry of ``rank``'s stream for a receive into ``slot``; None when all are claimed."""
+        stream, index = self._streams[rank], self._posted[rank]
+        if index >= len(stream):
+            return None
+        self._posted[rank] += 1
+        client, chunk = stream[index]
+        return ChunkTicket(rank, slot, client, chunk)
+
+    def meta_landed(self, client: int, usable: bool) -> None:
+        """``client``'s header arrived; ``usable`` is False when it reports an error."""
+        self._usable[client] = usable
+        self._headers_owed[self.rank_of[client]] -= 1
+
+    def chunk_landed(self, ticket: ChunkTicket) -> None:
+        """The chunk that ``ticket`` was posted for is in its slot."""
+        self._waiting[(ticket.chunk, self.position[ticket.client])] = ticket
+
+    def accumulator(self, chunk: int) -> int:
+        """Which of the ``window`` accumulators ``chunk`` uses."""
+        return chunk % self.window
+
+    def steps(self) -> list[Step]:
+        """Every fold possible now, in order; a chunk's Finish comes right after its last Fold."""
+        steps: list[Step] = []
+        progressed = True
+        while progressed:
+            progressed = False
+            for (j, pos), ticket in list(self._waiting.items()):
+                if self._ready(j, pos):
+                    del self._waiting[(j, pos)]
+                    steps.extend(self._fold(ticket, j, pos))
+                    progressed = True
+        return steps
+
+    def _ready(self, j: int, pos: int) -> bool:
+        return j < self.low + self.window and self._next_position[j] == pos and self.order[pos] in self._usable
+
+    def _fold(self, ticket: ChunkTicket, j: int, pos: int) -> list[Step]:
+        row = None
+        if self._usable[ticket.client]:
+            row = self._included[j]
+            self._included[j] += 1
+        self._next_position[j] += 1
+        steps: list[Step] = [Fold(j, ticket.client, pos, ticket.rank, ticket.slot, row)]
+        if self._next_position[j] == len(self.order):
+            self.finished[j] = True
+            while self.low < self.num_chunks and self.finished[self.low]:
+                self.low += 1
+            steps.append(Finish(j, self._included[j]))
+        return steps

@@ -1,0 +1,132 @@
+"""The config-taking commands: ``run``, ``validate``, ``partition``; and the small checkpoint and report ones."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mpifl.config import Config, load_config
+from mpifl.logs import log
+from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run."""
+    from mpifl.storage.checkpointer import find_resume
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.name == "transformers":  # config keys checked on every rank before MPI starts
+        from mpifl.learning.hf import transformers_config
+        transformers_config(cfg.model)
+    resume = find_resume(cfg, args.run_dir, args.resume) if args.resume else None
+    return _run(cfg, args.run_dir, resume, args.memray, args.memray_native)
+
+
+def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, memray_dir: str | None,
+         memray_native: bool) -> int:
+    bind_gpu_from_local_rank()
+    from mpi4py import MPI
+
+    from mpifl.cli.profiling import tracked
+    from mpifl.roles.runner import check_world, run_rank
+    from mpifl.storage.checkpointer import prepare_run_dir
+
+    comm = MPI.COMM_WORLD
+    try:
+        check_world(comm.Get_size(), cfg)
+        run_dir = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume))
+        with tracked(memray_dir, comm.Get_rank(), memray_native):
+            guarded(lambda: run_rank(comm, cfg, run_dir, resume))
+    except SetupError as err:
+        if comm.Get_rank() == 0:
+            log(f"mpifl: {err}", rank=0)
+        return 2
+    return 0
+
+
+def validate(args: argparse.Namespace) -> int:
+    """``mpifl validate``: check a config (transformers configs are built on meta) without MPI."""
+    cfg = load_config(args.config, args.overrides)
+    model = f"{cfg.model.name} {cfg.model.dtype}"
+    if cfg.model.name == "transformers":
+        from mpifl.cli.pbs import model_bytes
+        from mpifl.units import GIB
+
+        size = model_bytes(cfg)
+        model += (f" ({size.parameters / 1e9:.3f} B parameters, {size.exchanged / GIB:.2f} GiB exchanged, "
+                  f"{size.frozen / GIB:.2f} GiB frozen)")
+    print(f"{args.config}: valid ({cfg.rounds} rounds, {cfg.clients_per_round()} of "
+          f"{cfg.clients.num_clients} clients per round, model {model}, strategy {cfg.strategy.name})")
+    return 0
+
+
+def partition(args: argparse.Namespace) -> int:
+    """``mpifl partition``: the clients x labels table, optionally plotted."""
+    from mpifl.learning.datasets import load_dataset, partition_histogram, partition_table, plot_partition
+
+    cfg = load_config(args.config, args.overrides)
+    histogram = partition_histogram(cfg.data, load_dataset(cfg.data), cfg.clients.num_clients, cfg.seed)
+    print(partition_table(histogram, max_rows=10**6))
+    if args.plot:
+        plot_partition(histogram, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``mpifl compare``: rounds to a target per run directory."""
+    from mpifl.cli.report import compare_table
+
+    print(compare_table(args.run_dirs, args.target, args.metric))
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    """``mpifl report``: PNG plots of a run's metrics."""
+    from mpifl.cli.report import write_report
+
+    for path in write_report(args.run_dir, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def profile_report(args: argparse.Namespace) -> int:
+    """``mpifl profile-report``: peak table and plots from memray profiles."""
+    from mpifl.cli.profiling import write_profile_report
+
+    write_profile_report(args.profile_dir, args.flamegraph)
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """``mpifl inspect``: a checkpoint's round, tensors, config and versions."""
+    from mpifl.cli import checkpoints
+
+    return checkpoints.inspect(args.checkpoint)
+
+
+def export(args: argparse.Namespace) -> int:
+    """``mpifl export``: a checkpoint's model as safetensors."""
+    from mpifl.cli import checkpoints
+
+    return checkpoints.export(args.checkpoint, args.out)
+
+
+def plan(args: argparse.Namespace) -> int:
+    """``mpifl plan``: bytes and memory per rank, nothing allocated."""
+    from mpifl.cli.pbs import plan_main
+
+    return plan_main(args)
+
+
+def pbs(args: argparse.Namespace) -> int:
+    """``mpifl pbs``: a PBS Pro job script."""
+    from mpifl.cli.pbs import main as pbs_main
+
+    return pbs_main(args)
+
+
+def bench_exchange(args: argparse.Namespace) -> int:
+    """``mpifl bench exchange``: mpifl against the raw-MPI floor and the pickle path."""
+    from mpifl.cli.bench import exchange_main
+
+    return exchange_main(args)

@@ -1,0 +1,22 @@
+"""Rank-prefixed log lines on stderr."""
+from __future__ import annotations
+
+import os
+import sys
+
+RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "MV2_COMM_WORLD_RANK")
+
+
+def env_rank() -> int | None:
+    """This process's rank as the launcher tells it, before MPI is initialised."""
+    for var in RANK_VARIABLES:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def log(message: str, rank: int | None = None) -> None:
+    """Print one line to stderr prefixed with the rank."""
+    rank = env_rank() if rank is None else rank
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    print(prefix + message, file=sys.stderr, flush=True)

@@ -1,0 +1,187 @@
+"""One owner for a run's checkpoints: names, when to save, saving, resuming, pruning, ``model.h5``.
+
+A run directory holds::
+
+    config.yaml            the resolved config
+    metrics.jsonl          one JSON line per finished round (rewound to the checkpoint on resume)
+    checkpoints/ckpt-r<round>.h5   the newest ``checkpoint.keep`` checkpoints (format: storage.hdf5)
+    model.h5               the final checkpoint (a hard link where possible)
+
+The round loop only says "this round ended" (:meth:`Checkpointer.round_ended`) or "this
+round was aborted"; the checkpointer decides whether to save, asks the store to publish,
+and prunes. Before MPI starts, :func:`find_resume` picks the checkpoint to continue from
+and :func:`prepare_run_dir` readies the directory.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, resume_conflict
+from mpifl.logs import log
+from mpifl.storage.hdf5 import Checkpoint, CheckpointError
+from mpifl.storage.stores import GlobalStore
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+FINAL_MODEL = "model.h5"
+_NAME = re.compile(r"^ckpt-r(\d{6,})\.h5$")
+
+
+class RunDirectoryError(ValueError):
+    """A run directory that cannot be used as asked, with the reason."""
+
+
+def checkpoint_name(round_: int) -> str:
+    """File name of the checkpoint after ``round_``."""
+    return f"ckpt-r{round_:06d}.h5"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Published checkpoints in a directory, oldest round first (``.tmp`` files ignored)."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: Path) -> Checkpoint | None:
+    """The newest checkpoint that opens and validates; broken newer files are skipped loudly."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return Checkpoint(path)
+        except CheckpointError as err:
+            print(f"mpifl: skipping unusable checkpoint: {err}", flush=True)
+    return None
+
+
+def prune_checkpoints(directory: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        path.unlink(missing_ok=True)
+
+
+def versions() -> dict[str, str]:
+    """Library versions recorded with every checkpoint."""
+    import h5py
+    import torch
+    from mpi4py import MPI
+
+    out = {"torch": str(torch.__version__), "h5py": h5py.__version__,
+           "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
+    try:
+        out["mpifl"] = importlib.metadata.version("mpifl")
+    except importlib.metadata.PackageNotFoundError:
+        out["mpifl"] = "unknown"
+    return out
+
+
+def checkpoint_attrs(cfg: Config) -> dict:
+    """The attributes every checkpoint of this run carries (the round is added per file)."""
+    return {"config": dump_config(cfg), "seed": cfg.seed, "strategy": cfg.strategy.name,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **{f"version_{k}": v for k, v in versions().items()}}
+
+
+class Checkpointer:
+    """Decides when a round's model is saved, has the store publish it, prunes, links ``model.h5``."""
+
+    def __init__(self, store: GlobalStore, directory: Path | None, cfg: CheckpointConfig, rounds: int, attrs: dict):
+        self.store, self.directory, self.cfg, self.rounds, self.attrs = store, directory, cfg, rounds, attrs
+
+    def path(self, round_: int) -> Path:
+        """Where the checkpoint after ``round_`` is published."""
+        if self.directory is None:
+            raise RunDirectoryError("this run has no run directory to write checkpoints to")
+        return self.directory / checkpoint_name(round_)
+
+    def due(self, round_: int, stopping: bool) -> bool:
+        """Save after the last round, on SIGTERM, and every ``checkpoint.every`` rounds."""
+        every = self.cfg.every
+        return round_ == self.rounds or stopping or bool(every and round_ % every == 0)
+
+    def round_ended(self, round_: int, history: list[dict], stopping: bool) -> Path | None:
+        """The round's model is final: publish it if due (a durable store always publishes)."""
+        save = self.due(round_, stopping) and self.directory is not None
+        path = self.store.end_round(round_, {**self.attrs, "round": round_}, history, save)
+        if path is not None:
+            prune_checkpoints(self.directory, self.cfg.keep)
+        return path
+
+    def round_aborted(self, round_: int, history: list[dict]) -> None:
+        """The round is not applied: make sure the model after the previous round is on disk."""
+        self.store.abandon_round()
+        if round_ > 1 and not self.store.durable and self.directory is not None:
+            path = self.store.end_round(round_ - 1, {**self.attrs, "round": round_ - 1}, history, save=True)
+            log(f"round {round_} aborted; the global model after round {round_ - 1} is saved in {path}", rank=0)
+
+    def link_final_model(self, run_dir: Path) -> None:
+        """``model.h5`` is the final checkpoint (a hard link where possible: no second copy on disk)."""
+        final, model_file = self.path(self.rounds), run_dir / FINAL_MODEL
+        tmp = model_file.with_name(model_file.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(final, tmp)
+        except OSError:
+            shutil.copyfile(final, tmp)
+        os.replace(tmp, model_file)
+
+
+def run_directory(cfg: Config, run_dir_arg: str | None) -> Path:
+    """``--run-dir``, else ``output.dir``, else ``runs/<name>-<time>``."""
+    return Path(run_dir_arg or cfg.output.dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path:
+    """The checkpoint to resume from (``latest`` or a path), checked against the config before any MPI work."""
+    if which == "latest":
+        run_dir = run_dir_arg or cfg.output.dir
+        if not run_dir:
+            raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
+        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS)
+        if ckpt is None:
+            raise CheckpointError(f"{run_dir}/{CHECKPOINTS}: no usable checkpoint to resume from")
+    else:
+        ckpt = Checkpoint(which)
+    with ckpt:
+        conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
+        if conflict:
+            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only "
+                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.* may change)")
+        if ckpt.round >= cfg.rounds:
+            raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} >= rounds={cfg.rounds}; "
+                              "raise rounds to continue")
+        return ckpt.path
+
+
+def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None) -> Path:
+    """Create the run directory (never over another run), rewind its metrics on resume, write config.yaml."""
+    path = run_directory(cfg, run_dir_arg)
+    if resume is not None:
+        rewind_metrics(path / METRICS, resume)
+    elif (path / METRICS).exists():
+        raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
+                                "choose another --run-dir so nothing is overwritten")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(dump_config(cfg))
+    return path
+
+
+def rewind_metrics(metrics: Path, resume: Path) -> None:
+    """Keep the metrics lines up to the checkpoint's round (atomically): no duplicated or missing rounds."""
+    with Checkpoint(resume) as ckpt:
+        saved, upto = ckpt.metrics(), ckpt.round
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    kept = [line for line in lines if line.strip() and json.loads(line)["round"] <= upto]
+    if [json.loads(line)["round"] for line in kept] != list(range(1, upto + 1)):
+        kept = [json.dumps(r) for r in saved]  # the file lost lines: the checkpoint's copy is complete
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    tmp = metrics.with_name(metrics.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, metrics)

@@ -1,0 +1,181 @@
+"""In process: every registered strategy, folded and finished chunk by chunk, equals the whole-model reference.
+
+In the style of Flower's aggregate_test.py, but driven the way the streamed reduction drives a
+strategy: reused (garbage-filled) accumulators, ascending participant order, one finish per chunk,
+server state sliced per chunk and carried across rounds.
+"""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from reference import median, round_to, server_step, trimmed_mean, weighted_mean
+
+from mpifl.aggregation import registry
+from mpifl.aggregation.combiners import Combiner, WeightedMean
+from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy, make_strategy
+from mpifl.aggregation.updates import ServerUpdate
+from mpifl.config import STRATEGIES, ConfigError, StrategyConfig, load_config
+
+BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
+OPTIMIZERS = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NUMEL = 37
+CHUNKS = (1, 5, 16, NUMEL)  # chunk sizes, in elements
+
+
+def chunked_round(strategy: Strategy, glob: torch.Tensor, updates: list[torch.Tensor], samples: list[int],
+                  chunk: int, state: dict[str, torch.Tensor]) -> None:
+    """One round over ``glob`` in place, chunk by chunk, as the streamed reduction calls the strategy."""
+    participants = len(updates)
+    total = sum(strategy.weight(n) for n in samples)
+    for start in range(0, NUMEL, chunk):
+        end = min(start + chunk, NUMEL)
+        # reused memory sized for one more participant (say, one that failed): never read before written
+        rows = strategy.accumulator_rows(participants + 1)
+        acc = torch.full((rows, end - start), float("nan"), dtype=ACCUMULATOR_DTYPE)
+        acc = acc if strategy.stacked else acc[0]
+        for index, (x, n) in enumerate(zip(updates, samples)):
+            strategy.fold(acc, x[start:end], strategy.weight(n), index)
+        target = glob[start:end]
+        if not strategy.needs_previous_global:
+            target.fill_(float("nan"))  # the old chunk must not be read
+        strategy.finish(acc, participants, total, target, {k: v[start:end] for k, v in state.items()})
+
+
+def reference_round(cfg: StrategyConfig, old: np.ndarray, sent: list[tuple[float, np.ndarray]], state: dict,
+                    dtype: str) -> np.ndarray:
+    """tests/reference.py's whole-model rule for one tensor and one round (as in reference_run)."""
+    if cfg.name == "median":
+        combined = median(np.stack([u for _, u in sent]))
+    elif cfg.name == "trimmed_mean":
+        combined = trimmed_mean(np.stack([u for _, u in sent]), cfg.trim_fraction)
+    else:
+        combined = weighted_mean(sent)
+    if cfg.name in OPTIMIZERS:
+        delta = combined if cfg.update == "delta" else combined - old
+        if not state:
+            state.update(velocity=np.zeros_like(delta), m=np.zeros_like(delta),
+                         v=np.full_like(delta, np.float32(cfg.tau) ** 2))
+        new = server_step(cfg.name, delta, state, cfg) + old
+    else:
+        new = combined + old if cfg.update == "delta" else combined
+    return round_to(new.astype(np.float32), dtype)
+
+
+def run_both(cfg: StrategyConfig, dtype: str, wire: str, participants: int, chunk: int, seed: int, rounds: int = 2):
+    """The chunked strategy and the reference over the same random updates: their final models (fp32)."""
+    rng = np.random.default_rng(seed)
+    strategy = make_strategy(cfg)
+    want = round_to(rng.standard_normal(NUMEL).astype(np.float32), dtype)
+    glob = torch.from_numpy(want.copy()).to(TORCH[dtype])
+    state = {k: torch.full((NUMEL,), v, dtype=ACCUMULATOR_DTYPE) for k, v in strategy.state_init.items()}
+    ref_state: dict = {}
+    for _ in range(rounds):
+        base = np.zeros_like(want) if cfg.update == "delta" else want
+        xs = [round_to(round_to(base + 0.1 * rng.standard_normal(NUMEL).astype(np.float32), dtype), wire)
+              for _ in range(participants)]
+        samples = [int(n) for n in rng.integers(1, 100, participants)]
+        weights = [float(n) if cfg.weighting == "samples" and not strategy.stacked else 1.0 for n in samples]
+        chunked_round(strategy, glob, [torch.from_numpy(x).to(TORCH[wire]) for x in xs], samples, chunk, state)
+        want = reference_round(cfg, want, list(zip(weights, xs)), ref_state, dtype)
+    return glob.float().numpy(), want
+
+
+@pytest.mark.parametrize("update", ["weights", "delta"])
+@pytest.mark.parametrize("dtype,wire", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")])
+@pytest.mark.parametrize("name", BUILTIN)
+def test_chunked_strategy_matches_the_whole_model_reference(name, dtype, wire, update):
+    for seed, (participants, chunk) in enumerate(itertools.product((3, 4, 5), CHUNKS)):
+        weighting = ("samples", "equal")[seed % 2]  # CHUNKS has an even length: both for every count
+        cfg = StrategyConfig(name=name, update=update, weighting=weighting, trim_fraction=0.25)
+        got, want = run_both(cfg, dtype, wire, participants, chunk, seed)
+        where = f"{participants} participants, {weighting}, chunks of {chunk}"
+        if name in OPTIMIZERS:  # the tolerances of test_mpi_strategies.py; bf16: one rounding step may flip
+            np.testing.assert_allclose(got, want, rtol=2**-7 if dtype == "bfloat16" else 1e-5, atol=1e-6,
+                                       err_msg=where)
+        else:
+            assert np.array_equal(got, want), f"{where}: max |diff| {np.abs(got - want).max()}"
+
+
+def test_the_registry_lists_exactly_the_builtin_names_and_their_stages_resolve():
+    assert registry.STRATEGIES == STRATEGIES == BUILTIN
+    for name in BUILTIN:
+        combiner, update = registry.stages(name)
+        assert issubclass(combiner, Combiner) and issubclass(update, ServerUpdate), name
+
+
+@pytest.mark.parametrize("name,stacked,state,state_bytes", [
+    ("fedavg", False, {}, 0), ("fedavgm", False, {"velocity": 0.0}, 4),
+    ("fedadam", False, {"m": 0.0, "v": 1e-6}, 8), ("fedyogi", False, {"m": 0.0, "v": 1e-6}, 8),
+    ("fedadagrad", False, {"m": 0.0, "v": 1e-6}, 8), ("median", True, {}, 0), ("trimmed_mean", True, {}, 0),
+])
+def test_each_strategy_declares_its_stack_state_and_weights(name, stacked, state, state_bytes):
+    s = make_strategy(StrategyConfig(name=name))
+    assert (s.name, s.stacked, s.delta) == (name, stacked, False)
+    assert s.state_init.keys() == state.keys() and all(s.state_init[k] == pytest.approx(v) for k, v in state.items())
+    assert s.needs_previous_global == bool(state)  # server optimizers form delta = combined - old global
+    deltas = make_strategy(StrategyConfig(name=name, update="delta"))
+    assert deltas.delta and deltas.needs_previous_global  # new = old global + combined deltas
+    assert s.state_bytes(1000) == 1000 * state_bytes
+    assert s.accumulator_rows(6) == (6 if stacked else 1)
+    assert s.weight(7) == (1.0 if stacked else 7.0)
+    assert make_strategy(StrategyConfig(name=name, weighting="equal")).weight(7) == 1.0
+
+
+class HalfStep(ServerUpdate):
+    """A user's server update: move half way from the old global to the mean."""
+
+    reads_previous = True
+
+    def step(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        delta.mul_(0.5)
+
+
+def half_step(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, WeightedMean(cfg), HalfStep(cfg))
+
+
+class HalfStepStrategy(Strategy):
+    def __init__(self, cfg: StrategyConfig) -> None:
+        super().__init__(cfg, WeightedMean(cfg), HalfStep(cfg))
+
+
+def not_a_strategy(cfg: StrategyConfig) -> str:
+    return "fedavg"
+
+
+@pytest.mark.parametrize("attr", ["half_step", "HalfStepStrategy"])
+def test_an_import_path_strategy_validates_and_runs(attr):
+    cfg = load_config(None, [f"strategy.name={__name__}:{attr}", "strategy.weighting=equal"]).strategy
+    strategy = make_strategy(cfg)
+    assert isinstance(strategy, Strategy) and strategy.name == f"{__name__}:{attr}"
+    old = np.linspace(-1, 1, NUMEL, dtype=np.float32)
+    xs = [old + np.float32(i) for i in (1, 2, 6)]
+    glob = torch.from_numpy(old.copy())
+    chunked_round(strategy, glob, [torch.from_numpy(x) for x in xs], [10, 20, 30], 5, {})
+    np.testing.assert_allclose(glob.numpy(), old + 1.5, rtol=1e-6)
+
+
+def test_an_unknown_or_broken_strategy_is_a_config_error_naming_the_key_and_the_choices():
+    allowed = ", ".join(map(repr, BUILTIN))
+    with pytest.raises(ConfigError, match=r"strategy\.name: 'krum' is not allowed; choose one of (.*)") as err:
+        load_config(None, ["strategy.name=krum"])
+    assert allowed in str(err.value) and "import path" in str(err.value)
+    with pytest.raises(ConfigError, match=r"strategy\.name: 'krum' is not allowed") as err:
+        make_strategy(StrategyConfig(name="krum"))
+    assert allowed in str(err.value)
+    with pytest.raises(ConfigError, match=r"strategy\.name: cannot import module 'no_such_module'"):
+        make_strategy(StrategyConfig(name="no_such_module:build"))
+    with pytest.raises(ConfigError, match=r"strategy\.name: .* returned str, not a"):
+        make_strategy(StrategyConfig(name=f"{__name__}:not_a_strategy"))
+
+
+def test_the_config_lists_strategy_names_without_importing_torch():
+    code = "import sys, mpifl.config; assert 'torch' not in sys.modules; print(mpifl.config.STRATEGIES)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and "trimmed_mean" in out.stdout, out.stderr
