@@ -16,7 +16,14 @@ def env_rank() -> int | None:
 
 
 def log(message: str, rank: int | None = None) -> None:
-    """Print one line to stderr prefixed with the rank."""
+    """Write one line to stderr prefixed with the rank, in a single write so ranks' lines never interleave."""
     rank = env_rank() if rank is None else rank
     prefix = f"[rank {rank}] " if rank is not None else ""
-    print(prefix + message, file=sys.stderr, flush=True)
+    line = prefix + message + "\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stderr (e.g. captured in tests)
+        sys.stderr.write(line)
+        return
+    sys.stderr.flush()
+    os.write(fd, line.encode(errors="replace"))

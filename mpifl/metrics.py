@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
@@ -10,17 +9,28 @@ from typing import IO
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (ru_maxrss) in bytes."""
+    """This process's peak resident set size in bytes: the kernel's high-water mark (VmHWM), else ru_maxrss.
+
+    ``/proc/self/statm`` (the current RSS) and ``ru_maxrss`` count differently (statm includes
+    shared file pages that ru_maxrss may not), so the peak is read from ``/proc/self/status``,
+    which counts like the current RSS, and never reported below it.
+    """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        hwm = 0
+    return max(peak, hwm)
 
 
 def current_rss_bytes() -> int:
-    """This process's resident set size now, in bytes (Linux /proc; peak elsewhere)."""
+    """This process's resident set size now, in bytes (VmRSS; the peak where /proc is missing)."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
         return peak_rss_bytes()
 
 

@@ -1,7 +1,9 @@
-"""User code by import path: ``package.module:attribute``."""
+"""User code by import path (``package.module:attribute``), and its keyword arguments checked against its signature."""
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import re
 from typing import Any
 
@@ -26,3 +28,26 @@ def resolve(path: str) -> Any:
         except AttributeError:
             raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
     return obj
+
+
+def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with ``kwargs`` for ``fn`` (a name it does not take, with the closest one), or None.
+
+    ``supplied`` are the parameters mpifl passes itself (a model's input shape, say): users may not set them.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    allowed = [n for n, p in params.items() if n not in supplied and n != "self"
+               and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for name in kwargs:
+        if name in supplied:
+            return f"{key}.{name}: mpifl passes {name} itself; remove it"
+        if name not in allowed:
+            close = difflib.get_close_matches(str(name), allowed, n=1, cutoff=0.5)
+            hint = f"did you mean '{key}.{close[0]}'?" if close else f"it takes: {', '.join(allowed) or 'nothing'}"
+            return f"unknown key '{key}.{name}': not a parameter of {getattr(fn, '__name__', fn)}; {hint}"
+    return None

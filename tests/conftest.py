@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,14 +25,20 @@ def mpiexec() -> str:
     return found
 
 
-def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n n python -m mpifl ARGS`` and kill the whole process group on timeout."""
+def spawn_mpi(n: int, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``mpiexec -n n python -m mpifl ARGS`` in its own session (so it can be killed whole)."""
     env = dict(os.environ, **(env or {}),
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpifl", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=cwd or ROOT, start_new_session=True)
+
+
+def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n python -m mpifl ARGS`` and kill the whole process group on timeout."""
+    proc = spawn_mpi(n, *args, cwd=cwd, env=env)
+    cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -45,3 +52,47 @@ def write_config(path: Path, text: str) -> Path:
     """Write a YAML config for a test and return its path."""
     path.write_text(text)
     return path
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 60, poll: float = 0.01) -> None:
+    """Poll ``condition`` until it holds; fail (killing the job) if the job ends or time runs out first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"never saw {what}: {proc.communicate()[1][-2000:]}")
+        time.sleep(poll)
+
+
+def finish(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT) -> tuple[int, str]:
+    """Wait for a spawned job to end (killing it past ``timeout``); its exit status and stderr."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"mpiexec did not end within {timeout} s")
+    return proc.returncode, err
+
+
+def model_bits(path: Path) -> dict:
+    """A checkpoint's tensors as raw integers, for bitwise comparison."""
+    import torch
+
+    from mpifl.storage.hdf5 import load_tensors
+
+    return {k: v.view(torch.int16 if v.element_size() == 2 else torch.int32) for k, v in load_tensors(path).items()}
+
+
+def same_model(a: Path, b: Path) -> bool:
+    """Whether two checkpoints hold bitwise-identical models."""
+    import torch
+
+    x, y = model_bits(a), model_bits(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def rounds_logged(run_dir: Path) -> list[int]:
+    """The rounds recorded in a run directory's metrics.jsonl."""
+    import json
+
+    return [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

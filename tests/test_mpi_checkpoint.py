@@ -7,15 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import MPI_TIMEOUT, TESTS, mpiexec, run_mpi, write_config
+from conftest import MPI_TIMEOUT, finish, mpiexec, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
 
 from mpifl.storage.checkpointer import latest_checkpoint
-from mpifl.storage.hdf5 import Checkpoint, load_tensors
+from mpifl.storage.hdf5 import Checkpoint
 
 NOISE = """
 seed: 5
@@ -41,19 +39,6 @@ output: {progress: false}
 """
 
 
-def bits(path: Path) -> dict[str, torch.Tensor]:
-    return {k: v.view(torch.int16 if v.element_size() == 2 else torch.int32) for k, v in load_tensors(path).items()}
-
-
-def same_model(a: Path, b: Path) -> bool:
-    x, y = bits(a), bits(b)
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
-def rounds_logged(run_dir: Path) -> list[int]:
-    return [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted runs of both configs."""
@@ -68,28 +53,8 @@ def reference(tmp_path_factory):
 
 
 def launch(cfg: Path, run_dir: Path, pid_dir: Path, sleep: float) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(TESTS), FL_HELPERS_SLEEP=str(sleep), FL_HELPERS_PID_DIR=str(pid_dir))
-    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(cfg), "--run-dir", str(run_dir)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-
-
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 60, poll: float = 0.01) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"never saw {what}: {proc.communicate()[1][-2000:]}")
-        time.sleep(poll)
-
-
-def finish(proc: subprocess.Popen) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=MPI_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("mpiexec did not end after the kill")
-    return proc.returncode, err
+    return spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir),
+                     env={"FL_HELPERS_SLEEP": str(sleep), "FL_HELPERS_PID_DIR": str(pid_dir)})
 
 
 def resume_and_compare(cfg: Path, run_dir: Path, reference_model: Path, rounds: int) -> None:

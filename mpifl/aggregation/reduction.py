@@ -23,7 +23,9 @@ from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, Chunk
+from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import Backoff, touched_empty
+from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, Watchdog
 
 
 class GlobalState(Protocol):
@@ -89,14 +91,18 @@ class ReceivePool:
 class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""
 
-    def __init__(self, comm: MPI.Comm, state: GlobalState, chunks: list[Chunk], strategy: Strategy,
-                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan,
-                 wire: list[Chunk] | None = None, min_participants: int = 1, round_: int = 0):
-        self.comm, self.state, self.chunks, self.strategy = comm, state, chunks, strategy
-        self.wire = wire or chunks
-        self.min_participants, self.round = min_participants, round_
+    def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangePlan, strategy: Strategy,
+                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan, round_: int = 0, *,
+                 min_participants: int = 1, watchdog: Watchdog | None = None):
+        self.comm, self.state, self.strategy = comm, state, strategy
+        self.chunks, self.wire = exchange.chunks, exchange.wire
+        self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
+        self.by_rank = by_rank
+        self.metas_in = {rank: 0 for rank in by_rank}  # what has landed from each rank, for its deadlines
+        self.chunks_in = {rank: 0 for rank in by_rank}
+        self.posted = {rank: 0 for rank in by_rank}  # receives outstanding: a rank is awaited only when > 0
         self.total_weight: float | None = None  # set once every header is in, before the first finish
-        self.schedule = FoldSchedule(by_rank, len(chunks), plan.window)
+        self.schedule = FoldSchedule(by_rank, len(self.chunks), plan.window)
         self.plan = plan
         pool.ensure(plan.slots_per_rank * len(by_rank), plan.window)
         self.pool = pool
@@ -118,6 +124,8 @@ class StreamedReduction:
             if done is None:
                 raise RuntimeError(f"reduction stalled with chunks {self.schedule.low}.. unfinished and nothing posted")
             if not done:
+                if self.watchdog is not None:
+                    self.watchdog.check(self.waiting)
                 backoff.pause()
                 continue
             backoff.reset()
@@ -128,6 +136,9 @@ class StreamedReduction:
         return self.stats
 
     def _add_request(self, request: MPI.Request, ticket: Ticket) -> None:
+        if self.posted[ticket.rank] == 0 and self.watchdog is not None:
+            self.watchdog.progress(ticket.rank)  # awaited again (its slots were full): its clock starts now
+        self.posted[ticket.rank] += 1
         for i, old in enumerate(self.requests):
             if old == MPI.REQUEST_NULL:
                 self.requests[i], self.tickets[i] = request, ticket
@@ -148,10 +159,35 @@ class StreamedReduction:
         buf = self.pool.slots[slot][: self.wire[ticket.chunk].nbytes]
         self._add_request(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=protocol.UPDATE), ticket)
 
+    def waiting(self) -> dict[int, tuple[str, int]]:
+        """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
+
+        A rank whose receive slots are all full waits on the fold order, not the other way round.
+        """
+        out, per_client = {}, len(self.chunks)
+        for rank, clients in self.by_rank.items():
+            metas, chunks = self.metas_in[rank], self.chunks_in[rank]
+            if self.posted[rank] == 0:
+                continue
+            current = min(chunks // per_client, len(clients) - 1)  # whose chunks flow, or come next
+            training = chunks % per_client == 0 and metas <= chunks // per_client
+            out[rank] = (FIRST_UPDATE if training else UPDATE_COMPLETE, clients[current])
+        return out
+
+    @property
+    def model_touched(self) -> bool:
+        """Whether any finished chunk has been written into the global state this round."""
+        return any(self.schedule.finished)
+
     def _landed(self, ticket: Ticket, meta: object) -> None:
+        self.posted[ticket.rank] -= 1
+        if self.watchdog is not None:
+            self.watchdog.progress(ticket.rank)
         if isinstance(ticket, ChunkTicket):
+            self.chunks_in[ticket.rank] += 1
             self.schedule.chunk_landed(ticket)
             return
+        self.metas_in[ticket.rank] += 1
         if not isinstance(meta, protocol.UpdateMeta) or self.schedule.rank_of.get(meta.client) != ticket.rank:
             raise RuntimeError(f"rank {ticket.rank} sent an unexpected update header: {meta!r}")
         if self.stats.first_arrival is None:

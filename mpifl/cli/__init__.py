@@ -9,7 +9,7 @@ from mpifl.cli import commands
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.pbs import add_plan_parser
 from mpifl.config import ConfigError
-from mpifl.logs import log
+from mpifl.logs import env_rank, log
 from mpifl.storage.hdf5 import CheckpointError
 
 # Commands whose trailing key=value words are config overrides.
@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.set_defaults(func=commands.compare)
     ins = sub.add_parser("inspect", help="print a checkpoint's round, tensors, config and versions")
     ins.add_argument("checkpoint")
+    ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "
+                     "naming the first corrupt tensor)")
     ins.set_defaults(func=commands.inspect)
     exp = sub.add_parser("export", help="write a checkpoint's model as safetensors")
     exp.add_argument("checkpoint")
@@ -97,11 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(argv if argv is not None else sys.argv[1:])[1:]  # as typed, for generated scripts
     try:
         return args.func(args)
-    except ConfigError as err:
-        log(f"mpifl: config error: {err}")
-        return 2
-    except CheckpointError as err:
-        log(f"mpifl: {err}")
+    except (ConfigError, CheckpointError) as err:
+        if env_rank() in (0, None):  # under mpiexec every rank finds the same error: say it once
+            log(f"mpifl: config error: {err}" if isinstance(err, ConfigError) else f"mpifl: {err}")
         return 2
 
 

@@ -1,17 +1,23 @@
 """``mpifl inspect`` and ``mpifl export``: checkpoints for people and for other tools."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import h5py
 import yaml
 
-from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.hdf5 import Checkpoint, CheckpointError
 from mpifl.units import MIB
 
 
-def inspect(path: str) -> int:
-    """Print a checkpoint's round, tensors, config and versions."""
+def inspect(path: str, verify: bool = False) -> int:
+    """Print a checkpoint's round, tensors, config and versions; with ``verify``, check every checksum first."""
     with Checkpoint(path) as ckpt:
+        if verify:  # a failure raises CheckpointError: exit 2 with the tensor named
+            checked = ckpt.verify()
+            print(f"{ckpt.path}: verified: every dataset read back; {checked} carry a Fletcher32 checksum"
+                  + ("" if checked else " (written before mpifl checkpoints had checksums)"))
         attrs = dict(ckpt.file.attrs)
         entries = ckpt.entries()
         total = sum(n for *_, n in entries)
@@ -29,18 +35,30 @@ def inspect(path: str) -> int:
 
 
 def export(path: str, out: str) -> int:
-    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra)."""
+    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' (or pip install safetensors)") from None
+    target = Path(out)
+    if target.exists() and (target.resolve() == Path(path).resolve() or h5py.is_hdf5(target)):
+        raise CheckpointError(f"export: {out} is an HDF5 file (the checkpoint itself?); refusing to overwrite it "
+                              "with safetensors: name a .safetensors file")
+    if not target.parent.is_dir():
+        raise CheckpointError(f"export: folder {str(target.parent)!r} does not exist")
     with Checkpoint(path) as ckpt:
         tensors = ckpt.tensors()
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
         config = ckpt.config
-    save_file({k: v.contiguous() for k, v in tensors.items()}, Path(out), metadata=meta)
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, target)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"export: could not write {out}: {err}") from None
     print(f"wrote {len(tensors)} tensors to {out}")
-    _write_transformers_config(config, Path(out).parent)
+    _write_transformers_config(config, target.parent)
     return 0
 
 

@@ -4,25 +4,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mpifl.config import Config, load_config
-from mpifl.logs import log
+from mpifl.config import Config, ConfigError, config_warnings, load_config
+from mpifl.logs import env_rank, log
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 
 
 def run(args: argparse.Namespace) -> int:
     """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run."""
-    from mpifl.storage.checkpointer import find_resume
+    from mpifl.storage.checkpointer import RunComplete, find_resume
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.model.name == "transformers":  # config keys checked on every rank before MPI starts
-        from mpifl.learning.hf import transformers_config
-        transformers_config(cfg.model)
-    resume = find_resume(cfg, args.run_dir, args.resume) if args.resume else None
-    return _run(cfg, args.run_dir, resume, args.memray, args.memray_native)
+    warnings = check_plugins(cfg)  # on every rank, before MPI starts
+    if env_rank() in (0, None):
+        for warning in warnings:
+            log(f"mpifl: warning: {warning}", rank=0)
+    try:
+        resume = find_resume(cfg, args.run_dir, args.resume) if args.resume else None
+    except RunComplete as done:
+        if env_rank() in (0, None):  # every rank found the same: one line is enough
+            log(f"mpifl: {done}", rank=0)
+        return 0
+    return _run(cfg, args.run_dir, resume, args.resume, args.memray, args.memray_native)
 
 
-def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, memray_dir: str | None,
-         memray_native: bool) -> int:
+def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked: str | None,
+         memray_dir: str | None, memray_native: bool) -> int:
     bind_gpu_from_local_rank()
     from mpi4py import MPI
 
@@ -33,7 +39,7 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, memray_dir: 
     comm = MPI.COMM_WORLD
     try:
         check_world(comm.Get_size(), cfg)
-        run_dir = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume))
+        run_dir, resume = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         with tracked(memray_dir, comm.Get_rank(), memray_native):
             guarded(lambda: run_rank(comm, cfg, run_dir, resume))
     except SetupError as err:
@@ -43,9 +49,28 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, memray_dir: 
     return 0
 
 
+def check_plugins(cfg: Config) -> list[str]:
+    """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys.
+
+    Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
+    """
+    from mpifl.learning.datasets import dataset_problem, needs_dataset
+    from mpifl.learning.models import model_problem
+
+    if cfg.model.name == "transformers":
+        from mpifl.learning.hf import transformers_config
+        transformers_config(cfg.model)
+    problem = model_problem(cfg.model) or (dataset_problem(cfg.data) if needs_dataset(cfg) else None)
+    if problem:
+        raise ConfigError(problem)
+    return config_warnings(cfg)
+
+
 def validate(args: argparse.Namespace) -> int:
     """``mpifl validate``: check a config (transformers configs are built on meta) without MPI."""
     cfg = load_config(args.config, args.overrides)
+    for warning in check_plugins(cfg):
+        print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"
     if cfg.model.name == "transformers":
         from mpifl.cli.pbs import model_bytes
@@ -101,7 +126,7 @@ def inspect(args: argparse.Namespace) -> int:
     """``mpifl inspect``: a checkpoint's round, tensors, config and versions."""
     from mpifl.cli import checkpoints
 
-    return checkpoints.inspect(args.checkpoint)
+    return checkpoints.inspect(args.checkpoint, args.verify)
 
 
 def export(args: argparse.Namespace) -> int:

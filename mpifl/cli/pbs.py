@@ -45,7 +45,7 @@ GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus_per_node}}}     # >0: each rank sees one G
 MPIFL_VENV=${{MPIFL_VENV:-{venv}}}
 CONDA_MODULE=${{CONDA_MODULE:-{conda_module}}}
 MPIEXEC=${{MPIEXEC:-mpiexec}}
-RESUME=${{RESUME:-auto}}                    # auto: continue from RUN_DIR's checkpoints if any
+RESUME=${{RESUME:-auto}}                    # auto: continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)
 NODEFILE=${{PBS_NODEFILE:?PBS_NODEFILE is not set: submit with qsub, or point it at a file of host names}}
 
 cd "${{PBS_O_WORKDIR:-$PWD}}"
@@ -61,12 +61,12 @@ fi
 export MPIFL_GPUS_PER_NODE="$GPUS_PER_NODE"
 
 EXTRA=()
-if [[ "$RESUME" == auto ]] && compgen -G "$RUN_DIR/checkpoints/ckpt-r*.h5" >/dev/null; then
+if [[ "$RESUME" == auto ]]; then
   EXTRA+=(--resume=latest)
 fi
 
 NNODES=$(sort -u "$NODEFILE" | wc -l)
-if "$MPIEXEC" --version 2>&1 | grep -qi hydra; then     # MPICH Hydra (workstations, PyPI mpich)
+if "$MPIEXEC" --version 2>&1 | grep -i hydra >/dev/null; then  # MPICH Hydra (grep reads all: no SIGPIPE)
   PLACE=(-ppn "$RANKS_PER_NODE")
   HOSTS=(-f "$NODEFILE")
 else                                                   # Cray PALS (Polaris)

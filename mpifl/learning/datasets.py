@@ -15,9 +15,9 @@ from importlib import resources
 import numpy as np
 import torch
 
-from mpifl.config import DataConfig
+from mpifl.config import Config, DataConfig
 from mpifl.learning.text import text
-from mpifl.plugins import resolve
+from mpifl.plugins import kwargs_problem, resolve
 from mpifl.roles.federation import PARTITION, derive_seed
 
 
@@ -76,6 +76,19 @@ def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int 
 
 
 BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text}
+
+
+def needs_dataset(cfg: Config) -> bool:
+    """Whether the run reads data: to size the model, to train or to evaluate (the benchmark blob never does)."""
+    if cfg.model.name == "blob":
+        return False
+    return (cfg.model.name in ("mlp", "cnn") or cfg.train.trainer != "none" or cfg.eval.every > 0
+            or cfg.eval.federated_every > 0)
+
+
+def dataset_problem(cfg: DataConfig) -> str | None:
+    """What is wrong with ``data.kwargs`` for the configured dataset function (before MPI starts), or None."""
+    return kwargs_problem(BUILTIN.get(cfg.dataset) or resolve(cfg.dataset), cfg.kwargs, "data.kwargs")
 
 
 def load_dataset(cfg: DataConfig) -> Dataset:
@@ -148,9 +161,10 @@ def unbalanced_partition(num_samples: int, num_clients: int, sigma: float,
 def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int) -> list[np.ndarray]:
     """The configured partition of the training set (identical on every rank)."""
     rng = np.random.default_rng(derive_seed(seed, PARTITION))
+    if len(labels) < num_clients:
+        raise ValueError(f"clients.num_clients: {len(labels)} training samples cannot be split across "
+                         f"{num_clients} clients (every client needs at least one)")
     if cfg.partition == "iid":
-        if len(labels) < num_clients:
-            raise ValueError(f"{len(labels)} training samples cannot be split across {num_clients} clients")
         return iid_partition(len(labels), num_clients, rng)
     if cfg.partition == "shards":
         return shard_partition(labels.numpy(), num_clients, cfg.classes_per_client, rng)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mpifl.config import ConfigError, ModelConfig
-from mpifl.plugins import resolve
+from mpifl.plugins import kwargs_problem, resolve
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
 
@@ -52,6 +52,23 @@ class Blob(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+LAYER_SIZES = {"mlp": "hidden", "cnn": "channels"}  # built-in kwargs that list layer widths
+
+
+def model_problem(cfg: ModelConfig) -> str | None:
+    """What is wrong with ``model.kwargs`` for the configured model (checked before MPI starts), or None."""
+    if cfg.name == "transformers":
+        return None
+    fn = {"mlp": mlp, "cnn": cnn, "blob": Blob}.get(cfg.name) or resolve(cfg.name)
+    problem = kwargs_problem(fn, cfg.kwargs, "model.kwargs", supplied=("input_shape", "num_classes", "dtype"))
+    widths = cfg.kwargs.get(LAYER_SIZES.get(cfg.name, ""), [1])
+    if problem is None and not (isinstance(widths, (list, tuple)) and all(
+            isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths)):
+        problem = (f"model.kwargs.{LAYER_SIZES[cfg.name]}: layer widths must be integers >= 1, got {widths!r} "
+                   "(a zero-width layer trains at chance)")
+    return problem
 
 
 def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None = None,

@@ -18,6 +18,10 @@ from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
 
 
+class ClientFailure(RuntimeError):
+    """A logical client's training raised: the message names the client, its rank and the round."""
+
+
 class UpdateEncoder:
     """Turns the trained model into what a client sends: its weights or its delta, in the wire dtype.
 
@@ -113,7 +117,8 @@ class ClientRank:
             result = self.trainer.train(self.flat.module, train, client_seed(self.parts.seed, round_, client))
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures:
-                raise
+                raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
+                                    f"{type(err).__name__}: {err} (clients.accept_failures=false)") from err
             error, result = f"{type(err).__name__}: {err}", TrainResult(0, {})
         buffers = self.encoder.encode(keep)
         if error is None and (self.trainer.modifies_weights or self.encoder.narrowed):

@@ -1,13 +1,16 @@
 """One launch path for every rank: agreement on setup errors, SIGTERM, GPU binding, abort-on-exception."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import time
 import traceback
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
+
+from mpifl.errors import JobFailure
 
 T = TypeVar("T")
 
@@ -62,25 +65,57 @@ def bind_gpu_from_local_rank() -> None:
 
 
 ABORT_GRACE_SECONDS = 1.0
+_REAL_EXIT = os._exit
 
 
 def guarded(fn: Callable[[], T]) -> T:
-    """Run ``fn``; on any exception print rank, host and traceback, then abort every rank."""
+    """Run ``fn``; on any escape (exception, ``sys.exit``, Ctrl-C, ``os._exit``) say why, then abort every rank.
+
+    A rank that left quietly would hang the others in their waits (``sys.exit(0)``) or end the
+    job with status 0 and no word (``os._exit``), so every way out of ``fn`` ends the whole job.
+    """
+    with _os_exit_aborts():
+        try:
+            return fn()
+        except SetupError:  # raised identically on every rank (see agree): each exits 2 by itself
+            raise
+        except JobFailure as err:
+            abort(str(err))
+        except SystemExit as err:
+            abort(f"SystemExit({err.code!r}) inside the run (sys.exit in user code?): one rank cannot leave while "
+                  "the others wait for it\n" + _traceback(err))
+        except KeyboardInterrupt as err:
+            abort("interrupted (KeyboardInterrupt)\n" + _traceback(err))
+        except BaseException as err:  # noqa: BLE001 - any escape from a rank must end the job
+            abort(_traceback(err))
+
+
+def abort(reason: str) -> None:
+    """Print ``reason`` with rank and host, give the launcher a moment to forward it, abort every rank."""
     from mpi4py import MPI
 
+    rank = MPI.COMM_WORLD.Get_rank()
+    sys.stderr.write(f"[mpifl rank {rank} on {socket.gethostname()}] failed, aborting the job: {reason.rstrip()}\n")
+    sys.stderr.flush()
+    # The launcher kills every rank on Abort, possibly before its proxy has forwarded
+    # what we just wrote: give it a moment, so the reason reaches the user.
+    time.sleep(ABORT_GRACE_SECONDS)
+    MPI.COMM_WORLD.Abort(1)
+    _REAL_EXIT(1)  # Abort may return before the launcher kills us: never unwind further
+
+
+def _traceback(err: BaseException) -> str:
+    return "\n" + "".join(traceback.format_exception(type(err), err, err.__traceback__))
+
+
+@contextlib.contextmanager
+def _os_exit_aborts() -> Iterator[None]:
+    """While the run is on, ``os._exit`` (which MPI would take for a normal end) aborts the job, saying so."""
+    def refuse(code: int) -> None:
+        abort(f"os._exit({code}) called inside the run (user code?): ending the whole job")
+
+    os._exit = refuse
     try:
-        return fn()
-    except SetupError:
-        raise
-    except BaseException as err:  # noqa: BLE001 - any escape from a rank must end the job
-        if isinstance(err, SystemExit) and not err.code:
-            raise
-        rank = MPI.COMM_WORLD.Get_rank()
-        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        sys.stderr.write(f"[mpifl rank {rank} on {socket.gethostname()}] failed, aborting the job:\n{text}")
-        sys.stderr.flush()
-        # The launcher kills every rank on Abort, possibly before its proxy has forwarded
-        # what we just wrote: give it a moment, so the reason reaches the user.
-        time.sleep(ABORT_GRACE_SECONDS)
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # Abort may return before the launcher kills us: never unwind further
+        yield
+    finally:
+        os._exit = _REAL_EXIT

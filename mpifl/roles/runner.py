@@ -12,10 +12,12 @@ from mpi4py import MPI
 
 from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.config import Config
+from mpifl.errors import JobFailure
 from mpifl.learning.datasets import (
     Dataset,
     client_data,
     load_dataset,
+    needs_dataset,
     partition,
     partition_histogram,
     partition_table,
@@ -53,33 +55,25 @@ def check_world(size: int, cfg: Config) -> None:
                          f"{cfg.clients_per_round() + 1} ranks or lower clients.per_round")
 
 
-def needs_dataset(cfg: Config) -> bool:
-    """Whether the run reads data: to size the model, to train or to evaluate (the benchmark blob never does)."""
-    if cfg.model.name == "blob":
-        return False
-    return (cfg.model.name in ("mlp", "cnn") or cfg.train.trainer != "none" or cfg.eval.every > 0
-            or cfg.eval.federated_every > 0)
-
-
-def check_vocabulary(flat: FlatModel, dataset: Dataset) -> None:
-    """Token ids must fit the transformers model's embedding."""
+def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
+    """Token ids must fit the transformers model's embedding: what is wrong, or None."""
     rows = flat.module.get_input_embeddings().num_embeddings
     largest = int(max(dataset.x_train.max(), dataset.x_test.max()))
     if largest >= rows:
-        raise SetupError(f"data: token id {largest} does not fit the model's {rows}-row embedding; raise "
-                         "model.transformers.config's vocab_size or lower data.kwargs.vocab_size")
+        return (f"data: token id {largest} does not fit the model's {rows}-row embedding; raise "
+                "model.transformers.config's vocab_size or lower data.kwargs.vocab_size")
+    return None
 
 
-def agree_on_spec(comm: MPI.Comm, spec: ModelSpec) -> None:
-    """Compare every client's model with the server's; all ranks fail if any differs."""
+def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None) -> None:
+    """Compare every client's model with the server's (and share any local problem); all ranks fail together."""
     server_spec = comm.bcast(spec if comm.Get_rank() == 0 else None, root=0)
-    problem = None if spec.hash == server_spec.hash else spec.first_difference(server_spec)
-    problems = comm.allgather(problem)
-    bad = [(rank, p) for rank, p in enumerate(problems) if p]
-    if bad:
-        rank, what = bad[0]
-        raise SetupError(f"rank {rank}'s model differs from the server's: {what} "
-                         f"(client spec hash != server {server_spec.hash})")
+    if problem is None and spec.hash != server_spec.hash:
+        problem = (f"rank {comm.Get_rank()}'s model differs from the server's: {spec.first_difference(server_spec)} "
+                   f"(client spec hash != server {server_spec.hash})")
+    first = next((p for p in comm.allgather(problem) if p), None)
+    if first:
+        raise SetupError(first)
 
 
 def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | None = None) -> list[dict] | None:
@@ -93,9 +87,8 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     else:
         flat = build_flat_model(cfg.model, cfg.seed, **shape)
         spec = flat.spec
-        if dataset is not None and cfg.model.name == "transformers":
-            check_vocabulary(flat, dataset)
-    agree_on_spec(comm, spec)
+    reads_tokens = dataset is not None and flat is not None and cfg.model.name == "transformers"
+    agree_on_spec(comm, spec, vocabulary_problem(flat, dataset) if reads_tokens else None)
     plan = ExchangePlan.from_config(spec, cfg)
     opened: dict[str, Checkpoint] = {}
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
@@ -128,7 +121,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     strategy = make_strategy(cfg.strategy)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     if flat is None and run_dir is None:
-        raise SetupError("server.state='disk' needs a run directory for its HDF5 state")
+        raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
     directory = run_dir / CHECKPOINTS if run_dir else None
     if directory:
         directory.mkdir(parents=True, exist_ok=True)
@@ -149,13 +142,13 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     parts = ServerParts(plan, Sampler(cfg.seed, cfg.clients, comm.Get_size() - 1), strategy, store, checkpointer,
                         Evaluation(score, cfg.eval.every, cfg.rounds), sink)
     try:
-        history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
+        history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
     finally:
         sink.close()
     if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
         checkpointer.link_final_model(run_dir)
-    log_final(history, str(run_dir) if run_dir else "(no run directory)")
+    log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
     return history
 
 

@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from mpifl.aggregation.reduction import PoolPlan, ReceivePool, RoundAborted, StreamedReduction
 from mpifl.aggregation.strategies import Strategy
-from mpifl.config import TransportConfig
+from mpifl.config import TimeoutsConfig, TransportConfig
+from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.roles.federation import Sampler
@@ -23,6 +24,7 @@ from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import send_chunks, wait_all
+from mpifl.wire.watchdog import Deadlines, RankStalled, Watchdog, default_deadlines
 
 
 @dataclass
@@ -84,10 +86,11 @@ class ServerParts:
 class Server:
     """Runs the rounds: sample, dispatch, reduce, evaluate, record; the checkpointer saves."""
 
-    def __init__(self, comm: MPI.Comm, parts: ServerParts, transport: TransportConfig, stop: StopRequest,
-                 progress: bool = True, min_participants: int = 1):
-        self.comm, self.parts, self.transport, self.stop = comm, parts, transport, stop
+    def __init__(self, comm: MPI.Comm, parts: ServerParts, transport: TransportConfig, timeouts: TimeoutsConfig,
+                 stop: StopRequest, progress: bool = True, min_participants: int = 1):
+        self.comm, self.parts, self.transport, self.timeouts, self.stop = comm, parts, transport, timeouts, stop
         self.progress, self.min_participants = progress, min_participants
+        self.slowest_train: float | None = None  # the slowest logical client's training so far (deadlines)
         self.rounds = parts.evaluation.rounds
         rows = parts.sampler.per_round if parts.strategy.stacked else 1
         self.pool = ReceivePool(parts.plan.wire, rows)
@@ -96,6 +99,7 @@ class Server:
     def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
         self.history = list(history)
+        self.slowest_train = max((r["client_train_seconds"] for r in self.history), default=None)
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
@@ -119,18 +123,25 @@ class Server:
         participants = parts.sampler.participants(rnd)
         by_rank = parts.sampler.by_rank(participants)
         self._send_headers(by_rank, rnd)
-        for window in parts.store.outgoing():
-            send_chunks(self.comm, sorted(by_rank), protocol.MODEL, window, self.transport.inflight)
+        watchdog = Watchdog(self._deadlines(), rnd, by_rank, lambda: self.stop.requested)
+        try:
+            for window in parts.store.outgoing():
+                send_chunks(self.comm, sorted(by_rank), protocol.MODEL, window, self.transport.inflight, watchdog)
+        except RankStalled as stalled:
+            self._give_up(rnd, stalled, model_intact=True)
         dispatched = time.perf_counter()
         parts.store.begin_round(rnd)
-        reduction = StreamedReduction(self.comm, parts.store, parts.plan.chunks, parts.strategy, by_rank, self.pool,
-                                      self._pool_plan(by_rank), parts.plan.wire, self.min_participants, rnd)
+        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, by_rank, self.pool,
+                                      self._pool_plan(by_rank), rnd, min_participants=self.min_participants,
+                                      watchdog=watchdog)
         try:
             stats = reduction.run()
         except RoundAborted:
             self._log_drops(rnd, reduction.stats.metas)
             parts.checkpointer.round_aborted(rnd, self.history)
             raise
+        except RankStalled as stalled:
+            self._give_up(rnd, stalled, model_intact=not reduction.model_touched)
         self._log_drops(rnd, stats.metas)
         reduced = time.perf_counter()
         evaluation = parts.evaluation(rnd)
@@ -139,11 +150,22 @@ class Server:
                            evaluated, stats.aggregate_seconds)
         record = self._record(rnd, participants, by_rank, stats.metas, evaluation, times)
         self.history.append(record)
+        self.slowest_train = max(self.slowest_train or 0.0, record["client_train_seconds"])
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
         parts.checkpointer.round_ended(rnd, self.history, stopping)
         times.checkpointed = times.end = time.perf_counter()
         record["time"].update(times.split())  # the checkpoint's copy stops before saving; the JSON line has it all
         return record, stopping
+
+    def _deadlines(self) -> Deadlines:
+        return default_deadlines(self.timeouts, self.transport.chunk_bytes, self.transport.inflight,
+                                 self.slowest_train)
+
+    def _give_up(self, rnd: int, stalled: RankStalled, model_intact: bool) -> None:
+        """A silent rank: keep the last completed round on disk, then end the job naming the rank."""
+        saved = self.parts.checkpointer.round_aborted(rnd, self.history, model_intact)
+        where = f"; the model after round {rnd - 1} is in {saved}" if saved else ""
+        raise JobFailure(f"{stalled}{where}; continue with --resume once the cause is fixed") from None
 
     def _log_drops(self, rnd: int, metas: dict) -> None:
         for client, meta in sorted(metas.items()):
@@ -216,8 +238,11 @@ def summary(record: dict) -> str:
     return ", ".join(parts)
 
 
-def log_final(history: list[dict], where: str) -> None:
-    """One closing line with the last evaluation."""
+def log_final(history: list[dict], rounds: int, where: str) -> None:
+    """One closing line: how far the run got, and its last evaluation."""
     last = next((r for r in reversed(history) if "eval" in r), None)
-    detail = f"round {last['round']}: " + summary(last) if last else "no evaluation"
-    log(f"finished {len(history)} rounds; final {detail}; outputs in {where}", rank=0)
+    detail = f"last evaluation after round {last['round']}: " + summary(last) if last else "no evaluation"
+    reached = history[-1]["round"] if history else 0
+    status = (f"finished all {rounds} rounds" if reached == rounds
+              else f"stopped after round {reached} of {rounds} (continue with --resume)")
+    log(f"{status}; {detail}; outputs in {where}", rank=0)

@@ -114,12 +114,24 @@ class Checkpointer:
             prune_checkpoints(self.directory, self.cfg.keep)
         return path
 
-    def round_aborted(self, round_: int, history: list[dict]) -> None:
-        """The round is not applied: make sure the model after the previous round is on disk."""
+    def round_aborted(self, round_: int, history: list[dict], model_intact: bool = True) -> Path | None:
+        """The round is not applied: make sure the model after the previous round is on disk; return where."""
         self.store.abandon_round()
-        if round_ > 1 and not self.store.durable and self.directory is not None:
-            path = self.store.end_round(round_ - 1, {**self.attrs, "round": round_ - 1}, history, save=True)
-            log(f"round {round_} aborted; the global model after round {round_ - 1} is saved in {path}", rank=0)
+        if self.store.durable:  # every round's model is already a checkpoint
+            newest = list_checkpoints(self.directory)
+            return newest[-1] if newest else None
+        if not model_intact or round_ == 1 or self.directory is None:
+            if not model_intact:
+                log(f"round {round_} was partly applied in memory: the newest checkpoint on disk is the model to "
+                    "resume from", rank=0)
+            newest = list_checkpoints(self.directory) if self.directory is not None else []
+            return newest[-1] if newest else None
+        if self.path(round_ - 1).exists():  # saved already (checkpoint.every)
+            return self.path(round_ - 1)
+        path = self.store.end_round(round_ - 1, {**self.attrs, "round": round_ - 1}, history, save=True)
+        prune_checkpoints(self.directory, self.cfg.keep)
+        log(f"round {round_} aborted; the global model after round {round_ - 1} is saved in {path}", rank=0)
+        return path
 
     def link_final_model(self, run_dir: Path) -> None:
         """``model.h5`` is the final checkpoint (a hard link where possible: no second copy on disk)."""
@@ -138,50 +150,109 @@ def run_directory(cfg: Config, run_dir_arg: str | None) -> Path:
     return Path(run_dir_arg or cfg.output.dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path:
-    """The checkpoint to resume from (``latest`` or a path), checked against the config before any MPI work."""
+class RunComplete(Exception):
+    """The run directory already holds the final round: there is nothing left to do."""
+
+
+def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None:
+    """The checkpoint to resume from (``latest`` or a path), checked against the config before any MPI work.
+
+    None means there is nothing to resume (a run killed before its first checkpoint): it starts
+    fresh. A run at its last round raises :class:`RunComplete`.
+    """
     if which == "latest":
         run_dir = run_dir_arg or cfg.output.dir
         if not run_dir:
             raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
         ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS)
         if ckpt is None:
-            raise CheckpointError(f"{run_dir}/{CHECKPOINTS}: no usable checkpoint to resume from")
+            return None
     else:
         ckpt = Checkpoint(which)
     with ckpt:
         conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
         if conflict:
             raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only "
-                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.* may change)")
-        if ckpt.round >= cfg.rounds:
-            raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} >= rounds={cfg.rounds}; "
+                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.*, timeouts.* may change)")
+        if ckpt.round == cfg.rounds:
+            raise RunComplete(f"run already complete: {ckpt.path} holds round {ckpt.round} of rounds={cfg.rounds}; "
+                              "nothing to do (raise rounds to continue)")
+        if ckpt.round > cfg.rounds:
+            raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} > rounds={cfg.rounds}; "
                               "raise rounds to continue")
         return ckpt.path
 
 
-def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None) -> Path:
-    """Create the run directory (never over another run), rewind its metrics on resume, write config.yaml."""
+def verified_resume(resume: Path, latest: bool) -> Path | None:
+    """``resume`` if its checksums hold; for ``--resume`` (latest), else the newest older one that does, loudly."""
+    candidates = [resume]
+    if latest:
+        candidates += [p for p in reversed(list_checkpoints(resume.parent)) if p.name < resume.name]
+    for path in candidates:
+        try:
+            with Checkpoint(path) as ckpt:
+                ckpt.verify()
+            if path != resume:
+                log(f"resuming from {path.name} instead (the newer checkpoints above failed verification)", rank=0)
+            return path
+        except CheckpointError as err:
+            if not latest:
+                raise
+            log(f"mpifl: unusable checkpoint, falling back to the one before: {err}", rank=0)
+    return None
+
+
+def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
+                    resume_asked: str | None = None) -> tuple[Path, Path | None]:
+    """Ready the run directory (never over another run) and pick the verified checkpoint to resume from.
+
+    Returns (run directory, checkpoint or None for a fresh start). On a fresh start after
+    ``--resume``, an earlier ``metrics.jsonl`` is kept aside, never overwritten.
+    """
     path = run_directory(cfg, run_dir_arg)
     if resume is not None:
+        resume = verified_resume(resume, latest=resume_asked == "latest")
+    if resume is not None:
         rewind_metrics(path / METRICS, resume)
+    elif (path / METRICS).exists() and resume_asked:
+        aside = path / f"{METRICS}.before-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path / METRICS, aside)
+        log(f"--resume: no usable checkpoint in {path / CHECKPOINTS}: starting fresh (earlier metrics kept "
+            f"as {aside.name})", rank=0)
+    elif resume_asked:
+        log(f"--resume: no checkpoint in {path / CHECKPOINTS}: starting fresh", rank=0)
     elif (path / METRICS).exists():
         raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
-                                "choose another --run-dir so nothing is overwritten")
+                                "choose another --run-dir, or add --resume to continue it")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(dump_config(cfg))
-    return path
+    return path, resume
+
+
+def read_metrics(metrics: Path) -> list[dict] | None:
+    """The records of a metrics.jsonl, or None when a line is torn or not JSON (a crash mid-write)."""
+    records = []
+    for number, line in enumerate(metrics.read_text().splitlines() if metrics.exists() else [], 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log(f"{metrics}: line {number} is torn or not JSON; rebuilding the file from the checkpoint's copy",
+                rank=0)
+            return None
+    return records
 
 
 def rewind_metrics(metrics: Path, resume: Path) -> None:
-    """Keep the metrics lines up to the checkpoint's round (atomically): no duplicated or missing rounds."""
+    """Keep the metrics records up to the checkpoint's round (atomically): no duplicated, missing or torn rounds."""
     with Checkpoint(resume) as ckpt:
         saved, upto = ckpt.metrics(), ckpt.round
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    kept = [line for line in lines if line.strip() and json.loads(line)["round"] <= upto]
-    if [json.loads(line)["round"] for line in kept] != list(range(1, upto + 1)):
-        kept = [json.dumps(r) for r in saved]  # the file lost lines: the checkpoint's copy is complete
+    records = read_metrics(metrics)
+    kept = [r for r in records or [] if r.get("round", upto + 1) <= upto]
+    if records is None or [r["round"] for r in kept] != list(range(1, upto + 1)):
+        kept = saved  # the file lost or tore lines: the checkpoint's copy is complete
     metrics.parent.mkdir(parents=True, exist_ok=True)
     tmp = metrics.with_name(metrics.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, metrics)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from mpi4py import MPI
+
+from mpifl.wire.watchdog import MODEL_DELIVERED, Watchdog
 
 SPIN_SECONDS = 50e-6
 SLEEP_SECONDS = 200e-6
@@ -35,10 +37,12 @@ class Backoff:
             time.sleep(SLEEP_SECONDS)
 
 
-def wait(request: MPI.Request) -> None:
-    """Wait for one request without hogging the CPU."""
+def wait(request: MPI.Request, check: Callable[[], None] | None = None) -> None:
+    """Wait for one request without hogging the CPU; ``check`` (a deadline) is called while waiting."""
     backoff = Backoff()
     while not request.Test():
+        if check is not None:
+            check()
         backoff.pause()
 
 
@@ -64,16 +68,28 @@ def recv_object(comm: MPI.Comm, source: int, tag: int) -> object:
 
 
 def send_chunks(comm: MPI.Comm, dests: Sequence[int], tag: int, chunks: Iterable[np.ndarray],
-                inflight: int) -> None:
-    """Send each chunk to every destination, at most ``inflight`` chunks per destination in flight."""
-    pending: deque[MPI.Request] = deque()
+                inflight: int, watchdog: Watchdog | None = None) -> None:
+    """Send each chunk to every destination, at most ``inflight`` chunks per destination in flight.
+
+    With a ``watchdog``, a destination that takes up nothing past its deadline raises RankStalled.
+    """
+    pending: deque[tuple[int, MPI.Request]] = deque()
     limit = inflight * len(dests)
     for chunk in chunks:
         for dest in dests:
             while len(pending) >= limit:
-                wait(pending.popleft())
-            pending.append(comm.Isend([chunk, MPI.BYTE], dest=dest, tag=tag))
-    wait_all(pending)
+                _wait_sent(*pending.popleft(), watchdog)
+            pending.append((dest, comm.Isend([chunk, MPI.BYTE], dest=dest, tag=tag)))
+    while pending:
+        _wait_sent(*pending.popleft(), watchdog)
+
+
+def _wait_sent(dest: int, request: MPI.Request, watchdog: Watchdog | None) -> None:
+    if watchdog is None:
+        wait(request)
+        return
+    wait(request, lambda: watchdog.check(lambda: {dest: (MODEL_DELIVERED, None)}))
+    watchdog.progress(dest)
 
 
 def recv_chunks(comm: MPI.Comm, source: int, tag: int, chunks: Iterable[np.ndarray], inflight: int) -> None:

@@ -1,0 +1,84 @@
+"""Experiment configuration: typed sections, YAML + ``key=value`` overrides, strict validation.
+
+Each component reads only its own section. Validation happens before any MPI work: an
+unknown key names itself and the closest valid key; a bad value names the key and what
+is allowed; an import path (``pkg.module:attr``) must resolve.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mpifl.config.checks import check_combinations, config_warnings
+from mpifl.config.schema import ConfigError, apply_override, build, merge
+from mpifl.config.sections import (
+    CheckpointConfig,
+    ClientsConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    LoraConfig,
+    ModelConfig,
+    OutputConfig,
+    ServerConfig,
+    StrategyConfig,
+    TimeoutsConfig,
+    TrainConfig,
+    TransformersConfig,
+    TransportConfig,
+)
+
+__all__ = ["CheckpointConfig", "ClientsConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
+           "ModelConfig", "OutputConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
+           "TransformersConfig", "TransportConfig", "config_warnings", "dump_config", "load_config", "resume_conflict"]
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), data: dict | None = None) -> Config:
+    """Read a YAML file (or a dict), apply ``key=value`` overrides, validate everything."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if raw is None:
+            raise ConfigError(f"{path}: the file is empty; write the sections you mean (rounds, clients, data, "
+                              "model, ...) or '{}' to run every default on purpose")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raw.setdefault("name", path.stem)
+    if data:
+        raw = merge(raw, data)
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = build(Config, raw, "")
+    check_combinations(cfg)
+    return cfg
+
+
+# Keys that may differ between a checkpoint's config and the config that resumes it.
+RESUMABLE = ("name", "rounds", "checkpoint", "output", "eval", "transport", "server", "timeouts")
+
+
+def resume_conflict(saved: dict, current: dict) -> str | None:
+    """The first key whose change would make a resumed run differ from an uninterrupted one."""
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUMABLE:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = resume_conflict({f"{key}.{k}": v for k, v in a.items()}, {f"{key}.{k}": v for k, v in b.items()})
+            if inner:
+                return inner
+        elif a != b:
+            return f"{key}: {a!r} in the checkpoint, {b!r} now"
+    return None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

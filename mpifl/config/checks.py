@@ -1,0 +1,74 @@
+"""Checks across sections, after each section is valid on its own."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpifl.config.schema import ConfigError
+from mpifl.config.sections import Config
+from mpifl.plugins import is_import_path
+
+
+def check_combinations(cfg: Config) -> None:
+    """Refuse combinations of valid values that cannot run together, naming the key."""
+    if cfg.model.name == "blob" and (cfg.train.trainer == "torch" or cfg.eval.every):
+        raise ConfigError("model.name: 'blob' is a benchmark payload with no data: it needs eval.every=0 and a "
+                          "trainer other than 'torch' (e.g. train.trainer='none')")
+    _check_transformers(cfg)
+    if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_file():
+        raise ConfigError(f"model.init_from: checkpoint file {cfg.model.init_from!r} does not exist")
+    if cfg.eval.federated_every and cfg.data.val_fraction == 0:
+        raise ConfigError("eval.federated_every: federated evaluation needs local validation splits; "
+                          "set data.val_fraction (e.g. 0.1)")
+    if cfg.clients.min_participants > cfg.clients_per_round():
+        raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
+                          f"{cfg.clients_per_round()} clients sampled per round")
+    if cfg.server.state == "disk" and cfg.eval.every:
+        raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
+                          "so it cannot evaluate it; set eval.every=0")
+
+
+def _check_transformers(cfg: Config) -> None:
+    model, hf = cfg.model, cfg.model.transformers
+    if model.name != "transformers":
+        if model.lora.r:
+            raise ConfigError("model.lora.r: LoRA adapters need model.name='transformers'")
+        if cfg.train.trainer == "causal_lm":
+            raise ConfigError("train.trainer: 'causal_lm' needs model.name='transformers'")
+        return
+    if model.kwargs:
+        raise ConfigError("model.kwargs: a transformers model takes its settings from model.transformers.config")
+    if hf.architecture is None and hf.path is None:
+        raise ConfigError("model.transformers: name an architecture (e.g. gpt2, llama) or a local path with a "
+                          "config.json")
+    if hf.path is not None and not Path(hf.path).is_dir():
+        raise ConfigError(f"model.transformers.path: {hf.path!r} is not a local folder (nothing is downloaded: "
+                          "hub names are not accepted)")
+    if hf.path is not None and hf.architecture is None and not (Path(hf.path) / "config.json").is_file():
+        raise ConfigError(f"model.transformers.path: {hf.path!r} has no config.json; set model.transformers.architecture")
+    if hf.pretrained and (hf.path is None or not any(Path(hf.path).glob("*.safetensors"))):
+        raise ConfigError(f"model.transformers.pretrained: no *.safetensors files in model.transformers.path "
+                          f"({hf.path!r})")
+    if hf.pretrained and model.init_from:
+        raise ConfigError("model.init_from: choose one source of weights: a pretrained folder or an mpifl checkpoint")
+    if cfg.train.trainer == "torch":
+        raise ConfigError("train.trainer: a transformers model trains with 'causal_lm' (or 'none' for model-only "
+                          "exchange), not 'torch'")
+    reads_text = cfg.train.trainer == "causal_lm" or cfg.eval.every or cfg.eval.federated_every
+    if reads_text and cfg.data.dataset != "text" and not is_import_path(cfg.data.dataset):
+        raise ConfigError(f"data.dataset: causal-LM training and perplexity read token blocks; use 'text', not "
+                          f"{cfg.data.dataset!r} (or set eval.every=0 with train.trainer='none')")
+    if cfg.data.dataset == "text" and cfg.data.partition in ("dirichlet", "shards"):
+        raise ConfigError(f"data.partition: {cfg.data.partition!r} splits by label; text blocks have none "
+                          "(use iid or unbalanced)")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Legal values that are surely a mistake: each warning names its key."""
+    found = []
+    if cfg.clients.per_round is not None and cfg.clients.per_round > cfg.clients.num_clients:
+        found.append(f"clients.per_round: {cfg.clients.per_round} is more than clients.num_clients="
+                     f"{cfg.clients.num_clients}: every client takes part in every round")
+    if cfg.transport.chunk_bytes < 64 * 1024:
+        found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
+                     "overhead dominates); 4-64 MiB are best")
+    return found

@@ -1,0 +1,120 @@
+"""Typed dataclass sections from plain dicts: defaults, docs and rules per field, errors that name the key.
+
+Every field is declared with :func:`field_` (a default, a one-line doc and rules such as
+``min``, ``max``, ``choices``, ``import_ok``). :func:`build` checks a raw mapping against a
+section class: an unknown key names itself and the closest valid key; a bad value names the
+key and what is allowed; an import path (``pkg.module:attr``) must resolve.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import field
+from typing import Any
+
+import yaml
+
+from mpifl.plugins import is_import_path, resolve
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+def field_(default: Any, doc: str, **rules: Any) -> Any:
+    """A section field with its default, its one-line doc and its validation rules."""
+    factory = dict(default_factory=default) if callable(default) else dict(default=default)
+    return field(metadata={"doc": doc, **rules}, **factory)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rounds=5)")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text else None
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key '{prefix}{key}'" + hint)
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):  # an empty section (``clients:``) means its defaults; [] is a mistake
+            values[name] = build(hint, {} if raw[name] is None else raw[name], f"{prefix}{name}.")
+        else:
+            values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
+    return cls(**values)
+
+
+def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
+    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: a value is required ({rules.get('doc', '')})")
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    value = _coerce(key, value, base)
+    _check_rules(key, value, rules)
+    return value
+
+
+def _coerce(key: str, value: Any, base: Any) -> Any:
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    if base is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if base in (float, str, dict, list) and not isinstance(value, base):
+        raise ConfigError(f"{key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
+    if base is list and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+    return value
+
+
+def _check_rules(key: str, value: Any, rules: typing.Mapping) -> None:
+    if "min" in rules and (value < rules["min"] or (rules.get("exclusive_min") and value == rules["min"])):
+        op = ">" if rules.get("exclusive_min") else ">="
+        raise ConfigError(f"{key}: must be {op} {rules.get('min_text', rules['min'])}, got {value!r}")
+    if "max" in rules and value > rules["max"]:
+        raise ConfigError(f"{key}: must be <= {rules['max']}, got {value!r}")
+    choices = rules.get("choices")
+    if choices and value not in choices:
+        if rules.get("import_ok") and is_import_path(value):
+            try:
+                resolve(value)
+            except ImportError as err:
+                raise ConfigError(f"{key}: {err}") from None
+            return
+        extra = " or an import path 'package.module:function'" if rules.get("import_ok") else ""
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}{extra}")
+
+

@@ -1,0 +1,235 @@
+"""The config's sections: one small typed dataclass per component, a doc per field."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from mpifl.aggregation.registry import STRATEGIES  # torch-free: the registered strategy names
+from mpifl.config.schema import field_
+from mpifl.units import MIB
+
+
+@dataclass
+class ClientsConfig:
+    """Who takes part."""
+
+    num_clients: int = field_(8, "logical clients in the federation (may exceed client ranks)", min=1, max=10**7)
+    per_round: Optional[int] = field_(None, "clients sampled per round (overrides fraction)", min=1)
+    fraction: float = field_(1.0, "fraction of clients sampled per round", min=0.0, max=1.0, exclusive_min=True)
+    accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
+                                    "with client, rank and reason) instead of aborting the job")
+    min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
+
+    def per_round_count(self) -> int:
+        """How many logical clients take part in each round."""
+        if self.per_round is not None:
+            return min(self.per_round, self.num_clients)
+        return max(1, round(self.fraction * self.num_clients))
+
+
+@dataclass
+class DataConfig:
+    """The dataset and how it is split across logical clients."""
+
+    dataset: str = field_("digits", "built-in dataset ('digits', 'synthetic', or 'text': token blocks for causal-LM "
+                           "training, see mpifl.learning.text) or import path returning (x_train, y_train, x_test, y_test)",
+                           choices=("digits", "synthetic", "text"), import_ok=True)
+    kwargs: dict = field_(dict, "keyword arguments for the dataset function")
+    partition: str = field_("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
+                             "per client) or unbalanced (lognormal sizes, iid labels)",
+                             choices=("iid", "dirichlet", "shards", "unbalanced"))
+    alpha: float = field_(0.5, "Dirichlet concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
+    classes_per_client: int = field_(2, "shards: classes each client holds", min=1)
+    size_sigma: float = field_(1.0, "unbalanced: sigma of the lognormal client sizes (0 = equal)", min=0.0)
+    val_fraction: float = field_(0.0, "share of each client's samples kept as its local validation split "
+                                  "(federated evaluation)", min=0.0, max=0.9)
+
+
+@dataclass
+class TransformersConfig:
+    """A Hugging Face transformers causal LM (model.name='transformers'), built offline."""
+
+    architecture: Optional[str] = field_(None, "model_type as transformers names it (gpt2, llama, mistral, ...); "
+                                          "optional when path has a config.json")
+    config: dict = field_(dict, "config values (n_layer, hidden_size, num_hidden_layers, ...) over the architecture's "
+                           "defaults or over path's config.json")
+    path: Optional[str] = field_(None, "local folder with config.json (and, with pretrained, *.safetensors shards); "
+                                  "never a hub name: nothing is downloaded")
+    pretrained: bool = field_(False, "load the weights from path's safetensors shards, shard by shard into the flat "
+                               "buffer (else: random init from the seed)")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (the 'lora' extra); only the adapters train and travel."""
+
+    r: int = field_(0, "adapter rank (0 = no LoRA)", min=0)
+    alpha: float = field_(16.0, "LoRA scaling alpha", min=0.0, exclusive_min=True)
+    dropout: float = field_(0.0, "dropout on the adapter input", min=0.0, max=1.0)
+    target_modules: list = field_(list, "module names to adapt, e.g. [c_attn] (gpt2) or [q_proj, v_proj] (llama); "
+                                   "default: peft's choice for the architecture")
+
+
+@dataclass
+class ModelConfig:
+    """The model every rank builds."""
+
+    name: str = field_("mlp", "built-in model ('mlp', 'cnn', 'blob', 'transformers') or import path to a function "
+                        "returning an nn.Module", choices=("mlp", "cnn", "blob", "transformers"), import_ok=True)
+    kwargs: dict = field_(dict, "keyword arguments for the model function")
+    dtype: str = field_("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+    init_from: Optional[str] = field_(None, "an mpifl checkpoint to start from: every rank builds the model on the "
+                                       "meta device and reads the weights straight into its flat buffer")
+    transformers: TransformersConfig = field_(TransformersConfig, "model.name='transformers': architecture and config")
+    trainable: list = field_(list, "glob patterns of parameter names that train (e.g. ['*.h.11.*', 'lm_head.*']); "
+                              "the others are frozen; default: all")
+    exchange: str = field_("trainable", "what travels and is reduced: only the trainable tensors (frozen ones stay "
+                            "where they are) or all", choices=("trainable", "all"))
+    lora: LoraConfig = field_(LoraConfig, "LoRA adapters (model.name='transformers')")
+
+
+@dataclass
+class TrainConfig:
+    """Local training on each logical client."""
+
+    trainer: str = field_("torch", "'torch' (plain loop), 'causal_lm' (transformers fine-tuning on data.dataset='text'), "
+                           "'none' (model-only exchange) or an import path", choices=("torch", "causal_lm", "none"),
+                           import_ok=True)
+    optimizer: str = field_("sgd", "local optimizer", choices=("sgd", "adam", "adamw"))
+    lr: float = field_(0.05, "local learning rate", min=0.0, exclusive_min=True)
+    momentum: float = field_(0.0, "SGD momentum", min=0.0, max=1.0)
+    weight_decay: float = field_(0.0, "weight decay", min=0.0)
+    local_epochs: int = field_(1, "passes over the local data per round", min=1)
+    local_steps: Optional[int] = field_(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
+    batch_size: int = field_(32, "local minibatch size", min=1)
+    grad_accum_steps: int = field_(1, "micro-batches of batch_size accumulated per optimizer step", min=1)
+    gradient_checkpointing: bool = field_(False, "causal_lm: recompute activations in the backward pass (less memory, "
+                                           "~30% more compute)")
+    max_grad_norm: Optional[float] = field_(None, "clip the gradient norm to this before each step", min=0.0,
+                                             exclusive_min=True)
+    prox_mu: float = field_(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
+    loss: str = field_("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
+                        choices=("cross_entropy", "mse"), import_ok=True)
+
+
+@dataclass
+class StrategyConfig:
+    """How the server combines updates."""
+
+    name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
+                        "median or trimmed_mean (coordinate-wise, unweighted), or an import path to a function "
+                        "StrategyConfig -> Strategy (mpifl.aggregation.strategies)", choices=STRATEGIES, import_ok=True)
+    weighting: str = field_("samples", "client weight in means: by sample count or equal", choices=("samples", "equal"))
+    update: str = field_("weights", "what a client sends: its trained weights or its delta (trained - global)",
+                          choices=("weights", "delta"))
+    wire_dtype: Optional[str] = field_(None, "dtype of float32/float64 tensors in client updates (e.g. bfloat16 halves "
+                                        "the bytes; the server still accumulates in float32); default: the model's",
+                                        choices=("float32", "bfloat16", "float16"))
+    server_lr: Optional[float] = field_(None, "server learning rate eta (default 1.0 for fedavgm, 0.01 for the "
+                                         "adaptive ones)", min=0.0, exclusive_min=True)
+    momentum: float = field_(0.9, "fedavgm: server momentum beta", min=0.0, max=1.0)
+    beta1: float = field_(0.9, "fedadam/fedyogi: first-moment decay", min=0.0, max=1.0)
+    beta2: float = field_(0.99, "fedadam/fedyogi: second-moment decay", min=0.0, max=1.0)
+    tau: float = field_(1e-3, "adaptive strategies: adaptivity tau (also v's initial value tau^2)", min=0.0,
+                         exclusive_min=True)
+    trim_fraction: float = field_(0.1, "trimmed_mean: fraction beta trimmed from each end (< 0.5)", min=0.0, max=0.49)
+
+
+@dataclass
+class TransportConfig:
+    """Chunked exchange."""
+
+    chunk_mb: float = field_(16.0, "largest message in MiB (16 was best on shared-memory MPICH; at least 8 bytes)",
+                             min=8 / MIB, min_text="8 bytes")
+    inflight: int = field_(4, "chunks in flight per peer", min=1)
+    pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
+                             exclusive_min=True)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * MIB))
+
+
+@dataclass
+class TimeoutsConfig:
+    """How long a client rank may make no progress, per stage of a round, before the server ends the job."""
+
+    model_delivered: Optional[float] = field_(None, "seconds a rank may take up none of the global model sent to it "
+                                              "(default: 60 + its in-flight chunks at 10 MB/s)", min=0.0,
+                                              exclusive_min=True)
+    first_update: Optional[float] = field_(None, "seconds a rank may take to send a logical client's update header, "
+                                           "that is, to train it (default: 1800 until a round has been timed, then "
+                                           "60 + 10 x the slowest client's training so far)", min=0.0,
+                                           exclusive_min=True)
+    update_complete: Optional[float] = field_(None, "seconds a rank may send no chunk while its update is in flight "
+                                              "(default: as model_delivered)", min=0.0, exclusive_min=True)
+    sigterm_grace: float = field_(5.0, "after SIGTERM, seconds a round may wait on a silent rank before the server "
+                                  "saves what it can and ends the job", min=0.0)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of the global model on the server."""
+
+    every: int = field_(1, "evaluate every K rounds (0 = never); the last round is always evaluated", min=0)
+    federated_every: int = field_(0, "every K rounds, clients evaluate the global model they received on their local "
+                                   "validation split (data.val_fraction); 0 = never", min=0)
+    batch_size: int = field_(512, "evaluation batch size", min=1)
+
+
+@dataclass
+class CheckpointConfig:
+    """HDF5 checkpoints in <run dir>/checkpoints (always one after the last round)."""
+
+    every: int = field_(0, "save every K rounds (0 = only at the end and on SIGTERM)", min=0)
+    keep: int = field_(3, "keep the newest K checkpoints (the final one is always the newest)", min=1)
+
+
+@dataclass
+class ServerConfig:
+    """Where the server keeps the global model."""
+
+    state: str = field_("memory", "'memory', or 'disk': out-of-core, window by window from HDF5",
+                         choices=("memory", "disk"))
+    window_mb: float = field_(64.0, "out-of-core read window for streaming the model out, MiB", min=0.0,
+                               exclusive_min=True)
+
+
+@dataclass
+class OutputConfig:
+    """What a run writes."""
+
+    dir: Optional[str] = field_(None, "run directory (default runs/<config name>-<time>)")
+    save_model: bool = field_(True, "write the final global model to <run dir>/model.h5")
+    progress: bool = field_(True, "progress bar on rank 0")
+
+
+@dataclass
+class Config:
+    """One experiment."""
+
+    name: str = field_("experiment", "experiment name (used in the default run directory)")
+    seed: int = field_(0, "root seed: sampling, partitioning and client randomness derive from it", min=0,
+                            max=2**32 - 1)
+    rounds: int = field_(10, "federated rounds", min=1)
+    clients: ClientsConfig = field_(ClientsConfig, "participation")
+    data: DataConfig = field_(DataConfig, "dataset and partitioning")
+    model: ModelConfig = field_(ModelConfig, "model")
+    train: TrainConfig = field_(TrainConfig, "local training")
+    strategy: StrategyConfig = field_(StrategyConfig, "aggregation")
+    transport: TransportConfig = field_(TransportConfig, "chunked exchange")
+    timeouts: TimeoutsConfig = field_(TimeoutsConfig, "deadlines: a silent client rank ends the job, named")
+    eval: EvalConfig = field_(EvalConfig, "evaluation")
+    checkpoint: CheckpointConfig = field_(CheckpointConfig, "checkpoints")
+    server: ServerConfig = field_(ServerConfig, "server state")
+    output: OutputConfig = field_(OutputConfig, "outputs")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def clients_per_round(self) -> int:
+        """How many logical clients take part in each round."""
+        return self.clients.per_round_count()
+
+

@@ -1,0 +1,5 @@
+"""Failures that carry their whole explanation (rank, client, stage): reported without a traceback."""
+
+
+class JobFailure(RuntimeError):
+    """The job cannot go on; the message says why, naming what failed."""

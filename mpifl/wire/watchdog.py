@@ -1,0 +1,97 @@
+"""Progress-aware deadlines: a client rank that makes no progress past its stage's deadline ends the job, named.
+
+A round has three stages per client rank, each with its own deadline on *silence* (any
+message from the rank counts as progress and restarts its clock):
+
+- ``model delivered``: the rank takes up the global model the server streams to it;
+- ``first update``: the rank trains a logical client and sends its update header;
+- ``update complete``: the rank streams that client's update chunks.
+
+A rank silent past its deadline raises :class:`RankStalled`, naming the rank, the logical
+client, the stage and the seconds waited. After a SIGTERM (what PBS sends at walltime) a
+silent rank is given only ``sigterm_grace`` seconds, so the job can still save and stop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from mpifl.errors import JobFailure
+
+MODEL_DELIVERED = "model delivered"
+FIRST_UPDATE = "first update"
+UPDATE_COMPLETE = "update complete"
+SETTING = {MODEL_DELIVERED: "model_delivered", FIRST_UPDATE: "first_update", UPDATE_COMPLETE: "update_complete"}
+CHECK_EVERY_SECONDS = 0.05  # deadlines are seconds long: looking 20 times a second is plenty
+
+
+class RankStalled(JobFailure):
+    """A client rank made no progress past its deadline."""
+
+    def __init__(self, message: str, rank: int, stage: str, interrupted: bool):
+        super().__init__(message)
+        self.rank, self.stage, self.interrupted = rank, stage, interrupted
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds of silence allowed per stage, and after a SIGTERM."""
+
+    model_delivered: float
+    first_update: float
+    update_complete: float
+    sigterm_grace: float = 5.0
+
+    def of(self, stage: str) -> float:
+        """The deadline of ``stage``."""
+        return getattr(self, SETTING[stage])
+
+
+class Watchdog:
+    """When each awaited rank last made progress in a round; raises RankStalled past its deadline."""
+
+    def __init__(self, deadlines: Deadlines, round_: int, clients_of: dict[int, list[int]],
+                 stop_requested: Callable[[], bool] = lambda: False):
+        self.deadlines, self.round, self.clients_of = deadlines, round_, clients_of
+        self.stop_requested = stop_requested
+        now = time.monotonic()
+        self.last = {rank: now for rank in clients_of}
+        self.sigterm_at: float | None = None
+        self.next_check = now
+
+    def progress(self, rank: int) -> None:
+        """A message from ``rank`` landed."""
+        self.last[rank] = time.monotonic()
+
+    def check(self, waiting: Callable[[], dict[int, tuple[str, int | None]]]) -> None:
+        """Raise for the first rank in ``waiting()`` ({rank: (stage, logical client)}) silent past its deadline."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + CHECK_EVERY_SECONDS
+        if self.sigterm_at is None and self.stop_requested():
+            self.sigterm_at = now
+        for rank, (stage, client) in sorted(waiting().items()):
+            since = self.last[rank]
+            limit = self.deadlines.of(stage)
+            if self.sigterm_at is not None:
+                since, limit = max(since, self.sigterm_at), min(limit, self.deadlines.sigterm_grace)
+            if now - since > limit:
+                raise self._stalled(rank, stage, client, now - self.last[rank], limit)
+
+    def _stalled(self, rank: int, stage: str, client: int | None, waited: float, limit: float) -> RankStalled:
+        who = f"logical client {client}" if client is not None else f"logical clients {self.clients_of[rank]}"
+        interrupted = self.sigterm_at is not None
+        why = (f"SIGTERM arrived and it stayed silent {limit:g} s more (timeouts.sigterm_grace)" if interrupted
+               else f"past its deadline of {limit:g} s (timeouts.{SETTING[stage]})")
+        return RankStalled(f"round {self.round}: rank {rank} ({who}) made no progress for {waited:.1f} s at stage "
+                           f"'{stage}', {why}", rank, stage, interrupted)
+
+
+def default_deadlines(timeouts, chunk_bytes: int, inflight: int, slowest_train_seconds: float | None) -> Deadlines:
+    """Deadlines from the ``timeouts`` section; unset ones from the chunk size and the training times measured so far."""
+    transfer = 60.0 + inflight * chunk_bytes / 10e6  # a rank's in-flight chunks at a slow 10 MB/s, plus a minute
+    training = 1800.0 if slowest_train_seconds is None else 60.0 + 10.0 * slowest_train_seconds
+    return Deadlines(timeouts.model_delivered or transfer, timeouts.first_update or training,
+                     timeouts.update_complete or transfer, timeouts.sigterm_grace)

@@ -1,0 +1,70 @@
+"""User code that misbehaves on purpose, loaded by import path (``faults.injectors:Injected``) on every rank.
+
+The environment picks the fault, so one config serves every test:
+
+- ``FAULT``: ``hang``, ``exit0`` (``sys.exit(0)``), ``os_exit`` (``os._exit(3)``), ``interrupt``
+  (``KeyboardInterrupt``) or ``raise``;
+- ``FAULT_RANK`` (default 2): the rank that misbehaves;
+- ``FAULT_CALL`` (default 1): on its N-th logical client's training;
+- ``FAULT_STAGE``: ``train`` (default: inside training, before the update header), ``send`` (after
+  the first chunk of the update) or ``receive`` (the next global model is never taken up).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from fl_helpers import NoiseTrainer
+from torch import nn
+
+from mpifl.learning.trainers import TrainResult
+
+
+def misbehave(fault: str) -> None:
+    """Do the fault now."""
+    if fault == "hang":
+        while True:
+            time.sleep(3600)
+    if fault == "exit0":
+        sys.exit(0)
+    if fault == "os_exit":
+        os._exit(3)
+    if fault == "interrupt":
+        raise KeyboardInterrupt
+    raise RuntimeError("deliberate fault")
+
+
+class Injected(NoiseTrainer):
+    """NoiseTrainer that misbehaves as the environment says (see the module docstring)."""
+
+    calls = 0
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        from mpi4py import MPI
+
+        fault = os.environ.get("FAULT")
+        Injected.calls += 1
+        if fault and MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FAULT_RANK", "2")) \
+                and Injected.calls == int(os.environ.get("FAULT_CALL", "1")):
+            stage = os.environ.get("FAULT_STAGE", "train")
+            if stage == "train":
+                misbehave(fault)
+            _arm(stage, fault)
+        return super().train(model, data, seed)
+
+
+def _arm(stage: str, fault: str) -> None:
+    """Make the client rank's next send (or receive) misbehave, after its first chunk (or before any)."""
+    from mpifl.roles import client
+
+    if stage == "send":
+        real = client.send_chunks
+
+        def first_chunk_then_fault(comm, dests, tag, chunks, inflight, *rest):
+            real(comm, dests, tag, list(chunks)[:1], inflight, *rest)
+            misbehave(fault)
+
+        client.send_chunks = first_chunk_then_fault
+    elif stage == "receive":
+        client.recv_chunks = lambda *args, **kwargs: misbehave(fault)

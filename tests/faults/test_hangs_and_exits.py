@@ -1,0 +1,89 @@
+"""Under mpiexec: a silent rank at any stage, or any way out of user code, ends the job, named, losing nothing."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from conftest import finish, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
+
+from mpifl.storage.checkpointer import latest_checkpoint
+
+DEADLINE = 3.0
+TRAINING = f"""
+seed: 1
+rounds: 3
+clients: {{num_clients: 4}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 400}}}}
+model: {{name: mlp, kwargs: {{hidden: [16]}}}}
+train: {{trainer: "faults.injectors:Injected", lr: 0.01}}
+transport: {{chunk_mb: 0.001}}
+eval: {{every: 0}}
+timeouts: {{model_delivered: {DEADLINE}, first_update: {DEADLINE}, update_complete: {DEADLINE}}}
+output: {{progress: false}}
+"""
+# Model chunks above MPI's eager limit: an Isend then completes only once the receiver takes it up.
+LARGE_CHUNKS = TRAINING.replace("data: {dataset: synthetic, kwargs: {num_samples: 400}}\n", "").replace(
+    "model: {name: mlp, kwargs: {hidden: [16]}}", "model: {name: blob, kwargs: {size_mb: 8, tensor_mb: 2}}").replace(
+    "chunk_mb: 0.001", "chunk_mb: 1")
+
+
+def run_with_fault(tmp_path, text: str, **fault: str):
+    cfg = write_config(tmp_path / "c.yaml", text)
+    start = time.monotonic()
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=90,
+                     env={k.upper(): str(v) for k, v in fault.items()})
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("text,stage,fault_stage,client", [
+    (TRAINING, "first update", "train", "logical client 1"),
+    (TRAINING, "update complete", "send", "logical client 1"),
+    (LARGE_CHUNKS, "model delivered", "receive", "logical clients [1, 3]"),
+], ids=["training", "sending", "receiving"])
+def test_a_silent_rank_at_each_stage_ends_the_job_naming_it_and_keeps_the_last_round(tmp_path, text, stage,
+                                                                                     fault_stage, client):
+    # rank 2 hosts logical clients 1 and 3; its 3rd training (round 2) misbehaves, or arms the next send/receive
+    result, seconds = run_with_fault(tmp_path, text, fault="hang", fault_call=2 if fault_stage == "receive" else 3,
+                                     fault_stage=fault_stage)
+    assert result.returncode != 0
+    assert f"rank 2 ({client}) made no progress for" in result.stderr, result.stderr[-3000:]
+    assert f"at stage '{stage}', past its deadline of {DEADLINE:g} s" in result.stderr
+    assert "the model after round 1 is in" in result.stderr
+    assert seconds < 60  # start-up + a round + the deadline + the abort, on a loaded 2-core machine
+    with latest_checkpoint(tmp_path / "run" / "checkpoints") as ckpt:
+        assert ckpt.round == 1 and len(ckpt.metrics()) == 1
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("exit0", "SystemExit(0) inside the run"),
+    ("os_exit", "os._exit(3) called inside the run"),
+    ("interrupt", "interrupted (KeyboardInterrupt)"),
+])
+def test_any_way_out_of_user_code_ends_the_job_with_a_message(tmp_path, fault, message):
+    result, seconds = run_with_fault(tmp_path, TRAINING, fault=fault, fault_call=2)
+    assert result.returncode != 0
+    assert f"[mpifl rank 2 on" in result.stderr and message in result.stderr, result.stderr[-3000:]
+    assert seconds < 45
+
+
+def test_sigterm_during_a_stuck_round_saves_the_last_round_and_exits_promptly(tmp_path):
+    text = TRAINING.replace(f"first_update: {DEADLINE}", "first_update: 600")
+    cfg = write_config(tmp_path / "c.yaml", text)
+    reference = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr
+    run_dir = tmp_path / "run"
+    proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FAULT": "hang", "FAULT_CALL": "3"})
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and rounds_logged(run_dir) == [1], proc, "round 1")
+    time.sleep(1.0)  # rank 2 is now silent inside round 2's training, far from its 600 s deadline
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # what PBS sends at walltime; mpiexec forwards it to every rank
+    code, err = finish(proc, timeout=60)
+    assert code != 0 and "SIGTERM arrived and it stayed silent 5 s more" in err, err[-3000:]
+    assert time.monotonic() - sent < 5 + 10
+    with latest_checkpoint(run_dir / "checkpoints") as ckpt:
+        assert ckpt.round == 1
+    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert same_model(run_dir / "model.h5", tmp_path / "reference" / "model.h5")
+    assert rounds_logged(run_dir) == [1, 2, 3]
