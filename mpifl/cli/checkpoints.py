@@ -16,8 +16,8 @@ def inspect(path: str, verify: bool = False) -> int:
     with Checkpoint(path) as ckpt:
         if verify:  # a failure raises CheckpointError: exit 2 with the tensor named
             checked = ckpt.verify()
-            print(f"{ckpt.path}: verified: every dataset read back; {checked} carry a Fletcher32 checksum"
-                  + ("" if checked else " (written before mpifl checkpoints had checksums)"))
+            print(f"{ckpt.path}: verified: {checked} chunks match their CRC32 checksums" if checked else
+                  f"{ckpt.path}: readable, but written before mpifl checkpoints carried checksums: nothing to verify")
         attrs = dict(ckpt.file.attrs)
         entries = ckpt.entries()
         total = sum(n for *_, n in entries)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from dataclasses import field
 from typing import Any
@@ -84,7 +85,14 @@ def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
     return value
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(key: str, value: Any, base: Any) -> Any:
+    if base in (int, float) and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e-9 (no dot) as a string: take it as the number it means
+        if base is int and value.is_integer():
+            value = int(value)
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is float and isinstance(value, float) and not math.isfinite(value):

@@ -116,12 +116,13 @@ def model_spec(cfg: ModelConfig, seed: int, **shape: Any) -> tuple[ModelSpec, Mo
     return build_spec(exchanged), build_spec(frozen)
 
 
-def build_flat_model(cfg: ModelConfig, seed: int, **shape: Any) -> FlatModel:
+def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, **shape: Any) -> FlatModel:
     """Build the model with its weights allocated once, in the flat buffer(s).
 
     Transformers models and ``init_from`` runs are built on the meta device and their
     weights written after binding (seeded init, pretrained shards, or the checkpoint);
-    small built-in models are built normally and moved into the buffer tensor by tensor.
+    small built-in models are built normally and moved into the buffer tensor by tensor. With
+    ``read_init=False`` the caller reads ``init_from`` itself (:func:`read_init_from`), after checking it.
     """
     trainable_only = cfg.exchange == "trainable"
     if cfg.name == "transformers":
@@ -136,9 +137,15 @@ def build_flat_model(cfg: ModelConfig, seed: int, **shape: Any) -> FlatModel:
         flat = FlatModel(module, trainable_only)
     else:
         flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
-    if cfg.init_from:
-        from mpifl.storage.hdf5 import Checkpoint
-        with Checkpoint(cfg.init_from) as init:
-            init.check_spec(flat.spec)
-            init.read_into(flat.tensors())
+    if cfg.init_from and read_init:
+        read_init_from(flat, cfg.init_from)
     return flat
+
+
+def read_init_from(flat: FlatModel, path: str) -> None:
+    """Read a checkpoint of this model straight into the flat buffer (refusing another model's)."""
+    from mpifl.storage.hdf5 import Checkpoint
+
+    with Checkpoint(path) as init:
+        init.check_spec(flat.spec)
+        init.read_into(flat.tensors())

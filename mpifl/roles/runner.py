@@ -23,7 +23,7 @@ from mpifl.learning.datasets import (
     partition_table,
     split_validation,
 )
-from mpifl.learning.models import build_flat_model, model_spec
+from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
@@ -85,11 +85,15 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     if comm.Get_rank() == 0 and cfg.server.state == "disk":  # the out-of-core server never allocates the model
         spec, flat = model_spec(cfg.model, cfg.seed, **shape)[0], None
     else:
-        flat = build_flat_model(cfg.model, cfg.seed, **shape)
+        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, **shape)
         spec = flat.spec
     reads_tokens = dataset is not None and flat is not None and cfg.model.name == "transformers"
     agree_on_spec(comm, spec, vocabulary_problem(flat, dataset) if reads_tokens else None)
     plan = ExchangePlan.from_config(spec, cfg)
+    if cfg.model.init_from:  # rank 0 checks it is this model's; then every rank reads it
+        agree(comm, lambda: _open_checkpoint(Path(cfg.model.init_from), spec).close())
+        if flat is not None:
+            read_init_from(flat, cfg.model.init_from)
     opened: dict[str, Checkpoint] = {}
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
         agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)

@@ -28,25 +28,17 @@ import h5py
 import numpy as np
 import torch
 
+from mpifl.storage.integrity import ChunkChecksums
 from mpifl.units import MIB
-from mpifl.wire.flat import ModelSpec, TensorEntry, itemsize
+from mpifl.wire.flat import ModelSpec, TensorEntry, layout
 
 FORMAT = "mpifl-checkpoint"
-FORMAT_VERSION = 2  # 2: Fletcher32 checksums on tensor and server-state datasets
-CHUNK_BYTES = 4 * MIB  # HDF5 chunk (and checksum) granularity: large sequential I/O, bounded reads
+FORMAT_VERSION = 2  # 2: a CRC32 per chunk under /integrity (see storage.integrity); /model attr "order"
 _STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used, with the file and the reason in the message."""
-
-
-def checksummed(shape: tuple[int, ...], itemsize: int) -> dict:
-    """Dataset options: ~4 MiB chunks along the first axis, each with a Fletcher32 checksum (scalars: none)."""
-    if not shape or 0 in shape:
-        return {}
-    row = math.prod(shape[1:]) * itemsize
-    return {"chunks": (max(1, min(shape[0], CHUNK_BYTES // max(1, row))), *shape[1:]), "fletcher32": True}
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -59,10 +51,12 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 class CheckpointWriter:
     """Writes one checkpoint to a temporary file; ``publish()`` makes it visible atomically."""
 
-    def __init__(self, path: Path, spec: ModelSpec, attrs: dict, state: dict[str, tuple[int, float]] | None = None):
+    def __init__(self, path: Path, spec: ModelSpec, attrs: dict, state: dict[str, tuple[int, float]] | None = None,
+                 chunk_bytes: int = 16 * MIB):
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.spec = spec
+        self.checksums = ChunkChecksums(spec, chunk_bytes, list(state or {}))
         try:
             self.file = h5py.File(self.tmp, "w")
         except OSError as err:
@@ -70,17 +64,16 @@ class CheckpointWriter:
         self.file.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "spec_hash": spec.hash,
                                 **{k: v for k, v in attrs.items() if v is not None}})
         model = self.file.create_group("model")
+        model.attrs["order"] = json.dumps([e.name for e in spec.entries])  # the flat layout, rebuilt on verify
         self.datasets = {}
         with self._naming_errors():
             for e in spec.entries:
-                ds = model.create_dataset(e.name, shape=e.shape, dtype=_STORED_AS[e.dtype],
-                                          **checksummed(e.shape, itemsize(e.dtype)))
+                ds = model.create_dataset(e.name, shape=e.shape, dtype=_STORED_AS[e.dtype])
                 ds.attrs["dtype"] = e.dtype
                 self.datasets[e.name] = ds
             server_state = self.file.create_group("server_state")
             for name, (size, fill) in (state or {}).items():  # unwritten parts read as the fill value
-                ds = server_state.create_dataset(name, shape=(size,), dtype=np.float32, fillvalue=np.float32(fill),
-                                                 **checksummed((size,), 4))
+                ds = server_state.create_dataset(name, shape=(size,), dtype=np.float32, fillvalue=np.float32(fill))
                 ds.attrs["fill"] = fill
 
     def __enter__(self) -> "CheckpointWriter":
@@ -95,17 +88,21 @@ class CheckpointWriter:
         """Write flat bytes ``data`` at byte ``offset`` of the model's flat layout."""
         with self._naming_errors():
             _io_range(self.spec, self.datasets, offset, data, write=True)
+        self.checksums.model_bytes(offset, data)
 
     def write_state(self, name: str, start: int, data: np.ndarray) -> None:
         """Write float32 ``data`` into server-state vector ``name`` from element ``start``."""
         with self._naming_errors():
             self.file["server_state"][name][start:start + len(data)] = data
+        self.checksums.state_elements(name, start, data)
 
-    def write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Write whole tensors by name."""
+    def write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], flat_bytes: np.ndarray | None = None) -> None:
+        """Write whole tensors by name; ``flat_bytes``, the flat buffer they are views of, spares reading back."""
         with self._naming_errors():
             for name, t in tensors:
                 self.datasets[name][...] = to_numpy(t.detach())
+        if flat_bytes is not None:
+            self.checksums.model_bytes(0, flat_bytes)
 
     @contextlib.contextmanager
     def _naming_errors(self):
@@ -119,8 +116,11 @@ class CheckpointWriter:
         self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()), dtype=h5py.string_dtype())
 
     def publish(self) -> Path:
-        """Flush, fsync, and atomically rename into place."""
+        """Write the checksums, flush, fsync, and atomically rename into place."""
         try:
+            with self._naming_errors():
+                self.checksums.save(self.file, lambda c, out: _io_range(self.spec, self.datasets, c.offset, out,
+                                                                        write=False))
             self.file.flush()
             self.file.close()
             with open(self.tmp, "rb+") as f:
@@ -186,25 +186,26 @@ class Checkpoint:
         if spec.hash != self.spec_hash:
             raise CheckpointError(f"{self.path}: checkpoint of another model (spec {self.spec_hash} != {spec.hash})")
 
+    def spec(self) -> ModelSpec:
+        """The flat layout the checkpoint was written with (from ``/model``'s ``order`` and the datasets)."""
+        model = self.file["model"]
+        order = json.loads(model.attrs["order"]) if "order" in model.attrs else sorted(model)
+        return layout([(n, tuple(model[n].shape), str(model[n].attrs.get("dtype", model[n].dtype))) for n in order])
+
     def verify(self) -> int:
-        """Read every dataset chunk by chunk so HDF5 checks its checksums; return how many carry one."""
-        checked = 0
-        for group in ("model", "server_state"):
-            for name, ds in _datasets(self.file[group]) if group in self.file else []:
-                with self._reading(f"{group}/{name}"):
-                    for block in ds.iter_chunks() if ds.chunks else [()]:
-                        ds[block]
-                checked += bool(ds.fletcher32)
+        """Read everything back and check every chunk's checksum; the number of chunks checked (0: none stored)."""
+        from mpifl.storage.integrity import verify
+
         with self._reading("metrics"):
             self.metrics()
-        return checked
+        return verify(self)
 
     @contextlib.contextmanager
     def _reading(self, what: str):
         try:
             yield
-        except (OSError, ValueError) as err:  # HDF5 reports a failed Fletcher32 check as a read error
-            raise CheckpointError(f"{self.path}: {what} is corrupt (checksum or read error): {err}") from None
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{self.path}: {what} is unreadable (truncated or corrupt?): {err}") from None
 
     def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""

@@ -134,8 +134,8 @@ class InMemoryStore:
         if not save:
             return None
         sizes = {name: (self.elements[-1], value) for name, value in self.state_init.items()}
-        with CheckpointWriter(self.path_of(round_), self.plan.spec, attrs, sizes) as writer:
-            writer.write_tensors(self.flat.tensors())
+        with CheckpointWriter(self.path_of(round_), self.plan.spec, attrs, sizes, self.plan.chunk_bytes) as writer:
+            writer.write_tensors(self.flat.tensors(), self.flat.bytes)
             for name, vector in self.vectors.items():
                 writer.write_state(name, 0, vector.numpy())
             writer.write_metrics(history)
@@ -212,7 +212,7 @@ class OnDiskStore:
 
     def begin_round(self, round_: int) -> None:
         """Open the next checkpoint's temporary file: finished chunks go straight into it."""
-        self.writer = CheckpointWriter(self.path_of(round_), self.spec, {}, self._state_sizes())
+        self.writer = CheckpointWriter(self.path_of(round_), self.spec, {}, self._state_sizes(), self.plan.chunk_bytes)
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
         """A staging chunk, holding the old value when the strategy reads it."""
@@ -253,7 +253,7 @@ class OnDiskStore:
 
     def write_initial(self, attrs: dict, receive_window: ReceiveWindow) -> Path:
         """Publish round 0 from chunks streamed in by ``receive_window(buffers)``."""
-        with CheckpointWriter(self.path_of(0), self.spec, attrs, self._state_sizes()) as writer:
+        with CheckpointWriter(self.path_of(0), self.spec, attrs, self._state_sizes(), self.plan.chunk_bytes) as writer:
             for window in self.windows:
                 base, views = self._views(window)
                 receive_window(views)

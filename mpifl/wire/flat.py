@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -183,16 +184,21 @@ def split_tensors(module: torch.nn.Module, trainable_only: bool = False) -> tupl
 
 def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
     """Lay tensors out by dtype segments, each segment aligned to 64 bytes."""
-    by_dtype: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        by_dtype.setdefault(dtype_name(t.dtype), []).append((name, t))
+    return layout([(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in named])
+
+
+def layout(described: list[tuple[str, tuple[int, ...], str]]) -> ModelSpec:
+    """The spec of (name, shape, dtype) tensors in this order: grouped by dtype, segments 64-byte aligned."""
+    by_dtype: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape, dtype in described:
+        by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
     entries, segments, offset = [], [], 0
     for dtype, group in by_dtype.items():
         offset = _align(offset)
         start = offset
-        for name, t in group:
-            nbytes = t.numel() * t.element_size()
-            entries.append(TensorEntry(name, tuple(t.shape), dtype, offset, nbytes))
+        for name, shape in group:
+            nbytes = math.prod(shape) * itemsize(dtype)
+            entries.append(TensorEntry(name, shape, dtype, offset, nbytes))
             offset += nbytes
         segments.append(Segment(dtype, start, offset - start))
     return ModelSpec(tuple(entries), tuple(segments), _align(offset))

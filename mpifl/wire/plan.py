@@ -21,12 +21,14 @@ class ExchangePlan:
     chunks: list[Chunk]
     wire: list[Chunk]
     inflight: int  # chunks in flight per peer
+    chunk_bytes: int  # transport.chunk_mb in bytes: what laid the chunks out
 
     @classmethod
     def from_config(cls, spec: ModelSpec, cfg: Config) -> "ExchangePlan":
         """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``."""
         chunks = spec.chunks(cfg.transport.chunk_bytes)
-        return cls(spec, chunks, wire_chunks(chunks, cfg.strategy.wire_dtype), cfg.transport.inflight)
+        return cls(spec, chunks, wire_chunks(chunks, cfg.strategy.wire_dtype), cfg.transport.inflight,
+                   cfg.transport.chunk_bytes)
 
     @property
     def narrowed(self) -> bool:

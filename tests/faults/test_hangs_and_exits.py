@@ -63,7 +63,7 @@ def test_a_silent_rank_at_each_stage_ends_the_job_naming_it_and_keeps_the_last_r
 def test_any_way_out_of_user_code_ends_the_job_with_a_message(tmp_path, fault, message):
     result, seconds = run_with_fault(tmp_path, TRAINING, fault=fault, fault_call=2)
     assert result.returncode != 0
-    assert f"[mpifl rank 2 on" in result.stderr and message in result.stderr, result.stderr[-3000:]
+    assert "[mpifl rank 2 on" in result.stderr and message in result.stderr, result.stderr[-3000:]
     assert seconds < 45
 
 

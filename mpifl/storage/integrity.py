@@ -1,0 +1,151 @@
+"""Checkpoint integrity: a CRC32 of every chunk of the model and of each server-state vector.
+
+The checksums are taken from the bytes in memory as each chunk is written (in any order,
+as the out-of-core server finishes chunks), stored under ``/integrity`` with the chunk size
+that laid them out, and checked by reading the checkpoint back chunk by chunk (bounded
+memory). A changed byte anywhere in the tensors, however it got there (a disk error, a
+stray write through h5py), fails the check and names the tensor.
+
+Layout::
+
+    /integrity             attrs: chunk_bytes (the layout of the checksums)
+    /integrity/model       uint32, one CRC32 per piece: a chunk cut at tensor boundaries (flat order),
+                           so a failed check names its tensor
+    /integrity/state/<n>   uint32, one CRC32 per chunk's slice of server-state vector <n>
+"""
+from __future__ import annotations
+
+import bisect
+import zlib
+from typing import Callable, Iterator
+
+import h5py
+import numpy as np
+
+from mpifl.wire.flat import Chunk, ModelSpec, element_offsets
+
+GROUP = "integrity"
+
+
+def crc32(data: np.ndarray) -> int:
+    """CRC32 of an array's bytes."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
+
+
+class ChunkChecksums:
+    """CRC32s of a checkpoint's chunks, taken from whatever is written (in any order), saved before publishing.
+
+    A chunk written whole in one call is summed from memory; one written in pieces is read back
+    from the file at the end (only the stores' chunk-by-chunk writes avoid that cost entirely).
+    """
+
+    def __init__(self, spec: ModelSpec, chunk_bytes: int, state_names: list[str]):
+        self.chunks, self.chunk_bytes = spec.chunks(chunk_bytes), chunk_bytes
+        self.pieces, self.first_piece = pieces(spec, self.chunks)
+        self.starts = [c.offset for c in self.chunks]
+        self.elements = element_offsets(self.chunks)
+        self.model = np.zeros(len(self.pieces), dtype=np.uint32)
+        self.sums = {name: np.zeros(len(self.chunks), dtype=np.uint32) for name in ["", *state_names]}
+        self.seen = {name: np.zeros(len(self.chunks), dtype=bool) for name in self.sums}  # "": the model
+
+    def model_bytes(self, offset: int, data: np.ndarray) -> None:
+        """Record the chunks wholly inside flat bytes [offset, offset + len(data))."""
+        for c in self._inside(self.starts, offset, offset + len(data), lambda c: c.offset + c.nbytes):
+            self._record("", c, data[c.offset - offset:c.offset - offset + c.nbytes])
+
+    def state_elements(self, name: str, start: int, data: np.ndarray) -> None:
+        """Record the chunks' slices wholly inside elements [start, start + len(data)) of state vector ``name``."""
+        for c in self._inside(self.elements[:-1], start, start + len(data), lambda c: self.elements[c.index + 1]):
+            self._record(name, c, data[self.elements[c.index] - start:self.elements[c.index + 1] - start])
+
+    def save(self, file: h5py.File, read_model: Callable[[Chunk, np.ndarray], None]) -> None:
+        """Sum what was written in pieces by reading it back, then write every checksum under ``/integrity``."""
+        for name, seen in self.seen.items():
+            for c in (self.chunks[i] for i in np.flatnonzero(~seen)):
+                if name:
+                    lo, hi = self.elements[c.index], self.elements[c.index + 1]
+                    self._record(name, c, file["server_state"][name][lo:hi])
+                else:
+                    data = np.empty(c.nbytes, dtype=np.uint8)
+                    read_model(c, data)
+                    self._record("", c, data)
+        group = file.create_group(GROUP)
+        group.attrs["chunk_bytes"] = self.chunk_bytes
+        group.create_dataset("model", data=self.model)
+        states = group.create_group("state")
+        for name, values in self.sums.items():
+            if name:
+                states.create_dataset(name, data=values)
+
+    def _inside(self, starts: list[int], lo: int, hi: int, end: Callable[[Chunk], int]) -> Iterator[Chunk]:
+        """Chunks whose span (from ``starts``, sorted) lies within [lo, hi)."""
+        for c in self.chunks[bisect.bisect_left(starts, lo):]:
+            if end(c) > hi:
+                return
+            yield c
+
+    def _record(self, name: str, chunk: Chunk, data: np.ndarray) -> None:
+        if name:
+            self.sums[name][chunk.index] = crc32(data)
+        else:
+            for i, (offset, nbytes, _) in self.pieces_of(chunk):
+                self.model[i] = crc32(data[offset - chunk.offset:offset - chunk.offset + nbytes])
+        self.seen[name][chunk.index] = True
+
+    def pieces_of(self, chunk: Chunk) -> list[tuple[int, tuple[int, int, str]]]:
+        """(index, piece) of every piece of ``chunk``."""
+        first, last = self.first_piece[chunk.index], self.first_piece[chunk.index + 1]
+        return [(i, self.pieces[i]) for i in range(first, last)]
+
+
+def pieces(spec: ModelSpec, chunks: list[Chunk]) -> tuple[list[tuple[int, int, str]], list[int]]:
+    """Each chunk cut at tensor boundaries, (flat offset, bytes, tensor name) in flat order (padding left out),
+    and where each chunk's pieces start in that list (one entry more than chunks)."""
+    out, first, e = [], [], 0
+    entries = spec.entries
+    for c in chunks:  # chunks and entries both run in flat order: one merge
+        first.append(len(out))
+        while e < len(entries) and entries[e].offset + entries[e].nbytes <= c.offset:
+            e += 1
+        k = e
+        while k < len(entries) and entries[k].offset < c.offset + c.nbytes:
+            lo, hi = max(c.offset, entries[k].offset), min(c.offset + c.nbytes, entries[k].offset + entries[k].nbytes)
+            if lo < hi:
+                out.append((lo, hi - lo, entries[k].name))
+            k += 1
+    return out, first + [len(out)]
+
+
+def verify(ckpt) -> int:
+    """Check a checkpoint's tensors and server state against its stored CRC32s, chunk by chunk; return the
+    number of chunks checked (0 for a checkpoint written before checksums). Raise CheckpointError naming the
+    first tensor (or state vector) whose bytes changed."""
+    from mpifl.storage.hdf5 import CheckpointError
+
+    if GROUP not in ckpt.file:
+        return 0
+    group = ckpt.file[GROUP]
+    spec = ckpt.spec()
+    if spec.hash != ckpt.spec_hash:
+        raise CheckpointError(f"{ckpt.path}: its tensors' names, shapes or dtypes no longer match its spec hash")
+    chunks = spec.chunks(int(group.attrs["chunk_bytes"]))
+    stored = group["model"][...]
+    buffer = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
+    cut, first = pieces(spec, chunks)
+    if len(cut) != len(stored):
+        raise CheckpointError(f"{ckpt.path}: /{GROUP}/model has {len(stored)} checksums, the layout {len(cut)}")
+    for c in chunks:
+        ckpt.read_range(spec, c.offset, buffer[:c.nbytes])
+        for i in range(first[c.index], first[c.index + 1]):
+            offset, nbytes, name = cut[i]
+            if crc32(buffer[offset - c.offset:offset - c.offset + nbytes]) != stored[i]:
+                raise CheckpointError(f"{ckpt.path}: tensor {name!r} is corrupt: its bytes at flat offset "
+                                      f"{offset}..{offset + nbytes} fail their checksum")
+    elements = element_offsets(chunks)
+    for name, ds in ckpt.file["server_state"].items() if "server_state" in ckpt.file else []:
+        sums = group["state"][name][...]
+        for c in chunks:
+            if crc32(ds[elements[c.index]:elements[c.index + 1]]) != sums[c.index]:
+                raise CheckpointError(f"{ckpt.path}: server_state/{name} is corrupt: elements "
+                                      f"{elements[c.index]}..{elements[c.index + 1]} fail their checksum")
+    return len(chunks)
