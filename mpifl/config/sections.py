@@ -140,8 +140,8 @@ class StrategyConfig:
 class TransportConfig:
     """Chunked exchange."""
 
-    chunk_mb: float = field_(16.0, "largest message in MiB (16 was best on shared-memory MPICH; at least 8 bytes)",
-                             min=8 / MIB, min_text="8 bytes")
+    chunk_mb: float = field_(16.0, "largest message in MiB (16 was best on shared-memory MPICH; at least 1 byte)",
+                             min=1 / MIB, min_text="1 byte")
     inflight: int = field_(4, "chunks in flight per peer", min=1)
     pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
                              exclusive_min=True)

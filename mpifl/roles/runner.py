@@ -4,6 +4,8 @@ This is the one place that reads the whole config: each role gets only its own p
 """
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,18 @@ def check_world(size: int, cfg: Config) -> None:
                          f"{cfg.clients_per_round() + 1} ranks or lower clients.per_round")
 
 
+def record_ranks(comm: MPI.Comm, run_dir: Path | None) -> None:
+    """Where every rank runs (host, pid), in ``ranks.txt``: the launcher's report of a killed process names only its pid."""
+    where = comm.gather((socket.gethostname(), os.getpid()), root=0)
+    if comm.Get_rank() != 0:
+        return
+    table = "".join(f"{rank} {host} {pid}\n" for rank, (host, pid) in enumerate(where))
+    if run_dir is not None:
+        (run_dir / "ranks.txt").write_text("rank host pid\n" + table)
+    if len(where) <= 16:
+        log("ranks (host:pid): " + ", ".join(f"{r} {h}:{p}" for r, (h, p) in enumerate(where)), rank=0)
+
+
 def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
     """Token ids must fit the transformers model's embedding: what is wrong, or None."""
     rows = flat.module.get_input_embeddings().num_embeddings
@@ -80,6 +94,7 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     """Run one rank's part of the experiment; rank 0 returns the metrics history."""
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
+    record_ranks(comm, run_dir)
     dataset = agree(comm, lambda: load_dataset(cfg.data)) if needs_dataset(cfg) else None  # read once, shared
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
     if comm.Get_rank() == 0 and cfg.server.state == "disk":  # the out-of-core server never allocates the model

@@ -241,8 +241,10 @@ def summary(record: dict) -> str:
 def log_final(history: list[dict], rounds: int, where: str) -> None:
     """One closing line: how far the run got, and its last evaluation."""
     last = next((r for r in reversed(history) if "eval" in r), None)
-    detail = f"last evaluation after round {last['round']}: " + summary(last) if last else "no evaluation"
     reached = history[-1]["round"] if history else 0
-    status = (f"finished all {rounds} rounds" if reached == rounds
-              else f"stopped after round {reached} of {rounds} (continue with --resume)")
-    log(f"{status}; {detail}; outputs in {where}", rank=0)
+    if reached == rounds:
+        detail = f"final round {last['round']}: " + summary(last) if last else "no evaluation"
+        log(f"finished {len(history)} rounds; {detail}; outputs in {where}", rank=0)
+        return
+    detail = f"last evaluation after round {last['round']}: " + summary(last) if last else "no evaluation"
+    log(f"stopped after round {reached} of {rounds} (continue with --resume); {detail}; outputs in {where}", rank=0)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, resume_conflict
+from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.storage.hdf5 import Checkpoint, CheckpointError
 from mpifl.storage.stores import GlobalStore
@@ -109,7 +110,12 @@ class Checkpointer:
     def round_ended(self, round_: int, history: list[dict], stopping: bool) -> Path | None:
         """The round's model is final: publish it if due (a durable store always publishes)."""
         save = self.due(round_, stopping) and self.directory is not None
-        path = self.store.end_round(round_, {**self.attrs, "round": round_}, history, save)
+        try:
+            path = self.store.end_round(round_, {**self.attrs, "round": round_}, history, save)
+        except OSError as err:  # full disk, quota, I/O error: the message names the file
+            newest = list_checkpoints(self.directory) if self.directory is not None else []
+            kept = f"; the newest complete checkpoint is still {newest[-1]}" if newest else ""
+            raise JobFailure(f"round {round_}: {err}{kept}") from None
         if path is not None:
             prune_checkpoints(self.directory, self.cfg.keep)
         return path

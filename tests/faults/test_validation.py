@@ -39,7 +39,7 @@ def checked(tmp_path, text: str, *overrides: str) -> list[str]:
     (BASE, ("seed=1000000000000000000000000000000",), "seed: must be <= 4294967295"),
     (BASE, ("model.kwargs.hidden=[0]",), "model.kwargs.hidden: layer widths must be integers >= 1, got [0]"),
     (BASE, ("model.name=cnn", "model.kwargs.channels=[4, -1]"), "model.kwargs.channels: layer widths must be"),
-    (BASE, ("transport.chunk_mb=1e-9",), "transport.chunk_mb: must be >= 8 bytes"),
+    (BASE, ("transport.chunk_mb=1e-9",), "transport.chunk_mb: must be >= 1 byte"),
 ])
 def test_refused_with_the_key_named(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
