@@ -17,8 +17,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints/workstation.txt
 quickstart: install
 	$(BIN)/mpiexec -n 3 $(BIN)/mpifl run configs/quickstart.yaml
 
+# Two pytest workers: most of the suite's time is MPI jobs starting up (torch imports), which
+# two workers overlap on two cores; more would oversubscribe the ranks' own cores.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 bench: install
 	$(BIN)/mpiexec -n 5 $(BIN)/mpifl bench exchange --model-mb 1000 --rounds 3 --pickle-rounds 1

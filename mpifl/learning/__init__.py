@@ -1,1 +1,7 @@
-"""learning"""
+"""What the clients learn and from what.
+
+- ``models``: built-in models, import-path models, the allocate-once flat build.
+- ``hf``: Hugging Face causal LMs, offline, parameters on ``meta`` then bound into the flat buffer.
+- ``trainers``: local training (plain loop, causal LM, none) and evaluation.
+- ``datasets``: built-in datasets and partitioners; ``text``: token blocks for causal LMs.
+"""

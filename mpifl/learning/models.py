@@ -44,7 +44,7 @@ class Blob(nn.Module):
 
     def __init__(self, size_mb: float = 100.0, tensor_mb: float = 64.0, dtype: torch.dtype = torch.float32):
         super().__init__()
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         total = int(size_mb * MIB) // itemsize
         per = max(1, int(tensor_mb * MIB) // itemsize)
         sizes = [per] * (total // per) + ([total % per] if total % per else [])

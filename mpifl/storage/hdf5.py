@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from pathlib import Path
 from typing import Iterable
@@ -29,12 +28,12 @@ import numpy as np
 import torch
 
 from mpifl.storage.integrity import ChunkChecksums
+from mpifl.storage.ranges import STORED_AS, io_range
 from mpifl.units import MIB
-from mpifl.wire.flat import ModelSpec, TensorEntry, layout
+from mpifl.wire.flat import ModelSpec, layout
 
 FORMAT = "mpifl-checkpoint"
 FORMAT_VERSION = 2  # 2: a CRC32 per chunk under /integrity (see storage.integrity); /model attr "order"
-_STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
 class CheckpointError(ValueError):
@@ -68,7 +67,7 @@ class CheckpointWriter:
         self.datasets = {}
         with self._naming_errors():
             for e in spec.entries:
-                ds = model.create_dataset(e.name, shape=e.shape, dtype=_STORED_AS[e.dtype])
+                ds = model.create_dataset(e.name, shape=e.shape, dtype=STORED_AS[e.dtype])
                 ds.attrs["dtype"] = e.dtype
                 self.datasets[e.name] = ds
             server_state = self.file.create_group("server_state")
@@ -87,7 +86,7 @@ class CheckpointWriter:
     def write_range(self, offset: int, data: np.ndarray) -> None:
         """Write flat bytes ``data`` at byte ``offset`` of the model's flat layout."""
         with self._naming_errors():
-            _io_range(self.spec, self.datasets, offset, data, write=True)
+            io_range(self.spec, self.datasets, offset, data, write=True)
         self.checksums.model_bytes(offset, data)
 
     def write_state(self, name: str, start: int, data: np.ndarray) -> None:
@@ -119,7 +118,7 @@ class CheckpointWriter:
         """Write the checksums, flush, fsync, and atomically rename into place."""
         try:
             with self._naming_errors():
-                self.checksums.save(self.file, lambda c, out: _io_range(self.spec, self.datasets, c.offset, out,
+                self.checksums.save(self.file, lambda c, out: io_range(self.spec, self.datasets, c.offset, out,
                                                                         write=False))
             self.file.flush()
             self.file.close()
@@ -210,7 +209,7 @@ class Checkpoint:
     def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""
         with self._reading(f"model bytes {offset}..{offset + len(out)}"):
-            _io_range(spec, self.file["model"], offset, out, write=False)
+            io_range(spec, self.file["model"], offset, out, write=False)
 
     def read_state(self, name: str, start: int, out: np.ndarray, fill: float) -> None:
         """Fill float32 ``out`` from server-state vector ``name`` at element ``start`` (``fill`` if absent)."""
@@ -262,45 +261,6 @@ def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
     out: list[tuple[str, h5py.Dataset]] = []
     group.visititems(lambda n, o: out.append((n, o)) if isinstance(o, h5py.Dataset) else None)
     return out
-
-
-def _io_range(spec: ModelSpec, datasets, offset: int, buf: np.ndarray, write: bool) -> None:
-    """Copy between flat bytes [offset, offset+len(buf)) and the per-tensor datasets."""
-    end = offset + len(buf)
-    for e in spec.entries:
-        lo, hi = max(offset, e.offset), min(end, e.offset + e.nbytes)
-        if lo >= hi:
-            continue
-        ds = datasets[e.name]
-        piece = buf[lo - offset:hi - offset].view(_STORED_AS[e.dtype])
-        itemsize = piece.dtype.itemsize
-        _io_elements(ds, e, (lo - e.offset) // itemsize, (hi - e.offset) // itemsize, piece, write)
-
-
-def _io_elements(ds: h5py.Dataset, e: TensorEntry, a: int, b: int, piece: np.ndarray, write: bool) -> None:
-    """Elements [a, b) of a tensor in row-major order, via whole rows of the dataset."""
-    if not e.shape:  # 0-d tensor: one element
-        if write:
-            ds[()] = piece[0]
-        else:
-            piece[0] = ds[()]
-        return
-    if len(e.shape) == 1:
-        if write:
-            ds[a:b] = piece
-        else:
-            piece[...] = ds[a:b]
-        return
-    row = math.prod(e.shape[1:])
-    r0, r1 = a // row, -(-b // row)
-    if not write:
-        piece[...] = ds[r0:r1].reshape(-1)[a - r0 * row:b - r0 * row]
-    elif a == r0 * row and b == r1 * row:
-        ds[r0:r1] = piece.reshape((r1 - r0,) + e.shape[1:])
-    else:  # partial rows at a chunk boundary: read, patch, write back
-        block = ds[r0:r1]
-        block.reshape(-1)[a - r0 * row:b - r0 * row] = piece
-        ds[r0:r1] = block
 
 
 def _fsync_dir(directory: Path) -> None:
