@@ -167,3 +167,18 @@ def test_inspect_and_export_a_checkpoint(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(tmp_path / "nope.h5")], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "no such checkpoint file" in bad.stderr
+
+
+def test_random_bytes_on_disk_inside_a_tensor_fail_verification_naming_it(tmp_path):
+    torch.manual_seed(2)
+    flat = FlatModel(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5)))
+    path = save(tmp_path / "c.h5", flat)
+    with Checkpoint(path) as ckpt:
+        assert ckpt.verify() == 1  # one 16 MiB chunk holds this small model
+    with h5py.File(path) as f:
+        where = f["model/1.weight"].id.get_offset()
+    raw = bytearray(path.read_bytes())
+    raw[where + 8:where + 24] = np.random.default_rng(0).bytes(16)  # no HDF5 metadata touched: the file opens
+    path.write_bytes(bytes(raw))
+    with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match=r"tensor '1\.weight' is corrupt"):
+        ckpt.verify()

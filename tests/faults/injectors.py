@@ -7,7 +7,8 @@ The environment picks the fault, so one config serves every test:
 - ``FAULT_RANK`` (default 2): the rank that misbehaves;
 - ``FAULT_CALL`` (default 1): on its N-th logical client's training;
 - ``FAULT_STAGE``: ``train`` (default: inside training, before the update header), ``send`` (after
-  the first chunk of the update) or ``receive`` (the next global model is never taken up).
+  the first chunk of the update) or ``receive`` (the next global model is never taken up);
+- ``FAULT_MARK``: a file to write the time of the fault to (``time.time()``), for deadline checks.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from mpifl.learning.trainers import TrainResult
 
 def misbehave(fault: str) -> None:
     """Do the fault now."""
+    if os.environ.get("FAULT_MARK"):
+        with open(os.environ["FAULT_MARK"], "w") as f:
+            f.write(repr(time.time()))
     if fault == "hang":
         while True:
             time.sleep(3600)
