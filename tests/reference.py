@@ -51,6 +51,19 @@ def weighted_mean(updates: list[tuple[float, np.ndarray]]) -> np.ndarray:
     return acc / np.float32(sum(w for w, _ in updates))
 
 
+def grouped_weighted_mean(updates: list[tuple[int, float, np.ndarray]], groups: int) -> np.ndarray:
+    """clients.groups: each group's weighted sum (ascending id, fp32), then the groups' sums in ascending
+    group id, divided by the total weight."""
+    sums = {}
+    for client, w, x in sorted(updates, key=lambda u: u[0]):
+        g = client % groups
+        sums[g] = np.float32(w) * x if g not in sums else fma32(sums[g], w, x)
+    acc = None
+    for g in sorted(sums):
+        acc = np.float32(1.0) * sums[g] if acc is None else fma32(acc, 1.0, sums[g])
+    return acc / np.float32(sum(w for _, w, _ in updates))
+
+
 def median(stack: np.ndarray) -> np.ndarray:
     s = np.sort(stack, axis=0)
     p = len(s)
@@ -112,14 +125,16 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, 
                 if s.update == "delta":  # formed in the model's dtype, then cast to the wire dtype
                     x = round_to(x - old[n], dtype)
                 update[n] = round_to(x, wire)
-            sent.append((weight, update))
+            sent.append((c, weight, update))
         for name, tensor in flat.tensors():
             if s.name == "median":
-                combined = median(np.stack([u[name] for _, u in sent]))
+                combined = median(np.stack([u[name] for _, _, u in sent]))
             elif s.name == "trimmed_mean":
-                combined = trimmed_mean(np.stack([u[name] for _, u in sent]), s.trim_fraction)
+                combined = trimmed_mean(np.stack([u[name] for _, _, u in sent]), s.trim_fraction)
+            elif cfg.clients.groups:
+                combined = grouped_weighted_mean([(c, w, u[name]) for c, w, u in sent], cfg.clients.groups)
             else:
-                combined = weighted_mean([(w, u[name]) for w, u in sent])
+                combined = weighted_mean([(w, u[name]) for _, w, u in sent])
             if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
                 delta = combined if s.update == "delta" else combined - old[name]
                 tensor_state = state.setdefault(name, {"velocity": np.zeros_like(delta), "m": np.zeros_like(delta),

@@ -46,7 +46,8 @@ class RoundAborted(RuntimeError):
 class ReductionStats:
     """What one round's reduction observed."""
 
-    metas: dict[int, protocol.UpdateMeta] = field(default_factory=dict)
+    metas: dict[int, protocol.UpdateMeta] = field(default_factory=dict)  # every logical client's header
+    groups: dict[int, protocol.GroupMeta] = field(default_factory=dict)  # clients.groups: each group's header
     first_arrival: float | None = None  # perf_counter when the first update meta landed
     aggregate_seconds: float = 0.0
 
@@ -95,7 +96,7 @@ class StreamedReduction:
                  by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan, round_: int = 0, *,
                  min_participants: int = 1, watchdog: Watchdog | None = None):
         self.comm, self.state, self.strategy = comm, state, strategy
-        self.chunks, self.wire = exchange.chunks, exchange.wire
+        self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
         self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
         self.by_rank = by_rank
         self.metas_in = {rank: 0 for rank in by_rank}  # what has landed from each rank, for its deadlines
@@ -159,7 +160,7 @@ class StreamedReduction:
         buf = self.pool.slots[slot][: self.wire[ticket.chunk].nbytes]
         self._add_request(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=protocol.UPDATE), ticket)
 
-    def waiting(self) -> dict[int, tuple[str, int]]:
+    def waiting(self) -> dict[int, tuple[str, str]]:
         """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
 
         A rank whose receive slots are all full waits on the fold order, not the other way round.
@@ -171,7 +172,8 @@ class StreamedReduction:
                 continue
             current = min(chunks // per_client, len(clients) - 1)  # whose chunks flow, or come next
             training = chunks % per_client == 0 and metas <= chunks // per_client
-            out[rank] = (FIRST_UPDATE if training else UPDATE_COMPLETE, clients[current])
+            label = f"reduction group {clients[current]}" if self.grouped else f"logical client {clients[current]}"
+            out[rank] = (FIRST_UPDATE if training else UPDATE_COMPLETE, label)
         return out
 
     @property
@@ -188,12 +190,15 @@ class StreamedReduction:
             self.schedule.chunk_landed(ticket)
             return
         self.metas_in[ticket.rank] += 1
-        if not isinstance(meta, protocol.UpdateMeta) or self.schedule.rank_of.get(meta.client) != ticket.rank:
+        stream, usable, members = _header(meta)
+        if stream is None or self.schedule.rank_of.get(stream) != ticket.rank:
             raise RuntimeError(f"rank {ticket.rank} sent an unexpected update header: {meta!r}")
         if self.stats.first_arrival is None:
             self.stats.first_arrival = time.perf_counter()
-        self.stats.metas[meta.client] = meta
-        self.schedule.meta_landed(meta.client, meta.error is None)
+        self.stats.metas.update((m.client, m) for m in members)
+        if isinstance(meta, protocol.GroupMeta):
+            self.stats.groups[stream] = meta
+        self.schedule.meta_landed(stream, usable)
         self._post_meta(ticket.rank)
 
     def _perform(self) -> None:
@@ -215,7 +220,9 @@ class StreamedReduction:
             self.acc_of[step.chunk] = self._accumulator(step.chunk)
         wire = self.wire[step.chunk]
         x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
-        weight = self.strategy.weight(self.stats.metas[step.client].num_samples)
+        # a group's partial sum arrives weighted: it folds with weight 1; a single update, with its own
+        grouped = step.client in self.stats.groups
+        weight = 1.0 if grouped else self.strategy.weight(self.stats.metas[step.client].num_samples)
         self.strategy.fold(self.acc_of[step.chunk], x, weight, step.row)
 
     def _accumulator(self, j: int) -> torch.Tensor:
@@ -231,7 +238,7 @@ class StreamedReduction:
         order = self.schedule.order
         usable = [m for m in self.stats.metas.values() if m.error is None]
         if len(usable) < self.min_participants:
-            raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(order)} participants sent a "
+            raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.stats.metas)} participants sent a "
                                f"usable update, fewer than clients.min_participants={self.min_participants}; "
                                "the round is not applied")
         self.total_weight = sum(self.strategy.weight(m.num_samples) for m in usable)
@@ -245,3 +252,12 @@ class StreamedReduction:
         self.strategy.finish(self.acc_of.pop(step.chunk), step.count, self.total_weight,
                              self.state.finish_target(chunk), self.state.server_state(chunk))
         self.state.commit(chunk)
+
+
+def _header(meta: object) -> tuple[int | None, bool, tuple[protocol.UpdateMeta, ...]]:
+    """(stream id, usable, logical clients' headers) of an update header: a client's, or a reduction group's."""
+    if isinstance(meta, protocol.UpdateMeta):
+        return meta.client, meta.error is None, (meta,)
+    if isinstance(meta, protocol.GroupMeta):
+        return meta.group, meta.usable, meta.members
+    return None, False, ()

@@ -22,9 +22,25 @@ def check_combinations(cfg: Config) -> None:
     if cfg.clients.min_participants > cfg.clients_per_round():
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
                           f"{cfg.clients_per_round()} clients sampled per round")
+    _check_groups(cfg)
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")
+
+
+def _check_groups(cfg: Config) -> None:
+    groups = cfg.clients.groups
+    if not groups:
+        return
+    if groups > cfg.clients.num_clients:
+        raise ConfigError(f"clients.groups: {groups} groups for {cfg.clients.num_clients} clients would leave groups "
+                          "empty; use at most clients.num_clients")
+    if cfg.strategy.name in ("median", "trimmed_mean"):
+        raise ConfigError(f"clients.groups: strategy {cfg.strategy.name!r} needs every participant's own update "
+                          "(a coordinate-wise order statistic cannot be summed on the ranks first); set clients.groups=0")
+    if cfg.strategy.wire_dtype is not None:
+        raise ConfigError("strategy.wire_dtype: with clients.groups the ranks send fp32 partial sums, never single "
+                          "updates; unset strategy.wire_dtype")
 
 
 def _check_transformers(cfg: Config) -> None:

@@ -20,6 +20,10 @@ class ClientsConfig:
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                     "with client, rank and reason) instead of aborting the job")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
+    groups: int = field_(0, "reduction groups G: logical client c belongs to group c mod G, a group lives on one "
+                         "rank, which sums its participants' updates (ascending id, fp32) before anything travels; "
+                         "the server folds the G partial sums in ascending group id. Results depend on G, never on "
+                         "the number of client ranks. 0: off, every participant's update travels", min=0)
 
     def per_round_count(self) -> int:
         """How many logical clients take part in each round."""

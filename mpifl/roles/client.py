@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.aggregation.kernels import fold
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
@@ -16,6 +18,31 @@ from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
+
+
+class GroupSum:
+    """A reduction group's fp32 partial sum on its rank: its members' weighted updates, in ascending id.
+
+    The same fused fold as the server's (``acc = w0*x0``, then ``acc += w*x``), so a group's sum
+    is what the server would have folded from the same updates in the same order.
+    """
+
+    def __init__(self, flat: FlatModel, plan: ExchangePlan):
+        self.flat, self.chunks = flat, plan.chunks
+        self.buffer = touched_empty(plan.wire_buffer_bytes)
+        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
+        self.sums = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
+        self.count = 0
+
+    def reset(self) -> None:
+        """Start a new group."""
+        self.count = 0
+
+    def add(self, weight: float) -> None:
+        """Fold the update now in the flat buffer, with ``weight``."""
+        for c, acc in zip(self.chunks, self.sums):
+            fold(acc, self.flat.chunk_view(c), weight, self.count == 0)
+        self.count += 1
 
 
 class ClientFailure(RuntimeError):
@@ -31,8 +58,9 @@ class UpdateEncoder:
     """
 
     def __init__(self, flat: FlatModel, plan: ExchangePlan, delta: bool):
-        self.flat, self.chunks, self.wire, self.delta = flat, plan.chunks, plan.wire, delta
-        self.narrowed = plan.narrowed
+        self.flat, self.chunks, self.delta = flat, plan.chunks, delta
+        self.narrowed = plan.narrowed and not plan.grouped  # group sums are folded from the flat buffer
+        self.wire = plan.wire if self.narrowed else plan.chunks
         if self.narrowed:
             self.wire_bytes = touched_empty(plan.wire_buffer_bytes)
             self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in plan.wire]
@@ -64,9 +92,19 @@ class ClientParts:
     seed: int  # the root seed: each logical client's seed derives from it, the round and its id
     delta: bool  # strategy.update: send trained - global instead of the trained weights
     accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
+    groups: int = 0  # clients.groups: sum each reduction group's updates here before sending
+    weight: Callable[[int], float] = float  # a member's weight in its group's sum, from its sample count
     evaluate: Evaluator | None = None  # federated evaluation of the received model, when due
     evaluate_every: int = 0
     rounds: int = 0
+
+
+def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
+    """A rank's participants by reduction group: (group, members), both ascending."""
+    out: dict[int, list[int]] = {}
+    for c in sorted(clients):
+        out.setdefault(c % groups, []).append(c)
+    return sorted(out.items())
 
 
 class ClientRank:
@@ -79,6 +117,7 @@ class ClientRank:
         self.trainer = parts.trainer
         self.chunk_buffers = parts.plan.chunk_slices(flat.bytes)
         self.encoder = UpdateEncoder(flat, parts.plan, parts.delta)
+        self.group_sum = GroupSum(flat, parts.plan) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
 
     def run(self) -> None:
@@ -100,13 +139,31 @@ class ClientRank:
             if self.snapshot is None:
                 self.snapshot = torch.empty_like(self.flat.buffer)
             keep = self.snapshot.copy_(self.flat.buffer)
-        for i, client in enumerate(header.clients):
-            if i and keep is not None:
-                self.flat.buffer.copy_(keep)
-            self.flat.reset_local_state()
-            meta, buffers = self._serve_client(header.round, client, keep)
-            send_object(self.comm, meta, protocol.SERVER, protocol.META)
-            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, inflight)
+        if self.group_sum is None:
+            for i, client in enumerate(header.clients):
+                meta, buffers = self._train(header.round, client, keep, first=i == 0)
+                send_object(self.comm, meta, protocol.SERVER, protocol.META)
+                send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, inflight)
+            return
+        trained = 0
+        for group, members in group_members(header.clients, self.parts.groups):
+            self.group_sum.reset()
+            metas = []
+            for client in members:
+                meta, _ = self._train(header.round, client, keep, first=trained == 0)
+                trained += 1
+                if meta.error is None:
+                    self.group_sum.add(self.parts.weight(meta.num_samples))
+                metas.append(meta)
+            send_object(self.comm, protocol.GroupMeta(group, tuple(metas)), protocol.SERVER, protocol.META)
+            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.group_sum.buffers, inflight)
+
+    def _train(self, round_: int, client: int, keep: torch.Tensor | None, first: bool):
+        """Reset the model to the global one (after the first client), train ``client``, encode its update."""
+        if not first and keep is not None:
+            self.flat.buffer.copy_(keep)
+        self.flat.reset_local_state()
+        return self._serve_client(round_, client, keep)
 
     def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list]:
         train, val = self.local_data.get(client, (None, None))

@@ -27,22 +27,35 @@ def sample_clients(seed: int, round_: int, num_clients: int, per_round: int) -> 
     return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
 
 
-def rank_of_client(client: int, client_ranks: int) -> int:
-    """The rank hosting a logical client: round-robin over ranks 1..client_ranks."""
-    return 1 + client % client_ranks
+def group_of(client: int, groups: int) -> int:
+    """A logical client's reduction group (``clients.groups``); without groups, the client itself."""
+    return client % groups if groups else client
 
 
-def group_by_rank(clients: list[int], client_ranks: int) -> dict[int, list[int]]:
+def rank_of_client(client: int, client_ranks: int, groups: int = 0) -> int:
+    """The rank hosting a logical client: its group (or itself), round-robin over ranks 1..client_ranks."""
+    return 1 + group_of(client, groups) % client_ranks
+
+
+def group_by_rank(clients: list[int], client_ranks: int, groups: int = 0) -> dict[int, list[int]]:
     """Map each hosting rank to the (ascending) participants it serves."""
     out: dict[int, list[int]] = {}
     for c in sorted(clients):
-        out.setdefault(rank_of_client(c, client_ranks), []).append(c)
+        out.setdefault(rank_of_client(c, client_ranks, groups), []).append(c)
     return out
 
 
-def clients_of_rank(rank: int, num_clients: int, client_ranks: int) -> list[int]:
+def clients_of_rank(rank: int, num_clients: int, client_ranks: int, groups: int = 0) -> list[int]:
     """Every logical client a rank hosts."""
-    return [c for c in range(num_clients) if rank_of_client(c, client_ranks) == rank]
+    return [c for c in range(num_clients) if rank_of_client(c, client_ranks, groups) == rank]
+
+
+def streams_by_rank(clients: list[int], client_ranks: int, groups: int = 0) -> dict[int, list[int]]:
+    """What each rank sends the server this round, ascending: its participants, or their groups' partial sums."""
+    by_rank = group_by_rank(clients, client_ranks, groups)
+    if not groups:
+        return by_rank
+    return {rank: sorted({group_of(c, groups) for c in members}) for rank, members in by_rank.items()}
 
 
 class Sampler:
@@ -58,8 +71,12 @@ class Sampler:
 
     def by_rank(self, participants: list[int]) -> dict[int, list[int]]:
         """Each hosting rank's participants, ascending."""
-        return group_by_rank(participants, self.client_ranks)
+        return group_by_rank(participants, self.client_ranks, self.clients.groups)
+
+    def streams(self, participants: list[int]) -> dict[int, list[int]]:
+        """Each hosting rank's update streams: participants, or reduction groups (``clients.groups``)."""
+        return streams_by_rank(participants, self.client_ranks, self.clients.groups)
 
     def rank_of(self, client: int) -> int:
         """The rank hosting ``client``."""
-        return rank_of_client(client, self.client_ranks)
+        return rank_of_client(client, self.client_ranks, self.clients.groups)

@@ -51,10 +51,19 @@ def check_world(size: int, cfg: Config) -> None:
     if size - 1 > cfg.clients.num_clients:
         raise SetupError(f"{size - 1} client ranks but clients.num_clients={cfg.clients.num_clients}: "
                          f"use at most {cfg.clients.num_clients + 1} ranks or raise clients.num_clients")
-    if cfg.server.state == "disk" and cfg.clients_per_round() > size - 1:
+    groups = cfg.clients.groups
+    if groups and groups < size - 1:
+        raise SetupError(f"clients.groups={groups} < {size - 1} client ranks: a group lives on one rank, so "
+                         f"{size - 1 - groups} ranks would idle; launch at most {groups + 1} ranks or raise "
+                         "clients.groups")
+    if cfg.server.state == "disk" and groups and groups > size - 1:
+        raise SetupError(f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "
+                         f"> {size - 1} client ranks: launch {groups + 1} ranks or set clients.groups={size - 1}")
+    if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > size - 1:
         raise SetupError(f"server.state='disk' streams one participant per client rank, but "
                          f"{cfg.clients_per_round()} clients per round > {size - 1} client ranks: launch "
-                         f"{cfg.clients_per_round() + 1} ranks or lower clients.per_round")
+                         f"{cfg.clients_per_round() + 1} ranks, lower clients.per_round, or sum each rank's "
+                         f"participants first with clients.groups={size - 1}")
 
 
 def record_ranks(comm: MPI.Comm, run_dir: Path | None) -> None:
@@ -128,8 +137,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
     parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
-                        cfg.clients.accept_failures, make_evaluator(cfg) if federated else None,
-                        cfg.eval.federated_every, cfg.rounds)
+                        cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight,
+                        make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds)
     local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
     ClientRank(comm, flat, local, parts).run()
 
@@ -197,7 +206,7 @@ def _open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
 
 
 def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:
-    mine = clients_of_rank(rank, cfg.clients.num_clients, client_ranks)
+    mine = clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups)
     if dataset is None:
         return {c: (None, None) for c in mine}
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)

@@ -122,6 +122,7 @@ class Server:
         parts, start = self.parts, time.perf_counter()
         participants = parts.sampler.participants(rnd)
         by_rank = parts.sampler.by_rank(participants)
+        streams = parts.sampler.streams(participants)  # what comes back: updates, or groups' partial sums
         self._send_headers(by_rank, rnd)
         watchdog = Watchdog(self._deadlines(), rnd, by_rank, lambda: self.stop.requested)
         try:
@@ -131,8 +132,8 @@ class Server:
             self._give_up(rnd, stalled, model_intact=True)
         dispatched = time.perf_counter()
         parts.store.begin_round(rnd)
-        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, by_rank, self.pool,
-                                      self._pool_plan(by_rank), rnd, min_participants=self.min_participants,
+        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, streams, self.pool,
+                                      self._pool_plan(streams), rnd, min_participants=self.min_participants,
                                       watchdog=watchdog)
         try:
             stats = reduction.run()
@@ -148,7 +149,7 @@ class Server:
         evaluated = time.perf_counter()
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds)
-        record = self._record(rnd, participants, by_rank, stats.metas, evaluation, times)
+        record = self._record(rnd, participants, by_rank, streams, stats.metas, evaluation, times)
         self.history.append(record)
         self.slowest_train = max(self.slowest_train or 0.0, record["client_train_seconds"])
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
@@ -187,8 +188,8 @@ class Server:
                                     tag=protocol.HEADER) for r in range(1, self.comm.Get_size())]
         wait_all(requests)
 
-    def _record(self, rnd: int, participants: list[int], by_rank: dict, metas: dict, evaluation: dict | None,
-                times: RoundTimes) -> dict:
+    def _record(self, rnd: int, participants: list[int], by_rank: dict, streams: dict, metas: dict,
+                evaluation: dict | None, times: RoundTimes) -> dict:
         usable = [m for m in metas.values() if m.error is None]
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         record = {
@@ -199,7 +200,7 @@ class Server:
             "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
             "bytes_sent": self.parts.plan.model_bytes * len(by_rank),
-            "bytes_received": self.parts.plan.update_bytes * len(participants),
+            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in streams.values()),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
             "client_train_seconds": max(m.train_seconds for m in metas.values()),

@@ -145,6 +145,15 @@ def wire_chunks(chunks: list[Chunk], wire_dtype: str | None) -> list[Chunk]:
     return out
 
 
+def fp32_chunks(chunks: list[Chunk]) -> list[Chunk]:
+    """The same chunks as fp32 partial sums travel (``clients.groups``): each element 4 bytes, 64-byte aligned."""
+    out, offset = [], 0
+    for c in chunks:
+        out.append(Chunk(c.index, "float32", offset, c.numel * 4, 4))
+        offset = _align(offset + c.numel * 4)
+    return out
+
+
 def element_offsets(chunks: list[Chunk]) -> list[int]:
     """Each chunk's first element in the model's element numbering (server-state vectors)."""
     out, total = [], 0

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpifl.config import Config
-from mpifl.wire.flat import Chunk, ModelSpec, wire_chunks
+from mpifl.wire.flat import Chunk, ModelSpec, fp32_chunks, wire_chunks
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,8 @@ class ExchangePlan:
     """What travels each round: the model's chunks out, the update's (possibly narrowed) chunks back.
 
     ``chunks`` address the flat buffer; ``wire`` is the same chunks as clients send them
-    (``wire is chunks`` when updates go straight from the flat buffer, unnarrowed).
+    (``wire is chunks`` when updates go straight from the flat buffer, unnarrowed; fp32 chunks
+    of a separate buffer when ranks send their groups' partial sums).
     """
 
     spec: ModelSpec
@@ -22,13 +23,15 @@ class ExchangePlan:
     wire: list[Chunk]
     inflight: int  # chunks in flight per peer
     chunk_bytes: int  # transport.chunk_mb in bytes: what laid the chunks out
+    grouped: bool = False  # clients.groups: what travels back are fp32 partial sums
 
     @classmethod
     def from_config(cls, spec: ModelSpec, cfg: Config) -> "ExchangePlan":
         """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``."""
         chunks = spec.chunks(cfg.transport.chunk_bytes)
-        return cls(spec, chunks, wire_chunks(chunks, cfg.strategy.wire_dtype), cfg.transport.inflight,
-                   cfg.transport.chunk_bytes)
+        grouped = cfg.clients.groups > 0
+        wire = fp32_chunks(chunks) if grouped else wire_chunks(chunks, cfg.strategy.wire_dtype)
+        return cls(spec, chunks, wire, cfg.transport.inflight, cfg.transport.chunk_bytes, grouped)
 
     @property
     def narrowed(self) -> bool:
@@ -42,7 +45,7 @@ class ExchangePlan:
 
     @property
     def update_bytes(self) -> int:
-        """Bytes of one logical client's update."""
+        """Bytes of one update stream: a logical client's update, or a group's fp32 partial sum."""
         return sum(w.nbytes for w in self.wire)
 
     @property

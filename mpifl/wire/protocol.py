@@ -15,6 +15,8 @@ Every round r:
                     client failed (accept_failures) and the server skips its chunks.
     c -> 0  UPDATE  that client's weights or delta, chunk by chunk (raw bytes, chunk
                     order), float32 tensors optionally narrowed to strategy.wire_dtype.
+With clients.groups, a rank sends per reduction group (ascending id) one GroupMeta (its
+members' UpdateMetas) on META, then the group's fp32 partial sum on UPDATE.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 """
@@ -49,4 +51,17 @@ class UpdateMeta:
     train_seconds: float
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # why this client's update must not be used (it still sends its chunks)
+
+
+@dataclass(frozen=True)
+class GroupMeta:
+    """Sent before a reduction group's partial sum: its members' headers (failed ones left out of the sum)."""
+
+    group: int
+    members: tuple[UpdateMeta, ...]
+
+    @property
+    def usable(self) -> bool:
+        """Whether the partial sum holds at least one update."""
+        return any(m.error is None for m in self.members)
 

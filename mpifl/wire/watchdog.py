@@ -64,24 +64,24 @@ class Watchdog:
         """A message from ``rank`` landed."""
         self.last[rank] = time.monotonic()
 
-    def check(self, waiting: Callable[[], dict[int, tuple[str, int | None]]]) -> None:
-        """Raise for the first rank in ``waiting()`` ({rank: (stage, logical client)}) silent past its deadline."""
+    def check(self, waiting: Callable[[], dict[int, tuple[str, str | None]]]) -> None:
+        """Raise for the first rank in ``waiting()`` ({rank: (stage, what it owes)}) silent past its deadline."""
         now = time.monotonic()
         if now < self.next_check:
             return
         self.next_check = now + CHECK_EVERY_SECONDS
         if self.sigterm_at is None and self.stop_requested():
             self.sigterm_at = now
-        for rank, (stage, client) in sorted(waiting().items()):
+        for rank, (stage, who) in sorted(waiting().items()):
             since = self.last[rank]
             limit = self.deadlines.of(stage)
             if self.sigterm_at is not None:
                 since, limit = max(since, self.sigterm_at), min(limit, self.deadlines.sigterm_grace)
             if now - since > limit:
-                raise self._stalled(rank, stage, client, now - self.last[rank], limit)
+                raise self._stalled(rank, stage, who, now - self.last[rank], limit)
 
-    def _stalled(self, rank: int, stage: str, client: int | None, waited: float, limit: float) -> RankStalled:
-        who = f"logical client {client}" if client is not None else f"logical clients {self.clients_of[rank]}"
+    def _stalled(self, rank: int, stage: str, who: str | None, waited: float, limit: float) -> RankStalled:
+        who = who or f"logical clients {self.clients_of[rank]}"
         interrupted = self.sigterm_at is not None
         why = (f"SIGTERM arrived and it stayed silent {limit:g} s more (timeouts.sigterm_grace)" if interrupted
                else f"past its deadline of {limit:g} s (timeouts.{SETTING[stage]})")

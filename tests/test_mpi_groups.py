@@ -1,0 +1,81 @@
+"""Under mpiexec: reduction groups (clients.groups) sum updates on their rank before anything travels.
+
+Results are bitwise the whole-model reference's with the same grouping, whatever the number
+of client ranks; the server receives one fp32 partial sum per group, not one update per client.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import run_mpi, write_config
+from reference import reference_run
+from test_mpi_strategies import CONFIG, assert_bitwise, assert_close, expected, run
+
+from mpifl.config import load_config
+from mpifl.storage.hdf5 import load_tensors
+
+GROUPED = ("clients.groups=2",)
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    # 6 participants on 2 client ranks: 3 per rank summed there; fp32, chunks dividing nothing
+    (3, ("transport.chunk_mb=0.00095",)),
+    # the same groups hosted by one client rank: same result (groups, not ranks, fix the sums)
+    (2, ("transport.chunk_mb=0.00095",)),
+    # bf16 model, deltas, equal weighting
+    (3, ("model.dtype=bfloat16", "strategy.update=delta", "strategy.weighting=equal")),
+])
+def test_grouped_fedavg_equals_the_grouped_reference_bitwise_on_any_rank_count(tmp_path, ranks, overrides):
+    assert_bitwise(run(tmp_path, "run", ranks, *GROUPED, *overrides), expected(*GROUPED, *overrides))
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ("strategy.name=fedavgm", "strategy.server_lr=0.7")),
+    (3, ("strategy.name=fedadam", "strategy.update=delta", "strategy.server_lr=0.05")),
+])
+def test_grouped_server_optimizers_match_the_reference(tmp_path, ranks, overrides):
+    assert_close(run(tmp_path, "run", ranks, *GROUPED, *overrides), expected(*GROUPED, *overrides), rtol=1e-5)
+
+
+def test_the_server_receives_one_partial_sum_per_group(tmp_path):
+    run(tmp_path, "plain", 3, "rounds=1")
+    run(tmp_path, "grouped", 3, "rounds=1", *GROUPED)
+    got = {name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+           for name in ("plain", "grouped")}
+    assert got["grouped"]["bytes_received"] * 3 == got["plain"]["bytes_received"]  # 6 updates -> 2 fp32 sums
+    assert got["grouped"]["participants"] == got["plain"]["participants"]
+
+
+def test_a_dropped_client_leaves_its_group_sum_and_the_rest_is_averaged(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace('"fl_helpers:NoiseTrainer"', '"fl_helpers:FailingClients"'))
+    env = {"FL_HELPERS_RAISE": "3", "FL_HELPERS_SEED": "5"}
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *GROUPED, "clients.accept_failures=true",
+                     env=env)
+    assert result.returncode == 0, result.stderr
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    dropped = [d["client"] for r in rounds for d in r["dropped"]]
+    assert dropped and set(dropped) == {3}
+    want = reference_run(load_config(None, list(GROUPED), data=yaml.safe_load(CONFIG)), drop=frozenset({3}))
+    got = {n: t.float().numpy() for n, t in load_tensors(tmp_path / "run" / "model.h5").items()}
+    assert_bitwise(got, want)
+
+
+def test_out_of_core_server_takes_many_clients_per_rank_with_groups(tmp_path):
+    memory = run(tmp_path, "memory", 3, *GROUPED)
+    disk = run(tmp_path, "disk", 3, *GROUPED, "server.state=disk")
+    assert_bitwise(disk, memory)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("clients.groups=2", "strategy.name=median"), "clients.groups: strategy 'median' needs every participant"),
+    (("clients.groups=2", "strategy.wire_dtype=bfloat16"), "strategy.wire_dtype: with clients.groups"),
+    (("clients.groups=1",), "clients.groups=1 < 2 client ranks"),
+    (("clients.groups=4", "server.state=disk"), "clients.groups=4 > 2 client ranks"),
+])
+def test_groups_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides, message):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
