@@ -103,7 +103,7 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, 
     final tensors as fp32."""
     dataset = load_dataset(cfg.data)
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
-    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
+    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
     trainer = make_trainer(cfg.train)
     s = cfg.strategy
     dtype = cfg.model.dtype

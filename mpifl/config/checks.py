@@ -23,6 +23,10 @@ def check_combinations(cfg: Config) -> None:
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
                           f"{cfg.clients_per_round()} clients sampled per round")
     _check_groups(cfg)
+    if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
+        raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
+    if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
+        raise ConfigError(f"data.partition_file: {cfg.data.partition_file!r} does not exist")
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")

@@ -36,13 +36,18 @@ class ClientsConfig:
 class DataConfig:
     """The dataset and how it is split across logical clients."""
 
-    dataset: str = field_("digits", "built-in dataset ('digits', 'synthetic', or 'text': token blocks for causal-LM "
-                           "training, see mpifl.learning.text) or import path returning (x_train, y_train, x_test, y_test)",
-                           choices=("digits", "synthetic", "text"), import_ok=True)
+    dataset: str = field_("digits", "built-in dataset ('digits', 'synthetic', 'text': token blocks for causal-LM "
+                           "training, see mpifl.learning.text, or 'leaf': LEAF JSON files under data.kwargs.path) or "
+                           "an import path returning (x_train, y_train, x_test, y_test[, per-client train indices])",
+                           choices=("digits", "synthetic", "text", "leaf"), import_ok=True)
     kwargs: dict = field_(dict, "keyword arguments for the dataset function")
     partition: str = field_("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
-                             "per client) or unbalanced (lognormal sizes, iid labels)",
-                             choices=("iid", "dirichlet", "shards", "unbalanced"))
+                            "per client), unbalanced (lognormal sizes, iid labels), natural (the data's own clients, "
+                            "e.g. LEAF users), file (data.partition_file), or an import path fn(labels, num_clients, "
+                            "seed) returning one index array per client",
+                            choices=("iid", "dirichlet", "shards", "unbalanced", "natural", "file"), import_ok=True)
+    partition_file: Optional[str] = field_(None, "partition: file: a JSON list of per-client index lists (or "
+                                           "{client id: indices})")
     alpha: float = field_(0.5, "Dirichlet concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
     classes_per_client: int = field_(2, "shards: classes each client holds", min=1)
     size_sigma: float = field_(1.0, "unbalanced: sigma of the lognormal client sizes (0 = equal)", min=0.0)

@@ -9,15 +9,18 @@ indices across logical clients deterministically from the seed.
 from __future__ import annotations
 
 import gzip
+import json
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from mpifl.config import Config, DataConfig
+from mpifl.learning.leaf import leaf
 from mpifl.learning.text import text
-from mpifl.plugins import kwargs_problem, resolve
+from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.roles.federation import PARTITION, derive_seed
 
 
@@ -29,6 +32,7 @@ class Dataset:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    clients: tuple[np.ndarray, ...] | None = None  # the data's own split of x_train (``data.partition: natural``)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -75,7 +79,7 @@ def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int 
     return as_x(x[n_test:]), as_y(y[n_test:]), as_x(x[:n_test]), as_y(y[:n_test])
 
 
-BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text}
+BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text, "leaf": leaf}
 
 
 def needs_dataset(cfg: Config) -> bool:
@@ -95,12 +99,13 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     """Call the configured dataset function and check what it returns."""
     fn = BUILTIN.get(cfg.dataset) or resolve(cfg.dataset)
     parts = fn(**cfg.kwargs)
-    if not isinstance(parts, (tuple, list)) or len(parts) != 4:
-        raise TypeError(f"data.dataset {cfg.dataset!r} must return (x_train, y_train, x_test, y_test)")
-    x_tr, y_tr, x_te, y_te = (torch.as_tensor(p) for p in parts)
+    if not isinstance(parts, (tuple, list)) or len(parts) not in (4, 5):
+        raise TypeError(f"data.dataset {cfg.dataset!r} must return (x_train, y_train, x_test, y_test[, clients])")
+    clients = tuple(np.asarray(c, dtype=np.int64) for c in parts[4]) if len(parts) == 5 else None
+    x_tr, y_tr, x_te, y_te = (torch.as_tensor(p) for p in parts[:4])
     if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
         raise ValueError(f"data.dataset {cfg.dataset!r}: inputs and labels differ in length")
-    return Dataset(x_tr, y_tr.long(), x_te, y_te.long())
+    return Dataset(x_tr, y_tr.long(), x_te, y_te.long(), clients)
 
 
 def iid_partition(num_samples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -158,8 +163,20 @@ def unbalanced_partition(num_samples: int, num_clients: int, sigma: float,
     return [np.sort(part) for part in np.split(rng.permutation(num_samples), cuts)]
 
 
-def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int) -> list[np.ndarray]:
-    """The configured partition of the training set (identical on every rank)."""
+def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int,
+              natural: tuple[np.ndarray, ...] | None = None) -> list[np.ndarray]:
+    """The configured partition of the training set (identical on every rank).
+
+    ``natural`` is the dataset's own split (LEAF users, say), for ``data.partition: natural``.
+    """
+    if cfg.partition == "natural":
+        return natural_partition(natural, num_clients, cfg.dataset)
+    if cfg.partition == "file":
+        return checked_partition(read_partition_file(cfg.partition_file), len(labels), num_clients,
+                                 f"data.partition_file {cfg.partition_file!r}")
+    if is_import_path(cfg.partition):
+        parts = resolve(cfg.partition)(labels.numpy(), num_clients, derive_seed(seed, PARTITION))
+        return checked_partition(parts, len(labels), num_clients, f"data.partition {cfg.partition!r}")
     rng = np.random.default_rng(derive_seed(seed, PARTITION))
     if len(labels) < num_clients:
         raise ValueError(f"clients.num_clients: {len(labels)} training samples cannot be split across "
@@ -171,6 +188,35 @@ def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int
     if cfg.partition == "unbalanced":
         return unbalanced_partition(len(labels), num_clients, cfg.size_sigma, rng)
     return dirichlet_partition(labels.numpy(), num_clients, cfg.alpha, rng)
+
+
+def natural_partition(natural: tuple[np.ndarray, ...] | None, num_clients: int, dataset: str) -> list[np.ndarray]:
+    """The dataset's own clients, the first ``num_clients`` of them."""
+    if natural is None:
+        raise ValueError(f"data.partition: 'natural' needs a dataset with its own clients (e.g. 'leaf'); "
+                         f"{dataset!r} has none")
+    if num_clients > len(natural):
+        raise ValueError(f"clients.num_clients: {num_clients} clients, but the data has {len(natural)}")
+    return [np.sort(p) for p in natural[:num_clients]]
+
+
+def read_partition_file(path: str) -> list[np.ndarray]:
+    """A partition file: JSON, a list of index lists (client c's is the c-th) or {"client id": [indices]}."""
+    table = json.loads(Path(path).read_text())
+    if isinstance(table, dict):
+        table = [table[k] for k in sorted(table, key=int)]
+    return [np.asarray(p, dtype=np.int64) for p in table]
+
+
+def checked_partition(parts: list, num_samples: int, num_clients: int, where: str) -> list[np.ndarray]:
+    """A user's partition, checked: one index array per client, every index a training sample."""
+    parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    if len(parts) < num_clients:
+        raise ValueError(f"{where}: {len(parts)} clients, but clients.num_clients={num_clients}")
+    bad = next((c for c, p in enumerate(parts[:num_clients]) if len(p) and (p.min() < 0 or p.max() >= num_samples)), None)
+    if bad is not None:
+        raise ValueError(f"{where}: client {bad} has indices outside the {num_samples} training samples")
+    return parts[:num_clients]
 
 
 def split_validation(indices: np.ndarray, fraction: float, seed: int, client: int) -> tuple[np.ndarray, np.ndarray]:
@@ -190,7 +236,7 @@ def label_histogram(parts: list[np.ndarray], labels: np.ndarray, num_classes: in
 
 def partition_histogram(cfg: DataConfig, dataset: Dataset, num_clients: int, seed: int) -> np.ndarray:
     """Clients x classes sample counts of the configured partition."""
-    parts = partition(cfg, dataset.y_train, num_clients, seed)
+    parts = partition(cfg, dataset.y_train, num_clients, seed, dataset.clients)
     return label_histogram(parts, dataset.y_train.numpy(), dataset.num_classes)
 
 

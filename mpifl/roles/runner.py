@@ -4,9 +4,11 @@ This is the one place that reads the whole config: each role gets only its own p
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -190,13 +192,23 @@ def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> 
 
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
     """Print the clients x labels table; keep it as partition.csv in the run directory."""
-    histogram = partition_histogram(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
+    with _partition_errors():
+        histogram = partition_histogram(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
     log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples:\n"
         + partition_table(histogram), rank=0)
     if run_dir is not None:
         header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
         np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
                    delimiter=",", header=header, comments="")
+
+
+@contextlib.contextmanager
+def _partition_errors() -> Iterator[None]:
+    """A partition that cannot be made (too few samples, a bad partition file) ends the job in one line."""
+    try:
+        yield
+    except (ValueError, OSError) as err:
+        raise JobFailure(f"cannot partition the data: {err}") from None
 
 
 def _open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
@@ -209,7 +221,8 @@ def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: i
     mine = clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups)
     if dataset is None:
         return {c: (None, None) for c in mine}
-    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed)
+    with _partition_errors():
+        parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
     out = {}
     for c in mine:
         train, val = split_validation(parts[c], cfg.data.val_fraction, cfg.seed, c)
