@@ -117,6 +117,12 @@ class TrainConfig:
                                            "~30% more compute)")
     max_grad_norm: Optional[float] = field_(None, "clip the gradient norm to this before each step", min=0.0,
                                              exclusive_min=True)
+    device: str = field_("auto", "where local training runs: auto (cuda when the rank sees a GPU), cpu or cuda; each "
+                         "rank uses the GPU its node-local rank selects (MPIFL_GPUS_PER_NODE)",
+                         choices=("auto", "cpu", "cuda"))
+    device_copy: Optional[bool] = field_(None, "train a replica of the model on the device, apart from the host "
+                                         "exchange buffer (default: on for cuda, off for cpu; on with cpu runs the "
+                                         "GPU path's copies on the CPU)")
     prox_mu: float = field_(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
     loss: str = field_("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
                         choices=("cross_entropy", "mse"), import_ok=True)

@@ -52,6 +52,11 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters()), torch.float32)
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where the model lives (batches go there; data stays on the host)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """Index batches of shuffled passes over the data, without end; the last batch of a pass may be short."""
     generator = torch.Generator().manual_seed(seed)
@@ -83,7 +88,7 @@ class TorchTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_optimizer(params, self.cfg)
         anchors = [p.detach().clone() for p in params] if self.cfg.prox_mu else []  # the received global model
-        dtype = _param_dtype(model)
+        dtype, device = _param_dtype(model), _device(model)
         model.train()
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
@@ -91,7 +96,7 @@ class TorchTrainer:
             batches = minibatches(len(data), self.cfg.batch_size, seed)
             for _ in range(steps):
                 batch = next(batches)
-                x, y = data.x[batch].to(dtype), data.y[batch]
+                x, y = data.x[batch].to(device=device, dtype=dtype), data.y[batch].to(device)
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.loss_fn(model(x), y)
                 objective = loss + proximal_term(params, anchors, self.cfg.prox_mu) if anchors else loss
@@ -139,7 +144,7 @@ class CausalLMTrainer:
                 optimizer.zero_grad(set_to_none=True)
                 for _ in range(c.grad_accum_steps):
                     batch = next(batches)
-                    ids = data.x[batch]
+                    ids = data.x[batch].to(_device(model))
                     loss = model(input_ids=ids, labels=ids).loss
                     (loss / c.grad_accum_steps).backward()
                     total += loss.item() * len(batch)
@@ -185,10 +190,10 @@ def make_trainer(cfg: TrainConfig) -> Trainer:
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, batch_size: int) -> dict:
     """Accuracy and mean loss of a classifier on held-out data."""
     model.eval()
-    dtype = _param_dtype(model)
+    dtype, device = _param_dtype(model), _device(model)
     loss_sum, correct = 0.0, 0
     for start in range(0, len(y), batch_size):
-        xb, yb = x[start:start + batch_size].to(dtype), y[start:start + batch_size]
+        xb, yb = x[start:start + batch_size].to(device=device, dtype=dtype), y[start:start + batch_size].to(device)
         out = model(xb)
         loss_sum += float(loss_fn(out.float(), yb, reduction="sum"))
         correct += int((out.argmax(dim=1) == yb).sum())
@@ -201,7 +206,7 @@ def evaluate_language_model(model: nn.Module, tokens: torch.Tensor, batch_size: 
     model.eval()
     loss_sum, predicted = 0.0, 0
     for start in range(0, len(tokens), batch_size):
-        ids = tokens[start:start + batch_size]
+        ids = tokens[start:start + batch_size].to(_device(model))
         n = ids.numel() - len(ids)  # every position but the first of each block is predicted
         loss_sum += float(model(input_ids=ids, labels=ids).loss.float()) * n
         predicted += n

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from mpifl.aggregation.kernels import fold
 from mpifl.learning.datasets import ClientData
+from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
 from mpifl.roles.federation import client_seed
@@ -24,14 +25,18 @@ class GroupSum:
     """A reduction group's fp32 partial sum on its rank: its members' weighted updates, in ascending id.
 
     The same fused fold as the server's (``acc = w0*x0``, then ``acc += w*x``), so a group's sum
-    is what the server would have folded from the same updates in the same order.
+    is what the server would have folded from the same updates in the same order. The sum lives
+    where ``source`` trains (a device replica's device); ``buffers`` are the host bytes it is
+    sent from, filled by one copy per group.
     """
 
-    def __init__(self, flat: FlatModel, plan: ExchangePlan):
-        self.flat, self.chunks = flat, plan.chunks
+    def __init__(self, source: FlatModel, plan: ExchangePlan, separate: bool = False):
+        self.source, self.chunks = source, plan.chunks
         self.buffer = touched_empty(plan.wire_buffer_bytes)
         self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
-        self.sums = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
+        host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
+        self.sums = [torch.empty_like(h, device=source.device) for h in host] if separate else host
+        self.host_sums = host
         self.count = 0
 
     def reset(self) -> None:
@@ -39,10 +44,22 @@ class GroupSum:
         self.count = 0
 
     def add(self, weight: float) -> None:
-        """Fold the update now in the flat buffer, with ``weight``."""
+        """Fold the update now in ``source``'s flat buffer, with ``weight``."""
         for c, acc in zip(self.chunks, self.sums):
-            fold(acc, self.flat.chunk_view(c), weight, self.count == 0)
+            fold(acc, self.source.chunk_view(c), weight, self.count == 0)
         self.count += 1
+
+    def to_host(self) -> list:
+        """The sum's bytes on the host, ready to send (one device-to-host copy when it lives on a device)."""
+        for acc, host in zip(self.sums, self.host_sums):
+            if acc is not host:
+                host.copy_(acc)
+        return self.buffers
+
+
+def count_nonfinite(tensors) -> int:
+    """NaN and Inf values in these tensors."""
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
 
 
 class ClientFailure(RuntimeError):
@@ -79,8 +96,7 @@ class UpdateEncoder:
 
     def count_nonfinite(self) -> int:
         """NaN and Inf values in what is about to be sent (after any narrowing)."""
-        return sum(int((~torch.isfinite(torch.from_numpy(buf).view(DTYPES[w.dtype]))).sum())
-                   for w, buf in zip(self.wire, self.buffers))
+        return count_nonfinite(torch.from_numpy(buf).view(DTYPES[w.dtype]) for w, buf in zip(self.wire, self.buffers))
 
 
 @dataclass
@@ -94,6 +110,7 @@ class ClientParts:
     accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
     groups: int = 0  # clients.groups: sum each reduction group's updates here before sending
     weight: Callable[[int], float] = float  # a member's weight in its group's sum, from its sample count
+    replica: DeviceReplica | None = None  # train.device: the model on the device, beside the host buffer
     evaluate: Evaluator | None = None  # federated evaluation of the received model, when due
     evaluate_every: int = 0
     rounds: int = 0
@@ -117,7 +134,9 @@ class ClientRank:
         self.trainer = parts.trainer
         self.chunk_buffers = parts.plan.chunk_slices(flat.bytes)
         self.encoder = UpdateEncoder(flat, parts.plan, parts.delta)
-        self.group_sum = GroupSum(flat, parts.plan) if parts.groups else None
+        self.replica = parts.replica
+        self.work = parts.replica.flat if parts.replica else flat  # the model that trains
+        self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
 
     def run(self) -> None:
@@ -133,9 +152,11 @@ class ClientRank:
         """Receive the global model once, then train and send each logical client in id order."""
         inflight = self.parts.plan.inflight
         recv_chunks(self.comm, protocol.SERVER, protocol.MODEL, self.chunk_buffers, inflight)
+        if self.replica is not None:
+            self.replica.load_global()
         # Training (and forming a delta) overwrites the model: keep the global for what follows.
         keep = None
-        if self.parts.delta or (len(header.clients) > 1 and self.trainer.modifies_weights):
+        if self._needs_host_global(len(header.clients)):
             if self.snapshot is None:
                 self.snapshot = torch.empty_like(self.flat.buffer)
             keep = self.snapshot.copy_(self.flat.buffer)
@@ -156,13 +177,23 @@ class ClientRank:
                     self.group_sum.add(self.parts.weight(meta.num_samples))
                 metas.append(meta)
             send_object(self.comm, protocol.GroupMeta(group, tuple(metas)), protocol.SERVER, protocol.META)
-            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.group_sum.buffers, inflight)
+            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.group_sum.to_host(), inflight)
+
+    def _needs_host_global(self, clients: int) -> bool:
+        """Whether the host must keep a copy of the global model: for deltas formed on the host, or to reset
+        the host model between logical clients (a device replica resets from its own device copy)."""
+        if self.replica is not None:
+            return self.parts.delta and self.group_sum is None
+        return self.parts.delta or (clients > 1 and self.trainer.modifies_weights)
 
     def _train(self, round_: int, client: int, keep: torch.Tensor | None, first: bool):
         """Reset the model to the global one (after the first client), train ``client``, encode its update."""
-        if not first and keep is not None:
-            self.flat.buffer.copy_(keep)
-        self.flat.reset_local_state()
+        if self.replica is not None:
+            self.replica.reset()
+        else:
+            if not first and keep is not None:
+                self.flat.buffer.copy_(keep)
+            self.flat.reset_local_state()
         return self._serve_client(round_, client, keep)
 
     def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list]:
@@ -171,20 +202,29 @@ class ClientRank:
         start = time.perf_counter()
         error = None
         try:
-            result = self.trainer.train(self.flat.module, train, client_seed(self.parts.seed, round_, client))
+            result = self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client))
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures:
                 raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
                                     f"{type(err).__name__}: {err} (clients.accept_failures=false)") from err
             error, result = f"{type(err).__name__}: {err}", TrainResult(0, {})
-        buffers = self.encoder.encode(keep)
-        if error is None and (self.trainer.modifies_weights or self.encoder.narrowed):
-            bad = self.encoder.count_nonfinite()
-            if bad:
-                error = f"update contains {bad} NaN/Inf values"
-                if not self.parts.accept_failures:
-                    raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
-                                             "(clients.accept_failures=false)")
+        check = error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
+        if self.replica is not None and self.group_sum is not None:  # the update stays on the device
+            buffers = None
+            if self.parts.delta:
+                for c in self.parts.plan.chunks:
+                    self.work.chunk_view(c).sub_(self.replica.global_view(c))
+            bad = count_nonfinite(self.work.chunk_view(c) for c in self.parts.plan.chunks) if check else 0
+        else:
+            if self.replica is not None:
+                self.replica.to_host()
+            buffers = self.encoder.encode(keep)
+            bad = self.encoder.count_nonfinite() if check else 0
+        if bad:
+            error = f"update contains {bad} NaN/Inf values"
+            if not self.parts.accept_failures:
+                raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
+                                         "(clients.accept_failures=false)")
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
         meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error)
         return meta, buffers
@@ -194,5 +234,5 @@ class ClientRank:
         every = self.parts.evaluate_every
         if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.parts.rounds):
             return {}
-        result = self.parts.evaluate(self.flat.module, val.x, val.y)
+        result = self.parts.evaluate(self.work.module, val.x, val.y)
         return {**{f"val_{k}": v for k, v in result.items()}, "val_samples": len(val)}

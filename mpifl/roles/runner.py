@@ -27,6 +27,7 @@ from mpifl.learning.datasets import (
     partition_table,
     split_validation,
 )
+from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
@@ -138,8 +139,9 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     if comm.Get_rank() == 1 and upload_initial and cfg.server.state == "disk" and not cfg.model.init_from:
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
+    replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
-                        cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight,
+                        cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight, replica,
                         make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds)
     local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
     ClientRank(comm, flat, local, parts).run()

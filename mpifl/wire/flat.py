@@ -217,15 +217,18 @@ class FlatModel:
     """A module whose exchanged tensors are views into one contiguous ``uint8`` buffer
     (and whose frozen parameters, with ``trainable_only``, are views into a second one)."""
 
-    def __init__(self, module: torch.nn.Module, trainable_only: bool = False):
+    def __init__(self, module: torch.nn.Module, trainable_only: bool = False, device: str | torch.device = "cpu",
+                 pin: bool = False):
         exchanged, frozen = split_tensors(module, trainable_only)
         named = exchanged + frozen
         self.module = module
         self.spec = build_spec(exchanged)
         self.frozen_spec = build_spec(frozen)
-        self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device="cpu")
-        self.frozen = torch.empty(self.frozen_spec.total_bytes, dtype=torch.uint8, device="cpu")
-        self.bytes = self.buffer.numpy()  # same memory, for MPI buffer slices
+        self.device = torch.device(device)
+        self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        self.frozen = torch.empty(self.frozen_spec.total_bytes, dtype=torch.uint8, device=self.device)
+        # same memory, for MPI buffer slices (a device-side replica never touches MPI)
+        self.bytes = self.buffer.numpy() if self.device.type == "cpu" else None
         views = {id(t): self.view(e) for (_, t), e in zip(exchanged, self.spec.entries)}
         views.update({id(t): self.view(e, self.frozen) for (_, t), e in zip(frozen, self.frozen_spec.entries)})
         if any(t.is_meta for _, t in named):

@@ -1,0 +1,80 @@
+"""Training on a device: a replica of the model next to the host exchange buffer.
+
+The host flat buffer is what MPI sends and receives (pinned when the device is a GPU). A
+rank that trains on a device keeps, for the whole run:
+
+- a replica of the model on the device (its own flat buffer there, frozen tensors included);
+- the round's global model on the device, to reset the replica before each logical client.
+
+Each round: one host-to-device copy after the global model arrives; per logical client, a
+device-side reset and training; then one device-to-host copy per update (or, with
+``clients.groups``, per group sum, folded on the device). With ``train.device_copy`` the
+same path runs on the CPU with a separate, non-aliased replica, which is how the test suite
+exercises it without a GPU.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from mpifl.errors import JobFailure
+from mpifl.wire.flat import DTYPES, FlatModel
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (cuda when available), ``cpu`` or ``cuda`` (the rank's one visible GPU, see MPIFL_GPUS_PER_NODE)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise JobFailure("train.device='cuda' but this rank sees no GPU (torch.cuda.is_available() is False); "
+                           "check the CUDA build of torch and MPIFL_GPUS_PER_NODE / CUDA_VISIBLE_DEVICES")
+    return torch.device(name)
+
+
+def training_replica(host: FlatModel, device_name: str, device_copy: bool | None,
+                     trainable_only: bool) -> "DeviceReplica | None":
+    """The replica a client rank trains, or None to train in the host buffer itself (the CPU default)."""
+    device = resolve_device(device_name)
+    if not (device_copy if device_copy is not None else device.type != "cpu"):
+        return None
+    if device.type == "cuda":
+        pin_in_place(host.buffer)
+    return DeviceReplica(host, device, trainable_only)
+
+
+def pin_in_place(buffer: torch.Tensor) -> None:
+    """Page-lock a host buffer where it is (no copy, so the model's views stay), for fast, async H2D/D2H copies."""
+    status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    if int(status) != 0:
+        raise RuntimeError(f"could not page-lock the {buffer.numel()}-byte host exchange buffer (CUDA error "
+                           f"{int(status)})")
+
+
+class DeviceReplica:
+    """The model on the training device, apart from the host flat buffer that MPI uses."""
+
+    def __init__(self, host: FlatModel, device: torch.device, trainable_only: bool):
+        module = copy.deepcopy(host.module).to(device)  # frozen tensors come along, once
+        self.flat = FlatModel(module, trainable_only, device=device)
+        if self.flat.spec.hash != host.spec.hash:
+            raise RuntimeError("the device replica's layout differs from the host model's")
+        self.global_copy = torch.empty_like(self.flat.buffer)
+        self.host = host
+
+    def load_global(self) -> None:
+        """The global model just arrived in the host buffer: one host-to-device copy."""
+        self.global_copy.copy_(self.host.buffer, non_blocking=True)
+
+    def reset(self) -> None:
+        """Start a logical client from the global model (device to device)."""
+        self.flat.buffer.copy_(self.global_copy)
+        self.flat.reset_local_state()
+
+    def global_view(self, chunk) -> torch.Tensor:
+        """The device copy of the global model's ``chunk``, typed."""
+        return self.global_copy[chunk.offset:chunk.offset + chunk.nbytes].view(DTYPES[chunk.dtype])
+
+    def to_host(self) -> None:
+        """The trained weights into the host buffer, for encoding and sending (one device-to-host copy)."""
+        self.host.buffer.copy_(self.flat.buffer)
