@@ -90,3 +90,24 @@ def test_partition_table_shows_samples_and_label_counts_per_client():
     assert lines[0].split() == ["client", "samples", "c0", "c1", "c2"]
     assert lines[1].split() == ["0", "3", "2", "1", "0"] and lines[2].split() == ["1", "3", "0", "0", "3"]
     assert "2 clients" in lines[-1]
+
+
+def test_balanced_placement_puts_the_heaviest_work_first_on_the_least_loaded_rank():
+    from mpifl.roles.federation import balanced_ranks
+
+    work = [10, 1, 1, 1, 1, 9, 2, 3]
+    ranks = balanced_ranks(work, 2)
+    loads = [sum(w for w, r in zip(work, ranks) if r == rank) for rank in (1, 2)]
+    assert ranks == balanced_ranks(work, 2)  # deterministic
+    assert abs(loads[0] - loads[1]) <= 1 and sorted(set(ranks)) == [1, 2]
+    # with groups, a group (client mod G) moves as a whole
+    grouped = balanced_ranks(work, 2, groups=4)
+    assert all(grouped[c] == grouped[c % 4] for c in range(len(work)))
+
+
+def test_round_robin_placement_is_the_default_and_matches_rank_of_client():
+    from mpifl.config import load_config
+    from mpifl.roles.federation import placement_for, rank_of_client
+
+    placement = placement_for(load_config(None).clients, 3, None)
+    assert [placement.rank_of(c) for c in range(8)] == [rank_of_client(c, 3) for c in range(8)]

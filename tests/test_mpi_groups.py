@@ -79,3 +79,10 @@ def test_groups_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides,
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("groups", [(), GROUPED])
+def test_placement_balanced_by_work_changes_where_clients_run_not_the_result(tmp_path, groups):
+    skewed = ("data.partition=unbalanced", "data.size_sigma=1.5")
+    balanced = run(tmp_path, "balanced", 3, *skewed, *groups, "clients.placement=balanced")
+    assert_bitwise(balanced, run(tmp_path, "round-robin", 3, *skewed, *groups))

@@ -20,6 +20,9 @@ class ClientsConfig:
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                     "with client, rank and reason) instead of aborting the job")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
+    placement: str = field_("round_robin", "which rank hosts which client: round_robin (client, or its group, mod "
+                            "the client ranks) or balanced (by samples x epochs, heaviest first, deterministic; "
+                            "results do not change)", choices=("round_robin", "balanced"))
     groups: int = field_(0, "reduction groups G: logical client c belongs to group c mod G, a group lives on one "
                          "rank, which sums its participants' updates (ascending id, fp32) before anything travels; "
                          "the server folds the G partial sums in ascending group id. Results depend on G, never on "

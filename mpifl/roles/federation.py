@@ -50,19 +50,59 @@ def clients_of_rank(rank: int, num_clients: int, client_ranks: int, groups: int 
     return [c for c in range(num_clients) if rank_of_client(c, client_ranks, groups) == rank]
 
 
-def streams_by_rank(clients: list[int], client_ranks: int, groups: int = 0) -> dict[int, list[int]]:
-    """What each rank sends the server this round, ascending: its participants, or their groups' partial sums."""
-    by_rank = group_by_rank(clients, client_ranks, groups)
-    if not groups:
-        return by_rank
-    return {rank: sorted({group_of(c, groups) for c in members}) for rank, members in by_rank.items()}
+def balanced_ranks(work: list[float], client_ranks: int, groups: int = 0) -> list[int]:
+    """Each client's rank, balancing work (samples x epochs) over ranks: the heaviest unit (a client, or a
+    group with clients.groups) first, each to the least loaded rank (lowest rank on ties). Deterministic."""
+    units: dict[int, float] = {}
+    for client, w in enumerate(work):
+        units[group_of(client, groups)] = units.get(group_of(client, groups), 0.0) + w
+    load = [0.0] * client_ranks
+    rank_of_unit = {}
+    for unit in sorted(units, key=lambda u: (-units[u], u)):
+        r = min(range(client_ranks), key=lambda i: (load[i], i))
+        load[r] += units[unit]
+        rank_of_unit[unit] = 1 + r
+    return [rank_of_unit[group_of(c, groups)] for c in range(len(work))]
+
+
+class Placement:
+    """Which rank hosts each logical client: round robin (the default), or a table (``clients.placement``)."""
+
+    def __init__(self, client_ranks: int, groups: int = 0, table: list[int] | None = None):
+        self.client_ranks, self.groups, self.table = client_ranks, groups, table
+
+    def rank_of(self, client: int) -> int:
+        """The rank hosting ``client``."""
+        return self.table[client] if self.table is not None else rank_of_client(client, self.client_ranks, self.groups)
+
+    def by_rank(self, clients: list[int]) -> dict[int, list[int]]:
+        """Map each hosting rank to the (ascending) clients of ``clients`` it serves."""
+        out: dict[int, list[int]] = {}
+        for c in sorted(clients):
+            out.setdefault(self.rank_of(c), []).append(c)
+        return out
+
+    def streams(self, clients: list[int]) -> dict[int, list[int]]:
+        """What each rank sends the server, ascending: its participants, or their groups' partial sums."""
+        by_rank = self.by_rank(clients)
+        if not self.groups:
+            return by_rank
+        return {rank: sorted({group_of(c, self.groups) for c in members}) for rank, members in by_rank.items()}
+
+
+def placement_for(clients: ClientsConfig, client_ranks: int, work: list[float] | None) -> Placement:
+    """The ``clients.placement`` of this run; ``work`` is each client's samples x epochs (None: unknown)."""
+    if clients.placement == "balanced":
+        work = work if work is not None else [1.0] * clients.num_clients
+        return Placement(client_ranks, clients.groups, balanced_ranks(work, client_ranks, clients.groups))
+    return Placement(client_ranks, clients.groups)
 
 
 class Sampler:
     """Each round's participants and their ranks, from the root seed and the ``clients`` section."""
 
-    def __init__(self, seed: int, clients: ClientsConfig, client_ranks: int):
-        self.seed, self.clients, self.client_ranks = seed, clients, client_ranks
+    def __init__(self, seed: int, clients: ClientsConfig, placement: Placement):
+        self.seed, self.clients, self.placement = seed, clients, placement
         self.per_round = clients.per_round_count()
 
     def participants(self, round_: int) -> list[int]:
@@ -71,12 +111,12 @@ class Sampler:
 
     def by_rank(self, participants: list[int]) -> dict[int, list[int]]:
         """Each hosting rank's participants, ascending."""
-        return group_by_rank(participants, self.client_ranks, self.clients.groups)
+        return self.placement.by_rank(participants)
 
     def streams(self, participants: list[int]) -> dict[int, list[int]]:
         """Each hosting rank's update streams: participants, or reduction groups (``clients.groups``)."""
-        return streams_by_rank(participants, self.client_ranks, self.clients.groups)
+        return self.placement.streams(participants)
 
     def rank_of(self, client: int) -> int:
         """The rank hosting ``client``."""
-        return rank_of_client(client, self.client_ranks, self.clients.groups)
+        return self.placement.rank_of(client)

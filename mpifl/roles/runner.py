@@ -33,7 +33,7 @@ from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.federation import Sampler, clients_of_rank
+from mpifl.roles.federation import Placement, Sampler, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.server import Evaluation, Server, ServerParts, log_final
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
@@ -171,7 +171,9 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
         score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs)
     sink = JsonLines(run_dir / METRICS if run_dir else None)
-    parts = ServerParts(plan, Sampler(cfg.seed, cfg.clients, comm.Get_size() - 1), strategy, store, checkpointer,
+    placement = _placement(cfg, _partition(cfg, dataset) if cfg.clients.placement == "balanced" else None,
+                           comm.Get_size() - 1)
+    parts = ServerParts(plan, Sampler(cfg.seed, cfg.clients, placement), strategy, store, checkpointer,
                         Evaluation(score, cfg.eval.every, cfg.rounds), sink)
     try:
         history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
@@ -219,12 +221,28 @@ def _open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
     return ckpt
 
 
+def _partition(cfg: Config, dataset: Dataset | None) -> list | None:
+    """Every client's training indices (the same on every rank), or None without data."""
+    if dataset is None:
+        return None
+    with _partition_errors():
+        return partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+
+
+def _placement(cfg: Config, parts: list | None, client_ranks: int) -> Placement:
+    """``clients.placement``: by work, samples x epochs (fixed local_steps make every client's work equal)."""
+    work = None
+    if parts is not None and cfg.clients.placement == "balanced" and not cfg.train.local_steps:
+        work = [float(len(p) * cfg.train.local_epochs) for p in parts]
+    return placement_for(cfg.clients, client_ranks, work)
+
+
 def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:
-    mine = clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups)
+    parts = _partition(cfg, dataset)
+    placement = _placement(cfg, parts, client_ranks)
+    mine = [c for c in range(cfg.clients.num_clients) if placement.rank_of(c) == rank]
     if dataset is None:
         return {c: (None, None) for c in mine}
-    with _partition_errors():
-        parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
     out = {}
     for c in mine:
         train, val = split_validation(parts[c], cfg.data.val_fraction, cfg.seed, c)
