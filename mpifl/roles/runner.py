@@ -125,12 +125,14 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
         agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)
     if comm.Get_rank() != 0:
-        _serve_as_client(comm, cfg, plan, flat, dataset, upload_initial=resume is None)
+        local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
+        del dataset  # a client rank keeps only its own clients' samples
+        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, opened.get("ckpt"), stop)
 
 
-def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel, dataset: Dataset | None,
+def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel, local: dict,
                      upload_initial: bool) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
@@ -143,7 +145,6 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
                         cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight, replica,
                         make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds)
-    local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
     ClientRank(comm, flat, local, parts).run()
 
 

@@ -204,6 +204,7 @@ class Server:
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
             "client_train_seconds": max(m.train_seconds for m in metas.values()),
+            "ranks": self._work_by_rank(metas),
             "client_peak_rss_bytes": max(m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()),
             "time": times.split(),
         }
@@ -213,6 +214,15 @@ class Server:
         if federated is not None:
             record["federated_eval"] = federated
         return record
+
+    def _work_by_rank(self, metas: dict) -> dict[str, dict]:
+        """Each client rank's logical clients this round and their training time (they train one after another)."""
+        out: dict[str, dict] = {}
+        for client, meta in sorted(metas.items()):
+            rank = out.setdefault(str(self.parts.sampler.rank_of(client)), {"clients": 0, "train_seconds": 0.0})
+            rank["clients"] += 1
+            rank["train_seconds"] += meta.train_seconds
+        return out
 
 
 def federated_evaluation(metas) -> dict | None:
