@@ -4,7 +4,8 @@ All three run in one job on the same ranks, one after another:
 1. mpifl: the real ``mpifl run`` machinery (blob model, no training, every client every round).
    Peak RSS per rank is read right after this phase, before the other paths can raise it.
 2. floor: the fastest plain mpi4py way to do the same work: chunked Isend/Irecv of raw bytes,
-   sleep-polled waits, fused multiply-add into an fp32 accumulator in arrival order.
+   sleep-polled waits, fused multiply-add into an fp32 accumulator in arrival order (narrow
+   chunks widened into a scratch first, the same fast fold mpifl uses).
 3. pickle: what FedML/APPFL do: ``comm.send(state_dict)`` out and back, the server keeping
    every client's model until all have arrived, then averaging.
 Each method runs one warm-up round (not timed) and then ``--rounds`` timed rounds; medians are
@@ -21,6 +22,7 @@ import time
 import torch
 from mpi4py import MPI
 
+from mpifl.aggregation.kernels import fold
 from mpifl.config import load_config
 from mpifl.learning.models import Blob
 from mpifl.metrics import peak_rss_bytes
@@ -116,6 +118,7 @@ class FloorExchange:
         if self.rank == 0:
             self.slots = [[touched_empty(step) for _ in range(self.SLOTS)] for _ in range(self.clients)]
             self.acc = torch.zeros(model_bytes // self.itemsize, dtype=torch.float32)
+            self.scratch = torch.empty(step // self.itemsize, dtype=torch.float32)  # the fastest fold, as mpifl's
 
     def round(self) -> None:
         """One round: model out to every client, every client's model back and folded."""
@@ -142,7 +145,7 @@ class FloorExchange:
                 c, s, j = tickets[i]
                 o, n = self.spans[j]
                 x = torch.from_numpy(self.slots[c][s][:n]).view(self.dtype)
-                self.acc[o // self.itemsize:(o + n) // self.itemsize].add_(x, alpha=1.0 / self.clients)
+                fold(self.acc[o // self.itemsize:(o + n) // self.itemsize], x, 1.0 / self.clients, False, self.scratch)
                 remaining -= 1
                 if nxt[c] < len(self.spans):
                     requests[i] = self._post(c, s, nxt[c])

@@ -37,6 +37,7 @@ class GroupSum:
         host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
         self.sums = [torch.empty_like(h, device=source.device) for h in host] if separate else host
         self.host_sums = host
+        self.scratch: torch.Tensor | None = None
         self.count = 0
 
     def reset(self) -> None:
@@ -46,8 +47,15 @@ class GroupSum:
     def add(self, weight: float) -> None:
         """Fold the update now in ``source``'s flat buffer, with ``weight``."""
         for c, acc in zip(self.chunks, self.sums):
-            fold(acc, self.source.chunk_view(c), weight, self.count == 0)
+            x = self.source.chunk_view(c)
+            fold(acc, x, weight, self.count == 0, self._scratch(x, acc) if x.dtype != acc.dtype else None)
         self.count += 1
+
+    def _scratch(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        """A reused fp32 buffer to widen narrow chunks into (the fast fold)."""
+        if self.scratch is None or self.scratch.numel() < x.numel():
+            self.scratch = torch.empty(x.numel(), dtype=acc.dtype, device=acc.device)
+        return self.scratch
 
     def to_host(self) -> list:
         """The sum's bytes on the host, ready to send (one device-to-host copy when it lives on a device)."""
