@@ -26,7 +26,7 @@ import yaml
 
 from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, resume_conflict
 from mpifl.errors import JobFailure
-from mpifl.logs import log
+from mpifl.logs import env_rank, log
 from mpifl.storage.hdf5 import Checkpoint, CheckpointError
 from mpifl.storage.stores import GlobalStore
 
@@ -59,7 +59,8 @@ def latest_checkpoint(directory: Path) -> Checkpoint | None:
         try:
             return Checkpoint(path)
         except CheckpointError as err:
-            print(f"mpifl: skipping unusable checkpoint: {err}", flush=True)
+            if env_rank() in (0, None):  # every rank looks before MPI starts: one says it
+                log(f"mpifl: skipping unusable checkpoint: {err}")
     return None
 
 
@@ -226,7 +227,7 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
         log(f"--resume: no usable checkpoint in {path / CHECKPOINTS}: starting fresh (earlier metrics kept "
             f"as {aside.name})", rank=0)
     elif resume_asked:
-        log(f"--resume: no checkpoint in {path / CHECKPOINTS}: starting fresh", rank=0)
+        log(f"--resume: nothing to resume in {path} yet: starting a new run", rank=0)
     elif (path / METRICS).exists():
         raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
                                 "choose another --run-dir, or add --resume to continue it")
