@@ -10,6 +10,9 @@ clients in the round: everything mpifl adds around training (receiving the model
 folding, sending, the server's reduction), per client. Run from the repository root:
 
     python profiling/cross_device.py [--clients 1000 --per-round 20 --ranks 2 --rounds 6 --groups 2]
+
+Seconds per round exclude the held-out evaluation (``--eval-every``; by default only after the last
+round). ``profiling/peers/compare.sh`` runs the same task in Flower and pfl.
 """
 from __future__ import annotations
 
@@ -22,31 +25,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import nn
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+import task  # noqa: E402  (profiling/peers/task.py: the data and models shared with Flower and pfl)
+from task import big_mlp, leaf_cnn  # noqa: E402,F401  (model plugins: "cross_device:leaf_cnn")
 
 
-def leaf_cnn(num_classes: int = 62) -> nn.Module:
-    """LEAF's FEMNIST CNN: conv 5x5 32, pool, conv 5x5 64, pool, dense 512, dense classes."""
-    return nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(64 * 7 * 7, 512), nn.ReLU(), nn.Linear(512, num_classes))
-
-
-def femnist_like(clients: int = 1000, samples: int = 20, sigma: float = 0.5, seed: int = 0):
-    """Synthetic FEMNIST-shaped data with each writer's own samples (a natural partition)."""
-    rng = np.random.default_rng(seed)
-    sizes = np.maximum(2, rng.lognormal(np.log(samples), sigma, clients).astype(int))
-    total = int(sizes.sum())
-    x = rng.random((total, 1, 28, 28), dtype=np.float32)
-    y = rng.integers(0, 62, total)
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    writers = [np.arange(bounds[i], bounds[i + 1]) for i in range(clients)]
-    test = slice(0, min(500, total))
-    return (torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(x[test]), torch.from_numpy(y[test]), writers)
+def femnist_like(clients: int = 1000, samples: int = 20, sigma: float = 0.5, noise: float = 1.0, seed: int = 0):
+    """Synthetic FEMNIST-shaped data with each writer's own samples (a natural partition); learnable
+    (a fixed random template per class plus Gaussian noise), identical to what the peer comparison in
+    ``profiling/peers`` gives Flower and pfl."""
+    x, y, x_test, y_test, writers = task.femnist_data(clients, samples, sigma, noise, seed=seed)
+    return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(x_test), torch.from_numpy(y_test), writers
 
 
 def main() -> int:
@@ -57,6 +49,12 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2, help="client ranks")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--groups", type=int, default=2, help="clients.groups (0: every update travels)")
+    p.add_argument("--model", default="leaf_cnn", choices=("leaf_cnn", "big_mlp"),
+                   help="big_mlp: the communication-heavy 784-8192-2048-62 MLP (93 MB fp32)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out accuracy every K rounds (0: only after the last round)")
+    p.add_argument("--json", action="store_true", help="also print 'RESULT {json}' (seconds per round "
+                   "without evaluation, peak RSS, final accuracy) for profiling/peers/compare.sh")
     p.add_argument("--bin", default=str(Path(sys.executable).parent))
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="cross-device-"))
@@ -67,29 +65,38 @@ rounds: {args.rounds}
 clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {args.groups}, placement: balanced}}
 data: {{dataset: "cross_device:femnist_like", kwargs: {{clients: {args.clients}, samples: {args.samples}}},
         partition: natural}}
-model: {{name: "cross_device:leaf_cnn"}}
+model: {{name: "cross_device:{args.model}"}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu}}
-eval: {{every: 0}}
+eval: {{every: {args.eval_every or args.rounds}}}
 output: {{progress: false, save_model: false}}
 """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [f"{args.bin}/mpiexec", "-n", str(args.ranks + 1), f"{args.bin}/mpifl", "run", str(config),
            "--run-dir", str(run_dir / "run")]
     subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()][1:]
-    params = sum(t.numel() for t in leaf_cnn().parameters())
+    records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    round_seconds = [r["time"]["round"] - r["time"]["eval"] for r in records]  # evaluation excluded
+    accuracy = [r["eval"]["accuracy"] for r in records if "eval" in r][-1]
+    records = records[1:]
+    params = sum(t.numel() for t in task.build_model("cnn" if args.model == "leaf_cnn" else "mlp100mb").parameters())
     overheads, rounds = [], []
     for r in records:
         busiest = max(r["ranks"].values(), key=lambda rank: rank["train_seconds"])
         overheads.append((r["time"]["round"] - busiest["train_seconds"]) / busiest["clients"])
-        rounds.append(r["time"]["round"])
+        rounds.append(r["time"]["round"] - r["time"]["eval"])
     print(f"{args.clients} clients, {args.per_round} per round, {args.ranks} client ranks, groups {args.groups}, "
-          f"LEAF CNN {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
+          f"{args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
     print(f"  seconds per round {statistics.median(rounds):.3f}; peak RSS: server "
           f"{max(r['server_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB, largest client rank "
           f"{max(r['client_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB")
     print(f"  overhead per logical client {1000 * statistics.median(overheads):.1f} ms "
           f"(round time minus the busiest rank's own training, per client on that rank)")
+    print(f"  held-out accuracy after round {args.rounds}: {accuracy:.3f}")
+    if args.json:
+        print("RESULT " + json.dumps(task.summarize(
+            round_seconds, accuracy, server_peak_rss_mib=max(r["server_peak_rss_bytes"] for r in records) // 2**20,
+            client_peak_rss_mib=max(r["client_peak_rss_bytes"] for r in records) // 2**20,
+            note=f"{args.ranks} client ranks + server (MPI), groups {args.groups}")), flush=True)
     return 0
 
 

@@ -27,6 +27,8 @@ class StopRequest:
 
     def install(self) -> "StopRequest":
         signal.signal(signal.SIGTERM, self._handle)
+        if hasattr(signal, "SIGXFSZ"):  # past a file-size limit, a write fails (EFBIG) and is reported, not fatal
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         return self
 
     def _handle(self, signum: int, frame: object) -> None:

@@ -107,12 +107,14 @@ class CheckpointWriter:
     def _naming_errors(self):
         try:
             yield
-        except OSError as err:  # disk full, quota, I/O error: say which file
-            raise OSError(f"could not write checkpoint {str(self.tmp)!r}: {err}") from err
+        except (OSError, RuntimeError) as err:  # disk full, quota, I/O error (h5py raises either): say which file
+            raise OSError(f"could not write checkpoint {str(self.tmp)!r}: {_first_line(err)}") from None
 
     def write_metrics(self, history: list[dict]) -> None:
         lines = [json.dumps(r) for r in history]
-        self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()), dtype=h5py.string_dtype())
+        with self._naming_errors():
+            self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()),
+                                     dtype=h5py.string_dtype())
 
     def publish(self) -> Path:
         """Write the checksums, flush, fsync, and atomically rename into place."""
@@ -120,15 +122,17 @@ class CheckpointWriter:
             with self._naming_errors():
                 self.checksums.save(self.file, lambda c, out: io_range(self.spec, self.datasets, c.offset, out,
                                                                         write=False))
-            self.file.flush()
-            self.file.close()
+                self.file.flush()
+                self.file.close()
             with open(self.tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(self.tmp, self.path)
             _fsync_dir(self.path.parent)
         except OSError as err:
             self.abandon()
-            raise OSError(f"could not publish checkpoint {str(self.path)!r}: {err}") from err
+            if str(err).startswith("could not write checkpoint"):
+                raise
+            raise OSError(f"could not publish checkpoint {str(self.path)!r}: {err}") from None
         return self.path
 
     def abandon(self) -> None:
@@ -261,6 +265,14 @@ def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
     out: list[tuple[str, h5py.Dataset]] = []
     group.visititems(lambda n, o: out.append((n, o)) if isinstance(o, h5py.Dataset) else None)
     return out
+
+
+def _first_line(err: BaseException) -> str:
+    """HDF5's messages span lines (time, file, errno...): the operating system's reason when there is one."""
+    text = str(err)
+    if "error message = '" in text:
+        return "write failed: " + text.split("error message = '", 1)[1].split("'", 1)[0]
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _fsync_dir(directory: Path) -> None:

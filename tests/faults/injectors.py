@@ -72,3 +72,17 @@ def _arm(stage: str, fault: str) -> None:
         client.send_chunks = first_chunk_then_fault
     elif stage == "receive":
         client.recv_chunks = lambda *args, **kwargs: misbehave(fault)
+
+
+def file_size_limited_mlp() -> nn.Module:
+    """fl_helpers.tiny_mlp; with FAULT_FSIZE=N, rank 0 (the server, MPI already started) may write files of at
+    most N bytes: a full disk."""
+    import resource
+
+    from fl_helpers import tiny_mlp
+    from mpi4py import MPI
+
+    limit = int(os.environ.get("FAULT_FSIZE", "0"))
+    if limit and MPI.COMM_WORLD.Get_rank() == 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return tiny_mlp()

@@ -115,3 +115,20 @@ def test_metrics_records_keep_the_peak_above_the_current_rss(uninterrupted):
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         assert record["server_peak_rss_bytes"] >= record["server_rss_bytes"]
+
+
+def test_a_full_disk_ends_the_job_in_one_line_naming_the_file_and_keeps_the_last_checkpoint(tmp_path):
+    text = RUN.replace("data: {dataset: synthetic, kwargs: {num_samples: 400}}", "data: {dataset: digits}").replace(
+        "model: {name: mlp, kwargs: {hidden: [16]}}", 'model: {name: "faults.injectors:file_size_limited_mlp"}')
+    cfg = write_config(tmp_path / "c.yaml", text)
+    first = run_mpi(3, "run", str(cfg), "rounds=1", "--run-dir", str(tmp_path / "run"))
+    assert first.returncode == 0, first.stderr
+    # the server may then write files of at most 4 KiB: round 2's checkpoint cannot be written
+    full = run_mpi(3, "run", str(cfg), "rounds=3", "--run-dir", str(tmp_path / "run"), "--resume",
+                   env={"FAULT_FSIZE": "4096"})
+    assert full.returncode != 0
+    assert "round 2: could not write checkpoint" in full.stderr, full.stderr[-3000:]
+    assert "the newest complete checkpoint is still" in full.stderr
+    # no traceback from mpifl's code (h5py may still print its own handle clean-up failures)
+    assert not any(line.strip().startswith("File") and "mpifl/" in line for line in full.stderr.splitlines())
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [checkpoint_name(1)]
