@@ -25,8 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 import task  # noqa: E402  (profiling/peers/task.py: the data and models shared with Flower and pfl)
@@ -37,6 +35,7 @@ def femnist_like(clients: int = 1000, samples: int = 20, sigma: float = 0.5, noi
     """Synthetic FEMNIST-shaped data with each writer's own samples (a natural partition); learnable
     (a fixed random template per class plus Gaussian noise), identical to what the peer comparison in
     ``profiling/peers`` gives Flower and pfl."""
+    import torch  # here, not at the top: the launcher's own RSS stays small (compare.sh sums the tree)
     x, y, x_test, y_test, writers = task.femnist_data(clients, samples, sigma, noise, seed=seed)
     return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(x_test), torch.from_numpy(y_test), writers
 
