@@ -34,6 +34,8 @@ def test_grouped_fedavg_equals_the_grouped_reference_bitwise_on_any_rank_count(t
 @pytest.mark.parametrize("ranks,overrides", [
     (3, ("strategy.name=fedavgm", "strategy.server_lr=0.7")),
     (3, ("strategy.name=fedadam", "strategy.update=delta", "strategy.server_lr=0.05")),
+    (2, ("strategy.name=fedyogi", "strategy.server_lr=0.05")),
+    (3, ("strategy.name=fedadagrad", "strategy.update=delta", "strategy.server_lr=0.03")),
 ])
 def test_grouped_server_optimizers_match_the_reference(tmp_path, ranks, overrides):
     assert_close(run(tmp_path, "run", ranks, *GROUPED, *overrides), expected(*GROUPED, *overrides), rtol=1e-5)
