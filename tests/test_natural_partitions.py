@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import rounds_logged, run_mpi, write_config
+from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, write_config
 
 from mpifl.config import load_config
 from mpifl.learning.datasets import load_dataset, partition, partition_histogram
@@ -100,7 +100,7 @@ model: {{name: cnn, kwargs: {{channels: [4]}}}}
 train: {{lr: 0.05, batch_size: 4}}
 output: {{progress: false}}
 """)
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert rounds_logged(tmp_path / "run") == [1, 2]
     assert "partition 'natural' of 19 training samples" in result.stderr

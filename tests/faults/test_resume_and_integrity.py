@@ -8,7 +8,7 @@ import signal
 import h5py
 import numpy as np
 import pytest
-from conftest import rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
+from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
 
 from mpifl.storage.checkpointer import checkpoint_name, list_checkpoints
 
@@ -29,13 +29,13 @@ output: {progress: false}
 def uninterrupted(tmp_path_factory):
     base = tmp_path_factory.mktemp("uninterrupted")
     cfg = write_config(base / "c.yaml", RUN)
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(base / "run"))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(base / "run"), timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     return cfg, base / "run"
 
 
 def resume(cfg, run_dir, *extra):
-    return run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *extra)
+    return run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *extra, timeout=MPI_TIMEOUT)
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_fresh_on_resume_keeping_its_metrics(tmp_path, uninterrupted):
@@ -65,7 +65,7 @@ def test_resuming_a_finished_run_exits_0_saying_it_is_complete(uninterrupted):
 
 def test_a_torn_last_metrics_line_is_rebuilt_from_the_checkpoint(tmp_path, uninterrupted):
     cfg, reference = uninterrupted
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "run"))
+    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
     assert first.returncode == 0, first.stderr
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text()[:-40])  # a crash in the middle of writing round 2's line
@@ -84,11 +84,11 @@ def corrupt_a_tensor(path):
 
 def test_a_corrupted_newest_checkpoint_is_detected_and_resume_falls_back_to_the_one_before(tmp_path, uninterrupted):
     cfg, reference = uninterrupted
-    first = run_mpi(3, "run", str(cfg), "rounds=3", "--run-dir", str(tmp_path / "run"))
+    first = run_mpi(3, "run", str(cfg), "rounds=3", "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
     assert first.returncode == 0, first.stderr
     newest = tmp_path / "run" / "checkpoints" / checkpoint_name(3)
     corrupt_a_tensor(newest)
-    inspect = run_mpi(1, "inspect", str(newest), "--verify")
+    inspect = run_mpi(1, "inspect", str(newest), "--verify", timeout=MPI_TIMEOUT)
     assert inspect.returncode == 2 and "tensor '1.weight' is corrupt" in inspect.stderr, inspect.stderr
     result = resume(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stderr
@@ -104,7 +104,8 @@ def test_a_stored_hash_is_not_trusted_a_changed_shape_is_named(tmp_path, uninter
     with h5py.File(ckpt, "r+") as f:  # same spec hash attribute, another tensor shape
         del f["model/1.bias"]
         f["model"].create_dataset("1.bias", data=np.zeros(17, dtype=np.float32)).attrs["dtype"] = "float32"
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), f"model.init_from={ckpt}")
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), f"model.init_from={ckpt}",
+                     timeout=MPI_TIMEOUT)
     assert result.returncode != 0
     assert "tensor '1.bias' is [17] float32 there, [16] float32 here" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -121,11 +122,11 @@ def test_a_full_disk_ends_the_job_in_one_line_naming_the_file_and_keeps_the_last
     text = RUN.replace("data: {dataset: synthetic, kwargs: {num_samples: 400}}", "data: {dataset: digits}").replace(
         "model: {name: mlp, kwargs: {hidden: [16]}}", 'model: {name: "faults.injectors:file_size_limited_mlp"}')
     cfg = write_config(tmp_path / "c.yaml", text)
-    first = run_mpi(3, "run", str(cfg), "rounds=1", "--run-dir", str(tmp_path / "run"))
+    first = run_mpi(3, "run", str(cfg), "rounds=1", "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
     assert first.returncode == 0, first.stderr
     # the server may then write files of at most 4 KiB: round 2's checkpoint cannot be written
     full = run_mpi(3, "run", str(cfg), "rounds=3", "--run-dir", str(tmp_path / "run"), "--resume",
-                   env={"FAULT_FSIZE": "4096"})
+                   env={"FAULT_FSIZE": "4096"}, timeout=MPI_TIMEOUT)
     assert full.returncode != 0
     assert "round 2: could not write checkpoint" in full.stderr, full.stderr[-3000:]
     assert "the newest complete checkpoint is still" in full.stderr
