@@ -9,7 +9,7 @@ import json
 
 import pytest
 import yaml
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, run_mpi, write_config
 from reference import reference_run
 from test_mpi_strategies import CONFIG, assert_bitwise, assert_close, expected, run
 
@@ -54,7 +54,7 @@ def test_a_dropped_client_leaves_its_group_sum_and_the_rest_is_averaged(tmp_path
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace('"fl_helpers:NoiseTrainer"', '"fl_helpers:FailingClients"'))
     env = {"FL_HELPERS_RAISE": "3", "FL_HELPERS_SEED": "5"}
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *GROUPED, "clients.accept_failures=true",
-                     env=env)
+                     env=env, timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     rounds = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     dropped = [d["client"] for r in rounds for d in r["dropped"]]
@@ -78,7 +78,7 @@ def test_out_of_core_server_takes_many_clients_per_rank_with_groups(tmp_path):
 ])
 def test_groups_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides, message):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, timeout=MPI_TIMEOUT)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
