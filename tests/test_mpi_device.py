@@ -1,5 +1,6 @@
-"""Under mpiexec (every launch with a timeout, through test_mpi_strategies.run): the GPU path's copies (a device replica, reset from a device copy of the global model,
-one copy back per update or group sum), run on the CPU with a separate, non-aliased replica.
+"""Under mpiexec (each launch with a timeout, via test_mpi_strategies.run): the GPU path's copies (a device
+replica, reset from a device copy of the global model, one copy back per update or group sum), run on the
+CPU with a separate, non-aliased replica.
 
 No GPU is available here: these tests run the same code with device "cpu" and train.device_copy,
 and check that it changes nothing, bitwise."""
