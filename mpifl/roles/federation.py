@@ -38,16 +38,13 @@ def rank_of_client(client: int, client_ranks: int, groups: int = 0) -> int:
 
 
 def group_by_rank(clients: list[int], client_ranks: int, groups: int = 0) -> dict[int, list[int]]:
-    """Map each hosting rank to the (ascending) participants it serves."""
-    out: dict[int, list[int]] = {}
-    for c in sorted(clients):
-        out.setdefault(rank_of_client(c, client_ranks, groups), []).append(c)
-    return out
+    """Map each hosting rank to the (ascending) participants it serves (round robin)."""
+    return Placement(client_ranks, groups).by_rank(clients)
 
 
 def clients_of_rank(rank: int, num_clients: int, client_ranks: int, groups: int = 0) -> list[int]:
-    """Every logical client a rank hosts."""
-    return [c for c in range(num_clients) if rank_of_client(c, client_ranks, groups) == rank]
+    """Every logical client a rank hosts (round robin)."""
+    return Placement(client_ranks, groups).clients_of(rank, num_clients)
 
 
 def balanced_ranks(work: list[float], client_ranks: int, groups: int = 0) -> list[int]:
@@ -74,6 +71,10 @@ class Placement:
     def rank_of(self, client: int) -> int:
         """The rank hosting ``client``."""
         return self.table[client] if self.table is not None else rank_of_client(client, self.client_ranks, self.groups)
+
+    def clients_of(self, rank: int, num_clients: int) -> list[int]:
+        """Every logical client ``rank`` hosts."""
+        return [c for c in range(num_clients) if self.rank_of(c) == rank]
 
     def by_rank(self, clients: list[int]) -> dict[int, list[int]]:
         """Map each hosting rank to the (ascending) clients of ``clients`` it serves."""

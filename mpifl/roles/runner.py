@@ -240,8 +240,7 @@ def _placement(cfg: Config, parts: list | None, client_ranks: int) -> Placement:
 
 def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:
     parts = _partition(cfg, dataset)
-    placement = _placement(cfg, parts, client_ranks)
-    mine = [c for c in range(cfg.clients.num_clients) if placement.rank_of(c) == rank]
+    mine = _placement(cfg, parts, client_ranks).clients_of(rank, cfg.clients.num_clients)
     if dataset is None:
         return {c: (None, None) for c in mine}
     out = {}
