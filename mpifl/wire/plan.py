@@ -35,7 +35,7 @@ class ExchangePlan:
 
     @property
     def narrowed(self) -> bool:
-        """Whether updates travel in a narrower dtype than the model's (through a separate wire buffer)."""
+        """Whether updates travel from a separate wire buffer: a narrower dtype, or fp32 group sums."""
         return self.wire is not self.chunks
 
     @property
