@@ -40,13 +40,16 @@ class DataConfig:
     """The dataset and how it is split across logical clients."""
 
     dataset: str = field_("digits", "built-in dataset ('digits', 'synthetic', 'text': token blocks for causal-LM "
-                           "training, see mpifl.learning.text, or 'leaf': LEAF JSON files under data.kwargs.path) or "
-                           "an import path returning (x_train, y_train, x_test, y_test[, per-client train indices])",
-                           choices=("digits", "synthetic", "text", "leaf"), import_ok=True)
+                           "training, see mpifl.learning.text, 'leaf': LEAF JSON files under data.kwargs.path, or "
+                           "'table': a Parquet, npz or saved Hugging Face table with a client-id column, see "
+                           "mpifl.learning.tables) or an import path returning (x_train, y_train, x_test, y_test[, "
+                           "per-client train indices]); with partition: natural, 'leaf' and 'table' ranks read only "
+                           "the clients they host",
+                           choices=("digits", "synthetic", "text", "leaf", "table"), import_ok=True)
     kwargs: dict = field_(dict, "keyword arguments for the dataset function")
     partition: str = field_("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
                             "per client), unbalanced (lognormal sizes, iid labels), natural (the data's own clients, "
-                            "e.g. LEAF users), file (data.partition_file), or an import path fn(labels, num_clients, "
+                            "e.g. LEAF users or a table's client ids), file (data.partition_file), or an import path fn(labels, num_clients, "
                             "seed) returning one index array per client",
                             choices=("iid", "dirichlet", "shards", "unbalanced", "natural", "file"), import_ok=True)
     partition_file: Optional[str] = field_(None, "partition: file: a JSON list of per-client index lists (or "

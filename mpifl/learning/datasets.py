@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from mpifl.config import Config, DataConfig
-from mpifl.learning.leaf import leaf
+from mpifl.learning.leaf import LeafSource, leaf
+from mpifl.learning.sources import ClientIndex, ClientSource, HeldRows
+from mpifl.learning.tables import TableSource, table
 from mpifl.learning.text import text
 from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.roles.federation import PARTITION, derive_seed
@@ -26,13 +28,19 @@ from mpifl.roles.federation import PARTITION, derive_seed
 
 @dataclass(frozen=True)
 class Dataset:
-    """Train and held-out tensors."""
+    """Train and held-out tensors.
 
-    x_train: torch.Tensor
+    From a client source (``source`` set), ``x_train`` holds only some clients' rows
+    (:class:`HeldRows`, none until :meth:`holding`) and the held-out set is on the server rank only.
+    """
+
+    x_train: torch.Tensor | HeldRows
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
     clients: tuple[np.ndarray, ...] | None = None  # the data's own split of x_train (``data.partition: natural``)
+    source: tuple[ClientSource, ClientIndex] | None = None
+    known_classes: int | None = None  # when the labels at hand may not show every class
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -40,7 +48,16 @@ class Dataset:
 
     @property
     def num_classes(self) -> int:
+        if self.known_classes is not None:
+            return self.known_classes
         return int(max(self.y_train.max(), self.y_test.max())) + 1
+
+    def holding(self, clients: list[int]) -> Dataset:
+        """This dataset with the inputs of ``clients`` read from its source (itself when it has none)."""
+        if self.source is None:
+            return self
+        source, index = self.source
+        return replace(self, x_train=HeldRows(index, source.read_clients(index, clients)))
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,25 @@ def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int 
     return as_x(x[n_test:]), as_y(y[n_test:]), as_x(x[:n_test]), as_y(y[:n_test])
 
 
-BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text, "leaf": leaf}
+BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text, "leaf": leaf, "table": table}
+SOURCES = {"leaf": LeafSource, "table": TableSource}  # datasets stored by client: read client by client
+
+
+def client_source(cfg: DataConfig) -> ClientSource | None:
+    """The dataset as a client source, when each rank can read only its own clients: a built-in
+    stored by client, split naturally. None otherwise (the whole set is read once and shared)."""
+    if cfg.partition != "natural" or cfg.dataset not in SOURCES:
+        return None
+    return SOURCES[cfg.dataset](**cfg.kwargs)
+
+
+def surveyed_dataset(source: ClientSource, index: ClientIndex,
+                     test: tuple[torch.Tensor, torch.Tensor] | None) -> Dataset:
+    """A dataset from a source's index, holding no client's inputs yet; ``test`` only on the server rank."""
+    if test is None:
+        test = torch.empty((0, *index.input_shape), dtype=index.input_dtype), torch.empty(0, dtype=torch.int64)
+    return Dataset(HeldRows(index, {}), torch.from_numpy(np.concatenate(index.labels)), *test,
+                   clients=index.ranges(), source=(source, index), known_classes=index.num_classes)
 
 
 def needs_dataset(cfg: Config) -> bool:
@@ -92,6 +127,11 @@ def needs_dataset(cfg: Config) -> bool:
 
 def dataset_problem(cfg: DataConfig) -> str | None:
     """What is wrong with ``data.kwargs`` for the configured dataset function (before MPI starts), or None."""
+    if cfg.dataset == "table" and not str(cfg.kwargs.get("path", "")).endswith(".npz"):
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            return "data.dataset 'table' reads Parquet and Arrow files with pyarrow: pip install 'mpifl[tables]'"
     return kwargs_problem(BUILTIN.get(cfg.dataset) or resolve(cfg.dataset), cfg.kwargs, "data.kwargs")
 
 

@@ -3,46 +3,102 @@
 LEAF (Caldas et al. 2018) ships each split as JSON files with ``users``, ``num_samples`` and
 ``user_data: {user: {"x": [...], "y": [...]}}``. Every training user becomes one logical
 client (users sorted by name), so the partition is the data's own (``data.partition:
-natural``); the test files' samples, pooled, are the held-out set.
+natural``); the test files' samples, pooled, are the held-out set. Three kinds of ``x``:
 
-- FEMNIST-like data: ``x`` rows of numbers (784 become 1 x 28 x 28 images), ``y`` integer labels.
-- Shakespeare-like data: ``x`` strings and ``y`` single characters, mapped to ids over LEAF's
+- FEMNIST-like: rows of numbers (784 become 1 x 28 x 28 images), integer labels.
+- Shakespeare-like: strings, and single characters as labels, mapped to ids over LEAF's
   80-character alphabet.
+- Sent140-like: raw tweet records (lists whose 5th item is the text), 0/1 labels. Words (LEAF's
+  tokenizer) become ids: 0 pads, 1 is an unknown word, 2.. the vocabulary: a local word list
+  (``vocab_file``: the first token of each line, as in a GloVe file) or the ``vocab_size`` most
+  frequent training words. Each tweet is cut or padded to ``max_words`` (25, as LEAF).
+
+:class:`LeafSource` reads the files one at a time: the survey keeps only labels (and word
+counts), and a rank reading its clients opens only the files that hold them and keeps only them.
 """
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from mpifl.learning.sources import ClientIndex, classes_in, read_whole
+
 # LEAF's Shakespeare alphabet (models/utils/language_utils.py), as character ids 0..79.
 LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+WORD = re.compile(r"[\w']+|[.,!?;]")  # LEAF's split_line (models/utils/language_utils.py)
+PAD, UNKNOWN = 0, 1
+NUMBERS, CHARACTERS, TWEETS = "numbers", "characters", "tweets"
 
 
-def read_split(folder: Path) -> dict[str, dict]:
-    """Every user's data in a split folder's JSON files, by user name."""
+def split_files(folder: Path) -> list[Path]:
+    """A split folder's JSON files, in name order."""
     files = sorted(folder.glob("*.json"))
     if not files:
         raise FileNotFoundError(f"data.kwargs.path: no LEAF *.json files in {folder}")
-    users: dict[str, dict] = {}
-    for path in files:
-        table = json.loads(path.read_text())
-        missing = {"users", "user_data"} - set(table)
-        if missing:
-            raise ValueError(f"{path}: not a LEAF file (no {', '.join(sorted(missing))})")
+    return files
+
+
+def read_file(path: Path) -> dict:
+    """One LEAF file, checked for the keys every LEAF file has."""
+    table = json.loads(path.read_text())
+    missing = {"users", "user_data"} - set(table)
+    if missing:
+        raise ValueError(f"{path}: not a LEAF file (no {', '.join(sorted(missing))})")
+    return table
+
+
+def users_of(folder: Path) -> Iterator[tuple[str, str, dict]]:
+    """(file name, user, {"x", "y"}) for every user of a split, one file in memory at a time."""
+    for path in split_files(folder):
+        table = read_file(path)
         for user in table["users"]:
-            users[user] = table["user_data"][user]
-    return users
+            yield path.name, user, table["user_data"][user]
 
 
-def encode(values: list) -> np.ndarray:
-    """Rows of numbers as float32; strings as rows of LEAF alphabet ids, single characters as ids (int64)."""
-    if not values or not isinstance(values[0], str):
-        return np.asarray(values, dtype=np.float32)
-    ids = np.array([[LETTERS.find(ch) for ch in text] for text in values], dtype=np.int64)
-    return ids[:, 0] if ids.shape[1] == 1 else ids
+def kind_of(x: list) -> str:
+    """Which LEAF dataset a user's ``x`` looks like."""
+    first = x[0] if x else []
+    if isinstance(first, str):
+        return CHARACTERS
+    if isinstance(first, list) and first and isinstance(first[-1], str):
+        return TWEETS
+    return NUMBERS
+
+
+def tweet_text(row: list) -> str:
+    """The text of a Sent140 record (its 5th item, as LEAF's preprocessing writes it)."""
+    return str(row[4] if len(row) > 4 else row[-1])
+
+
+def labels_of(y: list) -> np.ndarray:
+    """Labels as int64: numbers as they are, single characters as alphabet ids."""
+    if y and isinstance(y[0], str):
+        return np.array([LETTERS.find(ch) for ch in y], dtype=np.int64)
+    return np.asarray(y, dtype=np.int64)
+
+
+class Encoder:
+    """Turns one user's ``x`` into an input array, the same way on every rank."""
+
+    def __init__(self, kind: str, vocabulary: dict[str, int] | None = None, max_words: int = 25) -> None:
+        self.kind, self.vocabulary, self.max_words = kind, vocabulary or {}, max_words
+
+    def __call__(self, x: list) -> np.ndarray:
+        if self.kind == CHARACTERS:
+            return np.array([[LETTERS.find(ch) for ch in text] for text in x], dtype=np.int64)
+        if self.kind == TWEETS:
+            ids = np.full((len(x), self.max_words), PAD, dtype=np.int64)
+            for i, row in enumerate(x):
+                words = [self.vocabulary.get(w, UNKNOWN) for w in WORD.findall(tweet_text(row))][:self.max_words]
+                ids[i, :len(words)] = words
+            return ids
+        return np.asarray(x, dtype=np.float32)
 
 
 def as_inputs(x: np.ndarray) -> torch.Tensor:
@@ -53,19 +109,57 @@ def as_inputs(x: np.ndarray) -> torch.Tensor:
     return tensor
 
 
-def leaf(path: str) -> tuple:
-    """(x_train, y_train, x_test, y_test, clients) from ``path/train`` and ``path/test``; ``clients`` holds
-    each training user's sample indices, users sorted by name."""
-    root = Path(path)
-    train, test = read_split(root / "train"), read_split(root / "test")
-    xs, ys, clients, start = [], [], [], 0
-    for user in sorted(train):
-        x, y = encode(train[user]["x"]), encode(train[user]["y"])
-        xs.append(x)
-        ys.append(y)
-        clients.append(np.arange(start, start + len(y)))
-        start += len(y)
-    x_test = np.concatenate([encode(test[u]["x"]) for u in sorted(test)])
-    y_test = np.concatenate([encode(test[u]["y"]) for u in sorted(test)])
-    return (as_inputs(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys).astype(np.int64)),
-            as_inputs(x_test), torch.from_numpy(y_test.astype(np.int64)), clients)
+def vocabulary(counts: Counter, vocab_size: int, vocab_file: str | None) -> dict[str, int]:
+    """Word ids from 2: a word list's order, else the most frequent training words (ties by word)."""
+    if vocab_file:
+        with open(vocab_file, encoding="utf-8") as lines:
+            words = [line.split(maxsplit=1)[0] for line in lines if line.strip()]
+    else:
+        words = [w for w, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:vocab_size]]
+    return {w: i + 2 for i, w in enumerate(dict.fromkeys(words))}
+
+
+class LeafSource:
+    """A LEAF folder (``train/``, ``test/``) read user by user; see the module docstring."""
+
+    def __init__(self, path: str, vocab_size: int = 10000, max_words: int = 25, vocab_file: str | None = None):
+        self.root, self.vocab_size, self.max_words, self.vocab_file = Path(path), vocab_size, max_words, vocab_file
+
+    def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
+        labels, files, kinds, words = {}, {}, set(), Counter()
+        for name, user, data in users_of(self.root / "train"):
+            labels[user], files[user] = labels_of(data["y"]), name
+            kinds.add(kind_of(data["x"]))
+            if TWEETS in kinds and not self.vocab_file:
+                words.update(w for row in data["x"] for w in WORD.findall(tweet_text(row)))
+        if len(kinds) != 1:
+            raise ValueError(f"{self.root / 'train'}: users' x mix LEAF layouts ({', '.join(sorted(kinds))})")
+        kind = kinds.pop()
+        encode = Encoder(kind, vocabulary(words, self.vocab_size, self.vocab_file) if kind == TWEETS else None,
+                         self.max_words)
+        test = [(encode(d["x"]), labels_of(d["y"])) for _, _, d in sorted(users_of(self.root / "test"),
+                                                                          key=lambda item: item[1])]
+        if not test:
+            raise ValueError(f"{self.root / 'test'}: the LEAF test split has no users")
+        x_test, y_test = np.concatenate([x for x, _ in test]), np.concatenate([y for _, y in test])
+        users = sorted(labels)
+        index = ClientIndex(tuple(labels[u] for u in users), tuple(as_inputs(x_test[:1]).shape[1:]),
+                            as_inputs(x_test[:1]).dtype, classes_in(*labels.values(), y_test),
+                            {"users": users, "files": [files[u] for u in users], "encoder": encode})
+        return index, (as_inputs(x_test), torch.from_numpy(y_test))
+
+    def read_clients(self, index: ClientIndex, clients: Sequence[int]) -> dict[int, torch.Tensor]:
+        users, files = index.where["users"], index.where["files"]
+        wanted = {users[c]: c for c in clients}
+        out: dict[int, torch.Tensor] = {}
+        for name in sorted({files[c] for c in clients}):
+            table = read_file(self.root / "train" / name)
+            for user in set(table["users"]) & wanted.keys():
+                out[wanted[user]] = as_inputs(index.where["encoder"](table["user_data"][user]["x"]))
+        return out
+
+
+def leaf(path: str, vocab_size: int = 10000, max_words: int = 25, vocab_file: str | None = None) -> tuple:
+    """(x_train, y_train, x_test, y_test, clients), every user read; ``clients`` holds each training
+    user's sample indices, users sorted by name."""
+    return read_whole(LeafSource(path, vocab_size, max_words, vocab_file))

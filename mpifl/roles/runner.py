@@ -15,17 +15,19 @@ import torch
 from mpi4py import MPI
 
 from mpifl.aggregation.strategies import Strategy, make_strategy
-from mpifl.config import Config
+from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
 from mpifl.learning.datasets import (
     Dataset,
     client_data,
+    client_source,
     load_dataset,
     needs_dataset,
     partition,
     partition_histogram,
     partition_table,
     split_validation,
+    surveyed_dataset,
 )
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
@@ -107,7 +109,7 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
     record_ranks(comm, run_dir)
-    dataset = agree(comm, lambda: load_dataset(cfg.data)) if needs_dataset(cfg) else None  # read once, shared
+    dataset = _shared_dataset(comm, cfg.data) if needs_dataset(cfg) else None
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
     if comm.Get_rank() == 0 and cfg.server.state == "disk":  # the out-of-core server never allocates the model
         spec, flat = model_spec(cfg.model, cfg.seed, **shape)[0], None
@@ -130,6 +132,17 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, opened.get("ckpt"), stop)
+
+
+def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
+    """The data every rank starts from: read once on rank 0 and shared; or, from a client source,
+    only its index shared (labels, shapes), each client rank reading its own clients' inputs later."""
+    source = client_source(cfg)
+    if source is None:
+        return agree(comm, lambda: load_dataset(cfg))
+    surveyed: dict = {}
+    index = agree(comm, lambda: surveyed.setdefault("survey", source.survey())[0])
+    return surveyed_dataset(source, index, surveyed["survey"][1] if comm.Get_rank() == 0 else None)
 
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel, local: dict,
@@ -243,6 +256,11 @@ def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: i
     mine = _placement(cfg, parts, client_ranks).clients_of(rank, cfg.clients.num_clients)
     if dataset is None:
         return {c: (None, None) for c in mine}
+    if dataset.source is not None:  # from a client source: read only now, and only these clients
+        dataset = dataset.holding(mine)
+        held = sum(len(parts[c]) for c in mine)
+        log(f"read {held} of {len(dataset.y_train)} training samples: its {len(mine)} clients' "
+            f"({cfg.data.dataset} files under {cfg.data.kwargs.get('path')})", rank=rank)
     out = {}
     for c in mine:
         train, val = split_validation(parts[c], cfg.data.val_fraction, cfg.seed, c)

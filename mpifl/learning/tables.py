@@ -1,0 +1,182 @@
+"""Federated data as a table with a client-id column, from local files (nothing is downloaded).
+
+``data.dataset: table`` reads one of three formats (``data.kwargs.path``):
+
+- Parquet (``*.parquet``, through pyarrow: the ``tables`` extra). A rank reads only the label
+  and client columns to survey, and only its clients' rows (a pushed-down filter) to train.
+- A Hugging Face dataset saved with ``save_to_disk`` (a folder with ``state.json`` and Arrow
+  files, or a ``DatasetDict`` folder with ``train``/``test`` splits), memory-mapped through
+  pyarrow: pages of other clients' rows are never read.
+- NumPy ``.npz``: one array per column. The feature arrays are read whole, then a rank keeps
+  only its clients' rows (npz cannot be read in part).
+
+Every distinct client id (sorted) is one logical client; ``data.partition: natural`` keeps that
+split and lets each rank read only the clients it hosts. Features are ``feature_columns`` (by
+default every column but the client and label columns): numbers or fixed-length lists,
+concatenated per row into float32 (int64 when every column is integer: token ids), reshaped to
+``shape`` when given. The held-out set is ``test_path`` (the same format) or a DatasetDict's
+``test`` split; without one, the held-out set is empty and server-side evaluation must stay off.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mpifl.learning.sources import ClientIndex, classes_in, read_whole
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.compute  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as err:
+        raise ImportError("data.dataset 'table' reads Parquet and Arrow files with pyarrow: "
+                          "pip install 'mpifl[tables]'") from err
+    return pyarrow
+
+
+def table_format(path: Path) -> str:
+    """'parquet', 'npz', 'arrow' (a saved Hugging Face dataset) or 'arrow-dict' (a saved DatasetDict)."""
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists():
+            return "arrow-dict"
+        if (path / "state.json").exists():
+            return "arrow"
+        raise ValueError(f"{path}: a folder, but not a saved Hugging Face dataset (no state.json)")
+    if path.suffix in (".parquet", ".npz"):
+        return path.suffix[1:]
+    raise ValueError(f"{path}: unknown table format (use .parquet, .npz or a save_to_disk folder)")
+
+
+def _arrow_table(folder: Path):
+    """A saved Hugging Face dataset's Arrow files, memory-mapped, as one pyarrow table."""
+    pa = _pyarrow()
+    state = json.loads((folder / "state.json").read_text())
+    parts = [pa.ipc.open_stream(pa.memory_map(str(folder / f["filename"]))).read_all()
+             for f in state["_data_files"]]
+    return pa.concat_tables(parts)
+
+
+def _columns(table, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Columns of a pyarrow table as numpy arrays; list columns as (rows, length) arrays."""
+    pa = _pyarrow()
+    out = {}
+    for name in names:
+        column = table.column(name).combine_chunks()
+        if pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type) \
+                or pa.types.is_large_list(column.type):
+            lengths = np.unique(pa.compute.list_value_length(column).to_numpy(zero_copy_only=False))
+            if len(lengths) > 1:
+                raise ValueError(f"column {name!r}: lists of different lengths {lengths.tolist()}")
+            values = column.flatten().to_numpy(zero_copy_only=False)
+            out[name] = values.reshape(len(column), -1)
+        else:
+            out[name] = column.to_numpy(zero_copy_only=False)
+    return out
+
+
+class TableSource:
+    """A table with a client-id column; see the module docstring."""
+
+    def __init__(self, path: str, test_path: str | None = None, client_column: str = "client_id",
+                 label_column: str = "label", feature_columns: Sequence[str] | None = None,
+                 shape: Sequence[int] | None = None) -> None:
+        self.path, self.test_path = Path(path), Path(test_path) if test_path else None
+        self.client, self.label = client_column, label_column
+        self.features, self.shape = list(feature_columns) if feature_columns else None, shape
+
+    def _read(self, path: Path, names: Sequence[str], ids: Sequence | None = None,
+              split: str = "train") -> dict[str, np.ndarray]:
+        """Columns of one file; only the rows of client ``ids`` when given (pushed down where the format can)."""
+        kind = table_format(path)
+        if kind == "npz":
+            with np.load(path, allow_pickle=False) as arrays:
+                missing = [n for n in names if n not in arrays.files]
+                if missing:
+                    raise ValueError(f"{path}: no column {missing[0]!r} (it has {', '.join(arrays.files)})")
+                clients = arrays[self.client] if ids is not None else None
+                keep = np.isin(clients, np.asarray(ids)) if ids is not None else slice(None)
+                return {n: arrays[n][keep] for n in names}
+        pa = _pyarrow()
+        if kind == "parquet":
+            filters = [(self.client, "in", list(ids))] if ids is not None else None
+            table = pa.parquet.read_table(path, columns=list(names), filters=filters)
+        else:
+            table = _arrow_table(path / split if kind == "arrow-dict" else path)
+            missing = [n for n in names if n not in table.column_names]
+            if missing:
+                raise ValueError(f"{path}: no column {missing[0]!r} (it has {', '.join(table.column_names)})")
+            if ids is not None:
+                table = table.filter(pa.compute.is_in(table.column(self.client), value_set=pa.array(list(ids))))
+            table = table.select(list(names))
+        return _columns(table, names)
+
+    def _feature_names(self, path: Path) -> list[str]:
+        if self.features:
+            return self.features
+        kind = table_format(path)
+        if kind == "npz":
+            with np.load(path, allow_pickle=False) as arrays:
+                names = list(arrays.files)
+        elif kind == "parquet":
+            names = list(_pyarrow().parquet.read_schema(path).names)
+        else:
+            names = _arrow_table(path / "train" if kind == "arrow-dict" else path).column_names
+        return [n for n in names if n not in (self.client, self.label)]
+
+    def _inputs(self, columns: dict[str, np.ndarray], names: Sequence[str]) -> torch.Tensor:
+        """One input row per table row: the feature columns side by side, reshaped to ``shape``."""
+        parts = [columns[n].reshape(len(columns[n]), -1) for n in names]
+        integer = all(np.issubdtype(p.dtype, np.integer) for p in parts)
+        x = np.concatenate(parts, axis=1).astype(np.int64 if integer else np.float32)
+        return torch.from_numpy(x.reshape(len(x), *self.shape) if self.shape else x)
+
+    def _test(self, names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.test_path is None and table_format(self.path) == "arrow-dict" and (self.path / "test").exists():
+            path, split = self.path, "test"
+        elif self.test_path is not None:
+            path, split = self.test_path, "train"
+        else:
+            return torch.empty(0), torch.empty(0, dtype=torch.int64)
+        columns = self._read(path, [*names, self.label], split=split)
+        return self._inputs(columns, names), torch.from_numpy(columns[self.label].astype(np.int64))
+
+    def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
+        names = self._feature_names(self.path)
+        columns = self._read(self.path, [self.client, self.label])
+        ids, codes = np.unique(columns[self.client], return_inverse=True)
+        order = np.argsort(codes, kind="stable")  # clients in id order, rows in file order
+        labels = np.split(columns[self.label].astype(np.int64)[order], np.cumsum(np.bincount(codes))[:-1])
+        x_test, y_test = self._test(names)
+        first = self._inputs(self._read(self.path, names, ids[:1]), names)[:1]
+        if len(x_test) == 0:
+            x_test = first[:0]
+        index = ClientIndex(tuple(labels), tuple(first.shape[1:]), first.dtype, classes_in(*labels, y_test.numpy()),
+                            {"ids": ids.tolist(), "features": names})
+        return index, (x_test, y_test)
+
+    def read_clients(self, index: ClientIndex, clients: Sequence[int]) -> dict[int, torch.Tensor]:
+        ids, names = index.where["ids"], index.where["features"]
+        wanted = [ids[c] for c in sorted(clients)]
+        if not wanted:
+            return {}
+        columns = self._read(self.path, [self.client, *names], wanted)
+        x = self._inputs(columns, names)
+        position = {v: c for c, v in zip(sorted(clients), wanted)}
+        owner = np.array([position[v] for v in columns[self.client].tolist()], dtype=np.int64)
+        out = {}
+        for c in sorted(clients):
+            rows = torch.from_numpy(np.flatnonzero(owner == c))
+            out[c] = x[rows]
+        return out
+
+
+def table(path: str, test_path: str | None = None, client_column: str = "client_id", label_column: str = "label",
+          feature_columns: Sequence[str] | None = None, shape: Sequence[int] | None = None) -> tuple:
+    """(x_train, y_train, x_test, y_test, clients), every client read (see :class:`TableSource`)."""
+    return read_whole(TableSource(path, test_path, client_column, label_column, feature_columns, shape))
