@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from mpifl.config import Config
-from mpifl.learning.datasets import client_data, load_dataset, partition
+from mpifl.learning.datasets import client_data, load_dataset
 from mpifl.learning.models import build_model
+from mpifl.learning.partitions import partition
 from mpifl.learning.trainers import make_trainer
 from mpifl.roles.federation import client_seed, sample_clients
 from mpifl.wire.flat import FlatModel

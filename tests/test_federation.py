@@ -2,7 +2,8 @@
 import numpy as np
 import torch
 
-from mpifl.learning.datasets import digits, dirichlet_partition, iid_partition, synthetic
+from mpifl.learning.datasets import digits, synthetic
+from mpifl.learning.partitions import dirichlet_partition, iid_partition
 from mpifl.roles.federation import client_seed, clients_of_rank, group_by_rank, sample_clients
 
 
@@ -50,7 +51,7 @@ def test_builtin_datasets_load_offline():
 
 
 def test_shards_give_every_client_exactly_k_classes_and_use_every_class():
-    from mpifl.learning.datasets import shard_partition
+    from mpifl.learning.partitions import shard_partition
 
     labels = np.repeat(np.arange(10), 40)
     parts = shard_partition(labels, 8, 3, np.random.default_rng(1))
@@ -60,7 +61,7 @@ def test_shards_give_every_client_exactly_k_classes_and_use_every_class():
 
 
 def test_unbalanced_sizes_vary_widely_and_cover_the_data():
-    from mpifl.learning.datasets import unbalanced_partition
+    from mpifl.learning.partitions import unbalanced_partition
 
     parts = unbalanced_partition(1000, 20, 1.5, np.random.default_rng(0))
     sizes = sorted(map(len, parts))
@@ -71,7 +72,7 @@ def test_unbalanced_sizes_vary_widely_and_cover_the_data():
 
 
 def test_validation_split_is_seeded_disjoint_and_optional():
-    from mpifl.learning.datasets import split_validation
+    from mpifl.learning.partitions import split_validation
 
     idx = np.arange(100, 200)
     train, val = split_validation(idx, 0.2, seed=0, client=3)
@@ -82,7 +83,7 @@ def test_validation_split_is_seeded_disjoint_and_optional():
 
 
 def test_partition_table_shows_samples_and_label_counts_per_client():
-    from mpifl.learning.datasets import label_histogram, partition_table
+    from mpifl.learning.partitions import label_histogram, partition_table
 
     labels = np.array([0, 0, 1, 2, 2, 2])
     table = partition_table(label_histogram([np.array([0, 1, 2]), np.array([3, 4, 5])], labels, 3))

@@ -8,7 +8,8 @@ import pytest
 from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, write_config
 
 from mpifl.config import load_config
-from mpifl.learning.datasets import load_dataset, partition, partition_histogram
+from mpifl.learning.datasets import load_dataset
+from mpifl.learning.partitions import partition, partition_histogram
 
 USERS = {"f0007": 5, "f0001": 3, "f0042": 7, "f0003": 4}  # LEAF users and their sample counts
 

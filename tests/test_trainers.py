@@ -2,8 +2,9 @@
 import torch
 
 from mpifl.config import load_config
-from mpifl.learning.datasets import client_data, load_dataset, partition
+from mpifl.learning.datasets import client_data, load_dataset
 from mpifl.learning.models import build_model
+from mpifl.learning.partitions import partition
 from mpifl.learning.trainers import evaluate, make_loss, make_trainer
 from mpifl.wire.flat import FlatModel
 

@@ -86,7 +86,8 @@ def validate(args: argparse.Namespace) -> int:
 
 def partition(args: argparse.Namespace) -> int:
     """``mpifl partition``: the clients x labels table, optionally plotted."""
-    from mpifl.learning.datasets import load_dataset, partition_histogram, partition_table, plot_partition
+    from mpifl.learning.datasets import load_dataset
+    from mpifl.learning.partitions import partition_histogram, partition_table, plot_partition
 
     cfg = load_config(args.config, args.overrides)
     histogram = partition_histogram(cfg.data, load_dataset(cfg.data), cfg.clients.num_clients, cfg.seed)

@@ -17,20 +17,10 @@ from mpi4py import MPI
 from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
-from mpifl.learning.datasets import (
-    Dataset,
-    client_data,
-    client_source,
-    load_dataset,
-    needs_dataset,
-    partition,
-    partition_histogram,
-    partition_table,
-    split_validation,
-    surveyed_dataset,
-)
+from mpifl.learning.datasets import Dataset, client_data, client_source, load_dataset, needs_dataset, surveyed_dataset
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
+from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
 from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines

@@ -66,7 +66,8 @@ def test_validate_prints_the_warning_and_still_passes(tmp_path, capsys):
 
 
 def test_too_many_clients_for_the_data_is_named_at_partitioning(tmp_path):
-    from mpifl.learning.datasets import load_dataset, partition
+    from mpifl.learning.datasets import load_dataset
+    from mpifl.learning.partitions import partition
 
     cfg = load_config(None, data={"data": {"dataset": "synthetic", "kwargs": {"num_samples": 300}},
                                   "clients": {"num_clients": 1000}})
