@@ -40,6 +40,22 @@ def femnist_like(clients: int = 1000, samples: int = 20, sigma: float = 0.5, noi
     return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(x_test), torch.from_numpy(y_test), writers
 
 
+def write_parquet(folder: Path, clients: int, samples: int) -> dict:
+    """The same data as :func:`femnist_like`, as Parquet tables with a client column (``data.dataset:
+    table``): each client rank then reads only its own writers' rows."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x, y, x_test, y_test, writers = task.femnist_data(clients, samples, 0.5, 1.0, seed=0)
+    client = np.repeat(np.arange(clients), [len(w) for w in writers])
+    for name, xs, ys, ids in (("train", x, y, client), ("test", x_test, y_test, np.zeros(len(y_test), int))):
+        pixels = pa.FixedSizeListArray.from_arrays(pa.array(xs.reshape(-1)), 784)
+        pq.write_table(pa.table({"client_id": ids, "label": ys, "pixels": pixels}), folder / f"{name}.parquet",
+                       row_group_size=4096)
+    return {"path": str(folder / "train.parquet"), "test_path": str(folder / "test.parquet"), "shape": [1, 28, 28]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=1000)
@@ -52,18 +68,26 @@ def main() -> int:
                    help="big_mlp: the communication-heavy 784-8192-2048-62 MLP (93 MB fp32)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
+    p.add_argument("--data", default="table", choices=("table", "plugin"),
+                   help="table: Parquet files, each rank reads only its clients (the default); plugin: "
+                   "rank 0 builds the whole set in memory and shares it")
     p.add_argument("--json", action="store_true", help="also print 'RESULT {json}' (seconds per round "
                    "without evaluation, peak RSS, final accuracy) for profiling/peers/compare.sh")
     p.add_argument("--bin", default=str(Path(sys.executable).parent))
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="cross-device-"))
     config = run_dir / "config.yaml"
+    if args.data == "table":
+        data = json.dumps({"dataset": "table", "kwargs": write_parquet(run_dir, args.clients, args.samples),
+                           "partition": "natural"})
+    else:
+        data = (f'{{dataset: "cross_device:femnist_like", kwargs: {{clients: {args.clients}, samples: {args.samples}}}, '
+                'partition: natural}')
     config.write_text(f"""
 name: cross-device
 rounds: {args.rounds}
 clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {args.groups}, placement: balanced}}
-data: {{dataset: "cross_device:femnist_like", kwargs: {{clients: {args.clients}, samples: {args.samples}}},
-        partition: natural}}
+data: {data}
 model: {{name: "cross_device:{args.model}"}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu}}
 eval: {{every: {args.eval_every or args.rounds}}}
@@ -84,7 +108,7 @@ output: {{progress: false, save_model: false}}
         overheads.append((r["time"]["round"] - busiest["train_seconds"]) / busiest["clients"])
         rounds.append(r["time"]["round"] - r["time"]["eval"])
     print(f"{args.clients} clients, {args.per_round} per round, {args.ranks} client ranks, groups {args.groups}, "
-          f"{args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
+          f"data {args.data}, {args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
     print(f"  seconds per round {statistics.median(rounds):.3f}; peak RSS: server "
           f"{max(r['server_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB, largest client rank "
           f"{max(r['client_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB")

@@ -104,8 +104,7 @@ class TableSource:
                 return {n: arrays[n][keep] for n in names}
         pa = _pyarrow()
         if kind == "parquet":
-            filters = [(self.client, "in", list(ids))] if ids is not None else None
-            table = pa.parquet.read_table(path, columns=list(names), filters=filters)
+            table = self._parquet_rows(path, names, ids)
         else:
             table = _arrow_table(path / split if kind == "arrow-dict" else path)
             missing = [n for n in names if n not in table.column_names]
@@ -115,6 +114,32 @@ class TableSource:
                 table = table.filter(pa.compute.is_in(table.column(self.client), value_set=pa.array(list(ids))))
             table = table.select(list(names))
         return _columns(table, names)
+
+    def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | None):
+        """Columns ``names`` of every row, or of the rows of clients ``ids``, one row group at a time:
+        groups whose client-id range (the file's statistics) holds none of ``ids`` are skipped unread,
+        so memory stays one group plus the result."""
+        pa = _pyarrow()
+        file = pa.parquet.ParquetFile(path, memory_map=True)
+        missing = [n for n in names if n not in file.schema_arrow.names]
+        if missing:
+            raise ValueError(f"{path}: no column {missing[0]!r} (it has {', '.join(file.schema_arrow.names)})")
+        column = file.schema_arrow.get_field_index(self.client)
+        wanted = pa.array(list(ids)) if ids is not None else None
+        parts = []
+        for group in range(file.metadata.num_row_groups):
+            if wanted is None:
+                parts.append(file.read_row_group(group, columns=list(names)))
+                continue
+            stats = file.metadata.row_group(group).column(column).statistics
+            if stats is not None and stats.has_min_max and (stats.max < min(ids) or stats.min > max(ids)):
+                continue
+            keep = pa.compute.is_in(file.read_row_group(group, columns=[self.client]).column(0), value_set=wanted)
+            if pa.compute.any(keep).as_py():
+                parts.append(file.read_row_group(group, columns=list(names)).filter(keep))
+        table = pa.concat_tables(parts) if parts else file.schema_arrow.empty_table().select(list(names))
+        pa.default_memory_pool().release_unused()
+        return table
 
     def _feature_names(self, path: Path) -> list[str]:
         if self.features:
