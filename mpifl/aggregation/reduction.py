@@ -12,6 +12,7 @@ an aborted round leaves the global model untouched.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,16 +95,18 @@ class StreamedReduction:
 
     def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangePlan, strategy: Strategy,
                  by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan, round_: int = 0, *,
-                 min_participants: int = 1, watchdog: Watchdog | None = None):
+                 min_participants: int = 1, watchdog: Watchdog | None = None, order: Sequence[int] | None = None,
+                 weights: Mapping[int, float] | None = None, by_count: bool = False):
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
         self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
         self.by_rank = by_rank
+        self.weights, self.by_count = weights, by_count  # asynchronous FL: staleness weights, FedBuff's 1/K
         self.metas_in = {rank: 0 for rank in by_rank}  # what has landed from each rank, for its deadlines
         self.chunks_in = {rank: 0 for rank in by_rank}
         self.posted = {rank: 0 for rank in by_rank}  # receives outstanding: a rank is awaited only when > 0
         self.total_weight: float | None = None  # set once every header is in, before the first finish
-        self.schedule = FoldSchedule(by_rank, len(self.chunks), plan.window)
+        self.schedule = FoldSchedule(by_rank, len(self.chunks), plan.window, order)
         self.plan = plan
         pool.ensure(plan.slots_per_rank * len(by_rank), plan.window)
         self.pool = pool
@@ -222,8 +225,12 @@ class StreamedReduction:
         x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
         # a group's partial sum arrives weighted: it folds with weight 1; a single update, with its own
         grouped = step.client in self.stats.groups
-        weight = 1.0 if grouped else self.strategy.weight(self.stats.metas[step.client].num_samples)
+        weight = 1.0 if grouped else self._weight(self.stats.metas[step.client])
         self.strategy.fold(self.acc_of[step.chunk], x, weight, step.row)
+
+    def _weight(self, meta: protocol.UpdateMeta) -> float:
+        """A participant's weight: the round's own (asynchronous FL), else the strategy's from its samples."""
+        return self.weights[meta.client] if self.weights is not None else self.strategy.weight(meta.num_samples)
 
     def _accumulator(self, j: int) -> torch.Tensor:
         numel = self.chunks[j].numel
@@ -241,7 +248,7 @@ class StreamedReduction:
             raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.stats.metas)} participants sent a "
                                f"usable update, fewer than clients.min_participants={self.min_participants}; "
                                "the round is not applied")
-        self.total_weight = sum(self.strategy.weight(m.num_samples) for m in usable)
+        self.total_weight = float(len(usable)) if self.by_count else sum(self._weight(m) for m in usable)
         if self.total_weight <= 0:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
 

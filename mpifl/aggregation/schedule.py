@@ -1,17 +1,18 @@
 """The fold schedule: in which order the server folds a round's update chunks (no MPI, no tensors).
 
 Every participant's update arrives as a stream of chunks from its rank; each rank sends its
-participants in ascending id, each one's header (``UpdateMeta``) just before its chunks, the
-chunks in order. An arrived chunk (participant p, chunk j) is folded as soon as it is next in
-the fixed order for chunk j (participants by ascending id) and p's header is in; early arrivals
-wait in their receive slots. So the sum for every element is taken in the same order whatever
-order chunks land in, and the result is bitwise reproducible.
+participants in the fold order (ascending id, or an explicit ``order``: asynchronous FL folds in
+virtual-arrival order), each one's header (``UpdateMeta``) just before its chunks, the chunks in
+order. An arrived chunk (participant p, chunk j) is folded as soon as it is next in the fixed
+order for chunk j and p's header is in; early arrivals wait in their receive slots. So the sum
+for every element is taken in the same order whatever order chunks land in, and the result is
+bitwise reproducible.
 
 At most ``window`` chunks are in progress at once: chunk j folds only while j < low + window,
 ``low`` being the lowest unfinished chunk, and uses accumulator ``j % window``. When a rank hosts
 several participants it sends them one after another, so chunk j of its second participant comes
 only after every chunk of its first: the window must then span the whole model. Deadlock-free:
-the lowest-id participant with chunks outstanding can always fold.
+each rank sends in the fold order, so the earliest participant with chunks outstanding can always fold.
 
 A participant whose header carries an error keeps its place in the order: its chunks are still
 received and "folded" (skipped, ``row`` None), so the participants after it can go on.
@@ -70,7 +71,8 @@ Step = Union[Fold, Finish]
 class FoldSchedule:
     """What may be folded now, given which headers and chunks have arrived."""
 
-    def __init__(self, by_rank: Mapping[int, Sequence[int]], num_chunks: int, window: int):
+    def __init__(self, by_rank: Mapping[int, Sequence[int]], num_chunks: int, window: int,
+                 order: Sequence[int] | None = None):
         if num_chunks and window < 1:
             raise ValueError(f"the accumulator window must hold at least one chunk, not {window}")
         if window < num_chunks and any(len(clients) > 1 for clients in by_rank.values()):
@@ -78,10 +80,13 @@ class FoldSchedule:
                              f"all {num_chunks} chunks")
         self.num_chunks, self.window = num_chunks, window
         self.ranks = list(by_rank)  # in the caller's order: receives are first posted in it
-        self.order: list[int] = sorted(c for clients in by_rank.values() for c in clients)
+        everyone = sorted(c for clients in by_rank.values() for c in clients)
+        if order is not None and sorted(order) != everyone:
+            raise ValueError(f"the fold order {list(order)} must list every stream {everyone} once")
+        self.order: list[int] = list(order) if order is not None else everyone
         self.position = {c: i for i, c in enumerate(self.order)}
         self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
-        self._streams = {r: [(c, j) for c in sorted(clients) for j in range(num_chunks)]
+        self._streams = {r: [(c, j) for c in sorted(clients, key=self.position.__getitem__) for j in range(num_chunks)]
                          for r, clients in by_rank.items()}
         self.low = 0  # the lowest unfinished chunk
         self.finished = [False] * num_chunks
@@ -98,7 +103,7 @@ class FoldSchedule:
         return self.low >= self.num_chunks
 
     def stream(self, rank: int) -> list[tuple[int, int]]:
-        """What ``rank`` sends, in order: (client, chunk), its clients ascending, each one's chunks in order."""
+        """What ``rank`` sends, in order: (client, chunk), its clients in fold order, each one's chunks in order."""
         return self._streams[rank]
 
     def meta_ticket(self, rank: int) -> MetaTicket | None:

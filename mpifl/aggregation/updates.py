@@ -92,3 +92,18 @@ class FedAdagrad(Adaptive):
     """FedAdagrad: v = v + delta^2."""
 
     second_moment = staticmethod(kernels.adagrad_second_moment)
+
+
+class Mixing(ServerUpdate):
+    """FedAsync (Xie et al. 2019): x = (1 - a) x + a x_client, as x + a (x_client - x); the asynchronous
+    schedule sets ``alpha`` (a = alpha x s(staleness)) before each step."""
+
+    reads_previous = True
+
+    def __init__(self, cfg: StrategyConfig) -> None:
+        super().__init__(cfg)
+        self.alpha = 1.0
+
+    def step(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """step = a * (x_client - x)."""
+        delta.mul_(self.alpha)

@@ -15,6 +15,7 @@ from mpifl.config.schema import ConfigError, apply_override, build, merge
 from mpifl.config.sections import (
     CheckpointConfig,
     ClientsConfig,
+    ClockConfig,
     Config,
     DataConfig,
     EvalConfig,
@@ -29,7 +30,7 @@ from mpifl.config.sections import (
     TransportConfig,
 )
 
-__all__ = ["CheckpointConfig", "ClientsConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
+__all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
            "ModelConfig", "OutputConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
            "TransformersConfig", "TransportConfig", "config_warnings", "dump_config", "load_config", "resume_conflict"]
 

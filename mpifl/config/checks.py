@@ -23,6 +23,7 @@ def check_combinations(cfg: Config) -> None:
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
                           f"{cfg.clients_per_round()} clients sampled per round")
     _check_groups(cfg)
+    _check_clock(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -30,6 +31,39 @@ def check_combinations(cfg: Config) -> None:
     if cfg.server.state == "disk" and cfg.eval.every:
         raise ConfigError("eval.every: the out-of-core server (server.state='disk') never holds the whole model, "
                           "so it cannot evaluate it; set eval.every=0")
+
+
+def _check_clock(cfg: Config) -> None:
+    clock = cfg.clock
+    for key in ("trace", "availability_trace"):
+        if getattr(clock, key) is not None and not Path(getattr(clock, key)).is_file():
+            raise ConfigError(f"clock.{key}: {getattr(clock, key)!r} does not exist")
+    if clock.availability == "trace" and clock.availability_trace is None:
+        raise ConfigError("clock.availability: 'trace' needs clock.availability_trace (a JSON file of online intervals)")
+    if clock.mode == "off":
+        return
+    if cfg.server.state == "disk":
+        raise ConfigError(f"clock.mode: {clock.mode!r} runs with the in-memory server only; set server.state='memory'")
+    if clock.mode == "sync":
+        return
+    if cfg.clients.groups:
+        raise ConfigError(f"clients.groups: clock.mode {clock.mode!r} applies each update at its own virtual arrival, "
+                          "so updates cannot be summed on the ranks first; set clients.groups=0")
+    if clock.mode == "fedasync" and (cfg.strategy.name != "fedavg" or cfg.strategy.update != "weights"):
+        raise ConfigError("clock.mode: 'fedasync' mixes each client's trained weights into the model "
+                          "(x = (1 - a) x + a x_client): it needs strategy.name='fedavg' and strategy.update='weights'")
+    if clock.mode == "fedbuff" and cfg.strategy.update != "delta":
+        raise ConfigError("clock.mode: 'fedbuff' averages the buffered clients' deltas, each against the version it "
+                          "trained on: set strategy.update='delta'")
+    buffer = 1 if clock.mode == "fedasync" else clock.buffer
+    if cfg.clients.min_participants > buffer:
+        raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the {buffer} "
+                          f"update(s) each {clock.mode} step applies")
+    if clock.concurrency < buffer:
+        raise ConfigError(f"clock.concurrency: {clock.concurrency} clients in flight can never fill a buffer of "
+                          f"{buffer}; raise clock.concurrency")
+    if clock.concurrency > cfg.clients.num_clients:
+        raise ConfigError(f"clock.concurrency: {clock.concurrency} is more than the {cfg.clients.num_clients} clients")
 
 
 def _check_groups(cfg: Config) -> None:

@@ -218,6 +218,50 @@ class ServerConfig:
 
 
 @dataclass
+class ClockConfig:
+    """Virtual time: heterogeneous clients, deadlines, availability and asynchronous FL (mpifl.clock).
+
+    Every duration comes from the cost model, never from the machine: the schedule, and every
+    result, depend only on the config and the seed.
+    """
+
+    mode: str = field_("off", "off (rounds in real time only), sync (rounds in virtual time: deadlines, "
+                       "over-selection, availability), fedasync (Xie et al. 2019) or fedbuff (Nguyen et al. 2022)",
+                       choices=("off", "sync", "fedasync", "fedbuff"))
+    seconds_per_sample: float = field_(0.01, "virtual compute seconds for one training sample (forward and backward) "
+                                       "on a device of speed 1", min=0.0)
+    speed_sigma: float = field_(0.5, "relative compute speeds are lognormal with median 1 and this sigma (0: equal)",
+                                min=0.0)
+    bandwidth_mbps: float = field_(20.0, "median link bandwidth, megabits per second (both directions)", min=0.0,
+                                   exclusive_min=True)
+    bandwidth_sigma: float = field_(0.8, "lognormal sigma of the bandwidths (0: equal)", min=0.0)
+    trace: Optional[str] = field_(None, "device trace in FedScale's layout (JSON or pickle): {client: {computation: "
+                                  "ms per sample, communication: kbps}}; client c takes the c-th entry (ids sorted), "
+                                  "cycling when there are fewer entries than clients")
+    deadline: Optional[float] = field_(None, "sync: virtual seconds a round waits; later updates are stragglers, "
+                                       "dropped", min=0.0, exclusive_min=True)
+    over_selection: float = field_(0.0, "sync: sample ceil(k x (1 + x)) clients and keep the first k to finish "
+                                   "(Bonawitz et al. 2019)", min=0.0)
+    availability: str = field_("always", "who can be sampled: always, diurnal (each client online for "
+                               "online_fraction of every period, at its own seeded phase) or trace "
+                               "(availability_trace)", choices=("always", "diurnal", "trace"))
+    online_fraction: float = field_(0.5, "diurnal: fraction of each period a client is online", min=0.0, max=1.0,
+                                    exclusive_min=True)
+    period: float = field_(86400.0, "diurnal: the period, virtual seconds", min=0.0, exclusive_min=True)
+    availability_trace: Optional[str] = field_(None, "availability: trace: JSON {client: [[start, end], ...]} online "
+                                               "intervals in virtual seconds (clients not listed are always online)")
+    concurrency: int = field_(10, "fedasync/fedbuff: clients training at once", min=1)
+    buffer: int = field_(5, "fedbuff: updates buffered per server step (K)", min=1)
+    alpha: float = field_(0.6, "fedasync: mixing weight alpha (x = (1 - a) x + a x_client, a = alpha x s(staleness))",
+                          min=0.0, max=1.0, exclusive_min=True)
+    staleness: str = field_("polynomial", "staleness function s(t - tau) (Xie et al. 2019): constant (1), "
+                            "polynomial ((1 + t - tau)^-a) or hinge (1 up to b, then 1 / (a (t - tau - b) + 1))",
+                            choices=("constant", "polynomial", "hinge"))
+    staleness_a: float = field_(0.5, "staleness exponent or slope a (0.5: FedBuff's 1/sqrt(1 + staleness))", min=0.0)
+    staleness_b: float = field_(4.0, "hinge: staleness tolerated at full weight, b", min=0.0)
+
+
+@dataclass
 class OutputConfig:
     """What a run writes."""
 
@@ -244,6 +288,7 @@ class Config:
     eval: EvalConfig = field_(EvalConfig, "evaluation")
     checkpoint: CheckpointConfig = field_(CheckpointConfig, "checkpoints")
     server: ServerConfig = field_(ServerConfig, "server state")
+    clock: ClockConfig = field_(ClockConfig, "virtual time: heterogeneous and asynchronous clients")
     output: OutputConfig = field_(OutputConfig, "outputs")
 
     def to_dict(self) -> dict:

@@ -146,6 +146,7 @@ class ClientRank:
         self.work = parts.replica.flat if parts.replica else flat  # the model that trains
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
+        self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -153,21 +154,15 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if header.stop:
                 return
-            if header.clients:
+            if header.hold:
+                self.serve_step(header)
+            elif header.clients:
                 self.serve_round(header)
 
     def serve_round(self, header: protocol.RoundHeader) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
         inflight = self.parts.plan.inflight
-        recv_chunks(self.comm, protocol.SERVER, protocol.MODEL, self.chunk_buffers, inflight)
-        if self.replica is not None:
-            self.replica.load_global()
-        # Training (and forming a delta) overwrites the model: keep the global for what follows.
-        keep = None
-        if self._needs_host_global(len(header.clients)):
-            if self.snapshot is None:
-                self.snapshot = torch.empty_like(self.flat.buffer)
-            keep = self.snapshot.copy_(self.flat.buffer)
+        keep = self._receive_global(len(header.clients))
         if self.group_sum is None:
             for i, client in enumerate(header.clients):
                 meta, buffers = self._train(header.round, client, keep, first=i == 0)
@@ -186,6 +181,34 @@ class ClientRank:
                 metas.append(meta)
             send_object(self.comm, protocol.GroupMeta(group, tuple(metas)), protocol.SERVER, protocol.META)
             send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.group_sum.to_host(), inflight)
+
+    def serve_step(self, header: protocol.RoundHeader) -> None:
+        """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;
+        then send the held updates the server asks for, in its (virtual-arrival) order."""
+        if header.clients:
+            keep = self._receive_global(len(header.clients))
+            for i, client in enumerate(header.clients):
+                meta, buffers = self._train(header.round, client, keep, first=i == 0)
+                self.held[client] = meta, [np.array(b, copy=True) for b in buffers]
+        for client in header.send:
+            if client not in self.held:
+                raise RuntimeError(f"rank {self.rank}: the server asked for logical client {client}'s update, "
+                                   f"which this rank does not hold (it holds {sorted(self.held)})")
+            meta, buffers = self.held.pop(client)
+            send_object(self.comm, meta, protocol.SERVER, protocol.META)
+            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, self.parts.plan.inflight)
+
+    def _receive_global(self, clients: int) -> torch.Tensor | None:
+        """Receive the global model; keep a host copy when ``clients`` logical clients will need it."""
+        recv_chunks(self.comm, protocol.SERVER, protocol.MODEL, self.chunk_buffers, self.parts.plan.inflight)
+        if self.replica is not None:
+            self.replica.load_global()
+        # Training (and forming a delta) overwrites the model: keep the global for what follows.
+        if not self._needs_host_global(clients):
+            return None
+        if self.snapshot is None:
+            self.snapshot = torch.empty_like(self.flat.buffer)
+        return self.snapshot.copy_(self.flat.buffer)
 
     def _needs_host_global(self, clients: int) -> bool:
         """Whether the host must keep a copy of the global model: for deltas formed on the host, or to reset

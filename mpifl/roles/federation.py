@@ -1,6 +1,8 @@
 """Who takes part, where they live, and the seeds they use: pure functions of the config."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from mpifl.config import ClientsConfig
@@ -99,6 +101,22 @@ def placement_for(clients: ClientsConfig, client_ranks: int, work: list[float] |
     return Placement(client_ranks, clients.groups)
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round (or asynchronous step) does: who trains, whose updates are reduced, and how."""
+
+    round: int
+    participants: tuple[int, ...]  # whose updates are reduced, in fold order
+    train: dict[int, list[int]]  # rank -> clients that train from the model sent this round (ascending)
+    streams: dict[int, list[int]]  # rank -> what it sends, in fold order: participants, or groups' partial sums
+    order: tuple[int, ...] | None = None  # the fold order of the streams when not ascending
+    hold: bool = False  # trained updates stay on their ranks until a round lists them in ``streams``
+    weights: dict[int, float] | None = None  # per participant, replacing the strategy's weight
+    by_count: bool = False  # divide the weighted sum by the number of usable updates, not their total weight
+    mixing: float | None = None  # fedasync: this step's alpha x s(staleness)
+    clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
+
+
 class Sampler:
     """Each round's participants and their ranks, from the root seed and the ``clients`` section."""
 
@@ -109,6 +127,19 @@ class Sampler:
     def participants(self, round_: int) -> list[int]:
         """The sorted logical client ids taking part in ``round_``."""
         return sample_clients(self.seed, round_, self.clients.num_clients, self.per_round)
+
+    def plan(self, round_: int) -> RoundPlan:
+        """A synchronous round in real time: the sampled clients train and send, in ascending id."""
+        participants = self.participants(round_)
+        return RoundPlan(round_, tuple(participants), self.by_rank(participants), self.streams(participants))
+
+    def needed_versions(self, round_: int) -> set[int]:
+        """Model versions a resume after ``round_`` needs besides its own (asynchronous FL only)."""
+        return set()
+
+    def replay(self, round_: int) -> list[RoundPlan]:
+        """What a resume after ``round_`` redoes before going on (asynchronous FL only: nothing here)."""
+        return []
 
     def by_rank(self, participants: list[int]) -> dict[int, list[int]]:
         """Each hosting rank's participants, ascending."""

@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 from mpifl.aggregation.strategies import Strategy, make_strategy
+from mpifl.clock.planners import clock_sampler, clock_strategy, task_samples
 from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
 from mpifl.learning.datasets import Dataset, client_data, client_source, load_dataset, needs_dataset, surveyed_dataset
@@ -25,7 +26,7 @@ from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.federation import Placement, Sampler, placement_for
+from mpifl.roles.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.server import Evaluation, Server, ServerParts, log_final
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
@@ -154,7 +155,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel | None,
                      dataset: Dataset | None, run_dir: Path | None, resume: Checkpoint | None,
                      stop: StopRequest) -> list[dict]:
-    strategy = make_strategy(cfg.strategy)
+    strategy = clock_strategy(cfg)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
@@ -173,12 +174,25 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     if dataset is not None and flat is not None:
         evaluate = make_evaluator(cfg)
         score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
-    checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs)
     sink = JsonLines(run_dir / METRICS if run_dir else None)
-    placement = _placement(cfg, _partition(cfg, dataset) if cfg.clients.placement == "balanced" else None,
-                           comm.Get_size() - 1)
-    parts = ServerParts(plan, Sampler(cfg.seed, cfg.clients, placement), strategy, store, checkpointer,
-                        Evaluation(score, cfg.eval.every, cfg.rounds), sink)
+    needs_sizes = cfg.clients.placement == "balanced" or cfg.clock.mode != "off"
+    parts_ = _partition(cfg, dataset) if needs_sizes else None
+    placement = _placement(cfg, parts_, comm.Get_size() - 1)
+    sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
+        if parts_ is not None else None
+    samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
+                           cfg.train.batch_size)
+    try:
+        sampler = clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
+    except (ValueError, OSError) as err:
+        raise JobFailure(f"cannot plan the virtual-time schedule: {err}") from None
+    asynchronous = cfg.clock.mode in ("fedasync", "fedbuff")
+    checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
+                                sampler.needed_versions if asynchronous and directory else None)
+    if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
+        checkpointer.round_ended(0, [], stopping=False)
+    parts = ServerParts(plan, sampler, strategy, store, checkpointer, Evaluation(score, cfg.eval.every, cfg.rounds),
+                        sink)
     try:
         history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)

@@ -7,18 +7,20 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from mpifl.aggregation.reduction import PoolPlan, ReceivePool, RoundAborted, StreamedReduction
+from mpifl.aggregation.reduction import PoolPlan, ReceivePool, ReductionStats, RoundAborted, StreamedReduction
 from mpifl.aggregation.strategies import Strategy
 from mpifl.config import TimeoutsConfig, TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
-from mpifl.roles.federation import Sampler
+from mpifl.roles.federation import RoundPlan, Sampler
 from mpifl.roles.launch import StopRequest
 from mpifl.storage.checkpointer import Checkpointer
+from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
@@ -100,6 +102,7 @@ class Server:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
         self.history = list(history)
         self.slowest_train = max((r["client_train_seconds"] for r in self.history), default=None)
+        self._replay(start_round)
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
@@ -114,29 +117,30 @@ class Server:
                     break
         finally:
             bar.close()
-        self._send_headers({}, self.rounds + 1, stop=True)
+        self._send_headers(None, self.rounds + 1)
         return self.history
 
     def round(self, rnd: int) -> tuple[dict, bool]:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
-        participants = parts.sampler.participants(rnd)
-        by_rank = parts.sampler.by_rank(participants)
-        streams = parts.sampler.streams(participants)  # what comes back: updates, or groups' partial sums
-        self._send_headers(by_rank, rnd)
-        watchdog = Watchdog(self._deadlines(), rnd, by_rank, lambda: self.stop.requested)
+        plan = parts.sampler.plan(rnd)
+        self._send_headers(plan)
+        watchdog = Watchdog(self._deadlines(), rnd, {**plan.train, **plan.streams}, lambda: self.stop.requested)
         try:
-            for window in parts.store.outgoing():
-                send_chunks(self.comm, sorted(by_rank), protocol.MODEL, window, self.transport.inflight, watchdog)
+            for window in parts.store.outgoing() if plan.train else ():
+                send_chunks(self.comm, sorted(plan.train), protocol.MODEL, window, self.transport.inflight, watchdog)
         except RankStalled as stalled:
             self._give_up(rnd, stalled, model_intact=True)
         dispatched = time.perf_counter()
         parts.store.begin_round(rnd)
-        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, streams, self.pool,
-                                      self._pool_plan(streams), rnd, min_participants=self.min_participants,
-                                      watchdog=watchdog)
+        if plan.mixing is not None:
+            parts.strategy.update.alpha = plan.mixing
+        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, plan.streams, self.pool,
+                                      self._pool_plan(plan.streams), rnd, min_participants=self.min_participants,
+                                      watchdog=watchdog, order=plan.order, weights=plan.weights,
+                                      by_count=plan.by_count)
         try:
-            stats = reduction.run()
+            stats = reduction.run() if plan.streams else ReductionStats()
         except RoundAborted:
             self._log_drops(rnd, reduction.stats.metas)
             parts.checkpointer.round_aborted(rnd, self.history)
@@ -149,7 +153,7 @@ class Server:
         evaluated = time.perf_counter()
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds)
-        record = self._record(rnd, participants, by_rank, streams, stats.metas, evaluation, times)
+        record = self._record(plan, stats.metas, evaluation, times)
         self.history.append(record)
         self.slowest_train = max(self.slowest_train or 0.0, record["client_train_seconds"])
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
@@ -157,6 +161,24 @@ class Server:
         times.checkpointed = times.end = time.perf_counter()
         record["time"].update(times.split())  # the checkpoint's copy stops before saving; the JSON line has it all
         return record, stopping
+
+    def _replay(self, resumed: int) -> None:
+        """Asynchronous FL after a resume: the clients in flight retrain from the versions they started on
+        (read from their checkpoints), with their own seeds, and hold their updates again."""
+        for plan in self.parts.sampler.replay(resumed):
+            path, clients = self.parts.checkpointer.path(plan.round - 1), sorted(sum(plan.train.values(), []))
+            if not path.exists():
+                raise JobFailure(f"resume after round {resumed}: logical clients {clients} trained on version "
+                                 f"{plan.round - 1}, whose checkpoint {path} is gone")
+            model = np.empty(self.parts.plan.spec.total_bytes, dtype=np.uint8)
+            with Checkpoint(path) as version:
+                version.read_range(self.parts.plan.spec, 0, model)
+            self._send_headers(plan)
+            watchdog = Watchdog(self._deadlines(), plan.round, plan.train, lambda: self.stop.requested)
+            send_chunks(self.comm, sorted(plan.train), protocol.MODEL, self.parts.plan.chunk_slices(model),
+                        self.transport.inflight, watchdog)
+            log(f"resume: retrained logical clients {clients} from version "
+                f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
 
     def _deadlines(self) -> Deadlines:
         return default_deadlines(self.timeouts, self.transport.chunk_bytes, self.transport.inflight,
@@ -183,30 +205,35 @@ class Server:
             acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=self.transport.inflight,
             num_chunks=len(self.parts.plan.chunks), sequential=any(len(c) > 1 for c in by_rank.values()))
 
-    def _send_headers(self, by_rank: dict[int, list[int]], rnd: int, stop: bool = False) -> None:
-        requests = [self.comm.isend(protocol.RoundHeader(rnd, tuple(by_rank.get(r, ())), stop), dest=r,
-                                    tag=protocol.HEADER) for r in range(1, self.comm.Get_size())]
-        wait_all(requests)
+    def _send_headers(self, plan: RoundPlan | None, rnd: int = 0) -> None:
+        """Tell every client rank its part of the round (``plan`` None: stop)."""
+        def header(rank: int) -> protocol.RoundHeader:
+            if plan is None:
+                return protocol.RoundHeader(rnd, stop=True)
+            send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
+            return protocol.RoundHeader(plan.round, tuple(plan.train.get(rank, ())), hold=plan.hold, send=send)
 
-    def _record(self, rnd: int, participants: list[int], by_rank: dict, streams: dict, metas: dict,
-                evaluation: dict | None, times: RoundTimes) -> dict:
+        wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
+
+    def _record(self, plan: RoundPlan, metas: dict, evaluation: dict | None, times: RoundTimes) -> dict:
         usable = [m for m in metas.values() if m.error is None]
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         record = {
-            "round": rnd,
-            "participants": participants,
+            "round": plan.round,
+            "participants": list(plan.participants),
             "dropped": [{"client": c, "rank": self.parts.sampler.rank_of(c), "reason": m.error}
                         for c, m in sorted(metas.items()) if m.error is not None],
             "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
-            "bytes_sent": self.parts.plan.model_bytes * len(by_rank),
-            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in streams.values()),
+            "bytes_sent": self.parts.plan.model_bytes * len(plan.train),
+            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in plan.streams.values()),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
-            "client_train_seconds": max(m.train_seconds for m in metas.values()),
+            "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),
             "ranks": self._work_by_rank(metas),
-            "client_peak_rss_bytes": max(m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()),
+            "client_peak_rss_bytes": max((m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()), default=0),
             "time": times.split(),
+            **plan.clock,
         }
         if evaluation is not None:
             record["eval"] = evaluation

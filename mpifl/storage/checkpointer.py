@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import yaml
@@ -64,10 +65,12 @@ def latest_checkpoint(directory: Path) -> Checkpoint | None:
     return None
 
 
-def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
+def prune_checkpoints(directory: Path, keep: int, needed: Iterable[int] = ()) -> None:
+    """Delete all but the newest ``keep`` checkpoints and those of the ``needed`` rounds."""
+    spared = {checkpoint_name(r) for r in needed}
     for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        path.unlink(missing_ok=True)
+        if path.name not in spared:
+            path.unlink(missing_ok=True)
 
 
 def versions() -> dict[str, str]:
@@ -94,8 +97,10 @@ def checkpoint_attrs(cfg: Config) -> dict:
 class Checkpointer:
     """Decides when a round's model is saved, has the store publish it, prunes, links ``model.h5``."""
 
-    def __init__(self, store: GlobalStore, directory: Path | None, cfg: CheckpointConfig, rounds: int, attrs: dict):
+    def __init__(self, store: GlobalStore, directory: Path | None, cfg: CheckpointConfig, rounds: int, attrs: dict,
+                 needed: Callable[[int], set[int]] | None = None):
         self.store, self.directory, self.cfg, self.rounds, self.attrs = store, directory, cfg, rounds, attrs
+        self.needed = needed  # asynchronous FL: every version is saved; those a resume would retrain from are kept
 
     def path(self, round_: int) -> Path:
         """Where the checkpoint after ``round_`` is published."""
@@ -106,7 +111,7 @@ class Checkpointer:
     def due(self, round_: int, stopping: bool) -> bool:
         """Save after the last round, on SIGTERM, and every ``checkpoint.every`` rounds."""
         every = self.cfg.every
-        return round_ == self.rounds or stopping or bool(every and round_ % every == 0)
+        return round_ == self.rounds or stopping or bool(every and round_ % every == 0) or self.needed is not None
 
     def round_ended(self, round_: int, history: list[dict], stopping: bool) -> Path | None:
         """The round's model is final: publish it if due (a durable store always publishes)."""
@@ -118,7 +123,7 @@ class Checkpointer:
             kept = f"; the newest complete checkpoint is still {newest[-1]}" if newest else ""
             raise JobFailure(f"round {round_}: {err}{kept}") from None
         if path is not None:
-            prune_checkpoints(self.directory, self.cfg.keep)
+            prune_checkpoints(self.directory, self.cfg.keep, self.needed(round_) if self.needed else ())
         return path
 
     def round_aborted(self, round_: int, history: list[dict], model_intact: bool = True) -> Path | None:

@@ -17,6 +17,9 @@ Every round r:
                     order), float32 tensors optionally narrowed to strategy.wire_dtype.
 With clients.groups, a rank sends per reduction group (ascending id) one GroupMeta (its
 members' UpdateMetas) on META, then the group's fp32 partial sum on UPDATE.
+Asynchronous FL (header.hold): the listed clients train from MODEL and their updates stay on
+the rank; then the rank sends META + UPDATE for the held updates in header.send, in that order
+(the virtual-arrival order), which may include some trained this very step.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 """
@@ -38,8 +41,10 @@ class RoundHeader:
     """What a client rank does this round."""
 
     round: int
-    clients: tuple[int, ...] = ()
+    clients: tuple[int, ...] = ()  # train from the model sent now (ascending)
     stop: bool = False
+    hold: bool = False  # keep the trained updates here; send those in ``send`` instead
+    send: tuple[int, ...] = ()  # held updates to send now, in this order
 
 
 @dataclass(frozen=True)

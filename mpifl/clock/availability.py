@@ -1,0 +1,55 @@
+"""Who is online at a virtual time: always, diurnal (a seeded phase per client), or a trace of intervals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.clock.devices import CLOCK
+from mpifl.config import ClockConfig
+from mpifl.roles.federation import derive_seed
+
+
+class Availability:
+    """``online(t)``: a boolean mask over logical clients; ``next_change(t)``: when it may next change."""
+
+    def __init__(self, cfg: ClockConfig, num_clients: int, seed: int) -> None:
+        self.kind, self.num_clients = cfg.availability, num_clients
+        self.period, self.window = cfg.period, cfg.online_fraction * cfg.period
+        if self.kind == "diurnal":
+            self.phase = np.random.default_rng(derive_seed(seed, CLOCK, 1)).uniform(0.0, cfg.period, num_clients)
+        self.intervals: dict[int, list[tuple[float, float]]] = {}
+        if self.kind == "trace":
+            self.intervals = read_intervals(cfg.availability_trace, num_clients)
+
+    def online(self, t: float) -> np.ndarray:
+        """Which clients are online at virtual time ``t``."""
+        if self.kind == "diurnal":
+            return np.mod(t + self.phase, self.period) < self.window
+        mask = np.ones(self.num_clients, dtype=bool)
+        for client, spans in self.intervals.items():
+            mask[client] = any(a <= t < b for a, b in spans)
+        return mask
+
+    def next_change(self, t: float) -> float | None:
+        """The earliest time after ``t`` when someone may come online (None: never again)."""
+        if self.kind == "diurnal":
+            wait = np.mod(-(t + self.phase), self.period)  # until each client's next online window opens
+            return t + float(np.min(np.where(wait > 0, wait, self.period)))
+        starts = [a for spans in self.intervals.values() for a, _ in spans if a > t]
+        return min(starts) if starts else None
+
+
+def read_intervals(path: str | None, num_clients: int) -> dict[int, list[tuple[float, float]]]:
+    """An availability trace: JSON {client id: [[start, end], ...]} online intervals in virtual seconds."""
+    if not path:
+        raise ValueError("clock.availability: 'trace' needs clock.availability_trace")
+    table = json.loads(Path(path).read_text())
+    out = {}
+    for key, spans in table.items():
+        client = int(key)
+        if not 0 <= client < num_clients:
+            raise ValueError(f"clock.availability_trace {path!r}: client {key} is not one of the {num_clients} clients")
+        out[client] = [(float(a), float(b)) for a, b in spans]
+    return out

@@ -1,0 +1,69 @@
+"""Each logical client's device, and the cost model that turns a task into virtual seconds.
+
+A task's virtual duration is ``bytes down / bandwidth + work x seconds per sample + bytes up /
+bandwidth``, where work is the samples it trains on (samples x epochs, or steps x batch size).
+Devices come from seeded lognormal distributions (compute speed with median 1, bandwidth with
+median ``clock.bandwidth_mbps``) or from a device trace in FedScale's layout (Lai et al. 2022,
+``client_device_capacity``: ``{client: {"computation": ms per sample, "communication": kbps}}``).
+Nothing here reads the machine's clock: durations depend on the config and the seed only.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.config import ClockConfig
+from mpifl.roles.federation import derive_seed
+
+CLOCK = 4  # seed stream key (federation.py holds 1..3)
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Per logical client: virtual seconds per training sample, and link bits per second."""
+
+    seconds_per_sample: np.ndarray
+    bits_per_second: np.ndarray
+
+    def task_seconds(self, client: int, samples: float, bytes_down: int, bytes_up: int) -> float:
+        """Virtual seconds for ``client`` to receive the model, train on ``samples`` samples and send its update."""
+        link = float(self.bits_per_second[client])
+        return 8.0 * bytes_down / link + samples * float(self.seconds_per_sample[client]) + 8.0 * bytes_up / link
+
+
+def read_trace(path: str) -> list[tuple[float, float]]:
+    """(ms per sample, kbps) per entry of a FedScale device trace (JSON or pickle), entries sorted by client id."""
+    raw = Path(path).read_bytes()
+    try:
+        table = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        table = pickle.loads(raw)  # FedScale ships its traces as pickles: only read files you trust
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"clock.trace {path!r}: expected a non-empty mapping client -> {{computation, communication}}")
+    entries = []
+    for key in sorted(table, key=lambda k: (str(type(k)), k)):
+        entry = table[key]
+        try:
+            entries.append((float(entry["computation"]), float(entry["communication"])))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"clock.trace {path!r}: client {key!r} needs numbers 'computation' (ms per sample) and "
+                             f"'communication' (kbps), got {entry!r}") from None
+        if entries[-1][0] < 0 or entries[-1][1] <= 0:
+            raise ValueError(f"clock.trace {path!r}: client {key!r} has a negative computation or a bandwidth <= 0")
+    return entries
+
+
+def devices_for(cfg: ClockConfig, num_clients: int, seed: int) -> Devices:
+    """Every logical client's device: client c takes trace entry c (cycling), or seeded lognormal draws."""
+    if cfg.trace:
+        entries = read_trace(cfg.trace)
+        picked = [entries[c % len(entries)] for c in range(num_clients)]
+        return Devices(np.array([ms / 1000.0 for ms, _ in picked]), np.array([kbps * 1000.0 for _, kbps in picked]))
+    rng = np.random.default_rng(derive_seed(seed, CLOCK, 0))
+    speed = rng.lognormal(0.0, cfg.speed_sigma, num_clients)
+    bandwidth = cfg.bandwidth_mbps * 1e6 * rng.lognormal(0.0, cfg.bandwidth_sigma, num_clients)
+    return Devices(cfg.seconds_per_sample / speed, bandwidth)

@@ -1,0 +1,107 @@
+"""Samplers that plan rounds in virtual time: what the server runs each round, from the schedule."""
+from __future__ import annotations
+
+from mpifl.aggregation.combiners import WeightedMean
+from mpifl.aggregation.strategies import Strategy, make_strategy
+from mpifl.aggregation.updates import Mixing
+from mpifl.clock.availability import Availability
+from mpifl.clock.devices import devices_for
+from mpifl.clock.schedule import AsyncStep, SyncClock, plan_async
+from mpifl.clock.staleness import staleness_weight
+from mpifl.config import Config
+from mpifl.roles.federation import Placement, RoundPlan, Sampler
+
+
+class SyncSampler(Sampler):
+    """Synchronous rounds in virtual time: the kept clients take part; the record carries the clock."""
+
+    def __init__(self, seed: int, cfg: Config, placement: Placement, clock: SyncClock):
+        super().__init__(seed, cfg.clients, placement)
+        self.clock = clock
+
+    def plan(self, round_: int) -> RoundPlan:
+        planned = self.clock.round(round_)
+        kept = list(planned.kept)
+        return RoundPlan(round_, tuple(kept), self.by_rank(kept), self.streams(kept), clock=planned.record())
+
+
+class AsyncSampler(Sampler):
+    """FedAsync / FedBuff steps: who trains from the model sent now, whose held updates are applied."""
+
+    def __init__(self, seed: int, cfg: Config, placement: Placement, steps: list[AsyncStep]):
+        super().__init__(seed, cfg.clients, placement)
+        self.clock_cfg, self.steps = cfg.clock, steps
+        self.per_round = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
+
+    def plan(self, round_: int) -> RoundPlan:
+        step = self.steps[round_ - 1]
+        order = tuple(a.client for a in step.arrivals)
+        streams: dict[int, list[int]] = {}
+        for client in order:
+            streams.setdefault(self.rank_of(client), []).append(client)
+        weights = {a.client: staleness_weight(self.clock_cfg, a.staleness) for a in step.arrivals}
+        if self.clock_cfg.mode == "fedasync":  # x + a (x_client - x): the combined chunk is x_client itself
+            (arrival,) = step.arrivals
+            return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True,
+                             weights={arrival.client: 1.0}, mixing=self.clock_cfg.alpha * weights[arrival.client],
+                             clock=step.record())
+        return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True, weights=weights,
+                         by_count=True, clock=step.record())
+
+
+    def in_flight(self, step: int) -> dict[int, list[int]]:
+        """After ``step``: the clients trained (by training step, ascending) whose updates are applied later."""
+        out: dict[int, list[int]] = {}
+        for later in self.steps[step:]:
+            for a in later.arrivals:
+                if a.version + 1 <= step:
+                    out.setdefault(a.version + 1, []).append(a.client)
+        return {t: sorted(out[t]) for t in sorted(out)}
+
+    def needed_versions(self, step: int) -> set[int]:
+        """Model versions that clients in flight after ``step`` trained on: a resume retrains them from these."""
+        return {t - 1 for t in self.in_flight(step)}
+
+    def replay(self, step: int) -> list[RoundPlan]:
+        """Resuming after ``step``: retrain the clients then in flight (each from its version, with its seed) and
+        hold their updates, as the interrupted run did."""
+        return [RoundPlan(t, (), self.by_rank(clients), {}, hold=True) for t, clients in self.in_flight(step).items()]
+
+
+def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model_bytes: int,
+                  update_bytes: int) -> Sampler:
+    """The round planner for ``clock.mode``; ``samples`` is each client's training work per task, in samples."""
+    if cfg.clock.mode == "off":
+        return Sampler(cfg.seed, cfg.clients, placement)
+    num_clients = cfg.clients.num_clients
+    devices = devices_for(cfg.clock, num_clients, cfg.seed)
+    availability = Availability(cfg.clock, num_clients, cfg.seed)
+
+    def duration(client: int) -> float:
+        return devices.task_seconds(client, samples[client], model_bytes, update_bytes)
+
+    if cfg.clock.mode == "sync":
+        clock = SyncClock(cfg.seed, cfg.clients_per_round(), availability, duration, cfg.clock.deadline,
+                          cfg.clock.over_selection, cfg.clients.min_participants)
+        return SyncSampler(cfg.seed, cfg, placement, clock)
+    buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
+    plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.concurrency, num_clients, availability, duration)
+    return AsyncSampler(cfg.seed, cfg, placement, plan.steps)
+
+
+def clock_strategy(cfg: Config) -> Strategy:
+    """The configured strategy; FedAsync mixes each update in (``Mixing``) instead of replacing the model."""
+    if cfg.clock.mode == "fedasync":
+        return Strategy(cfg.strategy, WeightedMean(cfg.strategy), Mixing(cfg.strategy))
+    return make_strategy(cfg.strategy)
+
+
+def task_samples(train_sizes: list[int] | None, num_clients: int, local_epochs: int, local_steps: int | None,
+                 batch_size: int) -> list[float]:
+    """Each client's training work per task in samples: steps x batch, else its training samples x epochs
+    (0 without data: the task is then only the transfers)."""
+    if local_steps:
+        return [float(local_steps * batch_size)] * num_clients
+    if train_sizes is None:
+        return [0.0] * num_clients
+    return [float(n * local_epochs) for n in train_sizes]

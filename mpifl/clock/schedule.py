@@ -1,0 +1,209 @@
+"""The virtual-time schedule, planned from the config and the seed alone (never from the machine).
+
+Synchronous rounds (``clock.mode: sync``): round r starts when round r-1 ended. Among the
+clients online then, ``ceil(k x (1 + over_selection))`` are sampled; each one's task takes its
+cost-model duration; the first k to finish (by duration, then id) within ``deadline`` are kept
+and the rest are stragglers, dropped. The round ends when the k-th kept update arrives, or at the
+deadline when fewer made it. Stragglers are never trained: their work is wasted by definition, and
+reported (virtual seconds they worked until the round closed).
+
+Asynchronous steps (``fedasync``, ``fedbuff``): ``concurrency`` clients train at once. At time 0
+that many idle, online clients are dispatched with model version 0. Updates arrive in virtual
+time (ties by id); every ``buffer`` arrivals (1 for FedAsync) the server takes a step, making
+the next version, and after each arrival a new client is dispatched with the version current
+then. A client is idle again once its update is applied. Each update's staleness is the number
+of versions made between its dispatch and its step.
+
+Execution follows the schedule: in step s the server sends version s-1 once, to the clients
+dispatched with it (they train now and hold their updates on their ranks), then reduces the
+updates that arrive at step s, in arrival order. So real parallelism is whatever the schedule
+allows, the server never holds more than today, and a rank holds at most its in-flight updates.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpifl.clock.availability import Availability
+from mpifl.clock.devices import CLOCK
+from mpifl.roles.federation import SAMPLING, derive_seed
+
+Duration = Callable[[int], float]  # a logical client's task, in virtual seconds
+
+
+@dataclass(frozen=True)
+class SyncRound:
+    """One synchronous round in virtual time."""
+
+    round: int
+    start: float
+    end: float
+    online: int  # clients online at the start
+    selected: tuple[int, ...]  # sampled, over-selection included (ascending)
+    kept: tuple[int, ...]  # the participants (ascending): the first k to finish in time
+    stragglers: tuple[int, ...]
+    wasted_seconds: float  # virtual seconds the stragglers worked before the round closed
+
+    def record(self) -> dict:
+        """The round's virtual-time fields for metrics.jsonl."""
+        return {"virtual_time": self.end, "virtual_round_seconds": self.end - self.start, "online": self.online,
+                "selected": len(self.selected), "stragglers": list(self.stragglers),
+                "wasted_seconds": self.wasted_seconds}
+
+
+def sample_online(seed: int, key: tuple[int, ...], online: np.ndarray, count: int) -> list[int]:
+    """``count`` distinct clients drawn uniformly from the online ones (ascending); with everyone online,
+    the same draw as the real-time sampler's."""
+    ids = np.flatnonzero(online)
+    rng = np.random.default_rng(derive_seed(seed, SAMPLING, *key))
+    return sorted(int(c) for c in ids[rng.choice(len(ids), size=min(count, len(ids)), replace=False)])
+
+
+class SyncClock:
+    """Synchronous rounds in virtual time: round r is planned after rounds 1..r-1 (cached)."""
+
+    def __init__(self, seed: int, per_round: int, availability: Availability, duration: Duration,
+                 deadline: float | None, over_selection: float, min_participants: int = 1) -> None:
+        self.seed, self.per_round, self.availability, self.duration = seed, per_round, availability, duration
+        self.deadline, self.over_selection, self.min_participants = deadline, over_selection, min_participants
+        self.rounds: list[SyncRound] = []
+
+    def round(self, r: int) -> SyncRound:
+        """Round ``r`` (1-based)."""
+        while len(self.rounds) < r:
+            self.rounds.append(self._plan(len(self.rounds) + 1, self.rounds[-1].end if self.rounds else 0.0))
+        return self.rounds[r - 1]
+
+    def _plan(self, r: int, start: float) -> SyncRound:
+        online = self.availability.online(start)
+        while not online.any():  # nobody to sample: the round starts when someone comes online
+            later = self.availability.next_change(start)
+            if later is None:
+                raise ValueError(f"clock.availability: no client is ever online after virtual time {start:.0f} s")
+            start, online = later, self.availability.online(later)
+        k = min(self.per_round, int(online.sum()))
+        selected = sample_online(self.seed, (r,), online, math.ceil(k * (1 + self.over_selection) - 1e-9))
+        took = {c: self.duration(c) for c in selected}
+        in_time = sorted((c for c in selected if self.deadline is None or took[c] <= self.deadline),
+                         key=lambda c: (took[c], c))
+        kept = in_time[:k]
+        closes = took[kept[-1]] if len(kept) == k else self.deadline
+        if len(kept) < self.min_participants:
+            kept = []
+        stragglers = tuple(c for c in selected if c not in kept)
+        wasted = sum(min(took[c], closes) for c in stragglers)
+        return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
+                         stragglers, float(wasted))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One update applied at a step: who, from which version, when, and how stale."""
+
+    client: int
+    version: int  # the model version it trained on
+    dispatched: float
+    arrived: float
+    staleness: int  # versions made between its dispatch and its step
+
+
+@dataclass(frozen=True)
+class AsyncStep:
+    """Server step s: makes version s from the updates that arrived since step s-1."""
+
+    step: int
+    time: float
+    arrivals: tuple[Arrival, ...]  # in arrival order: the fold order
+    train: tuple[int, ...]  # dispatched with version s-1 and applied by the last step: they train in step s
+    online: int = 0
+
+    def record(self) -> dict:
+        """The step's virtual-time fields for metrics.jsonl."""
+        return {"virtual_time": self.time, "staleness": [a.staleness for a in self.arrivals],
+                "arrival_order": [a.client for a in self.arrivals], "online": self.online}
+
+
+@dataclass
+class _Dispatch:
+    client: int
+    version: int
+    time: float
+    arrival: float
+    step: int | None = None  # the step that applies it
+
+
+@dataclass
+class AsyncPlan:
+    """Every step of an asynchronous run, and the largest number of updates any rank holds at once."""
+
+    steps: list[AsyncStep] = field(default_factory=list)
+
+
+def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients: int,
+               availability: Availability, duration: Duration) -> AsyncPlan:
+    """The FedAsync (``buffer`` 1) or FedBuff schedule of ``steps`` server steps (see the module docstring)."""
+    dispatches: list[_Dispatch] = []
+    events: list[tuple[float, int, int]] = []  # (time, client or -1 for "try again", dispatch index)
+    busy = np.zeros(num_clients, dtype=bool)  # dispatched and not yet applied
+    version, pending, plan = 0, [], AsyncPlan()
+
+    def dispatch(t: float) -> None:
+        idle = availability.online(t) & ~busy
+        if not idle.any():
+            later = availability.next_change(t)
+            if later is not None:
+                heapq.heappush(events, (later, -1, -1))
+            return
+        client = sample_online(seed, (CLOCK, len(dispatches)), idle, 1)[0]
+        busy[client] = True
+        d = _Dispatch(client, version, t, t + duration(client))
+        dispatches.append(d)
+        heapq.heappush(events, (d.arrival, client, len(dispatches) - 1))
+
+    for _ in range(min(concurrency, num_clients)):
+        dispatch(0.0)
+    while version < steps:
+        if not events:
+            raise ValueError("clock: no client can ever train again (availability); the run cannot reach "
+                             f"step {version + 1}")
+        t, client, index = heapq.heappop(events)
+        if client < 0:
+            dispatch(t)
+            continue
+        pending.append(index)
+        if len(pending) == buffer:
+            version += 1
+            arrivals = []
+            for i in pending:
+                dispatches[i].step = version
+                busy[dispatches[i].client] = False
+                arrivals.append(Arrival(dispatches[i].client, dispatches[i].version, dispatches[i].time,
+                                        dispatches[i].arrival, version - 1 - dispatches[i].version))
+            plan.steps.append(AsyncStep(version, t, tuple(arrivals), (), int(availability.online(t).sum())))
+            pending = []
+        dispatch(t)
+    trains: dict[int, list[int]] = {}
+    for d in dispatches:
+        if d.step is not None:
+            trains.setdefault(d.version + 1, []).append(d.client)
+    plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(sorted(trains.get(s.step, ()))), s.online)
+                  for s in plan.steps]
+    return plan
+
+
+def held_updates(plan: AsyncPlan, rank_of: Callable[[int], int]) -> dict[int, int]:
+    """The most updates each rank holds at once (trained in one step, sent in a later one): its memory bound."""
+    held: dict[int, int] = {}
+    worst: dict[int, int] = {}
+    for step in plan.steps:
+        for c in step.train:
+            held[rank_of(c)] = held.get(rank_of(c), 0) + 1
+        for r, n in held.items():
+            worst[r] = max(worst.get(r, 0), n)
+        for a in step.arrivals:
+            held[rank_of(a.client)] -= 1
+    return worst
