@@ -145,3 +145,73 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, 
                 new = combined + old[name] if s.update == "delta" else combined
             tensor.copy_(torch.from_numpy(round_to(new.astype(np.float32), dtype)))
     return {n: t.float().numpy().copy() for n, t in flat.tensors()}
+
+
+def async_reference(cfg: Config) -> dict[str, np.ndarray]:
+    """FedAsync / FedBuff in virtual time, by the papers' rules with every model version kept in memory:
+    an event loop over virtual arrivals (its own, not mpifl's planner), each client trained on the version
+    current at its dispatch, updates applied in arrival order. Devices come from the same cost model."""
+    from mpifl.clock.availability import Availability
+    from mpifl.clock.devices import CLOCK, devices_for
+    from mpifl.clock.staleness import staleness_weight
+    from mpifl.roles.federation import SAMPLING, derive_seed
+
+    dataset = load_dataset(cfg.data)
+    flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+    trainer, clock, n, f = make_trainer(cfg.train), cfg.clock, cfg.clients.num_clients, np.float32
+    devices, online = devices_for(clock, n, cfg.seed), Availability(clock, n, cfg.seed).online
+    nbytes = flat.bytes.nbytes
+    took = [devices.task_seconds(c, len(parts[c]) * cfg.train.local_epochs, nbytes, nbytes) for c in range(n)]
+    versions = {0: {name: t.float().numpy().copy() for name, t in flat.tensors()}}
+    in_flight, busy, dispatched = [], set(), [0]
+
+    def dispatch(t: float, version: int) -> None:
+        idle = [c for c in range(n) if online(t)[c] and c not in busy]
+        rng = np.random.default_rng(derive_seed(cfg.seed, SAMPLING, CLOCK, dispatched[0]))
+        client = idle[int(rng.choice(len(idle), size=1, replace=False)[0])]
+        dispatched[0] += 1
+        busy.add(client)
+        in_flight.append((t + took[client], client, version))
+
+    def trained(client: int, version: int) -> dict[str, np.ndarray]:
+        for name, tensor in flat.tensors():
+            tensor.copy_(torch.from_numpy(versions[version][name]))
+        trainer.train(flat.module, client_data(dataset, parts[client]), client_seed(cfg.seed, version + 1, client))
+        return {name: t.float().numpy().copy() for name, t in flat.tensors()}
+
+    for _ in range(min(clock.concurrency, n)):
+        dispatch(0.0, 0)
+    version, buffer, size = 0, [], 1 if clock.mode == "fedasync" else clock.buffer
+    state: dict[str, dict] = {}
+    while version < cfg.rounds:
+        arrival = min(in_flight)
+        in_flight.remove(arrival)
+        buffer.append(arrival)
+        if len(buffer) == size:
+            old, new = versions[version], {}
+            models = [(trained(client, v), v) for _, client, v in buffer]  # each trained once, in arrival order
+            for name in old:
+                if clock.mode == "fedasync":
+                    (model, v), = models
+                    a = f(clock.alpha * staleness_weight(clock, version - v))
+                    new[name] = (model[name] - old[name]) * a + old[name]
+                    continue
+                acc = None
+                for model, v in models:
+                    d, w = model[name] - versions[v][name], f(staleness_weight(clock, version - v))
+                    acc = w * d if acc is None else fma32(acc, w, d)
+                combined, s = acc / f(len(buffer)), cfg.strategy
+                if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+                    tensor_state = state.setdefault(name, {"velocity": np.zeros_like(combined),
+                                                           "m": np.zeros_like(combined),
+                                                           "v": np.full_like(combined, f(s.tau) ** 2)})
+                    new[name] = server_step(s.name, combined, tensor_state, s) + old[name]
+                else:
+                    new[name] = combined + old[name]
+            for _, client, _ in buffer:
+                busy.discard(client)
+            version += 1
+            versions[version], buffer = new, []
+        dispatch(arrival[0], version)
+    return versions[version]

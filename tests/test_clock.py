@@ -1,0 +1,135 @@
+"""Virtual time, in process: devices and the cost model, availability, staleness, and the planned
+synchronous rounds and asynchronous steps depend on the config and the seed only."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mpifl.clock.availability import Availability
+from mpifl.clock.devices import devices_for, read_trace
+from mpifl.clock.schedule import SyncClock, held_updates, plan_async
+from mpifl.clock.staleness import staleness_weight
+from mpifl.config import ConfigError, load_config
+from mpifl.roles.federation import sample_clients
+
+
+def clock(**kw):
+    return load_config(None, data={"clock": kw, "clients": {"num_clients": 200}}).clock
+
+
+def durations(cfg, n=200, seed=0, samples=40, nbytes=2_000_000):
+    devices = devices_for(cfg, n, seed)
+    return lambda c: devices.task_seconds(c, samples, nbytes, nbytes)
+
+
+def test_a_task_takes_its_transfers_over_the_link_plus_its_samples_over_the_speed(tmp_path):
+    trace = tmp_path / "devices.json"  # FedScale's layout: ms per sample, kbps
+    trace.write_text(json.dumps({"7": {"computation": 20.0, "communication": 8000.0},
+                                 "3": {"computation": 5.0, "communication": 1000.0}}))
+    devices = devices_for(clock(trace=str(trace)), 3, seed=0)
+    # entries sorted by client id: client 0 takes "3", client 1 takes "7", client 2 cycles back to "3"
+    assert devices.task_seconds(0, samples=100, bytes_down=125_000, bytes_up=250_000) == pytest.approx(
+        1.0 + 100 * 0.005 + 2.0)
+    assert devices.task_seconds(1, 10, 0, 0) == pytest.approx(0.2)
+    assert devices.task_seconds(2, 10, 0, 0) == devices.task_seconds(0, 10, 0, 0)
+
+
+def test_a_trace_entry_without_numbers_is_named(tmp_path):
+    trace = tmp_path / "devices.json"
+    trace.write_text(json.dumps({"12": {"computation": 1.0}}))
+    with pytest.raises(ValueError, match="client '12' needs numbers 'computation'"):
+        read_trace(str(trace))
+
+
+def test_seeded_devices_are_lognormal_around_the_configured_medians_and_repeat():
+    cfg = clock(seconds_per_sample=0.02, bandwidth_mbps=50, speed_sigma=0.5, bandwidth_sigma=0.8)
+    a, b = devices_for(cfg, 5000, seed=3), devices_for(cfg, 5000, seed=3)
+    assert np.array_equal(a.seconds_per_sample, b.seconds_per_sample)
+    assert np.median(a.seconds_per_sample) == pytest.approx(0.02, rel=0.05)
+    assert np.median(a.bits_per_second) == pytest.approx(50e6, rel=0.08)
+    assert not np.array_equal(a.bits_per_second, devices_for(cfg, 5000, seed=4).bits_per_second)
+
+
+def test_diurnal_clients_are_online_their_fraction_of_the_period_and_the_next_change_is_exact():
+    avail = Availability(clock(availability="diurnal", online_fraction=0.25, period=100.0), 4000, seed=1)
+    fractions = [avail.online(t).mean() for t in np.linspace(0, 100, 11)]
+    assert all(f == pytest.approx(0.25, abs=0.03) for f in fractions)
+    t = 37.0
+    later = avail.next_change(t)
+    assert (avail.online(later) & ~avail.online(t)).any()  # someone new is online then
+    assert not (avail.online((t + later) / 2) & ~avail.online(t)).any()
+
+
+def test_fedasync_staleness_functions():
+    assert staleness_weight(clock(staleness="constant"), 9) == 1.0
+    assert staleness_weight(clock(staleness="polynomial", staleness_a=0.5), 3) == pytest.approx(0.5)
+    hinge = clock(staleness="hinge", staleness_a=2.0, staleness_b=4)
+    assert staleness_weight(hinge, 4) == 1.0 and staleness_weight(hinge, 6) == pytest.approx(1 / 5)
+
+
+def test_without_deadline_or_over_selection_virtual_rounds_sample_exactly_as_real_time_rounds():
+    cfg = clock(mode="sync")
+    sync = SyncClock(5, 10, Availability(cfg, 200, 5), durations(cfg), None, 0.0)
+    for r in range(1, 6):
+        assert list(sync.round(r).kept) == sample_clients(5, r, 200, 10) and not sync.round(r).stragglers
+
+
+def test_a_deadline_and_over_selection_keep_the_first_k_to_finish_in_time():
+    cfg = clock(mode="sync", availability="diurnal", period=50.0)
+    took = durations(cfg)
+    avail = Availability(cfg, 200, 0)
+    sync = SyncClock(0, 10, avail, took, deadline=9.0, over_selection=0.5)
+    previous_end = 0.0
+    for r in range(1, 9):
+        planned = sync.round(r)
+        assert planned.start >= previous_end and len(planned.selected) == math.ceil(10 * 1.5)
+        assert all(avail.online(planned.start)[c] for c in planned.selected)  # only online clients are sampled
+        assert len(planned.kept) <= 10 and all(took(c) <= 9.0 for c in planned.kept)
+        assert set(planned.kept) | set(planned.stragglers) == set(planned.selected)
+        slowest_kept = max((took(c) for c in planned.kept), default=0.0)
+        assert all(took(c) >= slowest_kept for c in planned.stragglers)
+        assert planned.end - planned.start == pytest.approx(slowest_kept if len(planned.kept) == 10 else 9.0)
+        assert planned.wasted_seconds == pytest.approx(sum(min(took(c), planned.end - planned.start)
+                                                           for c in planned.stragglers))
+        previous_end = planned.end
+
+
+@pytest.mark.parametrize("buffer", [1, 4])
+def test_asynchronous_steps_apply_updates_in_arrival_order_with_their_staleness(buffer):
+    cfg = clock(availability="diurnal", period=30.0, online_fraction=0.6)
+    took, avail = durations(cfg), Availability(cfg, 200, 2)
+    plan = plan_async(2, 40, buffer, 12, 200, avail, took)
+    assert plan.steps == plan_async(2, 40, buffer, 12, 200, avail, took).steps  # config and seed only
+    trained_at: dict[int, set] = {}
+    last = 0.0
+    for step in plan.steps:
+        trained_at[step.step] = set(step.train)
+        assert len(step.arrivals) == buffer and step.time >= last
+        assert [a.arrived for a in step.arrivals] == sorted(a.arrived for a in step.arrivals)
+        assert len({a.client for a in step.arrivals}) == buffer
+        for a in step.arrivals:
+            assert a.staleness == step.step - 1 - a.version >= 0
+            assert a.arrived == pytest.approx(a.dispatched + took(a.client))
+            assert avail.online(a.dispatched)[a.client]
+            assert a.client in trained_at[a.version + 1]  # trained when its version was current
+        last = step.time
+    bound = held_updates(plan, lambda c: 1 + c % 3)
+    assert max(bound.values()) <= 12  # never more held updates than clients in flight
+
+
+def test_virtual_time_settings_that_cannot_run_are_refused_naming_the_key():
+    base = {"clients": {"num_clients": 8}}
+    with pytest.raises(ConfigError, match="'fedbuff' averages the buffered clients' deltas"):
+        load_config(None, data={**base, "clock": {"mode": "fedbuff"}})
+    with pytest.raises(ConfigError, match="'fedasync' mixes each client's trained weights"):
+        load_config(None, data={**base, "clock": {"mode": "fedasync"}, "strategy": {"name": "fedavgm"}})
+    with pytest.raises(ConfigError, match="clients.groups"):
+        load_config(None, data={"clients": {"num_clients": 8, "groups": 2}, "clock": {"mode": "fedasync"}})
+    with pytest.raises(ConfigError, match="clock.concurrency: 2 clients in flight can never fill a buffer of 5"):
+        load_config(None, data={**base, "clock": {"mode": "fedbuff", "concurrency": 2},
+                                "strategy": {"update": "delta"}})
+    with pytest.raises(ConfigError, match="in-memory server only"):
+        load_config(None, data={**base, "clock": {"mode": "sync"}, "server": {"state": "disk"}, "eval": {"every": 0}})
