@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                                             "labels); optional plot"))
     part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
     part.set_defaults(func=commands.partition)
-    cmp_ = sub.add_parser("compare", help="rounds to a target accuracy, per run directory (e.g. one per strategy)")
+    cmp_ = sub.add_parser("compare", help="rounds and virtual seconds to a target accuracy, per run directory (e.g. one per strategy or clock mode)")
     cmp_.add_argument("run_dirs", nargs="+")
     cmp_.add_argument("--target", type=float, required=True, help="accuracy to reach, e.g. 0.9")
     cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")

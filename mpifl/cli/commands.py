@@ -99,7 +99,7 @@ def partition(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    """``mpifl compare``: rounds to a target per run directory."""
+    """``mpifl compare``: rounds (and virtual seconds) to a target per run directory."""
     from mpifl.cli.report import compare_table
 
     print(compare_table(args.run_dirs, args.target, args.metric))

@@ -43,18 +43,28 @@ def rounds_to_target(records: list[dict], target: float, metric: str = "eval.acc
     return next((r["round"] for r in records if (metric_of(r, metric) or float("-inf")) >= target), None)
 
 
+def virtual_time_to_target(records: list[dict], target: float, metric: str = "eval.accuracy") -> float | None:
+    """Virtual seconds until the metric first reaches ``target`` (None if never, or not a virtual-time run)."""
+    return next((r.get("virtual_time") for r in records if (metric_of(r, metric) or float("-inf")) >= target), None)
+
+
 def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accuracy") -> str:
-    """A Markdown table: per run, its strategy, rounds to ``target``, best and final metric."""
+    """A Markdown table: per run, its strategy (and clock mode), rounds and virtual seconds to ``target``,
+    best and final metric."""
     import yaml
 
-    rows = [f"| run | strategy | rounds to {metric} >= {target} | best | final |", "|---|---|---|---|---|"]
+    rows = [f"| run | strategy | clock | rounds to {metric} >= {target} | virtual s to it | best | final |",
+            "|---|---|---|---|---|---|---|"]
     for run_dir in map(Path, run_dirs):
         records = load_metrics(run_dir)
         config = run_dir / "config.yaml"
-        strategy = (yaml.safe_load(config.read_text()) or {}).get("strategy", {}) if config.is_file() else {}
+        saved = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
         values = [v for v in (metric_of(r, metric) for r in records) if v is not None]
         reached = rounds_to_target(records, target, metric)
-        rows.append(f"| {run_dir.name} | {strategy.get('name', '?')} | {reached if reached else 'not reached'} | "
+        seconds = virtual_time_to_target(records, target, metric)
+        rows.append(f"| {run_dir.name} | {saved.get('strategy', {}).get('name', '?')} | "
+                    f"{saved.get('clock', {}).get('mode', 'off')} | {reached if reached else 'not reached'} | "
+                    f"{f'{seconds:.1f}' if seconds is not None else '-'} | "
                     f"{max(values, default=float('nan')):.4f} | {values[-1] if values else float('nan'):.4f} |")
     return "\n".join(rows)
 
@@ -67,8 +77,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     records = load_metrics(run_dir)
     plt = _pyplot()
     written = []
-    for name, draw in (("quality.png", _quality), ("time_split.png", _time_split), ("bytes.png", _bytes),
-                       ("memory.png", _memory)):
+    plots = [("quality.png", _quality), ("time_split.png", _time_split), ("bytes.png", _bytes),
+             ("memory.png", _memory)]
+    if any("virtual_time" in r for r in records):
+        plots += [("virtual_time.png", _virtual_time), ("participation.png", _participation)]
+    if any(r.get("staleness") for r in records):
+        plots.append(("staleness.png", _staleness))
+    for name, draw in plots:
         fig, ax = plt.subplots(figsize=(7, 4))
         draw(fig, ax, records)
         if not fig.legends:
@@ -133,3 +148,45 @@ def _memory(fig, ax, records: list[dict]) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("Memory")
     ax.legend()
+
+
+def _virtual_time(fig, ax, records: list[dict]) -> None:
+    evals = [(r["virtual_time"], r["round"], r["eval"]) for r in records if "eval" in r and "virtual_time" in r]
+    key = "accuracy" if any("accuracy" in e[2] for e in evals) else "loss"
+    ax.plot([e[0] for e in evals], [e[2].get(key) for e in evals], marker="o", label=f"held-out {key}")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel(key)
+    top = ax.secondary_xaxis("top", functions=(lambda t: t, lambda t: t))
+    top.set_ticks([e[0] for e in evals][:: max(1, len(evals) // 8)],
+                  labels=[str(e[1]) for e in evals][:: max(1, len(evals) // 8)])
+    top.set_xlabel("round (or asynchronous step)")
+    ax.set_title(f"Held-out {key} against virtual time", pad=28)
+    ax.legend()
+
+
+def _participation(fig, ax, records: list[dict]) -> None:
+    counts: dict[int, int] = {}
+    dropped: dict[int, int] = {}
+    for r in records:
+        for c in r.get("participants", []):
+            counts[c] = counts.get(c, 0) + 1
+        for c in r.get("stragglers", []):
+            dropped[c] = dropped.get(c, 0) + 1
+    clients = sorted(set(counts) | set(dropped))
+    ax.bar(clients, [counts.get(c, 0) for c in clients], label="updates applied")
+    if dropped:
+        ax.bar(clients, [dropped.get(c, 0) for c in clients], bottom=[counts.get(c, 0) for c in clients],
+               label="dropped as stragglers")
+    ax.set_xlabel("logical client")
+    ax.set_ylabel("rounds")
+    ax.set_title("Participation per client")
+    ax.legend()
+
+
+def _staleness(fig, ax, records: list[dict]) -> None:
+    values = [s for r in records for s in r.get("staleness", [])]
+    ax.hist(values, bins=range(0, max(values, default=0) + 2), align="left", rwidth=0.85)
+    ax.set_xlabel("staleness (versions between dispatch and application)")
+    ax.set_ylabel("updates")
+    ax.set_title(f"Staleness of {len(values)} applied updates (median {sorted(values)[len(values) // 2]})"
+                 if values else "Staleness")
