@@ -6,10 +6,12 @@ from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.clock.availability import Availability
 from mpifl.clock.devices import devices_for
-from mpifl.clock.schedule import AsyncStep, SyncClock, plan_async
+from mpifl.clock.schedule import AsyncStep, SyncClock, held_updates, plan_async
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import Config
+from mpifl.logs import log
 from mpifl.roles.federation import Placement, RoundPlan, Sampler
+from mpifl.units import MIB
 
 
 class SyncSampler(Sampler):
@@ -86,6 +88,10 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         return SyncSampler(cfg.seed, cfg, placement, clock)
     buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
     plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.concurrency, num_clients, availability, duration)
+    held = held_updates(plan, placement.rank_of)
+    log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client rank "
+        f"holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; by rank: "
+        + ", ".join(f"{r}: {n}" for r, n in sorted(held.items())) + ")", rank=0)
     return AsyncSampler(cfg.seed, cfg, placement, plan.steps)
 
 
