@@ -12,7 +12,7 @@ an aborted round leaves the global model untouched.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,7 +23,7 @@ from mpi4py import MPI
 from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.wire import protocol
-from mpifl.wire.flat import DTYPES, Chunk
+from mpifl.wire.flat import DTYPES, Chunk, element_offsets
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import Backoff, touched_empty
 from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, Watchdog
@@ -96,12 +96,15 @@ class StreamedReduction:
     def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangePlan, strategy: Strategy,
                  by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan, round_: int = 0, *,
                  min_participants: int = 1, watchdog: Watchdog | None = None, order: Sequence[int] | None = None,
-                 weights: Mapping[int, float] | None = None, by_count: bool = False):
+                 weights: Mapping[int, float] | None = None, divisor: float | None = None,
+                 noise: Callable[[torch.Tensor, int], None] | None = None):
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
         self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
         self.by_rank = by_rank
-        self.weights, self.by_count = weights, by_count  # asynchronous FL: staleness weights, FedBuff's 1/K
+        self.weights, self.divisor = weights, divisor  # asynchronous FL's staleness weights; a fixed divisor
+        self.noise = noise  # DP-FedAvg: adds the round's noise to a chunk's sum, given its first element
+        self.first_element = element_offsets(self.chunks)
         self.metas_in = {rank: 0 for rank in by_rank}  # what has landed from each rank, for its deadlines
         self.chunks_in = {rank: 0 for rank in by_rank}
         self.posted = {rank: 0 for rank in by_rank}  # receives outstanding: a rank is awaited only when > 0
@@ -248,17 +251,28 @@ class StreamedReduction:
             raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.stats.metas)} participants sent a "
                                f"usable update, fewer than clients.min_participants={self.min_participants}; "
                                "the round is not applied")
-        self.total_weight = float(len(usable)) if self.by_count else sum(self._weight(m) for m in usable)
+        self.total_weight = self.divisor if self.divisor is not None else sum(self._weight(m) for m in usable)
         if self.total_weight <= 0:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
 
     def _finish(self, step: Finish) -> None:
         if self.total_weight is None:
             self._check_participation()
-        chunk = self.chunks[step.chunk]
-        self.strategy.finish(self.acc_of.pop(step.chunk), step.count, self.total_weight,
-                             self.state.finish_target(chunk), self.state.server_state(chunk))
+        chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk)
+        if self.noise is not None:
+            self.noise(acc, self.first_element[step.chunk])
+        self.strategy.finish(acc, step.count, self.total_weight, self.state.finish_target(chunk),
+                             self.state.server_state(chunk))
         self.state.commit(chunk)
+
+    def run_without_updates(self) -> ReductionStats:
+        """DP-FedAvg with nobody sampled (Poisson sampling): the noise alone still moves the model, so that
+        an empty round looks like any other."""
+        self.total_weight = self.divisor
+        for j, chunk in enumerate(self.chunks):
+            self.acc_of[j] = self._accumulator(j).zero_()
+            self._finish(Finish(j, 0))
+        return self.stats
 
 
 def _header(meta: object) -> tuple[int | None, bool, tuple[protocol.UpdateMeta, ...]]:

@@ -48,7 +48,7 @@ class AsyncSampler(Sampler):
                              weights={arrival.client: 1.0}, mixing=self.clock_cfg.alpha * weights[arrival.client],
                              clock=step.record())
         return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True, weights=weights,
-                         by_count=True, clock=step.record())
+                         divisor=float(len(order)), clock=step.record())
 
 
     def in_flight(self, step: int) -> dict[int, list[int]]:
@@ -74,7 +74,8 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
                   update_bytes: int) -> Sampler:
     """The round planner for ``clock.mode``; ``samples`` is each client's training work per task, in samples."""
     if cfg.clock.mode == "off":
-        return Sampler(cfg.seed, cfg.clients, placement)
+        return Sampler(cfg.seed, cfg.clients, placement, poisson=cfg.privacy.sampling == "poisson"
+                       and cfg.privacy.mode != "off")
     num_clients = cfg.clients.num_clients
     devices = devices_for(cfg.clock, num_clients, cfg.seed)
     availability = Availability(cfg.clock, num_clients, cfg.seed)

@@ -22,6 +22,7 @@ from mpifl.config.sections import (
     LoraConfig,
     ModelConfig,
     OutputConfig,
+    PrivacyConfig,
     ServerConfig,
     StrategyConfig,
     TimeoutsConfig,
@@ -31,7 +32,7 @@ from mpifl.config.sections import (
 )
 
 __all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
-           "ModelConfig", "OutputConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
+           "ModelConfig", "OutputConfig", "PrivacyConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
            "TransformersConfig", "TransportConfig", "config_warnings", "dump_config", "load_config", "resume_conflict"]
 
 

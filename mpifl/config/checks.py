@@ -24,6 +24,7 @@ def check_combinations(cfg: Config) -> None:
                           f"{cfg.clients_per_round()} clients sampled per round")
     _check_groups(cfg)
     _check_clock(cfg)
+    _check_privacy(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -64,6 +65,31 @@ def _check_clock(cfg: Config) -> None:
                           f"{buffer}; raise clock.concurrency")
     if clock.concurrency > cfg.clients.num_clients:
         raise ConfigError(f"clock.concurrency: {clock.concurrency} is more than the {cfg.clients.num_clients} clients")
+
+
+def _check_privacy(cfg: Config) -> None:
+    privacy = cfg.privacy
+    if privacy.mode == "off":
+        return
+    needs = [("strategy.update", cfg.strategy.update == "delta", "'delta' (clients clip their delta)"),
+             ("strategy.weighting", cfg.strategy.weighting == "equal",
+              "'equal' (a sample-weighted mean lets one client move the model by more than the clip bound)"),
+             ("strategy.name", cfg.strategy.name not in ("median", "trimmed_mean"),
+              "a mean (fedavg, fedavgm, the adaptive ones): noise calibrated to a sum"),
+             ("clients.groups", not cfg.clients.groups, "0 (each update is clipped on its own)"),
+             ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (updates are clipped in fp32)"),
+             ("clock.mode", cfg.clock.mode == "off", "'off' (the accountant assumes uniform sampling)")]
+    for key, fine, what in needs:
+        if not fine:
+            raise ConfigError(f"{key}: privacy.mode {privacy.mode!r} needs {what}")
+    if privacy.accountant == "pld" and privacy.mode == "central" and privacy.sampling == "fixed":
+        raise ConfigError("privacy.accountant: 'pld' accounts Poisson sampling; use privacy.sampling='poisson' or "
+                          "the 'rdp' accountant for fixed-size sampling")
+    sigma_b = privacy.count_noise if privacy.count_noise is not None else cfg.clients_per_round() / 20
+    if privacy.adaptive_clip and privacy.mode == "central" and 2 * sigma_b <= privacy.noise_multiplier:
+        raise ConfigError(f"privacy.count_noise: adaptive clipping takes (2 sigma_b)^-2 out of z^-2, so it needs "
+                          f"2 x count_noise ({2 * sigma_b:g}) > noise_multiplier ({privacy.noise_multiplier}); raise "
+                          "privacy.count_noise or clients.per_round")
 
 
 def _check_groups(cfg: Config) -> None:

@@ -262,6 +262,36 @@ class ClockConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy of client updates (mpifl.privacy): DP-FedAvg with an accountant, or local DP."""
+
+    mode: str = field_("off", "off; central (DP-FedAvg, McMahan et al. 2018: clients clip their delta to L2 norm "
+                       "clip, the server adds Gaussian noise of std noise_multiplier x clip to the sum); or local "
+                       "(each client clips and adds that noise to its own update before sending)",
+                       choices=("off", "central", "local"))
+    clip: float = field_(1.0, "L2 norm bound C of each client's update (the initial bound with adaptive_clip)",
+                         min=0.0, exclusive_min=True)
+    noise_multiplier: float = field_(1.0, "z: the noise std is z x C", min=0.0)
+    sampling: str = field_("fixed", "how clients are sampled, as the accountant assumes: fixed (clients.per_round "
+                           "without replacement; replace-one adjacency) or poisson (each client independently with "
+                           "probability clients.per_round / clients.num_clients; add-or-remove adjacency)",
+                           choices=("fixed", "poisson"))
+    accountant: str = field_("rdp", "privacy accountant of Google's dp-accounting: rdp, or pld (poisson sampling "
+                             "only)", choices=("rdp", "pld"))
+    delta: float = field_(1e-5, "the delta of the reported (epsilon, delta)", min=0.0, max=1.0, exclusive_min=True)
+    epsilon_budget: Optional[float] = field_(None, "stop (with a checkpoint) before a round would take epsilon "
+                                             "past this", min=0.0, exclusive_min=True)
+    adaptive_clip: bool = field_(False, "central: the clip bound follows a quantile of the update norms (Andrew "
+                                 "et al. 2021, geometric update, noised clipped-count)")
+    target_quantile: float = field_(0.5, "adaptive_clip: the quantile of update norms C tracks", min=0.0, max=1.0)
+    clip_lr: float = field_(0.2, "adaptive_clip: eta_C of C = C x exp(-eta_C (clipped fraction - quantile))",
+                            min=0.0)
+    count_noise: Optional[float] = field_(None, "adaptive_clip: sigma_b, std of the noise on the clipped count "
+                                          "(default clients per round / 20, as Andrew et al.; its share of the "
+                                          "budget is taken out of noise_multiplier)", min=0.0, exclusive_min=True)
+
+
+@dataclass
 class OutputConfig:
     """What a run writes."""
 
@@ -289,6 +319,7 @@ class Config:
     checkpoint: CheckpointConfig = field_(CheckpointConfig, "checkpoints")
     server: ServerConfig = field_(ServerConfig, "server state")
     clock: ClockConfig = field_(ClockConfig, "virtual time: heterogeneous and asynchronous clients")
+    privacy: PrivacyConfig = field_(PrivacyConfig, "differential privacy of client updates")
     output: OutputConfig = field_(OutputConfig, "outputs")
 
     def to_dict(self) -> dict:

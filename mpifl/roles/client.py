@@ -14,9 +14,10 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
+from mpifl.privacy.dp import ClientPrivacy
 from mpifl.roles.federation import client_seed
 from mpifl.wire import protocol
-from mpifl.wire.flat import DTYPES, FlatModel
+from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
 
@@ -122,6 +123,7 @@ class ClientParts:
     evaluate: Evaluator | None = None  # federated evaluation of the received model, when due
     evaluate_every: int = 0
     rounds: int = 0
+    privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
 
 
 def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
@@ -147,6 +149,8 @@ class ClientRank:
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
+        self.clip: float | None = None  # DP: this round's L2 bound
+        self.first_element = element_offsets(parts.plan.chunks)
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -154,6 +158,7 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if header.stop:
                 return
+            self.clip = header.clip
             if header.hold:
                 self.serve_step(header)
             elif header.clients:
@@ -250,6 +255,9 @@ class ClientRank:
             if self.replica is not None:
                 self.replica.to_host()
             buffers = self.encoder.encode(keep)
+            if self.parts.privacy is not None and error is None:
+                chunks = [torch.from_numpy(b).view(DTYPES[w.dtype]) for w, b in zip(self.encoder.wire, buffers)]
+                result.metrics.update(self.parts.privacy.apply(chunks, self.first_element, self.clip, round_, client))
             bad = self.encoder.count_nonfinite() if check else 0
         if bad:
             error = f"update contains {bad} NaN/Inf values"

@@ -10,6 +10,7 @@ from mpifl.config import ClientsConfig
 SAMPLING = 1  # stream keys keep the seed derivations of different purposes apart
 CLIENT = 2
 PARTITION = 3
+POISSON = 6  # a sub-key of SAMPLING (clock/devices.py holds 4, privacy/noise.py 5)
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -27,6 +28,12 @@ def sample_clients(seed: int, round_: int, num_clients: int, per_round: int) -> 
     """The sorted logical client ids taking part in a round."""
     rng = np.random.default_rng(derive_seed(seed, SAMPLING, round_))
     return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
+
+
+def poisson_sample(seed: int, round_: int, num_clients: int, rate: float) -> list[int]:
+    """Each client takes part independently with probability ``rate`` (sorted ids; possibly none)."""
+    rng = np.random.default_rng(derive_seed(seed, SAMPLING, POISSON, round_))
+    return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
 
 
 def group_of(client: int, groups: int) -> int:
@@ -112,7 +119,7 @@ class RoundPlan:
     order: tuple[int, ...] | None = None  # the fold order of the streams when not ascending
     hold: bool = False  # trained updates stay on their ranks until a round lists them in ``streams``
     weights: dict[int, float] | None = None  # per participant, replacing the strategy's weight
-    by_count: bool = False  # divide the weighted sum by the number of usable updates, not their total weight
+    divisor: float | None = None  # a fixed divisor of the weighted sum (FedBuff's K, DP-FedAvg's k), not the total weight
     mixing: float | None = None  # fedasync: this step's alpha x s(staleness)
     clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
 
@@ -120,12 +127,15 @@ class RoundPlan:
 class Sampler:
     """Each round's participants and their ranks, from the root seed and the ``clients`` section."""
 
-    def __init__(self, seed: int, clients: ClientsConfig, placement: Placement):
-        self.seed, self.clients, self.placement = seed, clients, placement
+    def __init__(self, seed: int, clients: ClientsConfig, placement: Placement, poisson: bool = False):
+        self.seed, self.clients, self.placement, self.poisson = seed, clients, placement, poisson
         self.per_round = clients.per_round_count()
 
     def participants(self, round_: int) -> list[int]:
-        """The sorted logical client ids taking part in ``round_``."""
+        """The sorted logical client ids taking part in ``round_`` (with ``poisson``, each client independently
+        with probability per_round / num_clients: the count varies)."""
+        if self.poisson:
+            return poisson_sample(self.seed, round_, self.clients.num_clients, self.per_round / self.clients.num_clients)
         return sample_clients(self.seed, round_, self.clients.num_clients, self.per_round)
 
     def plan(self, round_: int) -> RoundPlan:

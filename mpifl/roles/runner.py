@@ -25,6 +25,7 @@ from mpifl.learning.partitions import partition, partition_histogram, partition_
 from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
+from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
@@ -148,7 +149,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
                         cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight, replica,
-                        make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds)
+                        make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds,
+                        ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None)
     ClientRank(comm, flat, local, parts).run()
 
 
@@ -191,8 +193,17 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
                                 sampler.needed_versions if asynchronous and directory else None)
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
+    privacy = None
+    if cfg.privacy.mode != "off":
+        privacy = ServerPrivacy(cfg.privacy, cfg.seed, cfg.clients.num_clients, cfg.clients_per_round(), history)
+        try:
+            log(f"privacy: {cfg.privacy.mode} DP, noise multiplier {cfg.privacy.noise_multiplier}, clip "
+                f"{privacy.clip:.4g}; epsilon after all {cfg.rounds} rounds {privacy.epsilon(cfg.rounds):.3f} "
+                f"at delta {cfg.privacy.delta}", rank=0)
+        except ImportError as err:
+            raise JobFailure(str(err)) from None
     parts = ServerParts(plan, sampler, strategy, store, checkpointer, Evaluation(score, cfg.eval.every, cfg.rounds),
-                        sink)
+                        sink, privacy)
     try:
         history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)

@@ -17,6 +17,7 @@ from mpifl.config import TimeoutsConfig, TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
+from mpifl.privacy.dp import ServerPrivacy
 from mpifl.roles.federation import RoundPlan, Sampler
 from mpifl.roles.launch import StopRequest
 from mpifl.storage.checkpointer import Checkpointer
@@ -83,6 +84,7 @@ class ServerParts:
     checkpointer: Checkpointer
     evaluation: Evaluation
     sink: JsonLines
+    privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
 
 
 class Server:
@@ -97,12 +99,20 @@ class Server:
         rows = parts.sampler.per_round if parts.strategy.stacked else 1
         self.pool = ReceivePool(parts.plan.wire, rows)
         self.history: list[dict] = []
+        self.budget_spent = False  # privacy.epsilon_budget ended the run early
 
     def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
         self.history = list(history)
         self.slowest_train = max((r["client_train_seconds"] for r in self.history), default=None)
         self._replay(start_round)
+        private = self.parts.privacy
+        if private and start_round < self.rounds and private.exhausted(start_round + 1):
+            log(f"privacy.epsilon_budget: round {start_round + 1} would take epsilon to "
+                f"{private.epsilon(start_round + 1):.3f}, past {private.cfg.epsilon_budget}: nothing to run", rank=0)
+            self.budget_spent = True
+            self._send_headers(None, self.rounds + 1)
+            return self.history
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
@@ -113,7 +123,8 @@ class Server:
                 if "eval" in record or "federated_eval" in record:
                     bar.write(f"[rank 0] round {rnd}/{self.rounds}: " + summary(record))
                 if stopping and rnd < self.rounds:
-                    log(f"SIGTERM: stopped after round {rnd} with a checkpoint; continue with --resume", rank=0)
+                    if not self.budget_spent:
+                        log(f"SIGTERM: stopped after round {rnd} with a checkpoint; continue with --resume", rank=0)
                     break
         finally:
             bar.close()
@@ -135,12 +146,17 @@ class Server:
         parts.store.begin_round(rnd)
         if plan.mixing is not None:
             parts.strategy.update.alpha = plan.mixing
+        private = parts.privacy
+        noise = private.noise(rnd) if private else None
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, plan.streams, self.pool,
                                       self._pool_plan(plan.streams), rnd, min_participants=self.min_participants,
                                       watchdog=watchdog, order=plan.order, weights=plan.weights,
-                                      by_count=plan.by_count)
+                                      divisor=private.divisor if private else plan.divisor, noise=noise)
         try:
-            stats = reduction.run() if plan.streams else ReductionStats()
+            if plan.streams:
+                stats = reduction.run()
+            else:  # nobody this round: unchanged, but DP noise still moves the model
+                stats = reduction.run_without_updates() if noise else ReductionStats()
         except RoundAborted:
             self._log_drops(rnd, reduction.stats.metas)
             parts.checkpointer.round_aborted(rnd, self.history)
@@ -154,9 +170,16 @@ class Server:
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds)
         record = self._record(plan, stats.metas, evaluation, times)
+        if private:
+            record["privacy"] = private.after_round(rnd, stats.metas)
         self.history.append(record)
         self.slowest_train = max(self.slowest_train or 0.0, record["client_train_seconds"])
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
+        if private and rnd < self.rounds and private.exhausted(rnd + 1):
+            log(f"privacy.epsilon_budget: round {rnd + 1} would take epsilon from {record['privacy']['epsilon']:.3f} "
+                f"to {private.epsilon(rnd + 1):.3f}, past {private.cfg.epsilon_budget}: stopping after round {rnd}",
+                rank=0)
+            stopping = self.budget_spent = True
         parts.checkpointer.round_ended(rnd, self.history, stopping)
         times.checkpointed = times.end = time.perf_counter()
         record["time"].update(times.split())  # the checkpoint's copy stops before saving; the JSON line has it all
@@ -211,7 +234,9 @@ class Server:
             if plan is None:
                 return protocol.RoundHeader(rnd, stop=True)
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
-            return protocol.RoundHeader(plan.round, tuple(plan.train.get(rank, ())), hold=plan.hold, send=send)
+            clip = self.parts.privacy.clip if self.parts.privacy else None
+            return protocol.RoundHeader(plan.round, tuple(plan.train.get(rank, ())), hold=plan.hold, send=send,
+                                        clip=clip)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 

@@ -45,6 +45,7 @@ class RoundHeader:
     stop: bool = False
     hold: bool = False  # keep the trained updates here; send those in ``send`` instead
     send: tuple[int, ...] = ()  # held updates to send now, in this order
+    clip: float | None = None  # DP: the L2 bound of this round's updates
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,48 @@
+"""Epsilon at delta after some rounds, from Google's dp-accounting (``pip install 'mpifl[dp]'``).
+
+- Central DP, fixed-size sampling (k of N without replacement): replace-one adjacency, so one
+  client's change moves the sum by up to 2C, and the Gaussian's multiplier against that
+  sensitivity is z / 2: ``SampledWithoutReplacementDpEvent(N, k, GaussianDpEvent(z / 2))``,
+  RDP accountant (Wang, Balle and Kasiviswanathan 2019).
+- Central DP, Poisson sampling (each client with q = k / N): add-or-remove adjacency,
+  sensitivity C: ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``, RDP or PLD accountant.
+- Local DP: each client's own release is a Gaussian mechanism with multiplier z (add-or-remove),
+  composed over every round it could take part in (all of them, the worst case): no amplification.
+"""
+from __future__ import annotations
+
+from mpifl.config import PrivacyConfig
+
+
+def _dp_accounting():
+    try:
+        import dp_accounting
+    except ImportError:
+        raise ImportError("privacy accounting needs Google's dp-accounting: pip install 'mpifl[dp]'") from None
+    return dp_accounting
+
+
+def round_event(cfg: PrivacyConfig, num_clients: int, per_round: int):
+    """The dp-accounting event of one round."""
+    dp = _dp_accounting()
+    gaussian = dp.GaussianDpEvent
+    if cfg.mode == "local":
+        return gaussian(cfg.noise_multiplier)
+    if cfg.sampling == "poisson":
+        return dp.PoissonSampledDpEvent(per_round / num_clients, gaussian(cfg.noise_multiplier))
+    return dp.SampledWithoutReplacementDpEvent(num_clients, per_round, gaussian(cfg.noise_multiplier / 2))
+
+
+def epsilon(cfg: PrivacyConfig, rounds: int, num_clients: int, per_round: int) -> float:
+    """Epsilon at ``cfg.delta`` after ``rounds`` rounds (0 rounds: 0)."""
+    if rounds == 0 or cfg.noise_multiplier == 0:
+        return 0.0 if rounds == 0 else float("inf")
+    dp = _dp_accounting()
+    if cfg.accountant == "pld":
+        accountant = dp.pld.PLDAccountant()
+    else:
+        fixed = cfg.mode == "central" and cfg.sampling == "fixed"
+        relation = dp.NeighboringRelation.REPLACE_ONE if fixed else dp.NeighboringRelation.ADD_OR_REMOVE_ONE
+        accountant = dp.rdp.RdpAccountant(neighboring_relation=relation)
+    accountant.compose(dp.SelfComposedDpEvent(round_event(cfg, num_clients, per_round), rounds))
+    return float(accountant.get_epsilon(cfg.delta))

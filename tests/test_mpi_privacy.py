@@ -1,0 +1,56 @@
+"""DP-FedAvg under mpiexec: the noise is bitwise the same for any chunk size and rank count, the
+reported epsilon is dp-accounting's, and an epsilon budget stops the run with a checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import MPI_TIMEOUT, run_mpi, same_model, write_config
+
+from mpifl.config import load_config
+from mpifl.privacy.accounting import epsilon
+
+pytest.importorskip("dp_accounting")
+
+RUN = """
+seed: 2
+rounds: {rounds}
+clients: {{num_clients: 20, per_round: 5}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 800, num_features: 8, num_classes: 4}}}}
+model: {{name: mlp, kwargs: {{hidden: [8]}}}}
+train: {{lr: 0.1, batch_size: 8}}
+strategy: {{name: fedadam, update: delta, weighting: equal, server_lr: 0.05}}
+privacy: {{mode: central, clip: 0.3, noise_multiplier: 1.2{extra}}}
+eval: {{every: 0}}
+output: {{progress: false}}
+"""
+
+
+def run(tmp_path, name, ranks=2, rounds=3, extra="", *overrides):
+    cfg = write_config(tmp_path / f"{name}.yaml", RUN.format(rounds=rounds, extra=extra))
+    result = run_mpi(ranks + 1, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides, timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return cfg, tmp_path / name, records, result.stderr
+
+
+def test_dp_fedadam_noise_is_identical_across_chunk_sizes_and_rank_counts(tmp_path):
+    cfg, base, records, _ = run(tmp_path, "base")
+    _, chunked, _, _ = run(tmp_path, "chunked", 2, 3, "", "transport.chunk_mb=0.0003")  # 314-byte chunks
+    _, three, _, _ = run(tmp_path, "three", 3)
+    assert same_model(base / "model.h5", chunked / "model.h5") and same_model(base / "model.h5", three / "model.h5")
+    _, noiseless, _, _ = run(tmp_path, "noiseless", 2, 3, "", "privacy.noise_multiplier=0")
+    assert not same_model(base / "model.h5", noiseless / "model.h5")  # the noise is really there
+    expected = [epsilon(load_config(cfg).privacy, r, 20, 5) for r in (1, 2, 3)]
+    assert [r["privacy"]["epsilon"] for r in records] == expected  # dp-accounting's, round by round
+
+
+def test_an_epsilon_budget_stops_the_run_before_it_is_exceeded_with_a_checkpoint(tmp_path):
+    cfg = load_config(None, data={"clients": {"num_clients": 20, "per_round": 5},
+                                  "strategy": {"update": "delta", "weighting": "equal"},
+                                  "privacy": {"mode": "central", "noise_multiplier": 1.2}})
+    budget = (epsilon(cfg.privacy, 2, 20, 5) + epsilon(cfg.privacy, 3, 20, 5)) / 2  # room for 2 rounds, not 3
+    _, run_dir, records, stderr = run(tmp_path, "budget", 2, 6, f", epsilon_budget: {budget}")
+    assert [r["round"] for r in records] == [1, 2] and records[-1]["privacy"]["epsilon"] <= budget
+    assert "privacy.epsilon_budget: round 3 would take epsilon" in stderr
+    assert (run_dir / "checkpoints" / "ckpt-r000002.h5").exists()

@@ -1,0 +1,105 @@
+"""Differential privacy, in process: element-addressed noise, clipping over the whole update, and
+epsilon exactly as Google's dp-accounting computes it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mpifl.config import ConfigError, load_config
+from mpifl.privacy.accounting import epsilon
+from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy, sum_noise_multiplier
+from mpifl.privacy.noise import BLOCK, ElementNoise
+from mpifl.roles.federation import poisson_sample
+
+dp = pytest.importorskip("dp_accounting")
+
+
+def privacy(**kw):
+    base = {"strategy": {"update": "delta", "weighting": "equal"}, "clients": {"num_clients": 1000, "per_round": 20}}
+    return load_config(None, data={**base, "privacy": kw}).privacy
+
+
+@pytest.mark.parametrize("chunk", [997, 4096, BLOCK - 3, 3 * BLOCK])
+def test_noise_depends_on_the_element_never_on_the_chunking(chunk):
+    total = 2 * BLOCK + 5000
+    whole = torch.zeros(total)
+    ElementNoise(11, 0, 3).add(whole, 0, 1.0)
+    pieces, noise = torch.zeros(total), ElementNoise(11, 0, 3)
+    for first in range(0, total, chunk):
+        noise.add(pieces[first:first + chunk], first, 1.0)
+    assert torch.equal(whole, pieces)
+    assert abs(float(whole.mean())) < 0.01 and float(whole.std()) == pytest.approx(1.0, abs=0.01)
+    other = torch.zeros(total)
+    ElementNoise(11, 0, 4).add(other, 0, 1.0)  # another round: other noise
+    assert not torch.equal(whole, other)
+
+
+def test_a_client_update_is_clipped_to_the_bound_over_all_its_chunks():
+    chunks = [torch.full((30,), 1.0), torch.full((70,), -2.0)]  # norm sqrt(30 + 280)
+    report = ClientPrivacy(privacy(mode="central"), 0).apply(chunks, [0, 30], 1.5, round_=1, client=3)
+    assert report == {"update_norm": pytest.approx(math.sqrt(310)), "clip_within": False}
+    assert math.sqrt(sum(float(c.pow(2).sum()) for c in chunks)) == pytest.approx(1.5, rel=1e-6)
+    small = [torch.full((4,), 0.1)]
+    assert ClientPrivacy(privacy(mode="central"), 0).apply(small, [0], 1.5, 1, 3)["clip_within"]
+    assert torch.equal(small[0], torch.full((4,), 0.1))  # within the bound: untouched
+
+
+def test_local_dp_noises_each_client_differently_and_reproducibly():
+    def noised(client):
+        x = [torch.zeros(1000)]
+        ClientPrivacy(privacy(mode="local", noise_multiplier=2.0), 5).apply(x, [0], 0.5, 2, client)
+        return x[0]
+    assert torch.equal(noised(1), noised(1)) and not torch.equal(noised(1), noised(2))
+    assert float(noised(1).std()) == pytest.approx(1.0, rel=0.1)  # z x C = 2 x 0.5
+
+
+@pytest.mark.parametrize("settings,event", [
+    ({"mode": "central", "noise_multiplier": 1.1},
+     lambda: dp.SampledWithoutReplacementDpEvent(1000, 20, dp.GaussianDpEvent(0.55))),
+    ({"mode": "central", "noise_multiplier": 1.1, "sampling": "poisson"},
+     lambda: dp.PoissonSampledDpEvent(0.02, dp.GaussianDpEvent(1.1))),
+    ({"mode": "central", "noise_multiplier": 0.9, "sampling": "poisson", "accountant": "pld"},
+     lambda: dp.PoissonSampledDpEvent(0.02, dp.GaussianDpEvent(0.9))),
+    ({"mode": "local", "noise_multiplier": 4.0}, lambda: dp.GaussianDpEvent(4.0)),
+])
+def test_epsilon_is_what_dp_accounting_computes_for_the_same_mechanism(settings, event):
+    cfg = privacy(**settings, delta=1e-6)
+    if cfg.accountant == "pld":
+        direct = dp.pld.PLDAccountant()
+    else:
+        fixed = cfg.mode == "central" and cfg.sampling == "fixed"
+        direct = dp.rdp.RdpAccountant(neighboring_relation=dp.NeighboringRelation.REPLACE_ONE if fixed
+                                      else dp.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    direct.compose(dp.SelfComposedDpEvent(event(), 50))
+    assert epsilon(cfg, 50, 1000, 20) == direct.get_epsilon(1e-6)
+    assert epsilon(cfg, 0, 1000, 20) == 0.0 and epsilon(cfg, 10, 1000, 20) < epsilon(cfg, 50, 1000, 20)
+
+
+def test_adaptive_clipping_follows_the_clipped_fraction_and_resumes_from_the_record():
+    from mpifl.wire.protocol import UpdateMeta
+
+    cfg = privacy(mode="central", noise_multiplier=1.0, adaptive_clip=True, count_noise=5.0, clip=1.0)
+    server = ServerPrivacy(cfg, 0, 1000, 20, [])
+    everyone_within = {c: UpdateMeta(c, 1, 0.0, {"clip_within": True}) for c in range(20)}
+    record = server.after_round(1, everyone_within)
+    assert record["clip"] == 1.0 and record["next_clip"] < 1.0 and server.clip == record["next_clip"]
+    resumed = ServerPrivacy(cfg, 0, 1000, 20, [{"round": 1, "privacy": record}])
+    assert resumed.clip == record["next_clip"]
+    assert sum_noise_multiplier(cfg, 20) == pytest.approx((1.0 - 0.01) ** -0.5)
+
+
+def test_poisson_sampling_takes_each_client_independently():
+    counts = [len(poisson_sample(3, r, 1000, 0.02)) for r in range(1, 201)]
+    assert min(counts) < 20 < max(counts) and sum(counts) / 200 == pytest.approx(20, rel=0.1)
+    assert poisson_sample(3, 7, 1000, 0.02) == poisson_sample(3, 7, 1000, 0.02)
+
+
+def test_privacy_settings_that_would_break_the_guarantee_are_refused():
+    with pytest.raises(ConfigError, match="strategy.weighting: privacy.mode 'central' needs 'equal'"):
+        load_config(None, data={"strategy": {"update": "delta"}, "privacy": {"mode": "central"}})
+    with pytest.raises(ConfigError, match="strategy.update: privacy.mode 'local' needs 'delta'"):
+        load_config(None, data={"privacy": {"mode": "local"}})
+    with pytest.raises(ConfigError, match="'pld' accounts Poisson sampling"):
+        privacy(mode="central", accountant="pld")
