@@ -54,3 +54,32 @@ def test_an_epsilon_budget_stops_the_run_before_it_is_exceeded_with_a_checkpoint
     assert [r["round"] for r in records] == [1, 2] and records[-1]["privacy"]["epsilon"] <= budget
     assert "privacy.epsilon_budget: round 3 would take epsilon" in stderr
     assert (run_dir / "checkpoints" / "ckpt-r000002.h5").exists()
+
+
+SECAGG = """
+seed: 5
+rounds: 3
+clients: {{num_clients: 10, per_round: 6, accept_failures: true}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 600, num_features: 8, num_classes: 4}}}}
+model: {{name: mlp, kwargs: {{hidden: [8]}}}}
+train: {{trainer: "faults.injectors:Injected", lr: 0.05}}
+secagg: {{enabled: true, masking: {masking}}}
+eval: {{every: 0}}
+output: {{progress: false}}
+"""
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_securely_aggregated_sum_is_exactly_the_plain_fixed_point_sum(tmp_path, drop):
+    """Masked updates, with pairwise masks cancelling and a dropped client's masks removed, give bitwise the
+    model that the unmasked fixed-point updates give."""
+    env = {"FAULT": "raise", "FAULT_RANK": "1", "FAULT_CALL": "2"} if drop else {}
+    models = {}
+    for masking in ("true", "false"):
+        cfg = write_config(tmp_path / f"{masking}.yaml", SECAGG.format(masking=masking))
+        result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / masking), env=env, timeout=MPI_TIMEOUT)
+        assert result.returncode == 0, result.stderr
+        models[masking] = tmp_path / masking / "model.h5"
+        records = [json.loads(line) for line in (tmp_path / masking / "metrics.jsonl").read_text().splitlines()]
+        assert sum(r["secagg"]["dropped"] for r in records) == (1 if drop else 0)
+    assert same_model(models["true"], models["false"])

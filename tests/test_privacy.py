@@ -103,3 +103,26 @@ def test_privacy_settings_that_would_break_the_guarantee_are_refused():
         load_config(None, data={"privacy": {"mode": "local"}})
     with pytest.raises(ConfigError, match="'pld' accounts Poisson sampling"):
         privacy(mode="central", accountant="pld")
+
+
+@pytest.mark.parametrize("dropped", [(), (2,), (0, 3)])
+def test_pairwise_masks_cancel_and_dropped_clients_masks_are_removed_exactly(dropped):
+    from mpifl.config import SecAggConfig
+    from mpifl.privacy.secagg import SecureAggregation
+    from mpifl.wire.protocol import UpdateMeta
+
+    secure, cohort, rng = SecureAggregation(SecAggConfig(enabled=True), 9), (0, 2, 3, 5), torch.Generator()
+    updates = {c: torch.randn(5000, generator=rng.manual_seed(c)) for c in cohort}
+    total, plain = torch.zeros(5000).view(torch.int32), torch.zeros(5000, dtype=torch.int32)
+    for c in cohort:
+        masked = updates[c].clone()
+        secure.mask([masked[:1234], masked[1234:]], [0, 1234], 2.0, cohort, round_=4, client=c)
+        if c not in dropped:
+            total.add_(masked.view(torch.int32))
+            plain.add_(torch.round(updates[c] * 2.0 * 2 ** 16).to(torch.int32))
+    acc = total.view(torch.float32)
+    metas = {c: UpdateMeta(c, 1, 0.0, {}, "dropped" if c in dropped else None) for c in cohort}
+    unmask = secure.unmask(4, cohort)
+    unmask(acc[:3000], 0, metas)  # another chunking on the server
+    unmask(acc[3000:], 3000, metas)
+    assert torch.equal(acc, plain.to(torch.float32) / 2 ** 16)

@@ -97,13 +97,15 @@ class StreamedReduction:
                  by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan, round_: int = 0, *,
                  min_participants: int = 1, watchdog: Watchdog | None = None, order: Sequence[int] | None = None,
                  weights: Mapping[int, float] | None = None, divisor: float | None = None,
-                 noise: Callable[[torch.Tensor, int], None] | None = None):
+                 noise: Callable[[torch.Tensor, int], None] | None = None,
+                 unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None):
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
         self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
         self.by_rank = by_rank
         self.weights, self.divisor = weights, divisor  # asynchronous FL's staleness weights; a fixed divisor
         self.noise = noise  # DP-FedAvg: adds the round's noise to a chunk's sum, given its first element
+        self.unmask = unmask  # secure aggregation: the ring sum of masked updates becomes the float sum
         self.first_element = element_offsets(self.chunks)
         self.metas_in = {rank: 0 for rank in by_rank}  # what has landed from each rank, for its deadlines
         self.chunks_in = {rank: 0 for rank in by_rank}
@@ -259,6 +261,8 @@ class StreamedReduction:
         if self.total_weight is None:
             self._check_participation()
         chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk)
+        if self.unmask is not None:
+            self.unmask(acc, self.first_element[step.chunk], self.stats.metas)
         if self.noise is not None:
             self.noise(acc, self.first_element[step.chunk])
         self.strategy.finish(acc, step.count, self.total_weight, self.state.finish_target(chunk),

@@ -1,9 +1,6 @@
 """Samplers that plan rounds in virtual time: what the server runs each round, from the schedule."""
 from __future__ import annotations
 
-from mpifl.aggregation.combiners import WeightedMean
-from mpifl.aggregation.strategies import Strategy, make_strategy
-from mpifl.aggregation.updates import Mixing
 from mpifl.clock.availability import Availability
 from mpifl.clock.devices import devices_for
 from mpifl.clock.schedule import AsyncStep, SyncClock, held_updates, plan_async
@@ -94,13 +91,6 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         f"holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; by rank: "
         + ", ".join(f"{r}: {n}" for r, n in sorted(held.items())) + ")", rank=0)
     return AsyncSampler(cfg.seed, cfg, placement, plan.steps)
-
-
-def clock_strategy(cfg: Config) -> Strategy:
-    """The configured strategy; FedAsync mixes each update in (``Mixing``) instead of replacing the model."""
-    if cfg.clock.mode == "fedasync":
-        return Strategy(cfg.strategy, WeightedMean(cfg.strategy), Mixing(cfg.strategy))
-    return make_strategy(cfg.strategy)
 
 
 def task_samples(train_sizes: list[int] | None, num_clients: int, local_epochs: int, local_steps: int | None,

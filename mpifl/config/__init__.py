@@ -23,6 +23,7 @@ from mpifl.config.sections import (
     ModelConfig,
     OutputConfig,
     PrivacyConfig,
+    SecAggConfig,
     ServerConfig,
     StrategyConfig,
     TimeoutsConfig,
@@ -32,7 +33,7 @@ from mpifl.config.sections import (
 )
 
 __all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
-           "ModelConfig", "OutputConfig", "PrivacyConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
+           "ModelConfig", "OutputConfig", "PrivacyConfig", "SecAggConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
            "TransformersConfig", "TransportConfig", "config_warnings", "dump_config", "load_config", "resume_conflict"]
 
 

@@ -25,6 +25,7 @@ def check_combinations(cfg: Config) -> None:
     _check_groups(cfg)
     _check_clock(cfg)
     _check_privacy(cfg)
+    _check_secagg(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -90,6 +91,21 @@ def _check_privacy(cfg: Config) -> None:
         raise ConfigError(f"privacy.count_noise: adaptive clipping takes (2 sigma_b)^-2 out of z^-2, so it needs "
                           f"2 x count_noise ({2 * sigma_b:g}) > noise_multiplier ({privacy.noise_multiplier}); raise "
                           "privacy.count_noise or clients.per_round")
+
+
+def _check_secagg(cfg: Config) -> None:
+    if not cfg.secagg.enabled:
+        return
+    needs = [("model.dtype", cfg.model.dtype == "float32", "'float32' (fixed-point ring values travel in fp32's bytes)"),
+             ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset"),
+             ("strategy.name", cfg.strategy.name not in ("median", "trimmed_mean"),
+              "a sum-based strategy: the server sees only the sum"),
+             ("clients.groups", not cfg.clients.groups, "0 (each client masks its own update)"),
+             ("clock.mode", cfg.clock.mode in ("off", "sync"), "'off' or 'sync' (a cohort shares its masks)"),
+             ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central' (local DP needs no secure sum)")]
+    for key, fine, what in needs:
+        if not fine:
+            raise ConfigError(f"{key}: secagg.enabled needs {what}")
 
 
 def _check_groups(cfg: Config) -> None:

@@ -292,6 +292,16 @@ class PrivacyConfig:
 
 
 @dataclass
+class SecAggConfig:
+    """Secure aggregation, simulated (mpifl.privacy.secagg): the server only learns the sum."""
+
+    enabled: bool = field_(False, "clients send their weighted updates in fixed point, masked with pairwise and "
+                           "self masks that cancel or are removed in the server's sum (Bonawitz et al. 2017)")
+    fraction_bits: int = field_(16, "fixed point: x becomes round(x * 2^bits) in Z_(2^32)", min=1, max=30)
+    masking: bool = field_(True, "false: fixed point without masks, the plain sum the masked one must equal")
+
+
+@dataclass
 class OutputConfig:
     """What a run writes."""
 
@@ -320,6 +330,7 @@ class Config:
     server: ServerConfig = field_(ServerConfig, "server state")
     clock: ClockConfig = field_(ClockConfig, "virtual time: heterogeneous and asynchronous clients")
     privacy: PrivacyConfig = field_(PrivacyConfig, "differential privacy of client updates")
+    secagg: SecAggConfig = field_(SecAggConfig, "secure aggregation (simulated)")
     output: OutputConfig = field_(OutputConfig, "outputs")
 
     def to_dict(self) -> dict:

@@ -15,6 +15,7 @@ from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
 from mpifl.privacy.dp import ClientPrivacy
+from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.federation import client_seed
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
@@ -124,6 +125,7 @@ class ClientParts:
     evaluate_every: int = 0
     rounds: int = 0
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
+    secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
 
 
 def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
@@ -150,6 +152,7 @@ class ClientRank:
         self.snapshot: torch.Tensor | None = None
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.clip: float | None = None  # DP: this round's L2 bound
+        self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
         self.first_element = element_offsets(parts.plan.chunks)
 
     def run(self) -> None:
@@ -158,7 +161,7 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if header.stop:
                 return
-            self.clip = header.clip
+            self.clip, self.cohort = header.clip, header.cohort
             if header.hold:
                 self.serve_step(header)
             elif header.clients:
@@ -255,10 +258,9 @@ class ClientRank:
             if self.replica is not None:
                 self.replica.to_host()
             buffers = self.encoder.encode(keep)
-            if self.parts.privacy is not None and error is None:
-                chunks = [torch.from_numpy(b).view(DTYPES[w.dtype]) for w, b in zip(self.encoder.wire, buffers)]
-                result.metrics.update(self.parts.privacy.apply(chunks, self.first_element, self.clip, round_, client))
             bad = self.encoder.count_nonfinite() if check else 0
+            if error is None and not bad:
+                self._protect(buffers, round_, client, result)
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
@@ -267,6 +269,18 @@ class ClientRank:
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
         meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error)
         return meta, buffers
+
+    def _protect(self, buffers: list[np.ndarray], round_: int, client: int, result: TrainResult) -> None:
+        """DP: clip (and, local DP, noise) the update; secure aggregation: mask it in fixed point. In place."""
+        if self.parts.privacy is None and self.parts.secagg is None:
+            return
+        chunks = [torch.from_numpy(b).view(DTYPES[w.dtype]) for w, b in zip(self.encoder.wire, buffers)]
+        if self.parts.privacy is not None:
+            result.metrics.update(self.parts.privacy.apply(chunks, self.first_element, self.clip, round_, client))
+        if self.parts.secagg is not None:
+            weight = self.parts.weight(result.num_samples)
+            result.metrics.update(self.parts.secagg.mask(chunks, self.first_element, weight, self.cohort, round_,
+                                                         client))
 
     def _federated_eval(self, round_: int, val: ClientData | None) -> dict:
         """The received global model on this client's validation split (before training)."""

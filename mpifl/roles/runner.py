@@ -14,8 +14,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.aggregation.registry import stages
 from mpifl.aggregation.strategies import Strategy, make_strategy
-from mpifl.clock.planners import clock_sampler, clock_strategy, task_samples
+from mpifl.aggregation.updates import Mixing
+from mpifl.clock.planners import clock_sampler, task_samples
 from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
 from mpifl.learning.datasets import Dataset, client_data, client_source, load_dataset, needs_dataset, surveyed_dataset
@@ -26,6 +28,7 @@ from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
+from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
@@ -150,14 +153,15 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
                         cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight, replica,
                         make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds,
-                        ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None)
+                        ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
+                        SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None)
     ClientRank(comm, flat, local, parts).run()
 
 
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel | None,
                      dataset: Dataset | None, run_dir: Path | None, resume: Checkpoint | None,
                      stop: StopRequest) -> list[dict]:
-    strategy = clock_strategy(cfg)
+    strategy = _strategy(cfg)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
@@ -203,7 +207,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
         except ImportError as err:
             raise JobFailure(str(err)) from None
     parts = ServerParts(plan, sampler, strategy, store, checkpointer, Evaluation(score, cfg.eval.every, cfg.rounds),
-                        sink, privacy)
+                        sink, privacy, SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None)
     try:
         history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
@@ -213,6 +217,16 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
         checkpointer.link_final_model(run_dir)
     log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
     return history
+
+
+def _strategy(cfg: Config) -> Strategy:
+    """The configured strategy, with the stage a run mode replaces: FedAsync mixes each update in
+    (``Mixing``); secure aggregation sums masked fixed-point updates in the ring (``RingSum``)."""
+    if cfg.clock.mode != "fedasync" and not cfg.secagg.enabled:
+        return make_strategy(cfg.strategy)
+    combiner, update = stages(cfg.strategy.name)
+    return Strategy(cfg.strategy, (RingSum if cfg.secagg.enabled else combiner)(cfg.strategy),
+                    (Mixing if cfg.clock.mode == "fedasync" else update)(cfg.strategy))
 
 
 def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> None:

@@ -18,6 +18,7 @@ from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.privacy.dp import ServerPrivacy
+from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.federation import RoundPlan, Sampler
 from mpifl.roles.launch import StopRequest
 from mpifl.storage.checkpointer import Checkpointer
@@ -85,6 +86,7 @@ class ServerParts:
     evaluation: Evaluation
     sink: JsonLines
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
+    secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
 
 
 class Server:
@@ -151,7 +153,8 @@ class Server:
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, plan.streams, self.pool,
                                       self._pool_plan(plan.streams), rnd, min_participants=self.min_participants,
                                       watchdog=watchdog, order=plan.order, weights=plan.weights,
-                                      divisor=private.divisor if private else plan.divisor, noise=noise)
+                                      divisor=private.divisor if private else plan.divisor, noise=noise,
+                                      unmask=parts.secagg.unmask(rnd, plan.participants) if parts.secagg else None)
         try:
             if plan.streams:
                 stats = reduction.run()
@@ -172,6 +175,8 @@ class Server:
         record = self._record(plan, stats.metas, evaluation, times)
         if private:
             record["privacy"] = private.after_round(rnd, stats.metas)
+        if parts.secagg:
+            record["secagg"] = secagg_record(stats.metas)
         self.history.append(record)
         self.slowest_train = max(self.slowest_train or 0.0, record["client_train_seconds"])
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
@@ -235,8 +240,9 @@ class Server:
                 return protocol.RoundHeader(rnd, stop=True)
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
+            cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
             return protocol.RoundHeader(plan.round, tuple(plan.train.get(rank, ())), hold=plan.hold, send=send,
-                                        clip=clip)
+                                        clip=clip, cohort=cohort)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
@@ -275,6 +281,15 @@ class Server:
             rank["clients"] += 1
             rank["train_seconds"] += meta.train_seconds
         return out
+
+
+def secagg_record(metas: dict) -> dict:
+    """Secure aggregation's cost this round: clients dropped (their masks removed), the slowest client's
+    masking time, and values clamped into the ring's range."""
+    usable = [m for m in metas.values() if m.error is None]
+    return {"dropped": len(metas) - len(usable),
+            "mask_seconds": max((m.metrics.get("secagg_seconds", 0.0) for m in usable), default=0.0),
+            "clamped": sum(m.metrics.get("secagg_clamped", 0) for m in usable)}
 
 
 def federated_evaluation(metas) -> dict | None:

@@ -46,6 +46,7 @@ class RoundHeader:
     hold: bool = False  # keep the trained updates here; send those in ``send`` instead
     send: tuple[int, ...] = ()  # held updates to send now, in this order
     clip: float | None = None  # DP: the L2 bound of this round's updates
+    cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
 
 
 @dataclass(frozen=True)
