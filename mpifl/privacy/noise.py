@@ -1,7 +1,7 @@
 """Random values addressed by model element: reproducible, and independent of chunk size and ranks.
 
 Element e of the model (in the chunks' element numbering) takes value ``e mod B`` of block
-``e // B`` (B = 2**20), a block being ``torch.randn(B)`` from a generator seeded with
+``e // B`` (B = 2**16), a block being ``torch.randn(B)`` from a generator seeded with
 ``derive_seed(seed, PRIVACY, *key, block)``. So the noise depends on (seed, key, element) only:
 the same for any chunk size, any rank count, and after a resume. Generating whole blocks keeps
 it at torch's vectorized speed. Secure aggregation's masks are uniform int32 blocks, made the same way.
@@ -13,7 +13,7 @@ import torch
 from mpifl.roles.federation import derive_seed
 
 PRIVACY = 5  # seed stream key (federation.py and clock/devices.py hold 1..4)
-BLOCK = 1 << 20
+BLOCK = 1 << 16
 
 
 class ElementStream:
