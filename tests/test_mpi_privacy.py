@@ -83,3 +83,31 @@ def test_the_securely_aggregated_sum_is_exactly_the_plain_fixed_point_sum(tmp_pa
         records = [json.loads(line) for line in (tmp_path / masking / "metrics.jsonl").read_text().splitlines()]
         assert sum(r["secagg"]["dropped"] for r in records) == (1 if drop else 0)
     assert same_model(models["true"], models["false"])
+
+
+COMPRESSED = """
+seed: 6
+rounds: 2
+clients: {{num_clients: 8, per_round: 4}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 400, num_features: 8, num_classes: 4}}}}
+model: {{name: mlp, kwargs: {{hidden: [300]}}}}
+train: {{lr: 0.05, batch_size: 8}}
+strategy: {{name: fedadam, update: delta, weighting: equal, server_lr: 0.02}}
+compression: {{method: {method}, block: 128}}
+privacy: {{mode: central, clip: 0.5, noise_multiplier: 0.3}}
+eval: {{every: 0}}
+output: {{progress: false}}
+"""
+
+
+@pytest.mark.parametrize("method,ratio", [("int8", 4), ("int4", 8)])
+def test_quantized_dp_fedadam_is_rank_count_independent_and_as_small_as_planned(tmp_path, method, ratio):
+    runs = {}
+    for ranks in (2, 3):
+        cfg = write_config(tmp_path / f"{ranks}.yaml", COMPRESSED.format(method=method))
+        result = run_mpi(ranks + 1, "run", str(cfg), "--run-dir", str(tmp_path / str(ranks)), timeout=MPI_TIMEOUT)
+        assert result.returncode == 0, result.stderr
+        runs[ranks] = [json.loads(line) for line in (tmp_path / str(ranks) / "metrics.jsonl").read_text().splitlines()]
+    assert same_model(tmp_path / "2" / "model.h5", tmp_path / "3" / "model.h5")
+    fp32 = 4 * (8 * 300 + 300 + 300 * 4 + 4) * 4  # four fp32 updates of the MLP
+    assert fp32 / ratio < runs[2][-1]["bytes_received"] < fp32 / ratio * 1.15  # values plus one scale per block

@@ -101,6 +101,7 @@ class StreamedReduction:
                  unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None):
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
+        self.codec, self.decoded = exchange.codec, None  # compression.method: decode each chunk before folding
         self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
         self.by_rank = by_rank
         self.weights, self.divisor = weights, divisor  # asynchronous FL's staleness weights; a fixed divisor
@@ -227,11 +228,19 @@ class StreamedReduction:
         if step.row == 0:
             self.acc_of[step.chunk] = self._accumulator(step.chunk)
         wire = self.wire[step.chunk]
-        x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
+        if self.codec is not None:  # compressed: decoded into a reused fp32 scratch, then folded as usual
+            x = self.codec.decode(self.pool.slots[step.slot], self.chunks[step.chunk].numel, self._decoded())
+        else:
+            x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
         # a group's partial sum arrives weighted: it folds with weight 1; a single update, with its own
         grouped = step.client in self.stats.groups
         weight = 1.0 if grouped else self._weight(self.stats.metas[step.client])
         self.strategy.fold(self.acc_of[step.chunk], x, weight, step.row)
+
+    def _decoded(self) -> torch.Tensor:
+        if self.decoded is None:
+            self.decoded = torch.empty(max(c.numel for c in self.chunks), dtype=ACCUMULATOR_DTYPE)
+        return self.decoded
 
     def _weight(self, meta: protocol.UpdateMeta) -> float:
         """A participant's weight: the round's own (asynchronous FL), else the strategy's from its samples."""

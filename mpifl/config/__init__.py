@@ -16,6 +16,7 @@ from mpifl.config.sections import (
     CheckpointConfig,
     ClientsConfig,
     ClockConfig,
+    CompressionConfig,
     Config,
     DataConfig,
     EvalConfig,
@@ -32,7 +33,7 @@ from mpifl.config.sections import (
     TransportConfig,
 )
 
-__all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
+__all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
            "ModelConfig", "OutputConfig", "PrivacyConfig", "SecAggConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
            "TransformersConfig", "TransportConfig", "config_warnings", "dump_config", "load_config", "resume_conflict"]
 

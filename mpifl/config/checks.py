@@ -26,6 +26,7 @@ def check_combinations(cfg: Config) -> None:
     _check_clock(cfg)
     _check_privacy(cfg)
     _check_secagg(cfg)
+    _check_compression(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -106,6 +107,18 @@ def _check_secagg(cfg: Config) -> None:
     for key, fine, what in needs:
         if not fine:
             raise ConfigError(f"{key}: secagg.enabled needs {what}")
+
+
+def _check_compression(cfg: Config) -> None:
+    if cfg.compression.method == "none":
+        return
+    needs = [("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (one encoding at a time)"),
+             ("clients.groups", not cfg.clients.groups, "0 (each update is quantized on its own)"),
+             ("secagg.enabled", not cfg.secagg.enabled, "false (secure aggregation has its own fixed point)"),
+             ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central'")]
+    for key, fine, what in needs:
+        if not fine:
+            raise ConfigError(f"{key}: compression.method {cfg.compression.method!r} needs {what}")
 
 
 def _check_groups(cfg: Config) -> None:

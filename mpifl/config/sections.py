@@ -302,6 +302,15 @@ class SecAggConfig:
 
 
 @dataclass
+class CompressionConfig:
+    """Compressed updates (mpifl.wire.codecs): fewer bytes on the wire, decoded as the server folds."""
+
+    method: str = field_("none", "none, int8 or int4: stochastic quantization with a scale per block (after "
+                         "QSGD); for bf16 use strategy.wire_dtype", choices=("none", "int8", "int4"))
+    block: int = field_(256, "elements per quantization block (one fp32 scale each)", min=8)
+
+
+@dataclass
 class OutputConfig:
     """What a run writes."""
 
@@ -331,6 +340,7 @@ class Config:
     clock: ClockConfig = field_(ClockConfig, "virtual time: heterogeneous and asynchronous clients")
     privacy: PrivacyConfig = field_(PrivacyConfig, "differential privacy of client updates")
     secagg: SecAggConfig = field_(SecAggConfig, "secure aggregation (simulated)")
+    compression: CompressionConfig = field_(CompressionConfig, "compressed updates")
     output: OutputConfig = field_(OutputConfig, "outputs")
 
     def to_dict(self) -> dict:

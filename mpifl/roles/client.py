@@ -15,8 +15,9 @@ from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
 from mpifl.privacy.dp import ClientPrivacy
+from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.federation import client_seed
+from mpifl.roles.federation import COMPRESSION, client_seed
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.plan import ExchangePlan
@@ -70,6 +71,29 @@ class GroupSum:
 def count_nonfinite(tensors) -> int:
     """NaN and Inf values in these tensors."""
     return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+
+
+class UpdateCompressor:
+    """Quantizes a client's fp32 update into its own wire buffer (``compression.method``), with uniform
+    noise addressed by model element and keyed by (seed, round, client): reproducible on any ranks."""
+
+    def __init__(self, plan: ExchangePlan, seed: int):
+        self.codec, self.seed, self.chunks = plan.codec, seed, plan.chunks
+        self.buffer = touched_empty(plan.wire_buffer_bytes)
+        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
+        self.firsts = element_offsets(plan.chunks)
+
+    def compress(self, chunks: list[torch.Tensor], round_: int, client: int, bound: float | None) -> list[np.ndarray]:
+        """The encoded update; with ``bound`` (DP), scales shrink so the decoded update stays within it."""
+        stream = ElementStream(self.seed, COMPRESSION, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g))
+        squared = 0.0
+        for x, out, first in zip(chunks, self.buffers, self.firsts):
+            uniform = torch.cat([values for _, values in stream.pieces(first, x.numel())])
+            squared += self.codec.encode(x.float(), out, uniform)
+        if bound is not None and squared > bound ** 2:
+            for c, out in zip(self.chunks, self.buffers):
+                self.codec.rescale(out, c.numel, bound / squared ** 0.5)
+        return self.buffers
 
 
 class ClientFailure(RuntimeError):
@@ -154,6 +178,7 @@ class ClientRank:
         self.clip: float | None = None  # DP: this round's L2 bound
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
         self.first_element = element_offsets(parts.plan.chunks)
+        self.compressor = UpdateCompressor(parts.plan, parts.seed) if parts.plan.codec is not None else None
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -261,6 +286,11 @@ class ClientRank:
             bad = self.encoder.count_nonfinite() if check else 0
             if error is None and not bad:
                 self._protect(buffers, round_, client, result)
+            if self.compressor is not None:
+                began = time.perf_counter()
+                chunks = [torch.from_numpy(b).view(DTYPES[c.dtype]) for c, b in zip(self.parts.plan.chunks, buffers)]
+                buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None)
+                result.metrics["compress_seconds"] = time.perf_counter() - began
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:

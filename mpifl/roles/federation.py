@@ -11,6 +11,7 @@ SAMPLING = 1  # stream keys keep the seed derivations of different purposes apar
 CLIENT = 2
 PARTITION = 3
 POISSON = 6  # a sub-key of SAMPLING (clock/devices.py holds 4, privacy/noise.py 5)
+COMPRESSION = 7  # a key of the element streams (privacy/noise.py): stochastic rounding of compressed updates
 
 
 def derive_seed(seed: int, *keys: int) -> int:

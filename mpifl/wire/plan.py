@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpifl.config import Config
+from mpifl.wire.codecs import BlockQuantizer, codec_for
 from mpifl.wire.flat import Chunk, ModelSpec, fp32_chunks, wire_chunks
 
 
@@ -24,19 +25,25 @@ class ExchangePlan:
     inflight: int  # chunks in flight per peer
     chunk_bytes: int  # transport.chunk_mb in bytes: what laid the chunks out
     grouped: bool = False  # clients.groups: what travels back are fp32 partial sums
+    codec: BlockQuantizer | None = None  # compression.method: updates travel quantized
 
     @classmethod
     def from_config(cls, spec: ModelSpec, cfg: Config) -> "ExchangePlan":
-        """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``."""
+        """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``, or compress them."""
         chunks = spec.chunks(cfg.transport.chunk_bytes)
         grouped = cfg.clients.groups > 0
-        wire = fp32_chunks(chunks) if grouped else wire_chunks(chunks, cfg.strategy.wire_dtype)
-        return cls(spec, chunks, wire, cfg.transport.inflight, cfg.transport.chunk_bytes, grouped)
+        codec = codec_for(cfg.compression.method, cfg.compression.block)
+        if codec is not None:
+            wire = codec.wire_chunks(chunks)
+        else:
+            wire = fp32_chunks(chunks) if grouped else wire_chunks(chunks, cfg.strategy.wire_dtype)
+        return cls(spec, chunks, wire, cfg.transport.inflight, cfg.transport.chunk_bytes, grouped, codec)
 
     @property
     def narrowed(self) -> bool:
-        """Whether updates travel from a separate wire buffer: a narrower dtype, or fp32 group sums."""
-        return self.wire is not self.chunks
+        """Whether updates travel from a separate wire buffer as values: a narrower dtype, or fp32 group sums
+        (compressed updates have their own encoder)."""
+        return self.wire is not self.chunks and self.codec is None
 
     @property
     def model_bytes(self) -> int:
@@ -50,8 +57,8 @@ class ExchangePlan:
 
     @property
     def wire_buffer_bytes(self) -> int:
-        """Size of a client's separate wire buffer (chunks 64-byte aligned); 0 when not narrowed."""
-        return self.wire[-1].offset + self.wire[-1].nbytes if self.narrowed else 0
+        """Size of a client's separate wire buffer (chunks 64-byte aligned); 0 when updates leave from the model."""
+        return self.wire[-1].offset + self.wire[-1].nbytes if self.wire is not self.chunks else 0
 
     def chunk_slices(self, buffer: np.ndarray) -> list[np.ndarray]:
         """Each model chunk as a ``uint8`` slice of a flat buffer (MPI buffers, no copy)."""
