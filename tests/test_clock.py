@@ -133,3 +133,27 @@ def test_virtual_time_settings_that_cannot_run_are_refused_naming_the_key():
                                 "strategy": {"update": "delta"}})
     with pytest.raises(ConfigError, match="in-memory server only"):
         load_config(None, data={**base, "clock": {"mode": "sync"}, "server": {"state": "disk"}, "eval": {"every": 0}})
+
+
+def test_fedcompass_gives_fast_clients_more_steps_so_that_a_group_arrives_together():
+    from mpifl.clock.schedule import plan_compass
+
+    cfg = clock(speed_sigma=0.8, bandwidth_mbps=1000)
+    devices = devices_for(cfg, 200, seed=1)
+
+    def duration(client, steps):
+        return devices.task_seconds(client, steps * 16, 100_000, 100_000)
+
+    plan = plan_compass(1, 30, 8, 200, Availability(cfg, 200, 1), duration, 4, 40, 1.3)
+    assert len(plan.steps) == 30 and plan.steps == plan_compass(1, 30, 8, 200, Availability(cfg, 200, 1), duration,
+                                                                4, 40, 1.3).steps
+    members = {a.client for s in plan.steps for a in s.arrivals}
+    assert len(members) == 8  # the same clients stay in the federation, reassigned after each application
+    for step in plan.steps:
+        assert all(4 <= a.local_steps <= 40 for a in step.arrivals)
+        assert all(a.arrived == pytest.approx(a.dispatched + duration(a.client, a.local_steps)) for a in step.arrivals)
+        assert all(a.arrived <= step.time + 1e-9 for a in step.arrivals)
+    faster = min(members, key=lambda c: duration(c, 1) - duration(c, 0))
+    slower = max(members, key=lambda c: duration(c, 1) - duration(c, 0))
+    given = {c: [a.local_steps for s in plan.steps for a in s.arrivals if a.client == c] for c in (faster, slower)}
+    assert sum(given[faster]) / len(given[faster]) > sum(given[slower]) / len(given[slower])

@@ -90,3 +90,13 @@ def test_synchronous_virtual_rounds_drop_stragglers_and_report_the_clock(tmp_pat
     assert all(not set(r["participants"]) & set(r["stragglers"]) for r in rounds)
     assert sum(len(r["stragglers"]) for r in rounds) > 0 and all(r["wasted_seconds"] >= 0 for r in rounds)
     assert [r["virtual_time"] for r in rounds] == sorted(r["virtual_time"] for r in rounds)
+
+
+def test_fedcompass_runs_each_client_for_its_own_steps_and_is_rank_count_independent(tmp_path):
+    compass = ("strategy: {update: delta}\n"
+               "clock: {mode: fedcompass, concurrency: 5, min_steps: 2, max_steps: 12, speed_sigma: 1.0}")
+    _, two = run(tmp_path, "two", compass, ranks=2)
+    _, three = run(tmp_path, "three", compass, ranks=3)
+    assert same_model(two / "model.h5", three / "model.h5")
+    steps = [s for r in records(two) for s in r["local_steps"]]
+    assert min(steps) >= 2 and max(steps) <= 12 and len(set(steps)) > 1

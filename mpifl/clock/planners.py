@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from mpifl.clock.availability import Availability
 from mpifl.clock.devices import devices_for
-from mpifl.clock.schedule import AsyncStep, SyncClock, held_updates, plan_async
+from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, plan_async, plan_compass
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import Config
 from mpifl.logs import log
@@ -30,7 +30,7 @@ class AsyncSampler(Sampler):
     def __init__(self, seed: int, cfg: Config, placement: Placement, steps: list[AsyncStep]):
         super().__init__(seed, cfg.clients, placement)
         self.clock_cfg, self.steps = cfg.clock, steps
-        self.per_round = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
+        self.per_round = {"fedasync": 1, "fedbuff": cfg.clock.buffer}.get(cfg.clock.mode, cfg.clock.concurrency)
 
     def plan(self, round_: int) -> RoundPlan:
         step = self.steps[round_ - 1]
@@ -44,18 +44,19 @@ class AsyncSampler(Sampler):
             return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True,
                              weights={arrival.client: 1.0}, mixing=self.clock_cfg.alpha * weights[arrival.client],
                              clock=step.record())
+        steps = dict(zip(step.train, step.train_steps)) if step.train_steps else None
         return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True, weights=weights,
-                         divisor=float(len(order)), clock=step.record())
+                         divisor=float(len(order)), local_steps=steps, clock=step.record())
 
 
-    def in_flight(self, step: int) -> dict[int, list[int]]:
-        """After ``step``: the clients trained (by training step, ascending) whose updates are applied later."""
-        out: dict[int, list[int]] = {}
+    def in_flight(self, step: int) -> dict[int, list[Arrival]]:
+        """After ``step``: the updates trained (by training step, ascending; clients ascending) and applied later."""
+        out: dict[int, list[Arrival]] = {}
         for later in self.steps[step:]:
             for a in later.arrivals:
                 if a.version + 1 <= step:
-                    out.setdefault(a.version + 1, []).append(a.client)
-        return {t: sorted(out[t]) for t in sorted(out)}
+                    out.setdefault(a.version + 1, []).append(a)
+        return {t: sorted(out[t], key=lambda a: a.client) for t in sorted(out)}
 
     def needed_versions(self, step: int) -> set[int]:
         """Model versions that clients in flight after ``step`` trained on: a resume retrains them from these."""
@@ -64,7 +65,12 @@ class AsyncSampler(Sampler):
     def replay(self, step: int) -> list[RoundPlan]:
         """Resuming after ``step``: retrain the clients then in flight (each from its version, with its seed) and
         hold their updates, as the interrupted run did."""
-        return [RoundPlan(t, (), self.by_rank(clients), {}, hold=True) for t, clients in self.in_flight(step).items()]
+        plans = []
+        for t, arrivals in self.in_flight(step).items():
+            steps = {a.client: a.local_steps for a in arrivals} if any(a.local_steps for a in arrivals) else None
+            plans.append(RoundPlan(t, (), self.by_rank([a.client for a in arrivals]), {}, hold=True,
+                                   local_steps=steps))
+        return plans
 
 
 def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model_bytes: int,
@@ -84,8 +90,17 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         clock = SyncClock(cfg.seed, cfg.clients_per_round(), availability, duration, cfg.clock.deadline,
                           cfg.clock.over_selection, cfg.clients.min_participants)
         return SyncSampler(cfg.seed, cfg, placement, clock)
-    buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
-    plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.concurrency, num_clients, availability, duration)
+    if cfg.clock.mode == "fedcompass":
+        def with_steps(client: int, local_steps: int) -> float:
+            return devices.task_seconds(client, local_steps * cfg.train.batch_size, model_bytes, update_bytes)
+
+        plan = plan_compass(cfg.seed, cfg.rounds, cfg.clock.concurrency, num_clients, availability, with_steps,
+                            cfg.clock.min_steps, cfg.clock.max_steps, cfg.clock.latest_factor)
+        if len(plan.steps) < cfg.rounds:
+            raise ValueError(f"fedcompass: only {len(plan.steps)} of {cfg.rounds} steps can happen")
+    else:
+        buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
+        plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.concurrency, num_clients, availability, duration)
     held = held_updates(plan, placement.rank_of)
     log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client rank "
         f"holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; by rank: "

@@ -109,6 +109,7 @@ class Arrival:
     dispatched: float
     arrived: float
     staleness: int  # versions made between its dispatch and its step
+    local_steps: int = 0  # fedcompass: the local steps it was given (0: the configured local work)
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,15 @@ class AsyncStep:
     arrivals: tuple[Arrival, ...]  # in arrival order: the fold order
     train: tuple[int, ...]  # dispatched with version s-1 and applied by the last step: they train in step s
     online: int = 0
+    train_steps: tuple[int, ...] = ()  # fedcompass: each trainer's local steps (aligned with ``train``)
 
     def record(self) -> dict:
         """The step's virtual-time fields for metrics.jsonl."""
-        return {"virtual_time": self.time, "staleness": [a.staleness for a in self.arrivals],
-                "arrival_order": [a.client for a in self.arrivals], "online": self.online}
+        record = {"virtual_time": self.time, "staleness": [a.staleness for a in self.arrivals],
+                  "arrival_order": [a.client for a in self.arrivals], "online": self.online}
+        if any(a.local_steps for a in self.arrivals):
+            record["local_steps"] = [a.local_steps for a in self.arrivals]
+        return record
 
 
 @dataclass
@@ -134,6 +139,8 @@ class _Dispatch:
     time: float
     arrival: float
     step: int | None = None  # the step that applies it
+    local_steps: int = 0
+    group: int = -1
 
 
 @dataclass
@@ -207,3 +214,93 @@ def held_updates(plan: AsyncPlan, rank_of: Callable[[int], int]) -> dict[int, in
         for a in step.arrivals:
             held[rank_of(a.client)] -= 1
     return worst
+
+
+@dataclass
+class _Group:
+    expected: float  # when its members are expected to arrive together
+    latest: float  # when it is aggregated with whoever has arrived
+    members: list[int] = field(default_factory=list)  # dispatch indices
+    arrived: list[int] = field(default_factory=list)
+    open: bool = True
+
+
+StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds
+
+
+def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Availability,
+                 duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float) -> AsyncPlan:
+    """FedCompass (Li et al. 2024): a compute-aware scheduler that gives each client the local steps that make it
+    arrive with an *arrival group*, so that groups are aggregated together and fast clients do more work.
+
+    ``concurrency`` clients, sampled once among those online at time 0, stay in the federation. A client
+    (re)assigned at time t joins the open group whose expected arrival leaves it the most local steps Q, with
+    min_steps <= Q <= max_steps (Q = floor((expected - t - transfers) / seconds per step)); if none does, it
+    opens a new group with Q = max_steps, expected at t + its duration, and aggregated at the latest at
+    t + latest_factor x that duration. A group is aggregated (one server step, FedBuff's rule over its
+    updates) when all its members have arrived, or at its latest time with those who have; members arriving
+    after that are applied on their own. Every client applied is reassigned at once, with the new version.
+    """
+    dispatches: list[_Dispatch] = []
+    groups: list[_Group] = []
+    events: list[tuple[float, int, int]] = []  # (time, 0 arrival / 1 group deadline, dispatch or group index)
+    version, plan = 0, AsyncPlan()
+
+    def assign(client: int, t: float) -> None:
+        transfers, per_step = duration(client, 0), duration(client, 1) - duration(client, 0)
+        best: tuple[int, int] | None = None
+        for gid, g in enumerate(groups):
+            if g.open and g.expected > t:
+                q = min(max_steps, math.floor((g.expected - t - transfers) / per_step)) if per_step > 0 else max_steps
+                if q >= min_steps and (best is None or q > best[0]):
+                    best = (q, gid)
+        if best is None:
+            took = duration(client, max_steps)
+            groups.append(_Group(t + took, t + latest_factor * took))
+            heapq.heappush(events, (groups[-1].latest, 1, len(groups) - 1))
+            best = (max_steps, len(groups) - 1)
+        q, gid = best
+        dispatches.append(_Dispatch(client, version, t, t + duration(client, q), local_steps=q, group=gid))
+        groups[gid].members.append(len(dispatches) - 1)
+        heapq.heappush(events, (dispatches[-1].arrival, 0, len(dispatches) - 1))
+
+    def apply(indices: list[int], t: float) -> None:
+        nonlocal version
+        version += 1
+        order = sorted(indices, key=lambda i: (dispatches[i].arrival, dispatches[i].client))
+        arrivals = []
+        for i in order:
+            d = dispatches[i]
+            d.step = version
+            arrivals.append(Arrival(d.client, d.version, d.time, d.arrival, version - 1 - d.version, d.local_steps))
+        plan.steps.append(AsyncStep(version, t, tuple(arrivals), (), int(availability.online(t).sum())))
+        for i in order:
+            if version < steps:
+                assign(dispatches[i].client, t)
+
+    for client in sample_online(seed, (CLOCK, 0), availability.online(0.0), min(concurrency, num_clients)):
+        assign(client, 0.0)
+    while version < steps and events:
+        t, kind, index = heapq.heappop(events)
+        if kind == 1:  # a group's latest time: aggregate whoever has arrived
+            g = groups[index]
+            if g.open:
+                g.open = False
+                if g.arrived:
+                    apply(g.arrived, t)
+            continue
+        g = groups[dispatches[index].group]
+        if not g.open:  # it missed its group: applied on its own
+            apply([index], t)
+            continue
+        g.arrived.append(index)
+        if len(g.arrived) == len(g.members):
+            g.open = False
+            apply(g.arrived, t)
+    trains: dict[int, list[tuple[int, int]]] = {}
+    for d in dispatches:
+        if d.step is not None:
+            trains.setdefault(d.version + 1, []).append((d.client, d.local_steps))
+    plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(c for c, _ in sorted(trains.get(s.step, ()))), s.online,
+                            tuple(q for _, q in sorted(trains.get(s.step, ())))) for s in plan.steps]
+    return plan

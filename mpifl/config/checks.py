@@ -55,9 +55,19 @@ def _check_clock(cfg: Config) -> None:
     if clock.mode == "fedasync" and (cfg.strategy.name != "fedavg" or cfg.strategy.update != "weights"):
         raise ConfigError("clock.mode: 'fedasync' mixes each client's trained weights into the model "
                           "(x = (1 - a) x + a x_client): it needs strategy.name='fedavg' and strategy.update='weights'")
-    if clock.mode == "fedbuff" and cfg.strategy.update != "delta":
-        raise ConfigError("clock.mode: 'fedbuff' averages the buffered clients' deltas, each against the version it "
-                          "trained on: set strategy.update='delta'")
+    if clock.mode in ("fedbuff", "fedcompass") and cfg.strategy.update != "delta":
+        raise ConfigError(f"clock.mode: {clock.mode!r} averages the buffered clients' deltas, each against the "
+                          "version it trained on: set strategy.update='delta'")
+    if clock.mode == "fedcompass":
+        if clock.min_steps > clock.max_steps:
+            raise ConfigError(f"clock.min_steps: {clock.min_steps} is more than clock.max_steps={clock.max_steps}")
+        if cfg.train.trainer not in ("torch", "causal_lm"):
+            raise ConfigError("train.trainer: 'fedcompass' gives each client its own number of local steps, which "
+                              "only the built-in 'torch' and 'causal_lm' trainers take")
+    if clock.concurrency > cfg.clients.num_clients:
+        raise ConfigError(f"clock.concurrency: {clock.concurrency} is more than the {cfg.clients.num_clients} clients")
+    if clock.mode == "fedcompass":
+        return
     buffer = 1 if clock.mode == "fedasync" else clock.buffer
     if cfg.clients.min_participants > buffer:
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the {buffer} "
@@ -65,8 +75,6 @@ def _check_clock(cfg: Config) -> None:
     if clock.concurrency < buffer:
         raise ConfigError(f"clock.concurrency: {clock.concurrency} clients in flight can never fill a buffer of "
                           f"{buffer}; raise clock.concurrency")
-    if clock.concurrency > cfg.clients.num_clients:
-        raise ConfigError(f"clock.concurrency: {clock.concurrency} is more than the {cfg.clients.num_clients} clients")
 
 
 def _check_privacy(cfg: Config) -> None:

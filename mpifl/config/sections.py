@@ -226,8 +226,8 @@ class ClockConfig:
     """
 
     mode: str = field_("off", "off (rounds in real time only), sync (rounds in virtual time: deadlines, "
-                       "over-selection, availability), fedasync (Xie et al. 2019) or fedbuff (Nguyen et al. 2022)",
-                       choices=("off", "sync", "fedasync", "fedbuff"))
+                       "over-selection, availability), fedasync (Xie et al. 2019), fedbuff (Nguyen et al. 2022) or "
+                       "fedcompass (Li et al. 2024)", choices=("off", "sync", "fedasync", "fedbuff", "fedcompass"))
     seconds_per_sample: float = field_(0.01, "virtual compute seconds for one training sample (forward and backward) "
                                        "on a device of speed 1", min=0.0)
     speed_sigma: float = field_(0.5, "relative compute speeds are lognormal with median 1 and this sigma (0: equal)",
@@ -259,6 +259,12 @@ class ClockConfig:
                             choices=("constant", "polynomial", "hinge"))
     staleness_a: float = field_(0.5, "staleness exponent or slope a (0.5: FedBuff's 1/sqrt(1 + staleness))", min=0.0)
     staleness_b: float = field_(4.0, "hinge: staleness tolerated at full weight, b", min=0.0)
+    min_steps: int = field_(5, "fedcompass: fewest local steps a client is given to join an arrival group (Q_min)",
+                            min=1)
+    max_steps: int = field_(50, "fedcompass: local steps of a client that opens a new arrival group (Q_max)", min=1)
+    latest_factor: float = field_(1.2, "fedcompass: a group is aggregated with whoever has arrived at latest_factor x "
+                                  "its expected duration (lambda); later members are applied on their own",
+                                  min=1.0)
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """Ranks 1..N: host logical clients, receive the global model, train, stream updates back."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +74,20 @@ class GroupSum:
 def count_nonfinite(tensors) -> int:
     """NaN and Inf values in these tensors."""
     return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+
+
+@contextlib.contextmanager
+def local_steps(trainer: Trainer, steps: int | None) -> Iterator[None]:
+    """Let a built-in trainer take ``steps`` local steps for one client (FedCompass), then restore its config."""
+    if not steps:
+        yield
+        return
+    saved = trainer.cfg
+    trainer.cfg = dataclasses.replace(saved, local_steps=steps)
+    try:
+        yield
+    finally:
+        trainer.cfg = saved
 
 
 class UpdateCompressor:
@@ -220,8 +237,10 @@ class ClientRank:
         then send the held updates the server asks for, in its (virtual-arrival) order."""
         if header.clients:
             keep = self._receive_global(len(header.clients))
+            steps = dict(zip(header.clients, header.steps))
             for i, client in enumerate(header.clients):
-                meta, buffers = self._train(header.round, client, keep, first=i == 0)
+                with local_steps(self.trainer, steps.get(client)):
+                    meta, buffers = self._train(header.round, client, keep, first=i == 0)
                 self.held[client] = meta, [np.array(b, copy=True) for b in buffers]
         for client in header.send:
             if client not in self.held:

@@ -122,6 +122,7 @@ class RoundPlan:
     weights: dict[int, float] | None = None  # per participant, replacing the strategy's weight
     divisor: float | None = None  # a fixed divisor of the weighted sum (FedBuff's K, DP-FedAvg's k), not the total weight
     mixing: float | None = None  # fedasync: this step's alpha x s(staleness)
+    local_steps: dict[int, int] | None = None  # fedcompass: each trainer's own local steps
     clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
 
 

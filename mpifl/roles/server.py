@@ -241,8 +241,10 @@ class Server:
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
-            return protocol.RoundHeader(plan.round, tuple(plan.train.get(rank, ())), hold=plan.hold, send=send,
-                                        clip=clip, cohort=cohort)
+            clients = tuple(plan.train.get(rank, ()))
+            steps = tuple(plan.local_steps[c] for c in clients) if plan.local_steps else ()
+            return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
+                                        steps=steps)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 

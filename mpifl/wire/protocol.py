@@ -47,6 +47,7 @@ class RoundHeader:
     send: tuple[int, ...] = ()  # held updates to send now, in this order
     clip: float | None = None  # DP: the L2 bound of this round's updates
     cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
+    steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
 
 
 @dataclass(frozen=True)
