@@ -136,7 +136,7 @@ def test_virtual_time_settings_that_cannot_run_are_refused_naming_the_key():
 
 
 def test_fedcompass_gives_fast_clients_more_steps_so_that_a_group_arrives_together():
-    from mpifl.clock.schedule import plan_compass
+    from mpifl.clock.compass import plan_compass
 
     cfg = clock(speed_sigma=0.8, bandwidth_mbps=1000)
     devices = devices_for(cfg, 200, seed=1)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from mpifl.clock.availability import Availability
+from mpifl.clock.compass import plan_compass
 from mpifl.clock.devices import devices_for
-from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, plan_async, plan_compass
+from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, plan_async
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import Config
 from mpifl.logs import log

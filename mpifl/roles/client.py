@@ -12,68 +12,18 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.aggregation.kernels import fold
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
 from mpifl.privacy.dp import ClientPrivacy
-from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.federation import COMPRESSION, client_seed
+from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
+from mpifl.roles.federation import client_seed
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, touched_empty
-
-
-class GroupSum:
-    """A reduction group's fp32 partial sum on its rank: its members' weighted updates, in ascending id.
-
-    The same fused fold as the server's (``acc = w0*x0``, then ``acc += w*x``), so a group's sum
-    is what the server would have folded from the same updates in the same order. The sum lives
-    where ``source`` trains (a device replica's device); ``buffers`` are the host bytes it is
-    sent from, filled by one copy per group.
-    """
-
-    def __init__(self, source: FlatModel, plan: ExchangePlan, separate: bool = False):
-        self.source, self.chunks = source, plan.chunks
-        self.buffer = touched_empty(plan.wire_buffer_bytes)
-        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
-        host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
-        self.sums = [torch.empty_like(h, device=source.device) for h in host] if separate else host
-        self.host_sums = host
-        self.scratch: torch.Tensor | None = None
-        self.count = 0
-
-    def reset(self) -> None:
-        """Start a new group."""
-        self.count = 0
-
-    def add(self, weight: float) -> None:
-        """Fold the update now in ``source``'s flat buffer, with ``weight``."""
-        for c, acc in zip(self.chunks, self.sums):
-            x = self.source.chunk_view(c)
-            fold(acc, x, weight, self.count == 0, self._scratch(x, acc) if x.dtype != acc.dtype else None)
-        self.count += 1
-
-    def _scratch(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-        """A reused fp32 buffer to widen narrow chunks into (the fast fold)."""
-        if self.scratch is None or self.scratch.numel() < x.numel():
-            self.scratch = torch.empty(x.numel(), dtype=acc.dtype, device=acc.device)
-        return self.scratch
-
-    def to_host(self) -> list:
-        """The sum's bytes on the host, ready to send (one device-to-host copy when it lives on a device)."""
-        for acc, host in zip(self.sums, self.host_sums):
-            if acc is not host:
-                host.copy_(acc)
-        return self.buffers
-
-
-def count_nonfinite(tensors) -> int:
-    """NaN and Inf values in these tensors."""
-    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
 
 
 @contextlib.contextmanager
@@ -90,64 +40,8 @@ def local_steps(trainer: Trainer, steps: int | None) -> Iterator[None]:
         trainer.cfg = saved
 
 
-class UpdateCompressor:
-    """Quantizes a client's fp32 update into its own wire buffer (``compression.method``), with uniform
-    noise addressed by model element and keyed by (seed, round, client): reproducible on any ranks."""
-
-    def __init__(self, plan: ExchangePlan, seed: int):
-        self.codec, self.seed, self.chunks = plan.codec, seed, plan.chunks
-        self.buffer = touched_empty(plan.wire_buffer_bytes)
-        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
-        self.firsts = element_offsets(plan.chunks)
-
-    def compress(self, chunks: list[torch.Tensor], round_: int, client: int, bound: float | None) -> list[np.ndarray]:
-        """The encoded update; with ``bound`` (DP), scales shrink so the decoded update stays within it."""
-        stream = ElementStream(self.seed, COMPRESSION, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g))
-        squared = 0.0
-        for x, out, first in zip(chunks, self.buffers, self.firsts):
-            uniform = torch.cat([values for _, values in stream.pieces(first, x.numel())])
-            squared += self.codec.encode(x.float(), out, uniform)
-        if bound is not None and squared > bound ** 2:
-            for c, out in zip(self.chunks, self.buffers):
-                self.codec.rescale(out, c.numel, bound / squared ** 0.5)
-        return self.buffers
-
-
 class ClientFailure(RuntimeError):
     """A logical client's training raised: the message names the client, its rank and the round."""
-
-
-class UpdateEncoder:
-    """Turns the trained model into what a client sends: its weights or its delta, in the wire dtype.
-
-    Weights in the model's dtype go straight from the flat buffer (zero copy); a delta is
-    formed in place in the flat buffer; a narrower wire dtype adds one wire buffer
-    (half the model's float32 bytes for bf16).
-    """
-
-    def __init__(self, flat: FlatModel, plan: ExchangePlan, delta: bool):
-        self.flat, self.chunks, self.delta = flat, plan.chunks, delta
-        self.narrowed = plan.narrowed and not plan.grouped  # group sums are folded from the flat buffer
-        self.wire = plan.wire if self.narrowed else plan.chunks
-        if self.narrowed:
-            self.wire_bytes = touched_empty(plan.wire_buffer_bytes)
-            self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in plan.wire]
-        else:
-            self.buffers = plan.chunk_slices(flat.bytes)
-
-    def encode(self, previous: torch.Tensor | None) -> list[np.ndarray]:
-        """Fill and return the outgoing chunk buffers; ``previous`` is the global model's bytes (delta mode)."""
-        for c, w, buf in zip(self.chunks, self.wire, self.buffers):
-            x = self.flat.chunk_view(c)
-            if self.delta:
-                x.sub_(previous[c.offset:c.offset + c.nbytes].view(x.dtype))
-            if self.narrowed:
-                torch.from_numpy(buf).view(DTYPES[w.dtype]).copy_(x)
-        return self.buffers
-
-    def count_nonfinite(self) -> int:
-        """NaN and Inf values in what is about to be sent (after any narrowing)."""
-        return count_nonfinite(torch.from_numpy(buf).view(DTYPES[w.dtype]) for w, buf in zip(self.wire, self.buffers))
 
 
 @dataclass

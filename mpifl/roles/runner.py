@@ -32,7 +32,8 @@ from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
-from mpifl.roles.server import Evaluation, Server, ServerParts, log_final
+from mpifl.roles.records import log_final
+from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import open_store

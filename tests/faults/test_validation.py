@@ -11,7 +11,7 @@ from conftest import ROOT
 from mpifl.cli import main
 from mpifl.cli.commands import check_plugins
 from mpifl.config import ConfigError, load_config
-from mpifl.roles.server import log_final
+from mpifl.roles.records import log_final
 from mpifl.storage.hdf5 import CheckpointWriter
 from mpifl.wire.flat import FlatModel
 

@@ -1,0 +1,121 @@
+"""FedCompass (Li et al. 2024) in virtual time: a compute-aware scheduler with arrival groups.
+
+``concurrency`` clients, sampled once among those online at time 0, stay in the federation. A
+client (re)assigned at time t joins the open group whose expected arrival leaves it the most local
+steps Q, with min_steps <= Q <= max_steps (Q = floor((expected - t - transfers) / seconds per
+step)); if none does, it opens a new group with Q = max_steps, expected at t + its duration and
+aggregated at the latest at t + latest_factor x that duration. A group is aggregated (one server
+step, FedBuff's rule over its updates) when all its members have arrived, or at its latest time
+with those who have; members arriving after that are applied on their own. Every client applied
+is reassigned at once, with the new version. So fast clients do more local work instead of waiting.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mpifl.clock.availability import Availability
+from mpifl.clock.devices import CLOCK
+from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, sample_online
+
+StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds
+
+
+@dataclass
+class _Group:
+    expected: float  # when its members are expected to arrive together
+    latest: float  # when it is aggregated with whoever has arrived
+    members: list[int] = field(default_factory=list)  # dispatch indices
+    arrived: list[int] = field(default_factory=list)
+    open: bool = True
+
+
+class _Compass:
+    """The scheduler's state while the schedule is planned."""
+
+    def __init__(self, steps: int, availability: Availability, duration: StepsDuration, min_steps: int,
+                 max_steps: int, latest_factor: float) -> None:
+        self.steps, self.availability, self.duration = steps, availability, duration
+        self.min_steps, self.max_steps, self.latest_factor = min_steps, max_steps, latest_factor
+        self.dispatches: list[_Dispatch] = []
+        self.groups: list[_Group] = []
+        self.events: list[tuple[float, int, int]] = []  # (time, 0 arrival / 1 group deadline, index)
+        self.version, self.plan = 0, AsyncPlan()
+
+    def steps_in(self, group: _Group, client: int, t: float) -> int:
+        """The local steps that bring ``client``, sent at ``t``, in with ``group`` (capped at max_steps)."""
+        transfers, per_step = self.duration(client, 0), self.duration(client, 1) - self.duration(client, 0)
+        if per_step <= 0:
+            return self.max_steps
+        return min(self.max_steps, math.floor((group.expected - t - transfers) / per_step))
+
+    def assign(self, client: int, t: float) -> None:
+        """Give ``client`` its local steps and arrival group; schedule its arrival."""
+        fits = [(self.steps_in(g, client, t), -gid) for gid, g in enumerate(self.groups) if g.open and g.expected > t]
+        q, gid = max([f for f in fits if f[0] >= self.min_steps], default=(self.max_steps, None))
+        if gid is None:
+            took = self.duration(client, self.max_steps)
+            self.groups.append(_Group(t + took, t + self.latest_factor * took))
+            gid = -(len(self.groups) - 1)
+            heapq.heappush(self.events, (self.groups[-1].latest, 1, len(self.groups) - 1))
+        d = _Dispatch(client, self.version, t, t + self.duration(client, q), local_steps=q, group=-gid)
+        self.dispatches.append(d)
+        self.groups[-gid].members.append(len(self.dispatches) - 1)
+        heapq.heappush(self.events, (d.arrival, 0, len(self.dispatches) - 1))
+
+    def apply(self, indices: list[int], t: float) -> None:
+        """One server step from these updates (in arrival order); their clients are reassigned."""
+        self.version += 1
+        order = sorted(indices, key=lambda i: (self.dispatches[i].arrival, self.dispatches[i].client))
+        arrivals = []
+        for i in order:
+            d = self.dispatches[i]
+            d.step = self.version
+            arrivals.append(Arrival(d.client, d.version, d.time, d.arrival, self.version - 1 - d.version,
+                                    d.local_steps))
+        self.plan.steps.append(AsyncStep(self.version, t, tuple(arrivals), (), int(self.availability.online(t).sum())))
+        if self.version < self.steps:
+            for i in order:
+                self.assign(self.dispatches[i].client, t)
+
+    def run(self) -> AsyncPlan:
+        """Process arrivals and group deadlines until ``steps`` server steps are planned."""
+        while self.version < self.steps and self.events:
+            t, kind, index = heapq.heappop(self.events)
+            group = self.groups[index] if kind == 1 else self.groups[self.dispatches[index].group]
+            if kind == 1:  # the group's latest time: aggregate whoever has arrived
+                if group.open:
+                    group.open = False
+                    if group.arrived:
+                        self.apply(group.arrived, t)
+            elif not group.open:  # it missed its group: applied on its own
+                self.apply([index], t)
+            else:
+                group.arrived.append(index)
+                if len(group.arrived) == len(group.members):
+                    group.open = False
+                    self.apply(group.arrived, t)
+        return self.plan
+
+    def with_trainers(self) -> AsyncPlan:
+        """The plan with each step's trainers: the clients dispatched with its previous version, and their steps."""
+        trains: dict[int, list[tuple[int, int]]] = {}
+        for d in self.dispatches:
+            if d.step is not None:
+                trains.setdefault(d.version + 1, []).append((d.client, d.local_steps))
+        self.plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(c for c, _ in sorted(trains.get(s.step, ()))),
+                                     s.online, tuple(q for _, q in sorted(trains.get(s.step, ()))))
+                           for s in self.plan.steps]
+        return self.plan
+
+
+def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Availability,
+                 duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float) -> AsyncPlan:
+    """The FedCompass schedule of ``steps`` server steps (see the module docstring)."""
+    compass = _Compass(steps, availability, duration, min_steps, max_steps, latest_factor)
+    for client in sample_online(seed, (CLOCK, 0), availability.online(0.0), min(concurrency, num_clients)):
+        compass.assign(client, 0.0)
+    compass.run()
+    return compass.with_trainers()
