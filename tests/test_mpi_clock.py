@@ -1,5 +1,9 @@
 """Virtual time under mpiexec: asynchronous FL is bitwise reproducible, independent of the rank count,
-equal to a single-process reference, and resumes bitwise after kill -9; synchronous rounds drop stragglers."""
+equal to a single-process reference, and resumes bitwise after kill -9; synchronous rounds drop stragglers.
+
+Run to run: every asynchronous run here equals the deterministic reference (or a run on other ranks)
+bitwise, and the kill -9 test's uninterrupted run equals the resumed one, so the same config gives
+the same model twice."""
 from __future__ import annotations
 
 import json
@@ -57,22 +61,15 @@ def test_asynchronous_runs_equal_the_single_process_reference_on_any_number_of_r
     assert [r["virtual_time"] for r in steps] == sorted(r["virtual_time"] for r in steps)
 
 
-def test_the_same_asynchronous_config_gives_the_same_model_twice(tmp_path):
-    _, first = run(tmp_path, "first", FEDBUFF)
-    _, second = run(tmp_path, "second", FEDBUFF)
-    assert same_model(first / "model.h5", second / "model.h5")
-    assert [r["participants"] for r in records(first)] == [r["participants"] for r in records(second)]
-
-
 def test_an_asynchronous_run_killed_mid_way_resumes_to_the_uninterrupted_model(tmp_path):
-    _, whole = run(tmp_path, "whole", FEDBUFF, rounds=14)
-    cfg = write_config(tmp_path / "killed.yaml", RUN.format(rounds=14, extra=FEDBUFF))
+    _, whole = run(tmp_path, "whole", FEDBUFF, rounds=10)
+    cfg = write_config(tmp_path / "killed.yaml", RUN.format(rounds=10, extra=FEDBUFF))
     run_dir = tmp_path / "killed"
     proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_SLEEP": "0"})
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 5, proc, "round 5")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 4, proc, "round 4")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
-    assert len(rounds_logged(run_dir)) < 14
+    assert len(rounds_logged(run_dir)) < 10
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert "retrained logical clients" in result.stderr  # the updates in flight were rebuilt
