@@ -123,7 +123,8 @@ def _time_split(fig, ax, records: list[dict]) -> None:
     ax.set_xlabel("round")
     ax.set_ylabel("seconds")
     ax.set_title("Where each round's time goes (parts add up to the round)")
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
 
 
 def _bytes(fig, ax, records: list[dict]) -> None:
