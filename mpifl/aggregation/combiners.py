@@ -72,7 +72,9 @@ class WeightedMean(Combiner):
 
 
 class SortedStack(Combiner):
-    """A coordinate-wise statistic of every participant's chunk (unweighted; Yin et al. 2018)."""
+    """A coordinate-wise trimmed mean of every participant's chunk (unweighted; Yin et al. 2018):
+    the mean of each column's sorted values k..count-k-1, by a sorting network over the stack's
+    rows (kernels.trimmed_mean_columns; bitwise numpy's sort, NaN last)."""
 
     stacked = True
 
@@ -80,28 +82,40 @@ class SortedStack(Combiner):
         """Copy the chunk into stack row ``index`` (widened to fp32, exact)."""
         acc[index].copy_(x)
 
-    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
-        """Sort the first ``count`` rows column by column, then reduce them."""
-        rows = acc[:count]
-        kernels.sort_columns(rows)
-        return self.of_sorted(rows)
-
-    def of_sorted(self, rows: torch.Tensor) -> torch.Tensor:
-        """The statistic of column-sorted rows (may overwrite them)."""
+    def trimmed(self, count: int) -> int:
+        """How many values to drop from each end of a column of ``count``."""
         raise NotImplementedError
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        """The statistic of the first ``count`` rows, written into row 0."""
+        self.combine_into(acc[0], acc, count, total_weight)
+        return acc[0]
+
+    def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
+        """The statistic of the first ``count`` rows straight into ``out``, rounded once."""
+        rows = acc[:count]
+        kernels.trimmed_mean_columns(out, rows, self.trimmed(count), self._scratch(count, rows.shape[1]))
+
+    def _scratch(self, count: int, n: int) -> torch.Tensor:
+        """A reused (count + 2, tile width) fp32 tile for the sorting network."""
+        width = min(n, kernels.tile_width(count))
+        scratch = getattr(self, "scratch", None)
+        if scratch is None or scratch.shape[0] < count + 2 or scratch.shape[1] < width:
+            self.scratch = scratch = torch.empty(count + 2, width, dtype=kernels.ACCUMULATOR_DTYPE)
+        return scratch[:count + 2, :width]
 
 
 class Median(SortedStack):
     """Coordinate-wise median; the mean of the middle two for an even count."""
 
-    def of_sorted(self, rows: torch.Tensor) -> torch.Tensor:
-        """Coordinate-wise median of sorted rows."""
-        return kernels.median_of_sorted(rows)
+    def trimmed(self, count: int) -> int:
+        """All but the middle one or two values."""
+        return kernels.median_count(count)
 
 
 class TrimmedMean(SortedStack):
     """Coordinate-wise mean after dropping floor(beta * participants) values at each end."""
 
-    def of_sorted(self, rows: torch.Tensor) -> torch.Tensor:
-        """Trimmed mean of sorted rows, beta = ``strategy.trim_fraction``."""
-        return kernels.trimmed_mean_of_sorted(rows, self.cfg.trim_fraction)
+    def trimmed(self, count: int) -> int:
+        """floor(beta * count), beta = ``strategy.trim_fraction``."""
+        return kernels.trimmed_count(count, self.cfg.trim_fraction)

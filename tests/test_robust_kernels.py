@@ -1,0 +1,170 @@
+"""The robust kernels (sorting network, order keys, tiled trimmed mean / median) against numpy's sort.
+
+The rule (kernels.trimmed_mean_columns): values are ordered -inf < ... < -0.0 < +0.0 < ... < +inf
+< NaN. Wherever numpy's np.sort result is a nonzero number the kernel's is bitwise equal; where
+numpy's is a zero, numpy's sign depends on how its sort happened to place -0.0 and +0.0, so the
+kernel is compared bitwise with a total-order sort instead; a NaN result is a NaN (any payload).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from reference import median, round_to, trimmed_mean
+
+from mpifl.aggregation import kernels
+
+BETAS = (0.0, 0.1, 0.25, 0.49)
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.int32)
+
+
+def total_order_sort(stack: np.ndarray) -> np.ndarray:
+    """Columns sorted with -0.0 before +0.0 and every NaN last (an independent lexsort)."""
+    nan = np.isnan(stack)
+    order = np.lexsort((~np.signbit(stack), np.where(nan, 0, stack), nan), axis=0)
+    return np.take_along_axis(stack, order, axis=0)
+
+
+def window_mean_reference(s: np.ndarray, k: int) -> np.ndarray:
+    """tests/reference.py's median (k = (p-1)//2) and trimmed mean formulas on sorted columns."""
+    p = len(s)
+    if k == kernels.median_count(p):
+        return s[p // 2] if p % 2 else (s[p // 2 - 1] + s[p // 2]) * np.float32(0.5)
+    acc = s[k].copy()
+    for row in s[k + 1:p - k]:
+        acc += row
+    return acc / np.float32(p - 2 * k)
+
+
+def assert_numpy_rule(got: np.ndarray, stack: np.ndarray, k: int, numpy_result: np.ndarray, where: str) -> None:
+    """got is bitwise numpy's result where that is a nonzero number, the total-order result everywhere
+    (zeros included), and NaN exactly where numpy's result is NaN."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = window_mean_reference(total_order_sort(stack), k)
+    nan = np.isnan(numpy_result)
+    assert np.array_equal(np.isnan(got), nan), where
+    assert np.array_equal(np.isnan(exact), nan), where
+    assert np.array_equal(bits(got)[~nan], bits(exact)[~nan]), where
+    nonzero = ~nan & (numpy_result != 0)
+    assert np.array_equal(bits(got)[nonzero], bits(numpy_result)[nonzero]), where
+
+
+def stack_of(kind: str, p: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """(p, n) fp32 test values: plain normals, heavy ties, or ties among specials (signed zeros, infinities, NaNs)."""
+    if kind == "normal":
+        return rng.standard_normal((p, n)).astype(np.float32)
+    if kind == "ties":
+        return rng.integers(-3, 4, (p, n)).astype(np.float32)
+    neg_nan = np.array([0xFFC00000, 0xFF800001, 0x7F800001], dtype=np.uint32).view(np.float32)
+    pool = np.concatenate([np.array([-0.0, 0.0, 0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 2.5,
+                                     1e-45, -1e-45, 3.4e38, -3.4e38], dtype=np.float32), neg_nan])
+    stack = rng.choice(pool, (p, n))
+    if kind == "zeros":  # columns of signed zeros only, and zeros with a few numbers
+        stack = rng.choice(np.array([-0.0, 0.0, 1.0], dtype=np.float32), (p, n), p=[0.45, 0.45, 0.1])
+    return stack
+
+
+def run_kernel(stack: np.ndarray, k: int, width: int, out_dtype=torch.float32) -> torch.Tensor:
+    rows = torch.from_numpy(stack.copy())
+    out = torch.full((stack.shape[1],), float("nan"), dtype=out_dtype)
+    kernels.trimmed_mean_columns(out, rows, k, torch.empty(stack.shape[0] + 2, width))
+    assert np.array_equal(bits(rows.numpy()), bits(stack)), "rows are only read"
+    return out
+
+
+@pytest.mark.parametrize("p", range(1, 17))
+def test_the_sorting_network_sorts_every_zero_one_column_and_the_window_networks_select(p):
+    columns = np.array(list(itertools.product((0, 1), repeat=p)), dtype=np.int8).T  # the 0-1 principle
+    want = np.sort(columns, axis=0)
+    for k in range(kernels.median_count(p) + 1):
+        network = kernels.window_network(p, k)
+        rows = list(columns.copy())
+        kernels.compare_exchange(rows, network, np.empty_like(columns[0]))
+        got = np.stack(rows[k:p - k])
+        if p - 2 * k == 2:  # a two-value window is summed in either order
+            got = np.sort(got, axis=0)
+        assert np.array_equal(got, want[k:p - k]), (p, k)
+    known = {1: 0, 2: 1, 3: 3, 4: 5, 8: 19, 16: 63}  # Batcher's counts (19 is optimal for 8)
+    assert len(kernels.sorting_network(p)) == known.get(p, len(kernels.sorting_network(p)))
+
+
+def test_the_median_of_8_takes_26_minimum_or_maximum_and_a_full_sort_38():
+    assert sum(low + high for _, _, low, high in kernels.window_network(8, 3)) == 26
+    assert sum(low + high for _, _, low, high in kernels.window_network(8, 0)) == 38
+
+
+def test_order_keys_are_a_total_order_with_nan_last_and_invert_exactly():
+    rng = np.random.default_rng(0)
+    special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001,
+                        0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x00000001, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF,
+                        0x3F800000, 0xBF800000], dtype=np.uint32)
+    patterns = np.concatenate([special, rng.integers(0, 2**32, 100_000, dtype=np.uint32)]).view(np.int32)
+    keys = kernels.order_keys(patterns, np.empty_like(patterns))
+    assert len(np.unique(keys)) == len(np.unique(patterns))  # a bijection
+    back = kernels.key_bits(keys.copy(), np.empty_like(keys))
+    assert np.array_equal(back, patterns)
+    ordered = patterns[np.argsort(keys, kind="stable")].view(np.float32)
+    nan = np.isnan(ordered)
+    assert not nan[:np.argmax(nan)].any() and nan[np.argmax(nan):].all()  # every NaN last, whatever its sign
+    numbers = ordered[~nan]
+    assert np.all(numbers[:-1] <= numbers[1:])
+    zeros = np.signbit(numbers[numbers == 0])
+    assert zeros.tolist() == sorted(zeros.tolist(), reverse=True)  # -0.0 before +0.0
+
+
+@pytest.mark.parametrize("p", range(1, 41))
+def test_median_and_trimmed_mean_match_numpy_sort_bitwise(p):
+    rng = np.random.default_rng(p)
+    for case, kind in enumerate(("normal", "ties", "specials", "zeros")):
+        n = int(rng.integers(1, 90))
+        width = int(rng.choice([1, 3, 16, 64, n])) if p <= 12 else int(rng.choice([16, 64, n]))
+        stack = stack_of(kind, p, n, rng)
+        with np.errstate(invalid="ignore", over="ignore"):
+            cases = [(kernels.median_count(p), median(stack), "median")]
+            cases += [(kernels.trimmed_count(p, b), trimmed_mean(stack, b), f"trimmed beta={b}") for b in BETAS]
+        for k, numpy_result, name in cases:
+            got = run_kernel(stack, k, width).numpy()
+            assert_numpy_rule(got, stack, k, numpy_result, f"{name}, p={p}, n={n}, tile={width}, {kind}")
+
+
+@pytest.mark.parametrize("p", [2, 5, 8])
+def test_the_result_may_overwrite_row_0_and_is_rounded_once_into_a_narrower_out(p):
+    rng = np.random.default_rng(p)
+    stack = stack_of("normal", p, 300, rng)
+    k = kernels.median_count(p)
+    want = run_kernel(stack, k, 64).numpy()
+    rows = torch.from_numpy(stack.copy())
+    kernels.trimmed_mean_columns(rows[0], rows, k, torch.empty(p + 2, 64))
+    assert np.array_equal(bits(rows[0].numpy()), bits(want))
+    narrow = run_kernel(stack, k, 64, torch.bfloat16).float().numpy()
+    assert np.array_equal(bits(narrow), bits(round_to(want, "bfloat16")))
+
+
+def test_tile_widths_are_powers_of_two_and_bounded():
+    assert [kernels.tile_width(p) for p in (1, 8, 64, 128, 512, 4096)] == [65536, 65536, 16384, 8192, 4096, 4096]
+
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean"])
+def test_the_combiner_writes_the_statistic_into_row_0_or_into_out_across_tiles(name):
+    from mpifl.aggregation.strategies import make_strategy
+    from mpifl.config import StrategyConfig
+    rng = np.random.default_rng(1)
+    p, n = 8, 3 * kernels.tile_width(8) + 123  # four tiles, the last one short
+    stack = np.where(rng.random((p, n)) < 0.01, np.float32(0.0), rng.standard_normal((p, n)).astype(np.float32))
+    combiner = make_strategy(StrategyConfig(name=name)).combiner
+    acc = torch.full((p + 1, n), float("nan"))  # one spare row, as for a participant that failed
+    acc[:p] = torch.from_numpy(stack)
+    into = torch.empty(n)
+    combiner.combine_into(into, acc, p, float(p))
+    combined = combiner.combine(acc, p, float(p))
+    k = kernels.median_count(p) if name == "median" else kernels.trimmed_count(p, 0.1)
+    want = window_mean_reference(total_order_sort(stack), k)
+    assert combined.data_ptr() == acc.data_ptr()
+    for got in (into, combined):
+        assert np.array_equal(bits(got.numpy()), bits(want))
