@@ -49,6 +49,7 @@ class ServerPrivacy:
         self.cfg, self.seed, self.num_clients, self.per_round = cfg, seed, num_clients, per_round
         previous = [r["privacy"] for r in history if "privacy" in r]
         self.clip = previous[-1]["next_clip"] if previous else cfg.clip  # adaptive C resumes where it was
+        self._epsilons: dict[int, float] = {}
         self.divisor = float(per_round)  # k, or q x N = k with Poisson sampling: fixed, whoever takes part
 
     def noise(self, round_: int) -> Callable[[torch.Tensor, int], None] | None:
@@ -60,8 +61,11 @@ class ServerPrivacy:
         return lambda acc, first: source.add(acc, first, std)
 
     def epsilon(self, rounds: int) -> float:
-        """Epsilon at the configured delta after ``rounds`` rounds."""
-        return epsilon(self.cfg, rounds, self.num_clients, self.per_round)
+        """Epsilon at the configured delta after ``rounds`` rounds (each count accounted once: the budget check
+        asks for round r + 1 before round r + 1's record does, and an accountant call can take a second)."""
+        if rounds not in self._epsilons:
+            self._epsilons[rounds] = epsilon(self.cfg, rounds, self.num_clients, self.per_round)
+        return self._epsilons[rounds]
 
     def after_round(self, round_: int, metas: Mapping[int, object]) -> dict:
         """The round's privacy record; with adaptive clipping, the next round's bound."""

@@ -165,12 +165,14 @@ class Server:
     def _replay(self, resumed: int) -> None:
         """Asynchronous FL after a resume: the clients in flight retrain from the versions they started on
         (read from their checkpoints), with their own seeds, and hold their updates again."""
+        model = None  # one buffer for every version resent
         for plan in self.parts.sampler.replay(resumed):
             path, clients = self.parts.checkpointer.path(plan.round - 1), sorted(sum(plan.train.values(), []))
             if not path.exists():
                 raise JobFailure(f"resume after round {resumed}: logical clients {clients} trained on version "
                                  f"{plan.round - 1}, whose checkpoint {path} is gone")
-            model = np.empty(self.parts.plan.spec.total_bytes, dtype=np.uint8)
+            if model is None:
+                model = np.empty(self.parts.plan.spec.total_bytes, dtype=np.uint8)
             with Checkpoint(path) as version:
                 version.read_range(self.parts.plan.spec, 0, model)
             self._send_headers(plan)
