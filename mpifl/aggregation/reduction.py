@@ -24,6 +24,7 @@ from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, Chunk, element_offsets
+from mpifl.wire.memory import host_tensor
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import Backoff, touched_empty
 from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, Watchdog
@@ -87,7 +88,7 @@ class ReceivePool:
         while len(self.slots) < slots:
             self.slots.append(touched_empty(self.chunk_bytes))
         while len(self.accumulators) < accumulators:
-            self.accumulators.append(torch.zeros(self.acc_numel, dtype=ACCUMULATOR_DTYPE))
+            self.accumulators.append(host_tensor(self.acc_numel, ACCUMULATOR_DTYPE))
 
 
 class StreamedReduction:

@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                     "participants x chunk); the floor and pickle paths always average")
     ex.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
                     help="clients send updates in this dtype (mpifl only)")
+    ex.add_argument("--inflight", type=int, default=4, help="chunks in flight per peer (mpifl and the floor)")
+    ex.add_argument("--pool-mb", type=float, default=None, help="mpifl's transport.pool_mb (default: the config's)")
     ex.add_argument("--json", help="write the results to this JSON file")
     ex.set_defaults(func=commands.bench_exchange)
     return p

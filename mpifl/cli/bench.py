@@ -30,6 +30,7 @@ from mpifl.roles.launch import guarded
 from mpifl.roles.runner import check_world, run_rank
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, itemsize
+from mpifl.wire.memory import host_tensor
 from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, touched_empty, wait_all
 
 TAG_DOWN, TAG_UP = 101, 102
@@ -45,7 +46,8 @@ def exchange_main(args: argparse.Namespace) -> int:
                   "dtype": "bfloat16" if args.dtype == "bf16" else "float32"},
         "train": {"trainer": "none"}, "eval": {"every": 0},
         "strategy": {"name": args.strategy, "wire_dtype": args.wire_dtype},
-        "transport": {"chunk_mb": args.chunk_mb}, "output": {"progress": False, "save_model": False}})
+        "transport": {"chunk_mb": args.chunk_mb, "inflight": args.inflight,
+                      **({"pool_mb": args.pool_mb} if args.pool_mb else {})}, "output": {"progress": False, "save_model": False}})
     check_world(comm.Get_size(), cfg)
     return guarded(lambda: _exchange(comm, cfg, args))
 
@@ -60,8 +62,9 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     dtype = DTYPES[cfg.model.dtype]
     width = itemsize(cfg.model.dtype)
     model_bytes = int(args.model_mb * MIB) // width * width
-    exchange = FloorExchange(comm, model_bytes, dtype, cfg.transport.chunk_bytes)
+    exchange = FloorExchange(comm, model_bytes, dtype, cfg.transport.chunk_bytes, cfg.transport.inflight)
     floor = _timed(comm, args.rounds, exchange.round)
+    floor_split = exchange.split[1:]
     del exchange  # free the floor's buffers before the pickle path allocates its own
     pickle_rounds = args.rounds if args.pickle_rounds is None else args.pickle_rounds
     pickled = _pickle_rounds(comm, args.model_mb, dtype, pickle_rounds)
@@ -74,7 +77,9 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
         "chunk_bytes": cfg.transport.chunk_bytes, "rounds": args.rounds,
         "seconds_per_round": {"mpifl": statistics.median(mpifl_times), "floor": statistics.median(floor),
                               "pickle": statistics.median(pickled) if pickled else None},
+        "spread": {"mpifl": [min(mpifl_times), max(mpifl_times)], "floor": [min(floor), max(floor)]},
         "time_split": {k: statistics.median(r["time"][k] for r in history[1:]) for k in history[1]["time"]},
+        "floor_split": {k: statistics.median(s[k] for s in floor_split) for k in ("dispatch", "return")},
         "peak_rss_bytes": {"server": peaks[0], "clients": peaks[1:]},
     }
     secs = result["seconds_per_round"]
@@ -105,10 +110,9 @@ class FloorExchange:
     Buffers are preallocated and touched once, as careful hand-written code would do.
     """
 
-    SLOTS = 4
-
-    def __init__(self, comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int):
-        self.comm, self.dtype = comm, dtype
+    def __init__(self, comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int, inflight: int):
+        self.comm, self.dtype, self.slots_per_client = comm, dtype, inflight
+        self.split: list[dict[str, float]] = []  # rank 0: each round's dispatch and return seconds
         self.rank, self.clients = comm.Get_rank(), comm.Get_size() - 1
         self.itemsize = dtype.itemsize
         step = max(1, chunk_bytes // self.itemsize) * self.itemsize
@@ -116,21 +120,23 @@ class FloorExchange:
         self.model = touched_empty(model_bytes)
         self.chunks = [self.model[o:o + n] for o, n in self.spans]
         if self.rank == 0:
-            self.slots = [[touched_empty(step) for _ in range(self.SLOTS)] for _ in range(self.clients)]
-            self.acc = torch.zeros(model_bytes // self.itemsize, dtype=torch.float32)
-            self.scratch = torch.empty(step // self.itemsize, dtype=torch.float32)  # the fastest fold, as mpifl's
+            self.slots = [[touched_empty(step) for _ in range(self.slots_per_client)] for _ in range(self.clients)]
+            self.acc = host_tensor(model_bytes // self.itemsize, torch.float32)  # huge pages, as mpifl's
+            self.scratch = host_tensor(step // self.itemsize, torch.float32)  # the fastest fold, as mpifl's
 
     def round(self) -> None:
         """One round: model out to every client, every client's model back and folded."""
         if self.rank != 0:
-            recv_chunks(self.comm, 0, TAG_DOWN, self.chunks, self.SLOTS)
-            send_chunks(self.comm, [0], TAG_UP, self.chunks, self.SLOTS)
+            recv_chunks(self.comm, 0, TAG_DOWN, self.chunks, self.slots_per_client)
+            send_chunks(self.comm, [0], TAG_UP, self.chunks, self.slots_per_client)
             return
-        send_chunks(self.comm, list(range(1, self.clients + 1)), TAG_DOWN, self.chunks, self.SLOTS)
+        start = time.perf_counter()
+        send_chunks(self.comm, list(range(1, self.clients + 1)), TAG_DOWN, self.chunks, self.slots_per_client)
+        dispatched = time.perf_counter()
         self.acc.zero_()
         requests, tickets, nxt = [], [], [0] * self.clients
         for c in range(self.clients):
-            for s in range(min(self.SLOTS, len(self.spans))):
+            for s in range(min(self.slots_per_client, len(self.spans))):
                 requests.append(self._post(c, s, nxt[c]))
                 tickets.append((c, s, nxt[c]))
                 nxt[c] += 1
@@ -151,6 +157,7 @@ class FloorExchange:
                     requests[i] = self._post(c, s, nxt[c])
                     tickets[i] = (c, s, nxt[c])
                     nxt[c] += 1
+        self.split.append({"dispatch": dispatched - start, "return": time.perf_counter() - dispatched})
 
     def _post(self, client: int, slot: int, j: int) -> MPI.Request:
         n = self.spans[j][1]
@@ -185,14 +192,16 @@ def _table(r: dict) -> str:
     lines = [f"model-only exchange: {r['model_bytes'] / MIB:.0f} MiB {r['dtype']}, {r['clients']} clients, "
              f"{r['chunk_bytes'] / MIB:g} MiB chunks, mpifl strategy {r['strategy']}"
              + (f", {r['wire_dtype']} updates" if r["wire_dtype"] else "") + f", median of {r['rounds']} rounds",
-             f"{'method':<8} {'s/round':>9} {'x floor':>8}"]
+             f"{'method':<8} {'s/round':>9} {'x floor':>8}  {'min-max s':>13}"]
     for name in ("mpifl", "floor", "pickle"):
         s = secs[name]
         x = 1.0 if name == "floor" else ratio[name]
-        lines.append(f"{name:<8} {s:>9.3f} {x:>8.2f}" if s is not None else f"{name:<8} {'skipped':>9}")
+        spread = "{:.3f}-{:.3f}".format(*r["spread"][name]) if name in r["spread"] else ""
+        lines.append(f"{name:<8} {s:>9.3f} {x:>8.2f}  {spread:>13}" if s is not None else f"{name:<8} {'skipped':>9}")
     peaks = r["peak_rss_bytes"]
     lines.append(f"mpifl peak RSS: server {peaks['server'] / MIB:.0f} MiB; clients "
                  + ", ".join(f"{p / MIB:.0f}" for p in peaks["clients"]) + " MiB")
-    lines.append("time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_split"].items()))
+    lines.append("mpifl time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_split"].items()))
+    lines.append("floor time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["floor_split"].items()))
     return "\n".join(lines)
 

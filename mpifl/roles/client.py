@@ -22,6 +22,7 @@ from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, coun
 from mpifl.roles.federation import client_seed
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
+from mpifl.wire.memory import host_bytes
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
 
@@ -153,7 +154,7 @@ class ClientRank:
         if not self._needs_host_global(clients):
             return None
         if self.snapshot is None:
-            self.snapshot = torch.empty_like(self.flat.buffer)
+            self.snapshot = torch.from_numpy(host_bytes(self.flat.buffer.numel(), touch=False))
         return self.snapshot.copy_(self.flat.buffer)
 
     def _needs_host_global(self, clients: int) -> bool:

@@ -23,6 +23,8 @@ from typing import Iterator
 
 import torch
 
+from mpifl.wire.memory import host_bytes
+
 ALIGN = 64
 
 DTYPES: dict[str, torch.dtype] = {
@@ -225,7 +227,10 @@ class FlatModel:
         self.spec = build_spec(exchanged)
         self.frozen_spec = build_spec(frozen)
         self.device = torch.device(device)
-        self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        if self.device.type == "cpu" and not pin:  # numpy memory: huge pages, 2x faster MPI copies (host_bytes)
+            self.buffer = torch.from_numpy(host_bytes(self.spec.total_bytes, touch=False))
+        else:
+            self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
         self.frozen = torch.empty(self.frozen_spec.total_bytes, dtype=torch.uint8, device=self.device)
         # same memory, for MPI buffer slices (a device-side replica never touches MPI)
         self.bytes = self.buffer.numpy() if self.device.type == "cpu" else None

