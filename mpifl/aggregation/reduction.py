@@ -120,6 +120,7 @@ class StreamedReduction:
         self.free_slots = list(range(len(pool.slots)))
         self.requests: list[MPI.Request] = []
         self.tickets: list[Ticket] = []
+        self.free_requests: list[int] = []  # indices of completed requests, reused before the list grows
         self.acc_of: dict[int, torch.Tensor] = {}
         self.stats = ReductionStats()
 
@@ -142,6 +143,7 @@ class StreamedReduction:
             backoff.reset()
             for index, obj in zip(done, objects):
                 self.requests[index] = MPI.REQUEST_NULL
+                self.free_requests.append(index)
                 self._landed(self.tickets[index], obj)
             self._perform()
         return self.stats
@@ -150,10 +152,10 @@ class StreamedReduction:
         if self.posted[ticket.rank] == 0 and self.watchdog is not None:
             self.watchdog.progress(ticket.rank)  # awaited again (its slots were full): its clock starts now
         self.posted[ticket.rank] += 1
-        for i, old in enumerate(self.requests):
-            if old == MPI.REQUEST_NULL:
-                self.requests[i], self.tickets[i] = request, ticket
-                return
+        if self.free_requests:
+            i = self.free_requests.pop()
+            self.requests[i], self.tickets[i] = request, ticket
+            return
         self.requests.append(request)
         self.tickets.append(ticket)
 

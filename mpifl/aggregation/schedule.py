@@ -19,6 +19,7 @@ received and "folded" (skipped, ``row`` None), so the participants after it can 
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -94,6 +95,7 @@ class FoldSchedule:
         self._headers_owed = {r: len(clients) for r, clients in by_rank.items()}
         self._usable: dict[int, bool] = {}  # client -> header in, without an error
         self._waiting: dict[tuple[int, int], ChunkTicket] = {}  # (chunk, position) -> landed, not folded
+        self._candidates: deque[tuple[int, int]] = deque()  # (chunk, position) an event may have made foldable, FIFO
         self._next_position = [0] * num_chunks
         self._included = [0] * num_chunks
 
@@ -123,26 +125,33 @@ class FoldSchedule:
         """``client``'s header arrived; ``usable`` is False when it reports an error."""
         self._usable[client] = usable
         self._headers_owed[self.rank_of[client]] -= 1
+        position = self.position[client]
+        self._candidates.extend(key for key in self._waiting if key[1] == position)
 
     def chunk_landed(self, ticket: ChunkTicket) -> None:
         """The chunk that ``ticket`` was posted for is in its slot."""
-        self._waiting[(ticket.chunk, self.position[ticket.client])] = ticket
+        key = (ticket.chunk, self.position[ticket.client])
+        self._waiting[key] = ticket
+        self._candidates.append(key)
 
     def accumulator(self, chunk: int) -> int:
         """Which of the ``window`` accumulators ``chunk`` uses."""
         return chunk % self.window
 
     def steps(self) -> list[Step]:
-        """Every fold possible now, in order; a chunk's Finish comes right after its last Fold."""
+        """Every fold possible now, in arrival order; a chunk's Finish comes right after its last Fold.
+
+        Only what an event can have made ready is looked at (a landed chunk, a header, the
+        fold before it in the same chunk, the window moving on), so the work per chunk does
+        not grow with the participants or the chunks in flight.
+        """
         steps: list[Step] = []
-        progressed = True
-        while progressed:
-            progressed = False
-            for (j, pos), ticket in list(self._waiting.items()):
-                if self._ready(j, pos):
-                    del self._waiting[(j, pos)]
-                    steps.extend(self._fold(ticket, j, pos))
-                    progressed = True
+        while self._candidates:
+            key = self._candidates.popleft()
+            ticket = self._waiting.get(key)
+            if ticket is not None and self._ready(*key):
+                del self._waiting[key]
+                steps.extend(self._fold(ticket, *key))
         return steps
 
     def _ready(self, j: int, pos: int) -> bool:
@@ -155,9 +164,15 @@ class FoldSchedule:
             self._included[j] += 1
         self._next_position[j] += 1
         steps: list[Step] = [Fold(j, ticket.client, pos, ticket.rank, ticket.slot, row)]
-        if self._next_position[j] == len(self.order):
-            self.finished[j] = True
-            while self.low < self.num_chunks and self.finished[self.low]:
-                self.low += 1
-            steps.append(Finish(j, self._included[j]))
+        if self._next_position[j] < len(self.order):
+            self._candidates.append((j, pos + 1))
+            return steps
+        self.finished[j] = True
+        old_end = self.low + self.window
+        while self.low < self.num_chunks and self.finished[self.low]:
+            self.low += 1
+        # chunks the window has just reached: their next participant may be waiting already
+        self._candidates.extend((k, self._next_position[k]) for k in range(old_end, min(self.low + self.window,
+                                                                                          self.num_chunks)))
+        steps.append(Finish(j, self._included[j]))
         return steps
