@@ -124,6 +124,12 @@ def _check_compression(cfg: Config) -> None:
              ("clients.groups", not cfg.clients.groups, "0 (each update is quantized on its own)"),
              ("secagg.enabled", not cfg.secagg.enabled, "false (secure aggregation has its own fixed point)"),
              ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central'")]
+    if cfg.compression.method == "topk":
+        needs.append(("strategy.update", cfg.strategy.update == "delta", "'delta' (a sparse update is a change)"))
+        if cfg.compression.error_feedback:
+            needs.append(("clock.mode", cfg.clock.mode in ("off", "sync"), "'off' or 'sync' with "
+                          "compression.error_feedback (an asynchronous resume retrains clients, which would add "
+                          "their residuals twice); or set compression.error_feedback=false"))
     for key, fine, what in needs:
         if not fine:
             raise ConfigError(f"{key}: compression.method {cfg.compression.method!r} needs {what}")

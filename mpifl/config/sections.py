@@ -312,8 +312,16 @@ class CompressionConfig:
     """Compressed updates (mpifl.wire.codecs): fewer bytes on the wire, decoded as the server folds."""
 
     method: str = field_("none", "none, int8 or int4: stochastic quantization with a scale per block (after "
-                         "QSGD); for bf16 use strategy.wire_dtype", choices=("none", "int8", "int4"))
+                         "QSGD); topk: the largest compression.fraction of each chunk's values, as int32 indices "
+                         "and fp32 values; for bf16 use strategy.wire_dtype", choices=("none", "int8", "int4", "topk"))
     block: int = field_(256, "elements per quantization block (one fp32 scale each)", min=8)
+    fraction: float = field_(0.01, "topk: share of each chunk's values sent, k = max(1, ceil(fraction x chunk "
+                             "elements))", min=0.0, exclusive_min=True, max=1.0)
+    error_feedback: bool = field_(True, "topk: each logical client keeps what it did not send (an fp32 residual "
+                                  "the size of the model) and adds it to its next update (EF-SGD)")
+    residual_ram_mb: float = field_(1024.0, "topk with error feedback: a client rank keeps its clients' residuals "
+                                    "in RAM while (hosted clients x model fp32 bytes) fits in this many MiB, "
+                                    "else in an HDF5 file in the run directory, read chunk by chunk", min=0.0)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -20,6 +21,7 @@ from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
 from mpifl.roles.federation import client_seed
+from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.memory import host_bytes
@@ -62,6 +64,7 @@ class ClientParts:
     rounds: int = 0
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
+    residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
 
 
 def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
@@ -90,7 +93,8 @@ class ClientRank:
         self.clip: float | None = None  # DP: this round's L2 bound
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
         self.first_element = element_offsets(parts.plan.chunks)
-        self.compressor = UpdateCompressor(parts.plan, parts.seed) if parts.plan.codec is not None else None
+        self.compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) \
+            if parts.plan.codec is not None else None
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -98,11 +102,19 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if header.stop:
                 return
+            if header.persist is not None:
+                self.persist(header)
+                continue
             self.clip, self.cohort = header.clip, header.cohort
             if header.hold:
                 self.serve_step(header)
             elif header.clients:
                 self.serve_round(header)
+
+    def persist(self, header: protocol.RoundHeader) -> None:
+        """Publish this rank's residuals of the round just ended for the server's checkpoint, then acknowledge."""
+        name = save_snapshot(self.parts.residuals, self.first_element, Path(header.persist), self.rank, header.round)
+        send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
 
     def serve_round(self, header: protocol.RoundHeader) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
@@ -203,7 +215,8 @@ class ClientRank:
             if self.compressor is not None:
                 began = time.perf_counter()
                 chunks = [torch.from_numpy(b).view(DTYPES[c.dtype]) for c, b in zip(self.parts.plan.chunks, buffers)]
-                buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None)
+                buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None,
+                                                   usable=error is None and not bad)
                 result.metrics["compress_seconds"] = time.perf_counter() - began
         if bad:
             error = f"update contains {bad} NaN/Inf values"

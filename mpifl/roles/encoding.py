@@ -8,6 +8,7 @@ import torch
 from mpifl.aggregation.kernels import fold
 from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.roles.federation import COMPRESSION
+from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import touched_empty
@@ -63,25 +64,49 @@ def count_nonfinite(tensors) -> int:
 
 
 class UpdateCompressor:
-    """Quantizes a client's fp32 update into its own wire buffer (``compression.method``), with uniform
-    noise addressed by model element and keyed by (seed, round, client): reproducible on any ranks."""
+    """Compresses a client's fp32 update into its own wire buffer (``compression.method``).
 
-    def __init__(self, plan: ExchangePlan, seed: int):
+    Quantization noise is addressed by model element and keyed by (seed, round, client):
+    reproducible on any ranks. With ``residuals`` (top-k with error feedback, after Stich et al.
+    2018 and Karimireddy et al. 2019) a client sends the top-k of its delta plus its residual and
+    keeps the rest: ``c = delta + e``, send ``s = topk(c)``, then ``e = c - s`` (``s`` after any DP
+    rescaling), chunk by chunk. So the sum of what a client sent plus its residual equals the sum
+    of its deltas, up to the fp32 rounding of each ``delta + e``.
+    """
+
+    def __init__(self, plan: ExchangePlan, seed: int, residuals: ResidualStore | None = None):
         self.codec, self.seed, self.chunks = plan.codec, seed, plan.chunks
+        self.residuals = residuals
         self.buffer = touched_empty(plan.wire_buffer_bytes)
         self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
         self.firsts = element_offsets(plan.chunks)
 
-    def compress(self, chunks: list[torch.Tensor], round_: int, client: int, bound: float | None) -> list[np.ndarray]:
-        """The encoded update; with ``bound`` (DP), scales shrink so the decoded update stays within it."""
-        stream = ElementStream(self.seed, COMPRESSION, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g))
+    def compress(self, chunks: list[torch.Tensor], round_: int, client: int, bound: float | None,
+                 usable: bool = True) -> list[np.ndarray]:
+        """The encoded update; with ``bound`` (DP), values shrink so the decoded update stays within it.
+        An update the server will not use (``usable`` false) leaves the client's residual as it was."""
+        feedback = self.residuals is not None and usable
+        stream = ElementStream(self.seed, COMPRESSION, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g)) \
+            if self.codec.stochastic else None
         squared = 0.0
-        for x, out, first in zip(chunks, self.buffers, self.firsts):
-            uniform = torch.cat([values for _, values in stream.pieces(first, x.numel())])
-            squared += self.codec.encode(x.float(), out, uniform)
+        for i, (x, out, first) in enumerate(zip(chunks, self.buffers, self.firsts)):
+            if not feedback:
+                uniform = torch.cat([v for _, v in stream.pieces(first, x.numel())]) if stream else None
+                squared += self.codec.encode(x.float(), out, uniform)
+                continue
+            corrected = self.residuals.read(client, i).add_(x)
+            squared += self.codec.encode(corrected, out)
+            if bound is None:  # what was sent is final: keep the rest
+                self.codec.subtract(out, x.numel(), corrected)
+            self.residuals.write(client, i, corrected)
         if bound is not None and squared > bound ** 2:
             for c, out in zip(self.chunks, self.buffers):
                 self.codec.rescale(out, c.numel, bound / squared ** 0.5)
+        if feedback and bound is not None:  # what was sent is known only now: keep the rest
+            for i, (c, out) in enumerate(zip(self.chunks, self.buffers)):
+                residual = self.residuals.read(client, i)
+                self.codec.subtract(out, c.numel, residual)
+                self.residuals.write(client, i, residual)
         return self.buffers
 
 

@@ -34,12 +34,14 @@ from mpifl.roles.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.records import log_final
 from mpifl.roles.server import Evaluation, Server, ServerParts
+from mpifl.storage import checkpointer as checkpoints
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.residuals import RANK_FILE, ResidualStore, load_snapshot, open_residuals
 from mpifl.storage.stores import open_store
 from mpifl.units import MIB
 from mpifl.wire import protocol
-from mpifl.wire.flat import FlatModel, ModelSpec
+from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import recv_chunks, send_chunks
 
@@ -125,7 +127,8 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
     if comm.Get_rank() != 0:
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
-        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None)
+        residuals = _residuals(cfg, plan, comm.Get_rank(), sorted(local), run_dir, resume)
+        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, residuals=residuals)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, opened.get("ckpt"), stop)
 
@@ -141,8 +144,27 @@ def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
     return surveyed_dataset(source, index, surveyed["survey"][1] if comm.Get_rank() == 0 else None)
 
 
+def _residuals(cfg: Config, plan: ExchangePlan, rank: int, hosted: list[int], run_dir: Path | None,
+               resume: Path | None) -> ResidualStore | None:
+    """Top-k with error feedback: the hosted clients' residuals, in RAM or on disk, reloaded on a resume."""
+    if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
+        return None
+    firsts = element_offsets(plan.chunks)
+    path = run_dir / "residuals" / RANK_FILE.format(rank=rank) if run_dir else None
+    try:
+        store = open_residuals(firsts, len(hosted), int(cfg.compression.residual_ram_mb * MIB), path)
+    except ValueError as err:
+        raise JobFailure(str(err)) from None
+    if resume is not None:
+        with Checkpoint(resume) as ckpt:
+            files = checkpoints.residual_files(ckpt) or []
+        found = load_snapshot(store, firsts, files, hosted)
+        log(f"resume: error-feedback residuals of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
+    return store
+
+
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel, local: dict,
-                     upload_initial: bool) -> None:
+                     upload_initial: bool, residuals: ResidualStore | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
             f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
@@ -155,7 +177,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
                         cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight, replica,
                         make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds,
                         ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
-                        SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None)
+                        SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals)
     ClientRank(comm, flat, local, parts).run()
 
 
@@ -208,7 +230,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
         except ImportError as err:
             raise JobFailure(str(err)) from None
     parts = ServerParts(plan, sampler, strategy, store, checkpointer, Evaluation(score, cfg.eval.every, cfg.rounds),
-                        sink, privacy, SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None)
+                        sink, privacy, SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
+                        residuals=cfg.compression.method == "topk" and cfg.compression.error_feedback)
     try:
         history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -27,8 +28,8 @@ from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import send_chunks, wait_all
-from mpifl.wire.watchdog import Deadlines, RankStalled, Watchdog, default_deadlines
+from mpifl.wire.transport import Backoff, send_chunks, wait_all
+from mpifl.wire.watchdog import FIRST_UPDATE, Deadlines, RankStalled, Watchdog, default_deadlines
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ServerParts:
     sink: JsonLines
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
+    residuals: bool = False  # error feedback: client ranks keep residuals that every checkpoint must carry
 
 
 class Server:
@@ -72,8 +74,12 @@ class Server:
         self.rounds = parts.evaluation.rounds
         rows = parts.sampler.per_round if parts.strategy.stacked else 1
         self.pool = ReceivePool(parts.plan.wire, rows)
+        if parts.plan.codec is not None:  # compressed chunks are fewer bytes than the fp32 values they fold into
+            self.pool.acc_numel = max(c.numel for c in parts.plan.chunks) * rows
         self.history: list[dict] = []
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
+        if parts.residuals:
+            parts.checkpointer.persist = self._persist_residuals
 
     def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
@@ -181,6 +187,22 @@ class Server:
                         self.transport.inflight, watchdog)
             log(f"resume: retrained logical clients {clients} from version "
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
+
+    def _persist_residuals(self, rnd: int, folder: Path) -> list[str]:
+        """Have every client rank publish its residuals of round ``rnd`` in ``folder``; the files, once all are
+        acknowledged. A rank silent past the training deadline (timeouts.first_update) ends the job, named."""
+        ranks = list(range(1, self.comm.Get_size()))
+        wait_all([self.comm.isend(protocol.RoundHeader(rnd, persist=str(folder)), dest=r, tag=protocol.HEADER)
+                  for r in ranks])
+        watchdog = Watchdog(self._deadlines(), rnd, {r: [] for r in ranks})  # a SIGTERM save must still finish
+        files, backoff = [], Backoff()
+        for rank in ranks:
+            owed = {rank: (FIRST_UPDATE, f"its error-feedback residuals for the checkpoint of round {rnd}")}
+            while not self.comm.Iprobe(source=rank, tag=protocol.RESIDUALS):
+                watchdog.check(lambda: owed)
+                backoff.pause()
+            files.append(self.comm.recv(source=rank, tag=protocol.RESIDUALS))
+        return files
 
     def _deadlines(self) -> Deadlines:
         return default_deadlines(self.timeouts, self.transport.chunk_bytes, self.transport.inflight,

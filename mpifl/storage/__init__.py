@@ -4,5 +4,6 @@
 - ``ranges``: flat byte ranges to and from per-tensor datasets (the out-of-core window).
 - ``integrity``: a CRC32 per chunk piece, recorded on write and verified on resume.
 - ``stores``: the global model in RAM or out of core, behind one ``GlobalStore`` protocol.
+- ``residuals``: error-feedback residuals per logical client, in RAM or in a per-rank HDF5 file.
 - ``checkpointer``: when to save, saving, resuming, pruning, ``model.h5`` and ``metrics.jsonl``.
 """

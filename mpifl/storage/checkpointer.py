@@ -5,12 +5,21 @@ A run directory holds::
     config.yaml            the resolved config
     metrics.jsonl          one JSON line per finished round (rewound to the checkpoint on resume)
     checkpoints/ckpt-r<round>.h5   the newest ``checkpoint.keep`` checkpoints (format: storage.hdf5)
+    checkpoints/ckpt-r<round>.residuals/rank<rank>.h5   with error feedback: each client rank's residuals
+                           at that checkpoint (storage.residuals); the checkpoint lists them
+    residuals/rank<rank>.h5   with error feedback on disk: each client rank's working residuals
     model.h5               the final checkpoint (a hard link where possible)
 
 The round loop only says "this round ended" (:meth:`Checkpointer.round_ended`) or "this
 round was aborted"; the checkpointer decides whether to save, asks the store to publish,
 and prunes. Before MPI starts, :func:`find_resume` picks the checkpoint to continue from
 and :func:`prepare_run_dir` readies the directory.
+
+With error feedback a checkpoint is two-phase: before publishing round r's model, the
+checkpointer has the server ask every client rank to publish its residuals into
+``ckpt-r<round>.residuals/`` and waits for each to acknowledge (``persist``); only then is
+the model published, naming those files in its attribute ``residual_files``. A checkpoint
+whose listed files are missing is incomplete: a resume skips it, loudly.
 """
 from __future__ import annotations
 
@@ -35,6 +44,8 @@ CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 FINAL_MODEL = "model.h5"
 _NAME = re.compile(r"^ckpt-r(\d{6,})\.h5$")
+_RESIDUALS = re.compile(r"^ckpt-r(\d{6,})\.residuals$")
+Persist = Callable[[int, Path], list[str]]  # (round, folder): the client ranks' residual files, published there
 
 
 class RunDirectoryError(ValueError):
@@ -46,6 +57,33 @@ def checkpoint_name(round_: int) -> str:
     return f"ckpt-r{round_:06d}.h5"
 
 
+def residuals_dir(checkpoint: Path) -> Path:
+    """The folder of a checkpoint's error-feedback residuals (``model.h5``'s are its checkpoint's)."""
+    name = checkpoint.name[:-len(".h5")] + ".residuals"
+    if checkpoint.name == FINAL_MODEL:
+        with Checkpoint(checkpoint) as ckpt:
+            return checkpoint.parent / CHECKPOINTS / (checkpoint_name(ckpt.round)[:-len(".h5")] + ".residuals")
+    return checkpoint.with_name(name)
+
+
+def residual_files(ckpt: Checkpoint) -> list[Path] | None:
+    """The residual files a checkpoint lists (None: it was written without error feedback)."""
+    listed = ckpt.file.attrs.get("residual_files")
+    if listed is None:
+        return None
+    folder = residuals_dir(ckpt.path)
+    return [folder / name for name in json.loads(listed)]
+
+
+def missing_residuals(ckpt: Checkpoint) -> str | None:
+    """Why a checkpoint cannot resume a run with error feedback, or None (round 0 has no residuals yet)."""
+    files = residual_files(ckpt)
+    if files is None:
+        return None if ckpt.round == 0 else f"{ckpt.path}: no error-feedback residuals were saved with it"
+    missing = [str(p) for p in files if not p.is_file()]
+    return f"{ckpt.path}: its error-feedback residuals {missing} are missing" if missing else None
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Published checkpoints in a directory, oldest round first (``.tmp`` files ignored)."""
     if not directory.is_dir():
@@ -54,15 +92,26 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(directory: Path) -> Checkpoint | None:
-    """The newest checkpoint that opens and validates; broken newer files are skipped loudly."""
+def latest_checkpoint(directory: Path, feedback: bool = False) -> Checkpoint | None:
+    """The newest checkpoint that opens and validates (and, with ``feedback``, has its residuals); broken newer
+    files are skipped loudly."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            return Checkpoint(path)
+            ckpt = Checkpoint(path)
         except CheckpointError as err:
-            if env_rank() in (0, None):  # every rank looks before MPI starts: one says it
-                log(f"mpifl: skipping unusable checkpoint: {err}")
+            _say(f"mpifl: skipping unusable checkpoint: {err}")
+            continue
+        problem = missing_residuals(ckpt) if feedback else None
+        if problem is None:
+            return ckpt
+        ckpt.close()
+        _say(f"mpifl: skipping incomplete checkpoint: {problem}")
     return None
+
+
+def _say(message: str) -> None:
+    if env_rank() in (0, None):  # every rank looks before MPI starts: one says it
+        log(message)
 
 
 def prune_checkpoints(directory: Path, keep: int, needed: Iterable[int] = ()) -> None:
@@ -71,6 +120,13 @@ def prune_checkpoints(directory: Path, keep: int, needed: Iterable[int] = ()) ->
     for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         if path.name not in spared:
             path.unlink(missing_ok=True)
+            shutil.rmtree(residuals_dir(path), ignore_errors=True)
+    kept = list_checkpoints(directory)
+    newest = int(_NAME.match(kept[-1].name).group(1)) if kept else -1
+    for folder in directory.iterdir() if directory.is_dir() else []:
+        found = _RESIDUALS.match(folder.name)  # left by a crash between the two phases, or mid-pruning
+        if found and int(found.group(1)) < newest and not folder.with_name(folder.name[:-10] + ".h5").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def versions() -> dict[str, str]:
@@ -101,6 +157,7 @@ class Checkpointer:
                  needed: Callable[[int], set[int]] | None = None):
         self.store, self.directory, self.cfg, self.rounds, self.attrs = store, directory, cfg, rounds, attrs
         self.needed = needed  # asynchronous FL: every version is saved; those a resume would retrain from are kept
+        self.persist: Persist | None = None  # error feedback: publishes the client ranks' residuals of a round
 
     def path(self, round_: int) -> Path:
         """Where the checkpoint after ``round_`` is published."""
@@ -116,8 +173,14 @@ class Checkpointer:
     def round_ended(self, round_: int, history: list[dict], stopping: bool) -> Path | None:
         """The round's model is final: publish it if due (a durable store always publishes)."""
         save = self.due(round_, stopping) and self.directory is not None
+        attrs = {**self.attrs, "round": round_}
         try:
-            path = self.store.end_round(round_, {**self.attrs, "round": round_}, history, save)
+            if self.persist is not None and (save or self.store.durable):  # phase 1: the residuals, acknowledged
+                folder = residuals_dir(self.path(round_))
+                shutil.rmtree(folder, ignore_errors=True)  # a crash's leftovers, perhaps from other rank counts
+                folder.mkdir(parents=True)
+                attrs["residual_files"] = json.dumps(self.persist(round_, folder))
+            path = self.store.end_round(round_, attrs, history, save)
         except OSError as err:  # full disk, quota, I/O error: the message names the file
             newest = list_checkpoints(self.directory) if self.directory is not None else []
             kept = f"; the newest complete checkpoint is still {newest[-1]}" if newest else ""
@@ -132,7 +195,10 @@ class Checkpointer:
         if self.store.durable:  # every round's model is already a checkpoint
             newest = list_checkpoints(self.directory)
             return newest[-1] if newest else None
-        if not model_intact or round_ == 1 or self.directory is None:
+        if not model_intact or round_ == 1 or self.directory is None or self.persist is not None:
+            if self.persist is not None and model_intact:
+                log(f"round {round_} aborted after the clients' error-feedback residuals moved on: the newest "
+                    "checkpoint on disk, with its residuals, is the one to resume from", rank=0)
             if not model_intact:
                 log(f"round {round_} was partly applied in memory: the newest checkpoint on disk is the model to "
                     "resume from", rank=0)
@@ -176,11 +242,15 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         run_dir = run_dir_arg or cfg.output.dir
         if not run_dir:
             raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
-        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS)
+        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS, _feedback(cfg))
         if ckpt is None:
             return None
     else:
         ckpt = Checkpoint(which)
+        problem = missing_residuals(ckpt) if _feedback(cfg) else None
+        if problem:
+            ckpt.close()
+            raise ConfigError(f"cannot resume: {problem}")
     with ckpt:
         conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
         if conflict:
@@ -195,7 +265,12 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         return ckpt.path
 
 
-def verified_resume(resume: Path, latest: bool) -> Path | None:
+def _feedback(cfg: Config) -> bool:
+    """Whether the run's clients keep error-feedback residuals that a checkpoint must carry."""
+    return cfg.compression.method == "topk" and cfg.compression.error_feedback
+
+
+def verified_resume(resume: Path, latest: bool, feedback: bool = False) -> Path | None:
     """``resume`` if its checksums hold; for ``--resume`` (latest), else the newest older one that does, loudly."""
     candidates = [resume]
     if latest:
@@ -204,6 +279,9 @@ def verified_resume(resume: Path, latest: bool) -> Path | None:
         try:
             with Checkpoint(path) as ckpt:
                 ckpt.verify()
+                problem = missing_residuals(ckpt) if feedback else None
+                if problem:
+                    raise CheckpointError(problem)
             if path != resume:
                 log(f"resuming from {path.name} instead (the newer checkpoints above failed verification)", rank=0)
             return path
@@ -223,7 +301,7 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
     """
     path = run_directory(cfg, run_dir_arg)
     if resume is not None:
-        resume = verified_resume(resume, latest=resume_asked == "latest")
+        resume = verified_resume(resume, latest=resume_asked == "latest", feedback=_feedback(cfg))
     if resume is not None:
         rewind_metrics(path / METRICS, resume)
     elif (path / METRICS).exists() and resume_asked:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpifl.config import Config
-from mpifl.wire.codecs import BlockQuantizer, codec_for
+from mpifl.wire.codecs import Codec, codec_for
 from mpifl.wire.flat import Chunk, ModelSpec, fp32_chunks, wire_chunks
 
 
@@ -25,14 +25,14 @@ class ExchangePlan:
     inflight: int  # chunks in flight per peer
     chunk_bytes: int  # transport.chunk_mb in bytes: what laid the chunks out
     grouped: bool = False  # clients.groups: what travels back are fp32 partial sums
-    codec: BlockQuantizer | None = None  # compression.method: updates travel quantized
+    codec: Codec | None = None  # compression.method: updates travel quantized or sparsified
 
     @classmethod
     def from_config(cls, spec: ModelSpec, cfg: Config) -> "ExchangePlan":
         """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``, or compress them."""
         chunks = spec.chunks(cfg.transport.chunk_bytes)
         grouped = cfg.clients.groups > 0
-        codec = codec_for(cfg.compression.method, cfg.compression.block)
+        codec = codec_for(cfg.compression.method, cfg.compression.block, cfg.compression.fraction)
         if codec is not None:
             wire = codec.wire_chunks(chunks)
         else:

@@ -20,6 +20,10 @@ members' UpdateMetas) on META, then the group's fp32 partial sum on UPDATE.
 Asynchronous FL (header.hold): the listed clients train from MODEL and their updates stay on
 the rank; then the rank sends META + UPDATE for the held updates in header.send, in that order
 (the virtual-arrival order), which may include some trained this very step.
+Error feedback, before rank 0 publishes a checkpoint of round r (two phases):
+    0 -> c  HEADER     RoundHeader(r, persist=folder): every client rank publishes its clients'
+                       residuals as folder/rank<rank>.h5,
+    c -> 0  RESIDUALS  the file's name (pickled, small): only then is the checkpoint published.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 """
@@ -34,6 +38,7 @@ MODEL = 12
 META = 13
 UPDATE = 14
 INIT = 15
+RESIDUALS = 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class RoundHeader:
     clip: float | None = None  # DP: the L2 bound of this round's updates
     cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
     steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
+    persist: str | None = None  # error feedback: publish the residuals of round ``round`` in this folder, then ack
 
 
 @dataclass(frozen=True)

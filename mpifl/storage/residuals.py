@@ -1,0 +1,170 @@
+"""Error-feedback residuals: what each logical client has not sent yet, kept on the rank that hosts it.
+
+A residual is one fp32 vector per logical client with one element per model element, in
+chunk order; a client never sampled has none (zero). A client rank keeps its clients'
+residuals in RAM (:class:`RamResiduals`) while (hosted clients x model fp32 bytes) fits in
+``compression.residual_ram_mb``, else in one HDF5 file per rank in the run directory
+(:class:`DiskResiduals`), read and written chunk by chunk: the rank's memory is then one
+chunk whatever the number of clients it hosts. Both give bitwise the same residuals.
+
+Layout of a residual file (the per-rank working file and a checkpoint's snapshot alike)::
+
+    /                  attrs: format ("mpifl-residuals"), elements, round (snapshots)
+    /clients/<id>      fp32 (elements,), chunked, unwritten parts read as 0
+
+A checkpoint's snapshot is the directory ``ckpt-r<round>.residuals/`` beside it, one
+``rank<rank:05d>.h5`` per client rank, each published by temp file, fsync and rename. Files
+are keyed by client id, so a resume on another number of ranks reads each client from
+whichever file holds it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import h5py
+import numpy as np
+import torch
+
+FORMAT = "mpifl-residuals"
+RANK_FILE = "rank{rank:05d}.h5"  # the one template for per-rank residual files
+HDF5_CHUNK = 1 << 18  # elements per HDF5 chunk (1 MiB): reads and writes touch only the chunks they need
+
+
+class ResidualStore(Protocol):
+    """A rank's residuals, one model chunk at a time."""
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """Chunk ``index`` of ``client``'s residual (zeros for a client without one); valid until the next read."""
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Store chunk ``index`` of ``client``'s residual (``values`` as returned by :meth:`read`)."""
+
+    def clients(self) -> list[int]:
+        """The clients that have a residual, ascending."""
+
+
+class RamResiduals:
+    """Whole residuals in RAM, allocated when a client is first sampled."""
+
+    where = "RAM"
+
+    def __init__(self, firsts: list[int]):
+        self.firsts = firsts  # each chunk's first element; the last entry is the element count
+        self.vectors: dict[int, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"<residuals in RAM: {len(self.vectors)} clients x {self.firsts[-1]} fp32>"
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """A view of the client's residual (allocated as zeros on first use)."""
+        vector = self.vectors.get(client)
+        if vector is None:
+            vector = self.vectors[client] = torch.zeros(self.firsts[-1])
+        return vector[self.firsts[index]:self.firsts[index + 1]]
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Copy ``values`` in, unless they are the view :meth:`read` gave."""
+        view = self.read(client, index)
+        if values.data_ptr() != view.data_ptr():
+            view.copy_(values)
+
+    def clients(self) -> list[int]:
+        return sorted(self.vectors)
+
+
+class DiskResiduals:
+    """Residuals in one HDF5 file per rank, read and written chunk by chunk through one reused buffer."""
+
+    where = "HDF5"
+
+    def __init__(self, firsts: list[int], path: Path):
+        self.firsts, self.path = firsts, Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = h5py.File(self.path, "w")  # a fresh run, or a resume that reloads from its checkpoint
+        self.file.attrs.update({"format": FORMAT, "elements": firsts[-1]})
+        self.group = self.file.create_group("clients")
+        most = max(b - a for a, b in zip(firsts, firsts[1:]))
+        self.scratch = torch.zeros(most)
+
+    def __repr__(self) -> str:
+        return f"<residuals in {self.path}: {len(self.group)} clients x {self.firsts[-1]} fp32>"
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """The chunk, read into the rank's one scratch buffer."""
+        out = self.scratch[:self.firsts[index + 1] - self.firsts[index]]
+        dataset = self.group.get(str(client))
+        if dataset is None:
+            return out.zero_()
+        dataset.read_direct(out.numpy(), source_sel=np.s_[self.firsts[index]:self.firsts[index + 1]])
+        return out
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        dataset = self.group.get(str(client))
+        if dataset is None:
+            dataset = _create(self.group, client, self.firsts[-1])
+        dataset.write_direct(values.numpy(), dest_sel=np.s_[self.firsts[index]:self.firsts[index + 1]])
+
+    def clients(self) -> list[int]:
+        return sorted(int(c) for c in self.group)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _create(group: h5py.Group, client: int, elements: int) -> h5py.Dataset:
+    return group.create_dataset(str(client), shape=(elements,), dtype=np.float32,
+                                chunks=(min(elements, HDF5_CHUNK),), fillvalue=np.float32(0))
+
+
+def residual_bytes(hosted: int, elements: int) -> int:
+    """RAM for ``hosted`` clients' whole residuals."""
+    return 4 * hosted * elements
+
+
+def open_residuals(firsts: list[int], hosted: int, ram_bytes: int, path: Path | None) -> RamResiduals | DiskResiduals:
+    """In RAM while every hosted client's residual fits in ``ram_bytes``, else in the HDF5 file ``path``."""
+    if residual_bytes(hosted, firsts[-1]) <= ram_bytes:
+        return RamResiduals(firsts)
+    if path is None:
+        raise ValueError(f"compression.residual_ram_mb: {hosted} clients' residuals "
+                         f"({residual_bytes(hosted, firsts[-1]) / 2**20:.1f} MiB) do not fit, and this run has no "
+                         "run directory to keep them on disk; raise compression.residual_ram_mb or give --run-dir")
+    return DiskResiduals(firsts, path)
+
+
+def save_snapshot(store: ResidualStore, firsts: list[int], folder: Path, rank: int, round_: int) -> str:
+    """Publish the rank's residuals as ``folder/rank<rank>.h5`` (temp file, fsync, rename); return its name."""
+    name = RANK_FILE.format(rank=rank)
+    tmp = folder / (name + ".tmp")
+    with h5py.File(tmp, "w") as f:
+        f.attrs.update({"format": FORMAT, "elements": firsts[-1], "round": round_})
+        group = f.create_group("clients")
+        for client in store.clients():
+            dataset = _create(group, client, firsts[-1])
+            for index in range(len(firsts) - 1):
+                dataset.write_direct(store.read(client, index).numpy(), dest_sel=np.s_[firsts[index]:firsts[index + 1]])
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / name)
+    return name
+
+
+def load_snapshot(store: ResidualStore, firsts: list[int], files: Iterable[Path], hosted: Iterable[int]) -> int:
+    """Read the ``hosted`` clients' residuals from a checkpoint's files (whichever holds each); how many were found."""
+    hosted, found = set(hosted), 0
+    for path in files:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT or int(f.attrs["elements"]) != firsts[-1]:
+                raise ValueError(f"{path}: not residuals of this model ({firsts[-1]} elements)")
+            for name in sorted(f["clients"], key=int):
+                client = int(name)
+                if client not in hosted:
+                    continue
+                found += 1
+                for index in range(len(firsts) - 1):
+                    out = store.read(client, index)
+                    f["clients"][name].read_direct(out.numpy(), source_sel=np.s_[firsts[index]:firsts[index + 1]])
+                    store.write(client, index, out)
+    return found
