@@ -158,8 +158,26 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         client += nbytes // 2  # the narrowed update
     if cfg.clients.groups:
         client += 4 * elements  # the group's fp32 partial sum
+    residuals = residual_plan(cfg, elements, nranks - 1)
+    if residuals and residuals[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 residuals
+        client += residuals[0][1] * 4 * elements
     first = server if server_alone else server + (ranks_per_node - 1) * client
     return MemoryPlan(nbytes, server, client, max(first, ranks_per_node * client))
+
+
+def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
+    """Top-k with error feedback: (client ranks, clients each hosts, "RAM" or "HDF5"), fullest ranks first
+    (round-robin placement); empty without residuals."""
+    from mpifl.roles.federation import clients_of_rank
+
+    if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
+        return []
+    by_count: dict[int, list[int]] = {}
+    for rank in range(1, client_ranks + 1):
+        hosted = len(clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups))
+        by_count.setdefault(hosted, []).append(rank)
+    fits = lambda n: 4 * n * elements <= cfg.compression.residual_ram_mb * MIB  # noqa: E731
+    return [(ranks, n, "RAM" if fits(n) else "HDF5") for n, ranks in sorted(by_count.items(), reverse=True)]
 
 
 def streams_per_rank(cfg: Config, client_ranks: int) -> int:
@@ -189,6 +207,14 @@ def plan_main(args: argparse.Namespace) -> int:
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}]")
     print(f"  ranks 1-{client_ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
           f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}; activations not included]")
+    for ranks, hosted, where in residual_plan(cfg, size.exchanged // itemsize(cfg.model.dtype), client_ranks):
+        each = 4 * hosted * (size.exchanged // itemsize(cfg.model.dtype))
+        names = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" \
+            if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{len(ranks)} ranks"
+        home = "in RAM (counted above)" if where == "RAM" else \
+            "on disk, <run dir>/residuals/rank<rank>.h5, read chunk by chunk"
+        print(f"  {names}: error-feedback residuals of up to {hosted} clients, {each / MIB:,.1f} MiB {home} "
+              f"(compression.residual_ram_mb={cfg.compression.residual_ram_mb:g}); a copy per kept checkpoint")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     return 0
