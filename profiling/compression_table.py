@@ -1,9 +1,10 @@
-"""Bytes per round against accuracy and encoding time for fp32, bf16, int8 and 4-bit updates.
+"""Bytes per round against accuracy and encoding time for fp32, bf16, int8, 4-bit and top-k updates.
 
 Every run is ``configs/quickstart.yaml`` (digits, 8 clients, 4 per round, 15 rounds) with clients
 sending their delta (``strategy.update=delta``): as fp32, as bf16 (``strategy.wire_dtype``), and
-quantized to int8 or 4 bits with one fp32 scale per 256 values (``compression.method``). Run from
-the repository root (about a minute):
+quantized to int8 or 4 bits with one fp32 scale per 256 values (``compression.method``), and
+sparsified to the top 10% or 1% of each chunk with error feedback (``compression.method=topk``).
+Run from the repository root (about two minutes):
 
     python profiling/compression_table.py
 """
@@ -19,7 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"fp32": [], "bf16": ["strategy.wire_dtype=bfloat16"], "int8": ["compression.method=int8"],
-        "4-bit": ["compression.method=int4"]}
+        "4-bit": ["compression.method=int4"],
+        "top-k 10%": ["compression.method=topk", "compression.fraction=0.1"],
+        "top-k 1%": ["compression.method=topk", "compression.fraction=0.01"]}
 
 
 def main() -> int:
@@ -53,16 +56,17 @@ def codec_speed(numel: int = 4 << 20, repeats: int = 5) -> dict[str, str]:
     import numpy as np
     import torch
 
-    from mpifl.wire.codecs import BlockQuantizer
+    from mpifl.wire.codecs import BlockQuantizer, TopK
 
     torch.set_num_threads(1)
     x, uniform, out = torch.randn(numel), torch.rand(numel), {}
-    for name, bits in (("int8", 8), ("4-bit", 4)):
-        codec = BlockQuantizer(bits, 256)
+    codecs = {"int8": BlockQuantizer(8, 256), "4-bit": BlockQuantizer(4, 256), "top-k 10%": TopK(0.1),
+              "top-k 1%": TopK(0.01)}
+    for name, codec in codecs.items():
         buf, scratch, enc, dec = np.zeros(codec.payload_bytes(numel), np.uint8), torch.empty(numel), [], []
         for _ in range(repeats):
             t = time.perf_counter()
-            codec.encode(x, buf, uniform)
+            codec.encode(x, buf, uniform if codec.stochastic else None)
             enc.append(time.perf_counter() - t)
             t = time.perf_counter()
             codec.decode(buf, numel, scratch)
