@@ -182,3 +182,57 @@ def test_random_bytes_on_disk_inside_a_tensor_fail_verification_naming_it(tmp_pa
     path.write_bytes(bytes(raw))
     with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match=r"tensor '1\.weight' is corrupt"):
         ckpt.verify()
+
+
+# -- raw byte ranges: the out-of-core server's pread/pwrite path ---------------------------------
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(300, 1000))  # 1.2 MB: aligned to 1 MiB in the file
+        self.narrow = nn.Parameter(torch.randn(70, 30).to(torch.bfloat16))
+        self.register_buffer("scale", torch.tensor(2.5))  # 0-d: read and written through h5py
+
+
+def test_raw_ranges_read_and_write_any_flat_range_like_h5py(tmp_path):
+    torch.manual_seed(0)
+    flat = FlatModel(Wide())
+    path = tmp_path / "c.h5"
+    rng = np.random.default_rng(0)
+    with CheckpointWriter(path, flat.spec, {"round": 1}) as writer:
+        cuts = sorted(set(rng.integers(0, flat.spec.total_bytes, 12).tolist()) | {0, flat.spec.total_bytes})
+        for lo, hi in zip(cuts, cuts[1:]):  # written in pieces that start and end mid-tensor, mid-row
+            writer.write_range(lo, flat.bytes[lo:hi])
+        writer.write_metrics([])
+        writer.publish()
+    with Checkpoint(path) as ckpt:
+        offset = ckpt.file["model/big"].id.get_offset()
+        assert offset % (1 << 20) == 0
+        for name, tensor in flat.tensors():  # h5py reads what the raw writes put there
+            stored = ckpt.file[f"model/{name}"][()]
+            raw = np.atleast_1d(stored).view(np.uint8).ravel()
+            assert np.array_equal(raw, tensor.reshape(-1).view(torch.uint8).numpy())
+        for _ in range(20):  # and the raw reads agree with the flat buffer for any range
+            lo = int(rng.integers(0, flat.spec.total_bytes))
+            hi = int(rng.integers(lo, flat.spec.total_bytes + 1))
+            out = np.empty(hi - lo, dtype=np.uint8)
+            ckpt.read_range(flat.spec, lo, out)
+            assert np.array_equal(out, flat.bytes[lo:hi])
+        assert ckpt.verify() > 0
+
+
+def test_raw_ranges_fall_back_to_h5py_for_chunked_or_compressed_datasets(tmp_path):
+    torch.manual_seed(1)
+    flat = FlatModel(Wide())
+    path = tmp_path / "other-tool.h5"
+    save(path, flat)
+    with h5py.File(path, "r+") as f:  # rewrite one tensor as another tool might: chunked and compressed
+        data = f["model/big"][()]
+        attrs = dict(f["model/big"].attrs)
+        del f["model/big"]
+        ds = f["model"].create_dataset("big", data=data, chunks=(10, 100), compression="gzip")
+        ds.attrs.update(attrs)
+    with Checkpoint(path) as ckpt:
+        out = np.empty(flat.spec.total_bytes, dtype=np.uint8)
+        ckpt.read_range(flat.spec, 0, out)
+        assert np.array_equal(out, flat.bytes)

@@ -73,13 +73,14 @@ class PoolPlan:
 class ReceivePool:
     """Preallocated, pre-touched receive slots and accumulators, reused every round.
 
-    ``chunks`` are the chunks as they arrive (the wire layout); ``rows`` is 1 for a mean,
-    the participants per round for a robust stack.
+    Slots hold chunks as they arrive (the wire layout: narrowed or compressed bytes);
+    accumulators hold the model's chunks in fp32, ``rows`` of them: 1 for a mean, the
+    participants per round for a robust stack.
     """
 
-    def __init__(self, chunks: list[Chunk], rows: int = 1):
-        self.chunk_bytes = max(c.nbytes for c in chunks)
-        self.acc_numel = max(c.numel for c in chunks) * rows
+    def __init__(self, exchange: ExchangePlan, rows: int = 1):
+        self.chunk_bytes = max(c.nbytes for c in exchange.wire)
+        self.acc_numel = max(c.numel for c in exchange.chunks) * rows
         self.slots: list[np.ndarray] = []
         self.accumulators: list[torch.Tensor] = []
 

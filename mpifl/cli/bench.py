@@ -47,7 +47,8 @@ def exchange_main(args: argparse.Namespace) -> int:
         "train": {"trainer": "none"}, "eval": {"every": 0},
         "strategy": {"name": args.strategy, "wire_dtype": args.wire_dtype},
         "transport": {"chunk_mb": args.chunk_mb, "inflight": args.inflight,
-                      **({"pool_mb": args.pool_mb} if args.pool_mb else {})}, "output": {"progress": False, "save_model": False}})
+                      **({"pool_mb": args.pool_mb} if args.pool_mb else {})},
+        "output": {"progress": False, "save_model": False}})
     check_world(comm.Get_size(), cfg)
     return guarded(lambda: _exchange(comm, cfg, args))
 

@@ -73,9 +73,7 @@ class Server:
         self.slowest_train: float | None = None  # the slowest logical client's training so far (deadlines)
         self.rounds = parts.evaluation.rounds
         rows = parts.sampler.per_round if parts.strategy.stacked else 1
-        self.pool = ReceivePool(parts.plan.wire, rows)
-        if parts.plan.codec is not None:  # compressed chunks are fewer bytes than the fp32 values they fold into
-            self.pool.acc_numel = max(c.numel for c in parts.plan.chunks) * rows
+        self.pool = ReceivePool(parts.plan, rows)
         self.history: list[dict] = []
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
         if parts.residuals:

@@ -28,12 +28,22 @@ import numpy as np
 import torch
 
 from mpifl.storage.integrity import ChunkChecksums
-from mpifl.storage.ranges import STORED_AS, io_range
+from mpifl.storage.ranges import STORED_AS, RawRanges
 from mpifl.units import MIB
 from mpifl.wire.flat import ModelSpec, layout
 
 FORMAT = "mpifl-checkpoint"
 FORMAT_VERSION = 2  # 2: a CRC32 per chunk under /integrity (see storage.integrity); /model attr "order"
+ALIGNMENT = 1 << 20  # tensors of 1 MiB or more start on a 1 MiB boundary (Lustre stripes, whole pages)
+
+
+def _contiguous() -> h5py.h5p.PropDCID:
+    """Dataset creation: one contiguous range, allocated at creation (its file offset is known), never
+    filled (every byte is written by mpifl): what makes ``RawRanges``' pread/pwrite possible."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
 
 
 class CheckpointError(ValueError):
@@ -57,7 +67,7 @@ class CheckpointWriter:
         self.spec = spec
         self.checksums = ChunkChecksums(spec, chunk_bytes, list(state or {}))
         try:
-            self.file = h5py.File(self.tmp, "w")
+            self.file = h5py.File(self.tmp, "w", alignment_threshold=ALIGNMENT, alignment_interval=ALIGNMENT)
         except OSError as err:
             raise OSError(f"cannot write checkpoint {str(self.tmp)!r}: {err}") from None
         self.file.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "spec_hash": spec.hash,
@@ -67,13 +77,14 @@ class CheckpointWriter:
         self.datasets = {}
         with self._naming_errors():
             for e in spec.entries:
-                ds = model.create_dataset(e.name, shape=e.shape, dtype=STORED_AS[e.dtype])
+                ds = model.create_dataset(e.name, shape=e.shape, dtype=STORED_AS[e.dtype], dcpl=_contiguous())
                 ds.attrs["dtype"] = e.dtype
                 self.datasets[e.name] = ds
             server_state = self.file.create_group("server_state")
             for name, (size, fill) in (state or {}).items():  # unwritten parts read as the fill value
                 ds = server_state.create_dataset(name, shape=(size,), dtype=np.float32, fillvalue=np.float32(fill))
                 ds.attrs["fill"] = fill
+            self.raw = RawRanges(spec, self.datasets, self.tmp, write=True)
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -86,7 +97,7 @@ class CheckpointWriter:
     def write_range(self, offset: int, data: np.ndarray) -> None:
         """Write flat bytes ``data`` at byte ``offset`` of the model's flat layout."""
         with self._naming_errors():
-            io_range(self.spec, self.datasets, offset, data, write=True)
+            self.raw.io(offset, data, write=True)
         self.checksums.model_bytes(offset, data)
 
     def write_state(self, name: str, start: int, data: np.ndarray) -> None:
@@ -116,18 +127,24 @@ class CheckpointWriter:
             self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()),
                                      dtype=h5py.string_dtype())
 
-    def publish(self) -> Path:
-        """Write the checksums, flush, fsync, and atomically rename into place."""
+    def publish(self, sync: bool = True) -> Path:
+        """Write the checksums, flush, fsync (unless not ``sync``), and atomically rename into place.
+
+        Without ``sync`` the file is complete and replaces nothing half-written, so it survives the
+        process (a killed job) but not the node: the page cache may still hold it."""
         try:
             with self._naming_errors():
-                self.checksums.save(self.file, lambda c, out: io_range(self.spec, self.datasets, c.offset, out,
-                                                                        write=False))
+                self.file.flush()  # what h5py wrote is in the file before the raw reads of checksums.save
+                self.checksums.save(self.file, lambda c, out: self.raw.io(c.offset, out, write=False))
+                self.raw.close()
                 self.file.flush()
                 self.file.close()
-            with open(self.tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            if sync:
+                with open(self.tmp, "rb+") as f:
+                    os.fsync(f.fileno())
             os.replace(self.tmp, self.path)
-            _fsync_dir(self.path.parent)
+            if sync:
+                _fsync_dir(self.path.parent)
         except OSError as err:
             self.abandon()
             if str(err).startswith("could not write checkpoint"):
@@ -138,6 +155,8 @@ class CheckpointWriter:
     def abandon(self) -> None:
         """Drop the temporary file; the previous checkpoint stays as it was."""
         try:
+            if hasattr(self, "raw"):
+                self.raw.close()
             self.file.close()
         except Exception:  # noqa: BLE001 - closing a half-written file may fail again
             pass
@@ -163,6 +182,7 @@ class Checkpoint:
         self.round = int(attrs["round"])
         self.spec_hash = str(attrs["spec_hash"])
         self.config = str(attrs.get("config", ""))
+        self.raw: RawRanges | None = None  # opened by the first read_range
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -171,6 +191,8 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
         self.file.close()
 
     def __repr__(self) -> str:
@@ -213,7 +235,11 @@ class Checkpoint:
     def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""
         with self._reading(f"model bytes {offset}..{offset + len(out)}"):
-            io_range(spec, self.file["model"], offset, out, write=False)
+            if self.raw is None or self.raw.spec is not spec:
+                if self.raw is not None:
+                    self.raw.close()
+                self.raw = RawRanges(spec, self.file["model"], self.path, write=False)
+            self.raw.io(offset, out, write=False)
 
     def read_state(self, name: str, start: int, out: np.ndarray, fill: float) -> None:
         """Fill float32 ``out`` from server-state vector ``name`` at element ``start`` (``fill`` if absent)."""

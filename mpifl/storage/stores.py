@@ -13,6 +13,9 @@ by chunk for the out-of-core one.
 """
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -21,6 +24,7 @@ import torch
 
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
 from mpifl.wire.flat import DTYPES, Chunk, FlatModel, element_offsets
+from mpifl.wire.memory import share_malloc_arenas
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import touched_empty
 
@@ -149,11 +153,72 @@ class InMemoryStore:
                 ckpt.read_state(name, 0, vector.numpy(), self.state_init[name])
 
 
+WRITE_SLOTS = 4  # finished chunks the out-of-core server may have queued for writing
+
+
+@dataclass
+class Staging:
+    """One finished chunk on its way to disk: its bytes and its server-state slices."""
+
+    model: np.ndarray
+    state: dict[str, torch.Tensor]
+
+
+class WriteBehind:
+    """Finished chunks written by one background thread while the reduction goes on.
+
+    ``WRITE_SLOTS`` staging buffers bound the memory: finishing a chunk when all are queued
+    waits for the oldest write. A write's error is raised in the round loop's thread, at the
+    next finish or at the end of the round.
+    """
+
+    def __init__(self, slots: list[Staging]):
+        self.free: deque[Staging] = deque(slots)
+        self.queued: deque[tuple[Future, Staging]] = deque()
+        self.filling: dict[int, Staging] = {}  # chunk index -> its staging, until committed
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="mpifl-writer")
+
+    def staging(self, chunk: Chunk) -> Staging:
+        """The chunk's staging buffers (taken from the free ones on first use)."""
+        if chunk.index not in self.filling:
+            if not self.free:
+                self._retire_oldest()
+            self.filling[chunk.index] = self.free.popleft()
+        return self.filling[chunk.index]
+
+    def submit(self, chunk: Chunk, write: Callable[[Staging], None]) -> None:
+        """Queue the chunk's write; its staging is free again once written."""
+        staging = self.filling.pop(chunk.index)
+        self.queued.append((self.thread.submit(write, staging), staging))
+
+    def drain(self) -> None:
+        """Wait for every queued write (raising the first error)."""
+        while self.queued:
+            self._retire_oldest()
+
+    def discard(self) -> None:
+        """Wait for every queued write, ignoring errors: the file they went to is being dropped."""
+        while self.queued:
+            future, staging = self.queued.popleft()
+            future.exception()
+            self.free.append(staging)
+        self.free.extend(self.filling.values())
+        self.filling.clear()
+
+    def _retire_oldest(self) -> None:
+        future, staging = self.queued.popleft()
+        self.free.append(staging)
+        future.result()
+
+
 class OnDiskStore:
     """Out-of-core: the global model is the newest checkpoint; every round publishes the next one.
 
-    Memory: one read window for streaming the model out and one chunk of staging for
-    writing finished chunks, whatever the model's size.
+    Memory: two read windows (``server.window_mb`` in all) for streaming the model out, and
+    ``WRITE_SLOTS`` chunks of staging for writing finished chunks, whatever the model's size.
+    I/O overlaps the exchange: a reader thread fills the next window while the current one is
+    sent, and a writer thread writes finished chunks while the next ones are received and
+    folded (both with pread/pwrite, which release the GIL: storage.ranges.RawRanges).
     """
 
     durable = True
@@ -161,15 +226,19 @@ class OnDiskStore:
     def __init__(self, plan: ExchangePlan, path_of: PathOf, window_bytes: int, state_init: dict[str, float],
                  read_previous: bool):
         self.plan, self.spec, self.path_of = plan, plan.spec, path_of
-        self.windows = chunk_windows(plan.chunks, window_bytes)
-        self.window = touched_empty(max(_span(w) for w in self.windows))
-        self.staging = touched_empty(max(c.nbytes for c in plan.chunks))
+        self.windows = chunk_windows(plan.chunks, window_bytes // 2)
+        span = max(_span(w) for w in self.windows)
+        self.buffers = [touched_empty(span), touched_empty(span) if len(self.windows) > 1 else None]
+        share_malloc_arenas()  # before the reader and writer threads: address-space limits (PBS vmem)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="mpifl-reader")
         self.read_previous = read_previous
         self.elements = element_offsets(plan.chunks)
         self.state_init = dict(state_init)
         most = max(c.numel for c in plan.chunks)
-        self.state_staging = {name: torch.from_numpy(touched_empty(4 * most)).view(torch.float32)
-                              for name in self.state_init}
+        biggest = max(c.nbytes for c in plan.chunks)
+        self.writes = WriteBehind([Staging(touched_empty(biggest),
+                                           {name: torch.from_numpy(touched_empty(4 * most)).view(torch.float32)
+                                            for name in self.state_init}) for _ in range(WRITE_SLOTS)])
         self.current: Checkpoint | None = None
         self.writer: CheckpointWriter | None = None
 
@@ -189,10 +258,10 @@ class OnDiskStore:
         """The configured budget: the model is not in memory."""
         return configured_bytes
 
-    def _views(self, window: list[Chunk]) -> tuple[int, list[np.ndarray]]:
+    def _views(self, window: list[Chunk], buffer: np.ndarray) -> tuple[int, list[np.ndarray]]:
         """The window's base offset and each chunk's slice of the window buffer."""
         base = window[0].offset
-        return base, [self.window[c.offset - base:c.offset - base + c.nbytes] for c in window]
+        return base, [buffer[c.offset - base:c.offset - base + c.nbytes] for c in window]
 
     def load(self, ckpt: Checkpoint) -> None:
         """Adopt a published checkpoint as the current global model."""
@@ -201,53 +270,75 @@ class OnDiskStore:
         self.current = ckpt
 
     def outgoing(self) -> Iterator[list[np.ndarray]]:
-        """Read the model window by window; each window is valid until the next is requested."""
-        for window in self.windows:
-            base, views = self._views(window)
-            self.current.read_range(self.spec, base, self.window[:_span(window)])
-            yield views
+        """Read the model window by window, the next one read ahead while the caller sends this one;
+        each window is valid until the next is requested."""
+        def read(i: int) -> Future:
+            buffer = self.buffers[i % 2]
+            return self.reader.submit(self.current.read_range, self.spec, self.windows[i][0].offset,
+                                      buffer[:_span(self.windows[i])])
+
+        ahead = read(0)
+        try:
+            for i, window in enumerate(self.windows):
+                ahead.result()
+                if i + 1 < len(self.windows):
+                    ahead = read(i + 1)
+                yield self._views(window, self.buffers[i % 2])[1]
+        finally:
+            ahead.exception()  # a send that failed leaves no read behind it
 
     def _state_sizes(self) -> dict[str, tuple[int, float]]:
         return {name: (self.elements[-1], value) for name, value in self.state_init.items()}
 
     def begin_round(self, round_: int) -> None:
-        """Open the next checkpoint's temporary file: finished chunks go straight into it."""
+        """Open the next checkpoint's temporary file: finished chunks go into it as they are made."""
         self.writer = CheckpointWriter(self.path_of(round_), self.spec, {}, self._state_sizes(), self.plan.chunk_bytes)
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
         """A staging chunk, holding the old value when the strategy reads it."""
+        staging = self.writes.staging(chunk).model[:chunk.nbytes]
         if self.read_previous:
-            self.current.read_range(self.spec, chunk.offset, self.staging[:chunk.nbytes])
-        return torch.from_numpy(self.staging[:chunk.nbytes]).view(DTYPES[chunk.dtype])
+            self.current.read_range(self.spec, chunk.offset, staging)
+        return torch.from_numpy(staging).view(DTYPES[chunk.dtype])
 
     def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]:
         """The chunk's state slices, read into staging."""
         start, out = self.elements[chunk.index], {}
-        for name, staging in self.state_staging.items():
+        for name, staging in self.writes.staging(chunk).state.items():
             out[name] = staging[:chunk.numel]
             self.current.read_state(name, start, out[name].numpy(), self.state_init[name])
         return out
 
     def commit(self, chunk: Chunk) -> None:
-        """Write the staged chunk and its state into the next checkpoint."""
-        self.writer.write_range(chunk.offset, self.staging[:chunk.nbytes])
-        start = self.elements[chunk.index]
-        for name, staging in self.state_staging.items():
-            self.writer.write_state(name, start, staging[:chunk.numel].numpy())
+        """Queue the staged chunk and its state for writing into the next checkpoint."""
+        writer, start = self.writer, self.elements[chunk.index]
+
+        def write(staging: Staging) -> None:
+            writer.write_range(chunk.offset, staging.model[:chunk.nbytes])
+            for name, state in staging.state.items():
+                writer.write_state(name, start, state[:chunk.numel].numpy())
+
+        self.writes.submit(chunk, write)
 
     def abandon_round(self) -> None:
         """Drop the half-written next checkpoint; the current one stays the global model."""
+        self.writes.discard()
         if self.writer is not None:
             self.writer.abandon()
             self.writer = None
 
     def end_round(self, round_: int, attrs: dict, history: list[dict], save: bool) -> Path:
         """Every round's result is published atomically, like a checkpoint."""
+        try:
+            self.writes.drain()
+        except BaseException:
+            self.abandon_round()
+            raise
         writer, self.writer = self.writer, None
         with writer:
             writer.file.attrs.update({k: v for k, v in attrs.items() if v is not None})
             writer.write_metrics(history)
-            path = writer.publish()
+            path = writer.publish(sync=save)
         self.load(Checkpoint(path))
         return path
 
@@ -255,9 +346,9 @@ class OnDiskStore:
         """Publish round 0 from chunks streamed in by ``receive_window(buffers)``."""
         with CheckpointWriter(self.path_of(0), self.spec, attrs, self._state_sizes(), self.plan.chunk_bytes) as writer:
             for window in self.windows:
-                base, views = self._views(window)
+                base, views = self._views(window, self.buffers[0])
                 receive_window(views)
-                writer.write_range(base, self.window[:_span(window)])
+                writer.write_range(base, self.buffers[0][:_span(window)])
             writer.write_metrics([])
             path = writer.publish()
         self.load(Checkpoint(path))

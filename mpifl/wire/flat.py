@@ -234,8 +234,11 @@ class FlatModel:
         self.frozen = torch.empty(self.frozen_spec.total_bytes, dtype=torch.uint8, device=self.device)
         # same memory, for MPI buffer slices (a device-side replica never touches MPI)
         self.bytes = self.buffer.numpy() if self.device.type == "cpu" else None
-        views = {id(t): self.view(e) for (_, t), e in zip(exchanged, self.spec.entries)}
-        views.update({id(t): self.view(e, self.frozen) for (_, t), e in zip(frozen, self.frozen_spec.entries)})
+        # by name: the layout groups tensors by dtype, so interleaved dtypes come out in another order
+        entries = {e.name: e for e in self.spec.entries}
+        frozen_entries = {e.name: e for e in self.frozen_spec.entries}
+        views = {id(t): self.view(entries[n]) for n, t in exchanged}
+        views.update({id(t): self.view(frozen_entries[n], self.frozen) for n, t in frozen})
         if any(t.is_meta for _, t in named):
             self._bind_meta(views)
         else:

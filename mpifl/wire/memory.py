@@ -9,8 +9,12 @@ from here, pre-touched so the first round pays no page faults.
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
 def host_bytes(nbytes: int, touch: bool = True) -> np.ndarray:
@@ -26,3 +30,17 @@ def host_bytes(nbytes: int, touch: bool = True) -> np.ndarray:
 def host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor of ``numel`` elements in host_bytes memory."""
     return torch.from_numpy(host_bytes(numel * dtype.itemsize)).view(dtype)
+
+
+def share_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas before starting helper threads.
+
+    glibc gives each new thread its own arena, reserving 64 MiB of address space each; under
+    an address-space limit (``ulimit -v``, PBS ``vmem``) a thread's first allocation can then
+    fail. With the cap, helper threads share one arena. A no-op where the C library has no
+    ``mallopt`` (not glibc).
+    """
+    try:
+        ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):
+        pass
