@@ -121,7 +121,7 @@ class Server:
         except RankStalled as stalled:
             self._give_up(rnd, stalled, model_intact=True)
         dispatched = time.perf_counter()
-        parts.store.begin_round(rnd)
+        parts.store.begin_round(rnd, parts.checkpointer.recyclable(rnd))
         if plan.mixing is not None:
             parts.strategy.update.alpha = plan.mixing
         private = parts.privacy

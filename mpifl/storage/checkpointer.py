@@ -170,6 +170,23 @@ class Checkpointer:
         every = self.cfg.every
         return round_ == self.rounds or stopping or bool(every and round_ % every == 0) or self.needed is not None
 
+    def recyclable(self, round_: int) -> Path | None:
+        """A published checkpoint that publishing ``round_`` would prune, for a durable store to overwrite in
+        place: never the newest (the current model), a needed version, or a file linked elsewhere (``model.h5``)."""
+        if self.directory is None or not self.store.durable:
+            return None
+        spared = {checkpoint_name(r) for r in (self.needed(round_) if self.needed else ())}
+        kept = list_checkpoints(self.directory)
+        doomed = [p for p in kept[:len(kept) - max(self.cfg.keep - 1, 1)] if p.name not in spared]
+        for path in doomed:
+            try:
+                if path.stat().st_nlink == 1:
+                    shutil.rmtree(residuals_dir(path), ignore_errors=True)
+                    return path
+            except OSError:
+                continue
+        return None
+
     def round_ended(self, round_: int, history: list[dict], stopping: bool) -> Path | None:
         """The round's model is final: publish it if due (a durable store always publishes)."""
         save = self.due(round_, stopping) and self.directory is not None

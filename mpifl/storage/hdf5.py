@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mpifl.storage.integrity import ChunkChecksums
-from mpifl.storage.ranges import STORED_AS, RawRanges
+from mpifl.storage.ranges import STORED_AS, RawRanges, file_address
 from mpifl.units import MIB
 from mpifl.wire.flat import ModelSpec, layout
 
@@ -61,30 +61,69 @@ class CheckpointWriter:
     """Writes one checkpoint to a temporary file; ``publish()`` makes it visible atomically."""
 
     def __init__(self, path: Path, spec: ModelSpec, attrs: dict, state: dict[str, tuple[int, float]] | None = None,
-                 chunk_bytes: int = 16 * MIB):
+                 chunk_bytes: int = 16 * MIB, recycle: Path | None = None):
+        """``recycle``: a published checkpoint of the same model that is about to be pruned, overwritten in
+        place instead of writing a new file (every model and state byte is rewritten; see ``_recycled``)."""
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.spec = spec
         self.checksums = ChunkChecksums(spec, chunk_bytes, list(state or {}))
-        try:
-            self.file = h5py.File(self.tmp, "w", alignment_threshold=ALIGNMENT, alignment_interval=ALIGNMENT)
-        except OSError as err:
-            raise OSError(f"cannot write checkpoint {str(self.tmp)!r}: {err}") from None
+        self.recycled = recycle is not None and self._recycled(recycle, state or {})
+        if not self.recycled:
+            self._create(state or {})
         self.file.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "spec_hash": spec.hash,
                                 **{k: v for k, v in attrs.items() if v is not None}})
+        self.raw = RawRanges(spec, self.datasets, self.tmp, write=True)
+
+    def _create(self, state: dict[str, tuple[int, float]]) -> None:
+        try:  # freed space is tracked in the file, so a recycled file's rewritten metrics reuse it
+            self.file = h5py.File(self.tmp, "w", alignment_threshold=ALIGNMENT, alignment_interval=ALIGNMENT,
+                                  fs_strategy="fsm", fs_persist=True)
+        except OSError as err:
+            raise OSError(f"cannot write checkpoint {str(self.tmp)!r}: {err}") from None
         model = self.file.create_group("model")
-        model.attrs["order"] = json.dumps([e.name for e in spec.entries])  # the flat layout, rebuilt on verify
+        model.attrs["order"] = json.dumps([e.name for e in self.spec.entries])  # the flat layout, rebuilt on verify
         self.datasets = {}
         with self._naming_errors():
-            for e in spec.entries:
+            for e in self.spec.entries:
                 ds = model.create_dataset(e.name, shape=e.shape, dtype=STORED_AS[e.dtype], dcpl=_contiguous())
                 ds.attrs["dtype"] = e.dtype
                 self.datasets[e.name] = ds
             server_state = self.file.create_group("server_state")
-            for name, (size, fill) in (state or {}).items():  # unwritten parts read as the fill value
+            for name, (size, fill) in state.items():  # unwritten parts read as the fill value
                 ds = server_state.create_dataset(name, shape=(size,), dtype=np.float32, fillvalue=np.float32(fill))
                 ds.attrs["fill"] = fill
-            self.raw = RawRanges(spec, self.datasets, self.tmp, write=True)
+
+    def _recycled(self, old: Path, state: dict[str, tuple[int, float]]) -> bool:
+        """Take over ``old`` as this checkpoint's temporary file when it has the same layout: the same model,
+        every tensor one plain byte range, the same state vectors. Its blocks and cached pages are reused:
+        overwriting a 2 GiB file ran at 8 GB/s here, writing a new one at 0.7 GB/s. Its attributes,
+        metrics and checksums are replaced; the caller rewrites every model and state byte. Renamed
+        first, so it is never a published checkpoint while half overwritten."""
+        try:
+            os.replace(old, self.tmp)
+            self.file = h5py.File(self.tmp, "r+")
+        except OSError:
+            self.tmp.unlink(missing_ok=True)
+            return False
+        f = self.file
+        model, server_state = f.get("model"), f.get("server_state")
+        same = (f.attrs.get("spec_hash") == self.spec.hash and model is not None and server_state is not None
+                and all(e.name in model and (not e.nbytes or file_address(model[e.name], STORED_AS[e.dtype]))
+                        for e in self.spec.entries)
+                and sorted(server_state) == sorted(state)
+                and all(server_state[n].shape == (size,) for n, (size, _) in state.items()))
+        if not same:
+            f.close()
+            self.tmp.unlink(missing_ok=True)
+            return False
+        for key in list(f.attrs):
+            del f.attrs[key]
+        for name in ("metrics", "integrity"):
+            if name in f:
+                del f[name]
+        self.datasets = {e.name: model[e.name] for e in self.spec.entries}
+        return True
 
     def __enter__(self) -> "CheckpointWriter":
         return self

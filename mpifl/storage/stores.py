@@ -47,8 +47,9 @@ class GlobalStore(Protocol):
     def outgoing(self) -> Iterator[list[np.ndarray]]:
         """The model's chunk buffers, window by window (each valid until the next is requested)."""
 
-    def begin_round(self, round_: int) -> None:
-        """A round's reduction is about to write finished chunks."""
+    def begin_round(self, round_: int, recycle: Path | None = None) -> None:
+        """A round's reduction is about to write finished chunks (``recycle``: a checkpoint file about to be
+        pruned, which a store that writes every round may overwrite instead of writing a new file)."""
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
         """Where chunk's new value goes; holds the old value on entry."""
@@ -115,7 +116,7 @@ class InMemoryStore:
         """The whole model is already in memory: one window."""
         yield self.plan.chunk_slices(self.flat.bytes)
 
-    def begin_round(self, round_: int) -> None:
+    def begin_round(self, round_: int, recycle: Path | None = None) -> None:
         """Nothing to prepare: chunks are finished in place."""
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
@@ -290,9 +291,11 @@ class OnDiskStore:
     def _state_sizes(self) -> dict[str, tuple[int, float]]:
         return {name: (self.elements[-1], value) for name, value in self.state_init.items()}
 
-    def begin_round(self, round_: int) -> None:
-        """Open the next checkpoint's temporary file: finished chunks go into it as they are made."""
-        self.writer = CheckpointWriter(self.path_of(round_), self.spec, {}, self._state_sizes(), self.plan.chunk_bytes)
+    def begin_round(self, round_: int, recycle: Path | None = None) -> None:
+        """Open the next checkpoint's temporary file (``recycle`` overwritten in place when it has the same
+        layout): finished chunks go into it as they are made."""
+        self.writer = CheckpointWriter(self.path_of(round_), self.spec, {}, self._state_sizes(), self.plan.chunk_bytes,
+                                       recycle=recycle)
 
     def finish_target(self, chunk: Chunk) -> torch.Tensor:
         """A staging chunk, holding the old value when the strategy reads it."""
