@@ -44,8 +44,15 @@ def fold(acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool, scratch
 
 
 def weighted_mean_into(out: torch.Tensor, acc: torch.Tensor, total_weight: float) -> None:
-    """out = acc / total_weight, computed in fp32 and rounded once to out's dtype."""
-    torch.div(acc, total_weight, out=out)
+    """out = acc / total_weight, computed in fp32 and rounded once to out's dtype; ``acc`` is spent.
+
+    A narrower ``out`` gets the quotient computed in place in ``acc`` and then copied (rounded): torch's
+    mixed-dtype ``div`` into a bf16 ``out`` runs about 6x slower, with the same result.
+    """
+    if out.dtype == acc.dtype:
+        torch.div(acc, total_weight, out=out)
+    else:
+        out.copy_(acc.div_(total_weight))
 
 
 def trimmed_count(participants: int, trim_fraction: float) -> int:

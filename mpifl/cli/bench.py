@@ -23,7 +23,7 @@ import torch
 from mpi4py import MPI
 
 from mpifl.aggregation.kernels import fold
-from mpifl.config import load_config
+from mpifl.config import Config, load_config
 from mpifl.learning.models import Blob
 from mpifl.metrics import peak_rss_bytes
 from mpifl.roles.launch import guarded
@@ -39,9 +39,16 @@ TAG_DOWN, TAG_UP = 101, 102
 def exchange_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl bench exchange``."""
     comm = MPI.COMM_WORLD
-    cfg = load_config(None, data={
+    cfg = exchange_config(args, comm.Get_size())
+    check_world(comm.Get_size(), cfg)
+    return guarded(lambda: _exchange(comm, cfg, args))
+
+
+def exchange_config(args: argparse.Namespace, nranks: int) -> Config:
+    """The run config of the benchmark's mpifl phase: a blob model, no training, every client every round."""
+    return load_config(None, data={
         "name": "bench-exchange", "rounds": args.rounds + 1,
-        "clients": {"num_clients": comm.Get_size() - 1, "fraction": 1.0},
+        "clients": {"num_clients": nranks - 1, "fraction": 1.0},
         "model": {"name": "blob", "kwargs": {"size_mb": args.model_mb},
                   "dtype": "bfloat16" if args.dtype == "bf16" else "float32"},
         "train": {"trainer": "none"}, "eval": {"every": 0},
@@ -49,8 +56,6 @@ def exchange_main(args: argparse.Namespace) -> int:
         "transport": {"chunk_mb": args.chunk_mb, "inflight": args.inflight,
                       **({"pool_mb": args.pool_mb} if args.pool_mb else {})},
         "output": {"progress": False, "save_model": False}})
-    check_world(comm.Get_size(), cfg)
-    return guarded(lambda: _exchange(comm, cfg, args))
 
 
 def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:

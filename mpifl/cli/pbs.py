@@ -7,6 +7,7 @@ The script is thin: every setting is a ``${VAR:-default}``, extra arguments pass
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, make_strategy
 from mpifl.config import Config, load_config
+from mpifl.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB
 from mpifl.wire.flat import itemsize
 
@@ -217,7 +219,42 @@ def plan_main(args: argparse.Namespace) -> int:
               f"(compression.residual_ram_mb={cfg.compression.residual_ram_mb:g}); a copy per kept checkpoint")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
+    if args.time:
+        print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
+
+
+def load_rates(name: str) -> Rates:
+    """``--rates``: a preset of mpifl.scale, or a JSON file of Rates fields (e.g. measured by
+    profiling/scale_check.py)."""
+    presets = {"polaris": POLARIS, "lustre": LUSTRE}
+    if name in presets:
+        return presets[name]
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"--rates: {name!r} is neither a preset ({', '.join(presets)}) nor a JSON file")
+    fields = json.loads(path.read_text())
+    try:
+        return Rates(**{"name": path.stem, **fields, "sources": tuple(fields.get("sources", ()))})
+    except TypeError as err:
+        raise SystemExit(f"--rates {name}: {err}") from None
+
+
+def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
+    """The scale model's round time for this config: point-to-point against trees, in memory against out of
+    core (mpifl.scale; trees are modelled, not built)."""
+    clients, width = cfg.clients_per_round(), itemsize(cfg.model.dtype)
+    print(f"  predicted round, {clients} clients, model-only exchange, rates: {rates.name} "
+          f"(link {rates.link / 1e9:g} GB/s, fold {rates.fold / 1e9:g}/{rates.fold_narrow / 1e9:g} G elements/s "
+          f"fp32/narrow, disk {rates.disk_read / 1e9:g}/{rates.disk_write / 1e9:g} GB/s read/write)")
+    for tree in (False, True):
+        for out_of_core in (False, True):
+            e = round_estimate(exchanged, width, clients, rates, tree=tree, out_of_core=out_of_core,
+                               chunk_bytes=cfg.transport.chunk_bytes)
+            kind = ("trees (modelled)" if tree else "point-to-point") + (", out of core" if out_of_core
+                                                                           else ", in memory")
+            print(f"    {kind:<38} {e.total:9.1f} s  (dispatch {e.dispatch:.1f}, return + fold {e.gather:.1f}; "
+                  f"server sends {e.server_out / GIB:,.0f} GiB, receives {e.server_in / GIB:,.0f} GiB)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -253,6 +290,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--client-ranks", type=int, help="client ranks (default: clients per round)")
     p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
+    p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.scale's model)")
+    p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
+                   "mpifl.scale.Rates fields (bytes or elements per second)")
 
 
 def add_parser(sub) -> None:
