@@ -1,6 +1,8 @@
 """Under mpiexec: the streamed FedAvg equals a plain whole-model numpy reference, bitwise."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -61,3 +63,23 @@ def test_same_config_twice_gives_identical_models_on_any_rank_count(tmp_path):
     third = run_bits(tmp_path, 5, "c", **params)
     for name in first:
         assert np.array_equal(first[name], second[name]) and np.array_equal(first[name], third[name]), name
+
+
+@pytest.mark.parametrize("ranks", [3, 5, 9])
+def test_a_broadcast_tree_dispatch_gives_the_reference_model_and_the_server_sends_fanout_copies(tmp_path, ranks):
+    params = dict(dtype="float32", chunk_mb=100 / 2**20, weighting="samples")
+    cfg_path = write_config(tmp_path / "tree.yaml", CONFIG.format(**params))
+    run = run_mpi(ranks, "run", str(cfg_path), "--run-dir", str(tmp_path / "tree"), "transport.dispatch_fanout=2",
+                  timeout=MPI_TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    got = {n: t.view(torch.int32).numpy() for n, t in load_tensors(tmp_path / "tree" / "model.h5").items()}
+    expected = bits(reference_run(load_config(None, data=__import__("yaml").safe_load(CONFIG.format(**params)))),
+                    "float32")
+    for name in expected:
+        assert np.array_equal(got[name], expected[name]), f"{name} differs from the reference"
+    records = [json.loads(line) for line in (tmp_path / "tree" / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        trained = len(record["ranks"])  # client ranks that trained this round: each got the model once
+        per_rank = record["bytes_sent"] // min(2, trained)
+        assert record["bytes_sent"] == min(2, trained) * per_rank
+        assert record["bytes_received"] == len(record["participants"]) * per_rank  # p2p return: one per client

@@ -144,7 +144,7 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         server = IMPORTS_BYTES + size.total + 4 * elements + (nranks - 1) * cfg.transport.inflight * slot
         server += strategy.state_bytes(elements)
     else:
-        server = IMPORTS_BYTES + size.total + min(int(cfg.transport.pool_mb * MIB), nbytes // 4)
+        server = IMPORTS_BYTES + size.total + receive_pool_bytes(cfg, nbytes, nranks - 1)
         server += strategy.state_bytes(elements)  # fp32 server-state vectors (momentum, moments)
     if strategy.stacked:  # two chunks' participants x chunk fp32 stacks
         stack = strategy.accumulator_rows(cfg.clients_per_round()) * (cfg.transport.chunk_bytes // width)
@@ -165,6 +165,18 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         client += residuals[0][1] * 4 * elements
     first = server if server_alone else server + (ranks_per_node - 1) * client
     return MemoryPlan(nbytes, server, client, max(first, ranks_per_node * client))
+
+
+def receive_pool_bytes(cfg: Config, nbytes: int, client_ranks: int) -> int:
+    """The in-memory server's receive slots and accumulators (aggregation.reduction.PoolPlan): half of
+    min(pool_mb, S/4) for each, but at least one slot per client rank and two accumulators."""
+    chunk = min(cfg.transport.chunk_bytes, nbytes)
+    acc_chunk = chunk * 4 // itemsize(cfg.model.dtype)  # fp32 accumulators
+    budget = min(int(cfg.transport.pool_mb * MIB), nbytes // 4)
+    slots = max(1, min(cfg.transport.inflight, budget // 2 // max(1, client_ranks * chunk)))
+    chunks = math.ceil(nbytes / chunk)
+    window = min(chunks, max(2, budget // 2 // acc_chunk))
+    return client_ranks * slots * chunk + window * acc_chunk
 
 
 def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:

@@ -164,6 +164,10 @@ class TransportConfig:
     chunk_mb: float = field_(16.0, "largest message in MiB (16 was best on shared-memory MPICH; at least 1 byte)",
                              min=1 / MIB, min_text="1 byte")
     inflight: int = field_(4, "chunks in flight per peer", min=1)
+    dispatch_fanout: int = field_(0, "send the global model down a pipelined broadcast tree in which every rank "
+                                  "forwards each chunk to this many others, so the server sends it this many "
+                                  "times instead of once per client rank (0: the server sends to every client "
+                                  "rank)", min=0)
     pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
                              exclusive_min=True)
 

@@ -26,7 +26,7 @@ from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.memory import host_bytes
 from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
+from mpifl.wire.transport import recv_object, relay_chunks, send_chunks, send_object
 
 
 @contextlib.contextmanager
@@ -119,7 +119,7 @@ class ClientRank:
     def serve_round(self, header: protocol.RoundHeader) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
         inflight = self.parts.plan.inflight
-        keep = self._receive_global(len(header.clients))
+        keep = self._receive_global(header)
         if self.group_sum is None:
             for i, client in enumerate(header.clients):
                 meta, buffers = self._train(header.round, client, keep, first=i == 0)
@@ -143,7 +143,7 @@ class ClientRank:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;
         then send the held updates the server asks for, in its (virtual-arrival) order."""
         if header.clients:
-            keep = self._receive_global(len(header.clients))
+            keep = self._receive_global(header)
             steps = dict(zip(header.clients, header.steps))
             for i, client in enumerate(header.clients):
                 with local_steps(self.trainer, steps.get(client)):
@@ -157,9 +157,12 @@ class ClientRank:
             send_object(self.comm, meta, protocol.SERVER, protocol.META)
             send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, self.parts.plan.inflight)
 
-    def _receive_global(self, clients: int) -> torch.Tensor | None:
-        """Receive the global model; keep a host copy when ``clients`` logical clients will need it."""
-        recv_chunks(self.comm, protocol.SERVER, protocol.MODEL, self.chunk_buffers, self.parts.plan.inflight)
+    def _receive_global(self, header: protocol.RoundHeader) -> torch.Tensor | None:
+        """Receive the global model (from the server, or from the parent rank of a broadcast tree, passing it on
+        to the header's children); keep a host copy when the header's logical clients will need it."""
+        relay_chunks(self.comm, header.parent, header.children, protocol.MODEL, self.chunk_buffers,
+                     self.parts.plan.inflight)
+        clients = len(header.clients)
         if self.replica is not None:
             self.replica.load_global()
         # Training (and forming a delta) overwrites the model: keep the global for what follows.

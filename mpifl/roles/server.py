@@ -28,7 +28,7 @@ from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import Backoff, send_chunks, wait_all
+from mpifl.wire.transport import Backoff, broadcast_tree, send_chunks, wait_all
 from mpifl.wire.watchdog import FIRST_UPDATE, Deadlines, RankStalled, Watchdog, default_deadlines
 
 
@@ -117,7 +117,8 @@ class Server:
         watchdog = Watchdog(self._deadlines(), rnd, {**plan.train, **plan.streams}, lambda: self.stop.requested)
         try:
             for window in parts.store.outgoing() if plan.train else ():
-                send_chunks(self.comm, sorted(plan.train), protocol.MODEL, window, self.transport.inflight, watchdog)
+                send_chunks(self.comm, self._model_dests(plan), protocol.MODEL, window, self.transport.inflight,
+                            watchdog)
         except RankStalled as stalled:
             self._give_up(rnd, stalled, model_intact=True)
         dispatched = time.perf_counter()
@@ -181,7 +182,7 @@ class Server:
                 version.read_range(self.parts.plan.spec, 0, model)
             self._send_headers(plan)
             watchdog = Watchdog(self._deadlines(), plan.round, plan.train, lambda: self.stop.requested)
-            send_chunks(self.comm, sorted(plan.train), protocol.MODEL, self.parts.plan.chunk_slices(model),
+            send_chunks(self.comm, self._model_dests(plan), protocol.MODEL, self.parts.plan.chunk_slices(model),
                         self.transport.inflight, watchdog)
             log(f"resume: retrained logical clients {clients} from version "
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
@@ -227,8 +228,20 @@ class Server:
             acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=self.transport.inflight,
             num_chunks=len(self.parts.plan.chunks), sequential=any(len(c) > 1 for c in by_rank.values()))
 
+    def _tree(self, plan: RoundPlan) -> dict[int, tuple[int | None, tuple[int, ...]]] | None:
+        """transport.dispatch_fanout: the round's broadcast tree over the server and the ranks that train."""
+        fanout = self.transport.dispatch_fanout
+        return broadcast_tree([protocol.SERVER, *sorted(plan.train)], fanout) if fanout and plan.train else None
+
+    def _model_dests(self, plan: RoundPlan) -> list[int]:
+        """The ranks the server itself sends the global model to: every rank that trains, or its tree children."""
+        tree = self._tree(plan)
+        return list(tree[protocol.SERVER][1]) if tree else sorted(plan.train)
+
     def _send_headers(self, plan: RoundPlan | None, rnd: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""
+        tree = self._tree(plan) if plan is not None else None
+
         def header(rank: int) -> protocol.RoundHeader:
             if plan is None:
                 return protocol.RoundHeader(rnd, stop=True)
@@ -237,8 +250,9 @@ class Server:
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
             clients = tuple(plan.train.get(rank, ()))
             steps = tuple(plan.local_steps[c] for c in clients) if plan.local_steps else ()
+            parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
-                                        steps=steps)
+                                        steps=steps, parent=parent, children=children)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
@@ -252,7 +266,7 @@ class Server:
                         for c, m in sorted(metas.items()) if m.error is not None],
             "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
-            "bytes_sent": self.parts.plan.model_bytes * len(plan.train),
+            "bytes_sent": self.parts.plan.model_bytes * len(self._model_dests(plan)),
             "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in plan.streams.values()),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),

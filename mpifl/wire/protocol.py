@@ -53,6 +53,8 @@ class RoundHeader:
     clip: float | None = None  # DP: the L2 bound of this round's updates
     cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
     steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
+    parent: int = 0  # the rank the global model comes from (transport.dispatch_fanout: a broadcast tree)
+    children: tuple[int, ...] = ()  # the ranks this rank passes each model chunk on to
     persist: str | None = None  # error feedback: publish the residuals of round ``round`` in this folder, then ack
 
 

@@ -103,4 +103,36 @@ def recv_chunks(comm: MPI.Comm, source: int, tag: int, chunks: Iterable[np.ndarr
     wait_all(pending)
 
 
+def relay_chunks(comm: MPI.Comm, parent: int, children: Sequence[int], tag: int, chunks: Sequence[np.ndarray],
+                 inflight: int) -> None:
+    """Receive a stream of chunks from ``parent`` into the given buffers and pass each one on to ``children``
+    as soon as it lands (a pipelined broadcast tree); at most ``inflight`` chunks per peer in flight."""
+    if not children:
+        recv_chunks(comm, parent, tag, chunks, inflight)
+        return
+    received: deque[tuple[int, MPI.Request]] = deque()
+    sent: deque[MPI.Request] = deque()
+    posted = 0
+    for _ in range(len(chunks)):
+        while posted < len(chunks) and len(received) < inflight:
+            received.append((posted, comm.Irecv([chunks[posted], MPI.BYTE], source=parent, tag=tag)))
+            posted += 1
+        j, request = received.popleft()
+        wait(request)
+        for child in children:
+            while len(sent) >= inflight * len(children):
+                wait(sent.popleft())
+            sent.append(comm.Isend([chunks[j], MPI.BYTE], dest=child, tag=tag))
+    wait_all(sent)
+
+
+def broadcast_tree(ranks: Sequence[int], fanout: int) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+    """Each rank's (parent, children) in a ``fanout``-ary tree over ``ranks`` in this order (the first is the
+    root): the i-th rank's children are the (i*fanout+1)-th .. (i*fanout+fanout)-th. Depth about
+    log_fanout(n), and no rank sends the stream more than ``fanout`` times."""
+    ranks = list(ranks)
+    return {rank: (ranks[(i - 1) // fanout] if i else None, tuple(ranks[i * fanout + 1:(i + 1) * fanout + 1]))
+            for i, rank in enumerate(ranks)}
+
+
 touched_empty = host_bytes  # the name the roles use for a buffer MPI fills
