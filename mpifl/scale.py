@@ -6,9 +6,12 @@ Model-only exchange of S bytes (E elements) with N participants, one per client 
   elements as chunks arrive. Dispatch is bound by the server's link, the return by its link or
   its fold, whichever is slower, or by both added when receiving uses the server's own cores
   (shared memory: MPICH's single-copy path has the receiver copy).
-- trees (pipelined binary trees, modelled, not built): every rank forwards the model to two
-  children and folds two children's partial sums, so the busiest link carries 2 x S each way
-  whatever N, plus a pipeline fill of one chunk per tree level.
+- trees (``transport.dispatch_fanout: 2`` with ``transport.reduce: chain``): the model goes down
+  a pipelined binary tree (the server sends 2 x S, plus a fill of one chunk per level); every
+  rank sums its clients into one fp32 partial sum (one fold pass) and the sums are added
+  along a pipelined chain, so the server receives one fp32 sum (4E bytes) and folds it once,
+  after a fill of one chunk per rank. The busiest link carries about 2 x S out and 4E in,
+  whatever N.
 - out of core: the server also reads S (the current checkpoint) and writes S (the next one),
   overlapped with dispatch and with the return (reader and writer threads), so each phase
   takes the slower of the two.
@@ -80,22 +83,26 @@ def round_estimate(model_bytes: float, width: int, clients: int, rates: Rates, *
     elements, sent in ``chunk_bytes`` chunks."""
     elements = model_bytes / width
     fold_rate = rates.fold if width >= 4 else rates.fold_narrow
+    chunk = chunk_bytes / rates.link
     if tree:
-        fan = min(2, clients)  # the server's children; every rank's link carries at most 2 x S each way
         levels = math.ceil(math.log2(clients + 1)) if clients else 0
-        fill = levels * chunk_bytes / rates.link
-        out, into, folded = fan * model_bytes, fan * model_bytes, fan * elements
+        out, into = min(2, clients) * model_bytes, 4 * elements if clients else 0.0
+        dispatch_fill = levels * chunk
+        # each rank's own sum (one pass), then the chain: every hop receives, adds and sends 4E bytes
+        own = elements / rates.fold
+        hop = into / rates.link + elements / rates.fold if rates.receive_uses_server_core else \
+            max(into / rates.link, elements / rates.fold)
+        gather = own + hop + clients * chunk
     else:
-        fill = chunk_bytes / rates.link
-        out, into, folded = clients * model_bytes, clients * model_bytes, clients * elements
-    send, receive, fold = out / rates.link, into / rates.link, folded / fold_rate
-    gather = receive + fold if rates.receive_uses_server_core else max(receive, fold)
-    dispatch = send
+        out, into = clients * model_bytes, clients * model_bytes
+        dispatch_fill = chunk
+        receive, fold = into / rates.link, clients * elements / fold_rate
+        gather = (receive + fold if rates.receive_uses_server_core else max(receive, fold)) + chunk
+    dispatch = out / rates.link
     if out_of_core:
         dispatch = max(dispatch, model_bytes / rates.disk_read)
         gather = max(gather, model_bytes / rates.disk_write)
-    dispatch += fill
-    gather += fill
+    dispatch += dispatch_fill
     return Estimate(dispatch, gather, dispatch + gather, out, into)
 
 

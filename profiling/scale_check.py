@@ -69,7 +69,11 @@ def main() -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[3, 5, 9, 17])
     p.add_argument("--rates-out", help="write the calibrated rates as JSON (for mpifl plan --time --rates FILE)")
     p.add_argument("--bin", default=str(Path(sys.executable).parent))
+    p.add_argument("--table-only", action="store_true", help="only the 70B table (no runs)")
     args = p.parse_args()
+    if args.table_only:
+        print_table()
+        return 0
     work = Path(tempfile.mkdtemp(prefix="scale-check-"))
     runs = {r - 1: bench(args.bin, r, args.model_mb, args.rounds, work) for r in args.ranks}
     first = runs[min(runs)]
@@ -96,10 +100,15 @@ def main() -> int:
               f"{grow_guess[n]:.2f} | {grow_seen[n]:.2f} | {r['peak_rss_bytes']['server'] / 2**20:.0f} MiB | "
               f"{plan.server_bytes / 2**20:.0f} MiB |")
     print()
+    print_table()
+    return 0
+
+
+def print_table() -> None:
     print(f"Llama-3.1-70B in bf16 (S = {LLAMA_70B_BF16 / 1e9:.0f} GB), one client per node, model-only exchange, "
           "predicted seconds per round on Polaris nodes")
     print("| clients | point-to-point, in memory | point-to-point, out of core (local SSD) | out of core (Lustre) "
-          "| trees, in memory | trees, out of core (local SSD) | server traffic each way, p2p / trees |")
+          "| tree + chain, in memory | tree + chain, out of core (local SSD) | server receives, p2p / tree + chain |")
     print("|---|---|---|---|---|---|---|")
     for n in (8, 32, 100):
         cells = [round_estimate(LLAMA_70B_BF16, 2, n, POLARIS),
@@ -109,7 +118,6 @@ def main() -> int:
                  round_estimate(LLAMA_70B_BF16, 2, n, POLARIS, tree=True, out_of_core=True)]
         print(f"| {n} | " + " | ".join(f"{e.total:,.0f}" for e in cells)
               + f" | {cells[0].server_in / 1e12:.2f} TB / {cells[3].server_in / 1e12:.2f} TB |")
-    return 0
 
 
 if __name__ == "__main__":

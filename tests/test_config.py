@@ -97,3 +97,10 @@ def test_strategy_and_evaluation_combinations_are_checked():
         load(clients={"num_clients": 8, "per_round": 4, "min_participants": 5})
     cfg = load(strategy={"name": "fedadam", "update": "delta", "wire_dtype": "bfloat16"})
     assert (cfg.strategy.tau, cfg.strategy.server_lr) == (1e-3, None)
+
+
+def test_a_chain_reduction_without_reduction_groups_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"transport.reduce: 'chain' adds the ranks' partial sums, which needs "
+                                          r"clients.groups > 0"):
+        load(transport={"reduce": "chain"})
+    assert load(transport={"reduce": "chain", "dispatch_fanout": 2}, clients={"groups": 2}).transport.reduce == "chain"

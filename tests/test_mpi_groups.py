@@ -88,3 +88,15 @@ def test_placement_balanced_by_work_changes_where_clients_run_not_the_result(tmp
     skewed = ("data.partition=unbalanced", "data.size_sigma=1.5")
     balanced = run(tmp_path, "balanced", 3, *skewed, *groups, "clients.placement=balanced")
     assert_bitwise(balanced, run(tmp_path, "round-robin", 3, *skewed, *groups))
+
+
+@pytest.mark.parametrize("ranks", [3, 5, 9])
+def test_a_chain_reduction_equals_the_grouped_reference_and_the_server_receives_one_sum(tmp_path, ranks):
+    grouped = (f"clients.groups={ranks - 1}",)  # one group per client rank: the chain adds them in group order
+    got = run(tmp_path, "chain", ranks, *grouped, "transport.reduce=chain", "transport.chunk_mb=0.00095")
+    assert_bitwise(got, expected(*grouped, "transport.chunk_mb=0.00095"))
+    for line in (tmp_path / "chain" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        fp32_sum = sum(4 * t.numel() for t in load_tensors(tmp_path / "chain" / "model.h5").values())
+        assert record["bytes_received"] == fp32_sum  # one fp32 partial sum per round, whatever the ranks
+        assert len(record["participants"]) == 6

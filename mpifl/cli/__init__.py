@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="clients send updates in this dtype (mpifl only)")
     ex.add_argument("--inflight", type=int, default=4, help="chunks in flight per peer (mpifl and the floor)")
     ex.add_argument("--pool-mb", type=float, default=None, help="mpifl's transport.pool_mb (default: the config's)")
+    ex.add_argument("--dispatch-fanout", type=int, default=0, help="mpifl's transport.dispatch_fanout: send the "
+                    "model down a broadcast tree (the floor stays point-to-point)")
+    ex.add_argument("--reduce", choices=("direct", "chain"), default="direct", help="mpifl's transport.reduce "
+                    "(chain: one reduction group per client rank, partial sums added along a chain)")
     ex.add_argument("--json", help="write the results to this JSON file")
     ex.set_defaults(func=commands.bench_exchange)
     return p

@@ -46,14 +46,16 @@ def exchange_main(args: argparse.Namespace) -> int:
 
 def exchange_config(args: argparse.Namespace, nranks: int) -> Config:
     """The run config of the benchmark's mpifl phase: a blob model, no training, every client every round."""
+    chain = getattr(args, "reduce", "direct") == "chain"  # one reduction group per client rank
     return load_config(None, data={
         "name": "bench-exchange", "rounds": args.rounds + 1,
-        "clients": {"num_clients": nranks - 1, "fraction": 1.0},
+        "clients": {"num_clients": nranks - 1, "fraction": 1.0, "groups": nranks - 1 if chain else 0},
         "model": {"name": "blob", "kwargs": {"size_mb": args.model_mb},
                   "dtype": "bfloat16" if args.dtype == "bf16" else "float32"},
         "train": {"trainer": "none"}, "eval": {"every": 0},
         "strategy": {"name": args.strategy, "wire_dtype": args.wire_dtype},
         "transport": {"chunk_mb": args.chunk_mb, "inflight": args.inflight,
+                      "dispatch_fanout": getattr(args, "dispatch_fanout", 0), "reduce": "chain" if chain else "direct",
                       **({"pool_mb": args.pool_mb} if args.pool_mb else {})},
         "output": {"progress": False, "save_model": False}})
 
@@ -85,6 +87,7 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
                               "pickle": statistics.median(pickled) if pickled else None},
         "spread": {"mpifl": [min(mpifl_times), max(mpifl_times)], "floor": [min(floor), max(floor)]},
         "time_split": {k: statistics.median(r["time"][k] for r in history[1:]) for k in history[1]["time"]},
+        "server_bytes": {"sent": history[-1]["bytes_sent"], "received": history[-1]["bytes_received"]},
         "floor_split": {k: statistics.median(s[k] for s in floor_split) for k in ("dispatch", "return")},
         "peak_rss_bytes": {"server": peaks[0], "clients": peaks[1:]},
     }
@@ -207,6 +210,8 @@ def _table(r: dict) -> str:
     peaks = r["peak_rss_bytes"]
     lines.append(f"mpifl peak RSS: server {peaks['server'] / MIB:.0f} MiB; clients "
                  + ", ".join(f"{p / MIB:.0f}" for p in peaks["clients"]) + " MiB")
+    lines.append("mpifl server traffic per round: sent {sent:,} bytes, received {received:,} bytes".format(
+        **r["server_bytes"]))
     lines.append("mpifl time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_split"].items()))
     lines.append("floor time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["floor_split"].items()))
     return "\n".join(lines)

@@ -253,8 +253,8 @@ def load_rates(name: str) -> Rates:
 
 
 def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
-    """The scale model's round time for this config: point-to-point against trees, in memory against out of
-    core (mpifl.scale; trees are modelled, not built)."""
+    """The scale model's round time for this config: point-to-point against a dispatch tree with a chain
+    reduction, in memory against out of core (mpifl.scale)."""
     clients, width = cfg.clients_per_round(), itemsize(cfg.model.dtype)
     print(f"  predicted round, {clients} clients, model-only exchange, rates: {rates.name} "
           f"(link {rates.link / 1e9:g} GB/s, fold {rates.fold / 1e9:g}/{rates.fold_narrow / 1e9:g} G elements/s "
@@ -263,7 +263,7 @@ def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
         for out_of_core in (False, True):
             e = round_estimate(exchanged, width, clients, rates, tree=tree, out_of_core=out_of_core,
                                chunk_bytes=cfg.transport.chunk_bytes)
-            kind = ("trees (modelled)" if tree else "point-to-point") + (", out of core" if out_of_core
+            kind = ("tree + chain" if tree else "point-to-point") + (", out of core" if out_of_core
                                                                            else ", in memory")
             print(f"    {kind:<38} {e.total:9.1f} s  (dispatch {e.dispatch:.1f}, return + fold {e.gather:.1f}; "
                   f"server sends {e.server_out / GIB:,.0f} GiB, receives {e.server_in / GIB:,.0f} GiB)")

@@ -23,6 +23,7 @@ def check_combinations(cfg: Config) -> None:
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
                           f"{cfg.clients_per_round()} clients sampled per round")
     _check_groups(cfg)
+    _check_reduce(cfg)
     _check_clock(cfg)
     _check_privacy(cfg)
     _check_secagg(cfg)
@@ -133,6 +134,14 @@ def _check_compression(cfg: Config) -> None:
     for key, fine, what in needs:
         if not fine:
             raise ConfigError(f"{key}: compression.method {cfg.compression.method!r} needs {what}")
+
+
+def _check_reduce(cfg: Config) -> None:
+    if cfg.transport.reduce != "chain":
+        return
+    if not cfg.clients.groups:
+        raise ConfigError("transport.reduce: 'chain' adds the ranks' partial sums, which needs clients.groups > 0 "
+                          "(set it to the number of client ranks for one sum per rank)")
 
 
 def _check_groups(cfg: Config) -> None:

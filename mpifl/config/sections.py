@@ -168,6 +168,9 @@ class TransportConfig:
                                   "forwards each chunk to this many others, so the server sends it this many "
                                   "times instead of once per client rank (0: the server sends to every client "
                                   "rank)", min=0)
+    reduce: str = field_("direct", "'direct': every update stream goes to the server; 'chain' (with "
+                         "clients.groups): the sending ranks add their partial sums along a pipelined chain, so "
+                         "the server receives one fp32 sum per round", choices=("direct", "chain"))
     pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
                              exclusive_min=True)
 

@@ -26,7 +26,7 @@ from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.memory import host_bytes
 from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import recv_object, relay_chunks, send_chunks, send_object
+from mpifl.wire.transport import pass_on, recv_object, relay_chunks, send_chunks, send_object
 
 
 @contextlib.contextmanager
@@ -89,6 +89,7 @@ class ClientRank:
         self.work = parts.replica.flat if parts.replica else flat  # the model that trains
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
+        self.chain_slots: list[np.ndarray] | None = None  # transport.reduce=chain: the running sum's receive ring
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.clip: float | None = None  # DP: this round's L2 bound
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
@@ -126,6 +127,9 @@ class ClientRank:
                 send_object(self.comm, meta, protocol.SERVER, protocol.META)
                 send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, inflight)
             return
+        if header.reduce_stream is not None:
+            self._serve_chain(header, keep)
+            return
         trained = 0
         for group, members in group_members(header.clients, self.parts.groups):
             self.group_sum.reset()
@@ -138,6 +142,43 @@ class ClientRank:
                 metas.append(meta)
             send_object(self.comm, protocol.GroupMeta(group, tuple(metas)), protocol.SERVER, protocol.META)
             send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.group_sum.to_host(), inflight)
+
+    def _serve_chain(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
+        """transport.reduce=chain: sum the clients this rank trains (ascending id) into one partial sum, add it
+        to the running sum from the rank before and pass that on; the last rank sends it to the server.
+
+        Each hop adds this rank's sum to the running one (``running += own``), the fold the server would
+        do with the partial sums arriving in rank order; a sum without a usable update is left out.
+        """
+        self.group_sum.reset()
+        metas = []
+        for i, client in enumerate(header.clients):
+            meta, _ = self._train(header.round, client, keep, first=i == 0)
+            if meta.error is None:
+                self.group_sum.add(self.parts.weight(meta.num_samples))
+            metas.append(meta)
+        own, inflight = self.group_sum.to_host(), self.parts.plan.inflight
+        last = header.reduce_to == protocol.SERVER
+        meta_tag, tag = (protocol.META, protocol.UPDATE) if last else (protocol.REDUCE_META, protocol.REDUCE)
+        if header.reduce_from is None:
+            send_object(self.comm, protocol.GroupMeta(header.reduce_stream, tuple(metas)), header.reduce_to, meta_tag)
+            send_chunks(self.comm, [header.reduce_to], tag, own, inflight)
+            return
+        before = recv_object(self.comm, header.reduce_from, protocol.REDUCE_META)
+        running_usable, own_usable = before.usable, any(m.error is None for m in metas)
+        send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before.members + tuple(metas)),
+                    header.reduce_to, meta_tag)
+
+        def combine(j: int, running: np.ndarray) -> np.ndarray:
+            if running_usable and own_usable:
+                torch.from_numpy(running).view(torch.float32).add_(torch.from_numpy(own[j]).view(torch.float32))
+                return running
+            return own[j] if own_usable else running
+
+        if self.chain_slots is None:
+            self.chain_slots = [host_bytes(max(len(b) for b in own)) for _ in range(inflight)]
+        pass_on(self.comm, header.reduce_from, header.reduce_to, (protocol.REDUCE, tag), self.chain_slots,
+                [len(b) for b in own], combine)
 
     def serve_step(self, header: protocol.RoundHeader) -> None:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;

@@ -127,8 +127,9 @@ class Server:
             parts.strategy.update.alpha = plan.mixing
         private = parts.privacy
         noise = private.noise(rnd) if private else None
-        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, plan.streams, self.pool,
-                                      self._pool_plan(plan.streams), rnd, min_participants=self.min_participants,
+        streams = self._streams(plan)
+        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, streams, self.pool,
+                                      self._pool_plan(streams), rnd, min_participants=self.min_participants,
                                       watchdog=watchdog, order=plan.order, weights=plan.weights,
                                       divisor=private.divisor if private else plan.divisor, noise=noise,
                                       unmask=parts.secagg.unmask(rnd, plan.participants) if parts.secagg else None)
@@ -238,9 +239,23 @@ class Server:
         tree = self._tree(plan)
         return list(tree[protocol.SERVER][1]) if tree else sorted(plan.train)
 
+    def _chain(self, plan: RoundPlan) -> list[int] | None:
+        """transport.reduce=chain: the ranks that send this round, in the order their sums are added."""
+        return sorted(plan.streams) if self.transport.reduce == "chain" and plan.streams else None
+
+    def _streams(self, plan: RoundPlan) -> dict[int, list[int]]:
+        """What the server receives: every rank's streams, or (chain) one stream from the chain's last rank,
+        named by the round's first group."""
+        chain = self._chain(plan)
+        return {chain[-1]: [min(min(s) for s in plan.streams.values())]} if chain else plan.streams
+
     def _send_headers(self, plan: RoundPlan | None, rnd: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""
         tree = self._tree(plan) if plan is not None else None
+        chain = self._chain(plan) if plan is not None else None
+        links = {r: (chain[i - 1] if i else None, chain[i + 1] if i + 1 < len(chain) else protocol.SERVER)
+                 for i, r in enumerate(chain)} if chain else {}
+        stream = next(iter(self._streams(plan).values()))[0] if chain else None
 
         def header(rank: int) -> protocol.RoundHeader:
             if plan is None:
@@ -251,8 +266,10 @@ class Server:
             clients = tuple(plan.train.get(rank, ()))
             steps = tuple(plan.local_steps[c] for c in clients) if plan.local_steps else ()
             parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
+            reduce_from, reduce_to = links.get(rank, (None, protocol.SERVER))
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
-                                        steps=steps, parent=parent, children=children)
+                                        steps=steps, parent=parent, children=children, reduce_from=reduce_from,
+                                        reduce_to=reduce_to, reduce_stream=stream if rank in links else None)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
@@ -267,7 +284,7 @@ class Server:
             "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
             "bytes_sent": self.parts.plan.model_bytes * len(self._model_dests(plan)),
-            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in plan.streams.values()),
+            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in self._streams(plan).values()),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
             "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),

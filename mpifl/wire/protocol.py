@@ -24,6 +24,13 @@ Error feedback, before rank 0 publishes a checkpoint of round r (two phases):
     0 -> c  HEADER     RoundHeader(r, persist=folder): every client rank publishes its clients'
                        residuals as folder/rank<rank>.h5,
     c -> 0  RESIDUALS  the file's name (pickled, small): only then is the checkpoint published.
+transport.dispatch_fanout (a broadcast tree): a rank receives MODEL from its header's parent and
+passes each chunk on to its header's children as it lands.
+transport.reduce: chain (with clients.groups): the ranks that send this round form a chain in
+ascending rank order. Each receives the running partial sum from the rank before it
+(REDUCE_META: a GroupMeta of every member so far; REDUCE: fp32 chunks), adds its own rank's
+sum chunk by chunk, and passes it on; the last one sends it to rank 0 as META + UPDATE, one
+stream for the whole round.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 """
@@ -39,6 +46,8 @@ META = 13
 UPDATE = 14
 INIT = 15
 RESIDUALS = 16
+REDUCE_META = 17
+REDUCE = 18
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,9 @@ class RoundHeader:
     steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
     parent: int = 0  # the rank the global model comes from (transport.dispatch_fanout: a broadcast tree)
     children: tuple[int, ...] = ()  # the ranks this rank passes each model chunk on to
+    reduce_from: int | None = None  # transport.reduce=chain: the rank whose running sum this rank adds to
+    reduce_to: int = SERVER  # where this rank sends the running sum
+    reduce_stream: int | None = None  # chain: the stream id rank 0 receives the round's sum as (None: no chain)
     persist: str | None = None  # error feedback: publish the residuals of round ``round`` in this folder, then ack
 
 

@@ -126,6 +126,22 @@ def relay_chunks(comm: MPI.Comm, parent: int, children: Sequence[int], tag: int,
     wait_all(sent)
 
 
+def pass_on(comm: MPI.Comm, source: int, dest: int, tags: tuple[int, int], slots: Sequence[np.ndarray],
+            sizes: Sequence[int], combine: Callable[[int, np.ndarray], np.ndarray]) -> None:
+    """Receive a stream of chunks from ``source`` (tag ``tags[0]``) into a ring of ``slots``, turn each into what
+    to send with ``combine(j, received)`` and send that to ``dest`` (tag ``tags[1]``), every chunk as soon as it
+    lands: a hop of a pipelined chain. At most ``len(slots)`` chunks in flight each way."""
+    ring, n = len(slots), len(sizes)
+    received = {j: comm.Irecv([slots[j][:sizes[j]], MPI.BYTE], source=source, tag=tags[0]) for j in range(min(ring, n))}
+    for j in range(n):
+        wait(received.pop(j))
+        out = combine(j, slots[j % ring][:sizes[j]])
+        wait(comm.Isend([out, MPI.BYTE], dest=dest, tag=tags[1]))  # the later receives progress meanwhile
+        if j + ring < n:  # the slot is free again: it takes chunk j + ring
+            received[j + ring] = comm.Irecv([slots[j % ring][:sizes[j + ring]], MPI.BYTE], source=source,
+                                            tag=tags[0])
+
+
 def broadcast_tree(ranks: Sequence[int], fanout: int) -> dict[int, tuple[int | None, tuple[int, ...]]]:
     """Each rank's (parent, children) in a ``fanout``-ary tree over ``ranks`` in this order (the first is the
     root): the i-th rank's children are the (i*fanout+1)-th .. (i*fanout+fanout)-th. Depth about
