@@ -104,3 +104,11 @@ def test_a_chain_reduction_without_reduction_groups_is_refused_naming_the_key():
                                           r"clients.groups > 0"):
         load(transport={"reduce": "chain"})
     assert load(transport={"reduce": "chain", "dispatch_fanout": 2}, clients={"groups": 2}).transport.reduce == "chain"
+
+
+def test_compression_with_reduction_groups_quantizes_group_sums_but_top_k_and_the_chain_are_refused():
+    assert load(clients={"groups": 2}, compression={"method": "int8"}).compression.method == "int8"
+    with pytest.raises(ConfigError, match=r"clients.groups: compression.method 'topk' needs 0 with top-k"):
+        load(clients={"groups": 2}, strategy={"update": "delta"}, compression={"method": "topk"})
+    with pytest.raises(ConfigError, match=r"transport.reduce: compression.method 'int4' needs 'direct'"):
+        load(clients={"groups": 2}, transport={"reduce": "chain"}, compression={"method": "int4"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 from conftest import MPI_TIMEOUT, run_mpi, write_config
@@ -100,3 +101,16 @@ def test_a_chain_reduction_equals_the_grouped_reference_and_the_server_receives_
         fp32_sum = sum(4 * t.numel() for t in load_tensors(tmp_path / "chain" / "model.h5").values())
         assert record["bytes_received"] == fp32_sum  # one fp32 partial sum per round, whatever the ranks
         assert len(record["participants"]) == 6
+
+
+def test_quantized_group_sums_are_rank_count_independent_and_a_quarter_of_the_bytes(tmp_path):
+    grouped = ("clients.groups=2", "strategy.update=delta", "rounds=2")
+    on_two = run(tmp_path, "int8-2", 2, *grouped, "compression.method=int8")
+    on_three = run(tmp_path, "int8-3", 3, *grouped, "compression.method=int8")
+    assert_bitwise(on_two, on_three)  # the noise is keyed by (seed, round, group), not by rank
+    plain = run(tmp_path, "fp32", 3, *grouped)
+    for name in plain:  # the quantized sums are unbiased estimates of the fp32 ones
+        assert np.abs(on_three[name] - plain[name]).max() < 0.05 * np.abs(plain[name]).max() + 1e-6, name
+    bytes_in = {name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])["bytes_received"]
+                for name in ("int8-3", "fp32")}
+    assert 0.25 < bytes_in["int8-3"] / bytes_in["fp32"] < 0.27  # one int8 per value plus a scale per 256

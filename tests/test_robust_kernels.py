@@ -168,3 +168,24 @@ def test_the_combiner_writes_the_statistic_into_row_0_or_into_out_across_tiles(n
     assert combined.data_ptr() == acc.data_ptr()
     for got in (into, combined):
         assert np.array_equal(bits(got.numpy()), bits(want))
+
+
+@pytest.mark.parametrize("name,trim", [("median", 0.1), ("trimmed_mean", 0.2)])
+def test_worker_threads_split_the_columns_without_changing_a_bit(name, trim):
+    from mpifl.aggregation.combiners import Median, TrimmedMean
+    from mpifl.config import StrategyConfig
+
+    combiner = (Median if name == "median" else TrimmedMean)(StrategyConfig(name=name, trim_fraction=trim))
+    p = 8
+    n = 3 * kernels.tile_width(p) + 5  # several tiles, so several spans
+    rows = torch.from_numpy(np.random.default_rng(3).standard_normal((p, n)).astype(np.float32))
+    rows[:, 7] = 0.0  # a zero column: redone on exact keys inside a span
+    single = torch.empty(n)
+    kernels.trimmed_mean_columns(single, rows, combiner.trimmed(p), torch.empty(p + 2, kernels.tile_width(p)))
+    combiner.workers = None
+    threaded = torch.empty(n)
+    combiner.combine_into(threaded, rows.clone(), p, 1.0)
+    assert len(combiner._workers()) >= 1
+    assert torch.equal(threaded.view(torch.int32), single.view(torch.int32))
+    in_place = rows.clone()  # combine() writes into row 0 of the very stack it reads
+    assert torch.equal(combiner.combine(in_place, p, 1.0).view(torch.int32), single.view(torch.int32))

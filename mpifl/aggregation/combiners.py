@@ -9,10 +9,16 @@ fp32 rows it needs per chunk. New combiners go here and are named in ``registry.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from mpifl.aggregation import kernels
 from mpifl.config import StrategyConfig
+from mpifl.wire.memory import share_malloc_arenas
+
+MAX_SORT_THREADS = 16  # robust combiners: threads sharing a chunk's sorting network
 
 
 class Combiner:
@@ -92,16 +98,40 @@ class SortedStack(Combiner):
         return acc[0]
 
     def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
-        """The statistic of the first ``count`` rows straight into ``out``, rounded once."""
-        rows = acc[:count]
-        kernels.trimmed_mean_columns(out, rows, self.trimmed(count), self._scratch(count, rows.shape[1]))
+        """The statistic of the first ``count`` rows straight into ``out``, rounded once.
 
-    def _scratch(self, count: int, n: int) -> torch.Tensor:
-        """A reused (count + 2, tile width) fp32 tile for the sorting network."""
+        The columns are split into one span per worker thread (whole tiles), each with its own scratch
+        tile: numpy's min/max release the GIL, so the server's cores share the sorting network. Every
+        column's result depends on that column only, so the split never changes a bit.
+        """
+        rows, k = acc[:count], self.trimmed(count)
+        n = rows.shape[1]
         width = min(n, kernels.tile_width(count))
-        scratch = getattr(self, "scratch", None)
+        spans = kernels.column_spans(n, width, len(self._workers()))
+        if len(spans) == 1:
+            kernels.trimmed_mean_columns(out, rows, k, self._scratch(0, count, width))
+            return
+        jobs = [self._workers()[i].submit(kernels.trimmed_mean_columns, out[a:b], rows[:, a:b], k,
+                                          self._scratch(i, count, width)) for i, (a, b) in enumerate(spans)]
+        for job in jobs:
+            job.result()
+
+    def _workers(self) -> list[ThreadPoolExecutor]:
+        """One single-thread pool per worker (each keeps its own scratch): as many as the cores this process
+        may use, at most ``MAX_SORT_THREADS``."""
+        if getattr(self, "workers", None) is None:
+            count = max(1, min(MAX_SORT_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count() or 1))
+            share_malloc_arenas()
+            self.workers = [ThreadPoolExecutor(1, thread_name_prefix="mpifl-sort") for _ in range(count)]
+        return self.workers
+
+    def _scratch(self, worker: int, count: int, width: int) -> torch.Tensor:
+        """Worker ``worker``'s reused (count + 2, tile width) fp32 tile for the sorting network."""
+        scratches = self.__dict__.setdefault("scratches", {})
+        scratch = scratches.get(worker)
         if scratch is None or scratch.shape[0] < count + 2 or scratch.shape[1] < width:
-            self.scratch = scratch = torch.empty(count + 2, width, dtype=kernels.ACCUMULATOR_DTYPE)
+            scratches[worker] = scratch = torch.empty(count + 2, width, dtype=kernels.ACCUMULATOR_DTYPE)
         return scratch[:count + 2, :width]
 
 

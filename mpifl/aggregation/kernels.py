@@ -174,6 +174,18 @@ def tile_width(participants: int) -> int:
     return max(4096, min(65536, 1 << (width.bit_length() - 1)))
 
 
+def column_spans(n: int, width: int, workers: int) -> list[tuple[int, int]]:
+    """Split n columns into at most ``workers`` spans of whole ``width``-column tiles, as even as possible."""
+    tiles = -(-n // width) if n else 0
+    per, extra = divmod(tiles, max(1, min(workers, tiles))) if tiles else (0, 0)
+    spans, start = [], 0
+    for i in range(max(1, min(workers, tiles))):
+        stop = min(n, start + (per + (i < extra)) * width)
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
 def trimmed_mean_columns(out: torch.Tensor, rows: torch.Tensor, k: int, scratch: torch.Tensor) -> None:
     """out = per column of the (p, n) fp32 ``rows``, the mean of its sorted values k..p-k-1, summed
     in ascending order; the median is k = median_count(p). ``rows`` is only read, and ``out`` (n

@@ -122,7 +122,9 @@ def _check_compression(cfg: Config) -> None:
     if cfg.compression.method == "none":
         return
     needs = [("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (one encoding at a time)"),
-             ("clients.groups", not cfg.clients.groups, "0 (each update is quantized on its own)"),
+             ("clients.groups", not cfg.clients.groups or cfg.compression.method != "topk",
+              "0 with top-k (error feedback keeps a residual per client; int8 and int4 quantize group sums)"),
+             ("transport.reduce", cfg.transport.reduce == "direct", "'direct' (the chain adds fp32 sums)"),
              ("secagg.enabled", not cfg.secagg.enabled, "false (secure aggregation has its own fixed point)"),
              ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central'")]
     if cfg.compression.method == "topk":

@@ -20,7 +20,7 @@ from mpifl.metrics import peak_rss_bytes
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
-from mpifl.roles.federation import client_seed
+from mpifl.roles.federation import GROUP_COMPRESSION, client_seed
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
@@ -141,7 +141,16 @@ class ClientRank:
                     self.group_sum.add(self.parts.weight(meta.num_samples))
                 metas.append(meta)
             send_object(self.comm, protocol.GroupMeta(group, tuple(metas)), protocol.SERVER, protocol.META)
-            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self.group_sum.to_host(), inflight)
+            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self._group_wire(header.round, group), inflight)
+
+    def _group_wire(self, round_: int, group: int) -> list[np.ndarray]:
+        """A group's partial sum as it travels: fp32, or quantized (compression.method) with noise keyed by
+        (seed, round, group): the same on any number of ranks."""
+        sums = self.group_sum.to_host()
+        if self.compressor is None:
+            return sums
+        chunks = [torch.from_numpy(b).view(torch.float32) for b in sums]
+        return self.compressor.compress(chunks, round_, group, None, key=GROUP_COMPRESSION)
 
     def _serve_chain(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
         """transport.reduce=chain: sum the clients this rank trains (ascending id) into one partial sum, add it

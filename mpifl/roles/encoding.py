@@ -9,7 +9,7 @@ from mpifl.aggregation.kernels import fold
 from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.roles.federation import COMPRESSION
 from mpifl.storage.residuals import ResidualStore
-from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
+from mpifl.wire.flat import DTYPES, FlatModel, element_offsets, fp32_chunks
 from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import touched_empty
 
@@ -25,8 +25,9 @@ class GroupSum:
 
     def __init__(self, source: FlatModel, plan: ExchangePlan, separate: bool = False):
         self.source, self.chunks = source, plan.chunks
-        self.buffer = touched_empty(plan.wire_buffer_bytes)
-        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
+        layout = plan.wire if plan.codec is None else fp32_chunks(plan.chunks)  # compressed: quantized after
+        self.buffer = touched_empty(layout[-1].offset + layout[-1].nbytes)
+        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in layout]
         host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
         self.sums = [torch.empty_like(h, device=source.device) for h in host] if separate else host
         self.host_sums = host
@@ -82,11 +83,12 @@ class UpdateCompressor:
         self.firsts = element_offsets(plan.chunks)
 
     def compress(self, chunks: list[torch.Tensor], round_: int, client: int, bound: float | None,
-                 usable: bool = True) -> list[np.ndarray]:
+                 usable: bool = True, key: int = COMPRESSION) -> list[np.ndarray]:
         """The encoded update; with ``bound`` (DP), values shrink so the decoded update stays within it.
-        An update the server will not use (``usable`` false) leaves the client's residual as it was."""
+        An update the server will not use (``usable`` false) leaves the client's residual as it was.
+        ``key`` keeps the noise of different kinds of streams apart (a group's sum: GROUP_COMPRESSION)."""
         feedback = self.residuals is not None and usable
-        stream = ElementStream(self.seed, COMPRESSION, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g)) \
+        stream = ElementStream(self.seed, key, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g)) \
             if self.codec.stochastic else None
         squared = 0.0
         for i, (x, out, first) in enumerate(zip(chunks, self.buffers, self.firsts)):

@@ -12,6 +12,7 @@ CLIENT = 2
 PARTITION = 3
 POISSON = 6  # a sub-key of SAMPLING (clock/devices.py holds 4, privacy/noise.py 5)
 COMPRESSION = 7  # a key of the element streams (privacy/noise.py): stochastic rounding of compressed updates
+GROUP_COMPRESSION = 8  # the same for a reduction group's quantized partial sum (keyed by group, not client)
 
 
 def derive_seed(seed: int, *keys: int) -> int:

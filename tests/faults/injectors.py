@@ -71,7 +71,7 @@ def _arm(stage: str, fault: str) -> None:
 
         client.send_chunks = first_chunk_then_fault
     elif stage == "receive":
-        client.recv_chunks = lambda *args, **kwargs: misbehave(fault)
+        client.relay_chunks = lambda *args, **kwargs: misbehave(fault)  # how a client rank receives the model
 
 
 def file_size_limited_mlp() -> nn.Module:
