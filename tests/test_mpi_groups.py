@@ -51,11 +51,12 @@ def test_the_server_receives_one_partial_sum_per_group(tmp_path):
     assert got["grouped"]["participants"] == got["plain"]["participants"]
 
 
-def test_a_dropped_client_leaves_its_group_sum_and_the_rest_is_averaged(tmp_path):
+@pytest.mark.parametrize("reduce", ["direct", "chain"])
+def test_a_dropped_client_leaves_its_group_sum_and_the_rest_is_averaged(tmp_path, reduce):
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace('"fl_helpers:NoiseTrainer"', '"fl_helpers:FailingClients"'))
     env = {"FL_HELPERS_RAISE": "3", "FL_HELPERS_SEED": "5"}
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *GROUPED, "clients.accept_failures=true",
-                     env=env, timeout=MPI_TIMEOUT)
+                     f"transport.reduce={reduce}", env=env, timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     rounds = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     dropped = [d["client"] for r in rounds for d in r["dropped"]]
@@ -114,3 +115,15 @@ def test_quantized_group_sums_are_rank_count_independent_and_a_quarter_of_the_by
     bytes_in = {name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])["bytes_received"]
                 for name in ("int8-3", "fp32")}
     assert 0.25 < bytes_in["int8-3"] / bytes_in["fp32"] < 0.27  # one int8 per value plus a scale per 256
+
+
+def test_a_chain_hop_whose_every_client_failed_passes_the_running_sum_on_unchanged(tmp_path):
+    grouped = ("clients.groups=4",)  # 4 client ranks, one group each; group 1 = clients 1 and 5, on rank 2
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace('"fl_helpers:NoiseTrainer"', '"fl_helpers:FailingClients"'))
+    env = {"FL_HELPERS_RAISE": "1,5", "FL_HELPERS_SEED": "5"}
+    result = run_mpi(5, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *grouped, "clients.accept_failures=true",
+                     "transport.reduce=chain", env=env, timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    want = reference_run(load_config(None, list(grouped), data=yaml.safe_load(CONFIG)), drop=frozenset({1, 5}))
+    got = {n: t.float().numpy() for n, t in load_tensors(tmp_path / "run" / "model.h5").items()}
+    assert_bitwise(got, want)
