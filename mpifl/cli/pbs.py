@@ -160,6 +160,8 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         client += nbytes // 2  # the narrowed update
     if cfg.clients.groups:
         client += 4 * elements  # the group's fp32 partial sum
+        if cfg.transport.reduce == "chain":  # the running sum's receive ring
+            client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
     residuals = residual_plan(cfg, elements, nranks - 1)
     if residuals and residuals[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 residuals
         client += residuals[0][1] * 4 * elements
@@ -172,11 +174,12 @@ def receive_pool_bytes(cfg: Config, nbytes: int, client_ranks: int) -> int:
     min(pool_mb, S/4) for each, but at least one slot per client rank and two accumulators."""
     chunk = min(cfg.transport.chunk_bytes, nbytes)
     acc_chunk = chunk * 4 // itemsize(cfg.model.dtype)  # fp32 accumulators
+    slot = acc_chunk if cfg.clients.groups else chunk  # groups' partial sums travel in fp32
     budget = min(int(cfg.transport.pool_mb * MIB), nbytes // 4)
-    slots = max(1, min(cfg.transport.inflight, budget // 2 // max(1, client_ranks * chunk)))
+    slots = max(1, min(cfg.transport.inflight, budget // 2 // max(1, client_ranks * slot)))
     chunks = math.ceil(nbytes / chunk)
     window = min(chunks, max(2, budget // 2 // acc_chunk))
-    return client_ranks * slots * chunk + window * acc_chunk
+    return client_ranks * slots * slot + window * acc_chunk
 
 
 def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
