@@ -93,7 +93,7 @@ def main() -> int:
     for n, r in runs.items():
         cfg = exchange_config(argparse.Namespace(rounds=args.rounds, model_mb=args.model_mb, dtype="fp32",
                                                  strategy="fedavg", wire_dtype=None, chunk_mb=16.0, inflight=4,
-                                                 pool_mb=None), n + 1)
+                                                 pool_mb=None, dispatch_fanout=0, reduce="direct"), n + 1)
         plan = memory_plan(cfg, model_bytes(cfg), n + 1, n + 1, False)
         low, high = r["spread"]["mpifl"]
         print(f"| {n} ({n + 1}) | {guess[n]:.3f} | {seen[n]:.3f} ({low:.3f}-{high:.3f}) | {seen[n] / guess[n]:.2f} | "

@@ -46,7 +46,7 @@ def exchange_main(args: argparse.Namespace) -> int:
 
 def exchange_config(args: argparse.Namespace, nranks: int) -> Config:
     """The run config of the benchmark's mpifl phase: a blob model, no training, every client every round."""
-    chain = getattr(args, "reduce", "direct") == "chain"  # one reduction group per client rank
+    chain = args.reduce == "chain"  # one reduction group per client rank
     return load_config(None, data={
         "name": "bench-exchange", "rounds": args.rounds + 1,
         "clients": {"num_clients": nranks - 1, "fraction": 1.0, "groups": nranks - 1 if chain else 0},
@@ -55,7 +55,7 @@ def exchange_config(args: argparse.Namespace, nranks: int) -> Config:
         "train": {"trainer": "none"}, "eval": {"every": 0},
         "strategy": {"name": args.strategy, "wire_dtype": args.wire_dtype},
         "transport": {"chunk_mb": args.chunk_mb, "inflight": args.inflight,
-                      "dispatch_fanout": getattr(args, "dispatch_fanout", 0), "reduce": "chain" if chain else "direct",
+                      "dispatch_fanout": args.dispatch_fanout, "reduce": "chain" if chain else "direct",
                       **({"pool_mb": args.pool_mb} if args.pool_mb else {})},
         "output": {"progress": False, "save_model": False}})
 

@@ -132,16 +132,23 @@ class ClientRank:
             return
         trained = 0
         for group, members in group_members(header.clients, self.parts.groups):
-            self.group_sum.reset()
-            metas = []
-            for client in members:
-                meta, _ = self._train(header.round, client, keep, first=trained == 0)
-                trained += 1
-                if meta.error is None:
-                    self.group_sum.add(self.parts.weight(meta.num_samples))
-                metas.append(meta)
-            send_object(self.comm, protocol.GroupMeta(group, tuple(metas)), protocol.SERVER, protocol.META)
+            metas = self._sum_clients(header.round, members, keep, first=trained == 0)
+            trained += len(members)
+            send_object(self.comm, protocol.GroupMeta(group, metas), protocol.SERVER, protocol.META)
             send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self._group_wire(header.round, group), inflight)
+
+    def _sum_clients(self, round_: int, clients: list[int], keep: torch.Tensor | None,
+                     first: bool) -> tuple[protocol.UpdateMeta, ...]:
+        """Train ``clients`` (ascending id) and fold their usable updates into a fresh partial sum; their headers.
+        ``first``: the first of them is the first this rank trains this round (the model is the global one)."""
+        self.group_sum.reset()
+        metas = []
+        for i, client in enumerate(clients):
+            meta, _ = self._train(round_, client, keep, first=first and i == 0)
+            if meta.error is None:
+                self.group_sum.add(self.parts.weight(meta.num_samples))
+            metas.append(meta)
+        return tuple(metas)
 
     def _group_wire(self, round_: int, group: int) -> list[np.ndarray]:
         """A group's partial sum as it travels: fp32, or quantized (compression.method) with noise keyed by
@@ -159,23 +166,17 @@ class ClientRank:
         Each hop adds this rank's sum to the running one (``running += own``), the fold the server would
         do with the partial sums arriving in rank order; a sum without a usable update is left out.
         """
-        self.group_sum.reset()
-        metas = []
-        for i, client in enumerate(header.clients):
-            meta, _ = self._train(header.round, client, keep, first=i == 0)
-            if meta.error is None:
-                self.group_sum.add(self.parts.weight(meta.num_samples))
-            metas.append(meta)
+        metas = self._sum_clients(header.round, list(header.clients), keep, first=True)
         own, inflight = self.group_sum.to_host(), self.parts.plan.inflight
         last = header.reduce_to == protocol.SERVER
         meta_tag, tag = (protocol.META, protocol.UPDATE) if last else (protocol.REDUCE_META, protocol.REDUCE)
         if header.reduce_from is None:
-            send_object(self.comm, protocol.GroupMeta(header.reduce_stream, tuple(metas)), header.reduce_to, meta_tag)
+            send_object(self.comm, protocol.GroupMeta(header.reduce_stream, metas), header.reduce_to, meta_tag)
             send_chunks(self.comm, [header.reduce_to], tag, own, inflight)
             return
         before = recv_object(self.comm, header.reduce_from, protocol.REDUCE_META)
         running_usable, own_usable = before.usable, any(m.error is None for m in metas)
-        send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before.members + tuple(metas)),
+        send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before.members + metas),
                     header.reduce_to, meta_tag)
 
         def combine(j: int, running: np.ndarray) -> np.ndarray:
