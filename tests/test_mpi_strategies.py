@@ -55,8 +55,9 @@ def assert_close(got: dict, want: dict, rtol: float) -> None:
     # bf16 model, one participant per rank, 5-element chunks, k = floor(0.2 * 6) = 1 trimmed each end
     (7, ("strategy.name=trimmed_mean", "strategy.trim_fraction=0.2", "model.dtype=bfloat16",
          "transport.chunk_mb=0.0000095")),
-    # an even count of participants: the median is the mean of the middle two
-    (4, ("strategy.name=median", "clients.per_round=4", "strategy.update=delta")),
+    # an even count of participants, one per rank, deltas: the median of the receive slots themselves
+    # (no stacking copy), the mean of the middle two, as the pseudo-gradient
+    (5, ("strategy.name=median", "clients.num_clients=4", "clients.per_round=4", "strategy.update=delta")),
     # deltas cast to bf16 on the wire, accumulated in fp32
     (4, ("strategy.update=delta", "strategy.wire_dtype=bfloat16", "transport.chunk_mb=0.00006")),
 ])

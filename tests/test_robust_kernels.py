@@ -189,3 +189,27 @@ def test_worker_threads_split_the_columns_without_changing_a_bit(name, trim):
     assert torch.equal(threaded.view(torch.int32), single.view(torch.int32))
     in_place = rows.clone()  # combine() writes into row 0 of the very stack it reads
     assert torch.equal(combiner.combine(in_place, p, 1.0).view(torch.int32), single.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_separate_rows_in_the_wire_dtype_give_the_stacks_bits(dtype):
+    """The receive slots themselves as the rows (no stacking copy): each row widened tile by tile,
+    zeros redone on exact keys, the same bits as the fp32 stack, by combine_into and combine."""
+    from mpifl.aggregation.combiners import Median
+    from mpifl.config import StrategyConfig
+
+    combiner, p = Median(StrategyConfig(name="median")), 6
+    n = 2 * kernels.tile_width(p) + 77
+    rows = [torch.from_numpy(np.random.default_rng(i).standard_normal(n).astype(np.float32)).to(dtype)
+            for i in range(p)]
+    for row in rows:
+        row[11] = 0.0  # a zero column
+    stack = torch.stack([row.float() for row in rows])
+    want = torch.empty(n)
+    kernels.trimmed_mean_columns(want, stack, combiner.trimmed(p), torch.empty(p + 2, kernels.tile_width(p)))
+    into = torch.empty(n)
+    combiner.combine_into(into, rows, p, float(p))
+    combined = combiner.combine(rows, p, float(p))
+    assert all(combined.data_ptr() != row.data_ptr() for row in rows), "the slots are only read"
+    for got in (into, combined):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

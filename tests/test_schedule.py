@@ -116,11 +116,14 @@ class Receiver:
     Each rank's header stream and chunk stream keep their order (the k-th posted receive on a rank
     gets its k-th message); the two may interleave. With ``headers_first`` a client's header lands
     before its chunks (what MPICH delivers: the header is sent first); otherwise it may lag behind.
+    With ``held`` (robust strategies, one participant per rank) an included participant's slot stays
+    full until its chunk finishes, as a row of the stack the sorting network reads.
     """
 
     def __init__(self, rng: random.Random, by_rank: dict[int, list[int]], num_chunks: int, window: int,
-                 slots_per_rank: int, failed: set[int], headers_first: bool):
-        self.rng, self.failed, self.headers_first = rng, failed, headers_first
+                 slots_per_rank: int, failed: set[int], headers_first: bool, held: bool = False):
+        self.rng, self.failed, self.headers_first, self.held = rng, failed, headers_first, held
+        self.rows: dict[int, list[Fold]] = defaultdict(list)  # held: chunk -> the folds whose slots it keeps
         self.schedule = FoldSchedule(by_rank, num_chunks, window)
         self.free_slots = list(range(slots_per_rank * len(by_rank)))
         self.pending: list = []  # posted, not landed
@@ -172,16 +175,28 @@ class Receiver:
             for step in self.schedule.steps():
                 self.steps.append(step)
                 if isinstance(step, Fold):
-                    held = self.in_slot.pop(step.slot)
+                    held = self.in_slot[step.slot]
                     assert (held.client, held.chunk, held.rank) == (step.client, step.chunk, step.rank)
-                    self.post_chunk(step.rank, step.slot)
+                    if self.held and step.row is not None:
+                        self.rows[step.chunk].append(step)
+                        continue
+                    self.release(step)
+                else:
+                    for fold in self.rows.pop(step.chunk, []):
+                        self.release(fold)
         assert not self.pending and not self.in_slot, "receives left posted after the round"
+
+    def release(self, fold: Fold) -> None:
+        del self.in_slot[fold.slot]
+        self.post_chunk(fold.rank, fold.slot)
 
 
 def random_round(rng: random.Random) -> dict:
-    """1-5 ranks hosting 1-4 participants each, 1-12 chunks, 1-4 slots per rank, ~20% failed participants."""
+    """1-5 ranks hosting 1-4 participants each, 1-12 chunks, 1-4 slots per rank, ~20% failed participants;
+    with one participant per rank, half the rounds hold their slots as the stack (PoolPlan.held_stacks)."""
     ranks = rng.randint(1, 5)
-    hosted = [rng.randint(1, 4) for _ in range(ranks)]
+    most = 1 if rng.random() < 0.3 else 4  # a third of the rounds: one participant per rank
+    hosted = [rng.randint(1, most) for _ in range(ranks)]
     clients = rng.sample(range(40), sum(hosted))  # ids interleave across ranks in any way
     by_rank, start = {}, 0
     for rank in rng.sample(range(1, ranks + 1), ranks):  # the caller's rank order varies too
@@ -189,8 +204,9 @@ def random_round(rng: random.Random) -> dict:
         start += hosted[rank - 1]
     num_chunks = rng.randint(1, 12)
     sequential = any(n > 1 for n in hosted)
-    return {"by_rank": by_rank, "num_chunks": num_chunks,
-            "window": num_chunks if sequential else rng.randint(1, num_chunks),
+    held = not sequential and rng.random() < 0.5
+    return {"by_rank": by_rank, "num_chunks": num_chunks, "held": held,
+            "window": num_chunks if sequential or held else rng.randint(1, num_chunks),
             "slots_per_rank": rng.randint(1, 4), "failed": {c for c in clients if rng.random() < 0.2}}
 
 
@@ -224,12 +240,16 @@ def check_round(receiver: Receiver, failed: set[int], num_chunks: int, window: i
 
 @pytest.mark.parametrize("headers_first", [True, False], ids=["headers-before-chunks", "headers-may-lag"])
 def test_any_observable_arrival_order_folds_every_chunk_once_in_ascending_id_within_the_window(headers_first):
+    """Also with slots held as the stack: never a deadlock, and every held slot is freed once."""
     rng = random.Random(20240611 + headers_first)
+    held_rounds = 0
     for trial in range(2500):  # 5,000 rounds over both parametrisations
         case = random_round(rng)
         receiver = Receiver(rng, headers_first=headers_first, **case)
+        held_rounds += case["held"]
         try:
             receiver.run()
             check_round(receiver, case["failed"], case["num_chunks"], case["window"])
         except AssertionError as e:
             raise AssertionError(f"trial {trial}: {case}: {e}") from e
+    assert held_rounds > 200, "rounds whose slots are the stack were drawn too rarely to test them"

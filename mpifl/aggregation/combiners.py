@@ -10,7 +10,7 @@ fp32 rows it needs per chunk. New combiners go here and are named in ``registry.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -48,6 +48,11 @@ class Combiner:
     def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
         """Write the combined chunk into ``out`` (the model's dtype), rounded once."""
         out.copy_(self.combine(acc, count, total_weight))
+
+    def start_combine_into(self, out: torch.Tensor, acc: kernels.Rows, count: int,
+                           total_weight: float) -> list[Future] | None:
+        """``combine_into`` begun on worker threads (its jobs), or None where the combiner has none."""
+        return None
 
 
 class WeightedMean(Combiner):
@@ -92,29 +97,47 @@ class SortedStack(Combiner):
         """How many values to drop from each end of a column of ``count``."""
         raise NotImplementedError
 
-    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
-        """The statistic of the first ``count`` rows, written into row 0."""
-        self.combine_into(acc[0], acc, count, total_weight)
-        return acc[0]
+    def combine(self, acc: kernels.Rows, count: int, total_weight: float) -> torch.Tensor:
+        """The statistic of the first ``count`` rows: written into row 0 of a stack, or into a reused
+        fp32 chunk when the rows are the receive slots themselves."""
+        out = acc[0] if isinstance(acc, torch.Tensor) else self._combined(acc[0].numel())
+        self.combine_into(out, acc, count, total_weight)
+        return out
 
-    def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
-        """The statistic of the first ``count`` rows straight into ``out``, rounded once.
+    def combine_into(self, out: torch.Tensor, acc: kernels.Rows, count: int, total_weight: float) -> None:
+        """The statistic of the first ``count`` rows (a stack, or the participants' own chunks in any
+        float dtype) straight into ``out``, rounded once.
 
         The columns are split into one span per worker thread (whole tiles), each with its own scratch
         tile: numpy's min/max release the GIL, so the server's cores share the sorting network. Every
         column's result depends on that column only, so the split never changes a bit.
         """
-        rows, k = acc[:count], self.trimmed(count)
-        n = rows.shape[1]
-        width = min(n, kernels.tile_width(count))
-        spans = kernels.column_spans(n, width, len(self._workers()))
-        if len(spans) == 1:
-            kernels.trimmed_mean_columns(out, rows, k, self._scratch(0, count, width))
+        if len(self._workers()) == 1:  # no thread hop
+            rows = acc[:count]
+            width = min(rows[0].numel(), kernels.tile_width(count))
+            kernels.trimmed_mean_columns(out, rows, self.trimmed(count), self._scratch(0, count, width))
             return
-        jobs = [self._workers()[i].submit(kernels.trimmed_mean_columns, out[a:b], rows[:, a:b], k,
-                                          self._scratch(i, count, width)) for i, (a, b) in enumerate(spans)]
-        for job in jobs:
+        for job in self.start_combine_into(out, acc, count, total_weight, wait=True):
             job.result()
+
+    def start_combine_into(self, out: torch.Tensor, acc: kernels.Rows, count: int, total_weight: float,
+                           wait: bool = False) -> list[Future]:
+        """``combine_into`` as one job per worker thread (whole tiles each); ``out`` and the rows must
+        stay untouched until every job is done. Unless the caller just ``wait``s for them, one core
+        is left to the caller (the server's receives go on beside the sorting network)."""
+        rows, k = acc[:count], self.trimmed(count)
+        n = rows[0].numel()
+        width = min(n, kernels.tile_width(count))
+        workers = len(self._workers()) if wait else max(1, len(self._workers()) - 1)
+        return [self._workers()[i].submit(kernels.trimmed_mean_columns, out[a:b], rows, k,
+                                          self._scratch(i, count, width), slice(a, b))
+                for i, (a, b) in enumerate(kernels.column_spans(n, width, workers))]
+
+    def _combined(self, numel: int) -> torch.Tensor:
+        combined = getattr(self, "combined", None)
+        if combined is None or combined.numel() < numel:
+            self.combined = combined = torch.empty(numel, dtype=kernels.ACCUMULATOR_DTYPE)
+        return combined[:numel]
 
     def _workers(self) -> list[ThreadPoolExecutor]:
         """One single-thread pool per worker (each keeps its own scratch): as many as the cores this process

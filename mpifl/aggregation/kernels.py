@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import numpy as np
 import torch
@@ -186,11 +187,16 @@ def column_spans(n: int, width: int, workers: int) -> list[tuple[int, int]]:
     return spans
 
 
-def trimmed_mean_columns(out: torch.Tensor, rows: torch.Tensor, k: int, scratch: torch.Tensor) -> None:
-    """out = per column of the (p, n) fp32 ``rows``, the mean of its sorted values k..p-k-1, summed
-    in ascending order; the median is k = median_count(p). ``rows`` is only read, and ``out`` (n
-    values, any float dtype, rounded once; it may be a row of ``rows``) is written tile by tile.
-    ``scratch`` is a (p + 2, width) fp32 buffer: the columns go through in tiles of its width.
+Rows = Union[torch.Tensor, Sequence[torch.Tensor]]  # a (p, n) stack, or p separate length-n rows
+
+
+def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.Tensor, columns: slice = slice(None)) -> None:
+    """out = per column of the p rows, the mean of its sorted values k..p-k-1, summed in ascending
+    order; the median is k = median_count(p). ``rows`` is a (p, n) stack or p separate rows of n
+    values (any float dtype, widened exactly: the receive slots themselves), only read; ``columns``
+    picks the span of them to do. ``out`` (the span's values, any float dtype, rounded once; it may
+    be part of a row) is written tile by tile. ``scratch`` is a (p + 2, width) fp32 buffer: the
+    columns go through in tiles of its width.
 
     Values are ordered -inf < ... < -0.0 < +0.0 < ... < +inf < NaN (NaN last, as numpy sorts).
     Each tile first runs ``window_network`` on floats. That is exact unless a NaN is present
@@ -201,24 +207,28 @@ def trimmed_mean_columns(out: torch.Tensor, rows: torch.Tensor, k: int, scratch:
     the sign of the total order (numpy's order of -0.0 and +0.0 is its sort's accident); a
     NaN result is a NaN, its payload unspecified.
     """
-    p, n = rows.shape
+    p = len(rows)
+    first, n = _span(columns, rows[0].numel())
     network, width = window_network(p, k), max(1, scratch.shape[1])
-    src, tile = rows.numpy(), scratch.numpy()
-    # a separate fp32 out takes the sum itself (no copy); a row of ``rows`` must wait: a redo re-reads it
+    tile = scratch.numpy()
+    sources = [_source(row) for row in rows]
+    # a separate fp32 out takes the sum itself (no copy); part of a row must wait: a redo re-reads it
     direct = (out.dtype == torch.float32 and out.device.type == "cpu" and p - 2 * k > 1
-              and not np.may_share_memory(out.numpy(), src))
+              and not any(_shares(out, row) for row in rows))
     sums = out.numpy() if direct else None
     with np.errstate(all="ignore"):  # inf - inf and overflow are results here, as in torch
         for start in range(0, n, width):
             stop = min(n, start + width)
             t = tile[:, :stop - start]
-            np.copyto(t[:p], src[:, start:stop])
+            span = slice(first + start, first + stop)
+            for i, source in enumerate(sources):
+                _widen(t[i], source, span)
             ordered = list(t[:p])
             spare = compare_exchange(ordered, network, t[p])
             result = window_mean(ordered[k:p - k], sums[start:stop] if direct else spare)
             low = np.minimum.reduce(np.abs(result, out=t[p + 1]))
             if not low > 0:  # a zero (of either sign) or a NaN: redo this tile on total-order keys
-                exact = _exact_tile(t, src[:, start:stop], network, k)
+                exact = _exact_tile(t, sources, span, network, k)
                 if direct:
                     np.copyto(result, exact)
                 else:
@@ -227,11 +237,36 @@ def trimmed_mean_columns(out: torch.Tensor, rows: torch.Tensor, k: int, scratch:
                 out[start:stop].copy_(torch.from_numpy(result))
 
 
-def _exact_tile(t: np.ndarray, cols: np.ndarray, network: tuple[Comparator, ...], k: int) -> np.ndarray:
+def _span(columns: slice, n: int) -> tuple[int, int]:
+    """(first column, how many) of ``columns`` within n."""
+    start, stop, _ = columns.indices(n)
+    return start, max(0, stop - start)
+
+
+def _source(row: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A row to read tiles from: a numpy view of an fp32 row (np.copyto is cheapest), else the tensor."""
+    return row.numpy() if row.dtype == torch.float32 and row.device.type == "cpu" else row
+
+
+def _widen(into: np.ndarray, source: np.ndarray | torch.Tensor, span: slice) -> None:
+    """Copy ``source[span]`` into the fp32 tile row ``into``, widening exactly (bf16, fp16 -> fp32)."""
+    if isinstance(source, np.ndarray):
+        np.copyto(into, source[span])
+    else:
+        torch.from_numpy(into).copy_(source[span])
+
+
+def _shares(out: torch.Tensor, row: torch.Tensor) -> bool:
+    return row.device.type == "cpu" and row.dtype == out.dtype and np.may_share_memory(out.numpy(), row.numpy())
+
+
+def _exact_tile(t: np.ndarray, sources: list, span: slice, network: tuple[Comparator, ...], k: int) -> np.ndarray:
     """``trimmed_mean_columns`` for one tile on int32 keys: the network is exact, -0.0 < +0.0, NaN last."""
-    p = cols.shape[0]
+    p = len(sources)
     keys = t.view(np.int32)
-    order_keys(cols.view(np.int32), keys[:p])
+    for i, source in enumerate(sources):  # each row is widened into the free row, then keyed into its own
+        _widen(t[p], source, span)
+        order_keys(keys[p], keys[i])
     ordered = list(keys[:p])
     spare = compare_exchange(ordered, network, keys[p])
     window = [key_bits(row, keys[p + 1]).view(np.float32) for row in ordered[k:p - k]]

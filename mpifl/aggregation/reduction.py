@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +61,8 @@ class PoolPlan:
 
     slots_per_rank: int
     window: int
+    held: bool = False  # robust strategies, one participant per rank: the receive slots are the stack
+
 
     @classmethod
     def from_budget(cls, budget_bytes: int, chunk_bytes: int, acc_chunk_bytes: int, ranks: int,
@@ -68,6 +71,22 @@ class PoolPlan:
         slots = max(1, min(inflight, budget_bytes // 2 // max(1, ranks * chunk_bytes)))
         window = num_chunks if sequential else max(2, budget_bytes // 2 // max(1, acc_chunk_bytes))
         return cls(slots, min(window, num_chunks))
+
+    @classmethod
+    def held_stacks(cls, budget_bytes: int, chunk_bytes: int, ranks: int, inflight: int, num_chunks: int) -> PoolPlan:
+        """A robust strategy with one participant per rank: the whole budget goes to receive slots,
+        at least two per rank (a slot stays full until its chunk's statistic is taken)."""
+        slots = max(2, min(inflight, budget_bytes // max(1, ranks * chunk_bytes)))
+        return cls(slots, num_chunks, held=True)
+
+
+def holds_stacks(strategy: Strategy, exchange: ExchangePlan, by_rank: Mapping[int, Sequence[int]],
+                 summed: bool) -> bool:
+    """Whether a round's stack can be the receive slots themselves (``PoolPlan.held_stacks``): a stacking
+    strategy, every chunk received as it is (no codec), no sum to unmask or add noise to (``summed``),
+    and one participant per rank (so a slot is freed within a window of chunks)."""
+    return (strategy.stacked and exchange.codec is None and not summed
+            and all(len(clients) == 1 for clients in by_rank.values()))
 
 
 class ReceivePool:
@@ -116,7 +135,14 @@ class StreamedReduction:
         self.total_weight: float | None = None  # set once every header is in, before the first finish
         self.schedule = FoldSchedule(by_rank, len(self.chunks), plan.window, order)
         self.plan = plan
-        pool.ensure(plan.slots_per_rank * len(by_rank), plan.window)
+        # the participants' chunks stay in their slots and the network reads them there (no stacking copy)
+        if plan.held and not holds_stacks(strategy, exchange, by_rank, noise is not None or unmask is not None):
+            raise ValueError("held stacks need a stacking strategy, uncompressed updates, no noise or masks, "
+                             "and one participant per rank")
+        self.held: dict[int, list[torch.Tensor]] | None = {} if plan.held else None
+        self.held_slots: dict[int, list[tuple[int, int]]] = {}  # chunk -> (rank, slot) to free once it finishes
+        self.finishing: tuple[int, list[Future]] | None = None  # the chunk finishing in the background, its jobs
+        pool.ensure(plan.slots_per_rank * len(by_rank), 0 if self.held is not None else plan.window)
         self.pool = pool
         self.free_slots = list(range(len(pool.slots)))
         self.requests: list[MPI.Request] = []
@@ -131,9 +157,22 @@ class StreamedReduction:
             self._post_meta(rank)
             for _ in range(self.plan.slots_per_rank):
                 self._post_chunk(rank, self.free_slots.pop())
+        try:
+            self._receive_and_fold()
+            self._settle()
+        finally:
+            self._drain()
+        return self.stats
+
+    def _receive_and_fold(self) -> None:
         backoff = Backoff()
         while not self.schedule.done:
+            if self._background_done():
+                self._settle()
             done, objects = MPI.Request.testsome(self.requests)
+            if done is None and self.finishing is not None:  # every slot is held by the chunk being finished
+                self._settle()
+                continue
             if done is None:
                 raise RuntimeError(f"reduction stalled with chunks {self.schedule.low}.. unfinished and nothing posted")
             if not done:
@@ -147,7 +186,6 @@ class StreamedReduction:
                 self.free_requests.append(index)
                 self._landed(self.tickets[index], obj)
             self._perform()
-        return self.stats
 
     def _add_request(self, request: MPI.Request, ticket: Ticket) -> None:
         if self.posted[ticket.rank] == 0 and self.watchdog is not None:
@@ -223,12 +261,19 @@ class StreamedReduction:
             else:
                 self._finish(step)
             self.stats.aggregate_seconds += time.perf_counter() - start
-            if isinstance(step, Fold):
+            if isinstance(step, Fold) and not self._holds(step):
                 self._post_chunk(step.rank, step.slot)
+
+    def _holds(self, step: Fold) -> bool:
+        """Whether ``step``'s slot stays full until its chunk finishes (it is a row of the held stack)."""
+        return self.held is not None and step.row is not None
 
     def _fold(self, step: Fold) -> None:
         if step.row is None:
             return  # a failed participant: its chunk was received only to keep the stream in step
+        if self.held is not None:
+            self._hold(step)
+            return
         if step.row == 0:
             self.acc_of[step.chunk] = self._accumulator(step.chunk)
         wire = self.wire[step.chunk]
@@ -240,6 +285,15 @@ class StreamedReduction:
         grouped = step.client in self.stats.groups
         weight = 1.0 if grouped else self._weight(self.stats.metas[step.client])
         self.strategy.fold(self.acc_of[step.chunk], x, weight, step.row)
+
+    def _hold(self, step: Fold) -> None:
+        """Keep the chunk in its slot as row ``step.row`` of its chunk's stack."""
+        wire = self.wire[step.chunk]
+        x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
+        rows = self.held.setdefault(step.chunk, [])
+        assert len(rows) == step.row, "rows are taken in the fold order"
+        rows.append(x)
+        self.held_slots.setdefault(step.chunk, []).append((step.rank, step.slot))
 
     def _decoded(self) -> torch.Tensor:
         if self.decoded is None:
@@ -271,6 +325,9 @@ class StreamedReduction:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
 
     def _finish(self, step: Finish) -> None:
+        if self.held is not None:
+            self._finish_held(step)
+            return
         if self.total_weight is None:
             self._check_participation()
         chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk)
@@ -281,6 +338,48 @@ class StreamedReduction:
         self.strategy.finish(acc, step.count, self.total_weight, self.state.finish_target(chunk),
                              self.state.server_state(chunk))
         self.state.commit(chunk)
+
+    def _finish_held(self, step: Finish) -> None:
+        """Finish a chunk whose stack is its receive slots: on the strategy's worker threads while the
+        receives go on (one chunk at a time, so the store sees finish_target and commit in order), or
+        here when the strategy cannot; the slots are freed once the statistic is written."""
+        self._settle()
+        if self.total_weight is None:
+            self._check_participation()
+        chunk, rows = self.chunks[step.chunk], self.held.pop(step.chunk, [])
+        target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
+        jobs = self.strategy.start_finish(rows, step.count, self.total_weight, target, state)
+        if jobs is None:
+            self.strategy.finish(rows, step.count, self.total_weight, target, state)
+            jobs = []
+        self.finishing = (step.chunk, jobs)
+        if not jobs:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the chunk being finished in the background, commit it and free its slots."""
+        if self.finishing is None:
+            return
+        j, jobs = self.finishing
+        start = time.perf_counter()
+        try:
+            for job in jobs:
+                job.result()
+        finally:
+            self.finishing = None
+        self.stats.aggregate_seconds += time.perf_counter() - start
+        self.state.commit(self.chunks[j])
+        for rank, slot in self.held_slots.pop(j, ()):
+            self._post_chunk(rank, slot)
+
+    def _background_done(self) -> bool:
+        return self.finishing is not None and all(job.done() for job in self.finishing[1])
+
+    def _drain(self) -> None:
+        """After a failure: let a background finish end before its slots and target are reused."""
+        if self.finishing is not None:
+            wait(self.finishing[1])
+            self.finishing = None
 
     def run_without_updates(self) -> ReductionStats:
         """DP-FedAvg with nobody sampled (Poisson sampling): the noise alone still moves the model, so that

@@ -17,10 +17,12 @@ with the StrategyConfig; attr returns a Strategy (or is a Strategy subclass).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from mpifl.aggregation.combiners import Combiner
-from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE
+from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, Rows
 from mpifl.aggregation.registry import BUILTIN, STRATEGIES, stages
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig
@@ -64,6 +66,14 @@ class Strategy:
         self.update.step(combined, state)
         combined.add_(target)
         target.copy_(combined)
+
+    def start_finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
+                     state: dict[str, torch.Tensor]) -> list[Future] | None:
+        """Begin ``finish`` on the combiner's worker threads, so the caller can go on receiving; the
+        jobs' results say when ``target`` is written. None: this strategy finishes only in the caller."""
+        if self.needs_previous_global:
+            return None
+        return self.combiner.start_combine_into(target, acc, count, total_weight)
 
     def state_bytes(self, elements: int) -> int:
         """Bytes of server state (fp32 vectors) for a model of ``elements`` exchanged elements."""

@@ -11,7 +11,14 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from mpifl.aggregation.reduction import PoolPlan, ReceivePool, ReductionStats, RoundAborted, StreamedReduction
+from mpifl.aggregation.reduction import (
+    PoolPlan,
+    ReceivePool,
+    ReductionStats,
+    RoundAborted,
+    StreamedReduction,
+    holds_stacks,
+)
 from mpifl.aggregation.strategies import Strategy
 from mpifl.config import TimeoutsConfig, TransportConfig
 from mpifl.errors import JobFailure
@@ -129,7 +136,7 @@ class Server:
         noise = private.noise(rnd) if private else None
         streams = self._streams(plan)
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, streams, self.pool,
-                                      self._pool_plan(streams), rnd, min_participants=self.min_participants,
+                                      self._pool_plan(streams, noise is not None or parts.secagg is not None), rnd, min_participants=self.min_participants,
                                       watchdog=watchdog, order=plan.order, weights=plan.weights,
                                       divisor=private.divisor if private else plan.divisor, noise=noise,
                                       unmask=parts.secagg.unmask(rnd, plan.participants) if parts.secagg else None)
@@ -220,8 +227,12 @@ class Server:
                 log(f"round {rnd}: dropped logical client {client} (rank {self.parts.sampler.rank_of(client)}): "
                     f"{meta.error}", rank=0)
 
-    def _pool_plan(self, by_rank: dict[int, list[int]]) -> PoolPlan:
+    def _pool_plan(self, by_rank: dict[int, list[int]], summed: bool) -> PoolPlan:
         budget = self.parts.store.pool_budget(int(self.transport.pool_mb * MIB))
+        if holds_stacks(self.parts.strategy, self.parts.plan, by_rank, summed):  # the slots are the stack
+            budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)  # what two stacks and their slots would take
+            return PoolPlan.held_stacks(budget, self.pool.chunk_bytes, len(by_rank), self.transport.inflight,
+                                        len(self.parts.plan.chunks))
         if self.parts.strategy.stacked:  # at least two chunks' stacks, whatever the budget
             budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)
         return PoolPlan.from_budget(
