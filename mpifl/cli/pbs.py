@@ -143,10 +143,17 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         slot = min(cfg.transport.chunk_bytes, 4 * elements if cfg.clients.groups else nbytes)
         server = IMPORTS_BYTES + size.total + 4 * elements + (nranks - 1) * cfg.transport.inflight * slot
         server += strategy.state_bytes(elements)
+    elif strategy.stacked:  # one participant per rank: the receive slots are the stack (PoolPlan.held_stacks)
+        chunk = min(cfg.transport.chunk_bytes, nbytes)
+        stack = strategy.accumulator_rows(cfg.clients_per_round()) * (chunk // width) * ACCUMULATOR_DTYPE.itemsize
+        slots = max(2, min(cfg.transport.inflight, max(min(int(cfg.transport.pool_mb * MIB), nbytes // 4), 4 * stack)
+                           // ((nranks - 1) * chunk)))
+        server = IMPORTS_BYTES + size.total + (nranks - 1) * slots * chunk
     else:
         server = IMPORTS_BYTES + size.total + receive_pool_bytes(cfg, nbytes, nranks - 1)
         server += strategy.state_bytes(elements)  # fp32 server-state vectors (momentum, moments)
-    if strategy.stacked:  # two chunks' participants x chunk fp32 stacks
+    held = strategy.stacked and cfg.server.state != "disk" and streams_per_rank(cfg, nranks - 1) == 1
+    if strategy.stacked and not held:  # two chunks' participants x chunk fp32 stacks
         stack = strategy.accumulator_rows(cfg.clients_per_round()) * (cfg.transport.chunk_bytes // width)
         server += 2 * stack * ACCUMULATOR_DTYPE.itemsize
     client = IMPORTS_BYTES + size.total
