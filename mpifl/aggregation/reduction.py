@@ -343,7 +343,7 @@ class StreamedReduction:
         """Finish a chunk whose stack is its receive slots: on the strategy's worker threads while the
         receives go on (one chunk at a time, so the store sees finish_target and commit in order), or
         here when the strategy cannot; the slots are freed once the statistic is written."""
-        self._settle()
+        self._settle(timed=False)  # _perform times this step
         if self.total_weight is None:
             self._check_participation()
         chunk, rows = self.chunks[step.chunk], self.held.pop(step.chunk, [])
@@ -354,10 +354,11 @@ class StreamedReduction:
             jobs = []
         self.finishing = (step.chunk, jobs)
         if not jobs:
-            self._settle()
+            self._settle(timed=False)
 
-    def _settle(self) -> None:
-        """Wait for the chunk being finished in the background, commit it and free its slots."""
+    def _settle(self, timed: bool = True) -> None:
+        """Wait for the chunk being finished in the background, commit it and free its slots (the wait
+        counts as aggregation time when ``timed``)."""
         if self.finishing is None:
             return
         j, jobs = self.finishing
@@ -367,7 +368,8 @@ class StreamedReduction:
                 job.result()
         finally:
             self.finishing = None
-        self.stats.aggregate_seconds += time.perf_counter() - start
+        if timed:
+            self.stats.aggregate_seconds += time.perf_counter() - start
         self.state.commit(self.chunks[j])
         for rank, slot in self.held_slots.pop(j, ()):
             self._post_chunk(rank, slot)
