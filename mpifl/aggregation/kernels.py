@@ -221,9 +221,10 @@ def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.T
             stop = min(n, start + width)
             t = tile[:, :stop - start]
             span = slice(first + start, first + stop)
+            for i, source in enumerate(sources):
+                _widen(t[i], source, span)
             ordered = list(t[:p])
-            done = _load(ordered, sources, span, network)
-            spare = compare_exchange(ordered, network[done:], t[p])
+            spare = compare_exchange(ordered, network, t[p])
             result = window_mean(ordered[k:p - k], sums[start:stop] if direct else spare)
             low = np.minimum.reduce(np.abs(result, out=t[p + 1]))
             if not low > 0:  # a zero (of either sign) or a NaN: redo this tile on total-order keys
@@ -234,31 +235,6 @@ def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.T
                     result = exact
             if not direct:
                 out[start:stop].copy_(torch.from_numpy(result))
-
-
-def _load(ordered: list[np.ndarray], sources: list, span: slice, network: tuple[Comparator, ...]) -> int:
-    """Fill the tile rows ``ordered`` with the sources' ``span``; returns how many of the network's first
-    comparators that already applied.
-
-    The network's leading comparators on fp32 rows not yet loaded read both sources directly, writing
-    their minimum and maximum into the tile (no copy first: the sources are read once either way).
-    An output the network never reads again is not written. Every other row is copied (widened).
-    """
-    loaded, done = [False] * len(ordered), 0
-    for i, j, low, high in network:
-        a, b = sources[i], sources[j]
-        if loaded[i] or loaded[j] or not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            break
-        if low:
-            np.minimum(a[span], b[span], out=ordered[i])
-        if high:
-            np.maximum(a[span], b[span], out=ordered[j])
-        loaded[i] = loaded[j] = True
-        done += 1
-    for i, source in enumerate(sources):
-        if not loaded[i]:
-            _widen(ordered[i], source, span)
-    return done
 
 
 def _span(columns: slice, n: int) -> tuple[int, int]:
