@@ -4,7 +4,10 @@ Each rank has a few receive slots; ``Testsome`` over all of them progresses ever
 What lands goes to the ``FoldSchedule`` (schedule.py: the fold order, the accumulator window, why
 the result is bitwise reproducible); this class performs the folds it allows with the strategy
 and writes finished chunks into the global state. Memory: the receive slots plus ``window``
-chunk accumulators, each participants x chunk for robust strategies (median, trimmed mean).
+chunk accumulators. Robust strategies (median, trimmed mean) need every participant's chunk j
+at once: with one participant per rank the chunks stay in their slots, which the sorting
+network reads directly (``PoolPlan.held_stacks``), beside the receives on worker threads;
+otherwise each accumulator is a participants x chunk stack.
 A participant whose header carries an error (``clients.accept_failures``) is skipped in every
 chunk; ``clients.min_participants`` is checked before the first finished chunk is written, so
 an aborted round leaves the global model untouched.
