@@ -104,7 +104,7 @@ def test_adaptive_state_lives_in_checkpoints_and_on_disk_equals_in_memory(tmp_pa
 
 
 def test_rank_count_does_not_change_a_trained_model(tmp_path):
-    """Real local training (torch, one thread per rank), 8 logical clients on 2, 3 or 5 client ranks.
+    """Real local training (torch, one thread per rank), 8 logical clients on 2 or 5 client ranks.
 
     (SGD, not Adam, for the comparison with the in-process reference: Adam's first step is
     ~lr*sign(g), which turns last-bit noise in the near-zero gradient of a bias feeding a
@@ -112,8 +112,7 @@ def test_rank_count_does_not_change_a_trained_model(tmp_path):
     """
     common = ("train.trainer=torch", "train.optimizer=sgd", "train.momentum=0.9", "train.lr=0.05", "train.local_steps=3",
               "strategy.name=fedavgm", "clients.per_round=8", "rounds=2")
-    models = [run(tmp_path, f"ranks{r}", r + 1, *common) for r in (2, 3, 5)]
+    models = [run(tmp_path, f"ranks{r}", r + 1, *common) for r in (2, 5)]
     assert_bitwise(models[1], models[0])
-    assert_bitwise(models[2], models[0])
     torch_model = expected(*common)
     assert_close(models[0], torch_model, rtol=1e-4)
