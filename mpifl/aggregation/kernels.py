@@ -190,7 +190,8 @@ def column_spans(n: int, width: int, workers: int) -> list[tuple[int, int]]:
 Rows = Union[torch.Tensor, Sequence[torch.Tensor]]  # a (p, n) stack, or p separate length-n rows
 
 
-def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.Tensor, columns: slice = slice(None)) -> None:
+def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.Tensor,
+                         columns: slice = slice(None)) -> None:
     """out = per column of the p rows, the mean of its sorted values k..p-k-1, summed in ascending
     order; the median is k = median_count(p). ``rows`` is a (p, n) stack or p separate rows of n
     values (any float dtype, widened exactly: the receive slots themselves), only read; ``columns``

@@ -66,7 +66,6 @@ class PoolPlan:
     window: int
     held: bool = False  # robust strategies, one participant per rank: the receive slots are the stack
 
-
     @classmethod
     def from_budget(cls, budget_bytes: int, chunk_bytes: int, acc_chunk_bytes: int, ranks: int,
                     inflight: int, num_chunks: int, sequential: bool) -> PoolPlan:
