@@ -141,8 +141,8 @@ class StreamedReduction:
         if plan.held and not holds_stacks(strategy, exchange, by_rank, noise is not None or unmask is not None):
             raise ValueError("held stacks need a stacking strategy, uncompressed updates, no noise or masks, "
                              "and one participant per rank")
-        self.held: dict[int, list[torch.Tensor]] | None = {} if plan.held else None
-        self.held_slots: dict[int, list[tuple[int, int]]] = {}  # chunk -> (rank, slot) to free once it finishes
+        # held stacks: chunk -> the (rank, slot) of each included participant's chunk, in row order
+        self.held: dict[int, list[tuple[int, int]]] | None = {} if plan.held else None
         self.finishing: tuple[int, list[Future]] | None = None  # the chunk finishing in the background, its jobs
         pool.ensure(plan.slots_per_rank * len(by_rank), 0 if self.held is not None else plan.window)
         self.pool = pool
@@ -278,24 +278,25 @@ class StreamedReduction:
             return
         if step.row == 0:
             self.acc_of[step.chunk] = self._accumulator(step.chunk)
-        wire = self.wire[step.chunk]
         if self.codec is not None:  # compressed: decoded into a reused fp32 scratch, then folded as usual
             x = self.codec.decode(self.pool.slots[step.slot], self.chunks[step.chunk].numel, self._decoded())
         else:
-            x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
+            x = self._received(step.chunk, step.slot)
         # a group's partial sum arrives weighted: it folds with weight 1; a single update, with its own
         grouped = step.client in self.stats.groups
         weight = 1.0 if grouped else self._weight(self.stats.metas[step.client])
         self.strategy.fold(self.acc_of[step.chunk], x, weight, step.row)
 
+    def _received(self, chunk: int, slot: int) -> torch.Tensor:
+        """Chunk ``chunk`` as it landed in ``slot`` (the wire dtype)."""
+        wire = self.wire[chunk]
+        return torch.from_numpy(self.pool.slots[slot][: wire.nbytes]).view(DTYPES[wire.dtype])
+
     def _hold(self, step: Fold) -> None:
         """Keep the chunk in its slot as row ``step.row`` of its chunk's stack."""
-        wire = self.wire[step.chunk]
-        x = torch.from_numpy(self.pool.slots[step.slot][: wire.nbytes]).view(DTYPES[wire.dtype])
         rows = self.held.setdefault(step.chunk, [])
         assert len(rows) == step.row, "rows are taken in the fold order"
-        rows.append(x)
-        self.held_slots.setdefault(step.chunk, []).append((step.rank, step.slot))
+        rows.append((step.rank, step.slot))
 
     def _decoded(self) -> torch.Tensor:
         if self.decoded is None:
@@ -348,7 +349,8 @@ class StreamedReduction:
         self._settle(timed=False)  # _perform times this step
         if self.total_weight is None:
             self._check_participation()
-        chunk, rows = self.chunks[step.chunk], self.held.pop(step.chunk, [])
+        chunk = self.chunks[step.chunk]
+        rows = [self._received(step.chunk, slot) for _, slot in self.held.get(step.chunk, ())]
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
         jobs = self.strategy.start_finish(rows, step.count, self.total_weight, target, state)
         if jobs is None:
@@ -373,7 +375,7 @@ class StreamedReduction:
         if timed:
             self.stats.aggregate_seconds += time.perf_counter() - start
         self.state.commit(self.chunks[j])
-        for rank, slot in self.held_slots.pop(j, ()):
+        for rank, slot in self.held.pop(j, ()):
             self._post_chunk(rank, slot)
 
     def _background_done(self) -> bool:
