@@ -8,15 +8,33 @@ kernel is compared bitwise with a total-order sort instead; a NaN result is a Na
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from reference import median, round_to, trimmed_mean
 
-from mpifl.aggregation import kernels
+from mpifl.aggregation import kernels, native
 
 BETAS = (0.0, 0.1, 0.25, 0.49)
+NATIVE_PARTICIPANTS = (1, 2, 3, 5, 6, 8, 9, 16, 33)  # the counts the C kernels are built for here
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def kernel_path(request, monkeypatch):
+    """Every test runs twice: on the fused C kernel (built here; a machine with a C compiler must
+    build it) and on the numpy network. Both must give the same bits."""
+    params = getattr(request.node, "callspec", None)
+    if request.param == "native" and params and params.params.get("p", 8) not in NATIVE_PARTICIPANTS:
+        pytest.skip("the C kernel is compiled per participant count: a sample of counts is enough")
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "trimmed_mean", lambda *args: False)
+    elif native.kernel(8, 3, torch.float32) is None:
+        assert shutil.which(os.environ.get("CC", "cc")) is None, "a C compiler is here but the kernel did not build"
+        pytest.skip("no C compiler: the numpy network alone")
+    return request.param
 
 
 def bits(x: np.ndarray) -> np.ndarray:
@@ -213,3 +231,30 @@ def test_separate_rows_in_the_wire_dtype_give_the_stacks_bits(dtype):
     assert all(combined.data_ptr() != row.data_ptr() for row in rows), "the slots are only read"
     for got in (into, combined):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_without_a_compiler_the_numpy_network_runs_and_says_so_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MPIFL_CACHE_DIR", str(tmp_path / "cache"))
+    native.kernel.cache_clear()
+    native._warn_once.cache_clear()
+    try:
+        stack = stack_of("normal", 7, 100, np.random.default_rng(0))
+        with caplog.at_level("WARNING", logger=native.__name__):
+            got = run_kernel(stack, 3, 64).numpy()
+            run_kernel(stack, 2, 64)
+        assert np.array_equal(bits(got), bits(median(stack)))
+        assert native.kernel(7, 3, torch.float32) is None
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "no-such-cc" in caplog.records[0].message and "MPIFL_NATIVE=0" in caplog.records[0].message
+        monkeypatch.setenv("MPIFL_NATIVE", "0")
+        native.kernel.cache_clear()
+        assert native.kernel(7, 3, torch.float32) is None
+    finally:
+        native.kernel.cache_clear()
+
+
+def test_the_generated_kernel_is_the_window_network_unrolled():
+    source = native.kernel_source(8, 3, kernels.window_network(8, 3))
+    assert source.count(" ? ") == 2 * 26  # 26 minimum/maximum (one ternary each), fp32 and bf16 rows
+    assert source.count("out[c] = (float_of(v3) + float_of(v4)) / 2.0f;") == 2  # the middle two, in order

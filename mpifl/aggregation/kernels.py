@@ -20,6 +20,8 @@ from typing import Union
 import numpy as np
 import torch
 
+from mpifl.aggregation import native
+
 ACCUMULATOR_DTYPE = torch.float32  # accumulators, stacks and server-state vectors
 SecondMoment = Callable[[torch.Tensor, torch.Tensor, float], None]
 
@@ -210,6 +212,8 @@ def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.T
     """
     p = len(rows)
     first, n = _span(columns, rows[0].numel())
+    if _native_columns(out, [rows[i] for i in range(p)], first, n, k, scratch):
+        return  # the fused kernel: the same bits, faster
     network, width = window_network(p, k), max(1, scratch.shape[1])
     tile = scratch.numpy()
     sources = [_source(row) for row in rows]
@@ -236,6 +240,23 @@ def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.T
                     result = exact
             if not direct:
                 out[start:stop].copy_(torch.from_numpy(result))
+
+
+def _native_columns(out: torch.Tensor, rows: list[torch.Tensor], first: int, n: int, k: int,
+                    scratch: torch.Tensor) -> bool:
+    """``trimmed_mean_columns`` by the native kernel, if there is one for these rows (else False):
+    straight into an fp32 ``out`` that is no other column's memory, else tile by tile through
+    ``scratch``'s first row, rounded once into ``out``."""
+    if out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous() and not any(
+            _shares(out, row) and out.data_ptr() != row.data_ptr() + first * row.element_size() for row in rows):
+        return native.trimmed_mean(out.numpy(), rows, first, k)
+    width, tile = max(1, scratch.shape[1]), scratch[0].numpy()
+    for start in range(0, n, width):
+        stop = min(n, start + width)
+        if not native.trimmed_mean(tile[:stop - start], rows, first + start, k):
+            return False  # nothing written yet: a kernel is had for all tiles or none
+        out[start:stop].copy_(torch.from_numpy(tile[:stop - start]))
+    return True
 
 
 def _span(columns: slice, n: int) -> tuple[int, int]:
