@@ -267,3 +267,45 @@ def test_a_checkpoint_of_another_model_is_not_recycled(tmp_path):
     new, recycled = write_flat(tmp_path / checkpoint_name(2), FlatModel(Wide()), 2, recycle=old)
     assert not recycled and not old.exists()  # it was to be pruned anyway; a new file is written
     assert load_tensors(new)["big"].shape == (300, 1000)
+
+
+class Adjacent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(1 << 18))  # 1 MiB each: a and b lie back to back in the file
+        self.b = nn.Parameter(torch.randn(1 << 18))
+        self.c = nn.Parameter(torch.randn(1000))
+        self.d = nn.Parameter(torch.randn(1000))
+        self.register_buffer("scale", torch.tensor(2.5))  # 0-d: not a plain byte range
+
+
+def test_a_range_that_is_one_stretch_of_the_file_is_mapped_and_any_other_is_read(tmp_path):
+    torch.manual_seed(2)
+    flat = FlatModel(Adjacent())
+    path = save(tmp_path / "c.h5", flat)
+    with h5py.File(path, "r+") as f:  # d rewritten as another tool might: chunked, so no plain byte range
+        data, attrs = f["model/d"][()], dict(f["model/d"].attrs)
+        del f["model/d"]
+        f["model"].create_dataset("d", data=data, chunks=(100,)).attrs.update(attrs)
+    at = {e.name: e.offset for e in flat.spec.entries}
+    with Checkpoint(path) as ckpt:
+        for lo, hi in [(at["a"] + 12, at["b"] + 4096 + 7), (at["b"] + 5, at["b"] + 6), (at["c"], at["c"] + 4000)]:
+            mapped = ckpt.map_range(flat.spec, lo, hi - lo)
+            assert mapped is not None and np.array_equal(mapped.view, flat.bytes[lo:hi])
+            mapped.unmap()
+            mapped.unmap()  # idempotent
+            assert mapped.view is None
+        assert ckpt.map_range(flat.spec, at["c"], at["d"] + 8 - at["c"]) is None
+        assert ckpt.map_range(flat.spec, at["d"], 8) is None
+
+
+def test_a_range_over_the_padding_between_dtype_segments_is_never_mapped(tmp_path):
+    torch.manual_seed(3)
+    flat = FlatModel(Wide())
+    path = save(tmp_path / "c.h5", flat)
+    narrow = next(e for e in flat.spec.entries if e.name == "narrow")
+    with Checkpoint(path) as ckpt:  # the flat padding before 'narrow' is in no dataset, whatever the file holds
+        assert ckpt.map_range(flat.spec, narrow.offset - 60, 100) is None
+        inside = ckpt.map_range(flat.spec, narrow.offset, narrow.nbytes)
+        assert np.array_equal(inside.view, flat.bytes[narrow.offset:narrow.offset + narrow.nbytes])
+        inside.unmap()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mpifl.storage.integrity import ChunkChecksums
-from mpifl.storage.ranges import STORED_AS, RawRanges, file_address
+from mpifl.storage.ranges import STORED_AS, MappedRange, RawRanges, file_address
 from mpifl.units import MIB
 from mpifl.wire.flat import ModelSpec, layout
 
@@ -274,11 +274,23 @@ class Checkpoint:
     def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""
         with self._reading(f"model bytes {offset}..{offset + len(out)}"):
-            if self.raw is None or self.raw.spec is not spec:
-                if self.raw is not None:
-                    self.raw.close()
-                self.raw = RawRanges(spec, self.file["model"], self.path, write=False)
-            self.raw.io(offset, out, write=False)
+            self._raw(spec).io(offset, out, write=False)
+
+    def map_range(self, spec: ModelSpec, offset: int, nbytes: int) -> MappedRange | None:
+        """The flat bytes at ``offset`` mapped read-only (``MappedRange``) when they are one stretch of the
+        file, else None (then ``read_range`` copies them)."""
+        with self._reading(f"model bytes {offset}..{offset + nbytes}"):
+            raw = self._raw(spec)
+            at = raw.file_span(offset, nbytes)
+            return None if at is None or nbytes == 0 else MappedRange(raw.fd, at, nbytes)
+
+    def _raw(self, spec: ModelSpec) -> RawRanges:
+        """The file's raw ranges for ``spec`` (opened on first use)."""
+        if self.raw is None or self.raw.spec is not spec:
+            if self.raw is not None:
+                self.raw.close()
+            self.raw = RawRanges(spec, self.file["model"], self.path, write=False)
+        return self.raw
 
     def read_state(self, name: str, start: int, out: np.ndarray, fill: float) -> None:
         """Fill float32 ``out`` from server-state vector ``name`` at element ``start`` (``fill`` if absent)."""

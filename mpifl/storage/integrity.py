@@ -16,7 +16,6 @@ Layout::
 from __future__ import annotations
 
 import bisect
-import zlib
 from typing import Callable, Iterator
 
 import h5py
@@ -24,12 +23,17 @@ import numpy as np
 
 from mpifl.wire.flat import Chunk, ModelSpec, element_offsets
 
+try:  # ISA-L's CRC32: the same values as zlib's, ~10x faster (carry-less multiply), and it releases the GIL
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # a platform without isal's wheels: zlib's table-driven CRC32 (~4-6 GB/s)
+    from zlib import crc32 as _crc32
+
 GROUP = "integrity"
 
 
 def crc32(data: np.ndarray) -> int:
-    """CRC32 of an array's bytes."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
+    """CRC32 (zlib's polynomial and values) of an array's bytes."""
+    return _crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
 
 
 class ChunkChecksums:

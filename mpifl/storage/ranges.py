@@ -10,11 +10,17 @@ native byte order, space allocated) is a plain byte range of the file, so its by
 through ``os.preadv``/``os.pwrite`` at the dataset's file offset. That is one system call
 per piece, with the GIL released, so a reader or writer thread overlaps with MPI and the
 folds. Anything else (a checkpoint written by another tool) takes h5py's path.
+
+``MappedRange`` goes one step further for sending: a range that is one stretch of the file
+(adjacent tensors) is mapped read-only with its page tables filled at once
+(``MAP_POPULATE``), and MPI reads the page cache through it: no copy on the server at all.
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
 import math
+import mmap
 import os
 from pathlib import Path
 
@@ -88,6 +94,24 @@ class RawRanges:
             os.close(self.fd)
             self.fd = -1
 
+    def file_span(self, offset: int, nbytes: int) -> int | None:
+        """The file offset of flat bytes [offset, offset+nbytes) when they are one stretch of the file (raw
+        tensors, adjacent in the file and in the flat layout: no padding between them), else None."""
+        end, start, covered, expected = offset + nbytes, None, offset, None
+        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        for i in range(first, len(self.starts)):
+            e = self.spec.entries[i]
+            if e.offset >= end:
+                break
+            lo, hi = max(offset, e.offset), min(end, e.offset + e.nbytes)
+            if lo >= hi:
+                continue
+            at = None if self.addresses[i] is None else self.addresses[i] + lo - e.offset
+            if at is None or lo != covered or (expected is not None and at != expected):
+                return None
+            start, covered, expected = at if start is None else start, hi, at + hi - lo
+        return start if covered == end else None
+
     def io(self, offset: int, buf: np.ndarray, write: bool) -> None:
         """Copy between flat bytes [offset, offset+len(buf)) and the file."""
         end = offset + len(buf)
@@ -124,3 +148,43 @@ def _pwrite(fd: int, view: memoryview, at: int) -> None:
     while len(view):
         n = os.pwrite(fd, view, at)
         view, at = view[n:], at + n
+
+
+class MappedRange:
+    """A read-only, populated mapping of ``nbytes`` of a file at ``at``; ``view`` is its bytes.
+
+    The view is a plain array over the mapping's address: ``unmap`` (explicit, idempotent) ends
+    it, and nothing may touch the view after that.
+    """
+
+    def __init__(self, fd: int, at: int, nbytes: int):
+        page = mmap.ALLOCATIONGRANULARITY
+        base = at - at % page
+        self.length = nbytes + at - base
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        address = _libc().mmap(None, self.length, mmap.PROT_READ, flags, fd, base)
+        if address in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {nbytes} bytes at {at} failed: {os.strerror(err)}")
+        self.address = address
+        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address + at - base))
+
+    def unmap(self) -> None:
+        if self.address is not None:
+            _libc().munmap(self.address, self.length)
+            self.address, self.view = None, None
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int64]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC

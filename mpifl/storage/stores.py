@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
+from mpifl.storage.ranges import MappedRange
 from mpifl.wire.flat import DTYPES, Chunk, FlatModel, element_offsets
 from mpifl.wire.memory import share_malloc_arenas
 from mpifl.wire.plan import ExchangePlan
@@ -233,6 +234,7 @@ class OnDiskStore:
         share_malloc_arenas()  # before the reader and writer threads: address-space limits (PBS vmem)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="mpifl-reader")
         self.read_previous = read_previous
+        self.map_windows = True  # send windows straight from the page cache where the file allows it
         self.elements = element_offsets(plan.chunks)
         self.state_init = dict(state_init)
         most = max(c.numel for c in plan.chunks)
@@ -271,22 +273,30 @@ class OnDiskStore:
         self.current = ckpt
 
     def outgoing(self) -> Iterator[list[np.ndarray]]:
-        """Read the model window by window, the next one read ahead while the caller sends this one;
-        each window is valid until the next is requested."""
-        def read(i: int) -> Future:
-            buffer = self.buffers[i % 2]
-            return self.reader.submit(self.current.read_range, self.spec, self.windows[i][0].offset,
-                                      buffer[:_span(self.windows[i])])
+        """The model window by window, the next one made ready while the caller sends this one; each
+        window is valid until the next is requested. A window that is one stretch of the checkpoint
+        file is mapped (MPI reads the page cache: no copy), any other is read into a window buffer."""
+        def ready(i: int) -> MappedRange | None:
+            window, buffer = self.windows[i], self.buffers[i % 2]
+            mapped = self.current.map_range(self.spec, window[0].offset, _span(window)) if self.map_windows else None
+            if mapped is None:
+                self.current.read_range(self.spec, window[0].offset, buffer[:_span(window)])
+            return mapped
 
-        ahead = read(0)
+        ahead, sent = self.reader.submit(ready, 0), None
         try:
             for i, window in enumerate(self.windows):
-                ahead.result()
+                mapped = ahead.result()
+                if sent is not None:
+                    sent.unmap()  # the caller asked for this window: the one before it is sent
+                sent = mapped
                 if i + 1 < len(self.windows):
-                    ahead = read(i + 1)
-                yield self._views(window, self.buffers[i % 2])[1]
-        finally:
-            ahead.exception()  # a send that failed leaves no read behind it
+                    ahead = self.reader.submit(ready, i + 1)
+                yield self._views(window, self.buffers[i % 2] if mapped is None else mapped.view)[1]
+            if sent is not None:
+                sent.unmap()
+        finally:  # a send that failed leaves no read behind it; its mappings stay (MPI may still read them)
+            ahead.exception()
 
     def _state_sizes(self) -> dict[str, tuple[int, float]]:
         return {name: (self.elements[-1], value) for name, value in self.state_init.items()}
