@@ -7,9 +7,10 @@ Model-only exchange of a blob model with 2 clients (3 ranks), ``rounds`` rounds 
   (a new file every round);
 and ``dd`` on the same file system: writing a new file of the model's size (with and without
 fsync), overwriting it, and reading it back. Medians skip the first two rounds (no file to
-recycle yet). Run from the repository root:
+recycle yet). The in-memory and keep=2 runs alternate ``--repeats`` times, so each ratio compares
+runs minutes apart on a shared machine; the median ratio is printed last. Run from the repository root:
 
-    python profiling/ooc_speed.py --model-mb 2000 [--rounds 8] [--dir runs/ooc-speed]
+    python profiling/ooc_speed.py --model-mb 2000 [--rounds 8] [--repeats 3] [--dir runs/ooc-speed]
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-mb", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="in-memory and keep=2 runs, interleaved")
     p.add_argument("--dir", default=None, help="where runs and dd write (default: a temporary folder here)")
     p.add_argument("--bin", default=str(Path(sys.executable).parent))
     args = p.parse_args()
@@ -73,18 +75,28 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     config = work / "config.yaml"
     config.write_text(CONFIG.format(rounds=args.rounds, mb=args.model_mb))
-    rows = {"in-memory server": run(args.bin, config, work / "memory", "server.state=memory"),
-            "out-of-core, checkpoint.keep=2": run(args.bin, config, work / "disk2", "server.state=disk",
-                                                  "checkpoint.keep=2"),
-            "out-of-core, checkpoint.keep=1": run(args.bin, config, work / "disk1", "server.state=disk",
-                                                  "checkpoint.keep=1")}
-    memory = rows["in-memory server"][0]
-    print(f"model {args.model_mb} MiB, 2 clients, median of rounds 3..{args.rounds - 1}")
-    print("| server | s/round | ÷ in-memory | server peak RSS | split (dispatch / return / aggregate / checkpoint) |")
-    print("|---|---|---|---|---|")
-    for name, (seconds, peak, split) in rows.items():
-        print(f"| {name} | {seconds:.2f} | {seconds / memory:.2f}× | {peak / 2**20:.0f} MiB | "
-              + " / ".join(f"{v:.2f}" for v in split.values()) + " |")
+    runs = {"in-memory server": ["server.state=memory"],
+            "out-of-core, checkpoint.keep=2": ["server.state=disk", "checkpoint.keep=2"],
+            "out-of-core, checkpoint.keep=1": ["server.state=disk", "checkpoint.keep=1"]}
+    print(f"model {args.model_mb} MiB, 2 clients, median of rounds 3..{args.rounds - 1}; "
+          f"{args.repeats} repeats, interleaved (keep=1 in the first only)")
+    print("| repeat | server | s/round | ÷ in-memory | server peak RSS | split (dispatch / return / aggregate / "
+          "checkpoint) |")
+    print("|---|---|---|---|---|---|")
+    ratios = []
+    for repeat in range(1, args.repeats + 1):
+        memory = None
+        for name, overrides in runs.items():
+            if repeat > 1 and "keep=1" in name:
+                continue
+            seconds, peak, split = run(args.bin, config, work / "run", *overrides)
+            memory = memory or seconds
+            if "keep=2" in name:
+                ratios.append(seconds / memory)
+            print(f"| {repeat} | {name} | {seconds:.2f} | {seconds / memory:.2f}× | {peak / 2**20:.0f} MiB | "
+                  + " / ".join(f"{v:.2f}" for v in split.values()) + " |", flush=True)
+    print(f"out-of-core (keep=2) ÷ in-memory, median over repeats: {statistics.median(ratios):.2f}× "
+          f"({min(ratios):.2f}-{max(ratios):.2f})")
     print(f"dd on the same file system, {args.model_mb} MiB in 16 MiB blocks (GB/s): "
           + ", ".join(f"{k} {v:.2f}" for k, v in disk(work, args.model_mb).items()))
     shutil.rmtree(work, ignore_errors=True) if not args.dir else None

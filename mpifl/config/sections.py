@@ -222,6 +222,8 @@ class ServerConfig:
                          choices=("memory", "disk"))
     window_mb: float = field_(64.0, "out-of-core read window for streaming the model out, MiB", min=0.0,
                                exclusive_min=True)
+    map_windows: bool = field_(True, "out of core: send each window that is one stretch of the checkpoint file "
+                                     "straight from a read-only mapping of it (no copy); false: always read")
 
 
 @dataclass

@@ -193,7 +193,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
         directory.mkdir(parents=True, exist_ok=True)
     attrs = checkpoint_attrs(cfg)
     store = open_store(plan, flat, lambda r: directory / checkpoint_name(r), int(cfg.server.window_mb * MIB),
-                       strategy.state_init, read_previous=strategy.needs_previous_global)
+                       strategy.state_init, read_previous=strategy.needs_previous_global,
+                       map_windows=cfg.server.map_windows)
     if dataset is not None and resume is None:
         _report_partition(cfg, dataset, run_dir)
     start, history = (resume.round, resume.metrics()) if resume is not None else (0, [])

@@ -69,11 +69,11 @@ class GlobalStore(Protocol):
 
 
 def open_store(plan: ExchangePlan, flat: FlatModel | None, path_of: PathOf, window_bytes: int,
-               state_init: dict[str, float], read_previous: bool) -> GlobalStore:
+               state_init: dict[str, float], read_previous: bool, map_windows: bool = True) -> GlobalStore:
     """The in-memory store around ``flat``, or the out-of-core one when there is no model in memory."""
     if flat is not None:
         return InMemoryStore(flat, plan, path_of, state_init)
-    return OnDiskStore(plan, path_of, window_bytes, state_init, read_previous)
+    return OnDiskStore(plan, path_of, window_bytes, state_init, read_previous, map_windows)
 
 
 def chunk_windows(chunks: list[Chunk], window_bytes: int) -> list[list[Chunk]]:
@@ -216,7 +216,8 @@ class WriteBehind:
 class OnDiskStore:
     """Out-of-core: the global model is the newest checkpoint; every round publishes the next one.
 
-    Memory: two read windows (``server.window_mb`` in all) for streaming the model out, and
+    Memory: two read windows (``server.window_mb`` in all: mapped file pages, or buffers for windows
+    that are not one stretch of the file) for streaming the model out, and
     ``WRITE_SLOTS`` chunks of staging for writing finished chunks, whatever the model's size.
     I/O overlaps the exchange: a reader thread fills the next window while the current one is
     sent, and a writer thread writes finished chunks while the next ones are received and
@@ -226,15 +227,14 @@ class OnDiskStore:
     durable = True
 
     def __init__(self, plan: ExchangePlan, path_of: PathOf, window_bytes: int, state_init: dict[str, float],
-                 read_previous: bool):
+                 read_previous: bool, map_windows: bool = True):
         self.plan, self.spec, self.path_of = plan, plan.spec, path_of
         self.windows = chunk_windows(plan.chunks, window_bytes // 2)
-        span = max(_span(w) for w in self.windows)
-        self.buffers = [touched_empty(span), touched_empty(span) if len(self.windows) > 1 else None]
+        self.buffers: list[np.ndarray | None] = [None, None]  # made on first use: mapped windows need none
         share_malloc_arenas()  # before the reader and writer threads: address-space limits (PBS vmem)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="mpifl-reader")
         self.read_previous = read_previous
-        self.map_windows = True  # send windows straight from the page cache where the file allows it
+        self.map_windows = map_windows  # send windows straight from the page cache where the file allows it
         self.elements = element_offsets(plan.chunks)
         self.state_init = dict(state_init)
         most = max(c.numel for c in plan.chunks)
@@ -261,6 +261,12 @@ class OnDiskStore:
         """The configured budget: the model is not in memory."""
         return configured_bytes
 
+    def _buffer(self, i: int) -> np.ndarray:
+        """Window buffer ``i`` (0 or 1), allocated and touched on first use."""
+        if self.buffers[i] is None:
+            self.buffers[i] = touched_empty(max(_span(w) for w in self.windows))
+        return self.buffers[i]
+
     def _views(self, window: list[Chunk], buffer: np.ndarray) -> tuple[int, list[np.ndarray]]:
         """The window's base offset and each chunk's slice of the window buffer."""
         base = window[0].offset
@@ -277,10 +283,10 @@ class OnDiskStore:
         window is valid until the next is requested. A window that is one stretch of the checkpoint
         file is mapped (MPI reads the page cache: no copy), any other is read into a window buffer."""
         def ready(i: int) -> MappedRange | None:
-            window, buffer = self.windows[i], self.buffers[i % 2]
+            window = self.windows[i]
             mapped = self.current.map_range(self.spec, window[0].offset, _span(window)) if self.map_windows else None
             if mapped is None:
-                self.current.read_range(self.spec, window[0].offset, buffer[:_span(window)])
+                self.current.read_range(self.spec, window[0].offset, self._buffer(i % 2)[:_span(window)])
             return mapped
 
         ahead, sent = self.reader.submit(ready, 0), None
@@ -292,7 +298,7 @@ class OnDiskStore:
                 sent = mapped
                 if i + 1 < len(self.windows):
                     ahead = self.reader.submit(ready, i + 1)
-                yield self._views(window, self.buffers[i % 2] if mapped is None else mapped.view)[1]
+                yield self._views(window, self._buffer(i % 2) if mapped is None else mapped.view)[1]
             if sent is not None:
                 sent.unmap()
         finally:  # a send that failed leaves no read behind it; its mappings stay (MPI may still read them)
@@ -359,9 +365,9 @@ class OnDiskStore:
         """Publish round 0 from chunks streamed in by ``receive_window(buffers)``."""
         with CheckpointWriter(self.path_of(0), self.spec, attrs, self._state_sizes(), self.plan.chunk_bytes) as writer:
             for window in self.windows:
-                base, views = self._views(window, self.buffers[0])
+                base, views = self._views(window, self._buffer(0))
                 receive_window(views)
-                writer.write_range(base, self.buffers[0][:_span(window)])
+                writer.write_range(base, self._buffer(0)[:_span(window)])
             writer.write_metrics([])
             path = writer.publish()
         self.load(Checkpoint(path))
