@@ -1,6 +1,7 @@
 """Server-side aggregation, chunk by chunk.
 
 - kernels: pure fp32 math over one chunk (fused weighted sums, median, trimmed mean, server optimizer steps).
+- native: the fused median / trimmed-mean kernel, C generated per (participants, window), compiled on first use.
 - combiners: first stage, how participants' chunks combine (weighted mean, median, trimmed mean).
 - updates: second stage, how the combined chunk becomes the global one (replace, momentum, FedAdam/Yogi/Adagrad).
 - registry: torch-free table of built-in strategy names -> (combiner, server update).
