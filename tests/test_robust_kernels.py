@@ -247,6 +247,7 @@ def test_without_a_compiler_the_numpy_network_runs_and_says_so_once(monkeypatch,
         assert native.kernel(7, 3, torch.float32) is None
         assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
         assert "no-such-cc" in caplog.records[0].message and "MPIFL_NATIVE=0" in caplog.records[0].message
+        assert os.listdir(tmp_path / "cache") == []  # a failed build leaves nothing behind
         monkeypatch.setenv("MPIFL_NATIVE", "0")
         native.kernel.cache_clear()
         assert native.kernel(7, 3, torch.float32) is None

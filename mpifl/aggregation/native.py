@@ -150,14 +150,17 @@ def _built(source: str, folder: Path) -> Path:
     source_path = folder / f".sortnet-{key}.{os.getpid()}.c"  # kept beside the build for reading
     partial = folder / f".{path.name}.{os.getpid()}"
     source_path.write_text(source)
-    for attempt in (flags, [f for f in flags if f != "-march=native"]):  # some compilers lack -march=native
-        done = subprocess.run(compiler + attempt + ["-o", str(partial), str(source_path)],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode == 0:
-            os.replace(source_path, path.with_suffix(".c"))
-            os.replace(partial, path)  # processes building at once each publish a whole file
-            return path
-    raise OSError(f"{' '.join(compiler)} failed on {source_path}: {done.stderr.strip() or done.returncode}")
+    try:
+        for attempt in (flags, [f for f in flags if f != "-march=native"]):  # some compilers lack -march=native
+            done = subprocess.run(compiler + attempt + ["-o", str(partial), str(source_path)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                os.replace(source_path, path.with_suffix(".c"))
+                os.replace(partial, path)  # processes building at once each publish a whole file
+                return path
+        raise OSError(f"{' '.join(compiler)} failed on the generated kernel: {done.stderr.strip() or done.returncode}")
+    finally:
+        source_path.unlink(missing_ok=True)  # a failed build leaves nothing behind
 
 
 def _cpu_identity() -> bytes:
