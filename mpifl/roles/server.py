@@ -35,7 +35,7 @@ from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import Backoff, broadcast_tree, send_chunks, wait_all
+from mpifl.wire.transport import Backoff, broadcast_tree, send_chunks, send_windows, wait_all
 from mpifl.wire.watchdog import FIRST_UPDATE, Deadlines, RankStalled, Watchdog, default_deadlines
 
 
@@ -123,9 +123,9 @@ class Server:
         self._send_headers(plan)
         watchdog = Watchdog(self._deadlines(), rnd, {**plan.train, **plan.streams}, lambda: self.stop.requested)
         try:
-            for window in parts.store.outgoing() if plan.train else ():
-                send_chunks(self.comm, self._model_dests(plan), protocol.MODEL, window, self.transport.inflight,
-                            watchdog)
+            if plan.train:
+                send_windows(self.comm, self._model_dests(plan), protocol.MODEL, parts.store.outgoing(),
+                             self.transport.inflight, watchdog)
         except RankStalled as stalled:
             self._give_up(rnd, stalled, model_intact=True)
         dispatched = time.perf_counter()

@@ -46,7 +46,8 @@ class GlobalStore(Protocol):
         """The receive pool's memory budget, from ``transport.pool_mb``."""
 
     def outgoing(self) -> Iterator[list[np.ndarray]]:
-        """The model's chunk buffers, window by window (each valid until the next is requested)."""
+        """The model's chunk buffers, window by window; each stays valid until the window after the next one
+        is requested (its sends may overlap the next window's), the last two until ``begin_round``."""
 
     def begin_round(self, round_: int, recycle: Path | None = None) -> None:
         """A round's reduction is about to write finished chunks (``recycle``: a checkpoint file about to be
@@ -156,6 +157,7 @@ class InMemoryStore:
 
 
 WRITE_SLOTS = 4  # finished chunks the out-of-core server may have queued for writing
+LIVE_WINDOWS = 3  # out-of-core windows at once: one being read ahead, two being sent
 
 
 @dataclass
@@ -216,10 +218,10 @@ class WriteBehind:
 class OnDiskStore:
     """Out-of-core: the global model is the newest checkpoint; every round publishes the next one.
 
-    Memory: two read windows (``server.window_mb`` in all: mapped file pages, or buffers for windows
-    that are not one stretch of the file) for streaming the model out, and
+    Memory: ``LIVE_WINDOWS`` read windows (``server.window_mb`` in all: mapped file pages, or buffers for
+    windows that are not one stretch of the file) for streaming the model out, and
     ``WRITE_SLOTS`` chunks of staging for writing finished chunks, whatever the model's size.
-    I/O overlaps the exchange: a reader thread fills the next window while the current one is
+    I/O overlaps the exchange: a reader thread fills the next window while the last two are
     sent, and a writer thread writes finished chunks while the next ones are received and
     folded (both with pread/pwrite, which release the GIL: storage.ranges.RawRanges).
     """
@@ -229,8 +231,9 @@ class OnDiskStore:
     def __init__(self, plan: ExchangePlan, path_of: PathOf, window_bytes: int, state_init: dict[str, float],
                  read_previous: bool, map_windows: bool = True):
         self.plan, self.spec, self.path_of = plan, plan.spec, path_of
-        self.windows = chunk_windows(plan.chunks, window_bytes // 2)
-        self.buffers: list[np.ndarray | None] = [None, None]  # made on first use: mapped windows need none
+        self.windows = chunk_windows(plan.chunks, window_bytes // LIVE_WINDOWS)
+        self.buffers: list[np.ndarray | None] = [None] * LIVE_WINDOWS  # made on first use: mapped windows need none
+        self.sent: deque[MappedRange | None] = deque()  # mappings of the windows the caller may still be sending
         share_malloc_arenas()  # before the reader and writer threads: address-space limits (PBS vmem)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="mpifl-reader")
         self.read_previous = read_previous
@@ -279,30 +282,40 @@ class OnDiskStore:
         self.current = ckpt
 
     def outgoing(self) -> Iterator[list[np.ndarray]]:
-        """The model window by window, the next one made ready while the caller sends this one; each
-        window is valid until the next is requested. A window that is one stretch of the checkpoint
-        file is mapped (MPI reads the page cache: no copy), any other is read into a window buffer."""
-        def ready(i: int) -> MappedRange | None:
+        """The model window by window, the next one made ready while the caller sends the last two; each
+        window is valid until the caller asks for the window after the next one, the last two until
+        ``begin_round``. A window that is one stretch of the checkpoint file is mapped (MPI reads the page
+        cache: no copy), any other is read into a window buffer."""
+        def ready(i: int) -> MappedRange | None:  # its buffer was window i-3's, sent before window i-1 was asked for
             window = self.windows[i]
             mapped = self.current.map_range(self.spec, window[0].offset, _span(window)) if self.map_windows else None
             if mapped is None:
-                self.current.read_range(self.spec, window[0].offset, self._buffer(i % 2)[:_span(window)])
+                self.current.read_range(self.spec, window[0].offset, self._buffer(i % LIVE_WINDOWS)[:_span(window)])
             return mapped
 
-        ahead, sent = self.reader.submit(ready, 0), None
+        self._unmap_sent()
+        ahead = self.reader.submit(ready, 0)
         try:
             for i, window in enumerate(self.windows):
                 mapped = ahead.result()
-                if sent is not None:
-                    sent.unmap()  # the caller asked for this window: the one before it is sent
-                sent = mapped
+                if len(self.sent) == LIVE_WINDOWS - 1:  # window i-2: the caller asked for window i, so it is sent
+                    old = self.sent.popleft()
+                    if old is not None:
+                        old.unmap()
+                self.sent.append(mapped)
                 if i + 1 < len(self.windows):
                     ahead = self.reader.submit(ready, i + 1)
-                yield self._views(window, self._buffer(i % 2) if mapped is None else mapped.view)[1]
-            if sent is not None:
-                sent.unmap()
+                buffer = self._buffer(i % LIVE_WINDOWS) if mapped is None else mapped.view
+                yield self._views(window, buffer)[1]
         finally:  # a send that failed leaves no read behind it; its mappings stay (MPI may still read them)
             ahead.exception()
+
+    def _unmap_sent(self) -> None:
+        """The dispatch is over: drop the mappings of the windows it sent."""
+        while self.sent:
+            mapped = self.sent.popleft()
+            if mapped is not None:
+                mapped.unmap()
 
     def _state_sizes(self) -> dict[str, tuple[int, float]]:
         return {name: (self.elements[-1], value) for name, value in self.state_init.items()}
@@ -310,6 +323,7 @@ class OnDiskStore:
     def begin_round(self, round_: int, recycle: Path | None = None) -> None:
         """Open the next checkpoint's temporary file (``recycle`` overwritten in place when it has the same
         layout): finished chunks go into it as they are made."""
+        self._unmap_sent()
         self.writer = CheckpointWriter(self.path_of(round_), self.spec, {}, self._state_sizes(), self.plan.chunk_bytes,
                                        recycle=recycle)
 

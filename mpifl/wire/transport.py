@@ -74,15 +74,26 @@ def send_chunks(comm: MPI.Comm, dests: Sequence[int], tag: int, chunks: Iterable
 
     With a ``watchdog``, a destination that takes up nothing past its deadline raises RankStalled.
     """
-    pending: deque[tuple[int, MPI.Request]] = deque()
+    send_windows(comm, dests, tag, [chunks], inflight, watchdog)
+
+
+def send_windows(comm: MPI.Comm, dests: Sequence[int], tag: int, windows: Iterable[Iterable[np.ndarray]],
+                 inflight: int, watchdog: Watchdog | None = None) -> None:
+    """``send_chunks`` over a stream of windows of chunks, without draining at window boundaries: the
+    sends of window i may still be in flight while window i+1's are posted, and are complete before
+    window i+2 is asked for (what ``GlobalStore.outgoing`` allows)."""
+    pending: deque[tuple[int, int, MPI.Request]] = deque()  # (window, destination, request), oldest first
     limit = inflight * len(dests)
-    for chunk in chunks:
-        for dest in dests:
-            while len(pending) >= limit:
-                _wait_sent(*pending.popleft(), watchdog)
-            pending.append((dest, comm.Isend([chunk, MPI.BYTE], dest=dest, tag=tag)))
+    for i, window in enumerate(windows):
+        for chunk in window:
+            for dest in dests:
+                while len(pending) >= limit:
+                    _wait_sent(*pending.popleft()[1:], watchdog)
+                pending.append((i, dest, comm.Isend([chunk, MPI.BYTE], dest=dest, tag=tag)))
+        while pending and pending[0][0] < i:  # window i-1 is sent before window i+1 is asked for
+            _wait_sent(*pending.popleft()[1:], watchdog)
     while pending:
-        _wait_sent(*pending.popleft(), watchdog)
+        _wait_sent(*pending.popleft()[1:], watchdog)
 
 
 def _wait_sent(dest: int, request: MPI.Request, watchdog: Watchdog | None) -> None:

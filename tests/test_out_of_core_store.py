@@ -1,0 +1,67 @@
+"""The out-of-core store streams the model out window by window, keeping each window readable until the
+caller asks for the window after the next one, so the sends of one window can overlap the next's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mpifl.storage.stores import LIVE_WINDOWS, OnDiskStore
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.plan import ExchangePlan
+from test_checkpoint import save
+
+CHUNK = 256 << 10
+
+
+class Mixed(nn.Module):
+    """Two 1 MiB tensors back to back in the file (windows over them are mapped), a small one and a 0-d
+    buffer (windows over them may be read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(1 << 18))
+        self.b = nn.Parameter(torch.randn(1 << 18))
+        self.c = nn.Parameter(torch.randn(1000))
+        self.register_buffer("scale", torch.tensor(2.5))
+
+
+def open_disk_store(tmp_path, flat, mapped, window_chunks=2):
+    plan = ExchangePlan(flat.spec, flat.spec.chunks(CHUNK), flat.spec.chunks(CHUNK), 2, CHUNK)
+    store = OnDiskStore(plan, lambda r: tmp_path / f"round-{r}.h5", LIVE_WINDOWS * window_chunks * CHUNK, {},
+                        read_previous=False, map_windows=mapped)
+    store.start(None, str(save(tmp_path / "initial.h5", flat, round_=0)), {}, lambda views: None)
+    return store
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_each_window_stays_valid_until_the_window_after_next_is_requested(tmp_path, mapped):
+    torch.manual_seed(5)
+    flat = FlatModel(Mixed())
+    store = open_disk_store(tmp_path, flat, mapped)
+    def model_bytes(chunk):
+        return flat.bytes[chunk.offset:chunk.offset + chunk.nbytes]
+
+    live, sent = [], 0
+    for views, chunks in zip(store.outgoing(), store.windows):
+        live = (live + [(views, chunks)])[-2:]  # what a caller may still be sending
+        for held_views, held_chunks in live:
+            assert all(np.array_equal(v, model_bytes(c)) for v, c in zip(held_views, held_chunks))
+        assert len(store.sent) <= LIVE_WINDOWS - 1
+        sent += len(views)
+    assert sent == len(store.plan.chunks) and len(store.windows) > LIVE_WINDOWS
+    assert any(m is not None for m in store.sent) == mapped  # the last two, until the round begins
+    store.begin_round(1)
+    assert not store.sent
+    store.abandon_round()
+    store.current.close()
+
+
+def test_out_of_core_memory_is_the_configured_window_in_all(tmp_path):
+    flat = FlatModel(Mixed())
+    store = open_disk_store(tmp_path, flat, mapped=False, window_chunks=2)
+    list(store.outgoing())
+    buffers = [b for b in store.buffers if b is not None]
+    assert len(buffers) == LIVE_WINDOWS and sum(b.nbytes for b in buffers) <= LIVE_WINDOWS * 2 * CHUNK
+    store.current.close()
