@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import save
 from torch import nn
 
 from mpifl.storage.stores import LIVE_WINDOWS, OnDiskStore
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.plan import ExchangePlan
-from test_checkpoint import save
 
 CHUNK = 256 << 10
 
