@@ -2,8 +2,8 @@
 equal to a single-process reference, and resumes bitwise after kill -9; synchronous rounds drop stragglers.
 
 Run to run: every asynchronous run here equals the deterministic reference (or a run on other ranks)
-bitwise, and the kill -9 test's uninterrupted run equals the resumed one, so the same config gives
-the same model twice."""
+bitwise, and so does the run resumed after kill -9, so the same config gives the same model every
+time."""
 from __future__ import annotations
 
 import json
@@ -62,7 +62,6 @@ def test_asynchronous_runs_equal_the_single_process_reference_on_any_number_of_r
 
 
 def test_an_asynchronous_run_killed_mid_way_resumes_to_the_uninterrupted_model(tmp_path):
-    _, whole = run(tmp_path, "whole", FEDBUFF, rounds=10)
     cfg = write_config(tmp_path / "killed.yaml", RUN.format(rounds=10, extra=FEDBUFF))
     run_dir = tmp_path / "killed"
     proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_SLEEP": "0"})
@@ -73,12 +72,15 @@ def test_an_asynchronous_run_killed_mid_way_resumes_to_the_uninterrupted_model(t
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert "retrained logical clients" in result.stderr  # the updates in flight were rebuilt
-    assert same_model(run_dir / "model.h5", whole / "model.h5")
+    uninterrupted = async_reference(load_config(cfg))  # what every uninterrupted run gives (test above)
+    got = load_tensors(run_dir / "model.h5")
+    for name, value in uninterrupted.items():
+        assert np.array_equal(got[name].numpy().view(np.uint32), value.view(np.uint32)), name
 
 
 def test_synchronous_virtual_rounds_drop_stragglers_and_report_the_clock(tmp_path):
-    _, plain = run(tmp_path, "plain", "")
-    _, untimed = run(tmp_path, "untimed", "clock: {mode: sync}")
+    _, plain = run(tmp_path, "plain", "", ranks=1)
+    _, untimed = run(tmp_path, "untimed", "clock: {mode: sync}", ranks=1)
     assert same_model(plain / "model.h5", untimed / "model.h5")  # no deadline, no over-selection: the same run
     _, timed = run(tmp_path, "timed", "clock: {mode: sync, deadline: 0.05, over_selection: 0.5, "
                                       "bandwidth_mbps: 2, seconds_per_sample: 0.001}")
