@@ -220,8 +220,8 @@ class ServerConfig:
 
     state: str = field_("memory", "'memory', or 'disk': out-of-core, window by window from HDF5",
                          choices=("memory", "disk"))
-    window_mb: float = field_(96.0, "out-of-core read windows for streaming the model out, MiB in all (three)", min=0.0,
-                               exclusive_min=True)
+    window_mb: float = field_(96.0, "out-of-core read windows for streaming the model out, MiB in all (three)",
+                               min=0.0, exclusive_min=True)
     map_windows: bool = field_(True, "out of core: send each window that is one stretch of the checkpoint file "
                                      "straight from a read-only mapping of it (no copy); false: always read")
 
