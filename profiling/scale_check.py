@@ -1,4 +1,4 @@
-"""Check the scale model (mpifl.scale) against runs on this machine, then print its 70B table.
+"""Check the scale model (mpifl.planning.scale) against runs on this machine, then print its 70B table.
 
 1. Calibrate: run ``mpifl bench exchange`` with 2 clients (3 ranks) and derive this machine's
    rates from mpifl's own split: the link from the dispatch (N x S sent), and the return's cost
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mpifl.cli.bench import exchange_config
 from mpifl.cli.pbs import memory_plan, model_bytes
-from mpifl.scale import LUSTRE, POLARIS, Rates, growth, round_estimate
+from mpifl.planning.scale import LUSTRE, POLARIS, Rates, growth, round_estimate
 
 LLAMA_70B_BF16 = 70.6e9 * 2  # bytes: 70.6 billion parameters in bf16
 

@@ -83,7 +83,7 @@ class FailingClients(NoiseTrainer):
     def __init__(self, cfg: TrainConfig):
         import os
 
-        from mpifl.roles.federation import client_seed
+        from mpifl.planning.seeds import client_seed
 
         super().__init__(cfg)
         seed, first = int(os.environ.get("FL_HELPERS_SEED", "0")), int(os.environ.get("FL_HELPERS_FROM_ROUND", "1"))

@@ -14,7 +14,8 @@ from mpifl.learning.datasets import client_data, load_dataset
 from mpifl.learning.models import build_model
 from mpifl.learning.partitions import partition
 from mpifl.learning.trainers import make_trainer
-from mpifl.roles.federation import client_seed, sample_clients
+from mpifl.planning.federation import sample_clients
+from mpifl.planning.seeds import client_seed
 from mpifl.wire.flat import FlatModel
 
 
@@ -152,9 +153,9 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
     an event loop over virtual arrivals (its own, not mpifl's planner), each client trained on the version
     current at its dispatch, updates applied in arrival order. Devices come from the same cost model."""
     from mpifl.clock.availability import Availability
-    from mpifl.clock.devices import CLOCK, devices_for
+    from mpifl.clock.devices import devices_for
     from mpifl.clock.staleness import staleness_weight
-    from mpifl.roles.federation import SAMPLING, derive_seed
+    from mpifl.planning.seeds import CLOCK, SAMPLING, derive_seed
 
     dataset = load_dataset(cfg.data)
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))

@@ -13,7 +13,7 @@ from mpifl.clock.devices import devices_for, read_trace
 from mpifl.clock.schedule import SyncClock, held_updates, plan_async
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import ConfigError, load_config
-from mpifl.roles.federation import sample_clients
+from mpifl.planning.federation import sample_clients
 
 
 def clock(**kw):

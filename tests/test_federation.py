@@ -4,7 +4,8 @@ import torch
 
 from mpifl.learning.datasets import digits, synthetic
 from mpifl.learning.partitions import dirichlet_partition, iid_partition
-from mpifl.roles.federation import client_seed, clients_of_rank, group_by_rank, sample_clients
+from mpifl.planning.federation import clients_of_rank, group_by_rank, sample_clients
+from mpifl.planning.seeds import client_seed
 
 
 def test_sampling_is_seeded_sorted_and_without_repeats():
@@ -94,7 +95,7 @@ def test_partition_table_shows_samples_and_label_counts_per_client():
 
 
 def test_balanced_placement_puts_the_heaviest_work_first_on_the_least_loaded_rank():
-    from mpifl.roles.federation import balanced_ranks
+    from mpifl.planning.federation import balanced_ranks
 
     work = [10, 1, 1, 1, 1, 9, 2, 3]
     ranks = balanced_ranks(work, 2)
@@ -108,7 +109,7 @@ def test_balanced_placement_puts_the_heaviest_work_first_on_the_least_loaded_ran
 
 def test_round_robin_placement_is_the_default_and_matches_rank_of_client():
     from mpifl.config import load_config
-    from mpifl.roles.federation import placement_for, rank_of_client
+    from mpifl.planning.federation import placement_for, rank_of_client
 
     placement = placement_for(load_config(None).clients, 3, None)
     assert [placement.rank_of(c) for c in range(8)] == [rank_of_client(c, 3) for c in range(8)]

@@ -11,7 +11,7 @@ from mpifl.config import ConfigError, load_config
 from mpifl.privacy.accounting import epsilon
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy, sum_noise_multiplier
 from mpifl.privacy.noise import BLOCK, ElementNoise
-from mpifl.roles.federation import poisson_sample
+from mpifl.planning.federation import poisson_sample
 
 dp = pytest.importorskip("dp_accounting")
 

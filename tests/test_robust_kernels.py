@@ -16,7 +16,7 @@ import pytest
 import torch
 from reference import median, round_to, trimmed_mean
 
-from mpifl.aggregation import kernels, native
+from mpifl.aggregation import kernels, native, networks
 
 BETAS = (0.0, 0.1, 0.25, 0.49)
 NATIVE_PARTICIPANTS = (1, 2, 3, 5, 6, 8, 9, 16, 33)  # the counts the C kernels are built for here
@@ -100,7 +100,7 @@ def test_the_sorting_network_sorts_every_zero_one_column_and_the_window_networks
     columns = np.array(list(itertools.product((0, 1), repeat=p)), dtype=np.int8).T  # the 0-1 principle
     want = np.sort(columns, axis=0)
     for k in range(kernels.median_count(p) + 1):
-        network = kernels.window_network(p, k)
+        network = networks.window_network(p, k)
         rows = list(columns.copy())
         kernels.compare_exchange(rows, network, np.empty_like(columns[0]))
         got = np.stack(rows[k:p - k])
@@ -108,12 +108,12 @@ def test_the_sorting_network_sorts_every_zero_one_column_and_the_window_networks
             got = np.sort(got, axis=0)
         assert np.array_equal(got, want[k:p - k]), (p, k)
     known = {1: 0, 2: 1, 3: 3, 4: 5, 8: 19, 16: 63}  # Batcher's counts (19 is optimal for 8)
-    assert len(kernels.sorting_network(p)) == known.get(p, len(kernels.sorting_network(p)))
+    assert len(networks.sorting_network(p)) == known.get(p, len(networks.sorting_network(p)))
 
 
 def test_the_median_of_8_takes_26_minimum_or_maximum_and_a_full_sort_38():
-    assert sum(low + high for _, _, low, high in kernels.window_network(8, 3)) == 26
-    assert sum(low + high for _, _, low, high in kernels.window_network(8, 0)) == 38
+    assert sum(low + high for _, _, low, high in networks.window_network(8, 3)) == 26
+    assert sum(low + high for _, _, low, high in networks.window_network(8, 0)) == 38
 
 
 def test_order_keys_are_a_total_order_with_nan_last_and_invert_exactly():
@@ -256,6 +256,6 @@ def test_without_a_compiler_the_numpy_network_runs_and_says_so_once(monkeypatch,
 
 
 def test_the_generated_kernel_is_the_window_network_unrolled():
-    source = native.kernel_source(8, 3, kernels.window_network(8, 3))
+    source = native.kernel_source(8, 3, networks.window_network(8, 3))
     assert source.count(" ? ") == 2 * 26  # 26 minimum/maximum (one ternary each), fp32 and bf16 rows
     assert source.count("out[c] = (float_of(v3) + float_of(v4)) / 2.0f;") == 2  # the middle two, in order

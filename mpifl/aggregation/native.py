@@ -1,7 +1,7 @@
 """Fused sorting-network kernels: one C function per (participants, window), generated, compiled
 on first use with the system C compiler and loaded with ctypes.
 
-``kernel_source(p, k)`` writes ``kernels.window_network(p, k)`` out as straight-line C: per
+``kernel_source(p, k)`` writes ``networks.window_network(p, k)`` out as straight-line C: per
 column, the p values are loaded as int32 total-order keys (``kernels.order_keys``), the
 comparators run on them in registers, and the window k..p-k-1 is turned back into floats,
 summed in ascending order in fp32 and divided by its length, exactly the numpy path's
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from mpifl.aggregation.networks import window_network
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +94,6 @@ def kernel(p: int, k: int, dtype: torch.dtype) -> Kernel | None:
     cached; None where there can be none (then the numpy network runs)."""
     if dtype not in ROW_TYPES or not 1 <= p <= MAX_PARTICIPANTS or os.environ.get("MPIFL_NATIVE", "1") == "0":
         return None
-    from mpifl.aggregation.kernels import window_network  # kernels imports this module
-
     try:
         lib = ctypes.CDLL(str(_built(kernel_source(p, k, window_network(p, k)), _cache_dir())))
     except (OSError, subprocess.SubprocessError) as err:

@@ -1,7 +1,8 @@
 """The strategy registry: each built-in name -> (combiner, server update), torch-free.
 
-``mpifl.config`` lists these names as ``strategy.name``'s choices, so this module imports
-neither torch nor the config: the stages are named here and imported on first use. A new
+``mpifl.config`` lists these names as ``strategy.name``'s choices (``STRATEGIES``); this
+table must name the same, in the same order. Torch-free: the stages are named here and
+imported on first use. A new
 algorithm is a small class in ``combiners.py`` or ``updates.py`` plus one line below. User
 strategies need no registration: ``strategy.name: package.module:attr`` (see strategies.py).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpifl.config.sections import STRATEGIES
 from mpifl.plugins import resolve
 
 COMBINERS = "mpifl.aggregation.combiners"
@@ -25,7 +27,8 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "trimmed_mean": ("TrimmedMean", "Replace"),
 }
 
-STRATEGIES: tuple[str, ...] = tuple(BUILTIN)
+if tuple(BUILTIN) != STRATEGIES:  # the config's vocabulary and this table are one list, checked on import
+    raise ImportError(f"mpifl.aggregation.registry names {tuple(BUILTIN)}, the config {STRATEGIES}")
 
 
 def stages(name: str) -> tuple[Any, Any]:

@@ -10,7 +10,7 @@ from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.pbs import add_plan_parser
 from mpifl.config import ConfigError
 from mpifl.logs import env_rank, log
-from mpifl.storage.hdf5 import CheckpointError
+from mpifl.errors import CheckpointError
 
 # Commands whose trailing key=value words are config overrides.
 TAKES_OVERRIDES = ("run", "validate", "pbs", "plan", "partition")

@@ -7,7 +7,8 @@ from pathlib import Path
 import h5py
 import yaml
 
-from mpifl.storage.hdf5 import Checkpoint, CheckpointError
+from mpifl.errors import CheckpointError
+from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, make_strategy
 from mpifl.config import Config, load_config
-from mpifl.scale import LUSTRE, POLARIS, Rates, round_estimate
+from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB
 from mpifl.wire.flat import itemsize
 
@@ -192,7 +192,7 @@ def receive_pool_bytes(cfg: Config, nbytes: int, client_ranks: int) -> int:
 def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
     """Top-k with error feedback: (client ranks, clients each hosts, "RAM" or "HDF5"), fullest ranks first
     (round-robin placement); empty without residuals."""
-    from mpifl.roles.federation import clients_of_rank
+    from mpifl.planning.federation import clients_of_rank
 
     if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
         return []
@@ -247,7 +247,7 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def load_rates(name: str) -> Rates:
-    """``--rates``: a preset of mpifl.scale, or a JSON file of Rates fields (e.g. measured by
+    """``--rates``: a preset of mpifl.planning.scale, or a JSON file of Rates fields (e.g. measured by
     profiling/scale_check.py)."""
     presets = {"polaris": POLARIS, "lustre": LUSTRE}
     if name in presets:
@@ -264,7 +264,7 @@ def load_rates(name: str) -> Rates:
 
 def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
     """The scale model's round time for this config: point-to-point against a dispatch tree with a chain
-    reduction, in memory against out of core (mpifl.scale)."""
+    reduction, in memory against out of core (mpifl.planning.scale)."""
     clients, width = cfg.clients_per_round(), itemsize(cfg.model.dtype)
     print(f"  predicted round, {clients} clients, model-only exchange, rates: {rates.name} "
           f"(link {rates.link / 1e9:g} GB/s, fold {rates.fold / 1e9:g}/{rates.fold_narrow / 1e9:g} G elements/s "
@@ -312,9 +312,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--client-ranks", type=int, help="client ranks (default: clients per round)")
     p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
-    p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.scale's model)")
+    p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
     p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
-                   "mpifl.scale.Rates fields (bytes or elements per second)")
+                   "mpifl.planning.scale.Rates fields (bytes or elements per second)")
 
 
 def add_parser(sub) -> None:

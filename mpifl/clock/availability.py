@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mpifl.clock.devices import CLOCK
 from mpifl.config import ClockConfig
-from mpifl.roles.federation import derive_seed
+from mpifl.planning.seeds import CLOCK, derive_seed
 
 
 class Availability:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mpifl.clock.availability import Availability
-from mpifl.clock.devices import CLOCK
+from mpifl.planning.seeds import CLOCK
 from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, sample_online
 
 StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds

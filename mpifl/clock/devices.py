@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from mpifl.config import ClockConfig
-from mpifl.roles.federation import derive_seed
+from mpifl.planning.seeds import CLOCK, derive_seed
 
-CLOCK = 4  # seed stream key (federation.py holds 1..3)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, pl
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import Config
 from mpifl.logs import log
-from mpifl.roles.federation import Placement, RoundPlan, Sampler
+from mpifl.planning.federation import Placement, RoundPlan, Sampler
 from mpifl.units import MIB
 
 

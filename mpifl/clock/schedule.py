@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpifl.clock.availability import Availability
-from mpifl.clock.devices import CLOCK
-from mpifl.roles.federation import SAMPLING, derive_seed
+from mpifl.planning.seeds import CLOCK, SAMPLING, derive_seed
 
 Duration = Callable[[int], float]  # a logical client's task, in virtual seconds
 

@@ -5,9 +5,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from mpifl.aggregation.registry import STRATEGIES  # torch-free: the registered strategy names
 from mpifl.config.schema import field_
 from mpifl.units import MIB
+
+# The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
+# its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
+STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from mpifl.config import DataConfig
 from mpifl.learning.datasets import Dataset
 from mpifl.plugins import is_import_path, resolve
-from mpifl.roles.federation import PARTITION, derive_seed
+from mpifl.planning.seeds import PARTITION, derive_seed
 
 
 def iid_partition(num_samples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:

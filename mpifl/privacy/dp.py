@@ -22,10 +22,9 @@ import torch
 
 from mpifl.config import PrivacyConfig
 from mpifl.privacy.accounting import epsilon
-from mpifl.privacy.noise import PRIVACY, ElementNoise
-from mpifl.roles.federation import derive_seed
+from mpifl.planning.seeds import CENTRAL, COUNT, LOCAL, PRIVACY, derive_seed
+from mpifl.privacy.noise import ElementNoise
 
-CENTRAL, LOCAL, COUNT = 0, 1, 2  # keys of the noise streams: the server's sum, a client's update, the clip count
 
 
 def count_noise(cfg: PrivacyConfig, per_round: int) -> float:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from mpifl.roles.federation import derive_seed
+from mpifl.planning.seeds import PRIVACY, derive_seed
 
-PRIVACY = 5  # seed stream key (federation.py and clock/devices.py hold 1..4)
 BLOCK = 1 << 16
 
 

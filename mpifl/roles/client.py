@@ -20,7 +20,7 @@ from mpifl.metrics import peak_rss_bytes
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
-from mpifl.roles.federation import GROUP_COMPRESSION, client_seed
+from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets

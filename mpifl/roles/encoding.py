@@ -7,7 +7,7 @@ import torch
 
 from mpifl.aggregation.kernels import fold
 from mpifl.privacy.noise import BLOCK, ElementStream
-from mpifl.roles.federation import COMPRESSION
+from mpifl.planning.seeds import COMPRESSION
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets, fp32_chunks
 from mpifl.wire.plan import ExchangePlan

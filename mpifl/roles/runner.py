@@ -30,7 +30,7 @@ from mpifl.metrics import JsonLines
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.federation import Placement, placement_for
+from mpifl.planning.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.records import log_final
 from mpifl.roles.server import Evaluation, Server, ServerParts

@@ -26,7 +26,7 @@ from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.federation import RoundPlan, Sampler
+from mpifl.planning.federation import RoundPlan, Sampler
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import RoundTimes, federated_evaluation, secagg_record, summary
 from mpifl.storage.checkpointer import Checkpointer

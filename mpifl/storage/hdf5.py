@@ -27,7 +27,8 @@ import h5py
 import numpy as np
 import torch
 
-from mpifl.storage.integrity import ChunkChecksums
+from mpifl.errors import CheckpointError
+from mpifl.storage.integrity import ChunkChecksums, verify
 from mpifl.storage.ranges import STORED_AS, MappedRange, RawRanges, file_address
 from mpifl.units import MIB
 from mpifl.wire.flat import ModelSpec, layout
@@ -44,10 +45,6 @@ def _contiguous() -> h5py.h5p.PropDCID:
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     return dcpl
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used, with the file and the reason in the message."""
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -258,8 +255,6 @@ class Checkpoint:
 
     def verify(self) -> int:
         """Read everything back and check every chunk's checksum; the number of chunks checked (0: none stored)."""
-        from mpifl.storage.integrity import verify
-
         with self._reading("metrics"):
             self.metrics()
         return verify(self)

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import h5py
 import numpy as np
 
+from mpifl.errors import CheckpointError
 from mpifl.wire.flat import Chunk, ModelSpec, element_offsets
 
 try:  # ISA-L's CRC32: the same values as zlib's, ~10x faster (carry-less multiply), and it releases the GIL
@@ -124,8 +125,6 @@ def verify(ckpt) -> int:
     """Check a checkpoint's tensors and server state against its stored CRC32s, chunk by chunk; return the
     number of chunks checked (0 for a checkpoint written before checksums). Raise CheckpointError naming the
     first tensor (or state vector) whose bytes changed."""
-    from mpifl.storage.hdf5 import CheckpointError
-
     if GROUP not in ckpt.file:
         return 0
     group = ckpt.file[GROUP]

@@ -1,4 +1,4 @@
-"""Who takes part, where they live, and the seeds they use: pure functions of the config."""
+"""Who takes part and where they live: sampling, placement and round assignments, pure functions of the config."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,24 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpifl.config import ClientsConfig
-
-SAMPLING = 1  # stream keys keep the seed derivations of different purposes apart
-CLIENT = 2
-PARTITION = 3
-POISSON = 6  # a sub-key of SAMPLING (clock/devices.py holds 4, privacy/noise.py 5)
-COMPRESSION = 7  # a key of the element streams (privacy/noise.py): stochastic rounding of compressed updates
-GROUP_COMPRESSION = 8  # the same for a reduction group's quantized partial sum (keyed by group, not client)
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """A 63-bit seed derived from the root seed and a tuple of integer keys."""
-    state = np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32)
-    return int(state[0]) << 31 ^ int(state[1])
-
-
-def client_seed(seed: int, round_: int, client: int) -> int:
-    """The seed of one logical client's work in one round (never depends on the rank)."""
-    return derive_seed(seed, CLIENT, round_, client)
+from mpifl.planning.seeds import POISSON, SAMPLING, derive_seed
 
 
 def sample_clients(seed: int, round_: int, num_clients: int, per_round: int) -> list[int]:
