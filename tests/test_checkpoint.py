@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from mpifl.config import resume_conflict
-from mpifl.storage.checkpointer import checkpoint_name, latest_checkpoint, list_checkpoints, prune_checkpoints
 from mpifl.errors import CheckpointError
+from mpifl.storage.checkpointer import checkpoint_name, latest_checkpoint, list_checkpoints, prune_checkpoints
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter, load_tensors
 from mpifl.wire.flat import FlatModel
 

@@ -16,15 +16,15 @@ from mpifl.storage.hdf5 import CheckpointWriter
 from mpifl.storage.residuals import DiskResiduals, RamResiduals, load_snapshot, open_residuals, save_snapshot
 from mpifl.wire.codecs import TopK
 from mpifl.wire.flat import element_offsets, layout
-from mpifl.wire.plan import ExchangePlan
+from mpifl.wire.layout import ExchangeLayout
 
 SPEC = layout([("a", (300,), "float32"), ("b", (7, 9), "float32")])
 CHUNKS = SPEC.chunks(4 * 128)  # 128, 128, 44 and 63 elements: several chunks, uneven
 
 
-def plan(fraction: float = 0.1) -> ExchangePlan:
+def plan(fraction: float = 0.1) -> ExchangeLayout:
     codec = TopK(fraction)
-    return ExchangePlan(SPEC, CHUNKS, codec.wire_chunks(CHUNKS), 1, 4 * 128, codec=codec)
+    return ExchangeLayout(SPEC, CHUNKS, codec.wire_chunks(CHUNKS), 1, 4 * 128, codec=codec)
 
 
 def deltas(seed: int, integers: bool) -> list[torch.Tensor]:
@@ -33,7 +33,7 @@ def deltas(seed: int, integers: bool) -> list[torch.Tensor]:
             for c in CHUNKS]
 
 
-def sent(p: ExchangePlan, buffers) -> torch.Tensor:
+def sent(p: ExchangeLayout, buffers) -> torch.Tensor:
     return torch.cat([p.codec.decode(b, c.numel, torch.empty(c.numel)) for c, b in zip(CHUNKS, buffers)])
 
 

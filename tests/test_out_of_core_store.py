@@ -10,7 +10,7 @@ from torch import nn
 
 from mpifl.storage.stores import LIVE_WINDOWS, OnDiskStore
 from mpifl.wire.flat import FlatModel
-from mpifl.wire.plan import ExchangePlan
+from mpifl.wire.layout import ExchangeLayout
 
 CHUNK = 256 << 10
 
@@ -28,7 +28,7 @@ class Mixed(nn.Module):
 
 
 def open_disk_store(tmp_path, flat, mapped, window_chunks=2):
-    plan = ExchangePlan(flat.spec, flat.spec.chunks(CHUNK), flat.spec.chunks(CHUNK), 2, CHUNK)
+    plan = ExchangeLayout(flat.spec, flat.spec.chunks(CHUNK), flat.spec.chunks(CHUNK), 2, CHUNK)
     store = OnDiskStore(plan, lambda r: tmp_path / f"round-{r}.h5", LIVE_WINDOWS * window_chunks * CHUNK, {},
                         read_previous=False, map_windows=mapped)
     store.start(None, str(save(tmp_path / "initial.h5", flat, round_=0)), {}, lambda views: None)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mpifl.config import ConfigError, load_config
+from mpifl.planning.federation import poisson_sample
 from mpifl.privacy.accounting import epsilon
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy, sum_noise_multiplier
 from mpifl.privacy.noise import BLOCK, ElementNoise
-from mpifl.planning.federation import poisson_sample
 
 dp = pytest.importorskip("dp_accounting")
 

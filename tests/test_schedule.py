@@ -193,7 +193,7 @@ class Receiver:
 
 def random_round(rng: random.Random) -> dict:
     """1-5 ranks hosting 1-4 participants each, 1-12 chunks, 1-4 slots per rank, ~20% failed participants;
-    with one participant per rank, half the rounds hold their slots as the stack (PoolPlan.held_stacks)."""
+    with one participant per rank, half the rounds hold their slots as the stack (PoolLayout.held_stacks)."""
     ranks = rng.randint(1, 5)
     most = 1 if rng.random() < 0.3 else 4  # a third of the rounds: one participant per rank
     hosted = [rng.randint(1, most) for _ in range(ranks)]

@@ -63,7 +63,7 @@ class WeightedMean(Combiner):
         return float(num_samples) if self.cfg.weighting == "samples" else 1.0
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
-        """acc = w*x for the first participant, then acc += w*x (one rounding each); narrow chunks
+        """Acc = w*x for the first participant, then acc += w*x (one rounding each); narrow chunks
         (bf16, fp16) are widened into a reused fp32 scratch first, the fast path."""
         kernels.fold(acc, x, weight, index == 0, self._scratch(x, acc) if x.dtype != acc.dtype else None)
 
@@ -74,7 +74,7 @@ class WeightedMean(Combiner):
         return scratch
 
     def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
-        """acc / total_weight, in place."""
+        """Acc / total_weight, in place."""
         return acc.div_(total_weight)
 
     def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:

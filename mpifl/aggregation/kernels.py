@@ -29,7 +29,7 @@ SecondMoment = Callable[[torch.Tensor, torch.Tensor, float], None]
 # -- combining participants' chunks -------------------------------------------------------------
 
 def fold(acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool, scratch: torch.Tensor | None = None) -> None:
-    """acc = weight * x for the first term, else acc += weight * x fused (x may be bf16; acc is fp32).
+    """Acc = weight * x for the first term, else acc += weight * x fused (x may be bf16; acc is fp32).
 
     A narrower ``x`` is widened (exactly) into ``scratch`` first when one is given: torch's
     mixed-dtype ``add_`` runs about 3x slower than widening then adding in fp32 (same result).
@@ -47,7 +47,7 @@ def fold(acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool, scratch
 
 
 def weighted_mean_into(out: torch.Tensor, acc: torch.Tensor, total_weight: float) -> None:
-    """out = acc / total_weight, computed in fp32 and rounded once to out's dtype; ``acc`` is spent.
+    """Out = acc / total_weight, computed in fp32 and rounded once to out's dtype; ``acc`` is spent.
 
     A narrower ``out`` gets the quotient computed in place in ``acc`` and then copied (rounded): torch's
     mixed-dtype ``div`` into a bf16 ``out`` runs about 6x slower, with the same result.
@@ -145,7 +145,7 @@ Rows = Union[torch.Tensor, Sequence[torch.Tensor]]  # a (p, n) stack, or p separ
 
 def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.Tensor,
                          columns: slice = slice(None)) -> None:
-    """out = per column of the p rows, the mean of its sorted values k..p-k-1, summed in ascending
+    """Out = per column of the p rows, the mean of its sorted values k..p-k-1, summed in ascending
     order; the median is k = median_count(p). ``rows`` is a (p, n) stack or p separate rows of n
     values (any float dtype, widened exactly: the receive slots themselves), only read; ``columns``
     picks the span of them to do. ``out`` (the span's values, any float dtype, rounded once; it may
@@ -256,7 +256,7 @@ def momentum_step(delta: torch.Tensor, state: dict[str, torch.Tensor], lr: float
 
 
 def first_moment(delta: torch.Tensor, m: torch.Tensor, beta1: float) -> None:
-    """m = beta1*m + (1-beta1)*delta."""
+    """M = beta1*m + (1-beta1)*delta."""
     m.mul_(beta1).add_(delta, alpha=1 - beta1)
 
 

@@ -106,7 +106,7 @@ def kernel(p: int, k: int, dtype: torch.dtype) -> Kernel | None:
 
 
 def trimmed_mean(out: np.ndarray, rows: list[torch.Tensor], first: int, k: int) -> bool:
-    """out (fp32, contiguous, n values) = the trimmed mean of columns first..first+n of ``rows``
+    """Out (fp32, contiguous, n values) = the trimmed mean of columns first..first+n of ``rows``
     (contiguous CPU rows of one dtype); False, with nothing written, where no kernel can be had."""
     dtype = rows[0].dtype
     if not all(r.dtype == dtype and r.device.type == "cpu" and r.is_contiguous() for r in rows):

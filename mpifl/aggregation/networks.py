@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+
 @functools.cache
 def sorting_network(p: int) -> tuple[tuple[int, int], ...]:
     """Batcher's odd-even merge sort on p wires: compare-exchanges (i, j), i < j, in order.

@@ -6,7 +6,7 @@ the result is bitwise reproducible); this class performs the folds it allows wit
 and writes finished chunks into the global state. Memory: the receive slots plus ``window``
 chunk accumulators. Robust strategies (median, trimmed mean) need every participant's chunk j
 at once: with one participant per rank the chunks stay in their slots, which the sorting
-network reads directly (``PoolPlan.held_stacks``), beside the receives on worker threads;
+network reads directly (``PoolLayout.held_stacks``), beside the receives on worker threads;
 otherwise each accumulator is a participants x chunk stack.
 A participant whose header carries an error (``clients.accept_failures``) is skipped in every
 chunk; ``clients.min_participants`` is checked before the first finished chunk is written, so
@@ -28,9 +28,9 @@ from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, Chunk, element_offsets
-from mpifl.wire.memory import host_tensor
-from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import Backoff, touched_empty
+from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.memory import host_bytes, host_tensor
+from mpifl.wire.transport import Backoff
 from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, Watchdog
 
 
@@ -59,7 +59,7 @@ class ReductionStats:
 
 
 @dataclass(frozen=True)
-class PoolPlan:
+class PoolLayout:
     """Receive slots per rank and the accumulator window, derived from a memory budget."""
 
     slots_per_rank: int
@@ -68,23 +68,23 @@ class PoolPlan:
 
     @classmethod
     def from_budget(cls, budget_bytes: int, chunk_bytes: int, acc_chunk_bytes: int, ranks: int,
-                    inflight: int, num_chunks: int, sequential: bool) -> PoolPlan:
+                    inflight: int, num_chunks: int, sequential: bool) -> PoolLayout:
         """Split the budget between slots (half) and accumulators (half); at least 1 slot and 2 accumulators."""
         slots = max(1, min(inflight, budget_bytes // 2 // max(1, ranks * chunk_bytes)))
         window = num_chunks if sequential else max(2, budget_bytes // 2 // max(1, acc_chunk_bytes))
         return cls(slots, min(window, num_chunks))
 
     @classmethod
-    def held_stacks(cls, budget_bytes: int, chunk_bytes: int, ranks: int, inflight: int, num_chunks: int) -> PoolPlan:
+    def held_stacks(cls, budget_bytes: int, chunk_bytes: int, ranks: int, inflight: int, num_chunks: int) -> PoolLayout:
         """A robust strategy with one participant per rank: the whole budget goes to receive slots,
         at least two per rank (a slot stays full until its chunk's statistic is taken)."""
         slots = max(2, min(inflight, budget_bytes // max(1, ranks * chunk_bytes)))
         return cls(slots, num_chunks, held=True)
 
 
-def holds_stacks(strategy: Strategy, exchange: ExchangePlan, by_rank: Mapping[int, Sequence[int]],
+def holds_stacks(strategy: Strategy, exchange: ExchangeLayout, by_rank: Mapping[int, Sequence[int]],
                  summed: bool) -> bool:
-    """Whether a round's stack can be the receive slots themselves (``PoolPlan.held_stacks``): a stacking
+    """Whether a round's stack can be the receive slots themselves (``PoolLayout.held_stacks``): a stacking
     strategy, every chunk received as it is (no codec), no sum to unmask or add noise to (``summed``),
     and one participant per rank (so a slot is freed within a window of chunks)."""
     return (strategy.stacked and exchange.codec is None and not summed
@@ -99,7 +99,7 @@ class ReceivePool:
     participants per round for a robust stack.
     """
 
-    def __init__(self, exchange: ExchangePlan, rows: int = 1):
+    def __init__(self, exchange: ExchangeLayout, rows: int = 1):
         self.chunk_bytes = max(c.nbytes for c in exchange.wire)
         self.acc_numel = max(c.numel for c in exchange.chunks) * rows
         self.slots: list[np.ndarray] = []
@@ -108,7 +108,7 @@ class ReceivePool:
     def ensure(self, slots: int, accumulators: int) -> None:
         """Grow (never shrink) to at least this many slots and accumulators."""
         while len(self.slots) < slots:
-            self.slots.append(touched_empty(self.chunk_bytes))
+            self.slots.append(host_bytes(self.chunk_bytes))
         while len(self.accumulators) < accumulators:
             self.accumulators.append(host_tensor(self.acc_numel, ACCUMULATOR_DTYPE))
 
@@ -116,8 +116,8 @@ class ReceivePool:
 class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""
 
-    def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangePlan, strategy: Strategy,
-                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolPlan, round_: int = 0, *,
+    def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangeLayout, strategy: Strategy,
+                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolLayout, round_: int = 0, *,
                  min_participants: int = 1, watchdog: Watchdog | None = None, order: Sequence[int] | None = None,
                  weights: Mapping[int, float] | None = None, divisor: float | None = None,
                  noise: Callable[[torch.Tensor, int], None] | None = None,

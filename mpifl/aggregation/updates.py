@@ -105,5 +105,5 @@ class Mixing(ServerUpdate):
         self.alpha = 1.0
 
     def step(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        """step = a * (x_client - x)."""
+        """Step = a * (x_client - x)."""
         delta.mul_(self.alpha)

@@ -9,8 +9,8 @@ from mpifl.cli import commands
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.pbs import add_plan_parser
 from mpifl.config import ConfigError
-from mpifl.logs import env_rank, log
 from mpifl.errors import CheckpointError
+from mpifl.logs import env_rank, log
 
 # Commands whose trailing key=value words are config overrides.
 TAKES_OVERRIDES = ("run", "validate", "pbs", "plan", "partition")

@@ -30,8 +30,8 @@ from mpifl.roles.launch import guarded
 from mpifl.roles.runner import check_world, run_rank
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, itemsize
-from mpifl.wire.memory import host_tensor
-from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, touched_empty, wait_all
+from mpifl.wire.memory import host_bytes, host_tensor
+from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, wait_all
 
 TAG_DOWN, TAG_UP = 101, 102
 
@@ -126,10 +126,10 @@ class FloorExchange:
         self.itemsize = dtype.itemsize
         step = max(1, chunk_bytes // self.itemsize) * self.itemsize
         self.spans = [(o, min(step, model_bytes - o)) for o in range(0, model_bytes, step)]
-        self.model = touched_empty(model_bytes)
+        self.model = host_bytes(model_bytes)
         self.chunks = [self.model[o:o + n] for o, n in self.spans]
         if self.rank == 0:
-            self.slots = [[touched_empty(step) for _ in range(self.slots_per_client)] for _ in range(self.clients)]
+            self.slots = [[host_bytes(step) for _ in range(self.slots_per_client)] for _ in range(self.clients)]
             self.acc = host_tensor(model_bytes // self.itemsize, torch.float32)  # huge pages, as mpifl's
             self.scratch = host_tensor(step // self.itemsize, torch.float32)  # the fastest fold, as mpifl's
 

@@ -102,7 +102,7 @@ class ModelBytes:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class MemoryEstimate:
     """Bytes per rank and per node, from the memory formulas in the README."""
 
     model_bytes: int
@@ -129,7 +129,7 @@ def model_bytes(cfg: Config) -> ModelBytes:
     return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
 
 
-def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryPlan:
+def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryEstimate:
     """Per-rank and fullest-node memory for this config (activations not included)."""
     nbytes = size.exchanged
     width = itemsize(cfg.model.dtype)
@@ -143,7 +143,7 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
         slot = min(cfg.transport.chunk_bytes, 4 * elements if cfg.clients.groups else nbytes)
         server = IMPORTS_BYTES + size.total + 4 * elements + (nranks - 1) * cfg.transport.inflight * slot
         server += strategy.state_bytes(elements)
-    elif strategy.stacked:  # one participant per rank: the receive slots are the stack (PoolPlan.held_stacks)
+    elif strategy.stacked:  # one participant per rank: the receive slots are the stack (PoolLayout.held_stacks)
         chunk = min(cfg.transport.chunk_bytes, nbytes)
         stack = strategy.accumulator_rows(cfg.clients_per_round()) * (chunk // width) * ACCUMULATOR_DTYPE.itemsize
         slots = max(2, min(cfg.transport.inflight, max(min(int(cfg.transport.pool_mb * MIB), nbytes // 4), 4 * stack)
@@ -173,11 +173,11 @@ def memory_plan(cfg: Config, size: ModelBytes, nranks: int, ranks_per_node: int,
     if residuals and residuals[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 residuals
         client += residuals[0][1] * 4 * elements
     first = server if server_alone else server + (ranks_per_node - 1) * client
-    return MemoryPlan(nbytes, server, client, max(first, ranks_per_node * client))
+    return MemoryEstimate(nbytes, server, client, max(first, ranks_per_node * client))
 
 
 def receive_pool_bytes(cfg: Config, nbytes: int, client_ranks: int) -> int:
-    """The in-memory server's receive slots and accumulators (aggregation.reduction.PoolPlan): half of
+    """The in-memory server's receive slots and accumulators (aggregation.reduction.PoolLayout): half of
     min(pool_mb, S/4) for each, but at least one slot per client rank and two accumulators."""
     chunk = min(cfg.transport.chunk_bytes, nbytes)
     acc_chunk = chunk * 4 // itemsize(cfg.model.dtype)  # fp32 accumulators

@@ -5,8 +5,8 @@ import contextlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from mpifl.units import MIB
 

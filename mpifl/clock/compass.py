@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mpifl.clock.availability import Availability
-from mpifl.planning.seeds import CLOCK
 from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, sample_online
+from mpifl.planning.seeds import CLOCK
 
 StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds
 

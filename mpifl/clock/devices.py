@@ -20,7 +20,6 @@ from mpifl.config import ClockConfig
 from mpifl.planning.seeds import CLOCK, derive_seed
 
 
-
 @dataclass(frozen=True)
 class Devices:
     """Per logical client: virtual seconds per training sample, and link bits per second."""

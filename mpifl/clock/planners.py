@@ -8,7 +8,7 @@ from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, pl
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import Config
 from mpifl.logs import log
-from mpifl.planning.federation import Placement, RoundPlan, Sampler
+from mpifl.planning.federation import Placement, RoundAssignment, Sampler
 from mpifl.units import MIB
 
 
@@ -19,10 +19,10 @@ class SyncSampler(Sampler):
         super().__init__(seed, cfg.clients, placement)
         self.clock = clock
 
-    def plan(self, round_: int) -> RoundPlan:
+    def plan(self, round_: int) -> RoundAssignment:
         planned = self.clock.round(round_)
         kept = list(planned.kept)
-        return RoundPlan(round_, tuple(kept), self.by_rank(kept), self.streams(kept), clock=planned.record())
+        return RoundAssignment(round_, tuple(kept), self.by_rank(kept), self.streams(kept), clock=planned.record())
 
 
 class AsyncSampler(Sampler):
@@ -33,7 +33,7 @@ class AsyncSampler(Sampler):
         self.clock_cfg, self.steps = cfg.clock, steps
         self.per_round = {"fedasync": 1, "fedbuff": cfg.clock.buffer}.get(cfg.clock.mode, cfg.clock.concurrency)
 
-    def plan(self, round_: int) -> RoundPlan:
+    def plan(self, round_: int) -> RoundAssignment:
         step = self.steps[round_ - 1]
         order = tuple(a.client for a in step.arrivals)
         streams: dict[int, list[int]] = {}
@@ -42,11 +42,11 @@ class AsyncSampler(Sampler):
         weights = {a.client: staleness_weight(self.clock_cfg, a.staleness) for a in step.arrivals}
         if self.clock_cfg.mode == "fedasync":  # x + a (x_client - x): the combined chunk is x_client itself
             (arrival,) = step.arrivals
-            return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True,
+            return RoundAssignment(round_, order, self.by_rank(list(step.train)), streams, order, hold=True,
                              weights={arrival.client: 1.0}, mixing=self.clock_cfg.alpha * weights[arrival.client],
                              clock=step.record())
         steps = dict(zip(step.train, step.train_steps)) if step.train_steps else None
-        return RoundPlan(round_, order, self.by_rank(list(step.train)), streams, order, hold=True, weights=weights,
+        return RoundAssignment(round_, order, self.by_rank(list(step.train)), streams, order, hold=True, weights=weights,
                          divisor=float(len(order)), local_steps=steps, clock=step.record())
 
 
@@ -63,13 +63,13 @@ class AsyncSampler(Sampler):
         """Model versions that clients in flight after ``step`` trained on: a resume retrains them from these."""
         return {t - 1 for t in self.in_flight(step)}
 
-    def replay(self, step: int) -> list[RoundPlan]:
+    def replay(self, step: int) -> list[RoundAssignment]:
         """Resuming after ``step``: retrain the clients then in flight (each from its version, with its seed) and
         hold their updates, as the interrupted run did."""
         plans = []
         for t, arrivals in self.in_flight(step).items():
             steps = {a.client: a.local_steps for a in arrivals} if any(a.local_steps for a in arrivals) else None
-            plans.append(RoundPlan(t, (), self.by_rank([a.client for a in arrivals]), {}, hold=True,
+            plans.append(RoundAssignment(t, (), self.by_rank([a.client for a in arrivals]), {}, hold=True,
                                    local_steps=steps))
         return plans
 

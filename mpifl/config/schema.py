@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import re
+import types
 import typing
 from dataclasses import field
 from typing import Any
@@ -74,7 +75,7 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
-    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     if value is None:
         if optional:
             return None

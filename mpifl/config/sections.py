@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 from mpifl.config.schema import field_
 from mpifl.units import MIB
@@ -18,7 +17,7 @@ class ClientsConfig:
     """Who takes part."""
 
     num_clients: int = field_(8, "logical clients in the federation (may exceed client ranks)", min=1, max=10**7)
-    per_round: Optional[int] = field_(None, "clients sampled per round (overrides fraction)", min=1)
+    per_round: int | None = field_(None, "clients sampled per round (overrides fraction)", min=1)
     fraction: float = field_(1.0, "fraction of clients sampled per round", min=0.0, max=1.0, exclusive_min=True)
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                     "with client, rank and reason) instead of aborting the job")
@@ -55,7 +54,7 @@ class DataConfig:
                             "e.g. LEAF users or a table's client ids), file (data.partition_file), or an import path fn(labels, num_clients, "
                             "seed) returning one index array per client",
                             choices=("iid", "dirichlet", "shards", "unbalanced", "natural", "file"), import_ok=True)
-    partition_file: Optional[str] = field_(None, "partition: file: a JSON list of per-client index lists (or "
+    partition_file: str | None = field_(None, "partition: file: a JSON list of per-client index lists (or "
                                            "{client id: indices})")
     alpha: float = field_(0.5, "Dirichlet concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
     classes_per_client: int = field_(2, "shards: classes each client holds", min=1)
@@ -68,11 +67,11 @@ class DataConfig:
 class TransformersConfig:
     """A Hugging Face transformers causal LM (model.name='transformers'), built offline."""
 
-    architecture: Optional[str] = field_(None, "model_type as transformers names it (gpt2, llama, mistral, ...); "
+    architecture: str | None = field_(None, "model_type as transformers names it (gpt2, llama, mistral, ...); "
                                           "optional when path has a config.json")
     config: dict = field_(dict, "config values (n_layer, hidden_size, num_hidden_layers, ...) over the architecture's "
                            "defaults or over path's config.json")
-    path: Optional[str] = field_(None, "local folder with config.json (and, with pretrained, *.safetensors shards); "
+    path: str | None = field_(None, "local folder with config.json (and, with pretrained, *.safetensors shards); "
                                   "never a hub name: nothing is downloaded")
     pretrained: bool = field_(False, "load the weights from path's safetensors shards, shard by shard into the flat "
                                "buffer (else: random init from the seed)")
@@ -97,7 +96,7 @@ class ModelConfig:
                         "returning an nn.Module", choices=("mlp", "cnn", "blob", "transformers"), import_ok=True)
     kwargs: dict = field_(dict, "keyword arguments for the model function")
     dtype: str = field_("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
-    init_from: Optional[str] = field_(None, "an mpifl checkpoint to start from: every rank builds the model on the "
+    init_from: str | None = field_(None, "an mpifl checkpoint to start from: every rank builds the model on the "
                                        "meta device and reads the weights straight into its flat buffer")
     transformers: TransformersConfig = field_(TransformersConfig, "model.name='transformers': architecture and config")
     trainable: list = field_(list, "glob patterns of parameter names that train (e.g. ['*.h.11.*', 'lm_head.*']); "
@@ -119,17 +118,17 @@ class TrainConfig:
     momentum: float = field_(0.0, "SGD momentum", min=0.0, max=1.0)
     weight_decay: float = field_(0.0, "weight decay", min=0.0)
     local_epochs: int = field_(1, "passes over the local data per round", min=1)
-    local_steps: Optional[int] = field_(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
+    local_steps: int | None = field_(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
     batch_size: int = field_(32, "local minibatch size", min=1)
     grad_accum_steps: int = field_(1, "micro-batches of batch_size accumulated per optimizer step", min=1)
     gradient_checkpointing: bool = field_(False, "causal_lm: recompute activations in the backward pass (less memory, "
                                            "~30% more compute)")
-    max_grad_norm: Optional[float] = field_(None, "clip the gradient norm to this before each step", min=0.0,
+    max_grad_norm: float | None = field_(None, "clip the gradient norm to this before each step", min=0.0,
                                              exclusive_min=True)
     device: str = field_("auto", "where local training runs: auto (cuda when the rank sees a GPU), cpu or cuda; each "
                          "rank uses the GPU its node-local rank selects (MPIFL_GPUS_PER_NODE)",
                          choices=("auto", "cpu", "cuda"))
-    device_copy: Optional[bool] = field_(None, "train a replica of the model on the device, apart from the host "
+    device_copy: bool | None = field_(None, "train a replica of the model on the device, apart from the host "
                                          "exchange buffer (default: on for cuda, off for cpu; on with cpu runs the "
                                          "GPU path's copies on the CPU)")
     prox_mu: float = field_(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
@@ -147,10 +146,10 @@ class StrategyConfig:
     weighting: str = field_("samples", "client weight in means: by sample count or equal", choices=("samples", "equal"))
     update: str = field_("weights", "what a client sends: its trained weights or its delta (trained - global)",
                           choices=("weights", "delta"))
-    wire_dtype: Optional[str] = field_(None, "dtype of float32/float64 tensors in client updates (e.g. bfloat16 halves "
+    wire_dtype: str | None = field_(None, "dtype of float32/float64 tensors in client updates (e.g. bfloat16 halves "
                                         "the bytes; the server still accumulates in float32); default: the model's",
                                         choices=("float32", "bfloat16", "float16"))
-    server_lr: Optional[float] = field_(None, "server learning rate eta (default 1.0 for fedavgm, 0.01 for the "
+    server_lr: float | None = field_(None, "server learning rate eta (default 1.0 for fedavgm, 0.01 for the "
                                          "adaptive ones)", min=0.0, exclusive_min=True)
     momentum: float = field_(0.9, "fedavgm: server momentum beta", min=0.0, max=1.0)
     beta1: float = field_(0.9, "fedadam/fedyogi: first-moment decay", min=0.0, max=1.0)
@@ -186,14 +185,14 @@ class TransportConfig:
 class TimeoutsConfig:
     """How long a client rank may make no progress, per stage of a round, before the server ends the job."""
 
-    model_delivered: Optional[float] = field_(None, "seconds a rank may take up none of the global model sent to it "
+    model_delivered: float | None = field_(None, "seconds a rank may take up none of the global model sent to it "
                                               "(default: 60 + its in-flight chunks at 10 MB/s)", min=0.0,
                                               exclusive_min=True)
-    first_update: Optional[float] = field_(None, "seconds a rank may take to send a logical client's update header, "
+    first_update: float | None = field_(None, "seconds a rank may take to send a logical client's update header, "
                                            "that is, to train it (default: 1800 until a round has been timed, then "
                                            "60 + 10 x the slowest client's training so far)", min=0.0,
                                            exclusive_min=True)
-    update_complete: Optional[float] = field_(None, "seconds a rank may send no chunk while its update is in flight "
+    update_complete: float | None = field_(None, "seconds a rank may send no chunk while its update is in flight "
                                               "(default: as model_delivered)", min=0.0, exclusive_min=True)
     sigterm_grace: float = field_(5.0, "after SIGTERM, seconds a round may wait on a silent rank before the server "
                                   "saves what it can and ends the job", min=0.0)
@@ -247,10 +246,10 @@ class ClockConfig:
     bandwidth_mbps: float = field_(20.0, "median link bandwidth, megabits per second (both directions)", min=0.0,
                                    exclusive_min=True)
     bandwidth_sigma: float = field_(0.8, "lognormal sigma of the bandwidths (0: equal)", min=0.0)
-    trace: Optional[str] = field_(None, "device trace in FedScale's layout (JSON or pickle): {client: {computation: "
+    trace: str | None = field_(None, "device trace in FedScale's layout (JSON or pickle): {client: {computation: "
                                   "ms per sample, communication: kbps}}; client c takes the c-th entry (ids sorted), "
                                   "cycling when there are fewer entries than clients")
-    deadline: Optional[float] = field_(None, "sync: virtual seconds a round waits; later updates are stragglers, "
+    deadline: float | None = field_(None, "sync: virtual seconds a round waits; later updates are stragglers, "
                                        "dropped", min=0.0, exclusive_min=True)
     over_selection: float = field_(0.0, "sync: sample ceil(k x (1 + x)) clients and keep the first k to finish "
                                    "(Bonawitz et al. 2019)", min=0.0)
@@ -260,7 +259,7 @@ class ClockConfig:
     online_fraction: float = field_(0.5, "diurnal: fraction of each period a client is online", min=0.0, max=1.0,
                                     exclusive_min=True)
     period: float = field_(86400.0, "diurnal: the period, virtual seconds", min=0.0, exclusive_min=True)
-    availability_trace: Optional[str] = field_(None, "availability: trace: JSON {client: [[start, end], ...]} online "
+    availability_trace: str | None = field_(None, "availability: trace: JSON {client: [[start, end], ...]} online "
                                                "intervals in virtual seconds (clients not listed are always online)")
     concurrency: int = field_(10, "fedasync/fedbuff: clients training at once", min=1)
     buffer: int = field_(5, "fedbuff: updates buffered per server step (K)", min=1)
@@ -297,14 +296,14 @@ class PrivacyConfig:
     accountant: str = field_("rdp", "privacy accountant of Google's dp-accounting: rdp, or pld (poisson sampling "
                              "only)", choices=("rdp", "pld"))
     delta: float = field_(1e-5, "the delta of the reported (epsilon, delta)", min=0.0, max=1.0, exclusive_min=True)
-    epsilon_budget: Optional[float] = field_(None, "stop (with a checkpoint) before a round would take epsilon "
+    epsilon_budget: float | None = field_(None, "stop (with a checkpoint) before a round would take epsilon "
                                              "past this", min=0.0, exclusive_min=True)
     adaptive_clip: bool = field_(False, "central: the clip bound follows a quantile of the update norms (Andrew "
                                  "et al. 2021, geometric update, noised clipped-count)")
     target_quantile: float = field_(0.5, "adaptive_clip: the quantile of update norms C tracks", min=0.0, max=1.0)
     clip_lr: float = field_(0.2, "adaptive_clip: eta_C of C = C x exp(-eta_C (clipped fraction - quantile))",
                             min=0.0)
-    count_noise: Optional[float] = field_(None, "adaptive_clip: sigma_b, std of the noise on the clipped count "
+    count_noise: float | None = field_(None, "adaptive_clip: sigma_b, std of the noise on the clipped count "
                                           "(default clients per round / 20, as Andrew et al.; its share of the "
                                           "budget is taken out of noise_multiplier)", min=0.0, exclusive_min=True)
 
@@ -340,7 +339,7 @@ class CompressionConfig:
 class OutputConfig:
     """What a run writes."""
 
-    dir: Optional[str] = field_(None, "run directory (default runs/<config name>-<time>)")
+    dir: str | None = field_(None, "run directory (default runs/<config name>-<time>)")
     save_model: bool = field_(True, "write the final global model to <run dir>/model.h5")
     progress: bool = field_(True, "progress bar on rank 0")
 

@@ -33,7 +33,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def training_replica(host: FlatModel, device_name: str, device_copy: bool | None,
-                     trainable_only: bool) -> "DeviceReplica | None":
+                     trainable_only: bool) -> DeviceReplica | None:
     """The replica a client rank trains, or None to train in the host buffer itself (the CPU default)."""
     device = resolve_device(device_name)
     if not (device_copy if device_copy is not None else device.type != "cpu"):

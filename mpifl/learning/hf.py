@@ -16,8 +16,8 @@ import difflib
 import inspect
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn

@@ -15,8 +15,8 @@ import torch
 
 from mpifl.config import DataConfig
 from mpifl.learning.datasets import Dataset
-from mpifl.plugins import is_import_path, resolve
 from mpifl.planning.seeds import PARTITION, derive_seed
+from mpifl.plugins import is_import_path, resolve
 
 
 def iid_partition(num_samples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:

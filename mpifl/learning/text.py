@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ast
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -94,7 +94,7 @@ def placement_for(clients: ClientsConfig, client_ranks: int, work: list[float] |
 
 
 @dataclass(frozen=True)
-class RoundPlan:
+class RoundAssignment:
     """What one round (or asynchronous step) does: who trains, whose updates are reduced, and how."""
 
     round: int
@@ -124,16 +124,16 @@ class Sampler:
             return poisson_sample(self.seed, round_, self.clients.num_clients, self.per_round / self.clients.num_clients)
         return sample_clients(self.seed, round_, self.clients.num_clients, self.per_round)
 
-    def plan(self, round_: int) -> RoundPlan:
+    def plan(self, round_: int) -> RoundAssignment:
         """A synchronous round in real time: the sampled clients train and send, in ascending id."""
         participants = self.participants(round_)
-        return RoundPlan(round_, tuple(participants), self.by_rank(participants), self.streams(participants))
+        return RoundAssignment(round_, tuple(participants), self.by_rank(participants), self.streams(participants))
 
     def needed_versions(self, round_: int) -> set[int]:
         """Model versions a resume after ``round_`` needs besides its own (asynchronous FL only)."""
         return set()
 
-    def replay(self, round_: int) -> list[RoundPlan]:
+    def replay(self, round_: int) -> list[RoundAssignment]:
         """What a resume after ``round_`` redoes before going on (asynchronous FL only: nothing here)."""
         return []
 

@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from mpifl.config import PrivacyConfig
-from mpifl.privacy.accounting import epsilon
 from mpifl.planning.seeds import CENTRAL, COUNT, LOCAL, PRIVACY, derive_seed
+from mpifl.privacy.accounting import epsilon
 from mpifl.privacy.noise import ElementNoise
-
 
 
 def count_noise(cfg: PrivacyConfig, per_round: int) -> float:

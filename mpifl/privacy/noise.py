@@ -43,7 +43,7 @@ class ElementNoise(ElementStream):
     """Standard normal noise per model element, for one key (e.g. (round,) or (round, client))."""
 
     def add(self, x: torch.Tensor, first: int, std: float) -> None:
-        """x += std * noise of elements first .. first + len(x) (x is a flat view, modified in place)."""
+        """X += std * noise of elements first .. first + len(x) (x is a flat view, modified in place)."""
         for at, values in self.pieces(first, x.numel()):
             x[at:at + values.numel()].add_(values, alpha=std)
 
@@ -56,7 +56,7 @@ class ElementMask(ElementStream):
                                                                   generator=g))
 
     def add(self, ring: torch.Tensor, first: int, sign: int = 1) -> None:
-        """ring += sign * mask, modulo 2**32 (int32 arithmetic wraps)."""
+        """Ring += sign * mask, modulo 2**32 (int32 arithmetic wraps)."""
         for at, values in self.pieces(first, ring.numel()):
             target = ring[at:at + values.numel()]
             target.add_(values) if sign > 0 else target.sub_(values)

@@ -74,6 +74,6 @@ class RingSum(WeightedMean):
     float sum, which is divided by the total weight as FedAvg does."""
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
-        """acc (as int32) = x for the first participant, then acc += x, wrapping modulo 2^32."""
+        """Acc (as int32) = x for the first participant, then acc += x, wrapping modulo 2^32."""
         ring, update = acc.view(torch.int32), x.view(torch.int32)
         ring.copy_(update) if index == 0 else ring.add_(update)

@@ -4,10 +4,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -17,15 +16,15 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
+from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
-from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
+from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
-from mpifl.wire.plan import ExchangePlan
 from mpifl.wire.transport import pass_on, recv_object, relay_chunks, send_chunks, send_object
 
 
@@ -51,7 +50,7 @@ class ClientFailure(RuntimeError):
 class ClientParts:
     """What a client rank works with, each part built from its own config section."""
 
-    plan: ExchangePlan
+    plan: ExchangeLayout
     trainer: Trainer
     seed: int  # the root seed: each logical client's seed derives from it, the round and its id
     delta: bool  # strategy.update: send trained - global instead of the trained weights

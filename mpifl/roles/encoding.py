@@ -6,12 +6,12 @@ import numpy as np
 import torch
 
 from mpifl.aggregation.kernels import fold
-from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.planning.seeds import COMPRESSION
+from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets, fp32_chunks
-from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import touched_empty
+from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.memory import host_bytes
 
 
 class GroupSum:
@@ -23,10 +23,10 @@ class GroupSum:
     sent from, filled by one copy per group.
     """
 
-    def __init__(self, source: FlatModel, plan: ExchangePlan, separate: bool = False):
+    def __init__(self, source: FlatModel, plan: ExchangeLayout, separate: bool = False):
         self.source, self.chunks = source, plan.chunks
         layout = plan.wire if plan.codec is None else fp32_chunks(plan.chunks)  # compressed: quantized after
-        self.buffer = touched_empty(layout[-1].offset + layout[-1].nbytes)
+        self.buffer = host_bytes(layout[-1].offset + layout[-1].nbytes)
         self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in layout]
         host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
         self.sums = [torch.empty_like(h, device=source.device) for h in host] if separate else host
@@ -75,10 +75,10 @@ class UpdateCompressor:
     of its deltas, up to the fp32 rounding of each ``delta + e``.
     """
 
-    def __init__(self, plan: ExchangePlan, seed: int, residuals: ResidualStore | None = None):
+    def __init__(self, plan: ExchangeLayout, seed: int, residuals: ResidualStore | None = None):
         self.codec, self.seed, self.chunks = plan.codec, seed, plan.chunks
         self.residuals = residuals
-        self.buffer = touched_empty(plan.wire_buffer_bytes)
+        self.buffer = host_bytes(plan.wire_buffer_bytes)
         self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
         self.firsts = element_offsets(plan.chunks)
 
@@ -120,12 +120,12 @@ class UpdateEncoder:
     (half the model's float32 bytes for bf16).
     """
 
-    def __init__(self, flat: FlatModel, plan: ExchangePlan, delta: bool):
+    def __init__(self, flat: FlatModel, plan: ExchangeLayout, delta: bool):
         self.flat, self.chunks, self.delta = flat, plan.chunks, delta
         self.narrowed = plan.narrowed and not plan.grouped  # group sums are folded from the flat buffer
         self.wire = plan.wire if self.narrowed else plan.chunks
         if self.narrowed:
-            self.wire_bytes = touched_empty(plan.wire_buffer_bytes)
+            self.wire_bytes = host_bytes(plan.wire_buffer_bytes)
             self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in plan.wire]
         else:
             self.buffers = plan.chunk_slices(flat.bytes)

@@ -8,7 +8,8 @@ import socket
 import sys
 import time
 import traceback
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from mpifl.errors import JobFailure
 
@@ -25,7 +26,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         signal.signal(signal.SIGTERM, self._handle)
         if hasattr(signal, "SIGXFSZ"):  # past a file-size limit, a write fails (EFBIG) and is reported, not fatal
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

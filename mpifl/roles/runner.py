@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -27,10 +27,10 @@ from mpifl.learning.partitions import partition, partition_histogram, partition_
 from mpifl.learning.trainers import make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
+from mpifl.planning.federation import Placement, placement_for
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.planning.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.records import log_final
 from mpifl.roles.server import Evaluation, Server, ServerParts
@@ -42,7 +42,7 @@ from mpifl.storage.stores import open_store
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
-from mpifl.wire.plan import ExchangePlan
+from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import recv_chunks, send_chunks
 
 
@@ -116,7 +116,7 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
         spec = flat.spec
     reads_tokens = dataset is not None and flat is not None and cfg.model.name == "transformers"
     agree_on_spec(comm, spec, vocabulary_problem(flat, dataset) if reads_tokens else None)
-    plan = ExchangePlan.from_config(spec, cfg)
+    plan = ExchangeLayout.from_config(spec, cfg)
     if cfg.model.init_from:  # rank 0 checks it is this model's; then every rank reads it
         agree(comm, lambda: _open_checkpoint(Path(cfg.model.init_from), spec).close())
         if flat is not None:
@@ -144,7 +144,7 @@ def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
     return surveyed_dataset(source, index, surveyed["survey"][1] if comm.Get_rank() == 0 else None)
 
 
-def _residuals(cfg: Config, plan: ExchangePlan, rank: int, hosted: list[int], run_dir: Path | None,
+def _residuals(cfg: Config, plan: ExchangeLayout, rank: int, hosted: list[int], run_dir: Path | None,
                resume: Path | None) -> ResidualStore | None:
     """Top-k with error feedback: the hosted clients' residuals, in RAM or on disk, reloaded on a resume."""
     if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
@@ -163,7 +163,7 @@ def _residuals(cfg: Config, plan: ExchangePlan, rank: int, hosted: list[int], ru
     return store
 
 
-def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel, local: dict,
+def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
                      upload_initial: bool, residuals: ResidualStore | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
@@ -181,7 +181,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: Flat
     ClientRank(comm, flat, local, parts).run()
 
 
-def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangePlan, flat: FlatModel | None,
+def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
                      dataset: Dataset | None, run_dir: Path | None, resume: Checkpoint | None,
                      stop: StopRequest) -> list[dict]:
     strategy = _strategy(cfg)

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
 from mpifl.aggregation.reduction import (
-    PoolPlan,
+    PoolLayout,
     ReceivePool,
     ReductionStats,
     RoundAborted,
@@ -24,9 +24,9 @@ from mpifl.config import TimeoutsConfig, TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
+from mpifl.planning.federation import RoundAssignment, Sampler
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.planning.federation import RoundPlan, Sampler
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import RoundTimes, federated_evaluation, secagg_record, summary
 from mpifl.storage.checkpointer import Checkpointer
@@ -34,7 +34,7 @@ from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
-from mpifl.wire.plan import ExchangePlan
+from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import Backoff, broadcast_tree, send_chunks, send_windows, wait_all
 from mpifl.wire.watchdog import FIRST_UPDATE, Deadlines, RankStalled, Watchdog, default_deadlines
 
@@ -58,7 +58,7 @@ class Evaluation:
 class ServerParts:
     """What the round loop works with, each part built from its own config section."""
 
-    plan: ExchangePlan
+    plan: ExchangeLayout
     sampler: Sampler
     strategy: Strategy
     store: GlobalStore
@@ -227,40 +227,40 @@ class Server:
                 log(f"round {rnd}: dropped logical client {client} (rank {self.parts.sampler.rank_of(client)}): "
                     f"{meta.error}", rank=0)
 
-    def _pool_plan(self, by_rank: dict[int, list[int]], summed: bool) -> PoolPlan:
+    def _pool_plan(self, by_rank: dict[int, list[int]], summed: bool) -> PoolLayout:
         budget = self.parts.store.pool_budget(int(self.transport.pool_mb * MIB))
         if holds_stacks(self.parts.strategy, self.parts.plan, by_rank, summed):  # the slots are the stack
             budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)  # what two stacks and their slots would take
-            return PoolPlan.held_stacks(budget, self.pool.chunk_bytes, len(by_rank), self.transport.inflight,
+            return PoolLayout.held_stacks(budget, self.pool.chunk_bytes, len(by_rank), self.transport.inflight,
                                         len(self.parts.plan.chunks))
         if self.parts.strategy.stacked:  # at least two chunks' stacks, whatever the budget
             budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)
-        return PoolPlan.from_budget(
+        return PoolLayout.from_budget(
             budget_bytes=budget, chunk_bytes=self.pool.chunk_bytes,
             acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=self.transport.inflight,
             num_chunks=len(self.parts.plan.chunks), sequential=any(len(c) > 1 for c in by_rank.values()))
 
-    def _tree(self, plan: RoundPlan) -> dict[int, tuple[int | None, tuple[int, ...]]] | None:
+    def _tree(self, plan: RoundAssignment) -> dict[int, tuple[int | None, tuple[int, ...]]] | None:
         """transport.dispatch_fanout: the round's broadcast tree over the server and the ranks that train."""
         fanout = self.transport.dispatch_fanout
         return broadcast_tree([protocol.SERVER, *sorted(plan.train)], fanout) if fanout and plan.train else None
 
-    def _model_dests(self, plan: RoundPlan) -> list[int]:
+    def _model_dests(self, plan: RoundAssignment) -> list[int]:
         """The ranks the server itself sends the global model to: every rank that trains, or its tree children."""
         tree = self._tree(plan)
         return list(tree[protocol.SERVER][1]) if tree else sorted(plan.train)
 
-    def _chain(self, plan: RoundPlan) -> list[int] | None:
+    def _chain(self, plan: RoundAssignment) -> list[int] | None:
         """transport.reduce=chain: the ranks that send this round, in the order their sums are added."""
         return sorted(plan.streams) if self.transport.reduce == "chain" and plan.streams else None
 
-    def _streams(self, plan: RoundPlan) -> dict[int, list[int]]:
+    def _streams(self, plan: RoundAssignment) -> dict[int, list[int]]:
         """What the server receives: every rank's streams, or (chain) one stream from the chain's last rank,
         named by the round's first group."""
         chain = self._chain(plan)
         return {chain[-1]: [min(min(s) for s in plan.streams.values())]} if chain else plan.streams
 
-    def _send_headers(self, plan: RoundPlan | None, rnd: int = 0) -> None:
+    def _send_headers(self, plan: RoundAssignment | None, rnd: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""
         tree = self._tree(plan) if plan is not None else None
         chain = self._chain(plan) if plan is not None else None
@@ -284,7 +284,7 @@ class Server:
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
-    def _record(self, plan: RoundPlan, metas: dict, evaluation: dict | None, times: RoundTimes) -> dict:
+    def _record(self, plan: RoundAssignment, metas: dict, evaluation: dict | None, times: RoundTimes) -> dict:
         usable = [m for m in metas.values() if m.error is None]
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         record = {

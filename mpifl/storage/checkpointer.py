@@ -35,8 +35,8 @@ from pathlib import Path
 import yaml
 
 from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, resume_conflict
-from mpifl.logs import env_rank, log
 from mpifl.errors import CheckpointError, JobFailure
+from mpifl.logs import env_rank, log
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 

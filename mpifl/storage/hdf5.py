@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import h5py
 import numpy as np
@@ -122,7 +122,7 @@ class CheckpointWriter:
         self.datasets = {e.name: model[e.name] for e in self.spec.entries}
         return True
 
-    def __enter__(self) -> "CheckpointWriter":
+    def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -220,7 +220,7 @@ class Checkpoint:
         self.config = str(attrs.get("config", ""))
         self.raw: RawRanges | None = None  # opened by the first read_range
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,7 +16,7 @@ Layout::
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import h5py
 import numpy as np

@@ -20,8 +20,9 @@ whichever file holds it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import h5py
 import numpy as np

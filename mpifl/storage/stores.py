@@ -14,10 +14,11 @@ by chunk for the out-of-core one.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,9 +26,8 @@ import torch
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
 from mpifl.storage.ranges import MappedRange
 from mpifl.wire.flat import DTYPES, Chunk, FlatModel, element_offsets
-from mpifl.wire.memory import share_malloc_arenas
-from mpifl.wire.plan import ExchangePlan
-from mpifl.wire.transport import touched_empty
+from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.memory import host_bytes, share_malloc_arenas
 
 PathOf = Callable[[int], Path]  # the checkpoint file of a round
 ReceiveWindow = Callable[[list[np.ndarray]], None]  # fills a window's chunk buffers (the initial model)
@@ -69,7 +69,7 @@ class GlobalStore(Protocol):
         """Publish the round's model as a checkpoint when asked to (durable stores always do)."""
 
 
-def open_store(plan: ExchangePlan, flat: FlatModel | None, path_of: PathOf, window_bytes: int,
+def open_store(plan: ExchangeLayout, flat: FlatModel | None, path_of: PathOf, window_bytes: int,
                state_init: dict[str, float], read_previous: bool, map_windows: bool = True) -> GlobalStore:
     """The in-memory store around ``flat``, or the out-of-core one when there is no model in memory."""
     if flat is not None:
@@ -97,7 +97,7 @@ class InMemoryStore:
 
     durable = False
 
-    def __init__(self, flat: FlatModel, plan: ExchangePlan, path_of: PathOf, state_init: dict[str, float]):
+    def __init__(self, flat: FlatModel, plan: ExchangeLayout, path_of: PathOf, state_init: dict[str, float]):
         self.flat, self.plan, self.path_of = flat, plan, path_of
         self.elements = element_offsets(plan.chunks)
         self.state_init = dict(state_init)
@@ -228,7 +228,7 @@ class OnDiskStore:
 
     durable = True
 
-    def __init__(self, plan: ExchangePlan, path_of: PathOf, window_bytes: int, state_init: dict[str, float],
+    def __init__(self, plan: ExchangeLayout, path_of: PathOf, window_bytes: int, state_init: dict[str, float],
                  read_previous: bool, map_windows: bool = True):
         self.plan, self.spec, self.path_of = plan, plan.spec, path_of
         self.windows = chunk_windows(plan.chunks, window_bytes // LIVE_WINDOWS)
@@ -242,8 +242,8 @@ class OnDiskStore:
         self.state_init = dict(state_init)
         most = max(c.numel for c in plan.chunks)
         biggest = max(c.nbytes for c in plan.chunks)
-        self.writes = WriteBehind([Staging(touched_empty(biggest),
-                                           {name: torch.from_numpy(touched_empty(4 * most)).view(torch.float32)
+        self.writes = WriteBehind([Staging(host_bytes(biggest),
+                                           {name: torch.from_numpy(host_bytes(4 * most)).view(torch.float32)
                                             for name in self.state_init}) for _ in range(WRITE_SLOTS)])
         self.current: Checkpoint | None = None
         self.writer: CheckpointWriter | None = None
@@ -267,7 +267,7 @@ class OnDiskStore:
     def _buffer(self, i: int) -> np.ndarray:
         """Window buffer ``i`` (0 or 1), allocated and touched on first use."""
         if self.buffers[i] is None:
-            self.buffers[i] = touched_empty(max(_span(w) for w in self.windows))
+            self.buffers[i] = host_bytes(max(_span(w) for w in self.windows))
         return self.buffers[i]
 
     def _views(self, window: list[Chunk], buffer: np.ndarray) -> tuple[int, list[np.ndarray]]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -101,7 +101,7 @@ class ModelSpec:
         payload = [(e.name, e.shape, e.dtype, e.offset) for e in self.entries]
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
-    def first_difference(self, other: "ModelSpec") -> str | None:
+    def first_difference(self, other: ModelSpec) -> str | None:
         """Describe the first tensor that differs from ``other``, or None when equal."""
         for mine, theirs in zip(self.entries, other.entries):
             if (mine.name, mine.shape, mine.dtype) != (theirs.name, theirs.shape, theirs.dtype):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from mpifl.wire.memory import host_bytes
 from mpifl.wire.watchdog import MODEL_DELIVERED, Watchdog
 
 SPIN_SECONDS = 50e-6
@@ -162,4 +161,3 @@ def broadcast_tree(ranks: Sequence[int], fanout: int) -> dict[int, tuple[int | N
             for i, rank in enumerate(ranks)}
 
 
-touched_empty = host_bytes  # the name the roles use for a buffer MPI fills

@@ -14,8 +14,8 @@ silent rank is given only ``sigterm_grace`` seconds, so the job can still save a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from mpifl.errors import JobFailure
 

@@ -11,14 +11,13 @@ import time
 from functools import lru_cache
 
 import numpy as np
+import task
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
-
-import task
 
 # Ray's actors inherit the driver's environment: the settings travel that way.
 CFG = json.loads(os.environ.get("PEER_CFG", "{}"))

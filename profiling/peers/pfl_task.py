@@ -7,10 +7,10 @@ Prints ``RESULT {json}`` from worker 0.
 """
 import argparse
 import json
-import os
 import time
 
 import numpy as np
+import task
 import torch
 from pfl.aggregate.simulate import SimulatedBackend
 from pfl.aggregate.weighting import WeightByDatapoints
@@ -23,8 +23,6 @@ from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
 from pfl.internal.ops.selector import get_framework_module
 from pfl.metrics import Metrics, Weighted
 from pfl.model.pytorch import PyTorchModel
-
-import task
 
 
 class Module(torch.nn.Module):

@@ -11,7 +11,7 @@ from mpifl.wire.flat import Chunk, ModelSpec, fp32_chunks, wire_chunks
 
 
 @dataclass(frozen=True)
-class ExchangePlan:
+class ExchangeLayout:
     """What travels each round: the model's chunks out, the update's (possibly narrowed) chunks back.
 
     ``chunks`` address the flat buffer; ``wire`` is the same chunks as clients send them
@@ -28,7 +28,7 @@ class ExchangePlan:
     codec: Codec | None = None  # compression.method: updates travel quantized or sparsified
 
     @classmethod
-    def from_config(cls, spec: ModelSpec, cfg: Config) -> "ExchangePlan":
+    def from_config(cls, spec: ModelSpec, cfg: Config) -> ExchangeLayout:
         """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``, or compress them."""
         chunks = spec.chunks(cfg.transport.chunk_bytes)
         grouped = cfg.clients.groups > 0
