@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from mpifl.cli.bench import exchange_config
-from mpifl.cli.pbs import memory_plan, model_bytes
+from mpifl.cli.plan import estimate
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, growth, round_estimate
 
 LLAMA_70B_BF16 = 70.6e9 * 2  # bytes: 70.6 billion parameters in bf16
@@ -94,7 +94,7 @@ def main() -> int:
         cfg = exchange_config(argparse.Namespace(rounds=args.rounds, model_mb=args.model_mb, dtype="fp32",
                                                  strategy="fedavg", wire_dtype=None, chunk_mb=16.0, inflight=4,
                                                  pool_mb=None, dispatch_fanout=0, reduce="direct"), n + 1)
-        plan = memory_plan(cfg, model_bytes(cfg), n + 1, n + 1, False)
+        _, plan = estimate(cfg, n + 1, n + 1, False)
         low, high = r["spread"]["mpifl"]
         print(f"| {n} ({n + 1}) | {guess[n]:.3f} | {seen[n]:.3f} ({low:.3f}-{high:.3f}) | {seen[n] / guess[n]:.2f} | "
               f"{grow_guess[n]:.2f} | {grow_seen[n]:.2f} | {r['peak_rss_bytes']['server'] / 2**20:.0f} MiB | "

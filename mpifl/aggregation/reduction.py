@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
+from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, Chunk, element_offsets
 from mpifl.wire.layout import ExchangeLayout
@@ -59,36 +60,18 @@ class ReductionStats:
 
 
 @dataclass(frozen=True)
-class PoolLayout:
-    """Receive slots per rank and the accumulator window, derived from a memory budget."""
+class ReductionRound:
+    """What one round's reduction folds and how: who sends what, the pool layout, and the round's own
+    weights, divisor, noise and unmasking (each None when the round has none)."""
 
-    slots_per_rank: int
-    window: int
-    held: bool = False  # robust strategies, one participant per rank: the receive slots are the stack
-
-    @classmethod
-    def from_budget(cls, budget_bytes: int, chunk_bytes: int, acc_chunk_bytes: int, ranks: int,
-                    inflight: int, num_chunks: int, sequential: bool) -> PoolLayout:
-        """Split the budget between slots (half) and accumulators (half); at least 1 slot and 2 accumulators."""
-        slots = max(1, min(inflight, budget_bytes // 2 // max(1, ranks * chunk_bytes)))
-        window = num_chunks if sequential else max(2, budget_bytes // 2 // max(1, acc_chunk_bytes))
-        return cls(slots, min(window, num_chunks))
-
-    @classmethod
-    def held_stacks(cls, budget_bytes: int, chunk_bytes: int, ranks: int, inflight: int, num_chunks: int) -> PoolLayout:
-        """A robust strategy with one participant per rank: the whole budget goes to receive slots,
-        at least two per rank (a slot stays full until its chunk's statistic is taken)."""
-        slots = max(2, min(inflight, budget_bytes // max(1, ranks * chunk_bytes)))
-        return cls(slots, num_chunks, held=True)
-
-
-def holds_stacks(strategy: Strategy, exchange: ExchangeLayout, by_rank: Mapping[int, Sequence[int]],
-                 summed: bool) -> bool:
-    """Whether a round's stack can be the receive slots themselves (``PoolLayout.held_stacks``): a stacking
-    strategy, every chunk received as it is (no codec), no sum to unmask or add noise to (``summed``),
-    and one participant per rank (so a slot is freed within a window of chunks)."""
-    return (strategy.stacked and exchange.codec is None and not summed
-            and all(len(clients) == 1 for clients in by_rank.values()))
+    round: int
+    by_rank: dict[int, list[int]]  # rank -> its streams (participants or groups), in fold order
+    layout: PoolLayout
+    order: Sequence[int] | None = None  # the streams' fold order when not ascending
+    weights: Mapping[int, float] | None = None  # asynchronous FL's staleness weights
+    divisor: float | None = None  # a fixed divisor of the weighted sum (FedBuff's K, DP-FedAvg's k)
+    noise: Callable[[torch.Tensor, int], None] | None = None  # DP-FedAvg: adds noise to a chunk's sum
+    unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None  # secure aggregation: ring sum to floats
 
 
 class ReceivePool:
@@ -99,11 +82,17 @@ class ReceivePool:
     participants per round for a robust stack.
     """
 
-    def __init__(self, exchange: ExchangeLayout, rows: int = 1):
-        self.chunk_bytes = max(c.nbytes for c in exchange.wire)
-        self.acc_numel = max(c.numel for c in exchange.chunks) * rows
+    def __init__(self, shape: PoolShape):
+        self.shape = shape
+        self.chunk_bytes = shape.slot_bytes
+        self.acc_numel = shape.accumulator_bytes // ACCUMULATOR_DTYPE.itemsize
         self.slots: list[np.ndarray] = []
         self.accumulators: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated so far: what the memory model's ``server_pool_bytes`` predicts."""
+        return sum(s.nbytes for s in self.slots) + sum(a.numel() * a.element_size() for a in self.accumulators)
 
     def ensure(self, slots: int, accumulators: int) -> None:
         """Grow (never shrink) to at least this many slots and accumulators."""
@@ -117,17 +106,15 @@ class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""
 
     def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangeLayout, strategy: Strategy,
-                 by_rank: dict[int, list[int]], pool: ReceivePool, plan: PoolLayout, round_: int = 0, *,
-                 min_participants: int = 1, watchdog: Watchdog | None = None, order: Sequence[int] | None = None,
-                 weights: Mapping[int, float] | None = None, divisor: float | None = None,
-                 noise: Callable[[torch.Tensor, int], None] | None = None,
-                 unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None):
+                 pool: ReceivePool, task: ReductionRound, *, min_participants: int = 1,
+                 watchdog: Watchdog | None = None):
+        by_rank, plan, order, noise, unmask = task.by_rank, task.layout, task.order, task.noise, task.unmask
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
         self.codec, self.decoded = exchange.codec, None  # compression.method: decode each chunk before folding
-        self.min_participants, self.round, self.watchdog = min_participants, round_, watchdog
+        self.min_participants, self.round, self.watchdog = min_participants, task.round, watchdog
         self.by_rank = by_rank
-        self.weights, self.divisor = weights, divisor  # asynchronous FL's staleness weights; a fixed divisor
+        self.weights, self.divisor = task.weights, task.divisor  # staleness weights; a fixed divisor
         self.noise = noise  # DP-FedAvg: adds the round's noise to a chunk's sum, given its first element
         self.unmask = unmask  # secure aggregation: the ring sum of masked updates becomes the float sum
         self.first_element = element_offsets(self.chunks)
@@ -138,7 +125,9 @@ class StreamedReduction:
         self.schedule = FoldSchedule(by_rank, len(self.chunks), plan.window, order)
         self.plan = plan
         # the participants' chunks stay in their slots and the network reads them there (no stacking copy)
-        if plan.held and not holds_stacks(strategy, exchange, by_rank, noise is not None or unmask is not None):
+        summed = noise is not None or unmask is not None
+        if plan.held and not holds_stacks(strategy.stacked, exchange.codec is not None, summed,
+                                          max(map(len, by_rank.values()), default=0)):
             raise ValueError("held stacks need a stacking strategy, uncompressed updates, no noise or masks, "
                              "and one participant per rank")
         # held stacks: chunk -> the (rank, slot) of each included participant's chunk, in row order
@@ -304,8 +293,8 @@ class StreamedReduction:
         return self.decoded
 
     def _weight(self, meta: protocol.UpdateMeta) -> float:
-        """A participant's weight: the round's own (asynchronous FL), else the strategy's from its samples."""
-        return self.weights[meta.client] if self.weights is not None else self.strategy.weight(meta.num_samples)
+        """A participant's weight: the round's own (asynchronous FL), else the strategy's from its header."""
+        return self.weights[meta.client] if self.weights is not None else self.strategy.weight_of(meta)
 
     def _accumulator(self, j: int) -> torch.Tensor:
         numel = self.chunks[j].numel

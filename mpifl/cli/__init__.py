@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mpifl.cli import commands
 from mpifl.cli.pbs import add_parser as add_pbs_parser
-from mpifl.cli.pbs import add_plan_parser
+from mpifl.cli.plan import add_parser as add_plan_parser
 from mpifl.config import ConfigError
 from mpifl.errors import CheckpointError
 from mpifl.logs import env_rank, log
@@ -26,13 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--memray", metavar="DIR", help="profile every rank with memray: DIR/rank00000.bin, ...")
     run.add_argument("--memray-native", action="store_true", help="record native stacks too (slower)")
     run.set_defaults(func=commands.run)
-    _config_arguments(sub.add_parser("validate", help="check a config without running it (no MPI needed)")).set_defaults(
-        func=commands.validate)
+    validate = sub.add_parser("validate", help="check a config without running it (no MPI needed)")
+    _config_arguments(validate).set_defaults(func=commands.validate)
     part = _config_arguments(sub.add_parser("partition", help="print how a config splits the data (clients x "
                                             "labels); optional plot"))
     part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
     part.set_defaults(func=commands.partition)
-    cmp_ = sub.add_parser("compare", help="rounds and virtual seconds to a target accuracy, per run directory (e.g. one per strategy or clock mode)")
+    cmp_ = sub.add_parser("compare", help="rounds and virtual seconds to a target accuracy, per run directory "
+                                          "(e.g. one per strategy or clock mode)")
     cmp_.add_argument("run_dirs", nargs="+")
     cmp_.add_argument("--target", type=float, required=True, help="accuracy to reach, e.g. 0.9")
     cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")

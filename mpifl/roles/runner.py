@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.aggregation.registry import stages
 from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.clock.planners import clock_sampler, task_samples
@@ -33,6 +32,7 @@ from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.records import log_final
+from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage import checkpointer as checkpoints
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
@@ -44,6 +44,7 @@ from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import recv_chunks, send_chunks
+from mpifl.wire.watchdog import RunDeadlines
 
 
 def check_world(size: int, cfg: Config) -> None:
@@ -174,7 +175,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     federated = cfg.eval.federated_every > 0
     replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
-                        cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight, replica,
+                        cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight_of, replica,
                         make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds,
                         ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
                         SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals)
@@ -217,8 +218,11 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     except (ValueError, OSError) as err:
         raise JobFailure(f"cannot plan the virtual-time schedule: {err}") from None
     asynchronous = cfg.clock.mode in ("fedasync", "fedbuff")
+    deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight)
+    feedback = cfg.compression.method == "topk" and cfg.compression.error_feedback
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
-                                sampler.needed_versions if asynchronous and directory else None)
+                                sampler.needed_versions if asynchronous and directory else None,
+                                persist=ResidualPublisher(comm, deadlines).publish if feedback else None)
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
     privacy = None
@@ -230,11 +234,12 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                 f"at delta {cfg.privacy.delta}", rank=0)
         except ImportError as err:
             raise JobFailure(str(err)) from None
-    parts = ServerParts(plan, sampler, strategy, store, checkpointer, Evaluation(score, cfg.eval.every, cfg.rounds),
-                        sink, privacy, SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
-                        residuals=cfg.compression.method == "topk" and cfg.compression.error_feedback)
+    parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
+                        evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
+                        privacy=privacy,
+                        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None)
     try:
-        history = Server(comm, parts, cfg.transport, cfg.timeouts, stop, cfg.output.progress,
+        history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
     finally:
         sink.close()
@@ -247,11 +252,11 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
 def _strategy(cfg: Config) -> Strategy:
     """The configured strategy, with the stage a run mode replaces: FedAsync mixes each update in
     (``Mixing``); secure aggregation sums masked fixed-point updates in the ring (``RingSum``)."""
+    strategy = make_strategy(cfg.strategy)
     if cfg.clock.mode != "fedasync" and not cfg.secagg.enabled:
-        return make_strategy(cfg.strategy)
-    combiner, update = stages(cfg.strategy.name)
-    return Strategy(cfg.strategy, (RingSum if cfg.secagg.enabled else combiner)(cfg.strategy),
-                    (Mixing if cfg.clock.mode == "fedasync" else update)(cfg.strategy))
+        return strategy
+    return strategy.substituted(RingSum(cfg.strategy) if cfg.secagg.enabled else None,
+                                Mixing(cfg.strategy) if cfg.clock.mode == "fedasync" else None)
 
 
 def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> None:

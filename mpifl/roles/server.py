@@ -5,26 +5,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from mpifl.aggregation.reduction import (
-    PoolLayout,
-    ReceivePool,
-    ReductionStats,
-    RoundAborted,
-    StreamedReduction,
-    holds_stacks,
-)
+from mpifl.aggregation.reduction import ReceivePool, ReductionRound, ReductionStats, RoundAborted, StreamedReduction
 from mpifl.aggregation.strategies import Strategy
-from mpifl.config import TimeoutsConfig, TransportConfig
+from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.planning.federation import RoundAssignment, Sampler
+from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.launch import StopRequest
@@ -35,8 +28,8 @@ from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.transport import Backoff, broadcast_tree, send_chunks, send_windows, wait_all
-from mpifl.wire.watchdog import FIRST_UPDATE, Deadlines, RankStalled, Watchdog, default_deadlines
+from mpifl.wire.transport import broadcast_tree, send_chunks, send_windows, wait_all
+from mpifl.wire.watchdog import RankStalled, RunDeadlines, Watchdog
 
 
 @dataclass
@@ -65,31 +58,29 @@ class ServerParts:
     checkpointer: Checkpointer
     evaluation: Evaluation
     sink: JsonLines
+    deadlines: RunDeadlines  # shared with whatever else waits on ranks (the residual publisher)
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
-    residuals: bool = False  # error feedback: client ranks keep residuals that every checkpoint must carry
 
 
 class Server:
     """Runs the rounds: sample, dispatch, reduce, evaluate, record; the checkpointer saves."""
 
-    def __init__(self, comm: MPI.Comm, parts: ServerParts, transport: TransportConfig, timeouts: TimeoutsConfig,
-                 stop: StopRequest, progress: bool = True, min_participants: int = 1):
-        self.comm, self.parts, self.transport, self.timeouts, self.stop = comm, parts, transport, timeouts, stop
+    def __init__(self, comm: MPI.Comm, parts: ServerParts, transport: TransportConfig, stop: StopRequest,
+                 progress: bool = True, min_participants: int = 1):
+        self.comm, self.parts, self.transport, self.stop = comm, parts, transport, stop
         self.progress, self.min_participants = progress, min_participants
-        self.slowest_train: float | None = None  # the slowest logical client's training so far (deadlines)
         self.rounds = parts.evaluation.rounds
         rows = parts.sampler.per_round if parts.strategy.stacked else 1
-        self.pool = ReceivePool(parts.plan, rows)
+        self.pool = ReceivePool(PoolShape.of(parts.plan, rows))
         self.history: list[dict] = []
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
-        if parts.residuals:
-            parts.checkpointer.persist = self._persist_residuals
 
     def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
         self.history = list(history)
-        self.slowest_train = max((r["client_train_seconds"] for r in self.history), default=None)
+        for record in self.history:
+            self.parts.deadlines.observe(record["client_train_seconds"])
         self._replay(start_round)
         private = self.parts.privacy
         if private and start_round < self.rounds and private.exhausted(start_round + 1):
@@ -101,79 +92,98 @@ class Server:
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
-            for rnd in range(start_round + 1, self.rounds + 1):
-                record, stopping = self.round(rnd)
+            for round_ in range(start_round + 1, self.rounds + 1):
+                record, stopping = self.round(round_)
                 self.parts.sink.write(record)
                 bar.update(1)
                 if "eval" in record or "federated_eval" in record:
-                    bar.write(f"[rank 0] round {rnd}/{self.rounds}: " + summary(record))
-                if stopping and rnd < self.rounds:
+                    bar.write(f"[rank 0] round {round_}/{self.rounds}: " + summary(record))
+                if stopping and round_ < self.rounds:
                     if not self.budget_spent:
-                        log(f"SIGTERM: stopped after round {rnd} with a checkpoint; continue with --resume", rank=0)
+                        log(f"SIGTERM: stopped after round {round_} with a checkpoint; continue with --resume", rank=0)
                     break
         finally:
             bar.close()
         self._send_headers(None, self.rounds + 1)
         return self.history
 
-    def round(self, rnd: int) -> tuple[dict, bool]:
+    def round(self, round_: int) -> tuple[dict, bool]:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
-        plan = parts.sampler.plan(rnd)
+        plan = parts.sampler.plan(round_)
         self._send_headers(plan)
-        watchdog = Watchdog(self._deadlines(), rnd, {**plan.train, **plan.streams}, lambda: self.stop.requested)
+        watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
+                            lambda: self.stop.requested)
+        self._dispatch(plan, watchdog)
+        dispatched = time.perf_counter()
+        stats = self._reduce(plan, watchdog)
+        reduced = time.perf_counter()
+        evaluation = parts.evaluation(round_)
+        evaluated = time.perf_counter()
+        times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
+                           evaluated, stats.aggregate_seconds)
+        record = self._record(plan, stats.metas, evaluation, times)
+        if parts.privacy:
+            record["privacy"] = parts.privacy.after_round(round_, stats.metas)
+        if parts.secagg:
+            record["secagg"] = secagg_record(stats.metas)
+        self.history.append(record)
+        parts.deadlines.observe(record["client_train_seconds"])
+        stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
+        stopping = self._budget_ends_after(round_, record) or stopping
+        parts.checkpointer.round_ended(round_, self.history, stopping)
+        times.checkpointed = times.end = time.perf_counter()
+        record["time"].update(times.split())  # the checkpoint's copy stops before saving; the JSON line has it all
+        return record, stopping
+
+    def _dispatch(self, plan: RoundAssignment, watchdog: Watchdog) -> None:
+        """Stream the global model to the ranks that train this round (or to the tree's first level)."""
         try:
             if plan.train:
-                send_windows(self.comm, self._model_dests(plan), protocol.MODEL, parts.store.outgoing(),
-                             self.transport.inflight, watchdog)
+                send_windows(self.comm, self._model_dests(plan), protocol.MODEL, self.parts.store.outgoing(),
+                             self.parts.plan.inflight, watchdog)
         except RankStalled as stalled:
-            self._give_up(rnd, stalled, model_intact=True)
-        dispatched = time.perf_counter()
-        parts.store.begin_round(rnd, parts.checkpointer.recyclable(rnd))
+            self._give_up(plan.round, stalled, model_intact=True)
+
+    def _reduce(self, plan: RoundAssignment, watchdog: Watchdog) -> ReductionStats:
+        """Fold the round's updates into the global model as they stream in; the store writes finished chunks."""
+        parts, round_ = self.parts, plan.round
+        parts.store.begin_round(round_, parts.checkpointer.recyclable(round_))
         if plan.mixing is not None:
             parts.strategy.update.alpha = plan.mixing
         private = parts.privacy
-        noise = private.noise(rnd) if private else None
+        noise = private.noise(round_) if private else None
         streams = self._streams(plan)
-        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, streams, self.pool,
-                                      self._pool_plan(streams, noise is not None or parts.secagg is not None), rnd, min_participants=self.min_participants,
-                                      watchdog=watchdog, order=plan.order, weights=plan.weights,
-                                      divisor=private.divisor if private else plan.divisor, noise=noise,
-                                      unmask=parts.secagg.unmask(rnd, plan.participants) if parts.secagg else None)
+        task = ReductionRound(
+            round_, streams, self._pool_layout(streams, summed=noise is not None or parts.secagg is not None),
+            order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
+            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None)
+        reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
+                                      min_participants=self.min_participants, watchdog=watchdog)
         try:
             if plan.streams:
                 stats = reduction.run()
             else:  # nobody this round: unchanged, but DP noise still moves the model
                 stats = reduction.run_without_updates() if noise else ReductionStats()
         except RoundAborted:
-            self._log_drops(rnd, reduction.stats.metas)
-            parts.checkpointer.round_aborted(rnd, self.history)
+            self._log_drops(round_, reduction.stats.metas)
+            parts.checkpointer.round_aborted(round_, self.history)
             raise
         except RankStalled as stalled:
-            self._give_up(rnd, stalled, model_intact=not reduction.model_touched)
-        self._log_drops(rnd, stats.metas)
-        reduced = time.perf_counter()
-        evaluation = parts.evaluation(rnd)
-        evaluated = time.perf_counter()
-        times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
-                           evaluated, stats.aggregate_seconds)
-        record = self._record(plan, stats.metas, evaluation, times)
-        if private:
-            record["privacy"] = private.after_round(rnd, stats.metas)
-        if parts.secagg:
-            record["secagg"] = secagg_record(stats.metas)
-        self.history.append(record)
-        self.slowest_train = max(self.slowest_train or 0.0, record["client_train_seconds"])
-        stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
-        if private and rnd < self.rounds and private.exhausted(rnd + 1):
-            log(f"privacy.epsilon_budget: round {rnd + 1} would take epsilon from {record['privacy']['epsilon']:.3f} "
-                f"to {private.epsilon(rnd + 1):.3f}, past {private.cfg.epsilon_budget}: stopping after round {rnd}",
-                rank=0)
-            stopping = self.budget_spent = True
-        parts.checkpointer.round_ended(rnd, self.history, stopping)
-        times.checkpointed = times.end = time.perf_counter()
-        record["time"].update(times.split())  # the checkpoint's copy stops before saving; the JSON line has it all
-        return record, stopping
+            self._give_up(round_, stalled, model_intact=not reduction.model_touched)
+        self._log_drops(round_, stats.metas)
+        return stats
+
+    def _budget_ends_after(self, round_: int, record: dict) -> bool:
+        """privacy.epsilon_budget: whether the next round would spend past the budget (then this one is the last)."""
+        private = self.parts.privacy
+        if not private or round_ >= self.rounds or not private.exhausted(round_ + 1):
+            return False
+        log(f"privacy.epsilon_budget: round {round_ + 1} would take epsilon from {record['privacy']['epsilon']:.3f} "
+            f"to {private.epsilon(round_ + 1):.3f}, past {private.cfg.epsilon_budget}: stopping after round {round_}",
+            rank=0)
+        self.budget_spent = True
+        return True
 
     def _replay(self, resumed: int) -> None:
         """Asynchronous FL after a resume: the clients in flight retrain from the versions they started on
@@ -189,56 +199,31 @@ class Server:
             with Checkpoint(path) as version:
                 version.read_range(self.parts.plan.spec, 0, model)
             self._send_headers(plan)
-            watchdog = Watchdog(self._deadlines(), plan.round, plan.train, lambda: self.stop.requested)
+            watchdog = Watchdog(self.parts.deadlines.current(), plan.round, plan.train, lambda: self.stop.requested)
             send_chunks(self.comm, self._model_dests(plan), protocol.MODEL, self.parts.plan.chunk_slices(model),
-                        self.transport.inflight, watchdog)
+                        self.parts.plan.inflight, watchdog)
             log(f"resume: retrained logical clients {clients} from version "
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
 
-    def _persist_residuals(self, rnd: int, folder: Path) -> list[str]:
-        """Have every client rank publish its residuals of round ``rnd`` in ``folder``; the files, once all are
-        acknowledged. A rank silent past the training deadline (timeouts.first_update) ends the job, named."""
-        ranks = list(range(1, self.comm.Get_size()))
-        wait_all([self.comm.isend(protocol.RoundHeader(rnd, persist=str(folder)), dest=r, tag=protocol.HEADER)
-                  for r in ranks])
-        watchdog = Watchdog(self._deadlines(), rnd, {r: [] for r in ranks})  # a SIGTERM save must still finish
-        files, backoff = [], Backoff()
-        for rank in ranks:
-            owed = {rank: (FIRST_UPDATE, f"its error-feedback residuals for the checkpoint of round {rnd}")}
-            while not self.comm.Iprobe(source=rank, tag=protocol.RESIDUALS):
-                watchdog.check(lambda: owed)
-                backoff.pause()
-            files.append(self.comm.recv(source=rank, tag=protocol.RESIDUALS))
-        return files
-
-    def _deadlines(self) -> Deadlines:
-        return default_deadlines(self.timeouts, self.transport.chunk_bytes, self.transport.inflight,
-                                 self.slowest_train)
-
-    def _give_up(self, rnd: int, stalled: RankStalled, model_intact: bool) -> None:
+    def _give_up(self, round_: int, stalled: RankStalled, model_intact: bool) -> None:
         """A silent rank: keep the last completed round on disk, then end the job naming the rank."""
-        saved = self.parts.checkpointer.round_aborted(rnd, self.history, model_intact)
-        where = f"; the model after round {rnd - 1} is in {saved}" if saved else ""
+        saved = self.parts.checkpointer.round_aborted(round_, self.history, model_intact)
+        where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
         raise JobFailure(f"{stalled}{where}; continue with --resume once the cause is fixed") from None
 
-    def _log_drops(self, rnd: int, metas: dict) -> None:
+    def _log_drops(self, round_: int, metas: dict) -> None:
         for client, meta in sorted(metas.items()):
             if meta.error is not None:
-                log(f"round {rnd}: dropped logical client {client} (rank {self.parts.sampler.rank_of(client)}): "
+                log(f"round {round_}: dropped logical client {client} (rank {self.parts.sampler.rank_of(client)}): "
                     f"{meta.error}", rank=0)
 
-    def _pool_plan(self, by_rank: dict[int, list[int]], summed: bool) -> PoolLayout:
-        budget = self.parts.store.pool_budget(int(self.transport.pool_mb * MIB))
-        if holds_stacks(self.parts.strategy, self.parts.plan, by_rank, summed):  # the slots are the stack
-            budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)  # what two stacks and their slots would take
-            return PoolLayout.held_stacks(budget, self.pool.chunk_bytes, len(by_rank), self.transport.inflight,
-                                        len(self.parts.plan.chunks))
-        if self.parts.strategy.stacked:  # at least two chunks' stacks, whatever the budget
-            budget = max(budget, 2 * self.pool.acc_numel * 4 * 2)
-        return PoolLayout.from_budget(
-            budget_bytes=budget, chunk_bytes=self.pool.chunk_bytes,
-            acc_chunk_bytes=self.pool.acc_numel * 4, ranks=len(by_rank), inflight=self.transport.inflight,
-            num_chunks=len(self.parts.plan.chunks), sequential=any(len(c) > 1 for c in by_rank.values()))
+    def _pool_layout(self, by_rank: dict[int, list[int]], summed: bool) -> PoolLayout:
+        """The round's receive pool, sized as planning.pools sizes it (the memory model uses the same)."""
+        parts, per_rank = self.parts, max(map(len, by_rank.values()), default=0)
+        budget = parts.store.pool_budget(int(self.transport.pool_mb * MIB))
+        held = holds_stacks(parts.strategy.stacked, parts.plan.codec is not None, summed, per_rank)
+        return pool_layout(self.pool.shape, budget, len(by_rank), stacked=parts.strategy.stacked, held=held,
+                           sequential=per_rank > 1)
 
     def _tree(self, plan: RoundAssignment) -> dict[int, tuple[int | None, tuple[int, ...]]] | None:
         """transport.dispatch_fanout: the round's broadcast tree over the server and the ranks that train."""
@@ -260,7 +245,7 @@ class Server:
         chain = self._chain(plan)
         return {chain[-1]: [min(min(s) for s in plan.streams.values())]} if chain else plan.streams
 
-    def _send_headers(self, plan: RoundAssignment | None, rnd: int = 0) -> None:
+    def _send_headers(self, plan: RoundAssignment | None, round_: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""
         tree = self._tree(plan) if plan is not None else None
         chain = self._chain(plan) if plan is not None else None
@@ -270,7 +255,7 @@ class Server:
 
         def header(rank: int) -> protocol.RoundHeader:
             if plan is None:
-                return protocol.RoundHeader(rnd, stop=True)
+                return protocol.RoundHeader(round_, stop=True)
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
@@ -298,6 +283,7 @@ class Server:
             "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in self._streams(plan).values()),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
+            "server_pool_bytes": self.pool.nbytes,
             "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),
             "ranks": self._work_by_rank(metas),
             "client_peak_rss_bytes": max((m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()), default=0),

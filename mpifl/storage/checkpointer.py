@@ -154,10 +154,10 @@ class Checkpointer:
     """Decides when a round's model is saved, has the store publish it, prunes, links ``model.h5``."""
 
     def __init__(self, store: GlobalStore, directory: Path | None, cfg: CheckpointConfig, rounds: int, attrs: dict,
-                 needed: Callable[[int], set[int]] | None = None):
+                 needed: Callable[[int], set[int]] | None = None, persist: Persist | None = None):
         self.store, self.directory, self.cfg, self.rounds, self.attrs = store, directory, cfg, rounds, attrs
         self.needed = needed  # asynchronous FL: every version is saved; those a resume would retrain from are kept
-        self.persist: Persist | None = None  # error feedback: publishes the client ranks' residuals of a round
+        self.persist = persist  # error feedback: publishes the client ranks' residuals of a round (phase 1)
 
     def path(self, round_: int) -> Path:
         """Where the checkpoint after ``round_`` is published."""
@@ -192,7 +192,8 @@ class Checkpointer:
         save = self.due(round_, stopping) and self.directory is not None
         attrs = {**self.attrs, "round": round_}
         try:
-            if self.persist is not None and (save or self.store.durable):  # phase 1: the residuals, acknowledged
+            if self.persist is not None and round_ > 0 and (save or self.store.durable):  # phase 1: the residuals
+                # (round 0, the initial model, has none yet)
                 folder = residuals_dir(self.path(round_))
                 shutil.rmtree(folder, ignore_errors=True)  # a crash's leftovers, perhaps from other rank counts
                 folder.mkdir(parents=True)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mpifl.config import TimeoutsConfig
 from mpifl.errors import JobFailure
 
 MODEL_DELIVERED = "model delivered"
@@ -85,13 +86,31 @@ class Watchdog:
         interrupted = self.sigterm_at is not None
         why = (f"SIGTERM arrived and it stayed silent {limit:g} s more (timeouts.sigterm_grace)" if interrupted
                else f"past its deadline of {limit:g} s (timeouts.{SETTING[stage]})")
-        return RankStalled(f"round {self.round}: rank {rank} ({who}) made no progress for {waited:.1f} s at stage "
-                           f"'{stage}', {why}", rank, stage, interrupted)
+        return RankStalled(f"round {self.round}: rank {rank} ({who}) made no progress for {waited:.1f} s "
+                           f"at stage '{stage}', {why}", rank, stage, interrupted)
 
 
-def default_deadlines(timeouts, chunk_bytes: int, inflight: int, slowest_train_seconds: float | None) -> Deadlines:
-    """Deadlines from the ``timeouts`` section; unset ones from the chunk size and the training times measured so far."""
+def default_deadlines(timeouts: TimeoutsConfig, chunk_bytes: int, inflight: int,
+                      slowest_train_seconds: float | None) -> Deadlines:
+    """Deadlines from the ``timeouts`` section; unset ones from the chunk size and the training times so far."""
     transfer = 60.0 + inflight * chunk_bytes / 10e6  # a rank's in-flight chunks at a slow 10 MB/s, plus a minute
     training = 1800.0 if slowest_train_seconds is None else 60.0 + 10.0 * slowest_train_seconds
     return Deadlines(timeouts.model_delivered or transfer, timeouts.first_update or training,
                      timeouts.update_complete or transfer, timeouts.sigterm_grace)
+
+
+class RunDeadlines:
+    """The run's current deadlines: set ones from the ``timeouts`` section, the rest from the chunk size and the
+    slowest training measured so far. One object, shared by everything on rank 0 that waits on ranks."""
+
+    def __init__(self, timeouts: TimeoutsConfig, chunk_bytes: int, inflight: int):
+        self.timeouts, self.chunk_bytes, self.inflight = timeouts, chunk_bytes, inflight
+        self.slowest_train: float | None = None  # the slowest logical client's training so far
+
+    def observe(self, train_seconds: float) -> None:
+        """A round's slowest training time: the training deadline follows the slowest seen."""
+        self.slowest_train = max(self.slowest_train or 0.0, train_seconds)
+
+    def current(self) -> Deadlines:
+        """The deadlines as of now."""
+        return default_deadlines(self.timeouts, self.chunk_bytes, self.inflight, self.slowest_train)

@@ -1,0 +1,139 @@
+"""``mpifl plan``: what a config will cost before it runs: parameters, bytes moved, memory per rank and node,
+and (``--time``) the scale model's round time. The figures come from ``planning.memory`` and
+``planning.scale``; this module only builds the model's spec on the meta device and prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mpifl.config import Config, load_config
+from mpifl.planning.memory import MemoryEstimate, ModelBytes, memory_estimate, residual_plan
+from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
+from mpifl.units import GIB, MIB, format_bytes
+from mpifl.wire.flat import ModelSpec, itemsize
+from mpifl.wire.layout import ExchangeLayout
+
+
+def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
+    """The configured model's exchanged and frozen specs, from a meta-device build (nothing allocated)."""
+    from mpifl.learning.datasets import load_dataset, needs_dataset
+    from mpifl.learning.models import model_spec
+
+    shape = {}
+    if cfg.model.name in ("mlp", "cnn") and needs_dataset(cfg):
+        data = load_dataset(cfg.data)
+        shape = dict(input_shape=data.input_shape, num_classes=data.num_classes)
+    return model_spec(cfg.model, cfg.seed, **shape)
+
+
+def model_bytes(cfg: Config) -> ModelBytes:
+    """Exchanged and frozen bytes of the configured model, from a meta-device build."""
+    exchanged, frozen = model_specs(cfg)
+    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
+
+
+def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) -> tuple[ModelBytes, MemoryEstimate]:
+    """The model's size and the memory model's estimate for ``nranks`` ranks: what ``plan`` and ``pbs`` print."""
+    from mpifl.aggregation.strategies import make_strategy
+
+    exchanged, frozen = model_specs(cfg)
+    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
+    size = ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
+    layout = ExchangeLayout.from_config(exchanged, cfg)
+    return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
+                                 server_alone)
+
+
+def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
+    """--client-ranks, or one client rank per client sampled in a round."""
+    return args.client_ranks or cfg.clients_per_round()
+
+
+def parameters_text(count: int) -> str:
+    """A parameter count with its unit spelled out: '8.030 B parameters (8,030,261,248)', '5,130 parameters'."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.3f} {unit} parameters ({count:,})"
+    return f"{count:,} parameters"
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
+    cfg = load_config(args.config, args.overrides)
+    ranks = client_ranks(cfg, args)
+    size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone)
+    elements = size.exchanged // itemsize(cfg.model.dtype)
+    back = 4 * elements * cfg.clients.groups if cfg.clients.groups \
+        else size.exchanged * cfg.clients_per_round()  # the updates, or the groups' fp32 sums
+    rounds_bytes = size.exchanged * ranks + back
+    print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
+          f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}; {ranks} client ranks, "
+          f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
+    where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + state"
+    print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
+          f"{format_bytes(plan.server_pool_bytes)}]")
+    print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
+          f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}; activations not included]")
+    for hosts, hosted, home in residual_plan(cfg, elements, ranks):
+        each = 4 * hosted * elements
+        names = f"rank {hosts[0]}" if len(hosts) == 1 else f"ranks {hosts[0]}-{hosts[-1]}" \
+            if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"{len(hosts)} ranks"
+        where_kept = "in RAM (counted above)" if home == "RAM" else \
+            "on disk, <run dir>/residuals/rank<rank>.h5, read chunk by chunk"
+        print(f"  {names}: error-feedback residuals of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
+              f"(compression.residual_ram_mb={cfg.compression.residual_ram_mb:g}); a copy per kept checkpoint")
+    print(f"  fullest node at {args.ranks_per_node} ranks per node"
+          f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
+    if args.time:
+        print_time_model(cfg, size.exchanged, load_rates(args.rates))
+    return 0
+
+
+def load_rates(name: str) -> Rates:
+    """``--rates``: a preset of mpifl.planning.scale, or a JSON file of Rates fields (e.g. measured by
+    profiling/scale_check.py)."""
+    presets = {"polaris": POLARIS, "lustre": LUSTRE}
+    if name in presets:
+        return presets[name]
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"--rates: {name!r} is neither a preset ({', '.join(presets)}) nor a JSON file")
+    fields = json.loads(path.read_text())
+    try:
+        return Rates(**{"name": path.stem, **fields, "sources": tuple(fields.get("sources", ()))})
+    except TypeError as err:
+        raise SystemExit(f"--rates {name}: {err}") from None
+
+
+def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
+    """The scale model's round time for this config: point-to-point against a dispatch tree with a chain
+    reduction, in memory against out of core (mpifl.planning.scale)."""
+    clients, width = cfg.clients_per_round(), itemsize(cfg.model.dtype)
+    print(f"  predicted round, {clients} clients, model-only exchange, rates: {rates.name} "
+          f"(link {rates.link / 1e9:g} GB/s, fold {rates.fold / 1e9:g}/{rates.fold_narrow / 1e9:g} G elements/s "
+          f"fp32/narrow, disk {rates.disk_read / 1e9:g}/{rates.disk_write / 1e9:g} GB/s read/write)")
+    for tree in (False, True):
+        for out_of_core in (False, True):
+            e = round_estimate(exchanged, width, clients, rates, tree=tree, out_of_core=out_of_core,
+                               chunk_bytes=cfg.transport.chunk_bytes)
+            kind = ("tree + chain" if tree else "point-to-point") + (", out of core" if out_of_core
+                                                                           else ", in memory")
+            print(f"    {kind:<38} {e.total:9.1f} s  (dispatch {e.dispatch:.1f} s, return + fold {e.gather:.1f} s; "
+                  f"server sends {e.server_out / GIB:,.0f} GiB, receives {e.server_in / GIB:,.0f} GiB)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``plan`` subcommand's options."""
+    p = sub.add_parser("plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("config", help="experiment YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. clients.per_round=8")
+    p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
+    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
+    p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
+    p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
+                   "mpifl.planning.scale.Rates fields (bytes or elements per second)")

@@ -1,0 +1,145 @@
+"""The memory model: bytes per rank and on the fullest node, for a config, before anything is allocated.
+
+One source of truth. The server's receive pool is sized by the same functions the running
+server calls (``planning.pools``); the rest is the model, the strategy's server state, the
+out-of-core window and, on client ranks, the training state. ``mpifl plan``, ``mpifl pbs``
+and the tests that compare a plan with what a run allocates all use :func:`memory_estimate`.
+Activations are not included.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from mpifl.config import Config
+from mpifl.planning.federation import clients_of_rank
+from mpifl.planning.pools import PoolShape, holds_stacks, pool_bytes, pool_layout
+from mpifl.units import GIB, MIB, format_bytes
+from mpifl.wire.flat import itemsize
+from mpifl.wire.layout import ExchangeLayout
+
+IMPORTS_BYTES = int(0.3 * GIB)  # torch + mpi4py + h5py per rank (measured 250-300 MiB)
+
+
+class StrategyFootprint(Protocol):
+    """What the memory model needs to know of a strategy (mpifl.aggregation's Strategy has it)."""
+
+    @property
+    def stacked(self) -> bool:
+        """Whether it keeps every participant's chunk (a robust stack) rather than a running sum."""
+
+    def accumulator_rows(self, participants: int) -> int:
+        """fp32 accumulator rows per chunk for ``participants`` participants."""
+
+    def state_bytes(self, elements: int) -> int:
+        """Bytes of server state for a model of ``elements`` exchanged elements."""
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """The configured model's size, from a meta-device build (nothing allocated)."""
+
+    exchanged: int  # what travels, is reduced and checkpointed
+    frozen: int  # frozen parameters: on every rank that builds the model, never on the wire
+    parameters: int  # element count, exchanged and frozen
+
+    @property
+    def total(self) -> int:
+        """Bytes of the whole model, exchanged and frozen."""
+        return self.exchanged + self.frozen
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank and on the fullest node; ``server_pool_bytes`` is the receive pool inside ``server_bytes``."""
+
+    model_bytes: int
+    server_bytes: int
+    server_pool_bytes: int
+    client_bytes: int
+    node_bytes: int  # the fullest node
+
+    def describe(self) -> str:
+        """One line for a job script's comment and the ``pbs`` command's output."""
+        return (f"model {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
+                f"client rank ~{self.client_bytes / GIB:.2f} GiB; fullest node ~{self.node_bytes / GIB:.1f} GiB")
+
+
+def streams_per_rank(cfg: Config, client_ranks: int) -> int:
+    """The most update streams one client rank sends per round: participants, or groups with clients.groups."""
+    streams = cfg.clients.groups or cfg.clients_per_round()
+    return math.ceil(streams / max(1, client_ranks))
+
+
+def sending_ranks(cfg: Config, client_ranks: int) -> int:
+    """How many ranks the server receives from in a full round (the chain: only its last rank)."""
+    if cfg.clients.groups and cfg.transport.reduce == "chain":
+        return 1
+    return min(client_ranks, cfg.clients.groups or cfg.clients_per_round())
+
+
+def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyFootprint, client_ranks: int) -> int:
+    """The receive pool of a full round, sized by planning.pools exactly as the server sizes it."""
+    ranks = sending_ranks(cfg, client_ranks)
+    per_rank = 1 if cfg.clients.groups and cfg.transport.reduce == "chain" else streams_per_rank(cfg, client_ranks)
+    rows = strategy.accumulator_rows(cfg.clients_per_round()) if strategy.stacked else 1
+    shape = PoolShape.of(exchange, rows)
+    configured = int(cfg.transport.pool_mb * MIB)
+    budget = configured if cfg.server.state == "disk" else min(configured, exchange.spec.total_bytes // 4)
+    summed = cfg.privacy.mode == "central" or cfg.secagg.enabled
+    held = holds_stacks(strategy.stacked, exchange.codec is not None, summed, per_rank)
+    layout = pool_layout(shape, budget, ranks, stacked=strategy.stacked, held=held, sequential=per_rank > 1)
+    return pool_bytes(shape, layout, ranks)
+
+
+def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
+    """A client rank: the model, its training state, the wire buffer, a group's sum, residuals in RAM."""
+    nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
+    elements = nbytes // width
+    client = IMPORTS_BYTES + size.total
+    if cfg.train.trainer != "none":  # optimizer and gradients cover the trainable (exchanged) tensors only
+        states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
+        masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
+        client += nbytes + (8 * elements if masters else 0) + states * (4 * elements if masters else nbytes)
+        if cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta":
+            client += nbytes  # the global model kept for the next logical client or for the delta
+    if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
+        client += nbytes // 2  # the narrowed update
+    if cfg.clients.groups:
+        client += 4 * elements  # the group's fp32 partial sum
+        if cfg.transport.reduce == "chain":  # the running sum's receive ring
+            client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
+    residuals = residual_plan(cfg, elements, client_ranks)
+    if residuals and residuals[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 residuals
+        client += residuals[0][1] * 4 * elements
+    return client
+
+
+def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,
+                    nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryEstimate:
+    """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included)."""
+    client_ranks = nranks - 1
+    pool = server_pool_bytes(cfg, exchange, strategy, client_ranks)
+    elements = size.exchanged // itemsize(cfg.model.dtype)
+    if cfg.server.state == "disk":  # the model stays in the file: read windows and the receive pool
+        server = IMPORTS_BYTES + int(cfg.server.window_mb * MIB) + pool
+    else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
+        server = IMPORTS_BYTES + size.total + pool + strategy.state_bytes(elements)
+    client = client_bytes(cfg, size, client_ranks)
+    first = server if server_alone else server + (ranks_per_node - 1) * client
+    return MemoryEstimate(size.exchanged, server, pool, client, max(first, ranks_per_node * client))
+
+
+def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
+    """Top-k with error feedback: (client ranks, clients each hosts, "RAM" or "HDF5"), fullest ranks first
+    (round-robin placement); empty without residuals."""
+    if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
+        return []
+    by_count: dict[int, list[int]] = {}
+    for rank in range(1, client_ranks + 1):
+        hosted = len(clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups))
+        by_count.setdefault(hosted, []).append(rank)
+    limit = cfg.compression.residual_ram_mb * MIB
+    return [(ranks, n, "RAM" if 4 * n * elements <= limit else "HDF5") for n, ranks in sorted(by_count.items(),
+                                                                                              reverse=True)]

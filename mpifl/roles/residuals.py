@@ -1,0 +1,40 @@
+"""Error feedback's half of a checkpoint: every client rank publishes its clients' residuals, rank 0 waits.
+
+The checkpointer is given :meth:`ResidualPublisher.publish` when it is built (its ``persist``):
+before it publishes round r's model, it calls it, which messages every client rank
+(``RoundHeader(persist=folder)``) and waits for each rank's list of files. Only then is the
+model published, naming those files, so a checkpoint never points at residuals that are not
+on disk (storage.checkpointer's two-phase save).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpi4py import MPI
+
+from mpifl.wire import protocol
+from mpifl.wire.transport import Backoff, wait_all
+from mpifl.wire.watchdog import FIRST_UPDATE, RunDeadlines, Watchdog
+
+
+class ResidualPublisher:
+    """Asks every client rank to publish its error-feedback residuals of a round, and collects the files."""
+
+    def __init__(self, comm: MPI.Comm, deadlines: RunDeadlines):
+        self.comm, self.deadlines = comm, deadlines
+
+    def publish(self, round_: int, folder: Path) -> list[str]:
+        """Have every client rank publish its residuals of ``round_`` in ``folder``; the files, once all are
+        acknowledged. A rank silent past the training deadline (timeouts.first_update) ends the job, named."""
+        ranks = list(range(1, self.comm.Get_size()))
+        wait_all([self.comm.isend(protocol.RoundHeader(round_, persist=str(folder)), dest=r, tag=protocol.HEADER)
+                  for r in ranks])
+        watchdog = Watchdog(self.deadlines.current(), round_, {r: [] for r in ranks})  # a SIGTERM save must finish
+        files, backoff = [], Backoff()
+        for rank in ranks:
+            owed = {rank: (FIRST_UPDATE, f"its error-feedback residuals for the checkpoint of round {round_}")}
+            while not self.comm.Iprobe(source=rank, tag=protocol.RESIDUALS):
+                watchdog.check(lambda owed=owed: owed)
+                backoff.pause()
+            files.append(self.comm.recv(source=rank, tag=protocol.RESIDUALS))
+        return files
