@@ -6,12 +6,13 @@ from pathlib import Path
 
 from mpifl.config import Config, ConfigError, config_warnings, load_config
 from mpifl.logs import env_rank, log
+from mpifl.plugins import is_import_path
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 
 
 def run(args: argparse.Namespace) -> int:
     """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run."""
-    from mpifl.storage.checkpointer import RunComplete, find_resume
+    from mpifl.storage.rundir import RunComplete, find_resume
 
     cfg = load_config(args.config, args.overrides)
     warnings = check_plugins(cfg)  # on every rank, before MPI starts
@@ -34,7 +35,7 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
 
     from mpifl.cli.profiling import tracked
     from mpifl.roles.runner import check_world, run_rank
-    from mpifl.storage.checkpointer import prepare_run_dir
+    from mpifl.storage.rundir import prepare_run_dir
 
     comm = MPI.COMM_WORLD
     try:
@@ -50,30 +51,53 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
 
 
 def check_plugins(cfg: Config) -> list[str]:
-    """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys.
+    """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys, and the
+    strategy's capabilities against the run modes (a plug-in's are known only once it is imported).
 
     Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
     """
+    from mpifl.aggregation.compatibility import checked_strategy
     from mpifl.learning.datasets import dataset_problem, needs_dataset
     from mpifl.learning.models import model_problem
 
     if cfg.model.name == "transformers":
         from mpifl.learning.hf import transformers_config
         transformers_config(cfg.model)
-    problem = model_problem(cfg.model) or (dataset_problem(cfg.data) if needs_dataset(cfg) else None)
+    has_data = needs_dataset(cfg)
+    problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None)
     if problem:
         raise ConfigError(problem)
+    checked_strategy(cfg)
     return config_warnings(cfg)
 
 
+def check_plugin_model(cfg: Config) -> None:
+    """Build a plug-in model once, on the meta device, sized from the data when it asks for its shape: a
+    signature or construction mistake is a ConfigError naming model.name, before any MPI work."""
+    from mpifl.learning.datasets import data_shape, needs_dataset
+    from mpifl.learning.models import build_problem, supplied
+
+    if not is_import_path(cfg.model.name):
+        return
+    try:
+        shape = data_shape(cfg.data) if supplied(cfg.model, needs_dataset(cfg)) else {}
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"data: cannot read the data that sizes model {cfg.model.name!r}: {err}") from None
+    problem = build_problem(cfg.model, cfg.seed, **shape)
+    if problem:
+        raise ConfigError(problem)
+
+
 def validate(args: argparse.Namespace) -> int:
-    """``mpifl validate``: check a config (transformers configs are built on meta) without MPI."""
+    """``mpifl validate``: check a config (transformers and plug-in models are built on meta) without MPI."""
     cfg = load_config(args.config, args.overrides)
-    for warning in check_plugins(cfg):
+    warnings = check_plugins(cfg)
+    check_plugin_model(cfg)
+    for warning in warnings:
         print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"
     if cfg.model.name == "transformers":
-        from mpifl.cli.pbs import model_bytes
+        from mpifl.cli.plan import model_bytes
         from mpifl.units import GIB
 
         size = model_bytes(cfg)
@@ -139,7 +163,7 @@ def export(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     """``mpifl plan``: bytes and memory per rank, nothing allocated."""
-    from mpifl.cli.pbs import plan_main
+    from mpifl.cli.plan import plan_main
 
     return plan_main(args)
 

@@ -42,7 +42,8 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) 
     exchanged, frozen = model_specs(cfg)
     elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
     size = ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
-    layout = ExchangeLayout.from_config(exchanged, cfg)
+    layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
+                                  cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
                                  server_alone)
 

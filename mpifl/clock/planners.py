@@ -6,7 +6,7 @@ from mpifl.clock.compass import plan_compass
 from mpifl.clock.devices import devices_for
 from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, plan_async
 from mpifl.clock.staleness import staleness_weight
-from mpifl.config import Config
+from mpifl.config import ClientsConfig, ClockConfig, Config
 from mpifl.logs import log
 from mpifl.planning.federation import Placement, RoundAssignment, Sampler
 from mpifl.units import MIB
@@ -15,11 +15,12 @@ from mpifl.units import MIB
 class SyncSampler(Sampler):
     """Synchronous rounds in virtual time: the kept clients take part; the record carries the clock."""
 
-    def __init__(self, seed: int, cfg: Config, placement: Placement, clock: SyncClock):
-        super().__init__(seed, cfg.clients, placement)
+    def __init__(self, seed: int, clients: ClientsConfig, placement: Placement, clock: SyncClock):
+        super().__init__(seed, clients, placement)
         self.clock = clock
 
     def plan(self, round_: int) -> RoundAssignment:
+        """A synchronous round in virtual time: the clients the clock kept train and send."""
         planned = self.clock.round(round_)
         kept = list(planned.kept)
         return RoundAssignment(round_, tuple(kept), self.by_rank(kept), self.streams(kept), clock=planned.record())
@@ -28,12 +29,14 @@ class SyncSampler(Sampler):
 class AsyncSampler(Sampler):
     """FedAsync / FedBuff steps: who trains from the model sent now, whose held updates are applied."""
 
-    def __init__(self, seed: int, cfg: Config, placement: Placement, steps: list[AsyncStep]):
-        super().__init__(seed, cfg.clients, placement)
-        self.clock_cfg, self.steps = cfg.clock, steps
-        self.per_round = {"fedasync": 1, "fedbuff": cfg.clock.buffer}.get(cfg.clock.mode, cfg.clock.concurrency)
+    def __init__(self, seed: int, clients: ClientsConfig, clock: ClockConfig, placement: Placement,
+                 steps: list[AsyncStep]):
+        super().__init__(seed, clients, placement)
+        self.clock_cfg, self.steps = clock, steps
+        self.per_round = {"fedasync": 1, "fedbuff": clock.buffer}.get(clock.mode, clock.concurrency)
 
     def plan(self, round_: int) -> RoundAssignment:
+        """One asynchronous step: the step's arrivals are applied (staleness-weighted), its trainers start."""
         step = self.steps[round_ - 1]
         order = tuple(a.client for a in step.arrivals)
         streams: dict[int, list[int]] = {}
@@ -46,8 +49,8 @@ class AsyncSampler(Sampler):
                              weights={arrival.client: 1.0}, mixing=self.clock_cfg.alpha * weights[arrival.client],
                              clock=step.record())
         steps = dict(zip(step.train, step.train_steps)) if step.train_steps else None
-        return RoundAssignment(round_, order, self.by_rank(list(step.train)), streams, order, hold=True, weights=weights,
-                         divisor=float(len(order)), local_steps=steps, clock=step.record())
+        return RoundAssignment(round_, order, self.by_rank(list(step.train)), streams, order, hold=True,
+                               weights=weights, divisor=float(len(order)), local_steps=steps, clock=step.record())
 
 
     def in_flight(self, step: int) -> dict[int, list[Arrival]]:
@@ -90,7 +93,7 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
     if cfg.clock.mode == "sync":
         clock = SyncClock(cfg.seed, cfg.clients_per_round(), availability, duration, cfg.clock.deadline,
                           cfg.clock.over_selection, cfg.clients.min_participants)
-        return SyncSampler(cfg.seed, cfg, placement, clock)
+        return SyncSampler(cfg.seed, cfg.clients, placement, clock)
     if cfg.clock.mode == "fedcompass":
         def with_steps(client: int, local_steps: int) -> float:
             return devices.task_seconds(client, local_steps * cfg.train.batch_size, model_bytes, update_bytes)
@@ -106,7 +109,7 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
     log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client rank "
         f"holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; by rank: "
         + ", ".join(f"{r}: {n}" for r, n in sorted(held.items())) + ")", rank=0)
-    return AsyncSampler(cfg.seed, cfg, placement, plan.steps)
+    return AsyncSampler(cfg.seed, cfg.clients, cfg.clock, placement, plan.steps)
 
 
 def task_samples(train_sizes: list[int] | None, num_clients: int, local_epochs: int, local_steps: int | None,

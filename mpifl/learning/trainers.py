@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from mpifl.config import Config, TrainConfig
+from mpifl.config import EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.plugins import resolve
 
@@ -20,6 +20,7 @@ class TrainResult:
 
     num_samples: int
     metrics: dict = field(default_factory=dict)
+    local_steps: int | None = None  # optimizer steps taken (a combiner may weigh by it, e.g. FedNova-style)
 
 
 class Trainer(Protocol):
@@ -27,7 +28,9 @@ class Trainer(Protocol):
 
     modifies_weights: bool
 
-    def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult: ...
+    def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
+        """Train ``model`` in place on ``data`` (None: the client has no local data), seeded by ``seed``."""
+        ...
 
 
 LOSSES: dict[str, Callable] = {
@@ -41,7 +44,7 @@ def make_loss(name: str) -> Callable:
     return LOSSES.get(name) or resolve(name)
 
 
-def make_optimizer(params: list[torch.Tensor], c: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: Sequence[torch.Tensor], c: TrainConfig) -> torch.optim.Optimizer:
     """The local optimizer named in the config."""
     if c.optimizer == "sgd":
         return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
@@ -67,8 +70,8 @@ def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[torch.
             yield order[start:start + batch_size]
 
 
-def proximal_term(params: list[torch.Tensor], anchors: list[torch.Tensor], mu: float) -> torch.Tensor:
-    """FedProx (Li et al. 2020): mu/2 * ||w - w_global||^2 over the trained parameters."""
+def proximal_term(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor], mu: float) -> torch.Tensor | float:
+    """FedProx (Li et al. 2020): mu/2 * ||w - w_global||^2 over the trained parameters (0.0 with none)."""
     return mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
 
 
@@ -83,6 +86,7 @@ class TorchTrainer:
 
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
+        """``local_steps`` (else ``local_epochs`` worth of) minibatch steps; reports the mean training loss."""
         if data is None or len(data) == 0:
             raise ValueError("the torch trainer needs local data; this client has none")
         steps = self.cfg.local_steps or self.cfg.local_epochs * math.ceil(len(data) / self.cfg.batch_size)
@@ -105,7 +109,7 @@ class TorchTrainer:
                 optimizer.step()
                 total += loss.item() * len(batch)
                 count += len(batch)
-        return TrainResult(len(data), {"loss": total / max(count, 1)})
+        return TrainResult(len(data), {"loss": total / max(count, 1)}, local_steps=steps)
 
 
 class CausalLMTrainer:
@@ -122,6 +126,7 @@ class CausalLMTrainer:
         self._checkpointing = False
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
+        """Optimizer steps of ``grad_accum_steps`` batches each; reports the mean loss and its perplexity."""
         if data is None or len(data) == 0:
             raise ValueError("the causal_lm trainer needs local token blocks; this client has none")
         c = self.cfg
@@ -166,7 +171,7 @@ class CausalLMTrainer:
                         for m, p in zip(masters, params):
                             p.copy_(m)
         mean = total / max(count, 1)
-        return TrainResult(len(data), {"loss": mean, "perplexity": math.exp(min(mean, 50.0))})
+        return TrainResult(len(data), {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}, local_steps=steps)
 
 
 class NoTrainer:
@@ -178,12 +183,14 @@ class NoTrainer:
         self.cfg = cfg
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
-        return TrainResult(len(data) if data is not None else 1, {})
+        """Nothing: the weights go back as received, weighted by the client's sample count (1 without data)."""
+        return TrainResult(len(data) if data is not None else 1, {}, local_steps=0)
 
 
 def make_trainer(cfg: TrainConfig) -> Trainer:
     """The trainer named in the config; an import path gets the TrainConfig."""
-    builtin = {"torch": TorchTrainer, "causal_lm": CausalLMTrainer, "none": NoTrainer}
+    builtin: dict[str, Callable[[TrainConfig], Trainer]] = {
+        "torch": TorchTrainer, "causal_lm": CausalLMTrainer, "none": NoTrainer}
     return (builtin.get(cfg.trainer) or resolve(cfg.trainer))(cfg)
 
 
@@ -218,9 +225,10 @@ def evaluate_language_model(model: nn.Module, tokens: torch.Tensor, batch_size: 
 Evaluator = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
 
 
-def make_evaluator(cfg: Config) -> Evaluator:
-    """How held-out data is scored: perplexity for transformers LMs, accuracy and loss otherwise."""
-    if cfg.model.name == "transformers":
-        return lambda model, x, y: evaluate_language_model(model, x, cfg.eval.batch_size)
-    loss_fn = make_loss(cfg.train.loss)
-    return lambda model, x, y: evaluate(model, x, y, loss_fn, cfg.eval.batch_size)
+def make_evaluator(cfg: EvalConfig, loss: str, language_model: bool) -> Evaluator:
+    """How held-out data is scored: perplexity for causal LMs (``language_model``), accuracy and ``loss``
+    (``train.loss``) otherwise, in batches of ``eval.batch_size``."""
+    if language_model:
+        return lambda model, x, y: evaluate_language_model(model, x, cfg.batch_size)
+    loss_fn = make_loss(loss)
+    return lambda model, x, y: evaluate(model, x, y, loss_fn, cfg.batch_size)

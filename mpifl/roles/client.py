@@ -46,7 +46,7 @@ class ClientFailure(RuntimeError):
     """A logical client's training raised: the message names the client, its rank and the round."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ClientParts:
     """What a client rank works with, each part built from its own config section."""
 
@@ -56,7 +56,8 @@ class ClientParts:
     delta: bool  # strategy.update: send trained - global instead of the trained weights
     accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
     groups: int = 0  # clients.groups: sum each reduction group's updates here before sending
-    weight: Callable[[int], float] = float  # a member's weight in its group's sum, from its sample count
+    # a participant's weight (groups: in its group's sum; secure aggregation: in its masked update), from its header
+    weight: Callable[[protocol.UpdateMeta], float] = lambda meta: float(meta.num_samples)
     replica: DeviceReplica | None = None  # train.device: the model on the device, beside the host buffer
     evaluate: Evaluator | None = None  # federated evaluation of the received model, when due
     evaluate_every: int = 0
@@ -145,7 +146,7 @@ class ClientRank:
         for i, client in enumerate(clients):
             meta, _ = self._train(round_, client, keep, first=first and i == 0)
             if meta.error is None:
-                self.group_sum.add(self.parts.weight(meta.num_samples))
+                self.group_sum.add(self.parts.weight(meta))
             metas.append(meta)
         return tuple(metas)
 
@@ -240,45 +241,60 @@ class ClientRank:
         return self._serve_client(round_, client, keep)
 
     def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list]:
+        """Train one logical client and turn its model into the update it sends, with its header."""
         train, val = self.local_data.get(client, (None, None))
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
-        error = None
-        try:
-            result = self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client))
-        except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            if not self.parts.accept_failures:
-                raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
-                                    f"{type(err).__name__}: {err} (clients.accept_failures=false)") from err
-            error, result = f"{type(err).__name__}: {err}", TrainResult(0, {})
+        result, error = self._train_one(round_, client, train)
         check = error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
         if self.replica is not None and self.group_sum is not None:  # the update stays on the device
-            buffers = None
-            if self.parts.delta:
-                for c in self.parts.plan.chunks:
-                    self.work.chunk_view(c).sub_(self.replica.global_view(c))
-            bad = count_nonfinite(self.work.chunk_view(c) for c in self.parts.plan.chunks) if check else 0
+            buffers, bad = None, self._device_update(check)
         else:
-            if self.replica is not None:
-                self.replica.to_host()
-            buffers = self.encoder.encode(keep)
-            bad = self.encoder.count_nonfinite() if check else 0
-            if error is None and not bad:
-                self._protect(buffers, round_, client, result)
-            if self.compressor is not None:
-                began = time.perf_counter()
-                chunks = [torch.from_numpy(b).view(DTYPES[c.dtype]) for c, b in zip(self.parts.plan.chunks, buffers)]
-                buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None,
-                                                   usable=error is None and not bad)
-                result.metrics["compress_seconds"] = time.perf_counter() - began
+            buffers, bad = self._host_update(round_, client, keep, result, usable=error is None, check=check)
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
                 raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
                                          "(clients.accept_failures=false)")
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
-        meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error)
+        meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error,
+                                   result.local_steps)
         return meta, buffers
+
+    def _train_one(self, round_: int, client: int, train: ClientData | None) -> tuple[TrainResult, str | None]:
+        """Local training of one logical client; a raise ends the job, or is its error under accept_failures."""
+        try:
+            return self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client)), None
+        except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
+            if not self.parts.accept_failures:
+                raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
+                                    f"{type(err).__name__}: {err} (clients.accept_failures=false)") from err
+            return TrainResult(0, {}), f"{type(err).__name__}: {err}"
+
+    def _device_update(self, check: bool) -> int:
+        """The update stays on the device for the group's sum: make it a delta there; its NaN/Inf count."""
+        if self.parts.delta:
+            for c in self.parts.plan.chunks:
+                self.work.chunk_view(c).sub_(self.replica.global_view(c))
+        return count_nonfinite(self.work.chunk_view(c) for c in self.parts.plan.chunks) if check else 0
+
+    def _host_update(self, round_: int, client: int, keep: torch.Tensor | None, result: TrainResult, *,
+                     usable: bool, check: bool) -> tuple[list, int]:
+        """The update's pipeline on the host: encode (delta, narrowed dtype), check (NaN/Inf), protect (DP clip
+        and noise, secure-aggregation mask), compress. Returns the wire buffers and the NaN/Inf count."""
+        if self.replica is not None:
+            self.replica.to_host()
+        buffers = self.encoder.encode(keep)
+        bad = self.encoder.count_nonfinite() if check else 0
+        if usable and not bad:
+            self._protect(buffers, round_, client, result)
+        if self.compressor is not None:
+            began = time.perf_counter()
+            chunks = [torch.from_numpy(b).view(DTYPES[c.dtype]) for c, b in zip(self.parts.plan.chunks, buffers)]
+            buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None,
+                                               usable=usable and not bad)
+            result.metrics["compress_seconds"] = time.perf_counter() - began
+        return buffers, bad
 
     def _protect(self, buffers: list[np.ndarray], round_: int, client: int, result: TrainResult) -> None:
         """DP: clip (and, local DP, noise) the update; secure aggregation: mask it in fixed point. In place."""
@@ -288,7 +304,9 @@ class ClientRank:
         if self.parts.privacy is not None:
             result.metrics.update(self.parts.privacy.apply(chunks, self.first_element, self.clip, round_, client))
         if self.parts.secagg is not None:
-            weight = self.parts.weight(result.num_samples)
+            # the header is not complete yet: the weight sees what the server's will (samples, steps, metrics)
+            weight = self.parts.weight(protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
+                                                           local_steps=result.local_steps))
             result.metrics.update(self.parts.secagg.mask(chunks, self.first_element, weight, self.cohort, round_,
                                                          client))
 

@@ -23,7 +23,7 @@ from mpifl.learning.datasets import Dataset, client_data, client_source, load_da
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
-from mpifl.learning.trainers import make_evaluator, make_trainer
+from mpifl.learning.trainers import Evaluator, make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.planning.federation import Placement, placement_for
@@ -34,10 +34,10 @@ from mpifl.roles.launch import SetupError, StopRequest, agree
 from mpifl.roles.records import log_final
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
-from mpifl.storage import checkpointer as checkpoints
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.residuals import RANK_FILE, ResidualStore, load_snapshot, open_residuals
+from mpifl.storage.rundir import ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.units import MIB
 from mpifl.wire import protocol
@@ -103,7 +103,8 @@ def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None) -
         raise SetupError(first)
 
 
-def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | None = None) -> list[dict] | None:
+def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None = None
+             ) -> list[dict] | None:
     """Run one rank's part of the experiment; rank 0 returns the metrics history."""
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
@@ -117,21 +118,22 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: Path | N
         spec = flat.spec
     reads_tokens = dataset is not None and flat is not None and cfg.model.name == "transformers"
     agree_on_spec(comm, spec, vocabulary_problem(flat, dataset) if reads_tokens else None)
-    plan = ExchangeLayout.from_config(spec, cfg)
+    plan = ExchangeLayout.build(spec, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
+                                cfg.clients.groups > 0)
     if cfg.model.init_from:  # rank 0 checks it is this model's; then every rank reads it
         agree(comm, lambda: _open_checkpoint(Path(cfg.model.init_from), spec).close())
         if flat is not None:
             read_init_from(flat, cfg.model.init_from)
-    opened: dict[str, Checkpoint] = {}
+    opened: dict[str, Checkpoint] = {}  # rank 0 opens the resume checkpoint once: checked here, loaded by the store
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
-        agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume, spec)) and None)
+        agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume.path, spec)) and None)
     if comm.Get_rank() != 0:
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
         residuals = _residuals(cfg, plan, comm.Get_rank(), sorted(local), run_dir, resume)
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, residuals=residuals)
         return None
-    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, opened.get("ckpt"), stop)
+    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop)
 
 
 def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
@@ -146,7 +148,7 @@ def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
 
 
 def _residuals(cfg: Config, plan: ExchangeLayout, rank: int, hosted: list[int], run_dir: Path | None,
-               resume: Path | None) -> ResidualStore | None:
+               resume: ResumePoint | None) -> ResidualStore | None:
     """Top-k with error feedback: the hosted clients' residuals, in RAM or on disk, reloaded on a resume."""
     if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
         return None
@@ -157,9 +159,7 @@ def _residuals(cfg: Config, plan: ExchangeLayout, rank: int, hosted: list[int], 
     except ValueError as err:
         raise JobFailure(str(err)) from None
     if resume is not None:
-        with Checkpoint(resume) as ckpt:
-            files = checkpoints.residual_files(ckpt) or []
-        found = load_snapshot(store, firsts, files, hosted)
+        found = load_snapshot(store, firsts, resume.residual_files or [], hosted)
         log(f"resume: error-feedback residuals of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
     return store
 
@@ -174,16 +174,19 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
     replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
-    parts = ClientParts(plan, make_trainer(cfg.train), cfg.seed, cfg.strategy.update == "delta",
-                        cfg.clients.accept_failures, cfg.clients.groups, make_strategy(cfg.strategy).weight_of, replica,
-                        make_evaluator(cfg) if federated else None, cfg.eval.federated_every, cfg.rounds,
-                        ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
-                        SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals)
+    parts = ClientParts(
+        plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",
+        accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
+        weight=make_strategy(cfg.strategy).weight_of, replica=replica,
+        evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
+        rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
+        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals)
     ClientRank(comm, flat, local, parts).run()
 
 
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
-                     dataset: Dataset | None, run_dir: Path | None, resume: Checkpoint | None,
+                     dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
+                     resumed: Checkpoint | None,
                      stop: StopRequest) -> list[dict]:
     strategy = _strategy(cfg)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
@@ -198,12 +201,12 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                        map_windows=cfg.server.map_windows)
     if dataset is not None and resume is None:
         _report_partition(cfg, dataset, run_dir)
-    start, history = (resume.round, resume.metrics()) if resume is not None else (0, [])
-    store.start(resume, cfg.model.init_from, {**attrs, "round": 0},
+    start, history = (resume.round, resume.metrics) if resume is not None else (0, [])
+    store.start(resumed, cfg.model.init_from, {**attrs, "round": 0},
                 lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, plan.inflight))
     score = None
     if dataset is not None and flat is not None:
-        evaluate = make_evaluator(cfg)
+        evaluate = _evaluator(cfg)
         score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
     sink = JsonLines(run_dir / METRICS if run_dir else None)
     needs_sizes = cfg.clients.placement == "balanced" or cfg.clock.mode != "off"
@@ -247,6 +250,11 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         checkpointer.link_final_model(run_dir)
     log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
     return history
+
+
+def _evaluator(cfg: Config) -> Evaluator:
+    """The held-out scorer: perplexity for transformers LMs, accuracy and the training loss otherwise."""
+    return make_evaluator(cfg.eval, cfg.train.loss, language_model=cfg.model.name == "transformers")
 
 
 def _strategy(cfg: Config) -> Strategy:

@@ -1,25 +1,22 @@
-"""One owner for a run's checkpoints: names, when to save, saving, resuming, pruning, ``model.h5``.
+"""When to save a round's model, saving it, pruning, and ``model.h5``: the save policy of a run.
 
-A run directory holds::
+The checkpoint files of a run directory (``storage.rundir`` owns the directory itself, choosing
+the checkpoint to resume from and rewinding ``metrics.jsonl``)::
 
-    config.yaml            the resolved config
-    metrics.jsonl          one JSON line per finished round (rewound to the checkpoint on resume)
     checkpoints/ckpt-r<round>.h5   the newest ``checkpoint.keep`` checkpoints (format: storage.hdf5)
     checkpoints/ckpt-r<round>.residuals/rank<rank>.h5   with error feedback: each client rank's residuals
                            at that checkpoint (storage.residuals); the checkpoint lists them
-    residuals/rank<rank>.h5   with error feedback on disk: each client rank's working residuals
     model.h5               the final checkpoint (a hard link where possible)
 
 The round loop only says "this round ended" (:meth:`Checkpointer.round_ended`) or "this
 round was aborted"; the checkpointer decides whether to save, asks the store to publish,
-and prunes. Before MPI starts, :func:`find_resume` picks the checkpoint to continue from
-and :func:`prepare_run_dir` readies the directory.
+and prunes.
 
 With error feedback a checkpoint is two-phase: before publishing round r's model, the
-checkpointer has the server ask every client rank to publish its residuals into
-``ckpt-r<round>.residuals/`` and waits for each to acknowledge (``persist``); only then is
-the model published, naming those files in its attribute ``residual_files``. A checkpoint
-whose listed files are missing is incomplete: a resume skips it, loudly.
+checkpointer calls the ``persist`` it was built with, which has every client rank publish its
+residuals into ``ckpt-r<round>.residuals/`` and waits for each to acknowledge (roles.residuals);
+only then is the model published, naming those files in its attribute ``residual_files``. A
+checkpoint whose listed files are missing is incomplete: a resume skips it, loudly.
 """
 from __future__ import annotations
 
@@ -32,9 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import yaml
-
-from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, resume_conflict
+from mpifl.config import CheckpointConfig, Config, dump_config
 from mpifl.errors import CheckpointError, JobFailure
 from mpifl.logs import env_rank, log
 from mpifl.storage.hdf5 import Checkpoint
@@ -122,7 +117,11 @@ def prune_checkpoints(directory: Path, keep: int, needed: Iterable[int] = ()) ->
             path.unlink(missing_ok=True)
             shutil.rmtree(residuals_dir(path), ignore_errors=True)
     kept = list_checkpoints(directory)
-    newest = int(_NAME.match(kept[-1].name).group(1)) if kept else -1
+    newest = -1
+    if kept:
+        named = _NAME.match(kept[-1].name)
+        assert named is not None  # list_checkpoints returns only names that _NAME matches
+        newest = int(named.group(1))
     for folder in directory.iterdir() if directory.is_dir() else []:
         found = _RESIDUALS.match(folder.name)  # left by a crash between the two phases, or mid-pruning
         if found and int(found.group(1)) < newest and not folder.with_name(folder.name[:-10] + ".h5").exists():
@@ -204,6 +203,8 @@ class Checkpointer:
             kept = f"; the newest complete checkpoint is still {newest[-1]}" if newest else ""
             raise JobFailure(f"round {round_}: {err}{kept}") from None
         if path is not None:
+            # published: either save (which needs a directory) or a durable store, never made without one (runner)
+            assert self.directory is not None
             prune_checkpoints(self.directory, self.cfg.keep, self.needed(round_) if self.needed else ())
         return path
 
@@ -211,6 +212,7 @@ class Checkpointer:
         """The round is not applied: make sure the model after the previous round is on disk; return where."""
         self.store.abandon_round()
         if self.store.durable:  # every round's model is already a checkpoint
+            assert self.directory is not None  # the out-of-core store is never made without a run directory (runner)
             newest = list_checkpoints(self.directory)
             return newest[-1] if newest else None
         if not model_intact or round_ == 1 or self.directory is None or self.persist is not None:
@@ -239,128 +241,3 @@ class Checkpointer:
         except OSError:
             shutil.copyfile(final, tmp)
         os.replace(tmp, model_file)
-
-
-def run_directory(cfg: Config, run_dir_arg: str | None) -> Path:
-    """``--run-dir``, else ``output.dir``, else ``runs/<name>-<time>``."""
-    return Path(run_dir_arg or cfg.output.dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-class RunComplete(Exception):
-    """The run directory already holds the final round: there is nothing left to do."""
-
-
-def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None:
-    """The checkpoint to resume from (``latest`` or a path), checked against the config before any MPI work.
-
-    None means there is nothing to resume (a run killed before its first checkpoint): it starts
-    fresh. A run at its last round raises :class:`RunComplete`.
-    """
-    if which == "latest":
-        run_dir = run_dir_arg or cfg.output.dir
-        if not run_dir:
-            raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
-        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS, _feedback(cfg))
-        if ckpt is None:
-            return None
-    else:
-        ckpt = Checkpoint(which)
-        problem = missing_residuals(ckpt) if _feedback(cfg) else None
-        if problem:
-            ckpt.close()
-            raise ConfigError(f"cannot resume: {problem}")
-    with ckpt:
-        conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
-        if conflict:
-            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only "
-                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.*, timeouts.* may change)")
-        if ckpt.round == cfg.rounds:
-            raise RunComplete(f"run already complete: {ckpt.path} holds round {ckpt.round} of rounds={cfg.rounds}; "
-                              "nothing to do (raise rounds to continue)")
-        if ckpt.round > cfg.rounds:
-            raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} > rounds={cfg.rounds}; "
-                              "raise rounds to continue")
-        return ckpt.path
-
-
-def _feedback(cfg: Config) -> bool:
-    """Whether the run's clients keep error-feedback residuals that a checkpoint must carry."""
-    return cfg.compression.method == "topk" and cfg.compression.error_feedback
-
-
-def verified_resume(resume: Path, latest: bool, feedback: bool = False) -> Path | None:
-    """``resume`` if its checksums hold; for ``--resume`` (latest), else the newest older one that does, loudly."""
-    candidates = [resume]
-    if latest:
-        candidates += [p for p in reversed(list_checkpoints(resume.parent)) if p.name < resume.name]
-    for path in candidates:
-        try:
-            with Checkpoint(path) as ckpt:
-                ckpt.verify()
-                problem = missing_residuals(ckpt) if feedback else None
-                if problem:
-                    raise CheckpointError(problem)
-            if path != resume:
-                log(f"resuming from {path.name} instead (the newer checkpoints above failed verification)", rank=0)
-            return path
-        except CheckpointError as err:
-            if not latest:
-                raise
-            log(f"mpifl: unusable checkpoint, falling back to the one before: {err}", rank=0)
-    return None
-
-
-def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
-                    resume_asked: str | None = None) -> tuple[Path, Path | None]:
-    """Ready the run directory (never over another run) and pick the verified checkpoint to resume from.
-
-    Returns (run directory, checkpoint or None for a fresh start). On a fresh start after
-    ``--resume``, an earlier ``metrics.jsonl`` is kept aside, never overwritten.
-    """
-    path = run_directory(cfg, run_dir_arg)
-    if resume is not None:
-        resume = verified_resume(resume, latest=resume_asked == "latest", feedback=_feedback(cfg))
-    if resume is not None:
-        rewind_metrics(path / METRICS, resume)
-    elif (path / METRICS).exists() and resume_asked:
-        aside = path / f"{METRICS}.before-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(path / METRICS, aside)
-        log(f"--resume: no usable checkpoint in {path / CHECKPOINTS}: starting fresh (earlier metrics kept "
-            f"as {aside.name})", rank=0)
-    elif resume_asked:
-        log(f"--resume: nothing to resume in {path} yet: starting a new run", rank=0)
-    elif (path / METRICS).exists():
-        raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
-                                "choose another --run-dir, or add --resume to continue it")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(dump_config(cfg))
-    return path, resume
-
-
-def read_metrics(metrics: Path) -> list[dict] | None:
-    """The records of a metrics.jsonl, or None when a line is torn or not JSON (a crash mid-write)."""
-    records = []
-    for number, line in enumerate(metrics.read_text().splitlines() if metrics.exists() else [], 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            log(f"{metrics}: line {number} is torn or not JSON; rebuilding the file from the checkpoint's copy",
-                rank=0)
-            return None
-    return records
-
-
-def rewind_metrics(metrics: Path, resume: Path) -> None:
-    """Keep the metrics records up to the checkpoint's round (atomically): no duplicated, missing or torn rounds."""
-    with Checkpoint(resume) as ckpt:
-        saved, upto = ckpt.metrics(), ckpt.round
-    records = read_metrics(metrics)
-    kept = [r for r in records or [] if r.get("round", upto + 1) <= upto]
-    if records is None or [r["round"] for r in kept] != list(range(1, upto + 1)):
-        kept = saved  # the file lost or tore lines: the checkpoint's copy is complete
-    metrics.parent.mkdir(parents=True, exist_ok=True)
-    tmp = metrics.with_name(metrics.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, metrics)

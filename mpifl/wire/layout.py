@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpifl.config import Config
+from mpifl.config import CompressionConfig, TransportConfig
 from mpifl.wire.codecs import Codec, codec_for
 from mpifl.wire.flat import Chunk, ModelSpec, fp32_chunks, wire_chunks
 
@@ -28,16 +28,17 @@ class ExchangeLayout:
     codec: Codec | None = None  # compression.method: updates travel quantized or sparsified
 
     @classmethod
-    def from_config(cls, spec: ModelSpec, cfg: Config) -> ExchangeLayout:
-        """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``strategy.wire_dtype``, or compress them."""
-        chunks = spec.chunks(cfg.transport.chunk_bytes)
-        grouped = cfg.clients.groups > 0
-        codec = codec_for(cfg.compression.method, cfg.compression.block, cfg.compression.fraction)
+    def build(cls, spec: ModelSpec, transport: TransportConfig, compression: CompressionConfig,
+              wire_dtype: str | None, grouped: bool) -> ExchangeLayout:
+        """Chunk the spec by ``transport.chunk_mb``; narrow updates to ``wire_dtype`` (``strategy.wire_dtype``),
+        send fp32 partial sums when ``grouped`` (``clients.groups``), or compress them (``compression``)."""
+        chunks = spec.chunks(transport.chunk_bytes)
+        codec = codec_for(compression.method, compression.block, compression.fraction)
         if codec is not None:
             wire = codec.wire_chunks(chunks)
         else:
-            wire = fp32_chunks(chunks) if grouped else wire_chunks(chunks, cfg.strategy.wire_dtype)
-        return cls(spec, chunks, wire, cfg.transport.inflight, cfg.transport.chunk_bytes, grouped, codec)
+            wire = fp32_chunks(chunks) if grouped else wire_chunks(chunks, wire_dtype)
+        return cls(spec, chunks, wire, transport.inflight, transport.chunk_bytes, grouped, codec)
 
     @property
     def narrowed(self) -> bool:

@@ -1,0 +1,182 @@
+"""One owner for a run directory and for resuming: where a run writes, which checkpoint it continues from,
+and the metrics rewound to that checkpoint.
+
+A run directory holds::
+
+    config.yaml            the resolved config
+    metrics.jsonl          one JSON line per finished round (rewound to the checkpoint on resume)
+    checkpoints/           the checkpoints (storage.checkpointer decides when, and prunes)
+    residuals/rank<rank>.h5   with error feedback on disk: each client rank's working residuals
+    model.h5               the final checkpoint
+    partition.csv, ranks.txt   the partition table and where each rank ran
+
+Before MPI starts, every rank runs :func:`find_resume` (which checkpoint, and may it resume this
+config?). Then rank 0 alone runs :func:`prepare_run_dir`, which verifies the checkpoint's
+checksums and reads, in that same pass, everything later steps need of it into a small
+:class:`ResumePoint`; the roles get that value, not the file, except the store, which reads the
+model's tensors once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from mpifl.config import Config, ConfigError, dump_config, resume_conflict
+from mpifl.errors import CheckpointError
+from mpifl.logs import log
+from mpifl.storage.checkpointer import (
+    CHECKPOINTS,
+    METRICS,
+    RunDirectoryError,
+    latest_checkpoint,
+    list_checkpoints,
+    missing_residuals,
+    residual_files,
+)
+from mpifl.storage.hdf5 import Checkpoint
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues from, read once: its path, round, metrics history and residual files."""
+
+    path: Path
+    round: int
+    metrics: list[dict]  # the records of rounds 1..round, as the checkpoint saved them
+    residual_files: list[Path] | None  # error feedback: each client rank's residuals at this checkpoint
+
+    @classmethod
+    def read(cls, ckpt: Checkpoint) -> ResumePoint:
+        """What the rest of the run needs of an open checkpoint."""
+        return cls(ckpt.path, ckpt.round, ckpt.metrics(), residual_files(ckpt))
+
+
+class RunComplete(Exception):
+    """The run directory already holds the final round: there is nothing left to do."""
+
+
+def run_directory(cfg: Config, run_dir_arg: str | None) -> Path:
+    """``--run-dir``, else ``output.dir``, else ``runs/<name>-<time>``."""
+    return Path(run_dir_arg or cfg.output.dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def keeps_residuals(cfg: Config) -> bool:
+    """Whether the run's clients keep error-feedback residuals that a checkpoint must carry."""
+    return cfg.compression.method == "topk" and cfg.compression.error_feedback
+
+
+def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None:
+    """The checkpoint to resume from (``latest`` or a path), checked against the config before any MPI work.
+
+    None means there is nothing to resume (a run killed before its first checkpoint): it starts
+    fresh. A run at its last round raises :class:`RunComplete`.
+    """
+    if which == "latest":
+        run_dir = run_dir_arg or cfg.output.dir
+        if not run_dir:
+            raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
+        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS, keeps_residuals(cfg))
+        if ckpt is None:
+            return None
+    else:
+        ckpt = Checkpoint(which)
+        problem = missing_residuals(ckpt) if keeps_residuals(cfg) else None
+        if problem:
+            ckpt.close()
+            raise ConfigError(f"cannot resume: {problem}")
+    with ckpt:
+        conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
+        if conflict:
+            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only "
+                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.*, timeouts.* may change)")
+        if ckpt.round == cfg.rounds:
+            raise RunComplete(f"run already complete: {ckpt.path} holds round {ckpt.round} of rounds={cfg.rounds}; "
+                              "nothing to do (raise rounds to continue)")
+        if ckpt.round > cfg.rounds:
+            raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} > rounds={cfg.rounds}; "
+                              "raise rounds to continue")
+        return ckpt.path
+
+
+def verified_resume(resume: Path, latest: bool, feedback: bool = False) -> ResumePoint | None:
+    """``resume`` if its checksums hold; for ``--resume`` (latest), else the newest older one that does, loudly."""
+    candidates = [resume]
+    if latest:
+        candidates += [p for p in reversed(list_checkpoints(resume.parent)) if p.name < resume.name]
+    for path in candidates:
+        try:
+            with Checkpoint(path) as ckpt:
+                ckpt.verify()
+                problem = missing_residuals(ckpt) if feedback else None
+                if problem:
+                    raise CheckpointError(problem)
+                point = ResumePoint.read(ckpt)
+            if path != resume:
+                log(f"resuming from {path.name} instead (the newer checkpoints above failed verification)", rank=0)
+            return point
+        except CheckpointError as err:
+            if not latest:
+                raise
+            log(f"mpifl: unusable checkpoint, falling back to the one before: {err}", rank=0)
+    return None
+
+
+def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
+                    resume_asked: str | None = None) -> tuple[Path, ResumePoint | None]:
+    """Ready the run directory (never over another run) and pick the verified checkpoint to resume from.
+
+    Returns (run directory, resume point or None for a fresh start). On a fresh start after
+    ``--resume``, an earlier ``metrics.jsonl`` is kept aside, never overwritten.
+    """
+    path = run_directory(cfg, run_dir_arg)
+    point = None
+    if resume is not None:
+        point = verified_resume(resume, latest=resume_asked == "latest", feedback=keeps_residuals(cfg))
+    if point is not None:
+        rewind_metrics(path / METRICS, point)
+    elif (path / METRICS).exists() and resume_asked:
+        aside = path / f"{METRICS}.before-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path / METRICS, aside)
+        log(f"--resume: no usable checkpoint in {path / CHECKPOINTS}: starting fresh (earlier metrics kept "
+            f"as {aside.name})", rank=0)
+    elif resume_asked:
+        log(f"--resume: nothing to resume in {path} yet: starting a new run", rank=0)
+    elif (path / METRICS).exists():
+        raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
+                                "choose another --run-dir, or add --resume to continue it")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(dump_config(cfg))
+    return path, point
+
+
+def read_metrics(metrics: Path) -> list[dict] | None:
+    """The records of a metrics.jsonl, or None when a line is torn or not JSON (a crash mid-write)."""
+    records = []
+    for number, line in enumerate(metrics.read_text().splitlines() if metrics.exists() else [], 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log(f"{metrics}: line {number} is torn or not JSON; rebuilding the file from the checkpoint's copy",
+                rank=0)
+            return None
+    return records
+
+
+def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
+    """Keep the metrics records up to the checkpoint's round (atomically): no duplicated, missing or torn rounds."""
+    upto = point.round
+    records = read_metrics(metrics)
+    kept = [r for r in records or [] if r.get("round", upto + 1) <= upto]
+    if records is None or [r["round"] for r in kept] != list(range(1, upto + 1)):
+        kept = point.metrics  # the file lost or tore lines: the checkpoint's copy is complete
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    tmp = metrics.with_name(metrics.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, metrics)
