@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,52 +20,52 @@ TAKES_OVERRIDES = ("run", "validate", "pbs", "plan", "partition")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpifl", description="MPI federated learning simulation.")
     sub = p.add_subparsers(dest="command", required=True)
-    run = _config_arguments(sub.add_parser("run", help="run a federated experiment (under mpiexec, >= 2 ranks)"))
+    run = _config_arguments(_command(sub, "run", "run a federated experiment (under mpiexec, >= 2 ranks)"))
     run.add_argument("--run-dir", help="output directory (default: output.dir or runs/<name>-<time>)")
     run.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
                      help="continue from the newest checkpoint in the run directory, or from CKPT")
     run.add_argument("--memray", metavar="DIR", help="profile every rank with memray: DIR/rank00000.bin, ...")
     run.add_argument("--memray-native", action="store_true", help="record native stacks too (slower)")
     run.set_defaults(func=commands.run)
-    validate = sub.add_parser("validate", help="check a config without running it (no MPI needed)")
+    validate = _command(sub, "validate", "check a config without running it (no MPI needed)")
     _config_arguments(validate).set_defaults(func=commands.validate)
-    part = _config_arguments(sub.add_parser("partition", help="print how a config splits the data (clients x "
+    part = _config_arguments(_command(sub, "partition", "print how a config splits the data (clients x "
                                             "labels); optional plot"))
     part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
     part.set_defaults(func=commands.partition)
-    cmp_ = sub.add_parser("compare", help="rounds and virtual seconds to a target accuracy, per run directory "
+    cmp_ = _command(sub, "compare", "rounds and virtual seconds to a target accuracy, per run directory "
                                           "(e.g. one per strategy or clock mode)")
-    cmp_.add_argument("run_dirs", nargs="+")
+    cmp_.add_argument("run_dirs", nargs="+", help="run directories to compare (each with metrics.jsonl)")
     cmp_.add_argument("--target", type=float, required=True, help="accuracy to reach, e.g. 0.9")
     cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")
     cmp_.set_defaults(func=commands.compare)
-    ins = sub.add_parser("inspect", help="print a checkpoint's round, tensors, config and versions")
-    ins.add_argument("checkpoint")
+    ins = _command(sub, "inspect", "print a checkpoint's round, tensors, config and versions")
+    ins.add_argument("checkpoint", help="an mpifl checkpoint (.h5): ckpt-r<round>.h5 or model.h5")
     ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "
                      "naming the first corrupt tensor)")
     ins.set_defaults(func=commands.inspect)
-    exp = sub.add_parser("export", help="write a checkpoint's model as safetensors")
-    exp.add_argument("checkpoint")
+    exp = _command(sub, "export", "write a checkpoint's model as safetensors")
+    exp.add_argument("checkpoint", help="an mpifl checkpoint (.h5) to export")
     exp.add_argument("out", help="output .safetensors file")
     exp.set_defaults(func=commands.export)
-    rep = sub.add_parser("report", help="plot a run's metrics (quality, time split, bytes, memory) as PNGs")
-    rep.add_argument("run_dir")
+    rep = _command(sub, "report", "plot a run's metrics (quality, time split, bytes, memory) as PNGs")
+    rep.add_argument("run_dir", help="a run directory (with metrics.jsonl)")
     rep.add_argument("--out", help="output folder (default RUN_DIR/report)")
     rep.set_defaults(func=commands.report)
-    prof = sub.add_parser("profile-report", help="peak table and memory-over-time plots from --memray profiles")
-    prof.add_argument("profile_dir")
+    prof = _command(sub, "profile-report", "peak table and memory-over-time plots from --memray profiles")
+    prof.add_argument("profile_dir", help="the --memray DIR of a run (rank00000.bin, ...)")
     prof.add_argument("--flamegraph", action="store_true", help="also write memray flamegraph HTML per rank")
     prof.set_defaults(func=commands.profile_report)
     add_pbs_parser(sub)
     add_plan_parser(sub)
     sub.choices["pbs"].set_defaults(func=commands.pbs)
     sub.choices["plan"].set_defaults(func=commands.plan)
-    bench = sub.add_parser("bench", help="benchmarks (under mpiexec)")
+    bench = _command(sub, "bench", "benchmarks (under mpiexec)")
     kinds = bench.add_subparsers(dest="kind", required=True)
-    ex = kinds.add_parser("exchange", help="model-only exchange: mpifl vs raw MPI floor vs pickle")
+    ex = _command(kinds, "exchange", "model-only exchange: mpifl vs raw MPI floor vs pickle")
     ex.add_argument("--model-mb", type=float, default=100.0, help="model size in MiB")
     ex.add_argument("--chunk-mb", type=float, default=16.0, help="chunk size in MiB")
-    ex.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ex.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype")
     ex.add_argument("--rounds", type=int, default=3, help="timed rounds per method (median reported)")
     ex.add_argument("--pickle-rounds", type=int, default=None, help="rounds for the slow pickle path "
                     "(default: same as --rounds); 0 skips it")
@@ -81,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", help="write the results to this JSON file")
     ex.set_defaults(func=commands.bench_exchange)
     return p
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows its summary and every option's default."""
+    return sub.add_parser(name, help=summary, description=summary,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(argv if argv is not None else sys.argv[1:])[1:]  # as typed, for generated scripts
     try:
         return args.func(args)
+    except BrokenPipeError:  # `mpifl inspect CKPT | head`: the reader left, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's documented way out
+        return 0
     except (ConfigError, CheckpointError) as err:
         if env_rank() in (0, None):  # under mpiexec every rank finds the same error: say it once
             log(f"mpifl: config error: {err}" if isinstance(err, ConfigError) else f"mpifl: {err}")
