@@ -1,3 +1,4 @@
+"""``python -m mpifl``: the same command line as the ``mpifl`` console script."""
 import sys
 
 from mpifl.cli import main

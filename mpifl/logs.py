@@ -8,7 +8,7 @@ RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID"
 
 
 def env_rank() -> int | None:
-    """This process's rank as the launcher tells it, before MPI is initialised."""
+    """The current process's rank as the launcher tells it, before MPI is initialised."""
     for var in RANK_VARIABLES:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])

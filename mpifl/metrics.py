@@ -9,7 +9,7 @@ from typing import IO
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes: the kernel's high-water mark (VmHWM), else ru_maxrss.
+    """The current process's peak resident set size in bytes: the kernel's high-water mark (VmHWM), else ru_maxrss.
 
     ``/proc/self/statm`` (the current RSS) and ``ru_maxrss`` count differently (statm includes
     shared file pages that ru_maxrss may not), so the peak is read from ``/proc/self/status``,
@@ -26,7 +26,7 @@ def peak_rss_bytes() -> int:
 
 
 def current_rss_bytes() -> int:
-    """This process's resident set size now, in bytes (VmRSS; the peak where /proc is missing)."""
+    """The current process's resident set size now, in bytes (VmRSS; the peak where /proc is missing)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -42,10 +42,12 @@ class JsonLines:
         self._file: IO[str] | None = open(path, "a") if path else None
 
     def write(self, record: dict) -> None:
+        """Append ``record`` as one line and flush it (nothing without a path)."""
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
     def close(self) -> None:
+        """Close the file, if one was opened."""
         if self._file:
             self._file.close()

@@ -31,7 +31,8 @@ def resolve(path: str) -> Any:
 
 
 def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = ()) -> str | None:
-    """What is wrong with ``kwargs`` for ``fn`` (a name it does not take, with the closest one), or None.
+    """What is wrong with ``kwargs`` for ``fn`` (a name it does not take, with the closest one; a parameter
+    without a default left unset), or None.
 
     ``supplied`` are the parameters mpifl passes itself (a model's input shape, say): users may not set them.
     """
@@ -39,15 +40,18 @@ def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = 
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
         return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
+    fn_name = getattr(fn, "__name__", fn)
     allowed = [n for n, p in params.items() if n not in supplied and n != "self"
                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for name in kwargs:
         if name in supplied:
             return f"{key}.{name}: mpifl passes {name} itself; remove it"
-        if name not in allowed:
+        if name not in allowed and not open_ended:
             close = difflib.get_close_matches(str(name), allowed, n=1, cutoff=0.5)
             hint = f"did you mean '{key}.{close[0]}'?" if close else f"it takes: {', '.join(allowed) or 'nothing'}"
-            return f"unknown key '{key}.{name}': not a parameter of {getattr(fn, '__name__', fn)}; {hint}"
+            return f"unknown key '{key}.{name}': not a parameter of {fn_name}; {hint}"
+    missing = [n for n in allowed if params[n].default is inspect.Parameter.empty and n not in kwargs]
+    if missing:
+        return f"{key}.{missing[0]}: {fn_name} takes {missing[0]} without a default; set it"
     return None

@@ -58,7 +58,8 @@ def main() -> None:
         bound = 1.15 * r["model_bytes"] + 600 * MB
         print(f"{way:>6}: model {r['model_bytes'] / MB:,.0f} MB; RSS after imports {r['baseline_rss'] / MB:,.0f} MB; "
               f"peak {r['peak_rss'] / MB:,.0f} MB = {r['peak_rss'] / r['model_bytes']:.2f} x model "
-              f"(bound 1.15 x model + 600 MB = {bound / MB:,.0f} MB: {'within' if r['peak_rss'] <= bound else 'OVER'}); "
+              f"(bound 1.15 x model + 600 MB = {bound / MB:,.0f} MB: "
+              f"{'within' if r['peak_rss'] <= bound else 'OVER'}); "
               f"built in {r['seconds']:.1f} s")
 
 

@@ -81,8 +81,8 @@ def main() -> int:
         data = json.dumps({"dataset": "table", "kwargs": write_parquet(run_dir, args.clients, args.samples),
                            "partition": "natural"})
     else:
-        data = (f'{{dataset: "cross_device:femnist_like", kwargs: {{clients: {args.clients}, samples: {args.samples}}}, '
-                'partition: natural}')
+        data = (f'{{dataset: "cross_device:femnist_like", '
+                f'kwargs: {{clients: {args.clients}, samples: {args.samples}}}, partition: natural}}')
     config.write_text(f"""
 name: cross-device
 rounds: {args.rounds}

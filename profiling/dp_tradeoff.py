@@ -65,7 +65,7 @@ def main() -> int:
 
         private = [(e, a) for z, e, a in rows if z is not None and e not in (None, float("inf"))]
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        ax.plot([e for e, _ in private], [a for _, a in private], marker="o", label="DP-FedAvg (C = %g)" % args.clip)
+        ax.plot([e for e, _ in private], [a for _, a in private], marker="o", label=f"DP-FedAvg (C = {args.clip:g})")
         for z, e, a in rows:
             if z is not None and e not in (None, float("inf")):
                 ax.annotate(f"z={z:g}", (e, a), textcoords="offset points", xytext=(4, -10), fontsize=7)

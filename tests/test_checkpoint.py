@@ -136,7 +136,8 @@ except OSError as err:
 def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
     small = save(tmp_path / "ckpt.h5", FlatModel(Odd()), 1)
     before = small.read_bytes()
-    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(small), str(__import__("pathlib").Path(__file__).parent)],
+    here = str(__import__("pathlib").Path(__file__).parent)
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(small), here],
                             capture_output=True, text=True, timeout=120)
     assert "FAILED:" in result.stdout and "ckpt.h5" in result.stdout, result.stdout + result.stderr
     assert small.read_bytes() == before
@@ -160,7 +161,8 @@ def test_inspect_and_export_a_checkpoint(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(path)], capture_output=True, text=True)
     assert shown.returncode == 0 and "round 4" in shown.stdout and "bfloat16" in shown.stdout
     out = tmp_path / "m.safetensors"
-    done = subprocess.run([sys.executable, "-m", "mpifl", "export", str(path), str(out)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "mpifl", "export", str(path), str(out)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     loaded = load_file(out)
     for name, t in flat.tensors():

@@ -31,7 +31,8 @@ def test_bad_config_fails_fast_on_every_rank_and_says_why_once(tmp_path, overrid
     result, seconds = timed(3, "run", str(cfg), override, "--run-dir", str(tmp_path / "run"))
     assert result.returncode != 0
     assert result.stderr.count(message) == 1, result.stderr  # every rank stops; rank 0 says why, on its own line
-    assert all(line.startswith("[rank 0] mpifl: config error:") for line in result.stderr.splitlines() if message in line)
+    assert all(line.startswith("[rank 0] mpifl: config error:")
+               for line in result.stderr.splitlines() if message in line)
     assert seconds < 30
     assert not (tmp_path / "run").exists()
 

@@ -20,7 +20,8 @@ BASE = ("rounds: 2\nclients: {num_clients: 4}\ndata: {dataset: synthetic, kwargs
     (),  # FedAvg: a running sum, window of accumulators
     ("strategy.name=median",),  # one participant per rank: the receive slots hold the stack
     ("clients.groups=2", "clients.per_round=4"),  # groups: fp32 partial sums, two per rank, one after the other
-    ("server.state=disk", "clients.per_round=2", "transport.pool_mb=0.05"),  # out of core: the configured budget, not a quarter model
+    # out of core: the configured budget, not a quarter model
+    ("server.state=disk", "clients.per_round=2", "transport.pool_mb=0.05"),
 ], ids=["fedavg", "median-held", "groups", "out-of-core"])
 def test_the_planned_receive_pool_is_what_the_server_allocates(tmp_path, overrides):
     config = write_config(tmp_path / "plan.yaml", BASE)

@@ -12,7 +12,8 @@ from conftest import MPI_TIMEOUT, ROOT, run_mpi
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("qs") / "run"
-    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), timeout=MPI_TIMEOUT)
+    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir),
+                     timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     return run_dir, result
 

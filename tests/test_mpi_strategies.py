@@ -110,8 +110,8 @@ def test_rank_count_does_not_change_a_trained_model(tmp_path):
     ~lr*sign(g), which turns last-bit noise in the near-zero gradient of a bias feeding a
     BatchNorm into lr-sized differences.)
     """
-    common = ("train.trainer=torch", "train.optimizer=sgd", "train.momentum=0.9", "train.lr=0.05", "train.local_steps=3",
-              "strategy.name=fedavgm", "clients.per_round=8", "rounds=2")
+    common = ("train.trainer=torch", "train.optimizer=sgd", "train.momentum=0.9", "train.lr=0.05",
+              "train.local_steps=3", "strategy.name=fedavgm", "clients.per_round=8", "rounds=2")
     models = [run(tmp_path, f"ranks{r}", r + 1, *common) for r in (2, 5)]
     assert_bitwise(models[1], models[0])
     torch_model = expected(*common)

@@ -27,7 +27,8 @@ def test_shipped_scripts_are_what_mpifl_pbs_generates(tmp_path, script):
     args[out + 1] = str(tmp_path / "again.pbs")
     result = mpifl("pbs", *args)
     assert result.returncode == 0, result.stderr
-    regenerated = (tmp_path / "again.pbs").read_text().replace(str(tmp_path / "again.pbs"), str(script.relative_to(ROOT)))
+    again = tmp_path / "again.pbs"
+    regenerated = again.read_text().replace(str(again), str(script.relative_to(ROOT)))
     assert regenerated == script.read_text()
 
 
@@ -35,7 +36,8 @@ def test_polaris_example_has_the_directives_and_launch_line_polaris_users_expect
     text = (ROOT / "pbs" / "polaris_exchange_large.pbs").read_text()
     for line in ("#PBS -l select=3:system=polaris", "#PBS -l place=scatter", "#PBS -l walltime=01:00:00",
                  "#PBS -l filesystems=home:eagle", "#PBS -q prod", "#PBS -A MYPROJECT",
-                 "module use /soft/modulefiles", "--depth \"$DEPTH\" --cpu-bind depth", "SERVER_ALONE=${SERVER_ALONE:-1}"):
+                 "module use /soft/modulefiles", "--depth \"$DEPTH\" --cpu-bind depth",
+                 "SERVER_ALONE=${SERVER_ALONE:-1}"):
         assert line in text, line
 
 

@@ -5,7 +5,12 @@ ascending client order (``fold``), then asks for the combined chunk (``combine``
 accumulator, or ``combine_into`` the global chunk when nothing else follows). The accumulator is
 reused memory: ``fold`` with ``index == 0`` must overwrite, never read, it. A combiner declares
 ``stacked`` (one accumulator row per participant instead of one running row) and so how many
-fp32 rows it needs per chunk. New combiners go here and are named in ``registry.BUILTIN``.
+fp32 rows it needs per chunk, and its ``capabilities`` (what run modes it can take: a weighted sum
+may be pre-summed in reduction groups, an order statistic may not). A subclass that changes how it
+combines (fold, combine, ...) declares its own: until it does, mpifl assumes the safe side
+(``compatibility.declared_capabilities``). A participant's weight comes from its whole update
+header (``weight_of``: samples, local steps, the trainer's metrics). New combiners go here and are
+named in ``registry.BUILTIN``.
 """
 from __future__ import annotations
 
@@ -16,15 +21,33 @@ import torch
 
 from mpifl.aggregation import kernels
 from mpifl.config import StrategyConfig
+from mpifl.config.capabilities import MEAN, ORDER_STATISTIC, Capabilities
 from mpifl.wire.memory import share_malloc_arenas
+from mpifl.wire.protocol import UpdateMeta
 
 MAX_SORT_THREADS = 16  # robust combiners: threads sharing a chunk's sorting network
+COMBINING = frozenset({"fold", "combine", "combine_into", "start_combine_into"})  # what makes a combiner what it is
+
+
+def declared_capabilities(combiner: Combiner) -> Capabilities | None:
+    """What ``combiner`` declares it is: its own ``capabilities``, or its class's, or the nearest base's, unless
+    a class on the way changed how it combines (overrode fold, combine, ...) without declaring; None then,
+    or when nothing declares (a subclass that only changes weights keeps its base's capabilities)."""
+    if vars(combiner).get("capabilities") is not None:
+        return vars(combiner)["capabilities"]
+    for cls in type(combiner).__mro__:
+        if vars(cls).get("capabilities") is not None:
+            return vars(cls)["capabilities"]
+        if COMBINING & vars(cls).keys():
+            return None
+    return None
 
 
 class Combiner:
     """Base class: an unweighted, unstacked combiner; subclasses implement fold and combine."""
 
     stacked = False  # True: the accumulator is a (participants, chunk) stack, not one running row
+    capabilities: Capabilities | None = None  # None: declares nothing, the safe side is assumed
 
     def __init__(self, cfg: StrategyConfig) -> None:
         self.cfg = cfg
@@ -32,6 +55,12 @@ class Combiner:
     def weight(self, num_samples: int) -> float:
         """A participant's weight, from its sample count (equal weights here)."""
         return 1.0
+
+    def weight_of(self, meta: UpdateMeta) -> float:
+        """A participant's weight from its update header (``num_samples``, ``local_steps``, the trainer's
+        ``metrics``); here ``weight(meta.num_samples)``. Clients compute it too (reduction groups, secure
+        aggregation), so it must read only those fields: never ``train_seconds``, a wall-clock time."""
+        return self.weight(meta.num_samples)
 
     def accumulator_rows(self, participants: int) -> int:
         """fp32 accumulator rows per chunk for ``participants`` participants."""
@@ -57,6 +86,8 @@ class Combiner:
 
 class WeightedMean(Combiner):
     """FedAvg (McMahan et al. 2017): the mean weighted by sample count (or equal weights), fused fp32 sums."""
+
+    capabilities = MEAN
 
     def weight(self, num_samples: int) -> float:
         """The sample count with ``strategy.weighting: samples``, else 1."""
@@ -88,6 +119,7 @@ class SortedStack(Combiner):
     rows (kernels.trimmed_mean_columns; bitwise numpy's sort, NaN last)."""
 
     stacked = True
+    capabilities = ORDER_STATISTIC
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
         """Copy the chunk into stack row ``index`` (widened to fp32, exact)."""

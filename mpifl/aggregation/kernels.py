@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import numpy as np
 import torch
@@ -140,7 +139,7 @@ def column_spans(n: int, width: int, workers: int) -> list[tuple[int, int]]:
     return spans
 
 
-Rows = Union[torch.Tensor, Sequence[torch.Tensor]]  # a (p, n) stack, or p separate length-n rows
+Rows = torch.Tensor | Sequence[torch.Tensor]  # a (p, n) stack, or p separate length-n rows
 
 
 def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.Tensor,
@@ -181,7 +180,7 @@ def trimmed_mean_columns(out: torch.Tensor, rows: Rows, k: int, scratch: torch.T
                 _widen(t[i], source, span)
             ordered = list(t[:p])
             spare = compare_exchange(ordered, network, t[p])
-            result = window_mean(ordered[k:p - k], sums[start:stop] if direct else spare)
+            result = window_mean(ordered[k:p - k], sums[start:stop] if sums is not None else spare)  # set iff direct
             low = np.minimum.reduce(np.abs(result, out=t[p + 1]))
             if not low > 0:  # a zero (of either sign) or a NaN: redo this tile on total-order keys
                 exact = _exact_tile(t, sources, span, network, k)

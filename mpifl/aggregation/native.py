@@ -25,6 +25,7 @@ import platform
 import shlex
 import subprocess
 import tempfile
+from _ctypes import CFuncPtr as Kernel  # a loaded C function: the class ctypes keeps as its private _CFuncPtr
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 MAX_PARTICIPANTS = 64  # beyond this the unrolled network would be thousands of lines: numpy runs instead
 ROW_TYPES = {torch.float32: ("fp32", "uint32_t", ""), torch.bfloat16: ("bf16", "uint16_t", " << 16")}
-Kernel = ctypes._CFuncPtr  # a loaded C function
 
 _PRELUDE = """#include <stdint.h>
 #include <string.h>

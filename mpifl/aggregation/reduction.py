@@ -38,11 +38,17 @@ from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, Watchdog
 class GlobalState(Protocol):
     """Where finished chunks of the new global model go (a subset of storage.stores.GlobalStore)."""
 
-    def finish_target(self, chunk: Chunk) -> torch.Tensor: ...
+    def finish_target(self, chunk: Chunk) -> torch.Tensor:
+        """Where chunk's new value goes; holds the old value on entry."""
+        ...
 
-    def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]: ...
+    def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """The strategy's state slices for ``chunk``."""
+        ...
 
-    def commit(self, chunk: Chunk) -> None: ...
+    def commit(self, chunk: Chunk) -> None:
+        """Chunk's new value (and state) is final."""
+        ...
 
 
 class RoundAborted(RuntimeError):
@@ -111,7 +117,8 @@ class StreamedReduction:
         by_rank, plan, order, noise, unmask = task.by_rank, task.layout, task.order, task.noise, task.unmask
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
-        self.codec, self.decoded = exchange.codec, None  # compression.method: decode each chunk before folding
+        self.codec = exchange.codec  # compression.method: decode each chunk before folding
+        self.decoded: torch.Tensor | None = None  # the reused fp32 scratch it decodes into, made on first use
         self.min_participants, self.round, self.watchdog = min_participants, task.round, watchdog
         self.by_rank = by_rank
         self.weights, self.divisor = task.weights, task.divisor  # staleness weights; a fixed divisor
@@ -172,6 +179,7 @@ class StreamedReduction:
                 backoff.pause()
                 continue
             backoff.reset()
+            assert objects is not None  # testsome returns None for both or for neither
             for index, obj in zip(done, objects):
                 self.requests[index] = MPI.REQUEST_NULL
                 self.free_requests.append(index)
@@ -202,12 +210,13 @@ class StreamedReduction:
         buf = self.pool.slots[slot][: self.wire[ticket.chunk].nbytes]
         self._add_request(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=protocol.UPDATE), ticket)
 
-    def waiting(self) -> dict[int, tuple[str, str]]:
+    def waiting(self) -> dict[int, tuple[str, str | None]]:
         """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
 
         A rank whose receive slots are all full waits on the fold order, not the other way round.
         """
-        out, per_client = {}, len(self.chunks)
+        out: dict[int, tuple[str, str | None]] = {}
+        per_client = len(self.chunks)
         for rank, clients in self.by_rank.items():
             metas, chunks = self.metas_in[rank], self.chunks_in[rank]
             if self.posted[rank] == 0:
@@ -283,6 +292,7 @@ class StreamedReduction:
 
     def _hold(self, step: Fold) -> None:
         """Keep the chunk in its slot as row ``step.row`` of its chunk's stack."""
+        assert self.held is not None  # _fold holds chunks only with held stacks
         rows = self.held.setdefault(step.chunk, [])
         assert len(rows) == step.row, "rows are taken in the fold order"
         rows.append((step.rank, step.slot))
@@ -322,6 +332,7 @@ class StreamedReduction:
             return
         if self.total_weight is None:
             self._check_participation()
+        assert self.total_weight is not None  # _check_participation set it, or raised
         chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk)
         if self.unmask is not None:
             self.unmask(acc, self.first_element[step.chunk], self.stats.metas)
@@ -338,12 +349,15 @@ class StreamedReduction:
         self._settle(timed=False)  # _perform times this step
         if self.total_weight is None:
             self._check_participation()
+        assert self.total_weight is not None  # _check_participation set it, or raised
+        assert self.held is not None  # _finish finishes here only with held stacks
         chunk = self.chunks[step.chunk]
         rows = [self._received(step.chunk, slot) for _, slot in self.held.get(step.chunk, ())]
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
         jobs = self.strategy.start_finish(rows, step.count, self.total_weight, target, state)
         if jobs is None:
-            self.strategy.finish(rows, step.count, self.total_weight, target, state)
+            # the combiners take the rows (kernels.Rows), but Strategy.finish is annotated with a stack only
+            self.strategy.finish(rows, step.count, self.total_weight, target, state)  # type: ignore[arg-type]
             jobs = []
         self.finishing = (step.chunk, jobs)
         if not jobs:
@@ -364,6 +378,7 @@ class StreamedReduction:
         if timed:
             self.stats.aggregate_seconds += time.perf_counter() - start
         self.state.commit(self.chunks[j])
+        assert self.held is not None  # only _finish_held finishes in the background
         for rank, slot in self.held.pop(j, ()):
             self._post_chunk(rank, slot)
 
@@ -380,7 +395,7 @@ class StreamedReduction:
         """DP-FedAvg with nobody sampled (Poisson sampling): the noise alone still moves the model, so that
         an empty round looks like any other."""
         self.total_weight = self.divisor
-        for j, chunk in enumerate(self.chunks):
+        for j in range(len(self.chunks)):
             self.acc_of[j] = self._accumulator(j).zero_()
             self._finish(Finish(j, 0))
         return self.stats

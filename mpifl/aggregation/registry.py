@@ -3,7 +3,8 @@
 ``mpifl.config`` lists these names as ``strategy.name``'s choices (``STRATEGIES``); this
 table must name the same, in the same order. Torch-free: the stages are named here and
 imported on first use. A new
-algorithm is a small class in ``combiners.py`` or ``updates.py`` plus one line below. User
+algorithm is a small class in ``combiners.py`` or ``updates.py`` plus one line below, and one in
+``mpifl.config.capabilities.BUILTIN_CAPABILITIES`` (what it is, for load_config's checks). User
 strategies need no registration: ``strategy.name: package.module:attr`` (see strategies.py).
 """
 from __future__ import annotations

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,8 @@ class Finish:
     count: int
 
 
-Ticket = Union[MetaTicket, ChunkTicket]  # Union, not |: these aliases are evaluated at import (Python 3.9)
-Step = Union[Fold, Finish]
+Ticket = MetaTicket | ChunkTicket  # evaluated at import: needs Python >= 3.10, as the config schema does
+Step = Fold | Finish
 
 
 class FoldSchedule:

@@ -12,21 +12,28 @@ A strategy decides, it never communicates. For every chunk of the model the serv
    chunk-addressable fp32 server-state vectors (RAM or HDF5, saved in checkpoints).
 
 Everything is computed in fp32 and rounded once into the model's dtype. ``make_strategy``
-builds a registered name (registry.py) or calls an import path ``package.module:attr``
-with the StrategyConfig; attr returns a Strategy (or is a Strategy subclass).
+builds a registered name (registry.py) or calls an import path ``package.module:attr`` as
+``attr(cfg, **cfg.kwargs)``, cfg the StrategyConfig; attr returns a Strategy (or is a Strategy
+subclass). A strategy's ``capabilities`` (what run modes it can take) come from its combiner's
+declaration (or the safe assumption when it declares none) and its server update's state.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 from concurrent.futures import Future
 
 import torch
 
-from mpifl.aggregation.combiners import Combiner
+from mpifl.aggregation.combiners import Combiner, declared_capabilities
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, Rows
 from mpifl.aggregation.registry import BUILTIN, STRATEGIES, stages
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig
+from mpifl.config.capabilities import UNDECLARED, Capabilities
 from mpifl.plugins import is_import_path, resolve
+from mpifl.wire.protocol import UpdateMeta
 
 __all__ = ["ACCUMULATOR_DTYPE", "Strategy", "make_strategy"]
 
@@ -34,12 +41,18 @@ __all__ = ["ACCUMULATOR_DTYPE", "Strategy", "make_strategy"]
 class Strategy:
     """What the streamed reduction calls for each chunk (weight, fold, finish) and planning asks (bytes)."""
 
-    def __init__(self, cfg: StrategyConfig, combiner: Combiner, update: ServerUpdate) -> None:
+    def __init__(self, cfg: StrategyConfig, combiner: Combiner, update: ServerUpdate,
+                 capabilities: Capabilities | None = None) -> None:
         self.cfg, self.combiner, self.update = cfg, combiner, update
         self.name = cfg.name
         self.delta = cfg.update == "delta"  # clients send trained - global, not their weights
         self.stacked = combiner.stacked
         self.state_init = dict(update.state_init)
+        self.weigher = combiner  # whose weight_of weighs the participants (kept when a run mode swaps the combiner)
+        declared = capabilities or declared_capabilities(combiner)
+        self.declared = declared is not None  # False: the checks assume the safe side and say how to declare
+        base = declared or UNDECLARED
+        self.capabilities = dataclasses.replace(base, server_state=base.server_state or bool(self.state_init))
 
     @property
     def needs_previous_global(self) -> bool:
@@ -49,6 +62,18 @@ class Strategy:
     def weight(self, num_samples: int) -> float:
         """A participant's weight in the combination, from its sample count."""
         return self.combiner.weight(num_samples)
+
+    def weight_of(self, meta: UpdateMeta) -> float:
+        """A participant's weight from its whole update header (the combiner's ``weight_of``)."""
+        return self.weigher.weight_of(meta)
+
+    def substituted(self, combiner: Combiner | None = None, update: ServerUpdate | None = None) -> Strategy:
+        """A twin with the stage a run mode substitutes (secure aggregation's ring sum, FedAsync's mixing); the
+        participants keep this strategy's weights and the twin keeps its capabilities."""
+        twin = copy.copy(self)
+        Strategy.__init__(twin, self.cfg, combiner or self.combiner, update or self.update, self.capabilities)
+        twin.weigher = self.weigher
+        return twin
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
         """Take in the ``index``-th included participant's chunk (acc is a stack row per participant when stacked)."""
@@ -85,7 +110,7 @@ class Strategy:
 
 
 def make_strategy(cfg: StrategyConfig) -> Strategy:
-    """The strategy named in the config: a registered name, or an import path called with the config."""
+    """The strategy named in the config: a registered name, or an import path called as ``fn(cfg, **cfg.kwargs)``."""
     if cfg.name in BUILTIN:
         combiner, update = stages(cfg.name)
         return Strategy(cfg, combiner(cfg), update(cfg))
@@ -96,7 +121,13 @@ def make_strategy(cfg: StrategyConfig) -> Strategy:
         build = resolve(cfg.name)
     except ImportError as err:
         raise ConfigError(f"strategy.name: {err}") from None
-    strategy = build(cfg)
+    try:
+        inspect.signature(build).bind(cfg, **cfg.kwargs)
+    except TypeError as err:
+        raise ConfigError(f"strategy.kwargs: {cfg.name!r} is called as fn(cfg, **strategy.kwargs): {err}") from None
+    except ValueError:  # no signature to check against
+        pass
+    strategy = build(cfg, **cfg.kwargs)
     if not isinstance(strategy, Strategy):
         raise ConfigError(f"strategy.name: {cfg.name!r} returned {type(strategy).__name__}, not a "
                           "mpifl.aggregation.strategies.Strategy")

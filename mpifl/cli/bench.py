@@ -78,6 +78,7 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     pickled = _pickle_rounds(comm, args.model_mb, dtype, pickle_rounds)
     if rank != 0:
         return 0
+    assert history is not None and peaks is not None  # rank 0 gets the history and the gathered peaks
     mpifl_times = [r["time"]["round"] for r in history[1:]]
     result = {
         "model_bytes": model_bytes, "clients": comm.Get_size() - 1, "dtype": args.dtype,

@@ -40,7 +40,8 @@ def export(path: str, out: str) -> int:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' (or pip install safetensors)") from None
+        raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' "
+                         "(or pip install safetensors)") from None
     target = Path(out)
     if target.exists() and (target.resolve() == Path(path).resolve() or h5py.is_hdf5(target)):
         raise CheckpointError(f"export: {out} is an HDF5 file (the checkpoint itself?); refusing to overwrite it "
@@ -72,7 +73,8 @@ def _write_transformers_config(config_yaml: str, folder: Path) -> None:
     if (raw.get("model") or {}).get("name") != "transformers":
         return
     cfg = load_config(None, data={"model": raw["model"], "train": {"trainer": "none"}, "eval": {"every": 0}})
-    if cfg.model.name != "transformers" or cfg.model.lora.r or (cfg.model.trainable and cfg.model.exchange == "trainable"):
+    trainable_only = cfg.model.trainable and cfg.model.exchange == "trainable"
+    if cfg.model.name != "transformers" or cfg.model.lora.r or trainable_only:
         return  # not a transformers model, or a checkpoint of its trainable tensors only
     from mpifl.learning.hf import transformers_config
 

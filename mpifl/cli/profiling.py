@@ -47,8 +47,10 @@ def summarize(profile: Path, top: int = 3) -> dict:
             frame = next(iter(rec.stack_trace(max_stacks=1)), None)
             where = f"{frame[0]} ({Path(frame[1]).name}:{frame[2]})" if frame else "?"
             sites.append((where, rec.size))
+        rank = re.search(r"(\d+)", profile.stem)
+        assert rank is not None, f"{profile.name}: mpifl names its profiles rankNNNNN.bin"
         return {
-            "rank": int(re.search(r"(\d+)", profile.stem).group(1)),
+            "rank": int(rank.group(1)),
             "peak_rss_bytes": max((s.rss for s in snaps), default=0),
             "peak_heap_bytes": reader.metadata.peak_memory,
             "snapshots": [(s.time, s.rss, s.heap) for s in snaps],

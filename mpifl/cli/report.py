@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from mpifl.units import MIB
 
@@ -30,7 +31,7 @@ def load_metrics(run_dir: Path) -> list[dict]:
 
 def metric_of(record: dict, dotted: str) -> float | None:
     """A dotted key (``eval.accuracy``) of a round's record, or None where absent."""
-    value = record
+    value: Any = record  # a nested section, then the leaf value
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
             return None

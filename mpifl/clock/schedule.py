@@ -91,6 +91,7 @@ class SyncClock:
                          key=lambda c: (took[c], c))
         kept = in_time[:k]
         closes = took[kept[-1]] if len(kept) == k else self.deadline
+        assert closes is not None  # without a deadline every one of the >= k selected is in time: k are kept
         if len(kept) < self.min_participants:
             kept = []
         stragglers = tuple(c for c in selected if c not in kept)

@@ -6,6 +6,7 @@ is allowed; an import path (``pkg.module:attr``) must resolve.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -33,12 +34,13 @@ from mpifl.config.sections import (
     TransportConfig,
 )
 
-__all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoraConfig",
-           "ModelConfig", "OutputConfig", "PrivacyConfig", "SecAggConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig",
-           "TransformersConfig", "TransportConfig", "config_warnings", "dump_config", "load_config", "resume_conflict"]
+__all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfig", "Config", "ConfigError",
+           "DataConfig", "EvalConfig", "LoraConfig", "ModelConfig", "OutputConfig", "PrivacyConfig", "SecAggConfig",
+           "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig", "TransformersConfig", "TransportConfig",
+           "config_warnings", "dump_config", "load_config", "resume_conflict"]
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), data: dict | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: dict | None = None) -> Config:
     """Read a YAML file (or a dict), apply ``key=value`` overrides, validate everything."""
     raw: dict = {}
     if path is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import Config
 from mpifl.plugins import is_import_path
@@ -22,6 +23,7 @@ def check_combinations(cfg: Config) -> None:
     if cfg.clients.min_participants > cfg.clients_per_round():
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
                           f"{cfg.clients_per_round()} clients sampled per round")
+    _check_strategy(cfg)
     _check_groups(cfg)
     _check_reduce(cfg)
     _check_clock(cfg)
@@ -37,13 +39,75 @@ def check_combinations(cfg: Config) -> None:
                           "so it cannot evaluate it; set eval.every=0")
 
 
+FEDASYNC = "clock.mode: 'fedasync' mixes each client's trained weights into the model (x = (1 - a) x + a x_client)"
+DECLARE = ("declare it on the combiner, e.g. `capabilities = Capabilities(summable=True, needs_every_row=False)` "
+           "(from mpifl.api) when its fold is acc += w * x")
+
+
+def _check_strategy(cfg: Config) -> None:
+    """A built-in strategy's run modes, by its capabilities (a plug-in's are checked once it is imported:
+    mpifl.aggregation.compatibility); strategy.kwargs is for plug-ins only."""
+    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
+    if caps is None:
+        return
+    if cfg.strategy.kwargs:
+        raise ConfigError(f"strategy.kwargs: the built-in strategy {cfg.strategy.name!r} takes its settings from "
+                          "strategy's own keys (weighting, server_lr, momentum, beta1, beta2, tau, trim_fraction); "
+                          "strategy.kwargs is for a plug-in (strategy.name: package.module:function)")
+    problem = capability_problem(cfg, caps)
+    if problem:
+        raise ConfigError(problem)
+
+
+def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -> str | None:
+    """The first run mode the configured strategy cannot take, judged by what it is (never by its name), or None.
+
+    ``declared=False``: the strategy declares nothing, ``caps`` is the safe assumption, and the message says
+    how to declare what it is.
+    """
+    name = cfg.strategy.name
+    if caps.summable:
+        if cfg.clock.mode == "fedasync" and caps.server_state:
+            return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another strategy without server state "
+                    f"(Capabilities.server_state=False), and strategy.update='weights'; strategy {name!r} keeps "
+                    "server state, which the mixing would drop")
+        return None
+    what = _not_summable(name, caps, declared)
+    remedy = f"; {DECLARE}, or " if not declared else "; "
+    if cfg.clients.groups:
+        return f"clients.groups: strategy {what}, so it cannot be summed on the ranks first{remedy}set clients.groups=0"
+    if cfg.transport.reduce == "chain":
+        return f"transport.reduce: 'chain' adds partial sums, but strategy {what}{remedy}set transport.reduce='direct'"
+    if cfg.privacy.mode != "off":
+        return (f"strategy.name: privacy.mode {cfg.privacy.mode!r} needs a mean (fedavg, fedavgm, the adaptive ones): "
+                f"noise calibrated to a sum; strategy {what}{remedy}choose a summable strategy")
+    if cfg.secagg.enabled:
+        return (f"strategy.name: secagg.enabled needs a sum-based strategy: the server sees only the sum; strategy "
+                f"{what}{remedy}choose a summable strategy")
+    if cfg.clock.mode == "fedasync":
+        return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another summable strategy, and "
+                f"strategy.update='weights'; strategy {what}{remedy}choose a summable strategy")
+    return None
+
+
+def _not_summable(name: str, caps: Capabilities, declared: bool) -> str:
+    """Why strategy ``name`` is not summable, naming the capability."""
+    if not declared:
+        return (f"{name!r} declares no Capabilities, so mpifl assumes it is not summable (summable=False) and "
+                "needs every participant's own update")
+    if caps.needs_every_row:
+        return f"{name!r} needs every participant's own update (summable=False, needs_every_row=True)"
+    return f"{name!r} is not summable (summable=False)"
+
+
 def _check_clock(cfg: Config) -> None:
     clock = cfg.clock
     for key in ("trace", "availability_trace"):
         if getattr(clock, key) is not None and not Path(getattr(clock, key)).is_file():
             raise ConfigError(f"clock.{key}: {getattr(clock, key)!r} does not exist")
     if clock.availability == "trace" and clock.availability_trace is None:
-        raise ConfigError("clock.availability: 'trace' needs clock.availability_trace (a JSON file of online intervals)")
+        raise ConfigError("clock.availability: 'trace' needs clock.availability_trace "
+                          "(a JSON file of online intervals)")
     if clock.mode == "off":
         return
     if cfg.server.state == "disk":
@@ -53,9 +117,8 @@ def _check_clock(cfg: Config) -> None:
     if cfg.clients.groups:
         raise ConfigError(f"clients.groups: clock.mode {clock.mode!r} applies each update at its own virtual arrival, "
                           "so updates cannot be summed on the ranks first; set clients.groups=0")
-    if clock.mode == "fedasync" and (cfg.strategy.name != "fedavg" or cfg.strategy.update != "weights"):
-        raise ConfigError("clock.mode: 'fedasync' mixes each client's trained weights into the model "
-                          "(x = (1 - a) x + a x_client): it needs strategy.name='fedavg' and strategy.update='weights'")
+    if clock.mode == "fedasync" and cfg.strategy.update != "weights":
+        raise ConfigError(f"{FEDASYNC}: it needs strategy.update='weights'")
     if clock.mode in ("fedbuff", "fedcompass") and cfg.strategy.update != "delta":
         raise ConfigError(f"clock.mode: {clock.mode!r} averages the buffered clients' deltas, each against the "
                           "version it trained on: set strategy.update='delta'")
@@ -85,8 +148,6 @@ def _check_privacy(cfg: Config) -> None:
     needs = [("strategy.update", cfg.strategy.update == "delta", "'delta' (clients clip their delta)"),
              ("strategy.weighting", cfg.strategy.weighting == "equal",
               "'equal' (a sample-weighted mean lets one client move the model by more than the clip bound)"),
-             ("strategy.name", cfg.strategy.name not in ("median", "trimmed_mean"),
-              "a mean (fedavg, fedavgm, the adaptive ones): noise calibrated to a sum"),
              ("clients.groups", not cfg.clients.groups, "0 (each update is clipped on its own)"),
              ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (updates are clipped in fp32)"),
              ("clock.mode", cfg.clock.mode == "off", "'off' (the accountant assumes uniform sampling)")]
@@ -106,10 +167,9 @@ def _check_privacy(cfg: Config) -> None:
 def _check_secagg(cfg: Config) -> None:
     if not cfg.secagg.enabled:
         return
-    needs = [("model.dtype", cfg.model.dtype == "float32", "'float32' (fixed-point ring values travel in fp32's bytes)"),
+    needs = [("model.dtype", cfg.model.dtype == "float32",
+              "'float32' (fixed-point ring values travel in fp32's bytes)"),
              ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset"),
-             ("strategy.name", cfg.strategy.name not in ("median", "trimmed_mean"),
-              "a sum-based strategy: the server sees only the sum"),
              ("clients.groups", not cfg.clients.groups, "0 (each client masks its own update)"),
              ("clock.mode", cfg.clock.mode in ("off", "sync"), "'off' or 'sync' (a cohort shares its masks)"),
              ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central' (local DP needs no secure sum)")]
@@ -153,9 +213,6 @@ def _check_groups(cfg: Config) -> None:
     if groups > cfg.clients.num_clients:
         raise ConfigError(f"clients.groups: {groups} groups for {cfg.clients.num_clients} clients would leave groups "
                           "empty; use at most clients.num_clients")
-    if cfg.strategy.name in ("median", "trimmed_mean"):
-        raise ConfigError(f"clients.groups: strategy {cfg.strategy.name!r} needs every participant's own update "
-                          "(a coordinate-wise order statistic cannot be summed on the ranks first); set clients.groups=0")
     if cfg.strategy.wire_dtype is not None:
         raise ConfigError("strategy.wire_dtype: with clients.groups the ranks send fp32 partial sums, never single "
                           "updates; unset strategy.wire_dtype")
@@ -178,7 +235,8 @@ def _check_transformers(cfg: Config) -> None:
         raise ConfigError(f"model.transformers.path: {hf.path!r} is not a local folder (nothing is downloaded: "
                           "hub names are not accepted)")
     if hf.path is not None and hf.architecture is None and not (Path(hf.path) / "config.json").is_file():
-        raise ConfigError(f"model.transformers.path: {hf.path!r} has no config.json; set model.transformers.architecture")
+        raise ConfigError(f"model.transformers.path: {hf.path!r} has no config.json; "
+                          "set model.transformers.architecture")
     if hf.pretrained and (hf.path is None or not any(Path(hf.path).glob("*.safetensors"))):
         raise ConfigError(f"model.transformers.pretrained: no *.safetensors files in model.transformers.path "
                           f"({hf.path!r})")

@@ -32,6 +32,7 @@ def field_(default: Any, doc: str, **rules: Any) -> Any:
 
 
 def merge(base: dict, extra: dict) -> dict:
+    """``base`` updated with ``extra``, section by section (nested mappings merge; other values replace)."""
     out = dict(base)
     for key, value in extra.items():
         out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
@@ -39,6 +40,7 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 def apply_override(raw: dict, item: str) -> None:
+    """Set one dotted ``key=value`` override in ``raw`` (the value is read as YAML; empty means None)."""
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rounds=5)")
@@ -52,6 +54,7 @@ def apply_override(raw: dict, item: str) -> None:
 
 
 def build(cls: type, raw: Any, prefix: str) -> Any:
+    """An instance of section class ``cls`` from mapping ``raw``; errors name the key under ``prefix``."""
     where = prefix.rstrip(".") or "top level"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
@@ -68,7 +71,8 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
             continue
         hint = hints[name]
         if dataclasses.is_dataclass(hint):  # an empty section (``clients:``) means its defaults; [] is a mistake
-            values[name] = build(hint, {} if raw[name] is None else raw[name], f"{prefix}{name}.")
+            # a type hint that is a dataclass is a section class, never an instance
+            values[name] = build(typing.cast(type, hint), {} if raw[name] is None else raw[name], f"{prefix}{name}.")
         else:
             values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
     return cls(**values)

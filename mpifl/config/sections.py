@@ -51,8 +51,8 @@ class DataConfig:
     kwargs: dict = field_(dict, "keyword arguments for the dataset function")
     partition: str = field_("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
                             "per client), unbalanced (lognormal sizes, iid labels), natural (the data's own clients, "
-                            "e.g. LEAF users or a table's client ids), file (data.partition_file), or an import path fn(labels, num_clients, "
-                            "seed) returning one index array per client",
+                            "e.g. LEAF users or a table's client ids), file (data.partition_file), or an import path "
+                            "fn(labels, num_clients, seed) returning one index array per client",
                             choices=("iid", "dirichlet", "shards", "unbalanced", "natural", "file"), import_ok=True)
     partition_file: str | None = field_(None, "partition: file: a JSON list of per-client index lists (or "
                                            "{client id: indices})")
@@ -94,7 +94,9 @@ class ModelConfig:
 
     name: str = field_("mlp", "built-in model ('mlp', 'cnn', 'blob', 'transformers') or import path to a function "
                         "returning an nn.Module", choices=("mlp", "cnn", "blob", "transformers"), import_ok=True)
-    kwargs: dict = field_(dict, "keyword arguments for the model function")
+    kwargs: dict = field_(dict, "keyword arguments for the model function; mpifl passes input_shape and "
+                          "num_classes itself (from the dataset) to mlp, cnn and to a plug-in whose signature names "
+                          "them")
     dtype: str = field_("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
     init_from: str | None = field_(None, "an mpifl checkpoint to start from: every rank builds the model on the "
                                        "meta device and reads the weights straight into its flat buffer")
@@ -110,9 +112,9 @@ class ModelConfig:
 class TrainConfig:
     """Local training on each logical client."""
 
-    trainer: str = field_("torch", "'torch' (plain loop), 'causal_lm' (transformers fine-tuning on data.dataset='text'), "
-                           "'none' (model-only exchange) or an import path", choices=("torch", "causal_lm", "none"),
-                           import_ok=True)
+    trainer: str = field_("torch", "'torch' (plain loop), 'causal_lm' (transformers fine-tuning on "
+                           "data.dataset='text'), 'none' (model-only exchange) or an import path",
+                           choices=("torch", "causal_lm", "none"), import_ok=True)
     optimizer: str = field_("sgd", "local optimizer", choices=("sgd", "adam", "adamw"))
     lr: float = field_(0.05, "local learning rate", min=0.0, exclusive_min=True)
     momentum: float = field_(0.0, "SGD momentum", min=0.0, max=1.0)
@@ -141,8 +143,12 @@ class StrategyConfig:
     """How the server combines updates."""
 
     name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
-                        "median or trimmed_mean (coordinate-wise, unweighted), or an import path to a function "
-                        "StrategyConfig -> Strategy (mpifl.aggregation.strategies)", choices=STRATEGIES, import_ok=True)
+                        "median or trimmed_mean (coordinate-wise, unweighted), or an import path to a plug-in "
+                        "called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
+                        "(see mpifl.api)", choices=STRATEGIES, import_ok=True)
+    kwargs: dict = field_(dict, "a plug-in strategy's own settings (strategy.name an import path), passed as keyword "
+                          "arguments and checked against its signature; built-in strategies take none (their "
+                          "settings are this section's keys)")
     weighting: str = field_("samples", "client weight in means: by sample count or equal", choices=("samples", "equal"))
     update: str = field_("weights", "what a client sends: its trained weights or its delta (trained - global)",
                           choices=("weights", "delta"))
@@ -178,6 +184,7 @@ class TransportConfig:
 
     @property
     def chunk_bytes(self) -> int:
+        """``chunk_mb`` in whole bytes, at least one."""
         return max(1, int(self.chunk_mb * MIB))
 
 
@@ -369,6 +376,7 @@ class Config:
     output: OutputConfig = field_(OutputConfig, "outputs")
 
     def to_dict(self) -> dict:
+        """The whole configuration as nested plain dicts (for the YAML dump and resume checks)."""
         return dataclasses.asdict(self)
 
     def clients_per_round(self) -> int:

@@ -10,8 +10,10 @@ are split across clients is :mod:`mpifl.learning.partitions`.
 from __future__ import annotations
 
 import gzip
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,16 +44,18 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
+        """The shape of one training input (without the sample dimension)."""
         return tuple(self.x_train.shape[1:])
 
     @property
     def num_classes(self) -> int:
+        """How many classes: the declared count, else one more than the largest label seen."""
         if self.known_classes is not None:
             return self.known_classes
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
     def holding(self, clients: list[int]) -> Dataset:
-        """This dataset with the inputs of ``clients`` read from its source (itself when it has none)."""
+        """The same dataset with the inputs of ``clients`` read from its source (itself when it has none)."""
         if self.source is None:
             return self
         source, index = self.source
@@ -94,7 +98,8 @@ def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int 
     return as_x(x[n_test:]), as_y(y[n_test:]), as_x(x[:n_test]), as_y(y[:n_test])
 
 
-BUILTIN = {"digits": digits, "synthetic": synthetic, "text": text, "leaf": leaf, "table": table}
+BUILTIN: dict[str, Callable[..., Any]] = {"digits": digits, "synthetic": synthetic, "text": text, "leaf": leaf,
+                                          "table": table}
 SOURCES = {"leaf": LeafSource, "table": TableSource}  # datasets stored by client: read client by client
 
 
@@ -113,6 +118,16 @@ def surveyed_dataset(source: ClientSource, index: ClientIndex,
         test = torch.empty((0, *index.input_shape), dtype=index.input_dtype), torch.empty(0, dtype=torch.int64)
     return Dataset(HeldRows(index, {}), torch.from_numpy(np.concatenate(index.labels)), *test,
                    clients=index.ranges(), source=(source, index), known_classes=index.num_classes)
+
+
+def data_shape(cfg: DataConfig) -> dict[str, Any]:
+    """The ``input_shape`` and ``num_classes`` a model is sized from (a client source is only surveyed)."""
+    source = client_source(cfg)
+    if source is not None:
+        index = source.survey()[0]
+        return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}
+    data = load_dataset(cfg)
+    return {"input_shape": data.input_shape, "num_classes": data.num_classes}
 
 
 def needs_dataset(cfg: Config) -> bool:

@@ -18,6 +18,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,11 +82,12 @@ def parameters_on_meta() -> Iterator[None]:
         if param is not None and not param.is_meta:
             module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta
+    # torch has no hook for parameter creation: patch the method for this block only
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def build(cfg: ModelConfig) -> nn.Module:
@@ -108,7 +110,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         import peft
     except ImportError:
         raise ImportError("model.lora needs peft: pip install 'mpifl[lora]'") from None
-    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    # peft annotates lora_alpha as int but only divides it (by r or sqrt r): a float alpha is fine
+    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                            target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():  # peft's notes on Conv1D (GPT-2) layout and deprecated names
@@ -121,13 +124,14 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
 def base_model(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    wrapper: Any = model  # a peft PeftModel when it has get_base_model (peft is optional, so not typed as one)
+    return wrapper.get_base_model() if hasattr(wrapper, "get_base_model") else model
 
 
 def initialize(model: nn.Module, seed: int) -> None:
     """Seeded transformers initialisation, in place (into the flat buffer once bound); LoRA
     adapters as peft initialises them (A Kaiming-uniform, B zero)."""
-    base = base_model(model)
+    base: Any = base_model(model)  # a transformers PreTrainedModel: its methods are not nn.Module's
     for name, module in model.named_modules():  # transformers marks what post_init initialised (on meta)
         module.__dict__.pop("_is_hf_initialized", None)
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
@@ -139,8 +143,9 @@ def initialize(model: nn.Module, seed: int) -> None:
         base.initialize_weights()
         for module in model.modules():
             if hasattr(module, "reset_lora_parameters"):
-                for adapter in module.lora_A:
-                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+                layer: Any = module  # a peft LoRA layer (peft is optional, so not typed as one)
+                for adapter in layer.lora_A:
+                    layer.reset_lora_parameters(adapter, init_lora_weights=True)
 
 
 def saved_name(name: str) -> str:
@@ -178,7 +183,7 @@ def load_pretrained(flat: FlatModel, path: str | Path) -> None:
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute activations in the backward pass (non-reentrant, so frozen inputs are fine)."""
-    base = base_model(model)
+    base: Any = base_model(model)  # a transformers PreTrainedModel: its methods are not nn.Module's
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

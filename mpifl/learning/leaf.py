@@ -90,6 +90,7 @@ class Encoder:
         self.kind, self.vocabulary, self.max_words = kind, vocabulary or {}, max_words
 
     def __call__(self, x: list) -> np.ndarray:
+        """Character ids, padded word ids (tweets) or float32 features, by the folder's layout."""
         if self.kind == CHARACTERS:
             return np.array([[LETTERS.find(ch) for ch in text] for text in x], dtype=np.int64)
         if self.kind == TWEETS:
@@ -126,7 +127,9 @@ class LeafSource:
         self.root, self.vocab_size, self.max_words, self.vocab_file = Path(path), vocab_size, max_words, vocab_file
 
     def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
-        labels, files, kinds, words = {}, {}, set(), Counter()
+        """Every user's labels and the encoded test split, reading each training file once."""
+        labels, files, kinds = {}, {}, set()
+        words: Counter[str] = Counter()
         for name, user, data in users_of(self.root / "train"):
             labels[user], files[user] = labels_of(data["y"]), name
             kinds.add(kind_of(data["x"]))
@@ -149,6 +152,7 @@ class LeafSource:
         return index, (as_inputs(x_test), torch.from_numpy(y_test))
 
     def read_clients(self, index: ClientIndex, clients: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The encoded inputs of ``clients``, opening only the training files that hold them."""
         users, files = index.where["users"], index.where["files"]
         wanted = {users[c]: c for c in clients}
         out: dict[int, torch.Tensor] = {}

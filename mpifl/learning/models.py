@@ -1,8 +1,14 @@
 """Built-in models (MLP, small CNN, benchmark blob), the model factory, and the one place
-where a rank allocates its model: :func:`build_flat_model`."""
+where a rank allocates its model: :func:`build_flat_model`.
+
+A plug-in model (``model.name: package.module:fn``) is called as ``fn(**model.kwargs)``, plus
+``input_shape`` and ``num_classes`` (from the dataset) for those of the two its signature names,
+when the run reads data; it returns a ``torch.nn.Module``.
+"""
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +17,7 @@ import torch
 from torch import nn
 
 from mpifl.config import ConfigError, ModelConfig
-from mpifl.plugins import kwargs_problem, resolve
+from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
 
@@ -52,18 +58,47 @@ class Blob(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(torch.empty(n, dtype=dtype).uniform_(-1, 1)) for n in sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The input unchanged: the blob exists to be exchanged, not evaluated."""
         return x
 
 
 LAYER_SIZES = {"mlp": "hidden", "cnn": "channels"}  # built-in kwargs that list layer widths
+SHAPE = ("input_shape", "num_classes")  # what mpifl knows of the data and passes a model that asks
 
 
-def model_problem(cfg: ModelConfig) -> str | None:
-    """What is wrong with ``model.kwargs`` for the configured model (checked before MPI starts), or None."""
+def model_function(cfg: ModelConfig) -> Any:
+    """The function (or class) ``model.name`` builds the model with (not for transformers)."""
+    return {"mlp": mlp, "cnn": cnn, "blob": Blob}.get(cfg.name) or resolve(cfg.name)
+
+
+def named_parameters(fn: Any) -> tuple[str, ...]:
+    """The parameters ``fn`` takes by name (none when it has no signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def supplied(cfg: ModelConfig, has_data: bool) -> tuple[str, ...]:
+    """The parameters mpifl passes the model function itself: the data's shape to mlp and cnn, and to a plug-in
+    whose signature names them when the run reads data; the dtype to blob."""
+    if cfg.name == "blob":
+        return ("dtype",)
+    if not is_import_path(cfg.name):
+        return SHAPE
+    return tuple(n for n in SHAPE if has_data and n in named_parameters(resolve(cfg.name)))
+
+
+def model_problem(cfg: ModelConfig, has_data: bool = True) -> str | None:
+    """What is wrong with ``model.kwargs`` for the configured model (checked before MPI starts), or None;
+    ``has_data``: whether the run reads a dataset (and so can pass its shape)."""
     if cfg.name == "transformers":
         return None
-    fn = {"mlp": mlp, "cnn": cnn, "blob": Blob}.get(cfg.name) or resolve(cfg.name)
-    problem = kwargs_problem(fn, cfg.kwargs, "model.kwargs", supplied=("input_shape", "num_classes", "dtype"))
+    fn = model_function(cfg)
+    problem = kwargs_problem(fn, cfg.kwargs, "model.kwargs", supplied=supplied(cfg, has_data))
+    if problem and is_import_path(cfg.name):
+        problem = f"{problem} (model.name {cfg.name!r})"
     widths = cfg.kwargs.get(LAYER_SIZES.get(cfg.name, ""), [1])
     if problem is None and not (isinstance(widths, (list, tuple)) and all(
             isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths)):
@@ -89,7 +124,10 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
                 raise ValueError(f"model {cfg.name!r} needs a dataset to size its input and output layers")
             model = (mlp if cfg.name == "mlp" else cnn)(input_shape, num_classes, **kwargs)
         else:
-            model = resolve(cfg.name)(**kwargs)
+            fn = resolve(cfg.name)
+            data = {"input_shape": input_shape, "num_classes": num_classes}
+            shape = {k: v for k, v in data.items() if v is not None and k in named_parameters(fn) and k not in kwargs}
+            model = fn(**shape, **kwargs)
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model.name {cfg.name!r} returned {type(model).__name__}, not a torch.nn.Module")
     return freeze_except(model.to(dtype), cfg.trainable)
@@ -117,6 +155,20 @@ def model_spec(cfg: ModelConfig, seed: int, **shape: Any) -> tuple[ModelSpec, Mo
     return build_spec(exchanged), build_spec(frozen)
 
 
+def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
+    """Build the model once as every rank will, on the meta device (on the CPU when its construction reads
+    values), so a plug-in's mistake shows before any MPI work: what went wrong, naming model.name, or None."""
+    problem = None
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                build_model(cfg, seed, **shape)
+            return None
+        except Exception as err:  # noqa: BLE001 - whatever user code raises is the config's problem here
+            problem = f"model.name: building {cfg.name!r} failed: {type(err).__name__}: {err}"
+    return problem
+
+
 def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, **shape: Any) -> FlatModel:
     """Build the model with its weights allocated once, in the flat buffer(s).
 
@@ -131,6 +183,7 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, **shap
         flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
         hf.initialize(flat.module, seed)
         if cfg.transformers.pretrained:
+            assert cfg.transformers.path is not None  # config checks refuse pretrained without a path
             hf.load_pretrained(flat, cfg.transformers.path)
     elif cfg.init_from and not (trainable_only and cfg.trainable):  # the checkpoint holds every tensor
         with torch.device("meta"):

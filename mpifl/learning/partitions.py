@@ -83,6 +83,7 @@ def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int
     if cfg.partition == "natural":
         return natural_partition(natural, num_clients, cfg.dataset)
     if cfg.partition == "file":
+        assert cfg.partition_file is not None  # config checks require it exactly when partition is 'file'
         return checked_partition(read_partition_file(cfg.partition_file), len(labels), num_clients,
                                  f"data.partition_file {cfg.partition_file!r}")
     if is_import_path(cfg.partition):
@@ -124,7 +125,8 @@ def checked_partition(parts: list, num_samples: int, num_clients: int, where: st
     parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     if len(parts) < num_clients:
         raise ValueError(f"{where}: {len(parts)} clients, but clients.num_clients={num_clients}")
-    bad = next((c for c, p in enumerate(parts[:num_clients]) if len(p) and (p.min() < 0 or p.max() >= num_samples)), None)
+    bad = next((c for c, p in enumerate(parts[:num_clients])
+                if len(p) and (p.min() < 0 or p.max() >= num_samples)), None)
     if bad is not None:
         raise ValueError(f"{where}: client {bad} has indices outside the {num_samples} training samples")
     return parts[:num_clients]

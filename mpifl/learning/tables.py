@@ -90,7 +90,7 @@ class TableSource:
         self.client, self.label = client_column, label_column
         self.features, self.shape = list(feature_columns) if feature_columns else None, shape
 
-    def _read(self, path: Path, names: Sequence[str], ids: Sequence | None = None,
+    def _read(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None = None,
               split: str = "train") -> dict[str, np.ndarray]:
         """Columns of one file; only the rows of client ``ids`` when given (pushed down where the format can)."""
         kind = table_format(path)
@@ -99,8 +99,7 @@ class TableSource:
                 missing = [n for n in names if n not in arrays.files]
                 if missing:
                     raise ValueError(f"{path}: no column {missing[0]!r} (it has {', '.join(arrays.files)})")
-                clients = arrays[self.client] if ids is not None else None
-                keep = np.isin(clients, np.asarray(ids)) if ids is not None else slice(None)
+                keep = np.isin(arrays[self.client], np.asarray(ids)) if ids is not None else slice(None)
                 return {n: arrays[n][keep] for n in names}
         pa = _pyarrow()
         if kind == "parquet":
@@ -115,7 +114,7 @@ class TableSource:
             table = table.select(list(names))
         return _columns(table, names)
 
-    def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | None):
+    def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None):
         """Columns ``names`` of every row, or of the rows of clients ``ids``, one row group at a time:
         groups whose client-id range (the file's statistics) holds none of ``ids`` are skipped unread,
         so memory stays one group plus the result."""
@@ -131,6 +130,7 @@ class TableSource:
             if wanted is None:
                 parts.append(file.read_row_group(group, columns=list(names)))
                 continue
+            assert ids is not None  # wanted is set exactly when ids is
             stats = file.metadata.row_group(group).column(column).statistics
             if stats is not None and stats.has_min_max and (stats.max < min(ids) or stats.min > max(ids)):
                 continue
@@ -172,6 +172,7 @@ class TableSource:
         return self._inputs(columns, names), torch.from_numpy(columns[self.label].astype(np.int64))
 
     def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
+        """Every client's labels (clients in id order) and the test split; inputs are read for one client only."""
         names = self._feature_names(self.path)
         columns = self._read(self.path, [self.client, self.label])
         ids, codes = np.unique(columns[self.client], return_inverse=True)
@@ -186,6 +187,7 @@ class TableSource:
         return index, (x_test, y_test)
 
     def read_clients(self, index: ClientIndex, clients: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The inputs of ``clients``, reading only their rows (Parquet row groups without them stay unread)."""
         ids, names = index.where["ids"], index.where["features"]
         wanted = [ids[c] for c in sorted(clients)]
         if not wanted:

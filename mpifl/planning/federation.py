@@ -104,7 +104,8 @@ class RoundAssignment:
     order: tuple[int, ...] | None = None  # the fold order of the streams when not ascending
     hold: bool = False  # trained updates stay on their ranks until a round lists them in ``streams``
     weights: dict[int, float] | None = None  # per participant, replacing the strategy's weight
-    divisor: float | None = None  # a fixed divisor of the weighted sum (FedBuff's K, DP-FedAvg's k), not the total weight
+    # a fixed divisor of the weighted sum (FedBuff's K, DP-FedAvg's k), not the total weight
+    divisor: float | None = None
     mixing: float | None = None  # fedasync: this step's alpha x s(staleness)
     local_steps: dict[int, int] | None = None  # fedcompass: each trainer's own local steps
     clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
@@ -121,7 +122,8 @@ class Sampler:
         """The sorted logical client ids taking part in ``round_`` (with ``poisson``, each client independently
         with probability per_round / num_clients: the count varies)."""
         if self.poisson:
-            return poisson_sample(self.seed, round_, self.clients.num_clients, self.per_round / self.clients.num_clients)
+            return poisson_sample(self.seed, round_, self.clients.num_clients,
+                                  self.per_round / self.clients.num_clients)
         return sample_clients(self.seed, round_, self.clients.num_clients, self.per_round)
 
     def plan(self, round_: int) -> RoundAssignment:

@@ -24,6 +24,7 @@ from mpifl.config import PrivacyConfig
 from mpifl.planning.seeds import CENTRAL, COUNT, LOCAL, PRIVACY, derive_seed
 from mpifl.privacy.accounting import epsilon
 from mpifl.privacy.noise import ElementNoise
+from mpifl.wire.protocol import UpdateMeta
 
 
 def count_noise(cfg: PrivacyConfig, per_round: int) -> float:
@@ -65,7 +66,7 @@ class ServerPrivacy:
             self._epsilons[rounds] = epsilon(self.cfg, rounds, self.num_clients, self.per_round)
         return self._epsilons[rounds]
 
-    def after_round(self, round_: int, metas: Mapping[int, object]) -> dict:
+    def after_round(self, round_: int, metas: Mapping[int, UpdateMeta]) -> dict:
         """The round's privacy record; with adaptive clipping, the next round's bound."""
         usable = [m for m in metas.values() if getattr(m, "error", None) is None]
         within = sum(1 for m in usable if m.metrics.get("clip_within"))

@@ -22,6 +22,7 @@ import torch
 
 from mpifl.aggregation.combiners import WeightedMean
 from mpifl.config import SecAggConfig
+from mpifl.config.capabilities import MEAN
 from mpifl.privacy.noise import ElementMask
 
 PAIR, SELF = 3, 4  # noise-stream keys (dp.py holds 0..2)
@@ -72,6 +73,8 @@ class RingSum(WeightedMean):
     """The server's combiner under secure aggregation: masked fixed-point updates (int32 bits, already
     weighted by their clients) add up modulo 2^32; ``SecureAggregation.unmask`` then makes the chunk the
     float sum, which is divided by the total weight as FedAvg does."""
+
+    capabilities = MEAN  # a sum still, in the ring
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
         """Acc (as int32) = x for the first participant, then acc += x, wrapping modulo 2^32."""

@@ -7,11 +7,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.config import TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
@@ -28,12 +30,23 @@ from mpifl.wire.memory import host_bytes
 from mpifl.wire.transport import pass_on, recv_object, relay_chunks, send_chunks, send_object
 
 
+@runtime_checkable
+class ConfiguredTrainer(Trainer, Protocol):
+    """A trainer that reads its TrainConfig on every ``train`` (the built-in ones): a client's own local steps
+    can be swapped in."""
+
+    cfg: TrainConfig
+
+
 @contextlib.contextmanager
 def local_steps(trainer: Trainer, steps: int | None) -> Iterator[None]:
     """Let a built-in trainer take ``steps`` local steps for one client (FedCompass), then restore its config."""
     if not steps:
         yield
         return
+    if not isinstance(trainer, ConfiguredTrainer):  # config checks allow fedcompass only with built-in trainers
+        raise TypeError(f"trainer {type(trainer).__name__} has no TrainConfig 'cfg' to give a client its own "
+                        "local steps (fedcompass takes the built-in 'torch' and 'causal_lm' trainers)")
     saved = trainer.cfg
     trainer.cfg = dataclasses.replace(saved, local_steps=steps)
     try:
@@ -78,11 +91,12 @@ def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list
 class ClientRank:
     """One model in memory; its logical clients train one after another in it."""
 
-    def __init__(self, comm: MPI.Comm, flat: FlatModel, local_data: dict[int, tuple[ClientData | None, ClientData | None]],
-                 parts: ClientParts):
+    def __init__(self, comm: MPI.Comm, flat: FlatModel,
+                 local_data: dict[int, tuple[ClientData | None, ClientData | None]], parts: ClientParts):
         self.comm, self.flat, self.local_data, self.parts = comm, flat, local_data, parts
         self.rank = comm.Get_rank()
         self.trainer = parts.trainer
+        assert flat.bytes is not None  # the rank's model lives in host memory (a device copy is the replica)
         self.chunk_buffers = parts.plan.chunk_slices(flat.bytes)
         self.encoder = UpdateEncoder(flat, parts.plan, parts.delta)
         self.replica = parts.replica
@@ -101,6 +115,8 @@ class ClientRank:
         """Serve rounds until the server says stop."""
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
+            if not isinstance(header, protocol.RoundHeader):
+                raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a RoundHeader belongs")
             if header.stop:
                 return
             if header.persist is not None:
@@ -114,6 +130,8 @@ class ClientRank:
 
     def persist(self, header: protocol.RoundHeader) -> None:
         """Publish this rank's residuals of the round just ended for the server's checkpoint, then acknowledge."""
+        assert header.persist is not None  # run() calls this only for a persist header
+        assert self.parts.residuals is not None  # the server asks only with error feedback, which makes them
         name = save_snapshot(self.parts.residuals, self.first_element, Path(header.persist), self.rank, header.round)
         send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
 
@@ -124,6 +142,7 @@ class ClientRank:
         if self.group_sum is None:
             for i, client in enumerate(header.clients):
                 meta, buffers = self._train(header.round, client, keep, first=i == 0)
+                assert buffers is not None  # only a group's sum keeps updates on the device
                 send_object(self.comm, meta, protocol.SERVER, protocol.META)
                 send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, inflight)
             return
@@ -141,6 +160,7 @@ class ClientRank:
                      first: bool) -> tuple[protocol.UpdateMeta, ...]:
         """Train ``clients`` (ascending id) and fold their usable updates into a fresh partial sum; their headers.
         ``first``: the first of them is the first this rank trains this round (the model is the global one)."""
+        assert self.group_sum is not None  # called only with clients.groups (serve_round, _serve_chain)
         self.group_sum.reset()
         metas = []
         for i, client in enumerate(clients):
@@ -153,6 +173,7 @@ class ClientRank:
     def _group_wire(self, round_: int, group: int) -> list[np.ndarray]:
         """A group's partial sum as it travels: fp32, or quantized (compression.method) with noise keyed by
         (seed, round, group): the same on any number of ranks."""
+        assert self.group_sum is not None  # called only with clients.groups (serve_round)
         sums = self.group_sum.to_host()
         if self.compressor is None:
             return sums
@@ -166,6 +187,8 @@ class ClientRank:
         Each hop adds this rank's sum to the running one (``running += own``), the fold the server would
         do with the partial sums arriving in rank order; a sum without a usable update is left out.
         """
+        assert self.group_sum is not None  # serve_round chains only with clients.groups
+        assert header.reduce_stream is not None  # serve_round chains only for a header with a stream id
         metas = self._sum_clients(header.round, list(header.clients), keep, first=True)
         own, inflight = self.group_sum.to_host(), self.parts.plan.inflight
         last = header.reduce_to == protocol.SERVER
@@ -175,6 +198,9 @@ class ClientRank:
             send_chunks(self.comm, [header.reduce_to], tag, own, inflight)
             return
         before = recv_object(self.comm, header.reduce_from, protocol.REDUCE_META)
+        if not isinstance(before, protocol.GroupMeta):
+            raise RuntimeError(f"rank {self.rank}: rank {header.reduce_from} sent {before!r} where the chain's "
+                               "GroupMeta belongs")
         running_usable, own_usable = before.usable, any(m.error is None for m in metas)
         send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before.members + metas),
                     header.reduce_to, meta_tag)
@@ -199,6 +225,7 @@ class ClientRank:
             for i, client in enumerate(header.clients):
                 with local_steps(self.trainer, steps.get(client)):
                     meta, buffers = self._train(header.round, client, keep, first=i == 0)
+                assert buffers is not None  # asynchronous FL runs without clients.groups (config checks)
                 self.held[client] = meta, [np.array(b, copy=True) for b in buffers]
         for client in header.send:
             if client not in self.held:
@@ -230,7 +257,8 @@ class ClientRank:
             return self.parts.delta and self.group_sum is None
         return self.parts.delta or (clients > 1 and self.trainer.modifies_weights)
 
-    def _train(self, round_: int, client: int, keep: torch.Tensor | None, first: bool):
+    def _train(self, round_: int, client: int, keep: torch.Tensor | None,
+               first: bool) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
         """Reset the model to the global one (after the first client), train ``client``, encode its update."""
         if self.replica is not None:
             self.replica.reset()
@@ -240,8 +268,10 @@ class ClientRank:
             self.flat.reset_local_state()
         return self._serve_client(round_, client, keep)
 
-    def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list]:
-        """Train one logical client and turn its model into the update it sends, with its header."""
+    def _serve_client(self, round_: int, client: int,
+                      keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
+        """Train one logical client and turn its model into the update it sends, with its header (no buffers:
+        the update stays on the device for the group's sum)."""
         train, val = self.local_data.get(client, (None, None))
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
@@ -274,6 +304,7 @@ class ClientRank:
     def _device_update(self, check: bool) -> int:
         """The update stays on the device for the group's sum: make it a delta there; its NaN/Inf count."""
         if self.parts.delta:
+            assert self.replica is not None  # _serve_client keeps updates on the device only with a replica
             for c in self.parts.plan.chunks:
                 self.work.chunk_view(c).sub_(self.replica.global_view(c))
         return count_nonfinite(self.work.chunk_view(c) for c in self.parts.plan.chunks) if check else 0
@@ -302,6 +333,7 @@ class ClientRank:
             return
         chunks = [torch.from_numpy(b).view(DTYPES[w.dtype]) for w, b in zip(self.encoder.wire, buffers)]
         if self.parts.privacy is not None:
+            assert self.clip is not None  # with DP every header carries the round's clip bound (roles.server)
             result.metrics.update(self.parts.privacy.apply(chunks, self.first_element, self.clip, round_, client))
         if self.parts.secagg is not None:
             # the header is not complete yet: the weight sees what the server's will (samples, steps, metrics)
@@ -315,5 +347,6 @@ class ClientRank:
         every = self.parts.evaluate_every
         if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.parts.rounds):
             return {}
+        assert self.parts.evaluate is not None  # evaluate_every > 0 comes with an evaluator (roles.runner)
         result = self.parts.evaluate(self.work.module, val.x, val.y)
         return {**{f"val_{k}": v for k, v in result.items()}, "val_samples": len(val)}

@@ -9,6 +9,7 @@ from mpifl.aggregation.kernels import fold
 from mpifl.planning.seeds import COMPRESSION
 from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.storage.residuals import ResidualStore
+from mpifl.wire.codecs import TopK
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets, fp32_chunks
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
@@ -87,28 +88,33 @@ class UpdateCompressor:
         """The encoded update; with ``bound`` (DP), values shrink so the decoded update stays within it.
         An update the server will not use (``usable`` false) leaves the client's residual as it was.
         ``key`` keeps the noise of different kinds of streams apart (a group's sum: GROUP_COMPRESSION)."""
-        feedback = self.residuals is not None and usable
+        codec, residuals = self.codec, self.residuals
+        assert codec is not None  # a compressor is made only for a layout with a codec
+        feedback = residuals is not None and usable
         stream = ElementStream(self.seed, key, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g)) \
-            if self.codec.stochastic else None
+            if codec.stochastic else None
         squared = 0.0
         for i, (x, out, first) in enumerate(zip(chunks, self.buffers, self.firsts)):
             if not feedback:
                 uniform = torch.cat([v for _, v in stream.pieces(first, x.numel())]) if stream else None
-                squared += self.codec.encode(x.float(), out, uniform)
+                # uniform is None only for a codec that takes no noise (top-k): mypy cannot tie it to .stochastic
+                squared += codec.encode(x.float(), out, uniform)  # type: ignore[arg-type]
                 continue
-            corrected = self.residuals.read(client, i).add_(x)
-            squared += self.codec.encode(corrected, out)
+            assert residuals is not None and isinstance(codec, TopK)  # residuals exist for top-k only (runner)
+            corrected = residuals.read(client, i).add_(x)
+            squared += codec.encode(corrected, out)
             if bound is None:  # what was sent is final: keep the rest
-                self.codec.subtract(out, x.numel(), corrected)
-            self.residuals.write(client, i, corrected)
+                codec.subtract(out, x.numel(), corrected)
+            residuals.write(client, i, corrected)
         if bound is not None and squared > bound ** 2:
             for c, out in zip(self.chunks, self.buffers):
-                self.codec.rescale(out, c.numel, bound / squared ** 0.5)
+                codec.rescale(out, c.numel, bound / squared ** 0.5)
         if feedback and bound is not None:  # what was sent is known only now: keep the rest
+            assert residuals is not None and isinstance(codec, TopK)  # residuals exist for top-k only (runner)
             for i, (c, out) in enumerate(zip(self.chunks, self.buffers)):
-                residual = self.residuals.read(client, i)
-                self.codec.subtract(out, c.numel, residual)
-                self.residuals.write(client, i, residual)
+                residual = residuals.read(client, i)
+                codec.subtract(out, c.numel, residual)
+                residuals.write(client, i, residual)
         return self.buffers
 
 
@@ -128,6 +134,7 @@ class UpdateEncoder:
             self.wire_bytes = host_bytes(plan.wire_buffer_bytes)
             self.buffers = [self.wire_bytes[w.offset:w.offset + w.nbytes] for w in plan.wire]
         else:
+            assert flat.bytes is not None  # updates leave from the host model, whose bytes are numpy
             self.buffers = plan.chunk_slices(flat.bytes)
 
     def encode(self, previous: torch.Tensor | None) -> list[np.ndarray]:
@@ -135,6 +142,7 @@ class UpdateEncoder:
         for c, w, buf in zip(self.chunks, self.wire, self.buffers):
             x = self.flat.chunk_view(c)
             if self.delta:
+                assert previous is not None  # delta mode always passes the global model
                 x.sub_(previous[c.offset:c.offset + c.nbytes].view(x.dtype))
             if self.narrowed:
                 torch.from_numpy(buf).view(DTYPES[w.dtype]).copy_(x)

@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from mpifl.errors import JobFailure
 
@@ -27,6 +27,7 @@ class StopRequest:
         self.requested = False
 
     def install(self) -> StopRequest:
+        """Start listening for SIGTERM (and ignore SIGXFSZ); returns itself, to chain after construction."""
         signal.signal(signal.SIGTERM, self._handle)
         if hasattr(signal, "SIGXFSZ"):  # past a file-size limit, a write fails (EFBIG) and is reported, not fatal
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -51,7 +52,7 @@ def agree(comm, fn: Callable[[], T]) -> T:
 
 
 def env_local_rank() -> int | None:
-    """This process's rank within its node, as the launcher tells it."""
+    """The current process's rank within its node, as the launcher tells it."""
     for var in ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
                 "MV2_COMM_WORLD_LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
@@ -93,7 +94,7 @@ def guarded(fn: Callable[[], T]) -> T:
             abort(_traceback(err))
 
 
-def abort(reason: str) -> None:
+def abort(reason: str) -> NoReturn:
     """Print ``reason`` with rank and host, give the launcher a moment to forward it, abort every rank."""
     from mpi4py import MPI
 
@@ -114,8 +115,8 @@ def _traceback(err: BaseException) -> str:
 @contextlib.contextmanager
 def _os_exit_aborts() -> Iterator[None]:
     """While the run is on, ``os._exit`` (which MPI would take for a normal end) aborts the job, saying so."""
-    def refuse(code: int) -> None:
-        abort(f"os._exit({code}) called inside the run (user code?): ending the whole job")
+    def refuse(status: int) -> NoReturn:  # named as os._exit's parameter, so it can stand in for it
+        abort(f"os._exit({status}) called inside the run (user code?): ending the whole job")
 
     os._exit = refuse
     try:

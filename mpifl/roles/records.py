@@ -64,7 +64,8 @@ def summary(record: dict) -> str:
         parts.append(f"train_loss {record['train_loss']:.4f}")
     parts += [f"{k} {v:.4f}" for k, v in record.get("eval", {}).items()]
     if "federated_eval" in record:
-        parts += [f"federated_{k} {v:.4f}" for k, v in record["federated_eval"].items() if k not in ("clients", "samples")]
+        parts += [f"federated_{k} {v:.4f}" for k, v in record["federated_eval"].items()
+                  if k not in ("clients", "samples")]
     return ", ".join(parts)
 
 

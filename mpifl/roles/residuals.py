@@ -30,11 +30,20 @@ class ResidualPublisher:
         wait_all([self.comm.isend(protocol.RoundHeader(round_, persist=str(folder)), dest=r, tag=protocol.HEADER)
                   for r in ranks])
         watchdog = Watchdog(self.deadlines.current(), round_, {r: [] for r in ranks})  # a SIGTERM save must finish
-        files, backoff = [], Backoff()
+        files: list[str] = []
+        backoff = Backoff()
         for rank in ranks:
-            owed = {rank: (FIRST_UPDATE, f"its error-feedback residuals for the checkpoint of round {round_}")}
+            owed: dict[int, tuple[str, str | None]] = {
+                rank: (FIRST_UPDATE, f"its error-feedback residuals for the checkpoint of round {round_}")}
+
+            def waiting(owed: dict[int, tuple[str, str | None]] = owed) -> dict[int, tuple[str, str | None]]:
+                return owed
+
             while not self.comm.Iprobe(source=rank, tag=protocol.RESIDUALS):
-                watchdog.check(lambda owed=owed: owed)
+                watchdog.check(waiting)
                 backoff.pause()
-            files.append(self.comm.recv(source=rank, tag=protocol.RESIDUALS))
+            name = self.comm.recv(source=rank, tag=protocol.RESIDUALS)
+            if not isinstance(name, str):
+                raise RuntimeError(f"rank {rank} sent {name!r} where its residual file's name belongs")
+            files.append(name)
         return files

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from mpifl.aggregation.reduction import ReceivePool, ReductionRound, ReductionStats, RoundAborted, StreamedReduction
 from mpifl.aggregation.strategies import Strategy
+from mpifl.aggregation.updates import Mixing
 from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
@@ -76,7 +77,7 @@ class Server:
         self.history: list[dict] = []
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
 
-    def run(self, start_round: int = 0, history: list[dict] = ()) -> list[dict]:
+    def run(self, start_round: int = 0, history: Sequence[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
         self.history = list(history)
         for record in self.history:
@@ -150,7 +151,11 @@ class Server:
         parts, round_ = self.parts, plan.round
         parts.store.begin_round(round_, parts.checkpointer.recyclable(round_))
         if plan.mixing is not None:
-            parts.strategy.update.alpha = plan.mixing
+            update = parts.strategy.update
+            if not isinstance(update, Mixing):  # fedasync runs substitute Mixing (roles.runner._strategy)
+                raise TypeError(f"round {round_} mixes its update in (fedasync), but the strategy's server "
+                                f"update is {type(update).__name__}, not Mixing")
+            update.alpha = plan.mixing
         private = parts.privacy
         noise = private.noise(round_) if private else None
         streams = self._streams(plan)
@@ -251,7 +256,7 @@ class Server:
         chain = self._chain(plan) if plan is not None else None
         links = {r: (chain[i - 1] if i else None, chain[i + 1] if i + 1 < len(chain) else protocol.SERVER)
                  for i, r in enumerate(chain)} if chain else {}
-        stream = next(iter(self._streams(plan).values()))[0] if chain else None
+        stream = next(iter(self._streams(plan).values()))[0] if plan is not None and chain else None
 
         def header(rank: int) -> protocol.RoundHeader:
             if plan is None:
@@ -262,6 +267,7 @@ class Server:
             clients = tuple(plan.train.get(rank, ()))
             steps = tuple(plan.local_steps[c] for c in clients) if plan.local_steps else ()
             parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
+            assert parent is not None  # only the tree's root, the server, has none; headers go to ranks 1..
             reduce_from, reduce_to = links.get(rank, (None, protocol.SERVER))
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
                                         steps=steps, parent=parent, children=children, reduce_from=reduce_from,
@@ -277,7 +283,7 @@ class Server:
             "participants": list(plan.participants),
             "dropped": [{"client": c, "rank": self.parts.sampler.rank_of(c), "reason": m.error}
                         for c, m in sorted(metas.items()) if m.error is not None],
-            "train_loss": sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
+            "train_loss": sum(loss * n for loss, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
             "bytes_sent": self.parts.plan.model_bytes * len(self._model_dests(plan)),
             "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in self._streams(plan).values()),

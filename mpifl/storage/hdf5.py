@@ -158,6 +158,7 @@ class CheckpointWriter:
             raise OSError(f"could not write checkpoint {str(self.tmp)!r}: {_first_line(err)}") from None
 
     def write_metrics(self, history: list[dict]) -> None:
+        """Store the run's round records, one JSON string each, so a checkpoint carries its history."""
         lines = [json.dumps(r) for r in history]
         with self._naming_errors():
             self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()),
@@ -227,6 +228,7 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
+        """Close the raw range reader (if opened) and the HDF5 file."""
         if self.raw is not None:
             self.raw.close()
         self.file.close()

@@ -34,7 +34,8 @@ GROUP = "integrity"
 
 def crc32(data: np.ndarray) -> int:
     """CRC32 (zlib's polynomial and values) of an array's bytes."""
-    return _crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
+    # ndarray exports the buffer protocol; numpy's stubs declare __buffer__ only for Python >= 3.12
+    return _crc32(memoryview(np.ascontiguousarray(data)).cast("B"))  # type: ignore[arg-type]
 
 
 class ChunkChecksums:
@@ -106,7 +107,9 @@ class ChunkChecksums:
 def pieces(spec: ModelSpec, chunks: list[Chunk]) -> tuple[list[tuple[int, int, str]], list[int]]:
     """Each chunk cut at tensor boundaries, (flat offset, bytes, tensor name) in flat order (padding left out),
     and where each chunk's pieces start in that list (one entry more than chunks)."""
-    out, first, e = [], [], 0
+    out: list[tuple[int, int, str]] = []
+    first: list[int] = []
+    e = 0
     entries = spec.entries
     for c in chunks:  # chunks and entries both run in flat order: one merge
         first.append(len(out))

@@ -90,6 +90,7 @@ class RawRanges:
         self.fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
 
     def close(self) -> None:
+        """Close the file descriptor (idempotent)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -106,7 +107,8 @@ class RawRanges:
             lo, hi = max(offset, e.offset), min(end, e.offset + e.nbytes)
             if lo >= hi:
                 continue
-            at = None if self.addresses[i] is None else self.addresses[i] + lo - e.offset
+            address = self.addresses[i]
+            at = None if address is None else address + lo - e.offset
             if at is None or lo != covered or (expected is not None and at != expected):
                 return None
             start, covered, expected = at if start is None else start, hi, at + hi - lo
@@ -125,15 +127,17 @@ class RawRanges:
                 continue
             piece = buf[lo - offset:hi - offset]
             address = self.addresses[i]
+            # memoryview(piece): ndarray exports the buffer protocol, but numpy's stubs declare __buffer__
+            # only for Python >= 3.12, so mypy (python_version 3.10) cannot see it
             if address is None:
                 typed = piece.view(STORED_AS[e.dtype])
                 itemsize = typed.dtype.itemsize
                 _io_elements(self.datasets[e.name], e, (lo - e.offset) // itemsize, (hi - e.offset) // itemsize,
                              typed, write)
             elif write:
-                _pwrite(self.fd, memoryview(piece), address + lo - e.offset)
+                _pwrite(self.fd, memoryview(piece), address + lo - e.offset)  # type: ignore[arg-type]
             else:
-                _pread(self.fd, memoryview(piece), address + lo - e.offset)
+                _pread(self.fd, memoryview(piece), address + lo - e.offset)  # type: ignore[arg-type]
 
 
 def _pread(fd: int, view: memoryview, at: int) -> None:
@@ -167,9 +171,11 @@ class MappedRange:
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of {nbytes} bytes at {at} failed: {os.strerror(err)}")
         self.address = address
-        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address + at - base))
+        mapped = (ctypes.c_uint8 * nbytes).from_address(address + at - base)
+        self.view: np.ndarray | None = np.ctypeslib.as_array(mapped)  # None once unmapped
 
     def unmap(self) -> None:
+        """Release the mapping and drop the view (idempotent)."""
         if self.address is not None:
             _libc().munmap(self.address, self.length)
             self.address, self.view = None, None

@@ -72,6 +72,7 @@ class RamResiduals:
             view.copy_(values)
 
     def clients(self) -> list[int]:
+        """The clients sampled so far (each has a residual, maybe zeros), ascending."""
         return sorted(self.vectors)
 
 
@@ -102,15 +103,18 @@ class DiskResiduals:
         return out
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Write the chunk into the client's dataset (created, zero-filled, on its first write)."""
         dataset = self.group.get(str(client))
         if dataset is None:
             dataset = _create(self.group, client, self.firsts[-1])
         dataset.write_direct(values.numpy(), dest_sel=np.s_[self.firsts[index]:self.firsts[index + 1]])
 
     def clients(self) -> list[int]:
+        """The clients with a dataset in the file (written at least once), ascending."""
         return sorted(int(c) for c in self.group)
 
     def close(self) -> None:
+        """Close the rank's residual file."""
         self.file.close()
 
 

@@ -116,6 +116,7 @@ class InMemoryStore:
 
     def outgoing(self) -> Iterator[list[np.ndarray]]:
         """The whole model is already in memory: one window."""
+        assert self.flat.bytes is not None  # the server's model is built on the host (numpy-backed)
         yield self.plan.chunk_slices(self.flat.bytes)
 
     def begin_round(self, round_: int, recycle: Path | None = None) -> None:
@@ -266,9 +267,10 @@ class OnDiskStore:
 
     def _buffer(self, i: int) -> np.ndarray:
         """Window buffer ``i`` (0 or 1), allocated and touched on first use."""
-        if self.buffers[i] is None:
-            self.buffers[i] = host_bytes(max(_span(w) for w in self.windows))
-        return self.buffers[i]
+        buffer = self.buffers[i]
+        if buffer is None:
+            buffer = self.buffers[i] = host_bytes(max(_span(w) for w in self.windows))
+        return buffer
 
     def _views(self, window: list[Chunk], buffer: np.ndarray) -> tuple[int, list[np.ndarray]]:
         """The window's base offset and each chunk's slice of the window buffer."""
@@ -281,6 +283,11 @@ class OnDiskStore:
             self.current.close()
         self.current = ckpt
 
+    def _current(self) -> Checkpoint:
+        """The checkpoint holding the global model: :meth:`start` adopts or publishes one before any round."""
+        assert self.current is not None, "the on-disk store was not started"
+        return self.current
+
     def outgoing(self) -> Iterator[list[np.ndarray]]:
         """The model window by window, the next one made ready while the caller sends the last two; each
         window is valid until the caller asks for the window after the next one, the last two until
@@ -288,9 +295,10 @@ class OnDiskStore:
         cache: no copy), any other is read into a window buffer."""
         def ready(i: int) -> MappedRange | None:  # its buffer was window i-3's, sent before window i-1 was asked for
             window = self.windows[i]
-            mapped = self.current.map_range(self.spec, window[0].offset, _span(window)) if self.map_windows else None
+            current = self._current()
+            mapped = current.map_range(self.spec, window[0].offset, _span(window)) if self.map_windows else None
             if mapped is None:
-                self.current.read_range(self.spec, window[0].offset, self._buffer(i % LIVE_WINDOWS)[:_span(window)])
+                current.read_range(self.spec, window[0].offset, self._buffer(i % LIVE_WINDOWS)[:_span(window)])
             return mapped
 
         self._unmap_sent()
@@ -305,7 +313,11 @@ class OnDiskStore:
                 self.sent.append(mapped)
                 if i + 1 < len(self.windows):
                     ahead = self.reader.submit(ready, i + 1)
-                buffer = self._buffer(i % LIVE_WINDOWS) if mapped is None else mapped.view
+                if mapped is None:
+                    buffer = self._buffer(i % LIVE_WINDOWS)
+                else:
+                    assert mapped.view is not None  # unmapped only once window i + 2 is asked for
+                    buffer = mapped.view
                 yield self._views(window, buffer)[1]
         finally:  # a send that failed leaves no read behind it; its mappings stay (MPI may still read them)
             ahead.exception()
@@ -331,7 +343,7 @@ class OnDiskStore:
         """A staging chunk, holding the old value when the strategy reads it."""
         staging = self.writes.staging(chunk).model[:chunk.nbytes]
         if self.read_previous:
-            self.current.read_range(self.spec, chunk.offset, staging)
+            self._current().read_range(self.spec, chunk.offset, staging)
         return torch.from_numpy(staging).view(DTYPES[chunk.dtype])
 
     def server_state(self, chunk: Chunk) -> dict[str, torch.Tensor]:
@@ -339,7 +351,7 @@ class OnDiskStore:
         start, out = self.elements[chunk.index], {}
         for name, staging in self.writes.staging(chunk).state.items():
             out[name] = staging[:chunk.numel]
-            self.current.read_state(name, start, out[name].numpy(), self.state_init[name])
+            self._current().read_state(name, start, out[name].numpy(), self.state_init[name])
         return out
 
     def commit(self, chunk: Chunk) -> None:
@@ -347,6 +359,7 @@ class OnDiskStore:
         writer, start = self.writer, self.elements[chunk.index]
 
         def write(staging: Staging) -> None:
+            assert writer is not None  # begin_round opened it before any chunk is committed
             writer.write_range(chunk.offset, staging.model[:chunk.nbytes])
             for name, state in staging.state.items():
                 writer.write_state(name, start, state[:chunk.numel].numpy())
@@ -368,6 +381,7 @@ class OnDiskStore:
             self.abandon_round()
             raise
         writer, self.writer = self.writer, None
+        assert writer is not None  # begin_round opened it
         with writer:
             writer.file.attrs.update({k: v for k, v in attrs.items() if v is not None})
             writer.write_metrics(history)

@@ -18,6 +18,7 @@ reproducible. What is not sent is kept by the client as its error-feedback resid
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -170,5 +171,7 @@ Codec = BlockQuantizer | TopK
 
 def codec_for(method: str, block: int, fraction: float = 0.01) -> Codec | None:
     """The codec of ``compression.method`` (None: updates travel uncompressed)."""
-    return {"int8": lambda: BlockQuantizer(8, block), "int4": lambda: BlockQuantizer(4, block),
-            "topk": lambda: TopK(fraction)}.get(method, lambda: None)()
+    makers: dict[str, Callable[[], Codec | None]] = {
+        "int8": lambda: BlockQuantizer(8, block), "int4": lambda: BlockQuantizer(4, block),
+        "topk": lambda: TopK(fraction)}
+    return makers.get(method, lambda: None)()

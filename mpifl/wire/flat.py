@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mpifl.wire.memory import host_bytes
@@ -70,6 +71,7 @@ class Segment:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of the segment's dtype."""
         return itemsize(self.dtype)
 
 
@@ -85,6 +87,7 @@ class Chunk:
 
     @property
     def numel(self) -> int:
+        """Elements in the chunk (it holds whole elements only)."""
         return self.nbytes // self.itemsize
 
 
@@ -98,6 +101,7 @@ class ModelSpec:
 
     @property
     def hash(self) -> str:
+        """A short digest of names, shapes, dtypes and offsets: ranks compare it to refuse a different model."""
         payload = [(e.name, e.shape, e.dtype, e.offset) for e in self.entries]
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
@@ -108,7 +112,8 @@ class ModelSpec:
                 return (f"tensor {mine.name!r}: {list(mine.shape)} {mine.dtype} here, "
                         f"{theirs.name!r}: {list(theirs.shape)} {theirs.dtype} there")
         if len(self.entries) != len(other.entries):
-            longer, n = (self, len(other.entries)) if len(self.entries) > len(other.entries) else (other, len(self.entries))
+            longer, n = ((self, len(other.entries)) if len(self.entries) > len(other.entries)
+                         else (other, len(self.entries)))
             side = "here" if longer is self else "there"
             return f"tensor {longer.entries[n].name!r} exists only {side}"
         return None
@@ -256,7 +261,7 @@ class FlatModel:
         """A module built on the meta device: its tensors become views of the (uninitialised)
         buffers, so the weights are allocated once. Buffers that were built for real keep
         their values; meta integer buffers start at zero."""
-        bound: dict[int, torch.Tensor] = {}
+        bound: dict[int, torch.nn.Parameter] = {}
         for mod in self.module.modules():
             for name, p in list(mod._parameters.items()):
                 if p is None or id(p) not in views:
@@ -286,8 +291,9 @@ class FlatModel:
         """The typed 1-D view of one chunk inside the buffer."""
         return self.buffer[chunk.offset:chunk.offset + chunk.nbytes].view(DTYPES[chunk.dtype])
 
-    def chunk_bytes(self, chunk: Chunk):
+    def chunk_bytes(self, chunk: Chunk) -> np.ndarray:
         """The chunk as a numpy ``uint8`` slice, ready to be an MPI buffer."""
+        assert self.bytes is not None, "a device-side replica has no host bytes: it never touches MPI"
         return self.bytes[chunk.offset:chunk.offset + chunk.nbytes]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

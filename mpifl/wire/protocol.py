@@ -79,6 +79,7 @@ class UpdateMeta:
     train_seconds: float
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # why this client's update must not be used (it still sends its chunks)
+    local_steps: int | None = None  # optimizer steps the trainer took (None: the trainer did not say)
 
 
 @dataclass(frozen=True)

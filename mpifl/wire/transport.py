@@ -27,9 +27,11 @@ class Backoff:
         self.since: float | None = None
 
     def reset(self) -> None:
+        """Progress was made: the next wait spins again before it sleeps."""
         self.since = None
 
     def pause(self) -> None:
+        """One idle poll: return at once while spinning, else sleep briefly to leave the core to others."""
         now = time.perf_counter()
         if self.since is None:
             self.since = now

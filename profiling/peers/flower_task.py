@@ -84,7 +84,8 @@ def main(grid: Grid, context: Context) -> None:
                    evaluate_fn=evaluate)
     rounds = [marks[i][0] - marks[i - 1][1] for i in range(1, len(marks))]
     print("RESULT " + json.dumps(task.summarize(
-        rounds, acc[-1], min_clients_per_round=min(strategy.replies), note=f"flwr run_simulation, Ray, {CFG['workers']} client actors")), flush=True)
+        rounds, acc[-1], min_clients_per_round=min(strategy.replies),
+        note=f"flwr run_simulation, Ray, {CFG['workers']} client actors")), flush=True)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ def measure(out: str, cmd: list[str], interval: float = 0.2) -> int:
     peak = {"sum_rss": 0, "sum_pss": 0, "max_process_rss": 0, "processes": 0}
     lines: list[str] = []
     import threading
-    reader = threading.Thread(target=lambda: [lines.append(l) or print(l, end="", flush=True) for l in proc.stdout])
+    reader = threading.Thread(target=lambda: [lines.append(line) or print(line, end="", flush=True)
+                                              for line in proc.stdout])
     reader.start()
     while proc.poll() is None:
         mems = [_mem(p) for p in _tree(proc.pid)]
@@ -134,7 +135,8 @@ def measure(out: str, cmd: list[str], interval: float = 0.2) -> int:
         peak["processes"] = max(peak["processes"], sum(1 for m in mems if m[0]))
         time.sleep(interval)
     reader.join()
-    result = next((json.loads(l.split("RESULT", 1)[1]) for l in reversed(lines) if l.startswith("RESULT")), None)
+    result = next((json.loads(line.split("RESULT", 1)[1]) for line in reversed(lines) if line.startswith("RESULT")),
+                  None)
     record = {"rc": proc.returncode, "wall_seconds": round(time.time() - start, 1),
               **{f"peak_{k}_mib" if k != "processes" else "peak_processes": (v // 2**20 if k != "processes" else v)
                  for k, v in peak.items()}, "result": result}
@@ -157,7 +159,8 @@ def table(out: str, parts: list[str]) -> None:
     for name, r in rows.items():
         res = r.get("result") or {}
         acc = res.get("accuracy")
-        print(f"| {name} | {res.get('seconds_per_round', 'FAILED (rc %s)' % r.get('rc'))} | {r.get('peak_sum_rss_mib')} "
+        per_round = res.get("seconds_per_round", f"FAILED (rc {r.get('rc')})")
+        print(f"| {name} | {per_round} | {r.get('peak_sum_rss_mib')} "
               f"| {r.get('peak_sum_pss_mib')} | {r.get('peak_max_process_rss_mib')} | {r.get('peak_processes')} "
               f"| {'' if acc is None else f'{acc:.3f}'} | {r.get('wall_seconds')} | {res.get('note', '')} |")
 

@@ -1,0 +1,91 @@
+"""The public surface for plug-in authors: import what user code needs from here, nothing deeper.
+
+User code is named by import path ``package.module:attr`` in the config and imported on every rank
+(so the module must be importable there: installed, or on ``PYTHONPATH``). The contracts:
+
+**Strategy** (``strategy.name``): ``attr(cfg, **strategy.kwargs) -> Strategy``, ``cfg`` the
+:class:`StrategyConfig`; ``strategy.kwargs`` are checked against the signature before MPI starts
+(built-in strategies take none). A strategy is ``Strategy(cfg, combiner, update)`` (an optional
+``capabilities=`` states what it is outright, over its combiner's declaration).
+
+**Combiner** (first stage, per chunk): ``fold(acc, x, weight, index)`` takes the ``index``-th
+included participant's chunk ``x`` into the fp32 accumulator (index 0 overwrites, never reads);
+``combine(acc, count, total_weight)`` returns the combined fp32 chunk (or ``combine_into`` the
+model's dtype). ``stacked = True`` gives one accumulator row per participant. A participant's
+weight is ``weight_of(meta)`` from its :class:`UpdateMeta` (``num_samples``, ``local_steps``, the
+trainer's ``metrics``; by default ``weight(meta.num_samples)``); clients compute it too, so it may
+read only those fields. :func:`fold` is the fused fp32 ``acc (+)= w * x`` a weighted sum uses.
+
+**Capabilities** (what run modes a strategy can take, never judged by its name): a combiner
+declares ``capabilities = Capabilities(summable=..., needs_every_row=...)``. ``summable`` (fold is
+``acc (+)= w * x``, combine a function of the sum and the total weight) allows ``clients.groups``,
+``transport.reduce: chain``, ``secagg``, ``privacy`` (which also needs equal weights: a combiner
+that overrides ``weight``/``weight_of`` is refused there) and ``clock.mode: fedasync``;
+``needs_every_row`` says it needs each participant's own update (median); ``server_state`` follows
+from the server update's ``state_init`` (FedAsync's mixing would drop it). A subclass that only
+changes ``weight``/``weight_of`` keeps its base's; one that overrides ``fold``/``combine`` declares
+its own, or is assumed neither summable nor free of the others' rows, and refused where that
+would be wrong, before MPI starts.
+
+**ServerUpdate** (second stage): ``step(delta, state)`` turns the fp32 pseudo-gradient into the
+step added to the old global chunk, in place; per-element state lives in fp32 vectors named in
+``state_init`` (checkpointed); ``reads_previous = True`` when the update needs the old global chunk.
+
+**Model** (``model.name``): ``attr(**model.kwargs) -> torch.nn.Module``; mpifl adds
+``input_shape`` and ``num_classes`` (from the data) when the signature names them. ``mpifl
+validate`` builds it on the meta device.
+
+**Dataset** (``data.dataset``): ``attr(**data.kwargs) -> (x_train, y_train, x_test, y_test[,
+clients])``, tensors or arrays; ``clients`` (one index array per client) is the data's own split,
+used with ``data.partition: natural``. **Partition** (``data.partition``): ``attr(labels,
+num_clients, seed)`` returns one index array per client. **Loss** (``train.loss``):
+``attr(output, target, reduction="mean")`` (evaluation asks for ``reduction="sum"``).
+
+**Trainer** (``train.trainer``): ``attr(cfg)`` with ``cfg`` the :class:`TrainConfig`, an object with
+``modifies_weights`` (False: the model goes back as received) and ``train(model, data, seed) ->
+TrainResult(num_samples, metrics, local_steps)``: train ``model`` in place on ``data`` (a
+:class:`ClientData`, ``x`` and ``y`` tensors; None without local data), seeded by ``seed``.
+"""
+from __future__ import annotations
+
+from mpifl.aggregation.combiners import Combiner, Median, SortedStack, TrimmedMean, WeightedMean
+from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, fold, weighted_mean_into
+from mpifl.aggregation.strategies import Strategy
+from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Replace, ServerOptimizer, ServerUpdate
+from mpifl.config import ConfigError, DataConfig, ModelConfig, StrategyConfig, TrainConfig
+from mpifl.config.capabilities import Capabilities
+from mpifl.learning.datasets import ClientData
+from mpifl.learning.trainers import Trainer, TrainResult, make_loss, make_optimizer, minibatches
+from mpifl.wire.protocol import UpdateMeta
+
+__all__ = [
+    "ACCUMULATOR_DTYPE",
+    "Capabilities",
+    "ClientData",
+    "Combiner",
+    "ConfigError",
+    "DataConfig",
+    "FedAdagrad",
+    "FedAdam",
+    "FedYogi",
+    "Median",
+    "ModelConfig",
+    "Momentum",
+    "Replace",
+    "ServerOptimizer",
+    "ServerUpdate",
+    "SortedStack",
+    "Strategy",
+    "StrategyConfig",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "TrimmedMean",
+    "UpdateMeta",
+    "WeightedMean",
+    "fold",
+    "make_loss",
+    "make_optimizer",
+    "minibatches",
+    "weighted_mean_into",
+]

@@ -1,0 +1,45 @@
+"""What a strategy is, as the run-mode checks need it: ``Capabilities``, and the built-in strategies' own.
+
+A run mode is allowed by what a strategy can do, never by its name. This vocabulary sits in
+``mpifl.config`` (torch-free, below aggregation) so that ``load_config`` already refuses a built-in
+strategy a run mode cannot take; ``mpifl.aggregation`` re-exports it, its combiners declare the
+same values (tests/test_capabilities.py checks they agree), and a plug-in strategy's come from its
+own stages, checked by ``mpifl.aggregation.compatibility`` on every rank before MPI starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy's combination is. The defaults are what mpifl assumes of a combiner that declares
+    nothing: not summable, needing every participant's own update, keeping no state (the safe side)."""
+
+    # The combination reads the participants' updates only through their weighted sum: fold is
+    # ``acc = w * x`` (first) then ``acc += w * x``, and combine a function of (acc, total weight). Then
+    # partial sums may be added on the way (clients.groups, transport.reduce: chain), under secure
+    # aggregation (secagg) and noised as a sum (privacy).
+    summable: bool = False
+    # Robust: needs each participant's own update at once (median, trimmed mean): a stack of rows.
+    needs_every_row: bool = True
+    # Keeps state across rounds (server momentum, Adam moments): a run mode that replaces the server
+    # update (clock.mode: fedasync's mixing) would silently drop it.
+    server_state: bool = False
+
+
+UNDECLARED = Capabilities()
+MEAN = Capabilities(summable=True, needs_every_row=False)
+SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_state=True)
+ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
+
+# Each built-in strategy (sections.STRATEGIES) -> what it is; mpifl.aggregation declares the same on its stages.
+BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
+    "fedavg": MEAN,
+    "fedavgm": SERVER_OPTIMIZER,
+    "fedadam": SERVER_OPTIMIZER,
+    "fedyogi": SERVER_OPTIMIZER,
+    "fedadagrad": SERVER_OPTIMIZER,
+    "median": ORDER_STATISTIC,
+    "trimmed_mean": ORDER_STATISTIC,
+}

@@ -1,0 +1,85 @@
+"""Plug-ins for the contract tests, loaded by import path (``plugin_helpers:...``) in-process and on every rank."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mpifl.api import Capabilities, Combiner, Median, Replace, Strategy, StrategyConfig, UpdateMeta, WeightedMean
+
+
+def median(cfg: StrategyConfig) -> Strategy:
+    """The tester's plug-in median: a built-in combiner wrapped as a plug-in strategy."""
+    return Strategy(cfg, Median(cfg), Replace(cfg))
+
+
+class RunningMax(Combiner):
+    """A combiner that declares nothing (coordinate-wise max, unweighted)."""
+
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
+        acc.copy_(x) if index == 0 else torch.maximum(acc, x.to(acc.dtype), out=acc)
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        return acc
+
+
+def undeclared(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, RunningMax(cfg), Replace(cfg))
+
+
+class DeclaredMax(RunningMax):
+    """The same combiner, declaring what it is: not a sum, but it needs no stack either."""
+
+    capabilities = Capabilities(summable=False, needs_every_row=False)
+
+
+def declared_max(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, DeclaredMax(cfg), Replace(cfg))
+
+
+class PerStep(WeightedMean):
+    """FedNova-style: a participant weighs its samples per local step (fails loudly without local steps)."""
+
+    def weight_of(self, meta: UpdateMeta) -> float:
+        if not meta.local_steps:
+            raise ValueError(f"client {meta.client}'s header carries no local steps: {meta!r}")
+        return meta.num_samples / meta.local_steps
+
+
+def per_step(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, PerStep(cfg), Replace(cfg))
+
+
+def scaled(cfg: StrategyConfig, scale: float, offset: float = 0.0) -> Strategy:
+    """A plug-in with settings of its own (strategy.kwargs), one of them required."""
+    strategy = Strategy(cfg, WeightedMean(cfg), Replace(cfg))
+    strategy.settings = {"scale": scale, "offset": offset}
+    return strategy
+
+
+def sized(input_shape, num_classes, hidden):
+    """A plug-in model written like the built-ins: mpifl passes the data's shape."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+
+
+def unsized(width: int = 5) -> nn.Module:
+    """A plug-in model that takes no shape: mpifl passes none."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def open_ended(**kwargs) -> nn.Module:
+    """A plug-in model with **kwargs only: mpifl passes it nothing of its own."""
+    assert "input_shape" not in kwargs, kwargs
+    return unsized(**kwargs)
+
+
+def classes_only(num_classes, hidden: int = 4):
+    """Asks for num_classes only."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.Linear(hidden, num_classes))
+
+
+def broken(input_shape, num_classes):
+    """Builds a layer with a wrong size: caught by mpifl validate's build, not by the signature check."""
+    return nn.Linear(math.prod(input_shape), -num_classes)
