@@ -6,7 +6,7 @@ round with probability 0.2 (Poisson sampling), 30 rounds, the quick start's MLP,
 summed, noised and divided by 20, FedAvg's server step. Epsilon is at delta = 1e-5 (RDP accountant,
 add-or-remove adjacency). Run from the repository root (about a minute):
 
-    python profiling/dp_tradeoff.py [--out profiling/examples/dp-tradeoff.png]
+    python profiling/dp_tradeoff.py [--out docs/img/dp-tradeoff.png]
 """
 from __future__ import annotations
 
