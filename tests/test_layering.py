@@ -20,7 +20,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("api", "cli"),
     ("__main__",),
 ]
-FLOOR_OF = {unit: level for level, units in enumerate(FLOORS) for unit in units}
+FLOOR_OF = {unit: level for level, units in enumerate(FLOORS, 1) for unit in units}  # 1: the lowest
 
 
 def module_name(path: Path) -> str:
