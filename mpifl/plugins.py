@@ -49,7 +49,10 @@ def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = 
             return f"{key}.{name}: mpifl passes {name} itself; remove it"
         if name not in allowed and not open_ended:
             close = difflib.get_close_matches(str(name), allowed, n=1, cutoff=0.5)
-            hint = f"did you mean '{key}.{close[0]}'?" if close else f"it takes: {', '.join(allowed) or 'nothing'}"
+            passed = [n for n in supplied if n in params]
+            takes = ", ".join(allowed) or ("no settings besides what mpifl passes it: " + ", ".join(passed)
+                                           if passed else "nothing")
+            hint = f"did you mean '{key}.{close[0]}'?" if close else f"it takes: {takes}"
             return f"unknown key '{key}.{name}': not a parameter of {fn_name}; {hint}"
     missing = [n for n in allowed if params[n].default is inspect.Parameter.empty and n not in kwargs]
     if missing:

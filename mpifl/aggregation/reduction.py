@@ -356,8 +356,7 @@ class StreamedReduction:
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
         jobs = self.strategy.start_finish(rows, step.count, self.total_weight, target, state)
         if jobs is None:
-            # the combiners take the rows (kernels.Rows), but Strategy.finish is annotated with a stack only
-            self.strategy.finish(rows, step.count, self.total_weight, target, state)  # type: ignore[arg-type]
+            self.strategy.finish(rows, step.count, self.total_weight, target, state)
             jobs = []
         self.finishing = (step.chunk, jobs)
         if not jobs:

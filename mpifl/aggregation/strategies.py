@@ -79,13 +79,17 @@ class Strategy:
         """Take in the ``index``-th included participant's chunk (acc is a stack row per participant when stacked)."""
         self.combiner.fold(acc, x, weight, index)
 
-    def finish(self, acc: torch.Tensor, count: int, total_weight: float, target: torch.Tensor,
+    def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
                state: dict[str, torch.Tensor]) -> None:
-        """Write the new global chunk into ``target`` (which holds the old one where needed)."""
+        """Write the new global chunk into ``target`` (which holds the old one where needed).
+
+        ``acc`` is one fp32 accumulator, or, for a stacking combiner whose stack is held in the receive
+        slots, its rows: only stacking combiners ever get rows, and they take ``kernels.Rows``."""
+        stack: torch.Tensor = acc  # type: ignore[assignment]  # rows reach stacking combiners only (see above)
         if not self.needs_previous_global:  # FedAvg: one fp32 division (or copy) into target, one rounding
-            self.combiner.combine_into(target, acc, count, total_weight)
+            self.combiner.combine_into(target, stack, count, total_weight)
             return
-        combined = self.combiner.combine(acc, count, total_weight)
+        combined = self.combiner.combine(stack, count, total_weight)
         if not self.delta:
             combined.sub_(target)  # pseudo-gradient: combined weights - old global
         self.update.step(combined, state)

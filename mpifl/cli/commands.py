@@ -40,9 +40,9 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
     comm = MPI.COMM_WORLD
     try:
         check_world(comm.Get_size(), cfg)
-        run_dir, resume = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
+        run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         with tracked(memray_dir, comm.Get_rank(), memray_native):
-            guarded(lambda: run_rank(comm, cfg, run_dir, resume))
+            guarded(lambda: run_rank(comm, cfg, run_dir, point))
     except SetupError as err:
         if comm.Get_rank() == 0:
             log(f"mpifl: {err}", rank=0)

@@ -162,11 +162,33 @@ def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):
-                build_model(cfg, seed, **shape)
-            return None
+                model = build_model(cfg, seed, **shape)
+            return output_width_problem(cfg, model, shape.get("input_shape"), shape.get("num_classes"))
         except Exception as err:  # noqa: BLE001 - whatever user code raises is the config's problem here
             problem = f"model.name: building {cfg.name!r} failed: {type(err).__name__}: {err}"
     return problem
+
+
+def output_width_problem(cfg: ModelConfig, model: nn.Module, input_shape: Sequence[int] | None,
+                         num_classes: int | None) -> str | None:
+    """A classifier whose logits are not (batch, num_classes) trains into an IndexError on every rank: run one
+    batch of two samples through it on the meta device (nothing computed) and say so before MPI starts. Models
+    that meta cannot run, or that take other inputs (token ids), are not judged."""
+    if cfg.name == "transformers" or input_shape is None or num_classes is None:
+        return None
+    param = next(model.parameters(), None)
+    try:
+        with torch.no_grad():
+            meta = model.to("meta") if param is not None and param.device.type != "meta" else model
+            dtype = param.dtype if param is not None else torch.float32
+            out = meta(torch.empty((2, *input_shape), dtype=dtype, device="meta"))
+    except Exception:  # noqa: BLE001 - a model meta cannot run is judged by the first real batch instead
+        return None
+    if isinstance(out, torch.Tensor) and tuple(out.shape) != (2, num_classes):
+        return (f"model.name: {cfg.name!r} returns outputs of shape {tuple(out.shape)} for a batch of 2 samples of "
+                f"shape {tuple(input_shape)}, but the data has {num_classes} classes: the last layer needs "
+                f"{num_classes} outputs (name num_classes as a parameter and mpifl passes it)")
+    return None
 
 
 def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, **shape: Any) -> FlatModel:

@@ -24,6 +24,7 @@ from mpifl.learning.datasets import Dataset, client_data, client_source, load_da
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
+from mpifl.learning.sources import HeldRows
 from mpifl.learning.trainers import Evaluator, make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
@@ -89,12 +90,19 @@ def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
     """Token ids must fit the transformers model's embedding: what is wrong, or None."""
     language_model: Any = flat.module  # a transformers model (the caller checks): its methods are not nn.Module's
     rows = language_model.get_input_embeddings().num_embeddings
-    # BUG (reported, behaviour kept): from a client source x_train is HeldRows, which has no max()
-    largest = int(max(dataset.x_train.max(), dataset.x_test.max()))  # type: ignore[union-attr]
+    largest = max(_largest_id(dataset.x_train), _largest_id(dataset.x_test))
     if largest >= rows:
         return (f"data: token id {largest} does not fit the model's {rows}-row embedding; raise "
                 "model.transformers.config's vocab_size or lower data.kwargs.vocab_size")
     return None
+
+
+def _largest_id(rows: torch.Tensor | HeldRows) -> int:
+    """The largest token id in ``rows``; from a client source, in the rows this rank holds (every rank checks
+    its own and agree_on_spec shares any problem)."""
+    if isinstance(rows, torch.Tensor):
+        return int(rows.max()) if rows.numel() else -1
+    return max((int(t.max()) for t in rows.held.values() if t.numel()), default=-1)
 
 
 def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None) -> None:
