@@ -1,0 +1,33 @@
+"""A plug-in model is checked before MPI starts: its output width against the data's classes, and an
+unknown setting named against what mpifl passes it."""
+from __future__ import annotations
+
+from torch import nn
+
+from mpifl.config import ModelConfig
+from mpifl.learning.models import build_problem, model_problem
+
+
+def two_outputs(input_shape, hidden: int = 8) -> nn.Module:
+    """A classifier that ignores the data's class count: always two logits."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+
+def sized(input_shape, num_classes: int) -> nn.Module:
+    """A classifier sized from the data, as plug-ins should be."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], num_classes))
+
+
+def test_a_classifier_with_the_wrong_number_of_outputs_is_refused_naming_the_classes():
+    problem = build_problem(ModelConfig(name=f"{__name__}:two_outputs"), 0, input_shape=(16,), num_classes=10)
+    assert problem is not None and "(2, 2)" in problem and "10 classes" in problem and "num_classes" in problem
+
+
+def test_a_classifier_sized_from_the_data_passes():
+    assert build_problem(ModelConfig(name=f"{__name__}:sized"), 0, input_shape=(16,), num_classes=10) is None
+
+
+def test_an_unknown_setting_names_what_mpifl_passes_the_model():
+    problem = model_problem(ModelConfig(name=f"{__name__}:sized", kwargs={"hidden": 4}), has_data=True)
+    assert problem is not None and "unknown key 'model.kwargs.hidden'" in problem
+    assert "besides what mpifl passes it: input_shape, num_classes" in problem
