@@ -129,43 +129,108 @@ def test_readme_links_exist():
     assert not broken, f"README.md links to files that do not exist: {broken}"
 
 
-def _titled_blocks(page: Path) -> dict[str, str]:
-    """The code blocks of a page that carry a file title: ```python title="my_fl.py"."""
-    pattern = r'^```\w*\s+title="([^"]+)"\n(.*?)^```'
-    return {name: body for name, body in re.findall(pattern, page.read_text(), flags=re.MULTILINE | re.DOTALL)}
+# Each plug-in tutorial shows the runnable examples' own files (tests/test_examples.py runs them), included
+# with pymdownx.snippets in a fence of their own: ```python title="..." linenums="1" / --8<-- "path" / ```.
+TUTORIAL_EXAMPLES = {
+    "model-and-data.md": ("custom_model_and_data", "natural_partition"),
+    "strategy.md": ("custom_strategy",),
+    "trainer.md": ("custom_trainer",),
+}
+SNIPPET_LINE = re.compile(r'^[ \t]*-{1,}8<-{1,}[ \t]', re.MULTILINE)
+INCLUDE = re.compile(r'^[ \t]*```(\w*)([^\n]*)\n[ \t]*--8<--[ \t]+"([^"]+)"[ \t]*\n[ \t]*```[ \t]*$', re.MULTILINE)
 
 
-def test_tutorial_plugins_load(tmp_path):
-    """The files the tutorials tell a user to write still import, validate and build, without MPI."""
-    files = {}
-    for page in ("model-and-data.md", "strategy.md", "trainer.md"):
-        files.update(_titled_blocks(DOCS / "tutorials" / page))
-    assert {"my_fl.py", "moons.yaml", "my_strategies.py", "my_trainer.py"} <= set(files), sorted(files)
-    for name, body in files.items():
-        (tmp_path / name).write_text(body)
-    quickstart = ROOT / "configs" / "quickstart.yaml"
-    script = textwrap.dedent(f"""
-        from mpifl.aggregation.strategies import make_strategy
-        from mpifl.cli.commands import check_plugins
-        from mpifl.config import load_config
-        from mpifl.learning.datasets import load_dataset
-        from mpifl.learning.models import build_model
-        from mpifl.learning.trainers import make_trainer
+@dataclasses.dataclass
+class Include:
+    page: str
+    path: str
+    start: int | None  # a line range (pymdownx.snippets ``path:START:END``), or None for the whole file
+    end: int | None
+    attrs: dict[str, str]
 
-        moons = load_config("moons.yaml")
-        assert not check_plugins(moons)
-        data = load_dataset(moons.data)
-        model = build_model(moons.model, moons.seed)
-        assert model(data.x_test[:4]).shape == (4, 2)
-        split = load_config("moons.yaml", ["data.partition=my_fl:label_halves"])
-        for name in ("ema_momentum", "sqrt_weighted"):
-            cfg = load_config({str(quickstart)!r}, [f"strategy.name=my_strategies:{{name}}"])
-            make_strategy(cfg.strategy)
-        cfg = load_config({str(quickstart)!r}, ["train.trainer=my_trainer:SmoothedTrainer"])
-        assert make_trainer(cfg.train).modifies_weights
-        print("ok")
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env=env)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    def __str__(self) -> str:
+        where = f":{self.start}:{self.end}" if self.start else ""
+        return f"{self.page}: --8<-- {self.path}{where}"
+
+
+def _includes(page: Path) -> list[Include]:
+    """The snippet includes of a page; each must be the only line of its fenced block."""
+    text = page.read_text()
+    found: list[Include] = []
+    for match in INCLUDE.finditer(text):
+        _, attrs, spec = match.groups()
+        path, *bounds = spec.split(":")
+        start = int(bounds[0]) if bounds and bounds[0] else None
+        end = int(bounds[1]) if len(bounds) > 1 and bounds[1] else None
+        fence = dict(re.findall(r'(\w+)="([^"]*)"', attrs))
+        found.append(Include(str(page.relative_to(ROOT)), path, start, end, fence))
+    alone = len(SNIPPET_LINE.findall(text))
+    assert alone == len(found), f"{page.relative_to(ROOT)}: a --8<-- line that is not alone in a fenced code block"
+    return found
+
+
+def _documented_includes() -> list[Include]:
+    pages = sorted((DOCS / "tutorials").glob("*.md")) + [DOCS / "reference" / "plugins.md"]
+    return [include for page in pages for include in _includes(page)]
+
+
+def test_plugin_tutorials_include_the_examples_whole():
+    """No hand-written copy of a plug-in can drift from the code the suite runs: each tutorial shows its
+    examples' code and config by inclusion, each file whole once (ranges may explain parts)."""
+    for page, folders in TUTORIAL_EXAMPLES.items():
+        whole = {i.path for i in _includes(DOCS / "tutorials" / page) if i.start is None and i.end is None}
+        assert any(path.startswith("examples/") for path in whole), f"docs/tutorials/{page} includes no example file"
+        wanted = {str(f.relative_to(ROOT)) for folder in folders for f in sorted((ROOT / "examples" / folder).iterdir())
+                  if (f.suffix == ".py" and f.name != "__init__.py") or f.name == "config.yaml"}
+        missing = sorted(wanted - whole)
+        assert not missing, f"docs/tutorials/{page} does not include these example files whole: {missing}"
+
+
+def test_included_files_exist_and_line_ranges_still_fit():
+    """A range names its first line in the fence's title (``title="path: def build"``) and shows it as
+    ``linenums``; when the example changes under it, this says which include to move."""
+    includes = _documented_includes()
+    assert includes
+    for inc in includes:
+        file = ROOT / inc.path
+        assert file.is_file(), f"{inc}: no such file"
+        lines = file.read_text().splitlines()
+        if inc.start is None and inc.end is None:
+            assert inc.attrs.get("linenums", "1") == "1", f"{inc}: a whole file is numbered from 1"
+            continue
+        start, end = inc.start or 1, inc.end or len(lines)
+        assert 1 <= start <= end <= len(lines), f"{inc}: outside the file's {len(lines)} lines"
+        assert inc.attrs.get("linenums") == str(start), f'{inc}: give the fence linenums="{start}"'
+        title = inc.attrs.get("title", "")
+        anchor = title.split(": ", 1)[1] if title.startswith(inc.path + ": ") else None
+        assert anchor, f'{inc}: give the fence title="{inc.path}: <how line {start} begins>"'
+        first = lines[start - 1]
+        assert first.strip().startswith(anchor), (
+            f"{inc}: line {start} now reads {first.strip()!r}, not {anchor!r}: the example changed, move the range")
+        indent = len(first) - len(first.lstrip())
+        after = lines[end] if end < len(lines) else ""
+        assert not after.strip() or len(after) - len(after.lstrip()) <= indent, (
+            f"{inc}: the range stops inside a block (line {end + 1} continues it): the example changed, move the range")
+        if file.suffix == ".py":
+            compile(textwrap.dedent("\n".join(lines[start - 1:end])), str(inc), "exec")
+
+
+def _readme_commands(folder: str) -> list[str]:
+    """The commands an example's README runs (its indented code block)."""
+    text = (ROOT / "examples" / folder / "README.md").read_text()
+    return [line.strip() for line in text.splitlines() if line.startswith("    ") and "mpifl " in line]
+
+
+def test_plugin_tutorials_run_the_examples_as_their_readmes_say():
+    for page, folders in TUTORIAL_EXAMPLES.items():
+        text = (DOCS / "tutorials" / page).read_text()
+        for folder in folders:
+            readme = f"examples/{folder}/README.md"
+            commands = _readme_commands(folder)
+            kinds = [next((k for k in ("validate", "run") if f"mpifl {k} " in c), None) for c in commands]
+            assert "validate" in kinds and "run" in kinds, f"{readme} should validate, then run: {commands}"
+            assert kinds.index("validate") < kinds.index("run"), f"{readme}: validate first, then run"
+            for command in commands:
+                assert command in text, f"docs/tutorials/{page} does not run `{command}` as {readme} does"
+            where = [text.index(c) for c in commands]
+            assert where == sorted(where), f"docs/tutorials/{page} runs {readme}'s commands in another order"
