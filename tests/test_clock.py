@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,3 +158,28 @@ def test_fedcompass_gives_fast_clients_more_steps_so_that_a_group_arrives_togeth
     slower = max(members, key=lambda c: duration(c, 1) - duration(c, 0))
     given = {c: [a.local_steps for s in plan.steps for a in s.arrivals if a.client == c] for c in (faster, slower)}
     assert sum(given[faster]) / len(given[faster]) > sum(given[slower]) / len(given[slower])
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a hostile trace file would do."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/mpifl-trace-ran-code",))
+
+
+def test_a_pickled_trace_is_read_as_data_and_one_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps({0: {"computation": 12.5, "communication": 800.0}, 1: {"computation": 3,
+                                                                                          "communication": 90}}))
+    assert read_trace(str(plain)) == [(12.5, 800.0), (3.0, 90.0)]
+    hostile = tmp_path / "hostile.pkl"
+    hostile.write_bytes(pickle.dumps({0: _RunsCode()}))
+    marker = Path("/tmp/mpifl-trace-ran-code")
+    marker.unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"neither JSON nor a pickle of plain data \(refusing posix.system"):
+        read_trace(str(hostile))
+    assert not marker.exists()

@@ -99,3 +99,31 @@ def test_fedcompass_runs_each_client_for_its_own_steps_and_is_rank_count_indepen
     assert same_model(two / "model.h5", three / "model.h5")
     steps = [s for r in records(two) for s in r["local_steps"]]
     assert min(steps) >= 2 and max(steps) <= 12 and len(set(steps)) > 1
+
+
+COMPASS = ("strategy: {update: delta}\n"
+           "clock: {mode: fedcompass, concurrency: 5, min_steps: 2, max_steps: 12, speed_sigma: 1.0}")
+KILL_AND_RESUME = {"fedbuff": FEDBUFF, "fedasync": FEDASYNC, "fedcompass": COMPASS}
+
+
+def test_every_asynchronous_mode_has_a_kill_and_resume_case():
+    from mpifl.config.sections import ASYNCHRONOUS_MODES
+
+    assert set(KILL_AND_RESUME) == set(ASYNCHRONOUS_MODES), "add the new mode's config to KILL_AND_RESUME"
+
+
+@pytest.mark.parametrize("mode", ["fedasync", "fedcompass"])  # fedbuff: the test above, against the reference
+def test_each_asynchronous_mode_killed_mid_way_resumes_to_the_uninterrupted_model(tmp_path, mode):
+    extra = KILL_AND_RESUME[mode] + "\ncheckpoint: {keep: 1}"  # pruning must still spare the versions in flight
+    cfg, whole = run(tmp_path, "whole", extra, 2, 10)
+    run_dir = tmp_path / "killed"
+    proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_SLEEP": "0"})
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 4, proc, "step 4")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert len(rounds_logged(run_dir)) < 10
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert "nothing to resume" not in result.stderr and "starting fresh" not in result.stderr
+    assert rounds_logged(run_dir) == list(range(1, 11))
+    assert same_model(run_dir / "model.h5", whole / "model.h5")

@@ -64,7 +64,8 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     rank = comm.Get_rank()
     comm.Barrier()
-    history = run_rank(comm, cfg, None)
+    outcome = run_rank(comm, cfg, None)
+    history = outcome.history if outcome is not None else None
     peaks = comm.gather(peak_rss_bytes(), root=0)
     gc.collect()
     dtype = DTYPES[cfg.model.dtype]

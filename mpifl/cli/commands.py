@@ -9,6 +9,8 @@ from mpifl.logs import env_rank, log
 from mpifl.plugins import is_import_path
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 
+INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
+
 
 def run(args: argparse.Namespace) -> int:
     """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run."""
@@ -42,11 +44,13 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
         check_world(comm.Get_size(), cfg)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         with tracked(memray_dir, comm.Get_rank(), memray_native):
-            guarded(lambda: run_rank(comm, cfg, run_dir, point))
+            outcome = guarded(lambda: run_rank(comm, cfg, run_dir, point))
     except SetupError as err:
         if comm.Get_rank() == 0:
             log(f"mpifl: {err}", rank=0)
         return 2
+    if outcome is not None and outcome.interrupted:  # exit 0 means every round asked for is on disk
+        return INTERRUPTED
     return 0
 
 

@@ -88,9 +88,25 @@ def plan_main(args: argparse.Namespace) -> int:
               f"(compression.residual_ram_mb={cfg.compression.residual_ram_mb:g}); a copy per kept checkpoint")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
+    warning = node_warning(cfg, plan, args.node_memory_gb, args.server_alone)
+    if warning:
+        print(warning)
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
+
+
+def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None, server_alone: bool) -> str | None:
+    """A warning when the fullest node would pass 90% of ``node_memory_gb``, with advice that fits the config
+    (never what it already does); None when it fits or no node size is given."""
+    if node_memory_gb is None or plan.node_bytes <= 0.9 * node_memory_gb * GIB:
+        return None
+    advice = ["use fewer ranks per node (--ranks-per-node)"]
+    if not server_alone:
+        advice.append("give the server a node to itself (--server-alone)")
+    if cfg.server.state != "disk":
+        advice.append("keep the server's model out of core (server.state=disk)")
+    return f"warning: {plan.describe()} > 90% of {node_memory_gb:g} GiB per node: {', or '.join(advice)}"
 
 
 def load_rates(name: str) -> Rates:
@@ -135,6 +151,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
     p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
+    p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
+                   "fullest node would pass 90%% of it")
     p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
     p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
                    "mpifl.planning.scale.Rates fields (bytes or elements per second)")

@@ -9,6 +9,7 @@ Nothing here reads the machine's clock: durations depend on the config and the s
 """
 from __future__ import annotations
 
+import io
 import json
 import pickle
 from dataclasses import dataclass
@@ -33,13 +34,27 @@ class Devices:
         return 8.0 * bytes_down / link + samples * float(self.seconds_per_sample[client]) + 8.0 * bytes_up / link
 
 
+class DataOnlyUnpickler(pickle.Unpickler):
+    """Reads a pickle of plain data only: dicts, lists, tuples, strings, numbers, booleans and None, which
+    pickle encodes without naming any class. Anything that names a class or function (the way a pickle runs
+    code on load) is refused, so a device trace from elsewhere cannot run code here."""
+
+    def find_class(self, module: str, name: str) -> type:
+        """Refuse every global: plain data never needs one."""
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: a device trace holds plain data only")
+
+
 def read_trace(path: str) -> list[tuple[float, float]]:
-    """(ms per sample, kbps) per entry of a FedScale device trace (JSON or pickle), entries sorted by client id."""
+    """(ms per sample, kbps) per entry of a FedScale device trace (JSON, or a pickle of plain data), entries
+    sorted by client id."""
     raw = Path(path).read_bytes()
     try:
         table = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        table = pickle.loads(raw)  # FedScale ships its traces as pickles: only read files you trust
+        try:  # FedScale ships its traces as pickles: read as data, never as code
+            table = DataOnlyUnpickler(io.BytesIO(raw)).load()
+        except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise ValueError(f"clock.trace {path!r}: neither JSON nor a pickle of plain data ({err})") from None
     if not isinstance(table, dict) or not table:
         raise ValueError(f"clock.trace {path!r}: expected a non-empty mapping client -> {{computation, communication}}")
     entries = []

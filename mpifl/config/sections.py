@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from mpifl.config.schema import field_
 from mpifl.units import MIB
 
+# The clock modes whose server steps apply updates trained on older model versions: every step's model is
+# saved, and a resume retrains the clients in flight from the versions they started on.
+ASYNCHRONOUS_MODES = ("fedasync", "fedbuff", "fedcompass")
+
 # The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
 # its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
 STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
@@ -245,7 +249,12 @@ class ClockConfig:
 
     mode: str = field_("off", "off (rounds in real time only), sync (rounds in virtual time: deadlines, "
                        "over-selection, availability), fedasync (Xie et al. 2019), fedbuff (Nguyen et al. 2022) or "
-                       "fedcompass (Li et al. 2024)", choices=("off", "sync", "fedasync", "fedbuff", "fedcompass"))
+                       "fedcompass (Li et al. 2024)", choices=("off", "sync", *ASYNCHRONOUS_MODES))
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether server steps apply updates trained on older versions (every version is checkpointed)."""
+        return self.mode in ASYNCHRONOUS_MODES
     seconds_per_sample: float = field_(0.01, "virtual compute seconds for one training sample (forward and backward) "
                                        "on a device of speed 1", min=0.0)
     speed_sigma: float = field_(0.5, "relative compute speeds are lognormal with median 1 and this sigma (0: equal)",

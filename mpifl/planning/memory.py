@@ -127,8 +127,18 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = IMPORTS_BYTES + size.total + pool + strategy.state_bytes(elements)
     client = client_bytes(cfg, size, client_ranks)
-    first = server if server_alone else server + (ranks_per_node - 1) * client
-    return MemoryEstimate(size.exchanged, server, pool, client, max(first, ranks_per_node * client))
+    node = fullest_node(server, client, nranks, ranks_per_node, server_alone)
+    return MemoryEstimate(size.exchanged, server, pool, client, node)
+
+
+def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool) -> int:
+    """Bytes on the fullest node when the launcher fills nodes in rank order, ``ranks_per_node`` at a time
+    (MPICH's and Cray PALS's ``-ppn``/``--ppn``), rank 0 on the first node, alone with ``server_alone``."""
+    clients = nranks - 1
+    if server_alone:
+        return max(server, min(ranks_per_node, clients) * client)
+    beside_server = min(ranks_per_node, nranks) - 1
+    return max(server + beside_server * client, min(ranks_per_node, clients - beside_server) * client)
 
 
 def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:

@@ -11,7 +11,33 @@
 """
 from __future__ import annotations
 
+import logging
+
 from mpifl.config import PrivacyConfig
+from mpifl.logs import log
+
+
+class _ConvergenceNotes(logging.Filter):
+    """dp-accounting's RDP accountant logs ``_compute_log_a_frac failed to converge`` (through absl, as
+    WARNING) for some orders with Poisson sampling, several times per epsilon: not the user's concern, and
+    alarming in a job log. Drop those records and say it once, in mpifl's words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "failed to converge" not in record.getMessage():
+            return True
+        if not self.told:
+            self.told = True
+            log("privacy: dp-accounting's RDP series did not converge at some orders (its own warning, shown once); "
+                "epsilon comes from the orders that did", rank=0)
+        return False
+
+
+_NOTES = _ConvergenceNotes()
+logging.getLogger("absl").addFilter(_NOTES)
 
 
 def _dp_accounting():

@@ -91,7 +91,7 @@ def guarded(fn: Callable[[], T]) -> T:
         except KeyboardInterrupt as err:
             abort("interrupted (KeyboardInterrupt)\n" + _traceback(err))
         except BaseException as err:  # noqa: BLE001 - any escape from a rank must end the job
-            abort(_traceback(err))
+            abort(f"{type(err).__name__}: {err}" + _traceback(err))  # the culprit in one line, then the details
 
 
 def abort(reason: str) -> NoReturn:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,18 @@ def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None) -
         raise SetupError(first)
 
 
+@dataclass(frozen=True)
+class RunOutcome:
+    """What rank 0 knows when the run ends: the metrics history, and whether a signal (SIGTERM: walltime, or the
+    launcher cleaning up after a rank that left) stopped it before its last round."""
+
+    history: list[dict]
+    interrupted: bool
+
+
 def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None = None
-             ) -> list[dict] | None:
-    """Run one rank's part of the experiment; rank 0 returns the metrics history."""
+             ) -> RunOutcome | None:
+    """Run one rank's part of the experiment; rank 0 returns the outcome, the other ranks None."""
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
     record_ranks(comm, run_dir)
@@ -205,7 +215,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
                      dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
                      resumed: Checkpoint | None,
-                     stop: StopRequest) -> list[dict]:
+                     stop: StopRequest) -> RunOutcome:
     strategy = _strategy(cfg)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     if flat is None and run_dir is None:
@@ -244,7 +254,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         sampler = clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
     except (ValueError, OSError) as err:
         raise JobFailure(f"cannot plan the virtual-time schedule: {err}") from None
-    asynchronous = cfg.clock.mode in ("fedasync", "fedbuff")
+    asynchronous = cfg.clock.asynchronous
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight)
     feedback = cfg.compression.method == "topk" and cfg.compression.error_feedback
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
@@ -273,7 +283,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
         checkpointer.link_final_model(run_dir)
     log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
-    return history
+    reached = history[-1]["round"] if history else 0
+    return RunOutcome(history, interrupted=stop.requested and reached < cfg.rounds)
 
 
 def _evaluator(cfg: Config) -> Evaluator:

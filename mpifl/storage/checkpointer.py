@@ -33,6 +33,7 @@ from mpifl.config import CheckpointConfig, Config, dump_config
 from mpifl.errors import CheckpointError, JobFailure
 from mpifl.logs import env_rank, log
 from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.integrity import metadata_problem
 from mpifl.storage.stores import GlobalStore
 
 CHECKPOINTS = "checkpoints"
@@ -96,11 +97,12 @@ def latest_checkpoint(directory: Path, feedback: bool = False) -> Checkpoint | N
         except CheckpointError as err:
             _say(f"mpifl: skipping unusable checkpoint: {err}")
             continue
-        problem = missing_residuals(ckpt) if feedback else None
+        untrusted = metadata_problem(ckpt)
+        problem = untrusted or (missing_residuals(ckpt) if feedback else None)
         if problem is None:
             return ckpt
         ckpt.close()
-        _say(f"mpifl: skipping incomplete checkpoint: {problem}")
+        _say(f"mpifl: skipping {'unusable' if untrusted else 'incomplete'} checkpoint: {problem}")
     return None
 
 

@@ -8,14 +8,23 @@ stray write through h5py), fails the check and names the tensor.
 
 Layout::
 
-    /integrity             attrs: chunk_bytes (the layout of the checksums)
+    /integrity             attrs: chunk_bytes (the layout of the checksums); metadata_crc32: the CRC32
+                           of what the file says about itself (every root attribute: round, spec
+                           hash, config, seed, strategy, residual files...; the flat layout's
+                           order; the metrics history), so an edited round cannot skip a round
+                           on resume
     /integrity/model       uint32, one CRC32 per piece: a chunk cut at tensor boundaries (flat order),
                            so a failed check names its tensor
     /integrity/state/<n>   uint32, one CRC32 per chunk's slice of server-state vector <n>
+
+A checkpoint with no ``/integrity`` group is refused by :func:`verify`: mpifl has written one
+into every checkpoint since checksums began, so a missing group means a file that was edited
+or is not what it claims.
 """
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Callable, Iterator
 
 import h5py
@@ -77,6 +86,7 @@ class ChunkChecksums:
                     self._record("", c, data)
         group = file.create_group(GROUP)
         group.attrs["chunk_bytes"] = self.chunk_bytes
+        group.attrs["metadata_crc32"] = metadata_crc32(file)
         group.create_dataset("model", data=self.model)
         states = group.create_group("state")
         for name, values in self.sums.items():
@@ -124,12 +134,35 @@ def pieces(spec: ModelSpec, chunks: list[Chunk]) -> tuple[list[tuple[int, int, s
     return out, first + [len(out)]
 
 
-def verify(ckpt) -> int:
-    """Check a checkpoint's tensors and server state against its stored CRC32s, chunk by chunk; return the
-    number of chunks checked (0 for a checkpoint written before checksums). Raise CheckpointError naming the
-    first tensor (or state vector) whose bytes changed."""
+def metadata_crc32(file: h5py.File) -> int:
+    """CRC32 of what a checkpoint says about itself: its root attributes, the flat layout's order and the
+    metrics history, as canonical JSON (read back from the file, so writing and checking see the same types)."""
+    attrs = {key: str(value) for key, value in sorted(file.attrs.items())}
+    order = str(file["model"].attrs.get("order", "")) if "model" in file else ""
+    metrics = [str(line) for line in file["metrics"].asstr()[...]] if "metrics" in file else []
+    return _crc32(json.dumps([attrs, order, metrics], sort_keys=True).encode())
+
+
+def metadata_problem(ckpt) -> str | None:
+    """Why a checkpoint's description of itself cannot be trusted (no integrity record, or metadata that fails
+    its checksum), or None. Cheap: no tensor is read, so resume runs it on every candidate before choosing."""
     if GROUP not in ckpt.file:
-        return 0
+        return (f"{ckpt.path}: no integrity record (/{GROUP}): every mpifl checkpoint has one, so this file was "
+                "edited or is not what it claims; refusing to trust it")
+    stored = ckpt.file[GROUP].attrs.get("metadata_crc32")
+    if stored is None or int(stored) != metadata_crc32(ckpt.file):
+        return (f"{ckpt.path}: its metadata (round, spec, config, strategy or metrics) fails its checksum: the "
+                "file was edited after it was written")
+    return None
+
+
+def verify(ckpt) -> int:
+    """Check a checkpoint's metadata, tensors and server state against its stored CRC32s, chunk by chunk;
+    return the number of chunks checked. Raise CheckpointError naming what changed (the metadata, or the
+    first tensor or state vector whose bytes changed), or saying the integrity record is missing."""
+    problem = metadata_problem(ckpt)
+    if problem:
+        raise CheckpointError(problem)
     group = ckpt.file[GROUP]
     spec = ckpt.spec()
     if spec.hash != ckpt.spec_hash:

@@ -39,6 +39,7 @@ from mpifl.storage.checkpointer import (
     residual_files,
 )
 from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.integrity import metadata_problem
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
             return None
     else:
         ckpt = Checkpoint(which)
-        problem = missing_residuals(ckpt) if keeps_residuals(cfg) else None
+        problem = metadata_problem(ckpt) or (missing_residuals(ckpt) if keeps_residuals(cfg) else None)
         if problem:
             ckpt.close()
             raise ConfigError(f"cannot resume: {problem}")

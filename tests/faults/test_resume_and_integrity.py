@@ -133,3 +133,24 @@ def test_a_full_disk_ends_the_job_in_one_line_naming_the_file_and_keeps_the_last
     # no traceback from mpifl's code (h5py may still print its own handle clean-up failures)
     assert not any(line.strip().startswith("File") and "mpifl/" in line for line in full.stderr.splitlines())
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [checkpoint_name(1)]
+
+
+def test_an_edited_round_or_a_deleted_integrity_record_is_refused_and_resume_falls_back(tmp_path, uninterrupted):
+    cfg, reference = uninterrupted
+    first = run_mpi(3, "run", str(cfg), "rounds=3", "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
+    assert first.returncode == 0, first.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    with h5py.File(checkpoints / checkpoint_name(3), "r+") as f:  # says round 5: would skip a round on resume
+        f.attrs["round"] = 5
+    with h5py.File(checkpoints / checkpoint_name(2), "r+") as f:  # no record at all: nothing to check against
+        del f["integrity"]
+    edited = run_mpi(1, "inspect", str(checkpoints / checkpoint_name(3)), "--verify", timeout=MPI_TIMEOUT)
+    assert edited.returncode == 2 and "metadata" in edited.stderr and "fails its checksum" in edited.stderr
+    unsealed = run_mpi(1, "inspect", str(checkpoints / checkpoint_name(2)), "--verify", timeout=MPI_TIMEOUT)
+    assert unsealed.returncode == 2 and "no integrity record" in unsealed.stderr, unsealed.stderr
+    result = resume(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    skipped = [line for line in result.stderr.splitlines() if "skipping unusable checkpoint" in line]
+    assert len(skipped) == 2 and "fails its checksum" in skipped[0] and "no integrity record" in skipped[1]
+    assert rounds_logged(tmp_path / "run") == [1, 2, 3, 4]
+    assert same_model(tmp_path / "run" / "model.h5", reference / "model.h5")
