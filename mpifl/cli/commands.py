@@ -184,3 +184,16 @@ def bench_exchange(args: argparse.Namespace) -> int:
     from mpifl.cli.bench import exchange_main
 
     return exchange_main(args)
+
+
+def status(args: argparse.Namespace) -> int:
+    """``mpifl status``: the post-mortem of a run directory; exit 0 for a complete run, 1 otherwise."""
+    from mpifl.storage.rundir import post_mortem
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir}: not an mpifl run directory (no config.yaml)")
+    complete, lines = post_mortem(run_dir)
+    print("\n".join(lines))
+    return 0 if complete else 1
+

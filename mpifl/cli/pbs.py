@@ -71,13 +71,23 @@ fi
 RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{EXTRA[@]}}" "$@")
 
 echo "mpifl: $NRANKS ranks on $NNODES node(s), $RANKS_PER_NODE per node, run dir $RUN_DIR"
+set +e
 if [[ "$SERVER_ALONE" == 1 && "$NNODES" -gt 1 ]]; then
   SERVER_HOST=$(head -n 1 "$NODEFILE")
   CLIENT_HOSTS=$(sort -u "$NODEFILE" | grep -vxF "$SERVER_HOST" | paste -sd, -)
-  exec "$MPIEXEC" -n 1 --hosts "$SERVER_HOST" "${{PLACE[@]}}" "${{RUN[@]}}" \
+  "$MPIEXEC" -n 1 --hosts "$SERVER_HOST" "${{PLACE[@]}}" "${{RUN[@]}}" \
     : -n "$((NRANKS - 1))" --hosts "$CLIENT_HOSTS" "${{PLACE[@]}}" "${{RUN[@]}}"
+else
+  "$MPIEXEC" -n "$NRANKS" "${{HOSTS[@]}}" "${{PLACE[@]}}" "${{RUN[@]}}"
 fi
-exec "$MPIEXEC" -n "$NRANKS" "${{HOSTS[@]}}" "${{PLACE[@]}}" "${{RUN[@]}}"
+STATUS=$?
+set -e
+# A launcher can report 0 after a rank left through C's _exit and it killed the others: the run directory
+# decides. `mpifl status` says how far the run got and which ranks did not finish; 0 only when complete.
+if [[ "$STATUS" == 0 && -f "$RUN_DIR/config.yaml" ]]; then
+  mpifl status "$RUN_DIR" || STATUS=$?
+fi
+exit "$STATUS"
 """
 
 

@@ -199,9 +199,11 @@ class TimeoutsConfig:
     model_delivered: float | None = field_(None, "seconds a rank may take up none of the global model sent to it "
                                               "(default: 60 + its in-flight chunks at 10 MB/s)", min=0.0,
                                               exclusive_min=True)
-    first_update: float | None = field_(None, "seconds a rank may take to send a logical client's update header, "
-                                           "that is, to train it (default: 1800 until a round has been timed, then "
-                                           "60 + 10 x the slowest client's training so far)", min=0.0,
+    first_update: float | None = field_(None, "seconds a training rank may stay silent (its model's forward passes "
+                                           "report progress) before sending a logical client's update header "
+                                           "(default: until a round has been timed, 10 x the slowest first report "
+                                           "of the other ranks, at least 30, or 300 while none has reported; "
+                                           "then 60 + 10 x the slowest client's training so far)", min=0.0,
                                            exclusive_min=True)
     update_complete: float | None = field_(None, "seconds a rank may send no chunk while its update is in flight "
                                               "(default: as model_delivered)", min=0.0, exclusive_min=True)

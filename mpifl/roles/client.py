@@ -27,7 +27,7 @@ from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
-from mpifl.wire.transport import pass_on, recv_object, relay_chunks, send_chunks, send_object
+from mpifl.wire.transport import ProgressReporter, pass_on, recv_object, relay_chunks, send_chunks, send_object
 
 
 @runtime_checkable
@@ -78,6 +78,7 @@ class ClientParts:
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
+    note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
 
 
 def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
@@ -110,18 +111,28 @@ class ClientRank:
         self.first_element = element_offsets(parts.plan.chunks)
         self.compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) \
             if parts.plan.codec is not None else None
+        self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
+        self.progress.attach(self.work.module)
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
+        self._serve_until_stop()
+        self.progress.close()
+
+    def _serve_until_stop(self) -> None:
+        """The round loop: each header says train, hold, publish residuals, or stop."""
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.RoundHeader):
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a RoundHeader belongs")
             if header.stop:
+                self.parts.note("finished")
                 return
             if header.persist is not None:
                 self.persist(header)
                 continue
+            self.parts.note("round", header.round)
+            self.progress.start_round(header.round)
             self.clip, self.cohort = header.clip, header.cohort
             if header.hold:
                 self.serve_step(header)

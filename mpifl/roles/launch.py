@@ -51,6 +51,57 @@ def agree(comm, fn: Callable[[], T]) -> T:
     return result
 
 
+STARTUP_FLOOR_SECONDS = 30.0  # never less, however fast the other ranks were
+STARTUP_FACTOR = 10.0  # a rank may take this many times the slowest rank that has reported
+STARTUP_FALLBACK_SECONDS = 300.0  # before any rank has reported: minutes, not half an hour ...
+STARTUP_BYTES_PER_SECOND = 200e6  # ... plus the time to initialise the model at a slow 200 MB/s (a 70B model: 12 min)
+
+
+def startup_limit(took: list[float], model_bytes: int) -> float:
+    """Seconds rank 0 waits for a rank to finish a start-up stage: 10x the slowest rank that finished it (at
+    least 30 s), or, while none has, 300 s plus the model's bytes at 200 MB/s."""
+    if took:
+        return max(STARTUP_FLOOR_SECONDS, STARTUP_FACTOR * max(took))
+    return STARTUP_FALLBACK_SECONDS + model_bytes / STARTUP_BYTES_PER_SECOND
+
+
+def gather_within(comm, value: object, stage: str, elapsed: float, model_bytes: int, *, tag: int,
+                  comparable: bool = True) -> list | None:
+    """Every rank's ``value`` on rank 0 (None elsewhere), like ``comm.gather``, but rank 0 waits for a rank only
+    as long as :func:`startup_limit` allows, counted from the start of the stage: a rank stuck in it (a model
+    plug-in that never returns, say) ends the job in one line naming the rank, the stage and the seconds,
+    instead of hanging it. ``elapsed``: the seconds this rank's stage took; rank 0's counts as a measure only
+    when ``comparable`` (it did the same work)."""
+    from mpi4py import MPI
+
+    from mpifl.wire.transport import Backoff
+
+    if comm.Get_rank() != 0:
+        comm.send((value, elapsed), dest=0, tag=tag)
+        return None
+    values, took = {0: value}, ([elapsed] if comparable else [])
+    pending, backoff, start = set(range(1, comm.Get_size())), Backoff(), time.monotonic() - elapsed
+    status = MPI.Status()
+    while pending:
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+            rank = status.Get_source()
+            values[rank], seconds = comm.recv(source=rank, tag=tag)
+            took.append(seconds)
+            pending.discard(rank)
+        limit = startup_limit(took, model_bytes)
+        if pending and time.monotonic() - start > limit:
+            stuck = sorted(pending)
+            raise JobFailure(f"start-up: rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} did not "
+                             f"finish '{stage}' within {limit:.0f} s ("
+                             + (f"{STARTUP_FACTOR:g}x the slowest of the ranks that did, {max(took):.1f} s"
+                                if took else "no rank finished it, so the default for this model's size")
+                             + "); a rank stuck in user code (a model or dataset plug-in)? Its host and pid are in "
+                             "ranks.txt")
+        if pending:
+            backoff.pause()
+    return [values[r] for r in range(comm.Get_size())]
+
+
 def env_local_rank() -> int | None:
     """The current process's rank within its node, as the launcher tells it."""
     for var in ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +34,14 @@ from mpifl.planning.federation import Placement, placement_for
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.launch import SetupError, StopRequest, agree
+from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
 from mpifl.roles.records import log_final
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.residuals import RANK_FILE, ResidualStore, load_snapshot, open_residuals
-from mpifl.storage.rundir import ResumePoint
+from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.units import MIB
 from mpifl.wire import protocol
@@ -106,13 +107,21 @@ def _largest_id(rows: torch.Tensor | HeldRows) -> int:
     return max((int(t.max()) for t in rows.held.values() if t.numel()), default=-1)
 
 
-def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None) -> None:
-    """Compare every client's model with the server's (and share any local problem); all ranks fail together."""
-    server_spec = comm.bcast(spec if comm.Get_rank() == 0 else None, root=0)
-    if problem is None and spec.hash != server_spec.hash:
-        problem = (f"rank {comm.Get_rank()}'s model differs from the server's: {spec.first_difference(server_spec)} "
-                   f"(client spec hash != server {server_spec.hash})")
-    first = next((p for p in comm.allgather(problem) if p), None)
+def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None, built_seconds: float = 0.0,
+                  comparable: bool = True) -> None:
+    """Compare every client's model with the server's (and share any local problem); all ranks fail together.
+
+    Rank 0 gathers the specs point to point, waiting for a rank only as long as the others took to build
+    (``gather_within``): a rank stuck building its model ends the job, named, instead of hanging it."""
+    gathered = gather_within(comm, (spec, problem), "model build", built_seconds, spec.total_bytes,
+                             tag=protocol.STARTUP, comparable=comparable)
+    first = None
+    for rank, (theirs, local) in enumerate(gathered or []):
+        if local is None and theirs.hash != spec.hash:
+            local = (f"rank {rank}'s model differs from the server's: {theirs.first_difference(spec)} "
+                     f"(client spec hash != server {spec.hash})")
+        first = first or local
+    first = comm.bcast(first, root=0)
     if first:
         raise SetupError(first)
 
@@ -128,21 +137,36 @@ class RunOutcome:
 
 def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None = None
              ) -> RunOutcome | None:
-    """Run one rank's part of the experiment; rank 0 returns the outcome, the other ranks None."""
+    """Run one rank's part of the experiment; rank 0 returns the outcome, the other ranks None. Every rank notes
+    in the run directory what it is doing (``ranks/``), and a failure with its reason, for ``mpifl status``."""
+    notes = RankNotes(run_dir, comm.Get_rank())
+    notes("started", resume.round if resume is not None else 0)
+    try:
+        return _run_rank(comm, cfg, run_dir, resume, notes)
+    except BaseException as err:
+        notes("failed", reason=f"{type(err).__name__}: {err}"[:2000])
+        raise
+
+
+def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None,
+              notes: RankNotes) -> RunOutcome | None:
     stop = StopRequest().install()
     torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
     record_ranks(comm, run_dir)
     dataset = _shared_dataset(comm, cfg.data) if needs_dataset(cfg) else None
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
-    if comm.Get_rank() == 0 and cfg.server.state == "disk":  # the out-of-core server never allocates the model
+    building = time.monotonic()
+    out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
+    if out_of_core:  # the out-of-core server never allocates the model
         spec, flat = model_spec(cfg.model, cfg.seed, **shape)[0], None
     else:
         flat = build_flat_model(cfg.model, cfg.seed, read_init=False, **shape)
         spec = flat.spec
+    built = time.monotonic() - building
     problem = None
     if dataset is not None and flat is not None and cfg.model.name == "transformers":  # it reads token ids
         problem = vocabulary_problem(flat, dataset)
-    agree_on_spec(comm, spec, problem)
+    agree_on_spec(comm, spec, problem, built, comparable=not out_of_core)
     plan = ExchangeLayout.build(spec, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                 cfg.clients.groups > 0)
     if cfg.model.init_from:  # rank 0 checks it is this model's; then every rank reads it
@@ -158,9 +182,10 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePo
         del dataset  # a client rank keeps only its own clients' samples
         residuals = _residuals(cfg, plan, comm.Get_rank(), sorted(local), run_dir, resume)
         assert flat is not None  # only rank 0's out-of-core server builds no model
-        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, residuals=residuals)
+        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, residuals=residuals,
+                         note=notes)
         return None
-    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop)
+    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes)
 
 
 def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
@@ -192,7 +217,8 @@ def _residuals(cfg: Config, plan: ExchangeLayout, rank: int, hosted: list[int], 
 
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
-                     upload_initial: bool, residuals: ResidualStore | None = None) -> None:
+                     upload_initial: bool, residuals: ResidualStore | None = None,
+                     note: RankNotes | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
             f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
@@ -208,14 +234,14 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
-        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals)
+        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
+        note=note or RankNotes(None, comm.Get_rank()))
     ClientRank(comm, flat, local, parts).run()
 
 
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
                      dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
-                     resumed: Checkpoint | None,
-                     stop: StopRequest) -> RunOutcome:
+                     resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes) -> RunOutcome:
     strategy = _strategy(cfg)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     if flat is None and run_dir is None:
@@ -255,7 +281,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     except (ValueError, OSError) as err:
         raise JobFailure(f"cannot plan the virtual-time schedule: {err}") from None
     asynchronous = cfg.clock.asynchronous
-    deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight)
+    chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
+    deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
     feedback = cfg.compression.method == "topk" and cfg.compression.error_feedback
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
                                 sampler.needed_versions if asynchronous and directory else None,
@@ -274,7 +301,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
                         evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
                         privacy=privacy,
-                        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None)
+                        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes)
     try:
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
@@ -284,7 +311,9 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         checkpointer.link_final_model(run_dir)
     log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
     reached = history[-1]["round"] if history else 0
-    return RunOutcome(history, interrupted=stop.requested and reached < cfg.rounds)
+    interrupted = stop.requested and reached < cfg.rounds
+    notes("interrupted" if interrupted else "finished", reached)
+    return RunOutcome(history, interrupted=interrupted)
 
 
 def _evaluator(cfg: Config) -> Evaluator:

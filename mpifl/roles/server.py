@@ -29,7 +29,7 @@ from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.transport import broadcast_tree, send_chunks, send_windows, wait_all
+from mpifl.wire.transport import ProgressInbox, broadcast_tree, send_chunks, send_windows, wait_all
 from mpifl.wire.watchdog import RankStalled, RunDeadlines, Watchdog
 
 
@@ -60,6 +60,7 @@ class ServerParts:
     evaluation: Evaluation
     sink: JsonLines
     deadlines: RunDeadlines  # shared with whatever else waits on ranks (the residual publisher)
+    note: Callable[..., None] = lambda state, round_=None, **detail: None  # rank 0's notes in the run directory
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
 
@@ -76,6 +77,7 @@ class Server:
         self.pool = ReceivePool(PoolShape.of(parts.plan, rows))
         self.history: list[dict] = []
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
+        self.inbox = ProgressInbox(comm)  # the training ranks' progress reports, for the watchdogs
 
     def run(self, start_round: int = 0, history: Sequence[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
@@ -94,6 +96,7 @@ class Server:
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
         try:
             for round_ in range(start_round + 1, self.rounds + 1):
+                self.parts.note("round", round_)
                 record, stopping = self.round(round_)
                 self.parts.sink.write(record)
                 bar.update(1)
@@ -106,6 +109,7 @@ class Server:
         finally:
             bar.close()
         self._send_headers(None, self.rounds + 1)
+        self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize
         return self.history
 
     def round(self, round_: int) -> tuple[dict, bool]:
@@ -114,7 +118,7 @@ class Server:
         plan = parts.sampler.plan(round_)
         self._send_headers(plan)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
-                            lambda: self.stop.requested)
+                            lambda: self.stop.requested, heard=self.inbox)
         self._dispatch(plan, watchdog)
         dispatched = time.perf_counter()
         stats = self._reduce(plan, watchdog)
@@ -204,7 +208,8 @@ class Server:
             with Checkpoint(path) as version:
                 version.read_range(self.parts.plan.spec, 0, model)
             self._send_headers(plan)
-            watchdog = Watchdog(self.parts.deadlines.current(), plan.round, plan.train, lambda: self.stop.requested)
+            watchdog = Watchdog(self.parts.deadlines.current(), plan.round, plan.train, lambda: self.stop.requested,
+                                heard=self.inbox)
             send_chunks(self.comm, self._model_dests(plan), protocol.MODEL, self.parts.plan.chunk_slices(model),
                         self.parts.plan.inflight, watchdog)
             log(f"resume: retrained logical clients {clients} from version "

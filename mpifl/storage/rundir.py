@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,7 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
                                 "choose another --run-dir, or add --resume to continue it")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(dump_config(cfg))
+    shutil.rmtree(path / RANK_NOTES, ignore_errors=True)  # an earlier job's notes (perhaps of other ranks)
     return path, point
 
 
@@ -181,3 +183,74 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
     tmp = metrics.with_name(metrics.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, metrics)
+
+
+RANK_NOTES = "ranks"  # <run dir>/ranks/rank<rank>.json: each rank's last word, for a post-mortem
+RANK_NOTE = "rank{rank:05d}.json"
+
+
+def note_rank(run_dir: Path | None, rank: int, state: str, round_: int, **detail: object) -> None:
+    """Record what ``rank`` is doing (``started``, ``round``, ``finished``, ``failed``, ...) with the time, by
+    atomic rename: if the launcher kills the job, the run directory still says which rank went quiet, when,
+    and in which round (``mpifl status``)."""
+    if run_dir is None:
+        return
+    folder = run_dir / RANK_NOTES
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RANK_NOTE.format(rank=rank)
+    note = {"rank": rank, "state": state, "round": round_, "time": time.time(), **detail}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(note))
+    os.replace(tmp, path)
+
+
+class RankNotes:
+    """One rank's notes (:func:`note_rank`), remembering the round, so a failure is noted where it happened."""
+
+    def __init__(self, run_dir: Path | None, rank: int):
+        self.run_dir, self.rank, self.last_round = run_dir, rank, 0
+
+    def __call__(self, state: str, round_: int | None = None, **detail: object) -> None:
+        """Note ``state`` in ``round_`` (default: the last round noted)."""
+        self.last_round = self.last_round if round_ is None else round_
+        note_rank(self.run_dir, self.rank, state, self.last_round, **detail)
+
+
+def read_rank_notes(run_dir: Path) -> dict[int, dict]:
+    """Every rank's last word, by rank (ranks that never wrote one are absent)."""
+    notes = {}
+    for path in sorted((run_dir / RANK_NOTES).glob("rank*.json")):
+        try:
+            note = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        notes[int(note["rank"])] = note
+    return notes
+
+
+def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
+    """Whether the run in ``run_dir`` is complete, and lines that say how far it got and which ranks did not
+    finish, with when each was last heard of: what a job's epilogue prints after a launcher killed it."""
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    rounds = int((config or {}).get("rounds", 0))
+    records = read_metrics(run_dir / METRICS) or []
+    reached = records[-1]["round"] if records else 0
+    newest = list_checkpoints(run_dir / CHECKPOINTS)
+    lines = [f"{run_dir}: {reached} of {rounds} rounds recorded"
+             + (f"; newest checkpoint {newest[-1].name}" if newest else "; no checkpoint")]
+    notes = read_rank_notes(run_dir)
+    server = notes.get(0, {})
+    complete = reached == rounds and server.get("state", "finished") == "finished"  # runs before notes: rounds
+    if complete:
+        return True, [*lines, "complete"]
+    for rank, note in sorted(notes.items()):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note["time"]))
+        reason = f": {note['reason']}" if note.get("reason") else ""
+        lines.append(f"  rank {rank}: last heard of at {when}, state '{note['state']}' in round {note['round']}"
+                     f"{reason}")
+    unfinished = [r for r, n in sorted(notes.items()) if n["state"] != "finished"]
+    lines.append("not complete: " + (f"ranks {unfinished} did not finish (the first to go quiet is the likely "
+                                     "culprit; its host and pid are in ranks.txt)" if unfinished else
+                                     "every rank finished, but not every round is on disk")
+                 + "; continue with --resume")
+    return False, lines

@@ -1,8 +1,10 @@
 """The wire protocol, on one screen.
 
-Start-up (collective, once):
-    bcast   spec entries from rank 0; each client compares with its own model and
-            refuses, naming the first differing tensor.
+Start-up (once):
+    c -> 0  STARTUP  (pickled, small) each client rank's model spec, any local problem and the
+                     seconds its build took; rank 0 waits for a rank only as long as the build
+                     took the others (mpifl.roles.launch.gather_within), names any model that
+                     differs from its own, then bcasts the verdict.
     1 -> 0  INIT    out-of-core server, fresh start only: rank 1 streams its freshly
                     built model (chunk order), which the server writes as round 0.
 Every round r:
@@ -31,6 +33,9 @@ ascending rank order. Each receives the running partial sum from the rank before
 (REDUCE_META: a GroupMeta of every member so far; REDUCE: fp32 chunks), adds its own rank's
 sum chunk by chunk, and passes it on; the last one sends it to rank 0 as META + UPDATE, one
 stream for the whole round.
+While a client rank trains:
+    c -> 0  PROGRESS  (pickled, tiny) the round, at most once a second, sent from a forward pass
+                      of the rank's model: a rank stuck in user code cannot send it.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 """
@@ -48,6 +53,8 @@ INIT = 15
 RESIDUALS = 16
 REDUCE_META = 17
 REDUCE = 18
+STARTUP = 19
+PROGRESS = 20
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
 
+from mpifl.wire import protocol
 from mpifl.wire.watchdog import MODEL_DELIVERED, Watchdog
+
+if TYPE_CHECKING:
+    import torch
 
 SPIN_SECONDS = 50e-6
 SLEEP_SECONDS = 200e-6
@@ -162,4 +167,53 @@ def broadcast_tree(ranks: Sequence[int], fanout: int) -> dict[int, tuple[int | N
     return {rank: (ranks[(i - 1) // fanout] if i else None, tuple(ranks[i * fanout + 1:(i + 1) * fanout + 1]))
             for i, rank in enumerate(ranks)}
 
+
+class ProgressInbox:
+    """Rank 0's side of the training ranks' progress reports (``protocol.PROGRESS``): each call receives what
+    has arrived, without waiting, and says from which ranks (a watchdog's ``heard``)."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm, self.status = comm, MPI.Status()
+
+    def __call__(self) -> list[int]:
+        """The ranks whose reports arrived since the last call (one entry per report)."""
+        ranks = []
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.PROGRESS, status=self.status):
+            rank = self.status.Get_source()
+            self.comm.recv(source=rank, tag=protocol.PROGRESS)
+            ranks.append(rank)
+        return ranks
+
+
+class ProgressReporter:
+    """A training rank's side: a forward pre-hook on its model that tells rank 0 the round goes on, at most every
+    ``every`` seconds (and at a round's first forward pass). It reports from inside the model's own forward
+    passes, so a rank stuck in user code (a hung data loader, a trainer that sleeps) falls silent."""
+
+    def __init__(self, comm: MPI.Comm, every: float = 1.0):
+        self.comm, self.every = comm, every
+        self.round, self.next_at = 0, 0.0
+        self.sent: list[MPI.Request] = []
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Report from ``module``'s forward passes."""
+        module.register_forward_pre_hook(lambda _module, _inputs: self.tick())
+
+    def start_round(self, round_: int) -> None:
+        """A new round (or step): its first forward pass reports at once."""
+        self.round, self.next_at = round_, 0.0
+
+    def tick(self) -> None:
+        """One forward pass: report when due (a tiny eager message; finished sends are reaped here)."""
+        now = time.monotonic()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.every
+        self.sent = [r for r in self.sent if not r.Test()]
+        self.sent.append(self.comm.isend(self.round, dest=protocol.SERVER, tag=protocol.PROGRESS))
+
+    def close(self) -> None:
+        """Complete every report (before MPI finalizes)."""
+        MPI.Request.Waitall(self.sent)
+        self.sent = []
 

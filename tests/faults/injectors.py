@@ -2,8 +2,9 @@
 
 The environment picks the fault, so one config serves every test:
 
-- ``FAULT``: ``hang``, ``exit0`` (``sys.exit(0)``), ``os_exit`` (``os._exit(3)``), ``interrupt``
-  (``KeyboardInterrupt``) or ``raise``;
+- ``FAULT``: ``hang``, ``exit0`` (``sys.exit(0)``), ``os_exit`` (``os._exit(3)``), ``c_exit0`` (C's
+  ``_exit(0)``), ``interrupt`` (``KeyboardInterrupt``) or ``raise``; ``stalling_mlp`` also reads
+  ``hang_build`` and ``hang_forward``;
 - ``FAULT_RANK`` (default 2): the rank that misbehaves;
 - ``FAULT_CALL`` (default 1): on its N-th logical client's training;
 - ``FAULT_STAGE``: ``train`` (default: inside training, before the update header), ``send`` (after
@@ -34,6 +35,10 @@ def misbehave(fault: str) -> None:
         sys.exit(0)
     if fault == "os_exit":
         os._exit(3)
+    if fault == "c_exit0":  # C's _exit(0): no Python cleanup, no atexit, nothing mpifl can intercept
+        import ctypes
+
+        ctypes.CDLL(None)._exit(0)
     if fault == "interrupt":
         raise KeyboardInterrupt
     raise RuntimeError("deliberate fault")
@@ -86,3 +91,32 @@ def file_size_limited_mlp() -> nn.Module:
     if limit and MPI.COMM_WORLD.Get_rank() == 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     return tiny_mlp()
+
+
+class _StallingForward(nn.Module):
+    """Wraps a model; with FAULT=hang_forward, its forward pass on FAULT_RANK never returns (a stuck first step)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from mpi4py import MPI
+
+        if os.environ.get("FAULT") == "hang_forward" and MPI.COMM_WORLD.Get_rank() == int(
+                os.environ.get("FAULT_RANK", "2")):
+            misbehave("hang")
+        return self.inner(x)
+
+
+def stalling_mlp(input_shape, num_classes: int) -> nn.Module:
+    """A plug-in model for start-up and first-step hangs: FAULT=hang_build hangs its construction on FAULT_RANK,
+    FAULT=hang_forward its first forward pass there (see ``misbehave``)."""
+    import math
+
+    from mpi4py import MPI
+
+    if os.environ.get("FAULT") == "hang_build" and MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FAULT_RANK", "2")):
+        misbehave("hang")
+    inner = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 16), nn.ReLU(), nn.Linear(16, num_classes))
+    return _StallingForward(inner)

@@ -31,7 +31,7 @@ LARGE_CHUNKS = TRAINING.replace("data: {dataset: synthetic, kwargs: {num_samples
 def run_with_fault(tmp_path, text: str, **fault: str):
     cfg = write_config(tmp_path / "c.yaml", text)
     start = time.monotonic()
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=90,
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=120,
                      env={k.upper(): str(v) for k, v in fault.items()})
     return result, time.monotonic() - start
 
@@ -106,3 +106,35 @@ def test_sigterm_during_a_stuck_round_saves_the_last_round_and_exits_promptly(tm
     assert resumed.returncode == 0, resumed.stderr
     assert same_model(run_dir / "model.h5", tmp_path / "reference" / "model.h5")
     assert rounds_logged(run_dir) == [1, 2, 3]
+
+
+# The defaults: no timeouts set, the built-in trainer; a plug-in model that hangs where the environment says.
+DEFAULTS = """
+seed: 1
+rounds: 3
+clients: {num_clients: 4}
+data: {dataset: synthetic, kwargs: {num_samples: 400}}
+model: {name: "faults.injectors:stalling_mlp"}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+@pytest.mark.parametrize("fault,stage", [("hang_build", "did not finish 'model build'"),
+                                         ("hang_forward", "at stage 'first update'")],
+                         ids=["in-model-construction", "in-the-first-training-step"])
+def test_a_rank_stuck_before_any_round_is_timed_ends_the_default_job_naming_it(tmp_path, fault, stage):
+    result, seconds = run_with_fault(tmp_path, DEFAULTS, fault=fault)
+    assert result.returncode != 0
+    assert "rank 2" in result.stderr and stage in result.stderr, result.stderr[-3000:]
+    assert seconds < 75  # the deadline derives from the other rank (at least 30 s), not the old 30 minutes
+
+
+def test_a_rank_that_leaves_through_c_exit0_is_named_by_the_run_directory(tmp_path):
+    text = TRAINING.replace("rounds: 3", "rounds: 6").replace(f"first_update: {DEADLINE}", "first_update: 20")
+    result, _ = run_with_fault(tmp_path, text, fault="c_exit0", fault_call=2)
+    # MPICH kills the other ranks at once and reports 0 or 9, a race mpifl cannot win from inside the job (the job
+    # scripts check `mpifl status` afterwards: test_pbs_resume); the run directory must say what happened
+    status = run_mpi(1, "status", str(tmp_path / "run"))  # the post-mortem a job's epilogue prints
+    assert status.returncode == 1 and "not complete" in status.stdout, status.stdout + status.stderr
+    assert "rank 2: last heard of at" in status.stdout and "in round 1" in status.stdout, status.stdout

@@ -2,6 +2,7 @@
 succeeds: the final model equals the uninterrupted run's, bitwise. ``pytest -m sweep`` runs 20 seeded kills."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -43,10 +44,10 @@ def job(tmp_path_factory):
     return script, base / "reference" / "model.h5"
 
 
-def submit(script: Path, workdir: Path, kill_after: float | None) -> tuple[int | None, str]:
+def submit(script: Path, workdir: Path, kill_after: float | None, **extra: str) -> tuple[int | None, str]:
     """Run the job script as PBS would; SIGKILL the whole job after ``kill_after`` seconds (None: let it end)."""
     env = dict(os.environ, PBS_NODEFILE=str(script.parent / "nodefile"), PBS_O_WORKDIR=str(workdir),
-               MPIEXEC=mpiexec(), FL_HELPERS_SLEEP="0.2",
+               MPIEXEC=mpiexec(), FL_HELPERS_SLEEP="0.2", **extra,
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -90,3 +91,18 @@ def test_seeded_whole_job_kills_resubmitted_with_resume_auto_end_bitwise_equal(t
     assert same_model(run_dir / "model.h5", reference), f"seed {seed}: kills after {kills}"
     assert rounds_logged(run_dir) == list(range(1, 7))
     assert time.monotonic() - start < 300
+
+
+@pytest.mark.parametrize("attempt", range(3))  # MPICH's exit status after the kill is a race: try it repeatedly
+def test_a_job_whose_rank_left_through_c_exit0_never_ends_with_status_0(tmp_path, attempt):
+    cfg = write_config(tmp_path / "sweep.yaml", CONFIG.replace("fl_helpers:NoiseTrainer", "faults.injectors:Injected"))
+    script = tmp_path / "sweep.pbs"
+    made = subprocess.run([sys.executable, "-m", "mpifl", "pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node",
+                           "3", "--gpus-per-node", "0", "-o", str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(TESTS)))
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "nodefile").write_text("localhost\n")
+    code, err = submit(script, tmp_path, None, FAULT="c_exit0", FAULT_CALL="2")
+    assert code not in (0, None), err[-3000:]  # rank 2 left in round 1 of 6: the job must not say it succeeded
+    note = json.loads((tmp_path / "runs" / "sweep" / "ranks" / "rank00002.json").read_text())
+    assert note["state"] == "round" and note["round"] == 1  # its last word: in round 1, never finished
