@@ -248,9 +248,22 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         reason = f": {note['reason']}" if note.get("reason") else ""
         lines.append(f"  rank {rank}: last heard of at {when}, state '{note['state']}' in round {note['round']}"
                      f"{reason}")
-    unfinished = [r for r, n in sorted(notes.items()) if n["state"] != "finished"]
-    lines.append("not complete: " + (f"ranks {unfinished} did not finish (the first to go quiet is the likely "
-                                     "culprit; its host and pid are in ranks.txt)" if unfinished else
-                                     "every rank finished, but not every round is on disk")
+    unfinished = {r: n for r, n in sorted(notes.items()) if n["state"] != "finished"}
+    lines.append("not complete: " + (f"ranks {sorted(unfinished)} did not finish; " + _first_quiet(unfinished)
+                                     if unfinished else "every rank finished, but not every round is on disk")
                  + "; continue with --resume")
     return False, lines
+
+
+def _first_quiet(unfinished: dict[int, dict]) -> str:
+    """Which rank went quiet first, when the notes can tell (a rank that failed says why; otherwise one rank
+    behind the others by a round, or by more than 2 s); else that they stopped together."""
+    failed = [r for r, n in unfinished.items() if n["state"] == "failed"]
+    if failed:
+        return f"rank {failed[0]} failed (reason above)"
+    earliest = min(unfinished, key=lambda r: (unfinished[r]["round"], unfinished[r]["time"]))
+    first, others = unfinished[earliest], [n for r, n in unfinished.items() if r != earliest]
+    if others and all(first["round"] < n["round"] or first["time"] < n["time"] - 2.0 for n in others):
+        return f"rank {earliest} went quiet first (its host and pid are in ranks.txt)"
+    return ("they stopped together, so the launcher ended the job: its log, or the ranks' own output, names the "
+            "first to fail")

@@ -1,0 +1,37 @@
+"""`mpifl status`: from the run directory alone, how far a run got and which rank went quiet first."""
+from __future__ import annotations
+
+import json
+
+from mpifl.storage.rundir import note_rank, post_mortem
+
+
+def run_dir_with(tmp_path, rounds_recorded: int, notes: list[tuple[int, str, int, float]]):
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("rounds: 6\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, rounds_recorded + 1)))
+    for rank, state, round_, when in notes:
+        note_rank(run, rank, state, round_)
+        path = run / "ranks" / f"rank{rank:05d}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "time": when}))
+    return run
+
+
+def test_a_complete_run_says_so_and_nothing_else(tmp_path):
+    run = run_dir_with(tmp_path, 6, [(0, "finished", 6, 10.0), (1, "finished", 6, 10.0)])
+    assert post_mortem(run) == (True, [f"{run}: 6 of 6 rounds recorded; no checkpoint", "complete"])
+
+
+def test_a_rank_a_round_behind_the_others_is_named_as_the_first_to_go_quiet(tmp_path):
+    run = run_dir_with(tmp_path, 2, [(0, "round", 3, 50.0), (1, "round", 3, 50.0), (2, "round", 2, 49.9)])
+    complete, lines = post_mortem(run)
+    assert not complete and "rank 2 went quiet first" in lines[-1]
+    assert "  rank 2: last heard of at" in "\n".join(lines) and "in round 2" in "\n".join(lines)
+
+
+def test_a_failed_rank_is_named_and_ranks_killed_together_are_not_blamed(tmp_path):
+    failed = run_dir_with(tmp_path / "a", 1, [(0, "failed", 2, 5.0), (1, "round", 2, 5.0)])
+    assert "rank 0 failed" in post_mortem(failed)[1][-1]
+    together = run_dir_with(tmp_path / "b", 1, [(0, "round", 2, 5.0), (1, "round", 2, 5.5)])
+    assert "stopped together" in post_mortem(together)[1][-1]
