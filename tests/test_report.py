@@ -5,8 +5,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import ROOT, run_mpi
+
+from mpifl.units import MIB
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -60,3 +63,111 @@ def test_virtual_time_runs_get_accuracy_against_virtual_time_staleness_and_parti
     assert {"virtual_time.png", "staleness.png", "participation.png"} <= written
     assert all((tmp_path / "out" / n).read_bytes()[:8] == PNG for n in written)
     assert "| run | fedavg | fedbuff | 3 | 7.5 | 0.8000 | 0.8000 |" in compare_table([str(run_dir)], 0.6)
+
+
+def _records(totals_first: float = 3.0, rounds: int = 15, rss=None) -> list[dict]:
+    """A synthetic run: round 1 ``totals_first`` seconds, later rounds about 0.05 s; RSS from ``rss(round)``."""
+    out = []
+    for r in range(1, rounds + 1):
+        total = totals_first if r == 1 else 0.04 + 0.002 * (r % 5)
+        time = {"dispatch": 0.1 * total, "client_train": 0.6 * total, "return": 0.25 * total, "eval": 0.05 * total}
+        server = rss(r) if rss else 300 * MIB
+        out.append({"round": r, "train_loss": 1.0 / r, "bytes_sent": 10, "bytes_received": 10,
+                    "server_rss_bytes": server, "server_peak_rss_bytes": server, "client_peak_rss_bytes": 400 * MIB,
+                    "time": {**time, "round": total}})
+    return out
+
+
+def _png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR."""
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_time_axis_is_cut_below_a_60x_first_round_and_left_alone_otherwise():
+    from mpifl.cli.report import time_axis_limit
+
+    later = [0.04 + 0.002 * (r % 5) for r in range(2, 16)]
+    top = time_axis_limit([60 * 0.05, *later])
+    assert top == pytest.approx(1.5 * float(np.percentile(later, 90)))
+    assert max(later) < top < 0.1  # every later bar fits, and fills most of the axis
+    assert time_axis_limit([0.05, *later]) is None  # nothing to cut
+    assert time_axis_limit([3.0]) is None and time_axis_limit([0.0, 0.0]) is None
+
+
+def test_time_split_has_seconds_and_shares_panels_and_later_rounds_stay_visible(tmp_path):
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _time_split, write_report
+
+    records = _records()
+    fig = Figure()
+    _time_split(fig, fig.subplots(), records)
+    seconds, shares = fig.axes
+    top = seconds.get_ylim()[1]
+    assert top < 0.1, "round 1's 3 s set the axis: rounds 2-15 would be slivers"
+    assert min(r["time"]["round"] for r in records[1:]) / top > 0.4
+    assert [t.get_text() for t in seconds.texts] == ["round 1: 3.00 s"]  # the cut bar carries its true total
+    heights = {}
+    for bar in shares.patches:
+        heights[round(bar.get_x() + bar.get_width() / 2)] = heights.get(round(bar.get_x() + bar.get_width() / 2),
+                                                                         0.0) + bar.get_height()
+    assert sorted(heights) == list(range(1, 16)) and all(h == pytest.approx(1.0) for h in heights.values())
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["dispatch", "client_train", "return", "eval"]
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(run_dir, tmp_path / "out")
+    assert (tmp_path / "out" / "time_split.png").read_bytes()[:8] == PNG
+    width, height = _png_size(tmp_path / "out" / "time_split.png")
+    assert height > 0.9 * width  # two panels, not the one-panel 7x4 figure
+
+
+def _history(server_mib, client_mib=None) -> list[dict]:
+    """Records with the given server RSS (and largest client peak) in MiB, one per round."""
+    clients = client_mib or [400] * len(server_mib)
+    return [{"round": r, "server_rss_bytes": int(s * MIB), "client_peak_rss_bytes": int(c * MIB)}
+            for r, (s, c) in enumerate(zip(server_mib, clients), 1)]
+
+
+def test_memory_growth_warns_of_a_creeping_rank_only():
+    from mpifl.roles.records import memory_growth
+
+    assert memory_growth(_history([300] * 15)) == []
+    assert memory_growth(_history([300 + r for r in range(15)])) == []  # rises every round, but by 1 MiB
+    rng = np.random.default_rng(0)
+    assert memory_growth(_history(list(300 + rng.uniform(-30, 30, 40)))) == []  # noise
+    assert memory_growth(_history([300] * 5 + [500] * 10)) == []  # one step up, then flat
+    assert memory_growth(_history([300 + 30 * r for r in range(5)])) == []  # too few rounds to judge
+
+    creeping = memory_growth(_history([300 + 30 * r for r in range(8)]))
+    assert [(w["rank"], w["signal"], w["from_round"], w["to_round"], w["rises"]) for w in creeping] == [
+        ("server", "server_rss_bytes", 3, 8, 5)]
+    assert creeping[0]["per_round_bytes"] == 30 * MIB
+    noisy_creep = [300, 330, 380, 370, 420, 460, 500]  # rose in 4 of the last 5 rounds, +170 MiB
+    assert [w["rank"] for w in memory_growth(_history(noisy_creep))] == ["server"]
+    client = memory_growth(_history([300] * 8, [400 + 20 * r for r in range(8)]))
+    assert [(w["rank"], w["per_round_bytes"]) for w in client] == [("client", 20 * MIB)]
+    assert memory_growth([{"round": r} for r in range(1, 10)]) == []  # old records without readings
+
+
+def test_memory_growth_is_logged_once_recorded_every_round_and_noted_on_the_plot(tmp_path, capfd):
+    from mpifl.cli.report import memory_notes, write_report
+    from mpifl.roles.records import note_memory_growth
+
+    history: list[dict] = []
+    for record in _records(rss=lambda r: (300 + 40 * r) * MIB, rounds=9):
+        history.append(record)
+        note_memory_growth(history)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "memory grows" in line]
+    assert lines == ["[rank 0] warning: server memory grows round over round: the server's RSS rose in 5 of "
+                     "rounds 2-6, by 200 MiB (59%), about 40.0 MiB per round; if it keeps on, the run ends out "
+                     "of memory"]
+    assert [r["round"] for r in history if "memory_warning" in r] == [6, 7, 8, 9]
+    assert memory_notes(history) == ["warning: server memory grew 40.0 MiB per round (rounds 2-6, 59%)"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    write_report(run_dir, tmp_path / "out")
+    assert (tmp_path / "out" / "memory.png").read_bytes()[:8] == PNG

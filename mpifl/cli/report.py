@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mpifl.units import MIB
 
@@ -114,18 +117,65 @@ def _quality(fig, ax, records: list[dict]) -> None:
     fig.subplots_adjust(bottom=0.25)
 
 
+def time_axis_limit(totals: Sequence[float], factor: float = 1.5, percentile: float = 90.0) -> float | None:
+    """The seconds axis's top when one round (start-up's first, typically) would flatten the others into
+    slivers: ``factor`` times the ``percentile`` of the rounds after the first; None when nothing passes it."""
+    if len(totals) < 2:
+        return None
+    top = factor * float(np.percentile(totals[1:], percentile))
+    return top if top > 0 and max(totals) > top else None
+
+
+def time_parts(records: list[dict]) -> list[tuple[str, list[float]]]:
+    """The split's parts that any round spent time in, each with its seconds per round (in SPLIT order)."""
+    parts = [(part, [r["time"].get(part, 0.0) for r in records]) for part in SPLIT]
+    return [(part, values) for part, values in parts if any(values)]
+
+
 def _time_split(fig, ax, records: list[dict]) -> None:
-    rounds, bottom = [r["round"] for r in records], [0.0] * len(records)
-    for part in SPLIT:
-        values = [r["time"].get(part, 0.0) for r in records]
-        if any(values):
-            ax.bar(rounds, values, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("round")
-    ax.set_ylabel("seconds")
-    ax.set_title("Where each round's time goes (parts add up to the round)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
+    """Seconds per round, the axis cut above the usual round so start-up does not hide the rest; below,
+    each round's parts as shares of it, so every round's make-up is visible."""
+    from matplotlib.ticker import PercentFormatter
+
+    fig.set_size_inches(7, 6.5)
+    ax.remove()
+    seconds, shares = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    rounds, parts = [r["round"] for r in records], time_parts(records)
+    totals = [sum(column) for column in zip(*(values for _, values in parts))] or [0.0] * len(records)
+    bottom, share_bottom = [0.0] * len(records), [0.0] * len(records)
+    for i, (part, values) in enumerate(parts):
+        share = [v / t if t else 0.0 for v, t in zip(values, totals)]
+        seconds.bar(rounds, values, bottom=bottom, label=part, color=f"C{i}")
+        shares.bar(rounds, share, bottom=share_bottom, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, values)]
+        share_bottom = [b + s for b, s in zip(share_bottom, share)]
+    top = time_axis_limit(totals)
+    if top is not None:
+        seconds.set_ylim(0, top)
+        for x, total in zip(rounds, totals):
+            if total > top:
+                _mark_clipped(seconds, x, top, total, leftward=x > (rounds[0] + rounds[-1]) / 2)
+    seconds.set_ylabel("seconds" if top is None else "seconds (tall bars cut: totals on them)")
+    seconds.set_title("Where each round's time goes (parts add up to the round)")
+    shares.set_ylim(0, 1)
+    shares.yaxis.set_major_formatter(PercentFormatter(1.0))
+    shares.set_ylabel("share of the round")
+    shares.set_xlabel("round")
+    if 0 < len(rounds) <= 20:
+        shares.set_xticks(rounds)
+    fig.tight_layout(rect=(0, 0.045, 1, 1))
+    if parts:
+        fig.legend(loc="lower center", ncols=len(parts), fontsize="small")
+
+
+def _mark_clipped(ax, x: float, top: float, total: float, leftward: bool = False) -> None:
+    """A bar taller than the axis: a break near its top, and its true total written on it (towards the
+    plot's middle, so a late round's label stays inside the axes)."""
+    for y in (0.90, 0.94):
+        ax.plot([x - 0.42, x + 0.42], [top * (y - 0.015), top * (y + 0.015)], color="white", linewidth=2.5)
+    ax.annotate(f"round {x:g}: {total:.2f} s", xy=(x, top), xytext=(-6 if leftward else 6, -4),
+                textcoords="offset points", ha="right" if leftward else "left", va="top", fontsize="small",
+                bbox={"boxstyle": "round", "fc": "white", "ec": "0.6"})
 
 
 def _bytes(fig, ax, records: list[dict]) -> None:
@@ -145,11 +195,33 @@ def _memory(fig, ax, records: list[dict]) -> None:
     if any("client_peak_rss_bytes" in r for r in records):
         ax.plot(rounds, [r.get("client_peak_rss_bytes", 0) / MIB for r in records], linestyle=":",
                 label="largest client peak RSS")
+    _note_memory_warnings(ax, records)
     ax.set_xlabel("round")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.set_title("Memory")
     ax.legend()
+
+
+def memory_notes(records: list[dict]) -> list[str]:
+    """The server's memory-growth warnings, first one per rank kind, short enough to print on the plot."""
+    first: dict[str, dict] = {}
+    for r in records:
+        for w in r.get("memory_warning", ()):
+            first.setdefault(w["rank"], w)
+    return [f"warning: {kind} memory grew {w['per_round_bytes'] / MIB:.1f} MiB per round "
+            f"(rounds {w['from_round'] + 1}-{w['to_round']}, {w['growth_fraction']:.0%})" for kind, w in first.items()]
+
+
+def _note_memory_warnings(ax, records: list[dict]) -> None:
+    """Mark the rounds the server warned of memory growth, and say how fast it grew."""
+    flagged = [(r["round"], r[w["signal"]] / MIB) for r in records for w in r.get("memory_warning", ())]
+    if flagged:
+        ax.plot(*zip(*flagged), linestyle="none", marker="x", color="tab:red", label="memory-growth warning")
+    notes = memory_notes(records)
+    if notes:
+        ax.text(0.01, 0.03, "\n".join(notes), transform=ax.transAxes, ha="left", va="bottom", fontsize="small",
+                color="tab:red")
 
 
 def _virtual_time(fig, ax, records: list[dict]) -> None:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpifl.logs import log
+from mpifl.units import MIB
 
 
 @dataclass
@@ -79,3 +81,59 @@ def log_final(history: list[dict], rounds: int, where: str) -> None:
         return
     detail = f"last evaluation after round {last['round']}: " + summary(last) if last else "no evaluation"
     log(f"stopped after round {reached} of {rounds} (continue with --resume); {detail}; outputs in {where}", rank=0)
+
+
+# What each memory field can show: (rank kind, record key, how the warning names it).
+MEMORY_SIGNALS = (("server", "server_rss_bytes", "the server's RSS"),
+                  ("client", "client_peak_rss_bytes", "the largest client rank's peak RSS"))
+
+
+def memory_growth(history: Sequence[dict], window: int = 5, min_rises: int = 4, min_fraction: float = 0.10,
+                  min_bytes: int = 64 * MIB) -> list[dict]:
+    """Ranks whose memory creeps up round over round: a warning while the run still lives, not an OOM kill.
+
+    A rank warns when its reading rose in at least ``min_rises`` of the last ``window`` rounds and by more
+    than ``min_fraction`` and ``min_bytes`` over them (so from round ``window + 1`` on). The server's
+    ``server_rss_bytes`` is its RSS now: it falls when memory is freed, so a steady rise is memory kept.
+    The clients report only a peak (``client_peak_rss_bytes``, the largest among the round's participants):
+    a peak never falls, so it cannot show memory being freed, and growth stays hidden under an earlier
+    spike until it passes it; a peak that sets a new high in most rounds still means a client rank holds
+    more each round, so it is the secondary signal. Records without a reading (or 0: nobody trained)
+    in the window are not judged.
+    """
+    recent = list(history[-window - 1:])
+    if window < 1 or len(recent) <= window:
+        return []
+    found = []
+    for kind, key, _ in MEMORY_SIGNALS:
+        values = [r.get(key) or 0 for r in recent]
+        if not all(values):
+            continue
+        rises = sum(later > earlier for earlier, later in zip(values, values[1:]))
+        growth = values[-1] - values[0]
+        if rises >= min_rises and growth > min_bytes and growth > min_fraction * values[0]:
+            found.append({"rank": kind, "signal": key, "from_round": recent[0]["round"],
+                          "to_round": recent[-1]["round"], "rises": rises, "growth_bytes": growth,
+                          "growth_fraction": growth / values[0], "per_round_bytes": growth // window})
+    return found
+
+
+def memory_warning_line(warning: dict) -> str:
+    """One warning from ``memory_growth`` as the log line a user reads before the OOM kill."""
+    what = next(name for kind, _, name in MEMORY_SIGNALS if kind == warning["rank"])
+    return (f"warning: {warning['rank']} memory grows round over round: {what} rose in {warning['rises']} of "
+            f"rounds {warning['from_round'] + 1}-{warning['to_round']}, by {warning['growth_bytes'] / MIB:.0f} MiB "
+            f"({warning['growth_fraction']:.0%}), about {warning['per_round_bytes'] / MIB:.1f} MiB per round; "
+            f"if it keeps on, the run ends out of memory")
+
+
+def note_memory_growth(history: list[dict]) -> None:
+    """Put any memory creep on the latest record, and log it once per rank kind rather than every round."""
+    found = memory_growth(history)
+    if not found:
+        return
+    history[-1]["memory_warning"] = found
+    warned = {w["rank"] for record in history[:-1] for w in record.get("memory_warning", ())}
+    for warning in found:
+        if warning["rank"] not in warned:
+            log(memory_warning_line(warning), rank=0)

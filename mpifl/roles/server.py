@@ -22,7 +22,7 @@ from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layou
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.launch import StopRequest
-from mpifl.roles.records import RoundTimes, federated_evaluation, secagg_record, summary
+from mpifl.roles.records import RoundTimes, federated_evaluation, note_memory_growth, secagg_record, summary
 from mpifl.storage.checkpointer import Checkpointer
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
@@ -133,6 +133,7 @@ class Server:
         if parts.secagg:
             record["secagg"] = secagg_record(stats.metas)
         self.history.append(record)
+        note_memory_growth(self.history)
         parts.deadlines.observe(record["client_train_seconds"])
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
         stopping = self._budget_ends_after(round_, record) or stopping
