@@ -46,12 +46,15 @@ class DataConfig:
     """The dataset and how it is split across logical clients."""
 
     dataset: str = field_("digits", "built-in dataset ('digits', 'synthetic', 'text': token blocks for causal-LM "
-                           "training, see mpifl.learning.text, 'leaf': LEAF JSON files under data.kwargs.path, or "
+                           "training, see mpifl.learning.text, 'leaf': LEAF JSON files under data.kwargs.path, "
                            "'table': a Parquet, npz or saved Hugging Face table with a client-id column, see "
-                           "mpifl.learning.tables) or an import path returning (x_train, y_train, x_test, y_test[, "
-                           "per-client train indices]); with partition: natural, 'leaf' and 'table' ranks read only "
-                           "the clients they host",
-                           choices=("digits", "synthetic", "text", "leaf", "table"), import_ok=True)
+                           "mpifl.learning.tables, 'idx': MNIST-layout IDX files, plain or gzipped, in the folder "
+                           "data.kwargs.path, or 'fashion_mnist': the same from /usr/share/datasets/fashion-mnist, "
+                           "where apt-get install dataset-fashion-mnist puts it) or an import path returning "
+                           "(x_train, y_train, x_test, y_test[, per-client train indices]); with partition: natural, "
+                           "'leaf' and 'table' ranks read only the clients they host",
+                           choices=("digits", "synthetic", "text", "leaf", "table", "idx", "fashion_mnist"),
+                           import_ok=True)
     kwargs: dict = field_(dict, "keyword arguments for the dataset function")
     partition: str = field_("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
                             "per client), unbalanced (lognormal sizes, iid labels), natural (the data's own clients, "

@@ -3,7 +3,8 @@
 A dataset function returns ``(x_train, y_train, x_test, y_test[, clients])`` (tensors or
 arrays). Built in: ``digits`` (UCI optical handwritten digits, 1797 8x8 images, shipped with
 mpifl), ``synthetic`` (Gaussian class clusters), ``text`` (token blocks for causal-LM
-training, :mod:`mpifl.learning.text`), and two datasets stored by client, ``leaf`` and
+training, :mod:`mpifl.learning.text`), ``idx`` and ``fashion_mnist`` (MNIST-layout IDX files
+from a local folder, :mod:`mpifl.learning.idx`), and two datasets stored by client, ``leaf`` and
 ``table``, which ranks can read client by client (:mod:`mpifl.learning.sources`). How samples
 are split across clients is :mod:`mpifl.learning.partitions`.
 """
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from mpifl.config import Config, DataConfig
+from mpifl.learning.idx import FASHION_MNIST, fashion_mnist, folder_problem, idx
 from mpifl.learning.leaf import LeafSource, leaf
 from mpifl.learning.sources import ClientIndex, ClientSource, HeldRows
 from mpifl.learning.tables import TableSource, table
@@ -99,7 +101,7 @@ def synthetic(num_samples: int = 4000, num_features: int = 32, num_classes: int 
 
 
 BUILTIN: dict[str, Callable[..., Any]] = {"digits": digits, "synthetic": synthetic, "text": text, "leaf": leaf,
-                                          "table": table}
+                                          "table": table, "idx": idx, "fashion_mnist": fashion_mnist}
 SOURCES = {"leaf": LeafSource, "table": TableSource}  # datasets stored by client: read client by client
 
 
@@ -145,7 +147,10 @@ def dataset_problem(cfg: DataConfig) -> str | None:
             import pyarrow  # noqa: F401
         except ImportError:
             return "data.dataset 'table' reads Parquet and Arrow files with pyarrow: pip install 'mpifl[tables]'"
-    return kwargs_problem(BUILTIN.get(cfg.dataset) or resolve(cfg.dataset), cfg.kwargs, "data.kwargs")
+    problem = kwargs_problem(BUILTIN.get(cfg.dataset) or resolve(cfg.dataset), cfg.kwargs, "data.kwargs")
+    if problem is None and cfg.dataset in ("idx", "fashion_mnist"):  # missing files show before MPI starts
+        return folder_problem(cfg.dataset, str(cfg.kwargs.get("path", FASHION_MNIST)))
+    return problem
 
 
 def load_dataset(cfg: DataConfig) -> Dataset:
