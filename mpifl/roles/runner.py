@@ -84,8 +84,11 @@ def record_ranks(comm: MPI.Comm, run_dir: Path | None) -> None:
     table = "".join(f"{rank} {host} {pid}\n" for rank, (host, pid) in enumerate(where))
     if run_dir is not None:
         (run_dir / "ranks.txt").write_text("rank host pid\n" + table)
-    if len(where) <= 16:
-        log("ranks (host:pid): " + ", ".join(f"{r} {h}:{p}" for r, (h, p) in enumerate(where)), rank=0)
+    if len(where) <= 16:  # in MPICH's own words (BAD TERMINATION ... PID p RUNNING AT host), to search the log
+        log("ranks: " + "; ".join(f"rank {r} PID {p} RUNNING AT {h}" for r, (h, p) in enumerate(where)), rank=0)
+    else:
+        log(f"ranks: {len(where)}, each rank's PID and host in {run_dir / 'ranks.txt' if run_dir else 'ranks.txt'}",
+            rank=0)
 
 
 def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
