@@ -1,4 +1,4 @@
-"""The ``mpifl`` command: run, validate, inspect, export, report, profile-report, pbs, bench."""
+"""The ``mpifl`` command: run, validate, inspect, export, report, profile-report, pbs, slurm, bench."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +9,13 @@ from pathlib import Path
 from mpifl.cli import commands
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.plan import add_parser as add_plan_parser
+from mpifl.cli.slurm import add_parser as add_slurm_parser
 from mpifl.config import ConfigError
 from mpifl.errors import CheckpointError
 from mpifl.logs import env_rank, log
 
 # Commands whose trailing key=value words are config overrides.
-TAKES_OVERRIDES = ("run", "validate", "pbs", "plan", "partition")
+TAKES_OVERRIDES = ("run", "validate", "pbs", "slurm", "plan", "partition")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,8 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--flamegraph", action="store_true", help="also write memray flamegraph HTML per rank")
     prof.set_defaults(func=commands.profile_report)
     add_pbs_parser(sub)
+    add_slurm_parser(sub)
     add_plan_parser(sub)
     sub.choices["pbs"].set_defaults(func=commands.pbs)
+    sub.choices["slurm"].set_defaults(func=commands.slurm)
     sub.choices["plan"].set_defaults(func=commands.plan)
     bench = _command(sub, "bench", "benchmarks (under mpiexec)")
     kinds = bench.add_subparsers(dest="kind", required=True)

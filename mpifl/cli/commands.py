@@ -179,6 +179,13 @@ def pbs(args: argparse.Namespace) -> int:
     return pbs_main(args)
 
 
+def slurm(args: argparse.Namespace) -> int:
+    """``mpifl slurm``: a Slurm batch script."""
+    from mpifl.cli.slurm import main as slurm_main
+
+    return slurm_main(args)
+
+
 def bench_exchange(args: argparse.Namespace) -> int:
     """``mpifl bench exchange``: mpifl against the raw-MPI floor and the pickle path."""
     from mpifl.cli.bench import exchange_main

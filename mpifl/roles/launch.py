@@ -102,10 +102,15 @@ def gather_within(comm, value: object, stage: str, elapsed: float, model_bytes: 
     return [values[r] for r in range(comm.Get_size())]
 
 
+# Where launchers put a rank's node-local rank, first found wins. SLURM_LOCALID comes last: srun sets it per task,
+# but under an mpiexec inside an allocation every rank inherits the batch step's (or its node proxy's) value.
+LOCAL_RANK_VARS = ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
+                   "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
 def env_local_rank() -> int | None:
     """The current process's rank within its node, as the launcher tells it."""
-    for var in ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
-                "MV2_COMM_WORLD_LOCAL_RANK"):
+    for var in LOCAL_RANK_VARS:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return None

@@ -1,0 +1,86 @@
+"""What ``mpifl pbs`` and ``mpifl slurm`` share: their common options, the rank and node count with the
+memory check (``estimate`` and ``node_warning`` of ``mpifl.cli.plan``), writing the script, and the
+final check of the run directory that decides the job's exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpifl.cli.plan import client_ranks, estimate, node_warning
+from mpifl.config import Config, load_config
+from mpifl.planning.memory import MemoryEstimate
+
+# After the launcher exits 0, the run directory decides the job's exit status (both schedulers' scripts).
+FINAL_CHECK = """\
+# A launcher can report 0 after a rank left through C's _exit and it killed the others: the run directory
+# decides. `mpifl status` says how far the run got and which ranks did not finish; 0 only when complete.
+if [[ "$STATUS" == 0 && -f "$RUN_DIR/config.yaml" ]]; then
+  mpifl status "$RUN_DIR" || STATUS=$?
+fi
+exit "$STATUS"
+"""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A config's job: its ranks, nodes and memory plan, and the command that generated the script."""
+
+    cfg: Config
+    nranks: int
+    nodes: int
+    plan: MemoryEstimate
+    command: str
+
+    @property
+    def memory_note(self) -> str:
+        """The memory plan in one line, for the script's header."""
+        return self.plan.describe()
+
+
+def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) -> Job:
+    """Load the config, count ranks (1 server + client ranks) and nodes, and print the memory warning, if any."""
+    cfg = load_config(args.config, args.overrides)
+    nranks = client_ranks(cfg, args) + 1
+    nodes = args.nodes or (1 if server_alone else 0) + math.ceil(
+        (nranks - (1 if server_alone else 0)) / args.ranks_per_node)
+    _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone)
+    warning = node_warning(cfg, plan, args.node_memory_gb, server_alone)
+    if warning:
+        print(warning)
+    command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)
+    return Job(cfg, nranks, nodes, plan, command)
+
+
+def write_script(job: Job, output: str | None, suffix: str, script: str) -> Path:
+    """Write an executable job script (default ``<name><suffix>``) and say what it asks for."""
+    out = Path(output or f"{job.cfg.name}{suffix}")
+    out.write_text(script)
+    out.chmod(0o755)
+    print(f"wrote {out}: {job.nranks} ranks on {job.nodes} node(s); {job.memory_note}")
+    return out
+
+
+def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
+    """The config, its overrides, the script path, and the rank and node counts."""
+    p.add_argument("config", help="experiment YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=50")
+    p.add_argument("--output", "-o", help=f"script path (default: <name>{suffix})")
+    p.add_argument("--nodes", type=int, help="nodes to ask for (default: from the rank count)")
+    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
+
+
+def add_gpu_argument(p: argparse.ArgumentParser) -> None:
+    """--gpus-per-node."""
+    p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node: each rank sees one, from its "
+                   "node-local rank (0: CPU only)")
+
+
+def add_node_arguments(p: argparse.ArgumentParser, venv_help: str) -> None:
+    """The memory per node for the check, and the venv to activate."""
+    p.add_argument("--node-memory-gb", type=float, default=512.0, help="memory per node (GiB) for the check")
+    p.add_argument("--venv", help=venv_help)
