@@ -31,3 +31,12 @@ def test_an_unknown_setting_names_what_mpifl_passes_the_model():
     problem = model_problem(ModelConfig(name=f"{__name__}:sized", kwargs={"hidden": 4}), has_data=True)
     assert problem is not None and "unknown key 'model.kwargs.hidden'" in problem
     assert "besides what mpifl passes it: input_shape, num_classes" in problem
+
+
+def test_plan_sizes_a_plug_in_model_that_takes_the_data_shape():
+    from mpifl.cli.plan import model_bytes
+    from mpifl.config import load_config
+
+    cfg = load_config(None, [f"model.name={__name__}:sized", "data.dataset=synthetic",
+                             "data.kwargs={num_samples: 100, num_features: 16, num_classes: 10}"])
+    assert model_bytes(cfg).parameters == 16 * 10 + 10  # one Linear(16, 10), sized from the data

@@ -17,22 +17,25 @@ from mpifl.wire.layout import ExchangeLayout
 
 
 def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
-    """The configured model's exchanged and frozen specs, from a meta-device build (nothing allocated)."""
-    from mpifl.learning.datasets import load_dataset, needs_dataset
-    from mpifl.learning.models import model_spec
+    """The configured model's exchanged and frozen specs, from a meta-device build (nothing allocated); sized
+    from the data when the model takes its shape (built-ins, and plug-ins that name input_shape/num_classes)."""
+    from mpifl.learning.datasets import data_shape, needs_dataset
+    from mpifl.learning.models import model_spec, supplied
 
-    shape = {}
-    if cfg.model.name in ("mlp", "cnn") and needs_dataset(cfg):
-        data = load_dataset(cfg.data)
-        shape = dict(input_shape=data.input_shape, num_classes=data.num_classes)
+    sized = cfg.model.name != "transformers" and bool(set(supplied(cfg.model, True)) & {"input_shape", "num_classes"})
+    shape = data_shape(cfg.data) if sized and needs_dataset(cfg) else {}
     return model_spec(cfg.model, cfg.seed, **shape)
+
+
+def size_of(exchanged: ModelSpec, frozen: ModelSpec) -> ModelBytes:
+    """Exchanged and frozen bytes, and the element count of both."""
+    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:
     """Exchanged and frozen bytes of the configured model, from a meta-device build."""
-    exchanged, frozen = model_specs(cfg)
-    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
-    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
+    return size_of(*model_specs(cfg))
 
 
 def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) -> tuple[ModelBytes, MemoryEstimate]:
@@ -40,8 +43,7 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) 
     from mpifl.aggregation.strategies import make_strategy
 
     exchanged, frozen = model_specs(cfg)
-    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
-    size = ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
+    size = size_of(exchanged, frozen)
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
