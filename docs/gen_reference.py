@@ -95,7 +95,7 @@ def _allowed_or_type(meta: typing.Mapping, hint: object) -> str:
     """The field's rules, or what its type alone allows."""
     text = _allowed(meta)
     if text:
-        return text
+        return f"a list of {text}" if hint is list else text
     base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     return {bool: "`true`, `false`", dict: "a mapping", list: "a list of strings", str: "a string",
             int: "an integer", float: "a number"}.get(base[0], "any")

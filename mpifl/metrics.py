@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 
 def peak_rss_bytes() -> int:
@@ -34,20 +35,38 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
-class JsonLines:
-    """Appends one JSON object per line and flushes it, so a crash loses no finished round."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self._file: IO[str] | None = open(path, "a") if path else None
+class RecordSink(Protocol):
+    """Where each round's record goes besides metrics.jsonl (the experiment trackers: ``mpifl.trackers``)."""
 
     def write(self, record: dict) -> None:
-        """Append ``record`` as one line and flush it (nothing without a path)."""
+        """Take one round's record."""
+
+    def close(self) -> None:
+        """No more records."""
+
+
+class JsonLines:
+    """Appends one JSON object per line and flushes it, so a crash loses no finished round; then hands the
+    same record to each of ``also`` (the experiment trackers)."""
+
+    def __init__(self, path: Path | None, also: Sequence[RecordSink] = ()):
+        self.path = path
+        self._file: IO[str] | None = open(path, "a") if path else None
+        self.also = list(also)
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` as one line and flush it (nothing without a path), then give it to ``also``."""
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for sink in self.also:
+            sink.write(record)
 
     def close(self) -> None:
-        """Close the file, if one was opened."""
-        if self._file:
-            self._file.close()
+        """Close the file, if one was opened, and then ``also``."""
+        try:
+            if self._file:
+                self._file.close()
+        finally:
+            for sink in self.also:
+                sink.close()

@@ -138,3 +138,30 @@ class FrozenWatchTrainer:
         with open(path, "a") as f:
             f.write(f"{before} {frozen_digest(model)}\n")
         return result
+
+
+class Straggling(NoiseTrainer):
+    """NoiseTrainer that takes FL_HELPERS_CLIENT_SECONDS per logical client, and 10 times as long on rank
+    FL_HELPERS_SLOW_RANK for its FL_HELPERS_SLOW_CALLS-th trainings (comma-separated, counted from 1). It runs a
+    forward pass every 0.1 s meanwhile, so the rank keeps reporting progress: slow, not silent."""
+
+    calls = 0
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        import os
+        import time
+
+        from mpi4py import MPI
+
+        Straggling.calls += 1
+        slow = MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FL_HELPERS_SLOW_RANK", "-1")) and \
+            str(Straggling.calls) in os.environ.get("FL_HELPERS_SLOW_CALLS", "").split(",")
+        until = time.monotonic() + float(os.environ.get("FL_HELPERS_CLIENT_SECONDS", "0")) * (10 if slow else 1)
+        training = model.training
+        model.eval()  # the forward passes report progress and change nothing (BatchNorm's statistics included)
+        with torch.no_grad():
+            while time.monotonic() < until:
+                model(torch.zeros(2, 64))
+                time.sleep(0.1)
+        model.train(training)
+        return super().train(model, data, seed)

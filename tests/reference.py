@@ -100,9 +100,10 @@ def server_step(name: str, delta: np.ndarray, state: dict, cfg) -> np.ndarray:
     return f(lr) * m / (np.sqrt(state["v"]) + f(cfg.tau))
 
 
-def reference_run(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, np.ndarray]:
-    """Train every sampled client (but those in ``drop``), combine whole models, apply the server rule;
-    final tensors as fp32."""
+def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
+                  dropped_in: dict[int, set[int]] | None = None) -> dict[str, np.ndarray]:
+    """Train every sampled client (but those in ``drop``, and in round r those in ``dropped_in[r]``), combine
+    whole models, apply the server rule; final tensors as fp32."""
     dataset = load_dataset(cfg.data)
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
@@ -116,7 +117,7 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, 
         old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
         sent = []
         for c in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
-            if c in drop:
+            if c in drop or c in (dropped_in or {}).get(rnd, ()):
                 continue
             flat.buffer.copy_(start)
             result = trainer.train(flat.module, client_data(dataset, parts[c]), client_seed(cfg.seed, rnd, c))

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mpifl"
 # Lowest floor first. A top-level module (units.py, ...) is its own unit; a subpackage is one unit.
 FLOORS: list[tuple[str, ...]] = [
     ("units", "errors"),
-    ("logs", "plugins", "metrics"),
+    ("logs", "plugins", "metrics", "trackers"),
     ("config",),
     ("wire",),
     ("planning",),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_mpi, write_config
+from conftest import ROOT, run_mpi, write_config
 
 from mpifl.cli.plan import estimate
 from mpifl.config import load_config
@@ -32,3 +32,24 @@ def test_the_planned_receive_pool_is_what_the_server_allocates(tmp_path, overrid
     _, planned = estimate(load_config(config, list(overrides)), nranks=3, ranks_per_node=3, server_alone=False)
     # the pool grows to the fullest round and stays: the plan is that round (a sample may fill fewer ranks)
     assert max(allocated) == planned.server_pool_bytes and allocated == sorted(allocated)
+
+
+CALIBRATION_TOLERANCE = 0.15
+
+
+def test_the_quick_starts_planned_memory_per_rank_is_within_15_percent_of_a_measured_run(tmp_path):
+    """What ``mpifl plan configs/quickstart.yaml`` prints per rank, against the peak RSS each rank reports in a real
+    run of it under the README's ``mpiexec -n 3`` (3 of its 15 rounds: the peak is reached in round 1)."""
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    run_dir = tmp_path / "run"
+    done = run_mpi(3, "run", str(quickstart), "rounds=3", "output.progress=false", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = {"server": max(r["server_peak_rss_bytes"] for r in records),
+                "client": max(r["client_peak_rss_bytes"] for r in records)}
+    _, plan = estimate(load_config(quickstart, ["rounds=3"]), nranks=3, ranks_per_node=4, server_alone=False)
+    planned = {"server": plan.server_bytes, "client": plan.client_bytes}
+    for role in ("server", "client"):
+        error = abs(planned[role] - measured[role]) / measured[role]
+        assert error <= CALIBRATION_TOLERANCE, (f"{role}: planned {planned[role] / 2**30:.3f} GiB, measured "
+                                                f"{measured[role] / 2**30:.3f} GiB ({error:.0%} off)")

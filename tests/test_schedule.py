@@ -53,6 +53,22 @@ def test_a_late_first_participant_holds_back_folding_of_chunk_0():
     assert schedule.done
 
 
+def test_a_dropped_rank_loses_only_its_headerless_participants_and_the_others_fold_without_them():
+    schedule = FoldSchedule({1: [1, 4], 2: [2, 5]}, num_chunks=2, window=2)
+    schedule.meta_landed(1, usable=True)  # rank 1 sent client 1's header, then fell behind training client 4
+    for slot in range(2):
+        schedule.chunk_landed(schedule.chunk_ticket(1, slot))
+    assert schedule.headerless(1) == [4]
+    assert schedule.drop(1) == [4]
+    assert schedule.meta_ticket(1) is None and schedule.chunk_ticket(1, slot=9) is None  # nothing more awaited
+    steps = schedule.steps() + land_all(schedule, rank=2)
+    assert sorted(folds(steps)) == [(0, 1, 0), (0, 2, 1), (0, 4, None), (0, 5, 2),
+                                    (1, 1, 0), (1, 2, 1), (1, 4, None), (1, 5, 2)]
+    assert [s.slot for s in steps if isinstance(s, Fold) and s.client == 4] == [None, None]  # never received
+    assert [s for s in steps if isinstance(s, Finish)] == [Finish(0, 3), Finish(1, 3)]
+    assert schedule.done
+
+
 def test_a_chunk_waits_for_its_participants_header():
     schedule = FoldSchedule({1: [3]}, num_chunks=1, window=1)
     schedule.chunk_landed(schedule.chunk_ticket(1, slot=4))

@@ -10,11 +10,15 @@ network reads directly (``PoolLayout.held_stacks``), beside the receives on work
 otherwise each accumulator is a participants x chunk stack.
 A participant whose header carries an error (``clients.accept_failures``) is skipped in every
 chunk; ``clients.min_participants`` is checked before the first finished chunk is written, so
-an aborted round leaves the global model untouched.
+an aborted round leaves the global model untouched. Under ``accept_failures`` a rank still training
+past its deadline (``Dropping``: silent, or slower than the straggler rule allows) has the rest of
+its round dropped: its receives are cancelled, its headerless participants are skipped, and what it
+still sends is handed to the late-stream drain (wire.late).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -24,15 +28,16 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
+from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, MetaTicket, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, Chunk, element_offsets
+from mpifl.wire.late import OwedStream
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, host_tensor
 from mpifl.wire.transport import Backoff
-from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, Watchdog
+from mpifl.wire.watchdog import CHECK_EVERY_SECONDS, FIRST_UPDATE, UPDATE_COMPLETE, RankStalled, StragglerRule, Watchdog
 
 
 class GlobalState(Protocol):
@@ -80,6 +85,18 @@ class ReductionRound:
     unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None  # secure aggregation: ring sum to floats
 
 
+@dataclass(frozen=True)
+class Dropping:
+    """``clients.accept_failures``: a rank past its deadline while training loses the rest of its round."""
+
+    rule: StragglerRule
+    # time.monotonic() when a rank began this round's training (None: it is still finishing a round it was dropped
+    # from, so its clock has not started)
+    started: Callable[[int], float | None]
+    members: Callable[[int, int], tuple[int, ...]]  # (rank, stream) -> the logical clients in that stream
+    owe: Callable[[OwedStream], None]  # what a dropped rank will still send goes to the drain
+
+
 class ReceivePool:
     """Preallocated, pre-touched receive slots and accumulators, reused every round.
 
@@ -113,7 +130,7 @@ class StreamedReduction:
 
     def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangeLayout, strategy: Strategy,
                  pool: ReceivePool, task: ReductionRound, *, min_participants: int = 1,
-                 watchdog: Watchdog | None = None):
+                 watchdog: Watchdog | None = None, dropping: Dropping | None = None):
         by_rank, plan, order, noise, unmask = task.by_rank, task.layout, task.order, task.noise, task.unmask
         self.comm, self.state, self.strategy = comm, state, strategy
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
@@ -148,6 +165,11 @@ class StreamedReduction:
         self.free_requests: list[int] = []  # indices of completed requests, reused before the list grows
         self.acc_of: dict[int, torch.Tensor] = {}
         self.stats = ReductionStats()
+        self.dropping, self.began = dropping, time.monotonic()
+        self.trained: dict[int, float] = {}  # rank -> seconds from taking up the model to its last header
+        self.next_straggler_check = self.began
+        self.meta_tag = protocol.round_tag(protocol.META, task.round)
+        self.update_tag = protocol.round_tag(protocol.UPDATE, task.round)
 
     def run(self) -> ReductionStats:
         """Post receives, fold chunks in order as they land, finish every chunk."""
@@ -174,8 +196,9 @@ class StreamedReduction:
             if done is None:
                 raise RuntimeError(f"reduction stalled with chunks {self.schedule.low}.. unfinished and nothing posted")
             if not done:
-                if self.watchdog is not None:
-                    self.watchdog.check(self.waiting)
+                if self._check_deadlines():
+                    self._perform()
+                    continue
                 backoff.pause()
                 continue
             backoff.reset()
@@ -200,7 +223,7 @@ class StreamedReduction:
     def _post_meta(self, rank: int) -> None:
         ticket = self.schedule.meta_ticket(rank)
         if ticket is not None:
-            self._add_request(self.comm.irecv(source=rank, tag=protocol.META), ticket)
+            self._add_request(self.comm.irecv(source=rank, tag=self.meta_tag), ticket)
 
     def _post_chunk(self, rank: int, slot: int) -> None:
         ticket = self.schedule.chunk_ticket(rank, slot)
@@ -208,7 +231,7 @@ class StreamedReduction:
             self.free_slots.append(slot)
             return
         buf = self.pool.slots[slot][: self.wire[ticket.chunk].nbytes]
-        self._add_request(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=protocol.UPDATE), ticket)
+        self._add_request(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=self.update_tag), ticket)
 
     def waiting(self) -> dict[int, tuple[str, str | None]]:
         """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
@@ -250,7 +273,78 @@ class StreamedReduction:
         if isinstance(meta, protocol.GroupMeta):
             self.stats.groups[stream] = meta
         self.schedule.meta_landed(stream, usable)
+        if not self.schedule.headerless(ticket.rank):
+            self.trained[ticket.rank] = time.monotonic() - (self._started(ticket.rank) or self.began)
         self._post_meta(ticket.rank)
+
+    def _started(self, rank: int) -> float | None:
+        return self.dropping.started(rank) if self.dropping is not None else self.began
+
+    def _check_deadlines(self) -> bool:
+        """While nothing lands: a rank silent past its deadline ends the job, unless (accept_failures) it is still
+        training and can be dropped, as can a straggler. Whether a rank was dropped (folds may be possible)."""
+        dropped = False
+        if self.dropping is not None and time.monotonic() >= self.next_straggler_check:
+            self.next_straggler_check = time.monotonic() + CHECK_EVERY_SECONDS
+            limit = self.dropping.rule.limit(list(self.trained.values()), len(self.by_rank))
+            for rank, (stage, _) in sorted(self.waiting().items()):
+                started = self._started(rank)
+                took = 0.0 if started is None else time.monotonic() - started
+                if limit is not None and stage == FIRST_UPDATE and took > limit:
+                    dropped |= self._drop(rank, f"rank {rank} was still training after {took:.1f} s, past the "
+                                                f"straggler deadline of {limit:g} s ({self.dropping.rule.describe()})")
+        if self.watchdog is None:
+            return dropped
+        try:
+            self.watchdog.check(self.waiting)
+        except RankStalled as stalled:
+            if self.dropping is None or stalled.interrupted or not self._drop(stalled.rank, str(stalled)):
+                raise
+            dropped = True
+        return dropped
+
+    def _drop(self, rank: int, why: str) -> bool:
+        """Drop the rest of ``rank``'s round: only while it trains (nothing of those participants is folded), and
+        only if clients.min_participants can still be met. Whether it was dropped."""
+        assert self.dropping is not None  # _check_deadlines drops only with a Dropping
+        stage = self.waiting().get(rank)
+        streams = self.schedule.headerless(rank)
+        if stage is None or stage[0] != FIRST_UPDATE or not streams:
+            return False
+        members = {s: self.dropping.members(rank, s) for s in streams}
+        everyone = sum(len(self.dropping.members(r, s)) for r, ss in self.by_rank.items() for s in ss)
+        failed = sum(1 for m in self.stats.metas.values() if m.error is not None)
+        if everyone - failed - sum(map(len, members.values())) < self.min_participants:
+            return False
+        raced_metas, raced_chunks = self._cancel_receives(rank)
+        self.schedule.drop(rank)
+        why = f"{why}; dropped from round {self.round}, it rejoins at the next round it is in time for"
+        for stream, clients in members.items():
+            metas = tuple(protocol.UpdateMeta(c, 0, 0.0, {}, why) for c in clients)
+            self.stats.metas.update((m.client, m) for m in metas)
+            if self.grouped:
+                self.stats.groups[stream] = protocol.GroupMeta(stream, metas)
+        sizes = [self.wire[j].nbytes for _ in streams for j in range(len(self.chunks))]
+        self.dropping.owe(OwedStream(rank, self.round, tuple(sorted(c for cs in members.values() for c in cs)),
+                                     len(streams) - raced_metas, deque(sizes[raced_chunks:])))
+        return True
+
+    def _cancel_receives(self, rank: int) -> tuple[int, int]:
+        """Cancel every receive posted for ``rank``; (headers, chunks) that landed before the cancel could take."""
+        raced_metas = raced_chunks = 0
+        for i, (request, ticket) in enumerate(zip(self.requests, self.tickets)):
+            if ticket.rank != rank or request == MPI.REQUEST_NULL:
+                continue
+            request.Cancel()
+            status = MPI.Status()
+            request.Wait(status)
+            if not status.Is_cancelled():
+                raced_metas += isinstance(ticket, MetaTicket)
+                raced_chunks += isinstance(ticket, ChunkTicket)
+            self.requests[i] = MPI.REQUEST_NULL
+            self.free_requests.append(i)
+        self.posted[rank] = 0
+        return raced_metas, raced_chunks
 
     def _perform(self) -> None:
         """Fold and finish what the schedule allows now; a folded chunk's slot takes its rank's next chunk."""
@@ -261,7 +355,7 @@ class StreamedReduction:
             else:
                 self._finish(step)
             self.stats.aggregate_seconds += time.perf_counter() - start
-            if isinstance(step, Fold) and not self._holds(step):
+            if isinstance(step, Fold) and step.slot is not None and not self._holds(step):
                 self._post_chunk(step.rank, step.slot)
 
     def _holds(self, step: Fold) -> bool:
@@ -270,7 +364,8 @@ class StreamedReduction:
 
     def _fold(self, step: Fold) -> None:
         if step.row is None:
-            return  # a failed participant: its chunk was received only to keep the stream in step
+            return  # a failed participant: its chunk was received only to keep the stream in step (or never)
+        assert step.slot is not None  # only a dropped participant's chunks have no slot, and they have no row
         if self.held is not None:
             self._hold(step)
             return
@@ -295,6 +390,7 @@ class StreamedReduction:
         assert self.held is not None  # _fold holds chunks only with held stacks
         rows = self.held.setdefault(step.chunk, [])
         assert len(rows) == step.row, "rows are taken in the fold order"
+        assert step.slot is not None  # a held row was received
         rows.append((step.rank, step.slot))
 
     def _decoded(self) -> torch.Tensor:

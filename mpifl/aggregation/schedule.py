@@ -15,7 +15,9 @@ only after every chunk of its first: the window must then span the whole model. 
 each rank sends in the fold order, so the earliest participant with chunks outstanding can always fold.
 
 A participant whose header carries an error keeps its place in the order: its chunks are still
-received and "folded" (skipped, ``row`` None), so the participants after it can go on.
+received and "folded" (skipped, ``row`` None), so the participants after it can go on. A participant
+dropped before its header arrived (``drop``: its rank is past its deadline) is skipped the same way,
+without its chunks: nothing of it has been folded, since a participant folds only once its header is in.
 """
 from __future__ import annotations
 
@@ -33,10 +35,11 @@ class MetaTicket:
 
 @dataclass(frozen=True)
 class ChunkTicket:
-    """A posted receive into ``slot`` for chunk ``chunk`` of ``client``'s update, sent by ``rank``."""
+    """A posted receive into ``slot`` for chunk ``chunk`` of ``client``'s update, sent by ``rank`` (slot None:
+    the participant was dropped and the chunk will not come)."""
 
     rank: int
-    slot: int
+    slot: int | None
     client: int
     chunk: int
 
@@ -45,14 +48,14 @@ class ChunkTicket:
 class Fold:
     """Fold ``client``'s chunk ``chunk`` from ``slot`` as included participant ``row`` (None: failed, skip it).
 
-    Afterwards the slot is free for ``rank``'s next receive.
+    Afterwards the slot is free for ``rank``'s next receive (None: a dropped participant's, never received).
     """
 
     chunk: int
     client: int
     position: int
     rank: int
-    slot: int
+    slot: int | None
     row: int | None
 
 
@@ -119,6 +122,24 @@ class FoldSchedule:
         self._posted[rank] += 1
         client, chunk = stream[index]
         return ChunkTicket(rank, slot, client, chunk)
+
+    def headerless(self, rank: int) -> list[int]:
+        """``rank``'s streams whose header has not arrived, in fold order (headers arrive in that order)."""
+        clients = sorted({c for c, _ in self._streams[rank]}, key=self.position.__getitem__)
+        return clients[len(clients) - self._headers_owed[rank]:]
+
+    def drop(self, rank: int) -> list[int]:
+        """Give up on ``rank``'s streams whose header has not arrived: each is skipped in every chunk as a failed
+        participant is, without waiting for its chunks. Returns them; the caller cancels its receives."""
+        dropped = self.headerless(rank)
+        for client in dropped:
+            self.meta_landed(client, usable=False)
+            position = self.position[client]
+            for j in range(self.num_chunks):
+                self._waiting[(j, position)] = ChunkTicket(rank, None, client, j)
+                self._candidates.append((j, position))
+        self._posted[rank] = len(self._streams[rank])
+        return dropped
 
     def meta_landed(self, client: int, usable: bool) -> None:
         """``client``'s header arrived; ``usable`` is False when it reports an error."""

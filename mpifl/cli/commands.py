@@ -8,6 +8,7 @@ from mpifl.config import Config, ConfigError, config_warnings, load_config
 from mpifl.logs import env_rank, log
 from mpifl.plugins import is_import_path
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
+from mpifl.trackers import tracker_problem
 
 INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
@@ -55,8 +56,9 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
 
 
 def check_plugins(cfg: Config) -> list[str]:
-    """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys, and the
-    strategy's capabilities against the run modes (a plug-in's are known only once it is imported).
+    """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys, the
+    strategy's capabilities against the run modes (a plug-in's are known only once it is imported), and that
+    the library of each of output.trackers is installed.
 
     Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
     """
@@ -69,6 +71,7 @@ def check_plugins(cfg: Config) -> list[str]:
         transformers_config(cfg.model)
     has_data = needs_dataset(cfg)
     problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None)
+    problem = problem or tracker_problem(cfg.output.trackers)
     if problem:
         raise ConfigError(problem)
     checked_strategy(cfg)

@@ -120,6 +120,13 @@ def _check_rules(key: str, value: Any, rules: typing.Mapping) -> None:
     if "max" in rules and value > rules["max"]:
         raise ConfigError(f"{key}: must be <= {rules['max']}, got {value!r}")
     choices = rules.get("choices")
+    if choices and isinstance(value, list):  # a list of choices (output.trackers): each one allowed, once
+        for item in value:
+            if item not in choices:
+                raise ConfigError(f"{key}: {item!r} is not allowed; choose from {', '.join(map(repr, choices))}")
+            if value.count(item) > 1:
+                raise ConfigError(f"{key}: {item!r} is listed twice")
+        return
     if choices and value not in choices:
         if rules.get("import_ok") and is_import_path(value):
             try:

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mpifl.config.schema import field_
+from mpifl.trackers import TRACKERS
 from mpifl.units import MIB
 
 # The clock modes whose server steps apply updates trained on older model versions: every step's model is
@@ -24,7 +25,9 @@ class ClientsConfig:
     per_round: int | None = field_(None, "clients sampled per round (overrides fraction)", min=1)
     fraction: float = field_(1.0, "fraction of clients sampled per round", min=0.0, max=1.0, exclusive_min=True)
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
-                                    "with client, rank and reason) instead of aborting the job")
+                                    "with client, rank and reason) instead of aborting the job; so are the rest "
+                                    "of a round's clients on a rank still training past its deadline "
+                                    "(timeouts.first_update, timeouts.straggler)")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
     placement: str = field_("round_robin", "which rank hosts which client: round_robin (client, or its group, mod "
                             "the client ranks) or balanced (by samples x epochs, heaviest first, deterministic; "
@@ -212,6 +215,10 @@ class TimeoutsConfig:
                                               "(default: as model_delivered)", min=0.0, exclusive_min=True)
     sigterm_grace: float = field_(5.0, "after SIGTERM, seconds a round may wait on a silent rank before the server "
                                   "saves what it can and ends the job", min=0.0)
+    straggler: float | None = field_(None, "with clients.accept_failures: seconds a rank may train (from taking up "
+                                        "the model) before the rest of its round is dropped; it rejoins at the next "
+                                        "round (default: once half the ranks have finished, 3 x the slowest of them, "
+                                        "at least 60)", min=0.0, exclusive_min=True)
 
 
 @dataclass
@@ -363,6 +370,10 @@ class OutputConfig:
     dir: str | None = field_(None, "run directory (default runs/<config name>-<time>)")
     save_model: bool = field_(True, "write the final global model to <run dir>/model.h5")
     progress: bool = field_(True, "progress bar on rank 0")
+    trackers: list = field_(list, "experiment trackers rank 0 also logs each round to, in the run directory and "
+                            "offline: tensorboard (<run dir>/tensorboard), mlflow (a file store, <run dir>/mlruns), "
+                            "wandb (an offline run, <run dir>/wandb); each needs its extra, e.g. pip install "
+                            "'mpifl[wandb]'", choices=TRACKERS)
 
 
 @dataclass

@@ -131,6 +131,12 @@ class Sampler:
         participants = self.participants(round_)
         return RoundAssignment(round_, tuple(participants), self.by_rank(participants), self.streams(participants))
 
+    def stream_members(self, plan: RoundAssignment, rank: int, stream: int) -> tuple[int, ...]:
+        """The logical clients whose updates ``rank``'s stream ``stream`` carries in ``plan``: the participant
+        itself, or (clients.groups) the group's members the rank trains."""
+        groups = self.clients.groups
+        return tuple(c for c in plan.train.get(rank, ()) if group_of(c, groups) == stream) if groups else (stream,)
+
     def needed_versions(self, round_: int) -> set[int]:
         """Model versions a resume after ``round_`` needs besides its own (asynchronous FL only)."""
         return set()

@@ -149,13 +149,14 @@ class ClientRank:
     def serve_round(self, header: protocol.RoundHeader) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
         inflight = self.parts.plan.inflight
+        meta_tag, update_tag = (protocol.round_tag(kind, header.round) for kind in (protocol.META, protocol.UPDATE))
         keep = self._receive_global(header)
         if self.group_sum is None:
             for i, client in enumerate(header.clients):
                 meta, buffers = self._train(header.round, client, keep, first=i == 0)
                 assert buffers is not None  # only a group's sum keeps updates on the device
-                send_object(self.comm, meta, protocol.SERVER, protocol.META)
-                send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, inflight)
+                send_object(self.comm, meta, protocol.SERVER, meta_tag)
+                send_chunks(self.comm, [protocol.SERVER], update_tag, buffers, inflight)
             return
         if header.reduce_stream is not None:
             self._serve_chain(header, keep)
@@ -164,8 +165,8 @@ class ClientRank:
         for group, members in group_members(header.clients, self.parts.groups):
             metas = self._sum_clients(header.round, members, keep, first=trained == 0)
             trained += len(members)
-            send_object(self.comm, protocol.GroupMeta(group, metas), protocol.SERVER, protocol.META)
-            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, self._group_wire(header.round, group), inflight)
+            send_object(self.comm, protocol.GroupMeta(group, metas), protocol.SERVER, meta_tag)
+            send_chunks(self.comm, [protocol.SERVER], update_tag, self._group_wire(header.round, group), inflight)
 
     def _sum_clients(self, round_: int, clients: list[int], keep: torch.Tensor | None,
                      first: bool) -> tuple[protocol.UpdateMeta, ...]:
@@ -203,12 +204,14 @@ class ClientRank:
         metas = self._sum_clients(header.round, list(header.clients), keep, first=True)
         own, inflight = self.group_sum.to_host(), self.parts.plan.inflight
         last = header.reduce_to == protocol.SERVER
-        meta_tag, tag = (protocol.META, protocol.UPDATE) if last else (protocol.REDUCE_META, protocol.REDUCE)
+        meta_kind, kind = (protocol.META, protocol.UPDATE) if last else (protocol.REDUCE_META, protocol.REDUCE)
+        meta_tag, tag = protocol.round_tag(meta_kind, header.round), protocol.round_tag(kind, header.round)
+        reduce_meta, reduce = (protocol.round_tag(k, header.round) for k in (protocol.REDUCE_META, protocol.REDUCE))
         if header.reduce_from is None:
             send_object(self.comm, protocol.GroupMeta(header.reduce_stream, metas), header.reduce_to, meta_tag)
             send_chunks(self.comm, [header.reduce_to], tag, own, inflight)
             return
-        before = recv_object(self.comm, header.reduce_from, protocol.REDUCE_META)
+        before = recv_object(self.comm, header.reduce_from, reduce_meta)
         if not isinstance(before, protocol.GroupMeta):
             raise RuntimeError(f"rank {self.rank}: rank {header.reduce_from} sent {before!r} where the chain's "
                                "GroupMeta belongs")
@@ -224,7 +227,7 @@ class ClientRank:
 
         if self.chain_slots is None:
             self.chain_slots = [host_bytes(max(len(b) for b in own)) for _ in range(inflight)]
-        pass_on(self.comm, header.reduce_from, header.reduce_to, (protocol.REDUCE, tag), self.chain_slots,
+        pass_on(self.comm, header.reduce_from, header.reduce_to, (reduce, tag), self.chain_slots,
                 [len(b) for b in own], combine)
 
     def serve_step(self, header: protocol.RoundHeader) -> None:
@@ -243,14 +246,15 @@ class ClientRank:
                 raise RuntimeError(f"rank {self.rank}: the server asked for logical client {client}'s update, "
                                    f"which this rank does not hold (it holds {sorted(self.held)})")
             meta, buffers = self.held.pop(client)
-            send_object(self.comm, meta, protocol.SERVER, protocol.META)
-            send_chunks(self.comm, [protocol.SERVER], protocol.UPDATE, buffers, self.parts.plan.inflight)
+            send_object(self.comm, meta, protocol.SERVER, protocol.round_tag(protocol.META, header.round))
+            send_chunks(self.comm, [protocol.SERVER], protocol.round_tag(protocol.UPDATE, header.round), buffers,
+                        self.parts.plan.inflight)
 
     def _receive_global(self, header: protocol.RoundHeader) -> torch.Tensor | None:
         """Receive the global model (from the server, or from the parent rank of a broadcast tree, passing it on
         to the header's children); keep a host copy when the header's logical clients will need it."""
-        relay_chunks(self.comm, header.parent, header.children, protocol.MODEL, self.chunk_buffers,
-                     self.parts.plan.inflight)
+        relay_chunks(self.comm, header.parent, header.children, protocol.round_tag(protocol.MODEL, header.round),
+                     self.chunk_buffers, self.parts.plan.inflight)
         clients = len(header.clients)
         if self.replica is not None:
             self.replica.load_global()

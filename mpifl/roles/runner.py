@@ -35,7 +35,7 @@ from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
-from mpifl.roles.records import log_final
+from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
@@ -43,12 +43,13 @@ from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.residuals import RANK_FILE, ResidualStore, load_snapshot, open_residuals
 from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
+from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import recv_chunks, send_chunks
-from mpifl.wire.watchdog import RunDeadlines
+from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 
 
 def check_world(size: int, cfg: Config) -> None:
@@ -271,7 +272,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     if dataset is not None and flat is not None:
         evaluate = _evaluator(cfg)
         score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
-    sink = JsonLines(run_dir / METRICS if run_dir else None)
+    sink = JsonLines(run_dir / METRICS if run_dir else None, also=_trackers(cfg, run_dir, start, resume is not None))
     needs_sizes = cfg.clients.placement == "balanced" or cfg.clock.mode != "off"
     parts_ = _partition(cfg, dataset) if needs_sizes else None
     placement = _placement(cfg, parts_, comm.Get_size() - 1)
@@ -304,7 +305,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
                         evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
                         privacy=privacy,
-                        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes)
+                        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
+                        stragglers=StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None)
     try:
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
@@ -317,6 +319,15 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     interrupted = stop.requested and reached < cfg.rounds
     notes("interrupted" if interrupted else "finished", reached)
     return RunOutcome(history, interrupted=interrupted)
+
+
+def _trackers(cfg: Config, run_dir: Path | None, start: int, resumed: bool) -> list[Trackers]:
+    """``output.trackers``, opened on rank 0 before the first round (none without a run directory to write in)."""
+    if not cfg.output.trackers or run_dir is None:
+        return []
+    return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
+                          notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())],
+                          warn=lambda message: log(message, rank=0))]
 
 
 def _evaluator(cfg: Config) -> Evaluator:

@@ -10,7 +10,14 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from mpifl.aggregation.reduction import ReceivePool, ReductionRound, ReductionStats, RoundAborted, StreamedReduction
+from mpifl.aggregation.reduction import (
+    Dropping,
+    ReceivePool,
+    ReductionRound,
+    ReductionStats,
+    RoundAborted,
+    StreamedReduction,
+)
 from mpifl.aggregation.strategies import Strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.config import TransportConfig
@@ -28,9 +35,10 @@ from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
+from mpifl.wire.late import LateStreams, OwedStream
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import ProgressInbox, broadcast_tree, send_chunks, send_windows, wait_all
-from mpifl.wire.watchdog import RankStalled, RunDeadlines, Watchdog
+from mpifl.wire.watchdog import RankStalled, RunDeadlines, StragglerRule, Watchdog
 
 
 @dataclass
@@ -63,6 +71,7 @@ class ServerParts:
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # rank 0's notes in the run directory
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
+    stragglers: StragglerRule | None = None  # clients.accept_failures: when a rank still training is dropped
 
 
 class Server:
@@ -78,6 +87,8 @@ class Server:
         self.history: list[dict] = []
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
         self.inbox = ProgressInbox(comm)  # the training ranks' progress reports, for the watchdogs
+        # what ranks dropped from a round still send, taken up while later rounds run
+        self.late = LateStreams(comm, parts.plan.inflight, self.pool.chunk_bytes, lambda m: log(m, rank=0))
 
     def run(self, start_round: int = 0, history: Sequence[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
@@ -108,9 +119,14 @@ class Server:
                     break
         finally:
             bar.close()
+        self.late.finish(self.parts.deadlines.current().first_update)
         self._send_headers(None, self.rounds + 1)
         self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize
         return self.history
+
+    def heard(self) -> list[int]:
+        """The ranks heard from since the last call: progress reports, and chunks of dropped ranks' late streams."""
+        return self.inbox() + self.late()
 
     def round(self, round_: int) -> tuple[dict, bool]:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
@@ -118,10 +134,10 @@ class Server:
         plan = parts.sampler.plan(round_)
         self._send_headers(plan)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
-                            lambda: self.stop.requested, heard=self.inbox)
+                            lambda: self.stop.requested, heard=self.heard)
         self._dispatch(plan, watchdog)
         dispatched = time.perf_counter()
-        stats = self._reduce(plan, watchdog)
+        stats = self._reduce(plan, watchdog, started=dict(watchdog.last))
         reduced = time.perf_counter()
         evaluation = parts.evaluation(round_)
         evaluated = time.perf_counter()
@@ -143,16 +159,45 @@ class Server:
         return record, stopping
 
     def _dispatch(self, plan: RoundAssignment, watchdog: Watchdog) -> None:
-        """Stream the global model to the ranks that train this round (or to the tree's first level)."""
+        """Stream the global model to the ranks that train this round (or to the tree's first level); ranks still
+        finishing a round they were dropped from get it last, so they hold nobody else up."""
+        dests = self._model_dests(plan)
+        late = [r for r in dests if self.late.owes(r)] if self._tree(plan) is None else []
+        tag = protocol.round_tag(protocol.MODEL, plan.round)
         try:
-            if plan.train:
-                send_windows(self.comm, self._model_dests(plan), protocol.MODEL, self.parts.store.outgoing(),
-                             self.parts.plan.inflight, watchdog)
+            for batch in ([r for r in dests if r not in late], late):
+                if batch:
+                    send_windows(self.comm, batch, tag, self.parts.store.outgoing(), self.parts.plan.inflight,
+                                 watchdog)
         except RankStalled as stalled:
             self._give_up(plan.round, stalled, model_intact=True)
 
-    def _reduce(self, plan: RoundAssignment, watchdog: Watchdog) -> ReductionStats:
-        """Fold the round's updates into the global model as they stream in; the store writes finished chunks."""
+    def _dropping(self, plan: RoundAssignment, started: dict[int, float]) -> Dropping | None:
+        """clients.accept_failures: how a rank past its deadline is dropped from this round (not from an
+        asynchronous step, whose held updates are already trained, nor from a chain, where ranks wait on
+        each other)."""
+        rule = self.parts.stragglers
+        if rule is None or plan.hold or self._chain(plan):
+            return None
+
+        def members(rank: int, stream: int) -> tuple[int, ...]:
+            return self.parts.sampler.stream_members(plan, rank, stream)
+
+        def began(rank: int) -> float | None:
+            # an eager send completes before the rank takes the model up: a rank finishing a dropped round starts
+            # when its late stream is in
+            if self.late.owes(rank):
+                return None
+            return max(started.get(rank, 0.0), self.late.finished.get(rank, 0.0)) or None
+
+        def owe(owed: OwedStream) -> None:
+            self.late.add(owed)
+
+        return Dropping(rule, began, members, owe)
+
+    def _reduce(self, plan: RoundAssignment, watchdog: Watchdog, started: dict[int, float]) -> ReductionStats:
+        """Fold the round's updates into the global model as they stream in; the store writes finished chunks.
+        ``started``: when each rank took up the model (its straggler clock starts there)."""
         parts, round_ = self.parts, plan.round
         parts.store.begin_round(round_, parts.checkpointer.recyclable(round_))
         if plan.mixing is not None:
@@ -169,7 +214,8 @@ class Server:
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None)
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
-                                      min_participants=self.min_participants, watchdog=watchdog)
+                                      min_participants=self.min_participants, watchdog=watchdog,
+                                      dropping=self._dropping(plan, started))
         try:
             if plan.streams:
                 stats = reduction.run()
@@ -210,9 +256,9 @@ class Server:
                 version.read_range(self.parts.plan.spec, 0, model)
             self._send_headers(plan)
             watchdog = Watchdog(self.parts.deadlines.current(), plan.round, plan.train, lambda: self.stop.requested,
-                                heard=self.inbox)
-            send_chunks(self.comm, self._model_dests(plan), protocol.MODEL, self.parts.plan.chunk_slices(model),
-                        self.parts.plan.inflight, watchdog)
+                                heard=self.heard)
+            send_chunks(self.comm, self._model_dests(plan), protocol.round_tag(protocol.MODEL, plan.round),
+                        self.parts.plan.chunk_slices(model), self.parts.plan.inflight, watchdog)
             log(f"resume: retrained logical clients {clients} from version "
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
 

@@ -38,6 +38,9 @@ While a client rank trains:
                       of the rank's model: a rank stuck in user code cannot send it.
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
+Round tags: MODEL, META, UPDATE, REDUCE_META and REDUCE travel on ``round_tag(kind, round)``, so a
+late sender's chunks (a rank dropped from round r under clients.accept_failures, whose stream rank 0
+drains in the background: wire.late) can never match round r+1's receives.
 """
 from __future__ import annotations
 
@@ -55,6 +58,17 @@ REDUCE_META = 17
 REDUCE = 18
 STARTUP = 19
 PROGRESS = 20
+
+ROUND_TAG_STRIDE = 32  # every fixed tag above is below it
+ROUND_TAG_CYCLE = 1000  # rounds before a tag repeats: 20 + 32 * 999 stays within 32767, MPI's least TAG_UB
+
+
+def round_tag(kind: int, round_: int) -> int:
+    """The tag of a round-scoped stream (MODEL, META, UPDATE, REDUCE_META, REDUCE) in round ``round_``.
+
+    A tag repeats only every ROUND_TAG_CYCLE rounds, and a dropped rank's stream is drained long before.
+    """
+    return kind + ROUND_TAG_STRIDE * (round_ % ROUND_TAG_CYCLE)
 
 
 @dataclass(frozen=True)

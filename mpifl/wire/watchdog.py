@@ -34,6 +34,8 @@ CHECK_EVERY_SECONDS = 0.05  # deadlines are seconds long: looking 20 times a sec
 FIRST_UPDATE_FALLBACK_SECONDS = 300.0  # training deadline before anything is measured: minutes, not half an hour
 STALL_FLOOR_SECONDS = 30.0  # a derived deadline is never shorter
 STALL_FACTOR = 10.0  # a rank may be this many times slower to report than the slowest other rank
+STRAGGLER_FACTOR = 3.0  # accept_failures: a rank may train this many times as long as the slowest finished rank
+STRAGGLER_FLOOR_SECONDS = 60.0  # ... and never less: a derived straggler deadline must not cut ordinary jitter
 
 
 class RankStalled(JobFailure):
@@ -133,6 +135,34 @@ def default_deadlines(timeouts: TimeoutsConfig, chunk_bytes: int, inflight: int,
     return Deadlines(timeouts.model_delivered or transfer, timeouts.first_update or training,
                      timeouts.update_complete or transfer, timeouts.sigterm_grace,
                      derive_first_update=derive and timeouts.first_update is None and unmeasured)
+
+
+@dataclass(frozen=True)
+class StragglerRule:
+    """``clients.accept_failures``: when a rank still training has the rest of its round dropped.
+
+    A rank's training time runs from when it took up the model. With ``timeouts.straggler`` that many
+    seconds; else derived once half the round's ranks have finished: STRAGGLER_FACTOR times the slowest
+    of them, at least STRAGGLER_FLOOR_SECONDS (so scheduling noise never drops anyone).
+    """
+
+    fixed: float | None = None  # timeouts.straggler
+
+    def limit(self, finished: list[float], ranks: int) -> float | None:
+        """Seconds of training allowed, given the training times of the ranks finished so far (of ``ranks``);
+        None while there is nothing to derive it from."""
+        if self.fixed is not None:
+            return self.fixed
+        if not finished or 2 * len(finished) < ranks:
+            return None
+        return max(STRAGGLER_FLOOR_SECONDS, STRAGGLER_FACTOR * max(finished))
+
+    def describe(self) -> str:
+        """Where the limit comes from, for messages."""
+        if self.fixed is not None:
+            return "timeouts.straggler"
+        return (f"timeouts.straggler unset: {STRAGGLER_FACTOR:g}x the slowest finished rank, "
+                f"at least {STRAGGLER_FLOOR_SECONDS:g} s")
 
 
 class RunDeadlines:

@@ -1,0 +1,130 @@
+"""Late streams: what a rank dropped from a round still sends, drained on rank 0 while later rounds run.
+
+Under ``clients.accept_failures`` a rank still training past its deadline has the rest of its round
+dropped (aggregation.reduction). It does not know: it finishes training and sends those updates, on
+that round's tags (``protocol.round_tag``), so they can never be taken for a later round's. Rank 0
+must still take them up, or the rank's sends never complete and it never reads its next header. This
+module receives them into a small scratch ring and throws them away, from rank 0's polling (the
+watchdog's ``heard``), so the rank rejoins as soon as it is done, and the other ranks are not held up.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from mpifl.errors import JobFailure
+from mpifl.wire import protocol
+from mpifl.wire.memory import host_bytes
+from mpifl.wire.transport import Backoff
+
+
+@dataclass
+class OwedStream:
+    """What one rank still owes of one round: update headers, then chunks of these sizes, in order."""
+
+    rank: int
+    round: int
+    clients: tuple[int, ...]  # the logical clients dropped (for the messages)
+    metas: int
+    chunk_sizes: deque[int]
+    dropped_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        """Whether everything owed has been taken up."""
+        return self.metas == 0 and not self.chunk_sizes
+
+
+@dataclass
+class _Drain:
+    """The receives in flight for one owed stream, into a ring of scratch slots used in turn."""
+
+    requests: deque[MPI.Request] = field(default_factory=deque)
+    slots: list[np.ndarray] = field(default_factory=list)
+    posted: int = 0
+
+
+class LateStreams:
+    """Rank 0's drain of the streams that dropped ranks still send (a small receive ring per owed stream)."""
+
+    def __init__(self, comm: MPI.Comm, ring: int, slot_bytes: int,
+                 log: Callable[[str], None] = lambda message: None):
+        self.comm, self.ring, self.slot_bytes, self.log = comm, max(1, ring), slot_bytes, log
+        self.owed: list[OwedStream] = []
+        self.drains: dict[int, _Drain] = {}  # id(owed stream) -> its receives
+        self.finished: dict[int, float] = {}  # rank -> time.monotonic() when its last owed stream was in
+        self.status = MPI.Status()
+
+    def add(self, owed: OwedStream) -> None:
+        """Take up ``owed`` from now on."""
+        if not owed.done:
+            self.owed.append(owed)
+
+    def owes(self, rank: int) -> bool:
+        """Whether ``rank`` still has a dropped stream in flight."""
+        return any(o.rank == rank for o in self.owed)
+
+    def __call__(self) -> list[int]:
+        """Take up whatever has arrived, without waiting; the ranks heard from (a watchdog's ``heard``)."""
+        heard = []
+        for owed in list(self.owed):
+            if self._progress(owed):
+                heard.append(owed.rank)
+            if owed.done:
+                self._retire(owed)
+        return heard
+
+    def finish(self, silence_limit: float, setting: str = "timeouts.first_update") -> None:
+        """Take up everything still owed (before the stop); a rank silent past ``silence_limit`` s (``setting``)
+        ends the job."""
+        backoff, last = Backoff(), {o.rank: time.monotonic() for o in self.owed}
+        while self.owed:
+            heard = self()
+            now = time.monotonic()
+            for rank in heard:
+                last[rank] = now
+            if heard:
+                backoff.reset()
+                continue
+            for owed in self.owed:
+                if now - last.get(owed.rank, now) > silence_limit:
+                    raise JobFailure(f"rank {owed.rank} was dropped from round {owed.round} and has sent nothing of "
+                                     f"logical clients {list(owed.clients)} for {now - last[owed.rank]:.1f} s "
+                                     f"(the limit is {silence_limit:g} s, {setting}); every round is on disk")
+            backoff.pause()
+
+    def _progress(self, owed: OwedStream) -> bool:
+        """Receive what has landed of ``owed``; whether anything did."""
+        landed = False
+        meta_tag = protocol.round_tag(protocol.META, owed.round)
+        while owed.metas and self.comm.Iprobe(source=owed.rank, tag=meta_tag, status=self.status):
+            self.comm.recv(source=owed.rank, tag=meta_tag)
+            owed.metas -= 1
+            landed = True
+        drain = self.drains.setdefault(id(owed), _Drain())
+        tag = protocol.round_tag(protocol.UPDATE, owed.round)
+        while True:
+            while drain.requests and drain.requests[0].Test():  # same source and tag: they finish in order
+                drain.requests.popleft()
+                owed.chunk_sizes.popleft()
+                landed = True
+            in_flight = len(drain.requests)
+            if in_flight >= min(self.ring, len(owed.chunk_sizes)):
+                return landed
+            if not drain.slots:
+                drain.slots = [host_bytes(self.slot_bytes, touch=False) for _ in range(self.ring)]
+            buf = drain.slots[drain.posted % self.ring][:owed.chunk_sizes[in_flight]]
+            drain.requests.append(self.comm.Irecv([buf, MPI.BYTE], source=owed.rank, tag=tag))
+            drain.posted += 1
+
+    def _retire(self, owed: OwedStream) -> None:
+        self.owed.remove(owed)
+        self.drains.pop(id(owed), None)
+        self.finished[owed.rank] = time.monotonic()
+        self.log(f"round {owed.round}: rank {owed.rank}'s late updates of logical clients {list(owed.clients)} "
+                 f"arrived {time.monotonic() - owed.dropped_at:.1f} s after it was dropped, and were discarded")
