@@ -165,3 +165,20 @@ class Straggling(NoiseTrainer):
                 time.sleep(0.1)
         model.train(training)
         return super().train(model, data, seed)
+
+
+class SteppingNoiseTrainer(NoiseTrainer):
+    """NoiseTrainer that reports local steps as the built-in trainer counts them (local_epochs x minibatches of
+    batch_size), so clients with more data take more steps: what FedNova normalises by."""
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        self.cfg = cfg
+
+    def train(self, model: nn.Module, data, seed: int) -> TrainResult:
+        import math
+
+        result = super().train(model, data, seed)
+        samples = len(data) if data is not None else 1
+        result.local_steps = self.cfg.local_epochs * math.ceil(samples / self.cfg.batch_size)
+        return result

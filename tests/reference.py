@@ -44,26 +44,36 @@ def fma32(acc: np.ndarray, w: float, x: np.ndarray) -> np.ndarray:
     return (acc.astype(wide) + wide(w) * x.astype(wide)).astype(np.float32)
 
 
-def weighted_mean(updates: list[tuple[float, np.ndarray]]) -> np.ndarray:
-    """Weighted mean in fp32, summed in ascending client id order."""
+def weighted_mean(updates: list[tuple[float, np.ndarray]], divisor: float | None = None) -> np.ndarray:
+    """Weighted mean in fp32, summed in ascending client id order (weights rounded to fp32, as torch's
+    scalars are), divided by the weights' sum or ``divisor``."""
     (w0, x0), rest = updates[0], updates[1:]
     acc = np.float32(w0) * x0
     for w, x in rest:
-        acc = fma32(acc, w, x)
-    return acc / np.float32(sum(w for w, _ in updates))
+        acc = fma32(acc, np.float32(w), x)
+    return acc / np.float32(sum(w for w, _ in updates) if divisor is None else divisor)
 
 
-def grouped_weighted_mean(updates: list[tuple[int, float, np.ndarray]], groups: int) -> np.ndarray:
+def grouped_weighted_mean(updates: list[tuple[int, float, np.ndarray]], groups: int,
+                          divisor: float | None = None) -> np.ndarray:
     """clients.groups: each group's weighted sum (ascending id, fp32), then the groups' sums in ascending
     group id, divided by the total weight."""
     sums = {}
     for client, w, x in sorted(updates, key=lambda u: u[0]):
         g = client % groups
-        sums[g] = np.float32(w) * x if g not in sums else fma32(sums[g], w, x)
+        sums[g] = np.float32(w) * x if g not in sums else fma32(sums[g], np.float32(w), x)
     acc = None
     for g in sorted(sums):
         acc = np.float32(1.0) * sums[g] if acc is None else fma32(acc, 1.0, sums[g])
-    return acc / np.float32(sum(w for _, w, _ in updates))
+    return acc / np.float32(sum(w for _, w, _ in updates) if divisor is None else divisor)
+
+
+def fednova_divisor(weights_and_steps: list[tuple[float, int]]) -> float:
+    """FedNova (Wang et al. 2020, eq. 6, plain local SGD): x += tau_eff * sum_i q_i * delta_i / tau_i with
+    q_i = p_i / sum p and tau_eff = sum_i q_i tau_i. As sum_i (p_i / tau_i) delta_i divided by D:
+    D = sum p / tau_eff = (sum p)^2 / sum_i p_i tau_i (exact products and sums of integers in float64)."""
+    total = sum(p for p, _ in weights_and_steps)
+    return total * total / sum(p * tau for p, tau in weights_and_steps)
 
 
 def median(stack: np.ndarray) -> np.ndarray:
@@ -115,13 +125,16 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
     for rnd in range(1, cfg.rounds + 1):
         start = flat.buffer.clone()
         old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
-        sent = []
+        sent, steps = [], []
         for c in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
             if c in drop or c in (dropped_in or {}).get(rnd, ()):
                 continue
             flat.buffer.copy_(start)
             result = trainer.train(flat.module, client_data(dataset, parts[c]), client_seed(cfg.seed, rnd, c))
             weight = float(result.num_samples) if s.weighting == "samples" else 1.0
+            if s.name == "fednova":
+                steps.append((weight, result.local_steps))
+                weight /= result.local_steps
             update = {}
             for n, t in flat.tensors():
                 x = t.float().numpy()
@@ -129,15 +142,16 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
                     x = round_to(x - old[n], dtype)
                 update[n] = round_to(x, wire)
             sent.append((c, weight, update))
+        divisor = fednova_divisor(steps) if s.name == "fednova" else None
         for name, tensor in flat.tensors():
             if s.name == "median":
                 combined = median(np.stack([u[name] for _, _, u in sent]))
             elif s.name == "trimmed_mean":
                 combined = trimmed_mean(np.stack([u[name] for _, _, u in sent]), s.trim_fraction)
             elif cfg.clients.groups:
-                combined = grouped_weighted_mean([(c, w, u[name]) for c, w, u in sent], cfg.clients.groups)
+                combined = grouped_weighted_mean([(c, w, u[name]) for c, w, u in sent], cfg.clients.groups, divisor)
             else:
-                combined = weighted_mean([(w, u[name]) for _, w, u in sent])
+                combined = weighted_mean([(w, u[name]) for _, w, u in sent], divisor)
             if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
                 delta = combined if s.update == "delta" else combined - old[name]
                 tensor_state = state.setdefault(name, {"velocity": np.zeros_like(delta), "m": np.zeros_like(delta),

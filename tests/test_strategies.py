@@ -22,7 +22,7 @@ from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy, make_strat
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig, load_config
 
-BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
+BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova")
 OPTIMIZERS = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMEL = 37
@@ -114,6 +114,7 @@ def test_the_registry_lists_exactly_the_builtin_names_and_their_stages_resolve()
     ("fedavg", False, {}, 0), ("fedavgm", False, {"velocity": 0.0}, 4),
     ("fedadam", False, {"m": 0.0, "v": 1e-6}, 8), ("fedyogi", False, {"m": 0.0, "v": 1e-6}, 8),
     ("fedadagrad", False, {"m": 0.0, "v": 1e-6}, 8), ("median", True, {}, 0), ("trimmed_mean", True, {}, 0),
+    ("fednova", False, {}, 0),
 ])
 def test_each_strategy_declares_its_stack_state_and_weights(name, stacked, state, state_bytes):
     s = make_strategy(StrategyConfig(name=name))

@@ -15,13 +15,14 @@ named in ``registry.BUILTIN``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from mpifl.aggregation import kernels
 from mpifl.config import StrategyConfig
-from mpifl.config.capabilities import MEAN, ORDER_STATISTIC, Capabilities
+from mpifl.config.capabilities import MEAN, NORMALIZED_MEAN, ORDER_STATISTIC, Capabilities
 from mpifl.wire.memory import share_malloc_arenas
 from mpifl.wire.protocol import UpdateMeta
 
@@ -61,6 +62,11 @@ class Combiner:
         ``metrics``); here ``weight(meta.num_samples)``. Clients compute it too (reduction groups, secure
         aggregation), so it must read only those fields: never ``train_seconds``, a wall-clock time."""
         return self.weight(meta.num_samples)
+
+    def total_weight(self, metas: Sequence[UpdateMeta]) -> float:
+        """What the weighted sum of the usable participants ``metas`` is divided by: their weights' sum here.
+        A combiner that divides by a total of its own declares ``Capabilities.own_total``."""
+        return sum(self.weight_of(m) for m in metas)
 
     def accumulator_rows(self, participants: int) -> int:
         """fp32 accumulator rows per chunk for ``participants`` participants."""
@@ -111,6 +117,43 @@ class WeightedMean(Combiner):
     def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
         """One fp32 division straight into ``out``, one rounding."""
         kernels.weighted_mean_into(out, acc, total_weight)
+
+
+def local_steps_of(meta: UpdateMeta) -> int:
+    """The optimizer steps a participant's trainer reports in its header; an error naming it when there are none."""
+    if not meta.local_steps:
+        raise ValueError(f"logical client {meta.client}'s update header reports local_steps={meta.local_steps!r}: "
+                         "fednova normalises by each client's local steps, so its trainer must return them "
+                         "(TrainResult.local_steps > 0; the built-in trainers do)")
+    return meta.local_steps
+
+
+def fednova_total(samples_and_steps: Sequence[tuple[float, int]]) -> float:
+    """FedNova's divisor of sum_i (p_i / tau_i) * delta_i, for participants with weight p_i and tau_i local steps:
+    (sum p)^2 / sum p * tau, so that the result is tau_eff * sum_i (p_i / sum p) * delta_i / tau_i with
+    tau_eff = sum_i (p_i / sum p) * tau_i (Wang et al. 2020, eq. 6, plain local SGD)."""
+    total = sum(p for p, _ in samples_and_steps)
+    return total * total / sum(p * tau for p, tau in samples_and_steps)
+
+
+class NormalizedAverage(WeightedMean):
+    """FedNova (Wang et al. 2020, "Tackling the Objective Inconsistency Problem in Heterogeneous Federated
+    Optimization", NeurIPS): each client's delta is normalised by its own local steps tau_i before averaging,
+    and the average is scaled back by the effective steps tau_eff. Clients that take more steps (more data,
+    more epochs) then no longer pull the model towards their own objective. As a weighted sum: weight
+    p_i / tau_i in the fold (so reduction groups and secure aggregation still work), and the divisor
+    ``fednova_total``. The normaliser is the paper's for plain local SGD (a_i = tau_i); with local momentum
+    the paper's ||a_i||_1 differs."""
+
+    capabilities = NORMALIZED_MEAN
+
+    def weight_of(self, meta: UpdateMeta) -> float:
+        """The client's weight p_i (samples, or 1) over its local steps tau_i."""
+        return self.weight(meta.num_samples) / local_steps_of(meta)
+
+    def total_weight(self, metas: Sequence[UpdateMeta]) -> float:
+        """``fednova_total`` over the round's usable participants."""
+        return fednova_total([(self.weight(m.num_samples), local_steps_of(m)) for m in metas])
 
 
 class SortedStack(Combiner):

@@ -418,7 +418,12 @@ class StreamedReduction:
             raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.stats.metas)} participants sent a "
                                f"usable update, fewer than clients.min_participants={self.min_participants}; "
                                "the round is not applied")
-        self.total_weight = self.divisor if self.divisor is not None else sum(self._weight(m) for m in usable)
+        if self.divisor is not None:
+            self.total_weight = self.divisor
+        elif self.weights is not None:  # asynchronous FL's own weights
+            self.total_weight = sum(self._weight(m) for m in usable)
+        else:
+            self.total_weight = self.strategy.total_weight(usable)
         if self.total_weight <= 0:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
 

@@ -26,6 +26,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "fedadagrad": ("WeightedMean", "FedAdagrad"),
     "median": ("Median", "Replace"),
     "trimmed_mean": ("TrimmedMean", "Replace"),
+    "fednova": ("NormalizedAverage", "Replace"),
 }
 
 if tuple(BUILTIN) != STRATEGIES:  # the config's vocabulary and this table are one list, checked on import

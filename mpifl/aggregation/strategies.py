@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -66,6 +67,10 @@ class Strategy:
     def weight_of(self, meta: UpdateMeta) -> float:
         """A participant's weight from its whole update header (the combiner's ``weight_of``)."""
         return self.weigher.weight_of(meta)
+
+    def total_weight(self, metas: Sequence[UpdateMeta]) -> float:
+        """What the round's weighted sum is divided by, from its usable participants' headers."""
+        return self.weigher.total_weight(metas)
 
     def substituted(self, combiner: Combiner | None = None, update: ServerUpdate | None = None) -> Strategy:
         """A twin with the stage a run mode substitutes (secure aggregation's ring sum, FedAsync's mixing); the

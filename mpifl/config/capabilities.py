@@ -26,12 +26,17 @@ class Capabilities:
     # Keeps state across rounds (server momentum, Adam moments): a run mode that replaces the server
     # update (clock.mode: fedasync's mixing) would silently drop it.
     server_state: bool = False
+    # Divides the weighted sum by a total of its own, computed from the round's update headers (FedNova's
+    # effective local steps), of deltas: it needs strategy.update='delta', and neither DP's fixed divisor
+    # nor asynchronous FL's staleness weights may stand in for that total.
+    own_total: bool = False
 
 
 UNDECLARED = Capabilities()
 MEAN = Capabilities(summable=True, needs_every_row=False)
 SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_state=True)
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
+NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True)
 
 # Each built-in strategy (sections.STRATEGIES) -> what it is; mpifl.aggregation declares the same on its stages.
 BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
@@ -42,4 +47,5 @@ BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
     "fedadagrad": SERVER_OPTIMIZER,
     "median": ORDER_STATISTIC,
     "trimmed_mean": ORDER_STATISTIC,
+    "fednova": NORMALIZED_MEAN,
 }

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.schema import ConfigError
-from mpifl.config.sections import Config
+from mpifl.config.sections import ASYNCHRONOUS_MODES, Config
 from mpifl.plugins import is_import_path
 
 
@@ -66,6 +66,10 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
     how to declare what it is.
     """
     name = cfg.strategy.name
+    if caps.own_total:
+        problem = _own_total_problem(cfg, name)
+        if problem:
+            return problem
     if caps.summable:
         if cfg.clock.mode == "fedasync" and caps.server_state:
             return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another strategy without server state "
@@ -87,6 +91,20 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
     if cfg.clock.mode == "fedasync":
         return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another summable strategy, and "
                 f"strategy.update='weights'; strategy {what}{remedy}choose a summable strategy")
+    return None
+
+
+def _own_total_problem(cfg: Config, name: str) -> str | None:
+    """Why a strategy that divides by a total of its own (Capabilities.own_total) cannot take this config."""
+    why = f"strategy {name!r} divides the weighted sum of deltas by its own total (Capabilities.own_total)"
+    if cfg.strategy.update != "delta":
+        return f"strategy.update: {why}, so clients must send deltas: set strategy.update='delta'"
+    if cfg.privacy.mode != "off":
+        return (f"privacy.mode: DP-FedAvg divides by a fixed expected count, which would replace it; {why}: "
+                "set privacy.mode='off' or choose fedavg")
+    if cfg.clock.mode in ASYNCHRONOUS_MODES:
+        return (f"clock.mode: {cfg.clock.mode!r} weighs updates by staleness instead; {why}: choose a synchronous "
+                "clock.mode ('off' or 'sync') or fedavg")
     return None
 
 

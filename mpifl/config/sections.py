@@ -14,7 +14,7 @@ ASYNCHRONOUS_MODES = ("fedasync", "fedbuff", "fedcompass")
 
 # The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
 # its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
-STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean")
+STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova")
 
 
 @dataclass
@@ -153,8 +153,9 @@ class StrategyConfig:
     """How the server combines updates."""
 
     name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
-                        "median or trimmed_mean (coordinate-wise, unweighted), or an import path to a plug-in "
-                        "called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
+                        "median or trimmed_mean (coordinate-wise, unweighted), fednova (Wang et al. 2020: deltas "
+                        "normalised by each client's local steps; strategy.update=delta), or an import path to a "
+                        "plug-in called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
                         "(see mpifl.api)", choices=STRATEGIES, import_ok=True)
     kwargs: dict = field_(dict, "a plug-in strategy's own settings (strategy.name an import path), passed as keyword "
                           "arguments and checked against its signature; built-in strategies take none (their "
