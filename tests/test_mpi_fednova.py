@@ -45,7 +45,8 @@ def reference(*overrides: str) -> dict[str, np.ndarray]:
     (3, ()),  # 2 client ranks, 3 participants each, one after the other
     (7, ("transport.chunk_mb=0.00001",)),  # 6 client ranks, one participant each, 10-byte chunks
     (4, ("clients.groups=3",)),  # the groups' partial sums of (p_i / tau_i) * delta_i
-], ids=["2-client-ranks", "6-client-ranks-tiny-chunks", "reduction-groups"])
+    (4, ("clients.groups=3", "transport.reduce=chain")),  # those sums added rank by rank on the way
+], ids=["2-client-ranks", "6-client-ranks-tiny-chunks", "reduction-groups", "chain"])
 def test_fednova_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)

@@ -19,7 +19,11 @@ from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.flat import itemsize
 from mpifl.wire.layout import ExchangeLayout
 
-IMPORTS_BYTES = int(0.3 * GIB)  # torch + mpi4py + h5py per rank (measured 250-300 MiB)
+# Calibrated on the quick start (tests/test_mpi_memory_model.py holds the plan within 15% of its measured peaks):
+IMPORTS_BYTES = int(0.27 * GIB)  # torch + mpi4py + h5py per rank: its server peaks at 0.264 GiB (torch 2.13, CPU)
+# a training rank's autograd engine, optimizer and per-step scratch beyond its tensors: its clients peak at
+# 0.335-0.39 GiB against the server's 0.264
+TRAINING_RUNTIME_BYTES = int(0.09 * GIB)
 
 
 class StrategyFootprint(Protocol):
@@ -101,7 +105,8 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
     if cfg.train.trainer != "none":  # optimizer and gradients cover the trainable (exchanged) tensors only
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
         masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
-        client += nbytes + (8 * elements if masters else 0) + states * (4 * elements if masters else nbytes)
+        client += TRAINING_RUNTIME_BYTES + nbytes + (8 * elements if masters else 0)
+        client += states * (4 * elements if masters else nbytes)
         if cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta":
             client += nbytes  # the global model kept for the next logical client or for the delta
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
