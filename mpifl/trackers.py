@@ -222,7 +222,8 @@ class WandbTracker:
         row: dict[str, Any] = dict(values)
         if notes:
             row["memory_warning"] = "\n".join(notes)
-        self.run.log(row, step=step)
+        self.run.log(row, step=step, commit=True)  # committed now: a row with an explicit step is otherwise held
+        # until a later step or finish() flushes it, and a CI run once finished without it
 
     def close(self, failed: bool) -> None:
         """Finish the offline run (exit code 1 when the job is ending on an error)."""
