@@ -273,7 +273,7 @@ class StreamedReduction:
         if isinstance(meta, protocol.GroupMeta):
             self.stats.groups[stream] = meta
         self.schedule.meta_landed(stream, usable)
-        if not self.schedule.headerless(ticket.rank):
+        if self.dropping is not None and not self.schedule.headerless(ticket.rank):
             self.trained[ticket.rank] = time.monotonic() - (self._started(ticket.rank) or self.began)
         self._post_meta(ticket.rank)
 

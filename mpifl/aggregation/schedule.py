@@ -89,8 +89,8 @@ class FoldSchedule:
         self.order: list[int] = list(order) if order is not None else everyone
         self.position = {c: i for i, c in enumerate(self.order)}
         self.rank_of = {c: r for r, clients in by_rank.items() for c in clients}
-        self._streams = {r: [(c, j) for c in sorted(clients, key=self.position.__getitem__) for j in range(num_chunks)]
-                         for r, clients in by_rank.items()}
+        self._clients = {r: sorted(clients, key=self.position.__getitem__) for r, clients in by_rank.items()}
+        self._streams = {r: [(c, j) for c in self._clients[r] for j in range(num_chunks)] for r in by_rank}
         self.low = 0  # the lowest unfinished chunk
         self.finished = [False] * num_chunks
         self._posted = {r: 0 for r in by_rank}  # entries of each rank's stream with a receive posted
@@ -125,7 +125,7 @@ class FoldSchedule:
 
     def headerless(self, rank: int) -> list[int]:
         """``rank``'s streams whose header has not arrived, in fold order (headers arrive in that order)."""
-        clients = sorted({c for c, _ in self._streams[rank]}, key=self.position.__getitem__)
+        clients = self._clients[rank]
         return clients[len(clients) - self._headers_owed[rank]:]
 
     def drop(self, rank: int) -> list[int]:

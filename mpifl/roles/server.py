@@ -1,6 +1,7 @@
 """Rank 0: sample, stream the global model out, reduce updates as they stream back."""
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB
 from mpifl.wire import protocol
-from mpifl.wire.late import LateStreams, OwedStream
+from mpifl.wire.late import LateStreams
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import ProgressInbox, broadcast_tree, send_chunks, send_windows, wait_all
 from mpifl.wire.watchdog import RankStalled, RunDeadlines, StragglerRule, Watchdog
@@ -180,9 +181,6 @@ class Server:
         if rule is None or plan.hold or self._chain(plan):
             return None
 
-        def members(rank: int, stream: int) -> tuple[int, ...]:
-            return self.parts.sampler.stream_members(plan, rank, stream)
-
         def began(rank: int) -> float | None:
             # an eager send completes before the rank takes the model up: a rank finishing a dropped round starts
             # when its late stream is in
@@ -190,10 +188,7 @@ class Server:
                 return None
             return max(started.get(rank, 0.0), self.late.finished.get(rank, 0.0)) or None
 
-        def owe(owed: OwedStream) -> None:
-            self.late.add(owed)
-
-        return Dropping(rule, began, members, owe)
+        return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), self.late.add)
 
     def _reduce(self, plan: RoundAssignment, watchdog: Watchdog, started: dict[int, float]) -> ReductionStats:
         """Fold the round's updates into the global model as they stream in; the store writes finished chunks.
