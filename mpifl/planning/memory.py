@@ -19,7 +19,7 @@ from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.flat import itemsize
 from mpifl.wire.layout import ExchangeLayout
 
-# Calibrated on the quick start (tests/test_mpi_memory_model.py holds the plan within 15% of its measured peaks):
+# Calibrated on the quick start (tests/test_mpi_memory_model.py: within 15% + 64 MiB of its measured peaks):
 IMPORTS_BYTES = int(0.27 * GIB)  # torch + mpi4py + h5py per rank: its server peaks at 0.264 GiB (torch 2.13, CPU)
 # a training rank's autograd engine, optimizer and per-step scratch beyond its tensors: its clients peak at
 # 0.335-0.39 GiB against the server's 0.264
