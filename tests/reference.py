@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mpifl.config import Config
 from mpifl.learning.datasets import client_data, load_dataset
@@ -39,9 +40,23 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def fma32(acc: np.ndarray, w: float, x: np.ndarray) -> np.ndarray:
-    """acc + w*x with a single rounding to fp32, like torch's fused add_(x, alpha=w)."""
-    wide = np.longdouble
-    return (acc.astype(wide) + wide(w) * x.astype(wide)).astype(np.float32)
+    """acc + w*x with a single rounding to fp32, like torch's fused add_(x, alpha=w), exactly.
+
+    In float64 the product of two fp32 values is exact and the sum's error is known (TwoSum), so
+    s + e is the exact result. Rounding s to fp32 is the right answer unless s lies exactly halfway
+    between two fp32 values and e is not zero: then the exact value lies beyond the midpoint, on e's
+    side. (An 80-bit long double sum rounds twice and misses such ties.)"""
+    a = np.asarray(acc, dtype=np.float32).astype(np.float64)
+    p = np.float64(np.float32(w)) * np.asarray(x, dtype=np.float32).astype(np.float64)
+    s = a + p
+    b = s - a
+    e = (a - (s - b)) + (p - b)
+    r = s.astype(np.float32)
+    up, down = np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))
+    r64 = r.astype(np.float64)
+    other = np.where((r64 + up.astype(np.float64)) / 2 == s, up, down)
+    tie = ((r64 + other.astype(np.float64)) / 2 == s) & (e != 0)
+    return np.where(tie & (e > 0), np.maximum(r, other), np.where(tie & (e < 0), np.minimum(r, other), r))
 
 
 def weighted_mean(updates: list[tuple[float, np.ndarray]], divisor: float | None = None) -> np.ndarray:
@@ -231,3 +246,69 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
             versions[version], buffer = new, []
         dispatch(arrival[0], version)
     return versions[version]
+
+
+def scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
+    """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II) on whole models, every c_i in memory: each
+    sampled client trains from x, every optimizer step followed by y -= lr (c - c_i) (outside any momentum, as
+    NIID-Bench does; for plain SGD the paper's step), forms delta_c_i = (x - y) / (K lr) - c,
+    keeps c_i + delta_c_i, and sends y - x and its control delta over its weight w_i, as (c + delta_c_i / w_i) - c
+    (how the control section's delta is formed in fp32); then x += eta_g * sum w_i (y_i - x) / sum w_i and
+    c += sum w_i * (delta_c_i / w_i) / N, the sums in ascending client id. The final tensors, and c as
+    ``control.<parameter>``. Trained with one thread, as every rank trains (a GEMM's sums follow the
+    thread count, and the control delta magnifies a last-bit difference in y by 1 / (K lr))."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _scaffold_reference(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
+    dataset = load_dataset(cfg.data)
+    flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+    parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+    trainer, s, lr = make_trainer(cfg.train), cfg.strategy, cfg.train.lr
+    params = [(n, p) for n, p in flat.module.named_parameters() if p.requires_grad]
+    c = {n: torch.zeros(p.shape) for n, p in params}
+    own: dict[int, dict[str, torch.Tensor]] = {}
+    eta = np.float32(s.server_lr if s.server_lr is not None else 1.0)
+    for rnd in range(1, cfg.rounds + 1):
+        start = flat.buffer.clone()
+        old = {n: t.detach().clone() for n, t in flat.tensors()}
+        sent = []
+        for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+            flat.buffer.copy_(start)
+            c_i = own.get(client) or {n: torch.zeros(p.shape) for n, p in params}
+            correction = {id(p): c[n] - c_i[n] for n, p in params}
+
+            def corrected(optimizer, args, kwargs, correction=correction):  # y -= lr (c - c_i) after each step
+                with torch.no_grad():
+                    for group in optimizer.param_groups:
+                        for p in group["params"]:
+                            p.add_(correction[id(p)], alpha=-group["lr"])
+
+            hook = register_optimizer_step_post_hook(corrected)
+            result = trainer.train(flat.module, client_data(dataset, parts[client]), client_seed(cfg.seed, rnd, client))
+            hook.remove()
+            w = float(result.num_samples) if s.weighting == "samples" else 1.0
+            delta_c = {n: (old[n] - p.detach()).div_(result.local_steps * lr).sub_(c[n]) for n, p in params}
+            own[client] = {n: c_i[n] + delta_c[n] for n in c}
+            sent.append((client, w, {n: (t.detach() - old[n]).numpy() for n, t in flat.tensors()},
+                         {n: ((c[n] + delta_c[n] / w) - c[n]).numpy() for n in c}))
+
+        def mean(values: list[tuple[int, float, np.ndarray]], divisor: float | None = None) -> np.ndarray:
+            if cfg.clients.groups:
+                return grouped_weighted_mean(values, cfg.clients.groups, divisor)
+            return weighted_mean([(w, v) for _, w, v in values], divisor)
+
+        for n, t in flat.tensors():
+            step = mean([(client, w, dy[n]) for client, w, dy, _ in sent])
+            t.copy_(torch.from_numpy((step * eta if eta != 1 else step) + old[n].numpy()))
+        for n in c:
+            c[n] = c[n] + torch.from_numpy(mean([(client, w, dc[n]) for client, w, _, dc in sent],
+                                                divisor=cfg.clients.num_clients))
+    out = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+    out.update({f"control.{n}": t.numpy().copy() for n, t in c.items()})
+    return out

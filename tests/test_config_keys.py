@@ -94,6 +94,7 @@ KEYS = (
     "server.window_mb",
     "strategy.beta1",
     "strategy.beta2",
+    "strategy.control_ram_mb",
     "strategy.kwargs",
     "strategy.momentum",
     "strategy.name",

@@ -192,9 +192,9 @@ def test_topk_defaults_one_percent_with_error_feedback_in_ram_up_to_1_gib():
 
 
 def test_mpifl_plan_puts_each_client_ranks_residuals_in_ram_or_on_disk():
-    from mpifl.planning.memory import residual_plan
+    from mpifl.planning.memory import client_state_plan
 
     cfg = load_config(None, data={**topk(residual_ram_mb=1.0), "clients": {"num_clients": 5}})
     elements = 2 ** 17  # 0.5 MiB of fp32 a client: two fit in 1 MiB, three do not
-    assert residual_plan(cfg, elements, 2) == [([1], 3, "HDF5"), ([2], 2, "RAM")]
-    assert residual_plan(load_config(None, data=topk(error_feedback=False)), elements, 2) == []
+    assert client_state_plan(cfg, elements, 2) == [([1], 3, "HDF5"), ([2], 2, "RAM")]
+    assert client_state_plan(load_config(None, data=topk(error_feedback=False)), elements, 2) == []

@@ -22,7 +22,7 @@ import torch
 
 from mpifl.aggregation import kernels
 from mpifl.config import StrategyConfig
-from mpifl.config.capabilities import MEAN, NORMALIZED_MEAN, ORDER_STATISTIC, Capabilities
+from mpifl.config.capabilities import CONTROLLED_MEAN, MEAN, NORMALIZED_MEAN, ORDER_STATISTIC, Capabilities
 from mpifl.wire.memory import share_malloc_arenas
 from mpifl.wire.protocol import UpdateMeta
 
@@ -154,6 +154,14 @@ class NormalizedAverage(WeightedMean):
     def total_weight(self, metas: Sequence[UpdateMeta]) -> float:
         """``fednova_total`` over the round's usable participants."""
         return fednova_total([(self.weight(m.num_samples), local_steps_of(m)) for m in metas])
+
+
+class ControlledMean(WeightedMean):
+    """SCAFFOLD's combination (Karimireddy et al. 2020): FedAvg's weighted mean over the model's chunks. The
+    clients' control-variate deltas travel in the same chunks, each divided by its client's weight, so that the
+    same fused weighted sum yields their plain sum (strategies.ControlledAverage finishes that section)."""
+
+    capabilities = CONTROLLED_MEAN
 
 
 class SortedStack(Combiner):

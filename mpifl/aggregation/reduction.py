@@ -440,7 +440,7 @@ class StreamedReduction:
         if self.noise is not None:
             self.noise(acc, self.first_element[step.chunk])
         self.strategy.finish(acc, step.count, self.total_weight, self.state.finish_target(chunk),
-                             self.state.server_state(chunk))
+                             self.state.server_state(chunk), chunk)
         self.state.commit(chunk)
 
     def _finish_held(self, step: Finish) -> None:
@@ -457,7 +457,7 @@ class StreamedReduction:
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
         jobs = self.strategy.start_finish(rows, step.count, self.total_weight, target, state)
         if jobs is None:
-            self.strategy.finish(rows, step.count, self.total_weight, target, state)
+            self.strategy.finish(rows, step.count, self.total_weight, target, state, chunk)
             jobs = []
         self.finishing = (step.chunk, jobs)
         if not jobs:

@@ -27,7 +27,10 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "median": ("Median", "Replace"),
     "trimmed_mean": ("TrimmedMean", "Replace"),
     "fednova": ("NormalizedAverage", "Replace"),
+    "scaffold": ("ControlledMean", "GlobalStep"),
 }
+# built-in strategies whose Strategy class (in strategies.py) is not the plain one: they finish a chunk their own way
+STRATEGY_CLASSES: dict[str, str] = {"scaffold": "ControlledAverage"}
 
 if tuple(BUILTIN) != STRATEGIES:  # the config's vocabulary and this table are one list, checked on import
     raise ImportError(f"mpifl.aggregation.registry names {tuple(BUILTIN)}, the config {STRATEGIES}")

@@ -29,11 +29,12 @@ import torch
 
 from mpifl.aggregation.combiners import Combiner, declared_capabilities
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, Rows
-from mpifl.aggregation.registry import BUILTIN, STRATEGIES, stages
+from mpifl.aggregation.registry import BUILTIN, STRATEGIES, STRATEGY_CLASSES, stages
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig
 from mpifl.config.capabilities import UNDECLARED, Capabilities
 from mpifl.plugins import is_import_path, resolve
+from mpifl.wire.flat import CONTROL, Chunk, ModelSpec
 from mpifl.wire.protocol import UpdateMeta
 
 __all__ = ["ACCUMULATOR_DTYPE", "Strategy", "make_strategy"]
@@ -84,12 +85,17 @@ class Strategy:
         """Take in the ``index``-th included participant's chunk (acc is a stack row per participant when stacked)."""
         self.combiner.fold(acc, x, weight, index)
 
+    def bind(self, spec: ModelSpec, num_clients: int) -> None:
+        """Learn the exchanged model's layout and the federation's size before the first round (the server
+        calls it once; nothing here needs them, a strategy with sections of its own does)."""
+
     def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
-               state: dict[str, torch.Tensor]) -> None:
+               state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
         """Write the new global chunk into ``target`` (which holds the old one where needed).
 
         ``acc`` is one fp32 accumulator, or, for a stacking combiner whose stack is held in the receive
-        slots, its rows: only stacking combiners ever get rows, and they take ``kernels.Rows``."""
+        slots, its rows: only stacking combiners ever get rows, and they take ``kernels.Rows``. ``chunk``
+        says which part of the model this is (a strategy with sections of its own reads it)."""
         stack: torch.Tensor = acc  # type: ignore[assignment]  # rows reach stacking combiners only (see above)
         if not self.needs_previous_global:  # FedAvg: one fp32 division (or copy) into target, one rounding
             self.combiner.combine_into(target, stack, count, total_weight)
@@ -118,11 +124,57 @@ class Strategy:
         return self.combiner.accumulator_rows(participants)
 
 
+def section_span(chunk: Chunk, start: int, end: int) -> tuple[int, int]:
+    """The elements of ``chunk`` that fall in the byte range [start, end) of the flat buffer, as (lo, hi)
+    element indices within the chunk (lo == hi: none)."""
+    lo = min(max(start, chunk.offset), chunk.offset + chunk.nbytes)
+    hi = max(min(end, chunk.offset + chunk.nbytes), lo)
+    return (lo - chunk.offset) // chunk.itemsize, (hi - chunk.offset) // chunk.itemsize
+
+
+class ControlledAverage(Strategy):
+    """SCAFFOLD's server (Karimireddy et al. 2020, Algorithm 1): x += eta_g * (weighted mean of the deltas),
+    c += (1/N) * sum_i delta_c_i over the round's participants, N = clients.num_clients.
+
+    The server control variate c is the model's :data:`~mpifl.learning.control.CONTROL` section, so it is
+    broadcast, checkpointed and kept out of core with the weights. Each client sends its control delta
+    divided by its own weight in that section; the weighted fold then sums the deltas exactly as they were
+    sent, and ``finish`` divides that section by N instead of the total weight.
+    """
+
+    def bind(self, spec: ModelSpec, num_clients: int) -> None:
+        """Find the control section (one contiguous byte range: its buffers come last in their segment)."""
+        entries = [e for e in spec.entries if e.name.startswith(CONTROL + ".")]
+        if not entries:
+            raise ValueError(f"strategy {self.name!r}: the model has no {CONTROL!r} section (it must be built "
+                             "with control_variates=True)")
+        start, end = entries[0].offset, entries[-1].offset + entries[-1].nbytes
+        if sum(e.nbytes for e in entries) != end - start:
+            raise ValueError(f"strategy {self.name!r}: the control variates are not contiguous in the model")
+        self.control, self.num_clients = (start, end), num_clients
+
+    def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
+               state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
+        """The weights' elements as FedAvg with a global step; the control section's as c += sum / N."""
+        assert chunk is not None  # the reduction always says which chunk it finishes
+        summed: torch.Tensor = acc  # type: ignore[assignment]  # a weighted mean folds into one accumulator
+        lo, hi = section_span(chunk, *self.control)
+        if lo == hi:
+            super().finish(summed, count, total_weight, target, state, chunk)
+            return
+        for a, b in ((0, lo), (hi, summed.numel())):  # the weights around the control section (either may be empty)
+            if a < b:
+                super().finish(summed[a:b], count, total_weight, target[a:b],
+                               {k: v[a:b] for k, v in state.items()}, chunk)
+        target[lo:hi].add_(summed[lo:hi].div_(self.num_clients))
+
+
 def make_strategy(cfg: StrategyConfig) -> Strategy:
     """The strategy named in the config: a registered name, or an import path called as ``fn(cfg, **cfg.kwargs)``."""
     if cfg.name in BUILTIN:
         combiner, update = stages(cfg.name)
-        return Strategy(cfg, combiner(cfg), update(cfg))
+        cls = globals()[STRATEGY_CLASSES[cfg.name]] if cfg.name in STRATEGY_CLASSES else Strategy
+        return cls(cfg, combiner(cfg), update(cfg))
     if not is_import_path(cfg.name):
         raise ConfigError(f"strategy.name: {cfg.name!r} is not allowed; choose one of "
                           f"{', '.join(map(repr, STRATEGIES))} or an import path 'package.module:function'")

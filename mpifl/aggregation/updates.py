@@ -37,6 +37,22 @@ class Replace(ServerUpdate):
     """FedAvg (McMahan et al. 2017): the new global chunk is the combined one."""
 
 
+class GlobalStep(ServerUpdate):
+    """x += eta_g * delta: a plain global step size on the combined delta (SCAFFOLD's eta_g,
+    ``strategy.server_lr``, 1.0 by default: then exactly FedAvg's replacement)."""
+
+    reads_previous = True
+
+    def __init__(self, cfg: StrategyConfig) -> None:
+        super().__init__(cfg)
+        self.lr = cfg.server_lr if cfg.server_lr is not None else 1.0
+
+    def step(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Scale the pseudo-gradient by eta_g (untouched at 1.0)."""
+        if self.lr != 1.0:
+            delta.mul_(self.lr)
+
+
 class ServerOptimizer(ServerUpdate):
     """A server optimizer on the pseudo-gradient, with learning rate ``strategy.server_lr``."""
 

@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 from mpifl.config import Config, load_config
-from mpifl.planning.memory import MemoryEstimate, ModelBytes, memory_estimate, residual_plan
+from mpifl.planning.memory import MemoryEstimate, ModelBytes, client_state_elements, client_state_plan, memory_estimate
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB, format_bytes
-from mpifl.wire.flat import ModelSpec, itemsize
+from mpifl.wire.flat import ModelSpec, control_bytes, itemsize
 from mpifl.wire.layout import ExchangeLayout
 
 
@@ -24,13 +24,14 @@ def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
 
     sized = cfg.model.name != "transformers" and bool(set(supplied(cfg.model, True)) & {"input_shape", "num_classes"})
     shape = data_shape(cfg.data) if sized and needs_dataset(cfg) else {}
-    return model_spec(cfg.model, cfg.seed, **shape)
+    return model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **shape)
 
 
 def size_of(exchanged: ModelSpec, frozen: ModelSpec) -> ModelBytes:
-    """Exchanged and frozen bytes, and the element count of both."""
-    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries))
-    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements)
+    """Exchanged and frozen bytes, the element count of both (SCAFFOLD's control section apart)."""
+    control = control_bytes(exchanged)
+    elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries)) - control // 4
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:
@@ -80,14 +81,16 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{format_bytes(plan.server_pool_bytes)}]")
     print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
           f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}; activations not included]")
-    for hosts, hosted, home in residual_plan(cfg, elements, ranks):
-        each = 4 * hosted * elements
+    state, state_elements = cfg.client_state(), client_state_elements(cfg, size)
+    for hosts, hosted, home in client_state_plan(cfg, state_elements, ranks):
+        assert state is not None  # a plan has rows only for a run with per-client state
+        each = 4 * hosted * state_elements
         names = f"rank {hosts[0]}" if len(hosts) == 1 else f"ranks {hosts[0]}-{hosts[-1]}" \
             if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"{len(hosts)} ranks"
         where_kept = "in RAM (counted above)" if home == "RAM" else \
-            "on disk, <run dir>/residuals/rank<rank>.h5, read chunk by chunk"
-        print(f"  {names}: error-feedback residuals of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
-              f"(compression.residual_ram_mb={cfg.compression.residual_ram_mb:g}); a copy per kept checkpoint")
+            f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
+        print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
+              f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     warning = node_warning(cfg, plan, args.node_memory_gb, args.server_alone)

@@ -30,6 +30,11 @@ class Capabilities:
     # effective local steps), of deltas: it needs strategy.update='delta', and neither DP's fixed divisor
     # nor asynchronous FL's staleness weights may stand in for that total.
     own_total: bool = False
+    # Keeps state per logical client on the ranks that host it, which the update depends on (SCAFFOLD's client
+    # control variates c_i): the update must be a delta that nothing rewrites on the way (no DP clipping or
+    # noise, no secure-aggregation masking, no compression), trained by the built-in torch trainer on the host,
+    # in synchronous rounds.
+    client_state: bool = False
 
 
 UNDECLARED = Capabilities()
@@ -37,6 +42,7 @@ MEAN = Capabilities(summable=True, needs_every_row=False)
 SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_state=True)
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
 NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True)
+CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True)
 
 # Each built-in strategy (sections.STRATEGIES) -> what it is; mpifl.aggregation declares the same on its stages.
 BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
@@ -48,4 +54,5 @@ BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
     "median": ORDER_STATISTIC,
     "trimmed_mean": ORDER_STATISTIC,
     "fednova": NORMALIZED_MEAN,
+    "scaffold": CONTROLLED_MEAN,
 }

@@ -70,6 +70,10 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
         problem = _own_total_problem(cfg, name)
         if problem:
             return problem
+    if caps.client_state:
+        problem = _client_state_problem(cfg, name)
+        if problem:
+            return problem
     if caps.summable:
         if cfg.clock.mode == "fedasync" and caps.server_state:
             return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another strategy without server state "
@@ -105,6 +109,33 @@ def _own_total_problem(cfg: Config, name: str) -> str | None:
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} weighs updates by staleness instead; {why}: choose a synchronous "
                 "clock.mode ('off' or 'sync') or fedavg")
+    return None
+
+
+def _client_state_problem(cfg: Config, name: str) -> str | None:
+    """Why a strategy that keeps state per logical client (Capabilities.client_state) cannot take this config."""
+    why = (f"strategy {name!r} keeps a control variate per client, updated from the client's own delta "
+           "(Capabilities.client_state)")
+    if cfg.strategy.update != "delta":
+        return f"strategy.update: {why}, and its control variates travel as deltas: set strategy.update='delta'"
+    if cfg.privacy.mode != "off":
+        return (f"privacy.mode: clipping and noising the update would rewrite the control-variate deltas the server "
+                f"sums; {why}: set privacy.mode='off' or choose fedavg")
+    if cfg.secagg.enabled:
+        return (f"secagg.enabled: masked fixed-point updates are not implemented for the control-variate section; "
+                f"{why}: set secagg.enabled=false or choose fedavg")
+    if cfg.compression.method != "none":
+        return (f"compression.method: a compressed update would lose control-variate deltas that the client has "
+                f"already applied to its own c_i; {why}: set compression.method='none'")
+    if cfg.clock.mode in ASYNCHRONOUS_MODES:
+        return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
+                "rounds: choose clock.mode 'off' or 'sync'")
+    if cfg.train.trainer != "torch":
+        return (f"train.trainer: {why}, and the built-in 'torch' trainer is the one whose steps it corrects; "
+                f"{cfg.train.trainer!r} is not supported: set train.trainer='torch'")
+    if cfg.train.device == "cuda" or cfg.train.device_copy:
+        return (f"train.device: {why}; training on a device replica is not supported with it yet (train.device "
+                "'auto' trains it on the CPU): set train.device='cpu' and train.device_copy unset")
     return None
 
 

@@ -14,7 +14,8 @@ ASYNCHRONOUS_MODES = ("fedasync", "fedbuff", "fedcompass")
 
 # The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
 # its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
-STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova")
+STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
+              "scaffold")
 
 
 @dataclass
@@ -154,7 +155,9 @@ class StrategyConfig:
 
     name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
                         "median or trimmed_mean (coordinate-wise, unweighted), fednova (Wang et al. 2020: deltas "
-                        "normalised by each client's local steps; strategy.update=delta), or an import path to a "
+                        "normalised by each client's local steps; strategy.update=delta), scaffold (Karimireddy "
+                        "et al. 2020: control variates correct each local step; strategy.update=delta), or an "
+                        "import path to a "
                         "plug-in called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
                         "(see mpifl.api)", choices=STRATEGIES, import_ok=True)
     kwargs: dict = field_(dict, "a plug-in strategy's own settings (strategy.name an import path), passed as keyword "
@@ -174,6 +177,9 @@ class StrategyConfig:
     tau: float = field_(1e-3, "adaptive strategies: adaptivity tau (also v's initial value tau^2)", min=0.0,
                          exclusive_min=True)
     trim_fraction: float = field_(0.1, "trimmed_mean: fraction beta trimmed from each end (< 0.5)", min=0.0, max=0.49)
+    control_ram_mb: float = field_(1024.0, "scaffold: a client rank keeps its clients' control variates c_i (fp32, "
+                                   "one per trainable element) in RAM while they fit in this many MiB, else in "
+                                   "one HDF5 file per rank in the run directory", min=0.0)
 
 
 @dataclass
@@ -377,6 +383,16 @@ class OutputConfig:
                             "'mpifl[wandb]'", choices=TRACKERS)
 
 
+@dataclass(frozen=True)
+class ClientState:
+    """What a run keeps per logical client on the rank that hosts it (one fp32 vector each)."""
+
+    what: str  # as the plan and the logs name it
+    ram_key: str  # the config key of its RAM budget
+    ram_mb: float  # that budget: beyond it, one HDF5 file per rank
+    folder: str  # the folder of those files in the run directory
+
+
 @dataclass
 class Config:
     """One experiment."""
@@ -408,5 +424,21 @@ class Config:
     def clients_per_round(self) -> int:
         """How many logical clients take part in each round."""
         return self.clients.per_round_count()
+
+    @property
+    def control_variates(self) -> bool:
+        """Whether the model carries SCAFFOLD's server control variate (strategy scaffold)."""
+        return self.strategy.name == "scaffold"
+
+    def client_state(self) -> ClientState | None:
+        """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
+        top-k error-feedback residuals, or SCAFFOLD's control variates; None for neither."""
+        if self.control_variates:
+            return ClientState("SCAFFOLD control variates", "strategy.control_ram_mb", self.strategy.control_ram_mb,
+                               "controls")
+        if self.compression.method == "topk" and self.compression.error_feedback:
+            return ClientState("error-feedback residuals", "compression.residual_ram_mb",
+                               self.compression.residual_ram_mb, "residuals")
+        return None
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mpifl.config import ConfigError, ModelConfig
+from mpifl.learning.control import CONTROL, attach_control_variates
 from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
@@ -108,8 +109,15 @@ def model_problem(cfg: ModelConfig, has_data: bool = True) -> str | None:
 
 
 def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None = None,
-                num_classes: int | None = None) -> nn.Module:
-    """Build the configured model with seeded initialisation, in the configured dtype."""
+                num_classes: int | None = None, control_variates: bool = False) -> nn.Module:
+    """Build the configured model with seeded initialisation, in the configured dtype; with
+    ``control_variates`` (strategy scaffold), SCAFFOLD's server control variate appended (learning.control)."""
+    model = _build_model(cfg, seed, input_shape, num_classes)
+    return attach_control_variates(model) if control_variates else model
+
+
+def _build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None,
+                 num_classes: int | None) -> nn.Module:
     dtype = DTYPES[cfg.dtype]
     kwargs: dict[str, Any] = dict(cfg.kwargs)
     if cfg.name == "transformers":  # parameters on meta; weights come after binding
@@ -147,10 +155,11 @@ def freeze_except(model: nn.Module, patterns: Sequence[str]) -> nn.Module:
     return model
 
 
-def model_spec(cfg: ModelConfig, seed: int, **shape: Any) -> tuple[ModelSpec, ModelSpec]:
+def model_spec(cfg: ModelConfig, seed: int, control_variates: bool = False,
+               **shape: Any) -> tuple[ModelSpec, ModelSpec]:
     """The exchanged and the frozen tensors' layouts, from a meta-device build: nothing is allocated."""
     with torch.device("meta"):
-        module = build_model(cfg, seed, **shape)
+        module = build_model(cfg, seed, control_variates=control_variates, **shape)
     exchanged, frozen = split_tensors(module, trainable_only=cfg.exchange == "trainable")
     return build_spec(exchanged), build_spec(frozen)
 
@@ -191,7 +200,8 @@ def output_width_problem(cfg: ModelConfig, model: nn.Module, input_shape: Sequen
     return None
 
 
-def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, **shape: Any) -> FlatModel:
+def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, control_variates: bool = False,
+                     **shape: Any) -> FlatModel:
     """Build the model with its weights allocated once, in the flat buffer(s).
 
     Transformers models and ``init_from`` runs are built on the meta device and their
@@ -202,17 +212,20 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, **shap
     trainable_only = cfg.exchange == "trainable"
     if cfg.name == "transformers":
         from mpifl.learning import hf
-        flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
+        flat = FlatModel(build_model(cfg, seed, control_variates=control_variates, **shape), trainable_only)
         hf.initialize(flat.module, seed)
         if cfg.transformers.pretrained:
             assert cfg.transformers.path is not None  # config checks refuse pretrained without a path
             hf.load_pretrained(flat, cfg.transformers.path)
     elif cfg.init_from and not (trainable_only and cfg.trainable):  # the checkpoint holds every tensor
         with torch.device("meta"):
-            module = build_model(cfg, seed, **shape)
+            module = build_model(cfg, seed, control_variates=control_variates, **shape)
         flat = FlatModel(module, trainable_only)
     else:
-        flat = FlatModel(build_model(cfg, seed, **shape), trainable_only)
+        flat = FlatModel(build_model(cfg, seed, control_variates=control_variates, **shape), trainable_only)
+    if control_variates:  # c = 0 at the start, also where the model was built on the meta device
+        for buffer in getattr(flat.module, CONTROL).buffers():
+            buffer.zero_()
     if cfg.init_from and read_init:
         read_init_from(flat, cfg.init_from)
     return flat

@@ -46,7 +46,8 @@ class ModelBytes:
 
     exchanged: int  # what travels, is reduced and checkpointed
     frozen: int  # frozen parameters: on every rank that builds the model, never on the wire
-    parameters: int  # element count, exchanged and frozen
+    parameters: int  # element count, exchanged and frozen (SCAFFOLD's control variates not counted)
+    control: int = 0  # bytes of SCAFFOLD's control section, part of ``exchanged``
 
     @property
     def total(self) -> int:
@@ -115,10 +116,19 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
         client += 4 * elements  # the group's fp32 partial sum
         if cfg.transport.reduce == "chain":  # the running sum's receive ring
             client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
-    residuals = residual_plan(cfg, elements, client_ranks)
-    if residuals and residuals[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 residuals
-        client += residuals[0][1] * 4 * elements
+    state_elements = client_state_elements(cfg, size)
+    if size.control:  # scaffold: the correction c - c_i, and one parameter's control delta (at most as large)
+        client += 2 * size.control
+    state = client_state_plan(cfg, state_elements, client_ranks)
+    if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
+        client += state[0][1] * 4 * state_elements
     return client
+
+
+def client_state_elements(cfg: Config, size: ModelBytes) -> int:
+    """Elements of one client's state vector: a residual spans the exchanged model; a control variate, its
+    trainable parameters (the control section's size)."""
+    return size.control // 4 if cfg.control_variates else size.exchanged // itemsize(cfg.model.dtype)
 
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,
@@ -146,15 +156,16 @@ def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, ser
     return max(server + beside_server * client, min(ranks_per_node, clients - beside_server) * client)
 
 
-def residual_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
-    """Top-k with error feedback: (client ranks, clients each hosts, "RAM" or "HDF5"), fullest ranks first
-    (round-robin placement); empty without residuals."""
-    if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
+def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
+    """Per-client state (Config.client_state) of ``elements`` fp32 each: (client ranks, clients each hosts, "RAM"
+    or "HDF5"), fullest ranks first (round-robin placement); empty without any."""
+    state = cfg.client_state()
+    if state is None:
         return []
     by_count: dict[int, list[int]] = {}
     for rank in range(1, client_ranks + 1):
         hosted = len(clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups))
         by_count.setdefault(hosted, []).append(rank)
-    limit = cfg.compression.residual_ram_mb * MIB
+    limit = state.ram_mb * MIB
     return [(ranks, n, "RAM" if 4 * n * elements <= limit else "HDF5") for n, ranks in sorted(by_count.items(),
                                                                                               reverse=True)]

@@ -21,6 +21,7 @@ from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
+from mpifl.roles.control import ClientControls
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
@@ -78,6 +79,7 @@ class ClientParts:
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
+    controls: ClientControls | None = None  # scaffold: each hosted client's control variate c_i
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
 
 
@@ -140,10 +142,13 @@ class ClientRank:
                 self.serve_round(header)
 
     def persist(self, header: protocol.RoundHeader) -> None:
-        """Publish this rank's residuals of the round just ended for the server's checkpoint, then acknowledge."""
+        """Publish this rank's per-client state of the round just ended (error-feedback residuals, or SCAFFOLD's
+        control variates) for the server's checkpoint, then acknowledge."""
         assert header.persist is not None  # run() calls this only for a persist header
-        assert self.parts.residuals is not None  # the server asks only with error feedback, which makes them
-        name = save_snapshot(self.parts.residuals, self.first_element, Path(header.persist), self.rank, header.round)
+        controls = self.parts.controls
+        store, firsts = (controls.store, controls.firsts) if controls else (self.parts.residuals, self.first_element)
+        assert store is not None  # the server asks only with error feedback or scaffold, which make one
+        name = save_snapshot(store, firsts, Path(header.persist), self.rank, header.round)
         send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
 
     def serve_round(self, header: protocol.RoundHeader) -> None:
@@ -291,6 +296,11 @@ class ClientRank:
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
         result, error = self._train_one(round_, client, train)
+        if error is None and self.parts.controls is not None:
+            assert keep is not None  # scaffold sends deltas, so the rank keeps the global model
+            self.parts.controls.update(client, keep, result.local_steps or 0, self.parts.weight(
+                protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
+                                    local_steps=result.local_steps)))
         check = error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
         if self.replica is not None and self.group_sum is not None:  # the update stays on the device
             buffers, bad = None, self._device_update(check)
@@ -308,8 +318,10 @@ class ClientRank:
 
     def _train_one(self, round_: int, client: int, train: ClientData | None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client; a raise ends the job, or is its error under accept_failures."""
+        controls = self.parts.controls
         try:
-            return self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client)), None
+            with controls.training(client) if controls else contextlib.nullcontext():
+                return self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client)), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures:
                 raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "

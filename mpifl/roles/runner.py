@@ -22,6 +22,7 @@ from mpifl.aggregation.updates import Mixing
 from mpifl.clock.planners import clock_sampler, task_samples
 from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
+from mpifl.learning.control import control_elements
 from mpifl.learning.datasets import Dataset, client_data, client_source, load_dataset, needs_dataset, surveyed_dataset
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
@@ -34,6 +35,7 @@ from mpifl.planning.federation import Placement, placement_for
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
+from mpifl.roles.control import ClientControls
 from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
 from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
@@ -162,9 +164,10 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     building = time.monotonic()
     out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
     if out_of_core:  # the out-of-core server never allocates the model
-        spec, flat = model_spec(cfg.model, cfg.seed, **shape)[0], None
+        spec, flat = model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **shape)[0], None
     else:
-        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, **shape)
+        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, control_variates=cfg.control_variates,
+                                **shape)
         spec = flat.spec
     built = time.monotonic() - building
     problem = None
@@ -184,10 +187,11 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     if comm.Get_rank() != 0:
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
-        residuals = _residuals(cfg, plan, comm.Get_rank(), sorted(local), run_dir, resume)
         assert flat is not None  # only rank 0's out-of-core server builds no model
-        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, residuals=residuals,
-                         note=notes)
+        state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
+        controls = ClientControls(flat, state, cfg.train.lr) if state is not None and cfg.control_variates else None
+        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
+                         residuals=None if controls else state, controls=controls, note=notes)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes)
 
@@ -203,26 +207,29 @@ def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
     return surveyed_dataset(source, index, surveyed["survey"][1] if comm.Get_rank() == 0 else None)
 
 
-def _residuals(cfg: Config, plan: ExchangeLayout, rank: int, hosted: list[int], run_dir: Path | None,
-               resume: ResumePoint | None) -> ResidualStore | None:
-    """Top-k with error feedback: the hosted clients' residuals, in RAM or on disk, reloaded on a resume."""
-    if cfg.compression.method != "topk" or not cfg.compression.error_feedback:
+def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int, hosted: list[int],
+                  run_dir: Path | None, resume: ResumePoint | None) -> ResidualStore | None:
+    """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
+    read chunk by chunk; SCAFFOLD control variates, one per trainable element, read whole), in RAM or on disk,
+    reloaded on a resume."""
+    state = cfg.client_state()
+    if state is None:
         return None
-    firsts = element_offsets(plan.chunks)
-    path = run_dir / "residuals" / RANK_FILE.format(rank=rank) if run_dir else None
+    firsts = [0, control_elements(flat.module)] if cfg.control_variates else element_offsets(plan.chunks)
+    path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
     try:
-        store = open_residuals(firsts, len(hosted), int(cfg.compression.residual_ram_mb * MIB), path)
+        store = open_residuals(firsts, len(hosted), int(state.ram_mb * MIB), path, state.ram_key)
     except ValueError as err:
         raise JobFailure(str(err)) from None
     if resume is not None:
         found = load_snapshot(store, firsts, resume.residual_files or [], hosted)
-        log(f"resume: error-feedback residuals of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
+        log(f"resume: {state.what} of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
     return store
 
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
                      upload_initial: bool, residuals: ResidualStore | None = None,
-                     note: RankNotes | None = None) -> None:
+                     controls: ClientControls | None = None, note: RankNotes | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
             f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
@@ -231,7 +238,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
+    device = "cpu" if cfg.control_variates else cfg.train.device  # scaffold trains on the host (config checks)
+    replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(
         plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",
         accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
@@ -239,7 +247,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
-        note=note or RankNotes(None, comm.Get_rank()))
+        controls=controls, note=note or RankNotes(None, comm.Get_rank()))
     ClientRank(comm, flat, local, parts).run()
 
 
@@ -247,6 +255,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                      dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
                      resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes) -> RunOutcome:
     strategy = _strategy(cfg)
+    strategy.bind(plan.spec, cfg.clients.num_clients)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
@@ -287,7 +296,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     asynchronous = cfg.clock.asynchronous
     chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
-    feedback = cfg.compression.method == "topk" and cfg.compression.error_feedback
+    feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
                                 sampler.needed_versions if asynchronous and directory else None,
                                 persist=ResidualPublisher(comm, deadlines).publish if feedback else None)

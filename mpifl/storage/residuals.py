@@ -128,14 +128,16 @@ def residual_bytes(hosted: int, elements: int) -> int:
     return 4 * hosted * elements
 
 
-def open_residuals(firsts: list[int], hosted: int, ram_bytes: int, path: Path | None) -> RamResiduals | DiskResiduals:
-    """In RAM while every hosted client's residual fits in ``ram_bytes``, else in the HDF5 file ``path``."""
+def open_residuals(firsts: list[int], hosted: int, ram_bytes: int, path: Path | None,
+                   ram_key: str = "compression.residual_ram_mb") -> RamResiduals | DiskResiduals:
+    """In RAM while every hosted client's vector fits in ``ram_bytes`` (the config key ``ram_key``), else in the
+    HDF5 file ``path``."""
     if residual_bytes(hosted, firsts[-1]) <= ram_bytes:
         return RamResiduals(firsts)
     if path is None:
-        raise ValueError(f"compression.residual_ram_mb: {hosted} clients' residuals "
+        raise ValueError(f"{ram_key}: {hosted} clients' vectors "
                          f"({residual_bytes(hosted, firsts[-1]) / 2**20:.1f} MiB) do not fit, and this run has no "
-                         "run directory to keep them on disk; raise compression.residual_ram_mb or give --run-dir")
+                         f"run directory to keep them on disk; raise {ram_key} or give --run-dir")
     return DiskResiduals(firsts, path)
 
 

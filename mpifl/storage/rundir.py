@@ -68,8 +68,9 @@ def run_directory(cfg: Config, run_dir_arg: str | None) -> Path:
 
 
 def keeps_residuals(cfg: Config) -> bool:
-    """Whether the run's clients keep error-feedback residuals that a checkpoint must carry."""
-    return cfg.compression.method == "topk" and cfg.compression.error_feedback
+    """Whether the run's clients keep per-client state (error-feedback residuals, SCAFFOLD's control variates)
+    that a checkpoint must carry."""
+    return cfg.client_state() is not None
 
 
 def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None:

@@ -27,6 +27,9 @@ import torch
 from mpifl.wire.memory import host_bytes
 
 ALIGN = 64
+# SCAFFOLD's server control variate travels as this submodule of the model (mpifl.learning.control): the
+# strategy finds its section in the spec by this name
+CONTROL = "scaffold_control"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -188,6 +191,11 @@ def is_frozen(tensor: torch.Tensor) -> bool:
 
 
 Named = list[tuple[str, torch.Tensor]]
+
+
+def control_bytes(spec: ModelSpec) -> int:
+    """Bytes of the model's SCAFFOLD control section (0 without one)."""
+    return sum(e.nbytes for e in spec.entries if e.name.startswith(CONTROL + "."))
 
 
 def split_tensors(module: torch.nn.Module, trainable_only: bool = False) -> tuple[Named, Named]:

@@ -1,0 +1,351 @@
+"""NIID-Bench's Fashion-MNIST, p_k ~ Dir(0.5) rows (FedAvg, FedProx, SCAFFOLD, FedNova), run with mpifl.
+
+Li, Diao, Chen and He, "Federated Learning on Non-IID Data Silos: An Experimental Study" (ICDE 2022,
+arXiv:2102.02079; code github.com/Xtra-Computing/NIID-Bench). This script runs
+``configs/niid_bench/fmnist_dir05_<algorithm>.yaml`` for each algorithm and seed, one after another
+(never in parallel), each under ``mpiexec -n RANKS``, reads the global model's test accuracy after the
+last round from each run's metrics.jsonl, and prints a markdown table against the paper. From the
+repository root (the full protocol takes hours on a laptop; see the estimate it prints):
+
+    python profiling/niid_bench.py                       # 4 algorithms x seeds 0 1 2, 50 rounds each
+    python profiling/niid_bench.py --rounds 1 --epochs 1 --seeds 0 --algorithms fedavg fednova   # smoke
+
+The protocol lives here once (PROTOCOL, ALGORITHMS); the configs must say the same, which
+tests/test_niid_bench_harness.py checks. Unless ``--partition mpifl``, each run gets NIID-Bench's own
+``noniid-labeldir`` split of its seed (``niid_labeldir``: the same draws as NIID-Bench's ``partition_data``
+after ``np.random.seed(init_seed)``, its balance rule and its min-size-10 retry loop), written as a
+``data.partition: file`` JSON; ``--partition mpifl`` keeps the configs' own ``data.partition: dirichlet``.
+Needs Fashion-MNIST in /usr/share/datasets/fashion-mnist (``apt-get install dataset-fashion-mnist``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs" / "niid_bench"
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                       "t10k-labels-idx1-ubyte")
+
+# The protocol, as config keys. Sources: NIID-Bench (commit 61b901a) scripts/image-data-without-noise.sh runs
+# `experiments.py --model=simple-cnn --lr=0.01 --batch-size=64 --epochs=10 --n_parties=10 --rho=0.9
+# --comm_round=50 --partition=noniid-labeldir --beta=0.5 --init_seed=$init_seed` for init_seed in 0 1 2 (fedprox
+# also --mu in 0.001 0.01 0.1 1); experiments.py's defaults give --sample=1 (every party, every round) and
+# --reg=1e-5 (SGD weight_decay); utils.get_dataloader reads fmnist with ToTensor() only ([0, 1], no
+# normalisation), which is what mpifl's fashion_mnist gives.
+PROTOCOL: dict[str, object] = {
+    "rounds": 50,                                    # --comm_round=50
+    "clients.num_clients": 10,                       # --n_parties=10
+    "clients.fraction": 1.0,                         # --sample=1 (default)
+    "data.dataset": "fashion_mnist",                 # --dataset=fmnist
+    "data.partition": "dirichlet",                   # --partition=noniid-labeldir (see niid_labeldir)
+    "data.alpha": 0.5,                               # --beta=0.5
+    "model.name": "profiling.niid_bench_model:simple_cnn_mnist",  # --model=simple-cnn -> SimpleCNNMNIST
+    "train.optimizer": "sgd",                        # --optimizer=sgd (default)
+    "train.lr": 0.01,                                # --lr=0.01
+    "train.momentum": 0.9,                           # --rho=0.9
+    "train.weight_decay": 1e-5,                      # --reg=1e-5 (default)
+    "train.local_epochs": 10,                        # --epochs=10
+    "train.batch_size": 64,                          # --batch-size=64
+    "strategy.weighting": "samples",                 # fed_avg_freqs / n_list: local sample counts
+    "eval.every": 1,                                 # the global model on the whole test set after every round
+}
+SEEDS = (0, 1, 2)                                    # the script's `for init_seed in 0 1 2`
+FEDPROX_MU_GRID = (0.001, 0.01, 0.1, 1.0)            # the script's `for mu in 0.001 0.01 0.1 1`
+FEDPROX_MU = 0.01                                    # the configs' choice; the paper reports the best of the grid
+NIID_MIN_REQUIRE_SIZE = 10                           # utils.partition_data, noniid-labeldir
+
+# Per algorithm: its config's own keys (on top of PROTOCOL).
+ALGORITHMS: dict[str, dict[str, object]] = {
+    "fedavg": {"strategy.name": "fedavg", "strategy.update": "weights"},
+    "fedprox": {"strategy.name": "fedavg", "strategy.update": "weights", "train.prox_mu": FEDPROX_MU},
+    "scaffold": {"strategy.name": "scaffold", "strategy.update": "delta"},
+    "fednova": {"strategy.name": "fednova", "strategy.update": "delta"},
+}
+
+# The paper's accuracy for FMNIST, p_k ~ Dir(0.5), per algorithm, as (mean %, std %). The paper's Table III
+# (top-1 accuracy, mean +- std over its runs; Flower's baseline README calls it "Table 3") holds these numbers,
+# but none of the sources we could read gives them: the stored copies of the paper stop at its abstract,
+# NIID-Bench's README leaderboard lists CIFAR-10 only, and its issues and other repositories quote other rows.
+# None prints "not found". Fill a value in only from a source you can cite, and name it in PAPER_SOURCE.
+PAPER: dict[str, tuple[float, float] | None] = {"fedavg": None, "fedprox": None, "scaffold": None, "fednova": None}
+PAPER_SOURCE = "Li et al., ICDE 2022, Table III (FMNIST, p_k ~ Dir(0.5)): values not found in any readable source"
+
+# Another reproduction of the same protocol, for orientation only (it is not the paper): Flower's NIID-Bench
+# baseline, one run with dataset_seed 42, its README's "Expected Results" table, row FMNIST / Dirichlet (0.5)
+# (github.com/adap/flower, baselines/niid_bench/README.md, commit 1599d01c2f76a4139abe231b7e294f828ba62048).
+# Its FedProx mu is "tuned from values {0.001, 0.01, 0.1, 1.0}"; the README does not say which one it shows.
+FLOWER: dict[str, float] = {"fedavg": 88.4, "fedprox": 88.6, "scaffold": 88.4, "fednova": 88.1}
+FLOWER_SOURCE = ("Flower baselines/niid_bench/README.md (adap/flower@1599d01c), \"Expected Results\", one run, "
+                 "dataset_seed 42, FedProx's mu tuned in {0.001, 0.01, 0.1, 1} (which one is not stated)")
+
+
+def config_path(algorithm: str) -> Path:
+    """The shipped config of ``algorithm``."""
+    return CONFIGS / f"fmnist_dir05_{algorithm}.yaml"
+
+
+def expected_keys(algorithm: str) -> dict[str, object]:
+    """Every protocol key ``algorithm``'s config must hold, and its value."""
+    return {**PROTOCOL, **ALGORITHMS[algorithm]}
+
+
+def dataset_problem(folder: Path | None = None) -> str | None:
+    """Why Fashion-MNIST cannot be read from ``folder`` (default FASHION_MNIST; plain or .gz IDX files), or None."""
+    folder = folder or FASHION_MNIST
+    missing = [n for n in FASHION_MNIST_FILES if not ((folder / n).is_file() or (folder / f"{n}.gz").is_file())]
+    if not missing:
+        return None
+    return (f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): install Debian's package with "
+            "`sudo apt-get install dataset-fashion-mnist` (the runs read nothing from the network)")
+
+
+def train_labels(folder: Path | None = None):
+    """The 60,000 training labels, in file order (the order torchvision's FashionMNIST reads them in)."""
+    import numpy as np
+
+    folder = folder or FASHION_MNIST
+    name = "train-labels-idx1-ubyte"
+    path = folder / name if (folder / name).is_file() else folder / f"{name}.gz"
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    count = int.from_bytes(raw[4:8], "big")
+    if raw[:4] != b"\x00\x00\x08\x01" or len(raw) != 8 + count:
+        raise ValueError(f"{path}: not an IDX label file")
+    return np.frombuffer(raw, dtype=np.uint8, offset=8).astype(np.int64)
+
+
+def niid_labeldir(labels, n_parties: int, beta: float, seed: int,
+                  min_require_size: int = NIID_MIN_REQUIRE_SIZE) -> list[list[int]]:
+    """NIID-Bench's ``noniid-labeldir`` split (utils.partition_data), draw for draw: after
+    ``np.random.seed(seed)`` it shuffles each class and draws Dir(beta) proportions, zeroes the share of
+    parties that already hold N / n_parties samples (the balance rule), cuts the class by the cumulative
+    shares, and redraws the whole split until every party holds at least ``min_require_size`` samples; then
+    shuffles each party's indices. Returns each party's indices in NIID-Bench's order."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)  # the legacy global stream np.random.seed(seed) sets
+    labels = np.asarray(labels)
+    n, num_classes = len(labels), int(labels.max()) + 1  # NIID-Bench: K = 10 for fmnist
+    min_size = 0
+    while min_size < min_require_size:
+        idx_batch: list[list[int]] = [[] for _ in range(n_parties)]
+        for k in range(num_classes):
+            idx_k = np.where(labels == k)[0]
+            rng.shuffle(idx_k)
+            proportions = rng.dirichlet(np.repeat(beta, n_parties))
+            proportions = np.array([p * (len(idx_j) < n / n_parties) for p, idx_j in zip(proportions, idx_batch)])
+            proportions = proportions / proportions.sum()
+            cuts = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+            idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, cuts))]
+            min_size = min(len(idx_j) for idx_j in idx_batch)
+    for j in range(n_parties):
+        rng.shuffle(idx_batch[j])
+    return idx_batch
+
+
+def write_partition(path: Path, seed: int, folder: Path | None = None) -> Path:
+    """NIID-Bench's split of ``seed`` as a ``data.partition: file`` JSON (a list of per-client index lists)."""
+    parts = niid_labeldir(train_labels(folder), int(PROTOCOL["clients.num_clients"]), float(PROTOCOL["data.alpha"]),
+                          seed)
+    path.write_text(json.dumps([[int(i) for i in p] for p in parts]))
+    return path
+
+
+def read_run(run_dir: Path) -> dict:
+    """From a run's metrics.jsonl: the last evaluated round's test accuracy, and round timings."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evaluated = [r for r in records if "eval" in r]
+    if not evaluated:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no round was evaluated")
+    return {"accuracy": evaluated[-1]["eval"]["accuracy"], "round": evaluated[-1]["round"],
+            "rounds": len(records),
+            "round_seconds": [r["time"]["round"] for r in records],
+            "eval_seconds": [r["time"]["eval"] for r in records],
+            "num_samples": [r["num_samples"] for r in records]}
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    """The mean and the sample standard deviation (None for one value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def algorithm_of(label: str) -> str:
+    """The algorithm a row label names ("fedprox (mu=0.1)" -> "fedprox")."""
+    return label.split()[0]
+
+
+def format_table(results: dict[str, list[float]], errors: dict[str, str] | None = None) -> str:
+    """The comparison as markdown: one row per label (an algorithm, or "fedprox (mu=...)"), with mpifl's final
+    test accuracies (fractions, one per seed) as mean +- sample std in %, the paper's mean +- std, the
+    difference of the means in percentage points, and Flower's reproduction for orientation."""
+    errors = errors or {}
+    lines = ["| algorithm | mpifl accuracy (mean ± std over seeds) | paper's accuracy (Table III) | difference | "
+             "Flower's reproduction (1 run) |",
+             "|---|---|---|---|---|"]
+    for label in [*results, *(k for k in errors if k not in results)]:
+        accs = results.get(label, [])
+        if accs:
+            mean, std = mean_std(accs)
+            ours = f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}%" if std is not None else "") + f" (n={len(accs)})"
+        else:
+            mean, ours = None, "no run finished"
+        if label in errors:
+            ours += f"; failed: {errors[label]}"
+        paper = PAPER.get(algorithm_of(label))
+        paper_text = f"{paper[0]:.1f}% ± {paper[1]:.1f}%" if paper else "not found"
+        diff = f"{100 * mean - paper[0]:+.1f} pp" if paper and mean is not None else "n/a"
+        flower = FLOWER.get(algorithm_of(label))
+        lines.append(f"| {label} | {ours} | {paper_text} | {diff} | "
+                     f"{f'{flower:.1f}%' if flower is not None else 'not found'} |")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    """The checkout's commit, with "+ uncommitted changes" when the tree differs from it."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit + (" + uncommitted changes" if dirty.strip() else "")
+
+
+def machine() -> str:
+    """CPU model, cores, OS and Python."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
+
+
+def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
+    """One ``mpiexec -n RANKS mpifl run`` of ``algorithm``'s config; its read-out, or {"error": ...}."""
+    cmd = [str(Path(args.bin) / "mpiexec"), "-n", str(args.ranks), str(Path(args.bin) / "mpifl"), "run",
+           str(config_path(algorithm)), "--run-dir", str(run_dir), f"seed={seed}", "output.progress=false",
+           *overrides]
+    env = dict(os.environ)  # the plug-in model is profiling.niid_bench_model: the repository root goes on the path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
+    log = run_dir.with_suffix(".log")
+    print(f"  {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - start
+    if rc != 0:
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        why = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
+        return {"error": f"exit {rc}: {why.strip()[:300]} (log: {log})", "wall": wall}
+    return {**read_run(run_dir), "wall": wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=3, help="MPI ranks per run: 1 server + RANKS-1 client ranks")
+    p.add_argument("--rounds", type=int, default=None, help=f"rounds per run (protocol: {PROTOCOL['rounds']})")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"local epochs (protocol: {PROTOCOL['train.local_epochs']}; fewer only for smoke runs)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds (the paper's init_seed 0 1 2)")
+    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    p.add_argument("--mu", type=float, nargs="+", default=[FEDPROX_MU],
+                   help=f"FedProx mu, one row each (the paper's grid: {' '.join(map(str, FEDPROX_MU_GRID))})")
+    p.add_argument("--partition", choices=("niid", "mpifl"), default="niid",
+                   help="niid: NIID-Bench's noniid-labeldir split of each seed (a partition file); mpifl: the "
+                        "configs' data.partition=dirichlet")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
+    p.add_argument("--work", type=Path, default=None, help="where runs go (default runs/niid_bench-<time>)")
+    p.add_argument("--bin", default=str(Path(sys.executable).parent), help="folder holding mpiexec and mpifl")
+    args = p.parse_args(argv)
+
+    problem = dataset_problem()
+    if problem:
+        print(f"niid_bench: {problem}", file=sys.stderr)
+        return 2
+    started = datetime.datetime.now().astimezone()
+    work = args.work or ROOT / "runs" / f"niid_bench-{started:%Y%m%d-%H%M%S}"
+    work.mkdir(parents=True, exist_ok=True)
+    common = [*([f"rounds={args.rounds}"] if args.rounds else []),
+              *([f"train.local_epochs={args.epochs}"] if args.epochs else []), *args.set]
+    partitions: dict[int, list[str]] = {}
+    for seed in args.seeds:
+        if args.partition == "niid":
+            path = write_partition(work / f"partition-seed{seed}.json", seed)
+            partitions[seed] = ["data.partition=file", f"data.partition_file={path}"]
+        else:
+            partitions[seed] = []
+
+    results: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+    timings: list[tuple[str, int, dict]] = []
+    for algorithm in args.algorithms:  # one run at a time
+        variants = [(f"fedprox (mu={mu:g})", [f"train.prox_mu={mu}"]) for mu in args.mu] \
+            if algorithm == "fedprox" else [(algorithm, [])]
+        for label, extra in variants:
+            for seed in args.seeds:
+                name = label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
+                print(f"niid_bench: {label}, seed {seed}", file=sys.stderr, flush=True)
+                out = run_one(args, algorithm, seed, work / f"{name}-seed{seed}",
+                              [*partitions[seed], *common, *extra])
+                if "error" in out:
+                    errors[label] = out["error"]
+                    print(f"  failed: {out['error']}", file=sys.stderr)
+                    continue
+                results.setdefault(label, []).append(out["accuracy"])
+                timings.append((label, seed, out))
+                print(f"  test accuracy after round {out['round']}: {out['accuracy']:.4f} ({out['wall']:.0f} s)",
+                      file=sys.stderr, flush=True)
+
+    epochs = args.epochs or int(PROTOCOL["train.local_epochs"])
+    rounds = args.rounds or int(PROTOCOL["rounds"])
+    print("## NIID-Bench, Fashion-MNIST, p_k ~ Dir(0.5): mpifl against the paper\n")
+    print(f"- command: `{shlex.join([sys.executable, *sys.argv])}`")
+    print(f"- date: {started:%Y-%m-%d %H:%M %Z}")
+    print(f"- git commit: {git_commit()}")
+    print(f"- machine: {machine()}; {args.ranks} MPI ranks (1 server + {args.ranks - 1} client ranks)")
+    print(f"- runs: {rounds} rounds, {epochs} local epochs, seeds {' '.join(map(str, args.seeds))}, partition "
+          f"{'NIID-Bench noniid-labeldir (file)' if args.partition == 'niid' else 'mpifl dirichlet'}"
+          f"{', overrides ' + ' '.join(args.set) if args.set else ''}; run directories in {work}")
+    if (rounds, epochs) != (PROTOCOL["rounds"], PROTOCOL["train.local_epochs"]):
+        print(f"- NOT the paper's protocol ({PROTOCOL['rounds']} rounds, {PROTOCOL['train.local_epochs']} local "
+              "epochs): the accuracies below are not comparable with the paper's")
+    print(f"- accuracy: the global model's top-1 accuracy on the 10,000 test images after the last round; mean ± "
+          f"sample standard deviation over seeds\n- paper: {PAPER_SOURCE}\n- Flower: {FLOWER_SOURCE}\n")
+    print(format_table(results, errors))
+    if timings:
+        print("\n| run | seed | rounds | median round (s) | training samples/s | wall (s) | full-protocol round, "
+              "estimated (s) |\n|---|---|---|---|---|---|---|")
+        full_rounds = []
+        for label, seed, out in timings:
+            round_s = statistics.median(out["round_seconds"])
+            eval_s = statistics.median(out["eval_seconds"])
+            per_s = statistics.median(out["num_samples"]) * epochs / max(round_s - eval_s, 1e-9)
+            full = (round_s - eval_s) * PROTOCOL["train.local_epochs"] / epochs + eval_s
+            full_rounds.append(full)
+            print(f"| {label} | {seed} | {out['rounds']} | {round_s:.1f} | {per_s:,.0f} | {out['wall']:.0f} | "
+                  f"{full:.0f} |")
+        runs = len(ALGORITHMS) - 1 + len(FEDPROX_MU_GRID)  # every algorithm, FedProx at each mu of the grid
+        total = statistics.fmean(full_rounds) * PROTOCOL["rounds"] * len(SEEDS)
+        print(f"\nEstimated full reproduction on this machine ({PROTOCOL['rounds']} rounds x {len(SEEDS)} seeds, "
+              f"run after run): {total / 3600:.1f} h per algorithm, {total * len(ALGORITHMS) / 3600:.1f} h for the "
+              f"four with one mu, {total * runs / 3600:.1f} h with FedProx's whole mu grid.")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

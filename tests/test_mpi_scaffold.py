@@ -1,0 +1,160 @@
+"""SCAFFOLD (Karimireddy et al. 2020): the server control variate streamed inside the model, each client's c_i
+kept on the rank that hosts it, equal to the paper's rule computed on whole models, bitwise, on any number of
+ranks, with reduction groups, with c_i in RAM or on disk, and across a resume on another number of ranks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import run_mpi, write_config
+from reference import reference_run, scaffold_reference
+
+from mpifl.aggregation.strategies import ControlledAverage, make_strategy, section_span
+from mpifl.cli.plan import estimate
+from mpifl.config import ConfigError, StrategyConfig, load_config
+from mpifl.learning.control import CONTROL, control_delta, corrected_steps
+from mpifl.storage.hdf5 import load_tensors
+from mpifl.wire.flat import Chunk
+
+CONFIG = """
+seed: 5
+rounds: 3
+clients: {num_clients: 8, per_round: 6}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: mlp, kwargs: {hidden: [9]}}
+train: {lr: 0.05, momentum: 0.5, batch_size: 16, local_epochs: 1, device: cpu}
+strategy: {name: scaffold, update: delta}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def final_model(run_dir) -> dict[str, np.ndarray]:
+    """The run's final tensors, its control section renamed ``control.<k>`` in order (k = 0, 1, ...)."""
+    tensors = {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
+    controls = sorted(n for n in tensors if n.startswith(CONTROL + "."))
+    out = {n: t for n, t in tensors.items() if n not in controls}
+    out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
+    return out
+
+
+def reference(*overrides: str) -> dict[str, np.ndarray]:
+    want = scaffold_reference(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)))
+    controls = [n for n in want if n.startswith("control.")]
+    out = {n: t for n, t in want.items() if n not in controls}
+    out.update({f"control.{k}": want[n] for k, n in enumerate(controls)})
+    return out
+
+
+def assert_bitwise(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.abs(got[name] - want[name]).max()}"
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ()),  # 2 client ranks, 3 participants each, one after the other
+    (7, ("transport.chunk_mb=0.00001",)),  # 6 client ranks, 10-byte chunks: chunks straddle the control section
+    (4, ("clients.groups=3", "strategy.weighting=equal")),  # the groups' partial sums, equal weights
+    (4, ("strategy.control_ram_mb=0", "strategy.server_lr=0.5")),  # c_i in one HDF5 file per rank; eta_g
+], ids=["2-client-ranks", "6-client-ranks-tiny-chunks", "reduction-groups", "controls-on-disk"])
+def test_scaffold_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = final_model(tmp_path / "run"), reference(*overrides)
+    assert_bitwise(got, want)
+    assert any(np.abs(want[n]).max() > 0 for n in want if n.startswith("control."))  # c moved away from 0
+    if "strategy.control_ram_mb=0" in overrides:
+        assert sorted(p.name for p in (tmp_path / "run" / "controls").iterdir()) == ["rank00001.h5", "rank00002.h5",
+                                                                                    "rank00003.h5"]
+
+
+def test_scaffold_is_fedavg_in_round_one_and_departs_from_it_once_control_variates_are_nonzero():
+    def fedavg(*overrides: str) -> dict[str, np.ndarray]:  # trained with one thread, as scaffold_reference is
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return reference_run(load_config(None, ["strategy.name=fedavg", *overrides], data=yaml.safe_load(CONFIG)))
+        finally:
+            torch.set_num_threads(threads)
+
+    weights = lambda run: {n: t for n, t in run.items() if not n.startswith("control.")}  # noqa: E731
+    # round 1 starts from c = c_i = 0, so its weights are FedAvg's (of deltas); from round 2 the corrections act
+    assert_bitwise(weights(reference("rounds=1")), fedavg("rounds=1"))
+    three = weights(reference())
+    assert any(not np.array_equal(three[n], v) for n, v in fedavg().items())
+
+
+def test_a_resumed_scaffold_run_on_another_number_of_ranks_equals_the_uninterrupted_one_bitwise(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
+    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
+    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
+    for result in (whole, first, rest):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume: SCAFFOLD control variates of" in rest.stderr
+    assert_bitwise(final_model(tmp_path / "split"), final_model(tmp_path / "whole"))
+
+
+def test_the_control_delta_is_option_two_of_the_paper():
+    x, y, c = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 2.5]), torch.tensor([0.25, -0.25])
+    # (x - y) / (K lr) - c with K = 5 steps at lr 0.1: (0.5, -0.5) / 0.5 - c
+    assert torch.equal(control_delta(x, y, c, steps=5, lr=0.1), torch.tensor([0.75, -0.75]))
+    with pytest.raises(ValueError, match="local steps > 0"):
+        control_delta(x, y, c, steps=0, lr=0.1)
+
+
+def test_inside_the_correction_every_step_is_followed_by_minus_lr_times_c_minus_c_i_outside_the_momentum():
+    w = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+    optimizer = torch.optim.SGD([w], lr=0.5, momentum=0.9)
+    with corrected_steps([w], [torch.tensor([0.5, 2.0])]):
+        for _ in range(2):
+            optimizer.zero_grad()
+            w.sum().backward()  # g = 1: momentum buffer 1, then 1.9
+            optimizer.step()
+    # w0 - 0.5 * (1 + 1.9) - 2 * 0.5 * (c - c_i): the correction is not in the momentum buffer
+    assert torch.allclose(w.detach(), torch.tensor([1.0 - 1.45 - 0.5, -1.0 - 1.45 - 2.0]))
+    assert torch.allclose(optimizer.state[w]["momentum_buffer"], torch.tensor([1.9, 1.9]))
+    optimizer.zero_grad()
+    w.sum().backward()
+    optimizer.step()  # outside: no correction
+    assert torch.allclose(w.detach(), torch.tensor([1.0 - 1.45 - 0.5 - 0.5 * 2.71, -1.0 - 1.45 - 2.0 - 0.5 * 2.71]))
+
+
+def test_a_chunk_is_split_at_the_control_sections_bytes():
+    chunk = Chunk(index=3, dtype="float32", offset=96, nbytes=64, itemsize=4)  # elements 24..39
+    assert section_span(chunk, 128, 512) == (8, 16)  # the control section starts inside it
+    assert section_span(chunk, 0, 112) == (0, 4)  # ... or ends inside it
+    assert section_span(chunk, 512, 640) == (16, 16)  # none of it
+    strategy = make_strategy(StrategyConfig(name="scaffold", update="delta"))
+    assert isinstance(strategy, ControlledAverage) and strategy.capabilities.client_state
+
+
+def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
+    fedavg = estimate(load_config(None, ["strategy.name=fedavg"], data=yaml.safe_load(CONFIG)), nranks=3,
+                      ranks_per_node=3, server_alone=False)
+    scaffold = estimate(load_config(None, [], data=yaml.safe_load(CONFIG)), nranks=3, ranks_per_node=3,
+                        server_alone=False)
+    (size, plan), (plain_size, plain) = scaffold, fedavg
+    params = 64 * 9 + 9 + 9 * 10 + 10  # mlp 64-9-10 on the digits
+    assert size.control == 4 * params and size.parameters == plain_size.parameters
+    assert size.exchanged >= plain_size.exchanged + size.control
+    # a client rank hosts 4 of the 8 clients: their c_i, the correction and a control delta, beyond FedAvg's
+    # model (which now carries c) and its copies
+    assert plan.client_bytes - plain.client_bytes >= 4 * size.control + 2 * size.control
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("strategy.update=weights",), "strategy.update: strategy 'scaffold' keeps a control variate per client"),
+    (("privacy.mode=central", "privacy.clip=1.0", "privacy.noise_multiplier=1.0"), "privacy.mode: clipping"),
+    (("secagg.enabled=true",), "secagg.enabled: masked fixed-point updates"),
+    (("compression.method=int8",), "compression.method: a compressed update"),
+    (("clock.mode=fedbuff",), "clock.mode: 'fedbuff' applies stale updates"),
+    (("train.trainer=fl_helpers:SteppingNoiseTrainer",), "train.trainer: strategy 'scaffold'"),
+    (("train.device=cuda",), "train.device: strategy 'scaffold'"),
+])
+def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["strategy.name=scaffold", "strategy.update=delta", *overrides])
