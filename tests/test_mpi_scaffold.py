@@ -158,3 +158,26 @@ def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
 def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["strategy.name=scaffold", "strategy.update=delta", *overrides])
+
+
+def test_a_client_whose_training_diverged_keeps_its_control_variate():
+    from mpifl.config import ModelConfig
+    from mpifl.learning.control import control_elements
+    from mpifl.learning.models import build_flat_model
+    from mpifl.roles.control import ClientControls
+    from mpifl.storage.residuals import RamResiduals
+
+    flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}), 0, control_variates=True,
+                            input_shape=(4,), num_classes=2)
+    controls = ClientControls(flat, RamResiduals([0, control_elements(flat.module)]), lr=0.1)
+    keep = flat.buffer.clone()
+    with torch.no_grad():
+        next(flat.module.parameters()).add_(1.0)  # a trained model
+    controls.update(7, keep, steps=2, weight=1.0)
+    kept = controls.store.read(7, 0).clone()
+    assert kept.abs().sum() > 0
+    flat.buffer.copy_(keep)
+    with torch.no_grad():
+        next(flat.module.parameters())[0, 0] = float("nan")  # a diverged one
+    controls.update(7, keep, steps=2, weight=1.0)
+    assert torch.equal(controls.store.read(7, 0), kept)

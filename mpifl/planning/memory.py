@@ -117,7 +117,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
         if cfg.transport.reduce == "chain":  # the running sum's receive ring
             client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
     state_elements = client_state_elements(cfg, size)
-    if size.control:  # scaffold: the correction c - c_i, and one parameter's control delta (at most as large)
+    if size.control:  # scaffold: the correction c - c_i, and the control deltas before they are kept
         client += 2 * size.control
     state = client_state_plan(cfg, state_elements, client_ranks)
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors

@@ -46,14 +46,19 @@ class ClientControls:
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
         """After ``client`` trained ``steps`` steps from the global model (``global_bytes``, the host copy of the
         flat buffer): c_i += delta_c_i in the store, and the model's control section set to c + delta_c_i / weight,
-        so that its delta (what is sent) is the control delta over the client's weight in the server's fold."""
+        so that its delta (what is sent) is the control delta over the client's weight in the server's fold. A client
+        whose training diverged (a NaN or Inf delta) keeps its c_i: its update is refused, never folded."""
         if weight <= 0:
             raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, "
                              f"which is {weight}")
-        own = self.store.read(client, 0)
-        for p, c, mine, (offset, nbytes) in zip(self.params, self.server, split(own, self.params), self.ranges):
+        deltas = []
+        for p, c, (offset, nbytes) in zip(self.params, self.server, self.ranges):
             x = global_bytes[offset:offset + nbytes].view(p.dtype).view(p.shape)
-            delta = control_delta(x.float(), p.detach().float(), c, steps, self.lr)
+            deltas.append(control_delta(x.float(), p.detach().float(), c, steps, self.lr))
+        if not all(bool(torch.isfinite(d).all()) for d in deltas):
+            return  # a diverged client: its update is refused (NaN/Inf), and its c_i stays as it was
+        own = self.store.read(client, 0)
+        for c, mine, delta in zip(self.server, split(own, self.params), deltas):
             mine.add_(delta)
             c.add_(delta.div_(weight))
         self.store.write(client, 0, own)
