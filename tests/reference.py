@@ -312,3 +312,50 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     out = {n: t.float().numpy().copy() for n, t in flat.tensors()}
     out.update({f"control.{n}": t.numpy().copy() for n, t in c.items()})
     return out
+
+
+def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    """FedBN / FedPer (``model.local``) on whole models: every sampled client trains from the global shared
+    tensors and its own local ones (the built values until it first trains), keeps its local ones, and sends
+    the rest; the server averages only the rest (weighted mean, ascending client id; by groups with
+    clients.groups). Returns the final shared tensors and each trained client's local tensors, flattened in the
+    model's order. Trained with one thread, as every rank trains."""
+    import fnmatch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dataset = load_dataset(cfg.data)
+        flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+        parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+        trainer, s = make_trainer(cfg.train), cfg.strategy
+        is_local = lambda name: any(fnmatch.fnmatchcase(name, p) for p in cfg.model.local)  # noqa: E731
+        built = {n: t.detach().clone() for n, t in flat.tensors() if is_local(n)}
+        own: dict[int, dict[str, torch.Tensor]] = {}
+        for rnd in range(1, cfg.rounds + 1):
+            start = flat.buffer.clone()
+            old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+            sent = []
+            for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+                flat.buffer.copy_(start)
+                tensors = dict(flat.tensors())
+                for n, value in own.get(client, built).items():
+                    tensors[n].copy_(value)
+                result = trainer.train(flat.module, client_data(dataset, parts[client]),
+                                       client_seed(cfg.seed, rnd, client))
+                own[client] = {n: t.detach().clone() for n, t in flat.tensors() if is_local(n)}
+                w = float(result.num_samples) if s.weighting == "samples" else 1.0
+                sent.append((client, w, {n: (t.float().numpy() - old[n] if s.update == "delta" else
+                                             t.float().numpy().copy()) for n, t in flat.tensors() if not is_local(n)}))
+            for n, t in flat.tensors():
+                if is_local(n):
+                    t.copy_(torch.from_numpy(old[n]))  # the server's copy is never updated
+                    continue
+                values = [(c, w, u[n]) for c, w, u in sent]
+                combined = (grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
+                            else weighted_mean([(w, v) for _, w, v in values]))
+                t.copy_(torch.from_numpy(combined + old[n] if s.update == "delta" else combined))
+        shared = {n: t.float().numpy().copy() for n, t in flat.tensors() if not is_local(n)}
+        return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in own.items()}
+    finally:
+        torch.set_num_threads(threads)

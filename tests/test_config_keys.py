@@ -58,6 +58,8 @@ KEYS = (
     "model.exchange",
     "model.init_from",
     "model.kwargs",
+    "model.local",
+    "model.local_ram_mb",
     "model.lora.alpha",
     "model.lora.dropout",
     "model.lora.r",

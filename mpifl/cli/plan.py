@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from mpifl.config import Config, load_config
 from mpifl.planning.memory import MemoryEstimate, ModelBytes, client_state_elements, client_state_plan, memory_estimate
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB, format_bytes
-from mpifl.wire.flat import ModelSpec, control_bytes, itemsize
+from mpifl.wire.flat import ModelSpec, control_bytes, is_local, itemsize
 from mpifl.wire.layout import ExchangeLayout
 
 
@@ -27,16 +28,18 @@ def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
     return model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **shape)
 
 
-def size_of(exchanged: ModelSpec, frozen: ModelSpec) -> ModelBytes:
-    """Exchanged and frozen bytes, the element count of both (SCAFFOLD's control section apart)."""
+def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) -> ModelBytes:
+    """Exchanged and frozen bytes, the element count of both (SCAFFOLD's control section apart), and the bytes of
+    the tensors that the ``local`` patterns keep per client."""
     control = control_bytes(exchanged)
     elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries)) - control // 4
-    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control)
+    kept = sum(e.nbytes for e in frozen.entries if is_local(e.name, local))
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:
     """Exchanged and frozen bytes of the configured model, from a meta-device build."""
-    return size_of(*model_specs(cfg))
+    return size_of(*model_specs(cfg), cfg.model.local)
 
 
 def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) -> tuple[ModelBytes, MemoryEstimate]:
@@ -44,7 +47,7 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) 
     from mpifl.aggregation.strategies import make_strategy
 
     exchanged, frozen = model_specs(cfg)
-    size = size_of(exchanged, frozen)
+    size = size_of(exchanged, frozen, cfg.model.local)
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,

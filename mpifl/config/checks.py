@@ -30,6 +30,7 @@ def check_combinations(cfg: Config) -> None:
     _check_privacy(cfg)
     _check_secagg(cfg)
     _check_compression(cfg)
+    _check_local(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -245,6 +246,25 @@ def _check_compression(cfg: Config) -> None:
     for key, fine, what in needs:
         if not fine:
             raise ConfigError(f"{key}: compression.method {cfg.compression.method!r} needs {what}")
+
+
+def _check_local(cfg: Config) -> None:
+    """model.local (FedBN, FedPer): tensors kept per client on its rank, beside what would keep other state."""
+    if not cfg.model.local:
+        return
+    why = "model.local keeps each client's own copy of those tensors on the rank that hosts it"
+    if cfg.control_variates:
+        raise ConfigError(f"model.local: {why}, and strategy 'scaffold' keeps its control variates there too; "
+                          "the two together are not supported yet: drop one")
+    if cfg.compression.method == "topk" and cfg.compression.error_feedback:
+        raise ConfigError(f"model.local: {why}, and top-k error feedback keeps its residuals there too; the two "
+                          "together are not supported yet: set compression.error_feedback=false")
+    if cfg.clock.mode in ASYNCHRONOUS_MODES:
+        raise ConfigError(f"model.local: {why}; with clock.mode {cfg.clock.mode!r} a client may train again "
+                          "before its last update is applied: choose clock.mode 'off' or 'sync'")
+    if cfg.train.device == "cuda" or cfg.train.device_copy:
+        raise ConfigError(f"model.local: {why}; training on a device replica is not supported with it yet "
+                          "(train.device 'auto' trains on the CPU): set train.device='cpu'")
 
 
 def _check_reduce(cfg: Config) -> None:

@@ -114,6 +114,12 @@ class ModelConfig:
     transformers: TransformersConfig = field_(TransformersConfig, "model.name='transformers': architecture and config")
     trainable: list = field_(list, "glob patterns of parameter names that train (e.g. ['*.h.11.*', 'lm_head.*']); "
                               "the others are frozen; default: all")
+    local: list = field_(list, "glob patterns of tensor names that never travel and are kept per logical client "
+                         "on the rank that hosts it (FedBN: the BatchNorm layers, e.g. ['*.bn*', '*running_*']; "
+                         "FedPer: the head, e.g. ['fc3.*']); default: none")
+    local_ram_mb: float = field_(1024.0, "model.local: a client rank keeps its clients' local tensors in RAM while "
+                                 "they fit in this many MiB, else in one HDF5 file per rank in the run directory",
+                                 min=0.0)
     exchange: str = field_("trainable", "what travels and is reduced: only the trainable tensors (frozen ones stay "
                             "where they are) or all", choices=("trainable", "all"))
     lora: LoraConfig = field_(LoraConfig, "LoRA adapters (model.name='transformers')")
@@ -436,6 +442,8 @@ class Config:
         if self.control_variates:
             return ClientState("SCAFFOLD control variates", "strategy.control_ram_mb", self.strategy.control_ram_mb,
                                "controls")
+        if self.model.local:
+            return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals")
         if self.compression.method == "topk" and self.compression.error_feedback:
             return ClientState("error-feedback residuals", "compression.residual_ram_mb",
                                self.compression.residual_ram_mb, "residuals")

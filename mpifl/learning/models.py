@@ -160,8 +160,20 @@ def model_spec(cfg: ModelConfig, seed: int, control_variates: bool = False,
     """The exchanged and the frozen tensors' layouts, from a meta-device build: nothing is allocated."""
     with torch.device("meta"):
         module = build_model(cfg, seed, control_variates=control_variates, **shape)
-    exchanged, frozen = split_tensors(module, trainable_only=cfg.exchange == "trainable")
+    exchanged, frozen = split_tensors(module, cfg.exchange == "trainable", local_patterns(cfg, module))
     return build_spec(exchanged), build_spec(frozen)
+
+
+def local_patterns(cfg: ModelConfig, module: nn.Module) -> list[str]:
+    """``model.local``, each pattern checked to name at least one floating tensor of the model."""
+    names = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()]
+    for pattern in cfg.local:
+        if not fnmatch.filter(names, pattern):
+            raise ConfigError(f"model.local: {pattern!r} matches no floating tensor of the model (names look like "
+                              f"{names[0]!r} ... {names[-1]!r})")
+    if cfg.local and all(any(fnmatch.fnmatchcase(n, p) for p in cfg.local) for n in names):
+        raise ConfigError(f"model.local: {cfg.local!r} names every tensor of the model: nothing would travel")
+    return list(cfg.local)
 
 
 def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
@@ -212,7 +224,8 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, contro
     trainable_only = cfg.exchange == "trainable"
     if cfg.name == "transformers":
         from mpifl.learning import hf
-        flat = FlatModel(build_model(cfg, seed, control_variates=control_variates, **shape), trainable_only)
+        module = build_model(cfg, seed, control_variates=control_variates, **shape)
+        flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
         hf.initialize(flat.module, seed)
         if cfg.transformers.pretrained:
             assert cfg.transformers.path is not None  # config checks refuse pretrained without a path
@@ -220,9 +233,10 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, contro
     elif cfg.init_from and not (trainable_only and cfg.trainable):  # the checkpoint holds every tensor
         with torch.device("meta"):
             module = build_model(cfg, seed, control_variates=control_variates, **shape)
-        flat = FlatModel(module, trainable_only)
+        flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
     else:
-        flat = FlatModel(build_model(cfg, seed, control_variates=control_variates, **shape), trainable_only)
+        module = build_model(cfg, seed, control_variates=control_variates, **shape)
+        flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
     if control_variates:  # c = 0 at the start, also where the model was built on the meta device
         for buffer in getattr(flat.module, CONTROL).buffers():
             buffer.zero_()

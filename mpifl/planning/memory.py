@@ -48,6 +48,7 @@ class ModelBytes:
     frozen: int  # frozen parameters: on every rank that builds the model, never on the wire
     parameters: int  # element count, exchanged and frozen (SCAFFOLD's control variates not counted)
     control: int = 0  # bytes of SCAFFOLD's control section, part of ``exchanged``
+    local: int = 0  # bytes of the model.local tensors, part of ``frozen`` (they never travel)
 
     @property
     def total(self) -> int:
@@ -103,11 +104,12 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
     nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
     elements = nbytes // width
     client = IMPORTS_BYTES + size.total
-    if cfg.train.trainer != "none":  # optimizer and gradients cover the trainable (exchanged) tensors only
+    if cfg.train.trainer != "none":  # optimizer and gradients cover the tensors that train
+        trained = nbytes - size.control + size.local  # SCAFFOLD's c never trains; model.local tensors do
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
         masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
-        client += TRAINING_RUNTIME_BYTES + nbytes + (8 * elements if masters else 0)
-        client += states * (4 * elements if masters else nbytes)
+        client += TRAINING_RUNTIME_BYTES + trained + (8 * elements if masters else 0)
+        client += states * (4 * elements if masters else trained)
         if cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta":
             client += nbytes  # the global model kept for the next logical client or for the delta
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
@@ -127,8 +129,12 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
 
 def client_state_elements(cfg: Config, size: ModelBytes) -> int:
     """Elements of one client's state vector: a residual spans the exchanged model; a control variate, its
-    trainable parameters (the control section's size)."""
-    return size.control // 4 if cfg.control_variates else size.exchanged // itemsize(cfg.model.dtype)
+    trainable parameters (the control section's size); local tensors, themselves."""
+    if cfg.control_variates:
+        return size.control // 4
+    if cfg.model.local:
+        return size.local // itemsize(cfg.model.dtype)
+    return size.exchanged // itemsize(cfg.model.dtype)
 
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,

@@ -23,6 +23,7 @@ from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.control import ClientControls
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
+from mpifl.roles.personal import PersonalTensors
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
@@ -80,6 +81,7 @@ class ClientParts:
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
     controls: ClientControls | None = None  # scaffold: each hosted client's control variate c_i
+    personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
 
 
@@ -145,9 +147,9 @@ class ClientRank:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, or SCAFFOLD's
         control variates) for the server's checkpoint, then acknowledge."""
         assert header.persist is not None  # run() calls this only for a persist header
-        controls = self.parts.controls
-        store, firsts = (controls.store, controls.firsts) if controls else (self.parts.residuals, self.first_element)
-        assert store is not None  # the server asks only with error feedback or scaffold, which make one
+        kept = self.parts.controls or self.parts.personal
+        store, firsts = (kept.store, kept.firsts) if kept else (self.parts.residuals, self.first_element)
+        assert store is not None  # the server asks only with per-client state (Config.client_state), which makes one
         name = save_snapshot(store, firsts, Path(header.persist), self.rank, header.round)
         send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
 
@@ -286,6 +288,8 @@ class ClientRank:
             if not first and keep is not None:
                 self.flat.buffer.copy_(keep)
             self.flat.reset_local_state()
+        if self.parts.personal is not None:
+            self.parts.personal.load(client)
         return self._serve_client(round_, client, keep)
 
     def _serve_client(self, round_: int, client: int,
@@ -296,6 +300,8 @@ class ClientRank:
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
         result, error = self._train_one(round_, client, train)
+        if error is None and self.parts.personal is not None:
+            self.parts.personal.keep(client)
         if error is None and self.parts.controls is not None:
             assert keep is not None  # scaffold sends deltas, so the rank keeps the global model
             self.parts.controls.update(client, keep, result.local_steps or 0, self.parts.weight(

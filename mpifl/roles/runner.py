@@ -37,6 +37,7 @@ from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.control import ClientControls
 from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
+from mpifl.roles.personal import PersonalTensors
 from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
@@ -190,8 +191,10 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         assert flat is not None  # only rank 0's out-of-core server builds no model
         state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
         controls = ClientControls(flat, state, cfg.train.lr) if state is not None and cfg.control_variates else None
+        personal = PersonalTensors(flat, state) if state is not None and cfg.model.local else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
-                         residuals=None if controls else state, controls=controls, note=notes)
+                         residuals=None if controls or personal else state, controls=controls, personal=personal,
+                         note=notes)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes)
 
@@ -210,12 +213,17 @@ def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
 def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int, hosted: list[int],
                   run_dir: Path | None, resume: ResumePoint | None) -> ResidualStore | None:
     """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
-    read chunk by chunk; SCAFFOLD control variates, one per trainable element, read whole), in RAM or on disk,
-    reloaded on a resume."""
+    read chunk by chunk; SCAFFOLD control variates, one per trainable element, or model.local tensors, each read
+    whole), in RAM or on disk, reloaded on a resume."""
     state = cfg.client_state()
     if state is None:
         return None
-    firsts = [0, control_elements(flat.module)] if cfg.control_variates else element_offsets(plan.chunks)
+    if cfg.control_variates:
+        firsts = [0, control_elements(flat.module)]
+    elif cfg.model.local:
+        firsts = [0, sum(t.numel() for _, t in flat.local_tensors())]
+    else:
+        firsts = element_offsets(plan.chunks)
     path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
     try:
         store = open_residuals(firsts, len(hosted), int(state.ram_mb * MIB), path, state.ram_key)
@@ -229,16 +237,19 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
                      upload_initial: bool, residuals: ResidualStore | None = None,
-                     controls: ClientControls | None = None, note: RankNotes | None = None) -> None:
+                     controls: ClientControls | None = None, personal: PersonalTensors | None = None,
+                     note: RankNotes | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
-        log(f"exchanging {len(plan.spec.entries)} trainable tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
-            f"{len(flat.frozen_spec.entries)} frozen tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
+        kept = "local (model.local)" if cfg.model.local else "frozen"
+        log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
+            f"{len(flat.frozen_spec.entries)} {kept} tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
             "stay on every rank", rank=1)
     if comm.Get_rank() == 1 and upload_initial and cfg.server.state == "disk" and not cfg.model.init_from:
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    device = "cpu" if cfg.control_variates else cfg.train.device  # scaffold trains on the host (config checks)
+    # scaffold and model.local train on the host (config checks)
+    device = "cpu" if cfg.control_variates or cfg.model.local else cfg.train.device
     replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(
         plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",
@@ -247,7 +258,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
-        controls=controls, note=note or RankNotes(None, comm.Get_rank()))
+        controls=controls, personal=personal, note=note or RankNotes(None, comm.Get_rank()))
     ClientRank(comm, flat, local, parts).run()
 
 
@@ -277,6 +288,9 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     start, history = (resume.round, resume.metrics) if resume is not None else (0, [])
     store.start(resumed, cfg.model.init_from, {**attrs, "round": 0},
                 lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, plan.inflight))
+    if cfg.model.local and cfg.eval.every:
+        log(f"model.local {cfg.model.local}: the server evaluates the averaged tensors with the local ones as "
+            "built; eval.federated_every measures each client with its own", rank=0)
     score = None
     if dataset is not None and flat is not None:
         evaluate = _evaluator(cfg)

@@ -15,10 +15,11 @@ are in the spec, on the wire, in the reduction and in checkpoints.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,12 +199,21 @@ def control_bytes(spec: ModelSpec) -> int:
     return sum(e.nbytes for e in spec.entries if e.name.startswith(CONTROL + "."))
 
 
-def split_tensors(module: torch.nn.Module, trainable_only: bool = False) -> tuple[Named, Named]:
-    """(exchanged, frozen): the tensors that travel, and with ``trainable_only`` the frozen
-    parameters that stay (without it, every floating tensor travels and none is frozen)."""
+def is_local(name: str, local: Sequence[str]) -> bool:
+    """Whether a tensor's name matches one of the ``model.local`` glob patterns (it never travels)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in local)
+
+
+def split_tensors(module: torch.nn.Module, trainable_only: bool = False,
+                  local: Sequence[str] = ()) -> tuple[Named, Named]:
+    """(exchanged, kept): the tensors that travel, and those that stay on each rank: with ``trainable_only`` the
+    frozen parameters, and the tensors named by ``local`` patterns (FedBN, FedPer: kept per client)."""
     named = floating_tensors(module)
-    frozen = [(n, t) for n, t in named if trainable_only and is_frozen(t)]
-    return [(n, t) for n, t in named if not (trainable_only and is_frozen(t))], frozen
+
+    def stays(name: str, tensor: torch.Tensor) -> bool:
+        return (trainable_only and is_frozen(tensor)) or is_local(name, local)
+
+    return [(n, t) for n, t in named if not stays(n, t)], [(n, t) for n, t in named if stays(n, t)]
 
 
 def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
@@ -233,8 +243,9 @@ class FlatModel:
     (and whose frozen parameters, with ``trainable_only``, are views into a second one)."""
 
     def __init__(self, module: torch.nn.Module, trainable_only: bool = False, device: str | torch.device = "cpu",
-                 pin: bool = False):
-        exchanged, frozen = split_tensors(module, trainable_only)
+                 pin: bool = False, local: Sequence[str] = ()):
+        exchanged, frozen = split_tensors(module, trainable_only, local)
+        self.local = tuple(local)
         named = exchanged + frozen
         self.module = module
         self.spec = build_spec(exchanged)
@@ -310,9 +321,13 @@ class FlatModel:
             yield entry.name, self.view(entry)
 
     def frozen_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, typed view) for every frozen tensor (those that never travel)."""
+        """Yield (name, typed view) for every tensor that never travels (frozen, or local)."""
         for entry in self.frozen_spec.entries:
             yield entry.name, self.view(entry, self.frozen)
+
+    def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, typed view) of the ``model.local`` tensors, each logical client's own (FedBN, FedPer)."""
+        return [(n, t) for n, t in self.frozen_tensors() if is_local(n, self.local)]
 
     def reset_local_state(self) -> None:
         """Give integer buffers back the values the model was built with."""

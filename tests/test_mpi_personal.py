@@ -1,0 +1,148 @@
+"""FedBN and FedPer (``model.local``): the named tensors never travel and every logical client keeps its own,
+on the rank that hosts it; the rest is averaged as usual. Equal to the rule computed on whole models, bitwise,
+on any number of ranks, with reduction groups, with the local tensors in RAM or on disk, and across a resume on
+another number of ranks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import run_mpi, write_config
+from fl_helpers import tiny_mlp
+from reference import personal_reference
+
+from mpifl.cli.plan import estimate
+from mpifl.config import ConfigError, ModelConfig, load_config
+from mpifl.learning.models import build_flat_model
+from mpifl.storage.hdf5 import load_tensors
+from mpifl.wire.flat import FlatModel
+
+CONFIG = """
+seed: 3
+rounds: 3
+clients: {num_clients: 8, per_round: 6}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: mlp, kwargs: {hidden: [9]}, local: ["3.*"]}
+train: {lr: 0.05, momentum: 0.5, batch_size: 16, local_epochs: 1, device: cpu}
+strategy: {update: delta}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    """The final shared tensors, and every client's local tensors from the last checkpoint's per-rank files."""
+    shared = {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
+    local = {}
+    for path in sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals"))[-1].glob("rank*.h5"):
+        with h5py.File(path, "r") as f:
+            local.update({int(c): f["clients"][c][()] for c in f["clients"]})
+    return shared, local
+
+
+def assert_bitwise(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert np.array_equal(got[key], want[key]), f"{key}: max |diff| {np.abs(got[key] - want[key]).max()}"
+
+
+def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    return personal_reference(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)))
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ()),  # 2 client ranks, 3 participants each: each loads its own head before it trains
+    (7, ("transport.chunk_mb=0.00001",)),  # 6 client ranks, 10-byte chunks
+    (4, ("clients.groups=3",)),  # the groups' partial sums of the shared tensors
+    (4, ("model.local_ram_mb=0", "strategy.update=weights")),  # local tensors in one HDF5 file per rank
+], ids=["2-client-ranks", "6-client-ranks-tiny-chunks", "reduction-groups", "local-on-disk"])
+def test_local_tensors_stay_with_their_client_and_the_rest_is_averaged_bitwise_on_any_number_of_ranks(
+        tmp_path, ranks, overrides):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (shared, local), (want_shared, want_local) = run_result(tmp_path / "run"), reference(*overrides)
+    assert sorted(shared) == ["1.bias", "1.weight"]  # the head never reaches the server
+    assert_bitwise(shared, want_shared)
+    assert_bitwise(local, want_local)
+    assert not np.array_equal(local[min(local)], local[max(local)])  # heads of their own
+    if "model.local_ram_mb=0" in overrides:
+        assert len(list((tmp_path / "run" / "locals").glob("rank*.h5"))) == 3
+
+
+def test_a_resumed_run_on_another_number_of_ranks_keeps_every_clients_local_tensors(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
+    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
+    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
+    for result in (whole, first, rest):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume: local tensors (model.local) of" in rest.stderr
+    (shared, local), (want_shared, want_local) = run_result(tmp_path / "split"), run_result(tmp_path / "whole")
+    assert_bitwise(shared, want_shared)
+    assert_bitwise(local, want_local)
+
+
+def test_fedbn_patterns_keep_batchnorm_weights_and_running_statistics_off_the_wire():
+    flat = FlatModel(tiny_mlp(), local=["2.*"])  # Flatten, Linear, BatchNorm1d, ReLU, Linear
+    assert [e.name for e in flat.spec.entries] == ["1.weight", "1.bias", "4.weight", "4.bias"]
+    assert [n for n, _ in flat.local_tensors()] == ["2.weight", "2.bias", "2.running_mean", "2.running_var"]
+
+
+@pytest.mark.parametrize("patterns,message", [
+    (["head.*"], "model.local: 'head.*' matches no floating tensor of the model"),
+    (["*"], "names every tensor of the model: nothing would travel"),
+])
+def test_local_patterns_that_name_nothing_or_everything_are_refused(patterns, message):
+    with pytest.raises(ConfigError, match=message):
+        build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}, local=patterns), 0, input_shape=(4,),
+                         num_classes=2)
+
+
+def test_the_plan_counts_each_hosted_clients_local_tensors():
+    size, plan = estimate(load_config(None, [], data=yaml.safe_load(CONFIG)), nranks=3, ranks_per_node=3,
+                          server_alone=False)
+    head = (9 * 10 + 10) * 4
+    assert size.local == head and size.exchanged < (64 * 9 + 9) * 4 + 128
+    everything = load_config(None, ["model.local=[]"], data=yaml.safe_load(CONFIG))
+    _, shared_only = estimate(everything, nranks=3, ranks_per_node=3, server_alone=False)
+    # a client rank hosts 4 clients: their 4 heads, less the head no longer in its copy of the global model (the
+    # head still trains: its gradient and momentum stay counted; both layouts round each buffer to 64 bytes)
+    assert plan.client_bytes - shared_only.client_bytes >= 4 * head - head
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("strategy.name=scaffold",), "model.local: .* strategy 'scaffold' keeps its control variates there too"),
+    (("compression.method=topk",), "top-k error feedback keeps its residuals there too"),
+    (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),
+    (("train.device=cuda",), "training on a device replica is not supported with it yet"),
+])
+def test_local_tensors_are_refused_beside_what_they_cannot_share_a_rank_with(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*overrides], data=yaml.safe_load(CONFIG))
+
+
+def test_a_client_never_trained_starts_from_the_built_values_and_a_diverged_one_keeps_its_own():
+    from mpifl.roles.personal import PersonalTensors
+    from mpifl.storage.residuals import RamResiduals
+
+    flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}, local=["3.*"]), 0, input_shape=(4,),
+                            num_classes=2)
+    personal = PersonalTensors(flat, RamResiduals([0, 3 * 2 + 2]))
+    head = [t for _, t in flat.local_tensors()]
+    built = [t.clone() for t in head]
+    with torch.no_grad():
+        head[0].add_(1.0)
+    personal.keep(5)
+    mine = [t.clone() for t in head]
+    personal.load(6)  # never trained: the built head
+    assert all(torch.equal(t, b) for t, b in zip(head, built))
+    with torch.no_grad():
+        head[0][0, 0] = float("nan")
+    personal.keep(5)  # diverged: client 5 keeps what it had
+    personal.load(5)
+    assert all(torch.equal(t, m) for t, m in zip(head, mine))
