@@ -359,3 +359,43 @@ def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np
         return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in own.items()}
     finally:
         torch.set_num_threads(threads)
+
+
+def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
+    """FedDyn (Acar et al. 2021, Algorithm 1) on whole models, every g_i in memory: each sampled client trains
+    from x with every gradient plus alpha (y - x) - g_i, then g_i -= alpha (y - x); with d the participants'
+    mean delta (equal weights, ascending client id; by groups with clients.groups), P of N clients:
+    h -= alpha (P / N) d and x += d - h / alpha (torch's fused ops, as the server's). Trained with one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dataset = load_dataset(cfg.data)
+        flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+        parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+        trainer, alpha, n = make_trainer(cfg.train), cfg.strategy.alpha, cfg.clients.num_clients
+        params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad]
+        g: dict[int, dict[str, torch.Tensor]] = {}
+        h = {name: torch.zeros(t.shape) for name, t in flat.tensors()}
+        for rnd in range(1, cfg.rounds + 1):
+            start = flat.buffer.clone()
+            old = {name: t.detach().clone() for name, t in flat.tensors()}
+            sent = []
+            for client in sample_clients(cfg.seed, rnd, n, cfg.clients_per_round()):
+                flat.buffer.copy_(start)
+                g_i = g.get(client) or {name: torch.zeros(p.shape) for name, p in params}
+                hooks = [p.register_hook(lambda grad, p=p, x=old[name], s=g_i[name]:
+                                         grad + (p.detach() - x).mul_(alpha).sub_(s)) for name, p in params]
+                trainer.train(flat.module, client_data(dataset, parts[client]), client_seed(cfg.seed, rnd, client))
+                for hook in hooks:
+                    hook.remove()
+                g[client] = {name: g_i[name].clone().sub_(p.detach() - old[name], alpha=alpha) for name, p in params}
+                sent.append((client, 1.0, {name: (t.detach() - old[name]).numpy() for name, t in flat.tensors()}))
+            for name, t in flat.tensors():
+                values = [(c, w, u[name]) for c, w, u in sent]
+                mean = torch.from_numpy(grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
+                                        else weighted_mean([(w, v) for _, w, v in values]))
+                h[name].sub_(mean, alpha=alpha * len(sent) / n)
+                t.copy_(mean.sub_(h[name], alpha=1 / alpha).add_(old[name]))
+        return {name: t.float().numpy().copy() for name, t in flat.tensors()}
+    finally:
+        torch.set_num_threads(threads)

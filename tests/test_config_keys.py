@@ -94,6 +94,7 @@ KEYS = (
     "server.map_windows",
     "server.state",
     "server.window_mb",
+    "strategy.alpha",
     "strategy.beta1",
     "strategy.beta2",
     "strategy.control_ram_mb",

@@ -147,7 +147,7 @@ def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("strategy.update=weights",), "strategy.update: strategy 'scaffold' keeps a control variate per client"),
+    (("strategy.update=weights",), "strategy.update: strategy 'scaffold' keeps a vector per client"),
     (("privacy.mode=central", "privacy.clip=1.0", "privacy.noise_multiplier=1.0"), "privacy.mode: clipping"),
     (("secagg.enabled=true",), "secagg.enabled: masked fixed-point updates"),
     (("compression.method=int8",), "compression.method: a compressed update"),

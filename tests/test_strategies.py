@@ -23,9 +23,10 @@ from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig, load_config
 
 BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
-           "scaffold")
-# scaffold's server needs the model's control section (it is bound to a model spec): tests/test_mpi_scaffold.py
-WHOLE_MODEL_RULES = tuple(n for n in BUILTIN if n != "scaffold")
+           "scaffold", "feddyn")
+# scaffold's and feddyn's servers are bound to a model and a federation (Strategy.bind), and need their clients'
+# vectors: tests/test_mpi_scaffold.py and tests/test_mpi_feddyn.py check them on whole models
+WHOLE_MODEL_RULES = tuple(n for n in BUILTIN if n not in ("scaffold", "feddyn"))
 OPTIMIZERS = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMEL = 37

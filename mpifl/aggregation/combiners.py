@@ -22,7 +22,14 @@ import torch
 
 from mpifl.aggregation import kernels
 from mpifl.config import StrategyConfig
-from mpifl.config.capabilities import CONTROLLED_MEAN, MEAN, NORMALIZED_MEAN, ORDER_STATISTIC, Capabilities
+from mpifl.config.capabilities import (
+    CONTROLLED_MEAN,
+    DYNAMIC_MEAN,
+    MEAN,
+    NORMALIZED_MEAN,
+    ORDER_STATISTIC,
+    Capabilities,
+)
 from mpifl.wire.memory import share_malloc_arenas
 from mpifl.wire.protocol import UpdateMeta
 
@@ -162,6 +169,13 @@ class ControlledMean(WeightedMean):
     same fused weighted sum yields their plain sum (strategies.ControlledAverage finishes that section)."""
 
     capabilities = CONTROLLED_MEAN
+
+
+class DynamicMean(WeightedMean):
+    """FedDyn's combination (Acar et al. 2021): the participants' mean delta (equal weights: config checks);
+    strategies.DynamicRegularized turns it into the new model and its server state h."""
+
+    capabilities = DYNAMIC_MEAN
 
 
 class SortedStack(Combiner):

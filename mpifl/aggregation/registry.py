@@ -28,9 +28,10 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "trimmed_mean": ("TrimmedMean", "Replace"),
     "fednova": ("NormalizedAverage", "Replace"),
     "scaffold": ("ControlledMean", "GlobalStep"),
+    "feddyn": ("DynamicMean", "DynamicState"),
 }
 # built-in strategies whose Strategy class (in strategies.py) is not the plain one: they finish a chunk their own way
-STRATEGY_CLASSES: dict[str, str] = {"scaffold": "ControlledAverage"}
+STRATEGY_CLASSES: dict[str, str] = {"scaffold": "ControlledAverage", "feddyn": "DynamicRegularized"}
 
 if tuple(BUILTIN) != STRATEGIES:  # the config's vocabulary and this table are one list, checked on import
     raise ImportError(f"mpifl.aggregation.registry names {tuple(BUILTIN)}, the config {STRATEGIES}")

@@ -169,6 +169,29 @@ class ControlledAverage(Strategy):
         target[lo:hi].add_(summed[lo:hi].div_(self.num_clients))
 
 
+class DynamicRegularized(Strategy):
+    """FedDyn's server: h <- h - alpha (P / N) d, then x <- x + d - h / alpha.
+
+    Acar et al. 2021, "Federated Learning Based on Dynamic Regularization" (ICLR), Algorithm 1, with d the
+    participants' mean delta, P of them out of N clients.
+
+    h is server state like FedAdam's moments (RAM or HDF5, in every checkpoint); clients keep their own g_i."""
+
+    def bind(self, spec: ModelSpec, num_clients: int) -> None:
+        """Learn N, the federation's size."""
+        self.num_clients = num_clients
+
+    def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
+               state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
+        """H and the new global chunk from the mean delta, in fp32."""
+        mean: torch.Tensor = self.combiner.combine(acc, count, total_weight)  # type: ignore[arg-type]
+        alpha = self.cfg.alpha
+        # P is the total weight (equal weights, config checks): count is the streams folded, groups or clients
+        state["h"].sub_(mean, alpha=alpha * total_weight / self.num_clients)
+        mean.sub_(state["h"], alpha=1 / alpha).add_(target)
+        target.copy_(mean)
+
+
 def make_strategy(cfg: StrategyConfig) -> Strategy:
     """The strategy named in the config: a registered name, or an import path called as ``fn(cfg, **cfg.kwargs)``."""
     if cfg.name in BUILTIN:

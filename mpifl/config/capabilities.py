@@ -35,6 +35,9 @@ class Capabilities:
     # noise, no secure-aggregation masking, no compression), trained by the built-in torch trainer on the host,
     # in synchronous rounds.
     client_state: bool = False
+    # Averages the participants equally, and keeps state that assumes it (FedDyn's h): strategy.weighting must be
+    # 'equal'.
+    equal_weights: bool = False
 
 
 UNDECLARED = Capabilities()
@@ -43,6 +46,8 @@ SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_sta
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
 NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True)
 CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True)
+DYNAMIC_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
+                            equal_weights=True)
 
 # Each built-in strategy (sections.STRATEGIES) -> what it is; mpifl.aggregation declares the same on its stages.
 BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
@@ -55,4 +60,5 @@ BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
     "trimmed_mean": ORDER_STATISTIC,
     "fednova": NORMALIZED_MEAN,
     "scaffold": CONTROLLED_MEAN,
+    "feddyn": DYNAMIC_MEAN,
 }

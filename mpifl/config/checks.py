@@ -60,6 +60,7 @@ def _check_strategy(cfg: Config) -> None:
         raise ConfigError(problem)
 
 
+
 def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -> str | None:
     """The first run mode the configured strategy cannot take, judged by what it is (never by its name), or None.
 
@@ -75,6 +76,9 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
         problem = _client_state_problem(cfg, name)
         if problem:
             return problem
+    if caps.equal_weights and cfg.strategy.weighting != "equal":
+        return (f"strategy.weighting: strategy {name!r} averages the participants equally, and its server state "
+                "assumes it (Capabilities.equal_weights): set strategy.weighting='equal'")
     if caps.summable:
         if cfg.clock.mode == "fedasync" and caps.server_state:
             return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another strategy without server state "
@@ -115,10 +119,10 @@ def _own_total_problem(cfg: Config, name: str) -> str | None:
 
 def _client_state_problem(cfg: Config, name: str) -> str | None:
     """Why a strategy that keeps state per logical client (Capabilities.client_state) cannot take this config."""
-    why = (f"strategy {name!r} keeps a control variate per client, updated from the client's own delta "
+    why = (f"strategy {name!r} keeps a vector per client, updated from the client's own delta "
            "(Capabilities.client_state)")
     if cfg.strategy.update != "delta":
-        return f"strategy.update: {why}, and its control variates travel as deltas: set strategy.update='delta'"
+        return f"strategy.update: {why}, and it works on deltas: set strategy.update='delta'"
     if cfg.privacy.mode != "off":
         return (f"privacy.mode: clipping and noising the update would rewrite the control-variate deltas the server "
                 f"sums; {why}: set privacy.mode='off' or choose fedavg")
@@ -253,9 +257,10 @@ def _check_local(cfg: Config) -> None:
     if not cfg.model.local:
         return
     why = "model.local keeps each client's own copy of those tensors on the rank that hosts it"
-    if cfg.control_variates:
-        raise ConfigError(f"model.local: {why}, and strategy 'scaffold' keeps its control variates there too; "
-                          "the two together are not supported yet: drop one")
+    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
+    if caps is not None and caps.client_state:
+        raise ConfigError(f"model.local: {why}, and strategy {cfg.strategy.name!r} keeps its per-client vectors "
+                          "there too (Capabilities.client_state); the two together are not supported yet: drop one")
     if cfg.compression.method == "topk" and cfg.compression.error_feedback:
         raise ConfigError(f"model.local: {why}, and top-k error feedback keeps its residuals there too; the two "
                           "together are not supported yet: set compression.error_feedback=false")

@@ -15,7 +15,7 @@ ASYNCHRONOUS_MODES = ("fedasync", "fedbuff", "fedcompass")
 # The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
 # its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
 STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
-              "scaffold")
+              "scaffold", "feddyn")
 
 
 @dataclass
@@ -162,8 +162,9 @@ class StrategyConfig:
     name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
                         "median or trimmed_mean (coordinate-wise, unweighted), fednova (Wang et al. 2020: deltas "
                         "normalised by each client's local steps; strategy.update=delta), scaffold (Karimireddy "
-                        "et al. 2020: control variates correct each local step; strategy.update=delta), or an "
-                        "import path to a "
+                        "et al. 2020: control variates correct each local step; strategy.update=delta), feddyn "
+                        "(Acar et al. 2021: a dynamic regulariser per client; update=delta, weighting=equal), or "
+                        "an import path to a "
                         "plug-in called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
                         "(see mpifl.api)", choices=STRATEGIES, import_ok=True)
     kwargs: dict = field_(dict, "a plug-in strategy's own settings (strategy.name an import path), passed as keyword "
@@ -183,9 +184,12 @@ class StrategyConfig:
     tau: float = field_(1e-3, "adaptive strategies: adaptivity tau (also v's initial value tau^2)", min=0.0,
                          exclusive_min=True)
     trim_fraction: float = field_(0.1, "trimmed_mean: fraction beta trimmed from each end (< 0.5)", min=0.0, max=0.49)
-    control_ram_mb: float = field_(1024.0, "scaffold: a client rank keeps its clients' control variates c_i (fp32, "
-                                   "one per trainable element) in RAM while they fit in this many MiB, else in "
-                                   "one HDF5 file per rank in the run directory", min=0.0)
+    control_ram_mb: float = field_(1024.0, "scaffold, feddyn: a client rank keeps its clients' vectors (SCAFFOLD's "
+                                   "control variates c_i, FedDyn's gradient states; fp32, one per trainable "
+                                   "element) in RAM while they fit in this many MiB, else in one HDF5 file per rank "
+                                   "in the run directory", min=0.0)
+    alpha: float = field_(0.01, "feddyn: alpha, the weight of the dynamic regulariser alpha/2 ||y - x||^2 (Acar "
+                          "et al. 2021 use 0.01 to 0.1)", min=0.0, exclusive_min=True)
 
 
 @dataclass
@@ -441,6 +445,9 @@ class Config:
         top-k error-feedback residuals, or SCAFFOLD's control variates; None for neither."""
         if self.control_variates:
             return ClientState("SCAFFOLD control variates", "strategy.control_ram_mb", self.strategy.control_ram_mb,
+                               "controls")
+        if self.strategy.name == "feddyn":
+            return ClientState("FedDyn gradient states", "strategy.control_ram_mb", self.strategy.control_ram_mb,
                                "controls")
         if self.model.local:
             return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals")

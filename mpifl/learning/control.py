@@ -1,5 +1,7 @@
-"""SCAFFOLD's control variates, the model's side (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled
-Averaging for Federated Learning", ICML, Algorithm 1 with option II).
+"""SCAFFOLD's control variates, the model's side, and FedDyn's dynamic regulariser.
+
+SCAFFOLD is Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning" (ICML), Algorithm 1 with option II.
 
 The server control variate ``c`` travels *inside the model*: one fp32 buffer per trainable parameter, in a
 submodule named :data:`CONTROL` appended to the model. So ``c`` is broadcast with the weights, reduced
@@ -27,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mpifl.wire.flat import CONTROL  # the submodule holding the server control variate c
 
 __all__ = ["CONTROL", "ControlVariates", "attach_control_variates", "control_delta", "controlled_pairs",
-           "corrected_steps"]
+           "corrected_steps", "dynamic_regularizer"]
 
 
 
@@ -106,6 +108,24 @@ def corrected_steps(params: Sequence[nn.Parameter], corrections: Sequence[torch.
         yield
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def dynamic_regularizer(params: Sequence[nn.Parameter], anchors: Sequence[torch.Tensor],
+                        states: Sequence[torch.Tensor], alpha: float) -> Iterator[None]:
+    """While inside, every gradient of ``params[k]`` gains alpha (y - anchors[k]) - states[k]: the gradient of
+    FedDyn's -<g_i, y> + alpha/2 ||y - x||^2 (Acar et al. 2021), part of the objective, so it goes through the
+    optimizer's momentum like the loss's own gradient."""
+    def hook(k: int):
+        p, x, g = params[k], anchors[k], states[k]
+        return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g)).to(grad.dtype)
+
+    handles = [p.register_hook(hook(k)) for k, p in enumerate(params)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def control_delta(global_weights: torch.Tensor, trained: torch.Tensor, server_control: torch.Tensor,

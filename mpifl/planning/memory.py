@@ -119,6 +119,8 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
         if cfg.transport.reduce == "chain":  # the running sum's receive ring
             client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
     state_elements = client_state_elements(cfg, size)
+    if cfg.strategy.name == "feddyn":  # the training client's g_i, read whole for its regulariser
+        client += 4 * state_elements
     if size.control:  # scaffold: the correction c - c_i, and the control deltas before they are kept
         client += 2 * size.control
     state = client_state_plan(cfg, state_elements, client_ranks)
@@ -134,6 +136,8 @@ def client_state_elements(cfg: Config, size: ModelBytes) -> int:
         return size.control // 4
     if cfg.model.local:
         return size.local // itemsize(cfg.model.dtype)
+    if cfg.strategy.name == "feddyn":  # one per trainable element: at most the exchanged ones
+        return size.exchanged // itemsize(cfg.model.dtype)
     return size.exchanged // itemsize(cfg.model.dtype)
 
 

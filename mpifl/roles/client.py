@@ -21,7 +21,7 @@ from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.control import ClientControls
+from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
 from mpifl.roles.personal import PersonalTensors
 from mpifl.storage.residuals import ResidualStore, save_snapshot
@@ -80,7 +80,7 @@ class ClientParts:
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
-    controls: ClientControls | None = None  # scaffold: each hosted client's control variate c_i
+    controls: ClientControls | ClientDynamics | None = None  # scaffold's c_i, feddyn's g_i: one vector per client
     personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
 
@@ -299,7 +299,7 @@ class ClientRank:
         train, val = self.local_data.get(client, (None, None))
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
-        result, error = self._train_one(round_, client, train)
+        result, error = self._train_one(round_, client, train, keep)
         if error is None and self.parts.personal is not None:
             self.parts.personal.keep(client)
         if error is None and self.parts.controls is not None:
@@ -322,11 +322,13 @@ class ClientRank:
                                    result.local_steps)
         return meta, buffers
 
-    def _train_one(self, round_: int, client: int, train: ClientData | None) -> tuple[TrainResult, str | None]:
+    def _train_one(self, round_: int, client: int, train: ClientData | None,
+                   keep: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client; a raise ends the job, or is its error under accept_failures."""
         controls = self.parts.controls
         try:
-            with controls.training(client) if controls else contextlib.nullcontext():
+            assert keep is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
+            with controls.training(client, keep) if controls and keep is not None else contextlib.nullcontext():
                 return self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client)), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures:

@@ -1,7 +1,8 @@
-"""SCAFFOLD on a client rank: each hosted logical client's control variate c_i, kept between the rounds it
-is sampled in, and what it does to that client's training and update (the math is mpifl.learning.control).
+"""SCAFFOLD and FedDyn on a client rank: each hosted logical client's own vector (SCAFFOLD's control variate
+c_i, FedDyn's gradient state), kept between the rounds it is sampled in, and what it does to that client's
+training and update (the math is mpifl.learning.control).
 
-The c_i live in a per-client store like error-feedback residuals (storage.residuals): in RAM while the
+The vectors live in a per-client store like error-feedback residuals (storage.residuals): in RAM while the
 hosted clients' vectors fit in ``strategy.control_ram_mb``, else in one HDF5 file per rank, and published
 with every checkpoint, so a resume on any number of ranks finds each client's c_i. A client never
 sampled has c_i = 0.
@@ -13,7 +14,14 @@ from collections.abc import Iterator
 
 import torch
 
-from mpifl.learning.control import control_delta, controlled_pairs, corrected_steps, split
+from mpifl.learning.control import (
+    control_delta,
+    controlled_pairs,
+    corrected_steps,
+    dynamic_regularizer,
+    split,
+    trainable,
+)
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import FlatModel
 
@@ -34,7 +42,7 @@ class ClientControls:
         self.ranges = [(p.data_ptr() - base, p.numel() * p.element_size()) for p in self.params]
 
     @contextlib.contextmanager
-    def training(self, client: int) -> Iterator[None]:
+    def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
         """Train ``client`` inside: each step corrected by -lr * (c - c_i) (c is the model's, c_i the store's)."""
         corrections = split(self.corrections, self.params)
         for k, c in zip(corrections, self.server):
@@ -61,4 +69,40 @@ class ClientControls:
         for c, mine, delta in zip(self.server, split(own, self.params), deltas):
             mine.add_(delta)
             c.add_(delta.div_(weight))
+        self.store.write(client, 0, own)
+
+
+class ClientDynamics:
+    """FedDyn (Acar et al. 2021, "Federated Learning Based on Dynamic Regularization", ICLR, Algorithm 1) on a
+    client rank: each hosted client's gradient state g_i (0 until it first trains). While client i trains from
+    the global x, its objective is L_i(y) - <g_i, y> + alpha/2 ||y - x||^2, so every gradient gains
+    alpha (y - x) - g_i; afterwards g_i -= alpha (y - x)."""
+
+    def __init__(self, flat: FlatModel, store: ResidualStore, alpha: float):
+        self.params = [p for _, p in trainable(flat.module)]
+        self.store, self.alpha = store, alpha
+        elements = sum(p.numel() for p in self.params)
+        self.firsts = [0, elements]  # the store's one chunk: the whole vector
+        base = flat.buffer.data_ptr()
+        self.ranges = [(p.data_ptr() - base, p.numel() * p.element_size()) for p in self.params]
+
+    def _global(self, global_bytes: torch.Tensor) -> list[torch.Tensor]:
+        """Each trainable parameter's global value, a view of the rank's host copy of the flat buffer."""
+        return [global_bytes[o:o + n].view(p.dtype).view(p.shape) for p, (o, n) in zip(self.params, self.ranges)]
+
+    @contextlib.contextmanager
+    def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
+        """Train ``client`` inside its dynamic regulariser."""
+        states = split(self.store.read(client, 0).clone(), self.params)  # a disk store's read is a scratch
+        with dynamic_regularizer(self.params, self._global(global_bytes), states, self.alpha):
+            yield
+
+    def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
+        """g_i -= alpha (y - x) after ``client`` trained (y its model); a diverged client keeps its g_i."""
+        moved = [(p.detach().float() - x.float()) for p, x in zip(self.params, self._global(global_bytes))]
+        if not all(bool(torch.isfinite(m).all()) for m in moved):
+            return
+        own = self.store.read(client, 0)
+        for mine, m in zip(split(own, self.params), moved):
+            mine.sub_(m, alpha=self.alpha)
         self.store.write(client, 0, own)

@@ -35,7 +35,7 @@ from mpifl.planning.federation import Placement, placement_for
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.control import ClientControls
+from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
 from mpifl.roles.personal import PersonalTensors
 from mpifl.roles.records import log_final, memory_warning_line
@@ -190,7 +190,11 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         del dataset  # a client rank keeps only its own clients' samples
         assert flat is not None  # only rank 0's out-of-core server builds no model
         state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
-        controls = ClientControls(flat, state, cfg.train.lr) if state is not None and cfg.control_variates else None
+        controls: ClientControls | ClientDynamics | None = None
+        if state is not None and cfg.control_variates:
+            controls = ClientControls(flat, state, cfg.train.lr)
+        elif state is not None and cfg.strategy.name == "feddyn":
+            controls = ClientDynamics(flat, state, cfg.strategy.alpha)
         personal = PersonalTensors(flat, state) if state is not None and cfg.model.local else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
                          residuals=None if controls or personal else state, controls=controls, personal=personal,
@@ -218,7 +222,7 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
     state = cfg.client_state()
     if state is None:
         return None
-    if cfg.control_variates:
+    if cfg.control_variates or cfg.strategy.name == "feddyn":  # one vector per trainable element
         firsts = [0, control_elements(flat.module)]
     elif cfg.model.local:
         firsts = [0, sum(t.numel() for _, t in flat.local_tensors())]
@@ -237,7 +241,7 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
                      upload_initial: bool, residuals: ResidualStore | None = None,
-                     controls: ClientControls | None = None, personal: PersonalTensors | None = None,
+                     controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
                      note: RankNotes | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         kept = "local (model.local)" if cfg.model.local else "frozen"
@@ -248,8 +252,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    # scaffold and model.local train on the host (config checks)
-    device = "cpu" if cfg.control_variates or cfg.model.local else cfg.train.device
+    # scaffold, feddyn and model.local train on the host (config checks)
+    device = "cpu" if cfg.control_variates or cfg.model.local or cfg.strategy.name == "feddyn" else cfg.train.device
     replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(
         plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",
