@@ -226,8 +226,14 @@ class WandbTracker:
         # until a later step or finish() flushes it, and a CI run once finished without it
 
     def close(self, failed: bool) -> None:
-        """Finish the offline run (exit code 1 when the job is ending on an error)."""
-        self.run.finish(exit_code=1 if failed else 0)
+        """Finish the offline run (exit code 1 when the job is ending on an error), and wait for W&B's service
+        to write it out: ``finish`` may return while the service still holds the last rows, and a job script's
+        next line (``wandb sync``, or a test reading the file) must find them on disk."""
+        import wandb
+
+        exit_code = 1 if failed else 0
+        self.run.finish(exit_code=exit_code)
+        wandb.teardown(exit_code=exit_code)
 
 
 class Trackers:

@@ -399,3 +399,52 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
         return {name: t.float().numpy().copy() for name, t in flat.tensors()}
     finally:
         torch.set_num_threads(threads)
+
+
+def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    """Ditto (Li et al. 2021, Algorithm 1) over FedAvg on whole models, every personal model in memory: each
+    sampled client first trains its personal model v (the global w the first time) with every gradient plus
+    lambda (v - w), seeded by its personal seed, and keeps it; then trains w as FedAvg does. Returns the final
+    global tensors and each trained client's personal model, flattened in the model's order. One thread."""
+    from mpifl.planning.seeds import personal_seed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dataset = load_dataset(cfg.data)
+        flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+        parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+        trainer, s, lam = make_trainer(cfg.train), cfg.strategy, cfg.train.ditto_lambda
+        params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad]
+        personal: dict[int, torch.Tensor] = {}
+        for rnd in range(1, cfg.rounds + 1):
+            start = flat.buffer.clone()
+            old = {n: t.detach().clone() for n, t in flat.tensors()}
+            sent = []
+            for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+                data = client_data(dataset, parts[client])
+                flat.buffer.copy_(personal.get(client, start))
+                hooks = [p.register_hook(lambda grad, p=p, w=old[n]: grad + (p.detach() - w).mul_(lam).sub_(0.0))
+                         for n, p in params]
+                trainer.train(flat.module, data, personal_seed(cfg.seed, rnd, client))
+                for hook in hooks:
+                    hook.remove()
+                personal[client] = flat.buffer.clone()
+                flat.buffer.copy_(start)
+                result = trainer.train(flat.module, data, client_seed(cfg.seed, rnd, client))
+                w = float(result.num_samples) if s.weighting == "samples" else 1.0
+                sent.append((client, w, {n: (t.float().numpy() - old[n].numpy() if s.update == "delta"
+                                             else t.float().numpy().copy()) for n, t in flat.tensors()}))
+            for n, t in flat.tensors():
+                values = [(c, w, u[n]) for c, w, u in sent]
+                combined = (grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
+                            else weighted_mean([(w, v) for _, w, v in values]))
+                t.copy_(torch.from_numpy(combined + old[n].numpy() if s.update == "delta" else combined))
+        final = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+        owned = {}
+        for client, buffer in personal.items():
+            flat.buffer.copy_(buffer)
+            owned[client] = torch.cat([t.detach().float().flatten() for _, t in flat.tensors()]).numpy()
+        return final, owned
+    finally:
+        torch.set_num_threads(threads)

@@ -31,6 +31,7 @@ def check_combinations(cfg: Config) -> None:
     _check_secagg(cfg)
     _check_compression(cfg)
     _check_local(cfg)
+    _check_ditto(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -269,6 +270,33 @@ def _check_local(cfg: Config) -> None:
                           "before its last update is applied: choose clock.mode 'off' or 'sync'")
     if cfg.train.device == "cuda" or cfg.train.device_copy:
         raise ConfigError(f"model.local: {why}; training on a device replica is not supported with it yet "
+                          "(train.device 'auto' trains on the CPU): set train.device='cpu'")
+
+
+def _check_ditto(cfg: Config) -> None:
+    """train.ditto_lambda (Ditto): a personal model per client on the rank that hosts it."""
+    if not cfg.train.ditto_lambda:
+        return
+    why = "train.ditto_lambda keeps a personal model per client on the rank that hosts it"
+    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
+    others = [what for what, on in ((f"strategy {cfg.strategy.name!r}", caps is not None and caps.client_state),
+                                    ("model.local", bool(cfg.model.local)),
+                                    ("top-k error feedback",
+                                     cfg.compression.method == "topk" and cfg.compression.error_feedback)) if on]
+    if others:
+        raise ConfigError(f"train.ditto_lambda: {why}, and {others[0]} keeps per-client state there too; the two "
+                          "together are not supported yet: drop one")
+    if cfg.train.trainer != "torch":
+        raise ConfigError(f"train.trainer: {why}, trained by the built-in 'torch' trainer; "
+                          f"{cfg.train.trainer!r} is not supported with it yet: set train.trainer='torch'")
+    if cfg.train.prox_mu:
+        raise ConfigError(f"train.prox_mu: {why}, pulled towards the global model by its own lambda; FedProx's "
+                          "term would pull it towards where it started instead: set train.prox_mu=0")
+    if cfg.clock.mode in ASYNCHRONOUS_MODES:
+        raise ConfigError(f"train.ditto_lambda: {why}; with clock.mode {cfg.clock.mode!r} a client may train "
+                          "again before its last update is applied: choose clock.mode 'off' or 'sync'")
+    if cfg.train.device == "cuda" or cfg.train.device_copy:
+        raise ConfigError(f"train.device: {why}; training on a device replica is not supported with it yet "
                           "(train.device 'auto' trains on the CPU): set train.device='cpu'")
 
 

@@ -151,6 +151,12 @@ class TrainConfig:
                                          "exchange buffer (default: on for cuda, off for cpu; on with cpu runs the "
                                          "GPU path's copies on the CPU)")
     prox_mu: float = field_(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
+    ditto_lambda: float = field_(0.0, "Ditto (Li et al. 2021): lambda > 0 keeps a personal model per client, trained "
+                                 "each round it is sampled, before the global one, on its own data with "
+                                 "lambda/2 ||v - w||^2 towards the received global w (0 = off)", min=0.0)
+    personal_ram_mb: float = field_(1024.0, "ditto: a client rank keeps its clients' personal models (fp32) in RAM "
+                                    "while they fit in this many MiB, else in one HDF5 file per rank in the run "
+                                    "directory", min=0.0)
     loss: str = field_("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
                         choices=("cross_entropy", "mse"), import_ok=True)
 
@@ -451,6 +457,9 @@ class Config:
                                "controls")
         if self.model.local:
             return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals")
+        if self.train.ditto_lambda:
+            return ClientState("Ditto personal models", "train.personal_ram_mb", self.train.personal_ram_mb,
+                               "personal")
         if self.compression.method == "topk" and self.compression.error_feedback:
             return ClientState("error-feedback residuals", "compression.residual_ram_mb",
                                self.compression.residual_ram_mb, "residuals")

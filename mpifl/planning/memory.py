@@ -121,6 +121,8 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
     state_elements = client_state_elements(cfg, size)
     if cfg.strategy.name == "feddyn":  # the training client's g_i, read whole for its regulariser
         client += 4 * state_elements
+    if cfg.train.ditto_lambda:  # the regulariser's zero linear term, fp32 per trainable element
+        client += 4 * elements
     if size.control:  # scaffold: the correction c - c_i, and the control deltas before they are kept
         client += 2 * size.control
     state = client_state_plan(cfg, state_elements, client_ranks)

@@ -16,6 +16,7 @@ CLOCK               4      devices' speeds (0) and availability phases (1)
 PRIVACY             5      element streams (privacy.noise), by purpose: CENTRAL, LOCAL,
                            COUNT, COMPRESSION, GROUP_COMPRESSION, then (round, ...)
 POISSON             6      sub-key of SAMPLING
+PERSONAL            7      a client's personal model's training (Ditto): (round, client)
 ==================  =====  ===============================================================
 
 Purposes of the element streams under PRIVACY: CENTRAL (0) the server's noise on the sum,
@@ -33,6 +34,7 @@ PARTITION = 3
 CLOCK = 4
 PRIVACY = 5
 POISSON = 6
+PERSONAL = 7
 
 CENTRAL = 0
 LOCAL = 1
@@ -50,3 +52,8 @@ def derive_seed(seed: int, *keys: int) -> int:
 def client_seed(seed: int, round_: int, client: int) -> int:
     """The seed of one logical client's work in one round (never depends on the rank)."""
     return derive_seed(seed, CLIENT, round_, client)
+
+
+def personal_seed(seed: int, round_: int, client: int) -> int:
+    """The seed of one logical client's personal-model training in one round (Ditto), apart from its other work."""
+    return derive_seed(seed, PERSONAL, round_, client)

@@ -18,12 +18,12 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
 from mpifl.metrics import peak_rss_bytes
-from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed
+from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
-from mpifl.roles.personal import PersonalTensors
+from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
@@ -82,6 +82,7 @@ class ClientParts:
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
     controls: ClientControls | ClientDynamics | None = None  # scaffold's c_i, feddyn's g_i: one vector per client
     personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
+    personal_models: PersonalModels | None = None  # train.ditto_lambda (Ditto): each hosted client's own model
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
 
 
@@ -147,7 +148,7 @@ class ClientRank:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, or SCAFFOLD's
         control variates) for the server's checkpoint, then acknowledge."""
         assert header.persist is not None  # run() calls this only for a persist header
-        kept = self.parts.controls or self.parts.personal
+        kept = self.parts.controls or self.parts.personal or self.parts.personal_models
         store, firsts = (kept.store, kept.firsts) if kept else (self.parts.residuals, self.first_element)
         assert store is not None  # the server asks only with per-client state (Config.client_state), which makes one
         name = save_snapshot(store, firsts, Path(header.persist), self.rank, header.round)
@@ -277,7 +278,8 @@ class ClientRank:
         the host model between logical clients (a device replica resets from its own device copy)."""
         if self.replica is not None:
             return self.parts.delta and self.group_sum is None
-        return self.parts.delta or (clients > 1 and self.trainer.modifies_weights)
+        return self.parts.delta or self.parts.personal_models is not None or (
+            clients > 1 and self.trainer.modifies_weights)
 
     def _train(self, round_: int, client: int, keep: torch.Tensor | None,
                first: bool) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
@@ -299,6 +301,9 @@ class ClientRank:
         train, val = self.local_data.get(client, (None, None))
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
+        if self.parts.personal_models is not None:
+            assert keep is not None  # Ditto's ranks keep the global model (_needs_host_global)
+            metrics.update(self._personal(round_, client, train, val, keep))
         result, error = self._train_one(round_, client, train, keep)
         if error is None and self.parts.personal is not None:
             self.parts.personal.keep(client)
@@ -377,11 +382,37 @@ class ClientRank:
             result.metrics.update(self.parts.secagg.mask(chunks, self.first_element, weight, self.cohort, round_,
                                                          client))
 
+    def _personal(self, round_: int, client: int, train: ClientData | None, val: ClientData | None,
+                  keep: torch.Tensor) -> dict:
+        """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
+        raise ends the job, or, under accept_failures, leaves the personal model as it was."""
+        assert self.parts.personal_models is not None  # _serve_client calls this only for Ditto
+        due = self._evaluation_due(round_, val)
+        evaluate = self.parts.evaluate
+
+        def personal_eval() -> dict:
+            assert evaluate is not None and val is not None  # due only with an evaluator and a validation split
+            return {f"val_personal_{k}": v for k, v in evaluate(self.work.module, val.x, val.y).items()}
+
+        try:
+            return self.parts.personal_models.train(client, train, keep, personal_seed(self.parts.seed, round_, client),
+                                                    personal_eval if due else None)
+        except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
+            if not self.parts.accept_failures:
+                raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_} while "
+                                    f"training its personal model: {type(err).__name__}: {err} "
+                                    "(clients.accept_failures=false)") from err
+            return {}
+
+    def _evaluation_due(self, round_: int, val: ClientData | None) -> bool:
+        """Whether federated evaluation runs this round on this client's validation split."""
+        every = self.parts.evaluate_every
+        return bool(every) and val is not None and len(val) > 0 and not (round_ % every and round_ != self.parts.rounds)
+
     def _federated_eval(self, round_: int, val: ClientData | None) -> dict:
         """The received global model on this client's validation split (before training)."""
-        every = self.parts.evaluate_every
-        if not every or val is None or len(val) == 0 or (round_ % every and round_ != self.parts.rounds):
+        if not self._evaluation_due(round_, val):
             return {}
-        assert self.parts.evaluate is not None  # evaluate_every > 0 comes with an evaluator (roles.runner)
+        assert self.parts.evaluate is not None and val is not None  # due: an evaluator and a validation split
         result = self.parts.evaluate(self.work.module, val.x, val.y)
         return {**{f"val_{k}": v for k, v in result.items()}, "val_samples": len(val)}

@@ -1,4 +1,7 @@
-"""FedBN and FedPer on a client rank: each hosted logical client's own values of the ``model.local`` tensors.
+"""Personalisation on a client rank: FedBN and FedPer's local tensors, and Ditto's personal models.
+
+Local tensors (:class:`PersonalTensors`) are each hosted logical client's own values of the ``model.local``
+tensors.
 
 Li et al. 2021, "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization" (ICLR) keeps
 the BatchNorm layers local; Arivazhagan et al. 2019, "Federated Learning with Personalization Layers"
@@ -11,10 +14,15 @@ with, the same on every rank.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from mpifl.learning.control import dynamic_regularizer, trainable
+from mpifl.learning.datasets import ClientData
+from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
-from mpifl.wire.flat import FlatModel
+from mpifl.wire.flat import Chunk, FlatModel, element_offsets
 
 
 class PersonalTensors:
@@ -56,3 +64,48 @@ class PersonalTensors:
         own = self.store.read(client, 0)
         self.store.write(client, 0, self._gather(own))
         self.seen.add(client)
+
+
+class PersonalModels:
+    """Ditto (Li, Hu, Beirami and Smith 2021, "Ditto: Fair and Robust Federated Learning Through
+    Personalization", ICML, Algorithm 1) on a client rank: each hosted client's personal model v_i.
+
+    Each round a client is sampled it first updates v_i (the received global w the first time) on its own
+    data, with every gradient plus lambda (v - w), and keeps it; then it trains w as usual and sends that
+    update. The two are independent given w, so v_i is trained first and the rank's model is given w back
+    before the global training. v_i is kept as fp32 chunk by chunk (the model's chunks), in RAM or on disk,
+    and published with every checkpoint. With federated evaluation due, v_i is evaluated on the client's
+    validation split after its update (``val_personal_*``, averaged like the global model's ``val_*``).
+    """
+
+    def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float):
+        self.flat, self.chunks, self.store, self.trainer, self.lam = flat, chunks, store, trainer, lam
+        self.params = [p for _, p in trainable(flat.module)]
+        base = flat.buffer.data_ptr()
+        self.ranges = [(p.data_ptr() - base, p.numel() * p.element_size()) for p in self.params]
+        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
+        self.firsts = element_offsets(chunks)
+        self.seen = set(store.clients())  # clients with a personal model (a resume reloads them)
+
+    def train(self, client: int, data: ClientData | None, global_bytes: torch.Tensor, seed: int,
+              evaluate: Callable[[], dict] | None) -> dict:
+        """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back. Returns
+        ``evaluate()``'s metrics of v_i when given (the caller's federated evaluation of the model in place)."""
+        if client in self.seen:
+            for i, c in enumerate(self.chunks):
+                self.flat.chunk_view(c).copy_(self.store.read(client, i))
+        self.flat.reset_local_state()
+        anchors = [global_bytes[o:o + n].view(p.dtype).view(p.shape) for p, (o, n) in zip(self.params, self.ranges)]
+        try:
+            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam):
+                self.trainer.train(self.flat.module, data, seed)
+            metrics = evaluate() if evaluate is not None else {}
+            views = [self.flat.chunk_view(c) for c in self.chunks]
+            if all(bool(torch.isfinite(v).all()) for v in views):
+                for i, view in enumerate(views):
+                    self.store.write(client, i, view.float())
+                self.seen.add(client)
+        finally:
+            self.flat.buffer.copy_(global_bytes)
+            self.flat.reset_local_state()
+        return metrics

@@ -37,7 +37,7 @@ from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
-from mpifl.roles.personal import PersonalTensors
+from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
@@ -196,9 +196,11 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         elif state is not None and cfg.strategy.name == "feddyn":
             controls = ClientDynamics(flat, state, cfg.strategy.alpha)
         personal = PersonalTensors(flat, state) if state is not None and cfg.model.local else None
+        models = PersonalModels(flat, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
+            if state is not None and cfg.train.ditto_lambda else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
-                         residuals=None if controls or personal else state, controls=controls, personal=personal,
-                         note=notes)
+                         residuals=None if controls or personal or models else state, controls=controls,
+                         personal=personal, personal_models=models, note=notes)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes)
 
@@ -242,7 +244,7 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
                      upload_initial: bool, residuals: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
-                     note: RankNotes | None = None) -> None:
+                     personal_models: PersonalModels | None = None, note: RankNotes | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         kept = "local (model.local)" if cfg.model.local else "frozen"
         log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
@@ -252,8 +254,9 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    # scaffold, feddyn and model.local train on the host (config checks)
-    device = "cpu" if cfg.control_variates or cfg.model.local or cfg.strategy.name == "feddyn" else cfg.train.device
+    # scaffold, feddyn, model.local and ditto train on the host (config checks)
+    host_only = cfg.control_variates or cfg.model.local or cfg.strategy.name == "feddyn" or cfg.train.ditto_lambda
+    device = "cpu" if host_only else cfg.train.device
     replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(
         plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",
@@ -262,7 +265,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
-        controls=controls, personal=personal, note=note or RankNotes(None, comm.Get_rank()))
+        controls=controls, personal=personal, personal_models=personal_models,
+        note=note or RankNotes(None, comm.Get_rank()))
     ClientRank(comm, flat, local, parts).run()
 
 

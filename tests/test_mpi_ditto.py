@@ -1,0 +1,114 @@
+"""Ditto (Li et al. 2021): a personal model per client, kept on the rank that hosts it, trained towards the
+received global model before the client trains the global one; equal to the rule computed on whole models,
+bitwise (global and personal models), on any number of ranks, with reduction groups, with the personal models
+in RAM or on disk, and across a resume on another number of ranks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+from conftest import run_mpi, write_config
+from reference import ditto_reference
+
+from mpifl.cli.plan import estimate
+from mpifl.config import ConfigError, load_config
+from mpifl.storage.hdf5 import load_tensors
+
+CONFIG = """
+seed: 4
+rounds: 3
+clients: {num_clients: 8, per_round: 6}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: mlp, kwargs: {hidden: [9]}}
+train: {lr: 0.05, momentum: 0.5, batch_size: 16, local_epochs: 1, device: cpu, ditto_lambda: 0.5}
+strategy: {update: delta}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    """The final global tensors, and every client's personal model from the last checkpoint's per-rank files."""
+    final = {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
+    personal = {}
+    for path in sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals"))[-1].glob("rank*.h5"):
+        with h5py.File(path, "r") as f:
+            personal.update({int(c): f["clients"][c][()] for c in f["clients"]})
+    return final, personal
+
+
+def assert_bitwise(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert np.array_equal(got[key], want[key]), f"{key}: max |diff| {np.abs(got[key] - want[key]).max()}"
+
+
+def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    return ditto_reference(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)))
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ()),  # 2 client ranks, 3 participants each
+    (7, ("transport.chunk_mb=0.00001",)),  # 6 client ranks, 10-byte chunks: personal models stored by chunk
+    (4, ("clients.groups=3",)),  # the groups' partial sums of the global updates
+    (4, ("train.personal_ram_mb=0", "strategy.update=weights")),  # personal models in one HDF5 file per rank
+], ids=["2-client-ranks", "6-client-ranks-tiny-chunks", "reduction-groups", "personal-on-disk"])
+def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (final, personal), (want_final, want_personal) = run_result(tmp_path / "run"), reference(*overrides)
+    assert_bitwise(final, want_final)
+    assert_bitwise(personal, want_personal)
+    if "train.personal_ram_mb=0" in overrides:
+        assert len(list((tmp_path / "run" / "personal").glob("rank*.h5"))) == 3
+
+
+def test_a_resumed_ditto_run_on_another_number_of_ranks_keeps_every_personal_model(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
+    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
+    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
+    for result in (whole, first, rest):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume: Ditto personal models of" in rest.stderr
+    (final, personal), (want_final, want_personal) = run_result(tmp_path / "split"), run_result(tmp_path / "whole")
+    assert_bitwise(final, want_final)
+    assert_bitwise(personal, want_personal)
+
+
+def test_each_client_evaluates_its_personal_model_on_its_validation_split(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), "data.val_fraction=0.2",
+                     "eval.federated_every=1", "rounds=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        federated = record["federated_eval"]
+        assert {"accuracy", "personal_accuracy", "personal_loss"} <= federated.keys(), federated
+        assert 0.0 <= federated["personal_accuracy"] <= 1.0
+
+
+def test_the_plan_counts_each_hosted_clients_personal_model():
+    size, plan = estimate(load_config(None, [], data=yaml.safe_load(CONFIG)), nranks=3, ranks_per_node=3,
+                          server_alone=False)
+    _, plain = estimate(load_config(None, ["train.ditto_lambda=0"], data=yaml.safe_load(CONFIG)), nranks=3,
+                        ranks_per_node=3, server_alone=False)
+    elements = size.exchanged // 4
+    assert plan.client_bytes - plain.client_bytes >= 4 * (4 * elements)  # 4 hosted clients' fp32 models
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("strategy.name=scaffold",), "train.ditto_lambda: .* strategy 'scaffold' keeps per-client state there too"),
+    (("model.local=['3.*']",), "train.ditto_lambda: .* model.local keeps per-client state there too"),
+    (("train.prox_mu=0.1",), "train.prox_mu: .* FedProx's term would pull it towards where it started"),
+    (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),
+    (("train.device=cuda",), "training on a device replica is not supported with it yet"),
+])
+def test_ditto_is_refused_beside_what_it_cannot_share_a_rank_with(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*overrides], data=yaml.safe_load(CONFIG))
