@@ -4,7 +4,9 @@ It follows the papers' formulas, not mpifl's chunked code; the tests compare the
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -18,6 +20,18 @@ from mpifl.learning.trainers import make_trainer
 from mpifl.planning.federation import sample_clients
 from mpifl.planning.seeds import client_seed
 from mpifl.wire.flat import FlatModel
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Train with one thread inside, as every rank does: a GEMM's sums follow the thread count, and rules that
+    divide by small steps magnify a last-bit difference."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -257,12 +271,8 @@ def scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     c += sum w_i * (delta_c_i / w_i) / N, the sums in ascending client id. The final tensors, and c as
     ``control.<parameter>``. Trained with one thread, as every rank trains (a GEMM's sums follow the
     thread count, and the control delta magnifies a last-bit difference in y by 1 / (K lr))."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _scaffold_reference(cfg)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
@@ -322,9 +332,7 @@ def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np
     model's order. Trained with one thread, as every rank trains."""
     import fnmatch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         dataset = load_dataset(cfg.data)
         flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
@@ -357,8 +365,6 @@ def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np
                 t.copy_(torch.from_numpy(combined + old[n] if s.update == "delta" else combined))
         shared = {n: t.float().numpy().copy() for n, t in flat.tensors() if not is_local(n)}
         return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in own.items()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
@@ -366,9 +372,7 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
     from x with every gradient plus alpha (y - x) - g_i, then g_i -= alpha (y - x); with d the participants'
     mean delta (equal weights, ascending client id; by groups with clients.groups), P of N clients:
     h -= alpha (P / N) d and x += d - h / alpha (torch's fused ops, as the server's). Trained with one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         dataset = load_dataset(cfg.data)
         flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
@@ -397,8 +401,6 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
                 h[name].sub_(mean, alpha=alpha * len(sent) / n)
                 t.copy_(mean.sub_(h[name], alpha=1 / alpha).add_(old[name]))
         return {name: t.float().numpy().copy() for name, t in flat.tensors()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
@@ -408,9 +410,7 @@ def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.nd
     global tensors and each trained client's personal model, flattened in the model's order. One thread."""
     from mpifl.planning.seeds import personal_seed
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         dataset = load_dataset(cfg.data)
         flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
@@ -446,5 +446,3 @@ def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.nd
             flat.buffer.copy_(buffer)
             owned[client] = torch.cat([t.detach().float().flatten() for _, t in flat.tensors()]).numpy()
         return final, owned
-    finally:
-        torch.set_num_threads(threads)

@@ -9,10 +9,10 @@ import torch
 import yaml
 from conftest import run_mpi, write_config
 from reference import feddyn_reference
+from results import assert_bitwise, final_model
 
 from mpifl.config import ConfigError, load_config
 from mpifl.learning.control import dynamic_regularizer
-from mpifl.storage.hdf5 import load_tensors
 
 CONFIG = """
 seed: 7
@@ -27,14 +27,8 @@ output: {progress: false}
 """
 
 
-def final_model(run_dir) -> dict[str, np.ndarray]:
-    return {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
 
 
-def assert_bitwise(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.abs(got[name] - want[name]).max()}"
 
 
 def reference(*overrides: str) -> dict[str, np.ndarray]:

@@ -8,10 +8,10 @@ import pytest
 import yaml
 from conftest import run_mpi, write_config
 from reference import fednova_divisor, reference_run
+from results import assert_bitwise, final_model
 
 from mpifl.aggregation.combiners import NormalizedAverage, fednova_total
 from mpifl.config import ConfigError, StrategyConfig, load_config
-from mpifl.storage.hdf5 import load_tensors
 from mpifl.wire.protocol import UpdateMeta
 
 CONFIG = """
@@ -27,14 +27,8 @@ output: {progress: false}
 """
 
 
-def final_model(run_dir) -> dict[str, np.ndarray]:
-    return {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
 
 
-def assert_bitwise(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.abs(got[name] - want[name]).max()}"
 
 
 def reference(*overrides: str) -> dict[str, np.ndarray]:

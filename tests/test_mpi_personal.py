@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 import torch
@@ -14,11 +13,11 @@ import yaml
 from conftest import run_mpi, write_config
 from fl_helpers import tiny_mlp
 from reference import personal_reference
+from results import assert_bitwise, client_vectors, final_model
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, ModelConfig, load_config
 from mpifl.learning.models import build_flat_model
-from mpifl.storage.hdf5 import load_tensors
 from mpifl.wire.flat import FlatModel
 
 CONFIG = """
@@ -35,19 +34,10 @@ output: {progress: false}
 
 
 def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-    """The final shared tensors, and every client's local tensors from the last checkpoint's per-rank files."""
-    shared = {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
-    local = {}
-    for path in sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals"))[-1].glob("rank*.h5"):
-        with h5py.File(path, "r") as f:
-            local.update({int(c): f["clients"][c][()] for c in f["clients"]})
-    return shared, local
+    """The final shared tensors, and every client's vector from the last checkpoint."""
+    return final_model(run_dir), client_vectors(run_dir)
 
 
-def assert_bitwise(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        assert np.array_equal(got[key], want[key]), f"{key}: max |diff| {np.abs(got[key] - want[key]).max()}"
 
 
 def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:

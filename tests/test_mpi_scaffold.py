@@ -8,13 +8,14 @@ import pytest
 import torch
 import yaml
 from conftest import run_mpi, write_config
-from reference import reference_run, scaffold_reference
+from reference import one_thread, reference_run, scaffold_reference
+from results import assert_bitwise
+from results import final_model as final_run_tensors
 
 from mpifl.aggregation.strategies import ControlledAverage, make_strategy, section_span
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, StrategyConfig, load_config
 from mpifl.learning.control import CONTROL, control_delta, corrected_steps
-from mpifl.storage.hdf5 import load_tensors
 from mpifl.wire.flat import Chunk
 
 CONFIG = """
@@ -32,7 +33,7 @@ output: {progress: false}
 
 def final_model(run_dir) -> dict[str, np.ndarray]:
     """The run's final tensors, its control section renamed ``control.<k>`` in order (k = 0, 1, ...)."""
-    tensors = {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
+    tensors = final_run_tensors(run_dir)
     controls = sorted(n for n in tensors if n.startswith(CONTROL + "."))
     out = {n: t for n, t in tensors.items() if n not in controls}
     out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
@@ -47,10 +48,6 @@ def reference(*overrides: str) -> dict[str, np.ndarray]:
     return out
 
 
-def assert_bitwise(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.abs(got[name] - want[name]).max()}"
 
 
 @pytest.mark.parametrize("ranks,overrides", [
@@ -73,12 +70,8 @@ def test_scaffold_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_o
 
 def test_scaffold_is_fedavg_in_round_one_and_departs_from_it_once_control_variates_are_nonzero():
     def fedavg(*overrides: str) -> dict[str, np.ndarray]:  # trained with one thread, as scaffold_reference is
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             return reference_run(load_config(None, ["strategy.name=fedavg", *overrides], data=yaml.safe_load(CONFIG)))
-        finally:
-            torch.set_num_threads(threads)
 
     weights = lambda run: {n: t for n, t in run.items() if not n.startswith("control.")}  # noqa: E731
     # round 1 starts from c = c_i = 0, so its weights are FedAvg's (of deltas); from round 2 the corrections act

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from conftest import MPI_TIMEOUT, run_mpi, write_config
 from reference import reference_run
+from results import assert_bitwise
 
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import Checkpoint, load_tensors
@@ -37,10 +38,6 @@ def expected(*overrides: str) -> dict[str, np.ndarray]:
     return reference_run(load_config(None, overrides, data=yaml.safe_load(CONFIG)))
 
 
-def assert_bitwise(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.abs(got[name] - want[name]).max()}"
 
 
 def assert_close(got: dict, want: dict, rtol: float) -> None:

@@ -265,12 +265,9 @@ def _check_local(cfg: Config) -> None:
     if cfg.compression.method == "topk" and cfg.compression.error_feedback:
         raise ConfigError(f"model.local: {why}, and top-k error feedback keeps its residuals there too; the two "
                           "together are not supported yet: set compression.error_feedback=false")
-    if cfg.clock.mode in ASYNCHRONOUS_MODES:
-        raise ConfigError(f"model.local: {why}; with clock.mode {cfg.clock.mode!r} a client may train again "
-                          "before its last update is applied: choose clock.mode 'off' or 'sync'")
-    if cfg.train.device == "cuda" or cfg.train.device_copy:
-        raise ConfigError(f"model.local: {why}; training on a device replica is not supported with it yet "
-                          "(train.device 'auto' trains on the CPU): set train.device='cpu'")
+    problem = _synchronous_host_problem(cfg, "model.local", why)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_ditto(cfg: Config) -> None:
@@ -292,12 +289,21 @@ def _check_ditto(cfg: Config) -> None:
     if cfg.train.prox_mu:
         raise ConfigError(f"train.prox_mu: {why}, pulled towards the global model by its own lambda; FedProx's "
                           "term would pull it towards where it started instead: set train.prox_mu=0")
+    problem = _synchronous_host_problem(cfg, "train.ditto_lambda", why)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _synchronous_host_problem(cfg: Config, key: str, why: str) -> str | None:
+    """What per-client state kept on the host model (``key``, because ``why``) cannot run with yet: an asynchronous
+    clock, where a client may train again before its last update is applied, and a device replica."""
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
-        raise ConfigError(f"train.ditto_lambda: {why}; with clock.mode {cfg.clock.mode!r} a client may train "
-                          "again before its last update is applied: choose clock.mode 'off' or 'sync'")
+        return (f"{key}: {why}; with clock.mode {cfg.clock.mode!r} a client may train again before its last "
+                "update is applied: choose clock.mode 'off' or 'sync'")
     if cfg.train.device == "cuda" or cfg.train.device_copy:
-        raise ConfigError(f"train.device: {why}; training on a device replica is not supported with it yet "
-                          "(train.device 'auto' trains on the CPU): set train.device='cpu'")
+        return (f"train.device: {why}; training on a device replica is not supported with it yet (train.device "
+                "'auto' trains on the CPU): set train.device='cpu' and train.device_copy unset")
+    return None
 
 
 def _check_reduce(cfg: Config) -> None:

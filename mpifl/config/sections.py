@@ -407,6 +407,8 @@ class ClientState:
     ram_key: str  # the config key of its RAM budget
     ram_mb: float  # that budget: beyond it, one HDF5 file per rank
     folder: str  # the folder of those files in the run directory
+    vector: str  # one element per 'exchanged' element (read chunk by chunk), 'trainable' one, or 'local' tensor's
+    host_only: bool  # the rule runs on the host model: no device replica (config checks), 'auto' trains on the CPU
 
 
 @dataclass
@@ -448,21 +450,23 @@ class Config:
 
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
-        top-k error-feedback residuals, or SCAFFOLD's control variates; None for neither."""
+        SCAFFOLD's control variates, FedDyn's gradient states, model.local tensors, Ditto's personal models or
+        top-k error-feedback residuals (config checks allow one kind per run); None for none."""
         if self.control_variates:
             return ClientState("SCAFFOLD control variates", "strategy.control_ram_mb", self.strategy.control_ram_mb,
-                               "controls")
+                               "controls", "trainable", True)
         if self.strategy.name == "feddyn":
             return ClientState("FedDyn gradient states", "strategy.control_ram_mb", self.strategy.control_ram_mb,
-                               "controls")
+                               "controls", "trainable", True)
         if self.model.local:
-            return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals")
+            return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals",
+                               "local", True)
         if self.train.ditto_lambda:
             return ClientState("Ditto personal models", "train.personal_ram_mb", self.train.personal_ram_mb,
-                               "personal")
+                               "personal", "exchanged", True)
         if self.compression.method == "topk" and self.compression.error_feedback:
             return ClientState("error-feedback residuals", "compression.residual_ram_mb",
-                               self.compression.residual_ram_mb, "residuals")
+                               self.compression.residual_ram_mb, "residuals", "exchanged", False)
         return None
 
 

@@ -132,14 +132,13 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
 
 
 def client_state_elements(cfg: Config, size: ModelBytes) -> int:
-    """Elements of one client's state vector: a residual spans the exchanged model; a control variate, its
-    trainable parameters (the control section's size); local tensors, themselves."""
-    if cfg.control_variates:
-        return size.control // 4
-    if cfg.model.local:
+    """Elements of one client's state vector (Config.client_state().vector): the exchanged model's; the trainable
+    parameters' (the control section's size, or at most the exchanged elements without one); local tensors'."""
+    state = cfg.client_state()
+    if state is not None and state.vector == "local":
         return size.local // itemsize(cfg.model.dtype)
-    if cfg.strategy.name == "feddyn":  # one per trainable element: at most the exchanged ones
-        return size.exchanged // itemsize(cfg.model.dtype)
+    if state is not None and state.vector == "trainable" and size.control:
+        return size.control // 4
     return size.exchanged // itemsize(cfg.model.dtype)
 
 

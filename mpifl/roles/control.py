@@ -33,13 +33,10 @@ class ClientControls:
         pairs = controlled_pairs(flat.module)
         self.params = [p for p, _ in pairs]
         self.server = [c for _, c in pairs]  # views of the model's control section: the global c on arrival
-        self.store, self.lr = store, lr
+        self.flat, self.store, self.lr = flat, store, lr
         elements = sum(p.numel() for p in self.params)
         self.firsts = [0, elements]  # the store's one chunk: the whole vector
         self.corrections = torch.empty(elements)
-        base = flat.buffer.data_ptr()
-        # each parameter's byte range in the flat buffer, to read its global value from the rank's host copy
-        self.ranges = [(p.data_ptr() - base, p.numel() * p.element_size()) for p in self.params]
 
     @contextlib.contextmanager
     def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
@@ -59,10 +56,8 @@ class ClientControls:
         if weight <= 0:
             raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, "
                              f"which is {weight}")
-        deltas = []
-        for p, c, (offset, nbytes) in zip(self.params, self.server, self.ranges):
-            x = global_bytes[offset:offset + nbytes].view(p.dtype).view(p.shape)
-            deltas.append(control_delta(x.float(), p.detach().float(), c, steps, self.lr))
+        deltas = [control_delta(x.float(), p.detach().float(), c, steps, self.lr)
+                  for p, c, x in zip(self.params, self.server, self.flat.views_in(self.params, global_bytes))]
         if not all(bool(torch.isfinite(d).all()) for d in deltas):
             return  # a diverged client: its update is refused (NaN/Inf), and its c_i stays as it was
         own = self.store.read(client, 0)
@@ -80,26 +75,20 @@ class ClientDynamics:
 
     def __init__(self, flat: FlatModel, store: ResidualStore, alpha: float):
         self.params = [p for _, p in trainable(flat.module)]
-        self.store, self.alpha = store, alpha
-        elements = sum(p.numel() for p in self.params)
-        self.firsts = [0, elements]  # the store's one chunk: the whole vector
-        base = flat.buffer.data_ptr()
-        self.ranges = [(p.data_ptr() - base, p.numel() * p.element_size()) for p in self.params]
-
-    def _global(self, global_bytes: torch.Tensor) -> list[torch.Tensor]:
-        """Each trainable parameter's global value, a view of the rank's host copy of the flat buffer."""
-        return [global_bytes[o:o + n].view(p.dtype).view(p.shape) for p, (o, n) in zip(self.params, self.ranges)]
+        self.flat, self.store, self.alpha = flat, store, alpha
+        self.firsts = [0, sum(p.numel() for p in self.params)]  # the store's one chunk: the whole vector
 
     @contextlib.contextmanager
     def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
         """Train ``client`` inside its dynamic regulariser."""
         states = split(self.store.read(client, 0).clone(), self.params)  # a disk store's read is a scratch
-        with dynamic_regularizer(self.params, self._global(global_bytes), states, self.alpha):
+        with dynamic_regularizer(self.params, self.flat.views_in(self.params, global_bytes), states, self.alpha):
             yield
 
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
         """g_i -= alpha (y - x) after ``client`` trained (y its model); a diverged client keeps its g_i."""
-        moved = [(p.detach().float() - x.float()) for p, x in zip(self.params, self._global(global_bytes))]
+        moved = [p.detach().float() - x.float() for p, x in zip(self.params, self.flat.views_in(self.params,
+                                                                                              global_bytes))]
         if not all(bool(torch.isfinite(m).all()) for m in moved):
             return
         own = self.store.read(client, 0)

@@ -81,8 +81,6 @@ class PersonalModels:
     def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float):
         self.flat, self.chunks, self.store, self.trainer, self.lam = flat, chunks, store, trainer, lam
         self.params = [p for _, p in trainable(flat.module)]
-        base = flat.buffer.data_ptr()
-        self.ranges = [(p.data_ptr() - base, p.numel() * p.element_size()) for p in self.params]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
         self.firsts = element_offsets(chunks)
         self.seen = set(store.clients())  # clients with a personal model (a resume reloads them)
@@ -95,7 +93,7 @@ class PersonalModels:
             for i, c in enumerate(self.chunks):
                 self.flat.chunk_view(c).copy_(self.store.read(client, i))
         self.flat.reset_local_state()
-        anchors = [global_bytes[o:o + n].view(p.dtype).view(p.shape) for p, (o, n) in zip(self.params, self.ranges)]
+        anchors = self.flat.views_in(self.params, global_bytes)
         try:
             with dynamic_regularizer(self.params, anchors, self.zeros, self.lam):
                 self.trainer.train(self.flat.module, data, seed)

@@ -224,9 +224,9 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
     state = cfg.client_state()
     if state is None:
         return None
-    if cfg.control_variates or cfg.strategy.name == "feddyn":  # one vector per trainable element
+    if state.vector == "trainable":
         firsts = [0, control_elements(flat.module)]
-    elif cfg.model.local:
+    elif state.vector == "local":
         firsts = [0, sum(t.numel() for _, t in flat.local_tensors())]
     else:
         firsts = element_offsets(plan.chunks)
@@ -254,9 +254,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    # scaffold, feddyn, model.local and ditto train on the host (config checks)
-    host_only = cfg.control_variates or cfg.model.local or cfg.strategy.name == "feddyn" or cfg.train.ditto_lambda
-    device = "cpu" if host_only else cfg.train.device
+    state = cfg.client_state()
+    device = "cpu" if state is not None and state.host_only else cfg.train.device
     replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     parts = ClientParts(
         plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",

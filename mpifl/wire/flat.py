@@ -306,6 +306,15 @@ class FlatModel:
         raw = (self.buffer if buffer is None else buffer)[entry.offset:entry.offset + entry.nbytes]
         return raw.view(DTYPES[entry.dtype]).view(entry.shape)
 
+    def views_in(self, tensors: Sequence[torch.Tensor], copy: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``tensors`` (views of this model's flat buffer) as the same view of ``copy``, a byte copy of
+        the buffer: the global model a client rank keeps while it trains."""
+        base, out = self.buffer.data_ptr(), []
+        for t in tensors:
+            start = t.data_ptr() - base
+            out.append(copy[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+        return out
+
     def chunk_view(self, chunk: Chunk) -> torch.Tensor:
         """The typed 1-D view of one chunk inside the buffer."""
         return self.buffer[chunk.offset:chunk.offset + chunk.nbytes].view(DTYPES[chunk.dtype])

@@ -1,0 +1,32 @@
+"""A finished run's results read back in tests: its final tensors, each client's kept vectors, and the bitwise
+comparison every reference test makes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from mpifl.storage.hdf5 import load_tensors
+
+
+def final_model(run_dir: Path) -> dict[str, np.ndarray]:
+    """The run's final exchanged tensors (``model.h5``), as fp32 arrays."""
+    return {n: t.float().numpy() for n, t in load_tensors(run_dir / "model.h5").items()}
+
+
+def client_vectors(run_dir: Path) -> dict[int, np.ndarray]:
+    """Every client's per-client vector (local tensors, personal model, ...) in the last checkpoint's per-rank
+    files, by client id."""
+    vectors = {}
+    for path in sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals"))[-1].glob("rank*.h5"):
+        with h5py.File(path, "r") as f:
+            vectors.update({int(c): f["clients"][c][()] for c in f["clients"]})
+    return vectors
+
+
+def assert_bitwise(got: dict, want: dict) -> None:
+    """The same keys, and every array equal to the bit."""
+    assert got.keys() == want.keys()
+    for key in want:
+        assert np.array_equal(got[key], want[key]), f"{key}: max |diff| {np.abs(got[key] - want[key]).max()}"
