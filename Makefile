@@ -5,7 +5,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints/workstation.txt
 
-.PHONY: install quickstart test lint bench clean docs docs-build
+.PHONY: install quickstart test lint bench clean docs docs-build gpu-check
 
 # The quick start installs only what it runs: the package (CPU torch) and MPICH's mpiexec.
 install: $(VENV)/.installed
@@ -42,6 +42,18 @@ docs: $(VENV)/.test-installed
 
 docs-build: $(VENV)/.test-installed
 	$(BIN)/mkdocs build --strict
+
+# The GPU check (docs/how-to/gpus.md) on a GPU node: a venv that sees the node's own CUDA torch
+# (--system-site-packages; pip fetches torch only where none is installed), mpifl with the test extra (MPICH from
+# PyPI only where the node has no mpiexec), then the device tests, cuda against cpu, two ranks per client on
+# NCCL and client updates per second per GPU, in one table. `python profiling/gpu_check.py --device cpu --quick`
+# runs the same steps on a CPU (tests/test_gpu_check.py).
+GPU_VENV ?= .venv-gpu
+comma := ,
+gpu-check:
+	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[test$(if $(shell command -v mpiexec),,$(comma)mpich)]'
+	$(GPU_VENV)/bin/python profiling/gpu_check.py --device cuda --bin $(GPU_VENV)/bin
 
 bench: install
 	$(BIN)/mpiexec -n 5 $(BIN)/mpifl bench exchange --model-mb 1000 --rounds 3 --pickle-rounds 1

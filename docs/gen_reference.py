@@ -65,9 +65,9 @@ def _yaml(value: object) -> str:
 def _type_name(hint: object) -> str:
     """``int``, ``float or null``, ``list of str``..."""
     args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return " or ".join(_type_name(a) for a in inner) + " or null"
+        return " or ".join(_type_name(a) for a in inner) + (" or null" if type(None) in args else "")
     if hint is list:
         return "list"
     return _cell(getattr(hint, "__name__", str(hint)))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from mpifl.config import Config, load_config
+from mpifl.planning import binding
 from mpifl.planning.memory import MemoryEstimate, ModelBytes, client_state_elements, client_state_plan, memory_estimate
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB, format_bytes
@@ -55,8 +57,8 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) 
 
 
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
-    """--client-ranks, or one client rank per client sampled in a round."""
-    return args.client_ranks or cfg.clients_per_round()
+    """--client-ranks, or one client rank per client sampled in a round (clients.ranks_per_client each)."""
+    return args.client_ranks or cfg.clients_per_round() * cfg.clients.ranks_per_client
 
 
 def parameters_text(count: int) -> str:
@@ -75,7 +77,8 @@ def plan_main(args: argparse.Namespace) -> int:
     elements = size.exchanged // itemsize(cfg.model.dtype)
     back = 4 * elements * cfg.clients.groups if cfg.clients.groups \
         else size.exchanged * cfg.clients_per_round()  # the updates, or the groups' fp32 sums
-    rounds_bytes = size.exchanged * ranks + back
+    per_client = cfg.clients.ranks_per_client
+    rounds_bytes = size.exchanged * max(1, ranks // per_client) + back  # only a group's leader talks to rank 0
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
           f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}; {ranks} client ranks, "
           f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
@@ -84,6 +87,10 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{format_bytes(plan.server_pool_bytes)}]")
     print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
           f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}; activations not included]")
+    if per_client > 1:
+        print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
+              f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
+              "and exchange with rank 0")
     state, state_elements = cfg.client_state(), client_state_elements(cfg, size)
     for hosts, hosted, home in client_state_plan(cfg, state_elements, ranks):
         assert state is not None  # a plan has rows only for a run with per-client state
@@ -96,12 +103,35 @@ def plan_main(args: argparse.Namespace) -> int:
               f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
+    print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
     warning = node_warning(cfg, plan, args.node_memory_gb, args.server_alone)
     if warning:
         print(warning)
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
+
+
+SLOTS_SHOWN = 8
+
+
+def binding_line(ranks_per_node: int, cores: int | None, gpus: int | None) -> str:
+    """Which cores and GPU each node-local slot takes when the launcher binds nothing (mpifl.planning.binding);
+    ``cores``/``gpus`` per node default to this machine's (GPUs counted without starting CUDA)."""
+    this_machine = cores is None
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    try:
+        gpus = len(binding.node_gpus(os.environ)) if gpus is None else gpus
+    except ValueError as err:  # a bad MPIFL_GPUS_PER_NODE
+        raise SystemExit(f"--gpus-per-node not given, and {err}") from None
+    if ranks_per_node < 1 or cores < 1:
+        return f"  binding: nothing to bind at {ranks_per_node} ranks and {cores} cores per node"
+    core_of = binding.thread_siblings(range(cores)) if this_machine else None  # its hardware threads, if known
+    slots = binding.node_layout(ranks_per_node, cores, gpus, core_of)
+    shown = "; ".join(f"{r}: cores {c}, GPU {g}" for r, (c, g) in enumerate(slots[:SLOTS_SHOWN]))
+    more = f"; ... ({len(slots) - SLOTS_SHOWN} more)" if len(slots) > SLOTS_SHOWN else ""
+    return (f"  binding at {ranks_per_node} ranks per node, {cores} cores and {gpus} GPUs per node, by local rank "
+            f"(unless the launcher bound them): {shown}{more}")
 
 
 def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None, server_alone: bool) -> str | None:
@@ -159,6 +189,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
     p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
+    p.add_argument("--cores-per-node", type=int, default=None, help="cores per node, for the binding of each "
+                   "local rank (default: this machine's, os.cpu_count())")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, for the binding of each local "
+                   "rank (default: this machine's: CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's "
+                   "count)")
     p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
                    "fullest node would pass 90%% of it")
     p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")

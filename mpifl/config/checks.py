@@ -32,6 +32,7 @@ def check_combinations(cfg: Config) -> None:
     _check_compression(cfg)
     _check_local(cfg)
     _check_ditto(cfg)
+    _check_ranks_per_client(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -304,6 +305,22 @@ def _synchronous_host_problem(cfg: Config, key: str, why: str) -> str | None:
         return (f"train.device: {why}; training on a device replica is not supported with it yet (train.device "
                 "'auto' trains on the CPU): set train.device='cpu' and train.device_copy unset")
     return None
+
+
+def _check_ranks_per_client(cfg: Config) -> None:
+    """A client trained by several ranks: the built-in trainers shard their batches; per-client state and
+    asynchronous steps are not supported across a group yet."""
+    if cfg.clients.ranks_per_client == 1:
+        return
+    why = f"clients.ranks_per_client={cfg.clients.ranks_per_client} trains each client on a group of ranks"
+    if cfg.train.trainer not in ("torch", "causal_lm"):
+        raise ConfigError(f"train.trainer: {why}, each rank on its share of every batch, which the built-in "
+                          f"'torch' and 'causal_lm' trainers do; {cfg.train.trainer!r} does not: set "
+                          "clients.ranks_per_client=1")
+    state = cfg.client_state()
+    if state is not None:
+        raise ConfigError(f"clients.ranks_per_client: {why}; {state.what} kept per client on the ranks is not "
+                          "supported across a group yet: set clients.ranks_per_client=1")
 
 
 def _check_reduce(cfg: Config) -> None:

@@ -85,8 +85,24 @@ def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
             return None
         raise ConfigError(f"{key}: a value is required ({rules.get('doc', '')})")
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if typing.get_origin(base) in (typing.Union, types.UnionType):  # ``int | str``: a number, or a word of choices
+        return _number_or_word(key, value, rules)
     value = _coerce(key, value, base)
     _check_rules(key, value, rules)
+    return value
+
+
+def _number_or_word(key: str, value: Any, rules: typing.Mapping) -> Any:
+    """An ``int | str`` field: an integer within ``min``/``max``, or one of the words in ``choices`` ('auto')."""
+    words = rules.get("choices", ())
+    if isinstance(value, str) and value in words:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (
+            isinstance(value, str) and not _NUMBER.fullmatch(value.strip())):
+        low = f" >= {rules['min']}" if "min" in rules else ""
+        raise ConfigError(f"{key}: expected an integer{low} or {' or '.join(map(repr, words))}, got {value!r}")
+    value = _coerce(key, value, int)
+    _check_rules(key, value, {k: v for k, v in rules.items() if k != "choices"})
     return value
 
 

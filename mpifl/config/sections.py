@@ -37,6 +37,11 @@ class ClientsConfig:
                          "rank, which sums its participants' updates (ascending id, fp32) before anything travels; "
                          "the server folds the G partial sums in ascending group id. Results depend on G, never on "
                          "the number of client ranks. 0: off, every participant's update travels", min=0)
+    ranks_per_client: int = field_(1, "R ranks train each logical client together: client ranks 1.. form groups "
+                                   "of R consecutive ranks (the first sends the update), a torch.distributed group "
+                                   "(gloo on CPUs, NCCL on GPUs) built once per run trains with DDP, each rank on its "
+                                   "share of every batch; the rank count less the server must be a multiple of R. "
+                                   "Results depend on R, never on the number of groups", min=1, max=1024)
 
     def per_round_count(self) -> int:
         """How many logical clients take part in each round."""
@@ -145,8 +150,12 @@ class TrainConfig:
     max_grad_norm: float | None = field_(None, "clip the gradient norm to this before each step", min=0.0,
                                              exclusive_min=True)
     device: str = field_("auto", "where local training runs: auto (cuda when the rank sees a GPU), cpu or cuda; each "
-                         "rank uses the GPU its node-local rank selects (MPIFL_GPUS_PER_NODE)",
+                         "rank uses the GPU of its node-local slot (docs: how-to/gpus)",
                          choices=("auto", "cpu", "cuda"))
+    threads: int | str = field_(1, "compute threads per rank (torch.set_num_threads), or 'auto': one per core of the "
+                                "rank's slot. 1 keeps results bitwise equal across rank counts; any other value "
+                                "makes them depend on the thread count, since torch's CPU reductions split their "
+                                "work by thread", min=1, choices=("auto",))
     device_copy: bool | None = field_(None, "train a replica of the model on the device, apart from the host "
                                          "exchange buffer (default: on for cuda, off for cpu; on with cpu runs the "
                                          "GPU path's copies on the CPU)")

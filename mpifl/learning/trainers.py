@@ -1,16 +1,19 @@
 """Local trainers behind one small protocol, plus evaluation and losses."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from mpifl.config import EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
+from mpifl.learning.parallel import DataParallel, share_of, share_weight
 from mpifl.plugins import resolve
 
 
@@ -31,6 +34,31 @@ class Trainer(Protocol):
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         """Train ``model`` in place on ``data`` (None: the client has no local data), seeded by ``seed``."""
         ...
+
+
+@runtime_checkable
+class ConfiguredTrainer(Trainer, Protocol):
+    """A trainer that reads its TrainConfig on every ``train`` (the built-in ones): a client's own local steps
+    can be swapped in."""
+
+    cfg: TrainConfig
+
+
+@contextlib.contextmanager
+def local_steps(trainer: Trainer, steps: int | None) -> Iterator[None]:
+    """Let a built-in trainer take ``steps`` local steps for one client (FedCompass), then restore its config."""
+    if not steps:
+        yield
+        return
+    if not isinstance(trainer, ConfiguredTrainer):  # config checks allow fedcompass only with built-in trainers
+        raise TypeError(f"trainer {type(trainer).__name__} has no TrainConfig 'cfg' to give a client its own "
+                        "local steps (fedcompass takes the built-in 'torch' and 'causal_lm' trainers)")
+    saved = trainer.cfg
+    trainer.cfg = dataclasses.replace(saved, local_steps=steps)
+    try:
+        yield
+    finally:
+        trainer.cfg = saved
 
 
 LOSSES: dict[str, Callable] = {
@@ -75,14 +103,38 @@ def proximal_term(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor
     return mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
 
 
+def shared_batch(batch: torch.Tensor, parallel: DataParallel | None) -> tuple[torch.Tensor, float]:
+    """The rank's share of a batch's indices and the factor on its mean loss (the whole batch and 1 alone)."""
+    if parallel is None:
+        return batch, 1.0
+    share = share_of(batch, parallel.rank, parallel.size)
+    return share, share_weight(len(share), len(batch), parallel.size)
+
+
+def scaled_loss(loss: torch.Tensor, output: torch.Tensor, rows: int, weight: float) -> torch.Tensor:
+    """A rank's weighted mean loss; a rank whose share is empty still takes part in the group's backward
+    (DDP waits for every rank), with a zero gradient."""
+    return loss * weight if rows else output.sum() * 0.0
+
+
+def group_mean(total: float, count: int, parallel: DataParallel | None) -> float:
+    """The mean training loss over every rank's shares (or this rank's alone)."""
+    summed = parallel.total([total, count]) if parallel is not None else [total, count]
+    return summed[0] / max(summed[1], 1)
+
+
 class TorchTrainer:
-    """A plain PyTorch loop: shuffled minibatches, epochs or a fixed number of steps (optionally FedProx)."""
+    """A plain PyTorch loop: shuffled minibatches, epochs or a fixed number of steps (optionally FedProx).
+
+    With ``parallel`` (clients.ranks_per_client > 1) it trains the model in DDP, on this rank's share of
+    every batch (mpifl.learning.parallel)."""
 
     modifies_weights = True
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.loss_fn = make_loss(cfg.loss)
+        self.parallel: DataParallel | None = None
 
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
@@ -94,22 +146,26 @@ class TorchTrainer:
         optimizer = make_optimizer(params, self.cfg)
         anchors = [p.detach().clone() for p in params] if self.cfg.prox_mu else []  # the received global model
         dtype, device = _param_dtype(model), _device(model)
-        model.train()
+        net = self.parallel.wrap(model) if self.parallel else model
+        net.train()
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # dropout and other in-model randomness
             batches = minibatches(len(data), self.cfg.batch_size, seed)
             for _ in range(steps):
-                batch = next(batches)
-                x, y = data.x[batch].to(device=device, dtype=dtype), data.y[batch].to(device)
+                share, weight = shared_batch(next(batches), self.parallel)
+                x, y = data.x[share].to(device=device, dtype=dtype), data.y[share].to(device)
                 optimizer.zero_grad(set_to_none=True)
-                loss = self.loss_fn(model(x), y)
-                objective = loss + proximal_term(params, anchors, self.cfg.prox_mu) if anchors else loss
+                output = net(x)
+                loss = self.loss_fn(output, y) if len(share) else output.sum()
+                objective = scaled_loss(loss, output, len(share), weight)
+                if anchors:
+                    objective = objective + proximal_term(params, anchors, self.cfg.prox_mu)
                 objective.backward()
                 optimizer.step()
-                total += loss.item() * len(batch)
-                count += len(batch)
-        return TrainResult(len(data), {"loss": total / max(count, 1)}, local_steps=steps)
+                total += loss.item() * len(share) if len(share) else 0.0
+                count += len(share)
+        return TrainResult(len(data), {"loss": group_mean(total, count, self.parallel)}, local_steps=steps)
 
 
 class CausalLMTrainer:
@@ -124,6 +180,7 @@ class CausalLMTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self._checkpointing = False
+        self.parallel: DataParallel | None = None  # clients.ranks_per_client > 1: DDP on shares of each batch
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         """Optimizer steps of ``grad_accum_steps`` batches each; reports the mean loss and its perplexity."""
@@ -141,20 +198,24 @@ class CausalLMTrainer:
         optimizer = make_optimizer(masters, c)
         per_step = c.batch_size * c.grad_accum_steps
         steps = c.local_steps or c.local_epochs * math.ceil(len(data) / per_step)
-        model.train()
+        net = self.parallel.wrap(model) if self.parallel else model
+        net.train()
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # dropout
             batches = minibatches(len(data), c.batch_size, seed)
             for _ in range(steps):
                 optimizer.zero_grad(set_to_none=True)
-                for _ in range(c.grad_accum_steps):
-                    batch = next(batches)
-                    ids = data.x[batch].to(_device(model))
-                    loss = model(input_ids=ids, labels=ids).loss
-                    (loss / c.grad_accum_steps).backward()
-                    total += loss.item() * len(batch)
-                    count += len(batch)
+                for k in range(c.grad_accum_steps):
+                    share, weight = shared_batch(next(batches), self.parallel)
+                    ids = data.x[share].to(_device(model))
+                    last = k == c.grad_accum_steps - 1  # DDP all-reduces on the last micro-batch only
+                    with contextlib.nullcontext() if last or net is model else net.no_sync():  # type: ignore[operator]
+                        output = net(input_ids=ids, labels=ids if len(share) else None)
+                        loss = output.loss if len(share) else output.logits.sum()
+                        (scaled_loss(loss, output.logits, len(share), weight) / c.grad_accum_steps).backward()
+                    total += loss.item() * len(share) if len(share) else 0.0
+                    count += len(share)
                 if mixed:
                     for m, p in zip(masters, params):
                         m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
@@ -170,8 +231,9 @@ class CausalLMTrainer:
                     with torch.no_grad():
                         for m, p in zip(masters, params):
                             p.copy_(m)
-        mean = total / max(count, 1)
+        mean = group_mean(total, count, self.parallel)
         return TrainResult(len(data), {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}, local_steps=steps)
+
 
 
 class NoTrainer:

@@ -5,4 +5,5 @@
 - ``pools``: the server's receive slots and accumulator window, sized from a memory budget.
 - ``memory``: the memory model, per rank and per node, from the same sizing functions the run uses.
 - ``scale``: the scale model of a round's time from per-byte costs.
+- ``binding``: which GPU and CPU cores each rank takes, from the launcher's variables and the node's affinity sets.
 """

@@ -100,7 +100,8 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
 
 
 def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
-    """A client rank: the model, its training state, the wire buffer, a group's sum, residuals in RAM."""
+    """A client rank (any rank of a group, clients.ranks_per_client; ``client_ranks`` counts the groups): the
+    model, its training state, the wire buffer, a group's sum, residuals in RAM."""
     nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
     elements = nbytes // width
     client = IMPORTS_BYTES + size.total
@@ -112,6 +113,8 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
         client += states * (4 * elements if masters else trained)
         if cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta":
             client += nbytes  # the global model kept for the next logical client or for the delta
+        if cfg.clients.ranks_per_client > 1:
+            client += trained  # DDP's gradient buckets (clients.ranks_per_client)
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
         client += nbytes // 2  # the narrowed update
     if cfg.clients.groups:
@@ -145,7 +148,7 @@ def client_state_elements(cfg: Config, size: ModelBytes) -> int:
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,
                     nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryEstimate:
     """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included)."""
-    client_ranks = nranks - 1
+    client_ranks = max(1, (nranks - 1) // cfg.clients.ranks_per_client)  # a group of ranks hosts as one rank
     pool = server_pool_bytes(cfg, exchange, strategy, client_ranks)
     elements = size.exchanged // itemsize(cfg.model.dtype)
     if cfg.server.state == "disk":  # the model stays in the file: read windows and the receive pool

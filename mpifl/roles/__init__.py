@@ -6,5 +6,5 @@
 - ``encoding``: what a client sends: the encoded update, a group's partial sum, a compressed update.
 - ``records``: a round's time split and derived metrics, memory-growth warnings, and the run's closing line.
 - ``federation``: sampling, placement and seeds, pure functions of the config.
-- ``launch``: every exit path aborts the job with a message; SIGTERM; setup agreement; GPU binding.
+- ``launch``: every exit path aborts the job with a message; SIGTERM; setup agreement; GPU and core binding.
 """

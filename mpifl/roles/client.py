@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.config import TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
-from mpifl.learning.trainers import Evaluator, Trainer, TrainResult
+from mpifl.learning.trainers import ConfiguredTrainer, Evaluator, Trainer, TrainResult, local_steps
 from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
@@ -31,30 +29,8 @@ from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
 from mpifl.wire.transport import ProgressReporter, pass_on, recv_object, relay_chunks, send_chunks, send_object
 
-
-@runtime_checkable
-class ConfiguredTrainer(Trainer, Protocol):
-    """A trainer that reads its TrainConfig on every ``train`` (the built-in ones): a client's own local steps
-    can be swapped in."""
-
-    cfg: TrainConfig
-
-
-@contextlib.contextmanager
-def local_steps(trainer: Trainer, steps: int | None) -> Iterator[None]:
-    """Let a built-in trainer take ``steps`` local steps for one client (FedCompass), then restore its config."""
-    if not steps:
-        yield
-        return
-    if not isinstance(trainer, ConfiguredTrainer):  # config checks allow fedcompass only with built-in trainers
-        raise TypeError(f"trainer {type(trainer).__name__} has no TrainConfig 'cfg' to give a client its own "
-                        "local steps (fedcompass takes the built-in 'torch' and 'causal_lm' trainers)")
-    saved = trainer.cfg
-    trainer.cfg = dataclasses.replace(saved, local_steps=steps)
-    try:
-        yield
-    finally:
-        trainer.cfg = saved
+if TYPE_CHECKING:  # roles.group imports roles.client's neighbours only: the type alone, no import at run time
+    from mpifl.roles.group import GroupLeader
 
 
 class ClientFailure(RuntimeError):
@@ -84,6 +60,7 @@ class ClientParts:
     personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
     personal_models: PersonalModels | None = None  # train.ditto_lambda (Ditto): each hosted client's own model
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
+    group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
 
 
 def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
@@ -330,16 +307,31 @@ class ClientRank:
     def _train_one(self, round_: int, client: int, train: ClientData | None,
                    keep: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client; a raise ends the job, or is its error under accept_failures."""
-        controls = self.parts.controls
+        controls, seed = self.parts.controls, client_seed(self.parts.seed, round_, client)
         try:
+            if self.parts.group is not None:
+                return self._train_in_group(client, train, seed), None
             assert keep is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
             with controls.training(client, keep) if controls and keep is not None else contextlib.nullcontext():
-                return self.trainer.train(self.work.module, train, client_seed(self.parts.seed, round_, client)), None
+                return self.trainer.train(self.work.module, train, seed), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            if not self.parts.accept_failures:
+            if not self.parts.accept_failures or self.parts.group is not None:
+                why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
+                       if self.parts.group is not None else "clients.accept_failures=false")
                 raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
-                                    f"{type(err).__name__}: {err} (clients.accept_failures=false)") from err
+                                    f"{type(err).__name__}: {err} ({why})") from err
             return TrainResult(0, {}), f"{type(err).__name__}: {err}"
+
+    def _train_in_group(self, client: int, train: ClientData | None, seed: int) -> TrainResult:
+        """Train ``client`` with this rank's group (clients.ranks_per_client); its metrics add the group's setup
+        (round 1 only), the weights' dispatch to the group, and the training itself, in seconds."""
+        assert self.parts.group is not None  # _train_one calls this only for a group's leader
+        own_steps = self.trainer.cfg.local_steps if isinstance(self.trainer, ConfiguredTrainer) else None
+        costs = self.parts.group.dispatch(client, seed, own_steps)
+        began = time.perf_counter()
+        result = self.trainer.train(self.work.module, train, seed)
+        result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)
+        return result
 
     def _device_update(self, check: bool) -> int:
         """The update stays on the device for the group's sum: make it a delta there; its NaN/Inf count."""

@@ -1,7 +1,8 @@
-"""One launch path for every rank: agreement on setup errors, SIGTERM, GPU binding, abort-on-exception."""
+"""One launch path for every rank: agreement on setup errors, SIGTERM, GPU and core binding, abort-on-exception."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -9,9 +10,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from mpifl.errors import JobFailure
+from mpifl.planning import binding
 
 T = TypeVar("T")
 
@@ -102,26 +105,84 @@ def gather_within(comm, value: object, stage: str, elapsed: float, model_bytes: 
     return [values[r] for r in range(comm.Get_size())]
 
 
-# Where launchers put a rank's node-local rank, first found wins. SLURM_LOCALID comes last: srun sets it per task,
-# but under an mpiexec inside an allocation every rank inherits the batch step's (or its node proxy's) value.
-LOCAL_RANK_VARS = ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
-                   "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-
-
 def env_local_rank() -> int | None:
-    """The current process's rank within its node, as the launcher tells it."""
-    for var in LOCAL_RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+    """The current process's rank within its node, as the launcher tells it (mpifl.planning.binding.LAUNCHERS)."""
+    found = binding.launcher_local_rank(os.environ)
+    return found.rank if found is not None else None
 
 
-def bind_gpu_from_local_rank() -> None:
-    """With MPIFL_GPUS_PER_NODE=G > 0, let each rank see one GPU: local rank mod G (before CUDA starts)."""
-    gpus = int(os.environ.get("MPIFL_GPUS_PER_NODE", "0") or 0)
-    local = env_local_rank()
-    if gpus > 0 and local is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
+def bind_gpu_from_local_rank(proc: Path | None = None) -> None:
+    """Before CUDA (or an MPI that starts it) is loaded, let the rank see only its slot's GPU, the node's GPU
+    (launcher local rank mod count), through CUDA_VISIBLE_DEVICES. ``proc``: where the GPUs are counted."""
+    local = binding.launcher_local_rank(os.environ)
+    try:
+        if local is None or not binding.bind_requested(os.environ):
+            return
+        gpu = binding.slot_gpu(binding.node_gpus(os.environ, proc), local.rank)
+    except ValueError:  # a bad MPIFL_BIND or MPIFL_GPUS_PER_NODE: bind_rank names it on every rank once MPI is up
+        return
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+
+
+def bind_rank(comm, threads: int | str = 1, proc: Path | None = None) -> binding.Binding:
+    """Bind this rank to its node-local slot's cores, and to its GPU when no launcher variable named the slot
+    before MPI started (mpifl.planning.binding has the rule, and what ``threads``, train.threads, becomes).
+    Collective over ``comm``."""
+    from mpi4py import MPI
+
+    try:
+        binding.bind_requested(os.environ)
+        binding.node_gpus(os.environ, proc)
+    except ValueError as err:  # the same environment on every rank: each raises here, none waits in the split
+        raise SetupError(str(err)) from None
+    launcher = binding.launcher_local_rank(os.environ)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        every = node.allgather((launcher.rank if launcher is not None else None, _affinity()))
+        chosen = binding.choose(os.environ, every, node.Get_rank(), threads, proc,
+                                binding.thread_siblings(frozenset().union(*(cores for _, cores in every))))
+    finally:
+        node.Free()
+    if chosen.cores_from == "split" and set(chosen.cores) != _affinity() and not _set_affinity(chosen.cores):
+        chosen = dataclasses.replace(chosen, cores=tuple(sorted(_affinity())))  # say what it runs on
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if chosen.cores_from == "MPIFL_BIND=none" or chosen.gpu is None or chosen.gpu == current:
+        return chosen
+    if _cuda_started():  # too late: CUDA read CUDA_VISIBLE_DEVICES when it started
+        return dataclasses.replace(chosen, gpu=",".join(binding.node_gpus(os.environ, proc)) or None)
+    os.environ["CUDA_VISIBLE_DEVICES"] = chosen.gpu
+    return chosen
+
+
+def _affinity() -> frozenset[int]:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def _set_affinity(cores: tuple[int, ...]) -> bool:
+    """Bind every thread of the process (MPI's may already run) to ``cores``; False where the OS refuses or
+    cannot (no sched_setaffinity, cores outside the job's cpuset)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    try:
+        for thread in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+                os.sched_setaffinity(thread, cores)
+    except OSError:
+        return False
+    return True
+
+
+def _cuda_started() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 ABORT_GRACE_SECONDS = 1.0

@@ -59,6 +59,21 @@ def federated_evaluation(metas) -> dict | None:
     return {**out, "clients": len(reports), "samples": n}
 
 
+GROUP_COSTS = ("group_setup_seconds", "group_dispatch_seconds", "group_train_seconds")
+
+
+def group_split(metas) -> dict | None:
+    """clients.ranks_per_client: the round's client time, summed over its participants and split as the group
+    spent it: setup (building the process group and DDP: round 1 only), dispatch (the order and the weights to
+    the group), train, and the rest (evaluation, encoding the update); None without groups."""
+    reports = [m for m in metas if GROUP_COSTS[0] in m.metrics]
+    if not reports:
+        return None
+    split = {key.split("_")[1]: sum(m.metrics[key] for m in reports) for key in GROUP_COSTS}
+    split["other"] = max(0.0, sum(m.train_seconds for m in reports) - sum(split.values()))
+    return split
+
+
 def summary(record: dict) -> str:
     """The round's losses and evaluation scores, on one line."""
     parts = []

@@ -26,17 +26,20 @@ from mpifl.learning.control import control_elements
 from mpifl.learning.datasets import Dataset, client_data, client_source, load_dataset, needs_dataset, surveyed_dataset
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
+from mpifl.learning.parallel import DataParallel
 from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
 from mpifl.learning.sources import HeldRows
-from mpifl.learning.trainers import Evaluator, make_evaluator, make_trainer
+from mpifl.learning.trainers import CausalLMTrainer, Evaluator, TorchTrainer, Trainer, make_evaluator, make_trainer
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
+from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import Placement, placement_for
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.control import ClientControls, ClientDynamics
-from mpifl.roles.launch import SetupError, StopRequest, agree, gather_within
+from mpifl.roles.group import GroupLayout, GroupLeader, GroupMember, split_world
+from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
 from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
@@ -60,6 +63,11 @@ def check_world(size: int, cfg: Config) -> None:
     if size < 2:
         raise SetupError("mpifl needs at least 2 ranks (rank 0 is the server, ranks 1.. are clients): "
                          "launch with e.g. `mpiexec -n 3 mpifl run CONFIG`")
+    layout = GroupLayout(cfg.clients.ranks_per_client)
+    problem = layout.problem(size)
+    if problem:
+        raise SetupError(problem)
+    size = 1 + layout.groups(size)  # from here on, a group of ranks counts as the one client rank it leads
     if size - 1 > cfg.clients.num_clients:
         raise SetupError(f"{size - 1} client ranks but clients.num_clients={cfg.clients.num_clients}: "
                          f"use at most {cfg.clients.num_clients + 1} ranks or raise clients.num_clients")
@@ -78,21 +86,25 @@ def check_world(size: int, cfg: Config) -> None:
                          f"participants first with clients.groups={size - 1}")
 
 
-def record_ranks(comm: MPI.Comm, run_dir: Path | None) -> None:
-    """Where every rank runs (host, pid), in ``ranks.txt``: the launcher's report of a killed process names
-    only its pid."""
-    where = comm.gather((socket.gethostname(), os.getpid()), root=0)
+def record_ranks(comm: MPI.Comm, run_dir: Path | None, bound: Binding) -> None:
+    """Where every rank runs (host, pid) and what it is bound to (node-local rank, cores, GPU, threads), in
+    ``ranks.txt``: the launcher's report of a killed process names only its pid."""
+    where = comm.gather((socket.gethostname(), os.getpid(), bound), root=0)
     if comm.Get_rank() != 0:
         return
     assert where is not None  # gather returns every rank's value on the root
-    table = "".join(f"{rank} {host} {pid}\n" for rank, (host, pid) in enumerate(where))
+    table = "".join(f"{rank} {host} {pid} {b.local_rank} {core_ranges(b.cores)} {b.gpu or '-'} {b.threads}\n"
+                    for rank, (host, pid, b) in enumerate(where))
     if run_dir is not None:
-        (run_dir / "ranks.txt").write_text("rank host pid\n" + table)
+        (run_dir / "ranks.txt").write_text("rank host pid local_rank cores gpu threads\n" + table)
     if len(where) <= 16:  # in MPICH's own words (BAD TERMINATION ... PID p RUNNING AT host), to search the log
-        log("ranks: " + "; ".join(f"rank {r} PID {p} RUNNING AT {h}" for r, (h, p) in enumerate(where)), rank=0)
-    else:
-        log(f"ranks: {len(where)}, each rank's PID and host in {run_dir / 'ranks.txt' if run_dir else 'ranks.txt'}",
+        log("ranks: " + "; ".join(f"rank {r} PID {p} RUNNING AT {h} (local rank {b.local_rank}, cores "
+                                   f"{core_ranges(b.cores)}, GPU {b.gpu or '-'})" for r, (h, p, b) in enumerate(where)),
             rank=0)
+    else:
+        log(f"ranks: {len(where)}, each rank's PID, host, cores and GPU in "
+            f"{run_dir / 'ranks.txt' if run_dir else 'ranks.txt'}", rank=0)
+    log(f"binding: {describe([b for _, _, b in where])}", rank=0)
 
 
 def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
@@ -158,8 +170,9 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePo
 def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None,
               notes: RankNotes) -> RunOutcome | None:
     stop = StopRequest().install()
-    torch.set_num_threads(1)  # one compute thread per rank: ranks share the node's cores
-    record_ranks(comm, run_dir)
+    bound = bind_rank(comm, cfg.train.threads)  # the cores (and GPU) of this rank's node-local slot
+    torch.set_num_threads(bound.threads)  # 1 by default: torch's CPU reductions split their work by thread
+    record_ranks(comm, run_dir, bound)
     dataset = _shared_dataset(comm, cfg.data) if needs_dataset(cfg) else None
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
     building = time.monotonic()
@@ -185,6 +198,16 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     opened: dict[str, Checkpoint] = {}  # rank 0 opens the resume checkpoint once: checked here, loaded by the store
     if resume is not None:  # rank 0 checks; every rank learns whether it fits
         agree(comm, lambda: opened.setdefault("ckpt", _open_checkpoint(resume.path, spec)) and None)
+    layout, group = GroupLayout(cfg.clients.ranks_per_client), None
+    if layout.ranks_per_client > 1:  # the server and the groups' leaders go on as if each group were one rank
+        federation, group = split_world(comm, layout)
+        if federation is None:
+            assert group is not None and flat is not None  # a group's other ranks are client ranks
+            local = _local_data(cfg, dataset, layout.federation_rank(comm.Get_rank()), layout.groups(comm.Get_size()))
+            del dataset  # like its leader, a member keeps only its group's clients' samples
+            _serve_as_member(group, cfg, flat, local, notes)
+            return None
+        comm = federation
     if comm.Get_rank() != 0:
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
@@ -200,7 +223,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             if state is not None and cfg.train.ditto_lambda else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
                          residuals=None if controls or personal or models else state, controls=controls,
-                         personal=personal, personal_models=models, note=notes)
+                         personal=personal, personal_models=models, note=notes, group=group)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes)
 
@@ -244,7 +267,8 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
                      upload_initial: bool, residuals: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
-                     personal_models: PersonalModels | None = None, note: RankNotes | None = None) -> None:
+                     personal_models: PersonalModels | None = None, note: RankNotes | None = None,
+                     group: MPI.Comm | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         kept = "local (model.local)" if cfg.model.local else "frozen"
         log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
@@ -257,16 +281,44 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     state = cfg.client_state()
     device = "cpu" if state is not None and state.host_only else cfg.train.device
     replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
+    trainer = make_trainer(cfg.train)
+    leader = None
+    if group is not None:  # clients.ranks_per_client > 1: this rank leads its group
+        parallel = _parallel(trainer, group)
+        leader = GroupLeader(group, parallel, replica.flat if replica else flat, _group_timeout(flat))
     parts = ClientParts(
-        plan=plan, trainer=make_trainer(cfg.train), seed=cfg.seed, delta=cfg.strategy.update == "delta",
+        plan=plan, trainer=trainer, seed=cfg.seed, delta=cfg.strategy.update == "delta",
         accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
         controls=controls, personal=personal, personal_models=personal_models,
-        note=note or RankNotes(None, comm.Get_rank()))
+        note=note or RankNotes(None, comm.Get_rank()), group=leader)
     ClientRank(comm, flat, local, parts).run()
+    if leader is not None:
+        leader.release()
+
+
+def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: dict, notes: RankNotes) -> None:
+    """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group."""
+    replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
+    trainer = make_trainer(cfg.train)
+    parallel = _parallel(trainer, group)
+    GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat)).run()
+    notes("finished")
+
+
+def _parallel(trainer: Trainer, group: MPI.Comm) -> DataParallel:
+    """The rank's place in its client group, given to the trainer (a built-in one: config checks)."""
+    assert isinstance(trainer, (TorchTrainer, CausalLMTrainer))  # _check_ranks_per_client allows only these
+    trainer.parallel = DataParallel(group.Get_rank(), group.Get_size())
+    return trainer.parallel
+
+
+def _group_timeout(flat: FlatModel) -> float:
+    """How long a group's rank waits for the others in a collective: the start-up allowance for this model."""
+    return startup_limit([], flat.spec.total_bytes + flat.frozen_spec.total_bytes)
 
 
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,

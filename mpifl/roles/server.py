@@ -30,7 +30,14 @@ from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layou
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.launch import StopRequest
-from mpifl.roles.records import RoundTimes, federated_evaluation, note_memory_growth, secagg_record, summary
+from mpifl.roles.records import (
+    RoundTimes,
+    federated_evaluation,
+    group_split,
+    note_memory_growth,
+    secagg_record,
+    summary,
+)
 from mpifl.storage.checkpointer import Checkpointer
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
@@ -345,6 +352,9 @@ class Server:
         }
         if evaluation is not None:
             record["eval"] = evaluation
+        group = group_split(metas.values())
+        if group is not None:
+            record["client_group"] = group
         federated = federated_evaluation(usable)
         if federated is not None:
             record["federated_eval"] = federated

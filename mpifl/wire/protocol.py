@@ -36,6 +36,13 @@ stream for the whole round.
 While a client rank trains:
     c -> 0  PROGRESS  (pickled, tiny) the round, at most once a second, sent from a forward pass
                       of the rank's model: a rank stuck in user code cannot send it.
+clients.ranks_per_client R > 1: client ranks form groups of R consecutive ranks; the first of each (the
+leader) alone speaks the protocol above, on a communicator of rank 0 and the leaders. In its group's
+own communicator, before each logical client trains:
+    leader -> member  GROUP  TrainOrder (pickled, small): the client, its seed and local steps (stop=True
+                      at the end); the first carries the leader's address for the process group's
+                      rendezvous. Then the leader's weights reach the group by a torch.distributed
+                      broadcast, and the group trains the client in DDP (mpifl.learning.parallel).
 MPI's non-overtaking rule keeps each (source, tag) stream in order, so chunks carry
 no per-chunk header: both sides derive the layout from the same ModelSpec.
 Round tags: MODEL, META, UPDATE, REDUCE_META and REDUCE travel on ``round_tag(kind, round)``, so a
@@ -58,6 +65,7 @@ REDUCE_META = 17
 REDUCE = 18
 STARTUP = 19
 PROGRESS = 20
+GROUP = 21  # in a client group's own communicator (clients.ranks_per_client)
 
 ROUND_TAG_STRIDE = 32  # every fixed tag above is below it
 ROUND_TAG_CYCLE = 1000  # rounds before a tag repeats: 20 + 32 * 999 stays within 32767, MPI's least TAG_UB
@@ -115,3 +123,13 @@ class GroupMeta:
         """Whether the partial sum holds at least one update."""
         return any(m.error is None for m in self.members)
 
+
+@dataclass(frozen=True)
+class TrainOrder:
+    """A client group's leader to its other ranks: train this logical client with me now (or stop)."""
+
+    client: int = -1
+    seed: int = 0
+    steps: int | None = None  # the client's own local steps (fedcompass), else the config's
+    address: tuple[str, int] | None = None  # the first order: where the group's rendezvous store listens
+    stop: bool = False

@@ -1,0 +1,150 @@
+"""``clients.ranks_per_client``: a logical client trained by a group of R ranks.
+
+Client ranks 1.. form groups of R consecutive ranks. The first rank of each group, its leader, is the
+only one the server knows: rank 0 and the leaders talk over a communicator of their own (the
+federation), with the protocol and code of R = 1 unchanged, so the server's reduction, its memory bound
+and the results' independence of the number of groups stay what they are. The other ranks of a group
+(its members) wait for the leader's orders (``protocol.TrainOrder``) in the group's communicator:
+before each logical client trains, the leader sends the order, broadcasts its weights over the group's
+``torch.distributed`` process group, and the group trains the client together in DDP
+(``mpifl.learning.parallel``). The process group is built at the first order and kept for the run, so
+its cost shows once, in round 1's ``group_setup_seconds``, and never again.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from mpi4py import MPI
+from torch import distributed as dist
+
+from mpifl.learning.datasets import ClientData
+from mpifl.learning.parallel import DataParallel
+from mpifl.learning.trainers import Trainer, local_steps
+from mpifl.wire import protocol
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.transport import recv_object, send_object
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Which world rank plays which part when each logical client is trained by ``ranks_per_client`` ranks."""
+
+    ranks_per_client: int
+
+    def groups(self, world_size: int) -> int:
+        """How many client groups ``world_size`` ranks make (rank 0 is the server)."""
+        return (world_size - 1) // self.ranks_per_client
+
+    def problem(self, world_size: int) -> str | None:
+        """Why ``world_size`` ranks cannot form whole groups, or None."""
+        clients = world_size - 1
+        if clients % self.ranks_per_client:
+            return (f"clients.ranks_per_client={self.ranks_per_client} needs the client ranks (all but rank 0) in "
+                    f"whole groups, but there are {clients}: launch {self.ranks_per_client} x G + 1 ranks (e.g. "
+                    f"{self.ranks_per_client * max(1, clients // self.ranks_per_client) + 1})")
+        return None
+
+    def group_of(self, rank: int) -> int | None:
+        """The client group of world rank ``rank`` (None for the server)."""
+        return None if rank == 0 else (rank - 1) // self.ranks_per_client
+
+    def position(self, rank: int) -> int:
+        """Where ``rank`` stands in its group: 0 for the leader."""
+        return 0 if rank == 0 else (rank - 1) % self.ranks_per_client
+
+    def federation_rank(self, rank: int) -> int:
+        """The rank the server knows a group's leader by (its group + 1; the server stays 0)."""
+        group = self.group_of(rank)
+        return 0 if group is None else group + 1
+
+    def leader_of(self, rank: int) -> int:
+        """The world rank of ``rank``'s group leader."""
+        group = self.group_of(rank)
+        return 0 if group is None else 1 + group * self.ranks_per_client
+
+
+def split_world(comm: MPI.Comm, layout: GroupLayout) -> tuple[MPI.Comm | None, MPI.Comm | None]:
+    """(the federation: rank 0 and the leaders, None on other members; this rank's group, None on rank 0)."""
+    rank = comm.Get_rank()
+    leader_or_server = layout.position(rank) == 0
+    federation = comm.Split(0 if leader_or_server else MPI.UNDEFINED, layout.federation_rank(rank))
+    group_id = layout.group_of(rank)
+    group = comm.Split(MPI.UNDEFINED if group_id is None else group_id, layout.position(rank))
+    return (federation if federation != MPI.COMM_NULL else None), (group if group != MPI.COMM_NULL else None)
+
+
+def rendezvous_store(address: tuple[str, int] | None, size: int, timeout_s: float) -> tuple[dist.Store, tuple]:
+    """The group's rendezvous: the leader (``address`` None) listens on a free port of its host; the members
+    connect to ``address``. Returns the store and the address to send the members."""
+    if address is None:
+        host = socket.gethostname()
+        store = dist.TCPStore(host, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        return store, (host, store.port)
+    host, port = address
+    return dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s)), address
+
+
+class GroupLeader:
+    """A group leader's side: each logical client's order, the weights to the group, and the cost of both."""
+
+    def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, timeout_s: float):
+        self.comm, self.parallel, self.work, self.timeout_s = comm, parallel, work, timeout_s
+
+    def dispatch(self, client: int, seed: int, steps: int | None) -> dict[str, float]:
+        """Start ``client``'s training on every rank of the group; the seconds spent setting the group up (the
+        process group and DDP: in the run's first order only) and sending it the weights."""
+        began, setup_before = time.perf_counter(), self.parallel.setup_seconds
+        address = None
+        if not self.parallel.ready:
+            store, address = rendezvous_store(None, self.parallel.size, self.timeout_s)
+        order = protocol.TrainOrder(client, seed, steps, address)
+        for member in range(1, self.comm.Get_size()):
+            send_object(self.comm, order, member, protocol.GROUP)
+        if address is not None:
+            self.parallel.start(store, self.work.device, self.timeout_s)
+        self.parallel.wrap(self.work.module)
+        self.parallel.broadcast([self.work.buffer])
+        setup = self.parallel.setup_seconds - setup_before
+        return {"group_setup_seconds": setup, "group_dispatch_seconds": time.perf_counter() - began - setup}
+
+    def release(self) -> None:
+        """The run is over: let the members leave, then leave the process group."""
+        for member in range(1, self.comm.Get_size()):
+            send_object(self.comm, protocol.TrainOrder(stop=True), member, protocol.GROUP)
+        self.parallel.close()
+
+
+class GroupMember:
+    """A group's other rank: train each logical client the leader orders, on this rank's share of its batches."""
+
+    def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
+                 local_data: dict[int, tuple[ClientData | None, ClientData | None]], timeout_s: float):
+        self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
+        self.local_data, self.timeout_s = local_data, timeout_s
+
+    def run(self) -> None:
+        """Follow the leader's orders until it says stop."""
+        while True:
+            order = recv_object(self.comm, 0, protocol.GROUP)
+            if not isinstance(order, protocol.TrainOrder):
+                raise RuntimeError(f"the group leader sent {order!r} where a TrainOrder belongs")
+            if order.stop:
+                self.parallel.close()
+                return
+            self.train(order)
+
+    def train(self, order: protocol.TrainOrder) -> None:
+        """Take the leader's weights, then train ``order.client`` with the group."""
+        if not self.parallel.ready:
+            store, _ = rendezvous_store(order.address, self.parallel.size, self.timeout_s)
+            self.parallel.start(store, self.work.device, self.timeout_s)
+        self.work.reset_local_state()
+        self.parallel.wrap(self.work.module)
+        self.parallel.broadcast([self.work.buffer])
+        train, _ = self.local_data.get(order.client, (None, None))
+        with local_steps(self.trainer, order.steps):
+            self.trainer.train(self.work.module, train, order.seed)

@@ -1,0 +1,28 @@
+"""The GPU check (profiling/gpu_check.py, `make gpu-check`) in its CPU form: the same steps as on a GPU node, the
+device being a separate replica on the CPU and the group's backend gloo; every step passes and the table has a
+row for each (device tests, the quick start and reduction groups against host training, two ranks per client,
+client updates per second for the MLP and the CNN)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_checks_cpu_form_runs_every_step_and_passes(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--tests", "tests/test_mpi_device.py -k not_aliased", "--json", str(out),
+                           "--timeout", "300"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == ["device tests", "quick start: replica vs host",
+                                         "reduction groups: replica vs host", "ranks_per_client=2",
+                                         "throughput mlp", "throughput cnn"]
+    assert all(r["passed"] for r in rows), rows
+    assert all(r["result"] == "bitwise equal" for r in rows[1:3])
+    assert "client updates/s per CPU rank" in rows[-1]["result"]
+    assert "ranks_per_client=2" in done.stdout.splitlines()[4]  # one table, a line per step under its header

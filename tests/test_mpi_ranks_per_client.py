@@ -1,0 +1,132 @@
+"""clients.ranks_per_client: a logical client trained by a group of ranks (gloo DDP on the CPU), each on its share
+of every batch. The result depends on the group size R, never on how many groups run (bitwise, in synchronous
+rounds and under FedCompass's per-client local steps) nor on the run;
+it is the model one rank per client trains, up to float rounding; the process group is built once per run
+(the setup time shows in round 1 only); and rank counts that cannot form whole groups are refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import run_mpi, write_config
+from results import assert_bitwise, final_model
+
+from mpifl.cli.plan import estimate
+from mpifl.config import ConfigError, load_config
+from mpifl.learning.parallel import share_of, share_weight
+from mpifl.roles.group import GroupLayout
+
+CONFIG = """
+seed: 3
+rounds: 3
+clients: {num_clients: 6, per_round: 4, ranks_per_client: 2}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: mlp, kwargs: {hidden: [16]}}
+train: {lr: 0.05, momentum: 0.5, batch_size: 15, local_epochs: 1, device: cpu}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def run(tmp_path: Path, name: str, ranks: int, *overrides: str) -> Path:
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / name
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Pairs of ranks per client, one group (3 ranks) and two groups (5 ranks), twice; one rank per client."""
+    tmp = tmp_path_factory.mktemp("ranks_per_client")
+    return {"one group": run(tmp, "one", 3), "two groups": run(tmp, "two", 5), "again": run(tmp, "again", 3),
+            "one rank per client": run(tmp, "single", 3, "clients.ranks_per_client=1")}
+
+
+def test_two_ranks_per_client_give_the_same_model_bitwise_on_one_or_two_groups(runs):
+    assert_bitwise(final_model(runs["two groups"]), final_model(runs["one group"]))
+
+
+def test_two_ranks_per_client_give_the_same_model_bitwise_run_after_run(runs):
+    assert_bitwise(final_model(runs["again"]), final_model(runs["one group"]))
+
+
+def test_a_group_trains_the_model_one_rank_would_up_to_float_rounding(runs):
+    grouped, single = final_model(runs["one group"]), final_model(runs["one rank per client"])
+    for name in single:
+        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert records(runs["one group"])[-1]["train_loss"] == pytest.approx(
+        records(runs["one rank per client"])[-1]["train_loss"], rel=1e-4)
+
+
+def test_the_process_group_is_built_once_per_run_and_the_round_split_shows_it(runs):
+    rounds = records(runs["two groups"])
+    assert rounds[0]["client_group"]["setup"] > 0
+    assert all(r["client_group"]["setup"] == 0.0 for r in rounds[1:])
+    for r in rounds:
+        assert set(r["client_group"]) == {"setup", "dispatch", "train", "other"}
+        assert r["client_group"]["train"] > 0
+    assert "client_group" not in records(runs["one rank per client"])[0]
+
+
+def test_fedcompass_gives_each_groups_client_its_own_local_steps_bitwise_on_one_or_two_groups(tmp_path):
+    compass = ("clock.mode=fedcompass", "clock.concurrency=4", "strategy.update=delta", "rounds=4")
+    assert_bitwise(final_model(run(tmp_path, "two", 5, *compass)), final_model(run(tmp_path, "one", 3, *compass)))
+
+
+def test_a_rank_count_that_leaves_a_group_incomplete_is_refused_naming_the_key(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "clients.ranks_per_client=2" in result.stderr + result.stdout
+    assert "3" in result.stderr + result.stdout  # the client ranks it found
+
+
+@pytest.mark.parametrize("batch,size", [(15, 2), (16, 2), (7, 3), (1, 2), (32, 4)])
+def test_each_rank_takes_a_contiguous_share_and_the_weighted_shares_make_the_batch_mean(batch, size):
+    indices = torch.arange(batch)
+    shares = [share_of(indices, r, size) for r in range(size)]
+    assert torch.equal(torch.cat(shares), indices)
+    losses = torch.rand(batch, dtype=torch.float64)
+    means = [losses[s].mean() if len(s) else torch.tensor(0.0, dtype=torch.float64) for s in shares]
+    ddp_average = sum(m * share_weight(len(s), batch, size) for m, s in zip(means, shares)) / size
+    assert float(ddp_average) == pytest.approx(float(losses.mean()))
+
+
+def test_the_layout_makes_groups_of_consecutive_ranks_led_by_the_first():
+    layout = GroupLayout(3)
+    assert layout.groups(7) == 2
+    assert [layout.group_of(r) for r in range(7)] == [None, 0, 0, 0, 1, 1, 1]
+    assert [layout.position(r) for r in range(7)] == [0, 0, 1, 2, 0, 1, 2]
+    assert [layout.federation_rank(r) for r in range(7)] == [0, 1, 1, 1, 2, 2, 2]
+    assert [layout.leader_of(r) for r in range(7)] == [0, 1, 1, 1, 4, 4, 4]
+    assert layout.problem(7) is None and "3 x G + 1" in layout.problem(6)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.trainer=none", "train.trainer"),
+    ("strategy.name=scaffold", "clients.ranks_per_client"),
+    ("train.ditto_lambda=0.5", "clients.ranks_per_client"),
+])
+def test_what_a_group_cannot_train_yet_is_refused_naming_the_key(override, key):
+    data = {"clients": {"num_clients": 6, "ranks_per_client": 2}}
+    extra = ["strategy.update=delta"] if "scaffold" in override else []
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [override, *extra], data=data)
+
+
+def test_the_plan_counts_every_rank_of_a_group_and_ddps_gradient_buckets():
+    alone = load_config(None, ["clients.ranks_per_client=1"], data=yaml.safe_load(CONFIG))
+    grouped = load_config(None, [], data=yaml.safe_load(CONFIG))
+    size, one_rank = estimate(alone, 1 + 4, 4, False)
+    _, two_ranks = estimate(grouped, 1 + 2 * 4, 4, False)  # the same 4 hosts of clients, two ranks each
+    assert two_ranks.client_bytes == one_rank.client_bytes + size.exchanged  # the mlp trains every tensor
+    assert two_ranks.server_bytes == one_rank.server_bytes  # the server still hears one stream per client
