@@ -14,6 +14,9 @@ import pytest
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 MPI_TIMEOUT = 120  # seconds; no test may hang a job
+# pytest-xdist runs MPI jobs side by side on the same cores, and each would bind its ranks as if it had the node
+# to itself (two servers on core 0, two clients on core 1): the suite's jobs run unbound unless a test asks.
+os.environ.setdefault("MPIFL_BIND", "none")
 
 
 def mpiexec() -> str:

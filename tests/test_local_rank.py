@@ -169,7 +169,11 @@ def test_the_hardware_threads_of_one_core_stay_in_one_block(tmp_path):
     assert binding.thread_siblings([0], tmp_path / "none") == {0: 0}  # no topology: each cpu its own core
 
 
-def test_fewer_cores_than_ranks_are_shared_round_robin():
+def test_fewer_cores_than_ranks_are_left_to_the_os_rather_than_stacked(no_gpus):
+    node = [(r, frozenset({0, 1})) for r in range(3)]  # 3 ranks on 2 cores: pinning would put two on core 0
+    assert [choose({}, node, r, proc=no_gpus).cores for r in range(3)] == [(0, 1)] * 3
+    assert {choose({}, node, r, proc=no_gpus).cores_from for r in range(3)} == {"shared"}
+    # the block rule itself, where it is asked for more blocks than cpus, goes round-robin
     assert [core_block({0, 1}, r, 3) for r in range(3)] == [(0,), (1,), (0,)]
     assert [core_block({2, 7}, r, 5) for r in range(5)] == [(2,), (7,), (2,), (7,), (2,)]
 
@@ -216,7 +220,7 @@ def test_a_bad_train_threads_is_refused_naming_the_key(value):
 
 def test_the_plan_shows_each_local_ranks_cores_and_gpu():
     assert binding.node_layout(4, 64, 4) == [("0-15", "0"), ("16-31", "1"), ("32-47", "2"), ("48-63", "3")]
-    assert binding.node_layout(3, 2, 0) == [("0", "-"), ("1", "-"), ("0", "-")]
+    assert binding.node_layout(3, 2, 0) == [("0-1", "-")] * 3  # fewer cores than ranks: shared, unbound
     from mpifl.cli.plan import binding_line
 
     line = binding_line(2, 8, 1)
@@ -225,7 +229,7 @@ def test_the_plan_shows_each_local_ranks_cores_and_gpu():
 
 def test_a_run_records_each_ranks_binding_in_ranks_txt(tmp_path):
     """Three ranks under mpiexec (MPICH sets MPI_LOCALRANKID and binds nothing): each takes its block of the cores
-    this machine gives (on 2 cores, ranks 0 and 2 share core 0), its GPU if any, and one thread."""
+    this machine gives (on fewer than 3 cores, all of them, unbound), its GPU if any, and one thread."""
     run_dir = tmp_path / "run"
     done = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "rounds=1", "output.progress=false",
                    "--run-dir", str(run_dir), env={"MPIFL_BIND": "auto"})
@@ -235,8 +239,8 @@ def test_a_run_records_each_ranks_binding_in_ranks_txt(tmp_path):
     mine = os.sched_getaffinity(0)
     core_of = binding.thread_siblings(mine)
     gpus = node_gpus(os.environ)
-    expected = [[str(r), str(r), core_ranges(core_block(mine, r, 3, core_of)), binding.slot_gpu(gpus, r) or "-", "1"]
-                for r in range(3)]
+    cores = [core_ranges(mine) if len(mine) < 3 else core_ranges(core_block(mine, r, 3, core_of)) for r in range(3)]
+    expected = [[str(r), str(r), cores[r], binding.slot_gpu(gpus, r) or "-", "1"] for r in range(3)]
     assert [[row[0], *row[3:]] for row in rows[1:]] == expected
     if len(mine) >= 3:
         assert len({row[4] for row in rows[1:]}) == 3  # enough cores: no two ranks share one

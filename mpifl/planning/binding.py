@@ -214,10 +214,13 @@ def choose(env: Mapping[str, str], node: Sequence[tuple[int | None, frozenset[in
     if not bind_requested(env):
         return Binding(slot.rank, slot.source, tuple(sorted(mine)), "MPIFL_BIND=none", ",".join(gpus) or None,
                        thread_count(threads, len(mine)))
+    union = frozenset().union(*(c for _, c in node))
     if len(node) > 1 and disjoint(cores for _, cores in node):
         cores, cores_from = tuple(sorted(mine)), "launcher"
+    elif len(union) < len(node):  # pinning would stack ranks on some cores while others idle: leave it to the OS
+        cores, cores_from = tuple(sorted(mine)), "shared"
     else:
-        cores, cores_from = core_block(frozenset().union(*(c for _, c in node)), slot.rank, len(node), core_of), "split"
+        cores, cores_from = core_block(union, slot.rank, len(node), core_of), "split"
     return Binding(slot.rank, slot.source, cores, cores_from, slot_gpu(gpus, slot.rank),
                    thread_count(threads, len(cores)))
 
@@ -226,14 +229,16 @@ def node_layout(ranks_per_node: int, cores_per_node: int, gpus_per_node: int,
                 core_of: Mapping[int, int] | None = None) -> list[tuple[str, str]]:
     """What the rule gives each slot of a node nobody bound: (cores, GPU or '-') per local rank."""
     cpus, gpus = range(cores_per_node), [str(i) for i in range(gpus_per_node)]
-    return [(core_ranges(core_block(cpus, r, ranks_per_node, core_of)), slot_gpu(gpus, r) or "-")
-            for r in range(ranks_per_node)]
+    shared = cores_per_node < ranks_per_node  # as choose: fewer cores than ranks are left to the OS, unbound
+    return [(core_ranges(cpus) if shared else core_ranges(core_block(cpus, r, ranks_per_node, core_of)),
+             slot_gpu(gpus, r) or "-") for r in range(ranks_per_node)]
 
 
 def describe(bindings: Sequence[Binding]) -> str:
     """Where the ranks' slots and cores came from, in one line for the log."""
     how = {"launcher": "cores as the launcher bound them",
            "split": "cores split among each node's ranks by mpifl (MPIFL_BIND=none: leave them as launched)",
+           "shared": "fewer cores than ranks on a node: each rank may run on all of them (the OS schedules)",
            "MPIFL_BIND=none": "cores and GPUs as launched (MPIFL_BIND=none)"}
     sources = ", ".join(sorted({b.source for b in bindings}))
     cores = "; ".join(how[c] for c in sorted({b.cores_from for b in bindings}))
