@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="also print 'RESULT {json}' (seconds per round "
                    "without evaluation, peak RSS, final accuracy) for profiling/peers/compare.sh")
     p.add_argument("--bin", default=str(Path(sys.executable).parent))
+    p.add_argument("--keep", type=Path, help="the mpifl run directory (default: inside a temporary folder)")
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="cross-device-"))
     config = run_dir / "config.yaml"
@@ -94,10 +95,11 @@ eval: {{every: {args.eval_every or args.rounds}}}
 output: {{progress: false, save_model: false}}
 """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    mpifl_run = args.keep or run_dir / "run"
     cmd = [f"{args.bin}/mpiexec", "-n", str(args.ranks + 1), f"{args.bin}/mpifl", "run", str(config),
-           "--run-dir", str(run_dir / "run")]
+           "--run-dir", str(mpifl_run)]
     subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (mpifl_run / "metrics.jsonl").read_text().splitlines()]
     round_seconds = [r["time"]["round"] - r["time"]["eval"] for r in records]  # evaluation excluded
     accuracy = [r["eval"]["accuracy"] for r in records if "eval" in r][-1]
     records = records[1:]

@@ -61,8 +61,19 @@ class GroupSum:
 
 
 def count_nonfinite(tensors) -> int:
-    """NaN and Inf values in these tensors."""
-    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+    """NaN and Inf values in these tensors.
+
+    Every update is checked, so the check must cost little beside training: a tensor whose sum is finite holds
+    no NaN or Inf (either one anywhere makes the sum NaN or Inf), and the sum is one read pass that allocates
+    nothing. Only a tensor whose sum is not finite (a NaN or Inf, or finite values whose sum overflows) is
+    counted element by element. On a 93 MB fp32 update in 4 MiB chunks on one core: 5 ms, against 68 ms for
+    counting every chunk (``profiling/client_slowdown.py`` found the count taking longer than the training)."""
+    return sum(_count_nonfinite(t) for t in tensors if not bool(torch.isfinite(t.sum())))
+
+
+def _count_nonfinite(tensor: torch.Tensor) -> int:
+    """NaN and Inf values in one tensor, element by element."""
+    return int((~torch.isfinite(tensor)).sum())
 
 
 class UpdateCompressor:
