@@ -19,6 +19,8 @@ from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, load_config
 from mpifl.learning.parallel import share_of, share_weight
 from mpifl.roles.group import GroupLayout
+from mpifl.roles.launch import SetupError
+from mpifl.roles.runner import check_world
 
 CONFIG = """
 seed: 3
@@ -130,3 +132,10 @@ def test_the_plan_counts_every_rank_of_a_group_and_ddps_gradient_buckets():
     _, two_ranks = estimate(grouped, 1 + 2 * 4, 4, False)  # the same 4 hosts of clients, two ranks each
     assert two_ranks.client_bytes == one_rank.client_bytes + size.exchanged  # the mlp trains every tensor
     assert two_ranks.server_bytes == one_rank.server_bytes  # the server still hears one stream per client
+
+
+def test_rank_count_messages_count_groups_and_the_ranks_they_need():
+    cfg = load_config(None, ["clients.num_clients=2", "clients.per_round=2"], data=yaml.safe_load(CONFIG))
+    with pytest.raises(SetupError, match=r"3 client groups of 2 ranks but clients.num_clients=2: use at most 5 ranks"):
+        check_world(7, cfg)
+    check_world(5, cfg)  # two groups of two for two clients

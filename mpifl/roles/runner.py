@@ -8,8 +8,8 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.transport import recv_chunks, send_chunks
+from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
 from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 
 
@@ -67,23 +67,28 @@ def check_world(size: int, cfg: Config) -> None:
     problem = layout.problem(size)
     if problem:
         raise SetupError(problem)
-    size = 1 + layout.groups(size)  # from here on, a group of ranks counts as the one client rank it leads
-    if size - 1 > cfg.clients.num_clients:
-        raise SetupError(f"{size - 1} client ranks but clients.num_clients={cfg.clients.num_clients}: "
-                         f"use at most {cfg.clients.num_clients + 1} ranks or raise clients.num_clients")
+    hosts, per = layout.groups(size), cfg.clients.ranks_per_client  # a group of ranks hosts as one client rank
+    unit = "client ranks" if per == 1 else f"client groups of {per} ranks"
+
+    def ranks_for(count: int) -> int:
+        return 1 + count * per
+
+    if hosts > cfg.clients.num_clients:
+        raise SetupError(f"{hosts} {unit} but clients.num_clients={cfg.clients.num_clients}: "
+                         f"use at most {ranks_for(cfg.clients.num_clients)} ranks or raise clients.num_clients")
     groups = cfg.clients.groups
-    if groups and groups < size - 1:
-        raise SetupError(f"clients.groups={groups} < {size - 1} client ranks: a group lives on one rank, so "
-                         f"{size - 1 - groups} ranks would idle; launch at most {groups + 1} ranks or raise "
+    if groups and groups < hosts:
+        raise SetupError(f"clients.groups={groups} < {hosts} {unit}: a group lives on one client rank, so "
+                         f"{hosts - groups} would idle; launch at most {ranks_for(groups)} ranks or raise "
                          "clients.groups")
-    if cfg.server.state == "disk" and groups and groups > size - 1:
+    if cfg.server.state == "disk" and groups and groups > hosts:
         raise SetupError(f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "
-                         f"> {size - 1} client ranks: launch {groups + 1} ranks or set clients.groups={size - 1}")
-    if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > size - 1:
+                         f"> {hosts} {unit}: launch {ranks_for(groups)} ranks or set clients.groups={hosts}")
+    if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > hosts:
         raise SetupError(f"server.state='disk' streams one participant per client rank, but "
-                         f"{cfg.clients_per_round()} clients per round > {size - 1} client ranks: launch "
-                         f"{cfg.clients_per_round() + 1} ranks, lower clients.per_round, or sum each rank's "
-                         f"participants first with clients.groups={size - 1}")
+                         f"{cfg.clients_per_round()} clients per round > {hosts} {unit}: launch "
+                         f"{ranks_for(cfg.clients_per_round())} ranks, lower clients.per_round, or sum each rank's "
+                         f"participants first with clients.groups={hosts}")
 
 
 def record_ranks(comm: MPI.Comm, run_dir: Path | None, bound: Binding) -> None:
@@ -233,10 +238,46 @@ def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
     only its index shared (labels, shapes), each client rank reading its own clients' inputs later."""
     source = client_source(cfg)
     if source is None:
-        return agree(comm, lambda: load_dataset(cfg))
+        return _read_on_a_client_rank(comm, lambda: load_dataset(cfg))
     surveyed: dict = {}
     index = agree(comm, lambda: surveyed.setdefault("survey", source.survey())[0])
     return surveyed_dataset(source, index, surveyed["survey"][1] if comm.Get_rank() == 0 else None)
+
+
+def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Dataset:
+    """The dataset read once, on rank 1, and shared with every client rank; the server gets its labels and the
+    held-out set only (``server_view``), so it never holds the training inputs it does not train on, not even
+    while they are read. A reading error is a SetupError on every rank, as ``agree`` makes it."""
+    rank = comm.Get_rank()
+    clients = comm.Split(MPI.UNDEFINED if rank == 0 else 0, rank)
+    try:
+        if rank == 0:
+            got = recv_object(comm, 1, protocol.DATASET)
+            assert isinstance(got, tuple)  # rank 1 sends (server view or None, error or None)
+            dataset, error = got
+        else:
+            dataset, error = None, None
+            if rank == 1:
+                try:
+                    dataset = load()
+                except (OSError, ValueError, SetupError) as err:
+                    error = str(err)
+                send_object(comm, (server_view(dataset) if dataset is not None else None, error), protocol.SERVER,
+                            protocol.DATASET)
+            dataset, error = clients.bcast((dataset, error), root=0)
+    finally:
+        if clients != MPI.COMM_NULL:
+            clients.Free()
+    if error:
+        raise SetupError(error)
+    assert dataset is not None  # without an error, rank 1 read it
+    return dataset
+
+
+def server_view(dataset: Dataset) -> Dataset:
+    """What the server keeps of a dataset: labels (partition, sizes), the held-out set and the inputs' shape."""
+    x = dataset.x_train
+    return replace(dataset, x_train=torch.empty((0, *x.shape[1:]), dtype=x.dtype))
 
 
 def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int, hosted: list[int],

@@ -5,6 +5,9 @@ Start-up (once):
                      seconds its build took; rank 0 waits for a rank only as long as the build
                      took the others (mpifl.roles.launch.gather_within), names any model that
                      differs from its own, then bcasts the verdict.
+    1 -> 0  DATASET (pickled) the data rank 1 read, less its training inputs (labels, held-out set), or
+                    the error reading it; rank 1 broadcasts the whole to the other client ranks in a
+                    communicator of their own, so the server never holds the training inputs.
     1 -> 0  INIT    out-of-core server, fresh start only: rank 1 streams its freshly
                     built model (chunk order), which the server writes as round 0.
 Every round r:
@@ -66,6 +69,7 @@ REDUCE = 18
 STARTUP = 19
 PROGRESS = 20
 GROUP = 21  # in a client group's own communicator (clients.ranks_per_client)
+DATASET = 22
 
 ROUND_TAG_STRIDE = 32  # every fixed tag above is below it
 ROUND_TAG_CYCLE = 1000  # rounds before a tag repeats: 20 + 32 * 999 stays within 32767, MPI's least TAG_UB

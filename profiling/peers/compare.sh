@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# mpifl vs Flower (simulation engine, Ray) vs pfl-research on one cross-device task (profiling/peers/task.py):
-# FEMNIST-like data, 1,000 clients, LEAF CNN, FedAvg 20 clients per round; then a communication-heavy
-# variant (a 93 MB MLP, ~5 samples per client). Each peer gets its own venv under profiling/peers/.venvs
-# (never an mpifl dependency), torch pinned to the CPU 2.13.0 wheel. From the repository root:
+# mpifl vs pfl-research (2 processes and 1) vs Flower (simulation engine, Ray) on one cross-device task
+# (profiling/peers/task.py): FEMNIST-like data, 1,000 clients, LEAF CNN, FedAvg 20 clients per round;
+# then a communication-heavy variant (a 93 MB MLP, ~5 samples per client). Each peer gets its own venv
+# under profiling/peers/.venvs (never an mpifl dependency), torch pinned to the CPU 2.13.0 wheel. From
+# the repository root:
 #
-#     bash profiling/peers/compare.sh            # ROUNDS=10 BIG_ROUNDS=4 WORKERS=2 COHORT100=0
+#     bash profiling/peers/compare.sh     # PEERS="flower pfl" REPEATS=3 ROUNDS=10 BIG_ROUNDS=4 WORKERS=2 COHORT100=0
+#     PEERS=pfl bash profiling/peers/compare.sh                 # skip Flower (slow)
+#
+# Runs are interleaved: repeat 1 of every framework on every task, then repeat 2, ...; each run is saved
+# as logs/TASK-FORM-rN.json (forms: mpifl, flower, pfl2 = torchrun --nproc-per-node 2, pfl1 = 1 process),
+# merged into results.json; the table gives medians over the repeats and mpifl's ratios to pfl.
 #
 # Peak memory: every run is wrapped by `task.py measure`, which samples the whole process tree of the
 # run every 0.2 s from /proc (smaps_rollup) and keeps the peak of the summed RSS, of the summed PSS
 # (shared pages split between processes: the fairer sum) and the largest single process's RSS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$PWD PEERS=$PWD/profiling/peers
+ROOT=$PWD HERE=$PWD/profiling/peers
+PEERS=${PEERS-flower pfl} REPEATS=${REPEATS:-3}
 ROUNDS=${ROUNDS:-10} BIG_ROUNDS=${BIG_ROUNDS:-4} WORKERS=${WORKERS:-2} COHORT100=${COHORT100:-0}
+COMMAND="PEERS=\"$PEERS\" REPEATS=$REPEATS ROUNDS=$ROUNDS BIG_ROUNDS=$BIG_ROUNDS WORKERS=$WORKERS COHORT100=$COHORT100 bash profiling/peers/compare.sh"
 PY=${PYTHON:-python3}
-VENVS=$PEERS/.venvs OUT=$PEERS/logs
+VENVS=$HERE/.venvs OUT=$HERE/logs
 mkdir -p "$VENVS" "$OUT"
 rm -f "$OUT"/*.json
 echo "torch==2.13.0" > "$VENVS/constraints.txt"   # the CPU wheel; an unpinned torch pulls CUDA builds
 START=$(date +%s)
+wants() { [[ " $PEERS " == *" $1 "* ]]; }
+for p in $PEERS; do [[ $p == flower || $p == pfl ]] || { echo "PEERS: unknown peer '$p' (flower, pfl)"; exit 2; }; done
 
 # ---- environments ------------------------------------------------------------------------------
 [ -x .venv/bin/mpifl ] || make install PYTHON="$PY"
@@ -30,40 +40,51 @@ venv() {  # venv NAME PACKAGE...: create once, install the packages with torch p
         || { echo "!! $name: pip install $* failed (see $OUT/install-$name.log):"; grep -v "is ignored" "$OUT/install-$name.log" | tail -5; return 1; }
     touch "$VENVS/$name/.installed"
 }
-FLOWER_OK=1 PFL_OK=1
-venv flower 'flwr[simulation]' || FLOWER_OK=0
-venv pfl 'pfl[pytorch]' || PFL_OK=0
+FLOWER_OK=0 PFL_OK=0
+if wants flower; then FLOWER_OK=1; venv flower 'flwr[simulation]' || FLOWER_OK=0; fi
+if wants pfl; then PFL_OK=1; venv pfl 'pfl[pytorch]' || PFL_OK=0; fi
 versions() { "$VENVS/$1/bin/python" -c "import importlib.metadata as m; print(', '.join(p + ' ' + m.version(p) for p in '$2'.split()))"; }
-echo "mpifl: $(VENVS=$ROOT versions .venv 'mpifl torch mpi4py')"
-[ $FLOWER_OK = 1 ] && echo "flower: $(versions flower 'flwr ray torch')"
-[ $PFL_OK = 1 ] && echo "pfl: $(versions pfl 'pfl torch')"
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || COMMIT="$COMMIT (with uncommitted changes)"
+HEADER="$(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')), $(date -u +%Y-%m-%d), commit $COMMIT"
+HEADER="$HEADER; mpifl: $(VENVS=$ROOT versions .venv 'mpifl torch mpi4py')"
+[ $FLOWER_OK = 1 ] && HEADER="$HEADER; flower: $(versions flower 'flwr ray torch')"
+[ $PFL_OK = 1 ] && HEADER="$HEADER; pfl: $(versions pfl 'pfl torch')"
+HEADER="$HEADER; command: $COMMAND"
+echo "$HEADER"
 
 # ---- runs ----------------------------------------------------------------------------------------
-measure() { "$PY" "$PEERS/task.py" measure "$OUT/$1.json" -- "${@:2}" >"$OUT/$1.log" 2>&1 \
-            || echo "!! $1 failed (rc $?): see $OUT/$1.log"; grep -h '^RESULT' "$OUT/$1.log" || true; }
-export PYTHONPATH=$PEERS
-run_task() {  # run_task LABEL TASK ROUNDS PER_ROUND
-    local label=$1 task=$2 rounds=$3 per=$4 model samples
+measure() { "$PY" "$HERE/task.py" measure "$OUT/$1.json" -- "${@:2}" >"$OUT/$1.log" 2>&1 \
+            || echo "!! $1 failed (rc $?): see $OUT/$1.log"; grep -h '^RESULT' "$OUT/$1.log" | cut -c1-160 || true; }
+export PYTHONPATH=$HERE
+run_task() {  # run_task LABEL TASK ROUNDS PER_ROUND REPEAT
+    local label=$1 task=$2 rounds=$3 per=$4 r=$5 model samples
     model=$([ "$task" = cnn ] && echo leaf_cnn || echo big_mlp); samples=$([ "$task" = cnn ] && echo 20 || echo 5)
-    echo "== $label: $task, $rounds rounds, $per clients per round, $WORKERS workers"
-    measure "$label-mpifl" .venv/bin/python profiling/cross_device.py --json --model "$model" --samples "$samples" \
+    echo "== repeat $r/$REPEATS, $label: $task, $rounds rounds, $per clients per round, $WORKERS workers"
+    measure "$label-mpifl-r$r" .venv/bin/python profiling/cross_device.py --json --model "$model" --samples "$samples" \
         --rounds "$rounds" --per-round "$per" --ranks "$WORKERS" --groups "$WORKERS"
     if [ $FLOWER_OK = 1 ]; then
-        measure "$label-flower" "$VENVS/flower/bin/python" "$PEERS/flower_task.py" --task "$task" --rounds "$rounds" \
+        measure "$label-flower-r$r" "$VENVS/flower/bin/python" "$HERE/flower_task.py" --task "$task" --rounds "$rounds" \
             --per-round "$per" --workers "$WORKERS"
     fi
     if [ $PFL_OK = 1 ]; then
-        measure "$label-pfl" "$VENVS/pfl/bin/torchrun" --standalone --nproc-per-node "$WORKERS" "$PEERS/pfl_task.py" \
-            --task "$task" --rounds "$rounds" --per-round "$per"
+        for n in "$WORKERS" 1; do
+            measure "$label-pfl$n-r$r" "$VENVS/pfl/bin/torchrun" --standalone --nproc-per-node "$n" "$HERE/pfl_task.py" \
+                --task "$task" --rounds "$rounds" --per-round "$per"
+            if [ "$WORKERS" = 1 ]; then break; fi
+        done
     fi
 }
-run_task cnn20 cnn "$ROUNDS" 20
-[ "$COHORT100" = 1 ] && run_task cnn100 cnn "$ROUNDS" 100
-run_task mlp100mb mlp100mb "$BIG_ROUNDS" 20
+for r in $(seq 1 "$REPEATS"); do
+    run_task cnn20 cnn "$ROUNDS" 20 "$r"
+    [ "$COHORT100" = 1 ] && run_task cnn100 cnn "$ROUNDS" 100 "$r"
+    run_task mlp100mb mlp100mb "$BIG_ROUNDS" 20 "$r"
+done
 
 echo
-echo "## mpifl vs Flower vs pfl ($(nproc) cores, $WORKERS client workers each; $(( $(date +%s) - START )) s in all)"
+echo "## mpifl vs pfl-research vs Flower ($WORKERS client workers each; $(( $(date +%s) - START )) s in all)"
 echo
-"$PY" "$PEERS/task.py" table "$PEERS/results.json" "$OUT"/*.json
-[ $FLOWER_OK = 1 ] || echo "Flower: not installed (see above), no rows"
-[ $PFL_OK = 1 ] || echo "pfl: not installed (see above), no rows"
+"$PY" "$HERE/task.py" table "$HERE/results.json" --header "$HEADER" "$OUT"/*.json
+wants flower && [ $FLOWER_OK = 0 ] && echo "Flower: not installed (see above), no rows"
+wants pfl && [ $PFL_OK = 0 ] && echo "pfl: not installed (see above), no rows"
+true

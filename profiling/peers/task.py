@@ -4,12 +4,13 @@ Imported by every framework's script (each in its own virtual environment, so on
 Run as a script it is the harness, stdlib only:
 
     python task.py measure OUT.json -- CMD...   # run CMD, sample RSS/PSS of its whole process tree
-    python task.py table results.json ...        # merge measurements, print a Markdown table
+    python task.py table results.json [--header TEXT] RUN.json...   # merge runs, print medians and ratios
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -145,27 +146,107 @@ def measure(out: str, cmd: list[str], interval: float = 0.2) -> int:
     return proc.returncode
 
 
-def table(out: str, parts: list[str]) -> None:
+FORMS = {  # framework form (the middle of a run's name) -> what the table calls it, in table order
+    "mpifl": "mpifl (2 client ranks + server, groups 2)",
+    "pfl2": "pfl-research, 2 processes (torchrun)",
+    "pfl1": "pfl-research, 1 process",
+    "flower": "Flower (simulation, Ray)",
+    "pfl": "pfl-research (torchrun)",
+}
+TASK_NAMES = {"cnn20": "LEAF CNN (1.69 M), 20 per round", "cnn100": "LEAF CNN, 100 per round",
+              "mlp100mb": "93 MB MLP, ~5 samples per client, 20 per round"}
+
+
+def _split(name: str) -> tuple[str, str, int]:
+    """``cnn20-pfl2-r3`` -> ("cnn20", "pfl2", 3); a name without ``-rN`` is repeat 1."""
+    m = re.fullmatch(r"(.+?)-([A-Za-z0-9_]+?)(?:-r(\d+))?", name)
+    return (m.group(1), m.group(2), int(m.group(3) or 1)) if m else (name, "?", 1)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(v, spec: str = ".0f") -> str:
+    return "" if v is None else format(v, spec)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else ""
+
+
+def table(out: str, parts: list[str], header: str | None = None) -> None:
+    """Merge the runs into ``out`` (raw data) and print, per task and framework form, the medians over
+    the repeats that succeeded, then mpifl's ratios: time to the faster pfl form, memory to pfl with 2
+    processes (the same number of client workers as mpifl)."""
     rows = {}
     for path in parts:
         name = os.path.basename(path).removesuffix(".json")
         with open(path) as f:
             rows[name] = json.load(f)
     with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print("| run | s/round (median, rounds 2..) | peak RSS sum (MiB) | peak PSS sum (MiB) | largest process RSS (MiB) "
-          "| processes | final accuracy | wall (s) | notes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+        json.dump({"_header": header, **rows} if header else rows, f, indent=1)
+    groups: dict[str, dict[str, list[tuple[int, dict]]]] = {}
     for name, r in rows.items():
-        res = r.get("result") or {}
-        acc = res.get("accuracy")
-        per_round = res.get("seconds_per_round", f"FAILED (rc {r.get('rc')})")
-        print(f"| {name} | {per_round} | {r.get('peak_sum_rss_mib')} "
-              f"| {r.get('peak_sum_pss_mib')} | {r.get('peak_max_process_rss_mib')} | {r.get('peak_processes')} "
-              f"| {'' if acc is None else f'{acc:.3f}'} | {r.get('wall_seconds')} | {res.get('note', '')} |")
+        task_, form, rep = _split(name)
+        groups.setdefault(task_, {}).setdefault(form, []).append((rep, r))
+    if header:
+        print(header)
+        print()
+    print("| task | framework | s/round (median; min-max) | peak RSS sum (MiB) | peak PSS sum (MiB) "
+          "| largest process RSS (MiB) | accuracy | repeats |")
+    print("|---|---|---|---|---|---|---|---|")
+    stats: dict[str, dict[str, dict]] = {}
+    order = list(FORMS)
+    for task_ in sorted(groups, key=lambda t: (list(TASK_NAMES).index(t) if t in TASK_NAMES else 99, t)):
+        first = True
+        for form in sorted(groups[task_], key=lambda f: order.index(f) if f in order else 99):
+            runs = sorted(groups[task_][form], key=lambda x: x[0])
+            good = [r.get("rc") == 0 and (r.get("result") or {}).get("seconds_per_round") is not None
+                    for _, r in runs]
+            ok = [r for (_, r), g in zip(runs, good) if g]
+            failed = [rep for (rep, _), g in zip(runs, good) if not g]
+            times = [r["result"]["seconds_per_round"] for r in ok]
+            s = stats.setdefault(task_, {})[form] = {
+                "time": _median(times),
+                "rss": _median([r.get("peak_sum_rss_mib") for r in ok]),
+                "pss": _median([r.get("peak_sum_pss_mib") for r in ok]),
+                "max": _median([r.get("peak_max_process_rss_mib") for r in ok]),
+                "acc": _median([r["result"].get("accuracy") for r in ok]),
+            }
+            spread = f" ({min(times):.3f}-{max(times):.3f})" if len(times) > 1 else ""
+            count = f"{len(ok)}" + (f" (failed: r{', r'.join(map(str, failed))})" if failed else "")
+            print(f"| {TASK_NAMES.get(task_, task_) if first else ''} | {FORMS.get(form, form)} "
+                  f"| {_fmt(s['time'], '.3f') or 'FAILED'}{spread} | {_fmt(s['rss'])} | {_fmt(s['pss'])} "
+                  f"| {_fmt(s['max'])} | {_fmt(s['acc'], '.3f')} | {count} |")
+            first = False
+    ratios = []
+    any_flower = any("flower" in forms for forms in stats.values())
+    for task_, forms in stats.items():
+        m = forms.get("mpifl")
+        pfl = {f: forms[f] for f in ("pfl2", "pfl1") if f in forms and forms[f]["time"] is not None}
+        if not m or not pfl:
+            continue
+        best = min(pfl, key=lambda f: pfl[f]["time"])
+        two = forms.get("pfl2") or {}
+        flower = (forms.get("flower") or {}).get("time")
+        ratios.append(f"| {TASK_NAMES.get(task_, task_)} | {_ratio(m['time'], pfl[best]['time'])} ({best}) "
+                      f"| {_ratio(m['rss'], two.get('rss'))} | {_ratio(m['pss'], two.get('pss'))} |"
+                      + (f" {_ratio(m['time'], flower)} |" if any_flower else ""))
+    if ratios:
+        print()
+        print("| task | mpifl / pfl-best s/round | mpifl / pfl-2 peak RSS sum | mpifl / pfl-2 peak PSS sum |"
+              + (" mpifl / Flower s/round |" if any_flower else ""))
+        print("|---|---|---|---|" + ("---|" if any_flower else ""))
+        print("\n".join(ratios))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "measure":
         sys.exit(measure(sys.argv[2], sys.argv[sys.argv.index("--") + 1:]))
-    table(sys.argv[2], sys.argv[3:])
+    args = sys.argv[3:]
+    header = None
+    if args[:1] == ["--header"]:
+        header, args = args[1], args[2:]
+    table(sys.argv[2], args, header)
