@@ -2,8 +2,9 @@
 second process training, beside a process folding updates as the server does, and inside an mpifl run.
 
 The cross-device task of ``profiling/peers`` (FEMNIST-like data, lognormal client sizes, batch 10, SGD): the LEAF
-CNN (1.69 M parameters, about 20 samples a client) or the 93 MB MLP (about 5 samples a client). Every scenario
-trains the same ``--clients`` clients with mpifl's own trainer (``mpifl.learning.trainers.TorchTrainer``, one
+CNN (1.69 M parameters, about 20 samples a client) or the 93 MB MLP (about 5 samples a client), in a federation of
+``--clients`` clients that all take part in every round. Every scenario trains those same clients (the same sizes:
+a client's time grows with its samples) with mpifl's own trainer (``mpifl.learning.trainers.TorchTrainer``, one
 torch thread), each from the same global model, so only the surroundings differ:
 
 - ``alone``: one process, nothing else running;
@@ -39,7 +40,8 @@ SAMPLES = {"leaf_cnn": 20, "big_mlp": 5}
 
 
 def client_seconds(model_name: str, clients: int, seed: int = 0) -> list[float]:
-    """Train the first ``clients`` clients one after another from the same global model; seconds each."""
+    """Train every client of a ``clients``-client federation one after another from the same global model (the
+    clients an mpifl run of that federation trains each round, every client taking part); seconds each."""
     import torch
 
     from mpifl.config import TrainConfig
@@ -47,7 +49,7 @@ def client_seconds(model_name: str, clients: int, seed: int = 0) -> list[float]:
     from mpifl.learning.trainers import TorchTrainer
 
     torch.set_num_threads(1)
-    x, y, _, _, writers = task.femnist_data(1000, SAMPLES[model_name], 0.5, 1.0, seed=0)
+    x, y, _, _, writers = task.femnist_data(clients, SAMPLES[model_name], 0.5, 1.0, seed=0)
     torch.manual_seed(seed)
     model = getattr(task, model_name)()
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -111,7 +113,8 @@ def inside_mpifl(model_name: str, clients: int, ranks: int, rounds: int = 4) -> 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         bin_dir = Path(sys.executable).parent
         subprocess.run([str(bin_dir / "python"), str(HERE / "cross_device.py"), "--model", model_name,
-                        "--samples", str(SAMPLES[model_name]), "--per-round", str(clients), "--ranks", str(ranks),
+                        "--samples", str(SAMPLES[model_name]), "--clients", str(clients), "--per-round", str(clients),
+                        "--ranks", str(ranks),
                         "--groups", str(ranks), "--rounds", str(rounds), "--data", "plugin", "--keep", str(run_dir)],
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
