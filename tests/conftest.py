@@ -51,6 +51,17 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def whole_and_resumed(tmp_path: Path, cfg: Path, resume_ranks: int = 4) -> subprocess.CompletedProcess:
+    """Run ``cfg`` uninterrupted on 3 ranks into ``whole/``, and stopped after round 2 then resumed on
+    ``resume_ranks`` ranks into ``split/``; every run must succeed. Returns the resume's result."""
+    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
+    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
+    rest = run_mpi(resume_ranks, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
+    for result in (whole, first, rest):
+        assert result.returncode == 0, result.stderr[-3000:]
+    return rest
+
+
 def write_config(path: Path, text: str) -> Path:
     """Write a YAML config for a test and return its path."""
     path.write_text(text)

@@ -25,6 +25,11 @@ def client_vectors(run_dir: Path) -> dict[int, np.ndarray]:
     return vectors
 
 
+def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    """The final shared tensors, and every client's vector from the last checkpoint."""
+    return final_model(run_dir), client_vectors(run_dir)
+
+
 def assert_bitwise(got: dict, want: dict) -> None:
     """The same keys, and every array equal to the bit."""
     assert got.keys() == want.keys()

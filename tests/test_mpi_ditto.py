@@ -5,14 +5,13 @@ in RAM or on disk, and across a resume on another number of ranks."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import run_mpi, write_config
+from conftest import run_mpi, whole_and_resumed, write_config
 from reference import ditto_reference
-from results import assert_bitwise, client_vectors, final_model
+from results import assert_bitwise, run_result
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, load_config
@@ -28,13 +27,6 @@ strategy: {update: delta}
 eval: {every: 0}
 output: {progress: false}
 """
-
-
-def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-    """The final shared tensors, and every client's vector from the last checkpoint."""
-    return final_model(run_dir), client_vectors(run_dir)
-
-
 
 
 def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
@@ -60,11 +52,7 @@ def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_r
 
 def test_a_resumed_ditto_run_on_another_number_of_ranks_keeps_every_personal_model(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
-    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (whole, first, rest):
-        assert result.returncode == 0, result.stderr[-3000:]
+    rest = whole_and_resumed(tmp_path, cfg)
     assert "resume: Ditto personal models of" in rest.stderr
     (final, personal), (want_final, want_personal) = run_result(tmp_path / "split"), run_result(tmp_path / "whole")
     assert_bitwise(final, want_final)

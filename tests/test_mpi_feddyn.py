@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, write_config
+from conftest import run_mpi, whole_and_resumed, write_config
 from reference import feddyn_reference
 from results import assert_bitwise, final_model
 
@@ -57,11 +57,7 @@ def test_feddyn_is_not_fedavg():
 
 def test_a_resumed_feddyn_run_on_another_number_of_ranks_equals_the_uninterrupted_one_bitwise(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
-    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (whole, first, rest):
-        assert result.returncode == 0, result.stderr[-3000:]
+    rest = whole_and_resumed(tmp_path, cfg)
     assert "resume: FedDyn gradient states of" in rest.stderr
     assert_bitwise(final_model(tmp_path / "split"), final_model(tmp_path / "whole"))
 

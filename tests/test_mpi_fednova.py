@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
-from conftest import run_mpi, write_config
+from conftest import run_mpi, whole_and_resumed, write_config
 from reference import fednova_divisor, reference_run
 from results import assert_bitwise, final_model
 
@@ -55,11 +55,7 @@ def test_fednova_is_not_fedavg_when_clients_take_different_numbers_of_steps():
 
 def test_a_resumed_fednova_run_equals_the_uninterrupted_one_bitwise(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
-    rest = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (whole, first, rest):
-        assert result.returncode == 0, result.stderr[-3000:]
+    rest = whole_and_resumed(tmp_path, cfg, resume_ranks=3)
     assert "resum" in rest.stderr.lower()
     assert_bitwise(final_model(tmp_path / "split"), final_model(tmp_path / "whole"))
 

@@ -4,16 +4,14 @@ on any number of ranks, with reduction groups, with the local tensors in RAM or 
 another number of ranks."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, write_config
+from conftest import run_mpi, whole_and_resumed, write_config
 from fl_helpers import tiny_mlp
 from reference import personal_reference
-from results import assert_bitwise, client_vectors, final_model
+from results import assert_bitwise, run_result
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, ModelConfig, load_config
@@ -31,13 +29,6 @@ strategy: {update: delta}
 eval: {every: 0}
 output: {progress: false}
 """
-
-
-def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-    """The final shared tensors, and every client's vector from the last checkpoint."""
-    return final_model(run_dir), client_vectors(run_dir)
-
-
 
 
 def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
@@ -66,11 +57,7 @@ def test_local_tensors_stay_with_their_client_and_the_rest_is_averaged_bitwise_o
 
 def test_a_resumed_run_on_another_number_of_ranks_keeps_every_clients_local_tensors(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
-    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (whole, first, rest):
-        assert result.returncode == 0, result.stderr[-3000:]
+    rest = whole_and_resumed(tmp_path, cfg)
     assert "resume: local tensors (model.local) of" in rest.stderr
     (shared, local), (want_shared, want_local) = run_result(tmp_path / "split"), run_result(tmp_path / "whole")
     assert_bitwise(shared, want_shared)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, write_config
+from conftest import run_mpi, whole_and_resumed, write_config
 from reference import one_thread, reference_run, scaffold_reference
 from results import assert_bitwise
 from results import final_model as final_run_tensors
@@ -82,11 +82,7 @@ def test_scaffold_is_fedavg_in_round_one_and_departs_from_it_once_control_variat
 
 def test_a_resumed_scaffold_run_on_another_number_of_ranks_equals_the_uninterrupted_one_bitwise(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
-    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (whole, first, rest):
-        assert result.returncode == 0, result.stderr[-3000:]
+    rest = whole_and_resumed(tmp_path, cfg)
     assert "resume: SCAFFOLD control variates of" in rest.stderr
     assert_bitwise(final_model(tmp_path / "split"), final_model(tmp_path / "whole"))
 

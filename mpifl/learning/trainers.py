@@ -111,12 +111,6 @@ def shared_batch(batch: torch.Tensor, parallel: DataParallel | None) -> tuple[to
     return share, share_weight(len(share), len(batch), parallel.size)
 
 
-def scaled_loss(loss: torch.Tensor, output: torch.Tensor, rows: int, weight: float) -> torch.Tensor:
-    """A rank's weighted mean loss; a rank whose share is empty still takes part in the group's backward
-    (DDP waits for every rank), with a zero gradient."""
-    return loss * weight if rows else output.sum() * 0.0
-
-
 def group_mean(total: float, count: int, parallel: DataParallel | None) -> float:
     """The mean training loss over every rank's shares (or this rank's alone)."""
     summed = parallel.total([total, count]) if parallel is not None else [total, count]
@@ -157,8 +151,9 @@ class TorchTrainer:
                 x, y = data.x[share].to(device=device, dtype=dtype), data.y[share].to(device)
                 optimizer.zero_grad(set_to_none=True)
                 output = net(x)
+                # an empty share (weight 0) still joins the group's backward: DDP waits for every rank
                 loss = self.loss_fn(output, y) if len(share) else output.sum()
-                objective = scaled_loss(loss, output, len(share), weight)
+                objective = loss * weight
                 if anchors:
                     objective = objective + proximal_term(params, anchors, self.cfg.prox_mu)
                 objective.backward()
@@ -213,7 +208,7 @@ class CausalLMTrainer:
                     with contextlib.nullcontext() if last or net is model else net.no_sync():  # type: ignore[operator]
                         output = net(input_ids=ids, labels=ids if len(share) else None)
                         loss = output.loss if len(share) else output.logits.sum()
-                        (scaled_loss(loss, output.logits, len(share), weight) / c.grad_accum_steps).backward()
+                        (loss * weight / c.grad_accum_steps).backward()  # an empty share: weight 0
                     total += loss.item() * len(share) if len(share) else 0.0
                     count += len(share)
                 if mixed:
