@@ -64,6 +64,8 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2, help="client ranks")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--groups", type=int, default=2, help="clients.groups (0: every update travels)")
+    p.add_argument("--placement", default="balanced", choices=("round_robin", "balanced", "per_round"),
+                   help="clients.placement")
     p.add_argument("--model", default="leaf_cnn", choices=("leaf_cnn", "big_mlp"),
                    help="big_mlp: the communication-heavy 784-8192-2048-62 MLP (93 MB fp32)")
     p.add_argument("--eval-every", type=int, default=0,
@@ -87,7 +89,8 @@ def main() -> int:
     config.write_text(f"""
 name: cross-device
 rounds: {args.rounds}
-clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {args.groups}, placement: balanced}}
+clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {args.groups},
+          placement: {args.placement}}}
 data: {data}
 model: {{name: "cross_device:{args.model}"}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu}}
@@ -98,7 +101,9 @@ output: {{progress: false, save_model: false}}
     mpifl_run = args.keep or run_dir / "run"
     cmd = [f"{args.bin}/mpiexec", "-n", str(args.ranks + 1), f"{args.bin}/mpifl", "run", str(config),
            "--run-dir", str(mpifl_run)]
-    subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"the mpifl run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (mpifl_run / "metrics.jsonl").read_text().splitlines()]
     round_seconds = [r["time"]["round"] - r["time"]["eval"] for r in records]  # evaluation excluded
     accuracy = [r["eval"]["accuracy"] for r in records if "eval" in r][-1]
@@ -110,10 +115,14 @@ output: {{progress: false, save_model: false}}
         overheads.append((r["time"]["round"] - busiest["train_seconds"]) / busiest["clients"])
         rounds.append(r["time"]["round"] - r["time"]["eval"])
     print(f"{args.clients} clients, {args.per_round} per round, {args.ranks} client ranks, groups {args.groups}, "
+          f"placement {args.placement}, "
           f"data {args.data}, {args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
     print(f"  seconds per round {statistics.median(rounds):.3f}; peak RSS: server "
           f"{max(r['server_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB, largest client rank "
           f"{max(r['client_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB")
+    spread = statistics.median(max(w["train_seconds"] for w in r["ranks"].values()) /
+                               statistics.mean(w["train_seconds"] for w in r["ranks"].values()) for r in records)
+    print(f"  busiest rank's training over the ranks' mean: {spread:.2f} (1.00: the ranks finish together)")
     print(f"  overhead per logical client {1000 * statistics.median(overheads):.1f} ms "
           f"(round time minus the busiest rank's own training, per client on that rank)")
     print(f"  held-out accuracy after round {args.rounds}: {accuracy:.3f}")
@@ -121,7 +130,8 @@ output: {{progress: false, save_model: false}}
         print("RESULT " + json.dumps(task.summarize(
             round_seconds, accuracy, server_peak_rss_mib=max(r["server_peak_rss_bytes"] for r in records) // 2**20,
             client_peak_rss_mib=max(r["client_peak_rss_bytes"] for r in records) // 2**20,
-            note=f"{args.ranks} client ranks + server (MPI), groups {args.groups}")), flush=True)
+            note=f"{args.ranks} client ranks + server (MPI), groups {args.groups}, placement {args.placement}")),
+              flush=True)
     return 0
 
 

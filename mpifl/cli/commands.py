@@ -63,7 +63,7 @@ def check_plugins(cfg: Config) -> list[str]:
     Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
     """
     from mpifl.aggregation.compatibility import checked_strategy
-    from mpifl.learning.datasets import dataset_problem, needs_dataset
+    from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
     from mpifl.learning.models import model_problem
 
     if cfg.model.name == "transformers":
@@ -74,6 +74,10 @@ def check_plugins(cfg: Config) -> list[str]:
     problem = problem or tracker_problem(cfg.output.trackers)
     if problem:
         raise ConfigError(problem)
+    if cfg.clients.placement == "per_round" and has_data and client_source(cfg.data) is not None:
+        raise ConfigError(f"clients.placement: 'per_round' lets any rank train any client, but data.dataset "
+                          f"{cfg.data.dataset!r} split naturally is read per rank, each rank its own clients only; "
+                          "use clients.placement='balanced'")
     checked_strategy(cfg)
     return config_warnings(cfg)
 

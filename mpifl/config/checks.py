@@ -33,6 +33,7 @@ def check_combinations(cfg: Config) -> None:
     _check_local(cfg)
     _check_ditto(cfg)
     _check_ranks_per_client(cfg)
+    _check_per_round_placement(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -321,6 +322,26 @@ def _check_ranks_per_client(cfg: Config) -> None:
     if state is not None:
         raise ConfigError(f"clients.ranks_per_client: {why}; {state.what} kept per client on the ranks is not "
                           "supported across a group yet: set clients.ranks_per_client=1")
+
+
+def _check_per_round_placement(cfg: Config) -> None:
+    """``clients.placement: per_round`` moves clients between ranks from round to round, so nothing about a
+    client, nor the order of a sum, may depend on the rank that trains it."""
+    if cfg.clients.placement != "per_round":
+        return
+    state = cfg.client_state()
+    why = "clients.placement: 'per_round' trains a client on a different rank from round to round"
+    if state is not None:
+        raise ConfigError(f"{why}, but {state.what} stay on the rank that hosts the client; use 'balanced'")
+    needs = [("clock.mode", cfg.clock.mode == "off", "'off' (held updates and virtual clocks follow a client's "
+                                                     "home rank)"),
+             ("transport.reduce", cfg.transport.reduce != "chain", "not 'chain' (the chain adds each rank's sum "
+                                                                   "in rank order)"),
+             ("clients.ranks_per_client", cfg.clients.ranks_per_client == 1, "1"),
+             ("secagg.enabled", not cfg.secagg.enabled, "false")]
+    for key, fine, what in needs:
+        if not fine:
+            raise ConfigError(f"{key}: {why}, which needs {what}; or use clients.placement='balanced'")
 
 
 def _check_reduce(cfg: Config) -> None:

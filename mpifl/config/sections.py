@@ -30,9 +30,12 @@ class ClientsConfig:
                                     "of a round's clients on a rank still training past its deadline "
                                     "(timeouts.first_update, timeouts.straggler)")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
-    placement: str = field_("round_robin", "which rank hosts which client: round_robin (client, or its group, mod "
-                            "the client ranks) or balanced (by samples x epochs, heaviest first, deterministic; "
-                            "results do not change)", choices=("round_robin", "balanced"))
+    placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
+                            "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
+                            "deterministic) or per_round (each round's participants, or their groups, spread anew "
+                            "by estimated cost, overhead + samples x epochs, the overhead fitted to measured "
+                            "training times; every client rank holds the whole training set). Results never change",
+                            choices=("round_robin", "balanced", "per_round"))
     groups: int = field_(0, "reduction groups G: logical client c belongs to group c mod G, a group lives on one "
                          "rank, which sums its participants' updates (ascending id, fp32) before anything travels; "
                          "the server folds the G partial sums in ascending group id. Results depend on G, never on "

@@ -41,19 +41,40 @@ def clients_of_rank(rank: int, num_clients: int, client_ranks: int, groups: int 
     return Placement(client_ranks, groups).clients_of(rank, num_clients)
 
 
+def longest_first(costs: dict[int, float], client_ranks: int) -> dict[int, int]:
+    """Each unit's rank (1..client_ranks): the costliest unit first, each to the least loaded rank (lowest rank on
+    ties), Graham's LPT rule; a pure function of ``costs``, so every call with the same costs agrees."""
+    load = [0.0] * client_ranks
+    rank_of_unit = {}
+    for unit in sorted(costs, key=lambda u: (-costs[u], u)):
+        r = min(range(client_ranks), key=lambda i: (load[i], i))
+        load[r] += costs[unit]
+        rank_of_unit[unit] = 1 + r
+    return rank_of_unit
+
+
 def balanced_ranks(work: list[float], client_ranks: int, groups: int = 0) -> list[int]:
     """Each client's rank, balancing work (samples x epochs) over ranks: the heaviest unit (a client, or a
     group with clients.groups) first, each to the least loaded rank (lowest rank on ties). Deterministic."""
     units: dict[int, float] = {}
     for client, w in enumerate(work):
         units[group_of(client, groups)] = units.get(group_of(client, groups), 0.0) + w
-    load = [0.0] * client_ranks
-    rank_of_unit = {}
-    for unit in sorted(units, key=lambda u: (-units[u], u)):
-        r = min(range(client_ranks), key=lambda i: (load[i], i))
-        load[r] += units[unit]
-        rank_of_unit[unit] = 1 + r
+    rank_of_unit = longest_first(units, client_ranks)
     return [rank_of_unit[group_of(c, groups)] for c in range(len(work))]
+
+
+def fitted_overhead(observations: list[tuple[int, float, float]]) -> float | None:
+    """A logical client's fixed cost in units of work (samples x epochs), from each rank's round as (clients, work,
+    seconds): the least-squares fit of seconds = a x clients + b x work, returned as a / b (at least 0). None while
+    the fit is undetermined: fewer than two independent rows, or no cost per unit of work (b <= 0)."""
+    snn = snw = sww = snt = swt = 0.0
+    for n, w, t in observations:
+        snn, snw, sww, snt, swt = snn + n * n, snw + n * w, sww + w * w, snt + n * t, swt + w * t
+    det = snn * sww - snw * snw
+    if det <= 1e-9 * max(snn * sww, 1e-300):
+        return None
+    a, b = (snt * sww - swt * snw) / det, (snn * swt - snw * snt) / det
+    return max(a, 0.0) / b if b > 0 else None
 
 
 class Placement:
@@ -77,6 +98,10 @@ class Placement:
             out.setdefault(self.rank_of(c), []).append(c)
         return out
 
+    def observe(self, train: dict[int, list[int]], seconds: dict[int, float]) -> None:
+        """What each rank's clients took to train in a round (rank -> clients, rank -> seconds); a fixed
+        placement has no use for it."""
+
     def streams(self, clients: list[int]) -> dict[int, list[int]]:
         """What each rank sends the server, ascending: its participants, or their groups' partial sums."""
         by_rank = self.by_rank(clients)
@@ -85,10 +110,57 @@ class Placement:
         return {rank: sorted({group_of(c, self.groups) for c in members}) for rank, members in by_rank.items()}
 
 
+class RoundBalancedPlacement(Placement):
+    """``clients.placement: per_round``: every client rank can train every client (each holds the whole training
+    set), and each round's participants (or, with clients.groups, their groups) go to the ranks by Graham's LPT
+    rule on their estimated cost, overhead + samples x epochs each. The overhead, a client's fixed cost in units of
+    work (model reset, optimizer, the first and the last small batch), is fitted to the training seconds every
+    rank reports (``observe``), so it is 0 until a round has been measured.
+
+    Where a client trains never changes a result: updates are folded in participant order, or group sums in group
+    order, whatever rank formed them; only how long the round takes depends on the measured times."""
+
+    def __init__(self, client_ranks: int, groups: int, work: list[float]):
+        super().__init__(client_ranks, groups)
+        self.work, self.overhead = work, 0.0
+        self.observations: list[tuple[int, float, float]] = []
+
+    def rank_of(self, client: int) -> int:
+        """No fixed answer: a client's rank changes from round to round."""
+        raise ValueError("clients.placement 'per_round' places a client anew every round: ask the round's "
+                         "RoundAssignment (rank_of), not the placement")
+
+    def clients_of(self, rank: int, num_clients: int) -> list[int]:
+        """Every client: any rank may train any of them."""
+        return list(range(num_clients))
+
+    def by_rank(self, clients: list[int]) -> dict[int, list[int]]:
+        """A round's clients by rank: their units (clients, or groups) spread by estimated cost."""
+        units: dict[int, float] = {}
+        for c in clients:
+            units[group_of(c, self.groups)] = units.get(group_of(c, self.groups), 0.0) + self.overhead + self.work[c]
+        rank_of_unit = longest_first(units, self.client_ranks)
+        out: dict[int, list[int]] = {}
+        for c in sorted(clients):
+            out.setdefault(rank_of_unit[group_of(c, self.groups)], []).append(c)
+        return dict(sorted(out.items()))
+
+    def observe(self, train: dict[int, list[int]], seconds: dict[int, float]) -> None:
+        """Add a round's measured training seconds per rank and refit the per-client overhead."""
+        for rank, clients in train.items():
+            if clients and rank in seconds:
+                self.observations.append((len(clients), sum(self.work[c] for c in clients), seconds[rank]))
+        fitted = fitted_overhead(self.observations)
+        if fitted is not None:
+            self.overhead = fitted
+
+
 def placement_for(clients: ClientsConfig, client_ranks: int, work: list[float] | None) -> Placement:
     """The ``clients.placement`` of this run; ``work`` is each client's samples x epochs (None: unknown)."""
-    if clients.placement == "balanced":
+    if clients.placement in ("balanced", "per_round"):
         work = work if work is not None else [1.0] * clients.num_clients
+        if clients.placement == "per_round":
+            return RoundBalancedPlacement(client_ranks, clients.groups, work)
         return Placement(client_ranks, clients.groups, balanced_ranks(work, client_ranks, clients.groups))
     return Placement(client_ranks, clients.groups)
 
@@ -109,6 +181,10 @@ class RoundAssignment:
     mixing: float | None = None  # fedasync: this step's alpha x s(staleness)
     local_steps: dict[int, int] | None = None  # fedcompass: each trainer's own local steps
     clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
+
+    def rank_of(self, client: int) -> int | None:
+        """The rank that trains ``client`` this round (None: it does not train in it)."""
+        return next((rank for rank, clients in self.train.items() if client in clients), None)
 
 
 class Sampler:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,7 +75,7 @@ class ClientRank:
     """One model in memory; its logical clients train one after another in it."""
 
     def __init__(self, comm: MPI.Comm, flat: FlatModel,
-                 local_data: dict[int, tuple[ClientData | None, ClientData | None]], parts: ClientParts):
+                 local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], parts: ClientParts):
         self.comm, self.flat, self.local_data, self.parts = comm, flat, local_data, parts
         self.rank = comm.Get_rank()
         self.trainer = parts.trainer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -122,7 +123,7 @@ class GroupMember:
     """A group's other rank: train each logical client the leader orders, on this rank's share of its batches."""
 
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
-                 local_data: dict[int, tuple[ClientData | None, ClientData | None]], timeout_s: float):
+                 local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float):
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
         self.local_data, self.timeout_s = local_data, timeout_s
 

@@ -8,7 +8,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,15 @@ from mpifl.clock.planners import clock_sampler, task_samples
 from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
 from mpifl.learning.control import control_elements
-from mpifl.learning.datasets import Dataset, client_data, client_source, load_dataset, needs_dataset, surveyed_dataset
+from mpifl.learning.datasets import (
+    ClientData,
+    Dataset,
+    client_data,
+    client_source,
+    load_dataset,
+    needs_dataset,
+    surveyed_dataset,
+)
 from mpifl.learning.device import training_replica
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.parallel import DataParallel
@@ -305,7 +313,7 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
     return store
 
 
-def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: dict,
+def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping,
                      upload_initial: bool, residuals: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
                      personal_models: PersonalModels | None = None, note: RankNotes | None = None,
@@ -341,7 +349,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         leader.release()
 
 
-def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: dict, notes: RankNotes) -> None:
+def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
     """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group."""
     replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     trainer = make_trainer(cfg.train)
@@ -396,7 +404,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         evaluate = _evaluator(cfg)
         score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
     sink = JsonLines(run_dir / METRICS if run_dir else None, also=_trackers(cfg, run_dir, start, resume is not None))
-    needs_sizes = cfg.clients.placement == "balanced" or cfg.clock.mode != "off"
+    needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off"
     parts_ = _partition(cfg, dataset) if needs_sizes else None
     placement = _placement(cfg, parts_, comm.Get_size() - 1)
     sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
@@ -514,24 +522,50 @@ def _partition(cfg: Config, dataset: Dataset | None) -> list | None:
 def _placement(cfg: Config, parts: list | None, client_ranks: int) -> Placement:
     """``clients.placement``: by work, samples x epochs (fixed local_steps make every client's work equal)."""
     work = None
-    if parts is not None and cfg.clients.placement == "balanced" and not cfg.train.local_steps:
+    if parts is not None and cfg.clients.placement != "round_robin" and not cfg.train.local_steps:
         work = [float(len(p) * cfg.train.local_epochs) for p in parts]
     return placement_for(cfg.clients, client_ranks, work)
 
 
-def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> dict:
+def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> Mapping:
     parts = _partition(cfg, dataset)
     mine = _placement(cfg, parts, client_ranks).clients_of(rank, cfg.clients.num_clients)
     if dataset is None:
         return {c: (None, None) for c in mine}
     assert parts is not None  # _partition returns None only without a dataset
+    if cfg.clients.placement == "per_round":  # any client may train here: slice its data when it does
+        assert dataset.source is None  # cli.commands.check_plugins refuses per_round with a client source
+        return ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed)
     if dataset.source is not None:  # from a client source: read only now, and only these clients
         dataset = dataset.holding(mine)
         held = sum(len(parts[c]) for c in mine)
         log(f"read {held} of {len(dataset.y_train)} training samples: its {len(mine)} clients' "
             f"({cfg.data.dataset} files under {cfg.data.kwargs.get('path')})", rank=rank)
-    out = {}
-    for c in mine:
-        train, val = split_validation(parts[c], cfg.data.val_fraction, cfg.seed, c)
-        out[c] = (client_data(dataset, train), client_data(dataset, val) if len(val) else None)
-    return out
+    return {c: ClientSlices.slices(dataset, parts[c], cfg.data.val_fraction, cfg.seed, c) for c in mine}
+
+
+class ClientSlices(Mapping):
+    """Every client's (training, validation) data, sliced from the rank's copy of the training set when asked:
+    ``clients.placement: per_round`` may hand a rank any client, and copying all of them up front would hold the
+    training set twice."""
+
+    def __init__(self, dataset: Dataset, parts: list, val_fraction: float, seed: int):
+        self.dataset, self.parts, self.val_fraction, self.seed = dataset, parts, val_fraction, seed
+
+    @staticmethod
+    def slices(dataset: Dataset, part: np.ndarray, val_fraction: float, seed: int,
+               client: int) -> tuple[ClientData, ClientData | None]:
+        """One client's training and (when it has one) validation data."""
+        train, val = split_validation(part, val_fraction, seed, client)
+        return client_data(dataset, train), client_data(dataset, val) if len(val) else None
+
+    def __getitem__(self, client: int) -> tuple[ClientData, ClientData | None]:
+        if not 0 <= client < len(self.parts):
+            raise KeyError(client)
+        return self.slices(self.dataset, self.parts[client], self.val_fraction, self.seed, client)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.parts)))
+
+    def __len__(self) -> int:
+        return len(self.parts)

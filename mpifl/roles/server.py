@@ -93,6 +93,7 @@ class Server:
         rows = parts.sampler.per_round if parts.strategy.stacked else 1
         self.pool = ReceivePool(PoolShape.of(parts.plan, rows))
         self.history: list[dict] = []
+        self.rounds_here = 0  # rounds this process has run (not counting the ones a resume read back)
         self.budget_spent = False  # privacy.epsilon_budget ended the run early
         self.inbox = ProgressInbox(comm)  # the training ranks' progress reports, for the watchdogs
         # what ranks dropped from a round still send, taken up while later rounds run
@@ -159,6 +160,10 @@ class Server:
         self.history.append(record)
         note_memory_growth(self.history)
         parts.deadlines.observe(record["client_train_seconds"])
+        self.rounds_here += 1
+        if self.rounds_here > 1:  # a rank's first clients pay one-time costs (torch's lazy imports, first touches)
+            seconds = {int(rank): work["train_seconds"] for rank, work in record["ranks"].items()}
+            parts.sampler.placement.observe(plan.train, seconds)
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
         stopping = self._budget_ends_after(round_, record) or stopping
         parts.checkpointer.round_ended(round_, self.history, stopping)
@@ -224,12 +229,12 @@ class Server:
             else:  # nobody this round: unchanged, but DP noise still moves the model
                 stats = reduction.run_without_updates() if noise else ReductionStats()
         except RoundAborted:
-            self._log_drops(round_, reduction.stats.metas)
+            self._log_drops(plan, reduction.stats.metas)
             parts.checkpointer.round_aborted(round_, self.history)
             raise
         except RankStalled as stalled:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched)
-        self._log_drops(round_, stats.metas)
+        self._log_drops(plan, stats.metas)
         return stats
 
     def _budget_ends_after(self, round_: int, record: dict) -> bool:
@@ -270,10 +275,16 @@ class Server:
         where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
         raise JobFailure(f"{stalled}{where}; continue with --resume once the cause is fixed") from None
 
-    def _log_drops(self, round_: int, metas: dict) -> None:
+    def _rank_of(self, plan: RoundAssignment, client: int) -> int:
+        """The rank whose update of ``client`` this round's plan reduces: the one that trained it this round, else
+        (an asynchronous step's held update, trained earlier) its home rank."""
+        rank = plan.rank_of(client)
+        return rank if rank is not None else self.parts.sampler.rank_of(client)
+
+    def _log_drops(self, plan: RoundAssignment, metas: dict) -> None:
         for client, meta in sorted(metas.items()):
             if meta.error is not None:
-                log(f"round {round_}: dropped logical client {client} (rank {self.parts.sampler.rank_of(client)}): "
+                log(f"round {plan.round}: dropped logical client {client} (rank {self._rank_of(plan, client)}): "
                     f"{meta.error}", rank=0)
 
     def _pool_layout(self, by_rank: dict[int, list[int]], summed: bool) -> PoolLayout:
@@ -335,7 +346,7 @@ class Server:
         record = {
             "round": plan.round,
             "participants": list(plan.participants),
-            "dropped": [{"client": c, "rank": self.parts.sampler.rank_of(c), "reason": m.error}
+            "dropped": [{"client": c, "rank": self._rank_of(plan, c), "reason": m.error}
                         for c, m in sorted(metas.items()) if m.error is not None],
             "train_loss": sum(loss * n for loss, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
@@ -345,7 +356,7 @@ class Server:
             "server_peak_rss_bytes": peak_rss_bytes(),
             "server_pool_bytes": self.pool.nbytes,
             "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),
-            "ranks": self._work_by_rank(metas),
+            "ranks": self._work_by_rank(plan, metas),
             "client_peak_rss_bytes": max((m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()), default=0),
             "time": times.split(),
             **plan.clock,
@@ -360,11 +371,11 @@ class Server:
             record["federated_eval"] = federated
         return record
 
-    def _work_by_rank(self, metas: dict) -> dict[str, dict]:
+    def _work_by_rank(self, plan: RoundAssignment, metas: dict) -> dict[str, dict]:
         """Each client rank's logical clients this round and their training time (they train one after another)."""
         out: dict[str, dict] = {}
         for client, meta in sorted(metas.items()):
-            rank = out.setdefault(str(self.parts.sampler.rank_of(client)), {"clients": 0, "train_seconds": 0.0})
+            rank = out.setdefault(str(self._rank_of(plan, client)), {"clients": 0, "train_seconds": 0.0})
             rank["clients"] += 1
             rank["train_seconds"] += meta.train_seconds
         return out

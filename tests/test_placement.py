@@ -1,0 +1,81 @@
+"""clients.placement: per_round: each round's participants spread over the ranks by estimated cost (Graham's LPT
+rule), the cost being a fitted per-client overhead plus samples x epochs. Pure functions, no MPI."""
+from __future__ import annotations
+
+import pytest
+
+from mpifl.config import ConfigError, load_config
+from mpifl.planning.federation import (
+    RoundAssignment,
+    RoundBalancedPlacement,
+    fitted_overhead,
+    longest_first,
+    placement_for,
+)
+
+
+def test_longest_first_gives_each_unit_in_falling_cost_to_the_least_loaded_rank():
+    # 5 -> rank 1; 4 -> rank 2; 3 (unit 2) -> rank 2 (4 < 5); 3 (unit 3) -> rank 1 (5 < 7); 3 (unit 4) -> rank 2
+    assert longest_first({0: 5.0, 1: 4.0, 2: 3.0, 3: 3.0, 4: 3.0}, 2) == {0: 1, 1: 2, 2: 2, 3: 1, 4: 2}
+    assert longest_first({7: 1.0, 3: 1.0}, 2) == {3: 1, 7: 2}  # ties: the lower unit first, to the lower rank
+
+
+def test_the_overhead_is_the_fitted_fixed_cost_per_client_in_units_of_work():
+    a, b = 0.02, 0.001  # 20 ms per client, 1 ms per sample: the overhead is worth 20 samples
+    rows = [(n, w, a * n + b * w) for n, w in [(3, 300.0), (5, 200.0), (2, 400.0), (7, 90.0)]]
+    assert fitted_overhead(rows) == pytest.approx(20.0)
+    assert fitted_overhead(rows[:1]) is None  # one row cannot separate the two costs
+    assert fitted_overhead([(2, 100.0, 1.0), (4, 200.0, 2.0)]) is None  # collinear rows neither
+    assert fitted_overhead([(1, 100.0, 1.0), (1, 200.0, 0.5)]) is None  # time that falls as work grows
+    assert fitted_overhead([(1, 100.0, 0.5), (4, 100.0, 0.5)]) == 0.0  # more clients, no more time: no overhead
+    assert fitted_overhead([(1, 100.0, 1.0), (2, 300.0, 2.0), (4, 200.0, 2.0)]) >= 0.0
+
+
+def test_per_round_placement_balances_samples_first_then_the_measured_cost():
+    work = [100.0] + [10.0] * 10
+    placement = RoundBalancedPlacement(client_ranks=2, groups=0, work=work)
+    everyone = list(range(11))
+    assert placement.by_rank(everyone) == {1: [0], 2: list(range(1, 11))}  # 100 samples against 10 x 10
+    # measured: every client costs as much as 50 samples whatever its size, so 10 small clients are slow
+    placement.observe({1: [0], 2: list(range(1, 11))}, {1: 0.001 * (50 + 100), 2: 0.001 * (10 * 50 + 100)})
+    placement.observe({1: [0, 1], 2: list(range(2, 11))}, {1: 0.001 * (100 + 110), 2: 0.001 * (9 * 50 + 90)})
+    assert placement.overhead == pytest.approx(50.0)
+    spread = placement.by_rank(everyone)
+    assert sorted(map(len, spread.values())) == [5, 6]
+    loads = [sum(50 + work[c] for c in clients) for clients in spread.values()]
+    assert max(loads) - min(loads) <= 60  # within one small client's cost
+
+
+def test_per_round_placement_keeps_a_groups_members_together_and_any_rank_may_host_any_client():
+    placement = RoundBalancedPlacement(client_ranks=3, groups=4, work=[float(1 + c) for c in range(12)])
+    spread = placement.by_rank([0, 1, 4, 5, 6, 9, 11])
+    assert sorted(c for clients in spread.values() for c in clients) == [0, 1, 4, 5, 6, 9, 11]
+    for clients in spread.values():
+        for other in spread.values():
+            if other is not clients:
+                assert not {c % 4 for c in clients} & {c % 4 for c in other}
+    assert placement.clients_of(2, 12) == list(range(12))
+    with pytest.raises(ValueError, match="RoundAssignment"):
+        placement.rank_of(3)
+
+
+def test_a_round_says_which_rank_trains_each_client():
+    plan = RoundAssignment(4, (1, 2, 5), {1: [2], 2: [1, 5]}, {1: [2], 2: [1, 5]})
+    assert [plan.rank_of(c) for c in (1, 2, 5, 7)] == [2, 1, 2, None]
+
+
+def test_the_config_chooses_the_per_round_placement():
+    cfg = load_config(None, ["clients.placement=per_round", "clients.num_clients=4"], data={})
+    assert isinstance(placement_for(cfg.clients, 2, None), RoundBalancedPlacement)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy.name=scaffold", "strategy.update=delta"], "SCAFFOLD control variates stay on the rank that hosts"),
+    (["clients.groups=2", "transport.reduce=chain"], "transport.reduce: clients.placement: 'per_round'"),
+    (["clock.mode=fedbuff", "strategy.update=delta", "clients.num_clients=40"],
+     "clock.mode: clients.placement: 'per_round'"),
+    (["secagg.enabled=true"], "secagg.enabled: clients.placement: 'per_round'"),
+])
+def test_what_ties_a_client_or_a_sum_to_a_rank_refuses_per_round_placement(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["clients.placement=per_round", *overrides], data={})
