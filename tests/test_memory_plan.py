@@ -1,9 +1,12 @@
 """The memory model's node arithmetic: nodes filled in rank order as the launchers do, and advice that fits."""
 from __future__ import annotations
 
+from conftest import ROOT
+
 from mpifl.cli.plan import node_warning
 from mpifl.config import load_config
-from mpifl.planning.memory import MemoryEstimate, fullest_node
+from mpifl.planning.memory import DataBytes, MemoryEstimate, client_data_bytes, fullest_node, server_data_bytes
+from mpifl.units import MIB, format_bytes
 
 GIB = 2**30
 
@@ -26,3 +29,32 @@ def test_the_node_warning_gives_only_advice_the_config_does_not_already_follow()
     assert in_memory is not None and "server.state=disk" in in_memory and "--server-alone" in in_memory
     assert node_warning(load_config(None), plan, 1024, server_alone=False) is None
     assert node_warning(load_config(None), plan, None, server_alone=False) is None
+
+
+def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs():
+    data = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=False)
+    assert server_data_bytes(data) == 108 * MIB
+
+
+def test_a_client_rank_holds_the_shared_set_and_copies_of_its_clients_or_only_its_clients_from_a_source():
+    shared = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=False)
+    # the whole set broadcast to it (held-out set included), plus its quarter sliced out into its clients
+    assert client_data_bytes(shared, client_ranks=4, per_round=False) == 908 * MIB + 202 * MIB
+    assert client_data_bytes(shared, client_ranks=4, per_round=True) == 908 * MIB  # sliced only while training
+    source = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=True)
+    assert client_data_bytes(source, client_ranks=4, per_round=False) == 8 * MIB + 202 * MIB  # labels + its rows
+
+
+def test_plan_counts_the_data_each_rank_holds(capsys):
+    from mpifl.cli import main
+    from mpifl.learning.datasets import load_dataset
+
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    data = load_dataset(load_config(quickstart).data)
+    inputs, labels = (t.numel() * t.element_size() for t in (data.x_train, data.y_train))
+    test = sum(t.numel() * t.element_size() for t in (data.x_test, data.y_test))
+    assert main(["plan", str(quickstart), "--client-ranks", "2"]) == 0
+    server, clients = capsys.readouterr().out.splitlines()[1:3]
+    assert f"data {format_bytes(labels + test)}: labels + held-out set" in server
+    shared, share = inputs + labels + test, -(-(inputs + labels) // 2)
+    assert f"data {format_bytes(shared + share)}: the shared set + its clients' copies" in clients

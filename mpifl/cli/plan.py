@@ -12,7 +12,14 @@ from pathlib import Path
 
 from mpifl.config import Config, load_config
 from mpifl.planning import binding
-from mpifl.planning.memory import MemoryEstimate, ModelBytes, client_state_elements, client_state_plan, memory_estimate
+from mpifl.planning.memory import (
+    DataBytes,
+    MemoryEstimate,
+    ModelBytes,
+    client_state_elements,
+    client_state_plan,
+    memory_estimate,
+)
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.flat import ModelSpec, control_bytes, is_local, itemsize
@@ -22,12 +29,22 @@ from mpifl.wire.layout import ExchangeLayout
 def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
     """The configured model's exchanged and frozen specs, from a meta-device build (nothing allocated); sized
     from the data when the model takes its shape (built-ins, and plug-ins that name input_shape/num_classes)."""
-    from mpifl.learning.datasets import data_shape, needs_dataset
+    return model_and_data(cfg)[0]
+
+
+def model_and_data(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], DataBytes | None]:
+    """``model_specs``, and the data's bytes when the run reads data (None: it reads none). The data is read once,
+    for both: a client source is only surveyed."""
+    from mpifl.learning.datasets import needs_dataset, surveyed_data
     from mpifl.learning.models import model_spec, supplied
 
+    shape: dict = {}
+    data = None
+    if needs_dataset(cfg):
+        shape, data = surveyed_data(cfg.data)
     sized = cfg.model.name != "transformers" and bool(set(supplied(cfg.model, True)) & {"input_shape", "num_classes"})
-    shape = data_shape(cfg.data) if sized and needs_dataset(cfg) else {}
-    return model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **shape)
+    specs = model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **(shape if sized else {}))
+    return specs, data
 
 
 def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) -> ModelBytes:
@@ -48,12 +65,12 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) 
     """The model's size and the memory model's estimate for ``nranks`` ranks: what ``plan`` and ``pbs`` print."""
     from mpifl.aggregation.strategies import make_strategy
 
-    exchanged, frozen = model_specs(cfg)
+    (exchanged, frozen), data = model_and_data(cfg)
     size = size_of(exchanged, frozen, cfg.model.local)
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
-                                 server_alone)
+                                 server_alone, data)
 
 
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
@@ -84,9 +101,10 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
     where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + state"
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
-          f"{format_bytes(plan.server_pool_bytes)}]")
+          f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, 'labels + held-out set')}]")
     print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
-          f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}; activations not included]")
+          f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}"
+          f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
     if per_client > 1:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
@@ -110,6 +128,22 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
+
+
+def data_note(nbytes: int, what: str) -> str:
+    """The data inside a rank's figure, for its line of ``mpifl plan``."""
+    return f"; data {format_bytes(nbytes)}: {what}" if nbytes else ""
+
+
+def client_data_what(cfg: Config) -> str:
+    """What a client rank holds of the data."""
+    from mpifl.learning.datasets import client_source
+
+    if client_source(cfg.data) is not None:
+        return "every label, its own clients' inputs"
+    if cfg.clients.placement == "per_round":
+        return "the shared set, each client sliced while it trains"
+    return "the shared set + its clients' copies"
 
 
 SLOTS_SHOWN = 8

@@ -11,6 +11,7 @@ are split across clients is :mod:`mpifl.learning.partitions`.
 from __future__ import annotations
 
 import gzip
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -25,6 +26,7 @@ from mpifl.learning.leaf import LeafSource, leaf
 from mpifl.learning.sources import ClientIndex, ClientSource, HeldRows
 from mpifl.learning.tables import TableSource, table
 from mpifl.learning.text import text
+from mpifl.planning.memory import DataBytes
 from mpifl.plugins import kwargs_problem, resolve
 
 
@@ -124,12 +126,28 @@ def surveyed_dataset(source: ClientSource, index: ClientIndex,
 
 def data_shape(cfg: DataConfig) -> dict[str, Any]:
     """The ``input_shape`` and ``num_classes`` a model is sized from (a client source is only surveyed)."""
+    return surveyed_data(cfg)[0]
+
+
+def surveyed_data(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
+    """From one read of the data (a client source is only surveyed): the ``input_shape`` and ``num_classes`` a
+    model is sized from, and the bytes the ranks will hold (planning.memory counts them per rank)."""
     source = client_source(cfg)
     if source is not None:
-        index = source.survey()[0]
-        return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}
+        index, (x_test, y_test) = source.survey()
+        rows = int(index.starts[-1])
+        inputs = rows * math.prod(index.input_shape) * index.input_dtype.itemsize
+        footprint = DataBytes(inputs, rows * 8, _nbytes(x_test) + _nbytes(y_test), per_rank=True)
+        return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}, footprint
     data = load_dataset(cfg)
-    return {"input_shape": data.input_shape, "num_classes": data.num_classes}
+    footprint = DataBytes(_nbytes(data.x_train), _nbytes(data.y_train), _nbytes(data.x_test) + _nbytes(data.y_test),
+                          per_rank=False)
+    return {"input_shape": data.input_shape, "num_classes": data.num_classes}, footprint
+
+
+def _nbytes(tensor: torch.Tensor | HeldRows) -> int:
+    assert isinstance(tensor, torch.Tensor)  # a dataset read whole holds its inputs as one tensor
+    return tensor.numel() * tensor.element_size()
 
 
 def needs_dataset(cfg: Config) -> bool:

@@ -65,11 +65,38 @@ class MemoryEstimate:
     server_pool_bytes: int
     client_bytes: int
     node_bytes: int  # the fullest node
+    server_data_bytes: int = 0  # the data inside server_bytes (0: not counted)
+    client_data_bytes: int = 0  # the data inside client_bytes
 
     def describe(self) -> str:
         """One line for a job script's comment and the ``pbs`` command's output."""
         return (f"model {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
                 f"client rank ~{self.client_bytes / GIB:.2f} GiB; fullest node ~{self.node_bytes / GIB:.1f} GiB")
+
+
+@dataclass(frozen=True)
+class DataBytes:
+    """The data's bytes, as the ranks hold them: the training inputs, their labels, the held-out set."""
+
+    inputs: int  # every training input
+    labels: int  # every training label (the server partitions and samples from them, every rank places clients)
+    test: int  # the held-out inputs and labels
+    per_rank: bool  # a client source: each client rank reads only its own clients' inputs
+
+
+def server_data_bytes(data: DataBytes) -> int:
+    """The server holds the labels and the held-out set, never the training inputs (roles.runner.server_view)."""
+    return data.labels + data.test
+
+
+def client_data_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> int:
+    """A client rank: from a client source, every label and its own clients' inputs; otherwise the whole shared
+    set (held-out set included) plus a copy of its clients' samples, sliced out once (clients.placement
+    per_round slices a client's samples only while it trains)."""
+    share = math.ceil((data.inputs + data.labels) / max(1, client_ranks))
+    if data.per_rank:
+        return data.labels + share
+    return data.inputs + data.labels + data.test + (0 if per_round else share)
 
 
 def streams_per_rank(cfg: Config, client_ranks: int) -> int:
@@ -146,8 +173,10 @@ def client_state_elements(cfg: Config, size: ModelBytes) -> int:
 
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,
-                    nranks: int, ranks_per_node: int, server_alone: bool) -> MemoryEstimate:
-    """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included)."""
+                    nranks: int, ranks_per_node: int, server_alone: bool,
+                    data: DataBytes | None = None) -> MemoryEstimate:
+    """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included; the data
+    only when ``data`` is known)."""
     client_ranks = max(1, (nranks - 1) // cfg.clients.ranks_per_client)  # a group of ranks hosts as one rank
     pool = server_pool_bytes(cfg, exchange, strategy, client_ranks)
     elements = size.exchanged // itemsize(cfg.model.dtype)
@@ -156,8 +185,13 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = IMPORTS_BYTES + size.total + pool + strategy.state_bytes(elements)
     client = client_bytes(cfg, size, client_ranks)
+    server_data = client_data = 0
+    if data is not None:
+        server_data = server_data_bytes(data)
+        client_data = client_data_bytes(data, client_ranks, cfg.clients.placement == "per_round")
+    server, client = server + server_data, client + client_data
     node = fullest_node(server, client, nranks, ranks_per_node, server_alone)
-    return MemoryEstimate(size.exchanged, server, pool, client, node)
+    return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data)
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool) -> int:
