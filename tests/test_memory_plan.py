@@ -5,7 +5,14 @@ from conftest import ROOT
 
 from mpifl.cli.plan import node_warning
 from mpifl.config import load_config
-from mpifl.planning.memory import DataBytes, MemoryEstimate, client_data_bytes, fullest_node, server_data_bytes
+from mpifl.planning.memory import (
+    DataBytes,
+    MemoryEstimate,
+    client_data_bytes,
+    fullest_node,
+    node_data_bytes,
+    server_data_bytes,
+)
 from mpifl.units import MIB, format_bytes
 
 GIB = 2**30
@@ -36,13 +43,22 @@ def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs(
     assert server_data_bytes(data) == 108 * MIB
 
 
-def test_a_client_rank_holds_the_shared_set_and_copies_of_its_clients_or_only_its_clients_from_a_source():
+def test_a_node_holds_the_shared_set_once_and_a_client_rank_its_clients_pages_and_copies_or_a_sources_rows():
     shared = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=False)
-    # the whole set broadcast to it (held-out set included), plus its quarter sliced out into its clients
-    assert client_data_bytes(shared, client_ranks=4, per_round=False) == 908 * MIB + 202 * MIB
-    assert client_data_bytes(shared, client_ranks=4, per_round=True) == 908 * MIB  # sliced only while training
+    assert node_data_bytes(shared) == 908 * MIB  # in shared memory, once per node
+    # a quarter of the training set: the pages of it the rank reads, and the copy sliced out into its clients
+    assert client_data_bytes(shared, client_ranks=4, per_round=False) == 2 * 202 * MIB
+    assert client_data_bytes(shared, client_ranks=4, per_round=True) == 808 * MIB  # reads every client, no copy
     source = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=True)
     assert client_data_bytes(source, client_ranks=4, per_round=False) == 8 * MIB + 202 * MIB  # labels + its rows
+    assert node_data_bytes(source) == 0
+
+
+def test_the_shared_set_counts_once_on_each_node_with_client_ranks():
+    # 4 ranks per node, 1 + 6 ranks: node 1 has the server and 3 clients, node 2 three clients, each node one set
+    assert fullest_node(5 * GIB, 1 * GIB, nranks=7, ranks_per_node=4, server_alone=False, shared=2 * GIB) == 10 * GIB
+    # the server alone: its node holds no shared set
+    assert fullest_node(9 * GIB, 1 * GIB, nranks=3, ranks_per_node=4, server_alone=True, shared=2 * GIB) == 9 * GIB
 
 
 def test_plan_counts_the_data_each_rank_holds(capsys):
@@ -54,7 +70,8 @@ def test_plan_counts_the_data_each_rank_holds(capsys):
     inputs, labels = (t.numel() * t.element_size() for t in (data.x_train, data.y_train))
     test = sum(t.numel() * t.element_size() for t in (data.x_test, data.y_test))
     assert main(["plan", str(quickstart), "--client-ranks", "2"]) == 0
-    server, clients = capsys.readouterr().out.splitlines()[1:3]
+    server, clients, node = capsys.readouterr().out.splitlines()[1:4]
     assert f"data {format_bytes(labels + test)}: labels + held-out set" in server
-    shared, share = inputs + labels + test, -(-(inputs + labels) // 2)
-    assert f"data {format_bytes(shared + share)}: the shared set + its clients' copies" in clients
+    share = -(-(inputs + labels) // 2)
+    assert f"data {format_bytes(2 * share)}: its clients' pages of the shared set + their copies" in clients
+    assert node.startswith(f"  shared data: {format_bytes(inputs + labels + test)} once per node")

@@ -1,13 +1,15 @@
-"""Who reads the data: rank 1 reads a dataset once and shares it with the client ranks; the server gets the labels
-and the held-out set only, so it never holds the training inputs it does not train on. A reading error still
-ends the job on every rank with one message."""
+"""Who reads the data: rank 1 reads a dataset once and shares it with the client ranks, one copy per node in
+shared memory; the server gets the labels and the held-out set only, so it never holds the training inputs it does
+not train on. A reading error still ends the job on every rank with one message."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, ROOT, TESTS, mpiexec, run_mpi, write_config
 
 from mpifl.learning.datasets import Dataset, digits
 from mpifl.roles.runner import server_view
@@ -54,3 +56,11 @@ def test_the_servers_view_keeps_labels_held_out_set_and_input_shape_but_no_input
     view = server_view(Dataset(x, y, x_test, y_test))
     assert view.x_train.shape == (0, *x.shape[1:]) and view.input_shape == tuple(x.shape[1:])
     assert view.y_train is y and view.x_test is x_test and view.num_classes == 10
+
+
+def test_a_node_holds_one_copy_of_the_shared_tensors_and_every_rank_reads_the_same_bytes():
+    result = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(TESTS / "node_sharing.py")],
+                            capture_output=True, text=True, timeout=MPI_TIMEOUT, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(result.stdout.split("\n")[:-1]) == [f"rank {r}: ok, node of 3" for r in range(3)]

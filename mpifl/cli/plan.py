@@ -119,6 +119,10 @@ def plan_main(args: argparse.Namespace) -> int:
             f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
         print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
               f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
+    if plan.node_data_bytes:
+        print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
+              "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "
+              "reads the data")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
@@ -142,8 +146,8 @@ def client_data_what(cfg: Config) -> str:
     if client_source(cfg.data) is not None:
         return "every label, its own clients' inputs"
     if cfg.clients.placement == "per_round":
-        return "the shared set, each client sliced while it trains"
-    return "the shared set + its clients' copies"
+        return "every client's pages of the shared set, each client copied while it trains"
+    return "its clients' pages of the shared set + their copies"
 
 
 SLOTS_SHOWN = 8

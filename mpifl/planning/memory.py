@@ -67,6 +67,7 @@ class MemoryEstimate:
     node_bytes: int  # the fullest node
     server_data_bytes: int = 0  # the data inside server_bytes (0: not counted)
     client_data_bytes: int = 0  # the data inside client_bytes
+    node_data_bytes: int = 0  # the shared set, once per node with client ranks (inside node_bytes)
 
     def describe(self) -> str:
         """One line for a job script's comment and the ``pbs`` command's output."""
@@ -90,13 +91,20 @@ def server_data_bytes(data: DataBytes) -> int:
 
 
 def client_data_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> int:
-    """A client rank: from a client source, every label and its own clients' inputs; otherwise the whole shared
-    set (held-out set included) plus a copy of its clients' samples, sliced out once (clients.placement
-    per_round slices a client's samples only while it trains)."""
+    """What a client rank's resident memory holds of the data. From a client source: every label and its own
+    clients' inputs. Otherwise the shared set lies once per node in shared memory (``node_data_bytes``), and a rank
+    holds the pages of it that it reads, its clients' samples, plus a copy of them sliced out once
+    (clients.placement per_round: it reads every client's samples over a run, and copies one only while it
+    trains)."""
     share = math.ceil((data.inputs + data.labels) / max(1, client_ranks))
     if data.per_rank:
         return data.labels + share
-    return data.inputs + data.labels + data.test + (0 if per_round else share)
+    return data.inputs + data.labels if per_round else 2 * share
+
+
+def node_data_bytes(data: DataBytes) -> int:
+    """The shared set, once on each node that has client ranks (wire.shared); nothing from a client source."""
+    return 0 if data.per_rank else data.inputs + data.labels + data.test
 
 
 def streams_per_rank(cfg: Config, client_ranks: int) -> int:
@@ -185,23 +193,30 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = IMPORTS_BYTES + size.total + pool + strategy.state_bytes(elements)
     client = client_bytes(cfg, size, client_ranks)
-    server_data = client_data = 0
+    server_data = client_data = node_data = shared_read = 0
     if data is not None:
         server_data = server_data_bytes(data)
         client_data = client_data_bytes(data, client_ranks, cfg.clients.placement == "per_round")
+        node_data = node_data_bytes(data)
+        shared_read = min(client_data, node_data)  # the shared pages a rank reads: counted once, in node_data
     server, client = server + server_data, client + client_data
-    node = fullest_node(server, client, nranks, ranks_per_node, server_alone)
-    return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data)
+    node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data)
+    return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data)
 
 
-def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool) -> int:
+def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
+                 shared: int = 0) -> int:
     """Bytes on the fullest node when the launcher fills nodes in rank order, ``ranks_per_node`` at a time
-    (MPICH's and Cray PALS's ``-ppn``/``--ppn``), rank 0 on the first node, alone with ``server_alone``."""
+    (MPICH's and Cray PALS's ``-ppn``/``--ppn``), rank 0 on the first node, alone with ``server_alone``;
+    ``shared`` is held once by every node with a client rank (the data in shared memory)."""
+    def clients_node(count: int) -> int:
+        return count * client + (shared if count else 0)
+
     clients = nranks - 1
     if server_alone:
-        return max(server, min(ranks_per_node, clients) * client)
+        return max(server, clients_node(min(ranks_per_node, clients)))
     beside_server = min(ranks_per_node, nranks) - 1
-    return max(server + beside_server * client, min(ranks_per_node, clients - beside_server) * client)
+    return max(server + clients_node(beside_server), clients_node(min(ranks_per_node, clients - beside_server)))
 
 
 def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:

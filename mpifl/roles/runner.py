@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.shared import node_communicator, share_on_node
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
 from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 
@@ -272,7 +273,7 @@ def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Datas
                     error = str(err)
                 send_object(comm, (server_view(dataset) if dataset is not None else None, error), protocol.SERVER,
                             protocol.DATASET)
-            dataset, error = clients.bcast((dataset, error), root=0)
+            dataset, error = _share_with_client_ranks(cast(MPI.Intracomm, clients), dataset, error)
     finally:
         if clients != MPI.COMM_NULL:
             clients.Free()
@@ -280,6 +281,33 @@ def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Datas
         raise SetupError(error)
     assert dataset is not None  # without an error, rank 1 read it
     return dataset
+
+
+def _share_with_client_ranks(clients: MPI.Intracomm, dataset: Dataset | None,
+                             error: str | None) -> tuple[Dataset | None, str | None]:
+    """Rank 1's dataset (``clients``' first rank) on every client rank, held once per node: it travels to the
+    first client rank of each node, which puts its tensors in shared-memory windows that the node's other client
+    ranks map (wire.shared). Every rank gets tensors with the same bytes, so results do not change."""
+    node = node_communicator(clients)
+    leaders = clients.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, clients.Get_rank())
+    try:
+        if leaders != MPI.COMM_NULL:
+            dataset, error = leaders.bcast((dataset, error), root=0)
+        error = node.bcast(error, root=0)
+        if error:
+            return None, error
+        lead = node.Get_rank() == 0
+        held = dataset if lead else None
+        none = torch.empty(0)  # the tensors travel in windows, the rest as an object
+        skeleton = node.bcast(replace(held, x_train=none, y_train=none, x_test=none, y_test=none) if held else None,
+                              root=0)
+        x_train, y_train, x_test, y_test = (share_on_node(node, getattr(held, n) if held else None)
+                                            for n in ("x_train", "y_train", "x_test", "y_test"))
+        return replace(skeleton, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test), None
+    finally:
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        node.Free()
 
 
 def server_view(dataset: Dataset) -> Dataset:
