@@ -4,6 +4,7 @@ not train on. A reading error still ends the job on every rank with one message.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,4 +64,5 @@ def test_a_node_holds_one_copy_of_the_shared_tensors_and_every_rank_reads_the_sa
                             capture_output=True, text=True, timeout=MPI_TIMEOUT, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert sorted(result.stdout.split("\n")[:-1]) == [f"rank {r}: ok, node of 3" for r in range(3)]
+    # the launcher forwards each rank's output as it comes, so lines of different ranks may run together
+    assert sorted(re.findall(r"rank (\d): ok, node of 3", result.stdout)) == ["0", "1", "2"], result.stdout
