@@ -1,4 +1,6 @@
 """Models and local training, without MPI."""
+import math
+
 import torch
 
 from mpifl.config import load_config
@@ -59,9 +61,10 @@ def test_the_no_training_trainer_leaves_the_model_alone():
 
 def test_fedprox_pulls_local_training_towards_the_global_model():
     drift = {}
-    for mu in (0.0, 10.0):
+    for mu in (0.0, 1.0):
         cfg, _, flat, mine = setup("mlp", lr=0.1, local_epochs=3, prox_mu=mu)
         start = flat.buffer.clone()
         make_trainer(cfg.train).train(flat.module, mine, seed=1)
         drift[mu] = float((flat.buffer.view(torch.float32) - start.view(torch.float32)).norm())
-    assert drift[10.0] < 0.7 * drift[0.0]
+    assert all(map(math.isfinite, drift.values())), drift
+    assert drift[1.0] < 0.7 * drift[0.0]
