@@ -8,7 +8,7 @@ import json
 
 import pytest
 import yaml
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, run_mpi, write_config
 from reference import one_thread, reference_run
 from results import assert_bitwise, final_model
 
@@ -37,7 +37,7 @@ def reference(*overrides: str):
 ], ids=["every-update-travels", "reduction-groups"])
 def test_clients_placed_anew_every_round_give_the_reference_model_bitwise(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_bitwise(final_model(tmp_path / "run"), reference(*overrides))
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
@@ -63,7 +63,7 @@ model: {{name: mlp, kwargs: {{hidden: [4]}}}}
 rounds: 1
 eval: {{every: 0}}
 """)
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert ("clients.placement: 'per_round' lets any rank train any client, but data.dataset 'table' split "
             "naturally is read per rank") in result.stderr
