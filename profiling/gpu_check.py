@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +63,7 @@ class Check:
     bin: Path
     work: Path
     timeout: int
+    done: dict[tuple, Path] = field(default_factory=dict)  # runs already made, by what they ran (run_mpifl)
 
     @property
     def device_overrides(self) -> list[str]:
@@ -71,7 +72,12 @@ class Check:
 
 
 def run_mpifl(check: Check, name: str, ranks: int, config: Path, *overrides: str) -> Path:
-    """One ``mpifl run`` under ``mpiexec`` with a timeout; its run directory."""
+    """One ``mpifl run`` under ``mpiexec`` with a timeout; its run directory. A run that a step made already (the
+    same ranks, config and overrides; step 3's one-rank-per-client baseline is one of step 2's quick-start runs) is
+    not made again."""
+    key = (ranks, str(config), overrides)
+    if key in check.done:
+        return check.done[key]
     run_dir = check.work / name
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "profiling"), os.environ.get("PYTHONPATH", "")]))
     cmd = [mpiexec(check.bin), "-n", str(ranks), str(check.bin / "mpifl"), "run", str(config),
@@ -79,6 +85,7 @@ def run_mpifl(check: Check, name: str, ranks: int, config: Path, *overrides: str
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=check.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    check.done[key] = run_dir
     return run_dir
 
 

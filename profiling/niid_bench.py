@@ -9,6 +9,7 @@ repository root (the full protocol takes hours on a laptop; see the estimate it 
 
     python profiling/niid_bench.py                       # 4 algorithms x seeds 0 1 2, 50 rounds each
     python profiling/niid_bench.py --rounds 1 --epochs 1 --seeds 0 --algorithms fedavg fednova   # smoke
+    python profiling/niid_bench.py --work runs/niid_bench-20261125-020000   # go on with a stopped reproduction
 
 The protocol lives here once (PROTOCOL, ALGORITHMS); the configs must say the same, which
 tests/test_niid_bench_harness.py checks. Unless ``--partition mpifl``, each run gets NIID-Bench's own
@@ -236,16 +237,22 @@ def machine() -> str:
 
 
 def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
-    """One ``mpiexec -n RANKS mpifl run`` of ``algorithm``'s config; its read-out, or {"error": ...}."""
+    """One ``mpiexec -n RANKS mpifl run`` of ``algorithm``'s config; its read-out, or {"error": ...}.
+
+    The run goes on from ``run_dir``'s newest checkpoint when there is one (``--resume``): run with the same
+    ``--work`` again, a reproduction stopped part way (a job's walltime, a reboot) keeps every round already
+    done, a finished run is only read, and a resumed run ends bitwise where an uninterrupted one would."""
     cmd = [str(Path(args.bin) / "mpiexec"), "-n", str(args.ranks), str(Path(args.bin) / "mpifl"), "run",
-           str(config_path(algorithm)), "--run-dir", str(run_dir), f"seed={seed}", "output.progress=false",
-           *overrides]
+           str(config_path(algorithm)), "--run-dir", str(run_dir), "--resume", f"seed={seed}",
+           "output.progress=false", *overrides]
     env = dict(os.environ)  # the plug-in model is profiling.niid_bench_model: the repository root goes on the path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     log = run_dir.with_suffix(".log")
     print(f"  {shlex.join(cmd)}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    with open(log, "w") as out:
+    with open(log, "a") as out:  # appended: a resumed run's log follows the interrupted one's
+        out.write(f"# {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M:%S %Z}: {shlex.join(cmd)}\n")
+        out.flush()
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - start
     if rc != 0:
@@ -269,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="niid: NIID-Bench's noniid-labeldir split of each seed (a partition file); mpifl: the "
                         "configs' data.partition=dirichlet")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
-    p.add_argument("--work", type=Path, default=None, help="where runs go (default runs/niid_bench-<time>)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="where runs go (default runs/niid_bench-<time>); give an earlier --work to go on with it: "
+                        "finished runs are read, unfinished ones resume from their newest checkpoint")
     p.add_argument("--bin", default=str(Path(sys.executable).parent), help="folder holding mpiexec and mpifl")
     args = p.parse_args(argv)
 
@@ -328,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
           f"sample standard deviation over seeds\n- paper: {PAPER_SOURCE}\n- Flower: {FLOWER_SOURCE}\n")
     print(format_table(results, errors))
     if timings:
-        print("\n| run | seed | rounds | median round (s) | training samples/s | wall (s) | full-protocol round, "
-              "estimated (s) |\n|---|---|---|---|---|---|---|")
+        print("\n| run | seed | rounds | median round (s) | training samples/s | wall, this invocation (s) | "
+              "full-protocol round, estimated (s) |\n|---|---|---|---|---|---|---|")
         full_rounds = []
         for label, seed, out in timings:
             round_s = statistics.median(out["round_seconds"])

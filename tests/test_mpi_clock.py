@@ -18,6 +18,9 @@ from reference import async_reference
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import load_tensors
 
+# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("mpi_clock")
+
 RUN = """
 seed: 3
 rounds: {rounds}
@@ -50,32 +53,12 @@ def test_asynchronous_runs_equal_the_single_process_reference_on_any_number_of_r
     cfg, two = run(tmp_path, "two", extra, ranks=2)
     _, more = run(tmp_path, "more", extra, ranks=ranks)
     assert same_model(two / "model.h5", more / "model.h5")
-    expected = async_reference(load_config(cfg))
-    got = load_tensors(two / "model.h5")
-    for name, value in expected.items():
-        assert np.array_equal(got[name].numpy().view(np.uint32), value.view(np.uint32)), name
+    assert_equals_reference(two, cfg)
     steps = records(two)
     assert [r["round"] for r in steps] == list(range(1, 7))
     assert all(len(r["participants"]) == (3 if mode == "fedbuff" else 1) for r in steps)
     assert any(s > 0 for r in steps for s in r["staleness"])  # some updates are stale
     assert [r["virtual_time"] for r in steps] == sorted(r["virtual_time"] for r in steps)
-
-
-def test_an_asynchronous_run_killed_mid_way_resumes_to_the_uninterrupted_model(tmp_path):
-    cfg = write_config(tmp_path / "killed.yaml", RUN.format(rounds=10, extra=FEDBUFF))
-    run_dir = tmp_path / "killed"
-    proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_SLEEP": "0"})
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 4, proc, "round 4")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert len(rounds_logged(run_dir)) < 10
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
-    assert result.returncode == 0, result.stderr
-    assert "retrained logical clients" in result.stderr  # the updates in flight were rebuilt
-    uninterrupted = async_reference(load_config(cfg))  # what every uninterrupted run gives (test above)
-    got = load_tensors(run_dir / "model.h5")
-    for name, value in uninterrupted.items():
-        assert np.array_equal(got[name].numpy().view(np.uint32), value.view(np.uint32)), name
 
 
 def test_synchronous_virtual_rounds_drop_stragglers_and_report_the_clock(tmp_path):
@@ -91,19 +74,32 @@ def test_synchronous_virtual_rounds_drop_stragglers_and_report_the_clock(tmp_pat
     assert [r["virtual_time"] for r in rounds] == sorted(r["virtual_time"] for r in rounds)
 
 
-def test_fedcompass_runs_each_client_for_its_own_steps_and_is_rank_count_independent(tmp_path):
-    compass = ("strategy: {update: delta}\n"
-               "clock: {mode: fedcompass, concurrency: 5, min_steps: 2, max_steps: 12, speed_sigma: 1.0}")
-    _, two = run(tmp_path, "two", compass, ranks=2)
-    _, three = run(tmp_path, "three", compass, ranks=3)
-    assert same_model(two / "model.h5", three / "model.h5")
-    steps = [s for r in records(two) for s in r["local_steps"]]
-    assert min(steps) >= 2 and max(steps) <= 12 and len(set(steps)) > 1
-
-
 COMPASS = ("strategy: {update: delta}\n"
            "clock: {mode: fedcompass, concurrency: 5, min_steps: 2, max_steps: 12, speed_sigma: 1.0}")
 KILL_AND_RESUME = {"fedbuff": FEDBUFF, "fedasync": FEDASYNC, "fedcompass": COMPASS}
+KEEP_ONE = "\ncheckpoint: {keep: 1}"  # pruning must still spare the model versions that updates in flight need
+
+
+@pytest.fixture(scope="module")
+def compass_on_two_ranks(tmp_path_factory):
+    """FedCompass for 10 steps on 2 client ranks, uninterrupted: it has no single-process reference, so the runs on
+    other rank counts and the resumed run are compared with this one."""
+    return run(tmp_path_factory.mktemp("compass"), "two", COMPASS + KEEP_ONE, 2, 10)[1]
+
+
+def assert_equals_reference(run_dir, cfg) -> None:
+    """The run's final model is bitwise the single-process virtual-time reference's (reference.async_reference)."""
+    expected = async_reference(load_config(cfg))
+    got = load_tensors(run_dir / "model.h5")
+    for name, value in expected.items():
+        assert np.array_equal(got[name].numpy().view(np.uint32), value.view(np.uint32)), name
+
+
+def test_fedcompass_runs_each_client_for_its_own_steps_and_is_rank_count_independent(tmp_path, compass_on_two_ranks):
+    _, three = run(tmp_path, "three", COMPASS + KEEP_ONE, 3, 10)
+    assert same_model(compass_on_two_ranks / "model.h5", three / "model.h5")
+    steps = [s for r in records(compass_on_two_ranks) for s in r["local_steps"]]
+    assert min(steps) >= 2 and max(steps) <= 12 and len(set(steps)) > 1
 
 
 def test_every_asynchronous_mode_has_a_kill_and_resume_case():
@@ -112,10 +108,9 @@ def test_every_asynchronous_mode_has_a_kill_and_resume_case():
     assert set(KILL_AND_RESUME) == set(ASYNCHRONOUS_MODES), "add the new mode's config to KILL_AND_RESUME"
 
 
-@pytest.mark.parametrize("mode", ["fedasync", "fedcompass"])  # fedbuff: the test above, against the reference
-def test_each_asynchronous_mode_killed_mid_way_resumes_to_the_uninterrupted_model(tmp_path, mode):
-    extra = KILL_AND_RESUME[mode] + "\ncheckpoint: {keep: 1}"  # pruning must still spare the versions in flight
-    cfg, whole = run(tmp_path, "whole", extra, 2, 10)
+@pytest.mark.parametrize("mode", list(KILL_AND_RESUME))
+def test_each_asynchronous_mode_killed_mid_way_resumes_to_the_uninterrupted_model(tmp_path, mode, request):
+    cfg = write_config(tmp_path / "killed.yaml", RUN.format(rounds=10, extra=KILL_AND_RESUME[mode] + KEEP_ONE))
     run_dir = tmp_path / "killed"
     proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_SLEEP": "0"})
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 4, proc, "step 4")
@@ -125,5 +120,10 @@ def test_each_asynchronous_mode_killed_mid_way_resumes_to_the_uninterrupted_mode
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert "nothing to resume" not in result.stderr and "starting fresh" not in result.stderr
+    if mode == "fedbuff":
+        assert "retrained logical clients" in result.stderr  # the updates in flight were rebuilt
     assert rounds_logged(run_dir) == list(range(1, 11))
-    assert same_model(run_dir / "model.h5", whole / "model.h5")
+    if mode == "fedcompass":  # the uninterrupted run on the same ranks (no single-process reference)
+        assert same_model(run_dir / "model.h5", request.getfixturevalue("compass_on_two_ranks") / "model.h5")
+    else:  # what every uninterrupted run gives (the reference tests above)
+        assert_equals_reference(run_dir, cfg)

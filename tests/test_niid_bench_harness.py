@@ -114,3 +114,31 @@ def test_read_run_takes_the_last_evaluated_round(bench, tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = bench.read_run(tmp_path)
     assert (out["accuracy"], out["round"], out["rounds"]) == (0.7, 2, 3)
+
+
+def test_a_second_invocation_goes_on_from_the_checkpoints_and_keeps_the_first_log(bench, tmp_path, monkeypatch):
+    """Every run is started with ``--resume``: mpifl starts it fresh when its directory holds no checkpoint, goes on
+    from the newest one otherwise, and only reports a finished run (tests/faults cover those three cases). The
+    harness's log of a run keeps what the interrupted invocation wrote. A stand-in mpiexec records its arguments
+    and writes the run's metrics."""
+    import argparse
+    import stat
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    script = fake / "mpiexec"
+    script.write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$CALLS"\nwhile [ "$1" != "--run-dir" ]; do shift; done\n'
+                      'mkdir -p "$2"\necho \'{"round": 1, "num_samples": 10, "time": {"round": 2.0, "eval": 0.1}, '
+                      '"eval": {"accuracy": 0.5}}\' > "$2/metrics.jsonl"\necho "run output"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("CALLS", str(calls))
+    args = argparse.Namespace(bin=str(fake), ranks=3)
+    (tmp_path / "work").mkdir()  # main() makes --work
+    run_dir = tmp_path / "work" / "fedavg-seed0"
+    for _ in range(2):
+        assert bench.run_one(args, "fedavg", 0, run_dir, ["rounds=1"])["accuracy"] == 0.5
+    commands = calls.read_text().splitlines()
+    assert len(commands) == 2 and all(f"--run-dir {run_dir} --resume seed=0" in c for c in commands)
+    log = run_dir.with_suffix(".log").read_text()
+    assert log.count("run output") == 2 and log.count("--resume") == 2
