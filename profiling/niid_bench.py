@@ -241,10 +241,12 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
 
     The run goes on from ``run_dir``'s newest checkpoint when there is one (``--resume``): run with the same
     ``--work`` again, a reproduction stopped part way (a job's walltime, a reboot) keeps every round already
-    done, a finished run is only read, and a resumed run ends bitwise where an uninterrupted one would."""
+    done, a finished run is only read, and a resumed run ends bitwise where an uninterrupted one would. A
+    checkpoint after every round (the simple CNN's 44,426 parameters: 174 KiB) loses at most one round to a kill;
+    SIGTERM (a walltime) stops at the round's end with its checkpoint."""
     cmd = [str(Path(args.bin) / "mpiexec"), "-n", str(args.ranks), str(Path(args.bin) / "mpifl"), "run",
            str(config_path(algorithm)), "--run-dir", str(run_dir), "--resume", f"seed={seed}",
-           "output.progress=false", *overrides]
+           "checkpoint.every=1", "output.progress=false", *overrides]
     env = dict(os.environ)  # the plug-in model is profiling.niid_bench_model: the repository root goes on the path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     log = run_dir.with_suffix(".log")
