@@ -31,11 +31,10 @@ lint: $(VENV)/.test-installed
 
 # Two pytest workers: most of the suite's time is MPI jobs starting up (torch imports), which
 # two workers overlap on two cores. Three were slower here (2026-11-25: half the suite in 18 min,
-# against all of it in 23.5 min with two, and 5 failures; docs/benchmarks.md#reliability). --dist loadgroup: a module marked
-# xdist_group runs on one worker, so its module-scoped MPI runs are made once, not once per worker.
+# against all of it in 23.5 min with two, and 5 failures; docs/benchmarks.md#reliability).
 # tests/test_docs.py builds the docs site with `mkdocs build --strict` and checks the generated reference.
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2
 
 # The documentation site (mkdocs.yml, docs/): `make docs` serves it at http://127.0.0.1:8000,
 # `make docs-build` checks it and writes site/.

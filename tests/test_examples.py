@@ -10,9 +10,6 @@ from conftest import MPI_TIMEOUT, ROOT, run_mpi, same_model
 
 from mpifl.cli import main
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("examples")
-
 EXAMPLES = ROOT / "examples"
 # folder: (rounds, test accuracy it must beat)
 STATED = {

@@ -32,9 +32,6 @@ from mpifl.storage.checkpointer import latest_checkpoint
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
 from mpifl.wire.flat import FlatModel
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("mpi_checkpoint")
-
 NOISE = """
 seed: 5
 rounds: 6

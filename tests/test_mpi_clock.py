@@ -18,9 +18,6 @@ from reference import async_reference
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import load_tensors
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("mpi_clock")
-
 RUN = """
 seed: 3
 rounds: {rounds}

@@ -22,9 +22,6 @@ from mpifl.roles.group import GroupLayout
 from mpifl.roles.launch import SetupError
 from mpifl.roles.runner import check_world
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("mpi_ranks_per_client")
-
 CONFIG = """
 seed: 3
 rounds: 3

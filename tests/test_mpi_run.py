@@ -8,9 +8,6 @@ import pytest
 import yaml
 from conftest import MPI_TIMEOUT, ROOT, run_mpi
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("mpi_run")
-
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):

@@ -11,9 +11,6 @@ from conftest import ROOT, run_mpi
 
 from mpifl.units import MIB
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("report")
-
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -19,9 +19,6 @@ from mpifl.cli.commands import check_plugins
 from mpifl.config import ConfigError, load_config
 from mpifl.trackers import Trackers, flat_params, open_trackers, scalars, tracker_problem
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("trackers")
-
 # --- what a round's record becomes --------------------------------------------------------------------------------
 
 RECORD = {

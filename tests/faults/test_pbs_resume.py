@@ -14,9 +14,6 @@ from pathlib import Path
 import pytest
 from conftest import MPI_TIMEOUT, TESTS, mpiexec, rounds_logged, run_mpi, same_model, write_config
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("pbs_resume")
-
 CONFIG = """
 name: sweep
 seed: 11

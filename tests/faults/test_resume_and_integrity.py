@@ -12,9 +12,6 @@ from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, same_model, spawn_mpi,
 
 from mpifl.storage.checkpointer import checkpoint_name, list_checkpoints
 
-# One pytest worker takes the whole module, so its module-scoped runs are made once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("resume_and_integrity")
-
 RUN = """
 seed: 4
 rounds: 4
