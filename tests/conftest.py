@@ -1,11 +1,15 @@
 """Shared test helpers: launch mpifl under mpiexec, always with a timeout."""
 from __future__ import annotations
 
+import atexit
+import itertools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +42,15 @@ def spawn_mpi(n: int, *args: str, cwd: Path | None = None, env: dict[str, str] |
 
 
 def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n n python -m mpifl ARGS`` and kill the whole process group on timeout."""
+            env: dict[str, str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n python -m mpifl ARGS`` and kill the whole process group on timeout.
+
+    An ``mpifl run`` of at most ``POOL_SIZE`` ranks with the suite's own environment goes to this worker's job
+    pool (``tests/mpi_pool.py``): the same ranks' code on a communicator of a long-lived MPI job, with the same
+    exit status and each rank's output, without paying every rank's start-up again. ``fresh``: a job of its own,
+    for what a shared process would change: peak memory, which is the process's; start-up itself."""
+    if not fresh and env is None and args and args[0] == "run" and 2 <= n <= POOL_SIZE:
+        return _job_pool().run(n, args, timeout, cwd)
     proc = spawn_mpi(n, *args, cwd=cwd, env=env)
     cmd = proc.args
     try:
@@ -49,6 +60,96 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} mpifl {' '.join(args)} hung for {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "6"))  # 0: every job starts its own mpiexec
+JOBS_PER_POOL = 150  # then a new pool: whatever a job left in its processes goes with them
+
+
+class JobPool:
+    """One long-lived ``mpiexec -n POOL_SIZE python tests/mpi_pool.py`` per pytest worker, fed job files."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.proc, self.queue, self.served = size, None, Path(), 0
+        self.ids = itertools.count()
+        self.environment: dict[str, str] = {}  # the one the pool's ranks started in
+
+    def _ready(self) -> subprocess.Popen:
+        """The running pool; a new one if there is none, the last retired or died, or the environment changed
+        since it started (a test's ``monkeypatch.setenv``, a library's ``setdefault``): a job's ranks start in
+        the environment they would get from an ``mpiexec`` of their own."""
+        if self.proc is not None and (self.proc.poll() is not None or self.served >= JOBS_PER_POOL
+                                      or _environment() != self.environment):
+            self.close()
+        if self.proc is None:
+            self.environment = _environment()
+            self.queue, self.served = Path(tempfile.mkdtemp(prefix="mpifl-pool-")), 0
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+            with open(self.queue / "pool.log", "w") as log:
+                self.proc = subprocess.Popen(
+                    [mpiexec(), "-n", str(self.size), sys.executable, str(TESTS / "mpi_pool.py"), str(self.queue),
+                     str(os.getpid()), str(JOBS_PER_POOL)],
+                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        return self.proc
+
+    def run(self, n: int, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess:
+        proc = self._ready()
+        job_id = next(self.ids)
+        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpifl", *args]
+        staged = self.queue / f"{job_id}.staged"
+        staged.write_text(json.dumps(dict(id=job_id, n=n, argv=list(args), cwd=str(cwd or ROOT))))
+        staged.rename(self.queue / f"{job_id}.job")
+        self.served += 1
+        result, deadline = self.queue / f"{job_id}.result", time.monotonic() + timeout
+        while not result.exists() and proc.poll() is None:
+            if time.monotonic() > deadline:
+                out, err = self._outputs(job_id, n)
+                self.close()
+                pytest.fail(f"mpiexec -n {n} mpifl {' '.join(args)} hung for {timeout}s (in the job pool)\n"
+                            f"stdout:\n{out}\nstderr:\n{err}")
+            time.sleep(0.005)
+        out, err = self._outputs(job_id, n)
+        if result.exists():
+            statuses = json.loads(result.read_text())
+            status = next((s for s in statuses if s), 0)
+        else:  # a rank aborted, which ends the pool's mpiexec as it ends a job's own: its status is the job's
+            status = proc.wait()
+            err += (self.queue / "pool.log").read_text()
+            self.close()
+        return subprocess.CompletedProcess(cmd, status, out, err)
+
+    def _outputs(self, job_id: int, n: int) -> tuple[str, str]:
+        def read(suffix: str) -> str:
+            files = [self.queue / f"{job_id}.rank{r}.{suffix}" for r in range(n)]
+            return "".join(f.read_text(errors="replace") for f in files if f.exists())
+        return read("out"), read("err")
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        (self.queue / "stop").touch()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+        shutil.rmtree(self.queue, ignore_errors=True)
+
+
+_POOL: list[JobPool] = []
+
+
+def _environment() -> dict[str, str]:
+    """The environment a job's ranks would inherit, less the variable pytest changes for every test."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _job_pool() -> JobPool:
+    if not _POOL:
+        _POOL.append(JobPool(POOL_SIZE))
+        atexit.register(_POOL[0].close)
+    return _POOL[0]
 
 
 def stopped_and_resumed(tmp_path: Path, cfg: Path, resume_ranks: int = 4) -> subprocess.CompletedProcess:

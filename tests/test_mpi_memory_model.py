@@ -47,7 +47,8 @@ def test_the_quick_starts_planned_memory_per_rank_is_within_15_percent_of_a_meas
     beyond the run-to-run noise of a process's peak RSS."""
     quickstart = ROOT / "configs" / "quickstart.yaml"
     run_dir = tmp_path / "run"
-    done = run_mpi(3, "run", str(quickstart), "rounds=3", "output.progress=false", "--run-dir", str(run_dir))
+    done = run_mpi(3, "run", str(quickstart), "rounds=3", "output.progress=false", "--run-dir", str(run_dir),
+                   fresh=True)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = {"server": max(r["server_peak_rss_bytes"] for r in records),

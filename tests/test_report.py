@@ -18,7 +18,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def profiled_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("profiled")
     result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "rounds=4", "--run-dir", str(base / "run"),
-                     "--memray", str(base / "memray"))
+                     "--memray", str(base / "memray"), fresh=True)
     assert result.returncode == 0, result.stderr
     return base
 

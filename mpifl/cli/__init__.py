@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpifl.cli import commands
 from mpifl.cli.pbs import add_parser as add_pbs_parser
@@ -13,6 +14,9 @@ from mpifl.cli.slurm import add_parser as add_slurm_parser
 from mpifl.config import ConfigError
 from mpifl.errors import CheckpointError
 from mpifl.logs import env_rank, log
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 # Commands whose trailing key=value words are config overrides.
 TAKES_OVERRIDES = ("run", "validate", "pbs", "slurm", "plan", "partition")
@@ -104,10 +108,15 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
+def main(argv: list[str] | None = None, comm: MPI.Intracomm | None = None) -> int:
+    """Entry point of the console script. ``comm``: the communicator ``run`` takes as its world (default
+    ``MPI.COMM_WORLD``), so that a program already under MPI can run experiments one after another on a
+    sub-communicator of its own, each rank importing torch once for all of them (the test suite's job pool does).
+    The run's ranks are ``comm``'s; plug-ins that ask ``MPI.COMM_WORLD`` for their rank see the same number only
+    when ``comm`` holds world ranks 0..n-1 in order."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    args.comm = comm
     # key=value overrides may also come after options (`run CFG --run-dir D rounds=3`)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray or (extra and args.command not in TAKES_OVERRIDES):

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpifl.config import Config, ConfigError, config_warnings, load_config
 from mpifl.logs import env_rank, log
 from mpifl.plugins import is_import_path
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 from mpifl.trackers import tracker_problem
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
@@ -28,11 +32,11 @@ def run(args: argparse.Namespace) -> int:
         if env_rank() in (0, None):  # every rank found the same: one line is enough
             log(f"mpifl: {done}", rank=0)
         return 0
-    return _run(cfg, args.run_dir, resume, args.resume, args.memray, args.memray_native)
+    return _run(cfg, args.run_dir, resume, args.resume, args.memray, args.memray_native, getattr(args, "comm", None))
 
 
 def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked: str | None,
-         memray_dir: str | None, memray_native: bool) -> int:
+         memray_dir: str | None, memray_native: bool, world: MPI.Intracomm | None = None) -> int:
     bind_gpu_from_local_rank()
     from mpi4py import MPI
 
@@ -40,7 +44,7 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
     from mpifl.roles.runner import check_world, run_rank
     from mpifl.storage.rundir import prepare_run_dir
 
-    comm = MPI.COMM_WORLD
+    comm = world if world is not None else MPI.COMM_WORLD
     try:
         check_world(comm.Get_size(), cfg)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
