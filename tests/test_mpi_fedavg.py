@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +85,25 @@ def test_a_broadcast_tree_dispatch_gives_the_reference_model_and_the_server_send
         per_rank = record["bytes_sent"] // min(2, trained)
         assert record["bytes_sent"] == min(2, trained) * per_rank
         assert record["bytes_received"] == len(record["participants"]) * per_rank  # p2p return: one per client
+
+
+def test_a_run_in_the_job_pool_equals_the_same_run_in_its_own_mpiexec(tmp_path):
+    """The suite's job pool (tests/mpi_pool.py) runs most jobs on a sub-communicator of ranks that already ran
+    others. It must not change what a test sees: the same model bitwise, the same exit status, the same log."""
+    params = dict(dtype="float32", chunk_mb=64 / 2**20, weighting="samples")
+    cfg_path = write_config(tmp_path / "c.yaml", CONFIG.format(**params))
+    runs = {}
+    for how, fresh in (("pooled", False), ("own", True), ("pooled-again", False)):
+        runs[how] = run_mpi(3, "run", str(cfg_path), "--run-dir", str(tmp_path / how), fresh=fresh)
+        assert runs[how].returncode == 0, runs[how].stderr
+    own = load_tensors(tmp_path / "own" / "model.h5")
+    for how in ("pooled", "pooled-again"):
+        pooled = load_tensors(tmp_path / how / "model.h5")
+        assert all(torch.equal(pooled[n].view(torch.int32), own[n].view(torch.int32)) for n in own), how
+        assert log(runs[how].stderr, tmp_path / how) == log(runs["own"].stderr, tmp_path / "own")
+
+
+def log(stderr: str, run_dir: Path) -> list[str]:
+    """A run's log lines, less those naming processes (PIDs; how the launcher numbered the node's ranks)."""
+    return [line.replace(str(run_dir), "RUN") for line in stderr.splitlines()
+            if not line.startswith(("[rank 0] ranks:", "[rank 0] binding:"))]
