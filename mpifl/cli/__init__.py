@@ -11,6 +11,7 @@ from mpifl.cli import commands
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.plan import add_parser as add_plan_parser
 from mpifl.cli.slurm import add_parser as add_slurm_parser
+from mpifl.cli.sweep import sweep
 from mpifl.config import ConfigError
 from mpifl.errors import CheckpointError
 from mpifl.logs import env_rank, log
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 # Commands whose trailing key=value words are config overrides.
-TAKES_OVERRIDES = ("run", "validate", "pbs", "slurm", "plan", "partition")
+TAKES_OVERRIDES = ("run", "sweep", "validate", "pbs", "slurm", "plan", "partition")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--memray", metavar="DIR", help="profile every rank with memray: DIR/rank00000.bin, ...")
     run.add_argument("--memray-native", action="store_true", help="record native stacks too (slower)")
     run.set_defaults(func=commands.run)
+    grid = _config_arguments(_command(sub, "sweep", "run a grid of one config's runs one after another in one MPI "
+                                                    "job (under mpiexec), each an ordinary run in its own directory"))
+    grid.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                      help="an axis of the grid (repeat for more; the last changes fastest); no --grid: one run")
+    grid.add_argument("--runs-dir", required=True, help="the folder of the runs: RUNS_DIR/KEY=V,KEY2=V2 each")
+    grid.add_argument("--resume", action="store_true",
+                      help="skip finished runs, resume unfinished ones from their newest checkpoint, start the rest")
+    grid.set_defaults(func=sweep)
     validate = _command(sub, "validate", "check a config without running it (no MPI needed)")
     _config_arguments(validate).set_defaults(func=commands.validate)
     part = _config_arguments(_command(sub, "partition", "print how a config splits the data (clients x "
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None, comm: MPI.Intracomm | None = None) -> in
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray or (extra and args.command not in TAKES_OVERRIDES):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
-    if getattr(args, "resume", None) and "=" in args.resume and not Path(args.resume).exists():
+    if isinstance(getattr(args, "resume", None), str) and "=" in args.resume and not Path(args.resume).exists():
         extra.append(args.resume)  # `--resume rounds=9`: the optional CKPT swallowed an override
         args.resume = "latest"
     if extra:

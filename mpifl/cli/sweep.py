@@ -1,0 +1,80 @@
+"""``mpifl sweep``: a grid of runs of one config, one after another in one MPI job.
+
+Why: each rank of a fresh job spends seconds importing Python, torch and MPI before its first round (on a
+cluster's shared file system, often more), and a batch scheduler charges for every job's queue wait. A grid of
+seeds and algorithms in one allocation pays both once. Each run is an ordinary ``mpifl run`` in its own run
+directory, so ``mpifl report``, ``compare`` and ``--resume`` work on each as on any other.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+from mpifl.cli.commands import INTERRUPTED, run
+from mpifl.config import ConfigError
+from mpifl.logs import env_rank, log
+
+
+def grid_overrides(grid: list[str]) -> list[list[str]]:
+    """Every combination of the ``KEY=V1,V2,...`` axes as ``KEY=V`` overrides, the last axis changing fastest
+    (as nested loops written in the same order would visit them). Values are split at commas, so a grid value
+    cannot hold one (a list value stays in the config or a plain override)."""
+    axes = []
+    for axis in grid:
+        key, sep, values = axis.partition("=")
+        if not sep or not key or not values:
+            raise ConfigError(f"--grid {axis!r}: expected KEY=VALUE1,VALUE2,...")
+        choices = values.split(",")
+        if any(not v for v in choices):
+            raise ConfigError(f"--grid {axis!r}: an empty value")
+        axes.append([f"{key}={v}" for v in choices])
+    keys = [a.partition("=")[0] for a in grid]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--grid names a key twice: {', '.join(sorted(k for k in set(keys) if keys.count(k) > 1))}")
+    return [list(combination) for combination in itertools.product(*axes)]
+
+
+def run_dir_name(overrides: list[str]) -> str:
+    """A run's directory name: its grid overrides joined by commas (``seed=0,strategy.name=fedavg``), the form
+    Hydra's multirun gives its run directories; '/' becomes '_' so that a value never makes a subdirectory."""
+    return ",".join(overrides).replace("/", "_") or "run"
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Run every grid point of ``args.config`` under ``args.runs_dir``; exit status 0 when all succeeded, 3 when a
+    signal stopped one (the sweep stops there: ``--resume`` goes on), else the first failure's."""
+    from mpi4py import MPI
+
+    world = args.comm if getattr(args, "comm", None) is not None else MPI.COMM_WORLD
+    points = grid_overrides(args.grid)
+    speaks = env_rank() in (0, None) and world.Get_rank() == 0
+    failed = 0
+    for number, point in enumerate(points, 1):
+        run_dir = Path(args.runs_dir) / run_dir_name(point)
+        if speaks:
+            log(f"mpifl sweep: run {number} of {len(points)}: {' '.join(point)} -> {run_dir}", rank=0)
+        one = argparse.Namespace(config=args.config, overrides=[*args.overrides, *point], run_dir=str(run_dir),
+                                 resume="latest" if args.resume else None, memray=None, memray_native=False,
+                                 comm=world.Dup())  # its own message space: nothing of one run reaches the next
+        try:
+            status = run(one)
+        except ConfigError as err:  # every rank finds the same: the other grid points may still be valid
+            if speaks:
+                log(f"mpifl sweep: config error in run {number} ({' '.join(point)}): {err}", rank=0)
+            status = 2
+        finally:
+            one.comm.Free()
+        # only the server learns that a signal stopped the run (the clients end as after the last round): the
+        # ranks agree on the worst status, so that all stop, or all go on to the next point
+        status = world.allreduce(status, op=MPI.MAX)
+        if status == INTERRUPTED:
+            if speaks:
+                log(f"mpifl sweep: stopped by a signal in run {number} of {len(points)}; rerun with --resume to go "
+                    "on", rank=0)
+            return status
+        failed = failed or status
+    if speaks:
+        log(f"mpifl sweep: {len(points)} runs in {args.runs_dir}" + (" (at least one failed)" if failed else ""),
+            rank=0)
+    return failed

@@ -1,0 +1,101 @@
+"""``mpifl sweep``: a grid of one config's runs in one MPI job, each exactly the run ``mpifl run`` would make."""
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+import yaml
+from conftest import finish, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
+from reference import reference_run
+
+from mpifl.cli.sweep import grid_overrides, run_dir_name
+from mpifl.config import ConfigError, load_config
+from mpifl.storage.hdf5 import load_tensors
+
+CONFIG = """
+seed: 3
+rounds: 2
+clients: {num_clients: 6, per_round: 4}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: "fl_helpers:tiny_mlp"}
+train: {trainer: "fl_helpers:NoiseTrainer", lr: 0.01}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def test_the_grid_is_every_combination_with_the_last_axis_changing_fastest():
+    assert grid_overrides(["seed=0,1", "strategy.name=fedavg,fedprox"]) == [
+        ["seed=0", "strategy.name=fedavg"], ["seed=0", "strategy.name=fedprox"],
+        ["seed=1", "strategy.name=fedavg"], ["seed=1", "strategy.name=fedprox"]]
+    assert grid_overrides([]) == [[]]  # no axis: the config's one run
+
+
+@pytest.mark.parametrize("axes,message", [
+    (["seed"], "expected KEY=VALUE1,VALUE2"),
+    (["seed=0,,1"], "an empty value"),
+    (["seed=0", "seed=1"], "names a key twice: seed"),
+])
+def test_a_malformed_grid_is_a_config_error_naming_the_axis(axes, message):
+    with pytest.raises(ConfigError, match=message):
+        grid_overrides(axes)
+
+
+def test_a_runs_directory_is_named_by_its_grid_point_and_never_nests():
+    assert run_dir_name(["seed=0", "strategy.name=fedavg"]) == "seed=0,strategy.name=fedavg"
+    assert run_dir_name(["model.name=pkg/mod:Net"]) == "model.name=pkg_mod:Net"
+    assert run_dir_name([]) == "run"
+
+
+def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skips_finished_runs(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    runs = tmp_path / "runs"
+    done = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--grid", "strategy.weighting=samples,equal",
+                   "--runs-dir", str(runs))
+    assert done.returncode == 0, done.stderr
+    assert "mpifl sweep: 4 runs in" in done.stderr
+    for seed in (1, 2):
+        for weighting in ("samples", "equal"):
+            point = [f"seed={seed}", f"strategy.weighting={weighting}"]
+            got = load_tensors(runs / run_dir_name(point) / "model.h5")
+            expected = reference_run(load_config(None, data=yaml.safe_load(CONFIG), overrides=point))
+            for name, value in expected.items():
+                assert np.array_equal(got[name].numpy().view(np.int32), value.view(np.int32)), (point, name)
+    again = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--grid", "strategy.weighting=samples,equal",
+                    "--runs-dir", str(runs), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("run already complete") == 4
+    assert rounds_logged(runs / "seed=1,strategy.weighting=samples") == [1, 2]  # not run twice
+
+
+def test_a_bad_grid_point_fails_alone_and_the_others_run(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    done = run_mpi(3, "sweep", str(cfg), "--grid", "strategy.name=fedavg,nosuch", "--runs-dir", str(tmp_path / "runs"))
+    assert done.returncode == 2
+    assert "config error in run 2 (strategy.name=nosuch)" in done.stderr
+    assert rounds_logged(tmp_path / "runs" / "strategy.name=fedavg") == [1, 2]
+
+
+def test_a_sweep_stopped_by_sigterm_exits_3_and_resume_finishes_every_run_as_uninterrupted(tmp_path):
+    """SIGTERM (a batch system's walltime) stops the running point at a round's end, as it stops ``mpifl run``,
+    and ends the sweep; ``--resume`` then skips the finished point, resumes the stopped one and starts the rest,
+    each ending bitwise as the single-process reference."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("rounds: 2", "rounds: 4") + "checkpoint: {every: 1}\n")
+    runs, grid = tmp_path / "runs", ["--grid", "seed=1,2,3"]
+    proc = spawn_mpi(3, "sweep", str(cfg), *grid, "--runs-dir", str(runs), env={"FL_HELPERS_SLEEP": "0.3"})
+    second = runs / "seed=2"
+    wait_for(lambda: (second / "metrics.jsonl").exists() and len(rounds_logged(second)) >= 1, proc, "seed 2, round 1")
+    proc.send_signal(signal.SIGTERM)  # mpiexec forwards it to every rank
+    code, err = finish(proc)
+    assert code == 3, err
+    assert "stopped by a signal in run 2 of 3" in err and not (runs / "seed=3").exists()
+    done = run_mpi(3, "sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("run already complete") == 1
+    for seed in (1, 2, 3):
+        assert rounds_logged(runs / f"seed={seed}") == [1, 2, 3, 4]
+        got = load_tensors(runs / f"seed={seed}" / "model.h5")
+        expected = reference_run(load_config(None, data=yaml.safe_load(cfg.read_text()), overrides=[f"seed={seed}"]))
+        for name, value in expected.items():
+            assert np.array_equal(got[name].numpy().view(np.int32), value.view(np.int32)), (seed, name)
