@@ -32,13 +32,22 @@ def mpiexec() -> str:
     return found
 
 
+def mpifl_command(n: int, args: tuple[str, ...]) -> list[str]:
+    """``mpiexec -n n python -m mpifl ARGS``."""
+    return [mpiexec(), "-n", str(n), sys.executable, "-m", "mpifl", *args]
+
+
+def rank_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the suite's ranks start in: this process's, plus ``extra``, with tests/ importable (the
+    plug-ins in fl_helpers)."""
+    return dict(os.environ, **(extra or {}),
+                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
+
 def spawn_mpi(n: int, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``mpiexec -n n python -m mpifl ARGS`` in its own session (so it can be killed whole)."""
-    env = dict(os.environ, **(env or {}),
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpifl", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=cwd or ROOT, start_new_session=True)
+    return subprocess.Popen(mpifl_command(n, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=rank_environment(env), cwd=cwd or ROOT, start_new_session=True)
 
 
 def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None = None,
@@ -84,18 +93,17 @@ class JobPool:
         if self.proc is None:
             self.environment = _environment()
             self.queue, self.served = Path(tempfile.mkdtemp(prefix="mpifl-pool-")), 0
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
             with open(self.queue / "pool.log", "w") as log:
                 self.proc = subprocess.Popen(
                     [mpiexec(), "-n", str(self.size), sys.executable, str(TESTS / "mpi_pool.py"), str(self.queue),
                      str(os.getpid()), str(JOBS_PER_POOL)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+                    stdout=log, stderr=subprocess.STDOUT, env=rank_environment(), cwd=ROOT, start_new_session=True)
         return self.proc
 
     def run(self, n: int, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess:
         proc = self._ready()
         job_id = next(self.ids)
-        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpifl", *args]
+        cmd = mpifl_command(n, args)  # what the test would have launched, for its messages
         staged = self.queue / f"{job_id}.staged"
         staged.write_text(json.dumps(dict(id=job_id, n=n, argv=list(args), cwd=str(cwd or ROOT))))
         staged.rename(self.queue / f"{job_id}.job")

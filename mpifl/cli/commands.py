@@ -17,6 +17,13 @@ if TYPE_CHECKING:
 INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
 
+def world_of(comm: MPI.Intracomm | None) -> MPI.Intracomm:
+    """The communicator a command runs on: the caller's (``mpifl.cli.main(argv, comm=...)``), else the world."""
+    from mpi4py import MPI
+
+    return comm if comm is not None else MPI.COMM_WORLD
+
+
 def run(args: argparse.Namespace) -> int:
     """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run."""
     from mpifl.storage.rundir import RunComplete, find_resume
@@ -37,14 +44,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked: str | None,
          memray_dir: str | None, memray_native: bool, world: MPI.Intracomm | None = None) -> int:
-    bind_gpu_from_local_rank()
-    from mpi4py import MPI
-
+    bind_gpu_from_local_rank()  # before MPI starts (world_of imports it)
     from mpifl.cli.profiling import tracked
     from mpifl.roles.runner import check_world, run_rank
     from mpifl.storage.rundir import prepare_run_dir
 
-    comm = world if world is not None else MPI.COMM_WORLD
+    comm = world_of(world)
     try:
         check_world(comm.Get_size(), cfg)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))

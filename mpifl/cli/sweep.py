@@ -11,28 +11,27 @@ import argparse
 import itertools
 from pathlib import Path
 
-from mpifl.cli.commands import INTERRUPTED, run
+from mpifl.cli.commands import INTERRUPTED, run, world_of
 from mpifl.config import ConfigError
-from mpifl.logs import env_rank, log
+from mpifl.logs import log
 
 
 def grid_overrides(grid: list[str]) -> list[list[str]]:
     """Every combination of the ``KEY=V1,V2,...`` axes as ``KEY=V`` overrides, the last axis changing fastest
     (as nested loops written in the same order would visit them). Values are split at commas, so a grid value
     cannot hold one (a list value stays in the config or a plain override)."""
-    axes = []
+    axes: dict[str, list[str]] = {}
     for axis in grid:
         key, sep, values = axis.partition("=")
         if not sep or not key or not values:
             raise ConfigError(f"--grid {axis!r}: expected KEY=VALUE1,VALUE2,...")
+        if key in axes:
+            raise ConfigError(f"--grid names a key twice: {key}")
         choices = values.split(",")
         if any(not v for v in choices):
             raise ConfigError(f"--grid {axis!r}: an empty value")
-        axes.append([f"{key}={v}" for v in choices])
-    keys = [a.partition("=")[0] for a in grid]
-    if len(set(keys)) != len(keys):
-        raise ConfigError(f"--grid names a key twice: {', '.join(sorted(k for k in set(keys) if keys.count(k) > 1))}")
-    return [list(combination) for combination in itertools.product(*axes)]
+        axes[key] = [f"{key}={v}" for v in choices]
+    return [list(combination) for combination in itertools.product(*axes.values())]
 
 
 def run_dir_name(overrides: list[str]) -> str:
@@ -46,9 +45,9 @@ def sweep(args: argparse.Namespace) -> int:
     signal stopped one (the sweep stops there: ``--resume`` goes on), else the first failure's."""
     from mpi4py import MPI
 
-    world = args.comm if getattr(args, "comm", None) is not None else MPI.COMM_WORLD
+    world = world_of(getattr(args, "comm", None))
     points = grid_overrides(args.grid)
-    speaks = env_rank() in (0, None) and world.Get_rank() == 0
+    speaks = world.Get_rank() == 0
     failed = 0
     for number, point in enumerate(points, 1):
         run_dir = Path(args.runs_dir) / run_dir_name(point)
