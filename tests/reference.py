@@ -83,13 +83,25 @@ def weighted_mean(updates: list[tuple[float, np.ndarray]], divisor: float | None
     return acc / np.float32(sum(w for w, _ in updates) if divisor is None else divisor)
 
 
+def cost_groups(clients: list[int], work: list[float], groups: int) -> dict[int, int]:
+    """clients.group_by 'cost', written out: the heaviest client first (lowest id on ties) joins the group with
+    the least work so far (lowest group on ties)."""
+    load = [0.0] * groups
+    out = {}
+    for c in sorted(clients, key=lambda c: (-work[c], c)):
+        g = min(range(groups), key=lambda i: (load[i], i))
+        load[g] += work[c]
+        out[c] = g
+    return out
+
+
 def grouped_weighted_mean(updates: list[tuple[int, float, np.ndarray]], groups: int,
-                          divisor: float | None = None) -> np.ndarray:
+                          divisor: float | None = None, group_of: dict[int, int] | None = None) -> np.ndarray:
     """clients.groups: each group's weighted sum (ascending id, fp32), then the groups' sums in ascending
-    group id, divided by the total weight."""
+    group id, divided by the total weight. A client's group is c mod ``groups``, or ``group_of[c]``."""
     sums = {}
     for client, w, x in sorted(updates, key=lambda u: u[0]):
-        g = client % groups
+        g = group_of[client] if group_of is not None else client % groups
         sums[g] = np.float32(w) * x if g not in sums else fma32(sums[g], np.float32(w), x)
     acc = None
     for g in sorted(sums):
@@ -155,7 +167,10 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
         start = flat.buffer.clone()
         old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
         sent, steps = [], []
-        for c in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+        sampled = sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round())
+        work = [1.0 if cfg.train.local_steps else float(len(p) * cfg.train.local_epochs) for p in parts]
+        group_of = cost_groups(sampled, work, cfg.clients.groups) if cfg.clients.group_by == "cost" else None
+        for c in sampled:
             if c in drop or c in (dropped_in or {}).get(rnd, ()):
                 continue
             flat.buffer.copy_(start)
@@ -178,7 +193,8 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
             elif s.name == "trimmed_mean":
                 combined = trimmed_mean(np.stack([u[name] for _, _, u in sent]), s.trim_fraction)
             elif cfg.clients.groups:
-                combined = grouped_weighted_mean([(c, w, u[name]) for c, w, u in sent], cfg.clients.groups, divisor)
+                combined = grouped_weighted_mean([(c, w, u[name]) for c, w, u in sent], cfg.clients.groups, divisor,
+                                                 group_of)
             else:
                 combined = weighted_mean([(w, u[name]) for _, w, u in sent], divisor)
             if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):

@@ -1,7 +1,8 @@
 """Under mpiexec, clients.placement: per_round: each round's participants (or their groups) go to the ranks by
 estimated cost, and the overhead in that cost is fitted to the ranks' measured training times. Where a client
 trains never changes a result: the model is bitwise the single-process reference's, and every round's
-participants are trained exactly once."""
+participants are trained exactly once. With clients.group_by: cost the groups themselves are formed anew
+each round, from the participants' work alone, so the model is the reference's on any number of ranks."""
 from __future__ import annotations
 
 import json
@@ -34,7 +35,10 @@ def reference(*overrides: str):
 @pytest.mark.parametrize("ranks,overrides", [
     (4, ()),  # 3 client ranks, every update travels and is folded in participant order
     (3, ("clients.groups=3", "transport.chunk_mb=0.00001")),  # whole groups move; their sums fold in group order
-], ids=["every-update-travels", "reduction-groups"])
+    # clients.group_by cost: each round's groups formed by work; the same model on 2 and 3 client ranks
+    (3, ("clients.groups=3", "clients.group_by=cost", "transport.chunk_mb=0.00001")),
+    (4, ("clients.groups=3", "clients.group_by=cost", "transport.chunk_mb=0.00001")),
+], ids=["every-update-travels", "reduction-groups", "cost-groups-2-client-ranks", "cost-groups-3-client-ranks"])
 def test_clients_placed_anew_every_round_give_the_reference_model_bitwise(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, timeout=MPI_TIMEOUT)

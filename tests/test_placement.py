@@ -1,5 +1,6 @@
 """clients.placement: per_round: each round's participants spread over the ranks by estimated cost (Graham's LPT
-rule), the cost being a fitted per-client overhead plus samples x epochs. Pure functions, no MPI."""
+rule), the cost being a fitted per-client overhead plus samples x epochs; clients.group_by: cost forms each round's
+reduction groups from its participants' work. Pure functions, no MPI."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,8 @@ from mpifl.config import ConfigError, load_config
 from mpifl.planning.federation import (
     RoundAssignment,
     RoundBalancedPlacement,
+    Sampler,
+    cost_groups,
     fitted_overhead,
     longest_first,
     placement_for,
@@ -79,3 +82,44 @@ def test_the_config_chooses_the_per_round_placement():
 def test_what_ties_a_client_or_a_sum_to_a_rank_refuses_per_round_placement(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["clients.placement=per_round", *overrides], data={})
+
+
+def test_cost_groups_split_a_rounds_participants_into_groups_of_near_equal_work_heaviest_first():
+    work = [float(w) for w in (9, 1, 7, 3, 3, 2, 8, 4)]
+    groups = cost_groups([0, 2, 3, 4, 6, 7], work, 2)
+    # 9 -> g0; 8 -> g1; 7 -> g1 (8 < 9); 4 -> g0 (9 < 15); 3 (client 3) -> g0 (13 < 15); 3 (client 4) -> g1 (15 < 16)
+    assert groups == {0: 0, 2: 1, 3: 0, 4: 1, 6: 1, 7: 0}
+    loads = [sum(work[c] for c, g in groups.items() if g == k) for k in (0, 1)]
+    assert max(loads) - min(loads) <= max(work)  # LPT: within one client's work
+
+
+def test_cost_groups_depend_on_the_participants_and_their_work_only_never_on_the_ranks():
+    work = [float(1 + (7 * c) % 11) for c in range(40)]
+    clients = list(range(0, 40, 3))
+    by_rank = {ranks: RoundBalancedPlacement(ranks, 3, work, group_by="cost") for ranks in (1, 2, 3)}
+    assert all(p.round_groups(clients) == cost_groups(clients, work, 3) for p in by_rank.values())
+    for ranks, placement in by_rank.items():  # each group lies whole on one rank
+        spread = placement.by_rank(clients)
+        groups = cost_groups(clients, work, 3)
+        homes = {groups[c]: r for r, members in spread.items() for c in members}
+        assert all(homes[groups[c]] == r for r, members in spread.items() for c in members)
+        assert len(spread) == min(ranks, 3)
+
+
+def test_a_round_with_cost_groups_names_each_participants_group_and_the_streams_follow_it():
+    cfg = load_config(None, ["clients.placement=per_round", "clients.num_clients=10", "clients.per_round=6",
+                             "clients.groups=2", "clients.group_by=cost"], data={})
+    work = [float(1 + c) for c in range(10)]
+    placement = placement_for(cfg.clients, 2, work)
+    plan = Sampler(3, cfg.clients, placement).plan(1)
+    assert plan.groups == cost_groups(list(plan.participants), work, 2)
+    assert sorted(g for streams in plan.streams.values() for g in streams) == [0, 1]
+    for rank, (stream,) in plan.streams.items():
+        assert [c for c in plan.train[rank]] == sorted(c for c, g in plan.groups.items() if g == stream)
+        assert plan.group_of(plan.train[rank][0], 2) == stream
+
+
+@pytest.mark.parametrize("overrides", [["clients.groups=2"], ["clients.placement=per_round"]])
+def test_cost_groups_need_groups_and_per_round_placement_and_say_so(overrides):
+    with pytest.raises(ConfigError, match="clients.group_by: 'cost' forms each round's reduction groups anew"):
+        load_config(None, ["clients.group_by=cost", "clients.num_clients=4", *overrides], data={})

@@ -354,6 +354,10 @@ def _check_reduce(cfg: Config) -> None:
 
 def _check_groups(cfg: Config) -> None:
     groups = cfg.clients.groups
+    if cfg.clients.group_by == "cost" and not (groups and cfg.clients.placement == "per_round"):
+        raise ConfigError("clients.group_by: 'cost' forms each round's reduction groups anew, which needs "
+                          "clients.groups > 0 and clients.placement 'per_round' (any rank may then train any "
+                          f"client); got groups={groups}, placement={cfg.clients.placement!r}")
     if not groups:
         return
     if groups > cfg.clients.num_clients:

@@ -112,8 +112,32 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
                 num_classes: int | None = None, control_variates: bool = False) -> nn.Module:
     """Build the configured model with seeded initialisation, in the configured dtype; with
     ``control_variates`` (strategy scaffold), SCAFFOLD's server control variate appended (learning.control)."""
-    model = _build_model(cfg, seed, input_shape, num_classes)
+    model = use_memory_format(_build_model(cfg, seed, input_shape, num_classes), cfg.memory_format)
     return attach_control_variates(model) if control_variates else model
+
+
+def _nhwc_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: the convolution's 4-D output in channels_last (NHWC) order, so the layers after it run on
+    NHWC activations (a module-level function: models with hooks stay picklable)."""
+    return output.contiguous(memory_format=torch.channels_last) if output.dim() == 4 else output
+
+
+def use_memory_format(model: nn.Module, memory_format: str) -> nn.Module:
+    """``model.memory_format``: with channels_last, every Conv2d hands on its output in NHWC order.
+
+    Why the activations and not the weights: the parameters are views into the rank's flat buffer and keep its
+    layout (what travels, what is reduced and checkpointed is unchanged); a convolution whose input is NHWC runs
+    NHWC, and PyTorch's CPU max pooling is much faster on NHWC (LEAF CNN, batch 10, one thread: 0.74 ms per
+    pooling call contiguous, 0.06 ms channels_last). The gradients are the same up to rounding."""
+    if memory_format == "contiguous":
+        return model
+    convolutions = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if not convolutions:
+        raise ConfigError(f"model.memory_format: {memory_format!r} changes the layout of Conv2d outputs, and the "
+                          f"model ({type(model).__name__}) has no Conv2d layer; remove the key")
+    for conv in convolutions:
+        conv.register_forward_hook(_nhwc_output)
+    return model
 
 
 def _build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None,

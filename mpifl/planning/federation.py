@@ -1,6 +1,7 @@
 """Who takes part and where they live: sampling, placement and round assignments, pure functions of the config."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,14 @@ def longest_first(costs: dict[int, float], client_ranks: int) -> dict[int, int]:
     return rank_of_unit
 
 
+def cost_groups(participants: Sequence[int], work: Sequence[float], groups: int) -> dict[int, int]:
+    """``clients.group_by: cost``: each participant's reduction group (0..groups-1) this round, by Graham's LPT
+    rule on its work (samples x epochs): the heaviest first, each into the lightest group (lowest id on ties).
+    A pure function of the participants and their work, never of the ranks: results stay rank-count independent."""
+    rank_of_unit = longest_first({c: work[c] for c in participants}, groups)
+    return {c: r - 1 for c, r in sorted(rank_of_unit.items())}
+
+
 def balanced_ranks(work: list[float], client_ranks: int, groups: int = 0) -> list[int]:
     """Each client's rank, balancing work (samples x epochs) over ranks: the heaviest unit (a client, or a
     group with clients.groups) first, each to the least loaded rank (lowest rank on ties). Deterministic."""
@@ -98,6 +107,10 @@ class Placement:
             out.setdefault(self.rank_of(c), []).append(c)
         return out
 
+    def round_groups(self, clients: list[int]) -> dict[int, int]:
+        """Each of a round's participants' reduction group (``clients.groups``): c mod G, or c itself without."""
+        return {c: group_of(c, self.groups) for c in clients}
+
     def observe(self, train: dict[int, list[int]], seconds: dict[int, float]) -> None:
         """What each rank's clients took to train in a round (rank -> clients, rank -> seconds); a fixed
         placement has no use for it."""
@@ -107,7 +120,8 @@ class Placement:
         by_rank = self.by_rank(clients)
         if not self.groups:
             return by_rank
-        return {rank: sorted({group_of(c, self.groups) for c in members}) for rank, members in by_rank.items()}
+        group = self.round_groups(clients)
+        return {rank: sorted({group[c] for c in members}) for rank, members in by_rank.items()}
 
 
 class RoundBalancedPlacement(Placement):
@@ -120,10 +134,17 @@ class RoundBalancedPlacement(Placement):
     Where a client trains never changes a result: updates are folded in participant order, or group sums in group
     order, whatever rank formed them; only how long the round takes depends on the measured times."""
 
-    def __init__(self, client_ranks: int, groups: int, work: list[float]):
+    def __init__(self, client_ranks: int, groups: int, work: list[float], group_by: str = "id"):
         super().__init__(client_ranks, groups)
-        self.work, self.overhead = work, 0.0
+        self.work, self.overhead, self.group_by = work, 0.0, group_by
         self.observations: list[tuple[int, float, float]] = []
+
+    def round_groups(self, clients: list[int]) -> dict[int, int]:
+        """Each participant's reduction group: by id (c mod G), or (``clients.group_by: cost``) formed anew from
+        the round's participants by their work."""
+        if self.groups and self.group_by == "cost":
+            return cost_groups(clients, self.work, self.groups)
+        return super().round_groups(clients)
 
     def rank_of(self, client: int) -> int:
         """No fixed answer: a client's rank changes from round to round."""
@@ -136,13 +157,14 @@ class RoundBalancedPlacement(Placement):
 
     def by_rank(self, clients: list[int]) -> dict[int, list[int]]:
         """A round's clients by rank: their units (clients, or groups) spread by estimated cost."""
+        group = self.round_groups(clients)
         units: dict[int, float] = {}
         for c in clients:
-            units[group_of(c, self.groups)] = units.get(group_of(c, self.groups), 0.0) + self.overhead + self.work[c]
+            units[group[c]] = units.get(group[c], 0.0) + self.overhead + self.work[c]
         rank_of_unit = longest_first(units, self.client_ranks)
         out: dict[int, list[int]] = {}
         for c in sorted(clients):
-            out.setdefault(rank_of_unit[group_of(c, self.groups)], []).append(c)
+            out.setdefault(rank_of_unit[group[c]], []).append(c)
         return dict(sorted(out.items()))
 
     def observe(self, train: dict[int, list[int]], seconds: dict[int, float]) -> None:
@@ -160,7 +182,7 @@ def placement_for(clients: ClientsConfig, client_ranks: int, work: list[float] |
     if clients.placement in ("balanced", "per_round"):
         work = work if work is not None else [1.0] * clients.num_clients
         if clients.placement == "per_round":
-            return RoundBalancedPlacement(client_ranks, clients.groups, work)
+            return RoundBalancedPlacement(client_ranks, clients.groups, work, clients.group_by)
         return Placement(client_ranks, clients.groups, balanced_ranks(work, client_ranks, clients.groups))
     return Placement(client_ranks, clients.groups)
 
@@ -181,6 +203,11 @@ class RoundAssignment:
     mixing: float | None = None  # fedasync: this step's alpha x s(staleness)
     local_steps: dict[int, int] | None = None  # fedcompass: each trainer's own local steps
     clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
+    groups: dict[int, int] | None = None  # clients.group_by 'cost': each participant's reduction group this round
+
+    def group_of(self, client: int, groups: int) -> int:
+        """``client``'s reduction group this round (``groups``: clients.groups)."""
+        return self.groups[client] if self.groups is not None else group_of(client, groups)
 
     def rank_of(self, client: int) -> int | None:
         """The rank that trains ``client`` this round (None: it does not train in it)."""
@@ -205,13 +232,15 @@ class Sampler:
     def plan(self, round_: int) -> RoundAssignment:
         """A synchronous round in real time: the sampled clients train and send, in ascending id."""
         participants = self.participants(round_)
-        return RoundAssignment(round_, tuple(participants), self.by_rank(participants), self.streams(participants))
+        groups = self.placement.round_groups(participants) if self.clients.group_by == "cost" else None
+        return RoundAssignment(round_, tuple(participants), self.by_rank(participants), self.streams(participants),
+                               groups=groups)
 
     def stream_members(self, plan: RoundAssignment, rank: int, stream: int) -> tuple[int, ...]:
         """The logical clients whose updates ``rank``'s stream ``stream`` carries in ``plan``: the participant
         itself, or (clients.groups) the group's members the rank trains."""
         groups = self.clients.groups
-        return tuple(c for c in plan.train.get(rank, ()) if group_of(c, groups) == stream) if groups else (stream,)
+        return tuple(c for c in plan.train.get(rank, ()) if plan.group_of(c, groups) == stream) if groups else (stream,)
 
     def needed_versions(self, round_: int) -> set[int]:
         """Model versions a resume after ``round_`` needs besides its own (asynchronous FL only)."""

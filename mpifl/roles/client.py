@@ -63,11 +63,13 @@ class ClientParts:
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
 
 
-def group_members(clients: tuple[int, ...], groups: int) -> list[tuple[int, list[int]]]:
-    """A rank's participants by reduction group: (group, members), both ascending."""
+def group_members(clients: tuple[int, ...], groups: int, assigned: tuple[int, ...] = ()) -> list[tuple[int, list[int]]]:
+    """A rank's participants by reduction group: (group, members), both ascending. A client's group is c mod
+    ``groups``, or its entry in ``assigned`` (the header's groups under clients.group_by 'cost')."""
+    group = dict(zip(clients, assigned)) if assigned else {c: c % groups for c in clients}
     out: dict[int, list[int]] = {}
     for c in sorted(clients):
-        out.setdefault(c % groups, []).append(c)
+        out.setdefault(group[c], []).append(c)
     return sorted(out.items())
 
 
@@ -147,7 +149,7 @@ class ClientRank:
             self._serve_chain(header, keep)
             return
         trained = 0
-        for group, members in group_members(header.clients, self.parts.groups):
+        for group, members in group_members(header.clients, self.parts.groups, header.groups):
             metas = self._sum_clients(header.round, members, keep, first=trained == 0)
             trained += len(members)
             send_object(self.comm, protocol.GroupMeta(group, metas), protocol.SERVER, meta_tag)

@@ -331,12 +331,14 @@ class Server:
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
             clients = tuple(plan.train.get(rank, ()))
             steps = tuple(plan.local_steps[c] for c in clients) if plan.local_steps else ()
+            groups = tuple(plan.groups[c] for c in clients) if plan.groups is not None else ()
             parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
             assert parent is not None  # only the tree's root, the server, has none; headers go to ranks 1..
             reduce_from, reduce_to = links.get(rank, (None, protocol.SERVER))
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
-                                        steps=steps, parent=parent, children=children, reduce_from=reduce_from,
-                                        reduce_to=reduce_to, reduce_stream=stream if rank in links else None)
+                                        steps=steps, groups=groups, parent=parent, children=children,
+                                        reduce_from=reduce_from, reduce_to=reduce_to,
+                                        reduce_stream=stream if rank in links else None)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 

@@ -95,6 +95,7 @@ class RoundHeader:
     clip: float | None = None  # DP: the L2 bound of this round's updates
     cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
     steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
+    groups: tuple[int, ...] = ()  # clients.group_by 'cost': each listed client's reduction group (else c mod G)
     parent: int = 0  # the rank the global model comes from (transport.dispatch_fanout: a broadcast tree)
     children: tuple[int, ...] = ()  # the ranks this rank passes each model chunk on to
     reduce_from: int | None = None  # transport.reduce=chain: the rank whose running sum this rank adds to

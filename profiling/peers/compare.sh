@@ -5,8 +5,12 @@
 # under profiling/peers/.venvs (never an mpifl dependency), torch pinned to the CPU 2.13.0 wheel. From
 # the repository root:
 #
-#     bash profiling/peers/compare.sh     # PEERS="flower pfl" REPEATS=3 ROUNDS=10 BIG_ROUNDS=4 WORKERS=2 COHORT100=0
+#     bash profiling/peers/compare.sh     # PEERS="flower pfl" REPEATS=3 ROUNDS=10 BIG_ROUNDS=4 WORKERS=2 COHORT100=0 NHWC=1
 #     PEERS=pfl bash profiling/peers/compare.sh                 # skip Flower (slow)
+#
+# NHWC=1 (the default) also times the CNN with every Conv2d's output in channels_last order, in mpifl
+# (model.memory_format: channels_last) and in pfl (the same forward hooks, task.nhwc_activations), so that the
+# table separates what the framework does from what the memory format does.
 #
 # Runs are interleaved: repeat 1 of every framework on every task, then repeat 2, ...; each run is saved
 # as logs/TASK-FORM-rN.json (forms: mpifl, flower, pfl2 = torchrun --nproc-per-node 2, pfl1 = 1 process),
@@ -19,8 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD HERE=$PWD/profiling/peers
 PEERS=${PEERS-flower pfl} REPEATS=${REPEATS:-3}
-ROUNDS=${ROUNDS:-10} BIG_ROUNDS=${BIG_ROUNDS:-4} WORKERS=${WORKERS:-2} COHORT100=${COHORT100:-0}
-COMMAND="PEERS=\"$PEERS\" REPEATS=$REPEATS ROUNDS=$ROUNDS BIG_ROUNDS=$BIG_ROUNDS WORKERS=$WORKERS COHORT100=$COHORT100 bash profiling/peers/compare.sh"
+ROUNDS=${ROUNDS:-10} BIG_ROUNDS=${BIG_ROUNDS:-4} WORKERS=${WORKERS:-2} COHORT100=${COHORT100:-0} NHWC=${NHWC:-1}
+COMMAND="PEERS=\"$PEERS\" REPEATS=$REPEATS ROUNDS=$ROUNDS BIG_ROUNDS=$BIG_ROUNDS WORKERS=$WORKERS COHORT100=$COHORT100 NHWC=$NHWC bash profiling/peers/compare.sh"
 PY=${PYTHON:-python3}
 VENVS=$HERE/.venvs OUT=$HERE/logs
 mkdir -p "$VENVS" "$OUT"
@@ -61,8 +65,15 @@ run_task() {  # run_task LABEL TASK ROUNDS PER_ROUND REPEAT
     local label=$1 task=$2 rounds=$3 per=$4 r=$5 model samples
     model=$([ "$task" = cnn ] && echo leaf_cnn || echo big_mlp); samples=$([ "$task" = cnn ] && echo 20 || echo 5)
     echo "== repeat $r/$REPEATS, $label: $task, $rounds rounds, $per clients per round, $WORKERS workers"
-    measure "$label-mpifl-r$r" .venv/bin/python profiling/cross_device.py --json --model "$model" --samples "$samples" \
-        --rounds "$rounds" --per-round "$per" --ranks "$WORKERS" --groups "$WORKERS"
+    # mpifl: one reduction group per client rank, formed each round by work (clients.group_by: cost), so the ranks
+    # finish together; any rank may train any client, the data shared once per node (--data plugin)
+    local mpifl_args=(--json --model "$model" --samples "$samples" --rounds "$rounds" --per-round "$per"
+                      --ranks "$WORKERS" --groups "$WORKERS" --placement per_round --group-by cost --data plugin)
+    measure "$label-mpifl-r$r" .venv/bin/python profiling/cross_device.py "${mpifl_args[@]}"
+    if [ "$NHWC" = 1 ] && [ "$task" = cnn ]; then
+        measure "$label-mpifl_nhwc-r$r" .venv/bin/python profiling/cross_device.py "${mpifl_args[@]}" \
+            --memory-format channels_last
+    fi
     if [ $FLOWER_OK = 1 ]; then
         measure "$label-flower-r$r" "$VENVS/flower/bin/python" "$HERE/flower_task.py" --task "$task" --rounds "$rounds" \
             --per-round "$per" --workers "$WORKERS"
@@ -73,6 +84,13 @@ run_task() {  # run_task LABEL TASK ROUNDS PER_ROUND REPEAT
                 --task "$task" --rounds "$rounds" --per-round "$per"
             if [ "$WORKERS" = 1 ]; then break; fi
         done
+        if [ "$NHWC" = 1 ] && [ "$task" = cnn ]; then
+            for n in "$WORKERS" 1; do
+                measure "$label-pfl${n}_nhwc-r$r" "$VENVS/pfl/bin/torchrun" --standalone --nproc-per-node "$n" \
+                    "$HERE/pfl_task.py" --task "$task" --rounds "$rounds" --per-round "$per" --memory-format channels_last
+                if [ "$WORKERS" = 1 ]; then break; fi
+            done
+        fi
     fi
 }
 for r in $(seq 1 "$REPEATS"); do

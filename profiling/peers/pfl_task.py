@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=1000)
     p.add_argument("--per-round", type=int, default=20)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--memory-format", default="contiguous", choices=("contiguous", "channels_last"),
+                   help="channels_last: every Conv2d's output in NHWC order (task.nhwc_activations), as mpifl's "
+                   "model.memory_format does")
     args = p.parse_args()
     torch.set_num_threads(1)
     x, y, x_test, y_test, writers = task.femnist_data(args.clients, task.TASKS[args.task][1])
@@ -83,7 +86,8 @@ def main() -> None:
 
     train_data = FederatedDataset(user, get_user_sampler("minimize_reuse", list(range(args.clients))),
                                   user_id_to_weight={i: len(w) for i, w in enumerate(writers)})
-    net = Module(task.build_model(args.task))
+    built = task.build_model(args.task)
+    net = Module(task.nhwc_activations(built) if args.memory_format == "channels_last" else built)
     model = PyTorchModel(net, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
     backend = SimulatedBackend(training_data=train_data, val_data=None, postprocessors=[WeightByDatapoints()])
@@ -98,7 +102,8 @@ def main() -> None:
     if ops.distributed.global_rank == 0:
         rounds = [clock.marks[i][0] - clock.marks[i - 1][1] for i in range(1, len(clock.marks))]
         print("RESULT " + json.dumps(task.summarize(
-            rounds, clock.acc, note=f"pfl FedAvg, torchrun, {ops.distributed.world_size} workers (gloo)")), flush=True)
+            rounds, clock.acc, note=f"pfl FedAvg, torchrun, {ops.distributed.world_size} workers (gloo), "
+                                    f"{args.memory_format}")), flush=True)
 
 
 if __name__ == "__main__":

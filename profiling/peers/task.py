@@ -61,6 +61,20 @@ def big_mlp(num_classes: int = CLASSES):
                          nn.Linear(2048, num_classes))
 
 
+def _nhwc_output(module, inputs, output):
+    return output.contiguous(memory_format=__import__("torch").channels_last) if output.dim() == 4 else output
+
+
+def nhwc_activations(model):
+    """Every Conv2d hands on its output in channels_last (NHWC) order: what mpifl's ``model.memory_format:
+    channels_last`` does, so the peers can be timed with the same trick."""
+    from torch import nn
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_hook(_nhwc_output)
+    return model
+
+
 def build_model(task: str, seed: int = 0):
     import torch
     torch.manual_seed(seed)
@@ -147,9 +161,12 @@ def measure(out: str, cmd: list[str], interval: float = 0.2) -> int:
 
 
 FORMS = {  # framework form (the middle of a run's name) -> what the table calls it, in table order
-    "mpifl": "mpifl (2 client ranks + server, groups 2)",
+    "mpifl": "mpifl (2 client ranks + server, 2 groups by cost, per-round placement)",
     "pfl2": "pfl-research, 2 processes (torchrun)",
     "pfl1": "pfl-research, 1 process",
+    "mpifl_nhwc": "mpifl, NHWC activations (model.memory_format: channels_last)",
+    "pfl2_nhwc": "pfl-research, 2 processes, NHWC activations (the same hooks)",
+    "pfl1_nhwc": "pfl-research, 1 process, NHWC activations (the same hooks)",
     "flower": "Flower (simulation, Ray)",
     "pfl": "pfl-research (torchrun)",
 }
@@ -224,21 +241,24 @@ def table(out: str, parts: list[str], header: str | None = None) -> None:
     ratios = []
     any_flower = any("flower" in forms for forms in stats.values())
     for task_, forms in stats.items():
-        m = forms.get("mpifl")
-        pfl = {f: forms[f] for f in ("pfl2", "pfl1") if f in forms and forms[f]["time"] is not None}
-        if not m or not pfl:
-            continue
-        best = min(pfl, key=lambda f: pfl[f]["time"])
-        two = forms.get("pfl2") or {}
-        flower = (forms.get("flower") or {}).get("time")
-        ratios.append(f"| {TASK_NAMES.get(task_, task_)} | {_ratio(m['time'], pfl[best]['time'])} ({best}) "
-                      f"| {_ratio(m['rss'], two.get('rss'))} | {_ratio(m['pss'], two.get('pss'))} |"
-                      + (f" {_ratio(m['time'], flower)} |" if any_flower else ""))
+        # each mpifl form against pfl's forms with the same model code; NHWC mpifl also against pfl as given
+        for mine, theirs in (("mpifl", ""), ("mpifl_nhwc", "_nhwc"), ("mpifl_nhwc", "")):
+            m = forms.get(mine)
+            pfl = {f: forms[f] for f in (f"pfl2{theirs}", f"pfl1{theirs}") if f in forms and forms[f]["time"]}
+            if not m or m["time"] is None or not pfl:
+                continue
+            best = min(pfl, key=lambda f: pfl[f]["time"])
+            two = forms.get(f"pfl2{theirs}") or {}
+            flower = (forms.get("flower") or {}).get("time")
+            ratios.append(f"| {TASK_NAMES.get(task_, task_)} | {mine} / {best} "
+                          f"| {_ratio(m['time'], pfl[best]['time'])} "
+                          f"| {_ratio(m['rss'], two.get('rss'))} | {_ratio(m['pss'], two.get('pss'))} |"
+                          + (f" {_ratio(m['time'], flower)} |" if any_flower else ""))
     if ratios:
         print()
-        print("| task | mpifl / pfl-best s/round | mpifl / pfl-2 peak RSS sum | mpifl / pfl-2 peak PSS sum |"
-              + (" mpifl / Flower s/round |" if any_flower else ""))
-        print("|---|---|---|---|" + ("---|" if any_flower else ""))
+        print("| task | forms compared | mpifl / pfl-best s/round | mpifl / pfl-2 peak RSS sum "
+              "| mpifl / pfl-2 peak PSS sum |" + (" mpifl / Flower s/round |" if any_flower else ""))
+        print("|---|---|---|---|---|" + ("---|" if any_flower else ""))
         print("\n".join(ratios))
 
 
