@@ -143,6 +143,10 @@ def main() -> int:
     for name, values in medians.items():
         value = statistics.median(values)
         print(f"  {name:<32} {1000 * value:8.1f} ms  {value / alone:5.2f}x alone")
+    inside = statistics.median(medians[f"inside mpifl ({args.ranks} client ranks)"])
+    beside = statistics.median(medians["beside training"])
+    # the plain loop with as many trainers at once as the mpifl run has client ranks (on 2 cores: 2 trainers)
+    print(f"  inside mpifl over two plain loops training at once: {inside / beside:5.2f}x")
     return 0
 
 

@@ -97,7 +97,13 @@ def run_failures(tmp_path, *overrides: str, raising: str = "", poisoned: str = "
     return run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, env=env, timeout=90)
 
 
-def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path):
+@pytest.mark.parametrize("overrides", [
+    (),
+    # one group per rank: the members' NaN/Inf check is one check of the group's sum, and a sum that is not
+    # finite has its members trained again and checked one by one
+    ("clients.groups=3",),
+], ids=["every-update-travels", "reduction-groups"])
+def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path, overrides):
     import json
 
     import numpy as np
@@ -107,7 +113,7 @@ def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path)
     from mpifl.config import load_config
     from mpifl.storage.hdf5 import load_tensors
 
-    result = run_failures(tmp_path, raising="3", poisoned="5")
+    result = run_failures(tmp_path, *overrides, raising="3", poisoned="5")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for record in records:
@@ -119,16 +125,17 @@ def test_accepted_failures_are_dropped_logged_and_the_rest_is_averaged(tmp_path)
         if 5 in dropped:
             assert "NaN/Inf" in dropped[5]["reason"]
     assert any(r["dropped"] for r in records)
-    want = reference_run(load_config(None, data=yaml.safe_load(FAILURES)), drop=frozenset({3, 5}))
+    want = reference_run(load_config(None, list(overrides), data=yaml.safe_load(FAILURES)), drop=frozenset({3, 5}))
     got = load_tensors(tmp_path / "run" / "model.h5")
     for name, value in want.items():
         assert np.array_equal(got[name].float().numpy(), value), name
 
 
-@pytest.mark.parametrize("kind", ["raising", "poisoned"])
-def test_without_accept_failures_a_bad_client_aborts_the_job_naming_it(tmp_path, kind):
+@pytest.mark.parametrize("kind,overrides", [("raising", ()), ("poisoned", ()), ("poisoned", ("clients.groups=3",))],
+                         ids=["raising", "poisoned", "poisoned-in-a-group"])
+def test_without_accept_failures_a_bad_client_aborts_the_job_naming_it(tmp_path, kind, overrides):
     start = time.monotonic()
-    result = run_failures(tmp_path, "clients.accept_failures=false", **{kind: "3"})
+    result = run_failures(tmp_path, "clients.accept_failures=false", *overrides, **{kind: "3"})
     assert result.returncode != 0
     expected = ("deliberate failure of logical client 3" if kind == "raising"
                 else "logical client 3 on rank 1: update contains 1 NaN/Inf values (clients.accept_failures=false)")

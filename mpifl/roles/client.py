@@ -158,16 +158,42 @@ class ClientRank:
     def _sum_clients(self, round_: int, clients: list[int], keep: torch.Tensor | None,
                      first: bool) -> tuple[protocol.UpdateMeta, ...]:
         """Train ``clients`` (ascending id) and fold their usable updates into a fresh partial sum; their headers.
-        ``first``: the first of them is the first this rank trains this round (the model is the global one)."""
+        ``first``: the first of them is the first this rank trains this round (the model is the global one).
+
+        Where retraining is free of side effects (``_group_check_deferred``), the members' NaN/Inf check is one
+        check of the group's sum: a finite sum has finite terms, since a NaN or an Inf in any member makes it
+        NaN or Inf. Only a sum that is not finite has its members trained again (the same seeds, data and
+        starting model: the same updates), each checked on its own as without deferral. On the 93 MB MLP of the
+        cross-device task the check was 5 ms of a client's 80 (``profiling/client_slowdown.py``)."""
+        deferred = keep is not None and self._group_check_deferred()
+        metas = self._fold_members(round_, clients, keep, first, check=not deferred)
         assert self.group_sum is not None  # called only with clients.groups (serve_round, _serve_chain)
+        if deferred and count_nonfinite(self.group_sum.sums):
+            metas = self._fold_members(round_, clients, keep, first=False, check=True)
+        return metas
+
+    def _fold_members(self, round_: int, clients: list[int], keep: torch.Tensor | None, first: bool,
+                      check: bool) -> tuple[protocol.UpdateMeta, ...]:
+        """Train each of ``clients`` and fold its usable update into a fresh partial sum (``check``: each update's
+        NaN/Inf first); their headers."""
+        assert self.group_sum is not None  # called only with clients.groups (_sum_clients)
         self.group_sum.reset()
         metas = []
         for i, client in enumerate(clients):
-            meta, _ = self._train(round_, client, keep, first=first and i == 0)
+            meta, _ = self._train(round_, client, keep, first=first and i == 0, check=check)
             if meta.error is None:
                 self.group_sum.add(self.parts.weight(meta))
             metas.append(meta)
         return tuple(metas)
+
+    def _group_check_deferred(self) -> bool:
+        """Whether a group's members may be trained again to find a non-finite update: training on the host
+        with nothing kept per client (controls, local tensors, personal models, residuals), no update protected
+        on its own (DP, secure aggregation), and no group of ranks training together."""
+        parts = self.parts
+        kept = (parts.controls, parts.personal, parts.personal_models, parts.residuals, parts.privacy, parts.secagg,
+                parts.group, self.replica)
+        return all(k is None for k in kept)
 
     def _group_wire(self, round_: int, group: int) -> list[np.ndarray]:
         """A group's partial sum as it travels: fp32, or quantized (compression.method) with noise keyed by
@@ -260,9 +286,10 @@ class ClientRank:
         return self.parts.delta or self.parts.personal_models is not None or (
             clients > 1 and self.trainer.modifies_weights)
 
-    def _train(self, round_: int, client: int, keep: torch.Tensor | None,
-               first: bool) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
-        """Reset the model to the global one (after the first client), train ``client``, encode its update."""
+    def _train(self, round_: int, client: int, keep: torch.Tensor | None, first: bool,
+               check: bool = True) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
+        """Reset the model to the global one (after the first client), train ``client``, encode its update
+        (``check``: count its NaN/Inf values; a group whose sum is checked instead passes False)."""
         if self.replica is not None:
             self.replica.reset()
         else:
@@ -271,10 +298,10 @@ class ClientRank:
             self.flat.reset_local_state()
         if self.parts.personal is not None:
             self.parts.personal.load(client)
-        return self._serve_client(round_, client, keep)
+        return self._serve_client(round_, client, keep, check)
 
-    def _serve_client(self, round_: int, client: int,
-                      keep: torch.Tensor | None) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
+    def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None,
+                      check_update: bool = True) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
         """Train one logical client and turn its model into the update it sends, with its header (no buffers:
         the update stays on the device for the group's sum)."""
         train, val = self.local_data.get(client, (None, None))
@@ -291,7 +318,7 @@ class ClientRank:
             self.parts.controls.update(client, keep, result.local_steps or 0, self.parts.weight(
                 protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
                                     local_steps=result.local_steps)))
-        check = error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
+        check = check_update and error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
         if self.replica is not None and self.group_sum is not None:  # the update stays on the device
             buffers, bad = None, self._device_update(check)
         else:
@@ -353,7 +380,7 @@ class ClientRank:
         bad = self.encoder.count_nonfinite() if check else 0
         if usable and not bad:
             self._protect(buffers, round_, client, result)
-        if self.compressor is not None:
+        if self.compressor is not None and self.group_sum is None:  # a group's sum is compressed, not its members
             began = time.perf_counter()
             chunks = [torch.from_numpy(b).view(DTYPES[c.dtype]) for c, b in zip(self.parts.plan.chunks, buffers)]
             buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None,

@@ -4,6 +4,9 @@ Waiting ranks test, spin briefly, then sleep: when ranks outnumber cores, a rank
 spinning inside a blocking MPI wait takes the CPU the others need (1.5-2x slower
 rounds at 4 clients on 2 cores). Sleep-polling relies on MPI copying between
 processes of one node in a single step (MPICH's CMA path), which is the default.
+The sleeps double while nothing happens, from 0.2 to 2 ms: the server waits out
+its client ranks' training every round, and each poll wakes it on a core they
+train on.
 """
 from __future__ import annotations
 
@@ -22,26 +25,29 @@ if TYPE_CHECKING:
     import torch
 
 SPIN_SECONDS = 50e-6
-SLEEP_SECONDS = 200e-6
+SLEEP_SECONDS = 200e-6  # the first sleep of a wait
+LONGEST_SLEEP_SECONDS = 2e-3  # what a wait may add to a message's latency, at most
 
 
 class Backoff:
-    """Spin for a moment, then sleep between polls."""
+    """Spin for a moment, then sleep between polls, each sleep twice the last up to ``LONGEST_SLEEP_SECONDS``."""
 
     def __init__(self) -> None:
         self.since: float | None = None
+        self.sleep = SLEEP_SECONDS
 
     def reset(self) -> None:
-        """Progress was made: the next wait spins again before it sleeps."""
-        self.since = None
+        """Progress was made: the next wait spins again before it sleeps, and sleeps briefly first."""
+        self.since, self.sleep = None, SLEEP_SECONDS
 
     def pause(self) -> None:
-        """One idle poll: return at once while spinning, else sleep briefly to leave the core to others."""
+        """One idle poll: return at once while spinning, else sleep to leave the core to others."""
         now = time.perf_counter()
         if self.since is None:
             self.since = now
         elif now - self.since > SPIN_SECONDS:
-            time.sleep(SLEEP_SECONDS)
+            time.sleep(self.sleep)
+            self.sleep = min(2 * self.sleep, LONGEST_SLEEP_SECONDS)
 
 
 def wait(request: MPI.Request, check: Callable[[], None] | None = None) -> None:

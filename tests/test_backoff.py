@@ -1,0 +1,38 @@
+"""How a waiting rank polls (mpifl.wire.transport.Backoff): it spins for a moment, then sleeps, each sleep twice the
+last up to a cap, so a long wait (the server waiting out its ranks' training) wakes rarely on the cores they train
+on, while progress makes the next wait quick again. No MPI: time.sleep is recorded instead of slept."""
+from __future__ import annotations
+
+import pytest
+
+from mpifl.wire import transport
+from mpifl.wire.transport import LONGEST_SLEEP_SECONDS, SLEEP_SECONDS, Backoff
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The sleeps a Backoff asks for, with a clock that has left the spin phase after the first poll."""
+    asked: list[float] = []
+    clock = iter(i * 1.0 for i in range(1000))
+    monkeypatch.setattr(transport.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(transport.time, "sleep", asked.append)
+    return asked
+
+
+def test_an_idle_wait_sleeps_twice_as_long_each_time_up_to_the_cap(sleeps):
+    backoff = Backoff()
+    for _ in range(8):
+        backoff.pause()
+    assert sleeps[0] == SLEEP_SECONDS  # the first poll only starts the clock; then 0.2, 0.4, 0.8, 1.6 ms, 2 ms ...
+    assert sleeps == [min(SLEEP_SECONDS * 2 ** i, LONGEST_SLEEP_SECONDS) for i in range(7)]
+    assert max(sleeps) == LONGEST_SLEEP_SECONDS == 2e-3
+
+
+def test_progress_makes_the_next_wait_spin_then_sleep_briefly_again(sleeps):
+    backoff = Backoff()
+    for _ in range(6):
+        backoff.pause()
+    backoff.reset()
+    backoff.pause()  # spinning: no sleep
+    backoff.pause()
+    assert sleeps[-1] == SLEEP_SECONDS and len(sleeps) == 6
