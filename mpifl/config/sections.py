@@ -125,7 +125,7 @@ class ModelConfig:
     dtype: str = field_("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
     memory_format: str = field_("contiguous", "how a convolution's activations lie in memory: channels_last makes "
                                 "every Conv2d's output NHWC, which PyTorch's CPU pooling and oneDNN convolutions run "
-                                "faster (the LEAF CNN trains 1.3x faster on a CPU); results change in the last bits, "
+                                "faster (a LEAF CNN step 1.26x as fast on a CPU); results change in the last bits, "
                                 "and stay bitwise the same on any number of ranks",
                                 choices=("contiguous", "channels_last"))
     init_from: str | None = field_(None, "an mpifl checkpoint to start from: every rank builds the model on the "

@@ -127,8 +127,9 @@ def use_memory_format(model: nn.Module, memory_format: str) -> nn.Module:
 
     Why the activations and not the weights: the parameters are views into the rank's flat buffer and keep its
     layout (what travels, what is reduced and checkpointed is unchanged); a convolution whose input is NHWC runs
-    NHWC, and PyTorch's CPU max pooling is much faster on NHWC (LEAF CNN, batch 10, one thread: 0.74 ms per
-    pooling call contiguous, 0.06 ms channels_last). The gradients are the same up to rounding."""
+    NHWC, and PyTorch's CPU max pooling is much faster on NHWC (LEAF CNN, batch 10, one thread: 0.75 ms per
+    pooling call contiguous, 0.06 ms channels_last; ``profiling/nhwc_step.py``). The gradients are the same up to
+    rounding."""
     if memory_format == "contiguous":
         return model
     convolutions = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
