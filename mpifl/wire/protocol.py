@@ -21,7 +21,8 @@ Every round r:
     c -> 0  UPDATE  that client's weights or delta, chunk by chunk (raw bytes, chunk
                     order), float32 tensors optionally narrowed to strategy.wire_dtype.
 With clients.groups, a rank sends per reduction group (ascending id) one GroupMeta (its
-members' UpdateMetas) on META, then the group's fp32 partial sum on UPDATE.
+members' UpdateMetas) on META, then the group's fp32 partial sum on UPDATE. A client's group is
+c mod G, or (clients.group_by: cost) the header's ``groups`` entry for it.
 Asynchronous FL (header.hold): the listed clients train from MODEL and their updates stay on
 the rank; then the rank sends META + UPDATE for the held updates in header.send, in that order
 (the virtual-arrival order), which may include some trained this very step.
