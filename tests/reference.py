@@ -163,12 +163,12 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
     dtype = cfg.model.dtype
     wire = s.wire_dtype if s.wire_dtype and dtype == "float32" else dtype
     state: dict[str, dict] = {}
+    work = [1.0 if cfg.train.local_steps else float(len(p) * cfg.train.local_epochs) for p in parts]  # group_by cost
     for rnd in range(1, cfg.rounds + 1):
         start = flat.buffer.clone()
         old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
         sent, steps = [], []
         sampled = sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round())
-        work = [1.0 if cfg.train.local_steps else float(len(p) * cfg.train.local_epochs) for p in parts]
         group_of = cost_groups(sampled, work, cfg.clients.groups) if cfg.clients.group_by == "cost" else None
         for c in sampled:
             if c in drop or c in (dropped_in or {}).get(rnd, ()):

@@ -16,6 +16,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import ConfiguredTrainer, Evaluator, Trainer, TrainResult, local_steps
 from mpifl.metrics import peak_rss_bytes
+from mpifl.planning.federation import group_of
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
@@ -66,7 +67,7 @@ class ClientParts:
 def group_members(clients: tuple[int, ...], groups: int, assigned: tuple[int, ...] = ()) -> list[tuple[int, list[int]]]:
     """A rank's participants by reduction group: (group, members), both ascending. A client's group is c mod
     ``groups``, or its entry in ``assigned`` (the header's groups under clients.group_by 'cost')."""
-    group = dict(zip(clients, assigned)) if assigned else {c: c % groups for c in clients}
+    group = dict(zip(clients, assigned)) if assigned else {c: group_of(c, groups) for c in clients}
     out: dict[int, list[int]] = {}
     for c in sorted(clients):
         out.setdefault(group[c], []).append(c)
@@ -95,6 +96,11 @@ class ClientRank:
         self.first_element = element_offsets(parts.plan.chunks)
         self.compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) \
             if parts.plan.codec is not None else None
+        # a group's members may be trained again to find a non-finite update (_sum_clients): training on the host
+        # with nothing kept per client, no update protected on its own (DP, secure aggregation), no group of ranks
+        self.group_check_deferred = all(k is None for k in (
+            parts.controls, parts.personal, parts.personal_models, parts.residuals, parts.privacy, parts.secagg,
+            parts.group, parts.replica))
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
 
@@ -160,12 +166,12 @@ class ClientRank:
         """Train ``clients`` (ascending id) and fold their usable updates into a fresh partial sum; their headers.
         ``first``: the first of them is the first this rank trains this round (the model is the global one).
 
-        Where retraining is free of side effects (``_group_check_deferred``), the members' NaN/Inf check is one
+        Where retraining is free of side effects (``group_check_deferred``), the members' NaN/Inf check is one
         check of the group's sum: a finite sum has finite terms, since a NaN or an Inf in any member makes it
         NaN or Inf. Only a sum that is not finite has its members trained again (the same seeds, data and
         starting model: the same updates), each checked on its own as without deferral. On the 93 MB MLP of the
         cross-device task the check was 5 ms of a client's 80 (``profiling/client_slowdown.py``)."""
-        deferred = keep is not None and self._group_check_deferred()
+        deferred = keep is not None and self.group_check_deferred
         metas = self._fold_members(round_, clients, keep, first, check=not deferred)
         assert self.group_sum is not None  # called only with clients.groups (serve_round, _serve_chain)
         if deferred and count_nonfinite(self.group_sum.sums):
@@ -185,15 +191,6 @@ class ClientRank:
                 self.group_sum.add(self.parts.weight(meta))
             metas.append(meta)
         return tuple(metas)
-
-    def _group_check_deferred(self) -> bool:
-        """Whether a group's members may be trained again to find a non-finite update: training on the host
-        with nothing kept per client (controls, local tensors, personal models, residuals), no update protected
-        on its own (DP, secure aggregation), and no group of ranks training together."""
-        parts = self.parts
-        kept = (parts.controls, parts.personal, parts.personal_models, parts.residuals, parts.privacy, parts.secagg,
-                parts.group, self.replica)
-        return all(k is None for k in kept)
 
     def _group_wire(self, round_: int, group: int) -> list[np.ndarray]:
         """A group's partial sum as it travels: fp32, or quantized (compression.method) with noise keyed by
