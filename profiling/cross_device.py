@@ -73,6 +73,8 @@ def main() -> int:
                    help="big_mlp: the communication-heavy 784-8192-2048-62 MLP (93 MB fp32)")
     p.add_argument("--memory-format", default="contiguous", choices=("contiguous", "channels_last"),
                    help="model.memory_format (channels_last: NHWC activations, faster CNN training on a CPU)")
+    p.add_argument("--step-in-backward", default="true", choices=("true", "false"),
+                   help="train.step_in_backward (false: one optimizer step after backward, as before)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
     p.add_argument("--data", default="table", choices=("table", "plugin"),
@@ -98,7 +100,8 @@ clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {ar
           placement: {args.placement}, group_by: {args.group_by}}}
 data: {data}
 model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}}}
-train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu}}
+train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu,
+        step_in_backward: {args.step_in_backward}}}
 eval: {{every: {args.eval_every or args.rounds}}}
 output: {{progress: false, save_model: false}}
 """)

@@ -130,6 +130,7 @@ KEYS = (
     "train.optimizer",
     "train.personal_ram_mb",
     "train.prox_mu",
+    "train.step_in_backward",
     "train.threads",
     "train.trainer",
     "train.weight_decay",

@@ -68,3 +68,66 @@ def test_fedprox_pulls_local_training_towards_the_global_model():
         drift[mu] = float((flat.buffer.view(torch.float32) - start.view(torch.float32)).norm())
     assert all(map(math.isfinite, drift.values())), drift
     assert drift[1.0] < 0.7 * drift[0.0]
+
+
+def _trained(model="cnn", **train):
+    """The weights (parameters and buffers, one flat fp32 tensor) after one client's local training with these
+    train settings, on one thread; its result; the trainer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg, _, flat, mine = setup(model, **train)
+        trainer = make_trainer(cfg.train)
+        result = trainer.train(flat.module, mine, seed=5)
+        return _weights(flat.module), result, trainer
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _weights(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().float().flatten() for t in module.state_dict().values()])
+
+
+def test_stepping_inside_backward_gives_bitwise_the_weights_of_one_step_after_backward():
+    for optimizer, extra in (("sgd", {}), ("sgd", {"momentum": 0.9, "weight_decay": 1e-3}), ("adam", {}),
+                             ("adamw", {"weight_decay": 0.01}), ("sgd", {"prox_mu": 0.5})):
+        settings = dict(optimizer=optimizer, lr=0.01, local_steps=6, batch_size=8, **extra)
+        inside, _, trainer = _trained(step_in_backward=True, **settings)
+        after, _, classic = _trained(step_in_backward=False, **settings)
+        assert trainer.steps_in_backward() and not classic.steps_in_backward()
+        assert torch.equal(inside, after), (optimizer, extra)
+
+
+def test_steps_stay_after_backward_where_a_step_needs_every_gradient_first():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    assert not _trained("mlp", local_steps=1, grad_accum_steps=2)[2].steps_in_backward()
+    assert not _trained("mlp", local_steps=1, max_grad_norm=1.0)[2].steps_in_backward()
+    handle = register_optimizer_step_post_hook(lambda *_: None)  # what SCAFFOLD's correction registers
+    try:
+        assert not _trained("mlp", local_steps=1)[2].steps_in_backward()
+    finally:
+        handle.remove()
+    assert _trained("mlp", local_steps=1)[2].steps_in_backward()
+
+
+def test_accumulating_two_half_batches_is_one_step_on_their_mean_gradient():
+    # within one shuffled pass (3 steps of 16 samples), the same samples in the same order: equal to rounding
+    whole, whole_result, _ = _trained("mlp", lr=0.1, batch_size=16, local_steps=3)
+    halves, halves_result, _ = _trained("mlp", lr=0.1, batch_size=8, grad_accum_steps=2, local_steps=3)
+    assert halves_result.local_steps == whole_result.local_steps == 3  # optimizer steps, not micro-batches
+    assert not torch.equal(halves, whole)  # summed in another order
+    assert torch.allclose(halves, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_an_epoch_of_accumulated_steps_counts_samples_per_step_as_batch_size_times_micro_batches():
+    _, result, _ = _trained("mlp", batch_size=8, grad_accum_steps=2)
+    assert result.local_steps == math.ceil(len(setup("mlp")[3]) / 16)
+
+
+def test_clipping_bounds_every_step_by_the_gradient_norm():
+    start = _weights(setup("mlp")[2].module)
+    free, _, _ = _trained("mlp", lr=0.1, local_steps=4)
+    clipped, _, _ = _trained("mlp", lr=0.1, local_steps=4, max_grad_norm=1e-3)
+    assert float((clipped - start).norm()) <= 4 * 0.1 * 1e-3 * (1 + 1e-4)
+    assert float((free - start).norm()) > 100 * float((clipped - start).norm())

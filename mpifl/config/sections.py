@@ -158,11 +158,17 @@ class TrainConfig:
     local_epochs: int = field_(1, "passes over the local data per round", min=1)
     local_steps: int | None = field_(None, "if set, a fixed number of minibatch steps instead of epochs", min=1)
     batch_size: int = field_(32, "local minibatch size", min=1)
-    grad_accum_steps: int = field_(1, "micro-batches of batch_size accumulated per optimizer step", min=1)
+    grad_accum_steps: int = field_(1, "micro-batches of batch_size accumulated per optimizer step (torch and "
+                                   "causal_lm trainers)", min=1)
+    step_in_backward: bool = field_(True, "torch trainer: step each parameter as soon as backward has accumulated "
+                                    "its gradient (bitwise the same weights as one step after backward, faster, "
+                                    "and no model-sized gradient held). Off by itself with grad_accum_steps > 1, "
+                                    "max_grad_norm, ranks_per_client > 1 and SCAFFOLD; set false for a model "
+                                    "that saves a detached view of a parameter for its backward pass")
     gradient_checkpointing: bool = field_(False, "causal_lm: recompute activations in the backward pass (less memory, "
                                            "~30% more compute)")
-    max_grad_norm: float | None = field_(None, "clip the gradient norm to this before each step", min=0.0,
-                                             exclusive_min=True)
+    max_grad_norm: float | None = field_(None, "clip the global gradient norm to this before each step (torch and "
+                                         "causal_lm trainers)", min=0.0, exclusive_min=True)
     device: str = field_("auto", "where local training runs: auto (cuda when the rank sees a GPU), cpu or cuda; each "
                          "rank uses the GPU of its node-local slot (docs: how-to/gpus)",
                          choices=("auto", "cpu", "cuda"))
