@@ -130,9 +130,10 @@ def steps_in_backward(params: Sequence[torch.Tensor], c: TrainConfig) -> Iterato
     """Inside, each parameter's optimizer step runs as soon as backward has accumulated its gradient, and the
     gradient is freed at once (PyTorch's "optimizer step in backward" recipe, one optimizer per parameter).
 
-    Why: the step then reads a gradient and a weight that backward has just written, still in cache, and no
-    second pass over the model follows backward; on the LEAF CNN (batch 10, one CPU thread) a training step
-    took 8.0 ms against 8.6 (``profiling/step_in_backward.py``), and the gradients are never all held at once.
+    Why: the gradients are never all held at once (a model-sized buffer less at the peak of backward), and each
+    step reads a gradient that backward has just written, still in cache, instead of a second pass over the
+    model after backward. The time gained is small: 1-2% of a cross-device round on the LEAF CNN and the 93 MB
+    MLP, within the noise of a single step (``profiling/step_in_backward.py``; docs: how-to/cpu-training).
     SGD, Adam and AdamW update each parameter from its own gradient and state alone, so the weights are
     bitwise those of one ``optimizer.step()`` after backward (``tests/test_trainers.py``)."""
     optimizers = {p: make_optimizer([p], c) for p in params}
