@@ -22,7 +22,7 @@ from mpifl.planning.memory import (
 )
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB, format_bytes
-from mpifl.wire.flat import ModelSpec, control_bytes, is_local, itemsize
+from mpifl.wire.flat import CONTROL, ModelSpec, control_bytes, is_local, itemsize
 from mpifl.wire.layout import ExchangeLayout
 
 
@@ -53,7 +53,9 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
     control = control_bytes(exchanged)
     elements = sum(e.nbytes // itemsize(e.dtype) for e in (*exchanged.entries, *frozen.entries)) - control // 4
     kept = sum(e.nbytes for e in frozen.entries if is_local(e.name, local))
-    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept)
+    trained = [e.nbytes for e in exchanged.entries if not e.name.startswith(CONTROL + ".")]
+    trained += [e.nbytes for e in frozen.entries if is_local(e.name, local)]
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0))
 
 
 def model_bytes(cfg: Config) -> ModelBytes:

@@ -189,6 +189,13 @@ class TrainConfig:
     loss: str = field_("cross_entropy", "loss: 'cross_entropy', 'mse' or an import path (fn(output, target))",
                         choices=("cross_entropy", "mse"), import_ok=True)
 
+    def steps_inside_backward(self) -> bool:
+        """Whether the torch trainer may step each parameter inside backward (``step_in_backward``): not where a
+        step needs every gradient first, accumulated over micro-batches or clipped by their global norm. The
+        trainer also asks its runtime (DDP, global optimizer hooks); the memory plan asks the whole Config."""
+        return self.trainer == "torch" and self.step_in_backward and self.grad_accum_steps == 1 \
+            and not self.max_grad_norm
+
 
 @dataclass
 class StrategyConfig:
@@ -471,6 +478,12 @@ class Config:
     def clients_per_round(self) -> int:
         """How many logical clients take part in each round."""
         return self.clients.per_round_count()
+
+    def steps_inside_backward(self) -> bool:
+        """Whether the torch trainer steps each parameter inside backward in this run (TrainConfig's rule, and
+        neither DDP across ranks nor SCAFFOLD's correction, which hooks every optimizer step)."""
+        return self.train.steps_inside_backward() and self.clients.ranks_per_client == 1 \
+            and not self.control_variates
 
     @property
     def control_variates(self) -> bool:

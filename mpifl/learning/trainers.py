@@ -168,9 +168,7 @@ class TorchTrainer:
         """Whether each parameter steps inside backward (``train.step_in_backward``): not where a step needs every
         gradient first (accumulation over micro-batches, clipping by the global norm), under DDP (which reduces
         the gradients after they accumulate), nor beside a global optimizer hook (SCAFFOLD's correction)."""
-        c = self.cfg
-        return (c.step_in_backward and c.grad_accum_steps == 1 and not c.max_grad_norm and self.parallel is None
-                and not global_optimizer_hooks())
+        return self.cfg.steps_inside_backward() and self.parallel is None and not global_optimizer_hooks()
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         """``local_steps`` (else ``local_epochs`` worth of) optimizer steps of ``grad_accum_steps`` minibatches

@@ -49,6 +49,7 @@ class ModelBytes:
     parameters: int  # element count, exchanged and frozen (SCAFFOLD's control variates not counted)
     control: int = 0  # bytes of SCAFFOLD's control section, part of ``exchanged``
     local: int = 0  # bytes of the model.local tensors, part of ``frozen`` (they never travel)
+    largest: int = 0  # bytes of the largest tensor that trains (0: unknown, count every gradient)
 
     @property
     def total(self) -> int:
@@ -144,7 +145,10 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
         trained = nbytes - size.control + size.local  # SCAFFOLD's c never trains; model.local tensors do
         states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
         masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
-        client += TRAINING_RUNTIME_BYTES + trained + (8 * elements if masters else 0)
+        # gradients: every trained tensor's, or with steps inside backward the largest one's (each is freed as
+        # soon as its parameter stepped)
+        gradients = size.largest if cfg.steps_inside_backward() and size.largest else trained
+        client += TRAINING_RUNTIME_BYTES + gradients + (8 * elements if masters else 0)
         client += states * (4 * elements if masters else trained)
         if cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta":
             client += nbytes  # the global model kept for the next logical client or for the delta
