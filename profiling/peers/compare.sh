@@ -17,8 +17,11 @@
 # merged into results.json; the table gives medians over the repeats and mpifl's ratios to pfl.
 #
 # Peak memory: every run is wrapped by `task.py measure`, which samples the whole process tree of the
-# run every 0.2 s from /proc (smaps_rollup) and keeps the peak of the summed RSS, of the summed PSS
-# (shared pages split between processes: the fairer sum) and the largest single process's RSS.
+# run from /proc and keeps the peak of the summed RSS (VmRSS in /proc/PID/status, every 0.2 s), of the
+# summed PSS (shared pages split between processes: the fairer sum; smaps_rollup, every 1 s) and the
+# largest single process's RSS. PSS is read 5x less often because the kernel walks a process's page
+# tables to count it: 10-20 ms per read of a 500 MB process, CPU taken from 2 cores, more for a form
+# with more processes (until 2026-11-26 both were read every 0.2 s).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD HERE=$PWD/profiling/peers
