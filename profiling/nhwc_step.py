@@ -1,6 +1,8 @@
-"""What ``model.memory_format: channels_last`` is worth: one training step of the LEAF FEMNIST CNN (batch 10, SGD,
-one torch thread) with NCHW and with NHWC activations, and the max-pooling kernel's time per call in each, from
-torch.profiler. Interleaved repeats; medians. Run from the repository root, nothing else timing at once:
+"""What ``model.memory_format: channels_last`` and ``model.nhwc_pooling`` are worth: one training step of the LEAF
+FEMNIST CNN (batch 10, SGD, one torch thread) with NCHW activations and PyTorch's own pooling, with NCHW
+activations pooled by the NHWC kernel (``model.nhwc_pooling``, bitwise the same weights), and with NHWC
+activations; the max-pooling kernel's time per call in each, from torch.profiler. Interleaved repeats; medians.
+Run from the repository root, nothing else timing at once:
 
     python profiling/nhwc_step.py [--steps 300 --repeats 3]
 """
@@ -17,14 +19,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import task  # noqa: E402  (profiling/peers/task.py: the LEAF CNN the peer comparison uses)
 
-from mpifl.learning.models import use_memory_format  # noqa: E402
+from mpifl.learning.models import use_memory_format, use_nhwc_pooling  # noqa: E402
 
-LAYOUTS = ("contiguous", "channels_last")
+LAYOUTS = ("contiguous", "nhwc_pooling", "channels_last")
 
 
 def model_in(layout: str) -> torch.nn.Module:
-    """The LEAF CNN, seeded, with mpifl's NHWC hooks for channels_last."""
+    """The LEAF CNN, seeded: as written (contiguous), with its max pooling by the NHWC kernel (nhwc_pooling, the
+    default of model.nhwc_pooling), or with mpifl's NHWC hooks on its convolutions (channels_last)."""
     torch.manual_seed(0)
+    if layout == "nhwc_pooling":
+        return use_nhwc_pooling(task.leaf_cnn())
     return use_memory_format(task.leaf_cnn(), layout)
 
 
@@ -58,7 +63,7 @@ def pooling_ms_per_call(layout: str, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.profiler.profile() as prof:
         for _ in range(100):
             step(model, optimizer, x, y)
-    pool = next(e for e in prof.key_averages() if e.key == "aten::max_pool2d_with_indices")
+    pool = next(e for e in prof.key_averages() if e.key == "aten::max_pool2d_with_indices")  # either kernel
     return pool.self_cpu_time_total / pool.count / 1000
 
 
@@ -77,8 +82,9 @@ def main() -> int:
     print("| layout | ms per training step | max pooling, ms per call |\n|---|---|---|")
     for layout in LAYOUTS:
         print(f"| {layout} | {statistics.median(times[layout]):.1f} | {pooling_ms_per_call(layout, x, y):.2f} |")
-    ratio = statistics.median(times["contiguous"]) / statistics.median(times["channels_last"])
-    print(f"channels_last steps {ratio:.2f}x as fast")
+    for layout in LAYOUTS[1:]:
+        ratio = statistics.median(times["contiguous"]) / statistics.median(times[layout])
+        print(f"{layout} steps {ratio:.2f}x as fast as contiguous")
     return 0
 
 

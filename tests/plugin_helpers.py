@@ -64,6 +64,13 @@ def sized(input_shape, num_classes, hidden):
                          nn.Linear(hidden, num_classes))
 
 
+def pooling_cnn(channels: int = 8) -> nn.Module:
+    """A LEAF-shaped CNN for 1 x 28 x 28 inputs: convolutions, ReLU, max pooling (model.nhwc_pooling)."""
+    return nn.Sequential(nn.Conv2d(1, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(channels, 2 * channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(2 * channels * 7 * 7, 10))
+
+
 def unsized(width: int = 5) -> nn.Module:
     """A plug-in model that takes no shape: mpifl passes none."""
     return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))

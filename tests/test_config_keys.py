@@ -68,6 +68,7 @@ KEYS = (
     "model.lora.target_modules",
     "model.memory_format",
     "model.name",
+    "model.nhwc_pooling",
     "model.trainable",
     "model.transformers.architecture",
     "model.transformers.config",
