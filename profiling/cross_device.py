@@ -73,6 +73,8 @@ def main() -> int:
                    help="big_mlp: the communication-heavy 784-8192-2048-62 MLP (93 MB fp32)")
     p.add_argument("--memory-format", default="contiguous", choices=("contiguous", "channels_last"),
                    help="model.memory_format (channels_last: NHWC activations, faster CNN training on a CPU)")
+    p.add_argument("--nhwc-pooling", default="true", choices=("true", "false"),
+                   help="model.nhwc_pooling (false: PyTorch's own NCHW max-pooling kernel, as other frameworks run it)")
     p.add_argument("--step-in-backward", default="true", choices=("true", "false"),
                    help="train.step_in_backward (false: one optimizer step after backward, as before)")
     p.add_argument("--eval-every", type=int, default=0,
@@ -99,7 +101,7 @@ rounds: {args.rounds}
 clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {args.groups},
           placement: {args.placement}, group_by: {args.group_by}}}
 data: {data}
-model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}}}
+model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}, nhwc_pooling: {args.nhwc_pooling}}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu,
         step_in_backward: {args.step_in_backward}}}
 eval: {{every: {args.eval_every or args.rounds}}}
@@ -124,6 +126,7 @@ output: {{progress: false, save_model: false}}
         rounds.append(r["time"]["round"] - r["time"]["eval"])
     print(f"{args.clients} clients, {args.per_round} per round, {args.ranks} client ranks, groups {args.groups}, "
           f"placement {args.placement}, group_by {args.group_by}, memory format {args.memory_format}, "
+          f"nhwc_pooling {args.nhwc_pooling}, step_in_backward {args.step_in_backward}, "
           f"data {args.data}, {args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
     print(f"  seconds per round {statistics.median(rounds):.3f}; peak RSS: server "
           f"{max(r['server_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB, largest client rank "
@@ -140,7 +143,7 @@ output: {{progress: false, save_model: false}}
             client_peak_rss_mib=max(r["client_peak_rss_bytes"] for r in records) // 2**20,
             note=f"{args.ranks} client ranks + server (MPI), groups {args.groups} by {args.group_by}, "
                  f"placement {args.placement}, "
-                 f"memory format {args.memory_format}")),
+                 f"memory format {args.memory_format}, nhwc_pooling {args.nhwc_pooling}")),
               flush=True)
     return 0
 

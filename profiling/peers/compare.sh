@@ -9,8 +9,9 @@
 #     PEERS=pfl bash profiling/peers/compare.sh                 # skip Flower (slow)
 #
 # NHWC=1 (the default) also times the CNN with every Conv2d's output in channels_last order, in mpifl
-# (model.memory_format: channels_last) and in pfl (the same forward hooks, task.nhwc_activations), so that the
-# table separates what the framework does from what the memory format does.
+# (model.memory_format: channels_last) and in pfl (the same forward hooks, task.nhwc_activations), and mpifl with
+# PyTorch's own max-pooling kernel (model.nhwc_pooling: false, the kernels pfl runs as given), so that the
+# table separates what the framework does from what the memory format and the pooling kernel do.
 #
 # Runs are interleaved: repeat 1 of every framework on every task, then repeat 2, ...; each run is saved
 # as logs/TASK-FORM-rN.json (forms: mpifl, flower, pfl2 = torchrun --nproc-per-node 2, pfl1 = 1 process),
@@ -74,6 +75,8 @@ run_task() {  # run_task LABEL TASK ROUNDS PER_ROUND REPEAT
                       --ranks "$WORKERS" --groups "$WORKERS" --placement per_round --group-by cost --data plugin)
     measure "$label-mpifl-r$r" .venv/bin/python profiling/cross_device.py "${mpifl_args[@]}"
     if [ "$NHWC" = 1 ] && [ "$task" = cnn ]; then
+        measure "$label-mpifl_torchpool-r$r" .venv/bin/python profiling/cross_device.py "${mpifl_args[@]}" \
+            --nhwc-pooling false
         measure "$label-mpifl_nhwc-r$r" .venv/bin/python profiling/cross_device.py "${mpifl_args[@]}" \
             --memory-format channels_last
     fi

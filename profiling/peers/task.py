@@ -180,6 +180,7 @@ FORMS = {  # framework form (the middle of a run's name) -> what the table calls
     "mpifl": "mpifl (2 client ranks + server, 2 groups by cost, per-round placement)",
     "pfl2": "pfl-research, 2 processes (torchrun)",
     "pfl1": "pfl-research, 1 process",
+    "mpifl_torchpool": "mpifl, PyTorch's own max-pooling kernel (model.nhwc_pooling: false)",
     "mpifl_nhwc": "mpifl, NHWC activations (model.memory_format: channels_last)",
     "pfl2_nhwc": "pfl-research, 2 processes, NHWC activations (the same hooks)",
     "pfl1_nhwc": "pfl-research, 1 process, NHWC activations (the same hooks)",
@@ -257,8 +258,9 @@ def table(out: str, parts: list[str], header: str | None = None) -> None:
     ratios = []
     any_flower = any("flower" in forms for forms in stats.values())
     for task_, forms in stats.items():
-        # each mpifl form against pfl's forms with the same model code; NHWC mpifl also against pfl as given
-        for mine, theirs in (("mpifl", ""), ("mpifl_nhwc", "_nhwc"), ("mpifl_nhwc", "")):
+        # each mpifl form against pfl's forms with the same model code (mpifl's default pools by the NHWC kernel:
+        # also against pfl with NHWC activations, and mpifl with PyTorch's pooling against pfl as given)
+        for mine, theirs in (("mpifl", ""), ("mpifl_torchpool", ""), ("mpifl", "_nhwc"), ("mpifl_nhwc", "_nhwc")):
             m = forms.get(mine)
             pfl = {f: forms[f] for f in (f"pfl2{theirs}", f"pfl1{theirs}") if f in forms and forms[f]["time"]}
             if not m or m["time"] is None or not pfl:
