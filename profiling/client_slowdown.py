@@ -5,7 +5,8 @@ The cross-device task of ``profiling/peers`` (FEMNIST-like data, lognormal clien
 CNN (1.69 M parameters, about 20 samples a client) or the 93 MB MLP (about 5 samples a client), in a federation of
 ``--clients`` clients that all take part in every round. Every scenario trains those same clients (the same sizes:
 a client's time grows with its samples) with mpifl's own trainer (``mpifl.learning.trainers.TorchTrainer``, one
-torch thread), each from the same global model, so only the surroundings differ:
+torch thread, mpifl's default kernels: ``model.nhwc_pooling``), each from the same global model, so only the
+surroundings differ:
 
 - ``alone``: one process, nothing else running;
 - ``beside training``: two processes, each training the same clients at the same time (two client ranks);
@@ -46,12 +47,13 @@ def client_seconds(model_name: str, clients: int, seed: int = 0) -> list[float]:
 
     from mpifl.config import TrainConfig
     from mpifl.learning.datasets import ClientData
+    from mpifl.learning.models import use_nhwc_pooling
     from mpifl.learning.trainers import TorchTrainer
 
     torch.set_num_threads(1)
     x, y, _, _, writers = task.femnist_data(clients, SAMPLES[model_name], 0.5, 1.0, seed=0)
     torch.manual_seed(seed)
-    model = getattr(task, model_name)()
+    model = use_nhwc_pooling(getattr(task, model_name)())  # the kernels an mpifl rank runs (model.nhwc_pooling)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = TorchTrainer(TrainConfig(optimizer="sgd", lr=0.05, batch_size=10, local_epochs=1))
     out = []
