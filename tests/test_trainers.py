@@ -131,3 +131,28 @@ def test_clipping_bounds_every_step_by_the_gradient_norm():
     clipped, _, _ = _trained("mlp", lr=0.1, local_steps=4, max_grad_norm=1e-3)
     assert float((clipped - start).norm()) <= 4 * 0.1 * 1e-3 * (1 + 1e-4)
     assert float((free - start).norm()) > 100 * float((clipped - start).norm())
+
+
+class ScaledTwice(torch.nn.Module):
+    """Uses its scale detached early in forward (a saved view its backward needs after the scale has stepped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(64, 10)
+        self.scale = torch.nn.Parameter(torch.ones(10))
+
+    def forward(self, x):
+        return self.first(x.flatten(1)) * self.scale.detach() * self.scale
+
+
+def test_a_model_that_needs_a_stepped_parameter_in_backward_names_the_setting_that_trains_it():
+    import pytest
+
+    from mpifl.config import TrainConfig
+    from mpifl.learning.datasets import ClientData
+    from mpifl.learning.trainers import TorchTrainer
+
+    data = ClientData(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
+    with pytest.raises(RuntimeError, match=r"set train\.step_in_backward: false"):
+        TorchTrainer(TrainConfig(batch_size=4)).train(ScaledTwice(), data, seed=0)
+    assert TorchTrainer(TrainConfig(batch_size=4, step_in_backward=False)).train(ScaledTwice(), data, seed=0)

@@ -150,6 +150,19 @@ def steps_in_backward(params: Sequence[torch.Tensor], c: TrainConfig) -> Iterato
             handle.remove()
 
 
+def backward(objective: torch.Tensor, steps_inside: bool) -> None:
+    """``objective.backward()``; with steps inside backward, PyTorch's in-place error gets the setting that avoids it
+    (a model that saved a detached view of a parameter for its backward pass sees that parameter stepped first)."""
+    try:
+        objective.backward()
+    except RuntimeError as err:
+        if steps_inside and "modified by an inplace operation" in str(err):
+            raise RuntimeError(f"{err}\n(train.step_in_backward steps each parameter as soon as its gradient is "
+                               "accumulated; this model uses a parameter's value later in its backward pass: set "
+                               "train.step_in_backward: false)") from err
+        raise
+
+
 class TorchTrainer:
     """A plain PyTorch loop: shuffled minibatches, epochs or a fixed number of steps (optionally FedProx,
     gradient accumulation and clipping).
@@ -205,7 +218,7 @@ class TorchTrainer:
                             objective = objective + proximal_term(params, anchors, c.prox_mu)
                         if c.grad_accum_steps > 1:  # each step's gradient: the mean over its micro-batches
                             objective = objective / c.grad_accum_steps
-                        objective.backward()
+                        backward(objective, in_backward)
                     total += loss.item() * len(share) if len(share) else 0.0
                     count += len(share)
                 if optimizer is not None:
