@@ -104,8 +104,9 @@ def plan_main(args: argparse.Namespace) -> int:
     where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + state"
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, 'labels + held-out set')}]")
+    gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
     print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
-          f"{' + gradients + optimizer' if cfg.train.trainer != 'none' else ''}"
+          f"{gradients + ' + optimizer' if cfg.train.trainer != 'none' else ''}"
           f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
     if per_client > 1:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
