@@ -75,8 +75,9 @@ def main() -> int:
                    help="model.memory_format (channels_last: NHWC activations, faster CNN training on a CPU)")
     p.add_argument("--nhwc-pooling", default="true", choices=("true", "false"),
                    help="model.nhwc_pooling (false: PyTorch's own NCHW max-pooling kernel, as other frameworks run it)")
-    p.add_argument("--step-in-backward", default="true", choices=("true", "false"),
-                   help="train.step_in_backward (false: one optimizer step after backward, as before)")
+    p.add_argument("--step-in-backward", default="false", choices=("true", "false"),
+                   help="train.step_in_backward (true: each parameter steps inside backward; false, the default: one "
+                   "optimizer step after backward)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
     p.add_argument("--data", default="table", choices=("table", "plugin"),

@@ -81,13 +81,13 @@ def test_a_client_rank_holds_one_gradient_at_a_time_when_parameters_step_inside_
     from mpifl.planning.memory import ModelBytes, client_bytes
 
     size = ModelBytes(exchanged=100 * MIB, frozen=0, parameters=25 * 2**20, largest=60 * MIB)
-    inside = load_config(None, data={"clients": {"num_clients": 4}})
-    held = {key: load_config(None, data={"clients": {"num_clients": 4}, "train": value})
-            for key, value in (("off", {"step_in_backward": False}), ("accumulating", {"grad_accum_steps": 2}),
-                               ("clipping", {"max_grad_norm": 1.0}))}
+    inside = load_config(None, data={"clients": {"num_clients": 4}, "train": {"step_in_backward": True}})
+    held = {key: load_config(None, data={"clients": {"num_clients": 4}, "train": {"step_in_backward": True, **value}})
+            for key, value in (("off (the default)", {"step_in_backward": False}),
+                               ("accumulating", {"grad_accum_steps": 2}), ("clipping", {"max_grad_norm": 1.0}))}
     assert inside.steps_inside_backward() and not any(c.steps_inside_backward() for c in held.values())
     for cfg in held.values():  # every gradient at once, against the largest alone
         assert client_bytes(cfg, size, 2) - client_bytes(inside, size, 2) == 40 * MIB
-    scaffold = load_config(None, data={"clients": {"num_clients": 4},
+    scaffold = load_config(None, data={"clients": {"num_clients": 4}, "train": {"step_in_backward": True},
                                        "strategy": {"name": "scaffold", "update": "delta"}})
     assert not scaffold.steps_inside_backward()  # its correction hooks every whole optimizer step

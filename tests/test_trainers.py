@@ -101,14 +101,15 @@ def test_stepping_inside_backward_gives_bitwise_the_weights_of_one_step_after_ba
 def test_steps_stay_after_backward_where_a_step_needs_every_gradient_first():
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    assert not _trained("mlp", local_steps=1, grad_accum_steps=2)[2].steps_in_backward()
-    assert not _trained("mlp", local_steps=1, max_grad_norm=1.0)[2].steps_in_backward()
+    assert not _trained("mlp", local_steps=1)[2].steps_in_backward()  # off by default
+    assert not _trained("mlp", local_steps=1, step_in_backward=True, grad_accum_steps=2)[2].steps_in_backward()
+    assert not _trained("mlp", local_steps=1, step_in_backward=True, max_grad_norm=1.0)[2].steps_in_backward()
     handle = register_optimizer_step_post_hook(lambda *_: None)  # what SCAFFOLD's correction registers
     try:
-        assert not _trained("mlp", local_steps=1)[2].steps_in_backward()
+        assert not _trained("mlp", local_steps=1, step_in_backward=True)[2].steps_in_backward()
     finally:
         handle.remove()
-    assert _trained("mlp", local_steps=1)[2].steps_in_backward()
+    assert _trained("mlp", local_steps=1, step_in_backward=True)[2].steps_in_backward()
 
 
 def test_accumulating_two_half_batches_is_one_step_on_their_mean_gradient():
@@ -154,5 +155,5 @@ def test_a_model_that_needs_a_stepped_parameter_in_backward_names_the_setting_th
 
     data = ClientData(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
     with pytest.raises(RuntimeError, match=r"set train\.step_in_backward: false"):
-        TorchTrainer(TrainConfig(batch_size=4)).train(ScaledTwice(), data, seed=0)
+        TorchTrainer(TrainConfig(batch_size=4, step_in_backward=True)).train(ScaledTwice(), data, seed=0)
     assert TorchTrainer(TrainConfig(batch_size=4, step_in_backward=False)).train(ScaledTwice(), data, seed=0)

@@ -164,11 +164,11 @@ class TrainConfig:
     batch_size: int = field_(32, "local minibatch size", min=1)
     grad_accum_steps: int = field_(1, "micro-batches of batch_size accumulated per optimizer step (torch and "
                                    "causal_lm trainers)", min=1)
-    step_in_backward: bool = field_(True, "torch trainer: step each parameter as soon as backward has accumulated "
-                                    "its gradient (bitwise the same weights as one step after backward, faster, "
-                                    "and no model-sized gradient held). Off by itself with grad_accum_steps > 1, "
-                                    "max_grad_norm, ranks_per_client > 1 and SCAFFOLD; set false for a model "
-                                    "that saves a detached view of a parameter for its backward pass")
+    step_in_backward: bool = field_(False, "torch trainer: step each parameter as soon as backward has accumulated "
+                                    "its gradient (bitwise the same weights as one step after backward; no "
+                                    "model-sized gradient held at once, so less memory; not faster on a CPU). Not "
+                                    "with grad_accum_steps > 1, max_grad_norm, ranks_per_client > 1 or SCAFFOLD, "
+                                    "nor for a model that uses a parameter's value later in its own backward pass")
     gradient_checkpointing: bool = field_(False, "causal_lm: recompute activations in the backward pass (less memory, "
                                            "~30% more compute)")
     max_grad_norm: float | None = field_(None, "clip the global gradient norm to this before each step (torch and "

@@ -130,10 +130,11 @@ def steps_in_backward(params: Sequence[torch.Tensor], c: TrainConfig) -> Iterato
     """Inside, each parameter's optimizer step runs as soon as backward has accumulated its gradient, and the
     gradient is freed at once (PyTorch's "optimizer step in backward" recipe, one optimizer per parameter).
 
-    Why: the gradients are never all held at once (a model-sized buffer less at the peak of backward), and each
-    step reads a gradient that backward has just written, still in cache, instead of a second pass over the
-    model after backward. The time gained is small: 1-2% of a cross-device round on the LEAF CNN and the 93 MB
-    MLP, within the noise of a single step (``profiling/step_in_backward.py``; docs: how-to/cpu-training).
+    Why: the gradients are never all held at once (a model-sized buffer less at the peak of backward). It is not
+    a speed-up: one ``step()`` per parameter costs Python overhead that the cache-warm update does not win back
+    on a CPU (cross-device rounds 0.98-1.05x the time of one step after backward over three interleaved
+    measurements, ``profiling/step_in_backward.py`` and ``profiling/cross_device.py --step-in-backward``), so
+    it is off by default.
     SGD, Adam and AdamW update each parameter from its own gradient and state alone, so the weights are
     bitwise those of one ``optimizer.step()`` after backward (``tests/test_trainers.py``)."""
     optimizers = {p: make_optimizer([p], c) for p in params}
