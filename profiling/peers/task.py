@@ -117,29 +117,27 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def _rss(pid: int) -> int:
-    """Resident bytes from /proc/PID/status (VmRSS): kernel counters, read in microseconds."""
+def _proc_bytes(path: str, key: str) -> int:
+    """A ``key:  N kB`` line of a /proc file, in bytes (0 once the process is gone)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes from /proc/PID/status (VmRSS): kernel counters, read in microseconds."""
+    return _proc_bytes(f"/proc/{pid}/status", "VmRSS:")
 
 
 def _pss(pid: int) -> int:
     """Proportional bytes from /proc/PID/smaps_rollup: the kernel walks the page tables to count them, 10-20 ms
     for a 500 MB process, with the process's memory map locked; hence read less often than RSS."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
 def measure(out: str, cmd: list[str], interval: float = 0.2, pss_every: int = 5) -> int:
