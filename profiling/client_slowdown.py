@@ -8,12 +8,15 @@ a client's time grows with its samples) with mpifl's own trainer (``mpifl.learni
 torch thread, mpifl's default kernels: ``model.nhwc_pooling``), each from the same global model, so only the
 surroundings differ:
 
-- ``alone``: one process, nothing else running;
+- ``alone``: one process, nothing else running: a plain loop as a user writes it;
 - ``beside training``: two processes, each training the same clients at the same time (two client ranks);
 - ``beside folding``: one process training, another folding fp32 update-sized buffers without pause
   (``acc += w * x``, the server's reduction at its busiest);
 - ``inside mpifl``: an mpifl run (server + ``--ranks`` client ranks, ``clients.groups`` = ranks) on the same task;
-  a client's time is its rank's training seconds per client from ``metrics.jsonl`` (rounds after the first).
+  a client's time is its rank's training seconds per client from ``metrics.jsonl`` (rounds after the first);
+- "reused" / "returned": the same with glibc keeping freed memory for the next allocation, as mpifl's client
+  ranks do by default (``train.reuse_freed_memory``), or handing it back to the kernel, as a plain process does.
+  The plain loops also count each client's minor page faults.
 
 Each scenario's figure is the median seconds per client over ``--repeats`` interleaved repeats; the table gives
 each as a ratio to ``alone``. Run from the repository root, on a quiet machine (no other timing at once):
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -40,15 +44,20 @@ import task  # noqa: E402  (profiling/peers/task.py: the data and models shared 
 SAMPLES = {"leaf_cnn": 20, "big_mlp": 5}
 
 
-def client_seconds(model_name: str, clients: int, seed: int = 0) -> list[float]:
+def client_costs(model_name: str, clients: int, seed: int = 0, reuse_freed: bool = False) -> list[tuple[float, int]]:
     """Train every client of a ``clients``-client federation one after another from the same global model (the
-    clients an mpifl run of that federation trains each round, every client taking part); seconds each."""
+    clients an mpifl run of that federation trains each round, every client taking part); seconds and minor page
+    faults each. ``reuse_freed``: glibc keeps freed memory for reuse first, as mpifl's client ranks do
+    (``train.reuse_freed_memory``); irreversible, so call it in a process of its own."""
+    import resource
+
     import torch
 
     from mpifl.config import TrainConfig
     from mpifl.learning.datasets import ClientData
     from mpifl.learning.models import use_nhwc_pooling
     from mpifl.learning.trainers import TorchTrainer
+    from mpifl.wire.memory import reuse_freed_memory
 
     torch.set_num_threads(1)
     x, y, _, _, writers = task.femnist_data(clients, SAMPLES[model_name], 0.5, 1.0, seed=0)
@@ -56,14 +65,22 @@ def client_seconds(model_name: str, clients: int, seed: int = 0) -> list[float]:
     model = use_nhwc_pooling(getattr(task, model_name)())  # the kernels an mpifl rank runs (model.nhwc_pooling)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = TorchTrainer(TrainConfig(optimizer="sgd", lr=0.05, batch_size=10, local_epochs=1))
+    if reuse_freed:
+        reuse_freed_memory()
     out = []
     for c in range(clients):
         data = ClientData(torch.from_numpy(x[writers[c]]), torch.from_numpy(y[writers[c]]))
         model.load_state_dict(start)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         began = time.perf_counter()
         trainer.train(model, data, seed + c)
-        out.append(time.perf_counter() - began)
+        out.append((time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
     return out
+
+
+def client_seconds(model_name: str, clients: int, seed: int = 0, reuse_freed: bool = False) -> list[float]:
+    """The seconds of ``client_costs``."""
+    return [seconds for seconds, _ in client_costs(model_name, clients, seed, reuse_freed)]
 
 
 def fold_forever(elements: int, stop) -> None:
@@ -76,24 +93,28 @@ def fold_forever(elements: int, stop) -> None:
         acc.add_(update, alpha=0.5)
 
 
-def _train_into(model_name: str, clients: int, queue) -> None:
-    queue.put(client_seconds(model_name, clients))
+def _train_into(model_name: str, clients: int, reuse_freed: bool, queue) -> None:
+    queue.put(client_costs(model_name, clients, reuse_freed=reuse_freed))
 
 
-def beside_training(model_name: str, clients: int) -> list[float]:
-    """Two processes training the same clients at once: the first one's seconds per client."""
+Costs = list[tuple[float, int | None]]  # per client: seconds, and minor page faults where counted
+
+
+def plain_loops(model_name: str, clients: int, loops: int = 1, reuse_freed: bool = False) -> Costs:
+    """``loops`` processes each training the same clients at once (2: what two client ranks on 2 cores are); every
+    loop's clients. Each in a process of its own, so that ``reuse_freed`` leaves this one as it was."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_train_into, args=(model_name, clients, queue)) for _ in range(2)]
+    procs = [ctx.Process(target=_train_into, args=(model_name, clients, reuse_freed, queue)) for _ in range(loops)]
     for p in procs:
         p.start()
-    results = [queue.get() for _ in procs]
+    results = [cost for _ in procs for cost in queue.get()]
     for p in procs:
         p.join()
-    return results[0] + results[1]
+    return results
 
 
-def beside_folding(model_name: str, clients: int) -> list[float]:
+def beside_folding(model_name: str, clients: int) -> Costs:
     """One process training while another folds update-sized buffers."""
     elements = sum(p.numel() for p in getattr(task, model_name)().parameters())
     ctx = mp.get_context("spawn")
@@ -102,25 +123,26 @@ def beside_folding(model_name: str, clients: int) -> list[float]:
     folder.start()
     try:
         time.sleep(1.0)  # the folder is up and folding
-        return client_seconds(model_name, clients)
+        return plain_loops(model_name, clients)
     finally:
         stop.set()
         folder.join()
 
 
-def inside_mpifl(model_name: str, clients: int, ranks: int, rounds: int = 4) -> list[float]:
-    """An mpifl run on the same task: each rank's training seconds per client, rounds after the first."""
+def inside_mpifl(model_name: str, clients: int, ranks: int, rounds: int = 4, reuse_freed: bool = True) -> Costs:
+    """An mpifl run on the same task: each rank's training seconds per client, rounds after the first
+    (``reuse_freed``: ``train.reuse_freed_memory``, on by default)."""
     with tempfile.TemporaryDirectory(prefix="slowdown-") as work:
         run_dir = Path(work) / "run"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         bin_dir = Path(sys.executable).parent
         subprocess.run([str(bin_dir / "python"), str(HERE / "cross_device.py"), "--model", model_name,
                         "--samples", str(SAMPLES[model_name]), "--clients", str(clients), "--per-round", str(clients),
-                        "--ranks", str(ranks),
+                        "--ranks", str(ranks), "--reuse-freed-memory", str(reuse_freed).lower(),
                         "--groups", str(ranks), "--rounds", str(rounds), "--data", "plugin", "--keep", str(run_dir)],
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    return [r["train_seconds"] / r["clients"] for record in records for r in record["ranks"].values()]
+    return [(r["train_seconds"] / r["clients"], None) for record in records for r in record["ranks"].values()]
 
 
 def main() -> int:
@@ -130,25 +152,36 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2, help="client ranks of the mpifl run")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    scenarios = {"alone": lambda: client_seconds(args.model, args.clients),
-                 "beside training": lambda: beside_training(args.model, args.clients),
-                 "beside folding": lambda: beside_folding(args.model, args.clients),
-                 f"inside mpifl ({args.ranks} client ranks)": lambda: inside_mpifl(args.model, args.clients,
-                                                                                  args.ranks)}
-    medians: dict[str, list[float]] = {name: [] for name in scenarios}
+    m, n = args.model, args.clients
+    inside = f"inside mpifl ({args.ranks} client ranks)"
+    scenarios: dict[str, Callable[[], Costs]] = {
+        "alone": lambda: plain_loops(m, n),
+        "alone, freed memory reused": lambda: plain_loops(m, n, reuse_freed=True),
+        "beside training": lambda: plain_loops(m, n, loops=2),
+        "beside training, reused": lambda: plain_loops(m, n, loops=2, reuse_freed=True),
+        "beside folding": lambda: beside_folding(m, n),
+        inside: lambda: inside_mpifl(m, n, args.ranks),
+        f"{inside}, freed memory returned": lambda: inside_mpifl(m, n, args.ranks, reuse_freed=False)}
+    seconds: dict[str, list[float]] = {name: [] for name in scenarios}
+    faults: dict[str, list[float]] = {name: [] for name in scenarios}
     for _ in range(args.repeats):  # interleaved: each repeat runs every scenario once
         for name, scenario in scenarios.items():
-            medians[name].append(statistics.median(scenario()))
-    alone = statistics.median(medians["alone"])
-    print(f"{args.model}, {args.clients} clients, median seconds per client over {args.repeats} interleaved "
-          f"repeats ({os.cpu_count()} cores):")
-    for name, values in medians.items():
+            costs = scenario()
+            seconds[name].append(statistics.median(s for s, _ in costs))
+            counted = [f for _, f in costs if f is not None]
+            if counted:
+                faults[name].append(statistics.median(counted))
+    alone = statistics.median(seconds["alone"])
+    print(f"{m}, {n} clients, median seconds per client over {args.repeats} interleaved repeats "
+          f"({os.cpu_count()} cores); 'reused': glibc keeps freed memory (train.reuse_freed_memory, mpifl's default):")
+    for name, values in seconds.items():
         value = statistics.median(values)
-        print(f"  {name:<32} {1000 * value:8.1f} ms  {value / alone:5.2f}x alone")
-    inside = statistics.median(medians[f"inside mpifl ({args.ranks} client ranks)"])
-    beside = statistics.median(medians["beside training"])
-    # the plain loop with as many trainers at once as the mpifl run has client ranks (on 2 cores: 2 trainers)
-    print(f"  inside mpifl over two plain loops training at once: {inside / beside:5.2f}x")
+        counted = f"{statistics.median(faults[name]):8.0f} page faults" if faults[name] else ""
+        print(f"  {name:<50} {1000 * value:8.1f} ms  {value / alone:5.2f}x alone {counted}")
+    # the plain loops with as many trainers at once as the mpifl run has client ranks (on 2 cores: 2 trainers)
+    for plain in ("beside training", "beside training, reused"):
+        print(f"  inside mpifl over two plain loops training at once ({plain}): "
+              f"{statistics.median(seconds[inside]) / statistics.median(seconds[plain]):5.2f}x")
     return 0
 
 

@@ -78,6 +78,9 @@ def main() -> int:
     p.add_argument("--step-in-backward", default="false", choices=("true", "false"),
                    help="train.step_in_backward (true: each parameter steps inside backward; false, the default: one "
                    "optimizer step after backward)")
+    p.add_argument("--reuse-freed-memory", default="true", choices=("true", "false"),
+                   help="train.reuse_freed_memory (false: client ranks hand freed memory back to the kernel, as a "
+                   "plain process does, and page-fault it in again at the next step)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
     p.add_argument("--data", default="table", choices=("table", "plugin"),
@@ -104,7 +107,7 @@ clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {ar
 data: {data}
 model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}, nhwc_pooling: {args.nhwc_pooling}}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu,
-        step_in_backward: {args.step_in_backward}}}
+        step_in_backward: {args.step_in_backward}, reuse_freed_memory: {args.reuse_freed_memory}}}
 eval: {{every: {args.eval_every or args.rounds}}}
 output: {{progress: false, save_model: false}}
 """)
@@ -128,6 +131,7 @@ output: {{progress: false, save_model: false}}
     print(f"{args.clients} clients, {args.per_round} per round, {args.ranks} client ranks, groups {args.groups}, "
           f"placement {args.placement}, group_by {args.group_by}, memory format {args.memory_format}, "
           f"nhwc_pooling {args.nhwc_pooling}, step_in_backward {args.step_in_backward}, "
+          f"reuse_freed_memory {args.reuse_freed_memory}, "
           f"data {args.data}, {args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
     print(f"  seconds per round {statistics.median(rounds):.3f}; peak RSS: server "
           f"{max(r['server_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB, largest client rank "
@@ -144,7 +148,8 @@ output: {{progress: false, save_model: false}}
             client_peak_rss_mib=max(r["client_peak_rss_bytes"] for r in records) // 2**20,
             note=f"{args.ranks} client ranks + server (MPI), groups {args.groups} by {args.group_by}, "
                  f"placement {args.placement}, "
-                 f"memory format {args.memory_format}, nhwc_pooling {args.nhwc_pooling}")),
+                 f"memory format {args.memory_format}, nhwc_pooling {args.nhwc_pooling}, "
+                 f"reuse_freed_memory {args.reuse_freed_memory}")),
               flush=True)
     return 0
 

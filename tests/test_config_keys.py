@@ -131,6 +131,7 @@ KEYS = (
     "train.optimizer",
     "train.personal_ram_mb",
     "train.prox_mu",
+    "train.reuse_freed_memory",
     "train.step_in_backward",
     "train.threads",
     "train.trainer",

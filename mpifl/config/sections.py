@@ -169,6 +169,11 @@ class TrainConfig:
                                     "model-sized gradient held at once, so less memory; not faster on a CPU). Not "
                                     "with grad_accum_steps > 1, max_grad_norm, ranks_per_client > 1 or SCAFFOLD, "
                                     "nor for a model that uses a parameter's value later in its own backward pass")
+    reuse_freed_memory: bool = field_(True, "client ranks: glibc's malloc keeps freed memory for the next "
+                                      "allocation instead of returning it to the kernel, so each training step "
+                                      "reuses the pages the last one freed rather than page-faulting in freshly "
+                                      "zeroed ones (no effect on results; resident memory stays at its "
+                                      "high-water mark; a no-op without glibc)")
     gradient_checkpointing: bool = field_(False, "causal_lm: recompute activations in the backward pass (less memory, "
                                            "~30% more compute)")
     max_grad_norm: float | None = field_(None, "clip the global gradient norm to this before each step (torch and "

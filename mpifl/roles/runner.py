@@ -62,6 +62,7 @@ from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
 from mpifl.wire.watchdog import RunDeadlines, StragglerRule
@@ -372,7 +373,9 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
         controls=controls, personal=personal, personal_models=personal_models,
         note=note or RankNotes(None, comm.Get_rank()), group=leader)
-    ClientRank(comm, flat, local, parts).run()
+    client = ClientRank(comm, flat, local, parts)
+    _reuse_freed_memory(cfg)
+    client.run()
     if leader is not None:
         leader.release()
 
@@ -382,8 +385,17 @@ def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappi
     replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
-    GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat)).run()
+    member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat))
+    _reuse_freed_memory(cfg)
+    member.run()
     notes("finished")
+
+
+def _reuse_freed_memory(cfg: Config) -> None:
+    """Once a client rank's long-lived buffers exist: what its training steps free serves their next allocations
+    (``train.reuse_freed_memory``; mpifl.wire.memory.reuse_freed_memory says why)."""
+    if cfg.train.reuse_freed_memory:
+        reuse_freed_memory()
 
 
 def _parallel(trainer: Trainer, group: MPI.Comm) -> DataParallel:
