@@ -174,10 +174,11 @@ def main() -> int:
     alone = statistics.median(seconds["alone"])
     print(f"{m}, {n} clients, median seconds per client over {args.repeats} interleaved repeats "
           f"({os.cpu_count()} cores); 'reused': glibc keeps freed memory (train.reuse_freed_memory, mpifl's default):")
+    width = max(map(len, seconds))
     for name, values in seconds.items():
         value = statistics.median(values)
         counted = f"{statistics.median(faults[name]):8.0f} page faults" if faults[name] else ""
-        print(f"  {name:<50} {1000 * value:8.1f} ms  {value / alone:5.2f}x alone {counted}")
+        print(f"  {name:<{width}} {1000 * value:8.1f} ms  {value / alone:5.2f}x alone {counted}")
     # the plain loops with as many trainers at once as the mpifl run has client ranks (on 2 cores: 2 trainers)
     for plain in ("beside training", "beside training, reused"):
         print(f"  inside mpifl over two plain loops training at once ({plain}): "

@@ -152,6 +152,23 @@ def test_resume_may_change_rounds_but_not_the_model():
     assert resume_conflict(saved, changed) == "model.dtype: 'float32' in the checkpoint, 'bfloat16' now"
 
 
+def test_resume_may_change_what_only_sets_speed_or_memory_not_the_numbers():
+    saved = {"model": {"name": "cnn", "nhwc_pooling": True},
+             "train": {"lr": 0.1, "reuse_freed_memory": True, "step_in_backward": False}}
+    faster = {"model": {"name": "cnn", "nhwc_pooling": False},
+              "train": {"lr": 0.1, "reuse_freed_memory": False, "step_in_backward": True}}
+    assert resume_conflict(saved, faster) is None
+
+
+def test_a_checkpoint_older_than_a_key_resumes_at_the_keys_default_and_not_at_another_value():
+    defaults = {"train": {"lr": 0.05, "prox_mu": 0.0}}
+    older = {"train": {"lr": 0.1}}  # written before train.prox_mu existed: it ran as prox_mu 0
+    assert resume_conflict(older, {"train": {"lr": 0.1, "prox_mu": 0.0}}, defaults) is None
+    assert resume_conflict(older, {"train": {"lr": 0.1, "prox_mu": 0.01}}, defaults) == (
+        "train.prox_mu: absent from the checkpoint (written before the key existed, so the run went as its default "
+        "0.0), 0.01 now")
+
+
 def test_inspect_and_export_a_checkpoint(tmp_path):
     from safetensors.torch import load_file
 

@@ -37,7 +37,7 @@ from mpifl.config.sections import (
 __all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfig", "Config", "ConfigError",
            "DataConfig", "EvalConfig", "LoraConfig", "ModelConfig", "OutputConfig", "PrivacyConfig", "SecAggConfig",
            "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig", "TransformersConfig", "TransportConfig",
-           "config_warnings", "dump_config", "load_config", "resume_conflict"]
+           "config_warnings", "dump_config", "load_config", "resumable_keys", "resume_conflict"]
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: dict | None = None) -> Config:
@@ -66,21 +66,40 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
     return cfg
 
 
-# Keys that may differ between a checkpoint's config and the config that resumes it.
-RESUMABLE = ("name", "rounds", "checkpoint", "output", "eval", "transport", "server", "timeouts")
+# Keys that may differ between a checkpoint's config and the config that resumes it: sections that do not touch the
+# numbers, and settings that change only how fast or in how much memory the same numbers come out (bitwise the
+# same results, each with its test).
+RESUMABLE = ("name", "rounds", "checkpoint", "output", "eval", "transport", "server", "timeouts",
+             "model.nhwc_pooling", "train.reuse_freed_memory", "train.step_in_backward")
 
 
-def resume_conflict(saved: dict, current: dict) -> str | None:
-    """The first key whose change would make a resumed run differ from an uninterrupted one."""
+def resumable_keys() -> str:
+    """RESUMABLE for a message: a whole section as ``section.*``."""
+    defaults = Config().to_dict()
+    return ", ".join(f"{k}.*" if isinstance(defaults.get(k), dict) else k for k in RESUMABLE)
+
+
+def resume_conflict(saved: dict, current: dict, defaults: dict | None = None) -> str | None:
+    """The first key whose change would make a resumed run differ from an uninterrupted one.
+
+    ``defaults`` (the config's defaults, ``Config().to_dict()``) stand in for keys the checkpoint lacks: a
+    checkpoint written before a key existed ran as that key's default does, so a resume may keep the default
+    (a newer mpifl resuming an older run) but not change it."""
+    defaults = defaults or {}
     for key in sorted(set(saved) | set(current)):
         if key in RESUMABLE:
             continue
-        a, b = saved.get(key), current.get(key)
+        a, b = saved.get(key, defaults.get(key)), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            inner = resume_conflict({f"{key}.{k}": v for k, v in a.items()}, {f"{key}.{k}": v for k, v in b.items()})
+            default = defaults.get(key)
+            inner = resume_conflict({f"{key}.{k}": v for k, v in a.items()}, {f"{key}.{k}": v for k, v in b.items()},
+                                    {f"{key}.{k}": v for k, v in default.items()} if isinstance(default, dict) else {})
             if inner:
                 return inner
         elif a != b:
+            if key not in saved and key in defaults:
+                return (f"{key}: absent from the checkpoint (written before the key existed, so the run went as "
+                        f"its default {a!r}), {b!r} now")
             return f"{key}: {a!r} in the checkpoint, {b!r} now"
     return None
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from mpifl.config import Config, ConfigError, dump_config, resume_conflict
+from mpifl.config import Config, ConfigError, dump_config, resumable_keys, resume_conflict
 from mpifl.errors import CheckpointError
 from mpifl.logs import log
 from mpifl.storage.checkpointer import (
@@ -93,10 +93,9 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
             ckpt.close()
             raise ConfigError(f"cannot resume: {problem}")
     with ckpt:
-        conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict())
+        conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict(), Config().to_dict())
         if conflict:
-            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only "
-                              "rounds, checkpoint.*, output.*, eval.*, transport.*, server.*, timeouts.* may change)")
+            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only {resumable_keys()} may change)")
         if ckpt.round == cfg.rounds:
             raise RunComplete(f"run already complete: {ckpt.path} holds round {ckpt.round} of rounds={cfg.rounds}; "
                               "nothing to do (raise rounds to continue)")
