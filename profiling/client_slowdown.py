@@ -78,11 +78,6 @@ def client_costs(model_name: str, clients: int, seed: int = 0, reuse_freed: bool
     return out
 
 
-def client_seconds(model_name: str, clients: int, seed: int = 0, reuse_freed: bool = False) -> list[float]:
-    """The seconds of ``client_costs``."""
-    return [seconds for seconds, _ in client_costs(model_name, clients, seed, reuse_freed)]
-
-
 def fold_forever(elements: int, stop) -> None:
     """The server's reduction at its busiest: fold fp32 buffers of an update's size until told to stop."""
     import torch

@@ -92,8 +92,8 @@ def resume_conflict(saved: dict, current: dict, defaults: dict | None = None) ->
         a, b = saved.get(key, defaults.get(key)), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             default = defaults.get(key)
-            inner = resume_conflict({f"{key}.{k}": v for k, v in a.items()}, {f"{key}.{k}": v for k, v in b.items()},
-                                    {f"{key}.{k}": v for k, v in default.items()} if isinstance(default, dict) else {})
+            inner = resume_conflict(_prefixed(key, a), _prefixed(key, b),
+                                    _prefixed(key, default) if isinstance(default, dict) else {})
             if inner:
                 return inner
         elif a != b:
@@ -102,6 +102,11 @@ def resume_conflict(saved: dict, current: dict, defaults: dict | None = None) ->
                         f"its default {a!r}), {b!r} now")
             return f"{key}: {a!r} in the checkpoint, {b!r} now"
     return None
+
+
+def _prefixed(section: str, values: dict) -> dict:
+    """A section's keys as dotted keys: {"lr": 0.1} under "train" is {"train.lr": 0.1}."""
+    return {f"{section}.{k}": v for k, v in values.items()}
 
 
 def dump_config(cfg: Config) -> str:

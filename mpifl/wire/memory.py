@@ -44,10 +44,17 @@ def share_malloc_arenas(arenas: int = 2) -> None:
     fail. With the cap, helper threads share one arena. A no-op where the C library has no
     ``mallopt`` (not glibc).
     """
+    mallopt = _mallopt()
+    if mallopt is not None:
+        mallopt(M_ARENA_MAX, arenas)
+
+
+def _mallopt():
+    """The C library's ``mallopt(param, value)`` (glibc's), or None where it has none (not glibc)."""
     try:
-        ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas)
+        return ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def reuse_freed_memory() -> bool:
@@ -58,13 +65,10 @@ def reuse_freed_memory() -> bool:
     when it is freed, so each step page-faults in, and the kernel zeroes, new pages for every large gradient:
     on the cross-device task's 93 MB MLP, 16,385 page faults (64 MiB) per client, every client. With ``mmap``
     off for allocations (``M_MMAP_MAX`` 0; glibc still falls back to it where the heap cannot grow) and the
-    heap never trimmed, the pages one step frees serve the next (``profiling/page_faults.py``).
+    heap never trimmed, the pages one step frees serve the next (``profiling/client_slowdown.py`` counts them).
 
     The cost: the process's resident memory stays at its high-water mark rather than shrinking after a peak.
     Call it once the long-lived buffers are allocated (they keep their own mappings, huge-paged by numpy).
     Returns whether it took effect: False where the C library has no ``mallopt`` (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, C_INT_MAX))
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, C_INT_MAX))
