@@ -15,7 +15,11 @@ Steps (each a row of the table):
 3. ``clients.ranks_per_client=2`` (NCCL between two GPUs, gloo on the CPU form) against one rank per client,
    within ``GROUP_TOLERANCE`` after ``COMPARED_ROUNDS`` (the same gradient, summed in two halves); skipped with
    fewer than two GPUs;
-4. client updates per second per device: the quick start's MLP on the digits and the LEAF FEMNIST CNN
+4. the same run on ``--device`` with 2, 3 and 5 ranks (the quick start's MLP, and with the full check also the CNN:
+   cuDNN's convolutions), all client ranks sharing the node's first GPU: the final models must be bitwise equal.
+   That is mpifl's promise on the CPU, and on a GPU it rests on ``train.deterministic`` (deterministic cuDNN,
+   cuBLAS and torch kernels): a client trains to the same bits whichever rank trains it;
+5. client updates per second per device: the quick start's MLP on the digits and the LEAF FEMNIST CNN
    (1.69 M parameters) on synthetic 28 x 28 images, 20 and 200 clients per round, one client rank per device
    summing its clients' updates (``clients.groups``); the median of the rounds after the first.
 """
@@ -151,6 +155,33 @@ def two_ranks_per_client(check: Check) -> Row:
                f"{GROUP_TOLERANCE:g}, {COMPARED_ROUNDS} round); group setup {setup:.2f} s", distance <= GROUP_TOLERANCE)
 
 
+def cnn_config(check: Check) -> Path:
+    """The LEAF FEMNIST CNN (1.69 M parameters) on 1,000 synthetic clients of 20 images each (cross_device.py)."""
+    config = check.work / "cnn.yaml"
+    config.write_text("name: gpu-check-cnn\n"
+                      "data: {dataset: 'cross_device:femnist_like', kwargs: {clients: 1000, samples: 20}, "
+                      "partition: natural}\nmodel: {name: 'cross_device:leaf_cnn'}\n"
+                      "train: {optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1}\n"
+                      "clients: {num_clients: 1000, per_round: 20}\n")
+    return config
+
+
+def bitwise_across_ranks(check: Check, model: str, rank_counts: tuple[int, ...]) -> Row:
+    """Step 4: the same run with each of ``rank_counts`` ranks, every client rank on the device: bitwise equal."""
+    config = ROOT / "configs" / "quickstart.yaml" if model == "mlp" else cnn_config(check)
+    runs = [final_weights(run_mpifl(check, f"{model}-ranks-{n}", n, config, *check.device_overrides,
+                                    "eval.every=0")) for n in rank_counts]
+    differing = [n for n, w in zip(rank_counts[1:], runs[1:]) if not np.array_equal(w, runs[0])]
+    counts = ", ".join(map(str, rank_counts))
+    if differing:
+        worst = max(relative_distance(w, runs[0]) for w in runs[1:])
+        return Row(f"bitwise across ranks: {model}", f"{counts} ranks, {check.rounds} rounds",
+                   f"{', '.join(map(str, differing))} ranks differ from {rank_counts[0]} (relative L2 up to "
+                   f"{worst:.2e})", False)
+    return Row(f"bitwise across ranks: {model}", f"{counts} ranks, {check.rounds} rounds",
+               f"bitwise equal ({runs[0].size:,} values)", True)
+
+
 def throughput(check: Check, model: str, per_round: int) -> Row:
     """Step 4: client updates per second per device: ``per_round`` clients a round, one client rank per device
     summing its clients' updates; the median of the rounds after the first (evaluation excluded)."""
@@ -159,20 +190,21 @@ def throughput(check: Check, model: str, per_round: int) -> Row:
         config, data = ROOT / "configs" / "quickstart.yaml", [f"clients.num_clients={max(per_round, 8)}",
                                                               "data.partition=iid"]
     else:
-        config = check.work / "cnn.yaml"
-        config.write_text("name: gpu-check-cnn\n"
-                          "data: {dataset: 'cross_device:femnist_like', kwargs: {clients: 1000, samples: 20}, "
-                          "partition: natural}\nmodel: {name: 'cross_device:leaf_cnn'}\n"
-                          "train: {optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1}\n")
-        data = ["clients.num_clients=1000"]
+        config, data = cnn_config(check), ["clients.num_clients=1000"]
     run_dir = run_mpifl(check, f"{model}-{per_round}", ranks + 1, config, *check.device_overrides[:1], *data,
                         f"clients.per_round={per_round}", f"clients.groups={ranks}", "eval.every=0",
                         "output.save_model=false")
-    seconds = [r["time"]["round"] - r["time"]["eval"] for r in records(run_dir)[1:]]
+    history = records(run_dir)
+    seconds = [r["time"]["round"] - r["time"]["eval"] for r in history[1:]]
     rate = per_round / statistics.median(seconds) / ranks
     unit = "GPU" if check.device == "cuda" else "CPU rank"
+    rss = max(r["client_peak_rss_bytes"] for r in history) / 2**20
+    memory = f"client rank peak RSS {rss:,.0f} MiB"
+    if any("client_peak_device_bytes" in r for r in history):
+        memory += f", GPU {max(r.get('client_peak_device_bytes', 0) for r in history) / 2**20:,.0f} MiB"
     return Row(f"throughput {model}", f"{per_round} clients/round, {ranks} {unit}{'s' if ranks > 1 else ''}",
-               f"{rate:,.1f} client updates/s per {unit} (median round {statistics.median(seconds):.3f} s)", True)
+               f"{rate:,.1f} client updates/s per {unit} (median round {statistics.median(seconds):.3f} s; "
+               f"{memory})", True)
 
 
 def table(rows: list[Row]) -> str:
@@ -210,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = [device_tests(check, args.tests),
                 versus_cpu(check, "quick start"),
                 versus_cpu(check, "reduction groups", "clients.groups=2", "strategy.update=delta"),
-                two_ranks_per_client(check)]
+                two_ranks_per_client(check),
+                bitwise_across_ranks(check, "mlp", (2, 3) if args.quick else (2, 3, 5))]
+        if not args.quick:
+            rows.append(bitwise_across_ranks(check, "cnn", (2, 3, 5)))
         for model in ("mlp", "cnn"):
             for per_round in (20,) if args.quick else (20, 200):
                 rows.append(throughput(check, model, per_round))

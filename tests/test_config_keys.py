@@ -117,6 +117,7 @@ KEYS = (
     "timeouts.straggler",
     "timeouts.update_complete",
     "train.batch_size",
+    "train.deterministic",
     "train.device",
     "train.device_copy",
     "train.ditto_lambda",

@@ -188,6 +188,11 @@ class TrainConfig:
     device_copy: bool | None = field_(None, "train a replica of the model on the device, apart from the host "
                                          "exchange buffer (default: on for cuda, off for cpu; on with cpu runs the "
                                          "GPU path's copies on the CPU)")
+    deterministic: bool = field_(True, "on a GPU, deterministic CUDA kernels (torch.use_deterministic_algorithms, "
+                                 "cuDNN without autotuning, CUBLAS_WORKSPACE_CONFIG=:4096:8), so a run is bitwise "
+                                 "reproducible and equal across rank counts on the same GPU model and software; "
+                                 "false lets cuDNN and torch pick faster kernels that sum in arrival order. No "
+                                 "effect on the CPU")
     prox_mu: float = field_(0.0, "FedProx proximal term mu/2 * ||w - w_global||^2 (0 = off)", min=0.0)
     ditto_lambda: float = field_(0.0, "Ditto (Li et al. 2021): lambda > 0 keeps a personal model per client, trained "
                                  "each round it is sampled, before the global one, on its own data with "

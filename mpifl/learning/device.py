@@ -15,6 +15,7 @@ exercises it without a GPU.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -33,14 +34,38 @@ def resolve_device(name: str) -> torch.device:
 
 
 def training_replica(host: FlatModel, device_name: str, device_copy: bool | None,
-                     trainable_only: bool) -> DeviceReplica | None:
+                     trainable_only: bool, deterministic: bool = True) -> DeviceReplica | None:
     """The replica a client rank trains, or None to train in the host buffer itself (the CPU default)."""
     device = resolve_device(device_name)
     if not (device_copy if device_copy is not None else device.type != "cpu"):
         return None
     if device.type == "cuda":
+        if deterministic:
+            use_deterministic_kernels()
         pin_in_place(host.buffer)
     return DeviceReplica(host, device, trainable_only)
+
+
+# cuBLAS's setting for reproducible results: a fixed workspace per stream, so its reductions do not depend on
+# which workspace a call happened to get (NVIDIA's cuBLAS documentation, "Results reproducibility").
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_kernels() -> None:
+    """Make this rank's CUDA training bitwise reproducible (``train.deterministic``).
+
+    By default cuDNN chooses among convolution algorithms by timing them, and some of them, like
+    several of torch's CUDA kernels (index_add, scatter_add, the backward of embedding), sum with
+    atomics in whatever order the threads arrive. Then the same client, trained twice on the same
+    GPU, gives different last bits, and the run is neither reproducible nor equal across rank
+    counts. Deterministic kernels fix the order; an operation that has none raises, naming itself
+    (``train.deterministic=false`` allows it). Set before the first cuBLAS call of the process:
+    cuBLAS reads its workspace setting when its handle is created.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
 
 
 def pin_in_place(buffer: torch.Tensor) -> None:
@@ -61,6 +86,11 @@ class DeviceReplica:
             raise RuntimeError("the device replica's layout differs from the host model's")
         self.global_copy = torch.empty_like(self.flat.buffer)
         self.host = host
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the replica lives in GPU memory (its peak is then reported per round)."""
+        return self.flat.buffer.device.type == "cuda"
 
     def load_global(self) -> None:
         """The global model just arrived in the host buffer: one host-to-device copy."""

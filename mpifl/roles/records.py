@@ -100,7 +100,8 @@ def log_final(history: list[dict], rounds: int, where: str) -> None:
 
 # What each memory field can show: (rank kind, record key, how the warning names it).
 MEMORY_SIGNALS = (("server", "server_rss_bytes", "the server's RSS"),
-                  ("client", "client_peak_rss_bytes", "the largest client rank's peak RSS"))
+                  ("client", "client_peak_rss_bytes", "the largest client rank's peak RSS"),
+                  ("client", "client_peak_device_bytes", "the largest client rank's peak GPU memory"))
 
 
 def memory_growth(history: Sequence[dict], window: int = 5, min_rises: int = 4, min_fraction: float = 0.10,

@@ -358,7 +358,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     federated = cfg.eval.federated_every > 0
     state = cfg.client_state()
     device = "cpu" if state is not None and state.host_only else cfg.train.device
-    replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable")
+    replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable",
+                               cfg.train.deterministic)
     trainer = make_trainer(cfg.train)
     leader = None
     if group is not None:  # clients.ranks_per_client > 1: this rank leads its group
@@ -382,7 +383,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
 
 def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
     """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group."""
-    replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable")
+    replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable",
+                               cfg.train.deterministic)
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
     member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat))

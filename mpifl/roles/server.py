@@ -363,6 +363,10 @@ class Server:
             "time": times.split(),
             **plan.clock,
         }
+        device_peaks = [m.metrics["rank_peak_device_bytes"] for m in metas.values()
+                        if "rank_peak_device_bytes" in m.metrics]
+        if device_peaks:  # client ranks that train on a GPU
+            record["client_peak_device_bytes"] = max(device_peaks)
         if evaluation is not None:
             record["eval"] = evaluation
         group = group_split(metas.values())
