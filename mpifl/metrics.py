@@ -26,14 +26,6 @@ def peak_rss_bytes() -> int:
     return max(peak, hwm)
 
 
-def peak_device_bytes() -> int:
-    """The most GPU memory this process's tensors have held, in bytes (torch's caching allocator:
-    ``torch.cuda.max_memory_allocated``); 0 where CUDA never started, so reading it starts nothing."""
-    import torch  # the records module stays importable without torch
-
-    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_initialized() else 0
-
-
 def current_rss_bytes() -> int:
     """The current process's resident set size now, in bytes (VmRSS; the peak where /proc is missing)."""
     try:

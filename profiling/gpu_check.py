@@ -182,8 +182,8 @@ def bitwise_across_ranks(check: Check, model: str, rank_counts: tuple[int, ...])
                f"bitwise equal ({runs[0].size:,} values)", True)
 
 
-def throughput(check: Check, model: str, per_round: int) -> Row:
-    """Step 4: client updates per second per device: ``per_round`` clients a round, one client rank per device
+def throughput(check: Check, model: str, per_round: int, *overrides: str) -> Row:
+    """Step 5: client updates per second per device: ``per_round`` clients a round, one client rank per device
     summing its clients' updates; the median of the rounds after the first (evaluation excluded)."""
     ranks = check.devices
     if model == "mlp":
@@ -191,9 +191,9 @@ def throughput(check: Check, model: str, per_round: int) -> Row:
                                                               "data.partition=iid"]
     else:
         config, data = cnn_config(check), ["clients.num_clients=1000"]
-    run_dir = run_mpifl(check, f"{model}-{per_round}", ranks + 1, config, *check.device_overrides[:1], *data,
+    run_dir = run_mpifl(check, f"{model}-{per_round}-{len(check.done)}", ranks + 1, config, *check.device_overrides[:1], *data,
                         f"clients.per_round={per_round}", f"clients.groups={ranks}", "eval.every=0",
-                        "output.save_model=false")
+                        "output.save_model=false", *overrides)
     history = records(run_dir)
     seconds = [r["time"]["round"] - r["time"]["eval"] for r in history[1:]]
     rate = per_round / statistics.median(seconds) / ranks
@@ -202,7 +202,8 @@ def throughput(check: Check, model: str, per_round: int) -> Row:
     memory = f"client rank peak RSS {rss:,.0f} MiB"
     if any("client_peak_device_bytes" in r for r in history):
         memory += f", GPU {max(r.get('client_peak_device_bytes', 0) for r in history) / 2**20:,.0f} MiB"
-    return Row(f"throughput {model}", f"{per_round} clients/round, {ranks} {unit}{'s' if ranks > 1 else ''}",
+    setting = f"{per_round} clients/round, {ranks} {unit}{'s' if ranks > 1 else ''}"
+    return Row(f"throughput {model}", " ".join((setting, *overrides)),
                f"{rate:,.1f} client updates/s per {unit} (median round {statistics.median(seconds):.3f} s; "
                f"{memory})", True)
 

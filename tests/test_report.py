@@ -132,7 +132,7 @@ def _history(server_mib, client_mib=None) -> list[dict]:
 
 
 def test_memory_growth_warns_of_a_creeping_rank_only():
-    from mpifl.roles.records import memory_growth
+    from mpifl.roles.records import memory_growth, memory_warning_line
 
     assert memory_growth(_history([300] * 15)) == []
     assert memory_growth(_history([300 + r for r in range(15)])) == []  # rises every round, but by 1 MiB
@@ -150,6 +150,10 @@ def test_memory_growth_warns_of_a_creeping_rank_only():
     client = memory_growth(_history([300] * 8, [400 + 20 * r for r in range(8)]))
     assert [(w["rank"], w["per_round_bytes"]) for w in client] == [("client", 20 * MIB)]
     assert memory_growth([{"round": r} for r in range(1, 10)]) == []  # old records without readings
+    on_gpu = [dict(r, client_peak_device_bytes=(1000 + 100 * r["round"]) * MIB) for r in _history([300] * 8)]
+    assert [(w["rank"], w["signal"], w["per_round_bytes"]) for w in memory_growth(on_gpu)] == [
+        ("client", "client_peak_device_bytes", 100 * MIB)]  # GPU memory that creeps warns too
+    assert "the largest client rank's peak GPU memory rose in 5" in memory_warning_line(memory_growth(on_gpu)[0])
 
 
 def test_memory_growth_is_logged_once_recorded_every_round_and_noted_on_the_plot(tmp_path, capfd):

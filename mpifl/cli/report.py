@@ -195,6 +195,9 @@ def _memory(fig, ax, records: list[dict]) -> None:
     if any("client_peak_rss_bytes" in r for r in records):
         ax.plot(rounds, [r.get("client_peak_rss_bytes", 0) / MIB for r in records], linestyle=":",
                 label="largest client peak RSS")
+    if any("client_peak_device_bytes" in r for r in records):  # client ranks that train on a GPU
+        ax.plot(rounds, [r.get("client_peak_device_bytes", 0) / MIB for r in records], linestyle="-.",
+                label="largest client peak GPU memory")
     _note_memory_warnings(ax, records)
     ax.set_xlabel("round")
     ax.set_ylabel("MiB")
@@ -204,13 +207,14 @@ def _memory(fig, ax, records: list[dict]) -> None:
 
 
 def memory_notes(records: list[dict]) -> list[str]:
-    """The server's memory-growth warnings, first one per rank kind, short enough to print on the plot."""
+    """The server's memory-growth warnings, the first one per signal, short enough to print on the plot."""
     first: dict[str, dict] = {}
     for r in records:
         for w in r.get("memory_warning", ()):
-            first.setdefault(w["rank"], w)
-    return [f"warning: {kind} memory grew {w['per_round_bytes'] / MIB:.1f} MiB per round "
-            f"(rounds {w['from_round'] + 1}-{w['to_round']}, {w['growth_fraction']:.0%})" for kind, w in first.items()]
+            first.setdefault(w.get("signal", w["rank"]), w)
+    return [f"warning: {w['rank']} {'GPU ' if 'device' in signal else ''}memory grew "
+            f"{w['per_round_bytes'] / MIB:.1f} MiB per round (rounds {w['from_round'] + 1}-{w['to_round']}, "
+            f"{w['growth_fraction']:.0%})" for signal, w in first.items()]
 
 
 def _note_memory_warnings(ax, records: list[dict]) -> None:

@@ -92,6 +92,15 @@ class DeviceReplica:
         """Whether the replica lives in GPU memory (its peak is then reported per round)."""
         return self.flat.buffer.device.type == "cuda"
 
+    def peak_bytes(self) -> int:
+        """The most GPU memory this process's tensors have held on the replica's GPU (torch's caching allocator).
+
+        Read from the allocator's nested statistics for this device: ``torch.cuda.max_memory_allocated``
+        flattens every statistic first, which cost about 0.5 ms per call on an H100 machine, once per
+        client update (2026-11-27)."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self.flat.buffer.device)
+        return int(stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
+
     def load_global(self) -> None:
         """The global model just arrived in the host buffer: one host-to-device copy."""
         self.global_copy.copy_(self.host.buffer, non_blocking=True)

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import ConfiguredTrainer, Evaluator, Trainer, TrainResult, local_steps
-from mpifl.metrics import peak_device_bytes, peak_rss_bytes
+from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.federation import group_of
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
@@ -327,7 +327,7 @@ class ClientRank:
                                          "(clients.accept_failures=false)")
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
         if self.replica is not None and self.replica.on_gpu:
-            metrics["rank_peak_device_bytes"] = peak_device_bytes()
+            metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
         meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error,
                                    result.local_steps)
         return meta, buffers

@@ -136,7 +136,7 @@ def memory_growth(history: Sequence[dict], window: int = 5, min_rises: int = 4, 
 
 def memory_warning_line(warning: dict) -> str:
     """One warning from ``memory_growth`` as the log line a user reads before the OOM kill."""
-    what = next(name for kind, _, name in MEMORY_SIGNALS if kind == warning["rank"])
+    what = next(name for _, key, name in MEMORY_SIGNALS if key == warning["signal"])
     return (f"warning: {warning['rank']} memory grows round over round: {what} rose in {warning['rises']} of "
             f"rounds {warning['from_round'] + 1}-{warning['to_round']}, by {warning['growth_bytes'] / MIB:.0f} MiB "
             f"({warning['growth_fraction']:.0%}), about {warning['per_round_bytes'] / MIB:.1f} MiB per round; "
@@ -144,12 +144,12 @@ def memory_warning_line(warning: dict) -> str:
 
 
 def note_memory_growth(history: list[dict]) -> None:
-    """Put any memory creep on the latest record, and log it once per rank kind rather than every round."""
+    """Put any memory creep on the latest record, and log it once per signal rather than every round."""
     found = memory_growth(history)
     if not found:
         return
     history[-1]["memory_warning"] = found
-    warned = {w["rank"] for record in history[:-1] for w in record.get("memory_warning", ())}
+    warned = {w["signal"] for record in history[:-1] for w in record.get("memory_warning", ())}
     for warning in found:
-        if warning["rank"] not in warned:
+        if warning["signal"] not in warned:
             log(memory_warning_line(warning), rank=0)
