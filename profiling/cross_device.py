@@ -81,6 +81,7 @@ def main() -> int:
     p.add_argument("--reuse-freed-memory", default="true", choices=("true", "false"),
                    help="train.reuse_freed_memory (false: client ranks hand freed memory back to the kernel, as a "
                    "plain process does, and page-fault it in again at the next step)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="train.device")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
     p.add_argument("--data", default="table", choices=("table", "plugin"),
@@ -106,7 +107,7 @@ clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {ar
           placement: {args.placement}, group_by: {args.group_by}}}
 data: {data}
 model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}, nhwc_pooling: {args.nhwc_pooling}}}
-train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: cpu,
+train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: {args.device},
         step_in_backward: {args.step_in_backward}, reuse_freed_memory: {args.reuse_freed_memory}}}
 eval: {{every: {args.eval_every or args.rounds}}}
 output: {{progress: false, save_model: false}}

@@ -191,9 +191,9 @@ def throughput(check: Check, model: str, per_round: int, *overrides: str) -> Row
                                                               "data.partition=iid"]
     else:
         config, data = cnn_config(check), ["clients.num_clients=1000"]
-    run_dir = run_mpifl(check, f"{model}-{per_round}-{len(check.done)}", ranks + 1, config, *check.device_overrides[:1], *data,
-                        f"clients.per_round={per_round}", f"clients.groups={ranks}", "eval.every=0",
-                        "output.save_model=false", *overrides)
+    run_dir = run_mpifl(check, f"{model}-{per_round}-{len(check.done)}", ranks + 1, config,
+                        *check.device_overrides[:1], *data, f"clients.per_round={per_round}",
+                        f"clients.groups={ranks}", "eval.every=0", "output.save_model=false", *overrides)
     history = records(run_dir)
     seconds = [r["time"]["round"] - r["time"]["eval"] for r in history[1:]]
     rate = per_round / statistics.median(seconds) / ranks
