@@ -53,6 +53,7 @@ GPU_VENV ?= .venv-gpu
 comma := ,
 gpu-check:
 	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(PYTHON) profiling/gpu_check.py --share-site-packages $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[test$(if $(shell command -v mpiexec),,$(comma)mpich)]'
 	$(GPU_VENV)/bin/python profiling/gpu_check.py --device cuda --bin $(GPU_VENV)/bin
 

@@ -223,6 +223,21 @@ def gpus_here() -> int:
     return int(found.stdout.strip() or 0) if found.returncode == 0 else 0
 
 
+def share_site_packages(venv: Path) -> None:
+    """Let ``venv`` see this interpreter's packages when this interpreter is itself a venv's.
+
+    ``python -m venv --system-site-packages`` gives the new venv its base interpreter's packages, not those of the
+    venv it was made from, and GPU images often keep their CUDA torch in one (``/opt/torch/.venv`` on the H100
+    machine of docs/how-to/gpus.md). A ``.pth`` file in the new venv adds them after its own."""
+    if sys.prefix == sys.base_prefix:
+        return
+    import site
+
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "outer-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -232,7 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bin", type=Path, default=Path(sys.executable).parent,
                    help="where mpifl (and, unless the system's is used, mpiexec) are")
     p.add_argument("--timeout", type=int, default=600, help="seconds per mpifl run")
+    p.add_argument("--deterministic-cost", action="store_true",
+                   help="also: the CNN's throughput at 200 clients a round with train.deterministic true and false, "
+                   "interleaved twice (what deterministic kernels cost)")
+    p.add_argument("--share-site-packages", type=Path, metavar="VENV",
+                   help="only let VENV see this interpreter's packages (make gpu-check: the node's CUDA torch when "
+                   "it lives in a venv), then exit")
     args = p.parse_args(argv)
+    if args.share_site_packages:
+        share_site_packages(args.share_site_packages)
+        return 0
     devices = gpus_here() if args.device == "cuda" else 1
     if args.device == "cuda" and devices == 0:
         print("gpu_check: no GPU visible to torch (torch.cuda.device_count() is 0): is this torch a CUDA build, "
@@ -250,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         for model in ("mlp", "cnn"):
             for per_round in (20,) if args.quick else (20, 200):
                 rows.append(throughput(check, model, per_round))
+        for repeat in range(2) if args.deterministic_cost else ():
+            for deterministic in ("true", "false"):
+                rows.append(throughput(check, "cnn", 200, f"train.deterministic={deterministic}",
+                                       f"name=repeat-{repeat}"))
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
