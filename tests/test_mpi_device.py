@@ -3,14 +3,18 @@ replica, reset from a device copy of the global model, one copy back per update 
 CPU with a separate, non-aliased replica.
 
 No GPU is available here: these tests run the same code with device "cpu" and train.device_copy,
-and check that it changes nothing, bitwise."""
+and check that it changes nothing, bitwise; and what train.deterministic switches on for a GPU rank."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from test_mpi_strategies import assert_bitwise, run
 
-from mpifl.learning.device import DeviceReplica
+from mpifl.learning.device import CUBLAS_WORKSPACE, DeviceReplica, deterministic_hint
 from mpifl.wire.flat import FlatModel
 
 TRAINING = ("train.trainer=torch", "train.optimizer=sgd", "train.momentum=0.9", "train.lr=0.05", "train.local_steps=3")
@@ -42,3 +46,32 @@ def test_the_replica_is_not_aliased_and_resets_from_its_own_global_copy():
         next(replica.flat.module.parameters()).add_(1.0)
     replica.to_host()
     assert torch.equal(replica.flat.buffer, host.buffer)
+
+
+def _deterministic_settings(env: dict[str, str]) -> list[str]:
+    """What use_deterministic_kernels leaves set, read in a fresh interpreter (the settings are process-wide)."""
+    code = ("import os, torch; from mpifl.learning.device import use_deterministic_kernels; "
+            "use_deterministic_kernels(); print(torch.are_deterministic_algorithms_enabled(), "
+            "torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, "
+            "os.environ['CUBLAS_WORKSPACE_CONFIG'])")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_deterministic_kernels_switch_torch_cudnn_and_cublas_to_their_reproducible_modes():
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    assert _deterministic_settings(env) == ["True", "True", "False", CUBLAS_WORKSPACE]
+    # a workspace the user chose is kept
+    assert _deterministic_settings({**env, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == ["True", "True", "False", ":16:8"]
+
+
+def test_an_operation_without_a_deterministic_kernel_names_the_setting_that_allows_it():
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError) as raised:  # put_ has no deterministic kernel, even on the CPU
+            torch.zeros(3).put_(torch.tensor([0, 0]), torch.ones(2))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "train.deterministic: false allows this operation" in deterministic_hint(raised.value)
+    assert deterministic_hint(RuntimeError("CUDA out of memory")) == ""

@@ -68,6 +68,20 @@ def use_deterministic_kernels() -> None:
     torch.use_deterministic_algorithms(True)
 
 
+# The start of what torch raises for an operation that has no deterministic kernel (at::Context::alertNotDeterministic).
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
+
+
+def deterministic_hint(error: BaseException) -> str:
+    """What to add to a client's failure when it was an operation without a deterministic kernel: the setting
+    that allows it, and what that costs; otherwise nothing."""
+    if NO_DETERMINISTIC_KERNEL not in str(error):
+        return ""
+    return ("; mpifl asked for deterministic kernels (train.deterministic, the default on a GPU): "
+            "train.deterministic: false allows this operation, and the GPU run is then no longer bitwise "
+            "reproducible")
+
+
 def pin_in_place(buffer: torch.Tensor) -> None:
     """Page-lock a host buffer where it is (no copy, so the model's views stay), for fast, async H2D/D2H copies."""
     status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)

@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 from mpifl.learning.datasets import ClientData
-from mpifl.learning.device import DeviceReplica
+from mpifl.learning.device import DeviceReplica, deterministic_hint
 from mpifl.learning.trainers import ConfiguredTrainer, Evaluator, Trainer, TrainResult, local_steps
 from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.federation import group_of
@@ -347,8 +347,8 @@ class ClientRank:
                 why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
                        if self.parts.group is not None else "clients.accept_failures=false")
                 raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
-                                    f"{type(err).__name__}: {err} ({why})") from err
-            return TrainResult(0, {}), f"{type(err).__name__}: {err}"
+                                    f"{type(err).__name__}: {err} ({why}{deterministic_hint(err)})") from err
+            return TrainResult(0, {}), f"{type(err).__name__}: {err}{deterministic_hint(err)}"
 
     def _train_in_group(self, client: int, train: ClientData | None, seed: int) -> TrainResult:
         """Train ``client`` with this rank's group (clients.ranks_per_client); its metrics add the group's setup
