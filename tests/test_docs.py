@@ -1,5 +1,5 @@
 """The documentation: generated reference pages that cannot drift, a site that builds strictly, a short
-README whose links work, and tutorial plug-ins that still load."""
+README whose links work, tutorial plug-ins that still load, and a testing page that describes every test file."""
 from __future__ import annotations
 
 import argparse
@@ -234,3 +234,9 @@ def test_plugin_tutorials_run_the_examples_as_their_readmes_say():
                 assert command in text, f"docs/tutorials/{page} does not run `{command}` as {readme} does"
             where = [text.index(c) for c in commands]
             assert where == sorted(where), f"docs/tutorials/{page} runs {readme}'s commands in another order"
+
+
+def test_every_test_file_is_described_on_the_testing_page():
+    page = (DOCS / "explanation" / "testing.md").read_text()
+    undescribed = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if f"`{p.name}`" not in page]
+    assert not undescribed, f"docs/explanation/testing.md has no row for {undescribed}"
