@@ -91,3 +91,54 @@ def test_a_client_rank_holds_one_gradient_at_a_time_when_parameters_step_inside_
     scaffold = load_config(None, data={"clients": {"num_clients": 4}, "train": {"step_in_backward": True},
                                        "strategy": {"name": "scaffold", "update": "delta"}})
     assert not scaffold.steps_inside_backward()  # its correction hooks every whole optimizer step
+
+
+def test_a_gpu_client_rank_keeps_its_training_state_on_the_gpu_and_maps_the_cuda_libraries_on_the_host():
+    from mpifl.planning.memory import (
+        CUDA_HOST_BYTES,
+        CUDA_WORKSPACE_BYTES,
+        ModelBytes,
+        client_bytes,
+        client_device_bytes,
+        training_state_bytes,
+        trains_on_gpu,
+    )
+
+    size = ModelBytes(exchanged=100 * MIB, frozen=20 * MIB, parameters=30 * 2**20)
+    cfg = load_config(None, data={"clients": {"num_clients": 8, "groups": 2}, "train": {"device": "cuda"}})
+    state = training_state_bytes(cfg, size)
+    assert state == 100 * MIB  # the gradients (plain SGD keeps no state)
+    # replica (exchanged + frozen), the global copy it resets from, the training state, the group's fp32 sum
+    assert client_device_bytes(cfg, size) == 120 * MIB + 100 * MIB + state + 100 * MIB + CUDA_WORKSPACE_BYTES
+    kept_global = 100 * MIB  # on the CPU the rank keeps the global model for its next client; on a GPU, the replica
+    assert client_bytes(cfg, size, 2, on_gpu=False) - client_bytes(cfg, size, 2, on_gpu=True) == \
+        state + kept_global - CUDA_HOST_BYTES
+
+    def on_gpu(gpus: int, **train) -> bool:
+        return trains_on_gpu(load_config(None, data={"train": train}), gpus)
+
+    assert on_gpu(0, device="cuda") and on_gpu(4, device="auto") and not on_gpu(0, device="auto")
+    assert not on_gpu(4, device="cpu") and not on_gpu(4, device="cuda", device_copy=False)
+    assert not on_gpu(4, device="cuda", trainer="none")
+
+
+# The GPU check on one H100 (2026-11-27, docs/how-to/gpus.md): a client rank summing its clients (clients.groups=1)
+# peaked at these GPU bytes (torch's allocator) and resident bytes.
+H100_MLP = {"gpu": 65 * MIB, "rss": 1099 * MIB}  # the quick start's MLP, 20 clients a round
+H100_CNN = {"gpu": 110 * MIB, "rss": 1409 * MIB}  # the LEAF CNN, 1,690,046 parameters, 200 clients a round
+
+
+def test_the_gpu_plan_is_what_an_h100_measured_activations_aside():
+    from mpifl.cli.plan import estimate
+    from mpifl.planning.memory import ModelBytes, client_device_bytes
+
+    mlp = load_config(ROOT / "configs" / "quickstart.yaml", ["train.device=cuda", "clients.num_clients=20",
+                                                             "clients.per_round=20", "clients.groups=1"])
+    _, plan = estimate(mlp, 2, ranks_per_node=2, server_alone=False)
+    assert abs(plan.client_device_bytes / H100_MLP["gpu"] - 1) < 0.03  # almost all of it cuBLAS's workspaces
+    assert abs(plan.client_bytes / H100_MLP["rss"] - 1) < 0.15
+    cnn = load_config(None, data={"clients": {"num_clients": 1000, "per_round": 200, "groups": 1},
+                                  "train": {"device": "cuda", "batch_size": 10}})
+    size = ModelBytes(exchanged=4 * 1_690_046, frozen=0, parameters=1_690_046)
+    # activations and cuDNN's workspace are not counted: the plan stays below the measurement, by less than a fifth
+    assert 0.8 * H100_CNN["gpu"] < client_device_bytes(cnn, size) < H100_CNN["gpu"]

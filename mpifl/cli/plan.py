@@ -13,6 +13,8 @@ from pathlib import Path
 from mpifl.config import Config, load_config
 from mpifl.planning import binding
 from mpifl.planning.memory import (
+    CUDA_HOST_BYTES,
+    CUDA_WORKSPACE_BYTES,
     DataBytes,
     MemoryEstimate,
     ModelBytes,
@@ -63,8 +65,10 @@ def model_bytes(cfg: Config) -> ModelBytes:
     return size_of(*model_specs(cfg), cfg.model.local)
 
 
-def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) -> tuple[ModelBytes, MemoryEstimate]:
-    """The model's size and the memory model's estimate for ``nranks`` ranks: what ``plan`` and ``pbs`` print."""
+def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
+             gpus_per_node: int = 0) -> tuple[ModelBytes, MemoryEstimate]:
+    """The model's size and the memory model's estimate for ``nranks`` ranks: what ``plan`` and ``pbs`` print
+    (``gpus_per_node``: client ranks with ``train.device`` auto train on GPUs where there are some)."""
     from mpifl.aggregation.strategies import make_strategy
 
     (exchanged, frozen), data = model_and_data(cfg)
@@ -72,7 +76,7 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool) 
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
-                                 server_alone, data)
+                                 server_alone, data, gpus_per_node)
 
 
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
@@ -92,7 +96,7 @@ def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
     cfg = load_config(args.config, args.overrides)
     ranks = client_ranks(cfg, args)
-    size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone)
+    size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus_per_node(args.gpus_per_node))
     elements = size.exchanged // itemsize(cfg.model.dtype)
     back = 4 * elements * cfg.clients.groups if cfg.clients.groups \
         else size.exchanged * cfg.clients_per_round()  # the updates, or the groups' fp32 sums
@@ -105,9 +109,16 @@ def plan_main(args: argparse.Namespace) -> int:
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, 'labels + held-out set')}]")
     gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
+    training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
     print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
-          f"{gradients + ' + optimizer' if cfg.train.trainer != 'none' else ''}"
+          f"{training if cfg.train.trainer != 'none' else ''}"
           f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
+    if plan.client_device_bytes:
+        print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy"
+              f"{gradients} + optimizer{' + group sum' if cfg.clients.groups else ''} + cuBLAS workspaces "
+              f"{format_bytes(CUDA_WORKSPACE_BYTES)}; activations and cuDNN's workspace not included; the host "
+              f"figure above holds the CUDA libraries, {CUDA_HOST_BYTES / GIB:.2f} GiB, instead of the training "
+              "state]")
     if per_client > 1:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
@@ -156,15 +167,22 @@ def client_data_what(cfg: Config) -> str:
 SLOTS_SHOWN = 8
 
 
+def gpus_per_node(given: int | None) -> int:
+    """--gpus-per-node, else the GPUs this machine shows (counted without starting CUDA)."""
+    if given is not None:
+        return given
+    try:
+        return len(binding.node_gpus(os.environ))
+    except ValueError as err:  # a bad MPIFL_GPUS_PER_NODE
+        raise SystemExit(f"--gpus-per-node not given, and {err}") from None
+
+
 def binding_line(ranks_per_node: int, cores: int | None, gpus: int | None) -> str:
     """Which cores and GPU each node-local slot takes when the launcher binds nothing (mpifl.planning.binding);
     ``cores``/``gpus`` per node default to this machine's (GPUs counted without starting CUDA)."""
     this_machine = cores is None
     cores = (os.cpu_count() or 1) if cores is None else cores
-    try:
-        gpus = len(binding.node_gpus(os.environ)) if gpus is None else gpus
-    except ValueError as err:  # a bad MPIFL_GPUS_PER_NODE
-        raise SystemExit(f"--gpus-per-node not given, and {err}") from None
+    gpus = gpus_per_node(gpus)
     if ranks_per_node < 1 or cores < 1:
         return f"  binding: nothing to bind at {ranks_per_node} ranks and {cores} cores per node"
     core_of = binding.thread_siblings(range(cores)) if this_machine else None  # its hardware threads, if known
@@ -233,8 +251,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores-per-node", type=int, default=None, help="cores per node, for the binding of each "
                    "local rank (default: this machine's, os.cpu_count())")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, for the binding of each local "
-                   "rank (default: this machine's: CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's "
-                   "count)")
+                   "rank and, with train.device auto, whether client ranks train on GPUs (default: this machine's: "
+                   "CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
     p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
                    "fullest node would pass 90%% of it")
     p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")

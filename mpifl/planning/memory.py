@@ -24,6 +24,12 @@ IMPORTS_BYTES = int(0.27 * GIB)  # torch + mpi4py + h5py per rank: its server pe
 # a training rank's autograd engine, optimizer and per-step scratch beyond its tensors: its clients peak at
 # 0.335-0.39 GiB against the server's 0.264
 TRAINING_RUNTIME_BYTES = int(0.09 * GIB)
+# A client rank that trains on a GPU, calibrated on one H100 (torch 2.11.0+cu130, deterministic kernels; the GPU
+# check of 2026-11-27 in docs/how-to/gpus.md):
+CUDA_WORKSPACE_BYTES = 64 * MIB  # cuBLAS's workspaces, allocated by torch: the quick start's MLP, whose tensors
+# take 0.3 MiB on the device, peaked at 65 MiB
+CUDA_HOST_BYTES = int(0.84 * GIB)  # the CUDA runtime and libraries mapped on the host: the LEAF CNN's client rank
+# peaked at 1,409 MiB resident on the GPU machine against 551 MiB training on the CPU (cuDNN loaded)
 
 
 class StrategyFootprint(Protocol):
@@ -69,6 +75,7 @@ class MemoryEstimate:
     server_data_bytes: int = 0  # the data inside server_bytes (0: not counted)
     client_data_bytes: int = 0  # the data inside client_bytes
     node_data_bytes: int = 0  # the shared set, once per node with client ranks (inside node_bytes)
+    client_device_bytes: int = 0  # GPU memory per client rank that trains on a GPU (0: it trains on the CPU)
 
     def describe(self) -> str:
         """One line for a job script's comment and the ``pbs`` command's output."""
@@ -135,25 +142,56 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
     return pool_bytes(shape, layout, ranks)
 
 
-def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int) -> int:
+def trains_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
+    """Whether a client rank trains a device replica on a GPU: ``train.device: cuda``, or ``auto`` on nodes with
+    GPUs, unless the replica is off (``train.device_copy: false``) or its client state keeps it on the host
+    (mpifl.roles.runner: ``state.host_only``)."""
+    state = cfg.client_state()
+    if cfg.train.trainer == "none" or cfg.train.device_copy is False or (state is not None and state.host_only):
+        return False
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpus_per_node > 0)
+
+
+def training_state_bytes(cfg: Config, size: ModelBytes) -> int:
+    """What training adds beside the model where it trains: gradients, optimizer state, fp32 master copies of
+    narrow weights, DDP's gradient buckets."""
+    if cfg.train.trainer == "none":
+        return 0
+    width = itemsize(cfg.model.dtype)
+    elements = size.exchanged // width
+    trained = size.exchanged - size.control + size.local  # SCAFFOLD's c never trains; model.local tensors do
+    states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
+    masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
+    # gradients: every trained tensor's, or with steps inside backward the largest one's (each is freed as soon as
+    # its parameter stepped)
+    gradients = size.largest if cfg.steps_inside_backward() and size.largest else trained
+    state = gradients + (8 * elements if masters else 0) + states * (4 * elements if masters else trained)
+    if cfg.clients.ranks_per_client > 1:
+        state += trained  # DDP's gradient buckets (clients.ranks_per_client)
+    return state
+
+
+def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
+    """GPU memory of a client rank that trains on a GPU (mpifl.learning.device.DeviceReplica): the replica, the
+    round's global model kept to reset it, the training state, a group's fp32 sum, cuBLAS's workspaces; not the
+    activations, nor cuDNN's workspace."""
+    elements = size.exchanged // itemsize(cfg.model.dtype)
+    group_sum = 4 * elements if cfg.clients.groups else 0
+    return size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES
+
+
+def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool = False) -> int:
     """A client rank (any rank of a group, clients.ranks_per_client; ``client_ranks`` counts the groups): the
-    model, its training state, the wire buffer, a group's sum, residuals in RAM."""
+    model, its training state, the wire buffer, a group's sum, residuals in RAM. ``on_gpu``: the training state
+    lives on the GPU (client_device_bytes) and the host maps the CUDA libraries instead."""
     nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
     elements = nbytes // width
     client = IMPORTS_BYTES + size.total
-    if cfg.train.trainer != "none":  # optimizer and gradients cover the tensors that train
-        trained = nbytes - size.control + size.local  # SCAFFOLD's c never trains; model.local tensors do
-        states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-        masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
-        # gradients: every trained tensor's, or with steps inside backward the largest one's (each is freed as
-        # soon as its parameter stepped)
-        gradients = size.largest if cfg.steps_inside_backward() and size.largest else trained
-        client += TRAINING_RUNTIME_BYTES + gradients + (8 * elements if masters else 0)
-        client += states * (4 * elements if masters else trained)
-        if cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta":
+    if cfg.train.trainer != "none":
+        client += TRAINING_RUNTIME_BYTES
+        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size)
+        if not on_gpu and (cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta"):
             client += nbytes  # the global model kept for the next logical client or for the delta
-        if cfg.clients.ranks_per_client > 1:
-            client += trained  # DDP's gradient buckets (clients.ranks_per_client)
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
         client += nbytes // 2  # the narrowed update
     if cfg.clients.groups:
@@ -186,9 +224,9 @@ def client_state_elements(cfg: Config, size: ModelBytes) -> int:
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,
                     nranks: int, ranks_per_node: int, server_alone: bool,
-                    data: DataBytes | None = None) -> MemoryEstimate:
+                    data: DataBytes | None = None, gpus_per_node: int = 0) -> MemoryEstimate:
     """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included; the data
-    only when ``data`` is known)."""
+    only when ``data`` is known; GPU memory when client ranks train on GPUs, ``gpus_per_node``)."""
     client_ranks = max(1, (nranks - 1) // cfg.clients.ranks_per_client)  # a group of ranks hosts as one rank
     pool = server_pool_bytes(cfg, exchange, strategy, client_ranks)
     elements = size.exchanged // itemsize(cfg.model.dtype)
@@ -196,7 +234,8 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
         server = IMPORTS_BYTES + int(cfg.server.window_mb * MIB) + pool
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = IMPORTS_BYTES + size.total + pool + strategy.state_bytes(elements)
-    client = client_bytes(cfg, size, client_ranks)
+    on_gpu = trains_on_gpu(cfg, gpus_per_node)
+    client = client_bytes(cfg, size, client_ranks, on_gpu)
     server_data = client_data = node_data = shared_read = 0
     if data is not None:
         server_data = server_data_bytes(data)
@@ -205,7 +244,8 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
         shared_read = min(client_data, node_data)  # the shared pages a rank reads: counted once, in node_data
     server, client = server + server_data, client + client_data
     node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data)
-    return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data)
+    return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
+                          client_device_bytes(cfg, size) if on_gpu else 0)
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
