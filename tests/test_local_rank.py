@@ -31,7 +31,10 @@ def no_gpus(tmp_path):
 @pytest.fixture
 def clean(monkeypatch, no_gpus):
     for var in (*VARS, *SIZES, "SLURM_NODEID", "CUDA_VISIBLE_DEVICES", "MPIFL_GPUS_PER_NODE", "MPIFL_BIND"):
-        monkeypatch.delenv(var, raising=False)
+        # set, then deleted: monkeypatch then restores the variable as it was before the test even where the code
+        # under test sets it (bind_gpu_from_local_rank sets CUDA_VISIBLE_DEVICES), so no GPU leaks into later tests
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.setattr(binding, "PROC_GPUS", no_gpus)
     return monkeypatch
 
