@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from mpifl.roles.records import MEMORY_SIGNALS
 from mpifl.units import MIB
 
 SPLIT = ("dispatch", "client_train", "return", "aggregate", "eval", "checkpoint", "other")
@@ -208,13 +209,14 @@ def _memory(fig, ax, records: list[dict]) -> None:
 
 def memory_notes(records: list[dict]) -> list[str]:
     """The server's memory-growth warnings, the first one per signal, short enough to print on the plot."""
+    grew = {key: what for _, key, _, what in MEMORY_SIGNALS}
     first: dict[str, dict] = {}
     for r in records:
         for w in r.get("memory_warning", ()):
-            first.setdefault(w.get("signal", w["rank"]), w)
-    return [f"warning: {w['rank']} {'GPU ' if 'device' in signal else ''}memory grew "
-            f"{w['per_round_bytes'] / MIB:.1f} MiB per round (rounds {w['from_round'] + 1}-{w['to_round']}, "
-            f"{w['growth_fraction']:.0%})" for signal, w in first.items()]
+            first.setdefault(w["signal"], w)
+    return [f"warning: {grew[signal]} grew {w['per_round_bytes'] / MIB:.1f} MiB per round "
+            f"(rounds {w['from_round'] + 1}-{w['to_round']}, {w['growth_fraction']:.0%})"
+            for signal, w in first.items()]
 
 
 def _note_memory_warnings(ax, records: list[dict]) -> None:

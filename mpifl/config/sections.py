@@ -504,6 +504,12 @@ class Config:
         """Whether the model carries SCAFFOLD's server control variate (strategy scaffold)."""
         return self.strategy.name == "scaffold"
 
+    def client_device(self) -> str:
+        """Where a client rank trains: ``train.device``, but ``cpu`` where its per-client state's rule runs on the
+        host model (``ClientState.host_only``)."""
+        state = self.client_state()
+        return "cpu" if state is not None and state.host_only else self.train.device
+
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
         SCAFFOLD's control variates, FedDyn's gradient states, model.local tensors, Ditto's personal models or

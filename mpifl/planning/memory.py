@@ -143,13 +143,12 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
 
 
 def trains_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
-    """Whether a client rank trains a device replica on a GPU: ``train.device: cuda``, or ``auto`` on nodes with
-    GPUs, unless the replica is off (``train.device_copy: false``) or its client state keeps it on the host
-    (mpifl.roles.runner: ``state.host_only``)."""
-    state = cfg.client_state()
-    if cfg.train.trainer == "none" or cfg.train.device_copy is False or (state is not None and state.host_only):
+    """Whether a client rank trains a device replica on a GPU: ``cuda``, or ``auto`` on nodes with GPUs
+    (``Config.client_device``), unless the replica is off (``train.device_copy: false``)."""
+    if cfg.train.trainer == "none" or cfg.train.device_copy is False:
         return False
-    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpus_per_node > 0)
+    device = cfg.client_device()
+    return device == "cuda" or (device == "auto" and gpus_per_node > 0)
 
 
 def training_state_bytes(cfg: Config, size: ModelBytes) -> int:

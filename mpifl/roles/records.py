@@ -98,10 +98,11 @@ def log_final(history: list[dict], rounds: int, where: str) -> None:
     log(f"stopped after round {reached} of {rounds} (continue with --resume); {detail}; outputs in {where}", rank=0)
 
 
-# What each memory field can show: (rank kind, record key, how the warning names it).
-MEMORY_SIGNALS = (("server", "server_rss_bytes", "the server's RSS"),
-                  ("client", "client_peak_rss_bytes", "the largest client rank's peak RSS"),
-                  ("client", "client_peak_device_bytes", "the largest client rank's peak GPU memory"))
+# What each memory field can show: (rank kind, record key, how the warning names it, what the plot's note says grew).
+MEMORY_SIGNALS = (("server", "server_rss_bytes", "the server's RSS", "server memory"),
+                  ("client", "client_peak_rss_bytes", "the largest client rank's peak RSS", "client memory"),
+                  ("client", "client_peak_device_bytes", "the largest client rank's peak GPU memory",
+                   "client GPU memory"))
 
 
 def memory_growth(history: Sequence[dict], window: int = 5, min_rises: int = 4, min_fraction: float = 0.10,
@@ -121,7 +122,7 @@ def memory_growth(history: Sequence[dict], window: int = 5, min_rises: int = 4, 
     if window < 1 or len(recent) <= window:
         return []
     found = []
-    for kind, key, _ in MEMORY_SIGNALS:
+    for kind, key, _, _ in MEMORY_SIGNALS:
         values = [r.get(key) or 0 for r in recent]
         if not all(values):
             continue
@@ -136,7 +137,7 @@ def memory_growth(history: Sequence[dict], window: int = 5, min_rises: int = 4, 
 
 def memory_warning_line(warning: dict) -> str:
     """One warning from ``memory_growth`` as the log line a user reads before the OOM kill."""
-    what = next(name for _, key, name in MEMORY_SIGNALS if key == warning["signal"])
+    what = next(name for _, key, name, _ in MEMORY_SIGNALS if key == warning["signal"])
     return (f"warning: {warning['rank']} memory grows round over round: {what} rose in {warning['rises']} of "
             f"rounds {warning['from_round'] + 1}-{warning['to_round']}, by {warning['growth_bytes'] / MIB:.0f} MiB "
             f"({warning['growth_fraction']:.0%}), about {warning['per_round_bytes'] / MIB:.1f} MiB per round; "

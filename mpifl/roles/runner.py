@@ -356,9 +356,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    state = cfg.client_state()
-    device = "cpu" if state is not None and state.host_only else cfg.train.device
-    replica = training_replica(flat, device, cfg.train.device_copy, cfg.model.exchange == "trainable",
+    replica = training_replica(flat, cfg.client_device(), cfg.train.device_copy, cfg.model.exchange == "trainable",
                                cfg.train.deterministic)
     trainer = make_trainer(cfg.train)
     leader = None
