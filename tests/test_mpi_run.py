@@ -1,4 +1,5 @@
-"""Under mpiexec: the quick start learns, writes its outputs, and its time split adds up."""
+"""Under mpiexec: the quick start learns, writes its outputs, its time split adds up, and each round's exchange
+is set against the raw-MPI floor."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,28 @@ def test_time_split_parts_sum_to_the_round(quickstart):
         parts = sum(v for k, v in t.items() if k != "round")
         assert parts == pytest.approx(t["round"], rel=0.05)
         assert all(v >= 0 for v in t.values())
+
+
+def test_every_round_holds_its_exchange_against_the_floor_timed_before_round_1(quickstart):
+    run_dir, result = quickstart
+    assert "exchange floor (raw chunked Isend/Irecv" in result.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    floors = {r["exchange"]["floor_seconds"] for r in records}
+    assert len(floors) == 1 and floors.pop() > 0  # every round moves the same bytes, at the same measured rates
+    for record in records:
+        t, exchange = record["time"], record["exchange"]
+        assert exchange["seconds"] == pytest.approx(t["dispatch"] + t["return"] + t["aggregate"])
+        assert exchange["ratio_to_floor"] == pytest.approx(exchange["seconds"] / exchange["floor_seconds"])
+        assert exchange["dispatch_ratio_to_floor"] > 0
+
+
+def test_no_floor_probe_leaves_the_exchange_out_of_the_records(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), "rounds=2",
+                     "transport.floor_probe_mb=0", timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert "exchange floor" not in result.stderr
+    assert all("exchange" not in json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
 
 
 def test_resolved_config_and_model_file_are_written(quickstart):

@@ -22,7 +22,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from mpifl.aggregation.kernels import fold
+from mpifl.aggregation.floor import FloorExchange
 from mpifl.config import Config, load_config
 from mpifl.learning.models import Blob
 from mpifl.metrics import peak_rss_bytes
@@ -30,8 +30,7 @@ from mpifl.roles.launch import guarded
 from mpifl.roles.runner import check_world, run_rank
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, itemsize
-from mpifl.wire.memory import host_bytes, host_tensor
-from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, wait_all
+from mpifl.wire.transport import wait_all
 
 TAG_DOWN, TAG_UP = 101, 102
 
@@ -71,7 +70,8 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     dtype = DTYPES[cfg.model.dtype]
     width = itemsize(cfg.model.dtype)
     model_bytes = int(args.model_mb * MIB) // width * width
-    exchange = FloorExchange(comm, model_bytes, dtype, cfg.transport.chunk_bytes, cfg.transport.inflight)
+    exchange = FloorExchange(comm, model_bytes, dtype, cfg.transport.chunk_bytes, cfg.transport.inflight,
+                             (TAG_DOWN, TAG_UP))
     floor = _timed(comm, args.rounds, exchange.round)
     floor_split = exchange.split[1:]
     del exchange  # free the floor's buffers before the pickle path allocates its own
@@ -113,66 +113,6 @@ def _timed(comm: MPI.Comm, rounds: int, fn) -> list[float]:
         if i:
             times.append(time.perf_counter() - start)
     return times
-
-
-class FloorExchange:
-    """Raw chunked exchange + fused reduction in arrival order (no ordering, no bookkeeping).
-
-    Buffers are preallocated and touched once, as careful hand-written code would do.
-    """
-
-    def __init__(self, comm: MPI.Comm, model_bytes: int, dtype: torch.dtype, chunk_bytes: int, inflight: int):
-        self.comm, self.dtype, self.slots_per_client = comm, dtype, inflight
-        self.split: list[dict[str, float]] = []  # rank 0: each round's dispatch and return seconds
-        self.rank, self.clients = comm.Get_rank(), comm.Get_size() - 1
-        self.itemsize = dtype.itemsize
-        step = max(1, chunk_bytes // self.itemsize) * self.itemsize
-        self.spans = [(o, min(step, model_bytes - o)) for o in range(0, model_bytes, step)]
-        self.model = host_bytes(model_bytes)
-        self.chunks = [self.model[o:o + n] for o, n in self.spans]
-        if self.rank == 0:
-            self.slots = [[host_bytes(step) for _ in range(self.slots_per_client)] for _ in range(self.clients)]
-            self.acc = host_tensor(model_bytes // self.itemsize, torch.float32)  # huge pages, as mpifl's
-            self.scratch = host_tensor(step // self.itemsize, torch.float32)  # the fastest fold, as mpifl's
-
-    def round(self) -> None:
-        """One round: model out to every client, every client's model back and folded."""
-        if self.rank != 0:
-            recv_chunks(self.comm, 0, TAG_DOWN, self.chunks, self.slots_per_client)
-            send_chunks(self.comm, [0], TAG_UP, self.chunks, self.slots_per_client)
-            return
-        start = time.perf_counter()
-        send_chunks(self.comm, list(range(1, self.clients + 1)), TAG_DOWN, self.chunks, self.slots_per_client)
-        dispatched = time.perf_counter()
-        self.acc.zero_()
-        requests, tickets, nxt = [], [], [0] * self.clients
-        for c in range(self.clients):
-            for s in range(min(self.slots_per_client, len(self.spans))):
-                requests.append(self._post(c, s, nxt[c]))
-                tickets.append((c, s, nxt[c]))
-                nxt[c] += 1
-        remaining, backoff = self.clients * len(self.spans), Backoff()
-        while remaining:
-            done = MPI.Request.Testsome(requests)
-            if not done:
-                backoff.pause()
-                continue
-            backoff.reset()
-            for i in done:
-                c, s, j = tickets[i]
-                o, n = self.spans[j]
-                x = torch.from_numpy(self.slots[c][s][:n]).view(self.dtype)
-                fold(self.acc[o // self.itemsize:(o + n) // self.itemsize], x, 1.0 / self.clients, False, self.scratch)
-                remaining -= 1
-                if nxt[c] < len(self.spans):
-                    requests[i] = self._post(c, s, nxt[c])
-                    tickets[i] = (c, s, nxt[c])
-                    nxt[c] += 1
-        self.split.append({"dispatch": dispatched - start, "return": time.perf_counter() - dispatched})
-
-    def _post(self, client: int, slot: int, j: int) -> MPI.Request:
-        n = self.spans[j][1]
-        return self.comm.Irecv([self.slots[client][slot][:n], MPI.BYTE], source=client + 1, tag=TAG_UP)
 
 
 def _pickle_rounds(comm: MPI.Comm, model_mb: float, dtype: torch.dtype, rounds: int) -> list[float]:

@@ -264,6 +264,10 @@ class TransportConfig:
                          "the server receives one fp32 sum per round", choices=("direct", "chain"))
     pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
                              exclusive_min=True)
+    floor_probe_mb: float = field_(64.0, "before round 1, the server times plain chunked Isend/Irecv of this many "
+                                   "MiB, shared among its client ranks (at most the model's size each), and every "
+                                   "round's record gives its exchange against that floor for its bytes (the record's "
+                                   "'exchange'); 0: no probe", min=0.0)
 
     @property
     def chunk_bytes(self) -> int:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from mpifl.config import Config
 from mpifl.planning.federation import clients_of_rank
-from mpifl.planning.pools import PoolShape, holds_stacks, pool_bytes, pool_layout
+from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.flat import itemsize
 from mpifl.wire.layout import ExchangeLayout
@@ -229,10 +229,12 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     client_ranks = max(1, (nranks - 1) // cfg.clients.ranks_per_client)  # a group of ranks hosts as one rank
     pool = server_pool_bytes(cfg, exchange, strategy, client_ranks)
     elements = size.exchanged // itemsize(cfg.model.dtype)
+    probe = FloorProbe.of(exchange, cfg.transport.floor_probe_mb, client_ranks,
+                          itemsize(floor_probe_dtype(cfg, exchange.grouped))).server_bytes  # before the pool exists
     if cfg.server.state == "disk":  # the model stays in the file: read windows and the receive pool
-        server = IMPORTS_BYTES + int(cfg.server.window_mb * MIB) + pool
+        server = IMPORTS_BYTES + max(int(cfg.server.window_mb * MIB) + pool, probe)
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
-        server = IMPORTS_BYTES + size.total + pool + strategy.state_bytes(elements)
+        server = IMPORTS_BYTES + size.total + max(pool + strategy.state_bytes(elements), probe)
     on_gpu = trains_on_gpu(cfg, gpus_per_node)
     client = client_bytes(cfg, size, client_ranks, on_gpu)
     server_data = client_data = node_data = shared_read = 0

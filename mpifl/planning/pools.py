@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpifl.config import Config
 from mpifl.wire.layout import ExchangeLayout
 
 
@@ -76,3 +77,41 @@ def pool_bytes(shape: PoolShape, layout: PoolLayout, ranks: int) -> int:
     hold the stack."""
     accumulators = 0 if layout.held else layout.window * shape.accumulator_bytes
     return ranks * layout.slots_per_rank * shape.slot_bytes + accumulators
+
+
+@dataclass(frozen=True)
+class FloorProbe:
+    """``transport.floor_probe_mb``'s probe of the raw-MPI floor before round 1 (``aggregation.floor``): what each
+    client rank moves each way per probe round, and the buffers the server holds meanwhile. The probe runs before
+    the server's pool exists, so its buffers and the pool never coexist."""
+
+    nbytes: int  # each client rank's share of the probe, each way; 0: no probe
+    itemsize: int  # of the dtype updates travel in: fp32 group sums, else strategy.wire_dtype or the model's
+    chunk_bytes: int  # transport.chunk_mb, at most nbytes, in whole elements
+    client_ranks: int
+    inflight: int
+
+    @classmethod
+    def of(cls, exchange: ExchangeLayout, probe_mb: float, client_ranks: int, itemsize: int) -> FloorProbe:
+        """``probe_mb`` MiB shared among the client ranks (the server's traffic stays that size however many there
+        are), at most the model's bytes each, at least one element; 0 turns the probe off."""
+        nbytes = 0
+        if probe_mb > 0 and client_ranks >= 1:
+            wanted = min(int(probe_mb * 2**20) // client_ranks, exchange.model_bytes)
+            nbytes = max(itemsize, wanted // itemsize * itemsize)
+        chunk = max(1, min(exchange.chunk_bytes, nbytes) // itemsize) * itemsize
+        return cls(nbytes, itemsize, chunk, client_ranks, exchange.inflight)
+
+    @property
+    def server_bytes(self) -> int:
+        """The server's buffers while it probes: ``inflight`` receive slots per client rank, an fp32 accumulator
+        and the buffer it sends."""
+        if not self.nbytes:
+            return 0
+        return self.client_ranks * self.inflight * self.chunk_bytes + self.nbytes // self.itemsize * 4 + self.nbytes
+
+
+def floor_probe_dtype(cfg: Config, grouped: bool) -> str:
+    """The dtype the floor probe moves: that of the updates, fp32 group sums with ``clients.groups``, else
+    ``strategy.wire_dtype`` or the model's."""
+    return "float32" if grouped else (cfg.strategy.wire_dtype or cfg.model.dtype)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.aggregation.floor import FloorRate, measure_floor
 from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.clock.planners import clock_sampler, task_samples
@@ -42,6 +43,7 @@ from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import Placement, placement_for
+from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
@@ -58,9 +60,9 @@ from mpifl.storage.residuals import RANK_FILE, ResidualStore, load_snapshot, ope
 from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
-from mpifl.units import MIB
+from mpifl.units import MIB, format_bytes
 from mpifl.wire import protocol
-from mpifl.wire.flat import FlatModel, ModelSpec, element_offsets
+from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
@@ -223,6 +225,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             _serve_as_member(group, cfg, flat, local, notes)
             return None
         comm = federation
+    floor = _floor_probe(comm, cfg, plan)
     if comm.Get_rank() != 0:
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
@@ -240,7 +243,20 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
                          residuals=None if controls or personal or models else state, controls=controls,
                          personal=personal, personal_models=models, note=notes, group=group)
         return None
-    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes)
+    return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
+
+
+def _floor_probe(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout) -> FloorRate | None:
+    """``transport.floor_probe_mb``: the server and its client ranks time the raw-MPI floor once, before round 1
+    (rank 0 gets the rates and logs them; each round's record then holds its exchange against them)."""
+    dtype = DTYPES[floor_probe_dtype(cfg, plan.grouped)]
+    probe = FloorProbe.of(plan, cfg.transport.floor_probe_mb, comm.Get_size() - 1, dtype.itemsize)
+    rate = measure_floor(comm, probe, dtype)
+    if rate is not None:
+        log(f"exchange floor (raw chunked Isend/Irecv, {format_bytes(probe.nbytes)} with each of {rate.client_ranks} "
+            f"client ranks): {1 / rate.down / 1e9:.2f} GB/s out, {1 / rate.up / 1e9:.2f} GB/s back and folded",
+            rank=0)
+    return rate
 
 
 def _shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
@@ -412,7 +428,8 @@ def _group_timeout(flat: FlatModel) -> float:
 
 def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
                      dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
-                     resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes) -> RunOutcome:
+                     resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes,
+                     floor: FloorRate | None = None) -> RunOutcome:
     strategy = _strategy(cfg)
     strategy.bind(plan.spec, cfg.clients.num_clients)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
@@ -477,7 +494,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                         evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
                         privacy=privacy,
                         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
-                        stragglers=StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None)
+                        stragglers=StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None,
+                        floor=floor)
     try:
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)

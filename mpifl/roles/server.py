@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
+from mpifl.aggregation.floor import FloorRate
 from mpifl.aggregation.reduction import (
     Dropping,
     ReceivePool,
@@ -80,6 +81,7 @@ class ServerParts:
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
     stragglers: StragglerRule | None = None  # clients.accept_failures: when a rank still training is dropped
+    floor: FloorRate | None = None  # transport.floor_probe_mb: the raw-MPI floor's rates, for each record's 'exchange'
 
 
 class Server:
@@ -367,6 +369,9 @@ class Server:
                         if "rank_peak_device_bytes" in m.metrics]
         if device_peaks:  # client ranks that train on a GPU
             record["client_peak_device_bytes"] = max(device_peaks)
+        if self.parts.floor is not None:
+            record["exchange"] = self.parts.floor.exchange(record["time"], record["bytes_sent"],
+                                                           record["bytes_received"])
         if evaluation is not None:
             record["eval"] = evaluation
         group = group_split(metas.values())

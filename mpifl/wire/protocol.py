@@ -71,6 +71,8 @@ STARTUP = 19
 PROGRESS = 20
 GROUP = 21  # in a client group's own communicator (clients.ranks_per_client)
 DATASET = 22
+FLOOR_DOWN = 23  # the raw-MPI floor probe before round 1 (mpifl.aggregation.floor)
+FLOOR_UP = 24
 
 ROUND_TAG_STRIDE = 32  # every fixed tag above is below it
 ROUND_TAG_CYCLE = 1000  # rounds before a tag repeats: 20 + 32 * 999 stays within 32767, MPI's least TAG_UB

@@ -1,0 +1,47 @@
+"""The raw-MPI floor a run times before round 1, and what each round's record makes of it (no MPI needed)."""
+from __future__ import annotations
+
+import pytest
+
+from types import SimpleNamespace
+
+from mpifl.aggregation.floor import FloorRate
+from mpifl.planning.pools import FloorProbe
+
+SPLIT = {"dispatch": 0.02, "client_train": 1.0, "return": 0.05, "aggregate": 0.01, "round": 1.1}
+
+
+def test_a_round_is_set_against_the_floor_of_its_own_bytes():
+    rate = FloorRate(down=1e-9, up=2e-9, probe_bytes=1 << 20, client_ranks=2)
+    exchange = rate.exchange(SPLIT, sent=10_000_000, received=20_000_000)
+    assert exchange["floor_seconds"] == pytest.approx(0.01 + 0.04)
+    assert exchange["seconds"] == pytest.approx(0.02 + 0.05 + 0.01)  # dispatch, return and aggregate: not training
+    assert exchange["ratio_to_floor"] == pytest.approx(0.08 / 0.05)
+    assert exchange["dispatch_ratio_to_floor"] == pytest.approx(0.02 / 0.01)
+
+
+def test_a_round_that_moved_nothing_has_no_ratio():
+    exchange = FloorRate(down=1e-9, up=1e-9, probe_bytes=4, client_ranks=1).exchange(SPLIT, sent=0, received=0)
+    assert exchange == {"seconds": pytest.approx(0.08), "floor_seconds": 0.0}
+
+
+@pytest.mark.parametrize(("probe_mb", "model_bytes", "ranks", "itemsize", "expected"), [
+    (64, 1 << 40, 2, 4, 32 << 20),  # the probe is shared among the client ranks
+    (64, 1000, 2, 4, 1000),  # but never more than the model
+    (64, 1002, 2, 4, 1000),  # in whole elements
+    (1e-9, 1 << 30, 1000, 2, 2),  # at least one element
+    (0, 1 << 30, 2, 4, 0),  # 0: no probe
+])
+def test_the_probe_moves_its_share_of_floor_probe_mb_per_client_rank(probe_mb, model_bytes, ranks, itemsize,
+                                                                      expected):
+    exchange = SimpleNamespace(model_bytes=model_bytes, chunk_bytes=16 << 20, inflight=4)
+    assert FloorProbe.of(exchange, probe_mb, ranks, itemsize).nbytes == expected
+
+
+def test_the_servers_probe_buffers_stay_near_floor_probe_mb_however_many_client_ranks():
+    for ranks in (1, 2, 8, 100, 1000):
+        exchange = SimpleNamespace(model_bytes=1 << 40, chunk_bytes=16 << 20, inflight=4)
+        probe = FloorProbe.of(exchange, 64, ranks, 2)
+        assert probe.chunk_bytes <= probe.nbytes  # no receive slot wider than what a rank sends
+        # slots: inflight x the probe; the fp32 accumulator and the buffer sent: one rank's share each
+        assert probe.server_bytes <= 4 * (64 << 20) + 3 * probe.nbytes
