@@ -151,6 +151,12 @@ def server_step(name: str, delta: np.ndarray, state: dict, cfg) -> np.ndarray:
     return f(lr) * m / (np.sqrt(state["v"]) + f(cfg.tau))
 
 
+def statistics_of(module: torch.nn.Module) -> set[str]:
+    """The model's floating buffers (BatchNorm's running statistics): server optimizers leave them to the plain
+    combined value, as FedAvg would."""
+    return {name for name, b in module.named_buffers() if b.is_floating_point()}
+
+
 def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
                   dropped_in: dict[int, set[int]] | None = None) -> dict[str, np.ndarray]:
     """Train every sampled client (but those in ``drop``, and in round r those in ``dropped_in[r]``), combine
@@ -163,6 +169,7 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
     dtype = cfg.model.dtype
     wire = s.wire_dtype if s.wire_dtype and dtype == "float32" else dtype
     state: dict[str, dict] = {}
+    statistics = statistics_of(flat.module)
     work = [1.0 if cfg.train.local_steps else float(len(p) * cfg.train.local_epochs) for p in parts]  # group_by cost
     for rnd in range(1, cfg.rounds + 1):
         start = flat.buffer.clone()
@@ -197,7 +204,7 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
                                                  group_of)
             else:
                 combined = weighted_mean([(w, u[name]) for _, w, u in sent], divisor)
-            if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+            if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad") and name not in statistics:
                 delta = combined if s.update == "delta" else combined - old[name]
                 tensor_state = state.setdefault(name, {"velocity": np.zeros_like(delta), "m": np.zeros_like(delta),
                                                        "v": np.full_like(delta, np.float32(s.tau) ** 2)})
@@ -223,6 +230,7 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
     trainer, clock, n, f = make_trainer(cfg.train), cfg.clock, cfg.clients.num_clients, np.float32
     devices, online = devices_for(clock, n, cfg.seed), Availability(clock, n, cfg.seed).online
     nbytes = flat.bytes.nbytes
+    statistics = statistics_of(flat.module)
     took = [devices.task_seconds(c, len(parts[c]) * cfg.train.local_epochs, nbytes, nbytes) for c in range(n)]
     versions = {0: {name: t.float().numpy().copy() for name, t in flat.tensors()}}
     in_flight, busy, dispatched = [], set(), [0]
@@ -263,7 +271,7 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
                     d, w = model[name] - versions[v][name], f(staleness_weight(clock, version - v))
                     acc = w * d if acc is None else fma32(acc, w, d)
                 combined, s = acc / f(len(buffer)), cfg.strategy
-                if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+                if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad") and name not in statistics:
                     tensor_state = state.setdefault(name, {"velocity": np.zeros_like(combined),
                                                            "m": np.zeros_like(combined),
                                                            "v": np.full_like(combined, f(s.tau) ** 2)})
@@ -300,6 +308,7 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     c = {n: torch.zeros(p.shape) for n, p in params}
     own: dict[int, dict[str, torch.Tensor]] = {}
     eta = np.float32(s.server_lr if s.server_lr is not None else 1.0)
+    statistics = statistics_of(flat.module)
     for rnd in range(1, cfg.rounds + 1):
         start = flat.buffer.clone()
         old = {n: t.detach().clone() for n, t in flat.tensors()}
@@ -331,7 +340,8 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
 
         for n, t in flat.tensors():
             step = mean([(client, w, dy[n]) for client, w, dy, _ in sent])
-            t.copy_(torch.from_numpy((step * eta if eta != 1 else step) + old[n].numpy()))
+            scaled = step * eta if eta != 1 and n not in statistics else step  # eta_g steps the parameters only
+            t.copy_(torch.from_numpy(scaled + old[n].numpy()))
         for n in c:
             c[n] = c[n] + torch.from_numpy(mean([(client, w, dc[n]) for client, w, _, dc in sent],
                                                 divisor=cfg.clients.num_clients))
@@ -396,6 +406,7 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
         params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad]
         g: dict[int, dict[str, torch.Tensor]] = {}
         h = {name: torch.zeros(t.shape) for name, t in flat.tensors()}
+        statistics = statistics_of(flat.module)
         for rnd in range(1, cfg.rounds + 1):
             start = flat.buffer.clone()
             old = {name: t.detach().clone() for name, t in flat.tensors()}
@@ -414,8 +425,10 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
                 values = [(c, w, u[name]) for c, w, u in sent]
                 mean = torch.from_numpy(grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
                                         else weighted_mean([(w, v) for _, w, v in values]))
-                h[name].sub_(mean, alpha=alpha * len(sent) / n)
-                t.copy_(mean.sub_(h[name], alpha=1 / alpha).add_(old[name]))
+                if name not in statistics:  # the regulariser is on the parameters; statistics take the mean delta
+                    h[name].sub_(mean, alpha=alpha * len(sent) / n)
+                    mean.sub_(h[name], alpha=1 / alpha)
+                t.copy_(mean.add_(old[name]))
         return {name: t.float().numpy().copy() for name, t in flat.tensors()}
 
 

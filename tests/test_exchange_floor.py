@@ -1,9 +1,9 @@
 """The raw-MPI floor a run times before round 1, and what each round's record makes of it (no MPI needed)."""
 from __future__ import annotations
 
-import pytest
-
 from types import SimpleNamespace
+
+import pytest
 
 from mpifl.aggregation.floor import FloorRate
 from mpifl.planning.pools import FloorProbe

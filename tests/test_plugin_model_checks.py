@@ -40,3 +40,23 @@ def test_plan_sizes_a_plug_in_model_that_takes_the_data_shape():
     cfg = load_config(None, [f"model.name={__name__}:sized", "data.dataset=synthetic",
                              "data.kwargs={num_samples: 100, num_features: 16, num_classes: 10}"])
     assert model_bytes(cfg).parameters == 16 * 10 + 10  # one Linear(16, 10), sized from the data
+
+
+def test_a_model_local_pattern_that_names_no_tensor_is_refused_before_mpi_by_validate_and_run(tmp_path):
+    """A built-in model as well: the patterns are checked against the built model, so run and validate build it on
+    the meta device first, and say which key is wrong instead of every rank failing with a traceback."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    assert build_problem(ModelConfig(name="mlp", local=["3.*"]), 0, input_shape=(64,), num_classes=10) is None
+    problem = build_problem(ModelConfig(name="mlp", local=["2.*"]), 0, input_shape=(64,), num_classes=10)
+    assert problem is not None and "model.local: '2.*' matches no floating tensor" in problem
+    for command in (["validate"], ["run", "--run-dir", str(tmp_path / "run")]):  # run without mpiexec: one rank
+        result = subprocess.run([sys.executable, "-m", "mpifl", *command, str(ROOT / "configs" / "quickstart.yaml"),
+                                 "model.local=[2.*]"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert "model.local: '2.*' matches no floating tensor" in result.stderr + result.stdout
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing written

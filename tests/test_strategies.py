@@ -21,6 +21,7 @@ from mpifl.aggregation.registry import STRATEGIES
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy, make_strategy
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig, load_config
+from mpifl.wire.flat import Chunk, layout
 
 BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
            "scaffold", "feddyn")
@@ -105,6 +106,72 @@ def test_chunked_strategy_matches_the_whole_model_reference(name, dtype, wire, u
                                        err_msg=where)
         else:
             assert np.array_equal(got, want), f"{where}: max |diff| {np.abs(got - want).max()}"
+
+
+# a parameter, a BatchNorm's running statistics, a parameter: 22 fp32 elements, statistics at 10..16
+WITH_STATISTICS = layout([("w", (10,), "float32"), ("bn.running_mean", (3,), "float32"),
+                          ("bn.running_var", (4,), "float32"), ("b", (5,), "float32")],
+                         statistics={"bn.running_mean", "bn.running_var"})
+STATISTICS = slice(10, 17)
+
+
+def finish_in_chunks(strategy: Strategy, glob: torch.Tensor, xs: list[np.ndarray], weights: list[float],
+                     state: dict[str, torch.Tensor], chunk: int) -> None:
+    """One round of WITH_STATISTICS, chunk by chunk, each finish told its chunk (as the streamed reduction does)."""
+    numel = glob.numel()
+    for index, start in enumerate(range(0, numel, chunk)):
+        end = min(start + chunk, numel)
+        acc = torch.empty(end - start, dtype=ACCUMULATOR_DTYPE)
+        for i, (x, w) in enumerate(zip(xs, weights)):
+            strategy.fold(acc, torch.from_numpy(x[start:end]), w, i)
+        where = Chunk(index, "float32", 4 * start, 4 * (end - start), 4)
+        strategy.finish(acc, len(xs), sum(weights), glob[start:end], {k: v[start:end] for k, v in state.items()},
+                        where)
+
+
+@pytest.mark.parametrize("chunk", (3, 7, 22))
+@pytest.mark.parametrize("update", ["weights", "delta"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_server_optimizer_steps_the_parameters_and_leaves_statistics_to_the_mean(name, update, chunk):
+    """BatchNorm's running statistics are estimates, not weights: momentum or an adaptive step on them overshoots
+    (FedAvgM drove a running variance below zero within two rounds), so they take the plain combined value."""
+    cfg = StrategyConfig(name=name, update=update, server_lr=0.5)
+    strategy = make_strategy(cfg)
+    strategy.bind(WITH_STATISTICS, num_clients=10)
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal(22).astype(np.float32)
+    glob = torch.from_numpy(want.copy())
+    state = {k: torch.full((22,), v, dtype=ACCUMULATOR_DTYPE) for k, v in strategy.state_init.items()}
+    ref_state: dict = {}
+    for _ in range(3):
+        base = np.zeros_like(want) if update == "delta" else want
+        xs = [base + 0.1 * rng.standard_normal(22).astype(np.float32) for _ in range(3)]
+        weights = [float(w) for w in rng.integers(1, 100, 3)]
+        finish_in_chunks(strategy, glob, xs, weights, state, chunk)
+        mean = weighted_mean(list(zip(weights, xs)))
+        plain = mean + want if update == "delta" else mean
+        stepped = reference_round(cfg, want, list(zip(weights, xs)), ref_state, "float32")
+        want = np.concatenate([stepped[:10], plain[STATISTICS], stepped[17:]])
+        got = glob.numpy()
+        assert np.array_equal(got[STATISTICS], want[STATISTICS])  # FedAvg's value, bit for bit
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all((v[STATISTICS] == strategy.state_init[k]).all() for k, v in state.items())  # no state moved there
+
+
+def test_feddyn_regularises_the_parameters_and_gives_statistics_the_mean_delta():
+    strategy = make_strategy(StrategyConfig(name="feddyn", update="delta", weighting="equal", alpha=0.1))
+    strategy.bind(WITH_STATISTICS, num_clients=6)
+    rng = np.random.default_rng(1)
+    glob = torch.from_numpy(rng.standard_normal(22).astype(np.float32))
+    h = torch.zeros(22)
+    for _ in range(3):
+        old = glob.clone()
+        xs = [0.1 * rng.standard_normal(22).astype(np.float32) for _ in range(3)]
+        finish_in_chunks(strategy, glob, xs, [1.0] * 3, {"h": h}, chunk=5)
+        mean = torch.from_numpy(weighted_mean([(1.0, x) for x in xs]))
+        assert torch.equal(glob[STATISTICS], mean[STATISTICS] + old[STATISTICS])
+        assert not torch.equal(glob[:10], mean[:10] + old[:10])  # h/alpha pulls the parameters
+    assert not h[STATISTICS].any() and h[:10].any()
 
 
 def test_the_registry_lists_exactly_the_builtin_names_and_their_stages_resolve():

@@ -55,6 +55,7 @@ class Strategy:
         self.declared = declared is not None  # False: the checks assume the safe side and say how to declare
         base = declared or UNDECLARED
         self.capabilities = dataclasses.replace(base, server_state=base.server_state or bool(self.state_init))
+        self.statistics: tuple[tuple[int, int], ...] = ()  # byte ranges of the model's statistics (bind)
 
     @property
     def needs_previous_global(self) -> bool:
@@ -87,7 +88,9 @@ class Strategy:
 
     def bind(self, spec: ModelSpec, num_clients: int) -> None:
         """Learn the exchanged model's layout and the federation's size before the first round (the server
-        calls it once; nothing here needs them, a strategy with sections of its own does)."""
+        calls it once): here, where the model's statistics lie (a strategy with sections of its own, or that
+        needs the federation's size, extends it)."""
+        self.statistics = statistic_ranges(spec)
 
     def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
                state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
@@ -95,17 +98,34 @@ class Strategy:
 
         ``acc`` is one fp32 accumulator, or, for a stacking combiner whose stack is held in the receive
         slots, its rows: only stacking combiners ever get rows, and they take ``kernels.Rows``. ``chunk``
-        says which part of the model this is (a strategy with sections of its own reads it)."""
+        says which part of the model this is (a strategy with sections of its own reads it).
+
+        A server optimizer steps the parameters only. The model's statistics (BatchNorm's running mean and
+        variance) take the combined value as FedAvg would: they are estimates the clients measured, not
+        weights that descend a loss, and a momentum or adaptive step on them overshoots (FedAvgM drove a
+        running variance below zero, and every evaluation to NaN, within two rounds on Fashion-MNIST)."""
         stack: torch.Tensor = acc  # type: ignore[assignment]  # rows reach stacking combiners only (see above)
         if not self.needs_previous_global:  # FedAvg: one fp32 division (or copy) into target, one rounding
             self.combiner.combine_into(target, stack, count, total_weight)
             return
         combined = self.combiner.combine(stack, count, total_weight)
+        statistics = self.statistic_spans(chunk)
+        averaged = [combined[lo:hi].clone() for lo, hi in statistics] if not self.delta else []
         if not self.delta:
             combined.sub_(target)  # pseudo-gradient: combined weights - old global
-        self.update.step(combined, state)
+        for lo, hi in parameter_spans(statistics, combined.numel()):
+            self.update.step(combined[lo:hi], {k: v[lo:hi] for k, v in state.items()} if statistics else state)
         combined.add_(target)
+        for (lo, hi), mean in zip(statistics, averaged):  # weights: the mean itself, not (mean - x) + x
+            combined[lo:hi] = mean
         target.copy_(combined)
+
+    def statistic_spans(self, chunk: Chunk | None) -> list[tuple[int, int]]:
+        """The element ranges of ``chunk`` that hold statistics (none without a chunk, or before ``bind``)."""
+        if chunk is None:
+            return []
+        spans = (section_span(chunk, start, end) for start, end in self.statistics)
+        return [(lo, hi) for lo, hi in spans if lo < hi]
 
     def start_finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
                      state: dict[str, torch.Tensor]) -> list[Future] | None:
@@ -122,6 +142,31 @@ class Strategy:
     def accumulator_rows(self, participants: int) -> int:
         """fp32 accumulator rows per chunk for ``participants`` participants (1, or one per participant)."""
         return self.combiner.accumulator_rows(participants)
+
+
+def statistic_ranges(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """The byte ranges [start, end) of the spec's statistics (``TensorEntry.statistic``), adjacent ones merged."""
+    ranges: list[tuple[int, int]] = []
+    for e in spec.entries:
+        if not e.statistic:
+            continue
+        if ranges and ranges[-1][1] == e.offset:
+            ranges[-1] = (ranges[-1][0], e.offset + e.nbytes)
+        else:
+            ranges.append((e.offset, e.offset + e.nbytes))
+    return tuple(ranges)
+
+
+def parameter_spans(statistics: Sequence[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The element ranges of a chunk of ``numel`` elements between its ``statistics`` spans (sorted, disjoint)."""
+    spans, at = [], 0
+    for lo, hi in statistics:
+        if at < lo:
+            spans.append((at, lo))
+        at = hi
+    if at < numel:
+        spans.append((at, numel))
+    return spans
 
 
 def section_span(chunk: Chunk, start: int, end: int) -> tuple[int, int]:
@@ -144,6 +189,7 @@ class ControlledAverage(Strategy):
 
     def bind(self, spec: ModelSpec, num_clients: int) -> None:
         """Find the control section (one contiguous byte range: its buffers come last in their segment)."""
+        super().bind(spec, num_clients)
         entries = [e for e in spec.entries if e.name.startswith(CONTROL + ".")]
         if not entries:
             raise ValueError(f"strategy {self.name!r}: the model has no {CONTROL!r} section (it must be built "
@@ -178,17 +224,22 @@ class DynamicRegularized(Strategy):
     h is server state like FedAdam's moments (RAM or HDF5, in every checkpoint); clients keep their own g_i."""
 
     def bind(self, spec: ModelSpec, num_clients: int) -> None:
-        """Learn N, the federation's size."""
+        """Learn N, the federation's size, and where the statistics lie."""
+        super().bind(spec, num_clients)
         self.num_clients = num_clients
 
     def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
                state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
-        """H and the new global chunk from the mean delta, in fp32."""
+        """H and the new global chunk from the mean delta, in fp32; statistics take the mean delta alone (their h
+        stays 0: the regulariser is on the parameters)."""
         mean: torch.Tensor = self.combiner.combine(acc, count, total_weight)  # type: ignore[arg-type]
         alpha = self.cfg.alpha
-        # P is the total weight (equal weights, config checks): count is the streams folded, groups or clients
-        state["h"].sub_(mean, alpha=alpha * total_weight / self.num_clients)
-        mean.sub_(state["h"], alpha=1 / alpha).add_(target)
+        h = state["h"]
+        for lo, hi in parameter_spans(self.statistic_spans(chunk), mean.numel()):
+            # P is the total weight (equal weights, config checks): count is the streams folded, groups or clients
+            h[lo:hi].sub_(mean[lo:hi], alpha=alpha * total_weight / self.num_clients)
+            mean[lo:hi].sub_(h[lo:hi], alpha=1 / alpha)
+        mean.add_(target)  # in fp32, rounded once into the model's dtype
         target.copy_(mean)
 
 

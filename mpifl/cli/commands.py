@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     warnings = check_plugins(cfg)  # on every rank, before MPI starts
+    if cfg.model.local:  # which tensors stay is known only from the built model (a plug-in is checked on the ranks)
+        check_model(cfg)
     if env_rank() in (0, None):
         for warning in warnings:
             log(f"mpifl: warning: {warning}", rank=0)
@@ -91,13 +93,14 @@ def check_plugins(cfg: Config) -> list[str]:
     return config_warnings(cfg)
 
 
-def check_plugin_model(cfg: Config) -> None:
-    """Build a plug-in model once, on the meta device, sized from the data when it asks for its shape: a
-    signature or construction mistake is a ConfigError naming model.name, before any MPI work."""
+def check_model(cfg: Config) -> None:
+    """Build a plug-in model, or any model with ``model.local`` patterns, once on the meta device, sized from the
+    data when it asks for its shape: a signature or construction mistake is a ConfigError naming model.name, a
+    pattern that names no tensor one naming model.local, before any MPI work."""
     from mpifl.learning.datasets import data_shape, needs_dataset
     from mpifl.learning.models import build_problem, supplied
 
-    if not is_import_path(cfg.model.name):
+    if not is_import_path(cfg.model.name) and not cfg.model.local:
         return
     try:
         shape = data_shape(cfg.data) if supplied(cfg.model, needs_dataset(cfg)) else {}
@@ -112,7 +115,7 @@ def validate(args: argparse.Namespace) -> int:
     """``mpifl validate``: check a config (transformers and plug-in models are built on meta) without MPI."""
     cfg = load_config(args.config, args.overrides)
     warnings = check_plugins(cfg)
-    check_plugin_model(cfg)
+    check_model(cfg)
     for warning in warnings:
         print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"

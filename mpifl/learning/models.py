@@ -264,9 +264,14 @@ def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
         try:
             with torch.device(device):
                 model = build_model(cfg, seed, **shape)
-            return output_width_problem(cfg, model, shape.get("input_shape"), shape.get("num_classes"))
         except Exception as err:  # noqa: BLE001 - whatever user code raises is the config's problem here
             problem = f"model.name: building {cfg.name!r} failed: {type(err).__name__}: {err}"
+            continue
+        try:
+            local_patterns(cfg, model)
+        except ConfigError as err:
+            return str(err)
+        return output_width_problem(cfg, model, shape.get("input_shape"), shape.get("num_classes"))
     return problem
 
 

@@ -19,7 +19,7 @@ import fnmatch
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +63,8 @@ class TensorEntry:
     dtype: str
     offset: int  # bytes from the start of the buffer
     nbytes: int
+    statistic: bool = False  # a floating buffer, not a parameter (BatchNorm's running mean and variance): state
+    # that training updates without a gradient, so server optimizers leave it to the plain mean
 
 
 @dataclass(frozen=True)
@@ -217,12 +219,16 @@ def split_tensors(module: torch.nn.Module, trainable_only: bool = False,
 
 
 def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
-    """Lay tensors out by dtype segments, each segment aligned to 64 bytes."""
-    return layout([(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in named])
+    """Lay tensors out by dtype segments, each segment aligned to 64 bytes; buffers are marked as statistics,
+    except SCAFFOLD's control variates, which its strategy treats as a section of their own."""
+    statistics = {name for name, t in named
+                  if not isinstance(t, torch.nn.Parameter) and not name.startswith(CONTROL + ".")}
+    return layout([(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in named], statistics)
 
 
-def layout(described: list[tuple[str, tuple[int, ...], str]]) -> ModelSpec:
-    """The spec of (name, shape, dtype) tensors in this order: grouped by dtype, segments 64-byte aligned."""
+def layout(described: list[tuple[str, tuple[int, ...], str]], statistics: Collection[str] = ()) -> ModelSpec:
+    """The spec of (name, shape, dtype) tensors in this order: grouped by dtype, segments 64-byte aligned;
+    ``statistics``: the names of the buffers among them (``TensorEntry.statistic``)."""
     by_dtype: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for name, shape, dtype in described:
         by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
@@ -232,7 +238,7 @@ def layout(described: list[tuple[str, tuple[int, ...], str]]) -> ModelSpec:
         start = offset
         for name, shape in group:
             nbytes = math.prod(shape) * itemsize(dtype)
-            entries.append(TensorEntry(name, shape, dtype, offset, nbytes))
+            entries.append(TensorEntry(name, shape, dtype, offset, nbytes, name in statistics))
             offset += nbytes
         segments.append(Segment(dtype, start, offset - start))
     return ModelSpec(tuple(entries), tuple(segments), _align(offset))
