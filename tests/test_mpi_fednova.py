@@ -82,3 +82,20 @@ def test_a_trainer_that_reports_no_local_steps_is_named():
 def test_fednova_refuses_what_would_replace_its_own_total(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["strategy.name=fednova", "strategy.update=delta", *overrides])
+
+
+def test_securely_aggregated_fednova_is_the_plain_fixed_point_sum_and_near_the_float_one(tmp_path):
+    """Secure aggregation sums each client's (p_i / tau_i) * delta_i in fixed point: masked, it is bitwise the
+    unmasked fixed-point sum; against the float sum, each round's mean is off by at most half a step of 2^-f
+    (f = secagg.fraction_bits, 16), so after 3 rounds by 3 * 2^-17."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    models = {}
+    for name, overrides in (("masked", ("secagg.enabled=true",)),
+                            ("unmasked", ("secagg.enabled=true", "secagg.masking=false")), ("float", ())):
+        result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        models[name] = final_model(tmp_path / name)
+    assert_bitwise(models["masked"], models["unmasked"])
+    for tensor, want in models["float"].items():
+        np.testing.assert_allclose(models["masked"][tensor], want, rtol=0, atol=3 * 2.0**-17, err_msg=tensor)
+    assert any(not np.array_equal(models["masked"][n], models["float"][n]) for n in models["float"])  # fixed point
