@@ -3,11 +3,13 @@ is set against the raw-MPI floor."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import h5py
 import pytest
 import yaml
-from conftest import MPI_TIMEOUT, ROOT, run_mpi
+from conftest import MPI_TIMEOUT, ROOT, mpiexec, rank_environment, run_mpi
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,34 @@ def test_every_round_holds_its_exchange_against_the_floor_timed_before_round_1(q
         assert exchange["seconds"] == pytest.approx(t["dispatch"] + t["return"] + t["aggregate"])
         assert exchange["ratio_to_floor"] == pytest.approx(exchange["seconds"] / exchange["floor_seconds"])
         assert exchange["dispatch_ratio_to_floor"] > 0
+
+
+STALLED_PROBE = """
+import time, torch
+from mpi4py import MPI
+from mpifl.aggregation.floor import measure_floor
+from mpifl.planning.pools import FloorProbe
+from mpifl.roles.launch import guarded
+
+comm = MPI.COMM_WORLD
+probe = FloorProbe(nbytes=1 << 20, itemsize=4, chunk_bytes=1 << 18, client_ranks=comm.Get_size() - 1, inflight=4)
+
+def probe_late_on_rank_2():
+    if comm.Get_rank() == 2:
+        time.sleep(30)
+    measure_floor(comm, probe, torch.float32, limit_seconds=2.0)
+
+guarded(probe_late_on_rank_2)
+"""
+
+
+def test_a_rank_silent_in_the_floor_probe_ends_the_job_named_instead_of_hanging_it(tmp_path):
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED_PROBE)
+    result = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
+                            env=rank_environment(), timeout=MPI_TIMEOUT)
+    assert result.returncode != 0
+    assert "floor probe before round 1: rank(s) [2] made no progress for 2 s" in result.stderr
 
 
 def test_no_floor_probe_leaves_the_exchange_out_of_the_records(tmp_path):

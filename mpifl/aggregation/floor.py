@@ -32,8 +32,6 @@ from mpifl.wire.memory import host_bytes, host_tensor
 from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, wait
 
 PROBE_REPEATS = 3  # timed probe rounds after one warm-up; the rates are their medians
-PROBE_SECONDS = 60.0  # how long the server waits on a silent client rank during the probe, plus its bytes at 10 MB/s
-PROBE_BYTES_PER_SECOND = 10e6
 
 
 @dataclass(frozen=True)
@@ -61,19 +59,19 @@ class FloorRate:
         return out
 
 
-def measure_floor(comm: MPI.Comm, probe: FloorProbe, dtype: torch.dtype, repeats: int = PROBE_REPEATS
-                  ) -> FloorRate | None:
+def measure_floor(comm: MPI.Comm, probe: FloorProbe, dtype: torch.dtype, limit_seconds: float,
+                  repeats: int = PROBE_REPEATS) -> FloorRate | None:
     """Every rank of ``comm`` calls this at the same point; rank 0 gets the floor's rates, the others None.
 
     One warm-up round, then ``repeats`` timed rounds of :class:`FloorExchange` on the probe's bytes; the rates
-    are the medians. A client rank that makes no progress for ``PROBE_SECONDS`` plus its bytes at 10 MB/s ends
-    the job, named, instead of hanging it."""
+    are the medians. A client rank that makes no progress for ``limit_seconds`` (it may still be finishing an
+    earlier start-up stage, reading ``model.init_from`` say, when the server gets here) ends the job, named,
+    instead of hanging it."""
     nbytes = probe.nbytes
     if nbytes <= 0 or comm.Get_size() < 2:
         return None
-    limit = PROBE_SECONDS + 2 * nbytes / PROBE_BYTES_PER_SECOND
     exchange = FloorExchange(comm, nbytes, dtype, probe.chunk_bytes, probe.inflight,
-                             tags=(protocol.FLOOR_DOWN, protocol.FLOOR_UP), limit_seconds=limit)
+                             tags=(protocol.FLOOR_DOWN, protocol.FLOOR_UP), limit_seconds=limit_seconds)
     for _ in range(repeats + 1):
         exchange.round()
     if comm.Get_rank() != 0:

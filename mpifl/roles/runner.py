@@ -251,7 +251,7 @@ def _floor_probe(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout) -> FloorRate
     (rank 0 gets the rates and logs them; each round's record then holds its exchange against them)."""
     dtype = DTYPES[floor_probe_dtype(cfg, plan.grouped)]
     probe = FloorProbe.of(plan, cfg.transport.floor_probe_mb, comm.Get_size() - 1, dtype.itemsize)
-    rate = measure_floor(comm, probe, dtype)
+    rate = measure_floor(comm, probe, dtype, startup_limit([], plan.model_bytes))
     if rate is not None:
         log(f"exchange floor (raw chunked Isend/Irecv, {format_bytes(probe.nbytes)} with each of {rate.client_ranks} "
             f"client ranks): {1 / rate.down / 1e9:.2f} GB/s out, {1 / rate.up / 1e9:.2f} GB/s back and folded",
