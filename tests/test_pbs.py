@@ -58,10 +58,11 @@ def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):
 
 
 def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_path):
-    cfg = write_config(tmp_path / "two.yaml", "name: two\nrounds: 2\nclients: {num_clients: 2}\n"
+    cfg = write_config(tmp_path / "two.yaml", "name: two\nrounds: 5\nclients: {num_clients: 2}\n"
                        "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
     script = tmp_path / "two.pbs"
-    made = mpifl("pbs", str(cfg), "--ranks-per-node", "3", "--gpus-per-node", "0", "-o", str(script))
+    # an override given with the config is planned with, so the script runs with it: 2 rounds, not 5
+    made = mpifl("pbs", str(cfg), "rounds=2", "--ranks-per-node", "3", "--gpus-per-node", "0", "-o", str(script))
     assert made.returncode == 0, made.stderr
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("localhost\n")
@@ -72,7 +73,8 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_pat
     assert run.returncode == 0, run.stderr + run.stdout
     out = tmp_path / "runs" / "two"
     assert (out / "model.h5").exists() and len((out / "metrics.jsonl").read_text().splitlines()) == 2
-    # resubmitted (e.g. after walltime) with more rounds: it resumes from the checkpoint by itself
+    # resubmitted (e.g. after walltime) with more rounds: it resumes from the checkpoint by itself (an argument
+    # given to the script wins over the one it was generated with)
     again = subprocess.run(["bash", str(script), "rounds=3"], capture_output=True, text=True, env=env,
                            timeout=MPI_TIMEOUT, cwd=tmp_path)
     assert again.returncode == 0, again.stderr

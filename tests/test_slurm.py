@@ -99,10 +99,11 @@ def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
 
 
 def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
-    cfg = write_config(tmp_path / "two.yaml", TINY)
+    cfg = write_config(tmp_path / "two.yaml", TINY.replace("rounds: 2", "rounds: 5"))
     script = tmp_path / "two.sbatch"
-    made = mpifl("slurm", str(cfg), "--ranks-per-node", "3", "--cpus-per-task", "1", "--gpus-per-node", "0",
-                 "-o", str(script))
+    # an override given with the config is planned with, so the script runs with it: 2 rounds, not 5
+    made = mpifl("slurm", str(cfg), "rounds=2", "--ranks-per-node", "3", "--cpus-per-task", "1",
+                 "--gpus-per-node", "0", "-o", str(script))
     assert made.returncode == 0, made.stderr
     env, log = fake_slurm(tmp_path, f'exec {shlex.quote(mpiexec())} -n "$n" "$@"')
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
@@ -113,8 +114,9 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     assert mpifl("status", str(out)).returncode == 0
     first = log.read_text().splitlines()[0]
     assert first.startswith("--ntasks=3 --ntasks-per-node=3 --cpus-per-task=1 --cpu-bind=cores mpifl run ")
-    assert "--gpus-per-task" not in first and first.endswith("--run-dir runs/two --resume=latest")
-    # resubmitted (e.g. after the time limit) with more rounds: it resumes from the checkpoint by itself
+    assert "--gpus-per-task" not in first and first.endswith("--run-dir runs/two rounds=2 --resume=latest")
+    # resubmitted (e.g. after the time limit) with more rounds: it resumes from the checkpoint by itself (an
+    # argument given to the script wins over the one it was generated with)
     again = subprocess.run(["bash", str(script), "rounds=3"], capture_output=True, text=True, env=env,
                            timeout=MPI_TIMEOUT, cwd=tmp_path)
     assert again.returncode == 0, again.stderr

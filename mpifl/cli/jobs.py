@@ -34,6 +34,12 @@ class Job:
     nodes: int
     plan: MemoryEstimate
     command: str
+    overrides: tuple[str, ...] = ()  # key=value overrides given with the config: planned with, so run with
+
+    @property
+    def overrides_words(self) -> str:
+        """The overrides as the words of a bash array, each quoted."""
+        return " ".join(shlex.quote(o) for o in self.overrides)
 
     @property
     def memory_note(self) -> str:
@@ -52,7 +58,7 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     if warning:
         print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)
-    return Job(cfg, nranks, nodes, plan, command)
+    return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides))
 
 
 def write_script(job: Job, output: str | None, suffix: str, script: str) -> Path:

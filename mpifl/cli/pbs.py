@@ -27,6 +27,7 @@ TEMPLATE = r"""#!/bin/bash -l
 set -euo pipefail
 
 CONFIG=${{CONFIG:-{config}}}
+OVERRIDES=({overrides})   # the overrides this script was generated and planned with; arguments given later win
 RUN_DIR=${{RUN_DIR:-runs/{name}}}
 NRANKS=${{NRANKS:-{nranks}}}                # 1 server + client ranks
 RANKS_PER_NODE=${{RANKS_PER_NODE:-{ranks_per_node}}}
@@ -64,7 +65,7 @@ else                                                   # Cray PALS (Polaris)
   PLACE=(--ppn "$RANKS_PER_NODE" --depth "$DEPTH" --cpu-bind depth)
   HOSTS=()
 fi
-RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{EXTRA[@]}}" "$@")
+RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "$@")
 
 echo "mpifl: $NRANKS ranks on $NNODES node(s), $RANKS_PER_NODE per node, run dir $RUN_DIR"
 set +e
@@ -89,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
         filesystems=args.filesystems, queue=args.queue, account=args.account, config=args.config,
         nranks=job.nranks, ranks_per_node=args.ranks_per_node, depth=args.depth,
         server_alone=int(args.server_alone), gpus_per_node=args.gpus_per_node, venv=args.venv or "",
-        conda_module=args.conda_module, memory_note=job.memory_note, final_check=FINAL_CHECK)
+        conda_module=args.conda_module, memory_note=job.memory_note,
+        overrides=job.overrides_words, final_check=FINAL_CHECK)
     write_script(job, args.output, ".pbs", script)
     return 0
 

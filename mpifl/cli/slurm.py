@@ -27,6 +27,7 @@ TEMPLATE = r"""#!/bin/bash -l
 set -euo pipefail
 
 CONFIG=${{CONFIG:-{config}}}
+OVERRIDES=({overrides})   # the overrides this script was generated and planned with; arguments given later win
 RUN_DIR=${{RUN_DIR:-runs/{name}}}
 NRANKS=${{NRANKS:-{nranks}}}                # 1 server + client ranks
 RANKS_PER_NODE=${{RANKS_PER_NODE:-{ranks_per_node}}}
@@ -54,7 +55,7 @@ PLACE=(--ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK" --cp
 if [[ "$GPUS_PER_NODE" -gt 0 ]]; then
   PLACE+=(--gpus-per-task=1)
 fi
-RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{EXTRA[@]}}" "$@")
+RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "$@")
 
 echo "mpifl: $NRANKS ranks on $NNODES node(s) (${{SLURM_JOB_NODELIST:-?}}), $RANKS_PER_NODE per node, run dir $RUN_DIR"
 set +e
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
         command=job.command, name=job.cfg.name, nodes=job.nodes, ranks_per_node=args.ranks_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, optional=optional, log=args.log, config=args.config,
         nranks=job.nranks, gpus_per_node=args.gpus_per_node, venv=args.venv or "", memory_note=job.memory_note,
-        final_check=FINAL_CHECK)
+        overrides=job.overrides_words, final_check=FINAL_CHECK)
     write_script(job, args.output, ".sbatch", script)
     return 0
 
