@@ -4,6 +4,10 @@ on any number of ranks, with reduction groups, with the local tensors in RAM or 
 another number of ranks."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -62,6 +66,15 @@ def test_a_resumed_run_on_another_number_of_ranks_keeps_every_clients_local_tens
     (shared, local), (want_shared, want_local) = run_result(tmp_path / "split"), reference()
     assert_bitwise(shared, want_shared)
     assert_bitwise(local, want_local)
+    # what a resume needs beside the checkpoint, said by inspect, and named when it is gone
+    last = tmp_path / "split" / "checkpoints" / "ckpt-r000003.h5"
+    inspect = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(last)], capture_output=True, text=True)
+    assert "per client: local tensors (model.local), kept by the client ranks, in " in inspect.stdout
+    shutil.rmtree(last.with_suffix(".residuals"))
+    again = subprocess.run([sys.executable, "-m", "mpifl", "run", str(cfg), "rounds=4", "--run-dir",
+                            str(tmp_path / "split"), "--resume", str(last)], capture_output=True, text=True)
+    assert again.returncode == 2 and "its local tensors (model.local) files" in again.stderr
+    assert "are missing" in again.stderr
 
 
 def test_fedbn_patterns_keep_batchnorm_weights_and_running_statistics_off_the_wire():

@@ -8,6 +8,7 @@ import h5py
 import yaml
 
 from mpifl.errors import CheckpointError
+from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
 
@@ -30,6 +31,10 @@ def inspect(path: str, verify: bool = False) -> int:
             print(f"  {name:<{width}}  {str(list(shape)):<18} {dtype:<9} {nbytes:>12,d} B")
         state = list(ckpt.file["server_state"]) if "server_state" in ckpt.file else []
         print(f"server state: {', '.join(state) or '(none)'}")
+        files = residual_files(ckpt)
+        if files is not None:  # what a resume needs beside this file
+            print(f"per client: {kept_per_client(ckpt)}, kept by the client ranks, in {residuals_dir(ckpt.path)} "
+                  f"({len(files)} rank file(s){'' if all(f.is_file() for f in files) else ', some missing'})")
         print(f"metrics: {len(ckpt.metrics())} rounds")
         print("config:\n  " + ckpt.config.strip().replace("\n", "\n  "))
     return 0

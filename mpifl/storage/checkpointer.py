@@ -29,7 +29,9 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from mpifl.config import CheckpointConfig, Config, dump_config
+import yaml
+
+from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, load_config
 from mpifl.errors import CheckpointError, JobFailure
 from mpifl.logs import env_rank, log
 from mpifl.storage.hdf5 import Checkpoint
@@ -71,13 +73,23 @@ def residual_files(ckpt: Checkpoint) -> list[Path] | None:
     return [folder / name for name in json.loads(listed)]
 
 
+def kept_per_client(ckpt: Checkpoint) -> str:
+    """What the checkpoint's run kept per logical client, as the logs name it (read from its config)."""
+    try:
+        state = load_config(None, data=yaml.safe_load(ckpt.config) or {}).client_state()
+    except (ConfigError, yaml.YAMLError):  # a config this version cannot read: say it generically
+        state = None
+    return state.what if state is not None else "per-client state"
+
+
 def missing_residuals(ckpt: Checkpoint) -> str | None:
-    """Why a checkpoint cannot resume a run with error feedback, or None (round 0 has no residuals yet)."""
+    """Why a checkpoint cannot resume a run that keeps per-client state (error-feedback residuals, control
+    variates, local tensors, personal models), or None (round 0 has none yet)."""
     files = residual_files(ckpt)
     if files is None:
-        return None if ckpt.round == 0 else f"{ckpt.path}: no error-feedback residuals were saved with it"
+        return None if ckpt.round == 0 else f"{ckpt.path}: no {kept_per_client(ckpt)} were saved with it"
     missing = [str(p) for p in files if not p.is_file()]
-    return f"{ckpt.path}: its error-feedback residuals {missing} are missing" if missing else None
+    return f"{ckpt.path}: its {kept_per_client(ckpt)} files {missing} are missing" if missing else None
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
