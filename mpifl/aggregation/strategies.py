@@ -210,8 +210,10 @@ class ControlledAverage(Strategy):
             return
         for a, b in ((0, lo), (hi, summed.numel())):  # the weights around the control section (either may be empty)
             if a < b:
+                part = dataclasses.replace(chunk, offset=chunk.offset + a * chunk.itemsize,
+                                           nbytes=(b - a) * chunk.itemsize)  # so statistics are found in it
                 super().finish(summed[a:b], count, total_weight, target[a:b],
-                               {k: v[a:b] for k, v in state.items()}, chunk)
+                               {k: v[a:b] for k, v in state.items()}, part)
         target[lo:hi].add_(summed[lo:hi].div_(self.num_clients))
 
 

@@ -254,7 +254,7 @@ def _floor_probe(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout) -> FloorRate
     rate = measure_floor(comm, probe, dtype, startup_limit([], plan.model_bytes))
     if rate is not None:
         log(f"exchange floor (raw chunked Isend/Irecv, {format_bytes(probe.nbytes)} with each of {rate.client_ranks} "
-            f"client ranks): {1 / rate.down / 1e9:.2f} GB/s out, {1 / rate.up / 1e9:.2f} GB/s back and folded",
+            f"client ranks): {format_bytes(1 / rate.down)}/s out, {format_bytes(1 / rate.up)}/s back and folded",
             rank=0)
     return rate
 
