@@ -195,6 +195,10 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
             sent.append((c, weight, update))
         divisor = fednova_divisor(steps) if s.name == "fednova" else None
         for name, tensor in flat.tensors():
+            if s.name == "fednova" and name in statistics:  # the fold's weights p_i / tau_i, normalised: convex
+                divisor = math.fsum(w for _, w, _ in sent)
+            elif s.name == "fednova":
+                divisor = fednova_divisor(steps)
             if s.name == "median":
                 combined = median(np.stack([u[name] for _, _, u in sent]))
             elif s.name == "trimmed_mean":

@@ -22,6 +22,7 @@ from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy, make_strat
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig, load_config
 from mpifl.wire.flat import Chunk, layout
+from mpifl.wire.protocol import UpdateMeta
 
 BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
            "scaffold", "feddyn")
@@ -172,6 +173,27 @@ def test_feddyn_regularises_the_parameters_and_gives_statistics_the_mean_delta()
         assert torch.equal(glob[STATISTICS], mean[STATISTICS] + old[STATISTICS])
         assert not torch.equal(glob[:10], mean[:10] + old[:10])  # h/alpha pulls the parameters
     assert not h[STATISTICS].any() and h[:10].any()
+
+
+def test_fednova_scales_the_parameters_by_tau_eff_and_keeps_statistics_within_the_clients_values():
+    """tau_eff * sum_i q_i / tau_i >= 1 extrapolates (3 with steps of 10 and 100): a running variance scaled so goes
+    below zero. Statistics take the fold's own weights p_i / tau_i, normalised: a convex combination."""
+    strategy = make_strategy(StrategyConfig(name="fednova", update="delta"))
+    strategy.bind(WITH_STATISTICS, num_clients=10)
+    metas = [UpdateMeta(client=c, num_samples=n, train_seconds=0.0, local_steps=tau)
+             for c, (n, tau) in enumerate([(100, 10), (1000, 100)])]
+    weights = [strategy.weight_of(m) for m in metas]
+    total = strategy.total_weight(metas)
+    glob = torch.ones(22)
+    deltas = [np.full(22, -0.5, dtype=np.float32), np.full(22, -0.6, dtype=np.float32)]  # both clients: lower
+    for index, start in enumerate(range(0, 22, 5)):
+        end = min(start + 5, 22)
+        acc = torch.empty(end - start, dtype=ACCUMULATOR_DTYPE)
+        for i, (x, w) in enumerate(zip(deltas, weights)):
+            strategy.fold(acc, torch.from_numpy(x[start:end]), w, i)
+        strategy.finish(acc, 2, total, glob[start:end], {}, Chunk(index, "float32", 4 * start, 4 * (end - start), 4))
+    assert (glob[STATISTICS] >= 1 - 0.6).all() and (glob[STATISTICS] <= 1 - 0.5).all()  # within the clients'
+    assert (glob[:10] < 1 - 0.6).all()  # the parameters: tau_eff's scaling, past either client's own step
 
 
 def test_the_registry_lists_exactly_the_builtin_names_and_their_stages_resolve():

@@ -56,6 +56,7 @@ class Strategy:
         base = declared or UNDECLARED
         self.capabilities = dataclasses.replace(base, server_state=base.server_state or bool(self.state_init))
         self.statistics: tuple[tuple[int, int], ...] = ()  # byte ranges of the model's statistics (bind)
+        self.round_statistics_total: float | None = None  # this round's divisor of the statistics (total_weight)
 
     @property
     def needs_previous_global(self) -> bool:
@@ -71,7 +72,9 @@ class Strategy:
         return self.weigher.weight_of(meta)
 
     def total_weight(self, metas: Sequence[UpdateMeta]) -> float:
-        """What the round's weighted sum is divided by, from its usable participants' headers."""
+        """What the round's weighted sum is divided by, from its usable participants' headers. Also notes what
+        the round's statistics are divided by where that differs (FedNova's), which ``finish`` reads."""
+        self.round_statistics_total = self.weigher.statistics_total(metas)
         return self.weigher.total_weight(metas)
 
     def substituted(self, combiner: Combiner | None = None, update: ServerUpdate | None = None) -> Strategy:
@@ -108,8 +111,12 @@ class Strategy:
         if not self.needs_previous_global:  # FedAvg: one fp32 division (or copy) into target, one rounding
             self.combiner.combine_into(target, stack, count, total_weight)
             return
-        combined = self.combiner.combine(stack, count, total_weight)
         statistics = self.statistic_spans(chunk)
+        own = self.round_statistics_total
+        means = [stack[lo:hi] / own for lo, hi in statistics] if own is not None else []  # before acc is spent
+        combined = self.combiner.combine(stack, count, total_weight)
+        for (lo, hi), mean in zip(statistics, means):
+            combined[lo:hi] = mean
         averaged = [combined[lo:hi].clone() for lo, hi in statistics] if not self.delta else []
         if not self.delta:
             combined.sub_(target)  # pseudo-gradient: combined weights - old global
