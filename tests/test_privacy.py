@@ -126,3 +126,18 @@ def test_pairwise_masks_cancel_and_dropped_clients_masks_are_removed_exactly(dro
     unmask(acc[:3000], 0, metas)  # another chunking on the server
     unmask(acc[3000:], 3000, metas)
     assert torch.equal(acc, plain.to(torch.float32) / 2 ** 16)
+
+
+def test_dp_on_a_model_with_batchnorm_statistics_says_they_are_noised_and_how_to_keep_them_out(capfd):
+    from mpifl.roles.runner import _warn_noised_statistics
+    from mpifl.wire.flat import layout
+
+    spec = layout([("0.weight", (4,), "float32"), ("1.running_mean", (4,), "float32"),
+                   ("1.running_var", (4,), "float32")], statistics={"1.running_mean", "1.running_var"})
+    central = ["privacy.mode=central", "strategy.update=delta", "strategy.weighting=equal"]
+    _warn_noised_statistics(load_config(None, central), spec)
+    said = capfd.readouterr().err
+    assert "statistics (1.running_mean and 1 more) are clipped and noised" in said and "model.local" in said
+    _warn_noised_statistics(load_config(None, []), spec)  # no DP: nothing to say
+    _warn_noised_statistics(load_config(None, central), layout([("0.weight", (4,), "float32")]))
+    assert capfd.readouterr().err == ""

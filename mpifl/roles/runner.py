@@ -433,6 +433,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     strategy = _strategy(cfg)
     strategy.bind(plan.spec, cfg.clients.num_clients)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
+    _warn_noised_statistics(cfg, plan.spec)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
     directory = run_dir / CHECKPOINTS if run_dir else None
@@ -540,6 +541,17 @@ def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> 
             f"{client_ranks} client ranks: a rank's participants arrive one after another, so the server "
             "stacks every participant's whole model (participants x model x 4 bytes); one client rank per "
             "participant keeps it at participants x chunk", rank=0)
+
+
+def _warn_noised_statistics(cfg: Config, spec: ModelSpec) -> None:
+    """DP noises every exchanged element, a BatchNorm's running variance too, which noise can take below zero (NaN
+    evaluations). Said once, with the ways out."""
+    names = [e.name for e in spec.entries if e.statistic]
+    if cfg.privacy.mode != "off" and names:
+        log(f"privacy.mode {cfg.privacy.mode!r}: the model's statistics ({names[0]}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) are clipped and noised with the rest, and "
+            "a noised running variance can go below zero; a model with GroupNorm or LayerNorm, or "
+            "model.local for its BatchNorm layers (FedBN), keeps them out of the noise", rank=0)
 
 
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
