@@ -129,15 +129,19 @@ def test_pairwise_masks_cancel_and_dropped_clients_masks_are_removed_exactly(dro
 
 
 def test_dp_on_a_model_with_batchnorm_statistics_says_they_are_noised_and_how_to_keep_them_out(capfd):
-    from mpifl.roles.runner import _warn_noised_statistics
+    from mpifl.roles.runner import _warn_statistics
     from mpifl.wire.flat import layout
 
     spec = layout([("0.weight", (4,), "float32"), ("1.running_mean", (4,), "float32"),
                    ("1.running_var", (4,), "float32")], statistics={"1.running_mean", "1.running_var"})
     central = ["privacy.mode=central", "strategy.update=delta", "strategy.weighting=equal"]
-    _warn_noised_statistics(load_config(None, central), spec)
+    _warn_statistics(load_config(None, central), spec)
     said = capfd.readouterr().err
     assert "statistics (1.running_mean and 1 more) are clipped and noised" in said and "model.local" in said
-    _warn_noised_statistics(load_config(None, []), spec)  # no DP: nothing to say
-    _warn_noised_statistics(load_config(None, central), layout([("0.weight", (4,), "float32")]))
+    _warn_statistics(load_config(None, []), spec)  # no DP: nothing to say
+    _warn_statistics(load_config(None, central), layout([("0.weight", (4,), "float32")]))
     assert capfd.readouterr().err == ""
+    _warn_statistics(load_config(None, ["clock.mode=fedbuff", "strategy.update=delta", "clock.concurrency=4",
+                                     "clock.buffer=2"]), spec)
+    assert "clock.mode 'fedbuff': the model's statistics (1.running_mean and 1 more) arrive as changes" in \
+        capfd.readouterr().err

@@ -433,7 +433,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     strategy = _strategy(cfg)
     strategy.bind(plan.spec, cfg.clients.num_clients)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
-    _warn_noised_statistics(cfg, plan.spec)
+    _warn_statistics(cfg, plan.spec)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
     directory = run_dir / CHECKPOINTS if run_dir else None
@@ -543,15 +543,22 @@ def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> 
             "participant keeps it at participants x chunk", rank=0)
 
 
-def _warn_noised_statistics(cfg: Config, spec: ModelSpec) -> None:
-    """DP noises every exchanged element, a BatchNorm's running variance too, which noise can take below zero (NaN
-    evaluations). Said once, with the ways out."""
+def _warn_statistics(cfg: Config, spec: ModelSpec) -> None:
+    """Where a BatchNorm's running variance can be taken below zero (NaN evaluations), say so once, with the ways
+    out: DP noises every exchanged element; the asynchronous modes add each client's change of it, measured from
+    the version it trained on, to a newer model."""
     names = [e.name for e in spec.entries if e.statistic]
-    if cfg.privacy.mode != "off" and names:
-        log(f"privacy.mode {cfg.privacy.mode!r}: the model's statistics ({names[0]}"
-            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) are clipped and noised with the rest, and "
-            "a noised running variance can go below zero; a model with GroupNorm or LayerNorm, or "
-            "model.local for its BatchNorm layers (FedBN), keeps them out of the noise", rank=0)
+    if not names:
+        return
+    which = f"the model's statistics ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''})"
+    ways_out = ("a model with GroupNorm or LayerNorm, or model.local for its BatchNorm layers (FedBN), keeps them "
+                "out of it")
+    if cfg.privacy.mode != "off":
+        log(f"privacy.mode {cfg.privacy.mode!r}: {which} are clipped and noised with the rest, and a noised running "
+            f"variance can go below zero; {ways_out}", rank=0)
+    if cfg.clock.asynchronous:
+        log(f"clock.mode {cfg.clock.mode!r}: {which} arrive as changes from the version each client trained on and "
+            f"are added to a newer model, which can take a running variance below zero; {ways_out}", rank=0)
 
 
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
