@@ -551,14 +551,14 @@ def _warn_statistics(cfg: Config, spec: ModelSpec) -> None:
     if not names:
         return
     which = f"the model's statistics ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''})"
-    ways_out = ("a model with GroupNorm or LayerNorm, or model.local for its BatchNorm layers (FedBN), keeps them "
-                "out of it")
     if cfg.privacy.mode != "off":
         log(f"privacy.mode {cfg.privacy.mode!r}: {which} are clipped and noised with the rest, and a noised running "
-            f"variance can go below zero; {ways_out}", rank=0)
+            "variance can go below zero; a model with GroupNorm or LayerNorm, or model.local for its BatchNorm "
+            "layers (FedBN), keeps them out of the noise", rank=0)
     if cfg.clock.asynchronous:
         log(f"clock.mode {cfg.clock.mode!r}: {which} arrive as changes from the version each client trained on and "
-            f"are added to a newer model, which can take a running variance below zero; {ways_out}", rank=0)
+            "are added to a newer model, which can take a running variance below zero; a model with GroupNorm or "
+            "LayerNorm has none", rank=0)
 
 
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
