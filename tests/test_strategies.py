@@ -19,7 +19,7 @@ from mpifl.aggregation import registry
 from mpifl.aggregation.combiners import Combiner, WeightedMean
 from mpifl.aggregation.registry import STRATEGIES
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy, make_strategy
-from mpifl.aggregation.updates import ServerUpdate
+from mpifl.aggregation.updates import Mixing, ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig, load_config
 from mpifl.wire.flat import Chunk, layout
 from mpifl.wire.protocol import UpdateMeta
@@ -157,6 +157,22 @@ def test_a_server_optimizer_steps_the_parameters_and_leaves_statistics_to_the_me
         assert np.array_equal(got[STATISTICS], want[STATISTICS])  # FedAvg's value, bit for bit
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert all((v[STATISTICS] == strategy.state_init[k]).all() for k, v in state.items())  # no state moved there
+
+
+def test_fedasync_mixes_statistics_like_the_parameters():
+    """FedAsync's mixing, x = (1 - a) x + a x_client, is the aggregation itself, not a server optimizer: statistics
+    take it too (added whole, a stale client's change would overshoot more)."""
+    cfg = StrategyConfig(update="delta")
+    mixing = Mixing(cfg)
+    mixing.alpha = 0.3
+    strategy = make_strategy(cfg).substituted(update=mixing)
+    strategy.bind(WITH_STATISTICS, num_clients=10)
+    rng = np.random.default_rng(2)
+    glob = torch.from_numpy(rng.standard_normal(22).astype(np.float32))
+    old = glob.clone()
+    x = 0.1 * rng.standard_normal(22).astype(np.float32)
+    finish_in_chunks(strategy, glob, [x], [1.0], {}, chunk=4)
+    assert torch.allclose(glob, old + 0.3 * torch.from_numpy(x), rtol=0, atol=1e-7)  # statistics included
 
 
 def test_feddyn_regularises_the_parameters_and_gives_statistics_the_mean_delta():

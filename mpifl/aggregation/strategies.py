@@ -128,8 +128,9 @@ class Strategy:
         target.copy_(combined)
 
     def statistic_spans(self, chunk: Chunk | None) -> list[tuple[int, int]]:
-        """The element ranges of ``chunk`` that hold statistics (none without a chunk, or before ``bind``)."""
-        if chunk is None:
+        """The element ranges of ``chunk`` that hold statistics (none without a chunk, before ``bind``, or where
+        the server update is part of the combination, as FedAsync's mixing, and applies to them too)."""
+        if chunk is None or self.update.combines:
             return []
         spans = (section_span(chunk, start, end) for start, end in self.statistics)
         return [(lo, hi) for lo, hi in spans if lo < hi]

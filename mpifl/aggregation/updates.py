@@ -19,6 +19,9 @@ class ServerUpdate:
     """Base class: no server state and the identity step (the combined chunk replaces the global one)."""
 
     reads_previous = False  # whether the step needs the old global chunk (weights sent, not deltas)
+    # Whether the step is part of how updates are combined, and so applies to the model's statistics (BatchNorm's
+    # running mean and variance) too: FedAsync's mixing. A server optimizer's is not: statistics skip it.
+    combines = False
 
     def __init__(self, cfg: StrategyConfig) -> None:
         self.cfg = cfg
@@ -126,6 +129,7 @@ class Mixing(ServerUpdate):
     schedule sets ``alpha`` (a = alpha x s(staleness)) before each step."""
 
     reads_previous = True
+    combines = True  # x = (1 - a) x + a x_client is the aggregation itself: statistics are mixed as well
 
     def __init__(self, cfg: StrategyConfig) -> None:
         super().__init__(cfg)
