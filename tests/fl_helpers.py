@@ -63,6 +63,12 @@ def tiny_mlp(width: int = 7) -> nn.Module:
                          nn.Linear(width, 10))
 
 
+def bn_mlp(input_shape, num_classes: int, width: int = 8) -> nn.Module:
+    """An MLP sized from the data with a BatchNorm (running mean and variance: statistics)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], width), nn.BatchNorm1d(width), nn.ReLU(),
+                         nn.Linear(width, num_classes))
+
+
 def wider_mlp() -> nn.Module:
     """Differs from tiny_mlp in its second layer's width."""
     return tiny_mlp(width=9)

@@ -265,15 +265,22 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
             old, new = versions[version], {}
             models = [(trained(client, v), v) for _, client, v in buffer]  # each trained once, in arrival order
             for name in old:
+                value = name in statistics and cfg.statistics_as_values  # sent as a value, not a change
                 if clock.mode == "fedasync":
                     (model, v), = models
                     a = f(clock.alpha * staleness_weight(clock, version - v))
-                    new[name] = (model[name] - old[name]) * a + old[name]
+                    since = old if cfg.strategy.update == "weights" or value else versions[v]
+                    new[name] = (model[name] - since[name]) * a + old[name]
                     continue
-                acc = None
+                acc, weights = None, []
                 for model, v in models:
-                    d, w = model[name] - versions[v][name], f(staleness_weight(clock, version - v))
+                    w = f(staleness_weight(clock, version - v))
+                    d = model[name] if value else model[name] - versions[v][name]
                     acc = w * d if acc is None else fma32(acc, w, d)
+                    weights.append(staleness_weight(clock, version - v))
+                if value:  # the values' own weighted mean: no server step, nothing added
+                    new[name] = acc / f(math.fsum(weights))
+                    continue
                 combined, s = acc / f(len(buffer)), cfg.strategy
                 if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad") and name not in statistics:
                     tensor_state = state.setdefault(name, {"velocity": np.zeros_like(combined),

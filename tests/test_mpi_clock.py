@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
-from reference import async_reference
+from reference import async_reference, one_thread
 
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import load_tensors
@@ -58,6 +58,23 @@ def test_asynchronous_runs_equal_the_single_process_reference_on_any_number_of_r
     assert [r["virtual_time"] for r in steps] == sorted(r["virtual_time"] for r in steps)
 
 
+@pytest.mark.parametrize("mode", ["fedbuff", "fedasync"])
+def test_batchnorm_statistics_travel_as_values_and_stay_a_variance_asynchronously(tmp_path, mode):
+    """A client's change of a running variance, measured from the version it trained on and added to a newer
+    model, can take it below zero; sent as values, the server takes their staleness-weighted mean (FedBuff) or
+    mixes them in (FedAsync). Equal to the reference bitwise, on 2 client ranks."""
+    extra = FEDBUFF if mode == "fedbuff" else FEDASYNC  # FedAsync mixes weights: statistics are values there
+    text = RUN.format(rounds=6, extra=extra).replace("{name: mlp, kwargs: {hidden: [8]}}",
+                                                     '{name: "fl_helpers:bn_mlp"}')
+    cfg = write_config(tmp_path / "bn.yaml", text)
+    run_dir = tmp_path / "bn"
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert_equals_reference(run_dir, cfg)
+    variances = [t for name, t in load_tensors(run_dir / "model.h5").items() if name.endswith("running_var")]
+    assert variances and all((v > 0).all() for v in variances)
+
+
 def test_synchronous_virtual_rounds_drop_stragglers_and_report_the_clock(tmp_path):
     _, plain = run(tmp_path, "plain", "", ranks=1)
     _, untimed = run(tmp_path, "untimed", "clock: {mode: sync}", ranks=1)
@@ -86,7 +103,8 @@ def compass_on_two_ranks(tmp_path_factory):
 
 def assert_equals_reference(run_dir, cfg) -> None:
     """The run's final model is bitwise the single-process virtual-time reference's (reference.async_reference)."""
-    expected = async_reference(load_config(cfg))
+    with one_thread():  # as every rank trains: a BatchNorm's batch statistics sum by thread
+        expected = async_reference(load_config(cfg))
     got = load_tensors(run_dir / "model.h5")
     for name, value in expected.items():
         assert np.array_equal(got[name].numpy().view(np.uint32), value.view(np.uint32)), name

@@ -117,8 +117,9 @@ STATISTICS = slice(10, 17)
 
 
 def finish_in_chunks(strategy: Strategy, glob: torch.Tensor, xs: list[np.ndarray], weights: list[float],
-                     state: dict[str, torch.Tensor], chunk: int) -> None:
-    """One round of WITH_STATISTICS, chunk by chunk, each finish told its chunk (as the streamed reduction does)."""
+                     state: dict[str, torch.Tensor], chunk: int, total: float | None = None) -> None:
+    """One round of WITH_STATISTICS, chunk by chunk, each finish told its chunk (as the streamed reduction does);
+    ``total``: the divisor, by default the weights' sum."""
     numel = glob.numel()
     for index, start in enumerate(range(0, numel, chunk)):
         end = min(start + chunk, numel)
@@ -126,8 +127,8 @@ def finish_in_chunks(strategy: Strategy, glob: torch.Tensor, xs: list[np.ndarray
         for i, (x, w) in enumerate(zip(xs, weights)):
             strategy.fold(acc, torch.from_numpy(x[start:end]), w, i)
         where = Chunk(index, "float32", 4 * start, 4 * (end - start), 4)
-        strategy.finish(acc, len(xs), sum(weights), glob[start:end], {k: v[start:end] for k, v in state.items()},
-                        where)
+        strategy.finish(acc, len(xs), sum(weights) if total is None else total, glob[start:end],
+                        {k: v[start:end] for k, v in state.items()}, where)
 
 
 @pytest.mark.parametrize("chunk", (3, 7, 22))
@@ -173,6 +174,24 @@ def test_fedasync_mixes_statistics_like_the_parameters():
     x = 0.1 * rng.standard_normal(22).astype(np.float32)
     finish_in_chunks(strategy, glob, [x], [1.0], {}, chunk=4)
     assert torch.allclose(glob, old + 0.3 * torch.from_numpy(x), rtol=0, atol=1e-7)  # statistics included
+
+
+def test_asynchronously_statistics_arrive_as_values_and_take_their_weights_own_mean():
+    """FedBuff: x + sum_i s_i delta_i / K for the parameters; the statistics, sent as values (a change measured from
+    an older version would be added to a newer model), become sum_i s_i v_i / sum_i s_i, whatever x was."""
+    strategy = make_strategy(StrategyConfig(update="delta"))
+    strategy.bind(WITH_STATISTICS, num_clients=10)
+    strategy.statistics_absolute = True
+    strategy.round_statistics_total = 0.5 + 0.25  # what the reduction sets: the staleness weights' sum
+    rng = np.random.default_rng(3)
+    glob = torch.from_numpy(rng.standard_normal(22).astype(np.float32))
+    old = glob.clone()
+    updates = [rng.standard_normal(22).astype(np.float32) for _ in range(2)]  # deltas; values at STATISTICS
+    finish_in_chunks(strategy, glob, updates, [0.5, 0.25], {}, chunk=5, total=2.0)  # FedBuff divides by K = 2
+    values = (0.5 * updates[0] + 0.25 * updates[1]) / 0.75
+    assert np.allclose(glob[STATISTICS].numpy(), values[STATISTICS], rtol=1e-6)
+    params = old.numpy() + (0.5 * updates[0] + 0.25 * updates[1]) / 2
+    assert np.allclose(glob[:10].numpy(), params[:10], rtol=1e-6) and np.allclose(glob[17:], params[17:], rtol=1e-6)
 
 
 def test_feddyn_regularises_the_parameters_and_gives_statistics_the_mean_delta():

@@ -34,3 +34,37 @@ def test_a_large_update_split_in_chunks_is_counted_chunk_by_chunk():
     update = torch.randn(1_000_000)
     update[[7, 500_000, 999_999]] = torch.tensor([NAN, INF, -INF])
     assert count_nonfinite(update.split(65_536)) == 3
+
+
+@pytest.mark.parametrize("chunk_mb", [4 / 2**20, 1.0])  # one element per chunk; the whole model in one
+def test_a_delta_keeps_batchnorm_statistics_as_values_where_the_config_says(chunk_mb):
+    """Config.statistics_as_values (the asynchronous modes): the parameters travel as trained - global, the
+    running mean and variance as the trained values."""
+    from torch import nn
+
+    from mpifl.config import CompressionConfig, TransportConfig
+    from mpifl.roles.encoding import UpdateEncoder
+    from mpifl.wire.flat import FlatModel
+    from mpifl.wire.layout import ExchangeLayout
+
+    torch.manual_seed(0)
+    flat = FlatModel(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    plan = ExchangeLayout.build(flat.spec, TransportConfig(chunk_mb=chunk_mb), CompressionConfig(), None, False)
+    previous = flat.buffer.clone()
+    flat.module.train()(torch.randn(8, 3))  # the running statistics move
+    with torch.no_grad():
+        for p in flat.module.parameters():
+            p.add_(1.0)
+    trained = {n: t.detach().clone() for n, t in flat.tensors()}
+    before = {n: flat.view(e, previous).clone() for n, e in zip([e.name for e in flat.spec.entries], flat.spec.entries)}
+    for as_values in (True, False):
+        flat.buffer.copy_(previous)
+        for name, t in flat.tensors():
+            t.detach().copy_(trained[name])
+        UpdateEncoder(flat, plan, delta=True, statistics_as_values=as_values).encode(previous)
+        for entry in flat.spec.entries:
+            got = flat.view(entry)
+            if entry.statistic and as_values:
+                assert torch.equal(got, trained[entry.name]), entry.name
+            else:
+                assert torch.equal(got, trained[entry.name] - before[entry.name]), entry.name

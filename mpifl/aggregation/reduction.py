@@ -17,6 +17,7 @@ still sends is handed to the late-stream drain (wire.late).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -424,6 +425,8 @@ class StreamedReduction:
             self.total_weight = sum(self._weight(m) for m in usable)
         else:
             self.total_weight = self.strategy.total_weight(usable)
+        if self.weights is not None and self.strategy.statistics_absolute:  # values: their weights' own mean
+            self.strategy.round_statistics_total = math.fsum(self._weight(m) for m in usable)
         if self.total_weight <= 0:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
 

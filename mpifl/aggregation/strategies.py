@@ -57,6 +57,9 @@ class Strategy:
         self.capabilities = dataclasses.replace(base, server_state=base.server_state or bool(self.state_init))
         self.statistics: tuple[tuple[int, int], ...] = ()  # byte ranges of the model's statistics (bind)
         self.round_statistics_total: float | None = None  # this round's divisor of the statistics (total_weight)
+        # Clients send their statistics as values, not changes, even with deltas: the asynchronous modes, where a
+        # change is measured from an older version than the one it is applied to (set by the runner)
+        self.statistics_absolute = False
 
     @property
     def needs_previous_global(self) -> bool:
@@ -117,20 +120,24 @@ class Strategy:
         combined = self.combiner.combine(stack, count, total_weight)
         for (lo, hi), mean in zip(statistics, means):
             combined[lo:hi] = mean
-        averaged = [combined[lo:hi].clone() for lo, hi in statistics] if not self.delta else []
+        values = not self.delta or self.statistics_absolute  # the statistics' combination is a value, not a change
+        stepped = [] if self.update.combines else statistics  # FedAsync's mixing steps them with the rest
+        averaged = [combined[lo:hi].clone() for lo, hi in stepped] if values else []
         if not self.delta:
             combined.sub_(target)  # pseudo-gradient: combined weights - old global
-        for lo, hi in parameter_spans(statistics, combined.numel()):
-            self.update.step(combined[lo:hi], {k: v[lo:hi] for k, v in state.items()} if statistics else state)
+        elif self.statistics_absolute:
+            for lo, hi in statistics:
+                combined[lo:hi].sub_(target[lo:hi])
+        for lo, hi in parameter_spans(stepped, combined.numel()):
+            self.update.step(combined[lo:hi], {k: v[lo:hi] for k, v in state.items()} if stepped else state)
         combined.add_(target)
-        for (lo, hi), mean in zip(statistics, averaged):  # weights: the mean itself, not (mean - x) + x
+        for (lo, hi), mean in zip(stepped, averaged):  # values: the mean itself, not (mean - x) + x
             combined[lo:hi] = mean
         target.copy_(combined)
 
     def statistic_spans(self, chunk: Chunk | None) -> list[tuple[int, int]]:
-        """The element ranges of ``chunk`` that hold statistics (none without a chunk, before ``bind``, or where
-        the server update is part of the combination, as FedAsync's mixing, and applies to them too)."""
-        if chunk is None or self.update.combines:
+        """The element ranges of ``chunk`` that hold statistics (none without a chunk, or before ``bind``)."""
+        if chunk is None:
             return []
         spans = (section_span(chunk, start, end) for start, end in self.statistics)
         return [(lo, hi) for lo, hi in spans if lo < hi]

@@ -514,6 +514,14 @@ class Config:
         state = self.client_state()
         return "cpu" if state is not None and state.host_only else self.train.device
 
+    @property
+    def statistics_as_values(self) -> bool:
+        """Whether clients send their statistics (BatchNorm's running mean and variance) as values even when they
+        send deltas: in the asynchronous modes, where a change measured from the version a client trained on
+        would be added to a newer model (and can take a running variance below zero). The server then takes
+        the values' mean, or mixes them in (FedAsync)."""
+        return self.clock.asynchronous and self.strategy.update == "delta"
+
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
         SCAFFOLD's control variates, FedDyn's gradient states, model.local tensors, Ditto's personal models or

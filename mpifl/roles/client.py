@@ -46,6 +46,7 @@ class ClientParts:
     trainer: Trainer
     seed: int  # the root seed: each logical client's seed derives from it, the round and its id
     delta: bool  # strategy.update: send trained - global instead of the trained weights
+    statistics_as_values: bool = False  # Config.statistics_as_values: statistics travel as values in a delta
     accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
     groups: int = 0  # clients.groups: sum each reduction group's updates here before sending
     # a participant's weight (groups: in its group's sum; secure aggregation: in its masked update), from its header
@@ -84,7 +85,7 @@ class ClientRank:
         self.trainer = parts.trainer
         assert flat.bytes is not None  # the rank's model lives in host memory (a device copy is the replica)
         self.chunk_buffers = parts.plan.chunk_slices(flat.bytes)
-        self.encoder = UpdateEncoder(flat, parts.plan, parts.delta)
+        self.encoder = UpdateEncoder(flat, parts.plan, parts.delta, parts.statistics_as_values)
         self.replica = parts.replica
         self.work = parts.replica.flat if parts.replica else flat  # the model that trains
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None

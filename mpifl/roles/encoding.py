@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregation.kernels import fold
+from mpifl.aggregation.strategies import parameter_spans, section_span, statistic_ranges
 from mpifl.planning.seeds import COMPRESSION
 from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.storage.residuals import ResidualStore
@@ -137,8 +138,11 @@ class UpdateEncoder:
     (half the model's float32 bytes for bf16).
     """
 
-    def __init__(self, flat: FlatModel, plan: ExchangeLayout, delta: bool):
+    def __init__(self, flat: FlatModel, plan: ExchangeLayout, delta: bool, statistics_as_values: bool = False):
         self.flat, self.chunks, self.delta = flat, plan.chunks, delta
+        # Config.statistics_as_values: each chunk's statistics (element spans) stay values in a delta
+        ranges = statistic_ranges(plan.spec) if delta and statistics_as_values else ()
+        self.values = [[(lo, hi) for lo, hi in (section_span(c, *r) for r in ranges) if lo < hi] for c in self.chunks]
         self.narrowed = plan.narrowed and not plan.grouped  # group sums are folded from the flat buffer
         self.wire = plan.wire if self.narrowed else plan.chunks
         if self.narrowed:
@@ -150,11 +154,15 @@ class UpdateEncoder:
 
     def encode(self, previous: torch.Tensor | None) -> list[np.ndarray]:
         """Fill and return the outgoing chunk buffers; ``previous`` is the global model's bytes (delta mode)."""
-        for c, w, buf in zip(self.chunks, self.wire, self.buffers):
+        for c, w, buf, values in zip(self.chunks, self.wire, self.buffers, self.values):
             x = self.flat.chunk_view(c)
             if self.delta:
                 assert previous is not None  # delta mode always passes the global model
-                x.sub_(previous[c.offset:c.offset + c.nbytes].view(x.dtype))
+                old = previous[c.offset:c.offset + c.nbytes].view(x.dtype)
+                if not values:
+                    x.sub_(old)
+                for lo, hi in parameter_spans(values, x.numel()) if values else ():
+                    x[lo:hi].sub_(old[lo:hi])
             if self.narrowed:
                 torch.from_numpy(buf).view(DTYPES[w.dtype]).copy_(x)
         return self.buffers

@@ -381,6 +381,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         leader = GroupLeader(group, parallel, replica.flat if replica else flat, _group_timeout(flat))
     parts = ClientParts(
         plan=plan, trainer=trainer, seed=cfg.seed, delta=cfg.strategy.update == "delta",
+        statistics_as_values=cfg.statistics_as_values,
         accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
@@ -530,9 +531,12 @@ def _strategy(cfg: Config) -> Strategy:
     (``Mixing``); secure aggregation sums masked fixed-point updates in the ring (``RingSum``)."""
     strategy = make_strategy(cfg.strategy)
     if cfg.clock.mode != "fedasync" and not cfg.secagg.enabled:
+        strategy.statistics_absolute = cfg.statistics_as_values
         return strategy
-    return strategy.substituted(RingSum(cfg.strategy) if cfg.secagg.enabled else None,
+    twin = strategy.substituted(RingSum(cfg.strategy) if cfg.secagg.enabled else None,
                                 Mixing(cfg.strategy) if cfg.clock.mode == "fedasync" else None)
+    twin.statistics_absolute = cfg.statistics_as_values
+    return twin
 
 
 def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> None:
@@ -544,21 +548,14 @@ def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> 
 
 
 def _warn_statistics(cfg: Config, spec: ModelSpec) -> None:
-    """Where a BatchNorm's running variance can be taken below zero (NaN evaluations), say so once, with the ways
-    out: DP noises every exchanged element; the asynchronous modes add each client's change of it, measured from
-    the version it trained on, to a newer model."""
+    """DP noises every exchanged element, a BatchNorm's running variance too, which noise can take below zero (NaN
+    evaluations): say so once, with the ways out."""
     names = [e.name for e in spec.entries if e.statistic]
-    if not names:
-        return
-    which = f"the model's statistics ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''})"
-    if cfg.privacy.mode != "off":
-        log(f"privacy.mode {cfg.privacy.mode!r}: {which} are clipped and noised with the rest, and a noised running "
-            "variance can go below zero; a model with GroupNorm or LayerNorm, or model.local for its BatchNorm "
-            "layers (FedBN), keeps them out of the noise", rank=0)
-    if cfg.clock.asynchronous:
-        log(f"clock.mode {cfg.clock.mode!r}: {which} arrive as changes from the version each client trained on and "
-            "are added to a newer model, which can take a running variance below zero; a model with GroupNorm or "
-            "LayerNorm has none", rank=0)
+    if names and cfg.privacy.mode != "off":
+        log(f"privacy.mode {cfg.privacy.mode!r}: the model's statistics ({names[0]}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) are clipped and noised with the rest, and "
+            "a noised running variance can go below zero; a model with GroupNorm or LayerNorm, or model.local for "
+            "its BatchNorm layers (FedBN), keeps them out of the noise", rank=0)
 
 
 def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
