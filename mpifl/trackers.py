@@ -211,6 +211,7 @@ class WandbTracker:
         import wandb
 
         self.run_id = run_id
+        wait_for_a_fresh_second(run_dir / "wandb", run_id)
         settings = wandb.Settings(mode="offline", silent=True, console="off", disable_git=True, disable_code=True,
                                   save_code=False, disable_job_creation=True, x_disable_stats=True,
                                   x_disable_meta=True, x_disable_machine_info=True, x_save_requirements=False)
@@ -234,6 +235,14 @@ class WandbTracker:
         exit_code = 1 if failed else 0
         self.run.finish(exit_code=exit_code)
         wandb.teardown(exit_code=exit_code)
+
+
+def wait_for_a_fresh_second(folder: Path, run_id: str) -> None:
+    """W&B names an offline run's folder by the local second it starts and the run's id
+    (``offline-run-YYYYmmdd_HHMMSS-<id>``): a resume that starts within the second of the launch before it would
+    write into that launch's folder, over its rows. Then wait for the next second (at most one)."""
+    while (folder / f"offline-run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}").exists():
+        time.sleep(0.05)
 
 
 class Trackers:

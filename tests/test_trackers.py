@@ -349,3 +349,20 @@ def test_a_missing_tracker_library_stops_every_rank_before_mpi_starts(tmp_path, 
     assert "config error: output.trackers: 'wandb' needs the wandb package" in result.stderr
     assert "pip install 'mpifl[wandb]'" in result.stderr
     assert not run_dir.exists()  # nothing started: no run directory, no round
+
+
+def test_a_wandb_launch_waits_out_the_second_of_an_earlier_launch_of_the_same_run(tmp_path):
+    """W&B names an offline run's folder by the second it starts and the run id: a resume within that second would
+    write into the earlier launch's folder (the job pool once resumed a 3-round quick start that fast)."""
+    import time
+
+    from mpifl.trackers import wait_for_a_fresh_second
+
+    now = time.strftime("%Y%m%d_%H%M%S")
+    (tmp_path / f"offline-run-{now}-abc").mkdir()
+    began = time.monotonic()
+    wait_for_a_fresh_second(tmp_path, "abc")
+    assert time.strftime("%Y%m%d_%H%M%S") != now and time.monotonic() - began < 1.5
+    began = time.monotonic()
+    wait_for_a_fresh_second(tmp_path, "another-run")  # another run's folder: no wait
+    assert time.monotonic() - began < 0.1
