@@ -29,7 +29,9 @@ would be wrong, before MPI starts.
 
 **ServerUpdate** (second stage): ``step(delta, state)`` turns the fp32 pseudo-gradient into the
 step added to the old global chunk, in place; per-element state lives in fp32 vectors named in
-``state_init`` (checkpointed); ``reads_previous = True`` when the update needs the old global chunk.
+``state_init`` (checkpointed); ``reads_previous = True`` when the update needs the old global chunk;
+``combines = True`` when the step is part of the combination and so applies to BatchNorm's statistics too
+(FedAsync's mixing), else they skip it and take the combined value.
 
 **Model** (``model.name``): ``attr(**model.kwargs) -> torch.nn.Module``; mpifl adds
 ``input_shape`` and ``num_classes`` (from the data) when the signature names them. ``mpifl
