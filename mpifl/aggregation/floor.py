@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from mpifl.errors import JobFailure
 from mpifl.planning.pools import FloorProbe
 from mpifl.wire import protocol
 from mpifl.wire.memory import host_bytes, host_tensor
-from mpifl.wire.transport import Backoff, recv_chunks, send_chunks, wait
+from mpifl.wire.transport import Backoff, recv_chunks, send_chunks
 
 PROBE_REPEATS = 3  # timed probe rounds after one warm-up; the rates are their medians
 
@@ -83,6 +83,27 @@ def measure_floor(comm: MPI.Comm, probe: FloorProbe, dtype: torch.dtype, limit_s
                      probe_bytes=nbytes, client_ranks=exchange.clients)
 
 
+class ProbeDeadline:
+    """The probe's deadline (a ``transport.SendWatch``): a client rank that makes no progress for ``limit`` seconds
+    ends the job, named, instead of hanging it."""
+
+    def __init__(self, ranks: Iterable[int], limit: float):
+        now = time.monotonic()
+        self.limit, self.last = limit, {rank: now for rank in ranks}
+
+    def progress(self, rank: int) -> None:
+        """A message to or from ``rank`` completed."""
+        self.last[rank] = time.monotonic()
+
+    def check(self, waiting: Callable[[], dict[int, tuple[str, str | None]]]) -> None:
+        """Raise naming the ranks in ``waiting()`` silent for longer than the limit."""
+        now = time.monotonic()
+        silent = sorted(rank for rank in waiting() if now - self.last[rank] > self.limit)
+        if silent:
+            raise JobFailure(f"the exchange's floor probe before round 1: rank(s) {silent} made no progress for "
+                             f"{self.limit:.0f} s (transport.floor_probe_mb: 0 skips the probe)")
+
+
 class FloorExchange:
     """Raw chunked exchange + fused reduction in arrival order (no ordering, no bookkeeping).
 
@@ -113,44 +134,15 @@ class FloorExchange:
             recv_chunks(self.comm, 0, self.tag_down, self.chunks, self.slots_per_client)
             send_chunks(self.comm, [0], self.tag_up, self.chunks, self.slots_per_client)
             return
+        deadline = ProbeDeadline(range(1, self.clients + 1), self.limit) if self.limit is not None else None
         start = time.perf_counter()
-        self._dispatch()
+        send_chunks(self.comm, list(range(1, self.clients + 1)), self.tag_down, self.chunks, self.slots_per_client,
+                    deadline)
         dispatched = time.perf_counter()
-        self._receive_and_fold()
+        self._receive_and_fold(deadline)
         self.split.append({"dispatch": dispatched - start, "return": time.perf_counter() - dispatched})
 
-    def _dispatch(self) -> None:
-        """Every chunk to every client rank, ``inflight`` per peer in flight (``send_chunks``, with a deadline)."""
-        if self.limit is None:
-            send_chunks(self.comm, list(range(1, self.clients + 1)), self.tag_down, self.chunks,
-                        self.slots_per_client)
-            return
-        pending: list[tuple[int, MPI.Request]] = []
-        for chunk in self.chunks:
-            for dest in range(1, self.clients + 1):
-                if len(pending) >= self.slots_per_client * self.clients:
-                    self._wait(*pending.pop(0))
-                pending.append((dest, self.comm.Isend([chunk, MPI.BYTE], dest=dest, tag=self.tag_down)))
-        for dest, request in pending:
-            self._wait(dest, request)
-
-    def _wait(self, peer: int, request: MPI.Request) -> None:
-        wait(request, self._deadline(lambda: [peer]))
-
-    def _deadline(self, silent: Callable[[], list[int]]) -> Callable[[], None] | None:
-        """A check that ends the job once ``limit`` seconds pass without progress, naming the ranks ``silent``
-        says are still owed (None without a limit)."""
-        if self.limit is None:
-            return None
-        limit, since = self.limit, time.monotonic()
-
-        def check() -> None:
-            if time.monotonic() - since > limit:
-                raise JobFailure(f"the exchange's floor probe before round 1: rank(s) {silent()} made no progress "
-                                 f"for {limit:.0f} s (transport.floor_probe_mb: 0 skips the probe)")
-        return check
-
-    def _receive_and_fold(self) -> None:
+    def _receive_and_fold(self, deadline: ProbeDeadline | None) -> None:
         self.acc.zero_()
         requests, tickets, nxt = [], [], [0] * self.clients
         for c in range(self.clients):
@@ -159,19 +151,21 @@ class FloorExchange:
                 tickets.append((c, s, nxt[c]))
                 nxt[c] += 1
         remaining, backoff = self.clients * len(self.spans), Backoff()
-        owed = lambda: sorted({c + 1 for (c, _, j), r in zip(tickets, requests) if r})  # noqa: E731
-        check = self._deadline(owed)
+        def owed() -> dict[int, tuple[str, str | None]]:
+            return {c + 1: ("floor probe", None) for (c, _, _), r in zip(tickets, requests) if r}
+
         while remaining:
             done = MPI.Request.Testsome(requests)
             if not done:
-                if check is not None:
-                    check()
+                if deadline is not None:
+                    deadline.check(owed)
                 backoff.pause()
                 continue
             backoff.reset()
-            check = self._deadline(owed)
             for i in done:
                 c, s, j = tickets[i]
+                if deadline is not None:
+                    deadline.progress(c + 1)
                 o, n = self.spans[j]
                 x = torch.from_numpy(self.slots[c][s][:n]).view(self.dtype)
                 fold(self.acc[o // self.itemsize:(o + n) // self.itemsize], x, 1.0 / self.clients, False, self.scratch)

@@ -399,6 +399,13 @@ class StreamedReduction:
             self.decoded = torch.empty(max(c.numel for c in self.chunks), dtype=ACCUMULATOR_DTYPE)
         return self.decoded
 
+    def _statistics_total(self, usable: list[protocol.UpdateMeta]) -> float | None:
+        """What the round's statistics are divided by where not by ``total_weight``: asynchronously, where they
+        arrive as values, their weights' own sum (not FedBuff's K); otherwise the strategy's (FedNova's)."""
+        if self.weights is not None:
+            return math.fsum(self._weight(m) for m in usable) if self.strategy.statistics_absolute else None
+        return None if self.divisor is not None else self.strategy.statistics_total(usable)
+
     def _weight(self, meta: protocol.UpdateMeta) -> float:
         """A participant's weight: the round's own (asynchronous FL), else the strategy's from its header."""
         return self.weights[meta.client] if self.weights is not None else self.strategy.weight_of(meta)
@@ -425,8 +432,7 @@ class StreamedReduction:
             self.total_weight = sum(self._weight(m) for m in usable)
         else:
             self.total_weight = self.strategy.total_weight(usable)
-        if self.weights is not None and self.strategy.statistics_absolute:  # values: their weights' own mean
-            self.strategy.round_statistics_total = math.fsum(self._weight(m) for m in usable)
+        self.strategy.round_statistics_total = self._statistics_total(usable)
         if self.total_weight <= 0:
             raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
 

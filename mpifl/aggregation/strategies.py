@@ -56,7 +56,7 @@ class Strategy:
         base = declared or UNDECLARED
         self.capabilities = dataclasses.replace(base, server_state=base.server_state or bool(self.state_init))
         self.statistics: tuple[tuple[int, int], ...] = ()  # byte ranges of the model's statistics (bind)
-        self.round_statistics_total: float | None = None  # this round's divisor of the statistics (total_weight)
+        self.round_statistics_total: float | None = None  # this round's divisor of the statistics (the reduction's)
         # Clients send their statistics as values, not changes, even with deltas: the asynchronous modes, where a
         # change is measured from an older version than the one it is applied to (set by the runner)
         self.statistics_absolute = False
@@ -75,10 +75,13 @@ class Strategy:
         return self.weigher.weight_of(meta)
 
     def total_weight(self, metas: Sequence[UpdateMeta]) -> float:
-        """What the round's weighted sum is divided by, from its usable participants' headers. Also notes what
-        the round's statistics are divided by where that differs (FedNova's), which ``finish`` reads."""
-        self.round_statistics_total = self.weigher.statistics_total(metas)
+        """What the round's weighted sum is divided by, from its usable participants' headers."""
         return self.weigher.total_weight(metas)
+
+    def statistics_total(self, metas: Sequence[UpdateMeta]) -> float | None:
+        """What the round's statistics are divided by where that differs from ``total_weight`` (FedNova's), else
+        None; the reduction keeps it as ``round_statistics_total`` for ``finish``."""
+        return self.weigher.statistics_total(metas)
 
     def substituted(self, combiner: Combiner | None = None, update: ServerUpdate | None = None) -> Strategy:
         """A twin with the stage a run mode substitutes (secure aggregation's ring sum, FedAsync's mixing); the

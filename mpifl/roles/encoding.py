@@ -159,9 +159,7 @@ class UpdateEncoder:
             if self.delta:
                 assert previous is not None  # delta mode always passes the global model
                 old = previous[c.offset:c.offset + c.nbytes].view(x.dtype)
-                if not values:
-                    x.sub_(old)
-                for lo, hi in parameter_spans(values, x.numel()) if values else ():
+                for lo, hi in parameter_spans(values, x.numel()):  # the whole chunk where no statistic stays a value
                     x[lo:hi].sub_(old[lo:hi])
             if self.narrowed:
                 torch.from_numpy(buf).view(DTYPES[w.dtype]).copy_(x)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
 from mpifl.wire import protocol
-from mpifl.wire.watchdog import MODEL_DELIVERED, Watchdog
+from mpifl.wire.watchdog import MODEL_DELIVERED
 
 if TYPE_CHECKING:
     import torch
@@ -80,8 +80,19 @@ def recv_object(comm: MPI.Comm, source: int, tag: int) -> object:
     return comm.recv(source=status.Get_source(), tag=tag)
 
 
+class SendWatch(Protocol):
+    """What a sender waits with: a round's ``Watchdog``, or any deadline that ends the job when a destination takes
+    up nothing (``check`` raises naming it; ``progress`` says one landed)."""
+
+    def check(self, waiting: Callable[[], dict[int, tuple[str, str | None]]]) -> None:
+        """Raise for a rank in ``waiting()`` ({rank: (stage, what it owes)}) silent past its deadline."""
+
+    def progress(self, rank: int) -> None:
+        """A message to or from ``rank`` completed."""
+
+
 def send_chunks(comm: MPI.Comm, dests: Sequence[int], tag: int, chunks: Iterable[np.ndarray],
-                inflight: int, watchdog: Watchdog | None = None) -> None:
+                inflight: int, watchdog: SendWatch | None = None) -> None:
     """Send each chunk to every destination, at most ``inflight`` chunks per destination in flight.
 
     With a ``watchdog``, a destination that takes up nothing past its deadline raises RankStalled.
@@ -90,7 +101,7 @@ def send_chunks(comm: MPI.Comm, dests: Sequence[int], tag: int, chunks: Iterable
 
 
 def send_windows(comm: MPI.Comm, dests: Sequence[int], tag: int, windows: Iterable[Iterable[np.ndarray]],
-                 inflight: int, watchdog: Watchdog | None = None) -> None:
+                 inflight: int, watchdog: SendWatch | None = None) -> None:
     """``send_chunks`` over a stream of windows of chunks, without draining at window boundaries: the
     sends of window i may still be in flight while window i+1's are posted, and are complete before
     window i+2 is asked for (what ``GlobalStore.outgoing`` allows)."""
@@ -108,7 +119,7 @@ def send_windows(comm: MPI.Comm, dests: Sequence[int], tag: int, windows: Iterab
         _wait_sent(*pending.popleft()[1:], watchdog)
 
 
-def _wait_sent(dest: int, request: MPI.Request, watchdog: Watchdog | None) -> None:
+def _wait_sent(dest: int, request: MPI.Request, watchdog: SendWatch | None) -> None:
     if watchdog is None:
         wait(request)
         return
