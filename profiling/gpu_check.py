@@ -33,6 +33,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -264,20 +266,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         check = Check(args.device, devices, 3 if args.quick else 5, args.bin, Path(work), args.timeout)
-        rows = [device_tests(check, args.tests),
-                versus_cpu(check, "quick start"),
-                versus_cpu(check, "reduction groups", "clients.groups=2", "strategy.update=delta"),
-                two_ranks_per_client(check),
-                bitwise_across_ranks(check, "mlp", (2, 3) if args.quick else (2, 3, 5))]
+        rows: list[Row] = []
+
+        def add(step: Callable[..., Row], *args: object) -> None:
+            """Run one step and print its row at once, so a run stopped by a time limit still shows what passed."""
+            started = time.perf_counter()
+            rows.append(step(check, *args))
+            row = rows[-1]
+            print(f"gpu_check: {row.step} ({row.setting}): {row.result} [{time.perf_counter() - started:.0f} s]",
+                  file=sys.stderr, flush=True)
+
+        add(device_tests, args.tests)
+        add(versus_cpu, "quick start")
+        add(versus_cpu, "reduction groups", "clients.groups=2", "strategy.update=delta")
+        add(two_ranks_per_client)
+        add(bitwise_across_ranks, "mlp", (2, 3) if args.quick else (2, 3, 5))
         if not args.quick:
-            rows.append(bitwise_across_ranks(check, "cnn", (2, 3, 5)))
+            add(bitwise_across_ranks, "cnn", (2, 3, 5))
         for model in ("mlp", "cnn"):
             for per_round in (20,) if args.quick else (20, 200):
-                rows.append(throughput(check, model, per_round))
+                add(throughput, model, per_round)
         for repeat in range(2) if args.deterministic_cost else ():
             for deterministic in ("true", "false"):
-                rows.append(throughput(check, "cnn", 200, f"train.deterministic={deterministic}",
-                                       f"name=repeat-{repeat}"))
+                add(throughput, "cnn", 200, f"train.deterministic={deterministic}", f"name=repeat-{repeat}")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
