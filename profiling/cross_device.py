@@ -81,6 +81,9 @@ def main() -> int:
     p.add_argument("--reuse-freed-memory", default="true", choices=("true", "false"),
                    help="train.reuse_freed_memory (false: client ranks hand freed memory back to the kernel, as a "
                    "plain process does, and page-fault it in again at the next step)")
+    p.add_argument("--doorbells", default="true", choices=("true", "false"),
+                   help="transport.doorbells (false: a waiting rank sees a message at its next poll, up to 2 ms "
+                   "later, instead of being woken)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="train.device")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
@@ -110,6 +113,7 @@ model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format},
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: {args.device},
         step_in_backward: {args.step_in_backward}, reuse_freed_memory: {args.reuse_freed_memory}}}
 eval: {{every: {args.eval_every or args.rounds}}}
+transport: {{doorbells: {args.doorbells}}}
 output: {{progress: false, save_model: false}}
 """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -132,7 +136,7 @@ output: {{progress: false, save_model: false}}
     print(f"{args.clients} clients, {args.per_round} per round, {args.ranks} client ranks, groups {args.groups}, "
           f"placement {args.placement}, group_by {args.group_by}, memory format {args.memory_format}, "
           f"nhwc_pooling {args.nhwc_pooling}, step_in_backward {args.step_in_backward}, "
-          f"reuse_freed_memory {args.reuse_freed_memory}, "
+          f"reuse_freed_memory {args.reuse_freed_memory}, doorbells {args.doorbells}, "
           f"data {args.data}, {args.model} {params / 1e6:.2f} M parameters; medians over rounds 2..{args.rounds}:")
     print(f"  seconds per round {statistics.median(rounds):.3f}; peak RSS: server "
           f"{max(r['server_peak_rss_bytes'] for r in records) / 2**20:.0f} MiB, largest client rank "
@@ -150,7 +154,7 @@ output: {{progress: false, save_model: false}}
             note=f"{args.ranks} client ranks + server (MPI), groups {args.groups} by {args.group_by}, "
                  f"placement {args.placement}, "
                  f"memory format {args.memory_format}, nhwc_pooling {args.nhwc_pooling}, "
-                 f"reuse_freed_memory {args.reuse_freed_memory}")),
+                 f"reuse_freed_memory {args.reuse_freed_memory}, doorbells {args.doorbells}")),
               flush=True)
     return 0
 

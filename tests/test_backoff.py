@@ -36,3 +36,26 @@ def test_progress_makes_the_next_wait_spin_then_sleep_briefly_again(sleeps):
     backoff.pause()  # spinning: no sleep
     backoff.pause()
     assert sleeps[-1] == SLEEP_SECONDS and len(sleeps) == 6
+
+
+class RungEveryOtherNap:
+    """Doorbells whose every second nap is cut short by a ring."""
+
+    def __init__(self, asked: list[float]):
+        self.asked = asked
+
+    def nap(self, seconds: float) -> bool:
+        self.asked.append(seconds)
+        return len(self.asked) % 2 == 0
+
+
+def test_a_rung_nap_makes_the_wait_spin_and_sleep_briefly_again(sleeps):
+    """A ring says a message is on its way: the wait spins until MPI hands it over, and does not keep its long
+    sleep (with doorbells, mpifl.wire.doorbell)."""
+    naps: list[float] = []
+    with transport.use_doorbells(RungEveryOtherNap(naps)):
+        backoff = Backoff()
+        for _ in range(7):
+            backoff.pause()
+    assert not sleeps  # naps on the doorbells replace time.sleep
+    assert naps == [SLEEP_SECONDS, 2 * SLEEP_SECONDS, SLEEP_SECONDS, 2 * SLEEP_SECONDS]

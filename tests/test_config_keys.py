@@ -139,6 +139,7 @@ KEYS = (
     "train.weight_decay",
     "transport.chunk_mb",
     "transport.dispatch_fanout",
+    "transport.doorbells",
     "transport.floor_probe_mb",
     "transport.inflight",
     "transport.pool_mb",

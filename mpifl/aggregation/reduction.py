@@ -37,7 +37,7 @@ from mpifl.wire.flat import DTYPES, Chunk, element_offsets
 from mpifl.wire.late import OwedStream
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, host_tensor
-from mpifl.wire.transport import Backoff
+from mpifl.wire.transport import Backoff, wake
 from mpifl.wire.watchdog import CHECK_EVERY_SECONDS, FIRST_UPDATE, UPDATE_COMPLETE, RankStalled, StragglerRule, Watchdog
 
 
@@ -261,6 +261,7 @@ class StreamedReduction:
         if self.watchdog is not None:
             self.watchdog.progress(ticket.rank)
         if isinstance(ticket, ChunkTicket):
+            wake(self.comm, ticket.rank)  # its send is complete: it may post the next chunk, or go on
             self.chunks_in[ticket.rank] += 1
             self.schedule.chunk_landed(ticket)
             return

@@ -264,6 +264,8 @@ class TransportConfig:
                          "the server receives one fp32 sum per round", choices=("direct", "chain"))
     pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
                              exclusive_min=True)
+    doorbells: bool = field_(True, "a rank that sends to a rank of its node wakes it through a named pipe, "
+                             "instead of leaving it to its next poll (up to 2 ms later); false: poll alone")
     floor_probe_mb: float = field_(64.0, "before round 1, the server times plain chunked Isend/Irecv of this many "
                                    "MiB, shared among its client ranks (at most the model's size each), and every "
                                    "round's record gives its exchange against that floor for its bytes (the record's "

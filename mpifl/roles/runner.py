@@ -61,12 +61,12 @@ from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB, format_bytes
-from mpifl.wire import protocol
+from mpifl.wire import doorbell, protocol
 from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, element_offsets
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
-from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object
+from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, use_doorbells
 from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 
 
@@ -178,14 +178,15 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePo
     notes = RankNotes(run_dir, comm.Get_rank())
     notes("started", resume.round if resume is not None else 0)
     try:
-        return _run_rank(comm, cfg, run_dir, resume, notes)
+        with contextlib.ExitStack() as open_while_running:
+            return _run_rank(comm, cfg, run_dir, resume, notes, open_while_running)
     except BaseException as err:
         notes("failed", reason=f"{type(err).__name__}: {err}"[:2000])
         raise
 
 
 def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None,
-              notes: RankNotes) -> RunOutcome | None:
+              notes: RankNotes, open_while_running: contextlib.ExitStack) -> RunOutcome | None:
     stop = StopRequest().install()
     bound = bind_rank(comm, cfg.train.threads)  # the cores (and GPU) of this rank's node-local slot
     torch.set_num_threads(bound.threads)  # 1 by default: torch's CPU reductions split their work by thread
@@ -225,7 +226,9 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             _serve_as_member(group, cfg, flat, local, notes)
             return None
         comm = federation
-    floor = _floor_probe(comm, cfg, plan)
+    floor = _floor_probe(comm, cfg, plan)  # raw MPI: before the doorbells
+    bells = open_while_running.enter_context(doorbell.opened(comm, cfg.transport.doorbells))
+    open_while_running.enter_context(use_doorbells(bells))
     if comm.Get_rank() != 0:
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples

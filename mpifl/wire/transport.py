@@ -6,19 +6,23 @@ rounds at 4 clients on 2 cores). Sleep-polling relies on MPI copying between
 processes of one node in a single step (MPICH's CMA path), which is the default.
 The sleeps double while nothing happens, from 0.2 to 2 ms: the server waits out
 its client ranks' training every round, and each poll wakes it on a core they
-train on.
+train on. With doorbells (``mpifl.wire.doorbell``, ``transport.doorbells``), a
+sender wakes a sleeping receiver on its node at once, so the sleeps cost no
+latency there.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
 from mpifl.wire import protocol
+from mpifl.wire.doorbell import Doorbells
 from mpifl.wire.watchdog import MODEL_DELIVERED
 
 if TYPE_CHECKING:
@@ -27,6 +31,35 @@ if TYPE_CHECKING:
 SPIN_SECONDS = 50e-6
 SLEEP_SECONDS = 200e-6  # the first sleep of a wait
 LONGEST_SLEEP_SECONDS = 2e-3  # what a wait may add to a message's latency, at most
+
+
+_doorbells: Doorbells | None = None  # this rank's, while a run uses them (use_doorbells)
+
+
+@contextlib.contextmanager
+def use_doorbells(bells: Doorbells | None) -> Iterator[None]:
+    """Sends ring, and waits sleep on, ``bells`` for the duration (None: poll alone)."""
+    global _doorbells
+    previous, _doorbells = _doorbells, bells
+    try:
+        yield
+    finally:
+        _doorbells = previous
+
+
+def wake(comm: MPI.Comm, dest: int) -> None:
+    """Wake ``dest``: a message to it was just posted, or one from it just landed (nothing without doorbells or
+    off this node)."""
+    if _doorbells is not None:
+        _doorbells.ring(comm, dest)
+
+
+def _nap(seconds: float) -> bool:
+    """Sleep ``seconds``, or until rung; whether rung."""
+    if _doorbells is not None:
+        return _doorbells.nap(seconds)
+    time.sleep(seconds)
+    return False
 
 
 class Backoff:
@@ -46,8 +79,10 @@ class Backoff:
         if self.since is None:
             self.since = now
         elif now - self.since > SPIN_SECONDS:
-            time.sleep(self.sleep)
-            self.sleep = min(2 * self.sleep, LONGEST_SLEEP_SECONDS)
+            if _nap(self.sleep):  # a message is on its way: spin until MPI hands it over
+                self.reset()
+            else:
+                self.sleep = min(2 * self.sleep, LONGEST_SLEEP_SECONDS)
 
 
 def wait(request: MPI.Request, check: Callable[[], None] | None = None) -> None:
@@ -68,7 +103,10 @@ def wait_all(requests: Sequence[MPI.Request]) -> None:
 
 def send_object(comm: MPI.Comm, obj: object, dest: int, tag: int) -> None:
     """Send a small control object (pickled), waiting politely."""
-    wait(comm.isend(obj, dest=dest, tag=tag))
+    request = comm.isend(obj, dest=dest, tag=tag)
+    request.Test()
+    wake(comm, dest)
+    wait(request)
 
 
 def recv_object(comm: MPI.Comm, source: int, tag: int) -> object:
@@ -113,6 +151,7 @@ def send_windows(comm: MPI.Comm, dests: Sequence[int], tag: int, windows: Iterab
                 while len(pending) >= limit:
                     _wait_sent(*pending.popleft()[1:], watchdog)
                 pending.append((i, dest, comm.Isend([chunk, MPI.BYTE], dest=dest, tag=tag)))
+                wake(comm, dest)
         while pending and pending[0][0] < i:  # window i-1 is sent before window i+1 is asked for
             _wait_sent(*pending.popleft()[1:], watchdog)
     while pending:
@@ -133,8 +172,10 @@ def recv_chunks(comm: MPI.Comm, source: int, tag: int, chunks: Iterable[np.ndarr
     for chunk in chunks:
         while len(pending) >= inflight:
             wait(pending.popleft())
+            wake(comm, source)  # its send is complete: it may post the next
         pending.append(comm.Irecv([chunk, MPI.BYTE], source=source, tag=tag))
     wait_all(pending)
+    wake(comm, source)
 
 
 def relay_chunks(comm: MPI.Comm, parent: int, children: Sequence[int], tag: int, chunks: Sequence[np.ndarray],
@@ -153,10 +194,12 @@ def relay_chunks(comm: MPI.Comm, parent: int, children: Sequence[int], tag: int,
             posted += 1
         j, request = received.popleft()
         wait(request)
+        wake(comm, parent)
         for child in children:
             while len(sent) >= inflight * len(children):
                 wait(sent.popleft())
             sent.append(comm.Isend([chunks[j], MPI.BYTE], dest=child, tag=tag))
+            wake(comm, child)
     wait_all(sent)
 
 
@@ -169,8 +212,11 @@ def pass_on(comm: MPI.Comm, source: int, dest: int, tags: tuple[int, int], slots
     received = {j: comm.Irecv([slots[j][:sizes[j]], MPI.BYTE], source=source, tag=tags[0]) for j in range(min(ring, n))}
     for j in range(n):
         wait(received.pop(j))
+        wake(comm, source)
         out = combine(j, slots[j % ring][:sizes[j]])
-        wait(comm.Isend([out, MPI.BYTE], dest=dest, tag=tags[1]))  # the later receives progress meanwhile
+        sent = comm.Isend([out, MPI.BYTE], dest=dest, tag=tags[1])
+        wake(comm, dest)
+        wait(sent)  # the later receives progress meanwhile
         if j + ring < n:  # the slot is free again: it takes chunk j + ring
             received[j + ring] = comm.Irecv([slots[j % ring][:sizes[j + ring]], MPI.BYTE], source=source,
                                             tag=tags[0])
