@@ -18,6 +18,7 @@ def main() -> None:
     bells = Doorbells.open(comm)
     assert bells is not None, f"rank {rank}: no doorbells on this node"
     assert sorted(bells.peers) == [r for r in range(size) if r != rank], bells.peers
+    assert bells.everyone  # one node: every rank can ring every other
     comm.Barrier()
     left = sorted(p.name for p in pipe_directory().glob(f"mpifl-bell-{bells.token}-*"))
     assert not left, f"rank {rank}: pipes left on disk: {left}"

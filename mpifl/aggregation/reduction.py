@@ -257,11 +257,11 @@ class StreamedReduction:
         return any(self.schedule.finished)
 
     def _landed(self, ticket: Ticket, meta: object) -> None:
+        wake(self.comm, ticket.rank)  # its send is complete: it may post the next message, or go on
         self.posted[ticket.rank] -= 1
         if self.watchdog is not None:
             self.watchdog.progress(ticket.rank)
         if isinstance(ticket, ChunkTicket):
-            wake(self.comm, ticket.rank)  # its send is complete: it may post the next chunk, or go on
             self.chunks_in[ticket.rank] += 1
             self.schedule.chunk_landed(ticket)
             return

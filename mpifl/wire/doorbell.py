@@ -37,6 +37,7 @@ class Doorbells:
 
     def __init__(self, comm: MPI.Comm, own: int, peers: dict[int, int], token: str):
         self.comm, self.own, self.peers, self.token = comm, own, peers, token
+        self.everyone = len(peers) == comm.Get_size() - 1  # every other rank can ring this one: a job on one node
 
     @classmethod
     def open(cls, comm: MPI.Comm) -> Doorbells | None:
