@@ -8,7 +8,7 @@ The sleeps double while nothing happens, from 0.2 to 2 ms: the server waits out
 its client ranks' training every round, and each poll wakes it on a core they
 train on. With doorbells (``mpifl.wire.doorbell``, ``transport.doorbells``), a
 sender wakes a sleeping receiver on its node at once, so the sleeps cost no
-latency there.
+latency there, and on one node they may grow to 20 ms.
 """
 from __future__ import annotations
 
