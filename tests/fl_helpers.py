@@ -1,6 +1,8 @@
 """User code for the tests, loaded by import path (``fl_helpers:...``) on every rank."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -65,7 +67,7 @@ def tiny_mlp(width: int = 7) -> nn.Module:
 
 def bn_mlp(input_shape, num_classes: int, width: int = 8) -> nn.Module:
     """An MLP sized from the data with a BatchNorm (running mean and variance: statistics)."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], width), nn.BatchNorm1d(width), nn.ReLU(),
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.BatchNorm1d(width), nn.ReLU(),
                          nn.Linear(width, num_classes))
 
 

@@ -1,18 +1,21 @@
 """clients.ranks_per_client: a logical client trained by a group of ranks (gloo DDP on the CPU), each on its share
 of every batch. The result depends on the group size R, never on how many groups run (bitwise, in synchronous
 rounds and under FedCompass's per-client local steps) nor on the run;
-it is the model one rank per client trains, up to float rounding; the process group is built once per run
+it is the model one rank per client trains, up to float rounding, BatchNorm included (the group normalizes over the
+whole batch, not each rank's share); the process group is built once per run
 (the setup time shows in round 1 only); and rank counts that cannot form whole groups are refused."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, mpiexec, run_mpi, write_config
 from results import assert_bitwise, final_model
 
 from mpifl.cli.plan import estimate
@@ -64,6 +67,28 @@ def test_a_group_trains_the_model_one_rank_would_up_to_float_rounding(runs):
         np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
     assert records(runs["one group"])[-1]["train_loss"] == pytest.approx(
         records(runs["one rank per client"])[-1]["train_loss"], rel=1e-4)
+
+
+def test_a_group_normalizes_batchnorm_over_the_whole_batch_as_one_rank_would(tmp_path):
+    """BatchNorm's statistics come from the group's whole batch (summed over the ranks, forward and backward), so
+    a model with BatchNorm trains as on one rank: per-share statistics would differ by far more than rounding."""
+    bn = ("model.name=fl_helpers:bn_mlp", "model.kwargs={width: 16}", "train.batch_size=16")
+    grouped = final_model(run(tmp_path, "grouped", 3, *bn))
+    single = final_model(run(tmp_path, "single", 3, *bn, "clients.ranks_per_client=1"))
+    assert any("running_var" in name for name in single)
+    for name in single:
+        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_group_batchnorm_gives_each_share_what_one_batchnorm_gives_the_whole_batch(tmp_path):
+    """Uneven shares (5 and 4 samples), BatchNorm1d/2d/3d, with and without affine weights, momentum or a
+    cumulative mean: outputs, input gradients, summed weight gradients and running statistics match one plain
+    BatchNorm on the whole batch (tests/group_batch_norm_ranks.py, fp64)."""
+    script = Path(__file__).parent / "group_batch_norm_ranks.py"
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=MPI_TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count(": ok") == 2
 
 
 def test_the_process_group_is_built_once_per_run_and_the_round_split_shows_it(runs):

@@ -5,7 +5,12 @@ split into ``size`` contiguous shares (``share_of``), one per rank; DistributedD
 gradients across the group in backward, so every rank takes the same optimizer step. Each rank's loss is
 scaled by its share of the batch (``share_weight``) so that the average is the gradient of the whole batch's
 mean loss, whatever the shares' sizes: the step is the one a single rank would take on the whole batch, up
-to floating-point rounding (tested), and bitwise the same for a fixed group size on any number of groups.
+to floating-point rounding (tested, with BatchNorm too), and bitwise the same for a fixed group size on any number of groups.
+
+BatchNorm layers normalize with the statistics of the whole batch, not of a rank's share: ``wrap`` turns each
+into a group BatchNorm (``GroupBatchNorm*``, only the module's class changes, as for ``NHWCMaxPool2d``) that sums
+the shares' sums over the group, forward and backward, so the step stays the whole batch's. PyTorch's
+``SyncBatchNorm`` does this on GPUs only; this form runs over gloo on CPUs too.
 
 The process group is built once per run and kept (``torch.distributed.init_process_group`` on each rank of
 the group, through a rendezvous the caller provides), and each module is wrapped in DDP once: nothing is
@@ -38,6 +43,91 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+class _GroupSum(torch.autograd.Function):
+    """A tensor summed over the process group, differentiable: the gradient of a sum that every rank sees is the
+    sum of every rank's gradient of it."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        summed = tensor.clone()
+        dist.all_reduce(summed)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        summed = grad.clone()
+        dist.all_reduce(summed)
+        return summed
+
+
+def group_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """Training-mode batch normalization of the group's whole batch, of which ``x`` is this rank's share: the
+    mean and the biased variance from every share (two passes, summed over the group), the running statistics
+    updated from them as one rank's BatchNorm would (unbiased variance, momentum or a cumulative mean)."""
+    reduced = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    local_count = torch.tensor([x.numel() // max(x.size(1), 1)], dtype=x.dtype, device=x.device)
+    sums = _GroupSum.apply(torch.cat([x.sum(reduced), local_count]))
+    count = sums[-1].detach()  # the group's samples per channel: a constant of the step
+    mean = sums[:-1] / count
+    if float(count) <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over the client "
+                         f"group (input size {list(x.size())} on this rank)")
+    centred = x - mean.view(shape)
+    var = _GroupSum.apply(centred.pow(2).sum(reduced)) / count
+    if bn.training and bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
+        with torch.no_grad():
+            assert bn.num_batches_tracked is not None
+            bn.num_batches_tracked.add_(1)
+            factor = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+            bn.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+            bn.running_var.mul_(1 - factor).add_(var.detach() * count / (count - 1), alpha=factor)
+    out = centred * torch.rsqrt(var + bn.eps).view(shape)
+    if bn.affine:
+        out = out * bn.weight.view(shape) + bn.bias.view(shape)
+    return out
+
+
+class _GroupStatistics:
+    """Mixed into a BatchNorm class: in training, inside a process group of several ranks, normalize over the
+    group's whole batch (``group_batch_norm``); otherwise exactly the BatchNorm it was."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn: nn.modules.batchnorm._BatchNorm = self  # type: ignore[assignment]
+        if not (bn.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)  # type: ignore[misc]
+        bn._check_input_dim(x)
+        return group_batch_norm(bn, x)
+
+
+class GroupBatchNorm1d(_GroupStatistics, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` over a client group's whole batch (``group_batch_norm``)."""
+
+
+class GroupBatchNorm2d(_GroupStatistics, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` over a client group's whole batch (``group_batch_norm``)."""
+
+
+class GroupBatchNorm3d(_GroupStatistics, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` over a client group's whole batch (``group_batch_norm``)."""
+
+
+GROUP_BATCH_NORM: dict[type, type] = {nn.BatchNorm1d: GroupBatchNorm1d, nn.BatchNorm2d: GroupBatchNorm2d,
+                                      nn.BatchNorm3d: GroupBatchNorm3d}
+
+
+def use_group_batch_norm(module: nn.Module) -> int:
+    """Every ``nn.BatchNorm{1,2,3}d`` of ``module`` normalizes over the client group's whole batch (its class only
+    changes: the parameters and running statistics stay where they are, views of the flat buffer); how many."""
+    swapped = 0
+    for sub in module.modules():
+        group_class = GROUP_BATCH_NORM.get(type(sub))
+        if group_class is not None:
+            sub.__class__ = group_class
+            swapped += 1
+    return swapped
+
+
 class DataParallel:
     """A rank's place in its client group, the process group (once per run) and the DDP wrapper of each
     module it trains (once per module)."""
@@ -62,13 +152,15 @@ class DataParallel:
         self.setup_seconds += time.perf_counter() - began
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        """``module`` in DDP, built on first use (it broadcasts the group leader's weights once) and kept."""
+        """``module`` in DDP, built on first use (it broadcasts the group leader's weights once) and kept; its
+        BatchNorm layers normalize over the group's whole batch."""
         wrapped = self._wrapped.get(id(module))
         if wrapped is None:
             began = time.perf_counter()
             from torch.nn.parallel import DistributedDataParallel
 
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
+            use_group_batch_norm(module)  # the whole batch's statistics, not this rank's share's
             wrapped = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
             self._wrapped[id(module)] = wrapped
             self.setup_seconds += time.perf_counter() - began
