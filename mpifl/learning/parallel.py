@@ -5,7 +5,8 @@ split into ``size`` contiguous shares (``share_of``), one per rank; DistributedD
 gradients across the group in backward, so every rank takes the same optimizer step. Each rank's loss is
 scaled by its share of the batch (``share_weight``) so that the average is the gradient of the whole batch's
 mean loss, whatever the shares' sizes: the step is the one a single rank would take on the whole batch, up
-to floating-point rounding (tested, with BatchNorm too), and bitwise the same for a fixed group size on any number of groups.
+to floating-point rounding (tested, with BatchNorm too), and bitwise the same for a fixed group size on any
+number of groups.
 
 BatchNorm layers normalize with the statistics of the whole batch, not of a rank's share: ``wrap`` turns each
 into a group BatchNorm (``GroupBatchNorm*``, only the module's class changes, as for ``NHWCMaxPool2d``) that sums
