@@ -115,3 +115,24 @@ def test_a_meta_device_model_is_allocated_once_inside_the_flat_buffer():
     x = torch.randn(4, 5)
     m.eval(), reference.eval()
     assert torch.equal(m(x), reference(x))
+
+
+def test_the_bytes_no_tensor_covers_are_zero_whatever_the_memory_held_before(monkeypatch):
+    """The buffer is allocated without zeroing (a 70B model's pages arrive as they are written), and the alignment
+    between dtype segments is written by no tensor. It is zeroed, so a whole-buffer norm, copy or comparison never
+    reads what the memory held before (once, a NaN left there made a drift norm NaN)."""
+    import numpy as np
+
+    from mpifl.wire import flat as flat_module
+
+    monkeypatch.setattr(flat_module, "host_bytes", lambda n, touch=True: np.full(n, 0xFF, dtype=np.uint8))
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2).to(torch.bfloat16))
+    flat = FlatModel(model)
+    gaps = flat_module.padding_ranges(flat.spec)
+    assert gaps and sum(end - start for start, end in gaps) > 0
+    for start, end in gaps:
+        assert not flat.buffer[start:end].any(), (start, end)
+    covered = torch.ones(flat.spec.total_bytes, dtype=torch.bool)
+    for start, end in gaps:
+        covered[start:end] = False
+    assert sum(e.nbytes for e in flat.spec.entries) == int(covered.sum())  # the gaps are exactly what no tensor holds

@@ -244,6 +244,19 @@ def layout(described: list[tuple[str, tuple[int, ...], str]], statistics: Collec
     return ModelSpec(tuple(entries), tuple(segments), _align(offset))
 
 
+def padding_ranges(spec: ModelSpec) -> list[tuple[int, int]]:
+    """The byte ranges [start, end) of the buffer that no tensor covers: the alignment between dtype segments and
+    at the end."""
+    gaps, covered = [], 0
+    for entry in sorted(spec.entries, key=lambda e: e.offset):
+        if entry.offset > covered:
+            gaps.append((covered, entry.offset))
+        covered = max(covered, entry.offset + entry.nbytes)
+    if spec.total_bytes > covered:
+        gaps.append((covered, spec.total_bytes))
+    return gaps
+
+
 class FlatModel:
     """A module whose exchanged tensors are views into one contiguous ``uint8`` buffer
     (and whose frozen parameters, with ``trainable_only``, are views into a second one)."""
@@ -262,6 +275,9 @@ class FlatModel:
         else:
             self.buffer = torch.empty(self.spec.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
         self.frozen = torch.empty(self.frozen_spec.total_bytes, dtype=torch.uint8, device=self.device)
+        for spec, buffer in ((self.spec, self.buffer), (self.frozen_spec, self.frozen)):
+            for start, end in padding_ranges(spec):  # no tensor writes there: zero, never what memory held before
+                buffer[start:end].zero_()
         # same memory, for MPI buffer slices (a device-side replica never touches MPI)
         self.bytes = self.buffer.numpy() if self.device.type == "cpu" else None
         # by name: the layout groups tensors by dtype, so interleaved dtypes come out in another order
