@@ -76,7 +76,7 @@ def group_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> to
                          f"group (input size {list(x.size())} on this rank)")
     centred = x - mean.view(shape)
     var = _GroupSum.apply(centred.pow(2).sum(reduced)) / count
-    if bn.training and bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
+    if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
         with torch.no_grad():
             assert bn.num_batches_tracked is not None
             bn.num_batches_tracked.add_(1)

@@ -48,17 +48,18 @@ class Doorbells:
         try:
             ranks = node.allgather(comm.Get_rank())
             directory = pipe_directory()
-            own = _make_pipe(pipe_path(directory, token, comm.Get_rank()))
+            mine = pipe_path(directory, token, comm.Get_rank())
+            own = _make_pipe(mine)
             if not node.allreduce(own is not None, op=MPI.LAND):  # every rank of the node, or none of them
                 if own is not None:
                     os.close(own)
-                    pipe_path(directory, token, comm.Get_rank()).unlink(missing_ok=True)
+                    mine.unlink(missing_ok=True)
                 return None
             assert own is not None
             peers = {rank: os.open(pipe_path(directory, token, rank), os.O_WRONLY | os.O_NONBLOCK)
                      for rank in ranks if rank != comm.Get_rank()}
             node.Barrier()  # every end is open: the names can go
-            pipe_path(directory, token, comm.Get_rank()).unlink(missing_ok=True)
+            mine.unlink(missing_ok=True)
             return cls(comm, own, peers, token)
         finally:
             node.Free()

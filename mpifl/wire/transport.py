@@ -115,7 +115,6 @@ def wait_all(requests: Sequence[MPI.Request]) -> None:
 def send_object(comm: MPI.Comm, obj: object, dest: int, tag: int) -> None:
     """Send a small control object (pickled), waiting politely."""
     request = comm.isend(obj, dest=dest, tag=tag)
-    request.Test()
     wake(comm, dest)
     wait(request)
 
