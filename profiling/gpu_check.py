@@ -1,5 +1,5 @@
 """One command for a GPU machine: the device tests, runs on the GPU against the same runs on the CPU, two ranks
-per client on NCCL, and client updates per second per GPU for two reference models; one table at the end.
+per client, and client updates per second per GPU for two reference models; one table at the end.
 
     make gpu-check                                   # on a GPU node: installs into .venv-gpu, then --device cuda
     python profiling/gpu_check.py --device cpu --quick   # the same steps on the CPU (tests/test_gpu_check.py)
@@ -12,9 +12,10 @@ Steps (each a row of the table):
    (``train.device_copy``), and the result must be bitwise equal. On a GPU, cuBLAS and cuDNN sum in another
    order than the CPU's kernels, so the final model must be within a relative L2 distance of
    ``GPU_TOLERANCE`` of the CPU's after ``COMPARED_ROUNDS``;
-3. ``clients.ranks_per_client=2`` (NCCL between two GPUs, gloo on the CPU form) against one rank per client,
-   within ``GROUP_TOLERANCE`` after ``COMPARED_ROUNDS`` (the same gradient, summed in two halves); skipped with
-   fewer than two GPUs;
+3. ``clients.ranks_per_client=2`` against one rank per client, within ``GROUP_TOLERANCE`` after
+   ``COMPARED_ROUNDS`` (the same gradient, summed in two halves): the quick start's MLP, and the built-in CNN,
+   whose BatchNorm normalizes over the group's whole batch. NCCL between two GPUs; gloo on the CPU form and
+   where the two ranks share the node's only GPU (NCCL refuses a GPU shared by two ranks);
 4. the same run on ``--device`` with 2, 3 and 5 ranks (the quick start's MLP, and with the full check also the CNN:
    cuDNN's convolutions), all client ranks sharing the node's first GPU: the final models must be bitwise equal.
    That is mpifl's promise on the CPU, and on a GPU it rests on ``train.deterministic`` (deterministic cuDNN,
@@ -143,18 +144,20 @@ def versus_cpu(check: Check, name: str, *overrides: str) -> Row:
                f"relative L2 {distance:.2e} (tolerance {GPU_TOLERANCE:g})", distance <= GPU_TOLERANCE)
 
 
-def two_ranks_per_client(check: Check) -> Row:
-    """Step 3: each client trained by two ranks (NCCL or gloo) against one rank per client."""
-    backend = "nccl" if check.device == "cuda" else "gloo"
-    if check.device == "cuda" and check.devices < 2:
-        return Row("ranks_per_client=2", backend, f"skipped: NCCL needs a GPU per rank, {check.devices} found", None)
+def two_ranks_per_client(check: Check, model: str) -> Row:
+    """Step 3: each client trained by two ranks against one rank per client: the quick start's MLP, or the
+    built-in CNN (BatchNorm over the group's whole batch) on the same digits."""
+    backend = "gloo" if check.device == "cpu" else "nccl" if check.devices >= 2 else "gloo, both ranks on one GPU"
     config, device = ROOT / "configs" / "quickstart.yaml", [*check.device_overrides[:1], f"rounds={COMPARED_ROUNDS}"]
-    single = final_weights(run_mpifl(check, "single", 3, config, *device))
-    pair_dir = run_mpifl(check, "pair", 3, config, *device, "clients.ranks_per_client=2")
+    if model == "cnn":
+        device += ["model.name=cnn", "model.kwargs={channels: [8, 16]}"]
+    single = final_weights(run_mpifl(check, f"single-{model}", 3, config, *device))
+    pair_dir = run_mpifl(check, f"pair-{model}", 3, config, *device, "clients.ranks_per_client=2")
     distance = relative_distance(final_weights(pair_dir), single)
     setup = records(pair_dir)[0]["client_group"]["setup"]
-    return Row("ranks_per_client=2", backend, f"relative L2 {distance:.2e} vs 1 rank per client (tolerance "
-               f"{GROUP_TOLERANCE:g}, {COMPARED_ROUNDS} round); group setup {setup:.2f} s", distance <= GROUP_TOLERANCE)
+    return Row(f"ranks_per_client=2: {model}", backend, f"relative L2 {distance:.2e} vs 1 rank per client "
+               f"(tolerance {GROUP_TOLERANCE:g}, {COMPARED_ROUNDS} round); group setup {setup:.2f} s",
+               distance <= GROUP_TOLERANCE)
 
 
 def cnn_config(check: Check) -> Path:
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         add(device_tests, args.tests)
         add(versus_cpu, "quick start")
         add(versus_cpu, "reduction groups", "clients.groups=2", "strategy.update=delta")
-        add(two_ranks_per_client)
+        for model in ("mlp", "cnn"):
+            add(two_ranks_per_client, model)
         add(bitwise_across_ranks, "mlp", (2, 3) if args.quick else (2, 3, 5))
         if not args.quick:
             add(bitwise_across_ranks, "cnn", (2, 3, 5))

@@ -20,7 +20,7 @@ from results import assert_bitwise, final_model
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, load_config
-from mpifl.learning.parallel import share_of, share_weight
+from mpifl.learning.parallel import backend_for, device_identity, share_of, share_weight
 from mpifl.roles.group import GroupLayout
 from mpifl.roles.launch import SetupError
 from mpifl.roles.runner import check_world
@@ -123,6 +123,21 @@ def test_each_rank_takes_a_contiguous_share_and_the_weighted_shares_make_the_bat
     means = [losses[s].mean() if len(s) else torch.tensor(0.0, dtype=torch.float64) for s in shares]
     ddp_average = sum(m * share_weight(len(s), batch, size) for m, s in zip(means, shares)) / size
     assert float(ddp_average) == pytest.approx(float(losses.mean()))
+
+
+@pytest.mark.parametrize("identities,backend", [
+    (["cpu", "cpu"], "gloo"),
+    (["GPU-1f0c", "GPU-77ab", "GPU-90d2"], "nccl"),
+    (["GPU-1f0c", "GPU-1f0c"], "gloo"),  # two ranks on one GPU: NCCL refuses ("Duplicate GPU detected")
+    (["GPU-1f0c", "GPU-77ab", "GPU-1f0c"], "gloo"),
+    (["GPU-1f0c", "cpu"], "gloo"),
+])
+def test_a_group_talks_over_nccl_only_when_each_of_its_ranks_has_a_gpu_of_its_own(identities, backend):
+    assert backend_for(identities) == backend
+
+
+def test_the_cpu_is_one_device_identity_whatever_the_rank():
+    assert device_identity(torch.device("cpu")) == "cpu"
 
 
 def test_the_layout_makes_groups_of_consecutive_ranks_led_by_the_first():

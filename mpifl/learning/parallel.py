@@ -39,9 +39,20 @@ def share_weight(share: int, batch: int, size: int) -> float:
     return share * size / batch
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL between GPUs, gloo between CPUs."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def device_identity(device: torch.device) -> str:
+    """What tells two processes' devices apart: a GPU's UUID (``CUDA_VISIBLE_DEVICES`` renumbers the GPUs in every
+    process, so two ranks' ``cuda:0`` may or may not be the same GPU); ``"cpu"`` for the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def backend_for(identities: Sequence[str]) -> str:
+    """The group's ``torch.distributed`` backend, from every rank's ``device_identity``: NCCL when each rank has a
+    GPU of its own; gloo otherwise, between CPUs and between ranks that share a GPU, which NCCL refuses
+    ("Duplicate GPU detected"): a node with fewer GPUs than client ranks still trains each client as a group."""
+    on_gpus = all(identity != "cpu" for identity in identities)
+    return "nccl" if on_gpus and len(set(identities)) == len(identities) else "gloo"
 
 
 class _GroupSum(torch.autograd.Function):
@@ -137,6 +148,8 @@ class DataParallel:
         self.rank, self.size = rank, size
         self._wrapped: dict[int, nn.Module] = {}
         self.setup_seconds = 0.0  # spent building the process group and DDP wrappers, so far
+        self.backend: str | None = None  # the process group's, once started (``backend_for``)
+        self.device = torch.device("cpu")  # where the group's own small sums live (NCCL's must be on its GPU)
 
     @property
     def ready(self) -> bool:
@@ -148,7 +161,11 @@ class DataParallel:
         began = time.perf_counter()
         import datetime
 
-        dist.init_process_group(backend_for(device), store=store, rank=self.rank, world_size=self.size,
+        store.set(f"device/{self.rank}", device_identity(device))
+        identities = [store.get(f"device/{rank}").decode() for rank in range(self.size)]
+        self.backend = backend_for(identities)
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.setup_seconds += time.perf_counter() - began
 
@@ -175,7 +192,7 @@ class DataParallel:
 
     def total(self, values: Sequence[float]) -> list[float]:
         """Each value summed over the group (one small all-reduce)."""
-        summed = torch.tensor(list(values), dtype=torch.float64)
+        summed = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         dist.all_reduce(summed)
         return summed.tolist()
 

@@ -24,6 +24,7 @@ from torch import distributed as dist
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
+from mpifl.logs import log
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.transport import recv_object, send_object
@@ -107,6 +108,10 @@ class GroupLeader:
             send_object(self.comm, order, member, protocol.GROUP)
         if address is not None:
             self.parallel.start(store, self.work.device, self.timeout_s)
+            shared = " (its ranks share a GPU, which NCCL refuses)" if (
+                self.parallel.backend == "gloo" and self.work.device.type == "cuda") else ""
+            log(f"client group of {self.parallel.size} ranks: torch.distributed over "
+                f"{self.parallel.backend}{shared}")
         self.parallel.wrap(self.work.module)
         self.parallel.broadcast([self.work.buffer])
         setup = self.parallel.setup_seconds - setup_before
