@@ -244,7 +244,7 @@ def _argument_default(action: argparse.Action) -> str:
 
 
 def _argument_help(action: argparse.Action) -> str:
-    text = _cell(action.help or "")
+    text = _cell((action.help or "").replace("%%", "%"))  # argparse %-formats help: a literal % is written %%
     if action.choices and action.option_strings:
         text = (text + "; " if text else "") + "one of " + ", ".join(_code(c) for c in action.choices)
     if action.nargs == "?" and action.const is not None:

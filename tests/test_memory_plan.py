@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conftest import ROOT
 
-from mpifl.cli.plan import node_warning
+from mpifl.cli.plan import gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import load_config
 from mpifl.planning.memory import (
     DataBytes,
@@ -36,6 +36,31 @@ def test_the_node_warning_gives_only_advice_the_config_does_not_already_follow()
     assert in_memory is not None and "server.state=disk" in in_memory and "--server-alone" in in_memory
     assert node_warning(load_config(None), plan, 1024, server_alone=False) is None
     assert node_warning(load_config(None), plan, None, server_alone=False) is None
+
+
+def test_client_ranks_share_a_gpu_when_a_node_has_fewer_gpus_than_ranks():
+    assert ranks_per_gpu(ranks_per_node=4, gpus_per_node=4, client_ranks=8) == 1
+    assert ranks_per_gpu(ranks_per_node=4, gpus_per_node=1, client_ranks=8) == 4
+    assert ranks_per_gpu(ranks_per_node=4, gpus_per_node=1, client_ranks=2) == 2  # only two ranks to place
+    assert ranks_per_gpu(ranks_per_node=4, gpus_per_node=3, client_ranks=8) == 2
+    assert ranks_per_gpu(ranks_per_node=4, gpus_per_node=0, client_ranks=8) == 0  # CPU only
+
+
+def test_the_gpu_warning_counts_every_rank_on_the_fullest_gpu_and_gives_advice_that_fits():
+    plan = MemoryEstimate(model_bytes=GIB, server_bytes=GIB, server_pool_bytes=0, client_bytes=GIB,
+                          node_bytes=4 * GIB, client_device_bytes=12 * GIB)
+    adam = load_config(None, ["train.optimizer=adam"])
+    assert gpu_warning(adam, plan, 40.0) is None
+    shared = gpu_warning(adam, plan, 40.0, sharing=4)  # four ranks x 12 GiB on one 40 GB GPU
+    assert shared is not None and "4 client ranks x ~12.00 GiB" in shared
+    assert "a GPU of its own" in shared and "train.optimizer" in shared and "model.dtype" in shared
+    alone = gpu_warning(adam, plan, 12.0)
+    assert alone is not None and "a GPU of its own" not in alone
+    bf16_sgd = gpu_warning(load_config(None, ["model.dtype=bfloat16", "train.optimizer=sgd"]), plan, 12.0)
+    assert bf16_sgd is not None and "model.dtype" not in bf16_sgd and "train.optimizer" not in bf16_sgd
+    assert gpu_warning(adam, plan, None, sharing=4) is None  # no GPU size given
+    on_cpu = MemoryEstimate(model_bytes=GIB, server_bytes=GIB, server_pool_bytes=0, client_bytes=GIB, node_bytes=GIB)
+    assert gpu_warning(adam, on_cpu, 1.0, sharing=4) is None
 
 
 def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs():

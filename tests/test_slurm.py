@@ -86,6 +86,16 @@ def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):
     assert result.returncode == 0 and "warning:" in result.stdout and "fullest node" in result.stdout
 
 
+def test_memory_check_warns_when_a_gpu_cannot_hold_its_client_ranks(tmp_path):
+    cfg = write_config(tmp_path / "wide.yaml", "name: wide\nmodel: {name: mlp, kwargs: {hidden: [8192, 8192]}}\n"
+                       "train: {optimizer: adam}\nclients: {num_clients: 8, per_round: 4}\n")
+    one_each = mpifl("slurm", str(cfg), "--gpus-per-node", "4", "--gpu-memory-gb", "2", "-o", str(tmp_path / "a"))
+    assert one_each.returncode == 0 and "warning:" not in one_each.stdout and "GPU ~" in one_each.stdout
+    shared = mpifl("slurm", str(cfg), "--gpus-per-node", "1", "--gpu-memory-gb", "2", "-o", str(tmp_path / "b"))
+    assert shared.returncode == 0 and "warning: the fullest GPU holds 4 client ranks" in shared.stdout
+    assert "#SBATCH" in (tmp_path / "b").read_text()  # a warning, not a refusal: the script is written
+
+
 def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY)
     script = tmp_path / "two.sbatch"

@@ -1,6 +1,6 @@
 """What ``mpifl pbs`` and ``mpifl slurm`` share: their common options, the rank and node count with the
-memory check (``estimate`` and ``node_warning`` of ``mpifl.cli.plan``), writing the script, and the
-final check of the run directory that decides the job's exit status.
+memory checks (``estimate``, ``node_warning`` and ``gpu_warning`` of ``mpifl.cli.plan``), writing the
+script, and the final check of the run directory that decides the job's exit status.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.cli.plan import client_ranks, estimate, node_warning
+from mpifl.cli.plan import client_ranks, estimate, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import Config, load_config
 from mpifl.planning.memory import MemoryEstimate
 
@@ -53,10 +53,12 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     nranks = client_ranks(cfg, args) + 1
     nodes = args.nodes or (1 if server_alone else 0) + math.ceil(
         (nranks - (1 if server_alone else 0)) / args.ranks_per_node)
-    _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone)
-    warning = node_warning(cfg, plan, args.node_memory_gb, server_alone)
-    if warning:
-        print(warning)
+    _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
+    for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone),
+                    gpu_warning(cfg, plan, args.gpu_memory_gb if args.gpus_per_node > 0 else None,
+                                ranks_per_gpu(args.ranks_per_node, args.gpus_per_node, nranks - 1))):
+        if warning:
+            print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)
     return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides))
 
@@ -81,9 +83,11 @@ def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
 
 
 def add_gpu_argument(p: argparse.ArgumentParser) -> None:
-    """--gpus-per-node."""
+    """--gpus-per-node, and the memory of each for the check."""
     p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node: each rank sees one, from its "
                    "node-local rank (0: CPU only)")
+    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="memory per GPU (GiB) for the check "
+                   "(Polaris: A100 40 GB)")
 
 
 def add_node_arguments(p: argparse.ArgumentParser, venv_help: str) -> None:

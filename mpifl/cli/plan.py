@@ -5,7 +5,9 @@ and (``--time``) the scale model's round time. The figures come from ``planning.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,9 +142,11 @@ def plan_main(args: argparse.Namespace) -> int:
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
-    warning = node_warning(cfg, plan, args.node_memory_gb, args.server_alone)
-    if warning:
-        print(warning)
+    for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone),
+                    gpu_warning(cfg, plan, args.gpu_memory_gb,
+                                ranks_per_gpu(args.ranks_per_node, gpus_per_node(args.gpus_per_node), ranks))):
+        if warning:
+            print(warning)
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
@@ -206,6 +210,41 @@ def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None
     return f"warning: {plan.describe()} > 90% of {node_memory_gb:g} GiB per node: {', or '.join(advice)}"
 
 
+def ranks_per_gpu(ranks_per_node: int, gpus_per_node: int, client_ranks: int) -> int:
+    """Client ranks on the fullest GPU: a node's ranks take its GPUs by local rank, modulo their count
+    (``planning.binding.slot_gpu``), so with fewer GPUs than ranks several share one."""
+    return math.ceil(min(ranks_per_node, client_ranks) / gpus_per_node) if gpus_per_node > 0 else 0
+
+
+def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, sharing: int = 1) -> str | None:
+    """A warning when the fullest GPU (``sharing`` client ranks on it) would pass 90% of ``gpu_memory_gb`` before
+    activations, with advice that fits the config (never what it already does or cannot do); None when it fits,
+    no rank trains on a GPU, or no GPU size is given."""
+    held = plan.client_device_bytes * max(sharing, 1)
+    if gpu_memory_gb is None or not held or held <= 0.9 * gpu_memory_gb * GIB:
+        return None
+    advice = []
+    if cfg.model.name == "transformers" and not cfg.model.lora.r:
+        advice.append("train LoRA adapters only (model.lora.r)")
+    if not cfg.model.trainable:
+        advice.append("train a subset of the tensors (model.trainable)")
+    if cfg.model.dtype == "float32":
+        advice.append("train in bfloat16 (model.dtype)")
+    if cfg.train.optimizer != "sgd":
+        advice.append("use SGD, which keeps at most one state per parameter (train.optimizer)")
+    with_steps_in_backward = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, step_in_backward=True))
+    if not cfg.steps_inside_backward() and with_steps_in_backward.steps_inside_backward():
+        advice.append("step inside backward, which frees each gradient at once (train.step_in_backward)")
+    if sharing > 1:
+        advice.append("give each client rank a GPU of its own (fewer ranks per node)")
+    if not advice:
+        advice.append("use a GPU with more memory: a client's whole model trains on one GPU (DDP, no sharding)")
+    whose = f"{sharing} client ranks x ~{plan.client_device_bytes / GIB:.2f} GiB" if sharing > 1 else \
+        f"a client rank's ~{plan.client_device_bytes / GIB:.2f} GiB"
+    return (f"warning: the fullest GPU holds {whose} before activations, > 90% of {gpu_memory_gb:g} GiB: "
+            f"{', or '.join(advice)}")
+
+
 def load_rates(name: str) -> Rates:
     """``--rates``: a preset of mpifl.planning.scale, or a JSON file of Rates fields (e.g. measured by
     profiling/scale_check.py)."""
@@ -255,6 +294,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
     p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
                    "fullest node would pass 90%% of it")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (GiB): warn when a client "
+                   "rank's GPU would pass 90%% of it before activations")
     p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
     p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
                    "mpifl.planning.scale.Rates fields (bytes or elements per second)")

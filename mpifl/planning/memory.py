@@ -79,8 +79,9 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         """One line for a job script's comment and the ``pbs`` command's output."""
+        gpu = f", GPU ~{self.client_device_bytes / GIB:.2f} GiB" if self.client_device_bytes else ""
         return (f"model {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
-                f"client rank ~{self.client_bytes / GIB:.2f} GiB; fullest node ~{self.node_bytes / GIB:.1f} GiB")
+                f"client rank ~{self.client_bytes / GIB:.2f} GiB{gpu}; fullest node ~{self.node_bytes / GIB:.1f} GiB")
 
 
 @dataclass(frozen=True)
