@@ -22,7 +22,9 @@ Steps (each a row of the table):
    cuBLAS and torch kernels): a client trains to the same bits whichever rank trains it;
 5. client updates per second per device: the quick start's MLP on the digits and the LEAF FEMNIST CNN
    (1.69 M parameters) on synthetic 28 x 28 images, 20 and 200 clients per round, one client rank per device
-   summing its clients' updates (``clients.groups``); the median of the rounds after the first.
+   summing its clients' updates (``clients.groups``); the median of the rounds after the first;
+6. with ``--llm``: GPT-2 (``configs/gpt2.yaml``) on ``--device`` with 2 and 3 ranks, bitwise equal, and its GPU
+   peak against ``mpifl plan``'s.
 """
 from __future__ import annotations
 
@@ -213,6 +215,29 @@ def throughput(check: Check, model: str, per_round: int, *overrides: str) -> Row
                f"{memory})", True)
 
 
+def llm(check: Check) -> Row:
+    """Step 6 (``--llm``): ``configs/gpt2.yaml`` (GPT-2, 124 M parameters, bf16 weights, fp32 AdamW state, the
+    causal-LM trainer) on ``--device`` with 2 and 3 ranks, which must end bitwise equal; its held-out perplexity,
+    median round, and the client ranks' GPU peak against ``mpifl plan``'s figure (which leaves out activations)."""
+    sys.path.insert(0, str(ROOT))
+    from mpifl.cli.plan import estimate
+    from mpifl.config import load_config
+
+    config, overrides = ROOT / "configs" / "gpt2.yaml", check.device_overrides[:1]
+    runs = {n: run_mpifl(check, f"gpt2-ranks-{n}", n, config, *overrides) for n in (2, 3)}
+    bitwise = bool(np.array_equal(final_weights(runs[2]), final_weights(runs[3])))
+    history = records(runs[3])
+    seconds = statistics.median(r["time"]["round"] - r["time"]["eval"] for r in history[1:] or history)
+    result = (f"2 and 3 ranks {'bitwise equal' if bitwise else 'DIFFER'}; perplexity "
+              f"{history[-1]['eval']['perplexity']:,.1f} after round {len(history)}; median round {seconds:.2f} s")
+    if any("client_peak_device_bytes" in r for r in history):
+        peak = max(r.get("client_peak_device_bytes", 0) for r in history)
+        cfg = load_config(str(config), [*overrides, f"rounds={check.rounds}"])
+        planned = estimate(cfg, 3, 4, False, gpus_per_node=1)[1].client_device_bytes
+        result += f"; GPU peak {peak / 2**20:,.0f} MiB, planned {planned / 2**20:,.0f} MiB before activations"
+    return Row("llm: gpt2", f"{check.rounds} rounds, {' '.join(overrides)}", result, bitwise)
+
+
 def table(rows: list[Row]) -> str:
     """The rows as one plain-text table."""
     verdict = {True: "ok", False: "FAIL", None: "skip"}
@@ -252,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bin", type=Path, default=Path(sys.executable).parent,
                    help="where mpifl (and, unless the system's is used, mpiexec) are")
     p.add_argument("--timeout", type=int, default=600, help="seconds per mpifl run")
+    p.add_argument("--llm", action="store_true", help="also: configs/gpt2.yaml (GPT-2, 124 M parameters) with 2 and "
+                   "3 ranks, bitwise equal, and its GPU peak against mpifl plan's (needs the 'hf' extra)")
     p.add_argument("--deterministic-cost", action="store_true",
                    help="also: the CNN's throughput at 200 clients a round with train.deterministic true and false, "
                    "interleaved twice (what deterministic kernels cost)")
@@ -290,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         for model in ("mlp", "cnn"):
             for per_round in (20,) if args.quick else (20, 200):
                 add(throughput, model, per_round)
+        if args.llm:
+            add(llm)
         for repeat in range(2) if args.deterministic_cost else ():
             for deterministic in ("true", "false"):
                 add(throughput, "cnn", 200, f"train.deterministic={deterministic}", f"name=repeat-{repeat}")
