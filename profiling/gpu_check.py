@@ -217,19 +217,24 @@ def throughput(check: Check, model: str, per_round: int, *overrides: str) -> Row
 
 def llm(check: Check) -> Row:
     """Step 6 (``--llm``): ``configs/gpt2.yaml`` (GPT-2, 124 M parameters, bf16 weights, fp32 AdamW state, the
-    causal-LM trainer) on ``--device`` with 2 and 3 ranks, which must end bitwise equal; its held-out perplexity,
-    median round, and the client ranks' GPU peak against ``mpifl plan``'s figure (which leaves out activations)."""
+    causal-LM trainer) on ``--device`` with 2 and 3 ranks, which must end bitwise equal, the server evaluating on
+    its GPU too (``eval.device``); its held-out perplexity, median round and evaluation, and the client ranks' GPU
+    peak against ``mpifl plan``'s figure (which leaves out activations)."""
     sys.path.insert(0, str(ROOT))
     from mpifl.cli.plan import estimate
     from mpifl.config import load_config
 
-    config, overrides = ROOT / "configs" / "gpt2.yaml", check.device_overrides[:1]
+    config = ROOT / "configs" / "gpt2.yaml"
+    overrides = [*check.device_overrides[:1], *(["eval.device=cuda"] if check.device == "cuda" else [])]
     runs = {n: run_mpifl(check, f"gpt2-ranks-{n}", n, config, *overrides) for n in (2, 3)}
     bitwise = bool(np.array_equal(final_weights(runs[2]), final_weights(runs[3])))
     history = records(runs[3])
-    seconds = statistics.median(r["time"]["round"] - r["time"]["eval"] for r in history[1:] or history)
+    later = history[1:] or history
+    seconds = statistics.median(r["time"]["round"] - r["time"]["eval"] for r in later)
+    evaluation = statistics.median(r["time"]["eval"] for r in later)
     result = (f"2 and 3 ranks {'bitwise equal' if bitwise else 'DIFFER'}; perplexity "
-              f"{history[-1]['eval']['perplexity']:,.1f} after round {len(history)}; median round {seconds:.2f} s")
+              f"{history[-1]['eval']['perplexity']:,.1f} after round {len(history)}; median round {seconds:.2f} s "
+              f"+ {evaluation:.2f} s evaluating")
     if any("client_peak_device_bytes" in r for r in history):
         peak = max(r.get("client_peak_device_bytes", 0) for r in history)
         cfg = load_config(str(config), [*overrides, f"rounds={check.rounds}"])

@@ -18,18 +18,20 @@ import copy
 import os
 
 import torch
+from torch import nn
 
 from mpifl.errors import JobFailure
 from mpifl.wire.flat import DTYPES, FlatModel
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` (cuda when available), ``cpu`` or ``cuda`` (the rank's one visible GPU, see MPIFL_GPUS_PER_NODE)."""
+def resolve_device(name: str, key: str = "train.device") -> torch.device:
+    """``auto`` (cuda when available), ``cpu`` or ``cuda`` (the rank's one visible GPU, see MPIFL_GPUS_PER_NODE);
+    ``key`` names the setting in the error."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise JobFailure("train.device='cuda' but this rank sees no GPU (torch.cuda.is_available() is False); "
-                           "check the CUDA build of torch and MPIFL_GPUS_PER_NODE / CUDA_VISIBLE_DEVICES")
+        raise JobFailure(f"{key}='cuda' but this rank sees no GPU (torch.cuda.is_available() is False); "
+                         "check the CUDA build of torch and MPIFL_GPUS_PER_NODE / CUDA_VISIBLE_DEVICES")
     return torch.device(name)
 
 
@@ -88,6 +90,24 @@ def pin_in_place(buffer: torch.Tensor) -> None:
     if int(status) != 0:
         raise RuntimeError(f"could not page-lock the {buffer.numel()}-byte host exchange buffer (CUDA error "
                            f"{int(status)})")
+
+
+class EvaluationCopy:
+    """The global model on the server's GPU, for held-out evaluation (``eval.device``): built once, with the frozen
+    and local tensors as built, and refreshed from the host buffer (one host-to-device copy) before each
+    evaluation. Only the exchanged tensors change on the server, and they all live in that buffer."""
+
+    def __init__(self, host: FlatModel, device: torch.device, trainable_only: bool):
+        module = copy.deepcopy(host.module).to(device)
+        self.flat = FlatModel(module, trainable_only, device=device)
+        if self.flat.spec.hash != host.spec.hash:
+            raise RuntimeError("the evaluation copy's layout differs from the host model's")
+        self.host = host
+
+    def refreshed(self) -> nn.Module:
+        """The module, holding the global model now in the host buffer."""
+        self.flat.buffer.copy_(self.host.buffer)
+        return self.flat.module
 
 
 class DeviceReplica:

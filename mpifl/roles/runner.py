@@ -33,7 +33,7 @@ from mpifl.learning.datasets import (
     needs_dataset,
     surveyed_dataset,
 )
-from mpifl.learning.device import training_replica
+from mpifl.learning.device import EvaluationCopy, resolve_device, training_replica, use_deterministic_kernels
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
@@ -463,8 +463,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
             "built; eval.federated_every measures each client with its own", rank=0)
     score = None
     if dataset is not None and flat is not None:
-        evaluate = _evaluator(cfg)
-        score = lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)  # noqa: E731
+        score = _score(cfg, flat, dataset)
     sink = JsonLines(run_dir / METRICS if run_dir else None, also=_trackers(cfg, run_dir, start, resume is not None))
     needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off"
     parts_ = _partition(cfg, dataset) if needs_sizes else None
@@ -522,6 +521,20 @@ def _trackers(cfg: Config, run_dir: Path | None, start: int, resumed: bool) -> l
     return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
                           notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())],
                           warn=lambda message: log(message, rank=0))]
+
+
+def _score(cfg: Config, flat: FlatModel, dataset: Dataset) -> Callable[[], dict]:
+    """The server's held-out evaluation of the global model in ``flat``: on the CPU, in the host buffer itself, or on
+    the server rank's GPU (``eval.device``), in a copy refreshed before each evaluation."""
+    evaluate = _evaluator(cfg)
+    device = resolve_device(cfg.eval.device, "eval.device")
+    if device.type == "cpu":
+        return lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)
+    if cfg.train.deterministic:
+        use_deterministic_kernels()
+    on_gpu = EvaluationCopy(flat, device, cfg.model.exchange == "trainable")
+    log(f"eval.device {cfg.eval.device}: the server evaluates on {torch.cuda.get_device_name(device)}", rank=0)
+    return lambda: evaluate(on_gpu.refreshed(), dataset.x_test, dataset.y_test)
 
 
 def _evaluator(cfg: Config) -> Evaluator:
