@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conftest import ROOT
 
-from mpifl.cli.plan import gpu_warning, node_warning, ranks_per_gpu
+from mpifl.cli.plan import clients_beside_server, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import load_config
 from mpifl.planning.memory import (
     DataBytes,
@@ -61,6 +61,27 @@ def test_the_gpu_warning_counts_every_rank_on_the_fullest_gpu_and_gives_advice_t
     assert gpu_warning(adam, plan, None, sharing=4) is None  # no GPU size given
     on_cpu = MemoryEstimate(model_bytes=GIB, server_bytes=GIB, server_pool_bytes=0, client_bytes=GIB, node_bytes=GIB)
     assert gpu_warning(adam, on_cpu, 1.0, sharing=4) is None
+
+
+def test_the_server_shares_its_gpu_with_every_local_rank_that_is_a_multiple_of_the_gpu_count():
+    assert clients_beside_server(ranks_per_node=4, gpus_per_node=4, nranks=9, server_alone=False) == 0
+    assert clients_beside_server(ranks_per_node=4, gpus_per_node=1, nranks=9, server_alone=False) == 3
+    assert clients_beside_server(ranks_per_node=4, gpus_per_node=2, nranks=9, server_alone=False) == 1
+    assert clients_beside_server(ranks_per_node=4, gpus_per_node=1, nranks=3, server_alone=False) == 2
+    assert clients_beside_server(ranks_per_node=4, gpus_per_node=1, nranks=9, server_alone=True) == 0
+
+
+def test_the_gpu_warning_names_the_servers_gpu_when_its_evaluation_copy_makes_it_the_fullest():
+    plan = MemoryEstimate(model_bytes=GIB, server_bytes=GIB, server_pool_bytes=0, client_bytes=GIB,
+                          node_bytes=4 * GIB, client_device_bytes=10 * GIB, server_device_bytes=8 * GIB)
+    cfg = load_config(None, ["eval.device=cuda"])
+    crowded = gpu_warning(cfg, plan, 30.0, sharing=2, beside_server=1)  # 8 + 10 on the server's GPU, 20 elsewhere
+    assert crowded is None
+    crowded = gpu_warning(cfg, plan, 19.5, sharing=1, beside_server=1)  # 18 GiB > 90% of 19.5
+    assert crowded is not None and "the server's GPU holds ~18.00 GiB" in crowded
+    assert "eval.device=cpu" in crowded and "--server-alone" in crowded
+    alone = gpu_warning(cfg, plan, 8.5, sharing=1, beside_server=0)  # clients' 10 GiB is the fullest
+    assert alone is not None and "a client rank's ~10.00 GiB" in alone and "eval.device" not in alone
 
 
 def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs():

@@ -10,7 +10,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.cli.plan import client_ranks, estimate, gpu_warning, node_warning, ranks_per_gpu
+from mpifl.cli.plan import client_ranks, clients_beside_server, estimate, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import Config, load_config
 from mpifl.planning.memory import MemoryEstimate
 
@@ -56,7 +56,8 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
     for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone),
                     gpu_warning(cfg, plan, args.gpu_memory_gb if args.gpus_per_node > 0 else None,
-                                ranks_per_gpu(args.ranks_per_node, args.gpus_per_node, nranks - 1))):
+                                ranks_per_gpu(args.ranks_per_node, args.gpus_per_node, nranks - 1),
+                                clients_beside_server(args.ranks_per_node, args.gpus_per_node, nranks, server_alone))):
         if warning:
             print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)

@@ -98,7 +98,8 @@ def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
     cfg = load_config(args.config, args.overrides)
     ranks = client_ranks(cfg, args)
-    size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus_per_node(args.gpus_per_node))
+    gpus = gpus_per_node(args.gpus_per_node)
+    size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus)
     elements = size.exchanged // itemsize(cfg.model.dtype)
     back = 4 * elements * cfg.clients.groups if cfg.clients.groups \
         else size.exchanged * cfg.clients_per_round()  # the updates, or the groups' fp32 sums
@@ -121,6 +122,9 @@ def plan_main(args: argparse.Namespace) -> int:
               f"{format_bytes(CUDA_WORKSPACE_BYTES)}; activations and cuDNN's workspace not included; the host "
               f"figure above holds the CUDA libraries, {CUDA_HOST_BYTES / GIB:.2f} GiB, instead of the training "
               "state]")
+    if plan.server_device_bytes:
+        print(f"  GPU of rank 0 (server): ~{format_bytes(plan.server_device_bytes)}  [the model, for evaluation "
+              "(eval.device); activations not included]")
     if per_client > 1:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
@@ -143,8 +147,8 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
     for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone),
-                    gpu_warning(cfg, plan, args.gpu_memory_gb,
-                                ranks_per_gpu(args.ranks_per_node, gpus_per_node(args.gpus_per_node), ranks))):
+                    gpu_warning(cfg, plan, args.gpu_memory_gb, ranks_per_gpu(args.ranks_per_node, gpus, ranks),
+                                clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone))):
         if warning:
             print(warning)
     if args.time:
@@ -216,13 +220,44 @@ def ranks_per_gpu(ranks_per_node: int, gpus_per_node: int, client_ranks: int) ->
     return math.ceil(min(ranks_per_node, client_ranks) / gpus_per_node) if gpus_per_node > 0 else 0
 
 
-def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, sharing: int = 1) -> str | None:
-    """A warning when the fullest GPU (``sharing`` client ranks on it) would pass 90% of ``gpu_memory_gb`` before
-    activations, with advice that fits the config (never what it already does or cannot do); None when it fits,
-    no rank trains on a GPU, or no GPU size is given."""
-    held = plan.client_device_bytes * max(sharing, 1)
-    if gpu_memory_gb is None or not held or held <= 0.9 * gpu_memory_gb * GIB:
+def clients_beside_server(ranks_per_node: int, gpus_per_node: int, nranks: int, server_alone: bool) -> int:
+    """Client ranks on the server's GPU: the server is local rank 0 of the first node and takes its first GPU,
+    with every local rank that is a multiple of the GPU count (none when the server has a node to itself)."""
+    if server_alone or gpus_per_node <= 0:
+        return 0
+    return math.ceil(min(ranks_per_node, nranks) / gpus_per_node) - 1
+
+
+def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, sharing: int = 1,
+                beside_server: int = 0) -> str | None:
+    """A warning when the fullest GPU would pass 90% of ``gpu_memory_gb`` before activations: one holding
+    ``sharing`` client ranks, or the server's, with its evaluation copy (``eval.device``) and ``beside_server``
+    client ranks. Its advice fits the config (never what it already does or cannot do); None when every GPU fits,
+    no rank uses a GPU, or no GPU size is given."""
+    clients = plan.client_device_bytes * max(sharing, 1)
+    servers = plan.server_device_bytes + plan.client_device_bytes * beside_server if plan.server_device_bytes else 0
+    if gpu_memory_gb is None or max(clients, servers) <= 0.9 * gpu_memory_gb * GIB:
         return None
+    each = f"~{plan.client_device_bytes / GIB:.2f} GiB"
+    if servers > clients:
+        ranks = f" and {beside_server} client rank{'s' if beside_server > 1 else ''} x {each}" if beside_server else ""
+        what = f"the server's GPU holds ~{servers / GIB:.2f} GiB (its evaluation copy{ranks})"
+        advice = ["evaluate on the CPU (eval.device=cpu)"]
+        if beside_server:
+            advice.append("give the server a node to itself (--server-alone)")
+    else:
+        what = f"the fullest GPU holds {sharing} client ranks x {each}" if sharing > 1 else \
+            f"the fullest GPU holds a client rank's {each}"
+        advice = ["give each client rank a GPU of its own (fewer ranks per node)"] if sharing > 1 else []
+    if plan.client_device_bytes and (servers <= clients or beside_server):
+        advice += client_gpu_advice(cfg)
+    if not advice:
+        advice.append("use a GPU with more memory: a client's whole model trains on one GPU (DDP, no sharding)")
+    return f"warning: {what} before activations, > 90% of {gpu_memory_gb:g} GiB: {', or '.join(advice)}"
+
+
+def client_gpu_advice(cfg: Config) -> list[str]:
+    """What shrinks a client rank's GPU memory, of what the config does not do yet and can do."""
     advice = []
     if cfg.model.name == "transformers" and not cfg.model.lora.r:
         advice.append("train LoRA adapters only (model.lora.r)")
@@ -235,14 +270,7 @@ def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, 
     with_steps_in_backward = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, step_in_backward=True))
     if not cfg.steps_inside_backward() and with_steps_in_backward.steps_inside_backward():
         advice.append("step inside backward, which frees each gradient at once (train.step_in_backward)")
-    if sharing > 1:
-        advice.append("give each client rank a GPU of its own (fewer ranks per node)")
-    if not advice:
-        advice.append("use a GPU with more memory: a client's whole model trains on one GPU (DDP, no sharding)")
-    whose = f"{sharing} client ranks x ~{plan.client_device_bytes / GIB:.2f} GiB" if sharing > 1 else \
-        f"a client rank's ~{plan.client_device_bytes / GIB:.2f} GiB"
-    return (f"warning: the fullest GPU holds {whose} before activations, > 90% of {gpu_memory_gb:g} GiB: "
-            f"{', or '.join(advice)}")
+    return advice
 
 
 def load_rates(name: str) -> Rates:

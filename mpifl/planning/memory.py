@@ -76,10 +76,13 @@ class MemoryEstimate:
     client_data_bytes: int = 0  # the data inside client_bytes
     node_data_bytes: int = 0  # the shared set, once per node with client ranks (inside node_bytes)
     client_device_bytes: int = 0  # GPU memory per client rank that trains on a GPU (0: it trains on the CPU)
+    server_device_bytes: int = 0  # the server's evaluation copy on its GPU (eval.device; 0: it evaluates on the CPU)
 
     def describe(self) -> str:
         """One line for a job script's comment and the ``pbs`` command's output."""
         gpu = f", GPU ~{self.client_device_bytes / GIB:.2f} GiB" if self.client_device_bytes else ""
+        if self.server_device_bytes:
+            gpu += f"; server's GPU ~{self.server_device_bytes / GIB:.2f} GiB"
         return (f"model {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
                 f"client rank ~{self.client_bytes / GIB:.2f} GiB{gpu}; fullest node ~{self.node_bytes / GIB:.1f} GiB")
 
@@ -141,6 +144,14 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
     held = holds_stacks(strategy.stacked, exchange.codec is not None, summed, per_rank)
     layout = pool_layout(shape, budget, ranks, stacked=strategy.stacked, held=held, sequential=per_rank > 1)
     return pool_bytes(shape, layout, ranks)
+
+
+def server_device_bytes(cfg: Config, size: ModelBytes, gpus_per_node: int) -> int:
+    """GPU memory of the server's evaluation copy (``eval.device`` cuda, or auto on nodes with GPUs): the whole
+    model; 0 where the server evaluates on the CPU, never evaluates, or keeps the model out of core."""
+    evaluates = cfg.eval.every > 0 and cfg.server.state == "memory"
+    on_gpu = cfg.eval.device == "cuda" or (cfg.eval.device == "auto" and gpus_per_node > 0)
+    return size.total if evaluates and on_gpu else 0
 
 
 def trains_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
@@ -247,7 +258,8 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     server, client = server + server_data, client + client_data
     node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data)
     return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
-                          client_device_bytes(cfg, size) if on_gpu else 0)
+                          client_device_bytes(cfg, size) if on_gpu else 0,
+                          server_device_bytes(cfg, size, gpus_per_node))
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
