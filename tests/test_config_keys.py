@@ -54,6 +54,7 @@ KEYS = (
     "data.size_sigma",
     "data.val_fraction",
     "eval.batch_size",
+    "eval.device",
     "eval.every",
     "eval.federated_every",
     "model.dtype",
