@@ -185,10 +185,11 @@ class DataParallel:
         return wrapped
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
-        """The group leader's ``tensors`` on every rank of the group, in place."""
-        for tensor in tensors:
-            if tensor.numel():
-                dist.broadcast(tensor, src=0)
+        """The group leader's ``tensors`` on every rank of the group, in place (parameters too: outside autograd)."""
+        with torch.no_grad():
+            for tensor in tensors:
+                if tensor.numel():
+                    dist.broadcast(tensor, src=0)
 
     def total(self, values: Sequence[float]) -> list[float]:
         """Each value summed over the group (one small all-reduce)."""

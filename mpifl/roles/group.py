@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 from mpi4py import MPI
 from torch import distributed as dist
 
@@ -90,6 +91,13 @@ def rendezvous_store(address: tuple[str, int] | None, size: int, timeout_s: floa
     return dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s)), address
 
 
+def client_model(work: FlatModel) -> list[torch.Tensor]:
+    """What the leader sends its group before a logical client trains: the global model (the flat buffer) and
+    the client's own local tensors (``model.local``: FedBN, FedPer), which the leader has just loaded into its
+    module and which never travel to the server. The same list, in the same order, on every rank."""
+    return [work.buffer, *(tensor for _, tensor in work.local_tensors())]
+
+
 class GroupLeader:
     """A group leader's side: each logical client's order, the weights to the group, and the cost of both."""
 
@@ -113,7 +121,7 @@ class GroupLeader:
             log(f"client group of {self.parallel.size} ranks: torch.distributed over "
                 f"{self.parallel.backend}{shared}")
         self.parallel.wrap(self.work.module)
-        self.parallel.broadcast([self.work.buffer])
+        self.parallel.broadcast(client_model(self.work))
         setup = self.parallel.setup_seconds - setup_before
         return {"group_setup_seconds": setup, "group_dispatch_seconds": time.perf_counter() - began - setup}
 
@@ -150,7 +158,7 @@ class GroupMember:
             self.parallel.start(store, self.work.device, self.timeout_s)
         self.work.reset_local_state()
         self.parallel.wrap(self.work.module)
-        self.parallel.broadcast([self.work.buffer])
+        self.parallel.broadcast(client_model(self.work))
         train, _ = self.local_data.get(order.client, (None, None))
         with local_steps(self.trainer, order.steps):
             self.trainer.train(self.work.module, train, order.seed)
