@@ -9,6 +9,7 @@ from mpifl.planning.memory import (
     DataBytes,
     MemoryEstimate,
     client_data_bytes,
+    client_state_plan,
     fullest_node,
     node_data_bytes,
     server_data_bytes,
@@ -82,6 +83,13 @@ def test_the_gpu_warning_names_the_servers_gpu_when_its_evaluation_copy_makes_it
     assert "eval.device=cpu" in crowded and "--server-alone" in crowded
     alone = gpu_warning(cfg, plan, 8.5, sharing=1, beside_server=0)  # clients' 10 GiB is the fullest
     assert alone is not None and "a client rank's ~10.00 GiB" in alone and "eval.device" not in alone
+
+
+def test_per_client_state_lives_on_the_group_leaders_when_a_client_spans_ranks():
+    cfg = load_config(None, ["model.local=['*.bias']", "clients.num_clients=8", "clients.ranks_per_client=2"])
+    assert client_state_plan(cfg, elements=100, client_ranks=8) == [([1, 3, 5, 7], 2, "RAM")]
+    single = load_config(None, ["model.local=['*.bias']", "clients.num_clients=8"])
+    assert client_state_plan(single, elements=100, client_ranks=8) == [([1, 2, 3, 4, 5, 6, 7, 8], 1, "RAM")]
 
 
 def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs():

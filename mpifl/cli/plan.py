@@ -134,7 +134,10 @@ def plan_main(args: argparse.Namespace) -> int:
         assert state is not None  # a plan has rows only for a run with per-client state
         each = 4 * hosted * state_elements
         names = f"rank {hosts[0]}" if len(hosts) == 1 else f"ranks {hosts[0]}-{hosts[-1]}" \
-            if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"{len(hosts)} ranks"
+            if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"ranks {', '.join(map(str, hosts))}" \
+            if len(hosts) <= 8 else f"{len(hosts)} ranks"
+        if per_client > 1:
+            names += " (group leaders)"
         where_kept = "in RAM (counted above)" if home == "RAM" else \
             f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
         print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "

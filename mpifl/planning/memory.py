@@ -279,14 +279,17 @@ def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, ser
 
 def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
     """Per-client state (Config.client_state) of ``elements`` fp32 each: (client ranks, clients each hosts, "RAM"
-    or "HDF5"), fullest ranks first (round-robin placement); empty without any."""
+    or "HDF5"), fullest ranks first (round-robin placement); empty without any. With ``clients.ranks_per_client``
+    R > 1 the state lives on the groups' leaders (world ranks 1, 1 + R, ...), each hosting a group's clients."""
     state = cfg.client_state()
     if state is None:
         return []
+    per_client = cfg.clients.ranks_per_client
+    hosts = max(1, client_ranks // per_client)
     by_count: dict[int, list[int]] = {}
-    for rank in range(1, client_ranks + 1):
-        hosted = len(clients_of_rank(rank, cfg.clients.num_clients, client_ranks, cfg.clients.groups))
-        by_count.setdefault(hosted, []).append(rank)
+    for host in range(1, hosts + 1):
+        hosted = len(clients_of_rank(host, cfg.clients.num_clients, hosts, cfg.clients.groups))
+        by_count.setdefault(hosted, []).append(1 + (host - 1) * per_client)  # the host's world rank
     limit = state.ram_mb * MIB
     return [(ranks, n, "RAM" if 4 * n * elements <= limit else "HDF5") for n, ranks in sorted(by_count.items(),
                                                                                               reverse=True)]
