@@ -338,10 +338,10 @@ class ClientRank:
         """Local training of one logical client; a raise ends the job, or is its error under accept_failures."""
         controls, seed = self.parts.controls, client_seed(self.parts.seed, round_, client)
         try:
-            if self.parts.group is not None:
-                return self._train_in_group(client, train, seed), None
             assert keep is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
             with controls.training(client, keep) if controls and keep is not None else contextlib.nullcontext():
+                if self.parts.group is not None:
+                    return self._train_in_group(client, train, seed), None
                 return self.trainer.train(self.work.module, train, seed), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures or self.parts.group is not None:
@@ -356,7 +356,9 @@ class ClientRank:
         (round 1 only), the weights' dispatch to the group, and the training itself, in seconds."""
         assert self.parts.group is not None  # _train_one calls this only for a group's leader
         own_steps = self.trainer.cfg.local_steps if isinstance(self.trainer, ConfiguredTrainer) else None
-        costs = self.parts.group.dispatch(client, seed, own_steps)
+        controls = self.parts.controls  # SCAFFOLD's correction, computed as the training began: for the members too
+        costs = self.parts.group.dispatch(client, seed, own_steps,
+                                          controls.corrections if isinstance(controls, ClientControls) else None)
         began = time.perf_counter()
         result = self.trainer.train(self.work.module, train, seed)
         result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)

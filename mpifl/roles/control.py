@@ -67,6 +67,21 @@ class ClientControls:
         self.store.write(client, 0, own)
 
 
+class GroupCorrections:
+    """A group member's side of SCAFFOLD (``clients.ranks_per_client``): the correction c - c_i of the client its
+    group trains. The leader keeps c_i, computes the correction (``ClientControls.training``) and broadcasts it
+    with the global model; the member corrects each of its steps by it, as the leader does, so the group's ranks
+    take the same steps."""
+
+    def __init__(self, flat: FlatModel):
+        self.params = [p for p, _ in controlled_pairs(flat.module)]
+        self.vector = torch.empty(sum(p.numel() for p in self.params))
+
+    def training(self) -> contextlib.AbstractContextManager[None]:
+        """Train inside: each step corrected by -lr * (the received correction)."""
+        return corrected_steps(self.params, split(self.vector, self.params))
+
+
 class ClientDynamics:
     """FedDyn (Acar et al. 2021, "Federated Learning Based on Dynamic Regularization", ICLR, Algorithm 1) on a
     client rank: each hosted client's gradient state g_i (0 until it first trains). While client i trains from

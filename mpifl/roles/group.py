@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,6 +27,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
 from mpifl.logs import log
+from mpifl.roles.control import GroupCorrections
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.transport import recv_object, send_object
@@ -104,9 +106,11 @@ class GroupLeader:
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, timeout_s: float):
         self.comm, self.parallel, self.work, self.timeout_s = comm, parallel, work, timeout_s
 
-    def dispatch(self, client: int, seed: int, steps: int | None) -> dict[str, float]:
+    def dispatch(self, client: int, seed: int, steps: int | None,
+                 corrections: torch.Tensor | None = None) -> dict[str, float]:
         """Start ``client``'s training on every rank of the group; the seconds spent setting the group up (the
-        process group and DDP: in the run's first order only) and sending it the weights."""
+        process group and DDP: in the run's first order only) and sending it the weights (and SCAFFOLD's
+        ``corrections``, the client's c - c_i)."""
         began, setup_before = time.perf_counter(), self.parallel.setup_seconds
         address = None
         if not self.parallel.ready:
@@ -121,7 +125,7 @@ class GroupLeader:
             log(f"client group of {self.parallel.size} ranks: torch.distributed over "
                 f"{self.parallel.backend}{shared}")
         self.parallel.wrap(self.work.module)
-        self.parallel.broadcast(client_model(self.work))
+        self.parallel.broadcast([*client_model(self.work), *([corrections] if corrections is not None else [])])
         setup = self.parallel.setup_seconds - setup_before
         return {"group_setup_seconds": setup, "group_dispatch_seconds": time.perf_counter() - began - setup}
 
@@ -136,9 +140,10 @@ class GroupMember:
     """A group's other rank: train each logical client the leader orders, on this rank's share of its batches."""
 
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
-                 local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float):
+                 local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float,
+                 corrections: GroupCorrections | None = None):
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
-        self.local_data, self.timeout_s = local_data, timeout_s
+        self.local_data, self.timeout_s, self.corrections = local_data, timeout_s, corrections
 
     def run(self) -> None:
         """Follow the leader's orders until it says stop."""
@@ -158,7 +163,8 @@ class GroupMember:
             self.parallel.start(store, self.work.device, self.timeout_s)
         self.work.reset_local_state()
         self.parallel.wrap(self.work.module)
-        self.parallel.broadcast(client_model(self.work))
+        corrections = self.corrections
+        self.parallel.broadcast([*client_model(self.work), *([corrections.vector] if corrections else [])])
         train, _ = self.local_data.get(order.client, (None, None))
-        with local_steps(self.trainer, order.steps):
+        with local_steps(self.trainer, order.steps), corrections.training() if corrections else nullcontext():
             self.trainer.train(self.work.module, train, order.seed)

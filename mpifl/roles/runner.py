@@ -47,7 +47,7 @@ from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.control import ClientControls, ClientDynamics
+from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections
 from mpifl.roles.group import GroupLayout, GroupLeader, GroupMember, split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
 from mpifl.roles.personal import PersonalModels, PersonalTensors
@@ -400,12 +400,15 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
 
 
 def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
-    """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group."""
-    replica = training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable",
+    """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group, on the
+    device the leader trains on (the host model where a per-client state's rule needs it)."""
+    replica = training_replica(flat, cfg.client_device(), cfg.train.device_copy, cfg.model.exchange == "trainable",
                                cfg.train.deterministic)
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
-    member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat))
+    corrections = GroupCorrections(flat) if cfg.control_variates else None
+    member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat),
+                         corrections)
     _reuse_freed_memory(cfg)
     member.run()
     notes("finished")
