@@ -319,7 +319,7 @@ def _check_ranks_per_client(cfg: Config) -> None:
                           f"'torch' and 'causal_lm' trainers do; {cfg.train.trainer!r} does not: set "
                           "clients.ranks_per_client=1")
     state = cfg.client_state()
-    if state is not None and not (cfg.model.local or cfg.control_variates):  # the leader sends what members need
+    if state is not None and not (cfg.model.local or cfg.control_variates or cfg.strategy.name == "feddyn"):
         raise ConfigError(f"clients.ranks_per_client: {why}; {state.what} kept per client on the ranks is not "
                           "supported across a group yet: set clients.ranks_per_client=1")
 

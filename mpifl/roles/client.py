@@ -356,9 +356,8 @@ class ClientRank:
         (round 1 only), the weights' dispatch to the group, and the training itself, in seconds."""
         assert self.parts.group is not None  # _train_one calls this only for a group's leader
         own_steps = self.trainer.cfg.local_steps if isinstance(self.trainer, ConfiguredTrainer) else None
-        controls = self.parts.controls  # SCAFFOLD's correction, computed as the training began: for the members too
-        costs = self.parts.group.dispatch(client, seed, own_steps,
-                                          controls.corrections if isinstance(controls, ClientControls) else None)
+        controls = self.parts.controls  # SCAFFOLD's c - c_i or FedDyn's g_i, set as the training began: the members'
+        costs = self.parts.group.dispatch(client, seed, own_steps, controls.shared if controls else None)
         began = time.perf_counter()
         result = self.trainer.train(self.work.module, train, seed)
         result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)

@@ -38,6 +38,11 @@ class ClientControls:
         self.firsts = [0, elements]  # the store's one chunk: the whole vector
         self.corrections = torch.empty(elements)
 
+    @property
+    def shared(self) -> torch.Tensor:
+        """What a group's members need while the client trains (``GroupCorrections``): its correction c - c_i."""
+        return self.corrections
+
     @contextlib.contextmanager
     def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
         """Train ``client`` inside: each step corrected by -lr * (c - c_i) (c is the model's, c_i the store's)."""
@@ -82,6 +87,25 @@ class GroupCorrections:
         return corrected_steps(self.params, split(self.vector, self.params))
 
 
+class GroupDynamics:
+    """A group member's side of FedDyn (``clients.ranks_per_client``): the g_i of the client its group trains,
+    broadcast by the leader, and the global model it trains from, kept as it arrived. Every rank adds the same
+    alpha (y - x) - g_i to its gradients (y is the same on every rank of the group), so DDP's average carries it
+    unchanged, as on one rank."""
+
+    def __init__(self, flat: FlatModel, alpha: float):
+        self.params = [p for _, p in trainable(flat.module)]
+        self.flat, self.alpha = flat, alpha
+        self.vector = torch.empty(sum(p.numel() for p in self.params))
+        self.global_copy = torch.empty_like(flat.buffer)
+
+    def training(self) -> contextlib.AbstractContextManager[None]:
+        """Train inside the received client's regulariser, anchored at the global model just received."""
+        self.global_copy.copy_(self.flat.buffer)
+        anchors = self.flat.views_in(self.params, self.global_copy)
+        return dynamic_regularizer(self.params, anchors, split(self.vector, self.params), self.alpha)
+
+
 class ClientDynamics:
     """FedDyn (Acar et al. 2021, "Federated Learning Based on Dynamic Regularization", ICLR, Algorithm 1) on a
     client rank: each hosted client's gradient state g_i (0 until it first trains). While client i trains from
@@ -92,11 +116,18 @@ class ClientDynamics:
         self.params = [p for _, p in trainable(flat.module)]
         self.flat, self.store, self.alpha = flat, store, alpha
         self.firsts = [0, sum(p.numel() for p in self.params)]  # the store's one chunk: the whole vector
+        self.states = torch.empty(self.firsts[1])  # the training client's g_i
+
+    @property
+    def shared(self) -> torch.Tensor:
+        """What a group's members need while the client trains (``GroupDynamics``): its g_i."""
+        return self.states
 
     @contextlib.contextmanager
     def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
         """Train ``client`` inside its dynamic regulariser."""
-        states = split(self.store.read(client, 0).clone(), self.params)  # a disk store's read is a scratch
+        self.states.copy_(self.store.read(client, 0))  # a disk store's read is a scratch
+        states = split(self.states, self.params)
         with dynamic_regularizer(self.params, self.flat.views_in(self.params, global_bytes), states, self.alpha):
             yield
 

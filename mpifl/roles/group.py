@@ -27,7 +27,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
 from mpifl.logs import log
-from mpifl.roles.control import GroupCorrections
+from mpifl.roles.control import GroupCorrections, GroupDynamics
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.transport import recv_object, send_object
@@ -107,10 +107,10 @@ class GroupLeader:
         self.comm, self.parallel, self.work, self.timeout_s = comm, parallel, work, timeout_s
 
     def dispatch(self, client: int, seed: int, steps: int | None,
-                 corrections: torch.Tensor | None = None) -> dict[str, float]:
+                 shared: torch.Tensor | None = None) -> dict[str, float]:
         """Start ``client``'s training on every rank of the group; the seconds spent setting the group up (the
-        process group and DDP: in the run's first order only) and sending it the weights (and SCAFFOLD's
-        ``corrections``, the client's c - c_i)."""
+        process group and DDP: in the run's first order only) and sending it the weights (and ``shared``: the
+        client's state that the members train with, SCAFFOLD's c - c_i or FedDyn's g_i)."""
         began, setup_before = time.perf_counter(), self.parallel.setup_seconds
         address = None
         if not self.parallel.ready:
@@ -120,12 +120,11 @@ class GroupLeader:
             send_object(self.comm, order, member, protocol.GROUP)
         if address is not None:
             self.parallel.start(store, self.work.device, self.timeout_s)
-            shared = " (its ranks share a GPU, which NCCL refuses)" if (
+            why = " (its ranks share a GPU, which NCCL refuses)" if (
                 self.parallel.backend == "gloo" and self.work.device.type == "cuda") else ""
-            log(f"client group of {self.parallel.size} ranks: torch.distributed over "
-                f"{self.parallel.backend}{shared}")
+            log(f"client group of {self.parallel.size} ranks: torch.distributed over {self.parallel.backend}{why}")
         self.parallel.wrap(self.work.module)
-        self.parallel.broadcast([*client_model(self.work), *([corrections] if corrections is not None else [])])
+        self.parallel.broadcast([*client_model(self.work), *([shared] if shared is not None else [])])
         setup = self.parallel.setup_seconds - setup_before
         return {"group_setup_seconds": setup, "group_dispatch_seconds": time.perf_counter() - began - setup}
 
@@ -141,9 +140,9 @@ class GroupMember:
 
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float,
-                 corrections: GroupCorrections | None = None):
+                 state: GroupCorrections | GroupDynamics | None = None):
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
-        self.local_data, self.timeout_s, self.corrections = local_data, timeout_s, corrections
+        self.local_data, self.timeout_s, self.state = local_data, timeout_s, state
 
     def run(self) -> None:
         """Follow the leader's orders until it says stop."""
@@ -163,8 +162,8 @@ class GroupMember:
             self.parallel.start(store, self.work.device, self.timeout_s)
         self.work.reset_local_state()
         self.parallel.wrap(self.work.module)
-        corrections = self.corrections
-        self.parallel.broadcast([*client_model(self.work), *([corrections.vector] if corrections else [])])
+        state = self.state  # SCAFFOLD's correction or FedDyn's g_i, from the leader (mpifl.roles.control)
+        self.parallel.broadcast([*client_model(self.work), *([state.vector] if state else [])])
         train, _ = self.local_data.get(order.client, (None, None))
-        with local_steps(self.trainer, order.steps), corrections.training() if corrections else nullcontext():
+        with local_steps(self.trainer, order.steps), state.training() if state else nullcontext():
             self.trainer.train(self.work.module, train, order.seed)

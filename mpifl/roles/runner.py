@@ -47,7 +47,7 @@ from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections
+from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
 from mpifl.roles.group import GroupLayout, GroupLeader, GroupMember, split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
 from mpifl.roles.personal import PersonalModels, PersonalTensors
@@ -406,9 +406,10 @@ def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappi
                                cfg.train.deterministic)
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
-    corrections = GroupCorrections(flat) if cfg.control_variates else None
+    state = GroupCorrections(flat) if cfg.control_variates else \
+        GroupDynamics(flat, cfg.strategy.alpha) if cfg.strategy.name == "feddyn" else None
     member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat),
-                         corrections)
+                         state)
     _reuse_freed_memory(cfg)
     member.run()
     notes("finished")
