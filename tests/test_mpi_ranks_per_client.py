@@ -106,6 +106,23 @@ def test_a_group_trains_each_client_with_the_state_its_leader_keeps_as_one_rank_
         np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_a_group_trains_each_clients_ditto_personal_model_as_one_rank_would(tmp_path):
+    """Ditto: the leader keeps each client's personal model v_i and sends it to the group with the global w it is
+    regularised towards; the group updates v_i together, then trains w. Federated evaluation scores each v_i on
+    its client's validation split: the same, up to rounding, as with one rank per client; bitwise on one or two
+    groups, like the global model."""
+    ditto = ("train.ditto_lambda=0.5", "eval.federated_every=1", "data.val_fraction=0.2")
+    one, two = run(tmp_path, "one", 3, *ditto), run(tmp_path, "two", 5, *ditto)
+    assert_bitwise(final_model(two), final_model(one))
+    single = run(tmp_path, "single", 3, *ditto, "clients.ranks_per_client=1")
+    for grouped, alone, again in zip(records(one), records(single), records(two)):
+        assert grouped["federated_eval"] == again["federated_eval"]
+        assert grouped["federated_eval"]["personal_loss"] == pytest.approx(alone["federated_eval"]["personal_loss"],
+                                                                           rel=1e-4)
+        assert grouped["federated_eval"]["personal_accuracy"] == pytest.approx(
+            alone["federated_eval"]["personal_accuracy"], abs=1e-9)
+
+
 def test_a_group_normalizes_batchnorm_over_the_whole_batch_as_one_rank_would(tmp_path):
     """BatchNorm's statistics come from the group's whole batch (summed over the ranks, forward and backward), so
     a model with BatchNorm trains as on one rank: per-share statistics would differ by far more than rounding."""
@@ -189,7 +206,6 @@ def test_the_layout_makes_groups_of_consecutive_ranks_led_by_the_first():
 
 @pytest.mark.parametrize("override,key", [
     ("train.trainer=none", "train.trainer"),
-    ("train.ditto_lambda=0.5", "clients.ranks_per_client"),
     ("compression.method=topk", "clients.ranks_per_client"),  # its error-feedback residuals
 ])
 def test_what_a_group_cannot_train_yet_is_refused_naming_the_key(override, key):

@@ -309,8 +309,8 @@ def _synchronous_host_problem(cfg: Config, key: str, why: str) -> str | None:
 
 
 def _check_ranks_per_client(cfg: Config) -> None:
-    """A client trained by several ranks: the built-in trainers shard their batches; per-client state is not
-    supported across a group yet, but for ``model.local``'s tensors, which the leader keeps and sends its group."""
+    """A client trained by several ranks: the built-in trainers shard their batches; of the per-client state, the
+    leader keeps what its group can train with (``ClientState.in_groups``) and sends the members their part."""
     if cfg.clients.ranks_per_client == 1:
         return
     why = f"clients.ranks_per_client={cfg.clients.ranks_per_client} trains each client on a group of ranks"
@@ -319,7 +319,7 @@ def _check_ranks_per_client(cfg: Config) -> None:
                           f"'torch' and 'causal_lm' trainers do; {cfg.train.trainer!r} does not: set "
                           "clients.ranks_per_client=1")
     state = cfg.client_state()
-    if state is not None and not (cfg.model.local or cfg.control_variates or cfg.strategy.name == "feddyn"):
+    if state is not None and not state.in_groups:
         raise ConfigError(f"clients.ranks_per_client: {why}; {state.what} kept per client on the ranks is not "
                           "supported across a group yet: set clients.ranks_per_client=1")
 

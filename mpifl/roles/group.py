@@ -12,6 +12,7 @@ its cost shows once, in round 1's ``group_setup_seconds``, and never again.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
 from mpifl.logs import log
 from mpifl.roles.control import GroupCorrections, GroupDynamics
+from mpifl.roles.personal import GroupPersonalModels
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.transport import recv_object, send_object
@@ -112,10 +114,25 @@ class GroupLeader:
         process group and DDP: in the run's first order only) and sending it the weights (and ``shared``: the
         client's state that the members train with, SCAFFOLD's c - c_i or FedDyn's g_i)."""
         began, setup_before = time.perf_counter(), self.parallel.setup_seconds
+        self._order(protocol.TrainOrder(client, seed, steps))
+        self.parallel.broadcast([*client_model(self.work), *([shared] if shared is not None else [])])
+        setup = self.parallel.setup_seconds - setup_before
+        return {"group_setup_seconds": setup, "group_dispatch_seconds": time.perf_counter() - began - setup}
+
+    def dispatch_personal(self, client: int, seed: int, global_bytes: torch.Tensor) -> None:
+        """Ditto: start the training of ``client``'s personal model v_i, now in the leader's model, on every rank
+        of the group, with the global w (``global_bytes``) it is regularised towards. A client trains its
+        personal model before the global one, so this may be the run's first order."""
+        self._order(protocol.TrainOrder(client, seed, personal=True))
+        self.parallel.broadcast([global_bytes, *client_model(self.work)])
+
+    def _order(self, order: protocol.TrainOrder) -> None:
+        """Send every member ``order`` (with the rendezvous address the first time), join the process group the
+        first time, and wrap the model (once)."""
         address = None
         if not self.parallel.ready:
             store, address = rendezvous_store(None, self.parallel.size, self.timeout_s)
-        order = protocol.TrainOrder(client, seed, steps, address)
+        order = dataclasses.replace(order, address=address)
         for member in range(1, self.comm.Get_size()):
             send_object(self.comm, order, member, protocol.GROUP)
         if address is not None:
@@ -124,9 +141,6 @@ class GroupLeader:
                 self.parallel.backend == "gloo" and self.work.device.type == "cuda") else ""
             log(f"client group of {self.parallel.size} ranks: torch.distributed over {self.parallel.backend}{why}")
         self.parallel.wrap(self.work.module)
-        self.parallel.broadcast([*client_model(self.work), *([shared] if shared is not None else [])])
-        setup = self.parallel.setup_seconds - setup_before
-        return {"group_setup_seconds": setup, "group_dispatch_seconds": time.perf_counter() - began - setup}
 
     def release(self) -> None:
         """The run is over: let the members leave, then leave the process group."""
@@ -140,9 +154,9 @@ class GroupMember:
 
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float,
-                 state: GroupCorrections | GroupDynamics | None = None):
+                 state: GroupCorrections | GroupDynamics | None = None, personal: GroupPersonalModels | None = None):
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
-        self.local_data, self.timeout_s, self.state = local_data, timeout_s, state
+        self.local_data, self.timeout_s, self.state, self.personal = local_data, timeout_s, state, personal
 
     def run(self) -> None:
         """Follow the leader's orders until it says stop."""
@@ -153,17 +167,33 @@ class GroupMember:
             if order.stop:
                 self.parallel.close()
                 return
-            self.train(order)
+            if order.personal:
+                self.train_personal(order)
+            else:
+                self.train(order)
 
-    def train(self, order: protocol.TrainOrder) -> None:
-        """Take the leader's weights, then train ``order.client`` with the group."""
+    def _join(self, order: protocol.TrainOrder) -> None:
+        """Join the process group at the first order; wrap the model (once)."""
         if not self.parallel.ready:
             store, _ = rendezvous_store(order.address, self.parallel.size, self.timeout_s)
             self.parallel.start(store, self.work.device, self.timeout_s)
         self.work.reset_local_state()
         self.parallel.wrap(self.work.module)
+
+    def train(self, order: protocol.TrainOrder) -> None:
+        """Take the leader's weights, then train ``order.client`` with the group."""
+        self._join(order)
         state = self.state  # SCAFFOLD's correction or FedDyn's g_i, from the leader (mpifl.roles.control)
         self.parallel.broadcast([*client_model(self.work), *([state.vector] if state else [])])
         train, _ = self.local_data.get(order.client, (None, None))
         with local_steps(self.trainer, order.steps), state.training() if state else nullcontext():
             self.trainer.train(self.work.module, train, order.seed)
+
+    def train_personal(self, order: protocol.TrainOrder) -> None:
+        """Ditto: take the global w and the client's personal v_i, and update v_i with the group."""
+        if self.personal is None:
+            raise RuntimeError("the group leader ordered a personal model's training, but this run has no Ditto")
+        self._join(order)
+        self.parallel.broadcast([self.personal.global_copy, *client_model(self.work)])
+        train, _ = self.local_data.get(order.client, (None, None))
+        self.personal.train(self.trainer, train, order.seed)

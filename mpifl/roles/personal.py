@@ -66,6 +66,28 @@ class PersonalTensors:
         self.seen.add(client)
 
 
+class GroupPersonalModels:
+    """A group member's side of Ditto (``clients.ranks_per_client``): train the personal model v_i the leader
+    sends, with the group, regularised towards the global w sent beside it, then take w back. The leader keeps
+    every v_i (``PersonalModels``); a member keeps none."""
+
+    def __init__(self, flat: FlatModel, lam: float):
+        self.flat, self.lam = flat, lam
+        self.params = [p for _, p in trainable(flat.module)]
+        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
+        self.global_copy = torch.empty_like(flat.buffer)
+
+    def train(self, trainer: Trainer, data: ClientData | None, seed: int) -> None:
+        """v_i is in the model and w in ``global_copy`` (both just received): update v_i, then restore w."""
+        anchors = self.flat.views_in(self.params, self.global_copy)
+        try:
+            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam):
+                trainer.train(self.flat.module, data, seed)
+        finally:
+            self.flat.buffer.copy_(self.global_copy)
+            self.flat.reset_local_state()
+
+
 class PersonalModels:
     """Ditto (Li, Hu, Beirami and Smith 2021, "Ditto: Fair and Robust Federated Learning Through
     Personalization", ICML, Algorithm 1) on a client rank: each hosted client's personal model v_i.
@@ -80,6 +102,9 @@ class PersonalModels:
 
     def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float):
         self.flat, self.chunks, self.store, self.trainer, self.lam = flat, chunks, store, trainer, lam
+        # called with (client, seed, w) once v_i is in the model, before it trains: a group's leader
+        # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
+        self.starting: Callable[[int, int, torch.Tensor], None] | None = None
         self.params = [p for _, p in trainable(flat.module)]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
         self.firsts = element_offsets(chunks)
@@ -95,6 +120,8 @@ class PersonalModels:
         self.flat.reset_local_state()
         anchors = self.flat.views_in(self.params, global_bytes)
         try:
+            if self.starting is not None:
+                self.starting(client, seed, global_bytes)
             with dynamic_regularizer(self.params, anchors, self.zeros, self.lam):
                 self.trainer.train(self.flat.module, data, seed)
             metrics = evaluate() if evaluate is not None else {}

@@ -50,7 +50,7 @@ from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
 from mpifl.roles.group import GroupLayout, GroupLeader, GroupMember, split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
-from mpifl.roles.personal import PersonalModels, PersonalTensors
+from mpifl.roles.personal import GroupPersonalModels, PersonalModels, PersonalTensors
 from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
@@ -382,6 +382,10 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     if group is not None:  # clients.ranks_per_client > 1: this rank leads its group
         parallel = _parallel(trainer, group)
         leader = GroupLeader(group, parallel, replica.flat if replica else flat, _group_timeout(flat))
+        if personal_models is not None:  # Ditto: the personal model trains with the group too
+            assert isinstance(personal_models.trainer, (TorchTrainer, CausalLMTrainer))  # the config checks'
+            personal_models.trainer.parallel = parallel
+            personal_models.starting = leader.dispatch_personal
     parts = ClientParts(
         plan=plan, trainer=trainer, seed=cfg.seed, delta=cfg.strategy.update == "delta",
         statistics_as_values=cfg.statistics_as_values,
@@ -408,8 +412,9 @@ def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappi
     parallel = _parallel(trainer, group)
     state = GroupCorrections(flat) if cfg.control_variates else \
         GroupDynamics(flat, cfg.strategy.alpha) if cfg.strategy.name == "feddyn" else None
+    personal = GroupPersonalModels(flat, cfg.train.ditto_lambda) if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat),
-                         state)
+                         state, personal)
     _reuse_freed_memory(cfg)
     member.run()
     notes("finished")

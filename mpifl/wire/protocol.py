@@ -141,3 +141,4 @@ class TrainOrder:
     steps: int | None = None  # the client's own local steps (fedcompass), else the config's
     address: tuple[str, int] | None = None  # the first order: where the group's rendezvous store listens
     stop: bool = False
+    personal: bool = False  # Ditto: train the client's personal model (sent with the global one), not the global
