@@ -87,12 +87,14 @@ def test_a_group_trains_each_client_with_its_own_local_tensors_as_one_rank_would
 @pytest.mark.parametrize("strategy", [
     ("strategy.name=scaffold",),                              # each step corrected by c - c_i
     ("strategy.name=feddyn", "strategy.weighting=equal"),     # each gradient regularised by alpha (y - x) - g_i
-], ids=["scaffold", "feddyn"])
+    ("compression.method=topk", "compression.error_feedback=true"),  # residuals: the leader's alone, as it encodes
+], ids=["scaffold", "feddyn", "topk-error-feedback"])
 def test_a_group_trains_each_client_with_the_state_its_leader_keeps_as_one_rank_would(tmp_path, strategy):
     """SCAFFOLD and FedDyn: the leader keeps each client's vector (c_i, g_i), checkpointed so a resume goes on
     bitwise, and sends the group what it trains with (c - c_i, g_i) beside the global model; every rank applies
     it. Were the members to train without it, the run would end 0.047 (SCAFFOLD) and 0.013 (FedDyn) from one
-    rank's (relative L2, measured) instead of by rounding."""
+    rank's (relative L2, measured) instead of by rounding. Top-k's error-feedback residuals need nothing on the
+    members: only the leader encodes the update they correct."""
     overrides = (*strategy, "strategy.update=delta", "checkpoint.every=1")
     one, two = run(tmp_path, "one", 3, *overrides), run(tmp_path, "two", 5, *overrides)
     assert_bitwise(final_model(two), final_model(one))
@@ -204,15 +206,11 @@ def test_the_layout_makes_groups_of_consecutive_ranks_led_by_the_first():
     assert layout.problem(7) is None and "3 x G + 1" in layout.problem(6)
 
 
-@pytest.mark.parametrize("override,key", [
-    ("train.trainer=none", "train.trainer"),
-    ("compression.method=topk", "clients.ranks_per_client"),  # its error-feedback residuals
-])
-def test_what_a_group_cannot_train_yet_is_refused_naming_the_key(override, key):
+@pytest.mark.parametrize("trainer", ["none", "examples.custom_trainer.trainer:DecayTrainer"])
+def test_a_trainer_that_does_not_split_its_batches_over_a_group_is_refused_naming_the_key(trainer):
     data = {"clients": {"num_clients": 6, "ranks_per_client": 2}}
-    extra = ["strategy.update=delta", "compression.error_feedback=true"] if "topk" in override else []
-    with pytest.raises(ConfigError, match=key):
-        load_config(None, [override, *extra], data=data)
+    with pytest.raises(ConfigError, match="train.trainer: clients.ranks_per_client=2"):
+        load_config(None, [f"train.trainer={trainer}"], data=data)
 
 
 def test_the_plan_counts_every_rank_of_a_group_and_ddps_gradient_buckets():

@@ -468,8 +468,8 @@ class ClientState:
     folder: str  # the folder of those files in the run directory
     vector: str  # one element per 'exchanged' element (read chunk by chunk), 'trainable' one, or 'local' tensor's
     host_only: bool  # the rule runs on the host model: no device replica (config checks), 'auto' trains on the CPU
-    # a client group's leader keeps it and sends its members what they train with (clients.ranks_per_client):
-    # error-feedback residuals shape the update the leader alone encodes, so they are not (yet) here
+    # a client group's leader keeps it and sends its members what they train with (clients.ranks_per_client);
+    # error-feedback residuals need nothing on the members: they shape the update the leader alone encodes
     in_groups: bool = True
 
 
@@ -548,7 +548,7 @@ class Config:
                                "personal", "exchanged", True)
         if self.compression.method == "topk" and self.compression.error_feedback:
             return ClientState("error-feedback residuals", "compression.residual_ram_mb",
-                               self.compression.residual_ram_mb, "residuals", "exchanged", False, in_groups=False)
+                               self.compression.residual_ram_mb, "residuals", "exchanged", False)
         return None
 
 
