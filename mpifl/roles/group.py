@@ -9,6 +9,11 @@ before each logical client trains, the leader sends the order, broadcasts its we
 ``torch.distributed`` process group, and the group trains the client together in DDP
 (``mpifl.learning.parallel``). The process group is built at the first order and kept for the run, so
 its cost shows once, in round 1's ``group_setup_seconds``, and never again.
+
+Per-client state stays with the leader, as with R = 1, in its store and checkpoints. With each order the
+leader broadcasts what the members train with: the client's local tensors (``model.local``), SCAFFOLD's
+correction c - c_i or FedDyn's g_i (``mpifl.roles.control``); for Ditto, a personal order first, with the
+global w and the client's personal v_i (``mpifl.roles.personal``).
 """
 from __future__ import annotations
 
