@@ -420,10 +420,11 @@ class ClientRank:
             return self.parts.personal_models.train(client, train, keep, personal_seed(self.parts.seed, round_, client),
                                                     personal_eval if due else None)
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            if not self.parts.accept_failures:
+            if not self.parts.accept_failures or self.parts.group is not None:
+                why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
+                       if self.parts.group is not None else "clients.accept_failures=false")
                 raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_} while "
-                                    f"training its personal model: {type(err).__name__}: {err} "
-                                    "(clients.accept_failures=false)") from err
+                                    f"training its personal model: {type(err).__name__}: {err} ({why})") from err
             return {}
 
     def _evaluation_due(self, round_: int, val: ClientData | None) -> bool:
