@@ -44,6 +44,12 @@ def run(tmp_path: Path, name: str, ranks: int, *overrides: str) -> Path:
     return tmp_path / name
 
 
+def assert_one_ranks_model_up_to_rounding(grouped: dict, single: dict) -> None:
+    """A group's final model is the one a single rank trains, but for float rounding (the gradient summed in parts)."""
+    for name in single:
+        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -63,8 +69,7 @@ def test_two_ranks_per_client_give_the_same_model_bitwise_on_one_or_two_groups(r
 
 def test_a_group_trains_the_model_one_rank_would_up_to_float_rounding(runs):
     grouped, single = final_model(runs["one group"]), final_model(runs["one rank per client"])
-    for name in single:
-        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_one_ranks_model_up_to_rounding(grouped, single)
     assert records(runs["one group"])[-1]["train_loss"] == pytest.approx(
         records(runs["one rank per client"])[-1]["train_loss"], rel=1e-4)
 
@@ -78,8 +83,7 @@ def test_a_group_trains_each_client_with_its_own_local_tensors_as_one_rank_would
     assert_bitwise(final_model(two), final_model(one))
     grouped = final_model(one)
     single = final_model(run(tmp_path, "fedper-single", 3, *fedper, "clients.ranks_per_client=1"))
-    for name in single:
-        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_one_ranks_model_up_to_rounding(grouped, single)
     assert records(one)[-1]["train_loss"] == pytest.approx(records(tmp_path / "fedper-single")[-1]["train_loss"],
                                                            rel=1e-4)
 
@@ -104,8 +108,7 @@ def test_a_group_trains_each_client_with_the_state_its_leader_keeps_as_one_rank_
     assert_bitwise(final_model(resumed), final_model(one))
     grouped = final_model(one)
     single = final_model(run(tmp_path, "single", 3, *overrides, "clients.ranks_per_client=1"))
-    for name in single:
-        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_one_ranks_model_up_to_rounding(grouped, single)
 
 
 def test_a_group_trains_each_clients_ditto_personal_model_as_one_rank_would(tmp_path):
@@ -132,8 +135,7 @@ def test_a_group_normalizes_batchnorm_over_the_whole_batch_as_one_rank_would(tmp
     grouped = final_model(run(tmp_path, "grouped", 3, *bn))
     single = final_model(run(tmp_path, "single", 3, *bn, "clients.ranks_per_client=1"))
     assert any("running_var" in name for name in single)
-    for name in single:
-        np.testing.assert_allclose(grouped[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_one_ranks_model_up_to_rounding(grouped, single)
 
 
 def test_group_batchnorm_gives_each_share_what_one_batchnorm_gives_the_whole_batch(tmp_path):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -218,17 +218,27 @@ def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None
 
 
 def ranks_per_gpu(ranks_per_node: int, gpus_per_node: int, client_ranks: int) -> int:
-    """Client ranks on the fullest GPU: a node's ranks take its GPUs by local rank, modulo their count
+    """Client ranks on the fullest GPU of a node of client ranks: they take its GPUs by local rank
     (``planning.binding.slot_gpu``), so with fewer GPUs than ranks several share one."""
-    return math.ceil(min(ranks_per_node, client_ranks) / gpus_per_node) if gpus_per_node > 0 else 0
+    return _fullest_gpu_slots(min(ranks_per_node, client_ranks), gpus_per_node)
 
 
 def clients_beside_server(ranks_per_node: int, gpus_per_node: int, nranks: int, server_alone: bool) -> int:
-    """Client ranks on the server's GPU: the server is local rank 0 of the first node and takes its first GPU,
-    with every local rank that is a multiple of the GPU count (none when the server has a node to itself)."""
+    """Client ranks on the server's GPU: the server is local rank 0 of the first node and takes its first GPU
+    (``planning.binding.slot_gpu``), with the local ranks that map to it (none when it has a node to itself)."""
     if server_alone or gpus_per_node <= 0:
         return 0
-    return math.ceil(min(ranks_per_node, nranks) / gpus_per_node) - 1
+    gpus = [str(g) for g in range(gpus_per_node)]
+    first = binding.slot_gpu(gpus, 0)
+    return sum(binding.slot_gpu(gpus, r) == first for r in range(1, min(ranks_per_node, nranks)))
+
+
+def _fullest_gpu_slots(slots: int, gpus_per_node: int) -> int:
+    """The most of ``slots`` node-local ranks that share one GPU (0 without GPUs)."""
+    if gpus_per_node <= 0 or slots <= 0:
+        return 0
+    gpus = [str(g) for g in range(gpus_per_node)]
+    return max(Counter(binding.slot_gpu(gpus, r) for r in range(slots)).values())
 
 
 def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, sharing: int = 1,

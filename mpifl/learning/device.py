@@ -92,16 +92,22 @@ def pin_in_place(buffer: torch.Tensor) -> None:
                            f"{int(status)})")
 
 
+def device_copy(host: FlatModel, device: torch.device, trainable_only: bool, what: str) -> FlatModel:
+    """The host model rebuilt on ``device`` (frozen and local tensors come along, once), laid out as the host's
+    flat buffer is, so that one copy of that buffer refreshes it; ``what`` names it in the error."""
+    flat = FlatModel(copy.deepcopy(host.module).to(device), trainable_only, device=device)
+    if flat.spec.hash != host.spec.hash:
+        raise RuntimeError(f"the {what}'s layout differs from the host model's")
+    return flat
+
+
 class EvaluationCopy:
     """The global model on the server's GPU, for held-out evaluation (``eval.device``): built once, with the frozen
     and local tensors as built, and refreshed from the host buffer (one host-to-device copy) before each
     evaluation. Only the exchanged tensors change on the server, and they all live in that buffer."""
 
     def __init__(self, host: FlatModel, device: torch.device, trainable_only: bool):
-        module = copy.deepcopy(host.module).to(device)
-        self.flat = FlatModel(module, trainable_only, device=device)
-        if self.flat.spec.hash != host.spec.hash:
-            raise RuntimeError("the evaluation copy's layout differs from the host model's")
+        self.flat = device_copy(host, device, trainable_only, "evaluation copy")
         self.host = host
 
     def refreshed(self) -> nn.Module:
@@ -114,10 +120,7 @@ class DeviceReplica:
     """The model on the training device, apart from the host flat buffer that MPI uses."""
 
     def __init__(self, host: FlatModel, device: torch.device, trainable_only: bool):
-        module = copy.deepcopy(host.module).to(device)  # frozen tensors come along, once
-        self.flat = FlatModel(module, trainable_only, device=device)
-        if self.flat.spec.hash != host.spec.hash:
-            raise RuntimeError("the device replica's layout differs from the host model's")
+        self.flat = device_copy(host, device, trainable_only, "device replica")
         self.global_copy = torch.empty_like(self.flat.buffer)
         self.host = host
 
