@@ -1,21 +1,27 @@
-"""NIID-Bench's Fashion-MNIST, p_k ~ Dir(0.5) rows (FedAvg, FedProx, SCAFFOLD, FedNova), run with mpifl.
+"""NIID-Bench's Fashion-MNIST rows (FedAvg, FedProx, SCAFFOLD, FedNova), run with mpifl, beside the paper's figures.
 
 Li, Diao, Chen and He, "Federated Learning on Non-IID Data Silos: An Experimental Study" (ICDE 2022,
-arXiv:2102.02079; code github.com/Xtra-Computing/NIID-Bench). This script runs
-``configs/niid_bench/fmnist_dir05_<algorithm>.yaml`` for each algorithm and seed, one after another
-(never in parallel), each under ``mpiexec -n RANKS``, reads the global model's test accuracy after the
-last round from each run's metrics.jsonl, and prints a markdown table against the paper. From the
-repository root (the full protocol takes hours on a laptop; see the estimate it prints):
+arXiv:2102.02079; code github.com/Xtra-Computing/NIID-Bench). Two of its settings (``--setting``):
+
+- ``labeldir`` (the default): label skew, p_k ~ Dir(0.5) (its ``noniid-labeldir`` partition);
+- ``noise``: noise-based feature imbalance, an even split (its ``homo`` partition) with party k of 10 reading its
+  images through Gaussian noise of std 0.1 * k / 9 (mpifl's ``data.feature_noise``).
+
+This script runs ``configs/niid_bench/fmnist_<setting>_<algorithm>.yaml`` for each algorithm and seed, one after
+another (never in parallel), each under ``mpiexec -n RANKS``, reads the global model's test accuracy after the last
+round from each run's metrics.jsonl, and prints a markdown table against the paper. From the repository root (the
+full protocol takes hours on a laptop; see the estimate it prints):
 
     python profiling/niid_bench.py                       # 4 algorithms x seeds 0 1 2, 50 rounds each
+    python profiling/niid_bench.py --setting noise --algorithms fedavg    # the row with a published figure
     python profiling/niid_bench.py --rounds 1 --epochs 1 --seeds 0 --algorithms fedavg fednova   # smoke
     python profiling/niid_bench.py --work runs/niid_bench-20261125-020000   # go on with a stopped reproduction
 
-The protocol lives here once (PROTOCOL, ALGORITHMS); the configs must say the same, which
-tests/test_niid_bench_harness.py checks. Unless ``--partition mpifl``, each run gets NIID-Bench's own
-``noniid-labeldir`` split of its seed (``niid_labeldir``: the same draws as NIID-Bench's ``partition_data``
-after ``np.random.seed(init_seed)``, its balance rule and its min-size-10 retry loop), written as a
-``data.partition: file`` JSON; ``--partition mpifl`` keeps the configs' own ``data.partition: dirichlet``.
+The protocol lives here once (PROTOCOL, SETTINGS, ALGORITHMS); the configs must say the same, which
+tests/test_niid_bench_harness.py checks. Unless ``--partition mpifl``, each run gets NIID-Bench's own split of its
+seed (``niid_labeldir`` or ``niid_homo``: the same draws as NIID-Bench's ``partition_data`` after
+``np.random.seed(init_seed)``), written as a ``data.partition: file`` JSON; ``--partition mpifl`` keeps the configs'
+own ``data.partition`` (dirichlet or iid).
 Needs Fashion-MNIST in /usr/share/datasets/fashion-mnist (``apt-get install dataset-fashion-mnist``).
 """
 from __future__ import annotations
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +58,6 @@ PROTOCOL: dict[str, object] = {
     "clients.num_clients": 10,                       # --n_parties=10
     "clients.fraction": 1.0,                         # --sample=1 (default)
     "data.dataset": "fashion_mnist",                 # --dataset=fmnist
-    "data.partition": "dirichlet",                   # --partition=noniid-labeldir (see niid_labeldir)
-    "data.alpha": 0.5,                               # --beta=0.5
     "model.name": "profiling.niid_bench_model:simple_cnn_mnist",  # --model=simple-cnn -> SimpleCNNMNIST
     "train.optimizer": "sgd",                        # --optimizer=sgd (default)
     "train.lr": 0.01,                                # --lr=0.01
@@ -76,31 +81,77 @@ ALGORITHMS: dict[str, dict[str, object]] = {
     "fednova": {"strategy.name": "fednova", "strategy.update": "delta"},
 }
 
-# The paper's accuracy for FMNIST, p_k ~ Dir(0.5), per algorithm, as (mean %, std %). The paper's Table III
-# (top-1 accuracy, mean +- std over its runs; Flower's baseline README calls it "Table 3") holds these numbers,
-# but none of the sources we could read gives them: the stored copies of the paper stop at its abstract,
-# NIID-Bench's README leaderboard lists CIFAR-10 only, and its issues and other repositories quote other rows.
-# None prints "not found". Fill a value in only from a source you can cite, and name it in PAPER_SOURCE.
-PAPER: dict[str, tuple[float, float] | None] = {"fedavg": None, "fedprox": None, "scaffold": None, "fednova": None}
-PAPER_SOURCE = "Li et al., ICDE 2022, Table III (FMNIST, p_k ~ Dir(0.5)): values not found in any readable source"
-
-# Another reproduction of the same protocol, for orientation only (it is not the paper): Flower's NIID-Bench
-# baseline, one run with dataset_seed 42, its README's "Expected Results" table, row FMNIST / Dirichlet (0.5)
-# (github.com/adap/flower, baselines/niid_bench/README.md, commit 1599d01c2f76a4139abe231b7e294f828ba62048).
-# Its FedProx mu is "tuned from values {0.001, 0.01, 0.1, 1.0}"; the README does not say which one it shows.
-FLOWER: dict[str, float] = {"fedavg": 88.4, "fedprox": 88.6, "scaffold": 88.4, "fednova": 88.1}
-FLOWER_SOURCE = ("Flower baselines/niid_bench/README.md (adap/flower@1599d01c), \"Expected Results\", one run, "
-                 "dataset_seed 42, FedProx's mu tuned in {0.001, 0.01, 0.1, 1} (which one is not stated)")
 
 
-def config_path(algorithm: str) -> Path:
-    """The shipped config of ``algorithm``."""
-    return CONFIGS / f"fmnist_dir05_{algorithm}.yaml"
+@dataclass(frozen=True)
+class Setting:
+    """One of the paper's FMNIST rows: its partition, its config keys on top of PROTOCOL, and the published
+    figures with their sources. ``paper`` holds (mean %, std %) per algorithm, None where no source we could read
+    gives it: the table then prints "not found", never a number from memory."""
+
+    title: str                         # the row, as the paper's Table III names it
+    prefix: str                        # configs/niid_bench/<prefix>_<algorithm>.yaml
+    keys: dict[str, object]            # its config keys (on top of PROTOCOL)
+    niid_partition: str                # NIID-Bench's --partition
+    script: str                        # NIID-Bench's script that runs the row
+    paper: dict[str, tuple[float, float] | None]
+    paper_source: str
+    flower: dict[str, float]           # another reproduction, for orientation only (it is not the paper)
+    flower_source: str
+    test_set: str                      # what the accuracy is measured on
 
 
-def expected_keys(algorithm: str) -> dict[str, object]:
-    """Every protocol key ``algorithm``'s config must hold, and its value."""
-    return {**PROTOCOL, **ALGORITHMS[algorithm]}
+SETTINGS: dict[str, Setting] = {
+    # The paper's Table III (top-1 accuracy, mean +- std over its runs; Flower's baseline README calls it "Table 3")
+    # holds these numbers, but none of the sources we could read gives them: the stored copies of the paper stop at
+    # its abstract, NIID-Bench's README leaderboard lists CIFAR-10 only, and its issues and other repositories
+    # quote other rows. Flower's NIID-Bench baseline ran the row once, with dataset_seed 42 (its README's "Expected
+    # Results" table, row FMNIST / Dirichlet (0.5); github.com/adap/flower, baselines/niid_bench/README.md, commit
+    # 1599d01c2f76a4139abe231b7e294f828ba62048). Its FedProx mu is "tuned from values {0.001, 0.01, 0.1, 1.0}"; the
+    # README does not say which one it shows.
+    "labeldir": Setting(
+        title="p_k ~ Dir(0.5)", prefix="fmnist_dir05",
+        keys={"data.partition": "dirichlet",         # --partition=noniid-labeldir (see niid_labeldir)
+              "data.alpha": 0.5},                    # --beta=0.5
+        niid_partition="noniid-labeldir", script="scripts/image-data-without-noise.sh",
+        paper={"fedavg": None, "fedprox": None, "scaffold": None, "fednova": None},
+        paper_source="Li et al., ICDE 2022, Table III (FMNIST, p_k ~ Dir(0.5)): values not found in any readable "
+                     "source",
+        flower={"fedavg": 88.4, "fedprox": 88.6, "scaffold": 88.4, "fednova": 88.1},
+        flower_source="Flower baselines/niid_bench/README.md (adap/flower@1599d01c), \"Expected Results\", one run, "
+                      "dataset_seed 42, FedProx's mu tuned in {0.001, 0.01, 0.1, 1} (which one is not stated)",
+        test_set="the 10,000 test images"),
+    # NIID-Bench's scripts/image-data-with-noise.sh: the same protocol with --partition=homo --noise=0.1; party k
+    # adds noise of std 0.1 * k / 9 (experiments.py: noise_level = args.noise / (args.n_parties - 1) * net_id) to
+    # its training and its local test images, and the global model is scored on the concatenation of every
+    # party's noisy test set (10 x 10,000 images). The paper's FedAvg figure, 89.1% +- 0.3%, is quoted by FedLab's
+    # reproduction of this row (github.com/SMILELab-FL/FedLab-benchmarks,
+    # fedlab_benchmarks/feature-skew-fedavg/README.md, commit 274fb361c74d95c9bb7c4379143ca1e0bde530df: "Top-1
+    # accuracy for FMNIST in paper: 89.1% +- 0.3%"; its own run, 89.37% +- 0.14% over 5 runs).
+    "noise": Setting(
+        title="noise-based feature imbalance (noise 0.1)", prefix="fmnist_noise01",
+        keys={"data.partition": "iid",               # --partition=homo (see niid_homo)
+              "data.feature_noise": 0.1},            # --noise=0.1: party k's std 0.1 * k / 9
+        niid_partition="homo", script="scripts/image-data-with-noise.sh",
+        paper={"fedavg": (89.1, 0.3), "fedprox": None, "scaffold": None, "fednova": None},
+        paper_source="Li et al., ICDE 2022, Table III (FMNIST, noise-based feature imbalance): FedAvg 89.1% ± 0.3% as "
+                     "quoted by SMILELab-FL/FedLab-benchmarks fedlab_benchmarks/feature-skew-fedavg/README.md; the "
+                     "other algorithms' values not found in any readable source",
+        flower={"fedavg": 89.37},
+        flower_source="not Flower: FedLab's reproduction of the FedAvg row (FedLab-benchmarks "
+                      "feature-skew-fedavg/README.md), 89.37% ± 0.14% over 5 runs",
+        test_set="the 10,000 test images at each of the 10 parties' noise levels (100,000 scored images)"),
+}
+
+
+def config_path(algorithm: str, setting: str = "labeldir") -> Path:
+    """The shipped config of ``algorithm`` in ``setting``."""
+    return CONFIGS / f"{SETTINGS[setting].prefix}_{algorithm}.yaml"
+
+
+def expected_keys(algorithm: str, setting: str = "labeldir") -> dict[str, object]:
+    """Every protocol key ``algorithm``'s config in ``setting`` must hold, and its value."""
+    return {**PROTOCOL, **SETTINGS[setting].keys, **ALGORITHMS[algorithm]}
 
 
 def dataset_problem(folder: Path | None = None) -> str | None:
@@ -156,10 +207,26 @@ def niid_labeldir(labels, n_parties: int, beta: float, seed: int,
     return idx_batch
 
 
-def write_partition(path: Path, seed: int, folder: Path | None = None) -> Path:
+def niid_homo(num_samples: int, n_parties: int, seed: int) -> list[list[int]]:
+    """NIID-Bench's ``homo`` split (utils.partition_data): after ``np.random.seed(seed)``, one permutation of the
+    training samples cut into ``n_parties`` near-equal runs (``np.array_split``)."""
+    import numpy as np
+
+    order = np.random.RandomState(seed).permutation(num_samples)
+    return [part.tolist() for part in np.array_split(order, n_parties)]
+
+
+def niid_split(setting: str, labels, seed: int) -> list[list[int]]:
+    """NIID-Bench's split of ``seed`` for ``setting``."""
+    parties = int(PROTOCOL["clients.num_clients"])  # type: ignore[call-overload]
+    if SETTINGS[setting].niid_partition == "homo":
+        return niid_homo(len(labels), parties, seed)
+    return niid_labeldir(labels, parties, float(SETTINGS[setting].keys["data.alpha"]), seed)  # type: ignore[arg-type]
+
+
+def write_partition(path: Path, seed: int, folder: Path | None = None, setting: str = "labeldir") -> Path:
     """NIID-Bench's split of ``seed`` as a ``data.partition: file`` JSON (a list of per-client index lists)."""
-    parts = niid_labeldir(train_labels(folder), int(PROTOCOL["clients.num_clients"]), float(PROTOCOL["data.alpha"]),
-                          seed)
+    parts = niid_split(setting, train_labels(folder), seed)
     path.write_text(json.dumps([[int(i) for i in p] for p in parts]))
     return path
 
@@ -187,14 +254,17 @@ def algorithm_of(label: str) -> str:
     return label.split()[0]
 
 
-def format_table(results: dict[str, list[float]], errors: dict[str, str] | None = None) -> str:
+def format_table(results: dict[str, list[float]], errors: dict[str, str] | None = None,
+                 setting: str = "labeldir") -> str:
     """The comparison as markdown: one row per label (an algorithm, or "fedprox (mu=...)"), with mpifl's final
     test accuracies (fractions, one per seed) as mean +- sample std in %, the paper's mean +- std, the
-    difference of the means in percentage points, and Flower's reproduction for orientation."""
+    difference of the means in percentage points, and another reproduction for orientation."""
     errors = errors or {}
+    other = "Flower's reproduction (1 run)" if setting == "labeldir" else "FedLab's reproduction (5 runs)"
     lines = ["| algorithm | mpifl accuracy (mean ± std over seeds) | paper's accuracy (Table III) | difference | "
-             "Flower's reproduction (1 run) |",
+             f"{other} |",
              "|---|---|---|---|---|"]
+    published, others = SETTINGS[setting].paper, SETTINGS[setting].flower
     for label in [*results, *(k for k in errors if k not in results)]:
         accs = results.get(label, [])
         if accs:
@@ -204,10 +274,10 @@ def format_table(results: dict[str, list[float]], errors: dict[str, str] | None 
             mean, ours = None, "no run finished"
         if label in errors:
             ours += f"; failed: {errors[label]}"
-        paper = PAPER.get(algorithm_of(label))
+        paper = published.get(algorithm_of(label))
         paper_text = f"{paper[0]:.1f}% ± {paper[1]:.1f}%" if paper else "not found"
         diff = f"{100 * mean - paper[0]:+.1f} pp" if paper and mean is not None else "n/a"
-        flower = FLOWER.get(algorithm_of(label))
+        flower = others.get(algorithm_of(label))
         lines.append(f"| {label} | {ours} | {paper_text} | {diff} | "
                      f"{f'{flower:.1f}%' if flower is not None else 'not found'} |")
     return "\n".join(lines)
@@ -236,7 +306,8 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
+def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, overrides: list[str],
+            setting: str = "labeldir") -> dict:
     """One ``mpiexec -n RANKS mpifl run`` of ``algorithm``'s config; its read-out, or {"error": ...}.
 
     The run goes on from ``run_dir``'s newest checkpoint when there is one (``--resume``): run with the same
@@ -245,7 +316,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
     checkpoint after every round (the simple CNN's 44,426 parameters: 174 KiB) loses at most one round to a kill;
     SIGTERM (a walltime) stops at the round's end with its checkpoint."""
     cmd = [str(Path(args.bin) / "mpiexec"), "-n", str(args.ranks), str(Path(args.bin) / "mpifl"), "run",
-           str(config_path(algorithm)), "--run-dir", str(run_dir), "--resume", f"seed={seed}",
+           str(config_path(algorithm, setting)), "--run-dir", str(run_dir), "--resume", f"seed={seed}",
            "checkpoint.every=1", "output.progress=false", *overrides]
     env = dict(os.environ)  # the plug-in model is profiling.niid_bench_model: the repository root goes on the path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
@@ -274,9 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     p.add_argument("--mu", type=float, nargs="+", default=[FEDPROX_MU],
                    help=f"FedProx mu, one row each (the paper's grid: {' '.join(map(str, FEDPROX_MU_GRID))})")
+    p.add_argument("--setting", choices=list(SETTINGS), default="labeldir",
+                   help="labeldir: label skew, p_k ~ Dir(0.5); noise: an even split, party k's images through noise "
+                        "of std 0.1 k / 9 (the row whose FedAvg figure is published in a readable source)")
     p.add_argument("--partition", choices=("niid", "mpifl"), default="niid",
-                   help="niid: NIID-Bench's noniid-labeldir split of each seed (a partition file); mpifl: the "
-                        "configs' data.partition=dirichlet")
+                   help="niid: NIID-Bench's split of each seed (noniid-labeldir or homo, as a partition file); mpifl: "
+                        "the configs' data.partition (dirichlet or iid)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
     p.add_argument("--work", type=Path, default=None,
                    help="where runs go (default runs/niid_bench-<time>); give an earlier --work to go on with it: "
@@ -296,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     partitions: dict[int, list[str]] = {}
     for seed in args.seeds:
         if args.partition == "niid":
-            path = write_partition(work / f"partition-seed{seed}.json", seed)
+            path = write_partition(work / f"partition-{args.setting}-seed{seed}.json", seed, setting=args.setting)
             partitions[seed] = ["data.partition=file", f"data.partition_file={path}"]
         else:
             partitions[seed] = []
@@ -311,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 name = label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
                 print(f"niid_bench: {label}, seed {seed}", file=sys.stderr, flush=True)
-                out = run_one(args, algorithm, seed, work / f"{name}-seed{seed}",
-                              [*partitions[seed], *common, *extra])
+                prefix = "" if args.setting == "labeldir" else f"{args.setting}-"  # labeldir: the first layout's names
+                out = run_one(args, algorithm, seed, work / f"{prefix}{name}-seed{seed}",
+                              [*partitions[seed], *common, *extra], args.setting)
                 if "error" in out:
                     errors[label] = out["error"]
                     print(f"  failed: {out['error']}", file=sys.stderr)
@@ -324,20 +399,24 @@ def main(argv: list[str] | None = None) -> int:
 
     epochs = args.epochs or int(PROTOCOL["train.local_epochs"])
     rounds = args.rounds or int(PROTOCOL["rounds"])
-    print("## NIID-Bench, Fashion-MNIST, p_k ~ Dir(0.5): mpifl against the paper\n")
+    setting = SETTINGS[args.setting]
+    split = (f"NIID-Bench {setting.niid_partition} (file)" if args.partition == "niid"
+             else f"mpifl {setting.keys['data.partition']}")
+    print(f"## NIID-Bench, Fashion-MNIST, {setting.title}: mpifl against the paper\n")
     print(f"- command: `{shlex.join([sys.executable, *sys.argv])}`")
     print(f"- date: {started:%Y-%m-%d %H:%M %Z}")
     print(f"- git commit: {git_commit()}")
     print(f"- machine: {machine()}; {args.ranks} MPI ranks (1 server + {args.ranks - 1} client ranks)")
     print(f"- runs: {rounds} rounds, {epochs} local epochs, seeds {' '.join(map(str, args.seeds))}, partition "
-          f"{'NIID-Bench noniid-labeldir (file)' if args.partition == 'niid' else 'mpifl dirichlet'}"
+          f"{split}"
           f"{', overrides ' + ' '.join(args.set) if args.set else ''}; run directories in {work}")
     if (rounds, epochs) != (PROTOCOL["rounds"], PROTOCOL["train.local_epochs"]):
         print(f"- NOT the paper's protocol ({PROTOCOL['rounds']} rounds, {PROTOCOL['train.local_epochs']} local "
               "epochs): the accuracies below are not comparable with the paper's")
-    print(f"- accuracy: the global model's top-1 accuracy on the 10,000 test images after the last round; mean ± "
-          f"sample standard deviation over seeds\n- paper: {PAPER_SOURCE}\n- Flower: {FLOWER_SOURCE}\n")
-    print(format_table(results, errors))
+    print(f"- accuracy: the global model's top-1 accuracy on {setting.test_set} after the last round; mean ± "
+          f"sample standard deviation over seeds\n- paper: {setting.paper_source}\n- other reproduction: "
+          f"{setting.flower_source}\n")
+    print(format_table(results, errors, args.setting))
     if timings:
         print("\n| run | seed | rounds | median round (s) | training samples/s | wall, this invocation (s) | "
               "full-protocol round, estimated (s) |\n|---|---|---|---|---|---|---|")

@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mpifl.config import Config
 from mpifl.learning.datasets import client_data, load_dataset
 from mpifl.learning.models import build_model
+from mpifl.learning.noise import client_noise_std
 from mpifl.learning.partitions import partition
 from mpifl.learning.trainers import make_trainer
 from mpifl.planning.federation import sample_clients
@@ -157,6 +158,13 @@ def statistics_of(module: torch.nn.Module) -> set[str]:
     return {name for name, b in module.named_buffers() if b.is_floating_point()}
 
 
+def noisy_client_data(cfg: Config, dataset, indices: np.ndarray, client: int):
+    """Client ``client``'s training data, read through NIID-Bench's noise level for it (data.feature_noise: scale x
+    client / (n - 1)); plain data without feature noise."""
+    scale = cfg.data.feature_noise
+    return client_data(dataset, indices, client_noise_std(scale, client, cfg.clients.num_clients) if scale else 0.0)
+
+
 def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
                   dropped_in: dict[int, set[int]] | None = None) -> dict[str, np.ndarray]:
     """Train every sampled client (but those in ``drop``, and in round r those in ``dropped_in[r]``), combine
@@ -181,7 +189,8 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
             if c in drop or c in (dropped_in or {}).get(rnd, ()):
                 continue
             flat.buffer.copy_(start)
-            result = trainer.train(flat.module, client_data(dataset, parts[c]), client_seed(cfg.seed, rnd, c))
+            result = trainer.train(flat.module, noisy_client_data(cfg, dataset, parts[c], c),
+                                   client_seed(cfg.seed, rnd, c))
             weight = float(result.num_samples) if s.weighting == "samples" else 1.0
             if s.name == "fednova":
                 steps.append((weight, result.local_steps))

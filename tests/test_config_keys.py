@@ -48,6 +48,7 @@ KEYS = (
     "data.alpha",
     "data.classes_per_client",
     "data.dataset",
+    "data.feature_noise",
     "data.kwargs",
     "data.partition",
     "data.partition_file",

@@ -28,14 +28,16 @@ def value(cfg, dotted: str):
     return cfg
 
 
+@pytest.mark.parametrize("setting", ["labeldir", "noise"])
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "scaffold", "fednova"])
-def test_each_config_loads_with_the_protocol(bench, algorithm):
+def test_each_config_loads_with_the_protocol(bench, algorithm, setting):
     if bench.ALGORITHMS[algorithm]["strategy.name"] not in STRATEGIES:
         pytest.skip(f"strategy.name {bench.ALGORITHMS[algorithm]['strategy.name']!r} is not built in yet")
-    cfg = load_config(bench.config_path(algorithm))
-    expected = bench.expected_keys(algorithm)
+    cfg = load_config(bench.config_path(algorithm, setting))
+    expected = bench.expected_keys(algorithm, setting)
     assert {key: value(cfg, key) for key in expected} == expected
-    assert cfg.name == f"niid_bench_fmnist_dir05_{algorithm}"
+    assert cfg.name == f"niid_bench_{bench.SETTINGS[setting].prefix}_{algorithm}"
+    assert cfg.data.feature_noise == (0.1 if setting == "noise" else 0.0)
     # no protocol key is left at a default the harness does not state: FedProx alone has mu, seed 0 is the first
     assert cfg.train.prox_mu == (bench.FEDPROX_MU if algorithm == "fedprox" else 0.0)
     assert cfg.seed == bench.SEEDS[0] and cfg.clients_per_round() == 10
@@ -47,9 +49,14 @@ def test_the_protocol_is_niid_bench_s(bench):
     assert bench.PROTOCOL["clients.num_clients"] == 10 and bench.PROTOCOL["clients.fraction"] == 1.0
     assert (bench.PROTOCOL["train.lr"], bench.PROTOCOL["train.momentum"], bench.PROTOCOL["train.batch_size"],
             bench.PROTOCOL["train.weight_decay"]) == (0.01, 0.9, 64, 1e-5)
-    assert bench.PROTOCOL["data.alpha"] == 0.5 and bench.SEEDS == (0, 1, 2)
-    assert bench.FEDPROX_MU in bench.FEDPROX_MU_GRID
-    assert set(bench.ALGORITHMS) == set(bench.PAPER) == set(bench.FLOWER)
+    assert bench.SETTINGS["labeldir"].keys == {"data.partition": "dirichlet", "data.alpha": 0.5}
+    # scripts/image-data-with-noise.sh: --partition=homo --noise=0.1
+    assert bench.SETTINGS["noise"].keys == {"data.partition": "iid", "data.feature_noise": 0.1}
+    assert bench.SEEDS == (0, 1, 2) and bench.FEDPROX_MU in bench.FEDPROX_MU_GRID
+    for setting in bench.SETTINGS.values():
+        assert set(bench.ALGORITHMS) == set(setting.paper) and set(setting.flower) <= set(bench.ALGORITHMS)
+    # the one published figure a readable source quotes (FedLab-benchmarks' feature-skew-fedavg README)
+    assert bench.SETTINGS["noise"].paper["fedavg"] == (89.1, 0.3)
 
 
 def test_the_model_is_niid_bench_s_simple_cnn(bench):
@@ -67,7 +74,7 @@ def test_the_model_is_niid_bench_s_simple_cnn(bench):
 
 
 def test_the_table_prints_the_results_it_is_given(bench, monkeypatch):
-    monkeypatch.setitem(bench.PAPER, "fedavg", (88.0, 0.5))
+    monkeypatch.setitem(bench.SETTINGS["labeldir"].paper, "fedavg", (88.0, 0.5))
     table = bench.format_table({"fedavg": [0.881, 0.883, 0.879], "fedprox (mu=0.01)": [0.9]},
                                {"scaffold": "exit 1: strategy.name: 'scaffold' is not one of ..."})
     assert table.splitlines() == [
@@ -98,6 +105,20 @@ def test_the_partition_is_niid_bench_s_labeldir(bench):
     assert sorted(i for i in parts[0] if labels[i] == 0) == sorted(first[:cut].tolist())
     # 150 samples for 10 parties: whole splits are redrawn until every party holds 10
     assert min(map(len, bench.niid_labeldir(np.repeat(np.arange(10), 15), 10, 0.5, seed=0))) >= 10
+
+
+def test_the_noise_rows_table_sets_the_published_figure_beside_mpifls(bench):
+    table = bench.format_table({"fedavg": [0.890, 0.894, 0.886]}, setting="noise").splitlines()
+    assert table[0].endswith("| FedLab's reproduction (5 runs) |")
+    assert table[2] == "| fedavg | 89.0% ± 0.4% (n=3) | 89.1% ± 0.3% | -0.1 pp | 89.4% |"
+
+
+def test_the_even_split_is_niid_bench_s_homo(bench):
+    parts = bench.niid_homo(1003, 10, seed=2)
+    order = np.random.RandomState(2).permutation(1003)  # np.random.seed(2); np.random.permutation(n_train)
+    assert parts == [p.tolist() for p in np.array_split(order, 10)]
+    assert sorted(len(p) for p in parts) == [100] * 7 + [101] * 3
+    assert bench.niid_split("noise", np.zeros(1003), 2) == parts
 
 
 def test_it_refuses_without_fashion_mnist(bench, monkeypatch, tmp_path, capsys):

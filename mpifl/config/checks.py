@@ -34,6 +34,7 @@ def check_combinations(cfg: Config) -> None:
     _check_ditto(cfg)
     _check_ranks_per_client(cfg)
     _check_per_round_placement(cfg)
+    _check_feature_noise(cfg)
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -366,6 +367,20 @@ def _check_groups(cfg: Config) -> None:
     if cfg.strategy.wire_dtype is not None:
         raise ConfigError("strategy.wire_dtype: with clients.groups the ranks send fp32 partial sums, never single "
                           "updates; unset strategy.wire_dtype")
+
+
+def _check_feature_noise(cfg: Config) -> None:
+    """data.feature_noise adds noise to inputs read as numbers: the built-in torch trainer's minibatches."""
+    if not cfg.data.feature_noise:
+        return
+    if cfg.model.name == "transformers" or cfg.data.dataset == "text":
+        raise ConfigError("data.feature_noise: noise is added to numeric inputs; token ids take none (set it to 0)")
+    if cfg.train.trainer != "torch":
+        raise ConfigError(f"data.feature_noise: the built-in 'torch' trainer adds the noise to its minibatches; "
+                          f"train.trainer {cfg.train.trainer!r} would train on clean inputs (set it to 0)")
+    if cfg.clients.num_clients < 2:
+        raise ConfigError("data.feature_noise: the levels run from 0 (client 0) to feature_noise (the last client); "
+                          "set clients.num_clients to 2 or more")
 
 
 def _check_transformers(cfg: Config) -> None:

@@ -86,6 +86,11 @@ class DataConfig:
     size_sigma: float = field_(1.0, "unbalanced: sigma of the lognormal client sizes (0 = equal)", min=0.0)
     val_fraction: float = field_(0.0, "share of each client's samples kept as its local validation split "
                                   "(federated evaluation)", min=0.0, max=0.9)
+    feature_noise: float = field_(0.0, "noise-based feature skew (NIID-Bench): client k of n reads its inputs with "
+                                  "Gaussian noise of std feature_noise * k / (n - 1) added, drawn afresh for every "
+                                  "minibatch (its validation split noised once); the server scores the held-out set "
+                                  "at each client's level and averages (n evaluations); 0 = off; see "
+                                  "mpifl.learning.noise", min=0.0)
 
 
 @dataclass

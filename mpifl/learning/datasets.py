@@ -68,10 +68,14 @@ class Dataset:
 
 @dataclass(frozen=True)
 class ClientData:
-    """One logical client's local training data."""
+    """One logical client's local training data.
+
+    ``noise_std`` > 0 (``data.feature_noise``): a trainer adds Gaussian noise of that standard deviation to every
+    minibatch it reads, drawn afresh each time (mpifl.learning.noise)."""
 
     x: torch.Tensor
     y: torch.Tensor
+    noise_std: float = 0.0
 
     def __len__(self) -> int:
         return len(self.y)
@@ -137,12 +141,18 @@ def surveyed_data(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
         index, (x_test, y_test) = source.survey()
         rows = int(index.starts[-1])
         inputs = rows * math.prod(index.input_shape) * index.input_dtype.itemsize
-        footprint = DataBytes(inputs, rows * 8, _nbytes(x_test) + _nbytes(y_test), per_rank=True)
+        footprint = DataBytes(inputs, rows * 8, _nbytes(x_test) + _nbytes(y_test), per_rank=True,
+                              noisy_copy=_noisy_copy_bytes(cfg, x_test))
         return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}, footprint
     data = load_dataset(cfg)
     footprint = DataBytes(_nbytes(data.x_train), _nbytes(data.y_train), _nbytes(data.x_test) + _nbytes(data.y_test),
-                          per_rank=False)
+                          per_rank=False, noisy_copy=_noisy_copy_bytes(cfg, data.x_test))
     return {"input_shape": data.input_shape, "num_classes": data.num_classes}, footprint
+
+
+def _noisy_copy_bytes(cfg: DataConfig, x_test: torch.Tensor) -> int:
+    """The server's noisy float32 copy of the held-out inputs under ``data.feature_noise`` (0 without)."""
+    return x_test.numel() * 4 if cfg.feature_noise else 0
 
 
 def _nbytes(tensor: torch.Tensor | HeldRows) -> int:
@@ -184,7 +194,7 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     return Dataset(x_tr, y_tr.long(), x_te, y_te.long(), clients)
 
 
-def client_data(dataset: Dataset, indices: np.ndarray) -> ClientData:
-    """One client's slice of the training set."""
+def client_data(dataset: Dataset, indices: np.ndarray, noise_std: float = 0.0) -> ClientData:
+    """One client's slice of the training set (read through noise of ``noise_std`` when > 0)."""
     idx = torch.from_numpy(indices)
-    return ClientData(dataset.x_train[idx], dataset.y_train[idx])
+    return ClientData(dataset.x_train[idx], dataset.y_train[idx], noise_std)

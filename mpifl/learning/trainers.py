@@ -13,6 +13,7 @@ from torch import nn
 
 from mpifl.config import EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
+from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import DataParallel, share_of, share_weight
 from mpifl.plugins import resolve
 
@@ -111,6 +112,17 @@ def shared_batch(batch: torch.Tensor, parallel: DataParallel | None) -> tuple[to
     return share, share_weight(len(share), len(batch), parallel.size)
 
 
+def shared_inputs(data: ClientData, batch: torch.Tensor, share: torch.Tensor, parallel: DataParallel | None,
+                  noise: torch.Generator | None) -> torch.Tensor:
+    """The inputs of the rank's ``share`` of ``batch``; with feature noise (``data.noise_std``), plus the share's
+    rows of the whole batch's noise, so every sample gets the noise it gets when one rank trains the client."""
+    x = data.x[share]
+    if noise is None:
+        return x
+    rows = None if parallel is None else (lambda t: share_of(t, parallel.rank, parallel.size))
+    return x.float() + batch_noise(len(batch), tuple(x.shape[1:]), data.noise_std, noise, rows)
+
+
 def group_mean(total: float, count: int, parallel: DataParallel | None) -> float:
     """The mean training loss over every rank's shares (or this rank's alone)."""
     summed = parallel.total([total, count]) if parallel is not None else [total, count]
@@ -203,12 +215,15 @@ class TorchTrainer:
         with torch.random.fork_rng(devices=[]), stepping:
             torch.manual_seed(seed)  # dropout and other in-model randomness
             batches = minibatches(len(data), c.batch_size, seed)
+            noise = noise_generator(seed) if data.noise_std else None  # data.feature_noise
             for _ in range(steps):
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)
                 for k in range(c.grad_accum_steps):
-                    share, weight = shared_batch(next(batches), self.parallel)
-                    x, y = data.x[share].to(device=device, dtype=dtype), data.y[share].to(device)
+                    batch = next(batches)
+                    share, weight = shared_batch(batch, self.parallel)
+                    x = shared_inputs(data, batch, share, self.parallel, noise).to(device=device, dtype=dtype)
+                    y = data.y[share].to(device)
                     last = k == c.grad_accum_steps - 1  # DDP all-reduces on the last micro-batch only
                     with contextlib.nullcontext() if last or net is model else net.no_sync():  # type: ignore[operator]
                         output = net(x)

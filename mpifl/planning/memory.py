@@ -95,11 +95,13 @@ class DataBytes:
     labels: int  # every training label (the server partitions and samples from them, every rank places clients)
     test: int  # the held-out inputs and labels
     per_rank: bool  # a client source: each client rank reads only its own clients' inputs
+    noisy_copy: int = 0  # data.feature_noise: one float32 copy of the held-out inputs, scored level by level
 
 
 def server_data_bytes(data: DataBytes) -> int:
-    """The server holds the labels and the held-out set, never the training inputs (roles.runner.server_view)."""
-    return data.labels + data.test
+    """The server holds the labels and the held-out set, never the training inputs (roles.runner.server_view), and
+    with feature noise one noisy copy of the held-out inputs at a time (mpifl.learning.noise.score_over_levels)."""
+    return data.labels + data.test + data.noisy_copy
 
 
 def client_data_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> int:

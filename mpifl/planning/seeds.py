@@ -17,6 +17,10 @@ PRIVACY             5      element streams (privacy.noise), by purpose: CENTRAL,
                            COUNT, COMPRESSION, GROUP_COMPRESSION, then (round, ...)
 POISSON             6      sub-key of SAMPLING
 PERSONAL            7      a client's personal model's training (Ditto): (round, client)
+FEATURE_NOISE       8      noise-based feature skew (data.feature_noise): a training run's
+                           batches (the run's CLIENT or PERSONAL seed); a client's
+                           validation split (VALIDATION, client); the held-out set at
+                           client k's level (HELD_OUT, k)
 ==================  =====  ===============================================================
 
 Purposes of the element streams under PRIVACY: CENTRAL (0) the server's noise on the sum,
@@ -35,12 +39,16 @@ CLOCK = 4
 PRIVACY = 5
 POISSON = 6
 PERSONAL = 7
+FEATURE_NOISE = 8
 
 CENTRAL = 0
 LOCAL = 1
 COUNT = 2
 COMPRESSION = 7
 GROUP_COMPRESSION = 8
+
+VALIDATION = 0  # sub-keys of FEATURE_NOISE
+HELD_OUT = 1
 
 
 def derive_seed(seed: int, *keys: int) -> int:

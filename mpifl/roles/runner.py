@@ -35,6 +35,7 @@ from mpifl.learning.datasets import (
 )
 from mpifl.learning.device import EvaluationCopy, resolve_device, training_replica, use_deterministic_kernels
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
+from mpifl.learning.noise import client_noise_std, score_over_levels, validation_inputs
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
 from mpifl.learning.sources import HeldRows
@@ -536,14 +537,26 @@ def _score(cfg: Config, flat: FlatModel, dataset: Dataset) -> Callable[[], dict]
     """The server's held-out evaluation of the global model in ``flat``: on the CPU, in the host buffer itself, or on
     the server rank's GPU (``eval.device``), in a copy refreshed before each evaluation."""
     evaluate = _evaluator(cfg)
+    scale, x_test, y_test = cfg.data.feature_noise, dataset.x_test, dataset.y_test
+
+    def scored(model: Callable[[], torch.nn.Module]) -> Callable[[], dict]:
+        if not scale:
+            return lambda: evaluate(model(), x_test, y_test)
+
+        def over_levels() -> dict:  # data.feature_noise: the held-out set at every client's noise level (NIID-Bench)
+            module = model()
+            return score_over_levels(lambda x: evaluate(module, x, y_test), x_test, scale, cfg.clients.num_clients,
+                                     cfg.seed)
+        return over_levels
+
     device = resolve_device(cfg.eval.device, "eval.device")
     if device.type == "cpu":
-        return lambda: evaluate(flat.module, dataset.x_test, dataset.y_test)
+        return scored(lambda: flat.module)
     if cfg.train.deterministic:
         use_deterministic_kernels()
     on_gpu = EvaluationCopy(flat, device, cfg.model.exchange == "trainable")
     log(f"eval.device {cfg.eval.device}: the server evaluates on {torch.cuda.get_device_name(device)}", rank=0)
-    return lambda: evaluate(on_gpu.refreshed(), dataset.x_test, dataset.y_test)
+    return scored(on_gpu.refreshed)
 
 
 def _evaluator(cfg: Config) -> Evaluator:
@@ -634,34 +647,36 @@ def _local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: i
     assert parts is not None  # _partition returns None only without a dataset
     if cfg.clients.placement == "per_round":  # any client may train here: slice its data when it does
         assert dataset.source is None  # cli.commands.check_plugins refuses per_round with a client source
-        return ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed)
+        return ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
     if dataset.source is not None:  # from a client source: read only now, and only these clients
         dataset = dataset.holding(mine)
         held = sum(len(parts[c]) for c in mine)
         log(f"read {held} of {len(dataset.y_train)} training samples: its {len(mine)} clients' "
             f"({cfg.data.dataset} files under {cfg.data.kwargs.get('path')})", rank=rank)
-    return {c: ClientSlices.slices(dataset, parts[c], cfg.data.val_fraction, cfg.seed, c) for c in mine}
+    slices = ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
+    return {c: slices[c] for c in mine}
 
 
 class ClientSlices(Mapping):
     """Every client's (training, validation) data, sliced from the rank's copy of the training set when asked:
     ``clients.placement: per_round`` may hand a rank any client, and copying all of them up front would hold the
-    training set twice."""
+    training set twice. With ``feature_noise`` (``data.feature_noise``) client c's data carries its noise level,
+    and its validation split is noised once (mpifl.learning.noise)."""
 
-    def __init__(self, dataset: Dataset, parts: list, val_fraction: float, seed: int):
+    def __init__(self, dataset: Dataset, parts: list, val_fraction: float, seed: int, feature_noise: float = 0.0):
         self.dataset, self.parts, self.val_fraction, self.seed = dataset, parts, val_fraction, seed
-
-    @staticmethod
-    def slices(dataset: Dataset, part: np.ndarray, val_fraction: float, seed: int,
-               client: int) -> tuple[ClientData, ClientData | None]:
-        """One client's training and (when it has one) validation data."""
-        train, val = split_validation(part, val_fraction, seed, client)
-        return client_data(dataset, train), client_data(dataset, val) if len(val) else None
+        self.feature_noise = feature_noise
 
     def __getitem__(self, client: int) -> tuple[ClientData, ClientData | None]:
+        """Client ``client``'s training data and (when it has one) validation data."""
         if not 0 <= client < len(self.parts):
             raise KeyError(client)
-        return self.slices(self.dataset, self.parts[client], self.val_fraction, self.seed, client)
+        train, val = split_validation(self.parts[client], self.val_fraction, self.seed, client)
+        std = client_noise_std(self.feature_noise, client, len(self.parts)) if self.feature_noise else 0.0
+        held_out = client_data(self.dataset, val) if len(val) else None
+        if held_out is not None and std:
+            held_out = ClientData(validation_inputs(held_out.x, std, self.seed, client), held_out.y)
+        return client_data(self.dataset, train, std), held_out
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self.parts)))
