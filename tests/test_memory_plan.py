@@ -131,6 +131,20 @@ def test_plan_counts_the_data_each_rank_holds(capsys):
     assert node.startswith(f"  shared data: {format_bytes(inputs + labels + test)} once per node")
 
 
+def test_with_feature_noise_the_server_also_holds_a_noisy_copy_of_the_held_out_inputs(capsys):
+    from mpifl.cli import main
+    from mpifl.learning.datasets import load_dataset
+
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    data = load_dataset(load_config(quickstart).data)
+    held_out = sum(t.numel() * t.element_size() for t in (data.x_test, data.y_test)) + data.x_test.numel() * 4
+    assert main(["plan", str(quickstart), "--client-ranks", "2", "data.feature_noise=0.1"]) == 0
+    server = capsys.readouterr().out.splitlines()[1]
+    labels = data.y_train.numel() * 8
+    assert (f"data {format_bytes(labels + held_out)}: labels + held-out set + one noisy copy of its inputs "
+            "(data.feature_noise)") in server
+
+
 def test_a_client_rank_holds_one_gradient_at_a_time_when_parameters_step_inside_backward():
     from mpifl.planning.memory import ModelBytes, client_bytes
 

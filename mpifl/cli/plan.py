@@ -109,8 +109,10 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}; {ranks} client ranks, "
           f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
     where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + state"
+    held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"
+                                          if cfg.data.feature_noise else "")
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
-          f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, 'labels + held-out set')}]")
+          f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}]")
     gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
     training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
     print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"

@@ -602,6 +602,11 @@ def _report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> No
         histogram = partition_histogram(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
     log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples:\n"
         + partition_table(histogram), rank=0)
+    if cfg.data.feature_noise:
+        n, scale = cfg.clients.num_clients, cfg.data.feature_noise
+        log(f"data.feature_noise {scale:g}: client k reads its inputs through Gaussian noise of std {scale:g} * k / "
+            f"{n - 1} (from 0 for client 0 to {scale:g} for client {n - 1}), drawn afresh for every minibatch; the "
+            f"held-out set is scored at each of the {n} levels", rank=0)
     if run_dir is not None:
         header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
         np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
