@@ -229,3 +229,24 @@ def test_rank_count_messages_count_groups_and_the_ranks_they_need():
     with pytest.raises(SetupError, match=r"3 client groups of 2 ranks but clients.num_clients=2: use at most 5 ranks"):
         check_world(7, cfg)
     check_world(5, cfg)  # two groups of two for two clients
+
+
+def test_closing_a_group_frees_its_ddp_wrappers_before_ending_the_process_group():
+    """What a group leaves to the interpreter's exit can abort a finished run (gloo's threads torn down late): after
+    ``close`` no DDP wrapper, and so no reference to the process group, is left alive. One rank, in a process of its
+    own, so that this test's process group never meets another test's."""
+    script = """
+import gc, weakref, torch
+from torch import distributed as dist
+from mpifl.learning.parallel import DataParallel
+group = DataParallel(0, 1)
+group.start(dist.HashStore(), torch.device("cpu"), 30.0)
+model = torch.nn.Linear(3, 2)
+wrapper = weakref.ref(group.wrap(model))
+wrapper()(torch.ones(4, 3)).sum().backward()
+group.close()
+print(wrapper() is None, dist.is_initialized())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=MPI_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]

@@ -20,6 +20,7 @@ and the orders between the group's ranks.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 
@@ -198,6 +199,12 @@ class DataParallel:
         return summed.tolist()
 
     def close(self) -> None:
-        """Leave the process group at the end of the run."""
+        """Leave the process group at the end of the run: first free the DDP wrappers, whose reducers hold the
+        process group, so that ``destroy_process_group`` really ends it, its gloo threads included, while the
+        interpreter is whole. Left to the interpreter's exit, a gloo worker thread still alive then can abort the
+        process after the run has finished ("terminate called without an active exception"; pytorch/pytorch#190489
+        and the discussion of pytorch/pytorch#179291): a job whose every output was written would end non-zero."""
+        self._wrapped.clear()
+        gc.collect()  # DDP's reducer and the modules' hooks form cycles
         if self.ready:
             dist.destroy_process_group()
