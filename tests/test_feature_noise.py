@@ -14,6 +14,7 @@ from results import assert_bitwise, final_model
 from torch import nn
 
 from mpifl.config import ConfigError, TrainConfig, load_config
+from mpifl.config.checks import config_warnings
 from mpifl.learning.datasets import ClientData, Dataset, surveyed_data
 from mpifl.learning.noise import batch_noise, client_noise_std, noise_generator, score_over_levels
 from mpifl.learning.parallel import share_of
@@ -124,6 +125,14 @@ def test_the_plan_counts_the_servers_noisy_copy_of_the_held_out_inputs():
 def test_a_setting_that_cannot_add_the_noise_is_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, list(overrides), data=yaml.safe_load(CONFIG))
+
+
+def test_many_clients_with_frequent_held_out_evaluations_are_warned_of_the_cost():
+    many = load_config(None, ["clients.num_clients=500", "eval.every=1"], data=yaml.safe_load(CONFIG))
+    assert any(w.startswith("data.feature_noise: each held-out evaluation") and "500 evaluations in one" in w
+               for w in config_warnings(many))
+    assert not any("feature_noise" in w for w in config_warnings(load_config(None, ["eval.every=1"],
+                                                                               data=yaml.safe_load(CONFIG))))
 
 
 @pytest.mark.parametrize("ranks,overrides", [

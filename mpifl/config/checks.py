@@ -419,12 +419,20 @@ def _check_transformers(cfg: Config) -> None:
                           "(use iid or unbalanced)")
 
 
+NOISY_EVALUATIONS_WARNED = 20  # data.feature_noise: more clients than this make each held-out evaluation 20x or more
+
+
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = []
     if cfg.clients.per_round is not None and cfg.clients.per_round > cfg.clients.num_clients:
         found.append(f"clients.per_round: {cfg.clients.per_round} is more than clients.num_clients="
                      f"{cfg.clients.num_clients}: every client takes part in every round")
+    if cfg.data.feature_noise and cfg.eval.every and cfg.clients.num_clients > NOISY_EVALUATIONS_WARNED:
+        found.append(f"data.feature_noise: each held-out evaluation scores the held-out set at every client's noise "
+                     f"level, {cfg.clients.num_clients} evaluations in one (NIID-Bench's protocol has 10 clients); "
+                     f"with eval.every={cfg.eval.every} that may take longer than the training: raise eval.every, or "
+                     "evaluate on the clients' own noisy validation splits (eval.federated_every)")
     if cfg.transport.chunk_bytes < 64 * 1024:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
