@@ -83,6 +83,29 @@ def rank_dependent_mlp() -> nn.Module:
     return wider_mlp() if MPI.COMM_WORLD.Get_rank() == 2 else tiny_mlp()
 
 
+class FailsOnOneRank(nn.Module):
+    """A small MLP whose training forward raises on MPI rank FL_HELPERS_FAIL_RANK, from its
+    FL_HELPERS_FAIL_AFTER-th training batch on (default 0: the first): a failure inside a client group."""
+
+    def __init__(self, input_shape, num_classes: int) -> None:
+        import os
+
+        from mpi4py import MPI
+
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 8), nn.ReLU(),
+                                 nn.Linear(8, num_classes))
+        self.failing = MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FL_HELPERS_FAIL_RANK", "-1"))
+        self.batches_left = int(os.environ.get("FL_HELPERS_FAIL_AFTER", "0"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.failing:
+            if self.batches_left == 0:
+                raise RuntimeError("deliberate failure inside a client group")
+            self.batches_left -= 1
+        return self.net(x)
+
+
 class FailingClients(NoiseTrainer):
     """NoiseTrainer, except for chosen logical clients (from a chosen round on), which raise or
     return NaN. Set by the environment: FL_HELPERS_RAISE and FL_HELPERS_NAN (comma-separated

@@ -154,6 +154,10 @@ class GroupLeader:
         self.parallel.close()
 
 
+class GroupMemberFailure(RuntimeError):
+    """A group member's share of a logical client's training raised: the message names the client and the rank."""
+
+
 class GroupMember:
     """A group's other rank: train each logical client the leader orders, on this rank's share of its batches."""
 
@@ -172,10 +176,17 @@ class GroupMember:
             if order.stop:
                 self.parallel.close()
                 return
-            if order.personal:
-                self.train_personal(order)
-            else:
-                self.train(order)
+            try:
+                if order.personal:
+                    self.train_personal(order)
+                else:
+                    self.train(order)
+            except Exception as err:
+                what = "personal model" if order.personal else "training"
+                raise GroupMemberFailure(
+                    f"logical client {order.client}'s {what} failed on rank {MPI.COMM_WORLD.Get_rank()}, a member of "
+                    f"its client group (clients.ranks_per_client): {type(err).__name__}: {err} (a group cannot go on "
+                    "mid-collective, so the job ends)") from err
 
     def _join(self, order: protocol.TrainOrder) -> None:
         """Join the process group at the first order; wrap the model (once)."""
