@@ -252,14 +252,19 @@ print(wrapper() is None, dist.is_initialized())
     assert done.stdout.split() == ["True", "False"]
 
 
-@pytest.mark.parametrize("rank,accept_failures,fail_after,expected", [
-    (2, "false", 0, "'s training failed on rank 2, a member of its client group"),  # then every rank is aborted
-    (1, "true", 0, "on rank 1 failed in round 1: RuntimeError: deliberate failure inside a client group (its group "
-                   "of ranks (clients.ranks_per_client) cannot go on mid-collective"),
-    (2, "true", 3, "failed on rank 2, a member of its client group"),  # mid-training, failures accepted
-], ids=["member", "leader-failures-accepted", "member-mid-training"])
-def test_a_failure_inside_a_client_group_ends_the_job_naming_the_rank(tmp_path, rank, accept_failures, fail_after,
-                                                                      expected):
+@pytest.mark.parametrize("rank,overrides,fail_after,expected", [
+    (2, (), 0, "'s training failed on rank 2, a member of its client group"),  # then every rank is aborted
+    (1, ("clients.accept_failures=true",), 0,
+     "on rank 1 failed in round 1: RuntimeError: deliberate failure inside a client group (its group of ranks "
+     "(clients.ranks_per_client) cannot go on mid-collective"),
+    (2, ("clients.accept_failures=true",), 3, "failed on rank 2, a member of its client group"),  # mid-training
+    # Ditto trains each client's personal model v_i first, in the group too
+    (1, ("clients.accept_failures=true", "train.ditto_lambda=0.1"), 0,
+     "on rank 1 failed in round 1 while training its personal model: RuntimeError"),
+    (2, ("clients.accept_failures=true", "train.ditto_lambda=0.1"), 0,
+     "'s personal model failed on rank 2, a member of its client group"),
+], ids=["member", "leader-failures-accepted", "member-mid-training", "ditto-leader", "ditto-member"])
+def test_a_failure_inside_a_client_group_ends_the_job_naming_the_rank(tmp_path, rank, overrides, fail_after, expected):
     """A group's ranks are inside one collective while they train a client: none can be dropped alone, and the
     others must not wait on it forever. Whichever rank fails, the job ends at once, naming it, even where failing
     clients are otherwise accepted and dropped."""
@@ -268,8 +273,7 @@ def test_a_failure_inside_a_client_group_ends_the_job_naming_the_rank(tmp_path, 
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("model: {name: mlp, kwargs: {hidden: [16]}}",
                                                           "model: {name: 'fl_helpers:FailsOnOneRank'}"))
     began = time.monotonic()
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"),
-                     f"clients.accept_failures={accept_failures}", timeout=90,
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, timeout=90,
                      env={"FL_HELPERS_FAIL_RANK": str(rank), "FL_HELPERS_FAIL_AFTER": str(fail_after)})
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-3000:]
