@@ -13,8 +13,8 @@ run's seed (mpifl.planning.seeds, key FEATURE_NOISE), never from the rank, so a 
 deterministic and rank-count independent:
 
 - training draws one noise tensor per minibatch, for the whole batch, from the stream of that
-  client's training seed, and a rank of a multi-rank client adds the slice of it that its share of
-  the batch takes (the sum over ranks is the one-rank batch's noise);
+  client's training seed, and a rank of a multi-rank client adds the rows of it that its share of
+  the batch takes (the ranks' rows together are the noise one rank would add to the whole batch);
 - a client's validation split is noised once, by the client's own stream, so each federated
   evaluation scores the same inputs;
 - the held-out set is scored at each client's level from a stream per level, the same noisy copies
