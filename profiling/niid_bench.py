@@ -93,11 +93,11 @@ class Setting:
     prefix: str                        # configs/niid_bench/<prefix>_<algorithm>.yaml
     keys: dict[str, object]            # its config keys (on top of PROTOCOL)
     niid_partition: str                # NIID-Bench's --partition
-    script: str                        # NIID-Bench's script that runs the row
     paper: dict[str, tuple[float, float] | None]
     paper_source: str
-    flower: dict[str, float]           # another reproduction, for orientation only (it is not the paper)
-    flower_source: str
+    other: dict[str, float]            # another reproduction, for orientation only (it is not the paper)
+    other_label: str                   # its column's header
+    other_source: str
     test_set: str                      # what the accuracy is measured on
 
 
@@ -113,12 +113,13 @@ SETTINGS: dict[str, Setting] = {
         title="p_k ~ Dir(0.5)", prefix="fmnist_dir05",
         keys={"data.partition": "dirichlet",         # --partition=noniid-labeldir (see niid_labeldir)
               "data.alpha": 0.5},                    # --beta=0.5
-        niid_partition="noniid-labeldir", script="scripts/image-data-without-noise.sh",
+        niid_partition="noniid-labeldir",
         paper={"fedavg": None, "fedprox": None, "scaffold": None, "fednova": None},
         paper_source="Li et al., ICDE 2022, Table III (FMNIST, p_k ~ Dir(0.5)): values not found in any readable "
                      "source",
-        flower={"fedavg": 88.4, "fedprox": 88.6, "scaffold": 88.4, "fednova": 88.1},
-        flower_source="Flower baselines/niid_bench/README.md (adap/flower@1599d01c), \"Expected Results\", one run, "
+        other={"fedavg": 88.4, "fedprox": 88.6, "scaffold": 88.4, "fednova": 88.1},
+        other_label="Flower's reproduction (1 run)",
+        other_source="Flower baselines/niid_bench/README.md (adap/flower@1599d01c), \"Expected Results\", one run, "
                       "dataset_seed 42, FedProx's mu tuned in {0.001, 0.01, 0.1, 1} (which one is not stated)",
         test_set="the 10,000 test images"),
     # NIID-Bench's scripts/image-data-with-noise.sh: the same protocol with --partition=homo --noise=0.1; party k
@@ -132,13 +133,14 @@ SETTINGS: dict[str, Setting] = {
         title="noise-based feature imbalance (noise 0.1)", prefix="fmnist_noise01",
         keys={"data.partition": "iid",               # --partition=homo (see niid_homo)
               "data.feature_noise": 0.1},            # --noise=0.1: party k's std 0.1 * k / 9
-        niid_partition="homo", script="scripts/image-data-with-noise.sh",
+        niid_partition="homo",
         paper={"fedavg": (89.1, 0.3), "fedprox": None, "scaffold": None, "fednova": None},
         paper_source="Li et al., ICDE 2022, Table III (FMNIST, noise-based feature imbalance): FedAvg 89.1% ± 0.3% as "
                      "quoted by SMILELab-FL/FedLab-benchmarks fedlab_benchmarks/feature-skew-fedavg/README.md; the "
                      "other algorithms' values not found in any readable source",
-        flower={"fedavg": 89.37},
-        flower_source="not Flower: FedLab's reproduction of the FedAvg row (FedLab-benchmarks "
+        other={"fedavg": 89.37},
+        other_label="FedLab's reproduction (5 runs)",
+        other_source="FedLab's reproduction of the FedAvg row (FedLab-benchmarks "
                       "feature-skew-fedavg/README.md), 89.37% ± 0.14% over 5 runs",
         test_set="the 10,000 test images at each of the 10 parties' noise levels (100,000 scored images)"),
 }
@@ -260,11 +262,10 @@ def format_table(results: dict[str, list[float]], errors: dict[str, str] | None 
     test accuracies (fractions, one per seed) as mean +- sample std in %, the paper's mean +- std, the
     difference of the means in percentage points, and another reproduction for orientation."""
     errors = errors or {}
-    other = "Flower's reproduction (1 run)" if setting == "labeldir" else "FedLab's reproduction (5 runs)"
+    published, others = SETTINGS[setting].paper, SETTINGS[setting].other
     lines = ["| algorithm | mpifl accuracy (mean ± std over seeds) | paper's accuracy (Table III) | difference | "
-             f"{other} |",
+             f"{SETTINGS[setting].other_label} |",
              "|---|---|---|---|---|"]
-    published, others = SETTINGS[setting].paper, SETTINGS[setting].flower
     for label in [*results, *(k for k in errors if k not in results)]:
         accs = results.get(label, [])
         if accs:
@@ -277,9 +278,9 @@ def format_table(results: dict[str, list[float]], errors: dict[str, str] | None 
         paper = published.get(algorithm_of(label))
         paper_text = f"{paper[0]:.1f}% ± {paper[1]:.1f}%" if paper else "not found"
         diff = f"{100 * mean - paper[0]:+.1f} pp" if paper and mean is not None else "n/a"
-        flower = others.get(algorithm_of(label))
+        other = others.get(algorithm_of(label))
         lines.append(f"| {label} | {ours} | {paper_text} | {diff} | "
-                     f"{f'{flower:.1f}%' if flower is not None else 'not found'} |")
+                     f"{f'{other:.1f}%' if other is not None else 'not found'} |")
     return "\n".join(lines)
 
 
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
               "epochs): the accuracies below are not comparable with the paper's")
     print(f"- accuracy: the global model's top-1 accuracy on {setting.test_set} after the last round; mean ± "
           f"sample standard deviation over seeds\n- paper: {setting.paper_source}\n- other reproduction: "
-          f"{setting.flower_source}\n")
+          f"{setting.other_source}\n")
     print(format_table(results, errors, args.setting))
     if timings:
         print("\n| run | seed | rounds | median round (s) | training samples/s | wall, this invocation (s) | "

@@ -161,8 +161,7 @@ def statistics_of(module: torch.nn.Module) -> set[str]:
 def noisy_client_data(cfg: Config, dataset, indices: np.ndarray, client: int):
     """Client ``client``'s training data, read through NIID-Bench's noise level for it (data.feature_noise: scale x
     client / (n - 1)); plain data without feature noise."""
-    scale = cfg.data.feature_noise
-    return client_data(dataset, indices, client_noise_std(scale, client, cfg.clients.num_clients) if scale else 0.0)
+    return client_data(dataset, indices, client_noise_std(cfg.data.feature_noise, client, cfg.clients.num_clients))
 
 
 def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),

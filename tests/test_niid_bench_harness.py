@@ -54,7 +54,7 @@ def test_the_protocol_is_niid_bench_s(bench):
     assert bench.SETTINGS["noise"].keys == {"data.partition": "iid", "data.feature_noise": 0.1}
     assert bench.SEEDS == (0, 1, 2) and bench.FEDPROX_MU in bench.FEDPROX_MU_GRID
     for setting in bench.SETTINGS.values():
-        assert set(bench.ALGORITHMS) == set(setting.paper) and set(setting.flower) <= set(bench.ALGORITHMS)
+        assert set(bench.ALGORITHMS) == set(setting.paper) and set(setting.other) <= set(bench.ALGORITHMS)
     # the one published figure a readable source quotes (FedLab-benchmarks' feature-skew-fedavg README)
     assert bench.SETTINGS["noise"].paper["fedavg"] == (89.1, 0.3)
 

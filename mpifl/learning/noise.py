@@ -44,10 +44,14 @@ def noise_generator(seed: int, *keys: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, FEATURE_NOISE, *keys))
 
 
+def gaussian(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+    """float32 Gaussian noise of standard deviation ``std`` drawn from ``generator``, in one new tensor."""
+    return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
+
+
 def noised(x: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
     """``x`` (as float32) plus Gaussian noise of standard deviation ``std`` drawn from ``generator``."""
-    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32)
-    return noise.mul_(std).add_(x)  # one new tensor: a noisy copy of the held-out set is its float32 size
+    return gaussian(tuple(x.shape), std, generator).add_(x)  # one new tensor: a noisy copy is x's float32 size
 
 
 def batch_noise(batch_len: int, sample_shape: tuple[int, ...], std: float, generator: torch.Generator,
@@ -55,7 +59,7 @@ def batch_noise(batch_len: int, sample_shape: tuple[int, ...], std: float, gener
     """The noise of one minibatch of ``batch_len`` samples, drawn whole, then cut to this rank's ``share`` of the
     batch (``share`` maps the batch's rows to the rank's; None: the whole batch). Drawing the whole batch on
     every rank of a client keeps each sample's noise the one it gets when a single rank trains the client."""
-    noise = torch.randn((batch_len, *sample_shape), generator=generator, dtype=torch.float32).mul_(std)
+    noise = gaussian((batch_len, *sample_shape), std, generator)
     return noise if share is None else share(noise)
 
 

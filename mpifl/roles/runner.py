@@ -537,26 +537,23 @@ def _score(cfg: Config, flat: FlatModel, dataset: Dataset) -> Callable[[], dict]
     """The server's held-out evaluation of the global model in ``flat``: on the CPU, in the host buffer itself, or on
     the server rank's GPU (``eval.device``), in a copy refreshed before each evaluation."""
     evaluate = _evaluator(cfg)
+    device = resolve_device(cfg.eval.device, "eval.device")
+    current: Callable[[], torch.nn.Module] = lambda: flat.module  # noqa: E731
+    if device.type != "cpu":
+        if cfg.train.deterministic:
+            use_deterministic_kernels()
+        current = EvaluationCopy(flat, device, cfg.model.exchange == "trainable").refreshed
+        log(f"eval.device {cfg.eval.device}: the server evaluates on {torch.cuda.get_device_name(device)}", rank=0)
     scale, x_test, y_test = cfg.data.feature_noise, dataset.x_test, dataset.y_test
 
-    def scored(model: Callable[[], torch.nn.Module]) -> Callable[[], dict]:
+    def score() -> dict:
+        module = current()
         if not scale:
-            return lambda: evaluate(model(), x_test, y_test)
-
-        def over_levels() -> dict:  # data.feature_noise: the held-out set at every client's noise level (NIID-Bench)
-            module = model()
-            return score_over_levels(lambda x: evaluate(module, x, y_test), x_test, scale, cfg.clients.num_clients,
-                                     cfg.seed)
-        return over_levels
-
-    device = resolve_device(cfg.eval.device, "eval.device")
-    if device.type == "cpu":
-        return scored(lambda: flat.module)
-    if cfg.train.deterministic:
-        use_deterministic_kernels()
-    on_gpu = EvaluationCopy(flat, device, cfg.model.exchange == "trainable")
-    log(f"eval.device {cfg.eval.device}: the server evaluates on {torch.cuda.get_device_name(device)}", rank=0)
-    return scored(on_gpu.refreshed)
+            return evaluate(module, x_test, y_test)
+        # data.feature_noise: the held-out set at every client's noise level, as NIID-Bench scores it
+        return score_over_levels(lambda x: evaluate(module, x, y_test), x_test, scale, cfg.clients.num_clients,
+                                 cfg.seed)
+    return score
 
 
 def _evaluator(cfg: Config) -> Evaluator:
@@ -677,11 +674,11 @@ class ClientSlices(Mapping):
         if not 0 <= client < len(self.parts):
             raise KeyError(client)
         train, val = split_validation(self.parts[client], self.val_fraction, self.seed, client)
-        std = client_noise_std(self.feature_noise, client, len(self.parts)) if self.feature_noise else 0.0
-        held_out = client_data(self.dataset, val) if len(val) else None
-        if held_out is not None and std:
-            held_out = ClientData(validation_inputs(held_out.x, std, self.seed, client), held_out.y)
-        return client_data(self.dataset, train, std), held_out
+        std = client_noise_std(self.feature_noise, client, len(self.parts))
+        val_data = client_data(self.dataset, val) if len(val) else None
+        if val_data is not None and std:
+            val_data = ClientData(validation_inputs(val_data.x, std, self.seed, client), val_data.y)
+        return client_data(self.dataset, train, std), val_data
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self.parts)))
