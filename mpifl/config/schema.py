@@ -50,7 +50,20 @@ def apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text else None
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as err:
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ConfigError(f"override {item!r}: the value of {key!r} is not valid YAML ({problem}); quote strings that "
+                          f"start with '*', '&' or '!' or hold ': ', as in {quoted_example(key, text)}") from None
+
+
+def quoted_example(key: str, text: str) -> str:
+    """``key=text`` as the shell should pass it, with each YAML string quoted (lists item by item)."""
+    if text.startswith("[") and text.endswith("]"):
+        items = ", ".join(f'"{item.strip().strip(chr(34) + chr(39))}"' for item in text[1:-1].split(",") if item.strip())
+        return f"{key}='[{items}]'"
+    return f"""{key}='"{text.strip(chr(34) + chr(39))}"'"""
 
 
 def build(cls: type, raw: Any, prefix: str) -> Any:
