@@ -59,7 +59,8 @@ def test_overrides_are_typed_yaml_values(tmp_path):
 
 def test_an_override_that_is_not_yaml_names_the_key_and_shows_it_quoted():
     # A bare glob starts with '*', which YAML reads as an alias: the shell user meant a string.
-    with pytest.raises(ConfigError, match=r"""the value of 'model.local' is not valid YAML .* model.local='\["\*bn\*", "fc\.\*"\]'"""):
+    quoted = r"""model.local='\["\*bn\*", "fc\.\*"\]'"""
+    with pytest.raises(ConfigError, match=r"the value of 'model.local' is not valid YAML .* " + quoted):
         load_config(None, ["model.local=[*bn*, fc.*]"])
     with pytest.raises(ConfigError, match=r"""as in train.optimizer='"\*sgd"'"""):
         load_config(None, ["train.optimizer=*sgd"])

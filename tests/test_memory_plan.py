@@ -210,3 +210,14 @@ def test_the_gpu_plan_is_what_an_h100_measured_activations_aside():
     size = ModelBytes(exchanged=4 * 1_690_046, frozen=0, parameters=1_690_046)
     # activations and cuDNN's workspace are not counted: the plan stays below the measurement, by less than a fifth
     assert 0.8 * H100_CNN["gpu"] < client_device_bytes(cnn, size) < H100_CNN["gpu"]
+
+
+def test_an_option_is_read_only_by_its_whole_name(capsys):
+    """`--ranks 5` must not pass for `--ranks-per-node 5` (argparse's prefix matching would take it silently)."""
+    import pytest
+
+    from mpifl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "--ranks", "5"])
+    assert "unrecognized arguments: --ranks 5" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpifl.cli import commands
+from mpifl.cli.parsing import SUBCOMMAND
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.plan import add_parser as add_plan_parser
 from mpifl.cli.slurm import add_parser as add_slurm_parser
@@ -24,7 +25,8 @@ TAKES_OVERRIDES = ("run", "sweep", "validate", "pbs", "slurm", "plan", "partitio
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpifl", description="MPI federated learning simulation.")
+    p = argparse.ArgumentParser(prog="mpifl", description="MPI federated learning simulation.",
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
     run = _config_arguments(_command(sub, "run", "run a federated experiment (under mpiexec, >= 2 ranks)"))
     run.add_argument("--run-dir", help="output directory (default: output.dir or runs/<name>-<time>)")
@@ -107,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
 def _command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` shows its summary and every option's default."""
     return sub.add_parser(name, help=summary, description=summary,
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          **SUBCOMMAND)
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -60,10 +60,12 @@ def apply_override(raw: dict, item: str) -> None:
 
 def quoted_example(key: str, text: str) -> str:
     """``key=text`` as the shell should pass it, with each YAML string quoted (lists item by item)."""
+    def quoted(word: str) -> str:
+        return '"' + word.strip().strip("\"'") + '"'
+
     if text.startswith("[") and text.endswith("]"):
-        items = ", ".join(f'"{item.strip().strip(chr(34) + chr(39))}"' for item in text[1:-1].split(",") if item.strip())
-        return f"{key}='[{items}]'"
-    return f"""{key}='"{text.strip(chr(34) + chr(39))}"'"""
+        return f"{key}='[{', '.join(quoted(item) for item in text[1:-1].split(',') if item.strip())}]'"
+    return f"{key}='{quoted(text)}'"
 
 
 def build(cls: type, raw: Any, prefix: str) -> Any:
