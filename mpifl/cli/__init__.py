@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpifl.cli import commands
-from mpifl.cli.parsing import SUBCOMMAND
+from mpifl.cli.parsing import add_subcommand
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.plan import add_parser as add_plan_parser
 from mpifl.cli.slurm import add_parser as add_slurm_parser
@@ -108,8 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` shows its summary and every option's default."""
-    return sub.add_parser(name, help=summary, description=summary,
-                          **SUBCOMMAND)
+    return add_subcommand(sub, name, help=summary, description=summary)
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

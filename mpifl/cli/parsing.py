@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -14,5 +15,7 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# Whole option names only: argparse's prefix matching would read `mpifl plan --ranks 5` as --ranks-per-node 5.
-SUBCOMMAND = {"formatter_class": DefaultsFormatter, "allow_abbrev": False}
+def add_subcommand(sub: argparse._SubParsersAction, name: str, **options: Any) -> argparse.ArgumentParser:
+    """The subcommand ``name``: whole option names only (argparse's prefix matching would read
+    ``mpifl plan --ranks 5`` as ``--ranks-per-node 5``), and its defaults in ``--help``."""
+    return sub.add_parser(name, formatter_class=DefaultsFormatter, allow_abbrev=False, **options)

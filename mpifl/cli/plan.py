@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpifl.cli.parsing import SUBCOMMAND
+from mpifl.cli.parsing import add_subcommand
 from mpifl.config import Config, load_config
 from mpifl.planning import binding
 from mpifl.planning.memory import (
@@ -324,8 +324,7 @@ def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``plan`` subcommand's options."""
-    p = sub.add_parser("plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated",
-                       **SUBCOMMAND)
+    p = add_subcommand(sub, "plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated")
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. clients.per_round=8")
     p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
