@@ -325,7 +325,9 @@ class ClientRank:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
                 raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
-                                         "(clients.accept_failures=false)")
+                                         "(clients.accept_failures=false); if its training diverged, lower "
+                                         "train.lr or set train.max_grad_norm, or drop such clients from their "
+                                         "rounds with clients.accept_failures=true")
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
         if self.replica is not None and self.replica.on_gpu:
             metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
