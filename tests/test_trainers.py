@@ -157,3 +157,34 @@ def test_a_model_that_needs_a_stepped_parameter_in_backward_names_the_setting_th
     with pytest.raises(RuntimeError, match=r"set train\.step_in_backward: false"):
         TorchTrainer(TrainConfig(batch_size=4, step_in_backward=True)).train(ScaledTwice(), data, seed=0)
     assert TorchTrainer(TrainConfig(batch_size=4, step_in_backward=False)).train(ScaledTwice(), data, seed=0)
+
+
+def test_lenet_is_sized_from_28x28_images_and_learns_them():
+    from mpifl.config import ModelConfig
+    from mpifl.learning.datasets import ClientData
+
+    model = build_model(ModelConfig(name="lenet"), 0, (1, 28, 28), 10)
+    assert sum(p.numel() for p in model.parameters()) == 44_426  # NIID-Bench's simple CNN on (Fashion-)MNIST
+    generator = torch.Generator().manual_seed(0)
+    y = torch.arange(200) % 10
+    x = torch.rand(200, 1, 28, 28, generator=generator) * 0.3
+    for label in range(10):  # each class lights its own rows of the image
+        x[y == label, :, 2 * label + 4:2 * label + 6, :] += 0.7
+    cfg = load_config(None, data={"train": {"lr": 0.05, "momentum": 0.9, "local_epochs": 15, "batch_size": 20}})
+    before = evaluate(model, x, y, make_loss("cross_entropy"), 200)
+    make_trainer(cfg.train).train(model, ClientData(x, y), seed=1)
+    after = evaluate(model, x, y, make_loss("cross_entropy"), 200)
+    assert after["loss"] < before["loss"] / 4 and after["accuracy"] > 0.95
+
+
+def test_lenet_on_images_too_small_to_pool_twice_is_refused_before_mpi_starts():
+    from mpifl.cli.commands import check_model
+    from mpifl.config import ConfigError
+
+    cfg = load_config(None, ["model.name=lenet", "data.dataset=digits"])  # 8x8 images
+    try:
+        check_model(cfg)
+    except ConfigError as err:
+        assert "inputs of 8x8 are too small" in str(err) and "model.name" in str(err)
+    else:
+        raise AssertionError("lenet on 8x8 digits was accepted")

@@ -94,13 +94,14 @@ def check_plugins(cfg: Config) -> list[str]:
 
 
 def check_model(cfg: Config) -> None:
-    """Build a plug-in model, or any model with ``model.local`` patterns, once on the meta device, sized from the
-    data when it asks for its shape: a signature or construction mistake is a ConfigError naming model.name, a
-    pattern that names no tensor one naming model.local, before any MPI work."""
+    """Build a plug-in model, a built-in sized from the data (``lenet`` needs images of 16x16 or more), or any model
+    with ``model.local`` patterns, once on the meta device, sized from the data when it asks for its shape: a
+    signature or construction mistake is a ConfigError naming model.name, a pattern that names no tensor one naming
+    model.local, before any MPI work."""
     from mpifl.learning.datasets import data_shape, needs_dataset
-    from mpifl.learning.models import build_problem, supplied
+    from mpifl.learning.models import SIZED_BY_DATA, build_problem, supplied
 
-    if not is_import_path(cfg.model.name) and not cfg.model.local:
+    if not is_import_path(cfg.model.name) and cfg.model.name not in SIZED_BY_DATA and not cfg.model.local:
         return
     try:
         shape = data_shape(cfg.data) if supplied(cfg.model, needs_dataset(cfg)) else {}

@@ -122,8 +122,10 @@ class LoraConfig:
 class ModelConfig:
     """The model every rank builds."""
 
-    name: str = field_("mlp", "built-in model ('mlp', 'cnn', 'blob', 'transformers') or import path to a function "
-                        "returning an nn.Module", choices=("mlp", "cnn", "blob", "transformers"), import_ok=True)
+    name: str = field_("mlp", "built-in model ('mlp', 'cnn': conv-BN-ReLU blocks and global average pooling, "
+                        "'lenet': LeNet-5-style, two conv + max-pool and three dense layers, the CNN to start an "
+                        "image experiment from, 'blob', 'transformers') or import path to a function returning an "
+                        "nn.Module", choices=("mlp", "cnn", "lenet", "blob", "transformers"), import_ok=True)
     kwargs: dict = field_(dict, "keyword arguments for the model function; mpifl passes input_shape and "
                           "num_classes itself (from the dataset) to mlp, cnn and to a plug-in whose signature names "
                           "them")

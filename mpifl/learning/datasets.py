@@ -23,6 +23,7 @@ import torch
 from mpifl.config import Config, DataConfig
 from mpifl.learning.idx import FASHION_MNIST, fashion_mnist, folder_problem, idx
 from mpifl.learning.leaf import LeafSource, leaf
+from mpifl.learning.models import SIZED_BY_DATA
 from mpifl.learning.sources import ClientIndex, ClientSource, HeldRows
 from mpifl.learning.tables import TableSource, table
 from mpifl.learning.text import text
@@ -164,7 +165,7 @@ def needs_dataset(cfg: Config) -> bool:
     """Whether the run reads data: to size the model, to train or to evaluate (the benchmark blob never does)."""
     if cfg.model.name == "blob":
         return False
-    return (cfg.model.name in ("mlp", "cnn") or cfg.train.trainer != "none" or cfg.eval.every > 0
+    return (cfg.model.name in SIZED_BY_DATA or cfg.train.trainer != "none" or cfg.eval.every > 0
             or cfg.eval.federated_every > 0)
 
 
