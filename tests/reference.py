@@ -323,7 +323,8 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
     trainer, s, lr = make_trainer(cfg.train), cfg.strategy, cfg.train.lr
-    params = [(n, p) for n, p in flat.module.named_parameters() if p.requires_grad]
+    local = LocalTensors(cfg, flat)
+    params = [(n, p) for n, p in flat.module.named_parameters() if p.requires_grad and not local.named(n)]
     c = {n: torch.zeros(p.shape) for n, p in params}
     own: dict[int, dict[str, torch.Tensor]] = {}
     eta = np.float32(s.server_lr if s.server_lr is not None else 1.0)
@@ -334,6 +335,7 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
         sent = []
         for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
             flat.buffer.copy_(start)
+            local.load(client)
             c_i = own.get(client) or {n: torch.zeros(p.shape) for n, p in params}
             correction = {id(p): c[n] - c_i[n] for n, p in params}
 
@@ -341,15 +343,17 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
                 with torch.no_grad():
                     for group in optimizer.param_groups:
                         for p in group["params"]:
-                            p.add_(correction[id(p)], alpha=-group["lr"])
+                            if id(p) in correction:  # model.local tensors are not corrected
+                                p.add_(correction[id(p)], alpha=-group["lr"])
 
             hook = register_optimizer_step_post_hook(corrected)
             result = trainer.train(flat.module, client_data(dataset, parts[client]), client_seed(cfg.seed, rnd, client))
             hook.remove()
+            local.keep(client)
             w = float(result.num_samples) if s.weighting == "samples" else 1.0
             delta_c = {n: (old[n] - p.detach()).div_(result.local_steps * lr).sub_(c[n]) for n, p in params}
             own[client] = {n: c_i[n] + delta_c[n] for n in c}
-            sent.append((client, w, {n: (t.detach() - old[n]).numpy() for n, t in flat.tensors()},
+            sent.append((client, w, {n: (t.detach() - old[n]).numpy() for n, t in flat.tensors() if not local.named(n)},
                          {n: ((c[n] + delta_c[n] / w) - c[n]).numpy() for n in c}))
 
         def mean(values: list[tuple[int, float, np.ndarray]], divisor: float | None = None) -> np.ndarray:
@@ -358,15 +362,48 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
             return weighted_mean([(w, v) for _, w, v in values], divisor)
 
         for n, t in flat.tensors():
+            if local.named(n):
+                t.copy_(old[n])  # the server's copy is never updated
+                continue
             step = mean([(client, w, dy[n]) for client, w, dy, _ in sent])
             scaled = step * eta if eta != 1 and n not in statistics else step  # eta_g steps the parameters only
             t.copy_(torch.from_numpy(scaled + old[n].numpy()))
         for n in c:
             c[n] = c[n] + torch.from_numpy(mean([(client, w, dc[n]) for client, w, _, dc in sent],
                                                 divisor=cfg.clients.num_clients))
-    out = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+    out = {n: t.float().numpy().copy() for n, t in flat.tensors() if not local.named(n)}
     out.update({f"control.{n}": t.numpy().copy() for n, t in c.items()})
+    if cfg.model.local:  # each client's one vector: its c_i, then its local tensors and their mark
+        out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in own[k].values()]).numpy(),
+                                                   local.vector(k)]) for k in local.kept})
     return out
+
+
+class LocalTensors:
+    """``model.local`` (FedBN, FedPer) beside another rule in a reference: each client's own values of the tensors
+    the patterns name, the built ones until it first trains, loaded before it trains and kept after."""
+
+    def __init__(self, cfg: Config, flat: FlatModel):
+        import fnmatch
+
+        self.patterns, self.flat = cfg.model.local, flat
+        self.named = lambda name: any(fnmatch.fnmatchcase(name, p) for p in self.patterns)  # noqa: E731
+        self.built = {n: t.detach().clone() for n, t in flat.tensors() if self.named(n)}
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def load(self, client: int) -> None:
+        tensors = dict(self.flat.tensors())
+        for n, value in self.kept.get(client, self.built).items():
+            tensors[n].copy_(value)
+
+    def keep(self, client: int) -> None:
+        if self.patterns:
+            self.kept[client] = {n: t.detach().clone() for n, t in self.flat.tensors() if self.named(n)}
+
+    def vector(self, client: int) -> np.ndarray:
+        """The client's local tensors as mpifl keeps them beside a c_i or g_i: flattened in order, then 1 (kept)."""
+        return np.concatenate([torch.cat([v.flatten().float() for v in self.kept[client].values()]).numpy(),
+                               np.ones(1, np.float32)])
 
 
 def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
@@ -422,7 +459,8 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
         flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
         trainer, alpha, n = make_trainer(cfg.train), cfg.strategy.alpha, cfg.clients.num_clients
-        params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad]
+        local = LocalTensors(cfg, flat)
+        params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad and not local.named(name)]
         g: dict[int, dict[str, torch.Tensor]] = {}
         h = {name: torch.zeros(t.shape) for name, t in flat.tensors()}
         statistics = statistics_of(flat.module)
@@ -432,15 +470,21 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
             sent = []
             for client in sample_clients(cfg.seed, rnd, n, cfg.clients_per_round()):
                 flat.buffer.copy_(start)
+                local.load(client)
                 g_i = g.get(client) or {name: torch.zeros(p.shape) for name, p in params}
                 hooks = [p.register_hook(lambda grad, p=p, x=old[name], s=g_i[name]:
                                          grad + (p.detach() - x).mul_(alpha).sub_(s)) for name, p in params]
                 trainer.train(flat.module, client_data(dataset, parts[client]), client_seed(cfg.seed, rnd, client))
                 for hook in hooks:
                     hook.remove()
+                local.keep(client)
                 g[client] = {name: g_i[name].clone().sub_(p.detach() - old[name], alpha=alpha) for name, p in params}
-                sent.append((client, 1.0, {name: (t.detach() - old[name]).numpy() for name, t in flat.tensors()}))
+                sent.append((client, 1.0, {name: (t.detach() - old[name]).numpy() for name, t in flat.tensors()
+                                           if not local.named(name)}))
             for name, t in flat.tensors():
+                if local.named(name):
+                    t.copy_(old[name])  # the server's copy is never updated
+                    continue
                 values = [(c, w, u[name]) for c, w, u in sent]
                 mean = torch.from_numpy(grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
                                         else weighted_mean([(w, v) for _, w, v in values]))
@@ -448,7 +492,11 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
                     h[name].sub_(mean, alpha=alpha * len(sent) / n)
                     mean.sub_(h[name], alpha=1 / alpha)
                 t.copy_(mean.add_(old[name]))
-        return {name: t.float().numpy().copy() for name, t in flat.tensors()}
+        out = {name: t.float().numpy().copy() for name, t in flat.tensors() if not local.named(name)}
+        if cfg.model.local:  # each client's one vector: its g_i, then its local tensors and their mark
+            out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in g[k].values()]).numpy(),
+                                                       local.vector(k)]) for k in local.kept})
+        return out
 
 
 def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:

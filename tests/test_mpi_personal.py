@@ -106,7 +106,6 @@ def test_the_plan_counts_each_hosted_clients_local_tensors():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("strategy.name=scaffold",), "model.local: .* strategy 'scaffold' keeps its per-client vectors there too"),
     (("compression.method=topk",), "top-k error feedback keeps its residuals there too"),
     (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),
     (("train.device=cuda",), "training on a device replica is not supported with it yet"),

@@ -257,14 +257,12 @@ def _check_compression(cfg: Config) -> None:
 
 
 def _check_local(cfg: Config) -> None:
-    """model.local (FedBN, FedPer): tensors kept per client on its rank, beside what would keep other state."""
+    """model.local (FedBN, FedPer): tensors kept per client on its rank, beside what would keep other state. With
+    SCAFFOLD or FedDyn both live in each client's one vector (Config.client_state); their rule then covers only
+    the parameters that travel."""
     if not cfg.model.local:
         return
     why = "model.local keeps each client's own copy of those tensors on the rank that hosts it"
-    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
-    if caps is not None and caps.client_state:
-        raise ConfigError(f"model.local: {why}, and strategy {cfg.strategy.name!r} keeps its per-client vectors "
-                          "there too (Capabilities.client_state); the two together are not supported yet: drop one")
     if cfg.compression.method == "topk" and cfg.compression.error_feedback:
         raise ConfigError(f"model.local: {why}, and top-k error feedback keeps its residuals there too; the two "
                           "together are not supported yet: set compression.error_feedback=false")

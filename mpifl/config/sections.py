@@ -473,7 +473,9 @@ class ClientState:
     ram_key: str  # the config key of its RAM budget
     ram_mb: float  # that budget: beyond it, one HDF5 file per rank
     folder: str  # the folder of those files in the run directory
-    vector: str  # one element per 'exchanged' element (read chunk by chunk), 'trainable' one, or 'local' tensor's
+    # one element per 'exchanged' element (read chunk by chunk), 'trainable' one (outside model.local), 'local'
+    # tensor's, or 'trainable+local': a trainable vector, then the local tensors' and one more (their mark)
+    vector: str
     host_only: bool  # the rule runs on the host model: no device replica (config checks), 'auto' trains on the CPU
     # a client group's leader keeps it and sends its members what they train with (clients.ranks_per_client);
     # error-feedback residuals need nothing on the members: they shape the update the leader alone encodes
@@ -539,14 +541,19 @@ class Config:
 
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
-        SCAFFOLD's control variates, FedDyn's gradient states, model.local tensors, Ditto's personal models or
-        top-k error-feedback residuals (config checks allow one kind per run); None for none."""
-        if self.control_variates:
-            return ClientState("SCAFFOLD control variates", "strategy.control_ram_mb", self.strategy.control_ram_mb,
-                               "controls", "trainable", True)
-        if self.strategy.name == "feddyn":
-            return ClientState("FedDyn gradient states", "strategy.control_ram_mb", self.strategy.control_ram_mb,
-                               "controls", "trainable", True)
+        SCAFFOLD's control variates or FedDyn's gradient states (with model.local tensors beside them in the same
+        vector), model.local tensors, Ditto's personal models or top-k error-feedback residuals (config checks allow
+        no other pairs); None for none."""
+        vectors = "SCAFFOLD control variates" if self.control_variates else \
+            "FedDyn gradient states" if self.strategy.name == "feddyn" else None
+        if vectors and self.model.local:  # one vector per client holds both, in one store
+            return ClientState(f"{vectors} and local tensors (model.local)",
+                               "strategy.control_ram_mb + model.local_ram_mb",
+                               self.strategy.control_ram_mb + self.model.local_ram_mb, "controls", "trainable+local",
+                               True)
+        if vectors:
+            return ClientState(vectors, "strategy.control_ram_mb", self.strategy.control_ram_mb, "controls",
+                               "trainable", True)
         if self.model.local:
             return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals",
                                "local", True)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mpifl.wire.flat import CONTROL  # the submodule holding the server control variate c
+from mpifl.wire.flat import CONTROL, is_local  # CONTROL: the submodule holding the server control variate c
 
 __all__ = ["CONTROL", "ControlVariates", "attach_control_variates", "control_delta", "controlled_pairs",
            "corrected_steps", "dynamic_regularizer"]
@@ -34,15 +34,17 @@ __all__ = ["CONTROL", "ControlVariates", "attach_control_variates", "control_del
 
 
 class ControlVariates(nn.Module):
-    """One fp32 buffer per trainable parameter of the model it is attached to, zero at the start (c = 0)."""
+    """One fp32 buffer per controlled parameter of the model it is attached to, zero at the start (c = 0)."""
 
     def __init__(self, params: Sequence[tuple[str, torch.Tensor]]):
         super().__init__()
-        self.names: list[str] = []
+        self.names: list[str] = []  # the buffers, in order
+        self.controlled: list[str] = []  # the parameter each corrects, by its name in the model
         for i, (name, param) in enumerate(params):
             buffer = f"c{i:04d}_{name.replace('.', '_')}"
             self.register_buffer(buffer, torch.zeros(param.shape, dtype=torch.float32, device=param.device))
             self.names.append(buffer)
+            self.controlled.append(name)
 
     def forward(self, x):
         """The identity: the buffers only travel with the model, and in an ``nn.Sequential`` model, which calls
@@ -50,30 +52,33 @@ class ControlVariates(nn.Module):
         return x
 
 
-def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters SCAFFOLD corrects: every one that trains, in the model's own order."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def trainable(model: nn.Module, local: Sequence[str] = ()) -> list[tuple[str, nn.Parameter]]:
+    """The parameters SCAFFOLD corrects and FedDyn regularises: every one that trains, in the model's own order,
+    but those named by the ``model.local`` patterns ``local`` (FedBN, FedPer): each client keeps its own, never
+    averaged, so there is no global value to correct them towards or anchor them at."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_local(n, local)]
 
 
-def attach_control_variates(model: nn.Module) -> nn.Module:
-    """Append the :data:`CONTROL` submodule (last, so its buffers come last in the model's tensors)."""
+def attach_control_variates(model: nn.Module, local: Sequence[str] = ()) -> nn.Module:
+    """Append the :data:`CONTROL` submodule (last, so its buffers come last in the model's tensors), one buffer per
+    parameter :func:`trainable` names."""
     if hasattr(model, CONTROL):
         raise ValueError(f"the model already has a submodule named {CONTROL!r}")
-    model.add_module(CONTROL, ControlVariates(trainable(model)))
+    model.add_module(CONTROL, ControlVariates(trainable(model, local)))
     return model
 
 
 def controlled_pairs(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """(parameter, its server control buffer) for every trainable parameter, in order."""
+    """(parameter, its server control buffer) for every controlled parameter, in order."""
     control = getattr(model, CONTROL)
     assert isinstance(control, ControlVariates)  # attach_control_variates put it there
-    buffers = dict(control.named_buffers())
-    return [(p, buffers[name]) for (_, p), name in zip(trainable(model), control.names, strict=True)]
+    params, buffers = dict(model.named_parameters()), dict(control.named_buffers())
+    return [(params[name], buffers[buffer]) for name, buffer in zip(control.controlled, control.names, strict=True)]
 
 
-def control_elements(model: nn.Module) -> int:
-    """Elements of one control variate: the trainable parameters' count."""
-    return sum(p.numel() for _, p in trainable(model))
+def control_elements(model: nn.Module, local: Sequence[str] = ()) -> int:
+    """Elements of one client's vector (SCAFFOLD's c_i, FedDyn's g_i): the :func:`trainable` parameters' count."""
+    return sum(p.numel() for _, p in trainable(model, local))
 
 
 def split(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

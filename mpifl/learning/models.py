@@ -158,7 +158,7 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
     model = use_memory_format(_build_model(cfg, seed, input_shape, num_classes), cfg.memory_format)
     if cfg.nhwc_pooling:
         use_nhwc_pooling(model)
-    return attach_control_variates(model) if control_variates else model
+    return attach_control_variates(model, cfg.local) if control_variates else model
 
 
 class _NHWCMaxPool(torch.autograd.Function):

@@ -58,6 +58,7 @@ class ClientParts:
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
+    state: ResidualStore | None = None  # the rank's one store of per-client state, any kind: what checkpoints publish
     controls: ClientControls | ClientDynamics | None = None  # scaffold's c_i, feddyn's g_i: one vector per client
     personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
     personal_models: PersonalModels | None = None  # train.ditto_lambda (Ditto): each hosted client's own model
@@ -131,13 +132,13 @@ class ClientRank:
                 self.serve_round(header)
 
     def persist(self, header: protocol.RoundHeader) -> None:
-        """Publish this rank's per-client state of the round just ended (error-feedback residuals, or SCAFFOLD's
-        control variates) for the server's checkpoint, then acknowledge."""
+        """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,
+        local tensors, personal models: the one store that holds them) for the server's checkpoint, then
+        acknowledge."""
         assert header.persist is not None  # run() calls this only for a persist header
-        kept = self.parts.controls or self.parts.personal or self.parts.personal_models
-        store, firsts = (kept.store, kept.firsts) if kept else (self.parts.residuals, self.first_element)
+        store = self.parts.state
         assert store is not None  # the server asks only with per-client state (Config.client_state), which makes one
-        name = save_snapshot(store, firsts, Path(header.persist), self.rank, header.round)
+        name = save_snapshot(store, store.firsts, Path(header.persist), self.rank, header.round)
         send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
 
     def serve_round(self, header: protocol.RoundHeader) -> None:

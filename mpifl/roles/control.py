@@ -34,9 +34,7 @@ class ClientControls:
         self.params = [p for p, _ in pairs]
         self.server = [c for _, c in pairs]  # views of the model's control section: the global c on arrival
         self.flat, self.store, self.lr = flat, store, lr
-        elements = sum(p.numel() for p in self.params)
-        self.firsts = [0, elements]  # the store's one chunk: the whole vector
-        self.corrections = torch.empty(elements)
+        self.corrections = torch.empty(sum(p.numel() for p in self.params))
 
     @property
     def shared(self) -> torch.Tensor:
@@ -94,7 +92,7 @@ class GroupDynamics:
     unchanged, as on one rank."""
 
     def __init__(self, flat: FlatModel, alpha: float):
-        self.params = [p for _, p in trainable(flat.module)]
+        self.params = [p for _, p in trainable(flat.module, flat.local)]
         self.flat, self.alpha = flat, alpha
         self.vector = torch.empty(sum(p.numel() for p in self.params))
         self.global_copy = torch.empty_like(flat.buffer)
@@ -113,10 +111,9 @@ class ClientDynamics:
     alpha (y - x) - g_i; afterwards g_i -= alpha (y - x)."""
 
     def __init__(self, flat: FlatModel, store: ResidualStore, alpha: float):
-        self.params = [p for _, p in trainable(flat.module)]
+        self.params = [p for _, p in trainable(flat.module, flat.local)]
         self.flat, self.store, self.alpha = flat, store, alpha
-        self.firsts = [0, sum(p.numel() for p in self.params)]  # the store's one chunk: the whole vector
-        self.states = torch.empty(self.firsts[1])  # the training client's g_i
+        self.states = torch.empty(sum(p.numel() for p in self.params))  # the training client's g_i
 
     @property
     def shared(self) -> torch.Tensor:

@@ -22,23 +22,27 @@ from mpifl.learning.control import dynamic_regularizer, trainable
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
-from mpifl.wire.flat import Chunk, FlatModel, element_offsets
+from mpifl.wire.flat import Chunk, FlatModel
 
 
 class PersonalTensors:
-    """Loads a client's local tensors into the rank's model before it trains, and keeps them after."""
+    """Loads a client's local tensors into the rank's model before it trains, and keeps them after.
 
-    def __init__(self, flat: FlatModel, store: ResidualStore):
+    ``marked``: the store's vectors hold one element more, 1 once the client has kept its own tensors. A store
+    shared with another kind of per-client state (``Section``) has a vector for every client that other kind
+    touched, zeros where this one never wrote; the mark tells the two apart, in RAM, on disk and in a checkpoint's
+    snapshot alike, so a client never trained starts from the built values after a resume as before it."""
+
+    def __init__(self, flat: FlatModel, store: ResidualStore, marked: bool = False):
         self.tensors = [t for _, t in flat.local_tensors()]
         for name, t in flat.local_tensors():
             if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"model.local: tensor {name!r} is {t.dtype}; local tensors are kept as fp32, "
                                  "which holds float32, bfloat16 and float16 values exactly")
         self.elements = sum(t.numel() for t in self.tensors)
-        self.firsts = [0, self.elements]  # the store's one chunk: the whole vector
-        self.store = store
+        self.store, self.marked = store, marked
         self.initial = self._gather(torch.empty(self.elements))  # as built: a client's start
-        self.seen = set(store.clients())  # clients with their own values (a resume reloads them)
+        self.seen = set() if marked else set(store.clients())  # unmarked: clients with their own values
 
     def _gather(self, out: torch.Tensor) -> torch.Tensor:
         start = 0
@@ -49,7 +53,11 @@ class PersonalTensors:
 
     def load(self, client: int) -> None:
         """Put ``client``'s local tensors into the model (the built values for a client never trained)."""
-        values = self.store.read(client, 0) if client in self.seen else self.initial
+        if self.marked:
+            stored = self.store.read(client, 0)
+            values = stored if bool(stored[self.elements] == 1) else self.initial
+        else:
+            values = self.store.read(client, 0) if client in self.seen else self.initial
         start = 0
         with torch.no_grad():
             for t in self.tensors:
@@ -62,7 +70,10 @@ class PersonalTensors:
         if not all(bool(torch.isfinite(t).all()) for t in self.tensors):
             return
         own = self.store.read(client, 0)
-        self.store.write(client, 0, self._gather(own))
+        self._gather(own)
+        if self.marked:
+            own[self.elements] = 1
+        self.store.write(client, 0, own)
         self.seen.add(client)
 
 
@@ -107,7 +118,6 @@ class PersonalModels:
         self.starting: Callable[[int, int, torch.Tensor], None] | None = None
         self.params = [p for _, p in trainable(flat.module)]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
-        self.firsts = element_offsets(chunks)
         self.seen = set(store.clients())  # clients with a personal model (a resume reloads them)
 
     def train(self, client: int, data: ClientData | None, global_bytes: torch.Tensor, seed: int,

@@ -57,7 +57,7 @@ from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
-from mpifl.storage.residuals import RANK_FILE, ResidualStore, load_snapshot, open_residuals
+from mpifl.storage.residuals import RANK_FILE, ResidualStore, Section, load_snapshot, open_residuals
 from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
@@ -235,17 +235,20 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         del dataset  # a client rank keeps only its own clients' samples
         assert flat is not None  # only rank 0's out-of-core server builds no model
         state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
+        kinds = cfg.client_state()
+        both = kinds is not None and kinds.vector == "trainable+local"  # two kinds of state in each client's vector
         controls: ClientControls | ClientDynamics | None = None
         if state is not None and cfg.control_variates:
-            controls = ClientControls(flat, state, cfg.train.lr)
+            controls = ClientControls(flat, Section(state, 0) if both else state, cfg.train.lr)
         elif state is not None and cfg.strategy.name == "feddyn":
-            controls = ClientDynamics(flat, state, cfg.strategy.alpha)
-        personal = PersonalTensors(flat, state) if state is not None and cfg.model.local else None
+            controls = ClientDynamics(flat, Section(state, 0) if both else state, cfg.strategy.alpha)
+        personal = PersonalTensors(flat, Section(state, 1) if both else state, marked=both) \
+            if state is not None and cfg.model.local else None
         models = PersonalModels(flat, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
             if state is not None and cfg.train.ditto_lambda else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
-                         residuals=None if controls or personal or models else state, controls=controls,
-                         personal=personal, personal_models=models, note=notes, group=group)
+                         residuals=None if controls or personal or models else state, state=state,
+                         controls=controls, personal=personal, personal_models=models, note=notes, group=group)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
 
@@ -340,17 +343,15 @@ def server_view(dataset: Dataset) -> Dataset:
 def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int, hosted: list[int],
                   run_dir: Path | None, resume: ResumePoint | None) -> ResidualStore | None:
     """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
-    read chunk by chunk; SCAFFOLD control variates, one per trainable element, or model.local tensors, each read
-    whole), in RAM or on disk, reloaded on a resume."""
+    read chunk by chunk; SCAFFOLD's c_i or FedDyn's g_i, one per trainable element outside model.local; model.local
+    tensors; or both of the last two, one chunk each), in RAM or on disk, reloaded on a resume."""
     state = cfg.client_state()
     if state is None:
         return None
-    if state.vector == "trainable":
-        firsts = [0, control_elements(flat.module)]
-    elif state.vector == "local":
-        firsts = [0, sum(t.numel() for _, t in flat.local_tensors())]
-    else:
-        firsts = element_offsets(plan.chunks)
+    shared, local = control_elements(flat.module, flat.local), sum(t.numel() for _, t in flat.local_tensors())
+    firsts = {"trainable": [0, shared], "local": [0, local],
+              "trainable+local": [0, shared, shared + local + 1],  # then the local tensors' mark (PersonalTensors)
+              }.get(state.vector) or element_offsets(plan.chunks)
     path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
     try:
         store = open_residuals(firsts, len(hosted), int(state.ram_mb * MIB), path, state.ram_key)
@@ -363,7 +364,7 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
 
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping,
-                     upload_initial: bool, residuals: ResidualStore | None = None,
+                     upload_initial: bool, residuals: ResidualStore | None = None, state: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
                      personal_models: PersonalModels | None = None, note: RankNotes | None = None,
                      group: MPI.Comm | None = None) -> None:
@@ -395,7 +396,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
-        controls=controls, personal=personal, personal_models=personal_models,
+        state=state, controls=controls, personal=personal, personal_models=personal_models,
         note=note or RankNotes(None, comm.Get_rank()), group=leader)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)

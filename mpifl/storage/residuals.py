@@ -36,6 +36,8 @@ HDF5_CHUNK = 1 << 18  # elements per HDF5 chunk (1 MiB): reads and writes touch 
 class ResidualStore(Protocol):
     """A rank's residuals, one model chunk at a time."""
 
+    firsts: list[int]  # each chunk's first element; the last entry is the element count
+
     def read(self, client: int, index: int) -> torch.Tensor:
         """Chunk ``index`` of ``client``'s residual (zeros for a client without one); valid until the next read."""
 
@@ -116,6 +118,30 @@ class DiskResiduals:
     def close(self) -> None:
         """Close the rank's residual file."""
         self.file.close()
+
+
+class Section:
+    """Chunk ``index`` of another store, as the one chunk of a store of its own: two kinds of per-client state kept
+    in one store (SCAFFOLD's c_i or FedDyn's g_i, then a client's ``model.local`` tensors), so that a rank keeps
+    one file of them and a checkpoint one snapshot per rank, each client's vector holding both."""
+
+    def __init__(self, store: ResidualStore, index: int):
+        self.store, self.index = store, index
+        self.firsts = [0, store.firsts[index + 1] - store.firsts[index]]
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """The client's section (zeros for a client without one); valid until the next read of the store."""
+        assert index == 0, "a section is one chunk"
+        return self.store.read(client, self.index)
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Store the client's section."""
+        assert index == 0, "a section is one chunk"
+        self.store.write(client, self.index, values)
+
+    def clients(self) -> list[int]:
+        """The clients with a vector in the whole store (this section of it may still be zeros)."""
+        return self.store.clients()
 
 
 def _create(group: h5py.Group, client: int, elements: int) -> h5py.Dataset:

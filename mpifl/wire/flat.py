@@ -202,8 +202,10 @@ def control_bytes(spec: ModelSpec) -> int:
 
 
 def is_local(name: str, local: Sequence[str]) -> bool:
-    """Whether a tensor's name matches one of the ``model.local`` glob patterns (it never travels)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in local)
+    """Whether a tensor's name matches one of the ``model.local`` glob patterns (it never travels). SCAFFOLD's
+    control variates never are: they are the server's c, and their names repeat their parameters' (a pattern
+    such as ``*bn*`` would otherwise catch the control of a parameter it does not name)."""
+    return not name.startswith(CONTROL + ".") and any(fnmatch.fnmatchcase(name, pattern) for pattern in local)
 
 
 def split_tensors(module: torch.nn.Module, trainable_only: bool = False,

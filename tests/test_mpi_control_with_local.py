@@ -1,0 +1,118 @@
+"""SCAFFOLD and FedDyn beside FedBN / FedPer (``model.local``): each client keeps its c_i (or g_i) and its own
+local tensors in one vector on the rank that hosts it; the local tensors never travel, and the algorithm's rule
+covers only the tensors that do. Equal to the rule computed on whole models, bitwise, on any number of ranks,
+with reduction groups, on disk, and across a resume on another number of ranks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import run_mpi, stopped_and_resumed, write_config
+from reference import feddyn_reference, scaffold_reference
+from results import assert_bitwise, client_vectors, final_model
+
+from mpifl.cli.plan import estimate
+from mpifl.config import ModelConfig, load_config
+from mpifl.learning.control import CONTROL
+from mpifl.planning.memory import client_state_elements
+
+CONFIG = """
+seed: 4
+rounds: 3
+clients: {num_clients: 8, per_round: 5}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: mlp, kwargs: {hidden: [9]}, local: ["3.*"]}
+train: {lr: 0.05, momentum: 0.5, batch_size: 16, local_epochs: 1, device: cpu}
+strategy: {name: scaffold, update: delta}
+eval: {every: 0}
+output: {progress: false}
+"""
+FEDDYN = ("strategy.name=feddyn", "strategy.weighting=equal", "strategy.alpha=0.05")
+
+
+def reference(*overrides: str) -> dict[str, np.ndarray]:
+    """The rule's final tensors (SCAFFOLD's c as control.<k>, in order) and each trained client's vector."""
+    cfg = load_config(None, list(overrides), data=yaml.safe_load(CONFIG))
+    want = scaffold_reference(cfg) if cfg.strategy.name == "scaffold" else feddyn_reference(cfg)
+    controls = [n for n in want if n.startswith("control.")]
+    out = {n: t for n, t in want.items() if n not in controls}
+    out.update({f"control.{k}": want[n] for k, n in enumerate(controls)})
+    return out
+
+
+def result(run_dir) -> dict[str, np.ndarray]:
+    """The run's final tensors, named as :func:`reference` names them, and every client's kept vector."""
+    tensors = final_model(run_dir)
+    controls = sorted(n for n in tensors if n.startswith(CONTROL + "."))
+    out = {n: t for n, t in tensors.items() if n not in controls}
+    out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
+    out.update({f"client.{c}": v for c, v in client_vectors(run_dir).items()})
+    return out
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ()),  # SCAFFOLD + FedPer on 2 client ranks
+    (5, ("transport.chunk_mb=0.00001", "clients.groups=4")),  # 4 client ranks, 10-byte chunks, reduction groups
+    (4, ("strategy.control_ram_mb=0", "model.local_ram_mb=0")),  # the vectors in one HDF5 file per rank
+    (3, FEDDYN),  # FedDyn + FedPer
+    (5, (*FEDDYN, "clients.groups=4")),
+], ids=["scaffold", "scaffold-groups-tiny-chunks", "scaffold-on-disk", "feddyn", "feddyn-groups"])
+def test_the_rule_covers_the_shared_tensors_and_each_client_keeps_its_own_head_bitwise(tmp_path, ranks, overrides):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    run = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got, want = result(tmp_path / "run"), reference(*overrides)
+    assert not any(n.startswith("3.") for n in got)  # the head never reaches the server
+    assert_bitwise(got, want)
+    heads = [v[-(9 * 10 + 10) - 1:-1] for k, v in want.items() if k.startswith("client.")]
+    assert not np.array_equal(heads[0], heads[-1]) and all(v[-1] == 1 for k, v in want.items() if "client." in k)
+    if "strategy.control_ram_mb=0" in overrides:
+        assert sorted(p.name for p in (tmp_path / "run" / "controls").iterdir()) == ["rank00001.h5", "rank00002.h5",
+                                                                                    "rank00003.h5"]
+
+
+@pytest.mark.parametrize("overrides", [(), FEDDYN], ids=["scaffold", "feddyn"])
+def test_a_resume_on_another_number_of_ranks_finds_each_clients_vector(tmp_path, overrides):
+    text = CONFIG if not overrides else CONFIG.replace(
+        "strategy: {name: scaffold, update: delta}",
+        "strategy: {name: feddyn, update: delta, weighting: equal, alpha: 0.05}")
+    cfg = write_config(tmp_path / "c.yaml", text)
+    rest = stopped_and_resumed(tmp_path, cfg)
+    assert "and local tensors (model.local) of" in rest.stderr
+    assert_bitwise(result(tmp_path / "split"), reference(*overrides))
+
+
+def test_plan_counts_one_vector_per_client_holding_both():
+    cfg = load_config(None, data=yaml.safe_load(CONFIG))
+    size, _ = estimate(cfg, nranks=3, ranks_per_node=3, server_alone=False)
+    # SCAFFOLD's c_i covers the first layer only; the head (3.*) is each client's own, then its mark
+    assert client_state_elements(cfg, size) == (64 * 9 + 9) + (9 * 10 + 10) + 1
+    assert cfg.client_state().what == "SCAFFOLD control variates and local tensors (model.local)"
+
+
+def test_a_client_whose_c_i_was_touched_but_whose_head_was_never_kept_starts_from_the_built_head():
+    from mpifl.learning.models import build_flat_model
+    from mpifl.roles.personal import PersonalTensors
+    from mpifl.storage.residuals import RamResiduals, Section
+
+    flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}, local=["3.*"]), 0, input_shape=(4,),
+                            num_classes=2)
+    store = RamResiduals([0, 4 * 3 + 3, 4 * 3 + 3 + 3 * 2 + 2 + 1])  # c_i of the first layer, then the head
+    personal = PersonalTensors(flat, Section(store, 1), marked=True)
+    head = [t for _, t in flat.local_tensors()]
+    built = [t.clone() for t in head]
+    store.read(7, 0).fill_(0.5)  # client 7's training began (its c_i read and written), then failed
+    with torch.no_grad():
+        head[0].add_(1.0)
+    personal.load(7)
+    assert all(torch.equal(t, b) for t, b in zip(head, built))
+    with torch.no_grad():
+        head[0].add_(1.0)
+    personal.keep(7)
+    assert store.read(7, 1)[-1] == 1 and bool((store.read(7, 0) == 0.5).all())  # the c_i section untouched
+    again = PersonalTensors(flat, Section(store, 1), marked=True)  # as after a resume
+    with torch.no_grad():
+        head[0].zero_()
+    again.load(7)
+    assert torch.equal(head[0], built[0] + 1.0)
