@@ -116,3 +116,21 @@ def test_a_client_whose_c_i_was_touched_but_whose_head_was_never_kept_starts_fro
         head[0].zero_()
     again.load(7)
     assert torch.equal(head[0], built[0] + 1.0)
+
+
+@pytest.mark.parametrize("overrides", [(), FEDDYN], ids=["scaffold", "feddyn"])
+def test_a_client_trained_by_a_group_of_ranks_keeps_its_vector_on_the_leader(tmp_path, overrides):
+    """clients.ranks_per_client=2: the leader keeps the vector and sends the members the head and c - c_i (or
+    g_i); one group or two give the same bits, and the rule up to the rounding of DDP's split batches."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    got = {}
+    for ranks in (3, 5):
+        run = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / f"run{ranks}"),
+                      "clients.ranks_per_client=2", *overrides)
+        assert run.returncode == 0, run.stderr[-3000:]
+        got[ranks] = result(tmp_path / f"run{ranks}")
+    assert_bitwise(got[3], got[5])
+    want = reference(*overrides)
+    assert got[3].keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[3][name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
