@@ -104,6 +104,16 @@ def test_a_chain_reduction_equals_the_grouped_reference_and_the_server_receives_
         assert len(record["participants"]) == 6
 
 
+def test_a_chain_over_several_groups_per_rank_is_said_to_depend_on_the_rank_count():
+    from mpifl.roles.runner import layout_warnings
+
+    cfg = load_config(None, ["transport.reduce=chain", "clients.groups=4"], data=yaml.safe_load(CONFIG))
+    (warning,) = layout_warnings(3, cfg)  # 2 client ranks, 2 groups each
+    assert "results depend on the number of client ranks" in warning and "clients.groups=2 makes" in warning
+    assert layout_warnings(5, cfg) == []  # one group per client rank: the point-to-point order, bitwise
+    assert layout_warnings(3, load_config(None, ["clients.groups=4"], data=yaml.safe_load(CONFIG))) == []
+
+
 def test_quantized_group_sums_are_rank_count_independent_and_a_quarter_of_the_bytes(tmp_path):
     grouped = ("clients.groups=2", "strategy.update=delta", "rounds=2")
     on_two = run(tmp_path, "int8-2", 2, *grouped, "compression.method=int8")

@@ -48,12 +48,14 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
          memray_dir: str | None, memray_native: bool, world: MPI.Intracomm | None = None) -> int:
     bind_gpu_from_local_rank()  # before MPI starts (world_of imports it)
     from mpifl.cli.profiling import tracked
-    from mpifl.roles.runner import check_world, run_rank
+    from mpifl.roles.runner import check_world, layout_warnings, run_rank
     from mpifl.storage.rundir import prepare_run_dir
 
     comm = world_of(world)
     try:
         check_world(comm.Get_size(), cfg)
+        for warning in layout_warnings(comm.Get_size(), cfg) if comm.Get_rank() == 0 else []:
+            log(f"mpifl: warning: {warning}", rank=0)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         with tracked(memray_dir, comm.Get_rank(), memray_native):
             outcome = guarded(lambda: run_rank(comm, cfg, run_dir, point))

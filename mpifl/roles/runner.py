@@ -104,6 +104,19 @@ def check_world(size: int, cfg: Config) -> None:
                          f"participants first with clients.groups={hosts}")
 
 
+def layout_warnings(size: int, cfg: Config) -> list[str]:
+    """Legal layouts whose results depend on the number of ranks, which is otherwise never the case: said once,
+    by rank 0, so that a comparison across rank counts (or a resume on another count) is not a surprise."""
+    hosts = GroupLayout(cfg.clients.ranks_per_client).groups(size)
+    groups = cfg.clients.groups
+    if cfg.transport.reduce == "chain" and groups and groups != hosts:
+        return [f"transport.reduce='chain' with clients.groups={groups} on {hosts} client ranks: each rank adds its "
+                "groups into one partial sum before the chain, so the results depend on the number of client ranks "
+                f"(and a resume on another count differs from an uninterrupted run); clients.groups={hosts} makes "
+                "them bitwise those of point-to-point reduction groups"]
+    return []
+
+
 def record_ranks(comm: MPI.Comm, run_dir: Path | None, bound: Binding) -> None:
     """Where every rank runs (host, pid) and what it is bound to (node-local rank, cores, GPU, threads), in
     ``ranks.txt``: the launcher's report of a killed process names only its pid."""
