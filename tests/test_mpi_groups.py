@@ -112,6 +112,8 @@ def test_a_chain_over_several_groups_per_rank_is_said_to_depend_on_the_rank_coun
     assert "results depend on the number of client ranks" in warning and "clients.groups=2 makes" in warning
     assert layout_warnings(5, cfg) == []  # one group per client rank: the point-to-point order, bitwise
     assert layout_warnings(3, load_config(None, ["clients.groups=4"], data=yaml.safe_load(CONFIG))) == []
+    (threads,) = layout_warnings(3, load_config(None, ["train.threads=auto"], data=yaml.safe_load(CONFIG)))
+    assert "depend on the thread count, which 'auto' takes from the cores per rank" in threads
 
 
 def test_quantized_group_sums_are_rank_count_independent_and_a_quarter_of_the_bytes(tmp_path):

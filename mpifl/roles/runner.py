@@ -108,13 +108,19 @@ def layout_warnings(size: int, cfg: Config) -> list[str]:
     """Legal layouts whose results depend on the number of ranks, which is otherwise never the case: said once,
     by rank 0, so that a comparison across rank counts (or a resume on another count) is not a surprise."""
     hosts = GroupLayout(cfg.clients.ranks_per_client).groups(size)
-    groups = cfg.clients.groups
+    groups, found = cfg.clients.groups, []
     if cfg.transport.reduce == "chain" and groups and groups != hosts:
-        return [f"transport.reduce='chain' with clients.groups={groups} on {hosts} client ranks: each rank adds its "
-                "groups into one partial sum before the chain, so the results depend on the number of client ranks "
-                f"(and a resume on another count differs from an uninterrupted run); clients.groups={hosts} makes "
-                "them bitwise those of point-to-point reduction groups"]
-    return []
+        found.append(f"transport.reduce='chain' with clients.groups={groups} on {hosts} client ranks: each rank adds "
+                     "its groups into one partial sum before the chain, so the results depend on the number of client "
+                     f"ranks (and a resume on another count differs from an uninterrupted run); clients.groups={hosts} "
+                     "makes them bitwise those of point-to-point reduction groups")
+    if cfg.train.threads != 1 and cfg.client_device() != "cuda":  # "auto": the CPU where no GPU is seen
+        auto = ", which 'auto' takes from the cores per rank, and so on the number of ranks per node" \
+            if cfg.train.threads == "auto" else ""
+        found.append(f"train.threads={cfg.train.threads!r}: training on the CPU, torch's kernels split their sums by "
+                     f"thread, so the results depend on the thread count{auto}; train.threads=1 keeps them bitwise "
+                     "equal on any number of ranks")
+    return found
 
 
 def record_ranks(comm: MPI.Comm, run_dir: Path | None, bound: Binding) -> None:
