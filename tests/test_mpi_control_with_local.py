@@ -11,23 +11,17 @@ import yaml
 from conftest import run_mpi, stopped_and_resumed, write_config
 from reference import feddyn_reference, scaffold_reference
 from results import assert_bitwise, client_vectors, final_model
+from test_mpi_personal import CONFIG as PERSONAL
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ModelConfig, load_config
 from mpifl.learning.control import CONTROL
 from mpifl.planning.memory import client_state_elements
 
-CONFIG = """
-seed: 4
-rounds: 3
-clients: {num_clients: 8, per_round: 5}
-data: {dataset: digits, partition: dirichlet, alpha: 0.5}
-model: {name: mlp, kwargs: {hidden: [9]}, local: ["3.*"]}
-train: {lr: 0.05, momentum: 0.5, batch_size: 16, local_epochs: 1, device: cpu}
-strategy: {name: scaffold, update: delta}
-eval: {every: 0}
-output: {progress: false}
-"""
+# FedPer's setup (tests/test_mpi_personal.py: the MLP's head 3.* stays local) under SCAFFOLD
+SETTINGS = {**yaml.safe_load(PERSONAL), "seed": 4, "clients": {"num_clients": 8, "per_round": 5},
+            "strategy": {"name": "scaffold", "update": "delta"}}
+CONFIG = yaml.safe_dump(SETTINGS)
 FEDDYN = ("strategy.name=feddyn", "strategy.weighting=equal", "strategy.alpha=0.05")
 
 
@@ -74,10 +68,8 @@ def test_the_rule_covers_the_shared_tensors_and_each_client_keeps_its_own_head_b
 
 @pytest.mark.parametrize("overrides", [(), FEDDYN], ids=["scaffold", "feddyn"])
 def test_a_resume_on_another_number_of_ranks_finds_each_clients_vector(tmp_path, overrides):
-    text = CONFIG if not overrides else CONFIG.replace(
-        "strategy: {name: scaffold, update: delta}",
-        "strategy: {name: feddyn, update: delta, weighting: equal, alpha: 0.05}")
-    cfg = write_config(tmp_path / "c.yaml", text)
+    feddyn = {"name": "feddyn", "update": "delta", "weighting": "equal", "alpha": 0.05}
+    cfg = write_config(tmp_path / "c.yaml", yaml.safe_dump({**SETTINGS, "strategy": feddyn}) if overrides else CONFIG)
     rest = stopped_and_resumed(tmp_path, cfg)
     assert "and local tensors (model.local) of" in rest.stderr
     assert_bitwise(result(tmp_path / "split"), reference(*overrides))

@@ -254,15 +254,13 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         del dataset  # a client rank keeps only its own clients' samples
         assert flat is not None  # only rank 0's out-of-core server builds no model
         state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
-        kinds = cfg.client_state()
-        both = kinds is not None and kinds.vector == "trainable+local"  # two kinds of state in each client's vector
+        vectors, locals_, marked = _state_sections(cfg, state)
         controls: ClientControls | ClientDynamics | None = None
-        if state is not None and cfg.control_variates:
-            controls = ClientControls(flat, Section(state, 0) if both else state, cfg.train.lr)
-        elif state is not None and cfg.strategy.name == "feddyn":
-            controls = ClientDynamics(flat, Section(state, 0) if both else state, cfg.strategy.alpha)
-        personal = PersonalTensors(flat, Section(state, 1) if both else state, marked=both) \
-            if state is not None and cfg.model.local else None
+        if vectors is not None and cfg.control_variates:
+            controls = ClientControls(flat, vectors, cfg.train.lr)
+        elif vectors is not None and cfg.strategy.name == "feddyn":
+            controls = ClientDynamics(flat, vectors, cfg.strategy.alpha)
+        personal = PersonalTensors(flat, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
         models = PersonalModels(flat, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
             if state is not None and cfg.train.ditto_lambda else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
@@ -380,6 +378,16 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
         found = load_snapshot(store, firsts, resume.residual_files or [], hosted)
         log(f"resume: {state.what} of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
     return store
+
+
+def _state_sections(cfg: Config, state: ResidualStore | None) -> tuple[ResidualStore | None, ResidualStore | None,
+                                                                         bool]:
+    """(SCAFFOLD's or FedDyn's vectors, model.local tensors, whether the local part carries its mark): the rank's one
+    store, or with both kinds (``trainable+local``) its two sections in the order :func:`_client_state` lays out."""
+    kinds = cfg.client_state()
+    if state is None or kinds is None or kinds.vector != "trainable+local":
+        return state, state, False
+    return Section(state, 0), Section(state, 1), True
 
 
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping,
