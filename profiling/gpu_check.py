@@ -11,7 +11,8 @@ Steps (each a row of the table):
    trained in the host buffer on the CPU. On the CPU form the device is a separate replica
    (``train.device_copy``), and the result must be bitwise equal. On a GPU, cuBLAS and cuDNN sum in another
    order than the CPU's kernels, so the final model must be within a relative L2 distance of
-   ``GPU_TOLERANCE`` of the CPU's after ``COMPARED_ROUNDS``;
+   ``GPU_TOLERANCE`` of the CPU's after ``COMPARED_ROUNDS``. The full check compares two runs with per-client
+   state the same way: SCAFFOLD with the MLP's head kept per client (``model.local``), and Ditto;
 3. ``clients.ranks_per_client=2`` against one rank per client, within ``GROUP_TOLERANCE`` after
    ``COMPARED_ROUNDS`` (the same gradient, summed in two halves): the quick start's MLP, and with the full check
    also the built-in CNN, whose BatchNorm normalizes over the group's whole batch. NCCL between two GPUs; gloo on
@@ -314,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         add(device_tests, args.tests)
         add(versus_cpu, "quick start")
         add(versus_cpu, "reduction groups", "clients.groups=2", "strategy.update=delta")
+        if not args.quick:  # per-client state on the device (the suite runs its CPU form: tests/test_mpi_ditto.py, ...)
+            add(versus_cpu, "scaffold with local head", "strategy.name=scaffold", "strategy.update=delta",
+                "model.local=['5.*']")
+            add(versus_cpu, "ditto", "train.ditto_lambda=0.5", "strategy.update=delta")
         for model in ("mlp",) if args.quick else ("mlp", "cnn"):
             add(two_ranks_per_client, model)
         add(bitwise_across_ranks, "mlp", (2, 3) if args.quick else (2, 3, 5))

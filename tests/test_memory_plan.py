@@ -190,6 +190,33 @@ def test_a_gpu_client_rank_keeps_its_training_state_on_the_gpu_and_maps_the_cuda
     assert not on_gpu(4, device="cuda", trainer="none")
 
 
+def test_per_client_states_working_vectors_are_counted_where_the_client_trains():
+    """SCAFFOLD's c - c_i and control deltas, FedDyn's g_i, Ditto's zero linear term: beside the replica on a GPU,
+    beside the host model on the CPU; the hosted clients' stored vectors stay in host memory either way."""
+    from mpifl.planning.memory import (
+        CUDA_HOST_BYTES,
+        CUDA_WORKSPACE_BYTES,
+        ModelBytes,
+        client_bytes,
+        client_device_bytes,
+        state_rule_bytes,
+        training_state_bytes,
+    )
+
+    size = ModelBytes(exchanged=100 * MIB, frozen=0, parameters=25 * 2**20, control=40 * MIB)  # 60 MiB of weights
+    scaffold = load_config(None, data={"strategy": {"name": "scaffold", "update": "delta"},
+                                       "train": {"device": "cuda"}})
+    assert state_rule_bytes(scaffold, size) == 2 * 40 * MIB  # c - c_i, and the control deltas
+    training = training_state_bytes(scaffold, size)
+    assert client_device_bytes(scaffold, size) == 100 * MIB + 100 * MIB + training + 2 * 40 * MIB + \
+        CUDA_WORKSPACE_BYTES  # the replica, its global copy, the training state, SCAFFOLD's working vectors
+    kept_global = 100 * MIB  # on the CPU the host keeps the global model for the delta; on a GPU, the replica does
+    assert client_bytes(scaffold, size, 2, on_gpu=False) - client_bytes(scaffold, size, 2, on_gpu=True) == \
+        training + kept_global + 2 * 40 * MIB - CUDA_HOST_BYTES  # the stored c_i stay in host memory either way
+    ditto = load_config(None, data={"strategy": {"update": "delta"}, "train": {"device": "cuda", "ditto_lambda": 1}})
+    assert state_rule_bytes(ditto, ModelBytes(exchanged=100 * MIB, frozen=0, parameters=25 * 2**20)) == 100 * MIB
+
+
 # The GPU check on one H100 (2026-11-27, docs/how-to/gpus.md): a client rank summing its clients (clients.groups=1)
 # peaked at these GPU bytes (torch's allocator) and resident bytes.
 H100_MLP = {"gpu": 65 * MIB, "rss": 1099 * MIB}  # the quick start's MLP, 20 clients a round

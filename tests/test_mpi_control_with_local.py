@@ -51,7 +51,8 @@ def result(run_dir) -> dict[str, np.ndarray]:
     (4, ("strategy.control_ram_mb=0", "model.local_ram_mb=0")),  # the vectors in one HDF5 file per rank
     (3, FEDDYN),  # FedDyn + FedPer
     (5, (*FEDDYN, "clients.groups=4")),
-], ids=["scaffold", "scaffold-groups-tiny-chunks", "scaffold-on-disk", "feddyn", "feddyn-groups"])
+    (4, ("strategy.control_ram_mb=0", "model.local_ram_mb=0", "train.device_copy=true")),  # the GPU path's copies
+], ids=["scaffold", "scaffold-groups-tiny-chunks", "scaffold-on-disk", "feddyn", "feddyn-groups", "device-replica"])
 def test_the_rule_covers_the_shared_tensors_and_each_client_keeps_its_own_head_bitwise(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     run = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)

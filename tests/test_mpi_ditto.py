@@ -38,7 +38,8 @@ def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
     (5, ("transport.chunk_mb=0.00001",)),  # 4 client ranks, 10-byte chunks: personal models stored by chunk
     (4, ("clients.groups=3",)),  # the groups' partial sums of the global updates
     (4, ("train.personal_ram_mb=0", "strategy.update=weights")),  # personal models in one HDF5 file per rank
-], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "personal-on-disk"])
+    (3, ("train.device_copy=true",)),  # the GPU path's copies on the CPU: v_i trained on the replica
+], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "personal-on-disk", "device-replica"])
 def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
@@ -85,7 +86,6 @@ def test_the_plan_counts_each_hosted_clients_personal_model():
     (("model.local=['3.*']",), "train.ditto_lambda: .* model.local keeps per-client state there too"),
     (("train.prox_mu=0.1",), "train.prox_mu: .* FedProx's term would pull it towards where it started"),
     (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),
-    (("train.device=cuda",), "training on a device replica is not supported with it yet"),
 ])
 def test_ditto_is_refused_beside_what_it_cannot_share_a_rank_with(overrides, message):
     with pytest.raises(ConfigError, match=message):

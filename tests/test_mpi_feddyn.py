@@ -40,7 +40,8 @@ def reference(*overrides: str) -> dict[str, np.ndarray]:
     (5, ("transport.chunk_mb=0.00001",)),  # 4 client ranks, 1 or 2 participants each, 10-byte chunks
     (4, ("clients.groups=3",)),  # the groups' partial sums of the deltas
     (4, ("strategy.control_ram_mb=0", "server.state=disk", "clients.per_round=3")),  # g_i and h on disk
-], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "on-disk"])
+    (3, ("train.device_copy=true",)),  # the GPU path's copies on the CPU: g_i and the regulariser on the replica
+], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "on-disk", "device-replica"])
 def test_feddyn_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)

@@ -44,7 +44,8 @@ def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
     (5, ("transport.chunk_mb=0.00001",)),  # 4 client ranks, 10-byte chunks
     (4, ("clients.groups=3",)),  # the groups' partial sums of the shared tensors
     (4, ("model.local_ram_mb=0", "strategy.update=weights")),  # local tensors in one HDF5 file per rank
-], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "local-on-disk"])
+    (3, ("train.device_copy=true",)),  # the GPU path's copies on the CPU: each head loaded into the replica
+], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "local-on-disk", "device-replica"])
 def test_local_tensors_stay_with_their_client_and_the_rest_is_averaged_bitwise_on_any_number_of_ranks(
         tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
@@ -108,7 +109,6 @@ def test_the_plan_counts_each_hosted_clients_local_tensors():
 @pytest.mark.parametrize("overrides,message", [
     (("compression.method=topk",), "top-k error feedback keeps its residuals there too"),
     (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),
-    (("train.device=cuda",), "training on a device replica is not supported with it yet"),
 ])
 def test_local_tensors_are_refused_beside_what_they_cannot_share_a_rank_with(overrides, message):
     with pytest.raises(ConfigError, match=message):

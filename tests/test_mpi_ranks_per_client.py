@@ -128,6 +128,19 @@ def test_a_group_trains_each_clients_ditto_personal_model_as_one_rank_would(tmp_
             alone["federated_eval"]["personal_accuracy"], abs=1e-9)
 
 
+@pytest.mark.parametrize("state", [
+    ("strategy.name=scaffold", "strategy.update=delta", "model.local=['3.*']"),  # c - c_i and the head, sent
+    ("train.ditto_lambda=0.5", "eval.federated_every=1", "data.val_fraction=0.2"),  # w and v_i, sent
+], ids=["scaffold-with-local-head", "ditto"])
+def test_a_group_training_on_device_replicas_keeps_each_clients_state_as_on_the_host_bitwise(tmp_path, state):
+    """The GPU path's copies on the CPU (train.device_copy): the leader loads the client's state into its replica
+    and broadcasts it from there (over NCCL on GPUs), and the group trains the replicas; the run is the host one."""
+    host = run(tmp_path, "host", 3, *state)
+    replica = run(tmp_path, "replica", 3, *state, "train.device_copy=true")
+    assert_bitwise(final_model(replica), final_model(host))
+    assert [r.get("federated_eval") for r in records(replica)] == [r.get("federated_eval") for r in records(host)]
+
+
 def test_a_group_normalizes_batchnorm_over_the_whole_batch_as_one_rank_would(tmp_path):
     """BatchNorm's statistics come from the group's whole batch (summed over the ranks, forward and backward), so
     a model with BatchNorm trains as on one rank: per-share statistics would differ by far more than rounding."""

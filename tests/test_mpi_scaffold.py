@@ -55,7 +55,9 @@ def reference(*overrides: str) -> dict[str, np.ndarray]:
     (5, ("transport.chunk_mb=0.00001",)),  # 4 client ranks, 10-byte chunks: chunks straddle the control section
     (4, ("clients.groups=3", "strategy.weighting=equal")),  # the groups' partial sums, equal weights
     (4, ("strategy.control_ram_mb=0", "strategy.server_lr=0.5")),  # c_i in one HDF5 file per rank; eta_g
-], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "controls-on-disk"])
+    # the GPU path's copies on the CPU: c - c_i and the control deltas on the replica, the groups' sums folded there
+    (4, ("clients.groups=3", "train.device_copy=true")),
+], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "controls-on-disk", "device-replica"])
 def test_scaffold_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
@@ -142,7 +144,6 @@ def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
     (("compression.method=int8",), "compression.method: a compressed update"),
     (("clock.mode=fedbuff",), "clock.mode: 'fedbuff' applies stale updates"),
     (("train.trainer=fl_helpers:SteppingNoiseTrainer",), "train.trainer: strategy 'scaffold'"),
-    (("train.device=cuda",), "train.device: strategy 'scaffold'"),
 ])
 def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -24,6 +24,7 @@ from mpifl.planning.memory import (
     client_state_elements,
     client_state_plan,
     memory_estimate,
+    state_rule_bytes,
 )
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.units import GIB, MIB, format_bytes
@@ -120,8 +121,10 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{training if cfg.train.trainer != 'none' else ''}"
           f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
     if plan.client_device_bytes:
+        rule = state_rule_bytes(cfg, size)
+        rule_text = f" + the training client's state {format_bytes(rule)}" if rule else ""
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy"
-              f"{gradients} + optimizer{' + group sum' if cfg.clients.groups else ''} + cuBLAS workspaces "
+              f"{gradients} + optimizer{' + group sum' if cfg.clients.groups else ''}{rule_text} + cuBLAS workspaces "
               f"{format_bytes(CUDA_WORKSPACE_BYTES)}; activations and cuDNN's workspace not included; the host "
               f"figure above holds the CUDA libraries, {CUDA_HOST_BYTES / GIB:.2f} GiB, instead of the training "
               "state]")

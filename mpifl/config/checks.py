@@ -142,9 +142,6 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     if cfg.train.trainer != "torch":
         return (f"train.trainer: {why}, and the built-in 'torch' trainer is the one whose steps it corrects; "
                 f"{cfg.train.trainer!r} is not supported: set train.trainer='torch'")
-    if cfg.train.device == "cuda" or cfg.train.device_copy:
-        return (f"train.device: {why}; training on a device replica is not supported with it yet (train.device "
-                "'auto' trains it on the CPU): set train.device='cpu' and train.device_copy unset")
     return None
 
 
@@ -266,7 +263,7 @@ def _check_local(cfg: Config) -> None:
     if cfg.compression.method == "topk" and cfg.compression.error_feedback:
         raise ConfigError(f"model.local: {why}, and top-k error feedback keeps its residuals there too; the two "
                           "together are not supported yet: set compression.error_feedback=false")
-    problem = _synchronous_host_problem(cfg, "model.local", why)
+    problem = _synchronous_problem(cfg, "model.local", why)
     if problem:
         raise ConfigError(problem)
 
@@ -290,26 +287,23 @@ def _check_ditto(cfg: Config) -> None:
     if cfg.train.prox_mu:
         raise ConfigError(f"train.prox_mu: {why}, pulled towards the global model by its own lambda; FedProx's "
                           "term would pull it towards where it started instead: set train.prox_mu=0")
-    problem = _synchronous_host_problem(cfg, "train.ditto_lambda", why)
+    problem = _synchronous_problem(cfg, "train.ditto_lambda", why)
     if problem:
         raise ConfigError(problem)
 
 
-def _synchronous_host_problem(cfg: Config, key: str, why: str) -> str | None:
-    """What per-client state kept on the host model (``key``, because ``why``) cannot run with yet: an asynchronous
-    clock, where a client may train again before its last update is applied, and a device replica."""
+def _synchronous_problem(cfg: Config, key: str, why: str) -> str | None:
+    """What per-client state (``key``, because ``why``) cannot run with yet: an asynchronous clock, where a client
+    may train again before its last update is applied."""
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"{key}: {why}; with clock.mode {cfg.clock.mode!r} a client may train again before its last "
                 "update is applied: choose clock.mode 'off' or 'sync'")
-    if cfg.train.device == "cuda" or cfg.train.device_copy:
-        return (f"train.device: {why}; training on a device replica is not supported with it yet (train.device "
-                "'auto' trains on the CPU): set train.device='cpu' and train.device_copy unset")
     return None
 
 
 def _check_ranks_per_client(cfg: Config) -> None:
-    """A client trained by several ranks: the built-in trainers shard their batches; of the per-client state, the
-    leader keeps what its group can train with (``ClientState.in_groups``) and sends the members their part."""
+    """A client trained by several ranks: the built-in trainers shard their batches (per-client state stays with
+    the group's leader, which sends the members their part: ``ClientState``)."""
     if cfg.clients.ranks_per_client == 1:
         return
     why = f"clients.ranks_per_client={cfg.clients.ranks_per_client} trains each client on a group of ranks"
@@ -317,10 +311,6 @@ def _check_ranks_per_client(cfg: Config) -> None:
         raise ConfigError(f"train.trainer: {why}, each rank on its share of every batch, which the built-in "
                           f"'torch' and 'causal_lm' trainers do; {cfg.train.trainer!r} does not: set "
                           "clients.ranks_per_client=1")
-    state = cfg.client_state()
-    if state is not None and not state.in_groups:
-        raise ConfigError(f"clients.ranks_per_client: {why}; {state.what} kept per client on the ranks is not "
-                          "supported across a group yet: set clients.ranks_per_client=1")
 
 
 def _check_per_round_placement(cfg: Config) -> None:

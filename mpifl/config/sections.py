@@ -467,7 +467,9 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class ClientState:
-    """What a run keeps per logical client on the rank that hosts it (one fp32 vector each)."""
+    """What a run keeps per logical client on the rank that hosts it (one fp32 vector each). With a client group
+    (clients.ranks_per_client) its leader keeps it and sends the members what they train with; error-feedback
+    residuals need nothing on the members: they shape the update the leader alone encodes."""
 
     what: str  # as the plan and the logs name it
     ram_key: str  # the config key of its RAM budget
@@ -476,10 +478,6 @@ class ClientState:
     # one element per 'exchanged' element (read chunk by chunk), 'trainable' one (outside model.local), 'local'
     # tensor's, or 'trainable+local': a trainable vector, then the local tensors' and one more (their mark)
     vector: str
-    host_only: bool  # the rule runs on the host model: no device replica (config checks), 'auto' trains on the CPU
-    # a client group's leader keeps it and sends its members what they train with (clients.ranks_per_client);
-    # error-feedback residuals need nothing on the members: they shape the update the leader alone encodes
-    in_groups: bool = True
 
 
 @dataclass
@@ -525,12 +523,6 @@ class Config:
         """Whether the model carries SCAFFOLD's server control variate (strategy scaffold)."""
         return self.strategy.name == "scaffold"
 
-    def client_device(self) -> str:
-        """Where a client rank trains: ``train.device``, but ``cpu`` where its per-client state's rule runs on the
-        host model (``ClientState.host_only``)."""
-        state = self.client_state()
-        return "cpu" if state is not None and state.host_only else self.train.device
-
     @property
     def statistics_as_values(self) -> bool:
         """Whether clients send their statistics (BatchNorm's running mean and variance) as values even when they
@@ -549,20 +541,19 @@ class Config:
         if vectors and self.model.local:  # one vector per client holds both, in one store
             return ClientState(f"{vectors} and local tensors (model.local)",
                                "strategy.control_ram_mb + model.local_ram_mb",
-                               self.strategy.control_ram_mb + self.model.local_ram_mb, "controls", "trainable+local",
-                               True)
+                               self.strategy.control_ram_mb + self.model.local_ram_mb, "controls", "trainable+local")
         if vectors:
             return ClientState(vectors, "strategy.control_ram_mb", self.strategy.control_ram_mb, "controls",
-                               "trainable", True)
+                               "trainable")
         if self.model.local:
             return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals",
-                               "local", True)
+                               "local")
         if self.train.ditto_lambda:
             return ClientState("Ditto personal models", "train.personal_ram_mb", self.train.personal_ram_mb,
-                               "personal", "exchanged", True)
+                               "personal", "exchanged")
         if self.compression.method == "topk" and self.compression.error_feedback:
             return ClientState("error-feedback residuals", "compression.residual_ram_mb",
-                               self.compression.residual_ram_mb, "residuals", "exchanged", False)
+                               self.compression.residual_ram_mb, "residuals", "exchanged")
         return None
 
 

@@ -8,7 +8,10 @@ rank that trains on a device keeps, for the whole run:
 
 Each round: one host-to-device copy after the global model arrives; per logical client, a
 device-side reset and training; then one device-to-host copy per update (or, with
-``clients.groups``, per group sum, folded on the device). With ``train.device_copy`` the
+``clients.groups``, per group sum, folded on the device). Per-client state (SCAFFOLD's and
+FedDyn's vectors, ``model.local`` tensors, Ditto's personal models) stays in host memory, and its
+rules run on the replica: the training client's state goes to the device before it trains and
+back after. With ``train.device_copy`` the
 same path runs on the CPU with a separate, non-aliased replica, which is how the test suite
 exercises it without a GPU.
 """
@@ -95,7 +98,7 @@ def pin_in_place(buffer: torch.Tensor) -> None:
 def device_copy(host: FlatModel, device: torch.device, trainable_only: bool, what: str) -> FlatModel:
     """The host model rebuilt on ``device`` (frozen and local tensors come along, once), laid out as the host's
     flat buffer is, so that one copy of that buffer refreshes it; ``what`` names it in the error."""
-    flat = FlatModel(copy.deepcopy(host.module).to(device), trainable_only, device=device)
+    flat = FlatModel(copy.deepcopy(host.module).to(device), trainable_only, device=device, local=host.local)
     if flat.spec.hash != host.spec.hash:
         raise RuntimeError(f"the {what}'s layout differs from the host model's")
     return flat

@@ -158,11 +158,10 @@ def server_device_bytes(cfg: Config, size: ModelBytes, gpus_per_node: int) -> in
 
 def trains_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
     """Whether a client rank trains a device replica on a GPU: ``cuda``, or ``auto`` on nodes with GPUs
-    (``Config.client_device``), unless the replica is off (``train.device_copy: false``)."""
+    unless the replica is off (``train.device_copy: false``)."""
     if cfg.train.trainer == "none" or cfg.train.device_copy is False:
         return False
-    device = cfg.client_device()
-    return device == "cuda" or (device == "auto" and gpus_per_node > 0)
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpus_per_node > 0)
 
 
 def training_state_bytes(cfg: Config, size: ModelBytes) -> int:
@@ -186,11 +185,22 @@ def training_state_bytes(cfg: Config, size: ModelBytes) -> int:
 
 def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
     """GPU memory of a client rank that trains on a GPU (mpifl.learning.device.DeviceReplica): the replica, the
-    round's global model kept to reset it, the training state, a group's fp32 sum, cuBLAS's workspaces; not the
-    activations, nor cuDNN's workspace."""
+    round's global model kept to reset it, the training state, what per-client state's rules hold while a client
+    trains, a group's fp32 sum, cuBLAS's workspaces; not the activations, nor cuDNN's workspace."""
     elements = size.exchanged // itemsize(cfg.model.dtype)
     group_sum = 4 * elements if cfg.clients.groups else 0
-    return size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES
+    return (size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES
+            + state_rule_bytes(cfg, size))
+
+
+def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
+    """What per-client state's rules hold beside the model that trains, on its device, while a client trains:
+    FedDyn's g_i (read whole for its regulariser), Ditto's zero linear term (fp32 per trainable element), SCAFFOLD's
+    correction c - c_i and its control deltas before they are kept (mpifl.roles.control, mpifl.roles.personal)."""
+    held = 4 * client_state_elements(cfg, size) if cfg.strategy.name == "feddyn" else 0
+    if cfg.train.ditto_lambda:
+        held += 4 * (size.exchanged // itemsize(cfg.model.dtype))
+    return held + 2 * size.control
 
 
 def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool = False) -> int:
@@ -203,21 +213,18 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
         client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size)
-        if not on_gpu and (cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta"):
-            client += nbytes  # the global model kept for the next logical client or for the delta
+        if not on_gpu and (cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta"
+                           or cfg.train.ditto_lambda):
+            client += nbytes  # the global model kept for the next logical client, the delta or Ditto's regulariser
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
         client += nbytes // 2  # the narrowed update
     if cfg.clients.groups:
         client += 4 * elements  # the group's fp32 partial sum
         if cfg.transport.reduce == "chain":  # the running sum's receive ring
             client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
+    if not on_gpu:  # on a GPU they live beside the replica (client_device_bytes)
+        client += state_rule_bytes(cfg, size)
     state_elements = client_state_elements(cfg, size)
-    if cfg.strategy.name == "feddyn":  # the training client's g_i, read whole for its regulariser
-        client += 4 * state_elements
-    if cfg.train.ditto_lambda:  # the regulariser's zero linear term, fp32 per trainable element
-        client += 4 * elements
-    if size.control:  # scaffold: the correction c - c_i, and the control deltas before they are kept
-        client += 2 * size.control
     state = client_state_plan(cfg, state_elements, client_ranks)
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
         client += state[0][1] * 4 * state_elements

@@ -279,11 +279,17 @@ class ClientRank:
 
     def _needs_host_global(self, clients: int) -> bool:
         """Whether the host must keep a copy of the global model: for deltas formed on the host, or to reset
-        the host model between logical clients (a device replica resets from its own device copy)."""
+        the host model between logical clients (a device replica resets from its own device copy, and per-client
+        state reads the global model there too: ``_anchor``)."""
         if self.replica is not None:
             return self.parts.delta and self.group_sum is None
         return self.parts.delta or self.parts.personal_models is not None or (
             clients > 1 and self.trainer.modifies_weights)
+
+    def _anchor(self, keep: torch.Tensor | None) -> torch.Tensor | None:
+        """The round's global model beside the model that trains, for the per-client state's rules (SCAFFOLD's and
+        FedDyn's vectors, Ditto's regulariser): the device replica's own copy, or the host copy ``keep``."""
+        return self.replica.global_copy if self.replica is not None else keep
 
     def _train(self, round_: int, client: int, keep: torch.Tensor | None, first: bool,
                check: bool = True) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
@@ -306,15 +312,16 @@ class ClientRank:
         train, val = self.local_data.get(client, (None, None))
         metrics = self._federated_eval(round_, val)
         start = time.perf_counter()
+        anchor = self._anchor(keep)
         if self.parts.personal_models is not None:
-            assert keep is not None  # Ditto's ranks keep the global model (_needs_host_global)
-            metrics.update(self._personal(round_, client, train, val, keep))
-        result, error = self._train_one(round_, client, train, keep)
+            assert anchor is not None  # Ditto's ranks keep the global model (_needs_host_global, _anchor)
+            metrics.update(self._personal(round_, client, train, val, anchor))
+        result, error = self._train_one(round_, client, train, anchor)
         if error is None and self.parts.personal is not None:
             self.parts.personal.keep(client)
         if error is None and self.parts.controls is not None:
-            assert keep is not None  # scaffold sends deltas, so the rank keeps the global model
-            self.parts.controls.update(client, keep, result.local_steps or 0, self.parts.weight(
+            assert anchor is not None  # scaffold and feddyn send deltas, so the rank keeps the global model
+            self.parts.controls.update(client, anchor, result.local_steps or 0, self.parts.weight(
                 protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
                                     local_steps=result.local_steps)))
         check = check_update and error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
@@ -337,12 +344,13 @@ class ClientRank:
         return meta, buffers
 
     def _train_one(self, round_: int, client: int, train: ClientData | None,
-                   keep: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
-        """Local training of one logical client; a raise ends the job, or is its error under accept_failures."""
+                   anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
+        """Local training of one logical client (``anchor``: the global model beside the one that trains, for
+        SCAFFOLD's and FedDyn's rules); a raise ends the job, or is its error under accept_failures."""
         controls, seed = self.parts.controls, client_seed(self.parts.seed, round_, client)
         try:
-            assert keep is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
-            with controls.training(client, keep) if controls and keep is not None else contextlib.nullcontext():
+            assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
+            with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
                 if self.parts.group is not None:
                     return self._train_in_group(client, train, seed), None
                 return self.trainer.train(self.work.module, train, seed), None
@@ -408,7 +416,7 @@ class ClientRank:
                                                          client))
 
     def _personal(self, round_: int, client: int, train: ClientData | None, val: ClientData | None,
-                  keep: torch.Tensor) -> dict:
+                  anchor: torch.Tensor) -> dict:
         """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
         raise ends the job, or, under accept_failures, leaves the personal model as it was."""
         assert self.parts.personal_models is not None  # _serve_client calls this only for Ditto
@@ -420,7 +428,8 @@ class ClientRank:
             return {f"val_personal_{k}": v for k, v in evaluate(self.work.module, val.x, val.y).items()}
 
         try:
-            return self.parts.personal_models.train(client, train, keep, personal_seed(self.parts.seed, round_, client),
+            return self.parts.personal_models.train(client, train, anchor,
+                                                    personal_seed(self.parts.seed, round_, client),
                                                     personal_eval if due else None)
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures or self.parts.group is not None:

@@ -6,6 +6,11 @@ The vectors live in a per-client store like error-feedback residuals (storage.re
 hosted clients' vectors fit in ``strategy.control_ram_mb``, else in one HDF5 file per rank, and published
 with every checkpoint, so a resume on any number of ranks finds each client's c_i. A client never
 sampled has c_i = 0.
+
+The model these classes work on is the one that trains: the rank's host model, or its device replica
+(``train.device: cuda``, mpifl.learning.device). The store stays in host memory either way; the training
+client's vector is copied to the model's device once before it trains and its new value back once after,
+so every step's correction runs where the step does.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ class ClientControls:
         self.params = [p for p, _ in pairs]
         self.server = [c for _, c in pairs]  # views of the model's control section: the global c on arrival
         self.flat, self.store, self.lr = flat, store, lr
-        self.corrections = torch.empty(sum(p.numel() for p in self.params))
+        self.corrections = torch.empty(sum(p.numel() for p in self.params), device=flat.device)
 
     @property
     def shared(self) -> torch.Tensor:
@@ -47,15 +52,16 @@ class ClientControls:
         corrections = split(self.corrections, self.params)
         for k, c in zip(corrections, self.server):
             k.copy_(c)
-        self.corrections.sub_(self.store.read(client, 0))
+        self.corrections.sub_(self.store.read(client, 0).to(self.corrections.device))
         with corrected_steps(self.params, corrections):
             yield
 
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
-        """After ``client`` trained ``steps`` steps from the global model (``global_bytes``, the host copy of the
-        flat buffer): c_i += delta_c_i in the store, and the model's control section set to c + delta_c_i / weight,
-        so that its delta (what is sent) is the control delta over the client's weight in the server's fold. A client
-        whose training diverged (a NaN or Inf delta) keeps its c_i: its update is refused, never folded."""
+        """After ``client`` trained ``steps`` steps from the global model (``global_bytes``, a copy of the flat
+        buffer on the model's device): c_i += delta_c_i in the store, and the model's control section set to
+        c + delta_c_i / weight, so that its delta (what is sent) is the control delta over the client's weight in
+        the server's fold. A client whose training diverged (a NaN or Inf delta) keeps its c_i: its update is
+        refused, never folded."""
         if weight <= 0:
             raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, "
                              f"which is {weight}")
@@ -65,7 +71,7 @@ class ClientControls:
             return  # a diverged client: its update is refused (NaN/Inf), and its c_i stays as it was
         own = self.store.read(client, 0)
         for c, mine, delta in zip(self.server, split(own, self.params), deltas):
-            mine.add_(delta)
+            mine.add_(delta.to(mine.device))
             c.add_(delta.div_(weight))
         self.store.write(client, 0, own)
 
@@ -78,7 +84,7 @@ class GroupCorrections:
 
     def __init__(self, flat: FlatModel):
         self.params = [p for p, _ in controlled_pairs(flat.module)]
-        self.vector = torch.empty(sum(p.numel() for p in self.params))
+        self.vector = torch.empty(sum(p.numel() for p in self.params), device=flat.device)
 
     def training(self) -> contextlib.AbstractContextManager[None]:
         """Train inside: each step corrected by -lr * (the received correction)."""
@@ -94,7 +100,7 @@ class GroupDynamics:
     def __init__(self, flat: FlatModel, alpha: float):
         self.params = [p for _, p in trainable(flat.module, flat.local)]
         self.flat, self.alpha = flat, alpha
-        self.vector = torch.empty(sum(p.numel() for p in self.params))
+        self.vector = torch.empty(sum(p.numel() for p in self.params), device=flat.device)
         self.global_copy = torch.empty_like(flat.buffer)
 
     def training(self) -> contextlib.AbstractContextManager[None]:
@@ -113,7 +119,8 @@ class ClientDynamics:
     def __init__(self, flat: FlatModel, store: ResidualStore, alpha: float):
         self.params = [p for _, p in trainable(flat.module, flat.local)]
         self.flat, self.store, self.alpha = flat, store, alpha
-        self.states = torch.empty(sum(p.numel() for p in self.params))  # the training client's g_i
+        # the training client's g_i, on the device of the model that trains
+        self.states = torch.empty(sum(p.numel() for p in self.params), device=flat.device)
 
     @property
     def shared(self) -> torch.Tensor:
@@ -136,5 +143,5 @@ class ClientDynamics:
             return
         own = self.store.read(client, 0)
         for mine, m in zip(split(own, self.params), moved):
-            mine.sub_(m, alpha=self.alpha)
+            mine.sub_(m.to(mine.device), alpha=self.alpha)
         self.store.write(client, 0, own)

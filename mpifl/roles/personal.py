@@ -11,6 +11,10 @@ trains from the global tensors plus its own local ones. Those live in a per-clie
 error-feedback residuals (storage.residuals): in RAM up to ``model.local_ram_mb``, else in one HDF5 file per
 rank, published with every checkpoint. A client never sampled starts from the values the model was built
 with, the same on every rank.
+
+Both work on the model that trains: the rank's host model or its device replica (``train.device: cuda``). The
+stores stay in host memory; a client's tensors or personal model go to the device before it trains and back
+after, once each.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ class PersonalTensors:
                                  "which holds float32, bfloat16 and float16 values exactly")
         self.elements = sum(t.numel() for t in self.tensors)
         self.store, self.marked = store, marked
-        self.initial = self._gather(torch.empty(self.elements))  # as built: a client's start
+        self.initial = self._gather(torch.empty(self.elements))  # as built, in host memory: a client's start
         self.seen = set() if marked else set(store.clients())  # unmarked: clients with their own values
 
     def _gather(self, out: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,8 @@ class GroupPersonalModels:
     def __init__(self, flat: FlatModel, lam: float):
         self.flat, self.lam = flat, lam
         self.params = [p for _, p in trainable(flat.module)]
-        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
+        self.zeros = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # Ditto has no linear term
+                      for p in self.params]
         self.global_copy = torch.empty_like(flat.buffer)
 
     def train(self, trainer: Trainer, data: ClientData | None, seed: int) -> None:
@@ -117,7 +122,8 @@ class PersonalModels:
         # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
         self.starting: Callable[[int, int, torch.Tensor], None] | None = None
         self.params = [p for _, p in trainable(flat.module)]
-        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # Ditto has no linear term
+        self.zeros = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # Ditto has no linear term
+                      for p in self.params]
         self.seen = set(store.clients())  # clients with a personal model (a resume reloads them)
 
     def train(self, client: int, data: ClientData | None, global_bytes: torch.Tensor, seed: int,
@@ -138,7 +144,7 @@ class PersonalModels:
             views = [self.flat.chunk_view(c) for c in self.chunks]
             if all(bool(torch.isfinite(v).all()) for v in views):
                 for i, view in enumerate(views):
-                    self.store.write(client, i, view.float())
+                    self.store.write(client, i, view.float().cpu())
                 self.seen.add(client)
         finally:
             self.flat.buffer.copy_(global_bytes)

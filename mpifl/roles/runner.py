@@ -33,7 +33,13 @@ from mpifl.learning.datasets import (
     needs_dataset,
     surveyed_dataset,
 )
-from mpifl.learning.device import EvaluationCopy, resolve_device, training_replica, use_deterministic_kernels
+from mpifl.learning.device import (
+    DeviceReplica,
+    EvaluationCopy,
+    resolve_device,
+    training_replica,
+    use_deterministic_kernels,
+)
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.noise import client_noise_std, score_over_levels, validation_inputs
 from mpifl.learning.parallel import DataParallel
@@ -114,7 +120,7 @@ def layout_warnings(size: int, cfg: Config) -> list[str]:
                      "its groups into one partial sum before the chain, so the results depend on the number of client "
                      f"ranks (and a resume on another count differs from an uninterrupted run); clients.groups={hosts} "
                      "makes them bitwise those of point-to-point reduction groups")
-    if cfg.train.threads != 1 and cfg.client_device() != "cuda":  # "auto": the CPU where no GPU is seen
+    if cfg.train.threads != 1 and cfg.train.device != "cuda":  # "auto": the CPU where no GPU is seen
         auto = ", which 'auto' takes from the cores per rank, and so on the number of ranks per node" \
             if cfg.train.threads == "auto" else ""
         found.append(f"train.threads={cfg.train.threads!r}: training on the CPU, torch's kernels split their sums by "
@@ -253,17 +259,19 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         local = _local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
         assert flat is not None  # only rank 0's out-of-core server builds no model
+        replica = _training_replica(cfg, flat)
+        work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
         state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
         vectors, locals_, marked = _state_sections(cfg, state)
         controls: ClientControls | ClientDynamics | None = None
         if vectors is not None and cfg.control_variates:
-            controls = ClientControls(flat, vectors, cfg.train.lr)
+            controls = ClientControls(work, vectors, cfg.train.lr)
         elif vectors is not None and cfg.strategy.name == "feddyn":
-            controls = ClientDynamics(flat, vectors, cfg.strategy.alpha)
-        personal = PersonalTensors(flat, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
-        models = PersonalModels(flat, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
+            controls = ClientDynamics(work, vectors, cfg.strategy.alpha)
+        personal = PersonalTensors(work, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
+        models = PersonalModels(work, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
             if state is not None and cfg.train.ditto_lambda else None
-        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None,
+        _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
                          residuals=None if controls or personal or models else state, state=state,
                          controls=controls, personal=personal, personal_models=models, note=notes, group=group)
         return None
@@ -390,8 +398,15 @@ def _state_sections(cfg: Config, state: ResidualStore | None) -> tuple[ResidualS
     return Section(state, 0), Section(state, 1), True
 
 
+def _training_replica(cfg: Config, flat: FlatModel) -> DeviceReplica | None:
+    """The replica of the host model that this client rank trains on its device, or None to train the host model."""
+    return training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable",
+                            cfg.train.deterministic)
+
+
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping,
-                     upload_initial: bool, residuals: ResidualStore | None = None, state: ResidualStore | None = None,
+                     upload_initial: bool, replica: DeviceReplica | None = None,
+                     residuals: ResidualStore | None = None, state: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
                      personal_models: PersonalModels | None = None, note: RankNotes | None = None,
                      group: MPI.Comm | None = None) -> None:
@@ -404,8 +419,6 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    replica = training_replica(flat, cfg.client_device(), cfg.train.device_copy, cfg.model.exchange == "trainable",
-                               cfg.train.deterministic)
     trainer = make_trainer(cfg.train)
     leader = None
     if group is not None:  # clients.ranks_per_client > 1: this rank leads its group
@@ -434,16 +447,15 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
 
 def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
     """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group, on the
-    device the leader trains on (the host model where a per-client state's rule needs it)."""
-    replica = training_replica(flat, cfg.client_device(), cfg.train.device_copy, cfg.model.exchange == "trainable",
-                               cfg.train.deterministic)
+    device the leader trains on."""
+    replica = _training_replica(cfg, flat)
+    work = replica.flat if replica else flat
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
-    state = GroupCorrections(flat) if cfg.control_variates else \
-        GroupDynamics(flat, cfg.strategy.alpha) if cfg.strategy.name == "feddyn" else None
-    personal = GroupPersonalModels(flat, cfg.train.ditto_lambda) if cfg.train.ditto_lambda else None
-    member = GroupMember(group, parallel, replica.flat if replica else flat, trainer, local, _group_timeout(flat),
-                         state, personal)
+    state = GroupCorrections(work) if cfg.control_variates else \
+        GroupDynamics(work, cfg.strategy.alpha) if cfg.strategy.name == "feddyn" else None
+    personal = GroupPersonalModels(work, cfg.train.ditto_lambda) if cfg.train.ditto_lambda else None
+    member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)
     _reuse_freed_memory(cfg)
     member.run()
     notes("finished")
