@@ -79,6 +79,12 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "ranks_per_client_ditto": (["clients.ranks_per_client=2", "train.ditto_lambda=0.2",
                                 "clients.placement=balanced"], True),
     "ranks_per_client_fednova_noise": ([*FEDNOVA, "clients.ranks_per_client=2", "data.feature_noise=0.4"], True),
+    # per-client state on a device replica: the GPU path's copies, run on the CPU (train.device_copy)
+    "scaffold_fedbn_device_replica": ([*BN, *SCAFFOLD, "model.local=['*bn*']", "clients.groups=4",
+                                       "train.device_copy=true"], True),
+    "ditto_device_replica": (["train.ditto_lambda=0.3", "train.device_copy=true", *FEDERATED_EVAL], True),
+    "ranks_per_client_feddyn_fedper_device_replica": ([*FEDDYN, "clients.ranks_per_client=2", "model.local=['3.*']",
+                                                       "train.device_copy=true"], True),
     # refused, each naming a key
     "refused_ditto_fedper": (["train.ditto_lambda=0.1", "model.local=['3.*']"], True),
     "refused_scaffold_per_round": ([*SCAFFOLD, "clients.placement=per_round"], True),
