@@ -64,6 +64,8 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "fedbn_groups": ([*BN, "model.local=['*bn*']", "clients.groups=4", "train.momentum=0.9"], True),
     "ditto_on_disk": (["train.ditto_lambda=0.3", "train.personal_ram_mb=0", "clients.placement=balanced",
                        *FEDERATED_EVAL], True),
+    "topk_error_feedback_fedbn": ([*BN, "compression.method=topk", "strategy.update=delta",
+                                   "model.local=['*bn*']"], True),
     "int8_group_sums": (["compression.method=int8", "clients.groups=4", "strategy.update=delta"], True),
     "topk_error_feedback": (["compression.method=topk", "strategy.update=delta"], True),
     "dp_central": (["privacy.mode=central", "strategy.update=delta", "strategy.weighting=equal"], True),

@@ -107,7 +107,6 @@ def test_the_plan_counts_each_hosted_clients_local_tensors():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("compression.method=topk",), "top-k error feedback keeps its residuals there too"),
     (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),
 ])
 def test_local_tensors_are_refused_beside_what_they_cannot_share_a_rank_with(overrides, message):

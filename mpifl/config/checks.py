@@ -255,14 +255,11 @@ def _check_compression(cfg: Config) -> None:
 
 def _check_local(cfg: Config) -> None:
     """model.local (FedBN, FedPer): tensors kept per client on its rank, beside what would keep other state. With
-    SCAFFOLD or FedDyn both live in each client's one vector (Config.client_state); their rule then covers only
-    the parameters that travel."""
+    SCAFFOLD, FedDyn or top-k error feedback both live in each client's one vector (Config.client_state); their
+    rule then covers only the tensors that travel."""
     if not cfg.model.local:
         return
     why = "model.local keeps each client's own copy of those tensors on the rank that hosts it"
-    if cfg.compression.method == "topk" and cfg.compression.error_feedback:
-        raise ConfigError(f"model.local: {why}, and top-k error feedback keeps its residuals there too; the two "
-                          "together are not supported yet: set compression.error_feedback=false")
     problem = _synchronous_problem(cfg, "model.local", why)
     if problem:
         raise ConfigError(problem)
@@ -276,8 +273,7 @@ def _check_ditto(cfg: Config) -> None:
     caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
     others = [what for what, on in ((f"strategy {cfg.strategy.name!r}", caps is not None and caps.client_state),
                                     ("model.local", bool(cfg.model.local)),
-                                    ("top-k error feedback",
-                                     cfg.compression.method == "topk" and cfg.compression.error_feedback)) if on]
+                                    ("top-k error feedback", cfg.error_feedback)) if on]
     if others:
         raise ConfigError(f"train.ditto_lambda: {why}, and {others[0]} keeps per-client state there too; the two "
                           "together are not supported yet: drop one")

@@ -476,7 +476,8 @@ class ClientState:
     ram_mb: float  # that budget: beyond it, one HDF5 file per rank
     folder: str  # the folder of those files in the run directory
     # one element per 'exchanged' element (read chunk by chunk), 'trainable' one (outside model.local), 'local'
-    # tensor's, or 'trainable+local': a trainable vector, then the local tensors' and one more (their mark)
+    # tensor's; or 'trainable+local' / 'exchanged+local': the first kind, then the local tensors' and one more
+    # element (their mark: PersonalTensors)
     vector: str
 
 
@@ -533,9 +534,9 @@ class Config:
 
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
-        SCAFFOLD's control variates or FedDyn's gradient states (with model.local tensors beside them in the same
-        vector), model.local tensors, Ditto's personal models or top-k error-feedback residuals (config checks allow
-        no other pairs); None for none."""
+        SCAFFOLD's control variates or FedDyn's gradient states, top-k error-feedback residuals (either with
+        model.local tensors beside them in the same vector), model.local tensors, or Ditto's personal models (config
+        checks allow no other pairs); None for none."""
         vectors = "SCAFFOLD control variates" if self.control_variates else \
             "FedDyn gradient states" if self.strategy.name == "feddyn" else None
         if vectors and self.model.local:  # one vector per client holds both, in one store
@@ -545,15 +546,25 @@ class Config:
         if vectors:
             return ClientState(vectors, "strategy.control_ram_mb", self.strategy.control_ram_mb, "controls",
                                "trainable")
+        if self.error_feedback and self.model.local:
+            return ClientState("error-feedback residuals and local tensors (model.local)",
+                               "compression.residual_ram_mb + model.local_ram_mb",
+                               self.compression.residual_ram_mb + self.model.local_ram_mb, "residuals",
+                               "exchanged+local")
         if self.model.local:
             return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals",
                                "local")
         if self.train.ditto_lambda:
             return ClientState("Ditto personal models", "train.personal_ram_mb", self.train.personal_ram_mb,
                                "personal", "exchanged")
-        if self.compression.method == "topk" and self.compression.error_feedback:
+        if self.error_feedback:
             return ClientState("error-feedback residuals", "compression.residual_ram_mb",
                                self.compression.residual_ram_mb, "residuals", "exchanged")
         return None
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether each client keeps a residual of what top-k did not send (EF-SGD)."""
+        return self.compression.method == "topk" and self.compression.error_feedback
 
 

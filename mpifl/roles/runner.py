@@ -262,7 +262,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         replica = _training_replica(cfg, flat)
         work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
         state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
-        vectors, locals_, marked = _state_sections(cfg, state)
+        vectors, locals_, marked = _state_sections(cfg, plan, state)
         controls: ClientControls | ClientDynamics | None = None
         if vectors is not None and cfg.control_variates:
             controls = ClientControls(work, vectors, cfg.train.lr)
@@ -272,7 +272,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         models = PersonalModels(work, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
             if state is not None and cfg.train.ditto_lambda else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
-                         residuals=None if controls or personal or models else state, state=state,
+                         residuals=vectors if cfg.error_feedback else None, state=state,
                          controls=controls, personal=personal, personal_models=models, note=notes, group=group)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
@@ -369,14 +369,18 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
                   run_dir: Path | None, resume: ResumePoint | None) -> ResidualStore | None:
     """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
     read chunk by chunk; SCAFFOLD's c_i or FedDyn's g_i, one per trainable element outside model.local; model.local
-    tensors; or both of the last two, one chunk each), in RAM or on disk, reloaded on a resume."""
+    tensors; or either of the first two, then the local tensors as one more chunk), in RAM or on disk, reloaded on
+    a resume."""
     state = cfg.client_state()
     if state is None:
         return None
     shared, local = control_elements(flat.module, flat.local), sum(t.numel() for _, t in flat.local_tensors())
+    chunked = element_offsets(plan.chunks)
     firsts = {"trainable": [0, shared], "local": [0, local],
-              "trainable+local": [0, shared, shared + local + 1],  # then the local tensors' mark (PersonalTensors)
-              }.get(state.vector) or element_offsets(plan.chunks)
+              # then the local tensors and their mark (PersonalTensors)
+              "trainable+local": [0, shared, shared + local + 1],
+              "exchanged+local": [*chunked, chunked[-1] + local + 1],
+              }.get(state.vector) or chunked
     path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
     try:
         store = open_residuals(firsts, len(hosted), int(state.ram_mb * MIB), path, state.ram_key)
@@ -388,13 +392,17 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
     return store
 
 
-def _state_sections(cfg: Config, state: ResidualStore | None) -> tuple[ResidualStore | None, ResidualStore | None,
-                                                                         bool]:
-    """(SCAFFOLD's or FedDyn's vectors, model.local tensors, whether the local part carries its mark): the rank's one
-    store, or with both kinds (``trainable+local``) its two sections in the order :func:`_client_state` lays out."""
+def _state_sections(cfg: Config, plan: ExchangeLayout,
+                    state: ResidualStore | None) -> tuple[ResidualStore | None, ResidualStore | None, bool]:
+    """(SCAFFOLD's or FedDyn's vectors or the error-feedback residuals, model.local tensors, whether the local part
+    carries its mark): the rank's one store, or with both kinds (``...+local``) its sections in the order
+    :func:`_client_state` lays out. Residuals are read chunk by chunk, by the exchange's chunk indices, so they
+    take the store itself: the local tensors are the chunk after the last."""
     kinds = cfg.client_state()
-    if state is None or kinds is None or kinds.vector != "trainable+local":
+    if state is None or kinds is None or not kinds.vector.endswith("+local"):
         return state, state, False
+    if kinds.vector == "exchanged+local":
+        return state, Section(state, len(plan.chunks)), True
     return Section(state, 0), Section(state, 1), True
 
 
