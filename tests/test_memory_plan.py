@@ -239,12 +239,19 @@ def test_the_gpu_plan_is_what_an_h100_measured_activations_aside():
     assert 0.8 * H100_CNN["gpu"] < client_device_bytes(cnn, size) < H100_CNN["gpu"]
 
 
-def test_an_option_is_read_only_by_its_whole_name(capsys):
-    """`--ranks 5` must not pass for `--ranks-per-node 5` (argparse's prefix matching would take it silently)."""
+def test_an_option_is_read_only_by_its_whole_name_and_a_mistyped_one_is_named_with_what_it_may_mean(capsys):
+    """`--ranks 5` must not pass for `--ranks-per-node 5` (argparse's prefix matching would take it silently); the
+    error comes with the subcommand's own usage and the options the user may have meant."""
     import pytest
 
     from mpifl.cli import main
 
     with pytest.raises(SystemExit):
         main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "--ranks", "5"])
-    assert "unrecognized arguments: --ranks 5" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mpifl plan ")
+    assert ("mpifl plan: error: unrecognized arguments: --ranks 5 (--ranks: did you mean --client-ranks or "
+            "--ranks-per-node?)") in err
+    with pytest.raises(SystemExit):
+        main(["run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dri", "x"])
+    assert "(--run-dri: did you mean --run-dir?)" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpifl.cli import commands
-from mpifl.cli.parsing import add_subcommand
+from mpifl.cli.parsing import add_subcommand, refuse_unrecognized
 from mpifl.cli.pbs import add_parser as add_pbs_parser
 from mpifl.cli.plan import add_parser as add_plan_parser
 from mpifl.cli.slurm import add_parser as add_slurm_parser
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None, comm: MPI.Intracomm | None = None) -> in
     # key=value overrides may also come after options (`run CFG --run-dir D rounds=3`)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray or (extra and args.command not in TAKES_OVERRIDES):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        refuse_unrecognized(parser, args.command, stray or extra)
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume and not Path(args.resume).exists():
         extra.append(args.resume)  # `--resume rounds=9`: the optional CKPT swallowed an override
         args.resume = "latest"

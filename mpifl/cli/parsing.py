@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import difflib
+from typing import Any, NoReturn
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -19,3 +20,23 @@ def add_subcommand(sub: argparse._SubParsersAction, name: str, **options: Any) -
     """The subcommand ``name``: whole option names only (argparse's prefix matching would read
     ``mpifl plan --ranks 5`` as ``--ranks-per-node 5``), and its defaults in ``--help``."""
     return sub.add_parser(name, formatter_class=DefaultsFormatter, allow_abbrev=False, **options)
+
+
+def refuse_unrecognized(parser: argparse.ArgumentParser, command: str | None, stray: list[str]) -> NoReturn:
+    """Exit with argparse's error for arguments no option takes, from the subcommand's own parser (its usage, not the
+    top level's), naming the subcommand's options that a mistyped one may mean: those whose name contains it as a
+    word (``mpifl plan --ranks``: ``--client-ranks`` or ``--ranks-per-node``), else the closest spelling."""
+    chosen = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            chosen = action.choices[command]
+    options = [o for action in chosen._actions for o in action.option_strings if o.startswith("--")]
+    hints = []
+    for arg in stray:
+        if not arg.startswith("--"):
+            continue
+        name = arg.split("=")[0]
+        near = [o for o in options if name[2:] in o[2:].split("-")] or difflib.get_close_matches(name, options, n=1)
+        if near:
+            hints.append(f"{name}: did you mean {' or '.join(near[:3])}?")
+    chosen.error(f"unrecognized arguments: {' '.join(stray)}" + (f" ({'; '.join(hints)})" if hints else ""))
