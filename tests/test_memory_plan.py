@@ -255,3 +255,23 @@ def test_an_option_is_read_only_by_its_whole_name_and_a_mistyped_one_is_named_wi
     with pytest.raises(SystemExit):
         main(["run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dri", "x"])
     assert "(--run-dri: did you mean --run-dir?)" in capsys.readouterr().err
+
+
+def test_the_bytes_moved_per_round_count_updates_as_they_travel():
+    """An update on the wire: the model's bytes, half of them in bf16, the top-k's indices and values, or a group's
+    fp32 sum; a round moves the model out to each client rank and those updates back."""
+    from mpifl.cli.plan import estimate
+
+    def update_bytes(*overrides: str) -> tuple[int, int]:
+        cfg = load_config(ROOT / "configs" / "quickstart.yaml", list(overrides))
+        size, plan = estimate(cfg, nranks=3, ranks_per_node=3, server_alone=False)
+        assert plan.update_wire_bytes > 0
+        return plan.update_wire_bytes, size.exchanged
+
+    dense, model = update_bytes()
+    assert 0 <= model - dense < 64  # every tensor's bytes; the buffer's 64-byte alignment padding never travels
+    assert update_bytes("strategy.wire_dtype=bfloat16")[0] < 0.51 * model
+    topk = update_bytes("compression.method=topk", "compression.fraction=0.01", "strategy.update=delta")[0]
+    assert 8 * 0.01 * model / 4 <= topk < 0.03 * model  # an int32 index and an fp32 value per kept value
+    bf16 = update_bytes("model.dtype=bfloat16")[0]
+    assert update_bytes("clients.groups=2", "model.dtype=bfloat16")[0] == 2 * bf16  # a bf16 model's fp32 group sums

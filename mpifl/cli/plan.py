@@ -102,9 +102,7 @@ def plan_main(args: argparse.Namespace) -> int:
     ranks = client_ranks(cfg, args)
     gpus = gpus_per_node(args.gpus_per_node)
     size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus)
-    elements = size.exchanged // itemsize(cfg.model.dtype)
-    back = 4 * elements * cfg.clients.groups if cfg.clients.groups \
-        else size.exchanged * cfg.clients_per_round()  # the updates, or the groups' fp32 sums
+    back = plan.update_wire_bytes * (cfg.clients.groups or cfg.clients_per_round())  # the updates, or group sums
     per_client = cfg.clients.ranks_per_client
     rounds_bytes = size.exchanged * max(1, ranks // per_client) + back  # only a group's leader talks to rank 0
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "

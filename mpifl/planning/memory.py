@@ -77,6 +77,7 @@ class MemoryEstimate:
     node_data_bytes: int = 0  # the shared set, once per node with client ranks (inside node_bytes)
     client_device_bytes: int = 0  # GPU memory per client rank that trains on a GPU (0: it trains on the CPU)
     server_device_bytes: int = 0  # the server's evaluation copy on its GPU (eval.device; 0: it evaluates on the CPU)
+    update_wire_bytes: int = 0  # one update (or a group's sum) as it travels: narrowed, compressed or fp32 sums
 
     def describe(self) -> str:
         """One line for a job script's comment and the ``pbs`` command's output."""
@@ -270,7 +271,7 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data)
     return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
                           client_device_bytes(cfg, size) if on_gpu else 0,
-                          server_device_bytes(cfg, size, gpus_per_node))
+                          server_device_bytes(cfg, size, gpus_per_node), sum(c.nbytes for c in exchange.wire))
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
