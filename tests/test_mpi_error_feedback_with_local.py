@@ -1,8 +1,8 @@
 """Top-k with error feedback beside FedBN / FedPer (``model.local``): each client keeps its residual of what top-k
 did not send and its own local tensors in one vector on the rank that hosts it (the residual chunk by chunk, then
 the local tensors and their mark); the local tensors never travel, and only the shared ones are compressed. With
-every value sent it is FedPer, bitwise; with 5% sent, the same bits on any number of ranks and across a resume on
-another number of ranks."""
+every value sent it is FedPer, bitwise; with 5% sent, the same bits on any number of ranks, on a device replica and
+across a resume on another number of ranks."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,9 +45,10 @@ def test_with_every_value_sent_it_is_fedper_bitwise_and_no_residual_is_left(tmp_
     assert all(not r.any() for r in residuals.values())
 
 
-def test_with_five_percent_sent_the_same_bits_on_any_number_of_ranks_and_resumed(tmp_path):
+def test_with_five_percent_sent_the_same_bits_on_any_number_of_ranks_on_a_replica_and_resumed(tmp_path):
     two = run(tmp_path, "two", 3)
-    four = run(tmp_path, "four", 5, "compression.residual_ram_mb=0", "model.local_ram_mb=0")  # on disk
+    # on disk, and trained on a device replica (the GPU path's copies, on the CPU): the head loaded there
+    four = run(tmp_path, "four", 5, "compression.residual_ram_mb=0", "model.local_ram_mb=0", "train.device_copy=true")
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     rest = stopped_and_resumed(tmp_path, cfg)  # stopped on 2 client ranks after round 2, resumed on 3
     assert "resume: error-feedback residuals and local tensors (model.local) of" in rest.stderr
