@@ -12,7 +12,13 @@ from torch import nn
 
 from mpifl.config import resume_conflict
 from mpifl.errors import CheckpointError
-from mpifl.storage.checkpointer import checkpoint_name, latest_checkpoint, list_checkpoints, prune_checkpoints
+from mpifl.storage.checkpointer import (
+    checkpoint_name,
+    kept_per_client,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+)
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter, load_tensors
 from mpifl.wire.flat import FlatModel
 
@@ -329,3 +335,22 @@ def test_a_range_over_the_padding_between_dtype_segments_is_never_mapped(tmp_pat
         inside = ckpt.map_range(flat.spec, narrow.offset, narrow.nbytes)
         assert np.array_equal(inside.view, flat.bytes[narrow.offset:narrow.offset + narrow.nbytes])
         inside.unmap()
+
+
+def test_a_checkpoint_says_what_its_clients_kept_even_where_its_model_plug_in_cannot_be_imported():
+    """inspect and the resume's refusals name the per-client state from the checkpoint's config; a plug-in model,
+    dataset or trainer missing on this machine does not decide it, so it does not hide it. A plug-in strategy
+    might keep state of its own: missing, the state is named generically."""
+    import types
+
+    import yaml
+
+    def kept(**sections) -> str:
+        return kept_per_client(types.SimpleNamespace(config=yaml.safe_dump(sections)))  # type: ignore[arg-type]
+
+    plugin_model = {"name": "not_installed_here.models:net", "kwargs": {"width": 3}, "local": ["head.*"]}
+    scaffold = {"name": "scaffold", "update": "delta"}
+    assert kept(model=plugin_model, strategy=scaffold) == "SCAFFOLD control variates and local tensors (model.local)"
+    assert kept(model=plugin_model, train={"trainer": "not_installed_here.t:T"},
+                data={"dataset": "not_installed_here.d:load"}) == "local tensors (model.local)"
+    assert kept(model=plugin_model, strategy={"name": "not_installed_here.s:Mine"}) == "per-client state"

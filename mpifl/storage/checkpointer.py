@@ -73,13 +73,36 @@ def residual_files(ckpt: Checkpoint) -> list[Path] | None:
     return [folder / name for name in json.loads(listed)]
 
 
+# Plug-ins (``module:attr``) that a config names but that never decide what a run keeps per client: a checkpoint
+# read where they cannot be imported (another machine, another environment) still says what its clients kept.
+PLUGINS_BESIDE_STATE = (("model", "name"), ("data", "dataset"), ("data", "partition"), ("train", "trainer"))
+
+
+def without_plugins(raw: dict) -> dict:
+    """``raw`` with the plug-ins of :data:`PLUGINS_BESIDE_STATE` taken out (their defaults in their place)."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
+    for section, key in PLUGINS_BESIDE_STATE:
+        values = out.get(section)
+        if isinstance(values, dict) and ":" in str(values.get(key, "")):
+            values.pop(key)
+            values.pop("kwargs", None)
+    return out
+
+
 def kept_per_client(ckpt: Checkpoint) -> str:
-    """What the checkpoint's run kept per logical client, as the logs name it (read from its config)."""
+    """What the checkpoint's run kept per logical client, as the logs name it (read from its config, without the
+    plug-ins that do not decide it when they cannot be imported here)."""
     try:
-        state = load_config(None, data=yaml.safe_load(ckpt.config) or {}).client_state()
-    except (ConfigError, yaml.YAMLError):  # a config this version cannot read: say it generically
-        state = None
-    return state.what if state is not None else "per-client state"
+        raw = yaml.safe_load(ckpt.config) or {}
+    except yaml.YAMLError:
+        return "per-client state"
+    for attempt in (raw, without_plugins(raw)):
+        try:
+            state = load_config(None, data=attempt).client_state()
+        except ConfigError:  # a plug-in not importable here, or a config this version cannot read
+            continue
+        return state.what if state is not None else "per-client state"
+    return "per-client state"
 
 
 def missing_residuals(ckpt: Checkpoint) -> str | None:
