@@ -11,9 +11,8 @@ device-side reset and training; then one device-to-host copy per update (or, wit
 ``clients.groups``, per group sum, folded on the device). Per-client state (SCAFFOLD's and
 FedDyn's vectors, ``model.local`` tensors, Ditto's personal models) stays in host memory, and its
 rules run on the replica: the training client's state goes to the device before it trains and
-back after. With ``train.device_copy`` the
-same path runs on the CPU with a separate, non-aliased replica, which is how the test suite
-exercises it without a GPU.
+back after. With ``train.device_copy`` the same path runs on the CPU with a separate, non-aliased
+replica, which is how the test suite exercises it without a GPU.
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ import yaml
 from mpifl.config import CheckpointConfig, Config, ConfigError, dump_config, load_config
 from mpifl.errors import CheckpointError, JobFailure
 from mpifl.logs import env_rank, log
+from mpifl.plugins import is_import_path
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import metadata_problem
 from mpifl.storage.stores import GlobalStore
@@ -83,7 +84,7 @@ def without_plugins(raw: dict) -> dict:
     out = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
     for section, key in PLUGINS_BESIDE_STATE:
         values = out.get(section)
-        if isinstance(values, dict) and ":" in str(values.get(key, "")):
+        if isinstance(values, dict) and is_import_path(values.get(key, "")):
             values.pop(key)
             values.pop("kwargs", None)
     return out
