@@ -122,8 +122,8 @@ class DiskResiduals:
 
 class Section:
     """Chunk ``index`` of another store, as the one chunk of a store of its own: two kinds of per-client state kept
-    in one store (SCAFFOLD's c_i or FedDyn's g_i, then a client's ``model.local`` tensors), so that a rank keeps
-    one file of them and a checkpoint one snapshot per rank, each client's vector holding both."""
+    in one store (SCAFFOLD's c_i, FedDyn's g_i or top-k's residual, then a client's ``model.local`` tensors), so
+    that a rank keeps one file of them and a checkpoint one snapshot per rank, each client's vector holding both."""
 
     def __init__(self, store: ResidualStore, index: int):
         self.store, self.index = store, index
