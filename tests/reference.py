@@ -329,11 +329,14 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     own: dict[int, dict[str, torch.Tensor]] = {}
     eta = np.float32(s.server_lr if s.server_lr is not None else 1.0)
     statistics = statistics_of(flat.module)
+    work = [float(len(p) * cfg.train.local_epochs) for p in parts]  # clients.group_by cost
     for rnd in range(1, cfg.rounds + 1):
         start = flat.buffer.clone()
         old = {n: t.detach().clone() for n, t in flat.tensors()}
         sent = []
-        for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+        sampled = sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round())
+        group_of = cost_groups(sampled, work, cfg.clients.groups) if cfg.clients.group_by == "cost" else None
+        for client in sampled:
             flat.buffer.copy_(start)
             local.load(client)
             c_i = own.get(client) or {n: torch.zeros(p.shape) for n, p in params}
@@ -356,9 +359,10 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
             sent.append((client, w, {n: (t.detach() - old[n]).numpy() for n, t in flat.tensors() if not local.named(n)},
                          {n: ((c[n] + delta_c[n] / w) - c[n]).numpy() for n in c}))
 
-        def mean(values: list[tuple[int, float, np.ndarray]], divisor: float | None = None) -> np.ndarray:
+        def mean(values: list[tuple[int, float, np.ndarray]], divisor: float | None = None,
+                 group_of: dict[int, int] | None = group_of) -> np.ndarray:
             if cfg.clients.groups:
-                return grouped_weighted_mean(values, cfg.clients.groups, divisor)
+                return grouped_weighted_mean(values, cfg.clients.groups, divisor, group_of)
             return weighted_mean([(w, v) for _, w, v in values], divisor)
 
         for n, t in flat.tensors():

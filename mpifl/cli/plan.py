@@ -23,6 +23,7 @@ from mpifl.planning.memory import (
     ModelBytes,
     client_state_elements,
     client_state_plan,
+    loaned_vectors,
     memory_estimate,
     state_rule_bytes,
 )
@@ -146,6 +147,11 @@ def plan_main(args: argparse.Namespace) -> int:
             f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
         print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
               f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
+    loans = loaned_vectors(cfg, ranks, client_state_plan(cfg, state_elements, ranks)[0][2]) if state else 0
+    if loans:
+        print(f"  clients.placement per_round: each client's state stays on its home rank (1 + c mod {ranks}) and is "
+              f"lent to the rank that trains it for the round; up to {loans} whole vectors "
+              f"({4 * loans * state_elements / MIB:,.1f} MiB) beside a rank's own (counted above)")
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
               "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "

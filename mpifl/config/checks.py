@@ -311,13 +311,11 @@ def _check_ranks_per_client(cfg: Config) -> None:
 
 def _check_per_round_placement(cfg: Config) -> None:
     """``clients.placement: per_round`` moves clients between ranks from round to round, so nothing about a
-    client, nor the order of a sum, may depend on the rank that trains it."""
+    client, nor the order of a sum, may depend on the rank that trains it (per-client state is lent to that rank
+    for the round: ``mpifl.roles.lending``)."""
     if cfg.clients.placement != "per_round":
         return
-    state = cfg.client_state()
     why = "clients.placement: 'per_round' trains a client on a different rank from round to round"
-    if state is not None:
-        raise ConfigError(f"{why}, but {state.what} stay on the rank that hosts the client; use 'balanced'")
     needs = [("clock.mode", cfg.clock.mode == "off", "'off' (held updates and virtual clocks follow a client's "
                                                      "home rank)"),
              ("transport.reduce", cfg.transport.reduce != "chain", "not 'chain' (the chain adds each rank's sum "

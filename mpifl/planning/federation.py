@@ -72,6 +72,28 @@ def balanced_ranks(work: list[float], client_ranks: int, groups: int = 0) -> lis
     return [rank_of_unit[group_of(c, groups)] for c in range(len(work))]
 
 
+def state_home(client: int, client_ranks: int) -> int:
+    """The rank that keeps ``client``'s per-client state when ``clients.placement: per_round`` trains it anywhere:
+    round robin, 1 + c mod N, so that every rank keeps the same number of clients' vectors."""
+    return rank_of_client(client, client_ranks)
+
+
+def state_loans(train: dict[int, list[int]], client_ranks: int) -> tuple[dict[int, list[tuple[int, int]]],
+                                                                       dict[int, list[tuple[int, int]]]]:
+    """A per_round round's moves of per-client state, from who trains whom (rank -> clients): what each rank
+    borrows, [(client, home)], and what it lends, [(client, trainer)], each ascending by client. A client that
+    trains at its home moves nothing."""
+    borrow: dict[int, list[tuple[int, int]]] = {}
+    lend: dict[int, list[tuple[int, int]]] = {}
+    for rank, clients in train.items():
+        for client in clients:
+            home = state_home(client, client_ranks)
+            if home != rank:
+                borrow.setdefault(rank, []).append((client, home))
+                lend.setdefault(home, []).append((client, rank))
+    return ({r: sorted(moves) for r, moves in borrow.items()}, {r: sorted(moves) for r, moves in lend.items()})
+
+
 def fitted_overhead(observations: list[tuple[int, float, float]]) -> float | None:
     """A logical client's fixed cost in units of work (samples x epochs), from each rank's round as (clients, work,
     seconds): the least-squares fit of seconds = a x clients + b x work, returned as a / b (at least 0). None while

@@ -229,7 +229,18 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     state = client_state_plan(cfg, state_elements, client_ranks)
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
         client += state[0][1] * 4 * state_elements
-    return client
+    return client + 4 * state_elements * loaned_vectors(cfg, client_ranks, state[0][2] if state else "RAM")
+
+
+def loaned_vectors(cfg: Config, client_ranks: int, where: str) -> int:
+    """Whole state vectors a client rank holds beside its own for a round when ``clients.placement: per_round``
+    lends each client's state to the rank that trains it (mpifl.roles.lending): those it borrows, up to its share of
+    the participants (the placement balances their work, so about per_round / N), and, with the homes' vectors on
+    disk, a copy of each it lends (about as many). 0 without loans."""
+    if not cfg.lends_client_state:
+        return 0
+    share = -(-cfg.clients_per_round() // client_ranks)
+    return share * (2 if where == "HDF5" else 1)
 
 
 def client_state_elements(cfg: Config, size: ModelBytes) -> int:
@@ -299,8 +310,9 @@ def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tup
     per_client = cfg.clients.ranks_per_client
     hosts = max(1, client_ranks // per_client)
     by_count: dict[int, list[int]] = {}
+    groups = 0 if cfg.lends_client_state else cfg.clients.groups  # per_round: each client's home is 1 + c mod N
     for host in range(1, hosts + 1):
-        hosted = len(clients_of_rank(host, cfg.clients.num_clients, hosts, cfg.clients.groups))
+        hosted = len(clients_of_rank(host, cfg.clients.num_clients, hosts, groups))
         by_count.setdefault(hosted, []).append(1 + (host - 1) * per_client)  # the host's world rank
     limit = state.ram_mb * MIB
     return [(ranks, n, "RAM" if 4 * n * elements <= limit else "HDF5") for n, ranks in sorted(by_count.items(),

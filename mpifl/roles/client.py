@@ -22,6 +22,7 @@ from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
+from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
@@ -64,6 +65,7 @@ class ClientParts:
     personal_models: PersonalModels | None = None  # train.ditto_lambda (Ditto): each hosted client's own model
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
+    lending: StateLending | None = None  # per_round placement with per-client state: each round's loans of it
 
 
 def group_members(clients: tuple[int, ...], groups: int, assigned: tuple[int, ...] = ()) -> list[tuple[int, list[int]]]:
@@ -126,10 +128,14 @@ class ClientRank:
             self.parts.note("round", header.round)
             self.progress.start_round(header.round)
             self.clip, self.cohort = header.clip, header.cohort
+            if self.parts.lending is not None:
+                self.parts.lending.borrow(header)
             if header.hold:
                 self.serve_step(header)
             elif header.clients:
                 self.serve_round(header)
+            if self.parts.lending is not None:
+                self.parts.lending.give_back(header)
 
     def persist(self, header: protocol.RoundHeader) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,

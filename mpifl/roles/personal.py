@@ -46,7 +46,6 @@ class PersonalTensors:
         self.elements = sum(t.numel() for t in self.tensors)
         self.store, self.marked = store, marked
         self.initial = self._gather(torch.empty(self.elements))  # as built, in host memory: a client's start
-        self.seen = set() if marked else set(store.clients())  # unmarked: clients with their own values
 
     def _gather(self, out: torch.Tensor) -> torch.Tensor:
         start = 0
@@ -61,7 +60,7 @@ class PersonalTensors:
             stored = self.store.read(client, 0)
             values = stored if bool(stored[self.elements] == 1) else self.initial
         else:
-            values = self.store.read(client, 0) if client in self.seen else self.initial
+            values = self.store.read(client, 0) if self.store.has(client) else self.initial
         start = 0
         with torch.no_grad():
             for t in self.tensors:
@@ -78,7 +77,6 @@ class PersonalTensors:
         if self.marked:
             own[self.elements] = 1
         self.store.write(client, 0, own)
-        self.seen.add(client)
 
 
 class GroupPersonalModels:
@@ -124,13 +122,12 @@ class PersonalModels:
         self.params = [p for _, p in trainable(flat.module)]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # Ditto has no linear term
                       for p in self.params]
-        self.seen = set(store.clients())  # clients with a personal model (a resume reloads them)
 
     def train(self, client: int, data: ClientData | None, global_bytes: torch.Tensor, seed: int,
               evaluate: Callable[[], dict] | None) -> dict:
         """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back. Returns
         ``evaluate()``'s metrics of v_i when given (the caller's federated evaluation of the model in place)."""
-        if client in self.seen:
+        if self.store.has(client):  # a personal model of its own (a resume reloads them), else w's copy
             for i, c in enumerate(self.chunks):
                 self.flat.chunk_view(c).copy_(self.store.read(client, i))
         self.flat.reset_local_state()
@@ -145,7 +142,6 @@ class PersonalModels:
             if all(bool(torch.isfinite(v).all()) for v in views):
                 for i, view in enumerate(views):
                     self.store.write(client, i, view.float().cpu())
-                self.seen.add(client)
         finally:
             self.flat.buffer.copy_(global_bytes)
             self.flat.reset_local_state()

@@ -49,7 +49,7 @@ from mpifl.learning.trainers import CausalLMTrainer, Evaluator, TorchTrainer, Tr
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.planning.binding import Binding, core_ranges, describe
-from mpifl.planning.federation import Placement, placement_for
+from mpifl.planning.federation import Placement, placement_for, state_home
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
@@ -57,13 +57,14 @@ from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
 from mpifl.roles.group import GroupLayout, GroupLeader, GroupMember, split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
+from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import GroupPersonalModels, PersonalModels, PersonalTensors
 from mpifl.roles.records import log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
-from mpifl.storage.residuals import RANK_FILE, ResidualStore, Section, load_snapshot, open_residuals
+from mpifl.storage.residuals import RANK_FILE, Borrowing, ResidualStore, Section, load_snapshot, open_residuals
 from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
@@ -261,7 +262,11 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         assert flat is not None  # only rank 0's out-of-core server builds no model
         replica = _training_replica(cfg, flat)
         work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
-        state = _client_state(cfg, plan, flat, comm.Get_rank(), sorted(local), run_dir, resume)
+        hosted = sorted(local) if not cfg.lends_client_state else \
+            [c for c in range(cfg.clients.num_clients) if state_home(c, comm.Get_size() - 1) == comm.Get_rank()]
+        state = _client_state(cfg, plan, flat, comm.Get_rank(), hosted, run_dir, resume)
+        if state is not None and cfg.lends_client_state:  # per_round: each client's state is lent where it trains
+            state = Borrowing(state)
         vectors, locals_, marked = _state_sections(cfg, plan, state)
         controls: ClientControls | ClientDynamics | None = None
         if vectors is not None and cfg.control_variates:
@@ -445,7 +450,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
         state=state, controls=controls, personal=personal, personal_models=personal_models,
-        note=note or RankNotes(None, comm.Get_rank()), group=leader)
+        note=note or RankNotes(None, comm.Get_rank()), group=leader,
+        lending=StateLending(comm, state) if isinstance(state, Borrowing) else None)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
     client.run()
@@ -557,7 +563,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                         privacy=privacy,
                         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
                         stragglers=StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None,
-                        floor=floor)
+                        floor=floor, lends_state=cfg.lends_client_state)
     try:
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)

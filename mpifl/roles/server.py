@@ -26,7 +26,7 @@ from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
-from mpifl.planning.federation import RoundAssignment, Sampler
+from mpifl.planning.federation import RoundAssignment, Sampler, state_loans
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
@@ -78,6 +78,7 @@ class ServerParts:
     sink: JsonLines
     deadlines: RunDeadlines  # shared with whatever else waits on ranks (the residual publisher)
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # rank 0's notes in the run directory
+    lends_state: bool = False  # per-client state under per_round placement: headers name each round's loans
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
     stragglers: StragglerRule | None = None  # clients.accept_failures: when a rank still training is dropped
@@ -324,6 +325,8 @@ class Server:
         links = {r: (chain[i - 1] if i else None, chain[i + 1] if i + 1 < len(chain) else protocol.SERVER)
                  for i, r in enumerate(chain)} if chain else {}
         stream = next(iter(self._streams(plan).values()))[0] if plan is not None and chain else None
+        borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) \
+            if plan is not None and self.parts.lends_state else ({}, {})
 
         def header(rank: int) -> protocol.RoundHeader:
             if plan is None:
@@ -340,7 +343,8 @@ class Server:
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
                                         steps=steps, groups=groups, parent=parent, children=children,
                                         reduce_from=reduce_from, reduce_to=reduce_to,
-                                        reduce_stream=stream if rank in links else None)
+                                        reduce_stream=stream if rank in links else None,
+                                        borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())))
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
@@ -374,6 +378,9 @@ class Server:
                                                            record["bytes_received"])
         if evaluation is not None:
             record["eval"] = evaluation
+        if self.parts.lends_state:  # per_round placement: the clients whose state their home lent for the round
+            borrowed, _ = state_loans(plan.train, self.comm.Get_size() - 1)
+            record["state_loans"] = sum(len(moves) for moves in borrowed.values())
         group = group_split(metas.values())
         if group is not None:
             record["client_group"] = group

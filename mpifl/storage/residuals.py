@@ -47,6 +47,9 @@ class ResidualStore(Protocol):
     def clients(self) -> list[int]:
         """The clients that have a residual, ascending."""
 
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has a vector of its own (written, or reloaded), rather than the zeros of none."""
+
 
 class RamResiduals:
     """Whole residuals in RAM, allocated when a client is first sampled."""
@@ -76,6 +79,10 @@ class RamResiduals:
     def clients(self) -> list[int]:
         """The clients sampled so far (each has a residual, maybe zeros), ascending."""
         return sorted(self.vectors)
+
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has a vector (read or written at least once)."""
+        return client in self.vectors
 
 
 class DiskResiduals:
@@ -115,6 +122,10 @@ class DiskResiduals:
         """The clients with a dataset in the file (written at least once), ascending."""
         return sorted(int(c) for c in self.group)
 
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has a dataset in the file (written at least once)."""
+        return str(client) in self.group
+
     def close(self) -> None:
         """Close the rank's residual file."""
         self.file.close()
@@ -142,6 +153,61 @@ class Section:
     def clients(self) -> list[int]:
         """The clients with a vector in the whole store (this section of it may still be zeros)."""
         return self.store.clients()
+
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has a vector in the whole store (this section of it may still be zeros)."""
+        return self.store.has(client)
+
+
+class Borrowing:
+    """A rank's store, plus the vectors of clients it trains this round whose home is another rank
+    (``clients.placement: per_round``): reads and writes of a borrowed client go to its borrowed vector, every
+    other client's to the store. What checkpoints publish (:meth:`clients`) is the home clients' alone: a
+    borrowed vector goes back to its home before the round ends (``mpifl.roles.lending``)."""
+
+    def __init__(self, store: ResidualStore):
+        self.store, self.firsts = store, store.firsts
+        self.borrowed: dict[int, torch.Tensor] = {}  # client -> its whole vector, for this round
+        self.owned: dict[int, bool] = {}  # borrowed client -> whether it has a vector of its own (has())
+
+    def __repr__(self) -> str:
+        return f"<{self.store!r}, {len(self.borrowed)} borrowed>"
+
+    @property
+    def where(self) -> str:
+        """Where the home clients' vectors live: RAM or HDF5."""
+        return str(getattr(self.store, "where", "RAM"))
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """Chunk ``index`` of the client's vector: its borrowed one, or the store's."""
+        vector = self.borrowed.get(client)
+        if vector is None:
+            return self.store.read(client, index)
+        return vector[self.firsts[index]:self.firsts[index + 1]]
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Store chunk ``index``: into the borrowed vector, or the store."""
+        vector = self.borrowed.get(client)
+        if vector is None:
+            self.store.write(client, index, values)
+            return
+        view = vector[self.firsts[index]:self.firsts[index + 1]]
+        if values.data_ptr() != view.data_ptr():
+            view.copy_(values)
+        self.owned[client] = True
+
+    def clients(self) -> list[int]:
+        """The home clients with a vector (a borrowed one is its home's to publish)."""
+        return self.store.clients()
+
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has a vector of its own: as its home said when lending it, or written since."""
+        return self.owned[client] if client in self.borrowed else self.store.has(client)
+
+    def lend_out(self) -> None:
+        """The round's loans are over: forget the borrowed vectors."""
+        self.borrowed.clear()
+        self.owned.clear()
 
 
 def _create(group: h5py.Group, client: int, elements: int) -> h5py.Dataset:

@@ -30,6 +30,11 @@ Error feedback, before rank 0 publishes a checkpoint of round r (two phases):
     0 -> c  HEADER     RoundHeader(r, persist=folder): every client rank publishes its clients'
                        residuals as folder/rank<rank>.h5,
     c -> 0  RESIDUALS  the file's name (pickled, small): only then is the checkpoint published.
+Per-client state under clients.placement: per_round (a client trains on any rank, its state stays on its
+home rank, 1 + c mod N): after the header, before MODEL, and again once the rank has sent its round's updates,
+    home -> c  STATE  the state vector of each client in the trainer's header ``borrow`` (fp32, one message per
+                      state chunk, ascending client id), lent for the round;
+    c -> home  STATE_BACK  the same vectors back, updated, once the borrower has sent its round.
 transport.dispatch_fanout (a broadcast tree): a rank receives MODEL from its header's parent and
 passes each chunk on to its header's children as it lands.
 transport.reduce: chain (with clients.groups): the ranks that send this round form a chain in
@@ -73,13 +78,16 @@ GROUP = 21  # in a client group's own communicator (clients.ranks_per_client)
 DATASET = 22
 FLOOR_DOWN = 23  # the raw-MPI floor probe before round 1 (mpifl.aggregation.floor)
 FLOOR_UP = 24
+STATE = 25  # round-scoped: per-client state lent to the rank that trains the client (per_round placement)
+STATE_BACK = 26  # round-scoped: that state handed back, updated
 
 ROUND_TAG_STRIDE = 32  # every fixed tag above is below it
 ROUND_TAG_CYCLE = 1000  # rounds before a tag repeats: 20 + 32 * 999 stays within 32767, MPI's least TAG_UB
 
 
 def round_tag(kind: int, round_: int) -> int:
-    """The tag of a round-scoped stream (MODEL, META, UPDATE, REDUCE_META, REDUCE) in round ``round_``.
+    """The tag of a round-scoped stream (MODEL, META, UPDATE, REDUCE_META, REDUCE, STATE,
+    STATE_BACK) in round ``round_``.
 
     A tag repeats only every ROUND_TAG_CYCLE rounds, and a dropped rank's stream is drained long before.
     """
@@ -105,6 +113,10 @@ class RoundHeader:
     reduce_to: int = SERVER  # where this rank sends the running sum
     reduce_stream: int | None = None  # chain: the stream id rank 0 receives the round's sum as (None: no chain)
     persist: str | None = None  # error feedback: publish the residuals of round ``round`` in this folder, then ack
+    # per_round placement with per-client state: (client, home rank) of each listed client whose state lives
+    # elsewhere, borrowed for the round; and (client, trainer rank) of each client homed here that trains elsewhere
+    borrow: tuple[tuple[int, int], ...] = ()
+    lend: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
