@@ -1,8 +1,8 @@
 """Per-client state under ``clients.placement: per_round``: a client trains on whichever rank the round gives it,
-and its state (SCAFFOLD's cᵢ, FedDyn's gᵢ, Ditto's personal model, model.local tensors) is lent there for the round
-by its home rank, 1 + c mod N, and handed back. Only bits move, so every algorithm gives the single-process
-reference's bits on any number of ranks, with the state in RAM or on disk, with each round's groups formed by cost,
-and across a resume on another number of ranks."""
+and its state (SCAFFOLD's cᵢ, FedDyn's gᵢ, top-k's error-feedback residual, Ditto's personal model, model.local
+tensors) is lent there for the round by its home rank, 1 + c mod N, and handed back. Only bits move, so every
+algorithm gives the single-process reference's bits (or balanced placement's) on any number of ranks, with the
+state in RAM or on disk, with each round's groups formed by cost, and across a resume on another number of ranks."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import json
 import pytest
 import test_mpi_control_with_local
 import test_mpi_ditto
+import test_mpi_error_feedback_with_local
 import test_mpi_feddyn
 import test_mpi_personal
 import test_mpi_scaffold
@@ -59,6 +60,15 @@ def test_personal_models_and_local_tensors_follow_their_client_bitwise(tmp_path,
     (final, vectors), (want_final, want_vectors) = run_result(tmp_path / "run"), module.reference()
     assert_bitwise(final, want_final)
     assert_bitwise(vectors, want_vectors)
+
+
+def test_error_feedback_residuals_and_local_heads_follow_their_client_bitwise(tmp_path):
+    # top-k (5%) with error feedback beside FedPer's head: one vector per client, its residual then its head
+    balanced = test_mpi_error_feedback_with_local.run(tmp_path, "balanced", 3)
+    lent = test_mpi_error_feedback_with_local.run(tmp_path, "lent", 4, *PER_ROUND, "compression.residual_ram_mb=0")
+    assert sum(loans(tmp_path / "lent")) > 0
+    for got, want in zip(lent, balanced):
+        assert_bitwise(got, want)
 
 
 COST_GROUPS = ("clients.placement=per_round", "clients.groups=3", "clients.group_by=cost")
