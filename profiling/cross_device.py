@@ -84,6 +84,9 @@ def main() -> int:
     p.add_argument("--doorbells", default="true", choices=("true", "false"),
                    help="transport.doorbells (false: a waiting rank sees a message at its next poll, up to 2 ms "
                    "later, instead of being woken)")
+    p.add_argument("--strategy", default="fedavg", choices=("fedavg", "scaffold"),
+                   help="strategy.name (scaffold: each client's c_i kept on its home rank; with --placement "
+                        "per_round, lent each round to the rank that trains the client)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="train.device")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out accuracy every K rounds (0: only after the last round)")
@@ -112,6 +115,7 @@ data: {data}
 model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}, nhwc_pooling: {args.nhwc_pooling}}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: {args.device},
         step_in_backward: {args.step_in_backward}, reuse_freed_memory: {args.reuse_freed_memory}}}
+{"strategy: {name: scaffold, update: delta}" if args.strategy == "scaffold" else ""}
 eval: {{every: {args.eval_every or args.rounds}}}
 transport: {{doorbells: {args.doorbells}}}
 output: {{progress: false, save_model: false}}
@@ -147,6 +151,9 @@ output: {{progress: false, save_model: false}}
     print(f"  overhead per logical client {1000 * statistics.median(overheads):.1f} ms "
           f"(round time minus the busiest rank's own training, per client on that rank)")
     print(f"  held-out accuracy after round {args.rounds}: {accuracy:.3f}")
+    if any("state_loans" in r for r in records):
+        print(f"  clients whose state was lent to the rank that trained them: median "
+              f"{statistics.median(r['state_loans'] for r in records):g} per round")
     if args.json:
         print("RESULT " + json.dumps(task.summarize(
             round_seconds, accuracy, server_peak_rss_mib=max(r["server_peak_rss_bytes"] for r in records) // 2**20,
