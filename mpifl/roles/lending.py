@@ -5,9 +5,13 @@ on its home rank, 1 + c mod N (``planning.federation.state_home``).
 Each round the header names the loans (``RoundHeader.borrow`` and ``lend``, from ``state_loans``). Right after the
 header, every rank lends the vectors of its home clients that train elsewhere and receives those of the clients it
 trains whose home is elsewhere, all posted at once, then waited for. Once the rank has sent its round, the borrowed
-vectors go back and the lent ones come home, again all at once. Only bits are copied, so where a client trains
-still changes no result; and by the end of every round each vector is at home, so a checkpoint publishes exactly
-what a balanced placement would (its files keyed by client id).
+vectors go back and the lent ones come home, again all at once: posted then, completed at the next round's loans,
+before a checkpoint's publication, or at the stop. Only bits are copied, so where a client trains still changes no
+result; and every vector is at home before anything is published, so a checkpoint holds exactly what a balanced
+placement's would (its files keyed by client id).
+
+A rank dropped as a straggler (``clients.accept_failures``) still owes its hand-back: the next round's loans wait
+for it to finish the round it was dropped from.
 
 Why two exchanges at the round's edges rather than a lazy fetch before each client: a rank that is training makes
 no MPI progress, so a vector fetched from a busy rank would wait for that rank's next client; at the edges every
