@@ -6,6 +6,7 @@ state in RAM or on disk, with each round's groups formed by cost, and across a r
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import test_mpi_control_with_local
@@ -15,7 +16,7 @@ import test_mpi_feddyn
 import test_mpi_personal
 import test_mpi_scaffold
 import yaml
-from conftest import run_mpi, stopped_and_resumed, write_config
+from conftest import finish, run_mpi, spawn_mpi, stopped_and_resumed, wait_for, write_config
 from results import assert_bitwise, run_result
 
 from mpifl.cli.plan import estimate
@@ -108,3 +109,17 @@ def test_the_plan_counts_the_vectors_a_rank_borrows_beside_its_own():
     assert loaned_vectors(per_round, client_ranks=2, where="HDF5") == 6  # and copies the ones it lends
     assert loaned_vectors(balanced, client_ranks=2, where="RAM") == 0
     assert lending.client_bytes - home.client_bytes == 3 * vector
+
+
+def test_a_sigterm_mid_run_publishes_every_lent_vector_home_and_the_resume_is_bitwise(tmp_path):
+    config = yaml.safe_load(test_mpi_scaffold.CONFIG) | {"rounds": 20, "checkpoint": {"every": 0}}
+    config["clients"]["placement"] = "per_round"
+    cfg, run = write_config(tmp_path / "c.yaml", yaml.safe_dump(config)), tmp_path / "run"
+    job = spawn_mpi(4, "run", str(cfg), "--run-dir", str(run))  # 3 client ranks; checkpoints only on the signal
+    wait_for(lambda: (run / "metrics.jsonl").exists() and len(loans(run)) >= 3, job, "round 3")
+    job.send_signal(signal.SIGTERM)  # the hand-back of the round that ends is still posted, not complete
+    code, err = finish(job)
+    assert code == 3 and "SIGTERM: stopped after round" in err, err[-3000:]
+    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run), "--resume")  # on 2 client ranks: new homes
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise(test_mpi_scaffold.final_model(run), test_mpi_scaffold.reference("rounds=20"))
