@@ -123,3 +123,23 @@ def test_a_sigterm_mid_run_publishes_every_lent_vector_home_and_the_resume_is_bi
     resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run), "--resume")  # on 2 client ranks: new homes
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise(test_mpi_scaffold.final_model(run), test_mpi_scaffold.reference("rounds=20"))
+
+
+def test_clients_that_fail_while_holding_a_borrowed_vector_leave_it_as_balanced_placement_would(tmp_path):
+    # FedPer's head per client; from round 2 clients 1 and 4 raise and 2 and 6 send NaN (clients.accept_failures)
+    config = yaml.safe_load(test_mpi_personal.CONFIG) | {"rounds": 4}
+    config["train"] = {"trainer": "fl_helpers:FailingClients", "lr": 0.02}
+    config["clients"]["accept_failures"] = True
+    cfg = write_config(tmp_path / "c.yaml", yaml.safe_dump(config))
+    failing = {"FL_HELPERS_RAISE": "1,4", "FL_HELPERS_NAN": "2,6", "FL_HELPERS_SEED": str(config["seed"]),
+               "FL_HELPERS_FROM_ROUND": "2"}
+    balanced = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "balanced"), env=failing)
+    lent = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "lent"), *PER_ROUND, "model.local_ram_mb=0",
+                   env=failing)
+    for result in (balanced, lent):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert sum(loans(tmp_path / "lent")) > 0
+    records = [json.loads(line) for line in (tmp_path / "lent" / "metrics.jsonl").read_text().splitlines()]
+    assert {d["client"] for r in records for d in r["dropped"]} == {1, 2, 4, 6}
+    for got, want in zip(run_result(tmp_path / "lent"), run_result(tmp_path / "balanced")):
+        assert_bitwise(got, want)
