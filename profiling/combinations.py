@@ -87,9 +87,15 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "ditto_device_replica": (["train.ditto_lambda=0.3", "train.device_copy=true", *FEDERATED_EVAL], True),
     "ranks_per_client_feddyn_fedper_device_replica": ([*FEDDYN, "clients.ranks_per_client=2", "model.local=['3.*']",
                                                        "train.device_copy=true"], True),
+    # per-round placement: each client's state lent by its home rank to the rank that trains it (roles.lending)
+    "scaffold_fedbn_per_round_cost_groups": ([*BN, *SCAFFOLD, "clients.placement=per_round", "model.local=['*bn*']",
+                                              "clients.groups=4", "clients.group_by=cost"], True),
+    "ditto_per_round_on_disk": (["train.ditto_lambda=0.3", "train.personal_ram_mb=0", "clients.placement=per_round",
+                                 *FEDERATED_EVAL], True),
+    "topk_error_feedback_per_round": (["compression.method=topk", "strategy.update=delta",
+                                       "clients.placement=per_round"], True),
     # refused, each naming a key
     "refused_ditto_fedper": (["train.ditto_lambda=0.1", "model.local=['3.*']"], True),
-    "refused_scaffold_per_round": ([*SCAFFOLD, "clients.placement=per_round"], True),
     "refused_median_groups": (["strategy.name=median", "clients.groups=4"], True),
 }
 
