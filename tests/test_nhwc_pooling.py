@@ -1,6 +1,7 @@
 """model.nhwc_pooling: CPU max pooling of NCHW activations runs PyTorch's channels-last kernel between two layout
-copies. Pooling only selects, so the values, the indices and the gradients are bit for bit PyTorch's own, ties
-included (the first maximum in the window wins in both kernels); only the time differs."""
+copies, and its backward PyTorch's NCHW kernel on the indices found. Pooling only selects, so the values, the
+indices and the gradients are bit for bit PyTorch's own, ties and overlapping windows included (the first maximum
+in the window wins in both kernels); only the time differs."""
 from __future__ import annotations
 
 import copy

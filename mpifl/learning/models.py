@@ -162,29 +162,32 @@ def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None =
 
 
 class _NHWCMaxPool(torch.autograd.Function):
-    """Max pooling of an NCHW tensor by PyTorch's channels-last kernels, forward and backward, handing back NCHW.
+    """Max pooling of an NCHW tensor: forward by PyTorch's channels-last kernel, backward by its NCHW one.
 
     Max pooling only selects: the NHWC kernel finds the same maxima at the same (h, w) indices, the first in the
-    window on ties as the NCHW one, so values, indices and gradients are bit for bit those of
-    ``F.max_pool2d``. Only the time differs: PyTorch's CPU kernel for NCHW runs one plane at a time, scalar,
-    and took 0.75 ms per call on the LEAF CNN's first pooling (batch 10, one thread), the NHWC one 0.06 ms
-    (``profiling/nhwc_step.py``); the two layout copies cost less than the difference."""
+    window on ties as the NCHW one, so the values and indices are bit for bit those of ``F.max_pool2d``; the
+    backward is PyTorch's own NCHW kernel given those indices, so the gradients are too. Only the time differs.
+    Forward, PyTorch's CPU kernel for NCHW runs one plane at a time, scalar: 0.75 ms per call on the LEAF CNN's
+    first pooling (batch 10, one thread) against 0.06 ms for the NHWC one, the two layout copies costing less than
+    the difference (``profiling/nhwc_step.py``). Backward it is the other way round: the NCHW kernel only scatters
+    the gradient to the saved indices (0.06 ms there), while the NHWC kernel between two layout copies took 1.06 ms.
+    The input is saved for backward rather than its NHWC copy: no more memory, and none at all where a ReLU before
+    the pooling keeps it anyway."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
                 dilation: list[int], ceil_mode: bool) -> torch.Tensor:
         nhwc = x.contiguous(memory_format=torch.channels_last)
         out, indices = torch.ops.aten.max_pool2d_with_indices(nhwc, kernel, stride, padding, dilation, ceil_mode)
-        ctx.save_for_backward(nhwc, indices)
+        ctx.save_for_backward(x, indices.contiguous())
         ctx.pooling = (kernel, stride, padding, dilation, ceil_mode)
         return out.contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        nhwc, indices = ctx.saved_tensors
-        grad_in = torch.ops.aten.max_pool2d_with_indices_backward(
-            grad.contiguous(memory_format=torch.channels_last), nhwc, *ctx.pooling, indices)
-        return grad_in.contiguous(), None, None, None, None, None
+        x, indices = ctx.saved_tensors
+        grad_in = torch.ops.aten.max_pool2d_with_indices_backward(grad.contiguous(), x, *ctx.pooling, indices)
+        return grad_in, None, None, None, None, None
 
 
 def _pair(value: int | Sequence[int]) -> list[int]:
