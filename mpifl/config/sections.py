@@ -137,10 +137,11 @@ class ModelConfig:
                                 "faster (a LEAF CNN step 1.23x as fast on a CPU, 1.03x against nhwc_pooling alone); "
                                 "results change in the last bits, and stay bitwise the same on any number of ranks",
                                 choices=("contiguous", "channels_last"))
-    nhwc_pooling: bool = field_(True, "CPU max pooling (nn.MaxPool2d) of NCHW activations runs PyTorch's channels-last "
-                                "kernel between two layout copies: bitwise the same values and gradients, a LEAF "
-                                "CNN step 1.19x as fast on a CPU (PyTorch's NCHW kernel took 0.75 ms a call, the "
-                                "NHWC one 0.05); false: PyTorch's own kernel")
+    nhwc_pooling: bool = field_(True, "CPU max pooling (nn.MaxPool2d) of NCHW activations runs forward by PyTorch's "
+                                "channels-last kernel between two layout copies, backward by its NCHW kernel on the "
+                                "indices found: bitwise the same values and gradients, a LEAF CNN step 1.19x as "
+                                "fast on a CPU (PyTorch's NCHW forward kernel took 0.75 ms a call, the NHWC one "
+                                "0.05); false: PyTorch's own kernel")
     init_from: str | None = field_(None, "an mpifl checkpoint to start from: every rank builds the model on the "
                                        "meta device and reads the weights straight into its flat buffer")
     transformers: TransformersConfig = field_(TransformersConfig, "model.name='transformers': architecture and config")
