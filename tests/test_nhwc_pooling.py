@@ -22,7 +22,7 @@ SETTINGS = [dict(kernel_size=k, stride=s, padding=p, dilation=d, ceil_mode=c)
 def pooled_and_grad(module: nn.Module, x: torch.Tensor, upstream_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.clone().requires_grad_()
     out = module(x)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed))
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed)).to(out.dtype)
     out.backward(upstream)
     return out.detach(), x.grad
 
@@ -37,6 +37,18 @@ def test_pooling_and_its_gradient_are_bitwise_pytorchs_own_ties_included():
         expected, fast_result = pooled_and_grad(plain, x, i), pooled_and_grad(fast, x, i)
         for want, got in zip(expected, fast_result):
             assert got.is_contiguous() and torch.equal(want, got), setting
+
+
+def test_narrow_dtypes_pool_and_accumulate_overlapping_gradients_bitwise_as_pytorch_does():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 3, (4, 5, 11, 9), generator=generator).float()
+    for dtype in (torch.bfloat16, torch.float16):
+        for setting in (dict(kernel_size=2), dict(kernel_size=3, stride=1), dict(kernel_size=3, stride=2)):
+            plain = nn.MaxPool2d(**setting)
+            fast = use_nhwc_pooling(nn.Sequential(copy.deepcopy(plain)))[0]
+            expected, fast_result = pooled_and_grad(plain, x.to(dtype), 7), pooled_and_grad(fast, x.to(dtype), 7)
+            for want, got in zip(expected, fast_result):
+                assert got.dtype == dtype and torch.equal(want, got), (dtype, setting)
 
 
 def test_inputs_it_does_not_speed_up_take_pytorchs_own_path_unchanged():
