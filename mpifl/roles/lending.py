@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.storage.residuals import Borrowing, RamResiduals
+from mpifl.storage.residuals import Borrowing, keep_whole, landing_vector, whole_vector
 from mpifl.wire import protocol
 from mpifl.wire.transport import wake
 
@@ -79,7 +79,7 @@ class StateLending:
         for client, home in header.borrow:
             vector = self.store.borrowed[client] = torch.empty(self.elements)
             requests += self._post(self.comm.Irecv, flags[client], vector, home, tag)
-        sent = [(np.array([self.store.store.has(client)], np.float32), self._home_vector(client))
+        sent = [(np.array([self.store.store.has(client)], np.float32), whole_vector(self.store.store, client))
                 for client, _ in header.lend]  # alive until the sends complete
         for (flag, vector), (_, trainer) in zip(sent, header.lend):
             requests += self._post(self.comm.Isend, flag, vector, trainer, tag)
@@ -92,14 +92,15 @@ class StateLending:
         if not header.borrow and not header.lend:
             return
         tag = protocol.round_tag(protocol.STATE_BACK, header.round)
-        self.returned = {client: (np.zeros(1, np.float32), self._return_target(client)) for client, _ in header.lend}
+        self.returned = {client: (np.zeros(1, np.float32), landing_vector(self.store.store, client))
+                         for client, _ in header.lend}
         for client, trainer in header.lend:
             self.returning += self._post(self.comm.Irecv, *self.returned[client], trainer, tag)
         for client, home in header.borrow:
             flag, vector = np.array([self.store.has(client)], np.float32), self.store.borrowed[client]
             self.outgoing.append((flag, vector))
             self.returning += self._post(self.comm.Isend, flag, vector, home, tag)
-        self.store.lend_out()
+        self.store.end_loans()
 
     def settle(self) -> None:
         """Complete the last hand-back and keep what came home (a client that still has no vector of its own stays
@@ -107,15 +108,9 @@ class StateLending:
         if not self.returning:
             return
         poll_all(self.returning)
-        inner = self.store.store
         for client, (flag, vector) in self.returned.items():
-            if not flag[0]:
-                continue
-            if isinstance(inner, RamResiduals):
-                inner.vectors[client] = vector  # received in place, or a fresh buffer the store now keeps
-                continue
-            for index, (a, b) in enumerate(zip(self.store.firsts, self.store.firsts[1:])):
-                inner.write(client, index, vector[a:b])
+            if flag[0]:
+                keep_whole(self.store.store, client, vector)
         self.returning, self.returned, self.outgoing = [], {}, []
 
     def _post(self, call: Callable[..., MPI.Request], flag: np.ndarray, vector: torch.Tensor, peer: int,
@@ -127,22 +122,3 @@ class StateLending:
         requests += [call([data[a:b], MPI.FLOAT], peer, tag) for a, b in pieces(self.store.firsts)]
         wake(self.comm, peer)
         return requests
-
-    def _home_vector(self, client: int) -> torch.Tensor:
-        """A home client's whole vector to lend: the RAM store's own, zeros for a client without one, or a copy
-        read chunk by chunk from the rank's HDF5 file."""
-        inner = self.store.store
-        if isinstance(inner, RamResiduals):
-            return inner.vectors[client] if inner.has(client) else torch.zeros(self.elements)
-        out = torch.empty(self.elements)
-        for index, (a, b) in enumerate(zip(self.store.firsts, self.store.firsts[1:])):
-            out[a:b] = inner.read(client, index)
-        return out
-
-    def _return_target(self, client: int) -> torch.Tensor:
-        """Where a lent vector comes back to: in place in the RAM store when the client has one there (its loan was
-        sent before training began), else a buffer kept or written to the HDF5 file once received."""
-        inner = self.store.store
-        if isinstance(inner, RamResiduals) and inner.has(client):
-            return inner.vectors[client]
-        return torch.empty(self.elements)

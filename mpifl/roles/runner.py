@@ -49,7 +49,7 @@ from mpifl.learning.trainers import CausalLMTrainer, Evaluator, TorchTrainer, Tr
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.planning.binding import Binding, core_ranges, describe
-from mpifl.planning.federation import Placement, placement_for, state_home
+from mpifl.planning.federation import Placement, clients_of_rank, placement_for
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
@@ -64,7 +64,16 @@ from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
-from mpifl.storage.residuals import RANK_FILE, Borrowing, ResidualStore, Section, load_snapshot, open_residuals
+from mpifl.storage.residuals import (
+    RANK_FILE,
+    Borrowing,
+    DiskResiduals,
+    RamResiduals,
+    ResidualStore,
+    Section,
+    load_snapshot,
+    open_residuals,
+)
 from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
@@ -263,10 +272,10 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         replica = _training_replica(cfg, flat)
         work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
         hosted = sorted(local) if not cfg.lends_client_state else \
-            [c for c in range(cfg.clients.num_clients) if state_home(c, comm.Get_size() - 1) == comm.Get_rank()]
-        state = _client_state(cfg, plan, flat, comm.Get_rank(), hosted, run_dir, resume)
-        if state is not None and cfg.lends_client_state:  # per_round: each client's state is lent where it trains
-            state = Borrowing(state)
+            clients_of_rank(comm.Get_rank(), cfg.clients.num_clients, comm.Get_size() - 1)  # homes: state_home
+        kept = _client_state(cfg, plan, flat, comm.Get_rank(), hosted, run_dir, resume)
+        # per_round: each client's state is lent, for the round, to the rank that trains it
+        state: ResidualStore | None = Borrowing(kept) if kept is not None and cfg.lends_client_state else kept
         vectors, locals_, marked = _state_sections(cfg, plan, state)
         controls: ClientControls | ClientDynamics | None = None
         if vectors is not None and cfg.control_variates:
@@ -371,7 +380,7 @@ def server_view(dataset: Dataset) -> Dataset:
 
 
 def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int, hosted: list[int],
-                  run_dir: Path | None, resume: ResumePoint | None) -> ResidualStore | None:
+                  run_dir: Path | None, resume: ResumePoint | None) -> RamResiduals | DiskResiduals | None:
     """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
     read chunk by chunk; SCAFFOLD's c_i or FedDyn's g_i, one per trainable element outside model.local; model.local
     tensors; or either of the first two, then the local tensors as one more chunk), in RAM or on disk, reloaded on

@@ -72,9 +72,7 @@ class RamResiduals:
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
         """Copy ``values`` in, unless they are the view :meth:`read` gave."""
-        view = self.read(client, index)
-        if values.data_ptr() != view.data_ptr():
-            view.copy_(values)
+        _copy_into(self.read(client, index), values)
 
     def clients(self) -> list[int]:
         """The clients sampled so far (each has a residual, maybe zeros), ascending."""
@@ -165,18 +163,13 @@ class Borrowing:
     other client's to the store. What checkpoints publish (:meth:`clients`) is the home clients' alone: a
     borrowed vector goes back to its home before the round ends (``mpifl.roles.lending``)."""
 
-    def __init__(self, store: ResidualStore):
+    def __init__(self, store: RamResiduals | DiskResiduals):
         self.store, self.firsts = store, store.firsts
         self.borrowed: dict[int, torch.Tensor] = {}  # client -> its whole vector, for this round
         self.owned: dict[int, bool] = {}  # borrowed client -> whether it has a vector of its own (has())
 
     def __repr__(self) -> str:
         return f"<{self.store!r}, {len(self.borrowed)} borrowed>"
-
-    @property
-    def where(self) -> str:
-        """Where the home clients' vectors live: RAM or HDF5."""
-        return str(getattr(self.store, "where", "RAM"))
 
     def read(self, client: int, index: int) -> torch.Tensor:
         """Chunk ``index`` of the client's vector: its borrowed one, or the store's."""
@@ -191,9 +184,7 @@ class Borrowing:
         if vector is None:
             self.store.write(client, index, values)
             return
-        view = vector[self.firsts[index]:self.firsts[index + 1]]
-        if values.data_ptr() != view.data_ptr():
-            view.copy_(values)
+        _copy_into(vector[self.firsts[index]:self.firsts[index + 1]], values)
         self.owned[client] = True
 
     def clients(self) -> list[int]:
@@ -204,10 +195,45 @@ class Borrowing:
         """Whether ``client`` has a vector of its own: as its home said when lending it, or written since."""
         return self.owned[client] if client in self.borrowed else self.store.has(client)
 
-    def lend_out(self) -> None:
+    def end_loans(self) -> None:
         """The round's loans are over: forget the borrowed vectors."""
         self.borrowed.clear()
         self.owned.clear()
+
+
+def _copy_into(view: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy ``values`` into ``view``, unless they are that very view (a store's read handed back)."""
+    if values.data_ptr() != view.data_ptr():
+        view.copy_(values)
+
+
+def whole_vector(store: RamResiduals | DiskResiduals, client: int) -> torch.Tensor:
+    """``client``'s whole vector, to send: a RAM store's own (no copy), zeros for a client without one, or a copy
+    read chunk by chunk from the file."""
+    if isinstance(store, RamResiduals):
+        return store.vectors[client] if store.has(client) else torch.zeros(store.firsts[-1])
+    out = torch.empty(store.firsts[-1])
+    for index, (a, b) in enumerate(zip(store.firsts, store.firsts[1:])):
+        out[a:b] = store.read(client, index)
+    return out
+
+
+def landing_vector(store: RamResiduals | DiskResiduals, client: int) -> torch.Tensor:
+    """Where ``client``'s whole vector can be received: in place in a RAM store that holds one, else a fresh buffer
+    for :func:`keep_whole`."""
+    if isinstance(store, RamResiduals) and store.has(client):
+        return store.vectors[client]
+    return torch.empty(store.firsts[-1])
+
+
+def keep_whole(store: RamResiduals | DiskResiduals, client: int, vector: torch.Tensor) -> None:
+    """Make ``vector`` ``client``'s whole vector: adopted by a RAM store (no copy), written chunk by chunk to a
+    file."""
+    if isinstance(store, RamResiduals):
+        store.vectors[client] = vector
+        return
+    for index, (a, b) in enumerate(zip(store.firsts, store.firsts[1:])):
+        store.write(client, index, vector[a:b])
 
 
 def _create(group: h5py.Group, client: int, elements: int) -> h5py.Dataset:
