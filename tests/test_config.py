@@ -109,6 +109,52 @@ def test_strategy_and_evaluation_combinations_are_checked():
     assert (cfg.strategy.tau, cfg.strategy.server_lr) == (1e-3, None)
 
 
+@pytest.mark.parametrize("data,update,weighting", [
+    ({}, "weights", "samples"),  # what every config that ran before auto existed resolves to
+    ({"strategy": {"name": "fedadam"}}, "weights", "samples"),
+    ({"strategy": {"name": "scaffold"}}, "delta", "samples"),
+    ({"strategy": {"name": "fednova"}}, "delta", "samples"),
+    ({"strategy": {"name": "feddyn"}}, "delta", "equal"),
+    ({"privacy": {"mode": "central"}}, "delta", "equal"),
+    ({"privacy": {"mode": "local"}}, "delta", "equal"),
+    ({"strategy": {"update": "delta"}, "compression": {"method": "topk"}}, "delta", "samples"),
+    ({"compression": {"method": "topk"}}, "delta", "samples"),
+    ({"compression": {"method": "int8"}}, "weights", "samples"),
+    ({"clock": {"mode": "fedbuff", "concurrency": 5}}, "delta", "samples"),
+    ({"clock": {"mode": "fedasync", "concurrency": 2}}, "weights", "samples"),
+    ({"strategy": {"name": "fedavg", "update": "delta", "weighting": "equal"}}, "delta", "equal"),  # explicit: kept
+])
+def test_update_and_weighting_left_at_auto_take_what_the_strategy_and_run_modes_need(data, update, weighting):
+    cfg = load(**data)
+    assert (cfg.strategy.update, cfg.strategy.weighting) == (update, weighting)
+    assert load(**{**data, "strategy": {**data.get("strategy", {}), "update": update, "weighting": weighting}}) == cfg
+
+
+def test_an_explicit_update_or_weighting_a_strategy_cannot_take_is_still_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"strategy.update: strategy 'scaffold' .* set strategy.update='delta'"):
+        load(strategy={"name": "scaffold", "update": "weights"})
+    with pytest.raises(ConfigError, match=r"strategy.weighting: strategy 'feddyn' .* set strategy.weighting='equal'"):
+        load(strategy={"name": "feddyn", "weighting": "samples"})
+    with pytest.raises(ConfigError, match=r"clock.mode: 'fedasync' .* needs strategy.update='weights'"):
+        load(strategy={"update": "delta"}, clock={"mode": "fedasync", "concurrency": 2})
+
+
+def test_the_run_directorys_config_records_the_resolved_values_not_auto():
+    import yaml
+
+    from mpifl.config import dump_config
+    saved = yaml.safe_load(dump_config(load(strategy={"name": "feddyn"})))["strategy"]
+    assert (saved["update"], saved["weighting"]) == ("delta", "equal")
+
+
+@pytest.mark.parametrize("name,where", [("ditto", "train.ditto_lambda"), ("FedProx", "train.prox_mu"),
+                                        ("fedbn", "model.local"), ("fedper", "model.local"),
+                                        ("fedbuff", "clock.mode=fedbuff")])
+def test_an_algorithm_that_is_not_a_server_strategy_is_refused_with_the_key_that_gives_it(name, where):
+    with pytest.raises(ConfigError, match=rf"strategy.name: '{name}' is not allowed; choose one of .*{where}"):
+        load(strategy={"name": name})
+
+
 def test_a_chain_reduction_without_reduction_groups_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"transport.reduce: 'chain' adds the ranks' partial sums, which needs "
                                           r"clients.groups > 0"):

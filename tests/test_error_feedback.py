@@ -175,7 +175,8 @@ def topk(**compression):
     (topk(fraction=0), r"compression.fraction: must be > 0.0, got 0"),
     (topk(fraction=1.5), r"compression.fraction: must be <= 1.0, got 1.5"),
     (topk(residual_ram_mb=-1), r"compression.residual_ram_mb: must be >= 0.0"),
-    ({"compression": {"method": "topk"}}, r"strategy.update: compression.method 'topk' needs 'delta'"),
+    ({"strategy": {"update": "weights"}, "compression": {"method": "topk"}},
+     r"strategy.update: compression.method 'topk' needs 'delta'"),
     ({**topk(), "clock": FEDBUFF}, r"clock.mode: compression.method 'topk' needs 'off' or 'sync' with "
                                    r"compression.error_feedback"),
     (topk(method="top_k"), r"compression.method: 'top_k' is not allowed; choose one of .*'topk'"),

@@ -98,9 +98,9 @@ def test_poisson_sampling_takes_each_client_independently():
 
 def test_privacy_settings_that_would_break_the_guarantee_are_refused():
     with pytest.raises(ConfigError, match="strategy.weighting: privacy.mode 'central' needs 'equal'"):
-        load_config(None, data={"strategy": {"update": "delta"}, "privacy": {"mode": "central"}})
+        load_config(None, data={"strategy": {"weighting": "samples"}, "privacy": {"mode": "central"}})
     with pytest.raises(ConfigError, match="strategy.update: privacy.mode 'local' needs 'delta'"):
-        load_config(None, data={"privacy": {"mode": "local"}})
+        load_config(None, data={"strategy": {"update": "weights"}, "privacy": {"mode": "local"}})
     with pytest.raises(ConfigError, match="'pld' accounts Poisson sampling"):
         privacy(mode="central", accountant="pld")
 

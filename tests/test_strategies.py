@@ -246,7 +246,7 @@ def test_the_registry_lists_exactly_the_builtin_names_and_their_stages_resolve()
     ("fednova", False, {}, 0),
 ])
 def test_each_strategy_declares_its_stack_state_and_weights(name, stacked, state, state_bytes):
-    s = make_strategy(StrategyConfig(name=name))
+    s = make_strategy(StrategyConfig(name=name, update="weights"))
     assert (s.name, s.stacked, s.delta) == (name, stacked, False)
     assert s.state_init.keys() == state.keys() and all(s.state_init[k] == pytest.approx(v) for k, v in state.items())
     assert s.needs_previous_global == bool(state)  # server optimizers form delta = combined - old global

@@ -32,6 +32,7 @@ from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, Rows
 from mpifl.aggregation.registry import BUILTIN, STRATEGIES, STRATEGY_CLASSES, stages
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig
+from mpifl.config.automatic import resolve_lone_strategy
 from mpifl.config.capabilities import UNDECLARED, Capabilities
 from mpifl.plugins import is_import_path, resolve
 from mpifl.wire.flat import CONTROL, Chunk, ModelSpec
@@ -264,7 +265,11 @@ class DynamicRegularized(Strategy):
 
 
 def make_strategy(cfg: StrategyConfig) -> Strategy:
-    """The strategy named in the config: a registered name, or an import path called as ``fn(cfg, **cfg.kwargs)``."""
+    """The strategy named in the config: a registered name, or an import path called as ``fn(cfg, **cfg.kwargs)``.
+
+    ``load_config`` resolves ``auto`` keys from the whole config; one still ``auto`` here (a StrategyConfig built in
+    code) is resolved by the strategy alone."""
+    cfg = resolve_lone_strategy(cfg)
     if cfg.name in BUILTIN:
         combiner, update = stages(cfg.name)
         cls = globals()[STRATEGY_CLASSES[cfg.name]] if cfg.name in STRATEGY_CLASSES else Strategy

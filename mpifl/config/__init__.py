@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from mpifl.config.automatic import resolve_automatic
 from mpifl.config.checks import check_combinations, config_warnings
 from mpifl.config.schema import ConfigError, apply_override, build, merge
 from mpifl.config.sections import (
@@ -41,7 +42,7 @@ __all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfi
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: dict | None = None) -> Config:
-    """Read a YAML file (or a dict), apply ``key=value`` overrides, validate everything."""
+    """Read a YAML file (or a dict), apply ``key=value`` overrides, resolve the ``auto`` keys, validate everything."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -61,7 +62,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
         raw = merge(raw, data)
     for item in overrides:
         apply_override(raw, item)
-    cfg = build(Config, raw, "")
+    cfg = resolve_automatic(build(Config, raw, ""))
     check_combinations(cfg)
     return cfg
 

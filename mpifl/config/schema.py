@@ -166,6 +166,8 @@ def _check_rules(key: str, value: Any, rules: typing.Mapping) -> None:
                 raise ConfigError(f"{key}: {err}") from None
             return
         extra = " or an import path 'package.module:function'" if rules.get("import_ok") else ""
+        hint = rules.get("elsewhere", {}).get(str(value).lower())
+        extra += f" ({hint})" if hint else ""
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}{extra}")
 
 

@@ -17,6 +17,19 @@ ASYNCHRONOUS_MODES = ("fedasync", "fedbuff", "fedcompass")
 STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
               "scaffold", "feddyn")
 
+# Algorithms from the literature that are not a server strategy in mpifl, and the key that gives each: a user who
+# writes strategy.name=ditto is told where Ditto lives instead of only that 'ditto' is not a choice.
+ELSEWHERE = {
+    "fedprox": "FedProx is a client-side proximal term: train.prox_mu > 0 (e.g. 0.01) with any strategy",
+    "ditto": "Ditto keeps a personal model per client: train.ditto_lambda > 0 (e.g. 0.1) with any strategy",
+    "fedbn": "FedBN keeps the BatchNorm tensors on each client: model.local (e.g. ['*.bn*', '*running_*'])",
+    "fedper": "FedPer keeps the head on each client: model.local (e.g. ['fc3.*'])",
+    "krum": "Byzantine-robust aggregation here is coordinate-wise: 'median' or 'trimmed_mean' (strategy.trim_fraction)",
+    "fedasync": "FedAsync is an asynchronous clock: clock.mode=fedasync with strategy.name=fedavg",
+    "fedbuff": "FedBuff is an asynchronous clock: clock.mode=fedbuff with strategy.name=fedavg",
+    "fedcompass": "FedCompass is an asynchronous clock: clock.mode=fedcompass with strategy.name=fedavg",
+}
+
 
 @dataclass
 class ClientsConfig:
@@ -227,18 +240,23 @@ class StrategyConfig:
 
     name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
                         "median or trimmed_mean (coordinate-wise, unweighted), fednova (Wang et al. 2020: deltas "
-                        "normalised by each client's local steps; strategy.update=delta), scaffold (Karimireddy "
-                        "et al. 2020: control variates correct each local step; strategy.update=delta), feddyn "
-                        "(Acar et al. 2021: a dynamic regulariser per client; update=delta, weighting=equal), or "
+                        "normalised by each client's local steps; clients send deltas), scaffold (Karimireddy "
+                        "et al. 2020: control variates correct each local step; clients send deltas), feddyn "
+                        "(Acar et al. 2021: a dynamic regulariser per client; deltas, equal weights), or "
                         "an import path to a "
                         "plug-in called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
-                        "(see mpifl.api)", choices=STRATEGIES, import_ok=True)
+                        "(see mpifl.api)", choices=STRATEGIES, import_ok=True,
+                        elsewhere=ELSEWHERE)
     kwargs: dict = field_(dict, "a plug-in strategy's own settings (strategy.name an import path), passed as keyword "
                           "arguments and checked against its signature; built-in strategies take none (their "
                           "settings are this section's keys)")
-    weighting: str = field_("samples", "client weight in means: by sample count or equal", choices=("samples", "equal"))
-    update: str = field_("weights", "what a client sends: its trained weights or its delta (trained - global)",
-                          choices=("weights", "delta"))
+    weighting: str = field_("auto", "client weight in means: by sample count or equal; auto: equal where the "
+                            "strategy or privacy needs it (feddyn, privacy.mode), else samples",
+                            choices=("auto", "samples", "equal"))
+    update: str = field_("auto", "what a client sends: its trained weights or its delta (trained - global); auto: "
+                          "delta where the strategy or a run mode needs it (fednova, scaffold, feddyn, privacy.mode, "
+                          "compression.method=topk, clock.mode fedbuff or fedcompass), else weights",
+                          choices=("auto", "weights", "delta"))
     wire_dtype: str | None = field_(None, "dtype of float32/float64 tensors in client updates (e.g. bfloat16 halves "
                                         "the bytes; the server still accumulates in float32); default: the model's",
                                         choices=("float32", "bfloat16", "float16"))
