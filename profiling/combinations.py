@@ -94,6 +94,14 @@ CASES: dict[str, tuple[list[str], bool]] = {
                                  *FEDERATED_EVAL], True),
     "topk_error_feedback_per_round": (["compression.method=topk", "strategy.update=delta",
                                        "clients.placement=per_round"], True),
+    # Ditto over a global rule with per-client state of its own: both in each client's one vector
+    "ditto_scaffold_bn_groups": ([*BN, *SCAFFOLD, "train.ditto_lambda=0.3", "clients.groups=4", *FEDERATED_EVAL],
+                                 True),
+    "ditto_feddyn_on_disk_per_round": ([*FEDDYN, "train.ditto_lambda=0.3", "strategy.control_ram_mb=0",
+                                        "train.personal_ram_mb=0", "clients.placement=per_round"], True),
+    "ditto_topk_error_feedback": (["compression.method=topk", "train.ditto_lambda=0.3"], True),
+    "ranks_per_client_ditto_scaffold": ([*SCAFFOLD, "clients.ranks_per_client=2", "train.ditto_lambda=0.2",
+                                         "clients.placement=balanced"], True),
     # refused, each naming a key
     "refused_ditto_fedper": (["train.ditto_lambda=0.1", "model.local=['3.*']"], True),
     "refused_median_groups": (["strategy.name=median", "clients.groups=4"], True),

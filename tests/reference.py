@@ -330,6 +330,8 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     eta = np.float32(s.server_lr if s.server_lr is not None else 1.0)
     statistics = statistics_of(flat.module)
     work = [float(len(p) * cfg.train.local_epochs) for p in parts]  # clients.group_by cost
+    ditto = DittoModels(cfg, flat, trainer) if cfg.train.ditto_lambda else None
+    c_with_personal: dict[int, list[torch.Tensor]] = {}  # c when each personal model was first kept
     for rnd in range(1, cfg.rounds + 1):
         start = flat.buffer.clone()
         old = {n: t.detach().clone() for n, t in flat.tensors()}
@@ -337,6 +339,9 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
         sampled = sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round())
         group_of = cost_groups(sampled, work, cfg.clients.groups) if cfg.clients.group_by == "cost" else None
         for client in sampled:
+            if ditto is not None:
+                ditto.train(client, rnd, client_data(dataset, parts[client]), start, old)
+                c_with_personal.setdefault(client, [v.clone() for v in c.values()])
             flat.buffer.copy_(start)
             local.load(client)
             c_i = own.get(client) or {n: torch.zeros(p.shape) for n, p in params}
@@ -380,7 +385,32 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     if cfg.model.local:  # each client's one vector: its c_i, then its local tensors and their mark
         out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in own[k].values()]).numpy(),
                                                    local.vector(k)]) for k in local.kept})
+    if ditto is not None:  # its c_i, then its personal model as it travels, and 1
+        out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in own[k].values()]).numpy(),
+                                                   _with_control_section(flat, ditto.models[k], c_with_personal[k]),
+                                                   np.ones(1, np.float32)]) for k in ditto.models})
     return out
+
+
+def _with_control_section(flat: FlatModel, model: torch.Tensor, control: list[torch.Tensor]) -> np.ndarray:
+    """A personal model as a SCAFFOLD run keeps it: the exchanged buffer of the model with the control section
+    appended (mpifl.learning.control), laid out and zero-padded as mpifl lays it out, the section holding the c
+    of the round the model was first kept (Ditto copies the whole received model, c included, and never trains
+    c)."""
+    import copy
+
+    from mpifl.learning.control import attach_control_variates
+
+    keep = flat.buffer.clone()
+    flat.buffer.copy_(model)
+    shaped = FlatModel(attach_control_variates(copy.deepcopy(flat.module)))
+    flat.buffer.copy_(keep)
+    controls = iter(control)
+    for name, t in shaped.tensors():
+        if name.startswith("scaffold_control."):
+            t.copy_(next(controls))
+    return np.concatenate([shaped.buffer[seg.offset:seg.offset + seg.nbytes].view(torch.float32).numpy()
+                           for seg in shaped.spec.segments])  # the chunks' elements: no alignment padding
 
 
 class LocalTensors:
@@ -408,6 +438,41 @@ class LocalTensors:
         """The client's local tensors as mpifl keeps them beside a c_i or g_i: flattened in order, then 1 (kept)."""
         return np.concatenate([torch.cat([v.flatten().float() for v in self.kept[client].values()]).numpy(),
                                np.ones(1, np.float32)])
+
+
+class DittoModels:
+    """Ditto's personal models (Li et al. 2021, Algorithm 1) beside any rule for the global model in a reference:
+    before a sampled client trains the global model, it trains its personal model v (the round's global model the
+    first time) with every gradient plus lambda (v - w), w the round's global model, seeded by its personal seed,
+    and keeps it. The global training is independent of it given w."""
+
+    def __init__(self, cfg: Config, flat: FlatModel, trainer):
+        self.cfg, self.flat, self.trainer, self.lam = cfg, flat, trainer, cfg.train.ditto_lambda
+        self.params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad]
+        self.models: dict[int, torch.Tensor] = {}
+        self.first_round: dict[int, int] = {}  # the round each client first kept a personal model
+
+    def train(self, client: int, rnd: int, data, start: torch.Tensor, old: dict[str, torch.Tensor]) -> None:
+        """Train and keep ``client``'s personal model; leaves the flat model holding it (the caller resets)."""
+        from mpifl.planning.seeds import personal_seed
+
+        lam = self.lam
+        self.flat.buffer.copy_(self.models.get(client, start))
+        hooks = [p.register_hook(lambda grad, p=p, w=old[n]: grad + (p.detach() - w).mul_(lam).sub_(0.0))
+                 for n, p in self.params]
+        self.trainer.train(self.flat.module, data, personal_seed(self.cfg.seed, rnd, client))
+        for hook in hooks:
+            hook.remove()
+        self.models[client] = self.flat.buffer.clone()
+        self.first_round.setdefault(client, rnd)
+
+    def flattened(self, client: int) -> np.ndarray:
+        """The client's personal model, every exchanged tensor flattened in the model's order, as fp32."""
+        keep = self.flat.buffer.clone()
+        self.flat.buffer.copy_(self.models[client])
+        out = torch.cat([t.detach().float().flatten() for _, t in self.flat.tensors()]).numpy()
+        self.flat.buffer.copy_(keep)
+        return out
 
 
 def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
@@ -468,11 +533,14 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
         g: dict[int, dict[str, torch.Tensor]] = {}
         h = {name: torch.zeros(t.shape) for name, t in flat.tensors()}
         statistics = statistics_of(flat.module)
+        ditto = DittoModels(cfg, flat, trainer) if cfg.train.ditto_lambda else None
         for rnd in range(1, cfg.rounds + 1):
             start = flat.buffer.clone()
             old = {name: t.detach().clone() for name, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, n, cfg.clients_per_round()):
+                if ditto is not None:
+                    ditto.train(client, rnd, client_data(dataset, parts[client]), start, old)
                 flat.buffer.copy_(start)
                 local.load(client)
                 g_i = g.get(client) or {name: torch.zeros(p.shape) for name, p in params}
@@ -500,36 +568,30 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
         if cfg.model.local:  # each client's one vector: its g_i, then its local tensors and their mark
             out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in g[k].values()]).numpy(),
                                                        local.vector(k)]) for k in local.kept})
+        if ditto is not None:  # its g_i, then its personal model and 1
+            out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in g[k].values()]).numpy(),
+                                                       ditto.flattened(k), np.ones(1, np.float32)])
+                        for k in ditto.models})
         return out
 
 
 def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """Ditto (Li et al. 2021, Algorithm 1) over FedAvg on whole models, every personal model in memory: each
-    sampled client first trains its personal model v (the global w the first time) with every gradient plus
-    lambda (v - w), seeded by its personal seed, and keeps it; then trains w as FedAvg does. Returns the final
-    global tensors and each trained client's personal model, flattened in the model's order. One thread."""
-    from mpifl.planning.seeds import personal_seed
-
+    sampled client first trains its personal model (``DittoModels``), then trains w as FedAvg does. Returns the
+    final global tensors and each trained client's personal model, flattened in the model's order. One thread."""
     with one_thread():
         dataset = load_dataset(cfg.data)
         flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
-        trainer, s, lam = make_trainer(cfg.train), cfg.strategy, cfg.train.ditto_lambda
-        params = [(name, p) for name, p in flat.module.named_parameters() if p.requires_grad]
-        personal: dict[int, torch.Tensor] = {}
+        trainer, s = make_trainer(cfg.train), cfg.strategy
+        personal = DittoModels(cfg, flat, trainer)
         for rnd in range(1, cfg.rounds + 1):
             start = flat.buffer.clone()
             old = {n: t.detach().clone() for n, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
                 data = client_data(dataset, parts[client])
-                flat.buffer.copy_(personal.get(client, start))
-                hooks = [p.register_hook(lambda grad, p=p, w=old[n]: grad + (p.detach() - w).mul_(lam).sub_(0.0))
-                         for n, p in params]
-                trainer.train(flat.module, data, personal_seed(cfg.seed, rnd, client))
-                for hook in hooks:
-                    hook.remove()
-                personal[client] = flat.buffer.clone()
+                personal.train(client, rnd, data, start, old)
                 flat.buffer.copy_(start)
                 result = trainer.train(flat.module, data, client_seed(cfg.seed, rnd, client))
                 w = float(result.num_samples) if s.weighting == "samples" else 1.0
@@ -541,8 +603,4 @@ def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.nd
                             else weighted_mean([(w, v) for _, w, v in values]))
                 t.copy_(torch.from_numpy(combined + old[n].numpy() if s.update == "delta" else combined))
         final = {n: t.float().numpy().copy() for n, t in flat.tensors()}
-        owned = {}
-        for client, buffer in personal.items():
-            flat.buffer.copy_(buffer)
-            owned[client] = torch.cat([t.detach().float().flatten() for _, t in flat.tensors()]).numpy()
-        return final, owned
+        return final, {client: personal.flattened(client) for client in personal.models}

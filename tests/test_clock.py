@@ -124,7 +124,7 @@ def test_asynchronous_steps_apply_updates_in_arrival_order_with_their_staleness(
 def test_virtual_time_settings_that_cannot_run_are_refused_naming_the_key():
     base = {"clients": {"num_clients": 8}}
     with pytest.raises(ConfigError, match="'fedbuff' averages the buffered clients' deltas"):
-        load_config(None, data={**base, "clock": {"mode": "fedbuff"}})
+        load_config(None, data={**base, "clock": {"mode": "fedbuff"}, "strategy": {"update": "weights"}})
     with pytest.raises(ConfigError, match="'fedasync' mixes each client's trained weights"):
         load_config(None, data={**base, "clock": {"mode": "fedasync"}, "strategy": {"name": "fedavgm"}})
     with pytest.raises(ConfigError, match="clients.groups"):

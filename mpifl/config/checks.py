@@ -270,13 +270,10 @@ def _check_ditto(cfg: Config) -> None:
     if not cfg.train.ditto_lambda:
         return
     why = "train.ditto_lambda keeps a personal model per client on the rank that hosts it"
-    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
-    others = [what for what, on in ((f"strategy {cfg.strategy.name!r}", caps is not None and caps.client_state),
-                                    ("model.local", bool(cfg.model.local)),
-                                    ("top-k error feedback", cfg.error_feedback)) if on]
-    if others:
-        raise ConfigError(f"train.ditto_lambda: {why}, and {others[0]} keeps per-client state there too; the two "
-                          "together are not supported yet: drop one")
+    if cfg.model.local:  # SCAFFOLD's, FedDyn's and top-k's vectors share each client's one vector with it instead
+        raise ConfigError(f"train.ditto_lambda: {why}, and model.local keeps per-client state there too, in the "
+                          "global model that Ditto's personal model is pulled towards; the two together are not "
+                          "supported yet: drop one")
     if cfg.train.trainer != "torch":
         raise ConfigError(f"train.trainer: {why}, trained by the built-in 'torch' trainer; "
                           f"{cfg.train.trainer!r} is not supported with it yet: set train.trainer='torch'")

@@ -498,7 +498,8 @@ class ClientState:
     folder: str  # the folder of those files in the run directory
     # one element per 'exchanged' element (read chunk by chunk), 'trainable' one (outside model.local), 'local'
     # tensor's; or 'trainable+local' / 'exchanged+local': the first kind, then the local tensors' and one more
-    # element (their mark: PersonalTensors)
+    # element (their mark: PersonalTensors); or 'trainable+personal' / 'exchanged+personal': the first kind, then
+    # a Ditto personal model (one element per exchanged element, chunk by chunk) and its mark (MarkedChunks)
     vector: str
 
 
@@ -556,10 +557,21 @@ class Config:
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
         SCAFFOLD's control variates or FedDyn's gradient states, top-k error-feedback residuals (either with
-        model.local tensors beside them in the same vector), model.local tensors, or Ditto's personal models (config
-        checks allow no other pairs); None for none."""
+        model.local tensors or a Ditto personal model beside them in the same vector), model.local tensors, or
+        Ditto's personal models (config checks allow no other pairs); None for none."""
         vectors = "SCAFFOLD control variates" if self.control_variates else \
             "FedDyn gradient states" if self.strategy.name == "feddyn" else None
+        ditto = self.train.ditto_lambda > 0
+        if vectors and ditto:  # one vector per client: its c_i or g_i, then its personal model and that one's mark
+            return ClientState(f"{vectors} and Ditto personal models",
+                               "strategy.control_ram_mb + train.personal_ram_mb",
+                               self.strategy.control_ram_mb + self.train.personal_ram_mb, "controls",
+                               "trainable+personal")
+        if self.error_feedback and ditto:
+            return ClientState("error-feedback residuals and Ditto personal models",
+                               "compression.residual_ram_mb + train.personal_ram_mb",
+                               self.compression.residual_ram_mb + self.train.personal_ram_mb, "residuals",
+                               "exchanged+personal")
         if vectors and self.model.local:  # one vector per client holds both, in one store
             return ClientState(f"{vectors} and local tensors (model.local)",
                                "strategy.control_ram_mb + model.local_ram_mb",

@@ -68,6 +68,7 @@ from mpifl.storage.residuals import (
     RANK_FILE,
     Borrowing,
     DiskResiduals,
+    MarkedChunks,
     RamResiduals,
     ResidualStore,
     Section,
@@ -276,15 +277,16 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         kept = _client_state(cfg, plan, flat, comm.Get_rank(), hosted, run_dir, resume)
         # per_round: each client's state is lent, for the round, to the rank that trains it
         state: ResidualStore | None = Borrowing(kept) if kept is not None and cfg.lends_client_state else kept
-        vectors, locals_, marked = _state_sections(cfg, plan, state)
+        vectors, locals_, marked, personal_store = _state_sections(cfg, plan, state)
         controls: ClientControls | ClientDynamics | None = None
         if vectors is not None and cfg.control_variates:
             controls = ClientControls(work, vectors, cfg.train.lr)
         elif vectors is not None and cfg.strategy.name == "feddyn":
             controls = ClientDynamics(work, vectors, cfg.strategy.alpha)
         personal = PersonalTensors(work, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
-        models = PersonalModels(work, plan.chunks, state, make_trainer(cfg.train), cfg.train.ditto_lambda) \
-            if state is not None and cfg.train.ditto_lambda else None
+        models = None
+        if personal_store is not None and cfg.train.ditto_lambda:
+            models = PersonalModels(work, plan.chunks, personal_store, make_trainer(cfg.train), cfg.train.ditto_lambda)
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
                          residuals=vectors if cfg.error_feedback else None, state=state,
                          controls=controls, personal=personal, personal_models=models, note=notes, group=group)
@@ -383,8 +385,8 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
                   run_dir: Path | None, resume: ResumePoint | None) -> RamResiduals | DiskResiduals | None:
     """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
     read chunk by chunk; SCAFFOLD's c_i or FedDyn's g_i, one per trainable element outside model.local; model.local
-    tensors; or either of the first two, then the local tensors as one more chunk), in RAM or on disk, reloaded on
-    a resume."""
+    tensors; Ditto's personal models; or either of the first two, then the local tensors as one more chunk or a
+    personal model chunk by chunk, each with its mark), in RAM or on disk, reloaded on a resume."""
     state = cfg.client_state()
     if state is None:
         return None
@@ -394,6 +396,9 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
               # then the local tensors and their mark (PersonalTensors)
               "trainable+local": [0, shared, shared + local + 1],
               "exchanged+local": [*chunked, chunked[-1] + local + 1],
+              # then a Ditto personal model, chunk by chunk, and its mark (MarkedChunks)
+              "trainable+personal": [0, *(shared + f for f in chunked), shared + chunked[-1] + 1],
+              "exchanged+personal": [*chunked, *(chunked[-1] + f for f in chunked[1:]), 2 * chunked[-1] + 1],
               }.get(state.vector) or chunked
     path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
     try:
@@ -406,18 +411,26 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
     return store
 
 
-def _state_sections(cfg: Config, plan: ExchangeLayout,
-                    state: ResidualStore | None) -> tuple[ResidualStore | None, ResidualStore | None, bool]:
+def _state_sections(cfg: Config, plan: ExchangeLayout, state: ResidualStore | None
+                    ) -> tuple[ResidualStore | None, ResidualStore | None, bool, ResidualStore | None]:
     """(SCAFFOLD's or FedDyn's vectors or the error-feedback residuals, model.local tensors, whether the local part
-    carries its mark): the rank's one store, or with both kinds (``...+local``) its sections in the order
-    :func:`_client_state` lays out. Residuals are read chunk by chunk, by the exchange's chunk indices, so they
-    take the store itself: the local tensors are the chunk after the last."""
+    carries its mark, Ditto's personal models): the rank's one store for whichever the run has, or with two kinds
+    (``...+local``, ``...+personal``) their sections in the order :func:`_client_state` lays out. Residuals are
+    read chunk by chunk, by the exchange's chunk indices, so they take the store itself: the second kind's
+    chunks come after the last."""
     kinds = cfg.client_state()
-    if state is None or kinds is None or not kinds.vector.endswith("+local"):
-        return state, state, False
+    if state is None or kinds is None:
+        return state, state, False, state
+    chunks = len(plan.chunks)
     if kinds.vector == "exchanged+local":
-        return state, Section(state, len(plan.chunks)), True
-    return Section(state, 0), Section(state, 1), True
+        return state, Section(state, chunks), True, None
+    if kinds.vector == "trainable+local":
+        return Section(state, 0), Section(state, 1), True, None
+    if kinds.vector == "exchanged+personal":
+        return state, None, False, MarkedChunks(state, chunks, chunks)
+    if kinds.vector == "trainable+personal":
+        return Section(state, 0), None, False, MarkedChunks(state, 1, chunks)
+    return state, state, False, state
 
 
 def _training_replica(cfg: Config, flat: FlatModel) -> DeviceReplica | None:

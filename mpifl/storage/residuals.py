@@ -157,6 +157,42 @@ class Section:
         return self.store.has(client)
 
 
+class MarkedChunks:
+    """Chunks ``first`` .. ``first + count - 1`` of another store as a store of their own, and the one element after
+    them as their mark: a Ditto personal model in each client's one vector, after SCAFFOLD's c_i, FedDyn's g_i or
+    a top-k residual. The other kind writes a client's vector too, so a vector alone does not say that the client
+    has a personal model: the mark, 1 once the whole model was written, does, in RAM, on disk and in a
+    checkpoint's snapshot alike (a client whose personal training diverged keeps none, and starts from the global
+    model next time, as with a store of its own)."""
+
+    def __init__(self, store: ResidualStore, first: int, count: int):
+        self.store, self.first, self.mark = store, first, first + count
+        base = store.firsts[first]
+        self.firsts = [f - base for f in store.firsts[first:first + count + 1]]
+        if store.firsts[self.mark + 1] - store.firsts[self.mark] != 1:
+            raise ValueError("MarkedChunks: the chunk after the section must be its one-element mark")
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """Chunk ``index`` of the client's section; valid until the next read of the store."""
+        return self.store.read(client, self.first + index)
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Store chunk ``index``; writing the last chunk marks the section as the client's own."""
+        self.store.write(client, self.first + index, values)
+        if self.first + index == self.mark - 1:
+            mark = self.store.read(client, self.mark)
+            mark.fill_(1.0)
+            self.store.write(client, self.mark, mark)
+
+    def clients(self) -> list[int]:
+        """The clients with a vector in the whole store (not all of them need have this section)."""
+        return self.store.clients()
+
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has written this section (its mark is set)."""
+        return bool(self.store.read(client, self.mark)[0] == 1.0)
+
+
 class Borrowing:
     """A rank's store, plus the vectors of clients it trains this round whose home is another rank
     (``clients.placement: per_round``): reads and writes of a borrowed client go to its borrowed vector, every
