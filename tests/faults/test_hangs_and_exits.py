@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -138,14 +139,25 @@ output: {progress: false}
 """
 
 
-@pytest.mark.parametrize("fault,stage", [("hang_build", "did not finish 'model build'"),
-                                         ("hang_forward", "at stage 'first update'")],
-                         ids=["in-model-construction", "in-the-first-training-step"])
-def test_a_rank_stuck_before_any_round_is_timed_ends_the_default_job_naming_it(tmp_path, fault, stage):
-    result, seconds = run_with_fault(tmp_path, DEFAULTS, fault=fault)
-    assert result.returncode != 0
-    assert "rank 2" in result.stderr and stage in result.stderr, result.stderr[-3000:]
-    assert seconds < 75  # the deadline derives from the other rank (at least 30 s), not the old 30 minutes
+def test_a_rank_stuck_before_any_round_is_timed_ends_the_default_job_naming_it(tmp_path):
+    """Stuck in model construction, or in the first training step. Each job spends its time waiting out a
+    deadline of at least 30 s, so the two run at once."""
+    stages = {"hang_build": "did not finish 'model build'", "hang_forward": "at stage 'first update'"}
+    start, jobs = time.monotonic(), {}
+    for fault in stages:
+        cfg = write_config(tmp_path / f"{fault}.yaml", DEFAULTS)
+        jobs[fault] = spawn_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / fault), env={"FAULT": fault})
+    try:
+        for fault, proc in jobs.items():
+            code, err = finish(proc, timeout=120)
+            assert code != 0, fault
+            assert "rank 2" in err and stages[fault] in err, err[-3000:]
+            assert time.monotonic() - start < 75  # the deadline derives from the other rank (at least 30 s)
+    finally:
+        for proc in jobs.values():
+            if proc.poll() is None:  # a failed check above leaves no job behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
 
 
 def test_a_rank_that_leaves_through_c_exit0_is_named_by_the_run_directory(tmp_path):
