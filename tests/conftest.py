@@ -58,8 +58,8 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
     pool (``tests/mpi_pool.py``): the same ranks' code on a communicator of a long-lived MPI job, with the same
     exit status and each rank's output, without paying every rank's start-up again. ``fresh``: a job of its own,
     for what a shared process would change: peak memory, which is the process's; start-up itself."""
-    if not fresh and env is None and args and args[0] == "run" and 2 <= n <= POOL_SIZE:
-        return _job_pool().run(n, args, timeout, cwd)
+    if not fresh and set(env or {}) <= POOLED_ENV and args and args[0] == "run" and 2 <= n <= POOL_SIZE:
+        return _job_pool().run(n, args, timeout, cwd, env or {})
     proc = spawn_mpi(n, *args, cwd=cwd, env=env)
     cmd = proc.args
     try:
@@ -72,6 +72,9 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
 
 
 POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "6"))  # 0: every job starts its own mpiexec
+# Variables a job may set and still run in the pool: the suite's plug-ins (tests/fl_helpers.py: FailingClients)
+# read them each time they are called, never at import, and keep nothing in the process between jobs.
+POOLED_ENV = {"FL_HELPERS_RAISE", "FL_HELPERS_NAN", "FL_HELPERS_SEED", "FL_HELPERS_FROM_ROUND"}
 JOBS_PER_POOL = 150  # then a new pool: whatever a job left in its processes goes with them
 
 
@@ -100,12 +103,13 @@ class JobPool:
                     stdout=log, stderr=subprocess.STDOUT, env=rank_environment(), cwd=ROOT, start_new_session=True)
         return self.proc
 
-    def run(self, n: int, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess:
+    def run(self, n: int, args: tuple[str, ...], timeout: float, cwd: Path | None,
+            env: dict[str, str]) -> subprocess.CompletedProcess:
         proc = self._ready()
         job_id = next(self.ids)
         cmd = mpifl_command(n, args)  # what the test would have launched, for its messages
         staged = self.queue / f"{job_id}.staged"
-        staged.write_text(json.dumps(dict(id=job_id, n=n, argv=list(args), cwd=str(cwd or ROOT))))
+        staged.write_text(json.dumps(dict(id=job_id, n=n, argv=list(args), cwd=str(cwd or ROOT), env=env)))
         staged.rename(self.queue / f"{job_id}.job")
         self.served += 1
         result, deadline = self.queue / f"{job_id}.result", time.monotonic() + timeout

@@ -149,7 +149,8 @@ def frozen_digest(model: nn.Module) -> str:
 
 class FrozenWatchTrainer:
     """The causal-LM trainer, recording the frozen tensors' digest before and after each client's
-    training in FL_HELPERS_DIGESTS/rank<r>.txt."""
+    training in ``digests/rank<r>.txt`` under the job's working directory (so that the job, having no
+    environment of its own, can run in the suite's job pool)."""
 
     modifies_weights = True
 
@@ -165,7 +166,7 @@ class FrozenWatchTrainer:
 
         before = frozen_digest(model)
         result = self.inner.train(model, data, seed)
-        path = os.path.join(os.environ["FL_HELPERS_DIGESTS"], f"rank{MPI.COMM_WORLD.Get_rank()}.txt")
+        path = os.path.join(os.getcwd(), "digests", f"rank{MPI.COMM_WORLD.Get_rank()}.txt")
         with open(path, "a") as f:
             f.write(f"{before} {frozen_digest(model)}\n")
         return result

@@ -4,8 +4,8 @@ torch once for many jobs instead of once per job.
 Why: nearly all of a small test job's CPU time is its ranks' start-up (Python, torch, mpi4py: about 2 CPU-s a
 rank), while its rounds take a fraction of a second. Started by ``tests/conftest.py`` (one pool per pytest
 worker) as ``mpiexec -n SIZE python tests/mpi_pool.py QUEUE_DIR PARENT_PID JOBS``. Rank 0 takes job files
-(``ID.job``: JSON with ``n``, ``argv``, ``cwd``) from QUEUE_DIR in order; for each, world ranks 0..n-1 split off
-a communicator and call ``mpifl.cli.main(argv, comm=...)``, each with its stdout and stderr written to
+(``ID.job``: JSON with ``n``, ``argv``, ``cwd``, ``env``) from QUEUE_DIR in order; for each, world ranks 0..n-1
+split off a communicator and call ``mpifl.cli.main(argv, comm=...)``, each with its stdout and stderr written to
 ``ID.rankR.out`` / ``ID.rankR.err``; rank 0 then writes ``ID.result`` (JSON: every rank's exit status). The
 ranks above n sit the job out. A rank that fails aborts the whole pool as it would abort its own job
 (``mpifl.roles.launch.abort``); the suite reads the job's files and starts a new pool for the next job.
@@ -72,14 +72,18 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def job_surroundings(job: dict, queue: Path, rank: int) -> Iterator[None]:
-    """This rank's stdout and stderr into the job's files, the job's working directory, and fresh warning
-    registries (so a warning a previous job printed is printed again), all restored afterwards."""
+    """This rank's stdout and stderr into the job's files, the job's working directory and environment variables
+    (those the suite lets a pooled job set: conftest.POOLED_ENV), and fresh warning registries (so a warning a
+    previous job printed is printed again), all restored afterwards."""
     stem = queue / f"{job['id']}.rank{rank}"
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     here = os.getcwd()
+    env = job.get("env") or {}
+    before = {key: os.environ.get(key) for key in env}
     try:
+        os.environ.update(env)
         for fd, suffix in ((1, "out"), (2, "err")):
             target = os.open(f"{stem}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
@@ -91,6 +95,11 @@ def job_surroundings(job: dict, queue: Path, rank: int) -> Iterator[None]:
         sys.stdout.flush()
         sys.stderr.flush()
         os.chdir(here)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         for fd, old in zip((1, 2), saved):
             os.dup2(old, fd)
             os.close(old)

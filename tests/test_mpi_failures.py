@@ -94,7 +94,9 @@ def run_failures(tmp_path, *overrides: str, raising: str = "", poisoned: str = "
     cfg = write_config(tmp_path / "f.yaml", FAILURES)
     env = {"FL_HELPERS_RAISE": raising, "FL_HELPERS_NAN": poisoned, "FL_HELPERS_SEED": "5",
            "FL_HELPERS_FROM_ROUND": str(from_round)}
-    return run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, env=env, timeout=90)
+    aborts = "clients.accept_failures=false" in overrides  # its own job: an abort would end the suite's pool
+    return run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, env=env, timeout=90,
+                   fresh=aborts)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -38,8 +38,7 @@ def lm_run(tmp_path, *overrides: str):
     cfg = write_config(tmp_path / "lm.yaml", CONFIG.format(corpus=corpus))
     digests = tmp_path / "digests"
     digests.mkdir()
-    result = run_mpi(3, "run", str(cfg), *overrides, "--run-dir", str(tmp_path / "run"), timeout=240,
-                     env={"FL_HELPERS_DIGESTS": str(digests)})
+    result = run_mpi(3, "run", str(cfg), *overrides, "--run-dir", str(tmp_path / "run"), timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lines = [line.split() for f in sorted(digests.glob("rank*.txt")) for line in f.read_text().splitlines()]

@@ -74,7 +74,8 @@ def test_the_securely_aggregated_sum_is_exactly_the_plain_fixed_point_sum(tmp_pa
     models = {}
     for masking in ("true", "false"):
         cfg = write_config(tmp_path / f"{masking}.yaml", SECAGG.format(masking=masking))
-        result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / masking), env=env, timeout=MPI_TIMEOUT)
+        result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / masking), env=env or None,
+                         timeout=MPI_TIMEOUT)
         assert result.returncode == 0, result.stderr
         models[masking] = tmp_path / masking / "model.h5"
         records = [json.loads(line) for line in (tmp_path / masking / "metrics.jsonl").read_text().splitlines()]
