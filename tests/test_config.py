@@ -130,6 +130,21 @@ def test_update_and_weighting_left_at_auto_take_what_the_strategy_and_run_modes_
     assert load(**{**data, "strategy": {**data.get("strategy", {}), "update": update, "weighting": weighting}}) == cfg
 
 
+@pytest.mark.parametrize("clients,clock,concurrency", [
+    (8, {"mode": "fedbuff", "buffer": 4}, 8),  # fewer clients than 10: all of them (was refused: 10 > 8)
+    (100, {"mode": "fedasync"}, 10),  # what the key's default was before it could be left unset
+    (100, {"mode": "fedcompass", "concurrency": 30}, 30),  # set: kept
+    (4, {"mode": "fedbuff", "concurrency": 6}, None),  # set beyond the clients: still refused
+])
+def test_clients_in_flight_default_to_ten_or_every_client_where_there_are_fewer(clients, clock, concurrency):
+    data = {"clients": {"num_clients": clients}, "clock": clock}
+    if concurrency is None:
+        with pytest.raises(ConfigError, match="clock.concurrency: 6 is more than the 4 clients"):
+            load(**data)
+    else:
+        assert load(**data).clock.concurrency == concurrency
+
+
 def test_an_explicit_update_or_weighting_a_strategy_cannot_take_is_still_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"strategy.update: strategy 'scaffold' .* set strategy.update='delta'"):
         load(strategy={"name": "scaffold", "update": "weights"})

@@ -33,7 +33,7 @@ class AsyncSampler(Sampler):
                  steps: list[AsyncStep]):
         super().__init__(seed, clients, placement)
         self.clock_cfg, self.steps = clock, steps
-        self.per_round = {"fedasync": 1, "fedbuff": clock.buffer}.get(clock.mode, clock.concurrency)
+        self.per_round = {"fedasync": 1, "fedbuff": clock.buffer}.get(clock.mode, clock.in_flight())
 
     def plan(self, round_: int) -> RoundAssignment:
         """One asynchronous step: the step's arrivals are applied (staleness-weighted), its trainers start."""
@@ -98,13 +98,13 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         def with_steps(client: int, local_steps: int) -> float:
             return devices.task_seconds(client, local_steps * cfg.train.batch_size, model_bytes, update_bytes)
 
-        plan = plan_compass(cfg.seed, cfg.rounds, cfg.clock.concurrency, num_clients, availability, with_steps,
+        plan = plan_compass(cfg.seed, cfg.rounds, cfg.clock.in_flight(), num_clients, availability, with_steps,
                             cfg.clock.min_steps, cfg.clock.max_steps, cfg.clock.latest_factor)
         if len(plan.steps) < cfg.rounds:
             raise ValueError(f"fedcompass: only {len(plan.steps)} of {cfg.rounds} steps can happen")
     else:
         buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
-        plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.concurrency, num_clients, availability, duration)
+        plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.in_flight(), num_clients, availability, duration)
     held = held_updates(plan, placement.rank_of)
     log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client rank "
         f"holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; by rank: "

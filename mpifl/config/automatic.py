@@ -1,4 +1,4 @@
-"""The keys whose default is ``auto``, resolved from the rest of the config before any check runs.
+"""The keys whose default is ``auto`` (or unset), resolved from the rest of the config before any check runs.
 
 What a client sends (``strategy.update``) and how clients are weighted (``strategy.weighting``) follow from the
 strategy and the run modes: SCAFFOLD, FedNova and FedDyn work on deltas, DP clips deltas and needs equal weights,
@@ -61,7 +61,21 @@ def resolve_lone_strategy(strategy: StrategyConfig) -> StrategyConfig:
                             "equal" if strategy_needs_equal_weights(strategy.name) else "samples")
 
 
+# clock.concurrency left unset: this many clients train at once, or every client where there are fewer (a
+# config of 8 clients with clock.mode fedbuff runs as written instead of being refused for 10 > 8)
+DEFAULT_CONCURRENCY = 10
+
+
+def automatic_concurrency(cfg: Config) -> int:
+    """The asynchronous clocks' clients in flight when ``clock.concurrency`` is unset."""
+    return min(DEFAULT_CONCURRENCY, cfg.clients.num_clients)
+
+
 def resolve_automatic(cfg: Config) -> Config:
-    """``cfg`` with every ``auto`` key replaced by its value for this config (other keys untouched)."""
+    """``cfg`` with every ``auto`` (or unset) key replaced by its value for this config (other keys untouched)."""
     strategy = resolve_strategy(cfg.strategy, automatic_update(cfg), automatic_weighting(cfg))
-    return cfg if strategy is cfg.strategy else dataclasses.replace(cfg, strategy=strategy)
+    if strategy is not cfg.strategy:
+        cfg = dataclasses.replace(cfg, strategy=strategy)
+    if cfg.clock.concurrency is None:
+        cfg = dataclasses.replace(cfg, clock=dataclasses.replace(cfg.clock, concurrency=automatic_concurrency(cfg)))
+    return cfg

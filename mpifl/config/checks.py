@@ -183,7 +183,7 @@ def _check_clock(cfg: Config) -> None:
         if cfg.train.trainer not in ("torch", "causal_lm"):
             raise ConfigError("train.trainer: 'fedcompass' gives each client its own number of local steps, which "
                               "only the built-in 'torch' and 'causal_lm' trainers take")
-    if clock.concurrency > cfg.clients.num_clients:
+    if clock.in_flight() > cfg.clients.num_clients:
         raise ConfigError(f"clock.concurrency: {clock.concurrency} is more than the {cfg.clients.num_clients} clients")
     if clock.mode == "fedcompass":
         return
@@ -191,7 +191,7 @@ def _check_clock(cfg: Config) -> None:
     if cfg.clients.min_participants > buffer:
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the {buffer} "
                           f"update(s) each {clock.mode} step applies")
-    if clock.concurrency < buffer:
+    if clock.in_flight() < buffer:
         raise ConfigError(f"clock.concurrency: {clock.concurrency} clients in flight can never fill a buffer of "
                           f"{buffer}; raise clock.concurrency")
 

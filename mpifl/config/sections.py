@@ -377,6 +377,14 @@ class ClockConfig:
     def asynchronous(self) -> bool:
         """Whether server steps apply updates trained on older versions (every version is checkpointed)."""
         return self.mode in ASYNCHRONOUS_MODES
+
+    def in_flight(self) -> int:
+        """``concurrency`` as ``load_config`` resolves it (mpifl.config.automatic: 10, or every client where
+        there are fewer); a ClockConfig built in code must set it."""
+        if self.concurrency is None:
+            raise ValueError("clock.concurrency is unset; load_config resolves it, a config built in code must set it")
+        return self.concurrency
+
     seconds_per_sample: float = field_(0.01, "virtual compute seconds for one training sample (forward and backward) "
                                        "on a device of speed 1", min=0.0)
     speed_sigma: float = field_(0.5, "relative compute speeds are lognormal with median 1 and this sigma (0: equal)",
@@ -399,7 +407,8 @@ class ClockConfig:
     period: float = field_(86400.0, "diurnal: the period, virtual seconds", min=0.0, exclusive_min=True)
     availability_trace: str | None = field_(None, "availability: trace: JSON {client: [[start, end], ...]} online "
                                                "intervals in virtual seconds (clients not listed are always online)")
-    concurrency: int = field_(10, "fedasync/fedbuff: clients training at once", min=1)
+    concurrency: int | None = field_(None, "fedasync/fedbuff/fedcompass: clients training at once (default: 10, or "
+                                           "every client where there are fewer)", min=1)
     buffer: int = field_(5, "fedbuff: updates buffered per server step (K)", min=1)
     alpha: float = field_(0.6, "fedasync: mixing weight alpha (x = (1 - a) x + a x_client, a = alpha x s(staleness))",
                           min=0.0, max=1.0, exclusive_min=True)
