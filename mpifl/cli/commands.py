@@ -129,8 +129,11 @@ def validate(args: argparse.Namespace) -> int:
         size = model_bytes(cfg)
         model += (f" ({size.parameters / 1e9:.3f} B parameters, {size.exchanged / GIB:.2f} GiB exchanged, "
                   f"{size.frozen / GIB:.2f} GiB frozen)")
+    sends = "deltas" if cfg.strategy.update == "delta" else "weights"  # update and weighting as resolved
+    weights = "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
     print(f"{args.config}: valid ({cfg.rounds} rounds, {cfg.clients_per_round()} of "
-          f"{cfg.clients.num_clients} clients per round, model {model}, strategy {cfg.strategy.name})")
+          f"{cfg.clients.num_clients} clients per round, model {model}, strategy {cfg.strategy.name}: clients "
+          f"send {sends}, {weights})")
     return 0
 
 
