@@ -175,7 +175,8 @@ class FrozenWatchTrainer:
 class Straggling(NoiseTrainer):
     """NoiseTrainer that takes FL_HELPERS_CLIENT_SECONDS per logical client, and 10 times as long on rank
     FL_HELPERS_SLOW_RANK for its FL_HELPERS_SLOW_CALLS-th trainings (comma-separated, counted from 1). It runs a
-    forward pass every 0.1 s meanwhile, so the rank keeps reporting progress: slow, not silent."""
+    forward pass every 0.1 s meanwhile, so the rank keeps reporting progress: slow, not silent. Trainings are
+    counted per trainer, which a run builds once per rank, so a job in the suite's pool counts its own."""
 
     calls = 0
 
@@ -185,9 +186,9 @@ class Straggling(NoiseTrainer):
 
         from mpi4py import MPI
 
-        Straggling.calls += 1
+        self.calls += 1
         slow = MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FL_HELPERS_SLOW_RANK", "-1")) and \
-            str(Straggling.calls) in os.environ.get("FL_HELPERS_SLOW_CALLS", "").split(",")
+            str(self.calls) in os.environ.get("FL_HELPERS_SLOW_CALLS", "").split(",")
         until = time.monotonic() + float(os.environ.get("FL_HELPERS_CLIENT_SECONDS", "0")) * (10 if slow else 1)
         training = model.training
         model.eval()  # the forward passes report progress and change nothing (BatchNorm's statistics included)
