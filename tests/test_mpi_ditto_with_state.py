@@ -1,6 +1,6 @@
-"""Ditto over SCAFFOLD, FedDyn or top-k with error feedback: Li, Hu, Beirami and Smith (2021) solve Ditto's global
-objective with any federated method, so the global model may be trained by a rule that keeps per-client state of
-its own. Each client then keeps both in one vector on the rank that hosts it: its c_i, g_i or residual, then its
+"""Ditto over SCAFFOLD, FedDyn or top-k with error feedback: a personal model's objective (Li, Hu, Beirami and Smith
+2021) reads the global model w, never how w was trained, so w may be trained by a rule that keeps per-client state
+of its own. Each client then keeps both in one vector on the rank that hosts it: its c_i, g_i or residual, then its
 personal model and that model's mark. Given the round's global model the personal training is independent of the
 global one, so the global model and the other rule's vectors are bitwise those of the same run without Ditto;
 all of it equals the rules computed on whole models, bitwise, on any number of ranks, with reduction groups, on
