@@ -175,3 +175,23 @@ def test_memory_growth_is_logged_once_recorded_every_round_and_noted_on_the_plot
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     write_report(run_dir, tmp_path / "out")
     assert (tmp_path / "out" / "memory.png").read_bytes()[:8] == PNG
+
+
+def test_the_quality_plot_draws_every_recorded_accuracy_personal_models_included():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _quality, accuracy_series
+
+    records = [{"round": r, "train_loss": 1.0 / r, "time": {"round": 0.1},
+                **({"eval": {"loss": 0.5, "accuracy": 0.6 + r / 100}} if r % 2 == 0 else {}),
+                **({"federated_eval": {"accuracy": 0.5, "personal_accuracy": 0.7}} if r == 4 else {})}
+               for r in range(1, 5)]
+    series = {label: (rounds, values) for label, rounds, values, _, _ in accuracy_series(records)}
+    assert series == {"held-out accuracy": ([2, 4], [0.62, 0.64]),
+                      "clients' validation accuracy (global model)": ([4], [0.5]),
+                      "clients' validation accuracy (personal models)": ([4], [0.7])}
+    assert [label for label, *_ in accuracy_series(records[:2])] == ["held-out accuracy"]  # only what was recorded
+    fig = Figure()
+    _quality(fig, fig.subplots(), records)
+    _, accuracy = fig.axes
+    assert [line.get_label() for line in accuracy.get_lines()] == list(series)

@@ -99,23 +99,43 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     return written
 
 
+# The accuracies a run's records may hold: (record key, metric, label, colour, marker). The clients' own
+# validation splits (eval.federated_every) are what personalisation is judged by: the global model there, and
+# Ditto's personal models beside it.
+ACCURACIES = (("eval", "accuracy", "held-out accuracy", "tab:green", "s"),
+              ("federated_eval", "accuracy", "clients' validation accuracy (global model)", "tab:purple", "^"),
+              ("federated_eval", "personal_accuracy", "clients' validation accuracy (personal models)", "tab:red",
+               "v"))
+
+
+def accuracy_series(records: list[dict]) -> list[tuple[str, list[int], list[float], str, str]]:
+    """Each accuracy some round recorded: (label, rounds, values, colour, marker), in ACCURACIES' order."""
+    out = []
+    for key, metric, label, colour, marker in ACCURACIES:
+        points = [(r["round"], r[key][metric]) for r in records if isinstance(r.get(key), dict) and metric in r[key]]
+        if points:
+            out.append((label, [p[0] for p in points], [p[1] for p in points], colour, marker))
+    return out
+
+
 def _quality(fig, ax, records: list[dict]) -> None:
     ax.plot([r["round"] for r in records], [r.get("train_loss") for r in records], marker=".",
             label="train loss (clients)")
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
     if evals:
         ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], marker="o", label="held-out loss")
-        if any("accuracy" in e[1] for e in evals):
-            acc = ax.twinx()
-            acc.plot([e[0] for e in evals], [e[1].get("accuracy") for e in evals], color="tab:green", marker="s",
-                     label="held-out accuracy")
-            acc.set_ylabel("accuracy")
-            acc.set_ylim(0, 1)
+    series = accuracy_series(records)
+    if series:
+        acc = ax.twinx()
+        for label, rounds, values, colour, marker in series:
+            acc.plot(rounds, values, color=colour, marker=marker, label=label)
+        acc.set_ylabel("accuracy")
+        acc.set_ylim(0, 1)
     ax.set_xlabel("round")
     ax.set_ylabel("loss")
     ax.set_title("Model quality")
-    fig.legend(loc="lower center", ncols=3, fontsize="small")
-    fig.subplots_adjust(bottom=0.25)
+    fig.legend(loc="lower center", ncols=2 if len(series) > 1 else 3, fontsize="small")
+    fig.subplots_adjust(bottom=0.3 if len(series) > 1 else 0.25)
 
 
 def time_axis_limit(totals: Sequence[float], factor: float = 1.5, percentile: float = 90.0) -> float | None:
