@@ -392,6 +392,11 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     return out
 
 
+def client_state_reference(cfg: Config) -> dict[str, np.ndarray]:
+    """The reference of the configured rule with per-client vectors: SCAFFOLD's or FedDyn's."""
+    return scaffold_reference(cfg) if cfg.strategy.name == "scaffold" else feddyn_reference(cfg)
+
+
 def _with_control_section(flat: FlatModel, model: torch.Tensor, control: list[torch.Tensor]) -> np.ndarray:
     """A personal model as a SCAFFOLD run keeps it: the exchanged buffer of the model with the control section
     appended (mpifl.learning.control), laid out and zero-padded as mpifl lays it out, the section holding the c

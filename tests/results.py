@@ -30,6 +30,32 @@ def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarr
     return final_model(run_dir), client_vectors(run_dir)
 
 
+def numbered_controls(tensors: dict[str, np.ndarray], controls: list[str]) -> dict[str, np.ndarray]:
+    """``tensors`` with SCAFFOLD's control-section tensors ``controls`` renamed ``control.<k>``, k in that order:
+    a run and a reference name them differently, and only their order is the same."""
+    out = {n: t for n, t in tensors.items() if n not in controls}
+    out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
+    return out
+
+
+def run_controls_numbered(run_dir: Path, with_clients: bool = False) -> dict[str, np.ndarray]:
+    """The run's final tensors, its control section (``scaffold_control.*``, in name order) as ``control.<k>``;
+    ``with_clients``: every client's kept vector too, as ``client.<id>``."""
+    from mpifl.learning.control import CONTROL
+
+    tensors = final_model(run_dir)
+    out = numbered_controls(tensors, sorted(n for n in tensors if n.startswith(CONTROL + ".")))
+    if with_clients:
+        out.update({f"client.{c}": v for c, v in client_vectors(run_dir).items()})
+    return out
+
+
+def reference_controls_numbered(want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A reference's tensors (tests/reference.py), its ``control.<parameter>`` entries, in the order it lists
+    them (the parameters'), as ``control.<k>``."""
+    return numbered_controls(want, [n for n in want if n.startswith("control.")])
+
+
 def assert_bitwise(got: dict, want: dict) -> None:
     """The same keys, and every array equal to the bit."""
     assert got.keys() == want.keys()

@@ -9,13 +9,12 @@ import pytest
 import torch
 import yaml
 from conftest import run_mpi, stopped_and_resumed, write_config
-from reference import feddyn_reference, scaffold_reference
-from results import assert_bitwise, client_vectors, final_model
+from reference import client_state_reference
+from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
 from test_mpi_personal import CONFIG as PERSONAL
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ModelConfig, load_config
-from mpifl.learning.control import CONTROL
 from mpifl.planning.memory import client_state_elements
 
 # FedPer's setup (tests/test_mpi_personal.py: the MLP's head 3.* stays local) under SCAFFOLD
@@ -27,22 +26,13 @@ FEDDYN = ("strategy.name=feddyn", "strategy.weighting=equal", "strategy.alpha=0.
 
 def reference(*overrides: str) -> dict[str, np.ndarray]:
     """The rule's final tensors (SCAFFOLD's c as control.<k>, in order) and each trained client's vector."""
-    cfg = load_config(None, list(overrides), data=yaml.safe_load(CONFIG))
-    want = scaffold_reference(cfg) if cfg.strategy.name == "scaffold" else feddyn_reference(cfg)
-    controls = [n for n in want if n.startswith("control.")]
-    out = {n: t for n, t in want.items() if n not in controls}
-    out.update({f"control.{k}": want[n] for k, n in enumerate(controls)})
-    return out
+    return reference_controls_numbered(client_state_reference(load_config(None, list(overrides),
+                                                                          data=yaml.safe_load(CONFIG))))
 
 
 def result(run_dir) -> dict[str, np.ndarray]:
     """The run's final tensors, named as :func:`reference` names them, and every client's kept vector."""
-    tensors = final_model(run_dir)
-    controls = sorted(n for n in tensors if n.startswith(CONTROL + "."))
-    out = {n: t for n, t in tensors.items() if n not in controls}
-    out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
-    out.update({f"client.{c}": v for c, v in client_vectors(run_dir).items()})
-    return out
+    return run_controls_numbered(run_dir, with_clients=True)
 
 
 @pytest.mark.parametrize("ranks,overrides", [

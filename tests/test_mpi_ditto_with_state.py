@@ -12,13 +12,12 @@ import pytest
 import torch
 import yaml
 from conftest import run_mpi, stopped_and_resumed, write_config
-from reference import feddyn_reference, scaffold_reference
-from results import assert_bitwise, client_vectors, final_model
+from reference import client_state_reference
+from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
 from test_mpi_ditto import CONFIG as DITTO
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, load_config
-from mpifl.learning.control import CONTROL
 from mpifl.planning.memory import client_state_elements
 from mpifl.storage.residuals import MarkedChunks, RamResiduals
 
@@ -31,25 +30,13 @@ MODEL = 64 * 9 + 9 + 9 * 10 + 10  # the MLP's elements: SCAFFOLD's c_i (and cont
 
 def reference(*overrides: str) -> dict[str, np.ndarray]:
     """The rule's final tensors (SCAFFOLD's c as control.<k>, in order) and each trained client's vector."""
-    cfg = load_config(None, list(overrides), data=yaml.safe_load(CONFIG))
-    return renamed(scaffold_reference(cfg) if cfg.strategy.name == "scaffold" else feddyn_reference(cfg))
-
-
-def renamed(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The control section's tensors as ``control.<k>``: a run's in its names' order, the reference's in the
-    order it lists them (the parameters')."""
-    controls = sorted(n for n in tensors if n.startswith(CONTROL + ".")) or \
-        [n for n in tensors if n.startswith("control.")]
-    out = {n: t for n, t in tensors.items() if n not in controls}
-    out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
-    return out
+    return reference_controls_numbered(client_state_reference(load_config(None, list(overrides),
+                                                                          data=yaml.safe_load(CONFIG))))
 
 
 def result(run_dir) -> dict[str, np.ndarray]:
     """The run's final tensors, named as :func:`reference` names them, and every client's kept vector."""
-    out = renamed(final_model(run_dir))
-    out.update({f"client.{c}": v for c, v in client_vectors(run_dir).items()})
-    return out
+    return run_controls_numbered(run_dir, with_clients=True)
 
 
 @pytest.mark.parametrize("ranks,overrides", [

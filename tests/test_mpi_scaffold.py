@@ -9,13 +9,12 @@ import torch
 import yaml
 from conftest import run_mpi, stopped_and_resumed, write_config
 from reference import one_thread, reference_run, scaffold_reference
-from results import assert_bitwise
-from results import final_model as final_run_tensors
+from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
 
 from mpifl.aggregation.strategies import ControlledAverage, make_strategy, section_span
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, StrategyConfig, load_config
-from mpifl.learning.control import CONTROL, control_delta, corrected_steps
+from mpifl.learning.control import control_delta, corrected_steps
 from mpifl.wire.flat import Chunk
 
 CONFIG = """
@@ -31,23 +30,9 @@ output: {progress: false}
 """
 
 
-def final_model(run_dir) -> dict[str, np.ndarray]:
-    """The run's final tensors, its control section renamed ``control.<k>`` in order (k = 0, 1, ...)."""
-    tensors = final_run_tensors(run_dir)
-    controls = sorted(n for n in tensors if n.startswith(CONTROL + "."))
-    out = {n: t for n, t in tensors.items() if n not in controls}
-    out.update({f"control.{k}": tensors[n] for k, n in enumerate(controls)})
-    return out
-
-
 def reference(*overrides: str) -> dict[str, np.ndarray]:
-    want = scaffold_reference(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)))
-    controls = [n for n in want if n.startswith("control.")]
-    out = {n: t for n, t in want.items() if n not in controls}
-    out.update({f"control.{k}": want[n] for k, n in enumerate(controls)})
-    return out
-
-
+    return reference_controls_numbered(scaffold_reference(load_config(None, list(overrides),
+                                                                      data=yaml.safe_load(CONFIG))))
 
 
 @pytest.mark.parametrize("ranks,overrides", [
@@ -62,7 +47,7 @@ def test_scaffold_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_o
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
-    got, want = final_model(tmp_path / "run"), reference(*overrides)
+    got, want = run_controls_numbered(tmp_path / "run"), reference(*overrides)
     assert_bitwise(got, want)
     assert any(np.abs(want[n]).max() > 0 for n in want if n.startswith("control."))  # c moved away from 0
     if "strategy.control_ram_mb=0" in overrides:
@@ -86,7 +71,7 @@ def test_a_resumed_scaffold_run_on_another_number_of_ranks_equals_the_uninterrup
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     rest = stopped_and_resumed(tmp_path, cfg)
     assert "resume: SCAFFOLD control variates of" in rest.stderr
-    assert_bitwise(final_model(tmp_path / "split"), reference())
+    assert_bitwise(run_controls_numbered(tmp_path / "split"), reference())
 
 
 def test_the_control_delta_is_option_two_of_the_paper():
