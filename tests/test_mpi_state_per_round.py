@@ -17,7 +17,7 @@ import test_mpi_personal
 import test_mpi_scaffold
 import yaml
 from conftest import finish, run_mpi, spawn_mpi, stopped_and_resumed, wait_for, write_config
-from results import assert_bitwise, run_result
+from results import assert_bitwise, run_controls_numbered, run_result
 
 from mpifl.cli.plan import estimate
 from mpifl.config import load_config
@@ -47,7 +47,7 @@ def test_control_variates_and_gradient_states_follow_their_client_bitwise(tmp_pa
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *PER_ROUND)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sum(loans(tmp_path / "run")) > 0  # some clients trained on the other rank, with their state lent there
-    assert_bitwise(module.final_model(tmp_path / "run"), module.reference())
+    assert_bitwise(run_controls_numbered(tmp_path / "run"), module.reference())
 
 
 @pytest.mark.parametrize("module", [test_mpi_ditto, test_mpi_personal], ids=["ditto", "fedper-head"])
@@ -94,7 +94,7 @@ def test_a_resumed_per_round_scaffold_run_on_another_number_of_ranks_equals_the_
     cfg = write_config(tmp_path / "c.yaml", yaml.safe_dump(config))
     rest = stopped_and_resumed(tmp_path, cfg)  # 2 client ranks, then 3: every client's home changes but one
     assert "resume: SCAFFOLD control variates of" in rest.stderr
-    assert_bitwise(test_mpi_scaffold.final_model(tmp_path / "split"), test_mpi_scaffold.reference())
+    assert_bitwise(run_controls_numbered(tmp_path / "split"), test_mpi_scaffold.reference())
     assert sum(loans(tmp_path / "split")) > 0
 
 
@@ -122,7 +122,7 @@ def test_a_sigterm_mid_run_publishes_every_lent_vector_home_and_the_resume_is_bi
     assert code == 3 and "SIGTERM: stopped after round" in err, err[-3000:]
     resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run), "--resume")  # on 2 client ranks: new homes
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise(test_mpi_scaffold.final_model(run), test_mpi_scaffold.reference("rounds=20"))
+    assert_bitwise(run_controls_numbered(run), test_mpi_scaffold.reference("rounds=20"))
 
 
 def test_clients_that_fail_while_holding_a_borrowed_vector_leave_it_as_balanced_placement_would(tmp_path):
