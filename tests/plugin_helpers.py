@@ -51,6 +51,26 @@ def per_step(cfg: StrategyConfig) -> Strategy:
     return Strategy(cfg, PerStep(cfg), Replace(cfg))
 
 
+class OwnTotalMean(WeightedMean):
+    """A FedNova-like plug-in: it divides the sum of deltas by a total of its own, so it needs deltas."""
+
+    capabilities = Capabilities(summable=True, needs_every_row=False, own_total=True)
+
+
+def own_total(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, OwnTotalMean(cfg), Replace(cfg))
+
+
+class EqualStateMean(WeightedMean):
+    """A FedDyn-like plug-in whose server state assumes equal client weights."""
+
+    capabilities = Capabilities(summable=True, needs_every_row=False, equal_weights=True)
+
+
+def equal_state(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, EqualStateMean(cfg), Replace(cfg))
+
+
 def scaled(cfg: StrategyConfig, scale: float, offset: float = 0.0) -> Strategy:
     """A plug-in with settings of its own (strategy.kwargs), one of them required."""
     strategy = Strategy(cfg, WeightedMean(cfg), Replace(cfg))

@@ -122,6 +122,36 @@ def test_strategy_kwargs_reach_a_plugin_checked_against_its_signature():
         load_config(None, data={"strategy": {"name": "fedavgm", "kwargs": {"momentum": 0.5}}})
 
 
+def test_auto_keys_follow_what_a_plugin_declares_as_they_follow_the_builtins(tmp_path, capsys):
+    """strategy.update/weighting left at auto read a plug-in's declared capabilities, as they read the built-in
+    table: own_total (FedNova-like) gets deltas, equal_weights (FedDyn-like) equal weights, the others the old
+    defaults; an explicit value is kept, and refused where it cannot work."""
+    names = ("own_total", "equal_state", "declared_max")
+    resolved = {name: config(f"plugin_helpers:{name}").strategy for name in names}
+    assert {name: (s.update, s.weighting) for name, s in resolved.items()} == {
+        "own_total": ("delta", "samples"), "equal_state": ("weights", "equal"), "declared_max": ("weights", "samples")}
+    assert check_plugins(config("plugin_helpers:own_total")) == []
+    assert check_plugins(config("plugin_helpers:equal_state")) == []
+    for strategy, key in (({"update": "weights"}, "update"), ({"weighting": "samples"}, "weighting")):
+        name = "plugin_helpers:own_total" if key == "update" else "plugin_helpers:equal_state"
+        explicit = load_config(None, data={**SYNTHETIC, "strategy": {"name": name, **strategy}})
+        with pytest.raises(ConfigError, match=rf"strategy\.{key}: .*set strategy\.{key}="):
+            check_plugins(explicit)
+    assert make_strategy(StrategyConfig(name="plugin_helpers:own_total")).cfg.update == "delta"  # built in code
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {dataset: synthetic}\nstrategy: {name: 'plugin_helpers:own_total'}\n")
+    assert main(["validate", str(path)]) == 0
+    assert "clients send deltas" in capsys.readouterr().out
+
+
+def test_a_plugin_that_cannot_be_built_resolves_by_the_run_modes_and_is_reported_by_its_key():
+    broken = load_config(None, data={**SYNTHETIC, "privacy": {"mode": "central"},
+                                     "strategy": {"name": "plugin_helpers:scaled"}})  # scale is required
+    assert (broken.strategy.update, broken.strategy.weighting) == ("delta", "equal")
+    with pytest.raises(ConfigError, match=r"strategy\.kwargs\.scale: scaled takes scale without a default"):
+        check_plugins(broken)
+
+
 def test_differential_privacy_refuses_a_plugin_that_weighs_its_own_way():
     privacy = {"privacy": {"mode": "central"}}
     strategy = {"update": "delta", "weighting": "equal"}
