@@ -275,3 +275,19 @@ def test_the_bytes_moved_per_round_count_updates_as_they_travel():
     assert 8 * 0.01 * model / 4 <= topk < 0.03 * model  # an int32 index and an fp32 value per kept value
     bf16 = update_bytes("model.dtype=bfloat16")[0]
     assert update_bytes("clients.groups=2", "model.dtype=bfloat16")[0] == 2 * bf16  # a bf16 model's fp32 group sums
+
+
+def test_plan_suggests_one_group_of_equal_work_per_client_rank_only_where_the_config_can_take_it():
+    from mpifl.cli.plan import groups_hint
+
+    def config(**overrides):
+        return load_config(None, data={"clients": {"num_clients": 1000, "per_round": 20},
+                                       "data": {"dataset": "synthetic", "kwargs": {"num_samples": 2000}}, **overrides})
+
+    hint = groups_hint(config(), 2)
+    assert hint is not None and "clients.groups=2 clients.group_by=cost clients.placement=per_round" in hint
+    assert "20 a round from 2 client ranks" in hint and "same on any number of ranks" in hint
+    assert groups_hint(config(clients={"num_clients": 1000, "per_round": 20, "groups": 4}), 2) is None  # set already
+    assert groups_hint(config(clients={"num_clients": 1000, "per_round": 3}), 2) is None  # about one client a rank
+    assert groups_hint(config(strategy={"name": "median"}), 2) is None  # a robust rule needs every update
+    assert groups_hint(config(), 1) is None

@@ -164,9 +164,42 @@ def plan_main(args: argparse.Namespace) -> int:
                                 clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone))):
         if warning:
             print(warning)
+    hint = groups_hint(cfg, ranks)
+    if hint:
+        print(hint)
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
+
+
+def groups_hint(cfg: Config, ranks: int) -> str | None:
+    """Where every update travels and several clients a round share a rank, the layout the cross-device
+    benchmarks run (one reduction group per client rank, of near-equal work) if this config can take it.
+
+    A hint, not a default: a group count changes the fp32 sums, so results would differ from the config as written
+    (still the same on any number of ranks); nothing can choose it from the rank count without tying results to it.
+    """
+    from mpifl.config import ConfigError
+    from mpifl.config.checks import check_combinations
+    from mpifl.learning.datasets import client_source
+
+    per_round = cfg.clients_per_round()
+    if cfg.clients.groups or ranks < 2 or per_round < 2 * ranks or cfg.clients.ranks_per_client > 1:
+        return None
+    by_cost = client_source(cfg.data) is None  # a natural split read per rank keeps each client on its rank
+    clients = dataclasses.replace(cfg.clients, groups=ranks)
+    if by_cost:
+        clients = dataclasses.replace(clients, group_by="cost", placement="per_round")
+    try:
+        check_combinations(dataclasses.replace(cfg, clients=clients))
+    except ConfigError:
+        return None
+    keys = f"clients.groups={ranks}" + (" clients.group_by=cost clients.placement=per_round" if by_cost else "")
+    what = "sums each rank's clients before anything travels and evens the ranks' work" if by_cost else \
+        "sums each rank's clients before anything travels"
+    return (f"  hint: every participant's update travels to rank 0 ({per_round} a round from {ranks} client ranks); "
+            f"{keys} {what}: {ranks} messages a round. Results then differ from this config's in fp32 rounding "
+            "(other sums) and stay the same on any number of ranks (docs: how-to/cpu-training.md)")
 
 
 def data_note(nbytes: int, what: str) -> str:
