@@ -102,8 +102,13 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "ditto_topk_error_feedback": (["compression.method=topk", "train.ditto_lambda=0.3"], True),
     "ranks_per_client_ditto_scaffold": ([*SCAFFOLD, "clients.ranks_per_client=2", "train.ditto_lambda=0.2",
                                          "clients.placement=balanced"], True),
+    # Ditto beside model.local: the client's local tensors, then its personal model with local tensors of its own
+    "ditto_fedper_on_disk_per_round": (["train.ditto_lambda=0.3", "model.local=['3.*']", "model.local_ram_mb=0",
+                                        "train.personal_ram_mb=0", "clients.placement=per_round", *FEDERATED_EVAL],
+                                       True),
+    "ditto_fedbn_groups": ([*BN, "train.ditto_lambda=0.3", "model.local=['*bn*']", "clients.groups=4"], True),
     # refused, each naming a key
-    "refused_ditto_fedper": (["train.ditto_lambda=0.1", "model.local=['3.*']"], True),
+    "refused_ditto_fedper_scaffold": ([*SCAFFOLD, "train.ditto_lambda=0.1", "model.local=['3.*']"], True),
     "refused_median_groups": (["strategy.name=median", "clients.groups=4"], True),
 }
 

@@ -387,7 +387,7 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
                                                    local.vector(k)]) for k in local.kept})
     if ditto is not None:  # its c_i, then its personal model as it travels, and 1
         out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in own[k].values()]).numpy(),
-                                                   _with_control_section(flat, ditto.models[k], c_with_personal[k]),
+                                                   _with_control_section(flat, ditto.models[k][0], c_with_personal[k]),
                                                    np.ones(1, np.float32)]) for k in ditto.models})
     return out
 
@@ -418,6 +418,20 @@ def _with_control_section(flat: FlatModel, model: torch.Tensor, control: list[to
                            for seg in shaped.spec.segments])  # the chunks' elements: no alignment padding
 
 
+def every_tensor(flat: FlatModel) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``flat``: those that travel, then those kept in its second buffer (with the ranks' layout:
+    ``model.local``), each in its buffer's order."""
+    return [*flat.tensors(), *flat.frozen_tensors()]
+
+
+def ranks_layout(cfg: Config, dataset) -> FlatModel:
+    """The model as a client rank lays it out: the ``model.local`` tensors in a second buffer. A kernel's result can
+    depend on where its operands sit (vectorised loops peel to an alignment), so a reference that must equal a run
+    bit for bit trains on the same layout."""
+    return FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes),
+                     local=cfg.model.local)
+
+
 class LocalTensors:
     """``model.local`` (FedBN, FedPer) beside another rule in a reference: each client's own values of the tensors
     the patterns name, the built ones until it first trains, loaded before it trains and kept after."""
@@ -427,17 +441,17 @@ class LocalTensors:
 
         self.patterns, self.flat = cfg.model.local, flat
         self.named = lambda name: any(fnmatch.fnmatchcase(name, p) for p in self.patterns)  # noqa: E731
-        self.built = {n: t.detach().clone() for n, t in flat.tensors() if self.named(n)}
+        self.built = {n: t.detach().clone() for n, t in every_tensor(flat) if self.named(n)}
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
 
     def load(self, client: int) -> None:
-        tensors = dict(self.flat.tensors())
+        tensors = dict(every_tensor(self.flat))
         for n, value in self.kept.get(client, self.built).items():
             tensors[n].copy_(value)
 
     def keep(self, client: int) -> None:
         if self.patterns:
-            self.kept[client] = {n: t.detach().clone() for n, t in self.flat.tensors() if self.named(n)}
+            self.kept[client] = {n: t.detach().clone() for n, t in every_tensor(self.flat) if self.named(n)}
 
     def vector(self, client: int) -> np.ndarray:
         """The client's local tensors as mpifl keeps them beside a c_i or g_i: flattened in order, then 1 (kept)."""
@@ -462,21 +476,32 @@ class DittoModels:
         from mpifl.planning.seeds import personal_seed
 
         lam = self.lam
-        self.flat.buffer.copy_(self.models.get(client, start))
+        if client in self.models:  # its own, else the round's model, with the local tensors the caller loaded
+            self.flat.buffer.copy_(self.models[client][0])
+            self.flat.frozen.copy_(self.models[client][1])
+        else:
+            self.flat.buffer.copy_(start)
         hooks = [p.register_hook(lambda grad, p=p, w=old[n]: grad + (p.detach() - w).mul_(lam).sub_(0.0))
                  for n, p in self.params]
         self.trainer.train(self.flat.module, data, personal_seed(self.cfg.seed, rnd, client))
         for hook in hooks:
             hook.remove()
-        self.models[client] = self.flat.buffer.clone()
+        self.models[client] = self.flat.buffer.clone(), self.flat.frozen.clone()
         self.first_round.setdefault(client, rnd)
 
-    def flattened(self, client: int) -> np.ndarray:
-        """The client's personal model, every exchanged tensor flattened in the model's order, as fp32."""
-        keep = self.flat.buffer.clone()
-        self.flat.buffer.copy_(self.models[client])
-        out = torch.cat([t.detach().float().flatten() for _, t in self.flat.tensors()]).numpy()
-        self.flat.buffer.copy_(keep)
+    def flattened(self, client: int, local: LocalTensors | None = None) -> np.ndarray:
+        """The client's personal model, every tensor flattened in the model's order, as fp32; with ``local``, the
+        tensors that travel first and then the local ones, as mpifl keeps a personal model beside local tensors."""
+        keep = self.flat.buffer.clone(), self.flat.frozen.clone()
+        self.flat.buffer.copy_(self.models[client][0])
+        self.flat.frozen.copy_(self.models[client][1])
+        tensors = every_tensor(self.flat)
+        if local is not None:
+            tensors = [(n, t) for n, t in tensors if not local.named(n)] + [(n, t) for n, t in tensors
+                                                                             if local.named(n)]
+        out = torch.cat([t.detach().float().flatten() for _, t in tensors]).numpy()
+        self.flat.buffer.copy_(keep[0])
+        self.flat.frozen.copy_(keep[1])
         return out
 
 
@@ -485,42 +510,33 @@ def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np
     tensors and its own local ones (the built values until it first trains), keeps its local ones, and sends
     the rest; the server averages only the rest (weighted mean, ascending client id; by groups with
     clients.groups). Returns the final shared tensors and each trained client's local tensors, flattened in the
-    model's order. Trained with one thread, as every rank trains."""
-    import fnmatch
-
+    ranks' order. Trained with one thread, on the ranks' layout, as every rank trains."""
     with one_thread():
         dataset = load_dataset(cfg.data)
-        flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+        flat = ranks_layout(cfg, dataset)
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
         trainer, s = make_trainer(cfg.train), cfg.strategy
-        is_local = lambda name: any(fnmatch.fnmatchcase(name, p) for p in cfg.model.local)  # noqa: E731
-        built = {n: t.detach().clone() for n, t in flat.tensors() if is_local(n)}
-        own: dict[int, dict[str, torch.Tensor]] = {}
+        local = LocalTensors(cfg, flat)
         for rnd in range(1, cfg.rounds + 1):
             start = flat.buffer.clone()
             old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
                 flat.buffer.copy_(start)
-                tensors = dict(flat.tensors())
-                for n, value in own.get(client, built).items():
-                    tensors[n].copy_(value)
+                local.load(client)
                 result = trainer.train(flat.module, client_data(dataset, parts[client]),
                                        client_seed(cfg.seed, rnd, client))
-                own[client] = {n: t.detach().clone() for n, t in flat.tensors() if is_local(n)}
+                local.keep(client)
                 w = float(result.num_samples) if s.weighting == "samples" else 1.0
                 sent.append((client, w, {n: (t.float().numpy() - old[n] if s.update == "delta" else
-                                             t.float().numpy().copy()) for n, t in flat.tensors() if not is_local(n)}))
+                                             t.float().numpy().copy()) for n, t in flat.tensors()}))
             for n, t in flat.tensors():
-                if is_local(n):
-                    t.copy_(torch.from_numpy(old[n]))  # the server's copy is never updated
-                    continue
                 values = [(c, w, u[n]) for c, w, u in sent]
                 combined = (grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
                             else weighted_mean([(w, v) for _, w, v in values]))
                 t.copy_(torch.from_numpy(combined + old[n] if s.update == "delta" else combined))
-        shared = {n: t.float().numpy().copy() for n, t in flat.tensors() if not is_local(n)}
-        return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in own.items()}
+        shared = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+        return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in local.kept.items()}
 
 
 def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
@@ -582,23 +598,31 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
 
 def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """Ditto (Li et al. 2021, Algorithm 1) over FedAvg on whole models, every personal model in memory: each
-    sampled client first trains its personal model (``DittoModels``), then trains w as FedAvg does. Returns the
-    final global tensors and each trained client's personal model, flattened in the model's order. One thread."""
+    sampled client first trains its personal model (``DittoModels``), then trains w as FedAvg does. With
+    ``model.local`` (FedBN, FedPer) a client trains w with its own local tensors l_i (``LocalTensors``), its
+    personal model starts from and is pulled towards (w, l_i), and only the rest is averaged. Returns the final
+    tensors that travel and each trained client's personal model, flattened in the model's order (with
+    model.local: as mpifl keeps each client's vector, its l_i and 1, then its personal model, the tensors that
+    travel first, and 1). One thread, on the ranks' layout."""
     with one_thread():
         dataset = load_dataset(cfg.data)
-        flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
+        flat = ranks_layout(cfg, dataset)
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
         trainer, s = make_trainer(cfg.train), cfg.strategy
-        personal = DittoModels(cfg, flat, trainer)
+        personal, local = DittoModels(cfg, flat, trainer), LocalTensors(cfg, flat)
         for rnd in range(1, cfg.rounds + 1):
             start = flat.buffer.clone()
             old = {n: t.detach().clone() for n, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
                 data = client_data(dataset, parts[client])
-                personal.train(client, rnd, data, start, old)
                 flat.buffer.copy_(start)
+                local.load(client)  # the global model this client trains: w with its own l_i
+                personal.train(client, rnd, data, start, {n: t.detach().clone() for n, t in every_tensor(flat)})
+                flat.buffer.copy_(start)
+                local.load(client)
                 result = trainer.train(flat.module, data, client_seed(cfg.seed, rnd, client))
+                local.keep(client)
                 w = float(result.num_samples) if s.weighting == "samples" else 1.0
                 sent.append((client, w, {n: (t.float().numpy() - old[n].numpy() if s.update == "delta"
                                              else t.float().numpy().copy()) for n, t in flat.tensors()}))
@@ -608,4 +632,7 @@ def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.nd
                             else weighted_mean([(w, v) for _, w, v in values]))
                 t.copy_(torch.from_numpy(combined + old[n].numpy() if s.update == "delta" else combined))
         final = {n: t.float().numpy().copy() for n, t in flat.tensors()}
-        return final, {client: personal.flattened(client) for client in personal.models}
+        if not cfg.model.local:
+            return final, {client: personal.flattened(client) for client in personal.models}
+        return final, {client: np.concatenate([local.vector(client), personal.flattened(client, local),
+                                               np.ones(1, np.float32)]) for client in personal.models}

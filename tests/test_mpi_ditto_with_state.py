@@ -127,6 +127,9 @@ def test_a_client_whose_c_i_was_written_but_whose_personal_model_never_was_has_n
     assert store.read(5, 0).tolist() == [0.5] * 4 and personal.read(5, 1).tolist() == [2.0] * 3
 
 
-def test_ditto_beside_model_local_is_still_refused_naming_both():
-    with pytest.raises(ConfigError, match="train.ditto_lambda: .* model.local keeps per-client state there too"):
-        load_config(None, ["model.local=['3.*']"], data=yaml.safe_load(CONFIG))
+@pytest.mark.parametrize("overrides", [(), FEDDYN, ("strategy.name=fedavg", "compression.method=topk")],
+                         ids=["scaffold", "feddyn", "topk-error-feedback"])
+def test_ditto_beside_model_local_and_another_rules_state_is_refused_naming_all_three(overrides):
+    with pytest.raises(ConfigError, match="train.ditto_lambda: .* model.local and .* keep per-client state there "
+                                          "too; a client's vector holds two kinds, not three"):
+        load_config(None, ["model.local=['3.*']", *overrides], data=yaml.safe_load(CONFIG))

@@ -270,10 +270,16 @@ def _check_ditto(cfg: Config) -> None:
     if not cfg.train.ditto_lambda:
         return
     why = "train.ditto_lambda keeps a personal model per client on the rank that hosts it"
-    if cfg.model.local:  # SCAFFOLD's, FedDyn's and top-k's vectors share each client's one vector with it instead
-        raise ConfigError(f"train.ditto_lambda: {why}, and model.local keeps per-client state there too, in the "
-                          "global model that Ditto's personal model is pulled towards; the two together are not "
-                          "supported yet: drop one")
+    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
+    vectors = f"the per-client vectors of strategy {cfg.strategy.name!r}"
+    others = [what for what, kept in ((vectors, caps and caps.client_state),
+                                      ("top-k's error-feedback residuals", cfg.error_feedback)) if kept]
+    if cfg.model.local and others:  # each client's one vector holds two kinds of state, never three
+        raise ConfigError(f"train.ditto_lambda: {why}, and model.local and {others[0]} keep per-client state there "
+                          "too; a client's vector holds two kinds, not three: drop one of the three")
+    if cfg.model.local and cfg.clients.ranks_per_client > 1:
+        raise ConfigError(f"train.ditto_lambda: {why}, with model.local its own local tensors too, which a group "
+                          "of ranks (clients.ranks_per_client) does not train yet: set clients.ranks_per_client=1")
     if cfg.train.trainer != "torch":
         raise ConfigError(f"train.trainer: {why}, trained by the built-in 'torch' trainer; "
                           f"{cfg.train.trainer!r} is not supported with it yet: set train.trainer='torch'")

@@ -566,8 +566,9 @@ class Config:
     def client_state(self) -> ClientState | None:
         """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
         SCAFFOLD's control variates or FedDyn's gradient states, top-k error-feedback residuals (either with
-        model.local tensors or a Ditto personal model beside them in the same vector), model.local tensors, or
-        Ditto's personal models (config checks allow no other pairs); None for none."""
+        model.local tensors or a Ditto personal model beside them in the same vector), model.local tensors (alone,
+        or with a Ditto personal model beside them), or Ditto's personal models (config checks allow no other
+        pairs, and no three kinds); None for none."""
         vectors = "SCAFFOLD control variates" if self.control_variates else \
             "FedDyn gradient states" if self.strategy.name == "feddyn" else None
         ditto = self.train.ditto_lambda > 0
@@ -581,6 +582,11 @@ class Config:
                                "compression.residual_ram_mb + train.personal_ram_mb",
                                self.compression.residual_ram_mb + self.train.personal_ram_mb, "residuals",
                                "exchanged+personal")
+        if self.model.local and ditto:  # its local tensors and their mark, then its personal model (chunks, then its
+            # own local tensors) and that one's mark
+            return ClientState("local tensors (model.local) and Ditto personal models",
+                               "model.local_ram_mb + train.personal_ram_mb",
+                               self.model.local_ram_mb + self.train.personal_ram_mb, "locals", "local+personal")
         if vectors and self.model.local:  # one vector per client holds both, in one store
             return ClientState(f"{vectors} and local tensors (model.local)",
                                "strategy.control_ram_mb + model.local_ram_mb",

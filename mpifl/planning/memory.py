@@ -246,7 +246,8 @@ def loaned_vectors(cfg: Config, client_ranks: int, where: str) -> int:
 def client_state_elements(cfg: Config, size: ModelBytes) -> int:
     """Elements of one client's state vector (Config.client_state().vector): the exchanged model's; the trainable
     parameters' (the control section's size, or at most the exchanged elements without one); local tensors'; or
-    the trainable or exchanged ones', then the local ones' or a Ditto personal model's, and their mark."""
+    the trainable or exchanged ones', then the local ones' or a Ditto personal model's, and their mark; or the
+    local ones and their mark, then a Ditto personal model with local tensors of its own, and its mark."""
     state = cfg.client_state()
     exchanged, local = size.exchanged // itemsize(cfg.model.dtype), size.local // itemsize(cfg.model.dtype)
     trainable = size.control // 4 if size.control else exchanged
@@ -254,7 +255,7 @@ def client_state_elements(cfg: Config, size: ModelBytes) -> int:
         return exchanged
     return {"local": local, "trainable": trainable, "trainable+local": trainable + local + 1,
             "exchanged+local": exchanged + local + 1, "trainable+personal": trainable + exchanged + 1,
-            "exchanged+personal": 2 * exchanged + 1}[state.vector]
+            "exchanged+personal": 2 * exchanged + 1, "local+personal": exchanged + 2 * local + 2}[state.vector]
 
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,

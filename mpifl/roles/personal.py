@@ -26,7 +26,7 @@ from mpifl.learning.control import dynamic_regularizer, trainable
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
-from mpifl.wire.flat import Chunk, FlatModel
+from mpifl.wire.flat import Chunk, FlatModel, is_local
 
 
 class PersonalTensors:
@@ -112,26 +112,40 @@ class PersonalModels:
     before the global training. v_i is kept as fp32 chunk by chunk (the model's chunks), in RAM or on disk,
     and published with every checkpoint. With federated evaluation due, v_i is evaluated on the client's
     validation split after its update (``val_personal_*``, averaged like the global model's ``val_*``).
+
+    With ``model.local`` (``with_local``), the global model a client trains is w with its own local tensors l_i
+    (FedBN, FedPer: ``PersonalTensors`` has loaded them), and that is what v_i is pulled towards: v_i is a whole
+    model of its own, its local tensors too, kept in the store's chunk after the model's chunks (the last one
+    written, so that a written mark means a whole v_i). It starts as (w, l_i), and the model has l_i back after.
     """
 
-    def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float):
+    def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float,
+                 with_local: bool = False):
         self.flat, self.chunks, self.store, self.trainer, self.lam = flat, chunks, store, trainer, lam
         # called with (client, seed, w) once v_i is in the model, before it trains: a group's leader
         # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
         self.starting: Callable[[int, int, torch.Tensor], None] | None = None
-        self.params = [p for _, p in trainable(flat.module)]
+        named = trainable(flat.module)
+        self.params = [p for _, p in named]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # Ditto has no linear term
                       for p in self.params]
+        # with_local: the local tensors (parameters and statistics) and which parameters are among them
+        self.local = [t for _, t in flat.local_tensors()] if with_local else []
+        self.is_local = [with_local and is_local(name, flat.local) for name, _ in named]
 
     def train(self, client: int, data: ClientData | None, global_bytes: torch.Tensor, seed: int,
               evaluate: Callable[[], dict] | None) -> dict:
-        """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back. Returns
-        ``evaluate()``'s metrics of v_i when given (the caller's federated evaluation of the model in place)."""
-        if self.store.has(client):  # a personal model of its own (a resume reloads them), else w's copy
+        """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back (and the
+        client's own local tensors). Returns ``evaluate()``'s metrics of v_i when given (the caller's federated
+        evaluation of the model in place)."""
+        own_local = [t.detach().clone() for t in self.local]  # l_i: v_i's anchor there, and the model's after
+        if self.store.has(client):  # a personal model of its own (a resume reloads them), else a copy of (w, l_i)
             for i, c in enumerate(self.chunks):
                 self.flat.chunk_view(c).copy_(self.store.read(client, i))
+            if self.local:
+                self._put_local(self.store.read(client, len(self.chunks)))
         self.flat.reset_local_state()
-        anchors = self.flat.views_in(self.params, global_bytes)
+        anchors = self._anchors(global_bytes, own_local)
         try:
             if self.starting is not None:
                 self.starting(client, seed, global_bytes)
@@ -139,10 +153,34 @@ class PersonalModels:
                 self.trainer.train(self.flat.module, data, seed)
             metrics = evaluate() if evaluate is not None else {}
             views = [self.flat.chunk_view(c) for c in self.chunks]
-            if all(bool(torch.isfinite(v).all()) for v in views):
+            if all(bool(torch.isfinite(v).all()) for v in [*views, *self.local]):
                 for i, view in enumerate(views):
                     self.store.write(client, i, view.float().cpu())
+                if self.local:  # last: its write marks v_i as whole
+                    self.store.write(client, len(self.chunks), torch.cat([t.detach().float().flatten().cpu()
+                                                                          for t in self.local]))
         finally:
             self.flat.buffer.copy_(global_bytes)
+            with torch.no_grad():
+                for t, own in zip(self.local, own_local):
+                    t.copy_(own)
             self.flat.reset_local_state()
         return metrics
+
+    def _anchors(self, global_bytes: torch.Tensor, own_local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What each trainable parameter is pulled towards: its view in w's bytes, or for a local tensor the
+        client's own l_i (the global model this client trains)."""
+        if not self.local:
+            return self.flat.views_in(self.params, global_bytes)
+        shared = iter(self.flat.views_in([p for p, local in zip(self.params, self.is_local) if not local],
+                                         global_bytes))
+        kept = {t.data_ptr(): own for t, own in zip(self.local, own_local)}
+        return [kept[p.data_ptr()] if local else next(shared) for p, local in zip(self.params, self.is_local)]
+
+    def _put_local(self, values: torch.Tensor) -> None:
+        """Load v_i's own local tensors from their stored fp32 values."""
+        start = 0
+        with torch.no_grad():
+            for t in self.local:
+                t.copy_(values[start:start + t.numel()].view(t.shape))
+                start += t.numel()

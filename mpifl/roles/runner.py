@@ -286,7 +286,8 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         personal = PersonalTensors(work, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
         models = None
         if personal_store is not None and cfg.train.ditto_lambda:
-            models = PersonalModels(work, plan.chunks, personal_store, make_trainer(cfg.train), cfg.train.ditto_lambda)
+            models = PersonalModels(work, plan.chunks, personal_store, make_trainer(cfg.train), cfg.train.ditto_lambda,
+                                    with_local=bool(cfg.model.local))
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
                          residuals=vectors if cfg.error_feedback else None, state=state,
                          controls=controls, personal=personal, personal_models=models, note=notes, group=group)
@@ -399,6 +400,9 @@ def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int,
               # then a Ditto personal model, chunk by chunk, and its mark (MarkedChunks)
               "trainable+personal": [0, *(shared + f for f in chunked), shared + chunked[-1] + 1],
               "exchanged+personal": [*chunked, *(chunked[-1] + f for f in chunked[1:]), 2 * chunked[-1] + 1],
+              # the local tensors and their mark, then a personal model: its chunks, its own local tensors, its mark
+              "local+personal": [0, *(local + 1 + f for f in chunked), 2 * local + 1 + chunked[-1],
+                                 2 * local + 2 + chunked[-1]],
               }.get(state.vector) or chunked
     path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
     try:
@@ -430,6 +434,8 @@ def _state_sections(cfg: Config, plan: ExchangeLayout, state: ResidualStore | No
         return state, None, False, MarkedChunks(state, chunks, chunks)
     if kinds.vector == "trainable+personal":
         return Section(state, 0), None, False, MarkedChunks(state, 1, chunks)
+    if kinds.vector == "local+personal":  # the personal model's own local tensors are its chunk after the last
+        return None, Section(state, 0), True, MarkedChunks(state, 1, chunks + 1)
     return state, state, False, state
 
 
