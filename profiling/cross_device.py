@@ -93,6 +93,8 @@ def main() -> int:
     p.add_argument("--data", default="table", choices=("table", "plugin"),
                    help="table: Parquet files, each rank reads only its clients (the default); plugin: "
                    "rank 0 builds the whole set in memory and shares it")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed (client sampling, model initialisation, "
+                   "minibatch order); the data stay those of seed 0")
     p.add_argument("--json", action="store_true", help="also print 'RESULT {json}' (seconds per round "
                    "without evaluation, peak RSS, final accuracy) for profiling/peers/compare.sh")
     p.add_argument("--bin", default=str(Path(sys.executable).parent))
@@ -108,6 +110,7 @@ def main() -> int:
                 f'kwargs: {{clients: {args.clients}, samples: {args.samples}}}, partition: natural}}')
     config.write_text(f"""
 name: cross-device
+seed: {args.seed}
 rounds: {args.rounds}
 clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {args.groups},
           placement: {args.placement}, group_by: {args.group_by}}}
