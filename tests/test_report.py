@@ -195,3 +195,8 @@ def test_the_quality_plot_draws_every_recorded_accuracy_personal_models_included
     _quality(fig, fig.subplots(), records)
     _, accuracy = fig.axes
     assert [line.get_label() for line in accuracy.get_lines()] == list(series)
+    # with model.local no model is the global one: the labels say which local tensors each was evaluated with
+    assert [label for label, *_ in accuracy_series(records, local=True)] == [
+        "held-out accuracy (built local tensors)",
+        "clients' validation accuracy (averaged + own local)",
+        "clients' validation accuracy (personal models)"]

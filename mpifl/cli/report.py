@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from mpifl.roles.records import MEMORY_SIGNALS
 from mpifl.units import MIB
@@ -56,8 +57,6 @@ def virtual_time_to_target(records: list[dict], target: float, metric: str = "ev
 def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accuracy") -> str:
     """A Markdown table: per run, its strategy (and clock mode), rounds and virtual seconds to ``target``,
     best and final metric."""
-    import yaml
-
     rows = [f"| run | strategy | clock | rounds to {metric} >= {target} | virtual s to it | best | final |",
             "|---|---|---|---|---|---|---|"]
     for run_dir in map(Path, run_dirs):
@@ -82,8 +81,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     records = load_metrics(run_dir)
     plt = _pyplot()
     written = []
-    plots = [("quality.png", _quality), ("time_split.png", _time_split), ("bytes.png", _bytes),
-             ("memory.png", _memory)]
+    local = kept_local_tensors(run_dir)
+    plots = [("quality.png", lambda fig, ax, records: _quality(fig, ax, records, local)),
+             ("time_split.png", _time_split), ("bytes.png", _bytes), ("memory.png", _memory)]
     if any("virtual_time" in r for r in records):
         plots += [("virtual_time.png", _virtual_time), ("participation.png", _participation)]
     if any(r.get("staleness") for r in records):
@@ -108,23 +108,39 @@ ACCURACIES = (("eval", "accuracy", "held-out accuracy", "tab:green", "s"),
                "v"))
 
 
-def accuracy_series(records: list[dict]) -> list[tuple[str, list[int], list[float], str, str]]:
-    """Each accuracy some round recorded: (label, rounds, values, colour, marker), in ACCURACIES' order."""
+# With model.local (FedBN, FedPer) no model is "the global one": the server evaluates the averaged tensors with the
+# local ones as built, each client the averaged ones with its own (docs: how-to/personalization.md)
+WITH_LOCAL = {"held-out accuracy": "held-out accuracy (built local tensors)",
+              "clients' validation accuracy (global model)":
+                  "clients' validation accuracy (averaged + own local)"}
+
+
+def accuracy_series(records: list[dict], local: bool = False) -> list[tuple[str, list[int], list[float], str, str]]:
+    """Each accuracy some round recorded: (label, rounds, values, colour, marker), in ACCURACIES' order; ``local``:
+    the run kept tensors per client (model.local), and the labels say which local tensors each model had."""
     out = []
     for key, metric, label, colour, marker in ACCURACIES:
         points = [(r["round"], r[key][metric]) for r in records if isinstance(r.get(key), dict) and metric in r[key]]
         if points:
-            out.append((label, [p[0] for p in points], [p[1] for p in points], colour, marker))
+            out.append((WITH_LOCAL.get(label, label) if local else label, [p[0] for p in points],
+                        [p[1] for p in points], colour, marker))
     return out
 
 
-def _quality(fig, ax, records: list[dict]) -> None:
+def kept_local_tensors(run_dir: Path) -> bool:
+    """Whether the run's saved config (config.yaml) names model.local patterns."""
+    config = run_dir / "config.yaml"
+    saved = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+    return bool((saved.get("model") or {}).get("local"))
+
+
+def _quality(fig, ax, records: list[dict], local: bool = False) -> None:
     ax.plot([r["round"] for r in records], [r.get("train_loss") for r in records], marker=".",
             label="train loss (clients)")
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
     if evals:
         ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], marker="o", label="held-out loss")
-    series = accuracy_series(records)
+    series = accuracy_series(records, local)
     if series:
         acc = ax.twinx()
         for label, rounds, values, colour, marker in series:
