@@ -177,6 +177,15 @@ def stopped_and_resumed(tmp_path: Path, cfg: Path, resume_ranks: int = 4) -> sub
     return rest
 
 
+def ran(tmp_path: Path, config: str, ranks: int, *overrides: str) -> Path:
+    """Run the YAML ``config`` (with ``overrides``) on ``ranks`` ranks into ``tmp_path/run``; it must succeed.
+    Returns the run directory."""
+    cfg = write_config(tmp_path / "c.yaml", config)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / "run"
+
+
 def write_config(path: Path, text: str) -> Path:
     """Write a YAML config for a test and return its path."""
     path.write_text(text)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import yaml
-from conftest import run_mpi, stopped_and_resumed, write_config
+from conftest import ran, run_mpi, stopped_and_resumed, write_config
 from reference import ditto_reference
 from results import assert_bitwise, run_result
 
@@ -41,10 +41,8 @@ def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
     (3, ("train.device_copy=true",)),  # the GPU path's copies on the CPU: v_i trained on the replica
 ], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "personal-on-disk", "device-replica"])
 def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
-    cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (final, personal), (want_final, want_personal) = run_result(tmp_path / "run"), reference(*overrides)
+    (final, personal), (want_final, want_personal) = run_result(ran(tmp_path, CONFIG, ranks, *overrides)), reference(
+        *overrides)
     assert_bitwise(final, want_final)
     assert_bitwise(personal, want_personal)
     if "train.personal_ram_mb=0" in overrides:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
-from conftest import run_mpi, stopped_and_resumed, write_config
+from conftest import ran, stopped_and_resumed, write_config
 from reference import ditto_reference, personal_reference
 from results import assert_bitwise, run_result
 from test_mpi_ditto import CONFIG as DITTO
@@ -44,10 +44,8 @@ def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
 ], ids=["fedper", "groups-tiny-chunks", "on-disk-per-round", "fedbn", "fedbn-device-replica"])
 def test_the_global_model_each_clients_local_tensors_and_personal_model_equal_the_rule_on_whole_models(
         tmp_path, ranks, overrides):
-    cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    run = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (final, vectors), (want_final, want_vectors) = run_result(tmp_path / "run"), reference(*overrides)
+    (final, vectors), (want_final, want_vectors) = run_result(ran(tmp_path, CONFIG, ranks, *overrides)), reference(
+        *overrides)
     assert_bitwise(final, want_final)
     assert_bitwise(vectors, want_vectors)
     assert len(vectors) == 8 and all(v[-1] == 1 for v in vectors.values())  # each kept a whole personal model

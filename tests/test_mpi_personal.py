@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, stopped_and_resumed, write_config
+from conftest import ran, stopped_and_resumed, write_config
 from fl_helpers import tiny_mlp
 from reference import personal_reference
 from results import assert_bitwise, run_result
@@ -48,10 +48,8 @@ def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
 ], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "local-on-disk", "device-replica"])
 def test_local_tensors_stay_with_their_client_and_the_rest_is_averaged_bitwise_on_any_number_of_ranks(
         tmp_path, ranks, overrides):
-    cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (shared, local), (want_shared, want_local) = run_result(tmp_path / "run"), reference(*overrides)
+    (shared, local), (want_shared, want_local) = run_result(ran(tmp_path, CONFIG, ranks, *overrides)), reference(
+        *overrides)
     assert sorted(shared) == ["1.bias", "1.weight"]  # the head never reaches the server
     assert_bitwise(shared, want_shared)
     assert_bitwise(local, want_local)

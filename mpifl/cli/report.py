@@ -54,6 +54,12 @@ def virtual_time_to_target(records: list[dict], target: float, metric: str = "ev
     return next((r.get("virtual_time") for r in records if (metric_of(r, metric) or float("-inf")) >= target), None)
 
 
+def saved_config(run_dir: Path) -> dict:
+    """The config the run recorded (``config.yaml``, resolved), or {} where it has none."""
+    config = run_dir / "config.yaml"
+    return (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+
+
 def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accuracy") -> str:
     """A Markdown table: per run, its strategy (and clock mode), rounds and virtual seconds to ``target``,
     best and final metric."""
@@ -61,8 +67,7 @@ def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accura
             "|---|---|---|---|---|---|---|"]
     for run_dir in map(Path, run_dirs):
         records = load_metrics(run_dir)
-        config = run_dir / "config.yaml"
-        saved = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+        saved = saved_config(run_dir)
         values = [v for v in (metric_of(r, metric) for r in records) if v is not None]
         reached = rounds_to_target(records, target, metric)
         seconds = virtual_time_to_target(records, target, metric)
@@ -128,10 +133,8 @@ def accuracy_series(records: list[dict], local: bool = False) -> list[tuple[str,
 
 
 def kept_local_tensors(run_dir: Path) -> bool:
-    """Whether the run's saved config (config.yaml) names model.local patterns."""
-    config = run_dir / "config.yaml"
-    saved = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
-    return bool((saved.get("model") or {}).get("local"))
+    """Whether the run's saved config names model.local patterns."""
+    return bool((saved_config(run_dir).get("model") or {}).get("local"))
 
 
 def _quality(fig, ax, records: list[dict], local: bool = False) -> None:

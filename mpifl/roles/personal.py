@@ -26,7 +26,25 @@ from mpifl.learning.control import dynamic_regularizer, trainable
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
-from mpifl.wire.flat import Chunk, FlatModel, is_local
+from mpifl.wire.flat import Chunk, FlatModel
+
+
+def gather(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``tensors`` flattened one after another into ``out`` (fp32, on the host: a store's vector section)."""
+    start = 0
+    for t in tensors:
+        out[start:start + t.numel()].copy_(t.detach().flatten())
+        start += t.numel()
+    return out
+
+
+def scatter(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """The inverse of :func:`gather`: ``values``' consecutive runs copied into ``tensors``, in their dtypes."""
+    start = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(values[start:start + t.numel()].view(t.shape))
+            start += t.numel()
 
 
 class PersonalTensors:
@@ -45,14 +63,7 @@ class PersonalTensors:
                                  "which holds float32, bfloat16 and float16 values exactly")
         self.elements = sum(t.numel() for t in self.tensors)
         self.store, self.marked = store, marked
-        self.initial = self._gather(torch.empty(self.elements))  # as built, in host memory: a client's start
-
-    def _gather(self, out: torch.Tensor) -> torch.Tensor:
-        start = 0
-        for t in self.tensors:
-            out[start:start + t.numel()].copy_(t.detach().flatten())
-            start += t.numel()
-        return out
+        self.initial = gather(self.tensors, torch.empty(self.elements))  # as built, in host memory: a client's start
 
     def load(self, client: int) -> None:
         """Put ``client``'s local tensors into the model (the built values for a client never trained)."""
@@ -61,11 +72,7 @@ class PersonalTensors:
             values = stored if bool(stored[self.elements] == 1) else self.initial
         else:
             values = self.store.read(client, 0) if self.store.has(client) else self.initial
-        start = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                t.copy_(values[start:start + t.numel()].view(t.shape))
-                start += t.numel()
+        scatter(values, self.tensors)
 
     def keep(self, client: int) -> None:
         """Store the model's local tensors as ``client``'s own (after it trained); a client whose local tensors
@@ -73,7 +80,7 @@ class PersonalTensors:
         if not all(bool(torch.isfinite(t).all()) for t in self.tensors):
             return
         own = self.store.read(client, 0)
-        self._gather(own)
+        gather(self.tensors, own)
         if self.marked:
             own[self.elements] = 1
         self.store.write(client, 0, own)
@@ -125,25 +132,25 @@ class PersonalModels:
         # called with (client, seed, w) once v_i is in the model, before it trains: a group's leader
         # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
         self.starting: Callable[[int, int, torch.Tensor], None] | None = None
-        named = trainable(flat.module)
-        self.params = [p for _, p in named]
+        self.named = trainable(flat.module)
+        self.params = [p for _, p in self.named]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # Ditto has no linear term
                       for p in self.params]
-        # with_local: the local tensors (parameters and statistics) and which parameters are among them
-        self.local = [t for _, t in flat.local_tensors()] if with_local else []
-        self.is_local = [with_local and is_local(name, flat.local) for name, _ in named]
+        # with_local: the local tensors by name (parameters and statistics)
+        self.local = dict(flat.local_tensors()) if with_local else {}
 
     def train(self, client: int, data: ClientData | None, global_bytes: torch.Tensor, seed: int,
               evaluate: Callable[[], dict] | None) -> dict:
         """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back (and the
         client's own local tensors). Returns ``evaluate()``'s metrics of v_i when given (the caller's federated
         evaluation of the model in place)."""
-        own_local = [t.detach().clone() for t in self.local]  # l_i: v_i's anchor there, and the model's after
+        local = list(self.local.values())
+        own_local = {n: t.detach().clone() for n, t in self.local.items()}  # l_i: v_i's anchor, the model's after
         if self.store.has(client):  # a personal model of its own (a resume reloads them), else a copy of (w, l_i)
             for i, c in enumerate(self.chunks):
                 self.flat.chunk_view(c).copy_(self.store.read(client, i))
-            if self.local:
-                self._put_local(self.store.read(client, len(self.chunks)))
+            if local:
+                scatter(self.store.read(client, len(self.chunks)), local)
         self.flat.reset_local_state()
         anchors = self._anchors(global_bytes, own_local)
         try:
@@ -153,34 +160,22 @@ class PersonalModels:
                 self.trainer.train(self.flat.module, data, seed)
             metrics = evaluate() if evaluate is not None else {}
             views = [self.flat.chunk_view(c) for c in self.chunks]
-            if all(bool(torch.isfinite(v).all()) for v in [*views, *self.local]):
+            if all(bool(torch.isfinite(v).all()) for v in [*views, *local]):
                 for i, view in enumerate(views):
                     self.store.write(client, i, view.float().cpu())
-                if self.local:  # last: its write marks v_i as whole
-                    self.store.write(client, len(self.chunks), torch.cat([t.detach().float().flatten().cpu()
-                                                                          for t in self.local]))
+                if local:  # last: its write marks v_i as whole
+                    section = self.store.read(client, len(self.chunks))
+                    self.store.write(client, len(self.chunks), gather(local, section))
         finally:
             self.flat.buffer.copy_(global_bytes)
             with torch.no_grad():
-                for t, own in zip(self.local, own_local):
-                    t.copy_(own)
+                for n, t in self.local.items():
+                    t.copy_(own_local[n])
             self.flat.reset_local_state()
         return metrics
 
-    def _anchors(self, global_bytes: torch.Tensor, own_local: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _anchors(self, global_bytes: torch.Tensor, own_local: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """What each trainable parameter is pulled towards: its view in w's bytes, or for a local tensor the
         client's own l_i (the global model this client trains)."""
-        if not self.local:
-            return self.flat.views_in(self.params, global_bytes)
-        shared = iter(self.flat.views_in([p for p, local in zip(self.params, self.is_local) if not local],
-                                         global_bytes))
-        kept = {t.data_ptr(): own for t, own in zip(self.local, own_local)}
-        return [kept[p.data_ptr()] if local else next(shared) for p, local in zip(self.params, self.is_local)]
-
-    def _put_local(self, values: torch.Tensor) -> None:
-        """Load v_i's own local tensors from their stored fp32 values."""
-        start = 0
-        with torch.no_grad():
-            for t in self.local:
-                t.copy_(values[start:start + t.numel()].view(t.shape))
-                start += t.numel()
+        shared = iter(self.flat.views_in([p for n, p in self.named if n not in own_local], global_bytes))
+        return [own_local[n] if n in own_local else next(shared) for n, _ in self.named]
