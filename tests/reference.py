@@ -511,32 +511,44 @@ def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np
     the rest; the server averages only the rest (weighted mean, ascending client id; by groups with
     clients.groups). Returns the final shared tensors and each trained client's local tensors, flattened in the
     ranks' order. Trained with one thread, on the ranks' layout, as every rank trains."""
+    shared, local, _ = _fedavg_with_personalisation(cfg)
+    return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in local.kept.items()}
+
+
+def _fedavg_with_personalisation(cfg: Config) -> tuple[dict[str, np.ndarray], LocalTensors, DittoModels]:
+    """FedAvg (weights or deltas, by groups with clients.groups) with each client's ``model.local`` tensors and,
+    with ``train.ditto_lambda``, its Ditto personal model trained first from and towards (w, l_i). Returns the
+    final tensors that travel, every client's local tensors and every personal model. One thread, on the ranks'
+    layout."""
     with one_thread():
         dataset = load_dataset(cfg.data)
         flat = ranks_layout(cfg, dataset)
         parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
         trainer, s = make_trainer(cfg.train), cfg.strategy
-        local = LocalTensors(cfg, flat)
+        personal, local = DittoModels(cfg, flat, trainer), LocalTensors(cfg, flat)
         for rnd in range(1, cfg.rounds + 1):
             start = flat.buffer.clone()
-            old = {n: t.float().numpy().copy() for n, t in flat.tensors()}
+            old = {n: t.detach().clone() for n, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+                data = client_data(dataset, parts[client])
                 flat.buffer.copy_(start)
-                local.load(client)
-                result = trainer.train(flat.module, client_data(dataset, parts[client]),
-                                       client_seed(cfg.seed, rnd, client))
+                local.load(client)  # the global model this client trains: w with its own l_i
+                if cfg.train.ditto_lambda:
+                    personal.train(client, rnd, data, start, {n: t.detach().clone() for n, t in every_tensor(flat)})
+                    flat.buffer.copy_(start)
+                    local.load(client)
+                result = trainer.train(flat.module, data, client_seed(cfg.seed, rnd, client))
                 local.keep(client)
                 w = float(result.num_samples) if s.weighting == "samples" else 1.0
-                sent.append((client, w, {n: (t.float().numpy() - old[n] if s.update == "delta" else
-                                             t.float().numpy().copy()) for n, t in flat.tensors()}))
+                sent.append((client, w, {n: (t.float().numpy() - old[n].numpy() if s.update == "delta"
+                                             else t.float().numpy().copy()) for n, t in flat.tensors()}))
             for n, t in flat.tensors():
                 values = [(c, w, u[n]) for c, w, u in sent]
                 combined = (grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
                             else weighted_mean([(w, v) for _, w, v in values]))
-                t.copy_(torch.from_numpy(combined + old[n] if s.update == "delta" else combined))
-        shared = {n: t.float().numpy().copy() for n, t in flat.tensors()}
-        return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in local.kept.items()}
+                t.copy_(torch.from_numpy(combined + old[n].numpy() if s.update == "delta" else combined))
+        return {n: t.float().numpy().copy() for n, t in flat.tensors()}, local, personal
 
 
 def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
@@ -604,35 +616,8 @@ def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.nd
     tensors that travel and each trained client's personal model, flattened in the model's order (with
     model.local: as mpifl keeps each client's vector, its l_i and 1, then its personal model, the tensors that
     travel first, and 1). One thread, on the ranks' layout."""
-    with one_thread():
-        dataset = load_dataset(cfg.data)
-        flat = ranks_layout(cfg, dataset)
-        parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
-        trainer, s = make_trainer(cfg.train), cfg.strategy
-        personal, local = DittoModels(cfg, flat, trainer), LocalTensors(cfg, flat)
-        for rnd in range(1, cfg.rounds + 1):
-            start = flat.buffer.clone()
-            old = {n: t.detach().clone() for n, t in flat.tensors()}
-            sent = []
-            for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
-                data = client_data(dataset, parts[client])
-                flat.buffer.copy_(start)
-                local.load(client)  # the global model this client trains: w with its own l_i
-                personal.train(client, rnd, data, start, {n: t.detach().clone() for n, t in every_tensor(flat)})
-                flat.buffer.copy_(start)
-                local.load(client)
-                result = trainer.train(flat.module, data, client_seed(cfg.seed, rnd, client))
-                local.keep(client)
-                w = float(result.num_samples) if s.weighting == "samples" else 1.0
-                sent.append((client, w, {n: (t.float().numpy() - old[n].numpy() if s.update == "delta"
-                                             else t.float().numpy().copy()) for n, t in flat.tensors()}))
-            for n, t in flat.tensors():
-                values = [(c, w, u[n]) for c, w, u in sent]
-                combined = (grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
-                            else weighted_mean([(w, v) for _, w, v in values]))
-                t.copy_(torch.from_numpy(combined + old[n].numpy() if s.update == "delta" else combined))
-        final = {n: t.float().numpy().copy() for n, t in flat.tensors()}
-        if not cfg.model.local:
-            return final, {client: personal.flattened(client) for client in personal.models}
-        return final, {client: np.concatenate([local.vector(client), personal.flattened(client, local),
-                                               np.ones(1, np.float32)]) for client in personal.models}
+    final, local, personal = _fedavg_with_personalisation(cfg)
+    if not cfg.model.local:
+        return final, {client: personal.flattened(client) for client in personal.models}
+    return final, {client: np.concatenate([local.vector(client), personal.flattened(client, local),
+                                           np.ones(1, np.float32)]) for client in personal.models}
