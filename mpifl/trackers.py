@@ -7,7 +7,8 @@ Each tracker writes into the run directory and never to the network: TensorBoard
 and imported only when a run names them; :func:`tracker_problem` says, before MPI starts, that one is
 missing and how to install it. A resumed run appends to the same runs (their ids are kept in
 ``<run dir>/trackers.json``). A tracker that fails in the middle of a run is closed with a warning: the
-run goes on, and ``metrics.jsonl`` has every round.
+run goes on, and ``metrics.jsonl`` has every round. A job killed hard (SIGKILL, a node lost) can leave W&B's
+offline log without its last rounds; the resume logs them again from ``metrics.jsonl``.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import importlib.util
 import json
 import os
 import secrets
+import struct
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +36,8 @@ IDS = "trackers.json"  # in the run directory: the MLflow and W&B run ids a resu
 MLFLOW_BATCH = 100  # MLflow takes at most 100 params in one log_batch
 MLFLOW_VALUE_CHARS = 6000  # the longest param value MLflow stores
 MLFLOW_TAG_CHARS = 8000  # the longest tag value
+WANDB_BLOCK = 32768  # W&B's offline log is written in blocks of this many bytes (LevelDB's log format)
+WANDB_HEADER = 7  # the file's header (":W&B", a version), and each record fragment's (CRC-32C, length, type)
 
 
 def tracker_problem(names: Sequence[str]) -> str | None:
@@ -237,6 +241,74 @@ class WandbTracker:
         wandb.teardown(exit_code=exit_code)
 
 
+def wandb_log_records(path: Path) -> Iterator[Any]:
+    """The protobuf records one offline ``.wandb`` file holds on disk, oldest first. The file is W&B's transaction
+    log in LevelDB's log format: a 7-byte header, then 32 KiB blocks of record fragments, each with a 7-byte header
+    (CRC-32C, length, type: 1 whole, 2 first, 3 middle, 4 last); a block's tail shorter than a header is padding.
+    W&B writes whole blocks, so a job killed hard leaves the file cut at a block boundary, or inside a record: the
+    reading stops at the last whole record. wandb ships no reader for this file since its Go core replaced the
+    Python writer."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B offline log (it does not start with ':W&B')")
+    pos, pending = WANDB_HEADER, b""
+    while pos + WANDB_HEADER <= len(data):
+        left = WANDB_BLOCK - pos % WANDB_BLOCK
+        if left < WANDB_HEADER:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + WANDB_HEADER])
+        if kind == 0 and length == 0:  # zero padding to the block's end
+            pos += left
+            continue
+        end = pos + WANDB_HEADER + length
+        if end > len(data) or length > left - WANDB_HEADER:
+            return  # cut inside a fragment
+        pending += data[pos + WANDB_HEADER:end]
+        pos = end
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated protobuf class
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_logged_steps(run_dir: Path, run_id: str) -> set[int]:
+    """The steps (rounds) of every history row that the offline runs of ``run_id`` in ``<run dir>/wandb`` hold on
+    disk, over all the launches so far."""
+    steps: set[int] = set()
+    for folder in sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}")):
+        log_file = folder / f"run-{run_id}.wandb"
+        if not log_file.is_file():
+            continue
+        for record in wandb_log_records(log_file):
+            if record.WhichOneof("record_type") == "history":
+                steps.update(int(json.loads(item.value_json)) for item in record.history.item
+                             if (item.key or "/".join(item.nested_key)) == "_step")  # W&B writes either form
+    return steps
+
+
+def rounds_to_log_again(kept: Sequence[dict], logged: set[int]) -> list[dict]:
+    """The kept records (``metrics.jsonl``'s, up to the checkpoint a resume starts from) that an offline W&B run
+    lacks: those after the last round any earlier launch has on disk. Only those: ``wandb sync`` appends a launch's
+    rows to the run, and W&B drops a row whose step is below the run's current one."""
+    last = max(logged, default=0)
+    return [record for record in kept if int(record["round"]) > last]
+
+
+def said_as_ranges(rounds: Sequence[int]) -> str:
+    """1, 2, 3, 5 -> '1-3, 5'."""
+    spans: list[list[int]] = []
+    for r in sorted(rounds):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
+
 def wait_for_a_fresh_second(folder: Path, run_id: str) -> None:
     """W&B names an offline run's folder by the local second it starts and the run's id
     (``offline-run-YYYYmmdd_HHMMSS-<id>``): a resume that starts within the second of the launch before it would
@@ -283,11 +355,13 @@ class Trackers:
 
 def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mapping[str, Any], start_round: int = 0,
                   resumed: bool = False, notes: Callable[[dict], list[str]] | None = None,
-                  warn: Callable[[str], None] | None = None) -> Trackers:
+                  warn: Callable[[str], None] | None = None, kept: Sequence[dict] = ()) -> Trackers:
     """Open each tracker in ``names`` for the run in ``run_dir`` (rank 0, before the first round). ``resumed``:
     continue the MLflow and W&B runs whose ids ``<run dir>/trackers.json`` keeps; else start new ones (and keep
     their ids there). A tracker that cannot start ends the job, naming it, before any round runs. ``notes``: a
-    record's warnings as text lines; ``warn``: where a tracker's failure is told (default: stderr)."""
+    record's warnings as text lines; ``warn``: where a tracker's failure is told (default: stderr). ``kept``: on a
+    resume, the records up to its checkpoint (``metrics.jsonl``'s), from which W&B gets back the rounds that a job
+    killed hard never wrote to its offline log (TensorBoard's and MLflow's files are written round by round)."""
     ids_path = run_dir / IDS
     ids = _read_ids(ids_path) if resumed else {}
     params = flat_params(config)
@@ -301,10 +375,18 @@ def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mappin
                                        ids.get("mlflow", {}).get("run_id"))
                 opened[tracker], ids["mlflow"] = mlflow, {"run_id": mlflow.run_id, "tracking_uri": mlflow.uri}
             elif tracker == "wandb":
-                kept = ids.get("wandb", {})  # a resume keeps the run's id and project (the config's name may change)
-                run_id, project = kept.get("id") or secrets.token_hex(6), kept.get("project") or name
+                known = ids.get("wandb", {})  # a resume keeps the run's id and project (the config's name may change)
+                run_id, project = known.get("id") or secrets.token_hex(6), known.get("project") or name
+                missing = rounds_to_log_again(kept, wandb_logged_steps(run_dir, run_id)) if known else []
                 opened[tracker] = WandbTracker(run_dir, project, config, run_id)
                 ids["wandb"] = {"id": run_id, "project": project}
+                for record in missing:
+                    opened[tracker].log(int(record["round"]), scalars(record), notes(record) if notes else [])
+                if missing:
+                    rounds = said_as_ranges([int(r["round"]) for r in missing])
+                    (warn or _stderr)(f"output.trackers: wandb: round(s) {rounds} were not in the offline log on disk "
+                                      "(a job killed hard loses what W&B had not written yet); logged again from "
+                                      "metrics.jsonl")
         except Exception as err:  # noqa: BLE001 - any library's failure, named, before a round is lost
             Trackers(opened, warn=warn).close()
             problem = tracker_problem([tracker])

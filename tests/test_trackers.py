@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,15 @@ from conftest import MPI_TIMEOUT, ROOT, run_mpi
 
 from mpifl.cli.commands import check_plugins
 from mpifl.config import ConfigError, load_config
-from mpifl.trackers import Trackers, flat_params, open_trackers, scalars, tracker_problem
+from mpifl.trackers import (
+    Trackers,
+    flat_params,
+    open_trackers,
+    said_as_ranges,
+    scalars,
+    tracker_problem,
+    wandb_log_records,
+)
 
 # --- what a round's record becomes --------------------------------------------------------------------------------
 
@@ -166,32 +173,6 @@ def mlflow_client(run_dir: Path):
     return MlflowClient(tracking_uri=ids["tracking_uri"]), ids["run_id"]
 
 
-def wandb_records(path: Path):
-    """The protobuf records of one offline ``.wandb`` file: W&B's LevelDB-style log (a 7-byte header, then 32 KiB
-    blocks of records, each with a 7-byte header: CRC-32C, length, type; a record may span blocks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
-    block, pos, pending = 32768, 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # the block's tail is padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # full, or last of a fragmented record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
 def wandb_run(run_dir: Path) -> tuple[list[dict], list[dict], list[str]]:
     """An offline run's history rows and config updates, over every offline attempt with the run id kept in
     trackers.json (oldest first), and those attempts' folder names."""
@@ -199,7 +180,7 @@ def wandb_run(run_dir: Path) -> tuple[list[dict], list[dict], list[str]]:
     folders = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     rows, configs = [], []
     for folder in folders:
-        for record in wandb_records(folder / f"run-{run_id}.wandb"):
+        for record in wandb_log_records(folder / f"run-{run_id}.wandb"):
             kind = record.WhichOneof("record_type")
             if kind == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
@@ -366,3 +347,59 @@ def test_a_wandb_launch_waits_out_the_second_of_an_earlier_launch_of_the_same_ru
     began = time.monotonic()
     wait_for_a_fresh_second(tmp_path, "another-run")  # another run's folder: no wait
     assert time.monotonic() - began < 0.1
+
+
+# --- W&B after a job killed hard ---------------------------------------------------------------------------------
+
+def rounds_record(r: int) -> dict:
+    """RECORD as round ``r``, its training loss a number no other value's text contains."""
+    return {**RECORD, "round": r, "train_loss": 1000 + r + 0.0625, "memory_warning": []}
+
+
+@pytest.mark.parametrize("cut", ["to the header", "inside the log"])
+def test_a_resume_logs_again_the_rounds_a_hard_kill_kept_from_the_wandb_log(tmp_path, cut):
+    """W&B writes its offline log in 32 KiB blocks: a job killed hard (SIGKILL) leaves the file without the rounds
+    still in memory, at worst only its 7-byte header. The resume, from the checkpoint of round 3, logs again from
+    metrics.jsonl the rounds after the last one on disk, so that every round is there once."""
+    pytest.importorskip("wandb")
+    first = open_trackers(["wandb"], tmp_path, "unit", {"train": {"lr": 0.1}})
+    for r in (1, 2, 3):
+        first.write(rounds_record(r))
+    first.close()
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["id"]
+    [log_file] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    data = log_file.read_bytes()
+    if cut == "to the header":
+        log_file.write_bytes(data[:7])
+    else:  # inside round 2's row: the reader stops at round 1's, the last whole record
+        second = data.index(json.dumps(1002.0625).encode())
+        log_file.write_bytes(data[:second])
+    told: list[str] = []
+    kept = [rounds_record(r) for r in (1, 2, 3)]
+    again = open_trackers(["wandb"], tmp_path, "unit", {"train": {"lr": 0.1}}, start_round=3, resumed=True,
+                          warn=told.append, kept=kept)
+    again.write(rounds_record(4))
+    again.close()
+    rows, _, folders = wandb_run(tmp_path)
+    assert len(folders) == 2 and [row["_step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["train_loss"] for row in rows] == [1001.0625, 1002.0625, 1003.0625, 1004.0625]
+    lost = "1-3" if cut == "to the header" else "2-3"
+    assert told == [f"output.trackers: wandb: round(s) {lost} were not in the offline log on disk (a job killed hard "
+                    "loses what W&B had not written yet); logged again from metrics.jsonl"]
+
+
+def test_a_resume_after_a_clean_stop_logs_nothing_again(tmp_path):
+    pytest.importorskip("wandb")
+    first = open_trackers(["wandb"], tmp_path, "unit", {})
+    for r in (1, 2):
+        first.write(rounds_record(r))
+    first.close()
+    told: list[str] = []
+    again = open_trackers(["wandb"], tmp_path, "unit", {}, start_round=2, resumed=True, warn=told.append,
+                          kept=[rounds_record(1), rounds_record(2)])
+    again.close()
+    assert told == [] and [row["_step"] for row in wandb_run(tmp_path)[0]] == [1, 2]
+
+
+def test_rounds_are_said_as_ranges():
+    assert said_as_ranges([5, 1, 2, 3, 7, 8]) == "1-3, 5, 7-8" and said_as_ranges([4]) == "4"

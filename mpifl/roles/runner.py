@@ -556,7 +556,8 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     score = None
     if dataset is not None and flat is not None:
         score = _score(cfg, flat, dataset)
-    sink = JsonLines(run_dir / METRICS if run_dir else None, also=_trackers(cfg, run_dir, start, resume is not None))
+    trackers = _trackers(cfg, run_dir, start, history, resume is not None)
+    sink = JsonLines(run_dir / METRICS if run_dir else None, also=trackers)
     needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off"
     parts_ = _partition(cfg, dataset) if needs_sizes else None
     placement = _placement(cfg, parts_, comm.Get_size() - 1)
@@ -606,13 +607,14 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     return RunOutcome(history, interrupted=interrupted)
 
 
-def _trackers(cfg: Config, run_dir: Path | None, start: int, resumed: bool) -> list[Trackers]:
-    """``output.trackers``, opened on rank 0 before the first round (none without a run directory to write in)."""
+def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], resumed: bool) -> list[Trackers]:
+    """``output.trackers``, opened on rank 0 before the first round (none without a run directory to write in);
+    ``kept``: the records a resume keeps, for the rounds a tracker lost when the job before was killed."""
     if not cfg.output.trackers or run_dir is None:
         return []
     return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
                           notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())],
-                          warn=lambda message: log(message, rank=0))]
+                          warn=lambda message: log(message, rank=0), kept=kept)]
 
 
 def _score(cfg: Config, flat: FlatModel, dataset: Dataset) -> Callable[[], dict]:
