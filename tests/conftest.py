@@ -165,12 +165,14 @@ def _job_pool() -> JobPool:
     return _POOL[0]
 
 
-def stopped_and_resumed(tmp_path: Path, cfg: Path, resume_ranks: int = 4) -> subprocess.CompletedProcess:
-    """Run ``cfg`` on 3 ranks into ``split/``, stopped after round 2, then resumed on ``resume_ranks`` ranks; both
-    runs must succeed. Returns the resume's result. The uninterrupted run on 3 ranks is what each algorithm's
-    reference test already checks against the single-process reference, so the resumed run is compared with that
-    reference: equal to it bitwise, it equals the uninterrupted run too, with one MPI job fewer per test."""
-    first = run_mpi(3, "run", str(cfg), "rounds=2", "--run-dir", str(tmp_path / "split"))
+def stopped_and_resumed(tmp_path: Path, cfg: Path, resume_ranks: int = 4,
+                        first_overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``cfg`` (with ``first_overrides``) on 3 ranks into ``split/``, stopped after round 2, then resumed on
+    ``resume_ranks`` ranks without them; both runs must succeed. Returns the resume's result. The uninterrupted run
+    on 3 ranks is what each algorithm's reference test already checks against the single-process reference, so the
+    resumed run is compared with that reference: equal to it bitwise, it equals the uninterrupted run too, with one
+    MPI job fewer per test."""
+    first = run_mpi(3, "run", str(cfg), "rounds=2", *first_overrides, "--run-dir", str(tmp_path / "split"))
     rest = run_mpi(resume_ranks, "run", str(cfg), "--run-dir", str(tmp_path / "split"), "--resume")
     for result in (first, rest):
         assert result.returncode == 0, result.stderr[-3000:]

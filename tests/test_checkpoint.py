@@ -159,11 +159,13 @@ def test_resume_may_change_rounds_but_not_the_model():
 
 
 def test_resume_may_change_what_only_sets_speed_or_memory_not_the_numbers():
-    saved = {"model": {"name": "cnn", "nhwc_pooling": True},
-             "train": {"lr": 0.1, "reuse_freed_memory": True, "step_in_backward": False}}
-    faster = {"model": {"name": "cnn", "nhwc_pooling": False},
-              "train": {"lr": 0.1, "reuse_freed_memory": False, "step_in_backward": True}}
-    assert resume_conflict(saved, faster) is None
+    saved = {"model": {"name": "cnn", "nhwc_pooling": True, "local_ram_mb": 1024.0},
+             "train": {"lr": 0.1, "reuse_freed_memory": True, "step_in_backward": False, "personal_ram_mb": 1024.0},
+             "strategy": {"name": "scaffold", "control_ram_mb": 0.0}, "compression": {"residual_ram_mb": 0.0}}
+    faster = {"model": {"name": "cnn", "nhwc_pooling": False, "local_ram_mb": 0.0},
+              "train": {"lr": 0.1, "reuse_freed_memory": False, "step_in_backward": True, "personal_ram_mb": 0.0},
+              "strategy": {"name": "scaffold", "control_ram_mb": 1024.0}, "compression": {"residual_ram_mb": 64.0}}
+    assert resume_conflict(saved, faster) is None  # client state from disk into RAM, or back: one snapshot format
 
 
 def test_a_checkpoint_older_than_a_key_resumes_at_the_keys_default_and_not_at_another_value():

@@ -50,9 +50,11 @@ def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_r
 
 
 def test_a_resumed_ditto_run_on_another_number_of_ranks_keeps_every_personal_model(tmp_path):
+    """Stopped with its clients' personal models on disk (train.personal_ram_mb=0), resumed with them in RAM."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    rest = stopped_and_resumed(tmp_path, cfg)
+    rest = stopped_and_resumed(tmp_path, cfg, first_overrides=("train.personal_ram_mb=0",))
     assert "resume: Ditto personal models of" in rest.stderr
+    assert list((tmp_path / "split" / "personal").glob("rank*.h5"))  # the first part kept them on disk
     (final, personal), (want_final, want_personal) = run_result(tmp_path / "split"), reference()
     assert_bitwise(final, want_final)
     assert_bitwise(personal, want_personal)

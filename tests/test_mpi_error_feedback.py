@@ -25,6 +25,7 @@ output: {progress: false}
 
 
 def test_a_stopped_and_resumed_topk_run_equals_the_uninterrupted_one_bitwise(tmp_path):
+    """Stopped with its residuals on disk, resumed on fewer ranks with them in RAM."""
     cfg = write_config(tmp_path / "topk.yaml", TOPK)
     whole = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"), timeout=MPI_TIMEOUT)
     assert whole.returncode == 0, whole.stderr
@@ -34,8 +35,8 @@ def test_a_stopped_and_resumed_topk_run_equals_the_uninterrupted_one_bitwise(tmp
     assert first.returncode == 0, first.stderr
     with Checkpoint(split / "checkpoints" / "ckpt-r000002.h5") as ckpt:
         assert json.loads(ckpt.file.attrs["residual_files"]) == ["rank00001.h5", "rank00002.h5"]
-    rest = run_mpi(2, "run", str(cfg), "compression.residual_ram_mb=0", "--run-dir", str(split), "--resume",
-                   timeout=MPI_TIMEOUT)  # one client rank now hosts every client: it reads both ranks' files
+    rest = run_mpi(2, "run", str(cfg), "--run-dir", str(split), "--resume",
+                   timeout=MPI_TIMEOUT)  # one client rank now hosts every client, in RAM: it reads both ranks' files
     assert rest.returncode == 0, rest.stderr
     assert "resume: error-feedback residuals of" in rest.stderr
     assert rounds_logged(split) == [1, 2, 3, 4]

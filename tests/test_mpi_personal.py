@@ -59,9 +59,11 @@ def test_local_tensors_stay_with_their_client_and_the_rest_is_averaged_bitwise_o
 
 
 def test_a_resumed_run_on_another_number_of_ranks_keeps_every_clients_local_tensors(tmp_path):
+    """Stopped with its clients' local tensors on disk (model.local_ram_mb=0), resumed with them in RAM."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    rest = stopped_and_resumed(tmp_path, cfg)
+    rest = stopped_and_resumed(tmp_path, cfg, first_overrides=("model.local_ram_mb=0",))
     assert "resume: local tensors (model.local) of" in rest.stderr
+    assert list((tmp_path / "split" / "locals").glob("rank*.h5"))  # the first part kept them on disk
     (shared, local), (want_shared, want_local) = run_result(tmp_path / "split"), reference()
     assert_bitwise(shared, want_shared)
     assert_bitwise(local, want_local)
@@ -90,6 +92,27 @@ def test_local_patterns_that_name_nothing_or_everything_are_refused(patterns, me
     with pytest.raises(ConfigError, match=message):
         build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}, local=patterns), 0, input_shape=(4,),
                          num_classes=2)
+
+
+def test_a_pattern_that_names_nothing_lists_the_models_tensors_and_its_batchnorm_layers():
+    """The built-in cnn is an nn.Sequential: its BatchNorm layers are '1' and '4', not '*.bn*' as in models whose
+    layers are named; the error says what the patterns could match and what FedBN would keep."""
+    with pytest.raises(ConfigError) as refused:
+        build_flat_model(ModelConfig(name="cnn", local=["*.bn*"]), 0, input_shape=(1, 8, 8), num_classes=10)
+    assert str(refused.value) == (
+        "model.local: '*.bn*' matches no floating tensor of the model 'cnn'; its tensors: '0.weight', '0.bias' "
+        "(Conv2d); '1.weight', '1.bias', '1.running_mean', '1.running_var' (BatchNorm2d); '3.weight', '3.bias' "
+        "(Conv2d); '4.weight', '4.bias', '4.running_mean', '4.running_var' (BatchNorm2d); '8.weight', '8.bias' "
+        "(Linear). For FedBN, its BatchNorm layers are model.local=['1.*', '4.*']")
+    flat = build_flat_model(ModelConfig(name="cnn", local=["1.*", "4.*"]), 0, input_shape=(1, 8, 8), num_classes=10)
+    assert [e.name for e in flat.spec.entries] == ["0.weight", "0.bias", "3.weight", "3.bias", "8.weight", "8.bias"]
+
+
+def test_a_long_listing_stops_after_its_first_forty_tensors():
+    from mpifl.learning.models import tensor_listing
+
+    listing = tensor_listing(torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(30)]))
+    assert listing.count("(Linear)") == 20 and listing.endswith("'19.bias' (Linear); and 20 more")
 
 
 def test_the_plan_counts_each_hosted_clients_local_tensors():

@@ -68,9 +68,11 @@ def test_scaffold_is_fedavg_in_round_one_and_departs_from_it_once_control_variat
 
 
 def test_a_resumed_scaffold_run_on_another_number_of_ranks_equals_the_uninterrupted_one_bitwise(tmp_path):
+    """Stopped with its control variates on disk (strategy.control_ram_mb=0), resumed with them in RAM."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    rest = stopped_and_resumed(tmp_path, cfg)
+    rest = stopped_and_resumed(tmp_path, cfg, first_overrides=("strategy.control_ram_mb=0",))
     assert "resume: SCAFFOLD control variates of" in rest.stderr
+    assert list((tmp_path / "split" / "controls").glob("rank*.h5"))  # the first part kept them on disk
     assert_bitwise(run_controls_numbered(tmp_path / "split"), reference())
 
 

@@ -106,8 +106,9 @@ def plan_main(args: argparse.Namespace) -> int:
     back = plan.update_wire_bytes * (cfg.clients.groups or cfg.clients_per_round())  # the updates, or group sums
     per_client = cfg.clients.ranks_per_client
     rounds_bytes = size.exchanged * max(1, ranks // per_client) + back  # only a group's leader talks to rank 0
+    local = f" ({format_bytes(size.local)} of it model.local, kept per client)" if size.local else ""
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
-          f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}; {ranks} client ranks, "
+          f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}{local}; {ranks} client ranks, "
           f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
     where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + state"
     held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"

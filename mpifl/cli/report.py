@@ -150,7 +150,7 @@ def _quality(fig, ax, records: list[dict], local: bool = False) -> None:
             acc.plot(rounds, values, color=colour, marker=marker, label=label)
         acc.set_ylabel("accuracy")
         acc.set_ylim(0, 1)
-    ax.set_xlabel("round")
+    _label_rounds(ax)
     ax.set_ylabel("loss")
     ax.set_title("Model quality")
     fig.legend(loc="lower center", ncols=2 if len(series) > 1 else 3, fontsize="small")
@@ -200,12 +200,20 @@ def _time_split(fig, ax, records: list[dict]) -> None:
     shares.set_ylim(0, 1)
     shares.yaxis.set_major_formatter(PercentFormatter(1.0))
     shares.set_ylabel("share of the round")
-    shares.set_xlabel("round")
+    _label_rounds(shares)
     if 0 < len(rounds) <= 20:
         shares.set_xticks(rounds)
     fig.tight_layout(rect=(0, 0.045, 1, 1))
     if parts:
         fig.legend(loc="lower center", ncols=len(parts), fontsize="small")
+
+
+def _label_rounds(ax) -> None:
+    """Label a round axis and tick it at whole rounds only (matplotlib ticks a 3-round run at 1.25, 1.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _mark_clipped(ax, x: float, top: float, total: float, leftward: bool = False) -> None:
@@ -222,7 +230,7 @@ def _bytes(fig, ax, records: list[dict]) -> None:
     rounds = [r["round"] for r in records]
     ax.plot(rounds, [r["bytes_sent"] / MIB for r in records], marker=".", label="sent by server")
     ax.plot(rounds, [r["bytes_received"] / MIB for r in records], marker=".", label="received by server")
-    ax.set_xlabel("round")
+    _label_rounds(ax)
     ax.set_ylabel("MiB")
     ax.set_title("Bytes moved per round")
     ax.legend()
@@ -239,7 +247,7 @@ def _memory(fig, ax, records: list[dict]) -> None:
         ax.plot(rounds, [r.get("client_peak_device_bytes", 0) / MIB for r in records], linestyle="-.",
                 label="largest client peak GPU memory")
     _note_memory_warnings(ax, records)
-    ax.set_xlabel("round")
+    _label_rounds(ax)
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.set_title("Memory")
@@ -278,7 +286,7 @@ def _virtual_time(fig, ax, records: list[dict]) -> None:
     top = ax.secondary_xaxis("top", functions=(lambda t: t, lambda t: t))
     top.set_ticks([e[0] for e in evals][:: max(1, len(evals) // 8)],
                   labels=[str(e[1]) for e in evals][:: max(1, len(evals) // 8)])
-    top.set_xlabel("round (or asynchronous step)")
+    top.set_xlabel("round (or asynchronous step)")  # ticks at the evaluations, labelled with their rounds
     ax.set_title(f"Held-out {key} against virtual time", pad=28)
     ax.legend()
 

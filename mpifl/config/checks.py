@@ -125,17 +125,20 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     """Why a strategy that keeps state per logical client (Capabilities.client_state) cannot take this config."""
     why = (f"strategy {name!r} keeps a vector per client, updated from the client's own delta "
            "(Capabilities.client_state)")
+    state = "c_i" if cfg.control_variates else "g_i" if name == "feddyn" else "state"
     if cfg.strategy.update != "delta":
         return f"strategy.update: {why}, and it works on deltas: set strategy.update='delta'"
     if cfg.privacy.mode != "off":
-        return (f"privacy.mode: clipping and noising the update would rewrite the control-variate deltas the server "
-                f"sums; {why}: set privacy.mode='off' or choose fedavg")
+        return (f"privacy.mode: clipping and noising the update would make the delta the server sums differ from the "
+                f"one each client folds into its own {state}; {why}: set privacy.mode='off' or choose fedavg")
     if cfg.secagg.enabled:
-        return (f"secagg.enabled: masked fixed-point updates are not implemented for the control-variate section; "
+        masked = ("the control-variate section SCAFFOLD appends to each update" if cfg.control_variates else
+                  "strategies that keep a vector per client")
+        return (f"secagg.enabled: masked fixed-point updates are not implemented for {masked}; "
                 f"{why}: set secagg.enabled=false or choose fedavg")
     if cfg.compression.method != "none":
-        return (f"compression.method: a compressed update would lose control-variate deltas that the client has "
-                f"already applied to its own c_i; {why}: set compression.method='none'")
+        return (f"compression.method: a compressed update would lose parts of the delta that the client has "
+                f"already folded into its own {state}; {why}: set compression.method='none'")
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
                 "rounds: choose clock.mode 'off' or 'sync'")

@@ -22,7 +22,8 @@ STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median",
 ELSEWHERE = {
     "fedprox": "FedProx is a client-side proximal term: train.prox_mu > 0 (e.g. 0.01) with any strategy",
     "ditto": "Ditto keeps a personal model per client: train.ditto_lambda > 0 (e.g. 0.1) with any strategy",
-    "fedbn": "FedBN keeps the BatchNorm tensors on each client: model.local (e.g. ['*.bn*', '*running_*'])",
+    "fedbn": "FedBN keeps the BatchNorm layers on each client: model.local, their names' patterns (e.g. ['*.bn*'] for "
+             "layers named bn1, bn2; ['1.*', '4.*'] for the built-in cnn)",
     "fedper": "FedPer keeps the head on each client: model.local (e.g. ['fc3.*'])",
     "krum": "Byzantine-robust aggregation here is coordinate-wise: 'median' or 'trimmed_mean' (strategy.trim_fraction)",
     "fedasync": "FedAsync is an asynchronous clock: clock.mode=fedasync with strategy.name=fedavg",
@@ -161,8 +162,10 @@ class ModelConfig:
     trainable: list = field_(list, "glob patterns of parameter names that train (e.g. ['*.h.11.*', 'lm_head.*']); "
                               "the others are frozen; default: all")
     local: list = field_(list, "glob patterns of tensor names that never travel and are kept per logical client "
-                         "on the rank that hosts it (FedBN: the BatchNorm layers, e.g. ['*.bn*', '*running_*']; "
-                         "FedPer: the head, e.g. ['fc3.*']); default: none")
+                         "on the rank that hosts it (FedBN: the BatchNorm layers, e.g. ['*.bn*'] for layers named "
+                         "bn1, bn2, ['1.*', '4.*'] for the built-in cnn; FedPer: the head, e.g. ['fc3.*'] for "
+                         "lenet); a pattern that matches nothing is refused with the model's tensor names; "
+                         "default: none")
     local_ram_mb: float = field_(1024.0, "model.local: a client rank keeps its clients' local tensors in RAM while "
                                  "they fit in this many MiB, else in one HDF5 file per rank in the run directory",
                                  min=0.0)

@@ -269,6 +269,35 @@ def _build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None,
     return freeze_except(model.to(dtype), cfg.trainable)
 
 
+LISTED_TENSORS = 40  # an error message lists at most this many of a model's tensor names
+
+
+def tensor_listing(model: nn.Module, parameters_only: bool = False) -> str:
+    """The model's floating tensors by the module that holds them, for an error that says what a glob pattern
+    could match: ``'0.weight', '0.bias' (Conv2d); '1.weight', ... (BatchNorm2d); ...``, at most
+    LISTED_TENSORS names."""
+    groups: list[str] = []
+    listed = total = 0
+    for module_name, module in model.named_modules():
+        tensors = list(module.named_parameters(recurse=False))
+        if not parameters_only:
+            tensors += [(n, b) for n, b in module.named_buffers(recurse=False) if b is not None]
+        names = [f"{module_name}.{n}" if module_name else n for n, t in tensors if t.is_floating_point()]
+        total += len(names)
+        shown = names[:max(0, LISTED_TENSORS - listed)]
+        listed += len(shown)
+        if shown:
+            groups.append(", ".join(repr(n) for n in shown) + f" ({type(module).__name__})")
+    more = f"; and {total - listed} more" if total > listed else ""
+    return "; ".join(groups) + more
+
+
+def batchnorm_patterns(model: nn.Module) -> list[str]:
+    """One glob pattern per BatchNorm layer of the model (``'1.*'``, ``'encoder.bn1.*'``): what FedBN keeps local."""
+    return [f"{name}.*" for name, module in model.named_modules()
+            if name and isinstance(module, nn.modules.batchnorm._BatchNorm)]
+
+
 def freeze_except(model: nn.Module, patterns: Sequence[str]) -> nn.Module:
     """Only parameters whose name matches one of the glob ``patterns`` train (no patterns: leave as is)."""
     if not patterns:
@@ -276,8 +305,8 @@ def freeze_except(model: nn.Module, patterns: Sequence[str]) -> nn.Module:
     names = [n for n, _ in model.named_parameters()]
     for pattern in patterns:
         if not fnmatch.filter(names, pattern):
-            raise ConfigError(f"model.trainable: {pattern!r} matches no parameter (names look like "
-                              f"{names[0]!r} ... {names[-1]!r})")
+            raise ConfigError(f"model.trainable: {pattern!r} matches no parameter; the model's parameters: "
+                              f"{tensor_listing(model, parameters_only=True)}")
     for name, param in model.named_parameters():
         param.requires_grad_(any(fnmatch.fnmatchcase(name, p) for p in patterns))
     return model
@@ -297,8 +326,10 @@ def local_patterns(cfg: ModelConfig, module: nn.Module) -> list[str]:
     names = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()]
     for pattern in cfg.local:
         if not fnmatch.filter(names, pattern):
-            raise ConfigError(f"model.local: {pattern!r} matches no floating tensor of the model (names look like "
-                              f"{names[0]!r} ... {names[-1]!r})")
+            batchnorm = batchnorm_patterns(module)
+            fedbn = f". For FedBN, its BatchNorm layers are model.local={batchnorm!r}" if batchnorm else ""
+            raise ConfigError(f"model.local: {pattern!r} matches no floating tensor of the model {cfg.name!r}; its "
+                              f"tensors: {tensor_listing(module)}{fedbn}")
     if cfg.local and all(any(fnmatch.fnmatchcase(n, p) for p in cfg.local) for n in names):
         raise ConfigError(f"model.local: {cfg.local!r} names every tensor of the model: nothing would travel")
     return list(cfg.local)
@@ -312,6 +343,8 @@ def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
         try:
             with torch.device(device):
                 model = build_model(cfg, seed, **shape)
+        except ConfigError as err:  # a key of the model section (model.trainable) names itself
+            return str(err)
         except Exception as err:  # noqa: BLE001 - whatever user code raises is the config's problem here
             problem = f"model.name: building {cfg.name!r} failed: {type(err).__name__}: {err}"
             continue

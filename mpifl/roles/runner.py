@@ -8,7 +8,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -80,7 +80,7 @@ from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB, format_bytes
 from mpifl.wire import doorbell, protocol
-from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, element_offsets
+from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, element_offsets, is_local
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
@@ -445,6 +445,19 @@ def _training_replica(cfg: Config, flat: FlatModel) -> DeviceReplica | None:
                             cfg.train.deterministic)
 
 
+def kept_tensors_note(frozen: ModelSpec, local: Sequence[str]) -> str:
+    """What the tensors that never travel are, for the start-up log: frozen ones, the same on every rank, and
+    model.local ones, one copy per client."""
+    parts = []
+    for kind, entries, where in (
+            ("frozen", [e for e in frozen.entries if not is_local(e.name, local)], "stay on every rank"),
+            ("local (model.local)", [e for e in frozen.entries if is_local(e.name, local)],
+             "never travel: each client keeps its own copy on the rank hosting it")):
+        if entries:
+            parts.append(f"{len(entries)} {kind} tensors ({sum(e.nbytes for e in entries) / MIB:.1f} MiB) {where}")
+    return "; ".join(parts)
+
+
 def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping,
                      upload_initial: bool, replica: DeviceReplica | None = None,
                      residuals: ResidualStore | None = None, state: ResidualStore | None = None,
@@ -452,10 +465,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                      personal_models: PersonalModels | None = None, note: RankNotes | None = None,
                      group: MPI.Comm | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
-        kept = "local (model.local)" if cfg.model.local else "frozen"
         log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
-            f"{len(flat.frozen_spec.entries)} {kept} tensors ({flat.frozen_spec.total_bytes / MIB:.1f} MiB) "
-            "stay on every rank", rank=1)
+            f"{kept_tensors_note(flat.frozen_spec, cfg.model.local)}", rank=1)
     if comm.Get_rank() == 1 and upload_initial and cfg.server.state == "disk" and not cfg.model.init_from:
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
