@@ -33,8 +33,9 @@ lint: $(VENV)/.test-installed
 # two workers overlap on two cores. Three were slower here (2026-11-25: half the suite in 18 min,
 # against all of it in 23.5 min with two, and 5 failures; docs/benchmarks.md#reliability).
 # tests/test_docs.py builds the docs site with `mkdocs build --strict` and checks the generated reference.
+# --durations: the 25 slowest tests close the log, where the suite's time goes.
 test: lint
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --durations=25
 
 # The documentation site (mkdocs.yml, docs/): `make docs` serves it at http://127.0.0.1:8000,
 # `make docs-build` checks it and writes site/.
