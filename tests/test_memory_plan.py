@@ -291,3 +291,17 @@ def test_plan_suggests_one_group_of_equal_work_per_client_rank_only_where_the_co
     assert groups_hint(config(clients={"num_clients": 1000, "per_round": 3}), 2) is None  # about one client a rank
     assert groups_hint(config(strategy={"name": "median"}), 2) is None  # a robust rule needs every update
     assert groups_hint(config(), 1) is None
+
+
+def test_plan_counts_one_client_rank_per_group_and_refuses_more_ranks_than_groups(capsys):
+    """With clients.groups, a group lives on one client rank: the plan's default is one rank per group, and a
+    launch of more is refused as `mpifl run` would refuse it (it used to be planned silently)."""
+    from mpifl.cli import main
+
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    assert main(["plan", quickstart, "clients.groups=2"]) == 0
+    assert "; 2 client ranks, 4 clients per round" in capsys.readouterr().out.splitlines()[0]
+    assert main(["plan", quickstart, "--client-ranks", "3", "clients.groups=2"]) == 2
+    assert ("config error: clients.groups=2 < 3 client ranks: a group lives on one client rank, so 1 would idle; "
+            "launch at most 3 ranks or raise clients.groups (planned for 3 client ranks; --client-ranks sets them)"
+            in capsys.readouterr().err)

@@ -79,3 +79,24 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_pat
                            timeout=MPI_TIMEOUT, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_server_alone_script_launches_under_mpich_with_the_server_on_the_first_node_alone(tmp_path):
+    """MPICH's Hydra takes one host list per launch (a second --hosts ends it: "duplicate host file or host list
+    setting"), so the script hands it a machine file: the first node one slot, each other RANKS_PER_NODE. Two
+    names of this machine stand for two nodes; Hydra numbers the ranks on each from 0."""
+    cfg = write_config(tmp_path / "alone.yaml", "name: alone\nrounds: 1\nclients: {num_clients: 2}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
+    script = tmp_path / "alone.pbs"
+    made = mpifl("pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node", "2", "--depth", "1",
+                 "--gpus-per-node", "0", "--server-alone", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text(f"localhost\n{os.uname().nodename}\n")
+    env = dict(os.environ, PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path), PBS_JOBID="124.fake",
+               MPIEXEC=mpiexec(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr + run.stdout
+    ranks = [line.split() for line in (tmp_path / "runs" / "alone" / "ranks.txt").read_text().splitlines()[1:]]
+    assert [(r[0], r[3]) for r in ranks] == [("0", "0"), ("1", "0"), ("2", "1")]  # rank, local rank

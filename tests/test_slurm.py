@@ -61,7 +61,7 @@ def test_shipped_scripts_are_what_mpifl_slurm_generates(tmp_path, script):
 
 
 def test_directives_follow_the_options(tmp_path):
-    cfg = write_config(tmp_path / "two.yaml", TINY)
+    cfg = write_config(tmp_path / "two.yaml", TINY.replace("num_clients: 2", "num_clients: 8"))  # 7 client ranks
     gpu, cpu = tmp_path / "gpu.sbatch", tmp_path / "cpu.sbatch"
     assert mpifl("slurm", str(cfg), "--client-ranks", "7", "--time", "02:00:00", "--partition", "gpu",
                  "--account", "proj", "-o", str(gpu)).returncode == 0
@@ -141,3 +141,10 @@ def test_scripts_pass_shellcheck(tmp_path):
     assert mpifl("slurm", str(ROOT / "configs" / "quickstart.yaml"), "-o", str(gpu)).returncode == 0
     result = subprocess.run([checker, "-s", "bash", *map(str, [*SHIPPED, gpu])], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_a_rank_count_the_config_cannot_run_on_is_refused_before_a_script_is_written(tmp_path):
+    cfg = write_config(tmp_path / "two.yaml", TINY)
+    refused = mpifl("slurm", str(cfg), "--client-ranks", "3", "-o", str(tmp_path / "no.sbatch"))
+    assert refused.returncode == 2 and not (tmp_path / "no.sbatch").exists()
+    assert "3 client ranks but clients.num_clients=2: use at most 3 ranks" in refused.stderr

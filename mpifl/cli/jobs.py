@@ -10,7 +10,15 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.cli.plan import client_ranks, clients_beside_server, estimate, gpu_warning, node_warning, ranks_per_gpu
+from mpifl.cli.plan import (
+    CLIENT_RANKS_HELP,
+    client_ranks,
+    clients_beside_server,
+    estimate,
+    gpu_warning,
+    node_warning,
+    ranks_per_gpu,
+)
 from mpifl.config import Config, load_config
 from mpifl.planning.memory import MemoryEstimate
 
@@ -80,7 +88,7 @@ def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
     p.add_argument("--output", "-o", help=f"script path (default: <name>{suffix})")
     p.add_argument("--nodes", type=int, help="nodes to ask for (default: from the rank count)")
     p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
-    p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
+    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
 
 
 def add_gpu_argument(p: argparse.ArgumentParser) -> None:

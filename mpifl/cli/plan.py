@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mpifl.cli.parsing import add_subcommand
-from mpifl.config import Config, load_config
+from mpifl.config import Config, ConfigError, load_config
 from mpifl.planning import binding
 from mpifl.planning.memory import (
     CUDA_HOST_BYTES,
@@ -28,6 +28,7 @@ from mpifl.planning.memory import (
     state_rule_bytes,
 )
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
+from mpifl.planning.world import world_problem
 from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.flat import CONTROL, ModelSpec, control_bytes, is_local, itemsize
 from mpifl.wire.layout import ExchangeLayout
@@ -84,9 +85,18 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
                                  server_alone, data, gpus_per_node)
 
 
+CLIENT_RANKS_HELP = "client ranks (default: one per client sampled in a round, or per group with clients.groups)"
+
+
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
-    """--client-ranks, or one client rank per client sampled in a round (clients.ranks_per_client each)."""
-    return args.client_ranks or cfg.clients_per_round() * cfg.clients.ranks_per_client
+    """--client-ranks, or one client rank per client sampled in a round, or per reduction group where
+    clients.groups is set (clients.ranks_per_client each); refused, as ``mpifl run`` would refuse it, where the
+    config cannot run on that many (more client ranks than clients.groups, say)."""
+    ranks = args.client_ranks or (cfg.clients.groups or cfg.clients_per_round()) * cfg.clients.ranks_per_client
+    problem = world_problem(ranks + 1, cfg)
+    if problem:
+        raise ConfigError(f"{problem} (planned for {ranks} client ranks; --client-ranks sets them)")
+    return ranks
 
 
 def parameters_text(count: int) -> str:
@@ -368,7 +378,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(sub, "plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated")
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. clients.per_round=8")
-    p.add_argument("--client-ranks", type=int, help="client ranks (default: one per client sampled in a round)")
+    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
     p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
     p.add_argument("--cores-per-node", type=int, default=None, help="cores per node, for the binding of each "

@@ -22,7 +22,6 @@ import socket
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -33,49 +32,12 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
 from mpifl.logs import log
+from mpifl.planning.world import GroupLayout
 from mpifl.roles.control import GroupCorrections, GroupDynamics
 from mpifl.roles.personal import GroupPersonalModels
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.transport import recv_object, send_object
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """Which world rank plays which part when each logical client is trained by ``ranks_per_client`` ranks."""
-
-    ranks_per_client: int
-
-    def groups(self, world_size: int) -> int:
-        """How many client groups ``world_size`` ranks make (rank 0 is the server)."""
-        return (world_size - 1) // self.ranks_per_client
-
-    def problem(self, world_size: int) -> str | None:
-        """Why ``world_size`` ranks cannot form whole groups, or None."""
-        clients = world_size - 1
-        if clients % self.ranks_per_client:
-            return (f"clients.ranks_per_client={self.ranks_per_client} needs the client ranks (all but rank 0) in "
-                    f"whole groups, but there are {clients}: launch {self.ranks_per_client} x G + 1 ranks (e.g. "
-                    f"{self.ranks_per_client * max(1, clients // self.ranks_per_client) + 1})")
-        return None
-
-    def group_of(self, rank: int) -> int | None:
-        """The client group of world rank ``rank`` (None for the server)."""
-        return None if rank == 0 else (rank - 1) // self.ranks_per_client
-
-    def position(self, rank: int) -> int:
-        """Where ``rank`` stands in its group: 0 for the leader."""
-        return 0 if rank == 0 else (rank - 1) % self.ranks_per_client
-
-    def federation_rank(self, rank: int) -> int:
-        """The rank the server knows a group's leader by (its group + 1; the server stays 0)."""
-        group = self.group_of(rank)
-        return 0 if group is None else group + 1
-
-    def leader_of(self, rank: int) -> int:
-        """The world rank of ``rank``'s group leader."""
-        group = self.group_of(rank)
-        return 0 if group is None else 1 + group * self.ranks_per_client
 
 
 def split_world(comm: MPI.Comm, layout: GroupLayout) -> tuple[MPI.Comm | None, MPI.Comm | None]:

@@ -51,11 +51,12 @@ from mpifl.metrics import JsonLines
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import Placement, clients_of_rank, placement_for
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
+from mpifl.planning.world import GroupLayout, world_problem
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
-from mpifl.roles.group import GroupLayout, GroupLeader, GroupMember, split_world
+from mpifl.roles.group import GroupLeader, GroupMember, split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
 from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import GroupPersonalModels, PersonalModels, PersonalTensors
@@ -89,36 +90,10 @@ from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 
 
 def check_world(size: int, cfg: Config) -> None:
-    """Refuse rank counts that cannot run this config."""
-    if size < 2:
-        raise SetupError("mpifl needs at least 2 ranks (rank 0 is the server, ranks 1.. are clients): "
-                         "launch with e.g. `mpiexec -n 3 mpifl run CONFIG`")
-    layout = GroupLayout(cfg.clients.ranks_per_client)
-    problem = layout.problem(size)
+    """Refuse rank counts that cannot run this config (``planning.world.world_problem``)."""
+    problem = world_problem(size, cfg)
     if problem:
         raise SetupError(problem)
-    hosts, per = layout.groups(size), cfg.clients.ranks_per_client  # a group of ranks hosts as one client rank
-    unit = "client ranks" if per == 1 else f"client groups of {per} ranks"
-
-    def ranks_for(count: int) -> int:
-        return 1 + count * per
-
-    if hosts > cfg.clients.num_clients:
-        raise SetupError(f"{hosts} {unit} but clients.num_clients={cfg.clients.num_clients}: "
-                         f"use at most {ranks_for(cfg.clients.num_clients)} ranks or raise clients.num_clients")
-    groups = cfg.clients.groups
-    if groups and groups < hosts:
-        raise SetupError(f"clients.groups={groups} < {hosts} {unit}: a group lives on one client rank, so "
-                         f"{hosts - groups} would idle; launch at most {ranks_for(groups)} ranks or raise "
-                         "clients.groups")
-    if cfg.server.state == "disk" and groups and groups > hosts:
-        raise SetupError(f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "
-                         f"> {hosts} {unit}: launch {ranks_for(groups)} ranks or set clients.groups={hosts}")
-    if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > hosts:
-        raise SetupError(f"server.state='disk' streams one participant per client rank, but "
-                         f"{cfg.clients_per_round()} clients per round > {hosts} {unit}: launch "
-                         f"{ranks_for(cfg.clients_per_round())} ranks, lower clients.per_round, or sum each rank's "
-                         f"participants first with clients.groups={hosts}")
 
 
 def layout_warnings(size: int, cfg: Config) -> list[str]:

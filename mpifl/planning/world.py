@@ -1,0 +1,80 @@
+"""How ranks make up a world: the server, and client ranks in groups of ``clients.ranks_per_client``; which rank
+counts a config can run on. Pure arithmetic, shared by ``mpifl run`` and the planning commands."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpifl.config import Config
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Which world rank plays which part when each logical client is trained by ``ranks_per_client`` ranks."""
+
+    ranks_per_client: int
+
+    def groups(self, world_size: int) -> int:
+        """How many client groups ``world_size`` ranks make (rank 0 is the server)."""
+        return (world_size - 1) // self.ranks_per_client
+
+    def problem(self, world_size: int) -> str | None:
+        """Why ``world_size`` ranks cannot form whole groups, or None."""
+        clients = world_size - 1
+        if clients % self.ranks_per_client:
+            return (f"clients.ranks_per_client={self.ranks_per_client} needs the client ranks (all but rank 0) in "
+                    f"whole groups, but there are {clients}: launch {self.ranks_per_client} x G + 1 ranks (e.g. "
+                    f"{self.ranks_per_client * max(1, clients // self.ranks_per_client) + 1})")
+        return None
+
+    def group_of(self, rank: int) -> int | None:
+        """The client group of world rank ``rank`` (None for the server)."""
+        return None if rank == 0 else (rank - 1) // self.ranks_per_client
+
+    def position(self, rank: int) -> int:
+        """Where ``rank`` stands in its group: 0 for the leader."""
+        return 0 if rank == 0 else (rank - 1) % self.ranks_per_client
+
+    def federation_rank(self, rank: int) -> int:
+        """The rank the server knows a group's leader by (its group + 1; the server stays 0)."""
+        group = self.group_of(rank)
+        return 0 if group is None else group + 1
+
+    def leader_of(self, rank: int) -> int:
+        """The world rank of ``rank``'s group leader."""
+        group = self.group_of(rank)
+        return 0 if group is None else 1 + group * self.ranks_per_client
+
+
+def world_problem(size: int, cfg: Config) -> str | None:
+    """Why ``size`` ranks (the server and the client ranks) cannot run this config, or None: what ``mpifl run``
+    refuses before any round, and ``mpifl plan``, ``pbs`` and ``slurm`` before a job is written."""
+    if size < 2:
+        return ("mpifl needs at least 2 ranks (rank 0 is the server, ranks 1.. are clients): "
+                "launch with e.g. `mpiexec -n 3 mpifl run CONFIG`")
+    layout = GroupLayout(cfg.clients.ranks_per_client)
+    problem = layout.problem(size)
+    if problem:
+        return problem
+    hosts, per = layout.groups(size), cfg.clients.ranks_per_client  # a group of ranks hosts as one client rank
+    unit = "client ranks" if per == 1 else f"client groups of {per} ranks"
+
+    def ranks_for(count: int) -> int:
+        return 1 + count * per
+
+    if hosts > cfg.clients.num_clients:
+        return (f"{hosts} {unit} but clients.num_clients={cfg.clients.num_clients}: "
+                f"use at most {ranks_for(cfg.clients.num_clients)} ranks or raise clients.num_clients")
+    groups = cfg.clients.groups
+    if groups and groups < hosts:
+        return (f"clients.groups={groups} < {hosts} {unit}: a group lives on one client rank, so "
+                f"{hosts - groups} would idle; launch at most {ranks_for(groups)} ranks or raise "
+                "clients.groups")
+    if cfg.server.state == "disk" and groups and groups > hosts:
+        return (f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "
+                f"> {hosts} {unit}: launch {ranks_for(groups)} ranks or set clients.groups={hosts}")
+    if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > hosts:
+        return (f"server.state='disk' streams one participant per client rank, but "
+                f"{cfg.clients_per_round()} clients per round > {hosts} {unit}: launch "
+                f"{ranks_for(cfg.clients_per_round())} ranks, lower clients.per_round, or sum each rank's "
+                f"participants first with clients.groups={hosts}")
+    return None
