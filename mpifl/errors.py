@@ -7,3 +7,7 @@ class JobFailure(RuntimeError):
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used, with the file and the reason in the message."""
+
+
+class MissingExtra(ImportError):
+    """An optional dependency that this config needs is not installed; the message names the extra to install."""

@@ -22,6 +22,9 @@ def resolve(path: str) -> Any:
         obj = importlib.import_module(module_name)
     except ImportError as err:
         raise ImportError(f"cannot import module {module_name!r} from {path!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a SyntaxError, or anything the module raises while it loads
+        raise ImportError(f"cannot import module {module_name!r} from {path!r}: {type(err).__name__}: {err}") \
+            from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -223,3 +223,25 @@ def test_validate_builds_a_plugin_model_on_meta_and_names_it(tmp_path, capsys):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "model.name: building 'plugin_helpers:broken' failed" in err and "Traceback" not in err
+
+
+def exploding_builder(cfg):
+    """A plug-in strategy builder with a bug in it."""
+    raise RuntimeError("builder exploded")
+
+
+def test_a_strategy_builder_that_raises_is_a_config_error_naming_the_key_once(tmp_path, monkeypatch):
+    """Before, anything but a ValueError went up as a traceback on every rank."""
+    with pytest.raises(ConfigError) as refused:
+        checked_strategy(load_config(None, [f"strategy.name={__name__}:exploding_builder"]))
+    assert str(refused.value) == (f"strategy.name: building '{__name__}:exploding_builder' failed: RuntimeError: "
+                                  "builder exploded")
+
+
+def test_a_plugin_module_that_does_not_load_is_named_with_its_error(tmp_path, monkeypatch):
+    (tmp_path / "broken_plugin.py").write_text("def build(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key in ("strategy.name", "model.name"):
+        with pytest.raises(ConfigError, match=rf"{key}: cannot import module 'broken_plugin' from "
+                                              r"'broken_plugin:build': SyntaxError: invalid syntax"):
+            load_config(None, [f"{key}=broken_plugin:build"])

@@ -3,9 +3,11 @@ epsilon exactly as Google's dp-accounting computes it."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 from mpifl.config import ConfigError, load_config
 from mpifl.planning.federation import poisson_sample
@@ -142,3 +144,23 @@ def test_dp_on_a_model_with_batchnorm_statistics_says_they_are_noised_and_how_to
     _warn_statistics(load_config(None, central), layout([("0.weight", (4,), "float32")]))
     assert capfd.readouterr().err == ""
 
+
+
+def test_without_dp_accounting_validation_names_privacy_mode_and_the_extra(monkeypatch, capsys):
+    """Where the dp extra is missing, `mpifl validate` says so before MPI starts; the run used to abort after."""
+    from mpifl.cli import main
+
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # as if not installed
+    assert main(["validate", str(ROOT / "configs" / "quickstart.yaml"), "privacy.mode=central"]) == 2
+    assert ("mpifl: config error: privacy.mode 'central': privacy accounting needs Google's dp-accounting: "
+            "pip install 'mpifl[dp]'") in capsys.readouterr().err
+
+
+def test_without_transformers_a_transformers_config_says_which_extra_in_one_line(monkeypatch, capsys):
+    from mpifl.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["validate", str(ROOT / "configs" / "llama3.1-70b.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "mpifl: model.name='transformers' needs the 'hf' extra: pip install 'mpifl[hf]'" in err
+    assert "Traceback" not in err

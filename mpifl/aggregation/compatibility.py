@@ -57,6 +57,8 @@ def checked_strategy(cfg: Config) -> Strategy:
         raise ConfigError(problem)
     try:
         strategy = make_strategy(cfg.strategy)
+    except ConfigError:  # names its key already
+        raise
     except ValueError as err:  # a plug-in refusing its settings
         raise ConfigError(f"strategy.name {cfg.strategy.name!r}: {err}") from None
     problem = strategy_problem(strategy, cfg)

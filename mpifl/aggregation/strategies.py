@@ -287,7 +287,12 @@ def make_strategy(cfg: StrategyConfig) -> Strategy:
         raise ConfigError(f"strategy.kwargs: {cfg.name!r} is called as fn(cfg, **strategy.kwargs): {err}") from None
     except ValueError:  # no signature to check against
         pass
-    strategy = build(cfg, **cfg.kwargs)
+    try:
+        strategy = build(cfg, **cfg.kwargs)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever a plug-in builder raises, said once, naming the key
+        raise ConfigError(f"strategy.name: building {cfg.name!r} failed: {type(err).__name__}: {err}") from err
     if not isinstance(strategy, Strategy):
         raise ConfigError(f"strategy.name: {cfg.name!r} returned {type(strategy).__name__}, not a "
                           "mpifl.aggregation.strategies.Strategy")

@@ -14,7 +14,7 @@ from mpifl.cli.plan import add_parser as add_plan_parser
 from mpifl.cli.slurm import add_parser as add_slurm_parser
 from mpifl.cli.sweep import sweep
 from mpifl.config import ConfigError
-from mpifl.errors import CheckpointError
+from mpifl.errors import CheckpointError, MissingExtra
 from mpifl.logs import env_rank, log
 
 if TYPE_CHECKING:
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None, comm: MPI.Intracomm | None = None) -> in
     except BrokenPipeError:  # `mpifl inspect CKPT | head`: the reader left, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's documented way out
         return 0
+    except MissingExtra as err:  # an optional dependency this config needs, with its install line
+        if env_rank() in (0, None):
+            log(f"mpifl: {err}")
+        return 2
     except (ConfigError, CheckpointError) as err:
         if env_rank() in (0, None):  # under mpiexec every rank finds the same error: say it once
             log(f"mpifl: config error: {err}" if isinstance(err, ConfigError) else f"mpifl: {err}")

@@ -1,6 +1,7 @@
 """``mpifl report RUN_DIR``: PNG plots from a run's metrics.jsonl (needs the 'plot' extra)."""
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,11 +27,11 @@ def _pyplot():
     return plt
 
 
-def load_metrics(run_dir: Path) -> list[dict]:
-    """The run's per-round records."""
+def load_metrics(run_dir: Path, command: str = "report") -> list[dict]:
+    """The run's per-round records (``command``: the mpifl command that says so when there are none)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"mpifl report: {path} does not exist (is {run_dir} a run directory?)")
+        raise SystemExit(f"mpifl {command}: {path} does not exist (is {run_dir} a run directory?)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -42,6 +43,22 @@ def metric_of(record: dict, dotted: str) -> float | None:
             return None
         value = value[part]
     return value
+
+
+def metric_keys(records: list[dict]) -> set[str]:
+    """The dotted keys of every number in the records (``eval.accuracy``, ``time.dispatch``): what --metric takes."""
+    keys: set[str] = set()
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for inner, item in value.items():
+                walk(item, f"{key}.{inner}" if key else str(inner))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            keys.add(key)
+
+    for record in records:
+        walk(record, "")
+    return keys
 
 
 def rounds_to_target(records: list[dict], target: float, metric: str = "eval.accuracy") -> int | None:
@@ -65,8 +82,14 @@ def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accura
     best and final metric."""
     rows = [f"| run | strategy | clock | rounds to {metric} >= {target} | virtual s to it | best | final |",
             "|---|---|---|---|---|---|---|"]
-    for run_dir in map(Path, run_dirs):
-        records = load_metrics(run_dir)
+    runs = [(run_dir, load_metrics(run_dir, "compare")) for run_dir in map(Path, run_dirs)]
+    known = set().union(*(metric_keys(records) for _, records in runs))
+    if metric not in known:
+        close = difflib.get_close_matches(metric, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
+                         f"{', '.join(sorted(k for k in known if not k.startswith('ranks.')))})")
+    for run_dir, records in runs:
         saved = saved_config(run_dir)
         values = [v for v in (metric_of(r, metric) for r in records) if v is not None]
         reached = rounds_to_target(records, target, metric)

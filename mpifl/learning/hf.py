@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from mpifl.config import ConfigError, LoraConfig, ModelConfig
+from mpifl.errors import MissingExtra
 from mpifl.wire.flat import DTYPES, FlatModel
 
 
@@ -38,7 +39,7 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError("model.name='transformers' needs the 'hf' extra: pip install 'mpifl[hf]'") from None
+        raise MissingExtra("model.name='transformers' needs the 'hf' extra: pip install 'mpifl[hf]'") from None
     transformers.logging.set_verbosity_error()
     return transformers
 

@@ -11,10 +11,21 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 from mpifl.config import PrivacyConfig
+from mpifl.errors import MissingExtra
 from mpifl.logs import log
+
+DP_EXTRA = "privacy accounting needs Google's dp-accounting: pip install 'mpifl[dp]'"
+
+
+def accounting_problem(mode: str) -> str | None:
+    """Why a run with ``privacy.mode`` cannot count its epsilon here (dp-accounting not installed), or None."""
+    if mode == "off" or importlib.util.find_spec("dp_accounting") is not None:
+        return None
+    return f"privacy.mode {mode!r}: {DP_EXTRA}"
 
 
 class _ConvergenceNotes(logging.Filter):
@@ -44,7 +55,7 @@ def _dp_accounting():
     try:
         import dp_accounting
     except ImportError:
-        raise ImportError("privacy accounting needs Google's dp-accounting: pip install 'mpifl[dp]'") from None
+        raise MissingExtra(DP_EXTRA) from None
     return dp_accounting
 
 
