@@ -164,3 +164,16 @@ def test_without_transformers_a_transformers_config_says_which_extra_in_one_line
     err = capsys.readouterr().err
     assert "mpifl: model.name='transformers' needs the 'hf' extra: pip install 'mpifl[hf]'" in err
     assert "Traceback" not in err
+
+
+def test_a_budget_that_round_1_alone_would_pass_is_refused_before_mpi_starts(capsys):
+    """The server would stop at round 0 and ask for a resume that could never go further."""
+    from mpifl.cli import main
+
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    dp = ["privacy.mode=central", "privacy.noise_multiplier=0.3"]
+    assert main(["validate", quickstart, *dp, "privacy.epsilon_budget=2"]) == 2
+    assert ("config error: privacy.epsilon_budget: round 1 alone would take epsilon to 53.878 at delta 1e-05, past "
+            "the budget 2, so no round could run: raise privacy.noise_multiplier or the budget"
+            in capsys.readouterr().err)
+    assert main(["validate", quickstart, *dp, "privacy.epsilon_budget=60"]) == 0

@@ -83,3 +83,15 @@ def epsilon(cfg: PrivacyConfig, rounds: int, num_clients: int, per_round: int) -
         accountant = dp.rdp.RdpAccountant(neighboring_relation=relation)
     accountant.compose(dp.SelfComposedDpEvent(round_event(cfg, num_clients, per_round), rounds))
     return float(accountant.get_epsilon(cfg.delta))
+
+
+def budget_problem(cfg: PrivacyConfig, num_clients: int, per_round: int) -> str | None:
+    """Why ``privacy.epsilon_budget`` leaves no round to run (round 1 alone would pass it), or None: said before
+    MPI starts, where the server would otherwise stop at round 0 and a resume could never go further."""
+    if cfg.mode == "off" or cfg.epsilon_budget is None:
+        return None
+    first = epsilon(cfg, 1, num_clients, per_round)
+    if first <= cfg.epsilon_budget:
+        return None
+    return (f"privacy.epsilon_budget: round 1 alone would take epsilon to {first:.3f} at delta {cfg.delta:g}, past "
+            f"the budget {cfg.epsilon_budget:g}, so no round could run: raise privacy.noise_multiplier or the budget")
