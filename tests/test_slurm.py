@@ -148,3 +148,20 @@ def test_a_rank_count_the_config_cannot_run_on_is_refused_before_a_script_is_wri
     refused = mpifl("slurm", str(cfg), "--client-ranks", "3", "-o", str(tmp_path / "no.sbatch"))
     assert refused.returncode == 2 and not (tmp_path / "no.sbatch").exists()
     assert "3 client ranks but clients.num_clients=2: use at most 3 ranks" in refused.stderr
+
+
+def test_every_rank_is_signalled_before_the_time_limit_to_checkpoint_in_time(tmp_path):
+    """Slurm's own SIGTERM comes at the limit and SIGKILL KillWait (30 s by default) later, less than a large
+    model's round: the script asks for SIGTERM a tenth of the limit (at most 5 min) earlier, or --stop-before."""
+    from mpifl.cli.slurm import slurm_seconds
+
+    assert [slurm_seconds(t) for t in ("90", "90:30", "02:00:00", "1-00", "1-02:30", "2-00:00:05", "soon")] == [
+        5400, 5430, 7200, 86400, 95400, 172805, None]
+    cfg = write_config(tmp_path / "two.yaml", TINY)
+    for options, directive in ((("--time", "00:10:00"), "#SBATCH --signal=TERM@60\n"),
+                               (("--time", "12:00:00"), "#SBATCH --signal=TERM@300\n"),
+                               (("--time", "12:00:00", "--stop-before", "900"), "#SBATCH --signal=TERM@900\n")):
+        assert mpifl("slurm", str(cfg), *options, "-o", str(tmp_path / "j.sbatch")).returncode == 0
+        assert directive in (tmp_path / "j.sbatch").read_text(), options
+    assert mpifl("slurm", str(cfg), "--stop-before", "0", "-o", str(tmp_path / "j.sbatch")).returncode == 0
+    assert "--signal" not in (tmp_path / "j.sbatch").read_text()

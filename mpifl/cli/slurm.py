@@ -66,12 +66,40 @@ set -e
 {final_check}"""
 
 
+def slurm_seconds(text: str) -> int | None:
+    """A Slurm time limit in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats); None for anything else."""
+    days, _, rest = text.rpartition("-")
+    try:
+        parts = [int(p) for p in rest.split(":")]
+        day_count = int(days) if days else 0
+    except ValueError:
+        return None
+    if days:  # days-hours[:minutes[:seconds]]
+        units = [3600, 60, 1][:len(parts)]
+    else:  # minutes, minutes:seconds, hours:minutes:seconds
+        units = {1: [60], 2: [60, 1], 3: [3600, 60, 1]}.get(len(parts), [])
+    if not units or len(units) != len(parts):
+        return None
+    return day_count * 86400 + sum(p * u for p, u in zip(parts, units))
+
+
+def stop_before(asked: int | None, time_limit: str) -> int:
+    """Seconds before the time limit for the early SIGTERM: ``asked``, else a tenth of the limit, at most 300."""
+    if asked is not None:
+        return asked
+    limit = slurm_seconds(time_limit)
+    return 300 if limit is None else min(300, limit // 10)
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl slurm``."""
     job = plan_job(args, "slurm")
+    stop = stop_before(args.stop_before, args.time)
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in (
         ("partition", args.partition), ("account", args.account),
-        ("gpus-per-node", args.gpus_per_node if args.gpus_per_node > 0 else "")) if value)
+        ("gpus-per-node", args.gpus_per_node if args.gpus_per_node > 0 else ""),
+        ("signal", f"TERM@{stop}" if stop > 0 else "")) if value)
     script = TEMPLATE.format(
         command=job.command, name=job.cfg.name, nodes=job.nodes, ranks_per_node=args.ranks_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, optional=optional, log=args.log, config=args.config,
@@ -91,6 +119,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time", default="01:00:00", help="#SBATCH --time (HH:MM:SS)")
     p.add_argument("--partition", default="debug", help="#SBATCH --partition ('': the cluster's default)")
     p.add_argument("--account", default="MYPROJECT", help="#SBATCH --account to charge ('': none)")
+    p.add_argument("--stop-before", type=int, metavar="SECONDS",
+                   help="#SBATCH --signal=TERM@SECONDS: every rank gets SIGTERM this long before the time limit, "
+                   "so the server finishes its round and checkpoints before Slurm's own SIGTERM and SIGKILL (its "
+                   "KillWait, 30 s by default, is shorter than a large model's round); default: a tenth of --time, "
+                   "at most 300; 0: none")
     p.add_argument("--log", default="%x-%j.out", help="#SBATCH --output: the file for the job's stdout and "
                    "stderr (Slurm's filename patterns: job name, job id)")
     add_gpu_argument(p)
