@@ -270,7 +270,10 @@ def wandb_log_records(path: Path) -> Iterator[Any]:
         pos = end
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated protobuf class
-            record.ParseFromString(pending)
+            try:
+                record.ParseFromString(pending)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError: a damaged record ends what can be read
+                return
             pending = b""
             yield record
 
@@ -283,6 +286,9 @@ def wandb_logged_steps(run_dir: Path, run_id: str) -> set[int]:
         log_file = folder / f"run-{run_id}.wandb"
         if not log_file.is_file():
             continue
+        with log_file.open("rb") as head:
+            if head.read(4) != b":W&B":  # never written, or not W&B's
+                continue
         for record in wandb_log_records(log_file):
             if record.WhichOneof("record_type") == "history":
                 steps.update(int(json.loads(item.value_json)) for item in record.history.item
