@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mpifl.errors import JobFailure
+from mpifl.units import range_list
 
 # output.trackers' names, each with the modules that can write it (the first one importable is used).
 LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -286,13 +287,13 @@ def wandb_logged_steps(run_dir: Path, run_id: str) -> set[int]:
         log_file = folder / f"run-{run_id}.wandb"
         if not log_file.is_file():
             continue
-        with log_file.open("rb") as head:
-            if head.read(4) != b":W&B":  # never written, or not W&B's
-                continue
-        for record in wandb_log_records(log_file):
-            if record.WhichOneof("record_type") == "history":
-                steps.update(int(json.loads(item.value_json)) for item in record.history.item
-                             if (item.key or "/".join(item.nested_key)) == "_step")  # W&B writes either form
+        try:
+            for record in wandb_log_records(log_file):
+                if record.WhichOneof("record_type") == "history":
+                    steps.update(int(json.loads(item.value_json)) for item in record.history.item
+                                 if (item.key or "/".join(item.nested_key)) == "_step")  # W&B writes either form
+        except ValueError:  # not W&B's log: nothing of this run in it
+            continue
     return steps
 
 
@@ -302,17 +303,6 @@ def rounds_to_log_again(kept: Sequence[dict], logged: set[int]) -> list[dict]:
     rows to the run, and W&B drops a row whose step is below the run's current one."""
     last = max(logged, default=0)
     return [record for record in kept if int(record["round"]) > last]
-
-
-def said_as_ranges(rounds: Sequence[int]) -> str:
-    """1, 2, 3, 5 -> '1-3, 5'."""
-    spans: list[list[int]] = []
-    for r in sorted(rounds):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
 
 
 def wait_for_a_fresh_second(folder: Path, run_id: str) -> None:
@@ -389,7 +379,7 @@ def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mappin
                 for record in missing:
                     opened[tracker].log(int(record["round"]), scalars(record), notes(record) if notes else [])
                 if missing:
-                    rounds = said_as_ranges([int(r["round"]) for r in missing])
+                    rounds = range_list((int(r["round"]) for r in missing), ", ")
                     (warn or _stderr)(f"output.trackers: wandb: round(s) {rounds} were not in the offline log on disk "
                                       "(a job killed hard loses what W&B had not written yet); logged again from "
                                       "metrics.jsonl")

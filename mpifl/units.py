@@ -1,4 +1,6 @@
-"""Byte units, defined once, and how a byte count is printed."""
+"""Byte units, defined once, and how a byte count and a list of integers are printed."""
+from collections.abc import Iterable
+
 KIB = 2**10
 MIB = 2**20
 GIB = 2**30
@@ -10,3 +12,14 @@ def format_bytes(count: float) -> str:
         if abs(count) >= size:
             return f"{count / size:,.2f} {unit}"
     return f"{count:,.0f} B"
+
+
+def range_list(values: Iterable[int], separator: str = ",") -> str:
+    """Integers as a compact range list: [0, 1, 2, 3, 8] -> '0-3,8' ('' for none)."""
+    parts: list[list[int]] = []
+    for value in sorted(set(values)):
+        if parts and parts[-1][1] == value - 1:
+            parts[-1][1] = value
+        else:
+            parts.append([value, value])
+    return separator.join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)

@@ -20,7 +20,6 @@ from mpifl.trackers import (
     Trackers,
     flat_params,
     open_trackers,
-    said_as_ranges,
     scalars,
     tracker_problem,
     wandb_log_records,
@@ -402,4 +401,6 @@ def test_a_resume_after_a_clean_stop_logs_nothing_again(tmp_path):
 
 
 def test_rounds_are_said_as_ranges():
-    assert said_as_ranges([5, 1, 2, 3, 7, 8]) == "1-3, 5, 7-8" and said_as_ranges([4]) == "4"
+    from mpifl.units import range_list
+
+    assert range_list([5, 1, 2, 3, 7, 8], ", ") == "1-3, 5, 7-8" and range_list([4], ", ") == "4"

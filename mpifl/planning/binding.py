@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpifl.units import range_list
+
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU, listed without starting CUDA
 SYS_CPUS = Path("/sys/devices/system/cpu")
 
@@ -182,13 +184,7 @@ def thread_siblings(cpus: Iterable[int], sys_path: Path = SYS_CPUS) -> dict[int,
 
 def core_ranges(cores: Iterable[int]) -> str:
     """Cores as a compact range list: '0-3,8' ('-' for none)."""
-    parts: list[list[int]] = []
-    for core in sorted(set(cores)):
-        if parts and parts[-1][1] == core - 1:
-            parts[-1][1] = core
-        else:
-            parts.append([core, core])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "-"
+    return range_list(cores) or "-"
 
 
 def parse_ranges(text: str) -> list[int]:
