@@ -8,6 +8,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import mpifl_here
 from torch import nn
 
 from mpifl.config import resume_conflict
@@ -183,17 +184,15 @@ def test_inspect_and_export_a_checkpoint(tmp_path):
     torch.manual_seed(0)
     flat = FlatModel(Odd(torch.bfloat16))
     path = save(tmp_path / "c.h5", flat, 4)
-    shown = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(path)], capture_output=True, text=True)
+    shown = mpifl_here("inspect", str(path))
     assert shown.returncode == 0 and "round 4" in shown.stdout and "bfloat16" in shown.stdout
     out = tmp_path / "m.safetensors"
-    done = subprocess.run([sys.executable, "-m", "mpifl", "export", str(path), str(out)],
-                          capture_output=True, text=True)
+    done = mpifl_here("export", str(path), str(out))
     assert done.returncode == 0, done.stderr
     loaded = load_file(out)
     for name, t in flat.tensors():
         assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], t), name
-    bad = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(tmp_path / "nope.h5")], capture_output=True,
-                         text=True)
+    bad = mpifl_here("inspect", str(tmp_path / "nope.h5"))
     assert bad.returncode == 2 and "no such checkpoint file" in bad.stderr
 
 

@@ -221,10 +221,10 @@ def run_cli(*args: str, address_space: int | None = None):
 
 @pytest.mark.parametrize("preset, parameters", [("llama3.1-8b", "8.030 B"), ("llama3.1-70b", "70.554 B")])
 def test_cluster_presets_validate_and_plan_without_allocating_the_model(preset, parameters):
-    from conftest import ROOT
+    from conftest import ROOT, mpifl_here
 
     config = str(ROOT / "configs" / f"{preset}.yaml")
-    validated = run_cli("validate", config)
+    validated = mpifl_here("validate", config)
     assert validated.returncode == 0 and parameters in validated.stdout, validated.stderr
     # 6 GiB of address space: far less than the model (15 or 131 GiB), so nothing may be allocated
     planned = run_cli("plan", config, "--ranks-per-node", "1", "--server-alone", address_space=6 * 2**30)

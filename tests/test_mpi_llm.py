@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import run_mpi, write_config  # noqa: E402
+from conftest import mpifl_here, run_mpi, write_config  # noqa: E402
 from fl_helpers import frozen_digest  # noqa: E402
 
 from mpifl.config import load_config  # noqa: E402
@@ -79,16 +79,13 @@ def test_a_lora_run_aggregates_only_adapter_weights(tmp_path):
 
 
 def test_an_exported_final_model_is_a_folder_that_loads_as_pretrained(tmp_path):
-    import subprocess
-    import sys
 
     import torch
 
     cfg, _, _ = lm_run(tmp_path, "rounds=1", "output.save_model=true")
     folder = tmp_path / "export"
     folder.mkdir()
-    done = subprocess.run([sys.executable, "-m", "mpifl", "export", str(tmp_path / "run" / "model.h5"),
-                           str(folder / "model.safetensors")], capture_output=True, text=True, timeout=120)
+    done = mpifl_here("export", str(tmp_path / "run" / "model.h5"), str(folder / "model.safetensors"))
     assert done.returncode == 0 and (folder / "config.json").is_file(), done.stderr
     cfg.model.transformers.path, cfg.model.transformers.pretrained = str(folder), True
     loaded = build_flat_model(cfg.model, seed=123)  # another seed: every weight must come from the folder

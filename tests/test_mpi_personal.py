@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ran, stopped_and_resumed, write_config
+from conftest import mpifl_here, ran, stopped_and_resumed, write_config
 from fl_helpers import tiny_mlp
 from reference import personal_reference
 from results import assert_bitwise, run_result
@@ -69,7 +69,7 @@ def test_a_resumed_run_on_another_number_of_ranks_keeps_every_clients_local_tens
     assert_bitwise(local, want_local)
     # what a resume needs beside the checkpoint, said by inspect, and named when it is gone
     last = tmp_path / "split" / "checkpoints" / "ckpt-r000003.h5"
-    inspect = subprocess.run([sys.executable, "-m", "mpifl", "inspect", str(last)], capture_output=True, text=True)
+    inspect = mpifl_here("inspect", str(last))
     assert "per client: local tensors (model.local), kept by the client ranks, in " in inspect.stdout
     shutil.rmtree(last.with_suffix(".residuals"))
     again = subprocess.run([sys.executable, "-m", "mpifl", "run", str(cfg), "rounds=4", "--run-dir",

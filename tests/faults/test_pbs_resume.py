@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT, TESTS, mpiexec, rounds_logged, run_mpi, same_model, write_config
+from conftest import MPI_TIMEOUT, TESTS, mpiexec, mpifl_here, rounds_logged, run_mpi, same_model, write_config
 
 CONFIG = """
 name: sweep
@@ -36,9 +36,8 @@ def job(tmp_path_factory):
     reference = run_mpi(3, "run", str(cfg), "--run-dir", str(base / "reference"))
     assert reference.returncode == 0, reference.stderr
     script = base / "sweep.pbs"
-    made = subprocess.run([sys.executable, "-m", "mpifl", "pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node",
-                           "3", "--gpus-per-node", "0", "-o", str(script)], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(TESTS)))
+    made = mpifl_here("pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node", "3", "--gpus-per-node", "0",
+                      "-o", str(script))
     assert made.returncode == 0, made.stderr
     (base / "nodefile").write_text("localhost\n")
     return script, base / "reference" / "model.h5"
@@ -97,9 +96,8 @@ def test_seeded_whole_job_kills_resubmitted_with_resume_auto_end_bitwise_equal(t
 def test_a_job_whose_rank_left_through_c_exit0_never_ends_with_status_0(tmp_path, attempt):
     cfg = write_config(tmp_path / "sweep.yaml", CONFIG.replace("fl_helpers:NoiseTrainer", "faults.injectors:Injected"))
     script = tmp_path / "sweep.pbs"
-    made = subprocess.run([sys.executable, "-m", "mpifl", "pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node",
-                           "3", "--gpus-per-node", "0", "-o", str(script)], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(TESTS)))
+    made = mpifl_here("pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node", "3", "--gpus-per-node", "0",
+                      "-o", str(script))
     assert made.returncode == 0, made.stderr
     (tmp_path / "nodefile").write_text("localhost\n")
     code, err = submit(script, tmp_path, None, FAULT="c_exit0", FAULT_CALL="2")

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import mpifl_here
 
 from mpifl.cli import main
 from mpifl.cli.commands import check_plugins
@@ -85,8 +84,7 @@ def checkpoint(tmp_path):
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpifl", "export", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return mpifl_here("export", *args)
 
 
 def test_export_refuses_to_overwrite_the_checkpoint(checkpoint):
