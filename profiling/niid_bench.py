@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -327,13 +328,34 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
     with open(log, "a") as out:  # appended: a resumed run's log follows the interrupted one's
         out.write(f"# {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M:%S %Z}: {shlex.join(cmd)}\n")
         out.flush()
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        rc = run_with_time_limit(cmd, env, out, args.run_timeout)
     wall = time.perf_counter() - start
+    if rc is None:
+        return {"error": f"still running after --run-timeout {args.run_timeout:g} s: stopped with SIGTERM (it "
+                         f"checkpoints at the round's end); the same --work goes on from there (log: {log})",
+                "wall": wall}
     if rc != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         why = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
         return {"error": f"exit {rc}: {why.strip()[:300]} (log: {log})", "wall": wall}
     return {**read_run(run_dir), "wall": wall}
+
+
+def run_with_time_limit(cmd: list[str], env: dict[str, str], out, seconds: float) -> int | None:
+    """``cmd``'s exit status, or None when it ran past ``seconds``. An MPI job that hangs would hold the
+    reproduction (and a batch allocation) forever: past the limit the job gets SIGTERM, as a walltime would give
+    it, so mpifl checkpoints the round it is in and exits; SIGKILL follows a minute later if it has not."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where runs go (default runs/niid_bench-<time>); give an earlier --work to go on with it: "
                         "finished runs are read, unfinished ones resume from their newest checkpoint")
     p.add_argument("--bin", default=str(Path(sys.executable).parent), help="folder holding mpiexec and mpifl")
+    p.add_argument("--run-timeout", type=float, default=4 * 3600,
+                   help="seconds one run may take before it is stopped with SIGTERM (the full protocol: about "
+                   "27 minutes a run on 2 cores)")
     args = p.parse_args(argv)
 
     problem = dataset_problem()

@@ -154,7 +154,7 @@ def test_a_second_invocation_goes_on_from_the_checkpoints_and_keeps_the_first_lo
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     calls = tmp_path / "calls.txt"
     monkeypatch.setenv("CALLS", str(calls))
-    args = argparse.Namespace(bin=str(fake), ranks=3)
+    args = argparse.Namespace(bin=str(fake), ranks=3, run_timeout=60)
     (tmp_path / "work").mkdir()  # main() makes --work
     run_dir = tmp_path / "work" / "fedavg-seed0"
     for _ in range(2):
@@ -163,3 +163,24 @@ def test_a_second_invocation_goes_on_from_the_checkpoints_and_keeps_the_first_lo
     assert len(commands) == 2 and all(f"--run-dir {run_dir} --resume seed=0" in c for c in commands)
     log = run_dir.with_suffix(".log").read_text()
     assert log.count("run output") == 2 and log.count("--resume") == 2
+
+
+def test_a_run_past_its_time_limit_is_stopped_with_sigterm_and_reported(bench, tmp_path):
+    """A hung job must not hold the reproduction forever: past ``--run-timeout`` it gets SIGTERM (mpifl then
+    checkpoints its round and exits), and the read-out says so and how to go on."""
+    import argparse
+    import stat
+    import time
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    script = fake / "mpiexec"
+    script.write_text("#!/bin/sh\ntrap 'echo stopped by SIGTERM; exit 3' TERM\nwhile :; do sleep 0.1; done\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    run_dir = tmp_path / "work" / "fedavg-seed0"
+    run_dir.parent.mkdir()
+    began = time.monotonic()
+    out = bench.run_one(argparse.Namespace(bin=str(fake), ranks=3, run_timeout=1), "fedavg", 0, run_dir, [])
+    assert time.monotonic() - began < 30
+    assert "still running after --run-timeout 1 s" in out["error"] and "the same --work goes on" in out["error"]
+    assert "stopped by SIGTERM" in run_dir.with_suffix(".log").read_text()
