@@ -12,7 +12,8 @@ Steps (each a row of the table):
    (``train.device_copy``), and the result must be bitwise equal. On a GPU, cuBLAS and cuDNN sum in another
    order than the CPU's kernels, so the final model must be within a relative L2 distance of
    ``GPU_TOLERANCE`` of the CPU's after ``COMPARED_ROUNDS``. The full check compares two runs with per-client
-   state the same way: SCAFFOLD with the MLP's head kept per client (``model.local``), and Ditto;
+   state the same way: SCAFFOLD with the MLP's head kept per client (``model.local``), and Ditto. ``--quick``
+   compares the quick start alone;
 3. ``clients.ranks_per_client=2`` against one rank per client, within ``GROUP_TOLERANCE`` after
    ``COMPARED_ROUNDS`` (the same gradient, summed in two halves): the quick start's MLP, and with the full check
    also the built-in CNN, whose BatchNorm normalizes over the group's whole batch. NCCL between two GPUs; gloo on
@@ -277,7 +278,8 @@ def share_site_packages(venv: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--quick", action="store_true", help="3 rounds and 20 clients per round only (the suite's form)")
+    p.add_argument("--quick", action="store_true",
+                   help="3 rounds, 20 clients per round, each comparison once (the suite's form)")
     p.add_argument("--tests", default="tests/test_mpi_device.py", help="pytest selection of the device tests")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--bin", type=Path, default=Path(sys.executable).parent,
@@ -314,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
 
         add(device_tests, args.tests)
         add(versus_cpu, "quick start")
-        add(versus_cpu, "reduction groups", "clients.groups=2", "strategy.update=delta")
-        if not args.quick:  # per-client state on the device (the suite runs its CPU form: tests/test_mpi_ditto.py, ...)
+        if not args.quick:  # the suite runs these steps' CPU forms in its own job pool (tests/test_mpi_device.py's
+            # groups-delta case, tests/test_mpi_ditto.py, ...): its quick form runs the comparison once, the quick start
+            add(versus_cpu, "reduction groups", "clients.groups=2", "strategy.update=delta")
             add(versus_cpu, "scaffold with local head", "strategy.name=scaffold", "strategy.update=delta",
                 "model.local=['5.*']")
             add(versus_cpu, "ditto", "train.ditto_lambda=0.5", "strategy.update=delta")

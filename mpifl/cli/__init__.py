@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpifl.cli import commands
+from mpifl.cli.job_options import add_pbs_parser, add_plan_parser, add_slurm_parser
 from mpifl.cli.parsing import add_subcommand, refuse_unrecognized
-from mpifl.cli.pbs import add_parser as add_pbs_parser
-from mpifl.cli.plan import add_parser as add_plan_parser
-from mpifl.cli.slurm import add_parser as add_slurm_parser
 from mpifl.cli.sweep import sweep
 from mpifl.config import ConfigError
 from mpifl.errors import CheckpointError, MissingExtra

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpifl.cli.plan import (
-    CLIENT_RANKS_HELP,
     client_ranks,
     clients_beside_server,
     estimate,
@@ -79,27 +78,3 @@ def write_script(job: Job, output: str | None, suffix: str, script: str) -> Path
     out.chmod(0o755)
     print(f"wrote {out}: {job.nranks} ranks on {job.nodes} node(s); {job.memory_note}")
     return out
-
-
-def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
-    """The config, its overrides, the script path, and the rank and node counts."""
-    p.add_argument("config", help="experiment YAML file")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=50")
-    p.add_argument("--output", "-o", help=f"script path (default: <name>{suffix})")
-    p.add_argument("--nodes", type=int, help="nodes to ask for (default: from the rank count)")
-    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
-    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
-
-
-def add_gpu_argument(p: argparse.ArgumentParser) -> None:
-    """--gpus-per-node, and the memory of each for the check."""
-    p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node: each rank sees one, from its "
-                   "node-local rank (0: CPU only)")
-    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="memory per GPU (GiB) for the check "
-                   "(Polaris: A100 40 GB)")
-
-
-def add_node_arguments(p: argparse.ArgumentParser, venv_help: str) -> None:
-    """The memory per node for the check, and the venv to activate."""
-    p.add_argument("--node-memory-gb", type=float, default=512.0, help="memory per node (GiB) for the check")
-    p.add_argument("--venv", help=venv_help)

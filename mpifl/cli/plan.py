@@ -12,7 +12,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpifl.cli.parsing import add_subcommand
 from mpifl.config import Config, ConfigError, load_config
 from mpifl.planning import binding
 from mpifl.planning.memory import (
@@ -83,9 +82,6 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
                                  server_alone, data, gpus_per_node)
-
-
-CLIENT_RANKS_HELP = "client ranks (default: one per client sampled in a round, or per group with clients.groups)"
 
 
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
@@ -371,25 +367,3 @@ def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
                                                                            else ", in memory")
             print(f"    {kind:<38} {e.total:9.1f} s  (dispatch {e.dispatch:.1f} s, return + fold {e.gather:.1f} s; "
                   f"server sends {e.server_out / GIB:,.0f} GiB, receives {e.server_in / GIB:,.0f} GiB)")
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """The ``plan`` subcommand's options."""
-    p = add_subcommand(sub, "plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated")
-    p.add_argument("config", help="experiment YAML file")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. clients.per_round=8")
-    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
-    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
-    p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
-    p.add_argument("--cores-per-node", type=int, default=None, help="cores per node, for the binding of each "
-                   "local rank (default: this machine's, os.cpu_count())")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, for the binding of each local "
-                   "rank and, with train.device auto, whether client ranks train on GPUs (default: this machine's: "
-                   "CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
-    p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
-                   "fullest node would pass 90%% of it")
-    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (GiB): warn when a client "
-                   "rank's GPU would pass 90%% of it before activations")
-    p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
-    p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
-                   "mpifl.planning.scale.Rates fields (bytes or elements per second)")

@@ -1,0 +1,97 @@
+"""The options of ``mpifl plan``, ``mpifl pbs`` and ``mpifl slurm``, apart from the planning code behind them.
+
+Why a module of its own: every ``mpifl`` command builds the whole argument parser, and the planning modules
+import torch (a model's layout, its codecs) at about 2 CPU-seconds. Kept here, the parser imports nothing heavy,
+so ``mpifl status`` in a job's epilogue, ``inspect``, ``report`` and ``--help`` start in a fraction of a second
+on a login node; the commands themselves import their code when they run (``mpifl.cli.commands``).
+"""
+from __future__ import annotations
+
+import argparse
+
+from mpifl.cli.parsing import add_subcommand
+
+CLIENT_RANKS_HELP = "client ranks (default: one per client sampled in a round, or per group with clients.groups)"
+
+
+def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
+    """The config, its overrides, the script path, and the rank and node counts."""
+    p.add_argument("config", help="experiment YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=50")
+    p.add_argument("--output", "-o", help=f"script path (default: <name>{suffix})")
+    p.add_argument("--nodes", type=int, help="nodes to ask for (default: from the rank count)")
+    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
+
+
+def add_gpu_argument(p: argparse.ArgumentParser) -> None:
+    """--gpus-per-node, and the memory of each for the check."""
+    p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node: each rank sees one, from its "
+                   "node-local rank (0: CPU only)")
+    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="memory per GPU (GiB) for the check "
+                   "(Polaris: A100 40 GB)")
+
+
+def add_node_arguments(p: argparse.ArgumentParser, venv_help: str) -> None:
+    """The memory per node for the check, and the venv to activate."""
+    p.add_argument("--node-memory-gb", type=float, default=512.0, help="memory per node (GiB) for the check")
+    p.add_argument("--venv", help=venv_help)
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``plan`` subcommand's options."""
+    p = add_subcommand(sub, "plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated")
+    p.add_argument("config", help="experiment YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. clients.per_round=8")
+    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
+    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
+    p.add_argument("--cores-per-node", type=int, default=None, help="cores per node, for the binding of each "
+                   "local rank (default: this machine's, os.cpu_count())")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, for the binding of each local "
+                   "rank and, with train.device auto, whether client ranks train on GPUs (default: this machine's: "
+                   "CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
+    p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
+                   "fullest node would pass 90%% of it")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (GiB): warn when a client "
+                   "rank's GPU would pass 90%% of it before activations")
+    p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
+    p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
+                   "mpifl.planning.scale.Rates fields (bytes or elements per second)")
+
+
+def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``pbs`` subcommand's options."""
+    p = add_subcommand(sub, "pbs", help="write a PBS Pro job script for a config, with a memory check per node")
+    add_job_arguments(p, ".pbs")
+    p.add_argument("--depth", type=int, default=8, help="cores per rank (Cray PALS --depth)")
+    p.add_argument("--walltime", default="01:00:00", help="#PBS -l walltime (HH:MM:SS)")
+    p.add_argument("--queue", default="debug", help="#PBS -q queue")
+    p.add_argument("--account", default="MYPROJECT", help="#PBS -A project to charge")
+    p.add_argument("--filesystems", default="home:eagle", help="#PBS -l filesystems (Polaris)")
+    p.add_argument("--system", default="polaris", help="#PBS -l select=N:system=SYSTEM")
+    add_gpu_argument(p)
+    p.add_argument("--server-alone", action="store_true", help="give the server the first node to itself")
+    add_node_arguments(p, "activate this venv instead of the conda module")
+    p.add_argument("--conda-module", default="conda", help="the module that provides Python (when no --venv)")
+
+
+def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``slurm`` subcommand's options."""
+    summary = ("write a Slurm batch script for a config, with a memory check per node (the server shares the "
+               "first node)")
+    p = add_subcommand(sub, "slurm", help=summary, description=summary)
+    add_job_arguments(p, ".sbatch")
+    p.add_argument("--cpus-per-task", type=int, default=8, help="cores per rank (#SBATCH and srun --cpus-per-task)")
+    p.add_argument("--time", default="01:00:00", help="#SBATCH --time (HH:MM:SS)")
+    p.add_argument("--partition", default="debug", help="#SBATCH --partition ('': the cluster's default)")
+    p.add_argument("--account", default="MYPROJECT", help="#SBATCH --account to charge ('': none)")
+    p.add_argument("--stop-before", type=int, metavar="SECONDS",
+                   help="#SBATCH --signal=TERM@SECONDS: every rank gets SIGTERM this long before the time limit, "
+                   "so the server finishes its round and checkpoints before Slurm's own SIGTERM and SIGKILL (its "
+                   "KillWait, 30 s by default, is shorter than a large model's round); default: a tenth of --time, "
+                   "at most 300; 0: none")
+    p.add_argument("--log", default="%x-%j.out", help="#SBATCH --output: the file for the job's stdout and "
+                   "stderr (Slurm's filename patterns: job name, job id)")
+    add_gpu_argument(p)
+    add_node_arguments(p, "activate this venv (bin/activate) before srun")
