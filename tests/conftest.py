@@ -172,9 +172,19 @@ class JobPool:
 _POOL: list[JobPool] = []
 
 
+# Variables that code sets in the test process with os.environ.setdefault when a test first uses it, each to the
+# value the same code sets in any rank that uses it (mpifl.learning.hf.stay_offline, mpifl.trackers, tensorboardX's
+# crc32c, torch's inductor cache directory): they do not change what a job's ranks do, so a change in them does not
+# retire the pool, whose restart starts POOL_SIZE interpreters (about 14 CPU-seconds; six a suite before).
+SET_WHEN_USED = {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY",
+                 "WANDB_SILENT", "WANDB_DISABLE_GIT", "WANDB_DISABLE_CODE", "WANDB_ERROR_REPORTING", "CRC32C_SW_MODE",
+                 "TORCHINDUCTOR_CACHE_DIR"}
+
+
 def _environment() -> dict[str, str]:
-    """The environment a job's ranks would inherit, less the variable pytest changes for every test."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    """The environment a job's ranks would inherit, less the variable pytest changes for every test and those
+    in ``SET_WHEN_USED``."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and k not in SET_WHEN_USED}
 
 
 def _job_pool() -> JobPool:
