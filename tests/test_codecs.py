@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpifl.wire.codecs import BlockQuantizer, TopK
-from mpifl.wire.flat import Chunk
+from mpifl.wire.spec import Chunk
 
 
 def round_trip(codec, x, uniform):

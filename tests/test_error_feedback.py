@@ -15,8 +15,8 @@ from mpifl.storage.checkpointer import latest_checkpoint, prune_checkpoints, res
 from mpifl.storage.hdf5 import CheckpointWriter
 from mpifl.storage.residuals import DiskResiduals, RamResiduals, load_snapshot, open_residuals, save_snapshot
 from mpifl.wire.codecs import TopK
-from mpifl.wire.flat import element_offsets, layout
 from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.spec import element_offsets, layout
 
 SPEC = layout([("a", (300,), "float32"), ("b", (7, 9), "float32")])
 CHUNKS = SPEC.chunks(4 * 128)  # 128, 128, 44 and 63 elements: several chunks, uneven

@@ -124,11 +124,12 @@ def test_the_bytes_no_tensor_covers_are_zero_whatever_the_memory_held_before(mon
     import numpy as np
 
     from mpifl.wire import flat as flat_module
+    from mpifl.wire.spec import padding_ranges
 
     monkeypatch.setattr(flat_module, "host_bytes", lambda n, touch=True: np.full(n, 0xFF, dtype=np.uint8))
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2).to(torch.bfloat16))
     flat = FlatModel(model)
-    gaps = flat_module.padding_ranges(flat.spec)
+    gaps = padding_ranges(flat.spec)
     assert gaps and sum(end - start for start, end in gaps) > 0
     for start, end in gaps:
         assert not flat.buffer[start:end].any(), (start, end)

@@ -15,7 +15,7 @@ from mpifl.aggregation.strategies import ControlledAverage, make_strategy, secti
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, StrategyConfig, load_config
 from mpifl.learning.control import control_delta, corrected_steps
-from mpifl.wire.flat import Chunk
+from mpifl.wire.spec import Chunk
 
 CONFIG = """
 seed: 5

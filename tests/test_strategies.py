@@ -21,8 +21,8 @@ from mpifl.aggregation.registry import STRATEGIES
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing, ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig, load_config
-from mpifl.wire.flat import Chunk, layout
 from mpifl.wire.protocol import UpdateMeta
+from mpifl.wire.spec import Chunk, layout
 
 BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fednova",
            "scaffold", "feddyn")

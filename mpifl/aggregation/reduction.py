@@ -33,10 +33,11 @@ from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks
 from mpifl.wire import protocol
-from mpifl.wire.flat import DTYPES, Chunk, element_offsets
+from mpifl.wire.flat import DTYPES
 from mpifl.wire.late import OwedStream
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, host_tensor
+from mpifl.wire.spec import Chunk, element_offsets
 from mpifl.wire.transport import Backoff, wake
 from mpifl.wire.watchdog import CHECK_EVERY_SECONDS, FIRST_UPDATE, UPDATE_COMPLETE, RankStalled, StragglerRule, Watchdog
 

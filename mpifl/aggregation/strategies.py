@@ -35,8 +35,8 @@ from mpifl.config import ConfigError, StrategyConfig
 from mpifl.config.automatic import resolve_lone_strategy
 from mpifl.config.capabilities import UNDECLARED, Capabilities
 from mpifl.plugins import is_import_path, resolve
-from mpifl.wire.flat import CONTROL, Chunk, ModelSpec
 from mpifl.wire.protocol import UpdateMeta
+from mpifl.wire.spec import CONTROL, Chunk, ModelSpec
 
 __all__ = ["ACCUMULATOR_DTYPE", "Strategy", "make_strategy"]
 

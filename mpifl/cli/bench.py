@@ -29,7 +29,8 @@ from mpifl.metrics import peak_rss_bytes
 from mpifl.roles.launch import guarded
 from mpifl.roles.runner import check_world, run_rank
 from mpifl.units import MIB
-from mpifl.wire.flat import DTYPES, itemsize
+from mpifl.wire.flat import DTYPES
+from mpifl.wire.spec import itemsize
 from mpifl.wire.transport import wait_all
 
 TAG_DOWN, TAG_UP = 101, 102

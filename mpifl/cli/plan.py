@@ -29,8 +29,8 @@ from mpifl.planning.memory import (
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.planning.world import world_problem
 from mpifl.units import GIB, MIB, format_bytes
-from mpifl.wire.flat import CONTROL, ModelSpec, control_bytes, is_local, itemsize
 from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.spec import CONTROL, ModelSpec, control_bytes, is_local, itemsize
 
 
 def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:

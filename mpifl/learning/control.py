@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mpifl.wire.flat import CONTROL, is_local  # CONTROL: the submodule holding the server control variate c
+from mpifl.wire.spec import CONTROL, is_local  # CONTROL: the submodule holding the server control variate c
 
 __all__ = ["CONTROL", "ControlVariates", "attach_control_variates", "control_delta", "controlled_pairs",
            "corrected_steps", "dynamic_regularizer"]

@@ -20,7 +20,8 @@ from mpifl.config import ConfigError, ModelConfig
 from mpifl.learning.control import CONTROL, attach_control_variates
 from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.units import MIB
-from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, build_spec, split_tensors
+from mpifl.wire.flat import DTYPES, FlatModel, build_spec, split_tensors
+from mpifl.wire.spec import ModelSpec
 
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (128, 64)) -> nn.Module:

@@ -16,8 +16,8 @@ from mpifl.config import Config
 from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
-from mpifl.wire.flat import itemsize
 from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.spec import itemsize
 
 # Calibrated on the quick start (tests/test_mpi_memory_model.py: within 15% + 64 MiB of its measured peaks):
 IMPORTS_BYTES = int(0.27 * GIB)  # torch + mpi4py + h5py per rank: its server peaks at 0.264 GiB (torch 2.13, CPU)

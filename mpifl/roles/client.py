@@ -26,9 +26,10 @@ from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.storage.residuals import ResidualStore, save_snapshot
 from mpifl.wire import protocol
-from mpifl.wire.flat import DTYPES, FlatModel, element_offsets
+from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
+from mpifl.wire.spec import element_offsets
 from mpifl.wire.transport import ProgressReporter, pass_on, recv_object, relay_chunks, send_chunks, send_object
 
 if TYPE_CHECKING:  # roles.group imports roles.client's neighbours only: the type alone, no import at run time

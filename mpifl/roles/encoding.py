@@ -11,9 +11,10 @@ from mpifl.planning.seeds import COMPRESSION
 from mpifl.privacy.noise import BLOCK, ElementStream
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.codecs import TopK
-from mpifl.wire.flat import DTYPES, FlatModel, element_offsets, fp32_chunks
+from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
+from mpifl.wire.spec import element_offsets, fp32_chunks
 
 
 class GroupSum:

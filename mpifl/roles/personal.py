@@ -26,7 +26,8 @@ from mpifl.learning.control import dynamic_regularizer, trainable
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
-from mpifl.wire.flat import Chunk, FlatModel
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.spec import Chunk
 
 
 def gather(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,11 @@ from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB, format_bytes
 from mpifl.wire import doorbell, protocol
-from mpifl.wire.flat import DTYPES, FlatModel, ModelSpec, element_offsets, is_local
+from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
+from mpifl.wire.spec import ModelSpec, element_offsets, is_local
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, use_doorbells
 from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 

@@ -28,6 +28,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -37,7 +38,9 @@ from mpifl.logs import env_rank, log
 from mpifl.plugins import is_import_path
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import metadata_problem
-from mpifl.storage.stores import GlobalStore
+
+if TYPE_CHECKING:  # the store's type alone: it holds torch tensors, and status and inspect need no torch
+    from mpifl.storage.stores import GlobalStore
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"

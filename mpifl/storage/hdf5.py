@@ -22,16 +22,19 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import torch
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.integrity import ChunkChecksums, verify
 from mpifl.storage.ranges import STORED_AS, MappedRange, RawRanges, file_address
 from mpifl.units import MIB
-from mpifl.wire.flat import ModelSpec, layout
+from mpifl.wire.spec import ModelSpec, layout
+
+if TYPE_CHECKING:  # torch only where tensors are read or written: `mpifl status` and `inspect` start without it
+    import torch
 
 FORMAT = "mpifl-checkpoint"
 FORMAT_VERSION = 2  # 2: a CRC32 per chunk under /integrity (see storage.integrity); /model attr "order"
@@ -49,6 +52,8 @@ def _contiguous() -> h5py.h5p.PropDCID:
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a tensor; bf16 as its raw uint16 bits."""
+    import torch
+
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
@@ -311,6 +316,8 @@ class Checkpoint:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """All tensors as torch tensors of their recorded dtypes (loads the whole model)."""
+        import torch
+
         out = {}
         for name, ds in _datasets(self.file["model"]):
             data = torch.from_numpy(np.array(ds))

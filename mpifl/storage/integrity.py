@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 
 from mpifl.errors import CheckpointError
-from mpifl.wire.flat import Chunk, ModelSpec, element_offsets
+from mpifl.wire.spec import Chunk, ModelSpec, element_offsets
 
 try:  # ISA-L's CRC32: the same values as zlib's, ~10x faster (carry-less multiply), and it releases the GIL
     from isal.isal_zlib import crc32 as _crc32

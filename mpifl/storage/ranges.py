@@ -27,7 +27,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpifl.wire.flat import ModelSpec, TensorEntry
+from mpifl.wire.spec import ModelSpec, TensorEntry
 
 STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 

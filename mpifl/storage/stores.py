@@ -25,9 +25,10 @@ import torch
 
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
 from mpifl.storage.ranges import MappedRange
-from mpifl.wire.flat import DTYPES, Chunk, FlatModel, element_offsets
+from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, share_malloc_arenas
+from mpifl.wire.spec import Chunk, element_offsets
 
 PathOf = Callable[[int], Path]  # the checkpoint file of a round
 ReceiveWindow = Callable[[list[np.ndarray]], None]  # fills a window's chunk buffers (the initial model)

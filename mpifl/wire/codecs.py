@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mpifl.wire.flat import Chunk, _align
+from mpifl.wire.spec import Chunk, aligned
 
 LEVELS = {8: 127, 4: 7}
 
@@ -34,7 +34,7 @@ def _wire_chunks(chunks: list[Chunk], payload_bytes) -> list[Chunk]:
     for c in chunks:
         nbytes = payload_bytes(c.numel)
         out.append(Chunk(c.index, "uint8", offset, nbytes, 1))
-        offset = _align(offset + nbytes)
+        offset = aligned(offset + nbytes)
     return out
 
 

@@ -1,13 +1,9 @@
-"""Flat buffers: a model's exchanged tensors as views into one contiguous byte buffer.
+"""Flat buffers: a model's exchanged tensors as views into one contiguous byte buffer, laid out as
+:mod:`mpifl.wire.spec` describes.
 
-Layout: tensors are grouped by dtype into *segments* (one per dtype, in order of first
-appearance), each segment 64-byte aligned inside one ``uint8`` buffer. Parameters and
-floating-point buffers are exchanged; integer and bool buffers (BatchNorm's
+Parameters and floating-point buffers are exchanged; integer and bool buffers (BatchNorm's
 ``num_batches_tracked``) are *local*: they never travel, are never averaged, and every
 logical client starts from the value the model was built with.
-
-A :class:`ModelSpec` records names, shapes, dtypes and offsets; its hash is compared
-at start-up so a client with a different model is refused.
 
 With ``trainable_only``, frozen parameters (``requires_grad=False``: frozen layers, the base
 model under LoRA) go to a second flat buffer that never travels: only the trainable tensors
@@ -15,165 +11,20 @@ are in the spec, on the wire, in the reduction and in checkpoints.
 """
 from __future__ import annotations
 
-import fnmatch
-import hashlib
-import json
-import math
-from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from mpifl.wire.memory import host_bytes
+from mpifl.wire.spec import CONTROL, ITEMSIZES, Chunk, ModelSpec, TensorEntry, is_local, layout, padding_ranges
 
-ALIGN = 64
-# SCAFFOLD's server control variate travels as this submodule of the model (mpifl.learning.control): the
-# strategy finds its section in the spec by this name
-CONTROL = "scaffold_control"
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
-
-def itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype named as in :data:`DTYPES`."""
-    return DTYPES[dtype].itemsize
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZES}  # the spec's dtype names
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the short name ('float32', 'bfloat16', ...) of a floating torch dtype."""
     return str(dtype).replace("torch.", "")
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one exchanged tensor lives in the flat buffer."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int  # bytes from the start of the buffer
-    nbytes: int
-    statistic: bool = False  # a floating buffer, not a parameter (BatchNorm's running mean and variance): state
-    # that training updates without a gradient, so server optimizers leave it to the plain mean
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous run of tensors that share one dtype."""
-
-    dtype: str
-    offset: int
-    nbytes: int
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element of the segment's dtype."""
-        return itemsize(self.dtype)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One message on the wire: a slice of one segment, whole elements only."""
-
-    index: int
-    dtype: str
-    offset: int
-    nbytes: int
-    itemsize: int
-
-    @property
-    def numel(self) -> int:
-        """Elements in the chunk (it holds whole elements only)."""
-        return self.nbytes // self.itemsize
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Ordered description of the exchanged tensors; equal specs mean compatible models."""
-
-    entries: tuple[TensorEntry, ...]
-    segments: tuple[Segment, ...]
-    total_bytes: int
-
-    @property
-    def hash(self) -> str:
-        """A short digest of names, shapes, dtypes and offsets: ranks compare it to refuse a different model."""
-        payload = [(e.name, e.shape, e.dtype, e.offset) for e in self.entries]
-        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
-
-    def first_difference(self, other: ModelSpec) -> str | None:
-        """Describe the first tensor that differs from ``other``, or None when equal."""
-        for mine, theirs in zip(self.entries, other.entries):
-            if (mine.name, mine.shape, mine.dtype) != (theirs.name, theirs.shape, theirs.dtype):
-                return (f"tensor {mine.name!r}: {list(mine.shape)} {mine.dtype} here, "
-                        f"{theirs.name!r}: {list(theirs.shape)} {theirs.dtype} there")
-        if len(self.entries) != len(other.entries):
-            longer, n = ((self, len(other.entries)) if len(self.entries) > len(other.entries)
-                         else (other, len(self.entries)))
-            side = "here" if longer is self else "there"
-            return f"tensor {longer.entries[n].name!r} exists only {side}"
-        return None
-
-    def chunks(self, chunk_bytes: int) -> list[Chunk]:
-        """Split every segment into chunks of at most ``chunk_bytes`` (at least one element)."""
-        return list(_iter_chunks(self.segments, chunk_bytes))
-
-
-def _iter_chunks(segments: tuple[Segment, ...], chunk_bytes: int) -> Iterator[Chunk]:
-    index = 0
-    for seg in segments:
-        step = max(1, chunk_bytes // seg.itemsize) * seg.itemsize
-        for start in range(0, seg.nbytes, step):
-            yield Chunk(index, seg.dtype, seg.offset + start, min(step, seg.nbytes - start), seg.itemsize)
-            index += 1
-
-
-NARROWABLE = ("float32", "float64")
-
-
-def wire_chunks(chunks: list[Chunk], wire_dtype: str | None) -> list[Chunk]:
-    """The same chunks as a client sends them: float32/float64 ones cast to ``wire_dtype``.
-
-    Offsets are into the client's separate wire buffer (each chunk 64-byte aligned). With no
-    narrowing this is ``chunks`` itself: updates go straight from the flat buffer.
-    """
-    if wire_dtype is None or all(c.dtype == wire_dtype or c.dtype not in NARROWABLE for c in chunks):
-        return chunks
-    wire_itemsize = itemsize(wire_dtype)
-    out, offset = [], 0
-    for c in chunks:
-        dtype, size = (wire_dtype, wire_itemsize) if c.dtype in NARROWABLE else (c.dtype, c.itemsize)
-        out.append(Chunk(c.index, dtype, offset, c.numel * size, size))
-        offset = _align(offset + c.numel * size)
-    return out
-
-
-def fp32_chunks(chunks: list[Chunk]) -> list[Chunk]:
-    """The same chunks as fp32 partial sums travel (``clients.groups``): each element 4 bytes, 64-byte aligned."""
-    out, offset = [], 0
-    for c in chunks:
-        out.append(Chunk(c.index, "float32", offset, c.numel * 4, 4))
-        offset = _align(offset + c.numel * 4)
-    return out
-
-
-def element_offsets(chunks: list[Chunk]) -> list[int]:
-    """Each chunk's first element in the model's element numbering (server-state vectors)."""
-    out, total = [], 0
-    for c in chunks:
-        out.append(total)
-        total += c.numel
-    return out + [total]
 
 
 def floating_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -196,18 +47,6 @@ def is_frozen(tensor: torch.Tensor) -> bool:
 Named = list[tuple[str, torch.Tensor]]
 
 
-def control_bytes(spec: ModelSpec) -> int:
-    """Bytes of the model's SCAFFOLD control section (0 without one)."""
-    return sum(e.nbytes for e in spec.entries if e.name.startswith(CONTROL + "."))
-
-
-def is_local(name: str, local: Sequence[str]) -> bool:
-    """Whether a tensor's name matches one of the ``model.local`` glob patterns (it never travels). SCAFFOLD's
-    control variates never are: they are the server's c, and their names repeat their parameters' (a pattern
-    such as ``*bn*`` would otherwise catch the control of a parameter it does not name)."""
-    return not name.startswith(CONTROL + ".") and any(fnmatch.fnmatchcase(name, pattern) for pattern in local)
-
-
 def split_tensors(module: torch.nn.Module, trainable_only: bool = False,
                   local: Sequence[str] = ()) -> tuple[Named, Named]:
     """(exchanged, kept): the tensors that travel, and those that stay on each rank: with ``trainable_only`` the
@@ -226,37 +65,6 @@ def build_spec(named: list[tuple[str, torch.Tensor]]) -> ModelSpec:
     statistics = {name for name, t in named
                   if not isinstance(t, torch.nn.Parameter) and not name.startswith(CONTROL + ".")}
     return layout([(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in named], statistics)
-
-
-def layout(described: list[tuple[str, tuple[int, ...], str]], statistics: Collection[str] = ()) -> ModelSpec:
-    """The spec of (name, shape, dtype) tensors in this order: grouped by dtype, segments 64-byte aligned;
-    ``statistics``: the names of the buffers among them (``TensorEntry.statistic``)."""
-    by_dtype: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape, dtype in described:
-        by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
-    entries, segments, offset = [], [], 0
-    for dtype, group in by_dtype.items():
-        offset = _align(offset)
-        start = offset
-        for name, shape in group:
-            nbytes = math.prod(shape) * itemsize(dtype)
-            entries.append(TensorEntry(name, shape, dtype, offset, nbytes, name in statistics))
-            offset += nbytes
-        segments.append(Segment(dtype, start, offset - start))
-    return ModelSpec(tuple(entries), tuple(segments), _align(offset))
-
-
-def padding_ranges(spec: ModelSpec) -> list[tuple[int, int]]:
-    """The byte ranges [start, end) of the buffer that no tensor covers: the alignment between dtype segments and
-    at the end."""
-    gaps, covered = [], 0
-    for entry in sorted(spec.entries, key=lambda e: e.offset):
-        if entry.offset > covered:
-            gaps.append((covered, entry.offset))
-        covered = max(covered, entry.offset + entry.nbytes)
-    if spec.total_bytes > covered:
-        gaps.append((covered, spec.total_bytes))
-    return gaps
 
 
 class FlatModel:

@@ -7,7 +7,7 @@ import numpy as np
 
 from mpifl.config import CompressionConfig, TransportConfig
 from mpifl.wire.codecs import Codec, codec_for
-from mpifl.wire.flat import Chunk, ModelSpec, fp32_chunks, wire_chunks
+from mpifl.wire.spec import Chunk, ModelSpec, fp32_chunks, wire_chunks
 
 
 @dataclass(frozen=True)
