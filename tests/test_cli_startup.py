@@ -17,7 +17,7 @@ from mpifl.wire.flat import FlatModel
 
 def imported_after(code: str) -> dict:
     """Run ``code`` in a fresh interpreter; which of torch, h5py and mpi4py it imported, and what it printed."""
-    probe = (f"import io, contextlib, json, sys\nout = io.StringIO()\nwith contextlib.redirect_stdout(out):\n"
+    probe = ("import io, contextlib, json, sys\nout = io.StringIO()\nwith contextlib.redirect_stdout(out):\n"
              + "".join(f"    {line}\n" for line in code.splitlines())
              + "print(json.dumps({'out': out.getvalue(), 'modules': sorted({m.split('.')[0] for m in sys.modules} "
                "& {'torch', 'h5py', 'mpi4py'})}))\n")
