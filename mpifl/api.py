@@ -4,7 +4,7 @@ User code is named by import path ``package.module:attr`` in the config and impo
 (so the module must be importable there: installed, or on ``PYTHONPATH``). The contracts:
 
 **Strategy** (``strategy.name``): ``attr(cfg, **strategy.kwargs) -> Strategy``, ``cfg`` the
-:class:`StrategyConfig`; ``strategy.kwargs`` are checked against the signature before MPI starts
+``StrategyConfig``; ``strategy.kwargs`` are checked against the signature before MPI starts
 (built-in strategies take none). A strategy is ``Strategy(cfg, combiner, update)`` (an optional
 ``capabilities=`` states what it is outright, over its combiner's declaration).
 
@@ -12,9 +12,9 @@ User code is named by import path ``package.module:attr`` in the config and impo
 included participant's chunk ``x`` into the fp32 accumulator (index 0 overwrites, never reads);
 ``combine(acc, count, total_weight)`` returns the combined fp32 chunk (or ``combine_into`` the
 model's dtype). ``stacked = True`` gives one accumulator row per participant. A participant's
-weight is ``weight_of(meta)`` from its :class:`UpdateMeta` (``num_samples``, ``local_steps``, the
+weight is ``weight_of(meta)`` from its ``UpdateMeta`` (``num_samples``, ``local_steps``, the
 trainer's ``metrics``; by default ``weight(meta.num_samples)``); clients compute it too, so it may
-read only those fields. :func:`fold` is the fused fp32 ``acc (+)= w * x`` a weighted sum uses.
+read only those fields. ``fold`` is the fused fp32 ``acc (+)= w * x`` a weighted sum uses.
 
 **Capabilities** (what run modes a strategy can take, never judged by its name): a combiner
 declares ``capabilities = Capabilities(summable=..., needs_every_row=...)``. ``summable`` (fold is
@@ -43,10 +43,10 @@ used with ``data.partition: natural``. **Partition** (``data.partition``): ``att
 num_clients, seed)`` returns one index array per client. **Loss** (``train.loss``):
 ``attr(output, target, reduction="mean")`` (evaluation asks for ``reduction="sum"``).
 
-**Trainer** (``train.trainer``): ``attr(cfg)`` with ``cfg`` the :class:`TrainConfig`, an object with
+**Trainer** (``train.trainer``): ``attr(cfg)`` with ``cfg`` the ``TrainConfig``, an object with
 ``modifies_weights`` (False: the model goes back as received) and ``train(model, data, seed) ->
 TrainResult(num_samples, metrics, local_steps)``: train ``model`` in place on ``data`` (a
-:class:`ClientData`, ``x`` and ``y`` tensors; None without local data), seeded by ``seed``.
+``ClientData``, ``x`` and ``y`` tensors; None without local data), seeded by ``seed``.
 """
 from __future__ import annotations
 

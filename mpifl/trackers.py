@@ -4,7 +4,7 @@ per-round records, the same ones ``metrics.jsonl`` holds.
 Each tracker writes into the run directory and never to the network: TensorBoard event files in
 ``<run dir>/tensorboard``, an MLflow file store in ``<run dir>/mlruns``, an offline W&B run in
 ``<run dir>/wandb``. Their libraries are optional (the extras ``tensorboard``, ``mlflow``, ``wandb``)
-and imported only when a run names them; :func:`tracker_problem` says, before MPI starts, that one is
+and imported only when a run names them; ``tracker_problem`` says, before MPI starts, that one is
 missing and how to install it. A resumed run appends to the same runs (their ids are kept in
 ``<run dir>/trackers.json``). A tracker that fails in the middle of a run is closed with a warning: the
 run goes on, and ``metrics.jsonl`` has every round. A job killed hard (SIGKILL, a node lost) can leave W&B's
@@ -314,7 +314,7 @@ def wait_for_a_fresh_second(folder: Path, run_id: str) -> None:
 
 
 class Trackers:
-    """The record sink of a run's trackers: each round's :func:`scalars` (and ``notes``' text for it) to every
+    """The record sink of a run's trackers: each round's ``scalars`` (and ``notes``' text for it) to every
     tracker, at step = the round. A tracker that fails is closed with a warning and the others go on."""
 
     def __init__(self, trackers: Mapping[str, Tracker], notes: Callable[[dict], list[str]] | None = None,

@@ -2,11 +2,11 @@
 
 Two users:
 
-- ``mpifl bench exchange`` runs :class:`FloorExchange` at the model's size beside the real exchange
+- ``mpifl bench exchange`` runs ``FloorExchange`` at the model's size beside the real exchange
   (``ratio_to_floor`` in its output);
 - ``mpifl run`` times it once before round 1 on a probe of ``transport.floor_probe_mb``
-  (:func:`measure_floor`), between the server and all its client ranks at once, and gives every
-  round's record the floor of that round's bytes at the measured rates (:meth:`FloorRate.exchange`).
+  (``measure_floor``), between the server and all its client ranks at once, and gives every
+  round's record the floor of that round's bytes at the measured rates (``FloorRate.exchange``).
   A run's trackers then show, round by round, how far its exchange is from what the machine allows.
 
 The floor is chunked ``Isend``/``Irecv`` of raw bytes with the same chunk size and the same number in
@@ -63,7 +63,7 @@ def measure_floor(comm: MPI.Comm, probe: FloorProbe, dtype: torch.dtype, limit_s
                   repeats: int = PROBE_REPEATS) -> FloorRate | None:
     """Every rank of ``comm`` calls this at the same point; rank 0 gets the floor's rates, the others None.
 
-    One warm-up round, then ``repeats`` timed rounds of :class:`FloorExchange` on the probe's bytes; the rates
+    One warm-up round, then ``repeats`` timed rounds of ``FloorExchange`` on the probe's bytes; the rates
     are the medians. A client rank that makes no progress for ``limit_seconds`` (it may still be finishing an
     earlier start-up stage, reading ``model.init_from`` say, when the server gets here) ends the job, named,
     instead of hanging it."""

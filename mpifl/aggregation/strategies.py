@@ -200,7 +200,7 @@ class ControlledAverage(Strategy):
     """SCAFFOLD's server (Karimireddy et al. 2020, Algorithm 1): x += eta_g * (weighted mean of the deltas),
     c += (1/N) * sum_i delta_c_i over the round's participants, N = clients.num_clients.
 
-    The server control variate c is the model's :data:`~mpifl.learning.control.CONTROL` section, so it is
+    The server control variate c is the model's ``mpifl.learning.control.CONTROL`` section, so it is
     broadcast, checkpointed and kept out of core with the weights. Each client sends its control delta
     divided by its own weight in that section; the weighted fold then sums the deltas exactly as they were
     sent, and ``finish`` divides that section by N instead of the total weight.

@@ -1,7 +1,7 @@
 """Typed dataclass sections from plain dicts: defaults, docs and rules per field, errors that name the key.
 
-Every field is declared with :func:`field_` (a default, a one-line doc and rules such as
-``min``, ``max``, ``choices``, ``import_ok``). :func:`build` checks a raw mapping against a
+Every field is declared with ``field_`` (a default, a one-line doc and rules such as
+``min``, ``max``, ``choices``, ``import_ok``). ``build`` checks a raw mapping against a
 section class: an unknown key names itself and the closest valid key; a bad value names the
 key and what is allowed; an import path (``pkg.module:attr``) must resolve.
 """

@@ -4,13 +4,13 @@ SCAFFOLD is Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled
 Averaging for Federated Learning" (ICML), Algorithm 1 with option II.
 
 The server control variate ``c`` travels *inside the model*: one fp32 buffer per trainable parameter, in a
-submodule named :data:`CONTROL` appended to the model. So ``c`` is broadcast with the weights, reduced
+submodule named ``CONTROL`` appended to the model. So ``c`` is broadcast with the weights, reduced
 chunk by chunk as the clients' control deltas arrive, checkpointed, resumed and kept out of core exactly
 like them, and a model spec says whether a run has it. Each logical client's own ``c_i`` stays on the rank
-that hosts it (mpifl.roles.control), as one fp32 vector in the order of :func:`controlled_pairs`.
+that hosts it (mpifl.roles.control), as one fp32 vector in the order of ``controlled_pairs``.
 
-A client corrects every local step by ``-lr * (c - c_i)`` (:func:`corrected_steps`), and after its K
-local steps at learning rate lr forms (:func:`control_delta`)::
+A client corrects every local step by ``-lr * (c - c_i)`` (``corrected_steps``), and after its K
+local steps at learning rate lr forms (``control_delta``)::
 
     delta_c_i = (x - y) / (K * lr) - c          so that  c_i+ = c_i + delta_c_i
 
@@ -60,8 +60,8 @@ def trainable(model: nn.Module, local: Sequence[str] = ()) -> list[tuple[str, nn
 
 
 def attach_control_variates(model: nn.Module, local: Sequence[str] = ()) -> nn.Module:
-    """Append the :data:`CONTROL` submodule (last, so its buffers come last in the model's tensors), one buffer per
-    parameter :func:`trainable` names."""
+    """Append the ``CONTROL`` submodule (last, so its buffers come last in the model's tensors), one buffer per
+    parameter ``trainable`` names."""
     if hasattr(model, CONTROL):
         raise ValueError(f"the model already has a submodule named {CONTROL!r}")
     model.add_module(CONTROL, ControlVariates(trainable(model, local)))
@@ -77,7 +77,7 @@ def controlled_pairs(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]
 
 
 def control_elements(model: nn.Module, local: Sequence[str] = ()) -> int:
-    """Elements of one client's vector (SCAFFOLD's c_i, FedDyn's g_i): the :func:`trainable` parameters' count."""
+    """Elements of one client's vector (SCAFFOLD's c_i, FedDyn's g_i): the ``trainable`` parameters' count."""
     return sum(p.numel() for _, p in trainable(model, local))
 
 

@@ -3,10 +3,10 @@
 A dataset function returns ``(x_train, y_train, x_test, y_test[, clients])`` (tensors or
 arrays). Built in: ``digits`` (UCI optical handwritten digits, 1797 8x8 images, shipped with
 mpifl), ``synthetic`` (Gaussian class clusters), ``text`` (token blocks for causal-LM
-training, :mod:`mpifl.learning.text`), ``idx`` and ``fashion_mnist`` (MNIST-layout IDX files
-from a local folder, :mod:`mpifl.learning.idx`), and two datasets stored by client, ``leaf`` and
-``table``, which ranks can read client by client (:mod:`mpifl.learning.sources`). How samples
-are split across clients is :mod:`mpifl.learning.partitions`.
+training, ``mpifl.learning.text``), ``idx`` and ``fashion_mnist`` (MNIST-layout IDX files
+from a local folder, ``mpifl.learning.idx``), and two datasets stored by client, ``leaf`` and
+``table``, which ranks can read client by client (``mpifl.learning.sources``). How samples
+are split across clients is ``mpifl.learning.partitions``.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Dataset:
     """Train and held-out tensors.
 
     From a client source (``source`` set), ``x_train`` holds only some clients' rows
-    (:class:`HeldRows`, none until :meth:`holding`) and the held-out set is on the server rank only.
+    (``HeldRows``, none until ``holding``) and the held-out set is on the server rank only.
     """
 
     x_train: torch.Tensor | HeldRows

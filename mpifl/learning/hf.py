@@ -1,7 +1,7 @@
 """Hugging Face transformers causal LMs, offline and allocated once.
 
 The model is built with its parameters on the ``meta`` device (buffers such as rotary
-frequencies are computed for real: they are small), then :class:`~mpifl.wire.flat.FlatModel`
+frequencies are computed for real: they are small), then ``mpifl.wire.flat.FlatModel``
 allocates the flat buffer and binds every parameter into it, and only then are the weights
 written: a seeded ``initialize_weights`` or the safetensors shards of a local folder, one
 tensor at a time. Peak memory is the buffer plus one tensor.

@@ -13,7 +13,7 @@ natural``); the test files' samples, pooled, are the held-out set. Three kinds o
   (``vocab_file``: the first token of each line, as in a GloVe file) or the ``vocab_size`` most
   frequent training words. Each tweet is cut or padded to ``max_words`` (25, as LEAF).
 
-:class:`LeafSource` reads the files one at a time: the survey keeps only labels (and word
+``LeafSource`` reads the files one at a time: the survey keeps only labels (and word
 counts), and a rank reading its clients opens only the files that hold them and keeps only them.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Built-in models (MLP, small CNN, benchmark blob), the model factory, and the one place
-where a rank allocates its model: :func:`build_flat_model`.
+where a rank allocates its model: ``build_flat_model``.
 
 A plug-in model (``model.name: package.module:fn``) is called as ``fn(**model.kwargs)``, plus
 ``input_shape`` and ``num_classes`` (from the dataset) for those of the two its signature names,
@@ -386,7 +386,7 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, contro
     Transformers models and ``init_from`` runs are built on the meta device and their
     weights written after binding (seeded init, pretrained shards, or the checkpoint);
     small built-in models are built normally and moved into the buffer tensor by tensor. With
-    ``read_init=False`` the caller reads ``init_from`` itself (:func:`read_init_from`), after checking it.
+    ``read_init=False`` the caller reads ``init_from`` itself (``read_init_from``), after checking it.
     """
     trainable_only = cfg.exchange == "trainable"
     if cfg.name == "transformers":

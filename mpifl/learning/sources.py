@@ -2,14 +2,14 @@
 
 A *client source* knows where each client's samples lie without loading them. ``survey()``
 (run once, on the server rank) reads what every rank needs, every client's labels and the
-input shape (a :class:`ClientIndex`, small), and the held-out set. ``read_clients(index, ids)``
+input shape (a ``ClientIndex``, small), and the held-out set. ``read_clients(index, ids)``
 then reads the inputs of those clients only, on the rank that hosts them.
 
 Samples are numbered client after client (clients in sorted order of their ids, rows in file
 order), so a client's samples are one contiguous range of global indices: the numbering is the
-same whether a rank reads every client (:func:`read_whole`) or a few (:class:`HeldRows`), and so
-are the results. Built-in sources: LEAF JSON files (:mod:`mpifl.learning.leaf`) and tables with a
-client-id column (:mod:`mpifl.learning.tables`).
+same whether a rank reads every client (``read_whole``) or a few (``HeldRows``), and so
+are the results. Built-in sources: LEAF JSON files (``mpifl.learning.leaf``) and tables with a
+client-id column (``mpifl.learning.tables``).
 """
 from __future__ import annotations
 

@@ -205,5 +205,5 @@ class TableSource:
 
 def table(path: str, test_path: str | None = None, client_column: str = "client_id", label_column: str = "label",
           feature_columns: Sequence[str] | None = None, shape: Sequence[int] | None = None) -> tuple:
-    """(x_train, y_train, x_test, y_test, clients), every client read (see :class:`TableSource`)."""
+    """(x_train, y_train, x_test, y_test, clients), every client read (see ``TableSource``)."""
     return read_whole(TableSource(path, test_path, client_column, label_column, feature_columns, shape))

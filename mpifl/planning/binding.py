@@ -188,7 +188,7 @@ def core_ranges(cores: Iterable[int]) -> str:
 
 
 def parse_ranges(text: str) -> list[int]:
-    """The inverse of :func:`core_ranges` (Linux's cpu lists): '0-3,8' -> [0, 1, 2, 3, 8]."""
+    """The inverse of ``core_ranges`` (Linux's cpu lists): '0-3,8' -> [0, 1, 2, 3, 8]."""
     out: list[int] = []
     for part in text.strip().split(","):
         low, _, high = part.partition("-")

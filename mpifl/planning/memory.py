@@ -3,7 +3,7 @@
 One source of truth. The server's receive pool is sized by the same functions the running
 server calls (``planning.pools``); the rest is the model, the strategy's server state, the
 out-of-core window and, on client ranks, the training state. ``mpifl plan``, ``mpifl pbs``
-and the tests that compare a plan with what a run allocates all use :func:`memory_estimate`.
+and the tests that compare a plan with what a run allocates all use ``memory_estimate``.
 Activations are not included.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The server's receive pool for a round: how many receive slots per rank and how wide an accumulator
-window, sized from a memory budget. The server sizes its pool with :func:`pool_layout`, and the memory
-model (``planning.memory``) counts the same layout's bytes with :func:`pool_bytes`: one source for both.
+window, sized from a memory budget. The server sizes its pool with ``pool_layout``, and the memory
+model (``planning.memory``) counts the same layout's bytes with ``pool_bytes``: one source for both.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Model-only exchange of S bytes (E elements) with N participants, one per client 
   overlapped with dispatch and with the return (reader and writer threads), so each phase
   takes the slower of the two.
 
-Every rate is an input (:class:`Rates`): ``POLARIS`` holds published figures for an ALCF
+Every rate is an input (``Rates``): ``POLARIS`` holds published figures for an ALCF
 Polaris node, with their sources; ``profiling/scale_check.py`` measures this machine's and
 checks the model's growth in N against runs at 3 to 17 ranks. ``mpifl plan --time`` prints
 the model for a config.

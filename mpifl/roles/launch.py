@@ -71,7 +71,7 @@ def startup_limit(took: list[float], model_bytes: int) -> float:
 def gather_within(comm, value: object, stage: str, elapsed: float, model_bytes: int, *, tag: int,
                   comparable: bool = True) -> list | None:
     """Every rank's ``value`` on rank 0 (None elsewhere), like ``comm.gather``, but rank 0 waits for a rank only
-    as long as :func:`startup_limit` allows, counted from the start of the stage: a rank stuck in it (a model
+    as long as ``startup_limit`` allows, counted from the start of the stage: a rank stuck in it (a model
     plug-in that never returns, say) ends the job in one line naming the rank, the stage and the seconds,
     instead of hanging it. ``elapsed``: the seconds this rank's stage took; rank 0's counts as a measure only
     when ``comparable`` (it did the same work)."""

@@ -51,7 +51,7 @@ def pieces(firsts: list[int], most: int = PIECE_ELEMENTS) -> Iterator[tuple[int,
 
 
 class StateLending:
-    """A client rank's side of the loans: its store (:class:`Borrowing`) and the two exchanges of each round.
+    """A client rank's side of the loans: its store (``Borrowing``) and the two exchanges of each round.
 
     The hand-back is posted when the rank has sent its round, and completed at the next synchronised moment: the
     next round's loans, a checkpoint's publication, or the stop. A rank that finished its round first so never
@@ -88,7 +88,7 @@ class StateLending:
 
     def give_back(self, header: protocol.RoundHeader) -> None:
         """Post the hand-back: the borrowed vectors (and whether each client now has one of its own) go home, the
-        lent ones come back (completed by :meth:`settle`)."""
+        lent ones come back (completed by ``settle``)."""
         if not header.borrow and not header.lend:
             return
         tag = protocol.round_tag(protocol.STATE_BACK, header.round)

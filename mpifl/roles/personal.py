@@ -1,6 +1,6 @@
 """Personalisation on a client rank: FedBN and FedPer's local tensors, and Ditto's personal models.
 
-Local tensors (:class:`PersonalTensors`) are each hosted logical client's own values of the ``model.local``
+Local tensors (``PersonalTensors``) are each hosted logical client's own values of the ``model.local``
 tensors.
 
 Li et al. 2021, "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization" (ICLR) keeps
@@ -40,7 +40,7 @@ def gather(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 
 def scatter(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """The inverse of :func:`gather`: ``values``' consecutive runs copied into ``tensors``, in their dtypes."""
+    """The inverse of ``gather``: ``values``' consecutive runs copied into ``tensors``, in their dtypes."""
     start = 0
     with torch.no_grad():
         for t in tensors:

@@ -1,6 +1,6 @@
 """Error feedback's half of a checkpoint: every client rank publishes its clients' residuals, rank 0 waits.
 
-The checkpointer is given :meth:`ResidualPublisher.publish` when it is built (its ``persist``):
+The checkpointer is given ``ResidualPublisher.publish`` when it is built (its ``persist``):
 before it publishes round r's model, it calls it, which messages every client rank
 (``RoundHeader(persist=folder)``) and waits for each rank's list of files. Only then is the
 model published, naming those files, so a checkpoint never points at residuals that are not

@@ -395,7 +395,7 @@ def _state_sections(cfg: Config, plan: ExchangeLayout, state: ResidualStore | No
                     ) -> tuple[ResidualStore | None, ResidualStore | None, bool, ResidualStore | None]:
     """(SCAFFOLD's or FedDyn's vectors or the error-feedback residuals, model.local tensors, whether the local part
     carries its mark, Ditto's personal models): the rank's one store for whichever the run has, or with two kinds
-    (``...+local``, ``...+personal``) their sections in the order :func:`_client_state` lays out. Residuals are
+    (``...+local``, ``...+personal``) their sections in the order ``_client_state`` lays out. Residuals are
     read chunk by chunk, by the exchange's chunk indices, so they take the store itself: the second kind's
     chunks come after the last."""
     kinds = cfg.client_state()

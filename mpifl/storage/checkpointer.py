@@ -8,7 +8,7 @@ the checkpoint to resume from and rewinding ``metrics.jsonl``)::
                            at that checkpoint (storage.residuals); the checkpoint lists them
     model.h5               the final checkpoint (a hard link where possible)
 
-The round loop only says "this round ended" (:meth:`Checkpointer.round_ended`) or "this
+The round loop only says "this round ended" (``Checkpointer.round_ended``) or "this
 round was aborted"; the checkpointer decides whether to save, asks the store to publish,
 and prunes.
 
@@ -83,7 +83,7 @@ PLUGINS_BESIDE_STATE = (("model", "name"), ("data", "dataset"), ("data", "partit
 
 
 def without_plugins(raw: dict) -> dict:
-    """``raw`` with the plug-ins of :data:`PLUGINS_BESIDE_STATE` taken out (their defaults in their place)."""
+    """``raw`` with the plug-ins of ``PLUGINS_BESIDE_STATE`` taken out (their defaults in their place)."""
     out = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
     for section, key in PLUGINS_BESIDE_STATE:
         values = out.get(section)

@@ -17,7 +17,7 @@ Layout::
                            so a failed check names its tensor
     /integrity/state/<n>   uint32, one CRC32 per chunk's slice of server-state vector <n>
 
-A checkpoint with no ``/integrity`` group is refused by :func:`verify`: mpifl has written one
+A checkpoint with no ``/integrity`` group is refused by ``verify``: mpifl has written one
 into every checkpoint since checksums began, so a missing group means a file that was edited
 or is not what it claims.
 """

@@ -2,9 +2,9 @@
 
 A residual is one fp32 vector per logical client with one element per model element, in
 chunk order; a client never sampled has none (zero). A client rank keeps its clients'
-residuals in RAM (:class:`RamResiduals`) while (hosted clients x model fp32 bytes) fits in
+residuals in RAM (``RamResiduals``) while (hosted clients x model fp32 bytes) fits in
 ``compression.residual_ram_mb``, else in one HDF5 file per rank in the run directory
-(:class:`DiskResiduals`), read and written chunk by chunk: the rank's memory is then one
+(``DiskResiduals``), read and written chunk by chunk: the rank's memory is then one
 chunk whatever the number of clients it hosts. Both give bitwise the same residuals.
 
 Layout of a residual file (the per-rank working file and a checkpoint's snapshot alike)::
@@ -42,7 +42,7 @@ class ResidualStore(Protocol):
         """Chunk ``index`` of ``client``'s residual (zeros for a client without one); valid until the next read."""
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
-        """Store chunk ``index`` of ``client``'s residual (``values`` as returned by :meth:`read`)."""
+        """Store chunk ``index`` of ``client``'s residual (``values`` as returned by ``read``)."""
 
     def clients(self) -> list[int]:
         """The clients that have a residual, ascending."""
@@ -71,7 +71,7 @@ class RamResiduals:
         return vector[self.firsts[index]:self.firsts[index + 1]]
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
-        """Copy ``values`` in, unless they are the view :meth:`read` gave."""
+        """Copy ``values`` in, unless they are the view ``read`` gave."""
         _copy_into(self.read(client, index), values)
 
     def clients(self) -> list[int]:
@@ -196,7 +196,7 @@ class MarkedChunks:
 class Borrowing:
     """A rank's store, plus the vectors of clients it trains this round whose home is another rank
     (``clients.placement: per_round``): reads and writes of a borrowed client go to its borrowed vector, every
-    other client's to the store. What checkpoints publish (:meth:`clients`) is the home clients' alone: a
+    other client's to the store. What checkpoints publish (``clients``) is the home clients' alone: a
     borrowed vector goes back to its home before the round ends (``mpifl.roles.lending``)."""
 
     def __init__(self, store: RamResiduals | DiskResiduals):
@@ -256,7 +256,7 @@ def whole_vector(store: RamResiduals | DiskResiduals, client: int) -> torch.Tens
 
 def landing_vector(store: RamResiduals | DiskResiduals, client: int) -> torch.Tensor:
     """Where ``client``'s whole vector can be received: in place in a RAM store that holds one, else a fresh buffer
-    for :func:`keep_whole`."""
+    for ``keep_whole``."""
     if isinstance(store, RamResiduals) and store.has(client):
         return store.vectors[client]
     return torch.empty(store.firsts[-1])

@@ -10,10 +10,10 @@ A run directory holds::
     model.h5               the final checkpoint
     partition.csv, ranks.txt   the partition table and where each rank ran
 
-Before MPI starts, every rank runs :func:`find_resume` (which checkpoint, and may it resume this
-config?). Then rank 0 alone runs :func:`prepare_run_dir`, which verifies the checkpoint's
+Before MPI starts, every rank runs ``find_resume`` (which checkpoint, and may it resume this
+config?). Then rank 0 alone runs ``prepare_run_dir``, which verifies the checkpoint's
 checksums and reads, in that same pass, everything later steps need of it into a small
-:class:`ResumePoint`; the roles get that value, not the file, except the store, which reads the
+``ResumePoint``; the roles get that value, not the file, except the store, which reads the
 model's tensors once.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
     """The checkpoint to resume from (``latest`` or a path), checked against the config before any MPI work.
 
     None means there is nothing to resume (a run killed before its first checkpoint): it starts
-    fresh. A run at its last round raises :class:`RunComplete`.
+    fresh. A run at its last round raises ``RunComplete``.
     """
     if which == "latest":
         run_dir = run_dir_arg or cfg.output.dir
@@ -205,7 +205,7 @@ def note_rank(run_dir: Path | None, rank: int, state: str, round_: int, **detail
 
 
 class RankNotes:
-    """One rank's notes (:func:`note_rank`), remembering the round, so a failure is noted where it happened."""
+    """One rank's notes (``note_rank``), remembering the round, so a failure is noted where it happened."""
 
     def __init__(self, run_dir: Path | None, rank: int):
         self.run_dir, self.rank, self.last_round = run_dir, rank, 0

@@ -1,10 +1,10 @@
 """Where the server's global model lives: in RAM (a FlatModel) or on disk (out-of-core HDF5).
 
-Both stores give the round loop the same things (:class:`GlobalStore`): the model's chunks
+Both stores give the round loop the same things (``GlobalStore``): the model's chunks
 to stream out (window by window), a place to finish each chunk of the new model (holding
 the old chunk on entry), the strategy's server-state slices for that chunk, and a way to
 publish the result as a checkpoint. They produce bitwise-identical models. When and where
-to publish is the :class:`~mpifl.storage.checkpointer.Checkpointer`'s decision.
+to publish is the ``mpifl.storage.checkpointer.Checkpointer``'s decision.
 
 Server state (FedAvgM's velocity, FedAdam's moments) is a set of fp32 vectors with one
 element per model element, addressed by the chunks' element offsets: whole vectors in
@@ -285,7 +285,7 @@ class OnDiskStore:
         self.current = ckpt
 
     def _current(self) -> Checkpoint:
-        """The checkpoint holding the global model: :meth:`start` adopts or publishes one before any round."""
+        """The checkpoint holding the global model: ``start`` adopts or publishes one before any round."""
         assert self.current is not None, "the on-disk store was not started"
         return self.current
 

@@ -1,5 +1,5 @@
 """Flat buffers: a model's exchanged tensors as views into one contiguous byte buffer, laid out as
-:mod:`mpifl.wire.spec` describes.
+``mpifl.wire.spec`` describes.
 
 Parameters and floating-point buffers are exchanged; integer and bool buffers (BatchNorm's
 ``num_batches_tracked``) are *local*: they never travel, are never averaged, and every

@@ -2,7 +2,7 @@
 one contiguous byte buffer, and how that buffer is cut into chunks.
 
 Layout: tensors are grouped by dtype into *segments* (one per dtype, in order of first
-appearance), each segment 64-byte aligned inside one ``uint8`` buffer. A :class:`ModelSpec`
+appearance), each segment 64-byte aligned inside one ``uint8`` buffer. A ``ModelSpec``
 records names, shapes, dtypes and offsets; its hash is compared at start-up so a client with a
 different model is refused.
 
@@ -29,7 +29,7 @@ ITEMSIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype named as in :data:`ITEMSIZES`."""
+    """Bytes per element of a dtype named as in ``ITEMSIZES``."""
     return ITEMSIZES[dtype]
 
 

@@ -7,7 +7,7 @@ message from the rank counts as progress and restarts its clock):
 - ``first update``: the rank trains a logical client and sends its update header;
 - ``update complete``: the rank streams that client's update chunks.
 
-A rank silent past its deadline raises :class:`RankStalled`, naming the rank, the logical
+A rank silent past its deadline raises ``RankStalled``, naming the rank, the logical
 client, the stage and the seconds waited. After a SIGTERM (what PBS sends at walltime) a
 silent rank is given only ``sigterm_grace`` seconds, so the job can still save and stop.
 
