@@ -58,6 +58,7 @@ if [[ "$RESUME" == auto ]]; then
 fi
 
 NNODES=$(sort -u "$NODEFILE" | wc -l)
+SERVER_HOST=$(head -n 1 "$NODEFILE")  # with SERVER_ALONE, rank 0's node, which no client rank shares
 if "$MPIEXEC" --version 2>&1 | grep -i hydra >/dev/null; then  # MPICH Hydra (grep reads all: no SIGPIPE)
   PLACE=(-ppn "$RANKS_PER_NODE")
   HOSTS=(-f "$NODEFILE")
@@ -72,13 +73,11 @@ set +e
 if [[ "$SERVER_ALONE" == 1 && "$NNODES" -gt 1 && ${{#HOSTS[@]}} -gt 0 ]]; then
   # MPICH Hydra takes one host list per launch (a second --hosts is "duplicate host file or host list setting"):
   # a machine file of host:slots gives rank 0 the first node alone, the client ranks RANKS_PER_NODE on each other
-  SERVER_HOST=$(head -n 1 "$NODEFILE")
   MACHINES=$(mktemp "${{TMPDIR:-/tmp}}/mpifl-machines.XXXXXX")
   {{ echo "$SERVER_HOST:1"
      sort -u "$NODEFILE" | grep -vxF "$SERVER_HOST" | sed "s/\$/:$RANKS_PER_NODE/"; }} >"$MACHINES"
   "$MPIEXEC" -n "$NRANKS" -f "$MACHINES" "${{RUN[@]}}"
 elif [[ "$SERVER_ALONE" == 1 && "$NNODES" -gt 1 ]]; then  # Cray PALS: one segment per host list
-  SERVER_HOST=$(head -n 1 "$NODEFILE")
   CLIENT_HOSTS=$(sort -u "$NODEFILE" | grep -vxF "$SERVER_HOST" | paste -sd, -)
   "$MPIEXEC" -n 1 --hosts "$SERVER_HOST" "${{PLACE[@]}}" "${{RUN[@]}}" \
     : -n "$((NRANKS - 1))" --hosts "$CLIENT_HOSTS" "${{PLACE[@]}}" "${{RUN[@]}}"
