@@ -64,13 +64,34 @@ def test_directives_follow_the_options(tmp_path):
     for line in ("#SBATCH --job-name=two", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
                  "#SBATCH --cpus-per-task=8", "#SBATCH --time=02:00:00", "#SBATCH --partition=gpu",
                  "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --output=%x-%j.out",
+                 "#SBATCH --mem=0",
                  "NRANKS=${NRANKS:-8}", "--cpu-bind=cores", "PLACE+=(--gpus-per-task=1)"):
         assert line in text, line
-    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "0", "--partition", "", "--account", "",
+    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "0", "--partition", "", "--account", "", "--mem", "",
                  "-o", str(cpu)).returncode == 0
     text = cpu.read_text()
     assert "#SBATCH --gpus-per-node" not in text and "#SBATCH --partition" not in text
-    assert "#SBATCH --account" not in text
+    assert "#SBATCH --account" not in text and "#SBATCH --mem" not in text
+
+
+def test_a_memory_size_asked_of_slurm_is_the_size_the_memory_check_counts_against(tmp_path):
+    """--mem 0 (the default) asks for all of each node's memory, so a cluster's default memory per CPU cannot cut
+    the job short; a size is what the job gets, so the check compares the fullest node with it."""
+    from mpifl.cli.job_options import slurm_megabytes
+
+    assert [slurm_megabytes(s) for s in ("0", "190000", "512K", "300M", "200G", "2T", "1.5g", "12X", "G", "-1")] == [
+        0, 190000, 0.5, 300, 204800, 2097152, 1536, None, None, None]
+    cfg = write_config(tmp_path / "big.yaml", "name: big\nmodel: {name: blob, kwargs: {size_mb: 1024}}\n"
+                       "train: {trainer: none}\neval: {every: 0}\nclients: {num_clients: 8}\n")
+    small = mpifl_here("slurm", str(cfg), "--mem", "4G", "--node-memory-gb", "512", "-o", str(tmp_path / "a"))
+    assert small.returncode == 0 and "> 90% of 4 GiB per node" in small.stdout, small.stdout
+    assert "--server-alone" not in small.stdout  # advice only what this command offers
+    assert "#SBATCH --mem=4G" in (tmp_path / "a").read_text()
+    whole = mpifl_here("slurm", str(cfg), "--node-memory-gb", "512", "-o", str(tmp_path / "b"))
+    assert whole.returncode == 0 and "warning:" not in whole.stdout
+    refused = mpifl_here("slurm", str(cfg), "--mem", "12X", "-o", str(tmp_path / "c"))
+    assert refused.returncode == 2 and "argument --mem: '12X' is not a Slurm memory size" in refused.stderr
+    assert not (tmp_path / "c").exists()
 
 
 def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):

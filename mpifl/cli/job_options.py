@@ -14,6 +14,29 @@ from mpifl.cli.parsing import add_subcommand
 CLIENT_RANKS_HELP = "client ranks (default: one per client sampled in a round, or per group with clients.groups)"
 
 
+SLURM_MEMORY_UNITS = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}  # sbatch --mem's suffixes, in MB
+
+
+def slurm_megabytes(text: str) -> float | None:
+    """An ``sbatch --mem`` size in MB (MiB: Slurm counts in binary units): a number, in MB unless it ends in K,
+    M, G or T; None for anything else."""
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "M")
+    if unit not in SLURM_MEMORY_UNITS:
+        return None
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return value * SLURM_MEMORY_UNITS[unit] if value >= 0 else None
+
+
+def slurm_memory(text: str) -> str:
+    """``--mem``'s argument type: ``text`` as given when Slurm would take it, else argparse's error."""
+    if text and slurm_megabytes(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm memory size (e.g. 0, 200G, 190000)")
+    return text
+
+
 def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
     """The config, its overrides, the script path, and the rank and node counts."""
     p.add_argument("config", help="experiment YAML file")
@@ -91,6 +114,11 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
                    "so the server finishes its round and checkpoints before Slurm's own SIGTERM and SIGKILL (its "
                    "KillWait, 30 s by default, is shorter than a large model's round); default: a tenth of --time, "
                    "at most 300; 0: none")
+    p.add_argument("--mem", default="0", type=slurm_memory,
+                   help="#SBATCH --mem: memory per node in Slurm's units (a number of MB, or with K, M, G or T); "
+                   "0: all of each node's memory (Slurm's special case), so that a cluster's default memory per "
+                   "CPU cannot end the job short of what the check counted; a size replaces --node-memory-gb in "
+                   "the check; '': no --mem line")
     p.add_argument("--log", default="%x-%j.out", help="#SBATCH --output: the file for the job's stdout and "
                    "stderr (Slurm's filename patterns: job name, job id)")
     add_gpu_argument(p)

@@ -61,7 +61,7 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     nodes = args.nodes or (1 if server_alone else 0) + math.ceil(
         (nranks - (1 if server_alone else 0)) / args.ranks_per_node)
     _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
-    for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone),
+    for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone, server_alone_offered=tool != "slurm"),
                     gpu_warning(cfg, plan, args.gpu_memory_gb if args.gpus_per_node > 0 else None,
                                 ranks_per_gpu(args.ranks_per_node, args.gpus_per_node, nranks - 1),
                                 clients_beside_server(args.ranks_per_node, args.gpus_per_node, nranks, server_alone))):

@@ -254,13 +254,15 @@ def binding_line(ranks_per_node: int, cores: int | None, gpus: int | None) -> st
             f"(unless the launcher bound them): {shown}{more}")
 
 
-def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None, server_alone: bool) -> str | None:
+def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None, server_alone: bool,
+                 server_alone_offered: bool = True) -> str | None:
     """A warning when the fullest node would pass 90% of ``node_memory_gb``, with advice that fits the config
-    (never what it already does); None when it fits or no node size is given."""
+    and the command (never what it already does, nor --server-alone where the command has none: ``mpifl
+    slurm``); None when it fits or no node size is given."""
     if node_memory_gb is None or plan.node_bytes <= 0.9 * node_memory_gb * GIB:
         return None
     advice = ["use fewer ranks per node (--ranks-per-node)"]
-    if not server_alone:
+    if server_alone_offered and not server_alone:
         advice.append("give the server a node to itself (--server-alone)")
     if cfg.server.state != "disk":
         advice.append("keep the server's model out of core (server.state=disk)")

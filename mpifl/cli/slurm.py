@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from mpifl.cli.job_options import slurm_megabytes
 from mpifl.cli.jobs import FINAL_CHECK, plan_job, write_script
 
 TEMPLATE = r"""#!/bin/bash -l
@@ -93,10 +94,13 @@ def stop_before(asked: int | None, time_limit: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl slurm``."""
+    megabytes = slurm_megabytes(args.mem) if args.mem else None
+    if megabytes:  # a size, not 0 (all of each node's): the check counts against what the job asks for
+        args.node_memory_gb = megabytes / 1024
     job = plan_job(args, "slurm")
     stop = stop_before(args.stop_before, args.time)
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in (
-        ("partition", args.partition), ("account", args.account),
+        ("partition", args.partition), ("account", args.account), ("mem", args.mem),
         ("gpus-per-node", args.gpus_per_node if args.gpus_per_node > 0 else ""),
         ("signal", f"TERM@{stop}" if stop > 0 else "")) if value)
     script = TEMPLATE.format(
