@@ -96,3 +96,46 @@ def test_a_server_alone_script_launches_under_mpich_with_the_server_on_the_first
     assert run.returncode == 0, run.stderr + run.stdout
     ranks = [line.split() for line in (tmp_path / "runs" / "alone" / "ranks.txt").read_text().splitlines()[1:]]
     assert [(r[0], r[3]) for r in ranks] == [("0", "0"), ("1", "0"), ("2", "1")]  # rank, local rank
+
+
+def test_every_rank_is_signalled_before_the_walltime_and_the_job_checkpoints_its_round(tmp_path):
+    """PBS sends SIGTERM at the walltime and SIGKILL the queue's kill_delay later, seconds, less than a large
+    model's round: the script's timer sends SIGTERM to mpiexec STOP_BEFORE seconds earlier (a tenth of the walltime,
+    at most 5 min, or --stop-before), mpiexec forwards it to every rank, and the server checkpoints its round."""
+    from mpifl.cli.job_options import pbs_seconds
+    from mpifl.cli.jobs import early_stop_seconds
+
+    assert [pbs_seconds(t) for t in ("45", "10:30", "01:00:00", "48:00:00", "1:2:3", "soon", "1:2:3:4", "-5")] == [
+        45, 630, 3600, 172800, 3723, None, None, None]
+    assert [early_stop_seconds(None, s) for s in (600, 3600, 86400)] == [60, 300, 300]
+    assert early_stop_seconds(0, 3600) == 0 and early_stop_seconds(None, None) == 300
+    refused = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--walltime", "1 hour", "-o",
+                         str(tmp_path / "no.pbs"))
+    assert refused.returncode == 2 and "argument --walltime: '1 hour' is not a PBS walltime" in refused.stderr
+
+    # rounds of about 0.5 s that sleep while they train: the timer fires mid-run, whatever the machine's load
+    cfg = write_config(tmp_path / "long.yaml", "name: long\nrounds: 200\nclients: {num_clients: 2}\n"
+                       "data: {dataset: digits, partition: iid}\nmodel: {name: 'fl_helpers:tiny_mlp'}\n"
+                       "train: {trainer: 'fl_helpers:Straggling'}\neval: {every: 0}\noutput: {progress: false}\n")
+    script = tmp_path / "long.pbs"
+    made = mpifl_here("pbs", str(cfg), "--ranks-per-node", "3", "--gpus-per-node", "0", "--walltime", "00:00:40",
+                      "--stop-before", "28", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    text = script.read_text()
+    assert "WALLTIME_SECONDS=${WALLTIME_SECONDS:-40}" in text and "STOP_BEFORE=${STOP_BEFORE:-28}" in text
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("localhost\n")
+    env = dict(os.environ, PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path), PBS_JOBID="125.fake",
+               MPIEXEC=mpiexec(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+               FL_HELPERS_CLIENT_SECONDS="0.5")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
+                         cwd=tmp_path)
+    out = tmp_path / "runs" / "long"
+    assert "mpifl: 28 s before the walltime: SIGTERM to every rank" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 3, run.stdout + run.stderr  # stopped by SIGTERM, resumable
+    rounds = len((out / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= rounds < 200
+    status = mpifl_here("status", str(out))
+    assert status.returncode == 1 and f"{rounds} of 200 rounds recorded; newest checkpoint ckpt-r{rounds:06d}.h5" \
+        in status.stdout, status.stdout

@@ -37,6 +37,33 @@ def slurm_memory(text: str) -> str:
     return text
 
 
+def pbs_seconds(text: str) -> int | None:
+    """A PBS walltime in seconds: seconds, minutes:seconds or hours:minutes:seconds (qsub's ``[[HH:]MM:]SS``);
+    None for anything else."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        return None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+        return None
+    return sum(p * u for p, u in zip(reversed(parts), (1, 60, 3600)))
+
+
+def pbs_walltime(text: str) -> str:
+    """``--walltime``'s argument type: ``text`` as given when PBS would take it, else argparse's error."""
+    if pbs_seconds(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a PBS walltime ([[HH:]MM:]SS, e.g. 01:00:00)")
+    return text
+
+
+def add_stop_before(p: argparse.ArgumentParser, limit: str, how: str) -> None:
+    """--stop-before: when, before the time limit, every rank gets SIGTERM (both schedulers' scripts)."""
+    p.add_argument("--stop-before", type=int, metavar="SECONDS",
+                   help=f"every rank gets SIGTERM this long before {limit} ({how}), so that the server finishes "
+                   "its round and checkpoints before the scheduler's SIGKILL; default: a tenth of the limit, at "
+                   "most 300; 0: none")
+
+
 def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
     """The config, its overrides, the script path, and the rank and node counts."""
     p.add_argument("config", help="experiment YAML file")
@@ -88,7 +115,9 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(sub, "pbs", help="write a PBS Pro job script for a config, with a memory check per node")
     add_job_arguments(p, ".pbs")
     p.add_argument("--depth", type=int, default=8, help="cores per rank (Cray PALS --depth)")
-    p.add_argument("--walltime", default="01:00:00", help="#PBS -l walltime (HH:MM:SS)")
+    p.add_argument("--walltime", default="01:00:00", type=pbs_walltime, help="#PBS -l walltime (HH:MM:SS)")
+    add_stop_before(p, "the walltime", "a timer in the script sends it to mpiexec, which forwards it; PBS's "
+                    "SIGKILL comes the queue's kill_delay after its own SIGTERM, at the walltime")
     p.add_argument("--queue", default="debug", help="#PBS -q queue")
     p.add_argument("--account", default="MYPROJECT", help="#PBS -A project to charge")
     p.add_argument("--filesystems", default="home:eagle", help="#PBS -l filesystems (Polaris)")
@@ -109,11 +138,8 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time", default="01:00:00", help="#SBATCH --time (HH:MM:SS)")
     p.add_argument("--partition", default="debug", help="#SBATCH --partition ('': the cluster's default)")
     p.add_argument("--account", default="MYPROJECT", help="#SBATCH --account to charge ('': none)")
-    p.add_argument("--stop-before", type=int, metavar="SECONDS",
-                   help="#SBATCH --signal=TERM@SECONDS: every rank gets SIGTERM this long before the time limit, "
-                   "so the server finishes its round and checkpoints before Slurm's own SIGTERM and SIGKILL (its "
-                   "KillWait, 30 s by default, is shorter than a large model's round); default: a tenth of --time, "
-                   "at most 300; 0: none")
+    add_stop_before(p, "the time limit", "#SBATCH --signal=TERM@SECONDS; Slurm's SIGKILL comes KillWait, 30 s "
+                    "by default, after its own SIGTERM, at the limit")
     p.add_argument("--mem", default="0", type=slurm_memory,
                    help="#SBATCH --mem: memory per node in Slurm's units (a number of MB, or with K, M, G or T); "
                    "0: all of each node's memory (Slurm's special case), so that a cluster's default memory per "

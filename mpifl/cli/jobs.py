@@ -71,6 +71,14 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides))
 
 
+def early_stop_seconds(asked: int | None, limit: int | None) -> int:
+    """Seconds before a job's time limit at which every rank gets SIGTERM: ``asked``, else a tenth of the
+    ``limit`` (seconds), at most 300 (300 when the limit cannot be read)."""
+    if asked is not None:
+        return asked
+    return 300 if limit is None else min(300, limit // 10)
+
+
 def write_script(job: Job, output: str | None, suffix: str, script: str) -> Path:
     """Write an executable job script (default ``<name><suffix>``) and say what it asks for."""
     out = Path(output or f"{job.cfg.name}{suffix}")
