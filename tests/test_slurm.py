@@ -79,8 +79,9 @@ def test_a_memory_size_asked_of_slurm_is_the_size_the_memory_check_counts_agains
     the job short; a size is what the job gets, so the check compares the fullest node with it."""
     from mpifl.cli.job_options import slurm_megabytes
 
-    assert [slurm_megabytes(s) for s in ("0", "190000", "512K", "300M", "200G", "2T", "1.5g", "12X", "G", "-1")] == [
-        0, 190000, 0.5, 300, 204800, 2097152, 1536, None, None, None]
+    assert [slurm_megabytes(s) for s in ("0", "190000", "512K", "300M", "200G", "2T", "1.5g", "12X", "G", "-1",
+                                          "infG", "nan")] == [
+        0, 190000, 0.5, 300, 204800, 2097152, 1536, None, None, None, None, None]
     cfg = write_config(tmp_path / "big.yaml", "name: big\nmodel: {name: blob, kwargs: {size_mb: 1024}}\n"
                        "train: {trainer: none}\neval: {every: 0}\nclients: {num_clients: 8}\n")
     small = mpifl_here("slurm", str(cfg), "--mem", "4G", "--node-memory-gb", "512", "-o", str(tmp_path / "a"))

@@ -27,7 +27,7 @@ def slurm_megabytes(text: str) -> float | None:
         value = float(number)
     except ValueError:
         return None
-    return value * SLURM_MEMORY_UNITS[unit] if value >= 0 else None
+    return value * SLURM_MEMORY_UNITS[unit] if 0 <= value < float("inf") else None
 
 
 def slurm_memory(text: str) -> str:
