@@ -9,9 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT, ROOT, mpiexec, mpifl_here, write_config
+from conftest import MPI_TIMEOUT, ROOT, mpiexec, mpifl_here, rank_environment, write_config
 
 SHIPPED = sorted((ROOT / "pbs").glob("*.pbs"))
+
+
+def fake_pbs(tmp_path: Path, hosts: list[str], job_id: str, **extra: str) -> dict[str, str]:
+    """The environment of a PBS job on ``hosts`` (its PBS_NODEFILE), started in ``tmp_path``, with this venv's
+    mpiexec and mpifl, tests/ importable (the plug-ins in fl_helpers) and ``extra`` variables."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("".join(f"{host}\n" for host in hosts))
+    return rank_environment(dict(extra, PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path), PBS_JOBID=job_id,
+                                 MPIEXEC=mpiexec(),
+                                 PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"))
 
 
 @pytest.mark.parametrize("script", SHIPPED, ids=lambda p: p.name)
@@ -60,10 +70,7 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_pat
     # an override given with the config is planned with, so the script runs with it: 2 rounds, not 5
     made = mpifl_here("pbs", str(cfg), "rounds=2", "--ranks-per-node", "3", "--gpus-per-node", "0", "-o", str(script))
     assert made.returncode == 0, made.stderr
-    nodefile = tmp_path / "nodefile"
-    nodefile.write_text("localhost\n")
-    env = dict(os.environ, PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path), PBS_JOBID="123.fake",
-               MPIEXEC=mpiexec(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = fake_pbs(tmp_path, ["localhost"], "123.fake")
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr + run.stdout
@@ -87,10 +94,7 @@ def test_a_server_alone_script_launches_under_mpich_with_the_server_on_the_first
     made = mpifl_here("pbs", str(cfg), "--client-ranks", "2", "--ranks-per-node", "2", "--depth", "1",
                  "--gpus-per-node", "0", "--server-alone", "-o", str(script))
     assert made.returncode == 0, made.stderr
-    nodefile = tmp_path / "nodefile"
-    nodefile.write_text(f"localhost\n{os.uname().nodename}\n")
-    env = dict(os.environ, PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path), PBS_JOBID="124.fake",
-               MPIEXEC=mpiexec(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = fake_pbs(tmp_path, ["localhost", os.uname().nodename], "124.fake")
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr + run.stdout
@@ -123,12 +127,7 @@ def test_every_rank_is_signalled_before_the_walltime_and_the_job_checkpoints_its
     assert made.returncode == 0, made.stderr
     text = script.read_text()
     assert "WALLTIME_SECONDS=${WALLTIME_SECONDS:-40}" in text and "STOP_BEFORE=${STOP_BEFORE:-28}" in text
-    nodefile = tmp_path / "nodefile"
-    nodefile.write_text("localhost\n")
-    env = dict(os.environ, PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path), PBS_JOBID="125.fake",
-               MPIEXEC=mpiexec(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-               FL_HELPERS_CLIENT_SECONDS="0.5")
+    env = fake_pbs(tmp_path, ["localhost"], "125.fake", FL_HELPERS_CLIENT_SECONDS="0.5")
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
                          cwd=tmp_path)
     out = tmp_path / "runs" / "long"
