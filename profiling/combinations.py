@@ -6,7 +6,7 @@ a small CNN with BatchNorm). It runs through ``mpiexec`` as a user would: on 2 a
 stopped after round 2 on 2 client ranks and resumed on 3 (on 4, two groups of two, with
 clients.ranks_per_client=2). The three final models (``model.h5``: every tensor) and the clients' kept vectors
 (the last checkpoint's per-rank files) must be equal to the bit. A combination the config checks refuse prints
-the refusal (it must name a key); one run that fails prints its error. From the repository root (about 14
+the refusal (it must name a key); one run that fails prints its error. From the repository root (about 17
 minutes on 2 cores for every case):
 
     python profiling/combinations.py                     # every case
@@ -39,6 +39,7 @@ SCAFFOLD = ["strategy.name=scaffold", "strategy.update=delta", "clients.placemen
 FEDDYN = ["strategy.name=feddyn", "strategy.update=delta", "strategy.weighting=equal", "strategy.alpha=0.05"]
 FEDNOVA = ["strategy.name=fednova", "strategy.update=delta"]
 FEDERATED_EVAL = ["data.val_fraction=0.2", "eval.federated_every=2"]
+OUT_OF_CORE = ["server.state=disk", "eval.every=0", "clients.per_round=2"]
 
 # name: (overrides, whether the results must be the same on any number of ranks)
 CASES: dict[str, tuple[list[str], bool]] = {
@@ -107,6 +108,16 @@ CASES: dict[str, tuple[list[str], bool]] = {
                                         "train.personal_ram_mb=0", "clients.placement=per_round", *FEDERATED_EVAL],
                                        True),
     "ditto_fedbn_groups": ([*BN, "train.ditto_lambda=0.3", "model.local=['*bn*']", "clients.groups=4"], True),
+    # the out-of-core server (one participant per client rank, so 2 a round) beside per-client state
+    "scaffold_fedbn_out_of_core": ([*BN, *SCAFFOLD, "model.local=['*bn*']", *OUT_OF_CORE], True),
+    "ditto_feddyn_out_of_core": ([*FEDDYN, "train.ditto_lambda=0.3", *OUT_OF_CORE, *FEDERATED_EVAL], True),
+    # privacy beyond DP-FedAvg's fixed clip, and virtual time's sampling beside SCAFFOLD
+    "local_dp_fedper": (["privacy.mode=local", "strategy.update=delta", "model.local=['3.*']"], True),
+    "dp_adaptive_clip": (["privacy.mode=central", "privacy.adaptive_clip=true", "privacy.count_noise=1.0",
+                          "strategy.update=delta", "strategy.weighting=equal"], True),
+    "scaffold_over_selection_diurnal": ([*SCAFFOLD, "clock.mode=sync", "clock.over_selection=0.5",
+                                         "clock.deadline=50", "clock.availability=diurnal"], True),
+    "fedasync": (["clock.mode=fedasync", "clock.concurrency=4"], True),
     # refused, each naming a key
     "refused_ditto_fedper_scaffold": ([*SCAFFOLD, "train.ditto_lambda=0.1", "model.local=['3.*']"], True),
     "refused_median_groups": (["strategy.name=median", "clients.groups=4"], True),
