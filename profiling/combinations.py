@@ -6,7 +6,7 @@ a small CNN with BatchNorm). It runs through ``mpiexec`` as a user would: on 2 a
 stopped after round 2 on 2 client ranks and resumed on 3 (on 4, two groups of two, with
 clients.ranks_per_client=2). The three final models (``model.h5``: every tensor) and the clients' kept vectors
 (the last checkpoint's per-rank files) must be equal to the bit. A combination the config checks refuse prints
-the refusal (it must name a key); one run that fails prints its error. From the repository root (about 17
+the refusal (it must name a key); one run that fails prints its error. From the repository root (about 23
 minutes on 2 cores for every case):
 
     python profiling/combinations.py                     # every case
