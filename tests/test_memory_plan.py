@@ -305,3 +305,17 @@ def test_plan_counts_one_client_rank_per_group_and_refuses_more_ranks_than_group
     assert ("config error: clients.groups=2 < 3 client ranks: a group lives on one client rank, so 1 would idle; "
             "launch at most 3 ranks or raise clients.groups (planned for 3 client ranks; --client-ranks sets them)"
             in capsys.readouterr().err)
+
+
+def test_a_chain_rank_with_k_groups_holds_k_group_sums_until_the_chain_passes():
+    from mpifl.planning.memory import ModelBytes, client_bytes
+
+    size = ModelBytes(exchanged=100 * MIB, frozen=0, parameters=25 * 2**20)
+
+    def chain(groups: int):
+        return load_config(None, data={"clients": {"num_clients": 16, "groups": groups},
+                                       "transport": {"reduce": "chain"}})
+
+    # 8 groups on 2 client ranks: 4 each, 3 fp32 sums (4 bytes per element) beside the group sum's own
+    assert client_bytes(chain(8), size, 2) - client_bytes(chain(2), size, 2) == 3 * 100 * MIB
+    assert client_bytes(chain(5), size, 2) - client_bytes(chain(2), size, 2) == 2 * 100 * MIB  # at most 3 a rank

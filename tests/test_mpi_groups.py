@@ -51,17 +51,22 @@ def test_the_server_receives_one_partial_sum_per_group(tmp_path):
     assert got["grouped"]["participants"] == got["plain"]["participants"]
 
 
-@pytest.mark.parametrize("reduce", ["direct", "chain"])
-def test_a_dropped_client_leaves_its_group_sum_and_the_rest_is_averaged(tmp_path, reduce):
+@pytest.mark.parametrize("reduce,groups", [
+    ("direct", 2),
+    ("chain", 2),
+    ("chain", 5),  # client 3 is all of group 3, a hop in the middle of the chain: its rank passes the sum on
+])
+def test_a_dropped_client_leaves_its_group_sum_and_the_rest_is_averaged(tmp_path, reduce, groups):
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace('"fl_helpers:NoiseTrainer"', '"fl_helpers:FailingClients"'))
     env = {"FL_HELPERS_RAISE": "3", "FL_HELPERS_SEED": "5"}
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *GROUPED, "clients.accept_failures=true",
+    grouped = [f"clients.groups={groups}"]
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *grouped, "clients.accept_failures=true",
                      f"transport.reduce={reduce}", env=env, timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     rounds = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     dropped = [d["client"] for r in rounds for d in r["dropped"]]
     assert dropped and set(dropped) == {3}
-    want = reference_run(load_config(None, list(GROUPED), data=yaml.safe_load(CONFIG)), drop=frozenset({3}))
+    want = reference_run(load_config(None, grouped, data=yaml.safe_load(CONFIG)), drop=frozenset({3}))
     got = {n: t.float().numpy() for n, t in load_tensors(tmp_path / "run" / "model.h5").items()}
     assert_bitwise(got, want)
 
@@ -104,15 +109,47 @@ def test_a_chain_reduction_equals_the_grouped_reference_and_the_server_receives_
         assert len(record["participants"]) == 6
 
 
-def test_a_chain_over_several_groups_per_rank_is_said_to_depend_on_the_rank_count():
+def test_the_chain_visits_the_groups_in_the_servers_fold_order_a_run_of_them_per_hop():
+    from mpifl.wire.protocol import SERVER, ChainHop, chain_hops
+
+    # 7 groups round robin on 3 ranks, then group 6 moved to rank 1 as a balanced placement might: 0 1 2 3 4 5 6
+    hops = chain_hops({1: [0, 3, 6], 2: [1, 4], 3: [2, 5]})
+    assert hops == {1: (ChainHop((0,), None, 2), ChainHop((3,), 3, 2), ChainHop((6,), 3, SERVER)),
+                    2: (ChainHop((1,), 1, 3), ChainHop((4,), 1, 3)),
+                    3: (ChainHop((2,), 2, 1), ChainHop((5,), 2, 1))}
+    # consecutive groups on one rank are one hop, added there one after another
+    assert chain_hops({2: [2, 3], 1: [0, 1, 4]}) == {1: (ChainHop((0, 1), None, 2), ChainHop((4,), 2, SERVER)),
+                                                     2: (ChainHop((2, 3), 1, 1),)}
+    assert chain_hops({1: [0, 1, 2]}) == {1: (ChainHop((0, 1, 2), None, SERVER),)}
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (2, ()),  # one client rank: every group in one hop
+    (3, ()),  # groups 0 2 4 on rank 1, 1 3 on rank 2: the sum goes back and forth
+    (4, ("clients.placement=balanced",)),  # groups placed by their work: runs of consecutive groups on one rank
+])
+def test_a_chain_over_several_groups_per_rank_gives_the_bits_of_point_to_point_groups(tmp_path, ranks, overrides):
+    grouped = ("clients.groups=5", "transport.chunk_mb=0.00095")
+    got = run(tmp_path, "chain", ranks, *grouped, *overrides, "transport.reduce=chain")
+    assert_bitwise(got, expected(*grouped))
+    for line in (tmp_path / "chain" / "metrics.jsonl").read_text().splitlines():
+        fp32_sum = sum(4 * t.numel() for t in load_tensors(tmp_path / "chain" / "model.h5").values())
+        assert json.loads(line)["bytes_received"] == fp32_sum  # still one sum per round
+
+
+def test_a_chain_under_per_round_placement_with_groups_by_cost_is_rank_count_independent(tmp_path):
+    grouped = ("clients.groups=3", "clients.placement=per_round", "clients.group_by=cost", "transport.reduce=chain")
+    on_two = run(tmp_path, "two", 3, *grouped)
+    assert_bitwise(run(tmp_path, "three", 4, *grouped), on_two)
+    assert_bitwise(run(tmp_path, "direct", 3, *grouped[:-1]), on_two)  # and the point-to-point groups' bits
+
+
+def test_only_cpu_threads_make_results_depend_on_the_layout():
     from mpifl.roles.runner import layout_warnings
 
-    cfg = load_config(None, ["transport.reduce=chain", "clients.groups=4"], data=yaml.safe_load(CONFIG))
-    (warning,) = layout_warnings(3, cfg)  # 2 client ranks, 2 groups each
-    assert "results depend on the number of client ranks" in warning and "clients.groups=2 makes" in warning
-    assert layout_warnings(5, cfg) == []  # one group per client rank: the point-to-point order, bitwise
-    assert layout_warnings(3, load_config(None, ["clients.groups=4"], data=yaml.safe_load(CONFIG))) == []
-    (threads,) = layout_warnings(3, load_config(None, ["train.threads=auto"], data=yaml.safe_load(CONFIG)))
+    chain = load_config(None, ["transport.reduce=chain", "clients.groups=4"], data=yaml.safe_load(CONFIG))
+    assert layout_warnings(chain) == []  # several groups per rank or not: the groups' order, bitwise
+    (threads,) = layout_warnings(load_config(None, ["train.threads=auto"], data=yaml.safe_load(CONFIG)))
     assert "depend on the thread count, which 'auto' takes from the cores per rank" in threads
 
 

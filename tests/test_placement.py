@@ -73,7 +73,6 @@ def test_the_config_chooses_the_per_round_placement():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["clients.groups=2", "transport.reduce=chain"], "transport.reduce: clients.placement: 'per_round'"),
     (["clock.mode=fedbuff", "strategy.update=delta", "clients.num_clients=40"],
      "clock.mode: clients.placement: 'per_round'"),
     (["secagg.enabled=true"], "secagg.enabled: clients.placement: 'per_round'"),

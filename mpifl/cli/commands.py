@@ -54,7 +54,7 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
     comm = world_of(world)
     try:
         check_world(comm.Get_size(), cfg)
-        for warning in layout_warnings(comm.Get_size(), cfg) if comm.Get_rank() == 0 else []:
+        for warning in layout_warnings(cfg) if comm.Get_rank() == 0 else []:
             log(f"mpifl: warning: {warning}", rank=0)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         with tracked(memray_dir, comm.Get_rank(), memray_native):

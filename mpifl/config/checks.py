@@ -324,8 +324,6 @@ def _check_per_round_placement(cfg: Config) -> None:
     why = "clients.placement: 'per_round' trains a client on a different rank from round to round"
     needs = [("clock.mode", cfg.clock.mode == "off", "'off' (held updates and virtual clocks follow a client's "
                                                      "home rank)"),
-             ("transport.reduce", cfg.transport.reduce != "chain", "not 'chain' (the chain adds each rank's sum "
-                                                                   "in rank order)"),
              ("clients.ranks_per_client", cfg.clients.ranks_per_client == 1, "1"),
              ("secagg.enabled", not cfg.secagg.enabled, "false")]
     for key, fine, what in needs:

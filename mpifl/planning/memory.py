@@ -221,8 +221,9 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
         client += nbytes // 2  # the narrowed update
     if cfg.clients.groups:
         client += 4 * elements  # the group's fp32 partial sum
-        if cfg.transport.reduce == "chain":  # the running sum's receive ring
+        if cfg.transport.reduce == "chain":  # the running sum's receive ring, and the rank's other groups' sums
             client += cfg.transport.inflight * min(cfg.transport.chunk_bytes * 4 // width, 4 * elements)
+            client += 4 * elements * (streams_per_rank(cfg, client_ranks) - 1)
     if not on_gpu:  # on a GPU they live beside the replica (client_device_bytes)
         client += state_rule_bytes(cfg, size)
     state_elements = client_state_elements(cfg, size)

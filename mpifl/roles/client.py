@@ -95,6 +95,7 @@ class ClientRank:
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
         self.chain_slots: list[np.ndarray] | None = None  # transport.reduce=chain: the running sum's receive ring
+        self.chain_spares: list[list[np.ndarray]] = []  # chain: where a rank's earlier groups' sums wait
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.clip: float | None = None  # DP: this round's L2 bound
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
@@ -214,42 +215,78 @@ class ClientRank:
         return self.compressor.compress(chunks, round_, group, None, key=GROUP_COMPRESSION)
 
     def _serve_chain(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
-        """transport.reduce=chain: sum the clients this rank trains (ascending id) into one partial sum, add it
-        to the running sum from the rank before and pass that on; the last rank sends it to the server.
+        """transport.reduce=chain: sum each of this rank's groups (ascending id) into a partial sum of its own,
+        then play this rank's hops of the chain (``protocol.chain_hops``): each adds its groups' sums, one after
+        another, to the running sum from the hop before and passes that on; the last hop sends it to the server.
 
-        Each hop adds this rank's sum to the running one (``running += own``), the fold the server would
-        do with the partial sums arriving in rank order; a sum without a usable update is left out.
-        """
+        Each addition is ``running += own``, the fold the server would do with the groups' sums arriving point
+        to point in group order, so the chain gives the bits of point-to-point groups on any number of ranks.
+        A group without a usable update is left out. A rank with k groups keeps k sums until the chain has
+        passed (k - 1 host buffers beside the group sum's own, reused round to round)."""
         assert self.group_sum is not None  # serve_round chains only with clients.groups
         assert header.reduce_stream is not None  # serve_round chains only for a header with a stream id
-        metas = self._sum_clients(header.round, list(header.clients), keep, first=True)
-        own, inflight = self.group_sum.to_host(), self.parts.plan.inflight
-        last = header.reduce_to == protocol.SERVER
-        meta_kind, kind = (protocol.META, protocol.UPDATE) if last else (protocol.REDUCE_META, protocol.REDUCE)
-        meta_tag, tag = protocol.round_tag(meta_kind, header.round), protocol.round_tag(kind, header.round)
-        reduce_meta, reduce = (protocol.round_tag(k, header.round) for k in (protocol.REDUCE_META, protocol.REDUCE))
-        if header.reduce_from is None:
-            send_object(self.comm, protocol.GroupMeta(header.reduce_stream, metas), header.reduce_to, meta_tag)
-            send_chunks(self.comm, [header.reduce_to], tag, own, inflight)
-            return
-        before = recv_object(self.comm, header.reduce_from, reduce_meta)
-        if not isinstance(before, protocol.GroupMeta):
-            raise RuntimeError(f"rank {self.rank}: rank {header.reduce_from} sent {before!r} where the chain's "
-                               "GroupMeta belongs")
-        running_usable, own_usable = before.usable, any(m.error is None for m in metas)
-        send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before.members + metas),
-                    header.reduce_to, meta_tag)
+        members = group_members(header.clients, self.parts.groups, header.groups)
+        metas: dict[int, tuple[protocol.UpdateMeta, ...]] = {}
+        sums: dict[int, list[np.ndarray]] = {}
+        trained = 0
+        for i, (group, clients) in enumerate(members):
+            metas[group] = self._sum_clients(header.round, clients, keep, first=trained == 0)
+            trained += len(clients)
+            own = self.group_sum.to_host()
+            if i + 1 < len(members):  # the group sum's buffer takes the next group: keep this one aside
+                while len(self.chain_spares) <= i:
+                    self.chain_spares.append(self.group_sum.spare())
+                for kept, chunk in zip(self.chain_spares[i], own):
+                    np.copyto(kept, chunk)
+                own = self.chain_spares[i]
+            sums[group] = own
+        hops = header.chain
+        missing = sorted({g for hop in hops for g in hop.groups} ^ set(metas))
+        if missing:
+            raise RuntimeError(f"rank {self.rank}: round {header.round}'s chain lists groups that this rank does not "
+                               f"train, or leaves out groups it does: {missing}")
+        running_usable = self._chain_metas(header, metas)
+        usable = {g: any(m.error is None for m in metas[g]) for g in metas}
+        reduce, update = (protocol.round_tag(k, header.round) for k in (protocol.REDUCE, protocol.UPDATE))
 
-        def combine(j: int, running: np.ndarray) -> np.ndarray:
-            if running_usable and own_usable:
-                torch.from_numpy(running).view(torch.float32).add_(torch.from_numpy(own[j]).view(torch.float32))
-                return running
-            return own[j] if own_usable else running
+        def combine(j: int, h: int, running: np.ndarray | None) -> np.ndarray:
+            out = running if running_usable[h] else None
+            for group in hops[h].groups:
+                if not usable[group]:
+                    continue
+                if out is None:
+                    out = sums[group][j]
+                else:
+                    torch.from_numpy(out).view(torch.float32).add_(torch.from_numpy(sums[group][j]).view(torch.float32))
+            # nothing usable yet: any bytes of the right size, which every later hop and the server skip
+            return out if out is not None else running if running is not None else sums[hops[h].groups[0]][j]
 
+        sizes = [len(b) for b in next(iter(sums.values()))]
         if self.chain_slots is None:
-            self.chain_slots = [host_bytes(max(len(b) for b in own)) for _ in range(inflight)]
-        pass_on(self.comm, header.reduce_from, header.reduce_to, (reduce, tag), self.chain_slots,
-                [len(b) for b in own], combine)
+            self.chain_slots = [host_bytes(max(sizes)) for _ in range(self.parts.plan.inflight)]
+        pass_on(self.comm, hops, (reduce, reduce, update), self.chain_slots, sizes, combine)
+
+    def _chain_metas(self, header: protocol.RoundHeader,
+                     metas: dict[int, tuple[protocol.UpdateMeta, ...]]) -> list[bool]:
+        """Each hop's GroupMeta, in the chain's order: every member so far (received from the hop before) and
+        this hop's groups' members, sent on to the next hop (REDUCE_META) or the server (META). Whether each
+        hop's running sum, as it arrives, holds a usable update."""
+        assert header.reduce_stream is not None  # _serve_chain runs only for a header with a stream id
+        meta_tag, reduce_meta = (protocol.round_tag(k, header.round) for k in (protocol.META, protocol.REDUCE_META))
+        running_usable = []
+        for hop in header.chain:
+            before: tuple[protocol.UpdateMeta, ...] = ()
+            if hop.source is not None:
+                received = recv_object(self.comm, hop.source, reduce_meta)
+                if not isinstance(received, protocol.GroupMeta):
+                    raise RuntimeError(f"rank {self.rank}: rank {hop.source} sent {received!r} where the chain's "
+                                       "GroupMeta belongs")
+                before = received.members
+            running_usable.append(any(m.error is None for m in before))
+            own = tuple(m for group in hop.groups for m in metas[group])
+            send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before + own), hop.dest,
+                        meta_tag if hop.dest == protocol.SERVER else reduce_meta)
+        return running_usable
 
     def serve_step(self, header: protocol.RoundHeader) -> None:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;

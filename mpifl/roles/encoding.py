@@ -29,6 +29,7 @@ class GroupSum:
     def __init__(self, source: FlatModel, plan: ExchangeLayout, separate: bool = False):
         self.source, self.chunks = source, plan.chunks
         layout = plan.wire if plan.codec is None else fp32_chunks(plan.chunks)  # compressed: quantized after
+        self.layout = layout
         self.buffer = host_bytes(layout[-1].offset + layout[-1].nbytes)
         self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in layout]
         host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
@@ -53,6 +54,12 @@ class GroupSum:
         if self.scratch is None or self.scratch.numel() < x.numel():
             self.scratch = torch.empty(x.numel(), dtype=acc.dtype, device=acc.device)
         return self.scratch
+
+    def spare(self) -> list[np.ndarray]:
+        """Fresh host bytes laid out like ``buffers``: where a finished sum waits while the next group's forms
+        (the chain reduction, with several groups on a rank)."""
+        buffer = host_bytes(len(self.buffer))
+        return [buffer[w.offset:w.offset + w.nbytes] for w in self.layout]
 
     def to_host(self) -> list:
         """The sum's bytes on the host, ready to send (one device-to-host copy when it lives on a device)."""

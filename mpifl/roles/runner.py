@@ -97,16 +97,10 @@ def check_world(size: int, cfg: Config) -> None:
         raise SetupError(problem)
 
 
-def layout_warnings(size: int, cfg: Config) -> list[str]:
-    """Legal layouts whose results depend on the number of ranks, which is otherwise never the case: said once,
-    by rank 0, so that a comparison across rank counts (or a resume on another count) is not a surprise."""
-    hosts = GroupLayout(cfg.clients.ranks_per_client).groups(size)
-    groups, found = cfg.clients.groups, []
-    if cfg.transport.reduce == "chain" and groups and groups != hosts:
-        found.append(f"transport.reduce='chain' with clients.groups={groups} on {hosts} client ranks: each rank adds "
-                     "its groups into one partial sum before the chain, so the results depend on the number of client "
-                     f"ranks (and a resume on another count differs from an uninterrupted run); clients.groups={hosts} "
-                     "makes them bitwise those of point-to-point reduction groups")
+def layout_warnings(cfg: Config) -> list[str]:
+    """Legal settings whose results depend on the layout of the ranks, which is otherwise never the case: said
+    once, by rank 0, so that a comparison across rank counts (or a resume on another count) is not a surprise."""
+    found = []
     if cfg.train.threads != 1 and cfg.train.device != "cuda":  # "auto": the CPU where no GPU is seen
         auto = ", which 'auto' takes from the cores per rank, and so on the number of ranks per node" \
             if cfg.train.threads == "auto" else ""

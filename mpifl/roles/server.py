@@ -308,22 +308,23 @@ class Server:
         tree = self._tree(plan)
         return list(tree[protocol.SERVER][1]) if tree else sorted(plan.train)
 
-    def _chain(self, plan: RoundAssignment) -> list[int] | None:
-        """transport.reduce=chain: the ranks that send this round, in the order their sums are added."""
-        return sorted(plan.streams) if self.transport.reduce == "chain" and plan.streams else None
+    def _chain(self, plan: RoundAssignment) -> dict[int, tuple[protocol.ChainHop, ...]] | None:
+        """transport.reduce=chain: each sending rank's hops of the round's chain, over its groups in ascending id."""
+        return protocol.chain_hops(plan.streams) if self.transport.reduce == "chain" and plan.streams else None
 
     def _streams(self, plan: RoundAssignment) -> dict[int, list[int]]:
-        """What the server receives: every rank's streams, or (chain) one stream from the chain's last rank,
-        named by the round's first group."""
+        """What the server receives: every rank's streams, or (chain) one stream from the rank of the chain's
+        last hop, named by the round's first group."""
         chain = self._chain(plan)
-        return {chain[-1]: [min(min(s) for s in plan.streams.values())]} if chain else plan.streams
+        if not chain:
+            return plan.streams
+        last = next(rank for rank, hops in chain.items() if hops[-1].dest == protocol.SERVER)
+        return {last: [min(min(s) for s in plan.streams.values())]}
 
     def _send_headers(self, plan: RoundAssignment | None, round_: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""
         tree = self._tree(plan) if plan is not None else None
-        chain = self._chain(plan) if plan is not None else None
-        links = {r: (chain[i - 1] if i else None, chain[i + 1] if i + 1 < len(chain) else protocol.SERVER)
-                 for i, r in enumerate(chain)} if chain else {}
+        chain = (self._chain(plan) if plan is not None else None) or {}
         stream = next(iter(self._streams(plan).values()))[0] if plan is not None and chain else None
         borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) \
             if plan is not None and self.parts.lends_state else ({}, {})
@@ -339,11 +340,9 @@ class Server:
             groups = tuple(plan.groups[c] for c in clients) if plan.groups is not None else ()
             parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
             assert parent is not None  # only the tree's root, the server, has none; headers go to ranks 1..
-            reduce_from, reduce_to = links.get(rank, (None, protocol.SERVER))
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
                                         steps=steps, groups=groups, parent=parent, children=children,
-                                        reduce_from=reduce_from, reduce_to=reduce_to,
-                                        reduce_stream=stream if rank in links else None,
+                                        chain=chain.get(rank, ()), reduce_stream=stream if rank in chain else None,
                                         borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())))
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])

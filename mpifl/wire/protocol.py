@@ -37,11 +37,13 @@ home rank, 1 + c mod N): after the header, before MODEL, and again once the rank
     c -> home  STATE_BACK  the same vectors back, updated, once the borrower has sent its round.
 transport.dispatch_fanout (a broadcast tree): a rank receives MODEL from its header's parent and
 passes each chunk on to its header's children as it lands.
-transport.reduce: chain (with clients.groups): the ranks that send this round form a chain in
-ascending rank order. Each receives the running partial sum from the rank before it
-(REDUCE_META: a GroupMeta of every member so far; REDUCE: fp32 chunks), adds its own rank's
-sum chunk by chunk, and passes it on; the last one sends it to rank 0 as META + UPDATE, one
-stream for the whole round.
+transport.reduce: chain (with clients.groups): the round's reduction groups form a chain in
+ascending group id, the server's fold order (``chain_hops``). A hop is a run of consecutive groups
+on one rank; a rank with several groups may hold several hops. Each hop receives the running
+partial sum from the hop before it (REDUCE_META: a GroupMeta of every member so far; REDUCE: fp32
+chunks), adds its groups' sums one after another chunk by chunk, and passes it on; the last sends
+it to rank 0 as META + UPDATE, one stream for the whole round. A rank runs its hops' GroupMetas
+first, then their chunks in (chunk, hop) order, so no hop waits on a later one.
 While a client rank trains:
     c -> 0  PROGRESS  (pickled, tiny) the round, at most once a second, sent from a forward pass
                       of the rank's model: a rank stuck in user code cannot send it.
@@ -95,6 +97,38 @@ def round_tag(kind: int, round_: int) -> int:
 
 
 @dataclass(frozen=True)
+class ChainHop:
+    """One hop of the chain reduction: add ``groups``' partial sums, in this order, to the running sum from
+    rank ``source`` (None: this hop starts it) and send the result to rank ``dest`` (SERVER: the last hop)."""
+
+    groups: tuple[int, ...]
+    source: int | None
+    dest: int
+
+
+def chain_hops(streams: dict[int, list[int]]) -> dict[int, tuple[ChainHop, ...]]:
+    """Each sending rank's hops of the chain over a round's reduction groups (``streams``: rank -> its groups).
+
+    The running sum visits the groups in ascending id, the order in which the server folds them point to point,
+    so the chain adds exactly the same terms in exactly the same order: the same bits on any number of ranks. A
+    hop is a run of consecutive groups on one rank (a rank's groups are summed one after another there, never
+    into one sum first, which would round differently from one layout to another)."""
+    order = sorted((group, rank) for rank, groups in streams.items() for group in groups)
+    runs: list[tuple[int, list[int]]] = []
+    for group, rank in order:
+        if runs and runs[-1][0] == rank:
+            runs[-1][1].append(group)
+        else:
+            runs.append((rank, [group]))
+    hops: dict[int, list[ChainHop]] = {}
+    for i, (rank, groups) in enumerate(runs):
+        source = runs[i - 1][0] if i else None
+        dest = runs[i + 1][0] if i + 1 < len(runs) else SERVER
+        hops.setdefault(rank, []).append(ChainHop(tuple(groups), source, dest))
+    return {rank: tuple(h) for rank, h in hops.items()}
+
+
+@dataclass(frozen=True)
 class RoundHeader:
     """What a client rank does this round."""
 
@@ -109,8 +143,7 @@ class RoundHeader:
     groups: tuple[int, ...] = ()  # clients.group_by 'cost': each listed client's reduction group (else c mod G)
     parent: int = 0  # the rank the global model comes from (transport.dispatch_fanout: a broadcast tree)
     children: tuple[int, ...] = ()  # the ranks this rank passes each model chunk on to
-    reduce_from: int | None = None  # transport.reduce=chain: the rank whose running sum this rank adds to
-    reduce_to: int = SERVER  # where this rank sends the running sum
+    chain: tuple[ChainHop, ...] = ()  # transport.reduce=chain: this rank's hops, in the chain's order
     reduce_stream: int | None = None  # chain: the stream id rank 0 receives the round's sum as (None: no chain)
     persist: str | None = None  # error feedback: publish the residuals of round ``round`` in this folder, then ack
     # per_round placement with per-client state: (client, home rank) of each listed client whose state lives

@@ -213,23 +213,47 @@ def relay_chunks(comm: MPI.Comm, parent: int, children: Sequence[int], tag: int,
     wait_all(sent)
 
 
-def pass_on(comm: MPI.Comm, source: int, dest: int, tags: tuple[int, int], slots: Sequence[np.ndarray],
-            sizes: Sequence[int], combine: Callable[[int, np.ndarray], np.ndarray]) -> None:
-    """Receive a stream of chunks from ``source`` (tag ``tags[0]``) into a ring of ``slots``, turn each into what
-    to send with ``combine(j, received)`` and send that to ``dest`` (tag ``tags[1]``), every chunk as soon as it
-    lands: a hop of a pipelined chain. At most ``len(slots)`` chunks in flight each way."""
-    ring, n = len(slots), len(sizes)
-    received = {j: comm.Irecv([slots[j][:sizes[j]], MPI.BYTE], source=source, tag=tags[0]) for j in range(min(ring, n))}
-    for j in range(n):
-        wait(received.pop(j))
-        wake(comm, source)
-        out = combine(j, slots[j % ring][:sizes[j]])
-        sent = comm.Isend([out, MPI.BYTE], dest=dest, tag=tags[1])
-        wake(comm, dest)
+def pass_on(comm: MPI.Comm, hops: Sequence[protocol.ChainHop], tags: tuple[int, int, int],
+            slots: Sequence[np.ndarray], sizes: Sequence[int],
+            combine: Callable[[int, int, np.ndarray | None], np.ndarray]) -> None:
+    """Play ``hops``, this rank's part of a pipelined chain, every chunk passed on as soon as it lands. For each
+    chunk j, and within it each hop h in the chain's order: receive chunk j of the running stream from
+    ``hops[h].source`` (tag ``tags[0]``; nothing where the hop starts the chain) into a ring of ``slots``, turn it
+    into what to send with ``combine(j, h, received)`` and send that to ``hops[h].dest`` (tag ``tags[1]``, or
+    ``tags[2]`` to the server).
+
+    The (chunk, hop) order is what lets one rank hold several hops without deadlock: chunk j of a hop waits only
+    on chunk j of the hop before it, which its rank reaches before any later (chunk, hop), and a receive is
+    posted ``len(slots)`` incoming chunks ahead. Each pair of ranks sends and receives in that one order, so
+    MPI's non-overtaking rule matches the chunks without a header. At most ``len(slots)`` chunks in flight in."""
+    ring = len(slots)
+    items = [(j, h) for j in range(len(sizes)) for h in range(len(hops))]
+    incoming = [(j, h) for j, h in items if hops[h].source is not None]
+    posted: dict[tuple[int, int], tuple[np.ndarray, MPI.Request]] = {}
+
+    def post(i: int) -> None:
+        j, h = incoming[i]
+        source, buffer = hops[h].source, slots[i % ring][:sizes[j]]
+        assert source is not None  # only hops with a source have incoming chunks
+        posted[j, h] = buffer, comm.Irecv([buffer, MPI.BYTE], source=source, tag=tags[0])
+
+    for i in range(min(ring, len(incoming))):
+        post(i)
+    taken = 0
+    for j, h in items:
+        hop, received = hops[h], None
+        if hop.source is not None:
+            received, request = posted.pop((j, h))
+            wait(request)
+            wake(comm, hop.source)
+        out = combine(j, h, received)
+        sent = comm.Isend([out, MPI.BYTE], dest=hop.dest, tag=tags[2] if hop.dest == protocol.SERVER else tags[1])
+        wake(comm, hop.dest)
         wait(sent)  # the later receives progress meanwhile
-        if j + ring < n:  # the slot is free again: it takes chunk j + ring
-            received[j + ring] = comm.Irecv([slots[j % ring][:sizes[j + ring]], MPI.BYTE], source=source,
-                                            tag=tags[0])
+        if hop.source is not None:  # its slot is free again: it takes the incoming chunk ``ring`` places on
+            if taken + ring < len(incoming):
+                post(taken + ring)
+            taken += 1
 
 
 def broadcast_tree(ranks: Sequence[int], fanout: int) -> dict[int, tuple[int | None, tuple[int, ...]]]:
