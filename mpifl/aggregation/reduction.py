@@ -85,6 +85,7 @@ class ReductionRound:
     divisor: float | None = None  # a fixed divisor of the weighted sum (FedBuff's K, DP-FedAvg's k)
     noise: Callable[[torch.Tensor, int], None] | None = None  # DP-FedAvg: adds noise to a chunk's sum
     unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None  # secure aggregation: ring sum to floats
+    labels: Mapping[int, str] | None = None  # what a stream is called in messages, where more than its id says
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class StreamedReduction:
         self.codec = exchange.codec  # compression.method: decode each chunk before folding
         self.decoded: torch.Tensor | None = None  # the reused fp32 scratch it decodes into, made on first use
         self.min_participants, self.round, self.watchdog = min_participants, task.round, watchdog
-        self.by_rank = by_rank
+        self.by_rank, self.labels = by_rank, task.labels or {}
         self.weights, self.divisor = task.weights, task.divisor  # staleness weights; a fixed divisor
         self.noise = noise  # DP-FedAvg: adds the round's noise to a chunk's sum, given its first element
         self.unmask = unmask  # secure aggregation: the ring sum of masked updates becomes the float sum
@@ -248,7 +249,8 @@ class StreamedReduction:
                 continue
             current = min(chunks // per_client, len(clients) - 1)  # whose chunks flow, or come next
             training = chunks % per_client == 0 and metas <= chunks // per_client
-            label = f"reduction group {clients[current]}" if self.grouped else f"logical client {clients[current]}"
+            label = self.labels.get(clients[current]) or \
+                (f"reduction group {clients[current]}" if self.grouped else f"logical client {clients[current]}")
             out[rank] = (FIRST_UPDATE if training else UPDATE_COMPLETE, label)
         return out
 

@@ -42,7 +42,7 @@ from mpifl.roles.records import (
 from mpifl.storage.checkpointer import Checkpointer
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
-from mpifl.units import MIB
+from mpifl.units import MIB, range_list
 from mpifl.wire import protocol
 from mpifl.wire.late import LateStreams
 from mpifl.wire.layout import ExchangeLayout
@@ -222,7 +222,7 @@ class Server:
         task = ReductionRound(
             round_, streams, self._pool_layout(streams, summed=noise is not None or parts.secagg is not None),
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
-            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None)
+            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=self._labels(plan))
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       min_participants=self.min_participants, watchdog=watchdog,
                                       dropping=self._dropping(plan, started))
@@ -320,6 +320,17 @@ class Server:
             return plan.streams
         last = next(rank for rank, hops in chain.items() if hops[-1].dest == protocol.SERVER)
         return {last: [min(min(s) for s in plan.streams.values())]}
+
+    def _labels(self, plan: RoundAssignment) -> dict[int, str] | None:
+        """What a deadline message calls the round's one stream under the chain reduction: every rank of the
+        chain feeds it, so the rank the server names may be waiting on another."""
+        chain = self._chain(plan)
+        if not chain:
+            return None
+        (stream,) = next(iter(self._streams(plan).values()))
+        groups = sorted(g for hops in chain.values() for hop in hops for g in hop.groups)
+        return {stream: f"the last hop of the chain over reduction groups {range_list(groups)} on ranks "
+                        f"{range_list(chain)}, which waits on each of them"}
 
     def _send_headers(self, plan: RoundAssignment | None, round_: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""

@@ -63,6 +63,23 @@ def test_a_silent_rank_at_each_stage_ends_the_job_naming_it_and_keeps_the_last_r
         assert ckpt.round == 1 and len(ckpt.metrics()) == 1
 
 
+@pytest.mark.parametrize("fault_rank", [1, 2])
+def test_a_silent_rank_in_a_chain_over_several_groups_per_rank_ends_the_job_keeping_the_last_round(tmp_path,
+                                                                                                    fault_rank):
+    # 4 groups on 2 client ranks: the running sum goes 1 -> 2 -> 1 -> 2 -> server; one rank goes silent in round 2
+    text = TRAINING.replace("chunk_mb: 0.001", "chunk_mb: 0.001, reduce: chain").replace(
+        "clients: {num_clients: 4}", "clients: {num_clients: 4, groups: 4}")
+    result, seconds = run_with_fault(tmp_path, text, fault="hang", fault_call=3, fault_rank=fault_rank)
+    assert result.returncode != 0
+    # the server waits on the rank of the chain's last hop, 2, whatever rank stalled: it says that it may be another
+    assert ("rank 2 (the last hop of the chain over reduction groups 0-3 on ranks 1-2, which waits on each of them) "
+            "made no progress for") in result.stderr, result.stderr[-3000:]
+    assert "the model after round 1 is in" in result.stderr
+    assert seconds < 60
+    with latest_checkpoint(tmp_path / "run" / "checkpoints") as ckpt:
+        assert ckpt.round == 1 and len(ckpt.metrics()) == 1
+
+
 def test_under_accept_failures_a_silent_rank_is_dropped_the_rounds_complete_and_the_job_still_fails_naming_it(
         tmp_path):
     text = TRAINING.replace("clients: {num_clients: 4}", "clients: {num_clients: 4, accept_failures: true}")
