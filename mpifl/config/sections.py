@@ -291,7 +291,8 @@ class TransportConfig:
                                   "times instead of once per client rank (0: the server sends to every client "
                                   "rank)", min=0)
     reduce: str = field_("direct", "'direct': every update stream goes to the server; 'chain' (with "
-                         "clients.groups): the sending ranks add their partial sums along a pipelined chain, so "
+                         "clients.groups): the groups' partial sums are added along a pipelined chain of the ranks "
+                         "that hold them, group by group in ascending id (the server's order, so the same bits), and "
                          "the server receives one fp32 sum per round", choices=("direct", "chain"))
     pool_mb: float = field_(256.0, "server memory budget for receive slots and chunk accumulators, MiB", min=0.0,
                              exclusive_min=True)
