@@ -67,6 +67,15 @@ def test_two_ranks_per_client_give_the_same_model_bitwise_on_one_or_two_groups(r
     assert_bitwise(final_model(runs["two groups"]), final_model(runs["one group"]))
 
 
+def test_the_chain_over_several_groups_per_leader_gives_the_bits_of_point_to_point_groups(tmp_path):
+    """Two reduction groups on each of two client groups' leaders: the running sum goes leader 1 -> leader 3 ->
+    leader 1 -> leader 3 (ranks 1 and 3) and on to the server, group by group in id order, as on one leader."""
+    grouped = ("clients.groups=4",)
+    chain = final_model(run(tmp_path, "chain", 5, *grouped, "transport.reduce=chain"))
+    assert_bitwise(chain, final_model(run(tmp_path, "direct", 5, *grouped)))
+    assert_bitwise(chain, final_model(run(tmp_path, "one leader", 3, *grouped, "transport.reduce=chain")))
+
+
 def test_a_group_trains_the_model_one_rank_would_up_to_float_rounding(runs):
     grouped, single = final_model(runs["one group"]), final_model(runs["one rank per client"])
     assert_one_ranks_model_up_to_rounding(grouped, single)
