@@ -114,6 +114,9 @@ CASES: dict[str, list[str]] = {
     # the out-of-core server (one participant per client rank, so 2 a round) beside per-client state
     "scaffold_fedbn_out_of_core": [*BN, *SCAFFOLD, "model.local=['*bn*']", *OUT_OF_CORE],
     "ditto_feddyn_out_of_core": [*FEDDYN, "train.ditto_lambda=0.3", *OUT_OF_CORE, *FEDERATED_EVAL],
+    # the chain hands the out-of-core server one stream: 4 groups on 2 client ranks and on 4, resumed on 3
+    "chain_out_of_core_scaffold_groups": [*SCAFFOLD, "server.state=disk", "eval.every=0", "clients.groups=4",
+                                          "transport.reduce=chain"],
     # privacy beyond DP-FedAvg's fixed clip, and virtual time's sampling beside SCAFFOLD
     "local_dp_fedper": ["privacy.mode=local", "strategy.update=delta", "model.local=['3.*']"],
     "dp_adaptive_clip": ["privacy.mode=central", "privacy.adaptive_clip=true", "privacy.count_noise=1.0",

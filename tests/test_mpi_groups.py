@@ -77,6 +77,22 @@ def test_out_of_core_server_takes_many_clients_per_rank_with_groups(tmp_path):
     assert_bitwise(disk, memory)
 
 
+def test_the_out_of_core_server_takes_several_groups_per_rank_along_a_chain_and_resumes_on_another_count(tmp_path):
+    """The chain hands the server one stream, however many groups each rank holds: G is no longer tied to the
+    number of client ranks, so an out-of-core run can go on on another number of ranks, bitwise."""
+    grouped = ("clients.groups=4", "server.state=disk", "transport.reduce=chain", "transport.chunk_mb=0.00095")
+    memory = run(tmp_path, "memory", 3, "clients.groups=4")  # point-to-point, in memory
+    assert_bitwise(run(tmp_path, "disk", 3, *grouped), memory)
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    first = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "resumed"), *grouped, "rounds=1",
+                    timeout=MPI_TIMEOUT)
+    assert first.returncode == 0, first.stderr
+    rest = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "resumed"), "--resume", *grouped,
+                   timeout=MPI_TIMEOUT)  # 3 client ranks now: groups 0 and 3 on rank 1
+    assert rest.returncode == 0, rest.stderr
+    assert_bitwise({n: t.float().numpy() for n, t in load_tensors(tmp_path / "resumed" / "model.h5").items()}, memory)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (("clients.groups=2", "strategy.name=median"), "clients.groups: strategy 'median' needs every participant"),
     (("clients.groups=2", "strategy.wire_dtype=bfloat16"), "strategy.wire_dtype: with clients.groups"),

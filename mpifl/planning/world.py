@@ -69,9 +69,10 @@ def world_problem(size: int, cfg: Config) -> str | None:
         return (f"clients.groups={groups} < {hosts} {unit}: a group lives on one client rank, so "
                 f"{hosts - groups} would idle; launch at most {ranks_for(groups)} ranks or raise "
                 "clients.groups")
-    if cfg.server.state == "disk" and groups and groups > hosts:
+    if cfg.server.state == "disk" and groups and groups > hosts and cfg.transport.reduce != "chain":
         return (f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "
-                f"> {hosts} {unit}: launch {ranks_for(groups)} ranks or set clients.groups={hosts}")
+                f"> {hosts} {unit}: launch {ranks_for(groups)} ranks, set clients.groups={hosts}, or add the "
+                "groups' sums along a chain into one stream (transport.reduce='chain')")
     if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > hosts:
         return (f"server.state='disk' streams one participant per client rank, but "
                 f"{cfg.clients_per_round()} clients per round > {hosts} {unit}: launch "
