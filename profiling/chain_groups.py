@@ -17,7 +17,6 @@ its direct run, bit for bit (checked). Run from the repository root, on a quiet 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
@@ -25,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import h5py
-import numpy as np
+from combinations import digest  # every tensor of the final model (and kept per-client vectors: none here)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -51,15 +49,6 @@ def figures(run_dir: Path) -> dict[str, float]:
             "return s": statistics.median(r["time"]["return"] for r in records),
             "server MB in": records[-1]["bytes_received"] / 1e6,
             "client peak MB": max(r["client_peak_rss_bytes"] for r in records) / 1e6}
-
-
-def digest(run_dir: Path) -> str:
-    """SHA-256 of every tensor of the final model."""
-    h = hashlib.sha256()
-    with h5py.File(run_dir / "model.h5", "r") as f:
-        for name in sorted(f["model"]):
-            h.update(np.ascontiguousarray(f["model"][name][()]).tobytes())
-    return h.hexdigest()[:16]
 
 
 def main() -> int:

@@ -95,7 +95,7 @@ class ClientRank:
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
         self.chain_slots: list[np.ndarray] | None = None  # transport.reduce=chain: the running sum's receive ring
-        self.chain_spares: list[list[np.ndarray]] = []  # chain: where a rank's earlier groups' sums wait
+        self.chain_free: list[np.ndarray] = []  # chain: host bytes for a group sum, free until the next round's
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.clip: float | None = None  # DP: this round's L2 bound
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
@@ -222,24 +222,24 @@ class ClientRank:
         Each addition is ``running += own``, the fold the server would do with the groups' sums arriving point
         to point in group order, so the chain gives the bits of point-to-point groups on any number of ranks.
         A group without a usable update is left out. A rank with k groups keeps k sums until the chain has
-        passed (k - 1 host buffers beside the group sum's own, reused round to round)."""
+        passed: each earlier group's sum is handed over in place, the next forming in spare host bytes (k - 1
+        buffers beside the group sum's own, reused round to round)."""
         assert self.group_sum is not None  # serve_round chains only with clients.groups
         assert header.reduce_stream is not None  # serve_round chains only for a header with a stream id
         members = group_members(header.clients, self.parts.groups, header.groups)
         metas: dict[int, tuple[protocol.UpdateMeta, ...]] = {}
         sums: dict[int, list[np.ndarray]] = {}
+        handed: list[np.ndarray] = []  # the bytes of the sums kept aside, free again once the chain has passed
         trained = 0
         for i, (group, clients) in enumerate(members):
             metas[group] = self._sum_clients(header.round, clients, keep, first=trained == 0)
             trained += len(clients)
-            own = self.group_sum.to_host()
-            if i + 1 < len(members):  # the group sum's buffer takes the next group: keep this one aside
-                while len(self.chain_spares) <= i:
-                    self.chain_spares.append(self.group_sum.spare())
-                for kept, chunk in zip(self.chain_spares[i], own):
-                    np.copyto(kept, chunk)
-                own = self.chain_spares[i]
-            sums[group] = own
+            if i + 1 < len(members):  # keep this sum as it is; the next group's forms in spare bytes
+                spare = self.chain_free.pop() if self.chain_free else host_bytes(len(self.group_sum.buffer))
+                kept, sums[group] = self.group_sum.hand_over(spare)
+                handed.append(kept)
+            else:
+                sums[group] = self.group_sum.to_host()
         hops = header.chain
         missing = sorted({g for hop in hops for g in hop.groups} ^ set(metas))
         if missing:
@@ -264,7 +264,8 @@ class ClientRank:
         sizes = [len(b) for b in next(iter(sums.values()))]
         if self.chain_slots is None:
             self.chain_slots = [host_bytes(max(sizes)) for _ in range(self.parts.plan.inflight)]
-        pass_on(self.comm, hops, (reduce, reduce, update), self.chain_slots, sizes, combine)
+        pass_on(self.comm, hops, (reduce, update), self.chain_slots, sizes, combine)
+        self.chain_free.extend(handed)
 
     def _chain_metas(self, header: protocol.RoundHeader,
                      metas: dict[int, tuple[protocol.UpdateMeta, ...]]) -> list[bool]:

@@ -27,16 +27,21 @@ class GroupSum:
     """
 
     def __init__(self, source: FlatModel, plan: ExchangeLayout, separate: bool = False):
-        self.source, self.chunks = source, plan.chunks
-        layout = plan.wire if plan.codec is None else fp32_chunks(plan.chunks)  # compressed: quantized after
-        self.layout = layout
-        self.buffer = host_bytes(layout[-1].offset + layout[-1].nbytes)
-        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in layout]
-        host = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
-        self.sums = [torch.empty_like(h, device=source.device) for h in host] if separate else host
-        self.host_sums = host
+        self.source, self.chunks, self.separate = source, plan.chunks, separate
+        self.layout = plan.wire if plan.codec is None else fp32_chunks(plan.chunks)  # compressed: quantized after
+        self._use(host_bytes(self.layout[-1].offset + self.layout[-1].nbytes))
+        if separate:
+            self.sums = [torch.empty_like(h, device=source.device) for h in self.host_sums]
         self.scratch: torch.Tensor | None = None
         self.count = 0
+
+    def _use(self, buffer: np.ndarray) -> None:
+        """Keep the sum's host bytes in ``buffer``: the sum itself, or (``separate``) its copy from the device."""
+        self.buffer = buffer
+        self.buffers = [buffer[w.offset:w.offset + w.nbytes] for w in self.layout]
+        self.host_sums = [torch.from_numpy(b).view(torch.float32) for b in self.buffers]
+        if not self.separate:
+            self.sums = self.host_sums
 
     def reset(self) -> None:
         """Start a new group."""
@@ -55,11 +60,13 @@ class GroupSum:
             self.scratch = torch.empty(x.numel(), dtype=acc.dtype, device=acc.device)
         return self.scratch
 
-    def spare(self) -> list[np.ndarray]:
-        """Fresh host bytes laid out like ``buffers``: where a finished sum waits while the next group's forms
-        (the chain reduction, with several groups on a rank)."""
-        buffer = host_bytes(len(self.buffer))
-        return [buffer[w.offset:w.offset + w.nbytes] for w in self.layout]
+    def hand_over(self, spare: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The finished sum on the host, handed over without a copy: its bytes, and the same bytes by chunk as
+        ``to_host`` gives them. The next group's sum forms in ``spare``, host bytes of ``len(buffer)``: so the
+        chain reduction keeps a rank's earlier groups' sums while the next one forms."""
+        handed = self.buffer, self.to_host()
+        self._use(spare)
+        return handed
 
     def to_host(self) -> list:
         """The sum's bytes on the host, ready to send (one device-to-host copy when it lives on a device)."""

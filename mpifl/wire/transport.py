@@ -213,14 +213,14 @@ def relay_chunks(comm: MPI.Comm, parent: int, children: Sequence[int], tag: int,
     wait_all(sent)
 
 
-def pass_on(comm: MPI.Comm, hops: Sequence[protocol.ChainHop], tags: tuple[int, int, int],
+def pass_on(comm: MPI.Comm, hops: Sequence[protocol.ChainHop], tags: tuple[int, int],
             slots: Sequence[np.ndarray], sizes: Sequence[int],
             combine: Callable[[int, int, np.ndarray | None], np.ndarray]) -> None:
     """Play ``hops``, this rank's part of a pipelined chain, every chunk passed on as soon as it lands. For each
     chunk j, and within it each hop h in the chain's order: receive chunk j of the running stream from
     ``hops[h].source`` (tag ``tags[0]``; nothing where the hop starts the chain) into a ring of ``slots``, turn it
-    into what to send with ``combine(j, h, received)`` and send that to ``hops[h].dest`` (tag ``tags[1]``, or
-    ``tags[2]`` to the server).
+    into what to send with ``combine(j, h, received)`` and send that to ``hops[h].dest`` (the same tag, or
+    ``tags[1]`` to the server).
 
     The (chunk, hop) order is what lets one rank hold several hops without deadlock: chunk j of a hop waits only
     on chunk j of the hop before it, which its rank reaches before any later (chunk, hop), and a receive is
@@ -247,7 +247,7 @@ def pass_on(comm: MPI.Comm, hops: Sequence[protocol.ChainHop], tags: tuple[int, 
             wait(request)
             wake(comm, hop.source)
         out = combine(j, h, received)
-        sent = comm.Isend([out, MPI.BYTE], dest=hop.dest, tag=tags[2] if hop.dest == protocol.SERVER else tags[1])
+        sent = comm.Isend([out, MPI.BYTE], dest=hop.dest, tag=tags[1] if hop.dest == protocol.SERVER else tags[0])
         wake(comm, hop.dest)
         wait(sent)  # the later receives progress meanwhile
         if hop.source is not None:  # its slot is free again: it takes the incoming chunk ``ring`` places on
