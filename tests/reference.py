@@ -459,6 +459,13 @@ class LocalTensors:
                                np.ones(1, np.float32)])
 
 
+def once_per_step(term: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """A regulariser's gradient as one backward pass adds it: its 1/A share with train.grad_accum_steps = A
+    passes per optimizer step (each micro-batch's loss is divided by A), so that each step holds it once."""
+    steps = cfg.train.grad_accum_steps
+    return term.div_(steps) if steps > 1 else term
+
+
 class DittoModels:
     """Ditto's personal models (Li et al. 2021, Algorithm 1) beside any rule for the global model in a reference:
     before a sampled client trains the global model, it trains its personal model v (the round's global model the
@@ -481,7 +488,8 @@ class DittoModels:
             self.flat.frozen.copy_(self.models[client][1])
         else:
             self.flat.buffer.copy_(start)
-        hooks = [p.register_hook(lambda grad, p=p, w=old[n]: grad + (p.detach() - w).mul_(lam).sub_(0.0))
+        hooks = [p.register_hook(lambda grad, p=p, w=old[n]: grad + once_per_step((p.detach() - w).mul_(lam).sub_(0.0),
+                                                                                    self.cfg))
                  for n, p in self.params]
         self.trainer.train(self.flat.module, data, personal_seed(self.cfg.seed, rnd, client))
         for hook in hooks:
@@ -578,7 +586,8 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
                 local.load(client)
                 g_i = g.get(client) or {name: torch.zeros(p.shape) for name, p in params}
                 hooks = [p.register_hook(lambda grad, p=p, x=old[name], s=g_i[name]:
-                                         grad + (p.detach() - x).mul_(alpha).sub_(s)) for name, p in params]
+                                         grad + once_per_step((p.detach() - x).mul_(alpha).sub_(s), cfg))
+                         for name, p in params]
                 trainer.train(flat.module, client_data(dataset, parts[client]), client_seed(cfg.seed, rnd, client))
                 for hook in hooks:
                     hook.remove()

@@ -92,6 +92,25 @@ def test_per_client_state_lives_on_the_group_leaders_when_a_client_spans_ranks()
     assert client_state_plan(single, elements=100, client_ranks=8) == [([1, 2, 3, 4, 5, 6, 7, 8], 1, "RAM")]
 
 
+def test_a_group_leaders_memory_counts_the_clients_it_hosts_once_whatever_ranks_per_client():
+    """64 SCAFFOLD clients on 8 client ranks in groups of 2: 4 leaders host 16 clients each. The leader's figure
+    holds 16 control variates in RAM, as the printed row says, and the RAM/HDF5 choice is the row's."""
+    from mpifl.planning.memory import ModelBytes, client_bytes, client_state_elements
+
+    size = ModelBytes(exchanged=4 * MIB, frozen=0, parameters=2**20, control=4 * MIB)
+    def scaffold(ram_mb: float):
+        return load_config(None, data={"strategy": {"name": "scaffold", "update": "delta", "control_ram_mb": ram_mb},
+                                       "clients": {"num_clients": 64, "ranks_per_client": 2}})
+    elements = client_state_elements(scaffold(100), size)
+    vector = 4 * elements
+    assert client_state_plan(scaffold(100), elements, client_ranks=8) == [([1, 3, 5, 7], 16, "RAM")]
+    in_ram, on_disk = client_bytes(scaffold(100), size, 4), client_bytes(scaffold(0), size, 4)  # 4 groups
+    assert in_ram - on_disk == 16 * vector
+    between = 24 * vector / MIB  # room for 16 vectors and not for 32: RAM, as the row says
+    assert client_state_plan(scaffold(between), elements, client_ranks=8)[0][2] == "RAM"
+    assert client_bytes(scaffold(between), size, 4) == in_ram
+
+
 def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs():
     data = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=False)
     assert server_data_bytes(data) == 108 * MIB

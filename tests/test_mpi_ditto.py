@@ -39,7 +39,9 @@ def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
     (4, ("clients.groups=3",)),  # the groups' partial sums of the global updates
     (4, ("train.personal_ram_mb=0", "strategy.update=weights")),  # personal models in one HDF5 file per rank
     (3, ("train.device_copy=true",)),  # the GPU path's copies on the CPU: v_i trained on the replica
-], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "personal-on-disk", "device-replica"])
+    (3, ("train.grad_accum_steps=2", "train.batch_size=8")),  # two backward passes a step, lambda (v - w) once
+], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "personal-on-disk", "device-replica",
+        "gradient-accumulation"])
 def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
     (final, personal), (want_final, want_personal) = run_result(ran(tmp_path, CONFIG, ranks, *overrides)), reference(
         *overrides)

@@ -41,7 +41,9 @@ def reference(*overrides: str) -> dict[str, np.ndarray]:
     (4, ("clients.groups=3",)),  # the groups' partial sums of the deltas
     (4, ("strategy.control_ram_mb=0", "server.state=disk", "clients.per_round=3")),  # g_i and h on disk
     (3, ("train.device_copy=true",)),  # the GPU path's copies on the CPU: g_i and the regulariser on the replica
-], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "on-disk", "device-replica"])
+    (3, ("train.grad_accum_steps=2", "train.batch_size=8")),  # two backward passes a step, the term once a step
+], ids=["2-client-ranks", "4-client-ranks-tiny-chunks", "reduction-groups", "on-disk", "device-replica",
+        "gradient-accumulation"])
 def test_feddyn_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_ranks(tmp_path, ranks, overrides):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
@@ -70,6 +72,15 @@ def test_the_dynamic_regulariser_adds_alpha_times_the_drift_minus_the_gradient_s
         (3 * w).sum().backward()
     # 3 + 0.25 * (w - x) - g_i = 3 + (0.25, -0.5) - (0.5, -0.5)
     assert torch.equal(w.grad, torch.tensor([2.75, 3.0]))
+
+
+def test_with_gradient_accumulation_the_regulariser_counts_once_per_optimizer_step():
+    w = torch.nn.Parameter(torch.tensor([2.0, -1.0]))
+    anchor, state = torch.tensor([1.0, 1.0]), torch.tensor([0.5, -0.5])
+    with dynamic_regularizer([w], [anchor], [state], alpha=0.25, backwards_per_step=2):
+        for _ in range(2):  # two micro-batches, each loss divided by 2 as the trainer does
+            ((3 * w).sum() / 2).backward()
+    assert torch.equal(w.grad, torch.tensor([2.75, 3.0]))  # what one backward pass of the whole batch gives
 
 
 @pytest.mark.parametrize("overrides,message", [

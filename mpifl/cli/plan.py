@@ -154,7 +154,8 @@ def plan_main(args: argparse.Namespace) -> int:
             f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
         print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
               f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
-    loans = loaned_vectors(cfg, ranks, client_state_plan(cfg, state_elements, ranks)[0][2]) if state else 0
+    host_count = ranks // per_client  # a group of ranks hosts its clients as one rank
+    loans = loaned_vectors(cfg, host_count, client_state_plan(cfg, state_elements, ranks)[0][2]) if state else 0
     if loans:
         print(f"  clients.placement per_round: each client's state stays on its home rank (1 + c mod {ranks}) and is "
               f"lent to the rank that trains it for the round; up to {loans} whole vectors "

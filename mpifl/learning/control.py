@@ -117,13 +117,22 @@ def corrected_steps(params: Sequence[nn.Parameter], corrections: Sequence[torch.
 
 @contextlib.contextmanager
 def dynamic_regularizer(params: Sequence[nn.Parameter], anchors: Sequence[torch.Tensor],
-                        states: Sequence[torch.Tensor], alpha: float) -> Iterator[None]:
+                        states: Sequence[torch.Tensor], alpha: float, backwards_per_step: int = 1) -> Iterator[None]:
     """While inside, every gradient of ``params[k]`` gains alpha (y - anchors[k]) - states[k]: the gradient of
     FedDyn's -<g_i, y> + alpha/2 ||y - x||^2 (Acar et al. 2021), part of the objective, so it goes through the
-    optimizer's momentum like the loss's own gradient."""
+    optimizer's momentum like the loss's own gradient.
+
+    A hook fires on every backward pass. With ``train.grad_accum_steps`` = A passes per optimizer step, each
+    adds 1/A of the term, as the trainer divides each micro-batch's loss by A: the step's gradient then holds
+    the regulariser's once, not A times."""
+    if backwards_per_step < 1:
+        raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
+
     def hook(k: int):
         p, x, g = params[k], anchors[k], states[k]
-        return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g)).to(grad.dtype)
+        if backwards_per_step == 1:
+            return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g)).to(grad.dtype)
+        return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g).div_(backwards_per_step)).to(grad.dtype)
 
     handles = [p.register_hook(hook(k)) for k, p in enumerate(params)]
     try:

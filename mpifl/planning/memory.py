@@ -227,7 +227,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     if not on_gpu:  # on a GPU they live beside the replica (client_device_bytes)
         client += state_rule_bytes(cfg, size)
     state_elements = client_state_elements(cfg, size)
-    state = client_state_plan(cfg, state_elements, client_ranks)
+    state = client_state_plan(cfg, state_elements, client_ranks * cfg.clients.ranks_per_client)  # counts ranks
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
         client += state[0][1] * 4 * state_elements
     return client + 4 * state_elements * loaned_vectors(cfg, client_ranks, state[0][2] if state else "RAM")

@@ -97,9 +97,9 @@ class GroupDynamics:
     alpha (y - x) - g_i to its gradients (y is the same on every rank of the group), so DDP's average carries it
     unchanged, as on one rank."""
 
-    def __init__(self, flat: FlatModel, alpha: float):
+    def __init__(self, flat: FlatModel, alpha: float, backwards_per_step: int = 1):
         self.params = [p for _, p in trainable(flat.module, flat.local)]
-        self.flat, self.alpha = flat, alpha
+        self.flat, self.alpha, self.backwards_per_step = flat, alpha, backwards_per_step
         self.vector = torch.empty(sum(p.numel() for p in self.params), device=flat.device)
         self.global_copy = torch.empty_like(flat.buffer)
 
@@ -107,7 +107,8 @@ class GroupDynamics:
         """Train inside the received client's regulariser, anchored at the global model just received."""
         self.global_copy.copy_(self.flat.buffer)
         anchors = self.flat.views_in(self.params, self.global_copy)
-        return dynamic_regularizer(self.params, anchors, split(self.vector, self.params), self.alpha)
+        return dynamic_regularizer(self.params, anchors, split(self.vector, self.params), self.alpha,
+                                   self.backwards_per_step)
 
 
 class ClientDynamics:
@@ -116,9 +117,10 @@ class ClientDynamics:
     the global x, its objective is L_i(y) - <g_i, y> + alpha/2 ||y - x||^2, so every gradient gains
     alpha (y - x) - g_i; afterwards g_i -= alpha (y - x)."""
 
-    def __init__(self, flat: FlatModel, store: ResidualStore, alpha: float):
+    def __init__(self, flat: FlatModel, store: ResidualStore, alpha: float, backwards_per_step: int = 1):
+        """``backwards_per_step``: train.grad_accum_steps, the backward passes that make one optimizer step."""
         self.params = [p for _, p in trainable(flat.module, flat.local)]
-        self.flat, self.store, self.alpha = flat, store, alpha
+        self.flat, self.store, self.alpha, self.backwards_per_step = flat, store, alpha, backwards_per_step
         # the training client's g_i, on the device of the model that trains
         self.states = torch.empty(sum(p.numel() for p in self.params), device=flat.device)
 
@@ -132,7 +134,8 @@ class ClientDynamics:
         """Train ``client`` inside its dynamic regulariser."""
         self.states.copy_(self.store.read(client, 0))  # a disk store's read is a scratch
         states = split(self.states, self.params)
-        with dynamic_regularizer(self.params, self.flat.views_in(self.params, global_bytes), states, self.alpha):
+        with dynamic_regularizer(self.params, self.flat.views_in(self.params, global_bytes), states, self.alpha,
+                                 self.backwards_per_step):
             yield
 
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:

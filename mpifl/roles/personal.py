@@ -92,8 +92,8 @@ class GroupPersonalModels:
     sends, with the group, regularised towards the global w sent beside it, then take w back. The leader keeps
     every v_i (``PersonalModels``); a member keeps none."""
 
-    def __init__(self, flat: FlatModel, lam: float):
-        self.flat, self.lam = flat, lam
+    def __init__(self, flat: FlatModel, lam: float, backwards_per_step: int = 1):
+        self.flat, self.lam, self.backwards_per_step = flat, lam, backwards_per_step
         self.params = [p for _, p in trainable(flat.module)]
         self.zeros = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # Ditto has no linear term
                       for p in self.params]
@@ -103,7 +103,7 @@ class GroupPersonalModels:
         """v_i is in the model and w in ``global_copy`` (both just received): update v_i, then restore w."""
         anchors = self.flat.views_in(self.params, self.global_copy)
         try:
-            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam):
+            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
                 trainer.train(self.flat.module, data, seed)
         finally:
             self.flat.buffer.copy_(self.global_copy)
@@ -128,8 +128,9 @@ class PersonalModels:
     """
 
     def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float,
-                 with_local: bool = False):
+                 with_local: bool = False, backwards_per_step: int = 1):
         self.flat, self.chunks, self.store, self.trainer, self.lam = flat, chunks, store, trainer, lam
+        self.backwards_per_step = backwards_per_step  # train.grad_accum_steps: Ditto's term once per step
         # called with (client, seed, w) once v_i is in the model, before it trains: a group's leader
         # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
         self.starting: Callable[[int, int, torch.Tensor], None] | None = None
@@ -157,7 +158,7 @@ class PersonalModels:
         try:
             if self.starting is not None:
                 self.starting(client, seed, global_bytes)
-            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam):
+            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
                 self.trainer.train(self.flat.module, data, seed)
             metrics = evaluate() if evaluate is not None else {}
             views = [self.flat.chunk_view(c) for c in self.chunks]

@@ -252,12 +252,12 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         if vectors is not None and cfg.control_variates:
             controls = ClientControls(work, vectors, cfg.train.lr)
         elif vectors is not None and cfg.strategy.name == "feddyn":
-            controls = ClientDynamics(work, vectors, cfg.strategy.alpha)
+            controls = ClientDynamics(work, vectors, cfg.strategy.alpha, cfg.train.grad_accum_steps)
         personal = PersonalTensors(work, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
         models = None
         if personal_store is not None and cfg.train.ditto_lambda:
             models = PersonalModels(work, plan.chunks, personal_store, make_trainer(cfg.train), cfg.train.ditto_lambda,
-                                    with_local=bool(cfg.model.local))
+                                    with_local=bool(cfg.model.local), backwards_per_step=cfg.train.grad_accum_steps)
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
                          residuals=vectors if cfg.error_feedback else None, state=state,
                          controls=controls, personal=personal, personal_models=models, note=notes, group=group)
@@ -476,8 +476,9 @@ def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappi
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
     state = GroupCorrections(work) if cfg.control_variates else \
-        GroupDynamics(work, cfg.strategy.alpha) if cfg.strategy.name == "feddyn" else None
-    personal = GroupPersonalModels(work, cfg.train.ditto_lambda) if cfg.train.ditto_lambda else None
+        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if cfg.strategy.name == "feddyn" else None
+    personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
+        if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)
     _reuse_freed_memory(cfg)
     member.run()
