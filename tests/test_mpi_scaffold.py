@@ -131,6 +131,8 @@ def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
     (("compression.method=int8",), "compression.method: a compressed update"),
     (("clock.mode=fedbuff",), "clock.mode: 'fedbuff' applies stale updates"),
     (("train.trainer=fl_helpers:SteppingNoiseTrainer",), "train.trainer: strategy 'scaffold'"),
+    (("strategy.wire_dtype=bfloat16",), "strategy.wire_dtype: a bfloat16 update loses low bits"),
+    (("clients.accept_failures=true", "timeouts.straggler=30"), "timeouts.straggler: a rank dropped past it"),
 ])
 def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -158,3 +160,19 @@ def test_a_client_whose_training_diverged_keeps_its_control_variate():
         next(flat.module.parameters())[0, 0] = float("nan")  # a diverged one
     controls.update(7, keep, steps=2, weight=1.0)
     assert torch.equal(controls.store.read(7, 0), kept)
+
+
+@pytest.mark.parametrize("name,drops", [("scaffold", False), ("feddyn", False), ("fedavg", True)])
+def test_under_accept_failures_a_slow_rank_is_dropped_only_where_no_client_state_must_match_the_servers(name, drops):
+    """A dropped rank does not know it was dropped: SCAFFOLD's c_i or FedDyn's g_i would move and the server's c or
+    h would not. So those runs drop failing clients only, and wait for a slow rank (its deadline ends the job)."""
+    from mpifl.aggregation.strategies import make_strategy
+    from mpifl.roles.runner import _straggler_rule
+
+    overrides = ["clients.accept_failures=true", f"strategy.name={name}", "strategy.update=delta"]
+    if name == "feddyn":
+        overrides.append("strategy.weighting=equal")
+    cfg = load_config(None, overrides)
+    assert (_straggler_rule(cfg, make_strategy(cfg.strategy)) is not None) == drops
+    assert _straggler_rule(load_config(None, [f"strategy.name={name}", *overrides[2:]]),
+                           make_strategy(cfg.strategy)) is None  # without accept_failures nothing is dropped

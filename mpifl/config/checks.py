@@ -139,6 +139,15 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     if cfg.compression.method != "none":
         return (f"compression.method: a compressed update would lose parts of the delta that the client has "
                 f"already folded into its own {state}; {why}: set compression.method='none'")
+    if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype not in ("bfloat16", "float16"):
+        return (f"strategy.wire_dtype: a {cfg.strategy.wire_dtype} update loses low bits of the delta that the client "
+                f"has already folded into its own {state} at full precision, so the server's state drifts from the "
+                f"clients'; {why}: unset strategy.wire_dtype")
+    if cfg.clients.accept_failures and cfg.timeouts.straggler is not None:
+        return (f"timeouts.straggler: a rank dropped past it would not know, and would already have folded its "
+                f"clients' deltas into their {state}, which the server then never sums; {why}, so under "
+                "clients.accept_failures only failing clients are dropped and a slow rank ends the job at its "
+                "deadline: unset timeouts.straggler")
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
                 "rounds: choose clock.mode 'off' or 'sync'")

@@ -42,7 +42,8 @@ class ClientsConfig:
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                     "with client, rank and reason) instead of aborting the job; so are the rest "
                                     "of a round's clients on a rank still training past its deadline "
-                                    "(timeouts.first_update, timeouts.straggler)")
+                                    "(timeouts.first_update, timeouts.straggler), except under SCAFFOLD and FedDyn, "
+                                    "whose clients' state must match the server's: there a slow rank ends the job")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "

@@ -573,7 +573,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                         evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
                         privacy=privacy,
                         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
-                        stragglers=StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None,
+                        stragglers=_straggler_rule(cfg, strategy),
                         floor=floor, lends_state=cfg.lends_client_state)
     try:
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
@@ -625,6 +625,21 @@ def _score(cfg: Config, flat: FlatModel, dataset: Dataset) -> Callable[[], dict]
 def _evaluator(cfg: Config) -> Evaluator:
     """The held-out scorer: perplexity for transformers LMs, accuracy and the training loss otherwise."""
     return make_evaluator(cfg.eval, cfg.train.loss, language_model=cfg.model.name == "transformers")
+
+
+def _straggler_rule(cfg: Config, strategy: Strategy) -> StragglerRule | None:
+    """clients.accept_failures: when a rank still training is dropped from its round. Never under a strategy whose
+    clients keep state matched by the server's (Capabilities.client_state: SCAFFOLD's c_i and c, FedDyn's g_i and
+    h): a dropped rank does not know it was dropped and has already folded its clients' deltas into their state,
+    which the server then never sums. Such a rank is waited for; past its deadline it ends the job."""
+    if not cfg.clients.accept_failures:
+        return None
+    if strategy.capabilities.client_state:
+        log(f"clients.accept_failures: a failing client is dropped from its round, but a slow rank is not: strategy "
+            f"{cfg.strategy.name!r} keeps a vector per client that the server's state must match (a rank past "
+            "its deadline ends the job, the last round on disk)", rank=0)
+        return None
+    return StragglerRule(cfg.timeouts.straggler)
 
 
 def _strategy(cfg: Config) -> Strategy:
