@@ -54,7 +54,8 @@ def tracker_problem(names: Sequence[str]) -> str | None:
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """A round's record as flat scalars keyed by path (``eval/accuracy``, ``time/dispatch``, ``ranks/1/clients``,
     ``privacy/epsilon``). The round is the step, not a scalar; text and None are left out; a list counts its
-    items (``participants``, ``dropped``), except the memory warnings, keyed by the rank kind they warn of."""
+    items (``participants``, ``dropped``), except the memory warnings, keyed by the reading that grew
+    (``memory_warning/client_peak_rss_bytes/growth_bytes``): a client rank's RSS and its GPU memory may both warn."""
     out: dict[str, float] = {}
 
     def walk(value: Any, key: str) -> None:
@@ -65,7 +66,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
                 walk(item, f"{key}/{inner}")
         elif isinstance(value, (list, tuple)) and key == "memory_warning":
             for warning in value:
-                walk({k: v for k, v in warning.items() if k != "rank"}, f"{key}/{warning['rank']}")
+                walk({k: v for k, v in warning.items() if k not in ("rank", "signal")}, f"{key}/{warning['signal']}")
         elif isinstance(value, (list, tuple)):
             out[key] = float(len(value))
 

@@ -1,5 +1,6 @@
 """Sampling, placement and seeds: pure functions of the config, never of the rank count."""
 import numpy as np
+import pytest
 import torch
 
 from mpifl.learning.datasets import digits, synthetic
@@ -81,6 +82,16 @@ def test_validation_split_is_seeded_disjoint_and_optional():
     assert np.array_equal(val, split_validation(idx, 0.2, seed=0, client=3)[1])
     assert not np.array_equal(val, split_validation(idx, 0.2, seed=0, client=4)[1])
     assert len(split_validation(idx, 0.0, seed=0, client=3)[1]) == 0
+
+
+@pytest.mark.parametrize("samples,fraction,held_out", [(2, 0.75, 1), (2, 0.9, 1), (3, 0.9, 2), (10, 0.9, 9),
+                                                        (1, 0.9, 0), (4, 0.1, 1)])
+def test_a_validation_split_holds_out_at_least_one_sample_and_always_leaves_one_to_train_on(samples, fraction,
+                                                                                            held_out):
+    from mpifl.learning.partitions import split_validation
+
+    train, val = split_validation(np.arange(samples), fraction, seed=0, client=0)
+    assert len(val) == held_out and len(train) == samples - held_out
 
 
 def test_partition_table_shows_samples_and_label_counts_per_client():

@@ -59,8 +59,18 @@ def test_a_record_flattens_to_scalars_keyed_by_path_with_the_round_as_step():
     assert flat["server_peak_rss_bytes"] == 400.0 and flat["client_peak_rss_bytes"] == 500.0
     assert flat["privacy/epsilon"] == 1.25
     assert flat["participants"] == 3.0 and flat["dropped"] == 1.0  # lists count their items
-    assert flat["memory_warning/server/growth_bytes"] == 100.0  # keyed by the rank kind it warns of
-    assert "memory_warning/server/signal" not in flat  # text is left out
+    assert flat["memory_warning/server_rss_bytes/growth_bytes"] == 100.0  # keyed by the reading that grew
+    assert not any(k.endswith(("/signal", "/rank")) for k in flat)  # text is left out
+
+
+def test_a_client_ranks_rss_and_gpu_warnings_in_one_round_both_reach_the_trackers():
+    warning = {"rank": "client", "from_round": 1, "to_round": 6, "rises": 5, "growth_fraction": 0.5,
+               "per_round_bytes": 20}
+    flat = scalars({"round": 6, "memory_warning": [{**warning, "signal": "client_peak_rss_bytes", "growth_bytes": 100},
+                                                   {**warning, "signal": "client_peak_device_bytes",
+                                                    "growth_bytes": 300}]})
+    assert flat["memory_warning/client_peak_rss_bytes/growth_bytes"] == 100.0
+    assert flat["memory_warning/client_peak_device_bytes/growth_bytes"] == 300.0
     assert all(isinstance(v, float) for v in flat.values())
 
 

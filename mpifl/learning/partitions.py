@@ -133,12 +133,14 @@ def checked_partition(parts: list, num_samples: int, num_clients: int, where: st
 
 
 def split_validation(indices: np.ndarray, fraction: float, seed: int, client: int) -> tuple[np.ndarray, np.ndarray]:
-    """A client's (train, validation) indices: a seeded ``fraction`` held out (none when 0)."""
+    """A client's (train, validation) indices: a seeded ``fraction`` held out (none when 0), at least one and never
+    every sample, so that a client with 2 or more samples always has one to train on (a 2-sample client with
+    fraction 0.75 holds out 1, not 2)."""
     if fraction == 0 or len(indices) < 2:
         return indices, indices[:0]
     rng = np.random.default_rng(derive_seed(seed, PARTITION, client))
     order = rng.permutation(len(indices))
-    n_val = max(1, int(round(fraction * len(indices))))
+    n_val = min(len(indices) - 1, max(1, int(round(fraction * len(indices)))))
     return np.sort(indices[order[n_val:]]), np.sort(indices[order[:n_val]])
 
 

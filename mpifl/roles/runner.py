@@ -538,8 +538,6 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     score = None
     if dataset is not None and flat is not None:
         score = _score(cfg, flat, dataset)
-    trackers = _trackers(cfg, run_dir, start, history, resume is not None)
-    sink = JsonLines(run_dir / METRICS if run_dir else None, also=trackers)
     needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off"
     parts_ = _partition(cfg, dataset) if needs_sizes else None
     placement = _placement(cfg, parts_, comm.Get_size() - 1)
@@ -569,13 +567,16 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                 f"at delta {cfg.privacy.delta}", rank=0)
         except ImportError as err:
             raise JobFailure(str(err)) from None
-    parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
-                        evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
-                        privacy=privacy,
-                        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
-                        stragglers=_straggler_rule(cfg, strategy),
-                        floor=floor, lends_state=cfg.lends_client_state)
+    # opened last, so that no setup error above leaves a tracker's run open (MLflow's RUNNING, W&B's unfinished)
+    trackers = _trackers(cfg, run_dir, start, history, resume is not None)
+    sink = JsonLines(run_dir / METRICS if run_dir else None, also=trackers)
     try:
+        parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
+                            evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
+                            privacy=privacy,
+                            secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
+                            stragglers=_straggler_rule(cfg, strategy),
+                            floor=floor, lends_state=cfg.lends_client_state)
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
     finally:
