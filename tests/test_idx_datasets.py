@@ -108,6 +108,32 @@ def test_images_and_labels_that_differ_in_count_are_a_value_error_naming_both_fi
         idx(str(tmp_path))
 
 
+def test_labels_and_image_sizes_the_model_could_not_take_are_a_value_error_naming_the_file(tmp_path):
+    arrays = write_folder(tmp_path)
+    train_labels, test_images, test_labels = (tmp_path / NAMES["train"][1], tmp_path / NAMES["test"][0],
+                                              tmp_path / NAMES["test"][1])
+    negative = arrays["train"][1].astype(np.int32)
+    negative[7] = -1
+    write_idx(train_labels, negative)
+    with pytest.raises(ValueError, match=re.escape(f"{train_labels}: label -1 at index 7: class labels are 0, 1, 2")):
+        idx(str(tmp_path))
+    write_idx(train_labels, arrays["train"][1])
+    write_idx(test_images, np.zeros((20, 32, 32), dtype=np.uint8))  # a 32x32 test set beside 28x28 training images
+    with pytest.raises(ValueError, match=re.escape(f"{test_images}: (32, 32) images, but the training images are "
+                                                   "(28, 28)")):
+        idx(str(tmp_path))
+    write_idx(test_images, arrays["test"][0])
+    beyond = arrays["test"][1].copy()
+    beyond[3] = 12  # a class no training image has
+    write_idx(test_labels, beyond)
+    with pytest.raises(ValueError, match=re.escape(f"{test_labels}: label 12, but the training labels go up to 9")):
+        idx(str(tmp_path))
+    write_idx(test_images, np.zeros((0, 28, 28), dtype=np.uint8))
+    write_idx(test_labels, np.zeros(0, dtype=np.uint8))
+    with pytest.raises(ValueError, match=re.escape(f"{test_images}: no images")):
+        idx(str(tmp_path))
+
+
 def test_missing_files_show_at_config_check_time_with_the_install_hint(tmp_path, capsys):
     missing = tmp_path / "no-such-folder"
     problem = dataset_problem(data_config("fashion_mnist", {"path": str(missing)}))

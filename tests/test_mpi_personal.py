@@ -94,6 +94,15 @@ def test_local_patterns_that_name_nothing_or_everything_are_refused(patterns, me
                          num_classes=2)
 
 
+def test_local_patterns_that_name_every_trained_parameter_are_refused_though_statistics_would_travel():
+    """The built-in cnn has BatchNorm layers: with every weight and bias local only their running statistics
+    would travel, and the clients would learn nothing together."""
+    with pytest.raises(ConfigError, match=r"names every trained parameter of the model, so only 1\.running_mean, "
+                                          r"1\.running_var, 4\.running_mean, 4\.running_var would travel"):
+        build_flat_model(ModelConfig(name="cnn", local=["*.weight", "*.bias"]), 0, input_shape=(1, 8, 8),
+                         num_classes=10)
+
+
 def test_a_pattern_that_names_nothing_lists_the_models_tensors_and_its_batchnorm_layers():
     """The built-in cnn is an nn.Sequential: its BatchNorm layers are '1' and '4', not '*.bn*' as in models whose
     layers are named; the error says what the patterns could match and what FedBN would keep."""

@@ -93,6 +93,11 @@ def read_split(folder: Path, images_name: str, labels_name: str) -> tuple[torch.
         raise ValueError(f"{labels_path}: expected integer labels (N,), got {labels.dtype.name} {labels.shape}")
     if len(images) != len(labels):
         raise ValueError(f"{labels_path}: {len(labels)} labels for the {len(images)} images of {images_path}")
+    if len(labels) == 0:
+        raise ValueError(f"{images_path}: no images (the header says 0)")
+    if labels.min() < 0:
+        raise ValueError(f"{labels_path}: label {int(labels.min())} at index {int(labels.argmin())}: class labels "
+                         "are 0, 1, 2, ...")
     x = images.astype(np.float32)  # the one float copy; scaled in place
     x /= 255.0
     return torch.from_numpy(x).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
@@ -114,4 +119,12 @@ def read_folder(dataset: str, path: str) -> tuple[torch.Tensor, ...]:
     if problem:
         raise FileNotFoundError(problem)
     folder = Path(path).expanduser()
-    return (*read_split(folder, *SPLITS["train"]), *read_split(folder, *SPLITS["test"]))
+    (x_train, y_train), (x_test, y_test) = read_split(folder, *SPLITS["train"]), read_split(folder, *SPLITS["test"])
+    test_images, test_labels = (idx_file(folder, name) for name in SPLITS["test"])
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise ValueError(f"{test_images}: {tuple(x_test.shape[2:])} images, but the training images are "
+                         f"{tuple(x_train.shape[2:])}")
+    if int(y_test.max()) > int(y_train.max()):
+        raise ValueError(f"{test_labels}: label {int(y_test.max())}, but the training labels go up to "
+                         f"{int(y_train.max())}: the model has a class per training label")
+    return x_train, y_train, x_test, y_test

@@ -331,8 +331,18 @@ def local_patterns(cfg: ModelConfig, module: nn.Module) -> list[str]:
             fedbn = f". For FedBN, its BatchNorm layers are model.local={batchnorm!r}" if batchnorm else ""
             raise ConfigError(f"model.local: {pattern!r} matches no floating tensor of the model {cfg.name!r}; its "
                               f"tensors: {tensor_listing(module)}{fedbn}")
-    if cfg.local and all(any(fnmatch.fnmatchcase(n, p) for p in cfg.local) for n in names):
+    def local(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in cfg.local)
+
+    if cfg.local and all(local(n) for n in names):
         raise ConfigError(f"model.local: {cfg.local!r} names every tensor of the model: nothing would travel")
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    if cfg.local and trained and all(local(n) for n in trained):
+        shared = [n for n in names if not local(n)]
+        raise ConfigError(f"model.local: {cfg.local!r} names every trained parameter of the model, so only "
+                          f"{', '.join(shared[:4])}{', ...' if len(shared) > 4 else ''} would travel and the clients "
+                          "would learn nothing together; keep some trained layers out of model.local (FedPer makes "
+                          "only the head local, FedBN only the BatchNorm layers)")
     return list(cfg.local)
 
 
