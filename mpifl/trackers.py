@@ -103,7 +103,9 @@ class TensorBoardTracker:
     """Event files in ``<run dir>/tensorboard``; a resume adds a new file there and hides the steps after the
     checkpoint that an interrupted attempt logged (TensorBoard's purge step). Scalars are stored in float32."""
 
-    def __init__(self, logdir: Path, params: Mapping[str, Any], start_round: int):
+    def __init__(self, logdir: Path, params: Mapping[str, Any], start_round: int, purge_from: int | None = None):
+        """``purge_from``: the first step this launch writes, hiding what earlier event files hold from there on
+        (default: the round after ``start_round``)."""
         try:
             from tensorboardX import SummaryWriter
             from tensorboardX.summary import hparams
@@ -111,7 +113,10 @@ class TensorBoardTracker:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
         self.logdir = logdir
-        self.writer = SummaryWriter(str(logdir), purge_step=start_round + 1)
+        # the file is named by the second it opens and the host: a launch within the second of the one before
+        # would otherwise write over that launch's file
+        self.writer = SummaryWriter(str(logdir), purge_step=start_round + 1 if purge_from is None else purge_from,
+                                    filename_suffix=f".{secrets.token_hex(4)}")
         for summary in hparams(dict(params), {}):  # the HParams dashboard's experiment, session start and end
             self.writer.file_writer.add_summary(summary, start_round)
 
@@ -135,7 +140,9 @@ class MlflowTracker:
     ``resume.r<round>.<key>``. Metrics are stored exactly (float64)."""
 
     def __init__(self, store: Path, experiment: str, run_name: str, params: Mapping[str, Any], start_round: int,
-                 run_id: str | None):
+                 run_id: str | None, keep_through: int | None = None):
+        """``keep_through``: the last round of a continued run's metrics kept (default ``start_round``); the
+        caller logs the rounds after it again."""
         # mlflow 3 keeps the file store only on request; and it must not phone home from a compute node
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -147,10 +154,11 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=self.uri)
         values = {key: str(value)[:MLFLOW_VALUE_CHARS] for key, value in params.items()}
         run = self._kept_run(run_id) if run_id is not None else None
+        self.continued = run is not None  # False: a new run, which has none of the rounds before this launch
         if run is not None:
             self.run_id = run.info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
-            self._rewind(run.info.experiment_id, start_round)
+            self._rewind(run.info.experiment_id, start_round if keep_through is None else keep_through)
             before = run.data.params
             for key, value in values.items():
                 if key in before and before[key] != value:
@@ -298,6 +306,22 @@ def wandb_logged_steps(run_dir: Path, run_id: str) -> set[int]:
     return steps
 
 
+def replayed(kept: Sequence[dict], start_round: int, continued: bool) -> list[dict]:
+    """The kept records (``metrics.jsonl``'s, up to the checkpoint a resume starts from) that a resumed TensorBoard
+    or MLflow tracker logs again before its first round: every one for a tracker this run had not written to before
+    (added to output.trackers on the resume, or its files gone); else the checkpoint's own round, which a job killed
+    between saving the checkpoint and writing the record never logged (it replaces whatever was logged there)."""
+    if not continued:
+        return list(kept)
+    return [record for record in kept if int(record["round"]) == start_round]
+
+
+def log_records(tracker: Tracker, records: Sequence[dict], notes: Callable[[dict], list[str]] | None) -> None:
+    """Log ``records`` to ``tracker`` as the rounds themselves were."""
+    for record in records:
+        tracker.log(int(record["round"]), scalars(record), notes(record) if notes else [])
+
+
 def rounds_to_log_again(kept: Sequence[dict], logged: set[int]) -> list[dict]:
     """The kept records (``metrics.jsonl``'s, up to the checkpoint a resume starts from) that an offline W&B run
     lacks: those after the last round any earlier launch has on disk. Only those: ``wandb sync`` appends a launch's
@@ -366,19 +390,26 @@ def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mappin
     for tracker in names:
         try:
             if tracker == "tensorboard":
-                opened[tracker] = TensorBoardTracker(run_dir / "tensorboard", params, start_round)
+                logdir = run_dir / "tensorboard"
+                earlier = any(logdir.glob("events.out.tfevents.*"))
+                replay = replayed(kept, start_round, continued=earlier)
+                opened[tracker] = TensorBoardTracker(logdir, params, start_round,
+                                                     int(replay[0]["round"]) if replay else None)
+                log_records(opened[tracker], replay, notes)
             elif tracker == "mlflow":
+                last = replayed(kept, start_round, continued=True)
                 mlflow = MlflowTracker(run_dir / "mlruns", name, run_dir.name, params, start_round,
-                                       ids.get("mlflow", {}).get("run_id"))
+                                       ids.get("mlflow", {}).get("run_id"),
+                                       keep_through=int(last[0]["round"]) - 1 if last else None)
                 opened[tracker], ids["mlflow"] = mlflow, {"run_id": mlflow.run_id, "tracking_uri": mlflow.uri}
+                log_records(mlflow, last if mlflow.continued else list(kept), notes)
             elif tracker == "wandb":
                 known = ids.get("wandb", {})  # a resume keeps the run's id and project (the config's name may change)
                 run_id, project = known.get("id") or secrets.token_hex(6), known.get("project") or name
                 missing = rounds_to_log_again(kept, wandb_logged_steps(run_dir, run_id)) if known else []
                 opened[tracker] = WandbTracker(run_dir, project, config, run_id)
                 ids["wandb"] = {"id": run_id, "project": project}
-                for record in missing:
-                    opened[tracker].log(int(record["round"]), scalars(record), notes(record) if notes else [])
+                log_records(opened[tracker], missing, notes)
                 if missing:
                     rounds = range_list((int(r["round"]) for r in missing), ", ")
                     (warn or _stderr)(f"output.trackers: wandb: round(s) {rounds} were not in the offline log on disk "

@@ -410,6 +410,41 @@ def test_a_resume_after_a_clean_stop_logs_nothing_again(tmp_path):
     assert told == [] and [row["_step"] for row in wandb_run(tmp_path)[0]] == [1, 2]
 
 
+@pytest.mark.parametrize("tracker", ["tensorboard", "mlflow"])
+def test_a_tracker_added_on_a_resume_gets_every_round_before_it(tmp_path, tracker):
+    pytest.importorskip(tracker)
+    kept = [rounds_record(r) for r in (1, 2, 3)]
+    again = open_trackers([tracker], tmp_path, "unit", {}, start_round=3, resumed=True, kept=kept)
+    again.write(rounds_record(4))
+    again.close()
+    assert logged_losses(tmp_path, tracker) == {r: rounds_record(r)["train_loss"] for r in (1, 2, 3, 4)}
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "mlflow"])
+def test_a_resume_logs_the_checkpoints_round_that_a_kill_before_its_record_lost(tmp_path, tracker):
+    """Killed after saving round 2's checkpoint and before logging its record: the resume from round 2 logs it."""
+    pytest.importorskip(tracker)
+    first = open_trackers([tracker], tmp_path, "unit", {})
+    first.write(rounds_record(1))
+    first.close()
+    again = open_trackers([tracker], tmp_path, "unit", {}, start_round=2, resumed=True,
+                          kept=[rounds_record(1), rounds_record(2)])
+    again.write(rounds_record(3))
+    again.close()
+    assert logged_losses(tmp_path, tracker) == {r: rounds_record(r)["train_loss"] for r in (1, 2, 3)}
+    if tracker == "mlflow":
+        client, run_id = mlflow_client(tmp_path)
+        assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [1, 2, 3]  # each round once
+
+
+def logged_losses(run_dir: Path, tracker: str) -> dict[int, float]:
+    """train_loss by round as the tracker's own reader shows it (TensorBoard's in float32)."""
+    if tracker == "tensorboard":
+        return {step: value for step, value in tensorboard_scalars(run_dir)["train_loss"].items()}
+    client, run_id = mlflow_client(run_dir)
+    return {m.step: m.value for m in client.get_metric_history(run_id, "train_loss")}
+
+
 def test_rounds_are_said_as_ranges():
     from mpifl.units import range_list
 

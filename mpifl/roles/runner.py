@@ -76,7 +76,7 @@ from mpifl.storage.residuals import (
     load_snapshot,
     open_residuals,
 )
-from mpifl.storage.rundir import RankNotes, ResumePoint
+from mpifl.storage.rundir import RankNotes, ResumePoint, read_metrics
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB, format_bytes
@@ -595,6 +595,8 @@ def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], r
     ``kept``: the records a resume keeps, for the rounds a tracker lost when the job before was killed."""
     if not cfg.output.trackers or run_dir is None:
         return []
+    if resumed:  # the rewound metrics.jsonl's records: the checkpoint's copy of its own round predates its timing
+        kept = read_metrics(run_dir / METRICS) or kept
     return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
                           notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())],
                           warn=lambda message: log(message, rank=0), kept=kept)]
