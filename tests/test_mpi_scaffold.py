@@ -176,3 +176,13 @@ def test_under_accept_failures_a_slow_rank_is_dropped_only_where_no_client_state
     assert (_straggler_rule(cfg, make_strategy(cfg.strategy)) is not None) == drops
     assert _straggler_rule(load_config(None, [f"strategy.name={name}", *overrides[2:]]),
                            make_strategy(cfg.strategy)) is None  # without accept_failures nothing is dropped
+
+
+@pytest.mark.parametrize("strategy", ["scaffold", "fednova"])
+def test_an_adaptive_local_optimizer_under_a_rule_that_assumes_sgd_steps_is_warned_of(strategy):
+    from mpifl.config import config_warnings
+
+    cfg = load_config(None, [f"strategy.name={strategy}", "strategy.update=delta", "train.optimizer=adam"])
+    assert any(w.startswith("train.optimizer:") and "as plain SGD steps" in w for w in config_warnings(cfg))
+    plain = load_config(None, [f"strategy.name={strategy}", "strategy.update=delta", "train.momentum=0.9"])
+    assert not any(w.startswith("train.optimizer:") for w in config_warnings(plain))

@@ -428,6 +428,12 @@ def config_warnings(cfg: Config) -> list[str]:
                      f"level, {cfg.clients.num_clients} evaluations in one (NIID-Bench's protocol has 10 clients); "
                      f"with eval.every={cfg.eval.every} that may take longer than the training: raise eval.every, or "
                      "evaluate on the clients' own noisy validation splits (eval.federated_every)")
+    if cfg.train.optimizer != "sgd" and cfg.strategy.name in ("scaffold", "fednova"):
+        rule = ("its control variates (x - y) / (K lr), option II of Karimireddy et al. 2020,"
+                if cfg.strategy.name == "scaffold" else "its normaliser, the local steps (Wang et al. 2020),")
+        found.append(f"train.optimizer: strategy {cfg.strategy.name!r} reads {rule} as plain SGD steps (momentum "
+                     f"aside); with {cfg.train.optimizer!r} a step is not lr times a gradient, so the rule is scaled "
+                     "wrongly: set train.optimizer='sgd'")
     if cfg.transport.chunk_bytes < 64 * 1024:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
