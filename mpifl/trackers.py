@@ -113,10 +113,11 @@ class TensorBoardTracker:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
         self.logdir = logdir
-        # the file is named by the second it opens and the host: a launch within the second of the one before
-        # would otherwise write over that launch's file
+        # the file is named by the second it opens and the host: a launch within the second of the one before would
+        # write over that launch's file, and TensorBoard reads the files in name order, so the suffix keeps launches
+        # in order
         self.writer = SummaryWriter(str(logdir), purge_step=start_round + 1 if purge_from is None else purge_from,
-                                    filename_suffix=f".{secrets.token_hex(4)}")
+                                    filename_suffix=f".{time.time_ns():020d}")
         for summary in hparams(dict(params), {}):  # the HParams dashboard's experiment, session start and end
             self.writer.file_writer.add_summary(summary, start_round)
 

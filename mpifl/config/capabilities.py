@@ -38,14 +38,18 @@ class Capabilities:
     # Averages the participants equally, and keeps state that assumes it (FedDyn's h): strategy.weighting must be
     # 'equal'.
     equal_weights: bool = False
+    # Reads the local steps as plain SGD steps of size lr (SCAFFOLD's option II control variates (x - y) / (K lr),
+    # FedNova's normaliser): with an adaptive local optimizer (Adam) that rule is scaled wrongly, which is warned of.
+    sgd_steps: bool = False
 
 
 UNDECLARED = Capabilities()
 MEAN = Capabilities(summable=True, needs_every_row=False)
 SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_state=True)
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
-NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True)
-CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True)
+NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True, sgd_steps=True)
+CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
+                                sgd_steps=True)
 DYNAMIC_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
                             equal_weights=True)
 

@@ -428,12 +428,12 @@ def config_warnings(cfg: Config) -> list[str]:
                      f"level, {cfg.clients.num_clients} evaluations in one (NIID-Bench's protocol has 10 clients); "
                      f"with eval.every={cfg.eval.every} that may take longer than the training: raise eval.every, or "
                      "evaluate on the clients' own noisy validation splits (eval.federated_every)")
-    if cfg.train.optimizer != "sgd" and cfg.strategy.name in ("scaffold", "fednova"):
-        rule = ("its control variates (x - y) / (K lr), option II of Karimireddy et al. 2020,"
-                if cfg.strategy.name == "scaffold" else "its normaliser, the local steps (Wang et al. 2020),")
-        found.append(f"train.optimizer: strategy {cfg.strategy.name!r} reads {rule} as plain SGD steps (momentum "
-                     f"aside); with {cfg.train.optimizer!r} a step is not lr times a gradient, so the rule is scaled "
-                     "wrongly: set train.optimizer='sgd'")
+    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)  # a plug-in's are read once it is imported
+    if cfg.train.optimizer != "sgd" and caps is not None and caps.sgd_steps:
+        found.append(f"train.optimizer: strategy {cfg.strategy.name!r} reads the local steps as plain SGD steps of "
+                     f"size lr (Capabilities.sgd_steps: SCAFFOLD's control variates (x - y) / (K lr), FedNova's "
+                     f"normaliser); with {cfg.train.optimizer!r} a step is not lr times a gradient, so its rule is "
+                     "scaled wrongly: set train.optimizer='sgd' (momentum is fine)")
     if cfg.transport.chunk_bytes < 64 * 1024:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
