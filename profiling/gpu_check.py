@@ -245,6 +245,17 @@ def llm(check: Check) -> Row:
     return Row("llm: gpt2", f"{check.rounds} rounds, {' '.join(overrides)}", result, bitwise)
 
 
+def run_step(check: Check, step: Callable[..., Row], *args: object) -> Row:
+    """One step's row. A step that raises (an mpifl run that exited non-zero or passed its timeout) is a failed row
+    with the error's last line, so the steps after it still run: one broken case hides none of the others."""
+    try:
+        return step(check, *args)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as error:
+        lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        return Row(step.__name__.replace("_", " "), " ".join(map(str, args)) or "-", f"raised: {lines[-1][:300]}",
+                   False)
+
+
 def table(rows: list[Row]) -> str:
     """The rows as one plain-text table."""
     verdict = {True: "ok", False: "FAIL", None: "skip"}
@@ -309,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         def add(step: Callable[..., Row], *args: object) -> None:
             """Run one step and print its row at once, so a run stopped by a time limit still shows what passed."""
             started = time.perf_counter()
-            rows.append(step(check, *args))
+            rows.append(run_step(check, step, *args))
             row = rows[-1]
             print(f"gpu_check: {row.step} ({row.setting}): {row.result} [{time.perf_counter() - started:.0f} s]",
                   file=sys.stderr, flush=True)

@@ -32,3 +32,17 @@ def test_the_gpu_checks_cpu_form_runs_every_step_and_passes(tmp_path):
     assert rows[3]["result"].startswith("bitwise equal")
     assert "client updates/s per CPU rank" in rows[-1]["result"] and "peak RSS" in rows[-1]["result"]
     assert "ranks_per_client=2" in done.stdout.splitlines()[3]  # one table, a line per step under its header
+
+
+def test_a_step_that_raises_is_a_failed_row_and_the_check_goes_on(tmp_path):
+    sys.path.insert(0, str(ROOT / "profiling"))
+    import gpu_check
+
+    check = gpu_check.Check("cpu", 1, 3, Path(sys.executable).parent, tmp_path, 60)
+
+    def bitwise_across_ranks(check, model):
+        raise RuntimeError(f"mpiexec -n 3 mpifl run exited 1:\nTraceback ...\nJobFailure: rank 2: {model} diverged")
+
+    row = gpu_check.run_step(check, bitwise_across_ranks, "cnn")
+    assert row == gpu_check.Row("bitwise across ranks", "cnn", "raised: JobFailure: rank 2: cnn diverged", False)
+    assert "FAIL" in gpu_check.table([row])
