@@ -92,9 +92,10 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
 
 POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "6"))  # 0: every job starts its own mpiexec
 # Variables a job may set and still run in the pool: the suite's plug-ins (tests/fl_helpers.py: FailingClients,
-# Straggling) read them each time they are called, never at import, and keep nothing in the process between jobs.
+# Straggling, SlowOnOneRank) read them each time they are called, never at import, and keep nothing in the process
+# between jobs.
 POOLED_ENV = {"FL_HELPERS_RAISE", "FL_HELPERS_NAN", "FL_HELPERS_SEED", "FL_HELPERS_FROM_ROUND",
-              "FL_HELPERS_CLIENT_SECONDS", "FL_HELPERS_SLOW_RANK", "FL_HELPERS_SLOW_CALLS"}
+              "FL_HELPERS_CLIENT_SECONDS", "FL_HELPERS_SLOW_RANK", "FL_HELPERS_SLOW_CALLS", "FL_HELPERS_SLOW_FORWARD"}
 JOBS_PER_POOL = 150  # then a new pool: whatever a job left in its processes goes with them
 
 

@@ -200,6 +200,38 @@ class Straggling(NoiseTrainer):
         return super().train(model, data, seed)
 
 
+class SlowOnOneRank(nn.Sequential):
+    """``bn_mlp`` without its BatchNorm, which trains slowly on one rank for chosen clients, under the built-in torch
+    trainer (which SCAFFOLD and FedDyn require, so a slow trainer plug-in cannot be used): on rank
+    FL_HELPERS_SLOW_RANK, the FL_HELPERS_SLOW_CALLS-th times it is put in training mode (once per logical client's
+    training; comma-separated, counted from 1), each forward pass first sleeps FL_HELPERS_SLOW_FORWARD seconds.
+    Each pass still reports progress, so the rank is slow, not silent."""
+
+    def __init__(self, input_shape, num_classes: int, width: int = 9):
+        super().__init__(nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.ReLU(),
+                         nn.Linear(width, num_classes))
+        self.trainings, self.slow = 0, False
+
+    def train(self, mode: bool = True):
+        import os
+
+        from mpi4py import MPI
+
+        if mode:
+            self.trainings += 1
+            self.slow = MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FL_HELPERS_SLOW_RANK", "-1")) and \
+                str(self.trainings) in os.environ.get("FL_HELPERS_SLOW_CALLS", "").split(",")
+        return super().train(mode)
+
+    def forward(self, x):
+        if self.slow and self.training:
+            import os
+            import time
+
+            time.sleep(float(os.environ.get("FL_HELPERS_SLOW_FORWARD", "0")))
+        return super().forward(x)
+
+
 class SteppingNoiseTrainer(NoiseTrainer):
     """NoiseTrainer that reports local steps as the built-in trainer counts them (local_epochs x minibatches of
     batch_size), so clients with more data take more steps: what FedNova normalises by."""

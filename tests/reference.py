@@ -305,7 +305,7 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
     return versions[version]
 
 
-def scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
+def scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None) -> dict[str, np.ndarray]:
     """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II) on whole models, every c_i in memory: each
     sampled client trains from x, every optimizer step followed by y -= lr (c - c_i) (outside any momentum, as
     NIID-Bench does; for plain SGD the paper's step), forms delta_c_i = (x - y) / (K lr) - c,
@@ -313,12 +313,13 @@ def scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
     (how the control section's delta is formed in fp32); then x += eta_g * sum w_i (y_i - x) / sum w_i and
     c += sum w_i * (delta_c_i / w_i) / N, the sums in ascending client id. The final tensors, and c as
     ``control.<parameter>``. Trained with one thread, as every rank trains (a GEMM's sums follow the
-    thread count, and the control delta magnifies a last-bit difference in y by 1 / (K lr))."""
+    thread count, and the control delta magnifies a last-bit difference in y by 1 / (K lr)). The clients in
+    ``dropped_in[r]`` are skipped in round r, as if never sampled: their c_i stays, and nothing of theirs is summed."""
     with one_thread():
-        return _scaffold_reference(cfg)
+        return _scaffold_reference(cfg, dropped_in or {})
 
 
-def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
+def _scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]]) -> dict[str, np.ndarray]:
     dataset = load_dataset(cfg.data)
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
@@ -339,6 +340,8 @@ def _scaffold_reference(cfg: Config) -> dict[str, np.ndarray]:
         sampled = sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round())
         group_of = cost_groups(sampled, work, cfg.clients.groups) if cfg.clients.group_by == "cost" else None
         for client in sampled:
+            if client in dropped_in.get(rnd, ()):
+                continue
             if ditto is not None:
                 ditto.train(client, rnd, client_data(dataset, parts[client]), start, old)
                 c_with_personal.setdefault(client, [v.clone() for v in c.values()])
@@ -559,11 +562,12 @@ def _fedavg_with_personalisation(cfg: Config) -> tuple[dict[str, np.ndarray], Lo
         return {n: t.float().numpy().copy() for n, t in flat.tensors()}, local, personal
 
 
-def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
+def feddyn_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None) -> dict[str, np.ndarray]:
     """FedDyn (Acar et al. 2021, Algorithm 1) on whole models, every g_i in memory: each sampled client trains
     from x with every gradient plus alpha (y - x) - g_i, then g_i -= alpha (y - x); with d the participants'
     mean delta (equal weights, ascending client id; by groups with clients.groups), P of N clients:
-    h -= alpha (P / N) d and x += d - h / alpha (torch's fused ops, as the server's). Trained with one thread."""
+    h -= alpha (P / N) d and x += d - h / alpha (torch's fused ops, as the server's). Trained with one thread.
+    The clients in ``dropped_in[r]`` are skipped in round r, as if never sampled (P counts those summed)."""
     with one_thread():
         dataset = load_dataset(cfg.data)
         flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
@@ -580,6 +584,8 @@ def feddyn_reference(cfg: Config) -> dict[str, np.ndarray]:
             old = {name: t.detach().clone() for name, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, n, cfg.clients_per_round()):
+                if client in (dropped_in or {}).get(rnd, ()):
+                    continue
                 if ditto is not None:
                     ditto.train(client, rnd, client_data(dataset, parts[client]), start, old)
                 flat.buffer.copy_(start)

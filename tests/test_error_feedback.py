@@ -98,7 +98,7 @@ def test_residuals_in_ram_and_in_hdf5_give_bitwise_identical_bytes_and_residuals
     disk.close()
 
 
-def test_an_update_the_server_drops_leaves_the_residual_as_it_was():
+def test_a_failed_clients_update_leaves_the_residual_as_it_was():
     store = RamResiduals(element_offsets(CHUNKS))
     compressor = UpdateCompressor(plan(), seed=0, residuals=store)
     compressor.compress(deltas(1, False), 1, 4, None)

@@ -132,7 +132,8 @@ def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
     (("clock.mode=fedbuff",), "clock.mode: 'fedbuff' applies stale updates"),
     (("train.trainer=fl_helpers:SteppingNoiseTrainer",), "train.trainer: strategy 'scaffold'"),
     (("strategy.wire_dtype=bfloat16",), "strategy.wire_dtype: a bfloat16 update loses low bits"),
-    (("clients.accept_failures=true", "timeouts.straggler=30"), "timeouts.straggler: a rank dropped past it"),
+    (("clients.accept_failures=true", "timeouts.straggler=30", "clients.placement=per_round"),
+     "timeouts.straggler: under clients.placement per_round each client's c_i goes back"),
 ])
 def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -162,20 +163,25 @@ def test_a_client_whose_training_diverged_keeps_its_control_variate():
     assert torch.equal(controls.store.read(7, 0), kept)
 
 
-@pytest.mark.parametrize("name,drops", [("scaffold", False), ("feddyn", False), ("fedavg", True)])
-def test_under_accept_failures_a_slow_rank_is_dropped_only_where_no_client_state_must_match_the_servers(name, drops):
-    """A dropped rank does not know it was dropped: SCAFFOLD's c_i or FedDyn's g_i would move and the server's c or
-    h would not. So those runs drop failing clients only, and wait for a slow rank (its deadline ends the job)."""
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "fedavg"])
+@pytest.mark.parametrize("placement,drops", [("balanced", True), ("per_round", False)])
+def test_under_accept_failures_a_slow_rank_is_dropped_unless_per_client_state_went_home_before_it_could_be_undone(
+        name, placement, drops):
+    """A dropped rank learns of the drop from its next header and puts back its dropped clients' c_i or g_i
+    (UndoJournal). Under per_round placement that state went back to its home rank with the round's end, so there
+    a slow rank is waited for (its deadline ends the job); a strategy without such state drops it either way."""
     from mpifl.aggregation.strategies import make_strategy
     from mpifl.roles.runner import _straggler_rule
 
-    overrides = ["clients.accept_failures=true", f"strategy.name={name}", "strategy.update=delta"]
+    overrides = ["clients.accept_failures=true", f"strategy.name={name}", "strategy.update=delta",
+                 f"clients.placement={placement}"]
     if name == "feddyn":
         overrides.append("strategy.weighting=equal")
     cfg = load_config(None, overrides)
-    assert (_straggler_rule(cfg, make_strategy(cfg.strategy)) is not None) == drops
-    assert _straggler_rule(load_config(None, [f"strategy.name={name}", *overrides[2:]]),
-                           make_strategy(cfg.strategy)) is None  # without accept_failures nothing is dropped
+    assert (_straggler_rule(cfg, make_strategy(cfg.strategy)) is not None) == (drops or name == "fedavg")
+    assert cfg.undoes_dropped_state == (drops and name != "fedavg")
+    assert _straggler_rule(load_config(None, overrides[1:]), make_strategy(cfg.strategy)) is None  # without
+    # accept_failures nothing is dropped
 
 
 @pytest.mark.parametrize("strategy", ["scaffold", "fednova"])

@@ -42,8 +42,9 @@ class ClientsConfig:
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                     "with client, rank and reason) instead of aborting the job; so are the rest "
                                     "of a round's clients on a rank still training past its deadline "
-                                    "(timeouts.first_update, timeouts.straggler), except under SCAFFOLD and FedDyn, "
-                                    "whose clients' state must match the server's: there a slow rank ends the job")
+                                    "(timeouts.first_update, timeouts.straggler); under SCAFFOLD and FedDyn the "
+                                    "dropped clients' c_i or g_i is put back when the rank's next header names them, "
+                                    "except under clients.placement per_round, where a slow rank ends the job")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
@@ -620,6 +621,15 @@ class Config:
         """Whether each client's state lives on a home rank and is lent, each round, to the rank that trains the
         client: per-client state under ``clients.placement: per_round``."""
         return self.client_state() is not None and self.clients.placement == "per_round"
+
+    @property
+    def undoes_dropped_state(self) -> bool:
+        """Whether client ranks journal their clients' SCAFFOLD or FedDyn vectors each round, to put back those of
+        clients the server drops past their deadline (``clients.accept_failures``), which the server's c or h
+        never took in. Not under ``clients.placement: per_round``, whose ranks are waited for instead."""
+        state = self.client_state()
+        return (self.clients.accept_failures and state is not None and state.folder == "controls"
+                and not self.lends_client_state)
 
     @property
     def error_feedback(self) -> bool:

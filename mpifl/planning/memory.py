@@ -230,6 +230,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     state = client_state_plan(cfg, state_elements, client_ranks * cfg.clients.ranks_per_client)  # counts ranks
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
         client += state[0][1] * 4 * state_elements
+    client += 4 * rule_vector_elements(cfg, size) * undo_vectors(cfg, client_ranks)
     return client + 4 * state_elements * loaned_vectors(cfg, client_ranks, state[0][2] if state else "RAM")
 
 
@@ -244,6 +245,19 @@ def loaned_vectors(cfg: Config, client_ranks: int, where: str) -> int:
     return share * (2 if where == "HDF5" else 1)
 
 
+def rule_vector_elements(cfg: Config, size: ModelBytes) -> int:
+    """Elements of SCAFFOLD's c_i or FedDyn's g_i: the trainable parameters' (the control section's size, or at
+    most the exchanged elements without one)."""
+    return size.control // 4 if size.control else size.exchanged // itemsize(cfg.model.dtype)
+
+
+def undo_vectors(cfg: Config, client_ranks: int) -> int:
+    """Copies of c_i or g_i a client rank keeps through a round to put back those of clients dropped past their
+    deadline (``Config.undoes_dropped_state``, storage.residuals.UndoJournal): one per client it trains that round,
+    about its share of the participants. 0 where nothing is journaled."""
+    return -(-cfg.clients_per_round() // max(1, client_ranks)) if cfg.undoes_dropped_state else 0
+
+
 def client_state_elements(cfg: Config, size: ModelBytes) -> int:
     """Elements of one client's state vector (Config.client_state().vector): the exchanged model's; the trainable
     parameters' (the control section's size, or at most the exchanged elements without one); local tensors'; or
@@ -251,7 +265,7 @@ def client_state_elements(cfg: Config, size: ModelBytes) -> int:
     local ones and their mark, then a Ditto personal model with local tensors of its own, and its mark."""
     state = cfg.client_state()
     exchanged, local = size.exchanged // itemsize(cfg.model.dtype), size.local // itemsize(cfg.model.dtype)
-    trainable = size.control // 4 if size.control else exchanged
+    trainable = rule_vector_elements(cfg, size)
     if state is None or state.vector == "exchanged":
         return exchanged
     return {"local": local, "trainable": trainable, "trainable+local": trainable + local + 1,

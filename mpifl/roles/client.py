@@ -15,6 +15,7 @@ from mpi4py import MPI
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica, deterministic_hint
 from mpifl.learning.trainers import ConfiguredTrainer, Evaluator, Trainer, TrainResult, local_steps
+from mpifl.logs import log
 from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.federation import group_of
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
@@ -24,7 +25,8 @@ from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
 from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import PersonalModels, PersonalTensors
-from mpifl.storage.residuals import ResidualStore, save_snapshot
+from mpifl.storage.residuals import ResidualStore, UndoJournal, save_snapshot
+from mpifl.units import range_list
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
@@ -67,6 +69,8 @@ class ClientParts:
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
     lending: StateLending | None = None  # per_round placement with per-client state: each round's loans of it
+    # clients.accept_failures with SCAFFOLD or FedDyn: the round's writes of c_i or g_i, undone for dropped clients
+    journal: UndoJournal | None = None
 
 
 def group_members(clients: tuple[int, ...], groups: int, assigned: tuple[int, ...] = ()) -> list[tuple[int, list[int]]]:
@@ -121,6 +125,8 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.RoundHeader):
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a RoundHeader belongs")
+            if self.parts.journal is not None:  # before anything reads or publishes the state
+                self._undo_dropped(header)
             if self.parts.lending is not None and (header.stop or header.persist is not None):
                 self.parts.lending.settle()  # every vector home before it is published, or before the end
             if header.stop:
@@ -140,6 +146,16 @@ class ClientRank:
                 self.serve_round(header)
             if self.parts.lending is not None:
                 self.parts.lending.give_back(header)
+
+    def _undo_dropped(self, header: protocol.RoundHeader) -> None:
+        """Put back the state of this rank's clients that the server dropped since the last header; keep the
+        rest."""
+        assert self.parts.journal is not None  # called only with one
+        undone = self.parts.journal.settle(header.dropped)
+        if undone:
+            state = "c_i" if isinstance(self.parts.controls, ClientControls) else "g_i"
+            log(f"logical clients {range_list(undone)} were dropped past their deadline: each one's {state} is put "
+                "back as it was before it trained", rank=self.rank)
 
     def persist(self, header: protocol.RoundHeader) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,

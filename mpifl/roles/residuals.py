@@ -13,6 +13,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from mpifl.wire import protocol
+from mpifl.wire.late import DroppedClients
 from mpifl.wire.transport import Backoff, wait_all
 from mpifl.wire.watchdog import FIRST_UPDATE, RunDeadlines, Watchdog
 
@@ -20,15 +21,17 @@ from mpifl.wire.watchdog import FIRST_UPDATE, RunDeadlines, Watchdog
 class ResidualPublisher:
     """Asks every client rank to publish its error-feedback residuals of a round, and collects the files."""
 
-    def __init__(self, comm: MPI.Comm, deadlines: RunDeadlines):
-        self.comm, self.deadlines = comm, deadlines
+    def __init__(self, comm: MPI.Comm, deadlines: RunDeadlines, dropped: DroppedClients | None = None):
+        """``dropped``: the server's note of clients dropped past their deadline, which each rank's persist header
+        names (as a round's header would), so a rank puts their state back before publishing it."""
+        self.comm, self.deadlines, self.dropped = comm, deadlines, dropped or DroppedClients()
 
     def publish(self, round_: int, folder: Path) -> list[str]:
         """Have every client rank publish its residuals of ``round_`` in ``folder``; the files, once all are
         acknowledged. A rank silent past the training deadline (timeouts.first_update) ends the job, named."""
         ranks = list(range(1, self.comm.Get_size()))
-        wait_all([self.comm.isend(protocol.RoundHeader(round_, persist=str(folder)), dest=r, tag=protocol.HEADER)
-                  for r in ranks])
+        wait_all([self.comm.isend(protocol.RoundHeader(round_, persist=str(folder), dropped=self.dropped.take(r)),
+                                  dest=r, tag=protocol.HEADER) for r in ranks])
         watchdog = Watchdog(self.deadlines.current(), round_, {r: [] for r in ranks})  # a SIGTERM save must finish
         files: list[str] = []
         backoff = Backoff()

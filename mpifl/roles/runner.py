@@ -73,6 +73,7 @@ from mpifl.storage.residuals import (
     RamResiduals,
     ResidualStore,
     Section,
+    UndoJournal,
     load_snapshot,
     open_residuals,
 )
@@ -82,6 +83,7 @@ from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB, format_bytes
 from mpifl.wire import doorbell, protocol
 from mpifl.wire.flat import DTYPES, FlatModel
+from mpifl.wire.late import DroppedClients
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
@@ -249,10 +251,11 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         state: ResidualStore | None = Borrowing(kept) if kept is not None and cfg.lends_client_state else kept
         vectors, locals_, marked, personal_store = _state_sections(cfg, plan, state)
         controls: ClientControls | ClientDynamics | None = None
+        journal = UndoJournal(vectors) if vectors is not None and cfg.undoes_dropped_state else None
         if vectors is not None and cfg.control_variates:
-            controls = ClientControls(work, vectors, cfg.train.lr)
+            controls = ClientControls(work, journal or vectors, cfg.train.lr)
         elif vectors is not None and cfg.strategy.name == "feddyn":
-            controls = ClientDynamics(work, vectors, cfg.strategy.alpha, cfg.train.grad_accum_steps)
+            controls = ClientDynamics(work, journal or vectors, cfg.strategy.alpha, cfg.train.grad_accum_steps)
         personal = PersonalTensors(work, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
         models = None
         if personal_store is not None and cfg.train.ditto_lambda:
@@ -260,7 +263,8 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
                                     with_local=bool(cfg.model.local), backwards_per_step=cfg.train.grad_accum_steps)
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
                          residuals=vectors if cfg.error_feedback else None, state=state,
-                         controls=controls, personal=personal, personal_models=models, note=notes, group=group)
+                         controls=controls, personal=personal, personal_models=models, note=notes, group=group,
+                         journal=journal)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
 
@@ -433,7 +437,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                      residuals: ResidualStore | None = None, state: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
                      personal_models: PersonalModels | None = None, note: RankNotes | None = None,
-                     group: MPI.Comm | None = None) -> None:
+                     group: MPI.Comm | None = None, journal: UndoJournal | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
             f"{kept_tensors_note(flat.frozen_spec, cfg.model.local)}", rank=1)
@@ -460,7 +464,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
         state=state, controls=controls, personal=personal, personal_models=personal_models,
         note=note or RankNotes(None, comm.Get_rank()), group=leader,
-        lending=StateLending(comm, state) if isinstance(state, Borrowing) else None)
+        lending=StateLending(comm, state) if isinstance(state, Borrowing) else None, journal=journal)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
     client.run()
@@ -553,9 +557,10 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
     chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
     feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
+    dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
                                 sampler.needed_versions if asynchronous and directory else None,
-                                persist=ResidualPublisher(comm, deadlines).publish if feedback else None)
+                                persist=ResidualPublisher(comm, deadlines, dropped).publish if feedback else None)
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
     privacy = None
@@ -575,7 +580,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                             evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
                             privacy=privacy,
                             secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
-                            stragglers=_straggler_rule(cfg, strategy),
+                            stragglers=_straggler_rule(cfg, strategy), dropped=dropped,
                             floor=floor, lends_state=cfg.lends_client_state)
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
@@ -631,16 +636,19 @@ def _evaluator(cfg: Config) -> Evaluator:
 
 
 def _straggler_rule(cfg: Config, strategy: Strategy) -> StragglerRule | None:
-    """clients.accept_failures: when a rank still training is dropped from its round. Never under a strategy whose
+    """clients.accept_failures: when a rank still training is dropped from its round. Under a strategy whose
     clients keep state matched by the server's (Capabilities.client_state: SCAFFOLD's c_i and c, FedDyn's g_i and
-    h): a dropped rank does not know it was dropped and has already folded its clients' deltas into their state,
-    which the server then never sums. Such a rank is waited for; past its deadline it ends the job."""
+    h), a dropped rank has already folded its clients' deltas into their state when it learns of the drop from
+    its next header, and puts that state back (storage.residuals.UndoJournal). Not under per_round placement:
+    there the state went back to its home rank with the round's end, before the header could say; such a rank is
+    waited for, and past its deadline it ends the job."""
     if not cfg.clients.accept_failures:
         return None
-    if strategy.capabilities.client_state:
+    if strategy.capabilities.client_state and cfg.lends_client_state:
         log(f"clients.accept_failures: a failing client is dropped from its round, but a slow rank is not: strategy "
-            f"{cfg.strategy.name!r} keeps a vector per client that the server's state must match (a rank past "
-            "its deadline ends the job, the last round on disk)", rank=0)
+            f"{cfg.strategy.name!r} keeps a vector per client that the server's state must match, and under "
+            "clients.placement per_round it is lent back before a drop could be undone (a rank past its deadline "
+            "ends the job, the last round on disk)", rank=0)
         return None
     return StragglerRule(cfg.timeouts.straggler)
 

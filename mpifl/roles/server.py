@@ -5,7 +5,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
@@ -44,7 +44,7 @@ from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB, range_list
 from mpifl.wire import protocol
-from mpifl.wire.late import LateStreams
+from mpifl.wire.late import DroppedClients, LateStreams, OwedStream
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import ProgressInbox, broadcast_tree, send_chunks, send_windows, wait_all
 from mpifl.wire.watchdog import RankStalled, RunDeadlines, StragglerRule, Watchdog
@@ -82,6 +82,8 @@ class ServerParts:
     privacy: ServerPrivacy | None = None  # DP-FedAvg: clip bound, noise, epsilon and budget
     secagg: SecureAggregation | None = None  # secure aggregation: unmask each chunk's ring sum
     stragglers: StragglerRule | None = None  # clients.accept_failures: when a rank still training is dropped
+    # the clients dropped past their deadline, named in each rank's next header (shared with the residual publisher)
+    dropped: DroppedClients = field(default_factory=DroppedClients)
     floor: FloorRate | None = None  # transport.floor_probe_mb: the raw-MPI floor's rates, for each record's 'exchange'
 
 
@@ -203,7 +205,11 @@ class Server:
                 return None
             return max(started.get(rank, 0.0), self.late.finished.get(rank, 0.0)) or None
 
-        return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), self.late.add)
+        def owe(owed: OwedStream) -> None:
+            self.late.add(owed)
+            self.parts.dropped.note(owed)
+
+        return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), owe)
 
     def _reduce(self, plan: RoundAssignment, watchdog: Watchdog, started: dict[int, float]) -> ReductionStats:
         """Fold the round's updates into the global model as they stream in; the store writes finished chunks.
@@ -342,7 +348,7 @@ class Server:
 
         def header(rank: int) -> protocol.RoundHeader:
             if plan is None:
-                return protocol.RoundHeader(round_, stop=True)
+                return protocol.RoundHeader(round_, stop=True, dropped=self.parts.dropped.take(rank))
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
@@ -354,7 +360,8 @@ class Server:
             return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
                                         steps=steps, groups=groups, parent=parent, children=children,
                                         chain=chain.get(rank, ()), reduce_stream=stream if rank in chain else None,
-                                        borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())))
+                                        borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())),
+                                        dropped=self.parts.dropped.take(rank))
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 

@@ -237,6 +237,55 @@ class Borrowing:
         self.owned.clear()
 
 
+class UndoJournal:
+    """A one-chunk store whose writes of the latest round can be taken back, client by client: SCAFFOLD's c_i and
+    FedDyn's g_i under ``clients.accept_failures`` with straggler drops. A rank dropped past its deadline does not
+    know it was dropped while it trains; it learns which of its clients the server dropped from its next header
+    (``RoundHeader.dropped``). Those clients' vectors go back to what they were before the round, as if they had
+    never trained, since the server never summed their deltas into c or h; every other write stands.
+
+    Memory: one copy of the vector of each client read since the last header, in RAM (about
+    per_round / client ranks vectors; ``mpifl plan`` counts them, ``planning.memory.undo_vectors``)."""
+
+    def __init__(self, store: ResidualStore):
+        self.store = store
+        self.firsts = store.firsts
+        self.before: dict[int, torch.Tensor] = {}  # client -> its vector when first read or written since settle()
+
+    def read(self, client: int, index: int) -> torch.Tensor:
+        """The client's vector, as the store has it. The first read since the last ``settle`` keeps a copy: a RAM
+        store's read is a view of the vector itself, which the rules update in place before writing it back."""
+        assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
+        vector = self.store.read(client, 0)
+        if client not in self.before:
+            self.before[client] = vector.clone()
+        return vector
+
+    def write(self, client: int, index: int, values: torch.Tensor) -> None:
+        """Store the client's vector (the one it replaces was kept when it was read)."""
+        assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
+        if client not in self.before:
+            self.before[client] = self.store.read(client, 0).clone()
+        self.store.write(client, 0, values)
+
+    def clients(self) -> list[int]:
+        """The clients with a vector in the store."""
+        return self.store.clients()
+
+    def has(self, client: int) -> bool:
+        """Whether ``client`` has a vector in the store."""
+        return self.store.has(client)
+
+    def settle(self, dropped: Iterable[int]) -> list[int]:
+        """A new header arrived: put back the vectors of the ``dropped`` clients as they were before the last one,
+        keep the rest, and start journaling afresh. The clients put back, ascending."""
+        undone = sorted(c for c in set(dropped) if c in self.before)
+        for client in undone:
+            self.store.write(client, 0, self.before[client])
+        self.before.clear()
+        return undone
+
+
 def _copy_into(view: torch.Tensor, values: torch.Tensor) -> None:
     """Copy ``values`` into ``view``, unless they are that very view (a store's read handed back)."""
     if values.data_ptr() != view.data_ptr():

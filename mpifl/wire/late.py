@@ -49,6 +49,23 @@ class _Drain:
     posted: int = 0
 
 
+class DroppedClients:
+    """Rank 0's note of the logical clients it dropped past their deadline, by rank, until the rank's next header
+    names them (``RoundHeader.dropped``): a dropped rank cannot tell while it trains, and a rank whose clients
+    keep state that the server's must match (SCAFFOLD's c_i, FedDyn's g_i) puts theirs back when it reads it."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, set[int]] = {}
+
+    def note(self, owed: OwedStream) -> None:
+        """``owed``'s clients were dropped from its rank's round."""
+        self.by_rank.setdefault(owed.rank, set()).update(owed.clients)
+
+    def take(self, rank: int) -> tuple[int, ...]:
+        """The clients of ``rank`` dropped since its last header (ascending), for the header about to go."""
+        return tuple(sorted(self.by_rank.pop(rank, ())))
+
+
 class LateStreams:
     """Rank 0's drain of the streams that dropped ranks still send (a small receive ring per owed stream)."""
 

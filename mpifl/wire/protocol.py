@@ -150,6 +150,9 @@ class RoundHeader:
     # elsewhere, borrowed for the round; and (client, trainer rank) of each client homed here that trains elsewhere
     borrow: tuple[tuple[int, int], ...] = ()
     lend: tuple[tuple[int, int], ...] = ()
+    # clients.accept_failures: the logical clients of this rank that the server dropped past their deadline since
+    # the rank's last header (their updates were never folded: SCAFFOLD's c_i and FedDyn's g_i go back)
+    dropped: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
