@@ -27,10 +27,6 @@ output: {progress: false}
 """
 
 
-
-
-
-
 def reference(*overrides: str) -> dict[str, np.ndarray]:
     return feddyn_reference(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)))
 
@@ -94,3 +90,16 @@ def test_with_gradient_accumulation_the_regulariser_counts_once_per_optimizer_st
 def test_feddyn_refuses_what_it_cannot_take(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*overrides], data=yaml.safe_load(CONFIG))
+
+
+def test_the_plan_sizes_each_g_i_by_the_parameters_that_train_not_batchnorms_statistics():
+    from mpifl.cli.plan import model_bytes
+    from mpifl.learning.datasets import load_dataset
+    from mpifl.learning.models import build_model
+    from mpifl.planning.memory import client_state_elements
+
+    cfg = load_config(None, ["model.name=cnn", "model.kwargs={channels: [4, 8]}"], data=yaml.safe_load(CONFIG))
+    digits = load_dataset(cfg.data)
+    model = build_model(cfg.model, cfg.seed, digits.input_shape, digits.num_classes)
+    assert any(n.endswith("running_mean") for n, _ in model.named_buffers())
+    assert client_state_elements(cfg, model_bytes(cfg)) == sum(p.numel() for p in model.parameters())

@@ -64,7 +64,10 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
     kept = sum(e.nbytes for e in frozen.entries if is_local(e.name, local))
     trained = [e.nbytes for e in exchanged.entries if not e.name.startswith(CONTROL + ".")]
     trained += [e.nbytes for e in frozen.entries if is_local(e.name, local)]
-    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0))
+    parameters = sum(e.nbytes // itemsize(e.dtype) for e in exchanged.entries if not e.statistic
+                     and not e.name.startswith(CONTROL + ".") and e.dtype.startswith(("float", "bfloat")))
+    return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0),
+                      parameters)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:

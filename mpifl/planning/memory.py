@@ -56,6 +56,7 @@ class ModelBytes:
     control: int = 0  # bytes of SCAFFOLD's control section, part of ``exchanged``
     local: int = 0  # bytes of the model.local tensors, part of ``frozen`` (they never travel)
     largest: int = 0  # bytes of the largest tensor that trains (0: unknown, count every gradient)
+    trainable: int = 0  # elements of the parameters that travel: FedDyn's g_i (0: unknown, count all exchanged)
 
     @property
     def total(self) -> int:
@@ -246,9 +247,9 @@ def loaned_vectors(cfg: Config, client_ranks: int, where: str) -> int:
 
 
 def rule_vector_elements(cfg: Config, size: ModelBytes) -> int:
-    """Elements of SCAFFOLD's c_i or FedDyn's g_i: the trainable parameters' (the control section's size, or at
-    most the exchanged elements without one)."""
-    return size.control // 4 if size.control else size.exchanged // itemsize(cfg.model.dtype)
+    """Elements of SCAFFOLD's c_i or FedDyn's g_i: the trainable parameters' that travel (the control section's
+    size; else the exchanged parameters', BatchNorm's statistics left out; else, unknown, every exchanged element)."""
+    return size.control // 4 if size.control else size.trainable or size.exchanged // itemsize(cfg.model.dtype)
 
 
 def undo_vectors(cfg: Config, client_ranks: int) -> int:
