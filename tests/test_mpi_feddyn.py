@@ -84,8 +84,6 @@ def test_with_gradient_accumulation_the_regulariser_counts_once_per_optimizer_st
     (("strategy.update=weights",), "strategy.update: strategy 'feddyn' keeps a vector per client"),
     (("secagg.enabled=true",), "secagg.enabled"),
     (("strategy.wire_dtype=float16",), "strategy.wire_dtype: a float16 update loses low bits of the delta .* g_i"),
-    (("clients.accept_failures=true", "timeouts.straggler=30", "clients.placement=per_round"),
-     "timeouts.straggler: under clients.placement per_round each client's g_i"),
 ])
 def test_feddyn_refuses_what_it_cannot_take(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -132,8 +132,6 @@ def test_the_plan_counts_the_control_section_and_the_clients_control_variates():
     (("clock.mode=fedbuff",), "clock.mode: 'fedbuff' applies stale updates"),
     (("train.trainer=fl_helpers:SteppingNoiseTrainer",), "train.trainer: strategy 'scaffold'"),
     (("strategy.wire_dtype=bfloat16",), "strategy.wire_dtype: a bfloat16 update loses low bits"),
-    (("clients.accept_failures=true", "timeouts.straggler=30", "clients.placement=per_round"),
-     "timeouts.straggler: under clients.placement per_round each client's c_i goes back"),
 ])
 def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -164,24 +162,25 @@ def test_a_client_whose_training_diverged_keeps_its_control_variate():
 
 
 @pytest.mark.parametrize("name", ["scaffold", "feddyn", "fedavg"])
-@pytest.mark.parametrize("placement,drops", [("balanced", True), ("per_round", False)])
-def test_under_accept_failures_a_slow_rank_is_dropped_unless_per_client_state_went_home_before_it_could_be_undone(
-        name, placement, drops):
-    """A dropped rank learns of the drop from its next header and puts back its dropped clients' c_i or g_i
-    (UndoJournal). Under per_round placement that state went back to its home rank with the round's end, so there
-    a slow rank is waited for (its deadline ends the job); a strategy without such state drops it either way."""
+@pytest.mark.parametrize("placement", ["balanced", "per_round"])
+def test_under_accept_failures_a_slow_rank_is_dropped_and_only_client_state_that_the_servers_matches_is_journaled(
+        name, placement):
+    """A dropped rank learns of the drop from its next header; SCAFFOLD's c_i and FedDyn's g_i are then put back
+    (UndoJournal: by the rank, or under per_round placement by each client's home rank), so those strategies
+    journal them and every strategy drops slow ranks."""
     from mpifl.aggregation.strategies import make_strategy
     from mpifl.roles.runner import _straggler_rule
 
     overrides = ["clients.accept_failures=true", f"strategy.name={name}", "strategy.update=delta",
-                 f"clients.placement={placement}"]
+                 f"clients.placement={placement}", "timeouts.straggler=30"]
     if name == "feddyn":
         overrides.append("strategy.weighting=equal")
     cfg = load_config(None, overrides)
-    assert (_straggler_rule(cfg, make_strategy(cfg.strategy)) is not None) == (drops or name == "fedavg")
-    assert cfg.undoes_dropped_state == (drops and name != "fedavg")
-    assert _straggler_rule(load_config(None, overrides[1:]), make_strategy(cfg.strategy)) is None  # without
-    # accept_failures nothing is dropped
+    assert _straggler_rule(cfg, make_strategy(cfg.strategy)) is not None
+    assert cfg.undoes_dropped_state == (name != "fedavg")
+    without = load_config(None, overrides[1:-1])
+    assert _straggler_rule(without, make_strategy(cfg.strategy)) is None  # without accept_failures nothing is dropped
+    assert not without.undoes_dropped_state
 
 
 @pytest.mark.parametrize("strategy", ["scaffold", "fednova"])

@@ -143,11 +143,6 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
         return (f"strategy.wire_dtype: a {cfg.strategy.wire_dtype} update loses low bits of the delta that the client "
                 f"has already folded into its own {state} at full precision, so the server's state drifts from the "
                 f"clients'; {why}: unset strategy.wire_dtype")
-    if cfg.clients.accept_failures and cfg.timeouts.straggler is not None and cfg.lends_client_state:
-        return (f"timeouts.straggler: under clients.placement per_round each client's {state} goes back to its home "
-                f"rank as the round ends, before a dropped rank could put it back as it was; {why}, so there only "
-                "failing clients are dropped and a slow rank ends the job at its deadline: unset "
-                "timeouts.straggler, or use clients.placement 'balanced'")
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
                 "rounds: choose clock.mode 'off' or 'sync'")

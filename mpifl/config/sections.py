@@ -43,8 +43,7 @@ class ClientsConfig:
                                     "with client, rank and reason) instead of aborting the job; so are the rest "
                                     "of a round's clients on a rank still training past its deadline "
                                     "(timeouts.first_update, timeouts.straggler); under SCAFFOLD and FedDyn the "
-                                    "dropped clients' c_i or g_i is put back when the rank's next header names them, "
-                                    "except under clients.placement per_round, where a slow rank ends the job")
+                                    "dropped clients' c_i or g_i is put back when the next header names them")
     min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
@@ -626,10 +625,9 @@ class Config:
     def undoes_dropped_state(self) -> bool:
         """Whether client ranks journal their clients' SCAFFOLD or FedDyn vectors each round, to put back those of
         clients the server drops past their deadline (``clients.accept_failures``), which the server's c or h
-        never took in. Not under ``clients.placement: per_round``, whose ranks are waited for instead."""
+        never took in (under ``clients.placement: per_round``, on each client's home rank)."""
         state = self.client_state()
-        return (self.clients.accept_failures and state is not None and state.folder == "controls"
-                and not self.lends_client_state)
+        return self.clients.accept_failures and state is not None and state.folder == "controls"
 
     @property
     def error_feedback(self) -> bool:

@@ -125,10 +125,10 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.RoundHeader):
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a RoundHeader belongs")
-            if self.parts.journal is not None:  # before anything reads or publishes the state
+            if self.parts.lending is not None:
+                self.parts.lending.settle()  # every vector home before it is put back, lent again or published
+            if self.parts.journal is not None:  # before anything reads, lends or publishes the state
                 self._undo_dropped(header)
-            if self.parts.lending is not None and (header.stop or header.persist is not None):
-                self.parts.lending.settle()  # every vector home before it is published, or before the end
             if header.stop:
                 self.parts.note("finished")
                 return

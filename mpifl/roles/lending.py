@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.storage.residuals import Borrowing, keep_whole, landing_vector, whole_vector
+from mpifl.storage.residuals import Borrowing, UndoJournal, keep_whole, landing_vector, whole_vector
 from mpifl.wire import protocol
 from mpifl.wire.transport import wake
 
@@ -59,8 +59,10 @@ class StateLending:
     where it runs at memory speed by polling without sleeping (a sleeping side stalls MPI's copies of large
     messages between processes)."""
 
-    def __init__(self, comm: MPI.Comm, store: Borrowing):
-        self.comm, self.store = comm, store
+    def __init__(self, comm: MPI.Comm, store: Borrowing, journal: UndoJournal | None = None):
+        """``journal``: SCAFFOLD's or FedDyn's put-back of dropped clients (clients.accept_failures), which keeps
+        each lent vector as it left, before the hand-back overwrites it."""
+        self.comm, self.store, self.journal = comm, store, journal
         self.elements = store.firsts[-1]
         self.returning: list[MPI.Request] = []  # the last round's hand-back, posted, not yet complete
         self.returned: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # lent client -> (flag, where it lands)
@@ -92,6 +94,9 @@ class StateLending:
         if not header.borrow and not header.lend:
             return
         tag = protocol.round_tag(protocol.STATE_BACK, header.round)
+        if self.journal is not None:
+            for client, _ in header.lend:
+                self.journal.remember(client)  # a RAM store's vector is where its hand-back lands
         self.returned = {client: (np.zeros(1, np.float32), landing_vector(self.store.store, client))
                          for client, _ in header.lend}
         for client, trainer in header.lend:

@@ -251,7 +251,9 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         state: ResidualStore | None = Borrowing(kept) if kept is not None and cfg.lends_client_state else kept
         vectors, locals_, marked, personal_store = _state_sections(cfg, plan, state)
         controls: ClientControls | ClientDynamics | None = None
-        journal = UndoJournal(vectors) if vectors is not None and cfg.undoes_dropped_state else None
+        journal = None
+        if vectors is not None and cfg.undoes_dropped_state:  # a borrowed client's vector is its home's to put back
+            journal = UndoJournal(vectors, lambda c: not isinstance(state, Borrowing) or c not in state.borrowed)
         if vectors is not None and cfg.control_variates:
             controls = ClientControls(work, journal or vectors, cfg.train.lr)
         elif vectors is not None and cfg.strategy.name == "feddyn":
@@ -464,7 +466,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
         state=state, controls=controls, personal=personal, personal_models=personal_models,
         note=note or RankNotes(None, comm.Get_rank()), group=leader,
-        lending=StateLending(comm, state) if isinstance(state, Borrowing) else None, journal=journal)
+        lending=StateLending(comm, state, journal) if isinstance(state, Borrowing) else None, journal=journal)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
     client.run()
@@ -639,18 +641,9 @@ def _straggler_rule(cfg: Config, strategy: Strategy) -> StragglerRule | None:
     """clients.accept_failures: when a rank still training is dropped from its round. Under a strategy whose
     clients keep state matched by the server's (Capabilities.client_state: SCAFFOLD's c_i and c, FedDyn's g_i and
     h), a dropped rank has already folded its clients' deltas into their state when it learns of the drop from
-    its next header, and puts that state back (storage.residuals.UndoJournal). Not under per_round placement:
-    there the state went back to its home rank with the round's end, before the header could say; such a rank is
-    waited for, and past its deadline it ends the job."""
-    if not cfg.clients.accept_failures:
-        return None
-    if strategy.capabilities.client_state and cfg.lends_client_state:
-        log(f"clients.accept_failures: a failing client is dropped from its round, but a slow rank is not: strategy "
-            f"{cfg.strategy.name!r} keeps a vector per client that the server's state must match, and under "
-            "clients.placement per_round it is lent back before a drop could be undone (a rank past its deadline "
-            "ends the job, the last round on disk)", rank=0)
-        return None
-    return StragglerRule(cfg.timeouts.straggler)
+    its next header; that state is put back then, by the rank or, under per_round placement, by each client's home
+    rank (storage.residuals.UndoJournal)."""
+    return StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None
 
 
 def _strategy(cfg: Config) -> Strategy:

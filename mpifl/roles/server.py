@@ -26,7 +26,7 @@ from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
-from mpifl.planning.federation import RoundAssignment, Sampler, state_loans
+from mpifl.planning.federation import RoundAssignment, Sampler, state_home, state_loans
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
@@ -205,9 +205,11 @@ class Server:
                 return None
             return max(started.get(rank, 0.0), self.late.finished.get(rank, 0.0)) or None
 
+        client_ranks = self.comm.Get_size() - 1
+
         def owe(owed: OwedStream) -> None:
             self.late.add(owed)
-            self.parts.dropped.note(owed)
+            self.parts.dropped.note(owed, (lambda c: state_home(c, client_ranks)) if self.parts.lends_state else None)
 
         return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), owe)
 

@@ -20,7 +20,7 @@ whichever file holds it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -244,11 +244,15 @@ class UndoJournal:
     (``RoundHeader.dropped``). Those clients' vectors go back to what they were before the round, as if they had
     never trained, since the server never summed their deltas into c or h; every other write stands.
 
-    Memory: one copy of the vector of each client read since the last header, in RAM (about
+    Under ``clients.placement: per_round`` a client's vector belongs to its home rank, which puts it back: a
+    rank that trains a borrowed client journals nothing of it (``journaled``), and the home keeps a copy of each
+    vector it lends (``remember``), put back once the loan has come home.
+
+    Memory: one copy of the vector of each client read or lent since the last header, in RAM (about
     per_round / client ranks vectors; ``mpifl plan`` counts them, ``planning.memory.undo_vectors``)."""
 
-    def __init__(self, store: ResidualStore):
-        self.store = store
+    def __init__(self, store: ResidualStore, journaled: Callable[[int], bool] = lambda client: True):
+        self.store, self.journaled = store, journaled
         self.firsts = store.firsts
         self.before: dict[int, torch.Tensor] = {}  # client -> its vector when first read or written since settle()
 
@@ -257,16 +261,20 @@ class UndoJournal:
         store's read is a view of the vector itself, which the rules update in place before writing it back."""
         assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
         vector = self.store.read(client, 0)
-        if client not in self.before:
+        if client not in self.before and self.journaled(client):
             self.before[client] = vector.clone()
         return vector
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
         """Store the client's vector (the one it replaces was kept when it was read)."""
         assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
-        if client not in self.before:
+        if client not in self.before and self.journaled(client):
             self.before[client] = self.store.read(client, 0).clone()
         self.store.write(client, 0, values)
+
+    def remember(self, client: int) -> None:
+        """Keep a copy of ``client``'s vector as it is now: one this home rank lends, before its loan comes home."""
+        self.before[client] = self.store.read(client, 0).clone()
 
     def clients(self) -> list[int]:
         """The clients with a vector in the store."""

@@ -57,9 +57,13 @@ class DroppedClients:
     def __init__(self) -> None:
         self.by_rank: dict[int, set[int]] = {}
 
-    def note(self, owed: OwedStream) -> None:
-        """``owed``'s clients were dropped from its rank's round."""
+    def note(self, owed: OwedStream, home: Callable[[int], int] | None = None) -> None:
+        """``owed``'s clients were dropped from its rank's round; ``home``: the rank that keeps each client's state
+        when that is another (``clients.placement: per_round``), which puts it back, so it is told too."""
         self.by_rank.setdefault(owed.rank, set()).update(owed.clients)
+        if home is not None:
+            for client in owed.clients:
+                self.by_rank.setdefault(home(client), set()).add(client)
 
     def take(self, rank: int) -> tuple[int, ...]:
         """The clients of ``rank`` dropped since its last header (ascending), for the header about to go."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import deque
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +31,19 @@ model: {name: "fl_helpers:SlowOnOneRank"}
 train: {lr: 0.05, batch_size: 16, local_epochs: 1, device: cpu}
 strategy: {name: scaffold, update: delta}
 timeouts: {straggler: 4}
-checkpoint: {every: 1}
+checkpoint: {every: 1, keep: 5}
 eval: {every: 0}
 output: {progress: false}
 """
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def drops(history: list[dict]) -> dict[int, set[int]]:
+    """The clients dropped in each round that dropped any."""
+    return {r["round"]: {d["client"] for d in r["dropped"]} for r in history if r["dropped"]}
+
+
 SLOW = {"FL_HELPERS_SLOW_RANK": "2", "FL_HELPERS_SLOW_CALLS": "3", "FL_HELPERS_SLOW_FORWARD": "0.6"}  # ~12 passes: 7 s
 
 
@@ -63,16 +73,20 @@ def test_the_server_names_each_ranks_dropped_clients_in_its_next_header_once():
     assert dropped.take(2) == ()
 
 
-@pytest.mark.parametrize("strategy", ["scaffold", "feddyn"])
+@pytest.mark.parametrize("strategy,placement", [("scaffold", "round_robin"), ("feddyn", "round_robin"),
+                                                ("scaffold", "per_round")])
 def test_a_straggler_under_a_strategy_with_client_state_is_dropped_and_its_clients_end_as_if_never_sampled(
-        tmp_path, strategy):
+        tmp_path, strategy, placement):
+    """Under per_round placement a client's vector is lent by its home rank to the rank that trains it and comes
+    home as the round ends: the home rank puts it back, from the copy it kept when lending it."""
     text = CONFIG if strategy == "scaffold" else CONFIG.replace("{name: scaffold, update: delta}",
                                                                 "{name: feddyn, update: delta, weighting: equal}")
+    text = text.replace("accept_failures: true}", f"accept_failures: true, placement: {placement}}}")
     cfg = write_config(tmp_path / "c.yaml", text)
     result = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), env=SLOW, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    dropped = {r["round"]: {d["client"] for d in r["dropped"]} for r in history if r["dropped"]}
+    history = records(tmp_path / "run")
+    dropped = drops(history)
     slow = [r["round"] for r in history if any(d["rank"] == 2 and "straggler deadline" in d["reason"]
                                                for d in r["dropped"])]
     assert slow, dropped  # rank 2's third client is slow: its round loses what rank 2 had left of it
@@ -82,10 +96,12 @@ def test_a_straggler_under_a_strategy_with_client_state_is_dropped_and_its_clien
     assert trained_again, "a dropped client must train again later, or its put-back state is never read"
     state = "c_i" if strategy == "scaffold" else "g_i"
     assert f"each one's {state} is put back as it was before it trained" in result.stderr
+    if placement == "per_round":  # some dropped client was trained away from home, so its home put it back
+        assert any(d["rank"] != 1 + d["client"] % 3 for r in history for d in r["dropped"]), history
     reference = scaffold_reference if strategy == "scaffold" else feddyn_reference
     want = reference_controls_numbered(reference(load_config(None, data=yaml.safe_load(text)), dropped_in=dropped))
     assert_bitwise(run_controls_numbered(tmp_path / "run"), want)
-    if strategy == "feddyn":
+    if strategy == "feddyn" or placement == "per_round":
         return
     # the checkpoint of the round with the drop holds the put-back c_i: a job that died right after it resumes,
     # on another number of ranks, to the same bits
@@ -97,6 +113,10 @@ def test_a_straggler_under_a_strategy_with_client_state_is_dropped_and_its_clien
             shutil.rmtree(later) if later.is_dir() else later.unlink()
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(resumed), "--resume", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+    again = drops(records(resumed))  # its own rounds' drops after the resumed one, if a loaded machine made any
+    assert {r: c for r, c in again.items() if r <= slow[0]} == {r: c for r, c in dropped.items() if r <= slow[0]}
+    if again != dropped:
+        want = reference_controls_numbered(reference(load_config(None, data=yaml.safe_load(text)), dropped_in=again))
     assert_bitwise(run_controls_numbered(resumed), want)
 
 
