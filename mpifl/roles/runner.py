@@ -582,7 +582,7 @@ def _serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                             evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
                             privacy=privacy,
                             secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
-                            stragglers=_straggler_rule(cfg, strategy), dropped=dropped,
+                            stragglers=_straggler_rule(cfg), dropped=dropped,
                             floor=floor, lends_state=cfg.lends_client_state)
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
@@ -637,7 +637,7 @@ def _evaluator(cfg: Config) -> Evaluator:
     return make_evaluator(cfg.eval, cfg.train.loss, language_model=cfg.model.name == "transformers")
 
 
-def _straggler_rule(cfg: Config, strategy: Strategy) -> StragglerRule | None:
+def _straggler_rule(cfg: Config) -> StragglerRule | None:
     """clients.accept_failures: when a rank still training is dropped from its round. Under a strategy whose
     clients keep state matched by the server's (Capabilities.client_state: SCAFFOLD's c_i and c, FedDyn's g_i and
     h), a dropped rank has already folded its clients' deltas into their state when it learns of the drop from
