@@ -261,16 +261,20 @@ class UndoJournal:
         store's read is a view of the vector itself, which the rules update in place before writing it back."""
         assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
         vector = self.store.read(client, 0)
-        if client not in self.before and self.journaled(client):
-            self.before[client] = vector.clone()
+        self._keep(client, vector)
         return vector
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
-        """Store the client's vector (the one it replaces was kept when it was read)."""
+        """Store the client's vector (the one it replaces was kept when it was read, or is kept now)."""
         assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
-        if client not in self.before and self.journaled(client):
-            self.before[client] = self.store.read(client, 0).clone()
+        if client not in self.before:
+            self._keep(client, self.store.read(client, 0))
         self.store.write(client, 0, values)
+
+    def _keep(self, client: int, vector: torch.Tensor) -> None:
+        """Copy ``vector`` as ``client``'s before-round value, once per round, for a client this rank journals."""
+        if client not in self.before and self.journaled(client):
+            self.before[client] = vector.clone()
 
     def remember(self, client: int) -> None:
         """Keep a copy of ``client``'s vector as it is now: one this home rank lends, before its loan comes home."""

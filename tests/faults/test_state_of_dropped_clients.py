@@ -19,6 +19,7 @@ from reference import feddyn_reference, scaffold_reference
 from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
 
 from mpifl.config import load_config
+from mpifl.storage.checkpointer import checkpoint_name, list_checkpoints, residuals_dir
 from mpifl.storage.residuals import RamResiduals, UndoJournal
 from mpifl.wire.late import DroppedClients, OwedStream
 
@@ -108,9 +109,10 @@ def test_a_straggler_under_a_strategy_with_client_state_is_dropped_and_its_clien
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", resumed)
     (resumed / "model.h5").unlink()
-    for later in (resumed / "checkpoints").glob("ckpt-r*"):
-        if int(later.name[6:12]) > slow[0]:
-            shutil.rmtree(later) if later.is_dir() else later.unlink()
+    for later in list_checkpoints(resumed / "checkpoints"):
+        if later.name > checkpoint_name(slow[0]):
+            shutil.rmtree(residuals_dir(later))
+            later.unlink()
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(resumed), "--resume", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     again = drops(records(resumed))  # its own rounds' drops after the resumed one, if a loaded machine made any
