@@ -6,7 +6,12 @@ User code is named by import path ``package.module:attr`` in the config and impo
 **Strategy** (``strategy.name``): ``attr(cfg, **strategy.kwargs) -> Strategy``, ``cfg`` the
 ``StrategyConfig``; ``strategy.kwargs`` are checked against the signature before MPI starts
 (built-in strategies take none). A strategy is ``Strategy(cfg, combiner, update)`` (an optional
-``capabilities=`` states what it is outright, over its combiner's declaration).
+``capabilities=`` states what it is outright, over its combiner's declaration). A ``Strategy`` subclass may
+override the server-side hooks the built-ins use: ``bind(spec, num_clients)`` once before the first
+round (the exchanged model's layout, ``clients.num_clients``; call ``super().bind``),
+``begin_round(round, participants)`` before each round is reduced (how many clients were sampled),
+``finish(acc, count, total_weight, target, state, chunk)`` per chunk (``count`` and ``total_weight``:
+the usable updates folded) and ``round_metrics()`` after the round.
 
 **Combiner** (first stage, per chunk): ``fold(acc, x, weight, index)`` takes the ``index``-th
 included participant's chunk ``x`` into the fp32 accumulator (index 0 overwrites, never reads);
@@ -43,10 +48,22 @@ used with ``data.partition: natural``. **Partition** (``data.partition``): ``att
 num_clients, seed)`` returns one index array per client. **Loss** (``train.loss``):
 ``attr(output, target, reduction="mean")`` (evaluation asks for ``reduction="sum"``).
 
-**Trainer** (``train.trainer``): ``attr(cfg)`` with ``cfg`` the ``TrainConfig``, an object with
-``modifies_weights`` (False: the model goes back as received) and ``train(model, data, seed) ->
+**Trainer** (``train.trainer``): ``attr(cfg, **train.kwargs)`` with ``cfg`` the ``TrainConfig``, an object
+with ``modifies_weights`` (False: the model goes back as received) and ``train(model, data, seed) ->
 TrainResult(num_samples, metrics, local_steps)``: train ``model`` in place on ``data`` (a
-``ClientData``, ``x`` and ``y`` tensors; None without local data), seeded by ``seed``.
+``ClientData``, ``x`` and ``y`` tensors; None without local data), seeded by ``seed``. A ``train`` that
+also names a keyword parameter ``context`` gets a ``TrainContext``: the logical client's id, the round,
+the round's participants and ``clients.num_clients``.
+
+**Settings**: ``strategy.kwargs``, ``train.kwargs``, ``model.kwargs`` and ``data.kwargs`` are checked
+against the plug-in's signature before MPI starts (a typo is named with the closest parameter) and
+converted to its annotated types as the config loads (``clip: float`` set to ``1e6`` is 1000000.0).
+
+**Metrics**: every number in a trainer's ``TrainResult.metrics`` besides ``loss`` (which is
+``train_loss``) is recorded each round as ``client_metrics.<name>``: its mean over the round's usable
+clients weighted by their samples, its ``min``, ``max`` and ``clients``. A strategy's
+``round_metrics()`` is recorded as ``strategy_metrics``. Both reach metrics.jsonl and every tracker
+(``client_metrics/<name>/mean`` in TensorBoard).
 """
 from __future__ import annotations
 
@@ -57,7 +74,7 @@ from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Re
 from mpifl.config import ConfigError, DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from mpifl.config.capabilities import Capabilities
 from mpifl.learning.datasets import ClientData
-from mpifl.learning.trainers import Trainer, TrainResult, make_loss, make_optimizer, minibatches
+from mpifl.learning.trainers import TrainContext, Trainer, TrainResult, make_loss, make_optimizer, minibatches
 from mpifl.wire.protocol import UpdateMeta
 
 __all__ = [
@@ -80,6 +97,7 @@ __all__ = [
     "Strategy",
     "StrategyConfig",
     "TrainConfig",
+    "TrainContext",
     "TrainResult",
     "Trainer",
     "TrimmedMean",

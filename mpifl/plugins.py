@@ -4,7 +4,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import re
+import types
+import typing
 from typing import Any
 
 _PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -61,3 +64,75 @@ def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = 
     if missing:
         return f"{key}.{missing[0]}: {fn_name} takes {missing[0]} without a default; set it"
     return None
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def typed_kwargs(fn: Any, kwargs: dict, key: str) -> tuple[dict, str | None]:
+    """``kwargs`` converted to the types ``fn``'s parameters are annotated with, and what could not be, or None.
+
+    YAML 1.1 reads ``1e6`` (no dot) as a string, and ``1`` as an int where a float is meant: a plug-in's settings
+    are converted as the built-in keys are (a number written as text to int or float, an int to float), so that
+    ``strategy.kwargs.clip: 1e6`` reaches ``clip: float`` as 1000000.0. Parameters without an annotation, or with
+    one that is not a plain scalar, a list of scalars or an optional of either, are passed as written."""
+    hints = _annotations(fn)
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        hint = hints.get(name)
+        if hint is None:
+            continue
+        try:
+            out[name] = _converted(value, hint)
+        except (TypeError, ValueError) as err:
+            return kwargs, f"{key}.{name}: {err}"
+    return out, None
+
+
+def _annotations(fn: Any) -> dict[str, Any]:
+    """The resolved annotations of ``fn``'s parameters (of ``__init__`` for a class); empty where none resolve."""
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # noqa: BLE001 - an annotation naming something the module imports only for type checkers
+        return {}
+
+
+def _converted(value: Any, hint: Any) -> Any:
+    """``value`` as annotation ``hint`` asks (ValueError naming what was expected where it cannot be)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        scalars = [a for a in args if a is not type(None)]
+        if len(scalars) == 1:
+            return _converted(value, scalars[0])
+        return value  # a union of several types: the plug-in sorts it out
+    if origin in (list, tuple) and args and value is not None and isinstance(value, (list, tuple)):
+        inner = args[0]
+        items = [_converted(v, inner) for v in value]
+        return items if origin is list else tuple(items)
+    if hint is float:
+        return _number(value, float)
+    if hint is int:
+        return _number(value, int)
+    if hint is bool and not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    if hint is str and not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _number(value: Any, kind: type) -> int | float:
+    """``value`` as an int or a float: a number, or text that spells one (``1e6``); never a bool."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if kind is float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value!r}")
+        return float(value)
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)

@@ -110,3 +110,60 @@ def classes_only(num_classes, hidden: int = 4):
 def broken(input_shape, num_classes):
     """Builds a layer with a wrong size: caught by mpifl validate's build, not by the signature check."""
     return nn.Linear(math.prod(input_shape), -num_classes)
+
+
+class ContextRecorder:
+    """A plug-in trainer with a setting of its own (``train.kwargs.out``): trains as the built-in torch trainer does,
+    and writes each ``TrainContext`` it gets as one JSON line of ``<out>/rank<rank>.jsonl``; reports the client's
+    id as a metric, so its mean, min and max land in the round's record."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg, out: str, scale: float = 1.0) -> None:
+        from mpifl.learning.trainers import TorchTrainer
+
+        self.inner, self.out, self.scale = TorchTrainer(cfg), out, scale
+
+    def train(self, model, data, seed, context=None):
+        import json
+        import os
+
+        result = self.inner.train(model, data, seed)
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+        with open(os.path.join(self.out, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"client": context.client, "round": context.round,
+                                "participants": context.participants, "num_clients": context.num_clients,
+                                "scale": self.scale}) + "\n")
+        result.metrics.update(client_id=context.client * self.scale, trained=True)
+        return result
+
+
+class CountingMean(WeightedMean):
+    capabilities = Capabilities(summable=True, needs_every_row=False)
+
+
+class Counting(Strategy):
+    """A plug-in strategy that measures its rounds through the server-side hooks: the participants sampled
+    (begin_round), the usable ones folded into the first chunk (finish), and a setting (``clip: float``)."""
+
+    def bind(self, spec, num_clients):
+        super().bind(spec, num_clients)
+        self.num_clients = num_clients
+
+    def begin_round(self, round_, participants):
+        self.seen = {"round": round_, "sampled": participants, "of": self.num_clients, "folded": -1,
+                     "clip": self.clip}
+
+    def finish(self, acc, count, total_weight, target, state, chunk=None):
+        if self.seen["folded"] < 0:
+            self.seen["folded"] = count
+        super().finish(acc, count, total_weight, target, state, chunk)
+
+    def round_metrics(self):
+        return self.seen
+
+
+def counting(cfg: StrategyConfig, clip: float) -> Strategy:
+    strategy = Counting(cfg, CountingMean(cfg), Replace(cfg))
+    strategy.clip = clip
+    return strategy

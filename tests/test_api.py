@@ -23,6 +23,7 @@ PUBLIC = [
     "Strategy",
     "StrategyConfig",
     "TrainConfig",
+    "TrainContext",
     "TrainResult",
     "Trainer",
     "TrimmedMean",

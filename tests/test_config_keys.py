@@ -125,6 +125,7 @@ KEYS = (
     "train.ditto_lambda",
     "train.grad_accum_steps",
     "train.gradient_checkpointing",
+    "train.kwargs",
     "train.local_epochs",
     "train.local_steps",
     "train.loss",

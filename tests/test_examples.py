@@ -118,3 +118,11 @@ def test_the_shipped_leaf_files_are_what_make_data_writes(tmp_path, monkeypatch)
     files = sorted(p.relative_to(shipped) for p in shipped.rglob("*.json"))
     assert files and files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.json"))
     assert all((shipped / f).read_bytes() == (tmp_path / f).read_bytes() for f in files)
+
+
+def test_the_custom_trainer_takes_its_own_setting_and_its_metric_is_recorded_every_round(runs):
+    """train.kwargs.final_fraction (written 1e-1) reaches DecayTrainer as a float; its update_norm is recorded."""
+    _, records = runs("custom_trainer")
+    for record in records:
+        norm = record["client_metrics"]["update_norm"]
+        assert 0 < norm["min"] <= norm["mean"] <= norm["max"] and norm["clients"] == len(record["participants"])

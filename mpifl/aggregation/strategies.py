@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -91,6 +91,18 @@ class Strategy:
         Strategy.__init__(twin, self.cfg, combiner or self.combiner, update or self.update, self.capabilities)
         twin.weigher = self.weigher
         return twin
+
+    def begin_round(self, round_: int, participants: int) -> None:
+        """Learn the round about to be reduced: its number and how many logical clients were sampled for it (of the
+        ``num_clients`` that ``bind`` gave). The server calls it before any chunk of the round is folded; how many
+        of them sent a usable update reaches ``finish`` as its ``count`` and ``total_weight``. Nothing by default:
+        a strategy whose rule scales by the round's participation (SCAFFOLD's P / N) overrides it."""
+
+    def round_metrics(self) -> Mapping[str, float]:
+        """What the strategy measured in the round just finished, recorded as ``strategy_metrics`` in
+        metrics.jsonl and every tracker (numbers by name); none by default. A rule that measures per chunk
+        accumulates in ``finish`` and resets in ``begin_round``."""
+        return {}
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
         """Take in the ``index``-th included participant's chunk (acc is a stack row per participant when stacked)."""

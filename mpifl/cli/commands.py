@@ -78,13 +78,15 @@ def check_plugins(cfg: Config) -> list[str]:
     from mpifl.aggregation.compatibility import checked_strategy
     from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
     from mpifl.learning.models import model_problem
+    from mpifl.learning.trainers import trainer_problem
     from mpifl.privacy.accounting import accounting_problem, budget_problem
 
     if cfg.model.name == "transformers":
         from mpifl.learning.hf import transformers_config
         transformers_config(cfg.model)
     has_data = needs_dataset(cfg)
-    problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None)
+    problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None) or \
+        trainer_problem(cfg.train)
     problem = problem or tracker_problem(cfg.output.trackers) or accounting_problem(cfg.privacy.mode) or \
         budget_problem(cfg.privacy, cfg.clients.num_clients, cfg.clients_per_round())
     if problem:

@@ -13,6 +13,7 @@ import yaml
 
 from mpifl.config.automatic import resolve_automatic
 from mpifl.config.checks import check_combinations, config_warnings
+from mpifl.config.plugin_kwargs import typed_plugin_kwargs
 from mpifl.config.schema import ConfigError, apply_override, build, merge
 from mpifl.config.sections import (
     CheckpointConfig,
@@ -62,7 +63,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
         raw = merge(raw, data)
     for item in overrides:
         apply_override(raw, item)
-    cfg = resolve_automatic(build(Config, raw, ""))
+    cfg = resolve_automatic(typed_plugin_kwargs(build(Config, raw, "")))
     check_combinations(cfg)
     return cfg
 

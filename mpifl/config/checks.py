@@ -20,6 +20,9 @@ def check_combinations(cfg: Config) -> None:
     if cfg.eval.federated_every and cfg.data.val_fraction == 0:
         raise ConfigError("eval.federated_every: federated evaluation needs local validation splits; "
                           "set data.val_fraction (e.g. 0.1)")
+    if cfg.train.kwargs and not is_import_path(cfg.train.trainer):
+        raise ConfigError(f"train.kwargs: the built-in trainer {cfg.train.trainer!r} takes its settings from the train "
+                          "section's own keys; train.kwargs is for a plug-in (train.trainer: package.module:Trainer)")
     if cfg.clients.min_participants > cfg.clients_per_round():
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the "
                           f"{cfg.clients_per_round()} clients sampled per round")

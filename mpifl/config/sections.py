@@ -182,6 +182,9 @@ class TrainConfig:
     trainer: str = field_("torch", "'torch' (plain loop), 'causal_lm' (transformers fine-tuning on "
                            "data.dataset='text'), 'none' (model-only exchange) or an import path",
                            choices=("torch", "causal_lm", "none"), import_ok=True)
+    kwargs: dict = field_(dict, "a plug-in trainer's own settings (train.trainer an import path), passed as keyword "
+                          "arguments after the TrainConfig, converted to its parameters' annotated types and "
+                          "checked against its signature; the built-in trainers take none")
     optimizer: str = field_("sgd", "local optimizer", choices=("sgd", "adam", "adamw"))
     lr: float = field_(0.05, "local learning rate", min=0.0, exclusive_min=True)
     momentum: float = field_(0.0, "SGD momentum", min=0.0, max=1.0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,19 @@ from mpifl.config import EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import DataParallel, share_of, share_weight
-from mpifl.plugins import resolve
+from mpifl.plugins import kwargs_problem, resolve
+
+
+@dataclass(frozen=True)
+class TrainContext:
+    """Which logical client trains, in which round of how large a federation: what a trainer needs to key state of
+    its own by client, or to scale a rule by the round's participation (SCAFFOLD's P / N). Passed as ``context=``
+    to a trainer whose ``train`` names that parameter (``accepts_context``)."""
+
+    client: int  # the logical client's id, 0 .. num_clients - 1: the same on any number of ranks
+    round: int  # the federated round, from 1
+    participants: int  # the logical clients sampled this round, on every rank together
+    num_clients: int  # clients.num_clients
 
 
 @dataclass
@@ -33,7 +46,9 @@ class Trainer(Protocol):
     modifies_weights: bool
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
-        """Train ``model`` in place on ``data`` (None: the client has no local data), seeded by ``seed``."""
+        """Train ``model`` in place on ``data`` (None: the client has no local data), seeded by ``seed``.
+
+        A plug-in may add a keyword parameter ``context`` (a ``TrainContext``): mpifl then passes it."""
         ...
 
 
@@ -338,11 +353,35 @@ class NoTrainer:
         return TrainResult(len(data) if data is not None else 1, {}, local_steps=0)
 
 
+BUILTIN_TRAINERS: dict[str, Callable[[TrainConfig], Trainer]] = {
+    "torch": TorchTrainer, "causal_lm": CausalLMTrainer, "none": NoTrainer}
+
+
 def make_trainer(cfg: TrainConfig) -> Trainer:
-    """The trainer named in the config; an import path gets the TrainConfig."""
-    builtin: dict[str, Callable[[TrainConfig], Trainer]] = {
-        "torch": TorchTrainer, "causal_lm": CausalLMTrainer, "none": NoTrainer}
-    return (builtin.get(cfg.trainer) or resolve(cfg.trainer))(cfg)
+    """The trainer named in the config; an import path is called as ``attr(cfg, **train.kwargs)``."""
+    builtin = BUILTIN_TRAINERS.get(cfg.trainer)
+    return builtin(cfg) if builtin else resolve(cfg.trainer)(cfg, **cfg.kwargs)
+
+
+def trainer_problem(cfg: TrainConfig) -> str | None:
+    """What is wrong with ``train.kwargs`` for a plug-in trainer's signature ``attr(cfg, **kwargs)``, or None."""
+    if cfg.trainer in BUILTIN_TRAINERS:
+        return None
+    build = resolve(cfg.trainer)
+    try:
+        first = next(iter(inspect.signature(build).parameters), None)  # the TrainConfig, which mpifl passes
+    except (TypeError, ValueError):  # no signature to check against
+        return None
+    return kwargs_problem(build, cfg.kwargs, "train.kwargs", supplied=(first,) if first else ())
+
+
+def accepts_context(trainer: Trainer) -> bool:
+    """Whether ``trainer.train`` takes a ``context`` (a ``TrainContext``): the built-in trainers do not need one,
+    and a plug-in written before it existed keeps its three-argument ``train``."""
+    try:
+        return "context" in inspect.signature(trainer.train).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @torch.no_grad()

@@ -14,7 +14,15 @@ from mpi4py import MPI
 
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica, deterministic_hint
-from mpifl.learning.trainers import ConfiguredTrainer, Evaluator, Trainer, TrainResult, local_steps
+from mpifl.learning.trainers import (
+    ConfiguredTrainer,
+    Evaluator,
+    TrainContext,
+    Trainer,
+    TrainResult,
+    accepts_context,
+    local_steps,
+)
 from mpifl.logs import log
 from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.federation import group_of
@@ -49,6 +57,7 @@ class ClientParts:
     plan: ExchangeLayout
     trainer: Trainer
     seed: int  # the root seed: each logical client's seed derives from it, the round and its id
+    num_clients: int = 0  # clients.num_clients: a plug-in trainer's TrainContext
     delta: bool  # strategy.update: send trained - global instead of the trained weights
     statistics_as_values: bool = False  # Config.statistics_as_values: statistics travel as values in a delta
     accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
@@ -102,6 +111,8 @@ class ClientRank:
         self.chain_free: list[np.ndarray] = []  # chain: host bytes for a group sum, free until the next round's
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.clip: float | None = None  # DP: this round's L2 bound
+        self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
+        self.context = accepts_context(self.trainer)  # whether the trainer takes a TrainContext
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
         self.first_element = element_offsets(parts.plan.chunks)
         self.compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) \
@@ -137,7 +148,7 @@ class ClientRank:
                 continue
             self.parts.note("round", header.round)
             self.progress.start_round(header.round)
-            self.clip, self.cohort = header.clip, header.cohort
+            self.clip, self.cohort, self.participants = header.clip, header.cohort, header.participants
             if self.parts.lending is not None:
                 self.parts.lending.borrow(header)
             if header.hold:
@@ -416,6 +427,9 @@ class ClientRank:
             with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
                 if self.parts.group is not None:
                     return self._train_in_group(client, train, seed), None
+                if self.context:
+                    context = TrainContext(client, round_, self.participants, self.parts.num_clients)
+                    return self.trainer.train(self.work.module, train, seed, context=context), None  # type: ignore[call-arg]
                 return self.trainer.train(self.work.module, train, seed), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures or self.parts.group is not None:

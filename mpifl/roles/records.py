@@ -59,6 +59,40 @@ def federated_evaluation(metas) -> dict | None:
     return {**out, "clients": len(reports), "samples": n}
 
 
+# What an update's header carries that a round's record reports under its own keys: the training loss (train_loss),
+# federated evaluation (val_*: federated_eval), the ranks' peaks (client_peak_*), a client group's costs
+# (client_group) and secure aggregation's (secagg). Everything else a client reports is a client metric.
+REPORTED_ELSEWHERE = ("loss",)
+REPORTED_ELSEWHERE_PREFIXES = ("val_", "rank_peak_", "group_", "secagg_")
+
+
+def client_metrics(metas: Sequence) -> dict | None:
+    """What the round's usable participants reported beyond the keys reported elsewhere (a plug-in trainer's
+    ``TrainResult.metrics``, DP's ``update_norm``, top-k's ``compress_seconds``): for each numeric value, its mean
+    weighted by the clients' samples and its least and greatest, by name; None when nothing was reported.
+
+    Summed in ascending client id, never in arrival order, so two runs that train the same clients record the same
+    bits on any number of ranks. A true/false value counts as 1/0, so its mean is the share of clients it held for."""
+    ordered = sorted(metas, key=lambda m: m.client)
+    names = sorted({k for m in ordered for k, v in m.metrics.items() if _numeric(v) and _client_metric(k)})
+    out = {}
+    for name in names:
+        values = [(float(m.metrics[name]), m.num_samples) for m in ordered if _numeric(m.metrics.get(name))]
+        samples = sum(n for _, n in values)
+        mean = sum(v * n for v, n in values) / samples if samples else sum(v for v, _ in values) / len(values)
+        out[name] = {"mean": mean, "min": min(v for v, _ in values), "max": max(v for v, _ in values),
+                     "clients": len(values)}
+    return out or None
+
+
+def _numeric(value: object) -> bool:
+    return isinstance(value, (bool, int, float)) and math.isfinite(float(value))
+
+
+def _client_metric(name: str) -> bool:
+    return name not in REPORTED_ELSEWHERE and not name.startswith(REPORTED_ELSEWHERE_PREFIXES)
+
+
 GROUP_COSTS = ("group_setup_seconds", "group_dispatch_seconds", "group_train_seconds")
 
 

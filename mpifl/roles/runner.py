@@ -457,8 +457,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
             personal_models.trainer.parallel = parallel
             personal_models.starting = leader.dispatch_personal
     parts = ClientParts(
-        plan=plan, trainer=trainer, seed=cfg.seed, delta=cfg.strategy.update == "delta",
-        statistics_as_values=cfg.statistics_as_values,
+        plan=plan, trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
+        delta=cfg.strategy.update == "delta", statistics_as_values=cfg.statistics_as_values,
         accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,

@@ -33,6 +33,7 @@ from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import (
     RoundTimes,
+    client_metrics,
     federated_evaluation,
     group_split,
     note_memory_growth,
@@ -146,6 +147,7 @@ class Server:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
         plan = parts.sampler.plan(round_)
+        parts.strategy.begin_round(round_, len(plan.participants))
         self._send_headers(plan)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
                             lambda: self.stop.requested, heard=self.heard)
@@ -363,12 +365,12 @@ class Server:
                                         steps=steps, groups=groups, parent=parent, children=children,
                                         chain=chain.get(rank, ()), reduce_stream=stream if rank in chain else None,
                                         borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())),
-                                        dropped=self.parts.dropped.take(rank))
+                                        dropped=self.parts.dropped.take(rank), participants=len(plan.participants))
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
     def _record(self, plan: RoundAssignment, metas: dict, evaluation: dict | None, times: RoundTimes) -> dict:
-        usable = [m for m in metas.values() if m.error is None]
+        usable = sorted((m for m in metas.values() if m.error is None), key=lambda m: m.client)  # not arrival order
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         record = {
             "round": plan.round,
@@ -406,6 +408,12 @@ class Server:
         federated = federated_evaluation(usable)
         if federated is not None:
             record["federated_eval"] = federated
+        reported = client_metrics(usable)
+        if reported is not None:
+            record["client_metrics"] = reported
+        strategy = self.parts.strategy.round_metrics()
+        if strategy:
+            record["strategy_metrics"] = dict(strategy)
         return record
 
     def _work_by_rank(self, plan: RoundAssignment, metas: dict) -> dict[str, dict]:

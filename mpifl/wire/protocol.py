@@ -153,6 +153,7 @@ class RoundHeader:
     # clients.accept_failures: the logical clients of this rank that the server dropped past their deadline since
     # the rank's last header (their updates were never folded: SCAFFOLD's c_i and FedDyn's g_i go back)
     dropped: tuple[int, ...] = ()
+    participants: int = 0  # the logical clients sampled this round on every rank together (a trainer's context)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""What a plug-in author gets besides the hooks themselves: settings typed by their annotations (``1e6`` is a
+number), ``train.kwargs`` for trainers, a trainer that knows which client and round it trains, and what plug-ins
+measure recorded each round in metrics.jsonl and the trackers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from conftest import MPI_TIMEOUT, run_mpi
+
+from mpifl.aggregation.compatibility import checked_strategy
+from mpifl.cli.commands import check_plugins
+from mpifl.config import ConfigError, load_config
+from mpifl.plugins import typed_kwargs
+from mpifl.roles.records import client_metrics
+from mpifl.trackers import scalars
+from mpifl.wire.protocol import UpdateMeta
+
+SYNTHETIC = {"data": {"dataset": "synthetic", "kwargs": {"num_samples": 300}}}
+
+
+def annotated(cfg, clip: float, steps: int = 1, sizes: list[float] | None = None, tag: str = "",
+              flag: bool = False, window: Optional[int] = None, anything=None):  # noqa: UP045 - both spellings
+    return cfg
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"clip": "1e6"}, {"clip": 1e6}),
+    ({"clip": 3}, {"clip": 3.0}),
+    ({"clip": 1, "steps": "1e3"}, {"clip": 1.0, "steps": 1000}),
+    ({"clip": 1.0, "steps": 4.0}, {"clip": 1.0, "steps": 4}),
+    ({"clip": 1.0, "sizes": [1, "2e-1"]}, {"clip": 1.0, "sizes": [1.0, 0.2]}),
+    ({"clip": 1.0, "sizes": None, "window": "8"}, {"clip": 1.0, "sizes": None, "window": 8}),
+    ({"clip": 1.0, "anything": "1e6"}, {"clip": 1.0, "anything": "1e6"}),
+])
+def test_plugin_settings_take_the_types_their_parameters_are_annotated_with(given, expected):
+    converted, problem = typed_kwargs(annotated, given, "strategy.kwargs")
+    assert problem is None and converted == expected
+    assert all(type(converted[k]) is type(v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"clip": "high"}, "strategy.kwargs.clip: expected a number, got 'high'"),
+    ({"clip": True}, "strategy.kwargs.clip: expected a number, got True"),
+    ({"clip": 1.0, "steps": 2.5}, "strategy.kwargs.steps: expected an integer, got 2.5"),
+    ({"clip": 1.0, "flag": "yes"}, "strategy.kwargs.flag: expected true or false"),
+    ({"clip": 1.0, "tag": 3}, "strategy.kwargs.tag: expected a string"),
+    ({"clip": float("inf")}, "strategy.kwargs.clip: must be a finite number"),
+])
+def test_a_plugin_setting_that_cannot_take_its_type_is_named(given, message):
+    assert typed_kwargs(annotated, given, "strategy.kwargs")[1].startswith(message)
+
+
+def test_strategy_kwargs_written_1e6_reach_the_plugin_as_a_float():
+    cfg = load_config(None, data={**SYNTHETIC, "strategy": {"name": "plugin_helpers:counting",
+                                                            "kwargs": {"clip": "1e6"}}})
+    assert cfg.strategy.kwargs == {"clip": 1e6}
+    assert checked_strategy(cfg).clip == 1e6
+    with pytest.raises(ConfigError, match=r"strategy\.kwargs\.clip: expected a number, got 'big'"):
+        load_config(None, data={**SYNTHETIC, "strategy": {"name": "plugin_helpers:counting",
+                                                          "kwargs": {"clip": "big"}}})
+
+
+def trainer_config(**kwargs):
+    return load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:ContextRecorder",
+                                                          "kwargs": kwargs}})
+
+
+def test_train_kwargs_reach_a_plugin_trainer_typed_and_checked_against_its_signature(tmp_path):
+    cfg = trainer_config(out=str(tmp_path), scale="2e0")
+    assert cfg.train.kwargs == {"out": str(tmp_path), "scale": 2.0}
+    assert check_plugins(cfg) == []
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.kwargs\.scal': not a parameter of ContextRecorder; "
+                                          r"did you mean 'train\.kwargs\.scale'\?"):
+        check_plugins(trainer_config(out=str(tmp_path), scal=2.0))
+    with pytest.raises(ConfigError, match=r"train\.kwargs\.out: ContextRecorder takes out without a default"):
+        check_plugins(trainer_config())
+    with pytest.raises(ConfigError, match=r"train\.kwargs: the built-in trainer 'torch' takes its settings"):
+        load_config(None, data={**SYNTHETIC, "train": {"kwargs": {"lr": 0.1}}})
+
+
+def meta(client: int, samples: int, **metrics) -> UpdateMeta:
+    return UpdateMeta(client, samples, 0.1, metrics)
+
+
+def test_client_metrics_are_sample_weighted_means_with_their_range_leaving_out_what_is_reported_elsewhere():
+    metas = [meta(3, 30, norm=2.0, within=True, loss=9.0, val_loss=1.0, rank_peak_rss_bytes=5, group_x_seconds=1.0),
+             meta(1, 10, norm=6.0, within=False, loss=1.0),
+             meta(2, 0, note="text")]
+    assert client_metrics(metas) == {"norm": {"mean": 3.0, "min": 2.0, "max": 6.0, "clients": 2},
+                                     "within": {"mean": 0.75, "min": 0.0, "max": 1.0, "clients": 2}}
+    assert client_metrics([meta(1, 10, loss=1.0)]) is None
+
+
+def test_client_metrics_do_not_depend_on_the_order_updates_arrive_in():
+    metas = [meta(c, 7 + c, x=0.1 * c + 1e-9 * c * c) for c in range(20)]
+    assert json.dumps(client_metrics(metas)) == json.dumps(client_metrics(list(reversed(metas))))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A run of 3 client ranks with per-round placement, the recording trainer and the counting strategy."""
+    root = tmp_path_factory.mktemp("front_door")
+    out = root / "contexts"
+    out.mkdir()
+    config = root / "config.yaml"
+    config.write_text(json.dumps({
+        "rounds": 3, "seed": 5, "clients": {"num_clients": 7, "per_round": 4, "placement": "per_round"},
+        "data": {"dataset": "synthetic", "kwargs": {"num_samples": 400}},
+        "model": {"name": "mlp", "kwargs": {"hidden": [8]}},
+        "train": {"trainer": "plugin_helpers:ContextRecorder", "kwargs": {"out": str(out), "scale": "1e0"}},
+        "strategy": {"name": "plugin_helpers:counting", "kwargs": {"clip": "1e6"}},
+        "eval": {"every": 0}, "output": {"trackers": ["tensorboard"]}}))
+    result = run_mpi(4, "run", str(config), "--run-dir", str(root / "run"), timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    return out, records
+
+
+def test_a_trainer_learns_which_client_it_trains_in_which_round_on_any_placement(recorded):
+    out, records = recorded
+    seen = sorted((c["round"], c["client"], c["participants"], c["num_clients"])
+                  for path in out.glob("rank*.jsonl") for c in map(json.loads, path.read_text().splitlines()))
+    expected = sorted((r["round"], c, len(r["participants"]), 7) for r in records for c in r["participants"])
+    assert seen == expected
+
+
+def test_what_plugins_measure_is_in_every_rounds_record_and_its_tracker_scalars(recorded):
+    _, records = recorded
+    for record in records:
+        ids = record["participants"]
+        assert record["client_metrics"]["client_id"] == {
+            "mean": pytest.approx(record["client_metrics"]["client_id"]["mean"]), "min": min(ids), "max": max(ids),
+            "clients": 4}
+        assert record["client_metrics"]["trained"]["mean"] == 1.0
+        assert record["strategy_metrics"] == {"round": record["round"], "sampled": 4, "of": 7, "folded": 4,
+                                              "clip": 1e6}
+        flat = scalars(record)
+        assert flat["client_metrics/client_id/max"] == max(ids) and flat["strategy_metrics/folded"] == 4
+
+
+def test_plugin_metrics_reach_tensorboard(recorded):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, records = recorded
+    events = EventAccumulator(str(out.parent / "run" / "tensorboard"))
+    events.Reload()
+    steps = {e.step: e.value for e in events.Scalars("client_metrics/client_id/max")}
+    assert steps == {r["round"]: max(r["participants"]) for r in records}
+    assert {e.step: e.value for e in events.Scalars("strategy_metrics/sampled")} == {1: 4, 2: 4, 3: 4}
