@@ -73,6 +73,7 @@ from mpifl.aggregation.strategies import Strategy
 from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Replace, ServerOptimizer, ServerUpdate
 from mpifl.config import ConfigError, DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from mpifl.config.capabilities import Capabilities
+from mpifl.config.client_state import StateVector
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import TrainContext, Trainer, TrainResult, make_loss, make_optimizer, minibatches
 from mpifl.wire.protocol import UpdateMeta
@@ -94,6 +95,7 @@ __all__ = [
     "ServerOptimizer",
     "ServerUpdate",
     "SortedStack",
+    "StateVector",
     "Strategy",
     "StrategyConfig",
     "TrainConfig",

@@ -20,6 +20,7 @@ PUBLIC = [
     "ServerOptimizer",
     "ServerUpdate",
     "SortedStack",
+    "StateVector",
     "Strategy",
     "StrategyConfig",
     "TrainConfig",

@@ -22,9 +22,9 @@ from mpifl.planning.memory import (
     ModelBytes,
     client_state_elements,
     client_state_plan,
+    journaled_elements,
     loaned_vectors,
     memory_estimate,
-    rule_vector_elements,
     state_rule_bytes,
     undo_vectors,
 )
@@ -167,10 +167,10 @@ def plan_main(args: argparse.Namespace) -> int:
               f"({4 * loans * state_elements / MIB:,.1f} MiB) beside a rank's own (counted above)")
     undo = undo_vectors(cfg, host_count)
     if undo:
-        copies, vector = ("copy" if undo == 1 else "copies"), ("c_i" if cfg.control_variates else "g_i")
-        print(f"  clients.accept_failures: up to {undo} {copies} of a client's {vector} "
-              f"({4 * undo * rule_vector_elements(cfg, size) / MIB:,.1f} MiB) kept through each round on a client "
-              "rank, to put back those of clients dropped past their deadline (counted above)")
+        copies = "copy" if undo == 1 else "copies"
+        print(f"  clients.accept_failures: up to {undo} {copies} of a client's put-back state (its strategy's and its "
+              f"trainer's vectors, {4 * undo * journaled_elements(cfg, size) / MIB:,.1f} MiB) kept through each round "
+              "on a client rank, to put back those of clients dropped past their deadline (counted above)")
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
               "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "

@@ -6,7 +6,8 @@ from pathlib import Path
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import ASYNCHRONOUS_MODES, Config
-from mpifl.plugins import is_import_path
+from mpifl.config.client_state import declared_vectors
+from mpifl.plugins import is_import_path, resolve
 
 
 def check_combinations(cfg: Config) -> None:
@@ -35,6 +36,7 @@ def check_combinations(cfg: Config) -> None:
     _check_compression(cfg)
     _check_local(cfg)
     _check_ditto(cfg)
+    _check_declared_vectors(cfg)
     _check_ranks_per_client(cfg)
     _check_per_round_placement(cfg)
     _check_feature_noise(cfg)
@@ -149,7 +151,7 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
                 "rounds: choose clock.mode 'off' or 'sync'")
-    if cfg.train.trainer != "torch":
+    if cfg.train.trainer != "torch" and name in BUILTIN_CAPABILITIES:  # a plug-in's client half is its trainer's
         return (f"train.trainer: {why}, and the built-in 'torch' trainer is the one whose steps it corrects; "
                 f"{cfg.train.trainer!r} is not supported: set train.trainer='torch'")
     return None
@@ -275,18 +277,29 @@ def _check_local(cfg: Config) -> None:
         raise ConfigError(problem)
 
 
+def _check_declared_vectors(cfg: Config) -> None:
+    """A plug-in trainer's declared per-client vectors (``client_state``): a well-formed declaration, kept between
+    synchronous rounds (a client trained again before its last update is applied would start from a vector its
+    server never saw the effect of)."""
+    if not is_import_path(cfg.train.trainer):
+        return
+    try:
+        vectors = declared_vectors(resolve(cfg.train.trainer))
+    except (ValueError, ImportError) as err:
+        raise ConfigError(str(err)) from None
+    if not vectors:
+        return
+    why = f"{cfg.train.trainer!r} keeps {', '.join(vectors)} per client (its client_state) on the rank that hosts it"
+    problem = _synchronous_problem(cfg, "train.trainer", why)
+    if problem:
+        raise ConfigError(problem)
+
+
 def _check_ditto(cfg: Config) -> None:
     """train.ditto_lambda (Ditto): a personal model per client on the rank that hosts it."""
     if not cfg.train.ditto_lambda:
         return
     why = "train.ditto_lambda keeps a personal model per client on the rank that hosts it"
-    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
-    vectors = f"the per-client vectors of strategy {cfg.strategy.name!r}"
-    others = [what for what, kept in ((vectors, caps and caps.client_state),
-                                      ("top-k's error-feedback residuals", cfg.error_feedback)) if kept]
-    if cfg.model.local and others:  # each client's one vector holds two kinds of state, never three
-        raise ConfigError(f"train.ditto_lambda: {why}, and model.local and {others[0]} keep per-client state there "
-                          "too; a client's vector holds two kinds, not three: drop one of the three")
     if cfg.model.local and cfg.clients.ranks_per_client > 1:
         raise ConfigError(f"train.ditto_lambda: {why}, with model.local its own local tensors too, which a group "
                           "of ranks (clients.ranks_per_client) does not train yet: set clients.ranks_per_client=1")

@@ -4,7 +4,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES
+from mpifl.config.client_state import ClientState, client_state, declared_vectors
 from mpifl.config.schema import field_
+from mpifl.plugins import is_import_path, resolve
 from mpifl.trackers import TRACKERS
 from mpifl.units import MIB
 
@@ -227,6 +230,9 @@ class TrainConfig:
     ditto_lambda: float = field_(0.0, "Ditto (Li et al. 2021): lambda > 0 keeps a personal model per client, trained "
                                  "each round it is sampled, before the global one, on its own data with "
                                  "lambda/2 ||v - w||^2 towards the received global w (0 = off)", min=0.0)
+    state_ram_mb: float = field_(1024.0, "a plug-in trainer's declared per-client vectors (its client_state): a "
+                                 "client rank keeps its clients' vectors in RAM while they fit in this many MiB, else "
+                                 "in one HDF5 file per rank in the run directory", min=0.0)
     personal_ram_mb: float = field_(1024.0, "ditto: a client rank keeps its clients' personal models (fp32) in RAM "
                                     "while they fit in this many MiB, else in one HDF5 file per rank in the run "
                                     "directory", min=0.0)
@@ -503,23 +509,6 @@ class OutputConfig:
                             "'mpifl[wandb]'", choices=TRACKERS)
 
 
-@dataclass(frozen=True)
-class ClientState:
-    """What a run keeps per logical client on the rank that hosts it (one fp32 vector each). With a client group
-    (clients.ranks_per_client) its leader keeps it and sends the members what they train with; error-feedback
-    residuals need nothing on the members: they shape the update the leader alone encodes."""
-
-    what: str  # as the plan and the logs name it
-    ram_key: str  # the config key of its RAM budget
-    ram_mb: float  # that budget: beyond it, one HDF5 file per rank
-    folder: str  # the folder of those files in the run directory
-    # one element per 'exchanged' element (read chunk by chunk), 'trainable' one (outside model.local), 'local'
-    # tensor's; or 'trainable+local' / 'exchanged+local': the first kind, then the local tensors' and one more
-    # element (their mark: PersonalTensors); or 'trainable+personal' / 'exchanged+personal': the first kind, then
-    # a Ditto personal model (one element per exchanged element, chunk by chunk) and its mark (MarkedChunks)
-    vector: str
-
-
 @dataclass
 class Config:
     """One experiment."""
@@ -572,51 +561,19 @@ class Config:
         return self.clock.asynchronous and self.strategy.update == "delta"
 
     def client_state(self) -> ClientState | None:
-        """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry:
-        SCAFFOLD's control variates or FedDyn's gradient states, top-k error-feedback residuals (either with
-        model.local tensors or a Ditto personal model beside them in the same vector), model.local tensors (alone,
-        or with a Ditto personal model beside them), or Ditto's personal models (config checks allow no other
-        pairs, and no three kinds); None for none."""
-        vectors = "SCAFFOLD control variates" if self.control_variates else \
-            "FedDyn gradient states" if self.strategy.name == "feddyn" else None
-        ditto = self.train.ditto_lambda > 0
-        if vectors and ditto:  # one vector per client: its c_i or g_i, then its personal model and that one's mark
-            return ClientState(f"{vectors} and Ditto personal models",
-                               "strategy.control_ram_mb + train.personal_ram_mb",
-                               self.strategy.control_ram_mb + self.train.personal_ram_mb, "controls",
-                               "trainable+personal")
-        if self.error_feedback and ditto:
-            return ClientState("error-feedback residuals and Ditto personal models",
-                               "compression.residual_ram_mb + train.personal_ram_mb",
-                               self.compression.residual_ram_mb + self.train.personal_ram_mb, "residuals",
-                               "exchanged+personal")
-        if self.model.local and ditto:  # its local tensors and their mark, then its personal model (chunks, then its
-            # own local tensors) and that one's mark
-            return ClientState("local tensors (model.local) and Ditto personal models",
-                               "model.local_ram_mb + train.personal_ram_mb",
-                               self.model.local_ram_mb + self.train.personal_ram_mb, "locals", "local+personal")
-        if vectors and self.model.local:  # one vector per client holds both, in one store
-            return ClientState(f"{vectors} and local tensors (model.local)",
-                               "strategy.control_ram_mb + model.local_ram_mb",
-                               self.strategy.control_ram_mb + self.model.local_ram_mb, "controls", "trainable+local")
-        if vectors:
-            return ClientState(vectors, "strategy.control_ram_mb", self.strategy.control_ram_mb, "controls",
-                               "trainable")
-        if self.error_feedback and self.model.local:
-            return ClientState("error-feedback residuals and local tensors (model.local)",
-                               "compression.residual_ram_mb + model.local_ram_mb",
-                               self.compression.residual_ram_mb + self.model.local_ram_mb, "residuals",
-                               "exchanged+local")
-        if self.model.local:
-            return ClientState("local tensors (model.local)", "model.local_ram_mb", self.model.local_ram_mb, "locals",
-                               "local")
-        if self.train.ditto_lambda:
-            return ClientState("Ditto personal models", "train.personal_ram_mb", self.train.personal_ram_mb,
-                               "personal", "exchanged")
-        if self.error_feedback:
-            return ClientState("error-feedback residuals", "compression.residual_ram_mb",
-                               self.compression.residual_ram_mb, "residuals", "exchanged")
-        return None
+        """The state this run keeps per logical client on the rank hosting it, which checkpoints must carry: the
+        strategy's client rule (SCAFFOLD's control variates, FedDyn's gradient states), top-k error-feedback
+        residuals, model.local tensors, Ditto's personal models and a plug-in trainer's declared vectors, any of them
+        together in each client's one vector (mpifl.config.client_state); None for none."""
+        caps = BUILTIN_CAPABILITIES.get(self.strategy.name)
+        rule = self.strategy.name if caps is not None and caps.client_state else None
+        vectors = declared_vectors(resolve(self.train.trainer)) if is_import_path(self.train.trainer) else {}
+        budgets = {"strategy.control_ram_mb": self.strategy.control_ram_mb,
+                   "compression.residual_ram_mb": self.compression.residual_ram_mb,
+                   "model.local_ram_mb": self.model.local_ram_mb, "train.personal_ram_mb": self.train.personal_ram_mb,
+                   "train.state_ram_mb": self.train.state_ram_mb}
+        return client_state(rule, self.error_feedback, bool(self.model.local), self.train.ditto_lambda > 0, vectors,
+                            budgets)
 
     @property
     def lends_client_state(self) -> bool:
@@ -626,11 +583,12 @@ class Config:
 
     @property
     def undoes_dropped_state(self) -> bool:
-        """Whether client ranks journal their clients' SCAFFOLD or FedDyn vectors each round, to put back those of
-        clients the server drops past their deadline (``clients.accept_failures``), which the server's c or h
-        never took in (under ``clients.placement: per_round``, on each client's home rank)."""
+        """Whether client ranks journal their clients' SCAFFOLD or FedDyn vectors and a plug-in trainer's declared
+        ones each round, to put back those of clients the server drops past their deadline
+        (``clients.accept_failures``), which the server's c or h never took in and which must read as if the client
+        had not trained (under ``clients.placement: per_round``, on each client's home rank)."""
         state = self.client_state()
-        return self.clients.accept_failures and state is not None and state.folder == "controls"
+        return self.clients.accept_failures and state is not None and bool(state.rule or state.vectors)
 
     @property
     def error_feedback(self) -> bool:

@@ -5,7 +5,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +29,19 @@ class TrainContext:
     round: int  # the federated round, from 1
     participants: int  # the logical clients sampled this round, on every rank together
     num_clients: int  # clients.num_clients
+    # the client's own vectors, as the trainer declared them (``client_state``): flat fp32 tensors on the model's
+    # device, the trainer's to change in place; mpifl keeps them once the client has trained
+    state: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    fresh: Mapping[str, bool] = field(default_factory=dict)  # whether each vector is new: the client never wrote it
+    covers: Mapping[str, Sequence[torch.Tensor]] = field(default_factory=dict)  # the model's tensors each covers
+
+    def views(self, name: str) -> list[torch.Tensor]:
+        """Vector ``name`` as views shaped like the tensors it covers, in order (writes go to the vector)."""
+        vector, out, start = self.state[name], [], 0
+        for t in self.covers[name]:
+            out.append(vector[start:start + t.numel()].view(t.shape))
+            start += t.numel()
+        return out
 
 
 @dataclass
@@ -372,7 +385,13 @@ def trainer_problem(cfg: TrainConfig) -> str | None:
         first = next(iter(inspect.signature(build).parameters), None)  # the TrainConfig, which mpifl passes
     except (TypeError, ValueError):  # no signature to check against
         return None
-    return kwargs_problem(build, cfg.kwargs, "train.kwargs", supplied=(first,) if first else ())
+    problem = kwargs_problem(build, cfg.kwargs, "train.kwargs", supplied=(first,) if first else ())
+    declares = bool(getattr(build, "client_state", None))
+    train = getattr(build, "train", None)
+    if problem is None and declares and train is not None and "context" not in inspect.signature(train).parameters:
+        return (f"train.trainer: {cfg.trainer!r} declares per-client vectors (client_state), which reach it as "
+                "TrainContext.state: its train() must take a keyword parameter 'context'")
+    return problem
 
 
 def accepts_context(trainer: Trainer) -> bool:

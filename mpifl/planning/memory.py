@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mpifl.config import Config
+from mpifl.config.client_state import ClientStateLayout, StateSizes
 from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
@@ -231,7 +232,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     state = client_state_plan(cfg, state_elements, client_ranks * cfg.clients.ranks_per_client)  # counts ranks
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
         client += state[0][1] * 4 * state_elements
-    client += 4 * rule_vector_elements(cfg, size) * undo_vectors(cfg, client_ranks)
+    client += 4 * journaled_elements(cfg, size) * undo_vectors(cfg, client_ranks)
     return client + 4 * state_elements * loaned_vectors(cfg, client_ranks, state[0][2] if state else "RAM")
 
 
@@ -259,19 +260,29 @@ def undo_vectors(cfg: Config, client_ranks: int) -> int:
     return -(-cfg.clients_per_round() // max(1, client_ranks)) if cfg.undoes_dropped_state else 0
 
 
-def client_state_elements(cfg: Config, size: ModelBytes) -> int:
-    """Elements of one client's state vector (Config.client_state().vector): the exchanged model's; the trainable
-    parameters' (the control section's size, or at most the exchanged elements without one); local tensors'; or
-    the trainable or exchanged ones', then the local ones' or a Ditto personal model's, and their mark; or the
-    local ones and their mark, then a Ditto personal model with local tensors of its own, and its mark."""
+def state_layout(cfg: Config, size: ModelBytes) -> ClientStateLayout | None:
+    """The layout of one client's state vector (mpifl.config.client_state) for a model of ``size``, as the client
+    ranks lay it out, one exchange chunk standing for all (their count does not change the elements); None for a
+    run without per-client state."""
     state = cfg.client_state()
-    exchanged, local = size.exchanged // itemsize(cfg.model.dtype), size.local // itemsize(cfg.model.dtype)
-    trainable = rule_vector_elements(cfg, size)
-    if state is None or state.vector == "exchanged":
-        return exchanged
-    return {"local": local, "trainable": trainable, "trainable+local": trainable + local + 1,
-            "exchanged+local": exchanged + local + 1, "trainable+personal": trainable + exchanged + 1,
-            "exchanged+personal": 2 * exchanged + 1, "local+personal": exchanged + 2 * local + 2}[state.vector]
+    if state is None:
+        return None
+    width = itemsize(cfg.model.dtype)
+    return state.layout(StateSizes(trainable=rule_vector_elements(cfg, size), chunks=(size.exchanged // width,),
+                                   local=size.local // width))
+
+
+def client_state_elements(cfg: Config, size: ModelBytes) -> int:
+    """Elements of one client's state vector, every part of its layout together (0 without per-client state)."""
+    layout = state_layout(cfg, size)
+    return layout.elements if layout is not None else 0
+
+
+def journaled_elements(cfg: Config, size: ModelBytes) -> int:
+    """Elements of one client's vector that the put-back of dropped clients copies (its rule's and plug-in
+    vectors)."""
+    layout = state_layout(cfg, size)
+    return layout.journaled_elements if layout is not None else 0
 
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,

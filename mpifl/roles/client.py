@@ -29,6 +29,7 @@ from mpifl.planning.federation import group_of
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
+from mpifl.roles.client_state import DeclaredVectors
 from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
 from mpifl.roles.lending import StateLending
@@ -75,6 +76,7 @@ class ClientParts:
     controls: ClientControls | ClientDynamics | None = None  # scaffold's c_i, feddyn's g_i: one vector per client
     personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
     personal_models: PersonalModels | None = None  # train.ditto_lambda (Ditto): each hosted client's own model
+    declared: DeclaredVectors | None = None  # a plug-in trainer's per-client vectors (its client_state)
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
     lending: StateLending | None = None  # per_round placement with per-client state: each round's loans of it
@@ -121,7 +123,8 @@ class ClientRank:
         # with nothing kept per client, no update protected on its own (DP, secure aggregation), no group of ranks
         self.group_check_deferred = all(k is None for k in (
             parts.controls, parts.personal, parts.personal_models, parts.residuals, parts.privacy, parts.secagg,
-            parts.group, parts.replica))
+            parts.group, parts.replica, parts.declared))
+        self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
 
@@ -403,6 +406,8 @@ class ClientRank:
             buffers, bad = None, self._device_update(check)
         else:
             buffers, bad = self._host_update(round_, client, keep, result, usable=error is None, check=check)
+        if self.parts.declared is not None and error is None and not bad:  # else as if it had not trained
+            self.parts.declared.keep(client, self.vectors)
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
@@ -428,8 +433,8 @@ class ClientRank:
                 if self.parts.group is not None:
                     return self._train_in_group(client, train, seed), None
                 if self.context:
-                    context = TrainContext(client, round_, self.participants, self.parts.num_clients)
-                    return self.trainer.train(self.work.module, train, seed, context=context), None  # type: ignore[call-arg]
+                    return self.trainer.train(self.work.module, train, seed,  # type: ignore[call-arg]
+                                              context=self._context(round_, client)), None
                 return self.trainer.train(self.work.module, train, seed), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             if not self.parts.accept_failures or self.parts.group is not None:
@@ -438,6 +443,15 @@ class ClientRank:
                 raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
                                     f"{type(err).__name__}: {err} ({why}{deterministic_hint(err)})") from err
             return TrainResult(0, {}), f"{type(err).__name__}: {err}{deterministic_hint(err)}"
+
+    def _context(self, round_: int, client: int) -> TrainContext:
+        """What a plug-in trainer learns of the client it trains, with the client's declared vectors loaded."""
+        declared = self.parts.declared
+        if declared is None:
+            return TrainContext(client, round_, self.participants, self.parts.num_clients)
+        self.vectors, fresh = declared.load(client)
+        return TrainContext(client, round_, self.participants, self.parts.num_clients, self.vectors, fresh,
+                            declared.covered)
 
     def _train_in_group(self, client: int, train: ClientData | None, seed: int) -> TrainResult:
         """Train ``client`` with this rank's group (clients.ranks_per_client); its metrics add the group's setup

@@ -23,7 +23,6 @@ from mpifl.aggregation.updates import Mixing
 from mpifl.clock.planners import clock_sampler, task_samples
 from mpifl.config import Config, DataConfig
 from mpifl.errors import JobFailure
-from mpifl.learning.control import control_elements
 from mpifl.learning.datasets import (
     ClientData,
     Dataset,
@@ -55,6 +54,7 @@ from mpifl.planning.world import GroupLayout, world_problem
 from mpifl.privacy.dp import ClientPrivacy, ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
+from mpifl.roles.client_state import DeclaredVectors, StateViews, open_client_state, state_sizes, state_views
 from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
 from mpifl.roles.group import GroupLeader, GroupMember, split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
@@ -66,16 +66,9 @@ from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.residuals import (
-    RANK_FILE,
     Borrowing,
-    DiskResiduals,
-    MarkedChunks,
-    RamResiduals,
     ResidualStore,
-    Section,
     UndoJournal,
-    load_snapshot,
-    open_residuals,
 )
 from mpifl.storage.rundir import RankNotes, ResumePoint, read_metrics
 from mpifl.storage.stores import open_store
@@ -87,7 +80,7 @@ from mpifl.wire.late import DroppedClients
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import reuse_freed_memory
 from mpifl.wire.shared import node_communicator, share_on_node
-from mpifl.wire.spec import ModelSpec, element_offsets, is_local
+from mpifl.wire.spec import ModelSpec, is_local
 from mpifl.wire.transport import recv_chunks, recv_object, send_chunks, send_object, use_doorbells
 from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 
@@ -246,27 +239,27 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
         hosted = sorted(local) if not cfg.lends_client_state else \
             clients_of_rank(comm.Get_rank(), cfg.clients.num_clients, comm.Get_size() - 1)  # homes: state_home
-        kept = _client_state(cfg, plan, flat, comm.Get_rank(), hosted, run_dir, resume)
-        # per_round: each client's state is lent, for the round, to the rank that trains it
-        state: ResidualStore | None = Borrowing(kept) if kept is not None and cfg.lends_client_state else kept
-        vectors, locals_, marked, personal_store = _state_sections(cfg, plan, state)
+        kinds, views, state = cfg.client_state(), StateViews(), None
+        if kinds is not None:
+            state_layout = kinds.layout(state_sizes(plan, flat))
+            kept = open_client_state(cfg, state_layout, comm.Get_rank(), hosted, run_dir, resume)
+            # per_round: each client's state is lent, for the round, to the rank that trains it
+            state = Borrowing(kept) if cfg.lends_client_state else kept
+            views = state_views(cfg, state_layout, state)
         controls: ClientControls | ClientDynamics | None = None
-        journal = None
-        if vectors is not None and cfg.undoes_dropped_state:  # a borrowed client's vector is its home's to put back
-            journal = UndoJournal(vectors, lambda c: not isinstance(state, Borrowing) or c not in state.borrowed)
-        if vectors is not None and cfg.control_variates:
-            controls = ClientControls(work, journal or vectors, cfg.train.lr)
-        elif vectors is not None and cfg.strategy.name == "feddyn":
-            controls = ClientDynamics(work, journal or vectors, cfg.strategy.alpha, cfg.train.grad_accum_steps)
-        personal = PersonalTensors(work, locals_, marked=marked) if locals_ is not None and cfg.model.local else None
+        if views.rule is not None and cfg.control_variates:
+            controls = ClientControls(work, views.rule, cfg.train.lr)
+        elif views.rule is not None:
+            controls = ClientDynamics(work, views.rule, cfg.strategy.alpha, cfg.train.grad_accum_steps)
+        personal = PersonalTensors(work, views.local, marked=views.local_marked) if views.local is not None else None
         models = None
-        if personal_store is not None and cfg.train.ditto_lambda:
-            models = PersonalModels(work, plan.chunks, personal_store, make_trainer(cfg.train), cfg.train.ditto_lambda,
+        if views.personal is not None:
+            models = PersonalModels(work, plan.chunks, views.personal, make_trainer(cfg.train), cfg.train.ditto_lambda,
                                     with_local=bool(cfg.model.local), backwards_per_step=cfg.train.grad_accum_steps)
+        declared = DeclaredVectors(work, kinds.vectors, views.vectors) if kinds is not None and kinds.vectors else None
         _serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica,
-                         residuals=vectors if cfg.error_feedback else None, state=state,
-                         controls=controls, personal=personal, personal_models=models, note=notes, group=group,
-                         journal=journal)
+                         residuals=views.residuals, state=state, controls=controls, personal=personal,
+                         personal_models=models, declared=declared, note=notes, group=group, journal=views.journal)
         return None
     return _serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
 
@@ -358,63 +351,6 @@ def server_view(dataset: Dataset) -> Dataset:
     return replace(dataset, x_train=torch.empty((0, *x.shape[1:]), dtype=x.dtype))
 
 
-def _client_state(cfg: Config, plan: ExchangeLayout, flat: FlatModel, rank: int, hosted: list[int],
-                  run_dir: Path | None, resume: ResumePoint | None) -> RamResiduals | DiskResiduals | None:
-    """The hosted clients' state vectors (Config.client_state: top-k residuals, one per exchanged element and
-    read chunk by chunk; SCAFFOLD's c_i or FedDyn's g_i, one per trainable element outside model.local; model.local
-    tensors; Ditto's personal models; or either of the first two, then the local tensors as one more chunk or a
-    personal model chunk by chunk, each with its mark), in RAM or on disk, reloaded on a resume."""
-    state = cfg.client_state()
-    if state is None:
-        return None
-    shared, local = control_elements(flat.module, flat.local), sum(t.numel() for _, t in flat.local_tensors())
-    chunked = element_offsets(plan.chunks)
-    firsts = {"trainable": [0, shared], "local": [0, local],
-              # then the local tensors and their mark (PersonalTensors)
-              "trainable+local": [0, shared, shared + local + 1],
-              "exchanged+local": [*chunked, chunked[-1] + local + 1],
-              # then a Ditto personal model, chunk by chunk, and its mark (MarkedChunks)
-              "trainable+personal": [0, *(shared + f for f in chunked), shared + chunked[-1] + 1],
-              "exchanged+personal": [*chunked, *(chunked[-1] + f for f in chunked[1:]), 2 * chunked[-1] + 1],
-              # the local tensors and their mark, then a personal model: its chunks, its own local tensors, its mark
-              "local+personal": [0, *(local + 1 + f for f in chunked), 2 * local + 1 + chunked[-1],
-                                 2 * local + 2 + chunked[-1]],
-              }.get(state.vector) or chunked
-    path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
-    try:
-        store = open_residuals(firsts, len(hosted), int(state.ram_mb * MIB), path, state.ram_key)
-    except ValueError as err:
-        raise JobFailure(str(err)) from None
-    if resume is not None:
-        found = load_snapshot(store, firsts, resume.residual_files or [], hosted)
-        log(f"resume: {state.what} of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
-    return store
-
-
-def _state_sections(cfg: Config, plan: ExchangeLayout, state: ResidualStore | None
-                    ) -> tuple[ResidualStore | None, ResidualStore | None, bool, ResidualStore | None]:
-    """(SCAFFOLD's or FedDyn's vectors or the error-feedback residuals, model.local tensors, whether the local part
-    carries its mark, Ditto's personal models): the rank's one store for whichever the run has, or with two kinds
-    (``...+local``, ``...+personal``) their sections in the order ``_client_state`` lays out. Residuals are
-    read chunk by chunk, by the exchange's chunk indices, so they take the store itself: the second kind's
-    chunks come after the last."""
-    kinds = cfg.client_state()
-    if state is None or kinds is None:
-        return state, state, False, state
-    chunks = len(plan.chunks)
-    if kinds.vector == "exchanged+local":
-        return state, Section(state, chunks), True, None
-    if kinds.vector == "trainable+local":
-        return Section(state, 0), Section(state, 1), True, None
-    if kinds.vector == "exchanged+personal":
-        return state, None, False, MarkedChunks(state, chunks, chunks)
-    if kinds.vector == "trainable+personal":
-        return Section(state, 0), None, False, MarkedChunks(state, 1, chunks)
-    if kinds.vector == "local+personal":  # the personal model's own local tensors are its chunk after the last
-        return None, Section(state, 0), True, MarkedChunks(state, 1, chunks + 1)
-    return state, state, False, state
-
-
 def _training_replica(cfg: Config, flat: FlatModel) -> DeviceReplica | None:
     """The replica of the host model that this client rank trains on its device, or None to train the host model."""
     return training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable",
@@ -438,7 +374,8 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
                      upload_initial: bool, replica: DeviceReplica | None = None,
                      residuals: ResidualStore | None = None, state: ResidualStore | None = None,
                      controls: ClientControls | ClientDynamics | None = None, personal: PersonalTensors | None = None,
-                     personal_models: PersonalModels | None = None, note: RankNotes | None = None,
+                     personal_models: PersonalModels | None = None, declared: DeclaredVectors | None = None,
+                     note: RankNotes | None = None,
                      group: MPI.Comm | None = None, journal: UndoJournal | None = None) -> None:
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
@@ -464,7 +401,7 @@ def _serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fl
         evaluate=_evaluator(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
         rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, residuals=residuals,
-        state=state, controls=controls, personal=personal, personal_models=personal_models,
+        state=state, controls=controls, personal=personal, personal_models=personal_models, declared=declared,
         note=note or RankNotes(None, comm.Get_rank()), group=leader,
         lending=StateLending(comm, state, journal) if isinstance(state, Borrowing) else None, journal=journal)
     client = ClientRank(comm, flat, local, parts)

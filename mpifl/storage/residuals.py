@@ -238,47 +238,51 @@ class Borrowing:
 
 
 class UndoJournal:
-    """A one-chunk store whose writes of the latest round can be taken back, client by client: SCAFFOLD's c_i and
-    FedDyn's g_i under ``clients.accept_failures`` with straggler drops. A rank dropped past its deadline does not
-    know it was dropped while it trains; it learns which of its clients the server dropped from its next header
-    (``RoundHeader.dropped``). Those clients' vectors go back to what they were before the round, as if they had
-    never trained, since the server never summed their deltas into c or h; every other write stands.
+    """A store whose writes of the latest round to some of its chunks can be taken back, client by client: SCAFFOLD's
+    c_i, FedDyn's g_i and a plug-in trainer's declared vectors under ``clients.accept_failures`` with straggler
+    drops (``ClientStateLayout.journaled_chunks``). A rank dropped past its deadline does not know it was dropped
+    while it trains; it learns which of its clients the server dropped from its next header
+    (``RoundHeader.dropped``). Those clients' journaled chunks go back to what they were before the round, as if
+    they had never trained, since the server never summed their deltas into c or h; every other write stands.
 
     Under ``clients.placement: per_round`` a client's vector belongs to its home rank, which puts it back: a
     rank that trains a borrowed client journals nothing of it (``journaled``), and the home keeps a copy of each
     vector it lends (``remember``), put back once the loan has come home.
 
-    Memory: one copy of the vector of each client read or lent since the last header, in RAM (about
-    per_round / client ranks vectors; ``mpifl plan`` counts them, ``planning.memory.undo_vectors``)."""
+    Memory: one copy of the journaled chunks of each client read or lent since the last header, in RAM (about
+    per_round / client ranks of them; ``mpifl plan`` counts them, ``planning.memory.undo_vectors``)."""
 
-    def __init__(self, store: ResidualStore, journaled: Callable[[int], bool] = lambda client: True):
-        self.store, self.journaled = store, journaled
+    def __init__(self, store: ResidualStore, chunks: Iterable[int] = (0,),
+                 journaled: Callable[[int], bool] = lambda client: True):
+        self.store, self.chunks, self.journaled = store, tuple(chunks), journaled
         self.firsts = store.firsts
-        self.before: dict[int, torch.Tensor] = {}  # client -> its vector when first read or written since settle()
+        self.before: dict[int, dict[int, torch.Tensor]] = {}  # client -> its journaled chunks before the round
 
     def read(self, client: int, index: int) -> torch.Tensor:
-        """The client's vector, as the store has it. The first read since the last ``settle`` keeps a copy: a RAM
-        store's read is a view of the vector itself, which the rules update in place before writing it back."""
-        assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
-        vector = self.store.read(client, 0)
-        self._keep(client, vector)
-        return vector
+        """Chunk ``index`` of the client's vector, as the store has it. The first read of a journaled chunk since the
+        last ``settle`` keeps a copy of them all first: a RAM store's read is a view of the vector itself, which the
+        rules update in place before writing it back."""
+        if index in self.chunks:
+            self._keep(client)
+        return self.store.read(client, index)
 
     def write(self, client: int, index: int, values: torch.Tensor) -> None:
-        """Store the client's vector (the one it replaces was kept when it was read, or is kept now)."""
-        assert index == 0, "the journal keeps one-chunk stores (SCAFFOLD's and FedDyn's vectors)"
-        if client not in self.before:
-            self._keep(client, self.store.read(client, 0))
-        self.store.write(client, 0, values)
+        """Store chunk ``index`` (the journaled chunks it replaces were kept when first read, or are kept now)."""
+        if index in self.chunks and client not in self.before and self.journaled(client):
+            values = values.clone()  # a file store's read is its scratch, which keeping the others reads over
+            self._keep(client)
+        self.store.write(client, index, values)
 
-    def _keep(self, client: int, vector: torch.Tensor) -> None:
-        """Copy ``vector`` as ``client``'s before-round value, once per round, for a client this rank journals."""
+    def _keep(self, client: int) -> None:
+        """Copy ``client``'s journaled chunks as its before-round values, once per round, for a client this rank
+        journals."""
         if client not in self.before and self.journaled(client):
-            self.before[client] = vector.clone()
+            self.remember(client)
 
     def remember(self, client: int) -> None:
-        """Keep a copy of ``client``'s vector as it is now: one this home rank lends, before its loan comes home."""
-        self.before[client] = self.store.read(client, 0).clone()
+        """Keep a copy of ``client``'s journaled chunks as they are now: one this home rank lends, before its loan
+        comes home."""
+        self.before[client] = {index: self.store.read(client, index).clone() for index in self.chunks}
 
     def clients(self) -> list[int]:
         """The clients with a vector in the store."""
@@ -289,11 +293,12 @@ class UndoJournal:
         return self.store.has(client)
 
     def settle(self, dropped: Iterable[int]) -> list[int]:
-        """A new header arrived: put back the vectors of the ``dropped`` clients as they were before the last one,
-        keep the rest, and start journaling afresh. The clients put back, ascending."""
+        """A new header arrived: put back the journaled chunks of the ``dropped`` clients as they were before the last
+        one, keep the rest, and start journaling afresh. The clients put back, ascending."""
         undone = sorted(c for c in set(dropped) if c in self.before)
         for client in undone:
-            self.store.write(client, 0, self.before[client])
+            for index, values in self.before[client].items():
+                self.store.write(client, index, values)
         self.before.clear()
         return undone
 

@@ -1,0 +1,147 @@
+"""A client rank's per-client state: the one store of its hosted clients' vectors, opened, reloaded on a resume, and
+cut into one view per part of the layout (mpifl.config.client_state), which each part's rule reads and writes as a
+store of its own.
+
+Why views over one store rather than a store per kind: a rank keeps one file of them, a checkpoint one snapshot per
+rank, and ``clients.placement: per_round`` lends each client's one vector, whatever kinds it holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mpifl.config import Config
+from mpifl.config.client_state import ClientStateLayout, StateSizes, StateVector
+from mpifl.errors import JobFailure
+from mpifl.learning.control import control_elements, trainable
+from mpifl.logs import log
+from mpifl.roles.personal import gather
+from mpifl.storage.residuals import (
+    RANK_FILE,
+    Borrowing,
+    DiskResiduals,
+    MarkedChunks,
+    RamResiduals,
+    ResidualStore,
+    Section,
+    UndoJournal,
+    load_snapshot,
+    open_residuals,
+)
+from mpifl.storage.rundir import ResumePoint
+from mpifl.units import MIB
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.layout import ExchangeLayout
+
+
+def state_sizes(plan: ExchangeLayout, flat: FlatModel) -> StateSizes:
+    """The sizes a layout needs, read off the rank's model and its exchange layout."""
+    return StateSizes(trainable=control_elements(flat.module, flat.local),
+                      chunks=tuple(c.nbytes // c.itemsize for c in plan.chunks),
+                      local=sum(t.numel() for _, t in flat.local_tensors()),
+                      tensors=sum(t.numel() for _, t in flat.tensors()))
+
+
+def open_client_state(cfg: Config, layout: ClientStateLayout, rank: int, hosted: list[int], run_dir: Path | None,
+                      resume: ResumePoint | None) -> RamResiduals | DiskResiduals:
+    """The hosted clients' vectors, in RAM or on disk within the state's budget, reloaded on a resume."""
+    state = cfg.client_state()
+    assert state is not None  # a layout exists only for a run with per-client state
+    firsts = layout.firsts
+    path = run_dir / state.folder / RANK_FILE.format(rank=rank) if run_dir else None
+    try:
+        store = open_residuals(firsts, len(hosted), int(state.ram_mb * MIB), path, state.ram_key)
+    except ValueError as err:
+        raise JobFailure(str(err)) from None
+    if resume is not None:
+        found = load_snapshot(store, firsts, resume.residual_files or [], hosted)
+        log(f"resume: {state.what} of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
+    return store
+
+
+@dataclass
+class StateViews:
+    """Each part of the rank's per-client state as a store of its own (None: the run keeps no such part)."""
+
+    rule: ResidualStore | None = None  # SCAFFOLD's c_i or FedDyn's g_i: one chunk
+    residuals: ResidualStore | None = None  # top-k's residuals, read by the exchange's chunk indices
+    local: ResidualStore | None = None  # model.local tensors: one chunk
+    local_marked: bool = False  # whether that chunk ends in its mark (PersonalTensors)
+    personal: ResidualStore | None = None  # Ditto's personal models: chunks, then a mark when marked
+    vectors: dict[str, ResidualStore] = field(default_factory=dict)  # a plug-in trainer's, each one marked chunk
+    journal: UndoJournal | None = None  # clients.accept_failures: the put-back of dropped clients' vectors
+
+
+def state_views(cfg: Config, layout: ClientStateLayout, state: ResidualStore) -> StateViews:
+    """The views of ``state`` (the rank's store, or its ``Borrowing`` under per-round placement), through the undo
+    journal where the run puts back the vectors of dropped clients (a borrowed client's is its home's to put back)."""
+    journal = None
+    if cfg.undoes_dropped_state:
+        journal = UndoJournal(state, layout.journaled_chunks(),
+                              lambda c: not isinstance(state, Borrowing) or c not in state.borrowed)
+    base: ResidualStore = journal or state
+    views = StateViews(journal=journal)
+    for part in layout.parts:
+        if part.name == "rule":
+            views.rule = Section(base, part.first)
+        elif part.name == "residuals":
+            assert part.first == 0  # the compressor reads it by the exchange's chunk indices
+            views.residuals = base
+        elif part.name == "local":
+            views.local, views.local_marked = Section(base, part.first), part.marked
+        elif part.name == "personal":
+            views.personal = MarkedChunks(base, part.first, part.count) if part.marked else base
+        else:
+            views.vectors[part.name.removeprefix("vector:")] = MarkedChunks(base, part.first, part.count)
+    return views
+
+
+def covered_tensors(flat: FlatModel, vector: StateVector) -> list[torch.Tensor]:
+    """The model's tensors a declared vector covers, in its order (none for a custom vector)."""
+    if vector.covers == "trainable":
+        return [p for _, p in trainable(flat.module, flat.local)]
+    if vector.covers == "exchanged":
+        return [t for _, t in flat.tensors()]
+    if vector.covers == "local":
+        return [t for _, t in flat.local_tensors()]
+    return []
+
+
+class DeclaredVectors:
+    """A plug-in trainer's per-client vectors on the rank (``Trainer.client_state``): each one copied out of the
+    store into the training client's ``TrainContext.state`` before it trains, and written back after, unless its
+    training failed or left a vector NaN or Inf (it keeps the old one then, as its update is refused too). A vector
+    the client never wrote starts as zeros or, with ``start='global'``, as the tensors it covers hold on arrival."""
+
+    def __init__(self, flat: FlatModel, declared: tuple[tuple[str, StateVector], ...],
+                 stores: dict[str, ResidualStore]):
+        self.declared, self.stores = dict(declared), stores
+        self.covered = {name: covered_tensors(flat, vector) for name, vector in declared}
+        self.device = flat.device
+
+    def load(self, client: int) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
+        """``client``'s vectors (fresh fp32 tensors on the model's device, the trainer's to change in place) and
+        whether each is new (never written by this client before)."""
+        state, fresh = {}, {}
+        for name, vector in self.declared.items():
+            store = self.stores[name]
+            fresh[name] = not store.has(client)
+            if fresh[name] and vector.start == "global":
+                state[name] = gather([t.float() for t in self.covered[name]],
+                                     torch.empty(store.firsts[-1], device=self.device))
+            else:
+                state[name] = store.read(client, 0).to(self.device, copy=True)
+        return state, fresh
+
+    def keep(self, client: int, state: dict[str, torch.Tensor]) -> None:
+        """Store ``client``'s vectors after it trained; all or none: a NaN or Inf in any keeps every old one."""
+        if not all(bool(torch.isfinite(v).all()) for v in state.values()):
+            return
+        for name, values in state.items():
+            store = self.stores[name]
+            if values.shape != (store.firsts[-1],):
+                raise ValueError(f"logical client {client}: the trainer left its vector {name!r} of shape "
+                                 f"{tuple(values.shape)}; it was declared with {store.firsts[-1]} elements")
+            store.write(client, 0, values.detach().float().cpu())
