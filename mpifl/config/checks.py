@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
+from mpifl.config.client_state import declared_vectors
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import ASYNCHRONOUS_MODES, Config
-from mpifl.config.client_state import declared_vectors
 from mpifl.plugins import is_import_path, resolve
 
 
