@@ -167,3 +167,87 @@ def counting(cfg: StrategyConfig, clip: float) -> Strategy:
     strategy = Counting(cfg, CountingMean(cfg), Replace(cfg))
     strategy.clip = clip
     return strategy
+
+
+def _moon_trainer():
+    from examples.moon.moon import MoonTrainer
+
+    return MoonTrainer
+
+
+class SlowMoon:
+    """The MOON example's trainer, sleeping ``FL_HELPERS_SLEEP`` seconds before each client (0 without it): a job
+    slow enough to be killed mid-run. Declares what the example declares."""
+
+    modifies_weights = True
+    client_state = _moon_trainer().client_state
+
+    def __init__(self, cfg, mu: float = 1.0, temperature: float = 0.5) -> None:
+        self.inner = _moon_trainer()(cfg, mu, temperature)
+
+    def train(self, model, data, seed, context):
+        import os
+        import time
+
+        time.sleep(float(os.environ.get("FL_HELPERS_SLEEP", "0")))
+        return self.inner.train(model, data, seed, context)
+
+
+class BadDeclaration:
+    """A trainer whose client_state is not a mapping of StateVectors."""
+
+    modifies_weights = True
+    client_state = {"previous": "trainable"}
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def train(self, model, data, seed, context):
+        raise AssertionError("never built")
+
+
+class NoContext:
+    """A trainer that declares a vector but takes no context, so could never see it."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def train(self, model, data, seed):
+        raise AssertionError("never built")
+
+
+def _declare_for_no_context():
+    from mpifl.api import StateVector
+
+    NoContext.client_state = {"v": StateVector()}
+
+
+_declare_for_no_context()
+
+
+class TrainingCounter:
+    """The built-in torch trainer, counting in a declared one-element vector how many times each client trained:
+    after a run, a client's count is the rounds it took part in, less those it was dropped from."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg) -> None:
+        from mpifl.learning.trainers import TorchTrainer
+
+        self.inner = TorchTrainer(cfg)
+
+    def train(self, model, data, seed, context):
+        result = self.inner.train(model, data, seed)
+        context.state["count"].add_(1.0)
+        return result
+
+
+def _declare_counter():
+    from mpifl.api import StateVector
+
+    TrainingCounter.client_state = {"count": StateVector(covers="custom", size=1)}
+
+
+_declare_counter()

@@ -86,3 +86,30 @@ def test_the_plan_counts_one_vector_per_client_holding_both():
     _, plain = estimate(load_config(None, ["train.ditto_lambda=0"], data=yaml.safe_load(CONFIG)), nranks=3,
                         ranks_per_node=3, server_alone=False)
     assert plan.client_bytes > plain.client_bytes  # each hosted client's personal model beside its head
+
+
+def test_scaffold_fedper_and_ditto_together_keep_three_kinds_in_one_vector_bitwise_on_any_number_of_ranks(tmp_path):
+    """Three kinds of per-client state at once: SCAFFOLD's c_i, the head kept per client (FedPer) and its mark, and a
+    Ditto personal model with its mark. Ditto reads w, never how w was trained, so w, c and each client's c_i and
+    head are bitwise those of SCAFFOLD + FedPer alone (checked against SCAFFOLD's reference in
+    tests/test_mpi_control_with_local.py); and all of it is the same bits on 2 and 4 client ranks, in 10-byte chunks,
+    on disk and placed per round."""
+    scaffold = ("strategy.name=scaffold",)
+    for name in ("two", "four-tiny-chunks", "on-disk-per-round", "without-ditto"):
+        (tmp_path / name).mkdir()
+    runs = {name: run_result(ran(tmp_path / name, CONFIG, ranks, *scaffold, *extra)) for name, ranks, extra in (
+        ("two", 3, ()), ("four-tiny-chunks", 5, ("transport.chunk_mb=0.00001",)),
+        ("on-disk-per-round", 4, ("strategy.control_ram_mb=0", "model.local_ram_mb=0", "train.personal_ram_mb=0",
+                                  "clients.placement=per_round")),
+        ("without-ditto", 3, ("train.ditto_lambda=0",)))}
+    final, vectors = runs["two"]
+    for name in ("four-tiny-chunks", "on-disk-per-round"):
+        assert_bitwise(runs[name][0], final)
+        assert_bitwise(runs[name][1], vectors)
+    alone_final, alone_vectors = runs["without-ditto"]
+    assert_bitwise(alone_final, final)  # w and SCAFFOLD's c
+    rule_and_head = next(iter(alone_vectors.values())).size  # c_i, the head and its mark
+    assert_bitwise({c: v[:rule_and_head] for c, v in vectors.items()}, alone_vectors)
+    assert len(vectors) == 8 and all(v[-1] == 1 and v[rule_and_head - 1] == 1 for v in vectors.values())
+    # v_i: what travels (the first layer and SCAFFOLD's control section for it), its own head, its mark
+    assert next(iter(vectors.values())).size == rule_and_head + 2 * SHARED + HEAD + 1

@@ -167,7 +167,8 @@ class ClientRank:
         assert self.parts.journal is not None  # called only with one
         undone = self.parts.journal.settle(header.dropped)
         if undone:
-            state = "c_i" if isinstance(self.parts.controls, ClientControls) else "g_i"
+            kept = ["c_i" if isinstance(self.parts.controls, ClientControls) else "g_i"] if self.parts.controls else []
+            state = " and ".join(kept + (["trainer state"] if self.parts.declared is not None else []))
             log(f"logical clients {range_list(undone)} were dropped past their deadline: each one's {state} is put "
                 "back as it was before it trained", rank=self.rank)
 

@@ -133,3 +133,26 @@ def test_the_plan_counts_a_copy_of_c_i_for_each_client_a_rank_trains_in_a_round(
     journaled, control = client_bytes()
     waited, _ = client_bytes("clients.accept_failures=false")
     assert journaled - waited == 2 * control  # 6 clients a round over 3 client ranks: 2 copies of c_i each
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "per_round"])
+def test_a_dropped_clients_plugin_vectors_are_put_back_as_if_it_had_not_trained(tmp_path, placement):
+    """A plug-in trainer's declared vectors get the built-ins' put-back: each client counts its trainings in one, and
+    after a run with a straggler dropped, every count is the rounds the client took part in less those it was dropped
+    from, on its home rank too when it was trained elsewhere (per_round)."""
+    text = CONFIG.replace("{name: scaffold, update: delta}", "{name: fedavg}").replace(
+        "device: cpu}", "device: cpu, trainer: 'plugin_helpers:TrainingCounter'}").replace(
+        "accept_failures: true}", f"accept_failures: true, placement: {placement}}}")
+    cfg = write_config(tmp_path / "c.yaml", text)
+    result = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), env=SLOW, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = records(tmp_path / "run")
+    dropped = drops(history)
+    assert any(d["rank"] == 2 and "straggler deadline" in d["reason"] for r in history for d in r["dropped"])
+    assert "each one's trainer state is put back as it was before it trained" in result.stderr
+    from results import client_vectors
+
+    counts = {c: int(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
+    trained = {c: sum(c in r["participants"] and c not in dropped.get(r["round"], ()) for r in history)
+               for c in range(8)}
+    assert {c: n for c, n in counts.items() if n} == {c: n for c, n in trained.items() if n}
