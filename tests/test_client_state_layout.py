@@ -86,7 +86,8 @@ def test_a_trainers_declaration_is_checked_when_the_config_loads_naming_the_trai
         load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:BadDeclaration"}})
     cfg = load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:NoContext"}})
     with pytest.raises(ConfigError, match=r"declares per-client vectors \(client_state\), which reach it as "
-                                          r"TrainContext\.state: its train\(\) must take a keyword parameter 'context'"):
+                                          r"TrainContext\.state: its train\(\) must take a keyword parameter "
+                                          r"'context'"):
         check_plugins(cfg)
 
 
