@@ -53,7 +53,11 @@ with ``modifies_weights`` (False: the model goes back as received) and ``train(m
 TrainResult(num_samples, metrics, local_steps)``: train ``model`` in place on ``data`` (a
 ``ClientData``, ``x`` and ``y`` tensors; None without local data), seeded by ``seed``. A ``train`` that
 also names a keyword parameter ``context`` gets a ``TrainContext``: the logical client's id, the round,
-the round's participants and ``clients.num_clients``.
+the round's participants and ``clients.num_clients``. A trainer class with ``client_state = {name:
+StateVector(covers, size, start)}`` keeps those vectors per logical client: ``context.state[name]``
+is the training client's (fp32, changed in place), kept once its update is usable, stored in RAM or
+on disk, checkpointed, resumed, lent under per-round placement and put back when the client is
+dropped past its deadline, like the built-in per-client state.
 
 **Settings**: ``strategy.kwargs``, ``train.kwargs``, ``model.kwargs`` and ``data.kwargs`` are checked
 against the plug-in's signature before MPI starts (a typo is named with the closest parameter) and

@@ -169,28 +169,33 @@ def counting(cfg: StrategyConfig, clip: float) -> Strategy:
     return strategy
 
 
-def _moon_trainer():
-    from examples.moon.moon import MoonTrainer
+def slowed(path: str) -> type:
+    """The example trainer at ``path``, sleeping ``FL_HELPERS_SLEEP`` seconds before each client (0 without it): a
+    job slow enough to be killed mid-run. Declares what the example declares."""
+    from mpifl.plugins import resolve
 
-    return MoonTrainer
+    example = resolve(path)
+
+    class Slowed:
+        modifies_weights = True
+        client_state = example.client_state
+
+        def __init__(self, cfg, **kwargs) -> None:
+            self.inner = example(cfg, **kwargs)
+
+        def train(self, model, data, seed, context):
+            import os
+            import time
+
+            time.sleep(float(os.environ.get("FL_HELPERS_SLEEP", "0")))
+            return self.inner.train(model, data, seed, context)
+
+    Slowed.__name__ = f"Slow{example.__name__}"
+    return Slowed
 
 
-class SlowMoon:
-    """The MOON example's trainer, sleeping ``FL_HELPERS_SLEEP`` seconds before each client (0 without it): a job
-    slow enough to be killed mid-run. Declares what the example declares."""
-
-    modifies_weights = True
-    client_state = _moon_trainer().client_state
-
-    def __init__(self, cfg, mu: float = 1.0, temperature: float = 0.5) -> None:
-        self.inner = _moon_trainer()(cfg, mu, temperature)
-
-    def train(self, model, data, seed, context):
-        import os
-        import time
-
-        time.sleep(float(os.environ.get("FL_HELPERS_SLEEP", "0")))
-        return self.inner.train(model, data, seed, context)
+SlowMoonTrainer = slowed("examples.moon.moon:MoonTrainer")
+SlowAPFLTrainer = slowed("examples.apfl.apfl:APFLTrainer")
 
 
 class BadDeclaration:

@@ -245,3 +245,20 @@ def test_a_plugin_module_that_does_not_load_is_named_with_its_error(tmp_path, mo
         with pytest.raises(ConfigError, match=rf"{key}: cannot import module 'broken_plugin' from "
                                               r"'broken_plugin:build': SyntaxError: invalid syntax"):
             load_config(None, [f"{key}=broken_plugin:build"])
+
+
+def test_no_code_outside_the_registry_compares_strategy_names():
+    """Run modes and client rules follow what a strategy declares (Capabilities), never its name: only the registry
+    (aggregation/registry.py, config/capabilities.py) and the config's vocabulary of names may spell them."""
+    import re
+
+    from conftest import ROOT
+
+    names = "|".join(STRATEGIES)
+    comparison = re.compile(rf"strategy\.name\s*(==|!=|\bin\b|\bnot in\b)|(==|!=)\s*[\"'](?:{names})[\"']|"
+                            rf"[\"'](?:{names})[\"']\s*(==|!=)")
+    allowed = {"mpifl/aggregation/registry.py", "mpifl/config/capabilities.py"}
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in sorted((ROOT / "mpifl").rglob("*.py")) if str(path.relative_to(ROOT)) not in allowed
+             for n, line in enumerate(path.read_text().splitlines(), 1) if comparison.search(line)]
+    assert not found, "strategy names compared outside the registry:\n" + "\n".join(found)

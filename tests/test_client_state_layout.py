@@ -21,13 +21,13 @@ def firsts(rule=None, residuals=False, local=False, personal=False, vectors=None
 
 
 @pytest.mark.parametrize(("kinds", "before"), [
-    ({"rule": "scaffold"}, [0, 7]),  # 'trainable'
+    ({"rule": "control_variates"}, [0, 7]),  # 'trainable'
     ({"residuals": True}, [0, 5, 8]),  # 'exchanged'
     ({"personal": True}, [0, 5, 8]),  # 'exchanged' (Ditto alone)
     ({"local": True}, [0, 2]),  # 'local'
-    ({"rule": "scaffold", "local": True}, [0, 7, 10]),  # 'trainable+local': the local chunk ends in its mark
+    ({"rule": "control_variates", "local": True}, [0, 7, 10]),  # 'trainable+local': the local chunk ends in its mark
     ({"residuals": True, "local": True}, [0, 5, 8, 11]),  # 'exchanged+local'
-    ({"rule": "feddyn", "personal": True}, [0, 7, 12, 15, 16]),  # 'trainable+personal': then the mark's chunk
+    ({"rule": "dynamic_regularizer", "personal": True}, [0, 7, 12, 15, 16]),  # 'trainable+personal': then the mark's chunk
     ({"residuals": True, "personal": True}, [0, 5, 8, 13, 16, 17]),  # 'exchanged+personal'
     ({"local": True, "personal": True}, [0, 3, 8, 11, 13, 14]),  # 'local+personal': v_i's own local tensors too
 ])
@@ -38,7 +38,7 @@ def test_the_layouts_of_one_or_two_kinds_are_those_earlier_checkpoints_hold(kind
 def test_three_built_in_kinds_lay_out_one_after_another_each_with_its_mark():
     # SCAFFOLD's c_i, the client's local tensors and their mark, its personal model with its own local tensors,
     # and that model's mark
-    assert firsts(rule="scaffold", local=True, personal=True) == [0, 7, 10, 15, 18, 20, 21]
+    assert firsts(rule="control_variates", local=True, personal=True) == [0, 7, 10, 15, 18, 20, 21]
 
 
 def test_a_plugins_vectors_follow_the_built_in_kinds_each_with_a_mark():
@@ -50,7 +50,7 @@ def test_a_plugins_vectors_follow_the_built_in_kinds_each_with_a_mark():
 
 
 def test_what_a_dropped_client_puts_back_is_its_rule_and_its_plugin_vectors_with_their_marks():
-    state = client_state("scaffold", False, True, True, {"v": StateVector()}, BUDGETS)
+    state = client_state("control_variates", False, True, True, {"v": StateVector()}, BUDGETS)
     assert state is not None
     layout = state.layout(SIZES)
     assert layout.journaled_chunks() == (0, 6, 7)  # c_i; v and its mark; not the local tensors or personal model
@@ -58,7 +58,7 @@ def test_what_a_dropped_client_puts_back_is_its_rule_and_its_plugin_vectors_with
 
 
 def test_the_state_names_every_kind_and_sums_their_budgets():
-    state = client_state("scaffold", False, True, True, {"v": StateVector()}, BUDGETS)
+    state = client_state("control_variates", False, True, True, {"v": StateVector()}, BUDGETS)
     assert state is not None
     assert state.what == ("SCAFFOLD control variates and local tensors (model.local) and Ditto personal models and "
                           "the trainer's per-client vectors")
@@ -92,8 +92,8 @@ def test_a_trainers_declaration_is_checked_when_the_config_loads_naming_the_trai
 
 
 def test_declared_vectors_need_synchronous_rounds_and_are_kept_with_the_built_in_kinds():
-    moon = {**SYNTHETIC, "train": {"trainer": "plugin_helpers:SlowMoon"}}
-    with pytest.raises(ConfigError, match=r"train\.trainer: 'plugin_helpers:SlowMoon' keeps previous per client "
+    moon = {**SYNTHETIC, "train": {"trainer": "plugin_helpers:SlowMoonTrainer"}}
+    with pytest.raises(ConfigError, match=r"train\.trainer: 'plugin_helpers:SlowMoonTrainer' keeps previous per client "
                                           r"\(its client_state\).*clock\.mode 'fedbuff'"):
         load_config(None, data={**moon, "clock": {"mode": "fedbuff"}})
     state = load_config(None, data={**moon, "model": {"name": "cnn", "local": ["1.*"]}}).client_state()
@@ -104,4 +104,4 @@ def test_scaffold_fedbn_and_ditto_together_are_no_longer_refused_as_three_kinds(
     cfg = load_config(None, data={**SYNTHETIC, "strategy": {"name": "scaffold"}, "model": {"local": ["0.*"]},
                                   "train": {"ditto_lambda": 0.1}})
     state = cfg.client_state()
-    assert state is not None and (state.rule, state.local, state.personal) == ("scaffold", True, True)
+    assert state is not None and (state.rule, state.local, state.personal) == ("control_variates", True, True)

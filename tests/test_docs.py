@@ -135,6 +135,7 @@ TUTORIAL_EXAMPLES = {
     "model-and-data.md": ("custom_model_and_data", "natural_partition"),
     "strategy.md": ("custom_strategy",),
     "trainer.md": ("custom_trainer",),
+    "stateful-algorithm.md": ("moon",),
 }
 SNIPPET_LINE = re.compile(r'^[ \t]*-{1,}8<-{1,}[ \t]', re.MULTILINE)
 INCLUDE = re.compile(r'^[ \t]*```(\w*)([^\n]*)\n[ \t]*--8<--[ \t]+"([^"]+)"[ \t]*\n[ \t]*```[ \t]*$', re.MULTILINE)

@@ -13,9 +13,11 @@ from mpifl.cli import main
 EXAMPLES = ROOT / "examples"
 # folder: (rounds, test accuracy it must beat)
 STATED = {
+    "apfl": (10, 0.8),
     "custom_model_and_data": (10, 0.9),
     "custom_strategy": (8, 0.9),
     "custom_trainer": (8, 0.8),
+    "moon": (10, 0.9),
     "natural_partition": (10, 0.8),
 }
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import signal
 
 import numpy as np
 import pytest
 import torch
-import yaml
-from conftest import MPI_TIMEOUT, ROOT, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
 from results import client_vectors, final_model
+from stateful_plugins import assert_same_run, killed_and_resumed, largest_difference, run
 
 from mpifl.api import minibatches
 from mpifl.config import load_config
@@ -78,13 +75,6 @@ def plain_moon(settings: dict) -> tuple[dict[str, np.ndarray], dict[int, np.ndar
     return model, kept
 
 
-def run(tmp_path, ranks: int, *overrides: str, settings: dict = SETTINGS):
-    cfg = write_config(tmp_path / "c.yaml", yaml.safe_dump(settings))
-    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return tmp_path / "run"
-
-
 def marked(vectors: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Each client's previous model without its mark, checking the mark says the client kept one."""
     assert all(v[-1] == 1.0 for v in vectors.values())
@@ -93,26 +83,21 @@ def marked(vectors: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("moon3"), 4)
+    return run(tmp_path_factory.mktemp("moon3"), SETTINGS, 4)
 
 
 def test_one_round_of_the_moon_plugin_is_within_1e6_of_plain_pytorch_moon(tmp_path):
     one = {**SETTINGS, "rounds": 1}
-    run_dir = run(tmp_path, 3, settings=one)
+    run_dir = run(tmp_path, one, 3)
     model, kept = plain_moon(one)
-    got, vectors = final_model(run_dir), marked(client_vectors(run_dir))
-    assert got.keys() == model.keys()
-    assert max(float(np.abs(got[n] - model[n]).max()) for n in model) <= 1e-6
-    assert sorted(vectors) == sorted(kept)
-    assert max(float(np.abs(vectors[c] - kept[c]).max()) for c in kept) <= 1e-6
+    assert largest_difference(final_model(run_dir), model) <= 1e-6
+    assert largest_difference(marked(client_vectors(run_dir)), kept) <= 1e-6
 
 
 def test_three_rounds_stay_with_plain_pytorch_moon(three_ranks):
     model, kept = plain_moon(SETTINGS)
-    got, vectors = final_model(three_ranks), marked(client_vectors(three_ranks))
-    assert max(float(np.abs(got[n] - model[n]).max()) for n in model) <= 1e-5
-    assert sorted(vectors) == sorted(kept)  # every client sampled once kept its previous model
-    assert max(float(np.abs(vectors[c] - kept[c]).max()) for c in kept) <= 1e-5
+    assert largest_difference(final_model(three_ranks), model) <= 1e-5
+    assert largest_difference(marked(client_vectors(three_ranks)), kept) <= 1e-5  # every client sampled kept one
 
 
 @pytest.mark.parametrize(("ranks", "overrides"), [
@@ -123,30 +108,13 @@ def test_three_rounds_stay_with_plain_pytorch_moon(three_ranks):
 ], ids=["2-ranks", "5-ranks", "on-disk", "per-round"])
 def test_moon_gives_the_same_bits_on_any_number_of_ranks_on_disk_and_placed_per_round(tmp_path, three_ranks, ranks,
                                                                                       overrides):
-    run_dir = run(tmp_path, ranks, *overrides)
-    for name, value in final_model(three_ranks).items():
-        assert np.array_equal(final_model(run_dir)[name], value), name
-    want, got = client_vectors(three_ranks), client_vectors(run_dir)
-    assert sorted(got) == sorted(want) and all(np.array_equal(got[c], want[c]) for c in want)
+    run_dir = run(tmp_path, SETTINGS, ranks, *overrides)
+    assert_same_run(run_dir, three_ranks)
     if "train.state_ram_mb=0" in overrides:
         assert sorted(p.name for p in (run_dir / "state").iterdir()) == ["rank00001.h5", "rank00002.h5",
                                                                          "rank00003.h5"]
 
 
 def test_moon_killed_with_sigkill_resumes_on_5_ranks_to_the_same_bits(tmp_path):
-    slow = {**SETTINGS, "rounds": 4, "train": {**SETTINGS["train"], "trainer": "plugin_helpers:SlowMoon"}}
-    (tmp_path / "whole").mkdir()
-    uninterrupted = run(tmp_path / "whole", 4, settings=slow)
-    cfg = write_config(tmp_path / "c.yaml", yaml.safe_dump(slow))
-    run_dir = tmp_path / "killed"
-    proc = spawn_mpi(4, "run", str(cfg), "--run-dir", str(run_dir), cwd=ROOT, env={"FL_HELPERS_SLEEP": "0.3"})
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert len(rounds_logged(run_dir)) < 4  # killed mid-run, not after it
-    resumed = run_mpi(6, "run", str(cfg), "--run-dir", str(run_dir), "--resume", cwd=ROOT, timeout=MPI_TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for name, value in final_model(uninterrupted).items():
-        assert np.array_equal(final_model(run_dir)[name], value), name
-    want, got = client_vectors(uninterrupted), client_vectors(run_dir)
-    assert sorted(got) == sorted(want) and all(np.array_equal(got[c], want[c]) for c in want)
+    slow = {**SETTINGS, "rounds": 4, "train": {**SETTINGS["train"], "trainer": "plugin_helpers:SlowMoonTrainer"}}
+    assert_same_run(killed_and_resumed(tmp_path / "killed", slow, 4, 6), run(tmp_path / "whole", slow, 4))

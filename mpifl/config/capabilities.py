@@ -41,6 +41,10 @@ class Capabilities:
     # Reads the local steps as plain SGD steps of size lr (SCAFFOLD's option II control variates (x - y) / (K lr),
     # FedNova's normaliser): with an adaptive local optimizer (Adam) that rule is scaled wrongly, which is warned of.
     sgd_steps: bool = False
+    # Which built-in client rule keeps that state (with client_state): 'control_variates' (SCAFFOLD's corrected
+    # steps and c_i) or 'dynamic_regularizer' (FedDyn's g_i and its regulariser); '' for none, or for a plug-in,
+    # whose client half is its trainer (its declared client_state vectors).
+    client_rule: str = ""
 
 
 UNDECLARED = Capabilities()
@@ -49,9 +53,10 @@ SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_sta
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
 NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True, sgd_steps=True)
 CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
-                                sgd_steps=True)
+                                sgd_steps=True, client_rule="control_variates")
 DYNAMIC_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
-                            equal_weights=True)
+                            equal_weights=True, client_rule="dynamic_regularizer")
+CLIENT_RULES = ("control_variates", "dynamic_regularizer")
 
 # Each built-in strategy (sections.STRATEGIES) -> what it is; mpifl.aggregation declares the same on its stages.
 BUILTIN_CAPABILITIES: dict[str, Capabilities] = {

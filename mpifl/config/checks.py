@@ -130,7 +130,7 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     """Why a strategy that keeps state per logical client (Capabilities.client_state) cannot take this config."""
     why = (f"strategy {name!r} keeps a vector per client, updated from the client's own delta "
            "(Capabilities.client_state)")
-    state = "c_i" if cfg.control_variates else "g_i" if name == "feddyn" else "state"
+    state = {"control_variates": "c_i", "dynamic_regularizer": "g_i"}.get(cfg.client_rule, "state")
     if cfg.strategy.update != "delta":
         return f"strategy.update: {why}, and it works on deltas: set strategy.update='delta'"
     if cfg.privacy.mode != "off":

@@ -164,7 +164,9 @@ class ClientState:
     ram_key: str  # the config keys of its RAM budget
     ram_mb: float  # that budget: beyond it, one HDF5 file per rank
     folder: str  # the folder of those files in the run directory
-    rule: str | None = None  # 'scaffold' or 'feddyn': the strategy's client rule, one vector of the trainable size
+    # the strategy's built-in client rule (Capabilities.client_rule): 'control_variates' (SCAFFOLD's c_i) or
+    # 'dynamic_regularizer' (FedDyn's g_i), one vector of the trainable size each
+    rule: str | None = None
     residuals: bool = False
     local: bool = False
     personal: bool = False
@@ -192,8 +194,8 @@ class ClientState:
 
 # (part, as the logs name it, its RAM budget's config key, its folder in the run directory)
 KINDS = {
-    "scaffold": ("SCAFFOLD control variates", "strategy.control_ram_mb", "controls"),
-    "feddyn": ("FedDyn gradient states", "strategy.control_ram_mb", "controls"),
+    "control_variates": ("SCAFFOLD control variates", "strategy.control_ram_mb", "controls"),
+    "dynamic_regularizer": ("FedDyn gradient states", "strategy.control_ram_mb", "controls"),
     "residuals": ("error-feedback residuals", "compression.residual_ram_mb", "residuals"),
     "local": ("local tensors (model.local)", "model.local_ram_mb", "locals"),
     "personal": ("Ditto personal models", "train.personal_ram_mb", "personal"),

@@ -550,7 +550,14 @@ class Config:
     @property
     def control_variates(self) -> bool:
         """Whether the model carries SCAFFOLD's server control variate (strategy scaffold)."""
-        return self.strategy.name == "scaffold"
+        return self.client_rule == "control_variates"
+
+    @property
+    def client_rule(self) -> str:
+        """The strategy's built-in client rule ('control_variates', 'dynamic_regularizer'), read from what it declares
+        (``Capabilities.client_rule``), or '' for none."""
+        caps = BUILTIN_CAPABILITIES.get(self.strategy.name)
+        return caps.client_rule if caps is not None else ""
 
     @property
     def statistics_as_values(self) -> bool:
@@ -565,8 +572,7 @@ class Config:
         strategy's client rule (SCAFFOLD's control variates, FedDyn's gradient states), top-k error-feedback
         residuals, model.local tensors, Ditto's personal models and a plug-in trainer's declared vectors, any of them
         together in each client's one vector (mpifl.config.client_state); None for none."""
-        caps = BUILTIN_CAPABILITIES.get(self.strategy.name)
-        rule = self.strategy.name if caps is not None and caps.client_state else None
+        rule = self.client_rule or None
         vectors = declared_vectors(resolve(self.train.trainer)) if is_import_path(self.train.trainer) else {}
         budgets = {"strategy.control_ram_mb": self.strategy.control_ram_mb,
                    "compression.residual_ram_mb": self.compression.residual_ram_mb,

@@ -200,7 +200,7 @@ def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
     """What per-client state's rules hold beside the model that trains, on its device, while a client trains:
     FedDyn's g_i (read whole for its regulariser), Ditto's zero linear term (fp32 per trainable element), SCAFFOLD's
     correction c - c_i and its control deltas before they are kept (mpifl.roles.control, mpifl.roles.personal)."""
-    held = 4 * client_state_elements(cfg, size) if cfg.strategy.name == "feddyn" else 0
+    held = 4 * client_state_elements(cfg, size) if cfg.client_rule == "dynamic_regularizer" else 0
     if cfg.train.ditto_lambda:
         held += 4 * (size.exchanged // itemsize(cfg.model.dtype))
     return held + 2 * size.control

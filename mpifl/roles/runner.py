@@ -419,7 +419,7 @@ def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappi
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
     state = GroupCorrections(work) if cfg.control_variates else \
-        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if cfg.strategy.name == "feddyn" else None
+        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if cfg.client_rule == "dynamic_regularizer" else None
     personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
         if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)

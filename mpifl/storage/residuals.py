@@ -130,9 +130,9 @@ class DiskResiduals:
 
 
 class Section:
-    """Chunk ``index`` of another store, as the one chunk of a store of its own: two kinds of per-client state kept
-    in one store (SCAFFOLD's c_i, FedDyn's g_i or top-k's residual, then a client's ``model.local`` tensors), so
-    that a rank keeps one file of them and a checkpoint one snapshot per rank, each client's vector holding both."""
+    """Chunk ``index`` of another store, as the one chunk of a store of its own: one part of each client's vector
+    (SCAFFOLD's c_i, FedDyn's g_i, a client's ``model.local`` tensors), laid out with the others by
+    mpifl.config.client_state, so that a rank keeps one file of them and a checkpoint one snapshot per rank."""
 
     def __init__(self, store: ResidualStore, index: int):
         self.store, self.index = store, index
@@ -159,8 +159,8 @@ class Section:
 
 class MarkedChunks:
     """Chunks ``first`` .. ``first + count - 1`` of another store as a store of their own, and the one element after
-    them as their mark: a Ditto personal model in each client's one vector, after SCAFFOLD's c_i, FedDyn's g_i or
-    a top-k residual. The other kind writes a client's vector too, so a vector alone does not say that the client
+    them as their mark: a Ditto personal model or a plug-in trainer's declared vector in each client's one vector,
+    beside other kinds of state. The other kinds write a client's vector too, so a vector alone does not say that the client
     has a personal model: the mark, 1 once the whole model was written, does, in RAM, on disk and in a
     checkpoint's snapshot alike (a client whose personal training diverged keeps none, and starts from the global
     model next time, as with a store of its own)."""
