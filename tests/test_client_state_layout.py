@@ -27,7 +27,7 @@ def firsts(rule=None, residuals=False, local=False, personal=False, vectors=None
     ({"local": True}, [0, 2]),  # 'local'
     ({"rule": "control_variates", "local": True}, [0, 7, 10]),  # 'trainable+local': the local chunk ends in its mark
     ({"residuals": True, "local": True}, [0, 5, 8, 11]),  # 'exchanged+local'
-    ({"rule": "dynamic_regularizer", "personal": True}, [0, 7, 12, 15, 16]),  # 'trainable+personal': then the mark's chunk
+    ({"rule": "dynamic_regularizer", "personal": True}, [0, 7, 12, 15, 16]),  # 'trainable+personal': then a mark
     ({"residuals": True, "personal": True}, [0, 5, 8, 13, 16, 17]),  # 'exchanged+personal'
     ({"local": True, "personal": True}, [0, 3, 8, 11, 13, 14]),  # 'local+personal': v_i's own local tensors too
 ])

@@ -418,8 +418,9 @@ def _serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappi
     work = replica.flat if replica else flat
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
+    dynamic = cfg.client_rule == "dynamic_regularizer"
     state = GroupCorrections(work) if cfg.control_variates else \
-        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if cfg.client_rule == "dynamic_regularizer" else None
+        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if dynamic else None
     personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
         if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)

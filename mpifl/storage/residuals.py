@@ -160,8 +160,8 @@ class Section:
 class MarkedChunks:
     """Chunks ``first`` .. ``first + count - 1`` of another store as a store of their own, and the one element after
     them as their mark: a Ditto personal model or a plug-in trainer's declared vector in each client's one vector,
-    beside other kinds of state. The other kinds write a client's vector too, so a vector alone does not say that the client
-    has a personal model: the mark, 1 once the whole model was written, does, in RAM, on disk and in a
+    beside other kinds of state. The other kinds write a client's vector too, so a vector alone does not say that
+    the client has this part: the mark, 1 once the whole model was written, does, in RAM, on disk and in a
     checkpoint's snapshot alike (a client whose personal training diverged keeps none, and starts from the global
     model next time, as with a store of its own)."""
 
