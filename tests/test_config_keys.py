@@ -136,6 +136,7 @@ KEYS = (
     "train.personal_ram_mb",
     "train.prox_mu",
     "train.reuse_freed_memory",
+    "train.state_ram_mb",
     "train.step_in_backward",
     "train.threads",
     "train.trainer",

@@ -84,8 +84,6 @@ def test_the_plan_counts_each_hosted_clients_personal_model():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("model.local=['3.*']", "strategy.name=scaffold"),
-     "train.ditto_lambda: .* model.local and the per-client vectors of strategy 'scaffold' keep"),
     (("model.local=['3.*']", "clients.ranks_per_client=2"), "a group of ranks .* does not train yet"),
     (("train.prox_mu=0.1",), "train.prox_mu: .* FedProx's term would pull it towards where it started"),
     (("clock.mode=fedbuff", "clock.concurrency=6"), "with clock.mode 'fedbuff' a client may train again"),

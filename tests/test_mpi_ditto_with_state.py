@@ -17,7 +17,7 @@ from results import assert_bitwise, reference_controls_numbered, run_controls_nu
 from test_mpi_ditto import CONFIG as DITTO
 
 from mpifl.cli.plan import estimate
-from mpifl.config import ConfigError, load_config
+from mpifl.config import load_config
 from mpifl.planning.memory import client_state_elements
 from mpifl.storage.residuals import MarkedChunks, RamResiduals
 
@@ -129,7 +129,15 @@ def test_a_client_whose_c_i_was_written_but_whose_personal_model_never_was_has_n
 
 @pytest.mark.parametrize("overrides", [(), FEDDYN, ("strategy.name=fedavg", "compression.method=topk")],
                          ids=["scaffold", "feddyn", "topk-error-feedback"])
-def test_ditto_beside_model_local_and_another_rules_state_is_refused_naming_all_three(overrides):
-    with pytest.raises(ConfigError, match="train.ditto_lambda: .* model.local and .* keep per-client state there "
-                                          "too; a client's vector holds two kinds, not three"):
-        load_config(None, ["model.local=['3.*']", *overrides], data=yaml.safe_load(CONFIG))
+def test_ditto_beside_model_local_and_another_rules_state_keeps_all_three_in_one_vector(overrides):
+    """Once refused as 'two kinds, not three': each client's vector now holds the rule's state, its local tensors
+    and their mark, then its personal model with its own local tensors and their mark, and the plan counts it all
+    (tests/test_mpi_ditto_with_local.py runs SCAFFOLD + FedPer + Ditto)."""
+    cfg = load_config(None, ["model.local=['3.*']", *overrides], data=yaml.safe_load(CONFIG))
+    state = cfg.client_state()
+    assert state is not None and state.local and state.personal and (state.rule or state.residuals)
+    head = 9 * 10 + 10  # the MLP's head: its local tensors
+    size, _ = estimate(cfg, nranks=3, ranks_per_node=3, server_alone=False)
+    travels = size.exchanged // 4  # what travels, in the exchange's chunks (SCAFFOLD's control section too)
+    rule = MODEL - head if state.rule else travels  # c_i or g_i over the trainable parameters; a residual over all
+    assert client_state_elements(cfg, size) == rule + (head + 1) + travels + head + 1

@@ -74,7 +74,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
 # an HDF5 file: a checkpoint's snapshot of that state has one format either way, keyed by client.
 RESUMABLE = ("name", "rounds", "checkpoint", "output", "eval", "transport", "server", "timeouts",
              "model.nhwc_pooling", "train.reuse_freed_memory", "train.step_in_backward",
-             "strategy.control_ram_mb", "model.local_ram_mb", "train.personal_ram_mb", "compression.residual_ram_mb")
+             "strategy.control_ram_mb", "model.local_ram_mb", "train.personal_ram_mb", "train.state_ram_mb",
+             "compression.residual_ram_mb")
 
 
 def resumable_keys() -> str:
