@@ -20,7 +20,7 @@ from mpifl.learning.noise import batch_noise, client_noise_std, noise_generator,
 from mpifl.learning.parallel import share_of
 from mpifl.learning.trainers import TorchTrainer
 from mpifl.planning.memory import server_data_bytes
-from mpifl.roles.runner import ClientSlices
+from mpifl.roles.data import ClientSlices
 
 CONFIG = """
 seed: 5

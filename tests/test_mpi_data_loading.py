@@ -13,7 +13,7 @@ import torch
 from conftest import MPI_TIMEOUT, ROOT, TESTS, mpiexec, run_mpi, write_config
 
 from mpifl.learning.datasets import Dataset, digits
-from mpifl.roles.runner import server_view
+from mpifl.roles.data import server_view
 
 CONFIG = """
 rounds: 1

@@ -168,7 +168,7 @@ def test_under_accept_failures_a_slow_rank_is_dropped_and_only_client_state_that
     """A dropped rank learns of the drop from its next header; SCAFFOLD's c_i and FedDyn's g_i are then put back
     (UndoJournal: by the rank, or under per_round placement by each client's home rank), so those strategies
     journal them and every strategy drops slow ranks."""
-    from mpifl.roles.runner import _straggler_rule
+    from mpifl.roles.build_server import straggler_rule as _straggler_rule
 
     overrides = ["clients.accept_failures=true", f"strategy.name={name}", "strategy.update=delta",
                  f"clients.placement={placement}", "timeouts.straggler=30"]

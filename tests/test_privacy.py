@@ -131,7 +131,7 @@ def test_pairwise_masks_cancel_and_dropped_clients_masks_are_removed_exactly(dro
 
 
 def test_dp_on_a_model_with_batchnorm_statistics_says_they_are_noised_and_how_to_keep_them_out(capfd):
-    from mpifl.roles.runner import _warn_statistics
+    from mpifl.roles.build_server import warn_statistics as _warn_statistics
     from mpifl.wire.spec import layout
 
     spec = layout([("0.weight", (4,), "float32"), ("1.running_mean", (4,), "float32"),

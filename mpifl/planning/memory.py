@@ -102,7 +102,7 @@ class DataBytes:
 
 
 def server_data_bytes(data: DataBytes) -> int:
-    """The server holds the labels and the held-out set, never the training inputs (roles.runner.server_view), and
+    """The server holds the labels and the held-out set, never the training inputs (roles.data.server_view), and
     with feature noise one noisy copy of the held-out inputs at a time (mpifl.learning.noise.score_over_levels)."""
     return data.labels + data.test + data.noisy_copy
 

@@ -222,7 +222,7 @@ class Server:
         parts.store.begin_round(round_, parts.checkpointer.recyclable(round_))
         if plan.mixing is not None:
             update = parts.strategy.update
-            if not isinstance(update, Mixing):  # fedasync runs substitute Mixing (roles.runner._strategy)
+            if not isinstance(update, Mixing):  # fedasync runs substitute Mixing (roles.build_server.strategy_for)
                 raise TypeError(f"round {round_} mixes its update in (fedasync), but the strategy's server "
                                 f"update is {type(update).__name__}, not Mixing")
             update.alpha = plan.mixing

@@ -1,0 +1,182 @@
+"""Building a client rank's parts and serving: the trainer, per-client state, privacy and groups, then the round loop
+(``ClientRank``); and a client group's other ranks (``clients.ranks_per_client``)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpi4py import MPI
+
+from mpifl.aggregation.strategies import make_strategy
+from mpifl.config import Config
+from mpifl.learning.device import (
+    DeviceReplica,
+    training_replica,
+)
+from mpifl.learning.parallel import DataParallel
+from mpifl.learning.trainers import CausalLMTrainer, Evaluator, TorchTrainer, Trainer, make_evaluator, make_trainer
+from mpifl.logs import log
+from mpifl.privacy.dp import ClientPrivacy
+from mpifl.privacy.secagg import SecureAggregation
+from mpifl.roles.client import ClientParts, ClientRank
+from mpifl.roles.client_state import DeclaredVectors, StateViews, open_client_state, state_sizes, state_views
+from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
+from mpifl.roles.group import GroupLeader, GroupMember
+from mpifl.roles.launch import startup_limit
+from mpifl.roles.lending import StateLending
+from mpifl.roles.personal import GroupPersonalModels, PersonalModels, PersonalTensors
+from mpifl.storage.residuals import (
+    Borrowing,
+    ResidualStore,
+)
+from mpifl.storage.rundir import RankNotes, ResumePoint
+from mpifl.units import MIB
+from mpifl.wire import protocol
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.memory import reuse_freed_memory
+from mpifl.wire.spec import ModelSpec, is_local
+from mpifl.wire.transport import send_chunks
+
+
+def rank_replica(cfg: Config, flat: FlatModel) -> DeviceReplica | None:
+    """The replica of the host model that this client rank trains on its device, or None to train the host model."""
+    return training_replica(flat, cfg.train.device, cfg.train.device_copy, cfg.model.exchange == "trainable",
+                            cfg.train.deterministic)
+
+
+def kept_tensors_note(frozen: ModelSpec, local: Sequence[str]) -> str:
+    """What the tensors that never travel are, for the start-up log: frozen ones, the same on every rank, and
+    model.local ones, one copy per client."""
+    parts = []
+    for kind, entries, where in (
+            ("frozen", [e for e in frozen.entries if not is_local(e.name, local)], "stay on every rank"),
+            ("local (model.local)", [e for e in frozen.entries if is_local(e.name, local)],
+             "never travel: each client keeps its own copy on the rank hosting it")):
+        if entries:
+            parts.append(f"{len(entries)} {kind} tensors ({sum(e.nbytes for e in entries) / MIB:.1f} MiB) {where}")
+    return "; ".join(parts)
+
+
+@dataclass
+class ClientStateParts:
+    """A client rank's per-client state: its one store and each rule that reads a part of it (None: the run keeps no
+    such part)."""
+
+    store: ResidualStore | None = None  # the rank's store (a Borrowing under per-round placement): what checkpoints
+    views: StateViews = field(default_factory=StateViews)  # its parts as stores of their own
+    controls: ClientControls | ClientDynamics | None = None  # SCAFFOLD's or FedDyn's rule over its c_i or g_i
+    personal: PersonalTensors | None = None  # model.local tensors
+    models: PersonalModels | None = None  # Ditto's personal models
+    declared: DeclaredVectors | None = None  # a plug-in trainer's vectors
+
+
+def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work: FlatModel, rank: int,
+                       hosted: list[int], run_dir: Path | None, resume: ResumePoint | None) -> ClientStateParts:
+    """The per-client state of the ``hosted`` clients (mpifl.config.client_state), opened, reloaded on a resume,
+    and the rules that act on the model that trains (``work``: the host model or its device replica)."""
+    kinds = cfg.client_state()
+    if kinds is None:
+        return ClientStateParts()
+    layout = kinds.layout(state_sizes(plan, flat))
+    kept = open_client_state(cfg, layout, rank, hosted, run_dir, resume)
+    # per_round: each client's state is lent, for the round, to the rank that trains it
+    store: ResidualStore = Borrowing(kept) if cfg.lends_client_state else kept
+    views = state_views(cfg, layout, store)
+    parts = ClientStateParts(store, views)
+    if views.rule is not None and cfg.control_variates:
+        parts.controls = ClientControls(work, views.rule, cfg.train.lr)
+    elif views.rule is not None:
+        parts.controls = ClientDynamics(work, views.rule, cfg.strategy.alpha, cfg.train.grad_accum_steps)
+    if views.local is not None:
+        parts.personal = PersonalTensors(work, views.local, marked=views.local_marked)
+    if views.personal is not None:
+        parts.models = PersonalModels(work, plan.chunks, views.personal, make_trainer(cfg.train),
+                                      cfg.train.ditto_lambda, with_local=bool(cfg.model.local),
+                                      backwards_per_step=cfg.train.grad_accum_steps)
+    if kinds.vectors:
+        parts.declared = DeclaredVectors(work, kinds.vectors, views.vectors)
+    return parts
+
+
+def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping, *,
+                    upload_initial: bool, replica: DeviceReplica | None, state: ClientStateParts, note: RankNotes,
+                    group: MPI.Comm | None) -> None:
+    """Serve as a client rank (a group's leader with ``group``) until the server says stop: upload the fresh model
+    for an out-of-core server, build the trainer and the rank's parts, run the round loop."""
+    if comm.Get_rank() == 1 and flat.frozen_spec.entries:
+        log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
+            f"{kept_tensors_note(flat.frozen_spec, cfg.model.local)}", rank=1)
+    if comm.Get_rank() == 1 and upload_initial and cfg.server.state == "disk" and not cfg.model.init_from:
+        assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
+        send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
+    federated = cfg.eval.federated_every > 0
+    trainer = make_trainer(cfg.train)
+    leader = None
+    if group is not None:  # clients.ranks_per_client > 1: this rank leads its group
+        parallel = _parallel(trainer, group)
+        leader = GroupLeader(group, parallel, replica.flat if replica else flat, _group_timeout(flat))
+        if state.models is not None:  # Ditto: the personal model trains with the group too
+            assert isinstance(state.models.trainer, (TorchTrainer, CausalLMTrainer))  # the config checks'
+            state.models.trainer.parallel = parallel
+            state.models.starting = leader.dispatch_personal
+    parts = ClientParts(
+        plan=plan, trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
+        delta=cfg.strategy.update == "delta", statistics_as_values=cfg.statistics_as_values,
+        accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
+        weight=make_strategy(cfg.strategy).weight_of, replica=replica,
+        evaluate=evaluator_for(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
+        rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
+        secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
+        residuals=state.views.residuals, state=state.store, controls=state.controls, personal=state.personal,
+        personal_models=state.models, declared=state.declared, note=note, group=leader,
+        lending=StateLending(comm, state.store, state.views.journal) if isinstance(state.store, Borrowing) else None,
+        journal=state.views.journal)
+    client = ClientRank(comm, flat, local, parts)
+    _reuse_freed_memory(cfg)
+    client.run()
+    if leader is not None:
+        leader.release()
+
+
+def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
+    """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group, on the
+    device the leader trains on."""
+    replica = rank_replica(cfg, flat)
+    work = replica.flat if replica else flat
+    trainer = make_trainer(cfg.train)
+    parallel = _parallel(trainer, group)
+    dynamic = cfg.client_rule == "dynamic_regularizer"
+    state = GroupCorrections(work) if cfg.control_variates else \
+        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if dynamic else None
+    personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
+        if cfg.train.ditto_lambda else None
+    member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)
+    _reuse_freed_memory(cfg)
+    member.run()
+    notes("finished")
+
+
+def _reuse_freed_memory(cfg: Config) -> None:
+    """Once a client rank's long-lived buffers exist: what its training steps free serves their next allocations
+    (``train.reuse_freed_memory``; mpifl.wire.memory.reuse_freed_memory says why)."""
+    if cfg.train.reuse_freed_memory:
+        reuse_freed_memory()
+
+
+def _parallel(trainer: Trainer, group: MPI.Comm) -> DataParallel:
+    """The rank's place in its client group, given to the trainer (a built-in one: config checks)."""
+    assert isinstance(trainer, (TorchTrainer, CausalLMTrainer))  # _check_ranks_per_client allows only these
+    trainer.parallel = DataParallel(group.Get_rank(), group.Get_size())
+    return trainer.parallel
+
+
+def _group_timeout(flat: FlatModel) -> float:
+    """How long a group's rank waits for the others in a collective: the start-up allowance for this model."""
+    return startup_limit([], flat.spec.total_bytes + flat.frozen_spec.total_bytes)
+
+
+def evaluator_for(cfg: Config) -> Evaluator:
+    """The held-out scorer: perplexity for transformers LMs, accuracy and the training loss otherwise."""
+    return make_evaluator(cfg.eval, cfg.train.loss, language_model=cfg.model.name == "transformers")

@@ -1,0 +1,232 @@
+"""Building the server's parts and serving: the strategy, the store, the checkpointer, evaluation, trackers and the
+straggler rule, then the round loop (``Server``); what the run came to (``RunOutcome``)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from mpifl.aggregation.floor import FloorRate
+from mpifl.aggregation.strategies import Strategy, make_strategy
+from mpifl.aggregation.updates import Mixing
+from mpifl.clock.planners import clock_sampler, task_samples
+from mpifl.config import Config
+from mpifl.errors import JobFailure
+from mpifl.learning.datasets import (
+    Dataset,
+)
+from mpifl.learning.device import (
+    EvaluationCopy,
+    resolve_device,
+    use_deterministic_kernels,
+)
+from mpifl.learning.noise import score_over_levels
+from mpifl.learning.partitions import split_validation
+from mpifl.logs import log
+from mpifl.metrics import JsonLines
+from mpifl.privacy.dp import ServerPrivacy
+from mpifl.privacy.secagg import RingSum, SecureAggregation
+from mpifl.roles.build_client import evaluator_for
+from mpifl.roles.data import client_partition, placement_of, report_partition
+from mpifl.roles.launch import StopRequest
+from mpifl.roles.records import log_final, memory_warning_line
+from mpifl.roles.residuals import ResidualPublisher
+from mpifl.roles.server import Evaluation, Server, ServerParts
+from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
+from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.rundir import RankNotes, ResumePoint, read_metrics
+from mpifl.storage.stores import open_store
+from mpifl.trackers import Trackers, open_trackers
+from mpifl.units import MIB
+from mpifl.wire import protocol
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.late import DroppedClients
+from mpifl.wire.layout import ExchangeLayout
+from mpifl.wire.spec import ModelSpec
+from mpifl.wire.transport import recv_chunks
+from mpifl.wire.watchdog import RunDeadlines, StragglerRule
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What rank 0 knows when the run ends: the metrics history, and whether a signal (SIGTERM: walltime, or the
+    launcher cleaning up after a rank that left) stopped it before its last round."""
+
+    history: list[dict]
+    interrupted: bool
+
+
+def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
+                     dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
+                     resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes,
+                     floor: FloorRate | None = None) -> RunOutcome:
+    """Serve as rank 0 until the last round or a stop: the strategy bound to the model, the global store (from the
+    resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler rule, then the rounds;
+    what the run came to."""
+    strategy = strategy_for(cfg)
+    strategy.bind(plan.spec, cfg.clients.num_clients)
+    _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
+    warn_statistics(cfg, plan.spec)
+    if flat is None and run_dir is None:
+        raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
+    directory = run_dir / CHECKPOINTS if run_dir else None
+    if directory:
+        directory.mkdir(parents=True, exist_ok=True)
+    attrs = checkpoint_attrs(cfg)
+
+    def path_of(round_: int) -> Path:
+        # a store writes only with a directory: saves need one, and disk state without a run directory is refused
+        assert directory is not None
+        return directory / checkpoint_name(round_)
+
+    store = open_store(plan, flat, path_of, int(cfg.server.window_mb * MIB),
+                       strategy.state_init, read_previous=strategy.needs_previous_global,
+                       map_windows=cfg.server.map_windows)
+    if dataset is not None and resume is None:
+        report_partition(cfg, dataset, run_dir)
+    start, history = (resume.round, resume.metrics) if resume is not None else (0, [])
+    store.start(resumed, cfg.model.init_from, {**attrs, "round": 0},
+                lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, plan.inflight))
+    if cfg.model.local and cfg.eval.every:
+        log(f"model.local {cfg.model.local}: the server evaluates the averaged tensors with the local ones as "
+            "built; eval.federated_every measures each client with its own", rank=0)
+    score = None
+    if dataset is not None and flat is not None:
+        score = _score(cfg, flat, dataset)
+    needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off"
+    parts_ = client_partition(cfg, dataset) if needs_sizes else None
+    placement = placement_of(cfg, parts_, comm.Get_size() - 1)
+    sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
+        if parts_ is not None else None
+    samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
+                           cfg.train.batch_size)
+    try:
+        sampler = clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
+    except (ValueError, OSError) as err:
+        raise JobFailure(f"cannot plan the virtual-time schedule: {err}") from None
+    asynchronous = cfg.clock.asynchronous
+    chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
+    deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
+    feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
+    dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
+    checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
+                                sampler.needed_versions if asynchronous and directory else None,
+                                persist=ResidualPublisher(comm, deadlines, dropped).publish if feedback else None)
+    if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
+        checkpointer.round_ended(0, [], stopping=False)
+    privacy = None
+    if cfg.privacy.mode != "off":
+        privacy = ServerPrivacy(cfg.privacy, cfg.seed, cfg.clients.num_clients, cfg.clients_per_round(), history)
+        try:
+            log(f"privacy: {cfg.privacy.mode} DP, noise multiplier {cfg.privacy.noise_multiplier}, clip "
+                f"{privacy.clip:.4g}; epsilon after all {cfg.rounds} rounds {privacy.epsilon(cfg.rounds):.3f} "
+                f"at delta {cfg.privacy.delta}", rank=0)
+        except ImportError as err:
+            raise JobFailure(str(err)) from None
+    # opened last, so that no setup error above leaves a tracker's run open (MLflow's RUNNING, W&B's unfinished)
+    trackers = _trackers(cfg, run_dir, start, history, resume is not None)
+    sink = JsonLines(run_dir / METRICS if run_dir else None, also=trackers)
+    try:
+        parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
+                            evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
+                            privacy=privacy,
+                            secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
+                            stragglers=straggler_rule(cfg), dropped=dropped,
+                            floor=floor, lends_state=cfg.lends_client_state)
+        history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
+                         cfg.clients.min_participants).run(start, history)
+    finally:
+        sink.close()
+    if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
+        checkpointer.link_final_model(run_dir)
+    log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
+    reached = history[-1]["round"] if history else 0
+    interrupted = stop.requested and reached < cfg.rounds
+    notes("interrupted" if interrupted else "finished", reached)
+    return RunOutcome(history, interrupted=interrupted)
+
+
+def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], resumed: bool) -> list[Trackers]:
+    """``output.trackers``, opened on rank 0 before the first round (none without a run directory to write in);
+    ``kept``: the records a resume keeps, for the rounds a tracker lost when the job before was killed."""
+    if not cfg.output.trackers or run_dir is None:
+        return []
+    if resumed:  # the rewound metrics.jsonl's records: the checkpoint's copy of its own round predates its timing
+        kept = read_metrics(run_dir / METRICS) or kept
+    return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
+                          notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())],
+                          warn=lambda message: log(message, rank=0), kept=kept)]
+
+
+def _score(cfg: Config, flat: FlatModel, dataset: Dataset) -> Callable[[], dict]:
+    """The server's held-out evaluation of the global model in ``flat``: on the CPU, in the host buffer itself, or on
+    the server rank's GPU (``eval.device``), in a copy refreshed before each evaluation."""
+    evaluate = evaluator_for(cfg)
+    device = resolve_device(cfg.eval.device, "eval.device")
+    current: Callable[[], torch.nn.Module] = lambda: flat.module  # noqa: E731
+    if device.type != "cpu":
+        if cfg.train.deterministic:
+            use_deterministic_kernels()
+        current = EvaluationCopy(flat, device, cfg.model.exchange == "trainable").refreshed
+        log(f"eval.device {cfg.eval.device}: the server evaluates on {torch.cuda.get_device_name(device)}", rank=0)
+    scale, x_test, y_test = cfg.data.feature_noise, dataset.x_test, dataset.y_test
+
+    def score() -> dict:
+        module = current()
+        if not scale:
+            return evaluate(module, x_test, y_test)
+        # data.feature_noise: the held-out set at every client's noise level, as NIID-Bench scores it
+        return score_over_levels(lambda x: evaluate(module, x, y_test), x_test, scale, cfg.clients.num_clients,
+                                 cfg.seed)
+    return score
+
+
+def straggler_rule(cfg: Config) -> StragglerRule | None:
+    """clients.accept_failures: when a rank still training is dropped from its round. Under a strategy whose
+    clients keep state matched by the server's (Capabilities.client_state: SCAFFOLD's c_i and c, FedDyn's g_i and
+    h), a dropped rank has already folded its clients' deltas into their state when it learns of the drop from
+    its next header; that state is put back then, by the rank or, under per_round placement, by each client's home
+    rank (storage.residuals.UndoJournal)."""
+    return StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None
+
+
+def strategy_for(cfg: Config) -> Strategy:
+    """The configured strategy, with the stage a run mode replaces: FedAsync mixes each update in
+    (``Mixing``); secure aggregation sums masked fixed-point updates in the ring (``RingSum``)."""
+    strategy = make_strategy(cfg.strategy)
+    if cfg.clock.mode != "fedasync" and not cfg.secagg.enabled:
+        strategy.statistics_absolute = cfg.statistics_as_values
+        return strategy
+    twin = strategy.substituted(RingSum(cfg.strategy) if cfg.secagg.enabled else None,
+                                Mixing(cfg.strategy) if cfg.clock.mode == "fedasync" else None)
+    twin.statistics_absolute = cfg.statistics_as_values
+    return twin
+
+
+def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> None:
+    if strategy.stacked and cfg.clients_per_round() > client_ranks:
+        log(f"strategy {cfg.strategy.name}: {cfg.clients_per_round()} participants per round on "
+            f"{client_ranks} client ranks: a rank's participants arrive one after another, so the server "
+            "stacks every participant's whole model (participants x model x 4 bytes); one client rank per "
+            "participant keeps it at participants x chunk", rank=0)
+
+
+def warn_statistics(cfg: Config, spec: ModelSpec) -> None:
+    """DP noises every exchanged element, a BatchNorm's running variance too, which noise can take below zero (NaN
+    evaluations): say so once, with the ways out."""
+    names = [e.name for e in spec.entries if e.statistic]
+    if names and cfg.privacy.mode != "off":
+        log(f"privacy.mode {cfg.privacy.mode!r}: the model's statistics ({names[0]}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) are clipped and noised with the rest, and "
+            "a noised running variance can go below zero; a model with GroupNorm or LayerNorm, or model.local for "
+            "its BatchNorm layers (FedBN), keeps them out of the noise", rank=0)
+
+
+def open_checkpoint(path: Path, spec: ModelSpec) -> Checkpoint:
+    """The checkpoint at ``path``, opened and checked to hold a model of ``spec`` (a ``CheckpointError`` if not)."""
+    ckpt = Checkpoint(path)
+    ckpt.check_spec(spec)
+    return ckpt

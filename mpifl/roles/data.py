@@ -1,0 +1,216 @@
+"""Where a run's data goes: read once and shared (the server keeps only labels and the held-out set), split into
+logical clients, placed on client ranks, and each rank's clients' slices."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpifl.config import Config, DataConfig
+from mpifl.errors import JobFailure
+from mpifl.learning.datasets import (
+    ClientData,
+    Dataset,
+    client_data,
+    client_source,
+    load_dataset,
+    surveyed_dataset,
+)
+from mpifl.learning.noise import client_noise_std, validation_inputs
+from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
+from mpifl.learning.sources import HeldRows
+from mpifl.logs import log
+from mpifl.planning.federation import Placement, placement_for
+from mpifl.roles.launch import SetupError, agree
+from mpifl.wire import protocol
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.shared import node_communicator, share_on_node
+from mpifl.wire.transport import recv_object, send_object
+
+
+def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
+    """Token ids must fit the transformers model's embedding: what is wrong, or None."""
+    language_model: Any = flat.module  # a transformers model (the caller checks): its methods are not nn.Module's
+    rows = language_model.get_input_embeddings().num_embeddings
+    largest = max(_largest_id(dataset.x_train), _largest_id(dataset.x_test))
+    if largest >= rows:
+        return (f"data: token id {largest} does not fit the model's {rows}-row embedding; raise "
+                "model.transformers.config's vocab_size or lower data.kwargs.vocab_size")
+    return None
+
+
+def _largest_id(rows: torch.Tensor | HeldRows) -> int:
+    """The largest token id in ``rows``; from a client source, in the rows this rank holds (every rank checks
+    its own and agree_on_spec shares any problem)."""
+    if isinstance(rows, torch.Tensor):
+        return int(rows.max()) if rows.numel() else -1
+    return max((int(t.max()) for t in rows.held.values() if t.numel()), default=-1)
+
+
+def shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
+    """The data every rank starts from: read once on rank 0 and shared; or, from a client source,
+    only its index shared (labels, shapes), each client rank reading its own clients' inputs later."""
+    source = client_source(cfg)
+    if source is None:
+        return _read_on_a_client_rank(comm, lambda: load_dataset(cfg))
+    surveyed: dict = {}
+    index = agree(comm, lambda: surveyed.setdefault("survey", source.survey())[0])
+    return surveyed_dataset(source, index, surveyed["survey"][1] if comm.Get_rank() == 0 else None)
+
+
+def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Dataset:
+    """The dataset read once, on rank 1, and shared with every client rank; the server gets its labels and the
+    held-out set only (``server_view``), so it never holds the training inputs it does not train on, not even
+    while they are read. A reading error is a SetupError on every rank, as ``agree`` makes it."""
+    rank = comm.Get_rank()
+    clients = comm.Split(MPI.UNDEFINED if rank == 0 else 0, rank)
+    try:
+        if rank == 0:
+            got = recv_object(comm, 1, protocol.DATASET)
+            assert isinstance(got, tuple)  # rank 1 sends (server view or None, error or None)
+            dataset, error = got
+        else:
+            dataset, error = None, None
+            if rank == 1:
+                try:
+                    dataset = load()
+                except (OSError, ValueError, SetupError) as err:
+                    error = str(err)
+                send_object(comm, (server_view(dataset) if dataset is not None else None, error), protocol.SERVER,
+                            protocol.DATASET)
+            dataset, error = _share_with_client_ranks(cast(MPI.Intracomm, clients), dataset, error)
+    finally:
+        if clients != MPI.COMM_NULL:
+            clients.Free()
+    if error:
+        raise SetupError(error)
+    assert dataset is not None  # without an error, rank 1 read it
+    return dataset
+
+
+def _share_with_client_ranks(clients: MPI.Intracomm, dataset: Dataset | None,
+                             error: str | None) -> tuple[Dataset | None, str | None]:
+    """Rank 1's dataset (``clients``' first rank) on every client rank, held once per node: it travels to the
+    first client rank of each node, which puts its tensors in shared-memory windows that the node's other client
+    ranks map (wire.shared). Every rank gets tensors with the same bytes, so results do not change."""
+    node = node_communicator(clients)
+    leaders = clients.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, clients.Get_rank())
+    try:
+        if leaders != MPI.COMM_NULL:
+            dataset, error = leaders.bcast((dataset, error), root=0)
+        error = node.bcast(error, root=0)
+        if error:
+            return None, error
+        lead = node.Get_rank() == 0
+        held = dataset if lead else None
+        none = torch.empty(0)  # the tensors travel in windows, the rest as an object
+        skeleton = node.bcast(replace(held, x_train=none, y_train=none, x_test=none, y_test=none) if held else None,
+                              root=0)
+        x_train, y_train, x_test, y_test = (share_on_node(node, getattr(held, n) if held else None)
+                                            for n in ("x_train", "y_train", "x_test", "y_test"))
+        return replace(skeleton, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test), None
+    finally:
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        node.Free()
+
+
+def server_view(dataset: Dataset) -> Dataset:
+    """What the server keeps of a dataset: labels (partition, sizes), the held-out set and the inputs' shape."""
+    x = dataset.x_train
+    return replace(dataset, x_train=torch.empty((0, *x.shape[1:]), dtype=x.dtype))
+
+
+def report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
+    """Print the clients x labels table; keep it as partition.csv in the run directory."""
+    with _partition_errors():
+        histogram = partition_histogram(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
+    log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples:\n"
+        + partition_table(histogram), rank=0)
+    if cfg.data.feature_noise:
+        n, scale = cfg.clients.num_clients, cfg.data.feature_noise
+        log(f"data.feature_noise {scale:g}: client k reads its inputs through Gaussian noise of std {scale:g} * k / "
+            f"{n - 1} (from 0 for client 0 to {scale:g} for client {n - 1}), drawn afresh for every minibatch; the "
+            f"held-out set is scored at each of the {n} levels", rank=0)
+    if run_dir is not None:
+        header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
+        np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
+                   delimiter=",", header=header, comments="")
+
+
+@contextlib.contextmanager
+def _partition_errors() -> Iterator[None]:
+    """A partition that cannot be made (too few samples, a bad partition file) ends the job in one line."""
+    try:
+        yield
+    except (ValueError, OSError) as err:
+        raise JobFailure(f"cannot partition the data: {err}") from None
+
+
+def client_partition(cfg: Config, dataset: Dataset | None) -> list | None:
+    """Every client's training indices (the same on every rank), or None without data."""
+    if dataset is None:
+        return None
+    with _partition_errors():
+        return partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+
+
+def placement_of(cfg: Config, parts: list | None, client_ranks: int) -> Placement:
+    """``clients.placement``: by work, samples x epochs (fixed local_steps make every client's work equal)."""
+    work = None
+    if parts is not None and cfg.clients.placement != "round_robin" and not cfg.train.local_steps:
+        work = [float(len(p) * cfg.train.local_epochs) for p in parts]
+    return placement_for(cfg.clients, client_ranks, work)
+
+
+def local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: int) -> Mapping:
+    """Each logical client ``rank`` hosts, by id: its (training, validation) slices."""
+    parts = client_partition(cfg, dataset)
+    mine = placement_of(cfg, parts, client_ranks).clients_of(rank, cfg.clients.num_clients)
+    if dataset is None:
+        return {c: (None, None) for c in mine}
+    assert parts is not None  # client_partition returns None only without a dataset
+    if cfg.clients.placement == "per_round":  # any client may train here: slice its data when it does
+        assert dataset.source is None  # cli.commands.check_plugins refuses per_round with a client source
+        return ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
+    if dataset.source is not None:  # from a client source: read only now, and only these clients
+        dataset = dataset.holding(mine)
+        held = sum(len(parts[c]) for c in mine)
+        log(f"read {held} of {len(dataset.y_train)} training samples: its {len(mine)} clients' "
+            f"({cfg.data.dataset} files under {cfg.data.kwargs.get('path')})", rank=rank)
+    slices = ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
+    return {c: slices[c] for c in mine}
+
+
+class ClientSlices(Mapping):
+    """Every client's (training, validation) data, sliced from the rank's copy of the training set when asked:
+    ``clients.placement: per_round`` may hand a rank any client, and copying all of them up front would hold the
+    training set twice. With ``feature_noise`` (``data.feature_noise``) client c's data carries its noise level,
+    and its validation split is noised once (mpifl.learning.noise)."""
+
+    def __init__(self, dataset: Dataset, parts: list, val_fraction: float, seed: int, feature_noise: float = 0.0):
+        self.dataset, self.parts, self.val_fraction, self.seed = dataset, parts, val_fraction, seed
+        self.feature_noise = feature_noise
+
+    def __getitem__(self, client: int) -> tuple[ClientData, ClientData | None]:
+        """Client ``client``'s training data and (when it has one) validation data."""
+        if not 0 <= client < len(self.parts):
+            raise KeyError(client)
+        train, val = split_validation(self.parts[client], self.val_fraction, self.seed, client)
+        std = client_noise_std(self.feature_noise, client, len(self.parts))
+        val_data = client_data(self.dataset, val) if len(val) else None
+        if val_data is not None and std:
+            val_data = ClientData(validation_inputs(val_data.x, std, self.seed, client), val_data.y)
+        return client_data(self.dataset, train, std), val_data
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.parts)))
+
+    def __len__(self) -> int:
+        return len(self.parts)
