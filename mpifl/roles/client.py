@@ -29,19 +29,20 @@ from mpifl.planning.federation import group_of
 from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
+from mpifl.roles.chain import ChainSender
 from mpifl.roles.client_state import DeclaredVectors
 from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
 from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import PersonalModels, PersonalTensors
+from mpifl.roles.pipeline import UpdatePipeline
 from mpifl.storage.residuals import ResidualStore, UndoJournal, save_snapshot
 from mpifl.units import range_list
 from mpifl.wire import protocol
-from mpifl.wire.flat import DTYPES, FlatModel
+from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes
-from mpifl.wire.spec import element_offsets
-from mpifl.wire.transport import ProgressReporter, pass_on, recv_object, relay_chunks, send_chunks, send_object
+from mpifl.wire.transport import ProgressReporter, recv_object, relay_chunks, send_chunks, send_object
 
 if TYPE_CHECKING:  # roles.group imports roles.client's neighbours only: the type alone, no import at run time
     from mpifl.roles.group import GroupLeader
@@ -109,16 +110,14 @@ class ClientRank:
         self.work = parts.replica.flat if parts.replica else flat  # the model that trains
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
-        self.chain_slots: list[np.ndarray] | None = None  # transport.reduce=chain: the running sum's receive ring
-        self.chain_free: list[np.ndarray] = []  # chain: host bytes for a group sum, free until the next round's
+        self.chain = ChainSender(comm, parts.plan.inflight)  # transport.reduce=chain: this rank's hops
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
-        self.clip: float | None = None  # DP: this round's L2 bound
         self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
         self.context = accepts_context(self.trainer)  # whether the trainer takes a TrainContext
-        self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
-        self.first_element = element_offsets(parts.plan.chunks)
-        self.compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) \
-            if parts.plan.codec is not None else None
+        compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) if parts.plan.codec is not None else None
+        self.updates = UpdatePipeline(self.encoder, parts.plan, self.work, replica=self.replica, delta=parts.delta,
+                                      privacy=parts.privacy, secagg=parts.secagg, compressor=compressor,
+                                      grouped=self.group_sum is not None, weight=parts.weight)
         # a group's members may be trained again to find a non-finite update (_sum_clients): training on the host
         # with nothing kept per client, no update protected on its own (DP, secure aggregation), no group of ranks
         self.group_check_deferred = all(k is None for k in (
@@ -151,7 +150,8 @@ class ClientRank:
                 continue
             self.parts.note("round", header.round)
             self.progress.start_round(header.round)
-            self.clip, self.cohort, self.participants = header.clip, header.cohort, header.participants
+            self.updates.begin_round(header.clip, header.cohort)
+            self.participants = header.participants
             if self.parts.lending is not None:
                 self.parts.lending.borrow(header)
             if header.hold:
@@ -240,85 +240,25 @@ class ClientRank:
         (seed, round, group): the same on any number of ranks."""
         assert self.group_sum is not None  # called only with clients.groups (serve_round)
         sums = self.group_sum.to_host()
-        if self.compressor is None:
+        compressor = self.updates.compressor
+        if compressor is None:
             return sums
         chunks = [torch.from_numpy(b).view(torch.float32) for b in sums]
-        return self.compressor.compress(chunks, round_, group, None, key=GROUP_COMPRESSION)
+        return compressor.compress(chunks, round_, group, None, key=GROUP_COMPRESSION)
 
     def _serve_chain(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
-        """transport.reduce=chain: sum each of this rank's groups (ascending id) into a partial sum of its own,
-        then play this rank's hops of the chain (``protocol.chain_hops``): each adds its groups' sums, one after
-        another, to the running sum from the hop before and passes that on; the last hop sends it to the server.
-
-        Each addition is ``running += own``, the fold the server would do with the groups' sums arriving point
-        to point in group order, so the chain gives the bits of point-to-point groups on any number of ranks.
-        A group without a usable update is left out. A rank with k groups keeps k sums until the chain has
-        passed: each earlier group's sum is handed over in place, the next forming in spare host bytes (k - 1
-        buffers beside the group sum's own, reused round to round)."""
+        """transport.reduce=chain: sum each of this rank's groups (ascending id) into a partial sum of its own, then
+        play this rank's hops of the chain (``roles.chain``)."""
         assert self.group_sum is not None  # serve_round chains only with clients.groups
-        assert header.reduce_stream is not None  # serve_round chains only for a header with a stream id
         members = group_members(header.clients, self.parts.groups, header.groups)
         metas: dict[int, tuple[protocol.UpdateMeta, ...]] = {}
         sums: dict[int, list[np.ndarray]] = {}
-        handed: list[np.ndarray] = []  # the bytes of the sums kept aside, free again once the chain has passed
         trained = 0
         for i, (group, clients) in enumerate(members):
             metas[group] = self._sum_clients(header.round, clients, keep, first=trained == 0)
             trained += len(clients)
-            if i + 1 < len(members):  # keep this sum as it is; the next group's forms in spare bytes
-                spare = self.chain_free.pop() if self.chain_free else host_bytes(len(self.group_sum.buffer))
-                kept, sums[group] = self.group_sum.hand_over(spare)
-                handed.append(kept)
-            else:
-                sums[group] = self.group_sum.to_host()
-        hops = header.chain
-        missing = sorted({g for hop in hops for g in hop.groups} ^ set(metas))
-        if missing:
-            raise RuntimeError(f"rank {self.rank}: round {header.round}'s chain lists groups that this rank does not "
-                               f"train, or leaves out groups it does: {missing}")
-        running_usable = self._chain_metas(header, metas)
-        usable = {g: any(m.error is None for m in metas[g]) for g in metas}
-        reduce, update = (protocol.round_tag(k, header.round) for k in (protocol.REDUCE, protocol.UPDATE))
-
-        def combine(j: int, h: int, running: np.ndarray | None) -> np.ndarray:
-            out = running if running_usable[h] else None
-            for group in hops[h].groups:
-                if not usable[group]:
-                    continue
-                if out is None:
-                    out = sums[group][j]
-                else:
-                    torch.from_numpy(out).view(torch.float32).add_(torch.from_numpy(sums[group][j]).view(torch.float32))
-            # nothing usable yet: any bytes of the right size, which every later hop and the server skip
-            return out if out is not None else running if running is not None else sums[hops[h].groups[0]][j]
-
-        sizes = [len(b) for b in next(iter(sums.values()))]
-        if self.chain_slots is None:
-            self.chain_slots = [host_bytes(max(sizes)) for _ in range(self.parts.plan.inflight)]
-        pass_on(self.comm, hops, (reduce, update), self.chain_slots, sizes, combine)
-        self.chain_free.extend(handed)
-
-    def _chain_metas(self, header: protocol.RoundHeader,
-                     metas: dict[int, tuple[protocol.UpdateMeta, ...]]) -> list[bool]:
-        """Each hop's GroupMeta, in the chain's order: every member so far (received from the hop before) and
-        this hop's groups' members, sent on to the next hop (REDUCE_META) or the server (META). Whether each
-        hop's running sum, as it arrives, holds a usable update."""
-        assert header.reduce_stream is not None  # _serve_chain runs only for a header with a stream id
-        meta_tag, reduce_meta = (protocol.round_tag(k, header.round) for k in (protocol.META, protocol.REDUCE_META))
-        running_usable = []
-        for hop in header.chain:
-            before: tuple[protocol.UpdateMeta, ...] = ()
-            if hop.source is not None:
-                received = recv_object(self.comm, hop.source, reduce_meta)
-                if not isinstance(received, protocol.GroupMeta):
-                    raise RuntimeError(f"rank {self.rank}: rank {hop.source} sent {received!r} where the chain's "
-                                       "GroupMeta belongs")
-                before = received.members
-            running_usable.append(any(m.error is None for m in before))
-            own = tuple(m for group in hop.groups for m in metas[group])
-            send_object(self.comm, protocol.GroupMeta(header.reduce_stream, before + own), hop.dest,
-                        meta_tag if hop.dest == protocol.SERVER else reduce_meta)
-        return running_usable
+            sums[group] = self.chain.keep(self.group_sum) if i + 1 < len(members) else self.group_sum.to_host()
+        self.chain.send(header, metas, sums)
 
     def serve_step(self, header: protocol.RoundHeader) -> None:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;
@@ -404,9 +344,9 @@ class ClientRank:
                                     local_steps=result.local_steps)))
         check = check_update and error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
         if self.replica is not None and self.group_sum is not None:  # the update stays on the device
-            buffers, bad = None, self._device_update(check)
+            buffers, bad = None, self.updates.on_device(check)
         else:
-            buffers, bad = self._host_update(round_, client, keep, result, usable=error is None, check=check)
+            buffers, bad = self.updates.on_host(round_, client, keep, result, usable=error is None, check=check)
         if self.parts.declared is not None and error is None and not bad:  # else as if it had not trained
             self.parts.declared.keep(client, self.vectors)
         if bad:
@@ -438,12 +378,19 @@ class ClientRank:
                                               context=self._context(round_, client)), None
                 return self.trainer.train(self.work.module, train, seed), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            if not self.parts.accept_failures or self.parts.group is not None:
-                why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
-                       if self.parts.group is not None else "clients.accept_failures=false")
-                raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}: "
-                                    f"{type(err).__name__}: {err} ({why}{deterministic_hint(err)})") from err
-            return TrainResult(0, {}), f"{type(err).__name__}: {err}{deterministic_hint(err)}"
+            return TrainResult(0, {}), self._failed(err, round_, client, "")
+
+    def _failed(self, err: Exception, round_: int, client: int, doing: str) -> str:
+        """The failure rule: a raise in a client's training ends the job, naming the client, its rank and the round;
+        under clients.accept_failures it is the client's error instead (not in a group of ranks, which cannot go on
+        mid-collective)."""
+        hint = deterministic_hint(err)
+        if not self.parts.accept_failures or self.parts.group is not None:
+            why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
+                   if self.parts.group is not None else "clients.accept_failures=false")
+            raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}{doing}: "
+                                f"{type(err).__name__}: {err} ({why}{hint})") from err
+        return f"{type(err).__name__}: {err}{hint}"
 
     def _context(self, round_: int, client: int) -> TrainContext:
         """What a plug-in trainer learns of the client it trains, with the client's declared vectors loaded."""
@@ -466,47 +413,6 @@ class ClientRank:
         result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)
         return result
 
-    def _device_update(self, check: bool) -> int:
-        """The update stays on the device for the group's sum: make it a delta there; its NaN/Inf count."""
-        if self.parts.delta:
-            assert self.replica is not None  # _serve_client keeps updates on the device only with a replica
-            for c in self.parts.plan.chunks:
-                self.work.chunk_view(c).sub_(self.replica.global_view(c))
-        return count_nonfinite(self.work.chunk_view(c) for c in self.parts.plan.chunks) if check else 0
-
-    def _host_update(self, round_: int, client: int, keep: torch.Tensor | None, result: TrainResult, *,
-                     usable: bool, check: bool) -> tuple[list, int]:
-        """The update's pipeline on the host: encode (delta, narrowed dtype), check (NaN/Inf), protect (DP clip
-        and noise, secure-aggregation mask), compress. Returns the wire buffers and the NaN/Inf count."""
-        if self.replica is not None:
-            self.replica.to_host()
-        buffers = self.encoder.encode(keep)
-        bad = self.encoder.count_nonfinite() if check else 0
-        if usable and not bad:
-            self._protect(buffers, round_, client, result)
-        if self.compressor is not None and self.group_sum is None:  # a group's sum is compressed, not its members
-            began = time.perf_counter()
-            chunks = [torch.from_numpy(b).view(DTYPES[c.dtype]) for c, b in zip(self.parts.plan.chunks, buffers)]
-            buffers = self.compressor.compress(chunks, round_, client, self.clip if self.parts.privacy else None,
-                                               usable=usable and not bad)
-            result.metrics["compress_seconds"] = time.perf_counter() - began
-        return buffers, bad
-
-    def _protect(self, buffers: list[np.ndarray], round_: int, client: int, result: TrainResult) -> None:
-        """DP: clip (and, local DP, noise) the update; secure aggregation: mask it in fixed point. In place."""
-        if self.parts.privacy is None and self.parts.secagg is None:
-            return
-        chunks = [torch.from_numpy(b).view(DTYPES[w.dtype]) for w, b in zip(self.encoder.wire, buffers)]
-        if self.parts.privacy is not None:
-            assert self.clip is not None  # with DP every header carries the round's clip bound (roles.server)
-            result.metrics.update(self.parts.privacy.apply(chunks, self.first_element, self.clip, round_, client))
-        if self.parts.secagg is not None:
-            # the header is not complete yet: the weight sees what the server's will (samples, steps, metrics)
-            weight = self.parts.weight(protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
-                                                           local_steps=result.local_steps))
-            result.metrics.update(self.parts.secagg.mask(chunks, self.first_element, weight, self.cohort, round_,
-                                                         client))
-
     def _personal(self, round_: int, client: int, train: ClientData | None, val: ClientData | None,
                   anchor: torch.Tensor) -> dict:
         """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
@@ -524,11 +430,7 @@ class ClientRank:
                                                     personal_seed(self.parts.seed, round_, client),
                                                     personal_eval if due else None)
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            if not self.parts.accept_failures or self.parts.group is not None:
-                why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
-                       if self.parts.group is not None else "clients.accept_failures=false")
-                raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_} while "
-                                    f"training its personal model: {type(err).__name__}: {err} ({why})") from err
+            self._failed(err, round_, client, " while training its personal model")
             return {}
 
     def _evaluation_due(self, round_: int, val: ClientData | None) -> bool:
