@@ -18,6 +18,7 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from mpi4py import MPI
@@ -60,7 +61,7 @@ def exchange_config(args: argparse.Namespace, nranks: int) -> Config:
         "output": {"progress": False, "save_model": False}})
 
 
-def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
+def _exchange(comm: MPI.Comm, cfg: Config, args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     rank = comm.Get_rank()
     comm.Barrier()
@@ -104,7 +105,7 @@ def _exchange(comm: MPI.Comm, cfg, args: argparse.Namespace) -> int:
     return 0
 
 
-def _timed(comm: MPI.Comm, rounds: int, fn) -> list[float]:
+def _timed(comm: MPI.Comm, rounds: int, fn: Callable[[], None]) -> list[float]:
     """Warm up once, then time ``rounds`` calls on rank 0's clock (all ranks in step)."""
     times = []
     for i in range(rounds + 1):

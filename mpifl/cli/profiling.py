@@ -7,13 +7,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 from mpifl.units import MIB
 
 RANK_FILE = "rank{rank:05d}.bin"  # the one template for per-rank profile names
 
 
-def _memray():
+def _memray() -> ModuleType:
     try:
         import memray
     except ImportError:

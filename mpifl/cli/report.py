@@ -5,7 +5,8 @@ import difflib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
@@ -13,10 +14,14 @@ import yaml
 from mpifl.roles.records import MEMORY_SIGNALS
 from mpifl.units import MIB
 
+if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 SPLIT = ("dispatch", "client_train", "return", "aggregate", "eval", "checkpoint", "other")
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
     except ImportError:
@@ -160,8 +165,9 @@ def kept_local_tensors(run_dir: Path) -> bool:
     return bool((saved_config(run_dir).get("model") or {}).get("local"))
 
 
-def _quality(fig, ax, records: list[dict], local: bool = False) -> None:
-    ax.plot([r["round"] for r in records], [r.get("train_loss") for r in records], marker=".",
+def _quality(fig: Figure, ax: Axes, records: list[dict], local: bool = False) -> None:
+    # a round without a training loss plots as a gap (None); matplotlib's stubs admit numbers only
+    ax.plot([r["round"] for r in records], [r.get("train_loss") for r in records], marker=".",  # type: ignore[arg-type]
             label="train loss (clients)")
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
     if evals:
@@ -195,7 +201,7 @@ def time_parts(records: list[dict]) -> list[tuple[str, list[float]]]:
     return [(part, values) for part, values in parts if any(values)]
 
 
-def _time_split(fig, ax, records: list[dict]) -> None:
+def _time_split(fig: Figure, ax: Axes, records: list[dict]) -> None:
     """Seconds per round, the axis cut above the usual round so start-up does not hide the rest; below,
     each round's parts as shares of it, so every round's make-up is visible."""
     from matplotlib.ticker import PercentFormatter
@@ -231,7 +237,7 @@ def _time_split(fig, ax, records: list[dict]) -> None:
         fig.legend(loc="lower center", ncols=len(parts), fontsize="small")
 
 
-def _label_rounds(ax) -> None:
+def _label_rounds(ax: Axes) -> None:
     """Label a round axis and tick it at whole rounds only (matplotlib ticks a 3-round run at 1.25, 1.5, ...)."""
     from matplotlib.ticker import MaxNLocator
 
@@ -239,7 +245,7 @@ def _label_rounds(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _mark_clipped(ax, x: float, top: float, total: float, leftward: bool = False) -> None:
+def _mark_clipped(ax: Axes, x: float, top: float, total: float, leftward: bool = False) -> None:
     """A bar taller than the axis: a break near its top, and its true total written on it (towards the
     plot's middle, so a late round's label stays inside the axes)."""
     for y in (0.90, 0.94):
@@ -249,7 +255,7 @@ def _mark_clipped(ax, x: float, top: float, total: float, leftward: bool = False
                 bbox={"boxstyle": "round", "fc": "white", "ec": "0.6"})
 
 
-def _bytes(fig, ax, records: list[dict]) -> None:
+def _bytes(fig: Figure, ax: Axes, records: list[dict]) -> None:
     rounds = [r["round"] for r in records]
     ax.plot(rounds, [r["bytes_sent"] / MIB for r in records], marker=".", label="sent by server")
     ax.plot(rounds, [r["bytes_received"] / MIB for r in records], marker=".", label="received by server")
@@ -259,7 +265,7 @@ def _bytes(fig, ax, records: list[dict]) -> None:
     ax.legend()
 
 
-def _memory(fig, ax, records: list[dict]) -> None:
+def _memory(fig: Figure, ax: Axes, records: list[dict]) -> None:
     rounds = [r["round"] for r in records]
     ax.plot(rounds, [r["server_rss_bytes"] / MIB for r in records], marker=".", label="server RSS")
     ax.plot(rounds, [r["server_peak_rss_bytes"] / MIB for r in records], linestyle="--", label="server peak RSS")
@@ -289,7 +295,7 @@ def memory_notes(records: list[dict]) -> list[str]:
             for signal, w in first.items()]
 
 
-def _note_memory_warnings(ax, records: list[dict]) -> None:
+def _note_memory_warnings(ax: Axes, records: list[dict]) -> None:
     """Mark the rounds the server warned of memory growth, and say how fast it grew."""
     flagged = [(r["round"], r[w["signal"]] / MIB) for r in records for w in r.get("memory_warning", ())]
     if flagged:
@@ -300,7 +306,7 @@ def _note_memory_warnings(ax, records: list[dict]) -> None:
                 color="tab:red")
 
 
-def _virtual_time(fig, ax, records: list[dict]) -> None:
+def _virtual_time(fig: Figure, ax: Axes, records: list[dict]) -> None:
     evals = [(r["virtual_time"], r["round"], r["eval"]) for r in records if "eval" in r and "virtual_time" in r]
     key = "accuracy" if any("accuracy" in e[2] for e in evals) else "loss"
     ax.plot([e[0] for e in evals], [e[2].get(key) for e in evals], marker="o", label=f"held-out {key}")
@@ -314,7 +320,7 @@ def _virtual_time(fig, ax, records: list[dict]) -> None:
     ax.legend()
 
 
-def _participation(fig, ax, records: list[dict]) -> None:
+def _participation(fig: Figure, ax: Axes, records: list[dict]) -> None:
     counts: dict[int, int] = {}
     dropped: dict[int, int] = {}
     for r in records:
@@ -333,7 +339,7 @@ def _participation(fig, ax, records: list[dict]) -> None:
     ax.legend()
 
 
-def _staleness(fig, ax, records: list[dict]) -> None:
+def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:
     values = [s for r in records for s in r.get("staleness", [])]
     ax.hist(values, bins=range(0, max(values, default=0) + 2), align="left", rwidth=0.85)
     ax.set_xlabel("staleness (versions between dispatch and application)")

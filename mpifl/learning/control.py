@@ -20,7 +20,8 @@ with x the global and y its trained weights. The server adds ``(1/N) * sum_i del
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ from mpifl.wire.spec import CONTROL, is_local  # CONTROL: the submodule holding 
 
 __all__ = ["CONTROL", "ControlVariates", "attach_control_variates", "control_delta", "controlled_pairs",
            "corrected_steps", "dynamic_regularizer"]
+
+T = TypeVar("T")
 
 
 
@@ -46,7 +49,7 @@ class ControlVariates(nn.Module):
             self.names.append(buffer)
             self.controlled.append(name)
 
-    def forward(self, x):
+    def forward(self, x: T) -> T:
         """The identity: the buffers only travel with the model, and in an ``nn.Sequential`` model, which calls
         every submodule in turn, this one is the last and passes the output through unchanged."""
         return x
@@ -128,7 +131,7 @@ def dynamic_regularizer(params: Sequence[nn.Parameter], anchors: Sequence[torch.
     if backwards_per_step < 1:
         raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
 
-    def hook(k: int):
+    def hook(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         p, x, g = params[k], anchors[k], states[k]
         if backwards_per_step == 1:
             return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g)).to(grad.dtype)

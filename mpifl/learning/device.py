@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mpifl.errors import JobFailure
 from mpifl.wire.flat import DTYPES, FlatModel
+
+if TYPE_CHECKING:
+    from mpifl.wire.spec import Chunk
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
@@ -149,7 +153,7 @@ class DeviceReplica:
         self.flat.buffer.copy_(self.global_copy)
         self.flat.reset_local_state()
 
-    def global_view(self, chunk) -> torch.Tensor:
+    def global_view(self, chunk: Chunk) -> torch.Tensor:
         """The device copy of the global model's ``chunk``, typed."""
         return self.global_copy[chunk.offset:chunk.offset + chunk.nbytes].view(DTYPES[chunk.dtype])
 

@@ -18,7 +18,8 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from mpifl.config import ConfigError, LoraConfig, ModelConfig
 from mpifl.errors import MissingExtra
 from mpifl.wire.flat import DTYPES, FlatModel
 
+if TYPE_CHECKING:  # the 'hf' extra: transformers is imported only where a model is built
+    from transformers import PretrainedConfig
+
 
 def stay_offline() -> None:
     """Keep hub access off (before transformers is imported): nothing is ever downloaded."""
@@ -34,7 +38,7 @@ def stay_offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _transformers():
+def _transformers() -> ModuleType:
     stay_offline()
     try:
         import transformers
@@ -44,7 +48,7 @@ def _transformers():
     return transformers
 
 
-def transformers_config(cfg: ModelConfig):
+def transformers_config(cfg: ModelConfig) -> PretrainedConfig:
     """The transformers config: a local folder's config.json or an architecture's defaults, with
     ``model.transformers.config`` values on top; an unknown key is an error, not silently kept."""
     transformers = _transformers()

@@ -61,13 +61,13 @@ class _GroupSum(torch.autograd.Function):
     sum of every rank's gradient of it."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor) -> torch.Tensor:
         summed = tensor.clone()
         dist.all_reduce(summed)
         return summed
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
         summed = grad.clone()
         dist.all_reduce(summed)
         return summed

@@ -22,14 +22,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from mpifl.learning.sources import ClientIndex, classes_in, read_whole
 
+if TYPE_CHECKING:  # the 'tables' extra: imported where a table is read
+    import pyarrow
 
-def _pyarrow():
+
+def _pyarrow() -> ModuleType:
     try:
         import pyarrow
         import pyarrow.compute  # noqa: F401
@@ -53,7 +58,7 @@ def table_format(path: Path) -> str:
     raise ValueError(f"{path}: unknown table format (use .parquet, .npz or a save_to_disk folder)")
 
 
-def _arrow_table(folder: Path):
+def _arrow_table(folder: Path) -> pyarrow.Table:
     """A saved Hugging Face dataset's Arrow files, memory-mapped, as one pyarrow table."""
     pa = _pyarrow()
     state = json.loads((folder / "state.json").read_text())
@@ -62,7 +67,7 @@ def _arrow_table(folder: Path):
     return pa.concat_tables(parts)
 
 
-def _columns(table, names: Sequence[str]) -> dict[str, np.ndarray]:
+def _columns(table: pyarrow.Table, names: Sequence[str]) -> dict[str, np.ndarray]:
     """Columns of a pyarrow table as numpy arrays; list columns as (rows, length) arrays."""
     pa = _pyarrow()
     out = {}
@@ -114,7 +119,7 @@ class TableSource:
             table = table.select(list(names))
         return _columns(table, names)
 
-    def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None):
+    def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None) -> pyarrow.Table:
         """Columns ``names`` of every row, or of the rows of clients ``ids``, one row group at a time:
         groups whose client-id range (the file's statistics) holds none of ``ids`` are skipped unread,
         so memory stays one group plus the result."""

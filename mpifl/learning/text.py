@@ -12,9 +12,13 @@ import ast
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # the 'hf' extra: imported where a tokenizer is loaded or trained
+    from tokenizers import Tokenizer
 
 EOS = "<|endoftext|>"
 SKIPPED_PACKAGES = ("test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages")
@@ -56,7 +60,7 @@ def read_files(files: Sequence[str], max_chars: int | None = None) -> list[str]:
     return docs
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> Tokenizer:
     """A ``tokenizers`` tokenizer from ``tokenizer.json`` or a folder holding one."""
     from tokenizers import Tokenizer
 
@@ -66,7 +70,7 @@ def load_tokenizer(path: str):
     return Tokenizer.from_file(str(file))
 
 
-def train_tokenizer(docs: list[str], vocab_size: int):
+def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE (GPT-2 style) trained on ``docs``; deterministic for the same input."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,7 +85,7 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     return tokenizer
 
 
-def token_blocks(tokenizer, docs: list[str], seq_len: int) -> torch.Tensor:
+def token_blocks(tokenizer: Tokenizer, docs: list[str], seq_len: int) -> torch.Tensor:
     """All documents as one stream (EOS between them) cut into ``[blocks, seq_len]``; the tail is dropped."""
     eos = tokenizer.token_to_id(EOS)
     stream: list[int] = []

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from mpifl.config import PrivacyConfig
 from mpifl.errors import MissingExtra
 from mpifl.logs import log
+
+if TYPE_CHECKING:  # the 'dp' extra: imported only when epsilon is counted
+    import dp_accounting
 
 DP_EXTRA = "privacy accounting needs Google's dp-accounting: pip install 'mpifl[dp]'"
 
@@ -51,7 +56,7 @@ _NOTES = _ConvergenceNotes()
 logging.getLogger("absl").addFilter(_NOTES)
 
 
-def _dp_accounting():
+def _dp_accounting() -> ModuleType:
     try:
         import dp_accounting
     except ImportError:
@@ -59,7 +64,7 @@ def _dp_accounting():
     return dp_accounting
 
 
-def round_event(cfg: PrivacyConfig, num_clients: int, per_round: int):
+def round_event(cfg: PrivacyConfig, num_clients: int, per_round: int) -> dp_accounting.DpEvent:
     """The dp-accounting event of one round."""
     dp = _dp_accounting()
     gaussian = dp.GaussianDpEvent

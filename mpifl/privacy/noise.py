@@ -8,6 +8,8 @@ it at torch's vectorized speed. Secure aggregation's masks are uniform int32 blo
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from mpifl.planning.seeds import PRIVACY, derive_seed
@@ -18,7 +20,8 @@ BLOCK = 1 << 16
 class ElementStream:
     """Random values per model element, for one key: block ``index`` is ``draw(generator)`` of BLOCK values."""
 
-    def __init__(self, seed: int, *key: int, draw=lambda g: torch.randn(BLOCK, generator=g)) -> None:
+    def __init__(self, seed: int, *key: int,
+                 draw: Callable[[torch.Generator], torch.Tensor] = lambda g: torch.randn(BLOCK, generator=g)) -> None:
         self.seed, self.key, self.draw = seed, key, draw
         self._cached: tuple[int, torch.Tensor] | None = None
 
@@ -29,7 +32,7 @@ class ElementStream:
             self._cached = index, self.draw(generator)
         return self._cached[1]
 
-    def pieces(self, first: int, count: int):
+    def pieces(self, first: int, count: int) -> Iterator[tuple[int, torch.Tensor]]:
         """(position in the caller's range, values) covering elements first .. first + count."""
         done = 0
         while done < count:

@@ -2,6 +2,8 @@
 compressed update. Each fills the buffers the transport sends from; none of them communicates."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -76,7 +78,7 @@ class GroupSum:
         return self.buffers
 
 
-def count_nonfinite(tensors) -> int:
+def count_nonfinite(tensors: Iterable[torch.Tensor]) -> int:
     """NaN and Inf values in these tensors.
 
     Every update is checked, so the check must cost little beside training: a tensor whose sum is finite holds

@@ -11,10 +11,13 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from mpifl.errors import JobFailure
 from mpifl.planning import binding
+
+if TYPE_CHECKING:  # mpi4py is imported only inside the functions: GPU binding must come before MPI starts
+    from mpi4py import MPI
 
 T = TypeVar("T")
 
@@ -40,7 +43,7 @@ class StopRequest:
         self.requested = True
 
 
-def agree(comm, fn: Callable[[], T]) -> T:
+def agree(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 and share its result with every rank; its error becomes SetupError everywhere."""
     result = error = None
     if comm.Get_rank() == 0:
@@ -68,7 +71,7 @@ def startup_limit(took: list[float], model_bytes: int) -> float:
     return STARTUP_FALLBACK_SECONDS + model_bytes / STARTUP_BYTES_PER_SECOND
 
 
-def gather_within(comm, value: object, stage: str, elapsed: float, model_bytes: int, *, tag: int,
+def gather_within(comm: MPI.Comm, value: object, stage: str, elapsed: float, model_bytes: int, *, tag: int,
                   comparable: bool = True) -> list | None:
     """Every rank's ``value`` on rank 0 (None elsewhere), like ``comm.gather``, but rank 0 waits for a rank only
     as long as ``startup_limit`` allows, counted from the start of the stage: a rank stuck in it (a model
@@ -125,7 +128,7 @@ def bind_gpu_from_local_rank(proc: Path | None = None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
 
 
-def bind_rank(comm, threads: int | str = 1, proc: Path | None = None) -> binding.Binding:
+def bind_rank(comm: MPI.Comm, threads: int | str = 1, proc: Path | None = None) -> binding.Binding:
     """Bind this rank to its node-local slot's cores, and to its GPU when no launcher variable named the slot
     before MPI started (mpifl.planning.binding has the rule, and what ``threads``, train.threads, becomes).
     Collective over ``comm``."""

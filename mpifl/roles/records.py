@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpifl.logs import log
 from mpifl.units import MIB
+
+if TYPE_CHECKING:
+    from mpifl.wire.protocol import UpdateMeta
 
 
 @dataclass
@@ -37,7 +41,7 @@ class RoundTimes:
         }
 
 
-def secagg_record(metas: dict) -> dict:
+def secagg_record(metas: dict[int, UpdateMeta]) -> dict:
     """Secure aggregation's cost this round: clients dropped (their masks removed), the slowest client's
     masking time, and values clamped into the ring's range."""
     usable = [m for m in metas.values() if m.error is None]
@@ -46,7 +50,7 @@ def secagg_record(metas: dict) -> dict:
             "clamped": sum(m.metrics.get("secagg_clamped", 0) for m in usable)}
 
 
-def federated_evaluation(metas) -> dict | None:
+def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:
     """Clients' validation metrics of the global model they received, weighted by validation samples."""
     reports = [m.metrics for m in metas if "val_samples" in m.metrics]
     if not reports:
@@ -66,7 +70,7 @@ REPORTED_ELSEWHERE = ("loss",)
 REPORTED_ELSEWHERE_PREFIXES = ("val_", "rank_peak_", "group_", "secagg_")
 
 
-def client_metrics(metas: Sequence) -> dict | None:
+def client_metrics(metas: Sequence[UpdateMeta]) -> dict | None:
     """What the round's usable participants reported beyond the keys reported elsewhere (a plug-in trainer's
     ``TrainResult.metrics``, DP's ``update_norm``, top-k's ``compress_seconds``): for each numeric value, its mean
     weighted by the clients' samples and its least and greatest, by name; None when nothing was reported.
@@ -96,7 +100,7 @@ def _client_metric(name: str) -> bool:
 GROUP_COSTS = ("group_setup_seconds", "group_dispatch_seconds", "group_train_seconds")
 
 
-def group_split(metas) -> dict | None:
+def group_split(metas: Iterable[UpdateMeta]) -> dict | None:
     """clients.ranks_per_client: the round's client time, summed over its participants and split as the group
     spent it: setup (building the process group and DDP: round 1 only), dispatch (the order and the weights to
     the group), train, and the rest (evaluation, encoding the update); None without groups."""

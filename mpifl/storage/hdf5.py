@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,8 @@ from mpifl.units import MIB
 from mpifl.wire.spec import ModelSpec, layout
 
 if TYPE_CHECKING:  # torch only where tensors are read or written: `mpifl status` and `inspect` start without it
+    from types import TracebackType
+
     import torch
 
 FORMAT = "mpifl-checkpoint"
@@ -130,7 +132,8 @@ class CheckpointWriter:
     def __enter__(self) -> CheckpointWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         """On error, drop the temporary file (the previous checkpoint is untouched)."""
         if exc_type is not None:
             self.abandon()
@@ -156,7 +159,7 @@ class CheckpointWriter:
             self.checksums.model_bytes(0, flat_bytes)
 
     @contextlib.contextmanager
-    def _naming_errors(self):
+    def _naming_errors(self) -> Iterator[None]:
         try:
             yield
         except (OSError, RuntimeError) as err:  # disk full, quota, I/O error (h5py raises either): say which file
@@ -229,7 +232,7 @@ class Checkpoint:
     def __enter__(self) -> Checkpoint:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -267,7 +270,7 @@ class Checkpoint:
         return verify(self)
 
     @contextlib.contextmanager
-    def _reading(self, what: str):
+    def _reading(self, what: str) -> Iterator[None]:
         try:
             yield
         except (OSError, ValueError) as err:

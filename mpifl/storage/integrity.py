@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -37,6 +38,23 @@ try:  # ISA-L's CRC32: the same values as zlib's, ~10x faster (carry-less multip
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # a platform without isal's wheels: zlib's table-driven CRC32 (~4-6 GB/s)
     from zlib import crc32 as _crc32
+
+if TYPE_CHECKING:  # the checkpoint's type alone: storage.hdf5 imports this module, so it is described, not imported
+    from pathlib import Path
+    from typing import Protocol
+
+    class CheckpointFile(Protocol):
+        """What the checks read of a checkpoint (``mpifl.storage.hdf5.Checkpoint``)."""
+
+        path: Path
+        file: h5py.File
+        spec_hash: str
+
+        def spec(self) -> ModelSpec:
+            """The flat layout the checkpoint was written with."""
+
+        def read_range(self, spec: ModelSpec, offset: int, out: np.ndarray) -> None:
+            """Fill ``out`` (uint8) with the flat bytes at ``offset`` of the model."""
 
 GROUP = "integrity"
 
@@ -143,7 +161,7 @@ def metadata_crc32(file: h5py.File) -> int:
     return _crc32(json.dumps([attrs, order, metrics], sort_keys=True).encode())
 
 
-def metadata_problem(ckpt) -> str | None:
+def metadata_problem(ckpt: CheckpointFile) -> str | None:
     """Why a checkpoint's description of itself cannot be trusted (no integrity record, or metadata that fails
     its checksum), or None. Cheap: no tensor is read, so resume runs it on every candidate before choosing."""
     if GROUP not in ckpt.file:
@@ -156,7 +174,7 @@ def metadata_problem(ckpt) -> str | None:
     return None
 
 
-def verify(ckpt) -> int:
+def verify(ckpt: CheckpointFile) -> int:
     """Check a checkpoint's metadata, tensors and server state against its stored CRC32s, chunk by chunk;
     return the number of chunks checked. Raise CheckpointError naming what changed (the metadata, or the
     first tensor or state vector whose bytes changed), or saying the integrity record is missing."""

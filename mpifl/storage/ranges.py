@@ -22,6 +22,7 @@ import ctypes
 import math
 import mmap
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import h5py
@@ -32,7 +33,8 @@ from mpifl.wire.spec import ModelSpec, TensorEntry
 STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
-def io_range(spec: ModelSpec, datasets, offset: int, buf: np.ndarray, write: bool) -> None:
+def io_range(spec: ModelSpec, datasets: Mapping[str, h5py.Dataset], offset: int, buf: np.ndarray,
+             write: bool) -> None:
     """Copy between flat bytes [offset, offset+len(buf)) and the per-tensor datasets."""
     end = offset + len(buf)
     for e in spec.entries:
@@ -82,7 +84,7 @@ def file_address(ds: h5py.Dataset, stored_as: type) -> int | None:
 class RawRanges:
     """Flat byte ranges moved with ``pread``/``pwrite`` where tensors allow it, h5py elsewhere."""
 
-    def __init__(self, spec: ModelSpec, datasets, path: Path, write: bool):
+    def __init__(self, spec: ModelSpec, datasets: Mapping[str, h5py.Dataset], path: Path, write: bool) -> None:
         self.spec, self.datasets = spec, datasets
         self.starts = [e.offset for e in spec.entries]
         self.addresses = [file_address(datasets[e.name], STORED_AS[e.dtype]) if e.nbytes else None

@@ -28,7 +28,7 @@ from mpifl.wire.spec import Chunk, aligned
 LEVELS = {8: 127, 4: 7}
 
 
-def _wire_chunks(chunks: list[Chunk], payload_bytes) -> list[Chunk]:
+def _wire_chunks(chunks: list[Chunk], payload_bytes: Callable[[int], int]) -> list[Chunk]:
     """Chunks of ``payload_bytes(numel)`` bytes each, 64-byte aligned in the client's wire buffer."""
     out, offset = [], 0
     for c in chunks:

@@ -10,6 +10,7 @@ from here, pre-touched so the first round pays no page faults.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ def share_malloc_arenas(arenas: int = 2) -> None:
         mallopt(M_ARENA_MAX, arenas)
 
 
-def _mallopt():
+def _mallopt() -> Callable[[int, int], int] | None:
     """The C library's ``mallopt(param, value)`` (glibc's), or None where it has none (not glibc)."""
     try:
         return ctypes.CDLL(None).mallopt
