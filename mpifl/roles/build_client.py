@@ -22,6 +22,7 @@ from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.client_state import DeclaredVectors, StateViews, open_client_state, state_sizes, state_views
 from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
+from mpifl.roles.evaluation import FederatedEvaluation
 from mpifl.roles.group import GroupLeader, GroupMember
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.lending import StateLending
@@ -126,8 +127,9 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         delta=cfg.strategy.update == "delta", statistics_as_values=cfg.statistics_as_values,
         accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
-        evaluate=evaluator_for(cfg) if federated else None, evaluate_every=cfg.eval.federated_every,
-        rounds=cfg.rounds, privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
+        evaluation=FederatedEvaluation(evaluator_for(cfg) if federated else None, cfg.eval.federated_every,
+                                       cfg.rounds),
+        privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
         residuals=state.views.residuals, state=state.store, controls=state.controls, personal=state.personal,
         personal_models=state.models, declared=state.declared, note=note, group=leader,

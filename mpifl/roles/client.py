@@ -16,7 +16,6 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica, deterministic_hint
 from mpifl.learning.trainers import (
     ConfiguredTrainer,
-    Evaluator,
     TrainContext,
     Trainer,
     TrainResult,
@@ -25,14 +24,14 @@ from mpifl.learning.trainers import (
 )
 from mpifl.logs import log
 from mpifl.metrics import peak_rss_bytes
-from mpifl.planning.federation import group_of
-from mpifl.planning.seeds import GROUP_COMPRESSION, client_seed, personal_seed
+from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.chain import ChainSender
 from mpifl.roles.client_state import DeclaredVectors
 from mpifl.roles.control import ClientControls, ClientDynamics
-from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder, count_nonfinite
+from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder
+from mpifl.roles.evaluation import FederatedEvaluation
+from mpifl.roles.grouped import GroupedClients
 from mpifl.roles.lending import StateLending
 from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.roles.pipeline import UpdatePipeline
@@ -67,9 +66,7 @@ class ClientParts:
     # a participant's weight (groups: in its group's sum; secure aggregation: in its masked update), from its header
     weight: Callable[[protocol.UpdateMeta], float] = lambda meta: float(meta.num_samples)
     replica: DeviceReplica | None = None  # train.device: the model on the device, beside the host buffer
-    evaluate: Evaluator | None = None  # federated evaluation of the received model, when due
-    evaluate_every: int = 0
-    rounds: int = 0
+    evaluation: FederatedEvaluation = FederatedEvaluation()  # eval.federated_every: scores on clients' own splits
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
@@ -83,16 +80,6 @@ class ClientParts:
     lending: StateLending | None = None  # per_round placement with per-client state: each round's loans of it
     # clients.accept_failures with SCAFFOLD or FedDyn: the round's writes of c_i or g_i, undone for dropped clients
     journal: UndoJournal | None = None
-
-
-def group_members(clients: tuple[int, ...], groups: int, assigned: tuple[int, ...] = ()) -> list[tuple[int, list[int]]]:
-    """A rank's participants by reduction group: (group, members), both ascending. A client's group is c mod
-    ``groups``, or its entry in ``assigned`` (the header's groups under clients.group_by 'cost')."""
-    group = dict(zip(clients, assigned)) if assigned else {c: group_of(c, groups) for c in clients}
-    out: dict[int, list[int]] = {}
-    for c in sorted(clients):
-        out.setdefault(group[c], []).append(c)
-    return sorted(out.items())
 
 
 class ClientRank:
@@ -110,7 +97,6 @@ class ClientRank:
         self.work = parts.replica.flat if parts.replica else flat  # the model that trains
         self.group_sum = GroupSum(self.work, parts.plan, separate=self.replica is not None) if parts.groups else None
         self.snapshot: torch.Tensor | None = None
-        self.chain = ChainSender(comm, parts.plan.inflight)  # transport.reduce=chain: this rank's hops
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
         self.context = accepts_context(self.trainer)  # whether the trainer takes a TrainContext
@@ -123,6 +109,10 @@ class ClientRank:
         self.group_check_deferred = all(k is None for k in (
             parts.controls, parts.personal, parts.personal_models, parts.residuals, parts.privacy, parts.secagg,
             parts.group, parts.replica, parts.declared))
+        # clients.groups: each reduction group's members folded here, their sum sent
+        self.grouped = None if self.group_sum is None else GroupedClients(
+            comm, self.group_sum, parts.plan, parts.groups, parts.weight, compressor, self.group_check_deferred,
+            self._train)
         self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
@@ -184,81 +174,16 @@ class ClientRank:
 
     def serve_round(self, header: protocol.RoundHeader) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
-        inflight = self.parts.plan.inflight
-        meta_tag, update_tag = (protocol.round_tag(kind, header.round) for kind in (protocol.META, protocol.UPDATE))
         keep = self._receive_global(header)
-        if self.group_sum is None:
-            for i, client in enumerate(header.clients):
-                meta, buffers = self._train(header.round, client, keep, first=i == 0)
-                assert buffers is not None  # only a group's sum keeps updates on the device
-                send_object(self.comm, meta, protocol.SERVER, meta_tag)
-                send_chunks(self.comm, [protocol.SERVER], update_tag, buffers, inflight)
+        if self.grouped is not None:
+            self.grouped.serve(header, keep)
             return
-        if header.reduce_stream is not None:
-            self._serve_chain(header, keep)
-            return
-        trained = 0
-        for group, members in group_members(header.clients, self.parts.groups, header.groups):
-            metas = self._sum_clients(header.round, members, keep, first=trained == 0)
-            trained += len(members)
-            send_object(self.comm, protocol.GroupMeta(group, metas), protocol.SERVER, meta_tag)
-            send_chunks(self.comm, [protocol.SERVER], update_tag, self._group_wire(header.round, group), inflight)
-
-    def _sum_clients(self, round_: int, clients: list[int], keep: torch.Tensor | None,
-                     first: bool) -> tuple[protocol.UpdateMeta, ...]:
-        """Train ``clients`` (ascending id) and fold their usable updates into a fresh partial sum; their headers.
-        ``first``: the first of them is the first this rank trains this round (the model is the global one).
-
-        Where retraining is free of side effects (``group_check_deferred``), the members' NaN/Inf check is one
-        check of the group's sum: a finite sum has finite terms, since a NaN or an Inf in any member makes it
-        NaN or Inf. Only a sum that is not finite has its members trained again (the same seeds, data and
-        starting model: the same updates), each checked on its own as without deferral. On the 93 MB MLP of the
-        cross-device task the check was 5 ms of a client's 80 (``profiling/client_slowdown.py``)."""
-        deferred = keep is not None and self.group_check_deferred
-        metas = self._fold_members(round_, clients, keep, first, check=not deferred)
-        assert self.group_sum is not None  # called only with clients.groups (serve_round, _serve_chain)
-        if deferred and count_nonfinite(self.group_sum.sums):
-            metas = self._fold_members(round_, clients, keep, first=False, check=True)
-        return metas
-
-    def _fold_members(self, round_: int, clients: list[int], keep: torch.Tensor | None, first: bool,
-                      check: bool) -> tuple[protocol.UpdateMeta, ...]:
-        """Train each of ``clients`` and fold its usable update into a fresh partial sum (``check``: each update's
-        NaN/Inf first); their headers."""
-        assert self.group_sum is not None  # called only with clients.groups (_sum_clients)
-        self.group_sum.reset()
-        metas = []
-        for i, client in enumerate(clients):
-            meta, _ = self._train(round_, client, keep, first=first and i == 0, check=check)
-            if meta.error is None:
-                self.group_sum.add(self.parts.weight(meta))
-            metas.append(meta)
-        return tuple(metas)
-
-    def _group_wire(self, round_: int, group: int) -> list[np.ndarray]:
-        """A group's partial sum as it travels: fp32, or quantized (compression.method) with noise keyed by
-        (seed, round, group): the same on any number of ranks."""
-        assert self.group_sum is not None  # called only with clients.groups (serve_round)
-        sums = self.group_sum.to_host()
-        compressor = self.updates.compressor
-        if compressor is None:
-            return sums
-        chunks = [torch.from_numpy(b).view(torch.float32) for b in sums]
-        return compressor.compress(chunks, round_, group, None, key=GROUP_COMPRESSION)
-
-    def _serve_chain(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
-        """transport.reduce=chain: sum each of this rank's groups (ascending id) into a partial sum of its own, then
-        play this rank's hops of the chain (``roles.chain``)."""
-        assert self.group_sum is not None  # serve_round chains only with clients.groups
-        members = group_members(header.clients, self.parts.groups, header.groups)
-        metas: dict[int, tuple[protocol.UpdateMeta, ...]] = {}
-        sums: dict[int, list[np.ndarray]] = {}
-        trained = 0
-        for i, (group, clients) in enumerate(members):
-            metas[group] = self._sum_clients(header.round, clients, keep, first=trained == 0)
-            trained += len(clients)
-            sums[group] = self.chain.keep(self.group_sum) if i + 1 < len(members) else self.group_sum.to_host()
-        self.chain.send(header, metas, sums)
+        meta_tag, update_tag = (protocol.round_tag(kind, header.round) for kind in (protocol.META, protocol.UPDATE))
+        for i, client in enumerate(header.clients):
+            meta, buffers = self._train(header.round, client, keep, first=i == 0)
+            assert buffers is not None  # only a group's sum keeps updates on the device
+            send_object(self.comm, meta, protocol.SERVER, meta_tag)
+            send_chunks(self.comm, [protocol.SERVER], update_tag, buffers, self.parts.plan.inflight)
 
     def serve_step(self, header: protocol.RoundHeader) -> None:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;
@@ -328,7 +253,7 @@ class ClientRank:
         """Train one logical client and turn its model into the update it sends, with its header (no buffers:
         the update stays on the device for the group's sum)."""
         train, val = self.local_data.get(client, (None, None))
-        metrics = self._federated_eval(round_, val)
+        metrics = self.parts.evaluation.received(self.work.module, round_, val)
         start = time.perf_counter()
         anchor = self._anchor(keep)
         if self.parts.personal_models is not None:
@@ -418,30 +343,10 @@ class ClientRank:
         """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
         raise ends the job, or, under accept_failures, leaves the personal model as it was."""
         assert self.parts.personal_models is not None  # _serve_client calls this only for Ditto
-        due = self._evaluation_due(round_, val)
-        evaluate = self.parts.evaluate
-
-        def personal_eval() -> dict:
-            assert evaluate is not None and val is not None  # due only with an evaluator and a validation split
-            return {f"val_personal_{k}": v for k, v in evaluate(self.work.module, val.x, val.y).items()}
-
         try:
             return self.parts.personal_models.train(client, train, anchor,
                                                     personal_seed(self.parts.seed, round_, client),
-                                                    personal_eval if due else None)
+                                                    self.parts.evaluation.personal(self.work.module, round_, val))
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             self._failed(err, round_, client, " while training its personal model")
             return {}
-
-    def _evaluation_due(self, round_: int, val: ClientData | None) -> bool:
-        """Whether federated evaluation runs this round on this client's validation split."""
-        every = self.parts.evaluate_every
-        return bool(every) and val is not None and len(val) > 0 and not (round_ % every and round_ != self.parts.rounds)
-
-    def _federated_eval(self, round_: int, val: ClientData | None) -> dict:
-        """The received global model on this client's validation split (before training)."""
-        if not self._evaluation_due(round_, val):
-            return {}
-        assert self.parts.evaluate is not None and val is not None  # due: an evaluator and a validation split
-        result = self.parts.evaluate(self.work.module, val.x, val.y)
-        return {**{f"val_{k}": v for k, v in result.items()}, "val_samples": len(val)}

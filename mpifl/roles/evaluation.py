@@ -1,0 +1,41 @@
+"""Federated evaluation on a client rank (``eval.federated_every``): each sampled client scores the model it received
+on its own validation split before it trains (``val_*``), and Ditto's personal model after its update
+(``val_personal_*``); the server averages them by validation samples (roles.records.federated_evaluation)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from mpifl.learning.datasets import ClientData
+from mpifl.learning.trainers import Evaluator
+
+
+@dataclass(frozen=True)
+class FederatedEvaluation:
+    """When a client's validation split is scored, and how."""
+
+    evaluate: Evaluator | None = None  # None: no federated evaluation
+    every: int = 0  # eval.federated_every
+    rounds: int = 0  # the run's last round, always scored
+
+    def due(self, round_: int, val: ClientData | None) -> bool:
+        """Whether federated evaluation runs this round on this client's validation split."""
+        return bool(self.every) and self.evaluate is not None and val is not None and len(val) > 0 and not (
+            round_ % self.every and round_ != self.rounds)
+
+    def received(self, model: nn.Module, round_: int, val: ClientData | None) -> dict:
+        """The received model's scores on the client's validation split (before training), when due."""
+        if not self.due(round_, val):
+            return {}
+        assert self.evaluate is not None and val is not None  # due: an evaluator and a validation split
+        return {**{f"val_{k}": v for k, v in self.evaluate(model, val.x, val.y).items()}, "val_samples": len(val)}
+
+    def personal(self, model: nn.Module, round_: int, val: ClientData | None) -> Callable[[], dict] | None:
+        """What scores a Ditto personal model once it is in ``model``, when due; else None."""
+        if not self.due(round_, val):
+            return None
+        evaluate = self.evaluate
+        assert evaluate is not None and val is not None  # due: an evaluator and a validation split
+        return lambda: {f"val_personal_{k}": v for k, v in evaluate(model, val.x, val.y).items()}
