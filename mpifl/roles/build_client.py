@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpi4py import MPI
@@ -20,7 +19,13 @@ from mpifl.logs import log
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
-from mpifl.roles.client_state import DeclaredVectors, StateViews, open_client_state, state_sizes, state_views
+from mpifl.roles.client_state import (
+    ClientStateParts,
+    DeclaredVectors,
+    open_client_state,
+    state_sizes,
+    state_views,
+)
 from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
 from mpifl.roles.evaluation import FederatedEvaluation
 from mpifl.roles.group import GroupLeader, GroupMember
@@ -58,19 +63,6 @@ def kept_tensors_note(frozen: ModelSpec, local: Sequence[str]) -> str:
         if entries:
             parts.append(f"{len(entries)} {kind} tensors ({sum(e.nbytes for e in entries) / MIB:.1f} MiB) {where}")
     return "; ".join(parts)
-
-
-@dataclass
-class ClientStateParts:
-    """A client rank's per-client state: its one store and each rule that reads a part of it (None: the run keeps no
-    such part)."""
-
-    store: ResidualStore | None = None  # the rank's store (a Borrowing under per-round placement): what checkpoints
-    views: StateViews = field(default_factory=StateViews)  # its parts as stores of their own
-    controls: ClientControls | ClientDynamics | None = None  # SCAFFOLD's or FedDyn's rule over its c_i or g_i
-    personal: PersonalTensors | None = None  # model.local tensors
-    models: PersonalModels | None = None  # Ditto's personal models
-    declared: DeclaredVectors | None = None  # a plug-in trainer's vectors
 
 
 def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work: FlatModel, rank: int,
@@ -122,6 +114,8 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
             assert isinstance(state.models.trainer, (TorchTrainer, CausalLMTrainer))  # the config checks'
             state.models.trainer.parallel = parallel
             state.models.starting = leader.dispatch_personal
+    if isinstance(state.store, Borrowing):
+        state.lending = StateLending(comm, state.store, state.journal)
     parts = ClientParts(
         plan=plan, trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
         delta=cfg.strategy.update == "delta", statistics_as_values=cfg.statistics_as_values,
@@ -131,10 +125,7 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                                        cfg.rounds),
         privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
-        residuals=state.views.residuals, state=state.store, controls=state.controls, personal=state.personal,
-        personal_models=state.models, declared=state.declared, note=note, group=leader,
-        lending=StateLending(comm, state.store, state.views.journal) if isinstance(state.store, Borrowing) else None,
-        journal=state.views.journal)
+        state=state, note=note, group=leader)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
     client.run()

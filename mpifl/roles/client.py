@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,15 +27,12 @@ from mpifl.metrics import peak_rss_bytes
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.client_state import DeclaredVectors
-from mpifl.roles.control import ClientControls, ClientDynamics
+from mpifl.roles.client_state import ClientStateParts
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder
 from mpifl.roles.evaluation import FederatedEvaluation
 from mpifl.roles.grouped import GroupedClients
-from mpifl.roles.lending import StateLending
-from mpifl.roles.personal import PersonalModels, PersonalTensors
 from mpifl.roles.pipeline import UpdatePipeline
-from mpifl.storage.residuals import ResidualStore, UndoJournal, save_snapshot
+from mpifl.storage.residuals import save_snapshot
 from mpifl.units import range_list
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
@@ -69,17 +66,10 @@ class ClientParts:
     evaluation: FederatedEvaluation = FederatedEvaluation()  # eval.federated_every: scores on clients' own splits
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
-    residuals: ResidualStore | None = None  # top-k with error feedback: what each hosted client has not sent yet
-    state: ResidualStore | None = None  # the rank's one store of per-client state, any kind: what checkpoints publish
-    controls: ClientControls | ClientDynamics | None = None  # scaffold's c_i, feddyn's g_i: one vector per client
-    personal: PersonalTensors | None = None  # model.local (FedBN, FedPer): each hosted client's local tensors
-    personal_models: PersonalModels | None = None  # train.ditto_lambda (Ditto): each hosted client's own model
-    declared: DeclaredVectors | None = None  # a plug-in trainer's per-client vectors (its client_state)
+    # per-client state (mpifl.config.client_state): the rank's one store and each rule that reads a part of it
+    state: ClientStateParts = field(default_factory=ClientStateParts)
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
-    lending: StateLending | None = None  # per_round placement with per-client state: each round's loans of it
-    # clients.accept_failures with SCAFFOLD or FedDyn: the round's writes of c_i or g_i, undone for dropped clients
-    journal: UndoJournal | None = None
 
 
 class ClientRank:
@@ -100,15 +90,15 @@ class ClientRank:
         self.held: dict[int, tuple[protocol.UpdateMeta, list[np.ndarray]]] = {}  # asynchronous FL: trained, not sent
         self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
         self.context = accepts_context(self.trainer)  # whether the trainer takes a TrainContext
-        compressor = UpdateCompressor(parts.plan, parts.seed, parts.residuals) if parts.plan.codec is not None else None
+        compressor = None if parts.plan.codec is None else \
+            UpdateCompressor(parts.plan, parts.seed, parts.state.residuals)
         self.updates = UpdatePipeline(self.encoder, parts.plan, self.work, replica=self.replica, delta=parts.delta,
                                       privacy=parts.privacy, secagg=parts.secagg, compressor=compressor,
                                       grouped=self.group_sum is not None, weight=parts.weight)
         # a group's members may be trained again to find a non-finite update (_sum_clients): training on the host
         # with nothing kept per client, no update protected on its own (DP, secure aggregation), no group of ranks
         self.group_check_deferred = all(k is None for k in (
-            parts.controls, parts.personal, parts.personal_models, parts.residuals, parts.privacy, parts.secagg,
-            parts.group, parts.replica, parts.declared))
+            parts.state.store, parts.privacy, parts.secagg, parts.group, parts.replica))
         # clients.groups: each reduction group's members folded here, their sum sent
         self.grouped = None if self.group_sum is None else GroupedClients(
             comm, self.group_sum, parts.plan, parts.groups, parts.weight, compressor, self.group_check_deferred,
@@ -128,9 +118,9 @@ class ClientRank:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.RoundHeader):
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a RoundHeader belongs")
-            if self.parts.lending is not None:
-                self.parts.lending.settle()  # every vector home before it is put back, lent again or published
-            if self.parts.journal is not None:  # before anything reads, lends or publishes the state
+            if self.parts.state.lending is not None:
+                self.parts.state.lending.settle()  # every vector home before it is put back, lent again or published
+            if self.parts.state.journal is not None:  # before anything reads, lends or publishes the state
                 self._undo_dropped(header)
             if header.stop:
                 self.parts.note("finished")
@@ -142,24 +132,23 @@ class ClientRank:
             self.progress.start_round(header.round)
             self.updates.begin_round(header.clip, header.cohort)
             self.participants = header.participants
-            if self.parts.lending is not None:
-                self.parts.lending.borrow(header)
+            if self.parts.state.lending is not None:
+                self.parts.state.lending.borrow(header)
             if header.hold:
                 self.serve_step(header)
             elif header.clients:
                 self.serve_round(header)
-            if self.parts.lending is not None:
-                self.parts.lending.give_back(header)
+            if self.parts.state.lending is not None:
+                self.parts.state.lending.give_back(header)
 
     def _undo_dropped(self, header: protocol.RoundHeader) -> None:
         """Put back the state of this rank's clients that the server dropped since the last header; keep the
         rest."""
-        assert self.parts.journal is not None  # called only with one
-        undone = self.parts.journal.settle(header.dropped)
+        assert self.parts.state.journal is not None  # called only with one
+        undone = self.parts.state.journal.settle(header.dropped)
         if undone:
-            kept = ["c_i" if isinstance(self.parts.controls, ClientControls) else "g_i"] if self.parts.controls else []
-            state = " and ".join(kept + (["trainer state"] if self.parts.declared is not None else []))
-            log(f"logical clients {range_list(undone)} were dropped past their deadline: each one's {state} is put "
+            log(f"logical clients {range_list(undone)} were dropped past their deadline: each one's "
+                f"{self.parts.state.put_back()} is put "
                 "back as it was before it trained", rank=self.rank)
 
     def persist(self, header: protocol.RoundHeader) -> None:
@@ -167,7 +156,7 @@ class ClientRank:
         local tensors, personal models: the one store that holds them) for the server's checkpoint, then
         acknowledge."""
         assert header.persist is not None  # run() calls this only for a persist header
-        store = self.parts.state
+        store = self.parts.state.store
         assert store is not None  # the server asks only with per-client state (Config.client_state), which makes one
         name = save_snapshot(store, store.firsts, Path(header.persist), self.rank, header.round)
         send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
@@ -226,7 +215,7 @@ class ClientRank:
         state reads the global model there too: ``_anchor``)."""
         if self.replica is not None:
             return self.parts.delta and self.group_sum is None
-        return self.parts.delta or self.parts.personal_models is not None or (
+        return self.parts.delta or self.parts.state.models is not None or (
             clients > 1 and self.trainer.modifies_weights)
 
     def _anchor(self, keep: torch.Tensor | None) -> torch.Tensor | None:
@@ -244,8 +233,8 @@ class ClientRank:
             if not first and keep is not None:
                 self.flat.buffer.copy_(keep)
             self.flat.reset_local_state()
-        if self.parts.personal is not None:
-            self.parts.personal.load(client)
+        if self.parts.state.personal is not None:
+            self.parts.state.personal.load(client)
         return self._serve_client(round_, client, keep, check)
 
     def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None,
@@ -256,15 +245,15 @@ class ClientRank:
         metrics = self.parts.evaluation.received(self.work.module, round_, val)
         start = time.perf_counter()
         anchor = self._anchor(keep)
-        if self.parts.personal_models is not None:
+        if self.parts.state.models is not None:
             assert anchor is not None  # Ditto's ranks keep the global model (_needs_host_global, _anchor)
             metrics.update(self._personal(round_, client, train, val, anchor))
         result, error = self._train_one(round_, client, train, anchor)
-        if error is None and self.parts.personal is not None:
-            self.parts.personal.keep(client)
-        if error is None and self.parts.controls is not None:
+        if error is None and self.parts.state.personal is not None:
+            self.parts.state.personal.keep(client)
+        if error is None and self.parts.state.controls is not None:
             assert anchor is not None  # scaffold and feddyn send deltas, so the rank keeps the global model
-            self.parts.controls.update(client, anchor, result.local_steps or 0, self.parts.weight(
+            self.parts.state.controls.update(client, anchor, result.local_steps or 0, self.parts.weight(
                 protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
                                     local_steps=result.local_steps)))
         check = check_update and error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
@@ -272,8 +261,8 @@ class ClientRank:
             buffers, bad = None, self.updates.on_device(check)
         else:
             buffers, bad = self.updates.on_host(round_, client, keep, result, usable=error is None, check=check)
-        if self.parts.declared is not None and error is None and not bad:  # else as if it had not trained
-            self.parts.declared.keep(client, self.vectors)
+        if self.parts.state.declared is not None and error is None and not bad:  # else as if it had not trained
+            self.parts.state.declared.keep(client, self.vectors)
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
@@ -292,7 +281,7 @@ class ClientRank:
                    anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client (``anchor``: the global model beside the one that trains, for
         SCAFFOLD's and FedDyn's rules); a raise ends the job, or is its error under accept_failures."""
-        controls, seed = self.parts.controls, client_seed(self.parts.seed, round_, client)
+        controls, seed = self.parts.state.controls, client_seed(self.parts.seed, round_, client)
         try:
             assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
             with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
@@ -319,7 +308,7 @@ class ClientRank:
 
     def _context(self, round_: int, client: int) -> TrainContext:
         """What a plug-in trainer learns of the client it trains, with the client's declared vectors loaded."""
-        declared = self.parts.declared
+        declared = self.parts.state.declared
         if declared is None:
             return TrainContext(client, round_, self.participants, self.parts.num_clients)
         self.vectors, fresh = declared.load(client)
@@ -331,7 +320,8 @@ class ClientRank:
         (round 1 only), the weights' dispatch to the group, and the training itself, in seconds."""
         assert self.parts.group is not None  # _train_one calls this only for a group's leader
         own_steps = self.trainer.cfg.local_steps if isinstance(self.trainer, ConfiguredTrainer) else None
-        controls = self.parts.controls  # SCAFFOLD's c - c_i or FedDyn's g_i, set as the training began: the members'
+        # SCAFFOLD's c - c_i or FedDyn's g_i, set as the training began: the members'
+        controls = self.parts.state.controls
         costs = self.parts.group.dispatch(client, seed, own_steps, controls.shared if controls else None)
         began = time.perf_counter()
         result = self.trainer.train(self.work.module, train, seed)
@@ -342,9 +332,9 @@ class ClientRank:
                   anchor: torch.Tensor) -> dict:
         """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
         raise ends the job, or, under accept_failures, leaves the personal model as it was."""
-        assert self.parts.personal_models is not None  # _serve_client calls this only for Ditto
+        assert self.parts.state.models is not None  # _serve_client calls this only for Ditto
         try:
-            return self.parts.personal_models.train(client, train, anchor,
+            return self.parts.state.models.train(client, train, anchor,
                                                     personal_seed(self.parts.seed, round_, client),
                                                     self.parts.evaluation.personal(self.work.module, round_, val))
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on

@@ -17,7 +17,9 @@ from mpifl.config.client_state import ClientStateLayout, StateSizes, StateVector
 from mpifl.errors import JobFailure
 from mpifl.learning.control import control_elements, trainable
 from mpifl.logs import log
-from mpifl.roles.personal import gather
+from mpifl.roles.control import ClientControls, ClientDynamics
+from mpifl.roles.lending import StateLending
+from mpifl.roles.personal import PersonalModels, PersonalTensors, gather
 from mpifl.storage.residuals import (
     RANK_FILE,
     Borrowing,
@@ -145,3 +147,32 @@ class DeclaredVectors:
                 raise ValueError(f"logical client {client}: the trainer left its vector {name!r} of shape "
                                  f"{tuple(values.shape)}; it was declared with {store.firsts[-1]} elements")
             store.write(client, 0, values.detach().float().cpu())
+
+
+@dataclass
+class ClientStateParts:
+    """A client rank's per-client state: its one store and each rule that reads a part of it (None: the run keeps no
+    such part)."""
+
+    store: ResidualStore | None = None  # the rank's store (a Borrowing under per-round placement): what checkpoints
+    views: StateViews = field(default_factory=StateViews)  # its parts as stores of their own
+    controls: ClientControls | ClientDynamics | None = None  # SCAFFOLD's or FedDyn's rule over its c_i or g_i
+    personal: PersonalTensors | None = None  # model.local tensors
+    models: PersonalModels | None = None  # Ditto's personal models
+    declared: DeclaredVectors | None = None  # a plug-in trainer's vectors
+    lending: StateLending | None = None  # per_round placement: each round's loans of the store's vectors
+
+    @property
+    def journal(self) -> UndoJournal | None:
+        """clients.accept_failures: the put-back of dropped clients' vectors (None where nothing is put back)."""
+        return self.views.journal
+
+    def put_back(self) -> str:
+        """What a dropped client's put-back restores, as the log names it."""
+        rule = ["c_i" if isinstance(self.controls, ClientControls) else "g_i"] if self.controls is not None else []
+        return " and ".join(rule + (["trainer state"] if self.declared is not None else []))
+
+    @property
+    def residuals(self) -> ResidualStore | None:
+        """Top-k's error-feedback residuals, read by the exchange's chunk indices."""
+        return self.views.residuals
