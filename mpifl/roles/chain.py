@@ -36,7 +36,7 @@ class ChainSender:
         self.handed.append(kept)
         return chunks
 
-    def send(self, header: protocol.RoundHeader, metas: dict[int, tuple[protocol.UpdateMeta, ...]],
+    def send(self, header: protocol.RoundOrder, metas: dict[int, tuple[protocol.UpdateMeta, ...]],
              sums: dict[int, list[np.ndarray]]) -> None:
         """Play this rank's hops for its groups' ``metas`` and ``sums``; then the sums kept aside are free again."""
         hops = header.chain
@@ -67,7 +67,7 @@ class ChainSender:
         self.free.extend(self.handed)
         self.handed = []
 
-    def _metas(self, header: protocol.RoundHeader, metas: dict[int, tuple[protocol.UpdateMeta, ...]]) -> list[bool]:
+    def _metas(self, header: protocol.RoundOrder, metas: dict[int, tuple[protocol.UpdateMeta, ...]]) -> list[bool]:
         """Each hop's GroupMeta, in the chain's order: every member so far (received from the hop before) and
         this hop's groups' members, sent on to the next hop (REDUCE_META) or the server (META). Whether each
         hop's running sum, as it arrives, holds a usable update."""

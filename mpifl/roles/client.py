@@ -116,32 +116,34 @@ class ClientRank:
         """The round loop: each header says train, hold, publish residuals, or stop."""
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
-            if not isinstance(header, protocol.RoundHeader):
-                raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a RoundHeader belongs")
+            if not isinstance(header, protocol.Header):
+                raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a header belongs")
             if self.parts.state.lending is not None:
                 self.parts.state.lending.settle()  # every vector home before it is put back, lent again or published
             if self.parts.state.journal is not None:  # before anything reads, lends or publishes the state
                 self._undo_dropped(header)
-            if header.stop:
+            if isinstance(header, protocol.Stop):
                 self.parts.note("finished")
                 return
-            if header.persist is not None:
+            if isinstance(header, protocol.PersistOrder):
                 self.persist(header)
                 continue
+            if not isinstance(header, protocol.RoundOrder):
+                raise RuntimeError(f"rank {self.rank}: the server sent {header!r}, a header this rank cannot serve")
             self.parts.note("round", header.round)
             self.progress.start_round(header.round)
             self.updates.begin_round(header.clip, header.cohort)
             self.participants = header.participants
             if self.parts.state.lending is not None:
                 self.parts.state.lending.borrow(header)
-            if header.hold:
+            if isinstance(header, protocol.HoldOrder):
                 self.serve_step(header)
             elif header.clients:
                 self.serve_round(header)
             if self.parts.state.lending is not None:
                 self.parts.state.lending.give_back(header)
 
-    def _undo_dropped(self, header: protocol.RoundHeader) -> None:
+    def _undo_dropped(self, header: protocol.Header) -> None:
         """Put back the state of this rank's clients that the server dropped since the last header; keep the
         rest."""
         assert self.parts.state.journal is not None  # called only with one
@@ -151,17 +153,16 @@ class ClientRank:
                 f"{self.parts.state.put_back()} is put "
                 "back as it was before it trained", rank=self.rank)
 
-    def persist(self, header: protocol.RoundHeader) -> None:
+    def persist(self, header: protocol.PersistOrder) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,
         local tensors, personal models: the one store that holds them) for the server's checkpoint, then
         acknowledge."""
-        assert header.persist is not None  # run() calls this only for a persist header
         store = self.parts.state.store
         assert store is not None  # the server asks only with per-client state (Config.client_state), which makes one
-        name = save_snapshot(store, store.firsts, Path(header.persist), self.rank, header.round)
+        name = save_snapshot(store, store.firsts, Path(header.folder), self.rank, header.round)
         send_object(self.comm, name, protocol.SERVER, protocol.RESIDUALS)
 
-    def serve_round(self, header: protocol.RoundHeader) -> None:
+    def serve_round(self, header: protocol.RoundOrder) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
         keep = self._receive_global(header)
         if self.grouped is not None:
@@ -174,7 +175,7 @@ class ClientRank:
             send_object(self.comm, meta, protocol.SERVER, meta_tag)
             send_chunks(self.comm, [protocol.SERVER], update_tag, buffers, self.parts.plan.inflight)
 
-    def serve_step(self, header: protocol.RoundHeader) -> None:
+    def serve_step(self, header: protocol.HoldOrder) -> None:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;
         then send the held updates the server asks for, in its (virtual-arrival) order."""
         if header.clients:
@@ -194,7 +195,7 @@ class ClientRank:
             send_chunks(self.comm, [protocol.SERVER], protocol.round_tag(protocol.UPDATE, header.round), buffers,
                         self.parts.plan.inflight)
 
-    def _receive_global(self, header: protocol.RoundHeader) -> torch.Tensor | None:
+    def _receive_global(self, header: protocol.RoundOrder) -> torch.Tensor | None:
         """Receive the global model (from the server, or from the parent rank of a broadcast tree, passing it on
         to the header's children); keep a host copy when the header's logical clients will need it."""
         relay_chunks(self.comm, header.parent, header.children, protocol.round_tag(protocol.MODEL, header.round),

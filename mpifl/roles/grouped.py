@@ -48,7 +48,7 @@ class GroupedClients:
         self.weight, self.compressor, self.check_deferred, self.train = weight, compressor, check_deferred, train
         self.chain = ChainSender(comm, layout.inflight)  # transport.reduce=chain: this rank's hops
 
-    def serve(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
+    def serve(self, header: protocol.RoundOrder, keep: torch.Tensor | None) -> None:
         """Train and send the header's clients group by group (``keep``: the global model kept on the host)."""
         if header.reduce_stream is not None:
             self._serve_chain(header, keep)
@@ -100,7 +100,7 @@ class GroupedClients:
         chunks = [torch.from_numpy(b).view(torch.float32) for b in sums]
         return self.compressor.compress(chunks, round_, group, None, key=GROUP_COMPRESSION)
 
-    def _serve_chain(self, header: protocol.RoundHeader, keep: torch.Tensor | None) -> None:
+    def _serve_chain(self, header: protocol.RoundOrder, keep: torch.Tensor | None) -> None:
         """transport.reduce=chain: sum each of this rank's groups (ascending id) into a partial sum of its own, then
         play this rank's hops of the chain (``roles.chain``)."""
         metas: dict[int, tuple[protocol.UpdateMeta, ...]] = {}

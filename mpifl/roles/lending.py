@@ -2,7 +2,7 @@
 state (SCAFFOLD's cᵢ, FedDyn's gᵢ, error-feedback residuals, ``model.local`` tensors, Ditto's personal model) stays
 on its home rank, 1 + c mod N (``planning.federation.state_home``).
 
-Each round the header names the loans (``RoundHeader.borrow`` and ``lend``, from ``state_loans``). Right after the
+Each round the header names the loans (``RoundOrder.borrow`` and ``lend``, from ``state_loans``). Right after the
 header, every rank lends the vectors of its home clients that train elsewhere and receives those of the clients it
 trains whose home is elsewhere, all posted at once, then waited for. Once the rank has sent its round, the borrowed
 vectors go back and the lent ones come home, again all at once: posted then, completed at the next round's loans,
@@ -68,7 +68,7 @@ class StateLending:
         self.returned: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # lent client -> (flag, where it lands)
         self.outgoing: list[object] = []  # buffers of the hand-back's sends, alive until they complete
 
-    def borrow(self, header: protocol.RoundHeader) -> None:
+    def borrow(self, header: protocol.RoundOrder) -> None:
         """Lend the header's ``lend`` vectors and receive its ``borrow`` ones; return once both are done. Each
         vector travels after a one-element flag: whether the client has a vector of its own (``has``), which
         Ditto and the local tensors read to start a client from the global model or the built values."""
@@ -88,7 +88,7 @@ class StateLending:
         poll_all(requests)
         self.store.owned.update({client: bool(flag[0]) for client, flag in flags.items()})
 
-    def give_back(self, header: protocol.RoundHeader) -> None:
+    def give_back(self, header: protocol.RoundOrder) -> None:
         """Post the hand-back: the borrowed vectors (and whether each client now has one of its own) go home, the
         lent ones come back (completed by ``settle``)."""
         if not header.borrow and not header.lend:

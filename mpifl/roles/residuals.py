@@ -2,7 +2,7 @@
 
 The checkpointer is given ``ResidualPublisher.publish`` when it is built (its ``persist``):
 before it publishes round r's model, it calls it, which messages every client rank
-(``RoundHeader(persist=folder)``) and waits for each rank's list of files. Only then is the
+(``PersistOrder``) and waits for each rank's list of files. Only then is the
 model published, naming those files, so a checkpoint never points at residuals that are not
 on disk (storage.checkpointer's two-phase save).
 """
@@ -30,7 +30,7 @@ class ResidualPublisher:
         """Have every client rank publish its residuals of ``round_`` in ``folder``; the files, once all are
         acknowledged. A rank silent past the training deadline (timeouts.first_update) ends the job, named."""
         ranks = list(range(1, self.comm.Get_size()))
-        wait_all([self.comm.isend(protocol.RoundHeader(round_, persist=str(folder), dropped=self.dropped.take(r)),
+        wait_all([self.comm.isend(protocol.PersistOrder(round_, self.dropped.take(r), str(folder)),
                                   dest=r, tag=protocol.HEADER) for r in ranks])
         watchdog = Watchdog(self.deadlines.current(), round_, {r: [] for r in ranks})  # a SIGTERM save must finish
         files: list[str] = []

@@ -350,9 +350,9 @@ class Server:
         borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) \
             if plan is not None and self.parts.lends_state else ({}, {})
 
-        def header(rank: int) -> protocol.RoundHeader:
+        def header(rank: int) -> protocol.Header:
             if plan is None:
-                return protocol.RoundHeader(round_, stop=True, dropped=self.parts.dropped.take(rank))
+                return protocol.Stop(round_, self.parts.dropped.take(rank))
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
@@ -361,11 +361,13 @@ class Server:
             groups = tuple(plan.groups[c] for c in clients) if plan.groups is not None else ()
             parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
             assert parent is not None  # only the tree's root, the server, has none; headers go to ranks 1..
-            return protocol.RoundHeader(plan.round, clients, hold=plan.hold, send=send, clip=clip, cohort=cohort,
-                                        steps=steps, groups=groups, parent=parent, children=children,
-                                        chain=chain.get(rank, ()), reduce_stream=stream if rank in chain else None,
-                                        borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())),
-                                        dropped=self.parts.dropped.take(rank), participants=len(plan.participants))
+            kind: type[protocol.RoundOrder] = protocol.HoldOrder if plan.hold else protocol.RoundOrder
+            held = {"send": send} if plan.hold else {}  # asynchronous FL: the held updates to send now
+            return kind(plan.round, self.parts.dropped.take(rank), clients=clients,
+                        participants=len(plan.participants), clip=clip, cohort=cohort, steps=steps, groups=groups,
+                        parent=parent, children=children, chain=chain.get(rank, ()),
+                        reduce_stream=stream if rank in chain else None, borrow=tuple(borrow.get(rank, ())),
+                        lend=tuple(lend.get(rank, ())), **held)
 
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 

@@ -242,7 +242,7 @@ class UndoJournal:
     c_i, FedDyn's g_i and a plug-in trainer's declared vectors under ``clients.accept_failures`` with straggler
     drops (``ClientStateLayout.journaled_chunks``). A rank dropped past its deadline does not know it was dropped
     while it trains; it learns which of its clients the server dropped from its next header
-    (``RoundHeader.dropped``). Those clients' journaled chunks go back to what they were before the round, as if
+    (``Header.dropped``). Those clients' journaled chunks go back to what they were before the round, as if
     they had never trained, since the server never summed their deltas into c or h; every other write stands.
 
     Under ``clients.placement: per_round`` a client's vector belongs to its home rank, which puts it back: a

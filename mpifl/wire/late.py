@@ -51,7 +51,7 @@ class _Drain:
 
 class DroppedClients:
     """Rank 0's note of the logical clients it dropped past their deadline, by rank, until the rank's next header
-    names them (``RoundHeader.dropped``): a dropped rank cannot tell while it trains, and a rank whose clients
+    names them (``Header.dropped``): a dropped rank cannot tell while it trains, and a rank whose clients
     keep state that the server's must match (SCAFFOLD's c_i, FedDyn's g_i) puts theirs back when it reads it."""
 
     def __init__(self) -> None:

@@ -11,8 +11,9 @@ Start-up (once):
     1 -> 0  INIT    out-of-core server, fresh start only: rank 1 streams its freshly
                     built model (chunk order), which the server writes as round 0.
 Every round r:
-    0 -> c  HEADER  RoundHeader (pickled, small): round, the logical clients this rank
-                    serves this round (ascending ids), or stop=True to end.
+    0 -> c  HEADER  (pickled, small) a RoundOrder: the round and the logical clients this rank
+                    serves this round (ascending ids); a Stop ends the run. Every header names
+                    the rank's clients dropped since its last one.
     0 -> c  MODEL   the global model, chunk by chunk (Isend/Irecv of raw bytes, chunk
                     order), only to ranks that serve at least one client this round.
     c -> 0  META    UpdateMeta (pickled, small) for each logical client, ascending id,
@@ -23,11 +24,11 @@ Every round r:
 With clients.groups, a rank sends per reduction group (ascending id) one GroupMeta (its
 members' UpdateMetas) on META, then the group's fp32 partial sum on UPDATE. A client's group is
 c mod G, or (clients.group_by: cost) the header's ``groups`` entry for it.
-Asynchronous FL (header.hold): the listed clients train from MODEL and their updates stay on
-the rank; then the rank sends META + UPDATE for the held updates in header.send, in that order
+Asynchronous FL (a HoldOrder): the listed clients train from MODEL and their updates stay on
+the rank; then the rank sends META + UPDATE for the held updates in its ``send``, in that order
 (the virtual-arrival order), which may include some trained this very step.
 Error feedback, before rank 0 publishes a checkpoint of round r (two phases):
-    0 -> c  HEADER     RoundHeader(r, persist=folder): every client rank publishes its clients'
+    0 -> c  HEADER     PersistOrder(r, folder=...): every client rank publishes its clients'
                        residuals as folder/rank<rank>.h5,
     c -> 0  RESIDUALS  the file's name (pickled, small): only then is the checkpoint published.
 Per-client state under clients.placement: per_round (a client trains on any rank, its state stays on its
@@ -129,14 +130,34 @@ def chain_hops(streams: dict[int, list[int]]) -> dict[int, tuple[ChainHop, ...]]
 
 
 @dataclass(frozen=True)
-class RoundHeader:
-    """What a client rank does this round."""
+class Header:
+    """What every message on HEADER carries: its round, and this rank's logical clients that the server dropped past
+    their deadline since the rank's last header (clients.accept_failures: their updates were never folded, so
+    their per-client state goes back)."""
 
     round: int
+    dropped: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stop(Header):
+    """The run is over: leave the round loop."""
+
+
+@dataclass(frozen=True)
+class PersistOrder(Header):
+    """Publish this rank's per-client state of round ``round`` in ``folder`` (one file per rank), then acknowledge on
+    RESIDUALS: rank 0 publishes a checkpoint only once every client rank has."""
+
+    folder: str = ""
+
+
+@dataclass(frozen=True)
+class RoundOrder(Header):
+    """What a client rank does this round: train ``clients`` from the model sent now and send their updates."""
+
     clients: tuple[int, ...] = ()  # train from the model sent now (ascending)
-    stop: bool = False
-    hold: bool = False  # keep the trained updates here; send those in ``send`` instead
-    send: tuple[int, ...] = ()  # held updates to send now, in this order
+    participants: int = 0  # the logical clients sampled this round on every rank together (a trainer's context)
     clip: float | None = None  # DP: the L2 bound of this round's updates
     cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
     steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
@@ -145,15 +166,18 @@ class RoundHeader:
     children: tuple[int, ...] = ()  # the ranks this rank passes each model chunk on to
     chain: tuple[ChainHop, ...] = ()  # transport.reduce=chain: this rank's hops, in the chain's order
     reduce_stream: int | None = None  # chain: the stream id rank 0 receives the round's sum as (None: no chain)
-    persist: str | None = None  # error feedback: publish the residuals of round ``round`` in this folder, then ack
     # per_round placement with per-client state: (client, home rank) of each listed client whose state lives
     # elsewhere, borrowed for the round; and (client, trainer rank) of each client homed here that trains elsewhere
     borrow: tuple[tuple[int, int], ...] = ()
     lend: tuple[tuple[int, int], ...] = ()
-    # clients.accept_failures: the logical clients of this rank that the server dropped past their deadline since
-    # the rank's last header (their updates were never folded: SCAFFOLD's c_i and FedDyn's g_i go back)
-    dropped: tuple[int, ...] = ()
-    participants: int = 0  # the logical clients sampled this round on every rank together (a trainer's context)
+
+
+@dataclass(frozen=True)
+class HoldOrder(RoundOrder):
+    """Asynchronous FL: train ``clients`` and keep their updates on the rank; send the held updates in ``send`` now,
+    in this order (the virtual-arrival order), some of them perhaps trained this very step."""
+
+    send: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

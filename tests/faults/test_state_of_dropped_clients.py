@@ -2,7 +2,7 @@
 any other, and the clients it was still training end as if they had not been sampled.
 
 A dropped rank cannot tell while it trains, so it folds those clients' deltas into their c_i or g_i; the server
-never sums them into c or h. Its next header names the dropped clients (RoundHeader.dropped), and the rank puts
+never sums them into c or h. Its next header names the dropped clients (Header.dropped), and the rank puts
 their vectors back as they were before the round (storage.residuals.UndoJournal)."""
 from __future__ import annotations
 
