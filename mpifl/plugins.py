@@ -66,7 +66,8 @@ def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = 
     return None
 
 
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# a number written as text, as YAML 1.1 leaves `1e6`: the config schema reads it with the same pattern
+NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def typed_kwargs(fn: Any, kwargs: dict, key: str) -> tuple[dict, str | None]:
@@ -125,7 +126,7 @@ def _converted(value: Any, hint: Any) -> Any:
 
 def _number(value: Any, kind: type) -> int | float:
     """``value`` as an int or a float: a number, or text that spells one (``1e6``); never a bool."""
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+    if isinstance(value, str) and NUMBER.fullmatch(value.strip()):
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import field
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from mpifl.plugins import is_import_path, resolve
+from mpifl.plugins import NUMBER, is_import_path, resolve
 
 
 class ConfigError(ValueError):
@@ -113,7 +112,7 @@ def _number_or_word(key: str, value: Any, rules: typing.Mapping) -> Any:
     if isinstance(value, str) and value in words:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, str)) or (
-            isinstance(value, str) and not _NUMBER.fullmatch(value.strip())):
+            isinstance(value, str) and not NUMBER.fullmatch(value.strip())):
         low = f" >= {rules['min']}" if "min" in rules else ""
         raise ConfigError(f"{key}: expected an integer{low} or {' or '.join(map(repr, words))}, got {value!r}")
     value = _coerce(key, value, int)
@@ -121,11 +120,9 @@ def _number_or_word(key: str, value: Any, rules: typing.Mapping) -> Any:
     return value
 
 
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
 
 def _coerce(key: str, value: Any, base: Any) -> Any:
-    if base in (int, float) and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+    if base in (int, float) and isinstance(value, str) and NUMBER.fullmatch(value.strip()):
         value = float(value)  # YAML 1.1 reads 1e-9 (no dot) as a string: take it as the number it means
         if base is int and value.is_integer():
             value = int(value)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mpifl.config import EvalConfig, TrainConfig
+from mpifl.learning.control import split
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import DataParallel, share_of, share_weight
@@ -37,11 +38,7 @@ class TrainContext:
 
     def views(self, name: str) -> list[torch.Tensor]:
         """Vector ``name`` as views shaped like the tensors it covers, in order (writes go to the vector)."""
-        vector, out, start = self.state[name], [], 0
-        for t in self.covers[name]:
-            out.append(vector[start:start + t.numel()].view(t.shape))
-            start += t.numel()
-        return out
+        return split(self.state[name], self.covers[name])
 
 
 @dataclass
