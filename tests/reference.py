@@ -402,12 +402,12 @@ def client_state_reference(cfg: Config) -> dict[str, np.ndarray]:
 
 def _with_control_section(flat: FlatModel, model: torch.Tensor, control: list[torch.Tensor]) -> np.ndarray:
     """A personal model as a SCAFFOLD run keeps it: the exchanged buffer of the model with the control section
-    appended (mpifl.learning.control), laid out and zero-padded as mpifl lays it out, the section holding the c
+    appended (mpifl.algorithms.scaffold), laid out and zero-padded as mpifl lays it out, the section holding the c
     of the round the model was first kept (Ditto copies the whole received model, c included, and never trains
     c)."""
     import copy
 
-    from mpifl.learning.control import attach_control_variates
+    from mpifl.algorithms.scaffold import attach_control_variates
 
     keep = flat.buffer.clone()
     flat.buffer.copy_(model)

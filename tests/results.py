@@ -41,7 +41,7 @@ def numbered_controls(tensors: dict[str, np.ndarray], controls: list[str]) -> di
 def run_controls_numbered(run_dir: Path, with_clients: bool = False) -> dict[str, np.ndarray]:
     """The run's final tensors, its control section (``scaffold_control.*``, in name order) as ``control.<k>``;
     ``with_clients``: every client's kept vector too, as ``client.<id>``."""
-    from mpifl.learning.control import CONTROL
+    from mpifl.wire.spec import CONTROL
 
     tensors = final_model(run_dir)
     out = numbered_controls(tensors, sorted(n for n in tensors if n.startswith(CONTROL + ".")))

@@ -16,6 +16,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("planning",),
     ("aggregation", "storage", "clock"),
     ("privacy", "learning"),
+    ("algorithms",),
     ("roles",),
     ("api", "cli"),
     ("__main__",),

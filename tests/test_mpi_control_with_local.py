@@ -75,8 +75,8 @@ def test_plan_counts_one_vector_per_client_holding_both():
 
 
 def test_a_client_whose_c_i_was_touched_but_whose_head_was_never_kept_starts_from_the_built_head():
+    from mpifl.algorithms.local_layers import PersonalTensors
     from mpifl.learning.models import build_flat_model
-    from mpifl.roles.personal import PersonalTensors
     from mpifl.storage.residuals import RamResiduals, Section
 
     flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}, local=["3.*"]), 0, input_shape=(4,),

@@ -12,7 +12,7 @@ from reference import feddyn_reference
 from results import assert_bitwise, final_model
 
 from mpifl.config import ConfigError, load_config
-from mpifl.learning.control import dynamic_regularizer
+from mpifl.learning.steps import regularized_gradients as dynamic_regularizer
 
 CONFIG = """
 seed: 7

@@ -145,7 +145,7 @@ def test_local_tensors_are_refused_beside_what_they_cannot_share_a_rank_with(ove
 
 
 def test_a_client_never_trained_starts_from_the_built_values_and_a_diverged_one_keeps_its_own():
-    from mpifl.roles.personal import PersonalTensors
+    from mpifl.algorithms.local_layers import PersonalTensors
     from mpifl.storage.residuals import RamResiduals
 
     flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}, local=["3.*"]), 0, input_shape=(4,),

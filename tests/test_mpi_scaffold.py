@@ -11,10 +11,11 @@ from conftest import run_mpi, stopped_and_resumed, write_config
 from reference import one_thread, reference_run, scaffold_reference
 from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
 
-from mpifl.aggregation.strategies import ControlledAverage, make_strategy, section_span
+from mpifl.aggregation.strategies import make_strategy, section_span
+from mpifl.algorithms.scaffold import ControlledAverage, control_delta
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, StrategyConfig, load_config
-from mpifl.learning.control import control_delta, corrected_steps
+from mpifl.learning.steps import corrected_steps
 from mpifl.wire.spec import Chunk
 
 CONFIG = """
@@ -139,15 +140,15 @@ def test_scaffold_refuses_what_would_rewrite_or_skip_its_control_variates(overri
 
 
 def test_a_client_whose_training_diverged_keeps_its_control_variate():
+    from mpifl.algorithms.scaffold import ClientControls, control_variates
     from mpifl.config import ModelConfig
-    from mpifl.learning.control import control_elements
     from mpifl.learning.models import build_flat_model
-    from mpifl.roles.control import ClientControls
+    from mpifl.learning.steps import trainable_elements
     from mpifl.storage.residuals import RamResiduals
 
-    flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}), 0, control_variates=True,
+    flat = build_flat_model(ModelConfig(name="mlp", kwargs={"hidden": [3]}), 0, streams=control_variates,
                             input_shape=(4,), num_classes=2)
-    controls = ClientControls(flat, RamResiduals([0, control_elements(flat.module)]), lr=0.1)
+    controls = ClientControls(flat, RamResiduals([0, trainable_elements(flat.module)]), lr=0.1)
     keep = flat.buffer.clone()
     with torch.no_grad():
         next(flat.module.parameters()).add_(1.0)  # a trained model

@@ -24,8 +24,6 @@ import torch
 from mpifl.aggregation import kernels
 from mpifl.config import StrategyConfig
 from mpifl.config.capabilities import (
-    CONTROLLED_MEAN,
-    DYNAMIC_MEAN,
     MEAN,
     NORMALIZED_MEAN,
     ORDER_STATISTIC,
@@ -173,21 +171,6 @@ class NormalizedAverage(WeightedMean):
         convex combination. tau_eff's scaling would extrapolate them by tau_eff * sum_i q_i / tau_i >= 1 (3 with
         steps of 10 and 100): a running variance went below zero in round 1 on Fashion-MNIST's CNN."""
         return math.fsum(self.weight_of(m) for m in metas)
-
-
-class ControlledMean(WeightedMean):
-    """SCAFFOLD's combination (Karimireddy et al. 2020): FedAvg's weighted mean over the model's chunks. The
-    clients' control-variate deltas travel in the same chunks, each divided by its client's weight, so that the
-    same fused weighted sum yields their plain sum (strategies.ControlledAverage finishes that section)."""
-
-    capabilities = CONTROLLED_MEAN
-
-
-class DynamicMean(WeightedMean):
-    """FedDyn's combination (Acar et al. 2021): the participants' mean delta (equal weights: config checks);
-    strategies.DynamicRegularized turns it into the new model and its server state h."""
-
-    capabilities = DYNAMIC_MEAN
 
 
 class SortedStack(Combiner):

@@ -36,7 +36,7 @@ from mpifl.config.automatic import resolve_lone_strategy
 from mpifl.config.capabilities import UNDECLARED, Capabilities
 from mpifl.plugins import is_import_path, resolve
 from mpifl.wire.protocol import UpdateMeta
-from mpifl.wire.spec import CONTROL, Chunk, ModelSpec
+from mpifl.wire.spec import Chunk, ModelSpec
 
 __all__ = ["ACCUMULATOR_DTYPE", "Strategy", "make_strategy"]
 
@@ -208,74 +208,6 @@ def section_span(chunk: Chunk, start: int, end: int) -> tuple[int, int]:
     return (lo - chunk.offset) // chunk.itemsize, (hi - chunk.offset) // chunk.itemsize
 
 
-class ControlledAverage(Strategy):
-    """SCAFFOLD's server (Karimireddy et al. 2020, Algorithm 1): x += eta_g * (weighted mean of the deltas),
-    c += (1/N) * sum_i delta_c_i over the round's participants, N = clients.num_clients.
-
-    The server control variate c is the model's ``mpifl.learning.control.CONTROL`` section, so it is
-    broadcast, checkpointed and kept out of core with the weights. Each client sends its control delta
-    divided by its own weight in that section; the weighted fold then sums the deltas exactly as they were
-    sent, and ``finish`` divides that section by N instead of the total weight.
-    """
-
-    def bind(self, spec: ModelSpec, num_clients: int) -> None:
-        """Find the control section (one contiguous byte range: its buffers come last in their segment)."""
-        super().bind(spec, num_clients)
-        entries = [e for e in spec.entries if e.name.startswith(CONTROL + ".")]
-        if not entries:
-            raise ValueError(f"strategy {self.name!r}: the model has no {CONTROL!r} section (it must be built "
-                             "with control_variates=True)")
-        start, end = entries[0].offset, entries[-1].offset + entries[-1].nbytes
-        if sum(e.nbytes for e in entries) != end - start:
-            raise ValueError(f"strategy {self.name!r}: the control variates are not contiguous in the model")
-        self.control, self.num_clients = (start, end), num_clients
-
-    def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
-               state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
-        """The weights' elements as FedAvg with a global step; the control section's as c += sum / N."""
-        assert chunk is not None  # the reduction always says which chunk it finishes
-        summed: torch.Tensor = acc  # type: ignore[assignment]  # a weighted mean folds into one accumulator
-        lo, hi = section_span(chunk, *self.control)
-        if lo == hi:
-            super().finish(summed, count, total_weight, target, state, chunk)
-            return
-        for a, b in ((0, lo), (hi, summed.numel())):  # the weights around the control section (either may be empty)
-            if a < b:
-                part = dataclasses.replace(chunk, offset=chunk.offset + a * chunk.itemsize,
-                                           nbytes=(b - a) * chunk.itemsize)  # so statistics are found in it
-                super().finish(summed[a:b], count, total_weight, target[a:b],
-                               {k: v[a:b] for k, v in state.items()}, part)
-        target[lo:hi].add_(summed[lo:hi].div_(self.num_clients))
-
-
-class DynamicRegularized(Strategy):
-    """FedDyn's server: h <- h - alpha (P / N) d, then x <- x + d - h / alpha.
-
-    Acar et al. 2021, "Federated Learning Based on Dynamic Regularization" (ICLR), Algorithm 1, with d the
-    participants' mean delta, P of them out of N clients.
-
-    h is server state like FedAdam's moments (RAM or HDF5, in every checkpoint); clients keep their own g_i."""
-
-    def bind(self, spec: ModelSpec, num_clients: int) -> None:
-        """Learn N, the federation's size, and where the statistics lie."""
-        super().bind(spec, num_clients)
-        self.num_clients = num_clients
-
-    def finish(self, acc: Rows, count: int, total_weight: float, target: torch.Tensor,
-               state: dict[str, torch.Tensor], chunk: Chunk | None = None) -> None:
-        """H and the new global chunk from the mean delta, in fp32; statistics take the mean delta alone (their h
-        stays 0: the regulariser is on the parameters)."""
-        mean: torch.Tensor = self.combiner.combine(acc, count, total_weight)  # type: ignore[arg-type]
-        alpha = self.cfg.alpha
-        h = state["h"]
-        for lo, hi in parameter_spans(self.statistic_spans(chunk), mean.numel()):
-            # P is the total weight (equal weights, config checks): count is the streams folded, groups or clients
-            h[lo:hi].sub_(mean[lo:hi], alpha=alpha * total_weight / self.num_clients)
-            mean[lo:hi].sub_(h[lo:hi], alpha=1 / alpha)
-        mean.add_(target)  # in fp32, rounded once into the model's dtype
-        target.copy_(mean)
-
-
 def make_strategy(cfg: StrategyConfig) -> Strategy:
     """The strategy named in the config: a registered name, or an import path called as ``fn(cfg, **cfg.kwargs)``.
 
@@ -284,7 +216,7 @@ def make_strategy(cfg: StrategyConfig) -> Strategy:
     cfg = resolve_lone_strategy(cfg)
     if cfg.name in BUILTIN:
         combiner, update = stages(cfg.name)
-        cls = globals()[STRATEGY_CLASSES[cfg.name]] if cfg.name in STRATEGY_CLASSES else Strategy
+        cls = resolve(STRATEGY_CLASSES[cfg.name]) if cfg.name in STRATEGY_CLASSES else Strategy
         return cls(cfg, combiner(cfg), update(cfg))
     if not is_import_path(cfg.name):
         raise ConfigError(f"strategy.name: {cfg.name!r} is not allowed; choose one of "

@@ -56,17 +56,6 @@ class GlobalStep(ServerUpdate):
             delta.mul_(self.lr)
 
 
-class DynamicState(ServerUpdate):
-    """FedDyn's server state h, one fp32 value per element (0 at the start); strategies.DynamicRegularized
-    updates it with the round's participant count, which a step does not see."""
-
-    reads_previous = True
-
-    def __init__(self, cfg: StrategyConfig) -> None:
-        super().__init__(cfg)
-        self.state_init = {"h": 0.0}
-
-
 class ServerOptimizer(ServerUpdate):
     """A server optimizer on the pseudo-gradient, with learning rate ``strategy.server_lr``."""
 

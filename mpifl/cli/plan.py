@@ -44,6 +44,7 @@ def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
 def model_and_data(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], DataBytes | None]:
     """``model_specs``, and the data's bytes when the run reads data (None: it reads none). The data is read once,
     for both: a client source is only surveyed."""
+    from mpifl.algorithms import model_streams
     from mpifl.learning.datasets import needs_dataset, surveyed_data
     from mpifl.learning.models import model_spec, supplied
 
@@ -52,7 +53,7 @@ def model_and_data(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], DataBytes 
     if needs_dataset(cfg):
         shape, data = surveyed_data(cfg.data)
     sized = cfg.model.name != "transformers" and bool(set(supplied(cfg.model, True)) & {"input_shape", "num_classes"})
-    specs = model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **(shape if sized else {}))
+    specs = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **(shape if sized else {}))
     return specs, data
 
 

@@ -41,10 +41,16 @@ class Capabilities:
     # Reads the local steps as plain SGD steps of size lr (SCAFFOLD's option II control variates (x - y) / (K lr),
     # FedNova's normaliser): with an adaptive local optimizer (Adam) that rule is scaled wrongly, which is warned of.
     sgd_steps: bool = False
-    # Which built-in client rule keeps that state (with client_state): 'control_variates' (SCAFFOLD's corrected
+    # The strategy's client half (with client_state), in mpifl.algorithms: 'control_variates' (SCAFFOLD's corrected
     # steps and c_i) or 'dynamic_regularizer' (FedDyn's g_i and its regulariser); '' for none, or for a plug-in,
     # whose client half is its trainer (its declared client_state vectors).
     client_rule: str = ""
+    # The client half acts after every optimizer step (SCAFFOLD's correction, outside the optimizer's momentum):
+    # the optimizer must step once over the whole model, never parameter by parameter inside backward.
+    corrects_steps: bool = False
+    # The client half appends summed streams to the model (SCAFFOLD's c and the clients' control deltas), which
+    # every update carries: nothing may rewrite them on the way (secure aggregation's masks among others).
+    summed_streams: bool = False
 
 
 UNDECLARED = Capabilities()
@@ -53,7 +59,8 @@ SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_sta
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
 NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True, sgd_steps=True)
 CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
-                                sgd_steps=True, client_rule="control_variates")
+                                sgd_steps=True, client_rule="control_variates", corrects_steps=True,
+                                summed_streams=True)
 DYNAMIC_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
                             equal_weights=True, client_rule="dynamic_regularizer")
 CLIENT_RULES = ("control_variates", "dynamic_regularizer")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
-from mpifl.config.client_state import declared_vectors
+from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import ASYNCHRONOUS_MODES, Config
 from mpifl.plugins import is_import_path, resolve
@@ -130,15 +130,15 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     """Why a strategy that keeps state per logical client (Capabilities.client_state) cannot take this config."""
     why = (f"strategy {name!r} keeps a vector per client, updated from the client's own delta "
            "(Capabilities.client_state)")
-    state = {"control_variates": "c_i", "dynamic_regularizer": "g_i"}.get(cfg.client_rule, "state")
+    state = RULE_VECTORS.get(cfg.client_rule, "state")
     if cfg.strategy.update != "delta":
         return f"strategy.update: {why}, and it works on deltas: set strategy.update='delta'"
     if cfg.privacy.mode != "off":
         return (f"privacy.mode: clipping and noising the update would make the delta the server sums differ from the "
                 f"one each client folds into its own {state}; {why}: set privacy.mode='off' or choose fedavg")
     if cfg.secagg.enabled:
-        masked = ("the control-variate section SCAFFOLD appends to each update" if cfg.control_variates else
-                  "strategies that keep a vector per client")
+        masked = ("the summed streams a client half appends to each update (SCAFFOLD's control variates)"
+                  if cfg.summed_streams else "strategies that keep a vector per client")
         return (f"secagg.enabled: masked fixed-point updates are not implemented for {masked}; "
                 f"{why}: set secagg.enabled=false or choose fedavg")
     if cfg.compression.method != "none":

@@ -192,6 +192,9 @@ class ClientState:
         return ClientStateLayout(tuple(placed))
 
 
+# a built-in client half's vector, by its rule, as messages name it (mpifl.algorithms: ClientAlgorithm.state)
+RULE_VECTORS = {"control_variates": "c_i", "dynamic_regularizer": "g_i"}
+
 # (part, as the logs name it, its RAM budget's config key, its folder in the run directory)
 KINDS = {
     "control_variates": ("SCAFFOLD control variates", "strategy.control_ram_mb", "controls"),

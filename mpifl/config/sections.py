@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.client_state import ClientState, client_state, declared_vectors
 from mpifl.config.schema import field_
 from mpifl.plugins import is_import_path, resolve
@@ -14,6 +14,8 @@ from mpifl.units import MIB
 # The clock modes whose server steps apply updates trained on older model versions: every step's model is
 # saved, and a resume retrains the clients in flight from the versions they started on.
 ASYNCHRONOUS_MODES = ("fedasync", "fedbuff", "fedcompass")
+
+NO_CLIENT_HALF = Capabilities()  # what Config.capabilities says of a plug-in strategy before it is imported
 
 # The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
 # its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
@@ -543,21 +545,26 @@ class Config:
 
     def steps_inside_backward(self) -> bool:
         """Whether the torch trainer steps each parameter inside backward in this run (TrainConfig's rule, and
-        neither DDP across ranks nor SCAFFOLD's correction, which hooks every optimizer step)."""
+        neither DDP across ranks nor a client half that acts after every optimizer step: SCAFFOLD's correction)."""
         return self.train.steps_inside_backward() and self.clients.ranks_per_client == 1 \
-            and not self.control_variates
+            and not self.capabilities.corrects_steps
 
     @property
-    def control_variates(self) -> bool:
-        """Whether the model carries SCAFFOLD's server control variate (strategy scaffold)."""
-        return self.client_rule == "control_variates"
+    def capabilities(self) -> Capabilities:
+        """What a built-in strategy declares (``BUILTIN_CAPABILITIES``); a plug-in's are read once it is imported
+        (mpifl.aggregation.compatibility), so here they are the defaults, with no client half."""
+        return BUILTIN_CAPABILITIES.get(self.strategy.name, NO_CLIENT_HALF)
+
+    @property
+    def summed_streams(self) -> bool:
+        """Whether the model carries a client half's summed streams (SCAFFOLD's server control variate c)."""
+        return self.capabilities.summed_streams
 
     @property
     def client_rule(self) -> str:
-        """The strategy's built-in client rule ('control_variates', 'dynamic_regularizer'), read from what it declares
-        (``Capabilities.client_rule``), or '' for none."""
-        caps = BUILTIN_CAPABILITIES.get(self.strategy.name)
-        return caps.client_rule if caps is not None else ""
+        """The strategy's client half ('control_variates', 'dynamic_regularizer': mpifl.algorithms), read from what
+        it declares (``Capabilities.client_rule``), or '' for none."""
+        return self.capabilities.client_rule
 
     @property
     def statistics_as_values(self) -> bool:

@@ -10,18 +10,17 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from mpifl.config import ConfigError, ModelConfig
-from mpifl.learning.control import CONTROL, attach_control_variates
 from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, FlatModel, build_spec, split_tensors
-from mpifl.wire.spec import ModelSpec
+from mpifl.wire.spec import CONTROL, ModelSpec
 
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (128, 64)) -> nn.Module:
@@ -108,6 +107,8 @@ class Blob(nn.Module):
 
 SIZED_BY_DATA = {"mlp": mlp, "cnn": cnn, "lenet": lenet}  # built-ins whose input and output layers fit the data
 LAYER_SIZES = {"mlp": "hidden", "cnn": "channels", "lenet": "hidden"}  # built-in kwargs that list layer widths
+# a client algorithm's summed streams: (the model, model.local) -> the section appended to it (ClientAlgorithm.streams)
+Streams = Callable[[nn.Module, Sequence[str]], nn.Module]
 SHAPE = ("input_shape", "num_classes")  # what mpifl knows of the data and passes a model that asks
 
 
@@ -153,13 +154,20 @@ def model_problem(cfg: ModelConfig, has_data: bool = True) -> str | None:
 
 
 def build_model(cfg: ModelConfig, seed: int, input_shape: Sequence[int] | None = None,
-                num_classes: int | None = None, control_variates: bool = False) -> nn.Module:
-    """Build the configured model with seeded initialisation, in the configured dtype; with
-    ``control_variates`` (strategy scaffold), SCAFFOLD's server control variate appended (learning.control)."""
+                num_classes: int | None = None, streams: Streams | None = None) -> nn.Module:
+    """Build the configured model with seeded initialisation, in the configured dtype; with ``streams`` (a client
+    algorithm's summed streams, ``mpifl.algorithms.contract.ClientAlgorithm.streams``: SCAFFOLD's server control
+    variate c), the section they make appended last, as the submodule ``CONTROL``."""
     model = use_memory_format(_build_model(cfg, seed, input_shape, num_classes), cfg.memory_format)
     if cfg.nhwc_pooling:
         use_nhwc_pooling(model)
-    return attach_control_variates(model, cfg.local) if control_variates else model
+    if streams is None:
+        return model
+    if hasattr(model, CONTROL):
+        raise ValueError(f"the model already has a submodule named {CONTROL!r}, where a client algorithm's summed "
+                         "streams go")
+    model.add_module(CONTROL, streams(model, cfg.local))
+    return model
 
 
 class _NHWCMaxPool(torch.autograd.Function):
@@ -313,11 +321,11 @@ def freeze_except(model: nn.Module, patterns: Sequence[str]) -> nn.Module:
     return model
 
 
-def model_spec(cfg: ModelConfig, seed: int, control_variates: bool = False,
+def model_spec(cfg: ModelConfig, seed: int, streams: Streams | None = None,
                **shape: Any) -> tuple[ModelSpec, ModelSpec]:
     """The exchanged and the frozen tensors' layouts, from a meta-device build: nothing is allocated."""
     with torch.device("meta"):
-        module = build_model(cfg, seed, control_variates=control_variates, **shape)
+        module = build_model(cfg, seed, streams=streams, **shape)
     exchanged, frozen = split_tensors(module, cfg.exchange == "trainable", local_patterns(cfg, module))
     return build_spec(exchanged), build_spec(frozen)
 
@@ -389,7 +397,7 @@ def output_width_problem(cfg: ModelConfig, model: nn.Module, input_shape: Sequen
     return None
 
 
-def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, control_variates: bool = False,
+def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, streams: Streams | None = None,
                      **shape: Any) -> FlatModel:
     """Build the model with its weights allocated once, in the flat buffer(s).
 
@@ -401,7 +409,7 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, contro
     trainable_only = cfg.exchange == "trainable"
     if cfg.name == "transformers":
         from mpifl.learning import hf
-        module = build_model(cfg, seed, control_variates=control_variates, **shape)
+        module = build_model(cfg, seed, streams=streams, **shape)
         flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
         hf.initialize(flat.module, seed)
         if cfg.transformers.pretrained:
@@ -409,12 +417,12 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, contro
             hf.load_pretrained(flat, cfg.transformers.path)
     elif cfg.init_from and not (trainable_only and cfg.trainable):  # the checkpoint holds every tensor
         with torch.device("meta"):
-            module = build_model(cfg, seed, control_variates=control_variates, **shape)
+            module = build_model(cfg, seed, streams=streams, **shape)
         flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
     else:
-        module = build_model(cfg, seed, control_variates=control_variates, **shape)
+        module = build_model(cfg, seed, streams=streams, **shape)
         flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
-    if control_variates:  # c = 0 at the start, also where the model was built on the meta device
+    if streams is not None:  # summed streams start at 0 (SCAFFOLD's c), also where built on the meta device
         for buffer in getattr(flat.module, CONTROL).buffers():
             buffer.zero_()
     if cfg.init_from and read_init:

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from mpifl.config import EvalConfig, TrainConfig
-from mpifl.learning.control import split
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import DataParallel, share_of, share_weight
+from mpifl.learning.steps import split
 from mpifl.plugins import kwargs_problem, resolve
 
 

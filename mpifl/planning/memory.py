@@ -197,13 +197,14 @@ def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
 
 
 def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
-    """What per-client state's rules hold beside the model that trains, on its device, while a client trains:
-    FedDyn's g_i (read whole for its regulariser), Ditto's zero linear term (fp32 per trainable element), SCAFFOLD's
-    correction c - c_i and its control deltas before they are kept (mpifl.roles.control, mpifl.roles.personal)."""
-    held = 4 * client_state_elements(cfg, size) if cfg.client_rule == "dynamic_regularizer" else 0
+    """What per-client state's rules hold beside the model that trains, on its device, while a client trains: a
+    client half's vector (FedDyn's g_i, SCAFFOLD's correction c - c_i), its summed streams' share of the update
+    before it is kept (SCAFFOLD's control deltas), Ditto's zero linear term (fp32 per trainable element)
+    (mpifl.algorithms)."""
+    held = 4 * rule_vector_elements(cfg, size) if cfg.client_rule else 0
     if cfg.train.ditto_lambda:
         held += 4 * (size.exchanged // itemsize(cfg.model.dtype))
-    return held + 2 * size.control
+    return held + size.control
 
 
 def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool = False) -> int:

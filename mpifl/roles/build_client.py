@@ -8,6 +8,9 @@ from pathlib import Path
 from mpi4py import MPI
 
 from mpifl.aggregation.strategies import make_strategy
+from mpifl.algorithms import client_algorithm
+from mpifl.algorithms.ditto import GroupPersonalModels, PersonalModels
+from mpifl.algorithms.local_layers import PersonalTensors
 from mpifl.config import Config
 from mpifl.learning.device import (
     DeviceReplica,
@@ -26,12 +29,10 @@ from mpifl.roles.client_state import (
     state_sizes,
     state_views,
 )
-from mpifl.roles.control import ClientControls, ClientDynamics, GroupCorrections, GroupDynamics
 from mpifl.roles.evaluation import FederatedEvaluation
 from mpifl.roles.group import GroupLeader, GroupMember
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.lending import StateLending
-from mpifl.roles.personal import GroupPersonalModels, PersonalModels, PersonalTensors
 from mpifl.storage.residuals import (
     Borrowing,
     ResidualStore,
@@ -78,10 +79,9 @@ def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work:
     store: ResidualStore = Borrowing(kept) if cfg.lends_client_state else kept
     views = state_views(cfg, layout, store)
     parts = ClientStateParts(store, views)
-    if views.rule is not None and cfg.control_variates:
-        parts.controls = ClientControls(work, views.rule, cfg.train.lr)
-    elif views.rule is not None:
-        parts.controls = ClientDynamics(work, views.rule, cfg.strategy.alpha, cfg.train.grad_accum_steps)
+    algorithm = client_algorithm(cfg.client_rule)
+    if views.rule is not None and algorithm is not None:
+        parts.controls, parts.controls_state = algorithm.leader(work, views.rule, cfg), algorithm.state
     if views.local is not None:
         parts.personal = PersonalTensors(work, views.local, marked=views.local_marked)
     if views.personal is not None:
@@ -140,9 +140,8 @@ def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappin
     work = replica.flat if replica else flat
     trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
-    dynamic = cfg.client_rule == "dynamic_regularizer"
-    state = GroupCorrections(work) if cfg.control_variates else \
-        GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps) if dynamic else None
+    algorithm = client_algorithm(cfg.client_rule)
+    state = algorithm.member(work, cfg) if algorithm is not None else None
     personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
         if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
+from mpifl.algorithms.contract import ClientHalf
+from mpifl.algorithms.ditto import PersonalModels
+from mpifl.algorithms.local_layers import PersonalTensors
 from mpifl.config import Config
 from mpifl.config.client_state import ClientStateLayout, StateSizes, StateVector
 from mpifl.errors import JobFailure
-from mpifl.learning.control import control_elements, trainable
+from mpifl.learning.steps import gather, trainable, trainable_elements
 from mpifl.logs import log
-from mpifl.roles.control import ClientControls, ClientDynamics
 from mpifl.roles.lending import StateLending
-from mpifl.roles.personal import PersonalModels, PersonalTensors, gather
 from mpifl.storage.residuals import (
     RANK_FILE,
     Borrowing,
@@ -40,7 +41,7 @@ from mpifl.wire.layout import ExchangeLayout
 
 def state_sizes(plan: ExchangeLayout, flat: FlatModel) -> StateSizes:
     """The sizes a layout needs, read off the rank's model and its exchange layout."""
-    return StateSizes(trainable=control_elements(flat.module, flat.local),
+    return StateSizes(trainable=trainable_elements(flat.module, flat.local),
                       chunks=tuple(c.nbytes // c.itemsize for c in plan.chunks),
                       local=sum(t.numel() for _, t in flat.local_tensors()),
                       tensors=sum(t.numel() for _, t in flat.tensors()))
@@ -67,7 +68,7 @@ def open_client_state(cfg: Config, layout: ClientStateLayout, rank: int, hosted:
 class StateViews:
     """Each part of the rank's per-client state as a store of its own (None: the run keeps no such part)."""
 
-    rule: ResidualStore | None = None  # SCAFFOLD's c_i or FedDyn's g_i: one chunk
+    rule: ResidualStore | None = None  # the strategy's client half's vector (SCAFFOLD's c_i, FedDyn's g_i): one chunk
     residuals: ResidualStore | None = None  # top-k's residuals, read by the exchange's chunk indices
     local: ResidualStore | None = None  # model.local tensors: one chunk
     local_marked: bool = False  # whether that chunk ends in its mark (PersonalTensors)
@@ -156,7 +157,8 @@ class ClientStateParts:
 
     store: ResidualStore | None = None  # the rank's store (a Borrowing under per-round placement): what checkpoints
     views: StateViews = field(default_factory=StateViews)  # its parts as stores of their own
-    controls: ClientControls | ClientDynamics | None = None  # SCAFFOLD's or FedDyn's rule over its c_i or g_i
+    controls: ClientHalf | None = None  # the strategy's client half over its vector (SCAFFOLD's c_i, FedDyn's g_i)
+    controls_state: str = ""  # that vector, as the logs name it ("c_i")
     personal: PersonalTensors | None = None  # model.local tensors
     models: PersonalModels | None = None  # Ditto's personal models
     declared: DeclaredVectors | None = None  # a plug-in trainer's vectors
@@ -169,7 +171,7 @@ class ClientStateParts:
 
     def put_back(self) -> str:
         """What a dropped client's put-back restores, as the log names it."""
-        rule = ["c_i" if isinstance(self.controls, ClientControls) else "g_i"] if self.controls is not None else []
+        rule = [self.controls_state] if self.controls is not None else []
         return " and ".join(rule + (["trainer state"] if self.declared is not None else []))
 
     @property

@@ -12,8 +12,8 @@ its cost shows once, in round 1's ``group_setup_seconds``, and never again.
 
 Per-client state stays with the leader, as with R = 1, in its store and checkpoints. With each order the
 leader broadcasts what the members train with: the client's local tensors (``model.local``), SCAFFOLD's
-correction c - c_i or FedDyn's g_i (``mpifl.roles.control``); for Ditto, a personal order first, with the
-global w and the client's personal v_i (``mpifl.roles.personal``).
+correction c - c_i or FedDyn's g_i (the strategy's client half, ``mpifl.algorithms``); for Ditto, a personal
+order first, with the global w and the client's personal v_i (``mpifl.algorithms.ditto``).
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ import torch
 from mpi4py import MPI
 from torch import distributed as dist
 
+from mpifl.algorithms.contract import GroupHalf
+from mpifl.algorithms.ditto import GroupPersonalModels
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
 from mpifl.logs import log
 from mpifl.planning.world import GroupLayout
-from mpifl.roles.control import GroupCorrections, GroupDynamics
-from mpifl.roles.personal import GroupPersonalModels
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.transport import recv_object, send_object
@@ -125,7 +125,7 @@ class GroupMember:
 
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float,
-                 state: GroupCorrections | GroupDynamics | None = None, personal: GroupPersonalModels | None = None):
+                 state: GroupHalf | None = None, personal: GroupPersonalModels | None = None):
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
         self.local_data, self.timeout_s, self.state, self.personal = local_data, timeout_s, state, personal
 
@@ -161,7 +161,7 @@ class GroupMember:
     def train(self, order: protocol.TrainOrder) -> None:
         """Take the leader's weights, then train ``order.client`` with the group."""
         self._join(order)
-        state = self.state  # SCAFFOLD's correction or FedDyn's g_i, from the leader (mpifl.roles.control)
+        state = self.state  # SCAFFOLD's correction or FedDyn's g_i, from the leader (the client half's GroupHalf)
         self.parallel.broadcast([*client_model(self.work), *([state.vector] if state else [])])
         train, _ = self.local_data.get(order.client, (None, None))
         with local_steps(self.trainer, order.steps), state.training() if state else nullcontext():

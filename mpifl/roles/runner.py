@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from mpifl.aggregation.floor import FloorRate, measure_floor
+from mpifl.algorithms import model_streams
 from mpifl.config import Config
 from mpifl.learning.datasets import (
     needs_dataset,
@@ -126,9 +127,9 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     building = time.monotonic()
     out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
     if out_of_core:  # the out-of-core server never allocates the model
-        spec, flat = model_spec(cfg.model, cfg.seed, control_variates=cfg.control_variates, **shape)[0], None
+        spec, flat = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **shape)[0], None
     else:
-        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, control_variates=cfg.control_variates,
+        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, streams=model_streams(cfg.client_rule),
                                 **shape)
         spec = flat.spec
     built = time.monotonic() - building

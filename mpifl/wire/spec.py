@@ -19,8 +19,8 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 ALIGN = 64
-# SCAFFOLD's server control variate travels as this submodule of the model (mpifl.learning.control): the
-# strategy finds its section in the spec by this name
+# The submodule where a client half's summed streams travel with the model (SCAFFOLD's server control variate c,
+# mpifl.algorithms.scaffold): the strategy finds its section in the spec by this name, kept for checkpoints' sake
 CONTROL = "scaffold_control"
 
 # The floating dtypes a model may exchange, by the names specs use, and their bytes per element

@@ -1,20 +1,10 @@
-"""Personalisation on a client rank: FedBN and FedPer's local tensors, and Ditto's personal models.
+"""Ditto on a client rank: Li, Hu, Beirami and Smith 2021, "Ditto: Fair and Robust Federated Learning Through
+Personalization" (ICML), Algorithm 1. Each hosted logical client keeps a personal model v_i beside the global one,
+updated with every gradient plus lambda (v - w) (``mpifl.learning.steps.regularized_gradients`` with no linear
+term), with any strategy (``train.ditto_lambda``).
 
-Local tensors (``PersonalTensors``) are each hosted logical client's own values of the ``model.local``
-tensors.
-
-Li et al. 2021, "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization" (ICLR) keeps
-the BatchNorm layers local; Arivazhagan et al. 2019, "Federated Learning with Personalization Layers"
-(FedPer) keeps the head local. Either way the tensors named by ``model.local`` never travel
-(mpifl.wire.flat keeps them in the rank's second buffer): the server averages the rest, and every client
-trains from the global tensors plus its own local ones. Those live in a per-client store like
-error-feedback residuals (storage.residuals): in RAM up to ``model.local_ram_mb``, else in one HDF5 file per
-rank, published with every checkpoint. A client never sampled starts from the values the model was built
-with, the same on every rank.
-
-Both work on the model that trains: the rank's host model or its device replica (``train.device: cuda``). The
-stores stay in host memory; a client's tensors or personal model go to the device before it trains and back
-after, once each.
+``PersonalModels`` is a rank that trains clients (a group's leader); ``GroupPersonalModels`` a client group's other
+ranks (``clients.ranks_per_client``), which train v_i with the leader.
 """
 from __future__ import annotations
 
@@ -22,69 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from mpifl.learning.control import dynamic_regularizer, trainable
 from mpifl.learning.datasets import ClientData
+from mpifl.learning.steps import gather, regularized_gradients, scatter, trainable
 from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.spec import Chunk
-
-
-def gather(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``tensors`` flattened one after another into ``out`` (fp32, on the host: a store's vector section)."""
-    start = 0
-    for t in tensors:
-        out[start:start + t.numel()].copy_(t.detach().flatten())
-        start += t.numel()
-    return out
-
-
-def scatter(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """The inverse of ``gather``: ``values``' consecutive runs copied into ``tensors``, in their dtypes."""
-    start = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(values[start:start + t.numel()].view(t.shape))
-            start += t.numel()
-
-
-class PersonalTensors:
-    """Loads a client's local tensors into the rank's model before it trains, and keeps them after.
-
-    ``marked``: the store's vectors hold one element more, 1 once the client has kept its own tensors. A store
-    shared with another kind of per-client state (``Section``) has a vector for every client that other kind
-    touched, zeros where this one never wrote; the mark tells the two apart, in RAM, on disk and in a checkpoint's
-    snapshot alike, so a client never trained starts from the built values after a resume as before it."""
-
-    def __init__(self, flat: FlatModel, store: ResidualStore, marked: bool = False):
-        self.tensors = [t for _, t in flat.local_tensors()]
-        for name, t in flat.local_tensors():
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ValueError(f"model.local: tensor {name!r} is {t.dtype}; local tensors are kept as fp32, "
-                                 "which holds float32, bfloat16 and float16 values exactly")
-        self.elements = sum(t.numel() for t in self.tensors)
-        self.store, self.marked = store, marked
-        self.initial = gather(self.tensors, torch.empty(self.elements))  # as built, in host memory: a client's start
-
-    def load(self, client: int) -> None:
-        """Put ``client``'s local tensors into the model (the built values for a client never trained)."""
-        if self.marked:
-            stored = self.store.read(client, 0)
-            values = stored if bool(stored[self.elements] == 1) else self.initial
-        else:
-            values = self.store.read(client, 0) if self.store.has(client) else self.initial
-        scatter(values, self.tensors)
-
-    def keep(self, client: int) -> None:
-        """Store the model's local tensors as ``client``'s own (after it trained); a client whose local tensors
-        went NaN or Inf keeps its previous ones (its update is refused too)."""
-        if not all(bool(torch.isfinite(t).all()) for t in self.tensors):
-            return
-        own = self.store.read(client, 0)
-        gather(self.tensors, own)
-        if self.marked:
-            own[self.elements] = 1
-        self.store.write(client, 0, own)
 
 
 class GroupPersonalModels:
@@ -103,7 +36,7 @@ class GroupPersonalModels:
         """v_i is in the model and w in ``global_copy`` (both just received): update v_i, then restore w."""
         anchors = self.flat.views_in(self.params, self.global_copy)
         try:
-            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
+            with regularized_gradients(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
                 trainer.train(self.flat.module, data, seed)
         finally:
             self.flat.buffer.copy_(self.global_copy)
@@ -158,7 +91,7 @@ class PersonalModels:
         try:
             if self.starting is not None:
                 self.starting(client, seed, global_bytes)
-            with dynamic_regularizer(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
+            with regularized_gradients(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
                 self.trainer.train(self.flat.module, data, seed)
             metrics = evaluate() if evaluate is not None else {}
             views = [self.flat.chunk_view(c) for c in self.chunks]

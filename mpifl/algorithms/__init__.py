@@ -1,0 +1,43 @@
+"""The algorithms whose client half runs where clients train, each in one file with both of its halves.
+
+- ``scaffold``: SCAFFOLD (control variates: a per-client c_i, the server's c as a summed stream in the model);
+- ``feddyn``: FedDyn (a per-client gradient state g_i, the server's h);
+- ``ditto``: Ditto (a personal model per client, ``train.ditto_lambda``, beside any strategy);
+- ``local_layers``: FedBN and FedPer (each client's own ``model.local`` tensors).
+
+``contract`` is what a client half is (``ClientAlgorithm``), public through ``mpifl.api``. A strategy names its client
+half by ``Capabilities.client_rule``: a built-in rule below, or a plug-in's import path ``package.module:attr`` to a
+``ClientAlgorithm``. Nothing outside ``mpifl.aggregation.registry`` and ``mpifl.config.capabilities`` names a
+strategy; this table names client halves only.
+"""
+from __future__ import annotations
+
+from mpifl.algorithms import feddyn, scaffold
+from mpifl.algorithms.contract import ClientAlgorithm
+from mpifl.learning.models import Streams
+from mpifl.plugins import is_import_path, resolve
+
+# Capabilities.client_rule of a built-in strategy -> its client half
+BUILTIN_RULES: dict[str, ClientAlgorithm] = {"control_variates": scaffold.CLIENT, "dynamic_regularizer": feddyn.CLIENT}
+
+
+def client_algorithm(rule: str) -> ClientAlgorithm | None:
+    """The client half a strategy's ``client_rule`` names (None for none); ValueError for a name that is neither
+    a built-in rule nor an import path to a ``ClientAlgorithm``."""
+    if not rule:
+        return None
+    if rule in BUILTIN_RULES:
+        return BUILTIN_RULES[rule]
+    if not is_import_path(rule):
+        raise ValueError(f"client_rule {rule!r} is neither one of {sorted(BUILTIN_RULES)} nor an import path "
+                         "'package.module:attr' to a mpifl.api.ClientAlgorithm")
+    found = resolve(rule)
+    if not isinstance(found, ClientAlgorithm):
+        raise ValueError(f"client_rule {rule!r} is {type(found).__name__}, not a mpifl.api.ClientAlgorithm")
+    return found
+
+
+def model_streams(rule: str) -> Streams | None:
+    """The summed streams the client half ``rule`` appends to the model (SCAFFOLD's c), or None."""
+    algorithm = client_algorithm(rule)
+    return algorithm.streams if algorithm is not None else None

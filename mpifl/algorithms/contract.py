@@ -1,0 +1,69 @@
+"""The client half of an algorithm: what mpifl asks of the part of a strategy that runs where its clients train.
+
+A strategy's server half is a ``Strategy`` (combiner, server update, the ``bind``/``begin_round``/``finish`` hooks).
+Its client half is a ``ClientAlgorithm``: a named per-client vector kept for each logical client on the rank that
+hosts it (``Capabilities.client_rule`` names the algorithm, mpifl.config.client_state lays the vector out), and
+what acts on local training:
+
+- ``leader(work, store, cfg)`` builds the ``ClientHalf`` of a rank that trains clients: around each client's
+  training (``training``, where per-step hooks such as ``mpifl.learning.steps.corrected_steps`` go) and after it
+  (``update``: the new state, and what the update carries);
+- ``member(work, cfg)`` builds the ``GroupHalf`` of a client group's other ranks (``clients.ranks_per_client``),
+  which train with what the leader broadcasts (``ClientHalf.shared``);
+- ``streams``, when given, appends to the model a submodule of fp32 buffers that travel with it: broadcast with the
+  weights, summed chunk by chunk with the updates, checkpointed and kept out of core (SCAFFOLD's server control
+  variate c and the clients' control deltas). Its buffers start at zero, on every rank.
+
+mpifl does the rest for every algorithm alike: the store in RAM or on disk within its budget, checkpoints and
+resumes, lending under per-round placement, the put-back of a dropped client's vector, the plan's memory figures,
+and the refusals its capabilities imply (no DP, secure aggregation or compression to rewrite the update).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mpifl.config import Config
+from mpifl.storage.residuals import ResidualStore
+from mpifl.wire.flat import FlatModel
+
+
+class ClientHalf(Protocol):
+    """An algorithm's client half on a rank that trains logical clients (a group's leader)."""
+
+    @property
+    def shared(self) -> torch.Tensor:
+        """What a client group's members train with, broadcast by the leader once ``training`` has begun."""
+
+    def training(self, client: int, global_bytes: torch.Tensor) -> AbstractContextManager[None]:
+        """Train ``client`` inside (``global_bytes``: the round's global model as the flat buffer's bytes, on the
+        device of the model that trains): set up from the client's stored vector, and hook every step."""
+
+    def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
+        """After ``client`` trained ``steps`` optimizer steps (its update's weight in the server's fold is
+        ``weight``): keep its new vector in the store, and set in the model what its update must carry. A client
+        whose training diverged keeps its old vector (its update is refused, never folded)."""
+
+
+class GroupHalf(Protocol):
+    """An algorithm's client half on a client group's other ranks."""
+
+    vector: torch.Tensor  # where the leader's ``ClientHalf.shared`` is received, before each client trains
+
+    def training(self) -> AbstractContextManager[None]:
+        """Train the received client inside, as the leader does: every rank of the group takes the same steps."""
+
+
+@dataclass(frozen=True)
+class ClientAlgorithm:
+    """How mpifl builds an algorithm's client half on each client rank (see the module's docstring)."""
+
+    state: str  # the per-client vector, as logs name it when a dropped client's is put back ("c_i")
+    leader: Callable[[FlatModel, ResidualStore, Config], ClientHalf]
+    member: Callable[[FlatModel, Config], GroupHalf]
+    streams: Callable[[nn.Module, Sequence[str]], nn.Module] | None = None  # (model, model.local) -> model

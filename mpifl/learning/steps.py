@@ -1,0 +1,115 @@
+"""What a client half of an algorithm does to local training, step by step, whatever trains: the hooks SCAFFOLD,
+FedDyn and Ditto use (mpifl.algorithms), public for plug-ins through ``mpifl.api``.
+
+Both hooks work on the model as it trains, with no change to the trainer: ``corrected_steps`` acts after every
+optimizer step (outside its momentum and weight decay), ``regularized_gradients`` on every gradient (inside them,
+as part of the objective). So the built-in trainer, DDP across a client group and a plug-in trainer that uses a
+``torch.optim`` optimizer all take them alike.
+
+A client's per-client vector is one flat fp32 tensor in the order of the tensors it covers; ``split``,
+``gather`` and ``scatter`` move between the two forms.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mpifl.wire.spec import is_local
+
+__all__ = ["corrected_steps", "gather", "regularized_gradients", "scatter", "split", "trainable",
+           "trainable_elements"]
+
+
+def trainable(model: nn.Module, local: Sequence[str] = ()) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a client rule corrects or regularises: every one that trains, in the model's own order, but
+    those named by the ``model.local`` patterns ``local`` (FedBN, FedPer): each client keeps its own, never
+    averaged, so there is no global value to correct them towards or anchor them at."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_local(n, local)]
+
+
+def trainable_elements(model: nn.Module, local: Sequence[str] = ()) -> int:
+    """Elements of one client's vector over the ``trainable`` parameters (SCAFFOLD's c_i, FedDyn's g_i)."""
+    return sum(p.numel() for _, p in trainable(model, local))
+
+
+def split(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of a flat fp32 ``vector`` shaped like each of ``like``, in order."""
+    out, start = [], 0
+    for t in like:
+        out.append(vector[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
+
+
+def gather(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``tensors`` flattened one after another into ``out`` (fp32, on the host: a store's vector section)."""
+    start = 0
+    for t in tensors:
+        out[start:start + t.numel()].copy_(t.detach().flatten())
+        start += t.numel()
+    return out
+
+
+def scatter(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """The inverse of ``gather``: ``values``' consecutive runs copied into ``tensors``, in their dtypes."""
+    start = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(values[start:start + t.numel()].view(t.shape))
+            start += t.numel()
+
+
+@contextlib.contextmanager
+def corrected_steps(params: Sequence[nn.Parameter], corrections: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While inside, every optimizer step is followed by y -= lr * k for each of ``params`` (k its correction, lr its
+    parameter group's): SCAFFOLD's corrected step y -= lr * (g(y) + c - c_i) with k = c - c_i, the correction kept
+    outside the optimizer's momentum and weight decay. For plain SGD that is the paper's step; with momentum beta it
+    is what NIID-Bench (Li et al., ICDE 2022) and Flower's baseline do. Inside the momentum the correction would act
+    1 / (1 - beta) times, on top of control variates (x - y) / (K lr) that already carry that factor, and the run
+    diverges (with beta 0.9: chance accuracy on Fashion-MNIST by round 2)."""
+    by_id = {id(p): k for p, k in zip(params, corrections, strict=True)}
+
+    def after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    k = by_id.get(id(p))
+                    if k is not None:
+                        p.add_(k.to(p.dtype), alpha=-group["lr"])
+
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def regularized_gradients(params: Sequence[nn.Parameter], anchors: Sequence[torch.Tensor],
+                          states: Sequence[torch.Tensor], alpha: float, backwards_per_step: int = 1) -> Iterator[None]:
+    """While inside, every gradient of ``params[k]`` gains alpha (y - anchors[k]) - states[k]: the gradient of
+    -<g, y> + alpha/2 ||y - x||^2 (FedDyn's regulariser, Acar et al. 2021; with g = 0 Ditto's and FedProx's proximal
+    term), part of the objective, so it goes through the optimizer's momentum like the loss's own gradient.
+
+    A hook fires on every backward pass. With ``train.grad_accum_steps`` = A passes per optimizer step, each adds
+    1/A of the term, as the trainer divides each micro-batch's loss by A: the step's gradient then holds the
+    regulariser's once, not A times."""
+    if backwards_per_step < 1:
+        raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
+
+    def hook(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        p, x, g = params[k], anchors[k], states[k]
+        if backwards_per_step == 1:
+            return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g)).to(grad.dtype)
+        return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g).div_(backwards_per_step)).to(grad.dtype)
+
+    handles = [p.register_hook(hook(k)) for k, p in enumerate(params)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
