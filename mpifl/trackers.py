@@ -375,7 +375,7 @@ class Trackers:
             self.warn(f"warning: output.trackers: closing {name} failed ({type(err).__name__}: {err})")
 
 
-def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mapping[str, Any], start_round: int = 0,
+def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mapping[str, Any], start_round: int = 0,  # noqa: PLR0913 - keyword options of one call site
                   resumed: bool = False, notes: Callable[[dict], list[str]] | None = None,
                   warn: Callable[[str], None] | None = None, kept: Sequence[dict] = ()) -> Trackers:
     """Open each tracker in ``names`` for the run in ``run_dir`` (rank 0, before the first round). ``resumed``:

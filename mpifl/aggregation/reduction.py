@@ -88,20 +88,21 @@ class ReductionRound:
     noise: Callable[[torch.Tensor, int], None] | None = None  # DP-FedAvg: adds noise to a chunk's sum
     unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None  # secure aggregation: ring sum to floats
     labels: Mapping[int, str] | None = None  # what a stream is called in messages, where more than its id says
+    min_participants: int = 1  # clients.min_participants: fewer usable updates abort the round
 
 
 class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""
 
     def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangeLayout, strategy: Strategy,
-                 pool: ReceivePool, task: ReductionRound, *, min_participants: int = 1,
-                 watchdog: Watchdog | None = None, dropping: Dropping | None = None):
+                 pool: ReceivePool, task: ReductionRound, *, watchdog: Watchdog | None = None,
+                 dropping: Dropping | None = None):
         by_rank, plan = task.by_rank, task.layout
         self.comm, self.state, self.strategy, self.task = comm, state, strategy, task
         self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
         self.codec = exchange.codec  # compression.method: decode each chunk before folding
         self.decoded: torch.Tensor | None = None  # the reused fp32 scratch it decodes into, made on first use
-        self.min_participants, self.round, self.watchdog = min_participants, task.round, watchdog
+        self.min_participants, self.round, self.watchdog = task.min_participants, task.round, watchdog
         self.by_rank, self.labels = by_rank, task.labels or {}
         self.weights, self.divisor = task.weights, task.divisor  # staleness weights; a fixed divisor
         self.first_element = element_offsets(self.chunks)

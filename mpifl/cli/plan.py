@@ -109,6 +109,36 @@ def parameters_text(count: int) -> str:
     return f"{count:,} parameters"
 
 
+def _print_client_state(cfg: Config, size: ModelBytes, ranks: int) -> None:
+    """``mpifl plan``'s lines on per-client state: where each rank keeps it, its loans and its put-back copies."""
+    per_client = cfg.clients.ranks_per_client
+    state, state_elements = cfg.client_state(), client_state_elements(cfg, size)
+    for hosts, hosted, home in client_state_plan(cfg, state_elements, ranks):
+        assert state is not None  # a plan has rows only for a run with per-client state
+        each = 4 * hosted * state_elements
+        names = f"rank {hosts[0]}" if len(hosts) == 1 else f"ranks {hosts[0]}-{hosts[-1]}" \
+            if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"ranks {', '.join(map(str, hosts))}" \
+            if len(hosts) <= 8 else f"{len(hosts)} ranks"
+        if per_client > 1:
+            names += " (group leaders)"
+        where_kept = "in RAM (counted above)" if home == "RAM" else \
+            f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
+        print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
+              f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
+    host_count = ranks // per_client  # a group of ranks hosts its clients as one rank
+    loans = loaned_vectors(cfg, host_count, client_state_plan(cfg, state_elements, ranks)[0][2]) if state else 0
+    if loans:
+        print(f"  clients.placement per_round: each client's state stays on its home rank (1 + c mod {ranks}) and is "
+              f"lent to the rank that trains it for the round; up to {loans} whole vectors "
+              f"({4 * loans * state_elements / MIB:,.1f} MiB) beside a rank's own (counted above)")
+    undo = undo_vectors(cfg, host_count)
+    if undo:
+        copies = "copy" if undo == 1 else "copies"
+        print(f"  clients.accept_failures: up to {undo} {copies} of a client's put-back state (its strategy's and its "
+              f"trainer's vectors, {4 * undo * journaled_elements(cfg, size) / MIB:,.1f} MiB) kept through each round "
+              "on a client rank, to put back those of clients dropped past their deadline (counted above)")
+
+
 def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
     cfg = load_config(args.config, args.overrides)
@@ -147,31 +177,7 @@ def plan_main(args: argparse.Namespace) -> int:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
               "and exchange with rank 0")
-    state, state_elements = cfg.client_state(), client_state_elements(cfg, size)
-    for hosts, hosted, home in client_state_plan(cfg, state_elements, ranks):
-        assert state is not None  # a plan has rows only for a run with per-client state
-        each = 4 * hosted * state_elements
-        names = f"rank {hosts[0]}" if len(hosts) == 1 else f"ranks {hosts[0]}-{hosts[-1]}" \
-            if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"ranks {', '.join(map(str, hosts))}" \
-            if len(hosts) <= 8 else f"{len(hosts)} ranks"
-        if per_client > 1:
-            names += " (group leaders)"
-        where_kept = "in RAM (counted above)" if home == "RAM" else \
-            f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
-        print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "
-              f"({state.ram_key}={state.ram_mb:g}); a copy per kept checkpoint")
-    host_count = ranks // per_client  # a group of ranks hosts its clients as one rank
-    loans = loaned_vectors(cfg, host_count, client_state_plan(cfg, state_elements, ranks)[0][2]) if state else 0
-    if loans:
-        print(f"  clients.placement per_round: each client's state stays on its home rank (1 + c mod {ranks}) and is "
-              f"lent to the rank that trains it for the round; up to {loans} whole vectors "
-              f"({4 * loans * state_elements / MIB:,.1f} MiB) beside a rank's own (counted above)")
-    undo = undo_vectors(cfg, host_count)
-    if undo:
-        copies = "copy" if undo == 1 else "copies"
-        print(f"  clients.accept_failures: up to {undo} {copies} of a client's put-back state (its strategy's and its "
-              f"trainer's vectors, {4 * undo * journaled_elements(cfg, size) / MIB:,.1f} MiB) kept through each round "
-              "on a client rank, to put back those of clients dropped past their deadline (counted above)")
+    _print_client_state(cfg, size, ranks)
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
               "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "

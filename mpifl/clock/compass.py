@@ -111,7 +111,7 @@ class _Compass:
         return self.plan
 
 
-def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Availability,
+def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Availability,  # noqa: PLR0913 - FedCompass's own parameters, each a config key
                  duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float) -> AsyncPlan:
     """The FedCompass schedule of ``steps`` server steps (see the module docstring)."""
     compass = _Compass(steps, availability, duration, min_steps, max_steps, latest_factor)

@@ -77,14 +77,10 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
     how to declare what it is.
     """
     name = cfg.strategy.name
-    if caps.own_total:
-        problem = _own_total_problem(cfg, name)
-        if problem:
-            return problem
-    if caps.client_state:
-        problem = _client_state_problem(cfg, name)
-        if problem:
-            return problem
+    problem = (caps.own_total and _own_total_problem(cfg, name)) or \
+        (caps.client_state and _client_state_problem(cfg, name))
+    if problem:
+        return problem
     if caps.equal_weights and cfg.strategy.weighting != "equal":
         return (f"strategy.weighting: strategy {name!r} averages the participants equally, and its server state "
                 "assumes it (Capabilities.equal_weights): set strategy.weighting='equal'")
@@ -168,6 +164,7 @@ def _not_summable(name: str, caps: Capabilities, declared: bool) -> str:
 
 
 def _check_clock(cfg: Config) -> None:
+    """clock.*: the traces exist, and an asynchronous mode has what it needs (``_check_asynchronous``)."""
     clock = cfg.clock
     for key in ("trace", "availability_trace"):
         if getattr(clock, key) is not None and not Path(getattr(clock, key)).is_file():
@@ -179,8 +176,13 @@ def _check_clock(cfg: Config) -> None:
         return
     if cfg.server.state == "disk":
         raise ConfigError(f"clock.mode: {clock.mode!r} runs with the in-memory server only; set server.state='memory'")
-    if clock.mode == "sync":
-        return
+    if clock.mode != "sync":
+        _check_asynchronous(cfg)
+
+
+def _check_asynchronous(cfg: Config) -> None:
+    """An asynchronous clock.mode (fedasync, fedbuff, fedcompass): each update applied at its own virtual arrival."""
+    clock = cfg.clock
     if cfg.clients.groups:
         raise ConfigError(f"clients.groups: clock.mode {clock.mode!r} applies each update at its own virtual arrival, "
                           "so updates cannot be summed on the ranks first; set clients.groups=0")
@@ -416,6 +418,11 @@ def _check_transformers(cfg: Config) -> None:
     if cfg.train.trainer == "torch":
         raise ConfigError("train.trainer: a transformers model trains with 'causal_lm' (or 'none' for model-only "
                           "exchange), not 'torch'")
+    _check_text_data(cfg)
+
+
+def _check_text_data(cfg: Config) -> None:
+    """A transformers model's data: token blocks where it trains or is scored, split without labels."""
     reads_text = cfg.train.trainer == "causal_lm" or cfg.eval.every or cfg.eval.federated_every
     if reads_text and cfg.data.dataset != "text" and not is_import_path(cfg.data.dataset):
         raise ConfigError(f"data.dataset: causal-LM training and perplexity read token blocks; use 'text', not "

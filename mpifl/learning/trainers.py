@@ -330,14 +330,7 @@ class CausalLMTrainer:
                         (loss * weight / c.grad_accum_steps).backward()  # an empty share: weight 0
                     total += loss.item() * len(share) if len(share) else 0.0
                     count += len(share)
-                if mixed:
-                    for m, p in zip(masters, params):
-                        m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
-                if anchors:
-                    with torch.no_grad():
-                        for m, a in zip(masters, anchors):  # gradient of mu/2 ||w - w_global||^2
-                            if m.grad is not None:
-                                m.grad.add_(m - a, alpha=c.prox_mu)
+                _master_gradients(params, masters, anchors, c.prox_mu, mixed)
                 if c.max_grad_norm:
                     nn.utils.clip_grad_norm_(masters, c.max_grad_norm)
                 optimizer.step()
@@ -348,6 +341,19 @@ class CausalLMTrainer:
         mean = group_mean(total, count, self.parallel)
         return TrainResult(len(data), {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}, local_steps=steps)
 
+
+def _master_gradients(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],
+                      prox_mu: float, mixed: bool) -> None:
+    """The fp32 master weights' gradients before a step: each parameter's own, moved to its master where they differ
+    (mixed precision), plus FedProx's mu (w - w_global) where ``anchors`` are given."""
+    if mixed:
+        for m, p in zip(masters, params):
+            m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+    if anchors:
+        with torch.no_grad():
+            for m, a in zip(masters, anchors):  # gradient of mu/2 ||w - w_global||^2
+                if m.grad is not None:
+                    m.grad.add_(m - a, alpha=prox_mu)
 
 
 class NoTrainer:

@@ -286,7 +286,7 @@ def journaled_elements(cfg: Config, size: ModelBytes) -> int:
     return layout.journaled_elements if layout is not None else 0
 
 
-def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,
+def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,  # noqa: PLR0913 - the run's shape, each from its own source
                     nranks: int, ranks_per_node: int, server_alone: bool,
                     data: DataBytes | None = None, gpus_per_node: int = 0) -> MemoryEstimate:
     """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included; the data

@@ -93,7 +93,7 @@ def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work:
     return parts
 
 
-def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping, *,
+def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping, *,  # noqa: PLR0913 - keyword-only parts, each built once by the runner
                     upload_initial: bool, replica: DeviceReplica | None, state: ClientStateParts, note: RankNotes,
                     group: MPI.Comm | None) -> None:
     """Serve as a client rank (a group's leader with ``group``) until the server says stop: upload the fresh model

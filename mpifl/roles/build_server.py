@@ -59,7 +59,7 @@ class RunOutcome:
     interrupted: bool
 
 
-def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,
+def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,  # noqa: PLR0913 - the server's parts, each built once by the runner
                      dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
                      resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes,
                      floor: FloorRate | None = None) -> RunOutcome:

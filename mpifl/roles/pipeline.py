@@ -27,7 +27,7 @@ from mpifl.wire.spec import element_offsets
 class UpdatePipeline:
     """A client rank's update steps, configured once; ``begin_round`` gives each round's DP bound and cohort."""
 
-    def __init__(self, encoder: UpdateEncoder, layout: ExchangeLayout, work: FlatModel, *,
+    def __init__(self, encoder: UpdateEncoder, layout: ExchangeLayout, work: FlatModel, *,  # noqa: PLR0913 - keyword-only steps, each optional
                  replica: DeviceReplica | None, delta: bool, privacy: ClientPrivacy | None,
                  secagg: SecureAggregation | None, compressor: UpdateCompressor | None, grouped: bool,
                  weight: Callable[[protocol.UpdateMeta], float]):

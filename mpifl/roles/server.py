@@ -232,10 +232,10 @@ class Server:
         task = ReductionRound(
             round_, streams, self._pool_layout(streams, summed=noise is not None or parts.secagg is not None),
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
-            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=self._labels(plan))
+            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=self._labels(plan),
+            min_participants=self.min_participants)
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
-                                      min_participants=self.min_participants, watchdog=watchdog,
-                                      dropping=self._dropping(plan, started))
+                                      watchdog=watchdog, dropping=self._dropping(plan, started))
         try:
             if plan.streams:
                 stats = reduction.run()
