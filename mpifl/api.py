@@ -59,6 +59,11 @@ is the training client's (fp32, changed in place), kept once its update is usabl
 on disk, checkpointed, resumed, lent under per-round placement and put back when the client is
 dropped past its deadline, like the built-in per-client state.
 
+**Per-step hooks**: ``corrected_steps(params, corrections)`` acts after every optimizer step (SCAFFOLD's
+correction, outside the momentum); ``regularized_gradients(params, anchors, states, alpha)`` adds
+``alpha (y - anchor) - state`` to every gradient (FedDyn's regulariser, Ditto's). The built-in client halves
+(``ClientAlgorithm``, mpifl.algorithms: SCAFFOLD, FedDyn, Ditto, FedBN/FedPer) are built on them.
+
 **Settings**: ``strategy.kwargs``, ``train.kwargs``, ``model.kwargs`` and ``data.kwargs`` are checked
 against the plug-in's signature before MPI starts (a typo is named with the closest parameter) and
 converted to its annotated types as the config loads (``clip: float`` set to ``1e6`` is 1000000.0).
@@ -73,25 +78,32 @@ from __future__ import annotations
 
 from mpifl.aggregation.combiners import Combiner, Median, SortedStack, TrimmedMean, WeightedMean
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, fold, weighted_mean_into
-from mpifl.aggregation.strategies import Strategy
+from mpifl.aggregation.strategies import Strategy, section_span
 from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Replace, ServerOptimizer, ServerUpdate
+from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, GroupHalf
 from mpifl.config import ConfigError, DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from mpifl.config.capabilities import Capabilities
 from mpifl.config.client_state import StateVector
 from mpifl.learning.datasets import ClientData
+from mpifl.learning.steps import corrected_steps, gather, regularized_gradients, scatter, split, trainable
 from mpifl.learning.trainers import TrainContext, Trainer, TrainResult, make_loss, make_optimizer, minibatches
 from mpifl.wire.protocol import UpdateMeta
+from mpifl.wire.spec import CONTROL as SUMMED_STREAMS  # the submodule a client half's summed streams go in
 
 __all__ = [
     "ACCUMULATOR_DTYPE",
+    "SUMMED_STREAMS",
     "Capabilities",
+    "ClientAlgorithm",
     "ClientData",
+    "ClientHalf",
     "Combiner",
     "ConfigError",
     "DataConfig",
     "FedAdagrad",
     "FedAdam",
     "FedYogi",
+    "GroupHalf",
     "Median",
     "ModelConfig",
     "Momentum",
@@ -109,9 +121,16 @@ __all__ = [
     "TrimmedMean",
     "UpdateMeta",
     "WeightedMean",
+    "corrected_steps",
     "fold",
+    "gather",
     "make_loss",
     "make_optimizer",
     "minibatches",
+    "regularized_gradients",
+    "scatter",
+    "section_span",
+    "split",
+    "trainable",
     "weighted_mean_into",
 ]

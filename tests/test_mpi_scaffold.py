@@ -191,3 +191,38 @@ def test_an_adaptive_local_optimizer_under_a_rule_that_assumes_sgd_steps_is_warn
     assert any(w.startswith("train.optimizer:") and "as plain SGD steps" in w for w in config_warnings(cfg))
     plain = load_config(None, [f"strategy.name={strategy}", "strategy.update=delta", "train.momentum=0.9"])
     assert not any(w.startswith("train.optimizer:") for w in config_warnings(plain))
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ()),
+    (4, ("strategy.control_ram_mb=0", "clients.groups=3", "strategy.weighting=equal")),
+], ids=["2-client-ranks", "on-disk-with-reduction-groups"])
+def test_a_scaffold_of_ones_own_on_the_public_contract_equals_the_papers_rule_bitwise(tmp_path, ranks, overrides):
+    # tests/plugin_scaffold.py: both halves on mpifl.api alone, its client half named by Capabilities.client_rule
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("strategy: {name: scaffold,",
+                                                           "strategy: {name: 'plugin_scaffold:scaffold',"))
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_bitwise(run_controls_numbered(tmp_path / "run"), reference(*overrides))
+
+
+def test_a_plugin_strategy_must_build_the_client_half_its_builder_declares(tmp_path):
+    import plugin_scaffold
+
+    from mpifl.aggregation.compatibility import checked_strategy
+
+    cfg = load_config(None, ["strategy.name=plugin_scaffold:scaffold"], data=yaml.safe_load(CONFIG))
+    assert cfg.client_rule == "plugin_scaffold:CLIENT" and cfg.summed_streams
+    assert cfg.client_state() is not None and cfg.client_state().rule == "plugin_scaffold:CLIENT"
+    original = plugin_scaffold.scaffold.capabilities
+    try:
+        plugin_scaffold.scaffold.capabilities = StrategyConfig  # not a Capabilities: no client half is read
+        assert load_config(None, ["strategy.name=plugin_scaffold:scaffold"],
+                           data=yaml.safe_load(CONFIG)).client_rule == ""
+    finally:
+        plugin_scaffold.scaffold.capabilities = original
+    assert checked_strategy(cfg).capabilities.client_rule == "plugin_scaffold:CLIENT"
+    mismatched = load_config(None, ["strategy.name=plugin_scaffold:mismatched"], data=yaml.safe_load(CONFIG))
+    with pytest.raises(ConfigError, match=r"strategy.name: 'plugin_scaffold:mismatched' declares "
+                                          r"client_rule='plugin_scaffold:CLIENT'.* builds declares client_rule=''"):
+        checked_strategy(mismatched)

@@ -23,7 +23,23 @@ __all__ = ["Capabilities", "checked_strategy", "strategy_kwargs_problem", "strat
 
 def strategy_problem(strategy: Strategy, cfg: Config) -> str | None:
     """The first configured run mode ``strategy`` cannot take, naming the key and the capability, or None."""
-    return capability_problem(cfg, strategy.capabilities, declared=strategy.declared) or _weights_problem(strategy, cfg)
+    return _client_half_problem(strategy, cfg) or capability_problem(cfg, strategy.capabilities,
+                                                                     declared=strategy.declared) \
+        or _weights_problem(strategy, cfg)
+
+
+def _client_half_problem(strategy: Strategy, cfg: Config) -> str | None:
+    """A plug-in's client half is read from its builder before the strategy is built (``Config.capabilities``): the
+    built strategy must declare the same one, or the client ranks and the server would run different algorithms."""
+    before, built = cfg.capabilities, strategy.capabilities
+    fields = ("client_rule", "corrects_steps", "summed_streams")
+    differ = [f for f in fields if getattr(before, f) != getattr(built, f)]
+    if not differ:
+        return None
+    return (f"strategy.name: {cfg.strategy.name!r} declares {', '.join(f'{f}={getattr(before, f)!r}' for f in differ)} "
+            f"on its builder (its capabilities attribute) but the strategy it builds declares "
+            f"{', '.join(f'{f}={getattr(built, f)!r}' for f in differ)}; pass the builder's Capabilities to "
+            "Strategy(..., capabilities=...)")
 
 
 def _weights_problem(strategy: Strategy, cfg: Config) -> str | None:

@@ -205,6 +205,9 @@ KINDS = {
     "vectors": ("the trainer's per-client vectors", "train.state_ram_mb", "state"),
 }
 
+# a plug-in strategy's client half (its client_rule an import path)
+PLUGIN_RULE = ("the strategy's per-client vectors", "strategy.control_ram_mb", "controls")
+
 
 def client_state(rule: str | None, residuals: bool, local: bool, personal: bool,
                  vectors: Mapping[str, StateVector], budgets: Mapping[str, float]) -> ClientState | None:
@@ -214,7 +217,7 @@ def client_state(rule: str | None, residuals: bool, local: bool, personal: bool,
                                ("personal", personal), ("vectors", bool(vectors))) if kept]
     if not kinds:
         return None
-    described = [KINDS[str(k)] for k in kinds]
+    described = [KINDS.get(str(k), PLUGIN_RULE) for k in kinds]
     keys = list(dict.fromkeys(key for _, key, _ in described))
     return ClientState(" and ".join(what for what, _, _ in described), " + ".join(keys),
                        math.fsum(budgets[key] for key in keys), described[0][2], rule=rule, residuals=residuals,

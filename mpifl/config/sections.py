@@ -551,9 +551,21 @@ class Config:
 
     @property
     def capabilities(self) -> Capabilities:
-        """What a built-in strategy declares (``BUILTIN_CAPABILITIES``); a plug-in's are read once it is imported
-        (mpifl.aggregation.compatibility), so here they are the defaults, with no client half."""
-        return BUILTIN_CAPABILITIES.get(self.strategy.name, NO_CLIENT_HALF)
+        """What the strategy declares before it is built: a built-in's (``BUILTIN_CAPABILITIES``), or a plug-in
+        builder's ``capabilities`` attribute (how a plug-in names its client half, ``client_rule``, and says what it
+        appends to the model); else the defaults, with no client half. What a built strategy declares is checked
+        against it on every rank before MPI starts (mpifl.aggregation.compatibility)."""
+        builtin = BUILTIN_CAPABILITIES.get(self.strategy.name)
+        if builtin is not None:
+            return builtin
+        if is_import_path(self.strategy.name):
+            try:
+                declared = getattr(resolve(self.strategy.name), "capabilities", None)
+            except ImportError:  # said with its key where the strategy is built (check_plugins)
+                declared = None
+            if isinstance(declared, Capabilities):
+                return declared
+        return NO_CLIENT_HALF
 
     @property
     def summed_streams(self) -> bool:
