@@ -1,5 +1,7 @@
 """Models and local training, without MPI."""
 import math
+import subprocess
+import sys
 
 import torch
 
@@ -188,3 +190,21 @@ def test_lenet_on_images_too_small_to_pool_twice_is_refused_before_mpi_starts():
         assert "inputs of 8x8 are too small" in str(err) and "model.name" in str(err)
     else:
         raise AssertionError("lenet on 8x8 digits was accepted")
+
+
+def test_after_start_up_a_ranks_first_optimizer_imports_nothing_so_round_one_trains_without_a_silent_pause():
+    # torch's first optimizer imports torch._dynamo (seconds of CPU); a client rank loads it before round 1, where
+    # the silence would count against the watchdog's first-update deadline
+    script = """
+import sys
+import torch
+from mpifl.config import TrainConfig
+from mpifl.learning.trainers import load_optimizer_machinery, make_optimizer
+load_optimizer_machinery()
+before = set(sys.modules)
+for name in ("sgd", "adam", "adamw"):
+    make_optimizer([torch.zeros(3, requires_grad=True)], TrainConfig(optimizer=name))
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -106,6 +106,13 @@ def make_optimizer(params: Sequence[torch.Tensor], c: TrainConfig) -> torch.opti
     return cls(params, lr=c.lr, weight_decay=c.weight_decay)
 
 
+def load_optimizer_machinery() -> None:
+    """Build and drop a throwaway optimizer. A process's first torch.optim optimizer imports torch._dynamo (about
+    3 s of CPU, far more on a loaded node); a client rank does it at start-up, so that cost never falls inside
+    round 1's training, before the first forward pass reports progress to the server's watchdog."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+
 def _param_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters()), torch.float32)
 

@@ -22,6 +22,7 @@ from mpifl.learning.datasets import (
     needs_dataset,
 )
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
+from mpifl.learning.trainers import load_optimizer_machinery
 from mpifl.logs import log
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import clients_of_rank
@@ -119,6 +120,8 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePo
 def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePoint | None,
               notes: RankNotes, open_while_running: contextlib.ExitStack) -> RunOutcome | None:
     stop = StopRequest().install()
+    if comm.Get_rank() != 0:  # before any stage the server times
+        load_optimizer_machinery()
     bound = bind_rank(comm, cfg.train.threads)  # the cores (and GPU) of this rank's node-local slot
     torch.set_num_threads(bound.threads)  # 1 by default: torch's CPU reductions split their work by thread
     record_ranks(comm, run_dir, bound)
