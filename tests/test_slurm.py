@@ -116,13 +116,13 @@ def test_memory_check_warns_when_a_gpu_cannot_hold_its_client_ranks(tmp_path):
 def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY)
     script = tmp_path / "two.sbatch"
-    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "2", "-o", str(script)).returncode == 0
+    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "2", "--mpi", "pmix", "-o", str(script)).returncode == 0
     env, log = fake_slurm(tmp_path, "exit 0")  # a dry run: srun runs nothing, no run directory to check
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     words = log.read_text().split()
-    assert words[:6] == ["--ntasks=3", "--ntasks-per-node=4", "--cpus-per-task=8", "--cpu-bind=cores",
-                         "--gpus-per-task=1", "mpifl"], words
+    assert words[:9] == ["--ntasks=3", "--ntasks-per-node=4", "--cpus-per-task=8", "--cpu-bind=cores", "--mpi=pmix",
+                         "--gpus-per-task=1", sys.executable, "-m", "mpifl"], words
 
 
 def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
@@ -130,7 +130,7 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     script = tmp_path / "two.sbatch"
     # an override given with the config is planned with, so the script runs with it: 2 rounds, not 5
     made = mpifl_here("slurm", str(cfg), "rounds=2", "--ranks-per-node", "3", "--cpus-per-task", "1",
-                 "--gpus-per-node", "0", "-o", str(script))
+                      "--gpus-per-node", "0", "--mpi", "pmi2", "-o", str(script))
     assert made.returncode == 0, made.stderr
     env, log = fake_slurm(tmp_path, f'exec {shlex.quote(mpiexec())} -n "$n" "$@"')
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
@@ -140,7 +140,8 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     assert (out / "model.h5").exists() and len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert mpifl_here("status", str(out)).returncode == 0
     first = log.read_text().splitlines()[0]
-    assert first.startswith("--ntasks=3 --ntasks-per-node=3 --cpus-per-task=1 --cpu-bind=cores mpifl run ")
+    assert first.startswith("--ntasks=3 --ntasks-per-node=3 --cpus-per-task=1 --cpu-bind=cores --mpi=pmi2 "
+                            f"{sys.executable} -m mpifl run ")
     assert "--gpus-per-task" not in first and first.endswith("--run-dir runs/two rounds=2 --resume=latest")
     # resubmitted (e.g. after the time limit) with more rounds: it resumes from the checkpoint by itself (an
     # argument given to the script wins over the one it was generated with)
@@ -148,6 +149,7 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
                            timeout=MPI_TIMEOUT, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert "resuming run runs/two from ckpt-r000002.h5 (round 2 of 3 done; round 3 to go)" in again.stderr
 
 
 def test_scripts_pass_shellcheck(tmp_path):
@@ -170,7 +172,7 @@ def test_a_rank_count_the_config_cannot_run_on_is_refused_before_a_script_is_wri
 def test_every_rank_is_signalled_before_the_time_limit_to_checkpoint_in_time(tmp_path):
     """Slurm's own SIGTERM comes at the limit and SIGKILL KillWait (30 s by default) later, less than a large
     model's round: the script asks for SIGTERM a tenth of the limit (at most 5 min) earlier, or --stop-before."""
-    from mpifl.cli.slurm import slurm_seconds
+    from mpifl.cli.job_options import slurm_seconds
 
     assert [slurm_seconds(t) for t in ("90", "90:30", "02:00:00", "1-00", "1-02:30", "2-00:00:05", "soon")] == [
         5400, 5430, 7200, 86400, 95400, 172805, None]
@@ -182,3 +184,55 @@ def test_every_rank_is_signalled_before_the_time_limit_to_checkpoint_in_time(tmp
         assert directive in (tmp_path / "j.sbatch").read_text(), options
     assert mpifl_here("slurm", str(cfg), "--stop-before", "0", "-o", str(tmp_path / "j.sbatch")).returncode == 0
     assert "--signal" not in (tmp_path / "j.sbatch").read_text()
+
+
+def test_srun_is_given_the_process_management_interface_of_the_mpi_found():
+    """Slurm's default MpiDefault=none starts srun's tasks as singletons; MPICH and what derives from it read
+    PMI-2 (PyPI's wheel cannot read PMIx), Open MPI 5 reads only PMIx."""
+    from mpifl.cli.slurm_site import srun_mpi_plugin
+
+    assert [srun_mpi_plugin(v) for v in (
+        "MPICH Version: 5.0.2", "Open MPI v5.0.3, package: Open MPI builder Distribution", "CRAY MPICH version 8.1.28",
+        "Intel(R) MPI Library 2021.10 for Linux* OS", "MVAPICH2 Version : 2.3.7", "", "Some MPI 1.0")] == [
+        "pmi2", "pmix", "pmix", "pmi2", "pmi2", "", ""]
+
+
+def test_a_job_that_cannot_fit_its_partition_is_named_when_the_script_is_written():
+    """sbatch accepts 3 tasks of 1 CPU on a 2-CPU node, and the job then stays pending for ever
+    (Reason=PartitionConfig): mpifl slurm says so, from what sinfo lists."""
+    from mpifl.cli.slurm_site import JobShape, fit_problems, parse_sinfo
+
+    listing = "debug*|2|24105|1|infinite\nbig|64+|512000|4|2-00:00:00\nbig|32|256000|2|2-00:00:00\n"
+    default, names = parse_sinfo(listing, "")
+    assert names == ["debug*", "big"] and default is not None and (default.name, default.cpus) == ("debug", 2)
+    big, _ = parse_sinfo(listing, "big")
+    assert big is not None and (big.cpus, big.memory_mb, big.nodes, big.max_seconds) == (32, 256000, 6, 172800)
+    assert parse_sinfo(listing, "gpu")[0] is None
+
+    three_on_two = fit_problems(JobShape(1, 3, 1, False, 600, None), default)
+    assert len(three_on_two) == 1 and "3 CPUs, but the nodes of partition 'debug' have 2" in three_on_two[0]
+    assert "--overcommit" in three_on_two[0]
+    assert fit_problems(JobShape(1, 3, 2, True, 600, None), default) == []  # the ranks share the node's 2 CPUs
+    too_much = fit_problems(JobShape(8, 4, 8, False, 3 * 86400, 600000.0), big)
+    assert [p.split(",")[0] for p in too_much] == ["8 nodes", "--time of 259200 s", "--mem of 600000 MB per node"]
+
+
+def test_an_srun_that_starts_singletons_is_told_to_pass_srun_mpi():
+    from mpifl.planning.world import srun_singleton_problem
+
+    said = srun_singleton_problem(1, "3")
+    assert said is not None and said.startswith("srun started 3 tasks, but each one's MPI sees a world of 1 rank")
+    assert "`srun --mpi=pmi2`" in said and "SLURM_MPI_TYPE" in said
+    assert [srun_singleton_problem(*case) for case in ((1, None), (1, "1"), (3, "3"), (1, "x"))] == [None] * 4
+
+
+def test_a_script_whose_python_cannot_import_mpifl_stops_before_srun_and_says_what_to_set(tmp_path):
+    cfg = write_config(tmp_path / "two.yaml", TINY)
+    script = tmp_path / "two.sbatch"
+    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "0", "-o", str(script)).returncode == 0
+    assert f"MPIFL_PYTHON=${{MPIFL_PYTHON:-{sys.executable}}}" in script.read_text()  # by path: bash -l keeps it
+    env, log = fake_slurm(tmp_path, "exit 0")
+    env["MPIFL_PYTHON"] = str(tmp_path / "no-such-venv" / "bin" / "python")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert run.returncode == 2 and not log.exists()
+    assert "cannot import mpifl: set MPIFL_PYTHON (or MPIFL_VENV)" in run.stderr

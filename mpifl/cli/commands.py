@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,12 +61,18 @@ def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked
         with tracked(memray_dir, comm.Get_rank(), memray_native):
             outcome = guarded(lambda: run_rank(comm, cfg, run_dir, point))
     except SetupError as err:
-        if comm.Get_rank() == 0:
+        if comm.Get_rank() == 0 and not _another_singleton(comm):
             log(f"mpifl: {err}", rank=0)
         return 2
     if outcome is not None and outcome.interrupted:  # exit 0 means every round asked for is on disk
         return INTERRUPTED
     return 0
+
+
+def _another_singleton(comm: MPI.Intracomm) -> bool:
+    """Whether this is one of several srun tasks that each started alone, and not the first: the first says why
+    for all of them, so the job's log holds the reason once."""
+    return comm.Get_size() == 1 and os.environ.get("SLURM_PROCID", "0") != "0"
 
 
 def check_plugins(cfg: Config) -> list[str]:

@@ -30,6 +30,24 @@ def slurm_megabytes(text: str) -> float | None:
     return value * SLURM_MEMORY_UNITS[unit] if 0 <= value < float("inf") else None
 
 
+def slurm_seconds(text: str) -> int | None:
+    """A Slurm time limit in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats); None for anything else."""
+    days, _, rest = text.rpartition("-")
+    try:
+        parts = [int(p) for p in rest.split(":")]
+        day_count = int(days) if days else 0
+    except ValueError:
+        return None
+    if days:  # days-hours[:minutes[:seconds]]
+        units = [3600, 60, 1][:len(parts)]
+    else:  # minutes, minutes:seconds, hours:minutes:seconds
+        units = {1: [60], 2: [60, 1], 3: [3600, 60, 1]}.get(len(parts), [])
+    if not units or len(units) != len(parts):
+        return None
+    return day_count * 86400 + sum(p * u for p, u in zip(parts, units))
+
+
 def slurm_memory(text: str) -> str:
     """``--mem``'s argument type: ``text`` as given when Slurm would take it, else argparse's error."""
     if text and slurm_megabytes(text) is None:
@@ -145,6 +163,12 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
                    "0: all of each node's memory (Slurm's special case), so that a cluster's default memory per "
                    "CPU cannot end the job short of what the check counted; a size replaces --node-memory-gb in "
                    "the check; '': no --mem line")
+    p.add_argument("--mpi", default=None, help="srun --mpi: the process-management interface (PMI) the ranks' MPI "
+                   "reads (default: from the MPI that mpi4py finds here: pmi2 for MPICH, PyPI's included, Intel MPI "
+                   "and MVAPICH; pmix for Open MPI and Cray MPICH); '': srun's default (MpiDefault, SLURM_MPI_TYPE)")
+    p.add_argument("--overcommit", action="store_true", help="let a node's ranks share its CPUs (#SBATCH and srun "
+                   "--overcommit: --cpus-per-task is counted once per node, not per rank), e.g. 3 ranks on a "
+                   "2-core workstation")
     p.add_argument("--log", default="%x-%j.out", help="#SBATCH --output: the file for the job's stdout and "
                    "stderr (Slurm's filename patterns: job name, job id)")
     add_gpu_argument(p)

@@ -22,14 +22,19 @@ from mpifl.config import Config, load_config
 from mpifl.planning.memory import MemoryEstimate
 
 # After the launcher exits 0, the run directory decides the job's exit status (both schedulers' scripts).
-FINAL_CHECK = """\
+FINAL_CHECK_TEMPLATE = """\
 # A launcher can report 0 after a rank left through C's _exit and it killed the others: the run directory
 # decides. `mpifl status` says how far the run got and which ranks did not finish; 0 only when complete.
 if [[ "$STATUS" == 0 && -f "$RUN_DIR/config.yaml" ]]; then
-  mpifl status "$RUN_DIR" || STATUS=$?
+  {mpifl} status "$RUN_DIR" || STATUS=$?
 fi
 exit "$STATUS"
 """
+
+
+def final_check(mpifl: str = "mpifl") -> str:
+    """The script's last lines, with ``mpifl`` as the script calls it."""
+    return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl)
 
 
 @dataclass(frozen=True)

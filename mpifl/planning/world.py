@@ -45,6 +45,19 @@ class GroupLayout:
         return 0 if group is None else 1 + group * self.ranks_per_client
 
 
+def srun_singleton_problem(size: int, srun_tasks: str | None) -> str | None:
+    """Why a world of one rank under an srun of several tasks (``SLURM_STEP_NUM_TASKS``, which srun sets on each
+    task and a batch script does not have) cannot run, naming the cause: srun gave the tasks no process-management
+    interface that this MPI reads, so each started alone (Slurm's ``MpiDefault=none`` as installed)."""
+    if size != 1 or not (srun_tasks or "").isdigit() or int(srun_tasks or 0) < 2:
+        return None
+    return (f"srun started {srun_tasks} tasks, but each one's MPI sees a world of 1 rank: srun gave them no "
+            "process-management interface (PMI) that this MPI reads (Slurm's default MpiDefault=none), so each "
+            "started alone. Launch with `srun --mpi=pmi2` for MPICH (PyPI's mpich too), Intel MPI or MVAPICH, "
+            "or `srun --mpi=pmix` for Open MPI, or export SLURM_MPI_TYPE to one of them; `srun --mpi=list` names "
+            "the plugins this Slurm has, and `mpifl slurm` writes the one for the MPI it finds")
+
+
 def world_problem(size: int, cfg: Config) -> str | None:
     """Why ``size`` ranks (the server and the client ranks) cannot run this config, or None: what ``mpifl run``
     refuses before any round, and ``mpifl plan``, ``pbs`` and ``slurm`` before a job is written."""

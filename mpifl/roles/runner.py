@@ -27,7 +27,7 @@ from mpifl.logs import log
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
-from mpifl.planning.world import GroupLayout, world_problem
+from mpifl.planning.world import GroupLayout, srun_singleton_problem, world_problem
 from mpifl.roles.build_client import client_state_parts, rank_replica, serve_as_client, serve_as_member
 from mpifl.roles.build_server import RunOutcome, open_checkpoint, serve_as_server
 from mpifl.roles.data import local_data, shared_dataset, vocabulary_problem
@@ -44,8 +44,9 @@ from mpifl.wire.transport import use_doorbells
 
 
 def check_world(size: int, cfg: Config) -> None:
-    """Refuse rank counts that cannot run this config (``planning.world.world_problem``)."""
-    problem = world_problem(size, cfg)
+    """Refuse rank counts that cannot run this config (``planning.world.world_problem``), and the singletons of
+    an srun without a PMI with their cause (``planning.world.srun_singleton_problem``)."""
+    problem = srun_singleton_problem(size, os.environ.get("SLURM_STEP_NUM_TASKS")) or world_problem(size, cfg)
     if problem:
         raise SetupError(problem)
 

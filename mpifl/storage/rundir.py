@@ -128,6 +128,15 @@ def verified_resume(resume: Path, latest: bool, feedback: bool = False) -> Resum
     return None
 
 
+def resume_line(run_dir: Path, point: ResumePoint, rounds: int) -> str:
+    """What a resumed job's log says first: the run it continues, the checkpoint, and the rounds left. A chain of
+    batch jobs is read from its logs, so each must say where it started."""
+    left = rounds - point.round
+    rest = {0: "no rounds left to train", 1: f"round {rounds} to go"}.get(left, f"rounds {point.round + 1}..{rounds} "
+                                                                           "to go")
+    return f"resuming run {run_dir} from {point.path.name} (round {point.round} of {rounds} done; {rest})"
+
+
 def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
                     resume_asked: str | None = None) -> tuple[Path, ResumePoint | None]:
     """Ready the run directory (never over another run) and pick the verified checkpoint to resume from.
@@ -141,6 +150,7 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
         point = verified_resume(resume, latest=resume_asked == "latest", feedback=keeps_residuals(cfg))
     if point is not None:
         rewind_metrics(path / METRICS, point)
+        log(resume_line(path, point, cfg.rounds), rank=0)
     elif (path / METRICS).exists() and resume_asked:
         aside = path / f"{METRICS}.before-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(path / METRICS, aside)
