@@ -173,8 +173,8 @@ class FrozenWatchTrainer:
 
 
 class Straggling(NoiseTrainer):
-    """NoiseTrainer that takes FL_HELPERS_CLIENT_SECONDS per logical client, and 10 times as long on rank
-    FL_HELPERS_SLOW_RANK for its FL_HELPERS_SLOW_CALLS-th trainings (comma-separated, counted from 1). It runs a
+    """NoiseTrainer that takes FL_HELPERS_CLIENT_SECONDS per logical client, and FL_HELPERS_SLOW_FACTOR (10) times as
+    long on rank FL_HELPERS_SLOW_RANK for its FL_HELPERS_SLOW_CALLS-th trainings (comma-separated, from 1). It runs a
     forward pass every 0.1 s meanwhile, so the rank keeps reporting progress: slow, not silent. Trainings are
     counted per trainer, which a run builds once per rank, so a job in the suite's pool counts its own."""
 
@@ -189,7 +189,8 @@ class Straggling(NoiseTrainer):
         self.calls += 1
         slow = MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FL_HELPERS_SLOW_RANK", "-1")) and \
             str(self.calls) in os.environ.get("FL_HELPERS_SLOW_CALLS", "").split(",")
-        until = time.monotonic() + float(os.environ.get("FL_HELPERS_CLIENT_SECONDS", "0")) * (10 if slow else 1)
+        factor = float(os.environ.get("FL_HELPERS_SLOW_FACTOR", "10")) if slow else 1.0
+        until = time.monotonic() + float(os.environ.get("FL_HELPERS_CLIENT_SECONDS", "0")) * factor
         training = model.training
         model.eval()  # the forward passes report progress and change nothing (BatchNorm's statistics included)
         with torch.no_grad():

@@ -121,3 +121,42 @@ def test_a_round_with_cost_groups_names_each_participants_group_and_the_streams_
 def test_cost_groups_need_groups_and_per_round_placement_and_say_so(overrides):
     with pytest.raises(ConfigError, match="clients.group_by: 'cost' forms each round's reduction groups anew"):
         load_config(None, ["clients.group_by=cost", "clients.num_clients=4", *overrides], data={})
+
+
+def busy_round(*overrides: str, state_home=None) -> tuple[RoundAssignment, RoundAssignment]:
+    """Round 1 of 8 clients, all sampled, on 3 client ranks, as planned and with rank 2 busy since round 0."""
+    cfg = load_config(None, ["clients.num_clients=8", "clients.per_round=8", *overrides], data={})
+    sampler = Sampler(3, cfg.clients, placement_for(cfg.clients, 3, [1.0] * 8))
+    plan = sampler.plan(1)
+    return plan, sampler.without_busy(plan, {2: 0}, state_home)
+
+
+def test_a_busy_ranks_clients_are_left_out_of_the_round_as_if_not_sampled_and_it_gets_nothing():
+    plan, busy = busy_round()
+    assert plan.train[2] == [1, 4, 7]
+    assert busy.busy_ranks == {2: 0} and busy.busy_clients == {1: 2, 4: 2, 7: 2}
+    assert busy.participants == (0, 2, 3, 5, 6) and 2 not in busy.train and 2 not in busy.streams
+    assert busy.train == {1: [0, 3, 6], 3: [2, 5]} and busy.streams == busy.train
+
+
+def test_with_reduction_groups_the_ready_ranks_keep_their_groups_partial_sums():
+    _, busy = busy_round("clients.groups=3")
+    assert busy.train == {1: [0, 3, 6], 3: [2, 5]} and busy.streams == {1: [0], 3: [2]}
+
+
+def test_placed_per_round_the_busy_ranks_share_goes_to_the_ready_ranks_and_nobody_is_left_out():
+    plan, busy = busy_round("clients.placement=per_round")
+    assert busy.participants == plan.participants and busy.busy_clients == {}
+    assert sorted(busy.train) == [1, 3] and sorted(c for cs in busy.train.values() for c in cs) == list(range(8))
+
+
+def test_placed_per_round_a_client_whose_state_the_busy_rank_keeps_is_left_out():
+    _, busy = busy_round("clients.placement=per_round", state_home=lambda c: 1 + c % 3)
+    assert busy.busy_clients == {1: 2, 4: 2, 7: 2} and sorted(busy.train) == [1, 3]
+
+
+def test_an_asynchronous_step_is_never_cut_short_for_a_busy_rank():
+    cfg = load_config(None, ["clients.num_clients=8"], data={})
+    sampler = Sampler(3, cfg.clients, placement_for(cfg.clients, 3, None))
+    held = RoundAssignment(1, (0, 1), {1: [0], 2: [1]}, {1: [0], 2: [1]}, hold=True)
+    assert sampler.without_busy(held, {2: 0}) is held

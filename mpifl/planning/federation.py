@@ -1,8 +1,8 @@
 """Who takes part and where they live: sampling, placement and round assignments, pure functions of the config."""
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,15 +42,15 @@ def clients_of_rank(rank: int, num_clients: int, client_ranks: int, groups: int 
     return Placement(client_ranks, groups).clients_of(rank, num_clients)
 
 
-def longest_first(costs: dict[int, float], client_ranks: int) -> dict[int, int]:
-    """Each unit's rank (1..client_ranks): the costliest unit first, each to the least loaded rank (lowest rank on
-    ties), Graham's LPT rule; a pure function of ``costs``, so every call with the same costs agrees."""
-    load = [0.0] * client_ranks
+def longest_first(costs: dict[int, float], client_ranks: int, ranks: Sequence[int] | None = None) -> dict[int, int]:
+    """Each unit's rank (1..client_ranks, or one of ``ranks``): the costliest unit first, each to the least loaded
+    rank (lowest rank on ties), Graham's LPT rule; a pure function of its arguments, so every call agrees."""
+    load = {rank: 0.0 for rank in (ranks if ranks is not None else range(1, client_ranks + 1))}
     rank_of_unit = {}
     for unit in sorted(costs, key=lambda u: (-costs[u], u)):
-        r = min(range(client_ranks), key=lambda i: (load[i], i))
+        r = min(load, key=lambda rank: (load[rank], rank))
         load[r] += costs[unit]
-        rank_of_unit[unit] = 1 + r
+        rank_of_unit[unit] = r
     return rank_of_unit
 
 
@@ -122,8 +122,10 @@ class Placement:
         """Every logical client ``rank`` hosts."""
         return [c for c in range(num_clients) if self.rank_of(c) == rank]
 
-    def by_rank(self, clients: list[int]) -> dict[int, list[int]]:
-        """Map each hosting rank to the (ascending) clients of ``clients`` it serves."""
+    def by_rank(self, clients: list[int], ready: Sequence[int] | None = None,
+                unit_of: dict[int, int] | None = None) -> dict[int, list[int]]:
+        """Map each hosting rank to the (ascending) clients of ``clients`` it serves (``ready`` and ``unit_of``: the
+        ranks that may take them and what stays together, which a fixed placement has no say in)."""
         out: dict[int, list[int]] = {}
         for c in sorted(clients):
             out.setdefault(self.rank_of(c), []).append(c)
@@ -177,13 +179,15 @@ class RoundBalancedPlacement(Placement):
         """Every client: any rank may train any of them."""
         return list(range(num_clients))
 
-    def by_rank(self, clients: list[int]) -> dict[int, list[int]]:
-        """A round's clients by rank: their units (clients, or groups) spread by estimated cost."""
-        group = self.round_groups(clients)
+    def by_rank(self, clients: list[int], ready: Sequence[int] | None = None,
+                unit_of: dict[int, int] | None = None) -> dict[int, list[int]]:
+        """A round's clients by rank: their units (clients, or groups; ``unit_of``: each client's, when the round
+        has fixed them already) spread by estimated cost over the client ranks, or over the ``ready`` ones."""
+        group = unit_of if unit_of is not None else self.round_groups(clients)
         units: dict[int, float] = {}
         for c in clients:
             units[group[c]] = units.get(group[c], 0.0) + self.overhead + self.work[c]
-        rank_of_unit = longest_first(units, self.client_ranks)
+        rank_of_unit = longest_first(units, self.client_ranks, ready)
         out: dict[int, list[int]] = {}
         for c in sorted(clients):
             out.setdefault(rank_of_unit[group[c]], []).append(c)
@@ -226,6 +230,10 @@ class RoundAssignment:
     local_steps: dict[int, int] | None = None  # fedcompass: each trainer's own local steps
     clock: dict = field(default_factory=dict)  # virtual-time fields for the round's record
     groups: dict[int, int] | None = None  # clients.group_by 'cost': each participant's reduction group this round
+    # clients.accept_failures: ranks still training a round they were dropped from (rank -> that round), which get
+    # nothing this round, and the sampled clients left out for them, as if not sampled (client -> that rank)
+    busy_ranks: dict[int, int] = field(default_factory=dict)
+    busy_clients: dict[int, int] = field(default_factory=dict)
 
     def group_of(self, client: int, groups: int) -> int:
         """``client``'s reduction group this round (``groups``: clients.groups)."""
@@ -257,6 +265,36 @@ class Sampler:
         groups = self.placement.round_groups(participants) if self.clients.group_by == "cost" else None
         return RoundAssignment(round_, tuple(participants), self.by_rank(participants), self.streams(participants),
                                groups=groups)
+
+    def without_busy(self, plan: RoundAssignment, busy: dict[int, int],
+                     state_home: Callable[[int], int] | None = None) -> RoundAssignment:
+        """``plan`` with the ``busy`` ranks (rank -> the round they were dropped from and still train) left out, so
+        that nobody waits for them: a client whose rank is busy (or, when per-client state is lent, whose state's
+        home is) is left out of the round as if it had not been sampled; under ``clients.placement: per_round`` the
+        rest is dealt to the ready ranks. Only for a plain synchronous round: asynchronous steps and fixed
+        weights or divisors never drop a rank."""
+        if not busy or plan.hold or plan.order is not None or plan.weights is not None or \
+                plan.divisor is not None or plan.local_steps is not None:
+            return plan
+        per_round = isinstance(self.placement, RoundBalancedPlacement)
+        ready = [r for r in range(1, self.placement.client_ranks + 1) if r not in busy]
+        left_out: dict[int, int] = {}
+        for client in plan.participants:
+            blocker = plan.rank_of(client) if not per_round else None
+            if state_home is not None and state_home(client) in busy:
+                blocker = state_home(client)
+            if blocker in busy:
+                left_out[client] = blocker
+        kept = [c for c in plan.participants if c not in left_out]
+        gs = self.clients.groups
+        train = self.placement.by_rank(kept, ready, {c: plan.group_of(c, gs) for c in kept}) if per_round else {
+            rank: [c for c in clients if c not in left_out] for rank, clients in plan.train.items()}
+        train = {rank: clients for rank, clients in train.items() if clients}
+        groups = {c: g for c, g in plan.groups.items() if c not in left_out} if plan.groups is not None else None
+        streams = {rank: sorted({plan.group_of(c, gs) for c in clients}) if gs else list(clients)
+                   for rank, clients in train.items()}
+        return replace(plan, participants=tuple(kept), train=train, streams=streams, groups=groups,
+                       busy_ranks=dict(busy), busy_clients=left_out)
 
     def stream_members(self, plan: RoundAssignment, rank: int, stream: int) -> tuple[int, ...]:
         """The logical clients whose updates ``rank``'s stream ``stream`` carries in ``plan``: the participant

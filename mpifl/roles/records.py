@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,6 +10,7 @@ from mpifl.logs import log
 from mpifl.units import MIB
 
 if TYPE_CHECKING:
+    from mpifl.planning.federation import RoundAssignment
     from mpifl.wire.protocol import UpdateMeta
 
 
@@ -39,6 +40,17 @@ class RoundTimes:
             "other": self.end - self.checkpointed,
             "round": self.end - self.start,
         }
+
+
+def dropped_entries(plan: RoundAssignment, metas: dict[int, UpdateMeta],
+                    rank_of: Callable[[RoundAssignment, int], int]) -> list[dict]:
+    """The round's dropped clients, by id, each with its rank and why: past a deadline or failed (its update's
+    error), or left out because its rank was still training a round it had been dropped from."""
+    reasons = {c: (rank_of(plan, c), m.error) for c, m in metas.items() if m.error is not None}
+    for client, rank in plan.busy_clients.items():
+        reasons[client] = (rank, f"rank {rank} was still training round {plan.busy_ranks[rank]}, from which it was "
+                                 "dropped past its deadline: left out of this round as if not sampled, not waited for")
+    return [{"client": c, "rank": rank, "reason": why} for c, (rank, why) in sorted(reasons.items())]
 
 
 def secagg_record(metas: dict[int, UpdateMeta]) -> dict:

@@ -34,6 +34,7 @@ from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import (
     RoundTimes,
     client_metrics,
+    dropped_entries,
     federated_evaluation,
     group_split,
     note_memory_growth,
@@ -141,12 +142,14 @@ class Server:
 
     def heard(self) -> list[int]:
         """The ranks heard from since the last call: progress reports, and chunks of dropped ranks' late streams."""
-        return self.inbox() + self.late()
+        reported = self.inbox()
+        self.late.note(reported)
+        return reported + self.late()
 
     def round(self, round_: int) -> tuple[dict, bool]:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
-        plan = parts.sampler.plan(round_)
+        plan = self._without_busy(parts.sampler.plan(round_))
         parts.strategy.begin_round(round_, len(plan.participants))
         self._send_headers(plan)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
@@ -207,13 +210,31 @@ class Server:
                 return None
             return max(started.get(rank, 0.0), self.late.finished.get(rank, 0.0)) or None
 
-        client_ranks = self.comm.Get_size() - 1
-
         def owe(owed: OwedStream) -> None:
             self.late.add(owed)
-            self.parts.dropped.note(owed, (lambda c: state_home(c, client_ranks)) if self.parts.lends_state else None)
+            self.parts.dropped.note(owed, self._state_home())
 
         return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), owe)
+
+    def _without_busy(self, plan: RoundAssignment) -> RoundAssignment:
+        """clients.accept_failures: ``plan`` without the ranks still training a round they were dropped from, which
+        nobody waits for (a rank silent too long is retired: wire.late.LateStreams.busy)."""
+        busy = self.late.busy(plan.round, self.parts.deadlines.current().first_update)
+        if not busy:
+            return plan
+        plan = self.parts.sampler.without_busy(plan, busy, self._state_home())
+        for rank, since in sorted(plan.busy_ranks.items()):
+            left = [c for c, r in sorted(plan.busy_clients.items()) if r == rank]
+            what = f"logical clients {range_list(left)} left out of it as if not sampled" if left else "nothing to do"
+            log(f"round {plan.round}: rank {rank} is still training round {since}, from which it was dropped: "
+                f"{what}, not waited for", rank=0)
+        return plan
+
+    def _state_home(self) -> Callable[[int], int] | None:
+        """Where each client's per-client state is kept, when it is lent to the rank that trains the client
+        (``clients.placement: per_round``); else None."""
+        client_ranks = self.comm.Get_size() - 1
+        return (lambda c: state_home(c, client_ranks)) if self.parts.lends_state else None
 
     def _reduce(self, plan: RoundAssignment, watchdog: Watchdog, started: dict[int, float]) -> ReductionStats:
         """Fold the round's updates into the global model as they stream in; the store writes finished chunks.
@@ -369,16 +390,17 @@ class Server:
                         reduce_stream=stream if rank in chain else None, borrow=tuple(borrow.get(rank, ())),
                         lend=tuple(lend.get(rank, ())), **held)
 
-        wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
+        skipped = plan.busy_ranks if plan is not None else {}  # they read the header of the round they rejoin
+        wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())
+                  if r not in skipped])
 
     def _record(self, plan: RoundAssignment, metas: dict, evaluation: dict | None, times: RoundTimes) -> dict:
         usable = sorted((m for m in metas.values() if m.error is None), key=lambda m: m.client)  # not arrival order
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         record = {
             "round": plan.round,
-            "participants": list(plan.participants),
-            "dropped": [{"client": c, "rank": self._rank_of(plan, c), "reason": m.error}
-                        for c, m in sorted(metas.items()) if m.error is not None],
+            "participants": sorted({*plan.participants, *plan.busy_clients}),
+            "dropped": dropped_entries(plan, metas, self._rank_of),
             "train_loss": sum(loss * n for loss, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
             "bytes_sent": self.parts.plan.model_bytes * len(self._model_dests(plan)),

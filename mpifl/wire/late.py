@@ -79,6 +79,8 @@ class LateStreams:
         self.owed: list[OwedStream] = []
         self.drains: dict[int, _Drain] = {}  # id(owed stream) -> its receives
         self.finished: dict[int, float] = {}  # rank -> time.monotonic() when its last owed stream was in
+        self.heard_at: dict[int, float] = {}  # rank -> when it last sent anything: a late chunk, a progress report
+        self.retired: set[int] = set()  # busy ranks silent past the deadline (said once)
         self.status = MPI.Status()
 
     def add(self, owed: OwedStream) -> None:
@@ -98,12 +100,41 @@ class LateStreams:
                 heard.append(owed.rank)
             if owed.done:
                 self._retire(owed)
+        self.note(heard)
         return heard
+
+    def note(self, ranks: list[int]) -> None:
+        """``ranks`` were heard from just now (their progress reports count: a busy rank reports its training)."""
+        now = time.monotonic()
+        for rank in ranks:
+            self.heard_at[rank] = now
+            self.retired.discard(rank)
+
+    def busy(self, round_: int, silence_limit: float, setting: str = "timeouts.first_update") -> dict[int, int]:
+        """The ranks still sending a round they were dropped from (rank -> that round), which round ``round_``
+        leaves out rather than wait for. One silent past ``silence_limit`` s (``setting``) since it was dropped or
+        last heard from is retired, said once: every round leaves it out until it is heard from again, and if it
+        never is, ``finish`` ends the job naming it once the last round is on disk."""
+        now = time.monotonic()
+        busy: dict[int, int] = {}
+        for owed in self.owed:
+            busy[owed.rank] = min(busy.get(owed.rank, owed.round), owed.round)
+            silent = now - self._last_heard(owed)
+            if silent > silence_limit and owed.rank not in self.retired:
+                self.retired.add(owed.rank)
+                self.log(f"round {round_}: rank {owed.rank}, dropped from round {owed.round} past its deadline, has "
+                         f"sent nothing for {silent:.1f} s (past {silence_limit:g} s, {setting}): retired, every "
+                         "round leaves it out until it is heard from; if it never is, the job ends non-zero, naming "
+                         "it, once the last round is on disk")
+        return busy
+
+    def _last_heard(self, owed: OwedStream) -> float:
+        return max(owed.dropped_at, self.heard_at.get(owed.rank, 0.0))
 
     def finish(self, silence_limit: float, setting: str = "timeouts.first_update") -> None:
         """Take up everything still owed (before the stop); a rank silent past ``silence_limit`` s (``setting``)
         ends the job."""
-        backoff, last = Backoff(), {o.rank: time.monotonic() for o in self.owed}
+        backoff, last = Backoff(), {o.rank: self._last_heard(o) for o in self.owed}
         while self.owed:
             heard = self()
             now = time.monotonic()
