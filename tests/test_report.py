@@ -45,7 +45,8 @@ def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
 
 
 def test_virtual_time_runs_get_accuracy_against_virtual_time_staleness_and_participation(tmp_path):
-    from mpifl.cli.report import compare_table, write_report
+    from mpifl.cli.compare import compare_runs
+    from mpifl.cli.report import write_report
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -58,13 +59,7 @@ def test_virtual_time_runs_get_accuracy_against_virtual_time_staleness_and_parti
     written = {p.name for p in write_report(run_dir, tmp_path / "out")}
     assert {"virtual_time.png", "staleness.png", "participation.png"} <= written
     assert all((tmp_path / "out" / n).read_bytes()[:8] == PNG for n in written)
-    assert "| run | fedavg | fedbuff | 3 | 7.5 | 0.8000 | 0.8000 |" in compare_table([str(run_dir)], 0.6)
-    # a misspelt metric is named with the closest one, not tabulated as nan and 'not reached'
-    with pytest.raises(SystemExit, match=r"mpifl compare: --metric 'eval.acuracy' is in no round of these runs; "
-                                         r"did you mean 'eval.accuracy'\?"):
-        compare_table([str(run_dir)], 0.6, "eval.acuracy")
-    with pytest.raises(SystemExit, match=r"mpifl compare: .*nope/metrics.jsonl does not exist"):
-        compare_table([str(run_dir), str(tmp_path / "nope")], 0.6)
+    assert "| run | fedavg | fedbuff | 3 | 7.5 | 0.8000 | 0.8000 |" in compare_runs([str(run_dir)], target=0.6)[0]
 
 
 def _records(totals_first: float = 3.0, rounds: int = 15, rss=None) -> list[dict]:

@@ -9,6 +9,7 @@ import yaml
 from conftest import finish, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
 from reference import reference_run
 
+from mpifl.cli.compare import compare_runs
 from mpifl.cli.sweep import grid_overrides, run_dir_name
 from mpifl.config import ConfigError, load_config
 from mpifl.storage.hdf5 import load_tensors
@@ -62,6 +63,12 @@ def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skip
             expected = reference_run(load_config(None, data=yaml.safe_load(CONFIG), overrides=point))
             for name, value in expected.items():
                 assert np.array_equal(got[name].numpy().view(np.int32), value.view(np.int32)), (point, name)
+    # mpifl compare pools the seeds of each weighting into mean ± std, the lowest train loss being the best
+    text, groups = compare_runs(sorted(str(p) for p in runs.iterdir()), "train_loss")
+    assert [(label, [o.config["seed"] for o in members]) for label, members in groups] == [
+        ("strategy.weighting=equal", [1, 2]), ("strategy.weighting=samples", [1, 2])]
+    assert all(o.best == min(o.curve.values()) for _, members in groups for o in members)
+    assert "| runs (seeds pooled) | n | seeds | best (lower), mean ± std | final, mean ± std |" in text
     again = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--grid", "strategy.weighting=samples,equal",
                     "--runs-dir", str(runs), "--resume")
     assert again.returncode == 0, again.stderr

@@ -47,11 +47,17 @@ def _parser() -> argparse.ArgumentParser:
                                             "labels); optional plot"))
     part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
     part.set_defaults(func=commands.partition)
-    cmp_ = _command(sub, "compare", "rounds and virtual seconds to a target accuracy, per run directory "
-                                          "(e.g. one per strategy or clock mode)")
+    cmp_ = _command(sub, "compare", "runs side by side (best, final, rounds to a target), and runs that differ "
+                                    "only in their seed as mean ± std; optionally one figure of their curves")
     cmp_.add_argument("run_dirs", nargs="+", help="run directories to compare (each with metrics.jsonl)")
-    cmp_.add_argument("--target", type=float, required=True, help="accuracy to reach, e.g. 0.9")
+    cmp_.add_argument("--target", type=float, help="a value to reach, e.g. 0.9: the first round (and virtual "
+                      "second) that reaches it")
     cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")
+    cmp_.add_argument("--better", choices=("auto", "higher", "lower"), default="auto", help="which way is better: "
+                      "auto reads it from the metric's name (loss, perplexity, error, time, bytes: lower)")
+    cmp_.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="the tables' format")
+    cmp_.add_argument("--plot", metavar="PNG", help="also draw each group's mean curve with ± one std shaded "
+                      "(needs the 'plot' extra)")
     cmp_.set_defaults(func=commands.compare)
     ins = _command(sub, "inspect", "print a checkpoint's round, tensors, config and versions")
     ins.add_argument("checkpoint", help="an mpifl checkpoint (.h5): ckpt-r<round>.h5 or model.h5")

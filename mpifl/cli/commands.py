@@ -163,10 +163,13 @@ def partition(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    """``mpifl compare``: rounds (and virtual seconds) to a target per run directory."""
-    from mpifl.cli.report import compare_table
+    """``mpifl compare``: runs side by side, seeds pooled into mean ± std, and optionally one figure."""
+    from mpifl.cli.compare import compare_runs, plot_groups
 
-    print(compare_table(args.run_dirs, args.target, args.metric))
+    text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format)
+    print(text)
+    if args.plot:
+        print(f"wrote {plot_groups(groups, args.metric, args.plot)}")
     return 0
 
 

@@ -87,9 +87,9 @@ def write_profile_report(directory: str | Path, flamegraph: bool = False) -> Pat
 
 
 def _plot(directory: Path, summaries: list[dict]) -> None:
-    from mpifl.cli.report import _pyplot
+    from mpifl.cli.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     for s in summaries:
         if not s["snapshots"]:
             continue

@@ -1,7 +1,6 @@
 """``mpifl report RUN_DIR``: PNG plots from a run's metrics.jsonl (needs the 'plot' extra)."""
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,8 @@ if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
 SPLIT = ("dispatch", "client_train", "return", "aggregate", "eval", "checkpoint", "other")
 
 
-def _pyplot() -> ModuleType:
+def pyplot() -> ModuleType:
+    """The pyplot module of matplotlib on the Agg backend (files, no display), or a clear exit naming the extra."""
     try:
         import matplotlib
     except ImportError:
@@ -66,44 +66,10 @@ def metric_keys(records: list[dict]) -> set[str]:
     return keys
 
 
-def rounds_to_target(records: list[dict], target: float, metric: str = "eval.accuracy") -> int | None:
-    """The first round whose metric reaches ``target`` (None if never)."""
-    return next((r["round"] for r in records if (metric_of(r, metric) or float("-inf")) >= target), None)
-
-
-def virtual_time_to_target(records: list[dict], target: float, metric: str = "eval.accuracy") -> float | None:
-    """Virtual seconds until the metric first reaches ``target`` (None if never, or not a virtual-time run)."""
-    return next((r.get("virtual_time") for r in records if (metric_of(r, metric) or float("-inf")) >= target), None)
-
-
 def saved_config(run_dir: Path) -> dict:
     """The config the run recorded (``config.yaml``, resolved), or {} where it has none."""
     config = run_dir / "config.yaml"
     return (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
-
-
-def compare_table(run_dirs: list[str], target: float, metric: str = "eval.accuracy") -> str:
-    """A Markdown table: per run, its strategy (and clock mode), rounds and virtual seconds to ``target``,
-    best and final metric."""
-    rows = [f"| run | strategy | clock | rounds to {metric} >= {target} | virtual s to it | best | final |",
-            "|---|---|---|---|---|---|---|"]
-    runs = [(run_dir, load_metrics(run_dir, "compare")) for run_dir in map(Path, run_dirs)]
-    known = set().union(*(metric_keys(records) for _, records in runs))
-    if metric not in known:
-        close = difflib.get_close_matches(metric, sorted(known), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
-                         f"{', '.join(sorted(k for k in known if not k.startswith('ranks.')))})")
-    for run_dir, records in runs:
-        saved = saved_config(run_dir)
-        values = [v for v in (metric_of(r, metric) for r in records) if v is not None]
-        reached = rounds_to_target(records, target, metric)
-        seconds = virtual_time_to_target(records, target, metric)
-        rows.append(f"| {run_dir.name} | {saved.get('strategy', {}).get('name', '?')} | "
-                    f"{saved.get('clock', {}).get('mode', 'off')} | {reached if reached else 'not reached'} | "
-                    f"{f'{seconds:.1f}' if seconds is not None else '-'} | "
-                    f"{max(values, default=float('nan')):.4f} | {values[-1] if values else float('nan'):.4f} |")
-    return "\n".join(rows)
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
@@ -112,7 +78,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     out = Path(out) if out else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     records = load_metrics(run_dir)
-    plt = _pyplot()
+    plt = pyplot()
     written = []
     local = kept_local_tensors(run_dir)
     plots = [("quality.png", lambda fig, ax, records: _quality(fig, ax, records, local)),

@@ -1,0 +1,176 @@
+"""``mpifl compare RUN_DIR ...``: runs side by side, and the runs that differ only in their seed as one row of
+mean ± std, as a paper reports them; optionally one figure of every group's curve with its spread shaded.
+
+Which way is better depends on the metric: a loss, a perplexity, an error, seconds and bytes are better lower;
+accuracy is better higher. The direction is read from the metric's name (``better_direction``), and
+``--better`` overrides it. Runs are grouped by their recorded config (``config.yaml``) with ``seed``, ``name`` and
+``output`` left out, so a sweep's ``--grid seed=0,1,2`` falls into one group per other setting.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpifl.cli.report import load_metrics, metric_keys, metric_of, pyplot, saved_config
+
+LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "bytes", "staleness"})
+NOT_THE_SETTING = frozenset({"seed", "name", "output"})  # what a group's runs may differ in
+
+
+def better_direction(metric: str, asked: str = "auto") -> str:
+    """'lower' or 'higher': ``asked`` unless 'auto', else 'lower' when any word of the dotted key is a loss, a
+    perplexity, an error, a time or a size (``eval.loss``, ``train_loss``, ``time.round``, ``bytes_sent``)."""
+    if asked != "auto":
+        return asked
+    words = metric.replace(".", "_").split("_")
+    return "lower" if LOWER_WORDS.intersection(words) else "higher"
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One run's metric: its best and final values, and when it first reached the target."""
+
+    run_dir: Path
+    config: dict
+    curve: dict[int, float]  # round -> value, for the rounds that recorded the metric
+    best: float
+    final: float
+    reached_round: int | None
+    reached_virtual_seconds: float | None
+
+
+def outcome(run_dir: Path, records: list[dict], metric: str, target: float | None, lower: bool) -> RunOutcome:
+    """``records``' metric as one run's outcome (better = ``lower`` or higher)."""
+    curve = {r["round"]: float(v) for r in records if (v := metric_of(r, metric)) is not None}
+    values = list(curve.values())
+    pick = min if lower else max
+    reached = None if target is None else next(
+        (r for r in records if (v := metric_of(r, metric)) is not None and (v <= target if lower else v >= target)),
+        None)
+    return RunOutcome(run_dir, saved_config(run_dir), curve, pick(values) if values else math.nan,
+                      values[-1] if values else math.nan, reached["round"] if reached else None,
+                      reached.get("virtual_time") if reached else None)
+
+
+def flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutcome]]]:
+    """The runs grouped by everything in their config but the seed (and name, output), in first-seen order, each
+    labelled by the settings that tell the groups apart ('all runs' for a single group)."""
+    def setting(o: RunOutcome) -> dict[str, Any]:
+        return {k: v for k, v in flat(o.config).items() if k.split(".")[0] not in NOT_THE_SETTING}
+
+    keyed: dict[str, list[RunOutcome]] = {}
+    for o in outcomes:
+        keyed.setdefault(json.dumps(setting(o), sort_keys=True, default=str), []).append(o)
+    settings = [setting(members[0]) for members in keyed.values()]
+    differing = sorted({k for s in settings for k in s if any(t.get(k) != s.get(k) for t in settings)})
+    labels = [",".join(f"{k}={s.get(k)}" for k in differing) or "all runs" for s in settings]
+    return list(zip(labels, keyed.values()))
+
+
+def mean_std(values: Sequence[float], digits: int = 4) -> str:
+    """'mean ± std' (the sample standard deviation), or the value alone for one run."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def render(header: Sequence[str], rows: Sequence[Sequence[str]], fmt: str) -> str:
+    """A table as Markdown or as a LaTeX tabular."""
+    if fmt == "latex":
+        def cell(text: str) -> str:
+            return text.replace("\\", "\\textbackslash{}").replace("&", "\\&").replace("%", "\\%").replace(
+                "_", "\\_").replace("#", "\\#").replace("±", "$\\pm$").replace(">=", "$\\geq$").replace(
+                "<=", "$\\leq$")
+        lines = ["\\begin{tabular}{" + "l" * len(header) + "}", "\\hline",
+                 " & ".join(map(cell, header)) + " \\\\", "\\hline"]
+        lines += [" & ".join(map(cell, row)) + " \\\\" for row in rows]
+        return "\n".join([*lines, "\\hline", "\\end{tabular}"])
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target: float | None = None,
+                 better: str = "auto", fmt: str = "markdown") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
+    """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
+    the groups (for a figure)."""
+    runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
+    known = set().union(*(metric_keys(records) for _, records in runs))
+    if metric not in known:
+        import difflib
+
+        close = difflib.get_close_matches(metric, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
+                         f"{', '.join(sorted(k for k in known if not k.startswith('ranks.')))})")
+    direction = better_direction(metric, better)
+    lower = direction == "lower"
+    outcomes = [outcome(d, records, metric, target, lower) for d, records in runs]
+    reach = f"rounds to {metric} {'<=' if lower else '>='} {target:g}" if target is not None else None
+    header = ["run", "strategy", "clock", *([reach, "virtual s to it"] if reach else []), f"best ({direction})",
+              "final"]
+    rows = []
+    for o in outcomes:
+        to_target = [str(o.reached_round) if o.reached_round else "not reached",
+                     f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"]
+        rows.append([o.run_dir.name, str(o.config.get("strategy", {}).get("name", "?")),
+                     str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []),
+                     f"{o.best:.4f}", f"{o.final:.4f}"])
+    text = render(header, rows, fmt)
+    groups = seed_groups(outcomes)
+    if any(len(members) > 1 for _, members in groups):
+        group_rows = []
+        for label, members in groups:
+            seeds = ",".join(str(o.config.get("seed", "?")) for o in members)
+            reached = [float(o.reached_round) for o in members if o.reached_round]
+            group_rows.append([label, str(len(members)), seeds, mean_std([o.best for o in members]),
+                               mean_std([o.final for o in members]),
+                               *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else [])])
+        text += "\n\n" + render(["runs (seeds pooled)", "n", "seeds", f"best ({direction}), mean ± std",
+                                 "final, mean ± std", *([f"{reach}, mean ± std"] if reach else [])], group_rows, fmt)
+    return text, groups
+
+
+def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, path: str | Path) -> Path:
+    """One figure: each group's mean curve over the rounds every one of its runs recorded, with ± one standard
+    deviation shaded (a single run: its curve alone)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, members in groups:
+        rounds = sorted(set.intersection(*(set(o.curve) for o in members)))
+        if not rounds:
+            continue
+        means = [statistics.fmean(o.curve[r] for o in members) for r in rounds]
+        line, = ax.plot(rounds, means, label=f"{label} (n={len(members)})")
+        if len(members) > 1:
+            spread = [statistics.stdev(o.curve[r] for o in members) for r in rounds]
+            ax.fill_between(rounds, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("round")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric}: mean ± std over seeds")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

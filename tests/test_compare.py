@@ -1,0 +1,83 @@
+"""``mpifl compare``: which way is better follows the metric (a loss lower, accuracy higher), runs that differ only
+in their seed pool into mean ± std, the tables come as Markdown or LaTeX, and one figure draws every group's curve
+with its spread."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import mpifl_here
+
+from mpifl.cli.compare import better_direction, compare_runs
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(folder: Path, strategy: str, seed: int, rounds: int = 5) -> Path:
+    """A finished run's directory: eval.loss = base / round + 0.01 x seed, accuracy = 1 - loss."""
+    base = {"fedavg": 1.0, "fedprox": 0.5}[strategy]
+    folder.mkdir(parents=True)
+    records = [{"round": r, "train_loss": 2 * base / r,
+                "eval": {"loss": base / r + 0.01 * seed, "accuracy": 1 - base / r - 0.01 * seed}}
+               for r in range(1, rounds + 1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "config.yaml").write_text(f"name: grid\nseed: {seed}\nrounds: {rounds}\n"
+                                        f"strategy: {{name: {strategy}}}\noutput: {{dir: {folder}}}\n")
+    return folder
+
+
+@pytest.fixture
+def sweep(tmp_path) -> list[str]:
+    return [str(write_run(tmp_path / f"seed={s},strategy.name={n}", n, s)) for s in (0, 1, 2)
+            for n in ("fedavg", "fedprox")]
+
+
+def test_a_loss_a_perplexity_a_time_or_a_size_is_better_lower_and_accuracy_higher_unless_told():
+    assert [better_direction(m) for m in ("eval.loss", "train_loss", "federated_eval.perplexity", "time.round",
+                                          "bytes_sent", "virtual_time", "eval.accuracy",
+                                          "federated_eval.personal_accuracy")] == ["lower"] * 6 + ["higher"] * 2
+    assert better_direction("eval.loss", "higher") == "higher"
+
+
+def test_the_best_loss_is_the_lowest_and_its_target_is_reached_from_above(sweep):
+    text, _ = compare_runs(sweep[:1], "eval.loss", target=0.3)
+    assert "| rounds to eval.loss <= 0.3 | virtual s to it | best (lower) | final |" in text
+    assert "| seed=0,strategy.name=fedavg | fedavg | off | 4 | - | 0.2000 | 0.2000 |" in text  # 1/4 <= 0.3
+
+
+def test_runs_that_differ_only_in_their_seed_are_one_row_of_mean_and_std(sweep):
+    text, groups = compare_runs(sweep, "eval.loss", target=0.205)
+    assert [(label, len(members)) for label, members in groups] == [
+        ("strategy.name=fedavg", 3), ("strategy.name=fedprox", 3)]
+    # final eval.loss: base / 5 + 0.01 x seed over seeds 0, 1, 2: mean base / 5 + 0.01, sample std 0.01; only
+    # seed 0's fedavg gets to 0.205 (at round 5: 0.2), every fedprox at round 3 (1/6 + 0.02 at most)
+    assert "| strategy.name=fedavg | 3 | 0,1,2 | 0.2100 ± 0.0100 | 0.2100 ± 0.0100 | 5.0 (1/3 reached) |" in text
+    assert "| strategy.name=fedprox | 3 | 0,1,2 | 0.1100 ± 0.0100 | 0.1100 ± 0.0100 | 3.0 ± 0.0 (3/3 reached) |" \
+        in text
+    accuracy, _ = compare_runs(sweep, "eval.accuracy")
+    assert "| strategy.name=fedavg | 3 | 0,1,2 | 0.7900 ± 0.0100 | 0.7900 ± 0.0100 |" in accuracy  # best: highest
+
+
+def test_the_tables_come_as_latex_for_a_paper(sweep):
+    text, _ = compare_runs(sweep, "eval.loss", fmt="latex")
+    assert text.count("\\begin{tabular}") == 2
+    assert "strategy.name=fedavg & 3 & 0,1,2 & 0.2100 $\\pm$ 0.0100 & 0.2100 $\\pm$ 0.0100 \\\\" in text
+    assert "seed=0,strategy.name=fedavg & fedavg & off" in text
+
+
+def test_one_figure_draws_each_groups_mean_curve_with_its_spread_from_the_command_line(sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    figure = tmp_path / "loss.png"
+    result = mpifl_here("compare", *sweep, "--metric", "eval.loss", "--plot", str(figure))
+    assert result.returncode == 0, result.stderr
+    assert "0.2100 ± 0.0100" in result.stdout and f"wrote {figure}" in result.stdout
+    assert figure.read_bytes()[:8] == PNG
+
+
+def test_a_misspelt_metric_is_named_with_the_closest_one(sweep, tmp_path):
+    with pytest.raises(SystemExit, match=r"--metric 'eval.los' is in no round of these runs; did you mean "
+                                         r"'eval.loss'\?"):
+        compare_runs(sweep, "eval.los")
+    with pytest.raises(SystemExit, match=r"mpifl compare: .*nope/metrics.jsonl does not exist"):
+        compare_runs([sweep[0], str(tmp_path / "nope")])
