@@ -163,12 +163,13 @@ def render_config() -> str:
             continue
         title = f"`{prefix}`" if prefix else "Top level"
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
-        lines += [f"## {title}", "", " ".join(doc.split()), "",
+        # in a div of its own, so that docs/css/extra.css can keep the doc column readable beside long keys
+        lines += [f"## {title}", "", " ".join(doc.split()), "", '<div class="config-keys" markdown>', "",
                   "| key | type | default | allowed | doc |", "|---|---|---|---|---|"]
         for key, hint, default, meta in rows:
             lines.append(f"| `{key}` | {_type_name(hint)} | {_code(_yaml(default))} | {_allowed_or_type(meta, hint)} | "
                          f"{_cell(meta.get('doc', ''))} |")
-        lines.append("")
+        lines += ["", "</div>", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

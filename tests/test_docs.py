@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -241,3 +242,44 @@ def test_every_test_file_is_described_on_the_testing_page():
     page = (DOCS / "explanation" / "testing.md").read_text()
     undescribed = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if f"`{p.name}`" not in page]
     assert not undescribed, f"docs/explanation/testing.md has no row for {undescribed}"
+
+
+FEATURES = ("FedAvg", "FedProx", "FedNova", "SCAFFOLD", "FedDyn", "FedBN", "Ditto", "MOON", "APFL", "FedAsync",
+            "FedBuff", "FedCompass", "DP-FedAvg", "secure aggregation", "LoRA", "out-of-core", "PBS", "Slurm",
+            "memray", "mpifl sweep", "mpifl status", "mpifl report", "mpifl compare", "TensorBoard",
+            "accept_failures")
+
+
+def test_the_readme_and_the_docs_index_name_the_same_features():
+    readme, index = (ROOT / "README.md").read_text(), (ROOT / "docs" / "index.md").read_text()
+    assert [f for f in FEATURES if f not in readme] == [] and [f for f in FEATURES if f not in index] == []
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> Path:
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed: pip install -c constraints/workstation.txt -e '.[docs]'")
+    site = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--site-dir", str(site)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr
+    return site
+
+
+def test_the_built_site_loads_no_script_from_the_network(built_site):
+    # an offline cluster's browser: Material's offline plugin would fetch its WebWorker shim from unpkg.com
+    remote = [(page.relative_to(built_site), src) for page in built_site.rglob("*.html")
+              for src in re.findall(r'<script src="(https?://[^"]+)"', page.read_text())]
+    assert remote == []
+
+
+def test_search_works_with_the_site_opened_from_disk(built_site):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no headless chromium here (Debian: apt-get install chromium)")
+    # Material runs the search in the query string on load; from file://, only the offline plugin's inlined index
+    # and the WebWorker shim make that work
+    done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
+                           "--dump-dom", (built_site / "index.html").as_uri() + "?q=pmi2"],
+                          capture_output=True, text=True, timeout=120)
+    assert "how-to/slurm.html?h=pmi2" in done.stdout, done.stderr[-2000:]
