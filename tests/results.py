@@ -2,6 +2,7 @@
 comparison every reference test makes."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -61,3 +62,21 @@ def assert_bitwise(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for key in want:
         assert np.array_equal(got[key], want[key]), f"{key}: max |diff| {np.abs(got[key] - want[key]).max()}"
+
+
+# What a round's record measures of the machine (wall times, memory, the exchange against the floor): the only
+# keys in which two identical runs' metrics.jsonl may differ.
+MEASURED = ("time", "exchange", "client_train_seconds", "client_peak_rss_bytes", "client_peak_device_bytes",
+            "server_rss_bytes", "server_peak_rss_bytes")
+
+
+def recorded(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl less what it measured of the machine (``MEASURED``, and each rank's training
+    seconds): what two identical runs must write alike."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = {k: v for k, v in json.loads(line).items() if k not in MEASURED}
+        record["ranks"] = {rank: {k: v for k, v in work.items() if k != "train_seconds"}
+                           for rank, work in record.get("ranks", {}).items()}
+        out.append(record)
+    return out

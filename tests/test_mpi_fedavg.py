@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import MPI_TIMEOUT, run_mpi, write_config
 from reference import fp32_to_bf16_bits, reference_run
+from results import recorded
 
 from mpifl.config import load_config
 from mpifl.storage.hdf5 import load_tensors
@@ -89,7 +90,9 @@ def test_a_broadcast_tree_dispatch_gives_the_reference_model_and_the_server_send
 
 def test_a_run_in_the_job_pool_equals_the_same_run_in_its_own_mpiexec(tmp_path):
     """The suite's job pool (tests/mpi_pool.py) runs most jobs on a sub-communicator of ranks that already ran
-    others. It must not change what a test sees: the same model bitwise, the same exit status, the same log."""
+    others. It must not change what a test sees: the same model bitwise, the same exit status, the same log, and
+    the same metrics.jsonl but for what it measured of the machine (wall times, memory): identical runs can be
+    checked for reproducibility by diffing their records."""
     params = dict(dtype="float32", chunk_mb=64 / 2**20, weighting="samples")
     cfg_path = write_config(tmp_path / "c.yaml", CONFIG.format(**params))
     runs = {}
@@ -101,6 +104,7 @@ def test_a_run_in_the_job_pool_equals_the_same_run_in_its_own_mpiexec(tmp_path):
         pooled = load_tensors(tmp_path / how / "model.h5")
         assert all(torch.equal(pooled[n].view(torch.int32), own[n].view(torch.int32)) for n in own), how
         assert log(runs[how].stderr, tmp_path / how) == log(runs["own"].stderr, tmp_path / "own")
+        assert recorded(tmp_path / how) == recorded(tmp_path / "own")
 
 
 def log(stderr: str, run_dir: Path) -> list[str]:
