@@ -45,3 +45,18 @@ def test_the_servers_probe_buffers_stay_near_floor_probe_mb_however_many_client_
         assert probe.chunk_bytes <= probe.nbytes  # no receive slot wider than what a rank sends
         # slots: inflight x the probe; the fp32 accumulator and the buffer sent: one rank's share each
         assert probe.server_bytes <= 4 * (64 << 20) + 3 * probe.nbytes
+
+
+def test_a_ranks_later_clients_train_in_client_train_not_in_return():
+    """Rank 1 trains three clients, 0.1 s each: its first update lands 0.1 s after dispatch, the last 0.3 s, and
+    the folding takes 0.05 s of the 0.45 s wait. Before, the 0.2 s of its later clients counted as the wire."""
+    from mpifl.roles.records import RoundTimes
+
+    times = RoundTimes(start=0.0, dispatched=1.0, first_update=1.1, reduced=1.45, evaluated=1.5, checkpointed=1.5,
+                       end=1.5, aggregate=0.05, training=0.3)
+    split = times.split()
+    assert split["client_train"] == pytest.approx(0.3) and split["return"] == pytest.approx(0.1)
+    assert sum(v for k, v in split.items() if k != "round") == pytest.approx(split["round"])
+    # training reported longer than the wait (clocks of different ranks): never more than the wait itself
+    late = RoundTimes(0.0, 1.0, 1.1, 1.45, 1.5, 1.5, 1.5, 0.05, training=9.0).split()
+    assert late["client_train"] == pytest.approx(0.4) and late["return"] == pytest.approx(0.0)

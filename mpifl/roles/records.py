@@ -26,14 +26,18 @@ class RoundTimes:
     checkpointed: float
     end: float
     aggregate: float  # seconds spent folding/finishing, inside [first_update, reduced]
+    training: float = 0.0  # the longest any rank trained this round (its clients one after another)
 
     def split(self) -> dict[str, float]:
-        """Disjoint parts that add up to the round: no part is counted twice."""
-        receive = self.reduced - self.first_update
+        """Disjoint parts that add up to the round: no part is counted twice. ``client_train`` is the longest any
+        rank trained (at least until the first update landed), not only until the first update: a rank's later
+        clients train while its earlier ones' updates stream back, and that is training, not the wire."""
+        waited = self.reduced - self.dispatched - self.aggregate  # for updates: training, then the wire
+        train = min(waited, max(self.first_update - self.dispatched, self.training))
         return {
             "dispatch": self.dispatched - self.start,
-            "client_train": self.first_update - self.dispatched,
-            "return": receive - self.aggregate,
+            "client_train": train,
+            "return": waited - train,
             "aggregate": self.aggregate,
             "eval": self.evaluated - self.reduced,
             "checkpoint": self.checkpointed - self.evaluated,

@@ -160,8 +160,9 @@ class Server:
         reduced = time.perf_counter()
         evaluation = parts.evaluation(round_)
         evaluated = time.perf_counter()
+        trained = max((w["train_seconds"] for w in self._work_by_rank(plan, stats.metas).values()), default=0.0)
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
-                           evaluated, stats.aggregate_seconds)
+                           evaluated, stats.aggregate_seconds, trained)
         record = self._record(plan, stats.metas, evaluation, times)
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
