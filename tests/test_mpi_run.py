@@ -122,6 +122,18 @@ def test_exchange_benchmark_reports_all_three_paths(tmp_path):
     assert "mpifl" in result.stdout and "x floor" in result.stdout
 
 
+def test_the_exchange_benchmark_skips_a_pickle_path_its_node_cannot_hold_and_says_what_it_needs():
+    """The pickle path's server keeps every client's model until all have arrived: --model-mb 1000 with 4 clients
+    on one node needs about 19 GiB, which ran a 24 GiB machine out of memory; the 100 MiB default needs 1.9."""
+    from mpifl.cli.bench import PICKLE_SHARE, pickle_node_bytes
+
+    gib = 2**30
+    assert pickle_node_bytes(1000 * 2**20, 4, 4) / gib == pytest.approx(19 * 1000 / 1024)
+    assert pickle_node_bytes(1000 * 2**20, 4, 4) > PICKLE_SHARE * 22 * gib
+    assert pickle_node_bytes(100 * 2**20, 4, 4) < PICKLE_SHARE * 4 * gib
+    assert pickle_node_bytes(1000 * 2**20, 4, 0) / gib == pytest.approx(7 * 1000 / 1024)  # clients on other nodes
+
+
 def test_federated_evaluation_shards_and_fedprox_under_mpiexec(tmp_path):
     run_dir = tmp_path / "run"
     result = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), "rounds=4",

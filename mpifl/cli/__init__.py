@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype")
     ex.add_argument("--rounds", type=int, default=3, help="timed rounds per method (median reported)")
     ex.add_argument("--pickle-rounds", type=int, default=None, help="rounds for the slow pickle path "
-                    "(default: same as --rounds); 0 skips it")
+                    "(default: same as --rounds, where the server's node can hold it: the server keeps every "
+                    "client's copy; else skipped, saying why); 0 skips it")
     ex.add_argument("--strategy", default="fedavg", help="mpifl's strategy (e.g. median: the server stacks "
                     "participants x chunk); the floor and pickle paths always average")
     ex.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,

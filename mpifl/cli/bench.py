@@ -78,6 +78,8 @@ def _exchange(comm: MPI.Comm, cfg: Config, args: argparse.Namespace) -> int:
     floor_split = exchange.split[1:]
     del exchange  # free the floor's buffers before the pickle path allocates its own
     pickle_rounds = args.rounds if args.pickle_rounds is None else args.pickle_rounds
+    if args.pickle_rounds is None and not comm.bcast(_pickle_fits(comm, model_bytes), root=0):
+        pickle_rounds = 0  # by default, only where the server's node can hold it
     pickled = _pickle_rounds(comm, args.model_mb, dtype, pickle_rounds)
     if rank != 0:
         return 0
@@ -115,6 +117,43 @@ def _timed(comm: MPI.Comm, rounds: int, fn: Callable[[], None]) -> list[float]:
         if i:
             times.append(time.perf_counter() - start)
     return times
+
+
+PICKLE_SHARE = 0.8  # of the node's available memory the pickle path may plan to take
+
+
+def pickle_node_bytes(model_bytes: int, clients: int, client_ranks_here: int) -> int:
+    """The pickle path's peak on the server's node: the server keeps every client's unpickled model until all
+    have arrived, besides its own state, the sum and one pickled message; each client rank on the node holds the
+    state it received, that message and the one it sends back."""
+    return model_bytes * (clients + 3) + client_ranks_here * 3 * model_bytes
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of the memory available to new work (MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _pickle_fits(comm: MPI.Comm, model_bytes: int) -> bool:
+    """On rank 0: whether the pickle path fits its node; says why when it does not (a kernel OOM kill of a
+    rank would lose the whole benchmark)."""
+    here = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    client_ranks_here = here.Get_size() - 1 if comm.Get_rank() == 0 else 0
+    here.Free()
+    if comm.Get_rank() != 0:
+        return True
+    need, available = pickle_node_bytes(model_bytes, comm.Get_size() - 1, client_ranks_here), available_bytes()
+    if available is None or need <= PICKLE_SHARE * available:
+        return True
+    print(f"pickle path skipped: it would hold about {need / MIB / 1024:.1f} GiB on this node (the server keeps "
+          f"each of the {comm.Get_size() - 1} clients' models until all have arrived), past "
+          f"{PICKLE_SHARE:.0%} of the {available / MIB / 1024:.1f} GiB available; --pickle-rounds N runs it "
+          "anyway, or take a smaller --model-mb", flush=True)
+    return False
 
 
 def _pickle_rounds(comm: MPI.Comm, model_mb: float, dtype: torch.dtype, rounds: int) -> list[float]:
