@@ -160,3 +160,15 @@ def test_an_asynchronous_step_is_never_cut_short_for_a_busy_rank():
     sampler = Sampler(3, cfg.clients, placement_for(cfg.clients, 3, None))
     held = RoundAssignment(1, (0, 1), {1: [0], 2: [1]}, {1: [0], 2: [1]}, hold=True)
     assert sampler.without_busy(held, {2: 0}) is held
+
+
+def test_with_every_rank_busy_or_too_few_participants_left_the_round_waits_as_before():
+    cfg = load_config(None, ["clients.num_clients=8", "clients.per_round=8", "clients.placement=per_round"], data={})
+    sampler = Sampler(3, cfg.clients, placement_for(cfg.clients, 3, [1.0] * 8))
+    plan = sampler.plan(1)
+    assert sampler.without_busy(plan, {1: 0, 2: 0, 3: 0}) is plan  # nobody to deal the round to
+    fixed = load_config(None, ["clients.num_clients=8", "clients.per_round=8"], data={})
+    fixed_sampler = Sampler(3, fixed.clients, placement_for(fixed.clients, 3, None))
+    fixed_plan = fixed_sampler.plan(1)
+    assert fixed_sampler.without_busy(fixed_plan, {1: 0, 2: 0}, least=3) is fixed_plan  # rank 3's 2 left, 3 needed
+    assert fixed_sampler.without_busy(fixed_plan, {1: 0, 2: 0}, least=2).participants == (2, 5)

@@ -267,12 +267,13 @@ class Sampler:
                                groups=groups)
 
     def without_busy(self, plan: RoundAssignment, busy: dict[int, int],
-                     state_home: Callable[[int], int] | None = None) -> RoundAssignment:
+                     state_home: Callable[[int], int] | None = None, least: int = 1) -> RoundAssignment:
         """``plan`` with the ``busy`` ranks (rank -> the round they were dropped from and still train) left out, so
         that nobody waits for them: a client whose rank is busy (or, when per-client state is lent, whose state's
         home is) is left out of the round as if it had not been sampled; under ``clients.placement: per_round`` the
         rest is dealt to the ready ranks. Only for a plain synchronous round: asynchronous steps and fixed
-        weights or divisors never drop a rank."""
+        weights or divisors never drop a rank. ``plan`` unchanged, to wait for the busy ranks as before, when no
+        rank is ready or fewer than ``least`` participants (clients.min_participants) would be left."""
         if not busy or plan.hold or plan.order is not None or plan.weights is not None or \
                 plan.divisor is not None or plan.local_steps is not None:
             return plan
@@ -286,6 +287,8 @@ class Sampler:
             if blocker in busy:
                 left_out[client] = blocker
         kept = [c for c in plan.participants if c not in left_out]
+        if not ready or len(kept) < least:
+            return plan
         gs = self.clients.groups
         train = self.placement.by_rank(kept, ready, {c: plan.group_of(c, gs) for c in kept}) if per_round else {
             rank: [c for c in clients if c not in left_out] for rank, clients in plan.train.items()}

@@ -223,7 +223,11 @@ class Server:
         busy = self.late.busy(plan.round, self.parts.deadlines.current().first_update)
         if not busy:
             return plan
-        plan = self.parts.sampler.without_busy(plan, busy, self._state_home())
+        plan = self.parts.sampler.without_busy(plan, busy, self._state_home(), max(1, self.min_participants))
+        if not plan.busy_ranks:
+            log(f"round {plan.round}: ranks {range_list(busy)} are still training rounds they were dropped from, "
+                "and without them no rank or too few participants (clients.min_participants) would be left: this "
+                "round waits for them", rank=0)
         for rank, since in sorted(plan.busy_ranks.items()):
             left = [c for c, r in sorted(plan.busy_clients.items()) if r == rank]
             what = f"logical clients {range_list(left)} left out of it as if not sampled" if left else "nothing to do"

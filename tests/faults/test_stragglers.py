@@ -35,7 +35,7 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-STALL_SECONDS = 6.0  # rank 2's first client of round 2: about 30 rounds' worth, past a 1.5 s straggler deadline
+STALL_SECONDS = 6.0  # rank 2's first client of round 2: many rounds' worth, past a 1.5 s straggler deadline
 
 
 def drops(history: list[dict]) -> dict[int, set[int]]:
@@ -58,23 +58,21 @@ def test_a_rank_that_stays_slow_is_dropped_then_not_waited_for_until_it_rejoins_
     assert result.returncode == 0, result.stderr[-3000:]
     history = records(tmp_path / "run")
     by_round = {r["round"]: r for r in history}
-    dropped = drops(history)
+    dropped = drops(history)  # on a loaded machine other ranks may be dropped too: the reference follows the record
     per_round = "clients.placement=per_round" in overrides
-    assert dropped[2] and (per_round or dropped[2] == {1, 4})  # rank 2 hosts clients 1 and 4 unless placed per round
-    for gone in by_round[2]["dropped"]:
-        assert gone["rank"] == 2 and "past the straggler deadline of 1.5 s (timeouts.straggler)" in gone["reason"]
-    busy_rounds = [r for r in history if r["round"] > 2 and r["dropped"]]
-    if per_round:  # every client trains on a ready rank: nobody is left out
-        assert busy_rounds == []
-        assert any("2" not in r["ranks"] for r in history if r["round"] > 2)
-    else:
-        assert busy_rounds, "rank 2 stayed busy for later rounds"
-        for record in busy_rounds:
-            assert {d["client"] for d in record["dropped"]} == {1, 4}
-            assert all("rank 2 was still training round 2" in d["reason"] for d in record["dropped"])
-        assert f"round {busy_rounds[0]['round']}: rank 2 is still training round 2" in result.stderr
-    assert max(r["time"]["round"] for r in history) < STALL_SECONDS / 2  # no round waited for the stalled rank
-    assert history[-1]["dropped"] == [] and {1, 4} <= set(history[-1]["participants"])  # it rejoined
+    stalled = [d for d in by_round[2]["dropped"] if d["rank"] == 2]
+    assert stalled and (per_round or {d["client"] for d in stalled} == {1, 4})  # rank 2 hosts 1 and 4 unless per round
+    assert all("past the straggler deadline of 1.5 s (timeouts.straggler)" in d["reason"] for d in stalled)
+    if per_round:  # round 3 is dealt to the ready ranks: nobody waits for rank 2, nobody is left out for it
+        assert "2" not in by_round[3]["ranks"] and len(by_round[3]["participants"]) == 6
+        assert not any("left out of this round as if not sampled" in d["reason"] for r in history for d in r["dropped"])
+    else:  # round 3 leaves rank 2's clients out instead of waiting for it
+        busy = [r["round"] for r in history if any("rank 2 was still training round 2" in d["reason"]
+                                                    for d in r["dropped"])]
+        assert busy and busy[0] == 3, busy
+        assert {d["client"] for d in by_round[3]["dropped"] if d["rank"] == 2} == {1, 4}
+        assert "round 3: rank 2 is still training round 2" in result.stderr
+    assert "2" in history[-1]["ranks"]  # it rejoined
     assert "round 2: rank 2's late updates of logical clients" in result.stderr
     want = reference_run(load_config(None, list(overrides), data=yaml.safe_load(text)), dropped_in=dropped)
     got = load_tensors(tmp_path / "run" / "model.h5")
