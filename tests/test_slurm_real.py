@@ -4,6 +4,7 @@ run as written: the shipped example unchanged, and the one ``mpifl slurm`` write
 daemons cannot be started (not root, no ``slurm-wlm``), every test here skips, saying why."""
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -28,15 +29,12 @@ QUICKSTART_LAST = "final round 15: train_loss 0.0967, accuracy 0.9582, loss 0.15
 def slurm(tmp_path_factory) -> SlurmCluster:
     """One private Slurm for this module's tests, stopped by PID after the last; where the daemons are installed
     but cannot start (no name for this host, ports refused), the tests skip with the daemons' own words."""
-    try:
-        started = single_node_slurm(tmp_path_factory.mktemp("slurm"))
-        cluster = started.__enter__()
-    except (RuntimeError, OSError, StopIteration, subprocess.SubprocessError) as err:
-        pytest.skip(f"a private Slurm could not start here: {str(err)[-1500:]}")
-    try:
+    with contextlib.ExitStack() as running:
+        try:
+            cluster = running.enter_context(single_node_slurm(tmp_path_factory.mktemp("slurm")))
+        except (RuntimeError, OSError, StopIteration, subprocess.SubprocessError) as err:
+            pytest.skip(f"a private Slurm could not start here: {str(err)[-1500:]}")
         yield cluster
-    finally:
-        started.__exit__(None, None, None)
 
 
 def job_log(directory: Path, job: int) -> str:

@@ -279,9 +279,10 @@ class Sampler:
             return plan
         per_round = isinstance(self.placement, RoundBalancedPlacement)
         ready = [r for r in range(1, self.placement.client_ranks + 1) if r not in busy]
+        trained_on = {} if per_round else {c: rank for rank, clients in plan.train.items() for c in clients}
         left_out: dict[int, int] = {}
         for client in plan.participants:
-            blocker = plan.rank_of(client) if not per_round else None
+            blocker = trained_on.get(client)
             if state_home is not None and state_home(client) in busy:
                 blocker = state_home(client)
             if blocker in busy:

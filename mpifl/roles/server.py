@@ -160,10 +160,11 @@ class Server:
         reduced = time.perf_counter()
         evaluation = parts.evaluation(round_)
         evaluated = time.perf_counter()
-        trained = max((w["train_seconds"] for w in self._work_by_rank(plan, stats.metas).values()), default=0.0)
+        work = self._work_by_rank(plan, stats.metas)
+        trained = max((w["train_seconds"] for w in work.values()), default=0.0)
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds, trained)
-        record = self._record(plan, stats.metas, evaluation, times)
+        record = self._record(plan, stats.metas, evaluation, times, work)
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
         if parts.secagg:
@@ -399,7 +400,9 @@ class Server:
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())
                   if r not in skipped])
 
-    def _record(self, plan: RoundAssignment, metas: dict, evaluation: dict | None, times: RoundTimes) -> dict:
+    def _record(self, plan: RoundAssignment, metas: dict, evaluation: dict | None, times: RoundTimes,
+                work: dict[str, dict]) -> dict:
+        """The round's line of metrics.jsonl; ``work``: each rank's clients and training seconds (_work_by_rank)."""
         usable = sorted((m for m in metas.values() if m.error is None), key=lambda m: m.client)  # not arrival order
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
         record = {
@@ -414,7 +417,7 @@ class Server:
             "server_peak_rss_bytes": peak_rss_bytes(),
             "server_pool_bytes": self.pool.nbytes,
             "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),
-            "ranks": self._work_by_rank(plan, metas),
+            "ranks": work,
             "client_peak_rss_bytes": max((m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()), default=0),
             "time": times.split(),
             **plan.clock,
