@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -84,7 +85,7 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_showing_stacks(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} mpifl {' '.join(args)} hung for {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -136,6 +137,7 @@ class JobPool:
         result, deadline = self.queue / f"{job_id}.result", time.monotonic() + timeout
         while not result.exists() and proc.poll() is None:
             if time.monotonic() > deadline:
+                kill_showing_stacks(proc.pid)  # each rank's stack goes to the job's files, read next
                 out, err = self._outputs(job_id, n)
                 self.close()
                 pytest.fail(f"mpiexec -n {n} mpifl {' '.join(args)} hung for {timeout}s (in the job pool)\n"
@@ -224,14 +226,49 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 60, poll: float = 0.01) -> None:
-    """Poll ``condition`` until it holds; fail (killing the job) if the job ends or time runs out first."""
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = MPI_TIMEOUT, poll: float = 0.01
+             ) -> None:
+    """Poll ``condition`` until it holds; fail (killing the job, each rank's stack shown) if the job ends or
+    time runs out first."""
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"never saw {what}: {proc.communicate()[1][-2000:]}")
+            ended = proc.poll() is not None
+            kill_showing_stacks(proc.pid)
+            why = f"the job ended ({proc.returncode})" if ended else f"{timeout:.0f} s passed"
+            pytest.fail(f"never saw {what}: {why}\n{proc.communicate()[1][-6000:]}")
         time.sleep(poll)
+
+
+def kill_showing_stacks(group: int, grace: float = 1.0) -> None:
+    """Kill the process group ``group`` (a job started by ``spawn_mpi``), first asking each of its ranks for
+    every thread's Python stack (SIGUSR1: mpifl.roles.launch.StopRequest.install), which reaches the job's
+    stderr: a test that fails on a hung job then says where each rank was."""
+    ranks = [pid for pid in _group_members(group) if b"mpifl" in _cmdline(pid) or b"mpi_pool" in _cmdline(pid)]
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    if ranks:
+        time.sleep(grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def _group_members(group: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            if int(fields[2]) == group:  # state, ppid, pgrp
+                members.append(int(stat.parent.name))
+    return members
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def finish(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT) -> tuple[int, str]:
@@ -239,8 +276,8 @@ def finish(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT) -> tuple[int, s
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"mpiexec did not end within {timeout} s")
+        kill_showing_stacks(proc.pid)
+        pytest.fail(f"mpiexec did not end within {timeout} s\n{proc.communicate()[1][-6000:]}")
     return proc.returncode, err
 
 

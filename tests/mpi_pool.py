@@ -33,7 +33,7 @@ from mpifl.cli import main
 
 JOB_TAG, DONE_TAG = 7101, 7102
 IDLE_SECONDS = 900.0
-LONGEST_PAUSE = 0.02  # seconds between probes once nothing has come for a while
+LONGEST_PAUSE = 0.05  # seconds between probes once nothing has come for a while (an idle pool: ~1% of a core)
 
 
 def receive(comm: MPI.Intracomm, source: int, tag: int) -> object:

@@ -232,5 +232,6 @@ def test_clients_start_from_a_checkpoint_holding_about_one_model(tmp_path):
         assert result.returncode == 0, result.stderr
         assert same_model(run_dir / "model.h5", init)  # identical clients: the average is the start
         record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-        # one model plus imports: a second copy would add 320 MiB
-        assert record["client_peak_rss_bytes"] < (320 + 400) * 2**20, record["client_peak_rss_bytes"]
+        # one model plus imports (about 430 MiB on a client rank, torch.optim's dynamo among them): a second copy
+        # would add 320 MiB, so the bound sits half a model above one copy
+        assert record["client_peak_rss_bytes"] < (1.5 * 320 + 450) * 2**20, record["client_peak_rss_bytes"]

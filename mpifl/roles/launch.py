@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import signal
 import socket
@@ -33,10 +34,14 @@ class StopRequest:
         self.requested = False
 
     def install(self) -> StopRequest:
-        """Start listening for SIGTERM (and ignore SIGXFSZ); returns itself, to chain after construction."""
+        """Start listening for SIGTERM (and ignore SIGXFSZ), and print every thread's Python stack to this rank's
+        stderr on SIGUSR1 (``kill -USR1 PID``: where a rank that seems hung is, without stopping it); returns
+        itself, to chain after construction."""
         signal.signal(signal.SIGTERM, self._handle)
         if hasattr(signal, "SIGXFSZ"):  # past a file-size limit, a write fails (EFBIG) and is reported, not fatal
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         return self
 
     def _handle(self, signum: int, frame: object) -> None:

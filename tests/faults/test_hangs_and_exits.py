@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from conftest import finish, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
+from conftest import finish, kill_showing_stacks, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
 
 from mpifl.storage.checkpointer import latest_checkpoint
 
@@ -146,6 +146,24 @@ def test_sigterm_during_a_stuck_round_saves_the_last_round_and_exits_promptly(tm
     assert same_model(run_dir / "model.h5", tmp_path / "reference" / "model.h5")
     assert rounds_logged(run_dir) == [1, 2, 3]
 
+
+
+def test_sigusr1_prints_where_each_rank_is_and_the_suite_shows_it_for_a_job_it_gives_up_on(tmp_path):
+    """``kill -USR1 PID`` prints every thread's Python stack on that rank and leaves it running: the way to see
+    where a rank that seems hung is. The suite's helpers send it to every rank before killing a job that hung."""
+    text = TRAINING.replace(f"first_update: {DEADLINE}", "first_update: 600")
+    cfg, run_dir, mark = write_config(tmp_path / "c.yaml", text), tmp_path / "run", tmp_path / "fault-time"
+    proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir),
+                     env={"FAULT": "hang", "FAULT_CALL": "3", "FAULT_MARK": str(mark)})
+    wait_for(mark.exists, proc, "rank 2 stuck in round 2")
+    pids = {int(row.split()[0]): int(row.split()[2]) for row in (run_dir / "ranks.txt").read_text().splitlines()[1:]}
+    os.kill(pids[1], signal.SIGUSR1)
+    time.sleep(1.0)
+    assert proc.poll() is None  # the rank asked went on
+    kill_showing_stacks(proc.pid)
+    err = proc.communicate()[1]
+    assert err.count("Current thread 0x") >= 4, err[-3000:]  # rank 1 asked once, then all 3 ranks
+    assert re.search(r'injectors.py", line \d+ in misbehave', err), err[-3000:]  # where rank 2 hangs
 
 # The defaults: no timeouts set, the built-in trainer; a plug-in model that hangs where the environment says.
 DEFAULTS = """
