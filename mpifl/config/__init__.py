@@ -23,6 +23,7 @@ from mpifl.config.sections import (
     Config,
     DataConfig,
     EvalConfig,
+    FaultConfig,
     LoraConfig,
     ModelConfig,
     OutputConfig,
@@ -37,8 +38,9 @@ from mpifl.config.sections import (
 )
 
 __all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfig", "Config", "ConfigError",
-           "DataConfig", "EvalConfig", "LoraConfig", "ModelConfig", "OutputConfig", "PrivacyConfig", "SecAggConfig",
-           "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig", "TransformersConfig", "TransportConfig",
+           "DataConfig", "EvalConfig", "FaultConfig", "LoraConfig", "ModelConfig", "OutputConfig", "PrivacyConfig",
+           "SecAggConfig", "ServerConfig", "StrategyConfig", "TimeoutsConfig", "TrainConfig", "TransformersConfig",
+           "TransportConfig",
            "config_warnings", "dump_config", "load_config", "resumable_keys", "resume_conflict"]
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
-from mpifl.config.sections import ASYNCHRONOUS_MODES, Config
+from mpifl.config.sections import ASYNCHRONOUS_MODES, UPDATE_FAULTS, Config, FaultConfig
 from mpifl.plugins import is_import_path, resolve
 
 
@@ -40,6 +40,8 @@ def check_combinations(cfg: Config) -> None:
     _check_ranks_per_client(cfg)
     _check_per_round_placement(cfg)
     _check_feature_noise(cfg)
+    for i, fault in enumerate(cfg.faults):
+        _check_fault(cfg, fault, f"faults[{i}]")
     if (cfg.data.partition == "file") != (cfg.data.partition_file is not None):
         raise ConfigError("data.partition_file: set it exactly when data.partition is 'file'")
     if cfg.data.partition_file is not None and not Path(cfg.data.partition_file).is_file():
@@ -456,3 +458,43 @@ def config_warnings(cfg: Config) -> list[str]:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
     return found
+
+
+# The keys that mean something only for some kinds of fault, and their defaults: set on another kind, a mistake.
+FAULT_PARAMETERS = {"seconds": (("stall",), 0.0), "factor": (("slowdown", "scale"), 1.0), "bits": (("corrupt",), 1),
+                    "code": (("exit",), 1), "via": (("exit",), "sys")}
+
+
+def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
+    """One fault: exactly one target, ids and rounds within the run, each parameter on a kind that reads it."""
+    targets = [name for name, value in (("clients", fault.clients), ("ranks", fault.ranks),
+                                        ("fraction", fault.fraction)) if value]
+    if len(targets) != 1:
+        raise ConfigError(f"{key}: name exactly one target: clients (ids), ranks (client ranks) or fraction "
+                          f"(of each round's clients); got {', '.join(targets) or 'none'}")
+    too_high = [c for c in fault.clients if c >= cfg.clients.num_clients]
+    if too_high:
+        raise ConfigError(f"{key}.clients: {too_high} not below clients.num_clients={cfg.clients.num_clients}")
+    late = [r for r in (*fault.rounds, fault.from_round, fault.to_round) if r > cfg.rounds]
+    if late:
+        raise ConfigError(f"{key}: round {late[0]} is past the run's last (rounds={cfg.rounds})")
+    if fault.to_round and fault.to_round < fault.from_round:
+        raise ConfigError(f"{key}.to_round: {fault.to_round} is before from_round={fault.from_round}")
+    for name, (kinds, default) in FAULT_PARAMETERS.items():
+        if getattr(fault, name) != default and fault.kind not in kinds:
+            raise ConfigError(f"{key}.{name}: only a fault of kind {' or '.join(map(repr, kinds))} reads it, "
+                              f"not {fault.kind!r}")
+    if fault.kind in UPDATE_FAULTS and fault.stage != "train":
+        raise ConfigError(f"{key}.stage: a {fault.kind!r} fault acts on the client's training or update, at stage "
+                          f"'train', not {fault.stage!r}")
+    if fault.kind == "slowdown" and fault.factor <= 1:
+        raise ConfigError(f"{key}.factor: a slowdown needs a factor above 1, got {fault.factor}")
+    if fault.kind == "scale" and fault.factor == 1:
+        raise ConfigError(f"{key}.factor: a scale fault with factor 1 changes nothing; -1 flips the update's sign")
+    if fault.stage == "send" and (cfg.clients.groups or cfg.transport.reduce == "chain"):
+        raise ConfigError(f"{key}.stage: 'send' strikes after a client's first chunk, and with clients.groups or "
+                          "transport.reduce='chain' a rank sends its group's sum instead; use stage 'train' or "
+                          "'receive'")
+    if cfg.clients.ranks_per_client > 1:
+        raise ConfigError(f"{key}: faults are not injected into clients trained by a group of ranks "
+                          "(clients.ranks_per_client > 1) yet")

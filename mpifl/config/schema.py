@@ -87,9 +87,29 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(hint):  # an empty section (``clients:``) means its defaults; [] is a mistake
             # a type hint that is a dataclass is a section class, never an instance
             values[name] = build(typing.cast(type, hint), {} if raw[name] is None else raw[name], f"{prefix}{name}.")
+        elif (item := _section_list(hint)) is not None:  # a list of sections (``faults:``), item by item
+            values[name] = _build_list(item, raw[name], f"{prefix}{name}")
         else:
             values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
     return cls(**values)
+
+
+def _section_list(hint: Any) -> type | None:
+    """The section class of a ``tuple[Section, ...]`` field, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis \
+            and dataclasses.is_dataclass(args[0]):
+        return typing.cast(type, args[0])
+    return None
+
+
+def _build_list(cls: type, raw: Any, key: str) -> tuple:
+    """A tuple of ``cls`` sections from a YAML list (None or absent: none); errors name the item, ``key[i].x``."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{key}: expected a list of mappings (one per item), got {type(raw).__name__} {raw!r}")
+    return tuple(build(cls, item, f"{key}[{i}].") for i, item in enumerate(raw))
 
 
 def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
@@ -101,6 +121,12 @@ def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
     if typing.get_origin(base) in (typing.Union, types.UnionType):  # ``int | str``: a number, or a word of choices
         return _number_or_word(key, value, rules)
+    if base == list[int]:  # ids or rounds: each an integer within min/max
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
+        for i, item in enumerate(value):
+            _check_rules(f"{key}[{i}]", item, rules)
+        return value
     value = _coerce(key, value, base)
     _check_rules(key, value, rules)
     return value

@@ -512,6 +512,57 @@ class OutputConfig:
                             "'mpifl[wandb]'", choices=TRACKERS)
 
 
+# What a fault in the faults: section does (docs/how-to/faults.md), and where in a round it strikes.
+FAULT_KINDS = {
+    "raise": "the client's training raises an exception",
+    "nan": "the client's trained model holds a NaN",
+    "inf": "the client's trained model holds an Inf",
+    "corrupt": "`bits` random bits of the client's update flip after its checks, as a corrupted chunk would",
+    "scale": "the client's update (trained - global) is multiplied by `factor`: -1 flips its sign (a Byzantine client)",
+    "stall": "the rank sleeps `seconds`, silent (no progress reports)",
+    "slowdown": "the client's training takes `factor` x as long (the rank keeps reporting progress)",
+    "exit": "the rank exits with `code`, `via` sys.exit, os._exit or C's _exit",
+    "kill": "the rank sends itself SIGKILL",
+}
+FAULT_STAGES = ("train", "send", "receive")
+UPDATE_FAULTS = ("nan", "inf", "corrupt", "scale", "slowdown")  # on a trained model or its update: stage train only
+
+
+@dataclass
+class FaultConfig:
+    """One fault injected into a run: what, on which clients or ranks, in which rounds, at which stage. Which clients
+    a ``fraction`` hits is drawn from the run's seed, the round, the client and the fault's place in the list, so a
+    run with faults gives the same bits every time and on any number of ranks (docs/how-to/faults.md)."""
+
+    kind: str = field_("raise", "what happens: " + "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items()),
+                       choices=tuple(FAULT_KINDS))
+    clients: list[int] = field_(list, "logical client ids hit (when trained); set one of clients, ranks, fraction",
+                                min=0)
+    ranks: list[int] = field_(list, "client ranks hit (every client they train); set one of clients, ranks, fraction",
+                              min=1)
+    fraction: float = field_(0.0, "hit this fraction of each round's trained clients, each drawn on its own from the "
+                                  "seed, the round, the client and the fault's index", min=0.0, max=1.0)
+    rounds: list[int] = field_(list, "the rounds (asynchronous modes: steps) it strikes in; empty: from_round to "
+                                     "to_round", min=1)
+    from_round: int = field_(1, "first round it strikes in, when rounds is empty", min=1)
+    to_round: int = field_(0, "last round it strikes in, when rounds is empty (0: the run's last)", min=0)
+    stage: str = field_("train", "where: train (before the client trains; update faults after), send (after the "
+                                 "first chunk of the client's update), receive (before the rank takes up the model)",
+                        choices=FAULT_STAGES)
+    seconds: float = field_(0.0, "stall: how long; 0 with kind stall: for ever (a hang)", min=0.0)
+    factor: float = field_(1.0, "slowdown: how many times as long the training takes; scale: the update's factor")
+    bits: int = field_(1, "corrupt: how many bits flip in the update", min=1)
+    code: int = field_(1, "exit: the exit status", min=0, max=255)
+    via: str = field_("sys", "exit: sys (sys.exit), os (os._exit) or c (C's _exit, past everything Python can catch)",
+                      choices=("sys", "os", "c"))
+
+    def strikes_in(self, round_: int, rounds: int) -> bool:
+        """Whether it strikes in ``round_`` of a run of ``rounds``."""
+        if self.rounds:
+            return round_ in self.rounds
+        return self.from_round <= round_ <= (self.to_round or rounds)
+
+
 @dataclass
 class Config:
     """One experiment."""
@@ -535,6 +586,8 @@ class Config:
     secagg: SecAggConfig = field_(SecAggConfig, "secure aggregation (simulated)")
     compression: CompressionConfig = field_(CompressionConfig, "compressed updates")
     output: OutputConfig = field_(OutputConfig, "outputs")
+    faults: tuple[FaultConfig, ...] = field_(tuple, "faults injected on purpose, each a mapping "
+                                                    "(docs/how-to/faults.md)")
 
     def to_dict(self) -> dict:
         """The whole configuration as nested plain dicts (for the YAML dump and resume checks)."""

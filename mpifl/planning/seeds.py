@@ -21,6 +21,9 @@ FEATURE_NOISE       8      noise-based feature skew (data.feature_noise): a trai
                            batches (the run's CLIENT or PERSONAL seed); a client's
                            validation split (VALIDATION, client); the held-out set at
                            client k's level (HELD_OUT, k)
+FAULTS              9      injected faults (faults:): whether a fraction hits a client
+                           (index, round, client); which bits a corruption flips (BITS,
+                           index, round, client)
 ==================  =====  ===============================================================
 
 Purposes of the element streams under PRIVACY: CENTRAL (0) the server's noise on the sum,
@@ -40,6 +43,7 @@ PRIVACY = 5
 POISSON = 6
 PERSONAL = 7
 FEATURE_NOISE = 8
+FAULTS = 9
 
 CENTRAL = 0
 LOCAL = 1
@@ -49,6 +53,7 @@ GROUP_COMPRESSION = 8
 
 VALIDATION = 0  # sub-keys of FEATURE_NOISE
 HELD_OUT = 1
+BITS = 0  # a sub-key of FAULTS
 
 
 def derive_seed(seed: int, *keys: int) -> int:

@@ -19,6 +19,7 @@ from mpifl.learning.device import (
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import CausalLMTrainer, Evaluator, TorchTrainer, Trainer, make_evaluator, make_trainer
 from mpifl.logs import log
+from mpifl.planning.faults import FaultPlan
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client import ClientParts, ClientRank
@@ -125,7 +126,7 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                                        cfg.rounds),
         privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
-        state=state, note=note, group=leader)
+        state=state, note=note, group=leader, faults=FaultPlan(cfg) if cfg.faults else None)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
     client.run()

@@ -27,12 +27,13 @@ from mpifl.learning.noise import score_over_levels
 from mpifl.learning.partitions import split_validation
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
+from mpifl.planning.faults import FaultPlan
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.build_client import evaluator_for
 from mpifl.roles.data import client_partition, placement_of, report_partition
 from mpifl.roles.launch import StopRequest
-from mpifl.roles.records import log_final, memory_warning_line
+from mpifl.roles.records import fault_line, log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
@@ -135,7 +136,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             privacy=privacy,
                             secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
                             stragglers=straggler_rule(cfg), dropped=dropped,
-                            floor=floor, lends_state=cfg.lends_client_state)
+                            floor=floor, lends_state=cfg.lends_client_state,
+                            faults=FaultPlan(cfg) if cfg.faults else None)
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history)
     finally:
@@ -157,7 +159,8 @@ def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], r
     if resumed:  # the rewound metrics.jsonl's records: the checkpoint's copy of its own round predates its timing
         kept = read_metrics(run_dir / METRICS) or kept
     return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
-                          notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())],
+                          notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())]
+                          + [fault_line(f) for f in record.get("faults", ())],
                           warn=lambda message: log(message, rank=0), kept=kept)]
 
 

@@ -24,12 +24,14 @@ from mpifl.learning.trainers import (
 )
 from mpifl.logs import log
 from mpifl.metrics import peak_rss_bytes
+from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client_state import ClientStateParts
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder
 from mpifl.roles.evaluation import FederatedEvaluation
+from mpifl.roles.faults import FaultInjector
 from mpifl.roles.grouped import GroupedClients
 from mpifl.roles.pipeline import UpdatePipeline
 from mpifl.storage.residuals import save_snapshot
@@ -70,6 +72,7 @@ class ClientParts:
     state: ClientStateParts = field(default_factory=ClientStateParts)
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
+    faults: FaultPlan | None = None  # the config's faults: what strikes this rank's clients, and when
 
 
 class ClientRank:
@@ -106,6 +109,7 @@ class ClientRank:
         self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
+        self.faults = FaultInjector(parts.faults, self.rank, self.progress.tick) if parts.faults else None
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -173,7 +177,7 @@ class ClientRank:
             meta, buffers = self._train(header.round, client, keep, first=i == 0)
             assert buffers is not None  # only a group's sum keeps updates on the device
             send_object(self.comm, meta, protocol.SERVER, meta_tag)
-            send_chunks(self.comm, [protocol.SERVER], update_tag, buffers, self.parts.plan.inflight)
+            self._send_update(header.round, client, update_tag, buffers)
 
     def serve_step(self, header: protocol.HoldOrder) -> None:
         """Asynchronous FL: train the listed clients from the model sent now and keep their updates here;
@@ -192,12 +196,24 @@ class ClientRank:
                                    f"which this rank does not hold (it holds {sorted(self.held)})")
             meta, buffers = self.held.pop(client)
             send_object(self.comm, meta, protocol.SERVER, protocol.round_tag(protocol.META, header.round))
-            send_chunks(self.comm, [protocol.SERVER], protocol.round_tag(protocol.UPDATE, header.round), buffers,
-                        self.parts.plan.inflight)
+            self._send_update(header.round, client, protocol.round_tag(protocol.UPDATE, header.round), buffers)
+
+    def _send_update(self, round_: int, client: int, tag: int, buffers: list[np.ndarray]) -> None:
+        """Stream ``client``'s update to the server; a fault at stage 'send' strikes after its first chunk."""
+        strikes = self.faults.send_strikes(round_, client) if self.faults else []
+        if strikes:
+            assert self.faults is not None
+            send_chunks(self.comm, [protocol.SERVER], tag, buffers[:1], self.parts.plan.inflight)
+            self.faults.act(strikes)
+            buffers = buffers[1:]
+        send_chunks(self.comm, [protocol.SERVER], tag, buffers, self.parts.plan.inflight)
 
     def _receive_global(self, header: protocol.RoundOrder) -> torch.Tensor | None:
         """Receive the global model (from the server, or from the parent rank of a broadcast tree, passing it on
-        to the header's children); keep a host copy when the header's logical clients will need it."""
+        to the header's children); keep a host copy when the header's logical clients will need it. A fault at stage
+        'receive' strikes first."""
+        if self.faults:
+            self.faults.before_receive(header.round, header.clients)
         relay_chunks(self.comm, header.parent, header.children, protocol.round_tag(protocol.MODEL, header.round),
                      self.chunk_buffers, self.parts.plan.inflight)
         clients = len(header.clients)
@@ -217,7 +233,7 @@ class ClientRank:
         if self.replica is not None:
             return self.parts.delta and self.group_sum is None
         return self.parts.delta or self.parts.state.models is not None or (
-            clients > 1 and self.trainer.modifies_weights)
+            clients > 1 and self.trainer.modifies_weights) or (self.faults is not None and self.faults.scales)
 
     def _anchor(self, keep: torch.Tensor | None) -> torch.Tensor | None:
         """The round's global model beside the model that trains, for the per-client state's rules (SCAFFOLD's and
@@ -264,6 +280,9 @@ class ClientRank:
             buffers, bad = self.updates.on_host(round_, client, keep, result, usable=error is None, check=check)
         if self.parts.state.declared is not None and error is None and not bad:  # else as if it had not trained
             self.parts.state.declared.keep(client, self.vectors)
+        if self.faults and error is None and not bad:  # a corruption strikes past every check
+            self.faults.corrupt(round_, client, buffers if buffers is not None else
+                                [self.work.chunk_view(c) for c in self.parts.plan.chunks], self.parts.seed)
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
@@ -285,13 +304,21 @@ class ClientRank:
         controls, seed = self.parts.state.controls, client_seed(self.parts.seed, round_, client)
         try:
             assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
+            if self.faults:
+                self.faults.before_training(round_, client)
+            began = time.perf_counter()
             with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
                 if self.parts.group is not None:
-                    return self._train_in_group(client, train, seed), None
-                if self.context:
-                    return self.trainer.train(self.work.module, train, seed,  # type: ignore[call-arg]
-                                              context=self._context(round_, client)), None
-                return self.trainer.train(self.work.module, train, seed), None
+                    result = self._train_in_group(client, train, seed)
+                elif self.context:
+                    result = self.trainer.train(self.work.module, train, seed,  # type: ignore[call-arg]
+                                                context=self._context(round_, client))
+                else:
+                    result = self.trainer.train(self.work.module, train, seed)
+            if self.faults:
+                self.faults.after_training(round_, client, self.work, self.parts.plan, anchor,
+                                           time.perf_counter() - began)
+            return result, None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             return TrainResult(0, {}), self._failed(err, round_, client, "")
 

@@ -10,6 +10,7 @@ from mpifl.logs import log
 from mpifl.units import MIB
 
 if TYPE_CHECKING:
+    from mpifl.planning.faults import FaultPlan, Strike
     from mpifl.planning.federation import RoundAssignment
     from mpifl.wire.protocol import UpdateMeta
 
@@ -55,6 +56,40 @@ def dropped_entries(plan: RoundAssignment, metas: dict[int, UpdateMeta],
         reasons[client] = (rank, f"rank {rank} was still training round {plan.busy_ranks[rank]}, from which it was "
                                  "dropped past its deadline: left out of this round as if not sampled, not waited for")
     return [{"client": c, "rank": rank, "reason": why} for c, (rank, why) in sorted(reasons.items())]
+
+
+def round_strikes(faults: FaultPlan, plan: RoundAssignment) -> list[Strike]:
+    """The faults that strike this round's training clients (config ``faults:``), by client, then list order."""
+    return sorted((s for rank, clients in plan.train.items() for client in clients
+                   for s in faults.strikes(plan.round, client, rank)), key=lambda s: (s.client, s.index))
+
+
+def strike_line(strike: Strike) -> str:
+    """The server's log line for one strike, at the start of its round."""
+    return (f"round {strike.round}: faults[{strike.index}] ({strike.fault.kind!r} at stage {strike.fault.stage!r}) "
+            f"strikes logical client {strike.client} (rank {strike.rank})")
+
+
+def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta]) -> list[dict]:
+    """Each strike of the round with what came of it: ``dropped`` (with the client's error), ``folded`` (its
+    update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), or, asynchronously,
+    ``held`` (trained now, sent in a later step)."""
+    out = []
+    for strike in strikes:
+        meta = metas.get(strike.client)
+        if meta is not None:
+            outcome = {"outcome": "dropped", "reason": meta.error} if meta.error is not None else {"outcome": "folded"}
+        else:
+            outcome = {"outcome": "held" if plan.hold else "not received"}
+        out.append({**strike.describe(), **outcome})
+    return out
+
+
+def fault_line(entry: dict) -> str:
+    """One recorded strike (``fault_entries``) as a tracker's note."""
+    why = f" ({entry['reason']})" if entry.get("reason") else ""
+    return (f"faults[{entry['fault']}] {entry['kind']!r} on logical client {entry['client']} (rank {entry['rank']}): "
+            f"{entry['outcome']}{why}")
 
 
 def secagg_record(metas: dict[int, UpdateMeta]) -> dict:

@@ -26,6 +26,7 @@ from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
+from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import RoundAssignment, Sampler, state_home, state_loans
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
 from mpifl.privacy.dp import ServerPrivacy
@@ -35,10 +36,13 @@ from mpifl.roles.records import (
     RoundTimes,
     client_metrics,
     dropped_entries,
+    fault_entries,
     federated_evaluation,
     group_split,
     note_memory_growth,
+    round_strikes,
     secagg_record,
+    strike_line,
     summary,
 )
 from mpifl.storage.checkpointer import Checkpointer
@@ -87,6 +91,7 @@ class ServerParts:
     # the clients dropped past their deadline, named in each rank's next header (shared with the residual publisher)
     dropped: DroppedClients = field(default_factory=DroppedClients)
     floor: FloorRate | None = None  # transport.floor_probe_mb: the raw-MPI floor's rates, for each record's 'exchange'
+    faults: FaultPlan | None = None  # the config's faults: each round's strikes, recorded with what came of them
 
 
 class Server:
@@ -150,6 +155,9 @@ class Server:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
         plan = self._without_busy(parts.sampler.plan(round_))
+        strikes = round_strikes(parts.faults, plan) if parts.faults else []
+        for strike in strikes:
+            log(strike_line(strike), rank=0)
         parts.strategy.begin_round(round_, len(plan.participants))
         self._send_headers(plan)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
@@ -165,6 +173,8 @@ class Server:
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds, trained)
         record = self._record(plan, stats.metas, evaluation, times, work)
+        if strikes:
+            record["faults"] = fault_entries(strikes, plan, stats.metas)
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
         if parts.secagg:

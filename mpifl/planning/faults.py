@@ -1,0 +1,81 @@
+"""Which injected faults (the config's ``faults:``) strike which logical client, rank and stage in a round.
+
+A pure function of the config, the round, the client and the rank that trains it, computed alike by the client
+rank that injects a fault and by the server that records it: nothing about faults travels. A ``fraction`` is drawn
+for each client on its own from the run's seed, the round, the client and the fault's place in the list, so the
+same clients are hit on any number of ranks and in every run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpifl.config import Config
+from mpifl.config.sections import FaultConfig
+from mpifl.planning.seeds import BITS, FAULTS, derive_seed
+
+
+@dataclass(frozen=True)
+class Strike:
+    """One fault striking one logical client (or, at stage 'receive', the rank that trains it) in one round."""
+
+    index: int  # the fault's place in the config's list: faults[index]
+    fault: FaultConfig
+    round: int
+    client: int
+    rank: int
+
+    def describe(self) -> dict:
+        """The record's entry (metrics.jsonl: a round's ``faults``), before the outcome is known."""
+        entry: dict = {"fault": self.index, "kind": self.fault.kind, "stage": self.fault.stage,
+                       "client": self.client, "rank": self.rank}
+        entry.update({name: getattr(self.fault, name) for name in PARAMETERS.get(self.fault.kind, ())})
+        return entry
+
+
+PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor",), "corrupt": ("bits",),
+              "exit": ("code", "via")}
+
+
+class FaultPlan:
+    """The run's faults, asked round by round."""
+
+    def __init__(self, cfg: Config):
+        self.faults, self.seed, self.rounds = cfg.faults, cfg.seed, cfg.rounds
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def strikes(self, round_: int, client: int, rank: int) -> list[Strike]:
+        """The faults that strike ``client``, trained on ``rank`` in ``round_``, in the list's order."""
+        return [Strike(i, fault, round_, client, rank) for i, fault in enumerate(self.faults)
+                if fault.strikes_in(round_, self.rounds) and self._targets(i, fault, round_, client, rank)]
+
+    def _targets(self, index: int, fault: FaultConfig, round_: int, client: int, rank: int) -> bool:
+        if fault.clients:
+            return client in fault.clients
+        if fault.ranks:
+            return rank in fault.ranks
+        return drawn(self.seed, index, round_, client) < fault.fraction
+
+    def bad_ranks(self, client_ranks: int) -> str | None:
+        """A fault that names a rank the job does not have as a client rank, said with its key; else None."""
+        for i, fault in enumerate(self.faults):
+            missing = [r for r in fault.ranks if r > client_ranks]
+            if missing:
+                return (f"faults[{i}].ranks: {missing} {'is' if len(missing) == 1 else 'are'} not client ranks of this "
+                        f"job (ranks 1..{client_ranks})")
+        return None
+
+
+def drawn(seed: int, index: int, round_: int, client: int) -> float:
+    """The uniform draw in [0, 1) that decides whether fault ``index``'s fraction hits ``client`` in ``round_``."""
+    return float(np.random.default_rng(derive_seed(seed, FAULTS, index, round_, client)).random())
+
+
+def flipped_bits(seed: int, strike: Strike, total_bits: int) -> np.ndarray:
+    """Which of an update's ``total_bits`` bits a corruption flips: ``strike.fault.bits`` distinct positions, drawn
+    from the seed, the fault, the round and the client."""
+    rng = np.random.default_rng(derive_seed(seed, FAULTS, BITS, strike.index, strike.round, strike.client))
+    return np.sort(rng.choice(total_bits, size=min(strike.fault.bits, total_bits), replace=False))

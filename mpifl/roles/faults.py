@@ -1,0 +1,156 @@
+"""A client rank's side of the config's ``faults:``: each strike (mpifl.planning.faults) done where it belongs.
+
+Stages: ``receive`` before the rank takes up a round's model (once per round, for any of its clients struck),
+``train`` before a client trains (raise, stall, exit, kill) or on its trained model and update (nan, inf, scale,
+slowdown, corrupt), ``send`` after the first chunk of the client's update. A strike that stops, stalls or ends the
+rank is logged here as it happens; the server logs every strike at the start of its round and records each with
+what came of it (metrics.jsonl, ``faults``).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from mpifl.logs import log
+from mpifl.planning.faults import FaultPlan, Strike, flipped_bits
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.layout import ExchangeLayout
+
+PROGRESS_EVERY = 0.25  # seconds between a slowed rank's progress reports
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``raise`` fault throws in a client's training."""
+
+
+class FaultInjector:
+    """The strikes that fall on this rank, done at each stage. ``tick``: report progress (a slowed rank is slow,
+    not silent)."""
+
+    def __init__(self, plan: FaultPlan, rank: int, tick: Callable[[], None]):
+        self.plan, self.rank, self.tick = plan, rank, tick
+
+    def __bool__(self) -> bool:
+        return bool(self.plan)
+
+    @property
+    def scales(self) -> bool:
+        """Whether a fault may scale an update, which needs the round's global model beside the trained one."""
+        return any(f.kind == "scale" for f in self.plan.faults)
+
+    def _at(self, round_: int, client: int, stage: str, kinds: Iterable[str] | None = None) -> list[Strike]:
+        return [s for s in self.plan.strikes(round_, client, self.rank)
+                if s.fault.stage == stage and (kinds is None or s.fault.kind in kinds)]
+
+    def before_receive(self, round_: int, clients: Sequence[int]) -> None:
+        """Stage 'receive': the first strike among the round's clients here, before the model is taken up."""
+        struck = [s for c in clients for s in self._at(round_, c, "receive")]
+        if struck:
+            self._act(struck[0])
+
+    def before_training(self, round_: int, client: int) -> None:
+        """Stage 'train', before the client trains: raise (the client's error), stall, exit, kill."""
+        for strike in self._at(round_, client, "train", ("raise", "stall", "exit", "kill")):
+            self._act(strike)
+
+    def after_training(self, round_: int, client: int, work: FlatModel, layout: ExchangeLayout,
+                       anchor: torch.Tensor | None, trained_seconds: float) -> None:
+        """Stage 'train', on the trained model: slow it down, scale its update, or put a NaN or Inf in it."""
+        for strike in self._at(round_, client, "train", ("slowdown", "scale", "nan", "inf")):
+            kind = strike.fault.kind
+            if kind == "slowdown":
+                self._slow(trained_seconds * (strike.fault.factor - 1))
+            elif kind == "scale":
+                assert anchor is not None  # FaultInjector.scales keeps the global model on the rank
+                scale_update(work, layout, anchor, strike.fault.factor)
+            else:
+                first_float_view(work, layout)[0] = float("nan") if kind == "nan" else float("inf")
+
+    def corrupt(self, round_: int, client: int, buffers: Sequence[np.ndarray | torch.Tensor], seed: int) -> None:
+        """Stage 'train', on the update as it leaves (after every check): flip the fault's bits."""
+        for strike in self._at(round_, client, "train", ("corrupt",)):
+            flip_bits([b if isinstance(b, torch.Tensor) else torch.from_numpy(b) for b in buffers], seed, strike)
+
+    def send_strikes(self, round_: int, client: int) -> list[Strike]:
+        """Stage 'send': the strikes to do after the first chunk of ``client``'s update."""
+        return self._at(round_, client, "send")
+
+    def act(self, strikes: Iterable[Strike]) -> None:
+        """Do ``strikes`` now (stage 'send', between the first chunk and the rest)."""
+        for strike in strikes:
+            self._act(strike)
+
+    def _announce(self, strike: Strike) -> None:
+        fault = strike.fault
+        log(f"faults[{strike.index}]: injecting {fault.kind!r} into logical client {strike.client} in round "
+            f"{strike.round} at stage {fault.stage!r}", rank=self.rank)
+
+    def _act(self, strike: Strike) -> None:
+        """A fault that stops, stalls, ends or kills the rank, or raises in the client's training."""
+        self._announce(strike)
+        fault = strike.fault
+        if fault.kind == "raise":
+            raise InjectedFault(f"faults[{strike.index}]: an injected exception in round {strike.round}")
+        if fault.kind == "stall":
+            if fault.seconds == 0:  # a hang
+                while True:
+                    time.sleep(3600)
+            time.sleep(fault.seconds)
+        elif fault.kind == "exit":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if fault.via == "sys":
+                sys.exit(fault.code)
+            if fault.via == "os":
+                os._exit(fault.code)
+            ctypes.CDLL(None)._exit(fault.code)  # C's _exit: no Python cleanup, no atexit
+        elif fault.kind == "kill":
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _slow(self, seconds: float) -> None:
+        """Sleep ``seconds`` as a slow device would train: reporting progress as it goes."""
+        end = time.perf_counter() + seconds
+        while (left := end - time.perf_counter()) > 0:
+            time.sleep(min(left, PROGRESS_EVERY))
+            self.tick()
+
+
+def float_chunks(work: FlatModel, layout: ExchangeLayout) -> list[torch.Tensor]:
+    """The model's floating-point chunks, typed views into its buffer."""
+    return [v for v in (work.chunk_view(c) for c in layout.chunks) if v.is_floating_point() and v.numel()]
+
+
+def first_float_view(work: FlatModel, layout: ExchangeLayout) -> torch.Tensor:
+    """The model's first floating-point chunk (where a NaN or Inf fault puts its value)."""
+    chunks = float_chunks(work, layout)
+    if not chunks:
+        raise ValueError("the model has no floating-point tensor to put a NaN or Inf in")
+    return chunks[0]
+
+
+def scale_update(work: FlatModel, layout: ExchangeLayout, anchor: torch.Tensor, factor: float) -> None:
+    """The trained model w becomes g + factor (w - g), g the round's global model (``anchor``, the flat bytes)."""
+    for chunk in layout.chunks:
+        trained = work.chunk_view(chunk)
+        if not trained.is_floating_point():
+            continue
+        global_ = anchor[chunk.offset:chunk.offset + chunk.nbytes].view(trained.dtype)
+        trained.sub_(global_).mul_(factor).add_(global_)
+
+
+def flip_bits(buffers: Sequence[torch.Tensor], seed: int, strike: Strike) -> None:
+    """Flip the strike's bits across ``buffers`` (each viewed as bytes, in order), in place."""
+    raw = [b.view(torch.uint8).reshape(-1) for b in buffers]
+    sizes = np.cumsum([0, *(r.numel() for r in raw)])
+    for bit in flipped_bits(seed, strike, int(sizes[-1]) * 8):
+        byte = int(bit) // 8
+        which = int(np.searchsorted(sizes, byte, side="right")) - 1
+        raw[which][byte - sizes[which]] ^= 1 << (int(bit) % 8)
