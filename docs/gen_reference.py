@@ -70,6 +70,9 @@ def _type_name(hint: object) -> str:
         return " or ".join(_type_name(a) for a in inner) + (" or null" if type(None) in args else "")
     if hint is list:
         return "list"
+    if typing.get_origin(hint) in (list, tuple):  # list[int]; tuple[Section, ...]: a list of that section's mappings
+        item = args[0]
+        return "list of " + ("mappings" if dataclasses.is_dataclass(item) else _type_name(item))
     return _cell(getattr(hint, "__name__", str(hint)))
 
 
@@ -91,11 +94,13 @@ def _allowed(meta: typing.Mapping) -> str:
     return "; ".join(parts)
 
 
-def _allowed_or_type(meta: typing.Mapping, hint: object) -> str:
-    """The field's rules, or what its type alone allows."""
+def _allowed_or_type(meta: typing.Mapping, hint: object, key: str = "") -> str:
+    """The field's rules, or what its type alone allows (``key``: the field's, to name a list's item section)."""
     text = _allowed(meta)
     if text:
-        return f"a list of {text}" if hint is list else text
+        return f"a list of {text}" if hint is list or typing.get_origin(hint) is list else text
+    if typing.get_origin(hint) is tuple:
+        return f"a list of mappings, each with the keys of `{key}[]` below"
     base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     return {bool: "`true`, `false`", dict: "a mapping", list: "a list of strings", str: "a string",
             int: "an integer", float: "a number"}.get(base[0], "any")
@@ -123,6 +128,9 @@ def config_sections() -> list[tuple[str, type, list[tuple[str, object, object, t
             hint = hints[f.name]
             if dataclasses.is_dataclass(hint):
                 nested.append((f.name, hint))
+            elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+                rows.append((prefix + f.name, hint, [], f.metadata))  # a list of sections: its items' keys below
+                nested.append((f.name + "[]", typing.get_args(hint)[0]))
             else:
                 rows.append((prefix + f.name, hint, _default(f), f.metadata))
         out.append((prefix.rstrip("."), cls, rows))
@@ -167,7 +175,8 @@ def render_config() -> str:
         lines += [f"## {title}", "", " ".join(doc.split()), "", '<div class="config-keys" markdown>', "",
                   "| key | type | default | allowed | doc |", "|---|---|---|---|---|"]
         for key, hint, default, meta in rows:
-            lines.append(f"| `{key}` | {_type_name(hint)} | {_code(_yaml(default))} | {_allowed_or_type(meta, hint)} | "
+            allowed = _allowed_or_type(meta, hint, key)
+            lines.append(f"| `{key}` | {_type_name(hint)} | {_code(_yaml(default))} | {allowed} | "
                          f"{_cell(meta.get('doc', ''))} |")
         lines += ["", "</div>", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
