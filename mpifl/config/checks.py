@@ -440,6 +440,11 @@ NOISY_EVALUATIONS_WARNED = 20  # data.feature_noise: more clients than this make
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = []
+    for i, fault in enumerate(cfg.faults):  # a run stopped early (rounds=2) and resumed with more still strikes later
+        late = [r for r in (*fault.rounds, fault.from_round, fault.to_round) if r > cfg.rounds]
+        if late:
+            found.append(f"faults[{i}]: round {late[0]} is past the run's last (rounds={cfg.rounds}): it strikes only "
+                         "if a resume raises rounds")
     if cfg.clients.per_round is not None and cfg.clients.per_round > cfg.clients.num_clients:
         found.append(f"clients.per_round: {cfg.clients.per_round} is more than clients.num_clients="
                      f"{cfg.clients.num_clients}: every client takes part in every round")
@@ -475,9 +480,6 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
     too_high = [c for c in fault.clients if c >= cfg.clients.num_clients]
     if too_high:
         raise ConfigError(f"{key}.clients: {too_high} not below clients.num_clients={cfg.clients.num_clients}")
-    late = [r for r in (*fault.rounds, fault.from_round, fault.to_round) if r > cfg.rounds]
-    if late:
-        raise ConfigError(f"{key}: round {late[0]} is past the run's last (rounds={cfg.rounds})")
     if fault.to_round and fault.to_round < fault.from_round:
         raise ConfigError(f"{key}.to_round: {fault.to_round} is before from_round={fault.from_round}")
     for name, (kinds, default) in FAULT_PARAMETERS.items():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
@@ -590,8 +591,9 @@ class Config:
                                                     "(docs/how-to/faults.md)")
 
     def to_dict(self) -> dict:
-        """The whole configuration as nested plain dicts (for the YAML dump and resume checks)."""
-        return dataclasses.asdict(self)
+        """The whole configuration as nested plain dicts and lists (for the YAML dump and resume checks: a list of
+        sections, ``faults``, reads back from a checkpoint's JSON as a list)."""
+        return typing.cast(dict, _lists(dataclasses.asdict(self)))
 
     def clients_per_round(self) -> int:
         """How many logical clients take part in each round."""
@@ -675,3 +677,12 @@ class Config:
         return self.compression.method == "topk" and self.compression.error_feedback
 
 
+
+
+def _lists(value: object) -> object:
+    """``value`` with every tuple inside it a list, as JSON and YAML read it back."""
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    return value

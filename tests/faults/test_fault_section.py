@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import MPI_TIMEOUT, run_mpi, same_model, write_config
+from conftest import MPI_TIMEOUT, run_mpi, same_model, stopped_and_resumed, write_config
 from reference import one_thread, reference_run
 
-from mpifl.config import ConfigError, load_config
+from mpifl.config import ConfigError, config_warnings, load_config
 from mpifl.planning.faults import FaultPlan, Strike, drawn
 from mpifl.roles.faults import flip_bits
 from mpifl.storage.hdf5 import load_tensors
@@ -37,7 +37,6 @@ def config(faults: str):
     ("[{kind: raise, clients: [8]}]", "faults[0].clients: [8] not below clients.num_clients=8"),
     ("[{kind: stall, clients: [1], factor: 2}]", "faults[0].factor: only a fault of kind 'slowdown' or 'scale' reads"),
     ("[{kind: nan, clients: [1], stage: send}]", "faults[0].stage: a 'nan' fault acts on the client's training"),
-    ("[{kind: raise, clients: [1], rounds: [5]}]", "faults[0]: round 5 is past the run's last (rounds=4)"),
     ("[{kind: slowdown, ranks: [1], factor: 0.5}]", "faults[0].factor: a slowdown needs a factor above 1"),
     ("[{kind: raise, clients: [1]}, {kind: explode, clients: [1]}]", "faults[1].kind: 'explode' is not allowed"),
     ("[{kind: raise, client: [1]}]", "unknown key 'faults[0].client'; did you mean 'faults[0].clients'?"),
@@ -49,6 +48,11 @@ def test_a_fault_that_cannot_mean_one_thing_is_refused_naming_its_key(faults, me
     with pytest.raises(ConfigError) as err:
         config(faults)
     assert message in str(err.value)
+
+
+def test_a_fault_past_the_last_round_is_a_warning_as_a_resume_may_raise_rounds():
+    assert "faults[0]: round 5 is past the run's last (rounds=4): it strikes only if a resume raises rounds" in \
+        config_warnings(config("[{kind: raise, clients: [1], rounds: [5]}]"))
 
 
 def test_a_fraction_strikes_the_same_clients_on_any_rank_in_about_that_share_of_draws():
@@ -146,3 +150,13 @@ def test_corrupted_scaled_slowed_and_stalled_updates_are_folded_as_recorded_the_
     assert any(k == "slowdown" for k, _, _ in kinds[1]) and ("stall", 4, "folded") in kinds[1]
     assert all(outcome == "folded" for round_ in kinds for _, _, outcome in round_)
     assert all(not r["dropped"] for r in records(three))  # nothing checks for a scaled or corrupted value
+
+
+def test_a_run_with_faults_stopped_and_resumed_on_other_ranks_strikes_the_same_clients_and_ends_bitwise(tmp_path):
+    cfg, whole, _ = faults_run(tmp_path, "whole", DROPPING, 3)
+    rest = stopped_and_resumed(tmp_path, cfg, resume_ranks=4)
+    assert "faults[0] ('raise' at stage 'train') strikes logical client 1" not in rest.stderr  # round 2 was done
+    split = tmp_path / "split"
+    assert same_model(split / "model.h5", whole / "model.h5")
+    assert without_ranks([r.get("faults", []) for r in records(split)]) == \
+        without_ranks([r.get("faults", []) for r in records(whole)])
