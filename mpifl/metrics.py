@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Protocol
@@ -33,6 +34,34 @@ def current_rss_bytes() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
     except (OSError, StopIteration):
         return peak_rss_bytes()
+
+
+def bytes_written() -> int | None:
+    """Bytes this process has handed to write calls so far (files, and its log on stderr): ``wchar`` of
+    /proc/self/io; None where there is no such file (not Linux). Memory-mapped and MPI shared-memory traffic is
+    not a write call and is not counted."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+class CostMeter:
+    """What this process has spent since the last reading: CPU-seconds (user and system, every thread:
+    ``time.process_time``) and bytes written (``bytes_written``; left out where it cannot be read)."""
+
+    def __init__(self) -> None:
+        self.cpu, self.written = time.process_time(), bytes_written()
+
+    def since_last(self) -> dict[str, float]:
+        """``cpu_seconds`` and ``bytes_written`` since the last call (or since this meter was made)."""
+        cpu, written = time.process_time(), bytes_written()
+        out: dict[str, float] = {"cpu_seconds": cpu - self.cpu}
+        if written is not None and self.written is not None:
+            out["bytes_written"] = written - self.written
+        self.cpu, self.written = cpu, written
+        return out
 
 
 class RecordSink(Protocol):

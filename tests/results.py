@@ -67,16 +67,17 @@ def assert_bitwise(got: dict, want: dict) -> None:
 # What a round's record measures of the machine (wall times, memory, the exchange against the floor): the only
 # keys in which two identical runs' metrics.jsonl may differ.
 MEASURED = ("time", "exchange", "client_train_seconds", "client_peak_rss_bytes", "client_peak_device_bytes",
-            "server_rss_bytes", "server_peak_rss_bytes")
+            "server_rss_bytes", "server_peak_rss_bytes", "cost", "cost_to_date")
+RANK_MEASURED = ("train_seconds", "cpu_seconds", "bytes_written", "gpu_seconds", "gpu_energy_joules")
 
 
 def recorded(run_dir: Path) -> list[dict]:
-    """The run's metrics.jsonl less what it measured of the machine (``MEASURED``, and each rank's training
-    seconds): what two identical runs must write alike."""
+    """The run's metrics.jsonl less what it measured of the machine (``MEASURED``, and each rank's times and costs:
+    ``RANK_MEASURED``): what two identical runs must write alike."""
     out = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = {k: v for k, v in json.loads(line).items() if k not in MEASURED}
-        record["ranks"] = {rank: {k: v for k, v in work.items() if k != "train_seconds"}
+        record["ranks"] = {rank: {k: v for k, v in work.items() if k not in RANK_MEASURED}
                            for rank, work in record.get("ranks", {}).items()}
         out.append(record)
     return out

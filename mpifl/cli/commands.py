@@ -175,10 +175,14 @@ def compare(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     """``mpifl report``: PNG plots of a run's metrics."""
-    from mpifl.cli.report import write_report
+    from mpifl.cli.report import load_metrics, write_report
+    from mpifl.roles.records import cost_line
 
     for path in write_report(args.run_dir, args.out):
         print(f"wrote {path}")
+    last = load_metrics(Path(args.run_dir))[-1]
+    if "cost_to_date" in last:
+        print(f"{cost_line(last['cost_to_date'])} (rounds 1-{last['round']})")
     return 0
 
 

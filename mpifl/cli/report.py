@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
-from mpifl.roles.records import MEMORY_SIGNALS
+from mpifl.roles.records import MEMORY_SIGNALS, cost_line
 from mpifl.units import MIB
 
 if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
@@ -87,6 +87,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plots += [("virtual_time.png", _virtual_time), ("participation.png", _participation)]
     if any(r.get("staleness") for r in records):
         plots.append(("staleness.png", _staleness))
+    if any("cost" in r for r in records):
+        plots.append(("cost.png", _cost))
     for name, draw in plots:
         fig, ax = plt.subplots(figsize=(7, 4))
         draw(fig, ax, records)
@@ -229,6 +231,27 @@ def _bytes(fig: Figure, ax: Axes, records: list[dict]) -> None:
     ax.set_ylabel("MiB")
     ax.set_title("Bytes moved per round")
     ax.legend()
+
+
+def _cost(fig: Figure, ax: Axes, records: list[dict]) -> None:
+    """CPU-seconds per round, the server's and the client ranks' stacked, and bytes written on a second axis; the
+    run's totals (the last record's ``cost_to_date``) in the title."""
+    measured = [r for r in records if "cost" in r]
+    rounds = [r["round"] for r in measured]
+    server = [r["cost"]["server_cpu_seconds"] for r in measured]
+    ax.bar(rounds, server, color="tab:blue", label="server")
+    ax.bar(rounds, [r["cost"]["client_cpu_seconds"] for r in measured], bottom=server, color="tab:orange",
+           label="client ranks")
+    ax.set_ylabel("CPU-seconds")
+    _label_rounds(ax)
+    if all("bytes_written" in r["cost"] for r in measured):
+        written = ax.twinx()
+        written.plot(rounds, [r["cost"]["bytes_written"] / MIB for r in measured], color="tab:gray", marker=".",
+                     label="bytes written")
+        written.set_ylabel("MiB written")
+        written.legend(loc="upper right")
+    ax.legend(loc="upper left")
+    ax.set_title(cost_line(measured[-1]["cost_to_date"]).replace("cost: ", "run: ", 1), fontsize=8)
 
 
 def _memory(fig: Figure, ax: Axes, records: list[dict]) -> None:

@@ -160,3 +160,45 @@ class DeviceReplica:
     def to_host(self) -> None:
         """The trained weights into the host buffer, for encoding and sending (one device-to-host copy)."""
         self.host.buffer.copy_(self.flat.buffer)
+
+
+class GpuEnergy:
+    """NVML's energy counter of one GPU (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since the driver
+    loaded; Volta and newer), read through NVIDIA's own bindings (``nvidia-ml-py``, the ``energy`` extra). Where
+    there is no counter, ``why`` says why and ``joules`` is None: the run records no energy rather than an
+    estimate."""
+
+    def __init__(self, device: torch.device):
+        self.handle: object | None = None
+        self.why = ""
+        try:
+            import pynvml
+        except ImportError:
+            self.why = "nvidia-ml-py is not installed (pip install 'mpifl[energy]')"
+            return
+        try:
+            pynvml.nvmlInit()
+            self.handle = _nvml_handle(pynvml, device.index or 0)
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+        except pynvml.NVMLError as err:
+            self.handle, self.why = None, f"NVML has no energy counter here ({err})"
+
+    def joules(self) -> float | None:
+        """The counter now, in joules; None without one."""
+        if self.handle is None:
+            return None
+        import pynvml
+
+        return pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0
+
+
+def _nvml_handle(pynvml: object, cuda_index: int) -> object:
+    """NVML's handle of CUDA device ``cuda_index``: NVML numbers every GPU of the node, CUDA only the visible ones
+    (CUDA_VISIBLE_DEVICES: indices or UUIDs)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if cuda_index < len(visible):
+        chosen = visible[cuda_index]
+        if not chosen.isdigit():
+            return pynvml.nvmlDeviceGetHandleByUUID(chosen)  # type: ignore[attr-defined]
+        cuda_index = int(chosen)
+    return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 from mpifl.learning.datasets import ClientData
-from mpifl.learning.device import DeviceReplica, deterministic_hint
+from mpifl.learning.device import DeviceReplica, GpuEnergy, deterministic_hint
 from mpifl.learning.trainers import (
     ConfiguredTrainer,
     TrainContext,
@@ -23,7 +23,7 @@ from mpifl.learning.trainers import (
     local_steps,
 )
 from mpifl.logs import log
-from mpifl.metrics import peak_rss_bytes
+from mpifl.metrics import CostMeter, peak_rss_bytes
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
@@ -110,6 +110,11 @@ class ClientRank:
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
         self.faults = FaultInjector(parts.faults, self.rank, self.progress.tick) if parts.faults else None
+        self.cost = CostMeter()  # CPU-seconds and bytes written, reported with each update's header
+        self.energy = GpuEnergy(self.work.buffer.device) if self.replica is not None and self.replica.on_gpu else None
+        self.joules = self.energy.joules() if self.energy is not None else None
+        if self.energy is not None and self.joules is None:
+            log(f"GPU energy is not recorded: {self.energy.why}", rank=self.rank)
 
     def run(self) -> None:
         """Serve rounds until the server says stop."""
@@ -291,11 +296,24 @@ class ClientRank:
                                          "train.lr or set train.max_grad_norm, or drop such clients from their "
                                          "rounds with clients.accept_failures=true")
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
+        metrics.update(self._cost(time.perf_counter() - start))
         if self.replica is not None and self.replica.on_gpu:
             metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
         meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error,
                                    result.local_steps)
         return meta, buffers
+
+    def _cost(self, seconds: float) -> dict[str, float]:
+        """What this rank spent since its last update's header (CPU-seconds, bytes written: receiving the model and
+        the previous update's send included), and, on a GPU, ``seconds`` of it and the energy its counter saw."""
+        cost = {f"rank_{key}": value for key, value in self.cost.since_last().items()}
+        if self.replica is not None and self.replica.on_gpu:
+            cost["rank_gpu_seconds"] = seconds
+        if self.energy is not None and self.joules is not None:
+            joules = self.energy.joules()
+            assert joules is not None  # a counter that answered once keeps answering
+            cost["rank_gpu_energy_joules"], self.joules = joules - self.joules, joules
+        return cost
 
     def _train_one(self, round_: int, client: int, train: ClientData | None,
                    anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:

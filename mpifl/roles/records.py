@@ -92,6 +92,69 @@ def fault_line(entry: dict) -> str:
             f"{entry['outcome']}{why}")
 
 
+# What a client rank reports of its cost with each update (roles.client.ClientRank._cost), summed per rank.
+RANK_COSTS = ("cpu_seconds", "bytes_written", "gpu_seconds", "gpu_energy_joules")
+
+
+def rank_costs(metas: Iterable[UpdateMeta]) -> dict[str, float]:
+    """One rank's cost this round: the sums of what its updates' headers report (``RANK_COSTS``), each only where
+    some header reported it."""
+    out: dict[str, float] = {}
+    for meta in metas:
+        for key in RANK_COSTS:
+            if f"rank_{key}" in meta.metrics:
+                out[key] = out.get(key, 0) + meta.metrics[f"rank_{key}"]
+    return out
+
+
+def round_cost(server: dict[str, float], ranks: dict[str, dict], bytes_moved: int) -> dict[str, float]:
+    """What the round cost: CPU-seconds of the server and of the client ranks, bytes written by both (where every
+    rank could count them), bytes moved over MPI, and, where client ranks train on GPUs, GPU-seconds and the
+    energy NVML counted. A client rank counts from its previous update's header, so its figure holds the previous
+    round's last send, and a run's totals leave out only the run's very last send. The server's share ends once the
+    round's checkpoint is written (``plus_server``)."""
+    clients = list(ranks.values())
+    cost = {"cpu_seconds": server["cpu_seconds"] + sum(r.get("cpu_seconds", 0.0) for r in clients),
+            "server_cpu_seconds": server["cpu_seconds"],
+            "client_cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in clients),
+            "bytes_moved": float(bytes_moved)}
+    if "bytes_written" in server and all("bytes_written" in r for r in clients):
+        cost["bytes_written"] = server["bytes_written"] + sum(r["bytes_written"] for r in clients)
+    for key in ("gpu_seconds", "gpu_energy_joules"):
+        if any(key in r for r in clients):
+            cost[key] = sum(r.get(key, 0.0) for r in clients)
+    return cost
+
+
+def plus_server(cost: dict[str, float], server: dict[str, float]) -> dict[str, float]:
+    """``cost`` (a round's, or the run's to date) with more of the server's spending added: what its checkpoint took,
+    read once the checkpoint is written."""
+    out = {**cost, "cpu_seconds": cost["cpu_seconds"] + server["cpu_seconds"],
+           "server_cpu_seconds": cost["server_cpu_seconds"] + server["cpu_seconds"]}
+    if "bytes_written" in cost and "bytes_written" in server:
+        out["bytes_written"] = cost["bytes_written"] + server["bytes_written"]
+    return out
+
+
+def cost_to_date(previous: dict[str, float] | None, cost: dict[str, float]) -> dict[str, float]:
+    """The run's cost so far: ``previous`` (the last record's, resumes included) plus this round's ``cost``."""
+    previous = previous or {}
+    return {key: previous.get(key, 0.0) + cost.get(key, 0.0) for key in {**previous, **cost}}
+
+
+def cost_line(total: dict[str, float]) -> str:
+    """The run's cost on one line: CPU-seconds, bytes moved and written, and GPU time and energy where measured."""
+    parts = [f"{total.get('cpu_seconds', 0.0):.3g} CPU-s ({total.get('server_cpu_seconds', 0.0):.3g} on the server)",
+             f"{total.get('bytes_moved', 0.0) / MIB:.3g} MiB moved"]
+    if "bytes_written" in total:
+        parts.append(f"{total['bytes_written'] / MIB:.3g} MiB written")
+    if "gpu_seconds" in total:
+        parts.append(f"{total['gpu_seconds']:.3g} GPU-s")
+    if "gpu_energy_joules" in total:
+        parts.append(f"{total['gpu_energy_joules'] / 3.6e6:.3g} kWh of GPU energy")
+    return "cost: " + ", ".join(parts)
+
+
 def secagg_record(metas: dict[int, UpdateMeta]) -> dict:
     """Secure aggregation's cost this round: clients dropped (their masks removed), the slowest client's
     masking time, and values clamped into the ring's range."""
@@ -115,10 +178,10 @@ def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:
 
 
 # What an update's header carries that a round's record reports under its own keys: the training loss (train_loss),
-# federated evaluation (val_*: federated_eval), the ranks' peaks (client_peak_*), a client group's costs
-# (client_group) and secure aggregation's (secagg). Everything else a client reports is a client metric.
+# federated evaluation (val_*: federated_eval), the ranks' peaks and costs (client_peak_*, ranks, cost), a client
+# group's costs (client_group) and secure aggregation's (secagg). Everything else a client reports is a client metric.
 REPORTED_ELSEWHERE = ("loss",)
-REPORTED_ELSEWHERE_PREFIXES = ("val_", "rank_peak_", "group_", "secagg_")
+REPORTED_ELSEWHERE_PREFIXES = ("val_", "rank_", "group_", "secagg_")
 
 
 def client_metrics(metas: Sequence[UpdateMeta]) -> dict | None:
@@ -181,6 +244,8 @@ def log_final(history: list[dict], rounds: int, where: str) -> None:
     reached = history[-1]["round"] if history else 0
     if reached == rounds:
         detail = f"final round {last['round']}: " + summary(last) if last else "no evaluation"
+        if "cost_to_date" in history[-1]:
+            log(cost_line(history[-1]["cost_to_date"]), rank=0)
         log(f"finished {len(history)} rounds; {detail}; outputs in {where}", rank=0)
         return
     detail = f"last evaluation after round {last['round']}: " + summary(last) if last else "no evaluation"

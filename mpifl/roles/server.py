@@ -25,7 +25,7 @@ from mpifl.aggregation.updates import Mixing
 from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
-from mpifl.metrics import JsonLines, current_rss_bytes, peak_rss_bytes
+from mpifl.metrics import CostMeter, JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import RoundAssignment, Sampler, state_home, state_loans
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
@@ -35,11 +35,15 @@ from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import (
     RoundTimes,
     client_metrics,
+    cost_to_date,
     dropped_entries,
     fault_entries,
     federated_evaluation,
     group_split,
     note_memory_growth,
+    plus_server,
+    rank_costs,
+    round_cost,
     round_strikes,
     secagg_record,
     strike_line,
@@ -110,6 +114,7 @@ class Server:
         self.inbox = ProgressInbox(comm)  # the training ranks' progress reports, for the watchdogs
         # what ranks dropped from a round still send, taken up while later rounds run
         self.late = LateStreams(comm, parts.plan.inflight, self.pool.chunk_bytes, lambda m: log(m, rank=0))
+        self.meter = CostMeter()  # the server's CPU-seconds and bytes written, read as each round's record is made
 
     def run(self, start_round: int = 0, history: Sequence[dict] = ()) -> list[dict]:
         """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
@@ -173,6 +178,9 @@ class Server:
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds, trained)
         record = self._record(plan, stats.metas, evaluation, times, work)
+        record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
+        record["cost_to_date"] = cost_to_date(self.history[-1].get("cost_to_date") if self.history else None,
+                                              record["cost"])
         if strikes:
             record["faults"] = fault_entries(strikes, plan, stats.metas)
         if parts.privacy:
@@ -190,7 +198,10 @@ class Server:
         stopping = self._budget_ends_after(round_, record) or stopping
         parts.checkpointer.round_ended(round_, self.history, stopping)
         times.checkpointed = times.end = time.perf_counter()
-        record["time"].update(times.split())  # the checkpoint's copy stops before saving; the JSON line has it all
+        # the checkpoint's copy stops before saving; the JSON line has it all: the time split, and what saving cost
+        record["time"].update(times.split())
+        saving = self.meter.since_last()
+        record["cost"], record["cost_to_date"] = (plus_server(record[k], saving) for k in ("cost", "cost_to_date"))
         return record, stopping
 
     def _dispatch(self, plan: RoundAssignment, watchdog: Watchdog) -> None:
@@ -459,10 +470,10 @@ class Server:
         return record
 
     def _work_by_rank(self, plan: RoundAssignment, metas: dict) -> dict[str, dict]:
-        """Each client rank's logical clients this round and their training time (they train one after another)."""
-        out: dict[str, dict] = {}
+        """Each client rank's logical clients this round, their training time (they train one after another) and
+        what the rank spent (records.rank_costs)."""
+        by_rank: dict[str, list] = {}
         for client, meta in sorted(metas.items()):
-            rank = out.setdefault(str(self._rank_of(plan, client)), {"clients": 0, "train_seconds": 0.0})
-            rank["clients"] += 1
-            rank["train_seconds"] += meta.train_seconds
-        return out
+            by_rank.setdefault(str(self._rank_of(plan, client)), []).append(meta)
+        return {rank: {"clients": len(reported), "train_seconds": sum(m.train_seconds for m in reported),
+                       **rank_costs(reported)} for rank, reported in by_rank.items()}

@@ -1,0 +1,89 @@
+"""What a run costs, per round and per rank: CPU-seconds, bytes moved and written, GPU time and energy where NVML
+counts it; the totals at the end in metrics.jsonl, the log, the trackers and `mpifl report`."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import run_mpi, stopped_and_resumed, write_config
+
+from mpifl.learning.device import GpuEnergy
+from mpifl.metrics import CostMeter
+from mpifl.roles.records import cost_line, cost_to_date, plus_server, round_cost
+from mpifl.trackers import scalars
+
+RUN = """
+seed: 2
+rounds: 4
+clients: {num_clients: 6}
+data: {dataset: synthetic, kwargs: {num_samples: 300}}
+model: {name: mlp, kwargs: {hidden: [16]}}
+eval: {every: 2}
+checkpoint: {every: 2}
+output: {progress: false}
+"""
+
+
+def test_the_meter_counts_this_process_s_cpu_and_the_bytes_it_writes(tmp_path):
+    meter = CostMeter()
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    (tmp_path / "f").write_bytes(b"x" * 100_000)
+    spent = meter.since_last()
+    assert spent["cpu_seconds"] >= 0.05
+    assert spent["bytes_written"] >= 100_000
+    assert meter.since_last()["bytes_written"] < 100_000  # from the last reading on
+
+
+def test_a_round_s_cost_adds_the_server_and_every_rank_and_the_run_s_sums_the_rounds():
+    ranks = {"1": {"cpu_seconds": 1.0, "bytes_written": 10}, "2": {"cpu_seconds": 2.0, "bytes_written": 0}}
+    cost = round_cost({"cpu_seconds": 0.5, "bytes_written": 100}, ranks, bytes_moved=4096)
+    assert cost == {"cpu_seconds": 3.5, "server_cpu_seconds": 0.5, "client_cpu_seconds": 3.0, "bytes_moved": 4096.0,
+                    "bytes_written": 110}
+    assert "gpu_seconds" not in cost  # no rank trained on a GPU: nothing recorded, not a zero
+    saved = plus_server(cost, {"cpu_seconds": 0.25, "bytes_written": 1000})  # the checkpoint, once written
+    assert saved["cpu_seconds"] == 3.75 and saved["server_cpu_seconds"] == 0.75 and saved["bytes_written"] == 1110
+    total = cost_to_date(cost_to_date(None, saved), saved)
+    assert total["cpu_seconds"] == 7.5 and total["bytes_moved"] == 8192.0
+    gpu = round_cost({"cpu_seconds": 0.0}, {"1": {"cpu_seconds": 1.0, "gpu_seconds": 2.0, "gpu_energy_joules": 3.6e5}},
+                     bytes_moved=0)
+    assert "bytes_written" not in gpu  # a rank that could not count its writes: no total that leaves it out
+    assert cost_line(gpu) == "cost: 1 CPU-s (0 on the server), 0 MiB moved, 2 GPU-s, 0.1 kWh of GPU energy"
+
+
+def test_without_an_nvml_energy_counter_the_run_records_none_and_says_why():
+    energy = GpuEnergy(torch.device("cuda", 0))
+    if energy.joules() is not None:
+        pytest.skip("this machine's GPU has an energy counter")
+    assert energy.why.startswith(("NVML has no energy counter here", "nvidia-ml-py is not installed"))
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_round_records_its_cost_per_rank_and_the_run_s_totals_which_a_resume_carries_on(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", RUN)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "whole"))
+    assert result.returncode == 0, result.stderr
+    whole = records(tmp_path / "whole")
+    for record in whole:
+        assert record["cost"]["client_cpu_seconds"] == pytest.approx(
+            sum(rank["cpu_seconds"] for rank in record["ranks"].values()))
+        assert record["cost"]["bytes_moved"] == record["bytes_sent"] + record["bytes_received"]
+        assert all(rank["cpu_seconds"] > 0 for rank in record["ranks"].values())
+    assert whole[-1]["cost_to_date"]["cpu_seconds"] == pytest.approx(sum(r["cost"]["cpu_seconds"] for r in whole))
+    checkpointed = [r["cost"]["bytes_written"] for r in whole]
+    assert checkpointed[1] > 10_000 and checkpointed[3] > 10_000  # rounds 2 and 4 wrote a checkpoint each
+    assert f"[rank 0] {cost_line(whole[-1]['cost_to_date'])}" in result.stderr
+    assert scalars(whole[-1])["cost_to_date/cpu_seconds"] == whole[-1]["cost_to_date"]["cpu_seconds"]  # trackers
+    report = run_mpi(1, "report", str(tmp_path / "whole"))
+    assert report.returncode == 0 and "cost.png" in report.stdout
+    assert f"{cost_line(whole[-1]['cost_to_date'])} (rounds 1-4)" in report.stdout
+    stopped_and_resumed(tmp_path, cfg, resume_ranks=3)
+    split = records(tmp_path / "split")
+    assert split[-1]["cost_to_date"]["cpu_seconds"] > split[1]["cost_to_date"]["cpu_seconds"]
+    assert split[-1]["cost_to_date"]["bytes_moved"] == whole[-1]["cost_to_date"]["bytes_moved"]
