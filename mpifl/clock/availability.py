@@ -1,4 +1,5 @@
-"""Who is online at a virtual time: always, diurnal (a seeded phase per client), or a trace of intervals."""
+"""Who is online at a virtual time: always, diurnal (a seeded phase per client), a trace of intervals, or batch
+jobs (``queue``: mpifl.clock.queue)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpifl.clock.queue import Finish, QueueAvailability
 from mpifl.config import ClockConfig
 from mpifl.planning.seeds import CLOCK, derive_seed
 
@@ -31,6 +33,11 @@ class Availability:
             mask[client] = any(a <= t < b for a, b in spans)
         return mask
 
+    def finish(self, client: int, t: float, seconds: float) -> Finish:
+        """A task of ``seconds`` started at ``t``: it arrives when it is done (only a batch job's end cuts one
+        short: ``QueueAvailability``)."""
+        return Finish(t + seconds)
+
     def next_change(self, t: float) -> float | None:
         """The earliest time after ``t`` when someone may come online (None: never again)."""
         if self.kind == "diurnal":
@@ -52,3 +59,15 @@ def read_intervals(path: str | None, num_clients: int) -> dict[int, list[tuple[f
             raise ValueError(f"clock.availability_trace {path!r}: client {key} is not one of the {num_clients} clients")
         out[client] = [(float(a), float(b)) for a, b in spans]
     return out
+
+
+Online = Availability | QueueAvailability  # what the planners ask who is online, and when a task ends
+
+
+def availability_for(cfg: ClockConfig, num_clients: int, seed: int) -> Online:
+    """``clock.availability``'s model of who is online when."""
+    if cfg.availability == "queue":
+        return QueueAvailability(num_clients, seed, wait_median=cfg.queue_wait, wait_sigma=cfg.queue_wait_sigma,
+                                 walltime=cfg.walltime, preemption_rate=cfg.preemption_rate,
+                                 checkpoint=cfg.preemption_checkpoint, trace=cfg.queue_trace)
+    return Availability(cfg, num_clients, seed)

@@ -1,6 +1,8 @@
 """FedCompass (Li et al. 2024) in virtual time: a compute-aware scheduler with arrival groups.
 
-``concurrency`` clients, sampled once among those online at time 0, stay in the federation. A
+``concurrency`` clients, sampled once among those online at time 0, stay in the federation (with batch jobs,
+``clock.availability: queue``: sampled among all clients, each joining when its job starts and, when a job's end
+loses its task, again when its next job starts). A
 client (re)assigned at time t joins the open group whose expected arrival leaves it the most local
 steps Q, with min_steps <= Q <= max_steps (Q = floor((expected - t - transfers) / seconds per
 step)); if none does, it opens a new group with Q = max_steps, expected at t + its duration and
@@ -16,7 +18,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mpifl.clock.availability import Availability
+import numpy as np
+
+from mpifl.clock.availability import Online
+from mpifl.clock.queue import QueueAvailability
 from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, sample_online
 from mpifl.planning.seeds import CLOCK
 
@@ -35,14 +40,17 @@ class _Group:
 class _Compass:
     """The scheduler's state while the schedule is planned."""
 
-    def __init__(self, steps: int, availability: Availability, duration: StepsDuration, min_steps: int,
+    def __init__(self, steps: int, availability: Online, duration: StepsDuration, min_steps: int,
                  max_steps: int, latest_factor: float) -> None:
         self.steps, self.availability, self.duration = steps, availability, duration
         self.min_steps, self.max_steps, self.latest_factor = min_steps, max_steps, latest_factor
         self.dispatches: list[_Dispatch] = []
         self.groups: list[_Group] = []
-        self.events: list[tuple[float, int, int]] = []  # (time, 0 arrival / 1 group deadline, index)
+        # (time, 0 arrival / 1 group deadline / 2 a job's end lost the task / 3 its client's next job starts, index)
+        self.events: list[tuple[float, int, int]] = []
         self.version, self.plan = 0, AsyncPlan()
+        self.queued = isinstance(availability, QueueAvailability)
+        self.lost: list[int] = []  # clients whose task a job's end lost since the last step
 
     def steps_in(self, group: _Group, client: int, t: float) -> int:
         """The local steps that bring ``client``, sent at ``t``, in with ``group`` (capped at max_steps)."""
@@ -52,7 +60,13 @@ class _Compass:
         return min(self.max_steps, math.floor((group.expected - t - transfers) / per_step))
 
     def assign(self, client: int, t: float) -> None:
-        """Give ``client`` its local steps and arrival group; schedule its arrival."""
+        """Give ``client`` its local steps and arrival group; schedule its arrival (with batch jobs, a client whose
+        job has ended by then waits for its next one)."""
+        if isinstance(self.availability, QueueAvailability) and not self.availability.is_online(client, t):
+            again = self.availability.next_start(client, t)
+            if again is not None:
+                heapq.heappush(self.events, (again, 3, client))
+            return
         fits = [(self.steps_in(g, client, t), -gid) for gid, g in enumerate(self.groups) if g.open and g.expected > t]
         q, gid = max([f for f in fits if f[0] >= self.min_steps], default=(self.max_steps, None))
         if gid is None:
@@ -60,8 +74,12 @@ class _Compass:
             self.groups.append(_Group(t + took, t + self.latest_factor * took))
             gid = -(len(self.groups) - 1)
             heapq.heappush(self.events, (self.groups[-1].latest, 1, len(self.groups) - 1))
-        d = _Dispatch(client, self.version, t, t + self.duration(client, q), local_steps=q, group=-gid)
+        end = self.availability.finish(client, t, self.duration(client, q))
+        d = _Dispatch(client, self.version, t, end.ended, local_steps=q, group=-gid)
         self.dispatches.append(d)
+        if end.at is None:  # its job ends first: the task is lost, and the group does not wait for it
+            heapq.heappush(self.events, (end.ended, 2, len(self.dispatches) - 1))
+            return
         self.groups[-gid].members.append(len(self.dispatches) - 1)
         heapq.heappush(self.events, (d.arrival, 0, len(self.dispatches) - 1))
 
@@ -75,7 +93,9 @@ class _Compass:
             d.step = self.version
             arrivals.append(Arrival(d.client, d.version, d.time, d.arrival, self.version - 1 - d.version,
                                     d.local_steps))
-        self.plan.steps.append(AsyncStep(self.version, t, tuple(arrivals), (), int(self.availability.online(t).sum())))
+        self.plan.steps.append(AsyncStep(self.version, t, tuple(arrivals), (), int(self.availability.online(t).sum()),
+                                         preempted=tuple(self.lost) if self.queued else None))
+        self.lost = []
         if self.version < self.steps:
             for i in order:
                 self.assign(self.dispatches[i].client, t)
@@ -84,6 +104,9 @@ class _Compass:
         """Process arrivals and group deadlines until ``steps`` server steps are planned."""
         while self.version < self.steps and self.events:
             t, kind, index = heapq.heappop(self.events)
+            if kind >= 2:
+                self.rejoin(kind, index, t)
+                continue
             group = self.groups[index] if kind == 1 else self.groups[self.dispatches[index].group]
             if kind == 1:  # the group's latest time: aggregate whoever has arrived
                 if group.open:
@@ -99,6 +122,18 @@ class _Compass:
                     self.apply(group.arrived, t)
         return self.plan
 
+    def rejoin(self, kind: int, index: int, t: float) -> None:
+        """A lost task (``kind`` 2, dispatch ``index``): its client waits for its next job; that job's start
+        (``kind`` 3, client ``index``): the client is assigned again, with the version current then."""
+        if kind == 3:
+            self.assign(index, t)
+            return
+        client = self.dispatches[index].client
+        self.lost.append(client)
+        again = self.availability.next_start(client, t) if isinstance(self.availability, QueueAvailability) else None
+        if again is not None:
+            heapq.heappush(self.events, (again, 3, client))
+
     def with_trainers(self) -> AsyncPlan:
         """The plan with each step's trainers: the clients dispatched with its previous version, and their steps."""
         trains: dict[int, list[tuple[int, int]]] = {}
@@ -106,16 +141,20 @@ class _Compass:
             if d.step is not None:
                 trains.setdefault(d.version + 1, []).append((d.client, d.local_steps))
         self.plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(c for c, _ in sorted(trains.get(s.step, ()))),
-                                     s.online, tuple(q for _, q in sorted(trains.get(s.step, ()))))
+                                     s.online, tuple(q for _, q in sorted(trains.get(s.step, ()))), s.preempted)
                            for s in self.plan.steps]
         return self.plan
 
 
-def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Availability,  # noqa: PLR0913 - FedCompass's own parameters, each a config key
+def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Online,  # noqa: PLR0913 - FedCompass's own parameters, each a config key
                  duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float) -> AsyncPlan:
     """The FedCompass schedule of ``steps`` server steps (see the module docstring)."""
     compass = _Compass(steps, availability, duration, min_steps, max_steps, latest_factor)
-    for client in sample_online(seed, (CLOCK, 0), availability.online(0.0), min(concurrency, num_clients)):
-        compass.assign(client, 0.0)
+    if isinstance(availability, QueueAvailability):  # batch jobs: the members, drawn from all, join as each job starts
+        for client in sample_online(seed, (CLOCK, 0), np.ones(num_clients, dtype=bool), min(concurrency, num_clients)):
+            compass.assign(client, 0.0)
+    else:
+        for client in sample_online(seed, (CLOCK, 0), availability.online(0.0), min(concurrency, num_clients)):
+            compass.assign(client, 0.0)
     compass.run()
     return compass.with_trainers()

@@ -1,7 +1,7 @@
 """Samplers that plan rounds in virtual time: what the server runs each round, from the schedule."""
 from __future__ import annotations
 
-from mpifl.clock.availability import Availability
+from mpifl.clock.availability import availability_for
 from mpifl.clock.compass import plan_compass
 from mpifl.clock.devices import devices_for
 from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, plan_async
@@ -85,7 +85,7 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
                        and cfg.privacy.mode != "off")
     num_clients = cfg.clients.num_clients
     devices = devices_for(cfg.clock, num_clients, cfg.seed)
-    availability = Availability(cfg.clock, num_clients, cfg.seed)
+    availability = availability_for(cfg.clock, num_clients, cfg.seed)
 
     def duration(client: int) -> float:
         return devices.task_seconds(client, samples[client], model_bytes, update_bytes)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpifl.clock.availability import Availability
+from mpifl.clock.availability import Online
+from mpifl.clock.queue import QueueAvailability
 from mpifl.planning.seeds import CLOCK, SAMPLING, derive_seed
 
 Duration = Callable[[int], float]  # a logical client's task, in virtual seconds
@@ -46,12 +47,17 @@ class SyncRound:
     kept: tuple[int, ...]  # the participants (ascending): the first k to finish in time
     stragglers: tuple[int, ...]
     wasted_seconds: float  # virtual seconds the stragglers worked before the round closed
+    preempted: tuple[int, ...] | None = None  # queue: stragglers whose job ended under their task (None: no jobs)
+    continued: tuple[int, ...] = ()  # queue with checkpoints: kept clients whose task ran on in a later job
 
     def record(self) -> dict:
         """The round's virtual-time fields for metrics.jsonl."""
-        return {"virtual_time": self.end, "virtual_round_seconds": self.end - self.start, "online": self.online,
-                "selected": len(self.selected), "stragglers": list(self.stragglers),
-                "wasted_seconds": self.wasted_seconds}
+        record = {"virtual_time": self.end, "virtual_round_seconds": self.end - self.start, "online": self.online,
+                  "selected": len(self.selected), "stragglers": list(self.stragglers),
+                  "wasted_seconds": self.wasted_seconds}
+        if self.preempted is not None:
+            record.update(preempted=list(self.preempted), continued=list(self.continued))
+        return record
 
 
 def sample_online(seed: int, key: tuple[int, ...], online: np.ndarray, count: int) -> list[int]:
@@ -65,7 +71,7 @@ def sample_online(seed: int, key: tuple[int, ...], online: np.ndarray, count: in
 class SyncClock:
     """Synchronous rounds in virtual time: round r is planned after rounds 1..r-1 (cached)."""
 
-    def __init__(self, seed: int, per_round: int, availability: Availability, duration: Duration,
+    def __init__(self, seed: int, per_round: int, availability: Online, duration: Duration,
                  deadline: float | None, over_selection: float, min_participants: int = 1) -> None:
         self.seed, self.per_round, self.availability, self.duration = seed, per_round, availability, duration
         self.deadline, self.over_selection, self.min_participants = deadline, over_selection, min_participants
@@ -86,18 +92,23 @@ class SyncClock:
             start, online = later, self.availability.online(later)
         k = min(self.per_round, int(online.sum()))
         selected = sample_online(self.seed, (r,), online, math.ceil(k * (1 + self.over_selection) - 1e-9))
-        took = {c: self.duration(c) for c in selected}
-        in_time = sorted((c for c in selected if self.deadline is None or took[c] <= self.deadline),
-                         key=lambda c: (took[c], c))
+        ends = {c: self.availability.finish(c, start, self.duration(c)) for c in selected}
+        # seconds after the start until each task arrives, or until its job's end loses it (queue)
+        took = {c: e.ended - start for c, e in ends.items()}
+        in_time = sorted((c for c in selected if ends[c].at is not None and (
+            self.deadline is None or took[c] <= self.deadline)), key=lambda c: (took[c], c))
         kept = in_time[:k]
-        closes = took[kept[-1]] if len(kept) == k else self.deadline
-        assert closes is not None  # without a deadline every one of the >= k selected is in time: k are kept
+        # the k-th arrival, else the deadline, else (tasks lost, no deadline) when the last task arrived or was lost
+        closes = took[kept[-1]] if len(kept) == k else self.deadline or max(took.values())
         if len(kept) < self.min_participants:
             kept = []
         stragglers = tuple(c for c in selected if c not in kept)
         wasted = sum(min(took[c], closes) for c in stragglers)
+        queued = isinstance(self.availability, QueueAvailability)
         return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
-                         stragglers, float(wasted))
+                         stragglers, float(wasted),
+                         tuple(c for c in selected if ends[c].at is None) if queued else None,
+                         tuple(c for c in sorted(kept) if ends[c].continued))
 
 
 @dataclass(frozen=True)
@@ -122,11 +133,14 @@ class AsyncStep:
     train: tuple[int, ...]  # dispatched with version s-1 and applied by the last step: they train in step s
     online: int = 0
     train_steps: tuple[int, ...] = ()  # fedcompass: each trainer's local steps (aligned with ``train``)
+    preempted: tuple[int, ...] | None = None  # queue: clients whose task a job's end lost since the last step
 
     def record(self) -> dict:
         """The step's virtual-time fields for metrics.jsonl."""
         record = {"virtual_time": self.time, "staleness": [a.staleness for a in self.arrivals],
                   "arrival_order": [a.client for a in self.arrivals], "online": self.online}
+        if self.preempted is not None:
+            record["preempted"] = list(self.preempted)
         if any(a.local_steps for a in self.arrivals):
             record["local_steps"] = [a.local_steps for a in self.arrivals]
         return record
@@ -151,12 +165,14 @@ class AsyncPlan:
 
 
 def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients: int,
-               availability: Availability, duration: Duration) -> AsyncPlan:
+               availability: Online, duration: Duration) -> AsyncPlan:
     """The FedAsync (``buffer`` 1) or FedBuff schedule of ``steps`` server steps (see the module docstring)."""
     dispatches: list[_Dispatch] = []
-    events: list[tuple[float, int, int]] = []  # (time, client or -1 for "try again", dispatch index)
+    # (time, client; or -1: try again, -2: a job's end lost the task, dispatch index)
+    events: list[tuple[float, int, int]] = []
     busy = np.zeros(num_clients, dtype=bool)  # dispatched and not yet applied
     version, pending, plan = 0, [], AsyncPlan()
+    lost: list[int] = []  # clients whose task a job's end lost since the last step
 
     def dispatch(t: float) -> None:
         idle = availability.online(t) & ~busy
@@ -167,9 +183,10 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
             return
         client = sample_online(seed, (CLOCK, len(dispatches)), idle, 1)[0]
         busy[client] = True
-        d = _Dispatch(client, version, t, t + duration(client))
+        end = availability.finish(client, t, duration(client))
+        d = _Dispatch(client, version, t, end.at if end.at is not None else math.inf)
         dispatches.append(d)
-        heapq.heappush(events, (d.arrival, client, len(dispatches) - 1))
+        heapq.heappush(events, (end.ended, client if end.at is not None else -2, len(dispatches) - 1))
 
     for _ in range(min(concurrency, num_clients)):
         dispatch(0.0)
@@ -178,6 +195,9 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
             raise ValueError("clock: no client can ever train again (availability); the run cannot reach "
                              f"step {version + 1}")
         t, client, index = heapq.heappop(events)
+        if client == -2:  # the task is lost: its client is free (and offline), another is sent
+            busy[dispatches[index].client] = False
+            lost.append(dispatches[index].client)
         if client < 0:
             dispatch(t)
             continue
@@ -190,15 +210,22 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
                 busy[dispatches[i].client] = False
                 arrivals.append(Arrival(dispatches[i].client, dispatches[i].version, dispatches[i].time,
                                         dispatches[i].arrival, version - 1 - dispatches[i].version))
-            plan.steps.append(AsyncStep(version, t, tuple(arrivals), (), int(availability.online(t).sum())))
-            pending = []
+            plan.steps.append(AsyncStep(version, t, tuple(arrivals), (), int(availability.online(t).sum()),
+                                        preempted=tuple(lost) if isinstance(availability, QueueAvailability) else None))
+            pending, lost = [], []
         dispatch(t)
+    return _with_trainers(plan, dispatches)
+
+
+def _with_trainers(plan: AsyncPlan, dispatches: list[_Dispatch]) -> AsyncPlan:
+    """The plan with each step's trainers: the clients dispatched with its previous version whose update a step
+    applied (a lost task is never trained)."""
     trains: dict[int, list[int]] = {}
     for d in dispatches:
         if d.step is not None:
             trains.setdefault(d.version + 1, []).append(d.client)
-    plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(sorted(trains.get(s.step, ()))), s.online)
-                  for s in plan.steps]
+    plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(sorted(trains.get(s.step, ()))), s.online,
+                            preempted=s.preempted) for s in plan.steps]
     return plan
 
 

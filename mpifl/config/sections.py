@@ -418,13 +418,27 @@ class ClockConfig:
     over_selection: float = field_(0.0, "sync: sample ceil(k x (1 + x)) clients and keep the first k to finish "
                                    "(Bonawitz et al. 2019)", min=0.0)
     availability: str = field_("always", "who can be sampled: always, diurnal (each client online for "
-                               "online_fraction of every period, at its own seeded phase) or trace "
-                               "(availability_trace)", choices=("always", "diurnal", "trace"))
+                               "online_fraction of every period, at its own seeded phase), trace "
+                               "(availability_trace) or queue (each client a batch job: queue waits, walltimes, "
+                               "preemption; a task its job's end cuts short is lost)",
+                               choices=("always", "diurnal", "trace", "queue"))
     online_fraction: float = field_(0.5, "diurnal: fraction of each period a client is online", min=0.0, max=1.0,
                                     exclusive_min=True)
     period: float = field_(86400.0, "diurnal: the period, virtual seconds", min=0.0, exclusive_min=True)
     availability_trace: str | None = field_(None, "availability: trace: JSON {client: [[start, end], ...]} online "
                                                "intervals in virtual seconds (clients not listed are always online)")
+    queue_wait: float = field_(600.0, "queue: median virtual seconds a client's job waits in the batch queue "
+                               "(lognormal)", min=0.0)
+    queue_wait_sigma: float = field_(1.0, "queue: lognormal sigma of the queue waits", min=0.0)
+    walltime: float = field_(3600.0, "queue: virtual seconds a client's job may run before the scheduler ends it",
+                             min=0.0, exclusive_min=True)
+    preemption_rate: float = field_(0.0, "queue: preemptions per virtual second of a running job (Poisson; 0: none)",
+                                    min=0.0)
+    preemption_checkpoint: bool = field_(False, "queue: a task cut short by its job's end carries on in the "
+                                                "client's next job, instead of being lost")
+    queue_trace: str | None = field_(None, "queue: a Standard Workload Format trace (Parallel Workloads Archive); "
+                                          "job i in submit order runs for client i mod num_clients, and replaces "
+                                          "queue_wait, walltime and preemption_rate")
     concurrency: int | None = field_(None, "fedasync/fedbuff/fedcompass: clients training at once (default: 10, or "
                                            "every client where there are fewer)", min=1)
     buffer: int = field_(5, "fedbuff: updates buffered per server step (K)", min=1)

@@ -1,0 +1,177 @@
+"""Clients as batch jobs (``clock.availability: queue``): each logical client is online only while its job runs.
+
+A cross-facility federation's client is an HPC job: it waits in a batch queue, runs for at most a walltime, may be
+preempted, and is resubmitted. So each client's online time is a sequence of job runs, ``[start, end)``:
+
+- from a model: a job is submitted when the previous one ends (the first at 0), waits a lognormal time in the queue
+  (median ``clock.queue_wait``, sigma ``clock.queue_wait_sigma``), runs until its walltime (``clock.walltime``) or
+  until it is preempted (``clock.preemption_rate`` per second, a Poisson process), each draw seeded by the client
+  and the job's number;
+- or from a trace in the Standard Workload Format of the Parallel Workloads Archive (``clock.queue_trace``;
+  Feitelson et al., https://www.cs.huji.ac.il/labs/parallel/workload/swf.html): job i, in the order of submission,
+  runs for client i mod N, from its submit time plus its wait to that plus its run time.
+
+A task (a client's training and transfers) that its job's end cuts short is lost, its work wasted, unless
+``clock.preemption_checkpoint`` is set: then it carries on in the client's next job (``finish``). Everything is
+a function of the config and the seed, so schedules, and results, are bitwise and resumable like every clock mode.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.planning.seeds import CLOCK, derive_seed
+
+QUEUE = 2  # sub-key of CLOCK: client c's job draws (QUEUE, c)
+
+
+@dataclass
+class Jobs:
+    """One client's job runs, ``starts[i]`` to ``ends[i]``, ascending and disjoint, extended on demand."""
+
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    preempted: list[bool] = field(default_factory=list)
+    finished: bool = False  # a trace's: no job after the last
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a task started at some time ends: ``at`` its arrival (None: lost when its job ended, at ``lost_at``);
+    ``continued``: it ran on in a later job (``clock.preemption_checkpoint``)."""
+
+    at: float | None
+    lost_at: float | None = None
+    continued: bool = False
+
+    @property
+    def ended(self) -> float:
+        """When the task arrived, or was lost."""
+        end = self.at if self.at is not None else self.lost_at
+        assert end is not None  # a task either arrives or is lost
+        return end
+
+
+class QueueAvailability:
+    """``online(t)``, ``next_change(t)`` as ``Availability`` has them, and ``finish``: when a task ends."""
+
+    def __init__(self, num_clients: int, seed: int, *, wait_median: float, wait_sigma: float, walltime: float,
+                 preemption_rate: float, checkpoint: bool, trace: str | None = None) -> None:
+        self.num_clients, self.seed, self.checkpoint = num_clients, seed, checkpoint
+        self.wait_median, self.wait_sigma = wait_median, wait_sigma
+        self.walltime, self.preemption_rate = walltime, preemption_rate
+        self.jobs = [Jobs() for _ in range(num_clients)]
+        self.rngs = [np.random.default_rng(derive_seed(seed, CLOCK, QUEUE, c)) for c in range(num_clients)]
+        if trace is not None:
+            for client, runs in read_swf(trace, num_clients).items():
+                jobs = self.jobs[client]
+                for start, end, cut in runs:
+                    jobs.starts.append(start)
+                    jobs.ends.append(end)
+                    jobs.preempted.append(cut)
+            for jobs in self.jobs:
+                jobs.finished = True
+
+    def _cover(self, client: int, t: float) -> Jobs:
+        """Client ``client``'s jobs, drawn until one starts after ``t``."""
+        jobs = self.jobs[client]
+        while not jobs.finished and (not jobs.starts or jobs.starts[-1] <= t):
+            submitted = jobs.ends[-1] if jobs.ends else 0.0
+            rng = self.rngs[client]
+            wait = float(rng.lognormal(math.log(self.wait_median), self.wait_sigma)) if self.wait_median > 0 else 0.0
+            cut = float(rng.exponential(1.0 / self.preemption_rate)) if self.preemption_rate > 0 else math.inf
+            jobs.starts.append(submitted + wait)
+            jobs.ends.append(submitted + wait + min(self.walltime, cut))
+            jobs.preempted.append(cut < self.walltime)
+        return jobs
+
+    def _job_at(self, client: int, t: float) -> int | None:
+        """The index of the job of ``client`` running at ``t`` (None: between jobs)."""
+        jobs = self._cover(client, t)
+        i = bisect.bisect_right(jobs.starts, t) - 1
+        return i if i >= 0 and t < jobs.ends[i] else None
+
+    def is_online(self, client: int, t: float) -> bool:
+        """Whether ``client``'s job runs at ``t``."""
+        return self._job_at(client, t) is not None
+
+    def online(self, t: float) -> np.ndarray:
+        """Which clients' jobs run at virtual time ``t``."""
+        return np.array([self.is_online(c, t) for c in range(self.num_clients)], dtype=bool)
+
+    def next_change(self, t: float) -> float | None:
+        """The earliest job start after ``t`` (None: a trace with no job left)."""
+        starts = []
+        for c in range(self.num_clients):
+            jobs = self._cover(c, t)
+            i = bisect.bisect_right(jobs.starts, t)
+            if i < len(jobs.starts):
+                starts.append(jobs.starts[i])
+        return min(starts) if starts else None
+
+    def finish(self, client: int, t: float, seconds: float) -> Finish:
+        """A task of ``seconds`` started at ``t`` by ``client`` (whose job runs then): when it arrives, or when its
+        job's end loses it; with checkpointing it carries on in the client's next jobs."""
+        i = self._job_at(client, t)
+        if i is None:
+            raise ValueError(f"logical client {client} has no job running at virtual time {t}")
+        left, now, continued = seconds, t, False
+        while True:
+            jobs = self._cover(client, now)
+            if now + left <= jobs.ends[i]:
+                return Finish(now + left, continued=continued)
+            if not self.checkpoint:
+                return Finish(None, lost_at=jobs.ends[i])
+            left -= jobs.ends[i] - now
+            self._cover(client, jobs.ends[i])
+            if i + 1 >= len(jobs.starts):  # a trace's last job
+                return Finish(None, lost_at=jobs.ends[i])
+            i, now, continued = i + 1, jobs.starts[i + 1], True
+
+    def next_start(self, client: int, t: float) -> float | None:
+        """When ``client``'s next job after ``t`` starts (None: a trace with no job left for it)."""
+        jobs = self._cover(client, t)
+        i = bisect.bisect_right(jobs.starts, t)
+        return jobs.starts[i] if i < len(jobs.starts) else None
+
+    def runs(self, client: int, until: float) -> list[tuple[float, float, bool]]:
+        """Client ``client``'s job runs that start before ``until``: (start, end, preempted), for the plot."""
+        jobs = self._cover(client, until)
+        return [(a, b, p) for a, b, p in zip(jobs.starts, jobs.ends, jobs.preempted) if a < until]
+
+
+def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, bool]]]:
+    """Job runs from a Standard Workload Format file, dealt to clients round-robin in submit order: client ->
+    [(start, end, cut short)]. A job is cut short when its run time fell short of its requested time (field 9)
+    with a status other than completed (field 11: 1). Jobs with an unknown wait or run time (-1) are skipped."""
+    jobs = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith(";"):
+            continue
+        fields = line.split()
+        if len(fields) < 11:
+            raise ValueError(f"clock.queue_trace {path!r} line {number}: a Standard Workload Format line has 18 "
+                             f"fields, this one {len(fields)}")
+        try:
+            submit, wait, run, requested, status = (float(fields[1]), float(fields[2]), float(fields[3]),
+                                                    float(fields[8]), int(float(fields[10])))
+        except ValueError:
+            raise ValueError(f"clock.queue_trace {path!r} line {number}: fields 2-4, 9 and 11 must be numbers "
+                             f"(submit, wait and run time; requested time; status), got {line!r}") from None
+        if wait < 0 or run <= 0:
+            continue
+        jobs.append((submit, submit + wait, submit + wait + run, status != 1 and 0 < requested and run < requested))
+    if not jobs:
+        raise ValueError(f"clock.queue_trace {path!r} holds no job with a known wait and run time")
+    out: dict[int, list[tuple[float, float, bool]]] = {}
+    for i, (_, start, end, cut) in enumerate(sorted(jobs)):
+        runs = out.setdefault(i % num_clients, [])
+        if runs and start < runs[-1][1]:  # a client runs one job at a time: the next waits for the last to end
+            start, end = runs[-1][1], runs[-1][1] + (end - start)
+        runs.append((start, end, cut))
+    return out
