@@ -89,6 +89,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plots.append(("staleness.png", _staleness))
     if any("cost" in r for r in records):
         plots.append(("cost.png", _cost))
+    clock = saved_config(run_dir).get("clock") or {}
+    if clock.get("availability", "always") != "always" and any("virtual_time" in r for r in records):
+        plots.append(("availability.png", lambda fig, ax, records: _availability(fig, ax, records, run_dir)))
     for name, draw in plots:
         fig, ax = plt.subplots(figsize=(7, 4))
         draw(fig, ax, records)
@@ -293,6 +296,41 @@ def _note_memory_warnings(ax: Axes, records: list[dict]) -> None:
     if notes:
         ax.text(0.01, 0.03, "\n".join(notes), transform=ax.transAxes, ha="left", va="bottom", fontsize="small",
                 color="tab:red")
+
+
+AVAILABILITY_CLIENTS = 40  # the most clients drawn one per row
+AVAILABILITY_SAMPLES = 600  # instants across the run at which each client's availability is read
+
+
+def _availability(fig: Figure, ax: Axes, records: list[dict], run_dir: Path) -> None:
+    """Who was online when (clock.availability), rebuilt from the run's own config and seed: one row per client
+    (the first 40), shaded where the client could be sampled, with each round's (or step's) end marked; with batch
+    jobs, a cross where a job was preempted."""
+    from mpifl.clock.availability import availability_for
+    from mpifl.clock.queue import QueueAvailability
+    from mpifl.config import load_config
+
+    cfg = load_config(run_dir / "config.yaml")
+    shown = min(cfg.clients.num_clients, AVAILABILITY_CLIENTS)
+    model = availability_for(cfg.clock, cfg.clients.num_clients, cfg.seed)
+    end = max(r["virtual_time"] for r in records if "virtual_time" in r)
+    times = np.linspace(0.0, end, AVAILABILITY_SAMPLES)
+    online = np.array([model.online(t)[:shown] for t in times]).T
+    ax.imshow(online, aspect="auto", interpolation="nearest", cmap="Greens", vmin=0, vmax=1.6,
+              extent=(0.0, end, shown - 0.5, -0.5))
+    for r in records:
+        if "virtual_time" in r:
+            ax.axvline(r["virtual_time"], color="tab:gray", linewidth=0.4, alpha=0.6)
+    if isinstance(model, QueueAvailability):
+        cuts = [(b, c) for c in range(shown) for _, b, cut in model.runs(c, end) if cut and b <= end]
+        if cuts:
+            ax.plot(*zip(*cuts), linestyle="none", marker="x", color="tab:red", label="job preempted")
+            ax.legend(loc="upper right", fontsize="small")
+    ax.set_xlabel("virtual time (s); grey lines: round (or step) ends")
+    ax.set_ylabel("logical client")
+    what = {"queue": "batch jobs running", "diurnal": "diurnal windows", "trace": "trace intervals"}
+    ax.set_title(f"Clients online ({what.get(cfg.clock.availability, cfg.clock.availability)}): "
+                 f"{shown} of {cfg.clients.num_clients}")
 
 
 def _virtual_time(fig: Figure, ax: Axes, records: list[dict]) -> None:

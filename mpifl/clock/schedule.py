@@ -48,7 +48,7 @@ class SyncRound:
     stragglers: tuple[int, ...]
     wasted_seconds: float  # virtual seconds the stragglers worked before the round closed
     preempted: tuple[int, ...] | None = None  # queue: stragglers whose job ended under their task (None: no jobs)
-    continued: tuple[int, ...] = ()  # queue with checkpoints: kept clients whose task ran on in a later job
+    continued: tuple[int, ...] = ()  # queue with checkpoints: selected clients whose task ran on in a later job
 
     def record(self) -> dict:
         """The round's virtual-time fields for metrics.jsonl."""
@@ -108,7 +108,7 @@ class SyncClock:
         return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
                          stragglers, float(wasted),
                          tuple(c for c in selected if ends[c].at is None) if queued else None,
-                         tuple(c for c in sorted(kept) if ends[c].continued))
+                         tuple(c for c in selected if ends[c].continued))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,116 @@
+"""Clients as batch jobs in virtual time (clock.availability: queue): queue waits, walltimes, preemption, or a
+Standard Workload Format trace; tasks cut short by a job's end are lost or carried on; bitwise and resumable."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_mpi, same_model, stopped_and_resumed, write_config
+
+from mpifl.clock.queue import QueueAvailability, read_swf
+
+
+def model(checkpoint: bool = False, num_clients: int = 6) -> QueueAvailability:
+    return QueueAvailability(num_clients, 7, wait_median=300.0, wait_sigma=1.0, walltime=900.0,
+                             preemption_rate=1 / 1500, checkpoint=checkpoint)
+
+
+def test_each_client_runs_one_job_at_a_time_within_its_walltime_and_the_draws_are_its_own():
+    queue = model()
+    for client in range(6):
+        runs = queue.runs(client, until=20_000.0)
+        assert all(a < b <= a + 900.0 for a, b, _ in runs)
+        assert all(b1 <= a2 for (_, b1, _), (a2, _, _) in zip(runs, runs[1:]))  # a job waits for the last to end
+        assert all((b - a < 900.0 - 1e-6) == cut for a, b, cut in runs)  # a preempted job stops short
+    assert any(cut for c in range(6) for _, _, cut in queue.runs(c, 20_000.0))
+    assert model(num_clients=12).runs(3, 20_000.0) == queue.runs(3, 20_000.0)  # client 3's jobs, whatever N
+    t = 5000.0
+    assert list(queue.online(t)) == [any(a <= t < b for a, b, _ in queue.runs(c, t + 1)) for c in range(6)]
+
+
+def test_a_task_past_its_job_s_end_is_lost_or_with_checkpoints_carried_on_in_the_next_jobs():
+    runs = model().runs(0, 20_000.0)
+    (a, b, _), (a2, _, _) = runs[0], runs[1]
+    assert model().finish(0, a, 10.0).at == a + 10.0
+    lost = model().finish(0, a, (b - a) + 1.0)
+    assert lost.at is None and lost.lost_at == b
+    carried = model(checkpoint=True).finish(0, a, (b - a) + 1.0)
+    assert carried.at == pytest.approx(a2 + 1.0) and carried.continued
+    with pytest.raises(ValueError, match="has no job running"):  # between jobs (every job waits in the queue)
+        model().finish(0, (b + a2) / 2, 1.0)
+
+
+SWF = """; Version: 2.2
+; a trace the test writes: job, submit, wait, run, procs, cpu, mem, req procs, req time, req mem, status, ...
+1 0 100 1000 1 -1 -1 1 1000 -1 1 1 1 -1 1 1 -1 -1
+2 10 50 400 1 -1 -1 1 1000 -1 5 1 1 -1 1 1 -1 -1
+3 20 -1 400 1 -1 -1 1 1000 -1 1 1 1 -1 1 1 -1 -1
+4 30 2000 600 1 -1 -1 1 1000 -1 1 1 1 -1 1 1 -1 -1
+5 40 0 300 1 -1 -1 1 1000 -1 0 1 1 -1 1 1 -1 -1
+"""
+
+
+def test_a_standard_workload_format_trace_deals_its_jobs_to_the_clients_in_submit_order(tmp_path):
+    trace = tmp_path / "t.swf"
+    trace.write_text(SWF)
+    runs = read_swf(str(trace), num_clients=2)
+    # job 3 has no known wait: skipped; jobs 1, 4 to client 0 and 2, 5 to client 1 (5 waits for 2 to end)
+    assert runs == {0: [(100.0, 1100.0, False), (2030.0, 2630.0, False)],
+                    1: [(60.0, 460.0, True), (460.0, 760.0, True)]}
+    trace.write_text(SWF + "6 50 0\n")
+    with pytest.raises(ValueError, match=r"t.swf' line 8: a Standard Workload Format line has 18 fields"):
+        read_swf(str(trace), 2)
+
+
+RUN = """
+seed: 5
+rounds: 8
+clients: {{num_clients: 10, per_round: 3}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 400, num_features: 8, num_classes: 4}}}}
+model: {{name: mlp, kwargs: {{hidden: [8]}}}}
+train: {{lr: 0.1, batch_size: 8}}
+eval: {{every: 0}}
+output: {{progress: false}}
+{extra}
+"""
+SYNC = ("clock: {mode: sync, availability: queue, queue_wait: 300, walltime: 900, preemption_rate: 0.002, "
+        "seconds_per_sample: 2, deadline: 400, over_selection: 0.34}")
+FEDBUFF = ("strategy: {update: delta}\nclock: {mode: fedbuff, buffer: 2, concurrency: 4, availability: queue, "
+           "queue_wait: 300, walltime: 900, preemption_rate: 0.002, seconds_per_sample: 2}")
+COMPASS = ("strategy: {update: delta}\nclock: {mode: fedcompass, concurrency: 4, min_steps: 2, max_steps: 8, "
+           "availability: queue, queue_wait: 300, walltime: 900, preemption_rate: 0.002, seconds_per_sample: 2}")
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("extra", [SYNC, FEDBUFF, COMPASS], ids=["sync", "fedbuff", "fedcompass"])
+def test_batch_jobs_preempt_tasks_in_every_clock_mode_bitwise_on_any_ranks_and_through_a_resume(tmp_path, extra):
+    cfg = write_config(tmp_path / "c.yaml", RUN.format(extra=extra))
+    for name, ranks in (("two", 3), ("three", 4)):
+        result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / name))
+        assert result.returncode == 0, result.stderr[-3000:]
+    two = records(tmp_path / "two")
+    assert same_model(tmp_path / "two" / "model.h5", tmp_path / "three" / "model.h5")
+    assert [r["preempted"] for r in two] == [r["preempted"] for r in records(tmp_path / "three")]
+    assert any(r["preempted"] for r in two)  # jobs ended under some tasks: they are never trained or folded
+    assert all(not set(r["preempted"]) & set(r["participants"]) for r in two if "stragglers" in r)
+    stopped_and_resumed(tmp_path, cfg, resume_ranks=3)
+    assert same_model(tmp_path / "split" / "model.h5", tmp_path / "two" / "model.h5")
+    report = run_mpi(1, "report", str(tmp_path / "two"))
+    assert report.returncode == 0 and "availability.png" in report.stdout, report.stderr
+
+
+def test_the_shipped_example_runs_on_its_shipped_trace_and_checkpoints_carry_tasks_over(tmp_path):
+    result = run_mpi(3, "run", str(ROOT / "configs" / "hpc_queue.yaml"), "rounds=6", "eval.every=6",
+                     "--run-dir", str(tmp_path / "lost"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    carried = run_mpi(3, "run", str(ROOT / "configs" / "hpc_queue.yaml"), "rounds=6", "eval.every=6",
+                      "clock.preemption_checkpoint=true", "--run-dir", str(tmp_path / "carried"))
+    assert carried.returncode == 0, carried.stderr[-3000:]
+    lost, kept = records(tmp_path / "lost"), records(tmp_path / "carried")
+    assert sum(len(r["preempted"]) for r in lost) > sum(len(r["preempted"]) for r in kept)
+    assert any(r["continued"] for r in kept) and not any(r["continued"] for r in lost)
+    assert np.isfinite(lost[-1]["eval"]["accuracy"])
