@@ -34,12 +34,19 @@ KEYS = (
     "clock.online_fraction",
     "clock.over_selection",
     "clock.period",
+    "clock.preemption_checkpoint",
+    "clock.preemption_rate",
+    "clock.queue_trace",
+    "clock.queue_wait",
+    "clock.queue_wait_sigma",
     "clock.seconds_per_sample",
     "clock.speed_sigma",
     "clock.staleness",
     "clock.staleness_a",
     "clock.staleness_b",
+    "clock.task_overhead",
     "clock.trace",
+    "clock.walltime",
     "compression.block",
     "compression.error_feedback",
     "compression.fraction",
@@ -58,6 +65,19 @@ KEYS = (
     "eval.device",
     "eval.every",
     "eval.federated_every",
+    "faults[].bits",
+    "faults[].clients",
+    "faults[].code",
+    "faults[].factor",
+    "faults[].fraction",
+    "faults[].from_round",
+    "faults[].kind",
+    "faults[].ranks",
+    "faults[].rounds",
+    "faults[].seconds",
+    "faults[].stage",
+    "faults[].to_round",
+    "faults[].via",
     "model.dtype",
     "model.exchange",
     "model.init_from",
@@ -156,8 +176,11 @@ def dotted_keys(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     out = []
     for field in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[field.name]):
-            out += dotted_keys(hints[field.name], f"{prefix}{field.name}.")
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            out += dotted_keys(hint, f"{prefix}{field.name}.")
+        elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            out += dotted_keys(typing.get_args(hint)[0], f"{prefix}{field.name}[].")  # a list of sections: its items
         else:
             out.append(f"{prefix}{field.name}")
     return out

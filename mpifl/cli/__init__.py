@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--plot", metavar="PNG", help="also draw each group's mean curve with ± one std shaded "
                       "(needs the 'plot' extra)")
     cmp_.set_defaults(func=commands.compare)
+    cal = _command(sub, "calibrate", "fit the virtual-time cost model (clock.task_overhead, seconds_per_sample, "
+                                     "speed_sigma) to a measured run's client times")
+    cal.add_argument("run_dir", help="a run directory whose clients trained for real (its metrics.jsonl has timing)")
+    cal.set_defaults(func=commands.calibrate)
     ins = _command(sub, "inspect", "print a checkpoint's round, tensors, config and versions")
     ins.add_argument("checkpoint", help="an mpifl checkpoint (.h5): ckpt-r<round>.h5 or model.h5")
     ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "

@@ -173,6 +173,15 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate(args: argparse.Namespace) -> int:
+    """``mpifl calibrate``: the cost model fitted to a measured run."""
+    from mpifl.cli.calibrate import calibrate as fit
+    from mpifl.cli.calibrate import render
+
+    print(render(fit(args.run_dir)))
+    return 0
+
+
 def report(args: argparse.Namespace) -> int:
     """``mpifl report``: PNG plots of a run's metrics."""
     from mpifl.cli.report import load_metrics, write_report

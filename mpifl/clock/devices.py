@@ -1,7 +1,8 @@
 """Each logical client's device, and the cost model that turns a task into virtual seconds.
 
-A task's virtual duration is ``bytes down / bandwidth + work x seconds per sample + bytes up /
-bandwidth``, where work is the samples it trains on (samples x epochs, or steps x batch size).
+A task's virtual duration is ``bytes down / bandwidth + overhead + work x seconds per sample + bytes up /
+bandwidth``, where work is the samples it trains on (samples x epochs, or steps x batch size) and the overhead a
+task's fixed cost (``clock.task_overhead``; ``mpifl calibrate`` fits both from a measured run).
 Devices come from seeded lognormal distributions (compute speed with median 1, bandwidth with
 median ``clock.bandwidth_mbps``) or from a device trace in FedScale's layout (Lai et al. 2022,
 ``client_device_capacity``: ``{client: {"computation": ms per sample, "communication": kbps}}``).
@@ -27,11 +28,14 @@ class Devices:
 
     seconds_per_sample: np.ndarray
     bits_per_second: np.ndarray
+    overhead_seconds: np.ndarray | None = None  # a task's fixed compute cost, per client (None: none)
 
     def task_seconds(self, client: int, samples: float, bytes_down: int, bytes_up: int) -> float:
         """Virtual seconds for ``client`` to receive the model, train on ``samples`` samples and send its update."""
         link = float(self.bits_per_second[client])
-        return 8.0 * bytes_down / link + samples * float(self.seconds_per_sample[client]) + 8.0 * bytes_up / link
+        overhead = float(self.overhead_seconds[client]) if self.overhead_seconds is not None else 0.0
+        return (8.0 * bytes_down / link + overhead + samples * float(self.seconds_per_sample[client])
+                + 8.0 * bytes_up / link)
 
 
 class DataOnlyUnpickler(pickle.Unpickler):
@@ -75,8 +79,9 @@ def devices_for(cfg: ClockConfig, num_clients: int, seed: int) -> Devices:
     if cfg.trace:
         entries = read_trace(cfg.trace)
         picked = [entries[c % len(entries)] for c in range(num_clients)]
-        return Devices(np.array([ms / 1000.0 for ms, _ in picked]), np.array([kbps * 1000.0 for _, kbps in picked]))
+        return Devices(np.array([ms / 1000.0 for ms, _ in picked]), np.array([kbps * 1000.0 for _, kbps in picked]),
+                       np.full(num_clients, cfg.task_overhead) if cfg.task_overhead else None)
     rng = np.random.default_rng(derive_seed(seed, CLOCK, 0))
     speed = rng.lognormal(0.0, cfg.speed_sigma, num_clients)
     bandwidth = cfg.bandwidth_mbps * 1e6 * rng.lognormal(0.0, cfg.bandwidth_sigma, num_clients)
-    return Devices(cfg.seconds_per_sample / speed, bandwidth)
+    return Devices(cfg.seconds_per_sample / speed, bandwidth, cfg.task_overhead / speed if cfg.task_overhead else None)

@@ -405,6 +405,8 @@ class ClockConfig:
 
     seconds_per_sample: float = field_(0.01, "virtual compute seconds for one training sample (forward and backward) "
                                        "on a device of speed 1", min=0.0)
+    task_overhead: float = field_(0.0, "virtual compute seconds of a task besides its samples (start-up, evaluation, "
+                                       "encoding) on a device of speed 1; mpifl calibrate fits it", min=0.0)
     speed_sigma: float = field_(0.5, "relative compute speeds are lognormal with median 1 and this sigma (0: equal)",
                                 min=0.0)
     bandwidth_mbps: float = field_(20.0, "median link bandwidth, megabits per second (both directions)", min=0.0,

@@ -438,6 +438,8 @@ class Server:
             "server_peak_rss_bytes": peak_rss_bytes(),
             "server_pool_bytes": self.pool.nbytes,
             "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),
+            # each usable participant's [client, rank, samples, seconds]: what mpifl calibrate fits the cost model to
+            "timing": [[m.client, self._rank_of(plan, m.client), m.num_samples, m.train_seconds] for m in usable],
             "ranks": work,
             "client_peak_rss_bytes": max((m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()), default=0),
             "time": times.split(),

@@ -1,0 +1,117 @@
+"""``mpifl calibrate RUN_DIR``: the virtual-time cost model (``clock.task_overhead``, ``clock.seconds_per_sample``,
+``clock.speed_sigma``) fitted to what a measured run's clients took, so that simulated rounds, at any number of
+clients, take as long as measured ones.
+
+Each record's ``timing`` holds every usable participant's rank, training samples and seconds. A task's work is its
+samples times ``train.local_epochs`` (or ``train.local_steps`` x ``train.batch_size``), as the clock counts it
+(mpifl.clock.planners.task_samples); the fit is least squares of seconds on work, ``seconds = overhead +
+per_sample x work``, per device class (the ranks that train on a GPU, and those on CPUs: ``ranks.txt``). Round 1 is
+left out: a rank's first clients pay one-time costs (imports, first touches of memory). The spread of the measured
+seconds about the fit, as the sigma of their log-ratio, becomes the devices' speed spread.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.cli.report import load_metrics
+from mpifl.config import Config, load_config
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """One device class's fitted cost: seconds = overhead + per_sample x work, with a lognormal spread."""
+
+    overhead: float  # seconds per task
+    per_sample: float  # seconds per sample of work
+    sigma: float  # standard deviation of log(measured / fitted)
+    tasks: int
+    r2: float  # the share of the seconds' variance the line explains
+
+    def seconds(self, work: float) -> float:
+        """The fitted time of a task of ``work`` samples."""
+        return self.overhead + self.per_sample * work
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` overrides that set the clock to this fit."""
+        return [f"clock.task_overhead={self.overhead:.6g}", f"clock.seconds_per_sample={self.per_sample:.6g}",
+                f"clock.speed_sigma={self.sigma:.4g}"]
+
+
+def fit_costs(tasks: Sequence[tuple[float, float]]) -> CostFit:
+    """Least squares of seconds on work over ``tasks`` ((work, seconds) pairs), neither coefficient negative
+    (a negative one is set to 0 and the other refitted alone)."""
+    if len(tasks) < 2:
+        raise ValueError(f"calibrate: {len(tasks)} measured task(s); a fit needs at least 2 (run more rounds)")
+    work, seconds = (np.array(column, dtype=float) for column in zip(*tasks))
+    if np.ptp(work) > 0:
+        per_sample, overhead = np.polyfit(work, seconds, 1)
+    else:  # every task did the same work: the time is all overhead
+        per_sample, overhead = 0.0, float(seconds.mean())
+    if overhead < 0:
+        overhead, per_sample = 0.0, float(work @ seconds / (work @ work))
+    if per_sample < 0:
+        overhead, per_sample = float(seconds.mean()), 0.0
+    fitted = overhead + per_sample * work
+    spread = float(np.std(np.log(seconds / fitted))) if (fitted > 0).all() and (seconds > 0).all() else 0.0
+    total = float(((seconds - seconds.mean()) ** 2).sum())
+    r2 = 1.0 - float(((seconds - fitted) ** 2).sum()) / total if total > 0 else 1.0
+    return CostFit(float(overhead), float(per_sample), spread, len(tasks), r2)
+
+
+def task_work(samples: float, cfg: Config) -> float:
+    """A task's work in samples, as the clock counts it."""
+    if cfg.train.local_steps:
+        return float(cfg.train.local_steps * cfg.train.batch_size)
+    return float(samples * cfg.train.local_epochs)
+
+
+def device_classes(run_dir: Path) -> dict[int, str]:
+    """Each rank's device class from ``ranks.txt``: 'gpu' where it names a GPU, else 'cpu'."""
+    rows = (run_dir / "ranks.txt").read_text().splitlines()[1:] if (run_dir / "ranks.txt").is_file() else []
+    return {int(row.split()[0]): ("cpu" if row.split()[5] == "-" else "gpu") for row in rows if len(row.split()) > 5}
+
+
+def measured_tasks(records: Sequence[dict], cfg: Config, classes: dict[int, str]) -> dict[str, list[tuple]]:
+    """(work, seconds) of every measured task after round 1, by device class."""
+    out: dict[str, list[tuple]] = {}
+    for record in records:
+        if record["round"] == 1:
+            continue
+        for _, rank, samples, seconds in record.get("timing", ()):
+            out.setdefault(classes.get(rank, "cpu"), []).append((task_work(samples, cfg), seconds))
+    return out
+
+
+def calibrate(run_dir: str | Path) -> dict[str, CostFit]:
+    """Each device class's fit for the run in ``run_dir``."""
+    run_dir = Path(run_dir)
+    records = load_metrics(run_dir, "calibrate")
+    if not any(r.get("timing") for r in records):
+        raise ValueError(f"{run_dir}: its records have no 'timing' (written since mpifl 2026-11-29); rerun it")
+    tasks = measured_tasks(records, load_config(run_dir / "config.yaml"), device_classes(run_dir))
+    return {kind: fit_costs(pairs) for kind, pairs in sorted(tasks.items())}
+
+
+def render(fits: dict[str, CostFit]) -> str:
+    """The fits as a table, and the overrides of the class with the most tasks."""
+    lines = ["| devices | tasks | overhead (s) | per sample (s) | spread (sigma) | R² |", "|---|---|---|---|---|---|"]
+    lines += [f"| {kind} | {f.tasks} | {f.overhead:.4g} | {f.per_sample:.4g} | {f.sigma:.3f} | {f.r2:.3f} |"
+              for kind, f in fits.items()]
+    kind, best = max(fits.items(), key=lambda item: item[1].tasks)
+    lines += ["", f"to simulate {kind} devices like these: " + " ".join(best.overrides())]
+    return "\n".join(lines)
+
+
+def quantiles(values: Sequence[float], at: Sequence[float] = (0.5, 0.9)) -> list[float]:
+    """The ``at`` quantiles of ``values`` (for comparing round-time distributions)."""
+    return [float(np.quantile(np.asarray(values, dtype=float), q)) for q in at]
+
+
+def relative_error(measured: float, simulated: float) -> float:
+    """|simulated - measured| / measured."""
+    return math.fabs(simulated - measured) / measured
