@@ -22,7 +22,10 @@ eval: {every: 0}
 output: {progress: false}
 """
 SIMULATED_CLIENTS = 10_000
-STATED_ERROR = 0.25  # the median and the 90th percentile of the round times (2026-11-29 here: +3% and +5%)
+# The stated error of the round times' median and 90th percentile. Measured 2026-11-29 on 2 cores: +3% and +5% on
+# an idle machine; +4% and +11%, then +8% and +34%, with two busy loops competing for the cores, as the suite's
+# other worker does: a shared machine's stalls land in the measured tail.
+STATED_ERROR = {0.5: 0.25, 0.9: 0.40}
 
 
 def test_the_fit_recovers_a_line_and_never_goes_negative():
@@ -70,4 +73,4 @@ def test_a_simulated_10000_client_run_takes_rounds_as_long_as_the_measured_20_cl
     real = [r["client_train_seconds"] for r in records(tmp_path / "measured")[1:]]  # round 1: one-time costs
     virtual = [r["virtual_round_seconds"] for r in records(tmp_path / "simulated")]
     for q, (want, got) in zip((0.5, 0.9), zip(quantiles(real), quantiles(virtual))):
-        assert relative_error(want, got) <= STATED_ERROR, (q, want, got)
+        assert relative_error(want, got) <= STATED_ERROR[q], (q, want, got)

@@ -108,7 +108,8 @@ def test_a_run_in_the_job_pool_equals_the_same_run_in_its_own_mpiexec(tmp_path):
 
 
 def log(stderr: str, run_dir: Path) -> list[str]:
-    """A run's log lines, less those naming processes (PIDs; how the launcher numbered the node's ranks) and the
-    floor probe's measured rates."""
+    """A run's log lines, less those naming processes (PIDs; how the launcher numbered the node's ranks), the
+    floor probe's measured rates and the run's measured cost."""
     return [line.replace(str(run_dir), "RUN") for line in stderr.splitlines()
-            if not line.startswith(("[rank 0] ranks:", "[rank 0] binding:", "[rank 0] exchange floor"))]
+            if not line.startswith(("[rank 0] ranks:", "[rank 0] binding:", "[rank 0] exchange floor",
+                                    "[rank 0] cost:"))]

@@ -7,7 +7,8 @@ samples times ``train.local_epochs`` (or ``train.local_steps`` x ``train.batch_s
 (mpifl.clock.planners.task_samples); the fit is least squares of seconds on work, ``seconds = overhead +
 per_sample x work``, per device class (the ranks that train on a GPU, and those on CPUs: ``ranks.txt``). Round 1 is
 left out: a rank's first clients pay one-time costs (imports, first touches of memory). The spread of the measured
-seconds about the fit, as the sigma of their log-ratio, becomes the devices' speed spread.
+seconds about the fit, as the sigma of their log-ratio (robustly, from its median absolute deviation), becomes the
+devices' speed spread.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class CostFit:
 
     overhead: float  # seconds per task
     per_sample: float  # seconds per sample of work
-    sigma: float  # standard deviation of log(measured / fitted)
+    sigma: float  # spread of log(measured / fitted): 1.4826 x its median absolute deviation
     tasks: int
     r2: float  # the share of the seconds' variance the line explains
 
@@ -57,10 +58,17 @@ def fit_costs(tasks: Sequence[tuple[float, float]]) -> CostFit:
     if per_sample < 0:
         overhead, per_sample = float(seconds.mean()), 0.0
     fitted = overhead + per_sample * work
-    spread = float(np.std(np.log(seconds / fitted))) if (fitted > 0).all() and (seconds > 0).all() else 0.0
+    spread = robust_sigma(np.log(seconds / fitted)) if (fitted > 0).all() and (seconds > 0).all() else 0.0
     total = float(((seconds - seconds.mean()) ** 2).sum())
     r2 = 1.0 - float(((seconds - fitted) ** 2).sum()) / total if total > 0 else 1.0
     return CostFit(float(overhead), float(per_sample), spread, len(tasks), r2)
+
+
+def robust_sigma(values: np.ndarray) -> float:
+    """The standard deviation of ``values`` as a normal distribution's would be, read from their median absolute
+    deviation (1.4826 MAD): a machine shared with other work adds rare long stalls to a few tasks, which would
+    inflate a plain standard deviation, and with it every simulated device's spread."""
+    return float(1.4826 * np.median(np.abs(values - np.median(values))))
 
 
 def task_work(samples: float, cfg: Config) -> float:
