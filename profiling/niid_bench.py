@@ -1,9 +1,12 @@
 """NIID-Bench's Fashion-MNIST rows (FedAvg, FedProx, SCAFFOLD, FedNova), run with mpifl, beside the paper's figures.
 
 Li, Diao, Chen and He, "Federated Learning on Non-IID Data Silos: An Experimental Study" (ICDE 2022,
-arXiv:2102.02079; code github.com/Xtra-Computing/NIID-Bench). Two of its settings (``--setting``):
+arXiv:2102.02079; code github.com/Xtra-Computing/NIID-Bench). Its settings (``--setting``):
 
 - ``labeldir`` (the default): label skew, p_k ~ Dir(0.5) (its ``noniid-labeldir`` partition);
+- ``label1``, ``label2``, ``label3``: label-quantity skew, each party holding #C=k labels (``noniid-#label<k>``);
+- ``quantity``: quantity skew, party sizes q ~ Dir(0.5) with IID labels (``iid-diff-quantity``);
+- ``iid``: an even random split (``homo``);
 - ``noise``: noise-based feature imbalance, an even split (its ``homo`` partition) with party k of 10 reading its
   images through Gaussian noise of std 0.1 * k / 9 (mpifl's ``data.feature_noise``).
 
@@ -19,9 +22,9 @@ full protocol takes hours on a laptop; see the estimate it prints):
 
 The protocol lives here once (PROTOCOL, SETTINGS, ALGORITHMS); the configs must say the same, which
 tests/test_niid_bench_harness.py checks. Unless ``--partition mpifl``, each run gets NIID-Bench's own split of its
-seed (``niid_labeldir`` or ``niid_homo``: the same draws as NIID-Bench's ``partition_data`` after
-``np.random.seed(init_seed)``), written as a ``data.partition: file`` JSON; ``--partition mpifl`` keeps the configs'
-own ``data.partition`` (dirichlet or iid).
+seed (``niid_labeldir``, ``niid_label_quantity``, ``niid_quantity`` or ``niid_homo``: the same draws as
+NIID-Bench's ``partition_data`` after ``np.random.seed(init_seed)`` and ``random.seed(init_seed)``), written as a
+``data.partition: file`` JSON; ``--partition mpifl`` keeps the configs' own ``data.partition``.
 Needs Fashion-MNIST in /usr/share/datasets/fashion-mnist (``apt-get install dataset-fashion-mnist``).
 """
 from __future__ import annotations
@@ -146,6 +149,42 @@ SETTINGS: dict[str, Setting] = {
         test_set="the 10,000 test images at each of the 10 parties' noise levels (100,000 scored images)"),
 }
 
+# Flower's NIID-Bench baseline (github.com/adap/flower baselines/niid_bench/README.md, commit
+# 1599d01c2f76a4139abe231b7e294f828ba62048, "Expected Results", row FMNIST): one run each, `run_exp.py --seed 42`,
+# FedProx's mu tuned in {0.001, 0.01, 0.1, 1.0} (which one is not stated). Its IID is NIID-Bench's `homo`, its
+# "Sort and Partition (k)" NIID-Bench's `noniid-#label<k>`; it has no quantity-skew row.
+FLOWER = "Flower's reproduction (1 run)"
+FLOWER_SOURCE = ("Flower baselines/niid_bench/README.md (adap/flower@1599d01c), \"Expected Results\", one run, "
+                 "seed 42, FedProx's mu tuned in {0.001, 0.01, 0.1, 1} (which one is not stated)")
+FLOWER_FMNIST = {"iid": {"fedavg": 89.0, "scaffold": 89.5, "fedprox": 89.5, "fednova": 89.3},
+                 "label1": {"fedavg": 10.0, "scaffold": 10.0, "fedprox": 38.0, "fednova": 11.1},
+                 "label2": {"fedavg": 81.0, "scaffold": 10.0, "fedprox": 78.8, "fednova": 70.5},
+                 "label3": {"fedavg": 83.2, "scaffold": 84.2, "fedprox": 82.5, "fednova": 83.2}}
+NOT_FOUND = {"fedavg": None, "fedprox": None, "scaffold": None, "fednova": None}
+PAPER_NOT_FOUND = "Li et al., ICDE 2022, Table III (FMNIST, {row}): values not found in any readable source"
+TEST_SET = "the 10,000 test images"
+
+# scripts/image-data-without-noise.sh's other partitions: `for partition in noniid-labeldir noniid-#label1
+# noniid-#label2 noniid-#label3 iid-diff-quantity homo`, all with --beta=0.5.
+for _k in (1, 2, 3):
+    SETTINGS[f"label{_k}"] = Setting(
+        title=f"#C={_k} (each party holds {_k} label{'s' if _k > 1 else ''})", prefix=f"fmnist_label{_k}",
+        keys={"data.partition": "shards", "data.classes_per_client": _k},  # --partition=noniid-#label<k>
+        niid_partition=f"noniid-#label{_k}", paper=dict(NOT_FOUND),
+        paper_source=PAPER_NOT_FOUND.format(row=f"#C={_k}"), other=FLOWER_FMNIST[f"label{_k}"], other_label=FLOWER,
+        other_source=FLOWER_SOURCE, test_set=TEST_SET)
+SETTINGS["quantity"] = Setting(
+    title="quantity skew, q ~ Dir(0.5)", prefix="fmnist_quantity",
+    keys={"data.partition": "unbalanced"},           # --partition=iid-diff-quantity --beta=0.5 (see niid_quantity)
+    niid_partition="iid-diff-quantity", paper=dict(NOT_FOUND),
+    paper_source=PAPER_NOT_FOUND.format(row="quantity skew"), other={}, other_label="another reproduction",
+    other_source="none found (Flower's baseline has no quantity-skew row)", test_set=TEST_SET)
+SETTINGS["iid"] = Setting(
+    title="homogeneous (IID)", prefix="fmnist_iid",
+    keys={"data.partition": "iid"},                  # --partition=homo
+    niid_partition="homo", paper=dict(NOT_FOUND), paper_source=PAPER_NOT_FOUND.format(row="homogeneous"),
+    other=FLOWER_FMNIST["iid"], other_label=FLOWER, other_source=FLOWER_SOURCE, test_set=TEST_SET)
+
 
 def config_path(algorithm: str, setting: str = "labeldir") -> Path:
     """The shipped config of ``algorithm`` in ``setting``."""
@@ -219,11 +258,78 @@ def niid_homo(num_samples: int, n_parties: int, seed: int) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(order, n_parties)]
 
 
+def niid_label_quantity(labels, n_parties: int, num: int, seed: int, num_classes: int = 10) -> list[list[int]]:
+    """NIID-Bench's ``noniid-#label<num>`` split (utils.partition_data), draw for draw. Its experiments.py seeds
+    both streams with the seed (``np.random.seed``, ``random.seed``). Party i holds label i mod K and ``num - 1``
+    more labels drawn with Python's ``random.randint`` until distinct; then each label's samples, shuffled by numpy
+    in label order, are cut into near-equal runs (``np.array_split``), one per party holding it, in party order.
+    A party's indices are its labels' runs in label order, unshuffled. ``num`` = K gives every party an even share
+    of every label."""
+    import random
+
+    import numpy as np
+
+    rng, draws = np.random.RandomState(seed), random.Random(seed)
+    labels = np.asarray(labels)
+    parts = [np.ndarray(0, dtype=np.int64) for _ in range(n_parties)]
+    if num == num_classes:
+        for k in range(num_classes):
+            idx_k = np.where(labels == k)[0]
+            rng.shuffle(idx_k)
+            for j, run in enumerate(np.array_split(idx_k, n_parties)):
+                parts[j] = np.append(parts[j], run)
+        return [p.tolist() for p in parts]
+    times, contain = [0] * num_classes, []
+    for i in range(n_parties):
+        current = [i % num_classes]
+        times[i % num_classes] += 1
+        while len(current) < num:
+            ind = draws.randint(0, num_classes - 1)
+            if ind not in current:
+                current.append(ind)
+                times[ind] += 1
+        contain.append(current)
+    for k in range(num_classes):
+        idx_k = np.where(labels == k)[0]
+        rng.shuffle(idx_k)
+        runs = iter(np.array_split(idx_k, times[k]))
+        for j in range(n_parties):
+            if k in contain[j]:
+                parts[j] = np.append(parts[j], next(runs))
+    return [p.tolist() for p in parts]
+
+
+def niid_quantity(num_samples: int, n_parties: int, beta: float, seed: int,
+                  min_require_size: int = NIID_MIN_REQUIRE_SIZE) -> list[list[int]]:
+    """NIID-Bench's ``iid-diff-quantity`` split (utils.partition_data): after ``np.random.seed(seed)``, one
+    permutation of the training samples, then Dir(beta) party shares drawn until every party would hold at least
+    ``min_require_size`` samples, and the permutation cut by the cumulative shares."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    order = rng.permutation(num_samples)
+    smallest = 0.0
+    while smallest < min_require_size:
+        proportions = rng.dirichlet(np.repeat(beta, n_parties))
+        proportions = proportions / proportions.sum()
+        smallest = float(np.min(proportions * len(order)))
+    cuts = (np.cumsum(proportions) * len(order)).astype(int)[:-1]
+    return [part.tolist() for part in np.split(order, cuts)]
+
+
+NIID_BETA = 0.5  # scripts/image-data-without-noise.sh: --beta=0.5 for every partition
+
+
 def niid_split(setting: str, labels, seed: int) -> list[list[int]]:
     """NIID-Bench's split of ``seed`` for ``setting``."""
     parties = int(PROTOCOL["clients.num_clients"])  # type: ignore[call-overload]
-    if SETTINGS[setting].niid_partition == "homo":
+    partition = SETTINGS[setting].niid_partition
+    if partition == "homo":
         return niid_homo(len(labels), parties, seed)
+    if partition == "iid-diff-quantity":
+        return niid_quantity(len(labels), parties, NIID_BETA, seed)
+    if partition.startswith("noniid-#label"):
+        return niid_label_quantity(labels, parties, int(partition.removeprefix("noniid-#label")), seed)
     return niid_labeldir(labels, parties, float(SETTINGS[setting].keys["data.alpha"]), seed)  # type: ignore[arg-type]
 
 
@@ -241,7 +347,7 @@ def read_run(run_dir: Path) -> dict:
     if not evaluated:
         raise ValueError(f"{run_dir / 'metrics.jsonl'}: no round was evaluated")
     return {"accuracy": evaluated[-1]["eval"]["accuracy"], "round": evaluated[-1]["round"],
-            "rounds": len(records),
+            "best": max(r["eval"]["accuracy"] for r in evaluated), "rounds": len(records),
             "round_seconds": [r["time"]["round"] for r in records],
             "eval_seconds": [r["time"]["eval"] for r in records],
             "num_samples": [r["num_samples"] for r in records]}
@@ -257,30 +363,35 @@ def algorithm_of(label: str) -> str:
     return label.split()[0]
 
 
+def percent(accuracies: Sequence[float]) -> str:
+    """Accuracies (fractions, one per seed) as "mean% ± std% (n=...)"."""
+    mean, std = mean_std(accuracies)
+    return f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}%" if std is not None else "") + f" (n={len(accuracies)})"
+
+
 def format_table(results: dict[str, list[float]], errors: dict[str, str] | None = None,
-                 setting: str = "labeldir") -> str:
-    """The comparison as markdown: one row per label (an algorithm, or "fedprox (mu=...)"), with mpifl's final
-    test accuracies (fractions, one per seed) as mean +- sample std in %, the paper's mean +- std, the
-    difference of the means in percentage points, and another reproduction for orientation."""
-    errors = errors or {}
+                 setting: str = "labeldir", best: dict[str, list[float]] | None = None) -> str:
+    """The comparison as markdown: one row per label (an algorithm, or "fedprox (mu=...)"), with mpifl's test
+    accuracies (fractions, one per seed) as mean +- sample std in %, after the last round and, from ``best``, the
+    best over rounds (the convention of Flower's reproduction), the paper's mean +- std, the difference of the
+    last-round means in percentage points, and another reproduction for orientation."""
+    errors, best = errors or {}, best or {}
     published, others = SETTINGS[setting].paper, SETTINGS[setting].other
-    lines = ["| algorithm | mpifl accuracy (mean ± std over seeds) | paper's accuracy (Table III) | difference | "
-             f"{SETTINGS[setting].other_label} |",
-             "|---|---|---|---|---|"]
+    lines = ["| algorithm | mpifl, last round (mean ± std over seeds) | mpifl, best round | paper's accuracy "
+             f"(Table III) | difference | {SETTINGS[setting].other_label} |",
+             "|---|---|---|---|---|---|"]
     for label in [*results, *(k for k in errors if k not in results)]:
         accs = results.get(label, [])
-        if accs:
-            mean, std = mean_std(accs)
-            ours = f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}%" if std is not None else "") + f" (n={len(accs)})"
-        else:
-            mean, ours = None, "no run finished"
+        mean = mean_std(accs)[0] if accs else None
+        ours = percent(accs) if accs else "no run finished"
         if label in errors:
             ours += f"; failed: {errors[label]}"
+        top = percent(best[label]) if best.get(label) else "n/a"
         paper = published.get(algorithm_of(label))
         paper_text = f"{paper[0]:.1f}% ± {paper[1]:.1f}%" if paper else "not found"
         diff = f"{100 * mean - paper[0]:+.1f} pp" if paper and mean is not None else "n/a"
         other = others.get(algorithm_of(label))
-        lines.append(f"| {label} | {ours} | {paper_text} | {diff} | "
+        lines.append(f"| {label} | {ours} | {top} | {paper_text} | {diff} | "
                      f"{f'{other:.1f}%' if other is not None else 'not found'} |")
     return "\n".join(lines)
 
@@ -370,10 +481,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"FedProx mu, one row each (the paper's grid: {' '.join(map(str, FEDPROX_MU_GRID))})")
     p.add_argument("--setting", choices=list(SETTINGS), default="labeldir",
                    help="labeldir: label skew, p_k ~ Dir(0.5); noise: an even split, party k's images through noise "
-                        "of std 0.1 k / 9 (the row whose FedAvg figure is published in a readable source)")
+                        "of std 0.1 k / 9 (the row whose FedAvg figure is published in a readable source); label1, "
+                        "label2, label3: each party holds #C=k labels; quantity: q ~ Dir(0.5) sizes; iid: homo")
     p.add_argument("--partition", choices=("niid", "mpifl"), default="niid",
-                   help="niid: NIID-Bench's split of each seed (noniid-labeldir or homo, as a partition file); mpifl: "
-                        "the configs' data.partition (dirichlet or iid)")
+                   help="niid: NIID-Bench's split of each seed (its partition_data's draws, as a partition file); "
+                        "mpifl: the configs' data.partition (dirichlet, shards, unbalanced or iid)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
     p.add_argument("--work", type=Path, default=None,
                    help="where runs go (default runs/niid_bench-<time>); give an earlier --work to go on with it: "
@@ -402,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             partitions[seed] = []
 
     results: dict[str, list[float]] = {}
+    best: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     timings: list[tuple[str, int, dict]] = []
     for algorithm in args.algorithms:  # one run at a time
@@ -419,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  failed: {out['error']}", file=sys.stderr)
                     continue
                 results.setdefault(label, []).append(out["accuracy"])
+                best.setdefault(label, []).append(out["best"])
                 timings.append((label, seed, out))
                 print(f"  test accuracy after round {out['round']}: {out['accuracy']:.4f} ({out['wall']:.0f} s)",
                       file=sys.stderr, flush=True)
@@ -439,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     if (rounds, epochs) != (PROTOCOL["rounds"], PROTOCOL["train.local_epochs"]):
         print(f"- NOT the paper's protocol ({PROTOCOL['rounds']} rounds, {PROTOCOL['train.local_epochs']} local "
               "epochs): the accuracies below are not comparable with the paper's")
-    print(f"- accuracy: the global model's top-1 accuracy on {setting.test_set} after the last round; mean ± "
-          f"sample standard deviation over seeds\n- paper: {setting.paper_source}\n- other reproduction: "
-          f"{setting.other_source}\n")
-    print(format_table(results, errors, args.setting))
+    print(f"- accuracy: the global model's top-1 accuracy on {setting.test_set} after the last round, and the best "
+          f"over rounds; mean ± sample standard deviation over seeds\n- paper: {setting.paper_source}\n- other "
+          f"reproduction: {setting.other_source}\n")
+    print(format_table(results, errors, args.setting, best))
     if timings:
         print("\n| run | seed | rounds | median round (s) | training samples/s | wall, this invocation (s) | "
               "full-protocol round, estimated (s) |\n|---|---|---|---|---|---|---|")

@@ -1,6 +1,6 @@
-"""The NIID-Bench harness (profiling/niid_bench.py) without running it: its four configs load and hold the protocol
-it states once, its table prints what it is given, its partition is NIID-Bench's rule, and it refuses a machine
-without Fashion-MNIST. No MPI, no dataset read."""
+"""The NIID-Bench harness (profiling/niid_bench.py) without running it: its configs (4 algorithms x 7 settings) load
+and hold the protocol it states once, its table prints what it is given, its partitions are NIID-Bench's rules, and
+it refuses a machine without Fashion-MNIST. No MPI, no dataset read."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ def value(cfg, dotted: str):
     return cfg
 
 
-@pytest.mark.parametrize("setting", ["labeldir", "noise"])
+@pytest.mark.parametrize("setting", ["labeldir", "noise", "label1", "label2", "label3", "quantity", "iid"])
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "scaffold", "fednova"])
 def test_each_config_loads_with_the_protocol(bench, algorithm, setting):
     if bench.ALGORITHMS[algorithm]["strategy.name"] not in STRATEGIES:
@@ -76,14 +76,15 @@ def test_the_model_is_niid_bench_s_simple_cnn(bench):
 def test_the_table_prints_the_results_it_is_given(bench, monkeypatch):
     monkeypatch.setitem(bench.SETTINGS["labeldir"].paper, "fedavg", (88.0, 0.5))
     table = bench.format_table({"fedavg": [0.881, 0.883, 0.879], "fedprox (mu=0.01)": [0.9]},
-                               {"scaffold": "exit 1: strategy.name: 'scaffold' is not one of ..."})
+                               {"scaffold": "exit 1: strategy.name: 'scaffold' is not one of ..."},
+                               best={"fedavg": [0.885, 0.884, 0.886]})
     assert table.splitlines() == [
-        "| algorithm | mpifl accuracy (mean ± std over seeds) | paper's accuracy (Table III) | difference | "
-        "Flower's reproduction (1 run) |",
-        "|---|---|---|---|---|",
-        "| fedavg | 88.1% ± 0.2% (n=3) | 88.0% ± 0.5% | +0.1 pp | 88.4% |",
-        "| fedprox (mu=0.01) | 90.0% (n=1) | not found | n/a | 88.6% |",
-        "| scaffold | no run finished; failed: exit 1: strategy.name: 'scaffold' is not one of ... | not found | "
+        "| algorithm | mpifl, last round (mean ± std over seeds) | mpifl, best round | paper's accuracy (Table III) | "
+        "difference | Flower's reproduction (1 run) |",
+        "|---|---|---|---|---|---|",
+        "| fedavg | 88.1% ± 0.2% (n=3) | 88.5% ± 0.1% (n=3) | 88.0% ± 0.5% | +0.1 pp | 88.4% |",
+        "| fedprox (mu=0.01) | 90.0% (n=1) | n/a | not found | n/a | 88.6% |",
+        "| scaffold | no run finished; failed: exit 1: strategy.name: 'scaffold' is not one of ... | n/a | not found | "
         "n/a | 88.4% |",
     ]
 
@@ -110,7 +111,7 @@ def test_the_partition_is_niid_bench_s_labeldir(bench):
 def test_the_noise_rows_table_sets_the_published_figure_beside_mpifls(bench):
     table = bench.format_table({"fedavg": [0.890, 0.894, 0.886]}, setting="noise").splitlines()
     assert table[0].endswith("| FedLab's reproduction (5 runs) |")
-    assert table[2] == "| fedavg | 89.0% ± 0.4% (n=3) | 89.1% ± 0.3% | -0.1 pp | 89.4% |"
+    assert table[2] == "| fedavg | 89.0% ± 0.4% (n=3) | n/a | 89.1% ± 0.3% | -0.1 pp | 89.4% |"
 
 
 def test_the_even_split_is_niid_bench_s_homo(bench):
@@ -119,6 +120,39 @@ def test_the_even_split_is_niid_bench_s_homo(bench):
     assert parts == [p.tolist() for p in np.array_split(order, 10)]
     assert sorted(len(p) for p in parts) == [100] * 7 + [101] * 3
     assert bench.niid_split("noise", np.zeros(1003), 2) == parts
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 10])
+def test_the_label_quantity_split_is_niid_bench_s_noniid_label_k(bench, k):
+    labels = np.repeat(np.arange(10), 300)
+    parts = bench.niid_label_quantity(labels, 10, k, seed=0)
+    assert parts == bench.niid_label_quantity(labels, 10, k, seed=0)
+    held = [sorted(set(labels[p].tolist())) for p in parts]
+    assert all(len(h) == k for h in held)  # #C = k labels each
+    assert all(i % 10 in h for i, h in enumerate(held))  # party i holds label i mod 10, plus k - 1 drawn ones
+    every = sorted(i for p in parts for i in p)
+    assert every == list(range(len(labels)))  # each sample once: a label's samples split among its holders
+    assert bench.niid_label_quantity(labels, 10, k, seed=1) != parts  # the seed decides the shuffles (and draws)
+    if k < 10:
+        assert bench.niid_split(f"label{k}", labels, 0) == parts
+
+
+def test_the_quantity_split_is_niid_bench_s_iid_diff_quantity(bench):
+    parts = bench.niid_quantity(3000, 10, 0.5, seed=2)
+    rng = np.random.RandomState(2)  # np.random.seed(2): the permutation first, then Dir(0.5) until all hold 10
+    order = rng.permutation(3000)
+    assert [i for p in parts for i in p] == order.tolist()  # the permutation cut in party order
+    assert min(map(len, parts)) >= 10 and len({len(p) for p in parts}) > 5  # sizes skewed
+    assert bench.niid_split("quantity", np.zeros(3000), 2) == parts
+    assert bench.niid_split("iid", np.zeros(3000), 2) == bench.niid_homo(3000, 10, 2)
+
+
+def test_every_setting_has_flowers_row_where_flower_ran_one(bench):
+    assert set(bench.SETTINGS) == {"labeldir", "noise", "label1", "label2", "label3", "quantity", "iid"}
+    assert bench.SETTINGS["label2"].other == {"fedavg": 81.0, "scaffold": 10.0, "fedprox": 78.8, "fednova": 70.5}
+    assert bench.SETTINGS["quantity"].other == {}  # Flower's baseline has no quantity-skew row
+    assert all(value is None for s in bench.SETTINGS.values() for a, value in s.paper.items()
+               if (s.title, a) != (bench.SETTINGS["noise"].title, "fedavg"))
 
 
 def test_it_refuses_without_fashion_mnist(bench, monkeypatch, tmp_path, capsys):
