@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_mpi, write_config
 
-from mpifl.cli.calibrate import fit_costs, quantiles, relative_error
+from mpifl.cli.calibrate import fit_costs
 
 MEASURED = """
 seed: 1
@@ -40,6 +40,14 @@ def test_the_fit_recovers_a_line_and_never_goes_negative():
     assert noisy.sigma == pytest.approx(0.2, abs=0.03)  # the spread becomes the devices' speed sigma
     with pytest.raises(ValueError, match="a fit needs at least 2"):
         fit_costs([(1.0, 1.0)])
+
+
+def quantiles(values, at=(0.5, 0.9)) -> list[float]:
+    return [float(np.quantile(np.asarray(values, dtype=float), q)) for q in at]
+
+
+def relative_error(measured: float, simulated: float) -> float:
+    return abs(simulated - measured) / measured
 
 
 def records(run_dir):

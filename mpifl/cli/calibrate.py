@@ -12,7 +12,6 @@ devices' speed spread.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mpifl.cli.report import load_metrics
+from mpifl.clock.planners import task_samples
 from mpifl.config import Config, load_config
 
 
@@ -32,10 +32,6 @@ class CostFit:
     sigma: float  # spread of log(measured / fitted): 1.4826 x its median absolute deviation
     tasks: int
     r2: float  # the share of the seconds' variance the line explains
-
-    def seconds(self, work: float) -> float:
-        """The fitted time of a task of ``work`` samples."""
-        return self.overhead + self.per_sample * work
 
     def overrides(self) -> list[str]:
         """The ``key=value`` overrides that set the clock to this fit."""
@@ -71,17 +67,16 @@ def robust_sigma(values: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(values - np.median(values))))
 
 
-def task_work(samples: float, cfg: Config) -> float:
-    """A task's work in samples, as the clock counts it."""
-    if cfg.train.local_steps:
-        return float(cfg.train.local_steps * cfg.train.batch_size)
-    return float(samples * cfg.train.local_epochs)
+def task_work(samples: int, cfg: Config) -> float:
+    """A task's work in samples, as the clock counts it (mpifl.clock.planners.task_samples)."""
+    return task_samples([samples], 1, cfg.train.local_epochs, cfg.train.local_steps, cfg.train.batch_size)[0]
 
 
 def device_classes(run_dir: Path) -> dict[int, str]:
     """Each rank's device class from ``ranks.txt``: 'gpu' where it names a GPU, else 'cpu'."""
-    rows = (run_dir / "ranks.txt").read_text().splitlines()[1:] if (run_dir / "ranks.txt").is_file() else []
-    return {int(row.split()[0]): ("cpu" if row.split()[5] == "-" else "gpu") for row in rows if len(row.split()) > 5}
+    table = run_dir / "ranks.txt"  # rank host pid local_rank cores gpu threads
+    rows = [line.split() for line in table.read_text().splitlines()[1:]] if table.is_file() else []
+    return {int(row[0]): ("cpu" if row[5] == "-" else "gpu") for row in rows if len(row) > 5}
 
 
 def measured_tasks(records: Sequence[dict], cfg: Config, classes: dict[int, str]) -> dict[str, list[tuple]]:
@@ -113,13 +108,3 @@ def render(fits: dict[str, CostFit]) -> str:
     kind, best = max(fits.items(), key=lambda item: item[1].tasks)
     lines += ["", f"to simulate {kind} devices like these: " + " ".join(best.overrides())]
     return "\n".join(lines)
-
-
-def quantiles(values: Sequence[float], at: Sequence[float] = (0.5, 0.9)) -> list[float]:
-    """The ``at`` quantiles of ``values`` (for comparing round-time distributions)."""
-    return [float(np.quantile(np.asarray(values, dtype=float), q)) for q in at]
-
-
-def relative_error(measured: float, simulated: float) -> float:
-    """|simulated - measured| / measured."""
-    return math.fabs(simulated - measured) / measured

@@ -315,7 +315,10 @@ def _availability(fig: Figure, ax: Axes, records: list[dict], run_dir: Path) -> 
     model = availability_for(cfg.clock, cfg.clients.num_clients, cfg.seed)
     end = max(r["virtual_time"] for r in records if "virtual_time" in r)
     times = np.linspace(0.0, end, AVAILABILITY_SAMPLES)
-    online = np.array([model.online(t)[:shown] for t in times]).T
+    if isinstance(model, QueueAvailability):  # the rows drawn only: its online(t) asks every client's jobs
+        online = np.array([[model.is_online(c, t) for t in times] for c in range(shown)])
+    else:
+        online = np.array([model.online(t)[:shown] for t in times]).T
     ax.imshow(online, aspect="auto", interpolation="nearest", cmap="Greens", vmin=0, vmax=1.6,
               extent=(0.0, end, shown - 0.5, -0.5))
     for r in records:

@@ -49,7 +49,7 @@ class _Compass:
         # (time, 0 arrival / 1 group deadline / 2 a job's end lost the task / 3 its client's next job starts, index)
         self.events: list[tuple[float, int, int]] = []
         self.version, self.plan = 0, AsyncPlan()
-        self.queued = isinstance(availability, QueueAvailability)
+        self.jobs = availability if isinstance(availability, QueueAvailability) else None  # batch jobs, if any
         self.lost: list[int] = []  # clients whose task a job's end lost since the last step
 
     def steps_in(self, group: _Group, client: int, t: float) -> int:
@@ -62,10 +62,8 @@ class _Compass:
     def assign(self, client: int, t: float) -> None:
         """Give ``client`` its local steps and arrival group; schedule its arrival (with batch jobs, a client whose
         job has ended by then waits for its next one)."""
-        if isinstance(self.availability, QueueAvailability) and not self.availability.is_online(client, t):
-            again = self.availability.next_start(client, t)
-            if again is not None:
-                heapq.heappush(self.events, (again, 3, client))
+        if self.jobs is not None and not self.jobs.is_online(client, t):
+            self._wait_for_next_job(client, t)
             return
         fits = [(self.steps_in(g, client, t), -gid) for gid, g in enumerate(self.groups) if g.open and g.expected > t]
         q, gid = max([f for f in fits if f[0] >= self.min_steps], default=(self.max_steps, None))
@@ -94,7 +92,7 @@ class _Compass:
             arrivals.append(Arrival(d.client, d.version, d.time, d.arrival, self.version - 1 - d.version,
                                     d.local_steps))
         self.plan.steps.append(AsyncStep(self.version, t, tuple(arrivals), (), int(self.availability.online(t).sum()),
-                                         preempted=tuple(self.lost) if self.queued else None))
+                                         preempted=tuple(self.lost) if self.jobs is not None else None))
         self.lost = []
         if self.version < self.steps:
             for i in order:
@@ -130,7 +128,11 @@ class _Compass:
             return
         client = self.dispatches[index].client
         self.lost.append(client)
-        again = self.availability.next_start(client, t) if isinstance(self.availability, QueueAvailability) else None
+        self._wait_for_next_job(client, t)
+
+    def _wait_for_next_job(self, client: int, t: float) -> None:
+        """Assign ``client`` again when its next batch job starts (never, past a trace's last)."""
+        again = self.jobs.next_start(client, t) if self.jobs is not None else None
         if again is not None:
             heapq.heappush(self.events, (again, 3, client))
 
@@ -150,11 +152,9 @@ def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, avai
                  duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float) -> AsyncPlan:
     """The FedCompass schedule of ``steps`` server steps (see the module docstring)."""
     compass = _Compass(steps, availability, duration, min_steps, max_steps, latest_factor)
-    if isinstance(availability, QueueAvailability):  # batch jobs: the members, drawn from all, join as each job starts
-        for client in sample_online(seed, (CLOCK, 0), np.ones(num_clients, dtype=bool), min(concurrency, num_clients)):
-            compass.assign(client, 0.0)
-    else:
-        for client in sample_online(seed, (CLOCK, 0), availability.online(0.0), min(concurrency, num_clients)):
-            compass.assign(client, 0.0)
+    # batch jobs: the members are drawn from all clients and join as each one's job starts
+    pool = np.ones(num_clients, dtype=bool) if compass.jobs is not None else availability.online(0.0)
+    for client in sample_online(seed, (CLOCK, 0), pool, min(concurrency, num_clients)):
+        compass.assign(client, 0.0)
     compass.run()
     return compass.with_trainers()

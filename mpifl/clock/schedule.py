@@ -173,6 +173,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
     busy = np.zeros(num_clients, dtype=bool)  # dispatched and not yet applied
     version, pending, plan = 0, [], AsyncPlan()
     lost: list[int] = []  # clients whose task a job's end lost since the last step
+    queued = isinstance(availability, QueueAvailability)  # batch jobs: each step records what they lost
 
     def dispatch(t: float) -> None:
         idle = availability.online(t) & ~busy
@@ -211,7 +212,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
                 arrivals.append(Arrival(dispatches[i].client, dispatches[i].version, dispatches[i].time,
                                         dispatches[i].arrival, version - 1 - dispatches[i].version))
             plan.steps.append(AsyncStep(version, t, tuple(arrivals), (), int(availability.online(t).sum()),
-                                        preempted=tuple(lost) if isinstance(availability, QueueAvailability) else None))
+                                        preempted=tuple(lost) if queued else None))
             pending, lost = [], []
         dispatch(t)
     return _with_trainers(plan, dispatches)

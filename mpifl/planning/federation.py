@@ -1,6 +1,7 @@
 """Who takes part and where they live: sampling, placement and round assignments, pure functions of the config."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -241,7 +242,12 @@ class RoundAssignment:
 
     def rank_of(self, client: int) -> int | None:
         """The rank that trains ``client`` this round (None: it does not train in it)."""
-        return next((rank for rank, clients in self.train.items() if client in clients), None)
+        return self._trainer_of.get(client)
+
+    @functools.cached_property
+    def _trainer_of(self) -> dict[int, int]:
+        """Each training client's rank, built once: the record asks it for every participant."""
+        return {client: rank for rank, clients in self.train.items() for client in clients}
 
 
 class Sampler:

@@ -286,8 +286,7 @@ class ClientRank:
         if self.parts.state.declared is not None and error is None and not bad:  # else as if it had not trained
             self.parts.state.declared.keep(client, self.vectors)
         if self.faults and error is None and not bad:  # a corruption strikes past every check
-            self.faults.corrupt(round_, client, buffers if buffers is not None else
-                                [self.work.chunk_view(c) for c in self.parts.plan.chunks], self.parts.seed)
+            self.faults.corrupt(round_, client, buffers, self.work, self.parts.plan, self.parts.seed)
         if bad:
             error = f"update contains {bad} NaN/Inf values"
             if not self.parts.accept_failures:
@@ -295,12 +294,12 @@ class ClientRank:
                                          "(clients.accept_failures=false); if its training diverged, lower "
                                          "train.lr or set train.max_grad_norm, or drop such clients from their "
                                          "rounds with clients.accept_failures=true")
+        seconds = time.perf_counter() - start
         metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
-        metrics.update(self._cost(time.perf_counter() - start))
+        metrics.update(self._cost(seconds))
         if self.replica is not None and self.replica.on_gpu:
             metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
-        meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - start, metrics, error,
-                                   result.local_steps)
+        meta = protocol.UpdateMeta(client, result.num_samples, seconds, metrics, error, result.local_steps)
         return meta, buffers
 
     def _cost(self, seconds: float) -> dict[str, float]:

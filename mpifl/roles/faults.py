@@ -36,6 +36,7 @@ class FaultInjector:
 
     def __init__(self, plan: FaultPlan, rank: int, tick: Callable[[], None]):
         self.plan, self.rank, self.tick = plan, rank, tick
+        self._struck: tuple[tuple[int, int], list[Strike]] = ((0, -1), [])  # the last client's strikes, drawn once
 
     def __bool__(self) -> bool:
         return bool(self.plan)
@@ -46,8 +47,11 @@ class FaultInjector:
         return any(f.kind == "scale" for f in self.plan.faults)
 
     def _at(self, round_: int, client: int, stage: str, kinds: Iterable[str] | None = None) -> list[Strike]:
-        return [s for s in self.plan.strikes(round_, client, self.rank)
-                if s.fault.stage == stage and (kinds is None or s.fault.kind in kinds)]
+        """The strikes on ``client`` in ``round_`` at ``stage`` (of ``kinds``); a client's are drawn once, however
+        many stages ask."""
+        if self._struck[0] != (round_, client):
+            self._struck = (round_, client), self.plan.strikes(round_, client, self.rank)
+        return [s for s in self._struck[1] if s.fault.stage == stage and (kinds is None or s.fault.kind in kinds)]
 
     def before_receive(self, round_: int, clients: Sequence[int]) -> None:
         """Stage 'receive': the first strike among the round's clients here, before the model is taken up."""
@@ -73,10 +77,14 @@ class FaultInjector:
             else:
                 first_float_view(work, layout)[0] = float("nan") if kind == "nan" else float("inf")
 
-    def corrupt(self, round_: int, client: int, buffers: Sequence[np.ndarray | torch.Tensor], seed: int) -> None:
-        """Stage 'train', on the update as it leaves (after every check): flip the fault's bits."""
+    def corrupt(self, round_: int, client: int, buffers: Sequence[np.ndarray] | None, work: FlatModel,
+                layout: ExchangeLayout, seed: int) -> None:
+        """Stage 'train', on the update as it leaves (after every check): flip the fault's bits in its wire
+        ``buffers``, or, where the update stays on the device for a group's sum (None), in the model's chunks."""
         for strike in self._at(round_, client, "train", ("corrupt",)):
-            flip_bits([b if isinstance(b, torch.Tensor) else torch.from_numpy(b) for b in buffers], seed, strike)
+            chunks = [torch.from_numpy(b) for b in buffers] if buffers is not None else \
+                [work.chunk_view(c) for c in layout.chunks]
+            flip_bits(chunks, seed, strike)
 
     def send_strikes(self, round_: int, client: int) -> list[Strike]:
         """Stage 'send': the strikes to do after the first chunk of ``client``'s update."""
@@ -123,17 +131,13 @@ class FaultInjector:
             self.tick()
 
 
-def float_chunks(work: FlatModel, layout: ExchangeLayout) -> list[torch.Tensor]:
-    """The model's floating-point chunks, typed views into its buffer."""
-    return [v for v in (work.chunk_view(c) for c in layout.chunks) if v.is_floating_point() and v.numel()]
-
-
 def first_float_view(work: FlatModel, layout: ExchangeLayout) -> torch.Tensor:
     """The model's first floating-point chunk (where a NaN or Inf fault puts its value)."""
-    chunks = float_chunks(work, layout)
-    if not chunks:
+    views = (work.chunk_view(c) for c in layout.chunks)
+    first = next((v for v in views if v.is_floating_point() and v.numel()), None)
+    if first is None:
         raise ValueError("the model has no floating-point tensor to put a NaN or Inf in")
-    return chunks[0]
+    return first
 
 
 def scale_update(work: FlatModel, layout: ExchangeLayout, anchor: torch.Tensor, factor: float) -> None:
