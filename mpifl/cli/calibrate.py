@@ -4,11 +4,15 @@ clients, take as long as measured ones.
 
 Each record's ``timing`` holds every usable participant's rank, training samples and seconds. A task's work is its
 samples times ``train.local_epochs`` (or ``train.local_steps`` x ``train.batch_size``), as the clock counts it
-(mpifl.clock.planners.task_samples); the fit is least squares of seconds on work, ``seconds = overhead +
-per_sample x work``, per device class (the ranks that train on a GPU, and those on CPUs: ``ranks.txt``). Round 1 is
-left out: a rank's first clients pay one-time costs (imports, first touches of memory). The spread of the measured
-seconds about the fit, as the sigma of their log-ratio (robustly, from its median absolute deviation), becomes the
-devices' speed spread.
+(mpifl.clock.planners.task_samples). The fit is the median line of seconds on work (least absolute deviations),
+``seconds = overhead + per_sample x work``, per device class (the ranks that train on a GPU, and those on CPUs:
+``ranks.txt``). Round 1 is left out: a rank's first clients pay one-time costs (imports, first touches of memory).
+
+A median line, not least squares: on a machine shared with other work a few tasks stall for many times their
+length, and least squares follows them, while the median line moves only once half the tasks stall. The simulated
+devices' speeds have median 1, so the simulated median task lies on the line. The spread of the measured seconds
+about it, as the sigma of their log-ratio (robustly, from its median absolute deviation), becomes the devices'
+speed spread.
 """
 from __future__ import annotations
 
@@ -40,24 +44,42 @@ class CostFit:
 
 
 def fit_costs(tasks: Sequence[tuple[float, float]]) -> CostFit:
-    """Least squares of seconds on work over ``tasks`` ((work, seconds) pairs), neither coefficient negative
+    """The median line of seconds on work over ``tasks`` ((work, seconds) pairs), neither coefficient negative
     (a negative one is set to 0 and the other refitted alone)."""
     if len(tasks) < 2:
         raise ValueError(f"calibrate: {len(tasks)} measured task(s); a fit needs at least 2 (run more rounds)")
     work, seconds = (np.array(column, dtype=float) for column in zip(*tasks))
     if np.ptp(work) > 0:
-        per_sample, overhead = np.polyfit(work, seconds, 1)
+        overhead, per_sample = median_line(work, seconds)
     else:  # every task did the same work: the time is all overhead
-        per_sample, overhead = 0.0, float(seconds.mean())
+        overhead, per_sample = float(np.median(seconds)), 0.0
     if overhead < 0:
-        overhead, per_sample = 0.0, float(work @ seconds / (work @ work))
+        overhead, per_sample = 0.0, float(np.median(seconds / work)) if (work > 0).all() else 0.0
     if per_sample < 0:
-        overhead, per_sample = float(seconds.mean()), 0.0
+        overhead, per_sample = float(np.median(seconds)), 0.0
     fitted = overhead + per_sample * work
     spread = robust_sigma(np.log(seconds / fitted)) if (fitted > 0).all() and (seconds > 0).all() else 0.0
     total = float(((seconds - seconds.mean()) ** 2).sum())
     r2 = 1.0 - float(((seconds - fitted) ** 2).sum()) / total if total > 0 else 1.0
     return CostFit(float(overhead), float(per_sample), spread, len(tasks), r2)
+
+
+def median_line(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> tuple[float, float]:
+    """(intercept, slope) of the line minimising the sum of absolute deviations of ``y`` from it, by iteratively
+    reweighted least squares (each point weighted by the inverse of its last residual, floored so an exact fit
+    cannot divide by zero), started from least squares."""
+    design = np.column_stack([np.ones_like(x), x])
+    coef = np.linalg.lstsq(design, y, rcond=None)[0]
+    floor = 1e-9 * max(float(np.abs(y).max()), 1e-30)
+    for _ in range(iterations):
+        weights = 1.0 / np.maximum(np.abs(y - design @ coef), floor)
+        root = np.sqrt(weights)
+        updated = np.linalg.lstsq(design * root[:, None], y * root, rcond=None)[0]
+        if np.allclose(updated, coef, rtol=1e-10, atol=0):
+            coef = updated
+            break
+        coef = updated
+    return float(coef[0]), float(coef[1])
 
 
 def robust_sigma(values: np.ndarray) -> float:
