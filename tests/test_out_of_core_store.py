@@ -2,13 +2,16 @@
 caller asks for the window after the next one, so the sends of one window can overlap the next's."""
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
 from test_checkpoint import save
 from torch import nn
 
-from mpifl.storage.stores import LIVE_WINDOWS, OnDiskStore
+from mpifl.planning.out_of_core import LIVE_WINDOWS, staging_bytes, window_bytes_held
+from mpifl.storage.stores import OnDiskStore
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 
@@ -64,4 +67,52 @@ def test_out_of_core_memory_is_the_configured_window_in_all(tmp_path):
     list(store.outgoing())
     buffers = [b for b in store.buffers if b is not None]
     assert len(buffers) == LIVE_WINDOWS and sum(b.nbytes for b in buffers) <= LIVE_WINDOWS * 2 * CHUNK
+    store.current.close()
+
+
+def test_the_live_windows_never_hold_more_than_the_plan_counts_mapped_or_read(tmp_path, monkeypatch):
+    """A window that maps drops its slot's read buffer, so mapped pages and read buffers together stay within what
+    ``mpifl plan`` counts for the windows (planning.out_of_core.window_bytes_held)."""
+    flat = FlatModel(Mixed())
+    store = open_disk_store(tmp_path, flat, mapped=True)
+    budget = window_bytes_held(store.plan.chunks, LIVE_WINDOWS * 2 * CHUNK)
+    unmappable = {store.windows[1][0].offset}  # in the first round, as a window over two datasets' gap would be
+    map_range = type(store.current).map_range
+    monkeypatch.setattr(type(store.current), "map_range",
+                        lambda self, spec, offset, nbytes: None if offset in unmappable else map_range(self, spec, offset,
+                                                                                                     nbytes))
+    for _ in range(2):  # the second round maps every window, in slots that read one in the first
+        for i, _views in enumerate(store.outgoing()):
+            assert (store.sent[-1] is None) == (store.windows[i][0].offset in unmappable)
+            if store.sent[-1] is not None:  # window i is mapped: its slot holds no read buffer beside it
+                assert store.buffers[i % LIVE_WINDOWS] is None
+            buffers = sum(b.nbytes for b in store.buffers if b is not None)
+            mapped = sum(m.length for m in store.sent if m is not None)
+            assert buffers + mapped <= budget + LIVE_WINDOWS * mmap.ALLOCATIONGRANULARITY  # mappings start on a page
+        store.begin_round(1)
+        store.abandon_round()
+        unmappable.clear()
+    store.current.close()
+
+
+def test_the_planned_write_staging_is_what_the_store_allocates(tmp_path):
+    flat = FlatModel(Mixed())
+    plan = ExchangeLayout(flat.spec, flat.spec.chunks(CHUNK), flat.spec.chunks(CHUNK), 2, CHUNK)
+    store = OnDiskStore(plan, lambda r: tmp_path / f"round-{r}.h5", 6 * CHUNK, {"m": 0.0, "v": 0.0},
+                        read_previous=False)
+    allocated = sum(s.model.nbytes + sum(t.numel() * t.element_size() for t in s.state.values())
+                    for s in store.writes.free)
+    assert allocated == staging_bytes(plan.chunks, state_vectors=2) > 0
+
+
+def test_publishing_the_initial_model_leaves_no_read_buffer_behind(tmp_path):
+    flat = FlatModel(Mixed())
+    plan = ExchangeLayout(flat.spec, flat.spec.chunks(CHUNK), flat.spec.chunks(CHUNK), 2, CHUNK)
+    store = OnDiskStore(plan, lambda r: tmp_path / f"round-{r}.h5", 6 * CHUNK, {}, read_previous=False)
+
+    def receive(views):
+        for view in views:
+            view[:] = 7
+    store.start(None, None, {"round": 0, "config": "rounds: 1\n"}, receive)
+    assert store.buffers == [None] * LIVE_WINDOWS
     store.current.close()

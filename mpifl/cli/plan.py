@@ -152,7 +152,8 @@ def plan_main(args: argparse.Namespace) -> int:
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
           f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}{local}; {ranks} client ranks, "
           f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
-    where = "HDF5 window + receive pool (out of core)" if cfg.server.state == "disk" else "model + pool + state"
+    where = ("HDF5 windows, write staging and receive pool (out of core)" if cfg.server.state == "disk"
+             else "model + pool + state")
     held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"
                                           if cfg.data.feature_noise else "")
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "

@@ -15,6 +15,7 @@ from typing import Protocol
 from mpifl.config import Config
 from mpifl.config.client_state import ClientStateLayout, StateSizes
 from mpifl.planning.federation import clients_of_rank
+from mpifl.planning.out_of_core import out_of_core_bytes
 from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.layout import ExchangeLayout
@@ -25,6 +26,10 @@ IMPORTS_BYTES = int(0.27 * GIB)  # torch + mpi4py + h5py per rank: its server pe
 # a training rank's autograd engine, optimizer and per-step scratch beyond its tensors: its clients peak at
 # 0.335-0.39 GiB against the server's 0.264
 TRAINING_RUNTIME_BYTES = int(0.09 * GIB)
+# What importing a model family's library adds to every rank that builds the model (the server builds it on the
+# meta device for its layout): transformers 5.24 with its Llama modeling code, scipy and PIL brought in with it,
+# measured as VmHWM on torch 2.13 (CPU), 403 MiB against 254 MiB without (2026-11-29).
+LIBRARY_IMPORT_BYTES = {"transformers": 149 * MIB}
 # A client rank that trains on a GPU, calibrated on one H100 (torch 2.11.0+cu130, deterministic kernels; the GPU
 # check of 2026-11-27 in docs/how-to/gpus.md):
 CUDA_WORKSPACE_BYTES = 64 * MIB  # cuBLAS's workspaces, allocated by torch: the quick start's MLP, whose tensors
@@ -207,13 +212,27 @@ def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
     return held + size.control
 
 
+def imports_bytes(cfg: Config) -> int:
+    """What a rank holds once its libraries are imported: torch, mpi4py and h5py, and the model family's library
+    where it builds the model from one (LIBRARY_IMPORT_BYTES)."""
+    return IMPORTS_BYTES + LIBRARY_IMPORT_BYTES.get(cfg.model.name, 0)
+
+
+def widening_scratch_bytes(cfg: Config, exchange: ExchangeLayout) -> int:
+    """The server's fp32 scratch for folding a narrow (bf16, fp16) chunk into its fp32 sum: one chunk widened
+    (mpifl.aggregation.combiners.WeightedMean); none for fp32 models."""
+    if itemsize(cfg.model.dtype) >= 4 or not exchange.chunks:
+        return 0
+    return 4 * max(c.numel for c in exchange.chunks)
+
+
 def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool = False) -> int:
     """A client rank (any rank of a group, clients.ranks_per_client; ``client_ranks`` counts the groups): the
     model, its training state, the wire buffer, a group's sum, residuals in RAM. ``on_gpu``: the training state
     lives on the GPU (client_device_bytes) and the host maps the CUDA libraries instead."""
     nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
     elements = nbytes // width
-    client = IMPORTS_BYTES + size.total
+    client = imports_bytes(cfg) + size.total
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
         client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size)
@@ -296,10 +315,12 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     elements = size.exchanged // itemsize(cfg.model.dtype)
     probe = FloorProbe.of(exchange, cfg.transport.floor_probe_mb, client_ranks,
                           itemsize(floor_probe_dtype(cfg, exchange.grouped))).server_bytes  # before the pool exists
-    if cfg.server.state == "disk":  # the model stays in the file: read windows and the receive pool
-        server = IMPORTS_BYTES + max(int(cfg.server.window_mb * MIB) + pool, probe)
+    scratch = widening_scratch_bytes(cfg, exchange)
+    if cfg.server.state == "disk":  # the model stays in the file: its live windows, write staging and the pool
+        store = out_of_core_bytes(exchange.chunks, int(cfg.server.window_mb * MIB), strategy.state_bytes(1) // 4)
+        server = imports_bytes(cfg) + max(store + pool + scratch, probe)
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
-        server = IMPORTS_BYTES + size.total + max(pool + strategy.state_bytes(elements), probe)
+        server = imports_bytes(cfg) + size.total + max(pool + scratch + strategy.state_bytes(elements), probe)
     on_gpu = trains_on_gpu(cfg, gpus_per_node)
     client = client_bytes(cfg, size, client_ranks, on_gpu)
     server_data = client_data = node_data = shared_read = 0

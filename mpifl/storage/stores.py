@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from mpifl.planning.out_of_core import LIVE_WINDOWS, WRITE_SLOTS, streaming_windows, window_span
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
 from mpifl.storage.ranges import MappedRange
 from mpifl.wire.flat import DTYPES, FlatModel
@@ -76,21 +77,6 @@ def open_store(plan: ExchangeLayout, flat: FlatModel | None, path_of: PathOf, wi
     if flat is not None:
         return InMemoryStore(flat, plan, path_of, state_init)
     return OnDiskStore(plan, path_of, window_bytes, state_init, read_previous, map_windows)
-
-
-def chunk_windows(chunks: list[Chunk], window_bytes: int) -> list[list[Chunk]]:
-    """Group consecutive chunks into windows of at most ``window_bytes`` (at least one chunk)."""
-    windows: list[list[Chunk]] = [[]]
-    for c in chunks:
-        if windows[-1] and c.offset + c.nbytes - windows[-1][0].offset > window_bytes:
-            windows.append([])
-        windows[-1].append(c)
-    return windows if windows[0] else []
-
-
-def _span(window: list[Chunk]) -> int:
-    """Bytes from the first chunk's start to the last chunk's end."""
-    return window[-1].offset + window[-1].nbytes - window[0].offset
 
 
 class InMemoryStore:
@@ -156,10 +142,6 @@ class InMemoryStore:
             ckpt.read_into(self.flat.tensors())
             for name, vector in self.vectors.items():
                 ckpt.read_state(name, 0, vector.numpy(), self.state_init[name])
-
-
-WRITE_SLOTS = 4  # finished chunks the out-of-core server may have queued for writing
-LIVE_WINDOWS = 3  # out-of-core windows at once: one being read ahead, two being sent
 
 
 @dataclass
@@ -233,7 +215,7 @@ class OnDiskStore:
     def __init__(self, plan: ExchangeLayout, path_of: PathOf, window_bytes: int, state_init: dict[str, float],
                  read_previous: bool, map_windows: bool = True):
         self.plan, self.spec, self.path_of = plan, plan.spec, path_of
-        self.windows = chunk_windows(plan.chunks, window_bytes // LIVE_WINDOWS)
+        self.windows = streaming_windows(plan.chunks, window_bytes)
         self.buffers: list[np.ndarray | None] = [None] * LIVE_WINDOWS  # made on first use: mapped windows need none
         self.sent: deque[MappedRange | None] = deque()  # mappings of the windows the caller may still be sending
         share_malloc_arenas()  # before the reader and writer threads: address-space limits (PBS vmem)
@@ -270,7 +252,7 @@ class OnDiskStore:
         """Window buffer ``i`` (0 or 1), allocated and touched on first use."""
         buffer = self.buffers[i]
         if buffer is None:
-            buffer = self.buffers[i] = host_bytes(max(_span(w) for w in self.windows))
+            buffer = self.buffers[i] = host_bytes(max(window_span(w) for w in self.windows))
         return buffer
 
     def _views(self, window: list[Chunk], buffer: np.ndarray) -> tuple[int, list[np.ndarray]]:
@@ -297,9 +279,11 @@ class OnDiskStore:
         def ready(i: int) -> MappedRange | None:  # its buffer was window i-3's, sent before window i-1 was asked for
             window = self.windows[i]
             current = self._current()
-            mapped = current.map_range(self.spec, window[0].offset, _span(window)) if self.map_windows else None
+            mapped = current.map_range(self.spec, window[0].offset, window_span(window)) if self.map_windows else None
             if mapped is None:
-                current.read_range(self.spec, window[0].offset, self._buffer(i % LIVE_WINDOWS)[:_span(window)])
+                current.read_range(self.spec, window[0].offset, self._buffer(i % LIVE_WINDOWS)[:window_span(window)])
+            else:  # the mapping holds this window: its slot's read buffer goes, or the slot would hold both
+                self.buffers[i % LIVE_WINDOWS] = None
             return mapped
 
         self._unmap_sent()
@@ -396,8 +380,9 @@ class OnDiskStore:
             for window in self.windows:
                 base, views = self._views(window, self._buffer(0))
                 receive_window(views)
-                writer.write_range(base, self._buffer(0)[:_span(window)])
+                writer.write_range(base, self._buffer(0)[:window_span(window)])
             writer.write_metrics([])
             path = writer.publish()
+        self.buffers[0] = None  # rounds send mapped windows where the file allows: a read buffer is made on demand
         self.load(Checkpoint(path))
         return path
