@@ -78,9 +78,10 @@ def test_the_live_windows_never_hold_more_than_the_plan_counts_mapped_or_read(tm
     budget = window_bytes_held(store.plan.chunks, LIVE_WINDOWS * 2 * CHUNK)
     unmappable = {store.windows[1][0].offset}  # in the first round, as a window over two datasets' gap would be
     map_range = type(store.current).map_range
-    monkeypatch.setattr(type(store.current), "map_range",
-                        lambda self, spec, offset, nbytes: None if offset in unmappable else map_range(self, spec, offset,
-                                                                                                     nbytes))
+
+    def map_unless_unmappable(self, spec, offset, nbytes):
+        return None if offset in unmappable else map_range(self, spec, offset, nbytes)
+    monkeypatch.setattr(type(store.current), "map_range", map_unless_unmappable)
     for _ in range(2):  # the second round maps every window, in slots that read one in the first
         for i, _views in enumerate(store.outgoing()):
             assert (store.sent[-1] is None) == (store.windows[i][0].offset in unmappable)
