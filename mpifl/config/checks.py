@@ -489,6 +489,9 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
     if fault.kind in UPDATE_FAULTS and fault.stage != "train":
         raise ConfigError(f"{key}.stage: a {fault.kind!r} fault acts on the client's training or update, at stage "
                           f"'train', not {fault.stage!r}")
+    if fault.kind == "lose" and fault.stage != "send":
+        raise ConfigError(f"{key}.stage: a 'lose' fault loses the client's update as it leaves, at stage 'send', not "
+                          f"{fault.stage!r}")
     if fault.kind == "slowdown" and fault.factor <= 1:
         raise ConfigError(f"{key}.factor: a slowdown needs a factor above 1, got {fault.factor}")
     if fault.kind == "scale" and fault.factor == 1:

@@ -540,6 +540,8 @@ FAULT_KINDS = {
     "slowdown": "the client's training takes `factor` x as long (the rank keeps reporting progress)",
     "exit": "the rank exits with `code`, `via` sys.exit, os._exit or C's _exit",
     "kill": "the rank sends itself SIGKILL",
+    "lose": "the client's update is lost on its way to the server (stage send): it trained, and the server never folds "
+            "it",
 }
 FAULT_STAGES = ("train", "send", "receive")
 UPDATE_FAULTS = ("nan", "inf", "corrupt", "scale", "slowdown")  # on a trained model or its update: stage train only

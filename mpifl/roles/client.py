@@ -271,6 +271,8 @@ class ClientRank:
             assert anchor is not None  # Ditto's ranks keep the global model (_needs_host_global, _anchor)
             metrics.update(self._personal(round_, client, train, val, anchor))
         result, error = self._train_one(round_, client, train, anchor)
+        if error is None and self.faults and (lost := self.faults.lost(round_, client)) is not None:
+            error = self._failed(lost, round_, client, "")  # as if it had not been sampled
         if error is None and self.parts.state.personal is not None:
             self.parts.state.personal.keep(client)
         if error is None and self.parts.state.controls is not None:

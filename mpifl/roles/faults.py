@@ -2,7 +2,11 @@
 
 Stages: ``receive`` before the rank takes up a round's model (once per round, for any of its clients struck),
 ``train`` before a client trains (raise, stall, exit, kill) or on its trained model and update (nan, inf, scale,
-slowdown, corrupt), ``send`` after the first chunk of the client's update. A strike that stops, stalls or ends the
+slowdown, corrupt), ``send`` after the first chunk of the client's update, or, for ``lose``, as the update leaves.
+
+A lost update: MPI never loses a message, so the loss is the outcome a lost message has. The client trains, its
+update is marked lost in its header and never folded (the rank still streams its chunks, which the server
+discards as it does a failed client's), and the client ends the round as if it had not been sampled. A strike that stops, stalls or ends the
 rank is logged here as it happens; the server logs every strike at the start of its round and records each with
 what came of it (metrics.jsonl, ``faults``).
 """
@@ -28,6 +32,10 @@ PROGRESS_EVERY = 0.25  # seconds between a slowed rank's progress reports
 
 class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws in a client's training."""
+
+
+class LostUpdate(InjectedFault):
+    """A ``lose`` fault: the client's update never reaches the server."""
 
 
 class FaultInjector:
@@ -86,9 +94,16 @@ class FaultInjector:
                 [work.chunk_view(c) for c in layout.chunks]
             flip_bits(chunks, seed, strike)
 
+    def lost(self, round_: int, client: int) -> LostUpdate | None:
+        """The loss of ``client``'s update in ``round_`` (a ``lose`` strike), or None where it is not lost."""
+        for strike in self._at(round_, client, "send", ("lose",)):
+            self._announce(strike)
+            return LostUpdate(f"faults[{strike.index}]: lost on its way to the server in round {strike.round}")
+        return None
+
     def send_strikes(self, round_: int, client: int) -> list[Strike]:
-        """Stage 'send': the strikes to do after the first chunk of ``client``'s update."""
-        return self._at(round_, client, "send")
+        """Stage 'send': the strikes to do after the first chunk of ``client``'s update (a loss is not one)."""
+        return [s for s in self._at(round_, client, "send") if s.fault.kind != "lose"]
 
     def act(self, strikes: Iterable[Strike]) -> None:
         """Do ``strikes`` now (stage 'send', between the first chunk and the rest)."""

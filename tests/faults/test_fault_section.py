@@ -43,6 +43,8 @@ def config(faults: str):
     ("{kind: raise, clients: [1]}", "faults: expected a list of mappings (one per item)"),
     ("[{kind: raise, clients: [a]}]", "faults[0].clients: expected a list of integers"),
     ("[{kind: exit, ranks: [1], code: 300}]", "faults[0].code: must be <= 255"),
+    ("[{kind: lose, clients: [1]}]", "faults[0].stage: a 'lose' fault loses the client's update as it leaves, at stage "
+                                     "'send', not 'train'"),
 ])
 def test_a_fault_that_cannot_mean_one_thing_is_refused_naming_its_key(faults, message):
     with pytest.raises(ConfigError) as err:
@@ -88,6 +90,7 @@ DROPPING = """
 - {kind: raise, clients: [1], rounds: [2]}
 - {kind: nan, fraction: 0.25, from_round: 3}
 - {kind: inf, clients: [0, 5], rounds: [1]}
+- {kind: lose, fraction: 0.5, stage: send, rounds: [3]}
 """
 
 
@@ -106,7 +109,7 @@ def faults_run(tmp_path, name: str, faults: str, ranks: int):
     return cfg, tmp_path / name, result.stderr
 
 
-def test_raised_nan_and_inf_clients_are_dropped_as_recorded_bitwise_as_the_reference_without_them(tmp_path):
+def test_raised_nan_inf_and_lost_clients_are_dropped_as_recorded_bitwise_as_the_reference_without_them(tmp_path):
     cfg, three, err = faults_run(tmp_path, "three", DROPPING, 3)
     _, four, _ = faults_run(tmp_path, "four", DROPPING, 5)
     assert same_model(three / "model.h5", four / "model.h5")
@@ -118,6 +121,8 @@ def test_raised_nan_and_inf_clients_are_dropped_as_recorded_bitwise_as_the_refer
     assert all(f["outcome"] == "dropped" for round_ in strikes for f in round_)
     assert "InjectedFault: faults[0]: an injected exception in round 2" in strikes[1][0]["reason"]
     assert any(f["kind"] == "nan" for round_ in strikes[2:] for f in round_)
+    lost = [f for f in strikes[2] if f["kind"] == "lose"]
+    assert lost and all("LostUpdate: faults[3]: lost on its way to the server in round 3" in f["reason"] for f in lost)
     assert "round 2: faults[0] ('raise' at stage 'train') strikes logical client 1" in err
     dropped = {r["round"]: {d["client"] for d in r["dropped"]} for r in records(three)}
     assert dropped == {i + 1: {f["client"] for f in round_} for i, round_ in enumerate(strikes)}
