@@ -6,9 +6,10 @@ slowdown, corrupt), ``send`` after the first chunk of the client's update, or, f
 
 A lost update: MPI never loses a message, so the loss is the outcome a lost message has. The client trains, its
 update is marked lost in its header and never folded (the rank still streams its chunks, which the server
-discards as it does a failed client's), and the client ends the round as if it had not been sampled. A strike that stops, stalls or ends the
-rank is logged here as it happens; the server logs every strike at the start of its round and records each with
-what came of it (metrics.jsonl, ``faults``).
+discards as it does a failed client's), and the client ends the round as if it had not been sampled.
+
+A strike that stops, stalls or ends the rank is logged here as it happens; the server logs every strike at the
+start of its round and records each with what came of it (metrics.jsonl, ``faults``).
 """
 from __future__ import annotations
 
