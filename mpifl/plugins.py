@@ -91,12 +91,30 @@ def typed_kwargs(fn: Any, kwargs: dict, key: str) -> tuple[dict, str | None]:
 
 
 def _annotations(fn: Any) -> dict[str, Any]:
-    """The resolved annotations of ``fn``'s parameters (of ``__init__`` for a class); empty where none resolve."""
+    """The annotations of ``fn``'s parameters (of ``__init__`` for a class), each resolved on its own: one that names
+    something the module imports only for type checkers (``if TYPE_CHECKING:``) is left out, and only it, so the
+    plug-in's other settings are still converted."""
     target = fn.__init__ if inspect.isclass(fn) else fn
     try:
         return typing.get_type_hints(target)
-    except Exception:  # noqa: BLE001 - an annotation naming something the module imports only for type checkers
-        return {}
+    except Exception:  # noqa: BLE001 - some annotation does not resolve: resolve them one by one below
+        pass
+    raw = getattr(inspect.unwrap(target), "__annotations__", {})
+    namespace = getattr(inspect.unwrap(target), "__globals__", {})
+    hints = {}
+    for name, annotation in raw.items():
+        try:
+            hints[name] = typing.get_type_hints(_Holder(name, annotation), globalns=namespace)[name]
+        except Exception:  # noqa: BLE001 - this one names what only a type checker sees: passed as written
+            continue
+    return hints
+
+
+class _Holder:
+    """A stand-in carrying one annotation, for typing.get_type_hints to resolve alone."""
+
+    def __init__(self, name: str, annotation: Any):
+        self.__annotations__ = {name: annotation}
 
 
 def _converted(value: Any, hint: Any) -> Any:

@@ -151,3 +151,12 @@ def test_plugin_metrics_reach_tensorboard(recorded):
     steps = {e.step: e.value for e in events.Scalars("client_metrics/client_id/max")}
     assert steps == {r["round"]: max(r["participants"]) for r in records}
     assert {e.step: e.value for e in events.Scalars("strategy_metrics/sampled")} == {1: 4, 2: 4, 3: 4}
+
+
+def test_an_annotation_only_a_type_checker_can_resolve_leaves_the_other_settings_typed():
+    def annotated_with_a_checker_only_name(cfg, clip: float, model: NotImportedHere = None):  # noqa: F821 - a name only a type checker sees
+        return cfg
+
+    converted, problem = typed_kwargs(annotated_with_a_checker_only_name, {"clip": "1e6", "model": "x"},
+                                      "strategy.kwargs")
+    assert problem is None and converted == {"clip": 1e6, "model": "x"} and type(converted["clip"]) is float
