@@ -7,6 +7,9 @@ import sys
 RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "MV2_COMM_WORLD_RANK")
 
 
+SUPERVISOR_PID = "MPIFL_SUPERVISOR_PID"  # set in a rank's environment by its supervisor (mpifl.cli.supervisor)
+
+
 def env_rank() -> int | None:
     """The current process's rank as the launcher tells it, before MPI is initialised."""
     for var in RANK_VARIABLES:

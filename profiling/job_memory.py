@@ -33,6 +33,17 @@ def job_processes(run_dir: str) -> list[str]:
     return pids
 
 
+def supervisors_of(pids: list[str]) -> set[str]:
+    """Those of ``pids`` that are the parent of another: each rank's supervisor, whose child is the rank."""
+    parents = set()
+    for pid in pids:
+        try:
+            parents.add(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+    return parents & set(pids)
+
+
 def sample(pid: str) -> tuple[int, int] | None:
     """(RSS, PSS) of ``pid`` in MiB, or None once it has gone."""
     try:
@@ -58,9 +69,12 @@ def main() -> int:
     peak_rss: dict[str, int] = {}
     peak_pss_sum = 0
     while job.poll() is None:
-        samples = {pid: s for pid in job_processes(run_dir) if (s := sample(pid)) is not None}
+        pids = job_processes(run_dir)
+        samples = {pid: s for pid in pids if (s := sample(pid)) is not None}
+        supervisors = supervisors_of(pids)  # each rank's small parent (mpifl.cli.supervisor): in the PSS sum only
         for pid, (rss, _) in samples.items():
-            peak_rss[pid] = max(peak_rss.get(pid, 0), rss)
+            if pid not in supervisors:
+                peak_rss[pid] = max(peak_rss.get(pid, 0), rss)
         peak_pss_sum = max(peak_pss_sum, sum(pss for _, pss in samples.values()))
         time.sleep(0.1)
     if job.returncode:

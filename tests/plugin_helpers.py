@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -256,3 +257,11 @@ def _declare_counter():
 
 
 _declare_counter()
+
+
+def crashing_on_rank_2(cfg: StrategyConfig) -> Strategy:
+    """The counting strategy, except on the rank the launcher numbers 2, where building it raises: a failure before
+    MPI starts on one rank only (a module or a file missing on one node), which mpifl's checks do not catch."""
+    if os.environ.get("PMI_RANK") == "2":
+        raise RuntimeError("deliberate failure on rank 2 before MPI starts")
+    return counting(cfg, clip=1.0)

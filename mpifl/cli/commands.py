@@ -6,11 +6,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mpifl.cli.supervisor import mark_mpi_started, supervised
 from mpifl.config import Config, ConfigError, config_warnings, load_config
-from mpifl.logs import env_rank, log
+from mpifl.errors import CheckpointError, MissingExtra
+from mpifl.logs import log
 from mpifl.plugins import is_import_path
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 from mpifl.trackers import tracker_problem
+from mpifl.units import range_list
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -22,37 +25,82 @@ def world_of(comm: MPI.Intracomm | None) -> MPI.Intracomm:
     """The communicator a command runs on: the caller's (``mpifl.cli.main(argv, comm=...)``), else the world."""
     from mpi4py import MPI
 
+    mark_mpi_started()  # mpi4py initialised MPI on import: a failure from here on ends the job through MPI
     return comm if comm is not None else MPI.COMM_WORLD
 
 
 def run(args: argparse.Namespace) -> int:
-    """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run."""
+    """``mpifl run``: every rank checks the config, rank 0 readies the run directory, then the roles run; in a
+    child process under a supervisor that the launcher sees (mpifl.cli.supervisor), unless the run is on a
+    communicator the caller passed (``main(argv, comm)``: a program already under MPI)."""
+    if getattr(args, "comm", None) is not None:
+        return _run_command(args)
+    return supervised(lambda: _run_command(args))
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Check the config on every rank before MPI starts, agree on what the checks found, then run."""
     from mpifl.storage.rundir import RunComplete, find_resume
 
-    cfg = load_config(args.config, args.overrides)
-    warnings = check_plugins(cfg)  # on every rank, before MPI starts
-    if cfg.model.local:  # which tensors stay is known only from the built model (a plug-in is checked on the ranks)
-        check_model(cfg)
-    if env_rank() in (0, None):
-        for warning in warnings:
-            log(f"mpifl: warning: {warning}", rank=0)
+    checked, problem, complete = None, None, None
     try:
+        cfg = load_config(args.config, args.overrides)
+        warnings = check_plugins(cfg)
+        if cfg.model.local:  # which tensors stay is known only from the built model (a plug-in: on the ranks)
+            check_model(cfg)
         resume = find_resume(cfg, args.run_dir, args.resume) if args.resume else None
+        checked = cfg, warnings, resume
     except RunComplete as done:
-        if env_rank() in (0, None):  # every rank found the same: one line is enough
-            log(f"mpifl: {done}", rank=0)
-        return 0
-    return _run(cfg, args.run_dir, resume, args.resume, args.memray, args.memray_native, getattr(args, "comm", None))
-
-
-def _run(cfg: Config, run_dir_arg: str | None, resume: Path | None, resume_asked: str | None,
-         memray_dir: str | None, memray_native: bool, world: MPI.Intracomm | None = None) -> int:
+        complete = str(done)
+    except (ConfigError, CheckpointError, MissingExtra) as err:
+        problem = f"mpifl: config error: {err}" if isinstance(err, ConfigError) else f"mpifl: {err}"
     bind_gpu_from_local_rank()  # before MPI starts (world_of imports it)
+    comm = world_of(getattr(args, "comm", None))
+    verdict = agree_on_checks(comm, problem, complete)
+    if verdict is not None:
+        return verdict
+    assert checked is not None  # every rank's checks passed
+    cfg, warnings, resume = checked
+    for warning in warnings if comm.Get_rank() == 0 else []:
+        log(f"mpifl: warning: {warning}", rank=0)
+    return _run(comm, cfg, args.run_dir, resume, args.resume, args.memray, args.memray_native)
+
+
+def agree_on_checks(comm: MPI.Intracomm, problem: str | None, complete: str | None) -> int | None:
+    """What every rank's checks before MPI found, agreed over ``comm``: None to go on, else the exit status for
+    every rank (2: a problem, 0: the run is already complete). Rank 0 says it once, naming the ranks that found it
+    when not all did: a problem found on one rank only (a file missing on one node) must end the job, not leave
+    the other ranks waiting."""
+    outcomes = comm.allgather((problem, complete))
+    problems: dict[str, list[int]] = {}
+    for rank, (line, _) in enumerate(outcomes):
+        if line is not None:
+            problems.setdefault(line, []).append(rank)
+    completes = [rank for rank, (_, done) in enumerate(outcomes) if done is not None]
+    if not problems and not completes:
+        return None
+    says = comm.Get_rank() == 0 and not _another_singleton(comm)
+    size = comm.Get_size()
+    for line, ranks in problems.items() if says else ():
+        log(line + ("" if len(ranks) == size else f" (found on rank {range_list(ranks)} only)"), rank=0)
+    if problems:
+        return 2
+    if len(completes) < size:
+        if says:
+            log(f"mpifl: ranks {range_list(completes)} found the run complete and the others did not (a shared file "
+                "system not yet in step?); nothing was run", rank=0)
+        return 2
+    if says:
+        log(f"mpifl: {outcomes[0][1]}", rank=0)
+    return 0
+
+
+def _run(comm: MPI.Intracomm, cfg: Config, run_dir_arg: str | None, resume: Path | None,
+         resume_asked: str | None, memray_dir: str | None, memray_native: bool) -> int:
     from mpifl.cli.profiling import tracked
     from mpifl.roles.runner import check_world, layout_warnings, run_rank
     from mpifl.storage.rundir import prepare_run_dir
 
-    comm = world_of(world)
     try:
         check_world(comm.Get_size(), cfg)
         for warning in layout_warnings(cfg) if comm.Get_rank() == 0 else []:

@@ -23,7 +23,7 @@ from mpifl.learning.datasets import (
 )
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.trainers import load_optimizer_machinery
-from mpifl.logs import log
+from mpifl.logs import SUPERVISOR_PID, log
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import clients_of_rank
@@ -69,22 +69,33 @@ def layout_warnings(cfg: Config) -> list[str]:
 def record_ranks(comm: MPI.Comm, run_dir: Path | None, bound: Binding) -> None:
     """Where every rank runs (host, pid) and what it is bound to (node-local rank, cores, GPU, threads), in
     ``ranks.txt``: the launcher's report of a killed process names only its pid."""
-    where = comm.gather((socket.gethostname(), os.getpid(), bound), root=0)
+    where = comm.gather((socket.gethostname(), os.getpid(), bound, launched_pid()), root=0)
     if comm.Get_rank() != 0:
         return
     assert where is not None  # gather returns every rank's value on the root
     table = "".join(f"{rank} {host} {pid} {b.local_rank} {core_ranges(b.cores)} {b.gpu or '-'} {b.threads}\n"
-                    for rank, (host, pid, b) in enumerate(where))
+                    for rank, (host, pid, b, _) in enumerate(where))
     if run_dir is not None:
         (run_dir / "ranks.txt").write_text("rank host pid local_rank cores gpu threads\n" + table)
     if len(where) <= 16:  # in MPICH's own words (BAD TERMINATION ... PID p RUNNING AT host), to search the log
-        log("ranks: " + "; ".join(f"rank {r} PID {p} RUNNING AT {h} (local rank {b.local_rank}, cores "
-                                   f"{core_ranges(b.cores)}, GPU {b.gpu or '-'})" for r, (h, p, b) in enumerate(where)),
-            rank=0)
+        log("ranks: " + "; ".join(f"rank {r} PID {p} RUNNING AT {h} ({launched_as(p, s)}local rank {b.local_rank}, "
+                                   f"cores {core_ranges(b.cores)}, GPU {b.gpu or '-'})"
+                                   for r, (h, p, b, s) in enumerate(where)), rank=0)
     else:
         log(f"ranks: {len(where)}, each rank's PID, host, cores and GPU in "
             f"{run_dir / 'ranks.txt' if run_dir else 'ranks.txt'}", rank=0)
-    log(f"binding: {describe([b for _, _, b in where])}", rank=0)
+    log(f"binding: {describe([b for _, _, b, _ in where])}", rank=0)
+
+
+def launched_pid() -> int:
+    """The PID of the process the launcher started for this rank: its supervisor's (mpifl.cli.supervisor), which
+    the launcher's reports name, or this process's own."""
+    return int(os.environ.get(SUPERVISOR_PID, os.getpid()))
+
+
+def launched_as(pid: int, launched: int) -> str:
+    """The launched process's PID, where it is not the rank's own, for the ranks line."""
+    return f"launched as PID {launched}, " if launched != pid else ""
 
 
 def agree_on_spec(comm: MPI.Comm, spec: ModelSpec, problem: str | None = None, built_seconds: float = 0.0,

@@ -206,11 +206,14 @@ def test_a_rank_stuck_before_any_round_is_timed_ends_the_default_job_naming_it(t
                 proc.communicate()
 
 
-def test_a_rank_that_leaves_through_c_exit0_is_named_by_the_run_directory(tmp_path):
+def test_a_rank_that_leaves_through_c_exit0_fails_the_job_and_is_named_by_the_run_directory(tmp_path):
     text = TRAINING.replace("rounds: 3", "rounds: 6").replace(f"first_update: {DEADLINE}", "first_update: 20")
     result, _ = run_with_fault(tmp_path, text, fault="c_exit0", fault_call=2)
-    # MPICH kills the other ranks at once and reports 0 or 9, a race mpifl cannot win from inside the job (the job
-    # scripts check `mpifl status` afterwards: test_pbs_resume); the run directory must say what happened
+    # MPICH kills the other ranks at once, and without the rank's supervisor (mpifl.cli.supervisor) it reported 0
+    assert result.returncode != 0
+    assert "[rank 2] mpifl: this rank (PID" in result.stderr, result.stderr[-3000:]
+    assert "left with exit status 0 before mpifl run finished" in result.stderr
+    # the run directory says what happened too (the job scripts check `mpifl status` afterwards: test_pbs_resume)
     status = run_mpi(1, "status", str(tmp_path / "run"))  # the post-mortem a job's epilogue prints
     assert status.returncode == 1 and "not complete" in status.stdout, status.stdout + status.stderr
     assert "rank 2: last heard of at" in status.stdout and "in round 1" in status.stdout, status.stdout

@@ -1,0 +1,160 @@
+"""``mpifl run`` as two processes per rank: a small supervisor, which the launcher started, and the rank itself.
+
+Why: a rank that leaves through ``os._exit(0)`` or C's ``_exit(0)`` (in a plug-in, a library or a ``faults:``
+entry) skips everything Python would do on its way out. MPICH's ``mpiexec`` then kills the other ranks and itself
+exits 0: three times out of three on 2026-11-29 (MPICH 4 from PyPI), with one of six rounds on disk. The job looks
+successful. The supervisor knows whether its rank left through mpifl's own exit, because the rank says so on a pipe
+just before it exits. An exit status of 0 that the rank did not announce becomes 1, with a line that names the rank,
+so that the launcher reports a failure.
+
+A rank that fails before MPI starts on it is a second hazard: the other ranks then wait for it in ``MPI_Init`` for
+ever, because MPICH's ``mpiexec`` ends a job only for a rank that was killed, or that failed once MPI had started
+(here a rank that exited 1 before ``MPI_Init`` left the others waiting until ``timeout`` ended them). The rank
+also tells its supervisor when MPI has started. A rank that ends without MPI started, other than through the
+exit status 2 of a problem that every rank finds alike (a config error), makes its supervisor end by SIGKILL,
+after a line that says why, and the launcher ends the job.
+
+The supervisor forks before anything heavy is imported (no torch, no MPI: about 20 MiB, shared with the rank until
+either writes). The rank inherits the launcher's environment and file descriptors, so MPI starts in it as it would
+have in the supervisor.
+
+Signals:
+
+- Launchers signal each rank's whole process group (MPICH's Hydra, Slurm's job steps, PBS), and that group holds
+  both processes. So the supervisor ignores SIGINT, SIGHUP and SIGUSR1: the rank receives them itself.
+- The supervisor passes SIGTERM on, for a launcher that signals only the process it started. Receiving it twice
+  does no harm, because SIGTERM only asks for a stop at the next round boundary (mpifl.roles.launch.StopRequest).
+- The rank dies with its supervisor (Linux's ``PR_SET_PDEATHSIG``).
+- The rank's exit status, or the signal that ended it, becomes the supervisor's.
+
+``MPIFL_SUPERVISE=0`` runs the rank in the launched process itself, as before. Where the C library has no
+``prctl`` (not Linux), it always does.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+from mpifl.logs import SUPERVISOR_PID, env_rank, log
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ANNOUNCED = b"x"  # what the rank writes just before it leaves through mpifl's own exit
+MPI_STARTED = b"m"  # what the rank writes once MPI has started on it
+SUPERVISOR_FD = "MPIFL_SUPERVISOR_FD"  # the rank's end of the pipe to its supervisor
+UNANNOUNCED_EXIT = 1  # the supervisor's status for a rank that left with 0 unannounced
+EVERY_RANK_ALIKE = 2  # mpifl run's status for a problem every rank finds the same way, before MPI (config errors)
+
+
+def supervised(body: Callable[[], int]) -> int:
+    """Run ``body`` (a rank's whole ``mpifl run``) in a child process under this one, and return its exit status,
+    made 1 where the child left with 0 without announcing it. Runs ``body`` here where supervision is off or not
+    possible."""
+    prctl = _prctl()
+    if os.environ.get("MPIFL_SUPERVISE", "1") == "0" or prctl is None or not hasattr(os, "fork"):
+        return body()
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    supervisor = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        os.environ[SUPERVISOR_PID] = str(supervisor)  # the PID the launcher's reports name (mpifl.roles.runner)
+        os.environ[SUPERVISOR_FD] = str(write_end)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != supervisor:  # the supervisor died before the line above took effect
+            os._exit(UNANNOUNCED_EXIT)
+        _run_announced(body, write_end)
+    os.close(write_end)
+    return _supervise(child, read_end)
+
+
+def _run_announced(body: Callable[[], int], write_end: int) -> None:
+    """The rank: run ``body``, announce the exit, and leave through Python's own exit (MPI finalises at exit)."""
+    code = 1
+    try:
+        code = body()
+    finally:
+        os.environ.pop(SUPERVISOR_FD, None)
+        os.write(write_end, ANNOUNCED)
+        os.close(write_end)
+    sys.exit(code)
+
+
+def mark_mpi_started() -> None:
+    """Tell this rank's supervisor, if it has one, that MPI has started here (called once MPI is initialised)."""
+    fd = os.environ.get(SUPERVISOR_FD, "")
+    if fd.isdigit():
+        try:
+            os.write(int(fd), MPI_STARTED)
+        except OSError:  # the supervisor is gone: this rank dies with it
+            pass
+
+
+def _supervise(child: int, read_end: int) -> int:
+    """The supervisor: wait for the rank, then take on its exit status or the signal that ended it."""
+    for quiet in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(quiet, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _pass_on(child, signum))
+    _, status = os.waitpid(child, 0)
+    said = _read_all(read_end)
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:  # ended by a signal: end the same way, so the launcher reports what happened
+        _end_by(-code)
+    if code == 0 and ANNOUNCED not in said:
+        log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl run finished (os._exit or C's "
+            "_exit, past Python's cleanup): the run is incomplete; `mpifl status RUN_DIR` says how far it got "
+            f"(this rank's supervisor, PID {os.getpid()}, exits {UNANNOUNCED_EXIT} so that the launcher reports a "
+            "failure)", rank=env_rank())
+        code = UNANNOUNCED_EXIT
+    if code not in (0, EVERY_RANK_ALIKE) and MPI_STARTED not in said:
+        log(f"mpifl: this rank (PID {child}) ended with exit status {code} before MPI started on it; the other "
+            "ranks would wait for it in MPI_Init for ever, so its supervisor ends by SIGKILL, which the launcher "
+            "takes as a failure that ends the job", rank=env_rank())
+        _end_by(signal.SIGKILL)
+    return code
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything the rank wrote to its supervisor before it ended. Without waiting: a process the rank forked
+    (a data loader's worker) may hold a copy of the write end for a while, so the pipe need not have ended."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 64):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _end_by(signum: int) -> None:
+    """End this process by ``signum``, as the rank ended, or so that the launcher ends the job."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # which cannot be caught, so are never handled here
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # not reached: the signal ends the process
+
+
+def _pass_on(child: int, signum: int) -> None:
+    """Pass a signal on to the rank (gone already: nothing to do)."""
+    try:
+        os.kill(child, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _prctl() -> Callable[[int, int], int] | None:
+    """Linux's ``prctl``, or None where the C library has none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,118 @@
+"""``mpifl run`` runs each rank under a small supervisor (mpifl.cli.supervisor): a rank that leaves with exit status 0
+past Python's cleanup (``os._exit``, C's ``_exit``) makes its launched process exit 1, naming it, so that mpiexec
+cannot report a half-finished run as a success; a rank that fails before MPI starts on it makes its supervisor end by
+SIGKILL, so that mpiexec ends the job instead of leaving the other ranks in MPI_Init; every other way out keeps its
+status or its signal. And the ranks agree on what their checks before MPI found, so a problem on one rank only ends
+the job with status 2."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import run_mpi, write_config
+
+SUPERVISED = textwrap.dedent("""
+    import os, signal, sys, time
+    from mpifl.cli.supervisor import mark_mpi_started, supervised
+
+    def body():
+        {body}
+
+    sys.exit(supervised(body))
+""")
+
+
+def supervise(body: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    code = SUPERVISED.format(body=body)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PMI_RANK": "2", **(env or {})})
+
+
+def finished(proc: subprocess.Popen) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("body,status", [
+    ("return 0", 0),
+    ("return 3", 3),
+    ("raise SystemExit(4)", 4),
+    ("raise RuntimeError('broken')", 1),
+    ("os._exit(5)", 5),
+])
+def test_a_rank_that_leaves_any_announced_way_or_with_a_nonzero_status_keeps_its_status(body, status):
+    code, err = finished(supervise("mark_mpi_started(); " + body))
+    assert code == status, err
+    assert "left with exit status 0" not in err
+
+
+@pytest.mark.parametrize("body", ["os._exit(0)", "import ctypes; ctypes.CDLL(None)._exit(0)"])
+def test_a_rank_that_leaves_with_0_past_pythons_cleanup_makes_its_launched_process_exit_1_naming_it(body):
+    code, err = finished(supervise("mark_mpi_started(); " + body))
+    assert code == 1
+    assert "[rank 2] mpifl: this rank (PID" in err and "left with exit status 0 before mpifl run finished" in err
+
+
+def test_a_rank_ended_by_a_signal_ends_its_supervisor_by_the_same_signal():
+    code, _ = finished(supervise("os.kill(os.getpid(), signal.SIGKILL)"))
+    assert code == -signal.SIGKILL
+
+
+def test_without_supervision_the_launched_process_is_the_rank_itself():
+    code, err = finished(supervise("os._exit(0)", env={"MPIFL_SUPERVISE": "0"}))
+    assert code == 0 and not err
+
+
+def test_sigterm_sent_to_the_supervisor_alone_reaches_the_rank_and_sigusr1_is_left_to_the_rank(tmp_path):
+    marker = tmp_path / "terminated"
+    body = ("mark_mpi_started(); "
+            f"signal.signal(signal.SIGTERM, lambda *a: open({str(marker)!r}, 'w').close()); print('ready', "
+            "flush=True); [time.sleep(0.05) for _ in range(400) if not os.path.exists(" + repr(str(marker)) + ")]; "
+            "return 7")
+    proc = supervise(body)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    os.kill(proc.pid, signal.SIGUSR1)  # ignored by the supervisor: the launcher's group signal reaches the rank
+    time.sleep(0.2)
+    assert proc.poll() is None
+    os.kill(proc.pid, signal.SIGTERM)
+    code, err = finished(proc)
+    assert code == 7 and marker.exists(), err
+
+
+@pytest.mark.parametrize("body,status", [("raise ImportError('a module missing on this node')", 1),
+                                         ("os._exit(0)", 1), ("return 4", 4)])
+def test_a_rank_that_fails_before_mpi_starts_ends_its_supervisor_by_sigkill_so_the_launcher_ends_the_job(body,
+                                                                                                           status):
+    code, err = finished(supervise(body))
+    assert code == -signal.SIGKILL
+    assert f"ended with exit status {status} before MPI started on it" in err
+
+
+def test_a_config_error_which_every_rank_finds_alike_keeps_its_status_2():
+    code, err = finished(supervise("return 2"))
+    assert code == 2 and "before MPI started" not in err
+
+
+def test_a_rank_that_started_mpi_keeps_its_failure_status():
+    code, err = finished(supervise("mark_mpi_started(); return 1"))
+    assert code == 1 and "before MPI started" not in err
+
+
+def test_a_problem_found_before_mpi_on_one_rank_only_ends_the_job_with_status_2_naming_the_rank(tmp_path):
+    """Every rank checks the config before MPI starts, then the ranks agree on what they found
+    (mpifl.cli.commands.agree_on_checks). A problem on one rank only (a plug-in failing on one node) once made that
+    rank exit 2 silently, and MPICH's mpiexec left the other ranks in MPI_Init for ever."""
+    cfg = write_config(tmp_path / "c.yaml", "rounds: 1\nclients: {num_clients: 2}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 100}}\noutput: {progress: false}\n"
+                       "strategy: {name: 'plugin_helpers:crashing_on_rank_2'}\n")
+    started = time.monotonic()
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), fresh=True)
+    assert result.returncode == 2
+    assert ("[rank 0] mpifl: config error: strategy.name: building 'plugin_helpers:crashing_on_rank_2' failed: "
+            "RuntimeError: deliberate failure on rank 2 before MPI starts (found on rank 2 only)") in result.stderr
+    assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
