@@ -80,7 +80,8 @@ def test_a_bad_grid_point_fails_alone_and_the_others_run(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     done = run_mpi(3, "sweep", str(cfg), "--grid", "strategy.name=fedavg,nosuch", "--runs-dir", str(tmp_path / "runs"))
     assert done.returncode == 2
-    assert "config error in run 2 (strategy.name=nosuch)" in done.stderr
+    assert "config error in run 2 (strategy.name=nosuch), said above" in done.stderr
+    assert done.stderr.count("[rank 0] mpifl: config error: strategy.name") == 1, done.stderr
     assert rounds_logged(tmp_path / "runs" / "strategy.name=fedavg") == [1, 2]
 
 

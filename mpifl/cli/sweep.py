@@ -57,13 +57,12 @@ def sweep(args: argparse.Namespace) -> int:
                                  resume="latest" if args.resume else None, memray=None, memray_native=False,
                                  comm=world.Dup())  # its own message space: nothing of one run reaches the next
         try:
-            status = run(one)
-        except ConfigError as err:  # every rank finds the same: the other grid points may still be valid
-            if speaks:
-                log(f"mpifl sweep: config error in run {number} ({' '.join(point)}): {err}", rank=0)
-            status = 2
+            status = run(one)  # a config problem is said and agreed on by the ranks (exit status 2)
         finally:
             one.comm.Free()
+        if status == 2 and speaks:  # the other grid points may still be valid
+            log(f"mpifl sweep: config error in run {number} ({' '.join(point)}), said above: the other runs go on",
+                rank=0)
         # only the server learns that a signal stopped the run (the clients end as after the last round): the
         # ranks agree on the worst status, so that all stop, or all go on to the next point
         status = world.allreduce(status, op=MPI.MAX)
