@@ -240,14 +240,18 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = MPI_
         time.sleep(poll)
 
 
+STACK_DUMP_PAUSE = 0.2  # seconds between two ranks' stack dumps (each rank's supervisor ignores its own)
+
+
 def kill_showing_stacks(group: int, grace: float = 1.0) -> None:
     """Kill the process group ``group`` (a job started by ``spawn_mpi``), first asking each of its ranks for
     every thread's Python stack (SIGUSR1: mpifl.roles.launch.StopRequest.install), which reaches the job's
     stderr: a test that fails on a hung job then says where each rank was."""
     ranks = [pid for pid in _group_members(group) if b"mpifl" in _cmdline(pid) or b"mpi_pool" in _cmdline(pid)]
-    for pid in ranks:
+    for pid in ranks:  # one after another: dumps written at once reach the job's stderr with their lines cut
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_PAUSE)
     if ranks:
         time.sleep(grace)
     with contextlib.suppress(ProcessLookupError):
