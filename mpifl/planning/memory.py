@@ -15,7 +15,7 @@ from typing import Protocol
 from mpifl.config import Config
 from mpifl.config.client_state import ClientStateLayout, StateSizes
 from mpifl.planning.federation import clients_of_rank
-from mpifl.planning.out_of_core import out_of_core_bytes
+from mpifl.planning.out_of_core import STATE_ITEMSIZE, out_of_core_bytes
 from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
 from mpifl.wire.layout import ExchangeLayout
@@ -317,7 +317,8 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
                           itemsize(floor_probe_dtype(cfg, exchange.grouped))).server_bytes  # before the pool exists
     scratch = widening_scratch_bytes(cfg, exchange)
     if cfg.server.state == "disk":  # the model stays in the file: its live windows, write staging and the pool
-        store = out_of_core_bytes(exchange.chunks, int(cfg.server.window_mb * MIB), strategy.state_bytes(1) // 4)
+        vectors = strategy.state_bytes(1) // STATE_ITEMSIZE  # fp32 server-state vectors (momentum, moments)
+        store = out_of_core_bytes(exchange.chunks, int(cfg.server.window_mb * MIB), vectors)
         server = imports_bytes(cfg) + max(store + pool + scratch, probe)
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = imports_bytes(cfg) + size.total + max(pool + scratch + strategy.state_bytes(elements), probe)

@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mpifl.planning.out_of_core import LIVE_WINDOWS, WRITE_SLOTS, streaming_windows, window_span
+from mpifl.planning.out_of_core import LIVE_WINDOWS, STATE_ITEMSIZE, WRITE_SLOTS, streaming_windows, window_span
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
 from mpifl.storage.ranges import MappedRange
 from mpifl.wire.flat import DTYPES, FlatModel
@@ -216,6 +216,7 @@ class OnDiskStore:
                  read_previous: bool, map_windows: bool = True):
         self.plan, self.spec, self.path_of = plan, plan.spec, path_of
         self.windows = streaming_windows(plan.chunks, window_bytes)
+        self.widest = max((window_span(w) for w in self.windows), default=0)  # a read buffer's size
         self.buffers: list[np.ndarray | None] = [None] * LIVE_WINDOWS  # made on first use: mapped windows need none
         self.sent: deque[MappedRange | None] = deque()  # mappings of the windows the caller may still be sending
         share_malloc_arenas()  # before the reader and writer threads: address-space limits (PBS vmem)
@@ -226,8 +227,9 @@ class OnDiskStore:
         self.state_init = dict(state_init)
         most = max(c.numel for c in plan.chunks)
         biggest = max(c.nbytes for c in plan.chunks)
+        state_slice = STATE_ITEMSIZE * most  # one chunk's slice of an fp32 server-state vector
         self.writes = WriteBehind([Staging(host_bytes(biggest),
-                                           {name: torch.from_numpy(host_bytes(4 * most)).view(torch.float32)
+                                           {name: torch.from_numpy(host_bytes(state_slice)).view(torch.float32)
                                             for name in self.state_init}) for _ in range(WRITE_SLOTS)])
         self.current: Checkpoint | None = None
         self.writer: CheckpointWriter | None = None
@@ -252,7 +254,7 @@ class OnDiskStore:
         """Window buffer ``i`` (0 or 1), allocated and touched on first use."""
         buffer = self.buffers[i]
         if buffer is None:
-            buffer = self.buffers[i] = host_bytes(max(window_span(w) for w in self.windows))
+            buffer = self.buffers[i] = host_bytes(self.widest)
         return buffer
 
     def _views(self, window: list[Chunk], buffer: np.ndarray) -> tuple[int, list[np.ndarray]]:
