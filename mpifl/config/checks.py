@@ -38,6 +38,7 @@ def check_combinations(cfg: Config) -> None:
     _check_ditto(cfg)
     _check_declared_vectors(cfg)
     _check_ranks_per_client(cfg)
+    _check_sharding(cfg)
     _check_per_round_placement(cfg)
     _check_feature_noise(cfg)
     for i, fault in enumerate(cfg.faults):
@@ -337,6 +338,42 @@ def _check_ranks_per_client(cfg: Config) -> None:
         raise ConfigError(f"train.trainer: {why}, each rank on its share of every batch, which the built-in "
                           f"'torch' and 'causal_lm' trainers do; {cfg.train.trainer!r} does not: set "
                           "clients.ranks_per_client=1")
+
+
+def _check_sharding(cfg: Config) -> None:
+    """``clients.sharding: fsdp``: what a sharded client group runs today (mpifl.roles.sharded). Each refusal names
+    its key; none of these is refused for a reason of principle, only because the sharded path does not carry it yet."""
+    if cfg.clients.sharding != "fsdp":
+        return
+    why = "clients.sharding: 'fsdp' shards each client's model over its group of ranks"
+    if cfg.clients.ranks_per_client == 1:
+        raise ConfigError(f"clients.ranks_per_client: {why}, and with 1 rank per client there is nothing to shard: "
+                          "set clients.ranks_per_client=2 or more, or clients.sharding='replicate'")
+    if cfg.model.name != "transformers":
+        raise ConfigError(f"model.name: {why}, building it on the meta device and initialising it module by module, "
+                          f"which it does for transformers models; {cfg.model.name!r} is small enough to replicate: "
+                          "set clients.sharding='replicate'")
+    state = cfg.client_state()
+    not_yet = [
+        ("model.init_from", cfg.model.init_from is None, "unset (each rank would read its rows of the checkpoint)"),
+        ("model.transformers.pretrained", not cfg.model.transformers.pretrained, "false"),
+        ("per-client state (SCAFFOLD, FedDyn, Ditto, model.local, error feedback, declared vectors)", state is None,
+         "none: strategy.name fedavg, fedprox, fednova, fedadam, ... without client state"),
+        ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync'"),
+        ("clients.groups", cfg.clients.groups == 0, "0"),
+        ("privacy.mode", cfg.privacy.mode == "off", "'off'"),
+        ("secagg.enabled", not cfg.secagg.enabled, "false"),
+        ("compression.method", cfg.compression.method == "none", "'none'"),
+        ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (updates travel in the model's dtype)"),
+        ("transport.dispatch_fanout", cfg.transport.dispatch_fanout == 0, "0"),
+        ("transport.reduce", cfg.transport.reduce == "direct", "'direct'"),
+        ("eval.federated_every", cfg.eval.federated_every == 0, "0"),
+        ("faults", not cfg.faults, "empty"),
+    ]
+    for key, fine, what in not_yet:
+        if not fine:
+            raise ConfigError(f"{key}: {why}, which does not carry it yet: it needs {what}, or "
+                              "clients.sharding='replicate'")
 
 
 def _check_per_round_placement(cfg: Config) -> None:

@@ -74,6 +74,11 @@ class ClientsConfig:
                                    "(gloo on CPUs, NCCL on GPUs) built once per run trains with DDP, each rank on its "
                                    "share of every batch; the rank count less the server must be a multiple of R. "
                                    "Results depend on R, never on the number of groups", min=1, max=1024)
+    sharding: str = field_("replicate", "how a group of clients.ranks_per_client ranks holds its client's model: "
+                           "replicate (DDP: every rank holds all of it) or fsdp (PyTorch's FSDP, fully_shard: each "
+                           "rank holds 1/R of the parameters, gradients and optimizer state, and its pieces of every "
+                           "chunk travel through the group's first rank, so no rank ever holds the whole model). fsdp "
+                           "builds transformers models only", choices=("replicate", "fsdp"))
 
     def per_round_count(self) -> int:
         """How many logical clients take part in each round."""

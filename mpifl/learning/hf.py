@@ -16,7 +16,8 @@ import difflib
 import inspect
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -133,9 +134,12 @@ def base_model(model: nn.Module) -> nn.Module:
     return wrapper.get_base_model() if hasattr(wrapper, "get_base_model") else model
 
 
-def initialize(model: nn.Module, seed: int) -> None:
+def initialize(model: nn.Module, seed: int,
+               around: Callable[[Sequence[nn.Module]], AbstractContextManager[None]] | None = None) -> None:
     """Seeded transformers initialisation, in place (into the flat buffer once bound); LoRA
-    adapters as peft initialises them (A Kaiming-uniform, B zero)."""
+    adapters as peft initialises them (A Kaiming-uniform, B zero). ``around(modules)``, where given, wraps the
+    initialisation of each module's own tensors (a sharded build makes them real only then:
+    ``mpifl.learning.sharding.seeded_rows``)."""
     base: Any = base_model(model)  # a transformers PreTrainedModel: its methods are not nn.Module's
     for name, module in model.named_modules():  # transformers marks what post_init initialised (on meta)
         module.__dict__.pop("_is_hf_initialized", None)
@@ -143,14 +147,37 @@ def initialize(model: nn.Module, seed: int) -> None:
             tensor.__dict__.pop("_is_hf_initialized", None)
         if ".lora_" in name:  # adapters are peft's to initialise: the base model's draws stay as without LoRA
             module._is_hf_initialized = True
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _each_module(around):
         torch.manual_seed(seed)
         base.initialize_weights()
         for module in model.modules():
             if hasattr(module, "reset_lora_parameters"):
                 layer: Any = module  # a peft LoRA layer (peft is optional, so not typed as one)
-                for adapter in layer.lora_A:
-                    layer.reset_lora_parameters(adapter, init_lora_weights=True)
+                adapters = [m for n, m in module.named_modules() if n.startswith("lora_")]  # not the base layer
+                with around(adapters) if around else contextlib.nullcontext():
+                    for adapter in layer.lora_A:
+                        layer.reset_lora_parameters(adapter, init_lora_weights=True)
+
+
+@contextlib.contextmanager
+def _each_module(around: Callable[[Sequence[nn.Module]], AbstractContextManager[None]] | None) -> Iterator[None]:
+    """Inside the block, transformers' initialisation of each module runs within ``around([module])``."""
+    if around is None:
+        yield
+        return
+    transformers = _transformers()
+    cls = transformers.PreTrainedModel
+    original = cls._initialize_weights
+
+    def wrapped(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        with around([module]):
+            original(self, module, *args, **kwargs)
+
+    cls._initialize_weights = wrapped  # the one method transformers calls per module (smart_apply)
+    try:
+        yield
+    finally:
+        cls._initialize_weights = original
 
 
 def saved_name(name: str) -> str:

@@ -34,6 +34,7 @@ from mpifl.roles.build_server import RunOutcome, open_checkpoint, serve_as_serve
 from mpifl.roles.data import local_data, shared_dataset, vocabulary_problem
 from mpifl.roles.group import split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
+from mpifl.roles.sharded import serve_sharded
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.rundir import RankNotes, ResumePoint
 from mpifl.units import format_bytes
@@ -143,7 +144,8 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
     building = time.monotonic()
     out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
-    if out_of_core:  # the out-of-core server never allocates the model
+    sharded = comm.Get_rank() != 0 and cfg.clients.sharding == "fsdp"  # built later, by its group, in shards
+    if out_of_core or sharded:  # the out-of-core server never allocates the model
         spec, flat = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **shape)[0], None
     else:
         flat = build_flat_model(cfg.model, cfg.seed, read_init=False, streams=model_streams(cfg.client_rule),
@@ -168,10 +170,15 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     if layout.ranks_per_client > 1:  # the server and the groups' leaders go on as if each group were one rank
         federation, group = split_world(comm, layout)
         if federation is None:
-            assert group is not None and flat is not None  # a group's other ranks are client ranks
+            assert group is not None  # a group's other ranks are client ranks
             local = local_data(cfg, dataset, layout.federation_rank(comm.Get_rank()), layout.groups(comm.Get_size()))
             del dataset  # like its leader, a member keeps only its group's clients' samples
-            serve_as_member(group, cfg, flat, local, notes)
+            if sharded:
+                serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False)
+                notes("finished")
+            else:
+                assert flat is not None  # built above for every rank but a sharded one and the out-of-core server
+                serve_as_member(group, cfg, flat, local, notes)
             return None
         comm = federation
     floor = _floor_probe(comm, cfg, plan)  # raw MPI: before the doorbells
@@ -180,7 +187,12 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     if comm.Get_rank() != 0:
         local = local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
-        assert flat is not None  # only rank 0's out-of-core server builds no model
+        if sharded:
+            assert group is not None  # the config checks: sharding needs clients.ranks_per_client > 1
+            serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None)
+            notes("finished")
+            return None
+        assert flat is not None  # only rank 0's out-of-core server and sharded ranks build no model here
         replica = rank_replica(cfg, flat)
         work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
         hosted = sorted(local) if not cfg.lends_client_state else \

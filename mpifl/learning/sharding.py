@@ -1,0 +1,219 @@
+"""One logical client's model sharded over the R ranks of its group (``clients.sharding: fsdp``), with PyTorch's FSDP.
+
+Each rank holds ``1/R`` of every parameter (its rows, ``mpifl.wire.shards.shard_rows``), of its gradient and of the
+optimizer's state; FSDP (``torch.distributed.fsdp.fully_shard``) gathers one unit's parameters for its forward and
+backward and reduce-scatters its gradients. Units: each block transformers names as not to be split
+(``_no_split_modules``: the decoder layers), the input and the output embeddings (the largest tensors of a language
+model: gathered alone, not with the rest of the root), then the root.
+
+No rank ever builds the whole model: it is built on the meta device and its seeded initialisation runs module by
+module (``seeded_rows``), each module's tensors made real only while it is initialised, so a rank holds its own rows
+plus one module's tensors at most. The draws are those of the unsharded build, in the same order, so a sharded
+client starts from bitwise the weights an unsharded one would (the frozen base model under LoRA, which never travels,
+included).
+
+Each rank trains on its share of every batch as under DDP (``mpifl.learning.parallel.share_of``): FSDP's
+reduce-scatter averages the shares' gradients, so a step is the whole batch's, up to floating-point rounding, and
+bitwise the same for a fixed R on any number of groups. This module never touches MPI (``mpifl.roles.sharded``
+moves the bytes).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import distributed as dist
+from torch import nn
+
+from mpifl.learning.parallel import backend_for, device_identity, use_group_batch_norm
+from mpifl.wire.shards import shard_rows
+
+
+def sharded_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP gathers as one unit, innermost first (the root is sharded last, by ``shard_model``): every
+    block of the classes transformers keeps whole (``_no_split_modules``), and the input and output embeddings
+    where they are not tied; for any other model, each direct child that holds parameters."""
+    from mpifl.learning.hf import base_model
+
+    base: Any = base_model(model)
+    keep_whole = set(getattr(base, "_no_split_modules", None) or ())
+    if not keep_whole:
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+    units = [m for m in model.modules() if type(m).__name__ in keep_whole]
+    inputs = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    outputs = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    tied = inputs is not None and outputs is not None and outputs.weight is inputs.weight
+    for embedding in (inputs, outputs):
+        if embedding is not None and not tied and not any(embedding is u for u in units):
+            units.append(embedding)
+    if tied:  # one tensor in two modules: both in the same unit, the root's
+        units = [u for u in units if u is not inputs and u is not outputs]
+    return units
+
+
+def shard_model(model: nn.Module, mesh: Any) -> None:
+    """Apply FSDP over ``mesh`` to each unit (``sharded_units``), then to the root, in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in sharded_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class MaterializedInit:
+    """Makes a meta-device module's parameters real while transformers initialises them, and keeps this rank's
+    rows of each once nothing will touch it again.
+
+    A module's initialisation may reach into its children (GPT-2 rescales every ``c_proj.weight`` from the
+    attention and MLP modules above them), so a parameter stays real until the module that ``holder`` names for it
+    is done: the FSDP unit it lies in (a decoder block, an embedding), else its module's parent. A rank therefore
+    holds its own rows plus one block's tensors at most. Tied weights stay real until every module that holds them
+    is done."""
+
+    def __init__(self, model: nn.Module, parts: int, index: int):
+        self.parts, self.index = parts, index
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        units = {id(u) for u in sharded_units(model)}
+        parents = {id(child): module for module in model.modules() for child in module.children()}
+        self.release: dict[int, set[int]] = {}
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    self.release.setdefault(id(p), set()).add(id(holder(module, parents, units)))
+        self.real: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, nn.Parameter]]]] = {}
+        self.done: set[int] = set()
+        self.rows: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def around(self, modules: Sequence[nn.Module]) -> Iterator[None]:
+        """The parameters of ``modules`` (their own: their children's are made real by their own turn) real inside
+        the block; afterwards, the rows of each parameter whose holders are all done are kept, and it goes back to
+        the meta device."""
+        for module in modules:
+            for key, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                real, holders = self.real.setdefault(id(p), (
+                    nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad), []))
+                module._parameters[key] = real
+                holders.append((module, key, p))
+        try:
+            yield
+        finally:
+            self.done.update(id(m) for m in modules)
+            for key in [k for k in self.real if self.release[k] <= self.done]:
+                real, holders = self.real.pop(key)
+                for module, name, meta in holders:
+                    module._parameters[name] = meta
+                full = real.detach()
+                first, last = shard_rows(full.shape[0], self.parts, self.index) if full.dim() else (0, 0)
+                self.rows[self.names[key]] = full[first:last].clone() if full.dim() else full.clone()
+
+    def untouched(self, model: nn.Module) -> list[str]:
+        """Parameters no module's initialisation made real (their rows would be garbage)."""
+        return [name for name, _ in model.named_parameters() if name not in self.rows]
+
+
+def holder(module: nn.Module, parents: dict[int, nn.Module], units: set[int]) -> nn.Module:
+    """The module after whose initialisation ``module``'s own parameters are final: the nearest FSDP unit at or
+    above it, else its parent (the root for itself)."""
+    above: nn.Module | None = module
+    while above is not None:
+        if id(above) in units:
+            return above
+        above = parents.get(id(above))
+    return parents.get(id(module), module)
+
+
+def seeded_rows(model: nn.Module, seed: int, parts: int, index: int) -> dict[str, torch.Tensor]:
+    """Rank ``index``'s rows of every parameter of a meta-device transformers model, as ``hf.initialize(model,
+    seed)`` would draw them for the whole model: the same draws in the same order, one module's tensors real at a
+    time."""
+    from mpifl.learning.hf import initialize
+
+    init = MaterializedInit(model, parts, index)
+    initialize(model, seed, around=init.around)
+    missing = init.untouched(model)
+    if missing:
+        raise RuntimeError(f"the sharded build's initialisation left {len(missing)} parameters uninitialised, first "
+                           f"{missing[0]!r}: this model initialises a tensor from outside its own module")
+    return init.rows
+
+
+def local_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own rows of a parameter (its FSDP shard, without padding), or the whole of a plain tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+class ShardedParallel:
+    """The trainers' view of a sharded group (``TorchTrainer.parallel``, ``CausalLMTrainer.parallel``): this rank's
+    share of each batch, the group's sums, and a model that FSDP already wraps (``wrap`` returns it as it is)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.setup_seconds = 0.0
+        self.backend: str | None = None
+        self.device = torch.device("cpu")
+        self.mesh: Any = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the process group exists."""
+        return dist.is_available() and dist.is_initialized()
+
+    def start(self, store: dist.Store, device: torch.device, timeout_s: float) -> None:
+        """Join the group's process group and its device mesh (every rank of the group, together, once)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        began = time.perf_counter()
+        store.set(f"device/{self.rank}", device_identity(device))
+        identities = [store.get(f"device/{rank}").decode() for rank in range(self.size)]
+        self.backend = backend_for(identities)
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.mesh = init_device_mesh(self.device.type, (self.size,))
+        self.setup_seconds += time.perf_counter() - began
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """The module as FSDP already shards it; its BatchNorm layers normalize over the group's whole batch."""
+        use_group_batch_norm(module)
+        return module
+
+    def total(self, values: Sequence[float]) -> list[float]:
+        """Each value summed over the group (one small all-reduce)."""
+        summed = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.tolist()
+
+    def close(self) -> None:
+        """Leave the process group (see ``DataParallel.close`` for why while the interpreter is whole)."""
+        gc.collect()
+        if self.ready:
+            dist.destroy_process_group()
+
+
+def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device: torch.device) -> nn.Module:
+    """Shard ``model``, built on the meta device (buffers real), over the group in place, with this rank's rows of
+    the seeded initialisation (``seeded_rows``) on ``device``."""
+    rows = seeded_rows(model, seed, parallel.size, parallel.rank)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    shard_model(model, parallel.mesh)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():  # to_empty leaves buffers uninitialised: the built values back
+            if name in buffers:
+                b.copy_(buffers[name])
+        for name, p in model.named_parameters():
+            local = local_rows(p.data)
+            if tuple(local.shape) != tuple(rows[name].shape):
+                raise RuntimeError(f"FSDP gave rank {parallel.rank} rows of shape {tuple(local.shape)} of {name!r}, "
+                                   f"the layout expects {tuple(rows[name].shape)} (torch.chunk's split)")
+            local.copy_(rows.pop(name))
+    return model
