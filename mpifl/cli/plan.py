@@ -18,11 +18,14 @@ from mpifl.planning.memory import (
     CUDA_HOST_BYTES,
     CUDA_WORKSPACE_BYTES,
     DataBytes,
+    DecoderShape,
     MemoryEstimate,
     ModelBytes,
     client_state_elements,
     client_state_plan,
+    decoder_activation_bytes,
     journaled_elements,
+    largest_fsdp_unit,
     loaned_vectors,
     memory_estimate,
     state_rule_bytes,
@@ -67,8 +70,26 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
     trained += [e.nbytes for e in frozen.entries if is_local(e.name, local)]
     parameters = sum(e.nbytes // itemsize(e.dtype) for e in exchanged.entries if not e.statistic
                      and not e.name.startswith(CONTROL + ".") and e.dtype.startswith(("float", "bfloat")))
+    unit = largest_fsdp_unit((e.name, e.nbytes) for e in (*exchanged.entries, *frozen.entries))
     return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0),
-                      parameters)
+                      parameters, largest_unit=unit)
+
+
+def activation_bytes(cfg: Config) -> int:
+    """One micro-batch's activations on a client rank (``planning.memory.decoder_activation_bytes``) for a
+    transformers decoder trained by the causal_lm trainer on blocks of ``data.kwargs.seq_len`` tokens, each rank of a
+    group on its share of the batch; 0 (not estimated) for anything else."""
+    seq = cfg.data.kwargs.get("seq_len")
+    if cfg.model.name != "transformers" or cfg.train.trainer != "causal_lm" or not isinstance(seq, int):
+        return 0
+    from mpifl.learning.hf import transformers_config
+
+    config = transformers_config(cfg.model)
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    shape = DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size)
+    batch = -(-cfg.train.batch_size // cfg.clients.ranks_per_client)
+    return decoder_activation_bytes(shape, batch, seq, itemsize(cfg.model.dtype), cfg.train.gradient_checkpointing)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:
@@ -83,7 +104,7 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
     from mpifl.aggregation.strategies import make_strategy
 
     (exchanged, frozen), data = model_and_data(cfg)
-    size = size_of(exchanged, frozen, cfg.model.local)
+    size = dataclasses.replace(size_of(exchanged, frozen, cfg.model.local), activations=activation_bytes(cfg))
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
@@ -160,10 +181,20 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}]")
     gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
     training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
-    print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
-          f"{training if cfg.train.trainer != 'none' else ''}"
-          f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
-    if plan.client_device_bytes:
+    if cfg.clients.sharding == "fsdp":
+        what = sharded_what(cfg, size, bool(plan.client_device_bytes))
+        print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [{what}"
+              f"{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
+    else:
+        print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
+              f"{training if cfg.train.trainer != 'none' else ''}"
+              f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
+    if plan.client_device_bytes and cfg.clients.sharding == "fsdp":
+        acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
+        print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [1/{per_client} of the model, "
+              f"gradients and optimizer; the largest FSDP unit gathered ({format_bytes(size.largest_unit)}, with its "
+              f"gradients); {acts}; cuBLAS workspaces {format_bytes(CUDA_WORKSPACE_BYTES)}]")
+    elif plan.client_device_bytes:
         rule = state_rule_bytes(cfg, size)
         rule_text = f" + the training client's state {format_bytes(rule)}" if rule else ""
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy"
@@ -174,10 +205,17 @@ def plan_main(args: argparse.Namespace) -> int:
     if plan.server_device_bytes:
         print(f"  GPU of rank 0 (server): ~{format_bytes(plan.server_device_bytes)}  [the model, for evaluation "
               "(eval.device); activations not included]")
-    if per_client > 1:
+    if per_client > 1 and cfg.clients.sharding == "fsdp":
+        print(f"  clients.ranks_per_client={per_client}, clients.sharding=fsdp: {ranks // per_client} groups of "
+              f"{per_client} ranks, each rank holding 1/{per_client} of its client's model; ranks 1, "
+              f"{1 + per_client}, ... lead and exchange with rank 0, a chunk at a time")
+    elif per_client > 1:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
               "and exchange with rank 0")
+    fit = sharded_fit(cfg, size, args, gpus)
+    if fit:
+        print(fit)
     _print_client_state(cfg, size, ranks)
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
@@ -197,6 +235,47 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
+
+
+def sharded_what(cfg: Config, size: ModelBytes, on_gpu: bool) -> str:
+    """What a sharded rank's figure holds, for its line of ``mpifl plan``."""
+    parts = cfg.clients.ranks_per_client
+    if on_gpu:
+        return (f"1/{parts} of the global model, kept to form the update, the chunk ring and the CUDA libraries; the "
+                "shards themselves on the GPU (below)")
+    if cfg.train.trainer == "none":
+        return f"1/{parts} of the model and of the global model, the chunk ring"
+    acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
+    return (f"1/{parts} of the model, the global model, gradients and optimizer; the largest FSDP unit gathered "
+            f"({format_bytes(size.largest_unit)}, with its gradients); {acts}; the chunk ring")
+
+
+def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int) -> str | None:
+    """For a sharded config and a given GPU (or node) memory: the fewest ranks per client whose share fits in 90% of
+    it, and the nodes that makes per client. None without sharding or without a memory size to fit."""
+    from mpifl.planning.memory import client_device_bytes, sharded_client_bytes, trains_on_gpu
+
+    if cfg.clients.sharding != "fsdp":
+        return None
+    on_gpu = trains_on_gpu(cfg, gpus)
+    per_rank_gb = args.gpu_memory_gb if on_gpu else (
+        args.node_memory_gb / max(1, args.ranks_per_node) if args.node_memory_gb else None)
+    if not per_rank_gb:
+        return None
+    what = f"{args.gpu_memory_gb:g} GiB GPU" if on_gpu else f"{per_rank_gb:.1f} GiB of node memory per rank"
+    per_node = gpus if on_gpu and gpus else max(1, args.ranks_per_node)
+    parts = 1
+    while parts <= 4096:
+        shaped = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, ranks_per_client=parts))
+        sized = dataclasses.replace(size, activations=activation_bytes(shaped))
+        need = client_device_bytes(shaped, sized) if on_gpu else sharded_client_bytes(shaped, sized)
+        if need <= 0.9 * per_rank_gb * GIB:
+            nodes = -(-parts // per_node)
+            return (f"  fit: a client needs clients.ranks_per_client >= {parts} to fit a {what} (~{need / GIB:.2f} GiB "
+                    f"per rank, within 90%): {nodes} node{'s' if nodes > 1 else ''} of {per_node} "
+                    f"{'GPUs' if on_gpu else 'ranks'} per client")
+        parts *= 2
+    return f"  fit: no clients.ranks_per_client up to 4096 fits a {what}"
 
 
 def groups_hint(cfg: Config, ranks: int) -> str | None:

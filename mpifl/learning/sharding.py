@@ -66,14 +66,14 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
 
 
 class MaterializedInit:
-    """Makes a meta-device module's parameters real while transformers initialises them, and keeps this rank's
-    rows of each once nothing will touch it again.
+    """Makes a sharded module's parameters whole and real while transformers initialises them, and copies this rank's
+    rows of each into its shard once nothing will touch it again.
 
     A module's initialisation may reach into its children (GPT-2 rescales every ``c_proj.weight`` from the
-    attention and MLP modules above them), so a parameter stays real until the module that ``holder`` names for it
+    attention and MLP modules above them), so a parameter stays whole until the module that ``holder`` names for it
     is done: the FSDP unit it lies in (a decoder block, an embedding), else its module's parent. A rank therefore
-    holds its own rows plus one block's tensors at most. Tied weights stay real until every module that holds them
-    is done."""
+    holds its shards plus one block's whole tensors at most. Tied weights stay whole until every module that holds
+    them is done."""
 
     def __init__(self, model: nn.Module, parts: int, index: int):
         self.parts, self.index = parts, index
@@ -85,38 +85,40 @@ class MaterializedInit:
             for p in module._parameters.values():
                 if p is not None:
                     self.release.setdefault(id(p), set()).add(id(holder(module, parents, units)))
-        self.real: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, nn.Parameter]]]] = {}
+        self.whole: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, nn.Parameter]]]] = {}
         self.done: set[int] = set()
-        self.rows: dict[str, torch.Tensor] = {}
+        self.written: set[str] = set()
 
     @contextlib.contextmanager
     def around(self, modules: Sequence[nn.Module]) -> Iterator[None]:
-        """The parameters of ``modules`` (their own: their children's are made real by their own turn) real inside
-        the block; afterwards, the rows of each parameter whose holders are all done are kept, and it goes back to
-        the meta device."""
+        """The parameters of ``modules`` (their own: their children's are made whole in their own turn) whole inside
+        the block; afterwards, each parameter whose holders are all done gets this rank's rows of it, and its shard
+        back in its modules."""
         for module in modules:
             for key, p in list(module._parameters.items()):
-                if p is None or not p.is_meta:
+                if p is None or id(p) not in self.release:
                     continue
-                real, holders = self.real.setdefault(id(p), (
+                whole, holders = self.whole.setdefault(id(p), (
                     nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad), []))
-                module._parameters[key] = real
+                module._parameters[key] = whole
                 holders.append((module, key, p))
         try:
             yield
         finally:
             self.done.update(id(m) for m in modules)
-            for key in [k for k in self.real if self.release[k] <= self.done]:
-                real, holders = self.real.pop(key)
-                for module, name, meta in holders:
-                    module._parameters[name] = meta
-                full = real.detach()
+            for key in [k for k in self.whole if self.release[k] <= self.done]:
+                whole, holders = self.whole.pop(key)
+                for module, name, shard in holders:
+                    module._parameters[name] = shard
+                full, local = whole.detach(), local_rows(holders[0][2].data)
                 first, last = shard_rows(full.shape[0], self.parts, self.index) if full.dim() else (0, 0)
-                self.rows[self.names[key]] = full[first:last].clone() if full.dim() else full.clone()
+                with torch.no_grad():
+                    local.copy_(full[first:last] if full.dim() else full)
+                self.written.add(self.names[key])
 
     def untouched(self, model: nn.Module) -> list[str]:
-        """Parameters no module's initialisation made real (their rows would be garbage)."""
-        return [name for name, _ in model.named_parameters() if name not in self.rows]
+        """Parameters no module's initialisation made whole (their shards would hold garbage)."""
+        return [name for name, _ in model.named_parameters() if name not in self.written]
 
 
 def holder(module: nn.Module, parents: dict[int, nn.Module], units: set[int]) -> nn.Module:
@@ -130,10 +132,10 @@ def holder(module: nn.Module, parents: dict[int, nn.Module], units: set[int]) ->
     return parents.get(id(module), module)
 
 
-def seeded_rows(model: nn.Module, seed: int, parts: int, index: int) -> dict[str, torch.Tensor]:
-    """Rank ``index``'s rows of every parameter of a meta-device transformers model, as ``hf.initialize(model,
-    seed)`` would draw them for the whole model: the same draws in the same order, one module's tensors real at a
-    time."""
+def seeded_shards(model: nn.Module, seed: int, parts: int, index: int) -> None:
+    """Write rank ``index``'s rows of every parameter of a sharded transformers model into its shards, as
+    ``hf.initialize(model, seed)`` would draw them for the whole, unsharded model: the same draws in the same order,
+    one block's tensors whole at a time."""
     from mpifl.learning.hf import initialize
 
     init = MaterializedInit(model, parts, index)
@@ -142,7 +144,6 @@ def seeded_rows(model: nn.Module, seed: int, parts: int, index: int) -> dict[str
     if missing:
         raise RuntimeError(f"the sharded build's initialisation left {len(missing)} parameters uninitialised, first "
                            f"{missing[0]!r}: this model initialises a tensor from outside its own module")
-    return init.rows
 
 
 def local_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,9 +201,8 @@ class ShardedParallel:
 
 
 def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device: torch.device) -> nn.Module:
-    """Shard ``model``, built on the meta device (buffers real), over the group in place, with this rank's rows of
-    the seeded initialisation (``seeded_rows``) on ``device``."""
-    rows = seeded_rows(model, seed, parallel.size, parallel.rank)
+    """Shard ``model``, built on the meta device (buffers real), over the group in place, on ``device``, with this
+    rank's rows of the seeded initialisation (``seeded_shards``)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     shard_model(model, parallel.mesh)
     model.to_empty(device=device)
@@ -210,10 +210,12 @@ def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device
         for name, b in model.named_buffers():  # to_empty leaves buffers uninitialised: the built values back
             if name in buffers:
                 b.copy_(buffers[name])
-        for name, p in model.named_parameters():
-            local = local_rows(p.data)
-            if tuple(local.shape) != tuple(rows[name].shape):
-                raise RuntimeError(f"FSDP gave rank {parallel.rank} rows of shape {tuple(local.shape)} of {name!r}, "
-                                   f"the layout expects {tuple(rows[name].shape)} (torch.chunk's split)")
-            local.copy_(rows.pop(name))
+    for name, p in model.named_parameters():
+        expected = tuple(p.shape)
+        first, last = shard_rows(expected[0], parallel.size, parallel.rank) if expected else (0, 0)
+        local = tuple(local_rows(p.data).shape)
+        if expected and local != (last - first, *expected[1:]):
+            raise RuntimeError(f"FSDP gave rank {parallel.rank} rows of shape {local} of {name!r}, the layout "
+                               f"expects {(last - first, *expected[1:])} (torch.chunk's split)")
+    seeded_shards(model, seed, parallel.size, parallel.rank)
     return model

@@ -9,6 +9,7 @@ Activations are not included.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,8 @@ class ModelBytes:
     local: int = 0  # bytes of the model.local tensors, part of ``frozen`` (they never travel)
     largest: int = 0  # bytes of the largest tensor that trains (0: unknown, count every gradient)
     trainable: int = 0  # elements of the parameters that travel: FedDyn's g_i (0: unknown, count all exchanged)
+    largest_unit: int = 0  # bytes of the largest group of tensors FSDP gathers at once (fsdp_units; 0: unknown)
+    activations: int = 0  # bytes of one micro-batch's activations on one rank (0: not estimated)
 
     @property
     def total(self) -> int:
@@ -186,15 +189,93 @@ def training_state_bytes(cfg: Config, size: ModelBytes) -> int:
     # its parameter stepped)
     gradients = size.largest if cfg.steps_inside_backward() and size.largest else trained
     state = gradients + (8 * elements if masters else 0) + states * (4 * elements if masters else trained)
-    if cfg.clients.ranks_per_client > 1:
+    if cfg.clients.ranks_per_client > 1 and cfg.clients.sharding == "replicate":
         state += trained  # DDP's gradient buckets (clients.ranks_per_client)
     return state
+
+
+def fsdp_unit(name: str) -> str:
+    """The FSDP unit a tensor lies in, as ``mpifl.learning.sharding.sharded_units`` forms them: a numbered block (the
+    name up to its first numeric part: ``model.layers.3``), else its own module (the embeddings, the head, a norm)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1])
+
+
+def largest_fsdp_unit(tensors: Iterable[tuple[str, int]]) -> int:
+    """Bytes of the largest FSDP unit among (name, bytes) tensors: what a sharded rank gathers whole at once."""
+    units: dict[str, int] = {}
+    for name, nbytes in tensors:
+        units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + nbytes
+    return max(units.values(), default=0)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a transformer decoder's activations scale with (from its transformers config)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+
+
+def decoder_activation_bytes(shape: DecoderShape, batch: int, seq: int, width: int, checkpointing: bool) -> int:
+    """One micro-batch's activations held for backward on one rank, after Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models", sec. 4.1), counted for a pre-norm decoder as PyTorch
+    keeps it: per layer about 10 hidden-wide and 4 intermediate-wide tensors of batch x seq (norms, projections,
+    rotary copies, the MLP's gate, up and product) and, where attention is not fused, the score and softmax
+    matrices (2 x heads x seq x seq); the logits, in the model's dtype, their fp32 copy for the loss and its
+    gradient. With gradient checkpointing a layer keeps only its input, and one layer is recomputed at a time."""
+    tokens = batch * seq
+    layer = tokens * (10 * shape.hidden + 4 * shape.intermediate) * width + 2 * batch * shape.heads * seq * seq * width
+    logits = tokens * shape.vocab * (width + 4 + 4)
+    if checkpointing:
+        return shape.layers * tokens * shape.hidden * width + layer + logits
+    return shape.layers * layer + logits
+
+
+def share(nbytes: int, parts: int) -> int:
+    """A rank's share of ``nbytes`` split over ``parts`` ranks (rounded up)."""
+    return -(-nbytes // parts)
+
+
+def sharded_training_bytes(cfg: Config, size: ModelBytes, parts: int) -> int:
+    """What a rank of a sharded group (``clients.sharding: fsdp``) trains with, where it trains: its 1/R of the
+    model, of the gradients and of the optimizer state; the largest FSDP unit gathered whole (its parameters, and in
+    backward their unsharded gradients beside them); one micro-batch's activations on its share of the batch
+    (``size.activations``, which the caller works out for the same R)."""
+    held = share(size.total, parts)
+    if cfg.train.trainer == "none":
+        return held
+    return held + share(training_state_bytes(cfg, size), parts) + 2 * size.largest_unit + size.activations
+
+
+def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False) -> int:
+    """A rank of a sharded client group (mpifl.roles.sharded), in host memory: what it trains with
+    (``sharded_training_bytes``) unless that lives on its GPU (the CUDA libraries instead), the round's global rows
+    of its 1/R, and the chunk ring with the leader's gathered chunk."""
+    parts = cfg.clients.ranks_per_client
+    client = imports_bytes(cfg) + share(size.exchanged, parts)
+    if on_gpu:
+        client += CUDA_HOST_BYTES + share(size.total, parts)  # the shards are built on the host, then moved
+    else:
+        client += sharded_training_bytes(cfg, size, parts)
+    if cfg.train.trainer != "none":
+        client += TRAINING_RUNTIME_BYTES
+    return client + (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes
 
 
 def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
     """GPU memory of a client rank that trains on a GPU (mpifl.learning.device.DeviceReplica): the replica, the
     round's global model kept to reset it, the training state, what per-client state's rules hold while a client
-    trains, a group's fp32 sum, cuBLAS's workspaces; not the activations, nor cuDNN's workspace."""
+    trains, a group's fp32 sum, cuBLAS's workspaces; not the activations, nor cuDNN's workspace. A rank of a sharded
+    group: its share (``sharded_training_bytes``, activations included) and cuBLAS's workspaces."""
+    if cfg.clients.sharding == "fsdp":
+        return sharded_training_bytes(cfg, size, cfg.clients.ranks_per_client) + CUDA_WORKSPACE_BYTES
     elements = size.exchanged // itemsize(cfg.model.dtype)
     group_sum = 4 * elements if cfg.clients.groups else 0
     return (size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES
@@ -230,6 +311,8 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     """A client rank (any rank of a group, clients.ranks_per_client; ``client_ranks`` counts the groups): the
     model, its training state, the wire buffer, a group's sum, residuals in RAM. ``on_gpu``: the training state
     lives on the GPU (client_device_bytes) and the host maps the CUDA libraries instead."""
+    if cfg.clients.sharding == "fsdp":
+        return sharded_client_bytes(cfg, size, on_gpu)
     nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
     elements = nbytes // width
     client = imports_bytes(cfg) + size.total
