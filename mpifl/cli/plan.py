@@ -179,6 +179,34 @@ def plan_main(args: argparse.Namespace) -> int:
                                           if cfg.data.feature_noise else "")
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}]")
+    _print_clients(cfg, size, plan, ranks)
+    fit = sharded_fit(cfg, size, args, gpus)
+    if fit:
+        print(fit)
+    _print_client_state(cfg, size, ranks)
+    if plan.node_data_bytes:
+        print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
+              "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "
+              "reads the data")
+    print(f"  fullest node at {args.ranks_per_node} ranks per node"
+          f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
+    print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
+    for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone),
+                    gpu_warning(cfg, plan, args.gpu_memory_gb, ranks_per_gpu(args.ranks_per_node, gpus, ranks),
+                                clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone))):
+        if warning:
+            print(warning)
+    hint = groups_hint(cfg, ranks)
+    if hint:
+        print(hint)
+    if args.time:
+        print_time_model(cfg, size.exchanged, load_rates(args.rates))
+    return 0
+
+
+def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: int) -> None:
+    """``mpifl plan``'s lines on the client ranks: host memory, GPU memory, and how a group of ranks holds a client."""
+    per_client = cfg.clients.ranks_per_client
     gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
     training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
     if cfg.clients.sharding == "fsdp":
@@ -213,28 +241,6 @@ def plan_main(args: argparse.Namespace) -> int:
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
               "and exchange with rank 0")
-    fit = sharded_fit(cfg, size, args, gpus)
-    if fit:
-        print(fit)
-    _print_client_state(cfg, size, ranks)
-    if plan.node_data_bytes:
-        print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
-              "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "
-              "reads the data")
-    print(f"  fullest node at {args.ranks_per_node} ranks per node"
-          f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
-    print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
-    for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone),
-                    gpu_warning(cfg, plan, args.gpu_memory_gb, ranks_per_gpu(args.ranks_per_node, gpus, ranks),
-                                clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone))):
-        if warning:
-            print(warning)
-    hint = groups_hint(cfg, ranks)
-    if hint:
-        print(hint)
-    if args.time:
-        print_time_model(cfg, size.exchanged, load_rates(args.rates))
-    return 0
 
 
 def sharded_what(cfg: Config, size: ModelBytes, on_gpu: bool) -> str:
