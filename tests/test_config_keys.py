@@ -19,6 +19,7 @@ KEYS = (
     "clients.per_round",
     "clients.placement",
     "clients.ranks_per_client",
+    "clients.sharding",
     "clock.alpha",
     "clock.availability",
     "clock.availability_trace",

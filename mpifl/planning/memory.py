@@ -223,16 +223,24 @@ class DecoderShape:
     vocab: int
 
 
+# Bytes a decoder keeps for backward, per element of what it scales with (``decoder_activation_bytes``), measured on
+# CPU with transformers 5.24's default attention (torch's scaled_dot_product_attention), fp32, AdamW, one dimension
+# varied at a time (batch, layers, vocabulary, sequence length; profiling/sharded_client.py checks the sum): per token
+# and layer about 4 hidden-wide and 2.5 intermediate-wide values (the norms' and projections' inputs, the MLP's gate
+# and up: 11 KiB a token-layer at 256 wide); per score of the attention matrix (heads x seq x seq per sample and
+# layer) about 2 values; per logit the model's own value and 6 bytes more (10.2 bytes a logit in fp32: its fp32 copy
+# for the loss and that copy's gradient, partly reusing freed memory).
+HIDDEN_VALUES, INTERMEDIATE_VALUES, SCORE_VALUES, LOGIT_EXTRA_BYTES = 4.0, 2.5, 2.0, 6
 def decoder_activation_bytes(shape: DecoderShape, batch: int, seq: int, width: int, checkpointing: bool) -> int:
-    """One micro-batch's activations held for backward on one rank, after Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation in Large Transformer Models", sec. 4.1), counted for a pre-norm decoder as PyTorch
-    keeps it: per layer about 10 hidden-wide and 4 intermediate-wide tensors of batch x seq (norms, projections,
-    rotary copies, the MLP's gate, up and product) and, where attention is not fused, the score and softmax
-    matrices (2 x heads x seq x seq); the logits, in the model's dtype, their fp32 copy for the loss and its
-    gradient. With gradient checkpointing a layer keeps only its input, and one layer is recomputed at a time."""
+    """One micro-batch's activations held for backward on one rank: per layer the hidden- and intermediate-wide
+    values of every token and the attention scores, then the logits (the constants above, after the accounting
+    of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.1). With
+    gradient checkpointing a layer keeps only its input, and one layer is recomputed at a time. Fused attention
+    kernels (flash attention on GPUs) keep no score matrix, so there it overestimates."""
     tokens = batch * seq
-    layer = tokens * (10 * shape.hidden + 4 * shape.intermediate) * width + 2 * batch * shape.heads * seq * seq * width
-    logits = tokens * shape.vocab * (width + 4 + 4)
+    layer = int(tokens * (HIDDEN_VALUES * shape.hidden + INTERMEDIATE_VALUES * shape.intermediate) * width
+                + SCORE_VALUES * batch * shape.heads * seq * seq * width)
+    logits = tokens * shape.vocab * (width + LOGIT_EXTRA_BYTES)
     if checkpointing:
         return shape.layers * tokens * shape.hidden * width + layer + logits
     return shape.layers * layer + logits
@@ -256,12 +264,13 @@ def sharded_training_bytes(cfg: Config, size: ModelBytes, parts: int) -> int:
 
 def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False) -> int:
     """A rank of a sharded client group (mpifl.roles.sharded), in host memory: what it trains with
-    (``sharded_training_bytes``) unless that lives on its GPU (the CUDA libraries instead), the round's global rows
-    of its 1/R, and the chunk ring with the leader's gathered chunk."""
+    (``sharded_training_bytes``) unless that lives on its GPU (then the CUDA libraries, and the block its
+    initialisation makes whole), the round's global rows of its 1/R, and the chunk ring with the leader's gathered
+    chunk."""
     parts = cfg.clients.ranks_per_client
     client = imports_bytes(cfg) + share(size.exchanged, parts)
-    if on_gpu:
-        client += CUDA_HOST_BYTES + share(size.total, parts)  # the shards are built on the host, then moved
+    if on_gpu:  # the shards are initialised on the GPU from one block made whole on the host at a time
+        client += CUDA_HOST_BYTES + size.largest_unit
     else:
         client += sharded_training_bytes(cfg, size, parts)
     if cfg.train.trainer != "none":

@@ -58,7 +58,7 @@ from mpifl.units import format_bytes
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, build_spec, split_tensors
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.memory import host_bytes
+from mpifl.wire.memory import host_bytes, return_freed_memory
 from mpifl.wire.shards import OwnedSpan, owned_spans, pieces_by_chunk
 from mpifl.wire.spec import ModelSpec
 from mpifl.wire.transport import ProgressReporter, recv_object, send_chunks, send_object, wait, wake
@@ -395,6 +395,7 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
     """Every rank of a sharded group (the leader with the ``federation``): join the group's process group, build
     this rank's shard of the model, then serve the rounds (the leader) or follow the leader (the others)."""
     rank, size = group_comm.Get_rank(), group_comm.Get_size()
+    return_freed_memory()  # memory before speed: what sharding is for (mpifl.wire.memory says why)
     timeout = startup_limit([], spec.total_bytes)
     parallel = ShardedParallel(rank, size)
     device = resolve_device(cfg.train.device)
