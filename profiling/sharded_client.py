@@ -97,7 +97,8 @@ def run(config: Path, overrides: list[str], ranks: int, run_dir: str, bin_dir: s
                 peaks[rank] = max(peaks.get(rank, 0), kib * 1024)
         time.sleep(0.1)
     if job.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({job.returncode}):\n{job.stderr.read()[-3000:] if job.stderr else ''}")
+        tail = job.stderr.read()[-3000:] if job.stderr else ""
+        raise SystemExit(f"{' '.join(cmd)} failed ({job.returncode}):\n{tail}")
     return peaks
 
 

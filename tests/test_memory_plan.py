@@ -338,3 +338,47 @@ def test_a_chain_rank_with_k_groups_holds_k_group_sums_until_the_chain_passes():
     # 8 groups on 2 client ranks: 4 each, 3 fp32 sums (4 bytes per element) beside the group sum's own
     assert client_bytes(chain(8), size, 2) - client_bytes(chain(2), size, 2) == 3 * 100 * MIB
     assert client_bytes(chain(5), size, 2) - client_bytes(chain(2), size, 2) == 2 * 100 * MIB  # at most 3 a rank
+
+
+def test_an_fsdp_unit_is_a_numbered_block_or_a_module_of_its_own():
+    from mpifl.planning.memory import fsdp_unit, largest_fsdp_unit
+
+    assert fsdp_unit("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
+    assert fsdp_unit("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight") == \
+        "base_model.model.model.layers.0"
+    assert fsdp_unit("lm_head.weight") == "lm_head" and fsdp_unit("model.embed_tokens.weight") == "model.embed_tokens"
+    assert largest_fsdp_unit([("model.layers.0.a.weight", 5), ("model.layers.0.b.weight", 7),
+                              ("model.layers.1.a.weight", 6), ("lm_head.weight", 11)]) == 12
+
+
+def test_a_sharded_rank_holds_one_rth_of_what_scales_with_the_model_plus_what_does_not():
+    """Without a gathered unit or activations, R ranks hold fixed + (model + global rows + training state) / R each."""
+    from mpifl.planning.memory import ModelBytes, sharded_client_bytes, training_state_bytes
+
+    size = ModelBytes(exchanged=4 * 2**30, frozen=0, parameters=2**30, largest=2**28, trainable=2**30)
+    cfg = {r: load_config(None, ["train.optimizer=adamw", f"clients.ranks_per_client={r}", "clients.sharding=fsdp",
+                                 "model.name=transformers", "train.trainer=causal_lm", "data.dataset=text",
+                                 "model.transformers.architecture=llama"]) for r in (2, 4)}
+    scaled = 2 * size.exchanged + training_state_bytes(cfg[2], size)
+    assert sharded_client_bytes(cfg[2], size) - sharded_client_bytes(cfg[4], size) == scaled // 2 - scaled // 4
+
+
+def test_activations_scale_with_the_batch_share_and_checkpointing_keeps_one_layer():
+    from mpifl.planning.memory import DecoderShape, decoder_activation_bytes
+
+    shape = DecoderShape(hidden=1024, intermediate=2816, layers=8, heads=16, vocab=32000)
+    full = decoder_activation_bytes(shape, batch=8, seq=128, width=4, checkpointing=False)
+    assert decoder_activation_bytes(shape, batch=4, seq=128, width=4, checkpointing=False) * 2 == full
+    layers_only = DecoderShape(hidden=1024, intermediate=2816, layers=8, heads=16, vocab=0)  # no logits
+    kept = decoder_activation_bytes(layers_only, batch=8, seq=128, width=4, checkpointing=True)
+    assert kept < decoder_activation_bytes(layers_only, batch=8, seq=128, width=4, checkpointing=False) / 4
+
+
+def test_plan_says_how_many_polaris_nodes_a_sharded_70b_lora_client_needs():
+    from conftest import mpifl_here
+
+    result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", "--ranks-per-node", "4", "--gpus-per-node", "4",
+                        "--gpu-memory-gb", "40")
+    assert result.returncode == 0, result.stderr
+    assert "clients.ranks_per_client >= 8 to fit a 40 GiB GPU" in result.stdout
+    assert "2 nodes of 4 GPUs per client" in result.stdout

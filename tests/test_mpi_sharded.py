@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
 from results import assert_bitwise, final_model
 
@@ -21,7 +22,7 @@ LLAMA = """
 seed: 5
 rounds: 2
 clients: {num_clients: 4, ranks_per_client: 2, sharding: fsdp}
-data: {dataset: text, kwargs: {vocab_size: 384, seq_len: 32, test_fraction: 0.05}}
+data: {dataset: text, kwargs: {files: [CORPUS], vocab_size: 300, seq_len: 32, test_fraction: 0.05}}
 model:
   name: transformers
   dtype: float32
@@ -29,7 +30,7 @@ model:
     architecture: llama
     config: {num_hidden_layers: 2, hidden_size: 64, intermediate_size: 96, num_attention_heads: 4,
              num_key_value_heads: 2, vocab_size: 384, max_position_embeddings: 64, tie_word_embeddings: false}
-train: {trainer: causal_lm, optimizer: adamw, lr: 0.002, batch_size: 6, local_steps: 2, max_grad_norm: 1.0}
+train: {trainer: causal_lm, optimizer: adamw, lr: 0.002, batch_size: 6, local_steps: 2}
 eval: {every: 0}
 output: {progress: false}
 """
@@ -38,10 +39,19 @@ GPT2 = {"model.transformers.architecture": "gpt2",
 LORA = ("model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]",
         "model.exchange=trainable", "model.dtype=bfloat16")
 TOLERANCE = 1e-3  # relative L2 of a sharded run's model to one rank per client's
+TEXT = "".join(f"def f{i}(a, b):\n    \"\"\"Return {i} times the sum of a and b.\"\"\"\n    return {i} * (a + b)\n"
+               for i in range(300))  # a small corpus: the tokenizer trains in a moment
+
+
+def config(folder: Path) -> Path:
+    """The test's config, with its corpus written beside it."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text(TEXT)
+    return write_config(folder / "c.yaml", LLAMA.replace("CORPUS", str(corpus)))
 
 
 def run(tmp_path: Path, name: str, ranks: int, *overrides: str) -> Path:
-    cfg = write_config(tmp_path / "c.yaml", LLAMA)
+    cfg = config(tmp_path)
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / name
@@ -105,6 +115,25 @@ def test_lora_adapters_train_on_a_sharded_frozen_base_in_bf16(tmp_path):
     assert relative_l2(sharded, single) < TOLERANCE
 
 
+def test_pretrained_weights_are_read_row_by_row_into_the_shards(tmp_path):
+    """Each rank reads only its rows of each tensor from the safetensors shards (``get_slice``); the result is
+    bitwise the replicated group's, which reads whole tensors, and not the seeded model's."""
+    import transformers
+    import yaml
+
+    settings = yaml.safe_load(LLAMA)["model"]["transformers"]["config"]
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
+    model.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
+    assert len(list((tmp_path / "weights").glob("*.safetensors"))) > 1
+    read = (f"model.transformers.path={tmp_path / 'weights'}", "model.transformers.pretrained=true")
+    sharded = final_model(run(tmp_path, "pretrained-fsdp", 3, *read))
+    assert_bitwise(sharded, final_model(run(tmp_path, "pretrained-ddp", 3, *read, "clients.sharding=replicate")))
+    seeded = final_model(run(tmp_path, "seeded", 3))
+    assert relative_l2(sharded, seeded) > 0.1
+
+
 def test_the_out_of_core_servers_round_0_is_gathered_from_the_shards(tmp_path):
     disk = ("server.state=disk", "clients.per_round=2")
     assert_bitwise(final_model(run(tmp_path, "disk", 5, *disk)),
@@ -112,7 +141,7 @@ def test_the_out_of_core_servers_round_0_is_gathered_from_the_shards(tmp_path):
 
 
 def test_killed_with_sigkill_and_resumed_on_another_number_of_groups_it_ends_bitwise_as_run_whole(tmp_path, runs):
-    cfg = write_config(tmp_path / "c.yaml", LLAMA)
+    cfg = config(tmp_path)
     run_dir = tmp_path / "killed"
     longer = ("rounds=6", "checkpoint.every=1")
     proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *longer)
@@ -136,12 +165,13 @@ def test_killed_with_sigkill_and_resumed_on_another_number_of_groups_it_ends_bit
     ("transport.dispatch_fanout=2", "transport.dispatch_fanout"),
 ])
 def test_what_the_sharded_path_does_not_carry_yet_is_refused_naming_its_key(tmp_path, override, key):
-    cfg = write_config(tmp_path / "c.yaml", LLAMA)
+    cfg = config(tmp_path)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(cfg, override.split())
 
 
 def test_sharding_is_for_transformers_models(tmp_path):
-    cfg = write_config(tmp_path / "c.yaml", LLAMA)
+    cfg = config(tmp_path)
     with pytest.raises(ConfigError, match="model.name"):
-        load_config(cfg, ["model.name=mlp", "data.dataset=digits", "train.trainer=torch", "model.transformers.config={}"])
+        load_config(cfg, ["model.name=mlp", "data.dataset=digits", "train.trainer=torch",
+                          "model.transformers.config={}"])

@@ -219,8 +219,9 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
     if plan.client_device_bytes and cfg.clients.sharding == "fsdp":
         acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
+        unit = format_bytes(size.largest_unit)
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [1/{per_client} of the model, "
-              f"gradients and optimizer; the largest FSDP unit gathered ({format_bytes(size.largest_unit)}, with its "
+              f"its global rows, gradients and optimizer; the largest FSDP unit gathered ({unit}, with its "
               f"gradients); {acts}; cuBLAS workspaces {format_bytes(CUDA_WORKSPACE_BYTES)}]")
     elif plan.client_device_bytes:
         rule = state_rule_bytes(cfg, size)
@@ -247,8 +248,8 @@ def sharded_what(cfg: Config, size: ModelBytes, on_gpu: bool) -> str:
     """What a sharded rank's figure holds, for its line of ``mpifl plan``."""
     parts = cfg.clients.ranks_per_client
     if on_gpu:
-        return (f"1/{parts} of the global model, kept to form the update, the chunk ring and the CUDA libraries; the "
-                "shards themselves on the GPU (below)")
+        return ("the chunk ring, the CUDA libraries and one block while the model is initialised; the shards and "
+                "their global rows on the GPU (below)")
     if cfg.train.trainer == "none":
         return f"1/{parts} of the model and of the global model, the chunk ring"
     acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"

@@ -356,7 +356,6 @@ def _check_sharding(cfg: Config) -> None:
     state = cfg.client_state()
     not_yet = [
         ("model.init_from", cfg.model.init_from is None, "unset (each rank would read its rows of the checkpoint)"),
-        ("model.transformers.pretrained", not cfg.model.transformers.pretrained, "false"),
         ("per-client state (SCAFFOLD, FedDyn, Ditto, model.local, error feedback, declared vectors)", state is None,
          "none: strategy.name fedavg, fedprox, fednova, fedadam, ... without client state"),
         ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync'"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import distributed as dist
@@ -139,6 +140,20 @@ def use_group_batch_norm(module: nn.Module) -> int:
             sub.__class__ = group_class
             swapped += 1
     return swapped
+
+
+class GroupParallel(Protocol):
+    """What a built-in trainer asks of its client group (``DataParallel``, or ``mpifl.learning.sharding``'s
+    ``ShardedParallel``): its place in the group, the model to run, and sums over the group."""
+
+    rank: int
+    size: int
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """The module to run forward and backward in the group."""
+
+    def total(self, values: Sequence[float]) -> list[float]:
+        """Each value summed over the group."""
 
 
 class DataParallel:

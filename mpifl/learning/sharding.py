@@ -24,6 +24,7 @@ import datetime
 import gc
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,15 +107,15 @@ class MaterializedInit:
             yield
         finally:
             self.done.update(id(m) for m in modules)
-            for key in [k for k in self.whole if self.release[k] <= self.done]:
-                whole, holders = self.whole.pop(key)
+            for ident in [k for k in self.whole if self.release[k] <= self.done]:
+                whole, holders = self.whole.pop(ident)
                 for module, name, shard in holders:
                     module._parameters[name] = shard
                 full, local = whole.detach(), local_rows(holders[0][2].data)
                 first, last = shard_rows(full.shape[0], self.parts, self.index) if full.dim() else (0, 0)
                 with torch.no_grad():
                     local.copy_(full[first:last] if full.dim() else full)
-                self.written.add(self.names[key])
+                self.written.add(self.names[ident])
 
     def untouched(self, model: nn.Module) -> list[str]:
         """Parameters no module's initialisation made whole (their shards would hold garbage)."""
@@ -219,3 +220,41 @@ def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device
                                f"expects {(last - first, *expected[1:])} (torch.chunk's split)")
     seeded_shards(model, seed, parallel.size, parallel.rank)
     return model
+
+
+def load_pretrained_rows(model: nn.Module, path: str | Path, parts: int, index: int) -> None:
+    """Read rank ``index``'s rows of every tensor from a local folder's safetensors shards straight into the sharded
+    model (``get_slice``: only those rows are read), as ``hf.load_pretrained`` reads whole tensors for an unsharded
+    model; every tensor of the model must be found (LoRA adapters excepted)."""
+    from safetensors import safe_open
+
+    from mpifl.learning.hf import base_model, saved_name
+
+    prefix = getattr(base_model(model), "base_model_prefix", "")
+    targets = {saved_name(n): t for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
+    found: set[str] = set()
+    shards = sorted(Path(path).glob("*.safetensors"))
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                name = key if key in targets else f"{prefix}.{key}"
+                if name not in targets:
+                    continue
+                target = targets[name]
+                stored = f.get_slice(key)
+                if tuple(stored.get_shape()) != tuple(target.shape):
+                    raise ValueError(f"{shard}: tensor {key!r} has shape {list(stored.get_shape())}, the model "
+                                     f"expects {list(target.shape)}")
+                local = local_rows(target.data)
+                if hasattr(target, "to_local") and target.dim():
+                    first, last = shard_rows(target.shape[0], parts, index)
+                    rows = stored[first:last]
+                else:
+                    rows = stored[:] if target.dim() else f.get_tensor(key)
+                with torch.no_grad():
+                    local.copy_(rows)
+                found.add(name)
+    missing = [n for n in targets if n not in found and ".lora_" not in n]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} of the model's tensors are in none of its {len(shards)} "
+                         f"safetensors shards, first {missing[0]!r}")

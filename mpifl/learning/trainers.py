@@ -15,7 +15,7 @@ from torch import nn
 from mpifl.config import EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
-from mpifl.learning.parallel import DataParallel, share_of, share_weight
+from mpifl.learning.parallel import GroupParallel, share_of, share_weight
 from mpifl.learning.steps import split
 from mpifl.plugins import kwargs_problem, resolve
 
@@ -149,7 +149,7 @@ def proximal_term(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor
     return mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
 
 
-def shared_batch(batch: torch.Tensor, parallel: DataParallel | None) -> tuple[torch.Tensor, float]:
+def shared_batch(batch: torch.Tensor, parallel: GroupParallel | None) -> tuple[torch.Tensor, float]:
     """The rank's share of a batch's indices and the factor on its mean loss (the whole batch and 1 alone)."""
     if parallel is None:
         return batch, 1.0
@@ -157,7 +157,7 @@ def shared_batch(batch: torch.Tensor, parallel: DataParallel | None) -> tuple[to
     return share, share_weight(len(share), len(batch), parallel.size)
 
 
-def shared_inputs(data: ClientData, batch: torch.Tensor, share: torch.Tensor, parallel: DataParallel | None,
+def shared_inputs(data: ClientData, batch: torch.Tensor, share: torch.Tensor, parallel: GroupParallel | None,
                   noise: torch.Generator | None) -> torch.Tensor:
     """The inputs of the rank's ``share`` of ``batch``; with feature noise (``data.noise_std``), plus the share's
     rows of the whole batch's noise, so every sample gets the noise it gets when one rank trains the client."""
@@ -168,7 +168,7 @@ def shared_inputs(data: ClientData, batch: torch.Tensor, share: torch.Tensor, pa
     return x.float() + batch_noise(len(batch), tuple(x.shape[1:]), data.noise_std, noise, rows)
 
 
-def group_mean(total: float, count: int, parallel: DataParallel | None) -> float:
+def group_mean(total: float, count: int, parallel: GroupParallel | None) -> float:
     """The mean training loss over every rank's shares (or this rank's alone)."""
     summed = parallel.total([total, count]) if parallel is not None else [total, count]
     return summed[0] / max(summed[1], 1)
@@ -233,7 +233,7 @@ class TorchTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.loss_fn = make_loss(cfg.loss)
-        self.parallel: DataParallel | None = None
+        self.parallel: GroupParallel | None = None
 
     def steps_in_backward(self) -> bool:
         """Whether each parameter steps inside backward (``train.step_in_backward``): not where a step needs every
@@ -301,7 +301,7 @@ class CausalLMTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self._checkpointing = False
-        self.parallel: DataParallel | None = None  # clients.ranks_per_client > 1: DDP on shares of each batch
+        self.parallel: GroupParallel | None = None  # clients.ranks_per_client > 1: DDP on shares of each batch
 
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         """Optimizer steps of ``grad_accum_steps`` batches each; reports the mean loss and its perplexity."""

@@ -264,15 +264,15 @@ def sharded_training_bytes(cfg: Config, size: ModelBytes, parts: int) -> int:
 
 def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False) -> int:
     """A rank of a sharded client group (mpifl.roles.sharded), in host memory: what it trains with
-    (``sharded_training_bytes``) unless that lives on its GPU (then the CUDA libraries, and the block its
-    initialisation makes whole), the round's global rows of its 1/R, and the chunk ring with the leader's gathered
+    (``sharded_training_bytes``) and the round's global rows of its 1/R, unless they live on its GPU (then the CUDA
+    libraries, and the block its initialisation makes whole), and the chunk ring with the leader's gathered
     chunk."""
     parts = cfg.clients.ranks_per_client
-    client = imports_bytes(cfg) + share(size.exchanged, parts)
+    client = imports_bytes(cfg)
     if on_gpu:  # the shards are initialised on the GPU from one block made whole on the host at a time
         client += CUDA_HOST_BYTES + size.largest_unit
     else:
-        client += sharded_training_bytes(cfg, size, parts)
+        client += sharded_training_bytes(cfg, size, parts) + share(size.exchanged, parts)  # and the global rows
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
     return client + (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes
@@ -283,8 +283,9 @@ def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
     round's global model kept to reset it, the training state, what per-client state's rules hold while a client
     trains, a group's fp32 sum, cuBLAS's workspaces; not the activations, nor cuDNN's workspace. A rank of a sharded
     group: its share (``sharded_training_bytes``, activations included) and cuBLAS's workspaces."""
-    if cfg.clients.sharding == "fsdp":
-        return sharded_training_bytes(cfg, size, cfg.clients.ranks_per_client) + CUDA_WORKSPACE_BYTES
+    if cfg.clients.sharding == "fsdp":  # its share, and the global rows of it
+        parts = cfg.clients.ranks_per_client
+        return sharded_training_bytes(cfg, size, parts) + share(size.exchanged, parts) + CUDA_WORKSPACE_BYTES
     elements = size.exchanged // itemsize(cfg.model.dtype)
     group_sum = 4 * elements if cfg.clients.groups else 0
     return (size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES

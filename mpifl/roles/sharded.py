@@ -37,7 +37,7 @@ from mpifl.config import Config
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import resolve_device, use_deterministic_kernels
 from mpifl.learning.models import build_model
-from mpifl.learning.sharding import ShardedParallel, build_sharded, local_rows
+from mpifl.learning.sharding import ShardedParallel, build_sharded, load_pretrained_rows, local_rows
 from mpifl.learning.trainers import (
     CausalLMTrainer,
     ConfiguredTrainer,
@@ -108,7 +108,9 @@ class ShardedModel:
         # what each rank sends of each chunk (the leader unpacks every rank's pieces)
         self.sending = [owned_spans(spec, self.sharded, size, r) for r in range(size)]
         self.giving = [pieces_by_chunk(spans, plan.chunks) for spans in self.sending]
-        self.global_rows = {s.name: torch.empty(s.nbytes, dtype=torch.uint8) for s in self.receiving}
+        # the round's global rows, beside the shard (on its GPU where it trains on one)
+        self.global_rows = {s.name: torch.empty(s.nbytes, dtype=torch.uint8, device=self.local[s.name].device)
+                            for s in self.receiving}
         self.counts = [[sum(p.nbytes for p in chunk) for chunk in rank_pieces] for rank_pieces in self.giving]
         largest = max((max(c, default=0) for c in self.counts), default=0)
         self.packed = torch.empty(max(largest, 1), dtype=torch.uint8)
@@ -149,8 +151,10 @@ class ShardedModel:
             dtype = self.dtypes[span.name]
             if values or not self.delta or (span.statistic and self.statistics_as_values):
                 dest.copy_(current)
-            else:  # trained - global, in the model's dtype: what UpdateEncoder forms in place
+            elif current.device == dest.device:  # trained - global, in the model's dtype, as UpdateEncoder forms it
                 torch.sub(current.view(dtype), self.global_rows[span.name][here].view(dtype), out=dest.view(dtype))
+            else:  # formed on the device, then copied to the host
+                dest.view(dtype).copy_(current.view(dtype) - self.global_rows[span.name][here].view(dtype))
             if not values:
                 self.bad += count_nonfinite([dest.view(dtype)])  # read only by ShardedGroup.nonfinite
             at += piece.nbytes
@@ -414,6 +418,9 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
         raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: the model built for sharding differs from the "
                            "exchanged layout")
     build_sharded(module, cfg.seed, parallel, device)
+    if cfg.model.transformers.pretrained:
+        assert cfg.model.transformers.path is not None  # config checks refuse pretrained without a path
+        load_pretrained_rows(module, cfg.model.transformers.path, size, rank)
     parallel.setup_seconds += time.perf_counter() - began
     trainer = make_trainer(cfg.train)
     assert isinstance(trainer, (TorchTrainer, CausalLMTrainer))  # the config checks allow only these
