@@ -189,10 +189,18 @@ def saved_name(name: str) -> str:
 def load_pretrained(flat: FlatModel, path: str | Path) -> None:
     """Read a local folder's safetensors shards tensor by tensor into the flat buffers; every
     tensor of the model must be found (LoRA adapters excepted)."""
+    targets = {saved_name(n): t for n, t in [*flat.tensors(), *flat.frozen_tensors()]}
+    read_safetensors(flat.module, targets, path, lambda f, key, target: target.copy_(f.get_tensor(key)))
+
+
+def read_safetensors(module: nn.Module, targets: dict[str, torch.Tensor], path: str | Path,
+                     read: Callable[[Any, str, torch.Tensor], object]) -> None:
+    """Match a local folder's safetensors tensors to ``targets`` (by their saved names, with or without the model's
+    prefix), check each one's shape, and have ``read(file, key, target)`` copy it (or the target's rows of it) in;
+    every target must be found (LoRA adapters excepted)."""
     from safetensors import safe_open
 
-    prefix = getattr(base_model(flat.module), "base_model_prefix", "")
-    targets = {saved_name(n): t for n, t in [*flat.tensors(), *flat.frozen_tensors()]}
+    prefix = getattr(base_model(module), "base_model_prefix", "")
     found: set[str] = set()
     shards = sorted(Path(path).glob("*.safetensors"))
     for shard in shards:
@@ -201,11 +209,12 @@ def load_pretrained(flat: FlatModel, path: str | Path) -> None:
                 name = key if key in targets else f"{prefix}.{key}"
                 if name not in targets:
                     continue
-                target, tensor = targets[name], f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"{shard}: tensor {key!r} has shape {list(tensor.shape)}, the model "
+                target, shape = targets[name], tuple(f.get_slice(key).get_shape())
+                if shape != tuple(target.shape):
+                    raise ValueError(f"{shard}: tensor {key!r} has shape {list(shape)}, the model "
                                      f"expects {list(target.shape)}")
-                target.copy_(tensor)
+                with torch.no_grad():
+                    read(f, key, target)
                 found.add(name)
     missing = [n for n in targets if n not in found and ".lora_" not in n]
     if missing:

@@ -20,8 +20,6 @@ moves the bytes).
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,7 +29,7 @@ import torch
 from torch import distributed as dist
 from torch import nn
 
-from mpifl.learning.parallel import backend_for, device_identity, use_group_batch_norm
+from mpifl.learning.parallel import DataParallel, use_group_batch_norm
 from mpifl.wire.shards import shard_rows
 
 
@@ -147,39 +145,32 @@ def seeded_shards(model: nn.Module, seed: int, parts: int, index: int) -> None:
                            f"{missing[0]!r}: this model initialises a tensor from outside its own module")
 
 
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A parameter FSDP shards (a DTensor), not a buffer every rank holds whole."""
+    return hasattr(tensor, "to_local")
+
+
 def local_rows(tensor: torch.Tensor) -> torch.Tensor:
     """A rank's own rows of a parameter (its FSDP shard, without padding), or the whole of a plain tensor."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
 
 
-class ShardedParallel:
-    """The trainers' view of a sharded group (``TorchTrainer.parallel``, ``CausalLMTrainer.parallel``): this rank's
-    share of each batch, the group's sums, and a model that FSDP already wraps (``wrap`` returns it as it is)."""
+class ShardedParallel(DataParallel):
+    """The trainers' view of a sharded group (``TorchTrainer.parallel``, ``CausalLMTrainer.parallel``): a client
+    group's process group, sums and batch shares as ``DataParallel`` has them, plus the device mesh FSDP shards over;
+    the model is FSDP's already, so ``wrap`` returns it as it is."""
 
     def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-        self.setup_seconds = 0.0
-        self.backend: str | None = None
-        self.device = torch.device("cpu")
+        super().__init__(rank, size)
         self.mesh: Any = None
 
-    @property
-    def ready(self) -> bool:
-        """Whether the process group exists."""
-        return dist.is_available() and dist.is_initialized()
-
     def start(self, store: dist.Store, device: torch.device, timeout_s: float) -> None:
-        """Join the group's process group and its device mesh (every rank of the group, together, once)."""
+        """Join the group's process group, then its device mesh (every rank of the group, together, once)."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        super().start(store, device, timeout_s)
         began = time.perf_counter()
-        store.set(f"device/{self.rank}", device_identity(device))
-        identities = [store.get(f"device/{rank}").decode() for rank in range(self.size)]
-        self.backend = backend_for(identities)
-        self.device = device if self.backend == "nccl" else torch.device("cpu")
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
         self.mesh = init_device_mesh(self.device.type, (self.size,))
         self.setup_seconds += time.perf_counter() - began
 
@@ -187,18 +178,6 @@ class ShardedParallel:
         """The module as FSDP already shards it; its BatchNorm layers normalize over the group's whole batch."""
         use_group_batch_norm(module)
         return module
-
-    def total(self, values: Sequence[float]) -> list[float]:
-        """Each value summed over the group (one small all-reduce)."""
-        summed = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(summed)
-        return summed.tolist()
-
-    def close(self) -> None:
-        """Leave the process group (see ``DataParallel.close`` for why while the interpreter is whole)."""
-        gc.collect()
-        if self.ready:
-            dist.destroy_process_group()
 
 
 def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device: torch.device) -> nn.Module:
@@ -225,36 +204,15 @@ def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device
 def load_pretrained_rows(model: nn.Module, path: str | Path, parts: int, index: int) -> None:
     """Read rank ``index``'s rows of every tensor from a local folder's safetensors shards straight into the sharded
     model (``get_slice``: only those rows are read), as ``hf.load_pretrained`` reads whole tensors for an unsharded
-    model; every tensor of the model must be found (LoRA adapters excepted)."""
-    from safetensors import safe_open
+    model."""
+    from mpifl.learning.hf import read_safetensors, saved_name
 
-    from mpifl.learning.hf import base_model, saved_name
+    def rows(f: Any, key: str, target: torch.Tensor) -> None:
+        if is_sharded(target) and target.dim():
+            first, last = shard_rows(target.shape[0], parts, index)
+            local_rows(target.data).copy_(f.get_slice(key)[first:last])
+        else:  # a buffer, whole on every rank
+            target.copy_(f.get_tensor(key))
 
-    prefix = getattr(base_model(model), "base_model_prefix", "")
     targets = {saved_name(n): t for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
-    found: set[str] = set()
-    shards = sorted(Path(path).glob("*.safetensors"))
-    for shard in shards:
-        with safe_open(shard, framework="pt") as f:
-            for key in f.keys():
-                name = key if key in targets else f"{prefix}.{key}"
-                if name not in targets:
-                    continue
-                target = targets[name]
-                stored = f.get_slice(key)
-                if tuple(stored.get_shape()) != tuple(target.shape):
-                    raise ValueError(f"{shard}: tensor {key!r} has shape {list(stored.get_shape())}, the model "
-                                     f"expects {list(target.shape)}")
-                local = local_rows(target.data)
-                if hasattr(target, "to_local") and target.dim():
-                    first, last = shard_rows(target.shape[0], parts, index)
-                    rows = stored[first:last]
-                else:
-                    rows = stored[:] if target.dim() else f.get_tensor(key)
-                with torch.no_grad():
-                    local.copy_(rows)
-                found.add(name)
-    missing = [n for n in targets if n not in found and ".lora_" not in n]
-    if missing:
-        raise ValueError(f"{path}: {len(missing)} of the model's tensors are in none of its {len(shards)} "
-                         f"safetensors shards, first {missing[0]!r}")
+    read_safetensors(model, targets, path, rows)

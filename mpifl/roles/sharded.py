@@ -37,7 +37,7 @@ from mpifl.config import Config
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import resolve_device, use_deterministic_kernels
 from mpifl.learning.models import build_model
-from mpifl.learning.sharding import ShardedParallel, build_sharded, load_pretrained_rows, local_rows
+from mpifl.learning.sharding import ShardedParallel, build_sharded, is_sharded, load_pretrained_rows, local_rows
 from mpifl.learning.trainers import (
     CausalLMTrainer,
     ConfiguredTrainer,
@@ -59,7 +59,7 @@ from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, build_spec, split_tensors
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, return_freed_memory
-from mpifl.wire.shards import OwnedSpan, owned_spans, pieces_by_chunk
+from mpifl.wire.shards import owned_spans, pieces_by_chunk
 from mpifl.wire.spec import ModelSpec
 from mpifl.wire.transport import ProgressReporter, recv_object, send_chunks, send_object, wait, wake
 
@@ -80,11 +80,6 @@ class GroupStep:
 def tensors_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of a sharded model by the name the flat layout gives it (``state_dict``'s)."""
     return dict(model.state_dict(keep_vars=True))
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """A parameter FSDP shards (a DTensor), not a buffer every rank holds whole."""
-    return hasattr(tensor, "to_local")
 
 
 class ShardedModel:
@@ -128,14 +123,14 @@ class ShardedModel:
             for piece in self.taking[index]:
                 span = self.receiving[piece.span]
                 part = data[piece.chunk_start:piece.chunk_stop]
-                self._bytes(span)[piece.local_start:piece.local_start + piece.nbytes].copy_(part)
+                self.local[span.name][piece.local_start:piece.local_start + piece.nbytes].copy_(part)
                 self.global_rows[span.name][piece.local_start:piece.local_start + piece.nbytes].copy_(part)
 
     def reset(self) -> None:
         """Back to the round's global model before the next logical client trains (and buffers' values too)."""
         with torch.no_grad():
             for span in self.receiving:
-                self._bytes(span).copy_(self.global_rows[span.name])
+                self.local[span.name].copy_(self.global_rows[span.name])
 
     def pack(self, index: int, values: bool) -> torch.Tensor:
         """The pieces of update chunk ``index`` that this rank holds, back to back: the delta against the global rows (a
@@ -147,7 +142,7 @@ class ShardedModel:
             span = spans[piece.span]
             here = slice(piece.local_start, piece.local_start + piece.nbytes)
             dest = out[at:at + piece.nbytes]
-            current = self._bytes(span)[here]
+            current = self.local[span.name][here]
             dtype = self.dtypes[span.name]
             if values or not self.delta or (span.statistic and self.statistics_as_values):
                 dest.copy_(current)
@@ -168,8 +163,6 @@ class ShardedModel:
                 into[piece.chunk_start:piece.chunk_stop] = gathered[at:at + piece.nbytes]
                 at += piece.nbytes
 
-    def _bytes(self, span: OwnedSpan) -> torch.Tensor:
-        return self.local[span.name]
 
 
 class ShardedGroup:
