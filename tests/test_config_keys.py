@@ -140,6 +140,7 @@ KEYS = (
     "timeouts.straggler",
     "timeouts.update_complete",
     "train.batch_size",
+    "train.batched_clients",
     "train.deterministic",
     "train.device",
     "train.device_copy",

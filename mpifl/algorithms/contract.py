@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -48,6 +48,17 @@ class ClientHalf(Protocol):
         """After ``client`` trained ``steps`` optimizer steps (its update's weight in the server's fold is
         ``weight``): keep its new vector in the store, and set in the model what its update must carry. A client
         whose training diverged keeps its old vector (its update is refused, never folded)."""
+
+
+@runtime_checkable
+class LaneCorrections(Protocol):
+    """A client half whose whole effect on training is a correction of every optimizer step, y -= lr * k, k fixed
+    for the client's training (SCAFFOLD's k = c - c_i): what lets clients train as lanes of one batched model
+    (``train.batched_clients``, mpifl.learning.batched), each lane stepping with its own k."""
+
+    def correction(self, client: int) -> torch.Tensor:
+        """``client``'s k as one flat fp32 vector over the trained parameters, in their order (a new tensor, on
+        the device of the model that trains), from the round's global state and the client's stored vector."""
 
 
 class GroupHalf(Protocol):

@@ -120,12 +120,14 @@ class ClientControls:
     @contextlib.contextmanager
     def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
         """Train ``client`` inside: each step corrected by -lr * (c - c_i) (c is the model's, c_i the store's)."""
-        corrections = split(self.corrections, self.params)
-        for k, c in zip(corrections, self.server):
-            k.copy_(c)
-        self.corrections.sub_(self.store.read(client, 0).to(self.corrections.device))
-        with corrected_steps(self.params, corrections):
+        self.corrections.copy_(self.correction(client))
+        with corrected_steps(self.params, split(self.corrections, self.params)):
             yield
+
+    def correction(self, client: int) -> torch.Tensor:
+        """C - c_i, flat over the controlled parameters (``LaneCorrections``: a batched lane's k)."""
+        server = torch.cat([c.flatten() for c in self.server])
+        return server.sub_(self.store.read(client, 0).to(server.device))
 
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
         """After ``client`` trained ``steps`` steps from the global model (``global_bytes``, a copy of the flat

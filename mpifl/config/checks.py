@@ -39,6 +39,7 @@ def check_combinations(cfg: Config) -> None:
     _check_declared_vectors(cfg)
     _check_ranks_per_client(cfg)
     _check_sharding(cfg)
+    _check_batched_clients(cfg)
     _check_per_round_placement(cfg)
     _check_feature_noise(cfg)
     for i, fault in enumerate(cfg.faults):
@@ -373,6 +374,31 @@ def _check_sharding(cfg: Config) -> None:
         if not fine:
             raise ConfigError(f"{key}: {why}, which does not carry it yet: it needs {what}, or "
                               "clients.sharding='replicate'")
+
+
+def _check_batched_clients(cfg: Config) -> None:
+    """``train.batched_clients: K``: what lanes of one batched model can train (mpifl.learning.batched). The client
+    rules need a lane's own form: FedProx's term and SCAFFOLD's corrected steps have one; the others are refused by
+    name, as is what trains a client other than the built-in loop."""
+    if not cfg.train.batched_clients:
+        return
+    why = f"train.batched_clients={cfg.train.batched_clients} trains a rank's clients as lanes of one batched model"
+    not_yet = [
+        ("train.trainer", cfg.train.trainer == "torch", "'torch' (the built-in loop, whose steps it batches)"),
+        ("train.optimizer", cfg.train.optimizer in ("sgd", "adam", "adamw"), "sgd, adam or adamw"),
+        ("train.step_in_backward", not cfg.train.step_in_backward, "false (a lane steps after its backward)"),
+        ("clients.ranks_per_client", cfg.clients.ranks_per_client == 1, "1"),
+        ("strategy.name", cfg.client_rule in ("", "control_variates"),
+         "a strategy without a client rule, or scaffold (FedDyn's rule has no lane form yet)"),
+        ("model.local", not cfg.model.local, "empty"),
+        ("train.ditto_lambda", cfg.train.ditto_lambda == 0, "0 (Ditto's personal models train one at a time)"),
+        ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync' (an asynchronous step gives "
+         "each client its own step count)"),
+        ("faults", not cfg.faults, "empty (a fault strikes one client's training)"),
+    ]
+    for key, fine, what in not_yet:
+        if not fine:
+            raise ConfigError(f"{key}: {why}, which needs {what}; or set train.batched_clients=0")
 
 
 def _check_per_round_placement(cfg: Config) -> None:

@@ -210,6 +210,11 @@ class TrainConfig:
                                     "model-sized gradient held at once, so less memory; not faster on a CPU). Not "
                                     "with grad_accum_steps > 1, max_grad_norm, ranks_per_client > 1 or SCAFFOLD, "
                                     "nor for a model that uses a parameter's value later in its own backward pass")
+    batched_clients: int = field_(0, "torch trainer: train this many of a rank's logical clients at once as one "
+                                  "batched model (torch.func.vmap over their stacked weights; docs: "
+                                  "how-to/batched-clients). 0 trains them one at a time. A client trains to the same "
+                                  "bits in any batch of the same width, and within rounding of one at a time. Pays "
+                                  "on a GPU and for small models; a CPU-bound CNN trains slower", min=0)
     reuse_freed_memory: bool = field_(True, "client ranks: glibc's malloc keeps freed memory for the next "
                                       "allocation instead of returning it to the kernel, so each training step "
                                       "reuses the pages the last one freed rather than page-faulting in freshly "

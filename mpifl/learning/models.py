@@ -207,12 +207,13 @@ def _pair(value: int | Sequence[int]) -> list[int]:
 
 class NHWCMaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` whose CPU pooling of an NCHW batch runs the channels-last kernel (``_NHWCMaxPool``); any
-    other input (a GPU's, NHWC already, 3-D, one channel, asking for indices) takes PyTorch's own path."""
+    other input (a GPU's, NHWC already, 3-D, one channel, asking for indices, or one of ``torch.func``'s batched
+    lanes, which a custom autograd function cannot take) takes PyTorch's own path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Pool ``x``: by the channels-last kernels where that is faster and the same, else as PyTorch does."""
         if (self.return_indices or x.device.type != "cpu" or x.dim() != 4 or x.shape[1] == 1
-                or not x.is_contiguous()):
+                or not x.is_contiguous() or torch._C._functorch.is_functorch_wrapped_tensor(x)):
             return super().forward(x)
         stride = self.stride if self.stride else self.kernel_size  # nn.MaxPool2d: stride None means the kernel
         return _NHWCMaxPool.apply(x, _pair(self.kernel_size), _pair(stride), _pair(self.padding),

@@ -9,9 +9,11 @@ from mpi4py import MPI
 
 from mpifl.aggregation.strategies import make_strategy
 from mpifl.algorithms import client_algorithm
+from mpifl.algorithms.contract import LaneCorrections
 from mpifl.algorithms.ditto import GroupPersonalModels, PersonalModels
 from mpifl.algorithms.local_layers import PersonalTensors
-from mpifl.config import Config
+from mpifl.config import Config, ConfigError
+from mpifl.learning.batched import batched_problem
 from mpifl.learning.device import (
     DeviceReplica,
     training_replica,
@@ -22,6 +24,7 @@ from mpifl.logs import log
 from mpifl.planning.faults import FaultPlan
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
+from mpifl.roles.batched import BatchedClients
 from mpifl.roles.client import ClientParts, ClientRank
 from mpifl.roles.client_state import (
     ClientStateParts,
@@ -119,6 +122,7 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         state.lending = StateLending(comm, state.store, state.journal)
     parts = ClientParts(
         plan=plan, trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
+        batched=batched_clients(cfg, replica.flat if replica else flat, local, state),
         delta=cfg.strategy.update == "delta", statistics_as_values=cfg.statistics_as_values,
         accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
@@ -132,6 +136,21 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     client.run()
     if leader is not None:
         leader.release()
+
+
+def batched_clients(cfg: Config, work: FlatModel, local: Mapping, state: ClientStateParts) -> BatchedClients | None:
+    """``train.batched_clients``: the rank's batches, or None; a model whose clients cannot train as lanes
+    (``batched_problem``) is refused, naming the key and the module."""
+    if not cfg.train.batched_clients:
+        return None
+    problem = batched_problem(work.module, cfg.train)
+    if problem is not None:
+        raise ConfigError(f"train.batched_clients: {problem}")
+    controls = state.controls
+    if controls is not None and not isinstance(controls, LaneCorrections):  # the config checks allow SCAFFOLD
+        raise ConfigError(f"train.batched_clients: the strategy's client half ({type(controls).__name__}) has no "
+                          "correction a lane can take (LaneCorrections); set train.batched_clients=0")
+    return BatchedClients(cfg.train, cfg.seed, local, controls.correction if controls is not None else None)
 
 
 def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:

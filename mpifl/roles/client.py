@@ -28,6 +28,7 @@ from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
+from mpifl.roles.batched import BatchedClients
 from mpifl.roles.client_state import ClientStateParts
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder
 from mpifl.roles.evaluation import FederatedEvaluation
@@ -73,6 +74,7 @@ class ClientParts:
     note: Callable[..., None] = lambda state, round_=None, **detail: None  # the rank's notes in the run dir
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
     faults: FaultPlan | None = None  # the config's faults: what strikes this rank's clients, and when
+    batched: BatchedClients | None = None  # train.batched_clients: clients trained K at a time, served one by one
 
 
 class ClientRank:
@@ -174,6 +176,8 @@ class ClientRank:
     def serve_round(self, header: protocol.RoundOrder) -> None:
         """Receive the global model once, then train and send each logical client in id order."""
         keep = self._receive_global(header)
+        if self.parts.batched is not None:
+            self.parts.batched.begin_round(header.round, header.clients)
         if self.grouped is not None:
             self.grouped.serve(header, keep)
             return
@@ -329,6 +333,8 @@ class ClientRank:
             with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
                 if self.parts.group is not None:
                     result = self._train_in_group(client, train, seed)
+                elif self.parts.batched is not None:  # trained with its batch (the model holds the global one)
+                    result = self.parts.batched.train(self.work.module, client)
                 elif self.context:
                     result = self.trainer.train(self.work.module, train, seed,  # type: ignore[call-arg]
                                                 context=self._context(round_, client))
