@@ -22,9 +22,13 @@ Steps (each a row of the table):
    cuDNN's convolutions), all client ranks sharing the node's first GPU: the final models must be bitwise equal.
    That is mpifl's promise on the CPU, and on a GPU it rests on ``train.deterministic`` (deterministic cuDNN,
    cuBLAS and torch kernels): a client trains to the same bits whichever rank trains it;
-5. client updates per second per device: the quick start's MLP on the digits and the LEAF FEMNIST CNN
-   (1.69 M parameters) on synthetic 28 x 28 images, 20 and 200 clients per round, one client rank per device
-   summing its clients' updates (``clients.groups``); the median of the rounds after the first;
+5. batched clients (``train.batched_clients``): a round of the MLP's and of the CNN's clients trained as lanes of
+   one batched model against one at a time, within ``BATCHED_TOLERANCE``, and 2 and 3 ranks of batched clients
+   bitwise equal; then client updates per second per device, one at a time and batched: the quick start's MLP (on
+   the digits; at 2,000 clients a round, on 64-feature Gaussian classes) and the LEAF FEMNIST CNN (1.69 M
+   parameters) on synthetic 28 x 28 images, at 20, 200 and 2,000 clients per round (``--quick``: 20), one client
+   rank per device summing its clients' updates (``clients.groups``); the median of the rounds after the first.
+   ``--only batched`` runs this step alone;
 6. with ``--llm``: GPT-2 (``configs/gpt2.yaml``) on ``--device`` with 2 and 3 ranks, bitwise equal, and its GPU
    peak against ``mpifl plan``'s.
 """
@@ -52,6 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPARED_ROUNDS = 1
 GPU_TOLERANCE = 1e-3  # relative L2 distance between the GPU's and the CPU's model after COMPARED_ROUNDS
 GROUP_TOLERANCE = 1e-3  # relative L2 distance between two ranks per client and one after COMPARED_ROUNDS
+BATCHED_TOLERANCE = 1e-4  # relative L2 between a round of batched clients and of clients one at a time (CPU: 1e-7)
+BATCHED_PER_ROUND = (20, 200, 2000)  # clients a round of the batched throughput rows
 
 
 @dataclass
@@ -195,11 +201,16 @@ def throughput(check: Check, model: str, per_round: int, *overrides: str) -> Row
     """Step 5: client updates per second per device: ``per_round`` clients a round, one client rank per device
     summing its clients' updates; the median of the rounds after the first (evaluation excluded)."""
     ranks = check.devices
-    if model == "mlp":
+    if model == "mlp" and per_round <= 200:  # the quick start's digits: 1,437 training images
         config, data = ROOT / "configs" / "quickstart.yaml", [f"clients.num_clients={max(per_round, 8)}",
                                                               "data.partition=iid"]
+    elif model == "mlp":  # the quick start's MLP on 64-feature Gaussian classes, 10 samples a client
+        config, data = ROOT / "configs" / "quickstart.yaml", [
+            f"clients.num_clients={per_round}", "data.partition=iid", "data.dataset=synthetic",
+            f"data.kwargs={{num_samples: {per_round * 12}, num_features: 64, test_fraction: 0.1}}"]
     else:
-        config, data = cnn_config(check), ["clients.num_clients=1000"]
+        config, data = cnn_config(check), [f"clients.num_clients={max(per_round, 1000)}",
+                                           f"data.kwargs={{clients: {max(per_round, 1000)}, samples: 20}}"]
     run_dir = run_mpifl(check, f"{model}-{per_round}-{len(check.done)}", ranks + 1, config,
                         *check.device_overrides[:1], *data, f"clients.per_round={per_round}",
                         f"clients.groups={ranks}", "eval.every=0", "output.save_model=false", *overrides)
@@ -215,6 +226,24 @@ def throughput(check: Check, model: str, per_round: int, *overrides: str) -> Row
     return Row(f"throughput {model}", " ".join((setting, *overrides)),
                f"{rate:,.1f} client updates/s per {unit} (median round {statistics.median(seconds):.3f} s; "
                f"{memory})", True)
+
+
+def batched_versus_one_at_a_time(check: Check, model: str) -> Row:
+    """Batched clients (``train.batched_clients``): one round trained as lanes against one client at a time, on
+    the device, within ``BATCHED_TOLERANCE``; then 2 and 3 ranks of batched clients, bitwise equal."""
+    config = ROOT / "configs" / "quickstart.yaml" if model == "mlp" else cnn_config(check)
+    lanes = "train.batched_clients=10"
+    one = final_weights(run_mpifl(check, f"{model}-sequential-1", 2, config, *check.device_overrides,
+                                  "eval.every=0", "rounds=1"))
+    batched = final_weights(run_mpifl(check, f"{model}-batched-1", 2, config, *check.device_overrides,
+                                      "eval.every=0", "rounds=1", lanes))
+    distance = relative_distance(batched, one)
+    runs = [final_weights(run_mpifl(check, f"{model}-batched-ranks-{n}", n, config, *check.device_overrides,
+                                    "eval.every=0", "rounds=3", lanes)) for n in (2, 3)]
+    bitwise = np.array_equal(runs[0], runs[1])
+    return Row(f"batched clients: {model}", f"{lanes}; 1 round vs one at a time; 2 and 3 ranks, 3 rounds",
+               f"relative L2 {distance:.2e} vs one at a time (tolerance {BATCHED_TOLERANCE:g}); 2 and 3 ranks "
+               f"{'bitwise equal' if bitwise else 'differ'}", distance <= BATCHED_TOLERANCE and bitwise)
 
 
 def llm(check: Check) -> Row:
@@ -243,6 +272,20 @@ def llm(check: Check) -> Row:
         planned = estimate(cfg, 3, 4, False, gpus_per_node=1)[1].client_device_bytes
         result += f"; GPU peak {peak / 2**20:,.0f} MiB, planned {planned / 2**20:,.0f} MiB before activations"
     return Row("llm: gpt2", f"{check.rounds} rounds, {' '.join(overrides)}", result, bitwise)
+
+
+def batched_steps(add: Callable[..., None], quick: bool) -> None:
+    """The batched-clients steps: each model's distance and bitwise check (``quick``: the MLP's), then its client updates/s one at a time
+    and batched (every client of the round in one batch) at each of ``BATCHED_PER_ROUND`` clients a round (one at a
+    time only up to 200: 2,000 would take minutes at the same rate per client)."""
+    for model in ("mlp",) if quick else ("mlp", "cnn"):
+        add(batched_versus_one_at_a_time, model)
+    for model in ("mlp", "cnn"):
+        for per_round in BATCHED_PER_ROUND[:1] if quick else BATCHED_PER_ROUND:
+            rounds = "rounds=3" if per_round > 200 else "rounds=4"
+            if per_round <= 200:  # one at a time, a client's rate does not depend on the round's size
+                add(throughput, model, per_round, rounds)
+            add(throughput, model, per_round, rounds, f"train.batched_clients={per_round}")
 
 
 def run_step(check: Check, step: Callable[..., Row], *args: object) -> Row:
@@ -301,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deterministic-cost", action="store_true",
                    help="also: the CNN's throughput at 200 clients a round with train.deterministic true and false, "
                    "interleaved twice (what deterministic kernels cost)")
+    p.add_argument("--only", choices=("batched",),
+                   help="batched: only the batched-clients steps (train.batched_clients against one at a time: "
+                   "distance, bitwise across ranks, and client updates/s at 20, 200 and 2,000 clients a round)")
     p.add_argument("--share-site-packages", type=Path, metavar="VENV",
                    help="only let VENV see this interpreter's packages (make gpu-check: the node's CUDA torch when "
                    "it lives in a venv), then exit")
@@ -322,9 +368,15 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             rows.append(run_step(check, step, *args))
             row = rows[-1]
-            print(f"gpu_check: {row.step} ({row.setting}): {row.result} [{time.perf_counter() - started:.0f} s]",
-                  file=sys.stderr, flush=True)
+            print(f"gpu_check: {row.step} ({row.setting}): {row.result} [{time.perf_counter() - started:.0f} s, "
+                  f"ended {time.strftime('%H:%M:%S')}]", file=sys.stderr, flush=True)
 
+        if args.only == "batched":
+            batched_steps(add, quick=args.quick)
+            print(table(rows))
+            if args.json:
+                args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+            return 0 if all(r.passed is not False for r in rows) else 1
         add(device_tests, args.tests)
         add(versus_cpu, "quick start")
         if not args.quick:  # the suite runs these steps' CPU forms in its own job pool (tests/test_mpi_device.py's
@@ -338,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         add(bitwise_across_ranks, "mlp", (2, 3) if args.quick else (2, 3, 5))
         if not args.quick:
             add(bitwise_across_ranks, "cnn", (2, 3, 5))
-        for model in ("mlp", "cnn"):
-            for per_round in (20,) if args.quick else (20, 200):
-                add(throughput, model, per_round)
+        batched_steps(add, quick=args.quick)
         if args.llm:
             add(llm)
         for repeat in range(2) if args.deterministic_cost else ():

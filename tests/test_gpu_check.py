@@ -1,7 +1,8 @@
 """The GPU check (profiling/gpu_check.py, `make gpu-check`) in its CPU form: the same steps as on a GPU node, the
 device being a separate replica on the CPU and the group's backend gloo; every step passes and the table has a
 row for each (device tests, the quick start against host training, two ranks per client,
-the same run bitwise equal on 2 and 3 ranks, client updates per second for the MLP and the CNN; the full form adds
+the same run bitwise equal on 2 and 3 ranks, batched clients within rounding of one at a time and bitwise equal on
+2 and 3 ranks, client updates per second for the MLP and the CNN one at a time and batched; the full form adds
 two ranks per client on a CNN with BatchNorm, which tests/test_mpi_ranks_per_client.py covers on the CPU, and
 the quick start with reduction groups and with per-client state against host training, which
 tests/test_mpi_device.py, tests/test_mpi_ditto.py and others cover in the job pool). The
@@ -26,10 +27,13 @@ def test_the_gpu_checks_cpu_form_runs_every_step_and_passes(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["step"] for r in rows] == ["device tests", "quick start: replica vs host", "ranks_per_client=2: mlp",
-                                         "bitwise across ranks: mlp", "throughput mlp", "throughput cnn"]
+                                         "bitwise across ranks: mlp", "batched clients: mlp", "throughput mlp",
+                                         "throughput mlp", "throughput cnn", "throughput cnn"]
     assert all(r["passed"] for r in rows), rows
     assert rows[1]["result"] == "bitwise equal"
     assert rows[3]["result"].startswith("bitwise equal")
+    assert "2 and 3 ranks bitwise equal" in rows[4]["result"]
+    assert "train.batched_clients=20" in rows[-1]["setting"]  # the CNN's round of 20 clients as one batch
     assert "client updates/s per CPU rank" in rows[-1]["result"] and "peak RSS" in rows[-1]["result"]
     assert "ranks_per_client=2" in done.stdout.splitlines()[3]  # one table, a line per step under its header
 

@@ -12,8 +12,8 @@ stacked tensors, with the formulas of ``torch.optim``'s SGD, Adam and AdamW.
 
 **Ragged clients.** Clients hold different numbers of samples, so they take different numbers of steps and their
 last minibatch of a pass is short. Every minibatch is padded to ``batch_size`` rows whose loss weight is 0, and
-the batch runs as many steps as its longest lane; a lane that has taken its own steps is frozen (its parameters and
-optimizer state are kept by ``torch.where``, exactly, not by a zero step).
+the batch runs as many steps as its longest lane; a lane that has taken its own steps is frozen (its parameters are
+put back after each later step, exactly, not moved by a zero step).
 
 **What is exact.** A lane's arithmetic never reads another lane's values: the same client trains to the same bits
 in any lane of any batch of the same width K (the batch is padded to K lanes, so every kernel sees the same
@@ -136,17 +136,12 @@ class _Plan:
         return x, self.y[self.index[m]], self.weight[m]
 
 
-def _lanes_view(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A [K] lane mask shaped to broadcast over ``like``'s [K, ...]."""
-    return mask.view(-1, *([1] * (like.dim() - 1)))
-
-
 class _Optimizer:
     """``torch.optim``'s SGD, Adam and AdamW for parameters stacked by lane, one step for every live lane, in place.
 
-    A lane that has taken its own steps is frozen: the step runs on copies and ``torch.where`` keeps the frozen
-    lanes' parameters and state exactly (not a zero step). While every lane lives, the step runs in place with no
-    copy, as ``torch.optim`` does for one client."""
+    A lane that has taken its own steps is frozen: its parameters are put back exactly after the step (not moved by a
+    zero step, which momentum would not leave still). Its optimizer state may move: a frozen lane never steps again.
+    While every lane lives, the step is ``torch.optim``'s for one client, on K lanes at once."""
 
     def __init__(self, cfg: TrainConfig, params: dict[str, torch.Tensor]):
         self.cfg, self.step_count = cfg, 0
@@ -156,22 +151,16 @@ class _Optimizer:
         elif cfg.optimizer in ("adam", "adamw"):
             self.state = {n: [torch.zeros_like(p), torch.zeros_like(p)] for n, p in params.items()}
 
-    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], live: torch.Tensor | None,
+    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], frozen: torch.Tensor | None,
              corrections: dict[str, torch.Tensor] | None) -> None:
-        """Step ``params`` in place: each live lane moved as ``torch.optim`` moves one client, then (SCAFFOLD)
-        by -lr * its correction; ``live`` None: every lane lives."""
+        """Step ``params`` in place: each lane moved as ``torch.optim`` moves one client, then (SCAFFOLD) by
+        -lr * its correction; the lanes listed in ``frozen`` (None: none) kept as they were."""
         self.step_count += 1
         for name, p in params.items():
-            state = self.state.get(name, [])
-            if live is None:
-                self._update(p, grads[name], state, None if corrections is None else corrections[name])
-                continue
-            new, new_state = p.clone(), [t.clone() for t in state]
-            self._update(new, grads[name], new_state, None if corrections is None else corrections[name])
-            keep = _lanes_view(live, p)
-            p.copy_(torch.where(keep, new, p))
-            for old, stepped in zip(state, new_state):
-                old.copy_(torch.where(keep, stepped, old))
+            kept = p.index_select(0, frozen) if frozen is not None else None
+            self._update(p, grads[name], self.state.get(name, []), None if corrections is None else corrections[name])
+            if kept is not None:
+                p.index_copy_(0, frozen, kept)
 
     def _update(self, p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
                 correction: torch.Tensor | None) -> None:
@@ -258,7 +247,8 @@ def train_lanes(model: nn.Module, lanes: Sequence[Lane], cfg: TrainConfig, width
     model.train()
     try:
         for step in range(max(steps)):
-            frozen = any(step >= s for s in steps)  # spare lanes step freely: their weights are never used
+            done = [i for i, s in enumerate(steps) if step >= s]  # spare lanes step freely: never read
+            frozen = torch.tensor(done, device=device) if done else None
             grads: dict[str, torch.Tensor] = {}
             for k in range(cfg.grad_accum_steps):
                 g, summed = lane_grad(params, *plan.batch(step * cfg.grad_accum_steps + k))
@@ -269,9 +259,7 @@ def train_lanes(model: nn.Module, lanes: Sequence[Lane], cfg: TrainConfig, width
                     g.add_(params[n] - anchors[n], alpha=cfg.prox_mu)
             if cfg.max_grad_norm:
                 grads = _clip(grads, cfg.max_grad_norm)
-            live = torch.tensor([step < s for s in steps] + [True] * (width - len(lanes)), device=device) \
-                if frozen else None
-            optimizer.step(params, grads, live, corrections)
+            optimizer.step(params, grads, frozen, corrections)
     finally:
         model.train(was_training)
     sums = loss_sums.tolist()

@@ -84,9 +84,10 @@ def build_model(task: str, seed: int = 0):
 def accuracy(model, x, y, batch: int = 500) -> float:
     import torch
     model.eval()
+    device = next(model.parameters()).device  # a peer may train on a GPU
     with torch.no_grad():
-        correct = sum(int((model(torch.as_tensor(x[i:i + batch])).argmax(1) == torch.as_tensor(y[i:i + batch])).sum())
-                      for i in range(0, len(y), batch))
+        correct = sum(int((model(torch.as_tensor(x[i:i + batch]).to(device)).argmax(1).cpu()
+                           == torch.as_tensor(y[i:i + batch])).sum()) for i in range(0, len(y), batch))
     return correct / len(y)
 
 
