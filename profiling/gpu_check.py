@@ -275,9 +275,9 @@ def llm(check: Check) -> Row:
 
 
 def batched_steps(add: Callable[..., None], quick: bool) -> None:
-    """The batched-clients steps: each model's distance and bitwise check (``quick``: the MLP's), then its client updates/s one at a time
-    and batched (every client of the round in one batch) at each of ``BATCHED_PER_ROUND`` clients a round (one at a
-    time only up to 200: 2,000 would take minutes at the same rate per client)."""
+    """The batched-clients steps: each model's distance and bitwise check (``quick``: the MLP's), then its client
+    updates/s one at a time and batched (every client of the round in one batch) at each of ``BATCHED_PER_ROUND``
+    clients a round (one at a time only up to 200: 2,000 would take minutes at the same rate per client)."""
     for model in ("mlp",) if quick else ("mlp", "cnn"):
         add(batched_versus_one_at_a_time, model)
     for model in ("mlp", "cnn"):
