@@ -192,3 +192,24 @@ def test_a_chain_hop_whose_every_client_failed_passes_the_running_sum_on_unchang
     want = reference_run(load_config(None, list(grouped), data=yaml.safe_load(CONFIG)), drop=frozenset({1, 5}))
     got = {n: t.float().numpy() for n, t in load_tensors(tmp_path / "run" / "model.h5").items()}
     assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("reduce", ["direct", "chain"])
+def test_a_group_of_a_thousand_members_sends_its_header_whole(tmp_path, reduce):
+    """A group's header lists each member's: past mpi4py's 32 KiB default for a pickled nonblocking receive it used
+    to be truncated (MPI_ERR_TRUNCATE on the server at 1,000 clients a round), so the server sizes the receive by
+    the most members a header can list (``protocol.header_bytes``)."""
+    cfg = write_config(tmp_path / "c.yaml", """
+seed: 1
+rounds: 1
+clients: {num_clients: 1000, per_round: 1000, groups: 2}
+data: {dataset: synthetic, partition: iid, kwargs: {num_samples: 4000, num_features: 8, test_fraction: 0.1}}
+model: {name: mlp, kwargs: {hidden: [4]}}
+train: {local_steps: 1, batch_size: 4}
+eval: {every: 0}
+output: {progress: false}
+""")
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), f"transport.reduce={reduce}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(record["participants"]) == 1000 and not record["dropped"]

@@ -89,6 +89,7 @@ class ReductionRound:
     unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None  # secure aggregation: ring sum to floats
     labels: Mapping[int, str] | None = None  # what a stream is called in messages, where more than its id says
     min_participants: int = 1  # clients.min_participants: fewer usable updates abort the round
+    header_clients: int = 1  # the most logical clients one header lists (a reduction group's members)
 
 
 class StreamedReduction:
@@ -168,7 +169,8 @@ class StreamedReduction:
     def _post_meta(self, rank: int) -> None:
         ticket = self.schedule.meta_ticket(rank)
         if ticket is not None:
-            self.receives.add(self.comm.irecv(source=rank, tag=self.meta_tag), ticket)
+            buffer = protocol.header_bytes(self.task.header_clients)
+            self.receives.add(self.comm.irecv(buffer, source=rank, tag=self.meta_tag), ticket)
 
     def _post_chunk(self, rank: int, slot: int) -> None:
         ticket = self.schedule.chunk_ticket(rank, slot)

@@ -281,7 +281,7 @@ class Server:
             round_, streams, self._pool_layout(streams, summed=noise is not None or parts.secagg is not None),
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=self._labels(plan),
-            min_participants=self.min_participants)
+            min_participants=self.min_participants, header_clients=self._header_clients(plan))
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       watchdog=watchdog, dropping=self._dropping(plan, started))
         try:
@@ -378,6 +378,15 @@ class Server:
             return plan.streams
         last = next(rank for rank, hops in chain.items() if hops[-1].dest == protocol.SERVER)
         return {last: [min(min(s) for s in plan.streams.values())]}
+
+    def _header_clients(self, plan: RoundAssignment) -> int:
+        """The most logical clients one update header lists this round: a reduction group's members, who all train
+        on one rank (under the chain reduction, the last hop's header lists every group's)."""
+        if not self.parts.plan.grouped:
+            return 1
+        if self._chain(plan):
+            return len(plan.participants)
+        return max((len(clients) for clients in plan.train.values()), default=1)
 
     def _labels(self, plan: RoundAssignment) -> dict[int, str] | None:
         """What a deadline message calls the round's one stream under the chain reduction: every rank of the

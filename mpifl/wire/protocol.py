@@ -180,6 +180,19 @@ class HoldOrder(RoundOrder):
     send: tuple[int, ...] = ()
 
 
+PICKLED_RECEIVE_BYTES = 32 * 1024  # mpi4py's buffer for a pickled ``irecv`` posted without one (rc.irecv_bufsz)
+MEMBER_HEADER_BYTES = 4 * 1024  # a bound on one member's pickled UpdateMeta inside a reduction group's header
+
+
+def header_bytes(clients: int) -> int:
+    """The buffer to post an update header's receive with, for a header that lists ``clients`` logical clients.
+
+    Why: a pickled nonblocking receive lands in a buffer of fixed size, posted before the message's size is known
+    (mpi4py/mpi4py#591), and mpi4py's default of 32 KiB truncates a reduction group's header once the group has a
+    few hundred members (MPI_ERR_TRUNCATE at 1,000 clients a round on one rank)."""
+    return PICKLED_RECEIVE_BYTES + MEMBER_HEADER_BYTES * max(clients - 1, 0)
+
+
 @dataclass(frozen=True)
 class UpdateMeta:
     """Sent before a logical client's update chunks."""
