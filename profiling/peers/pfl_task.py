@@ -103,7 +103,7 @@ def main() -> None:
         rounds = [clock.marks[i][0] - clock.marks[i - 1][1] for i in range(1, len(clock.marks))]
         print("RESULT " + json.dumps(task.summarize(
             rounds, clock.acc, note=f"pfl FedAvg, torchrun, {ops.distributed.world_size} workers (gloo), "
-                                    f"{args.memory_format}")), flush=True)
+                                    f"{args.memory_format}, trained on {next(net.parameters()).device}")), flush=True)
 
 
 if __name__ == "__main__":
