@@ -382,3 +382,24 @@ def test_plan_says_how_many_polaris_nodes_a_sharded_70b_lora_client_needs():
     assert result.returncode == 0, result.stderr
     assert "clients.ranks_per_client >= 8 to fit a 40 GiB GPU" in result.stdout
     assert "2 nodes of 4 GPUs per client" in result.stdout
+
+
+def test_batched_clients_count_each_lanes_weights_gradients_frozen_copy_state_and_activations():
+    from mpifl.planning.memory import ModelBytes, batched_lanes_bytes, training_state_bytes
+
+    size = ModelBytes(exchanged=4_000, frozen=0, parameters=1_000, activations=300)
+    sgd = load_config(None, ["train.batched_clients=8", "train.momentum=0.0"])
+    adam = load_config(None, ["train.batched_clients=8", "train.optimizer=adam"])
+    assert batched_lanes_bytes(sgd, size) == 8 * (3 * 4_000 + 2 * 300)
+    assert batched_lanes_bytes(adam, size) == 8 * (5 * 4_000 + 2 * 300)
+    assert training_state_bytes(adam, size) == batched_lanes_bytes(adam, size)  # instead of one client's state
+
+
+def test_a_lanes_activations_are_every_layers_output_for_one_micro_batch_from_a_meta_forward():
+    from mpifl.cli.plan import lane_activation_bytes
+
+    cfg = load_config(None, ["model.name=mlp", "model.kwargs={hidden: [16, 8]}", "train.batch_size=5",
+                             "train.batched_clients=4"])
+    got = lane_activation_bytes(cfg, {"input_shape": (1, 8, 8), "num_classes": 10})
+    per_sample = 64 + 16 + 16 + 8 + 8 + 10  # flatten, linear and ReLU at 16, at 8, the 10 logits; fp32
+    assert got == 5 * 4 * per_sample

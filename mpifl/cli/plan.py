@@ -23,6 +23,7 @@ from mpifl.planning.memory import (
     ModelBytes,
     client_state_elements,
     client_state_plan,
+    batched_lanes_bytes,
     decoder_activation_bytes,
     journaled_elements,
     largest_fsdp_unit,
@@ -47,6 +48,12 @@ def model_specs(cfg: Config) -> tuple[ModelSpec, ModelSpec]:
 def model_and_data(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], DataBytes | None]:
     """``model_specs``, and the data's bytes when the run reads data (None: it reads none). The data is read once,
     for both: a client source is only surveyed."""
+    specs, data, _ = model_data_and_shape(cfg)
+    return specs, data
+
+
+def model_data_and_shape(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], DataBytes | None, dict]:
+    """``model_and_data``, and the data's shape (``input_shape``, ``num_classes``; empty without data)."""
     from mpifl.algorithms import model_streams
     from mpifl.learning.datasets import needs_dataset, surveyed_data
     from mpifl.learning.models import model_spec, supplied
@@ -57,7 +64,7 @@ def model_and_data(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], DataBytes 
         shape, data = surveyed_data(cfg.data)
     sized = cfg.model.name != "transformers" and bool(set(supplied(cfg.model, True)) & {"input_shape", "num_classes"})
     specs = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **(shape if sized else {}))
-    return specs, data
+    return specs, data, shape
 
 
 def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) -> ModelBytes:
@@ -75,10 +82,42 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
                       parameters, largest_unit=unit)
 
 
-def activation_bytes(cfg: Config) -> int:
+def lane_activation_bytes(cfg: Config, shape: dict) -> int:
+    """One batched lane's activations for one micro-batch (``train.batched_clients``): every module's output for
+    ``train.batch_size`` samples of the data's shape, from a forward pass on the meta device (nothing allocated);
+    0 where the model cannot be built from the data's shape."""
+    import torch
+
+    from mpifl.learning.models import build_model
+
+    if "input_shape" not in shape:
+        return 0
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.seed, **shape)
+    total = 0
+
+    def count(module: torch.nn.Module, inputs: tuple, output: object) -> None:
+        nonlocal total
+        if isinstance(output, torch.Tensor) and not list(module.children()):
+            total += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(count) for m in model.modules()]
+    try:
+        model(torch.empty((cfg.train.batch_size, *shape["input_shape"]), device="meta",
+                          dtype=next(model.parameters()).dtype))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total
+
+
+def activation_bytes(cfg: Config, shape: dict | None = None) -> int:
     """One micro-batch's activations on a client rank (``planning.memory.decoder_activation_bytes``) for a
     transformers decoder trained by the causal_lm trainer on blocks of ``data.kwargs.seq_len`` tokens, each rank of a
-    group on its share of the batch; 0 (not estimated) for anything else."""
+    group on its share of the batch; one lane's with batched clients (``lane_activation_bytes``, from the data's
+    ``shape``); 0 (not estimated) for anything else."""
+    if cfg.train.batched_clients and shape:
+        return lane_activation_bytes(cfg, shape)
     seq = cfg.data.kwargs.get("seq_len")
     if cfg.model.name != "transformers" or cfg.train.trainer != "causal_lm" or not isinstance(seq, int):
         return 0
@@ -103,8 +142,8 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
     (``gpus_per_node``: client ranks with ``train.device`` auto train on GPUs where there are some)."""
     from mpifl.aggregation.strategies import make_strategy
 
-    (exchanged, frozen), data = model_and_data(cfg)
-    size = dataclasses.replace(size_of(exchanged, frozen, cfg.model.local), activations=activation_bytes(cfg))
+    (exchanged, frozen), data, shape = model_data_and_shape(cfg)
+    size = dataclasses.replace(size_of(exchanged, frozen, cfg.model.local), activations=activation_bytes(cfg, shape))
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
@@ -213,6 +252,9 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         what = sharded_what(cfg, size, bool(plan.client_device_bytes))
         print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [{what}"
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
+    elif cfg.train.batched_clients and not plan.client_device_bytes:
+        print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model + "
+              f"{batched_what(cfg, size)}{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     else:
         print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
               f"{training if cfg.train.trainer != 'none' else ''}"
@@ -223,6 +265,10 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [1/{per_client} of the model, "
               f"its global rows, gradients and optimizer; the largest FSDP unit gathered ({unit}, with its "
               f"gradients); {acts}; cuBLAS workspaces {format_bytes(CUDA_WORKSPACE_BYTES)}]")
+    elif plan.client_device_bytes and cfg.train.batched_clients:
+        print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy + "
+              f"{batched_what(cfg, size)}{' + group sum' if cfg.clients.groups else ''} + cuBLAS workspaces "
+              f"{format_bytes(CUDA_WORKSPACE_BYTES)}; cuDNN's workspace not included]")
     elif plan.client_device_bytes:
         rule = state_rule_bytes(cfg, size)
         rule_text = f" + the training client's state {format_bytes(rule)}" if rule else ""
@@ -242,6 +288,13 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
               "and exchange with rank 0")
+
+
+def batched_what(cfg: Config, size: ModelBytes) -> str:
+    """What the batched lanes' share of a client rank's figure holds, for its line of ``mpifl plan``."""
+    acts = f"activations {format_bytes(size.activations)} a lane" if size.activations else "activations not included"
+    return (f"{cfg.train.batched_clients} lanes {format_bytes(batched_lanes_bytes(cfg, size))} (weights, gradients, "
+            f"frozen copies, optimizer; {acts})")
 
 
 def sharded_what(cfg: Config, size: ModelBytes, on_gpu: bool) -> str:

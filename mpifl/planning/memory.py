@@ -175,15 +175,34 @@ def trains_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
     return cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpus_per_node > 0)
 
 
+def optimizer_states(cfg: Config) -> int:
+    """Tensors of optimizer state per trained tensor: SGD's momentum buffer, Adam's two moments."""
+    return {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
+
+
+def batched_lanes_bytes(cfg: Config, size: ModelBytes) -> int:
+    """What training K clients as lanes of one batched model holds (``train.batched_clients``,
+    mpifl.learning.batched): per lane, its weights, their gradients, a copy of them while the lane is frozen (the
+    last steps freeze all lanes but the longest), its optimizer state, and its micro-batch's activations twice
+    (saved for backward, and their gradients). ``size.activations``: one lane's micro-batch (0: not estimated).
+    Measured at K = 2,000 (docs/how-to/batched-clients.md): the cross-device LEAF CNN peaked at 48.7 GiB of an
+    H200 against 51.1 GiB planned; the quick start's MLP (momentum 0.9) at 718 MiB of the GPU against 814 MiB
+    planned, and at 1.15 GiB of a CPU rank's RSS against 1.10 GiB."""
+    trained = size.exchanged - size.control + size.local
+    return cfg.train.batched_clients * ((3 + optimizer_states(cfg)) * trained + 2 * size.activations)
+
+
 def training_state_bytes(cfg: Config, size: ModelBytes) -> int:
     """What training adds beside the model where it trains: gradients, optimizer state, fp32 master copies of
-    narrow weights, DDP's gradient buckets."""
+    narrow weights, DDP's gradient buckets; with batched clients, the lanes (``batched_lanes_bytes``)."""
     if cfg.train.trainer == "none":
         return 0
+    if cfg.train.batched_clients:
+        return batched_lanes_bytes(cfg, size)
     width = itemsize(cfg.model.dtype)
     elements = size.exchanged // width
     trained = size.exchanged - size.control + size.local  # SCAFFOLD's c never trains; model.local tensors do
-    states = {"sgd": 1 if cfg.train.momentum else 0, "adam": 2, "adamw": 2}[cfg.train.optimizer]
+    states = optimizer_states(cfg)
     masters = cfg.train.trainer == "causal_lm" and width < 4  # fp32 master weights and their gradients
     # gradients: every trained tensor's, or with steps inside backward the largest one's (each is freed as soon as
     # its parameter stepped)
