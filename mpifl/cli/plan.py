@@ -21,9 +21,9 @@ from mpifl.planning.memory import (
     DecoderShape,
     MemoryEstimate,
     ModelBytes,
+    batched_lanes_bytes,
     client_state_elements,
     client_state_plan,
-    batched_lanes_bytes,
     decoder_activation_bytes,
     journaled_elements,
     largest_fsdp_unit,
@@ -126,9 +126,9 @@ def activation_bytes(cfg: Config, shape: dict | None = None) -> int:
     config = transformers_config(cfg.model)
     hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    shape = DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size)
+    decoder = DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size)
     batch = -(-cfg.train.batch_size // cfg.clients.ranks_per_client)
-    return decoder_activation_bytes(shape, batch, seq, itemsize(cfg.model.dtype), cfg.train.gradient_checkpointing)
+    return decoder_activation_bytes(decoder, batch, seq, itemsize(cfg.model.dtype), cfg.train.gradient_checkpointing)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:

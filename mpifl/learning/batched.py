@@ -159,7 +159,7 @@ class _Optimizer:
         for name, p in params.items():
             kept = p.index_select(0, frozen) if frozen is not None else None
             self._update(p, grads[name], self.state.get(name, []), None if corrections is None else corrections[name])
-            if kept is not None:
+            if frozen is not None and kept is not None:
                 p.index_copy_(0, frozen, kept)
 
     def _update(self, p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
