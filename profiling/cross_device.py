@@ -93,6 +93,9 @@ def main() -> int:
     p.add_argument("--data", default="table", choices=("table", "plugin"),
                    help="table: Parquet files, each rank reads only its clients (the default); plugin: "
                    "rank 0 builds the whole set in memory and shares it")
+    p.add_argument("--batched-clients", type=int, default=0,
+                   help="train.batched_clients (K clients of a rank trained at once as lanes of one batched model; "
+                   "0: one at a time)")
     p.add_argument("--seed", type=int, default=0, help="the run's seed (client sampling, model initialisation, "
                    "minibatch order); the data stay those of seed 0")
     p.add_argument("--json", action="store_true", help="also print 'RESULT {json}' (seconds per round "
@@ -117,7 +120,8 @@ clients: {{num_clients: {args.clients}, per_round: {args.per_round}, groups: {ar
 data: {data}
 model: {{name: "cross_device:{args.model}", memory_format: {args.memory_format}, nhwc_pooling: {args.nhwc_pooling}}}
 train: {{optimizer: sgd, lr: 0.05, batch_size: 10, local_epochs: 1, device: {args.device},
-        step_in_backward: {args.step_in_backward}, reuse_freed_memory: {args.reuse_freed_memory}}}
+        step_in_backward: {args.step_in_backward}, reuse_freed_memory: {args.reuse_freed_memory},
+        batched_clients: {args.batched_clients}}}
 {"strategy: {name: scaffold, update: delta}" if args.strategy == "scaffold" else ""}
 eval: {{every: {args.eval_every or args.rounds}}}
 transport: {{doorbells: {args.doorbells}}}
