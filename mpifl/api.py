@@ -80,7 +80,7 @@ from mpifl.aggregation.combiners import Combiner, Median, SortedStack, TrimmedMe
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, fold, weighted_mean_into
 from mpifl.aggregation.strategies import Strategy, section_span
 from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Replace, ServerOptimizer, ServerUpdate
-from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, GroupHalf
+from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, GroupHalf, LaneCorrections
 from mpifl.config import ConfigError, DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from mpifl.config.capabilities import Capabilities
 from mpifl.config.client_state import StateVector
@@ -104,6 +104,7 @@ __all__ = [
     "FedAdam",
     "FedYogi",
     "GroupHalf",
+    "LaneCorrections",
     "Median",
     "ModelConfig",
     "Momentum",

@@ -16,6 +16,7 @@ PUBLIC = [
     "FedAdam",
     "FedYogi",
     "GroupHalf",
+    "LaneCorrections",
     "Median",
     "ModelConfig",
     "Momentum",

@@ -379,7 +379,8 @@ def _check_sharding(cfg: Config) -> None:
 def _check_batched_clients(cfg: Config) -> None:
     """``train.batched_clients: K``: what lanes of one batched model can train (mpifl.learning.batched). The client
     rules need a lane's own form: FedProx's term and SCAFFOLD's corrected steps have one; the others are refused by
-    name, as is what trains a client other than the built-in loop."""
+    name, as is what trains a client other than the built-in loop. A plug-in client half is checked where the rank
+    builds it: it must be a ``LaneCorrections``."""
     if not cfg.train.batched_clients:
         return
     why = f"train.batched_clients={cfg.train.batched_clients} trains a rank's clients as lanes of one batched model"
@@ -388,8 +389,8 @@ def _check_batched_clients(cfg: Config) -> None:
         ("train.optimizer", cfg.train.optimizer in ("sgd", "adam", "adamw"), "sgd, adam or adamw"),
         ("train.step_in_backward", not cfg.train.step_in_backward, "false (a lane steps after its backward)"),
         ("clients.ranks_per_client", cfg.clients.ranks_per_client == 1, "1"),
-        ("strategy.name", cfg.client_rule in ("", "control_variates"),
-         "a strategy without a client rule, or scaffold (FedDyn's rule has no lane form yet)"),
+        ("strategy.name", cfg.client_rule != "dynamic_regularizer",
+         "a strategy whose client half corrects steps (scaffold) or has none; FedDyn's rule has no lane form yet"),
         ("model.local", not cfg.model.local, "empty"),
         ("train.ditto_lambda", cfg.train.ditto_lambda == 0, "0 (Ditto's personal models train one at a time)"),
         ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync' (an asynchronous step gives "
