@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.trainers import LOSSES, TrainResult, make_loss, minibatches
 
-__all__ = ["Lane", "batched_problem", "lane_steps", "train_lanes"]
+__all__ = ["Lane", "LaneWeights", "batched_problem", "lane_steps", "train_lanes"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, which make_optimizer keeps
@@ -212,7 +212,7 @@ def _stacked_corrections(lanes: Sequence[Lane], trained: Mapping[str, torch.Tens
 
 
 def train_lanes(model: nn.Module, lanes: Sequence[Lane], cfg: TrainConfig, width: int,
-                loss: Callable | None = None) -> list[tuple[dict[str, torch.Tensor], TrainResult]]:
+                loss: Callable | None = None) -> list[tuple[LaneWeights, TrainResult]]:
     """Train each of ``lanes`` from ``model``'s current weights, all at once; ``model`` is left as it was.
 
     Returns, lane by lane, the trained parameters (by name; the model's frozen parameters and buffers are not
@@ -263,10 +263,29 @@ def train_lanes(model: nn.Module, lanes: Sequence[Lane], cfg: TrainConfig, width
     finally:
         model.train(was_training)
     sums = loss_sums.tolist()
-    return [({n: p[i] for n, p in params.items()},
+    return [(LaneWeights(params, i),
              TrainResult(len(lane.data), {"loss": sums[i] / max(_samples_seen(len(lane.data), cfg, steps[i]), 1)},
                          local_steps=steps[i]))
             for i, lane in enumerate(lanes)]
+
+
+@dataclass(frozen=True)
+class LaneWeights:
+    """One lane's trained parameters, read from the batch's stacked tensors when they are loaded (a view per
+    parameter made only then: a batch of thousands of lanes hands most of them out one at a time)."""
+
+    stacked: Mapping[str, torch.Tensor]
+    lane: int
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this lane's trained tensor), in the model's order."""
+        return ((name, tensor[self.lane]) for name, tensor in self.stacked.items())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.stacked[name][self.lane]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stacked)
 
 
 def _samples_seen(samples: int, cfg: TrainConfig, steps: int) -> int:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mpifl.config import TrainConfig
-from mpifl.learning.batched import Lane, train_lanes
+from mpifl.learning.batched import Lane, LaneWeights, train_lanes
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import TrainResult, make_loss
 from mpifl.planning.seeds import client_seed
@@ -35,7 +35,7 @@ class BatchedClients:
         self.loss = make_loss(cfg.loss)
         self.round = 0
         self.order: list[int] = []
-        self.trained: dict[int, tuple[dict[str, torch.Tensor], TrainResult]] = {}
+        self.trained: dict[int, tuple[LaneWeights, TrainResult]] = {}
         self.served: set[int] = set()
         self.batches = 0  # batches trained in this process, for the records
 

@@ -171,7 +171,10 @@ class FlatModel:
         return [(n, t) for n, t in self.frozen_tensors() if is_local(n, self.local)]
 
     def reset_local_state(self) -> None:
-        """Give integer buffers back the values the model was built with."""
+        """Give integer buffers back the values the model was built with (nothing to do, and no state dict built,
+        for a model without any: this runs before every logical client)."""
+        if not self._local_init:
+            return
         state = self.module.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, value in self._local_init.items():
