@@ -274,7 +274,7 @@ def llm(check: Check) -> Row:
         peak = max(r.get("client_peak_device_bytes", 0) for r in history)
         cfg = load_config(str(config), [*overrides, f"rounds={check.rounds}"])
         planned = estimate(cfg, 3, 4, False, gpus_per_node=1)[1].client_device_bytes
-        result += f"; GPU peak {peak / 2**20:,.0f} MiB, planned {planned / 2**20:,.0f} MiB before activations"
+        result += f"; GPU peak {peak / 2**20:,.0f} MiB, planned {planned / 2**20:,.0f} MiB with its activations"
     return Row("llm: gpt2", f"{check.rounds} rounds, {' '.join(overrides)}", result, bitwise)
 
 

@@ -403,3 +403,18 @@ def test_a_lanes_activations_are_every_layers_output_for_one_micro_batch_from_a_
     got = lane_activation_bytes(cfg, {"input_shape": (1, 8, 8), "num_classes": 10})
     per_sample = 64 + 16 + 16 + 8 + 8 + 10  # flatten, linear and ReLU at 16, at 8, the 10 logits; fp32
     assert got == 5 * 4 * per_sample
+
+
+def test_a_replicated_client_counts_its_estimated_activations_on_the_gpu_or_on_the_host():
+    import dataclasses
+
+    from mpifl.planning.memory import ModelBytes, client_bytes, client_device_bytes
+
+    size = ModelBytes(exchanged=4_000, frozen=1_000, parameters=1_250)
+    acting = dataclasses.replace(size, activations=700)
+    lm = load_config(None, ["train.optimizer=adamw"])
+    assert client_device_bytes(lm, acting) - client_device_bytes(lm, size) == 700
+    assert client_bytes(lm, acting, 2) - client_bytes(lm, size, 2) == 700
+    assert client_bytes(lm, acting, 2, on_gpu=True) == client_bytes(lm, size, 2, on_gpu=True)  # on the GPU
+    exchange_only = load_config(None, ["train.trainer=none", "eval.every=0", "model.name=blob"])
+    assert client_device_bytes(exchange_only, acting) == client_device_bytes(exchange_only, size)

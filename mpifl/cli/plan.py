@@ -29,6 +29,7 @@ from mpifl.planning.memory import (
     largest_fsdp_unit,
     loaned_vectors,
     memory_estimate,
+    replicated_activations,
     state_rule_bytes,
     undo_vectors,
 )
@@ -256,9 +257,10 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model + "
               f"{batched_what(cfg, size)}{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     else:
+        host_acts = activations_note(replicated_activations(cfg, size), bool(plan.client_device_bytes))
         print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
               f"{training if cfg.train.trainer != 'none' else ''}"
-              f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; activations not included]")
+              f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; {host_acts}]")
     if plan.client_device_bytes and cfg.clients.sharding == "fsdp":
         acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
         unit = format_bytes(size.largest_unit)
@@ -272,9 +274,12 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
     elif plan.client_device_bytes:
         rule = state_rule_bytes(cfg, size)
         rule_text = f" + the training client's state {format_bytes(rule)}" if rule else ""
+        estimated = replicated_activations(cfg, size)
+        acts_text = f" + activations {format_bytes(estimated)}; cuDNN's workspace not included" if estimated \
+            else "; activations and cuDNN's workspace not included"
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy"
               f"{gradients} + optimizer{' + group sum' if cfg.clients.groups else ''}{rule_text} + cuBLAS workspaces "
-              f"{format_bytes(CUDA_WORKSPACE_BYTES)}; activations and cuDNN's workspace not included; the host "
+              f"{format_bytes(CUDA_WORKSPACE_BYTES)}{acts_text}; the host "
               f"figure above holds the CUDA libraries, {CUDA_HOST_BYTES / GIB:.2f} GiB, instead of the training "
               "state]")
     if plan.server_device_bytes:
@@ -288,6 +293,13 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
               f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
               "and exchange with rank 0")
+
+
+def activations_note(estimated: int, on_gpu: bool) -> str:
+    """What a replicated client rank's host line says of its activations (``estimated``: 0 when not estimated)."""
+    if not estimated:
+        return "activations not included"
+    return "activations on the GPU (below)" if on_gpu else f"activations {format_bytes(estimated)}"
 
 
 def batched_what(cfg: Config, size: ModelBytes) -> str:

@@ -300,15 +300,22 @@ def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False) ->
 def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
     """GPU memory of a client rank that trains on a GPU (mpifl.learning.device.DeviceReplica): the replica, the
     round's global model kept to reset it, the training state, what per-client state's rules hold while a client
-    trains, a group's fp32 sum, cuBLAS's workspaces; not the activations, nor cuDNN's workspace. A rank of a sharded
-    group: its share (``sharded_training_bytes``, activations included) and cuBLAS's workspaces."""
+    trains, a group's fp32 sum, cuBLAS's workspaces, and the activations where they are estimated
+    (``replicated_activations``); not cuDNN's workspace. A rank of a sharded group: its share
+    (``sharded_training_bytes``, activations included) and cuBLAS's workspaces."""
     if cfg.clients.sharding == "fsdp":  # its share, and the global rows of it
         parts = cfg.clients.ranks_per_client
         return sharded_training_bytes(cfg, size, parts) + share(size.exchanged, parts) + CUDA_WORKSPACE_BYTES
     elements = size.exchanged // itemsize(cfg.model.dtype)
     group_sum = 4 * elements if cfg.clients.groups else 0
     return (size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES
-            + state_rule_bytes(cfg, size))
+            + state_rule_bytes(cfg, size) + replicated_activations(cfg, size))
+
+
+def replicated_activations(cfg: Config, size: ModelBytes) -> int:
+    """The activations a client rank that holds the whole model keeps for backward, where the plan estimates them
+    (``size.activations``: a transformers decoder under the causal_lm trainer); batched lanes count their own."""
+    return 0 if cfg.train.batched_clients or cfg.train.trainer == "none" else size.activations
 
 
 def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
@@ -347,7 +354,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     client = imports_bytes(cfg) + size.total
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
-        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size)
+        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size) + replicated_activations(cfg, size)
         if not on_gpu and (cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta"
                            or cfg.train.ditto_lambda):
             client += nbytes  # the global model kept for the next logical client, the delta or Ditto's regulariser
