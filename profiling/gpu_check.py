@@ -287,7 +287,7 @@ def batched_steps(add: Callable[..., None], quick: bool, per_round: Sequence[int
         add(batched_versus_one_at_a_time, model)
     for model in ("mlp", "cnn"):
         for count in per_round[:1] if quick else per_round:
-            rounds = "rounds=3" if count > 200 else "rounds=4"
+            rounds = "rounds=2" if quick else "rounds=3" if count > 200 else "rounds=4"  # quick: the steps run
             if count <= 200:  # one at a time, a client's rate does not depend on the round's size
                 add(throughput, model, count, rounds)
             add(throughput, model, count, rounds, f"train.batched_clients={count}")
