@@ -37,7 +37,6 @@ class BatchedClients:
         self.order: list[int] = []
         self.trained: dict[int, tuple[LaneWeights, TrainResult]] = {}
         self.served: set[int] = set()
-        self.batches = 0  # batches trained in this process, for the records
 
     def begin_round(self, round_: int, order: Sequence[int]) -> None:
         """A new round whose clients the rank serves in ``order``."""
@@ -73,7 +72,6 @@ class BatchedClients:
             lanes.append(Lane(data, client_seed(self.seed, self.round, client), k))
         for client, trained in zip(batch, train_lanes(model, lanes, self.cfg, self.width, self.loss)):
             self.trained[client] = trained
-        self.batches += 1
 
     def _has_data(self, client: int) -> bool:
         data = self.local_data.get(client, (None, None))[0]
