@@ -122,7 +122,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
                    "fullest node would pass 90%% of it")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (GiB): warn when a client "
-                   "rank's GPU would pass 90%% of it before activations")
+                   "rank's GPU would pass 90%% of it (activations counted where the plan estimates them)")
     p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
     p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
                    "mpifl.planning.scale.Rates fields (bytes or elements per second)")

@@ -466,7 +466,8 @@ def _fullest_gpu_slots(slots: int, gpus_per_node: int) -> int:
 
 def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, sharing: int = 1,
                 beside_server: int = 0) -> str | None:
-    """A warning when the fullest GPU would pass 90% of ``gpu_memory_gb`` before activations: one holding
+    """A warning when the fullest GPU would pass 90% of ``gpu_memory_gb`` (activations counted where the plan estimates
+    them: a decoder's, batched lanes'): one holding
     ``sharing`` client ranks, or the server's, with its evaluation copy (``eval.device``) and ``beside_server``
     client ranks. Its advice fits the config (never what it already does or cannot do); None when every GPU fits,
     no rank uses a GPU, or no GPU size is given."""
@@ -489,7 +490,7 @@ def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, 
         advice += client_gpu_advice(cfg)
     if not advice:
         advice.append("use a GPU with more memory: a client's whole model trains on one GPU (DDP, no sharding)")
-    return f"warning: {what} before activations, > 90% of {gpu_memory_gb:g} GiB: {', or '.join(advice)}"
+    return f"warning: {what}, > 90% of {gpu_memory_gb:g} GiB: {', or '.join(advice)}"
 
 
 def client_gpu_advice(cfg: Config) -> list[str]:
