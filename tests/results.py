@@ -57,6 +57,13 @@ def reference_controls_numbered(want: dict[str, np.ndarray]) -> dict[str, np.nda
     return numbered_controls(want, [n for n in want if n.startswith("control.")])
 
 
+def relative_l2(got: dict, want: dict) -> float:
+    """||got - want|| / ||want|| over every array of two runs' tensors (the same keys), in fp64."""
+    assert got.keys() == want.keys()
+    num = sum(float(((got[k].astype(np.float64) - want[k]) ** 2).sum()) for k in want)
+    return (num / sum(float((want[k].astype(np.float64) ** 2).sum()) for k in want)) ** 0.5
+
+
 def assert_bitwise(got: dict, want: dict) -> None:
     """The same keys, and every array equal to the bit."""
     assert got.keys() == want.keys()

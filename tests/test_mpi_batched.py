@@ -8,10 +8,9 @@ import os
 import signal
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
-from results import assert_bitwise, final_model, recorded
+from results import assert_bitwise, final_model, recorded, relative_l2
 
 CONFIG = """
 seed: 3
@@ -33,11 +32,6 @@ def run(tmp_path: Path, name: str, ranks: int, *overrides: str) -> Path:
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / name
-
-
-def relative_l2(got: dict, want: dict) -> float:
-    num = sum(float(((got[k].astype(np.float64) - want[k]) ** 2).sum()) for k in want)
-    return (num / sum(float((want[k].astype(np.float64) ** 2).sum()) for k in want)) ** 0.5
 
 
 @pytest.mark.parametrize("overrides", [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
-from results import assert_bitwise, final_model
+from results import assert_bitwise, final_model, relative_l2
 
 from mpifl.config import ConfigError, load_config
 
@@ -55,12 +55,6 @@ def run(tmp_path: Path, name: str, ranks: int, *overrides: str) -> Path:
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / name
-
-
-def relative_l2(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    num = sum(float(((got[k].astype(np.float64) - want[k]) ** 2).sum()) for k in want)
-    return (num / sum(float((want[k].astype(np.float64) ** 2).sum()) for k in want)) ** 0.5
 
 
 @pytest.fixture(scope="module")
