@@ -120,14 +120,21 @@ class ClientControls:
     @contextlib.contextmanager
     def training(self, client: int, global_bytes: torch.Tensor) -> Iterator[None]:
         """Train ``client`` inside: each step corrected by -lr * (c - c_i) (c is the model's, c_i the store's)."""
-        self.corrections.copy_(self.correction(client))
+        self._fill_correction(client, self.corrections)
         with corrected_steps(self.params, split(self.corrections, self.params)):
             yield
 
     def correction(self, client: int) -> torch.Tensor:
-        """C - c_i, flat over the controlled parameters (``LaneCorrections``: a batched lane's k)."""
-        server = torch.cat([c.flatten() for c in self.server])
-        return server.sub_(self.store.read(client, 0).to(server.device))
+        """The correction c - c_i in a new flat tensor over the controlled parameters (``LaneCorrections``: a
+        batched lane's k)."""
+        return self._fill_correction(client, torch.empty_like(self.corrections))
+
+    def _fill_correction(self, client: int, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (flat, fp32) set to c - c_i in place: the model's c copied in parameter by parameter, then the
+        stored c_i subtracted (no model-sized temporary on the one-at-a-time path)."""
+        for k, c in zip(split(out, self.params), self.server):
+            k.copy_(c)
+        return out.sub_(self.store.read(client, 0).to(out.device))
 
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
         """After ``client`` trained ``steps`` steps from the global model (``global_bytes``, a copy of the flat
