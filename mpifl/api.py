@@ -62,7 +62,11 @@ dropped past its deadline, like the built-in per-client state.
 **Per-step hooks**: ``corrected_steps(params, corrections)`` acts after every optimizer step (SCAFFOLD's
 correction, outside the momentum); ``regularized_gradients(params, anchors, states, alpha)`` adds
 ``alpha (y - anchor) - state`` to every gradient (FedDyn's regulariser, Ditto's). The built-in client halves
-(``ClientAlgorithm``, mpifl.algorithms: SCAFFOLD, FedDyn, Ditto, FedBN/FedPer) are built on them.
+(``ClientAlgorithm``, mpifl.algorithms: SCAFFOLD, FedDyn, Ditto, FedBN/FedPer) are built on them. On a client
+sharded over its group's ranks (``clients.sharding: fsdp``) a client half runs on every rank over the rows it
+holds (``ClientAlgorithm.shard``: a ``ShardHalf`` over ``ShardRows``); there ``corrected_steps`` takes
+corrections shaped like ``own_rows(param)``, and ``regularized_shard_gradients`` stands for
+``regularized_gradients``.
 
 **Settings**: ``strategy.kwargs``, ``train.kwargs``, ``model.kwargs`` and ``data.kwargs`` are checked
 against the plug-in's signature before MPI starts (a typo is named with the closest parameter) and
@@ -80,12 +84,21 @@ from mpifl.aggregation.combiners import Combiner, Median, SortedStack, TrimmedMe
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, fold, weighted_mean_into
 from mpifl.aggregation.strategies import Strategy, section_span
 from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Replace, ServerOptimizer, ServerUpdate
-from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, GroupHalf, LaneCorrections
+from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, GroupHalf, LaneCorrections, ShardHalf, ShardRows
 from mpifl.config import ConfigError, DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from mpifl.config.capabilities import Capabilities
 from mpifl.config.client_state import StateVector
 from mpifl.learning.datasets import ClientData
-from mpifl.learning.steps import corrected_steps, gather, regularized_gradients, scatter, split, trainable
+from mpifl.learning.steps import (
+    corrected_steps,
+    gather,
+    own_rows,
+    regularized_gradients,
+    regularized_shard_gradients,
+    scatter,
+    split,
+    trainable,
+)
 from mpifl.learning.trainers import TrainContext, Trainer, TrainResult, make_loss, make_optimizer, minibatches
 from mpifl.wire.protocol import UpdateMeta
 from mpifl.wire.spec import CONTROL as SUMMED_STREAMS  # the submodule a client half's summed streams go in
@@ -111,6 +124,8 @@ __all__ = [
     "Replace",
     "ServerOptimizer",
     "ServerUpdate",
+    "ShardHalf",
+    "ShardRows",
     "SortedStack",
     "StateVector",
     "Strategy",
@@ -128,7 +143,9 @@ __all__ = [
     "make_loss",
     "make_optimizer",
     "minibatches",
+    "own_rows",
     "regularized_gradients",
+    "regularized_shard_gradients",
     "scatter",
     "section_span",
     "split",

@@ -2,8 +2,8 @@
 the whole model or the whole update. Its result is bitwise the replicated (DDP) group's of the same R, whatever the
 number of groups, and after a kill -9 and a resume on another number of groups; within float rounding of one rank
 per client; the frozen base of LoRA is initialised as an unsharded build initialises it, tied embeddings too; the
-out-of-core server's round 0 is gathered from the shards; and what the sharded path does not carry yet is refused,
-naming the key."""
+out-of-core server's round 0 is gathered from the shards; SCAFFOLD's and FedDyn's per-client state is kept by every
+rank over its own rows; and what the sharded path does not carry yet is refused, naming the key."""
 from __future__ import annotations
 
 import os
@@ -149,9 +149,77 @@ def test_killed_with_sigkill_and_resumed_on_another_number_of_groups_it_ends_bit
     assert_bitwise(final_model(run_dir), final_model(whole))
 
 
+SCAFFOLD = ("strategy.name=scaffold", "train.optimizer=sgd", "train.lr=0.05")
+FEDDYN = ("strategy.name=feddyn", "strategy.alpha=0.1", "train.optimizer=sgd", "train.lr=0.05")
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory) -> dict[str, Path]:
+    """Per-client state on sharded clients: SCAFFOLD on one group and on two (c_i on disk), and on a replicated
+    group; FedDyn sharded and on one rank per client."""
+    tmp = tmp_path_factory.mktemp("sharded-state")
+    return {"scaffold, one group": run(tmp, "sc1", 3, *SCAFFOLD),
+            "scaffold, two groups, c_i on disk": run(tmp, "sc2", 5, *SCAFFOLD, "strategy.control_ram_mb=0"),
+            "scaffold, replicated": run(tmp, "scd", 3, *SCAFFOLD, "clients.sharding=replicate"),
+            "feddyn": run(tmp, "fd", 3, *FEDDYN),
+            "feddyn, one rank": run(tmp, "fd1", 2, *FEDDYN, "clients.sharding=replicate",
+                                    "clients.ranks_per_client=1")}
+
+
+def test_scaffold_on_sharded_clients_is_bitwise_the_replicated_groups_on_any_number_of_groups(stateful):
+    """Each rank keeps c_i over its rows and corrects its rows' steps elementwise as a replicated rank corrects
+    whole tensors, so the model and the server's c (the control section, sharded like the parameters) are the
+    DDP group's to the bit, with c_i in RAM or on disk."""
+    sharded = final_model(stateful["scaffold, one group"])
+    controls = [name for name in sharded if name.startswith("scaffold_control.")]
+    assert controls and sum(float(np.abs(sharded[name]).sum()) for name in controls) > 0
+    assert_bitwise(sharded, final_model(stateful["scaffold, replicated"]))
+    assert_bitwise(sharded, final_model(stateful["scaffold, two groups, c_i on disk"]))
+
+
+def test_every_rank_of_a_sharded_group_keeps_only_its_rows_of_each_clients_c_i(stateful):
+    import h5py
+
+    files = sorted((stateful["scaffold, two groups, c_i on disk"] / "controls").glob("rank*.h5"))
+    assert len(files) == 4  # every client rank of the two groups of 2
+    whole = sum(v.size for name, v in final_model(stateful["scaffold, one group"]).items()
+                if name.startswith("scaffold_control."))  # c has one value per trained element, as c_i has
+    for path in files:
+        with h5py.File(path, "r") as f:
+            rows = {f["clients"][c].shape[0] for c in f["clients"]}
+        assert rows and whole // 2 <= max(rows) <= whole // 2 + whole // 100  # about half of every c_i
+
+
+def test_feddyn_on_sharded_clients_is_within_rounding_of_one_rank_per_client(stateful):
+    """The regulariser joins the rows of the gradient FSDP reduce-scattered, not each share's gradient as under
+    DDP: the same sum, rounded in another order."""
+    sharded = final_model(stateful["feddyn"])
+    assert relative_l2(sharded, final_model(stateful["feddyn, one rank"])) < TOLERANCE
+
+
+def test_sharded_lora_with_scaffold_in_bf16_killed_and_resumed_on_another_number_of_groups_ends_bitwise(tmp_path):
+    """The causal_lm trainer steps fp32 masters of the bf16 adapters, which SCAFFOLD corrects; each rank's c_i
+    rows come back from the checkpoint's files of its index in its group, whichever group wrote them."""
+    cfg = config(tmp_path)
+    run_dir = tmp_path / "killed"
+    longer = (*LORA, *SCAFFOLD, "rounds=5", "checkpoint.every=1")
+    proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *longer)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert len(rounds_logged(run_dir)) < 5  # killed mid-run
+    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *longer, timeout=MPI_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: SCAFFOLD control variates of 4 of its 4 clients" in resumed.stderr
+    whole = final_model(run(tmp_path, "whole", 3, *longer))
+    assert any(name.startswith("scaffold_control.") for name in whole)
+    assert_bitwise(final_model(run_dir), whole)
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ("clients.ranks_per_client=1", "clients.ranks_per_client"),
     ("model.local=[model.norm.weight]", "per-client state"),
+    ("strategy.name=scaffold clients.placement=per_round", "clients.placement"),
     ("clients.groups=2", "clients.groups"),
     ("compression.method=int8", "compression.method"),
     ("clock.mode=fedasync", "clock.mode"),

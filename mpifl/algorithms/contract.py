@@ -10,6 +10,9 @@ what acts on local training:
   (``update``: the new state, and what the update carries);
 - ``member(work, cfg)`` builds the ``GroupHalf`` of a client group's other ranks (``clients.ranks_per_client``),
   which train with what the leader broadcasts (``ClientHalf.shared``);
+- ``shard(rows, store, cfg)``, when given, builds the ``ShardHalf`` of every rank of a sharded client
+  (``clients.sharding: fsdp``), each over the rows of the model it holds (``ShardRows``), its store holding the
+  clients' vectors over those rows only: no rank holds a whole vector;
 - ``streams``, when given, appends to the model a submodule of fp32 buffers that travel with it: broadcast with the
   weights, summed chunk by chunk with the updates, checkpointed and kept out of core (SCAFFOLD's server control
   variate c and the clients' control deltas). Its buffers start at zero, on every rank.
@@ -71,6 +74,39 @@ class GroupHalf(Protocol):
 
 
 @dataclass(frozen=True)
+class ShardRows:
+    """What one rank of a sharded client group holds of the model (``clients.sharding: fsdp``), for a client half
+    that keeps its vectors over those rows: the trained parameters, this rank's rows of each, the round's global
+    values of those rows, and its rows of each summed stream (SCAFFOLD's c), all in the model's order. Every rank of
+    the group holds its own rows and takes the same steps, so a client half there acts on rows elementwise as an
+    unsharded one acts on whole tensors."""
+
+    params: Sequence[nn.Parameter]  # the trained parameters (``mpifl.learning.steps.trainable``), FSDP's DTensors
+    rows: Sequence[torch.Tensor]  # this rank's rows of each (``mpifl.learning.steps.own_rows``: writes go through)
+    anchors: Sequence[torch.Tensor]  # the round's global values of those rows, in the model's dtype, as taken
+    streams: Sequence[torch.Tensor]  # this rank's rows of each summed-stream buffer (empty without streams)
+    device: torch.device
+    all_ranks: Callable[[bool], bool]  # True on every rank of the group when it is True on every one (a collective)
+
+    @property
+    def elements(self) -> int:
+        """Elements of a client's vector over this rank's rows of the trained parameters."""
+        return sum(r.numel() for r in self.rows)
+
+
+class ShardHalf(Protocol):
+    """An algorithm's client half on each rank of a sharded client group, over the rows that rank holds."""
+
+    def training(self, client: int) -> AbstractContextManager[None]:
+        """Train ``client`` inside, on this rank's rows: set up from its stored vector, and hook every step."""
+
+    def update(self, client: int, steps: int, weight: float) -> None:
+        """After ``client`` trained (as ``ClientHalf.update``): its new vector over this rank's rows in the store,
+        and this rank's rows of what its update carries. A client whose training diverged on any rank of the
+        group keeps its old vector on every one (``ShardRows.all_ranks``)."""
+
+
+@dataclass(frozen=True)
 class ClientAlgorithm:
     """How mpifl builds an algorithm's client half on each client rank (see the module's docstring)."""
 
@@ -78,3 +114,4 @@ class ClientAlgorithm:
     leader: Callable[[FlatModel, ResidualStore, Config], ClientHalf]
     member: Callable[[FlatModel, Config], GroupHalf]
     streams: Callable[[nn.Module, Sequence[str]], nn.Module] | None = None  # (model, model.local) -> model
+    shard: Callable[[ShardRows, ResidualStore, Config], ShardHalf] | None = None  # None: not on sharded clients

@@ -12,7 +12,7 @@ every checkpoint). Participants are weighted equally (``strategy.weighting: equa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -20,11 +20,11 @@ from mpifl.aggregation.combiners import WeightedMean
 from mpifl.aggregation.kernels import Rows
 from mpifl.aggregation.strategies import Strategy, parameter_spans
 from mpifl.aggregation.updates import ServerUpdate
-from mpifl.algorithms.contract import ClientAlgorithm
+from mpifl.algorithms.contract import ClientAlgorithm, ShardRows
 from mpifl.config import StrategyConfig
 from mpifl.config.capabilities import DYNAMIC_MEAN
 from mpifl.config.client_state import RULE_VECTORS
-from mpifl.learning.steps import regularized_gradients, split, trainable
+from mpifl.learning.steps import regularized_gradients, regularized_shard_gradients, split, trainable
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.spec import Chunk, ModelSpec
@@ -62,10 +62,40 @@ class ClientDynamics:
                                                                                               global_bytes))]
         if not all(bool(torch.isfinite(m).all()) for m in moved):
             return
-        own = self.store.read(client, 0)
-        for mine, m in zip(split(own, self.params), moved):
-            mine.sub_(m.to(mine.device), alpha=self.alpha)
-        self.store.write(client, 0, own)
+        keep_dynamics(self.store, client, moved, self.params, self.alpha)
+
+
+def keep_dynamics(store: ResidualStore, client: int, moved: Sequence[torch.Tensor], like: Sequence[torch.Tensor],
+                  alpha: float) -> None:
+    """g_i -= alpha (y - x) in the store (``moved``: y - x, shaped like ``like``)."""
+    own = store.read(client, 0)
+    for mine, m in zip(split(own, like), moved):
+        mine.sub_(m.to(mine.device), alpha=alpha)
+    store.write(client, 0, own)
+
+
+class ShardDynamics:
+    """``ClientDynamics`` on one rank of a sharded client (``clients.sharding: fsdp``): g_i over this rank's rows of
+    the trained parameters, their regulariser while a client trains (``regularized_shard_gradients``: into the
+    rows of the gradients FSDP reduce-scatters) and g_i's update afterwards, elementwise as ``ClientDynamics``."""
+
+    def __init__(self, rows: ShardRows, store: ResidualStore, alpha: float, backwards_per_step: int = 1):
+        self.rows, self.store, self.alpha, self.backwards_per_step = rows, store, alpha, backwards_per_step
+        self.states = torch.empty(rows.elements, device=rows.device)
+
+    @contextlib.contextmanager
+    def training(self, client: int) -> Iterator[None]:
+        """Train ``client`` inside its dynamic regulariser, on this rank's rows."""
+        self.states.copy_(self.store.read(client, 0))
+        with regularized_shard_gradients(self.rows.params, self.rows.anchors, split(self.states, self.rows.rows),
+                                         self.alpha, self.backwards_per_step):
+            yield
+
+    def update(self, client: int, steps: int, weight: float) -> None:
+        """g_i -= alpha (y - x) on this rank's rows; a client diverged on any rank keeps its g_i on all."""
+        moved = [y.detach().float() - x.float() for y, x in zip(self.rows.rows, self.rows.anchors)]
+        if self.rows.all_ranks(all(bool(torch.isfinite(m).all()) for m in moved)):
+            keep_dynamics(self.store, client, moved, self.rows.rows, self.alpha)
 
 
 class GroupDynamics:
@@ -91,7 +121,8 @@ class GroupDynamics:
 CLIENT = ClientAlgorithm(
     state=RULE_VECTORS["dynamic_regularizer"],
     leader=lambda work, store, cfg: ClientDynamics(work, store, cfg.strategy.alpha, cfg.train.grad_accum_steps),
-    member=lambda work, cfg: GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps))
+    member=lambda work, cfg: GroupDynamics(work, cfg.strategy.alpha, cfg.train.grad_accum_steps),
+    shard=lambda rows, store, cfg: ShardDynamics(rows, store, cfg.strategy.alpha, cfg.train.grad_accum_steps))
 
 
 # --- the server half ----------------------------------------------------------------------------------------------

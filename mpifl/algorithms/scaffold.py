@@ -36,7 +36,7 @@ from torch import nn
 from mpifl.aggregation.combiners import WeightedMean
 from mpifl.aggregation.kernels import Rows
 from mpifl.aggregation.strategies import Strategy, section_span
-from mpifl.algorithms.contract import ClientAlgorithm
+from mpifl.algorithms.contract import ClientAlgorithm, ShardRows
 from mpifl.config.capabilities import CONTROLLED_MEAN
 from mpifl.config.client_state import RULE_VECTORS
 from mpifl.learning.steps import corrected_steps, split, trainable
@@ -130,11 +130,8 @@ class ClientControls:
         return self._fill_correction(client, torch.empty_like(self.corrections))
 
     def _fill_correction(self, client: int, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (flat, fp32) set to c - c_i in place: the model's c copied in parameter by parameter, then the
-        stored c_i subtracted (no model-sized temporary on the one-at-a-time path)."""
-        for k, c in zip(split(out, self.params), self.server):
-            k.copy_(c)
-        return out.sub_(self.store.read(client, 0).to(out.device))
+        """``out`` (flat, fp32) set to c - c_i in place (``fill_correction``)."""
+        return fill_correction(out, self.server, self.params, self.store.read(client, 0))
 
     def update(self, client: int, global_bytes: torch.Tensor, steps: int, weight: float) -> None:
         """After ``client`` trained ``steps`` steps from the global model (``global_bytes``, a copy of the flat
@@ -149,11 +146,58 @@ class ClientControls:
                   for p, c, x in zip(self.params, self.server, self.flat.views_in(self.params, global_bytes))]
         if not all(bool(torch.isfinite(d).all()) for d in deltas):
             return  # a diverged client: its update is refused (NaN/Inf), and its c_i stays as it was
-        own = self.store.read(client, 0)
-        for c, mine, delta in zip(self.server, split(own, self.params), deltas):
-            mine.add_(delta.to(mine.device))
-            c.add_(delta.div_(weight))
-        self.store.write(client, 0, own)
+        keep_control_deltas(self.store, client, deltas, self.server, self.params, weight)
+
+
+def fill_correction(out: torch.Tensor, server: Sequence[torch.Tensor], like: Sequence[torch.Tensor],
+                    stored: torch.Tensor) -> torch.Tensor:
+    """``out`` (flat, fp32) set to c - c_i in place: the server's c (``server``, shaped like ``like``) copied in
+    tensor by tensor, then the stored c_i subtracted (no model-sized temporary)."""
+    for k, c in zip(split(out, like), server):
+        k.copy_(c)
+    return out.sub_(stored.to(out.device))
+
+
+def keep_control_deltas(store: ResidualStore, client: int, deltas: Sequence[torch.Tensor],
+                        server: Sequence[torch.Tensor], like: Sequence[torch.Tensor], weight: float) -> None:
+    """c_i += delta_c_i in the store, and each ``server`` tensor (the model's control section, where the update
+    carries it) set to c + delta_c_i / ``weight``; ``deltas`` are consumed."""
+    own = store.read(client, 0)
+    for c, mine, delta in zip(server, split(own, like), deltas):
+        mine.add_(delta.to(mine.device))
+        c.add_(delta.div_(weight))
+    store.write(client, 0, own)
+
+
+class ShardControls:
+    """``ClientControls`` on one rank of a sharded client (``clients.sharding: fsdp``): c_i over this rank's rows of
+    the trained parameters, their correction while a client trains and their control deltas afterwards, elementwise
+    as ``ClientControls`` forms them over whole tensors; the rows of c are this rank's rows of the model's control
+    section, which the group shards like the parameters."""
+
+    def __init__(self, rows: ShardRows, store: ResidualStore, lr: float):
+        if len(rows.streams) != len(rows.rows):
+            raise ValueError(f"SCAFFOLD on a sharded client: {len(rows.rows)} trained parameters but "
+                             f"{len(rows.streams)} control buffers")
+        self.rows, self.store, self.lr = rows, store, lr
+        self.corrections = torch.empty(rows.elements, device=rows.device)
+
+    @contextlib.contextmanager
+    def training(self, client: int) -> Iterator[None]:
+        """Train ``client`` inside: each step's rows corrected by -lr * (c - c_i)."""
+        fill_correction(self.corrections, self.rows.streams, self.rows.rows, self.store.read(client, 0))
+        with corrected_steps(self.rows.params, split(self.corrections, self.rows.rows)):
+            yield
+
+    def update(self, client: int, steps: int, weight: float) -> None:
+        """As ``ClientControls.update``, on this rank's rows; a client diverged on any rank keeps its c_i on all."""
+        if weight <= 0:
+            raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, "
+                             f"which is {weight}")
+        deltas = [control_delta(x.float(), y.detach().float(), c, steps, self.lr)
+                  for y, c, x in zip(self.rows.rows, self.rows.streams, self.rows.anchors)]
+        if self.rows.all_ranks(all(bool(torch.isfinite(d).all()) for d in deltas)):
+            keep_control_deltas(self.store, client, deltas, self.rows.streams, self.rows.rows, weight)
 
 
 class GroupCorrections:
@@ -173,7 +217,8 @@ class GroupCorrections:
 
 CLIENT = ClientAlgorithm(state=RULE_VECTORS["control_variates"],
                          leader=lambda work, store, cfg: ClientControls(work, store, cfg.train.lr),
-                         member=lambda work, cfg: GroupCorrections(work), streams=control_variates)
+                         member=lambda work, cfg: GroupCorrections(work), streams=control_variates,
+                         shard=lambda rows, store, cfg: ShardControls(rows, store, cfg.train.lr))
 
 
 # --- the server half ----------------------------------------------------------------------------------------------

@@ -151,9 +151,9 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
                 "rounds: choose clock.mode 'off' or 'sync'")
-    if cfg.train.trainer != "torch" and name in BUILTIN_CAPABILITIES:  # a plug-in's client half is its trainer's
-        return (f"train.trainer: {why}, and the built-in 'torch' trainer is the one whose steps it corrects; "
-                f"{cfg.train.trainer!r} is not supported: set train.trainer='torch'")
+    if cfg.train.trainer not in ("torch", "causal_lm") and name in BUILTIN_CAPABILITIES:  # a plug-in's is its own
+        return (f"train.trainer: {why}, and the built-in trainers ('torch', 'causal_lm') are the ones whose steps it "
+                f"corrects; {cfg.train.trainer!r} is not supported: set train.trainer='torch' or 'causal_lm'")
     return None
 
 
@@ -357,8 +357,11 @@ def _check_sharding(cfg: Config) -> None:
     state = cfg.client_state()
     not_yet = [
         ("model.init_from", cfg.model.init_from is None, "unset (each rank would read its rows of the checkpoint)"),
-        ("per-client state (SCAFFOLD, FedDyn, Ditto, model.local, error feedback, declared vectors)", state is None,
-         "none: strategy.name fedavg, fedprox, fednova, fedadam, ... without client state"),
+        ("per-client state (Ditto, model.local, error feedback, declared vectors)",
+         state is None or not (state.residuals or state.local or state.personal or state.vectors),
+         "none but a strategy's client half (SCAFFOLD's c_i, FedDyn's g_i), which each rank keeps over its rows"),
+        ("clients.placement", state is None or not cfg.lends_client_state,
+         "'round_robin' with per-client state (per_round lends each client's state to another rank)"),
         ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync'"),
         ("clients.groups", cfg.clients.groups == 0, "0"),
         ("privacy.mode", cfg.privacy.mode == "off", "'off'"),

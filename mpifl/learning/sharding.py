@@ -30,6 +30,7 @@ from torch import distributed as dist
 from torch import nn
 
 from mpifl.learning.parallel import DataParallel, use_group_batch_norm
+from mpifl.learning.steps import own_rows
 from mpifl.wire.shards import shard_rows
 
 
@@ -109,7 +110,7 @@ class MaterializedInit:
                 whole, holders = self.whole.pop(ident)
                 for module, name, shard in holders:
                     module._parameters[name] = shard
-                full, local = whole.detach(), local_rows(holders[0][2].data)
+                full, local = whole.detach(), own_rows(holders[0][2].data)
                 first, last = shard_rows(full.shape[0], self.parts, self.index) if full.dim() else (0, 0)
                 with torch.no_grad():
                     local.copy_(full[first:last] if full.dim() else full)
@@ -150,12 +151,6 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "to_local")
 
 
-def local_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """A rank's own rows of a parameter (its FSDP shard, without padding), or the whole of a plain tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 class ShardedParallel(DataParallel):
     """The trainers' view of a sharded group (``TorchTrainer.parallel``, ``CausalLMTrainer.parallel``): a client
     group's process group, sums and batch shares as ``DataParallel`` has them, plus the device mesh FSDP shards over;
@@ -180,20 +175,40 @@ class ShardedParallel(DataParallel):
         return module
 
 
+def shard_buffers(model: nn.Module, prefix: str, parts: int, index: int) -> list[str]:
+    """Keep only rank ``index``'s rows of each buffer of ``model``'s submodule ``prefix``, split as FSDP splits a
+    parameter (``shard_rows``; a 0-d buffer stays whole), and return their names in ``model``.
+
+    For a client half's summed streams (SCAFFOLD's server control variate c, ``mpifl.wire.spec.CONTROL``): fp32,
+    one per trained element, so whole on every rank they would outweigh a bf16 model twice over. Call it on the
+    model built on the meta device, before ``build_sharded``, which starts them at zero."""
+    module = model.get_submodule(prefix)
+    names = []
+    for name, buffer in list(module._buffers.items()):
+        if buffer is None or not buffer.dim():
+            continue
+        first, last = shard_rows(buffer.shape[0], parts, index)
+        module._buffers[name] = torch.zeros((last - first, *buffer.shape[1:]), dtype=buffer.dtype,
+                                            device=buffer.device)
+        names.append(f"{prefix}.{name}")
+    return names
+
+
 def build_sharded(model: nn.Module, seed: int, parallel: ShardedParallel, device: torch.device) -> nn.Module:
-    """Shard ``model``, built on the meta device (buffers real), over the group in place, on ``device``, with this
-    rank's rows of the seeded initialisation (``seeded_shards``)."""
+    """Shard ``model``, built on the meta device (buffers real, but a client half's summed streams, which start at
+    zero), over the group in place, on ``device``, with this rank's rows of the seeded initialisation
+    (``seeded_shards``)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     shard_model(model, parallel.mesh)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, b in model.named_buffers():  # to_empty leaves buffers uninitialised: the built values back
             if name in buffers:
-                b.copy_(buffers[name])
+                b.zero_() if buffers[name].is_meta else b.copy_(buffers[name])
     for name, p in model.named_parameters():
         expected = tuple(p.shape)
         first, last = shard_rows(expected[0], parallel.size, parallel.rank) if expected else (0, 0)
-        local = tuple(local_rows(p.data).shape)
+        local = tuple(own_rows(p.data).shape)
         if expected and local != (last - first, *expected[1:]):
             raise RuntimeError(f"FSDP gave rank {parallel.rank} rows of shape {local} of {name!r}, the layout "
                                f"expects {(last - first, *expected[1:])} (torch.chunk's split)")
@@ -210,7 +225,7 @@ def load_pretrained_rows(model: nn.Module, path: str | Path, parts: int, index: 
     def rows(f: Any, key: str, target: torch.Tensor) -> None:
         if is_sharded(target) and target.dim():
             first, last = shard_rows(target.shape[0], parts, index)
-            local_rows(target.data).copy_(f.get_slice(key)[first:last])
+            own_rows(target.data).copy_(f.get_slice(key)[first:last])
         else:  # a buffer, whole on every rank
             target.copy_(f.get_tensor(key))
 

@@ -20,8 +20,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mpifl.wire.spec import is_local
 
-__all__ = ["corrected_steps", "gather", "regularized_gradients", "scatter", "split", "trainable",
-           "trainable_elements"]
+__all__ = ["corrected_steps", "gather", "own_rows", "regularized_gradients", "regularized_shard_gradients", "scatter",
+           "split", "trainable", "trainable_elements"]
+
+
+MASTER_OF = "mpifl_master_of"  # the attribute by which an optimizer's fp32 master copy names its model parameter
 
 
 def trainable(model: nn.Module, local: Sequence[str] = ()) -> list[tuple[str, nn.Parameter]]:
@@ -34,6 +37,14 @@ def trainable(model: nn.Module, local: Sequence[str] = ()) -> list[tuple[str, nn
 def trainable_elements(model: nn.Module, local: Sequence[str] = ()) -> int:
     """Elements of one client's vector over the ``trainable`` parameters (SCAFFOLD's c_i, FedDyn's g_i)."""
     return sum(p.numel() for _, p in trainable(model, local))
+
+
+def own_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The rows of ``tensor`` this rank holds: a sharded parameter's (an FSDP DTensor's local shard, a view that
+    writes through), or the whole of a plain tensor. A client half on a sharded client (``clients.sharding: fsdp``)
+    keeps its vectors over these rows only."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def split(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,16 +81,21 @@ def corrected_steps(params: Sequence[nn.Parameter], corrections: Sequence[torch.
     outside the optimizer's momentum and weight decay. For plain SGD that is the paper's step; with momentum beta it
     is what NIID-Bench (Li et al., ICDE 2022) and Flower's baseline do. Inside the momentum the correction would act
     1 / (1 - beta) times, on top of control variates (x - y) / (K lr) that already carry that factor, and the run
-    diverges (with beta 0.9: chance accuracy on Fashion-MNIST by round 2)."""
+    diverges (with beta 0.9: chance accuracy on Fashion-MNIST by round 2).
+
+    A sharded parameter (``clients.sharding: fsdp``) is corrected on the rows this rank holds (``own_rows``): its
+    correction is shaped like them. Where the optimizer steps an fp32 master copy of a narrow parameter (the
+    causal_lm trainer under bf16), the copy names its parameter (``MASTER_OF``) and is corrected instead, before it
+    is copied back."""
     by_id = {id(p): k for p, k in zip(params, corrections, strict=True)}
 
     def after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    k = by_id.get(id(p))
+                    k = by_id.get(id(getattr(p, MASTER_OF, p)))  # a master copy's step corrects its parameter
                     if k is not None:
-                        p.add_(k.to(p.dtype), alpha=-group["lr"])
+                        own_rows(p).add_(k.to(p.dtype), alpha=-group["lr"])
 
     handle = register_optimizer_step_post_hook(after_step)
     try:
@@ -103,11 +119,48 @@ def regularized_gradients(params: Sequence[nn.Parameter], anchors: Sequence[torc
 
     def hook(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         p, x, g = params[k], anchors[k], states[k]
-        if backwards_per_step == 1:
-            return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g)).to(grad.dtype)
-        return lambda grad: grad + ((p.detach() - x).mul_(alpha).sub_(g).div_(backwards_per_step)).to(grad.dtype)
+        return lambda grad: grad + regularizer_term(p.detach(), x, g, alpha, backwards_per_step).to(grad.dtype)
 
     handles = [p.register_hook(hook(k)) for k, p in enumerate(params)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def regularizer_term(y: torch.Tensor, x: torch.Tensor, g: torch.Tensor, alpha: float,
+                     backwards_per_step: int) -> torch.Tensor:
+    """(alpha (y - x) - g) / A: one backward pass's share of the gradient ``regularized_gradients`` adds (a new
+    tensor)."""
+    term = (y - x).mul_(alpha).sub_(g)
+    return term if backwards_per_step == 1 else term.div_(backwards_per_step)
+
+
+@contextlib.contextmanager
+def regularized_shard_gradients(params: Sequence[nn.Parameter], anchors: Sequence[torch.Tensor],
+                                states: Sequence[torch.Tensor], alpha: float,
+                                backwards_per_step: int = 1) -> Iterator[None]:
+    """``regularized_gradients`` for sharded parameters (``clients.sharding: fsdp``): ``anchors`` and ``states``
+    shaped like the rows this rank holds (``own_rows``). FSDP runs the backward on gathered copies, so a hook on the
+    sharded parameter's own gradient never fires; the term goes instead into the rows of its gradient each time FSDP
+    has reduce-scattered a backward pass into it (a post-accumulate-grad hook, which FSDP calls then). The term
+    then joins the averaged gradient rather than each rank's share before the average: the same sum, rounded in
+    another order."""
+    if backwards_per_step < 1:
+        raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
+
+    def hook(k: int) -> Callable[[torch.Tensor], None]:
+        x, g = anchors[k], states[k]
+
+        def add(p: torch.Tensor) -> None:
+            assert p.grad is not None  # FSDP calls it once it has set the gradient
+            with torch.no_grad():
+                rows = own_rows(p.grad)
+                rows.add_(regularizer_term(own_rows(p).detach(), x, g, alpha, backwards_per_step).to(rows.dtype))
+        return add
+
+    handles = [p.register_post_accumulate_grad_hook(hook(k)) for k, p in enumerate(params)]
     try:
         yield
     finally:

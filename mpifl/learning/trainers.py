@@ -16,7 +16,7 @@ from mpifl.config import EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import GroupParallel, share_of, share_weight
-from mpifl.learning.steps import split
+from mpifl.learning.steps import MASTER_OF, split
 from mpifl.plugins import kwargs_problem, resolve
 
 
@@ -313,7 +313,7 @@ class CausalLMTrainer:
             enable_gradient_checkpointing(model)
             self._checkpointing = True
         params = [p for p in model.parameters() if p.requires_grad]
-        masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params]
+        masters = [p if p.dtype == torch.float32 else master_copy(p) for p in params]
         mixed = any(m is not p for m, p in zip(masters, params))
         anchors = [m.detach().clone() for m in masters] if c.prox_mu else []
         optimizer = make_optimizer(masters, c)
@@ -347,6 +347,15 @@ class CausalLMTrainer:
                             p.copy_(m)
         mean = group_mean(total, count, self.parallel)
         return TrainResult(len(data), {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}, local_steps=steps)
+
+
+def master_copy(param: torch.Tensor) -> torch.Tensor:
+    """An fp32 master copy of a narrow parameter, for the optimizer to step in full precision; it names the
+    parameter it stands for (``MASTER_OF``), so a hook on the optimizer's steps that acts on that parameter
+    (``mpifl.learning.steps.corrected_steps``: SCAFFOLD's correction) acts on its master, which is copied back."""
+    master = param.detach().float().requires_grad_()
+    setattr(master, MASTER_OF, param)
+    return master
 
 
 def _master_gradients(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],

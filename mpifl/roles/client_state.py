@@ -48,8 +48,9 @@ def state_sizes(plan: ExchangeLayout, flat: FlatModel) -> StateSizes:
 
 
 def open_client_state(cfg: Config, layout: ClientStateLayout, rank: int, hosted: list[int], run_dir: Path | None,
-                      resume: ResumePoint | None) -> RamResiduals | DiskResiduals:
-    """The hosted clients' vectors, in RAM or on disk within the state's budget, reloaded on a resume."""
+                      resume: ResumePoint | None, shard: tuple[int, int] = (0, 1)) -> RamResiduals | DiskResiduals:
+    """The hosted clients' vectors, in RAM or on disk within the state's budget, reloaded on a resume (``shard``:
+    the rows a rank of a sharded client group keeps them over, ``storage.residuals.load_snapshot``)."""
     state = cfg.client_state()
     assert state is not None  # a layout exists only for a run with per-client state
     firsts = layout.firsts
@@ -59,7 +60,10 @@ def open_client_state(cfg: Config, layout: ClientStateLayout, rank: int, hosted:
     except ValueError as err:
         raise JobFailure(str(err)) from None
     if resume is not None:
-        found = load_snapshot(store, firsts, resume.residual_files or [], hosted)
+        try:
+            found = load_snapshot(store, firsts, resume.residual_files or [], hosted, shard)
+        except ValueError as err:
+            raise JobFailure(f"rank {rank}: {err}") from None
         log(f"resume: {state.what} of {found} of its {len(hosted)} clients ({store.where})", rank=rank)
     return store
 

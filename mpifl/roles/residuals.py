@@ -45,8 +45,9 @@ class ResidualPublisher:
             while not self.comm.Iprobe(source=rank, tag=protocol.RESIDUALS):
                 watchdog.check(waiting)
                 backoff.pause()
-            name = self.comm.recv(source=rank, tag=protocol.RESIDUALS)
-            if not isinstance(name, str):
-                raise RuntimeError(f"rank {rank} sent {name!r} where its residual file's name belongs")
-            files.append(name)
+            names = self.comm.recv(source=rank, tag=protocol.RESIDUALS)  # a sharded group's: one per rank of it
+            names = [names] if isinstance(names, str) else names
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise RuntimeError(f"rank {rank} sent {names!r} where its residual files' names belong")
+            files.extend(names)
         return files

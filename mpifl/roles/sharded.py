@@ -23,21 +23,32 @@ group's ``torch.distributed`` process group, built once at start-up.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from mpi4py import MPI
 from torch import nn
 
+from mpifl.aggregation.strategies import make_strategy
+from mpifl.algorithms import model_streams
 from mpifl.config import Config
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import resolve_device, use_deterministic_kernels
 from mpifl.learning.models import build_model
-from mpifl.learning.sharding import ShardedParallel, build_sharded, is_sharded, load_pretrained_rows, local_rows
+from mpifl.learning.sharding import (
+    ShardedParallel,
+    build_sharded,
+    is_sharded,
+    load_pretrained_rows,
+    own_rows,
+    shard_buffers,
+)
 from mpifl.learning.trainers import (
     CausalLMTrainer,
     ConfiguredTrainer,
@@ -54,16 +65,18 @@ from mpifl.roles.client import ClientFailure
 from mpifl.roles.encoding import count_nonfinite
 from mpifl.roles.group import rendezvous_store
 from mpifl.roles.launch import startup_limit
+from mpifl.roles.sharded_state import ShardedState, every_rank, open_sharded_state, rows_of
+from mpifl.storage.rundir import ResumePoint
 from mpifl.units import format_bytes
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, build_spec, split_tensors
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, return_freed_memory
 from mpifl.wire.shards import owned_spans, pieces_by_chunk
-from mpifl.wire.spec import ModelSpec
+from mpifl.wire.spec import CONTROL, ModelSpec
 from mpifl.wire.transport import ProgressReporter, recv_object, send_chunks, send_object, wait, wake
 
-INIT, MODEL, TRAIN, STOP = "init", "model", "train", "stop"
+INIT, MODEL, TRAIN, SETTLE, PERSIST, STOP = "init", "model", "train", "settle", "persist", "stop"
 
 
 @dataclass(frozen=True)
@@ -71,10 +84,14 @@ class GroupStep:
     """The leader to its group: what to do together now."""
 
     kind: str  # INIT: send the freshly built model (the out-of-core server's round 0); MODEL: take the global model;
-    # TRAIN: train ``client`` and send its update; STOP: the run is over
+    # TRAIN: train ``client`` and send its update; SETTLE: a header arrived, put back the ``dropped`` clients'
+    # per-client state; PERSIST: publish this rank's per-client state of ``round`` in ``folder``; STOP: the run is over
     client: int = -1
     seed: int = 0
     steps: int | None = None  # the client's own local steps (fedcompass), else the config's
+    dropped: tuple[int, ...] = ()  # SETTLE: the server's note of clients dropped past their deadline
+    round: int = -1  # PERSIST
+    folder: str = ""  # PERSIST
 
 
 def tensors_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -87,17 +104,19 @@ class ShardedModel:
     shard, its copy of the round's global rows, and its pieces of every chunk, out and back."""
 
     def __init__(self, module: nn.Module, spec: ModelSpec, plan: ExchangeLayout, rank: int, size: int,
-                 delta: bool, statistics_as_values: bool):
+                 delta: bool, statistics_as_values: bool, row_buffers: Collection[str] = ()):
+        """``row_buffers``: buffers this rank holds only its rows of (``mpifl.learning.sharding.shard_buffers``),
+        split as the parameters are."""
         self.module, self.spec, self.plan, self.rank, self.size = module, spec, plan, rank, size
         self.delta, self.statistics_as_values = delta, statistics_as_values
         tensors = tensors_by_name(module)
         missing = [e.name for e in spec.entries if e.name not in tensors]
         if missing:
             raise RuntimeError(f"the sharded model has no tensor {missing[0]!r} of the exchanged layout")
-        self.sharded = {e.name for e in spec.entries if is_sharded(tensors[e.name])}
+        self.sharded = {e.name for e in spec.entries if is_sharded(tensors[e.name]) or e.name in row_buffers}
         self.dtypes = {e.name: DTYPES[e.dtype] for e in spec.entries}
         # this rank's bytes of each exchanged tensor: a view of its FSDP shard (or of a whole buffer)
-        self.local = {e.name: local_rows(tensors[e.name].data).reshape(-1).view(torch.uint8) for e in spec.entries}
+        self.local = {e.name: own_rows(tensors[e.name].data).reshape(-1).view(torch.uint8) for e in spec.entries}
         self.receiving = owned_spans(spec, self.sharded, size, rank, receiving=True)
         self.taking = pieces_by_chunk(self.receiving, plan.chunks)
         # what each rank sends of each chunk (the leader unpacks every rank's pieces)
@@ -259,9 +278,9 @@ class ShardedLeader:
 
     def __init__(self, comm: MPI.Comm, group: ShardedGroup, trainer: Trainer,
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, seed: int,
-                 accept_failures: bool, parallel: ShardedParallel):
+                 accept_failures: bool, parallel: ShardedParallel, state: ShardedState | None):
         self.comm, self.group, self.trainer, self.local_data = comm, group, trainer, local_data
-        self.seed, self.accept_failures, self.parallel = seed, accept_failures, parallel
+        self.seed, self.accept_failures, self.parallel, self.state = seed, accept_failures, parallel, state
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.progress = ProgressReporter(comm)
         self.progress.attach(group.model.module)
@@ -283,8 +302,16 @@ class ShardedLeader:
         """Serve rounds until the server says stop; then release the group."""
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
+            if not isinstance(header, protocol.Header):
+                raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a header belongs")
+            if self.state is not None and self.state.journal is not None:  # before anything reads or publishes it
+                self.order(GroupStep(SETTLE, dropped=tuple(header.dropped)))
+                self.state.settle(header.dropped, self.rank)
             if isinstance(header, protocol.Stop):
                 break
+            if isinstance(header, protocol.PersistOrder):
+                self.persist(header)
+                continue
             if type(header) is not protocol.RoundOrder:  # config checks refuse what would send anything else
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r}, which a sharded client group "
                                    "cannot serve")
@@ -293,6 +320,15 @@ class ShardedLeader:
                 self.serve_round(header)
         self.order(GroupStep(STOP))
         self.progress.close()
+
+    def persist(self, header: protocol.PersistOrder) -> None:
+        """Every rank of the group publishes its rows of its clients' vectors for the checkpoint; the leader
+        acknowledges with all their files."""
+        assert self.state is not None  # the server asks only with per-client state, which the group then keeps
+        self.order(GroupStep(PERSIST, round=header.round, folder=header.folder))
+        mine = self.state.persist(Path(header.folder), self.rank, header.round)
+        names = self.group.group.gather(mine, root=0)
+        send_object(self.comm, names, protocol.SERVER, protocol.RESIDUALS)
 
     def serve_round(self, header: protocol.RoundOrder) -> None:
         """Take the global model with the group, then train and send each logical client in id order."""
@@ -307,7 +343,7 @@ class ShardedLeader:
             self.order(step)
             dispatched = time.perf_counter()
             result = train_client(self.group, self.trainer, self.local_data, step, round_=header.round,
-                                  rank=self.rank)
+                                  rank=self.rank, state=self.state)
             trained = time.perf_counter()
             error = checked_update(self.group, step, self.accept_failures, self.rank)
             metrics = {**result.metrics, **self.group.costs(self.meter),
@@ -325,9 +361,10 @@ class ShardedMember:
     """A sharded group's other rank: do what the leader orders, with the group."""
 
     def __init__(self, group: ShardedGroup, trainer: Trainer,
-                 local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, accept_failures: bool):
+                 local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, accept_failures: bool,
+                 state: ShardedState | None):
         self.group, self.trainer, self.local_data = group, trainer, local_data
-        self.accept_failures = accept_failures
+        self.accept_failures, self.state = accept_failures, state
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.meter = CostMeter()
 
@@ -339,15 +376,27 @@ class ShardedMember:
                 raise RuntimeError(f"rank {self.rank}: the group's leader sent {step!r} where a GroupStep belongs")
             if step.kind == STOP:
                 return
-            if step.kind == INIT:
+            if step.kind in (SETTLE, PERSIST):
+                self.keep_state(step)
+            elif step.kind == INIT:
                 drain(self.group.gathered_chunks(values=True))
             elif step.kind == MODEL:
                 self.group.take_model(None)
             else:
-                train_client(self.group, self.trainer, self.local_data, step, round_=-1, rank=self.rank)
+                train_client(self.group, self.trainer, self.local_data, step, round_=-1, rank=self.rank,
+                             state=self.state)
                 checked_update(self.group, step, self.accept_failures, self.rank)
                 self.group.costs(self.meter)
                 drain(self.group.gathered_chunks())
+
+    def keep_state(self, step: GroupStep) -> None:
+        """SETTLE: put back the dropped clients' vectors; PERSIST: publish this rank's rows of its clients' vectors
+        and hand the file's name to the leader."""
+        assert self.state is not None  # the leader orders these only of a group that keeps per-client state
+        if step.kind == SETTLE:
+            self.state.settle(step.dropped, self.rank)
+        else:
+            self.group.group.gather(self.state.persist(Path(step.folder), self.rank, step.round), root=0)
 
 
 def drain(chunks: Iterator[np.ndarray]) -> None:
@@ -358,13 +407,19 @@ def drain(chunks: Iterator[np.ndarray]) -> None:
 
 def train_client(group: ShardedGroup, trainer: Trainer,
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], step: GroupStep, *,
-                 round_: int, rank: int) -> TrainResult:
-    """Every rank: train ``step.client`` with the group from the round's global model."""
+                 round_: int, rank: int, state: ShardedState | None) -> TrainResult:
+    """Every rank: train ``step.client`` with the group from the round's global model, inside its client half
+    where the run keeps per-client state, which then keeps the client's new vector over this rank's rows."""
     group.start_client()
     train, _ = local_data.get(step.client, (None, None))
     try:
-        with local_steps(trainer, step.steps):
-            return trainer.train(group.model.module, train, step.seed)
+        with local_steps(trainer, step.steps), \
+                state.half.training(step.client) if state is not None else contextlib.nullcontext():
+            result = trainer.train(group.model.module, train, step.seed)
+        if state is not None:
+            state.half.update(step.client, result.local_steps or 0, state.weight(protocol.UpdateMeta(
+                step.client, result.num_samples, 0.0, dict(result.metrics), local_steps=result.local_steps)))
+        return result
     except Exception as err:
         when = f" in round {round_}" if round_ >= 0 else ""
         raise ClientFailure(f"logical client {step.client} failed{when} on rank {rank}, a rank of its sharded group "
@@ -386,11 +441,12 @@ def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, 
     return error
 
 
-def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config, spec: ModelSpec,
+def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - keyword-only, each from the runner
                   plan: ExchangeLayout, local: Mapping[int, tuple[ClientData | None, ClientData | None]], *,
-                  upload_initial: bool) -> None:
+                  upload_initial: bool, run_dir: Path | None, resume: ResumePoint | None) -> None:
     """Every rank of a sharded group (the leader with the ``federation``): join the group's process group, build
-    this rank's shard of the model, then serve the rounds (the leader) or follow the leader (the others)."""
+    this rank's shard of the model and its rows of the clients' state, then serve the rounds (the leader) or follow
+    the leader (the others)."""
     rank, size = group_comm.Get_rank(), group_comm.Get_size()
     return_freed_memory()  # memory before speed: what sharding is for (mpifl.wire.memory says why)
     timeout = startup_limit([], spec.total_bytes)
@@ -405,11 +461,12 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
     assert store is not None
     parallel.start(store, device, timeout)
     began = time.perf_counter()
-    module = build_model(cfg.model, cfg.seed)
+    module = build_model(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule))
     exchanged, _ = split_tensors(module, cfg.model.exchange == "trainable", cfg.model.local)
     if build_spec(exchanged).hash != spec.hash:
         raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: the model built for sharding differs from the "
                            "exchanged layout")
+    streams = shard_buffers(module, CONTROL, size, rank) if hasattr(module, CONTROL) else []
     build_sharded(module, cfg.seed, parallel, device)
     if cfg.model.transformers.pretrained:
         assert cfg.model.transformers.path is not None  # config checks refuse pretrained without a path
@@ -418,17 +475,22 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
     trainer = make_trainer(cfg.train)
     assert isinstance(trainer, (TorchTrainer, CausalLMTrainer))  # the config checks allow only these
     trainer.parallel = parallel
-    model = ShardedModel(module, spec, plan, rank, size, cfg.strategy.update == "delta", cfg.statistics_as_values)
+    model = ShardedModel(module, spec, plan, rank, size, cfg.strategy.update == "delta", cfg.statistics_as_values,
+                         row_buffers=streams)
+    tensors = tensors_by_name(module)
+    rows = rows_of(module, spec, model.global_rows, [tensors[name] for name in streams], every_rank(group_comm))
+    state = open_sharded_state(cfg, rows, (rank, size), MPI.COMM_WORLD.Get_rank(), sorted(local), run_dir, resume,
+                               make_strategy(cfg.strategy).weight_of)
     group = ShardedGroup(group_comm, model, plan)
     if federation is None:
-        ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures).run()
+        ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state).run()
     else:
         if federation.Get_rank() == 1:
             log(f"client groups of {size} ranks shard each client's model with FSDP over "
                 f"{parallel.backend}: this rank holds {format_bytes(model.held_bytes)} of the "
                 f"{format_bytes(spec.total_bytes)} exchanged (built in {parallel.setup_seconds:.1f} s)", rank=1)
         leader = ShardedLeader(federation, group, trainer, local, seed=cfg.seed,
-                               accept_failures=cfg.clients.accept_failures, parallel=parallel)
+                               accept_failures=cfg.clients.accept_failures, parallel=parallel, state=state)
         if federation.Get_rank() == 1 and upload_initial and cfg.server.state == "disk":
             leader.upload_initial()
         leader.run()

@@ -361,12 +361,16 @@ def open_residuals(firsts: list[int], hosted: int, ram_bytes: int, path: Path | 
     return DiskResiduals(firsts, path)
 
 
-def save_snapshot(store: ResidualStore, firsts: list[int], folder: Path, rank: int, round_: int) -> str:
-    """Publish the rank's residuals as ``folder/rank<rank>.h5`` (temp file, fsync, rename); return its name."""
+def save_snapshot(store: ResidualStore, firsts: list[int], folder: Path, rank: int, round_: int,
+                  shard: tuple[int, int] = (0, 1)) -> str:
+    """Publish the rank's residuals as ``folder/rank<rank>.h5`` (temp file, fsync, rename); return its name.
+    ``shard``: (index, count) of the rows a rank of a sharded client group keeps its clients' vectors over
+    (``clients.sharding: fsdp``), recorded so a resume reads each rank's rows from the files of the same index."""
     name = RANK_FILE.format(rank=rank)
     tmp = folder / (name + ".tmp")
     with h5py.File(tmp, "w") as f:
-        f.attrs.update({"format": FORMAT, "elements": firsts[-1], "round": round_})
+        f.attrs.update({"format": FORMAT, "elements": firsts[-1], "round": round_, "shard": shard[0],
+                        "shards": shard[1]})
         group = f.create_group("clients")
         for client in store.clients():
             dataset = _create(group, client, firsts[-1])
@@ -378,11 +382,21 @@ def save_snapshot(store: ResidualStore, firsts: list[int], folder: Path, rank: i
     return name
 
 
-def load_snapshot(store: ResidualStore, firsts: list[int], files: Iterable[Path], hosted: Iterable[int]) -> int:
-    """Read the ``hosted`` clients' residuals from a checkpoint's files (whichever holds each); how many were found."""
+def load_snapshot(store: ResidualStore, firsts: list[int], files: Iterable[Path], hosted: Iterable[int],
+                  shard: tuple[int, int] = (0, 1)) -> int:
+    """Read the ``hosted`` clients' residuals from a checkpoint's files (whichever holds each); how many were found.
+    ``shard``: a rank of a sharded client group reads only the files of its own rows (``save_snapshot``), whichever
+    group wrote them; a checkpoint sharded over another number of ranks is refused, naming both."""
     hosted, found = set(hosted), 0
     for path in files:
         with h5py.File(path, "r") as f:
+            kept = (int(f.attrs.get("shard", 0)), int(f.attrs.get("shards", 1)))
+            if kept[1] != shard[1]:
+                raise ValueError(f"{path}: per-client state kept over {kept[1]} shard(s) of each client's rows; this "
+                                 f"run keeps it over {shard[1]} (clients.ranks_per_client with clients.sharding: "
+                                 f"fsdp): resume with the checkpoint's number")
+            if kept[0] != shard[0]:
+                continue
             if f.attrs.get("format") != FORMAT or int(f.attrs["elements"]) != firsts[-1]:
                 raise ValueError(f"{path}: not residuals of this model ({firsts[-1]} elements)")
             for name in sorted(f["clients"], key=int):

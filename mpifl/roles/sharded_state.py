@@ -1,0 +1,107 @@
+"""Per-client state on a sharded client group (``clients.sharding: fsdp``): every rank of the group keeps its
+clients' vectors (SCAFFOLD's c_i, FedDyn's g_i) over the rows of the model it holds, and only those.
+
+Why on every rank rather than on the leader: a client's vector is one fp32 value per trained element, twice a
+bf16 model's size, so a leader holding whole vectors would hold more than the model the group shards. Each rank's
+store is a store like an unsharded rank's (in RAM or on disk within the state's budget), of 1/R of the elements;
+its client half (``ClientAlgorithm.shard``) acts on its rows elementwise as the unsharded half acts on whole
+tensors, so the group's result is what one rank would compute, up to the training's own rounding.
+
+A checkpoint holds one file per rank of each group, each marked with its rows (``storage.residuals.save_snapshot``);
+a resume on another number of groups reads each rank's rows from the files of its index in the group. Clients the
+server drops past their deadline have their vectors put back on every rank of the group, as the leader relays the
+server's note of them (``GroupStep.dropped``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from mpifl.algorithms import client_algorithm
+from mpifl.algorithms.contract import ShardHalf, ShardRows
+from mpifl.config import Config, ConfigError
+from mpifl.config.client_state import StateSizes
+from mpifl.learning.steps import own_rows, trainable
+from mpifl.logs import log
+from mpifl.roles.client_state import open_client_state
+from mpifl.storage.residuals import DiskResiduals, RamResiduals, ResidualStore, UndoJournal, save_snapshot
+from mpifl.storage.rundir import ResumePoint
+from mpifl.wire.flat import DTYPES
+from mpifl.wire.protocol import UpdateMeta
+from mpifl.wire.spec import ModelSpec
+
+
+def rows_of(module: torch.nn.Module, spec: ModelSpec, global_rows: dict[str, torch.Tensor],
+            streams: Sequence[torch.Tensor], all_ranks: Callable[[bool], bool]) -> ShardRows:
+    """What this rank holds of a sharded model, for a client half (``ShardRows``): its trained parameters, its rows of
+    each, the round's global values of those rows (views of ``global_rows``, the bytes the group keeps of them) and
+    its rows of the summed streams."""
+    params = [p for _, p in trainable(module)]
+    names = [name for name, _ in trainable(module)]
+    dtypes = {e.name: DTYPES[e.dtype] for e in spec.entries}
+    rows = [own_rows(p.data) for p in params]
+    anchors = []
+    for name, mine in zip(names, rows):
+        if name not in dtypes:
+            raise RuntimeError(f"the trained parameter {name!r} does not travel, so a client half has no global value "
+                               "of it to act on")
+        held = global_rows.get(name)  # none where this rank holds no rows of it
+        anchors.append(held.view(dtypes[name]).view(mine.shape) if held is not None else torch.empty_like(mine))
+    device = rows[0].device if rows else torch.device("cpu")
+    return ShardRows(params, rows, anchors, list(streams), device, all_ranks)
+
+
+@dataclass
+class ShardedState:
+    """One rank's per-client state in a sharded group: its store over its rows, the client half that reads it, and
+    the put-back of dropped clients' vectors where the run journals them."""
+
+    half: ShardHalf
+    kept: RamResiduals | DiskResiduals  # the store itself: what a checkpoint publishes
+    journal: UndoJournal | None
+    shard: tuple[int, int]  # (this rank's index in its group, the group's size)
+    what: str  # the vector, as logs name it ("c_i")
+    weight: Callable[[UpdateMeta], float]  # a client's weight in the server's fold (its strategy's), from its header
+
+    def settle(self, dropped: Sequence[int], rank: int) -> None:
+        """Put back the vectors of this rank's clients the server dropped since its last header."""
+        if self.journal is None:
+            return
+        undone = self.journal.settle(tuple(dropped))
+        if undone and self.shard[0] == 0:
+            log(f"logical clients {', '.join(map(str, undone))} were dropped past their deadline: each one's "
+                f"{self.what} is put back on every rank of its group as it was before it trained", rank=rank)
+
+    def persist(self, folder: Path, rank: int, round_: int) -> str:
+        """Publish this rank's rows of its clients' vectors for round ``round_``'s checkpoint; the file's name."""
+        return save_snapshot(self.kept, self.kept.firsts, folder, rank, round_, self.shard)
+
+
+def open_sharded_state(cfg: Config, rows: ShardRows, shard: tuple[int, int], rank: int, hosted: list[int],
+                       run_dir: Path | None, resume: ResumePoint | None,
+                       weight: Callable[[UpdateMeta], float]) -> ShardedState | None:
+    """The per-client state of a sharded group's rank (``rank`` its world rank), over its rows of the trained
+    parameters; None for a run without. What the sharded path keeps is a client half's one vector (the config
+    checks refuse the other kinds); a client half without a sharded form is refused here, naming it."""
+    kinds = cfg.client_state()
+    if kinds is None:
+        return None
+    algorithm = client_algorithm(cfg.client_rule)
+    if algorithm is None or algorithm.shard is None:
+        raise ConfigError(f"strategy.name: clients.sharding: 'fsdp' keeps per-client state only through a client "
+                          f"half's sharded form (ClientAlgorithm.shard); {cfg.client_rule!r} has none: set "
+                          "clients.sharding='replicate'")
+    layout = kinds.layout(StateSizes(trainable=rows.elements, chunks=(), local=0, tensors=rows.elements))
+    kept = open_client_state(cfg, layout, rank, hosted, run_dir, resume, shard)
+    journal = UndoJournal(kept, layout.journaled_chunks()) if cfg.undoes_dropped_state else None
+    store: ResidualStore = journal or kept
+    return ShardedState(algorithm.shard(rows, store, cfg), kept, journal, shard, algorithm.state, weight)
+
+
+def every_rank(comm: MPI.Comm) -> Callable[[bool], bool]:
+    """``ShardRows.all_ranks`` over a group's communicator: True where every rank's answer is."""
+    return lambda mine: bool(comm.allreduce(int(mine), op=MPI.MIN))
