@@ -181,7 +181,8 @@ def _print_client_state(cfg: Config, size: ModelBytes, ranks: int) -> None:
             if hosts == list(range(hosts[0], hosts[-1] + 1)) else f"ranks {', '.join(map(str, hosts))}" \
             if len(hosts) <= 8 else f"{len(hosts)} ranks"
         if per_client > 1:
-            names += " (group leaders)"
+            names += f" (every rank of a group, its 1/{per_client} of each vector)" \
+                if cfg.clients.sharding == "fsdp" else " (group leaders)"
         where_kept = "in RAM (counted above)" if home == "RAM" else \
             f"on disk, <run dir>/{state.folder}/rank<rank>.h5, read chunk by chunk"
         print(f"  {names}: {state.what} of up to {hosted} clients, {each / MIB:,.1f} MiB {where_kept} "

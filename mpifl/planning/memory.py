@@ -274,18 +274,20 @@ def sharded_training_bytes(cfg: Config, size: ModelBytes, parts: int) -> int:
     """What a rank of a sharded group (``clients.sharding: fsdp``) trains with, where it trains: its 1/R of the
     model, of the gradients and of the optimizer state; the largest FSDP unit gathered whole (its parameters, and in
     backward their unsharded gradients beside them); one micro-batch's activations on its share of the batch
-    (``size.activations``, which the caller works out for the same R)."""
+    (``size.activations``, which the caller works out for the same R); and its rows of what a client half holds
+    while a client trains (``state_rule_bytes``: SCAFFOLD's correction and control deltas, FedDyn's g_i)."""
     held = share(size.total, parts)
     if cfg.train.trainer == "none":
         return held
-    return held + share(training_state_bytes(cfg, size), parts) + 2 * size.largest_unit + size.activations
+    return (held + share(training_state_bytes(cfg, size), parts) + 2 * size.largest_unit + size.activations
+            + share(state_rule_bytes(cfg, size), parts))
 
 
-def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False) -> int:
+def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False, groups: int = 1) -> int:
     """A rank of a sharded client group (mpifl.roles.sharded), in host memory: what it trains with
     (``sharded_training_bytes``) and the round's global rows of its 1/R, unless they live on its GPU (then the CUDA
-    libraries, and the block its initialisation makes whole), and the chunk ring with the leader's gathered
-    chunk."""
+    libraries, and the block its initialisation makes whole), the chunk ring with the leader's gathered chunk, and
+    its rows of its clients' state (``sharded_state_bytes``; ``groups``: the run's client groups)."""
     parts = cfg.clients.ranks_per_client
     client = imports_bytes(cfg)
     if on_gpu:  # the shards are initialised on the GPU from one block made whole on the host at a time
@@ -294,7 +296,21 @@ def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False) ->
         client += sharded_training_bytes(cfg, size, parts) + share(size.exchanged, parts)  # and the global rows
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
-    return client + (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes
+    return client + (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes + sharded_state_bytes(cfg, size, groups)
+
+
+def sharded_state_bytes(cfg: Config, size: ModelBytes, groups: int) -> int:
+    """A rank of a sharded group's per-client state in host memory (mpifl.roles.sharded_state): its rows, 1/R, of
+    its group's clients' vectors while they fit the state's RAM budget (else they are on disk), and of the copies
+    the put-back of dropped clients keeps through a round."""
+    state = cfg.client_state()
+    if state is None:
+        return 0
+    parts = cfg.clients.ranks_per_client
+    hosted = -(-cfg.clients.num_clients // max(1, groups))
+    kept = 4 * hosted * client_state_elements(cfg, size)
+    return (kept if kept <= state.ram_mb * MIB else 0) + \
+        4 * share(journaled_elements(cfg, size), parts) * undo_vectors(cfg, groups)
 
 
 def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
@@ -348,7 +364,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     model, its training state, the wire buffer, a group's sum, residuals in RAM. ``on_gpu``: the training state
     lives on the GPU (client_device_bytes) and the host maps the CUDA libraries instead."""
     if cfg.clients.sharding == "fsdp":
-        return sharded_client_bytes(cfg, size, on_gpu)
+        return sharded_client_bytes(cfg, size, on_gpu, client_ranks)
     nbytes, width = size.exchanged, itemsize(cfg.model.dtype)
     elements = nbytes // width
     client = imports_bytes(cfg) + size.total
@@ -412,9 +428,14 @@ def state_layout(cfg: Config, size: ModelBytes) -> ClientStateLayout | None:
 
 
 def client_state_elements(cfg: Config, size: ModelBytes) -> int:
-    """Elements of one client's state vector, every part of its layout together (0 without per-client state)."""
+    """Elements of one client's state vector on a rank that keeps it, every part of its layout together (0 without
+    per-client state): the whole vector, or a rank's rows of it, 1/R, on a sharded client
+    (``clients.sharding: fsdp``)."""
     layout = state_layout(cfg, size)
-    return layout.elements if layout is not None else 0
+    if layout is None:
+        return 0
+    return share(layout.elements, cfg.clients.ranks_per_client) if cfg.clients.sharding == "fsdp" else \
+        layout.elements
 
 
 def journaled_elements(cfg: Config, size: ModelBytes) -> int:
@@ -474,7 +495,8 @@ def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, ser
 def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:
     """Per-client state (Config.client_state) of ``elements`` fp32 each: (client ranks, clients each hosts, "RAM"
     or "HDF5"), fullest ranks first (round-robin placement); empty without any. With ``clients.ranks_per_client``
-    R > 1 the state lives on the groups' leaders (world ranks 1, 1 + R, ...), each hosting a group's clients."""
+    R > 1 the state lives on the groups' leaders (world ranks 1, 1 + R, ...), each hosting a group's clients; on
+    every rank of each group, its rows of them, under ``clients.sharding: fsdp``."""
     state = cfg.client_state()
     if state is None:
         return []
@@ -484,7 +506,9 @@ def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tup
     groups = 0 if cfg.lends_client_state else cfg.clients.groups  # per_round: each client's home is 1 + c mod N
     for host in range(1, hosts + 1):
         hosted = len(clients_of_rank(host, cfg.clients.num_clients, hosts, groups))
-        by_count.setdefault(hosted, []).append(1 + (host - 1) * per_client)  # the host's world rank
+        leader = 1 + (host - 1) * per_client  # the host's world rank
+        keeping = range(leader, leader + per_client) if cfg.clients.sharding == "fsdp" else (leader,)
+        by_count.setdefault(hosted, []).extend(keeping)
     limit = state.ram_mb * MIB
     return [(ranks, n, "RAM" if 4 * n * elements <= limit else "HDF5") for n, ranks in sorted(by_count.items(),
                                                                                               reverse=True)]
