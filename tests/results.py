@@ -26,6 +26,31 @@ def client_vectors(run_dir: Path) -> dict[int, np.ndarray]:
     return vectors
 
 
+def sharded_client_vectors(run_dir: Path, shapes: list[tuple[int, ...]]) -> dict[int, np.ndarray]:
+    """Every client's per-client vector from the last checkpoint of a sharded run (``clients.sharding: fsdp``), made
+    whole: each rank's file holds its rows (torch.chunk's split) of each tensor of ``shapes``, in order; the whole
+    vector is the tensors one after another, as an unsharded rank keeps it."""
+    pieces: dict[int, dict[int, np.ndarray]] = {}  # client -> shard index -> its rows, back to back
+    parts = 1
+    for path in sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals"))[-1].glob("rank*.h5"):
+        with h5py.File(path, "r") as f:
+            shard, parts = int(f.attrs["shard"]), int(f.attrs["shards"])
+            for c in f["clients"]:
+                pieces.setdefault(int(c), {})[shard] = f["clients"][c][()]
+    whole = {}
+    for client, by_shard in pieces.items():
+        starts, out = dict.fromkeys(range(parts), 0), []
+        for shape in shapes:
+            rows, per_row = shape[0], int(np.prod(shape[1:]))
+            per = -(-rows // parts)
+            for shard in range(parts):
+                mine = max(0, min(rows, (shard + 1) * per) - min(rows, shard * per)) * per_row
+                out.append(by_shard[shard][starts[shard]:starts[shard] + mine])
+                starts[shard] += mine
+        whole[client] = np.concatenate(out)
+    return whole
+
+
 def run_result(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """The final shared tensors, and every client's vector from the last checkpoint."""
     return final_model(run_dir), client_vectors(run_dir)

@@ -216,6 +216,27 @@ def test_sharded_lora_with_scaffold_in_bf16_killed_and_resumed_on_another_number
     assert_bitwise(final_model(run_dir), whole)
 
 
+def test_ditto_on_sharded_clients_keeps_each_personal_model_over_the_ranks_rows_and_leaves_w_untouched(tmp_path, runs):
+    """Each rank trains v_i's rows with lambda (v - w) added to its rows of every gradient and keeps them; the
+    shard then holds w again, so the global model is the plain sharded run's to the bit, and v_i, made whole from
+    the ranks' files, is within rounding of one rank per client's."""
+    from results import client_vectors, sharded_client_vectors
+
+    from mpifl.learning.models import model_spec
+
+    ditto = ("train.ditto_lambda=0.5", "checkpoint.every=1")
+    sharded = run(tmp_path, "ditto-fsdp", 3, *ditto)
+    assert_bitwise(final_model(sharded), final_model(runs["sharded, one group"]))
+    single = client_vectors(run(tmp_path, "ditto-one", 2, *ditto, "clients.sharding=replicate",
+                                "clients.ranks_per_client=1"))
+    cfg = load_config(config(tmp_path), list(ditto))
+    shapes = [tuple(e.shape) for e in model_spec(cfg.model, cfg.seed)[0].entries]
+    whole = sharded_client_vectors(sharded, shapes)
+    assert sorted(whole) == sorted(single) == [0, 1, 2, 3]
+    for client, personal in whole.items():
+        assert relative_l2({"v": personal}, {"v": single[client]}) < TOLERANCE
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ("clients.ranks_per_client=1", "clients.ranks_per_client"),
     ("model.local=[model.norm.weight]", "per-client state"),

@@ -4,7 +4,8 @@ updated with every gradient plus lambda (v - w) (``mpifl.learning.steps.regulari
 term), with any strategy (``train.ditto_lambda``).
 
 ``PersonalModels`` is a rank that trains clients (a group's leader); ``GroupPersonalModels`` a client group's other
-ranks (``clients.ranks_per_client``), which train v_i with the leader.
+ranks (``clients.ranks_per_client``), which train v_i with the leader; ``ShardPersonalModels`` every rank of a
+sharded client (``clients.sharding: fsdp``), each keeping v_i over the rows of the trained parameters it holds.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from mpifl.algorithms.contract import ShardRows
 from mpifl.learning.datasets import ClientData
-from mpifl.learning.steps import gather, regularized_gradients, scatter, trainable
+from mpifl.learning.steps import gather, regularized_gradients, regularized_shard_gradients, scatter, trainable
 from mpifl.learning.trainers import Trainer
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire.flat import FlatModel
@@ -114,3 +116,31 @@ class PersonalModels:
         client's own l_i (the global model this client trains)."""
         shared = iter(self.flat.views_in([p for n, p in self.named if n not in own_local], global_bytes))
         return [own_local[n] if n in own_local else next(shared) for n, _ in self.named]
+
+
+class ShardPersonalModels:
+    """Ditto on one rank of a sharded client (``clients.sharding: fsdp``): each hosted client's v_i over this rank's
+    rows of the trained parameters (a transformers model's buffers are constants, never trained), in one chunk of
+    the store. As ``PersonalModels``: v_i (the global w the first time) is trained on the client's data with every
+    gradient's rows plus lambda (v - w) (``regularized_shard_gradients``), kept unless it diverged on any rank of
+    the group, and the shard is then given w back (``restore``) before the client trains w."""
+
+    def __init__(self, rows: ShardRows, store: ResidualStore, trainer: Trainer, lam: float,
+                 restore: Callable[[], None], backwards_per_step: int = 1):
+        self.rows, self.store, self.trainer, self.lam, self.restore = rows, store, trainer, lam, restore
+        self.backwards_per_step = backwards_per_step
+        self.zeros = [torch.zeros(r.shape, dtype=torch.float32, device=r.device) for r in rows.rows]
+        self.scratch = torch.empty(rows.elements, dtype=torch.float32)  # v_i's rows on their way to the store
+
+    def train(self, client: int, module: torch.nn.Module, data: ClientData | None, seed: int) -> None:
+        """Update ``client``'s v_i on this rank's rows and keep it; the shard holds w again afterwards."""
+        try:
+            if self.store.has(client):
+                scatter(self.store.read(client, 0), list(self.rows.rows))
+            with regularized_shard_gradients(self.rows.params, self.rows.anchors, self.zeros, self.lam,
+                                             self.backwards_per_step):
+                self.trainer.train(module, data, seed)
+            if self.rows.all_ranks(all(bool(torch.isfinite(r).all()) for r in self.rows.rows)):
+                self.store.write(client, 0, gather(list(self.rows.rows), self.scratch))
+        finally:
+            self.restore()

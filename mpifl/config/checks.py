@@ -309,8 +309,8 @@ def _check_ditto(cfg: Config) -> None:
     if cfg.model.local and cfg.clients.ranks_per_client > 1:
         raise ConfigError(f"train.ditto_lambda: {why}, with model.local its own local tensors too, which a group "
                           "of ranks (clients.ranks_per_client) does not train yet: set clients.ranks_per_client=1")
-    if cfg.train.trainer != "torch":
-        raise ConfigError(f"train.trainer: {why}, trained by the built-in 'torch' trainer; "
+    if cfg.train.trainer not in ("torch", "causal_lm"):
+        raise ConfigError(f"train.trainer: {why}, trained by a built-in trainer ('torch', 'causal_lm'); "
                           f"{cfg.train.trainer!r} is not supported with it yet: set train.trainer='torch'")
     if cfg.train.prox_mu:
         raise ConfigError(f"train.prox_mu: {why}, pulled towards the global model by its own lambda; FedProx's "
@@ -357,9 +357,10 @@ def _check_sharding(cfg: Config) -> None:
     state = cfg.client_state()
     not_yet = [
         ("model.init_from", cfg.model.init_from is None, "unset (each rank would read its rows of the checkpoint)"),
-        ("per-client state (Ditto, model.local, error feedback, declared vectors)",
-         state is None or not (state.residuals or state.local or state.personal or state.vectors),
-         "none but a strategy's client half (SCAFFOLD's c_i, FedDyn's g_i), which each rank keeps over its rows"),
+        ("per-client state (model.local, error feedback, declared vectors)",
+         state is None or not (state.residuals or state.local or state.vectors),
+         "none but a strategy's client half (SCAFFOLD's c_i, FedDyn's g_i) and Ditto's personal models, which each "
+         "rank keeps over its rows"),
         ("clients.placement", state is None or not cfg.lends_client_state,
          "'round_robin' with per-client state (per_round lends each client's state to another rank)"),
         ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync'"),

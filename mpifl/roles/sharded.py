@@ -37,6 +37,7 @@ from torch import nn
 
 from mpifl.aggregation.strategies import make_strategy
 from mpifl.algorithms import model_streams
+from mpifl.algorithms.ditto import ShardPersonalModels
 from mpifl.config import Config
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import resolve_device, use_deterministic_kernels
@@ -60,7 +61,7 @@ from mpifl.learning.trainers import (
 )
 from mpifl.logs import log
 from mpifl.metrics import CostMeter, peak_rss_bytes
-from mpifl.planning.seeds import client_seed
+from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.client import ClientFailure
 from mpifl.roles.encoding import count_nonfinite
 from mpifl.roles.group import rendezvous_store
@@ -89,6 +90,7 @@ class GroupStep:
     client: int = -1
     seed: int = 0
     steps: int | None = None  # the client's own local steps (fedcompass), else the config's
+    personal: int = 0  # the seed of the client's personal-model training (train.ditto_lambda)
     dropped: tuple[int, ...] = ()  # SETTLE: the server's note of clients dropped past their deadline
     round: int = -1  # PERSIST
     folder: str = ""  # PERSIST
@@ -339,7 +341,8 @@ class ShardedLeader:
         meta_tag, update_tag = (protocol.round_tag(kind, header.round) for kind in (protocol.META, protocol.UPDATE))
         for client in header.clients:
             began = time.perf_counter()
-            step = GroupStep(TRAIN, client, client_seed(self.seed, header.round, client), steps.get(client, own))
+            step = GroupStep(TRAIN, client, client_seed(self.seed, header.round, client), steps.get(client, own),
+                             personal=personal_seed(self.seed, header.round, client))
             self.order(step)
             dispatched = time.perf_counter()
             result = train_client(self.group, self.trainer, self.local_data, step, round_=header.round,
@@ -412,11 +415,13 @@ def train_client(group: ShardedGroup, trainer: Trainer,
     where the run keeps per-client state, which then keeps the client's new vector over this rank's rows."""
     group.start_client()
     train, _ = local_data.get(step.client, (None, None))
+    half = state.half if state is not None else None
     try:
-        with local_steps(trainer, step.steps), \
-                state.half.training(step.client) if state is not None else contextlib.nullcontext():
+        if state is not None and state.personal is not None:  # Ditto: v_i first, then w from the global model
+            state.personal.train(step.client, group.model.module, train, step.personal)
+        with local_steps(trainer, step.steps), half.training(step.client) if half else contextlib.nullcontext():
             result = trainer.train(group.model.module, train, step.seed)
-        if state is not None:
+        if state is not None and state.half is not None:
             state.half.update(step.client, result.local_steps or 0, state.weight(protocol.UpdateMeta(
                 step.client, result.num_samples, 0.0, dict(result.metrics), local_steps=result.local_steps)))
         return result
@@ -479,8 +484,11 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
                          row_buffers=streams)
     tensors = tensors_by_name(module)
     rows = rows_of(module, spec, model.global_rows, [tensors[name] for name in streams], every_rank(group_comm))
-    state = open_sharded_state(cfg, rows, (rank, size), MPI.COMM_WORLD.Get_rank(), sorted(local), run_dir, resume,
-                               make_strategy(cfg.strategy).weight_of)
+    state = open_sharded_state(
+        cfg, rows, (rank, size), MPI.COMM_WORLD.Get_rank(), sorted(local), run_dir, resume,
+        make_strategy(cfg.strategy).weight_of,
+        lambda store: ShardPersonalModels(rows, store, trainer, cfg.train.ditto_lambda, model.reset,
+                                          cfg.train.grad_accum_steps))
     group = ShardedGroup(group_comm, model, plan)
     if federation is None:
         ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state).run()

@@ -1,5 +1,6 @@
 """Per-client state on a sharded client group (``clients.sharding: fsdp``): every rank of the group keeps its
-clients' vectors (SCAFFOLD's c_i, FedDyn's g_i) over the rows of the model it holds, and only those.
+clients' vectors (SCAFFOLD's c_i, FedDyn's g_i, Ditto's personal models) over the rows of the model it holds, and
+only those.
 
 Why on every rank rather than on the leader: a client's vector is one fp32 value per trained element, twice a
 bf16 model's size, so a leader holding whole vectors would hold more than the model the group shards. Each rank's
@@ -23,11 +24,12 @@ from mpi4py import MPI
 
 from mpifl.algorithms import client_algorithm
 from mpifl.algorithms.contract import ShardHalf, ShardRows
+from mpifl.algorithms.ditto import ShardPersonalModels
 from mpifl.config import Config, ConfigError
 from mpifl.config.client_state import StateSizes
 from mpifl.learning.steps import own_rows, trainable
 from mpifl.logs import log
-from mpifl.roles.client_state import open_client_state
+from mpifl.roles.client_state import open_client_state, state_views
 from mpifl.storage.residuals import DiskResiduals, RamResiduals, ResidualStore, UndoJournal, save_snapshot
 from mpifl.storage.rundir import ResumePoint
 from mpifl.wire.flat import DTYPES
@@ -57,15 +59,16 @@ def rows_of(module: torch.nn.Module, spec: ModelSpec, global_rows: dict[str, tor
 
 @dataclass
 class ShardedState:
-    """One rank's per-client state in a sharded group: its store over its rows, the client half that reads it, and
-    the put-back of dropped clients' vectors where the run journals them."""
+    """One rank's per-client state in a sharded group: its store over its rows, what reads it (a strategy's client
+    half, Ditto's personal models), and the put-back of dropped clients' vectors where the run journals them."""
 
-    half: ShardHalf
     kept: RamResiduals | DiskResiduals  # the store itself: what a checkpoint publishes
     journal: UndoJournal | None
     shard: tuple[int, int]  # (this rank's index in its group, the group's size)
-    what: str  # the vector, as logs name it ("c_i")
+    what: str  # what the store holds, as logs name it ("SCAFFOLD control variates")
     weight: Callable[[UpdateMeta], float]  # a client's weight in the server's fold (its strategy's), from its header
+    half: ShardHalf | None = None  # the strategy's client half (SCAFFOLD, FedDyn)
+    personal: ShardPersonalModels | None = None  # train.ditto_lambda
 
     def settle(self, dropped: Sequence[int], rank: int) -> None:
         """Put back the vectors of this rank's clients the server dropped since its last header."""
@@ -74,32 +77,38 @@ class ShardedState:
         undone = self.journal.settle(tuple(dropped))
         if undone and self.shard[0] == 0:
             log(f"logical clients {', '.join(map(str, undone))} were dropped past their deadline: each one's "
-                f"{self.what} is put back on every rank of its group as it was before it trained", rank=rank)
+                "per-client state is put back on every rank of its group as it was before it trained", rank=rank)
 
     def persist(self, folder: Path, rank: int, round_: int) -> str:
         """Publish this rank's rows of its clients' vectors for round ``round_``'s checkpoint; the file's name."""
         return save_snapshot(self.kept, self.kept.firsts, folder, rank, round_, self.shard)
 
 
-def open_sharded_state(cfg: Config, rows: ShardRows, shard: tuple[int, int], rank: int, hosted: list[int],
-                       run_dir: Path | None, resume: ResumePoint | None,
-                       weight: Callable[[UpdateMeta], float]) -> ShardedState | None:
+def open_sharded_state(cfg: Config, rows: ShardRows, shard: tuple[int, int], rank: int, hosted: list[int],  # noqa: PLR0913 - each from its own source
+                       run_dir: Path | None, resume: ResumePoint | None, weight: Callable[[UpdateMeta], float],
+                       personal: Callable[[ResidualStore], ShardPersonalModels]) -> ShardedState | None:
     """The per-client state of a sharded group's rank (``rank`` its world rank), over its rows of the trained
-    parameters; None for a run without. What the sharded path keeps is a client half's one vector (the config
-    checks refuse the other kinds); a client half without a sharded form is refused here, naming it."""
+    parameters; None for a run without. What the sharded path keeps: a client half's vector and Ditto's personal
+    model (``personal`` builds its part over the store; the config checks refuse the other kinds). A client half
+    without a sharded form is refused here, naming it."""
     kinds = cfg.client_state()
     if kinds is None:
         return None
-    algorithm = client_algorithm(cfg.client_rule)
-    if algorithm is None or algorithm.shard is None:
+    algorithm = client_algorithm(cfg.client_rule) if cfg.client_rule else None
+    if cfg.client_rule and (algorithm is None or algorithm.shard is None):
         raise ConfigError(f"strategy.name: clients.sharding: 'fsdp' keeps per-client state only through a client "
                           f"half's sharded form (ClientAlgorithm.shard); {cfg.client_rule!r} has none: set "
                           "clients.sharding='replicate'")
-    layout = kinds.layout(StateSizes(trainable=rows.elements, chunks=(), local=0, tensors=rows.elements))
+    layout = kinds.layout(StateSizes(trainable=rows.elements, chunks=(rows.elements,), local=0,
+                                     tensors=rows.elements))  # Ditto's v_i: one chunk, this rank's rows
     kept = open_client_state(cfg, layout, rank, hosted, run_dir, resume, shard)
-    journal = UndoJournal(kept, layout.journaled_chunks()) if cfg.undoes_dropped_state else None
-    store: ResidualStore = journal or kept
-    return ShardedState(algorithm.shard(rows, store, cfg), kept, journal, shard, algorithm.state, weight)
+    views = state_views(cfg, layout, kept)
+    state = ShardedState(kept, views.journal, shard, kinds.what, weight)
+    if algorithm is not None and algorithm.shard is not None and views.rule is not None:
+        state.half = algorithm.shard(rows, views.rule, cfg)
+    if views.personal is not None:
+        state.personal = personal(views.personal)
+    return state
 
 
 def every_rank(comm: MPI.Comm) -> Callable[[bool], bool]:
