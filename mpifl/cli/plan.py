@@ -78,7 +78,8 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
     trained += [e.nbytes for e in frozen.entries if is_local(e.name, local)]
     parameters = sum(e.nbytes // itemsize(e.dtype) for e in exchanged.entries if not e.statistic
                      and not e.name.startswith(CONTROL + ".") and e.dtype.startswith(("float", "bfloat")))
-    unit = largest_fsdp_unit((e.name, e.nbytes) for e in (*exchanged.entries, *frozen.entries))
+    unit = largest_fsdp_unit((e.name, e.nbytes) for e in (*exchanged.entries, *frozen.entries)
+                             if not e.name.startswith(CONTROL + "."))  # summed streams: rows, never gathered
     return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0),
                       parameters, largest_unit=unit)
 
