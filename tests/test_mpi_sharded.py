@@ -2,8 +2,9 @@
 the whole model or the whole update. Its result is bitwise the replicated (DDP) group's of the same R, whatever the
 number of groups, and after a kill -9 and a resume on another number of groups; within float rounding of one rank
 per client; the frozen base of LoRA is initialised as an unsharded build initialises it, tied embeddings too; the
-out-of-core server's round 0 is gathered from the shards; SCAFFOLD's and FedDyn's per-client state is kept by every
-rank over its own rows; and what the sharded path does not carry yet is refused, naming the key."""
+out-of-core server's round 0 is gathered from the shards; SCAFFOLD's, FedDyn's and Ditto's per-client state and
+top-k's error feedback are kept by every rank over its own rows; compressed updates are encoded by the leader chunk
+by chunk; and what the sharded path does not carry yet is refused, naming the key."""
 from __future__ import annotations
 
 import os
@@ -237,12 +238,40 @@ def test_ditto_on_sharded_clients_keeps_each_personal_model_over_the_ranks_rows_
         assert relative_l2({"v": personal}, {"v": single[client]}) < TOLERANCE
 
 
+def test_compressed_updates_from_sharded_clients_are_bitwise_the_replicated_groups(tmp_path):
+    """The leader widens every rank's pieces of a chunk, encodes the chunk as an unsharded client does (the same
+    quantization noise by element) and sends it; nothing else changes on the wire."""
+    int8 = ("compression.method=int8",)
+    assert_bitwise(final_model(run(tmp_path, "int8-fsdp", 5, *int8)),
+                   final_model(run(tmp_path, "int8-ddp", 3, *int8, "clients.sharding=replicate")))
+
+
+def test_top_k_error_feedback_kept_by_every_rank_over_its_pieces_resumes_bitwise_on_another_number_of_groups(
+        tmp_path):
+    """Each rank adds its rows of the client's residual before the leader selects the top-k of the chunk; what
+    was not sent goes back to the ranks that own it. Killed with SIGKILL on two groups and resumed on one, the run
+    ends bitwise as the replicated group's uninterrupted run."""
+    cfg = config(tmp_path)
+    run_dir = tmp_path / "killed"
+    topk = ("compression.method=topk", "compression.fraction=0.05", "compression.error_feedback=true", "rounds=5",
+            "checkpoint.every=1")
+    proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *topk)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert len(rounds_logged(run_dir)) < 5  # killed mid-run
+    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *topk, timeout=MPI_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: error-feedback residuals of 4 of its 4 clients" in resumed.stderr
+    assert_bitwise(final_model(run_dir), final_model(run(tmp_path, "ddp", 3, *topk, "clients.sharding=replicate")))
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ("clients.ranks_per_client=1", "clients.ranks_per_client"),
     ("model.local=[model.norm.weight]", "per-client state"),
     ("strategy.name=scaffold clients.placement=per_round", "clients.placement"),
     ("clients.groups=2", "clients.groups"),
-    ("compression.method=int8", "compression.method"),
+    ("train.ditto_lambda=0.1 compression.method=int8", "train.ditto_lambda"),
     ("clock.mode=fedasync", "clock.mode"),
     ("privacy.mode=local", "privacy.mode"),
     ("transport.dispatch_fanout=2", "transport.dispatch_fanout"),

@@ -357,17 +357,17 @@ def _check_sharding(cfg: Config) -> None:
     state = cfg.client_state()
     not_yet = [
         ("model.init_from", cfg.model.init_from is None, "unset (each rank would read its rows of the checkpoint)"),
-        ("per-client state (model.local, error feedback, declared vectors)",
-         state is None or not (state.residuals or state.local or state.vectors),
-         "none but a strategy's client half (SCAFFOLD's c_i, FedDyn's g_i) and Ditto's personal models, which each "
-         "rank keeps over its rows"),
+        ("per-client state (model.local, declared vectors)", state is None or not (state.local or state.vectors),
+         "none but a strategy's client half (SCAFFOLD's c_i, FedDyn's g_i), Ditto's personal models and top-k's "
+         "error-feedback residuals, which each rank keeps over its rows"),
+        ("train.ditto_lambda", not (cfg.train.ditto_lambda and cfg.compression.method != "none"),
+         "0 with compression.method (a rank keeps its rows of Ditto's v_i or of the residuals, not both yet)"),
         ("clients.placement", state is None or not cfg.lends_client_state,
          "'round_robin' with per-client state (per_round lends each client's state to another rank)"),
         ("clock.mode", cfg.clock.mode not in ASYNCHRONOUS_MODES, "'off' or 'sync'"),
         ("clients.groups", cfg.clients.groups == 0, "0"),
         ("privacy.mode", cfg.privacy.mode == "off", "'off'"),
         ("secagg.enabled", not cfg.secagg.enabled, "false"),
-        ("compression.method", cfg.compression.method == "none", "'none'"),
         ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (updates travel in the model's dtype)"),
         ("transport.dispatch_fanout", cfg.transport.dispatch_fanout == 0, "0"),
         ("transport.reduce", cfg.transport.reduce == "direct", "'direct'"),

@@ -105,12 +105,31 @@ class UpdateCompressor:
     of its deltas, up to the fp32 rounding of each ``delta + e``.
     """
 
-    def __init__(self, plan: ExchangeLayout, seed: int, residuals: ResidualStore | None = None):
+    def __init__(self, plan: ExchangeLayout, seed: int, residuals: ResidualStore | None = None,
+                 whole: bool = True):
+        """``whole``: a wire buffer for the whole compressed update (``compress``); a sharded client's leader, which
+        encodes one chunk at a time into its own ring (``encode_chunk``), has none."""
         self.codec, self.seed, self.chunks = plan.codec, seed, plan.chunks
         self.residuals = residuals
-        self.buffer = host_bytes(plan.wire_buffer_bytes)
-        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire]
+        self.buffer = host_bytes(plan.wire_buffer_bytes if whole else 0)
+        self.buffers = [self.buffer[w.offset:w.offset + w.nbytes] for w in plan.wire] if whole else []
         self.firsts = element_offsets(plan.chunks)
+
+    def stream(self, round_: int, client: int, key: int = COMPRESSION) -> ElementStream | None:
+        """The quantization noise of ``client``'s update in ``round_``, addressed by element (None for a codec that
+        takes none)."""
+        assert self.codec is not None  # a compressor is made only for a layout with a codec
+        return ElementStream(self.seed, key, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g)) \
+            if self.codec.stochastic else None
+
+    def encode_chunk(self, index: int, x: torch.Tensor, stream: ElementStream | None, out: np.ndarray) -> float:
+        """Chunk ``index`` of an update (``x``, fp32) encoded into ``out``, with its elements' noise from
+        ``stream``; the squared L2 norm of what was encoded. A sharded client's leader encodes each chunk it has
+        gathered this way, one at a time."""
+        assert self.codec is not None  # a compressor is made only for a layout with a codec
+        uniform = torch.cat([v for _, v in stream.pieces(self.firsts[index], x.numel())]) if stream else None
+        # uniform is None only for a codec that takes no noise (top-k): mypy cannot tie it to .stochastic
+        return self.codec.encode(x, out, uniform)  # type: ignore[arg-type]
 
     def compress(self, chunks: list[torch.Tensor], round_: int, client: int, bound: float | None,
                  usable: bool = True, key: int = COMPRESSION) -> list[np.ndarray]:
@@ -120,14 +139,11 @@ class UpdateCompressor:
         codec, residuals = self.codec, self.residuals
         assert codec is not None  # a compressor is made only for a layout with a codec
         feedback = residuals is not None and usable
-        stream = ElementStream(self.seed, key, round_, client, draw=lambda g: torch.rand(BLOCK, generator=g)) \
-            if codec.stochastic else None
+        stream = self.stream(round_, client, key)
         squared = 0.0
-        for i, (x, out, first) in enumerate(zip(chunks, self.buffers, self.firsts)):
+        for i, (x, out) in enumerate(zip(chunks, self.buffers)):
             if not feedback:
-                uniform = torch.cat([v for _, v in stream.pieces(first, x.numel())]) if stream else None
-                # uniform is None only for a codec that takes no noise (top-k): mypy cannot tie it to .stochastic
-                squared += codec.encode(x.float(), out, uniform)  # type: ignore[arg-type]
+                squared += self.encode_chunk(i, x.float(), stream, out)
                 continue
             assert residuals is not None and isinstance(codec, TopK)  # residuals exist for top-k only (runner)
             corrected = residuals.read(client, i).add_(x)

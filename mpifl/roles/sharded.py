@@ -63,13 +63,15 @@ from mpifl.logs import log
 from mpifl.metrics import CostMeter, peak_rss_bytes
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.client import ClientFailure
-from mpifl.roles.encoding import count_nonfinite
+from mpifl.roles.encoding import UpdateCompressor, count_nonfinite
 from mpifl.roles.group import rendezvous_store
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.sharded_state import ShardedState, every_rank, open_sharded_state, rows_of
+from mpifl.storage.residuals import ResidualStore
 from mpifl.storage.rundir import ResumePoint
 from mpifl.units import format_bytes
 from mpifl.wire import protocol
+from mpifl.wire.codecs import TopK
 from mpifl.wire.flat import DTYPES, build_spec, split_tensors
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, return_freed_memory
@@ -176,6 +178,19 @@ class ShardedModel:
             at += piece.nbytes
         return out
 
+    def pack_widened(self, index: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """The pieces of update chunk ``index`` this rank holds, as fp32 (the delta ``pack`` forms, widened), plus its
+        error-feedback residual of them where it keeps one (``e + delta``, as an unsharded client corrects it): what
+        the leader encodes a compressed chunk from."""
+        x = self.pack(index, values=False).view(DTYPES[self.plan.chunks[index].dtype]).float()
+        return x.add_(residual) if residual is not None else x
+
+    def element_spans(self, index: int) -> list[list[tuple[int, int]]]:
+        """Each rank's pieces of chunk ``index`` as element ranges of the chunk, rank by rank, in piece order."""
+        item = self.plan.chunks[index].itemsize
+        return [[(p.chunk_start // item, p.chunk_stop // item) for p in rank_pieces[index]]
+                for rank_pieces in self.giving]
+
     def unpack(self, index: int, gathered: np.ndarray, into: np.ndarray) -> None:
         """The leader: every rank's pieces of chunk ``index`` (``gathered``, rank by rank) into the chunk ``into``."""
         at = 0
@@ -189,8 +204,10 @@ class ShardedModel:
 class ShardedGroup:
     """What every rank of a sharded group does with the chunks: take the model, send an update."""
 
-    def __init__(self, comm: MPI.Comm, model: ShardedModel, plan: ExchangeLayout):
-        self.group, self.model, self.plan = comm, model, plan
+    def __init__(self, comm: MPI.Comm, model: ShardedModel, plan: ExchangeLayout,
+                 compressor: UpdateCompressor | None = None):
+        """``compressor``: the leader's, under compression.method (it encodes each gathered chunk)."""
+        self.group, self.model, self.plan, self.compressor = comm, model, plan, compressor
         self.leader = comm.Get_rank() == 0
         self.largest = max(c.nbytes for c in plan.chunks)
         self.slots = plan.inflight + 1  # a chunk's slot is free again once the sends after it are posted
@@ -199,6 +216,13 @@ class ShardedGroup:
             slot[:] = 0  # alignment padding between tensors stays zero on the wire, as in a flat buffer
         self.gathered = host_bytes(self.largest) if self.leader else None
         self.fresh = False  # the shard holds the global model as taken, untrained
+        if plan.codec is not None:  # compressed: one fp32 chunk at a time, and a ring of its encodings
+            widest = max(c.nbytes // c.itemsize for c in plan.chunks)
+            self.wide = torch.zeros(widest)  # the leader's fp32 chunk
+            self.rows = np.zeros(widest, dtype=np.float32)  # every rank's pieces gathered, or residuals scattered
+            self.mine = torch.zeros(widest)  # this rank's residual rows of a chunk
+            self.wire_ring = [host_bytes(max(w.nbytes for w in plan.wire)) for _ in range(self.slots)] \
+                if self.leader else []
 
     def take_model(self, chunks: Iterator[tuple[int, np.ndarray]] | None) -> None:
         """Every rank: the global model, chunk by chunk, broadcast over the group from the leader (which reads
@@ -230,6 +254,61 @@ class ShardedGroup:
                 yield out
             else:
                 wait(self.group.Igatherv([mine, MPI.BYTE], None, root=0))
+
+    def update_chunks(self, client: int, round_: int, residuals: ResidualStore | None,
+                      usable: bool) -> Iterator[np.ndarray]:
+        """Every rank: ``client``'s update as it travels, chunk by chunk: gathered (``gathered_chunks``), or
+        compressed by the leader (``compressed_chunks``) under compression.method."""
+        if self.plan.codec is None:
+            return self.gathered_chunks()
+        return self.compressed_chunks(client, round_, residuals, usable)
+
+    def compressed_chunks(self, client: int, round_: int, residuals: ResidualStore | None,
+                          usable: bool) -> Iterator[np.ndarray]:
+        """Every rank: the update compressed chunk by chunk (compression.method), the leader's yields the encoded
+        chunks to send. Each rank widens its pieces to fp32 and adds its rows of the client's error-feedback
+        residual (top-k with error feedback); the leader gathers them into the chunk, encodes it as an unsharded
+        client encodes its chunk (the same noise by element), and, with error feedback, scatters what was not sent
+        back to the ranks that own it, which keep it as the client's new residual rows. An update the server will
+        not use (``usable`` false) leaves the residuals as they were, as on an unsharded rank."""
+        store = residuals if usable else None  # error feedback for this update
+        stream = self.compressor.stream(round_, client) if self.compressor is not None else None
+        for index, chunk in enumerate(self.plan.chunks):
+            spans = self.model.element_spans(index)
+            sizes = [sum(b - a for a, b in rank_spans) for rank_spans in spans]
+            displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+            mine = self.model.pack_widened(index, store.read(client, index) if store is not None else None)
+            if not self.leader:
+                wait(self.group.Igatherv([mine.numpy(), MPI.FLOAT], None, root=0))
+                if store is not None:
+                    kept = self.mine[:sizes[self.group.Get_rank()]]
+                    wait(self.group.Iscatterv(None, [kept.numpy(), MPI.FLOAT], root=0))
+                    store.write(client, index, kept)
+                continue
+            assert self.compressor is not None and self.plan.codec is not None  # the leader's, under compression
+            wait(self.group.Igatherv([mine.numpy(), MPI.FLOAT], [self.rows, (sizes, displacements), MPI.FLOAT],
+                                     root=0))
+            x = self.wide[:chunk.nbytes // chunk.itemsize].zero_()  # alignment padding: zero, as in a flat buffer
+            at = 0
+            for rank_spans in spans:
+                for a, b in rank_spans:
+                    x[a:b] = torch.from_numpy(self.rows[at:at + b - a])
+                    at += b - a
+            out = self.wire_ring[index % self.slots][:self.plan.wire[index].nbytes]
+            self.compressor.encode_chunk(index, x, stream, out)
+            if store is not None:
+                assert isinstance(self.plan.codec, TopK)  # the only codec with error feedback (config checks)
+                self.plan.codec.subtract(out, x.numel(), x)
+                at = 0
+                for rank_spans in spans:
+                    for a, b in rank_spans:
+                        self.rows[at:at + b - a] = x[a:b].numpy()
+                        at += b - a
+                kept = self.mine[:sizes[0]]
+                wait(self.group.Iscatterv([self.rows, (sizes, displacements), MPI.FLOAT], [kept.numpy(), MPI.FLOAT],
+                                          root=0))
+                store.write(client, index, kept)
+            yield out
 
     def start_client(self) -> None:
         """Before a logical client trains: the round's global model, unless it was just taken."""
@@ -356,7 +435,9 @@ class ShardedLeader:
             meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - began, metrics, error,
                                        result.local_steps)
             send_object(self.comm, meta, protocol.SERVER, meta_tag)
-            send_chunks(self.comm, [protocol.SERVER], update_tag, self.group.gathered_chunks(),
+            residuals = self.state.residuals if self.state is not None else None
+            send_chunks(self.comm, [protocol.SERVER], update_tag,
+                        self.group.update_chunks(client, header.round, residuals, usable=error is None),
                         self.group.plan.inflight)
 
 
@@ -388,9 +469,10 @@ class ShardedMember:
             else:
                 train_client(self.group, self.trainer, self.local_data, step, round_=-1, rank=self.rank,
                              state=self.state)
-                checked_update(self.group, step, self.accept_failures, self.rank)
+                error = checked_update(self.group, step, self.accept_failures, self.rank)
                 self.group.costs(self.meter)
-                drain(self.group.gathered_chunks())
+                residuals = self.state.residuals if self.state is not None else None
+                drain(self.group.update_chunks(step.client, -1, residuals, usable=error is None))
 
     def keep_state(self, step: GroupStep) -> None:
         """SETTLE: put back the dropped clients' vectors; PERSIST: publish this rank's rows of its clients' vectors
@@ -484,12 +566,14 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
                          row_buffers=streams)
     tensors = tensors_by_name(module)
     rows = rows_of(module, spec, model.global_rows, [tensors[name] for name in streams], every_rank(group_comm))
+    pieces = [sum(b - a for a, b in model.element_spans(index)[rank]) for index in range(len(plan.chunks))]
     state = open_sharded_state(
-        cfg, rows, (rank, size), MPI.COMM_WORLD.Get_rank(), sorted(local), run_dir, resume,
+        cfg, rows, pieces, (rank, size), MPI.COMM_WORLD.Get_rank(), sorted(local), run_dir, resume,
         make_strategy(cfg.strategy).weight_of,
         lambda store: ShardPersonalModels(rows, store, trainer, cfg.train.ditto_lambda, model.reset,
                                           cfg.train.grad_accum_steps))
-    group = ShardedGroup(group_comm, model, plan)
+    compressor = UpdateCompressor(plan, cfg.seed, whole=False) if plan.codec is not None and rank == 0 else None
+    group = ShardedGroup(group_comm, model, plan, compressor)
     if federation is None:
         ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state).run()
     else:

@@ -69,6 +69,7 @@ class ShardedState:
     weight: Callable[[UpdateMeta], float]  # a client's weight in the server's fold (its strategy's), from its header
     half: ShardHalf | None = None  # the strategy's client half (SCAFFOLD, FedDyn)
     personal: ShardPersonalModels | None = None  # train.ditto_lambda
+    residuals: ResidualStore | None = None  # top-k's error feedback: this rank's pieces of each chunk, by chunk
 
     def settle(self, dropped: Sequence[int], rank: int) -> None:
         """Put back the vectors of this rank's clients the server dropped since its last header."""
@@ -84,13 +85,15 @@ class ShardedState:
         return save_snapshot(self.kept, self.kept.firsts, folder, rank, round_, self.shard)
 
 
-def open_sharded_state(cfg: Config, rows: ShardRows, shard: tuple[int, int], rank: int, hosted: list[int],  # noqa: PLR0913 - each from its own source
-                       run_dir: Path | None, resume: ResumePoint | None, weight: Callable[[UpdateMeta], float],
+def open_sharded_state(cfg: Config, rows: ShardRows, pieces: Sequence[int], shard: tuple[int, int], rank: int,  # noqa: PLR0913 - each from its own source
+                       hosted: list[int], run_dir: Path | None, resume: ResumePoint | None,
+                       weight: Callable[[UpdateMeta], float],
                        personal: Callable[[ResidualStore], ShardPersonalModels]) -> ShardedState | None:
     """The per-client state of a sharded group's rank (``rank`` its world rank), over its rows of the trained
-    parameters; None for a run without. What the sharded path keeps: a client half's vector and Ditto's personal
-    model (``personal`` builds its part over the store; the config checks refuse the other kinds). A client half
-    without a sharded form is refused here, naming it."""
+    parameters (``pieces``: the elements this rank sends of each exchange chunk, which error feedback keeps);
+    None for a run without. What the sharded path keeps: a client half's vector, Ditto's personal model
+    (``personal`` builds its part over the store) and top-k's residuals; the config checks refuse the other
+    kinds, and Ditto beside error feedback. A client half without a sharded form is refused here, naming it."""
     kinds = cfg.client_state()
     if kinds is None:
         return None
@@ -99,8 +102,9 @@ def open_sharded_state(cfg: Config, rows: ShardRows, shard: tuple[int, int], ran
         raise ConfigError(f"strategy.name: clients.sharding: 'fsdp' keeps per-client state only through a client "
                           f"half's sharded form (ClientAlgorithm.shard); {cfg.client_rule!r} has none: set "
                           "clients.sharding='replicate'")
-    layout = kinds.layout(StateSizes(trainable=rows.elements, chunks=(rows.elements,), local=0,
-                                     tensors=rows.elements))  # Ditto's v_i: one chunk, this rank's rows
+    # error feedback: its pieces of each chunk; else Ditto's v_i: one chunk, this rank's rows
+    chunks = tuple(pieces) if kinds.residuals else (rows.elements,)
+    layout = kinds.layout(StateSizes(trainable=rows.elements, chunks=chunks, local=0, tensors=rows.elements))
     kept = open_client_state(cfg, layout, rank, hosted, run_dir, resume, shard)
     views = state_views(cfg, layout, kept)
     state = ShardedState(kept, views.journal, shard, kinds.what, weight)
@@ -108,6 +112,7 @@ def open_sharded_state(cfg: Config, rows: ShardRows, shard: tuple[int, int], ran
         state.half = algorithm.shard(rows, views.rule, cfg)
     if views.personal is not None:
         state.personal = personal(views.personal)
+    state.residuals = views.residuals
     return state
 
 
