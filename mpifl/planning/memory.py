@@ -300,7 +300,12 @@ def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False, gr
         client += sharded_training_bytes(cfg, size, parts) + share(size.exchanged, parts)  # and the global rows
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
-    return client + (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes + sharded_state_bytes(cfg, size, groups)
+    ring = (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes
+    if cfg.compression.method != "none":  # one chunk widened to fp32, the pieces gathered or scattered, this
+        # rank's residual rows (3 x fp32), and the leader's ring of encoded chunks (no larger than a chunk)
+        ring += 12 * (cfg.transport.chunk_bytes // itemsize(cfg.model.dtype)) + \
+            (cfg.transport.inflight + 1) * cfg.transport.chunk_bytes
+    return client + ring + sharded_state_bytes(cfg, size, groups)
 
 
 def sharded_state_bytes(cfg: Config, size: ModelBytes, groups: int) -> int:
