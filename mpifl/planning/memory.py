@@ -303,8 +303,8 @@ def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False, gr
     ring = (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes
     if cfg.compression.method != "none":  # one chunk widened to fp32, the pieces gathered or scattered, this
         # rank's residual rows (3 x fp32), and the leader's ring of encoded chunks (no larger than a chunk)
-        ring += 12 * (cfg.transport.chunk_bytes // itemsize(cfg.model.dtype)) + \
-            (cfg.transport.inflight + 1) * cfg.transport.chunk_bytes
+        chunk = min(cfg.transport.chunk_bytes, size.exchanged)
+        ring += 12 * (chunk // itemsize(cfg.model.dtype)) + (cfg.transport.inflight + 1) * chunk
     return client + ring + sharded_state_bytes(cfg, size, groups)
 
 
