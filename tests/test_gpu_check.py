@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE_TEST = "tests/test_mpi_device.py::test_the_replica_is_not_aliased_and_resets_from_its_own_global_copy"
 
 
-@pytest.mark.timeout(600)  # about a dozen mpifl jobs, each a fresh mpiexec: 110 s alone, over 300 s beside the suite
+@pytest.mark.timeout(900)  # about a dozen mpifl jobs, each a fresh mpiexec: 110 s alone, 271-506 s beside the suite
 def test_the_gpu_checks_cpu_form_runs_every_step_and_passes(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(ROOT / "profiling" / "gpu_check.py"), "--device", "cpu", "--quick",
