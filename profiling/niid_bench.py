@@ -433,7 +433,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
            "checkpoint.every=1", "output.progress=false", *overrides]
     env = dict(os.environ)  # the plug-in model is profiling.niid_bench_model: the repository root goes on the path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
-    log = run_dir.with_suffix(".log")
+    log = run_dir.with_name(run_dir.name + ".log")  # not with_suffix: "mu0.01" would make every seed "mu0.log"
     print(f"  {shlex.join(cmd)}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with open(log, "a") as out:  # appended: a resumed run's log follows the interrupted one's
