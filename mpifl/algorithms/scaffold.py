@@ -139,14 +139,19 @@ class ClientControls:
         c + delta_c_i / weight, so that its delta (what is sent) is the control delta over the client's weight in
         the server's fold. A client whose training diverged (a NaN or Inf delta) keeps its c_i: its update is
         refused, never folded."""
-        if weight <= 0:
-            raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, "
-                             f"which is {weight}")
+        check_weight(client, weight)
         deltas = [control_delta(x.float(), p.detach().float(), c, steps, self.lr)
                   for p, c, x in zip(self.params, self.server, self.flat.views_in(self.params, global_bytes))]
         if not all(bool(torch.isfinite(d).all()) for d in deltas):
             return  # a diverged client: its update is refused (NaN/Inf), and its c_i stays as it was
         keep_control_deltas(self.store, client, deltas, self.server, self.params, weight)
+
+
+def check_weight(client: int, weight: float) -> None:
+    """SCAFFOLD divides a client's control delta by its weight in the server's fold: it must be positive."""
+    if weight <= 0:
+        raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, which is "
+                         f"{weight}")
 
 
 def fill_correction(out: torch.Tensor, server: Sequence[torch.Tensor], like: Sequence[torch.Tensor],
@@ -191,9 +196,7 @@ class ShardControls:
 
     def update(self, client: int, steps: int, weight: float) -> None:
         """As ``ClientControls.update``, on this rank's rows; a client diverged on any rank keeps its c_i on all."""
-        if weight <= 0:
-            raise ValueError(f"logical client {client}: SCAFFOLD divides its control delta by its weight, "
-                             f"which is {weight}")
+        check_weight(client, weight)
         deltas = [control_delta(x.float(), y.detach().float(), c, steps, self.lr)
                   for y, c, x in zip(self.rows.rows, self.rows.streams, self.rows.anchors)]
         if self.rows.all_ranks(all(bool(torch.isfinite(d).all()) for d in deltas)):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from mpifl.wire.spec import is_local
 
@@ -97,11 +98,8 @@ def corrected_steps(params: Sequence[nn.Parameter], corrections: Sequence[torch.
                     if k is not None:
                         own_rows(p).add_(k.to(p.dtype), alpha=-group["lr"])
 
-    handle = register_optimizer_step_post_hook(after_step)
-    try:
+    with removed_on_exit([register_optimizer_step_post_hook(after_step)]):
         yield
-    finally:
-        handle.remove()
 
 
 @contextlib.contextmanager
@@ -114,19 +112,14 @@ def regularized_gradients(params: Sequence[nn.Parameter], anchors: Sequence[torc
     A hook fires on every backward pass. With ``train.grad_accum_steps`` = A passes per optimizer step, each adds
     1/A of the term, as the trainer divides each micro-batch's loss by A: the step's gradient then holds the
     regulariser's once, not A times."""
-    if backwards_per_step < 1:
-        raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
+    check_backwards_per_step(backwards_per_step)
 
     def hook(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         p, x, g = params[k], anchors[k], states[k]
         return lambda grad: grad + regularizer_term(p.detach(), x, g, alpha, backwards_per_step).to(grad.dtype)
 
-    handles = [p.register_hook(hook(k)) for k, p in enumerate(params)]
-    try:
+    with removed_on_exit([p.register_hook(hook(k)) for k, p in enumerate(params)]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def regularizer_term(y: torch.Tensor, x: torch.Tensor, g: torch.Tensor, alpha: float,
@@ -147,8 +140,7 @@ def regularized_shard_gradients(params: Sequence[nn.Parameter], anchors: Sequenc
     has reduce-scattered a backward pass into it (a post-accumulate-grad hook, which FSDP calls then). The term
     then joins the averaged gradient rather than each rank's share before the average: the same sum, rounded in
     another order."""
-    if backwards_per_step < 1:
-        raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
+    check_backwards_per_step(backwards_per_step)
 
     def hook(k: int) -> Callable[[torch.Tensor], None]:
         x, g = anchors[k], states[k]
@@ -160,7 +152,19 @@ def regularized_shard_gradients(params: Sequence[nn.Parameter], anchors: Sequenc
                 rows.add_(regularizer_term(own_rows(p).detach(), x, g, alpha, backwards_per_step).to(rows.dtype))
         return add
 
-    handles = [p.register_post_accumulate_grad_hook(hook(k)) for k, p in enumerate(params)]
+    with removed_on_exit([p.register_post_accumulate_grad_hook(hook(k)) for k, p in enumerate(params)]):
+        yield
+
+
+def check_backwards_per_step(backwards_per_step: int) -> None:
+    """A regulariser's passes per optimizer step (train.grad_accum_steps): at least one."""
+    if backwards_per_step < 1:
+        raise ValueError(f"backwards_per_step must be at least 1 (got {backwards_per_step})")
+
+
+@contextlib.contextmanager
+def removed_on_exit(handles: Sequence[RemovableHandle]) -> Iterator[None]:
+    """Inside, the hooks ``handles`` registered stay; on the way out, however it is left, each is removed."""
     try:
         yield
     finally:

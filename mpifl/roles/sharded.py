@@ -302,8 +302,8 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
     model = ShardedModel(module, spec, plan, rank, size, cfg.strategy.update == "delta", cfg.statistics_as_values,
                          row_buffers=streams)
     tensors = tensors_by_name(module)
-    rows = rows_of(module, spec, model.global_rows, [tensors[name] for name in streams], every_rank(group_comm))
-    pieces = [sum(b - a for a, b in model.element_spans(index)[rank]) for index in range(len(plan.chunks))]
+    rows = rows_of(model, [tensors[name] for name in streams], every_rank(group_comm))
+    pieces = [model.widened_counts(index)[rank] for index in range(len(plan.chunks))]
     state = open_sharded_state(
         cfg, rows, pieces, (rank, size), MPI.COMM_WORLD.Get_rank(), sorted(local), run_dir, resume,
         make_strategy(cfg.strategy).weight_of,

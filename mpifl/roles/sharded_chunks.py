@@ -119,11 +119,20 @@ class ShardedModel:
         x = self.pack(index, values=False).view(DTYPES[self.plan.chunks[index].dtype]).float()
         return x.add_(residual) if residual is not None else x
 
-    def element_spans(self, index: int) -> list[list[tuple[int, int]]]:
-        """Each rank's pieces of chunk ``index`` as element ranges of the chunk, rank by rank, in piece order."""
+    def widened_counts(self, index: int) -> list[int]:
+        """Each rank's elements of chunk ``index``, rank by rank: what it gathers widened to fp32."""
         item = self.plan.chunks[index].itemsize
-        return [[(p.chunk_start // item, p.chunk_stop // item) for p in rank_pieces[index]]
-                for rank_pieces in self.giving]
+        return [counts[index] // item for counts in self.counts]
+
+    def widened_places(self, index: int) -> list[tuple[int, int, int]]:
+        """(position among the gathered fp32 pieces, first element in the chunk, elements) of every rank's pieces of
+        chunk ``index``, rank by rank: ``unpack`` by element, for the leader's fp32 chunk."""
+        item, at, places = self.plan.chunks[index].itemsize, 0, []
+        for rank_pieces in self.giving:
+            for piece in rank_pieces[index]:
+                places.append((at, piece.chunk_start // item, piece.nbytes // item))
+                at += piece.nbytes // item
+        return places
 
     def unpack(self, index: int, gathered: np.ndarray, into: np.ndarray) -> None:
         """The leader: every rank's pieces of chunk ``index`` (``gathered``, rank by rank) into the chunk ``into``."""
@@ -180,9 +189,8 @@ class ShardedGroup:
             sizes = [counts[index] for counts in self.model.counts]
             if self.leader:
                 assert self.gathered is not None
-                displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
                 wait(self.group.Igatherv([mine, MPI.BYTE],
-                                         [self.gathered, (sizes, displacements), MPI.BYTE], root=0))
+                                         [self.gathered, (sizes, displacements(sizes)), MPI.BYTE], root=0))
                 out = self.ring[index % self.slots][:chunk.nbytes]
                 self.model.unpack(index, self.gathered, out)
                 yield out
@@ -208,9 +216,7 @@ class ShardedGroup:
         store = residuals if usable else None  # error feedback for this update
         stream = self.compressor.stream(round_, client) if self.compressor is not None else None
         for index, chunk in enumerate(self.plan.chunks):
-            spans = self.model.element_spans(index)
-            sizes = [sum(b - a for a, b in rank_spans) for rank_spans in spans]
-            displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+            sizes = self.model.widened_counts(index)
             mine = self.model.pack_widened(index, store.read(client, index) if store is not None else None)
             if not self.leader:
                 wait(self.group.Igatherv([mine.numpy(), MPI.FLOAT], None, root=0))
@@ -220,27 +226,21 @@ class ShardedGroup:
                     store.write(client, index, kept)
                 continue
             assert self.compressor is not None and self.plan.codec is not None  # the leader's, under compression
-            wait(self.group.Igatherv([mine.numpy(), MPI.FLOAT], [self.rows, (sizes, displacements), MPI.FLOAT],
-                                     root=0))
+            pieces = (sizes, displacements(sizes))
+            wait(self.group.Igatherv([mine.numpy(), MPI.FLOAT], [self.rows, pieces, MPI.FLOAT], root=0))
             x = self.wide[:chunk.nbytes // chunk.itemsize].zero_()  # alignment padding: zero, as in a flat buffer
-            at = 0
-            for rank_spans in spans:
-                for a, b in rank_spans:
-                    x[a:b] = torch.from_numpy(self.rows[at:at + b - a])
-                    at += b - a
+            places = self.model.widened_places(index)
+            for at, first, count in places:
+                x[first:first + count] = torch.from_numpy(self.rows[at:at + count])
             out = self.wire_ring[index % self.slots][:self.plan.wire[index].nbytes]
             self.compressor.encode_chunk(index, x, stream, out)
             if store is not None:
                 assert isinstance(self.plan.codec, TopK)  # the only codec with error feedback (config checks)
-                self.plan.codec.subtract(out, x.numel(), x)
-                at = 0
-                for rank_spans in spans:
-                    for a, b in rank_spans:
-                        self.rows[at:at + b - a] = x[a:b].numpy()
-                        at += b - a
+                self.plan.codec.subtract(out, x.numel(), x)  # x now holds what was not sent
+                for at, first, count in places:
+                    self.rows[at:at + count] = x[first:first + count].numpy()
                 kept = self.mine[:sizes[0]]
-                wait(self.group.Iscatterv([self.rows, (sizes, displacements), MPI.FLOAT], [kept.numpy(), MPI.FLOAT],
-                                          root=0))
+                wait(self.group.Iscatterv([self.rows, pieces, MPI.FLOAT], [kept.numpy(), MPI.FLOAT], root=0))
                 store.write(client, index, kept)
             yield out
 
@@ -286,3 +286,8 @@ def receive_ring(comm: MPI.Comm, tag: int, group: ShardedGroup) -> Iterator[tupl
         wait(pending.popleft())
         wake(comm, protocol.SERVER)  # its send is complete: it may post the next
         yield index, ring[index % len(ring)][:chunk.nbytes]
+
+
+def displacements(sizes: list[int]) -> list[int]:
+    """Where each rank's part starts in a gathered buffer of parts ``sizes`` long, back to back (``Igatherv``)."""
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()

@@ -30,24 +30,22 @@ from mpifl.config.client_state import StateSizes
 from mpifl.learning.steps import own_rows, trainable
 from mpifl.logs import log
 from mpifl.roles.client_state import open_client_state, state_views
+from mpifl.roles.sharded_chunks import ShardedModel
 from mpifl.storage.residuals import DiskResiduals, RamResiduals, ResidualStore, UndoJournal, save_snapshot
 from mpifl.storage.rundir import ResumePoint
-from mpifl.wire.flat import DTYPES
 from mpifl.wire.protocol import UpdateMeta
-from mpifl.wire.spec import ModelSpec
 
 
-def rows_of(module: torch.nn.Module, spec: ModelSpec, global_rows: dict[str, torch.Tensor],
-            streams: Sequence[torch.Tensor], all_ranks: Callable[[bool], bool]) -> ShardRows:
+def rows_of(model: ShardedModel, streams: Sequence[torch.Tensor], all_ranks: Callable[[bool], bool]) -> ShardRows:
     """What this rank holds of a sharded model, for a client half (``ShardRows``): its trained parameters, its rows of
-    each, the round's global values of those rows (views of ``global_rows``, the bytes the group keeps of them) and
-    its rows of the summed streams."""
-    params = [p for _, p in trainable(module)]
-    names = [name for name, _ in trainable(module)]
-    dtypes = {e.name: DTYPES[e.dtype] for e in spec.entries}
+    each, the round's global values of those rows (views of ``model.global_rows``, the bytes the group keeps of
+    them) and its rows of the summed streams."""
+    named = trainable(model.module)
+    params = [p for _, p in named]
+    dtypes, global_rows = model.dtypes, model.global_rows
     rows = [own_rows(p.data) for p in params]
     anchors = []
-    for name, mine in zip(names, rows):
+    for (name, _), mine in zip(named, rows):
         if name not in dtypes:
             raise RuntimeError(f"the trained parameter {name!r} does not travel, so a client half has no global value "
                                "of it to act on")
@@ -65,7 +63,6 @@ class ShardedState:
     kept: RamResiduals | DiskResiduals  # the store itself: what a checkpoint publishes
     journal: UndoJournal | None
     shard: tuple[int, int]  # (this rank's index in its group, the group's size)
-    what: str  # what the store holds, as logs name it ("SCAFFOLD control variates")
     weight: Callable[[UpdateMeta], float]  # a client's weight in the server's fold (its strategy's), from its header
     half: ShardHalf | None = None  # the strategy's client half (SCAFFOLD, FedDyn)
     personal: ShardPersonalModels | None = None  # train.ditto_lambda
@@ -107,7 +104,7 @@ def open_sharded_state(cfg: Config, rows: ShardRows, pieces: Sequence[int], shar
     layout = kinds.layout(StateSizes(trainable=rows.elements, chunks=chunks, local=0, tensors=rows.elements))
     kept = open_client_state(cfg, layout, rank, hosted, run_dir, resume, shard)
     views = state_views(cfg, layout, kept)
-    state = ShardedState(kept, views.journal, shard, kinds.what, weight)
+    state = ShardedState(kept, views.journal, shard, weight)
     if algorithm is not None and algorithm.shard is not None and views.rule is not None:
         state.half = algorithm.shard(rows, views.rule, cfg)
     if views.personal is not None:
