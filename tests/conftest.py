@@ -211,6 +211,23 @@ def stopped_and_resumed(tmp_path: Path, cfg: Path, resume_ranks: int = 4,
     return rest
 
 
+def killed_and_resumed(cfg: Path, run_dir: Path, ranks: int, resume_ranks: int, *overrides: str
+                       ) -> subprocess.CompletedProcess:
+    """Run ``cfg`` with ``overrides`` (which name its ``rounds=``) on ``ranks`` ranks into ``run_dir``, SIGKILL the
+    whole job once two rounds are recorded, then resume it on ``resume_ranks`` ranks; the kill must come mid-run
+    and the resume must succeed. Returns the resume's result."""
+    rounds = next(int(o.split("=", 1)[1]) for o in overrides if o.startswith("rounds="))
+    proc = spawn_mpi(ranks, "run", str(cfg), "--run-dir", str(run_dir), *overrides)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert len(rounds_logged(run_dir)) < rounds  # killed mid-run
+    resumed = run_mpi(resume_ranks, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *overrides,
+                      timeout=MPI_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
 def ran(tmp_path: Path, config: str, ranks: int, *overrides: str) -> Path:
     """Run the YAML ``config`` (with ``overrides``) on ``ranks`` ranks into ``tmp_path/run``; it must succeed.
     Returns the run directory."""

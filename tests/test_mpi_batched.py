@@ -4,12 +4,10 @@ and a resume on another number of ranks; it is within float rounding of clients 
 model a lane cannot train is refused on the rank, naming the key and the module."""
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
+from conftest import killed_and_resumed, run_mpi, write_config
 from results import assert_bitwise, final_model, recorded, relative_l2
 
 CONFIG = """
@@ -59,13 +57,7 @@ def test_killed_with_sigkill_and_resumed_on_another_number_of_ranks_it_ends_bitw
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     run_dir, longer = tmp_path / "killed", ("rounds=8", "checkpoint.every=1", "strategy.name=scaffold",
                                             "strategy.update=delta")
-    proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *longer)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert len(rounds_logged(run_dir)) < 8  # killed mid-run
-    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *longer, timeout=MPI_TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    killed_and_resumed(cfg, run_dir, 5, 3, *longer)
     assert_bitwise(final_model(run_dir), final_model(run(tmp_path, "whole", 4, *longer)))
 
 

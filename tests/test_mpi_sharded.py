@@ -7,14 +7,12 @@ top-k's error feedback are kept by every rank over its own rows; compressed upda
 by chunk; and what the sharded path does not carry yet is refused, naming the key."""
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
+from conftest import killed_and_resumed, run_mpi, write_config
 from results import assert_bitwise, final_model, relative_l2
 
 from mpifl.config import ConfigError, load_config
@@ -139,13 +137,7 @@ def test_killed_with_sigkill_and_resumed_on_another_number_of_groups_it_ends_bit
     cfg = config(tmp_path)
     run_dir = tmp_path / "killed"
     longer = ("rounds=6", "checkpoint.every=1")
-    proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *longer)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert len(rounds_logged(run_dir)) < 6  # killed mid-run
-    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *longer, timeout=MPI_TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    killed_and_resumed(cfg, run_dir, 5, 3, *longer)
     whole = run(tmp_path, "whole", 3, *longer)
     assert_bitwise(final_model(run_dir), final_model(whole))
 
@@ -204,13 +196,7 @@ def test_sharded_lora_with_scaffold_in_bf16_killed_and_resumed_on_another_number
     cfg = config(tmp_path)
     run_dir = tmp_path / "killed"
     longer = (*LORA, *SCAFFOLD, "rounds=5", "checkpoint.every=1")
-    proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *longer)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert len(rounds_logged(run_dir)) < 5  # killed mid-run
-    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *longer, timeout=MPI_TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = killed_and_resumed(cfg, run_dir, 5, 3, *longer)
     assert "resume: SCAFFOLD control variates of 4 of its 4 clients" in resumed.stderr
     whole = final_model(run(tmp_path, "whole", 3, *longer))
     assert any(name.startswith("scaffold_control.") for name in whole)
@@ -255,13 +241,7 @@ def test_top_k_error_feedback_kept_by_every_rank_over_its_pieces_resumes_bitwise
     run_dir = tmp_path / "killed"
     topk = ("compression.method=topk", "compression.fraction=0.05", "compression.error_feedback=true", "rounds=5",
             "checkpoint.every=1")
-    proc = spawn_mpi(5, "run", str(cfg), "--run-dir", str(run_dir), *topk)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(rounds_logged(run_dir)) >= 2, proc, "round 2")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert len(rounds_logged(run_dir)) < 5  # killed mid-run
-    resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", *topk, timeout=MPI_TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = killed_and_resumed(cfg, run_dir, 5, 3, *topk)
     assert "resume: error-feedback residuals of 4 of its 4 clients" in resumed.stderr
     assert_bitwise(final_model(run_dir), final_model(run(tmp_path, "ddp", 3, *topk, "clients.sharding=replicate")))
 
