@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -33,10 +34,11 @@ from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, 
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.planning.pools import PoolLayout, holds_stacks
 from mpifl.wire import protocol
+from mpifl.wire.codecs import Codec
 from mpifl.wire.flat import DTYPES
 from mpifl.wire.late import OwedStream
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.spec import Chunk, element_offsets
+from mpifl.wire.spec import Chunk
 from mpifl.wire.transport import Backoff, wake
 from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, RankStalled, Watchdog
 
@@ -92,49 +94,55 @@ class ReductionRound:
     header_clients: int = 1  # the most logical clients one header lists (a reduction group's members)
 
 
+class ChunkDecoder:
+    """Compressed updates (``compression.method``): each chunk decoded into one reused fp32 scratch, made on first
+    use, before it is folded as usual."""
+
+    def __init__(self, codec: Codec, chunks: Sequence[Chunk]):
+        self.codec, self.numel = codec, max(c.numel for c in chunks)
+        self.scratch: torch.Tensor | None = None
+
+    def decode(self, slot: np.ndarray, numel: int) -> torch.Tensor:
+        """The ``numel`` values a chunk's bytes in ``slot`` encode."""
+        if self.scratch is None:
+            self.scratch = torch.empty(self.numel, dtype=ACCUMULATOR_DTYPE)
+        return self.codec.decode(slot, numel, self.scratch)
+
+
 class StreamedReduction:
     """Receive and fold one round of updates into the global model held by ``state``."""
 
     def __init__(self, comm: MPI.Comm, state: GlobalState, exchange: ExchangeLayout, strategy: Strategy,
                  pool: ReceivePool, task: ReductionRound, *, watchdog: Watchdog | None = None,
                  dropping: Dropping | None = None):
-        by_rank, plan = task.by_rank, task.layout
-        self.comm, self.state, self.strategy, self.task = comm, state, strategy, task
-        self.chunks, self.wire, self.grouped = exchange.chunks, exchange.wire, exchange.grouped
-        self.codec = exchange.codec  # compression.method: decode each chunk before folding
-        self.decoded: torch.Tensor | None = None  # the reused fp32 scratch it decodes into, made on first use
-        self.min_participants, self.round, self.watchdog = task.min_participants, task.round, watchdog
-        self.by_rank, self.labels = by_rank, task.labels or {}
-        self.weights, self.divisor = task.weights, task.divisor  # staleness weights; a fixed divisor
-        self.first_element = element_offsets(self.chunks)
-        self.metas_in = {rank: 0 for rank in by_rank}  # what has landed from each rank, for its deadlines
-        self.chunks_in = {rank: 0 for rank in by_rank}
+        plan = task.layout
+        self.comm, self.state, self.strategy, self.task, self.exchange = comm, state, strategy, task, exchange
+        self.chunks, self.wire = exchange.chunks, exchange.wire
+        self.decoder = ChunkDecoder(exchange.codec, self.chunks) if exchange.codec is not None else None
+        self.watchdog = watchdog
+        self.arrived = {rank: [0, 0] for rank in task.by_rank}  # headers and chunks landed from each rank
         self.total_weight: float | None = None  # set once every header is in, before the first finish
-        self.schedule = FoldSchedule(by_rank, len(self.chunks), plan.window, task.order)
-        self.plan = plan
+        self.schedule = FoldSchedule(task.by_rank, len(self.chunks), plan.window, task.order)
         summed = task.noise is not None or task.unmask is not None
         if plan.held and not holds_stacks(strategy.stacked, exchange.codec is not None, summed,
-                                          max(map(len, by_rank.values()), default=0)):
+                                          max(map(len, task.by_rank.values()), default=0)):
             raise ValueError("held stacks need a stacking strategy, uncompressed updates, no noise or masks, "
                              "and one participant per rank")
         # the participants' chunks stay in their slots and the network reads them there (no stacking copy)
         self.held = HeldStacks(lambda j: self.state.commit(self.chunks[j]), self._post_chunk) if plan.held else None
-        pool.ensure(plan.slots_per_rank * len(by_rank), 0 if self.held is not None else plan.window)
+        pool.ensure(plan.slots_per_rank * len(task.by_rank), 0 if self.held is not None else plan.window)
         self.pool = pool
         self.free_slots = list(range(len(pool.slots)))
-        self.receives = PostedReceives(list(by_rank), watchdog)
+        self.receives = PostedReceives(list(task.by_rank), watchdog)
         self.acc_of: dict[int, torch.Tensor] = {}
         self.stats = ReductionStats()
         self.clock = StragglerClock(dropping, time.monotonic())
-        self.dropping = dropping
-        self.meta_tag = protocol.round_tag(protocol.META, task.round)
-        self.update_tag = protocol.round_tag(protocol.UPDATE, task.round)
 
     def run(self) -> ReductionStats:
         """Post receives, fold chunks in order as they land, finish every chunk."""
         for rank in self.schedule.ranks:
             self._post_meta(rank)
-            for _ in range(self.plan.slots_per_rank):
+            for _ in range(self.task.layout.slots_per_rank):
                 self._post_chunk(rank, self.free_slots.pop())
         try:
             self._receive_and_fold()
@@ -169,8 +177,9 @@ class StreamedReduction:
     def _post_meta(self, rank: int) -> None:
         ticket = self.schedule.meta_ticket(rank)
         if ticket is not None:
-            buffer = protocol.header_bytes(self.task.header_clients)
-            self.receives.add(self.comm.irecv(buffer, source=rank, tag=self.meta_tag), ticket)
+            tag = protocol.round_tag(protocol.META, self.task.round)
+            self.receives.add(self.comm.irecv(protocol.header_bytes(self.task.header_clients), source=rank, tag=tag),
+                              ticket)
 
     def _post_chunk(self, rank: int, slot: int) -> None:
         ticket = self.schedule.chunk_ticket(rank, slot)
@@ -178,16 +187,17 @@ class StreamedReduction:
             self.free_slots.append(slot)
             return
         buf = self.pool.slots[slot][: self.wire[ticket.chunk].nbytes]
-        self.receives.add(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=self.update_tag), ticket)
+        tag = protocol.round_tag(protocol.UPDATE, self.task.round)
+        self.receives.add(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=tag), ticket)
 
     def waiting(self) -> dict[int, tuple[str, str | None]]:
         """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
 
         A rank whose receive slots are all full waits on the fold order, not the other way round.
         """
-        return {rank: rank_stage(clients, self.metas_in[rank], self.chunks_in[rank], len(self.chunks),
-                                 self.labels, self.grouped)
-                for rank, clients in self.by_rank.items() if self.receives.posted[rank] > 0}
+        return {rank: rank_stage(streams, self.arrived[rank], len(self.chunks), self.task.labels or {},
+                                 self.exchange.grouped)
+                for rank, streams in self.task.by_rank.items() if self.receives.posted[rank] > 0}
 
     @property
     def model_touched(self) -> bool:
@@ -199,10 +209,10 @@ class StreamedReduction:
         if self.watchdog is not None:
             self.watchdog.progress(ticket.rank)
         if isinstance(ticket, ChunkTicket):
-            self.chunks_in[ticket.rank] += 1
+            self.arrived[ticket.rank][1] += 1
             self.schedule.chunk_landed(ticket)
             return
-        self.metas_in[ticket.rank] += 1
+        self.arrived[ticket.rank][0] += 1
         stream, usable, members = _header(meta)
         if stream is None or self.schedule.rank_of.get(stream) != ticket.rank:
             raise RuntimeError(f"rank {ticket.rank} sent an unexpected update header: {meta!r}")
@@ -219,14 +229,14 @@ class StreamedReduction:
         """While nothing lands: a rank silent past its deadline ends the job, unless (accept_failures) it is still
         training and can be dropped, as can a straggler. Whether a rank was dropped (folds may be possible)."""
         dropped = False
-        for rank, why in self.clock.overdue(self.waiting, len(self.by_rank)):
+        for rank, why in self.clock.overdue(self.waiting, len(self.task.by_rank)):
             dropped |= self._drop(rank, why)
         if self.watchdog is None:
             return dropped
         try:
             self.watchdog.check(self.waiting)
         except RankStalled as stalled:
-            if self.dropping is None or stalled.interrupted or not self._drop(stalled.rank, str(stalled)):
+            if self.clock.dropping is None or stalled.interrupted or not self._drop(stalled.rank, str(stalled)):
                 raise
             dropped = True
         return dropped
@@ -234,23 +244,24 @@ class StreamedReduction:
     def _drop(self, rank: int, why: str) -> bool:
         """Drop the rest of ``rank``'s round: only while it trains (nothing of those participants is folded), and
         only if clients.min_participants can still be met. Whether it was dropped."""
-        assert self.dropping is not None  # _check_deadlines drops only with a Dropping
+        dropping = self.clock.dropping
+        assert dropping is not None  # _check_deadlines drops only with a Dropping
         stage = self.waiting().get(rank)
         streams = self.schedule.headerless(rank)
         if stage is None or stage[0] != FIRST_UPDATE or not streams:
             return False
-        members = {s: self.dropping.members(rank, s) for s in streams}
-        everyone = sum(len(self.dropping.members(r, s)) for r, ss in self.by_rank.items() for s in ss)
+        members = {s: dropping.members(rank, s) for s in streams}
+        everyone = sum(len(dropping.members(r, s)) for r, ss in self.task.by_rank.items() for s in ss)
         failed = sum(1 for m in self.stats.metas.values() if m.error is not None)
-        if everyone - failed - sum(map(len, members.values())) < self.min_participants:
+        if everyone - failed - sum(map(len, members.values())) < self.task.min_participants:
             return False
         raced_metas, raced_chunks = self.receives.cancel(rank)
         self.schedule.drop(rank)
-        metas, groups = dropped_headers(members, why, self.round, self.grouped)
+        metas, groups = dropped_headers(members, why, self.task.round, self.exchange.grouped)
         self.stats.metas.update((m.client, m) for m in metas)
         self.stats.groups.update(groups)
         sizes = [self.wire[j].nbytes for _ in streams for j in range(len(self.chunks))]
-        self.dropping.owe(OwedStream(rank, self.round, tuple(sorted(c for cs in members.values() for c in cs)),
+        dropping.owe(OwedStream(rank, self.task.round, tuple(sorted(c for cs in members.values() for c in cs)),
                                      len(streams) - raced_metas, deque(sizes[raced_chunks:])))
         return True
 
@@ -258,14 +269,10 @@ class StreamedReduction:
         """Fold and finish what the schedule allows now; a folded chunk's slot takes its rank's next chunk."""
         for step in self.schedule.steps():
             start = time.perf_counter()
-            if isinstance(step, Finish):
-                self._finish(step)
-                self.stats.aggregate_seconds += time.perf_counter() - start
-                continue
-            self._fold(step)
+            self._finish(step) if isinstance(step, Finish) else self._fold(step)
             self.stats.aggregate_seconds += time.perf_counter() - start
-            held = self.held is not None and step.row is not None  # its slot stays full until its chunk finishes
-            if step.slot is not None and not held:
+            # a folded chunk's slot takes the next, unless its chunk is held there until it finishes
+            if isinstance(step, Fold) and step.slot is not None and (self.held is None or step.row is None):
                 self._post_chunk(step.rank, step.slot)
 
     def _fold(self, step: Fold) -> None:
@@ -277,8 +284,8 @@ class StreamedReduction:
             return
         if step.row == 0:
             self.acc_of[step.chunk] = self._accumulator(step.chunk)
-        if self.codec is not None:  # compressed: decoded into a reused fp32 scratch, then folded as usual
-            x = self.codec.decode(self.pool.slots[step.slot], self.chunks[step.chunk].numel, self._decoded())
+        if self.decoder is not None:  # compressed: decoded into a reused fp32 scratch, then folded as usual
+            x = self.decoder.decode(self.pool.slots[step.slot], self.chunks[step.chunk].numel)
         else:
             x = self._received(step.chunk, step.slot)
         # a group's partial sum arrives weighted: it folds with weight 1; a single update, with its own
@@ -291,14 +298,10 @@ class StreamedReduction:
         wire = self.wire[chunk]
         return torch.from_numpy(self.pool.slots[slot][: wire.nbytes]).view(DTYPES[wire.dtype])
 
-    def _decoded(self) -> torch.Tensor:
-        if self.decoded is None:
-            self.decoded = torch.empty(max(c.numel for c in self.chunks), dtype=ACCUMULATOR_DTYPE)
-        return self.decoded
-
     def _weight(self, meta: protocol.UpdateMeta) -> float:
         """A participant's weight: the round's own (asynchronous FL), else the strategy's from its header."""
-        return self.weights[meta.client] if self.weights is not None else self.strategy.weight_of(meta)
+        weights = self.task.weights
+        return weights[meta.client] if weights is not None else self.strategy.weight_of(meta)
 
     def _accumulator(self, j: int) -> torch.Tensor:
         numel = self.chunks[j].numel
@@ -308,32 +311,24 @@ class StreamedReduction:
             return storage[: participants * numel].view(participants, numel)
         return storage[:numel]
 
-    def _check_participation(self) -> None:
-        """Before anything is written: enough usable updates, with positive total weight."""
-        order = self.schedule.order
-        usable = [m for m in self.stats.metas.values() if m.error is None]
-        if len(usable) < self.min_participants:
-            raise RoundAborted(f"round {self.round}: only {len(usable)} of {len(self.stats.metas)} participants sent a "
-                               f"usable update, fewer than clients.min_participants={self.min_participants}; "
-                               "the round is not applied")
-        self.total_weight, self.strategy.round_statistics_total = round_totals(
-            self.strategy, usable, self.task.weights, self.divisor)
-        if self.total_weight <= 0:
-            raise RoundAborted(f"round {self.round}: zero total client weight (clients {order}); cannot average")
+    def _total_weight(self) -> float:
+        """The round's divisor, checked once, before anything is written (``checked_totals``)."""
+        if self.total_weight is None:
+            self.total_weight, self.strategy.round_statistics_total = checked_totals(
+                self.strategy, self.stats.metas, self.task, self.schedule.order)
+        return self.total_weight
 
     def _finish(self, step: Finish) -> None:
         if self.held is not None:
             self._finish_held(step)
             return
-        if self.total_weight is None:
-            self._check_participation()
-        assert self.total_weight is not None  # _check_participation set it, or raised
+        total = self._total_weight()
         chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk)
         if self.task.unmask is not None:  # secure aggregation: the ring sum of masked updates becomes the float sum
-            self.task.unmask(acc, self.first_element[step.chunk], self.stats.metas)
+            self.task.unmask(acc, self.exchange.first_elements[step.chunk], self.stats.metas)
         if self.task.noise is not None:  # DP-FedAvg: the round's noise added to a chunk's sum
-            self.task.noise(acc, self.first_element[step.chunk])
-        self.strategy.finish(acc, step.count, self.total_weight, self.state.finish_target(chunk),
+            self.task.noise(acc, self.exchange.first_elements[step.chunk])
+        self.strategy.finish(acc, step.count, total, self.state.finish_target(chunk),
                              self.state.server_state(chunk), chunk)
         self.state.commit(chunk)
 
@@ -342,15 +337,13 @@ class StreamedReduction:
         on, or here when the strategy cannot (held.py)."""
         assert self.held is not None  # _finish finishes here only with held stacks
         self.held.settle()  # one chunk at a time (_perform times this step)
-        if self.total_weight is None:
-            self._check_participation()
-        assert self.total_weight is not None  # _check_participation set it, or raised
+        total = self._total_weight()
         chunk = self.chunks[step.chunk]
         rows = [self._received(step.chunk, slot) for slot in self.held.slots(step.chunk)]
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
-        jobs = self.strategy.start_finish(rows, step.count, self.total_weight, target, state)
+        jobs = self.strategy.start_finish(rows, step.count, total, target, state)
         if jobs is None:
-            self.strategy.finish(rows, step.count, self.total_weight, target, state, chunk)
+            self.strategy.finish(rows, step.count, total, target, state, chunk)
         self.held.finishing_in(step.chunk, jobs or [])
 
     def _settle(self) -> None:
@@ -361,21 +354,36 @@ class StreamedReduction:
     def run_without_updates(self) -> ReductionStats:
         """DP-FedAvg with nobody sampled (Poisson sampling): the noise alone still moves the model, so that
         an empty round looks like any other."""
-        self.total_weight = self.divisor
+        self.total_weight = self.task.divisor
         for j in range(len(self.chunks)):
             self.acc_of[j] = self._accumulator(j).zero_()
             self._finish(Finish(j, 0))
         return self.stats
 
 
-def rank_stage(streams: Sequence[int], metas: int, chunks: int, per_stream: int, labels: Mapping[int, str],
+def rank_stage(streams: Sequence[int], landed: Sequence[int], per_stream: int, labels: Mapping[int, str],
                grouped: bool) -> tuple[str, str]:
-    """The stage of an awaited rank that sends ``streams`` and has sent ``metas`` headers and ``chunks`` chunks
-    (``per_stream`` each), and the stream concerned: the one whose chunks flow, or come next."""
+    """The stage of an awaited rank that sends ``streams`` and has sent ``landed`` = (headers, chunks) so far
+    (``per_stream`` chunks each), and the stream concerned: the one whose chunks flow, or come next."""
+    metas, chunks = landed
     current = streams[min(chunks // per_stream, len(streams) - 1)]
     training = chunks % per_stream == 0 and metas <= chunks // per_stream
     label = labels.get(current) or (f"reduction group {current}" if grouped else f"logical client {current}")
     return FIRST_UPDATE if training else UPDATE_COMPLETE, label
+
+
+def checked_totals(strategy: Strategy, metas: Mapping[int, protocol.UpdateMeta], task: ReductionRound,
+                   order: Sequence[int]) -> tuple[float, float | None]:
+    """The round's divisor and statistics total (``round_totals``) once every header is in; a round with fewer
+    usable updates than clients.min_participants, or with no weight, is aborted before anything is written."""
+    usable = [m for m in metas.values() if m.error is None]
+    if len(usable) < task.min_participants:
+        raise RoundAborted(f"round {task.round}: only {len(usable)} of {len(metas)} participants sent a usable update, "
+                           f"fewer than clients.min_participants={task.min_participants}; the round is not applied")
+    total, statistics = round_totals(strategy, usable, task.weights, task.divisor)
+    if total <= 0:
+        raise RoundAborted(f"round {task.round}: zero total client weight (clients {order}); cannot average")
+    return total, statistics
 
 
 def round_totals(strategy: Strategy, usable: Sequence[protocol.UpdateMeta], weights: Mapping[int, float] | None,

@@ -37,6 +37,7 @@ from mpifl.roles.evaluation import FederatedEvaluation
 from mpifl.roles.group import GroupLeader, GroupMember
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.lending import StateLending
+from mpifl.roles.local_training import TrainingParts
 from mpifl.storage.residuals import (
     Borrowing,
     ResidualStore,
@@ -120,17 +121,20 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
             state.models.starting = leader.dispatch_personal
     if isinstance(state.store, Borrowing):
         state.lending = StateLending(comm, state.store, state.journal)
-    parts = ClientParts(
-        plan=plan, trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
+    training = TrainingParts(
+        trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
+        accept_failures=cfg.clients.accept_failures, group=leader,
         batched=batched_clients(cfg, replica.flat if replica else flat, local, state),
-        delta=cfg.strategy.update == "delta", statistics_as_values=cfg.statistics_as_values,
-        accept_failures=cfg.clients.accept_failures, groups=cfg.clients.groups,
+        faults=FaultPlan(cfg) if cfg.faults else None)
+    parts = ClientParts(
+        plan=plan, training=training, delta=cfg.strategy.update == "delta",
+        statistics_as_values=cfg.statistics_as_values, groups=cfg.clients.groups,
         weight=make_strategy(cfg.strategy).weight_of, replica=replica,
         evaluation=FederatedEvaluation(evaluator_for(cfg) if federated else None, cfg.eval.federated_every,
                                        cfg.rounds),
         privacy=ClientPrivacy(cfg.privacy, cfg.seed) if cfg.privacy.mode != "off" else None,
         secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
-        state=state, note=note, group=leader, faults=FaultPlan(cfg) if cfg.faults else None)
+        state=state, note=note)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
     client.run()

@@ -21,7 +21,6 @@ from mpifl.roles.encoding import UpdateCompressor, UpdateEncoder, count_nonfinit
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.spec import element_offsets
 
 
 class UpdatePipeline:
@@ -36,7 +35,6 @@ class UpdatePipeline:
         self.encoder, self.layout, self.work, self.replica = encoder, layout, work, replica
         self.delta, self.privacy, self.secagg, self.compressor = delta, privacy, secagg, compressor
         self.grouped, self.weight = grouped, weight
-        self.first_element = element_offsets(layout.chunks)
         self.clip: float | None = None  # DP: this round's L2 bound
         self.cohort: tuple[int, ...] = ()  # secure aggregation: the round's participants
 
@@ -77,9 +75,10 @@ class UpdatePipeline:
         chunks = [torch.from_numpy(b).view(DTYPES[w.dtype]) for w, b in zip(self.encoder.wire, buffers)]
         if self.privacy is not None:
             assert self.clip is not None  # with DP every header carries the round's clip bound (roles.server)
-            result.metrics.update(self.privacy.apply(chunks, self.first_element, self.clip, round_, client))
+            result.metrics.update(self.privacy.apply(chunks, self.layout.first_elements, self.clip, round_, client))
         if self.secagg is not None:
             # the header is not complete yet: the weight sees what the server's will (samples, steps, metrics)
             weight = self.weight(protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
                                                      local_steps=result.local_steps))
-            result.metrics.update(self.secagg.mask(chunks, self.first_element, weight, self.cohort, round_, client))
+            first = self.layout.first_elements
+            result.metrics.update(self.secagg.mask(chunks, first, weight, self.cohort, round_, client))

@@ -92,7 +92,7 @@ def fault_line(entry: dict) -> str:
             f"{entry['outcome']}{why}")
 
 
-# What a client rank reports of its cost with each update (roles.client.ClientRank._cost), summed per rank.
+# What a client rank reports of its cost with each update (roles.costs.UpdateCosts), summed per rank.
 RANK_COSTS = ("cpu_seconds", "bytes_written", "gpu_seconds", "gpu_energy_joules")
 
 

@@ -57,10 +57,10 @@ from mpifl.learning.trainers import (
 from mpifl.logs import log
 from mpifl.metrics import CostMeter
 from mpifl.planning.seeds import client_seed, personal_seed
-from mpifl.roles.client import ClientFailure
 from mpifl.roles.encoding import UpdateCompressor
 from mpifl.roles.group import rendezvous_store
 from mpifl.roles.launch import startup_limit
+from mpifl.roles.local_training import ClientFailure
 from mpifl.roles.sharded_chunks import ShardedGroup, ShardedModel, receive_ring, tensors_by_name
 from mpifl.roles.sharded_state import ShardedState, every_rank, open_sharded_state, rows_of
 from mpifl.storage.rundir import ResumePoint

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from mpifl.config import CompressionConfig, TransportConfig
 from mpifl.wire.codecs import Codec, codec_for
-from mpifl.wire.spec import Chunk, ModelSpec, fp32_chunks, wire_chunks
+from mpifl.wire.spec import Chunk, ModelSpec, element_offsets, fp32_chunks, wire_chunks
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class ExchangeLayout:
         """Whether updates travel from a separate wire buffer as values: a narrower dtype, or fp32 group sums
         (compressed updates have their own encoder)."""
         return self.wire is not self.chunks and self.codec is None
+
+    @cached_property
+    def first_elements(self) -> list[int]:
+        """Each chunk's first element in the whole model (where DP's noise and secure aggregation's masks for it
+        begin)."""
+        return element_offsets(self.chunks)
 
     @property
     def model_bytes(self) -> int:

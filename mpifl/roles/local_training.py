@@ -1,0 +1,143 @@
+"""One logical client's local training on a client rank: alone, with its group of ranks
+(``clients.ranks_per_client``) or as a lane of its batch (``train.batched_clients``), inside its client half's
+rule (SCAFFOLD's correction, FedDyn's term), with Ditto's personal model beside it; and the failure rule that says
+whether a raise ends the job or becomes the client's error."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mpifl.learning.datasets import ClientData
+from mpifl.learning.device import deterministic_hint
+from mpifl.learning.trainers import ConfiguredTrainer, TrainContext, Trainer, TrainResult, accepts_context
+from mpifl.planning.faults import FaultPlan
+from mpifl.planning.seeds import client_seed, personal_seed
+from mpifl.roles.batched import BatchedClients
+from mpifl.roles.client_state import ClientStateParts
+from mpifl.roles.evaluation import FederatedEvaluation
+from mpifl.roles.faults import FaultInjector
+from mpifl.wire.flat import FlatModel
+from mpifl.wire.layout import ExchangeLayout
+
+if TYPE_CHECKING:  # roles.group imports roles.client's neighbours only: the type alone, no import at run time
+    from mpifl.roles.group import GroupLeader
+
+
+class ClientFailure(RuntimeError):
+    """A logical client's training raised: the message names the client, its rank and the round."""
+
+
+@dataclass(kw_only=True)
+class TrainingParts:
+    """How a client rank's logical clients train, each part built from its own config section."""
+
+    trainer: Trainer
+    seed: int  # the root seed: each logical client's seed derives from it, the round and its id
+    num_clients: int = 0  # clients.num_clients: a plug-in trainer's TrainContext
+    accept_failures: bool  # clients.accept_failures: a failing client is reported, not fatal
+    group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
+    batched: BatchedClients | None = None  # train.batched_clients: clients trained K at a time, served one by one
+    faults: FaultPlan | None = None  # the config's faults: what strikes this rank's clients, and when
+
+
+class LocalTraining:
+    """Trains the rank's logical clients one at a time in ``work``, the model that trains."""
+
+    def __init__(self, parts: TrainingParts, work: FlatModel, state: ClientStateParts, plan: ExchangeLayout,
+                 evaluation: FederatedEvaluation, faults: FaultInjector | None, rank: int):
+        self.parts, self.work, self.state, self.plan, self.evaluation = parts, work, state, plan, evaluation
+        self.trainer, self.faults, self.rank = parts.trainer, faults, rank
+        self.context = accepts_context(parts.trainer)  # whether the trainer takes a TrainContext
+        self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
+        self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
+
+    def train(self, round_: int, client: int, data: ClientData | None,
+              anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
+        """Local training of one logical client (``anchor``: the global model beside the one that trains, for
+        SCAFFOLD's and FedDyn's rules); a raise ends the job, or is its error under accept_failures."""
+        controls, seed = self.state.controls, client_seed(self.parts.seed, round_, client)
+        try:
+            assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
+            if self.faults:
+                self.faults.before_training(round_, client)
+            began = time.perf_counter()
+            with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
+                result = self._steps(round_, client, data, seed)
+            if self.faults:
+                self.faults.after_training(round_, client, self.work, self.plan, anchor, time.perf_counter() - began)
+            return result, None
+        except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
+            return TrainResult(0, {}), self.failed(err, round_, client, "")
+
+    def _steps(self, round_: int, client: int, data: ClientData | None, seed: int) -> TrainResult:
+        """The local steps themselves: with the group of ranks, as a lane of the client's batch (the model holds
+        the global one), or by the trainer alone."""
+        if self.parts.group is not None:
+            return self._train_in_group(client, data, seed)
+        if self.parts.batched is not None:
+            return self.parts.batched.train(self.work.module, client)
+        if self.context:
+            return self.trainer.train(self.work.module, data, seed,  # type: ignore[call-arg]
+                                      context=self._context(round_, client))
+        return self.trainer.train(self.work.module, data, seed)
+
+    def failed(self, err: Exception, round_: int, client: int, doing: str) -> str:
+        """The failure rule: a raise in a client's training ends the job, naming the client, its rank and the round;
+        under clients.accept_failures it is the client's error instead (not in a group of ranks, which cannot go on
+        mid-collective)."""
+        hint = deterministic_hint(err)
+        if not self.parts.accept_failures or self.parts.group is not None:
+            why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
+                   if self.parts.group is not None else "clients.accept_failures=false")
+            raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}{doing}: "
+                                f"{type(err).__name__}: {err} ({why}{hint})") from err
+        return f"{type(err).__name__}: {err}{hint}"
+
+    def non_finite(self, client: int, count: int) -> str:
+        """An update with ``count`` NaN/Inf values: the client's error under clients.accept_failures, else the end of
+        the job with what to change."""
+        error = f"update contains {count} NaN/Inf values"
+        if not self.parts.accept_failures:
+            raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
+                                     "(clients.accept_failures=false); if its training diverged, lower "
+                                     "train.lr or set train.max_grad_norm, or drop such clients from their "
+                                     "rounds with clients.accept_failures=true")
+        return error
+
+    def _context(self, round_: int, client: int) -> TrainContext:
+        """What a plug-in trainer learns of the client it trains, with the client's declared vectors loaded."""
+        declared = self.state.declared
+        if declared is None:
+            return TrainContext(client, round_, self.participants, self.parts.num_clients)
+        self.vectors, fresh = declared.load(client)
+        return TrainContext(client, round_, self.participants, self.parts.num_clients, self.vectors, fresh,
+                            declared.covered)
+
+    def _train_in_group(self, client: int, data: ClientData | None, seed: int) -> TrainResult:
+        """Train ``client`` with this rank's group (clients.ranks_per_client); its metrics add the group's setup
+        (round 1 only), the weights' dispatch to the group, and the training itself, in seconds."""
+        assert self.parts.group is not None  # _steps calls this only for a group's leader
+        own_steps = self.trainer.cfg.local_steps if isinstance(self.trainer, ConfiguredTrainer) else None
+        # SCAFFOLD's c - c_i or FedDyn's g_i, set as the training began: the members'
+        controls = self.state.controls
+        costs = self.parts.group.dispatch(client, seed, own_steps, controls.shared if controls else None)
+        began = time.perf_counter()
+        result = self.trainer.train(self.work.module, data, seed)
+        result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)
+        return result
+
+    def personal(self, round_: int, client: int, data: ClientData | None, val: ClientData | None,
+                 anchor: torch.Tensor) -> dict:
+        """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
+        raise ends the job, or, under accept_failures, leaves the personal model as it was."""
+        assert self.state.models is not None  # called only for Ditto
+        try:
+            return self.state.models.train(client, data, anchor, personal_seed(self.parts.seed, round_, client),
+                                           self.evaluation.personal(self.work.module, round_, val))
+        except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
+            self.failed(err, round_, client, " while training its personal model")
+            return {}
