@@ -37,6 +37,7 @@ class BatchedClients:
         self.order: list[int] = []
         self.trained: dict[int, tuple[LaneWeights, TrainResult]] = {}
         self.served: set[int] = set()
+        self.params: tuple[nn.Module, dict[str, torch.Tensor]] | None = None
 
     def begin_round(self, round_: int, order: Sequence[int]) -> None:
         """A new round whose clients the rank serves in ``order``."""
@@ -51,10 +52,11 @@ class BatchedClients:
             self._train_batch(model, client)
         weights, result = self.trained.pop(client)
         self.served.add(client)
+        if self.params is None or self.params[0] is not model:  # the rank's one model: its names looked up once
+            self.params = model, dict(model.named_parameters())
         with torch.no_grad():
-            params = dict(model.named_parameters())
             for name, value in weights.items():
-                params[name].copy_(value)
+                self.params[1][name].copy_(value)
         return result
 
     def _train_batch(self, model: nn.Module, first: int) -> None:

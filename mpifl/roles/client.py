@@ -14,7 +14,6 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import local_steps
 from mpifl.logs import log
-from mpifl.metrics import peak_rss_bytes
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client_state import ClientStateParts
@@ -270,8 +269,7 @@ class ClientRank:
         if bad:
             error = self.training.non_finite(client, bad)
         seconds = time.perf_counter() - start
-        metrics.update(result.metrics, rank_peak_rss_bytes=peak_rss_bytes())
-        metrics.update(self.costs.of_update(seconds))
+        metrics.update(result.metrics, **self.costs.of_update(seconds))
         if self.replica is not None and self.replica.on_gpu:
             metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
         meta = protocol.UpdateMeta(client, result.num_samples, seconds, metrics, error, result.local_steps)

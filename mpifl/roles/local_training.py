@@ -59,27 +59,28 @@ class LocalTraining:
               anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client (``anchor``: the global model beside the one that trains, for
         SCAFFOLD's and FedDyn's rules); a raise ends the job, or is its error under accept_failures."""
-        controls, seed = self.state.controls, client_seed(self.parts.seed, round_, client)
+        controls = self.state.controls
         try:
             assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
             if self.faults:
                 self.faults.before_training(round_, client)
             began = time.perf_counter()
             with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
-                result = self._steps(round_, client, data, seed)
+                result = self._steps(round_, client, data)
             if self.faults:
                 self.faults.after_training(round_, client, self.work, self.plan, anchor, time.perf_counter() - began)
             return result, None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             return TrainResult(0, {}), self.failed(err, round_, client, "")
 
-    def _steps(self, round_: int, client: int, data: ClientData | None, seed: int) -> TrainResult:
-        """The local steps themselves: with the group of ranks, as a lane of the client's batch (the model holds
-        the global one), or by the trainer alone."""
-        if self.parts.group is not None:
-            return self._train_in_group(client, data, seed)
+    def _steps(self, round_: int, client: int, data: ClientData | None) -> TrainResult:
+        """The local steps themselves: as a lane of the client's batch (the model holds the global one; the batch
+        seeds its lanes), with the group of ranks, or by the trainer alone."""
         if self.parts.batched is not None:
             return self.parts.batched.train(self.work.module, client)
+        seed = client_seed(self.parts.seed, round_, client)
+        if self.parts.group is not None:
+            return self._train_in_group(client, data, seed)
         if self.context:
             return self.trainer.train(self.work.module, data, seed,  # type: ignore[call-arg]
                                       context=self._context(round_, client))
