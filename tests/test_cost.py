@@ -11,6 +11,7 @@ from conftest import run_mpi, stopped_and_resumed, write_config
 
 from mpifl.learning.device import GpuEnergy
 from mpifl.metrics import CostMeter
+from mpifl.roles.costs import UpdateCosts
 from mpifl.roles.records import cost_line, cost_to_date, plus_server, round_cost
 from mpifl.trackers import scalars
 
@@ -24,6 +25,21 @@ eval: {every: 2}
 checkpoint: {every: 2}
 output: {progress: false}
 """
+
+
+def test_a_rank_reads_its_counters_with_the_round_s_last_header_which_gives_the_same_sums_and_peak(tmp_path):
+    costs = UpdateCosts(replica=None, rank=1)
+    costs.begin_round(3)
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    (tmp_path / "f").write_bytes(b"x" * 100_000)
+    assert costs.of_update(0.1) == {} and costs.of_update(0.1) == {}  # on the CPU, nothing until the last
+    last = costs.of_update(0.1)
+    assert last["rank_cpu_seconds"] >= 0.05 and last["rank_bytes_written"] >= 100_000
+    assert last["rank_peak_rss_bytes"] > 0 and "rank_gpu_seconds" not in last
+    costs.begin_round(1)
+    assert costs.of_update(0.1)["rank_cpu_seconds"] < 0.05  # the next round counts from this reading on
 
 
 def test_the_meter_counts_this_process_s_cpu_and_the_bytes_it_writes(tmp_path):
