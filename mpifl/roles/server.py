@@ -29,6 +29,7 @@ from mpifl.metrics import CostMeter, JsonLines, current_rss_bytes, peak_rss_byte
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import RoundAssignment, Sampler, state_home, state_loans
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
+from mpifl.planning.routes import RoundRoutes
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.launch import StopRequest
@@ -56,7 +57,7 @@ from mpifl.units import MIB, range_list
 from mpifl.wire import protocol
 from mpifl.wire.late import DroppedClients, LateStreams, OwedStream
 from mpifl.wire.layout import ExchangeLayout
-from mpifl.wire.transport import ProgressInbox, broadcast_tree, send_chunks, send_windows, wait_all
+from mpifl.wire.transport import ProgressInbox, send_chunks, send_windows, wait_all
 from mpifl.wire.watchdog import RankStalled, RunDeadlines, StragglerRule, Watchdog
 
 
@@ -127,7 +128,7 @@ class Server:
             log(f"privacy.epsilon_budget: round {start_round + 1} would take epsilon to "
                 f"{private.epsilon(start_round + 1):.3f}, past {private.cfg.epsilon_budget}: nothing to run", rank=0)
             self.budget_spent = True
-            self._send_headers(None, self.rounds + 1)
+            self._send_headers(None, None, self.rounds + 1)
             return self.history
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
@@ -146,7 +147,7 @@ class Server:
         finally:
             bar.close()
         self.late.finish(self.parts.deadlines.current().first_update)
-        self._send_headers(None, self.rounds + 1)
+        self._send_headers(None, None, self.rounds + 1)
         self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize
         return self.history
 
@@ -164,12 +165,13 @@ class Server:
         for strike in strikes:
             log(strike_line(strike), rank=0)
         parts.strategy.begin_round(round_, len(plan.participants))
-        self._send_headers(plan)
+        routes = RoundRoutes.of(plan, self.transport, parts.plan.grouped)
+        self._send_headers(plan, routes)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
                             lambda: self.stop.requested, heard=self.heard)
-        self._dispatch(plan, watchdog)
+        self._dispatch(plan, routes, watchdog)
         dispatched = time.perf_counter()
-        stats = self._reduce(plan, watchdog, started=dict(watchdog.last))
+        stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last))
         reduced = time.perf_counter()
         evaluation = parts.evaluation(round_)
         evaluated = time.perf_counter()
@@ -177,7 +179,7 @@ class Server:
         trained = max((w["train_seconds"] for w in work.values()), default=0.0)
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds, trained)
-        record = self._record(plan, stats.metas, evaluation, times, work)
+        record = self._record(plan, routes, stats.metas, evaluation, times, work)
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
         record["cost_to_date"] = cost_to_date(self.history[-1].get("cost_to_date") if self.history else None,
                                               record["cost"])
@@ -204,11 +206,11 @@ class Server:
         record["cost"], record["cost_to_date"] = (plus_server(record[k], saving) for k in ("cost", "cost_to_date"))
         return record, stopping
 
-    def _dispatch(self, plan: RoundAssignment, watchdog: Watchdog) -> None:
+    def _dispatch(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog) -> None:
         """Stream the global model to the ranks that train this round (or to the tree's first level); ranks still
         finishing a round they were dropped from get it last, so they hold nobody else up."""
-        dests = self._model_dests(plan)
-        late = [r for r in dests if self.late.owes(r)] if self._tree(plan) is None else []
+        dests = routes.model_dests
+        late = [r for r in dests if self.late.owes(r)] if routes.tree is None else []
         tag = protocol.round_tag(protocol.MODEL, plan.round)
         try:
             for batch in ([r for r in dests if r not in late], late):
@@ -218,12 +220,12 @@ class Server:
         except RankStalled as stalled:
             self._give_up(plan.round, stalled, model_intact=True)
 
-    def _dropping(self, plan: RoundAssignment, started: dict[int, float]) -> Dropping | None:
+    def _dropping(self, plan: RoundAssignment, routes: RoundRoutes, started: dict[int, float]) -> Dropping | None:
         """clients.accept_failures: how a rank past its deadline is dropped from this round (not from an
         asynchronous step, whose held updates are already trained, nor from a chain, where ranks wait on
         each other)."""
         rule = self.parts.stragglers
-        if rule is None or plan.hold or self._chain(plan):
+        if rule is None or plan.hold or routes.chain:
             return None
 
         def began(rank: int) -> float | None:
@@ -263,7 +265,8 @@ class Server:
         client_ranks = self.comm.Get_size() - 1
         return (lambda c: state_home(c, client_ranks)) if self.parts.lends_state else None
 
-    def _reduce(self, plan: RoundAssignment, watchdog: Watchdog, started: dict[int, float]) -> ReductionStats:
+    def _reduce(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog,
+                started: dict[int, float]) -> ReductionStats:
         """Fold the round's updates into the global model as they stream in; the store writes finished chunks.
         ``started``: when each rank took up the model (its straggler clock starts there)."""
         parts, round_ = self.parts, plan.round
@@ -276,14 +279,14 @@ class Server:
             update.alpha = plan.mixing
         private = parts.privacy
         noise = private.noise(round_) if private else None
-        streams = self._streams(plan)
+        streams = routes.streams
         task = ReductionRound(
             round_, streams, self._pool_layout(streams, summed=noise is not None or parts.secagg is not None),
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
-            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=self._labels(plan),
-            min_participants=self.min_participants, header_clients=self._header_clients(plan))
+            unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=routes.labels,
+            min_participants=self.min_participants, header_clients=routes.header_clients)
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
-                                      watchdog=watchdog, dropping=self._dropping(plan, started))
+                                      watchdog=watchdog, dropping=self._dropping(plan, routes, started))
         try:
             if plan.streams:
                 stats = reduction.run()
@@ -322,10 +325,11 @@ class Server:
                 model = np.empty(self.parts.plan.spec.total_bytes, dtype=np.uint8)
             with Checkpoint(path) as version:
                 version.read_range(self.parts.plan.spec, 0, model)
-            self._send_headers(plan)
+            routes = RoundRoutes.of(plan, self.transport, self.parts.plan.grouped)
+            self._send_headers(plan, routes)
             watchdog = Watchdog(self.parts.deadlines.current(), plan.round, plan.train, lambda: self.stop.requested,
                                 heard=self.heard)
-            send_chunks(self.comm, self._model_dests(plan), protocol.round_tag(protocol.MODEL, plan.round),
+            send_chunks(self.comm, routes.model_dests, protocol.round_tag(protocol.MODEL, plan.round),
                         self.parts.plan.chunk_slices(model), self.parts.plan.inflight, watchdog)
             log(f"resume: retrained logical clients {clients} from version "
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
@@ -356,59 +360,13 @@ class Server:
         return pool_layout(self.pool.shape, budget, len(by_rank), stacked=parts.strategy.stacked, held=held,
                            sequential=per_rank > 1)
 
-    def _tree(self, plan: RoundAssignment) -> dict[int, tuple[int | None, tuple[int, ...]]] | None:
-        """transport.dispatch_fanout: the round's broadcast tree over the server and the ranks that train."""
-        fanout = self.transport.dispatch_fanout
-        return broadcast_tree([protocol.SERVER, *sorted(plan.train)], fanout) if fanout and plan.train else None
-
-    def _model_dests(self, plan: RoundAssignment) -> list[int]:
-        """The ranks the server itself sends the global model to: every rank that trains, or its tree children."""
-        tree = self._tree(plan)
-        return list(tree[protocol.SERVER][1]) if tree else sorted(plan.train)
-
-    def _chain(self, plan: RoundAssignment) -> dict[int, tuple[protocol.ChainHop, ...]] | None:
-        """transport.reduce=chain: each sending rank's hops of the round's chain, over its groups in ascending id."""
-        return protocol.chain_hops(plan.streams) if self.transport.reduce == "chain" and plan.streams else None
-
-    def _streams(self, plan: RoundAssignment) -> dict[int, list[int]]:
-        """What the server receives: every rank's streams, or (chain) one stream from the rank of the chain's
-        last hop, named by the round's first group."""
-        chain = self._chain(plan)
-        if not chain:
-            return plan.streams
-        last = next(rank for rank, hops in chain.items() if hops[-1].dest == protocol.SERVER)
-        return {last: [min(min(s) for s in plan.streams.values())]}
-
-    def _header_clients(self, plan: RoundAssignment) -> int:
-        """The most logical clients one update header lists this round: a reduction group's members, who all train
-        on one rank (under the chain reduction, the last hop's header lists every group's)."""
-        if not self.parts.plan.grouped:
-            return 1
-        if self._chain(plan):
-            return len(plan.participants)
-        return max((len(clients) for clients in plan.train.values()), default=1)
-
-    def _labels(self, plan: RoundAssignment) -> dict[int, str] | None:
-        """What a deadline message calls the round's one stream under the chain reduction: every rank of the
-        chain feeds it, so the rank the server names may be waiting on another."""
-        chain = self._chain(plan)
-        if not chain:
-            return None
-        (stream,) = next(iter(self._streams(plan).values()))
-        groups = sorted(g for hops in chain.values() for hop in hops for g in hop.groups)
-        return {stream: f"the last hop of the chain over reduction groups {range_list(groups)} on ranks "
-                        f"{range_list(chain)}, which waits on each of them"}
-
-    def _send_headers(self, plan: RoundAssignment | None, round_: int = 0) -> None:
+    def _send_headers(self, plan: RoundAssignment | None, routes: RoundRoutes | None = None, round_: int = 0) -> None:
         """Tell every client rank its part of the round (``plan`` None: stop)."""
-        tree = self._tree(plan) if plan is not None else None
-        chain = (self._chain(plan) if plan is not None else None) or {}
-        stream = next(iter(self._streams(plan).values()))[0] if plan is not None and chain else None
         borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) \
             if plan is not None and self.parts.lends_state else ({}, {})
 
         def header(rank: int) -> protocol.Header:
-            if plan is None:
+            if plan is None or routes is None:
                 return protocol.Stop(round_, self.parts.dropped.take(rank))
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
@@ -416,22 +374,20 @@ class Server:
             clients = tuple(plan.train.get(rank, ()))
             steps = tuple(plan.local_steps[c] for c in clients) if plan.local_steps else ()
             groups = tuple(plan.groups[c] for c in clients) if plan.groups is not None else ()
-            parent, children = tree[rank] if tree and rank in tree else (protocol.SERVER, ())
-            assert parent is not None  # only the tree's root, the server, has none; headers go to ranks 1..
+            parent, children, hops, stream = routes.header_of(rank)
             kind: type[protocol.RoundOrder] = protocol.HoldOrder if plan.hold else protocol.RoundOrder
             held = {"send": send} if plan.hold else {}  # asynchronous FL: the held updates to send now
             return kind(plan.round, self.parts.dropped.take(rank), clients=clients,
                         participants=len(plan.participants), clip=clip, cohort=cohort, steps=steps, groups=groups,
-                        parent=parent, children=children, chain=chain.get(rank, ()),
-                        reduce_stream=stream if rank in chain else None, borrow=tuple(borrow.get(rank, ())),
-                        lend=tuple(lend.get(rank, ())), **held)
+                        parent=parent, children=children, chain=hops, reduce_stream=stream,
+                        borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())), **held)
 
         skipped = plan.busy_ranks if plan is not None else {}  # they read the header of the round they rejoin
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())
                   if r not in skipped])
 
-    def _record(self, plan: RoundAssignment, metas: dict, evaluation: dict | None, times: RoundTimes,
-                work: dict[str, dict]) -> dict:
+    def _record(self, plan: RoundAssignment, routes: RoundRoutes, metas: dict, evaluation: dict | None,
+                times: RoundTimes, work: dict[str, dict]) -> dict:
         """The round's line of metrics.jsonl; ``work``: each rank's clients and training seconds (_work_by_rank)."""
         usable = sorted((m for m in metas.values() if m.error is None), key=lambda m: m.client)  # not arrival order
         losses = [(m.metrics["loss"], m.num_samples) for m in usable if "loss" in m.metrics]
@@ -441,8 +397,8 @@ class Server:
             "dropped": dropped_entries(plan, metas, self._rank_of),
             "train_loss": sum(loss * n for loss, n in losses) / max(1, sum(n for _, n in losses)) if losses else None,
             "num_samples": sum(m.num_samples for m in usable),
-            "bytes_sent": self.parts.plan.model_bytes * len(self._model_dests(plan)),
-            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in self._streams(plan).values()),
+            "bytes_sent": self.parts.plan.model_bytes * len(routes.model_dests),
+            "bytes_received": self.parts.plan.update_bytes * sum(len(s) for s in routes.streams.values()),
             "server_rss_bytes": current_rss_bytes(),
             "server_peak_rss_bytes": peak_rss_bytes(),
             "server_pool_bytes": self.pool.nbytes,

@@ -256,15 +256,6 @@ def pass_on(comm: MPI.Comm, hops: Sequence[protocol.ChainHop], tags: tuple[int, 
             taken += 1
 
 
-def broadcast_tree(ranks: Sequence[int], fanout: int) -> dict[int, tuple[int | None, tuple[int, ...]]]:
-    """Each rank's (parent, children) in a ``fanout``-ary tree over ``ranks`` in this order (the first is the
-    root): the i-th rank's children are the (i*fanout+1)-th .. (i*fanout+fanout)-th. Depth about
-    log_fanout(n), and no rank sends the stream more than ``fanout`` times."""
-    ranks = list(ranks)
-    return {rank: (ranks[(i - 1) // fanout] if i else None, tuple(ranks[i * fanout + 1:(i + 1) * fanout + 1]))
-            for i, rank in enumerate(ranks)}
-
-
 class ProgressInbox:
     """Rank 0's side of the training ranks' progress reports (``protocol.PROGRESS``): each call receives what
     has arrived, without waiting, and says from which ranks (a watchdog's ``heard``)."""
