@@ -16,6 +16,7 @@ into them are receives.py's; the held stacks, held.py's.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -92,6 +93,16 @@ class ReductionRound:
     labels: Mapping[int, str] | None = None  # what a stream is called in messages, where more than its id says
     min_participants: int = 1  # clients.min_participants: fewer usable updates abort the round
     header_clients: int = 1  # the most logical clients one header lists (a reduction group's members)
+
+    @functools.cached_property
+    def meta_tag(self) -> int:
+        """The tag of the round's update headers."""
+        return protocol.round_tag(protocol.META, self.round)
+
+    @functools.cached_property
+    def update_tag(self) -> int:
+        """The tag of the round's update chunks."""
+        return protocol.round_tag(protocol.UPDATE, self.round)
 
 
 class ChunkDecoder:
@@ -177,9 +188,8 @@ class StreamedReduction:
     def _post_meta(self, rank: int) -> None:
         ticket = self.schedule.meta_ticket(rank)
         if ticket is not None:
-            tag = protocol.round_tag(protocol.META, self.task.round)
-            self.receives.add(self.comm.irecv(protocol.header_bytes(self.task.header_clients), source=rank, tag=tag),
-                              ticket)
+            buffer = protocol.header_bytes(self.task.header_clients)
+            self.receives.add(self.comm.irecv(buffer, source=rank, tag=self.task.meta_tag), ticket)
 
     def _post_chunk(self, rank: int, slot: int) -> None:
         ticket = self.schedule.chunk_ticket(rank, slot)
@@ -187,8 +197,7 @@ class StreamedReduction:
             self.free_slots.append(slot)
             return
         buf = self.pool.slots[slot][: self.wire[ticket.chunk].nbytes]
-        tag = protocol.round_tag(protocol.UPDATE, self.task.round)
-        self.receives.add(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=tag), ticket)
+        self.receives.add(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=self.task.update_tag), ticket)
 
     def waiting(self) -> dict[int, tuple[str, str | None]]:
         """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
@@ -262,14 +271,17 @@ class StreamedReduction:
         self.stats.groups.update(groups)
         sizes = [self.wire[j].nbytes for _ in streams for j in range(len(self.chunks))]
         dropping.owe(OwedStream(rank, self.task.round, tuple(sorted(c for cs in members.values() for c in cs)),
-                                     len(streams) - raced_metas, deque(sizes[raced_chunks:])))
+                                len(streams) - raced_metas, deque(sizes[raced_chunks:])))
         return True
 
     def _perform(self) -> None:
         """Fold and finish what the schedule allows now; a folded chunk's slot takes its rank's next chunk."""
         for step in self.schedule.steps():
             start = time.perf_counter()
-            self._finish(step) if isinstance(step, Finish) else self._fold(step)
+            if isinstance(step, Finish):
+                self._finish(step)
+            else:
+                self._fold(step)
             self.stats.aggregate_seconds += time.perf_counter() - start
             # a folded chunk's slot takes the next, unless its chunk is held there until it finishes
             if isinstance(step, Fold) and step.slot is not None and (self.held is None or step.row is None):
@@ -300,8 +312,7 @@ class StreamedReduction:
 
     def _weight(self, meta: protocol.UpdateMeta) -> float:
         """A participant's weight: the round's own (asynchronous FL), else the strategy's from its header."""
-        weights = self.task.weights
-        return weights[meta.client] if weights is not None else self.strategy.weight_of(meta)
+        return self.task.weights[meta.client] if self.task.weights is not None else self.strategy.weight_of(meta)
 
     def _accumulator(self, j: int) -> torch.Tensor:
         numel = self.chunks[j].numel

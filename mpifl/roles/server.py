@@ -128,7 +128,7 @@ class Server:
             log(f"privacy.epsilon_budget: round {start_round + 1} would take epsilon to "
                 f"{private.epsilon(start_round + 1):.3f}, past {private.cfg.epsilon_budget}: nothing to run", rank=0)
             self.budget_spent = True
-            self._send_headers(None, None, self.rounds + 1)
+            self._send_stop()
             return self.history
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
                    disable=not (self.progress and sys.stderr.isatty()), dynamic_ncols=True)
@@ -147,7 +147,7 @@ class Server:
         finally:
             bar.close()
         self.late.finish(self.parts.deadlines.current().first_update)
-        self._send_headers(None, None, self.rounds + 1)
+        self._send_stop()
         self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize
         return self.history
 
@@ -360,14 +360,11 @@ class Server:
         return pool_layout(self.pool.shape, budget, len(by_rank), stacked=parts.strategy.stacked, held=held,
                            sequential=per_rank > 1)
 
-    def _send_headers(self, plan: RoundAssignment | None, routes: RoundRoutes | None = None, round_: int = 0) -> None:
-        """Tell every client rank its part of the round (``plan`` None: stop)."""
-        borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) \
-            if plan is not None and self.parts.lends_state else ({}, {})
+    def _send_headers(self, plan: RoundAssignment, routes: RoundRoutes) -> None:
+        """Tell every client rank its part of the round."""
+        borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) if self.parts.lends_state else ({}, {})
 
-        def header(rank: int) -> protocol.Header:
-            if plan is None or routes is None:
-                return protocol.Stop(round_, self.parts.dropped.take(rank))
+        def header(rank: int) -> protocol.RoundOrder:
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
             clip = self.parts.privacy.clip if self.parts.privacy else None
             cohort = tuple(sorted(plan.participants)) if self.parts.secagg else ()
@@ -382,9 +379,14 @@ class Server:
                         parent=parent, children=children, chain=hops, reduce_stream=stream,
                         borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())), **held)
 
-        skipped = plan.busy_ranks if plan is not None else {}  # they read the header of the round they rejoin
+        # ranks still training a round they were dropped from read the header of the round they rejoin
         wait_all([self.comm.isend(header(r), dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())
-                  if r not in skipped])
+                  if r not in plan.busy_ranks])
+
+    def _send_stop(self) -> None:
+        """Tell every client rank to stop (with the clients dropped since its last header)."""
+        wait_all([self.comm.isend(protocol.Stop(self.rounds + 1, self.parts.dropped.take(r)), dest=r,
+                                  tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
     def _record(self, plan: RoundAssignment, routes: RoundRoutes, metas: dict, evaluation: dict | None,
                 times: RoundTimes, work: dict[str, dict]) -> dict:

@@ -29,7 +29,7 @@ from mpifl.storage.ranges import MappedRange
 from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.memory import host_bytes, share_malloc_arenas
-from mpifl.wire.spec import Chunk, element_offsets
+from mpifl.wire.spec import Chunk
 
 PathOf = Callable[[int], Path]  # the checkpoint file of a round
 ReceiveWindow = Callable[[list[np.ndarray]], None]  # fills a window's chunk buffers (the initial model)
@@ -86,7 +86,7 @@ class InMemoryStore:
 
     def __init__(self, flat: FlatModel, plan: ExchangeLayout, path_of: PathOf, state_init: dict[str, float]):
         self.flat, self.plan, self.path_of = flat, plan, path_of
-        self.elements = element_offsets(plan.chunks)
+        self.elements = plan.first_elements
         self.state_init = dict(state_init)
         self.vectors = {name: torch.full((self.elements[-1],), value, dtype=torch.float32)
                         for name, value in self.state_init.items()}
@@ -223,7 +223,7 @@ class OnDiskStore:
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="mpifl-reader")
         self.read_previous = read_previous
         self.map_windows = map_windows  # send windows straight from the page cache where the file allows it
-        self.elements = element_offsets(plan.chunks)
+        self.elements = plan.first_elements
         self.state_init = dict(state_init)
         most = max(c.numel for c in plan.chunks)
         biggest = max(c.nbytes for c in plan.chunks)

@@ -49,8 +49,8 @@ class ExchangeLayout:
 
     @cached_property
     def first_elements(self) -> list[int]:
-        """Each chunk's first element in the whole model (where DP's noise and secure aggregation's masks for it
-        begin)."""
+        """Each chunk's first element in the whole model, then the model's element count (where DP's noise,
+        secure aggregation's masks and the server-state vectors' slices of a chunk begin)."""
         return element_offsets(self.chunks)
 
     @property
