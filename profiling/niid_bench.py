@@ -46,6 +46,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script, profiling/ is on the path, not the package
+
+from profiling.niid_records import (  # noqa: E402
+    RECORDS,
+    RunRecord,
+    find_record,
+    grid_table,
+    mean_std,
+    read_records,
+    record_from_curve,
+    run_name,
+    write_record,
+)
+
 CONFIGS = ROOT / "configs" / "niid_bench"
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
@@ -341,21 +355,18 @@ def write_partition(path: Path, seed: int, folder: Path | None = None, setting: 
 
 
 def read_run(run_dir: Path) -> dict:
-    """From a run's metrics.jsonl: the last evaluated round's test accuracy, and round timings."""
+    """From a run's metrics.jsonl: the last evaluated round's test accuracy, the best, every evaluated round's
+    (``curve``), and round timings."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evaluated = [r for r in records if "eval" in r]
     if not evaluated:
         raise ValueError(f"{run_dir / 'metrics.jsonl'}: no round was evaluated")
     return {"accuracy": evaluated[-1]["eval"]["accuracy"], "round": evaluated[-1]["round"],
             "best": max(r["eval"]["accuracy"] for r in evaluated), "rounds": len(records),
+            "curve": [r["eval"]["accuracy"] for r in evaluated],
             "round_seconds": [r["time"]["round"] for r in records],
             "eval_seconds": [r["time"]["eval"] for r in records],
             "num_samples": [r["num_samples"] for r in records]}
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
-    """The mean and the sample standard deviation (None for one value)."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def algorithm_of(label: str) -> str:
@@ -397,11 +408,13 @@ def format_table(results: dict[str, list[float]], errors: dict[str, str] | None 
 
 
 def git_commit() -> str:
-    """The checkout's commit, with "+ uncommitted changes" when the tree differs from it."""
+    """The checkout's commit, with "+ uncommitted changes" when a tracked file differs from it (new files, such as
+    the records a grid writes, are not changes to the code that ran)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return commit + (" + uncommitted changes" if dirty.strip() else "")
@@ -494,8 +507,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=4 * 3600,
                    help="seconds one run may take before it is stopped with SIGTERM (the full protocol: about "
                    "27 minutes a run on 2 cores)")
+    p.add_argument("--records", type=Path, default=RECORDS,
+                   help="where finished full-protocol runs are kept, one JSON record each (default "
+                        "profiling/results/niid_bench): a recorded cell is read, not run again")
+    p.add_argument("--rerun", action="store_true", help="run recorded cells again (and replace their records)")
+    p.add_argument("--start-before", type=datetime.datetime.fromisoformat, default=None, metavar="TIME",
+                   help="start no run after this local time (e.g. 2026-11-30T09:40): a grid given a session or an "
+                        "allocation then ends before it with no run cut off half way")
+    p.add_argument("--grid", action="store_true",
+                   help="print the grid table (every setting and algorithm beside Flower's runs) from the records "
+                        "alone and exit; runs nothing")
     args = p.parse_args(argv)
 
+    if args.grid:
+        print(grid_table(read_records(args.records), FLOWER_FMNIST))
+        return 0
     problem = dataset_problem()
     if problem:
         print(f"niid_bench: {problem}", file=sys.stderr)
@@ -517,15 +543,29 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     timings: list[tuple[str, int, dict]] = []
+    not_started: list[str] = []
+    # Only a run of the whole protocol on NIID-Bench's own split is kept as a record (and read back for a cell).
+    full = (args.rounds in (None, PROTOCOL["rounds"]) and args.epochs in (None, PROTOCOL["train.local_epochs"])
+            and args.partition == "niid" and not args.set)
     for algorithm in args.algorithms:  # one run at a time
         variants = [(f"fedprox (mu={mu:g})", [f"train.prox_mu={mu}"]) for mu in args.mu] \
             if algorithm == "fedprox" else [(algorithm, [])]
         for label, extra in variants:
             for seed in args.seeds:
-                name = label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
                 print(f"niid_bench: {label}, seed {seed}", file=sys.stderr, flush=True)
+                recorded = find_record(args.setting, label, seed, args.records) if full and not args.rerun else None
+                if recorded is not None:
+                    results.setdefault(label, []).append(recorded.last)
+                    best.setdefault(label, []).append(recorded.best)
+                    print(f"  recorded: {recorded.last:.4f} after round {recorded.rounds}, finished {recorded.date} "
+                          f"at {recorded.commit[:7]} (--rerun runs it again)", file=sys.stderr, flush=True)
+                    continue
+                if args.start_before and datetime.datetime.now() >= args.start_before:
+                    not_started.append(f"{label}, seed {seed}")
+                    print(f"  not started: past --start-before {args.start_before:%Y-%m-%d %H:%M}", file=sys.stderr)
+                    continue
                 prefix = "" if args.setting == "labeldir" else f"{args.setting}-"  # labeldir: the first layout's names
-                out = run_one(args, algorithm, seed, work / f"{prefix}{name}-seed{seed}",
+                out = run_one(args, algorithm, seed, work / f"{prefix}{run_name(label)}-seed{seed}",
                               [*partitions[seed], *common, *extra], args.setting)
                 if "error" in out:
                     errors[label] = out["error"]
@@ -536,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
                 timings.append((label, seed, out))
                 print(f"  test accuracy after round {out['round']}: {out['accuracy']:.4f} ({out['wall']:.0f} s)",
                       file=sys.stderr, flush=True)
+                if full and out["round"] == PROTOCOL["rounds"]:
+                    kept = write_record(record_of(args.setting, label, seed, out), args.records)
+                    print(f"  recorded in {kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept}",
+                          file=sys.stderr, flush=True)
 
     epochs = args.epochs or int(PROTOCOL["train.local_epochs"])
     rounds = args.rounds or int(PROTOCOL["rounds"])
@@ -574,7 +618,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nEstimated full reproduction on this machine ({PROTOCOL['rounds']} rounds x {len(SEEDS)} seeds, "
               f"run after run): {total / 3600:.1f} h per algorithm, {total * len(ALGORITHMS) / 3600:.1f} h for the "
               f"four with one mu, {total * runs / 3600:.1f} h with FedProx's whole mu grid.")
+    if not_started:
+        print(f"\nNot started (past --start-before): {'; '.join(not_started)}. The same command goes on with them.")
     return 1 if errors else 0
+
+
+def record_of(setting: str, label: str, seed: int, out: dict) -> RunRecord:
+    """The record of a finished run from ``run_one``'s read-out, with the commit, date, machine and command."""
+    return record_from_curve(out["curve"], setting=setting, label=label, seed=seed, commit=git_commit(),
+                             date=f"{datetime.date.today():%Y-%m-%d}", machine=machine(),
+                             command=shlex.join(["python", "profiling/niid_bench.py", "--setting", setting,
+                                                 "--algorithms", algorithm_of(label), "--seeds", str(seed),
+                                                 *(["--mu", label.split("mu=")[1].rstrip(")")] if "mu=" in label
+                                                   else [])]),
+                             wall_seconds=round(out["wall"], 1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""The NIID-Bench grid's finished runs, kept in the repository as one small JSON record per run.
+
+A full-protocol run takes 25-60 minutes on a 2-core machine and its run directory (checkpoints, logs) is not
+committed, so a grid that runs across sessions and machines keeps what it finished here:
+``profiling/results/niid_bench/<setting>/<run>.json``, each with the global model's test accuracy after every
+round, the seed, the commit and date it finished at, the machine and the command. ``profiling/niid_bench.py``
+writes a record when a full-protocol run finishes and reads it instead of running that cell again;
+``profiling/niid_bench.py --grid`` prints the grid table of docs/benchmarks.md from the records alone, and
+tests/test_niid_records.py checks that the page's table is that output, so every figure there comes from a record.
+
+Pure: no MPI, no torch, nothing run.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RECORDS = Path(__file__).resolve().parent / "results" / "niid_bench"
+
+# The grid's rows and columns, in the order the table prints them.
+GRID_SETTINGS = ("iid", "label1", "label2", "label3", "quantity")
+GRID_ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fednova")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One finished full-protocol run of one algorithm on one seed of one setting.
+
+    ``accuracy`` holds the test accuracy (a fraction) after each evaluated round, in round order; it is None only
+    for a run whose directory was lost before records were kept, whose ``last``, ``best`` and ``best_round`` were
+    copied from the page that published them (``note`` says so)."""
+
+    setting: str                 # niid_bench.py's --setting
+    label: str                   # the table's row: "fedavg", "fedprox (mu=0.01)", ...
+    seed: int
+    rounds: int                  # rounds run (the protocol's 50)
+    last: float                  # accuracy after the last round
+    best: float                  # best accuracy over rounds
+    best_round: int              # the first round that reached ``best``
+    commit: str                  # the commit the run finished at
+    date: str                    # when it finished, YYYY-MM-DD
+    machine: str
+    command: str
+    accuracy: list[float] | None = None
+    wall_seconds: float | None = None   # the finishing invocation's wall time (a resumed run's last part only)
+    note: str = ""
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm a row label names ("fedprox (mu=0.01)" -> "fedprox")."""
+        return self.label.split()[0]
+
+    @property
+    def file_name(self) -> str:
+        """``<label without spaces or brackets>-seed<k>.json``, the run directory's name plus .json."""
+        return f"{run_name(self.label)}-seed{self.seed}.json"
+
+
+def run_name(label: str) -> str:
+    """A row label as a file name: "fedprox (mu=0.01)" -> "fedprox-mu0.01"."""
+    return label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
+
+
+def best_of(accuracy: Sequence[float]) -> tuple[float, int]:
+    """The best accuracy over rounds and the first round (1-based) that reached it."""
+    best = max(accuracy)
+    return best, accuracy.index(best) + 1
+
+
+def record_from_curve(accuracy: Sequence[float], **fields: Any) -> RunRecord:
+    """A record from a finished run's per-round accuracies; ``fields`` are RunRecord's others (setting, label,
+    seed, commit, date, machine, command, wall_seconds)."""
+    if not accuracy:
+        raise ValueError(f"{fields.get('setting')} {fields.get('label')} seed {fields.get('seed')}: a record needs "
+                         "at least one evaluated round")
+    best, best_round = best_of(accuracy)
+    return RunRecord(rounds=len(accuracy), last=accuracy[-1], best=best, best_round=best_round,
+                     accuracy=list(accuracy), **fields)
+
+
+def record_path(record: RunRecord, root: Path = RECORDS) -> Path:
+    """Where ``record`` is kept."""
+    return root / record.setting / record.file_name
+
+
+def find_record(setting: str, label: str, seed: int, root: Path = RECORDS) -> RunRecord | None:
+    """The kept record of one cell's seed, or None."""
+    path = root / setting / f"{run_name(label)}-seed{seed}.json"
+    return read_record(path) if path.is_file() else None
+
+
+def write_record(record: RunRecord, root: Path = RECORDS) -> Path:
+    """Keep ``record`` (one JSON object per file, keys sorted, so that a diff shows what changed)."""
+    path = record_path(record, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(record), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def read_record(path: Path) -> RunRecord:
+    """One record; a file that is not one is named in the error."""
+    try:
+        return RunRecord(**json.loads(path.read_text()))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: not a NIID-Bench run record ({err})") from err
+
+
+def read_records(root: Path = RECORDS) -> list[RunRecord]:
+    """Every kept record, in setting, label and seed order."""
+    records = [read_record(p) for p in sorted(root.glob("*/*.json"))]
+    return sorted(records, key=lambda r: (r.setting, r.label, r.seed))
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    """The mean and the sample standard deviation (None for one value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def percent(values: Sequence[float]) -> str:
+    """Accuracies (fractions) as "mean ± std" in %, one decimal; a single value without a spread."""
+    mean, std = mean_std(values)
+    return f"{100 * mean:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")
+
+
+def cell_text(records: Sequence[RunRecord]) -> tuple[str, str, str]:
+    """One cell's seeds (as "0 1 2"), its last-round and its best-over-rounds accuracies (mean ± std in %)."""
+    if not records:
+        return "not run yet", "", ""
+    seeds = " ".join(str(r.seed) for r in sorted(records, key=lambda r: r.seed))
+    return seeds, percent([r.last for r in records]), percent([r.best for r in records])
+
+
+def grid_table(records: Iterable[RunRecord], flower: Mapping[str, Mapping[str, float]],
+               settings: Sequence[str] = GRID_SETTINGS, algorithms: Sequence[str] = GRID_ALGORITHMS) -> str:
+    """The grid as markdown: one row per setting and algorithm with mpifl's seeds, its accuracy after the last
+    round and the best over rounds (mean ± sample std over seeds, in %), Flower's single run (best over rounds),
+    and mpifl's best minus Flower's in points. FedProx's row is the one mu the runs used."""
+    by_cell: dict[tuple[str, str], list[RunRecord]] = {}
+    labels: dict[tuple[str, str], set[str]] = {}
+    for record in records:
+        by_cell.setdefault((record.setting, record.algorithm), []).append(record)
+        labels.setdefault((record.setting, record.algorithm), set()).add(record.label)
+    lines = ["| setting | algorithm | seeds | mpifl, after round 50 | mpifl, best round | Flower (1 run, best) "
+             "| mpifl best − Flower |",
+             "|---|---|---|---|---|---|---|"]
+    for setting in settings:
+        for algorithm in algorithms:
+            cell = by_cell.get((setting, algorithm), [])
+            if len(labels.get((setting, algorithm), ())) > 1:
+                raise ValueError(f"{setting} {algorithm}: records of more than one variant "
+                                 f"({', '.join(sorted(labels[(setting, algorithm)]))}); the grid shows one")
+            name = cell[0].label if cell else algorithm
+            seeds, last, best = cell_text(cell)
+            theirs = flower.get(setting, {}).get(algorithm)
+            diff = (f"{100 * mean_std([r.best for r in cell])[0] - theirs:+.1f}"
+                    if cell and theirs is not None else "")
+            lines.append(f"| `{setting}` | {name} | {seeds} | {last} | {best} | "
+                         f"{'no row' if theirs is None else f'{theirs:.1f}'} | {diff} |")
+    return "\n".join(lines)
