@@ -331,6 +331,45 @@ def niid_quantity(num_samples: int, n_parties: int, beta: float, seed: int,
     return [part.tolist() for part in np.split(order, cuts)]
 
 
+# Flower's baseline draws every split from np.random.default_rng(42): load_datasets() takes a `seed` argument that
+# defaults to 42 and main.py never passes the config's dataset_seed to it (niid_bench/dataset.py, main.py).
+FLOWER_SEED = 42
+FLOWER_SPLITS = ("label1", "label2", "label3")  # the settings whose Flower split flower_label_quantity draws
+
+
+def flower_label_quantity(labels, n_parties: int, num: int, seed: int = FLOWER_SEED,
+                          num_classes: int = 10) -> list[list[int]]:
+    """Flower's NIID-Bench baseline's #C=k split (``partition_data_label_quantity`` in
+    baselines/niid_bench/niid_bench/dataset_preparation.py), draw for draw: NIID-Bench's rule, but every draw comes
+    from one ``np.random.default_rng(seed)``. Party i holds label i mod K and ``num - 1`` more labels drawn with
+    ``rng.choice(K, 1)`` until distinct; then each label's samples, shuffled by the same generator in label order,
+    are cut into near-equal runs, one per party holding it, in party order. Flower's published Fashion-MNIST row
+    was trained on this split of seed 42, so mpifl can be run on the very parties Flower's figure came from."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(labels)
+    times, contain = [0] * num_classes, []
+    for i in range(n_parties):
+        current = [i % num_classes]
+        times[i % num_classes] += 1
+        while len(current) < num:
+            ind = int(rng.choice(num_classes, 1)[0])
+            if ind not in current:
+                current.append(ind)
+                times[ind] += 1
+        contain.append(current)
+    parts: list[list[int]] = [[] for _ in range(n_parties)]
+    for k in range(num_classes):
+        idx_k = np.where(labels == k)[0]
+        rng.shuffle(idx_k)
+        runs = iter(np.array_split(idx_k, times[k]))
+        for j in range(n_parties):
+            if k in contain[j]:
+                parts[j] += next(runs).tolist()
+    return parts
+
+
 NIID_BETA = 0.5  # scripts/image-data-without-noise.sh: --beta=0.5 for every partition
 
 
@@ -347,9 +386,17 @@ def niid_split(setting: str, labels, seed: int) -> list[list[int]]:
     return niid_labeldir(labels, parties, float(SETTINGS[setting].keys["data.alpha"]), seed)  # type: ignore[arg-type]
 
 
-def write_partition(path: Path, seed: int, folder: Path | None = None, setting: str = "labeldir") -> Path:
-    """NIID-Bench's split of ``seed`` as a ``data.partition: file`` JSON (a list of per-client index lists)."""
-    parts = niid_split(setting, train_labels(folder), seed)
+def write_partition(path: Path, seed: int, folder: Path | None = None, setting: str = "labeldir",
+                    flower: bool = False) -> Path:
+    """NIID-Bench's split of ``seed`` (with ``flower``, Flower's baseline's split of seed 42) as a
+    ``data.partition: file`` JSON (a list of per-client index lists)."""
+    if flower and setting not in FLOWER_SPLITS:
+        raise ValueError(f"--partition flower: Flower's split is written for label1, label2 and label3 only, not "
+                         f"{setting!r}")
+    labels = train_labels(folder)
+    parts = (flower_label_quantity(labels, int(PROTOCOL["clients.num_clients"]),  # type: ignore[call-overload]
+                                   int(setting.removeprefix("label")))
+             if flower else niid_split(setting, labels, seed))
     path.write_text(json.dumps([[int(i) for i in p] for p in parts]))
     return path
 
@@ -496,9 +543,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="labeldir: label skew, p_k ~ Dir(0.5); noise: an even split, party k's images through noise "
                         "of std 0.1 k / 9 (the row whose FedAvg figure is published in a readable source); label1, "
                         "label2, label3: each party holds #C=k labels; quantity: q ~ Dir(0.5) sizes; iid: homo")
-    p.add_argument("--partition", choices=("niid", "mpifl"), default="niid",
+    p.add_argument("--partition", choices=("niid", "mpifl", "flower"), default="niid",
                    help="niid: NIID-Bench's split of each seed (its partition_data's draws, as a partition file); "
-                        "mpifl: the configs' data.partition (dirichlet, shards, unbalanced or iid)")
+                        "mpifl: the configs' data.partition (dirichlet, shards, unbalanced or iid); flower: Flower's "
+                        "baseline's split of seed 42, the one its published figures were trained on (label1-3; "
+                        "--seeds then sets mpifl's training seed only)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
     p.add_argument("--work", type=Path, default=None,
                    help="where runs go (default runs/niid_bench-<time>); give an earlier --work to go on with it: "
@@ -522,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid:
         print(grid_table(read_records(args.records), FLOWER_FMNIST))
         return 0
+    if args.partition == "flower" and args.setting not in FLOWER_SPLITS:
+        p.error(f"--partition flower: Flower's split is written for {', '.join(FLOWER_SPLITS)} only, not "
+                f"--setting {args.setting}")
     problem = dataset_problem()
     if problem:
         print(f"niid_bench: {problem}", file=sys.stderr)
@@ -535,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         if args.partition == "niid":
             path = write_partition(work / f"partition-{args.setting}-seed{seed}.json", seed, setting=args.setting)
+            partitions[seed] = ["data.partition=file", f"data.partition_file={path}"]
+        elif args.partition == "flower":
+            path = write_partition(work / f"partition-{args.setting}-flower{FLOWER_SEED}.json", seed,
+                                   setting=args.setting, flower=True)
             partitions[seed] = ["data.partition=file", f"data.partition_file={path}"]
         else:
             partitions[seed] = []
@@ -584,8 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or int(PROTOCOL["train.local_epochs"])
     rounds = args.rounds or int(PROTOCOL["rounds"])
     setting = SETTINGS[args.setting]
-    split = (f"NIID-Bench {setting.niid_partition} (file)" if args.partition == "niid"
-             else f"mpifl {setting.keys['data.partition']}")
+    split = {"niid": f"NIID-Bench {setting.niid_partition} (file)",
+             "flower": f"Flower's baseline's {args.setting} split of seed {FLOWER_SEED} (file)",
+             "mpifl": f"mpifl {setting.keys.get('data.partition')}"}[args.partition]
     print(f"## NIID-Bench, Fashion-MNIST, {setting.title}: mpifl against the paper\n")
     print(f"- command: `{shlex.join([sys.executable, *sys.argv])}`")
     print(f"- date: {started:%Y-%m-%d %H:%M %Z}")

@@ -218,3 +218,27 @@ def test_a_run_past_its_time_limit_is_stopped_with_sigterm_and_reported(bench, t
     assert time.monotonic() - began < 30
     assert "still running after --run-timeout 1 s" in out["error"] and "the same --work goes on" in out["error"]
     assert "stopped by SIGTERM" in run_dir.with_suffix(".log").read_text()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_flowers_split_is_niid_bench_s_rule_drawn_from_one_generator_of_seed_42(bench, k):
+    """Flower's baseline trained its published rows on its own #C=k split of seed 42; the harness draws the same
+    parties (``--partition flower``), so mpifl can be run on the very clients Flower's figure came from."""
+    labels = np.repeat(np.arange(10), 30)
+    parts = bench.flower_label_quantity(labels, 10, k)
+    assert parts == bench.flower_label_quantity(labels, 10, k, seed=42)  # seed 42 unless told
+    assert parts != bench.flower_label_quantity(labels, 10, k, seed=0) or k == 1
+    held = [sorted(set(labels[p].tolist())) for p in parts]
+    assert all(len(h) == k and i in h for i, h in enumerate(held))  # party i holds label i and k - 1 more
+    assert sorted(i for p in parts for i in p) == list(range(300))  # every sample, once
+    for label in range(10):  # a label's samples split evenly among the parties holding it
+        sizes = [int(np.sum(labels[p] == label)) for p in parts if label in held[parts.index(p)]]
+        assert max(sizes) - min(sizes) <= 1
+    if k == 2:  # the label pairs of Flower's #C=2 row, as numpy's default_rng(42) draws them
+        assert held == [[0, 7], [1, 6], [2, 4], [3, 4], [4, 8], [0, 5], [2, 6], [0, 7], [5, 8], [7, 9]]
+
+
+def test_flowers_split_exists_for_label_quantity_only(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--partition", "flower", "--setting", "iid"])
+    assert "Flower's split is written for label1, label2, label3 only" in capsys.readouterr().err
