@@ -416,7 +416,7 @@ def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mappin
                     (warn or _stderr)(f"output.trackers: wandb: round(s) {rounds} were not in the offline log on disk "
                                       "(a job killed hard loses what W&B had not written yet); logged again from "
                                       "metrics.jsonl")
-        except Exception as err:  # noqa: BLE001 - any library's failure, named, before a round is lost
+        except Exception as err:  # any library's failure, named, before a round is lost
             Trackers(opened, warn=warn).close()
             problem = tracker_problem([tracker])
             raise JobFailure(problem or f"output.trackers: {tracker} could not start ({type(err).__name__}: "

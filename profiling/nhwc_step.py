@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import task  # noqa: E402  (profiling/peers/task.py: the LEAF CNN the peer comparison uses)
+import task  # profiling/peers/task.py: the LEAF CNN the peer comparison uses
 
-from mpifl.learning.models import use_memory_format, use_nhwc_pooling  # noqa: E402
+from mpifl.learning.models import use_memory_format, use_nhwc_pooling
 
 LAYOUTS = ("contiguous", "nhwc_pooling", "channels_last")
 

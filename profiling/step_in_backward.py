@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import task  # noqa: E402  (profiling/peers/task.py: the models the peer comparison uses)
+import task  # profiling/peers/task.py: the models the peer comparison uses
 
-from mpifl.config import TrainConfig  # noqa: E402
-from mpifl.learning.trainers import make_optimizer, steps_in_backward  # noqa: E402
+from mpifl.config import TrainConfig
+from mpifl.learning.trainers import make_optimizer, steps_in_backward
 
 MODELS = {"leaf_cnn": (task.leaf_cnn, (1, 28, 28)), "big_mlp": (task.big_mlp, (1, 28, 28))}
 PLACES = ("after backward", "inside backward")

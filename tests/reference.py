@@ -443,7 +443,7 @@ class LocalTensors:
         import fnmatch
 
         self.patterns, self.flat = cfg.model.local, flat
-        self.named = lambda name: any(fnmatch.fnmatchcase(name, p) for p in self.patterns)  # noqa: E731
+        self.named = lambda name: any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
         self.built = {n: t.detach().clone() for n, t in every_tensor(flat) if self.named(n)}
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
 

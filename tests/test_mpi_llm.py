@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import mpifl_here, run_mpi, write_config  # noqa: E402
-from fl_helpers import frozen_digest  # noqa: E402
+from conftest import mpifl_here, run_mpi, write_config
+from fl_helpers import frozen_digest
 
-from mpifl.config import load_config  # noqa: E402
-from mpifl.learning.models import build_flat_model  # noqa: E402
-from mpifl.storage.hdf5 import Checkpoint  # noqa: E402
+from mpifl.config import load_config
+from mpifl.learning.models import build_flat_model
+from mpifl.storage.hdf5 import Checkpoint
 
 CONFIG = """
 name: tiny-lm

@@ -235,7 +235,7 @@ def make_strategy(cfg: StrategyConfig) -> Strategy:
         strategy = build(cfg, **cfg.kwargs)
     except ConfigError:
         raise
-    except Exception as err:  # noqa: BLE001 - whatever a plug-in builder raises, said once, naming the key
+    except Exception as err:  # whatever a plug-in builder raises, said once, naming the key
         raise ConfigError(f"strategy.name: building {cfg.name!r} failed: {type(err).__name__}: {err}") from err
     if not isinstance(strategy, Strategy):
         raise ConfigError(f"strategy.name: {cfg.name!r} returned {type(strategy).__name__}, not a "

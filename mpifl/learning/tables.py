@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # the 'tables' extra: imported where a table is read
 def _pyarrow() -> ModuleType:
     try:
         import pyarrow
-        import pyarrow.compute  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.compute
+        import pyarrow.parquet
     except ImportError as err:
         raise ImportError("data.dataset 'table' reads Parquet and Arrow files with pyarrow: "
                           "pip install 'mpifl[tables]'") from err
