@@ -54,6 +54,7 @@ from profiling.niid_records import (  # noqa: E402
     find_record,
     grid_table,
     mean_std,
+    plot_grid,
     read_records,
     record_from_curve,
     run_name,
@@ -566,10 +567,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", action="store_true",
                    help="print the grid table (every setting and algorithm beside Flower's runs) from the records "
                         "alone and exit; runs nothing")
+    p.add_argument("--plot", type=Path, default=None, metavar="FOLDER",
+                   help="with --grid: also draw one figure per setting into FOLDER (niid_grid-<setting>.png): each "
+                        "algorithm's accuracy per round, mean ± std over seeds, from the records' curves")
     args = p.parse_args(argv)
 
     if args.grid:
-        print(grid_table(read_records(args.records), FLOWER_FMNIST))
+        kept = read_records(args.records)
+        print(grid_table(kept, FLOWER_FMNIST))
+        for figure in plot_grid(kept, args.plot) if args.plot else []:
+            print(f"wrote {figure}", file=sys.stderr)
         return 0
     if args.partition == "flower" and args.setting not in FLOWER_SPLITS:
         p.error(f"--partition flower: Flower's split is written for {', '.join(FLOWER_SPLITS)} only, not "

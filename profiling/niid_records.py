@@ -161,3 +161,25 @@ def grid_table(records: Iterable[RunRecord], flower: Mapping[str, Mapping[str, f
             lines.append(f"| `{setting}` | {name} | {seeds} | {last} | {best} | "
                          f"{'no row' if theirs is None else f'{theirs:.1f}'} | {diff} |")
     return "\n".join(lines)
+
+
+def plot_grid(records: Iterable[RunRecord], folder: Path, settings: Sequence[str] = GRID_SETTINGS) -> list[Path]:
+    """One figure per setting with kept curves, ``folder/niid_grid-<setting>.png``: each algorithm's test accuracy
+    per round, the mean over its seeds with ± one standard deviation shaded (``mpifl compare``'s figure). Records
+    without a per-round curve are left out; the figures' legends count the seeds drawn."""
+    from mpifl.cli.compare import RunOutcome, plot_groups
+
+    written = []
+    for setting in settings:
+        groups: dict[str, list[RunOutcome]] = {}
+        for r in records:
+            if r.setting == setting and r.accuracy is not None:
+                groups.setdefault(r.label, []).append(RunOutcome(
+                    run_dir=Path(r.file_name), config={"seed": r.seed},
+                    curve={i + 1: a for i, a in enumerate(r.accuracy)}, best=r.best, final=r.last,
+                    reached_round=None, reached_virtual_seconds=None))
+        if groups:
+            folder.mkdir(parents=True, exist_ok=True)
+            written.append(plot_groups(list(groups.items()), f"test accuracy, {setting}",
+                                       folder / f"niid_grid-{setting}.png"))
+    return written

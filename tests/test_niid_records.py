@@ -151,3 +151,14 @@ def test_records_are_json_a_diff_can_read(records, tmp_path):
     text = path.read_text()
     assert text.endswith("\n") and json.loads(text)["best_round"] == 2 and text.index('"accuracy"') < text.index(
         '"best"')  # keys sorted
+
+
+def test_the_grid_figures_draw_each_setting_with_curves_and_leave_out_records_without_one(bench, records, tmp_path):
+    for seed in (0, 1):
+        records.write_record(a_record(records, setting="iid", seed=seed), tmp_path / "records")
+    lost = records.RunRecord(setting="label1", label="fedavg", seed=0, rounds=4, last=0.7, best=0.8, best_round=2,
+                             commit="c" * 40, date="2026-11-30", machine="test", command="-", note="lost")
+    records.write_record(lost, tmp_path / "records")
+    assert bench.main(["--grid", "--records", str(tmp_path / "records"), "--plot", str(tmp_path / "figures")]) == 0
+    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["niid_grid-iid.png"]
+    assert (tmp_path / "figures" / "niid_grid-iid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
