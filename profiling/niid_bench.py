@@ -695,7 +695,7 @@ def record_of(setting: str, label: str, seed: int, out: dict) -> RunRecord:
                                                  "--algorithms", algorithm_of(label), "--seeds", str(seed),
                                                  *(["--mu", label.split("mu=")[1].rstrip(")")] if "mu=" in label
                                                    else [])]),
-                             wall_seconds=round(out["wall"], 1))
+                             round_seconds=round(sum(out["round_seconds"]), 1))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class RunRecord:
     machine: str
     command: str
     accuracy: list[float] | None = None
-    wall_seconds: float | None = None   # the finishing invocation's wall time (a resumed run's last part only)
+    round_seconds: float | None = None  # the rounds' wall time summed from metrics.jsonl (every round, resumed or not)
     note: str = ""
 
     @property
@@ -73,7 +73,7 @@ def best_of(accuracy: Sequence[float]) -> tuple[float, int]:
 
 def record_from_curve(accuracy: Sequence[float], **fields: Any) -> RunRecord:
     """A record from a finished run's per-round accuracies; ``fields`` are RunRecord's others (setting, label,
-    seed, commit, date, machine, command, wall_seconds)."""
+    seed, commit, date, machine, command, round_seconds)."""
     if not accuracy:
         raise ValueError(f"{fields.get('setting')} {fields.get('label')} seed {fields.get('seed')}: a record needs "
                          "at least one evaluated round")
