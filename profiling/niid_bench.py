@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script, profiling/ is on the path, not the package
 
 from profiling.niid_records import (  # noqa: E402
+    FLOWER_SPLIT_RECORDS,
     RECORDS,
     RunRecord,
     find_record,
@@ -557,9 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=4 * 3600,
                    help="seconds one run may take before it is stopped with SIGTERM (the full protocol: about "
                    "27 minutes a run on 2 cores)")
-    p.add_argument("--records", type=Path, default=RECORDS,
+    p.add_argument("--records", type=Path, default=None,
                    help="where finished full-protocol runs are kept, one JSON record each (default "
-                        "profiling/results/niid_bench): a recorded cell is read, not run again")
+                        "profiling/results/niid_bench, and profiling/results/niid_bench_flower_split for "
+                        "--partition flower): a recorded cell is read, not run again")
     p.add_argument("--rerun", action="store_true", help="run recorded cells again (and replace their records)")
     p.add_argument("--start-before", type=datetime.datetime.fromisoformat, default=None, metavar="TIME",
                    help="start no run after this local time (e.g. 2026-11-30T09:40): a grid given a session or an "
@@ -571,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --grid: also draw one figure per setting into FOLDER (niid_grid-<setting>.png): each "
                         "algorithm's accuracy per round, mean ± std over seeds, from the records' curves")
     args = p.parse_args(argv)
+    args.records = args.records or (FLOWER_SPLIT_RECORDS if args.partition == "flower" else RECORDS)
 
     if args.grid:
         kept = read_records(args.records)
@@ -609,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     not_started: list[str] = []
     # Only a run of the whole protocol on NIID-Bench's own split is kept as a record (and read back for a cell).
     full = (args.rounds in (None, PROTOCOL["rounds"]) and args.epochs in (None, PROTOCOL["train.local_epochs"])
-            and args.partition == "niid" and not args.set)
+            and args.partition in ("niid", "flower") and not args.set)
     for algorithm in args.algorithms:  # one run at a time
         variants = [(f"fedprox (mu={mu:g})", [f"train.prox_mu={mu}"]) for mu in args.mu] \
             if algorithm == "fedprox" else [(algorithm, [])]
@@ -640,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  test accuracy after round {out['round']}: {out['accuracy']:.4f} ({out['wall']:.0f} s)",
                       file=sys.stderr, flush=True)
                 if full and out["round"] == PROTOCOL["rounds"]:
-                    kept = write_record(record_of(args.setting, label, seed, out), args.records)
+                    kept = write_record(record_of(args.setting, label, seed, out, args.partition), args.records)
                     print(f"  recorded in {kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept}",
                           file=sys.stderr, flush=True)
 
@@ -687,14 +690,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if errors else 0
 
 
-def record_of(setting: str, label: str, seed: int, out: dict) -> RunRecord:
+def record_of(setting: str, label: str, seed: int, out: dict, partition: str = "niid") -> RunRecord:
     """The record of a finished run from ``run_one``'s read-out, with the commit, date, machine and command."""
     return record_from_curve(out["curve"], setting=setting, label=label, seed=seed, commit=git_commit(),
                              date=f"{datetime.date.today():%Y-%m-%d}", machine=machine(),
                              command=shlex.join(["python", "profiling/niid_bench.py", "--setting", setting,
                                                  "--algorithms", algorithm_of(label), "--seeds", str(seed),
                                                  *(["--mu", label.split("mu=")[1].rstrip(")")] if "mu=" in label
-                                                   else [])]),
+                                                   else []),
+                                                 *(["--partition", partition] if partition != "niid" else [])]),
                              round_seconds=round(sum(out["round_seconds"]), 1))
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 RECORDS = Path(__file__).resolve().parent / "results" / "niid_bench"
+# Runs on Flower's baseline's own split of seed 42 (niid_bench.py --partition flower): not grid cells, kept apart
+FLOWER_SPLIT_RECORDS = RECORDS.parent / "niid_bench_flower_split"
 
 # The grid's rows and columns, in the order the table prints them.
 GRID_SETTINGS = ("iid", "label1", "label2", "label3", "quantity")

@@ -66,11 +66,12 @@ def test_the_grid_refuses_two_fedprox_mus_in_one_cell(records):
         records.grid_table(kept, {}, settings=["label2"], algorithms=["fedprox"])
 
 
-def test_every_kept_record_is_a_whole_protocol_run_named_after_its_contents(records, bench):
-    kept = records.read_records()
-    assert kept, "profiling/results/niid_bench holds the grid's finished runs"
+@pytest.mark.parametrize("root", ["niid_bench", "niid_bench_flower_split"])
+def test_every_kept_record_is_a_whole_protocol_run_named_after_its_contents(records, bench, root):
+    kept = records.read_records(records.RECORDS.parent / root)
+    assert kept, f"profiling/results/{root} holds finished runs"
     for record in kept:
-        where = records.record_path(record)
+        where = records.record_path(record, records.RECORDS.parent / root)
         assert where.is_file(), f"{where}: a record must live at its own cell's path"
         assert record.setting in bench.SETTINGS and record.algorithm in bench.ALGORITHMS, where
         assert record.rounds == bench.PROTOCOL["rounds"] and len(record.commit) == 40, where
