@@ -433,7 +433,7 @@ def format_table(results: dict[str, list[float]], errors: dict[str, str] | None 
                  setting: str = "labeldir", best: dict[str, list[float]] | None = None) -> str:
     """The comparison as markdown: one row per label (an algorithm, or "fedprox (mu=...)"), with mpifl's test
     accuracies (fractions, one per seed) as mean +- sample std in %, after the last round and, from ``best``, the
-    best over rounds (the convention of Flower's reproduction), the paper's mean +- std, the difference of the
+    best over rounds (the convention of most such tables), the paper's mean +- std, the difference of the
     last-round means in percentage points, and another reproduction for orientation."""
     errors, best = errors or {}, best or {}
     published, others = SETTINGS[setting].paper, SETTINGS[setting].other

@@ -139,14 +139,14 @@ def cell_text(records: Sequence[RunRecord]) -> tuple[str, str, str]:
 def grid_table(records: Iterable[RunRecord], flower: Mapping[str, Mapping[str, float]],
                settings: Sequence[str] = GRID_SETTINGS, algorithms: Sequence[str] = GRID_ALGORITHMS) -> str:
     """The grid as markdown: one row per setting and algorithm with mpifl's seeds, its accuracy after the last
-    round and the best over rounds (mean ± sample std over seeds, in %), Flower's single run (best over rounds),
-    and mpifl's best minus Flower's in points. FedProx's row is the one mu the runs used."""
+    round and the best over rounds (mean ± sample std over seeds, in %), Flower's single run (its README does not
+    say which round), and mpifl's best minus Flower's in points. FedProx's row is the one mu the runs used."""
     by_cell: dict[tuple[str, str], list[RunRecord]] = {}
     labels: dict[tuple[str, str], set[str]] = {}
     for record in records:
         by_cell.setdefault((record.setting, record.algorithm), []).append(record)
         labels.setdefault((record.setting, record.algorithm), set()).add(record.label)
-    lines = ["| setting | algorithm | seeds | mpifl, after round 50 | mpifl, best round | Flower (1 run, best) "
+    lines = ["| setting | algorithm | seeds | mpifl, after round 50 | mpifl, best round | Flower (1 run) "
              "| mpifl best − Flower |",
              "|---|---|---|---|---|---|---|"]
     for setting in settings:
