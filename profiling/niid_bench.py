@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,6 +274,37 @@ def niid_homo(num_samples: int, n_parties: int, seed: int) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(order, n_parties)]
 
 
+def label_sets(n_parties: int, num: int, num_classes: int, draw: Callable[[], int]) -> list[list[int]]:
+    """NIID-Bench's #C=k label choice, shared by its split and Flower's: party i holds label i mod K, then labels
+    from ``draw()`` (each split's own generator) until it holds ``num`` distinct ones, in the order drawn."""
+    contain = []
+    for i in range(n_parties):
+        current = [i % num_classes]
+        while len(current) < num:
+            ind = draw()
+            if ind not in current:
+                current.append(ind)
+        contain.append(current)
+    return contain
+
+
+def deal_label_runs(labels, contain: list[list[int]], shuffle: Callable, num_classes: int) -> list[list[int]]:
+    """Each label's samples, shuffled by ``shuffle`` in label order, cut into near-equal runs
+    (``np.array_split``), one per party holding the label, in party order; a party's indices are its labels' runs
+    in label order."""
+    import numpy as np
+
+    labels = np.asarray(labels)
+    parts: list[list[int]] = [[] for _ in contain]
+    for k in range(num_classes):
+        idx_k = np.where(labels == k)[0]
+        shuffle(idx_k)
+        holders = [j for j, held in enumerate(contain) if k in held]
+        for j, run in zip(holders, np.array_split(idx_k, len(holders))):
+            parts[j] += run.tolist()
+    return parts
+
+
 def niid_label_quantity(labels, n_parties: int, num: int, seed: int, num_classes: int = 10) -> list[list[int]]:
     """NIID-Bench's ``noniid-#label<num>`` split (utils.partition_data), draw for draw. Its experiments.py seeds
     both streams with the seed (``np.random.seed``, ``random.seed``). Party i holds label i mod K and ``num - 1``
@@ -286,33 +317,9 @@ def niid_label_quantity(labels, n_parties: int, num: int, seed: int, num_classes
     import numpy as np
 
     rng, draws = np.random.RandomState(seed), random.Random(seed)
-    labels = np.asarray(labels)
-    parts = [np.ndarray(0, dtype=np.int64) for _ in range(n_parties)]
-    if num == num_classes:
-        for k in range(num_classes):
-            idx_k = np.where(labels == k)[0]
-            rng.shuffle(idx_k)
-            for j, run in enumerate(np.array_split(idx_k, n_parties)):
-                parts[j] = np.append(parts[j], run)
-        return [p.tolist() for p in parts]
-    times, contain = [0] * num_classes, []
-    for i in range(n_parties):
-        current = [i % num_classes]
-        times[i % num_classes] += 1
-        while len(current) < num:
-            ind = draws.randint(0, num_classes - 1)
-            if ind not in current:
-                current.append(ind)
-                times[ind] += 1
-        contain.append(current)
-    for k in range(num_classes):
-        idx_k = np.where(labels == k)[0]
-        rng.shuffle(idx_k)
-        runs = iter(np.array_split(idx_k, times[k]))
-        for j in range(n_parties):
-            if k in contain[j]:
-                parts[j] = np.append(parts[j], next(runs))
-    return [p.tolist() for p in parts]
+    contain = ([list(range(num_classes))] * n_parties if num == num_classes  # every label, nothing drawn
+               else label_sets(n_parties, num, num_classes, lambda: draws.randint(0, num_classes - 1)))
+    return deal_label_runs(labels, contain, rng.shuffle, num_classes)
 
 
 def niid_quantity(num_samples: int, n_parties: int, beta: float, seed: int,
@@ -350,26 +357,8 @@ def flower_label_quantity(labels, n_parties: int, num: int, seed: int = FLOWER_S
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    labels = np.asarray(labels)
-    times, contain = [0] * num_classes, []
-    for i in range(n_parties):
-        current = [i % num_classes]
-        times[i % num_classes] += 1
-        while len(current) < num:
-            ind = int(rng.choice(num_classes, 1)[0])
-            if ind not in current:
-                current.append(ind)
-                times[ind] += 1
-        contain.append(current)
-    parts: list[list[int]] = [[] for _ in range(n_parties)]
-    for k in range(num_classes):
-        idx_k = np.where(labels == k)[0]
-        rng.shuffle(idx_k)
-        runs = iter(np.array_split(idx_k, times[k]))
-        for j in range(n_parties):
-            if k in contain[j]:
-                parts[j] += next(runs).tolist()
-    return parts
+    contain = label_sets(n_parties, num, num_classes, lambda: int(rng.choice(num_classes, 1)[0]))
+    return deal_label_runs(labels, contain, rng.shuffle, num_classes)
 
 
 NIID_BETA = 0.5  # scripts/image-data-without-noise.sh: --beta=0.5 for every partition
