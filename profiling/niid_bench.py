@@ -52,6 +52,7 @@ from profiling.niid_records import (  # noqa: E402
     FLOWER_SPLIT_RECORDS,
     RECORDS,
     RunRecord,
+    algorithm_of,
     find_record,
     grid_table,
     mean_std,
@@ -405,11 +406,6 @@ def read_run(run_dir: Path) -> dict:
             "round_seconds": [r["time"]["round"] for r in records],
             "eval_seconds": [r["time"]["eval"] for r in records],
             "num_samples": [r["num_samples"] for r in records]}
-
-
-def algorithm_of(label: str) -> str:
-    """The algorithm a row label names ("fedprox (mu=0.1)" -> "fedprox")."""
-    return label.split()[0]
 
 
 def percent(accuracies: Sequence[float]) -> str:

@@ -53,13 +53,23 @@ class RunRecord:
 
     @property
     def algorithm(self) -> str:
-        """The algorithm a row label names ("fedprox (mu=0.01)" -> "fedprox")."""
-        return self.label.split()[0]
+        """The algorithm its row label names."""
+        return algorithm_of(self.label)
 
     @property
     def file_name(self) -> str:
-        """``<label without spaces or brackets>-seed<k>.json``, the run directory's name plus .json."""
-        return f"{run_name(self.label)}-seed{self.seed}.json"
+        """The run directory's name plus .json."""
+        return record_file_name(self.label, self.seed)
+
+
+def algorithm_of(label: str) -> str:
+    """The algorithm a row label names ("fedprox (mu=0.01)" -> "fedprox")."""
+    return label.split()[0]
+
+
+def record_file_name(label: str, seed: int) -> str:
+    """``<label without spaces or brackets>-seed<k>.json``: "fedprox (mu=0.01)", 2 -> fedprox-mu0.01-seed2.json."""
+    return f"{run_name(label)}-seed{seed}.json"
 
 
 def run_name(label: str) -> str:
@@ -91,7 +101,7 @@ def record_path(record: RunRecord, root: Path = RECORDS) -> Path:
 
 def find_record(setting: str, label: str, seed: int, root: Path = RECORDS) -> RunRecord | None:
     """The kept record of one cell's seed, or None."""
-    path = root / setting / f"{run_name(label)}-seed{seed}.json"
+    path = root / setting / record_file_name(label, seed)
     return read_record(path) if path.is_file() else None
 
 
@@ -142,19 +152,18 @@ def grid_table(records: Iterable[RunRecord], flower: Mapping[str, Mapping[str, f
     round and the best over rounds (mean ± sample std over seeds, in %), Flower's single run (its README does not
     say which round), and mpifl's best minus Flower's in points. FedProx's row is the one mu the runs used."""
     by_cell: dict[tuple[str, str], list[RunRecord]] = {}
-    labels: dict[tuple[str, str], set[str]] = {}
     for record in records:
         by_cell.setdefault((record.setting, record.algorithm), []).append(record)
-        labels.setdefault((record.setting, record.algorithm), set()).add(record.label)
     lines = ["| setting | algorithm | seeds | mpifl, after round 50 | mpifl, best round | Flower (1 run) "
              "| mpifl best − Flower |",
              "|---|---|---|---|---|---|---|"]
     for setting in settings:
         for algorithm in algorithms:
             cell = by_cell.get((setting, algorithm), [])
-            if len(labels.get((setting, algorithm), ())) > 1:
+            variants = sorted({r.label for r in cell})
+            if len(variants) > 1:
                 raise ValueError(f"{setting} {algorithm}: records of more than one variant "
-                                 f"({', '.join(sorted(labels[(setting, algorithm)]))}); the grid shows one")
+                                 f"({', '.join(variants)}); the grid shows one")
             name = cell[0].label if cell else algorithm
             seeds, last, best = cell_text(cell)
             theirs = flower.get(setting, {}).get(algorithm)
@@ -165,7 +174,7 @@ def grid_table(records: Iterable[RunRecord], flower: Mapping[str, Mapping[str, f
     return "\n".join(lines)
 
 
-def plot_grid(records: Iterable[RunRecord], folder: Path, settings: Sequence[str] = GRID_SETTINGS) -> list[Path]:
+def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str] = GRID_SETTINGS) -> list[Path]:
     """One figure per setting with kept curves, ``folder/niid_grid-<setting>.png``: each algorithm's test accuracy
     per round, the mean over its seeds with ± one standard deviation shaded (``mpifl compare``'s figure). Records
     without a per-round curve are left out; the figures' legends count the seeds drawn."""
