@@ -400,9 +400,9 @@ def read_run(run_dir: Path) -> dict:
     evaluated = [r for r in records if "eval" in r]
     if not evaluated:
         raise ValueError(f"{run_dir / 'metrics.jsonl'}: no round was evaluated")
-    return {"accuracy": evaluated[-1]["eval"]["accuracy"], "round": evaluated[-1]["round"],
-            "best": max(r["eval"]["accuracy"] for r in evaluated), "rounds": len(records),
-            "curve": [r["eval"]["accuracy"] for r in evaluated],
+    curve = [r["eval"]["accuracy"] for r in evaluated]
+    return {"accuracy": curve[-1], "round": evaluated[-1]["round"], "best": max(curve), "rounds": len(records),
+            "curve": curve,
             "round_seconds": [r["time"]["round"] for r in records],
             "eval_seconds": [r["time"]["eval"] for r in records],
             "num_samples": [r["num_samples"] for r in records]}
@@ -611,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  recorded: {recorded.last:.4f} after round {recorded.rounds}, finished {recorded.date} "
                           f"at {recorded.commit[:7]} (--rerun runs it again)", file=sys.stderr, flush=True)
                     continue
-                if args.start_before and datetime.datetime.now() >= args.start_before:
+                if args.start_before and datetime.datetime.now(args.start_before.tzinfo) >= args.start_before:
                     not_started.append(f"{label}, seed {seed}")
                     print(f"  not started: past --start-before {args.start_before:%Y-%m-%d %H:%M}", file=sys.stderr)
                     continue
