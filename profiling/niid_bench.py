@@ -563,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid:
         kept = read_records(args.records)
         print(grid_table(kept, FLOWER_FMNIST))
-        for figure in plot_grid(kept, args.plot) if args.plot else []:
+        split = f"Flower's split of seed {FLOWER_SEED}" if args.records.resolve() == FLOWER_SPLIT_RECORDS else ""
+        for figure in plot_grid(kept, args.plot, split=split) if args.plot else []:
             print(f"wrote {figure}", file=sys.stderr)
         return 0
     if args.partition == "flower" and args.setting not in FLOWER_SPLITS:

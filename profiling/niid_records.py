@@ -174,10 +174,12 @@ def grid_table(records: Iterable[RunRecord], flower: Mapping[str, Mapping[str, f
     return "\n".join(lines)
 
 
-def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str] = GRID_SETTINGS) -> list[Path]:
+def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str] = GRID_SETTINGS,
+              split: str = "") -> list[Path]:
     """One figure per setting with kept curves, ``folder/niid_grid-<setting>.png``: each algorithm's test accuracy
     per round, the mean over its seeds with ± one standard deviation shaded (``mpifl compare``'s figure). Records
-    without a per-round curve are left out; the figures' legends count the seeds drawn."""
+    without a per-round curve are left out; the figures' legends count the seeds drawn. ``split`` names a split
+    other than NIID-Bench's in the title ("Flower's split of seed 42"), so a figure never passes for a grid cell's."""
     from mpifl.cli.compare import RunOutcome, plot_groups
 
     written = []
@@ -191,6 +193,7 @@ def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str
                     reached_round=None, reached_virtual_seconds=None))
         if groups:
             folder.mkdir(parents=True, exist_ok=True)
-            written.append(plot_groups(list(groups.items()), f"test accuracy, {setting}",
-                                       folder / f"niid_grid-{setting}.png"))
+            subject = f"{setting}, {split}" if split else setting
+            written.append(plot_groups(list(groups.items()), "test accuracy", folder / f"niid_grid-{setting}.png",
+                                       subject=subject))
     return written

@@ -149,9 +149,11 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     return text, groups
 
 
-def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, path: str | Path) -> Path:
+def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, path: str | Path,
+                subject: str = "") -> Path:
     """One figure: each group's mean curve over the rounds every one of its runs recorded, with ± one standard
-    deviation shaded (a single run: its curve alone)."""
+    deviation shaded (a single run: its curve alone). ``subject`` leads the title (what was run; default: the
+    metric)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, members in groups:
@@ -167,7 +169,7 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     ax.set_xlabel("round")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(metric)
-    ax.set_title(f"{metric}: mean ± std over seeds")
+    ax.set_title(f"{subject or metric}: mean ± std over seeds")
     ax.legend(fontsize="small")
     fig.tight_layout()
     out = Path(path)
