@@ -45,8 +45,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script, profiling/ is on the path, not the package
 
@@ -468,19 +466,11 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def placement_for_run(run_dir: Path) -> str:
-    """``clients.placement`` for the run in ``run_dir``: ``balanced`` for a new run, or what a started run began
-    with (its ``config.yaml``), which a resume may not change.
-
-    Placement only decides which client rank trains which party; mpifl's results never depend on it. Round robin
-    gives client c to rank 1 + c mod N, which under quantity skew is far from even: seed 0's Dir(0.5) sizes put
-    48,654 of the 60,000 samples on one of two client ranks, and the round took 74 s where an even split takes
-    about 50. ``balanced`` homes the parties heaviest first on the least loaded rank (30,212 against 29,788)."""
-    saved = run_dir / "config.yaml"
-    if not saved.exists():
-        return "balanced"
-    clients = (yaml.safe_load(saved.read_text()) or {}).get("clients") or {}
-    return str(clients.get("placement", "round_robin"))
+# Which client rank trains which party. Placement never changes mpifl's results, only a round's time, and a resume
+# may change it. Round robin gives party c to rank 1 + c mod N, far from even under quantity skew: seed 0's
+# Dir(0.5) sizes put 48,654 of the 60,000 samples on one of two client ranks, and its rounds took 74 s where an
+# even split takes about 50. Balanced homes the parties heaviest first on the least loaded rank (30,212 / 29,788).
+PLACEMENT = "balanced"
 
 
 def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, overrides: list[str],
@@ -494,8 +484,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
     SIGTERM (a walltime) stops at the round's end with its checkpoint."""
     cmd = [str(Path(args.bin) / "mpiexec"), "-n", str(args.ranks), str(Path(args.bin) / "mpifl"), "run",
            str(config_path(algorithm, setting)), "--run-dir", str(run_dir), "--resume", f"seed={seed}",
-           "checkpoint.every=1", "output.progress=false", f"clients.placement={placement_for_run(run_dir)}",
-           *overrides]
+           "checkpoint.every=1", "output.progress=false", f"clients.placement={PLACEMENT}", *overrides]
     env = dict(os.environ)  # the plug-in model is profiling.niid_bench_model: the repository root goes on the path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     log = run_dir.with_name(run_dir.name + ".log")  # not with_suffix: "mu0.01" would make every seed "mu0.log"

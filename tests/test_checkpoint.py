@@ -160,10 +160,12 @@ def test_resume_may_change_rounds_but_not_the_model():
 
 
 def test_resume_may_change_what_only_sets_speed_or_memory_not_the_numbers():
-    saved = {"model": {"name": "cnn", "nhwc_pooling": True, "local_ram_mb": 1024.0},
+    saved = {"clients": {"num_clients": 8, "placement": "round_robin"},
+             "model": {"name": "cnn", "nhwc_pooling": True, "local_ram_mb": 1024.0},
              "train": {"lr": 0.1, "reuse_freed_memory": True, "step_in_backward": False, "personal_ram_mb": 1024.0},
              "strategy": {"name": "scaffold", "control_ram_mb": 0.0}, "compression": {"residual_ram_mb": 0.0}}
-    faster = {"model": {"name": "cnn", "nhwc_pooling": False, "local_ram_mb": 0.0},
+    faster = {"clients": {"num_clients": 8, "placement": "per_round"},
+              "model": {"name": "cnn", "nhwc_pooling": False, "local_ram_mb": 0.0},
               "train": {"lr": 0.1, "reuse_freed_memory": False, "step_in_backward": True, "personal_ram_mb": 0.0},
               "strategy": {"name": "scaffold", "control_ram_mb": 1024.0}, "compression": {"residual_ram_mb": 64.0}}
     assert resume_conflict(saved, faster) is None  # client state from disk into RAM, or back: one snapshot format

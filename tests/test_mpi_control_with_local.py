@@ -66,6 +66,16 @@ def test_a_resume_on_another_number_of_ranks_finds_each_clients_vector(tmp_path,
     assert_bitwise(result(tmp_path / "split"), reference(*overrides))
 
 
+@pytest.mark.parametrize("first", ["balanced", "per_round"])
+def test_a_resume_may_change_the_placement_and_every_clients_vector_ends_bitwise(tmp_path, first):
+    """Placement decides only which rank trains which client, and a checkpoint keeps each client's vector by client
+    id, so a run placed ``first`` for two rounds and resumed round robin on 3 ranks ends bitwise as the rule."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    stopped_and_resumed(tmp_path, cfg, resume_ranks=3, first_overrides=(f"clients.placement={first}",))
+    assert yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["clients"]["placement"] == "round_robin"
+    assert_bitwise(result(tmp_path / "split"), reference())
+
+
 def test_plan_counts_one_vector_per_client_holding_both():
     cfg = load_config(None, data=yaml.safe_load(CONFIG))
     size, _ = estimate(cfg, nranks=3, ranks_per_node=3, server_alone=False)

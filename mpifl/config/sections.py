@@ -57,7 +57,7 @@ class ClientsConfig:
                             "by estimated cost, overhead + samples x epochs, the overhead fitted to measured "
                             "training times; every client rank holds the whole training set, and per-client "
                             "state is lent by its home rank, 1 + c mod N, to the rank that trains the client). "
-                            "Results never change",
+                            "Results never change, and a resume may change it",
                             choices=("round_robin", "balanced", "per_round"))
     groups: int = field_(0, "reduction groups G: logical client c belongs to group c mod G, a group lives on one "
                          "rank, which sums its participants' updates (ascending id, fp32) before anything travels; "
