@@ -276,10 +276,10 @@ def test_the_built_site_loads_no_script_from_the_network(built_site):
 def test_no_list_item_of_the_site_is_swallowed_by_the_paragraph_above_it(built_site):
     # Python-Markdown reads "- item" straight under a paragraph line (no blank line between) as more of that
     # paragraph, so the page shows a stray "- " mid-sentence instead of a bullet
-    swallowed = [(page.relative_to(built_site), text[text.index("\n-") - 40:text.index("\n-") + 40])
+    swallowed = [(page.relative_to(built_site), text[item.start() - 40:item.start() + 40])
                  for page in built_site.rglob("*.html")
                  for text in re.findall(r"<p>((?:(?!</p>).)*)</p>", page.read_text(), re.S)
-                 if re.search(r"\n- ", text)]
+                 if (item := re.search(r"\n- ", text))]
     assert swallowed == []
 
 
