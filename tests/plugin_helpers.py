@@ -72,6 +72,26 @@ def equal_state(cfg: StrategyConfig) -> Strategy:
     return Strategy(cfg, EqualStateMean(cfg), Replace(cfg))
 
 
+class CountedMean(WeightedMean):
+    """An equal-weight mean that divides by ``count``, as the docs' P/N rules read P: right only where ``count`` is
+    the round's usable participants, not the streams that carried them (a reduction group's partial sum)."""
+
+    capabilities = Capabilities(summable=True, needs_every_row=False)
+
+    def weight(self, num_samples: int) -> float:
+        return 1.0
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        return acc.div_(float(count))
+
+    def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
+        out.copy_(acc / float(count))
+
+
+def counted_mean(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, CountedMean(cfg), Replace(cfg))
+
+
 def scaled(cfg: StrategyConfig, scale: float, offset: float = 0.0) -> Strategy:
     """A plug-in with settings of its own (strategy.kwargs), one of them required."""
     strategy = Strategy(cfg, WeightedMean(cfg), Replace(cfg))

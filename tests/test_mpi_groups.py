@@ -113,6 +113,15 @@ def test_placement_balanced_by_work_changes_where_clients_run_not_the_result(tmp
     assert_bitwise(balanced, run(tmp_path, "round-robin", 3, *skewed, *groups))
 
 
+@pytest.mark.parametrize("overrides", [GROUPED, (*GROUPED, "transport.reduce=chain"), ("clients.groups=4",)])
+def test_a_strategy_dividing_by_count_is_told_the_usable_participants_not_the_group_sums(tmp_path, overrides):
+    """``finish`` and ``combine`` get ``count``, the usable updates (docs/reference/plugins.md): under groups that is
+    still the 6 participants, not the 2 (or 4) partial sums nor the chain's one. Before, such a mean came out 3
+    times too large with 2 groups."""
+    got = run(tmp_path, "counted", 3, *overrides, "strategy.name=plugin_helpers:counted_mean")
+    assert_close(got, expected(*overrides, "strategy.weighting=equal"), rtol=1e-6)
+
+
 @pytest.mark.parametrize("ranks", [3, 5, 9])
 def test_a_chain_reduction_equals_the_grouped_reference_and_the_server_receives_one_sum(tmp_path, ranks):
     grouped = (f"clients.groups={ranks - 1}",)  # one group per client rank: the chain adds them in group order

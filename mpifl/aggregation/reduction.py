@@ -339,9 +339,16 @@ class StreamedReduction:
             self.task.unmask(acc, self.exchange.first_elements[step.chunk], self.stats.metas)
         if self.task.noise is not None:  # DP-FedAvg: the round's noise added to a chunk's sum
             self.task.noise(acc, self.exchange.first_elements[step.chunk])
-        self.strategy.finish(acc, step.count, total, self.state.finish_target(chunk),
+        self.strategy.finish(acc, self._participants(step), total, self.state.finish_target(chunk),
                              self.state.server_state(chunk), chunk)
         self.state.commit(chunk)
+
+    def _participants(self, step: Finish) -> int:
+        """The ``count`` a summed chunk's ``finish`` is told: its usable logical participants. A reduction group's
+        partial sum (or the chain's one sum) is one stream of the schedule but holds every usable member of it."""
+        if not self.exchange.grouped:
+            return step.count
+        return sum(1 for meta in self.stats.metas.values() if meta.error is None)
 
     def _finish_held(self, step: Finish) -> None:
         """Finish a chunk whose stack is its receive slots: on the strategy's worker threads while the receives go
