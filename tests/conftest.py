@@ -52,8 +52,10 @@ def mpifl_here(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(args))
-        except SystemExit as exit_:  # argparse's refusals
+        except SystemExit as exit_:  # argparse's refusals, and SystemExit("message"), which Python prints
             code = exit_.code if isinstance(exit_.code, int) else 1
+            if exit_.code is not None and not isinstance(exit_.code, int):
+                print(exit_.code, file=err)
     return subprocess.CompletedProcess(["mpifl", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -143,6 +143,8 @@ class ContextRecorder:
     def __init__(self, cfg, out: str, scale: float = 1.0) -> None:
         from mpifl.learning.trainers import TorchTrainer
 
+        if scale <= 0:  # a check only the plug-in itself can make
+            raise ValueError(f"scale must be > 0, got {scale}")
         self.inner, self.out, self.scale = TorchTrainer(cfg), out, scale
 
     def train(self, model, data, seed, context=None):

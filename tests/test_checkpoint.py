@@ -157,6 +157,9 @@ def test_resume_may_change_rounds_but_not_the_model():
     assert resume_conflict(saved, {**saved, "rounds": 9, "checkpoint": {"every": 3}}) is None
     changed = {**saved, "model": {"name": "mlp", "dtype": "bfloat16"}}
     assert resume_conflict(saved, changed) == "model.dtype: 'float32' in the checkpoint, 'bfloat16' now"
+    dropped = {"train": {"trainer": "mine:T", "kwargs": {"sleep": 0.4}}}  # a plug-in setting left out on resume
+    assert resume_conflict(dropped, {"train": {"trainer": "mine:T", "kwargs": {}}}) == (
+        "train.kwargs.sleep: 0.4 in the checkpoint, not set now (so the plug-in's own default)")
 
 
 def test_resume_may_change_what_only_sets_speed_or_memory_not_the_numbers():

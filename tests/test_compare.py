@@ -81,3 +81,19 @@ def test_a_misspelt_metric_is_named_with_the_closest_one(sweep, tmp_path):
         compare_runs(sweep, "eval.los")
     with pytest.raises(SystemExit, match=r"mpifl compare: .*nope/metrics.jsonl does not exist"):
         compare_runs([sweep[0], str(tmp_path / "nope")])
+
+
+def test_a_run_given_twice_is_refused_since_its_seed_would_count_twice(sweep):
+    with pytest.raises(SystemExit, match=r"is given twice: its seed would count twice in the mean ± std"):
+        compare_runs([sweep[0], sweep[1], sweep[0]])
+    with pytest.raises(SystemExit, match=r"is given twice \(as .*\)"):
+        compare_runs([sweep[0], sweep[0] + "/"])
+
+
+def test_a_run_without_rounds_is_named_and_left_out_of_the_means(sweep, tmp_path):
+    failed = write_run(tmp_path / "seed=3,strategy.name=fedavg", "fedavg", 3, rounds=0)  # failed before round 1
+    text, groups = compare_runs([*sweep, str(failed)], "eval.loss")
+    assert "| seed=3,strategy.name=fedavg | fedavg | off | no round recorded it | - |" in text
+    assert "seed=3,strategy.name=fedavg: no round recorded eval.loss" in text and "nan" not in text
+    assert [len(members) for _, members in groups] == [3, 3]  # the failed run is in no group's mean ± std
+    assert "| strategy.name=fedavg | 3 | 0,1,2 |" in text

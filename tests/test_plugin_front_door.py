@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from conftest import MPI_TIMEOUT, run_mpi
+from conftest import MPI_TIMEOUT, mpifl_here, run_mpi
 
 from mpifl.aggregation.compatibility import checked_strategy
 from mpifl.cli.commands import check_plugins
@@ -79,6 +79,19 @@ def test_train_kwargs_reach_a_plugin_trainer_typed_and_checked_against_its_signa
         check_plugins(trainer_config())
     with pytest.raises(ConfigError, match=r"train\.kwargs: the built-in trainer 'torch' takes its settings"):
         load_config(None, data={**SYNTHETIC, "train": {"kwargs": {"lr": 0.1}}})
+
+
+def test_a_setting_the_trainer_itself_refuses_is_named_by_validate_and_by_the_ranks_as_train_kwargs(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({**SYNTHETIC, "rounds": 1, "output": {"progress": False},
+                               "train": {"trainer": "plugin_helpers:ContextRecorder",
+                                         "kwargs": {"out": str(tmp_path), "scale": -1}}}))
+    said = (f"train.kwargs: building train.trainer 'plugin_helpers:ContextRecorder' with {{'out': '{tmp_path}', "
+            "'scale': -1.0} failed: ValueError: scale must be > 0, got -1.0")
+    checked = mpifl_here("validate", str(cfg))
+    assert checked.returncode == 2 and said in checked.stderr, checked.stderr
+    ran = run_mpi(2, "run", str(cfg), "--run-dir", str(tmp_path / "run"))  # built on the client rank, after MPI
+    assert ran.returncode != 0 and said in ran.stderr, ran.stderr[-3000:]
 
 
 def meta(client: int, samples: int, **metrics) -> UpdateMeta:

@@ -35,3 +35,20 @@ def test_a_failed_rank_is_named_and_ranks_killed_together_are_not_blamed(tmp_pat
     assert "rank 0 failed" in post_mortem(failed)[1][-1]
     together = run_dir_with(tmp_path / "b", 1, [(0, "round", 2, 5.0), (1, "round", 2, 5.5)])
     assert "stopped together" in post_mortem(together)[1][-1]
+
+
+def test_a_run_stopped_on_request_says_so_and_blames_no_rank(tmp_path):
+    run = run_dir_with(tmp_path, 3, [(0, "interrupted", 3, 5.0), (1, "finished", 3, 5.0), (2, "finished", 3, 5.0)])
+    complete, lines = post_mortem(run)
+    assert not complete
+    assert lines[-1] == ("not complete: stopped on request after round 3 (SIGTERM: by hand, or a scheduler's signal "
+                         "before its time limit), as the rounds on disk show; continue with --resume")
+    assert "did not finish" not in "\n".join(lines)
+
+
+def test_status_of_a_folder_that_is_no_run_says_which_without_calling_it_a_config_error(tmp_path):
+    from conftest import mpifl_here
+
+    missing, plain = mpifl_here("status", str(tmp_path / "nothere")), mpifl_here("status", str(tmp_path))
+    assert (missing.returncode, missing.stderr) == (1, f"mpifl status: {tmp_path / 'nothere'} does not exist\n")
+    assert plain.stderr == f"mpifl status: {tmp_path} is not an mpifl run directory (no config.yaml)\n"

@@ -28,6 +28,16 @@ def test_report_writes_the_plots(profiled_run, tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == PNG, name
 
 
+def test_a_run_that_failed_before_its_first_round_gets_a_clear_refusal_and_no_empty_plots(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    result = mpifl_here("report", str(run))
+    assert result.returncode == 1
+    assert "metrics.jsonl holds no round yet, so there is nothing to plot; `mpifl status" in result.stderr
+    assert "Traceback" not in result.stderr and not (run / "report").exists()
+
+
 def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
     from mpifl.cli.profiling import summarize
 

@@ -173,11 +173,21 @@ def check_model(cfg: Config) -> None:
         raise ConfigError(problem)
 
 
+def check_trainer(cfg: Config) -> None:
+    """Build a plug-in trainer once, as each client rank will: a setting its constructor refuses is a ConfigError
+    naming train.kwargs. Only here, not before a run's MPI starts: a trainer may touch CUDA as it is built, which
+    must wait until each rank is bound to its GPU (mpifl.roles.launch)."""
+    from mpifl.learning.trainers import make_trainer
+
+    make_trainer(cfg.train)
+
+
 def validate(args: argparse.Namespace) -> int:
     """``mpifl validate``: check a config (transformers and plug-in models are built on meta) without MPI."""
     cfg = load_config(args.config, args.overrides)
     warnings = check_plugins(cfg)
     check_model(cfg)
+    check_trainer(cfg)
     for warning in warnings:
         print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"
@@ -299,7 +309,8 @@ def status(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"{run_dir}: not an mpifl run directory (no config.yaml)")
+        what = "does not exist" if not run_dir.exists() else "is not an mpifl run directory (no config.yaml)"
+        raise SystemExit(f"mpifl status: {run_dir} {what}")
     complete, lines = post_mortem(run_dir)
     print("\n".join(lines))
     return 0 if complete else 1

@@ -112,6 +112,11 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                  better: str = "auto", fmt: str = "markdown") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
     """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
     the groups (for a figure)."""
+    given: dict[Path, str] = {}
+    for d in run_dirs:
+        if (same := given.setdefault(Path(d).resolve(), d)) != d or run_dirs.count(d) > 1:
+            raise SystemExit(f"mpifl compare: {d} is given twice{f' (as {same})' if same != d else ''}: its seed "
+                             "would count twice in the mean ± std")
     runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
     known = set().union(*(metric_keys(records) for _, records in runs))
     if metric not in known:
@@ -131,11 +136,15 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     for o in outcomes:
         to_target = [str(o.reached_round) if o.reached_round else "not reached",
                      f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"]
+        values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else ["no round recorded it", "-"]
         rows.append([o.run_dir.name, str(o.config.get("strategy", {}).get("name", "?")),
-                     str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []),
-                     f"{o.best:.4f}", f"{o.final:.4f}"])
+                     str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
     text = render(header, rows, fmt)
-    groups = seed_groups(outcomes)
+    empty = [o.run_dir.name for o in outcomes if not o.curve]
+    if empty:  # a run that failed before its first round, or one that never records the metric
+        text += (f"\n\n{', '.join(empty)}: no round recorded {metric} (`mpifl status` says how far a run got); "
+                 "left out of the groups below and of the figure")
+    groups = seed_groups([o for o in outcomes if o.curve])
     if any(len(members) > 1 for _, members in groups):
         group_rows = []
         for label, members in groups:

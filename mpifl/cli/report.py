@@ -75,9 +75,12 @@ def saved_config(run_dir: Path) -> dict:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Write quality, time-split, bytes and memory plots; return their paths."""
     run_dir = Path(run_dir)
+    records = load_metrics(run_dir)
+    if not records:
+        raise SystemExit(f"mpifl report: {run_dir / 'metrics.jsonl'} holds no round yet, so there is nothing to "
+                         f"plot; `mpifl status {run_dir}` says how far the run got")
     out = Path(out) if out else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    records = load_metrics(run_dir)
     plt = pyplot()
     written = []
     local = kept_local_tensors(run_dir)

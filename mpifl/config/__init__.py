@@ -109,6 +109,8 @@ def resume_conflict(saved: dict, current: dict, defaults: dict | None = None) ->
             if key not in saved and key in defaults:
                 return (f"{key}: absent from the checkpoint (written before the key existed, so the run went as "
                         f"its default {a!r}), {b!r} now")
+            if key not in current:  # a plug-in's kwargs key left out: its own default applies, not None
+                return f"{key}: {a!r} in the checkpoint, not set now (so the plug-in's own default)"
             return f"{key}: {a!r} in the checkpoint, {b!r} now"
     return None
 

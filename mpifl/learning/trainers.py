@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from mpifl.config import EvalConfig, TrainConfig
+from mpifl.config import ConfigError, EvalConfig, TrainConfig
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import GroupParallel, share_of, share_weight
@@ -392,7 +392,17 @@ BUILTIN_TRAINERS: dict[str, Callable[[TrainConfig], Trainer]] = {
 def make_trainer(cfg: TrainConfig) -> Trainer:
     """The trainer named in the config; an import path is called as ``attr(cfg, **train.kwargs)``."""
     builtin = BUILTIN_TRAINERS.get(cfg.trainer)
-    return builtin(cfg) if builtin else resolve(cfg.trainer)(cfg, **cfg.kwargs)
+    if builtin:
+        return builtin(cfg)
+    try:
+        return resolve(cfg.trainer)(cfg, **cfg.kwargs)
+    except Exception as err:  # a setting the plug-in refuses: named as the config key it came from
+        raise ConfigError(construction_problem(cfg, err)) from err
+
+
+def construction_problem(cfg: TrainConfig, err: Exception) -> str:
+    """Why a plug-in trainer could not be built from ``train.kwargs``, naming both."""
+    return f"train.kwargs: building train.trainer {cfg.trainer!r} with {cfg.kwargs} failed: {type(err).__name__}: {err}"
 
 
 def trainer_problem(cfg: TrainConfig) -> str | None:

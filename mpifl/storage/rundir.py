@@ -258,6 +258,10 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         reason = f": {note['reason']}" if note.get("reason") else ""
         lines.append(f"  rank {rank}: last heard of at {when}, state '{note['state']}' in round {note['round']}"
                      f"{reason}")
+    if server.get("state") == "interrupted":  # SIGTERM (by hand, or a scheduler's before its walltime): no failure
+        lines.append(f"not complete: stopped on request after round {server['round']} (SIGTERM: by hand, or a "
+                     "scheduler's signal before its time limit), as the rounds on disk show; continue with --resume")
+        return False, lines
     unfinished = {r: n for r, n in sorted(notes.items()) if n["state"] != "finished"}
     lines.append("not complete: " + (f"ranks {sorted(unfinished)} did not finish; " + _first_quiet(unfinished)
                                      if unfinished else "every rank finished, but not every round is on disk")
