@@ -255,6 +255,22 @@ def _declare_for_no_context():
 _declare_for_no_context()
 
 
+class LocalHeadState(NoContext):
+    """Declares a vector over the model.local tensors: a run without model.local would keep it empty."""
+
+    def train(self, model, data, seed, context=None):
+        raise AssertionError("never built")
+
+
+def _declare_local_head_state():
+    from mpifl.api import StateVector
+
+    LocalHeadState.client_state = {"head": StateVector(covers="local")}
+
+
+_declare_local_head_state()
+
+
 class TrainingCounter:
     """The built-in torch trainer, counting in a declared one-element vector how many times each client trained:
     after a run, a client's count is the rounds it took part in, less those it was dropped from."""

@@ -359,4 +359,7 @@ def test_a_checkpoint_says_what_its_clients_kept_even_where_its_model_plug_in_ca
     assert kept(model=plugin_model, strategy=scaffold) == "SCAFFOLD control variates and local tensors (model.local)"
     assert kept(model=plugin_model, train={"trainer": "not_installed_here.t:T"},
                 data={"dataset": "not_installed_here.d:load"}) == "local tensors (model.local)"
-    assert kept(model=plugin_model, strategy={"name": "not_installed_here.s:Mine"}) == "per-client state"
+    assert kept(model=plugin_model, strategy={"name": "not_installed_here.s:Mine"}) == (
+        "per-client state (of plug-ins not importable here: put them on PYTHONPATH to have the kinds named)")
+    apfl = {"trainer": "examples.apfl.apfl:APFLTrainer"}  # importable: its vectors are named, in their order
+    assert kept(train=apfl) == "the trainer's per-client vectors (personal, alpha)"

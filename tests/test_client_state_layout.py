@@ -91,6 +91,15 @@ def test_a_trainers_declaration_is_checked_when_the_config_loads_naming_the_trai
         check_plugins(cfg)
 
 
+def test_a_vector_over_the_local_tensors_needs_model_local_to_name_some():
+    trainer = {"trainer": "plugin_helpers:LocalHeadState"}
+    with pytest.raises(ConfigError, match=r"train\.trainer: the client_state 'head' of 'plugin_helpers:LocalHeadState' "
+                                          r"covers 'local', the model\.local tensors, but model\.local names none"):
+        load_config(None, data={**SYNTHETIC, "train": trainer})
+    state = load_config(None, data={**SYNTHETIC, "train": trainer, "model": {"name": "mlp", "local": ["2.*"]}})
+    assert [name for name, _ in state.client_state().vectors] == ["head"]
+
+
 def test_declared_vectors_need_synchronous_rounds_and_are_kept_with_the_built_in_kinds():
     moon = {**SYNTHETIC, "train": {"trainer": "plugin_helpers:SlowMoonTrainer"}}
     with pytest.raises(ConfigError, match=r"train\.trainer: 'plugin_helpers:SlowMoonTrainer' keeps previous per client "

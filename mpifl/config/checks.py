@@ -295,6 +295,10 @@ def _check_declared_vectors(cfg: Config) -> None:
         raise ConfigError(str(err)) from None
     if not vectors:
         return
+    local = [name for name, vector in vectors.items() if vector.covers == "local"]
+    if local and not cfg.model.local:  # it would be a vector of no elements, silently
+        raise ConfigError(f"train.trainer: the client_state {local[0]!r} of {cfg.train.trainer!r} covers 'local', the "
+                          "model.local tensors, but model.local names none: set model.local, or cover 'trainable'")
     why = f"{cfg.train.trainer!r} keeps {', '.join(vectors)} per client (its client_state) on the rank that hosts it"
     problem = _synchronous_problem(cfg, "train.trainer", why)
     if problem:

@@ -105,8 +105,11 @@ def kept_per_client(ckpt: Checkpoint) -> str:
             state = load_config(None, data=attempt).client_state()
         except ConfigError:  # a plug-in not importable here, or a config this version cannot read
             continue
-        return state.what if state is not None else "per-client state"
-    return "per-client state"
+        if state is None:
+            return "per-client state"
+        names = [name for name, _ in state.vectors]  # a plug-in trainer's, in its vector's order
+        return state.what + (f" ({', '.join(names)})" if names else "")
+    return "per-client state (of plug-ins not importable here: put them on PYTHONPATH to have the kinds named)"
 
 
 def missing_residuals(ckpt: Checkpoint) -> str | None:
