@@ -23,6 +23,11 @@ def test_unknown_key_names_it_and_suggests_the_closest():
         load(train={"lrr": 0.1})
     with pytest.raises(ConfigError, match=r"unknown key 'roundz'; did you mean 'rounds'"):
         load(roundz=3)
+    # another framework's name, even misspelt, where the spelling alone is no help
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.lerning_rate'; did you mean 'train\.lr'\?"):
+        load(train={"lerning_rate": 0.1})
+    with pytest.raises(ConfigError, match=r"unknown key 'clients\.n_clients'; did you mean 'clients\.num_clients'"):
+        load(clients={"n_clients": 4})
 
 
 def test_wrong_type_names_key_and_expected_type():

@@ -67,6 +67,13 @@ def quoted_example(key: str, text: str) -> str:
     return f"{key}='{quoted(text)}'"
 
 
+# Other frameworks' names for a key (Hugging Face's TrainingArguments, PyTorch's, Flower's), close spellings
+# included: "did you mean" where the spelling is no help ("learning_rate" is nothing like "lr").
+SYNONYMS = {"learning_rate": "lr", "epochs": "local_epochs", "num_epochs": "local_epochs",
+            "batch": "batch_size", "per_device_train_batch_size": "batch_size", "clients": "num_clients",
+            "n_clients": "num_clients", "num_rounds": "rounds", "clients_per_round": "per_round"}
+
+
 def build(cls: type, raw: Any, prefix: str) -> Any:
     """An instance of section class ``cls`` from mapping ``raw``; errors name the key under ``prefix``."""
     where = prefix.rstrip(".") or "top level"
@@ -76,7 +83,9 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5) or [
+                ours for word, ours in SYNONYMS.items()
+                if ours in fields and difflib.get_close_matches(str(key), [word], n=1, cutoff=0.8)]
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown key '{prefix}{key}'" + hint)
     values = {}
