@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -19,6 +20,7 @@ from mpifl.storage.checkpointer import (
     latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
+    retired_by_next,
 )
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter, load_tensors
 from mpifl.wire.flat import FlatModel
@@ -79,6 +81,18 @@ def test_publish_is_atomic_and_old_checkpoints_are_pruned(tmp_path):
     (tmp_path / (checkpoint_name(6) + ".tmp")).write_bytes(b"half a file")
     assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(r) for r in (3, 4, 5)]
     assert latest_checkpoint(tmp_path).round == 5
+
+
+def test_the_out_of_core_server_overwrites_only_checkpoints_that_checkpoint_keep_lets_go():
+    """The durable (out-of-core) store recycles the file the next publish retires. Before, with fewer files than
+    keep - 1 the slice counted from the end and retired the oldest: keep=4 kept 2 checkpoints, keep=10 kept 5."""
+    published = [Path(checkpoint_name(r)) for r in range(1, 9)]
+    for keep, first_kept in ((4, 6), (10, 1), (2, 8), (1, 8)):  # with the next publish: keep (at least 2) in all
+        for n in range(1, 9):
+            retired = retired_by_next(published[:n], keep, spared=set())
+            assert retired == published[:max(0, n - max(keep - 1, 1))], (keep, n)
+        assert published[len(retired):] == published[first_kept - 1:]
+    assert retired_by_next(published, 4, spared={checkpoint_name(2)}) == [published[0], *published[2:5]]
 
 
 def test_truncated_corrupt_and_foreign_files_are_named_and_explained(tmp_path):

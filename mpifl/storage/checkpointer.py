@@ -193,6 +193,14 @@ def checkpoint_attrs(cfg: Config) -> dict:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **{f"version_{k}": v for k, v in versions().items()}}
 
 
+def retired_by_next(published: list[Path], keep: int, spared: set[str]) -> list[Path]:
+    """Of the ``published`` checkpoints (oldest first), those that publishing one more retires under
+    ``checkpoint.keep``: all but the newest ``keep - 1``, and never the newest (the current model), less the
+    ``spared`` names. Fewer published than that retires none."""
+    survivors = max(keep - 1, 1)
+    return [p for p in published[:max(len(published) - survivors, 0)] if p.name not in spared]
+
+
 class Checkpointer:
     """Decides when a round's model is saved, has the store publish it, prunes, links ``model.h5``."""
 
@@ -219,9 +227,7 @@ class Checkpointer:
         if self.directory is None or not self.store.durable:
             return None
         spared = {checkpoint_name(r) for r in (self.needed(round_) if self.needed else ())}
-        kept = list_checkpoints(self.directory)
-        doomed = [p for p in kept[:len(kept) - max(self.cfg.keep - 1, 1)] if p.name not in spared]
-        for path in doomed:
+        for path in retired_by_next(list_checkpoints(self.directory), self.cfg.keep, spared):
             try:
                 if path.stat().st_nlink == 1:
                     shutil.rmtree(residuals_dir(path), ignore_errors=True)
