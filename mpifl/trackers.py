@@ -89,11 +89,15 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | 
     return out
 
 
+Notes = Mapping[str, Sequence[str]]  # a round's notes as text lines, by the key a tracker logs them under
+NotesOf = Callable[[dict], Notes]  # a record's notes
+
+
 class Tracker(Protocol):
     """One tracker's run: scalars and notes per round, closed once."""
 
-    def log(self, step: int, values: Mapping[str, float], notes: Sequence[str]) -> None:
-        """Record one round's scalars (and its warnings as text) at step ``step``."""
+    def log(self, step: int, values: Mapping[str, float], notes: Notes) -> None:
+        """Record one round's scalars, and its notes as text under their own keys, at step ``step``."""
 
     def close(self, failed: bool) -> None:
         """Finish the run (``failed``: the job is ending on an error)."""
@@ -121,12 +125,14 @@ class TensorBoardTracker:
         for summary in hparams(dict(params), {}):  # the HParams dashboard's experiment, session start and end
             self.writer.file_writer.add_summary(summary, start_round)
 
-    def log(self, step: int, values: Mapping[str, float], notes: Sequence[str]) -> None:
-        """One scalar per key, then the notes as text; flushed, so a killed job keeps every finished round."""
+    def log(self, step: int, values: Mapping[str, float], notes: Notes) -> None:
+        """One scalar per key, then each kind of note as text; flushed, so a killed job keeps every finished
+        round."""
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
-        if notes:
-            self.writer.add_text("memory_warning", "\n\n".join(notes), step)
+        for key, lines in notes.items():
+            if lines:
+                self.writer.add_text(key, "\n\n".join(lines), step)
         self.writer.flush()
 
     def close(self, failed: bool) -> None:
@@ -200,14 +206,15 @@ class MlflowTracker:
             partial.write_text("".join(line + "\n" for line in kept))
             os.replace(partial, path)
 
-    def log(self, step: int, values: Mapping[str, float], notes: Sequence[str]) -> None:
-        """The round's scalars as one batch of metrics at ``step``; the notes as the tag ``memory_warning``."""
+    def log(self, step: int, values: Mapping[str, float], notes: Notes) -> None:
+        """The round's scalars as one batch of metrics at ``step``; each kind of note as a tag of its key."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
-        if notes:
-            self.client.set_tag(self.run_id, "memory_warning", "\n".join(notes)[:MLFLOW_TAG_CHARS])
+        for key, lines in notes.items():
+            if lines:
+                self.client.set_tag(self.run_id, key, "\n".join(lines)[:MLFLOW_TAG_CHARS])
 
     def close(self, failed: bool) -> None:
         """Mark the run FINISHED (FAILED when the job is ending on an error)."""
@@ -233,11 +240,10 @@ class WandbTracker:
         self.run = wandb.init(mode="offline", dir=str(run_dir), project=project, name=run_dir.name, id=run_id,
                               resume="allow", config=dict(config), settings=settings)
 
-    def log(self, step: int, values: Mapping[str, float], notes: Sequence[str]) -> None:
-        """The round's scalars as one history row at ``step``; the notes as the text ``memory_warning``."""
+    def log(self, step: int, values: Mapping[str, float], notes: Notes) -> None:
+        """The round's scalars as one history row at ``step``; each kind of note as text under its key."""
         row: dict[str, Any] = dict(values)
-        if notes:
-            row["memory_warning"] = "\n".join(notes)
+        row.update((key, "\n".join(lines)) for key, lines in notes.items() if lines)
         self.run.log(row, step=step, commit=True)  # committed now: a row with an explicit step is otherwise held
         # until a later step or finish() flushes it, and a CI run once finished without it
 
@@ -317,10 +323,10 @@ def replayed(kept: Sequence[dict], start_round: int, continued: bool) -> list[di
     return [record for record in kept if int(record["round"]) == start_round]
 
 
-def log_records(tracker: Tracker, records: Sequence[dict], notes: Callable[[dict], list[str]] | None) -> None:
+def log_records(tracker: Tracker, records: Sequence[dict], notes: NotesOf | None) -> None:
     """Log ``records`` to ``tracker`` as the rounds themselves were."""
     for record in records:
-        tracker.log(int(record["round"]), scalars(record), notes(record) if notes else [])
+        tracker.log(int(record["round"]), scalars(record), notes(record) if notes else {})
 
 
 def rounds_to_log_again(kept: Sequence[dict], logged: set[int]) -> list[dict]:
@@ -343,7 +349,7 @@ class Trackers:
     """The record sink of a run's trackers: each round's ``scalars`` (and ``notes``' text for it) to every
     tracker, at step = the round. A tracker that fails is closed with a warning and the others go on."""
 
-    def __init__(self, trackers: Mapping[str, Tracker], notes: Callable[[dict], list[str]] | None = None,
+    def __init__(self, trackers: Mapping[str, Tracker], notes: NotesOf | None = None,
                  warn: Callable[[str], None] | None = None):
         self.trackers = dict(trackers)
         self.notes = notes
@@ -352,7 +358,7 @@ class Trackers:
     def write(self, record: dict) -> None:
         """Give one round's record to every tracker still open."""
         step, values = int(record["round"]), scalars(record)
-        notes = self.notes(record) if self.notes else []
+        notes = self.notes(record) if self.notes else {}
         for name, tracker in list(self.trackers.items()):
             try:
                 tracker.log(step, values, notes)
@@ -376,14 +382,15 @@ class Trackers:
 
 
 def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: Mapping[str, Any], start_round: int = 0,  # noqa: PLR0913 - keyword options of one call site
-                  resumed: bool = False, notes: Callable[[dict], list[str]] | None = None,
+                  resumed: bool = False, notes: NotesOf | None = None,
                   warn: Callable[[str], None] | None = None, kept: Sequence[dict] = ()) -> Trackers:
     """Open each tracker in ``names`` for the run in ``run_dir`` (rank 0, before the first round). ``resumed``:
     continue the MLflow and W&B runs whose ids ``<run dir>/trackers.json`` keeps; else start new ones (and keep
     their ids there). A tracker that cannot start ends the job, naming it, before any round runs. ``notes``: a
-    record's warnings as text lines; ``warn``: where a tracker's failure is told (default: stderr). ``kept``: on a
-    resume, the records up to its checkpoint (``metrics.jsonl``'s), from which W&B gets back the rounds that a job
-    killed hard never wrote to its offline log (TensorBoard's and MLflow's files are written round by round)."""
+    record's notes as text lines by the key they are logged under (``memory_warning``, ``faults``); ``warn``:
+    where a tracker's failure is told (default: stderr). ``kept``: on a resume, the records up to its checkpoint
+    (``metrics.jsonl``'s), from which W&B gets back the rounds that a job killed hard never wrote to its offline
+    log (TensorBoard's and MLflow's files are written round by round)."""
     ids_path = run_dir / IDS
     ids = _read_ids(ids_path) if resumed else {}
     params = flat_params(config)

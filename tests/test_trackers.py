@@ -126,7 +126,7 @@ class Fake:
     def log(self, step, values, notes):
         if self.fail:
             raise OSError("disk full")
-        self.logged.append((step, dict(values), list(notes)))
+        self.logged.append((step, dict(values), dict(notes)))
 
     def close(self, failed):
         self.closed = failed
@@ -134,11 +134,12 @@ class Fake:
 
 def test_a_tracker_that_fails_is_closed_with_a_warning_and_the_others_go_on():
     good, bad, warnings = Fake(), Fake(fail=True), []
-    sink = Trackers({"tensorboard": good, "wandb": bad}, notes=lambda r: ["growing"], warn=warnings.append)
+    sink = Trackers({"tensorboard": good, "wandb": bad}, notes=lambda r: {"memory_warning": ["growing"]},
+                    warn=warnings.append)
     sink.write(RECORD)
     sink.write({**RECORD, "round": 8})
     sink.close()
-    assert [step for step, _, _ in good.logged] == [7, 8] and good.logged[0][2] == ["growing"]
+    assert [step for step, _, _ in good.logged] == [7, 8] and good.logged[0][2] == {"memory_warning": ["growing"]}
     assert good.closed is False and bad.closed is True  # closed once, as failed, after its first failure
     assert len(warnings) == 1 and "wandb failed at round 7 (OSError: disk full)" in warnings[0]
 
@@ -205,11 +206,16 @@ def f32(x: float) -> float:
     return float(np.float32(x))
 
 
+FAULT = "faults[0] 'raise' on logical client 7 (rank 2): an injected exception in round 7; dropped"
+
+
 def one_record(tmp_path: Path, tracker: str) -> Path:
-    """RECORD (round 7, with a memory warning) written to one tracker, which is then closed."""
+    """RECORD (round 7, with a memory warning and an injected fault's note) written to one tracker, then closed."""
     pytest.importorskip(tracker)
     sink = open_trackers([tracker], tmp_path, "unit", {"train": {"lr": 0.1}},
-                         notes=lambda r: [f"warning: {w['rank']} memory grows" for w in r.get("memory_warning", ())])
+                         notes=lambda r: {"memory_warning": [f"warning: {w['rank']} memory grows"
+                                                             for w in r.get("memory_warning", ())],
+                                          "faults": [FAULT], "empty": []})
     sink.write(RECORD)
     sink.close()
     return tmp_path
@@ -225,6 +231,9 @@ def test_tensorboard_reads_back_a_record_in_float32_and_its_warning_as_text(tmp_
     acc.Reload()
     [text] = acc.Tensors("memory_warning/text_summary")
     assert text.step == 7 and text.tensor_proto.string_val == [b"warning: server memory grows"]
+    [fault] = acc.Tensors("faults/text_summary")  # each kind of note under its own tag
+    assert fault.step == 7 and fault.tensor_proto.string_val == [FAULT.encode()]
+    assert sorted(acc.Tags()["tensors"]) == ["faults/text_summary", "memory_warning/text_summary"]
 
 
 def test_mlflow_reads_back_a_record_exactly_and_its_warning_as_a_tag(tmp_path):
@@ -232,13 +241,16 @@ def test_mlflow_reads_back_a_record_exactly_and_its_warning_as_a_tag(tmp_path):
     run = client.get_run(run_id)
     assert run.data.metrics == scalars(RECORD) and run.data.params == {"train.lr": "0.1"}
     assert run.data.tags["memory_warning"] == "warning: server memory grows" and run.info.status == "FINISHED"
+    assert run.data.tags["faults"] == FAULT and "empty" not in run.data.tags
     assert [m.step for m in client.get_metric_history(run_id, "eval/accuracy")] == [7]
 
 
 def test_wandb_reads_back_a_record_exactly_and_its_warning_as_text(tmp_path):
     rows, configs, _ = wandb_run(one_record(tmp_path, "wandb"))
     assert len(rows) == 1 and rows[0]["_step"] == 7 and rows[0]["memory_warning"] == "warning: server memory grows"
-    assert {k: v for k, v in rows[0].items() if not k.startswith("_") and k != "memory_warning"} == scalars(RECORD)
+    assert rows[0]["faults"] == FAULT and "empty" not in rows[0]
+    assert {k: v for k, v in rows[0].items() if not k.startswith("_") and k not in ("memory_warning", "faults")} == \
+        scalars(RECORD)
     assert configs[0]["train"] == {"lr": 0.1}
 
 

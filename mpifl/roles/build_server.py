@@ -159,8 +159,9 @@ def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], r
     if resumed:  # the rewound metrics.jsonl's records: the checkpoint's copy of its own round predates its timing
         kept = read_metrics(run_dir / METRICS) or kept
     return [open_trackers(cfg.output.trackers, run_dir, cfg.name, cfg.to_dict(), start, resumed,
-                          notes=lambda record: [memory_warning_line(w) for w in record.get("memory_warning", ())]
-                          + [fault_line(f) for f in record.get("faults", ())],
+                          notes=lambda record: {
+                              "memory_warning": [memory_warning_line(w) for w in record.get("memory_warning", ())],
+                              "faults": [fault_line(f) for f in record.get("faults", ())]},
                           warn=lambda message: log(message, rank=0), kept=kept)]
 
 
