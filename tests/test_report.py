@@ -54,6 +54,19 @@ def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
     assert abs(server["peak_rss_bytes"] - ru_maxrss) <= 0.2 * ru_maxrss
 
 
+def test_a_queue_trace_named_relative_to_the_launch_folder_is_drawn_there_and_skipped_elsewhere(tmp_path):
+    """config.yaml keeps clock.queue_trace as given (relative to where the run was launched, so that a resume
+    there compares equal): mpifl report from another folder skips the availability plot, saying why."""
+    run = tmp_path / "run"
+    ran = run_mpi(3, "run", "configs/hpc_queue.yaml", "rounds=2", "--run-dir", str(run), cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    there, elsewhere = mpifl_here("report", str(run)), mpifl_here("report", str(run), cwd=tmp_path)
+    assert f"wrote {run / 'report' / 'availability.png'}" in there.stdout, there.stderr
+    assert elsewhere.returncode == 0 and "availability.png" not in elsewhere.stdout
+    assert ("mpifl report: skipped availability.png: No such file or directory: 'configs/traces/hpc_queue.swf', "
+            "which the run's config.yaml names relative to the folder it was launched from") in elsewhere.stderr
+
+
 def test_virtual_time_runs_get_accuracy_against_virtual_time_staleness_and_participation(tmp_path):
     from mpifl.cli.compare import compare_runs
     from mpifl.cli.report import write_report

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -97,7 +98,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plots.append(("availability.png", lambda fig, ax, records: _availability(fig, ax, records, run_dir)))
     for name, draw in plots:
         fig, ax = plt.subplots(figsize=(7, 4))
-        draw(fig, ax, records)
+        try:
+            draw(fig, ax, records)
+        except FileNotFoundError as err:  # availability's trace, named in config.yaml as the run was launched
+            plt.close(fig)
+            print(f"mpifl report: skipped {name}: {err.strerror}: {err.filename!r}, which the run's config.yaml "
+                  "names relative to the folder it was launched from: run mpifl report there", file=sys.stderr)
+            continue
         if not fig.legends:
             fig.tight_layout()
         fig.savefig(out / name, dpi=110)
