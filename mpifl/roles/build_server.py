@@ -139,16 +139,27 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             floor=floor, lends_state=cfg.lends_client_state,
                             faults=FaultPlan(cfg) if cfg.faults else None)
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
-                         cfg.clients.min_participants).run(start, history)
+                         cfg.clients.min_participants).run(start, history, _wrap_up(cfg, run_dir, checkpointer,
+                                                                                    stop, notes))
     finally:
         sink.close()
-    if run_dir and cfg.output.save_model and history and history[-1]["round"] == cfg.rounds:
-        checkpointer.link_final_model(run_dir)
-    log_final(history, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
     reached = history[-1]["round"] if history else 0
-    interrupted = stop.requested and reached < cfg.rounds
-    notes("interrupted" if interrupted else "finished", reached)
-    return RunOutcome(history, interrupted=interrupted)
+    return RunOutcome(history, interrupted=stop.requested and reached < cfg.rounds)
+
+
+def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,
+             notes: RankNotes) -> Callable[[list[dict]], None]:
+    """What the server does once no round is left to run: link ``model.h5`` to the last round's checkpoint, say
+    so, and note the outcome. Before it takes up what dropped ranks still send (Server.run): a rank silent there
+    ends the job, and the run directory must still say that every round is on disk."""
+    def wrap_up(done: list[dict]) -> None:
+        if run_dir and cfg.output.save_model and done and done[-1]["round"] == cfg.rounds:
+            checkpointer.link_final_model(run_dir)
+        log_final(done, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
+        reached = done[-1]["round"] if done else 0
+        notes("interrupted" if stop.requested and reached < cfg.rounds else "finished", reached)
+
+    return wrap_up
 
 
 def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], resumed: bool) -> list[Trackers]:

@@ -128,7 +128,7 @@ def run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumePo
         with contextlib.ExitStack() as open_while_running:
             return _run_rank(comm, cfg, run_dir, resume, notes, open_while_running)
     except BaseException as err:
-        notes("failed", reason=f"{type(err).__name__}: {err}"[:2000])
+        notes.failed(f"{type(err).__name__}: {err}"[:2000])
         raise
 
 

@@ -117,8 +117,11 @@ class Server:
         self.late = LateStreams(comm, parts.plan.inflight, self.pool.chunk_bytes, lambda m: log(m, rank=0))
         self.meter = CostMeter()  # the server's CPU-seconds and bytes written, read as each round's record is made
 
-    def run(self, start_round: int = 0, history: Sequence[dict] = ()) -> list[dict]:
-        """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop."""
+    def run(self, start_round: int = 0, history: Sequence[dict] = (),
+            wrap_up: Callable[[list[dict]], None] | None = None) -> list[dict]:
+        """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop. ``wrap_up`` is given
+        the history once no round is left to run, before what dropped ranks still send is taken up: a rank silent
+        there ends the job, and the run directory must by then say how far the run got (``model.h5``, the notes)."""
         self.history = list(history)
         for record in self.history:
             self.parts.deadlines.observe(record["client_train_seconds"])
@@ -128,6 +131,8 @@ class Server:
             log(f"privacy.epsilon_budget: round {start_round + 1} would take epsilon to "
                 f"{private.epsilon(start_round + 1):.3f}, past {private.cfg.epsilon_budget}: nothing to run", rank=0)
             self.budget_spent = True
+            if wrap_up is not None:
+                wrap_up(self.history)
             self._send_stop()
             return self.history
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
@@ -146,6 +151,8 @@ class Server:
                     break
         finally:
             bar.close()
+        if wrap_up is not None:
+            wrap_up(self.history)
         self.late.finish(self.parts.deadlines.current().first_update)
         self._send_stop()
         self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize

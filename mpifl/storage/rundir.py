@@ -218,12 +218,21 @@ class RankNotes:
     """One rank's notes (``note_rank``), remembering the round, so a failure is noted where it happened."""
 
     def __init__(self, run_dir: Path | None, rank: int):
-        self.run_dir, self.rank, self.last_round = run_dir, rank, 0
+        self.run_dir, self.rank, self.last_round, self.last_state = run_dir, rank, 0, ""
 
     def __call__(self, state: str, round_: int | None = None, **detail: object) -> None:
         """Note ``state`` in ``round_`` (default: the last round noted)."""
         self.last_round = self.last_round if round_ is None else round_
+        self.last_state = state
         note_rank(self.run_dir, self.rank, state, self.last_round, **detail)
+
+    def failed(self, reason: str) -> None:
+        """Note a failure; one after this rank finished (rank 0 taking up a silent rank's late update once every
+        round is on disk) leaves it finished, with the failure as what came after."""
+        if self.last_state == "finished":
+            self("finished", then_failed=reason)
+        else:
+            self("failed", reason=reason)
 
 
 def read_rank_notes(run_dir: Path) -> dict[int, dict]:
@@ -252,7 +261,8 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     server = notes.get(0, {})
     complete = reached == rounds and server.get("state", "finished") == "finished"  # runs before notes: rounds
     if complete:
-        return True, [*lines, "complete"]
+        after = f"; the job then failed: {server['then_failed']}" if server.get("then_failed") else ""
+        return True, [*lines, "complete" + after]
     for rank, note in sorted(notes.items()):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note["time"]))
         reason = f": {note['reason']}" if note.get("reason") else ""

@@ -97,6 +97,13 @@ def test_under_accept_failures_a_silent_rank_is_dropped_the_rounds_complete_and_
     assert [sorted(d["client"] for d in r["dropped"]) for r in records] == [[], [1, 3], [1, 3]]
     with latest_checkpoint(tmp_path / "run" / "checkpoints") as ckpt:
         assert ckpt.round == 3
+    # the results are complete, and the run directory says so: the final model, and a status that a job script's
+    # resubmission chain takes as done (before, no model.h5, and 'not complete; continue with --resume' for ever)
+    assert (tmp_path / "run" / "model.h5").is_file()
+    status = run_mpi(1, "status", str(tmp_path / "run"))
+    assert status.returncode == 0, status.stdout
+    assert re.search(r"^complete; the job then failed: JobFailure: rank 2 was dropped from round 2", status.stdout,
+                     re.M), status.stdout
 
 
 @pytest.mark.parametrize("fault,message", [
