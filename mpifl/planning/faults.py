@@ -38,11 +38,16 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
               "exit": ("code", "via")}
 
 
-class FaultPlan:
-    """The run's faults, asked round by round."""
+ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose strike ends the job: each strikes once per run directory
 
-    def __init__(self, cfg: Config):
-        self.faults, self.seed, self.rounds = cfg.faults, cfg.seed, cfg.rounds
+
+class FaultPlan:
+    """The run's faults, asked round by round. ``spent``: (fault index, round) of each kill or exit that ended an
+    earlier attempt of this run (the run directory's ``faults-struck``): a resume that redid the round would be
+    ended again, for ever, so each strikes once, as a node fails once."""
+
+    def __init__(self, cfg: Config, spent: frozenset[tuple[int, int]] = frozenset()):
+        self.faults, self.seed, self.rounds, self.spent = cfg.faults, cfg.seed, cfg.rounds, spent
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -50,7 +55,8 @@ class FaultPlan:
     def strikes(self, round_: int, client: int, rank: int) -> list[Strike]:
         """The faults that strike ``client``, trained on ``rank`` in ``round_``, in the list's order."""
         return [Strike(i, fault, round_, client, rank) for i, fault in enumerate(self.faults)
-                if fault.strikes_in(round_, self.rounds) and self._targets(i, fault, round_, client, rank)]
+                if fault.strikes_in(round_, self.rounds) and self._targets(i, fault, round_, client, rank)
+                and not (fault.kind in ENDS_THE_JOB and (i, round_) in self.spent)]
 
     def _targets(self, index: int, fault: FaultConfig, round_: int, client: int, rank: int) -> bool:
         if fault.clients:

@@ -42,7 +42,7 @@ from mpifl.storage.residuals import (
     Borrowing,
     ResidualStore,
 )
-from mpifl.storage.rundir import RankNotes, ResumePoint
+from mpifl.storage.rundir import RankNotes, ResumePoint, faults_struck, note_fault_struck
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
@@ -125,7 +125,8 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         trainer=trainer, seed=cfg.seed, num_clients=cfg.clients.num_clients,
         accept_failures=cfg.clients.accept_failures, group=leader,
         batched=batched_clients(cfg, replica.flat if replica else flat, local, state),
-        faults=FaultPlan(cfg) if cfg.faults else None)
+        faults=FaultPlan(cfg, faults_struck(note.run_dir)) if cfg.faults else None,
+        spend_fault=lambda strike: note_fault_struck(note.run_dir, strike.index, strike.round))
     parts = ClientParts(
         plan=plan, training=training, delta=cfg.strategy.update == "delta",
         statistics_as_values=cfg.statistics_as_values, groups=cfg.clients.groups,

@@ -84,8 +84,8 @@ class ClientRank:
             self._train)
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
-        self.faults = FaultInjector(parts.training.faults, self.rank, self.progress.tick) \
-            if parts.training.faults else None
+        self.faults = FaultInjector(parts.training.faults, self.rank, self.progress.tick,
+                                    parts.training.spend_fault) if parts.training.faults else None
         self.training = LocalTraining(parts.training, self.work, parts.state, parts.plan, parts.evaluation,
                                       self.faults, self.rank)
         self.costs = UpdateCosts(self.replica, self.rank)  # reported with each update's header

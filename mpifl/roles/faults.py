@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mpifl.logs import log
-from mpifl.planning.faults import FaultPlan, Strike, flipped_bits
+from mpifl.planning.faults import ENDS_THE_JOB, FaultPlan, Strike, flipped_bits
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 
@@ -43,8 +43,10 @@ class FaultInjector:
     """The strikes that fall on this rank, done at each stage. ``tick``: report progress (a slowed rank is slow,
     not silent)."""
 
-    def __init__(self, plan: FaultPlan, rank: int, tick: Callable[[], None]):
-        self.plan, self.rank, self.tick = plan, rank, tick
+    def __init__(self, plan: FaultPlan, rank: int, tick: Callable[[], None],
+                 spend: Callable[[Strike], None] | None = None):
+        """``spend``: record, before it acts, a kill or exit that is about to end the job (so a resume goes past it)."""
+        self.plan, self.rank, self.tick, self.spend = plan, rank, tick, spend
         self._struck: tuple[tuple[int, int], list[Strike]] = ((0, -1), [])  # the last client's strikes, drawn once
 
     def __bool__(self) -> bool:
@@ -120,6 +122,8 @@ class FaultInjector:
         """A fault that stops, stalls, ends or kills the rank, or raises in the client's training."""
         self._announce(strike)
         fault = strike.fault
+        if fault.kind in ENDS_THE_JOB and self.spend is not None:
+            self.spend(strike)
         if fault.kind == "raise":
             raise InjectedFault(f"faults[{strike.index}]: an injected exception in round {strike.round}")
         if fault.kind == "stall":

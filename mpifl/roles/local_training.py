@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ import torch
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import deterministic_hint
 from mpifl.learning.trainers import ConfiguredTrainer, TrainContext, Trainer, TrainResult, accepts_context
-from mpifl.planning.faults import FaultPlan
+from mpifl.planning.faults import FaultPlan, Strike
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.batched import BatchedClients
 from mpifl.roles.client_state import ClientStateParts
@@ -42,6 +43,7 @@ class TrainingParts:
     group: GroupLeader | None = None  # clients.ranks_per_client > 1: this rank leads a group that trains together
     batched: BatchedClients | None = None  # train.batched_clients: clients trained K at a time, served one by one
     faults: FaultPlan | None = None  # the config's faults: what strikes this rank's clients, and when
+    spend_fault: Callable[[Strike], None] | None = None  # records a kill or exit before it ends the job
 
 
 class LocalTraining:

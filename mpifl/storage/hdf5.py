@@ -189,7 +189,7 @@ class CheckpointWriter:
                     os.fsync(f.fileno())
             os.replace(self.tmp, self.path)
             if sync:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         except OSError as err:
             self.abandon()
             if str(err).startswith("could not write checkpoint"):
@@ -359,7 +359,8 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a file's creation or rename in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -39,7 +39,7 @@ from mpifl.storage.checkpointer import (
     missing_residuals,
     residual_files,
 )
-from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.hdf5 import Checkpoint, fsync_dir
 from mpifl.storage.integrity import metadata_problem
 
 
@@ -161,6 +161,8 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
     elif (path / METRICS).exists():
         raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
                                 "choose another --run-dir, or add --resume to continue it")
+    if not resume_asked:  # a new run: the faults an earlier attempt here spent strike again
+        shutil.rmtree(path / FAULTS_STRUCK, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(dump_config(cfg))
     shutil.rmtree(path / RANK_NOTES, ignore_errors=True)  # an earlier job's notes (perhaps of other ranks)
@@ -193,6 +195,37 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
     tmp = metrics.with_name(metrics.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, metrics)
+
+
+FAULTS_STRUCK = "faults-struck"  # <run dir>/faults-struck/<index>-r<round>: each kill or exit fault that struck
+
+
+def note_fault_struck(run_dir: Path | None, index: int, round_: int) -> None:
+    """Record, durably and before it acts, that ``faults[index]`` (a kill or an exit) strikes in ``round_``: a
+    resume of this run then goes past it (mpifl.planning.faults.FaultPlan's ``spent``)."""
+    if run_dir is None:
+        return
+    folder = run_dir / FAULTS_STRUCK
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / f"{index}-r{round_}", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(folder)
+
+
+def faults_struck(run_dir: Path | None) -> frozenset[tuple[int, int]]:
+    """(fault index, round) of every kill or exit fault that struck an earlier attempt of the run."""
+    folder = run_dir / FAULTS_STRUCK if run_dir is not None else None
+    if folder is None or not folder.is_dir():
+        return frozenset()
+    struck = set()
+    for path in folder.iterdir():
+        index, _, round_ = path.name.partition("-r")
+        if index.isdigit() and round_.isdigit():
+            struck.add((int(index), int(round_)))
+    return frozenset(struck)
 
 
 RANK_NOTES = "ranks"  # <run dir>/ranks/rank<rank>.json: each rank's last word, for a post-mortem

@@ -165,3 +165,22 @@ def test_a_run_with_faults_stopped_and_resumed_on_other_ranks_strikes_the_same_c
     assert same_model(split / "model.h5", whole / "model.h5")
     assert without_ranks([r.get("faults", []) for r in records(split)]) == \
         without_ranks([r.get("faults", []) for r in records(whole)])
+
+
+def test_a_kill_strikes_once_so_a_resume_goes_past_it_and_ends_bitwise_as_a_run_without_it(tmp_path):
+    """A kill (or an exit) ends the job; the round it struck is redone by the resume from the round before, which
+    would be killed again for ever. The strike is recorded in the run directory before it acts, and a resume of
+    that run goes past it: a node fails once. A new run in a fresh directory is struck again."""
+    text = BASE.replace("accept_failures: true", "accept_failures: false") + \
+        "checkpoint: {every: 1}\nfaults: [{kind: kill, ranks: [1], rounds: [3]}]\n"
+    cfg = write_config(tmp_path / "c.yaml", text)
+    run = tmp_path / "run"
+    assert run_mpi(3, "run", str(cfg), "--run-dir", str(run)).returncode != 0
+    assert sorted(p.name for p in (run / "faults-struck").iterdir()) == ["0-r3"]
+    resumed = run_mpi(4, "run", str(cfg), "--run-dir", str(run), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2, 3, 4] and not any(r.get("faults") for r in records)
+    reference = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert same_model(run / "model.h5", tmp_path / "reference" / "model.h5")
