@@ -40,6 +40,15 @@ def test_a_loss_a_perplexity_a_time_or_a_size_is_better_lower_and_accuracy_highe
     assert better_direction("eval.loss", "higher") == "higher"
 
 
+def test_the_help_names_every_word_that_makes_a_metric_lower_is_better():
+    from mpifl.cli import _parser
+    from mpifl.cli.compare import LOWER_WORDS
+
+    compare = _parser()._subparsers._group_actions[0].choices["compare"]  # type: ignore[union-attr]
+    said = next(a.help for a in compare._actions if a.dest == "better")
+    assert all(word in said for word in LOWER_WORDS), said
+
+
 def test_the_best_loss_is_the_lowest_and_its_target_is_reached_from_above(sweep):
     text, _ = compare_runs(sweep[:1], "eval.loss", target=0.3)
     assert "| rounds to eval.loss <= 0.3 | virtual s to it | best (lower) | final |" in text

@@ -212,15 +212,17 @@ def guarded(fn: Callable[[], T]) -> T:
             abort(str(err))
         except SystemExit as err:
             abort(f"SystemExit({err.code!r}) inside the run (sys.exit in user code?): one rank cannot leave while "
-                  "the others wait for it\n" + _traceback(err))
+                  "the others wait for it\n" + _traceback(err),
+                  err.code if isinstance(err.code, int) and 0 < err.code < 256 else 1)
         except KeyboardInterrupt as err:
             abort("interrupted (KeyboardInterrupt)\n" + _traceback(err))
         except BaseException as err:  # noqa: BLE001 - any escape from a rank must end the job
             abort(f"{type(err).__name__}: {err}" + _traceback(err))  # the culprit in one line, then the details
 
 
-def abort(reason: str) -> NoReturn:
-    """Print ``reason`` with rank and host, give the launcher a moment to forward it, abort every rank."""
+def abort(reason: str, code: int = 1) -> NoReturn:
+    """Print ``reason`` with rank and host, give the launcher a moment to forward it, abort every rank with
+    ``code`` as the job's exit status (a ``sys.exit(code)`` inside the run keeps its code; 1 otherwise)."""
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
@@ -229,8 +231,8 @@ def abort(reason: str) -> NoReturn:
     # The launcher kills every rank on Abort, possibly before its proxy has forwarded
     # what we just wrote: give it a moment, so the reason reaches the user.
     time.sleep(ABORT_GRACE_SECONDS)
-    MPI.COMM_WORLD.Abort(1)
-    _REAL_EXIT(1)  # Abort may return before the launcher kills us: never unwind further
+    MPI.COMM_WORLD.Abort(code)
+    _REAL_EXIT(code)  # Abort may return before the launcher kills us: never unwind further
 
 
 def _traceback(err: BaseException) -> str:

@@ -111,10 +111,14 @@ def test_under_accept_failures_a_silent_rank_is_dropped_the_rounds_complete_and_
     ("{kind: exit, clients: [3], rounds: [1], code: 3, via: os, stage: send}", "os._exit(3) called inside the run"),
     ("{kind: raise, ranks: [2], rounds: [2], stage: receive}", "InjectedFault: faults[0]: an injected exception"),
     ("{kind: kill, clients: [1], rounds: [2], stage: send}", "Killed (signal 9)"),
-], ids=["sys.exit(0) in training", "os._exit(3) after a chunk", "a raise before the model", "SIGKILL after a chunk"])
+    ("{kind: exit, clients: [3], rounds: [1], code: 7}", "SystemExit(7) inside the run"),
+], ids=["sys.exit(0) in training", "os._exit(3) after a chunk", "a raise before the model", "SIGKILL after a chunk",
+        "sys.exit(7) in training"])
 def test_any_way_out_asked_for_in_the_faults_section_ends_the_job_with_a_message(tmp_path, fault, message):
     result, seconds = run_with_fault(tmp_path, TRAINING + f"faults: [{fault}]\n")
     assert result.returncode != 0
+    if "SystemExit(7)" in message:  # a sys.exit's own code is the job's: the rank aborts every rank with it
+        assert result.returncode == 7, result.stderr[-3000:]
     assert "rank 2" in result.stderr and message in result.stderr, result.stderr[-3000:]
     assert seconds < 45
 
