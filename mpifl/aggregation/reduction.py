@@ -133,6 +133,7 @@ class StreamedReduction:
         self.watchdog = watchdog
         self.arrived = {rank: [0, 0] for rank in task.by_rank}  # headers and chunks landed from each rank
         self.total_weight: float | None = None  # set once every header is in, before the first finish
+        self.usable: int | None = None  # the usable logical participants, counted then too (grouped streams)
         self.schedule = FoldSchedule(task.by_rank, len(self.chunks), plan.window, task.order)
         summed = task.noise is not None or task.unmask is not None
         if plan.held and not holds_stacks(strategy.stacked, exchange.codec is not None, summed,
@@ -348,7 +349,9 @@ class StreamedReduction:
         partial sum (or the chain's one sum) is one stream of the schedule but holds every usable member of it."""
         if not self.exchange.grouped:
             return step.count
-        return sum(1 for meta in self.stats.metas.values() if meta.error is None)
+        if self.usable is None:  # every header is in by the first finish: counted once a round, not per chunk
+            self.usable = sum(1 for meta in self.stats.metas.values() if meta.error is None)
+        return self.usable
 
     def _finish_held(self, step: Finish) -> None:
         """Finish a chunk whose stack is its receive slots: on the strategy's worker threads while the receives go

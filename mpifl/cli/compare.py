@@ -112,11 +112,14 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                  better: str = "auto", fmt: str = "markdown") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
     """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
     the groups (for a figure)."""
-    given: dict[Path, str] = {}
+    given: dict[Path, str] = {}  # each run directory as the command line first named it
     for d in run_dirs:
-        if (same := given.setdefault(Path(d).resolve(), d)) != d or run_dirs.count(d) > 1:
-            raise SystemExit(f"mpifl compare: {d} is given twice{f' (as {same})' if same != d else ''}: its seed "
+        key = Path(d).resolve()
+        if key in given:
+            first = given[key]
+            raise SystemExit(f"mpifl compare: {d} is given twice{f' (as {first})' if first != d else ''}: its seed "
                              "would count twice in the mean ± std")
+        given[key] = d
     runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
     known = set().union(*(metric_keys(records) for _, records in runs))
     if metric not in known:

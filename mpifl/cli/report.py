@@ -101,6 +101,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         try:
             draw(fig, ax, records)
         except FileNotFoundError as err:  # availability's trace, named in config.yaml as the run was launched
+            if name != "availability.png":
+                raise
             plt.close(fig)
             print(f"mpifl report: skipped {name}: {err.strerror}: {err.filename!r}, which the run's config.yaml "
                   "names relative to the folder it was launched from: run mpifl report there", file=sys.stderr)

@@ -49,7 +49,8 @@ MPI_STARTED = b"m"  # what the rank writes once MPI has started on it
 SUPERVISOR_FD = "MPIFL_SUPERVISOR_FD"  # the rank's end of the pipe to its supervisor
 UNANNOUNCED_EXIT = 1  # the supervisor's status for a rank that left with 0 unannounced
 EVERY_RANK_ALIKE = 2  # mpifl run's status for a problem every rank finds the same way, before MPI (config errors)
-SUPERVISOR_SIGNALS = frozenset({signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM})  # _take_signals
+LEFT_TO_THE_RANK = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # the launcher's group signals: ignored here
+SUPERVISOR_SIGNALS = frozenset({*LEFT_TO_THE_RANK, signal.SIGTERM})  # what _take_signals handles
 
 
 def supervised(body: Callable[[], int]) -> int:
@@ -107,7 +108,7 @@ def mark_mpi_started() -> None:
 
 def _take_signals(child: int) -> None:
     """The supervisor's signal handling: the launcher's group signals are left to the rank, SIGTERM is passed on."""
-    for quiet in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    for quiet in LEFT_TO_THE_RANK:
         signal.signal(quiet, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: _pass_on(child, signum))
 

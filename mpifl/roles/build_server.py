@@ -143,8 +143,12 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                                                                                     stop, notes))
     finally:
         sink.close()
-    reached = history[-1]["round"] if history else 0
-    return RunOutcome(history, interrupted=stop.requested and reached < cfg.rounds)
+    return RunOutcome(history, interrupted=_interrupted(history, cfg.rounds, stop))
+
+
+def _interrupted(history: list[dict], rounds: int, stop: StopRequest) -> bool:
+    """Whether a stop on request (SIGTERM) ended the run before its last round."""
+    return stop.requested and (history[-1]["round"] if history else 0) < rounds
 
 
 def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,
@@ -156,8 +160,7 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
         if run_dir and cfg.output.save_model and done and done[-1]["round"] == cfg.rounds:
             checkpointer.link_final_model(run_dir)
         log_final(done, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
-        reached = done[-1]["round"] if done else 0
-        notes("interrupted" if stop.requested and reached < cfg.rounds else "finished", reached)
+        notes("interrupted" if _interrupted(done, cfg.rounds, stop) else "finished", done[-1]["round"] if done else 0)
 
     return wrap_up
 
