@@ -64,6 +64,9 @@ BATCHED_TOLERANCE = {"cpu": 1e-4, "cuda": 5e-3}
 BATCHED_PER_ROUND = (20, 200, 2000)  # clients a round of the batched throughput rows
 
 
+Launch = Callable[[int, Sequence[str], int], tuple[int, str]]
+
+
 @dataclass
 class Row:
     """One line of the table: what ran, how it came out, and whether that passes (None: skipped)."""
@@ -85,6 +88,9 @@ class Check:
     work: Path
     timeout: int
     done: dict[tuple, Path] = field(default_factory=dict)  # runs already made, by what they ran (run_mpifl)
+    # How an ``mpifl`` command runs on ``ranks`` ranks: (ranks, arguments, timeout) -> (exit status, stderr). None:
+    # a fresh ``mpiexec`` each time, as on a GPU node; the test suite passes its job pool (tests/conftest.py).
+    launch: Launch | None = None
 
     @property
     def device_overrides(self) -> list[str]:
@@ -100,14 +106,24 @@ def run_mpifl(check: Check, name: str, ranks: int, config: Path, *overrides: str
     if key in check.done:
         return check.done[key]
     run_dir = check.work / name
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "profiling"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [mpiexec(check.bin), "-n", str(ranks), str(check.bin / "mpifl"), "run", str(config),
-           "--run-dir", str(run_dir), f"rounds={check.rounds}", "output.progress=false", *overrides]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=check.timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    args = ["run", str(config), "--run-dir", str(run_dir), f"rounds={check.rounds}", "output.progress=false",
+            *overrides]
+    status, stderr = (check.launch or fresh_mpiexec(check))(ranks, args, check.timeout)
+    if status != 0:
+        raise RuntimeError(f"mpiexec -n {ranks} mpifl {' '.join(args)} exited {status}:\n{stderr[-2000:]}")
     check.done[key] = run_dir
     return run_dir
+
+
+def fresh_mpiexec(check: Check) -> Launch:
+    """A launcher that starts ``mpiexec -n ranks mpifl ARGS`` with ``check.bin``'s mpifl, the benchmarks' plug-ins
+    (profiling/cross_device.py) importable."""
+    def launch(ranks: int, args: Sequence[str], timeout: int) -> tuple[int, str]:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "profiling"), os.environ.get("PYTHONPATH", "")]))
+        done = subprocess.run([mpiexec(check.bin), "-n", str(ranks), str(check.bin / "mpifl"), *args], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stderr
+    return launch
 
 
 def mpiexec(bin_dir: Path) -> str:
@@ -334,7 +350,8 @@ def share_site_packages(venv: Path) -> None:
     Path(purelib, "outer-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launch: Launch | None = None) -> int:
+    """The check; ``launch``: how its ``mpifl`` jobs run (``Check.launch``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true",
@@ -368,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
               "and does this node have a GPU? The CPU form: --device cpu", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        check = Check(args.device, devices, 3 if args.quick else 5, args.bin, Path(work), args.timeout)
+        check = Check(args.device, devices, 3 if args.quick else 5, args.bin, Path(work), args.timeout, launch=launch)
         rows: list[Row] = []
 
         def add(step: Callable[..., Row], *args: object) -> None:

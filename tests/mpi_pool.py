@@ -31,6 +31,10 @@ from mpi4py import MPI
 
 from mpifl.cli import main
 
+# The benchmarks' plug-ins (profiling/cross_device.py): the GPU check's CPU form runs its jobs in this pool
+# (tests/test_gpu_check.py), and its own jobs import them through PYTHONPATH (profiling/gpu_check.py).
+sys.path.append(str(Path(__file__).resolve().parent.parent / "profiling"))
+
 JOB_TAG, DONE_TAG = 7101, 7102
 IDLE_SECONDS = 900.0
 LONGEST_PAUSE = 0.05  # seconds between probes once nothing has come for a while (an idle pool: ~1% of a core)

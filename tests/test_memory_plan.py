@@ -1,7 +1,10 @@
 """The memory model's node arithmetic: nodes filled in rank order as the launchers do, and advice that fits."""
 from __future__ import annotations
 
-from conftest import ROOT
+import json
+
+import pytest
+from conftest import ROOT, run_mpi
 
 from mpifl.cli.plan import clients_beside_server, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import load_config
@@ -294,6 +297,26 @@ def test_the_bytes_moved_per_round_count_updates_as_they_travel():
     assert 8 * 0.01 * model / 4 <= topk < 0.03 * model  # an int32 index and an fp32 value per kept value
     bf16 = update_bytes("model.dtype=bfloat16")[0]
     assert update_bytes("clients.groups=2", "model.dtype=bfloat16")[0] == 2 * bf16  # a bf16 model's fp32 group sums
+
+
+@pytest.mark.parametrize("overrides, between_client_ranks", [
+    ((), "nothing"), (("clients.groups=2",), "nothing"),
+    (("clients.groups=2", "transport.reduce=chain"), "one group sum"), (("transport.dispatch_fanout=1",), "one model")])
+def test_the_planned_bytes_through_rank_0_are_what_the_record_measures(tmp_path, overrides, between_client_ranks):
+    """On 2 client ranks: the chain's first hop carries a group's sum from rank 1 to rank 2, and a tree of fanout 1
+    sends the model to rank 1, which forwards it to rank 2; neither passes through rank 0."""
+    from mpifl.cli.plan import estimate, round_traffic
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", list(overrides))
+    size, plan = estimate(cfg, nranks=3, ranks_per_node=3, server_alone=False)
+    moved, through_server = round_traffic(cfg, 2, size.exchanged, plan.update_wire_bytes)
+    hop = {"nothing": 0, "one group sum": plan.update_wire_bytes, "one model": size.exchanged}[between_client_ranks]
+    assert moved - through_server == hop
+    done = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), "rounds=1", "eval.every=0",
+                   "output.progress=false", *overrides, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert through_server == pytest.approx(record["cost"]["bytes_moved"], rel=0.01)  # headers and padding aside
 
 
 def test_plan_suggests_one_group_of_equal_work_per_client_rank_only_where_the_config_can_take_it():

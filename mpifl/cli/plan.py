@@ -33,6 +33,7 @@ from mpifl.planning.memory import (
     state_rule_bytes,
     undo_vectors,
 )
+from mpifl.planning.routes import broadcast_tree
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.planning.world import world_problem
 from mpifl.units import GIB, MIB, format_bytes
@@ -202,19 +203,35 @@ def _print_client_state(cfg: Config, size: ModelBytes, ranks: int) -> None:
               "on a client rank, to put back those of clients dropped past their deadline (counted above)")
 
 
+def round_traffic(cfg: Config, ranks: int, model_bytes: int, update_bytes: int) -> tuple[int, int]:
+    """A round's bytes over every link, and those through the server. The model reaches each training rank once
+    (from the server, or from its parent in the broadcast tree of ``transport.dispatch_fanout``), and each update
+    or reduction group's sum travels once (to the server, or along the chain of ``transport.reduce: chain``, of
+    which only the last hop's sum reaches the server). Only a client group's leader talks to rank 0
+    (``clients.ranks_per_client``), and only ranks with a client this round train (as many as there are clients,
+    at most: the placement may put two on one rank)."""
+    per_round = cfg.clients_per_round()
+    leaders = min(max(1, ranks // cfg.clients.ranks_per_client), per_round)  # a rank with no client gets no model
+    streams = min(cfg.clients.groups, per_round) if cfg.clients.groups else per_round
+    fanout = cfg.transport.dispatch_fanout
+    copies_sent = len(broadcast_tree(range(leaders + 1), fanout)[0][1]) if fanout else leaders
+    streams_received = 1 if cfg.transport.reduce == "chain" else streams
+    return (model_bytes * leaders + update_bytes * streams,
+            model_bytes * copies_sent + update_bytes * streams_received)
+
+
 def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
     cfg = load_config(args.config, args.overrides)
     ranks = client_ranks(cfg, args)
     gpus = gpus_per_node(args.gpus_per_node)
     size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus)
-    back = plan.update_wire_bytes * (cfg.clients.groups or cfg.clients_per_round())  # the updates, or group sums
-    per_client = cfg.clients.ranks_per_client
-    rounds_bytes = size.exchanged * max(1, ranks // per_client) + back  # only a group's leader talks to rank 0
+    moved, through_server = round_traffic(cfg, ranks, size.exchanged, plan.update_wire_bytes)
     local = f" ({format_bytes(size.local)} of it model.local, kept per client)" if size.local else ""
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
           f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}{local}; {ranks} client ranks, "
-          f"{cfg.clients_per_round()} clients per round, ~{format_bytes(rounds_bytes)} moved per round")
+          f"{cfg.clients_per_round()} clients per round, ~{format_bytes(moved)} moved per round "
+          f"(~{format_bytes(through_server)} through rank 0, what a record's cost.bytes_moved counts)")
     where = ("HDF5 windows, write staging and receive pool (out of core)" if cfg.server.state == "disk"
              else "model + pool + state")
     held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"
