@@ -38,6 +38,8 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
               "exit": ("code", "via")}
 
 
+# kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round
+DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose strike ends the job: each strikes once per run directory
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpifl.logs import log
+from mpifl.planning.faults import DELAYS_THE_RANK
 from mpifl.units import MIB
 
 if TYPE_CHECKING:
@@ -73,7 +74,9 @@ def strike_line(strike: Strike) -> str:
 def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta]) -> list[dict]:
     """Each strike of the round with what came of it: ``dropped`` (with the client's error), ``folded`` (its
     update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), or, asynchronously,
-    ``held`` (trained now, sent in a later step)."""
+    ``held`` (trained now, sent in a later step). A stall or a slowdown delays its whole rank: the rank's other
+    logical clients dropped this round are listed with it (``rank_clients_dropped``), since their own drop reason
+    can only say what the server saw, a rank past its deadline."""
     out = []
     for strike in strikes:
         meta = metas.get(strike.client)
@@ -81,15 +84,24 @@ def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int,
             outcome = {"outcome": "dropped", "reason": meta.error} if meta.error is not None else {"outcome": "folded"}
         else:
             outcome = {"outcome": "held" if plan.hold else "not received"}
-        out.append({**strike.describe(), **outcome})
+        entry = {**strike.describe(), **outcome}
+        if strike.fault.kind in DELAYS_THE_RANK:
+            others = [c for c in sorted(plan.train.get(strike.rank, ()))
+                      if c != strike.client and c in metas and metas[c].error is not None]
+            if others:
+                entry["rank_clients_dropped"] = others
+        out.append(entry)
     return out
 
 
 def fault_line(entry: dict) -> str:
     """One recorded strike (``fault_entries``) as a tracker's note."""
     why = f" ({entry['reason']})" if entry.get("reason") else ""
+    others = entry.get("rank_clients_dropped")
+    also = (f"; the rank's logical client{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} then "
+            "dropped past the deadline" if others else "")
     return (f"faults[{entry['fault']}] {entry['kind']!r} on logical client {entry['client']} (rank {entry['rank']}): "
-            f"{entry['outcome']}{why}")
+            f"{entry['outcome']}{why}{also}")
 
 
 # What a client rank reports of its cost with each update (roles.costs.UpdateCosts), summed per rank.

@@ -11,9 +11,13 @@ from conftest import MPI_TIMEOUT, run_mpi, same_model, stopped_and_resumed, writ
 from reference import one_thread, reference_run
 
 from mpifl.config import ConfigError, config_warnings, load_config
+from mpifl.config.sections import FaultConfig
 from mpifl.planning.faults import FaultPlan, Strike, drawn
+from mpifl.planning.federation import RoundAssignment
 from mpifl.roles.faults import flip_bits
+from mpifl.roles.records import fault_entries, fault_line
 from mpifl.storage.hdf5 import load_tensors
+from mpifl.wire.protocol import UpdateMeta
 
 BASE = """
 seed: 4
@@ -155,6 +159,23 @@ def test_corrupted_scaled_slowed_and_stalled_updates_are_folded_as_recorded_the_
     assert any(k == "slowdown" for k, _, _ in kinds[1]) and ("stall", 4, "folded") in kinds[1]
     assert all(outcome == "folded" for round_ in kinds for _, _, outcome in round_)
     assert all(not r["dropped"] for r in records(three))  # nothing checks for a scaled or corrupted value
+
+
+def test_a_stall_lists_the_clients_its_rank_then_lost_to_the_deadline_beside_its_own_outcome():
+    """Rank 2 trains clients 1 and 3: a stall at client 1's send lets its update arrive, and client 3 misses the
+    straggler deadline; a `raise` on client 5 (rank 3) drops only itself, so it lists nobody."""
+    stall = FaultConfig(kind="stall", clients=[1], seconds=8.0, stage="send")
+    failure = FaultConfig(kind="raise", clients=[5], stage="train")
+    plan = RoundAssignment(round=2, participants=(1, 3, 5, 7), train={2: [1, 3], 3: [5, 7]},
+                           streams={2: [1, 3], 3: [5, 7]})
+    late = "rank 2 was still training after 3.0 s, past the straggler deadline of 3 s (timeouts.straggler)"
+    metas = {1: UpdateMeta(1, 10, 0.1), 3: UpdateMeta(3, 0, 0.0, error=late),
+             5: UpdateMeta(5, 0, 0.0, error="InjectedFault"), 7: UpdateMeta(7, 0, 0.0, error=late)}
+    entries = fault_entries([Strike(0, stall, 2, 1, 2), Strike(1, failure, 2, 5, 3)], plan, metas)
+    assert entries[0]["outcome"] == "folded" and entries[0]["rank_clients_dropped"] == [3]
+    assert entries[1]["outcome"] == "dropped" and "rank_clients_dropped" not in entries[1]
+    assert fault_line(entries[0]) == ("faults[0] 'stall' on logical client 1 (rank 2): folded; the rank's logical "
+                                      "client 3 then dropped past the deadline")
 
 
 def test_a_run_with_faults_stopped_and_resumed_on_other_ranks_strikes_the_same_clients_and_ends_bitwise(tmp_path):
