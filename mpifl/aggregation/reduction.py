@@ -75,6 +75,7 @@ class ReductionStats:
     groups: dict[int, protocol.GroupMeta] = field(default_factory=dict)  # clients.groups: each group's header
     first_arrival: float | None = None  # perf_counter when the first update meta landed
     aggregate_seconds: float = 0.0
+    nonfinite: int = 0  # NaN/Inf values in the finished global model (each update was checked on its client)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ class StreamedReduction:
             raise ValueError("held stacks need a stacking strategy, uncompressed updates, no noise or masks, "
                              "and one participant per rank")
         # the participants' chunks stay in their slots and the network reads them there (no stacking copy)
-        self.held = HeldStacks(lambda j: self.state.commit(self.chunks[j]), self._post_chunk) if plan.held else None
+        self.targets: dict[int, torch.Tensor] = {}  # each finished chunk's new value, checked as it is committed
+        self.held = HeldStacks(self._commit, self._post_chunk) if plan.held else None
         pool.ensure(plan.slots_per_rank * len(task.by_rank), 0 if self.held is not None else plan.window)
         self.pool = pool
         self.free_slots = list(range(len(pool.slots)))
@@ -340,9 +342,16 @@ class StreamedReduction:
             self.task.unmask(acc, self.exchange.first_elements[step.chunk], self.stats.metas)
         if self.task.noise is not None:  # DP-FedAvg: the round's noise added to a chunk's sum
             self.task.noise(acc, self.exchange.first_elements[step.chunk])
-        self.strategy.finish(acc, self._participants(step), total, self.state.finish_target(chunk),
-                             self.state.server_state(chunk), chunk)
-        self.state.commit(chunk)
+        target = self.targets[step.chunk] = self.state.finish_target(chunk)
+        self.strategy.finish(acc, self._participants(step), total, target, self.state.server_state(chunk), chunk)
+        self._commit(step.chunk)
+
+    def _commit(self, j: int) -> None:
+        """Commit finished chunk ``j``, counting the NaN/Inf values of its new value first: every update was checked
+        on its client, so any here came after the check (a corrupted link, a strategy's overflow), and a round that
+        made them must not be published."""
+        self.stats.nonfinite += count_nonfinite(self.targets.pop(j))
+        self.state.commit(self.chunks[j])
 
     def _participants(self, step: Finish) -> int:
         """The ``count`` a summed chunk's ``finish`` is told: its usable logical participants. A reduction group's
@@ -362,6 +371,7 @@ class StreamedReduction:
         chunk = self.chunks[step.chunk]
         rows = [self._received(step.chunk, slot) for slot in self.held.slots(step.chunk)]
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
+        self.targets[step.chunk] = target
         jobs = self.strategy.start_finish(rows, step.count, total, target, state)
         if jobs is None:
             self.strategy.finish(rows, step.count, total, target, state, chunk)
@@ -380,6 +390,15 @@ class StreamedReduction:
             self.acc_of[j] = self._accumulator(j).zero_()
             self._finish(Finish(j, 0))
         return self.stats
+
+
+def count_nonfinite(values: torch.Tensor, block: int = 1 << 20) -> int:
+    """The NaN and Inf values in ``values`` (0 for an integer tensor), read ``block`` elements at a time so the check
+    allocates a bounded mask, not one the size of the chunk."""
+    if not values.is_floating_point():
+        return 0
+    flat = values.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + block])).sum()) for i in range(0, flat.numel(), block))
 
 
 def rank_stage(streams: Sequence[int], landed: Sequence[int], per_stream: int, labels: Mapping[int, str],

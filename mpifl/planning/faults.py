@@ -40,13 +40,16 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
 
 # kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round
 DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
-ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose strike ends the job: each strikes once per run directory
+ENDS_THE_JOB = frozenset({"kill", "exit"})
+# kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
+CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})  # kinds whose strike ends the job: each strikes once per run directory
 
 
 class FaultPlan:
-    """The run's faults, asked round by round. ``spent``: (fault index, round) of each kill or exit that ended an
-    earlier attempt of this run (the run directory's ``faults-struck``): a resume that redid the round would be
-    ended again, for ever, so each strikes once, as a node fails once."""
+    """The run's faults, asked round by round. ``spent``: (fault index, round) of each strike that ended an earlier
+    attempt of this run (the run directory's ``faults-struck``: a kill, an exit, or a corruption that made the
+    global model non-finite): a resume that redid the round would be ended again, for ever, so each strikes once,
+    as a node fails once."""
 
     def __init__(self, cfg: Config, spent: frozenset[tuple[int, int]] = frozenset()):
         self.faults, self.seed, self.rounds, self.spent = cfg.faults, cfg.seed, cfg.rounds, spent
@@ -54,11 +57,12 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
-    def strikes(self, round_: int, client: int, rank: int) -> list[Strike]:
-        """The faults that strike ``client``, trained on ``rank`` in ``round_``, in the list's order."""
+    def strikes(self, round_: int, client: int, rank: int, spent: bool = False) -> list[Strike]:
+        """The faults that strike ``client``, trained on ``rank`` in ``round_``, in the list's order (``spent``:
+        instead those that would, but ended an earlier attempt of the run)."""
         return [Strike(i, fault, round_, client, rank) for i, fault in enumerate(self.faults)
                 if fault.strikes_in(round_, self.rounds) and self._targets(i, fault, round_, client, rank)
-                and not (fault.kind in ENDS_THE_JOB and (i, round_) in self.spent)]
+                and ((i, round_) in self.spent) == spent]
 
     def _targets(self, index: int, fault: FaultConfig, round_: int, client: int, rank: int) -> bool:
         if fault.clients:

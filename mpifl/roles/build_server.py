@@ -38,7 +38,7 @@ from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
-from mpifl.storage.rundir import RankNotes, ResumePoint, faults_struck, read_metrics
+from mpifl.storage.rundir import RankNotes, ResumePoint, faults_struck, note_fault_struck, read_metrics
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB
@@ -137,7 +137,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
                             stragglers=straggler_rule(cfg), dropped=dropped,
                             floor=floor, lends_state=cfg.lends_client_state,
-                            faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None)
+                            faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
+                            spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round))
         history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
                          cfg.clients.min_participants).run(start, history, _wrap_up(cfg, run_dir, checkpointer,
                                                                                     stop, notes))

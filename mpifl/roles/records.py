@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from mpifl.logs import log
 from mpifl.planning.faults import DELAYS_THE_RANK
+from mpifl.storage.rundir import FAULTS_STRUCK
 from mpifl.units import MIB
 
 if TYPE_CHECKING:
@@ -59,25 +60,31 @@ def dropped_entries(plan: RoundAssignment, metas: dict[int, UpdateMeta],
     return [{"client": c, "rank": rank, "reason": why} for c, (rank, why) in sorted(reasons.items())]
 
 
-def round_strikes(faults: FaultPlan, plan: RoundAssignment) -> list[Strike]:
-    """The faults that strike this round's training clients (config ``faults:``), by client, then list order."""
+def round_strikes(faults: FaultPlan, plan: RoundAssignment, spent: bool = False) -> list[Strike]:
+    """The faults that strike this round's training clients (config ``faults:``), by client, then list order
+    (``spent``: those that ended an earlier attempt of the run in this round instead, and strike no more)."""
     return sorted((s for rank, clients in plan.train.items() for client in clients
-                   for s in faults.strikes(plan.round, client, rank)), key=lambda s: (s.client, s.index))
+                   for s in faults.strikes(plan.round, client, rank, spent)), key=lambda s: (s.client, s.index))
 
 
-def strike_line(strike: Strike) -> str:
-    """The server's log line for one strike, at the start of its round."""
-    return (f"round {strike.round}: faults[{strike.index}] ({strike.fault.kind!r} at stage {strike.fault.stage!r}) "
-            f"strikes logical client {strike.client} (rank {strike.rank})")
+def strike_line(strike: Strike, spent: bool = False) -> str:
+    """The server's log line for one strike, at the start of its round (``spent``: it ended an earlier attempt)."""
+    what = f"round {strike.round}: faults[{strike.index}] ({strike.fault.kind!r} at stage {strike.fault.stage!r})"
+    if spent:
+        return (f"{what} ended an earlier attempt of this run in this round ({FAULTS_STRUCK}/{strike.index}-r"
+                f"{strike.round}): it strikes once, so not logical client {strike.client} (rank {strike.rank}) now")
+    return f"{what} strikes logical client {strike.client} (rank {strike.rank})"
 
 
-def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta]) -> list[dict]:
+def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta],
+                  spent: Sequence[Strike] = ()) -> list[dict]:
     """Each strike of the round with what came of it: ``dropped`` (with the client's error), ``folded`` (its
     update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), or, asynchronously,
     ``held`` (trained now, sent in a later step). A stall or a slowdown delays its whole rank: the rank's other
     logical clients dropped this round are listed with it (``rank_clients_dropped``), since their own drop reason
-    can only say what the server saw, a rank past its deadline."""
-    out = []
+    can only say what the server saw, a rank past its deadline. ``spent``: the strikes that ended an earlier
+    attempt of the run in this round, recorded as such (they strike once)."""
+    out = [{**strike.describe(), "outcome": "ended an earlier attempt"} for strike in spent]
     for strike in strikes:
         meta = metas.get(strike.client)
         if meta is not None:

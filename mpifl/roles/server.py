@@ -6,6 +6,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -26,7 +27,7 @@ from mpifl.config import TransportConfig
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.metrics import CostMeter, JsonLines, current_rss_bytes, peak_rss_bytes
-from mpifl.planning.faults import FaultPlan
+from mpifl.planning.faults import CHANGES_PAST_THE_CHECK, FaultPlan, Strike
 from mpifl.planning.federation import RoundAssignment, Sampler, state_home, state_loans
 from mpifl.planning.pools import PoolLayout, PoolShape, holds_stacks, pool_layout
 from mpifl.planning.routes import RoundRoutes
@@ -97,6 +98,8 @@ class ServerParts:
     dropped: DroppedClients = field(default_factory=DroppedClients)
     floor: FloorRate | None = None  # transport.floor_probe_mb: the raw-MPI floor's rates, for each record's 'exchange'
     faults: FaultPlan | None = None  # the config's faults: each round's strikes, recorded with what came of them
+    # records, before the job ends, a strike that ended it (the run directory's faults-struck): a resume goes past it
+    spend_fault: Callable[[Strike], None] = lambda strike: None
 
 
 class Server:
@@ -169,6 +172,9 @@ class Server:
         parts, start = self.parts, time.perf_counter()
         plan = self._without_busy(parts.sampler.plan(round_))
         strikes = round_strikes(parts.faults, plan) if parts.faults else []
+        spent = round_strikes(parts.faults, plan, spent=True) if parts.faults and parts.faults.spent else []
+        for strike in spent:
+            log(strike_line(strike, spent=True), rank=0)
         for strike in strikes:
             log(strike_line(strike), rank=0)
         parts.strategy.begin_round(round_, len(plan.participants))
@@ -179,6 +185,8 @@ class Server:
         self._dispatch(plan, routes, watchdog)
         dispatched = time.perf_counter()
         stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last))
+        if stats.nonfinite:
+            self._poisoned(round_, strikes, stats.nonfinite)
         reduced = time.perf_counter()
         evaluation = parts.evaluation(round_)
         evaluated = time.perf_counter()
@@ -190,8 +198,8 @@ class Server:
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
         record["cost_to_date"] = cost_to_date(self.history[-1].get("cost_to_date") if self.history else None,
                                               record["cost"])
-        if strikes:
-            record["faults"] = fault_entries(strikes, plan, stats.metas)
+        if strikes or spent:
+            record["faults"] = fault_entries(strikes, plan, stats.metas, spent)
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
         if parts.secagg:
@@ -346,6 +354,22 @@ class Server:
         saved = self.parts.checkpointer.round_aborted(round_, self.history, model_intact)
         where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
         raise JobFailure(f"{stalled}{where}; continue with --resume once the cause is fixed") from None
+
+    def _poisoned(self, round_: int, strikes: list[Strike], nonfinite: int) -> NoReturn:
+        """The round's new global model holds NaN/Inf values although every update passed its client's check: it is
+        not published, and the job ends keeping the last model on disk, naming the strikes that change an update
+        past that check (``corrupt``). Those are recorded as spent, so a resume goes past them as past a kill."""
+        saved = self.parts.checkpointer.round_aborted(round_, self.history, model_intact=False)
+        suspects = [s for s in strikes if s.fault.kind in CHANGES_PAST_THE_CHECK]
+        for strike in suspects:
+            self.parts.spend_fault(strike)
+        why = ("; ".join(f"faults[{s.index}] ({s.fault.kind!r}) struck logical client {s.client} (rank {s.rank})"
+                         for s in suspects) + " this round, and a resume goes past it") if suspects else \
+            "a value changed after the check (a corrupted link or memory), or the strategy's server step overflowed"
+        kept = f"the newest model on disk is {saved}" if saved else "no checkpoint is on disk: a resume starts over"
+        raise JobFailure(f"round {round_}: the new global model has {nonfinite:,} NaN/Inf value"
+                         f"{'s' if nonfinite != 1 else ''}, though every update passed its client's NaN/Inf check: "
+                         f"{why}. The round is not applied; {kept}; continue with --resume") from None
 
     def _rank_of(self, plan: RoundAssignment, client: int) -> int:
         """The rank whose update of ``client`` this round's plan reduces: the one that trained it this round, else

@@ -197,12 +197,13 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
     os.replace(tmp, metrics)
 
 
-FAULTS_STRUCK = "faults-struck"  # <run dir>/faults-struck/<index>-r<round>: each kill or exit fault that struck
+FAULTS_STRUCK = "faults-struck"  # <run dir>/faults-struck/<index>-r<round>: each strike that ended an attempt
 
 
 def note_fault_struck(run_dir: Path | None, index: int, round_: int) -> None:
-    """Record, durably and before it acts, that ``faults[index]`` (a kill or an exit) strikes in ``round_``: a
-    resume of this run then goes past it (mpifl.planning.faults.FaultPlan's ``spent``)."""
+    """Record, durably and before it ends the job, that ``faults[index]`` (a kill, an exit, or a corruption that
+    made the global model non-finite) strikes in ``round_``: a resume of this run then goes past it
+    (mpifl.planning.faults.FaultPlan's ``spent``)."""
     if run_dir is None:
         return
     folder = run_dir / FAULTS_STRUCK
@@ -216,7 +217,7 @@ def note_fault_struck(run_dir: Path | None, index: int, round_: int) -> None:
 
 
 def faults_struck(run_dir: Path | None) -> frozenset[tuple[int, int]]:
-    """(fault index, round) of every kill or exit fault that struck an earlier attempt of the run."""
+    """(fault index, round) of every strike that ended an earlier attempt of the run (``note_fault_struck``)."""
     folder = run_dir / FAULTS_STRUCK if run_dir is not None else None
     if folder is None or not folder.is_dir():
         return frozenset()

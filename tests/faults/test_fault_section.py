@@ -10,6 +10,7 @@ import yaml
 from conftest import MPI_TIMEOUT, run_mpi, same_model, stopped_and_resumed, write_config
 from reference import one_thread, reference_run
 
+from mpifl.aggregation.reduction import count_nonfinite
 from mpifl.config import ConfigError, config_warnings, load_config
 from mpifl.config.sections import FaultConfig
 from mpifl.planning.faults import FaultPlan, Strike, drawn
@@ -178,6 +179,50 @@ def test_a_stall_lists_the_clients_its_rank_then_lost_to_the_deadline_beside_its
                                       "client 3 then dropped past the deadline")
 
 
+POISONING = """
+seed: 0
+rounds: 3
+clients: {num_clients: 8, fraction: 0.5}
+data: {dataset: digits, partition: dirichlet, alpha: 1.0}
+model: {name: mlp, kwargs: {hidden: [128, 64]}}
+train: {optimizer: sgd, lr: 0.1, momentum: 0.9, local_epochs: 2, batch_size: 32}
+eval: {every: 0}
+output: {progress: false}
+checkpoint: {every: 1}
+faults:
+  - {kind: corrupt, clients: [3], bits: 64, rounds: [2]}
+"""
+
+
+def test_a_corruption_that_makes_the_global_model_non_finite_is_never_saved_and_strikes_once(tmp_path):
+    """The 64 flipped bits of client 3's update in round 2 put an Inf into the new global model: every update
+    passed its client's check, so the server's check of the finished model is what stops it. A resume on other
+    ranks goes past the strike, as past a kill, and ends bitwise as the run without it."""
+    cfg, run = write_config(tmp_path / "poison.yaml", POISONING), tmp_path / "poisoned"
+    first = run_mpi(3, "run", str(cfg), "--run-dir", str(run), fresh=True)
+    assert first.returncode != 0
+    assert ("round 2: the new global model has 1 NaN/Inf value, though every update passed its client's NaN/Inf "
+            "check: faults[0] ('corrupt') struck logical client 3 (rank 2) this round") in first.stderr, \
+        first.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-r000001.h5"]
+    assert (run / "faults-struck" / "0-r2").exists()
+    resumed = run_mpi(4, "run", str(cfg), "--run-dir", str(run), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "faults[0] ('corrupt' at stage 'train') ended an earlier attempt of this run in this round" in resumed.stderr
+    assert records(run)[1]["faults"] == [{"fault": 0, "kind": "corrupt", "stage": "train", "client": 3, "rank": 1,
+                                          "bits": 64, "outcome": "ended an earlier attempt"}]
+    clean = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "clean"))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert same_model(run / "model.h5", tmp_path / "clean" / "model.h5")
+
+
+def test_the_nonfinite_count_reads_a_chunk_in_blocks_and_skips_integers():
+    values = torch.zeros(10)
+    values[[1, 4, 9]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    assert count_nonfinite(values, block=3) == 3 and count_nonfinite(values.to(torch.bfloat16), block=4) == 3
+    assert count_nonfinite(torch.arange(5)) == 0
+
+
 def test_a_run_with_faults_stopped_and_resumed_on_other_ranks_strikes_the_same_clients_and_ends_bitwise(tmp_path):
     cfg, whole, _ = faults_run(tmp_path, "whole", DROPPING, 3)
     rest = stopped_and_resumed(tmp_path, cfg, resume_ranks=4)
@@ -201,7 +246,11 @@ def test_a_kill_strikes_once_so_a_resume_goes_past_it_and_ends_bitwise_as_a_run_
     resumed = run_mpi(4, "run", str(cfg), "--run-dir", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [1, 2, 3, 4] and not any(r.get("faults") for r in records)
+    assert [r["round"] for r in records] == [1, 2, 3, 4]
+    spent = [f for r in records for f in r.get("faults", [])]  # redone round 3 says why nobody is killed now
+    assert spent and all(f["fault"] == 0 and f["outcome"] == "ended an earlier attempt" for f in spent)
+    assert [r["round"] for r in records if r.get("faults")] == [3]
+    assert "faults[0] ('kill' at stage 'train') ended an earlier attempt of this run in this round" in resumed.stderr
     reference = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert same_model(run / "model.h5", tmp_path / "reference" / "model.h5")
