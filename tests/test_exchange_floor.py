@@ -60,3 +60,18 @@ def test_a_ranks_later_clients_train_in_client_train_not_in_return():
     # training reported longer than the wait (clocks of different ranks): never more than the wait itself
     late = RoundTimes(0.0, 1.0, 1.1, 1.45, 1.5, 1.5, 1.5, 0.05, training=9.0).split()
     assert late["client_train"] == pytest.approx(0.4) and late["return"] == pytest.approx(0.0)
+
+
+def test_the_wait_for_a_rank_dropped_past_its_deadline_is_neither_training_nor_the_wire():
+    """Rank 1 delivers after 0.2 s of training; rank 2 stalls and is dropped at the 5 s deadline, after which the
+    last chunks land and fold by 5.1 s. The 4.8 s spent waiting for rank 2 was booked as `return` before."""
+    from mpifl.roles.records import RoundTimes
+
+    times = RoundTimes(start=0.0, dispatched=0.0, first_update=0.2, reduced=5.1, evaluated=5.1, checkpointed=5.1,
+                       end=5.1, aggregate=0.05, training=0.2, last_drop=5.0)
+    split = times.split()
+    assert split["client_train"] == pytest.approx(0.2) and split["dropped_wait"] == pytest.approx(4.8)
+    assert split["return"] == pytest.approx(0.05)
+    assert sum(v for k, v in split.items() if k != "round") == pytest.approx(split["round"])
+    # nobody dropped: no wait for the dropped, and the wire keeps the rest
+    assert RoundTimes(0.0, 0.0, 0.2, 5.1, 5.1, 5.1, 5.1, 0.05, training=0.2).split()["dropped_wait"] == 0.0

@@ -76,6 +76,7 @@ class ReductionStats:
     first_arrival: float | None = None  # perf_counter when the first update meta landed
     aggregate_seconds: float = 0.0
     nonfinite: int = 0  # NaN/Inf values in the finished global model (each update was checked on its client)
+    last_drop: float | None = None  # perf_counter when the last rank was dropped past a deadline this round
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,7 @@ class StreamedReduction:
         sizes = [self.wire[j].nbytes for _ in streams for j in range(len(self.chunks))]
         dropping.owe(OwedStream(rank, self.task.round, tuple(sorted(c for cs in members.values() for c in cs)),
                                 len(streams) - raced_metas, deque(sizes[raced_chunks:])))
+        self.stats.last_drop = time.perf_counter()
         return True
 
     def _perform(self) -> None:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-SPLIT = ("dispatch", "client_train", "return", "aggregate", "eval", "checkpoint", "other")
+SPLIT = ("dispatch", "client_train", "dropped_wait", "return", "aggregate", "eval", "checkpoint", "other")
 
 
 def pyplot() -> ModuleType:
@@ -195,10 +195,11 @@ def _time_split(fig: Figure, ax: Axes, records: list[dict]) -> None:
     rounds, parts = [r["round"] for r in records], time_parts(records)
     totals = [sum(column) for column in zip(*(values for _, values in parts))] or [0.0] * len(records)
     bottom, share_bottom = [0.0] * len(records), [0.0] * len(records)
-    for i, (part, values) in enumerate(parts):
+    for part, values in parts:
         share = [v / t if t else 0.0 for v, t in zip(values, totals)]
-        seconds.bar(rounds, values, bottom=bottom, label=part, color=f"C{i}")
-        shares.bar(rounds, share, bottom=share_bottom, color=f"C{i}")
+        colour = f"C{SPLIT.index(part)}"  # a part keeps its colour whichever others a run shows
+        seconds.bar(rounds, values, bottom=bottom, label=part, color=colour)
+        shares.bar(rounds, share, bottom=share_bottom, color=colour)
         bottom = [b + v for b, v in zip(bottom, values)]
         share_bottom = [b + s for b, s in zip(share_bottom, share)]
     top = time_axis_limit(totals)

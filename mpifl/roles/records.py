@@ -30,17 +30,23 @@ class RoundTimes:
     end: float
     aggregate: float  # seconds spent folding/finishing, inside [first_update, reduced]
     training: float = 0.0  # the longest any rank trained this round (its clients one after another)
+    last_drop: float | None = None  # when the last rank was dropped past a deadline (None: nobody was)
 
     def split(self) -> dict[str, float]:
         """Disjoint parts that add up to the round: no part is counted twice. ``client_train`` is the longest any
-        rank trained (at least until the first update landed), not only until the first update: a rank's later
-        clients train while its earlier ones' updates stream back, and that is training, not the wire."""
+        rank that delivered trained (at least until the first update landed), not only until the first update: a
+        rank's later clients train while its earlier ones' updates stream back, and that is training, not the
+        wire. ``dropped_wait`` is the wait beyond that for ranks then dropped past a deadline (still training,
+        stalled or silent): neither training that counted nor the wire."""
         waited = self.reduced - self.dispatched - self.aggregate  # for updates: training, then the wire
         train = min(waited, max(self.first_update - self.dispatched, self.training))
+        dropped = 0.0 if self.last_drop is None else min(waited - train,
+                                                          max(0.0, self.last_drop - self.dispatched - train))
         return {
             "dispatch": self.dispatched - self.start,
             "client_train": train,
-            "return": waited - train,
+            "dropped_wait": dropped,
+            "return": waited - train - dropped,
             "aggregate": self.aggregate,
             "eval": self.evaluated - self.reduced,
             "checkpoint": self.checkpointed - self.evaluated,

@@ -193,7 +193,7 @@ class Server:
         work = self._work_by_rank(plan, stats.metas)
         trained = max((w["train_seconds"] for w in work.values()), default=0.0)
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
-                           evaluated, stats.aggregate_seconds, trained)
+                           evaluated, stats.aggregate_seconds, trained, stats.last_drop)
         record = self._record(plan, routes, stats.metas, evaluation, times, work)
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
         record["cost_to_date"] = cost_to_date(self.history[-1].get("cost_to_date") if self.history else None,
