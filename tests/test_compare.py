@@ -99,6 +99,13 @@ def test_a_run_given_twice_is_refused_since_its_seed_would_count_twice(sweep):
         compare_runs([sweep[0], sweep[0] + "/"])
 
 
+def test_two_runs_of_one_config_and_seed_are_a_repeat_not_two_seeds(sweep, tmp_path):
+    again = write_run(tmp_path / "again", "fedavg", 0)  # the sweep's seed=0 fedavg run, made a second time
+    with pytest.raises(SystemExit, match=r"seed=0,strategy.name=fedavg and .*again have the same config and seed 0: "
+                                         r"a repeat of one run, not another seed"):
+        compare_runs([*sweep, str(again)], "eval.loss")
+
+
 def test_a_run_without_rounds_is_named_and_left_out_of_the_means(sweep, tmp_path):
     failed = write_run(tmp_path / "seed=3,strategy.name=fedavg", "fedavg", 3, rounds=0)  # failed before round 1
     text, groups = compare_runs([*sweep, str(failed)], "eval.loss")

@@ -84,6 +84,17 @@ def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutco
     return list(zip(labels, keyed.values()))
 
 
+def repeated_seed(members: Sequence[RunOutcome]) -> tuple[RunOutcome, RunOutcome] | None:
+    """The first two runs of a seed group (``seed_groups``) with the same seed, or None."""
+    seen: dict[Any, RunOutcome] = {}
+    for o in members:
+        seed = o.config.get("seed")
+        if seed in seen:
+            return seen[seed], o
+        seen[seed] = o
+    return None
+
+
 def mean_std(values: Sequence[float], digits: int = 4) -> str:
     """'mean ± std' (the sample standard deviation), or the value alone for one run."""
     if not values:
@@ -148,6 +159,12 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         text += (f"\n\n{', '.join(empty)}: no round recorded {metric} (`mpifl status` says how far a run got); "
                  "left out of the groups below and of the figure")
     groups = seed_groups([o for o in outcomes if o.curve])
+    for _, members in groups:
+        repeat = repeated_seed(members)
+        if repeat:
+            raise SystemExit(f"mpifl compare: {repeat[0].run_dir} and {repeat[1].run_dir} have the same config and "
+                             f"seed {repeat[0].config.get('seed')}: a repeat of one run, not another seed, so the "
+                             "mean ± std would count it twice; give one of them")
     if any(len(members) > 1 for _, members in groups):
         group_rows = []
         for label, members in groups:
