@@ -307,10 +307,30 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
                      "scheduler's signal before its time limit), as the rounds on disk show; continue with --resume")
         return False, lines
     unfinished = {r: n for r, n in sorted(notes.items()) if n["state"] != "finished"}
-    lines.append("not complete: " + (f"ranks {sorted(unfinished)} did not finish; " + _first_quiet(unfinished)
-                                     if unfinished else "every rank finished, but not every round is on disk")
-                 + "; continue with --resume")
+    struck = struck_lines(run_dir, config or {}, reached)
+    cause = f"ranks {sorted(unfinished)} did not finish; " if unfinished else ""
+    if struck:
+        cause += "; ".join(struck)
+    elif unfinished:
+        cause += _first_quiet(unfinished)
+    else:
+        cause = "every rank finished, but not every round is on disk"
+    lines.append(f"not complete: {cause}; continue with --resume")
     return False, lines
+
+
+def struck_lines(run_dir: Path, config: dict, reached: int) -> list[str]:
+    """The config's faults that ended an attempt after round ``reached`` (``faults-struck``), each as what ended it:
+    the launcher's own message names only a PID, and the rank notes of a killed rank say nothing."""
+    faults = config.get("faults") or []
+    out = []
+    for index, round_ in sorted(faults_struck(run_dir)):
+        if round_ <= reached:
+            continue  # an earlier attempt's, which a resume went past
+        kind = faults[index].get("kind", "?") if index < len(faults) and isinstance(faults[index], dict) else "?"
+        out.append(f"faults[{index}] ({kind!r}, asked for in config.yaml) ended the job in round {round_} "
+                   f"({FAULTS_STRUCK}/{index}-r{round_}); a resume goes past it")
+    return out
 
 
 def _first_quiet(unfinished: dict[int, dict]) -> str:

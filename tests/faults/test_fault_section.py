@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import MPI_TIMEOUT, run_mpi, same_model, stopped_and_resumed, write_config
+from conftest import MPI_TIMEOUT, mpifl_here, run_mpi, same_model, stopped_and_resumed, write_config
 from reference import one_thread, reference_run
 
 from mpifl.aggregation.reduction import count_nonfinite
@@ -243,6 +243,9 @@ def test_a_kill_strikes_once_so_a_resume_goes_past_it_and_ends_bitwise_as_a_run_
     run = tmp_path / "run"
     assert run_mpi(3, "run", str(cfg), "--run-dir", str(run)).returncode != 0
     assert sorted(p.name for p in (run / "faults-struck").iterdir()) == ["0-r3"]
+    status = mpifl_here("status", str(run))  # the launcher's message names only a PID
+    assert status.returncode == 1 and ("faults[0] ('kill', asked for in config.yaml) ended the job in round 3 "
+                                       "(faults-struck/0-r3); a resume goes past it") in status.stdout, status.stdout
     resumed = run_mpi(4, "run", str(cfg), "--run-dir", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
