@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import killed_and_resumed, run_mpi, write_config
 from results import assert_bitwise, final_model, relative_l2
 
@@ -90,6 +91,17 @@ def test_the_sharded_record_reports_the_groups_cost_and_the_client_metrics(runs)
     record = json.loads((runs["sharded, two groups"] / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["client_group"]["train"] > 0 and record["client_peak_rss_bytes"] > 0
     assert record["cost"]["cpu_seconds"] > 0 and np.isfinite(record["train_loss"])
+
+
+def test_every_rank_of_a_client_group_notes_the_rounds_it_serves_for_mpifl_status(runs):
+    """A group's members learn the round from their leader's orders: before, they stayed 'started' in round 0
+    however far the run got, and `mpifl status` misreported a killed sharded run."""
+    from mpifl.storage.rundir import read_rank_notes
+
+    rounds = yaml.safe_load((runs["sharded, two groups"] / "config.yaml").read_text())["rounds"]
+    for name in ("sharded, two groups", "replicated"):
+        notes = read_rank_notes(runs[name])
+        assert {r: (n["state"], n["round"]) for r, n in notes.items()} == {r: ("finished", rounds) for r in range(5)}
 
 
 def test_tied_embeddings_shard_and_start_from_the_unsharded_initialisation(tmp_path):

@@ -169,7 +169,7 @@ def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappin
     state = algorithm.member(work, cfg) if algorithm is not None else None
     personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
         if cfg.train.ditto_lambda else None
-    member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal)
+    member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal, notes)
     _reuse_freed_memory(cfg)
     member.run()
     notes("finished")

@@ -95,6 +95,12 @@ class ClientRank:
         self._serve_until_stop()
         self.progress.close()
 
+    def _note_round(self, round_: int) -> None:
+        """Note the round in the run directory (mpifl status); a group's members note it from each order."""
+        self.parts.note("round", round_)
+        if self.parts.training.group is not None:
+            self.parts.training.group.round = round_
+
     def _serve_until_stop(self) -> None:
         """The round loop: each header says train, hold, publish residuals, or stop."""
         while True:
@@ -113,7 +119,7 @@ class ClientRank:
                 continue
             if not isinstance(header, protocol.RoundOrder):
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r}, a header this rank cannot serve")
-            self.parts.note("round", header.round)
+            self._note_round(header.round)
             self.progress.start_round(header.round)
             self.updates.begin_round(header.clip, header.cohort)
             self.training.participants = header.participants

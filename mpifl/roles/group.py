@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -74,6 +74,7 @@ class GroupLeader:
 
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, timeout_s: float):
         self.comm, self.parallel, self.work, self.timeout_s = comm, parallel, work, timeout_s
+        self.round = 0  # the round the leader serves (set by its client rank), named in each order
 
     def dispatch(self, client: int, seed: int, steps: int | None,
                  shared: torch.Tensor | None = None) -> dict[str, float]:
@@ -99,7 +100,7 @@ class GroupLeader:
         address = None
         if not self.parallel.ready:
             store, address = rendezvous_store(None, self.parallel.size, self.timeout_s)
-        order = dataclasses.replace(order, address=address)
+        order = dataclasses.replace(order, address=address, round=self.round)
         for member in range(1, self.comm.Get_size()):
             send_object(self.comm, order, member, protocol.GROUP)
         if address is not None:
@@ -123,11 +124,13 @@ class GroupMemberFailure(RuntimeError):
 class GroupMember:
     """A group's other rank: train each logical client the leader orders, on this rank's share of its batches."""
 
-    def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,
+    def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, trainer: Trainer,  # noqa: PLR0913 - each from serve_as_member
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], timeout_s: float,
-                 state: GroupHalf | None = None, personal: GroupPersonalModels | None = None):
+                 state: GroupHalf | None = None, personal: GroupPersonalModels | None = None,
+                 note: Callable[[str, int], None] = lambda state, round_: None):
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
         self.local_data, self.timeout_s, self.state, self.personal = local_data, timeout_s, state, personal
+        self.note, self.noted = note, 0  # this rank's notes in the run directory: the round it last trained in
 
     def run(self) -> None:
         """Follow the leader's orders until it says stop."""
@@ -138,6 +141,9 @@ class GroupMember:
             if order.stop:
                 self.parallel.close()
                 return
+            if order.round != self.noted:
+                self.note("round", order.round)
+                self.noted = order.round
             try:
                 if order.personal:
                     self.train_personal(order)

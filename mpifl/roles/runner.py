@@ -175,7 +175,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             del dataset  # like its leader, a member keeps only its group's clients' samples
             if sharded:
                 serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False, run_dir=run_dir,
-                              resume=resume)
+                              resume=resume, note=notes)
                 notes("finished")
             else:
                 assert flat is not None  # built above for every rank but a sharded one and the out-of-core server
@@ -191,7 +191,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         if sharded:
             assert group is not None  # the config checks: sharding needs clients.ranks_per_client > 1
             serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None, run_dir=run_dir,
-                          resume=resume)
+                          resume=resume, note=notes)
             notes("finished")
             return None
         assert flat is not None  # only rank 0's out-of-core server and sharded ranks build no model here

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,18 +87,20 @@ class GroupStep:
     steps: int | None = None  # the client's own local steps (fedcompass), else the config's
     personal: int = 0  # the seed of the client's personal-model training (train.ditto_lambda)
     dropped: tuple[int, ...] = ()  # SETTLE: the server's note of clients dropped past their deadline
-    round: int = -1  # PERSIST
+    round: int = -1  # PERSIST, and MODEL: the round served (the members note it in the run directory)
     folder: str = ""  # PERSIST
 
 
 class ShardedLeader:
     """The group's first rank: serves the server's rounds as a client rank does, for the whole group."""
 
-    def __init__(self, comm: MPI.Comm, group: ShardedGroup, trainer: Trainer,
+    def __init__(self, comm: MPI.Comm, group: ShardedGroup, trainer: Trainer,  # noqa: PLR0913 - keyword-only, each from serve_sharded
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, seed: int,
-                 accept_failures: bool, parallel: ShardedParallel, state: ShardedState | None):
+                 accept_failures: bool, parallel: ShardedParallel, state: ShardedState | None,
+                 note: Callable[[str, int], None] = lambda state, round_: None):
         self.comm, self.group, self.trainer, self.local_data = comm, group, trainer, local_data
         self.seed, self.accept_failures, self.parallel, self.state = seed, accept_failures, parallel, state
+        self.note = note  # this rank's notes in the run directory (mpifl status)
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.progress = ProgressReporter(comm)
         self.progress.attach(group.model.module)
@@ -133,6 +135,7 @@ class ShardedLeader:
             if type(header) is not protocol.RoundOrder:  # config checks refuse what would send anything else
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r}, which a sharded client group "
                                    "cannot serve")
+            self.note("round", header.round)
             self.progress.start_round(header.round)
             if header.clients:
                 self.serve_round(header)
@@ -150,7 +153,7 @@ class ShardedLeader:
 
     def serve_round(self, header: protocol.RoundOrder) -> None:
         """Take the global model with the group, then train and send each logical client in id order."""
-        self.order(GroupStep(MODEL))
+        self.order(GroupStep(MODEL, round=header.round))
         self.group.take_model(receive_ring(self.comm, protocol.round_tag(protocol.MODEL, header.round), self.group))
         steps = dict(zip(header.clients, header.steps))
         own = self.trainer.cfg.local_steps if isinstance(self.trainer, ConfiguredTrainer) else None
@@ -183,9 +186,9 @@ class ShardedMember:
 
     def __init__(self, group: ShardedGroup, trainer: Trainer,
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, accept_failures: bool,
-                 state: ShardedState | None):
+                 state: ShardedState | None, note: Callable[[str, int], None] = lambda state, round_: None):
         self.group, self.trainer, self.local_data = group, trainer, local_data
-        self.accept_failures, self.state = accept_failures, state
+        self.accept_failures, self.state, self.note = accept_failures, state, note
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.meter = CostMeter()
 
@@ -202,6 +205,7 @@ class ShardedMember:
             elif step.kind == INIT:
                 drain(self.group.gathered_chunks(values=True))
             elif step.kind == MODEL:
+                self.note("round", step.round)
                 self.group.take_model(None)
             else:
                 train_client(self.group, self.trainer, self.local_data, step, round_=-1, rank=self.rank,
@@ -267,7 +271,8 @@ def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, 
 
 def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - keyword-only, each from the runner
                   plan: ExchangeLayout, local: Mapping[int, tuple[ClientData | None, ClientData | None]], *,
-                  upload_initial: bool, run_dir: Path | None, resume: ResumePoint | None) -> None:
+                  upload_initial: bool, run_dir: Path | None, resume: ResumePoint | None,
+                  note: Callable[[str, int], None] = lambda state, round_: None) -> None:
     """Every rank of a sharded group (the leader with the ``federation``): join the group's process group, build
     this rank's shard of the model and its rows of the clients' state, then serve the rounds (the leader) or follow
     the leader (the others)."""
@@ -312,14 +317,16 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
     compressor = UpdateCompressor(plan, cfg.seed, whole=False) if plan.codec is not None and rank == 0 else None
     group = ShardedGroup(group_comm, model, plan, compressor)
     if federation is None:
-        ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state).run()
+        ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state,
+                      note=note).run()
     else:
         if federation.Get_rank() == 1:
             log(f"client groups of {size} ranks shard each client's model with FSDP over "
                 f"{parallel.backend}: this rank holds {format_bytes(model.held_bytes)} of the "
                 f"{format_bytes(spec.total_bytes)} exchanged (built in {parallel.setup_seconds:.1f} s)", rank=1)
         leader = ShardedLeader(federation, group, trainer, local, seed=cfg.seed,
-                               accept_failures=cfg.clients.accept_failures, parallel=parallel, state=state)
+                               accept_failures=cfg.clients.accept_failures, parallel=parallel, state=state,
+                               note=note)
         if federation.Get_rank() == 1 and upload_initial and cfg.server.state == "disk":
             leader.upload_initial()
         leader.run()

@@ -228,3 +228,4 @@ class TrainOrder:
     address: tuple[str, int] | None = None  # the first order: where the group's rendezvous store listens
     stop: bool = False
     personal: bool = False  # Ditto: train the client's personal model (sent with the global one), not the global
+    round: int = 0  # the round it trains for, which the members note in the run directory (mpifl status)
