@@ -508,6 +508,12 @@ def _check_text_data(cfg: Config) -> None:
 NOISY_EVALUATIONS_WARNED = 20  # data.feature_noise: more clients than this make each held-out evaluation 20x or more
 
 
+# At or below this learning rate, full fine-tuning of a bf16/fp16 global model is warned about (config_warnings):
+# AdamW moves a weight by about lr a step, and a few steps a round at 2e-5 fall under half a bf16 step of a
+# typical weight (0.02 x 2^-9 = 3.9e-5).
+NARROW_GLOBAL_LR = 1e-4
+
+
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = []
@@ -530,6 +536,13 @@ def config_warnings(cfg: Config) -> list[str]:
                      f"size lr (Capabilities.sgd_steps: SCAFFOLD's control variates (x - y) / (K lr), FedNova's "
                      f"normaliser); with {cfg.train.optimizer!r} a step is not lr times a gradient, so its rule is "
                      "scaled wrongly: set train.optimizer='sgd' (momentum is fine)")
+    narrow = cfg.model.dtype in ("bfloat16", "float16")
+    if narrow and cfg.train.trainer != "none" and not cfg.model.lora.r and cfg.train.lr <= NARROW_GLOBAL_LR:
+        found.append(f"model.dtype: the global model is rounded to {cfg.model.dtype} after every round (8 significant "
+                     f"bits for bfloat16), so a weight that a round moves by less than half its step (about 2^-9 of it) "
+                     f"keeps its old value; at train.lr={cfg.train.lr:g}, most may not move (a tiny Llama at 2e-05: "
+                     "72% of its elements unchanged by a round, 11% in float32; profiling/bf16_rounding.py). Keep "
+                     "model.dtype='float32' for full fine-tuning at such rates, or train LoRA adapters (fp32)")
     if cfg.transport.chunk_bytes < 64 * 1024:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
