@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, run_mpi, same_model, stopped_and_resumed, write_config
 
-from mpifl.clock.queue import QueueAvailability, read_swf
+from mpifl.clock.queue import QueueAvailability, online_stretches, read_swf
+from mpifl.clock.schedule import SyncClock
 
 
 def model(checkpoint: bool = False, num_clients: int = 6) -> QueueAvailability:
@@ -55,12 +56,90 @@ def test_a_standard_workload_format_trace_deals_its_jobs_to_the_clients_in_submi
     trace = tmp_path / "t.swf"
     trace.write_text(SWF)
     runs = read_swf(str(trace), num_clients=2)
-    # job 3 has no known wait: skipped; jobs 1, 4 to client 0 and 2, 5 to client 1 (5 waits for 2 to end)
+    # job 3 has no known wait: skipped; jobs 1, 4 to client 0 and 2, 5 to client 1, each at its own submit + wait
     assert runs == {0: [(100.0, 1100.0, False), (2030.0, 2630.0, False)],
-                    1: [(60.0, 460.0, True), (460.0, 760.0, True)]}
+                    1: [(60.0, 460.0, True), (40.0, 340.0, True)]}
     trace.write_text(SWF + "6 50 0\n")
     with pytest.raises(ValueError, match=r"t.swf' line 8: a Standard Workload Format line has 18 fields"):
         read_swf(str(trace), 2)
+
+
+# Two clients whose jobs overlap: each job starts at its submit time plus its wait, as the trace says.
+# job  submit  wait   run  req  status -> client: [start, end)  cut short
+#  1      0    100   1000 1000    1    -> 0: [100, 1100)
+#  2     10     50    400 1000    5    -> 1: [60, 460)          preempted
+#  3    200    300   1500 1500    1    -> 0: [500, 2000)        overlaps 1 and outlasts it
+#  4    300      0    500 1000    5    -> 1: [300, 800)         preempted, overlaps 2 and outlasts it
+#  5    400    800    300 1000    5    -> 0: [1200, 1500)       preempted inside 3: takes client 0 offline at no point
+#  6    500    300    200  200    1    -> 1: [800, 1000)        starts as 4 ends: one stretch, ended at 6's run time
+#  7    600   2400   1000 1000    1    -> 0: [3000, 4000)
+#  8    700   1300    100 1000    0    -> 1: [2000, 2100)       failed short of its time: preempted
+OVERLAP = "".join(f"{job} {submit} {wait} {run} 1 -1 -1 1 {req} -1 {status} 1 1 -1 1 1 -1 -1\n" for
+                  job, submit, wait, run, req, status in [(1, 0, 100, 1000, 1000, 1), (2, 10, 50, 400, 1000, 5),
+                                                          (3, 200, 300, 1500, 1500, 1), (4, 300, 0, 500, 1000, 5),
+                                                          (5, 400, 800, 300, 1000, 5), (6, 500, 300, 200, 200, 1),
+                                                          (7, 600, 2400, 1000, 1000, 1), (8, 700, 1300, 100, 1000, 0)])
+
+
+def overlapping(tmp_path, checkpoint: bool = False) -> QueueAvailability:
+    trace = tmp_path / "overlap.swf"
+    trace.write_text(OVERLAP)
+    return QueueAvailability(2, 0, wait_median=0.0, wait_sigma=0.0, walltime=1.0, preemption_rate=0.0,
+                             checkpoint=checkpoint, trace=str(trace))
+
+
+def test_a_client_s_overlapping_trace_jobs_run_at_the_trace_s_own_times_and_it_is_online_while_any_runs(tmp_path):
+    queue = overlapping(tmp_path)
+    assert read_swf(str(tmp_path / "overlap.swf"), 2) == {
+        0: [(100.0, 1100.0, False), (500.0, 2000.0, False), (1200.0, 1500.0, True), (3000.0, 4000.0, False)],
+        1: [(60.0, 460.0, True), (300.0, 800.0, True), (800.0, 1000.0, False), (2000.0, 2100.0, True)]}
+    # online: the union; a stretch ends by a preemption only where the job that ends it was preempted
+    assert queue.runs(0, 5000.0) == [(100.0, 2000.0, False), (3000.0, 4000.0, False)]
+    assert queue.runs(1, 5000.0) == [(60.0, 1000.0, False), (2000.0, 2100.0, True)]
+    assert [queue.is_online(0, t) for t in (99.0, 100.0, 1100.0, 1499.0, 1500.0, 1999.0, 2000.0, 3000.0)] == [
+        False, True, True, True, True, True, False, True]
+    assert [queue.is_online(1, t) for t in (59.0, 460.0, 799.0, 800.0, 999.0, 1000.0, 2050.0)] == [
+        False, True, True, True, True, False, True]
+    assert queue.next_change(1000.0) == 2000.0 and queue.next_start(0, 2000.0) == 3000.0
+    assert online_stretches([(0.0, 10.0, True), (5.0, 10.0, False)]) == [(0.0, 10.0, False)]  # a tie: not a cut
+
+
+def test_a_task_in_overlapping_jobs_runs_to_the_last_one_s_end_which_says_whether_a_preemption_lost_it(tmp_path):
+    queue = overlapping(tmp_path)
+    assert queue.finish(0, 1000.0, 500.0).at == 1500.0  # past job 1's end: job 3 still runs
+    across = queue.finish(0, 1400.0, 1000.0)  # job 5's preemption at 1500 cuts nothing; job 3's run time ends it
+    assert (across.at, across.lost_at, across.preempted) == (None, 2000.0, False)
+    met = queue.finish(1, 700.0, 500.0)  # job 4 hands over to job 6, whose run time ends at 1000
+    assert (met.at, met.lost_at, met.preempted) == (None, 1000.0, False)
+    cut = queue.finish(1, 2050.0, 100.0)
+    assert (cut.at, cut.lost_at, cut.preempted) == (None, 2100.0, True)
+    carried = overlapping(tmp_path, checkpoint=True).finish(0, 1900.0, 300.0)
+    assert (carried.at, carried.continued) == (3200.0, True)
+
+
+def test_a_round_records_a_task_a_preemption_lost_apart_from_one_its_job_s_normal_end_lost(tmp_path):
+    clock = SyncClock(0, per_round=2, availability=overlapping(tmp_path), duration=lambda c: 2000.0,
+                      deadline=None, over_selection=0.0)
+    # round 1 starts when client 1 comes online (60) and its task is lost at its stretch's normal end (1000);
+    # round 2 has client 0, lost at job 3's run time (2000); round 3 client 1, lost to job 8's failure (2100)
+    rounds = [clock.round(r).record() for r in (1, 2, 3)]
+    assert [(r["stragglers"], r["preempted"], r["job_ended"]) for r in rounds] == [
+        ([1], [], [1]), ([0], [], [0]), ([1], [1], [])]
+    assert [r["virtual_time"] for r in rounds] == [1000.0, 2000.0, 2100.0]
+    assert [r["wasted_seconds"] for r in rounds] == [940.0, 1000.0, 100.0]
+
+
+def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggler_not_a_lost_task(tmp_path):
+    tasks = iter([300.0, 300.0, 1000.0])  # the durations in the order the clock asks: rounds 1, 2 (clients 0, 1)
+    clock = SyncClock(0, per_round=1, availability=overlapping(tmp_path), duration=lambda c: next(tasks),
+                      deadline=None, over_selection=1.0)
+    assert clock.round(1).kept == (1,)  # 60 to 360: client 1 alone online
+    # round 2 starts at 360 with both online: client 0 arrives at 660 and closes it; client 1's task would have been
+    # lost at 1000, its stretch's end, but the round no longer waited for it
+    record = clock.round(2).record()
+    assert (record["virtual_time"], record["stragglers"], record["job_ended"], record["preempted"]) == (
+        660.0, [1], [], [])
+    assert record["wasted_seconds"] == 300.0
 
 
 RUN = """
@@ -94,9 +173,10 @@ def test_batch_jobs_preempt_tasks_in_every_clock_mode_bitwise_on_any_ranks_and_t
         assert result.returncode == 0, result.stderr[-3000:]
     two = records(tmp_path / "two")
     assert same_model(tmp_path / "two" / "model.h5", tmp_path / "three" / "model.h5")
-    assert [r["preempted"] for r in two] == [r["preempted"] for r in records(tmp_path / "three")]
+    lost = [(r["preempted"], r["job_ended"]) for r in two]
+    assert lost == [(r["preempted"], r["job_ended"]) for r in records(tmp_path / "three")]
     assert any(r["preempted"] for r in two)  # jobs ended under some tasks: they are never trained or folded
-    assert all(not set(r["preempted"]) & set(r["participants"]) for r in two if "stragglers" in r)
+    assert all(not set(r["preempted"] + r["job_ended"]) & set(r["participants"]) for r in two if "stragglers" in r)
     stopped_and_resumed(tmp_path, cfg, resume_ranks=3)
     assert same_model(tmp_path / "split" / "model.h5", tmp_path / "two" / "model.h5")
     report = run_mpi(1, "report", str(tmp_path / "two"))
@@ -111,6 +191,15 @@ def test_the_shipped_example_runs_on_its_shipped_trace_and_checkpoints_carry_tas
                       "clock.preemption_checkpoint=true", "--run-dir", str(tmp_path / "carried"))
     assert carried.returncode == 0, carried.stderr[-3000:]
     lost, kept = records(tmp_path / "lost"), records(tmp_path / "carried")
-    assert sum(len(r["preempted"]) for r in lost) > sum(len(r["preempted"]) for r in kept)
+    assert sum(len(r["preempted"] + r["job_ended"]) for r in lost) > sum(len(r["preempted"] + r["job_ended"])
+                                                                         for r in kept)
     assert any(r["continued"] for r in kept) and not any(r["continued"] for r in lost)
     assert np.isfinite(lost[-1]["eval"]["accuracy"])
+    # each lost task is named by what ended its client's stretch in the trace: a preemption, or a job's run time
+    queue = QueueAvailability(12, 0, wait_median=0.0, wait_sigma=0.0, walltime=1.0, preemption_rate=0.0,
+                              checkpoint=False, trace=str(ROOT / "configs" / "traces" / "hpc_queue.swf"))
+    for r in lost:
+        start = r["virtual_time"] - r["virtual_round_seconds"]
+        for field, preempted in (("preempted", True), ("job_ended", False)):
+            assert all(cut == preempted for c in r[field] for a, b, cut in queue.runs(c, start + 1) if a <= start < b)
+    assert any(r["job_ended"] for r in lost)

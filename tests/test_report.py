@@ -85,6 +85,34 @@ def test_virtual_time_runs_get_accuracy_against_virtual_time_staleness_and_parti
     assert "| run | fedavg | fedbuff | 3 | 7.5 | 0.8000 | 0.8000 |" in compare_runs([str(run_dir)], target=0.6)[0]
 
 
+def test_participation_counts_an_update_as_applied_only_if_its_client_was_not_dropped():
+    from mpifl.cli.report import participation_counts
+
+    failed = [{"client": 1, "rank": 1, "reason": "raised ValueError"}]
+    records = [
+        # client 1 took part and was dropped in both rounds: it applied nothing
+        {"round": 1, "participants": [0, 1, 2], "dropped": failed, "stragglers": [3], "preempted": [],
+         "job_ended": []},
+        # sync: the tasks its jobs lost (4 to a preemption, 0 to its job's run time) are among the stragglers
+        {"round": 2, "participants": [1, 2], "dropped": failed, "stragglers": [0, 3, 4], "preempted": [4],
+         "job_ended": [0]},
+        # an asynchronous step: its arrivals, and the tasks lost since the last step (no stragglers)
+        {"round": 3, "participants": [2, 5], "preempted": [], "job_ended": [6]},
+    ]
+    assert participation_counts(records) == {"applied": {0: 1, 2: 3, 5: 1}, "dropped": {1: 2}, "stragglers": {3: 2},
+                                             "preempted": {4: 1}, "job_ended": {0: 1, 6: 1}}
+
+
+def test_the_availability_plot_circles_each_lost_task_at_the_end_of_the_stretch_that_lost_it():
+    from mpifl.cli.report import lost_tasks
+
+    runs = {0: [(0.0, 100.0, False), (300.0, 400.0, True)], 1: [(50.0, 250.0, True)]}
+    records = [{"virtual_time": 120.0, "virtual_round_seconds": 40.0, "preempted": [], "job_ended": [0]},
+               {"virtual_time": 260.0, "virtual_round_seconds": 140.0, "preempted": [1], "job_ended": []},
+               {"virtual_time": 450.0, "preempted": [0], "job_ended": []}]  # a step: the last stretch ended by then
+    assert lost_tasks(records, runs.get) == [(100.0, 0), (250.0, 1), (400.0, 0)]
+
+
 def _records(totals_first: float = 3.0, rounds: int = 15, rss=None) -> list[dict]:
     """A synthetic run: round 1 ``totals_first`` seconds, later rounds about 0.05 s; RSS from ``rss(round)``."""
     out = []

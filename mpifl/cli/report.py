@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -318,7 +318,7 @@ AVAILABILITY_SAMPLES = 600  # instants across the run at which each client's ava
 def _availability(fig: Figure, ax: Axes, records: list[dict], run_dir: Path) -> None:
     """Who was online when (clock.availability), rebuilt from the run's own config and seed: one row per client
     (the first 40), shaded where the client could be sampled, with each round's (or step's) end marked; with batch
-    jobs, a cross where a job was preempted."""
+    jobs, a cross where a preemption took a client offline, and a circle where the record says a task was lost."""
     from mpifl.clock.availability import availability_for
     from mpifl.clock.queue import QueueAvailability
     from mpifl.config import load_config
@@ -338,15 +338,38 @@ def _availability(fig: Figure, ax: Axes, records: list[dict], run_dir: Path) -> 
         if "virtual_time" in r:
             ax.axvline(r["virtual_time"], color="tab:gray", linewidth=0.4, alpha=0.6)
     if isinstance(model, QueueAvailability):
-        cuts = [(b, c) for c in range(shown) for _, b, cut in model.runs(c, end) if cut and b <= end]
+        runs = {c: model.runs(c, end) for c in range(shown)}
+        cuts = [(b, c) for c, stretches in runs.items() for _, b, cut in stretches if cut and b <= end]
         if cuts:
             ax.plot(*zip(*cuts), linestyle="none", marker="x", color="tab:red", label="job preempted")
-            ax.legend(loc="upper right", fontsize="small")
+        lost = lost_tasks(records, runs.get)
+        if lost:
+            ax.plot(*zip(*lost), linestyle="none", marker="o", markersize=9, markerfacecolor="none",
+                    color="black", label="task lost (the record's preempted or job_ended)")
+        if cuts or lost:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize="small", frameon=False)
     ax.set_xlabel("virtual time (s); grey lines: round (or step) ends")
     ax.set_ylabel("logical client")
     what = {"queue": "batch jobs running", "diurnal": "diurnal windows", "trace": "trace intervals"}
     ax.set_title(f"Clients online ({what.get(cfg.clock.availability, cfg.clock.availability)}): "
                  f"{shown} of {cfg.clients.num_clients}")
+
+
+def lost_tasks(records: list[dict], runs_of: Callable[[int], list[tuple[float, float, bool]] | None]
+               ) -> list[tuple[float, int]]:
+    """(virtual time, client) of every task a record lists as lost (``preempted``, ``job_ended``), at the end of the
+    client's online stretch that lost it: in a round, the one its task started in (at the round's start); in an
+    asynchronous step, the last to end by the step. ``runs_of``: a client's stretches (None: not drawn)."""
+    out = []
+    for r in records:
+        t = r["virtual_time"]
+        start = t - r["virtual_round_seconds"] if "virtual_round_seconds" in r else None
+        for c in (*r.get("preempted", ()), *r.get("job_ended", ())):
+            runs = runs_of(c) or []
+            ends = [b for a, b, _ in runs if (a <= start < b if start is not None else b <= t)]
+            if ends:
+                out.append((ends[-1], c))
+    return out
 
 
 def _virtual_time(fig: Figure, ax: Axes, records: list[dict]) -> None:
@@ -363,23 +386,47 @@ def _virtual_time(fig: Figure, ax: Axes, records: list[dict]) -> None:
     ax.legend()
 
 
-def _participation(fig: Figure, ax: Axes, records: list[dict]) -> None:
-    counts: dict[int, int] = {}
-    dropped: dict[int, int] = {}
+# (record outcome, label, colour), stacked in this order
+PARTICIPATION = (("applied", "updates applied", "tab:blue"), ("dropped", "dropped (failed, or its rank late)",
+                                                              "tab:purple"),
+                 ("stragglers", "stragglers (past the deadline\nor over-selected)", "tab:orange"),
+                 ("preempted", "task lost to a preemption", "tab:red"),
+                 ("job_ended", "task lost at its job's end\n(walltime or run time)", "tab:gray"))
+
+
+def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
+    """Rounds per client by outcome (``PARTICIPATION``'s keys): an update is applied only if its client took part
+    and was not dropped; a straggler whose task its job lost is counted under that cause, not twice (an
+    asynchronous step lists its lost tasks, and no stragglers)."""
+    counts: dict[str, dict[int, int]] = {key: {} for key, _, _ in PARTICIPATION}
     for r in records:
-        for c in r.get("participants", []):
-            counts[c] = counts.get(c, 0) + 1
-        for c in r.get("stragglers", []):
-            dropped[c] = dropped.get(c, 0) + 1
-    clients = sorted(set(counts) | set(dropped))
-    ax.bar(clients, [counts.get(c, 0) for c in clients], label="updates applied")
-    if dropped:
-        ax.bar(clients, [dropped.get(c, 0) for c in clients], bottom=[counts.get(c, 0) for c in clients],
-               label="dropped as stragglers")
+        dropped = {d["client"] for d in r.get("dropped", [])}
+        lost = set(r.get("preempted", [])) | set(r.get("job_ended", []))
+        outcomes = {"applied": [c for c in r.get("participants", []) if c not in dropped], "dropped": sorted(dropped),
+                    "stragglers": [c for c in r.get("stragglers", []) if c not in lost],
+                    "preempted": r.get("preempted", []), "job_ended": r.get("job_ended", [])}
+        for key, clients in outcomes.items():
+            for c in clients:
+                counts[key][c] = counts[key].get(c, 0) + 1
+    return counts
+
+
+def _participation(fig: Figure, ax: Axes, records: list[dict]) -> None:
+    """Each client's rounds, stacked by outcome: applied updates first, then why the others were not."""
+    counts = participation_counts(records)
+    clients = sorted({c for per_client in counts.values() for c in per_client})
+    bottom = np.zeros(len(clients))
+    for key, label, colour in PARTICIPATION:
+        heights = np.array([counts[key].get(c, 0) for c in clients])
+        if key == "applied" or heights.any():
+            ax.bar(clients, heights, bottom=bottom, label=label, color=colour)
+            bottom += heights
     ax.set_xlabel("logical client")
-    ax.set_ylabel("rounds")
+    if len(clients) <= AVAILABILITY_CLIENTS:
+        ax.set_xticks(clients)
+    ax.set_ylabel("rounds (asynchronous: tasks)")
     ax.set_title("Participation per client")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
 
 def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:

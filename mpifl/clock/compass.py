@@ -16,13 +16,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from mpifl.clock.availability import Online
 from mpifl.clock.queue import QueueAvailability
-from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, sample_online
+from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, lost_by_cause, sample_online
 from mpifl.planning.seeds import CLOCK
 
 StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds
@@ -50,7 +50,7 @@ class _Compass:
         self.events: list[tuple[float, int, int]] = []
         self.version, self.plan = 0, AsyncPlan()
         self.jobs = availability if isinstance(availability, QueueAvailability) else None  # batch jobs, if any
-        self.lost: list[int] = []  # clients whose task a job's end lost since the last step
+        self.lost: list[tuple[int, bool]] = []  # (client, by a preemption) whose task a job's end lost since then
 
     def steps_in(self, group: _Group, client: int, t: float) -> int:
         """The local steps that bring ``client``, sent at ``t``, in with ``group`` (capped at max_steps)."""
@@ -73,7 +73,7 @@ class _Compass:
             gid = -(len(self.groups) - 1)
             heapq.heappush(self.events, (self.groups[-1].latest, 1, len(self.groups) - 1))
         end = self.availability.finish(client, t, self.duration(client, q))
-        d = _Dispatch(client, self.version, t, end.ended, local_steps=q, group=-gid)
+        d = _Dispatch(client, self.version, t, end.ended, local_steps=q, group=-gid, preempted=end.preempted)
         self.dispatches.append(d)
         if end.at is None:  # its job ends first: the task is lost, and the group does not wait for it
             heapq.heappush(self.events, (end.ended, 2, len(self.dispatches) - 1))
@@ -91,8 +91,9 @@ class _Compass:
             d.step = self.version
             arrivals.append(Arrival(d.client, d.version, d.time, d.arrival, self.version - 1 - d.version,
                                     d.local_steps))
+        preempted, job_ended = lost_by_cause(self.lost)
         self.plan.steps.append(AsyncStep(self.version, t, tuple(arrivals), (), int(self.availability.online(t).sum()),
-                                         preempted=tuple(self.lost) if self.jobs is not None else None))
+                                         preempted=preempted if self.jobs is not None else None, job_ended=job_ended))
         self.lost = []
         if self.version < self.steps:
             for i in order:
@@ -127,7 +128,7 @@ class _Compass:
             self.assign(index, t)
             return
         client = self.dispatches[index].client
-        self.lost.append(client)
+        self.lost.append((client, self.dispatches[index].preempted))
         self._wait_for_next_job(client, t)
 
     def _wait_for_next_job(self, client: int, t: float) -> None:
@@ -142,8 +143,8 @@ class _Compass:
         for d in self.dispatches:
             if d.step is not None:
                 trains.setdefault(d.version + 1, []).append((d.client, d.local_steps))
-        self.plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(c for c, _ in sorted(trains.get(s.step, ()))),
-                                     s.online, tuple(q for _, q in sorted(trains.get(s.step, ()))), s.preempted)
+        self.plan.steps = [replace(s, train=tuple(c for c, _ in sorted(trains.get(s.step, ()))),
+                                   train_steps=tuple(q for _, q in sorted(trains.get(s.step, ()))))
                            for s in self.plan.steps]
         return self.plan
 

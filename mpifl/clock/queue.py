@@ -9,11 +9,16 @@ preempted, and is resubmitted. So each client's online time is a sequence of job
   and the job's number;
 - or from a trace in the Standard Workload Format of the Parallel Workloads Archive (``clock.queue_trace``;
   Feitelson et al., https://www.cs.huji.ac.il/labs/parallel/workload/swf.html): job i, in the order of submission,
-  runs for client i mod N, from its submit time plus its wait to that plus its run time.
+  runs for client i mod N, from its submit time plus its wait to that plus its run time, as the trace has it. The
+  trace's own start times are honoured: a client whose jobs overlap is online while any of them runs (the union),
+  never with a job delayed until the one before it ends, which would stretch the trace's queue waits.
 
-A task (a client's training and transfers) that its job's end cuts short is lost, its work wasted, unless
-``clock.preemption_checkpoint`` is set: then it carries on in the client's next job (``finish``). Everything is
-a function of the config and the seed, so schedules, and results, are bitwise and resumable like every clock mode.
+A task (a client's training and transfers) that the end of its client's online stretch cuts short is lost, its
+work wasted, unless ``clock.preemption_checkpoint`` is set: then it carries on in the client's next job
+(``finish``). ``Finish.preempted`` says why a task was lost: a preemption (drawn, or a trace's job stopped short),
+or the job's normal end (its walltime, or a trace's run time), so that a record never calls the second a
+preemption. Everything is a function of the config and the seed, so schedules, and results, are bitwise and
+resumable like every clock mode.
 """
 from __future__ import annotations
 
@@ -31,22 +36,25 @@ QUEUE = 2  # sub-key of CLOCK: client c's job draws (QUEUE, c)
 
 @dataclass
 class Jobs:
-    """One client's job runs, ``starts[i]`` to ``ends[i]``, ascending and disjoint, extended on demand."""
+    """One client's online stretches, ``starts[i]`` to ``ends[i]``, ascending and disjoint, extended on demand: the
+    model's job runs, or the union of a trace's overlapping jobs (``online_stretches``)."""
 
     starts: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)
-    preempted: list[bool] = field(default_factory=list)
+    preempted: list[bool] = field(default_factory=list)  # whether a preemption ended the stretch
     finished: bool = False  # a trace's: no job after the last
 
 
 @dataclass(frozen=True)
 class Finish:
-    """How a task started at some time ends: ``at`` its arrival (None: lost when its job ended, at ``lost_at``);
-    ``continued``: it ran on in a later job (``clock.preemption_checkpoint``)."""
+    """How a task started at some time ends: ``at`` its arrival (None: lost when its job ended, at ``lost_at``;
+    ``preempted``: by a preemption, else by the job's walltime or run time); ``continued``: it ran on in a later
+    job (``clock.preemption_checkpoint``)."""
 
     at: float | None
     lost_at: float | None = None
     continued: bool = False
+    preempted: bool = False
 
     @property
     def ended(self) -> float:
@@ -69,7 +77,7 @@ class QueueAvailability:
         if trace is not None:
             for client, runs in read_swf(trace, num_clients).items():
                 jobs = self.jobs[client]
-                for start, end, cut in runs:
+                for start, end, cut in online_stretches(runs):
                     jobs.starts.append(start)
                     jobs.ends.append(end)
                     jobs.preempted.append(cut)
@@ -90,7 +98,7 @@ class QueueAvailability:
         return jobs
 
     def _job_at(self, client: int, t: float) -> int | None:
-        """The index of the job of ``client`` running at ``t`` (None: between jobs)."""
+        """The index of the online stretch of ``client`` at ``t`` (None: between jobs)."""
         jobs = self._cover(client, t)
         i = bisect.bisect_right(jobs.starts, t) - 1
         return i if i >= 0 and t < jobs.ends[i] else None
@@ -125,11 +133,11 @@ class QueueAvailability:
             if now + left <= jobs.ends[i]:
                 return Finish(now + left, continued=continued)
             if not self.checkpoint:
-                return Finish(None, lost_at=jobs.ends[i])
+                return Finish(None, lost_at=jobs.ends[i], preempted=jobs.preempted[i])
             left -= jobs.ends[i] - now
             self._cover(client, jobs.ends[i])
             if i + 1 >= len(jobs.starts):  # a trace's last job
-                return Finish(None, lost_at=jobs.ends[i])
+                return Finish(None, lost_at=jobs.ends[i], preempted=jobs.preempted[i])
             i, now, continued = i + 1, jobs.starts[i + 1], True
 
     def next_start(self, client: int, t: float) -> float | None:
@@ -139,15 +147,17 @@ class QueueAvailability:
         return jobs.starts[i] if i < len(jobs.starts) else None
 
     def runs(self, client: int, until: float) -> list[tuple[float, float, bool]]:
-        """Client ``client``'s job runs that start before ``until``: (start, end, preempted), for the plot."""
+        """Client ``client``'s online stretches that start before ``until``: (start, end, ended by a preemption),
+        for the plot."""
         jobs = self._cover(client, until)
         return [(a, b, p) for a, b, p in zip(jobs.starts, jobs.ends, jobs.preempted) if a < until]
 
 
 def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, bool]]]:
     """Job runs from a Standard Workload Format file, dealt to clients round-robin in submit order: client ->
-    [(start, end, cut short)]. A job is cut short when its run time fell short of its requested time (field 9)
-    with a status other than completed (field 11: 1). Jobs with an unknown wait or run time (-1) are skipped."""
+    [(start, end, cut short)], each at the trace's own times (a client's jobs may overlap). A job is cut short when
+    its run time fell short of its requested time (field 9) with a status other than completed (field 11: 1).
+    Jobs with an unknown wait or run time (-1) are skipped."""
     jobs = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
@@ -170,8 +180,23 @@ def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, 
         raise ValueError(f"clock.queue_trace {path!r} holds no job with a known wait and run time")
     out: dict[int, list[tuple[float, float, bool]]] = {}
     for i, (_, start, end, cut) in enumerate(sorted(jobs)):
-        runs = out.setdefault(i % num_clients, [])
-        if runs and start < runs[-1][1]:  # a client runs one job at a time: the next waits for the last to end
-            start, end = runs[-1][1], runs[-1][1] + (end - start)
-        runs.append((start, end, cut))
+        out.setdefault(i % num_clients, []).append((start, end, cut))
     return out
+
+
+def online_stretches(runs: list[tuple[float, float, bool]]) -> list[tuple[float, float, bool]]:
+    """The union of one client's job runs ``(start, end, cut short)``: disjoint stretches, ascending, each ended by a
+    preemption only if every job that ends it was cut short. A job that another outlasts takes the client offline
+    at no point, so its preemption cuts no task; jobs that meet end to end make one stretch."""
+    stretches: list[tuple[float, float, bool]] = []
+    for start, end, cut in sorted(runs):
+        if stretches and start <= stretches[-1][1]:
+            first, last, ended_by_cut = stretches[-1]
+            if end == last:
+                cut = cut and ended_by_cut
+            elif end < last:
+                end, cut = last, ended_by_cut
+            stretches[-1] = (first, end, cut)
+        else:
+            stretches.append((start, end, cut))
+    return stretches

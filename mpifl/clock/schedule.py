@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -47,8 +47,9 @@ class SyncRound:
     kept: tuple[int, ...]  # the participants (ascending): the first k to finish in time
     stragglers: tuple[int, ...]
     wasted_seconds: float  # virtual seconds the stragglers worked before the round closed
-    preempted: tuple[int, ...] | None = None  # queue: stragglers whose job ended under their task (None: no jobs)
+    preempted: tuple[int, ...] | None = None  # queue: stragglers whose task a preemption lost (None: no jobs)
     continued: tuple[int, ...] = ()  # queue with checkpoints: selected clients whose task ran on in a later job
+    job_ended: tuple[int, ...] = ()  # queue: stragglers whose task their job's walltime or run time lost
 
     def record(self) -> dict:
         """The round's virtual-time fields for metrics.jsonl."""
@@ -56,7 +57,8 @@ class SyncRound:
                   "selected": len(self.selected), "stragglers": list(self.stragglers),
                   "wasted_seconds": self.wasted_seconds}
         if self.preempted is not None:
-            record.update(preempted=list(self.preempted), continued=list(self.continued))
+            record.update(preempted=list(self.preempted), job_ended=list(self.job_ended),
+                          continued=list(self.continued))
         return record
 
 
@@ -105,10 +107,18 @@ class SyncClock:
         stragglers = tuple(c for c in selected if c not in kept)
         wasted = sum(min(took[c], closes) for c in stragglers)
         queued = isinstance(self.availability, QueueAvailability)
+        # a task its job loses after the round closed was a straggler already: the loss cost the round nothing
+        preempted, job_ended = lost_by_cause([(c, ends[c].preempted) for c in selected
+                                              if ends[c].at is None and took[c] <= closes])
         return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
-                         stragglers, float(wasted),
-                         tuple(c for c in selected if ends[c].at is None) if queued else None,
-                         tuple(c for c in selected if ends[c].continued))
+                         stragglers, float(wasted), preempted if queued else None,
+                         tuple(c for c in selected if ends[c].continued), job_ended)
+
+
+def lost_by_cause(lost: list[tuple[int, bool]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Lost tasks ``(client, by a preemption)`` split into those a preemption lost and those their job's walltime
+    or run time lost: a record names the two apart, as the availability plot marks only the first."""
+    return tuple(c for c, cut in lost if cut), tuple(c for c, cut in lost if not cut)
 
 
 @dataclass(frozen=True)
@@ -133,14 +143,15 @@ class AsyncStep:
     train: tuple[int, ...]  # dispatched with version s-1 and applied by the last step: they train in step s
     online: int = 0
     train_steps: tuple[int, ...] = ()  # fedcompass: each trainer's local steps (aligned with ``train``)
-    preempted: tuple[int, ...] | None = None  # queue: clients whose task a job's end lost since the last step
+    preempted: tuple[int, ...] | None = None  # queue: clients whose task a preemption lost since the last step
+    job_ended: tuple[int, ...] = ()  # queue: clients whose task their job's walltime or run time lost since then
 
     def record(self) -> dict:
         """The step's virtual-time fields for metrics.jsonl."""
         record = {"virtual_time": self.time, "staleness": [a.staleness for a in self.arrivals],
                   "arrival_order": [a.client for a in self.arrivals], "online": self.online}
         if self.preempted is not None:
-            record["preempted"] = list(self.preempted)
+            record.update(preempted=list(self.preempted), job_ended=list(self.job_ended))
         if any(a.local_steps for a in self.arrivals):
             record["local_steps"] = [a.local_steps for a in self.arrivals]
         return record
@@ -155,6 +166,7 @@ class _Dispatch:
     step: int | None = None  # the step that applies it
     local_steps: int = 0
     group: int = -1
+    preempted: bool = False  # its task was lost to a preemption (not to its job's walltime or run time)
 
 
 @dataclass
@@ -172,7 +184,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
     events: list[tuple[float, int, int]] = []
     busy = np.zeros(num_clients, dtype=bool)  # dispatched and not yet applied
     version, pending, plan = 0, [], AsyncPlan()
-    lost: list[int] = []  # clients whose task a job's end lost since the last step
+    lost: list[tuple[int, bool]] = []  # (client, by a preemption) whose task a job's end lost since the last step
     queued = isinstance(availability, QueueAvailability)  # batch jobs: each step records what they lost
 
     def dispatch(t: float) -> None:
@@ -185,7 +197,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
         client = sample_online(seed, (CLOCK, len(dispatches)), idle, 1)[0]
         busy[client] = True
         end = availability.finish(client, t, duration(client))
-        d = _Dispatch(client, version, t, end.at if end.at is not None else math.inf)
+        d = _Dispatch(client, version, t, end.at if end.at is not None else math.inf, preempted=end.preempted)
         dispatches.append(d)
         heapq.heappush(events, (end.ended, client if end.at is not None else -2, len(dispatches) - 1))
 
@@ -198,7 +210,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
         t, client, index = heapq.heappop(events)
         if client == -2:  # the task is lost: its client is free (and offline), another is sent
             busy[dispatches[index].client] = False
-            lost.append(dispatches[index].client)
+            lost.append((dispatches[index].client, dispatches[index].preempted))
         if client < 0:
             dispatch(t)
             continue
@@ -211,8 +223,9 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
                 busy[dispatches[i].client] = False
                 arrivals.append(Arrival(dispatches[i].client, dispatches[i].version, dispatches[i].time,
                                         dispatches[i].arrival, version - 1 - dispatches[i].version))
+            preempted, job_ended = lost_by_cause(lost)
             plan.steps.append(AsyncStep(version, t, tuple(arrivals), (), int(availability.online(t).sum()),
-                                        preempted=tuple(lost) if queued else None))
+                                        preempted=preempted if queued else None, job_ended=job_ended))
             pending, lost = [], []
         dispatch(t)
     return _with_trainers(plan, dispatches)
@@ -225,8 +238,7 @@ def _with_trainers(plan: AsyncPlan, dispatches: list[_Dispatch]) -> AsyncPlan:
     for d in dispatches:
         if d.step is not None:
             trains.setdefault(d.version + 1, []).append(d.client)
-    plan.steps = [AsyncStep(s.step, s.time, s.arrivals, tuple(sorted(trains.get(s.step, ()))), s.online,
-                            preempted=s.preempted) for s in plan.steps]
+    plan.steps = [replace(s, train=tuple(sorted(trains.get(s.step, ())))) for s in plan.steps]
     return plan
 
 

@@ -449,8 +449,9 @@ class ClockConfig:
     preemption_checkpoint: bool = field_(False, "queue: a task cut short by its job's end carries on in the "
                                                 "client's next job, instead of being lost")
     queue_trace: str | None = field_(None, "queue: a Standard Workload Format trace (Parallel Workloads Archive); "
-                                          "job i in submit order runs for client i mod num_clients, and replaces "
-                                          "queue_wait, walltime and preemption_rate")
+                                          "job i in submit order runs for client i mod num_clients from its submit "
+                                          "time plus its wait (a client is online while any of its jobs runs), and "
+                                          "replaces queue_wait, walltime and preemption_rate")
     concurrency: int | None = field_(None, "fedasync/fedbuff/fedcompass: clients training at once (default: 10, or "
                                            "every client where there are fewer)", min=1)
     buffer: int = field_(5, "fedbuff: updates buffered per server step (K)", min=1)
