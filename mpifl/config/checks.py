@@ -574,3 +574,19 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
     if cfg.clients.ranks_per_client > 1:
         raise ConfigError(f"{key}: faults are not injected into clients trained by a group of ranks "
                           "(clients.ranks_per_client > 1) yet")
+    _check_hang_in_virtual_time(cfg, fault, key)
+
+
+def _check_hang_in_virtual_time(cfg: Config, fault: FaultConfig, key: str) -> None:
+    """A stall for ever under a virtual clock: its task never arrives, so a synchronous round can only close
+    without it at ``clock.deadline`` (where it is a straggler), and an asynchronous mode, which waits for no task,
+    would keep the client in flight for ever with nothing in any step's record to say so."""
+    if fault.kind != "stall" or fault.seconds > 0:
+        return
+    if cfg.clock.mode in ASYNCHRONOUS_MODES:
+        raise ConfigError(f"{key}.seconds: a stall for ever (0) never ends in virtual time, and clock.mode "
+                          f"{cfg.clock.mode!r} would keep its client in flight unrecorded; give the stall seconds, "
+                          "which delay the client's task in virtual time")
+    if cfg.clock.mode == "sync" and cfg.clock.deadline is None:
+        raise ConfigError(f"{key}.seconds: a stall for ever (0) never arrives in virtual time, so a round waits for it "
+                          "for ever; set clock.deadline (it is then a straggler) or give the stall seconds")

@@ -168,7 +168,7 @@ class Server:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
         plan = self._without_busy(parts.sampler.plan(round_))
-        strikes = round_strikes(parts.faults, plan) if parts.faults else []
+        strikes = round_strikes(parts.faults, plan, parts.sampler.rank_of) if parts.faults else []
         for strike in strikes:
             log(strike_line(strike), rank=0)
         parts.strategy.begin_round(round_, len(plan.participants))
