@@ -23,7 +23,7 @@ def clock(**kw):
 
 def durations(cfg, n=200, seed=0, samples=40, nbytes=2_000_000):
     devices = devices_for(cfg, n, seed)
-    return lambda c: devices.task_seconds(c, samples, nbytes, nbytes)
+    return lambda round_, c: devices.task_seconds(c, samples, nbytes, nbytes)
 
 
 def test_a_task_takes_its_transfers_over_the_link_plus_its_samples_over_the_speed(tmp_path):
@@ -88,12 +88,12 @@ def test_a_deadline_and_over_selection_keep_the_first_k_to_finish_in_time():
         planned = sync.round(r)
         assert planned.start >= previous_end and len(planned.selected) == math.ceil(10 * 1.5)
         assert all(avail.online(planned.start)[c] for c in planned.selected)  # only online clients are sampled
-        assert len(planned.kept) <= 10 and all(took(c) <= 9.0 for c in planned.kept)
+        assert len(planned.kept) <= 10 and all(took(0, c) <= 9.0 for c in planned.kept)
         assert set(planned.kept) | set(planned.stragglers) == set(planned.selected)
-        slowest_kept = max((took(c) for c in planned.kept), default=0.0)
-        assert all(took(c) >= slowest_kept for c in planned.stragglers)
+        slowest_kept = max((took(0, c) for c in planned.kept), default=0.0)
+        assert all(took(0, c) >= slowest_kept for c in planned.stragglers)
         assert planned.end - planned.start == pytest.approx(slowest_kept if len(planned.kept) == 10 else 9.0)
-        assert planned.wasted_seconds == pytest.approx(sum(min(took(c), planned.end - planned.start)
+        assert planned.wasted_seconds == pytest.approx(sum(min(took(0, c), planned.end - planned.start)
                                                            for c in planned.stragglers))
         previous_end = planned.end
 
@@ -113,7 +113,7 @@ def test_asynchronous_steps_apply_updates_in_arrival_order_with_their_staleness(
         assert len({a.client for a in step.arrivals}) == buffer
         for a in step.arrivals:
             assert a.staleness == step.step - 1 - a.version >= 0
-            assert a.arrived == pytest.approx(a.dispatched + took(a.client))
+            assert a.arrived == pytest.approx(a.dispatched + took(0, a.client))
             assert avail.online(a.dispatched)[a.client]
             assert a.client in trained_at[a.version + 1]  # trained when its version was current
         last = step.time

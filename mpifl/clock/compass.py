@@ -26,6 +26,12 @@ from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, lost_
 from mpifl.planning.seeds import CLOCK
 
 StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds
+StepsDelay = Callable[[int, int, int], float]  # (step, client, local steps) -> virtual seconds a fault adds
+
+
+def no_delay(step: int, client: int, local_steps: int) -> float:
+    """No fault delays any task."""
+    return 0.0
 
 
 @dataclass
@@ -41,8 +47,8 @@ class _Compass:
     """The scheduler's state while the schedule is planned."""
 
     def __init__(self, steps: int, availability: Online, duration: StepsDuration, min_steps: int,
-                 max_steps: int, latest_factor: float) -> None:
-        self.steps, self.availability, self.duration = steps, availability, duration
+                 max_steps: int, latest_factor: float, delay: StepsDelay = no_delay) -> None:
+        self.steps, self.availability, self.duration, self.delay = steps, availability, duration, delay
         self.min_steps, self.max_steps, self.latest_factor = min_steps, max_steps, latest_factor
         self.dispatches: list[_Dispatch] = []
         self.groups: list[_Group] = []
@@ -72,7 +78,8 @@ class _Compass:
             self.groups.append(_Group(t + took, t + self.latest_factor * took))
             gid = -(len(self.groups) - 1)
             heapq.heappush(self.events, (self.groups[-1].latest, 1, len(self.groups) - 1))
-        end = self.availability.finish(client, t, self.duration(client, q))
+        # the groups expect the device's duration; a stall or slowdown fault (unforeseen) makes the task take longer
+        end = self.availability.finish(client, t, self.duration(client, q) + self.delay(self.version + 1, client, q))
         d = _Dispatch(client, self.version, t, end.ended, local_steps=q, group=-gid, preempted=end.preempted)
         self.dispatches.append(d)
         if end.at is None:  # its job ends first: the task is lost, and the group does not wait for it
@@ -150,9 +157,11 @@ class _Compass:
 
 
 def plan_compass(seed: int, steps: int, concurrency: int, num_clients: int, availability: Online,  # noqa: PLR0913 - FedCompass's own parameters, each a config key
-                 duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float) -> AsyncPlan:
-    """The FedCompass schedule of ``steps`` server steps (see the module docstring)."""
-    compass = _Compass(steps, availability, duration, min_steps, max_steps, latest_factor)
+                 duration: StepsDuration, min_steps: int, max_steps: int, latest_factor: float,
+                 delay: StepsDelay = no_delay) -> AsyncPlan:
+    """The FedCompass schedule of ``steps`` server steps (see the module docstring); ``delay``: what faults add to
+    a task, unforeseen by the scheduler."""
+    compass = _Compass(steps, availability, duration, min_steps, max_steps, latest_factor, delay)
     # batch jobs: the members are drawn from all clients and join as each one's job starts
     pool = np.ones(num_clients, dtype=bool) if compass.jobs is not None else availability.online(0.0)
     for client in sample_online(seed, (CLOCK, 0), pool, min(concurrency, num_clients)):

@@ -37,6 +37,12 @@ class Devices:
         return (8.0 * bytes_down / link + overhead + samples * float(self.seconds_per_sample[client])
                 + 8.0 * bytes_up / link)
 
+    def compute_seconds(self, client: int, samples: float) -> float:
+        """Virtual seconds of ``client``'s training alone (its overhead and ``samples`` samples, no transfers): what
+        a ``slowdown`` fault multiplies, as it slows the training and not the link."""
+        overhead = float(self.overhead_seconds[client]) if self.overhead_seconds is not None else 0.0
+        return overhead + samples * float(self.seconds_per_sample[client])
+
 
 class DataOnlyUnpickler(pickle.Unpickler):
     """Reads a pickle of plain data only: dicts, lists, tuples, strings, numbers, booleans and None, which

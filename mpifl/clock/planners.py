@@ -8,6 +8,7 @@ from mpifl.clock.schedule import Arrival, AsyncStep, SyncClock, held_updates, pl
 from mpifl.clock.staleness import staleness_weight
 from mpifl.config import ClientsConfig, ClockConfig, Config
 from mpifl.logs import log
+from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import Placement, RoundAssignment, Sampler
 from mpifl.units import MIB
 
@@ -86,9 +87,16 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
     num_clients = cfg.clients.num_clients
     devices = devices_for(cfg.clock, num_clients, cfg.seed)
     availability = availability_for(cfg.clock, num_clients, cfg.seed)
+    faults = FaultPlan(cfg)
 
-    def duration(client: int) -> float:
-        return devices.task_seconds(client, samples[client], model_bytes, update_bytes)
+    def delay(round_: int, client: int, compute_seconds: float) -> float:
+        """What the stalls and slowdowns striking ``client`` in ``round_`` add to its task (faults: on its home
+        rank, as ``clients.placement: per_round`` is refused under a clock)."""
+        return faults.virtual_delay(round_, client, placement.rank_of(client), compute_seconds)
+
+    def duration(round_: int, client: int) -> float:  # + 0.0 without a fault: the clean run's bits
+        return (devices.task_seconds(client, samples[client], model_bytes, update_bytes)
+                + delay(round_, client, devices.compute_seconds(client, samples[client])))
 
     if cfg.clock.mode == "sync":
         clock = SyncClock(cfg.seed, cfg.clients_per_round(), availability, duration, cfg.clock.deadline,
@@ -98,8 +106,11 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         def with_steps(client: int, local_steps: int) -> float:
             return devices.task_seconds(client, local_steps * cfg.train.batch_size, model_bytes, update_bytes)
 
+        def late(step: int, client: int, local_steps: int) -> float:
+            return delay(step, client, devices.compute_seconds(client, local_steps * cfg.train.batch_size))
+
         plan = plan_compass(cfg.seed, cfg.rounds, cfg.clock.in_flight(), num_clients, availability, with_steps,
-                            cfg.clock.min_steps, cfg.clock.max_steps, cfg.clock.latest_factor)
+                            cfg.clock.min_steps, cfg.clock.max_steps, cfg.clock.latest_factor, late)
         if len(plan.steps) < cfg.rounds:
             raise ValueError(f"fedcompass: only {len(plan.steps)} of {cfg.rounds} steps can happen")
     else:

@@ -2,10 +2,11 @@
 
 Synchronous rounds (``clock.mode: sync``): round r starts when round r-1 ended. Among the
 clients online then, ``ceil(k x (1 + over_selection))`` are sampled; each one's task takes its
-cost-model duration; the first k to finish (by duration, then id) within ``deadline`` are kept
-and the rest are stragglers, dropped. The round ends when the k-th kept update arrives, or at the
-deadline when fewer made it. Stragglers are never trained: their work is wasted by definition, and
-reported (virtual seconds they worked until the round closed).
+cost-model duration (with any stall or slowdown fault that strikes it added); the first k to finish
+(by duration, then id) within ``deadline`` are kept and the rest are stragglers, dropped. A task that
+never arrives (a stall for ever) is a straggler whatever the deadline. The round ends when the k-th
+kept update arrives, or at the deadline when fewer made it. Stragglers are never trained: their work
+is wasted by definition, and reported (virtual seconds they worked until the round closed).
 
 Asynchronous steps (``fedasync``, ``fedbuff``): ``concurrency`` clients train at once. At time 0
 that many idle, online clients are dispatched with model version 0. Updates arrive in virtual
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mpifl.clock.availability import Online
-from mpifl.clock.queue import QueueAvailability
+from mpifl.clock.queue import Finish, QueueAvailability
 from mpifl.planning.seeds import CLOCK, SAMPLING, derive_seed
 
-Duration = Callable[[int], float]  # a logical client's task, in virtual seconds
+Duration = Callable[[int, int], float]  # (round or step, logical client) -> its task, in virtual seconds
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,10 @@ class SyncClock:
             start, online = later, self.availability.online(later)
         k = min(self.per_round, int(online.sum()))
         selected = sample_online(self.seed, (r,), online, math.ceil(k * (1 + self.over_selection) - 1e-9))
-        ends = {c: self.availability.finish(c, start, self.duration(c)) for c in selected}
+        ends = {c: self._finish(c, start, self.duration(r, c)) for c in selected}
         # seconds after the start until each task arrives, or until its job's end loses it (queue)
         took = {c: e.ended - start for c, e in ends.items()}
-        in_time = sorted((c for c in selected if ends[c].at is not None and (
+        in_time = sorted((c for c in selected if ends[c].at is not None and math.isfinite(took[c]) and (
             self.deadline is None or took[c] <= self.deadline)), key=lambda c: (took[c], c))
         kept = in_time[:k]
         # the k-th arrival, else the deadline, else (tasks lost, no deadline) when the last task arrived or was lost
@@ -113,6 +114,12 @@ class SyncClock:
         return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
                          stragglers, float(wasted), preempted if queued else None,
                          tuple(c for c in selected if ends[c].continued), job_ended)
+
+    def _finish(self, client: int, start: float, seconds: float) -> Finish:
+        """When ``client``'s task of ``seconds``, started at ``start``, arrives or is lost; a task that never arrives
+        (math.inf: a stall for ever) outlasts any job, and is asked of no availability (a checkpointed batch job
+        would carry it on from job to job for ever)."""
+        return Finish(math.inf) if math.isinf(seconds) else self.availability.finish(client, start, seconds)
 
 
 def lost_by_cause(lost: list[tuple[int, bool]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -196,7 +203,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
             return
         client = sample_online(seed, (CLOCK, len(dispatches)), idle, 1)[0]
         busy[client] = True
-        end = availability.finish(client, t, duration(client))
+        end = availability.finish(client, t, duration(version + 1, client))  # it trains in step version + 1
         d = _Dispatch(client, version, t, end.at if end.at is not None else math.inf, preempted=end.preempted)
         dispatches.append(d)
         heapq.heappush(events, (end.ended, client if end.at is not None else -2, len(dispatches) - 1))

@@ -538,11 +538,12 @@ def config_warnings(cfg: Config) -> list[str]:
                      "scaled wrongly: set train.optimizer='sgd' (momentum is fine)")
     narrow = cfg.model.dtype in ("bfloat16", "float16")
     if narrow and cfg.train.trainer != "none" and not cfg.model.lora.r and cfg.train.lr <= NARROW_GLOBAL_LR:
-        found.append(f"model.dtype: the global model is rounded to {cfg.model.dtype} after every round (8 significant "
-                     f"bits for bfloat16), so a weight that a round moves by less than half its step (about 2^-9 of it) "
-                     f"keeps its old value; at train.lr={cfg.train.lr:g}, most may not move (a tiny Llama at 2e-05: "
-                     "72% of its elements unchanged by a round, 11% in float32; profiling/bf16_rounding.py). Keep "
-                     "model.dtype='float32' for full fine-tuning at such rates, or train LoRA adapters (fp32)")
+        found.append(f"model.dtype: the global model is rounded to {cfg.model.dtype} after every round (8 "
+                     "significant bits for bfloat16), so a weight that a round moves by less than half its step "
+                     f"(about 2^-9 of it) keeps its old value; at train.lr={cfg.train.lr:g}, most may not move (a tiny "
+                     "Llama at 2e-05: 72% of its elements unchanged by a round, 11% in float32; "
+                     "profiling/bf16_rounding.py). Keep model.dtype='float32' for full fine-tuning at such rates, or "
+                     "train LoRA adapters (fp32)")
     if cfg.transport.chunk_bytes < 64 * 1024:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
@@ -587,3 +588,19 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
     if cfg.clients.ranks_per_client > 1:
         raise ConfigError(f"{key}: faults are not injected into clients trained by a group of ranks "
                           "(clients.ranks_per_client > 1) yet")
+    _check_hang_in_virtual_time(cfg, fault, key)
+
+
+def _check_hang_in_virtual_time(cfg: Config, fault: FaultConfig, key: str) -> None:
+    """A stall for ever under a virtual clock: its task never arrives, so a synchronous round can only close
+    without it at ``clock.deadline`` (where it is a straggler), and an asynchronous mode, which waits for no task,
+    would keep the client in flight for ever with nothing in any step's record to say so."""
+    if fault.kind != "stall" or fault.seconds > 0:
+        return
+    if cfg.clock.mode in ASYNCHRONOUS_MODES:
+        raise ConfigError(f"{key}.seconds: a stall for ever (0) never ends in virtual time, and clock.mode "
+                          f"{cfg.clock.mode!r} would keep its client in flight unrecorded; give the stall seconds, "
+                          "which delay the client's task in virtual time")
+    if cfg.clock.mode == "sync" and cfg.clock.deadline is None:
+        raise ConfigError(f"{key}.seconds: a stall for ever (0) never arrives in virtual time, so a round waits for it "
+                          "for ever; set clock.deadline (it is then a straggler) or give the stall seconds")

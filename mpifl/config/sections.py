@@ -579,8 +579,11 @@ class FaultConfig:
     stage: str = field_("train", "where: train (before the client trains; update faults after), send (after the "
                                  "first chunk of the client's update), receive (before the rank takes up the model)",
                         choices=FAULT_STAGES)
-    seconds: float = field_(0.0, "stall: how long; 0 with kind stall: for ever (a hang)", min=0.0)
-    factor: float = field_(1.0, "slowdown: how many times as long the training takes; scale: the update's factor")
+    seconds: float = field_(0.0, "stall: how long; 0 with kind stall: for ever (a hang). Under clock.mode other than "
+                                 "off: virtual seconds added to the task (0: it never arrives), no rank sleeps",
+                            min=0.0)
+    factor: float = field_(1.0, "slowdown: how many times as long the training takes (under clock.mode other than "
+                                "off: its virtual compute time, transfers unchanged); scale: the update's factor")
     bits: int = field_(1, "corrupt: how many bits flip in the update", min=1)
     code: int = field_(1, "exit: the exit status", min=0, max=255)
     via: str = field_("sys", "exit: sys (sys.exit), os (os._exit) or c (C's _exit, past everything Python can catch)",

@@ -4,9 +4,15 @@ A pure function of the config, the round, the client and the rank that trains it
 rank that injects a fault and by the server that records it: nothing about faults travels. A ``fraction`` is drawn
 for each client on its own from the run's seed, the round, the client and the fault's place in the list, so the
 same clients are hit on any number of ranks and in every run.
+
+Under a virtual clock (``clock.mode`` other than ``off``) a ``stall`` or a ``slowdown`` acts on time, and time there
+is the cost model's, so the clock adds the delay to the struck task's virtual duration (``virtual_delay``) and no
+rank sleeps: a delay the machine sleeps would only meet wall-clock deadlines, which a virtual-time run must never
+depend on. ``delay_seconds`` is the one rule for both clocks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +44,8 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
               "exit": ("code", "via")}
 
 
-# kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round
+# kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round;
+# under a virtual clock they delay the struck task's virtual duration instead, and only that (``delays_virtually``)
 DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})
 # kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
@@ -53,6 +60,7 @@ class FaultPlan:
 
     def __init__(self, cfg: Config, spent: frozenset[tuple[int, int]] = frozenset()):
         self.faults, self.seed, self.rounds, self.spent = cfg.faults, cfg.seed, cfg.rounds, spent
+        self.virtual = cfg.clock.mode != "off"  # stalls and slowdowns then delay the virtual clock, not the rank
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -63,6 +71,17 @@ class FaultPlan:
         return [Strike(i, fault, round_, client, rank) for i, fault in enumerate(self.faults)
                 if fault.strikes_in(round_, self.rounds) and self._targets(i, fault, round_, client, rank)
                 and ((i, round_) in self.spent) == spent]
+
+    def delays_virtually(self, strike: Strike) -> bool:
+        """Whether ``strike`` acts on the virtual clock alone: a stall or a slowdown under ``clock.mode`` other than
+        off, which lengthens the struck task's virtual duration and leaves the rank running at full speed."""
+        return self.virtual and strike.fault.kind in DELAYS_THE_RANK
+
+    def virtual_delay(self, round_: int, client: int, rank: int, compute_seconds: float) -> float:
+        """The virtual seconds the stalls and slowdowns on ``client`` in ``round_`` add to its task, whose training
+        takes ``compute_seconds`` on its device (math.inf: a stall for ever, so the task never arrives)."""
+        return sum((delay_seconds(s, compute_seconds) for s in self.strikes(round_, client, rank)
+                    if s.fault.kind in DELAYS_THE_RANK), 0.0)
 
     def _targets(self, index: int, fault: FaultConfig, round_: int, client: int, rank: int) -> bool:
         if fault.clients:
@@ -79,6 +98,18 @@ class FaultPlan:
                 return (f"faults[{i}].ranks: {missing} {'is' if len(missing) == 1 else 'are'} not client ranks of this "
                         f"job (ranks 1..{client_ranks})")
         return None
+
+
+def delay_seconds(strike: Strike, trained_seconds: float) -> float:
+    """The seconds a stall or a slowdown adds to a task whose training takes ``trained_seconds``: a slowdown makes
+    the training ``factor`` times as long, so adds ``(factor - 1)`` times it; a stall waits its ``seconds``, and
+    ``seconds: 0`` for ever (math.inf). A client rank sleeps it in real time; a virtual clock adds it to the task."""
+    fault = strike.fault
+    if fault.kind == "slowdown":
+        return trained_seconds * (fault.factor - 1)
+    if fault.kind == "stall":
+        return fault.seconds if fault.seconds > 0 else math.inf
+    return 0.0
 
 
 def drawn(seed: int, index: int, round_: int, client: int) -> float:

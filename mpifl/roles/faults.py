@@ -10,10 +10,15 @@ discards as it does a failed client's), and the client ends the round as if it h
 
 A strike that stops, stalls or ends the rank is logged here as it happens; the server logs every strike at the
 start of its round and records each with what came of it (metrics.jsonl, ``faults``).
+
+Under a virtual clock a stall or a slowdown is not done here at all: the clock has already lengthened the struck
+task's virtual duration (mpifl.planning.faults, ``delays_virtually``), and a rank that slept would only meet the
+wall-clock deadlines, making the run depend on the machine.
 """
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import sys
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 
 from mpifl.logs import log
-from mpifl.planning.faults import ENDS_THE_JOB, FaultPlan, Strike, flipped_bits
+from mpifl.planning.faults import ENDS_THE_JOB, FaultPlan, Strike, delay_seconds, flipped_bits
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 
@@ -60,8 +65,9 @@ class FaultInjector:
     def _at(self, round_: int, client: int, stage: str, kinds: Iterable[str] | None = None) -> list[Strike]:
         """The strikes on ``client`` in ``round_`` at ``stage`` (of ``kinds``); a client's are drawn once, however
         many stages ask."""
-        if self._struck[0] != (round_, client):
-            self._struck = (round_, client), self.plan.strikes(round_, client, self.rank)
+        if self._struck[0] != (round_, client):  # the virtual clock's delays are done there, not here
+            self._struck = (round_, client), [s for s in self.plan.strikes(round_, client, self.rank)
+                                              if not self.plan.delays_virtually(s)]
         return [s for s in self._struck[1] if s.fault.stage == stage and (kinds is None or s.fault.kind in kinds)]
 
     def before_receive(self, round_: int, clients: Sequence[int]) -> None:
@@ -81,7 +87,7 @@ class FaultInjector:
         for strike in self._at(round_, client, "train", ("slowdown", "scale", "nan", "inf")):
             kind = strike.fault.kind
             if kind == "slowdown":
-                self._slow(trained_seconds * (strike.fault.factor - 1))
+                self._slow(delay_seconds(strike, trained_seconds))
             elif kind == "scale":
                 assert anchor is not None  # FaultInjector.scales keeps the global model on the rank
                 scale_update(work, layout, anchor, strike.fault.factor)
@@ -127,10 +133,10 @@ class FaultInjector:
         if fault.kind == "raise":
             raise InjectedFault(f"faults[{strike.index}]: an injected exception in round {strike.round}")
         if fault.kind == "stall":
-            if fault.seconds == 0:  # a hang
-                while True:
-                    time.sleep(3600)
-            time.sleep(fault.seconds)
+            seconds = delay_seconds(strike, 0.0)
+            while seconds == math.inf:  # a hang
+                time.sleep(3600)
+            time.sleep(seconds)
         elif fault.kind == "exit":
             sys.stdout.flush()
             sys.stderr.flush()

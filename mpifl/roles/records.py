@@ -66,11 +66,17 @@ def dropped_entries(plan: RoundAssignment, metas: dict[int, UpdateMeta],
     return [{"client": c, "rank": rank, "reason": why} for c, (rank, why) in sorted(reasons.items())]
 
 
-def round_strikes(faults: FaultPlan, plan: RoundAssignment, spent: bool = False) -> list[Strike]:
-    """The faults that strike this round's training clients (config ``faults:``), by client, then list order
-    (``spent``: those that ended an earlier attempt of the run in this round instead, and strike no more)."""
-    return sorted((s for rank, clients in plan.train.items() for client in clients
-                   for s in faults.strikes(plan.round, client, rank, spent)), key=lambda s: (s.client, s.index))
+def round_strikes(faults: FaultPlan, plan: RoundAssignment, home: Callable[[int], int],
+                  spent: bool = False) -> list[Strike]:
+    """The faults that strike this round's training clients (config ``faults:``), by client, then list order; and,
+    under the virtual clock, the stalls and slowdowns on its stragglers (on their ``home`` rank), which made them
+    late: those acted, though the client never trained. ``spent``: instead the strikes that ended an earlier attempt
+    of the run in this round, and strike no more."""
+    trained = [s for rank, clients in plan.train.items() for client in clients
+               for s in faults.strikes(plan.round, client, rank, spent)]
+    late = [] if spent else [s for client in plan.clock.get("stragglers", ())
+                             for s in faults.strikes(plan.round, client, home(client)) if faults.delays_virtually(s)]
+    return sorted(trained + late, key=lambda s: (s.client, s.index))
 
 
 def strike_line(strike: Strike, spent: bool = False) -> str:
@@ -86,19 +92,26 @@ def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int,
                   spent: Sequence[Strike] = ()) -> list[dict]:
     """Each strike of the round with what came of it: ``dropped`` (with the client's error), ``folded`` (its
     update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), or, asynchronously,
-    ``held`` (trained now, sent in a later step). A stall or a slowdown delays its whole rank: the rank's other
-    logical clients dropped this round are listed with it (``rank_clients_dropped``), since their own drop reason
-    can only say what the server saw, a rank past its deadline. ``spent``: the strikes that ended an earlier
-    attempt of the run in this round, recorded as such (they strike once)."""
+    ``held`` (trained now, sent in a later step), or, under the virtual clock, ``straggler`` (its task arrived
+    after the round closed, so the clock left it out: the round's ``stragglers`` lists it). In real time a stall or
+    a slowdown delays its whole rank: the rank's other logical clients dropped this round are listed with it
+    (``rank_clients_dropped``), since their own drop reason can only say what the server saw, a rank past its
+    deadline. Under the virtual clock (``plan.clock`` set) it delays only the struck task's virtual time.
+    ``spent``: the strikes that ended an earlier attempt of the run in this round, recorded as such (they strike
+    once)."""
     out = [{**strike.describe(), "outcome": "ended an earlier attempt"} for strike in spent]
+    stragglers = set(plan.clock.get("stragglers", ()))
     for strike in strikes:
         meta = metas.get(strike.client)
         if meta is not None:
             outcome = {"outcome": "dropped", "reason": meta.error} if meta.error is not None else {"outcome": "folded"}
+        elif strike.client in stragglers:
+            outcome = {"outcome": "straggler",
+                       "reason": "the virtual clock left it out: its task did not arrive by the round's close"}
         else:
             outcome = {"outcome": "held" if plan.hold else "not received"}
         entry = {**strike.describe(), **outcome}
-        if strike.fault.kind in DELAYS_THE_RANK:
+        if strike.fault.kind in DELAYS_THE_RANK and not plan.clock:
             others = [c for c in sorted(plan.train.get(strike.rank, ()))
                       if c != strike.client and c in metas and metas[c].error is not None]
             if others:

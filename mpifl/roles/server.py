@@ -171,8 +171,9 @@ class Server:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
         plan = self._without_busy(parts.sampler.plan(round_))
-        strikes = round_strikes(parts.faults, plan) if parts.faults else []
-        spent = round_strikes(parts.faults, plan, spent=True) if parts.faults and parts.faults.spent else []
+        strikes = round_strikes(parts.faults, plan, parts.sampler.rank_of) if parts.faults else []
+        spent = round_strikes(parts.faults, plan, parts.sampler.rank_of, spent=True) \
+            if parts.faults and parts.faults.spent else []
         for strike in spent:
             log(strike_line(strike, spent=True), rank=0)
         for strike in strikes:
