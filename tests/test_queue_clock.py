@@ -118,7 +118,7 @@ def test_a_task_in_overlapping_jobs_runs_to_the_last_one_s_end_which_says_whethe
 
 
 def test_a_round_records_a_task_a_preemption_lost_apart_from_one_its_job_s_normal_end_lost(tmp_path):
-    clock = SyncClock(0, per_round=2, availability=overlapping(tmp_path), duration=lambda c: 2000.0,
+    clock = SyncClock(0, per_round=2, availability=overlapping(tmp_path), duration=lambda r, c: 2000.0,
                       deadline=None, over_selection=0.0)
     # round 1 starts when client 1 comes online (60) and its task is lost at its stretch's normal end (1000);
     # round 2 has client 0, lost at job 3's run time (2000); round 3 client 1, lost to job 8's failure (2100)
@@ -131,7 +131,7 @@ def test_a_round_records_a_task_a_preemption_lost_apart_from_one_its_job_s_norma
 
 def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggler_not_a_lost_task(tmp_path):
     tasks = iter([300.0, 300.0, 1000.0])  # the durations in the order the clock asks: rounds 1, 2 (clients 0, 1)
-    clock = SyncClock(0, per_round=1, availability=overlapping(tmp_path), duration=lambda c: next(tasks),
+    clock = SyncClock(0, per_round=1, availability=overlapping(tmp_path), duration=lambda r, c: next(tasks),
                       deadline=None, over_selection=1.0)
     assert clock.round(1).kept == (1,)  # 60 to 360: client 1 alone online
     # round 2 starts at 360 with both online: client 0 arrives at 660 and closes it; client 1's task would have been
