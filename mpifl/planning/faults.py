@@ -48,6 +48,13 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
 # under a virtual clock they delay the struck task's virtual duration instead, and only that (``delays_virtually``)
 DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})
+
+
+def ends_the_job(fault: FaultConfig) -> bool:
+    """Whether a strike of ``fault`` ends the job whatever the config allows: a kill, an exit, or a stall for ever
+    (``seconds: 0``: past its deadline the job ends, and under accept_failures the rank never comes back). Each is
+    recorded before it acts, so a resume goes past it (``FaultPlan``'s ``spent``)."""
+    return fault.kind in ENDS_THE_JOB or (fault.kind == "stall" and fault.seconds == 0)
 # kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
 CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})  # kinds whose strike ends the job: each strikes once per run directory
 

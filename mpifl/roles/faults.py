@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from mpifl.logs import log
-from mpifl.planning.faults import ENDS_THE_JOB, FaultPlan, Strike, delay_seconds, flipped_bits
+from mpifl.planning.faults import FaultPlan, Strike, delay_seconds, ends_the_job, flipped_bits
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 
@@ -128,7 +128,7 @@ class FaultInjector:
         """A fault that stops, stalls, ends or kills the rank, or raises in the client's training."""
         self._announce(strike)
         fault = strike.fault
-        if fault.kind in ENDS_THE_JOB and self.spend is not None:
+        if ends_the_job(fault) and self.spend is not None:
             self.spend(strike)
         if fault.kind == "raise":
             raise InjectedFault(f"faults[{strike.index}]: an injected exception in round {strike.round}")

@@ -179,6 +179,23 @@ def test_a_stall_lists_the_clients_its_rank_then_lost_to_the_deadline_beside_its
                                       "client 3 then dropped past the deadline")
 
 
+def test_a_stall_for_ever_strikes_once_too_so_a_resume_of_the_job_it_ended_goes_past_it(tmp_path):
+    """Rank 1 hangs in round 3; past the first-update deadline the job ends keeping round 2. Redone by a resume,
+    round 3 would hang again for ever, so the stall is recorded before it acts, as a kill is."""
+    text = BASE.replace("accept_failures: true", "accept_failures: false") + (
+        "checkpoint: {every: 1}\ntimeouts: {first_update: 4}\n"
+        "faults: [{kind: stall, ranks: [1], seconds: 0, rounds: [3]}]\n")
+    cfg, run = write_config(tmp_path / "c.yaml", text), tmp_path / "run"
+    first = run_mpi(3, "run", str(cfg), "--run-dir", str(run), fresh=True)
+    assert first.returncode != 0 and "rank 1" in first.stderr, first.stderr[-3000:]
+    assert sorted(p.name for p in (run / "faults-struck").iterdir()) == ["0-r3"]
+    resumed = run_mpi(4, "run", str(cfg), "--run-dir", str(run), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert same_model(run / "model.h5", tmp_path / "reference" / "model.h5")
+
+
 POISONING = """
 seed: 0
 rounds: 3
