@@ -273,7 +273,8 @@ class ClientRank:
         if self.faults and error is None and not bad:  # a corruption strikes past every check
             self.faults.corrupt(round_, client, buffers, self.work, self.parts.plan, self.parts.training.seed)
         if bad:
-            error = self.training.non_finite(client, bad)
+            injected = self.faults.injected_non_finite(round_, client) if self.faults else None
+            error = self.training.non_finite(client, bad, injected)
         seconds = time.perf_counter() - start
         metrics.update(result.metrics, **self.costs.of_update(seconds))
         if self.replica is not None and self.replica.on_gpu:

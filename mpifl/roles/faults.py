@@ -103,6 +103,11 @@ class FaultInjector:
                 [work.chunk_view(c) for c in layout.chunks]
             flip_bits(chunks, seed, strike)
 
+    def injected_non_finite(self, round_: int, client: int) -> str | None:
+        """The ``nan`` or ``inf`` strike on ``client`` in ``round_``, named as its update's error says it, or None."""
+        strikes = self._at(round_, client, "train", ("nan", "inf"))
+        return f"faults[{strikes[0].index}] ({strikes[0].fault.kind!r})" if strikes else None
+
     def lost(self, round_: int, client: int) -> LostUpdate | None:
         """The loss of ``client``'s update in ``round_`` (a ``lose`` strike), or None where it is not lost."""
         for strike in self._at(round_, client, "send", ("lose",)):

@@ -100,15 +100,17 @@ class LocalTraining:
                                 f"{type(err).__name__}: {err} ({why}{hint})") from err
         return f"{type(err).__name__}: {err}{hint}"
 
-    def non_finite(self, client: int, count: int) -> str:
+    def non_finite(self, client: int, count: int, injected: str | None = None) -> str:
         """An update with ``count`` NaN/Inf values: the client's error under clients.accept_failures, else the end of
-        the job with what to change."""
-        error = f"update contains {count} NaN/Inf values"
+        the job with what to change. ``injected``: the config's fault that put them there, if one did (then the
+        training did not diverge, and the advice would mislead)."""
+        error = f"update contains {count} NaN/Inf values" + (f", put there by {injected}" if injected else "")
         if not self.parts.accept_failures:
+            advice = ("drop such clients from their rounds with clients.accept_failures=true" if injected else
+                      "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients "
+                      "from their rounds with clients.accept_failures=true")
             raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
-                                     "(clients.accept_failures=false); if its training diverged, lower "
-                                     "train.lr or set train.max_grad_norm, or drop such clients from their "
-                                     "rounds with clients.accept_failures=true")
+                                     f"(clients.accept_failures=false); {advice}")
         return error
 
     def _context(self, round_: int, client: int) -> TrainContext:

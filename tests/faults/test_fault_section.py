@@ -126,6 +126,8 @@ def test_raised_nan_inf_and_lost_clients_are_dropped_as_recorded_bitwise_as_the_
     assert all(f["outcome"] == "dropped" for round_ in strikes for f in round_)
     assert "InjectedFault: faults[0]: an injected exception in round 2" in strikes[1][0]["reason"]
     assert any(f["kind"] == "nan" for round_ in strikes[2:] for f in round_)
+    poisoned = [f for round_ in strikes for f in round_ if f["kind"] in ("nan", "inf")]  # not a diverged training
+    assert all(f"NaN/Inf values, put there by faults[{f['fault']}] ('{f['kind']}')" in f["reason"] for f in poisoned)
     lost = [f for f in strikes[2] if f["kind"] == "lose"]
     assert lost and all("LostUpdate: faults[3]: lost on its way to the server in round 3" in f["reason"] for f in lost)
     assert "round 2: faults[0] ('raise' at stage 'train') strikes logical client 1" in err
