@@ -62,6 +62,17 @@ def test_overrides_are_typed_yaml_values(tmp_path):
         load_config(path, ["rounds"])
 
 
+def test_an_override_reaches_into_a_list_by_index_so_a_sweep_can_vary_one_faults_setting(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("clients: {accept_failures: true}\nfaults: [{kind: raise, fraction: 0.1}, "
+                        "{kind: nan, clients: [2]}]\n")
+    cfg = load_config(str(cfg_file), ["faults.0.fraction=0.3", "faults.1.clients=[3, 4]"])
+    assert cfg.faults[0].fraction == 0.3 and cfg.faults[1].clients == [3, 4]
+    with pytest.raises(ConfigError, match=r"override 'faults.2.fraction=0.3': faults is a list of 2, so '2' must "
+                                          r"be one of its indices, 0 to 1"):
+        load_config(str(cfg_file), ["faults.2.fraction=0.3"])
+
+
 def test_an_override_that_is_not_yaml_names_the_key_and_shows_it_quoted():
     # A bare glob starts with '*', which YAML reads as an alias: the shell user meant a string.
     quoted = r"""model.local='\["\*bn\*", "fc\.\*"\]'"""

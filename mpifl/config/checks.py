@@ -557,8 +557,8 @@ FAULT_PARAMETERS = {"seconds": (("stall",), 0.0), "factor": (("slowdown", "scale
 
 def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
     """One fault: exactly one target, ids and rounds within the run, each parameter on a kind that reads it."""
-    targets = [name for name, value in (("clients", fault.clients), ("ranks", fault.ranks),
-                                        ("fraction", fault.fraction)) if value]
+    targets = [name for name, given in (("clients", bool(fault.clients)), ("ranks", bool(fault.ranks)),
+                                        ("fraction", fault.fraction is not None)) if given]
     if len(targets) != 1:
         raise ConfigError(f"{key}: name exactly one target: clients (ids), ranks (client ranks) or fraction "
                           f"(of each round's clients); got {', '.join(targets) or 'none'}")

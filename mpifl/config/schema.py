@@ -43,18 +43,34 @@ def apply_override(raw: dict, item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rounds=5)")
-    node = raw
+    node: dict | list = raw
     parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[list_index(node, part, item, ".".join(parts[:i]))]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text else None
+        value = yaml.safe_load(text) if text else None
     except yaml.YAMLError as err:
         problem = " ".join(str(getattr(err, "problem", None) or err).split())
         raise ConfigError(f"override {item!r}: the value of {key!r} is not valid YAML ({problem}); quote strings that "
                           f"start with '*', '&' or '!' or hold ': ', as in {quoted_example(key, text)}") from None
+    if isinstance(node, list):
+        node[list_index(node, parts[-1], item, ".".join(parts[:-1]))] = value
+    else:
+        node[parts[-1]] = value
+
+
+def list_index(items: list, part: str, item: str, where: str) -> int:
+    """``part`` of override ``item`` as an index into the list at ``where`` (``faults.0.fraction=0.3``: the first
+    fault's fraction, which a sweep's ``--grid`` can then vary)."""
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"override {item!r}: {where} is a list of {len(items)}, so {part!r} must be one of its "
+                          f"indices, 0 to {len(items) - 1}" if items else f"override {item!r}: {where} is empty")
+    return int(part)
 
 
 def quoted_example(key: str, text: str) -> str:

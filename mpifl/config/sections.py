@@ -570,8 +570,9 @@ class FaultConfig:
                                 min=0)
     ranks: list[int] = field_(list, "client ranks hit (every client they train); set one of clients, ranks, fraction",
                               min=1)
-    fraction: float = field_(0.0, "hit this fraction of each round's trained clients, each drawn on its own from the "
-                                  "seed, the round, the client and the fault's index", min=0.0, max=1.0)
+    fraction: float | None = field_(None, "hit this fraction of each round's trained clients, each drawn on its own "
+                                          "from the seed, the round, the client and the fault's index (0: none, a "
+                                          "sweep's clean baseline)", min=0.0, max=1.0)
     rounds: list[int] = field_(list, "the rounds (asynchronous modes: steps) it strikes in; empty: from_round to "
                                      "to_round", min=1)
     from_round: int = field_(1, "first round it strikes in, when rounds is empty", min=1)

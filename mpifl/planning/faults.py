@@ -95,7 +95,7 @@ class FaultPlan:
             return client in fault.clients
         if fault.ranks:
             return rank in fault.ranks
-        return drawn(self.seed, index, round_, client) < fault.fraction
+        return fault.fraction is not None and drawn(self.seed, index, round_, client) < fault.fraction
 
     def bad_ranks(self, client_ranks: int) -> str | None:
         """A fault that names a rank the job does not have as a client rank, said with its key; else None."""

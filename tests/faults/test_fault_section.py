@@ -68,6 +68,9 @@ def test_a_fraction_strikes_the_same_clients_on_any_rank_in_about_that_share_of_
     assert struck == {(r, c) for r in range(1, 5) for c in range(8) if plan.strikes(r, c, rank=3)}
     share = np.mean([drawn(4, 0, r, c) < 0.25 for r in range(1, 201) for c in range(50)])
     assert abs(share - 0.25) < 0.01  # 10,000 independent draws
+    # fraction 0 is a target that strikes nobody: a sweep's clean point (--grid faults.0.fraction=0,0.1,0.3)
+    none = FaultPlan(config("[{kind: raise, fraction: 0}]"))
+    assert not any(none.strikes(r, c, rank=1) for r in range(1, 5) for c in range(8))
 
 
 def test_rounds_from_to_and_targets_pick_exactly_the_strikes_asked_for():
