@@ -14,7 +14,7 @@ from conftest import run_mpi, stopped_and_resumed, write_config
 from mpifl.learning.device import GpuEnergy
 from mpifl.metrics import CostMeter, bytes_written
 from mpifl.roles.costs import UpdateCosts
-from mpifl.roles.records import cost_line, cost_to_date, plus_server, round_cost
+from mpifl.roles.records import cost_line, cost_to_date, plus_late, plus_server, round_cost
 from mpifl.trackers import scalars
 
 RUN = """
@@ -129,3 +129,11 @@ def test_every_round_records_its_cost_per_rank_and_the_run_s_totals_which_a_resu
     split = records(tmp_path / "split")
     assert split[-1]["cost_to_date"]["cpu_seconds"] > split[1]["cost_to_date"]["cpu_seconds"]
     assert split[-1]["cost_to_date"]["bytes_moved"] == whole[-1]["cost_to_date"]["bytes_moved"]
+
+
+def test_a_dropped_ranks_work_counts_in_the_round_its_discarded_header_lands():
+    cost = {"cpu_seconds": 3.0, "server_cpu_seconds": 1.0, "client_cpu_seconds": 2.0, "bytes_moved": 10.0,
+            "bytes_written": 100.0}
+    late = plus_late(cost, {"cpu_seconds": 0.5, "bytes_written": 20.0, "gpu_seconds": 1.0})
+    assert late == {**cost, "cpu_seconds": 3.5, "client_cpu_seconds": 2.5, "late_cpu_seconds": 0.5,
+                    "bytes_written": 120.0}  # no GPU-seconds where the round counted none: no partial total

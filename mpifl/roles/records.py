@@ -174,6 +174,19 @@ def plus_server(cost: dict[str, float], server: dict[str, float]) -> dict[str, f
     return out
 
 
+def plus_late(cost: dict[str, float], late: dict[str, float]) -> dict[str, float]:
+    """``cost`` with what dropped ranks spent on the rounds they were dropped from, as reported by the late headers
+    that landed this round (``rank_costs`` of them): without it a run's totals would leave that work out, since a
+    rank's next header counts only from its last one. ``late_cpu_seconds`` says how much of the CPU it is."""
+    out = {**cost, "cpu_seconds": cost["cpu_seconds"] + late.get("cpu_seconds", 0.0),
+           "client_cpu_seconds": cost["client_cpu_seconds"] + late.get("cpu_seconds", 0.0),
+           "late_cpu_seconds": cost.get("late_cpu_seconds", 0.0) + late.get("cpu_seconds", 0.0)}
+    for key in ("bytes_written", "gpu_seconds", "gpu_energy_joules"):
+        if key in late and key in cost:
+            out[key] = cost[key] + late[key]
+    return out
+
+
 def cost_to_date(previous: dict[str, float] | None, cost: dict[str, float]) -> dict[str, float]:
     """The run's cost so far: ``previous`` (the last record's, resumes included) plus this round's ``cost``."""
     previous = previous or {}

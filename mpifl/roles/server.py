@@ -43,6 +43,7 @@ from mpifl.roles.records import (
     federated_evaluation,
     group_split,
     note_memory_growth,
+    plus_late,
     plus_server,
     rank_costs,
     round_cost,
@@ -197,6 +198,9 @@ class Server:
                            evaluated, stats.aggregate_seconds, trained, stats.last_drop)
         record = self._record(plan, routes, stats.metas, evaluation, times, work)
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
+        late = rank_costs(self.late.take_discarded())
+        if late:
+            record["cost"] = plus_late(record["cost"], late)
         record["cost_to_date"] = cost_to_date(self.history[-1].get("cost_to_date") if self.history else None,
                                               record["cost"])
         if strikes or spent:

@@ -81,12 +81,20 @@ class LateStreams:
         self.finished: dict[int, float] = {}  # rank -> time.monotonic() when its last owed stream was in
         self.heard_at: dict[int, float] = {}  # rank -> when it last sent anything: a late chunk, a progress report
         self.retired: set[int] = set()  # busy ranks silent past the deadline (said once)
+        # the headers of dropped streams, discarded with their updates: what they report of their rank's cost
+        # (the work of the round it was dropped from) is counted where they land (take_discarded)
+        self.discarded: list[protocol.UpdateMeta] = []
         self.status = MPI.Status()
 
     def add(self, owed: OwedStream) -> None:
         """Take up ``owed`` from now on."""
         if not owed.done:
             self.owed.append(owed)
+
+    def take_discarded(self) -> list[protocol.UpdateMeta]:
+        """The dropped streams' headers that landed since the last call (their updates discarded)."""
+        taken, self.discarded = self.discarded, []
+        return taken
 
     def owes(self, rank: int) -> bool:
         """Whether ``rank`` still has a dropped stream in flight."""
@@ -155,7 +163,9 @@ class LateStreams:
         landed = False
         meta_tag = protocol.round_tag(protocol.META, owed.round)
         while owed.metas and self.comm.Iprobe(source=owed.rank, tag=meta_tag, status=self.status):
-            self.comm.recv(source=owed.rank, tag=meta_tag)
+            meta = self.comm.recv(source=owed.rank, tag=meta_tag)
+            self.discarded.extend(meta.members if isinstance(meta, protocol.GroupMeta) else
+                                  [meta] if isinstance(meta, protocol.UpdateMeta) else [])
             owed.metas -= 1
             landed = True
         drain = self.drains.setdefault(id(owed), _Drain())

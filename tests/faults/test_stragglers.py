@@ -73,6 +73,8 @@ def test_a_rank_that_stays_slow_is_dropped_then_not_waited_for_until_it_rejoins_
         assert {d["client"] for d in by_round[3]["dropped"] if d["rank"] == 2} == {1, 4}
         assert "round 3: rank 2 is still training round 2" in result.stderr
     assert "2" in history[-1]["ranks"]  # it rejoined
+    # what rank 2 spent on round 2 is counted where its discarded header landed, not lost from the totals
+    assert sum(r["cost"].get("late_cpu_seconds", 0.0) for r in history) > 0
     assert "round 2: rank 2's late updates of logical clients" in result.stderr
     want = reference_run(load_config(None, list(overrides), data=yaml.safe_load(text)), dropped_in=dropped)
     got = load_tensors(tmp_path / "run" / "model.h5")
