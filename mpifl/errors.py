@@ -11,3 +11,8 @@ class CheckpointError(ValueError):
 
 class MissingExtra(ImportError):
     """An optional dependency that this config needs is not installed; the message names the extra to install."""
+
+
+class UsageError(ValueError):
+    """A command's options that cannot go together (``--nodes`` too few for the ranks, say): reported as argparse
+    reports a bad option, with the subcommand's usage and exit status 2."""

@@ -128,7 +128,7 @@ def test_every_rank_is_signalled_before_the_walltime_and_the_job_checkpoints_its
                       "--stop-before", "28", "-o", str(script))
     assert made.returncode == 0, made.stderr
     text = script.read_text()
-    assert "WALLTIME_SECONDS=${WALLTIME_SECONDS:-60}" in text and "STOP_BEFORE=${STOP_BEFORE:-28}" in text
+    assert "    WALLTIME_SECONDS=60\n" in text and "STOP_BEFORE=${STOP_BEFORE:-28}" in text  # no qstat here: 60 s
     env = fake_pbs(tmp_path, ["localhost"], "125.fake", FL_HELPERS_CLIENT_SECONDS="0.5")
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
                          cwd=tmp_path)
@@ -140,3 +140,87 @@ def test_every_rank_is_signalled_before_the_walltime_and_the_job_checkpoints_its
     status = mpifl_here("status", str(out))
     assert status.returncode == 1 and f"{rounds} of 200 rounds recorded; newest checkpoint ckpt-r{rounds:06d}.h5" \
         in status.stdout, status.stdout
+
+
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")  # 5 ranks: 1 server + 4 client ranks
+
+
+@pytest.mark.parametrize("tool", ["pbs", "slurm"])
+@pytest.mark.parametrize("options, said", [
+    (("--ranks-per-node", "0"), "argument --ranks-per-node: '0' is not a whole number above 0"),
+    (("--nodes", "-1"), "argument --nodes: '-1' is not a whole number above 0"),
+    (("--stop-before", "-5"), "argument --stop-before: '-5' is not a whole number of 0 or more"),
+    (("--nodes", "1"), "argument --nodes: 5 ranks (1 server + 4 client ranks) at --ranks-per-node 4 need 2 nodes, "
+                       "not 1: ask for --nodes 2"),
+    (("--nodes", "5"), "argument --nodes: 5 ranks (1 server + 4 client ranks) at --ranks-per-node 4 fill 2 node(s), "
+                       "so 3 of 5 would sit idle"),
+    (("faults=[{kind: kill, ranks: [7]}]",), "faults[0].ranks: [7] is not client ranks of this job (ranks 1..4)"),
+], ids=["ranks-per-node-0", "nodes-negative", "stop-before-negative", "nodes-too-few", "nodes-idle", "fault-rank"])
+def test_options_the_job_cannot_run_with_are_refused_before_a_script_is_written(tmp_path, tool, options, said):
+    """The launcher places --ranks-per-node ranks on each node and the memory check counts them so: a --nodes
+    that they do not fill exactly is refused, as is a fault on a rank the job will not have (what `mpifl run`
+    would refuse only after the queue wait)."""
+    script = tmp_path / "job"
+    result = mpifl_here(tool, QUICKSTART, *options, "-o", str(script))
+    assert result.returncode == 2 and said in result.stderr, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and not script.exists()
+    made = mpifl_here(tool, QUICKSTART, "--nodes", "2", "--gpus-per-node", "0", "-o", str(script))
+    assert made.returncode == 0 and "5 ranks on 2 node(s)" in made.stdout, made.stderr
+
+
+@pytest.mark.parametrize("tool, limit", [("pbs", "--walltime"), ("slurm", "--time")])
+def test_a_stop_before_not_shorter_than_the_time_limit_is_refused(tmp_path, tool, limit):
+    refused = mpifl_here(tool, QUICKSTART, limit, "01:00:00", "--stop-before", "4000", "-o", str(tmp_path / "no"))
+    assert refused.returncode == 2 and not (tmp_path / "no").exists()
+    assert (f"argument --stop-before: 4000 s is not shorter than the time limit ({limit} 01:00:00, 3600 s)"
+            in refused.stderr), refused.stderr
+    assert mpifl_here(tool, QUICKSTART, limit, "01:00:00", "--stop-before", "3599", "--gpus-per-node", "0",
+                      "-o", str(tmp_path / "yes")).returncode == 0
+
+
+def fake_launch(tmp_path: Path, granted: str | None) -> dict[str, str]:
+    """A bin/ with a ``qstat -f JOBID`` that prints ``granted`` as the job's Resource_List.walltime (None: it knows
+    no such job) and an ``mpiexec`` that only sleeps for FAKE_RUN_SECONDS: the job script's own logic, in seconds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    listing = (f'echo "Job Id: $2"; echo "    Resource_List.ncpus = 4"; echo "    Resource_List.walltime = {granted}"'
+               if granted else 'echo "qstat: Unknown Job Id $2" >&2; exit 153')
+    (bin_dir / "qstat").write_text(f'#!/bin/bash\n[[ "$1 $2" == "-f 126.fake" ]] || exit 2\n{listing}\n')
+    (bin_dir / "mpiexec").write_text('#!/bin/bash\n[[ "$1" == --version ]] && { echo "fake launcher"; exit 0; }\n'
+                                     'exec sleep "${FAKE_RUN_SECONDS:-0}"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = fake_pbs(tmp_path, ["localhost"], "126.fake", CONDA_MODULE="")
+    return dict(env, MPIEXEC=str(bin_dir / "mpiexec"), PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+
+
+def test_the_stop_timer_counts_from_the_walltime_pbs_granted_not_the_one_generated(tmp_path):
+    """`qsub -l walltime=...` overrides the script's #PBS line: the timer reads the walltime the job was given
+    (PBS Pro's `qstat -f`), so a shorter one still stops the ranks in time, and says in the log which it used."""
+    script = tmp_path / "q.pbs"
+    made = mpifl_here("pbs", QUICKSTART, "--walltime", "00:10:00", "--stop-before", "2", "--gpus-per-node", "0",
+                      "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    env = fake_launch(tmp_path, "00:00:04")
+    env["FAKE_RUN_SECONDS"] = "60"  # the job would run past the granted 4 s: the timer ends it 2 s before
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
+    assert ("mpifl: walltime 4 s, as PBS granted it (qstat -f: Resource_List.walltime = 00:00:04); SIGTERM to every "
+            "rank 2 s before it") in run.stdout, run.stdout + run.stderr
+    assert "mpifl: 2 s before the walltime: SIGTERM to every rank" in run.stdout
+    assert run.returncode == 143, run.stdout + run.stderr  # the fake launcher died of the SIGTERM
+
+
+def test_without_a_granted_walltime_the_timer_uses_the_generated_one_and_ends_quietly(tmp_path):
+    script = tmp_path / "q.pbs"
+    assert mpifl_here("pbs", QUICKSTART, "--walltime", "00:10:00", "--gpus-per-node", "0",
+                      "-o", str(script)).returncode == 0
+    env = fake_launch(tmp_path, None)
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert ("mpifl: walltime 600 s, as generated (00:10:00; qstat -f gave no Resource_List.walltime); SIGTERM to "
+            "every rank 60 s before it") in run.stdout, run.stdout
+    # the timer's sleep, ended as the launcher exits, leaves no bash "Terminated" at the end of the job's log
+    assert "Terminated" not in run.stdout + run.stderr, run.stdout + run.stderr
+    env["WALLTIME_SECONDS"] = "1200"
+    again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
+    assert "mpifl: walltime 1200 s, as WALLTIME_SECONDS set it" in again.stdout, again.stdout

@@ -142,6 +142,47 @@ def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggl
     assert record["wasted_seconds"] == 300.0
 
 
+@pytest.mark.parametrize("trace, said", [
+    (None, "clock.queue_trace: '{path}' does not exist"),
+    ("1 2 3\n", "clock.queue_trace '{path}' line 1: a Standard Workload Format line has 18 fields, this one 3"),
+    ("; Version: 2.2\n;\n", "clock.queue_trace '{path}' holds no job with a known wait and run time"),
+    ("1 18 x 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1\n", "clock.queue_trace '{path}' line 1: fields 2-4"),
+], ids=["missing", "three-fields", "comments-only", "not-a-number"])
+def test_a_queue_trace_that_cannot_be_used_is_refused_before_a_job_with_its_key_file_and_line(tmp_path, trace, said):
+    """The server reads the trace only as it plans its first round: after the queue wait, the ranks' start-up and the
+    run directory. Every command that checks a config before a job starts reads it first, and exits 2."""
+    from conftest import mpifl_here
+
+    path = tmp_path / "trace.swf"
+    if trace is not None:
+        path.write_text(trace)
+    said = said.format(path=path)
+    config = str(ROOT / "configs" / "hpc_queue.yaml")
+    for command in (("validate",), ("plan",), ("pbs", "-o", str(tmp_path / "j.pbs")),
+                    ("slurm", "-o", str(tmp_path / "j.sbatch"))):
+        result = mpifl_here(command[0], config, f"clock.queue_trace={path}", *command[1:])
+        assert result.returncode == 2 and said in result.stderr, (command, result.stdout + result.stderr)
+    assert not (tmp_path / "j.pbs").exists() and not (tmp_path / "j.sbatch").exists()
+    run = run_mpi(2, "run", config, f"clock.queue_trace={path}", "--run-dir", str(tmp_path / "run"))
+    assert run.returncode == 2 and said in run.stderr, run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_settings_the_queue_trace_makes_idle_are_warned_of_and_those_it_reads_are_not():
+    from mpifl.config import config_warnings, load_config
+
+    config = ROOT / "configs" / "hpc_queue.yaml"
+    assert config_warnings(load_config(config)) == []
+    assert config_warnings(load_config(config, ["clock.walltime=7200", "clock.queue_wait=60"])) == [
+        "clock.queue_wait=60.0, clock.walltime=7200.0: ignored beside clock.queue_trace, whose jobs' own waits and "
+        "run times (their walltimes and preemptions) replace the model's; unset one or the other"]
+    assert config_warnings(load_config(config, ["clock.preemption_checkpoint=true"])) == []  # the trace's jobs use it
+    assert config_warnings(load_config(config, ["clock.walltime=7200", "clock.queue_trace=null"])) == []
+    assert config_warnings(load_config(config, ["clock.availability=always"])) == [
+        "clock.queue_trace: read only with clock.availability 'queue', not 'always': "
+        "'configs/traces/hpc_queue.swf' is ignored"]
+
+
 RUN = """
 seed: 5
 rounds: 8

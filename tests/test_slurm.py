@@ -174,9 +174,15 @@ def test_every_rank_is_signalled_before_the_time_limit_to_checkpoint_in_time(tmp
     model's round: the script asks for SIGTERM a tenth of the limit (at most 5 min) earlier, or --stop-before."""
     from mpifl.cli.job_options import slurm_seconds
 
-    assert [slurm_seconds(t) for t in ("90", "90:30", "02:00:00", "1-00", "1-02:30", "2-00:00:05", "soon")] == [
-        5400, 5430, 7200, 86400, 95400, 172805, None]
+    assert [slurm_seconds(t) for t in ("90", "90:30", "02:00:00", "1-00", "1-02:30", "2-00:00:05", "0")] == [
+        5400, 5430, 7200, 86400, 95400, 172805, 0]
+    assert [slurm_seconds(t) for t in ("soon", "abc", "1:2:3:4", "1-2:3:4:5", "-5", "1-", "", "1:-5", "1_0")] == \
+        [None] * 9
     cfg = write_config(tmp_path / "two.yaml", TINY)
+    for bad in ("abc", "1:2:3:4"):  # sbatch would refuse the script, or the cluster's default limit would apply
+        refused = mpifl_here("slurm", str(cfg), "--time", bad, "-o", str(tmp_path / "no.sbatch"))
+        assert refused.returncode == 2 and f"argument --time: {bad!r} is not a Slurm time limit" in refused.stderr
+        assert not (tmp_path / "no.sbatch").exists()
     for options, directive in ((("--time", "00:10:00"), "#SBATCH --signal=TERM@60\n"),
                                (("--time", "12:00:00"), "#SBATCH --signal=TERM@300\n"),
                                (("--time", "12:00:00", "--stop-before", "900"), "#SBATCH --signal=TERM@900\n")):

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from mpifl.cli import commands
 from mpifl.cli.job_options import add_pbs_parser, add_plan_parser, add_slurm_parser
-from mpifl.cli.parsing import add_subcommand, refuse_unrecognized
+from mpifl.cli.parsing import add_subcommand, refuse_unrecognized, subcommand_parser
 from mpifl.cli.sweep import sweep
 from mpifl.config import ConfigError
-from mpifl.errors import CheckpointError, MissingExtra
+from mpifl.errors import CheckpointError, MissingExtra, UsageError
 from mpifl.logs import env_rank, log
 
 if TYPE_CHECKING:
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None, comm: MPI.Intracomm | None = None) -> in
     except BrokenPipeError:  # `mpifl inspect CKPT | head`: the reader left, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's documented way out
         return 0
+    except UsageError as err:  # options that are each valid but cannot go together: argparse's own report
+        subcommand_parser(parser, args.command).error(str(err))
     except MissingExtra as err:  # an optional dependency this config needs, with its install line
         if env_rank() in (0, None):
             log(f"mpifl: {err}")

@@ -125,12 +125,13 @@ def _another_singleton(comm: MPI.Intracomm) -> bool:
 
 def check_plugins(cfg: Config) -> list[str]:
     """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys, the
-    strategy's capabilities against the run modes (a plug-in's are known only once it is imported), and that
-    the library of each of output.trackers is installed.
+    strategy's capabilities against the run modes (a plug-in's are known only once it is imported), that
+    the library of each of output.trackers is installed, and that clock.queue_trace parses.
 
     Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
     """
     from mpifl.aggregation.compatibility import checked_strategy
+    from mpifl.clock.queue import queue_trace_problem
     from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
     from mpifl.learning.models import model_problem
     from mpifl.learning.trainers import trainer_problem
@@ -143,7 +144,8 @@ def check_plugins(cfg: Config) -> list[str]:
     problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None) or \
         trainer_problem(cfg.train)
     problem = problem or tracker_problem(cfg.output.trackers) or accounting_problem(cfg.privacy.mode) or \
-        budget_problem(cfg.privacy, cfg.clients.num_clients, cfg.clients_per_round())
+        budget_problem(cfg.privacy, cfg.clients.num_clients, cfg.clients_per_round()) or \
+        queue_trace_problem(cfg.clock.queue_trace)
     if problem:
         raise ConfigError(problem)
     if cfg.clients.placement == "per_round" and has_data and client_source(cfg.data) is not None:

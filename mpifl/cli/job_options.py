@@ -8,6 +8,7 @@ on a login node; the commands themselves import their code when they run (``mpif
 from __future__ import annotations
 
 import argparse
+import re
 
 from mpifl.cli.parsing import add_subcommand
 
@@ -30,22 +31,51 @@ def slurm_megabytes(text: str) -> float | None:
     return value * SLURM_MEMORY_UNITS[unit] if 0 <= value < float("inf") else None
 
 
+def positive_int(text: str) -> int:
+    """An option's argument type: a whole number above 0 (a count of nodes, ranks or cores), else argparse's error."""
+    value = _whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number above 0")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An option's argument type: a whole number, 0 or more (0: none), else argparse's error."""
+    value = _whole_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 0 or more")
+    return value
+
+
+def _whole_number(text: str) -> int:
+    """``text`` as an int, else argparse's error."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
 def slurm_seconds(text: str) -> int | None:
     """A Slurm time limit in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats); None for anything else."""
-    days, _, rest = text.rpartition("-")
-    try:
-        parts = [int(p) for p in rest.split(":")]
-        day_count = int(days) if days else 0
-    except ValueError:
+    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit); None for anything else."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if match is None:
         return None
-    if days:  # days-hours[:minutes[:seconds]]
-        units = [3600, 60, 1][:len(parts)]
-    else:  # minutes, minutes:seconds, hours:minutes:seconds
-        units = {1: [60], 2: [60, 1], 3: [3600, 60, 1]}.get(len(parts), [])
-    if not units or len(units) != len(parts):
-        return None
-    return day_count * 86400 + sum(p * u for p, u in zip(parts, units))
+    days, *clock = match.groups()
+    parts = [int(p) for p in clock if p is not None]
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        return int(days) * 86400 + sum(p * u for p, u in zip(parts, (3600, 60, 1)))
+    units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]  # minutes[:seconds], hours:minutes:seconds
+    return sum(p * u for p, u in zip(parts, units))
+
+
+def slurm_time(text: str) -> str:
+    """``--time``'s argument type: ``text`` as given when Slurm would take it, else argparse's error."""
+    if slurm_seconds(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm time limit (minutes, minutes:seconds, "
+                                         "hours:minutes:seconds, days-hours, days-hours:minutes or "
+                                         "days-hours:minutes:seconds, e.g. 01:00:00 or 2-00)")
+    return text
 
 
 def slurm_memory(text: str) -> str:
@@ -76,10 +106,10 @@ def pbs_walltime(text: str) -> str:
 
 def add_stop_before(p: argparse.ArgumentParser, limit: str, how: str) -> None:
     """--stop-before: when, before the time limit, every rank gets SIGTERM (both schedulers' scripts)."""
-    p.add_argument("--stop-before", type=int, metavar="SECONDS",
+    p.add_argument("--stop-before", type=non_negative_int, metavar="SECONDS",
                    help=f"every rank gets SIGTERM this long before {limit} ({how}), so that the server finishes "
                    "its round and checkpoints before the scheduler's SIGKILL; default: a tenth of the limit, at "
-                   "most 300; 0: none")
+                   "most 300; 0: none; it must be shorter than the limit")
 
 
 def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
@@ -87,15 +117,16 @@ def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=50")
     p.add_argument("--output", "-o", help=f"script path (default: <name>{suffix})")
-    p.add_argument("--nodes", type=int, help="nodes to ask for (default: from the rank count)")
-    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
-    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
+    p.add_argument("--nodes", type=positive_int, help="nodes to ask for: exactly those the ranks fill at "
+                   "--ranks-per-node (default: that count; another is refused, naming it)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--client-ranks", type=positive_int, help=CLIENT_RANKS_HELP)
 
 
 def add_gpu_argument(p: argparse.ArgumentParser) -> None:
     """--gpus-per-node, and the memory of each for the check."""
-    p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node: each rank sees one, from its "
-                   "node-local rank (0: CPU only)")
+    p.add_argument("--gpus-per-node", type=non_negative_int, default=4, help="GPUs per node: each rank sees one, "
+                   "from its node-local rank (0: CPU only)")
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="memory per GPU (GiB) for the check "
                    "(Polaris: A100 40 GB)")
 
@@ -111,14 +142,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(sub, "plan", help="dry run: bytes and expected memory per rank for a config, nothing allocated")
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. clients.per_round=8")
-    p.add_argument("--client-ranks", type=int, help=CLIENT_RANKS_HELP)
-    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
+    p.add_argument("--client-ranks", type=positive_int, help=CLIENT_RANKS_HELP)
+    p.add_argument("--ranks-per-node", type=positive_int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--server-alone", action="store_true", help="the server has a node to itself")
-    p.add_argument("--cores-per-node", type=int, default=None, help="cores per node, for the binding of each "
+    p.add_argument("--cores-per-node", type=positive_int, default=None, help="cores per node, for the binding of each "
                    "local rank (default: this machine's, os.cpu_count())")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, for the binding of each local "
-                   "rank and, with train.device auto, whether client ranks train on GPUs (default: this machine's: "
-                   "CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
+    p.add_argument("--gpus-per-node", type=non_negative_int, default=None, help="GPUs per node, for the binding of "
+                   "each local rank and, with train.device auto, whether client ranks train on GPUs (default: this "
+                   "machine's: CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
     p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
                    "fullest node would pass 90%% of it")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (GiB): warn when a client "
@@ -132,7 +163,7 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
     """The ``pbs`` subcommand's options."""
     p = add_subcommand(sub, "pbs", help="write a PBS Pro job script for a config, with a memory check per node")
     add_job_arguments(p, ".pbs")
-    p.add_argument("--depth", type=int, default=8, help="cores per rank (Cray PALS --depth)")
+    p.add_argument("--depth", type=positive_int, default=8, help="cores per rank (Cray PALS --depth)")
     p.add_argument("--walltime", default="01:00:00", type=pbs_walltime, help="#PBS -l walltime (HH:MM:SS)")
     add_stop_before(p, "the walltime", "a timer in the script sends it to mpiexec, which forwards it; PBS's "
                     "SIGKILL comes the queue's kill_delay after its own SIGTERM, at the walltime")
@@ -152,8 +183,10 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
                "first node)")
     p = add_subcommand(sub, "slurm", help=summary, description=summary)
     add_job_arguments(p, ".sbatch")
-    p.add_argument("--cpus-per-task", type=int, default=8, help="cores per rank (#SBATCH and srun --cpus-per-task)")
-    p.add_argument("--time", default="01:00:00", help="#SBATCH --time (HH:MM:SS)")
+    p.add_argument("--cpus-per-task", type=positive_int, default=8,
+                   help="cores per rank (#SBATCH and srun --cpus-per-task)")
+    p.add_argument("--time", default="01:00:00", type=slurm_time, help="#SBATCH --time (HH:MM:SS, or another of "
+                   "Slurm's formats: minutes, days-hours, ...)")
     p.add_argument("--partition", default="debug", help="#SBATCH --partition ('': the cluster's default)")
     p.add_argument("--account", default="MYPROJECT", help="#SBATCH --account to charge ('': none)")
     add_stop_before(p, "the time limit", "#SBATCH --signal=TERM@SECONDS; Slurm's SIGKILL comes KillWait, 30 s "

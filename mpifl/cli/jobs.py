@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpifl.cli.plan import (
-    client_ranks,
     clients_beside_server,
     estimate,
     gpu_warning,
     node_warning,
+    planned_config,
     ranks_per_gpu,
 )
-from mpifl.config import Config, load_config
+from mpifl.config import Config
+from mpifl.errors import UsageError
 from mpifl.planning.memory import MemoryEstimate
 
 # After the launcher exits 0, the run directory decides the job's exit status (both schedulers' scripts).
@@ -60,11 +61,14 @@ class Job:
 
 
 def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) -> Job:
-    """Load the config, count ranks (1 server + client ranks) and nodes, and print the memory warning, if any."""
-    cfg = load_config(args.config, args.overrides)
-    nranks = client_ranks(cfg, args) + 1
-    nodes = args.nodes or (1 if server_alone else 0) + math.ceil(
-        (nranks - (1 if server_alone else 0)) / args.ranks_per_node)
+    """Load the config, count ranks (1 server + client ranks) and nodes, and print the memory warning, if any.
+    Raises UsageError for a --nodes that the ranks do not fill exactly at --ranks-per-node."""
+    cfg, client_ranks = planned_config(args)
+    nranks = client_ranks + 1
+    nodes = nodes_filled(nranks, args.ranks_per_node, server_alone)
+    problem = node_count_problem(args.nodes, nranks, args.ranks_per_node, server_alone)
+    if problem:
+        raise UsageError(problem)
     _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
     for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone, server_alone_offered=tool != "slurm"),
                     gpu_warning(cfg, plan, args.gpu_memory_gb if args.gpus_per_node > 0 else None,
@@ -74,6 +78,39 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
             print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)
     return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides))
+
+
+def nodes_filled(nranks: int, ranks_per_node: int, server_alone: bool) -> int:
+    """The nodes that ``nranks`` ranks fill at ``ranks_per_node`` each (with ``server_alone``, the first holds rank 0
+    alone): what the launcher uses, so what the job should ask for."""
+    alone = 1 if server_alone else 0
+    return alone + math.ceil((nranks - alone) / ranks_per_node)
+
+
+def node_count_problem(asked: int | None, nranks: int, ranks_per_node: int, server_alone: bool) -> str | None:
+    """Why ``--nodes asked`` does not fit ``nranks`` ranks at ``ranks_per_node`` (the launcher places that many on each
+    node, and the memory check counts them so), or None. Too few: the launcher cannot place the ranks; too many:
+    the nodes past those filled sit idle, charged."""
+    needed = nodes_filled(nranks, ranks_per_node, server_alone)
+    if asked is None or asked == needed:
+        return None
+    ranks = (f"{nranks} ranks (1 server + {nranks - 1} client ranks) at --ranks-per-node {ranks_per_node}"
+             + (", the server alone on the first node," if server_alone else ""))
+    if asked < needed:
+        return (f"argument --nodes: {ranks} need {needed} nodes, not {asked}: ask for --nodes {needed} (or leave it "
+                "out), raise --ranks-per-node, or lower --client-ranks")
+    return (f"argument --nodes: {ranks} fill {needed} node(s), so {asked - needed} of {asked} would sit idle, "
+            f"charged: ask for --nodes {needed} (or leave it out), or spread the ranks with a lower --ranks-per-node")
+
+
+def stop_before_problem(stop: int, limit: int | None, limit_text: str, option: str) -> str | None:
+    """Why SIGTERM ``stop`` seconds before a time limit of ``limit`` seconds (``limit_text`` as given to ``option``)
+    cannot work, or None: the script's timer (or Slurm's --signal) would be due before the job starts."""
+    if stop == 0 or not limit or stop < limit:
+        return None
+    return (f"argument --stop-before: {stop} s is not shorter than the time limit ({option} {limit_text}, {limit} s), "
+            f"so the ranks would never get their early SIGTERM: give fewer seconds (the default is a tenth of the "
+            "limit, at most 300), or 0 for none")
 
 
 def early_stop_seconds(asked: int | None, limit: int | None) -> int:

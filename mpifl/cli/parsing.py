@@ -22,14 +22,20 @@ def add_subcommand(sub: argparse._SubParsersAction, name: str, **options: Any) -
     return sub.add_parser(name, formatter_class=DefaultsFormatter, allow_abbrev=False, **options)
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of subcommand ``command`` (``parser`` itself when it has none of that name): its errors show
+    the subcommand's usage, not the top level's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def refuse_unrecognized(parser: argparse.ArgumentParser, command: str | None, stray: list[str]) -> NoReturn:
     """Exit with argparse's error for arguments no option takes, from the subcommand's own parser (its usage, not the
     top level's), naming the subcommand's options that a mistyped one may mean: those whose name contains it as a
     word (``mpifl plan --ranks``: ``--client-ranks`` or ``--ranks-per-node``), else the closest spelling."""
-    chosen = parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            chosen = action.choices[command]
+    chosen = subcommand_parser(parser, command)
     options = [o for action in chosen._actions for o in action.option_strings if o.startswith("--")]
     hints = []
     for arg in stray:

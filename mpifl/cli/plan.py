@@ -153,6 +153,19 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
                                  server_alone, data, gpus_per_node)
 
 
+def planned_config(args: argparse.Namespace) -> tuple[Config, int]:
+    """The config of ``mpifl plan``, ``pbs`` or ``slurm`` and its client ranks (``client_ranks``), with the files
+    that ``mpifl run`` reads before MPI read here too (clock.queue_trace), so that a job is not written, queued and
+    started only to stop at the first round."""
+    from mpifl.clock.queue import queue_trace_problem
+
+    cfg = load_config(args.config, args.overrides)
+    problem = queue_trace_problem(cfg.clock.queue_trace)
+    if problem:
+        raise ConfigError(problem)
+    return cfg, client_ranks(cfg, args)
+
+
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
     """--client-ranks, or one client rank per client sampled in a round, or per reduction group where
     clients.groups is set (clients.ranks_per_client each); refused, as ``mpifl run`` would refuse it, where the
@@ -222,8 +235,7 @@ def round_traffic(cfg: Config, ranks: int, model_bytes: int, update_bytes: int) 
 
 def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
-    cfg = load_config(args.config, args.overrides)
-    ranks = client_ranks(cfg, args)
+    cfg, ranks = planned_config(args)
     gpus = gpus_per_node(args.gpus_per_node)
     size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus)
     moved, through_server = round_traffic(cfg, ranks, size.exchanged, plan.update_wire_bytes)

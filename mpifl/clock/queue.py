@@ -153,13 +153,35 @@ class QueueAvailability:
         return [(a, b, p) for a, b, p in zip(jobs.starts, jobs.ends, jobs.preempted) if a < until]
 
 
+def queue_trace_problem(path: str | None) -> str | None:
+    """Why ``clock.queue_trace`` cannot be used (missing, a line that does not parse, no job in it), naming the key,
+    the file and the line; None when it can or is unset. Read wherever a config is checked before a job starts
+    (``mpifl validate``, ``run`` before MPI, ``plan``, ``pbs``, ``slurm``): the server reads it only as the first
+    round is planned, after the queue wait and the ranks' start-up."""
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        return f"clock.queue_trace: {path!r} {'is not a file' if Path(path).exists() else 'does not exist'}"
+    try:
+        read_swf(path, 1)
+    except OSError as err:
+        return f"clock.queue_trace: {path!r} cannot be read: {err.strerror or err}"
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, bool]]]:
     """Job runs from a Standard Workload Format file, dealt to clients round-robin in submit order: client ->
     [(start, end, cut short)], each at the trace's own times (a client's jobs may overlap). A job is cut short when
     its run time fell short of its requested time (field 9) with a status other than completed (field 11: 1).
     Jobs with an unknown wait or run time (-1) are skipped."""
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as err:  # a ValueError, which would otherwise not name the key
+        raise ValueError(f"clock.queue_trace {path!r}: not a text file: {err}") from None
     jobs = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith(";"):
             continue

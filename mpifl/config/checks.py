@@ -168,7 +168,8 @@ def _not_summable(name: str, caps: Capabilities, declared: bool) -> str:
 
 
 def _check_clock(cfg: Config) -> None:
-    """clock.*: the traces exist, and an asynchronous mode has what it needs (``_check_asynchronous``)."""
+    """clock.*: the traces exist (clock.queue_trace is read whole where a job is checked before it starts:
+    mpifl.clock.queue.queue_trace_problem), and an asynchronous mode has what it needs (``_check_asynchronous``)."""
     clock = cfg.clock
     for key in ("trace", "availability_trace"):
         if getattr(clock, key) is not None and not Path(getattr(clock, key)).is_file():
@@ -516,9 +517,13 @@ NARROW_GLOBAL_LR = 1e-4
 
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
-    found = []
+    found = _clock_warnings(cfg)
+    for i, fault in enumerate(cfg.faults):
+        if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
+            found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
+                         f"and to_round={fault.to_round} are ignored beside them: set one or the other")
     for i, fault in enumerate(cfg.faults):  # a run stopped early (rounds=2) and resumed with more still strikes later
-        late = [r for r in (*fault.rounds, fault.from_round, fault.to_round) if r > cfg.rounds]
+        late = [r for r in (fault.rounds or (fault.from_round, fault.to_round)) if r > cfg.rounds]
         if late:
             found.append(f"faults[{i}]: round {late[0]} is past the run's last (rounds={cfg.rounds}): it strikes only "
                          "if a resume raises rounds")
@@ -548,6 +553,27 @@ def config_warnings(cfg: Config) -> list[str]:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
     return found
+
+
+# What a clock.queue_trace replaces: its jobs' own waits, run times and ends (mpifl.clock.queue draws none).
+TRACE_REPLACES = ("queue_wait", "queue_wait_sigma", "walltime", "preemption_rate")
+
+
+def _clock_warnings(cfg: Config) -> list[str]:
+    """clock.* settings that are legal but read by nothing: a queue trace beside another availability, and the
+    batch-queue model's settings beside the trace that replaces them."""
+    clock, defaults = cfg.clock, type(cfg.clock)()
+    if clock.queue_trace is None:
+        return []
+    if clock.availability != "queue":
+        return [f"clock.queue_trace: read only with clock.availability 'queue', not {clock.availability!r}: "
+                f"{clock.queue_trace!r} is ignored"]
+    replaced = [f"clock.{key}={getattr(clock, key)}" for key in TRACE_REPLACES
+                if getattr(clock, key) != getattr(defaults, key)]
+    if replaced:
+        return [f"{', '.join(replaced)}: ignored beside clock.queue_trace, whose jobs' own waits and run times (their "
+                "walltimes and preemptions) replace the model's; unset one or the other"]
+    return []
 
 
 # The keys that mean something only for some kinds of fault, and their defaults: set on another kind, a mistake.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpifl.config import Config
+from mpifl.planning.faults import FaultPlan
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ def srun_singleton_problem(size: int, srun_tasks: str | None) -> str | None:
 
 def world_problem(size: int, cfg: Config) -> str | None:
     """Why ``size`` ranks (the server and the client ranks) cannot run this config, or None: what ``mpifl run``
-    refuses before any round, and ``mpifl plan``, ``pbs`` and ``slurm`` before a job is written."""
+    refuses before any round, and ``mpifl plan``, ``pbs`` and ``slurm`` before a job is written (a fault's
+    ``ranks`` among them: the config names ranks, the job decides which it has)."""
     if size < 2:
         return ("mpifl needs at least 2 ranks (rank 0 is the server, ranks 1.. are clients): "
                 "launch with e.g. `mpiexec -n 3 mpifl run CONFIG`")
@@ -91,4 +93,4 @@ def world_problem(size: int, cfg: Config) -> str | None:
                 f"{cfg.clients_per_round()} clients per round > {hosts} {unit}: launch "
                 f"{ranks_for(cfg.clients_per_round())} ranks, lower clients.per_round, or sum each rank's "
                 f"participants first with clients.groups={hosts}")
-    return None
+    return FaultPlan(cfg).bad_ranks(size - 1)

@@ -25,7 +25,6 @@ from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.trainers import load_optimizer_machinery
 from mpifl.logs import SUPERVISOR_PID, log
 from mpifl.planning.binding import Binding, core_ranges, describe
-from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.planning.world import GroupLayout, srun_singleton_problem, world_problem
@@ -48,8 +47,7 @@ from mpifl.wire.transport import use_doorbells
 def check_world(size: int, cfg: Config) -> None:
     """Refuse rank counts that cannot run this config (``planning.world.world_problem``), and the singletons of
     an srun without a PMI with their cause (``planning.world.srun_singleton_problem``)."""
-    problem = srun_singleton_problem(size, os.environ.get("SLURM_STEP_NUM_TASKS")) or world_problem(size, cfg) \
-        or FaultPlan(cfg).bad_ranks(size - 1)
+    problem = srun_singleton_problem(size, os.environ.get("SLURM_STEP_NUM_TASKS")) or world_problem(size, cfg)
     if problem:
         raise SetupError(problem)
 

@@ -62,6 +62,16 @@ def test_a_fault_past_the_last_round_is_a_warning_as_a_resume_may_raise_rounds()
         config_warnings(config("[{kind: raise, clients: [1], rounds: [5]}]"))
 
 
+def test_rounds_beside_from_round_or_to_round_is_a_warning_as_the_rounds_alone_decide():
+    both = config("[{kind: raise, clients: [1], rounds: [2], from_round: 3, to_round: 9}]")
+    assert config_warnings(both) == ["faults[0]: rounds [2] decide when it strikes; from_round=3 and to_round=9 are "
+                                     "ignored beside them: set one or the other"]  # to_round 9 > rounds: not said
+    fault = both.faults[0]
+    assert [r for r in range(1, 5) if fault.strikes_in(r, 4)] == [2]
+    assert config_warnings(config("[{kind: raise, clients: [1], rounds: [2]}]")) == []
+    assert config_warnings(config("[{kind: raise, clients: [1], from_round: 2, to_round: 3}]")) == []
+
+
 def test_a_fraction_strikes_the_same_clients_on_any_rank_in_about_that_share_of_draws():
     plan = FaultPlan(config("[{kind: raise, fraction: 0.25}]"))
     struck = {(r, c) for r in range(1, 5) for c in range(8) if plan.strikes(r, c, rank=1)}
