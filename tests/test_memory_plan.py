@@ -483,3 +483,26 @@ def test_plan_of_one_client_rank_says_rank_1_once(capsys):
     out = capsys.readouterr().out.splitlines()
     assert "; 1 client rank, 1 client per round," in out[0]
     assert out[2].startswith("  rank 1 (clients): ~") and " GiB each" not in out[2]
+
+
+def test_a_sharded_rank_gathers_the_unit_that_takes_the_most_with_gradients_only_for_what_trains():
+    """Under LoRA the embedding is frozen: gathered whole, it has no gradient beside it, so a decoder layer with
+    trained adapters may be the unit that takes the most."""
+    from mpifl.planning.memory import gathered_unit
+
+    frozen_embedding = [("model.embed_tokens.weight", 1000, False), ("model.layers.0.q.weight", 300, False),
+                        ("model.layers.0.q.lora_A.weight", 10, True)]
+    assert gathered_unit(frozen_embedding) == (1000, 0)
+    assert gathered_unit([*frozen_embedding[:1], ("model.layers.0.q.weight", 900, True)]) == (900, 900)
+    assert gathered_unit([(n, b, True) for n, b, _ in frozen_embedding]) == (1000, 1000)
+    assert gathered_unit([]) == (0, 0)
+
+
+def test_the_70b_lora_plan_counts_no_gradient_for_its_frozen_embedding():
+    from conftest import mpifl_here
+
+    result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", "--ranks-per-node", "4", "--gpus-per-node", "4",
+                        "--gpu-memory-gb", "40")
+    gpu = next(line for line in result.stdout.splitlines() if "GPU of each client rank" in line)
+    assert gpu.startswith("  GPU of each client rank: ~20.06 GiB")  # was 22.02: 1.96 GiB for a gradient that is not
+    assert "the largest FSDP unit gathered (1.96 GiB, frozen: no gradients)" in gpu

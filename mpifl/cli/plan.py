@@ -25,6 +25,7 @@ from mpifl.planning.memory import (
     client_state_elements,
     client_state_plan,
     decoder_activation_bytes,
+    gathered_unit,
     journaled_elements,
     largest_fsdp_unit,
     loaned_vectors,
@@ -79,10 +80,11 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
     trained += [e.nbytes for e in frozen.entries if is_local(e.name, local)]
     parameters = sum(e.nbytes // itemsize(e.dtype) for e in exchanged.entries if not e.statistic
                      and not e.name.startswith(CONTROL + ".") and e.dtype.startswith(("float", "bfloat")))
-    unit = largest_fsdp_unit((e.name, e.nbytes) for e in (*exchanged.entries, *frozen.entries)
-                             if not e.name.startswith(CONTROL + "."))  # summed streams: rows, never gathered
+    tensors = [(e.name, e.nbytes, True) for e in exchanged.entries if not e.name.startswith(CONTROL + ".")]
+    tensors += [(e.name, e.nbytes, is_local(e.name, local)) for e in frozen.entries]  # summed streams: never gathered
+    unit = largest_fsdp_unit((name, nbytes) for name, nbytes, _ in tensors)
     return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0),
-                      parameters, largest_unit=unit)
+                      parameters, largest_unit=unit, gathered_unit=gathered_unit(tensors))
 
 
 def lane_activation_bytes(cfg: Config, shape: dict) -> int:
@@ -283,10 +285,9 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; {host_acts}]")
     if plan.client_device_bytes and cfg.clients.sharding == "fsdp":
         acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
-        unit = format_bytes(size.largest_unit)
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [1/{per_client} of the model, "
-              f"its global rows, gradients and optimizer; the largest FSDP unit gathered ({unit}, with its "
-              f"gradients); {acts}; cuBLAS workspaces {format_bytes(CUDA_WORKSPACE_BYTES)}]")
+              f"its global rows, gradients and optimizer; {gathered_text(size)}; {acts}; cuBLAS workspaces "
+              f"{format_bytes(CUDA_WORKSPACE_BYTES)}]")
     elif plan.client_device_bytes and cfg.train.batched_clients:
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy + "
               f"{batched_what(cfg, size)}{' + group sum' if cfg.clients.groups else ''} + cuBLAS workspaces "
@@ -357,8 +358,16 @@ def sharded_what(cfg: Config, size: ModelBytes, on_gpu: bool) -> str:
     if cfg.train.trainer == "none":
         return f"1/{parts} of the model and of the global model, the chunk ring"
     acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
-    return (f"1/{parts} of the model, the global model, gradients and optimizer; the largest FSDP unit gathered "
-            f"({format_bytes(size.largest_unit)}, with its gradients); {acts}; the chunk ring")
+    return (f"1/{parts} of the model, the global model, gradients and optimizer; {gathered_text(size)}; {acts}; "
+            "the chunk ring")
+
+
+def gathered_text(size: ModelBytes) -> str:
+    """The FSDP unit gathered whole that a sharded rank's figure counts, with its gradients where it has any."""
+    held, gradients = size.gathered_unit
+    if not gradients:
+        return f"the largest FSDP unit gathered ({format_bytes(held)}, frozen: no gradients)"
+    return f"the largest FSDP unit gathered with its gradients ({format_bytes(held)} + {format_bytes(gradients)})"
 
 
 def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int) -> str | None:
