@@ -306,3 +306,37 @@ def test_validate_says_a_transformers_config_error_in_one_line_with_exit_status_
     assert fine.returncode == 0, fine.stderr
     assert "model transformers float32 (" in fine.stdout and "K parameters (" in fine.stdout  # not "0.000 B"
     assert " KiB exchanged, 0 B frozen)" in fine.stdout
+
+
+def test_exported_lora_adapters_load_with_peft_onto_the_base_model_and_give_mpifls_logits(tmp_path):
+    """``mpifl export`` of a LoRA run writes the adapters under peft's names, peft's adapter_config.json and the
+    base model's config.json: peft's own loader then rebuilds the model mpifl trained."""
+    peft = pytest.importorskip("peft")
+    from mpifl.cli.checkpoints import export
+    from mpifl.config import dump_config
+    from mpifl.storage.hdf5 import CheckpointWriter
+
+    lora = {"r": 4, "alpha": 8.0, "target_modules": ["c_attn"]}
+    cfg = load_config(None, data={"model": {"name": "transformers", "lora": lora, "transformers": {
+        "architecture": "gpt2", "config": TINY["gpt2"]}}, "train": {"trainer": "none"}, "eval": {"every": 0}})
+    flat = build_flat_model(cfg.model, seed=3)
+    with torch.no_grad():  # trained adapters: B is no longer zero, so the adapters change the logits
+        for name, tensor in flat.tensors():
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(len(name))))
+    with CheckpointWriter(tmp_path / "model.h5", flat.spec, {"round": 1, "config": dump_config(cfg)}) as writer:
+        writer.write_tensors(flat.tensors())
+        writer.write_metrics([])
+        writer.publish()
+    out = tmp_path / "adapter"
+    out.mkdir()
+    assert export(str(tmp_path / "model.h5"), str(out / "adapter_model.safetensors")) == 0
+    assert {p.name for p in out.iterdir()} == {"adapter_model.safetensors", "adapter_config.json", "config.json"}
+    base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(out))
+    hf.initialize(base, 3)  # the base weights a LoRA run starts from (and never changes) are its seed's
+    loaded = peft.PeftModel.from_pretrained(base, out)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    flat.module.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, flat.module(input_ids=ids).logits)
+        with loaded.disable_adapter():  # the adapters were loaded, not left at zero
+            assert not torch.equal(loaded(input_ids=ids).logits, flat.module(input_ids=ids).logits)

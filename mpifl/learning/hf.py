@@ -151,14 +151,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     problem = unmatched_target_problem([name for name, _ in model.named_modules()], cfg.target_modules)
     if problem:
         raise ConfigError(problem)
-    try:
-        stay_offline()
-        import peft
-    except ImportError:
-        raise ImportError("model.lora needs peft: pip install 'mpifl[lora]'") from None
-    # peft annotates lora_alpha as int but only divides it (by r or sqrt r): a float alpha is fine
-    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                           target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
+    lora = lora_config(cfg)
+    import peft
+
     try:
         with warnings.catch_warnings():  # peft's notes on Conv1D (GPT-2) layout and deprecated names
             warnings.simplefilter("ignore", category=UserWarning)
@@ -166,6 +161,19 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             return peft.get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"model.lora.target_modules: {err}") from None
+
+
+def lora_config(cfg: LoraConfig) -> Any:
+    """The peft LoraConfig that ``model.lora`` wraps the model with (an empty target list lets peft choose the
+    architecture's targets, as it does again when the adapters are loaded)."""
+    try:
+        stay_offline()
+        import peft
+    except ImportError:
+        raise MissingExtra("model.lora needs peft: pip install 'mpifl[lora]'") from None
+    # peft annotates lora_alpha as int but only divides it (by r or sqrt r): a float alpha is fine
+    return peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+                           target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
 
 
 def targets_module(name: str, target: str) -> bool:
