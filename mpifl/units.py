@@ -1,4 +1,4 @@
-"""Byte units, defined once, and how a byte count and a list of integers are printed."""
+"""Byte units, defined once, and how a byte count, a count of things and a list of integers are printed."""
 from collections.abc import Iterable
 
 KIB = 2**10
@@ -23,3 +23,14 @@ def range_list(values: Iterable[int], separator: str = ",") -> str:
         else:
             parts.append([value, value])
     return separator.join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """A count with its noun in the right number: '1 client rank', '2 client ranks', '1 group of 2 ranks'
+    (``plural``: where adding an 's' to the noun's end is wrong)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def rank_span(first: int, last: int) -> str:
+    """Consecutive ranks as a reader says them: 'rank 1', 'ranks 1-4'."""
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"

@@ -199,3 +199,13 @@ def test_compression_with_reduction_groups_quantizes_group_sums_but_top_k_and_th
         load(clients={"groups": 2}, strategy={"update": "delta"}, compression={"method": "topk"})
     with pytest.raises(ConfigError, match=r"transport.reduce: compression.method 'int4' needs 'direct'"):
         load(clients={"groups": 2}, transport={"reduce": "chain"}, compression={"method": "int4"})
+
+
+@pytest.mark.parametrize("lora, named", [
+    ({"alpha": 32, "target_modules": ["q_proj", "v_proj"]}, "model.lora.alpha, model.lora.target_modules: set"),
+    ({"dropout": 0.1}, "model.lora.dropout: set"),
+])
+def test_lora_settings_without_a_rank_are_refused_naming_them_not_run_as_full_fine_tuning(lora, named):
+    with pytest.raises(ConfigError, match=f"^{named}, but model.lora.r is 0"):
+        load(model={"lora": lora})
+    assert load(model={"lora": {"r": 0, "alpha": 16.0}}).model.lora.r == 0  # the defaults, written out, are fine

@@ -2,6 +2,7 @@
 local folders, trained as causal LMs, and exchanged trainable-only."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -230,3 +231,112 @@ def test_cluster_presets_validate_and_plan_without_allocating_the_model(preset, 
     planned = run_cli("plan", config, "--ranks-per-node", "1", "--server-alone", address_space=6 * 2**30)
     assert planned.returncode == 0, planned.stderr
     assert parameters in planned.stdout and "rank 0 (server)" in planned.stdout and "clients" in planned.stdout
+
+
+TINY_LLAMA_RUN = {  # the user walkthrough's tiny llama, trained on text blocks
+    "data": {"dataset": "text", "partition": "iid", "kwargs": {"vocab_size": 256, "seq_len": 64}},
+    "model": {"name": "transformers", "transformers": {"architecture": "llama", "config": TINY["llama"]}},
+    "train": {"trainer": "causal_lm"}, "eval": {"every": 0}}
+
+
+def checked(*overrides: str):
+    """A config through every check ``mpifl run`` does before MPI starts."""
+    from mpifl.cli.commands import check_plugins
+
+    cfg = load_config(None, overrides, data=copy.deepcopy(TINY_LLAMA_RUN))  # overrides write into the dict
+    check_plugins(cfg)
+    return cfg
+
+
+def test_each_lora_target_must_adapt_a_module_even_beside_one_that_does():
+    pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match=r"^model.lora.target_modules: 'q_projj' matches no module of the model; "
+                                          r"closest module names: q_proj"):
+        checked("model.lora.r=4", "model.lora.target_modules=[q_projj,v_proj]")
+    checked("model.lora.r=4", "model.lora.target_modules=[q_proj,self_attn.v_proj]")
+
+
+def test_lora_targets_match_as_peft_matches_them_the_name_or_a_dotted_suffix():
+    names = ["", "model", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"]
+    assert hf.unmatched_target_problem(names, ["q_proj", "mlp.up_proj", "model.layers.0.mlp.up_proj"]) is None
+    assert "'proj' matches no module" in hf.unmatched_target_problem(names, ["q_proj", "proj"])
+    assert "'_proj' matches no module" in hf.unmatched_target_problem(names, ["_proj"])  # a suffix, not a dotted one
+
+
+@pytest.mark.parametrize("architecture, key", [("gpt2", "n_positions"), ("llama", "max_position_embeddings")])
+def test_text_blocks_longer_than_the_models_positions_are_refused_before_mpi_naming_both_keys(architecture, key):
+    config = hf.transformers_config(model_cfg(architecture))
+    assert hf.positions_problem(config, 64) is None
+    assert hf.positions_problem(config, 65) == (
+        f"data.kwargs.seq_len: blocks of 65 tokens are longer than the model's 64 positions; lower "
+        f"data.kwargs.seq_len or raise model.transformers.config's {key}")
+    with pytest.raises(ConfigError, match=f"^data.kwargs.seq_len: blocks of 128 tokens .*config's {key}$"):
+        checked("data.kwargs.seq_len=128", f"model.transformers.architecture={architecture}",
+                f"model.transformers.config={TINY[architecture]}".replace("'", ""))
+    with pytest.raises(ConfigError, match="blocks of 128 tokens"):  # text's own default block length
+        checked("data.kwargs={vocab_size: 256}")
+
+
+@pytest.mark.parametrize("architecture, heads, says", [
+    ("llama", "num_attention_heads", r"The hidden size \(32\) is not a multiple of the number of attention heads "
+                                     r"\(5\)"),  # refused by the config's validator
+    ("gpt2", "n_head", "`embed_dim` must be divisible by num_heads"),  # refused by the model as it is built
+])
+def test_an_impossible_shape_is_a_config_error_naming_the_key_with_the_librarys_reason(architecture, heads, says):
+    cfg = model_cfg(transformers={"architecture": architecture, "config": {**TINY[architecture], heads: 5}})
+    with pytest.raises(ConfigError, match=f"^model.transformers.config: transformers refuses the model: {says}"):
+        build_flat_model(cfg, seed=0)
+
+
+def test_validate_says_a_transformers_config_error_in_one_line_with_exit_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY_LLAMA_RUN))
+    result = subprocess.run([sys.executable, "-m", "mpifl", "validate", str(path),
+                             "model.transformers.config.num_attention_heads=5"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["mpifl: config error: model.transformers.config: transformers refuses the "
+                                          "model: The hidden size (32) is not a multiple of the number of attention "
+                                          "heads (5)."]
+    fine = subprocess.run([sys.executable, "-m", "mpifl", "validate", str(path)], capture_output=True, text=True)
+    assert fine.returncode == 0, fine.stderr
+    assert "model transformers float32 (" in fine.stdout and "K parameters (" in fine.stdout  # not "0.000 B"
+    assert " KiB exchanged, 0 B frozen)" in fine.stdout
+
+
+def test_exported_lora_adapters_load_with_peft_onto_the_base_model_and_give_mpifls_logits(tmp_path):
+    """``mpifl export`` of a LoRA run writes the adapters under peft's names, peft's adapter_config.json and the
+    base model's config.json: peft's own loader then rebuilds the model mpifl trained."""
+    peft = pytest.importorskip("peft")
+    from mpifl.cli.checkpoints import export
+    from mpifl.config import dump_config
+    from mpifl.storage.hdf5 import CheckpointWriter
+
+    lora = {"r": 4, "alpha": 8.0, "target_modules": ["c_attn"]}
+    cfg = load_config(None, data={"model": {"name": "transformers", "lora": lora, "transformers": {
+        "architecture": "gpt2", "config": TINY["gpt2"]}}, "train": {"trainer": "none"}, "eval": {"every": 0}})
+    flat = build_flat_model(cfg.model, seed=3)
+    with torch.no_grad():  # trained adapters: B is no longer zero, so the adapters change the logits
+        for name, tensor in flat.tensors():
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(len(name))))
+    with CheckpointWriter(tmp_path / "model.h5", flat.spec, {"round": 1, "config": dump_config(cfg)}) as writer:
+        writer.write_tensors(flat.tensors())
+        writer.write_metrics([])
+        writer.publish()
+    out = tmp_path / "adapter"
+    out.mkdir()
+    assert export(str(tmp_path / "model.h5"), str(out / "adapter_model.safetensors")) == 0
+    assert {p.name for p in out.iterdir()} == {"adapter_model.safetensors", "adapter_config.json", "config.json"}
+    base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(out))
+    hf.initialize(base, 3)  # the base weights a LoRA run starts from (and never changes) are its seed's
+    loaded = peft.PeftModel.from_pretrained(base, out)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    flat.module.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, flat.module(input_ids=ids).logits)
+        with loaded.disable_adapter():  # the adapters were loaded, not left at zero
+            assert not torch.equal(loaded(input_ids=ids).logits, flat.module(input_ids=ids).logits)

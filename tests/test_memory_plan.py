@@ -441,3 +441,68 @@ def test_a_replicated_client_counts_its_estimated_activations_on_the_gpu_or_on_t
     assert client_bytes(lm, acting, 2, on_gpu=True) == client_bytes(lm, size, 2, on_gpu=True)  # on the GPU
     exchange_only = load_config(None, ["train.trainer=none", "eval.every=0", "model.name=blob"])
     assert client_device_bytes(exchange_only, acting) == client_device_bytes(exchange_only, size)
+
+
+def test_an_out_of_core_server_short_of_client_ranks_suggests_only_fixes_the_config_can_take():
+    """clients.groups sums a rank's participants into one stream, but a sharded client refuses it: the message
+    offers it only where the config would then pass its checks."""
+    from mpifl.planning.world import world_problem
+
+    disk = ["server.state=disk", "eval.every=0", "clients.num_clients=4", "clients.per_round=2"]
+    replicated = world_problem(2, load_config(None, disk))
+    assert replicated is not None and replicated.endswith(
+        "2 clients per round > 1 client rank: launch 3 ranks, lower clients.per_round, or sum each rank's "
+        "participants first with clients.groups=1")
+    sharded = world_problem(3, load_config(None, [*disk, *TINY_SHARDED]))
+    assert sharded is not None and sharded.endswith(
+        "2 clients per round > 1 client group of 2 ranks: launch 5 ranks or lower clients.per_round")
+
+
+TINY_SHARDED = ("model.name=transformers", "model.transformers.architecture=gpt2", "train.trainer=causal_lm",
+                "data.dataset=text", "data.partition=iid",
+                "clients.ranks_per_client=2", "clients.sharding=fsdp")
+
+
+def test_counts_and_rank_spans_read_as_a_person_writes_them():
+    from mpifl.cli.plan import groups_of, leaders
+    from mpifl.units import counted, rank_span
+
+    assert [counted(1, "client rank"), counted(3, "client rank"), counted(2, "copy", "copies")] == \
+        ["1 client rank", "3 client ranks", "2 copies"]
+    assert [rank_span(1, 1), rank_span(1, 4)] == ["rank 1", "ranks 1-4"]
+    assert [groups_of(2, 2), groups_of(8, 2)] == ["1 group of 2 ranks", "4 groups of 2 ranks"]
+    assert [leaders(2, 2), leaders(4, 2), leaders(8, 2)] == [
+        "rank 1 leads and exchanges", "ranks 1 and 3 lead and exchange", "ranks 1, 3, ... lead and exchange"]
+
+
+def test_plan_of_one_client_rank_says_rank_1_once(capsys):
+    from mpifl.cli import main
+
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    assert main(["plan", quickstart, "clients.per_round=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "; 1 client rank, 1 client per round," in out[0]
+    assert out[2].startswith("  rank 1 (clients): ~") and " GiB each" not in out[2]
+
+
+def test_a_sharded_rank_gathers_the_unit_that_takes_the_most_with_gradients_only_for_what_trains():
+    """Under LoRA the embedding is frozen: gathered whole, it has no gradient beside it, so a decoder layer with
+    trained adapters may be the unit that takes the most."""
+    from mpifl.planning.memory import gathered_unit
+
+    frozen_embedding = [("model.embed_tokens.weight", 1000, False), ("model.layers.0.q.weight", 300, False),
+                        ("model.layers.0.q.lora_A.weight", 10, True)]
+    assert gathered_unit(frozen_embedding) == (1000, 0)
+    assert gathered_unit([*frozen_embedding[:1], ("model.layers.0.q.weight", 900, True)]) == (900, 900)
+    assert gathered_unit([(n, b, True) for n, b, _ in frozen_embedding]) == (1000, 1000)
+    assert gathered_unit([]) == (0, 0)
+
+
+def test_the_70b_lora_plan_counts_no_gradient_for_its_frozen_embedding():
+    from conftest import mpifl_here
+
+    result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", "--ranks-per-node", "4", "--gpus-per-node", "4",
+                        "--gpu-memory-gb", "40")
+    gpu = next(line for line in result.stdout.splitlines() if "GPU of each client rank" in line)
+    assert gpu.startswith("  GPU of each client rank: ~20.06 GiB")  # was 22.02: 1.96 GiB for a gradient that is not
+    assert "the largest FSDP unit gathered (1.96 GiB, frozen: no gradients)" in gpu

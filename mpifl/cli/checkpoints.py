@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import yaml
@@ -11,6 +12,9 @@ from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
+
+if TYPE_CHECKING:
+    from mpifl.config import Config
 
 
 def inspect(path: str, verify: bool = False) -> int:
@@ -57,6 +61,9 @@ def export(path: str, out: str) -> int:
         tensors = ckpt.tensors()
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
         config = ckpt.config
+    lora = _lora_config(config)
+    if lora is not None:  # peft's adapter file names each tensor without its adapter ('default')
+        tensors = {peft_saved_name(k): v for k, v in tensors.items()}
     tmp = target.with_name(target.name + ".tmp")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
@@ -66,21 +73,58 @@ def export(path: str, out: str) -> int:
         raise CheckpointError(f"export: could not write {out}: {err}") from None
     print(f"wrote {len(tensors)} tensors to {out}")
     _write_transformers_config(config, target.parent)
+    if lora is not None:
+        _write_adapter_config(lora, target.parent)
     return 0
 
 
-def _write_transformers_config(config_yaml: str, folder: Path) -> None:
-    """For a whole transformers model, config.json beside the weights: the folder then loads with
-    ``model.transformers.path`` + ``pretrained: true`` (and with transformers' ``from_pretrained``)."""
+LORA_ADAPTER = "default"  # the adapter name peft gives the one adapter mpifl adds, inside every adapter tensor's name
+
+
+def peft_saved_name(name: str) -> str:
+    """A LoRA tensor's name as peft's ``save_pretrained`` writes it: without the adapter name
+    (``...q_proj.lora_A.default.weight`` is saved as ``...q_proj.lora_A.weight``)."""
+    return name.replace(f".{LORA_ADAPTER}.", ".") if ".lora_" in name else name
+
+
+def _model_config(config_yaml: str) -> Config | None:
+    """The checkpoint's config, when its model is a transformers one (only the model section: nothing else is
+    needed to describe it), else None."""
     from mpifl.config import load_config
 
     raw = yaml.safe_load(config_yaml) or {}
     if (raw.get("model") or {}).get("name") != "transformers":
+        return None
+    return load_config(None, data={"model": raw["model"], "train": {"trainer": "none"}, "eval": {"every": 0}})
+
+
+def _lora_config(config_yaml: str) -> Config | None:
+    """The checkpoint's config when it holds a transformers model's LoRA adapters, else None."""
+    cfg = _model_config(config_yaml)
+    return cfg if cfg is not None and cfg.model.lora.r else None
+
+
+def _write_adapter_config(cfg: Config, folder: Path) -> None:
+    """Beside a LoRA run's adapters, the adapter_config.json that peft's ``LoraConfig.save_pretrained`` writes, so
+    that ``PeftModel.from_pretrained(base, folder)`` loads them onto the base model that config.json describes."""
+    from mpifl.learning.hf import lora_config
+
+    lora = lora_config(cfg.model.lora)
+    lora.base_model_name_or_path = cfg.model.transformers.path  # a local folder where the run had one, else unknown
+    lora.save_pretrained(str(folder))
+    print(f"wrote {folder / 'adapter_config.json'}")
+
+
+def _write_transformers_config(config_yaml: str, folder: Path) -> None:
+    """The transformers config.json beside the weights. For a whole model the folder then loads with
+    ``model.transformers.path`` + ``pretrained: true`` (and with transformers' ``from_pretrained``); beside LoRA
+    adapters it describes the base model they adapt (built from it, the adapters load with peft)."""
+    cfg = _model_config(config_yaml)
+    if cfg is None:
         return
-    cfg = load_config(None, data={"model": raw["model"], "train": {"trainer": "none"}, "eval": {"every": 0}})
     trainable_only = cfg.model.trainable and cfg.model.exchange == "trainable"
-    if cfg.model.name != "transformers" or cfg.model.lora.r or trainable_only:
-        return  # not a transformers model, or a checkpoint of its trainable tensors only
+    if trainable_only:
+        return  # a checkpoint of its trainable tensors only: not a model to load
     from mpifl.learning.hf import transformers_config
 
     transformers_config(cfg.model).save_pretrained(folder)

@@ -138,8 +138,7 @@ def check_plugins(cfg: Config) -> list[str]:
     from mpifl.privacy.accounting import accounting_problem, budget_problem
 
     if cfg.model.name == "transformers":
-        from mpifl.learning.hf import transformers_config
-        transformers_config(cfg.model)
+        check_transformers(cfg)
     has_data = needs_dataset(cfg)
     problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None) or \
         trainer_problem(cfg.train)
@@ -154,6 +153,25 @@ def check_plugins(cfg: Config) -> list[str]:
                           "use clients.placement='balanced'")
     checked_strategy(cfg)
     return config_warnings(cfg)
+
+
+def check_transformers(cfg: Config) -> None:
+    """A transformers model's config (an impossible shape names model.transformers.config), the text blocks against
+    its positions, and with LoRA the model itself built on the meta device, so that each of
+    model.lora.target_modules must adapt a module: all before MPI starts, not as a traceback on every rank."""
+    import torch
+
+    from mpifl.learning import hf
+    from mpifl.learning.text import block_length
+
+    config = hf.transformers_config(cfg.model)
+    seq_len = block_length(cfg.data.kwargs) if cfg.data.dataset == "text" else None
+    problem = hf.positions_problem(config, seq_len) if isinstance(seq_len, int) else None
+    if problem:
+        raise ConfigError(problem)
+    if cfg.model.lora.r:
+        with torch.device("meta"):
+            hf.build(cfg.model)
 
 
 def check_model(cfg: Config) -> None:
@@ -194,12 +212,12 @@ def validate(args: argparse.Namespace) -> int:
         print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"
     if cfg.model.name == "transformers":
-        from mpifl.cli.plan import model_bytes
-        from mpifl.units import GIB
+        from mpifl.cli.plan import model_bytes, parameters_text
+        from mpifl.units import format_bytes
 
         size = model_bytes(cfg)
-        model += (f" ({size.parameters / 1e9:.3f} B parameters, {size.exchanged / GIB:.2f} GiB exchanged, "
-                  f"{size.frozen / GIB:.2f} GiB frozen)")
+        model += (f" ({parameters_text(size.parameters)}, {format_bytes(size.exchanged)} exchanged, "
+                  f"{format_bytes(size.frozen)} frozen)")
     sends = "deltas" if cfg.strategy.update == "delta" else "weights"  # update and weighting as resolved
     weights = "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
     print(f"{args.config}: valid ({cfg.rounds} rounds, {cfg.clients_per_round()} of "

@@ -25,6 +25,7 @@ from mpifl.planning.memory import (
     client_state_elements,
     client_state_plan,
     decoder_activation_bytes,
+    gathered_unit,
     journaled_elements,
     largest_fsdp_unit,
     loaned_vectors,
@@ -36,7 +37,7 @@ from mpifl.planning.memory import (
 from mpifl.planning.routes import broadcast_tree
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
 from mpifl.planning.world import world_problem
-from mpifl.units import GIB, MIB, format_bytes
+from mpifl.units import GIB, MIB, counted, format_bytes, rank_span
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.spec import CONTROL, ModelSpec, control_bytes, is_local, itemsize
 
@@ -79,10 +80,11 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
     trained += [e.nbytes for e in frozen.entries if is_local(e.name, local)]
     parameters = sum(e.nbytes // itemsize(e.dtype) for e in exchanged.entries if not e.statistic
                      and not e.name.startswith(CONTROL + ".") and e.dtype.startswith(("float", "bfloat")))
-    unit = largest_fsdp_unit((e.name, e.nbytes) for e in (*exchanged.entries, *frozen.entries)
-                             if not e.name.startswith(CONTROL + "."))  # summed streams: rows, never gathered
+    tensors = [(e.name, e.nbytes, True) for e in exchanged.entries if not e.name.startswith(CONTROL + ".")]
+    tensors += [(e.name, e.nbytes, is_local(e.name, local)) for e in frozen.entries]  # summed streams: never gathered
+    unit = largest_fsdp_unit((name, nbytes) for name, nbytes, _ in tensors)
     return ModelBytes(exchanged.total_bytes, frozen.total_bytes, elements, control, kept, max(trained, default=0),
-                      parameters, largest_unit=unit)
+                      parameters, largest_unit=unit, gathered_unit=gathered_unit(tensors))
 
 
 def lane_activation_bytes(cfg: Config, shape: dict) -> int:
@@ -241,8 +243,9 @@ def plan_main(args: argparse.Namespace) -> int:
     moved, through_server = round_traffic(cfg, ranks, size.exchanged, plan.update_wire_bytes)
     local = f" ({format_bytes(size.local)} of it model.local, kept per client)" if size.local else ""
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
-          f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}{local}; {ranks} client ranks, "
-          f"{cfg.clients_per_round()} clients per round, ~{format_bytes(moved)} moved per round "
+          f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}{local}; "
+          f"{counted(ranks, 'client rank')}, "
+          f"{counted(cfg.clients_per_round(), 'client')} per round, ~{format_bytes(moved)} moved per round "
           f"(~{format_bytes(through_server)} through rank 0, what a record's cost.bytes_moved counts)")
     where = ("HDF5 windows, write staging and receive pool (out of core)" if cfg.server.state == "disk"
              else "model + pool + state")
@@ -282,22 +285,21 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
     training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
     if cfg.clients.sharding == "fsdp":
         what = sharded_what(cfg, size, bool(plan.client_device_bytes))
-        print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [{what}"
+        print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [{what}"
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     elif cfg.train.batched_clients and not plan.client_device_bytes:
-        print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model + "
+        print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [model + "
               f"{batched_what(cfg, size)}{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     else:
         host_acts = activations_note(replicated_activations(cfg, size), bool(plan.client_device_bytes))
-        print(f"  ranks 1-{ranks} (clients): ~{plan.client_bytes / GIB:8.2f} GiB each  [model"
+        print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [model"
               f"{training if cfg.train.trainer != 'none' else ''}"
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; {host_acts}]")
     if plan.client_device_bytes and cfg.clients.sharding == "fsdp":
         acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
-        unit = format_bytes(size.largest_unit)
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [1/{per_client} of the model, "
-              f"its global rows, gradients and optimizer; the largest FSDP unit gathered ({unit}, with its "
-              f"gradients); {acts}; cuBLAS workspaces {format_bytes(CUDA_WORKSPACE_BYTES)}]")
+              f"its global rows, gradients and optimizer; {gathered_text(size)}; {acts}; cuBLAS workspaces "
+              f"{format_bytes(CUDA_WORKSPACE_BYTES)}]")
     elif plan.client_device_bytes and cfg.train.batched_clients:
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [replica + global copy + "
               f"{batched_what(cfg, size)}{' + group sum' if cfg.clients.groups else ''} + cuBLAS workspaces "
@@ -317,13 +319,32 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         print(f"  GPU of rank 0 (server): ~{format_bytes(plan.server_device_bytes)}  [the model, for evaluation "
               "(eval.device); activations not included]")
     if per_client > 1 and cfg.clients.sharding == "fsdp":
-        print(f"  clients.ranks_per_client={per_client}, clients.sharding=fsdp: {ranks // per_client} groups of "
-              f"{per_client} ranks, each rank holding 1/{per_client} of its client's model; ranks 1, "
-              f"{1 + per_client}, ... lead and exchange with rank 0, a chunk at a time")
+        print(f"  clients.ranks_per_client={per_client}, clients.sharding=fsdp: {groups_of(ranks, per_client)}, "
+              f"each rank holding 1/{per_client} of its client's model; {leaders(ranks, per_client)} with rank "
+              "0, a chunk at a time")
     elif per_client > 1:
-        print(f"  clients.ranks_per_client={per_client}: {ranks // per_client} groups of {per_client} ranks train "
-              f"one client at a time each (DDP, gradient buckets counted above); ranks 1, {1 + per_client}, ... lead "
-              "and exchange with rank 0")
+        print(f"  clients.ranks_per_client={per_client}: {groups_of(ranks, per_client)} train one client at a time "
+              f"each (DDP, gradient buckets counted above); {leaders(ranks, per_client)} with rank 0")
+
+
+def groups_of(ranks: int, per_client: int) -> str:
+    """'1 group of 2 ranks', '4 groups of 2 ranks'."""
+    return f"{counted(ranks // per_client, 'group')} of {per_client} ranks"
+
+
+def leaders(ranks: int, per_client: int) -> str:
+    """Which ranks lead their groups: 'rank 1 leads and exchanges', 'ranks 1, 3, ... lead and exchange'."""
+    first = list(range(1, ranks + 1, per_client))
+    if len(first) == 1:
+        return "rank 1 leads and exchanges"
+    who = f"ranks 1 and {first[1]}" if len(first) == 2 else f"ranks 1, {first[1]}, ..."
+    return f"{who} lead and exchange"
+
+
+def client_ranks_head(ranks: int, nbytes: int) -> str:
+    """The start of ``mpifl plan``'s line on the client ranks: 'ranks 1-4 (clients): ~    0.60 GiB each', or
+    'rank 1 (clients): ~    0.51 GiB' where there is one."""
+    return f"{rank_span(1, ranks)} (clients): ~{nbytes / GIB:8.2f} GiB{' each' if ranks > 1 else ''}"
 
 
 def activations_note(estimated: int, on_gpu: bool) -> str:
@@ -349,8 +370,16 @@ def sharded_what(cfg: Config, size: ModelBytes, on_gpu: bool) -> str:
     if cfg.train.trainer == "none":
         return f"1/{parts} of the model and of the global model, the chunk ring"
     acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
-    return (f"1/{parts} of the model, the global model, gradients and optimizer; the largest FSDP unit gathered "
-            f"({format_bytes(size.largest_unit)}, with its gradients); {acts}; the chunk ring")
+    return (f"1/{parts} of the model, the global model, gradients and optimizer; {gathered_text(size)}; {acts}; "
+            "the chunk ring")
+
+
+def gathered_text(size: ModelBytes) -> str:
+    """The FSDP unit gathered whole that a sharded rank's figure counts, with its gradients where it has any."""
+    held, gradients = size.gathered_unit
+    if not gradients:
+        return f"the largest FSDP unit gathered ({format_bytes(held)}, frozen: no gradients)"
+    return f"the largest FSDP unit gathered with its gradients ({format_bytes(held)} + {format_bytes(gradients)})"
 
 
 def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int) -> str | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
-from mpifl.config.sections import ASYNCHRONOUS_MODES, UPDATE_FAULTS, Config, FaultConfig
+from mpifl.config.sections import ASYNCHRONOUS_MODES, UPDATE_FAULTS, Config, FaultConfig, LoraConfig
 from mpifl.plugins import is_import_path, resolve
 
 
@@ -465,8 +465,22 @@ def _check_feature_noise(cfg: Config) -> None:
                           "set clients.num_clients to 2 or more")
 
 
+def _check_lora_settings(lora: LoraConfig) -> None:
+    """With ``r: 0`` there are no adapters and every parameter trains: another LoRA key set means the user wanted
+    adapters and forgot the rank, which would otherwise run full fine-tuning without a word."""
+    if lora.r:
+        return
+    defaults = LoraConfig()
+    set_keys = [f"model.lora.{k}" for k in ("alpha", "dropout", "target_modules")
+                if getattr(lora, k) != getattr(defaults, k)]
+    if set_keys:
+        raise ConfigError(f"{', '.join(set_keys)}: set, but model.lora.r is 0 (no LoRA: every parameter would "
+                          "train); set model.lora.r (e.g. 8) for adapters, or remove them for full fine-tuning")
+
+
 def _check_transformers(cfg: Config) -> None:
     model, hf = cfg.model, cfg.model.transformers
+    _check_lora_settings(model.lora)
     if model.name != "transformers":
         if model.lora.r:
             raise ConfigError("model.lora.r: LoRA adapters need model.name='transformers'")

@@ -72,9 +72,45 @@ def transformers_config(cfg: ModelConfig) -> PretrainedConfig:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"model.transformers.config.{key}: not a {base.model_type} config key{hint}")
-    if hf.path is not None:
-        return transformers.AutoConfig.from_pretrained(hf.path, local_files_only=True, **hf.config)
-    return transformers.AutoConfig.for_model(hf.architecture, **hf.config)
+    with refused_shape("model.transformers.config"):
+        if hf.path is not None:
+            return transformers.AutoConfig.from_pretrained(hf.path, local_files_only=True, **hf.config)
+        return transformers.AutoConfig.for_model(hf.architecture, **hf.config)
+
+
+@contextlib.contextmanager
+def refused_shape(key: str) -> Iterator[None]:
+    """Inside the block, what transformers raises on an impossible shape (hidden size not a multiple of the heads:
+    a ValueError, or huggingface_hub's StrictDataclassClassValidationError around one) is a ConfigError naming
+    ``key`` with the library's own first line: it is the config's mistake, not a traceback to read on every rank."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the library validates with whatever it likes; the cause is the config
+        root: BaseException = err
+        while root.__cause__ is not None:  # the wrapped ValueError says what is wrong; its wrapper only where
+            root = root.__cause__
+        lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+        raise ConfigError(f"{key}: transformers refuses the model: {lines[0] if lines else type(root).__name__}") \
+            from None
+
+
+def position_key(config: PretrainedConfig) -> str | None:
+    """The config key that bounds a sequence's positions as the architecture names it (gpt2's n_positions,
+    llama's max_position_embeddings), or None where it has none."""
+    key = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    return key if isinstance(getattr(config, key, None), int) else None
+
+
+def positions_problem(config: PretrainedConfig, seq_len: int) -> str | None:
+    """Token blocks longer than the model has positions fail in round 1 on every client (gpt2's position embedding
+    raises IndexError): what is wrong, naming both keys, or None."""
+    key = position_key(config)
+    if key is None or seq_len <= getattr(config, key):
+        return None
+    return (f"data.kwargs.seq_len: blocks of {seq_len} tokens are longer than the model's {getattr(config, key)} "
+            f"positions; lower data.kwargs.seq_len or raise model.transformers.config's {key}")
 
 
 @contextlib.contextmanager
@@ -103,7 +139,8 @@ def build(cfg: ModelConfig) -> nn.Module:
     config = transformers_config(cfg)
     dtype = DTYPES[cfg.dtype]
     with parameters_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with refused_shape("model.transformers.config"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         if cfg.lora.r:
             model = apply_lora(model, cfg.lora)
     return model
@@ -111,14 +148,12 @@ def build(cfg: ModelConfig) -> nn.Module:
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap with peft LoRA adapters; peft freezes the base model."""
-    try:
-        stay_offline()
-        import peft
-    except ImportError:
-        raise ImportError("model.lora needs peft: pip install 'mpifl[lora]'") from None
-    # peft annotates lora_alpha as int but only divides it (by r or sqrt r): a float alpha is fine
-    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                           target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
+    problem = unmatched_target_problem([name for name, _ in model.named_modules()], cfg.target_modules)
+    if problem:
+        raise ConfigError(problem)
+    lora = lora_config(cfg)
+    import peft
+
     try:
         with warnings.catch_warnings():  # peft's notes on Conv1D (GPT-2) layout and deprecated names
             warnings.simplefilter("ignore", category=UserWarning)
@@ -126,6 +161,39 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             return peft.get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"model.lora.target_modules: {err}") from None
+
+
+def lora_config(cfg: LoraConfig) -> Any:
+    """The peft LoraConfig that ``model.lora`` wraps the model with (an empty target list lets peft choose the
+    architecture's targets, as it does again when the adapters are loaded)."""
+    try:
+        stay_offline()
+        import peft
+    except ImportError:
+        raise MissingExtra("model.lora needs peft: pip install 'mpifl[lora]'") from None
+    # peft annotates lora_alpha as int but only divides it (by r or sqrt r): a float alpha is fine
+    return peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+                           target_modules=list(cfg.target_modules) or None, task_type="CAUSAL_LM")
+
+
+def targets_module(name: str, target: str) -> bool:
+    """Whether peft adapts the module ``name`` for this entry of a target_modules list: its name is the entry or
+    ends with ``.`` + the entry."""
+    return name == target or name.endswith("." + target)
+
+
+def unmatched_target_problem(module_names: Sequence[str], targets: Sequence[str]) -> str | None:
+    """The first entry of ``model.lora.target_modules`` that adapts no module, with the closest module names, or
+    None. peft only refuses a list none of whose entries matches: a misspelt entry beside a good one would be
+    dropped without a word, training fewer adapters than asked for."""
+    for target in targets:
+        if not any(targets_module(name, target) for name in module_names):
+            suffixes = {".".join(parts[i:]) for parts in (n.split(".") for n in module_names if n)
+                        for i in range(len(parts))}
+            close = difflib.get_close_matches(target, sorted(suffixes), n=3)
+            hint = f"; closest module names: {', '.join(close)}" if close else ""
+            return f"model.lora.target_modules: {target!r} matches no module of the model{hint}"
+    return None
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -9,6 +9,7 @@ holding one) or a byte-level BPE trained on the spot with the ``tokenizers`` lib
 from __future__ import annotations
 
 import ast
+import inspect
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,6 +99,11 @@ def token_blocks(tokenizer: Tokenizer, docs: list[str], seq_len: int) -> torch.T
         raise ValueError(f"data.kwargs.seq_len: the corpus has {len(stream)} tokens, fewer than two blocks of "
                          f"{seq_len}")
     return torch.from_numpy(np.asarray(stream[:blocks * seq_len], dtype=np.int64).reshape(blocks, seq_len))
+
+
+def block_length(kwargs: dict) -> object:
+    """The block length ``text`` cuts to with these ``data.kwargs``: their seq_len, else its default."""
+    return kwargs.get("seq_len", inspect.signature(text).parameters["seq_len"].default)
 
 
 def text(files: Sequence[str] | None = None, tokenizer: str | None = None, vocab_size: int = 8192,

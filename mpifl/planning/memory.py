@@ -65,6 +65,7 @@ class ModelBytes:
     largest: int = 0  # bytes of the largest tensor that trains (0: unknown, count every gradient)
     trainable: int = 0  # elements of the parameters that travel: FedDyn's g_i (0: unknown, count all exchanged)
     largest_unit: int = 0  # bytes of the largest group of tensors FSDP gathers at once (fsdp_units; 0: unknown)
+    gathered_unit: tuple[int, int] = (0, 0)  # the unit held whole in training: bytes, gradients' bytes (gathered_unit)
     activations: int = 0  # bytes of one micro-batch's activations on one rank (0: not estimated)
 
     @property
@@ -231,6 +232,17 @@ def largest_fsdp_unit(tensors: Iterable[tuple[str, int]]) -> int:
     return max(units.values(), default=0)
 
 
+def gathered_unit(tensors: Iterable[tuple[str, int, bool]]) -> tuple[int, int]:
+    """The FSDP unit that takes the most memory while it trains, among (name, bytes, trains) tensors: its bytes, and
+    its gradients' bytes. A rank gathers a unit whole, and in backward its trained tensors' unsharded gradients lie
+    beside it; a frozen unit (the embedding under LoRA) has none, so it counts once, not twice."""
+    units: dict[str, tuple[int, int]] = {}
+    for name, nbytes, trains in tensors:
+        held, gradients = units.get(fsdp_unit(name), (0, 0))
+        units[fsdp_unit(name)] = held + nbytes, gradients + (nbytes if trains else 0)
+    return max(units.values(), key=sum, default=(0, 0))
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """What a transformer decoder's activations scale with (from its transformers config)."""
@@ -272,10 +284,11 @@ def share(nbytes: int, parts: int) -> int:
 
 def sharded_training_bytes(cfg: Config, size: ModelBytes, parts: int) -> int:
     """What a rank of a sharded group (``clients.sharding: fsdp``) trains with, where it trains: its 1/R of the
-    model, of the gradients and of the optimizer state; the largest FSDP unit gathered whole (its parameters, and in
-    backward their unsharded gradients beside them); one micro-batch's activations on its share of the batch
-    (``size.activations``, which the caller works out for the same R); and its rows of what a client half holds
-    while a client trains (``state_rule_bytes``: SCAFFOLD's correction, FedDyn's g_i, Ditto's zero term).
+    model, of the gradients and of the optimizer state; the FSDP unit gathered whole that takes the most (its
+    parameters, and in backward the unsharded gradients of those that train: ``gathered_unit``); one micro-batch's
+    activations on its share of the batch (``size.activations``, which the caller works out for the same R); and its
+    rows of what a client half holds while a client trains (``state_rule_bytes``: SCAFFOLD's correction, FedDyn's
+    g_i, Ditto's zero term).
     SCAFFOLD's control deltas are formed after training, once the activations are freed, so the larger of the two
     counts, not both: with both, a 168 M-parameter Llama's plan was 11% over its measured peak at R = 2."""
     held = share(size.total, parts)
@@ -283,7 +296,7 @@ def sharded_training_bytes(cfg: Config, size: ModelBytes, parts: int) -> int:
         return held
     during = share(state_rule_bytes(cfg, size) - size.control, parts)  # the half's vectors while a client trains
     deltas = share(size.control, parts)  # SCAFFOLD's control deltas, after training
-    return (held + share(training_state_bytes(cfg, size), parts) + 2 * size.largest_unit + during
+    return (held + share(training_state_bytes(cfg, size), parts) + sum(size.gathered_unit) + during
             + max(size.activations, deltas))
 
 

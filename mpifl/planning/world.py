@@ -2,10 +2,13 @@
 counts a config can run on. Pure arithmetic, shared by ``mpifl run`` and the planning commands."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from mpifl.config import Config
+from mpifl.config import Config, ConfigError
+from mpifl.config.checks import check_combinations
 from mpifl.planning.faults import FaultPlan
+from mpifl.units import counted
 
 
 @dataclass(frozen=True)
@@ -71,26 +74,38 @@ def world_problem(size: int, cfg: Config) -> str | None:
     if problem:
         return problem
     hosts, per = layout.groups(size), cfg.clients.ranks_per_client  # a group of ranks hosts as one client rank
-    unit = "client ranks" if per == 1 else f"client groups of {per} ranks"
+    unit = counted(hosts, "client rank") if per == 1 else f"{counted(hosts, 'client group')} of {per} ranks"
 
     def ranks_for(count: int) -> int:
         return 1 + count * per
 
     if hosts > cfg.clients.num_clients:
-        return (f"{hosts} {unit} but clients.num_clients={cfg.clients.num_clients}: "
+        return (f"{unit} but clients.num_clients={cfg.clients.num_clients}: "
                 f"use at most {ranks_for(cfg.clients.num_clients)} ranks or raise clients.num_clients")
     groups = cfg.clients.groups
     if groups and groups < hosts:
-        return (f"clients.groups={groups} < {hosts} {unit}: a group lives on one client rank, so "
+        return (f"clients.groups={groups} < {unit}: a group lives on one client rank, so "
                 f"{hosts - groups} would idle; launch at most {ranks_for(groups)} ranks or raise "
                 "clients.groups")
     if cfg.server.state == "disk" and groups and groups > hosts and cfg.transport.reduce != "chain":
         return (f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "
-                f"> {hosts} {unit}: launch {ranks_for(groups)} ranks, set clients.groups={hosts}, or add the "
+                f"> {unit}: launch {ranks_for(groups)} ranks, set clients.groups={hosts}, or add the "
                 "groups' sums along a chain into one stream (transport.reduce='chain')")
     if cfg.server.state == "disk" and not groups and cfg.clients_per_round() > hosts:
+        grouped = f", or sum each rank's participants first with clients.groups={hosts}" \
+            if takes(cfg, groups=hosts) else ""
         return (f"server.state='disk' streams one participant per client rank, but "
-                f"{cfg.clients_per_round()} clients per round > {hosts} {unit}: launch "
-                f"{ranks_for(cfg.clients_per_round())} ranks, lower clients.per_round, or sum each rank's "
-                f"participants first with clients.groups={hosts}")
+                f"{cfg.clients_per_round()} clients per round > {unit}: launch "
+                f"{ranks_for(cfg.clients_per_round())} ranks{' or' if not grouped else ','} lower "
+                f"clients.per_round{grouped}")
     return FaultPlan(cfg).bad_ranks(size - 1)
+
+
+def takes(cfg: Config, **clients: Any) -> bool:
+    """Whether the config passes its checks with these ``clients`` keys changed: a message suggests a fix only
+    where the config can take it (a sharded client, say, refuses clients.groups)."""
+    try:
+        check_combinations(replace(cfg, clients=replace(cfg.clients, **clients)))
+    except ConfigError:
+        return False
+    return True
