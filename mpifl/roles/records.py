@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from mpifl.logs import log
 from mpifl.planning.faults import DELAYS_THE_RANK
-from mpifl.storage.rundir import FAULTS_STRUCK
 from mpifl.units import MIB
 
 if TYPE_CHECKING:
@@ -83,6 +82,8 @@ def strike_line(strike: Strike, spent: bool = False) -> str:
     """The server's log line for one strike, at the start of its round (``spent``: it ended an earlier attempt)."""
     what = f"round {strike.round}: faults[{strike.index}] ({strike.fault.kind!r} at stage {strike.fault.stage!r})"
     if spent:
+        from mpifl.storage.rundir import FAULTS_STRUCK  # here: the report imports this module, and rundir h5py
+
         return (f"{what} ended an earlier attempt of this run in this round ({FAULTS_STRUCK}/{strike.index}-r"
                 f"{strike.round}): it strikes once, so not logical client {strike.client} (rank {strike.rank}) now")
     return f"{what} strikes logical client {strike.client} (rank {strike.rank})"
