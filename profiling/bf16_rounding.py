@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from gpu_check import mpiexec  # the venv's mpiexec, else the system's
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = """
@@ -67,11 +67,10 @@ def run(work: Path, dtype: str, lr: float, rounds: int) -> tuple[float, float]:
     """One run; the share of elements its last round left unchanged, and its final held-out loss."""
     config = work / f"{dtype}.yaml"
     config.write_text(CONFIG.format(dtype=dtype, lr=lr, rounds=rounds))
-    here = Path(sys.executable).parent
-    launcher = str(here / "mpiexec") if (here / "mpiexec").exists() else shutil.which("mpiexec") or "mpiexec"
     run_dir = work / dtype
-    done = subprocess.run([launcher, "-n", "3", sys.executable, "-m", "mpifl", "run", str(config), "--run-dir",
-                           str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    command = [mpiexec(Path(sys.executable).parent), "-n", "3", sys.executable, "-m", "mpifl", "run", str(config),
+               "--run-dir", str(run_dir)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"bf16_rounding: the {dtype} run exited {done.returncode}:\n{done.stderr[-3000:]}")
     checkpoints = sorted((run_dir / "checkpoints").glob("ckpt-r*.h5"))

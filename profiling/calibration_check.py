@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from gpu_check import mpiexec  # the venv's mpiexec, else the system's
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = """
@@ -96,10 +96,8 @@ def relative_errors(real: Sequence[float], virtual: Sequence[float]) -> dict[flo
 
 def mpifl(ranks: int, *args: str, timeout: int) -> str:
     """``mpiexec -n ranks mpifl ARGS`` with this interpreter's venv; its stdout, or the failure's output."""
-    here = Path(sys.executable).parent
-    launcher = str(here / "mpiexec") if (here / "mpiexec").exists() else shutil.which("mpiexec") or "mpiexec"
-    done = subprocess.run([launcher, "-n", str(ranks), sys.executable, "-m", "mpifl", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    command = [mpiexec(Path(sys.executable).parent), "-n", str(ranks), sys.executable, "-m", "mpifl", *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise SystemExit(f"calibration_check: mpifl {' '.join(args[:2])} exited {done.returncode}:\n"
                          f"{done.stderr[-3000:]}")

@@ -47,7 +47,9 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
 # kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round;
 # under a virtual clock they delay the struck task's virtual duration instead, and only that (``delays_virtually``)
 DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
-ENDS_THE_JOB = frozenset({"kill", "exit"})
+# kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
+CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})
+ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose every strike ends the job (ends_the_job adds a stall for ever)
 
 
 def ends_the_job(fault: FaultConfig) -> bool:
@@ -55,8 +57,6 @@ def ends_the_job(fault: FaultConfig) -> bool:
     (``seconds: 0``: past its deadline the job ends, and under accept_failures the rank never comes back). Each is
     recorded before it acts, so a resume goes past it (``FaultPlan``'s ``spent``)."""
     return fault.kind in ENDS_THE_JOB or (fault.kind == "stall" and fault.seconds == 0)
-# kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
-CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})  # kinds whose strike ends the job: each strikes once per run directory
 
 
 class FaultPlan:
