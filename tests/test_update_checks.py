@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpifl.roles.encoding import count_nonfinite
+from mpifl.aggregation.kernels import count_nonfinite
 
 NAN, INF = float("nan"), float("inf")
 

@@ -13,7 +13,7 @@ Algorithm 2), with their moments in fp32 server-state vectors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,19 @@ SecondMoment = Callable[[torch.Tensor, torch.Tensor, float], None]
 
 
 # -- combining participants' chunks -------------------------------------------------------------
+
+def count_nonfinite(tensors: Iterable[torch.Tensor]) -> int:
+    """NaN and Inf values in these tensors (integer tensors hold none).
+
+    Every update is checked on its client and every new global chunk on the server, so the check must cost little:
+    a tensor whose sum is finite holds no NaN or Inf (either one anywhere makes the sum NaN or Inf), and the sum is
+    one read pass that allocates nothing. Only a tensor whose sum is not finite (a NaN or Inf, or finite values whose
+    sum overflows) is counted element by element. On a 93 MB fp32 update in 4 MiB chunks on one core: 5 ms, against
+    68 ms for counting every chunk (``profiling/client_slowdown.py`` found the count taking longer than the training).
+    """
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors
+               if t.is_floating_point() and not bool(torch.isfinite(t.sum())))
+
 
 def fold(acc: torch.Tensor, x: torch.Tensor, weight: float, first: bool, scratch: torch.Tensor | None = None) -> None:
     """Acc = weight * x for the first term, else acc += weight * x fused (x may be bf16; acc is fp32).

@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from mpifl.aggregation.dropping import Dropping, StragglerClock, dropped_headers
 from mpifl.aggregation.held import HeldStacks
+from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.aggregation.receives import PostedReceives, ReceivePool
 from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
@@ -352,7 +353,7 @@ class StreamedReduction:
         """Commit finished chunk ``j``, counting the NaN/Inf values of its new value first: every update was checked
         on its client, so any here came after the check (a corrupted link, a strategy's overflow), and a round that
         made them must not be published."""
-        self.stats.nonfinite += count_nonfinite(self.targets.pop(j))
+        self.stats.nonfinite += count_nonfinite([self.targets.pop(j)])
         self.state.commit(self.chunks[j])
 
     def _participants(self, step: Finish) -> int:
@@ -392,15 +393,6 @@ class StreamedReduction:
             self.acc_of[j] = self._accumulator(j).zero_()
             self._finish(Finish(j, 0))
         return self.stats
-
-
-def count_nonfinite(values: torch.Tensor, block: int = 1 << 20) -> int:
-    """The NaN and Inf values in ``values`` (0 for an integer tensor), read ``block`` elements at a time so the check
-    allocates a bounded mask, not one the size of the chunk."""
-    if not values.is_floating_point():
-        return 0
-    flat = values.reshape(-1)
-    return sum(int((~torch.isfinite(flat[i:i + block])).sum()) for i in range(0, flat.numel(), block))
 
 
 def rank_stage(streams: Sequence[int], landed: Sequence[int], per_stream: int, labels: Mapping[int, str],

@@ -2,12 +2,10 @@
 compressed update. Each fills the buffers the transport sends from; none of them communicates."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 import torch
 
-from mpifl.aggregation.kernels import fold
+from mpifl.aggregation.kernels import count_nonfinite, fold
 from mpifl.aggregation.strategies import parameter_spans, section_span, statistic_ranges
 from mpifl.planning.seeds import COMPRESSION
 from mpifl.privacy.noise import BLOCK, ElementStream
@@ -76,22 +74,6 @@ class GroupSum:
             if acc is not host:
                 host.copy_(acc)
         return self.buffers
-
-
-def count_nonfinite(tensors: Iterable[torch.Tensor]) -> int:
-    """NaN and Inf values in these tensors.
-
-    Every update is checked, so the check must cost little beside training: a tensor whose sum is finite holds
-    no NaN or Inf (either one anywhere makes the sum NaN or Inf), and the sum is one read pass that allocates
-    nothing. Only a tensor whose sum is not finite (a NaN or Inf, or finite values whose sum overflows) is
-    counted element by element. On a 93 MB fp32 update in 4 MiB chunks on one core: 5 ms, against 68 ms for
-    counting every chunk (``profiling/client_slowdown.py`` found the count taking longer than the training)."""
-    return sum(_count_nonfinite(t) for t in tensors if not bool(torch.isfinite(t.sum())))
-
-
-def _count_nonfinite(tensor: torch.Tensor) -> int:
-    """NaN and Inf values in one tensor, element by element."""
-    return int((~torch.isfinite(tensor)).sum())
 
 
 class UpdateCompressor:

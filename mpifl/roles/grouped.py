@@ -13,10 +13,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.planning.federation import group_of
 from mpifl.planning.seeds import GROUP_COMPRESSION
 from mpifl.roles.chain import ChainSender
-from mpifl.roles.encoding import GroupSum, UpdateCompressor, count_nonfinite
+from mpifl.roles.encoding import GroupSum, UpdateCompressor
 from mpifl.wire import protocol
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.transport import send_chunks, send_object

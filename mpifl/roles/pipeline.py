@@ -13,11 +13,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import TrainResult
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.encoding import UpdateCompressor, UpdateEncoder, count_nonfinite
+from mpifl.roles.encoding import UpdateCompressor, UpdateEncoder
 from mpifl.wire import protocol
 from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout

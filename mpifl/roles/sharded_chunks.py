@@ -15,12 +15,13 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.learning.sharding import (
     is_sharded,
     own_rows,
 )
 from mpifl.metrics import CostMeter, peak_rss_bytes
-from mpifl.roles.encoding import UpdateCompressor, count_nonfinite
+from mpifl.roles.encoding import UpdateCompressor
 from mpifl.storage.residuals import ResidualStore
 from mpifl.wire import protocol
 from mpifl.wire.codecs import TopK

@@ -10,7 +10,7 @@ import yaml
 from conftest import MPI_TIMEOUT, mpifl_here, run_mpi, same_model, stopped_and_resumed, write_config
 from reference import one_thread, reference_run
 
-from mpifl.aggregation.reduction import count_nonfinite
+from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.config import ConfigError, config_warnings, load_config
 from mpifl.config.sections import FaultConfig
 from mpifl.planning.faults import FaultPlan, Strike, drawn
@@ -248,11 +248,11 @@ def test_a_corruption_that_makes_the_global_model_non_finite_is_never_saved_and_
     assert same_model(run / "model.h5", tmp_path / "clean" / "model.h5")
 
 
-def test_the_nonfinite_count_reads_a_chunk_in_blocks_and_skips_integers():
+def test_the_servers_nonfinite_count_sees_nan_and_inf_in_any_float_dtype_and_skips_integers():
     values = torch.zeros(10)
     values[[1, 4, 9]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    assert count_nonfinite(values, block=3) == 3 and count_nonfinite(values.to(torch.bfloat16), block=4) == 3
-    assert count_nonfinite(torch.arange(5)) == 0
+    assert count_nonfinite([values]) == 3 and count_nonfinite([values.to(torch.bfloat16)]) == 3
+    assert count_nonfinite([torch.arange(5)]) == 0
 
 
 def test_a_run_with_faults_stopped_and_resumed_on_other_ranks_strikes_the_same_clients_and_ends_bitwise(tmp_path):
