@@ -12,7 +12,7 @@ from mpifl.aggregation.combiners import Median, WeightedMean, declared_capabilit
 from mpifl.aggregation.compatibility import checked_strategy, strategy_problem
 from mpifl.aggregation.strategies import make_strategy
 from mpifl.cli import main
-from mpifl.cli.commands import check_plugins
+from mpifl.cli.preflight import check_plugins
 from mpifl.config import ConfigError, StrategyConfig, load_config
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, UNDECLARED, Capabilities
 from mpifl.config.sections import STRATEGIES

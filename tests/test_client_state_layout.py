@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpifl.cli.commands import check_plugins
+from mpifl.cli.preflight import check_plugins
 from mpifl.config import ConfigError, load_config
 from mpifl.config.client_state import StateSizes, StateVector, client_state
 

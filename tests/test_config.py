@@ -62,6 +62,19 @@ def test_overrides_are_typed_yaml_values(tmp_path):
         load_config(path, ["rounds"])
 
 
+def test_off_on_yes_and_no_are_words_as_in_yaml_1_2_and_only_true_and_false_are_booleans(tmp_path):
+    """PyYAML reads YAML 1.1, where ``off`` is False: ``mode: off``, as the docs write it, was refused as
+    'expected str, got bool False'. A config reads booleans as YAML 1.2 does, in files and overrides alike."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("clock: {mode: off}\nprivacy: {mode: off}\noutput: {progress: False}\n")
+    cfg = load_config(path, ["transport.doorbells=false"])
+    assert (cfg.clock.mode, cfg.privacy.mode, cfg.output.progress, cfg.transport.doorbells) == ("off", "off", False,
+                                                                                                False)
+    assert load_config(path, ["privacy.mode=off", "clock.mode=off"]).privacy.mode == "off"
+    with pytest.raises(ConfigError, match="output.progress: expected true or false, got 'no'"):
+        load_config(path, ["output.progress=no"])
+
+
 def test_an_override_reaches_into_a_list_by_index_so_a_sweep_can_vary_one_faults_setting(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("clients: {accept_failures: true}\nfaults: [{kind: raise, fraction: 0.1}, "

@@ -241,7 +241,7 @@ TINY_LLAMA_RUN = {  # the user walkthrough's tiny llama, trained on text blocks
 
 def checked(*overrides: str):
     """A config through every check ``mpifl run`` does before MPI starts."""
-    from mpifl.cli.commands import check_plugins
+    from mpifl.cli.preflight import check_plugins
 
     cfg = load_config(None, overrides, data=copy.deepcopy(TINY_LLAMA_RUN))  # overrides write into the dict
     check_plugins(cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, mpifl_here, run_mpi, write_config
 
 from mpifl.cli.plan import clients_beside_server, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import load_config
@@ -398,7 +398,6 @@ def test_activations_scale_with_the_batch_share_and_checkpointing_keeps_one_laye
 
 
 def test_plan_says_how_many_polaris_nodes_a_sharded_70b_lora_client_needs():
-    from conftest import mpifl_here
 
     result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", "--ranks-per-node", "4", "--gpus-per-node", "4",
                         "--gpu-memory-gb", "40")
@@ -506,3 +505,21 @@ def test_the_70b_lora_plan_counts_no_gradient_for_its_frozen_embedding():
     gpu = next(line for line in result.stdout.splitlines() if "GPU of each client rank" in line)
     assert gpu.startswith("  GPU of each client rank: ~20.06 GiB")  # was 22.02: 1.96 GiB for a gradient that is not
     assert "the largest FSDP unit gathered (1.96 GiB, frozen: no gradients)" in gpu
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (("data.dataset=idx",), "data.kwargs.path: idx takes path without a default; set it"),
+    (("strategy.name=median", "clients.groups=2"), "clients.groups: strategy 'median' needs every participant's own"),
+    (("model.local=[nosuch]",), "model.local: 'nosuch' matches no floating tensor of the model 'mlp'"),
+], ids=["dataset", "strategy", "model-local"])
+def test_plan_pbs_and_slurm_check_a_config_as_run_does_before_mpi(tmp_path, overrides, said):
+    """A mistake ``mpifl run`` would refuse before MPI starts is refused by the commands that size and write its job
+    too, in one line naming the key (plan used to print a traceback for a dataset without its path), and no job
+    script is written: a job that queues only to stop at once burns the queue wait."""
+    config = write_config(tmp_path / "c.yaml", "rounds: 2\nclients: {num_clients: 4}\ndata: {dataset: synthetic}\n"
+                                               "model: {name: mlp}\n")
+    for command in (("plan",), ("pbs", "-o", str(tmp_path / "j.pbs")), ("slurm", "-o", str(tmp_path / "j.sbatch"))):
+        result = mpifl_here(command[0], str(config), *overrides, *command[1:])
+        assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, (
+            command, result.stderr)
+    assert not (tmp_path / "j.pbs").exists() and not (tmp_path / "j.sbatch").exists()

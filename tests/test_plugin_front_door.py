@@ -11,7 +11,7 @@ import pytest
 from conftest import MPI_TIMEOUT, mpifl_here, run_mpi
 
 from mpifl.aggregation.compatibility import checked_strategy
-from mpifl.cli.commands import check_plugins
+from mpifl.cli.preflight import check_plugins
 from mpifl.config import ConfigError, load_config
 from mpifl.plugins import typed_kwargs
 from mpifl.roles.records import client_metrics

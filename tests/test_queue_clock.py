@@ -168,6 +168,43 @@ def test_a_queue_trace_that_cannot_be_used_is_refused_before_a_job_with_its_key_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("trace, said", [
+    ("[[0, 5]]", "expected an object {client id: [[start, end], ...]}, not a JSON list"),
+    ('{"0": [[0, 5]], "9": [[1, 2]]}', "client 9 is not one of the 4 clients"),
+    ('{"1": [[50, 10]]}', "client 1: interval [50, 10] must have finite start < end"),
+    ('{"1": [[0, "noon"]]}', "client 1: interval [0, 'noon'] is not [start, end] in virtual seconds"),
+    ('{"one": [[0, 5]]}', "key 'one' is not a client id"),
+    ('{"0": [[0, 5]]', "is not JSON"),
+], ids=["list", "client-outside", "backwards", "not-a-number", "not-an-id", "not-json"])
+def test_an_availability_trace_that_cannot_be_used_is_refused_before_a_job_naming_the_file_and_client(
+        tmp_path, trace, said):
+    """Like the queue trace, the server reads it only as it plans its first round, so every command that checks a
+    config before a job starts reads it first and exits 2, and writes no job script."""
+    from conftest import mpifl_here
+
+    (tmp_path / "online.json").write_text(trace)
+    config = write_config(tmp_path / "c.yaml", RUN.format(extra="clock: {mode: sync, availability: trace}"))
+    overrides = (f"clock.availability_trace={tmp_path / 'online.json'}", "clients.num_clients=4", "clients.per_round=2")
+    for command in (("validate",), ("plan",), ("pbs", "-o", str(tmp_path / "j.pbs")),
+                    ("slurm", "-o", str(tmp_path / "j.sbatch"))):
+        result = mpifl_here(command[0], str(config), *overrides, *command[1:])
+        assert result.returncode == 2, (command, result.stdout + result.stderr)
+        assert f"clock.availability_trace '{tmp_path / 'online.json'}'" in result.stderr and said in result.stderr
+    assert not (tmp_path / "j.pbs").exists() and not (tmp_path / "j.sbatch").exists()
+
+
+def test_clock_settings_under_clock_mode_off_are_warned_of_as_ignored():
+    """Real-time rounds read none of the virtual clock's settings: a trace, deadline or availability set beside
+    ``clock.mode: off`` (forgotten, or a sweep's clean point) is said to be ignored, not silently dropped."""
+    from mpifl.config import config_warnings, load_config
+
+    config = ROOT / "configs" / "hpc_queue.yaml"
+    warning, = config_warnings(load_config(config, ["clock.mode=off"]))
+    assert warning.startswith("clock.") and "clock.queue_trace" in warning and "clock.availability" in warning
+    assert "read only under virtual time, and clock.mode is 'off' (rounds in real time): ignored" in warning
+    assert config_warnings(load_config(None, ["clock.mode=off"])) == []
+
+
 def test_settings_the_queue_trace_makes_idle_are_warned_of_and_those_it_reads_are_not():
     from mpifl.config import config_warnings, load_config
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import MPI_TIMEOUT, ROOT, run_mpi
 
-from mpifl.cli.commands import check_plugins
+from mpifl.cli.preflight import check_plugins
 from mpifl.config import ConfigError, load_config
 from mpifl.trackers import (
     Trackers,

@@ -180,7 +180,7 @@ def test_lenet_is_sized_from_28x28_images_and_learns_them():
 
 
 def test_lenet_on_images_too_small_to_pool_twice_is_refused_before_mpi_starts():
-    from mpifl.cli.commands import check_model
+    from mpifl.cli.preflight import check_model
     from mpifl.config import ConfigError
 
     cfg = load_config(None, ["model.name=lenet", "data.dataset=digits"])  # 8x8 images

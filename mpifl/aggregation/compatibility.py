@@ -2,7 +2,7 @@
 
 ``load_config`` already refuses a built-in strategy from the torch-free table
 (``mpifl.config.capabilities``); a plug-in is known only once imported, so ``strategy_problem``
-runs in ``mpifl.cli.commands.check_plugins``: on every rank before MPI starts, and in ``mpifl
+runs in ``mpifl.cli.preflight.check_plugins``: on every rank before MPI starts, and in ``mpifl
 validate``. A plug-in that declares nothing is taken to be neither summable nor free of the
 others' rows, and is refused where that would be wrong, with a message that says how to declare.
 """

@@ -61,8 +61,8 @@ class Job:
 
 
 def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) -> Job:
-    """Load the config, count ranks (1 server + client ranks) and nodes, and print the memory warning, if any.
-    Raises UsageError for a --nodes that the ranks do not fill exactly at --ranks-per-node."""
+    """Load and check the config (``planned_config``), count ranks (1 server + client ranks) and nodes, and print the
+    memory warning, if any. Raises UsageError for a --nodes that the ranks do not fill exactly at --ranks-per-node."""
     cfg, client_ranks = planned_config(args)
     nranks = client_ranks + 1
     nodes = nodes_filled(nranks, args.ranks_per_node, server_alone)

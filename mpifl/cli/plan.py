@@ -156,15 +156,16 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
 
 
 def planned_config(args: argparse.Namespace) -> tuple[Config, int]:
-    """The config of ``mpifl plan``, ``pbs`` or ``slurm`` and its client ranks (``client_ranks``), with the files
-    that ``mpifl run`` reads before MPI read here too (clock.queue_trace), so that a job is not written, queued and
-    started only to stop at the first round."""
-    from mpifl.clock.queue import queue_trace_problem
+    """The config of ``mpifl plan``, ``pbs`` or ``slurm`` and its client ranks (``client_ranks``), checked as ``mpifl
+    run`` checks it before MPI starts (plug-ins, data, clock traces, the model built on the meta device:
+    ``check_plugins``, ``check_model``), so that a job is not written, queued and started only to stop at once. The
+    config's warnings are printed."""
+    from mpifl.cli.preflight import check_model, check_plugins
 
     cfg = load_config(args.config, args.overrides)
-    problem = queue_trace_problem(cfg.clock.queue_trace)
-    if problem:
-        raise ConfigError(problem)
+    for warning in check_plugins(cfg):
+        print(f"warning: {warning}")
+    check_model(cfg)
     return cfg, client_ranks(cfg, args)
 
 

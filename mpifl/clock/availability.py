@@ -3,6 +3,7 @@ jobs (``queue``: mpifl.clock.queue)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -48,17 +49,62 @@ class Availability:
 
 
 def read_intervals(path: str | None, num_clients: int) -> dict[int, list[tuple[float, float]]]:
-    """An availability trace: JSON {client id: [[start, end], ...]} online intervals in virtual seconds."""
+    """An availability trace: JSON {client id: [[start, end], ...]} online intervals in virtual seconds, each
+    start before its end. Raises ValueError naming the file and the client for anything else."""
     if not path:
         raise ValueError("clock.availability: 'trace' needs clock.availability_trace")
-    table = json.loads(Path(path).read_text())
+    where = f"clock.availability_trace {path!r}"
+    try:
+        table = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where} is not JSON: {err}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected an object {{client id: [[start, end], ...]}}, "
+                         f"not a JSON {type(table).__name__}")
     out = {}
     for key, spans in table.items():
-        client = int(key)
+        try:
+            client = int(key)
+        except ValueError:
+            raise ValueError(f"{where}: key {key!r} is not a client id") from None
         if not 0 <= client < num_clients:
-            raise ValueError(f"clock.availability_trace {path!r}: client {key} is not one of the {num_clients} clients")
-        out[client] = [(float(a), float(b)) for a, b in spans]
+            raise ValueError(f"{where}: client {key} is not one of the {num_clients} clients")
+        out[client] = [_interval(span, f"{where}: client {key}") for span in _listed(spans, f"{where}: client {key}")]
     return out
+
+
+def _listed(spans: object, where: str) -> list:
+    """A client's entry, which must be a list of intervals."""
+    if not isinstance(spans, list):
+        raise ValueError(f"{where}: expected a list of [start, end] intervals, not {spans!r}")
+    return spans
+
+
+def _interval(span: object, where: str) -> tuple[float, float]:
+    """One [start, end] online interval: two finite numbers of virtual seconds, start before end."""
+    if not (isinstance(span, list) and len(span) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in span)):
+        raise ValueError(f"{where}: interval {span!r} is not [start, end] in virtual seconds")
+    start, end = float(span[0]), float(span[1])
+    if not (math.isfinite(start) and math.isfinite(end) and start < end):
+        raise ValueError(f"{where}: interval {span!r} must have finite start < end")
+    return start, end
+
+
+def availability_trace_problem(path: str | None, num_clients: int) -> str | None:
+    """Why ``clock.availability_trace`` cannot be used (unreadable, not the documented JSON, a client outside the
+    run, an interval that ends before it starts), naming the key, the file and the client; None when it can or
+    is unset. Read wherever a config is checked before a job starts, like ``queue_trace_problem``: the server
+    reads the trace only as the first round is planned."""
+    if path is None:
+        return None
+    try:
+        read_intervals(path, num_clients)
+    except OSError as err:
+        return f"clock.availability_trace: {path!r} cannot be read: {err.strerror or err}"
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 Online = Availability | QueueAvailability  # what the planners ask who is online, and when a task ends

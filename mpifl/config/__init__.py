@@ -14,7 +14,7 @@ import yaml
 from mpifl.config.automatic import resolve_automatic
 from mpifl.config.checks import check_combinations, config_warnings
 from mpifl.config.plugin_kwargs import typed_plugin_kwargs
-from mpifl.config.schema import ConfigError, apply_override, build, merge
+from mpifl.config.schema import ConfigError, apply_override, build, merge, read_yaml
 from mpifl.config.sections import (
     CheckpointConfig,
     ClientsConfig,
@@ -52,7 +52,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text())
+            raw = read_yaml(path.read_text())
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if raw is None:

@@ -12,7 +12,7 @@ existed, so every config that ran before runs bitwise as it did. A plug-in strat
 capabilities it declares: while a key is ``auto`` it is built once here (``build(cfg, **strategy.kwargs)``, the keys
 resolved by the run modes) and its ``capabilities`` read, so a plug-in declaring ``own_total`` or ``client_state``
 gets deltas and one declaring ``equal_weights`` equal weights, as the built-ins with those capabilities do. A plug-in
-that cannot be built here resolves by the run modes alone; ``mpifl.cli.commands.check_plugins`` builds it again on
+that cannot be built here resolves by the run modes alone; ``mpifl.cli.preflight.check_plugins`` builds it again on
 every rank and reports why it fails, naming the key.
 """
 from __future__ import annotations

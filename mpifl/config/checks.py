@@ -1,6 +1,7 @@
 """Checks across sections, after each section is valid on its own."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
@@ -577,6 +578,11 @@ def _clock_warnings(cfg: Config) -> list[str]:
     """clock.* settings that are legal but read by nothing: a queue trace beside another availability, and the
     batch-queue model's settings beside the trace that replaces them."""
     clock, defaults = cfg.clock, type(cfg.clock)()
+    if clock.mode == "off":
+        ignored = [f"clock.{f.name}" for f in dataclasses.fields(clock)
+                   if f.name not in ("mode", "concurrency") and getattr(clock, f.name) != getattr(defaults, f.name)]
+        return [f"{', '.join(ignored)}: read only under virtual time, and clock.mode is 'off' (rounds in real time): "
+                "ignored; set clock.mode (sync, fedasync, fedbuff or fedcompass) to use them"] if ignored else []
     if clock.queue_trace is None:
         return []
     if clock.availability != "queue":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import field
@@ -22,6 +23,23 @@ from mpifl.plugins import NUMBER, is_import_path, resolve
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending key in the message."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false. YAML 1.1, PyYAML's default, also reads
+    on, off, yes and no as booleans, so ``mode: off`` (clock.mode, privacy.mode) came out as False."""
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """A config's YAML (a file or an override's value) as Python values, booleans as YAML 1.2 reads them."""
+    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader subclass: safe
 
 
 def field_(default: Any, doc: str, **rules: Any) -> Any:
@@ -53,7 +71,7 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(node, (dict, list)):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
     try:
-        value = yaml.safe_load(text) if text else None
+        value = read_yaml(text) if text else None
     except yaml.YAMLError as err:
         problem = " ".join(str(getattr(err, "problem", None) or err).split())
         raise ConfigError(f"override {item!r}: the value of {key!r} is not valid YAML ({problem}); quote strings that "

@@ -177,7 +177,7 @@ def local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: in
         return {c: (None, None) for c in mine}
     assert parts is not None  # client_partition returns None only without a dataset
     if cfg.clients.placement == "per_round":  # any client may train here: slice its data when it does
-        assert dataset.source is None  # cli.commands.check_plugins refuses per_round with a client source
+        assert dataset.source is None  # cli.preflight.check_plugins refuses per_round with a client source
         return ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
     if dataset.source is not None:  # from a client source: read only now, and only these clients
         dataset = dataset.holding(mine)

@@ -8,7 +8,7 @@ import torch
 from conftest import mpifl_here
 
 from mpifl.cli import main
-from mpifl.cli.commands import check_plugins
+from mpifl.cli.preflight import check_plugins
 from mpifl.config import ConfigError, load_config
 from mpifl.roles.records import log_final
 from mpifl.storage.hdf5 import CheckpointWriter

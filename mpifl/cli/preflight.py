@@ -1,0 +1,91 @@
+"""The checks a config passes before MPI starts, on every rank of ``mpifl run`` and in ``validate``, ``plan``,
+``pbs`` and ``slurm``: what the schema cannot check (plug-ins against their signatures, data, clock traces,
+transformers shapes, the model built on the meta device), so that a mistake is one line naming its key, exit 2,
+and not a traceback on every rank or a job that queues only to stop at once."""
+from __future__ import annotations
+
+from mpifl.config import Config, ConfigError, config_warnings
+from mpifl.plugins import is_import_path
+from mpifl.trackers import tracker_problem
+
+
+def check_plugins(cfg: Config) -> list[str]:
+    """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys, the
+    strategy's capabilities against the run modes (a plug-in's are known only once it is imported), that
+    the library of each of output.trackers is installed, and that clock.queue_trace and clock.availability_trace
+    parse.
+
+    Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
+    """
+    from mpifl.aggregation.compatibility import checked_strategy
+    from mpifl.clock.availability import availability_trace_problem
+    from mpifl.clock.queue import queue_trace_problem
+    from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
+    from mpifl.learning.models import model_problem
+    from mpifl.learning.trainers import trainer_problem
+    from mpifl.privacy.accounting import accounting_problem, budget_problem
+
+    if cfg.model.name == "transformers":
+        check_transformers(cfg)
+    has_data = needs_dataset(cfg)
+    problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None) or \
+        trainer_problem(cfg.train)
+    problem = problem or tracker_problem(cfg.output.trackers) or accounting_problem(cfg.privacy.mode) or \
+        budget_problem(cfg.privacy, cfg.clients.num_clients, cfg.clients_per_round()) or \
+        queue_trace_problem(cfg.clock.queue_trace) or \
+        availability_trace_problem(cfg.clock.availability_trace, cfg.clients.num_clients)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.clients.placement == "per_round" and has_data and client_source(cfg.data) is not None:
+        raise ConfigError(f"clients.placement: 'per_round' lets any rank train any client, but data.dataset "
+                          f"{cfg.data.dataset!r} split naturally is read per rank, each rank its own clients only; "
+                          "use clients.placement='balanced'")
+    checked_strategy(cfg)
+    return config_warnings(cfg)
+
+
+def check_transformers(cfg: Config) -> None:
+    """A transformers model's config (an impossible shape names model.transformers.config), the text blocks against
+    its positions, and with LoRA the model itself built on the meta device, so that each of
+    model.lora.target_modules must adapt a module: all before MPI starts, not as a traceback on every rank."""
+    import torch
+
+    from mpifl.learning import hf
+    from mpifl.learning.text import block_length
+
+    config = hf.transformers_config(cfg.model)
+    seq_len = block_length(cfg.data.kwargs) if cfg.data.dataset == "text" else None
+    problem = hf.positions_problem(config, seq_len) if isinstance(seq_len, int) else None
+    if problem:
+        raise ConfigError(problem)
+    if cfg.model.lora.r:
+        with torch.device("meta"):
+            hf.build(cfg.model)
+
+
+def check_model(cfg: Config) -> None:
+    """Build a plug-in model, a built-in sized from the data (``lenet`` needs images of 16x16 or more), or any model
+    with ``model.local`` patterns, once on the meta device, sized from the data when it asks for its shape: a
+    signature or construction mistake is a ConfigError naming model.name, a pattern that names no tensor one naming
+    model.local, before any MPI work."""
+    from mpifl.learning.datasets import data_shape, needs_dataset
+    from mpifl.learning.models import SIZED_BY_DATA, build_problem, supplied
+
+    if not is_import_path(cfg.model.name) and cfg.model.name not in SIZED_BY_DATA and not cfg.model.local:
+        return
+    try:
+        shape = data_shape(cfg.data) if supplied(cfg.model, needs_dataset(cfg)) else {}
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"data: cannot read the data that sizes model {cfg.model.name!r}: {err}") from None
+    problem = build_problem(cfg.model, cfg.seed, **shape)
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_trainer(cfg: Config) -> None:
+    """Build a plug-in trainer once, as each client rank will: a setting its constructor refuses is a ConfigError
+    naming train.kwargs. Only here, not before a run's MPI starts: a trainer may touch CUDA as it is built, which
+    must wait until each rank is bound to its GPU (mpifl.roles.launch)."""
+    from mpifl.learning.trainers import make_trainer
+
+    make_trainer(cfg.train)
