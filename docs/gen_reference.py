@@ -155,7 +155,8 @@ the command line as `key=value`, with a YAML value: `rounds=5 train.lr=0.1
 'model.kwargs={{hidden: [32]}}'`. The whole config is checked before any MPI work starts: an
 unknown key is named with the closest valid one, a bad type or a value out of range names the
 key and what is allowed, and an import path (`package.module:attr`) must resolve. An empty
-section (`clients:`) means its defaults.
+section (`clients:`) means its defaults. Booleans are `true` and `false` only, as in YAML 1.2:
+`off`, `on`, `yes` and `no` are words, so `clock: {{mode: off}}` needs no quotes.
 
 Columns: the dotted key, its type, its default, the values or range it accepts, and the doc
 the schema itself carries. `null` is YAML's none. How user code plugs in through import paths

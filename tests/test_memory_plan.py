@@ -498,7 +498,6 @@ def test_a_sharded_rank_gathers_the_unit_that_takes_the_most_with_gradients_only
 
 
 def test_the_70b_lora_plan_counts_no_gradient_for_its_frozen_embedding():
-    from conftest import mpifl_here
 
     result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", "--ranks-per-node", "4", "--gpus-per-node", "4",
                         "--gpu-memory-gb", "40")
