@@ -92,6 +92,20 @@ def test_an_exported_final_model_is_a_folder_that_loads_as_pretrained(tmp_path):
     with Checkpoint(tmp_path / "run" / "model.h5") as final:
         saved = final.tensors()
     assert all(torch.equal(t, saved[name]) for name, t in loaded.tensors())
+    # the tokenizer trained at start-up is kept in the run directory and exported beside the weights: transformers
+    # loads it from the folder and gives the token ids the model was trained on
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from mpifl.learning.text import text
+
+    trained = Tokenizer.from_file(str(tmp_path / "run" / "tokenizer.json"))
+    exported = AutoTokenizer.from_pretrained(str(folder))
+    sample = "def add(a, b):\n    return a + b\n"
+    assert exported(sample)["input_ids"] == trained.encode(sample).ids
+    assert exported.eos_token == "<|endoftext|>" and exported.decode(exported(sample)["input_ids"]) == sample
+    blocks = text(files=[str(tmp_path / "corpus.txt")], vocab_size=300, seq_len=16)
+    assert Tokenizer.from_str(blocks.tokenizer).to_str() == trained.to_str()  # the one every rank trained
 
 
 def test_a_wrong_transformers_config_key_stops_every_rank_before_mpi_work(tmp_path):

@@ -75,7 +75,35 @@ def export(path: str, out: str) -> int:
     _write_transformers_config(config, target.parent)
     if lora is not None:
         _write_adapter_config(lora, target.parent)
+    _write_tokenizer(Path(path), target.parent)
     return 0
+
+
+def run_tokenizer(checkpoint: Path) -> Path | None:
+    """The tokenizer.json of the run a checkpoint belongs to (``<run dir>/model.h5`` or
+    ``<run dir>/checkpoints/ckpt-*.h5``), if the run kept one (a text dataset's)."""
+    from mpifl.storage.rundir import TOKENIZER
+
+    for folder in (checkpoint.parent, checkpoint.parent.parent):
+        if (folder / TOKENIZER).is_file():
+            return folder / TOKENIZER
+    return None
+
+
+def _write_tokenizer(checkpoint: Path, folder: Path) -> None:
+    """Beside the weights, the run's tokenizer as transformers saves a fast tokenizer (tokenizer.json,
+    tokenizer_config.json, special_tokens_map.json), so ``AutoTokenizer.from_pretrained(folder)`` gives the token ids
+    the model was trained on. Nothing for a run without one."""
+    source = run_tokenizer(checkpoint)
+    if source is None:
+        return
+    from transformers import PreTrainedTokenizerFast
+
+    from mpifl.learning.text import EOS
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=EOS)
+    tokenizer.save_pretrained(str(folder))
+    print(f"wrote the run's tokenizer ({source}) to {folder}: tokenizer.json, tokenizer_config.json")
 
 
 LORA_ADAPTER = "default"  # the adapter name peft gives the one adapter mpifl adds, inside every adapter tensor's name

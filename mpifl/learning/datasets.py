@@ -46,6 +46,7 @@ class Dataset:
     clients: tuple[np.ndarray, ...] | None = None  # the data's own split of x_train (``data.partition: natural``)
     source: tuple[ClientSource, ClientIndex] | None = None
     known_classes: int | None = None  # when the labels at hand may not show every class
+    tokenizer: str | None = None  # the tokenizer that made token ids, as tokenizer.json's text (data.dataset: text)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -192,7 +193,7 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     x_tr, y_tr, x_te, y_te = (torch.as_tensor(p) for p in parts[:4])
     if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
         raise ValueError(f"data.dataset {cfg.dataset!r}: inputs and labels differ in length")
-    return Dataset(x_tr, y_tr.long(), x_te, y_te.long(), clients)
+    return Dataset(x_tr, y_tr.long(), x_te, y_te.long(), clients, tokenizer=getattr(parts, "tokenizer", None))
 
 
 def client_data(dataset: Dataset, indices: np.ndarray, noise_std: float = 0.0) -> ClientData:

@@ -106,6 +106,14 @@ def block_length(kwargs: dict) -> object:
     return kwargs.get("seq_len", inspect.signature(text).parameters["seq_len"].default)
 
 
+class TokenBlocks(tuple):
+    """``text``'s (x_train, y_train, x_test, y_test), carrying the tokenizer that made the token ids as JSON
+    (``tokenizer``): the run keeps it beside the model (``<run dir>/tokenizer.json``), and ``mpifl export`` writes it
+    beside the weights, so that the model can be used on text after the run."""
+
+    tokenizer: str
+
+
 def text(files: Sequence[str] | None = None, tokenizer: str | None = None, vocab_size: int = 8192,
          seq_len: int = 128, test_fraction: float = 0.1, max_chars: int | None = None,
          split_seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -119,5 +127,7 @@ def text(files: Sequence[str] | None = None, tokenizer: str | None = None, vocab
     n_test = max(1, int(len(blocks) * test_fraction))
     test, train = blocks[order[:n_test]], blocks[order[n_test:]]
     zeros = lambda n: torch.zeros(n, dtype=torch.long)  # noqa: E731
-    return train, zeros(len(train)), test, zeros(len(test))
+    parts = TokenBlocks((train, zeros(len(train)), test, zeros(len(test))))
+    parts.tokenizer = tok.to_str()
+    return parts
 

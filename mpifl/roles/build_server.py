@@ -31,7 +31,7 @@ from mpifl.planning.faults import FaultPlan
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation
 from mpifl.roles.build_client import evaluator_for
-from mpifl.roles.data import client_partition, placement_of, report_partition
+from mpifl.roles.data import client_partition, keep_tokenizer, placement_of, report_partition
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import fault_line, log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
@@ -88,6 +88,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                        map_windows=cfg.server.map_windows)
     if dataset is not None and resume is None:
         report_partition(cfg, dataset, run_dir)
+    if dataset is not None:
+        keep_tokenizer(dataset, run_dir)
     start, history = (resume.round, resume.metrics) if resume is not None else (0, [])
     store.start(resumed, cfg.model.init_from, {**attrs, "round": 0},
                 lambda bufs: recv_chunks(comm, 1, protocol.INIT, bufs, plan.inflight))

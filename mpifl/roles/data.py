@@ -28,6 +28,7 @@ from mpifl.learning.sources import HeldRows
 from mpifl.logs import log
 from mpifl.planning.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, agree
+from mpifl.storage.rundir import TOKENIZER
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.shared import node_communicator, share_on_node
@@ -142,6 +143,13 @@ def report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> Non
         header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
         np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
                    delimiter=",", header=header, comments="")
+
+
+def keep_tokenizer(dataset: Dataset, run_dir: Path | None) -> None:
+    """Keep the tokenizer that made a text dataset's token ids in the run directory: the model means nothing on
+    text without it, and it is trained at start-up (or read from a path that may not outlive the run)."""
+    if dataset.tokenizer is not None and run_dir is not None:
+        (run_dir / TOKENIZER).write_text(dataset.tokenizer)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ A run directory holds::
     residuals/rank<rank>.h5   with error feedback on disk: each client rank's working residuals
     model.h5               the final checkpoint
     partition.csv, ranks.txt   the partition table and where each rank ran
+    tokenizer.json         a text dataset's tokenizer (mpifl export writes it beside the weights)
 
 Before MPI starts, every rank runs ``find_resume`` (which checkpoint, and may it resume this
 config?). Then rank 0 alone runs ``prepare_run_dir``, which verifies the checkpoint's
@@ -197,6 +198,7 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
     os.replace(tmp, metrics)
 
 
+TOKENIZER = "tokenizer.json"  # <run dir>/tokenizer.json: the tokenizer that made a text dataset's token ids
 FAULTS_STRUCK = "faults-struck"  # <run dir>/faults-struck/<index>-r<round>: each strike that ended an attempt
 
 
