@@ -1,8 +1,17 @@
 """Failures that carry their whole explanation (rank, client, stage): reported without a traceback."""
 
 
+INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
+
+
 class JobFailure(RuntimeError):
-    """The job cannot go on; the message says why, naming what failed."""
+    """The job cannot go on; the message says why, naming what failed. ``code`` is the job's exit status:
+    ``INTERRUPTED`` where a stop on request (SIGTERM) ended it with its last round on disk, even though a rank
+    never answered and had to be aborted, so that a batch script resubmits it as it would any stopped job."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class CheckpointError(ValueError):

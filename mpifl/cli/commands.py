@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.cli.preflight import check_model, check_plugins, check_trainer
 from mpifl.cli.supervisor import mark_mpi_started, supervised
 from mpifl.config import Config, ConfigError, load_config
-from mpifl.errors import CheckpointError, MissingExtra
+from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 from mpifl.units import range_list
@@ -17,7 +17,6 @@ from mpifl.units import range_list
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
 
 def world_of(comm: MPI.Intracomm | None) -> MPI.Intracomm:

@@ -11,8 +11,9 @@ import argparse
 import itertools
 from pathlib import Path
 
-from mpifl.cli.commands import INTERRUPTED, run, world_of
+from mpifl.cli.commands import run, world_of
 from mpifl.config import ConfigError
+from mpifl.errors import INTERRUPTED
 from mpifl.logs import log
 
 

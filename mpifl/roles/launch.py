@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
-from mpifl.errors import JobFailure
+from mpifl.errors import INTERRUPTED, JobFailure
 from mpifl.planning import binding
 
 if TYPE_CHECKING:  # mpi4py is imported only inside the functions: GPU binding must come before MPI starts
@@ -209,7 +209,7 @@ def guarded(fn: Callable[[], T]) -> T:
         except SetupError:  # raised identically on every rank (see agree): each exits 2 by itself
             raise
         except JobFailure as err:
-            abort(str(err))
+            abort(str(err), err.code, "stopped on request" if err.code == INTERRUPTED else "failed")
         except SystemExit as err:
             abort(f"SystemExit({err.code!r}) inside the run (sys.exit in user code?): one rank cannot leave while "
                   "the others wait for it\n" + _traceback(err),
@@ -220,13 +220,14 @@ def guarded(fn: Callable[[], T]) -> T:
             abort(f"{type(err).__name__}: {err}" + _traceback(err))  # the culprit in one line, then the details
 
 
-def abort(reason: str, code: int = 1) -> NoReturn:
+def abort(reason: str, code: int = 1, what: str = "failed") -> NoReturn:
     """Print ``reason`` with rank and host, give the launcher a moment to forward it, abort every rank with
-    ``code`` as the job's exit status (a ``sys.exit(code)`` inside the run keeps its code; 1 otherwise)."""
+    ``code`` as the job's exit status (a ``sys.exit(code)`` inside the run keeps its code, a stop on request exits
+    ``INTERRUPTED``; 1 otherwise). ``what`` happened, as the line says it: failed, or stopped on request."""
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    sys.stderr.write(f"[mpifl rank {rank} on {socket.gethostname()}] failed, aborting the job: {reason.rstrip()}\n")
+    sys.stderr.write(f"[mpifl rank {rank} on {socket.gethostname()}] {what}, aborting the job: {reason.rstrip()}\n")
     sys.stderr.flush()
     # The launcher kills every rank on Abort, possibly before its proxy has forwarded
     # what we just wrote: give it a moment, so the reason reaches the user.

@@ -24,7 +24,7 @@ from mpifl.aggregation.reduction import (
 from mpifl.aggregation.strategies import Strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.config import TransportConfig
-from mpifl.errors import JobFailure
+from mpifl.errors import INTERRUPTED, JobFailure
 from mpifl.logs import log
 from mpifl.metrics import CostMeter, JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.planning.faults import CHANGES_PAST_THE_CHECK, FaultPlan, Strike
@@ -355,9 +355,14 @@ class Server:
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
 
     def _give_up(self, round_: int, stalled: RankStalled, model_intact: bool) -> None:
-        """A silent rank: keep the last completed round on disk, then end the job naming the rank."""
+        """A silent rank: keep the last completed round on disk, then end the job naming the rank. After a stop on
+        request (SIGTERM), the job ends as a stopped one (``INTERRUPTED``, noted so): the walltime came, not a
+        failure, and the rounds on disk resume as after any stop."""
         saved = self.parts.checkpointer.round_aborted(round_, self.history, model_intact)
         where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
+        if stalled.interrupted:
+            self.parts.note("interrupted", round_ - 1)
+            raise JobFailure(f"{stalled}{where}; continue with --resume", INTERRUPTED) from None
         raise JobFailure(f"{stalled}{where}; continue with --resume once the cause is fixed") from None
 
     def _poisoned(self, round_: int, strikes: list[Strike], nonfinite: int) -> NoReturn:

@@ -264,9 +264,10 @@ class RankNotes:
 
     def failed(self, reason: str) -> None:
         """Note a failure; one after this rank finished (rank 0 taking up a silent rank's late update once every
-        round is on disk) leaves it finished, with the failure as what came after."""
-        if self.last_state == "finished":
-            self("finished", then_failed=reason)
+        round is on disk), or after a stop on request (a rank silent past SIGTERM's grace, aborted), leaves that
+        state, with the failure as what came after."""
+        if self.last_state in ("finished", "interrupted"):
+            self(self.last_state, then_failed=reason)
         else:
             self("failed", reason=reason)
 

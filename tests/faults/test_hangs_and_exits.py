@@ -8,7 +8,17 @@ import signal
 import time
 
 import pytest
-from conftest import finish, kill_showing_stacks, rounds_logged, run_mpi, same_model, spawn_mpi, wait_for, write_config
+from conftest import (
+    finish,
+    kill_showing_stacks,
+    mpifl_here,
+    rounds_logged,
+    run_mpi,
+    same_model,
+    spawn_mpi,
+    wait_for,
+    write_config,
+)
 
 from mpifl.storage.checkpointer import latest_checkpoint
 
@@ -156,10 +166,14 @@ def test_sigterm_during_a_stuck_round_saves_the_last_round_and_exits_promptly(tm
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)  # what PBS sends at walltime; mpiexec forwards it to every rank
     code, err = finish(proc, timeout=60)
-    assert code != 0 and "SIGTERM arrived and it stayed silent 5 s more" in err, err[-3000:]
+    # a stop on request, not a failure: exit 3 as after any stop, so a batch script resubmits it, and status says so
+    assert code == 3 and "stopped on request, aborting the job" in err, err[-3000:]
+    assert "SIGTERM arrived and it stayed silent 5 s more" in err, err[-3000:]
     assert time.monotonic() - sent < 5 + 10
     with latest_checkpoint(run_dir / "checkpoints") as ckpt:
         assert ckpt.round == 1
+    status = mpifl_here("status", str(run_dir))
+    assert "not complete: stopped on request after round 1" in status.stdout, status.stdout
     resumed = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert same_model(run_dir / "model.h5", tmp_path / "reference" / "model.h5")
