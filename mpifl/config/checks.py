@@ -575,25 +575,32 @@ TRACE_REPLACES = ("queue_wait", "queue_wait_sigma", "walltime", "preemption_rate
 
 
 def _clock_warnings(cfg: Config) -> list[str]:
-    """clock.* settings that are legal but read by nothing: a queue trace beside another availability, and the
-    batch-queue model's settings beside the trace that replaces them."""
+    """clock.* settings that are legal but read by nothing: any beside clock.mode off, a queue trace beside another
+    availability, the batch-queue model's settings beside the trace that replaces them; and the wall-clock
+    straggler deadline, which virtual time does not apply."""
     clock, defaults = cfg.clock, type(cfg.clock)()
     if clock.mode == "off":
         ignored = [f"clock.{f.name}" for f in dataclasses.fields(clock)
                    if f.name not in ("mode", "concurrency") and getattr(clock, f.name) != getattr(defaults, f.name)]
         return [f"{', '.join(ignored)}: read only under virtual time, and clock.mode is 'off' (rounds in real time): "
                 "ignored; set clock.mode (sync, fedasync, fedbuff or fedcompass) to use them"] if ignored else []
+    found = []
+    if cfg.timeouts.straggler is not None:
+        found.append("timeouts.straggler: a wall-clock straggler deadline is not applied under virtual time "
+                     f"(clock.mode {clock.mode!r}), where the virtual clock decides who is a straggler "
+                     "(clock.deadline, "
+                     "over_selection), so that a result does not depend on the machine: unset it")
     if clock.queue_trace is None:
-        return []
+        return found
     if clock.availability != "queue":
-        return [f"clock.queue_trace: read only with clock.availability 'queue', not {clock.availability!r}: "
-                f"{clock.queue_trace!r} is ignored"]
+        return [*found, f"clock.queue_trace: read only with clock.availability 'queue', not {clock.availability!r}: "
+                        f"{clock.queue_trace!r} is ignored"]
     replaced = [f"clock.{key}={getattr(clock, key)}" for key in TRACE_REPLACES
                 if getattr(clock, key) != getattr(defaults, key)]
     if replaced:
-        return [f"{', '.join(replaced)}: ignored beside clock.queue_trace, whose jobs' own waits and run times (their "
-                "walltimes and preemptions) replace the model's; unset one or the other"]
-    return []
+        found.append(f"{', '.join(replaced)}: ignored beside clock.queue_trace, whose jobs' own waits and run times "
+                     "(their walltimes and preemptions) replace the model's; unset one or the other")
+    return found
 
 
 # The keys that mean something only for some kinds of fault, and their defaults: set on another kind, a mistake.

@@ -353,7 +353,8 @@ class TimeoutsConfig:
                                         "the model) before the rest of its round is dropped; later rounds leave it "
                                         "out, not waiting, until its late updates are in, and it rejoins at the "
                                         "newest round (default: once half the ranks have finished, 3 x the slowest "
-                                        "of them, at least 60)", min=0.0, exclusive_min=True)
+                                        "of them, at least 60); real time only: under a virtual clock.mode, the "
+                                        "virtual clock decides who is a straggler", min=0.0, exclusive_min=True)
 
 
 @dataclass

@@ -210,8 +210,15 @@ def straggler_rule(cfg: Config) -> StragglerRule | None:
     clients keep state matched by the server's (Capabilities.client_state: SCAFFOLD's c_i and c, FedDyn's g_i and
     h), a dropped rank has already folded its clients' deltas into their state when it learns of the drop from
     its next header; that state is put back then, by the rank or, under per_round placement, by each client's home
-    rank (storage.residuals.UndoJournal)."""
-    return StragglerRule(cfg.timeouts.straggler) if cfg.clients.accept_failures else None
+    rank (storage.residuals.UndoJournal).
+
+    None under virtual time (``clock.mode`` other than off): there the virtual clock decides who is a straggler,
+    and a rank dropped for being slow on this machine would make the result depend on the machine. A rank silent
+    past a wall-clock deadline then ends the job, named, as a hang; clients whose training raised are still
+    dropped under accept_failures."""
+    if not cfg.clients.accept_failures or cfg.clock.mode != "off":
+        return None
+    return StragglerRule(cfg.timeouts.straggler)
 
 
 def strategy_for(cfg: Config) -> Strategy:

@@ -113,3 +113,24 @@ def test_round_tags_never_meet_each_other_or_the_fixed_tags_and_fit_every_mpi():
 ])
 def test_the_straggler_deadline_is_set_or_derived_from_the_ranks_that_finished(fixed, finished, ranks, limit):
     assert StragglerRule(fixed).limit(finished, ranks) == limit
+
+
+def test_under_virtual_time_a_rank_slow_on_this_machine_is_not_dropped_and_the_result_does_not_change(tmp_path):
+    """Under a virtual clock.mode the virtual clock alone decides who is a straggler: a rank slow in real time (here
+    6 s in round 2, past the 1.5 s wall-clock straggler deadline that drops it in real time) is waited for, so the
+    records and the model equal those of a run where nobody is slow, and the straggler setting is warned of."""
+    text = STRAGGLING.replace("straggler: 2", "straggler: 1.5") + "clock: {mode: sync, seconds_per_sample: 0.01}\n"
+    cfg = write_config(tmp_path / "s.yaml", text)
+    fast = {"FL_HELPERS_CLIENT_SECONDS": "0.05"}
+    slow = {**fast, "FL_HELPERS_SLOW_RANK": "2", "FL_HELPERS_SLOW_CALLS": "3",
+            "FL_HELPERS_SLOW_FACTOR": str(STALL_SECONDS / 0.05)}
+    runs = {}
+    for name, env in (("fast", fast), ("slow", slow)):
+        result = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / name), env=env, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = records(tmp_path / name)
+    assert "timeouts.straggler: a wall-clock straggler deadline is not applied under virtual time" in result.stderr
+    assert not drops(runs["slow"]) and not any(r["stragglers"] for r in runs["slow"])
+    assert [r["virtual_time"] for r in runs["slow"]] == [r["virtual_time"] for r in runs["fast"]]
+    fast_model, slow_model = (load_tensors(tmp_path / name / "model.h5") for name in ("fast", "slow"))
+    assert all(np.array_equal(fast_model[k].numpy(), slow_model[k].numpy()) for k in fast_model)
