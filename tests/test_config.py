@@ -222,3 +222,24 @@ def test_lora_settings_without_a_rank_are_refused_naming_them_not_run_as_full_fi
     with pytest.raises(ConfigError, match=f"^{named}, but model.lora.r is 0"):
         load(model={"lora": lora})
     assert load(model={"lora": {"r": 0, "alpha": 16.0}}).model.lora.r == 0  # the defaults, written out, are fine
+
+
+def test_settings_of_a_feature_that_is_switched_off_are_warned_of_as_ignored():
+    """A forgotten switch runs without the feature and nothing else would say so: a clip without privacy.mode, a
+    deadline without clock.mode, top-k's fraction beside int8."""
+    from mpifl.config import config_warnings
+
+    def said(*overrides: str) -> list[str]:
+        return config_warnings(load_config(None, list(overrides)))
+
+    assert said() == []
+    assert said("privacy.clip=2", "privacy.noise_multiplier=0.5") == [
+        "privacy.clip, privacy.noise_multiplier: read only with privacy.mode set, and it is 'off': ignored; set "
+        "privacy.mode (central or local) to use them"]
+    assert said("secagg.fraction_bits=20") == [
+        "secagg.fraction_bits: read only with secagg.enabled set, and it is False: ignored; set secagg.enabled=true "
+        "to use them"]
+    assert said("compression.method=int8", "compression.fraction=0.1") == [
+        "compression.fraction: read only with compression.method 'topk', not 'int8': ignored"]
+    assert said("clock.deadline=5")[0].startswith("clock.deadline: read only under virtual time")
+    assert said("compression.method=topk", "compression.fraction=0.1", "strategy.update=delta") == []

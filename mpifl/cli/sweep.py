@@ -15,6 +15,7 @@ from mpifl.cli.commands import run, world_of
 from mpifl.config import ConfigError
 from mpifl.errors import INTERRUPTED
 from mpifl.logs import log
+from mpifl.planning.world import too_few_ranks
 
 
 def grid_overrides(grid: list[str]) -> list[list[str]]:
@@ -49,6 +50,9 @@ def sweep(args: argparse.Namespace) -> int:
     world = world_of(getattr(args, "comm", None))
     points = grid_overrides(args.grid)
     speaks = world.Get_rank() == 0
+    if world.Get_size() < 2:  # every point would be refused alike: say it once, before any run directory
+        log(f"mpifl sweep: {too_few_ranks('sweep')} ...", rank=0)
+        return 2
     failed = 0
     for number, point in enumerate(points, 1):
         run_dir = Path(args.runs_dir) / run_dir_name(point)

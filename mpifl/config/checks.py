@@ -532,7 +532,7 @@ NARROW_GLOBAL_LR = 1e-4
 
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
-    found = _clock_warnings(cfg)
+    found = _clock_warnings(cfg) + _switched_off_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -574,14 +574,42 @@ def config_warnings(cfg: Config) -> list[str]:
 TRACE_REPLACES = ("queue_wait", "queue_wait_sigma", "walltime", "preemption_rate")
 
 
+def changed_settings(section: object, name: str, skip: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys of ``section`` (called ``name``) set away from their defaults, but those in ``skip`` (or
+    only those in ``only``): what a switched-off feature would ignore."""
+    defaults = type(section)()
+    return [f"{name}.{f.name}" for f in dataclasses.fields(section)  # type: ignore[arg-type]
+            if f.name not in skip and (not only or f.name in only)
+            and getattr(section, f.name) != getattr(defaults, f.name)]
+
+
+def _switched_off_warnings(cfg: Config) -> list[str]:
+    """Settings of privacy, secure aggregation and compression left set while the feature that reads them is off
+    (a forgotten switch: the run goes on without the feature, and nothing else would say so)."""
+    found = []
+    for section, name, switch, off, turn_on in (
+            (cfg.privacy, "privacy", "mode", "off", "set privacy.mode (central or local)"),
+            (cfg.secagg, "secagg", "enabled", False, "set secagg.enabled=true"),
+            (cfg.compression, "compression", "method", "none", "set compression.method (int8, int4 or topk)")):
+        if getattr(section, switch) == off:
+            ignored = changed_settings(section, name, skip=(switch,))
+            if ignored:
+                found.append(f"{', '.join(ignored)}: read only with {name}.{switch} set, and it is {off!r}: ignored; "
+                             f"{turn_on} to use them")
+    topk_only = changed_settings(cfg.compression, "compression", only=("fraction", "error_feedback", "residual_ram_mb"))
+    if cfg.compression.method in ("int8", "int4") and topk_only:
+        found.append(f"{', '.join(topk_only)}: read only with compression.method 'topk', not "
+                     f"{cfg.compression.method!r}: ignored")
+    return found
+
+
 def _clock_warnings(cfg: Config) -> list[str]:
     """clock.* settings that are legal but read by nothing: any beside clock.mode off, a queue trace beside another
     availability, the batch-queue model's settings beside the trace that replaces them; and the wall-clock
     straggler deadline, which virtual time does not apply."""
     clock, defaults = cfg.clock, type(cfg.clock)()
     if clock.mode == "off":
-        ignored = [f"clock.{f.name}" for f in dataclasses.fields(clock)
-                   if f.name not in ("mode", "concurrency") and getattr(clock, f.name) != getattr(defaults, f.name)]
+        ignored = changed_settings(clock, "clock", skip=("mode", "concurrency"))
         return [f"{', '.join(ignored)}: read only under virtual time, and clock.mode is 'off' (rounds in real time): "
                 "ignored; set clock.mode (sync, fedasync, fedbuff or fedcompass) to use them"] if ignored else []
     found = []

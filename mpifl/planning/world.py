@@ -62,13 +62,18 @@ def srun_singleton_problem(size: int, srun_tasks: str | None) -> str | None:
             "the plugins this Slurm has, and `mpifl slurm` writes the one for the MPI it finds")
 
 
+def too_few_ranks(command: str) -> str:
+    """What a job of one rank is told: ``mpifl run`` and ``sweep`` need a server and at least one client rank."""
+    return ("mpifl needs at least 2 ranks (rank 0 is the server, ranks 1.. are clients): "
+            f"launch with e.g. `mpiexec -n 3 mpifl {command} CONFIG`")
+
+
 def world_problem(size: int, cfg: Config) -> str | None:
     """Why ``size`` ranks (the server and the client ranks) cannot run this config, or None: what ``mpifl run``
     refuses before any round, and ``mpifl plan``, ``pbs`` and ``slurm`` before a job is written (a fault's
     ``ranks`` among them: the config names ranks, the job decides which it has)."""
     if size < 2:
-        return ("mpifl needs at least 2 ranks (rank 0 is the server, ranks 1.. are clients): "
-                "launch with e.g. `mpiexec -n 3 mpifl run CONFIG`")
+        return too_few_ranks("run")
     layout = GroupLayout(cfg.clients.ranks_per_client)
     problem = layout.problem(size)
     if problem:

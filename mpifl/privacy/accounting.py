@@ -6,8 +6,11 @@
   RDP accountant (Wang, Balle and Kasiviswanathan 2019).
 - Central DP, Poisson sampling (each client with q = k / N): add-or-remove adjacency,
   sensitivity C: ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``, RDP or PLD accountant.
-- Local DP: each client's own release is a Gaussian mechanism with multiplier z (add-or-remove),
-  composed over every round it could take part in (all of them, the worst case): no amplification.
+- Local DP: each client's own release is a Gaussian mechanism on its clipped update. Its neighbouring
+  inputs are any two of its datasets (replace: the client's output is always released, so there is no
+  add-or-remove to hide behind), whose clipped updates can be 2C apart, so the multiplier against that
+  sensitivity is z / 2, as in the central fixed-sampling case: ``GaussianDpEvent(z / 2)``, composed over every
+  round the client could take part in (all of them, the worst case): no amplification.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def round_event(cfg: PrivacyConfig, num_clients: int, per_round: int) -> dp_acco
     dp = _dp_accounting()
     gaussian = dp.GaussianDpEvent
     if cfg.mode == "local":
-        return gaussian(cfg.noise_multiplier)
+        return gaussian(cfg.noise_multiplier / 2)
     if cfg.sampling == "poisson":
         return dp.PoissonSampledDpEvent(per_round / num_clients, gaussian(cfg.noise_multiplier))
     return dp.SampledWithoutReplacementDpEvent(num_clients, per_round, gaussian(cfg.noise_multiplier / 2))
