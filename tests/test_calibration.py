@@ -3,13 +3,15 @@ tasks stalled by other work, and a simulated 10,000-client run built from its ov
 run's length. How close they come is a timing, so it is measured in profiling/calibration_check.py, not here."""
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi, write_config
+from conftest import ROOT, mpifl_here, run_mpi, write_config
 
 from mpifl.cli.calibrate import fit_costs
+from mpifl.config import dump_config, load_config
 
 sys.path.insert(0, str(ROOT / "profiling"))
 import calibration_check as check
@@ -44,6 +46,42 @@ def test_tasks_stalled_by_other_work_on_the_machine_do_not_move_the_fitted_line(
     assert fit.overhead == pytest.approx(0.5, rel=0.15) and fit.per_sample == pytest.approx(0.01, rel=0.05)
     least_squares_slope = np.polyfit(work, seconds, 1)[0]
     assert least_squares_slope > 0.012  # what a plain least-squares fit makes of the same tasks
+
+
+def measured_run(path, seconds_of, batched=0, rounds=3, clients=40):
+    """A run directory as a CPU run leaves it for calibrate: its config and each round's ``timing``."""
+    path.mkdir()
+    cfg = load_config(None, data={"rounds": rounds, "train": {"batched_clients": batched}})
+    (path / "config.yaml").write_text(dump_config(cfg))
+    rng = np.random.default_rng(0)
+    with open(path / "metrics.jsonl", "w") as out:
+        for r in range(1, rounds + 1):
+            samples = rng.integers(10, 500, clients)
+            timing = [[c, 1 + c % 2, int(n), seconds_of(int(n), rng)] for c, n in enumerate(samples)]
+            out.write(json.dumps({"round": r, "timing": timing}) + "\n")
+    return path
+
+
+def test_a_run_with_batched_clients_is_refused_in_one_line_that_says_to_calibrate_an_unbatched_run(tmp_path):
+    # a batch's first client carries the whole batch's time, the others next to nothing
+    run = measured_run(tmp_path / "batched", lambda n, rng: 0.5 if rng.random() < 0.1 else 1e-4, batched=10)
+    refused = mpifl_here("calibrate", str(run))
+    assert refused.returncode == 1 and refused.stdout == ""  # no table, no overrides
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("mpifl calibrate: ") and "train.batched_clients=10" in line
+    assert "calibrate an unbatched run of the same config" in line
+
+
+def test_a_fit_that_explains_little_of_the_measured_times_is_warned_of_above_its_overrides(tmp_path):
+    weak = mpifl_here("calibrate", str(measured_run(tmp_path / "weak", lambda n, rng: (0.01 + 1e-4 * n)
+                                                    * rng.lognormal(0, 1.0))))
+    assert weak.returncode == 0, weak.stderr
+    lines = weak.stdout.strip().splitlines()
+    assert lines[-1].startswith("to simulate cpu devices like these: clock.task_overhead=")  # still the last line
+    assert lines[-2].startswith("warning: cpu: R² ") and "explains little of the measured times" in lines[-2]
+    good = mpifl_here("calibrate", str(measured_run(tmp_path / "good", lambda n, rng: (0.01 + 1e-4 * n)
+                                                    * rng.lognormal(0, 0.05))))
+    assert good.returncode == 0 and "warning" not in good.stdout
 
 
 def test_a_simulated_10000_client_run_calibrated_on_a_measured_20_client_run_runs_rounds_of_its_length(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import MPI_TIMEOUT, run_mpi, same_model, write_config
+from conftest import MPI_TIMEOUT, mpifl_here, run_mpi, same_model, write_config
 
 from mpifl.config import load_config
 from mpifl.privacy.accounting import epsilon
@@ -42,15 +42,29 @@ def test_dp_fedadam_noise_is_identical_across_chunk_sizes_and_rank_counts(tmp_pa
     assert [r["privacy"]["epsilon"] for r in records] == expected  # dp-accounting's, round by round
 
 
-def test_an_epsilon_budget_stops_the_run_before_it_is_exceeded_with_a_checkpoint(tmp_path):
+def test_an_epsilon_budget_ends_the_run_complete_after_the_last_round_it_allows(tmp_path):
     cfg = load_config(None, data={"clients": {"num_clients": 20, "per_round": 5},
                                   "strategy": {"update": "delta", "weighting": "equal"},
                                   "privacy": {"mode": "central", "noise_multiplier": 1.2}})
     budget = (epsilon(cfg.privacy, 2, 20, 5) + epsilon(cfg.privacy, 3, 20, 5)) / 2  # room for 2 rounds, not 3
-    _, run_dir, records, stderr = run(tmp_path, "budget", 2, 6, f", epsilon_budget: {budget}")
+    spent = f", epsilon_budget: {budget}"
+    config, run_dir, records, stderr = run(tmp_path, "budget", 2, 6, spent, "eval.every=5")
     assert [r["round"] for r in records] == [1, 2] and records[-1]["privacy"]["epsilon"] <= budget
     assert "privacy.epsilon_budget: round 3 would take epsilon" in stderr
-    assert (run_dir / "checkpoints" / "ckpt-r000002.h5").exists()
+    # a complete run: its last round evaluated, as any last round is, and marked; model.h5 is its checkpoint
+    assert "eval" in records[-1] and records[-1]["privacy"]["budget_spent"] is True
+    assert "budget_spent" not in records[0]["privacy"]
+    assert same_model(run_dir / "model.h5", run_dir / "checkpoints" / "ckpt-r000002.h5")
+    closing = stderr.strip().splitlines()[-1]
+    assert closing.startswith("[rank 0] finished after round 2 of 6: the privacy budget is spent "
+                              f"(privacy.epsilon_budget {budget:g}: epsilon ") and "final round 2: " in closing
+    status = mpifl_here("status", str(run_dir))  # what the job scripts' final check runs
+    assert status.returncode == 0 and status.stdout.splitlines()[-1].startswith(
+        f"complete: privacy.epsilon_budget {budget:g} spent after round 2 of 6")
+    # RESUME=auto: a resubmitted job finds nothing to run, and leaves the run complete
+    again = run_mpi(3, "run", str(config), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
+    assert again.returncode == 0 and "nothing to run, as the privacy budget is spent" in again.stderr
+    assert mpifl_here("status", str(run_dir)).returncode == 0
 
 
 SECAGG = """

@@ -46,6 +46,19 @@ def test_a_run_stopped_on_request_says_so_and_blames_no_rank(tmp_path):
     assert "did not finish" not in "\n".join(lines)
 
 
+def test_a_run_whose_privacy_budget_is_spent_before_its_last_round_is_complete_and_says_why(tmp_path):
+    run = run_dir_with(tmp_path, 2, [(0, "finished", 2, 5.0), (1, "finished", 2, 5.0)])
+    (run / "config.yaml").write_text("rounds: 6\nprivacy: {mode: central, epsilon_budget: 5.2}\n")
+    records = [{"round": 1, "privacy": {"epsilon": 4.9}},
+               {"round": 2, "privacy": {"epsilon": 5.131, "budget_spent": True}}]  # as the server marks it
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert post_mortem(run) == (True, [f"{run}: 2 of 6 rounds recorded; no checkpoint",
+                                       "complete: privacy.epsilon_budget 5.2 spent after round 2 of 6 "
+                                       "(epsilon 5.131)"])
+    (run / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")  # a round short of the budget's stop
+    assert not post_mortem(run)[0]
+
+
 def test_status_of_a_folder_that_is_no_run_says_which_without_calling_it_a_config_error(tmp_path):
     from conftest import mpifl_here
 

@@ -129,6 +129,20 @@ def test_a_round_records_a_task_a_preemption_lost_apart_from_one_its_job_s_norma
     assert [r["wasted_seconds"] for r in rounds] == [940.0, 1000.0, 100.0]
 
 
+def test_a_round_waits_for_its_first_online_client_apart_from_its_own_seconds_and_does_not_wait_for_k(tmp_path):
+    clock = SyncClock(0, per_round=2, availability=overlapping(tmp_path), duration=lambda r, c: 2000.0,
+                      deadline=None, over_selection=0.0)
+    rounds = [clock.round(r).record() for r in (1, 2, 3, 4)]
+    # nobody is online at 0: round 1 waits for client 1's job (60); round 4 waits from round 3's end (2100) until
+    # client 0's next job (3000); rounds 2 and 3 find a client online as the round before ends
+    assert [r["virtual_wait_seconds"] for r in rounds] == [60.0, 0.0, 0.0, 900.0]
+    assert [r["virtual_round_seconds"] for r in rounds] == [940.0, 1000.0, 100.0, 1000.0]
+    assert list(np.cumsum([r["virtual_wait_seconds"] + r["virtual_round_seconds"] for r in rounds])) == [
+        r["virtual_time"] for r in rounds]
+    # 2 clients a round, but one online at each start: the round runs with that one, it does not wait for a second
+    assert [(r["online"], r["selected"]) for r in rounds] == [(1, 1)] * 4
+
+
 def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggler_not_a_lost_task(tmp_path):
     tasks = iter([300.0, 300.0, 1000.0])  # the durations in the order the clock asks: rounds 1, 2 (clients 0, 1)
     clock = SyncClock(0, per_round=1, availability=overlapping(tmp_path), duration=lambda r, c: next(tasks),
@@ -276,6 +290,9 @@ def test_the_shipped_example_runs_on_its_shipped_trace_and_checkpoints_carry_tas
     # each lost task is named by what ended its client's stretch in the trace: a preemption, or a job's run time
     queue = QueueAvailability(12, 0, wait_median=0.0, wait_sigma=0.0, walltime=1.0, preemption_rate=0.0,
                               checkpoint=False, trace=str(ROOT / "configs" / "traces" / "hpc_queue.swf"))
+    assert sum(r["virtual_wait_seconds"] + r["virtual_round_seconds"] for r in lost) == pytest.approx(
+        lost[-1]["virtual_time"], rel=1e-12)  # the trace's first job starts after time 0: round 1 waits for it
+    assert lost[0]["virtual_wait_seconds"] > 0
     for r in lost:
         start = r["virtual_time"] - r["virtual_round_seconds"]
         for field, preempted in (("preempted", True), ("job_ended", False)):

@@ -13,6 +13,12 @@ length, and least squares follows them, while the median line moves only once ha
 devices' speeds have median 1, so the simulated median task lies on the line. The spread of the measured seconds
 about it, as the sigma of their log-ratio (robustly, from its median absolute deviation), becomes the devices'
 speed spread.
+
+Two runs give nothing to fit, and are refused: one without ``timing``, and one with batched clients
+(``train.batched_clients``), where a batch trains as one model: its first client's recorded time is the whole
+batch's, the others' a few microseconds, and the batch takes as long as its longest client (every lane steps until
+it is done) whatever the others hold, so its time is no task's and no sum of the samples. A fit whose R² is below
+``WEAK_FIT`` is printed with a warning above its overrides.
 """
 from __future__ import annotations
 
@@ -25,6 +31,12 @@ import numpy as np
 from mpifl.cli.report import load_metrics
 from mpifl.clock.planners import task_samples
 from mpifl.config import Config, load_config
+
+WEAK_FIT = 0.5  # R² below which the output warns that the line explains less than half of the seconds' variance
+
+
+class CalibrationError(ValueError):
+    """The run's records hold nothing a cost model can be fitted to; the message says why and what to run."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,7 @@ def fit_costs(tasks: Sequence[tuple[float, float]]) -> CostFit:
     """The median line of seconds on work over ``tasks`` ((work, seconds) pairs), neither coefficient negative
     (a negative one is set to 0 and the other refitted alone)."""
     if len(tasks) < 2:
-        raise ValueError(f"calibrate: {len(tasks)} measured task(s); a fit needs at least 2 (run more rounds)")
+        raise CalibrationError(f"{len(tasks)} measured task(s); a fit needs at least 2 (run more rounds)")
     work, seconds = (np.array(column, dtype=float) for column in zip(*tasks))
     if np.ptp(work) > 0:
         overhead, per_sample = median_line(work, seconds)
@@ -116,9 +128,17 @@ def calibrate(run_dir: str | Path) -> dict[str, CostFit]:
     """Each device class's fit for the run in ``run_dir``."""
     run_dir = Path(run_dir)
     records = load_metrics(run_dir, "calibrate")
+    cfg = load_config(run_dir / "config.yaml")
+    width = cfg.train.batched_clients
+    if width:
+        raise CalibrationError(
+            f"{run_dir} trained its clients {width} at a time (train.batched_clients={width}): a batch's time is "
+            "recorded as its first client's (the others' as about 0) and is set by its longest client, so no "
+            "per-client cost can be fitted; calibrate an unbatched run of the same config "
+            "(train.batched_clients=0)")
     if not any(r.get("timing") for r in records):
-        raise ValueError(f"{run_dir}: its records have no 'timing' (written since mpifl 2026-11-29); rerun it")
-    tasks = measured_tasks(records, load_config(run_dir / "config.yaml"), device_classes(run_dir))
+        raise CalibrationError(f"{run_dir}: its records have no 'timing' (written since mpifl 2026-11-29); rerun it")
+    tasks = measured_tasks(records, cfg, device_classes(run_dir))
     return {kind: fit_costs(pairs) for kind, pairs in sorted(tasks.items())}
 
 
@@ -127,6 +147,15 @@ def render(fits: dict[str, CostFit]) -> str:
     lines = ["| devices | tasks | overhead (s) | per sample (s) | spread (sigma) | R² |", "|---|---|---|---|---|---|"]
     lines += [f"| {kind} | {f.tasks} | {f.overhead:.4g} | {f.per_sample:.4g} | {f.sigma:.3f} | {f.r2:.3f} |"
               for kind, f in fits.items()]
+    weak = [weak_fit_warning(kind, f) for kind, f in fits.items() if f.r2 < WEAK_FIT]
     kind, best = max(fits.items(), key=lambda item: item[1].tasks)
-    lines += ["", f"to simulate {kind} devices like these: " + " ".join(best.overrides())]
+    lines += ["", *weak, f"to simulate {kind} devices like these: " + " ".join(best.overrides())]
     return "\n".join(lines)
+
+
+def weak_fit_warning(kind: str, fit: CostFit) -> str:
+    """One line saying that ``fit``'s line explains little of what its tasks took, and what helps."""
+    return (f"warning: {kind}: R² {fit.r2:.2f} < {WEAK_FIT}: the line explains little of the measured times "
+            "(tasks stalled by other work on the machine, too few rounds, or clients too alike in size to tell "
+            "overhead from per-sample cost), so simulated times follow it only roughly; measure longer on a "
+            "quieter machine")

@@ -172,10 +172,13 @@ def compare(args: argparse.Namespace) -> int:
 
 def calibrate(args: argparse.Namespace) -> int:
     """``mpifl calibrate``: the cost model fitted to a measured run."""
+    from mpifl.cli.calibrate import CalibrationError, render
     from mpifl.cli.calibrate import calibrate as fit
-    from mpifl.cli.calibrate import render
 
-    print(render(fit(args.run_dir)))
+    try:
+        print(render(fit(args.run_dir)))
+    except CalibrationError as err:
+        raise SystemExit(f"mpifl calibrate: {err}") from None
     return 0
 
 

@@ -1,12 +1,13 @@
 """The virtual-time schedule, planned from the config and the seed alone (never from the machine).
 
-Synchronous rounds (``clock.mode: sync``): round r starts when round r-1 ended. Among the
-clients online then, ``ceil(k x (1 + over_selection))`` are sampled; each one's task takes its
-cost-model duration (with any stall or slowdown fault that strikes it added); the first k to finish
-(by duration, then id) within ``deadline`` are kept and the rest are stragglers, dropped. A task that
-never arrives (a stall for ever) is a straggler whatever the deadline. The round ends when the k-th
-kept update arrives, or at the deadline when fewer made it. Stragglers are never trained: their work
-is wasted by definition, and reported (virtual seconds they worked until the round closed).
+Synchronous rounds (``clock.mode: sync``): round r starts when round r-1 ended, or, when nobody is online
+then, once the first client comes online (that wait is recorded apart from the round). A round does not wait
+for k clients: with k' = min(k, clients online at its start), ``ceil(k' x (1 + over_selection))`` are sampled;
+each one's task takes its cost-model duration (with any stall or slowdown fault that strikes it added); the
+first k' to finish (by duration, then id) within ``deadline`` are kept and the rest are stragglers, dropped. A
+task that never arrives (a stall for ever) is a straggler whatever the deadline. The round ends when the k'-th
+kept update arrives, or at the deadline when fewer made it. Stragglers are never trained: their work is wasted
+by definition, and reported (virtual seconds they worked until the round closed).
 
 Asynchronous steps (``fedasync``, ``fedbuff``): ``concurrency`` clients train at once. At time 0
 that many idle, online clients are dispatched with model version 0. Updates arrive in virtual
@@ -51,10 +52,13 @@ class SyncRound:
     preempted: tuple[int, ...] | None = None  # queue: stragglers whose task a preemption lost (None: no jobs)
     continued: tuple[int, ...] = ()  # queue with checkpoints: selected clients whose task ran on in a later job
     job_ended: tuple[int, ...] = ()  # queue: stragglers whose task their job's walltime or run time lost
+    waited: float = 0.0  # virtual seconds from the previous round's end until a client was online to start this one
 
     def record(self) -> dict:
-        """The round's virtual-time fields for metrics.jsonl."""
-        record = {"virtual_time": self.end, "virtual_round_seconds": self.end - self.start, "online": self.online,
+        """The round's virtual-time fields for metrics.jsonl: ``virtual_wait_seconds`` + ``virtual_round_seconds``
+        summed over the rounds make ``virtual_time``."""
+        record = {"virtual_time": self.end, "virtual_wait_seconds": self.waited,
+                  "virtual_round_seconds": self.end - self.start, "online": self.online,
                   "selected": len(self.selected), "stragglers": list(self.stragglers),
                   "wasted_seconds": self.wasted_seconds}
         if self.preempted is not None:
@@ -87,7 +91,7 @@ class SyncClock:
         return self.rounds[r - 1]
 
     def _plan(self, r: int, start: float) -> SyncRound:
-        online = self.availability.online(start)
+        ready, online = start, self.availability.online(start)
         while not online.any():  # nobody to sample: the round starts when someone comes online
             later = self.availability.next_change(start)
             if later is None:
@@ -113,7 +117,7 @@ class SyncClock:
                                               if ends[c].at is None and took[c] <= closes])
         return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
                          stragglers, float(wasted), preempted if queued else None,
-                         tuple(c for c in selected if ends[c].continued), job_ended)
+                         tuple(c for c in selected if ends[c].continued), job_ended, start - ready)
 
     def _finish(self, client: int, start: float, seconds: float) -> Finish:
         """When ``client``'s task of ``seconds``, started at ``start``, arrives or is lost; a task that never arrives

@@ -489,8 +489,9 @@ class PrivacyConfig:
     accountant: str = field_("rdp", "privacy accountant of Google's dp-accounting: rdp, or pld (poisson sampling "
                              "only)", choices=("rdp", "pld"))
     delta: float = field_(1e-5, "the delta of the reported (epsilon, delta)", min=0.0, max=1.0, exclusive_min=True)
-    epsilon_budget: float | None = field_(None, "stop (with a checkpoint) before a round would take epsilon "
-                                             "past this", min=0.0, exclusive_min=True)
+    epsilon_budget: float | None = field_(None, "end the run, complete (evaluated, checkpointed, model.h5), "
+                                             "before a round would take epsilon past this", min=0.0,
+                                          exclusive_min=True)
     adaptive_clip: bool = field_(False, "central: the clip bound follows a quantile of the update norms (Andrew "
                                  "et al. 2021, geometric update, noised clipped-count)")
     target_quantile: float = field_(0.5, "adaptive_clip: the quantile of update norms C tracks", min=0.0, max=1.0)

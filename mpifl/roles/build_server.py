@@ -38,7 +38,14 @@ from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
-from mpifl.storage.rundir import RankNotes, ResumePoint, faults_struck, note_fault_struck, read_metrics
+from mpifl.storage.rundir import (
+    BUDGET_SPENT,
+    RankNotes,
+    ResumePoint,
+    faults_struck,
+    note_fault_struck,
+    read_metrics,
+)
 from mpifl.storage.stores import open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB
@@ -54,7 +61,8 @@ from mpifl.wire.watchdog import RunDeadlines, StragglerRule
 @dataclass(frozen=True)
 class RunOutcome:
     """What rank 0 knows when the run ends: the metrics history, and whether a signal (SIGTERM: walltime, or the
-    launcher cleaning up after a rank that left) stopped it before its last round."""
+    launcher cleaning up after a rank that left) stopped it before its last round (a run that a spent privacy
+    budget ended is complete, not interrupted)."""
 
     history: list[dict]
     interrupted: bool
@@ -141,12 +149,11 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             floor=floor, lends_state=cfg.lends_client_state,
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
                             spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round))
-        history = Server(comm, parts, cfg.transport, stop, cfg.output.progress,
-                         cfg.clients.min_participants).run(start, history, _wrap_up(cfg, run_dir, checkpointer,
-                                                                                    stop, notes))
+        server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
+        history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
     finally:
         sink.close()
-    return RunOutcome(history, interrupted=_interrupted(history, cfg.rounds, stop))
+    return RunOutcome(history, interrupted=not server.budget_spent and _interrupted(history, cfg.rounds, stop))
 
 
 def _interrupted(history: list[dict], rounds: int, stop: StopRequest) -> bool:
@@ -155,15 +162,21 @@ def _interrupted(history: list[dict], rounds: int, stop: StopRequest) -> bool:
 
 
 def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,
-             notes: RankNotes) -> Callable[[list[dict]], None]:
-    """What the server does once no round is left to run: link ``model.h5`` to the last round's checkpoint, say
-    so, and note the outcome. Before it takes up what dropped ranks still send (Server.run): a rank silent there
-    ends the job, and the run directory must still say that every round is on disk."""
-    def wrap_up(done: list[dict]) -> None:
-        if run_dir and cfg.output.save_model and done and done[-1]["round"] == cfg.rounds:
-            checkpointer.link_final_model(run_dir)
-        log_final(done, cfg.rounds, str(run_dir) if run_dir else "(no run directory)")
-        notes("interrupted" if _interrupted(done, cfg.rounds, stop) else "finished", done[-1]["round"] if done else 0)
+             notes: RankNotes) -> Callable[[list[dict], bool], None]:
+    """What the server does once no round is left to run: link ``model.h5`` to the last round's checkpoint (the
+    configured last round, or the one after which the privacy budget is spent), say so, and note the outcome.
+    Before it takes up what dropped ranks still send (Server.run): a rank silent there ends the job, and the run
+    directory must still say that every round is on disk."""
+    def wrap_up(done: list[dict], budget_spent: bool) -> None:
+        reached = done[-1]["round"] if done else 0
+        if run_dir and cfg.output.save_model and done and (reached == cfg.rounds or budget_spent):
+            checkpointer.link_final_model(run_dir, reached)
+        log_final(done, cfg.rounds, str(run_dir) if run_dir else "(no run directory)",
+                  cfg.privacy.epsilon_budget if budget_spent else None)
+        if budget_spent:
+            notes("finished", reached, stopped=BUDGET_SPENT)
+        else:
+            notes("interrupted" if _interrupted(done, cfg.rounds, stop) else "finished", reached)
 
     return wrap_up
 

@@ -290,15 +290,23 @@ def summary(record: dict) -> str:
     return ", ".join(parts)
 
 
-def log_final(history: list[dict], rounds: int, where: str) -> None:
-    """One closing line: how far the run got, and its last evaluation."""
+def log_final(history: list[dict], rounds: int, where: str, epsilon_budget: float | None = None) -> None:
+    """One closing line: how far the run got, and its last evaluation; ``epsilon_budget``: the privacy budget that
+    is spent, which ended the run complete before round ``rounds``."""
     last = next((r for r in reversed(history) if "eval" in r), None)
     reached = history[-1]["round"] if history else 0
-    if reached == rounds:
+    spent = epsilon_budget is not None and reached < rounds and bool(history)
+    if reached == rounds or spent:
         detail = f"final round {last['round']}: " + summary(last) if last else "no evaluation"
         if "cost_to_date" in history[-1]:
             log(cost_line(history[-1]["cost_to_date"]), rank=0)
-        log(f"finished {len(history)} rounds; {detail}; outputs in {where}", rank=0)
+        ended = f"finished {len(history)} rounds"
+        if spent:
+            epsilon = history[-1].get("privacy", {}).get("epsilon")
+            after = f"epsilon {epsilon:.3f} after round {reached}" if epsilon is not None else f"round {reached}"
+            ended = (f"finished after round {reached} of {rounds}: the privacy budget is spent "
+                     f"(privacy.epsilon_budget {epsilon_budget:g}: {after}; round {reached + 1} would pass it)")
+        log(f"{ended}; {detail}; outputs in {where}", rank=0)
         return
     detail = f"last evaluation after round {last['round']}: " + summary(last) if last else "no evaluation"
     log(f"stopped after round {reached} of {rounds} (continue with --resume); {detail}; outputs in {where}", rank=0)

@@ -71,9 +71,10 @@ class Evaluation:
     every: int
     rounds: int
 
-    def __call__(self, round_: int) -> dict | None:
-        """The scores when due this round, else None."""
-        if self.score is None or self.every == 0 or (round_ % self.every and round_ != self.rounds):
+    def __call__(self, round_: int, last: bool = False) -> dict | None:
+        """The scores when due this round, else None; ``last``: the round is the run's last though not round
+        ``rounds`` (a spent privacy budget ends the run there), and is evaluated as any last round is."""
+        if self.score is None or self.every == 0 or (round_ % self.every and round_ != self.rounds and not last):
             return None
         return self.score()
 
@@ -122,10 +123,11 @@ class Server:
         self.meter = CostMeter()  # the server's CPU-seconds and bytes written, read as each round's record is made
 
     def run(self, start_round: int = 0, history: Sequence[dict] = (),
-            wrap_up: Callable[[list[dict]], None] | None = None) -> list[dict]:
-        """Rounds start_round+1.. until the last or a SIGTERM, then tell the clients to stop. ``wrap_up`` is given
-        the history once no round is left to run, before what dropped ranks still send is taken up: a rank silent
-        there ends the job, and the run directory must by then say how far the run got (``model.h5``, the notes)."""
+            wrap_up: Callable[[list[dict], bool], None] | None = None) -> list[dict]:
+        """Rounds start_round+1.. until the last, a spent privacy budget or a SIGTERM, then tell the clients to
+        stop. ``wrap_up`` is given the history, and whether the privacy budget is spent, once no round is left to
+        run, before what dropped ranks still send is taken up: a rank silent there ends the job, and the run
+        directory must by then say how far the run got (``model.h5``, the notes)."""
         self.history = list(history)
         for record in self.history:
             self.parts.deadlines.observe(record["client_train_seconds"])
@@ -133,10 +135,11 @@ class Server:
         private = self.parts.privacy
         if private and start_round < self.rounds and private.exhausted(start_round + 1):
             log(f"privacy.epsilon_budget: round {start_round + 1} would take epsilon to "
-                f"{private.epsilon(start_round + 1):.3f}, past {private.cfg.epsilon_budget}: nothing to run", rank=0)
+                f"{private.epsilon(start_round + 1):.3f}, past {private.cfg.epsilon_budget}: the budget is spent, "
+                "nothing to run", rank=0)
             self.budget_spent = True
             if wrap_up is not None:
-                wrap_up(self.history)
+                wrap_up(self.history, True)
             self._send_stop()
             return self.history
         bar = tqdm(total=self.rounds, initial=start_round, desc="[rank 0] rounds", leave=False,
@@ -156,7 +159,7 @@ class Server:
         finally:
             bar.close()
         if wrap_up is not None:
-            wrap_up(self.history)
+            wrap_up(self.history, self.budget_spent)
         self.late.finish(self.parts.deadlines.current().first_update)
         self._send_stop()
         self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize
@@ -190,7 +193,8 @@ class Server:
         if stats.nonfinite:
             self._poisoned(round_, strikes, stats.nonfinite)
         reduced = time.perf_counter()
-        evaluation = parts.evaluation(round_)
+        last_by_budget = self._last_by_budget(round_)
+        evaluation = parts.evaluation(round_, last=last_by_budget)
         evaluated = time.perf_counter()
         work = self._work_by_rank(plan, stats.metas)
         trained = max((w["train_seconds"] for w in work.values()), default=0.0)
@@ -217,7 +221,9 @@ class Server:
             seconds = {int(rank): work["train_seconds"] for rank, work in record["ranks"].items()}
             parts.sampler.placement.observe(plan.train, seconds)
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
-        stopping = self._budget_ends_after(round_, record) or stopping
+        if last_by_budget:
+            self._spend_budget(round_, record)
+            stopping = True
         parts.checkpointer.round_ended(round_, self.history, stopping)
         times.checkpointed = times.end = time.perf_counter()
         # the checkpoint's copy stops before saving; the JSON line has it all: the time split, and what saving cost
@@ -321,16 +327,22 @@ class Server:
         self._log_drops(plan, stats.metas)
         return stats
 
-    def _budget_ends_after(self, round_: int, record: dict) -> bool:
-        """privacy.epsilon_budget: whether the next round would spend past the budget (then this one is the last)."""
+    def _last_by_budget(self, round_: int) -> bool:
+        """privacy.epsilon_budget: whether the next round would spend past the budget, making this one the last
+        (known before the round ends: epsilon depends on the number of rounds alone)."""
         private = self.parts.privacy
-        if not private or round_ >= self.rounds or not private.exhausted(round_ + 1):
-            return False
+        return private is not None and round_ < self.rounds and private.exhausted(round_ + 1)
+
+    def _spend_budget(self, round_: int, record: dict) -> None:
+        """The budget ends the run after ``round_``: say so, and mark the round's record (the checkpoint's copy too,
+        as the checkpointer saves after this), from which ``mpifl status`` and a resume tell the run complete."""
+        private = self.parts.privacy
+        assert private is not None  # _last_by_budget
         log(f"privacy.epsilon_budget: round {round_ + 1} would take epsilon from {record['privacy']['epsilon']:.3f} "
             f"to {private.epsilon(round_ + 1):.3f}, past {private.cfg.epsilon_budget}: stopping after round {round_}",
             rank=0)
+        record["privacy"]["budget_spent"] = True
         self.budget_spent = True
-        return True
 
     def _replay(self, resumed: int) -> None:
         """Asynchronous FL after a resume: the clients in flight retrain from the versions they started on

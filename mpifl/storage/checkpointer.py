@@ -281,9 +281,10 @@ class Checkpointer:
         log(f"round {round_} aborted; the global model after round {round_ - 1} is saved in {path}", rank=0)
         return path
 
-    def link_final_model(self, run_dir: Path) -> None:
-        """``model.h5`` is the final checkpoint (a hard link where possible: no second copy on disk)."""
-        final, model_file = self.path(self.rounds), run_dir / FINAL_MODEL
+    def link_final_model(self, run_dir: Path, round_: int | None = None) -> None:
+        """``model.h5`` is the final checkpoint, of round ``round_`` (default: the last, ``rounds``; earlier when a
+        spent privacy budget ended the run), as a hard link where possible: no second copy on disk."""
+        final, model_file = self.path(self.rounds if round_ is None else round_), run_dir / FINAL_MODEL
         tmp = model_file.with_name(model_file.name + ".tmp")
         tmp.unlink(missing_ok=True)
         try:

@@ -60,7 +60,26 @@ class ResumePoint:
 
 
 class RunComplete(Exception):
-    """The run directory already holds the final round: there is nothing left to do."""
+    """The run directory already holds the final round, or the round after which its privacy budget is spent:
+    there is nothing left to do."""
+
+
+BUDGET_SPENT = "privacy.epsilon_budget"  # what ended a complete run early, in rank 0's note (``stopped``)
+
+
+def budget_spent(records: list[dict]) -> bool:
+    """Whether the last of ``records`` is the round after which ``privacy.epsilon_budget`` is spent (the server
+    marks it so, in metrics.jsonl and the checkpoint's copy): the run is complete there."""
+    return bool(records and records[-1].get("privacy", {}).get("budget_spent"))
+
+
+def budget_line(config: dict, records: list[dict], rounds: int) -> str:
+    """'privacy.epsilon_budget B spent after round R of N (epsilon E)', from a run's config and records."""
+    budget = ((config or {}).get("privacy") or {}).get("epsilon_budget")
+    reached = records[-1]["round"] if records else 0
+    epsilon = records[-1].get("privacy", {}).get("epsilon") if records else None
+    return (f"{BUDGET_SPENT}{f' {budget:g}' if budget is not None else ''} spent after round {reached} of {rounds}"
+            + (f" (epsilon {epsilon:.3f})" if epsilon is not None else ""))
 
 
 def run_directory(cfg: Config, run_dir_arg: str | None) -> Path:
@@ -97,6 +116,10 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict(), Config().to_dict())
         if conflict:
             raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only {resumable_keys()} may change)")
+        history = ckpt.metrics()
+        if budget_spent(history) and ckpt.round < cfg.rounds:  # privacy is not resumable: the budget stays spent
+            raise RunComplete(f"run already complete: {budget_line(cfg.to_dict(), history, cfg.rounds)} "
+                              f"({ckpt.path}); nothing to run, as the privacy budget is spent")
         if ckpt.round == cfg.rounds:
             raise RunComplete(f"run already complete: {ckpt.path} holds round {ckpt.round} of rounds={cfg.rounds}; "
                               "nothing to do (raise rounds to continue)")
@@ -296,10 +319,12 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
              + (f"; newest checkpoint {newest[-1].name}" if newest else "; no checkpoint")]
     notes = read_rank_notes(run_dir)
     server = notes.get(0, {})
-    complete = reached == rounds and server.get("state", "finished") == "finished"  # runs before notes: rounds
+    spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
+    complete = (reached == rounds or spent) and server.get("state", "finished") == "finished"  # before notes: rounds
     if complete:
         after = f"; the job then failed: {server['then_failed']}" if server.get("then_failed") else ""
-        return True, [*lines, "complete" + after]
+        why = f": {budget_line(config or {}, records, rounds)}" if spent else ""
+        return True, [*lines, "complete" + why + after]
     for rank, note in sorted(notes.items()):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note["time"]))
         reason = f": {note['reason']}" if note.get("reason") else ""
