@@ -136,8 +136,11 @@ def test_rows_are_labelled_by_the_shortest_path_suffix_that_tells_the_runs_apart
     text, _ = compare_runs([str(ditto), str(fedper), str(again)], "eval.loss")
     rows = [line.split(" | ")[0] for line in text.splitlines()[2:5]]
     assert rows == ["| sw_ditto/seed=0", "| sw_fedper/seed=0", "| sw_fedper/seed=1"]
-    alone, _ = compare_runs([str(ditto), str(again)], "eval.loss")
-    assert "| seed=0 | fedavg |" in alone and "| seed=1 | fedprox |" in alone  # the last part already tells them apart
+    # from two sweeps, each row says its sweep although the last part alone would tell them apart
+    two, _ = compare_runs([str(ditto), str(again)], "eval.loss")
+    assert "| sw_ditto/seed=0 | fedavg |" in two and "| sw_fedper/seed=1 | fedprox |" in two
+    one, _ = compare_runs([str(fedper), str(again)], "eval.loss")  # one sweep's runs: their own names
+    assert "| seed=0 | fedprox |" in one and "| seed=1 | fedprox |" in one
 
 
 def test_each_group_in_the_figure_has_its_own_line_style_and_a_marker_at_every_point(tmp_path):

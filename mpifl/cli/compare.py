@@ -79,9 +79,11 @@ def strategy_label(config: dict) -> str:
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     """Each run directory's shortest path suffix that tells it from the others, as many parts for all
-    (``sw_fedper/seed=0`` beside ``sw_ditto/seed=0``, where the last part alone is the same)."""
+    (``sw_fedper/seed=0`` beside ``sw_ditto/seed=0``, where the last part alone is the same); with the parent folder
+    whenever the runs are not all in one, so that a sweep's ``seed=1`` still says which sweep it is from."""
     parts = [Path(d).resolve().parts for d in run_dirs]
-    for k in range(1, max((len(p) for p in parts), default=1) + 1):
+    start = 1 if len({p[:-1] for p in parts}) <= 1 else 2
+    for k in range(start, max((len(p) for p in parts), default=1) + 1):
         labels = ["/".join(p[-k:]) for p in parts]
         if len(set(labels)) == len(labels):
             return labels
