@@ -55,13 +55,15 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """A round's record as flat scalars keyed by path (``eval/accuracy``, ``time/dispatch``, ``ranks/1/clients``,
     ``privacy/epsilon``). The round is the step, not a scalar; text and None are left out; a list counts its
     items (``participants``, ``dropped``), except the memory warnings, keyed by the reading that grew
-    (``memory_warning/client_peak_rss_bytes/growth_bytes``): a client rank's RSS and its GPU memory may both warn."""
+    (``memory_warning/client_peak_rss_bytes/growth_bytes``): a client rank's RSS and its GPU memory may both warn.
+    Per-client values (``federated_eval/accuracy_per_client``) stay in metrics.jsonl: one tag per client ever
+    sampled would bury a tracker's dashboard at cross-device scale."""
     out: dict[str, float] = {}
 
     def walk(value: Any, key: str) -> None:
         if isinstance(value, (bool, int, float)):
             out[key] = float(value)
-        elif isinstance(value, Mapping):
+        elif isinstance(value, Mapping) and not key.endswith("_per_client"):
             for inner, item in value.items():
                 walk(item, f"{key}/{inner}")
         elif isinstance(value, (list, tuple)) and key == "memory_warning":

@@ -113,3 +113,60 @@ def test_a_run_without_rounds_is_named_and_left_out_of_the_means(sweep, tmp_path
     assert "seed=3,strategy.name=fedavg: no round recorded eval.loss" in text and "nan" not in text
     assert [len(members) for _, members in groups] == [3, 3]  # the failed run is in no group's mean ± std
     assert "| strategy.name=fedavg | 3 | 0,1,2 |" in text
+
+
+def test_the_strategy_column_names_the_personalisation_beside_the_strategy(tmp_path):
+    runs = {"fedper": "model: {local: ['fc3.*']}\n", "ditto": "train: {ditto_lambda: 0.1}\n",
+            "both": "model: {local: ['fc3.*', 'bn.*']}\ntrain: {ditto_lambda: 0.5}\n",
+            "apfl": "train: {trainer: 'examples.apfl.apfl:APFLTrainer'}\n"}
+    for name, extra in runs.items():
+        run = write_run(tmp_path / name, "fedavg", 0)
+        (run / "config.yaml").write_text((run / "config.yaml").read_text() + extra)
+    text, _ = compare_runs([str(tmp_path / name) for name in runs], "eval.loss")
+    assert "| fedper | fedavg + local [fc3.*] | off |" in text
+    assert "| ditto | fedavg + ditto(λ=0.1) | off |" in text
+    assert "| both | fedavg + local [fc3.*, bn.*] + ditto(λ=0.5) | off |" in text
+    assert "| apfl | fedavg + trainer examples.apfl.apfl:APFLTrainer | off |" in text
+
+
+def test_rows_are_labelled_by_the_shortest_path_suffix_that_tells_the_runs_apart(tmp_path):
+    ditto = write_run(tmp_path / "sw_ditto" / "seed=0", "fedavg", 0)
+    fedper = write_run(tmp_path / "sw_fedper" / "seed=0", "fedprox", 0)
+    again = write_run(tmp_path / "sw_fedper" / "seed=1", "fedprox", 1)
+    text, _ = compare_runs([str(ditto), str(fedper), str(again)], "eval.loss")
+    rows = [line.split(" | ")[0] for line in text.splitlines()[2:5]]
+    assert rows == ["| sw_ditto/seed=0", "| sw_fedper/seed=0", "| sw_fedper/seed=1"]
+    # from two sweeps, each row says its sweep although the last part alone would tell them apart
+    two, _ = compare_runs([str(ditto), str(again)], "eval.loss")
+    assert "| sw_ditto/seed=0 | fedavg |" in two and "| sw_fedper/seed=1 | fedprox |" in two
+    one, _ = compare_runs([str(fedper), str(again)], "eval.loss")  # one sweep's runs: their own names
+    assert "| seed=0 | fedprox |" in one and "| seed=1 | fedprox |" in one
+
+
+def test_each_group_in_the_figure_has_its_own_line_style_and_a_marker_at_every_point(tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from mpifl.cli.compare import draw_groups
+
+    same = [write_run(tmp_path / f"g{g}" / "seed=0", "fedavg", 0) for g in range(3)]  # three identical curves
+    for g, run in enumerate(same):
+        (run / "config.yaml").write_text((run / "config.yaml").read_text() + f"train: {{lr: 0.{g + 1}}}\n")
+    _, groups = compare_runs([str(r) for r in same], "eval.loss")
+    fig, ax = plt.subplots()
+    lines = draw_groups(ax, groups)
+    plt.close(fig)
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 3
+    assert all(line.get_marker() not in (None, "None", "") for line in lines)
+
+
+def test_a_spread_across_clients_is_better_lower_and_per_client_keys_stay_out_of_the_hint(tmp_path):
+    assert better_direction("federated_eval.accuracy_std") == "lower"
+    assert better_direction("federated_eval.accuracy_worst10") == "higher"
+    run = write_run(tmp_path / "run", "fedavg", 0)
+    record = {"round": 1, "federated_eval": {"accuracy": 0.5, "accuracy_worst10": 0.25,
+                                             "accuracy_per_client": {str(c): 0.5 for c in range(100)}}}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    text, _ = compare_runs([str(run)], "federated_eval.accuracy_worst10")
+    assert "| run | fedavg | off | 0.2500 | 0.2500 |" in text
+    with pytest.raises(SystemExit, match=r"did you mean 'federated_eval.accuracy_worst10'") as refused:
+        compare_runs([str(run)], "federated_eval.accuracy_worst1")
+    assert "per_client" not in str(refused.value)

@@ -72,6 +72,11 @@ def test_each_client_evaluates_its_personal_model_on_its_validation_split(tmp_pa
         federated = record["federated_eval"]
         assert {"accuracy", "personal_accuracy", "personal_loss"} <= federated.keys(), federated
         assert 0.0 <= federated["personal_accuracy"] <= 1.0
+        # each client's personal accuracy, and its spread, beside the weighted mean
+        per_client = federated["personal_accuracy_per_client"]
+        assert sorted(map(int, per_client)) == record["participants"]
+        assert federated["personal_accuracy_worst10"] == min(per_client.values())  # 6 clients: the worst one
+        assert federated["personal_accuracy_unweighted"] == pytest.approx(np.mean(list(per_client.values())))
 
 
 def test_the_plan_counts_each_hosted_clients_personal_model():

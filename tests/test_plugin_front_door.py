@@ -103,6 +103,7 @@ def test_client_metrics_are_sample_weighted_means_with_their_range_leaving_out_w
              meta(1, 10, norm=6.0, within=False, loss=1.0),
              meta(2, 0, note="text")]
     assert client_metrics(metas) == {"norm": {"mean": 3.0, "min": 2.0, "max": 6.0, "clients": 2},
+                                     "val_loss": {"mean": 1.0, "min": 1.0, "max": 1.0, "clients": 1},  # the trainer's
                                      "within": {"mean": 0.75, "min": 0.0, "max": 1.0, "clients": 2}}
     assert client_metrics([meta(1, 10, loss=1.0)]) is None
 

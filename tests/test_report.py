@@ -235,16 +235,80 @@ def test_the_quality_plot_draws_every_recorded_accuracy_personal_models_included
                 **({"federated_eval": {"accuracy": 0.5, "personal_accuracy": 0.7}} if r == 4 else {})}
                for r in range(1, 5)]
     series = {label: (rounds, values) for label, rounds, values, _, _ in accuracy_series(records)}
-    assert series == {"held-out accuracy": ([2, 4], [0.62, 0.64]),
-                      "clients' validation accuracy (global model)": ([4], [0.5]),
-                      "clients' validation accuracy (personal models)": ([4], [0.7])}
-    assert [label for label, *_ in accuracy_series(records[:2])] == ["held-out accuracy"]  # only what was recorded
+    # each label says on which model and when: at one round they are not alike
+    assert series == {"held-out: global model, after the round": ([2, 4], [0.62, 0.64]),
+                      "clients' validation: global model, before local training": ([4], [0.5]),
+                      "clients' validation: personal models, after this round's training": ([4], [0.7])}
+    assert [label for label, *_ in accuracy_series(records[:2])] == [
+        "held-out: global model, after the round"]  # only what was recorded
     fig = Figure()
     _quality(fig, fig.subplots(), records)
     _, accuracy = fig.axes
     assert [line.get_label() for line in accuracy.get_lines()] == list(series)
     # with model.local no model is the global one: the labels say which local tensors each was evaluated with
     assert [label for label, *_ in accuracy_series(records, local=True)] == [
-        "held-out accuracy (built local tensors)",
-        "clients' validation accuracy (averaged + own local)",
-        "clients' validation accuracy (personal models)"]
+        "held-out: averaged + built local tensors, after the round",
+        "clients' validation: averaged + own local tensors, before local training",
+        "clients' validation: personal models, after this round's training"]
+
+
+def _straggling(clients: int, rounds: int = 3) -> list[dict]:
+    """Rounds of a cross-device run: 20 participants a round, client 7 a straggler in every round, and one more
+    straggler a round."""
+    return [{"round": r, "participants": [(r * 20 + i) % clients for i in range(20)], "dropped": [],
+             "stragglers": [7, (r * 331) % clients], "virtual_time": float(r)} for r in range(1, rounds + 1)]
+
+
+def test_participation_at_cross_device_scale_counts_the_clients_with_each_number_of_rounds():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _participation, bar_columns, participation_counts, participation_histogram
+
+    records = _straggling(1000)
+    histogram = participation_histogram(participation_counts(records), 1000)
+    assert histogram["applied"] == [940, 60]  # 60 distinct participants, one round each
+    assert histogram["stragglers"] == [996, 3, 0, 1]  # client 7 three times, three others once
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    _participation(fig, ax, records, 1000)
+    assert 1000 > bar_columns(fig, ax)  # a 7-inch figure has no pixel column for each of 1000 bars
+    assert ax.get_title().startswith("Participation of 1000 clients: how many had each number of rounds")
+    assert "too many clients for a bar each" in ax.get_title()
+    assert ax.get_yscale() == "log"
+    heights = [round(bar.get_height()) for bar in ax.patches]
+    assert sorted(h for h in heights if h) == sorted([940, 60, 996, 3, 1])
+
+
+def test_participation_of_a_few_clients_draws_a_bar_each():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _participation
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    _participation(fig, ax, _straggling(40), 40)
+    assert ax.get_title() == "Participation per client"
+    assert len(ax.patches) == 2 * 40  # applied and stragglers, a bar per client seen
+
+
+def test_the_staleness_title_gives_the_median_of_the_recorded_values():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _staleness
+
+    values = [0] * 6 + [1] * 9 + [2] * 4 + [3] * 5 + [4] * 4 + [5] * 2  # 30 values: the 15th is 1, the 16th 2
+    fig = Figure()
+    ax = fig.subplots()
+    _staleness(fig, ax, [{"round": 1, "staleness": values[:13]}, {"round": 2, "staleness": values[13:]}])
+    assert ax.get_title() == "Staleness of 30 applied updates (median 1.5)"
+
+
+def test_the_bytes_axis_starts_at_zero_so_heights_compare_as_bytes():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _bytes
+
+    fig = Figure()
+    ax = fig.subplots()
+    _bytes(fig, ax, [{"round": r, "bytes_sent": 200_000, "bytes_received": 400_000} for r in (1, 2, 3)])
+    assert ax.get_ylim()[0] == 0.0

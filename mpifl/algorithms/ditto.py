@@ -54,7 +54,8 @@ class PersonalModels:
     update. The two are independent given w, so v_i is trained first and the rank's model is given w back
     before the global training. v_i is kept as fp32 chunk by chunk (the model's chunks), in RAM or on disk,
     and published with every checkpoint. With federated evaluation due, v_i is evaluated on the client's
-    validation split after its update (``val_personal_*``, averaged like the global model's ``val_*``).
+    validation split after its update (``personal_*`` in the header's ``evaluation``, summarised like the global
+    model's scores).
 
     With ``model.local`` (``with_local``), the global model a client trains is w with its own local tensors l_i
     (FedBN, FedPer: ``PersonalTensors`` has loaded them), and that is what v_i is pulled towards: v_i is a whole

@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")
     cmp_.add_argument("--better", choices=("auto", "higher", "lower"), default="auto", help="which way is better: "
                       "auto reads it from the metric's name (loss, perplexity, error, seconds, time, bytes, "
-                      "staleness: lower)")
+                      "staleness, std: lower)")
     cmp_.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="the tables' format")
     cmp_.add_argument("--plot", metavar="PNG", help="also draw each group's mean curve with ± one std shaded "
                       "(needs the 'plot' extra)")

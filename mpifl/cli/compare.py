@@ -14,17 +14,22 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpifl.cli.report import load_metrics, metric_keys, metric_of, pyplot, saved_config
 
-LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "bytes", "staleness"})
+if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
+    from matplotlib.axes import Axes
+    from matplotlib.lines import Line2D
+
+LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "bytes", "staleness", "std"})
 NOT_THE_SETTING = frozenset({"seed", "name", "output"})  # what a group's runs may differ in
 
 
 def better_direction(metric: str, asked: str = "auto") -> str:
     """'lower' or 'higher': ``asked`` unless 'auto', else 'lower' when any word of the dotted key is a loss, a
-    perplexity, an error, a time or a size (``eval.loss``, ``train_loss``, ``time.round``, ``bytes_sent``)."""
+    perplexity, an error, a time, a size or a spread (``eval.loss``, ``train_loss``, ``time.round``, ``bytes_sent``,
+    ``federated_eval.accuracy_std``)."""
     if asked != "auto":
         return asked
     words = metric.replace(".", "_").split("_")
@@ -55,6 +60,34 @@ def outcome(run_dir: Path, records: list[dict], metric: str, target: float | Non
     return RunOutcome(run_dir, saved_config(run_dir), curve, pick(values) if values else math.nan,
                       values[-1] if values else math.nan, reached["round"] if reached else None,
                       reached.get("virtual_time") if reached else None)
+
+
+def strategy_label(config: dict) -> str:
+    """The strategy as it trained: its name, and the personalisation or plug-in trainer beside it
+    (``fedavg + local [fc3.*]``, ``fedavg + ditto(λ=0.1)``)."""
+    label = [str((config.get("strategy") or {}).get("name", "?"))]
+    local = (config.get("model") or {}).get("local")
+    if local:
+        label.append(f"local [{', '.join(map(str, local))}]")
+    train = config.get("train") or {}
+    if train.get("ditto_lambda"):
+        label.append(f"ditto(λ={float(train['ditto_lambda']):g})")
+    if ":" in str(train.get("trainer", "")):  # a plug-in trainer may personalise too (APFL)
+        label.append(f"trainer {train['trainer']}")
+    return " + ".join(label)
+
+
+def run_labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Each run directory's shortest path suffix that tells it from the others, as many parts for all
+    (``sw_fedper/seed=0`` beside ``sw_ditto/seed=0``, where the last part alone is the same); with the parent folder
+    whenever the runs are not all in one, so that a sweep's ``seed=1`` still says which sweep it is from."""
+    parts = [Path(d).resolve().parts for d in run_dirs]
+    start = 1 if len({p[:-1] for p in parts}) <= 1 else 2
+    for k in range(start, max((len(p) for p in parts), default=1) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(Path(d)) for d in run_dirs]
 
 
 def flat(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -138,8 +171,9 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
 
         close = difflib.get_close_matches(metric, sorted(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
+        listed = sorted(k for k in known if not k.startswith("ranks.") and "_per_client." not in k)
         raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
-                         f"{', '.join(sorted(k for k in known if not k.startswith('ranks.')))})")
+                         f"{', '.join(listed)})")
     direction = better_direction(metric, better)
     lower = direction == "lower"
     outcomes = [outcome(d, records, metric, target, lower) for d, records in runs]
@@ -147,14 +181,15 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     header = ["run", "strategy", "clock", *([reach, "virtual s to it"] if reach else []), f"best ({direction})",
               "final"]
     rows = []
+    names = dict(zip((o.run_dir for o in outcomes), run_labels([o.run_dir for o in outcomes])))
     for o in outcomes:
         to_target = [str(o.reached_round) if o.reached_round else "not reached",
                      f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"]
         values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else ["no round recorded it", "-"]
-        rows.append([o.run_dir.name, str(o.config.get("strategy", {}).get("name", "?")),
+        rows.append([names[o.run_dir], strategy_label(o.config),
                      str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
     text = render(header, rows, fmt)
-    empty = [o.run_dir.name for o in outcomes if not o.curve]
+    empty = [names[o.run_dir] for o in outcomes if not o.curve]
     if empty:  # a run that failed before its first round, or one that never records the metric
         text += (f"\n\n{', '.join(empty)}: no round recorded {metric} (`mpifl status` says how far a run got); "
                  "left out of the groups below and of the figure")
@@ -178,23 +213,21 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     return text, groups
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "x", "P", "*")
+
+
+def group_style(index: int) -> tuple[str, str]:
+    """The ``index``-th group's line style and marker: no two of the first 8 groups share both."""
+    return LINE_STYLES[index % len(LINE_STYLES)], MARKERS[index % len(MARKERS)]
+
+
 def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, path: str | Path,
                 subject: str = "") -> Path:
-    """One figure: each group's mean curve over the rounds every one of its runs recorded, with ± one standard
-    deviation shaded (a single run: its curve alone). ``subject`` leads the title (what was run; default: the
-    metric)."""
+    """One figure of ``draw_groups``; ``subject`` leads the title (what was run; default: the metric)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, members in groups:
-        rounds = sorted(set.intersection(*(set(o.curve) for o in members)))
-        if not rounds:
-            continue
-        means = [statistics.fmean(o.curve[r] for o in members) for r in rounds]
-        line, = ax.plot(rounds, means, label=f"{label} (n={len(members)})")
-        if len(members) > 1:
-            spread = [statistics.stdev(o.curve[r] for o in members) for r in rounds]
-            ax.fill_between(rounds, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)],
-                            color=line.get_color(), alpha=0.2, linewidth=0)
+    draw_groups(ax, groups)
     ax.set_xlabel("round")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(metric)
@@ -205,3 +238,25 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def draw_groups(ax: Axes, groups: Sequence[tuple[str, list[RunOutcome]]]) -> list[Line2D]:
+    """Each group's mean curve over the rounds every one of its runs recorded, with ± one standard deviation shaded
+    (a single run: its curve alone). Each group has its own line style and marker, so groups with the same curve
+    (FedAvg and Ditto's global model) stay visible one over the other, and a marker at every point, so a round
+    without the metric shows as a gap between markers rather than as a point on the line."""
+    lines = []
+    for index, (label, members) in enumerate(groups):
+        rounds = sorted(set.intersection(*(set(o.curve) for o in members)))
+        if not rounds:
+            continue
+        means = [statistics.fmean(o.curve[r] for o in members) for r in rounds]
+        style, marker = group_style(index)
+        line, = ax.plot(rounds, means, label=f"{label} (n={len(members)})", linestyle=style, marker=marker,
+                        markersize=max(3.0, 8.0 - index), markerfacecolor="none" if index % 2 else None)
+        lines.append(line)
+        if len(members) > 1:
+            spread = [statistics.stdev(o.curve[r] for o in members) for r in rounds]
+            ax.fill_between(rounds, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+    return lines

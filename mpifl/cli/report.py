@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+DPI = 110  # the report's PNGs: what a plot that draws one mark per client measures its pixel columns at
 SPLIT = ("dispatch", "client_train", "dropped_wait", "return", "aggregate", "eval", "checkpoint", "other")
 
 
@@ -88,7 +89,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     plots = [("quality.png", lambda fig, ax, records: _quality(fig, ax, records, local)),
              ("time_split.png", _time_split), ("bytes.png", _bytes), ("memory.png", _memory)]
     if any("virtual_time" in r for r in records):
-        plots += [("virtual_time.png", _virtual_time), ("participation.png", _participation)]
+        clients = (saved_config(run_dir).get("clients") or {}).get("num_clients")
+        plots += [("virtual_time.png", _virtual_time),
+                  ("participation.png", lambda fig, ax, records: _participation(fig, ax, records, clients))]
     if any(r.get("staleness") for r in records):
         plots.append(("staleness.png", _staleness))
     if any("cost" in r for r in records):
@@ -109,7 +112,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
             continue
         if not fig.legends:
             fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        fig.savefig(out / name, dpi=DPI)
         plt.close(fig)
         written.append(out / name)
     return written
@@ -117,18 +120,21 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
 
 # The accuracies a run's records may hold: (record key, metric, label, colour, marker). The clients' own
 # validation splits (eval.federated_every) are what personalisation is judged by: the global model there, and
-# Ditto's personal models beside it.
-ACCURACIES = (("eval", "accuracy", "held-out accuracy", "tab:green", "s"),
-              ("federated_eval", "accuracy", "clients' validation accuracy (global model)", "tab:purple", "^"),
-              ("federated_eval", "personal_accuracy", "clients' validation accuracy (personal models)", "tab:red",
-               "v"))
+# Ditto's personal models beside it. Each label says what was measured and when, since at one round they are not
+# alike: the server scores the model the round made, each client the model it received before training on it, and
+# Ditto's personal model after this round's training on it.
+ACCURACIES = (("eval", "accuracy", "held-out: global model, after the round", "tab:green", "s"),
+              ("federated_eval", "accuracy", "clients' validation: global model, before local training",
+               "tab:purple", "^"),
+              ("federated_eval", "personal_accuracy",
+               "clients' validation: personal models, after this round's training", "tab:red", "v"))
 
 
 # With model.local (FedBN, FedPer) no model is "the global one": the server evaluates the averaged tensors with the
 # local ones as built, each client the averaged ones with its own (docs: how-to/personalization.md)
-WITH_LOCAL = {"held-out accuracy": "held-out accuracy (built local tensors)",
-              "clients' validation accuracy (global model)":
-                  "clients' validation accuracy (averaged + own local)"}
+WITH_LOCAL = {"held-out: global model, after the round": "held-out: averaged + built local tensors, after the round",
+              "clients' validation: global model, before local training":
+                  "clients' validation: averaged + own local tensors, before local training"}
 
 
 def accuracy_series(records: list[dict], local: bool = False) -> list[tuple[str, list[int], list[float], str, str]]:
@@ -165,8 +171,13 @@ def _quality(fig: Figure, ax: Axes, records: list[dict], local: bool = False) ->
     _label_rounds(ax)
     ax.set_ylabel("loss")
     ax.set_title("Model quality")
-    fig.legend(loc="lower center", ncols=2 if len(series) > 1 else 3, fontsize="small")
-    fig.subplots_adjust(bottom=0.3 if len(series) > 1 else 0.25)
+    if len(series) > 1:  # one label a line: each says what was measured and when
+        fig.set_size_inches(7, 4 + 0.2 * len(series))
+        fig.legend(loc="lower center", ncols=1, fontsize="small")
+        fig.subplots_adjust(bottom=(0.6 + 0.18 * (len(ax.get_lines()) + len(series))) / fig.get_figheight())
+    else:
+        fig.legend(loc="lower center", ncols=3, fontsize="small")
+        fig.subplots_adjust(bottom=0.25)
 
 
 def time_axis_limit(totals: Sequence[float], factor: float = 1.5, percentile: float = 90.0) -> float | None:
@@ -245,6 +256,7 @@ def _bytes(fig: Figure, ax: Axes, records: list[dict]) -> None:
     ax.plot(rounds, [r["bytes_received"] / MIB for r in records], marker=".", label="received by server")
     _label_rounds(ax)
     ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)  # from 0, so that a ratio of heights is the ratio of bytes
     ax.set_title("Bytes moved per round")
     ax.legend()
 
@@ -411,22 +423,74 @@ def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
     return counts
 
 
-def _participation(fig: Figure, ax: Axes, records: list[dict]) -> None:
-    """Each client's rounds, stacked by outcome: applied updates first, then why the others were not."""
+def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int | None = None) -> None:
+    """Each client's rounds, stacked by outcome: applied updates first, then why the others were not; with more
+    clients than the axes have pixel columns for (``bar_columns``), how many clients had 0, 1, 2, ... rounds of each
+    outcome instead (``participation_histogram``), since bars narrower than a pixel merge or vanish."""
+    from matplotlib.patches import Patch
+
     counts = participation_counts(records)
-    clients = sorted({c for per_client in counts.values() for c in per_client})
-    bottom = np.zeros(len(clients))
-    for key, label, colour in PARTICIPATION:
-        heights = np.array([counts[key].get(c, 0) for c in clients])
-        if key == "applied" or heights.any():
-            ax.bar(clients, heights, bottom=bottom, label=label, color=colour)
-            bottom += heights
+    seen = sorted({c for per_client in counts.values() for c in per_client})
+    shown = [(key, label, colour) for key, label, colour in PARTICIPATION if key == "applied" or counts[key]]
+    ax.legend(handles=[Patch(color=colour, label=label) for _, label, colour in shown], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    fig.tight_layout()
+    clients = max(num_clients or 0, len(seen), max(seen, default=-1) + 1)
+    if clients > bar_columns(fig, ax):
+        _participation_histogram(ax, counts, shown, clients)
+        return
+    bottom = np.zeros(len(seen))
+    for key, _, colour in shown:
+        heights = np.array([counts[key].get(c, 0) for c in seen])
+        ax.bar(seen, heights, bottom=bottom, color=colour)
+        bottom += heights
     ax.set_xlabel("logical client")
-    if len(clients) <= AVAILABILITY_CLIENTS:
-        ax.set_xticks(clients)
+    if len(seen) <= AVAILABILITY_CLIENTS:
+        ax.set_xticks(seen)
     ax.set_ylabel("rounds (asynchronous: tasks)")
     ax.set_title("Participation per client")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+
+
+PIXELS_PER_BAR = 2  # a bar and a gap: narrower, neighbouring bars merge and antialiasing fades a lone one
+
+
+def bar_columns(fig: Figure, ax: Axes) -> int:
+    """How many clients ``ax`` can draw a bar each for in the saved PNG: its width in pixel columns at the report's
+    ``DPI``, ``PIXELS_PER_BAR`` to a client."""
+    return int(ax.get_position().width * fig.get_figwidth() * DPI) // PIXELS_PER_BAR
+
+
+def participation_histogram(counts: dict[str, dict[int, int]], clients: int) -> dict[str, list[int]]:
+    """For each outcome, how many of the ``clients`` had 0, 1, 2, ... rounds of it (index: rounds)."""
+    out = {}
+    for key, per_client in counts.items():
+        rounds = np.zeros(clients, dtype=int)
+        for client, n in per_client.items():
+            rounds[client] = n
+        out[key] = np.bincount(rounds).tolist()
+    return out
+
+
+def _participation_histogram(ax: Axes, counts: dict[str, dict[int, int]], shown: list[tuple[str, str, str]],
+                             clients: int) -> None:
+    """Clients by their number of rounds of each outcome, side by side, on a log axis so that a handful of
+    stragglers shows beside hundreds of clients never sampled; each bar's count written on it."""
+    from matplotlib.ticker import MaxNLocator
+
+    histogram = participation_histogram(counts, clients)
+    width = 0.8 / len(shown)
+    for i, (key, _, colour) in enumerate(shown):
+        heights = histogram[key]
+        bars = ax.bar(np.arange(len(heights)) + (i - (len(shown) - 1) / 2) * width, heights, width=width,
+                      color=colour)
+        ax.bar_label(bars, labels=[str(h) if h else "" for h in heights], fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.5)  # a bar of one client stays visible
+    ax.set_xlabel("rounds of the outcome (asynchronous: tasks)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("clients")
+    ax.set_title(f"Participation of {clients} clients: how many had each number of rounds\n"
+                 "(too many clients for a bar each)", fontsize="medium")
 
 
 def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:
@@ -434,5 +498,5 @@ def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:
     ax.hist(values, bins=range(0, max(values, default=0) + 2), align="left", rwidth=0.85)
     ax.set_xlabel("staleness (versions between dispatch and application)")
     ax.set_ylabel("updates")
-    ax.set_title(f"Staleness of {len(values)} applied updates (median {sorted(values)[len(values) // 2]})"
+    ax.set_title(f"Staleness of {len(values)} applied updates (median {float(np.median(values)):g})"
                  if values else "Staleness")

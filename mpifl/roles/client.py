@@ -247,12 +247,12 @@ class ClientRank:
         """Train one logical client and turn its model into the update it sends, with its header (no buffers:
         the update stays on the device for the group's sum)."""
         train, val = self.local_data.get(client, (None, None))
-        metrics = self.parts.evaluation.received(self.work.module, round_, val)
+        scores = self.parts.evaluation.received(self.work.module, round_, val)
         start = time.perf_counter()
         anchor = self._anchor(keep)
         if self.parts.state.models is not None:
             assert anchor is not None  # Ditto's ranks keep the global model (_needs_host_global, _anchor)
-            metrics.update(self.training.personal(round_, client, train, val, anchor))
+            scores.update(self.training.personal(round_, client, train, val, anchor))
         result, error = self.training.train(round_, client, train, anchor)
         if error is None and self.faults and (lost := self.faults.lost(round_, client)) is not None:
             error = self.training.failed(lost, round_, client, "")  # as if it had not been sampled
@@ -276,8 +276,8 @@ class ClientRank:
             injected = self.faults.injected_non_finite(round_, client) if self.faults else None
             error = self.training.non_finite(client, bad, injected)
         seconds = time.perf_counter() - start
-        metrics.update(result.metrics, **self.costs.of_update(seconds))
+        metrics = {**result.metrics, **self.costs.of_update(seconds)}
         if self.replica is not None and self.replica.on_gpu:
             metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
-        meta = protocol.UpdateMeta(client, result.num_samples, seconds, metrics, error, result.local_steps)
+        meta = protocol.UpdateMeta(client, result.num_samples, seconds, metrics, error, result.local_steps, scores)
         return meta, buffers

@@ -1,6 +1,8 @@
 """Federated evaluation on a client rank (``eval.federated_every``): each sampled client scores the model it received
-on its own validation split before it trains (``val_*``), and Ditto's personal model after its update
-(``val_personal_*``); the server averages them by validation samples (roles.records.federated_evaluation)."""
+on its own validation split before it trains (``accuracy``, ``loss``, ``samples``), and Ditto's personal model after
+its update (``personal_*``). The scores travel in the update header's own field (``UpdateMeta.evaluation``), never
+among the trainer's metrics, so a trainer that reports ``val_accuracy`` cannot replace them; the server summarises
+them per round (roles.records.federated_evaluation)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,7 +32,7 @@ class FederatedEvaluation:
         if not self.due(round_, val):
             return {}
         assert self.evaluate is not None and val is not None  # due: an evaluator and a validation split
-        return {**{f"val_{k}": v for k, v in self.evaluate(model, val.x, val.y).items()}, "val_samples": len(val)}
+        return {**self.evaluate(model, val.x, val.y), "samples": len(val)}
 
     def personal(self, model: nn.Module, round_: int, val: ClientData | None) -> Callable[[], dict] | None:
         """What scores a Ditto personal model once it is in ``model``, when due; else None."""
@@ -38,4 +40,4 @@ class FederatedEvaluation:
             return None
         evaluate = self.evaluate
         assert evaluate is not None and val is not None  # due: an evaluator and a validation split
-        return lambda: {f"val_personal_{k}": v for k, v in evaluate(model, val.x, val.y).items()}
+        return lambda: {f"personal_{k}": v for k, v in evaluate(model, val.x, val.y).items()}

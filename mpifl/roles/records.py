@@ -217,23 +217,48 @@ def secagg_record(metas: dict[int, UpdateMeta]) -> dict:
 
 
 def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:
-    """Clients' validation metrics of the global model they received, weighted by validation samples."""
-    reports = [m.metrics for m in metas if "val_samples" in m.metrics]
-    if not reports:
+    """The round's clients' scores of their own validation splits (``UpdateMeta.evaluation``, mpifl's alone: never a
+    trainer's metrics): each score's mean weighted by validation samples, and for each accuracy (the received
+    model's, Ditto's ``personal_accuracy``) how it spreads across the clients (``client_spread``); None when no
+    client was evaluated. Summed in ascending client id, so the record is the same bits on any number of ranks."""
+    scored = sorted((m for m in metas if "samples" in m.evaluation), key=lambda m: m.client)
+    if not scored:
         return None
-    n = sum(r["val_samples"] for r in reports)
-    keys = [k for k in reports[0] if k.startswith("val_") and k != "val_samples"]
-    out = {k[4:]: sum(r[k] * r["val_samples"] for r in reports) / n for k in keys}
+    reports = [m.evaluation for m in scored]
+    n = sum(r["samples"] for r in reports)
+    keys = [k for k in dict.fromkeys(k for r in reports for k in r) if k != "samples"]
+    out = {k: sum(r[k] * r["samples"] for r in reports if k in r) / sum(r["samples"] for r in reports if k in r)
+           for k in keys}
     if "perplexity" in out:  # of the pooled loss, not a mean of perplexities
         out["perplexity"] = math.exp(min(out["loss"], 50.0))
-    return {**out, "clients": len(reports), "samples": n}
+    spreads: dict = {}
+    for key in (k for k in keys if k.endswith("accuracy")):
+        per_client = {m.client: float(m.evaluation[key]) for m in scored if key in m.evaluation}
+        spreads.update({f"{key}_{stat}": value for stat, value in client_spread(per_client).items()})
+    return {**out, "clients": len(reports), "samples": n, **spreads}
 
 
-# What an update's header carries that a round's record reports under its own keys: the training loss (train_loss),
-# federated evaluation (val_*: federated_eval), the ranks' peaks and costs (client_peak_*, ranks, cost), a client
-# group's costs (client_group) and secure aggregation's (secagg). Everything else a client reports is a client metric.
+WORST_SHARE = 10  # the worst tenth of the clients: Ditto's fairness measure (Li et al. 2021, "worst 10%")
+
+
+def client_spread(per_client: dict[int, float]) -> dict:
+    """How one score spreads across the clients that reported it, each client counting once: the unweighted mean,
+    the standard deviation across clients (population, ddof=0: these clients are the whole set described), the mean
+    of the worst tenth (the lowest ceil(n/10) values, at least one client) and every client's own value, by id."""
+    ids = sorted(per_client)
+    values = [per_client[c] for c in ids]
+    mean = sum(values) / len(values)
+    worst = sorted(values)[:max(1, -(-len(values) // WORST_SHARE))]
+    return {"unweighted": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)),
+            "worst10": sum(worst) / len(worst), "per_client": {str(c): per_client[c] for c in ids}}
+
+
+# What an update's header's metrics carry that a round's record reports under its own keys: the training loss
+# (train_loss), the ranks' peaks and costs (client_peak_*, ranks, cost), a client group's costs (client_group) and
+# secure aggregation's (secagg). Everything else a client reports is a client metric, a trainer's val_* included:
+# mpifl's own evaluation travels apart (UpdateMeta.evaluation, federated_eval).
 REPORTED_ELSEWHERE = ("loss",)
-REPORTED_ELSEWHERE_PREFIXES = ("val_", "rank_", "group_", "secagg_")
+REPORTED_ELSEWHERE_PREFIXES = ("rank_", "group_", "secagg_")
 
 
 def client_metrics(metas: Sequence[UpdateMeta]) -> dict | None:
@@ -278,6 +303,9 @@ def group_split(metas: Iterable[UpdateMeta]) -> dict | None:
     return split
 
 
+SPREAD_NOT_LOGGED = ("_unweighted", "_std", "_per_client")  # the log line keeps the weighted means and worst 10%
+
+
 def summary(record: dict) -> str:
     """The round's losses and evaluation scores, on one line."""
     parts = []
@@ -286,7 +314,7 @@ def summary(record: dict) -> str:
     parts += [f"{k} {v:.4f}" for k, v in record.get("eval", {}).items()]
     if "federated_eval" in record:
         parts += [f"federated_{k} {v:.4f}" for k, v in record["federated_eval"].items()
-                  if k not in ("clients", "samples")]
+                  if k not in ("clients", "samples") and not k.endswith(SPREAD_NOT_LOGGED)]
     return ", ".join(parts)
 
 

@@ -203,6 +203,9 @@ class UpdateMeta:
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # why this client's update must not be used (it still sends its chunks)
     local_steps: int | None = None  # optimizer steps the trainer took (None: the trainer did not say)
+    # mpifl's own scores of the client's validation split (roles.evaluation: accuracy, loss, samples, personal_*),
+    # kept apart from ``metrics`` so that nothing a trainer reports can stand in for them
+    evaluation: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
