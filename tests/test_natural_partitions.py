@@ -115,6 +115,7 @@ def test_a_partition_file_s_clients_past_num_clients_are_left_out_as_a_list_s_ar
     ([[0], [], [2], [3]], "client 1 holds no samples"),
     ({"0": [0], "1": [1], "2": [], "3": [3]}, "client 2 holds no samples"),
     ([[0], [1], [2], 3], "client 3's entry is 3, not a list of sample indices"),
+    ([[0], [1], [2], [10**30]], f"client 3 has indices outside the 16 training samples: {10**30}"),
     ([[0], [1], [2]], "3 clients, but clients.num_clients=4"),
     ({"0": [0]}, "no entry for clients 1-3"),
     ('{"0": [0], ', "not JSON"),

@@ -246,12 +246,11 @@ def _client_indices(indices: object, client: int, num_samples: int, where: str) 
         raise ValueError(f"{where}: client {client}'s index {bad[0]!r} is not an integer")
     if not values:
         raise ValueError(f"{where}: client {client} holds no samples (every client needs at least one)")
-    idx = np.sort(np.asarray(values, dtype=np.int64))
-    outside = idx[(idx < 0) | (idx >= num_samples)]
-    if len(outside):
+    outside = [v for v in values if not 0 <= v < num_samples]
+    if outside:
         raise ValueError(f"{where}: client {client} has indices outside the {num_samples} training samples: "
                          f"{outside[0]}")
-    return idx
+    return np.sort(np.asarray(values, dtype=np.int64))
 
 
 def split_validation(indices: np.ndarray, fraction: float, seed: int, client: int) -> tuple[np.ndarray, np.ndarray]:
