@@ -58,9 +58,10 @@ def repeated_partition(sizes: Sequence[int], clients: int) -> tuple[list[list[in
 
 
 def measured_sizes(run_dir: Path) -> list[int]:
-    """The measured run's client sizes, in client order, from its ``partition.csv``."""
+    """The measured run's client sizes (training and validation samples), in client order, from its
+    ``partition.csv``."""
     with open(run_dir / "partition.csv") as f:
-        return [int(row[0]) for row in list(csv.reader(f))[1:]]
+        return [int(row["train_samples"]) + int(row.get("validation_samples") or 0) for row in csv.DictReader(f)]
 
 
 def simulated_overrides(measured_run: Path, partition_file: Path, fitted: Sequence[str]) -> list[str]:

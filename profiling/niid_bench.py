@@ -41,13 +41,14 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script, profiling/ is on the path, not the package
 
+from mpifl.learning.partitions import deal_label_runs, label_sets  # noqa: E402  (NIID-Bench's #C=k, shared)
 from profiling.niid_records import (  # noqa: E402
     FLOWER_SPLIT_RECORDS,
     RECORDS,
@@ -273,37 +274,6 @@ def niid_homo(num_samples: int, n_parties: int, seed: int) -> list[list[int]]:
 
     order = np.random.RandomState(seed).permutation(num_samples)
     return [part.tolist() for part in np.array_split(order, n_parties)]
-
-
-def label_sets(n_parties: int, num: int, num_classes: int, draw: Callable[[], int]) -> list[list[int]]:
-    """NIID-Bench's #C=k label choice, shared by its split and Flower's: party i holds label i mod K, then labels
-    from ``draw()`` (each split's own generator) until it holds ``num`` distinct ones, in the order drawn."""
-    contain = []
-    for i in range(n_parties):
-        current = [i % num_classes]
-        while len(current) < num:
-            ind = draw()
-            if ind not in current:
-                current.append(ind)
-        contain.append(current)
-    return contain
-
-
-def deal_label_runs(labels, contain: list[list[int]], shuffle: Callable, num_classes: int) -> list[list[int]]:
-    """Each label's samples, shuffled by ``shuffle`` in label order, cut into near-equal runs
-    (``np.array_split``), one per party holding the label, in party order; a party's indices are its labels' runs
-    in label order."""
-    import numpy as np
-
-    labels = np.asarray(labels)
-    parts: list[list[int]] = [[] for _ in contain]
-    for k in range(num_classes):
-        idx_k = np.where(labels == k)[0]
-        shuffle(idx_k)
-        holders = [j for j, held in enumerate(contain) if k in held]
-        for j, run in zip(holders, np.array_split(idx_k, len(holders))):
-            parts[j] += run.tolist()
-    return parts
 
 
 def niid_label_quantity(labels, n_parties: int, num: int, seed: int, num_classes: int = 10) -> list[list[int]]:

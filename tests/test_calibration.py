@@ -103,6 +103,16 @@ def test_a_simulated_10000_client_run_calibrated_on_a_measured_20_client_run_run
         assert 1 / SAME_SIZE <= 1 + error <= SAME_SIZE, (q, error)
 
 
+def test_the_measured_sizes_are_each_client_s_training_and_validation_samples(tmp_path):
+    from mpifl.learning.partitions import partition_csv
+
+    histogram = np.array([[3, 1], [0, 2]])
+    (tmp_path / "partition.csv").write_text(partition_csv(histogram, np.array([1, 0])))
+    assert check.measured_sizes(tmp_path) == [5, 2]
+    (tmp_path / "partition.csv").write_text(partition_csv(histogram, np.array([0, 0])))
+    assert check.measured_sizes(tmp_path) == [4, 2]
+
+
 def test_the_simulated_clients_repeat_the_measured_sizes_end_to_end():
     lists, samples = check.repeated_partition([3, 1, 2], 5)
     assert lists == [[0, 1, 2], [3], [4, 5], [6, 7, 8], [9]] and samples == 10

@@ -62,6 +62,84 @@ def test_shards_give_every_client_exactly_k_classes_and_use_every_class():
     assert set(np.unique(labels[np.concatenate(parts)])) == set(range(10))
 
 
+def test_shards_are_fixed_groups_of_consecutive_classes_so_with_10_classes_k_2_clients_c_and_c_plus_5_match():
+    from mpifl.learning.partitions import shard_partition
+
+    labels = np.repeat(np.arange(10), 40)
+    held = [frozenset(labels[p].tolist()) for p in shard_partition(labels, 10, 2, np.random.default_rng(3))]
+    assert all(held[c] == held[c + 5] for c in range(5)) and len(set(held)) == 5  # 5 disjoint pairs
+    assert len(frozenset().union(*held)) == 10
+
+
+def niid_bench_label_quantity(labels, n, k, rng):
+    """NIID-Bench's noniid-#label<k> (utils.partition_data), written out with ``rng`` for both of its streams."""
+    contain = []
+    for i in range(n):
+        current = [i % 10]
+        while len(current) < k:
+            drawn = int(rng.integers(10))
+            if drawn not in current:
+                current.append(drawn)
+        contain.append(current)
+    parts = [[] for _ in range(n)]
+    for label in range(10):
+        idx = np.where(labels == label)[0]
+        rng.shuffle(idx)
+        holders = [j for j in range(n) if label in contain[j]]
+        for j, run in zip(holders, np.array_split(idx, len(holders))):
+            parts[j] += run.tolist()
+    return [sorted(p) for p in parts]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 10])
+def test_labels_is_niid_bench_s_label_quantity_skew_drawn_from_the_partition_seed(k):
+    from mpifl.learning.partitions import label_quantity_partition
+
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(10), [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]))
+    parts = label_quantity_partition(labels, 10, k, np.random.default_rng(7))
+    if k < 10:
+        assert [p.tolist() for p in parts] == niid_bench_label_quantity(labels, 10, k, np.random.default_rng(7))
+    held = [sorted(set(labels[p].tolist())) for p in parts]
+    assert all(len(h) == k and i % 10 in h for i, h in enumerate(held))  # label i mod 10 and k - 1 more
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(labels)))  # each sample once
+    for label in range(10):  # a label's samples cut into near-equal runs among its holders
+        sizes = [int(np.sum(labels[p] == label)) for p, h in zip(parts, held) if label in h]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_labels_with_10_classes_and_k_2_does_not_pair_clients_as_shards_does():
+    from mpifl.config import load_config
+    from mpifl.learning.partitions import partition
+
+    cfg = load_config(None, data={"data": {"partition": "labels", "classes_per_client": 2}})
+    labels = torch.from_numpy(np.repeat(np.arange(10), 50))
+    parts = partition(cfg.data, labels, 10, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, partition(cfg.data, labels, 10, seed=0)))  # every rank
+    held = [frozenset(labels.numpy()[p].tolist()) for p in parts]
+    assert len(set(held)) > 5 and any(held[c] != held[c + 5] for c in range(5))
+    assert [sorted(h) for h in held] != [sorted(frozenset(labels.numpy()[p].tolist()))
+                                         for p in partition(cfg.data, labels, 10, seed=1)]
+
+
+@pytest.mark.parametrize("name", ["shards", "labels"])
+def test_more_classes_per_client_than_classes_is_refused_not_made_iid(name):
+    from mpifl.config import load_config
+    from mpifl.learning.partitions import partition
+
+    cfg = load_config(None, data={"data": {"partition": name, "classes_per_client": 12}})
+    with pytest.raises(ValueError, match=r"^data.classes_per_client: 12 classes per client, but the training labels "
+                                         r"have only 10 classes"):
+        partition(cfg.data, torch.from_numpy(np.repeat(np.arange(10), 20)), 4, seed=0)
+
+
+def test_labels_refuses_a_split_that_leaves_a_client_no_samples():
+    from mpifl.learning.partitions import label_quantity_partition
+
+    with pytest.raises(ValueError, match=r"data.partition 'labels': clients 6-9 get no samples: 10 clients x "
+                                         r"data.classes_per_client=1"):
+        label_quantity_partition(np.repeat(np.arange(3), 2), 10, 1, np.random.default_rng(0))
+
+
 def test_unbalanced_sizes_vary_widely_and_cover_the_data():
     from mpifl.learning.partitions import unbalanced_partition
 

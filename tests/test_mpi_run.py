@@ -146,5 +146,29 @@ def test_federated_evaluation_shards_and_fedprox_under_mpiexec(tmp_path):
     fed = records[-1]["federated_eval"]
     assert fed["clients"] == 4 and 0.0 <= fed["accuracy"] <= 1.0 and fed["loss"] > 0
     assert fed["samples"] == pytest.approx(0.2 * 1438 / 2, rel=0.25)  # half the clients, a fifth of their data
-    counts = (run_dir / "partition.csv").read_text().splitlines()
-    assert len(counts) == 9 and all(sum(int(n) > 0 for n in row.split(",")[1:]) == 3 for row in counts[1:])
+    header, *rows = [row.split(",") for row in (run_dir / "partition.csv").read_text().splitlines()]
+    assert header[:3] == ["client", "train_samples", "validation_samples"] and len(rows) == 8
+    classes = [header.index(f"train_class{k}") for k in range(10)]
+    assert [int(row[0]) for row in rows] == list(range(8))
+    assert all(sum(int(row[k]) > 0 for k in classes) == 3 for row in rows)  # what each client trains on
+    assert all(int(row[1]) == sum(int(row[k]) for k in classes) for row in rows)
+    assert sum(int(row[2]) for row in rows) == pytest.approx(0.2 * 1438, rel=0.05)  # held out, not trained on
+
+
+def test_a_partition_that_cannot_be_made_ends_the_job_in_a_line_and_leaves_the_run_dir_free(tmp_path):
+    """A partition file is read only once MPI has started (each rank would have to read the data before it):
+    the error ends the job naming the file and the client, and writes no metrics, so that the same --run-dir
+    takes the corrected run."""
+    split, run_dir = tmp_path / "split.json", tmp_path / "run"
+    split.write_text(json.dumps([list(range(0, 700)), list(range(700, 1437)), [1437, 99999]]))
+    args = ("run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), "rounds=1",
+            "clients.num_clients=3", "data.partition=file", f"data.partition_file={split}", "data.alpha=0.5")
+    failed = run_mpi(3, *args, timeout=MPI_TIMEOUT)
+    assert failed.returncode != 0
+    assert (f"cannot partition the data: data.partition_file '{split}': client 2 has indices outside the 1438 "
+            "training samples: 99999") in failed.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+    split.write_text(json.dumps([list(range(0, 700)), list(range(700, 1437)), [1437]]))
+    again = run_mpi(3, *args, timeout=MPI_TIMEOUT)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -9,7 +9,7 @@ from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, write_config
 
 from mpifl.config import load_config
 from mpifl.learning.datasets import load_dataset
-from mpifl.learning.partitions import partition, partition_histogram
+from mpifl.learning.partitions import partition, partition_counts
 
 USERS = {"f0007": 5, "f0001": 3, "f0042": 7, "f0003": 4}  # LEAF users and their sample counts
 
@@ -47,7 +47,7 @@ def test_leaf_femnist_users_become_logical_clients_in_name_order(tmp_path):
     parts = partition(cfg.data, data.y_train, 4, cfg.seed, data.clients)
     assert [len(p) for p in parts] == [USERS[u] for u in sorted(USERS)]  # f0001, f0003, f0007, f0042
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(data.y_train)))
-    assert partition_histogram(cfg.data, data, 4, cfg.seed).sum(axis=1).tolist() == [3, 4, 5, 7]
+    assert partition_counts(cfg.data, data, 4, cfg.seed)[0].sum(axis=1).tolist() == [3, 4, 5, 7]
 
 
 def test_leaf_shakespeare_text_becomes_character_ids(tmp_path):
@@ -77,6 +77,66 @@ def test_a_partition_file_gives_each_client_its_indices(tmp_path):
     path.write_text(json.dumps([[0], [1], [99], [2]]))
     with pytest.raises(ValueError, match="client 2 has indices outside the 16 training samples"):
         partition(cfg.data, load_dataset(cfg.data).y_train, 4, 0)
+
+
+def file_partition(tmp_path, table, num_clients: int = 4):
+    """The partition of ``table`` written as a partition file, over 16 synthetic training samples."""
+    path = tmp_path / "split.json"
+    path.write_text(table if isinstance(table, str) else json.dumps(table))
+    cfg = config(dataset="synthetic", kwargs={"num_samples": 20}, partition="file", partition_file=str(path))
+    return partition(cfg.data, load_dataset(cfg.data).y_train, num_clients, 0)
+
+
+def test_a_partition_file_keyed_from_1_is_refused_not_renumbered(tmp_path):
+    with pytest.raises(ValueError, match=r"split.json': no entry for client 0 \(keys are client ids 0 to 3, for "
+                                         r"clients.num_clients=4; the file has 1-4\)"):
+        file_partition(tmp_path, {"1": [0], "2": [1], "3": [2], "4": [3]})
+    with pytest.raises(ValueError, match="no entry for clients 1,3"):
+        file_partition(tmp_path, {"0": [0], "2": [1], "4": [2], "5": [3]})
+
+
+def test_a_partition_file_s_keys_must_be_client_ids(tmp_path):
+    with pytest.raises(ValueError, match=r"keys are client ids 0 to 3; 'alice', '01' are not"):
+        file_partition(tmp_path, {"0": [0], "alice": [1], "01": [2], "3": [3]})
+
+
+def test_a_partition_file_s_clients_past_num_clients_are_left_out_as_a_list_s_are(tmp_path):
+    by_id = file_partition(tmp_path, {"0": [0], "1": [1], "2": [2], "3": [3], "4": [4]})
+    assert [p.tolist() for p in by_id] == [[0], [1], [2], [3]]
+    assert [p.tolist() for p in file_partition(tmp_path, [[0], [1], [2], [3], [4]])] == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("table,error", [
+    ([[0], [1, 5.5], [2], [3]], "client 1's index 5.5 is not an integer"),
+    ([[0], [1, "7"], [2], [3]], "client 1's index '7' is not an integer"),
+    ([[0], [1, True], [2], [3]], "client 1's index True is not an integer"),
+    ([[0, 3], [1], [2, 3], [4]], "sample 3 is held by client 0 and client 2"),
+    ([[0], [1, 1], [2], [3]], "client 1 lists sample 1 twice"),
+    ([[0], [], [2], [3]], "client 1 holds no samples"),
+    ({"0": [0], "1": [1], "2": [], "3": [3]}, "client 2 holds no samples"),
+    ([[0], [1], [2], 3], "client 3's entry is 3, not a list of sample indices"),
+    ([[0], [1], [2], [10**30]], f"client 3 has indices outside the 16 training samples: {10**30}"),
+    ([[0], [1], [2]], "3 clients, but clients.num_clients=4"),
+    ({"0": [0]}, "no entry for clients 1-3"),
+    ('{"0": [0], ', "not JSON"),
+    ('"0 1 2 3"', "a JSON list of per-client index lists"),
+])
+def test_a_partition_file_is_refused_in_one_line_naming_the_file_and_the_client(tmp_path, table, error):
+    with pytest.raises(ValueError, match=r"^data.partition_file '.*split.json': ") as refused:
+        file_partition(tmp_path, table)
+    assert error in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_partition_plugin_s_split_is_checked_as_a_file_s_is(tmp_path):
+    cfg = config(dataset="synthetic", partition="test_natural_partitions:overlapping")
+    with pytest.raises(ValueError, match="data.partition 'test_natural_partitions:overlapping': sample 0 is held "
+                                         "by client 0 and client 1"):
+        partition(cfg.data, load_dataset(cfg.data).y_train, 4, 0)
+
+
+def overlapping(labels, num_clients, seed):
+    """A partition plugin that gives sample 0 to every client."""
+    return [np.array([0, c + 1]) for c in range(num_clients)]
 
 
 def by_label(labels, num_clients, seed):

@@ -137,6 +137,14 @@ def test_the_label_quantity_split_is_niid_bench_s_noniid_label_k(bench, k):
         assert bench.niid_split(f"label{k}", labels, 0) == parts
 
 
+def test_the_harness_draws_its_label_sets_with_mpifls_own_helpers(bench):
+    """mpifl's ``labels`` partition and the harness share one copy of the #C=k rule; the harness passes its own
+    draws (Python's random, numpy's legacy stream), so its splits stay NIID-Bench's."""
+    from mpifl.learning import partitions
+
+    assert bench.label_sets is partitions.label_sets and bench.deal_label_runs is partitions.deal_label_runs
+
+
 def test_the_quantity_split_is_niid_bench_s_iid_diff_quantity(bench):
     parts = bench.niid_quantity(3000, 10, 0.5, seed=2)
     rng = np.random.RandomState(2)  # np.random.seed(2): the permutation first, then Dir(0.5) until all hold 10

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpifl.cli.preflight import check_model, check_plugins, check_trainer
+from mpifl.cli.preflight import check_model, check_partition, check_plugins, check_trainer, partition_counts_of
 from mpifl.cli.supervisor import mark_mpi_started, supervised
 from mpifl.config import Config, ConfigError, load_config
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
@@ -127,6 +127,7 @@ def validate(args: argparse.Namespace) -> int:
     warnings = check_plugins(cfg)
     check_model(cfg)
     check_trainer(cfg)
+    check_partition(cfg)
     for warning in warnings:
         print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"
@@ -146,15 +147,15 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def partition(args: argparse.Namespace) -> int:
-    """``mpifl partition``: the clients x labels table, optionally plotted."""
-    from mpifl.learning.datasets import load_dataset
-    from mpifl.learning.partitions import partition_histogram, partition_table, plot_partition
+    """``mpifl partition``: the clients x labels table of what each client trains on, optionally plotted; a split
+    that cannot be made is one line, exit 2."""
+    from mpifl.learning.partitions import partition_table, plot_partition
 
     cfg = load_config(args.config, args.overrides)
-    histogram = partition_histogram(cfg.data, load_dataset(cfg.data), cfg.clients.num_clients, cfg.seed)
-    print(partition_table(histogram, max_rows=10**6))
+    histogram, validation = partition_counts_of(cfg)
+    print(partition_table(histogram, max_rows=10**6, validation=validation))
     if args.plot:
-        plot_partition(histogram, args.plot)
+        plot_partition(histogram, args.plot, validation)
         print(f"wrote {args.plot}")
     return 0
 

@@ -1,12 +1,18 @@
 """The checks a config passes before MPI starts, on every rank of ``mpifl run`` and in ``validate``, ``plan``,
 ``pbs`` and ``slurm``: what the schema cannot check (plug-ins against their signatures, data, clock traces,
 transformers shapes, the model built on the meta device), so that a mistake is one line naming its key, exit 2,
-and not a traceback on every rank or a job that queues only to stop at once."""
+and not a traceback on every rank or a job that queues only to stop at once. ``validate`` and ``partition`` also
+build the partition (``check_partition``), which reads the whole dataset."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mpifl.config import Config, ConfigError, config_warnings
 from mpifl.plugins import is_import_path
 from mpifl.trackers import tracker_problem
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def check_plugins(cfg: Config) -> list[str]:
@@ -89,3 +95,31 @@ def check_trainer(cfg: Config) -> None:
     from mpifl.learning.trainers import make_trainer
 
     make_trainer(cfg.train)
+
+
+def partition_counts_of(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """The configured partition's counts (mpifl.learning.partitions.partition_counts), the whole dataset read
+    here: data that cannot be read, or a split that cannot be made (a bad partition file, more clients than
+    samples, more classes per client than classes), is a ConfigError, one line naming the key."""
+    from mpifl.learning.datasets import load_dataset
+    from mpifl.learning.partitions import partition_counts
+
+    try:
+        dataset = load_dataset(cfg.data)
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"data: cannot read the data to partition it: {err}") from None
+    try:
+        return partition_counts(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot partition the data: {err}") from None
+
+
+def check_partition(cfg: Config) -> None:
+    """Build the configured partition, as ``mpifl run``'s ranks will (``partition_counts_of``), for ``mpifl
+    validate``: a plain process, so it may read the data once. Not for a run without data, nor for a dataset read
+    per client rank (a client source), which cannot be read whole; and never before ``mpifl run``'s MPI, where
+    every rank would read the data (there a bad split ends the job in one line: 'cannot partition the data')."""
+    from mpifl.learning.datasets import client_source, needs_dataset
+
+    if needs_dataset(cfg) and client_source(cfg.data) is None:
+        partition_counts_of(cfg)

@@ -516,7 +516,7 @@ def _check_text_data(cfg: Config) -> None:
     if reads_text and cfg.data.dataset != "text" and not is_import_path(cfg.data.dataset):
         raise ConfigError(f"data.dataset: causal-LM training and perplexity read token blocks; use 'text', not "
                           f"{cfg.data.dataset!r} (or set eval.every=0 with train.trainer='none')")
-    if cfg.data.dataset == "text" and cfg.data.partition in ("dirichlet", "shards"):
+    if cfg.data.dataset == "text" and cfg.data.partition in ("dirichlet", "shards", "labels"):
         raise ConfigError(f"data.partition: {cfg.data.partition!r} splits by label; text blocks have none "
                           "(use iid or unbalanced)")
 
@@ -532,7 +532,7 @@ NARROW_GLOBAL_LR = 1e-4
 
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
-    found = _clock_warnings(cfg) + _switched_off_warnings(cfg)
+    found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -567,6 +567,23 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.transport.chunk_bytes < 64 * 1024:
         found.append(f"transport.chunk_mb: {cfg.transport.chunk_bytes}-byte chunks make the exchange slow (per-message "
                      "overhead dominates); 4-64 MiB are best")
+    return found
+
+
+# Each partition setting and the data.partition values that read it.
+PARTITION_SETTINGS = {"alpha": ("dirichlet",), "classes_per_client": ("shards", "labels"),
+                      "size_sigma": ("unbalanced",)}
+
+
+def _partition_warnings(cfg: Config) -> list[str]:
+    """data.alpha, data.classes_per_client or data.size_sigma set (away from its default) beside a data.partition
+    that does not read it."""
+    data, defaults = cfg.data, type(cfg.data)()
+    found = []
+    for key, readers in PARTITION_SETTINGS.items():
+        if getattr(data, key) != getattr(defaults, key) and data.partition not in readers:
+            found.append(f"data.{key}: {getattr(data, key)} is read only by data.partition {' or '.join(readers)}, "
+                         f"and data.partition is {data.partition!r}: ignored")
     return found
 
 

@@ -103,14 +103,27 @@ class DataConfig:
                            import_ok=True)
     kwargs: dict = field_(dict, "keyword arguments for the dataset function")
     partition: str = field_("iid", "how training samples are split: iid, dirichlet (label skew), shards (k classes "
-                            "per client), unbalanced (lognormal sizes, iid labels), natural (the data's own clients, "
-                            "e.g. LEAF users or a table's client ids), file (data.partition_file), or an import path "
-                            "fn(labels, num_clients, seed) returning one index array per client",
-                            choices=("iid", "dirichlet", "shards", "unbalanced", "natural", "file"), import_ok=True)
-    partition_file: str | None = field_(None, "partition: file: a JSON list of per-client index lists (or "
-                                           "{client id: indices})")
-    alpha: float = field_(0.5, "Dirichlet concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
-    classes_per_client: int = field_(2, "shards: classes each client holds", min=1)
+                            "per client from fixed groups of consecutive classes, see classes_per_client), labels "
+                            "(NIID-Bench's #C=k label-quantity skew), unbalanced (lognormal sizes, iid labels), "
+                            "natural (the data's own clients, e.g. LEAF users or a table's client ids), file "
+                            "(data.partition_file), or an import path fn(labels, num_clients, seed) returning one "
+                            "index array per client",
+                            choices=("iid", "dirichlet", "shards", "labels", "unbalanced", "natural", "file"),
+                            import_ok=True)
+    partition_file: str | None = field_(None, "partition: file: a JSON list of per-client index lists (client c's "
+                                           "the c-th) or {\"client id\": indices} with keys the client ids 0 to "
+                                           "num_clients - 1; indices are integers, each a training sample held by "
+                                           "one client, and no client is empty")
+    alpha: float = field_(0.5, "dirichlet: concentration (smaller = more label skew)", min=0.0, exclusive_min=True)
+    classes_per_client: int = field_(2, "k, the classes each client holds, for shards and labels (at most the number "
+                                     "of classes). shards: the classes in a seeded cyclic order, client c takes the k "
+                                     "from position c * k, so with C classes and k dividing C there are C / k fixed "
+                                     "disjoint groups and clients c and c + C / k hold the same classes (10 classes, "
+                                     "k 2, 10 clients: 5 pairs, each held by 2 clients); a class's samples are split "
+                                     "evenly among its holders. labels (NIID-Bench's #C=k, Li et al. ICDE 2022): "
+                                     "client i holds class i mod C and k - 1 more distinct classes drawn at random "
+                                     "from the seed; each class's samples, shuffled, are cut into near-equal runs "
+                                     "among its holders; a class nobody holds is left out", min=1)
     size_sigma: float = field_(1.0, "unbalanced: sigma of the lognormal client sizes (0 = equal)", min=0.0)
     val_fraction: float = field_(0.0, "share of each client's samples kept as its local validation split "
                                   "(federated evaluation)", min=0.0, max=0.9)

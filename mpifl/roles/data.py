@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -23,7 +22,13 @@ from mpifl.learning.datasets import (
     surveyed_dataset,
 )
 from mpifl.learning.noise import client_noise_std, validation_inputs
-from mpifl.learning.partitions import partition, partition_histogram, partition_table, split_validation
+from mpifl.learning.partitions import (
+    partition,
+    partition_counts,
+    partition_csv,
+    partition_table,
+    split_validation,
+)
 from mpifl.learning.sources import HeldRows
 from mpifl.logs import log
 from mpifl.planning.federation import Placement, placement_for
@@ -129,20 +134,21 @@ def server_view(dataset: Dataset) -> Dataset:
 
 
 def report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
-    """Print the clients x labels table; keep it as partition.csv in the run directory."""
+    """Print the clients x labels table of what each client trains on (its validation samples apart); keep it as
+    partition.csv in the run directory."""
     with _partition_errors():
-        histogram = partition_histogram(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
-    log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples:\n"
-        + partition_table(histogram), rank=0)
+        histogram, validation = partition_counts(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
+    held_out = (f" ({int(validation.sum())} of them held out for validation, data.val_fraction "
+                f"{cfg.data.val_fraction:g})" if validation.any() else "")
+    log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples{held_out}:\n"
+        + partition_table(histogram, validation=validation), rank=0)
     if cfg.data.feature_noise:
         n, scale = cfg.clients.num_clients, cfg.data.feature_noise
         log(f"data.feature_noise {scale:g}: client k reads its inputs through Gaussian noise of std {scale:g} * k / "
             f"{n - 1} (from 0 for client 0 to {scale:g} for client {n - 1}), drawn afresh for every minibatch; the "
             f"held-out set is scored at each of the {n} levels", rank=0)
     if run_dir is not None:
-        header = "samples," + ",".join(f"class{k}" for k in range(histogram.shape[1]))
-        np.savetxt(run_dir / "partition.csv", np.column_stack([histogram.sum(axis=1), histogram]), fmt="%d",
-                   delimiter=",", header=header, comments="")
+        (run_dir / "partition.csv").write_text(partition_csv(histogram, validation))
 
 
 def keep_tokenizer(dataset: Dataset, run_dir: Path | None) -> None:
