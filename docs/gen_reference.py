@@ -156,7 +156,10 @@ the command line as `key=value`, with a YAML value: `rounds=5 train.lr=0.1
 unknown key is named with the closest valid one, a bad type or a value out of range names the
 key and what is allowed, and an import path (`package.module:attr`) must resolve. An empty
 section (`clients:`) means its defaults. Booleans are `true` and `false` only, as in YAML 1.2:
-`off`, `on`, `yes` and `no` are words, so `clock: {{mode: off}}` needs no quotes.
+`off`, `on`, `yes` and `no` are words, so `clock: {{mode: off}}` needs no quotes. A relative
+path (a data folder, a partition file, a trace, `model.init_from`) is read from the working
+directory of the command, not from the config file's folder: the shipped configs name
+`configs/traces/...` and run from the repository's root.
 
 Columns: the dotted key, its type, its default, the values or range it accepts, and the doc
 the schema itself carries. `null` is YAML's none. How user code plugs in through import paths
