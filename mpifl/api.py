@@ -73,7 +73,8 @@ against the plug-in's signature before MPI starts (a typo is named with the clos
 converted to its annotated types as the config loads (``clip: float`` set to ``1e6`` is 1000000.0).
 
 **Metrics**: every number in a trainer's ``TrainResult.metrics`` besides ``loss`` (which is
-``train_loss``) is recorded each round as ``client_metrics.<name>``: its mean over the round's usable
+``train_loss``; names starting with ``rank_``, ``group_`` or ``secagg_`` are mpifl's own and refused) is
+recorded each round as ``client_metrics.<name>``: its mean over the round's usable
 clients weighted by their samples, its ``min``, ``max`` and ``clients``. A strategy's
 ``round_metrics()`` is recorded as ``strategy_metrics``. Both reach metrics.jsonl and every tracker
 (``client_metrics/<name>/mean`` in TensorBoard).

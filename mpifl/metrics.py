@@ -5,9 +5,19 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Protocol
+
+# Names an update's header carries for mpifl's own records: the ranks' peaks and costs (rank_*), a client group's
+# costs (group_*) and secure aggregation's (secagg_*). A trainer's metric must not take them: the server would
+# read it as mpifl's own, and leave it out of client_metrics.
+OWN_METRIC_PREFIXES = ("rank_", "group_", "secagg_")
+
+
+def own_metric_names(names: Iterable[object]) -> list[str]:
+    """Those of ``names`` that are mpifl's own (``OWN_METRIC_PREFIXES``), sorted."""
+    return sorted(str(n) for n in names if str(n).startswith(OWN_METRIC_PREFIXES))
 
 
 def peak_rss_bytes() -> int:

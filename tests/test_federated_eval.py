@@ -8,8 +8,10 @@ import json
 import math
 
 import numpy as np
+import pytest
 from conftest import ran
 
+from mpifl.learning.trainers import TrainResult
 from mpifl.roles.records import client_metrics, client_spread, federated_evaluation, summary
 from mpifl.trackers import scalars
 from mpifl.wire.protocol import UpdateMeta
@@ -29,6 +31,16 @@ def test_a_trainers_val_metrics_never_replace_mpifls_own_evaluation():
     assert federated is not None
     assert (federated["accuracy"], federated["loss"], federated["samples"]) == (0.5, 1.25, 40)
     assert client_metrics(metas)["val_accuracy"] == {"mean": 0.99, "min": 0.99, "max": 0.99, "clients": 2}
+
+
+def test_a_trainer_metric_named_like_mpifls_own_records_is_refused_naming_it():
+    """``rank_*``, ``group_*`` and ``secagg_*`` are the header's names for mpifl's own records: a trainer's
+    ``rank_score`` would have been left out of client_metrics, and a ``rank_peak_rss_bytes`` read as the rank's
+    peak memory."""
+    for name in ("rank_score", "group_train_seconds", "secagg_masked"):
+        with pytest.raises(ValueError, match=rf"TrainResult.metrics\['{name}'\]: .*mpifl's own records"):
+            TrainResult(10, {"loss": 0.5, name: 1.0})
+    assert TrainResult(10, {"loss": 0.5, "ranking": 1.0, "my_rank_score": 2.0}).metrics["ranking"] == 1.0
 
 
 def test_a_trainers_val_metrics_alone_make_no_federated_evaluation():

@@ -48,11 +48,14 @@ def test_an_epsilon_budget_ends_the_run_complete_after_the_last_round_it_allows(
                                   "privacy": {"mode": "central", "noise_multiplier": 1.2}})
     budget = (epsilon(cfg.privacy, 2, 20, 5) + epsilon(cfg.privacy, 3, 20, 5)) / 2  # room for 2 rounds, not 3
     spent = f", epsilon_budget: {budget}"
-    config, run_dir, records, stderr = run(tmp_path, "budget", 2, 6, spent, "eval.every=5")
+    evaluation = ("eval.every=5", "eval.federated_every=5", "data.val_fraction=0.2")
+    config, run_dir, records, stderr = run(tmp_path, "budget", 2, 6, spent, *evaluation)
     assert [r["round"] for r in records] == [1, 2] and records[-1]["privacy"]["epsilon"] <= budget
     assert "privacy.epsilon_budget: round 3 would take epsilon" in stderr
-    # a complete run: its last round evaluated, as any last round is, and marked; model.h5 is its checkpoint
+    # a complete run: its last round evaluated, held out and on the clients' own splits, as any last round is
+    # (neither is due by its schedule in round 2), and marked; model.h5 is its checkpoint
     assert "eval" in records[-1] and records[-1]["privacy"]["budget_spent"] is True
+    assert records[-1]["federated_eval"]["clients"] == 5 and "federated_eval" not in records[0]
     assert "budget_spent" not in records[0]["privacy"]
     assert same_model(run_dir / "model.h5", run_dir / "checkpoints" / "ckpt-r000002.h5")
     closing = stderr.strip().splitlines()[-1]
@@ -62,7 +65,7 @@ def test_an_epsilon_budget_ends_the_run_complete_after_the_last_round_it_allows(
     assert status.returncode == 0 and status.stdout.splitlines()[-1].startswith(
         f"complete: privacy.epsilon_budget {budget:g} spent after round 2 of 6")
     # RESUME=auto: a resubmitted job finds nothing to run, and leaves the run complete
-    again = run_mpi(3, "run", str(config), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
+    again = run_mpi(3, "run", str(config), "--run-dir", str(run_dir), "--resume", *evaluation, timeout=MPI_TIMEOUT)
     assert again.returncode == 0 and "nothing to run, as the privacy budget is spent" in again.stderr
     assert mpifl_here("status", str(run_dir)).returncode == 0
 

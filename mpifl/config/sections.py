@@ -375,8 +375,9 @@ class EvalConfig:
     """Held-out evaluation of the global model on the server."""
 
     every: int = field_(1, "evaluate every K rounds (0 = never); the last round is always evaluated", min=0)
-    federated_every: int = field_(0, "every K rounds, clients evaluate the global model they received on their local "
-                                   "validation split (data.val_fraction); 0 = never", min=0)
+    federated_every: int = field_(0, "every K rounds, clients evaluate the global model they received on their "
+                                   "local validation split (data.val_fraction), and in the run's last round; "
+                                   "0 = never", min=0)
     batch_size: int = field_(512, "evaluation batch size", min=1)
     device: str = field_("cpu", "where the server evaluates the global model: cpu; cuda (the server rank's GPU: a "
                          "copy of the model is kept there and refreshed before each evaluation); or auto (cuda when "

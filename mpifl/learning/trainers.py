@@ -17,6 +17,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import GroupParallel, share_of, share_weight
 from mpifl.learning.steps import MASTER_OF, split
+from mpifl.metrics import OWN_METRIC_PREFIXES, own_metric_names
 from mpifl.plugins import kwargs_problem, resolve
 
 
@@ -48,6 +49,14 @@ class TrainResult:
     num_samples: int
     metrics: dict = field(default_factory=dict)
     local_steps: int | None = None  # optimizer steps taken (a combiner may weigh by it, e.g. FedNova-style)
+
+    def __post_init__(self) -> None:
+        """A trainer's metric named like mpifl's own records would be read as them (a rank's peak memory, a
+        group's costs), and left out of ``client_metrics``: refused here, in the trainer's own call."""
+        taken = own_metric_names(self.metrics)
+        if taken:
+            raise ValueError(f"TrainResult.metrics[{taken[0]!r}]: names starting with "
+                             f"{', '.join(OWN_METRIC_PREFIXES)} are mpifl's own records; rename the metric")
 
 
 class Trainer(Protocol):

@@ -45,7 +45,8 @@ class ClientParts:
     # a participant's weight (groups: in its group's sum; secure aggregation: in its masked update), from its header
     weight: Callable[[protocol.UpdateMeta], float] = lambda meta: float(meta.num_samples)
     replica: DeviceReplica | None = None  # train.device: the model on the device, beside the host buffer
-    evaluation: FederatedEvaluation = FederatedEvaluation()  # eval.federated_every: scores on clients' own splits
+    # eval.federated_every: scores on clients' own splits
+    evaluation: FederatedEvaluation = field(default_factory=FederatedEvaluation)
     privacy: ClientPrivacy | None = None  # DP: clip each update to the round's bound (local DP: noise it too)
     secagg: SecureAggregation | None = None  # send updates in fixed point, masked (simulated secure aggregation)
     # per-client state (mpifl.config.client_state): the rank's one store and each rule that reads a part of it
@@ -119,19 +120,26 @@ class ClientRank:
                 continue
             if not isinstance(header, protocol.RoundOrder):
                 raise RuntimeError(f"rank {self.rank}: the server sent {header!r}, a header this rank cannot serve")
-            self._note_round(header.round)
-            self.progress.start_round(header.round)
-            self.updates.begin_round(header.clip, header.cohort)
-            self.training.participants = header.participants
-            self.costs.begin_round(len(header.clients))
-            if self.parts.state.lending is not None:
-                self.parts.state.lending.borrow(header)
+            self._begin_round(header)
             if isinstance(header, protocol.HoldOrder):
                 self.serve_step(header)
             elif header.clients:
                 self.serve_round(header)
             if self.parts.state.lending is not None:
                 self.parts.state.lending.give_back(header)
+
+    def _begin_round(self, header: protocol.RoundOrder) -> None:
+        """What every round's order sets before any client trains: its progress, clip bound and cohort, context,
+        costs, borrowed per-client state, and whether it is the run's last."""
+        self._note_round(header.round)
+        self.progress.start_round(header.round)
+        if header.last:  # privacy.epsilon_budget ends the run here: score it as the configured last round is
+            self.parts.evaluation.ends_at(header.round)
+        self.updates.begin_round(header.clip, header.cohort)
+        self.training.participants = header.participants
+        self.costs.begin_round(len(header.clients))
+        if self.parts.state.lending is not None:
+            self.parts.state.lending.borrow(header)
 
     def _undo_dropped(self, header: protocol.Header) -> None:
         """Put back the state of this rank's clients that the server dropped since the last header; keep the

@@ -14,13 +14,17 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.trainers import Evaluator
 
 
-@dataclass(frozen=True)
+@dataclass
 class FederatedEvaluation:
     """When a client's validation split is scored, and how."""
 
     evaluate: Evaluator | None = None  # None: no federated evaluation
     every: int = 0  # eval.federated_every
     rounds: int = 0  # the run's last round, always scored
+
+    def ends_at(self, round_: int) -> None:
+        """The run ends at ``round_``, before its configured last round (privacy.epsilon_budget): score it too."""
+        self.rounds = round_
 
     def due(self, round_: int, val: ClientData | None) -> bool:
         """Whether federated evaluation runs this round on this client's validation split."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpifl.logs import log
+from mpifl.metrics import OWN_METRIC_PREFIXES
 from mpifl.planning.faults import DELAYS_THE_RANK
 from mpifl.units import MIB
 
@@ -258,7 +259,6 @@ def client_spread(per_client: dict[int, float]) -> dict:
 # secure aggregation's (secagg). Everything else a client reports is a client metric, a trainer's val_* included:
 # mpifl's own evaluation travels apart (UpdateMeta.evaluation, federated_eval).
 REPORTED_ELSEWHERE = ("loss",)
-REPORTED_ELSEWHERE_PREFIXES = ("rank_", "group_", "secagg_")
 
 
 def client_metrics(metas: Sequence[UpdateMeta]) -> dict | None:
@@ -285,7 +285,7 @@ def _numeric(value: object) -> bool:
 
 
 def _client_metric(name: str) -> bool:
-    return name not in REPORTED_ELSEWHERE and not name.startswith(REPORTED_ELSEWHERE_PREFIXES)
+    return name not in REPORTED_ELSEWHERE and not name.startswith(OWN_METRIC_PREFIXES)
 
 
 GROUP_COSTS = ("group_setup_seconds", "group_dispatch_seconds", "group_train_seconds")

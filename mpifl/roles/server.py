@@ -416,6 +416,7 @@ class Server:
     def _send_headers(self, plan: RoundAssignment, routes: RoundRoutes) -> None:
         """Tell every client rank its part of the round."""
         borrow, lend = state_loans(plan.train, self.comm.Get_size() - 1) if self.parts.lends_state else ({}, {})
+        last = self._last_by_budget(plan.round)
 
         def header(rank: int) -> protocol.RoundOrder:
             send = tuple(plan.streams.get(rank, ())) if plan.hold else ()
@@ -428,8 +429,8 @@ class Server:
             kind: type[protocol.RoundOrder] = protocol.HoldOrder if plan.hold else protocol.RoundOrder
             held = {"send": send} if plan.hold else {}  # asynchronous FL: the held updates to send now
             return kind(plan.round, self.parts.dropped.take(rank), clients=clients,
-                        participants=len(plan.participants), clip=clip, cohort=cohort, steps=steps, groups=groups,
-                        parent=parent, children=children, chain=hops, reduce_stream=stream,
+                        participants=len(plan.participants), last=last, clip=clip, cohort=cohort, steps=steps,
+                        groups=groups, parent=parent, children=children, chain=hops, reduce_stream=stream,
                         borrow=tuple(borrow.get(rank, ())), lend=tuple(lend.get(rank, ())), **held)
 
         # ranks still training a round they were dropped from read the header of the round they rejoin

@@ -158,6 +158,9 @@ class RoundOrder(Header):
 
     clients: tuple[int, ...] = ()  # train from the model sent now (ascending)
     participants: int = 0  # the logical clients sampled this round on every rank together (a trainer's context)
+    # the run's last round, which privacy.epsilon_budget ends early: federated evaluation is due in it whatever
+    # eval.federated_every says, as it is in the configured last round
+    last: bool = False
     clip: float | None = None  # DP: the L2 bound of this round's updates
     cohort: tuple[int, ...] = ()  # secure aggregation: every participant of the round (pairwise masks)
     steps: tuple[int, ...] = ()  # fedcompass: each listed client's own local steps (aligned with ``clients``)
