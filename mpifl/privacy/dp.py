@@ -7,7 +7,8 @@ sampling: a fixed divisor, so the count itself reveals nothing). In local mode e
 that noise to its own clipped delta before sending, keyed by its id as well.
 
 Adaptive clipping (central): each client also reports whether its norm was within C; the server
-noises the count (std sigma_b), takes b = count / divisor and sets C = C x exp(-eta_C (b - gamma)),
+noises the sum of the bits less 1/2 each (std sigma_b: sensitivity 1/2), takes
+b = sum / divisor + 1/2, clipped to [0, 1], and sets C = C x exp(-eta_C (b - gamma)),
 gamma the target quantile. The budget is split as in Andrew et al. (Theorem 1): the sum's noise
 multiplier is z_sum = (z^-2 - (2 sigma_b)^-2)^(-1/2), so the pair is accounted as one Gaussian
 mechanism of multiplier z.
@@ -39,6 +40,16 @@ def sum_noise_multiplier(cfg: PrivacyConfig, per_round: int) -> float:
     if cfg.noise_multiplier == 0:
         return 0.0
     return (cfg.noise_multiplier ** -2 - (2 * count_noise(cfg, per_round)) ** -2) ** -0.5
+
+
+def noisy_fraction_within(centred_count: float, divisor: float) -> float:
+    """b: the share of clients within the bound, from the noised sum of their bits each less 1/2.
+
+    Why the half: each client adds b_i - 1/2, so adding or removing one client moves the sum by at most 1/2,
+    which is the sensitivity the budget split (z_sum, with 2 sigma_b) assumes (Andrew et al. 2021; TF Privacy's
+    QuantileEstimatorQuery). A count of the bits themselves moves by 1, and epsilon was too low under Poisson
+    sampling. The share is clipped to [0, 1], which the noise can leave."""
+    return min(1.0, max(0.0, centred_count / divisor + 0.5))
 
 
 class ServerPrivacy:
@@ -74,7 +85,8 @@ class ServerPrivacy:
                   "noise_multiplier": self.cfg.noise_multiplier, "clipped": len(usable) - within}
         if self.cfg.adaptive_clip and self.cfg.mode == "central":
             rng = np.random.default_rng(derive_seed(self.seed, PRIVACY, COUNT, round_))
-            fraction = (within + rng.normal(0.0, count_noise(self.cfg, self.per_round))) / self.divisor
+            centred = within - len(usable) / 2 + rng.normal(0.0, count_noise(self.cfg, self.per_round))
+            fraction = noisy_fraction_within(centred, self.divisor)
             self.clip *= math.exp(-self.cfg.clip_lr * (fraction - self.cfg.target_quantile))
         record["next_clip"] = self.clip
         return record
