@@ -42,14 +42,15 @@ def sum_noise_multiplier(cfg: PrivacyConfig, per_round: int) -> float:
     return (cfg.noise_multiplier ** -2 - (2 * count_noise(cfg, per_round)) ** -2) ** -0.5
 
 
-def noisy_fraction_within(centred_count: float, divisor: float) -> float:
-    """b: the share of clients within the bound, from the noised sum of their bits each less 1/2.
+def noisy_share_within(within: int, participants: int, noise: float, divisor: float) -> float:
+    """b: the share of the ``participants`` within the bound (``within`` of them), from the sum of their bits each
+    less 1/2 plus ``noise``, over ``divisor`` and back by 1/2, clipped to [0, 1] (which the noise can leave).
 
-    Why the half: each client adds b_i - 1/2, so adding or removing one client moves the sum by at most 1/2,
-    which is the sensitivity the budget split (z_sum, with 2 sigma_b) assumes (Andrew et al. 2021; TF Privacy's
+    Why the half: with b_i - 1/2 per client, adding or removing one client moves the sum by at most 1/2, which is
+    the sensitivity the budget split (z_sum, with 2 sigma_b) assumes (Andrew et al. 2021; TF Privacy's
     QuantileEstimatorQuery). A count of the bits themselves moves by 1, and epsilon was too low under Poisson
-    sampling. The share is clipped to [0, 1], which the noise can leave."""
-    return min(1.0, max(0.0, centred_count / divisor + 0.5))
+    sampling."""
+    return min(1.0, max(0.0, (within - participants / 2 + noise) / divisor + 0.5))
 
 
 class ServerPrivacy:
@@ -85,8 +86,8 @@ class ServerPrivacy:
                   "noise_multiplier": self.cfg.noise_multiplier, "clipped": len(usable) - within}
         if self.cfg.adaptive_clip and self.cfg.mode == "central":
             rng = np.random.default_rng(derive_seed(self.seed, PRIVACY, COUNT, round_))
-            centred = within - len(usable) / 2 + rng.normal(0.0, count_noise(self.cfg, self.per_round))
-            fraction = noisy_fraction_within(centred, self.divisor)
+            noise = rng.normal(0.0, count_noise(self.cfg, self.per_round))
+            fraction = noisy_share_within(within, len(usable), noise, self.divisor)
             self.clip *= math.exp(-self.cfg.clip_lr * (fraction - self.cfg.target_quantile))
         record["next_clip"] = self.clip
         return record
