@@ -42,21 +42,25 @@ class ReceivePool:
 
 
 class PostedReceives:
-    """The round's outstanding receives, each with its ticket (what it will hold), and how many are posted per
-    rank: a rank is awaited, and its deadlines run, only while one is."""
+    """The round's outstanding receives, each with its ticket (what it will hold), and how many of each kind are
+    posted per rank: a rank is awaited, and its deadlines run, only while a receive for what it owes next is
+    posted (a header while it trains, a chunk while its update is in flight). A rank whose chunk slots are all
+    full waits on the fold order, even while its next header's receive is posted."""
 
     def __init__(self, ranks: list[int], watchdog: Watchdog | None):
         self.requests: list[MPI.Request] = []
         self.tickets: list[Ticket] = []
         self.free: list[int] = []  # indices of completed requests, reused before the list grows
-        self.posted = {rank: 0 for rank in ranks}
+        self.headers = {rank: 0 for rank in ranks}  # header receives posted per rank
+        self.chunks = {rank: 0 for rank in ranks}  # chunk receives posted per rank
         self.watchdog = watchdog
 
     def add(self, request: MPI.Request, ticket: Ticket) -> None:
         """Track a posted receive (a rank awaited again after its slots were full restarts its clock)."""
-        if self.posted[ticket.rank] == 0 and self.watchdog is not None:
+        posted = self.chunks if isinstance(ticket, ChunkTicket) else self.headers
+        if posted[ticket.rank] == 0 and self.watchdog is not None:
             self.watchdog.progress(ticket.rank)
-        self.posted[ticket.rank] += 1
+        posted[ticket.rank] += 1
         if self.free:
             i = self.free.pop()
             self.requests[i], self.tickets[i] = request, ticket
@@ -76,7 +80,7 @@ class PostedReceives:
             self.requests[index] = MPI.REQUEST_NULL
             self.free.append(index)
             ticket = self.tickets[index]
-            self.posted[ticket.rank] -= 1
+            (self.chunks if isinstance(ticket, ChunkTicket) else self.headers)[ticket.rank] -= 1
             out.append((ticket, obj))
         return out
 
@@ -94,5 +98,5 @@ class PostedReceives:
                 raced_chunks += isinstance(ticket, ChunkTicket)
             self.requests[i] = MPI.REQUEST_NULL
             self.free.append(i)
-        self.posted[rank] = 0
+        self.headers[rank] = self.chunks[rank] = 0
         return raced_metas, raced_chunks

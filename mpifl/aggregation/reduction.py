@@ -205,13 +205,20 @@ class StreamedReduction:
         self.receives.add(self.comm.Irecv([buf, MPI.BYTE], source=rank, tag=self.task.update_tag), ticket)
 
     def waiting(self) -> dict[int, tuple[str, str | None]]:
-        """Each rank awaited (a receive from it is posted): the stage it is in and the logical client concerned.
+        """Each rank awaited (a receive for what it owes next is posted): the stage it is in and the logical client
+        concerned.
 
-        A rank whose receive slots are all full waits on the fold order, not the other way round.
+        A rank whose chunk slots are all full waits on the fold order, not the other way round, though the
+        receive of its next header may be posted: with an update in flight it owes a chunk first.
         """
-        return {rank: rank_stage(streams, self.arrived[rank], len(self.chunks), self.task.labels or {},
-                                 self.exchange.grouped)
-                for rank, streams in self.task.by_rank.items() if self.receives.posted[rank] > 0}
+        awaited = {}
+        for rank, streams in self.task.by_rank.items():
+            stage, label = rank_stage(streams, self.arrived[rank], len(self.chunks), self.task.labels or {},
+                                      self.exchange.grouped)
+            posted = self.receives.headers if stage == FIRST_UPDATE else self.receives.chunks
+            if posted[rank] > 0:
+                awaited[rank] = stage, label
+        return awaited
 
     @property
     def model_touched(self) -> bool:

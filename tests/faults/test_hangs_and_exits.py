@@ -72,6 +72,20 @@ def test_a_silent_rank_at_each_stage_ends_the_job_naming_it_and_keeps_the_last_r
         assert ckpt.round == 1 and len(ckpt.metrics()) == 1
 
 
+def test_a_rank_blocked_on_the_fold_order_is_not_blamed_while_an_earlier_client_still_trains(tmp_path):
+    # Client 0 (rank 1) trains 8 s longer than the others. Rank 2's update of client 1 (8 chunks above the eager
+    # limit) fills its receive slots and waits for client 0's chunks in the fold order, so rank 2 sends nothing
+    # for longer than update_complete while the server has a header receive posted for it: it waits on the
+    # server, not the reverse, and the round completes. (NIID-Bench's quantity skew put a client 10x larger than
+    # the rest first in the order, and FedProx's round 2 was aborted.)
+    text = LARGE_CHUNKS.replace("first_update: 3.0", "first_update: 120").replace(
+        "num_clients: 4", "num_clients: 6") + "faults: [{kind: stall, clients: [0], rounds: [2], seconds: 8}]\n"
+    result, seconds = run_with_fault(tmp_path, text)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "made no progress" not in result.stderr
+    assert rounds_logged(tmp_path / "run") == [1, 2, 3]
+
+
 @pytest.mark.parametrize("fault_rank", [1, 2])
 def test_a_silent_rank_in_a_chain_over_several_groups_per_rank_ends_the_job_keeping_the_last_round(tmp_path,
                                                                                                     fault_rank):
