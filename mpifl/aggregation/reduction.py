@@ -211,7 +211,7 @@ class StreamedReduction:
         A rank whose chunk slots are all full waits on the fold order, not the other way round, though the
         receive of its next header may be posted: with an update in flight it owes a chunk first.
         """
-        awaited = {}
+        awaited: dict[int, tuple[str, str | None]] = {}
         for rank, streams in self.task.by_rank.items():
             stage, label = rank_stage(streams, self.arrived[rank], len(self.chunks), self.task.labels or {},
                                       self.exchange.grouped)
