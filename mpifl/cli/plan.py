@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mpifl.config import Config, ConfigError, load_config
 from mpifl.planning import binding
+from mpifl.planning.federation import most_trained_per_rank
 from mpifl.planning.memory import (
     CUDA_HOST_BYTES,
     CUDA_WORKSPACE_BYTES,
@@ -36,7 +37,7 @@ from mpifl.planning.memory import (
 )
 from mpifl.planning.routes import broadcast_tree
 from mpifl.planning.scale import LUSTRE, POLARIS, Rates, round_estimate
-from mpifl.planning.world import world_problem
+from mpifl.planning.world import takes, world_problem
 from mpifl.units import GIB, MIB, counted, format_bytes, rank_span
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.spec import CONTROL, ModelSpec, control_bytes, is_local, itemsize
@@ -271,9 +272,9 @@ def plan_main(args: argparse.Namespace) -> int:
                                 clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone))):
         if warning:
             print(warning)
-    hint = groups_hint(cfg, ranks)
-    if hint:
-        print(hint)
+    for note in (placement_note(cfg, ranks, plan, args), groups_hint(cfg, ranks)):
+        if note:
+            print(note)
     if args.time:
         print_time_model(cfg, size.exchanged, load_rates(args.rates))
     return 0
@@ -409,6 +410,29 @@ def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: i
                     f"{'GPUs' if on_gpu else 'ranks'} per client")
         parts *= 2
     return f"  fit: no clients.ranks_per_client up to 4096 fits a {what}"
+
+
+def placement_note(cfg: Config, ranks: int, plan: MemoryEstimate, args: argparse.Namespace) -> str | None:
+    """Where a fixed placement alone lets a round put two participants on one rank (``most_trained_per_rank``),
+    the rounds the server's figure above is for, and what deals them one per rank. Such a round's updates from
+    that rank arrive one after the other, so the server's accumulator window spans the whole model."""
+    hosts = max(1, ranks // cfg.clients.ranks_per_client)
+    spread = -(-cfg.clients_per_round() // hosts)
+    if cfg.clients.groups or spread > 1 or most_trained_per_rank(cfg.clients, hosts) <= 1:
+        return None
+    if takes(cfg, placement="per_round"):
+        fix = "with clients.placement=per_round, which deals each round's participants over the client ranks"
+        better = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, placement="per_round"))
+    else:
+        per_client = cfg.clients.ranks_per_client
+        fix = f"with {1 + cfg.clients.num_clients * per_client} ranks, a rank (or group of ranks) per client"
+        better, ranks = cfg, cfg.clients.num_clients * per_client
+    _, alternative = estimate(better, ranks + 1, args.ranks_per_node, args.server_alone, gpus_per_node(
+        args.gpus_per_node))
+    return (f"  note: clients.placement='{cfg.clients.placement}' fixes each client's rank, so a round may sample "
+            f"two clients of one rank; their updates then arrive one after the other and the server's accumulators "
+            f"span the whole model: rank 0's figure above is for such a round. {fix[0].upper()}{fix[1:]}: rank 0 "
+            f"~{alternative.server_bytes / GIB:.2f} GiB")
 
 
 def groups_hint(cfg: Config, ranks: int) -> str | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -107,6 +108,22 @@ def fitted_overhead(observations: list[tuple[int, float, float]]) -> float | Non
         return None
     a, b = (snt * sww - swt * snw) / det, (snn * swt - snw * snt) / det
     return max(a, 0.0) / b if b > 0 else None
+
+
+def most_trained_per_rank(clients: ClientsConfig, client_ranks: int) -> int:
+    """The most participants one client rank trains in a round, whoever the sample draws.
+
+    ``clients.placement: per_round`` deals a round's participants evenly over the ranks. A fixed placement
+    (round_robin, balanced) does not: the sample may draw several clients that one rank hosts, so a rank can train
+    up to as many participants as it hosts, even in a round with no more participants than ranks. Some rank hosts
+    ceil(clients / ranks) or more, the exact worst case under round_robin (balanced may host more on one rank),
+    which is all a caller asks: whether a rank may train, and send, more than one.
+    """
+    ranks, per_round = max(1, client_ranks), clients.per_round_count()
+    spread = math.ceil(per_round / ranks)
+    if clients.placement == "per_round":
+        return spread
+    return max(spread, min(per_round, math.ceil(clients.num_clients / ranks)))
 
 
 class Placement:

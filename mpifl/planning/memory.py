@@ -15,7 +15,7 @@ from typing import Protocol
 
 from mpifl.config import Config
 from mpifl.config.client_state import ClientStateLayout, StateSizes
-from mpifl.planning.federation import clients_of_rank
+from mpifl.planning.federation import clients_of_rank, most_trained_per_rank
 from mpifl.planning.out_of_core import STATE_ITEMSIZE, out_of_core_bytes
 from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
@@ -134,9 +134,12 @@ def node_data_bytes(data: DataBytes) -> int:
 
 
 def streams_per_rank(cfg: Config, client_ranks: int) -> int:
-    """The most update streams one client rank sends per round: participants, or groups with clients.groups."""
-    streams = cfg.clients.groups or cfg.clients_per_round()
-    return math.ceil(streams / max(1, client_ranks))
+    """The most update streams one client rank sends per round: participants (``most_trained_per_rank``), or groups
+    with clients.groups. A rank that sends several makes the server's accumulator window span the whole model
+    (planning.pools), so the memory plan counts this worst case."""
+    if cfg.clients.groups:
+        return math.ceil(cfg.clients.groups / max(1, client_ranks))
+    return most_trained_per_rank(cfg.clients, client_ranks)
 
 
 def sending_ranks(cfg: Config, client_ranks: int) -> int:
@@ -393,7 +396,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
         client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size) + replicated_activations(cfg, size)
-        if not on_gpu and (cfg.clients_per_round() > client_ranks or cfg.strategy.update == "delta"
+        if not on_gpu and (most_trained_per_rank(cfg.clients, client_ranks) > 1 or cfg.strategy.update == "delta"
                            or cfg.train.ditto_lambda):
             client += nbytes  # the global model kept for the next logical client, the delta or Ditto's regulariser
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype == "float32":
