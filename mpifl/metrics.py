@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -59,6 +60,23 @@ def bytes_written() -> int | None:
         return None
 
 
+
+def json_line(record: dict) -> str:
+    """``record`` as one line of RFC 8259 JSON: a non-finite float (epsilon without noise is infinite, a diverged
+    loss NaN) becomes null, since Python's ``Infinity`` and ``NaN`` stop strict readers (jq, JavaScript)."""
+    return json.dumps(finite_or_null(record), allow_nan=False)
+
+
+def finite_or_null(value: object) -> object:
+    """``value`` with every non-finite float inside it (dicts, lists, tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
 class CostMeter:
     """What this process has spent since the last reading: CPU-seconds (user and system, every thread:
     ``time.process_time``) and bytes written (``bytes_written``; left out where it cannot be read)."""
@@ -98,7 +116,7 @@ class JsonLines:
     def write(self, record: dict) -> None:
         """Append ``record`` as one line and flush it (nothing without a path), then give it to ``also``."""
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json_line(record) + "\n")
             self._file.flush()
         for sink in self.also:
             sink.write(record)

@@ -125,6 +125,19 @@ def test_validate_command_exit_codes(tmp_path):
     assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in bad.stderr
 
 
+@pytest.mark.parametrize("overrides,says", [
+    ((), "weighted by samples"),
+    (("strategy.weighting=equal",), "equal weights"),
+    (("clock.mode=fedbuff",), "each update weighted by s(staleness) (polynomial), the sum divided by the updates "
+                              "applied"),
+    (("clock.mode=fedasync",), "each update mixed in at alpha x s(staleness), alpha 0.6, s polynomial"),
+])
+def test_validate_says_how_a_round_weighs_the_updates_as_the_run_will(overrides, says):
+    from mpifl.cli.commands import validated_weighting
+
+    assert validated_weighting(load_config(ROOT / "configs" / "quickstart.yaml", list(overrides))) == says
+
+
 def test_strategy_and_evaluation_combinations_are_checked():
     with pytest.raises(ConfigError, match=r"strategy.name: 'krum' is not allowed; choose one of 'fedavg', 'fedavgm'"):
         load(strategy={"name": "krum"})
@@ -243,3 +256,9 @@ def test_settings_of_a_feature_that_is_switched_off_are_warned_of_as_ignored():
         "compression.fraction: read only with compression.method 'topk', not 'int8': ignored"]
     assert said("clock.deadline=5")[0].startswith("clock.deadline: read only under virtual time")
     assert said("compression.method=topk", "compression.fraction=0.1", "strategy.update=delta") == []
+    local = ("privacy.mode=local", "strategy.update=delta", "strategy.weighting=equal")
+    assert said(*local, "privacy.adaptive_clip=true", "privacy.target_quantile=0.7") == [
+        "privacy.adaptive_clip, privacy.target_quantile: adaptive clipping is central DP's (the server learns the "
+        "clipped count from the clients' noised bits); under privacy.mode 'local' it is ignored and every client clips "
+        "at privacy.clip for the whole run"]
+    assert said(*local) == []

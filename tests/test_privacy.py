@@ -198,3 +198,22 @@ def test_a_budget_that_round_1_alone_would_pass_is_refused_before_mpi_starts(cap
             "the budget 2, so no round could run: raise privacy.noise_multiplier or the budget"
             in capsys.readouterr().err)
     assert main(["validate", quickstart, *dp, "privacy.epsilon_budget=60"]) == 0
+
+
+def test_a_record_is_strict_json_and_an_unbounded_epsilon_is_null(tmp_path):
+    """Without noise epsilon is infinite; Python's json would write Infinity, which strict readers refuse."""
+    import json
+    import math
+
+    from mpifl.metrics import JsonLines
+
+    sink = JsonLines(tmp_path / "metrics.jsonl")
+    sink.write({"round": 1, "privacy": {"epsilon": math.inf, "delta": 1e-5}, "losses": [0.5, math.nan]})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert "Infinity" not in line and "NaN" not in line
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not RFC 8259 JSON: {constant}")
+
+    assert json.loads(line, parse_constant=strict) == {"round": 1, "privacy": {"epsilon": None, "delta": 1e-5},
+                                                        "losses": [0.5, None]}

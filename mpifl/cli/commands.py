@@ -139,11 +139,22 @@ def validate(args: argparse.Namespace) -> int:
         model += (f" ({parameters_text(size.parameters)}, {format_bytes(size.exchanged)} exchanged, "
                   f"{format_bytes(size.frozen)} frozen)")
     sends = "deltas" if cfg.strategy.update == "delta" else "weights"  # update and weighting as resolved
-    weights = "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
+    weights = validated_weighting(cfg)
     print(f"{args.config}: valid ({cfg.rounds} rounds, {cfg.clients_per_round()} of "
           f"{cfg.clients.num_clients} clients per round, model {model}, strategy {cfg.strategy.name}: clients "
           f"send {sends}, {weights})")
     return 0
+
+
+def validated_weighting(cfg: Config) -> str:
+    """How a round combines the clients' updates, as the run will: what ``validate`` says. The asynchronous clocks
+    weigh each update by its staleness (mpifl.clock.planners), not by samples, whatever strategy.weighting says."""
+    clock = cfg.clock
+    if clock.mode == "fedasync":
+        return f"each update mixed in at alpha x s(staleness), alpha {clock.alpha:g}, s {clock.staleness}"
+    if clock.mode in ("fedbuff", "fedcompass"):
+        return f"each update weighted by s(staleness) ({clock.staleness}), the sum divided by the updates applied"
+    return "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
 
 
 def partition(args: argparse.Namespace) -> int:

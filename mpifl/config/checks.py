@@ -613,6 +613,12 @@ def _switched_off_warnings(cfg: Config) -> list[str]:
             if ignored:
                 found.append(f"{', '.join(ignored)}: read only with {name}.{switch} set, and it is {off!r}: ignored; "
                              f"{turn_on} to use them")
+    adaptive = changed_settings(cfg.privacy, "privacy", only=("adaptive_clip", "target_quantile", "clip_lr",
+                                                               "count_noise"))
+    if cfg.privacy.mode == "local" and adaptive:
+        found.append(f"{', '.join(adaptive)}: adaptive clipping is central DP's (the server learns the clipped count "
+                     "from the clients' noised bits); under privacy.mode 'local' it is ignored and every client "
+                     "clips at privacy.clip for the whole run")
     topk_only = changed_settings(cfg.compression, "compression", only=("fraction", "error_feedback", "residual_ram_mb"))
     if cfg.compression.method in ("int8", "int4") and topk_only:
         found.append(f"{', '.join(topk_only)}: read only with compression.method 'topk', not "

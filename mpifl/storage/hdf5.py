@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 
 from mpifl.errors import CheckpointError
+from mpifl.metrics import json_line
 from mpifl.storage.integrity import ChunkChecksums, verify
 from mpifl.storage.ranges import STORED_AS, MappedRange, RawRanges, file_address
 from mpifl.units import MIB
@@ -167,7 +168,7 @@ class CheckpointWriter:
 
     def write_metrics(self, history: list[dict]) -> None:
         """Store the run's round records, one JSON string each, so a checkpoint carries its history."""
-        lines = [json.dumps(r) for r in history]
+        lines = [json_line(r) for r in history]
         with self._naming_errors():
             self.file.create_dataset("metrics", data=np.array(lines, dtype=h5py.string_dtype()),
                                      dtype=h5py.string_dtype())

@@ -31,6 +31,7 @@ import yaml
 from mpifl.config import Config, ConfigError, dump_config, resumable_keys, resume_conflict
 from mpifl.errors import CheckpointError
 from mpifl.logs import log
+from mpifl.metrics import json_line
 from mpifl.storage.checkpointer import (
     CHECKPOINTS,
     METRICS,
@@ -217,7 +218,7 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
         kept = point.metrics  # the file lost or tore lines: the checkpoint's copy is complete
     metrics.parent.mkdir(parents=True, exist_ok=True)
     tmp = metrics.with_name(metrics.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text("".join(json_line(r) + "\n" for r in kept))
     os.replace(tmp, metrics)
 
 
