@@ -16,11 +16,20 @@ RANKS=${RANKS:-3}
 SEEDS=${SEEDS:-0 1 2}
 SETTINGS=${SETTINGS:-label2 iid label1 label3 quantity}
 ALGORITHMS=${ALGORITHMS:-fedavg fedprox scaffold fednova}
+# A cell whose run fails (its log names why) does not stop the grid: the others go on, the failed ones are listed
+# at the end, and the exit status is 1 if there were any. A second call resumes a failed run from its checkpoint.
+failed=()
 for seed in $SEEDS; do
     for algorithm in $ALGORITHMS; do
         for setting in $SETTINGS; do
             "$PYTHON" profiling/niid_bench.py --setting "$setting" --algorithms "$algorithm" --seeds "$seed" \
-                --ranks "$RANKS" --work "runs/niid_grid-$setting" ${START_BEFORE:+--start-before "$START_BEFORE"} "$@"
+                --ranks "$RANKS" --work "runs/niid_grid-$setting" ${START_BEFORE:+--start-before "$START_BEFORE"} "$@" \
+                || failed+=("$setting $algorithm seed $seed")
         done
     done
 done
+if ((${#failed[@]})); then
+    printf 'niid_grid: %d cell(s) failed (their logs are in runs/niid_grid-<setting>/):\n' "${#failed[@]}"
+    printf '  %s\n' "${failed[@]}"
+    exit 1
+fi
