@@ -117,6 +117,8 @@ KEYS = (
     "secagg.enabled",
     "secagg.fraction_bits",
     "secagg.masking",
+    "secagg.min_cohort",
+    "secagg.min_range",
     "seed",
     "server.map_windows",
     "server.state",

@@ -100,6 +100,88 @@ def test_the_securely_aggregated_sum_is_exactly_the_plain_fixed_point_sum(tmp_pa
     assert same_model(models["true"], models["false"])
 
 
+SMALL_SECAGG = """
+seed: {seed}
+rounds: {rounds}
+clients: {{num_clients: {clients}, per_round: {per_round}, accept_failures: true}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 300, num_features: 8, num_classes: 4}}}}
+model: {{name: mlp, kwargs: {{hidden: [8]}}}}
+train: {{lr: 0.05}}
+secagg: {{enabled: true}}
+eval: {{every: 0}}
+output: {{progress: false}}
+"""
+
+
+def small_secagg(tmp_path, name, *overrides, seed=5, rounds=1, clients=6, per_round=3):
+    """A few-second secure-aggregation run: 6 clients of 40 training samples, 3 a round, a tiny MLP."""
+    cfg = write_config(tmp_path / f"{name}.yaml", SMALL_SECAGG.format(seed=seed, rounds=rounds, clients=clients,
+                                                                      per_round=per_round))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / name), *overrides, timeout=MPI_TIMEOUT)
+    metrics = tmp_path / name / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return result, records
+
+
+def test_clamped_values_are_warned_of_with_the_round_the_range_and_fraction_bits_that_hold_them(tmp_path):
+    """Weights of 40 samples in a cohort of 3 at 28 fraction bits fit only within ±0.0667 (the check before the run
+    is lowered with secagg.min_range so that the run shows it); the advised bits then clamp nothing."""
+    result, records = small_secagg(tmp_path, "tight", "secagg.fraction_bits=28", "secagg.min_range=0.001")
+    assert result.returncode == 0, result.stderr
+    entry = records[0]["secagg"]
+    assert entry["clamped"] > 0 and entry["range"] == pytest.approx(0.0667, abs=1e-4)
+    advised = entry["max_fraction_bits"]
+    lines = [line for line in result.stderr.splitlines() if "warning: " in line and "secure aggregation" in line]
+    assert lines == [
+        f"[rank 0] warning: round 1: secure aggregation clamped {entry['clamped']:,} values into the ring's range, so "
+        f"the model is not the plain sum's: secagg.fraction_bits=28 holds ±0.06667 = (2^31 - 1) / (3 x 40 x 2^28) "
+        f"for the heaviest client of this cohort of 3, of weight 40 (a lighter client's range is wider in "
+        f"proportion), and a value reached {entry['range_used']:.3g} times its client's range; "
+        f"secagg.fraction_bits={advised} would have held every value of this round. Said again only for a round "
+        "that needs fewer bits; metrics.jsonl's secagg.clamped counts every round's",
+        f"[rank 0] warning: secure aggregation clamped values in 1 of 1 rounds, {entry['clamped']:,} in all (most: "
+        f"{entry['clamped']:,} in round 1); secagg.fraction_bits={advised} would have held every round's values "
+        "(docs/how-to/secure-aggregation.md)"]
+    result, records = small_secagg(tmp_path, "advised", f"secagg.fraction_bits={advised}", "secagg.min_range=0.001")
+    assert result.returncode == 0, result.stderr
+    assert records[0]["secagg"]["clamped"] == 0 and "secure aggregation clamped" not in result.stderr
+
+
+def test_a_poisson_round_drawing_fewer_than_min_cohort_runs_without_their_updates(tmp_path):
+    """Seed 0 draws clients 0, 1, 3 in round 1 and client 2 alone in round 2 (q = 2/6): its update would be the
+    sum itself, so it is not trained or sent; DP's noise alone moves the model, as in a round that draws nobody."""
+    result, records = small_secagg(
+        tmp_path, "poisson", "privacy.mode=central", "privacy.sampling=poisson", "privacy.clip=1.0",
+        "privacy.noise_multiplier=0.5", seed=0, rounds=2, per_round=2)
+    assert result.returncode == 0, result.stderr
+    assert [r["participants"] for r in records] == [[0, 1, 3], []]
+    assert records[1]["secagg"]["withheld"] == [2] and records[1]["num_samples"] == 0
+    assert "round 2: Poisson sampling drew 1 client (2), fewer than secagg.min_cohort=2: left out" in result.stderr
+    assert "secagg.min_cohort: 1 of 2 rounds (round 2) drew fewer than 2 clients and ran without updates" \
+        in result.stderr
+
+
+def test_a_round_left_with_fewer_survivors_than_min_cohort_is_not_unmasked_and_ends_the_job(tmp_path):
+    result, _ = small_secagg(tmp_path, "lone", "faults=[{kind: raise, clients: [0, 2], rounds: [2]}]", rounds=2,
+                             clients=3)
+    assert result.returncode != 0
+    assert ("round 2: only 1 of 3 participants sent a usable update, fewer than secagg.min_cohort=2: the securely "
+            "aggregated sum of so few would reveal what they sent (one update, exactly)") in result.stderr
+    from mpifl.storage.hdf5 import Checkpoint
+
+    with Checkpoint(tmp_path / "lone" / "checkpoints" / "ckpt-r000001.h5") as ckpt:
+        assert ckpt.round == 1  # round 1's model was saved; round 2 is not applied
+
+
+def test_a_fraction_bits_the_largest_client_cannot_use_ends_the_run_before_its_first_round(tmp_path):
+    """The data is read only once MPI has started: the server checks the range for the partition's largest client
+    (40 samples) before round 1, as ``mpifl validate`` does."""
+    result, records = small_secagg(tmp_path, "refused", "secagg.fraction_bits=28")
+    assert result.returncode != 0 and records == []
+    assert ("config error: secagg.fraction_bits: 28 holds values only within ±0.06667 = (2^31 - 1) / (3 x 40 x 2^28) "
+            "for a cohort of 3 (clients.per_round) whose largest client weight is 40") in result.stderr
+
+
 COMPRESSED = """
 seed: 6
 rounds: 2

@@ -9,10 +9,11 @@ at once: with one participant per rank the chunks stay in their slots, which the
 network reads directly (``PoolLayout.held_stacks``), beside the receives on worker threads;
 otherwise each accumulator is a participants x chunk stack.
 A participant whose header carries an error (``clients.accept_failures``) is skipped in every
-chunk; ``clients.min_participants`` is checked before the first finished chunk is written, so
-an aborted round leaves the global model untouched. Under ``accept_failures`` a rank still training
-past its deadline has the rest of its round dropped (dropping.py). The slots and the receives posted
-into them are receives.py's; the held stacks, held.py's.
+chunk; ``clients.min_participants`` (and ``secagg.min_cohort``) is checked before the first
+finished chunk is written, so an aborted round leaves the global model untouched. Under
+``accept_failures`` a rank still training past its deadline has the rest of its round dropped
+(dropping.py). The slots and the receives posted into them are receives.py's; the held stacks,
+held.py's.
 """
 from __future__ import annotations
 
@@ -95,7 +96,13 @@ class ReductionRound:
     unmask: Callable[[torch.Tensor, int, Mapping], None] | None = None  # secure aggregation: ring sum to floats
     labels: Mapping[int, str] | None = None  # what a stream is called in messages, where more than its id says
     min_participants: int = 1  # clients.min_participants: fewer usable updates abort the round
+    min_cohort: int = 1  # secagg.min_cohort: fewer usable updates abort the round, their sum would reveal them
     header_clients: int = 1  # the most logical clients one header lists (a reduction group's members)
+
+    @property
+    def quorum(self) -> int:
+        """The fewest usable updates the round is applied with."""
+        return max(self.min_participants, self.min_cohort)
 
     @functools.cached_property
     def meta_tag(self) -> int:
@@ -264,7 +271,7 @@ class StreamedReduction:
 
     def _drop(self, rank: int, why: str) -> bool:
         """Drop the rest of ``rank``'s round: only while it trains (nothing of those participants is folded), and
-        only if clients.min_participants can still be met. Whether it was dropped."""
+        only if clients.min_participants (and secagg.min_cohort) can still be met. Whether it was dropped."""
         dropping = self.clock.dropping
         assert dropping is not None  # _check_deadlines drops only with a Dropping
         stage = self.waiting().get(rank)
@@ -274,7 +281,7 @@ class StreamedReduction:
         members = {s: dropping.members(rank, s) for s in streams}
         everyone = sum(len(dropping.members(r, s)) for r, ss in self.task.by_rank.items() for s in ss)
         failed = sum(1 for m in self.stats.metas.values() if m.error is not None)
-        if everyone - failed - sum(map(len, members.values())) < self.task.min_participants:
+        if everyone - failed - sum(map(len, members.values())) < self.task.quorum:
             return False
         raced_metas, raced_chunks = self.receives.cancel(rank)
         self.schedule.drop(rank)
@@ -416,11 +423,17 @@ def rank_stage(streams: Sequence[int], landed: Sequence[int], per_stream: int, l
 def checked_totals(strategy: Strategy, metas: Mapping[int, protocol.UpdateMeta], task: ReductionRound,
                    order: Sequence[int]) -> tuple[float, float | None]:
     """The round's divisor and statistics total (``round_totals``) once every header is in; a round with fewer
-    usable updates than clients.min_participants, or with no weight, is aborted before anything is written."""
+    usable updates than clients.min_participants or secagg.min_cohort, or with no weight, is aborted before anything
+    is written."""
     usable = [m for m in metas.values() if m.error is None]
+    only = f"round {task.round}: only {len(usable)} of {len(metas)} participants sent a usable update"
     if len(usable) < task.min_participants:
-        raise RoundAborted(f"round {task.round}: only {len(usable)} of {len(metas)} participants sent a usable update, "
-                           f"fewer than clients.min_participants={task.min_participants}; the round is not applied")
+        raise RoundAborted(f"{only}, fewer than clients.min_participants={task.min_participants}; the round is not "
+                           "applied")
+    if len(usable) < task.min_cohort:
+        raise RoundAborted(f"{only}, fewer than secagg.min_cohort={task.min_cohort}: the securely aggregated sum of "
+                           f"so few would reveal what they sent{' (one update, exactly)' if len(usable) == 1 else ''}; "
+                           "the round is not applied, and it is not unmasked")
     total, statistics = round_totals(strategy, usable, task.weights, task.divisor)
     if total <= 0:
         raise RoundAborted(f"round {task.round}: zero total client weight (clients {order}); cannot average")

@@ -30,6 +30,7 @@ def check_plugins(cfg: Config) -> list[str]:
     from mpifl.learning.models import model_problem
     from mpifl.learning.trainers import trainer_problem
     from mpifl.privacy.accounting import accounting_problem, budget_problem
+    from mpifl.privacy.secagg import config_range_problem
 
     if cfg.model.name == "transformers":
         check_transformers(cfg)
@@ -46,7 +47,9 @@ def check_plugins(cfg: Config) -> list[str]:
         raise ConfigError(f"clients.placement: 'per_round' lets any rank train any client, but data.dataset "
                           f"{cfg.data.dataset!r} split naturally is read per rank, each rank its own clients only; "
                           "use clients.placement='balanced'")
-    checked_strategy(cfg)
+    problem = config_range_problem(cfg, checked_strategy(cfg))
+    if problem:
+        raise ConfigError(problem)
     return config_warnings(cfg)
 
 
@@ -116,10 +119,16 @@ def partition_counts_of(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
 
 def check_partition(cfg: Config) -> None:
     """Build the configured partition, as ``mpifl run``'s ranks will (``partition_counts_of``), for ``mpifl
-    validate``: a plain process, so it may read the data once. Not for a run without data, nor for a dataset read
-    per client rank (a client source), which cannot be read whole; and never before ``mpifl run``'s MPI, where
-    every rank would read the data (there a bad split ends the job in one line: 'cannot partition the data')."""
+    validate``: a plain process, so it may read the data once; then check secure aggregation's range for its largest
+    client. Not for a run without data, nor for a dataset read per client rank (a client source), which cannot be
+    read whole; and never before ``mpifl run``'s MPI, where every rank would read the data (there a bad split ends
+    the job in one line: 'cannot partition the data', and the server checks the range as it starts)."""
+    from mpifl.aggregation.strategies import make_strategy
     from mpifl.learning.datasets import client_source, needs_dataset
+    from mpifl.privacy.secagg import config_range_problem
 
     if needs_dataset(cfg) and client_source(cfg.data) is None:
-        partition_counts_of(cfg)
+        histogram, _ = partition_counts_of(cfg)
+        problem = config_range_problem(cfg, make_strategy(cfg.strategy), [int(n) for n in histogram.sum(axis=1)])
+        if problem:
+            raise ConfigError(problem)

@@ -81,9 +81,11 @@ class AsyncSampler(Sampler):
 def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model_bytes: int,
                   update_bytes: int) -> Sampler:
     """The round planner for ``clock.mode``; ``samples`` is each client's training work per task, in samples."""
+    # secure aggregation's threshold: a round drawing fewer runs without updates rather than reveal their sum
+    min_cohort = cfg.secagg.min_cohort if cfg.secagg.enabled else 1
     if cfg.clock.mode == "off":
         return Sampler(cfg.seed, cfg.clients, placement, poisson=cfg.privacy.sampling == "poisson"
-                       and cfg.privacy.mode != "off")
+                       and cfg.privacy.mode != "off", min_cohort=min_cohort)
     num_clients = cfg.clients.num_clients
     devices = devices_for(cfg.clock, num_clients, cfg.seed)
     availability = availability_for(cfg.clock, num_clients, cfg.seed)
@@ -100,7 +102,7 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
 
     if cfg.clock.mode == "sync":
         clock = SyncClock(cfg.seed, cfg.clients_per_round(), availability, duration, cfg.clock.deadline,
-                          cfg.clock.over_selection, cfg.clients.min_participants)
+                          cfg.clock.over_selection, max(cfg.clients.min_participants, min_cohort))
         return SyncSampler(cfg.seed, cfg.clients, placement, clock)
     if cfg.clock.mode == "fedcompass":
         def with_steps(client: int, local_steps: int) -> float:

@@ -251,6 +251,14 @@ def _check_secagg(cfg: Config) -> None:
     for key, fine, what in needs:
         if not fine:
             raise ConfigError(f"{key}: secagg.enabled needs {what}")
+    cohort, least = cfg.clients_per_round(), cfg.secagg.min_cohort
+    if cohort < least:
+        expected = " (the expected cohort under Poisson sampling)" if cfg.privacy.sampling == "poisson" and \
+            cfg.privacy.mode != "off" else ""
+        raise ConfigError(f"secagg.min_cohort: {least} is more than the {cohort} clients sampled per round"
+                          f"{expected}: the masked sum of fewer than {least} reveals what they sent (one client's "
+                          f"update, exactly); raise clients.per_round to {least} or more (secagg.min_cohort=1 "
+                          "accepts a cohort of one, and reveals its update)")
 
 
 def _check_compression(cfg: Config) -> None:

@@ -522,8 +522,20 @@ class SecAggConfig:
 
     enabled: bool = field_(False, "clients send their weighted updates in fixed point, masked with pairwise and "
                            "self masks that cancel or are removed in the server's sum (Bonawitz et al. 2017)")
-    fraction_bits: int = field_(16, "fixed point: x becomes round(x * 2^bits) in Z_(2^32)", min=1, max=30)
+    fraction_bits: int = field_(16, "fixed point: a client of weight w sends round(w * x * 2^bits) in Z_(2^32), "
+                                "clamped to ±(2^31 - 1) / cohort so that no sum wraps: only values within ±(2^31 - 1) "
+                                "/ (cohort * w * 2^bits) pass unclamped, and rank 0 warns of a round that clamps "
+                                "(docs/how-to/secure-aggregation.md)", min=1, max=30)
     masking: bool = field_(True, "false: fixed point without masks, the plain sum the masked one must equal")
+    min_range: float = field_(1.0, "the range a fraction_bits must give, in update units, (2^31 - 1) / "
+                              "(clients.per_round * largest client weight * 2^fraction_bits), or it is refused before "
+                              "any round; the largest weight is the partition's largest client under "
+                              "strategy.weighting=samples once the data is read (mpifl validate, the server's start), "
+                              "else 1 (0: no check)", min=0.0)
+    min_cohort: int = field_(2, "the fewest participants whose sum is revealed (Bonawitz et al.'s threshold t): "
+                             "clients.per_round below it is refused; a round left with fewer usable updates is "
+                             "aborted, as under clients.min_participants; a Poisson or virtual-time round drawing "
+                             "fewer runs without updates (1: none, a cohort of one reveals its update)", min=1)
 
 
 @dataclass

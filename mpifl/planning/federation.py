@@ -252,6 +252,8 @@ class RoundAssignment:
     # nothing this round, and the sampled clients left out for them, as if not sampled (client -> that rank)
     busy_ranks: dict[int, int] = field(default_factory=dict)
     busy_clients: dict[int, int] = field(default_factory=dict)
+    # secagg.min_cohort: the clients drawn (Poisson sampling) and left out, too few for their sum to hide them
+    withheld: tuple[int, ...] = ()
 
     def group_of(self, client: int, groups: int) -> int:
         """``client``'s reduction group this round (``groups``: clients.groups)."""
@@ -270,9 +272,12 @@ class RoundAssignment:
 class Sampler:
     """Each round's participants and their ranks, from the root seed and the ``clients`` section."""
 
-    def __init__(self, seed: int, clients: ClientsConfig, placement: Placement, poisson: bool = False):
+    def __init__(self, seed: int, clients: ClientsConfig, placement: Placement, poisson: bool = False,
+                 min_cohort: int = 1):
+        """``min_cohort``: secagg.min_cohort, the fewest participants a round runs with (1 without secure
+        aggregation); fewer drawn (Poisson sampling) are left out, and the round runs without updates."""
         self.seed, self.clients, self.placement, self.poisson = seed, clients, placement, poisson
-        self.per_round = clients.per_round_count()
+        self.per_round, self.min_cohort = clients.per_round_count(), min_cohort
 
     def participants(self, round_: int) -> list[int]:
         """The sorted logical client ids taking part in ``round_`` (with ``poisson``, each client independently
@@ -283,11 +288,15 @@ class Sampler:
         return sample_clients(self.seed, round_, self.clients.num_clients, self.per_round)
 
     def plan(self, round_: int) -> RoundAssignment:
-        """A synchronous round in real time: the sampled clients train and send, in ascending id."""
+        """A synchronous round in real time: the sampled clients train and send, in ascending id; fewer than
+        ``min_cohort`` are withheld: nobody trains, and the round's sum (of nothing) reveals none of them."""
         participants = self.participants(round_)
+        withheld = tuple(participants) if len(participants) < self.min_cohort else ()
+        if withheld:
+            participants = []
         groups = self.placement.round_groups(participants) if self.clients.group_by == "cost" else None
         return RoundAssignment(round_, tuple(participants), self.by_rank(participants), self.streams(participants),
-                               groups=groups)
+                               groups=groups, withheld=withheld)
 
     def without_busy(self, plan: RoundAssignment, busy: dict[int, int],
                      state_home: Callable[[int], int] | None = None, least: int = 1) -> RoundAssignment:

@@ -6,4 +6,6 @@
 - ``accounting``: epsilon at delta from Google's dp-accounting (the ``dp`` extra).
 - ``dp``: the server's side of DP-FedAvg (noise per chunk, adaptive clipping, epsilon per round,
   the budget) and the client's (clip, and local noise).
+- ``secagg``: secure aggregation, simulated (masked fixed-point updates, the server's ring sum);
+  ``ring``: the range of values its fixed point holds, torch-free.
 """

@@ -2,6 +2,8 @@
 
 Each client i of a round's cohort turns its weighted update into fixed point in the ring
 Z_(2^32): q_i = round(w_i x_i 2^f), clamped to +-(2^31 - 1) / cohort so that no sum can wrap.
+So a value is exact only within +-(2^31 - 1) / (cohort w_i 2^f) (``ring.value_range``: the
+encoder's clamp, the server's warning, the check before a run and the docs all take it from there).
 It adds its self mask b_i and, for every other member j, the pairwise mask +m_ij if i < j, or
 -m_ij if i > j, all modulo 2^32, and sends the result: 4 bytes per element, like fp32. The
 server adds what arrives in the ring; the pairwise masks of survivors cancel. It then removes
@@ -20,12 +22,40 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from mpifl.aggregation.combiners import WeightedMean
-from mpifl.config import SecAggConfig
+from mpifl.aggregation.combiners import Combiner, WeightedMean
+from mpifl.aggregation.strategies import Strategy
+from mpifl.config import Config, SecAggConfig
 from mpifl.config.capabilities import MEAN
 from mpifl.privacy.noise import ElementMask
+from mpifl.privacy.ring import clamp_limit, range_problem
 
 PAIR, SELF = 3, 4  # noise-stream keys (dp.py holds 0..2)
+
+
+def largest_weight(strategy: Strategy, sizes: Sequence[int] | None = None) -> tuple[float, str] | None:
+    """The largest weight a client of the run carries, and where it comes from (for the message), from every
+    client's training samples ``sizes``; without them (the data not read yet) the weight of one sample, which the
+    largest is at least. None where only the rounds know it: a combiner that weighs by more than the sample count
+    (FedNova's p_i / tau_i, a plug-in's own weight_of), or a plug-in's own weight before the data is read."""
+    weigher = type(strategy.weigher)
+    if weigher.weight_of is not Combiner.weight_of:
+        return None
+    if sizes:
+        heaviest = max(range(len(sizes)), key=lambda c: strategy.weight(sizes[c]))
+        return strategy.weight(sizes[heaviest]), (f"logical client {heaviest}'s: {sizes[heaviest]:,} training "
+                                                  f"samples, strategy.weighting={strategy.cfg.weighting!r}")
+    if weigher.weight not in (Combiner.weight, WeightedMean.weight):
+        return None
+    if strategy.cfg.weighting == "equal":
+        return strategy.weight(1), "strategy.weighting='equal'"
+    return strategy.weight(1), ("at least 1: every client holds a sample; once the data is read, mpifl validate and "
+                                "the server's start check the largest client's")
+
+
+def config_range_problem(cfg: Config, strategy: Strategy, sizes: Sequence[int] | None = None) -> str | None:
+    """``range_problem`` for the run's cohort (clients.per_round) and largest client weight (``largest_weight``)."""
+    known = largest_weight(strategy, sizes) if cfg.secagg.enabled else None
+    return range_problem(cfg.secagg, cfg.clients_per_round(), *known) if known else None
 
 
 class SecureAggregation:
@@ -40,9 +70,11 @@ class SecureAggregation:
     def mask(self, chunks: Sequence[torch.Tensor], firsts: Sequence[int], weight: float, cohort: Sequence[int],
              round_: int, client: int) -> dict:
         """Replace the fp32 update chunks, in place, by their masked fixed-point values (as int32 bits)."""
-        start, clamped = time.perf_counter(), 0
-        bound = (2 ** 31 - 1) // max(1, len(cohort))
+        start, clamped, peak = time.perf_counter(), 0, 0.0
+        bound = clamp_limit(len(cohort))
         for chunk, first in zip(chunks, firsts):
+            if chunk.numel():  # the largest |x|, for the server's warning and advice when values are clamped
+                peak = max(peak, float(chunk.abs().max()))
             q = torch.round(chunk * (weight * self.scale))
             clamped += int((q.abs() > bound).sum())
             ring = chunk.view(torch.int32)
@@ -52,7 +84,7 @@ class SecureAggregation:
                 for other in cohort:
                     if other != client:
                         self._pair(round_, client, other).add(ring, first, 1 if client < other else -1)
-        return {"secagg_seconds": time.perf_counter() - start, "secagg_clamped": clamped}
+        return {"secagg_seconds": time.perf_counter() - start, "secagg_clamped": clamped, "secagg_peak": peak}
 
     def unmask(self, round_: int, cohort: Sequence[int]) -> Callable[[torch.Tensor, int, Mapping], None]:
         """What turns a chunk's ring sum into the float sum of the survivors' weighted updates, in place."""

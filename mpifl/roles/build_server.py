@@ -29,11 +29,11 @@ from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.planning.faults import FaultPlan
 from mpifl.privacy.dp import ServerPrivacy
-from mpifl.privacy.secagg import RingSum, SecureAggregation
+from mpifl.privacy.secagg import RingSum, SecureAggregation, config_range_problem
 from mpifl.roles.build_client import evaluator_for
 from mpifl.roles.data import client_partition, keep_tokenizer, placement_of, report_partition
 from mpifl.roles.launch import StopRequest
-from mpifl.roles.records import fault_line, log_final, memory_warning_line
+from mpifl.roles.records import fault_line, log_final, memory_warning_line, secagg_summary
 from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
@@ -107,11 +107,12 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     score = None
     if dataset is not None and flat is not None:
         score = _score(cfg, flat, dataset)
-    needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off"
+    needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off" or cfg.secagg.enabled
     parts_ = client_partition(cfg, dataset) if needs_sizes else None
     placement = placement_of(cfg, parts_, comm.Get_size() - 1)
     sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
         if parts_ is not None else None
+    _check_secagg_range(cfg, strategy, sizes)
     samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
                            cfg.train.batch_size)
     try:
@@ -156,6 +157,14 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     return RunOutcome(history, interrupted=not server.budget_spent and _interrupted(history, cfg.rounds, stop))
 
 
+def _check_secagg_range(cfg: Config, strategy: Strategy, sizes: list[int] | None) -> None:
+    """Secure aggregation's range for the largest client, known only now (``mpifl run`` reads no data before MPI
+    starts; ``mpifl validate`` checks the same): a fraction_bits that cannot hold secagg.min_range ends the job."""
+    problem = config_range_problem(cfg, strategy, sizes)
+    if problem:
+        raise JobFailure(f"config error: {problem}")
+
+
 def _interrupted(history: list[dict], rounds: int, stop: StopRequest) -> bool:
     """Whether a stop on request (SIGTERM) ended the run before its last round."""
     return stop.requested and (history[-1]["round"] if history else 0) < rounds
@@ -171,6 +180,8 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
         reached = done[-1]["round"] if done else 0
         if run_dir and cfg.output.save_model and done and (reached == cfg.rounds or budget_spent):
             checkpointer.link_final_model(run_dir, reached)
+        for line in secagg_summary(done, cfg.secagg) if cfg.secagg.enabled else ():
+            log(line, rank=0)
         log_final(done, cfg.rounds, str(run_dir) if run_dir else "(no run directory)",
                   cfg.privacy.epsilon_budget if budget_spent else None)
         if budget_spent:

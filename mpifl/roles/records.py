@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 from mpifl.logs import log
 from mpifl.metrics import OWN_METRIC_PREFIXES
 from mpifl.planning.faults import DELAYS_THE_RANK
-from mpifl.units import MIB
+from mpifl.privacy.ring import fitting_fraction_bits, value_range
+from mpifl.units import MIB, range_list
 
 if TYPE_CHECKING:
+    from mpifl.config import SecAggConfig
     from mpifl.planning.faults import FaultPlan, Strike
     from mpifl.planning.federation import RoundAssignment
     from mpifl.wire.protocol import UpdateMeta
@@ -208,13 +210,82 @@ def cost_line(total: dict[str, float]) -> str:
     return "cost: " + ", ".join(parts)
 
 
-def secagg_record(metas: dict[int, UpdateMeta]) -> dict:
-    """Secure aggregation's cost this round: clients dropped (their masks removed), the slowest client's
-    masking time, and values clamped into the ring's range."""
+def secagg_record(metas: dict[int, UpdateMeta], cohort: int, fraction_bits: int,
+                  weight_of: Callable[[UpdateMeta], float], withheld: Sequence[int] = ()) -> dict:
+    """Secure aggregation's round: clients dropped (their masks removed), the slowest client's masking time, values
+    clamped into the ring's range; that range for the ``cohort`` and its heaviest client (``ring.value_range``: a
+    lighter client's is wider in proportion), the largest share of its own client's range a value took (above 1:
+    clamped), and the most fraction bits that would have held every value; and the clients ``withheld``, too few
+    for secagg.min_cohort."""
     usable = [m for m in metas.values() if m.error is None]
-    return {"dropped": len(metas) - len(usable),
-            "mask_seconds": max((m.metrics.get("secagg_seconds", 0.0) for m in usable), default=0.0),
-            "clamped": sum(m.metrics.get("secagg_clamped", 0) for m in usable)}
+    record: dict = {"dropped": len(metas) - len(usable),
+                    "mask_seconds": max((m.metrics.get("secagg_seconds", 0.0) for m in usable), default=0.0),
+                    "clamped": sum(m.metrics.get("secagg_clamped", 0) for m in usable), "cohort": cohort}
+    sent = [(weight_of(m), m.metrics.get("secagg_peak", 0.0)) for m in usable]
+    sent = [(weight, peak) for weight, peak in sent if weight > 0]  # a weight of 0 sends zeros: nothing to clamp
+    if sent:
+        heaviest = max(weight for weight, _ in sent)
+        record.update(largest_weight=heaviest, range=value_range(fraction_bits, cohort, heaviest),
+                      range_used=max(peak / value_range(fraction_bits, cohort, weight) for weight, peak in sent))
+        fits = [fitting_fraction_bits(cohort, weight, peak) for weight, peak in sent if peak > 0]
+        if fits:
+            record["max_fraction_bits"] = min(fits)
+    if withheld:
+        record["withheld"] = list(withheld)
+    return record
+
+
+def note_secagg(history: list[dict], cfg: SecAggConfig) -> None:
+    """Say on rank 0 what secure aggregation did to the latest round that changes the results: values clamped (the
+    first such round, then only one that needs fewer fraction bits than any before, so a long run does not repeat
+    it), a cohort withheld (the first time); ``secagg_summary`` gives the run's totals at its end."""
+    entry, earlier = history[-1]["secagg"], [r["secagg"] for r in history[:-1] if "secagg" in r]
+    round_ = history[-1]["round"]
+    if entry["clamped"]:
+        needed = [e.get("max_fraction_bits", cfg.fraction_bits) for e in earlier if e.get("clamped")]
+        if not needed or entry.get("max_fraction_bits", cfg.fraction_bits) < min(needed):
+            log(clamping_line(round_, entry, cfg.fraction_bits), rank=0)
+    if entry.get("withheld") and not any(e.get("withheld") for e in earlier):
+        drawn = entry["withheld"]
+        log(f"round {round_}: Poisson sampling drew {len(drawn)} client{'s' if len(drawn) != 1 else ''} "
+            f"({range_list(drawn)}), fewer than secagg.min_cohort={cfg.min_cohort}: left out, the round runs without "
+            "updates (as one that draws nobody: DP noise alone moves the model), so that no sum of so few is "
+            "revealed; said once, metrics.jsonl's secagg.withheld names them in every such round", rank=0)
+
+
+def clamping_line(round_: int, entry: dict, fraction_bits: int) -> str:
+    """The warning for a round whose values secure aggregation clamped (its ``secagg_record`` entry): how many, the
+    range and where it comes from, and the fraction bits that would have held them."""
+    n, cohort, weight, fit = entry["clamped"], entry["cohort"], entry["largest_weight"], entry["max_fraction_bits"]
+    advice = (f"secagg.fraction_bits={fit} would have held every value of this round" if fit >= 1 else
+              "no secagg.fraction_bits (1 or more) holds them: send smaller values (strategy.update=delta sends "
+              "changes, not weights), weigh clients equally (strategy.weighting=equal) or sample fewer per round")
+    return (f"warning: round {round_}: secure aggregation clamped {n:,} value{'s' if n != 1 else ''} into the ring's "
+            f"range, so the model is not the plain sum's: secagg.fraction_bits={fraction_bits} holds "
+            f"±{entry['range']:.4g} = (2^31 - 1) / ({cohort} x {weight:g} x 2^{fraction_bits}) for the heaviest "
+            f"client of this cohort of {cohort}, of weight {weight:g} (a lighter client's range is wider in "
+            f"proportion), and a value reached {entry['range_used']:.3g} times its client's range; {advice}. Said "
+            "again only for a round that needs fewer bits; metrics.jsonl's secagg.clamped counts every round's")
+
+
+def secagg_summary(history: Sequence[dict], cfg: SecAggConfig) -> list[str]:
+    """The run's closing word on secure aggregation, when it clamped values or withheld a cohort in some round."""
+    entries = [(r["round"], r["secagg"]) for r in history if "secagg" in r]
+    clamped = [(round_, e) for round_, e in entries if e.get("clamped")]
+    lines = []
+    if clamped:
+        most_round, most = max(clamped, key=lambda item: item[1]["clamped"])
+        fit = min(e.get("max_fraction_bits", cfg.fraction_bits) for _, e in clamped)
+        advice = (f"secagg.fraction_bits={fit} would have held every round's values" if fit >= 1 else
+                  "no secagg.fraction_bits holds them")
+        lines.append(f"warning: secure aggregation clamped values in {len(clamped)} of {len(history)} rounds, "
+                     f"{sum(e['clamped'] for _, e in clamped):,} in all (most: {most['clamped']:,} in round "
+                     f"{most_round}); {advice} (docs/how-to/secure-aggregation.md)")
+    withheld = [round_ for round_, e in entries if e.get("withheld")]
+    if withheld:
+        lines.append(f"secagg.min_cohort: {len(withheld)} of {len(history)} rounds (round {range_list(withheld)}) "
+                     f"drew fewer than {cfg.min_cohort} clients and ran without updates")
+    return lines
 
 
 def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:

@@ -43,6 +43,7 @@ from mpifl.roles.records import (
     federated_evaluation,
     group_split,
     note_memory_growth,
+    note_secagg,
     plus_late,
     plus_server,
     rank_costs,
@@ -212,9 +213,12 @@ class Server:
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
         if parts.secagg:
-            record["secagg"] = secagg_record(stats.metas)
+            record["secagg"] = secagg_record(stats.metas, len(plan.participants), parts.secagg.cfg.fraction_bits,
+                                             parts.strategy.weight_of, plan.withheld)
         self.history.append(record)
         note_memory_growth(self.history)
+        if parts.secagg:
+            note_secagg(self.history, parts.secagg.cfg)
         parts.deadlines.observe(record["client_train_seconds"])
         self.rounds_here += 1
         if self.rounds_here > 1:  # a rank's first clients pay one-time costs (torch's lazy imports, first touches)
@@ -273,17 +277,22 @@ class Server:
         busy = self.late.busy(plan.round, self.parts.deadlines.current().first_update)
         if not busy:
             return plan
-        plan = self.parts.sampler.without_busy(plan, busy, self._state_home(), max(1, self.min_participants))
+        plan = self.parts.sampler.without_busy(plan, busy, self._state_home(),
+                                               max(1, self.min_participants, self._min_cohort()))
         if not plan.busy_ranks:
             log(f"round {plan.round}: ranks {range_list(busy)} are still training rounds they were dropped from, "
-                "and without them no rank or too few participants (clients.min_participants) would be left: this "
-                "round waits for them", rank=0)
+                "and without them no rank or too few participants (clients.min_participants, secagg.min_cohort) "
+                "would be left: this round waits for them", rank=0)
         for rank, since in sorted(plan.busy_ranks.items()):
             left = [c for c, r in sorted(plan.busy_clients.items()) if r == rank]
             what = f"logical clients {range_list(left)} left out of it as if not sampled" if left else "nothing to do"
             log(f"round {plan.round}: rank {rank} is still training round {since}, from which it was dropped: "
                 f"{what}, not waited for", rank=0)
         return plan
+
+    def _min_cohort(self) -> int:
+        """secagg.min_cohort under secure aggregation (fewer usable updates abort the round), else 1."""
+        return self.parts.secagg.cfg.min_cohort if self.parts.secagg else 1
 
     def _state_home(self) -> Callable[[int], int] | None:
         """Where each client's per-client state is kept, when it is lent to the rank that trains the client
@@ -310,7 +319,8 @@ class Server:
             round_, streams, self._pool_layout(streams, summed=noise is not None or parts.secagg is not None),
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=routes.labels,
-            min_participants=self.min_participants, header_clients=routes.header_clients)
+            min_participants=self.min_participants, min_cohort=self._min_cohort(),
+            header_clients=routes.header_clients)
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       watchdog=watchdog, dropping=self._dropping(plan, routes, started))
         try:
