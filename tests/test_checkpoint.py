@@ -230,6 +230,24 @@ def test_random_bytes_on_disk_inside_a_tensor_fail_verification_naming_it(tmp_pa
         ckpt.verify()
 
 
+def test_export_refuses_a_checkpoint_that_fails_its_checksums_naming_the_tensor_and_writes_nothing(tmp_path):
+    torch.manual_seed(2)
+    path = save(tmp_path / "c.h5", FlatModel(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5))))
+    with h5py.File(path) as f:
+        where = f["model/1.weight"].id.get_offset()
+    raw = bytearray(path.read_bytes())
+    raw[where + 8] ^= 0x01  # one flipped bit, as a disk might: h5py reads the file as before
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"an earlier export")
+    refused = mpifl_here("export", str(path), str(out))
+    assert refused.returncode == 2
+    assert refused.stderr == (f"mpifl: export: {path}: tensor '1.weight' is corrupt: its bytes at flat offset "
+                              f"4920..5520 fail their checksum; nothing written\n")
+    assert out.read_bytes() == b"an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.h5", "m.safetensors"]
+
+
 # -- raw byte ranges: the out-of-core server's pread/pwrite path ---------------------------------
 
 class Wide(nn.Module):

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "
                      "naming the first corrupt tensor)")
     ins.set_defaults(func=commands.inspect)
-    exp = _command(sub, "export", "write a checkpoint's model as safetensors")
+    exp = _command(sub, "export", "write a checkpoint's model as safetensors, once its checksums hold (exit 2 "
+                                  "naming the first corrupt tensor, nothing written)")
     exp.add_argument("checkpoint", help="an mpifl checkpoint (.h5) to export")
     exp.add_argument("out", help="output .safetensors file")
     exp.set_defaults(func=commands.export)

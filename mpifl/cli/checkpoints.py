@@ -45,7 +45,9 @@ def inspect(path: str, verify: bool = False) -> int:
 
 
 def export(path: str, out: str) -> int:
-    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint."""
+    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint, and
+    never from one whose checksums fail (``Checkpoint.verify``, as ``inspect --verify`` and resume check them):
+    a flipped byte would otherwise leave mpifl as a model that loads without a word."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -58,6 +60,10 @@ def export(path: str, out: str) -> int:
     if not target.parent.is_dir():
         raise CheckpointError(f"export: folder {str(target.parent)!r} does not exist")
     with Checkpoint(path) as ckpt:
+        try:  # before anything is written; the tensors are then read again, from the page cache
+            ckpt.verify()
+        except CheckpointError as err:
+            raise CheckpointError(f"export: {err}; nothing written") from None
         tensors = ckpt.tensors()
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
         config = ckpt.config
