@@ -124,7 +124,7 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
     dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
-                                sampler.needed_versions if asynchronous and directory else None,
+                                sampler.open_versions if asynchronous and directory else None,
                                 persist=ResidualPublisher(comm, deadlines, dropped).publish if feedback else None)
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)

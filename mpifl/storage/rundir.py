@@ -39,6 +39,7 @@ from mpifl.storage.checkpointer import (
     latest_checkpoint,
     list_checkpoints,
     missing_residuals,
+    missing_versions,
     residual_files,
 )
 from mpifl.storage.hdf5 import Checkpoint, fsync_dir
@@ -127,7 +128,14 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         if ckpt.round > cfg.rounds:
             raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} > rounds={cfg.rounds}; "
                               "raise rounds to continue")
+        gone = missing_versions(ckpt, run_directory(cfg, run_dir_arg) / CHECKPOINTS)
+        if gone:  # else the job would start, build everything, and fail as it resends them (roles.server)
+            raise ConfigError(f"cannot resume: {gone}; {VERSIONS_GONE}")
         return ckpt.path
+
+
+VERSIONS_GONE = ("restore the missing checkpoint files, resume from an older checkpoint that has its versions "
+                 "(--resume PATH), or go on from this model in a new run (model.init_from=PATH, another --run-dir)")
 
 
 def verified_resume(resume: Path, latest: bool, feedback: bool = False) -> ResumePoint | None:
@@ -348,9 +356,11 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     rounds = int((config or {}).get("rounds", 0))
     records = read_metrics(run_dir / METRICS) or []
     reached = records[-1]["round"] if records else 0
-    newest = list_checkpoints(run_dir / CHECKPOINTS)
+    newest, unusable, refused = newest_checkpoint(run_dir)
     lines = [f"{run_dir}: {reached} of {rounds} rounds recorded"
-             + (f"; newest checkpoint {newest[-1].name}" if newest else "; no checkpoint")]
+             + (f"; newest checkpoint {newest.name}" if newest else "; no checkpoint")
+             + (f" (unusable, so a resume starts from the one before: {unusable})" if unusable else "")]
+    advice = f"a --resume would be refused: {refused}; {VERSIONS_GONE}" if refused else "continue with --resume"
     notes = read_rank_notes(run_dir)
     server = notes.get(0, {})
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
@@ -364,7 +374,7 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         lines.append(f"  rank {rank}: {_note_line(notes.get(rank), rank in unwritten)}")
     if server.get("state") == "interrupted":  # SIGTERM (by hand, or a scheduler's before its walltime): no failure
         lines.append(f"not complete: stopped on request after round {server['round']} (SIGTERM: by hand, or a "
-                     "scheduler's signal before its time limit), as the rounds on disk show; continue with --resume")
+                     f"scheduler's signal before its time limit), as the rounds on disk show; {advice}")
         return False, lines
     unfinished = {r: n for r, n in sorted(notes.items()) if n["state"] != "finished"}
     struck = struck_lines(run_dir, config or {}, reached)
@@ -378,8 +388,23 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         cause += _incomplete_notes(unwritten)
     else:
         cause = "every rank finished, but not every round is on disk"
-    lines.append(f"not complete: {cause}; continue with --resume")
+    lines.append(f"not complete: {cause}; {advice}")
     return False, lines
+
+
+def newest_checkpoint(run_dir: Path) -> tuple[Path | None, str | None, str | None]:
+    """The run's newest checkpoint file; why a resume would skip it (it does not open, or its metadata fail their
+    checksum), or None; and why a resume from it would be refused (``find_resume``: versions its clients in flight
+    trained on are gone), or None. Cheap: attributes are read, no tensor, so ``mpifl status`` stays quick."""
+    published = list_checkpoints(run_dir / CHECKPOINTS)
+    if not published:
+        return None, None, None
+    try:
+        with Checkpoint(published[-1]) as ckpt:
+            unusable = metadata_problem(ckpt)
+            return ckpt.path, unusable, None if unusable else missing_versions(ckpt, run_dir / CHECKPOINTS)
+    except CheckpointError as err:
+        return published[-1], str(err), None
 
 
 def _note_line(note: dict | None, unwritten: bool) -> str:
