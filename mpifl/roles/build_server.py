@@ -35,7 +35,7 @@ from mpifl.roles.data import client_partition, keep_tokenizer, placement_of, rep
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import fault_line, log_final, memory_warning_line
 from mpifl.roles.residuals import ResidualPublisher
-from mpifl.roles.server import Evaluation, Server, ServerParts
+from mpifl.roles.server import Evaluation, Server, ServerParts, stopped_on_request
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.rundir import (
@@ -153,12 +153,7 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
     finally:
         sink.close()
-    return RunOutcome(history, interrupted=not server.budget_spent and _interrupted(history, cfg.rounds, stop))
-
-
-def _interrupted(history: list[dict], rounds: int, stop: StopRequest) -> bool:
-    """Whether a stop on request (SIGTERM) ended the run before its last round."""
-    return stop.requested and (history[-1]["round"] if history else 0) < rounds
+    return RunOutcome(history, interrupted=stopped_on_request(history, cfg.rounds, stop, server.budget_spent))
 
 
 def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,
@@ -176,7 +171,7 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
         if budget_spent:
             notes("finished", reached, stopped=BUDGET_SPENT)
         else:
-            notes("interrupted" if _interrupted(done, cfg.rounds, stop) else "finished", reached)
+            notes("interrupted" if stopped_on_request(done, cfg.rounds, stop, budget_spent) else "finished", reached)
 
     return wrap_up
 

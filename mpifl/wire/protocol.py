@@ -143,6 +143,8 @@ class Header:
 class Stop(Header):
     """The run is over: leave the round loop."""
 
+    interrupted: bool = False  # a stop on request (SIGTERM) before the last round: note 'interrupted', as rank 0 does
+
 
 @dataclass(frozen=True)
 class PersistOrder(Header):
@@ -233,5 +235,6 @@ class TrainOrder:
     steps: int | None = None  # the client's own local steps (fedcompass), else the config's
     address: tuple[str, int] | None = None  # the first order: where the group's rendezvous store listens
     stop: bool = False
+    interrupted: bool = False  # with stop: the run stopped on request before its last round (protocol.Stop)
     personal: bool = False  # Ditto: train the client's personal model (sent with the global one), not the global
     round: int = 0  # the round it trains for, which the members note in the run directory (mpifl status)
