@@ -12,7 +12,8 @@ Start-up (once):
                     built model (chunk order), which the server writes as round 0.
 Every round r:
     0 -> c  HEADER  (pickled, small) a RoundOrder: the round and the logical clients this rank
-                    serves this round (ascending ids); a Stop ends the run. Every header names
+                    serves this round (ascending ids); a Stop ends the run (saying whether
+                    on request, before the last round). Every header names
                     the rank's clients dropped since its last one.
     0 -> c  MODEL   the global model, chunk by chunk (Isend/Irecv of raw bytes, chunk
                     order), only to ranks that serve at least one client this round.
