@@ -319,6 +319,18 @@ def test_export_refuses_a_checkpoint_that_fails_its_checksums_naming_the_tensor_
         "c.h5", "m.safetensors"]
 
 
+def test_the_metadata_checksum_is_the_one_the_format_page_describes(tmp_path):
+    import json
+    import zlib
+
+    path = save(tmp_path / "c.h5", FlatModel(Odd()), 2, history=[{"round": 1, "loss": 0.5}, {"round": 2}])
+    with h5py.File(path) as f:  # docs/reference/checkpoints.md, "Integrity"
+        attrs = {name: str(value) for name, value in f.attrs.items()}
+        described = json.dumps([attrs, str(f["model"].attrs["order"]), list(f["metrics"].asstr()[...])],
+                               sort_keys=True)
+        assert int(f["integrity"].attrs["metadata_crc32"]) == zlib.crc32(described.encode())
+
+
 # -- raw byte ranges: the out-of-core server's pread/pwrite path ---------------------------------
 
 class Wide(nn.Module):
