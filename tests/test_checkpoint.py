@@ -176,6 +176,77 @@ def test_resume_may_change_rounds_but_not_the_model():
         "train.kwargs.sleep: 0.4 in the checkpoint, not set now (so the plug-in's own default)")
 
 
+FEDBUFF_RUN = {"rounds": 5, "clients": {"num_clients": 12}, "strategy": {"update": "delta"},
+               "clock": {"mode": "fedbuff", "buffer": 3, "concurrency": 6}}
+
+
+def finished_fedbuff_run(tmp_path, kept: list[int], in_flight: list[int]) -> Path:
+    """A FedBuff run that finished after step 5, keeping the checkpoints of rounds ``kept``; its last records that
+    the clients in flight then trained on versions ``in_flight`` (a run raised past step 5 retrains them)."""
+    import json
+
+    from mpifl.config import dump_config, load_config
+    from mpifl.storage.checkpointer import IN_FLIGHT
+
+    cfg = load_config(None, data=FEDBUFF_RUN)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, 6)))
+    flat = FlatModel(Odd())
+    for round_ in kept:
+        attrs = {"round": round_, "config": dump_config(cfg), IN_FLIGHT: json.dumps(in_flight if round_ == 5 else [])}
+        with CheckpointWriter(run / "checkpoints" / checkpoint_name(round_), flat.spec, attrs) as writer:
+            writer.write_tensors(flat.tensors())
+            writer.write_metrics([{"round": r} for r in range(1, round_ + 1)])
+            writer.publish()
+    return run
+
+
+def test_raising_rounds_past_versions_whose_checkpoints_are_gone_is_refused_before_mpi_naming_them(tmp_path):
+    from mpifl.config import ConfigError, load_config
+    from mpifl.storage.rundir import find_resume
+
+    run = finished_fedbuff_run(tmp_path, kept=[3, 4, 5], in_flight=[1, 2, 4])
+    raised = load_config(None, data={**FEDBUFF_RUN, "rounds": 8})
+    with pytest.raises(ConfigError) as refused:
+        find_resume(raised, str(run), "latest")
+    assert str(refused.value) == (
+        f"cannot resume: {run / 'checkpoints' / checkpoint_name(5)}: clients in flight after step 5 trained on "
+        f"versions 1, 2, and a resume retrains them from there, but {checkpoint_name(1)}, {checkpoint_name(2)} are not "
+        f"in {run / 'checkpoints'}; restore the missing checkpoint files, resume from an older checkpoint that has "
+        "its versions (--resume PATH), or go on from this model in a new run (model.init_from=PATH, another --run-dir)")
+    for round_ in (1, 2):  # restored: the resume goes ahead
+        save(run / "checkpoints" / checkpoint_name(round_), FlatModel(Odd()), round_)
+    assert find_resume(raised, str(run), "latest") == run / "checkpoints" / checkpoint_name(5)
+
+
+def test_status_does_not_advise_a_resume_that_would_be_refused(tmp_path):
+    from mpifl.storage.rundir import post_mortem
+
+    run = finished_fedbuff_run(tmp_path, kept=[4, 5], in_flight=[2, 4])
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("rounds: 5", "rounds: 8"))
+    complete, lines = post_mortem(run)  # raised to 8, and the job that tried failed as it began
+    assert not complete and "continue with --resume" not in lines[-1]
+    assert lines[-1].endswith(f"a --resume would be refused: {run / 'checkpoints' / checkpoint_name(5)}: clients in "
+                              "flight after step 5 trained on version 2, and a resume retrains them from there, but "
+                              f"{checkpoint_name(2)} is not in {run / 'checkpoints'}; restore the missing checkpoint "
+                              "files, resume from an older checkpoint that has its versions (--resume PATH), or go on "
+                              "from this model in a new run (model.init_from=PATH, another --run-dir)")
+
+
+def test_status_names_a_newest_checkpoint_a_resume_would_skip(tmp_path):
+    from mpifl.storage.rundir import post_mortem
+
+    run = finished_fedbuff_run(tmp_path, kept=[4, 5], in_flight=[4])
+    with h5py.File(run / "checkpoints" / checkpoint_name(5), "r+") as f:
+        f.attrs["round"] = 6  # edited: its metadata no longer match their checksum
+    first = post_mortem(run)[1][0]
+    assert first.startswith(f"{run}: 5 of 5 rounds recorded; newest checkpoint {checkpoint_name(5)} (unusable, so "
+                            "a resume starts from the one before: ")
+    assert first.endswith("fails its checksum: the file was edited after it was written)")
+
+
 def test_resume_may_change_what_only_sets_speed_or_memory_not_the_numbers():
     saved = {"clients": {"num_clients": 8, "placement": "round_robin"},
              "model": {"name": "cnn", "nhwc_pooling": True, "local_ram_mb": 1024.0},
@@ -228,6 +299,36 @@ def test_random_bytes_on_disk_inside_a_tensor_fail_verification_naming_it(tmp_pa
     path.write_bytes(bytes(raw))
     with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match=r"tensor '1\.weight' is corrupt"):
         ckpt.verify()
+
+
+def test_export_refuses_a_checkpoint_that_fails_its_checksums_naming_the_tensor_and_writes_nothing(tmp_path):
+    torch.manual_seed(2)
+    path = save(tmp_path / "c.h5", FlatModel(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5))))
+    with h5py.File(path) as f:
+        where = f["model/1.weight"].id.get_offset()
+    raw = bytearray(path.read_bytes())
+    raw[where + 8] ^= 0x01  # one flipped bit, as a disk might: h5py reads the file as before
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"an earlier export")
+    refused = mpifl_here("export", str(path), str(out))
+    assert refused.returncode == 2
+    assert refused.stderr == (f"mpifl: export: {path}: tensor '1.weight' is corrupt: its bytes at flat offset "
+                              f"4920..5520 fail their checksum; nothing written\n")
+    assert out.read_bytes() == b"an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.h5", "m.safetensors"]
+
+
+def test_the_metadata_checksum_is_the_one_the_format_page_describes(tmp_path):
+    import json
+    import zlib
+
+    path = save(tmp_path / "c.h5", FlatModel(Odd()), 2, history=[{"round": 1, "loss": 0.5}, {"round": 2}])
+    with h5py.File(path) as f:  # docs/reference/checkpoints.md, "Integrity"
+        attrs = {name: str(value) for name, value in f.attrs.items()}
+        described = json.dumps([attrs, str(f["model"].attrs["order"]), list(f["metrics"].asstr()[...])],
+                               sort_keys=True)
+        assert int(f["integrity"].attrs["metadata_crc32"]) == zlib.crc32(described.encode())
 
 
 # -- raw byte ranges: the out-of-core server's pread/pwrite path ---------------------------------

@@ -183,3 +183,34 @@ def test_a_pickled_trace_is_read_as_data_and_one_that_would_run_code_is_refused(
     with pytest.raises(ValueError, match=r"neither JSON nor a pickle of plain data \(refusing posix.system"):
         read_trace(str(hostile))
     assert not marker.exists()
+
+
+def in_flight_versions(plan, step: int) -> set[int]:
+    """What a resume after ``step`` retrains from under ``plan`` (AsyncSampler.in_flight): the versions of the
+    updates applied after ``step`` that were trained by then."""
+    return {a.version for s in plan.steps[step:] for a in s.arrivals if a.version + 1 <= step}
+
+
+def fedcompass_plan(steps: int):
+    from mpifl.clock.compass import plan_compass
+
+    cfg = clock(speed_sigma=0.8, bandwidth_mbps=1000)
+    devices = devices_for(cfg, 200, seed=1)
+    return plan_compass(1, steps, 8, 200, Availability(cfg, 200, 1),
+                        lambda client, steps_: devices.task_seconds(client, steps_ * 16, 100_000, 100_000), 4, 40, 1.3)
+
+
+@pytest.mark.parametrize("mode", ["fedasync", "fedbuff", "fedcompass"])
+def test_the_open_versions_after_a_step_hold_whatever_a_resume_retrains_from_even_with_rounds_raised(mode):
+    cfg = clock(availability="diurnal", period=30.0, online_fraction=0.6)
+    took, avail = durations(cfg), Availability(cfg, 200, 2)
+    planned = {n: fedcompass_plan(n) if mode == "fedcompass" else
+               plan_async(2, n, 1 if mode == "fedasync" else 4, 12, 200, avail, took) for n in (20, 45)}
+    short, long = planned[20], planned[45]
+    assert [s.arrivals for s in long.steps[:20]] == [s.arrivals for s in short.steps]  # a longer run's first steps
+    for step in range(1, 21):
+        opened = set(short.steps[step - 1].open_versions)
+        assert in_flight_versions(short, step) <= opened and in_flight_versions(long, step) <= opened
+        assert max(opened, default=0) < step
+    # the run that ends after step 20 applies nothing in flight then, but one raised to 45 steps retrains them
+    assert not in_flight_versions(short, 20) and in_flight_versions(long, 20)

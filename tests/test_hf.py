@@ -340,3 +340,64 @@ def test_exported_lora_adapters_load_with_peft_onto_the_base_model_and_give_mpif
         assert torch.equal(loaded(input_ids=ids).logits, flat.module(input_ids=ids).logits)
         with loaded.disable_adapter():  # the adapters were loaded, not left at zero
             assert not torch.equal(loaded(input_ids=ids).logits, flat.module(input_ids=ids).logits)
+
+
+def tiny_gpt2_checkpoint(run_dir, seed: int = 3):
+    """A finished run's final model, as ``run`` leaves it, of the tiny GPT-2 (its config: the architecture's
+    special-token ids, 50256)."""
+    from mpifl.config import dump_config
+    from mpifl.storage.hdf5 import CheckpointWriter
+
+    cfg = load_config(None, data={"model": {"name": "transformers", "transformers": {
+        "architecture": "gpt2", "config": {**TINY["gpt2"], "vocab_size": 320}}},
+        "train": {"trainer": "none"}, "eval": {"every": 0}})
+    flat = build_flat_model(cfg.model, seed=seed)
+    run_dir.mkdir()
+    with CheckpointWriter(run_dir / "model.h5", flat.spec, {"round": 1, "config": dump_config(cfg)}) as writer:
+        writer.write_tensors(flat.tensors())
+        writer.write_metrics([])
+        return writer.publish()
+
+
+def test_an_exported_config_names_the_run_tokenizers_end_of_text_id_not_the_architectures(tmp_path):
+    from tokenizers import Tokenizer
+
+    from mpifl.cli.checkpoints import export
+    from mpifl.learning.text import EOS, train_tokenizer
+
+    checkpoint = tiny_gpt2_checkpoint(tmp_path / "run")
+    train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300).save(str(tmp_path / "run" / "tokenizer.json"))
+    trained = Tokenizer.from_file(str(tmp_path / "run" / "tokenizer.json"))
+    assert trained.token_to_id(EOS) == 0  # the trainer's one special token comes first
+    out = tmp_path / "export"
+    out.mkdir()
+    assert export(str(checkpoint), str(out / "model.safetensors")) == 0
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, 0, None)
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert (exported.bos_token_id, exported.eos_token_id) == (0, 0)
+    sample = "def add(a, b):\n    return a + b\n"
+    assert exported(sample)["input_ids"] == trained.encode(sample).ids  # no token added at either end
+
+
+def test_an_exported_config_without_the_runs_tokenizer_keeps_the_architectures_ids(tmp_path):
+    from mpifl.cli.checkpoints import export
+
+    checkpoint = tiny_gpt2_checkpoint(tmp_path / "run")
+    out = tmp_path / "export"
+    out.mkdir()
+    assert export(str(checkpoint), str(out / "model.safetensors")) == 0
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.bos_token_id, config.eos_token_id) == (50256, 50256)
+    assert not (out / "tokenizer.json").exists()
+
+
+def test_a_tokenizer_pads_with_its_end_of_text_only_where_the_architecture_pads_and_names_none_it_lacks():
+    from tokenizers import Tokenizer, models
+
+    from mpifl.learning.text import special_token_ids, train_tokenizer
+
+    trained = train_tokenizer(["x = 1\n"] * 5, 280)
+    assert special_token_ids(trained) == {"bos_token_id": 0, "eos_token_id": 0}
+    assert special_token_ids(trained, padded=True) == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    assert special_token_ids(Tokenizer(models.BPE())) == {}  # a model's own tokenizer: its config already agrees

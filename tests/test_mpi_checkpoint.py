@@ -30,6 +30,7 @@ from mpifl.config import load_config
 from mpifl.learning.models import Blob
 from mpifl.storage.checkpointer import latest_checkpoint
 from mpifl.storage.hdf5 import Checkpoint, CheckpointWriter
+from mpifl.storage.rundir import read_rank_notes
 from mpifl.wire.flat import FlatModel
 
 NOISE = """
@@ -139,6 +140,9 @@ def test_sigterm_checkpoints_at_the_round_boundary_and_exits_3_resumable(tmp_pat
     assert "SIGTERM: stopped after round" in err
     with latest_checkpoint(run_dir / "checkpoints") as ckpt:
         assert 2 <= ckpt.round < 6 and rounds_logged(run_dir) == list(range(1, ckpt.round + 1))
+    # every rank's last note says it stopped on request (mpifl status), the client ranks' as rank 0's
+    assert {rank: note["state"] for rank, note in read_rank_notes(run_dir).items()} == {
+        0: "interrupted", 1: "interrupted", 2: "interrupted"}
     resume_and_compare(every_0, run_dir, ref, 6)
 
 

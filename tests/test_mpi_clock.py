@@ -142,3 +142,18 @@ def test_each_asynchronous_mode_killed_mid_way_resumes_to_the_uninterrupted_mode
         assert same_model(run_dir / "model.h5", request.getfixturevalue("compass_on_two_ranks") / "model.h5")
     else:  # what every uninterrupted run gives (the reference tests above)
         assert_equals_reference(run_dir, cfg)
+
+
+def test_a_finished_fedbuff_run_goes_on_when_rounds_are_raised_and_ends_as_the_longer_run(tmp_path):
+    """After its last step, the versions that clients then in flight trained on are kept (``open_versions``): a run
+    raised past its end retrains them from there, and comes to the model of a run planned that long from the start."""
+    short = write_config(tmp_path / "six.yaml", RUN.format(rounds=6, extra=FEDBUFF + KEEP_ONE))
+    run_dir = tmp_path / "run"
+    first = run_mpi(3, "run", str(short), "--run-dir", str(run_dir), timeout=MPI_TIMEOUT)
+    assert first.returncode == 0, first.stderr
+    longer = write_config(tmp_path / "ten.yaml", RUN.format(rounds=10, extra=FEDBUFF + KEEP_ONE))
+    raised = run_mpi(3, "run", str(longer), "--run-dir", str(run_dir), "--resume", timeout=MPI_TIMEOUT)
+    assert raised.returncode == 0, raised.stderr
+    assert "retrained logical clients" in raised.stderr
+    assert rounds_logged(run_dir) == list(range(1, 11))
+    assert_equals_reference(run_dir, longer)

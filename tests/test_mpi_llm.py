@@ -104,6 +104,8 @@ def test_an_exported_final_model_is_a_folder_that_loads_as_pretrained(tmp_path):
     sample = "def add(a, b):\n    return a + b\n"
     assert exported(sample)["input_ids"] == trained.encode(sample).ids
     assert exported.eos_token == "<|endoftext|>" and exported.decode(exported(sample)["input_ids"]) == sample
+    config = json.loads((folder / "config.json").read_text())  # generate() stops at the end of text it learned
+    assert config["eos_token_id"] == config["bos_token_id"] == trained.token_to_id("<|endoftext|>") == 0
     blocks = text(files=[str(tmp_path / "corpus.txt")], vocab_size=300, seq_len=16)
     assert Tokenizer.from_str(blocks.tokenizer).to_str() == trained.to_str()  # the one every rank trained
 

@@ -1,9 +1,12 @@
 """`mpifl status`: from the run directory alone, how far a run got and which rank went quiet first."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+from pathlib import Path
 
-from mpifl.storage.rundir import note_rank, post_mortem
+from mpifl.storage.rundir import RankNotes, note_rank, post_mortem
 
 
 def run_dir_with(tmp_path, rounds_recorded: int, notes: list[tuple[int, str, int, float]]):
@@ -65,3 +68,47 @@ def test_status_of_a_folder_that_is_no_run_says_which_without_calling_it_a_confi
     missing, plain = mpifl_here("status", str(tmp_path / "nothere")), mpifl_here("status", str(tmp_path))
     assert (missing.returncode, missing.stderr) == (1, f"mpifl status: {tmp_path / 'nothere'} does not exist\n")
     assert plain.stderr == f"mpifl status: {tmp_path} is not an mpifl run directory (no config.yaml)\n"
+
+
+def full_disk(path: Path, *args, **kwargs):
+    """``Path.write_text`` on a full disk: the file is created (an inode is free), its data is refused."""
+    path.touch()
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_a_note_a_full_disk_refuses_raises_nothing_keeps_the_last_note_and_leaves_no_temporary_file(tmp_path,
+                                                                                                  monkeypatch):
+    run = run_dir_with(tmp_path, 1, [(0, "round", 2, 5.0), (1, "round", 2, 5.0)])
+    before = (run / "ranks" / "rank00000.json").read_text()
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    RankNotes(run, 0).failed("JobFailure: round 2: could not write checkpoint 'ckpt-r00002.h5.tmp': disk full")
+    monkeypatch.undo()
+    assert (run / "ranks" / "rank00000.json").read_text() == before
+    assert sorted(p.name for p in (run / "ranks").iterdir()) == ["rank00000.json", "rank00000.unwritten",
+                                                                 "rank00001.json"]
+    note_rank(run, 0, "failed", 2, reason="a later note the disk takes")  # the notes are whole again
+    assert not (run / "ranks" / "rank00000.unwritten").exists()
+
+
+def test_status_after_a_lost_note_says_the_notes_are_incomplete_and_does_not_blame_the_launcher(tmp_path,
+                                                                                                 monkeypatch):
+    run = run_dir_with(tmp_path, 1, [(0, "round", 2, 5.0), (1, "round", 2, 5.0)])
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    note_rank(run, 0, "failed", 2, reason="JobFailure: round 2: could not write checkpoint")
+    note_rank(run, 2, "started", 0)  # its first note: it has none to keep
+    monkeypatch.undo()
+    complete, lines = post_mortem(run)
+    assert not complete
+    assert "(a newer note could not be written)" in lines[1] and lines[3] == "  rank 2: no note could be written"
+    assert lines[-1] == ("not complete: ranks [0, 1, 2] did not finish; ranks [0, 2] could not write their last note "
+                         "(a full disk?), so the notes are incomplete: the job's log says what ended it, in the line "
+                         "'failed, aborting the job'; continue with --resume")
+    assert "launcher" not in "\n".join(lines)
+
+
+def test_status_names_the_failed_rank_and_its_reason_when_its_failure_note_was_written(tmp_path):
+    run = run_dir_with(tmp_path, 1, [(1, "round", 2, 5.0)])
+    note_rank(run, 0, "failed", 2, reason="JobFailure: round 2: could not write checkpoint 'c.tmp': disk full")
+    lines = post_mortem(run)[1]
+    assert "state 'failed' in round 2: JobFailure: round 2: could not write checkpoint 'c.tmp': disk full" in lines[1]
+    assert lines[-1].endswith("rank 0 failed (reason above); continue with --resume")

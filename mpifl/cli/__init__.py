@@ -69,12 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "
                      "naming the first corrupt tensor)")
     ins.set_defaults(func=commands.inspect)
-    exp = _command(sub, "export", "write a checkpoint's model as safetensors")
+    exp = _command(sub, "export", "write a checkpoint's model as safetensors, once its checksums hold (exit 2 "
+                                  "naming the first corrupt tensor, nothing written)")
     exp.add_argument("checkpoint", help="an mpifl checkpoint (.h5) to export")
     exp.add_argument("out", help="output .safetensors file")
     exp.set_defaults(func=commands.export)
-    status = _command(sub, "status", "after a job: how far a run got, and which ranks did not finish and when each "
-                               "was last heard of (exit 0 only for a complete run); for a job script's epilogue")
+    status = _command(sub, "status", "after a job: how far a run got, which ranks did not finish and when each "
+                               "was last heard of, and whether a resume can start from its newest checkpoint (exit 0 "
+                               "only for a complete run); for a job script's epilogue")
     status.add_argument("run_dir", help="a run directory")
     status.set_defaults(func=commands.status)
     rep = _command(sub, "report", "plot a run's metrics (quality, time split, bytes, memory) as PNGs")

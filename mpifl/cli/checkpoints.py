@@ -45,7 +45,9 @@ def inspect(path: str, verify: bool = False) -> int:
 
 
 def export(path: str, out: str) -> int:
-    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint."""
+    """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint, and
+    never from one whose checksums fail (``Checkpoint.verify``, as ``inspect --verify`` and resume check them):
+    a flipped byte would otherwise leave mpifl as a model that loads without a word."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -58,6 +60,10 @@ def export(path: str, out: str) -> int:
     if not target.parent.is_dir():
         raise CheckpointError(f"export: folder {str(target.parent)!r} does not exist")
     with Checkpoint(path) as ckpt:
+        try:  # before anything is written; the tensors are then read again, from the page cache
+            ckpt.verify()
+        except CheckpointError as err:
+            raise CheckpointError(f"export: {err}; nothing written") from None
         tensors = ckpt.tensors()
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
         config = ckpt.config
@@ -72,10 +78,12 @@ def export(path: str, out: str) -> int:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"export: could not write {out}: {err}") from None
     print(f"wrote {len(tensors)} tensors to {out}")
-    _write_transformers_config(config, target.parent)
+    tokenizer = run_tokenizer(Path(path))
+    _write_transformers_config(config, target.parent, tokenizer)
     if lora is not None:
         _write_adapter_config(lora, target.parent)
-    _write_tokenizer(Path(path), target.parent)
+    if tokenizer is not None:
+        _write_tokenizer(tokenizer, target.parent)
     return 0
 
 
@@ -90,18 +98,15 @@ def run_tokenizer(checkpoint: Path) -> Path | None:
     return None
 
 
-def _write_tokenizer(checkpoint: Path, folder: Path) -> None:
+def _write_tokenizer(source: Path, folder: Path) -> None:
     """Beside the weights, the run's tokenizer as transformers saves a fast tokenizer (tokenizer.json,
     tokenizer_config.json, special_tokens_map.json), so ``AutoTokenizer.from_pretrained(folder)`` gives the token ids
-    the model was trained on. Nothing for a run without one."""
-    source = run_tokenizer(checkpoint)
-    if source is None:
-        return
+    the model was trained on."""
     from transformers import PreTrainedTokenizerFast
 
     from mpifl.learning.text import EOS
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=EOS)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=EOS, bos_token=EOS)  # as config.json
     tokenizer.save_pretrained(str(folder))
     print(f"wrote the run's tokenizer ({source}) to {folder}: tokenizer.json, tokenizer_config.json")
 
@@ -143,10 +148,12 @@ def _write_adapter_config(cfg: Config, folder: Path) -> None:
     print(f"wrote {folder / 'adapter_config.json'}")
 
 
-def _write_transformers_config(config_yaml: str, folder: Path) -> None:
+def _write_transformers_config(config_yaml: str, folder: Path, tokenizer: Path | None) -> None:
     """The transformers config.json beside the weights. For a whole model the folder then loads with
     ``model.transformers.path`` + ``pretrained: true`` (and with transformers' ``from_pretrained``); beside LoRA
-    adapters it describes the base model they adapt (built from it, the adapters load with peft)."""
+    adapters it describes the base model they adapt (built from it, the adapters load with peft). With the run's
+    ``tokenizer``, its special-token ids replace the architecture's, which ``generate()`` would otherwise stop on
+    (or never meet)."""
     cfg = _model_config(config_yaml)
     if cfg is None:
         return
@@ -154,6 +161,10 @@ def _write_transformers_config(config_yaml: str, folder: Path) -> None:
     if trainable_only:
         return  # a checkpoint of its trainable tensors only: not a model to load
     from mpifl.learning.hf import transformers_config
+    from mpifl.learning.text import load_tokenizer, special_token_ids
 
-    transformers_config(cfg.model).save_pretrained(folder)
+    hf_config = transformers_config(cfg.model)
+    if tokenizer is not None:
+        hf_config.update(special_token_ids(load_tokenizer(str(tokenizer)), hf_config.pad_token_id is not None))
+    hf_config.save_pretrained(folder)
     print(f"wrote {folder / 'config.json'}")

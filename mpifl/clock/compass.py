@@ -22,7 +22,15 @@ import numpy as np
 
 from mpifl.clock.availability import Online
 from mpifl.clock.queue import QueueAvailability
-from mpifl.clock.schedule import Arrival, AsyncPlan, AsyncStep, _Dispatch, lost_by_cause, sample_online
+from mpifl.clock.schedule import (
+    Arrival,
+    AsyncPlan,
+    AsyncStep,
+    _Dispatch,
+    lost_by_cause,
+    open_versions,
+    sample_online,
+)
 from mpifl.planning.seeds import CLOCK
 
 StepsDuration = Callable[[int, int], float]  # (client, local steps) -> virtual seconds
@@ -80,7 +88,8 @@ class _Compass:
             heapq.heappush(self.events, (self.groups[-1].latest, 1, len(self.groups) - 1))
         # the groups expect the device's duration; a stall or slowdown fault (unforeseen) makes the task take longer
         end = self.availability.finish(client, t, self.duration(client, q) + self.delay(self.version + 1, client, q))
-        d = _Dispatch(client, self.version, t, end.ended, local_steps=q, group=-gid, preempted=end.preempted)
+        d = _Dispatch(client, self.version, t, end.ended, local_steps=q, group=-gid, preempted=end.preempted,
+                      lost=end.at is None)
         self.dispatches.append(d)
         if end.at is None:  # its job ends first: the task is lost, and the group does not wait for it
             heapq.heappush(self.events, (end.ended, 2, len(self.dispatches) - 1))
@@ -145,13 +154,16 @@ class _Compass:
             heapq.heappush(self.events, (again, 3, client))
 
     def with_trainers(self) -> AsyncPlan:
-        """The plan with each step's trainers: the clients dispatched with its previous version, and their steps."""
+        """The plan with each step's trainers: the clients dispatched with its previous version, and their steps;
+        and each step's open versions (``schedule.open_versions``)."""
         trains: dict[int, list[tuple[int, int]]] = {}
         for d in self.dispatches:
             if d.step is not None:
                 trains.setdefault(d.version + 1, []).append((d.client, d.local_steps))
+        opened = open_versions(self.dispatches, len(self.plan.steps))
         self.plan.steps = [replace(s, train=tuple(c for c, _ in sorted(trains.get(s.step, ()))),
-                                   train_steps=tuple(q for _, q in sorted(trains.get(s.step, ()))))
+                                   train_steps=tuple(q for _, q in sorted(trains.get(s.step, ()))),
+                                   open_versions=opened[s.step - 1])
                            for s in self.plan.steps]
         return self.plan
 

@@ -63,9 +63,11 @@ class AsyncSampler(Sampler):
                     out.setdefault(a.version + 1, []).append(a)
         return {t: sorted(out[t], key=lambda a: a.client) for t in sorted(out)}
 
-    def needed_versions(self, step: int) -> set[int]:
-        """Model versions that clients in flight after ``step`` trained on: a resume retrains them from these."""
-        return {t - 1 for t in self.in_flight(step)}
+    def open_versions(self, step: int) -> set[int]:
+        """Model versions that clients in flight after ``step`` trained on, those whose updates this run applies
+        (``in_flight``) and those only a longer run would (``rounds`` raised on a resume): a resume retrains them
+        from these checkpoints, so pruning keeps them (``schedule.open_versions``)."""
+        return set(self.steps[step - 1].open_versions) if step > 0 else set()
 
     def replay(self, step: int) -> list[RoundAssignment]:
         """Resuming after ``step``: retrain the clients then in flight (each from its version, with its seed) and

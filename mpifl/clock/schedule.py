@@ -156,6 +156,7 @@ class AsyncStep:
     train_steps: tuple[int, ...] = ()  # fedcompass: each trainer's local steps (aligned with ``train``)
     preempted: tuple[int, ...] | None = None  # queue: clients whose task a preemption lost since the last step
     job_ended: tuple[int, ...] = ()  # queue: clients whose task their job's walltime or run time lost since then
+    open_versions: tuple[int, ...] = ()  # the versions that tasks still in flight after this step trained on
 
     def record(self) -> dict:
         """The step's virtual-time fields for metrics.jsonl."""
@@ -178,6 +179,7 @@ class _Dispatch:
     local_steps: int = 0
     group: int = -1
     preempted: bool = False  # its task was lost to a preemption (not to its job's walltime or run time)
+    lost: bool = False  # its task never arrives (its job ended first): no step ever applies it
 
 
 @dataclass
@@ -208,7 +210,8 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
         client = sample_online(seed, (CLOCK, len(dispatches)), idle, 1)[0]
         busy[client] = True
         end = availability.finish(client, t, duration(version + 1, client))  # it trains in step version + 1
-        d = _Dispatch(client, version, t, end.at if end.at is not None else math.inf, preempted=end.preempted)
+        d = _Dispatch(client, version, t, end.at if end.at is not None else math.inf, preempted=end.preempted,
+                      lost=end.at is None)
         dispatches.append(d)
         heapq.heappush(events, (end.ended, client if end.at is not None else -2, len(dispatches) - 1))
 
@@ -244,13 +247,29 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
 
 def _with_trainers(plan: AsyncPlan, dispatches: list[_Dispatch]) -> AsyncPlan:
     """The plan with each step's trainers: the clients dispatched with its previous version whose update a step
-    applied (a lost task is never trained)."""
+    applied (a lost task is never trained); and each step's open versions (``open_versions``)."""
     trains: dict[int, list[int]] = {}
     for d in dispatches:
         if d.step is not None:
             trains.setdefault(d.version + 1, []).append(d.client)
-    plan.steps = [replace(s, train=tuple(sorted(trains.get(s.step, ())))) for s in plan.steps]
+    opened = open_versions(dispatches, len(plan.steps))
+    plan.steps = [replace(s, train=tuple(sorted(trains.get(s.step, ()))), open_versions=opened[s.step - 1])
+                  for s in plan.steps]
     return plan
+
+
+def open_versions(dispatches: list[_Dispatch], steps: int) -> list[tuple[int, ...]]:
+    """For each step 1..``steps``: the model versions that the tasks in flight after it trained on (dispatched
+    before it, applied after it or by no step of this plan, and not lost). A plan of more steps has the same first
+    ``steps`` steps and applies some of those it left unapplied, so after a step these are every version a resume
+    may retrain from, whatever ``rounds`` it raises to: the checkpoints a run keeps (and refuses to resume without)."""
+    opened: list[set[int]] = [set() for _ in range(steps)]
+    for d in dispatches:
+        if d.lost:
+            continue
+        for step in range(d.version + 1, min(steps, d.step - 1 if d.step is not None else steps) + 1):
+            opened[step - 1].add(d.version)
+    return [tuple(sorted(versions)) for versions in opened]
 
 
 def held_updates(plan: AsyncPlan, rank_of: Callable[[int], int]) -> dict[int, int]:

@@ -112,6 +112,18 @@ def token_blocks(tokenizer: Tokenizer, docs: list[str], seq_len: int) -> torch.T
     return torch.from_numpy(np.asarray(stream[:blocks * seq_len], dtype=np.int64).reshape(blocks, seq_len))
 
 
+def special_token_ids(tokenizer: Tokenizer, padded: bool = False) -> dict[str, int]:
+    """The ids a transformers config names (``bos_token_id``, ``eos_token_id``; ``pad_token_id`` where ``padded``,
+    the architecture's config naming one) for a model trained on this tokenizer's ``token_blocks``. ``EOS`` ends
+    each document and so begins the next, as GPT-2's ``<|endoftext|>`` does, and it is the one special token a
+    tokenizer mpifl trains has: the architecture's own ids (GPT-2's 50256) are other tokens, or none, in it.
+    Empty for a tokenizer without ``EOS`` (a model's own, which its config already matches)."""
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        return {}
+    return {"bos_token_id": eos, "eos_token_id": eos, **({"pad_token_id": eos} if padded else {})}
+
+
 def block_length(kwargs: dict) -> object:
     """The block length ``text`` cuts to with these ``data.kwargs``: their seq_len, else its default."""
     return kwargs.get("seq_len", inspect.signature(text).parameters["seq_len"].default)

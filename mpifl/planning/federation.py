@@ -338,8 +338,8 @@ class Sampler:
         groups = self.clients.groups
         return tuple(c for c in plan.train.get(rank, ()) if plan.group_of(c, groups) == stream) if groups else (stream,)
 
-    def needed_versions(self, round_: int) -> set[int]:
-        """Model versions a resume after ``round_`` needs besides its own (asynchronous FL only)."""
+    def open_versions(self, round_: int) -> set[int]:
+        """Model versions a resume after ``round_`` may need besides its own (asynchronous FL only)."""
         return set()
 
     def replay(self, round_: int) -> list[RoundAssignment]:

@@ -138,9 +138,9 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         state=state, note=note)
     client = ClientRank(comm, flat, local, parts)
     _reuse_freed_memory(cfg)
-    client.run()
+    interrupted = client.run()
     if leader is not None:
-        leader.release()
+        leader.release(interrupted)
 
 
 def batched_clients(cfg: Config, work: FlatModel, local: Mapping, state: ClientStateParts) -> BatchedClients | None:
@@ -171,8 +171,7 @@ def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappin
         if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal, notes)
     _reuse_freed_memory(cfg)
-    member.run()
-    notes("finished")
+    notes("interrupted" if member.run() else "finished")
 
 
 def _reuse_freed_memory(cfg: Config) -> None:

@@ -35,7 +35,7 @@ from mpifl.roles.data import client_partition, keep_tokenizer, placement_of, rep
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import fault_line, log_final, memory_warning_line, secagg_summary
 from mpifl.roles.residuals import ResidualPublisher
-from mpifl.roles.server import Evaluation, Server, ServerParts
+from mpifl.roles.server import Evaluation, Server, ServerParts, stopped_on_request
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.rundir import (
@@ -125,7 +125,7 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
     dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
-                                sampler.needed_versions if asynchronous and directory else None,
+                                sampler.open_versions if asynchronous and directory else None,
                                 persist=ResidualPublisher(comm, deadlines, dropped).publish if feedback else None)
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
@@ -154,7 +154,7 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
     finally:
         sink.close()
-    return RunOutcome(history, interrupted=not server.budget_spent and _interrupted(history, cfg.rounds, stop))
+    return RunOutcome(history, interrupted=stopped_on_request(history, cfg.rounds, stop, server.budget_spent))
 
 
 def _check_secagg_range(cfg: Config, strategy: Strategy, sizes: list[int] | None) -> None:
@@ -163,11 +163,6 @@ def _check_secagg_range(cfg: Config, strategy: Strategy, sizes: list[int] | None
     problem = config_range_problem(cfg, strategy, sizes)
     if problem:
         raise JobFailure(f"config error: {problem}")
-
-
-def _interrupted(history: list[dict], rounds: int, stop: StopRequest) -> bool:
-    """Whether a stop on request (SIGTERM) ended the run before its last round."""
-    return stop.requested and (history[-1]["round"] if history else 0) < rounds
 
 
 def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,
@@ -187,7 +182,7 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
         if budget_spent:
             notes("finished", reached, stopped=BUDGET_SPENT)
         else:
-            notes("interrupted" if _interrupted(done, cfg.rounds, stop) else "finished", reached)
+            notes("interrupted" if stopped_on_request(done, cfg.rounds, stop, budget_spent) else "finished", reached)
 
     return wrap_up
 

@@ -91,10 +91,11 @@ class ClientRank:
                                       self.faults, self.rank)
         self.costs = UpdateCosts(self.replica, self.rank)  # reported with each update's header
 
-    def run(self) -> None:
-        """Serve rounds until the server says stop."""
-        self._serve_until_stop()
+    def run(self) -> bool:
+        """Serve rounds until the server says stop; whether it stopped on request before the last round."""
+        interrupted = self._serve_until_stop()
         self.progress.close()
+        return interrupted
 
     def _note_round(self, round_: int) -> None:
         """Note the round in the run directory (mpifl status); a group's members note it from each order."""
@@ -102,8 +103,8 @@ class ClientRank:
         if self.parts.training.group is not None:
             self.parts.training.group.round = round_
 
-    def _serve_until_stop(self) -> None:
-        """The round loop: each header says train, hold, publish residuals, or stop."""
+    def _serve_until_stop(self) -> bool:
+        """The round loop: each header says train, hold, publish residuals, or stop (on request, or at the end)."""
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.Header):
@@ -113,8 +114,8 @@ class ClientRank:
             if self.parts.state.journal is not None:  # before anything reads, lends or publishes the state
                 self._undo_dropped(header)
             if isinstance(header, protocol.Stop):
-                self.parts.note("finished")
-                return
+                self.parts.note("interrupted" if header.interrupted else "finished")
+                return header.interrupted
             if isinstance(header, protocol.PersistOrder):
                 self.persist(header)
                 continue

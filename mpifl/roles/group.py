@@ -110,10 +110,11 @@ class GroupLeader:
             log(f"client group of {self.parallel.size} ranks: torch.distributed over {self.parallel.backend}{why}")
         self.parallel.wrap(self.work.module)
 
-    def release(self) -> None:
-        """The run is over: let the members leave, then leave the process group."""
+    def release(self, interrupted: bool = False) -> None:
+        """The run is over (``interrupted``: stopped on request before its last round): let the members leave, then
+        leave the process group."""
         for member in range(1, self.comm.Get_size()):
-            send_object(self.comm, protocol.TrainOrder(stop=True), member, protocol.GROUP)
+            send_object(self.comm, protocol.TrainOrder(stop=True, interrupted=interrupted), member, protocol.GROUP)
         self.parallel.close()
 
 
@@ -132,15 +133,16 @@ class GroupMember:
         self.local_data, self.timeout_s, self.state, self.personal = local_data, timeout_s, state, personal
         self.note, self.noted = note, 0  # this rank's notes in the run directory: the round it last trained in
 
-    def run(self) -> None:
-        """Follow the leader's orders until it says stop."""
+    def run(self) -> bool:
+        """Follow the leader's orders until it says stop; whether the run stopped on request before its last
+        round."""
         while True:
             order = recv_object(self.comm, 0, protocol.GROUP)
             if not isinstance(order, protocol.TrainOrder):
                 raise RuntimeError(f"the group leader sent {order!r} where a TrainOrder belongs")
             if order.stop:
                 self.parallel.close()
-                return
+                return order.interrupted
             if order.round != self.noted:
                 self.note("round", order.round)
                 self.noted = order.round

@@ -172,9 +172,9 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             local = local_data(cfg, dataset, layout.federation_rank(comm.Get_rank()), layout.groups(comm.Get_size()))
             del dataset  # like its leader, a member keeps only its group's clients' samples
             if sharded:
-                serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False, run_dir=run_dir,
-                              resume=resume, note=notes)
-                notes("finished")
+                stopped = serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False, run_dir=run_dir,
+                                        resume=resume, note=notes)
+                notes("interrupted" if stopped else "finished")
             else:
                 assert flat is not None  # built above for every rank but a sharded one and the out-of-core server
                 serve_as_member(group, cfg, flat, local, notes)
@@ -188,9 +188,9 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         del dataset  # a client rank keeps only its own clients' samples
         if sharded:
             assert group is not None  # the config checks: sharding needs clients.ranks_per_client > 1
-            serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None, run_dir=run_dir,
-                          resume=resume, note=notes)
-            notes("finished")
+            stopped = serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None,
+                                    run_dir=run_dir, resume=resume, note=notes)
+            notes("interrupted" if stopped else "finished")
             return None
         assert flat is not None  # only rank 0's out-of-core server and sharded ranks build no model here
         replica = rank_replica(cfg, flat)

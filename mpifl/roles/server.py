@@ -80,6 +80,12 @@ class Evaluation:
         return self.score()
 
 
+def stopped_on_request(history: list[dict], rounds: int, stop: StopRequest, budget_spent: bool) -> bool:
+    """Whether a stop on request (SIGTERM) ended the run before its last round; one that a spent privacy budget
+    ended is complete, not stopped."""
+    return stop.requested and not budget_spent and (history[-1]["round"] if history else 0) < rounds
+
+
 @dataclass
 class ServerParts:
     """What the round loop works with, each part built from its own config section."""
@@ -448,9 +454,11 @@ class Server:
                   if r not in plan.busy_ranks])
 
     def _send_stop(self) -> None:
-        """Tell every client rank to stop (with the clients dropped since its last header)."""
-        wait_all([self.comm.isend(protocol.Stop(self.rounds + 1, self.parts.dropped.take(r)), dest=r,
-                                  tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
+        """Tell every client rank to stop (with the clients dropped since its last header), and whether the run
+        stopped on request before its last round, which each notes as rank 0 does."""
+        early = stopped_on_request(self.history, self.rounds, self.stop, self.budget_spent)
+        wait_all([self.comm.isend(protocol.Stop(self.rounds + 1, self.parts.dropped.take(r), interrupted=early),
+                                  dest=r, tag=protocol.HEADER) for r in range(1, self.comm.Get_size())])
 
     def _record(self, plan: RoundAssignment, routes: RoundRoutes, metas: dict, evaluation: dict | None,
                 times: RoundTimes, work: dict[str, dict]) -> dict:

@@ -89,6 +89,7 @@ class GroupStep:
     dropped: tuple[int, ...] = ()  # SETTLE: the server's note of clients dropped past their deadline
     round: int = -1  # PERSIST, and MODEL: the round served (the members note it in the run directory)
     folder: str = ""  # PERSIST
+    interrupted: bool = False  # STOP: the run stopped on request before its last round (protocol.Stop)
 
 
 class ShardedLeader:
@@ -118,8 +119,9 @@ class ShardedLeader:
         send_chunks(self.comm, [protocol.SERVER], protocol.INIT, self.group.gathered_chunks(values=True),
                     self.group.plan.inflight)
 
-    def run(self) -> None:
-        """Serve rounds until the server says stop; then release the group."""
+    def run(self) -> bool:
+        """Serve rounds until the server says stop; then release the group. Whether the run stopped on request
+        before its last round."""
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.Header):
@@ -128,6 +130,7 @@ class ShardedLeader:
                 self.order(GroupStep(SETTLE, dropped=tuple(header.dropped)))
                 self.state.settle(header.dropped, self.rank)
             if isinstance(header, protocol.Stop):
+                interrupted = header.interrupted
                 break
             if isinstance(header, protocol.PersistOrder):
                 self.persist(header)
@@ -139,8 +142,9 @@ class ShardedLeader:
             self.progress.start_round(header.round)
             if header.clients:
                 self.serve_round(header)
-        self.order(GroupStep(STOP))
+        self.order(GroupStep(STOP, interrupted=interrupted))
         self.progress.close()
+        return interrupted
 
     def persist(self, header: protocol.PersistOrder) -> None:
         """Every rank of the group publishes its rows of its clients' vectors for the checkpoint; the leader
@@ -192,14 +196,15 @@ class ShardedMember:
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.meter = CostMeter()
 
-    def run(self) -> None:
-        """Follow the leader's steps until it says stop."""
+    def run(self) -> bool:
+        """Follow the leader's steps until it says stop; whether the run stopped on request before its last
+        round."""
         while True:
             step = recv_object(self.group.group, 0, protocol.GROUP)
             if not isinstance(step, GroupStep):
                 raise RuntimeError(f"rank {self.rank}: the group's leader sent {step!r} where a GroupStep belongs")
             if step.kind == STOP:
-                return
+                return step.interrupted
             if step.kind in (SETTLE, PERSIST):
                 self.keep_state(step)
             elif step.kind == INIT:
@@ -272,10 +277,10 @@ def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, 
 def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - keyword-only, each from the runner
                   plan: ExchangeLayout, local: Mapping[int, tuple[ClientData | None, ClientData | None]], *,
                   upload_initial: bool, run_dir: Path | None, resume: ResumePoint | None,
-                  note: Callable[[str, int], None] = lambda state, round_: None) -> None:
+                  note: Callable[[str, int], None] = lambda state, round_: None) -> bool:
     """Every rank of a sharded group (the leader with the ``federation``): join the group's process group, build
     this rank's shard of the model and its rows of the clients' state, then serve the rounds (the leader) or follow
-    the leader (the others)."""
+    the leader (the others). Whether the run stopped on request before its last round."""
     rank, size = group_comm.Get_rank(), group_comm.Get_size()
     return_freed_memory()  # memory before speed: what sharding is for (mpifl.wire.memory says why)
     timeout = startup_limit([], spec.total_bytes)
@@ -317,8 +322,8 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
     compressor = UpdateCompressor(plan, cfg.seed, whole=False) if plan.codec is not None and rank == 0 else None
     group = ShardedGroup(group_comm, model, plan, compressor)
     if federation is None:
-        ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state,
-                      note=note).run()
+        interrupted = ShardedMember(group, trainer, local, accept_failures=cfg.clients.accept_failures, state=state,
+                                    note=note).run()
     else:
         if federation.Get_rank() == 1:
             log(f"client groups of {size} ranks shard each client's model with FSDP over "
@@ -329,5 +334,6 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
                                note=note)
         if federation.Get_rank() == 1 and upload_initial and cfg.server.state == "disk":
             leader.upload_initial()
-        leader.run()
+        interrupted = leader.run()
     parallel.close()
+    return interrupted

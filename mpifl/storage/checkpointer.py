@@ -122,6 +122,24 @@ def missing_residuals(ckpt: Checkpoint) -> str | None:
     return f"{ckpt.path}: its {kept_per_client(ckpt)} files {missing} are missing" if missing else None
 
 
+IN_FLIGHT = "in_flight_versions"  # asynchronous FL: the versions (JSON list) the clients in flight trained on
+
+
+def missing_versions(ckpt: Checkpoint, folder: Path) -> str | None:
+    """Why an asynchronous run's checkpoint cannot be resumed from with the checkpoints in ``folder`` (the run's
+    ``checkpoints/``): a resume retrains the clients in flight after its step from the versions they trained on
+    (attribute ``in_flight_versions``), and some of those are gone. None when all are there, and for a checkpoint
+    that records none (synchronous, or written before 2026-12-01: then the job itself names a missing one)."""
+    listed = ckpt.file.attrs.get(IN_FLIGHT)
+    gone = [v for v in json.loads(listed) if not (folder / checkpoint_name(v)).is_file()] if listed else []
+    if not gone:
+        return None
+    versions = f"version {gone[0]}" if len(gone) == 1 else f"versions {', '.join(map(str, gone))}"
+    return (f"{ckpt.path}: clients in flight after step {ckpt.round} trained on {versions}, and a resume retrains "
+            f"them from there, but {', '.join(checkpoint_name(v) for v in gone)} "
+            f"{'is' if len(gone) == 1 else 'are'} not in {folder}")
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Published checkpoints in a directory, oldest round first (``.tmp`` files ignored)."""
     if not directory.is_dir():
@@ -236,10 +254,19 @@ class Checkpointer:
                 continue
         return None
 
+    def attrs_of(self, round_: int) -> dict:
+        """Round ``round_``'s checkpoint attributes: the run's, the round, and with asynchronous FL the versions the
+        clients in flight after it trained on, which a resume retrains from (``missing_versions`` checks them
+        before MPI starts)."""
+        attrs = {**self.attrs, "round": round_}
+        if self.needed is not None:
+            attrs[IN_FLIGHT] = json.dumps(sorted(self.needed(round_)))
+        return attrs
+
     def round_ended(self, round_: int, history: list[dict], stopping: bool) -> Path | None:
         """The round's model is final: publish it if due (a durable store always publishes)."""
         save = self.due(round_, stopping) and self.directory is not None
-        attrs = {**self.attrs, "round": round_}
+        attrs = self.attrs_of(round_)
         try:
             if self.persist is not None and round_ > 0 and (save or self.store.durable):  # phase 1: the residuals
                 # (round 0, the initial model, has none yet)
@@ -276,7 +303,7 @@ class Checkpointer:
             return newest[-1] if newest else None
         if self.path(round_ - 1).exists():  # saved already (checkpoint.every)
             return self.path(round_ - 1)
-        path = self.store.end_round(round_ - 1, {**self.attrs, "round": round_ - 1}, history, save=True)
+        path = self.store.end_round(round_ - 1, self.attrs_of(round_ - 1), history, save=True)
         prune_checkpoints(self.directory, self.cfg.keep)
         log(f"round {round_} aborted; the global model after round {round_ - 1} is saved in {path}", rank=0)
         return path

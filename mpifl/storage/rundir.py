@@ -19,6 +19,7 @@ model's tensors once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from mpifl.storage.checkpointer import (
     latest_checkpoint,
     list_checkpoints,
     missing_residuals,
+    missing_versions,
     residual_files,
 )
 from mpifl.storage.hdf5 import Checkpoint, fsync_dir
@@ -127,7 +129,14 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         if ckpt.round > cfg.rounds:
             raise ConfigError(f"{ckpt.path} is already at round {ckpt.round} > rounds={cfg.rounds}; "
                               "raise rounds to continue")
+        gone = missing_versions(ckpt, run_directory(cfg, run_dir_arg) / CHECKPOINTS)
+        if gone:  # else the job would start, build everything, and fail as it resends them (roles.server)
+            raise ConfigError(f"cannot resume: {gone}; {VERSIONS_GONE}")
         return ckpt.path
+
+
+VERSIONS_GONE = ("restore the missing checkpoint files, resume from an older checkpoint that has its versions "
+                 "(--resume PATH), or go on from this model in a new run (model.init_from=PATH, another --run-dir)")
 
 
 def verified_resume(resume: Path, latest: bool, feedback: bool = False) -> ResumePoint | None:
@@ -257,21 +266,48 @@ def faults_struck(run_dir: Path | None) -> frozenset[tuple[int, int]]:
 
 RANK_NOTES = "ranks"  # <run dir>/ranks/rank<rank>.json: each rank's last word, for a post-mortem
 RANK_NOTE = "rank{rank:05d}.json"
+UNWRITTEN_NOTE = "rank{rank:05d}.unwritten"  # empty: this rank's newest note could not be written (a full disk)
 
 
 def note_rank(run_dir: Path | None, rank: int, state: str, round_: int, **detail: object) -> None:
     """Record what ``rank`` is doing (``started``, ``round``, ``finished``, ``failed``, ...) with the time, by
     atomic rename: if the launcher kills the job, the run directory still says which rank went quiet, when,
-    and in which round (``mpifl status``)."""
+    and in which round (``mpifl status``).
+
+    Best effort: a note is for the post-mortem, so one the file system refuses (a full disk, most often while
+    the job is already failing on a checkpoint) must not raise over the error that ends the job. It is dropped,
+    the previous note kept, its temporary file removed, and an empty ``UNWRITTEN_NOTE`` left where the disk
+    still takes one (a new file needs no data block), so that ``mpifl status`` knows the notes are incomplete."""
     if run_dir is None:
         return
     folder = run_dir / RANK_NOTES
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / RANK_NOTE.format(rank=rank)
     note = {"rank": rank, "state": state, "round": round_, "time": time.time(), **detail}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _replace_text(folder / RANK_NOTE.format(rank=rank), json.dumps(note))
+    except OSError:
+        _touch_quietly(folder / UNWRITTEN_NOTE.format(rank=rank))
+        return
+    with contextlib.suppress(OSError):  # a later note is on disk: the notes are whole again
+        (folder / UNWRITTEN_NOTE.format(rank=rank)).unlink(missing_ok=True)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` by atomic rename; on failure, leave ``path`` as it was and no temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(note))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def _touch_quietly(path: Path) -> None:
+    """Create ``path`` empty if the file system lets us; nothing otherwise."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
 
 
 class RankNotes:
@@ -308,6 +344,12 @@ def read_rank_notes(run_dir: Path) -> dict[int, dict]:
     return notes
 
 
+def unwritten_notes(run_dir: Path) -> list[int]:
+    """The ranks whose newest note could not be written (``note_rank``): what their notes say is not their last word."""
+    return sorted(int(path.stem[4:]) for path in (run_dir / RANK_NOTES).glob("rank*.unwritten")
+                  if path.stem[4:].isdigit())
+
+
 def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     """Whether the run in ``run_dir`` is complete, and lines that say how far it got and which ranks did not
     finish, with when each was last heard of: what a job's epilogue prints after a launcher killed it."""
@@ -315,9 +357,11 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     rounds = int((config or {}).get("rounds", 0))
     records = read_metrics(run_dir / METRICS) or []
     reached = records[-1]["round"] if records else 0
-    newest = list_checkpoints(run_dir / CHECKPOINTS)
+    newest, unusable, refused = newest_checkpoint(run_dir)
     lines = [f"{run_dir}: {reached} of {rounds} rounds recorded"
-             + (f"; newest checkpoint {newest[-1].name}" if newest else "; no checkpoint")]
+             + (f"; newest checkpoint {newest.name}" if newest else "; no checkpoint")
+             + (f" (unusable, so a resume starts from the one before: {unusable})" if unusable else "")]
+    advice = f"a --resume would be refused: {refused}; {VERSIONS_GONE}" if refused else "continue with --resume"
     notes = read_rank_notes(run_dir)
     server = notes.get(0, {})
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
@@ -326,26 +370,62 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         after = f"; the job then failed: {server['then_failed']}" if server.get("then_failed") else ""
         why = f": {budget_line(config or {}, records, rounds)}" if spent else ""
         return True, [*lines, "complete" + why + after]
-    for rank, note in sorted(notes.items()):
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note["time"]))
-        reason = f": {note['reason']}" if note.get("reason") else ""
-        lines.append(f"  rank {rank}: last heard of at {when}, state '{note['state']}' in round {note['round']}"
-                     f"{reason}")
+    unwritten = unwritten_notes(run_dir)
+    for rank in sorted({*notes, *unwritten}):
+        lines.append(f"  rank {rank}: {_note_line(notes.get(rank), rank in unwritten)}")
     if server.get("state") == "interrupted":  # SIGTERM (by hand, or a scheduler's before its walltime): no failure
         lines.append(f"not complete: stopped on request after round {server['round']} (SIGTERM: by hand, or a "
-                     "scheduler's signal before its time limit), as the rounds on disk show; continue with --resume")
+                     f"scheduler's signal before its time limit), as the rounds on disk show; {advice}")
         return False, lines
     unfinished = {r: n for r, n in sorted(notes.items()) if n["state"] != "finished"}
     struck = struck_lines(run_dir, config or {}, reached)
-    cause = f"ranks {sorted(unfinished)} did not finish; " if unfinished else ""
+    silent = sorted({*unfinished, *(r for r in unwritten if r not in notes)})
+    cause = f"ranks {silent} did not finish; " if silent else ""
     if struck:
         cause += "; ".join(struck)
-    elif unfinished:
+    elif any(n["state"] == "failed" for n in unfinished.values()) or (unfinished and not unwritten):
         cause += _first_quiet(unfinished)
+    elif unwritten:
+        cause += _incomplete_notes(unwritten)
     else:
         cause = "every rank finished, but not every round is on disk"
-    lines.append(f"not complete: {cause}; continue with --resume")
+    lines.append(f"not complete: {cause}; {advice}")
     return False, lines
+
+
+def newest_checkpoint(run_dir: Path) -> tuple[Path | None, str | None, str | None]:
+    """The run's newest checkpoint file; why a resume would skip it (it does not open, or its metadata fail their
+    checksum), or None; and why a resume from it would be refused (``find_resume``: versions its clients in flight
+    trained on are gone), or None. Cheap: attributes are read, no tensor, so ``mpifl status`` stays quick."""
+    published = list_checkpoints(run_dir / CHECKPOINTS)
+    if not published:
+        return None, None, None
+    try:
+        with Checkpoint(published[-1]) as ckpt:
+            unusable = metadata_problem(ckpt)
+            return ckpt.path, unusable, None if unusable else missing_versions(ckpt, run_dir / CHECKPOINTS)
+    except CheckpointError as err:
+        return published[-1], str(err), None
+
+
+def _note_line(note: dict | None, unwritten: bool) -> str:
+    """One rank's line of ``mpifl status``: when it was last heard of, in which state and round, and why it failed;
+    and whether a newer note was lost."""
+    lost = "a newer note could not be written" if unwritten else ""
+    if note is None:
+        return "no note could be written"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note["time"]))
+    reason = f": {note['reason']}" if note.get("reason") else ""
+    return (f"last heard of at {when}, state '{note['state']}' in round {note['round']}{reason}"
+            + (f" ({lost})" if lost else ""))
+
+
+def _incomplete_notes(ranks: list[int]) -> str:
+    """Why the notes cannot name a cause: ``ranks`` could not write their last (a full disk, most often, which is
+    what ended the job), so the job's log, which has the error in one line, is what to read."""
+    which = f"rank {ranks[0]} could not write its" if len(ranks) == 1 else f"ranks {ranks} could not write their"
+    return (f"{which} last note (a full disk?), so the notes are incomplete: the job's log says what ended it, "
+            "in the line 'failed, aborting the job'")
 
 
 def struck_lines(run_dir: Path, config: dict, reached: int) -> list[str]:

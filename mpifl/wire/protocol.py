@@ -12,7 +12,8 @@ Start-up (once):
                     built model (chunk order), which the server writes as round 0.
 Every round r:
     0 -> c  HEADER  (pickled, small) a RoundOrder: the round and the logical clients this rank
-                    serves this round (ascending ids); a Stop ends the run. Every header names
+                    serves this round (ascending ids); a Stop ends the run (saying whether
+                    on request, before the last round). Every header names
                     the rank's clients dropped since its last one.
     0 -> c  MODEL   the global model, chunk by chunk (Isend/Irecv of raw bytes, chunk
                     order), only to ranks that serve at least one client this round.
@@ -143,6 +144,8 @@ class Header:
 class Stop(Header):
     """The run is over: leave the round loop."""
 
+    interrupted: bool = False  # a stop on request (SIGTERM) before the last round: note 'interrupted', as rank 0 does
+
 
 @dataclass(frozen=True)
 class PersistOrder(Header):
@@ -233,5 +236,6 @@ class TrainOrder:
     steps: int | None = None  # the client's own local steps (fedcompass), else the config's
     address: tuple[str, int] | None = None  # the first order: where the group's rendezvous store listens
     stop: bool = False
+    interrupted: bool = False  # with stop: the run stopped on request before its last round (protocol.Stop)
     personal: bool = False  # Ditto: train the client's personal model (sent with the global one), not the global
     round: int = 0  # the round it trains for, which the members note in the run directory (mpifl status)
