@@ -334,10 +334,11 @@ class Server:
                 stats = reduction.run()
             else:  # nobody this round: unchanged, but DP noise still moves the model
                 stats = reduction.run_without_updates() if noise else ReductionStats()
-        except RoundAborted:
+        except RoundAborted as aborted:  # a config's rule (min_participants, min_cohort), not a crash: no traceback
             self._log_drops(plan, reduction.stats.metas)
-            parts.checkpointer.round_aborted(round_, self.history)
-            raise
+            saved = parts.checkpointer.round_aborted(round_, self.history)
+            where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
+            raise JobFailure(f"{aborted}{where}; continue with --resume once the cause is fixed") from None
         except RankStalled as stalled:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched)
         self._log_drops(plan, stats.metas)
