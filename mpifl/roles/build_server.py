@@ -162,7 +162,7 @@ def _check_secagg_range(cfg: Config, strategy: Strategy, sizes: list[int] | None
     starts; ``mpifl validate`` checks the same): a fraction_bits that cannot hold secagg.min_range ends the job."""
     problem = config_range_problem(cfg, strategy, sizes)
     if problem:
-        raise JobFailure(f"config error: {problem}")
+        raise JobFailure(f"config error: {problem}", 2)  # the exit status of every config error
 
 
 def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,
