@@ -124,9 +124,10 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
     feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
     dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
+    publisher = ResidualPublisher(comm, deadlines, dropped)
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
                                 sampler.open_versions if asynchronous and directory else None,
-                                persist=ResidualPublisher(comm, deadlines, dropped).publish if feedback else None)
+                                persist=publisher.publish if feedback else None)
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
     privacy = None
@@ -151,6 +152,7 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
                             spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round))
         server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
+        publisher.listen(server.heard)
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
     finally:
         sink.close()

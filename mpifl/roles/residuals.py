@@ -8,6 +8,7 @@ on disk (storage.checkpointer's two-phase save).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mpi4py import MPI
@@ -25,6 +26,14 @@ class ResidualPublisher:
         """``dropped``: the server's note of clients dropped past their deadline, which each rank's persist header
         names (as a round's header would), so a rank puts their state back before publishing it."""
         self.comm, self.deadlines, self.dropped = comm, deadlines, dropped or DroppedClients()
+        self.heard: Callable[[], Iterable[int]] | None = None
+
+    def listen(self, heard: Callable[[], Iterable[int]]) -> None:
+        """Take up, while waiting, what the client ranks send besides their files (the server's ``heard``): a rank
+        dropped from a round may still be sending that round's update, and reads the persist order only once the
+        server has taken it (above MPI's eager limit its send waits for the receive); its progress reports and
+        late chunks count as progress."""
+        self.heard = heard
 
     def publish(self, round_: int, folder: Path) -> list[str]:
         """Have every client rank publish its residuals of ``round_`` in ``folder``; the files, once all are
@@ -32,19 +41,26 @@ class ResidualPublisher:
         ranks = list(range(1, self.comm.Get_size()))
         wait_all([self.comm.isend(protocol.PersistOrder(round_, self.dropped.take(r), str(folder)),
                                   dest=r, tag=protocol.HEADER) for r in ranks])
-        watchdog = Watchdog(self.deadlines.current(), round_, {r: [] for r in ranks})  # a SIGTERM save must finish
+        # a SIGTERM save must finish: no stop_requested here
+        watchdog = Watchdog(self.deadlines.current(), round_, {r: [] for r in ranks})
         files: list[str] = []
         backoff = Backoff()
         for rank in ranks:
             owed: dict[int, tuple[str, str | None]] = {
-                rank: (FIRST_UPDATE, f"its error-feedback residuals for the checkpoint of round {round_}")}
+                rank: (FIRST_UPDATE, f"its per-client state for the checkpoint of round {round_}")}
 
             def waiting(owed: dict[int, tuple[str, str | None]] = owed) -> dict[int, tuple[str, str | None]]:
                 return owed
 
             while not self.comm.Iprobe(source=rank, tag=protocol.RESIDUALS):
+                heard = list(self.heard()) if self.heard is not None else []
+                for sender in heard:
+                    watchdog.progress(sender)
                 watchdog.check(waiting)
-                backoff.pause()
+                if heard:
+                    backoff.reset()
+                else:
+                    backoff.pause()
             names = self.comm.recv(source=rank, tag=protocol.RESIDUALS)  # a sharded group's: one per rank of it
             names = [names] if isinstance(names, str) else names
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
