@@ -170,3 +170,38 @@ def test_a_spread_across_clients_is_better_lower_and_per_client_keys_stay_out_of
     with pytest.raises(SystemExit, match=r"did you mean 'federated_eval.accuracy_worst10'") as refused:
         compare_runs([str(run)], "federated_eval.accuracy_worst1")
     assert "per_client" not in str(refused.value)
+
+
+def test_a_group_is_labelled_by_the_keys_it_sets_and_a_run_short_of_its_rounds_is_named(tmp_path):
+    """FedProx's mu is FedAvg's unset key: it names the FedProx group alone. A run that stopped after 3 of its 5
+    rounds is named, so its 'final' is not read as the run's end."""
+    runs = [write_run(tmp_path / f"avg{s}", "fedavg", s) for s in (0, 1)]
+    for s in (0, 1):
+        prox = write_run(tmp_path / f"prox{s}", "fedprox", s)
+        config = prox / "config.yaml"
+        config.write_text(config.read_text() + "train: {prox_mu: 0.01}\n")
+        runs.append(prox)
+    stopped = runs[-1] / "metrics.jsonl"
+    stopped.write_text("".join(stopped.read_text().splitlines(keepends=True)[:3]))
+    text, groups = compare_runs([str(r) for r in runs])
+    assert [label for label, _ in groups] == ["strategy.name=fedavg", "strategy.name=fedprox,train.prox_mu=0.01"]
+    assert "prox1 (3 of 5): fewer rounds recorded than the config asks" in text
+
+
+def test_the_figure_says_one_run_each_where_no_group_pools_seeds(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from mpifl.cli.compare import plot_groups
+
+    runs = [str(write_run(tmp_path / n, n, 0)) for n in ("fedavg", "fedprox")]
+    _, groups = compare_runs(runs)
+    titles: list[str] = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        titles.append(fig.axes[0].get_title())
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    out = plot_groups(groups, "eval.accuracy", tmp_path / "f.png")
+    assert out.read_bytes().startswith(PNG) and titles == ["eval.accuracy: one run each"]

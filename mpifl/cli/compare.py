@@ -47,6 +47,13 @@ class RunOutcome:
     final: float
     reached_round: int | None
     reached_virtual_seconds: float | None
+    last_round: int = 0  # the last round the run recorded (a stopped or failed run's is short of config rounds)
+
+    @property
+    def incomplete(self) -> bool:
+        """Whether the run recorded fewer rounds than its config asks (stopped, failed, or still going)."""
+        rounds = self.config.get("rounds")
+        return isinstance(rounds, int) and self.last_round < rounds
 
 
 def outcome(run_dir: Path, records: list[dict], metric: str, target: float | None, lower: bool) -> RunOutcome:
@@ -59,7 +66,7 @@ def outcome(run_dir: Path, records: list[dict], metric: str, target: float | Non
         None)
     return RunOutcome(run_dir, saved_config(run_dir), curve, pick(values) if values else math.nan,
                       values[-1] if values else math.nan, reached["round"] if reached else None,
-                      reached.get("virtual_time") if reached else None)
+                      reached.get("virtual_time") if reached else None, records[-1]["round"] if records else 0)
 
 
 def strategy_label(config: dict) -> str:
@@ -113,8 +120,11 @@ def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutco
         keyed.setdefault(json.dumps(setting(o), sort_keys=True, default=str), []).append(o)
     settings = [setting(members[0]) for members in keyed.values()]
     differing = sorted({k for s in settings for k in s if any(t.get(k) != s.get(k) for t in settings)})
-    labels = [",".join(f"{k}={s.get(k)}" for k in differing) or "all runs" for s in settings]
-    return list(zip(labels, keyed.values()))
+    # a key a group leaves unset (another strategy's kwarg) says nothing of it: named only where set
+    labels = [",".join(f"{k}={s[k]}" for k in differing if s.get(k) is not None) or "defaults" for s in settings]
+    if len(set(labels)) < len(labels):  # unset keys were what told two groups apart
+        labels = [",".join(f"{k}={s.get(k)}" for k in differing) for s in settings]
+    return list(zip(labels if len(settings) > 1 else ["all runs"], keyed.values()))
 
 
 def repeated_seed(members: Sequence[RunOutcome]) -> tuple[RunOutcome, RunOutcome] | None:
@@ -189,6 +199,11 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         rows.append([names[o.run_dir], strategy_label(o.config),
                      str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
     text = render(header, rows, fmt)
+    short = [f"{names[o.run_dir]} ({o.last_round} of {o.config.get('rounds')})" for o in outcomes
+             if o.curve and o.incomplete]
+    if short:
+        text += (f"\n\n{', '.join(short)}: fewer rounds recorded than the config asks (stopped, failed or still "
+                 "running: `mpifl status` says which); 'final' is the last round recorded")
     empty = [names[o.run_dir] for o in outcomes if not o.curve]
     if empty:  # a run that failed before its first round, or one that never records the metric
         text += (f"\n\n{', '.join(empty)}: no round recorded {metric} (`mpifl status` says how far a run got); "
@@ -231,11 +246,12 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     ax.set_xlabel("round")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(metric)
-    ax.set_title(f"{subject or metric}: mean ± std over seeds")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
+    pooled = any(len(members) > 1 for _, members in groups)
+    ax.set_title(f"{subject or metric}: {'mean ± std over seeds' if pooled else 'one run each'}")
+    # below the axes, one group a line: long labels (several differing keys) widen the figure, not squeeze the plot
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
 
