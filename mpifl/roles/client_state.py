@@ -143,8 +143,12 @@ class DeclaredVectors:
         return state, fresh
 
     def keep(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        """Store ``client``'s vectors after it trained; all or none: a NaN or Inf in any keeps every old one."""
-        if not all(bool(torch.isfinite(v).all()) for v in state.values()):
+        """Store ``client``'s vectors after it trained; all or none: a NaN or Inf in any keeps every old one, and
+        says so (its update, finite, is still folded: only the vectors are refused)."""
+        bad = [name for name, v in state.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            log(f"logical client {client}: the trainer left NaN or Inf in its vector{'s' if len(bad) > 1 else ''} "
+                f"{', '.join(map(repr, bad))}; its old vectors are kept (its update is folded as usual)")
             return
         for name, values in state.items():
             store = self.stores[name]
