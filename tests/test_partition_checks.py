@@ -47,7 +47,8 @@ def test_validate_builds_the_partition_only_for_data_it_can_read_whole(tmp_path,
     from mpifl.cli import preflight
 
     built = []
-    monkeypatch.setattr(preflight, "partition_counts_of", lambda cfg: built.append(cfg.data.partition))
+    monkeypatch.setattr(preflight, "partition_counts_of",
+                        lambda cfg: (built.append(cfg.data.partition), (np.ones((8, 10), dtype=np.int64), None))[1])
     preflight.check_partition(load_config(QUICKSTART))
     leaf = load_config(None, data={"data": {"dataset": "leaf", "kwargs": {"path": str(tmp_path)},
                                             "partition": "natural"}, "model": {"name": "cnn"}})

@@ -129,6 +129,8 @@ def check_partition(cfg: Config) -> None:
 
     if needs_dataset(cfg) and client_source(cfg.data) is None:
         histogram, _ = partition_counts_of(cfg)
+        if not cfg.secagg.enabled:
+            return
         problem = config_range_problem(cfg, make_strategy(cfg.strategy), [int(n) for n in histogram.sum(axis=1)])
         if problem:
             raise ConfigError(problem)
