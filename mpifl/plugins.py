@@ -32,8 +32,17 @@ def resolve(path: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+            raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})"
+                              f"{_closest_attribute(obj, part)}") from None
     return obj
+
+
+def _closest_attribute(obj: Any, name: str) -> str:
+    """"; did you mean 'X'?" for a mistyped class or function name: the closest public name ``obj`` defines
+    (a module's own or imported names alike, so an ``MyStratgy`` finds ``MyStrategy``), else nothing."""
+    public = [n for n in dir(obj) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, public, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = ()) -> str | None:

@@ -105,6 +105,25 @@ def test_bad_files_are_named(tmp_path):
         load_config(bad)
 
 
+def test_a_yaml_error_names_the_file_and_line_not_pyyamls_unicode_string(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 3\nclients:\n  num_clients: [1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert f'in "{bad}", line 3' in str(err.value) and "<unicode string>" not in str(err.value)
+
+
+def test_every_key_level_problem_is_reported_at_once_in_the_order_the_keys_are_read():
+    with pytest.raises(ConfigError) as err:
+        load(rounds=0, clients={"num_clientz": 4}, train={"lr": "abc", "learning_rate": 1})
+    assert str(err.value).splitlines() == [
+        "4 problems:",
+        "  - rounds: must be >= 1, got 0",
+        "  - unknown key 'clients.num_clientz'; did you mean 'clients.num_clients'?",
+        "  - unknown key 'train.learning_rate'; did you mean 'train.lr'?",
+        "  - train.lr: expected float, got str 'abc'"]
+
+
 def test_clients_per_round():
     assert load(clients={"num_clients": 10, "fraction": 0.25}).clients_per_round() == 2
     assert load(clients={"num_clients": 10, "per_round": 20}).clients_per_round() == 10

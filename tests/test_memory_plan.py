@@ -245,6 +245,17 @@ H100_MLP = {"gpu": 65 * MIB, "rss": 1099 * MIB}  # the quick start's MLP, 20 cli
 H100_CNN = {"gpu": 110 * MIB, "rss": 1409 * MIB}  # the LEAF CNN, 1,690,046 parameters, 200 clients a round
 
 
+def test_a_rank_journals_a_copy_for_every_client_it_may_train_in_a_round_which_a_fixed_placement_can_crowd():
+    from mpifl.planning.memory import undo_vectors
+
+    state = ["strategy.name=scaffold", "strategy.update=delta", "clients.accept_failures=true",
+             "clients.num_clients=8", "clients.per_round=2"]
+    # 8 clients on 2 ranks, 2 a round: round robin may draw two of one rank's four; per_round deals one each
+    assert undo_vectors(load_config(None, state), client_ranks=2) == 2
+    assert undo_vectors(load_config(None, [*state, "clients.placement=per_round"]), client_ranks=2) == 1
+    assert undo_vectors(load_config(None, [*state, "clients.accept_failures=false"]), client_ranks=2) == 0
+
+
 def test_the_gpu_plan_is_what_an_h100_measured_activations_aside():
     from mpifl.cli.plan import estimate
     from mpifl.planning.memory import ModelBytes, client_device_bytes

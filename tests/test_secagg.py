@@ -71,6 +71,27 @@ def test_the_check_before_mpi_refuses_fraction_bits_that_even_a_weight_of_one_ca
     check_plugins(load_config(None, [*SECAGG, "clients.num_clients=10", "secagg.fraction_bits=27"]))  # ±1.6
 
 
+def test_before_the_data_is_read_the_advised_bits_are_a_ceiling_and_the_message_says_where_the_figure_is():
+    from mpifl.cli.preflight import check_plugins
+
+    with pytest.raises(ConfigError) as by_samples:
+        check_plugins(load_config(None, [*SECAGG, "clients.num_clients=10", "secagg.fraction_bits=30"]))
+    assert "27 or less (±1.6) at the very most: the largest client's sample count lowers it, and `mpifl " \
+           "validate`, which reads the data, gives the figure" in str(by_samples.value)
+    with pytest.raises(ConfigError) as equal:  # a weight of 1 is every client's: the advice is exact
+        check_plugins(load_config(None, [*SECAGG, "clients.num_clients=10", "secagg.fraction_bits=30",
+                                         "strategy.weighting=equal"]))
+    assert "27 or less (±1.6)" in str(equal.value) and "at the very most" not in str(equal.value)
+
+
+def test_advice_never_goes_past_the_largest_fraction_bits_the_schema_takes():
+    from mpifl.privacy.ring import advisable_fraction_bits, most_fraction_bits
+
+    assert most_fraction_bits() == 30
+    assert fitting_fraction_bits(2, 1.0, 1e-6) > 30 and advisable_fraction_bits(2, 1.0, 1e-6) == 30
+    assert advisable_fraction_bits(10, 9519.0, 1.0) == fitting_fraction_bits(10, 9519.0, 1.0) == 14
+
+
 def test_validate_checks_the_range_for_the_partition_s_largest_client(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "clients: {num_clients: 4}\nsecagg: {enabled: true, fraction_bits: 24}\n"
                                             "data: {dataset: synthetic, kwargs: {num_samples: 500}}\n")
@@ -80,6 +101,9 @@ def test_validate_checks_the_range_for_the_partition_s_largest_client(tmp_path):
             "(logical client 0's: 100 training samples, strategy.weighting='samples')") in refused.stderr
     assert "set secagg.fraction_bits to 22 or less (±1.28)" in refused.stderr
     assert mpifl_here("validate", str(cfg), "strategy.weighting=equal").returncode == 0
+    # bits that even a weight of 1 cannot use: validate still advises from the largest client, not from 1
+    beyond = mpifl_here("validate", str(cfg), "secagg.fraction_bits=30")
+    assert beyond.returncode == 2 and "(4 x 100 x 2^30)" in beyond.stderr and "22 or less" in beyond.stderr
 
 
 def test_fednova_s_weights_are_left_to_the_rounds_as_they_depend_on_the_local_steps():

@@ -10,7 +10,7 @@ from conftest import finish, rounds_logged, run_mpi, spawn_mpi, wait_for, write_
 from reference import reference_run
 
 from mpifl.cli.compare import compare_runs
-from mpifl.cli.sweep import grid_overrides, run_dir_name
+from mpifl.cli.sweep import grid_overrides, point_dir, run_dir_name
 from mpifl.config import ConfigError, load_config
 from mpifl.storage.hdf5 import load_tensors
 
@@ -45,8 +45,15 @@ def test_a_malformed_grid_is_a_config_error_naming_the_axis(axes, message):
 
 def test_a_runs_directory_is_named_by_its_grid_point_and_never_nests():
     assert run_dir_name(["seed=0", "strategy.name=fedavg"]) == "seed=0,strategy.name=fedavg"
-    assert run_dir_name(["model.name=pkg/mod:Net"]) == "model.name=pkg_mod:Net"
+    assert run_dir_name(["model.name=pkg/mod:Net"]) == "model.name=pkg_mod.Net"  # no ':' for --logdir_spec
     assert run_dir_name([]) == "run"
+
+
+def test_a_sweep_resumed_from_before_colons_were_replaced_finds_its_runs_under_their_old_names(tmp_path):
+    point = ["strategy.name=pkg.mod:Mine", "seed=0"]
+    assert point_dir(tmp_path, point) == tmp_path / "strategy.name=pkg.mod.Mine,seed=0"
+    (tmp_path / "strategy.name=pkg.mod:Mine,seed=0").mkdir()
+    assert point_dir(tmp_path, point) == tmp_path / "strategy.name=pkg.mod:Mine,seed=0"
 
 
 def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skips_finished_runs(tmp_path):

@@ -220,7 +220,8 @@ def make_strategy(cfg: StrategyConfig) -> Strategy:
         return cls(cfg, combiner(cfg), update(cfg))
     if not is_import_path(cfg.name):
         raise ConfigError(f"strategy.name: {cfg.name!r} is not allowed; choose one of "
-                          f"{', '.join(map(repr, STRATEGIES))} or an import path 'package.module:function'")
+                          f"{', '.join(map(repr, STRATEGIES))} or an import path 'package.module:name' (a class "
+                          "or a function)")
     try:
         build = resolve(cfg.name)
     except ImportError as err:

@@ -124,7 +124,7 @@ def _another_singleton(comm: MPI.Intracomm) -> bool:
 def validate(args: argparse.Namespace) -> int:
     """``mpifl validate``: check a config (transformers and plug-in models are built on meta) without MPI."""
     cfg = load_config(args.config, args.overrides)
-    warnings = check_plugins(cfg)
+    warnings = check_plugins(cfg, partition_follows=True)
     check_model(cfg)
     check_trainer(cfg)
     check_partition(cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mpifl.config import Config, ConfigError, load_config
 from mpifl.planning import binding
-from mpifl.planning.federation import most_trained_per_rank
+from mpifl.planning.federation import even_spread, most_trained_per_rank
 from mpifl.planning.memory import (
     CUDA_HOST_BYTES,
     CUDA_WORKSPACE_BYTES,
@@ -417,8 +417,8 @@ def placement_note(cfg: Config, ranks: int, plan: MemoryEstimate, args: argparse
     the rounds the server's figure above is for, and what deals them one per rank. Such a round's updates from
     that rank arrive one after the other, so the server's accumulator window spans the whole model."""
     hosts = max(1, ranks // cfg.clients.ranks_per_client)
-    spread = -(-cfg.clients_per_round() // hosts)
-    if cfg.clients.groups or spread > 1 or most_trained_per_rank(cfg.clients, hosts) <= 1:
+    if cfg.clients.groups or even_spread(cfg.clients_per_round(), hosts) > 1 or \
+            most_trained_per_rank(cfg.clients, hosts) <= 1:
         return None
     if takes(cfg, placement="per_round"):
         fix = "with clients.placement=per_round, which deals each round's participants over the client ranks"

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-def check_plugins(cfg: Config) -> list[str]:
+def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
     """Check what the schema cannot: plugin kwargs against their signatures, transformers config keys, the
     strategy's capabilities against the run modes (a plug-in's are known only once it is imported), that
     the library of each of output.trackers is installed, and that clock.queue_trace and clock.availability_trace
@@ -47,10 +47,20 @@ def check_plugins(cfg: Config) -> list[str]:
         raise ConfigError(f"clients.placement: 'per_round' lets any rank train any client, but data.dataset "
                           f"{cfg.data.dataset!r} split naturally is read per rank, each rank its own clients only; "
                           "use clients.placement='balanced'")
-    problem = config_range_problem(cfg, checked_strategy(cfg))
+    strategy = checked_strategy(cfg)
+    # ``validate`` checks the range against the real largest client next (check_partition): not with a floor here
+    problem = None if partition_follows and partition_readable(cfg) else config_range_problem(cfg, strategy)
     if problem:
         raise ConfigError(problem)
     return config_warnings(cfg)
+
+
+def partition_readable(cfg: Config) -> bool:
+    """Whether ``check_partition`` can build this run's partition in one process: a dataset read whole, not per
+    client rank (a client source), and a run that reads data at all."""
+    from mpifl.learning.datasets import client_source, needs_dataset
+
+    return needs_dataset(cfg) and client_source(cfg.data) is None
 
 
 def check_transformers(cfg: Config) -> None:
@@ -124,10 +134,9 @@ def check_partition(cfg: Config) -> None:
     read whole; and never before ``mpifl run``'s MPI, where every rank would read the data (there a bad split ends
     the job in one line: 'cannot partition the data', and the server checks the range as it starts)."""
     from mpifl.aggregation.strategies import make_strategy
-    from mpifl.learning.datasets import client_source, needs_dataset
     from mpifl.privacy.secagg import config_range_problem
 
-    if needs_dataset(cfg) and client_source(cfg.data) is None:
+    if partition_readable(cfg):
         histogram, _ = partition_counts_of(cfg)
         if not cfg.secagg.enabled:
             return

@@ -277,6 +277,7 @@ def _cost(fig: Figure, ax: Axes, records: list[dict]) -> None:
         written.plot(rounds, [r["cost"]["bytes_written"] / MIB for r in measured], color="tab:gray", marker=".",
                      label="bytes written")
         written.set_ylabel("MiB written")
+        written.set_ylim(bottom=0)  # from 0, as the bars are: a flat line of checkpoints must not look like swings
         written.legend(loc="upper right")
     ax.legend(loc="upper left")
     ax.set_title(cost_line(measured[-1]["cost_to_date"]).replace("cost: ", "run: ", 1), fontsize=8)

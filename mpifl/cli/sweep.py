@@ -38,8 +38,17 @@ def grid_overrides(grid: list[str]) -> list[list[str]]:
 
 def run_dir_name(overrides: list[str]) -> str:
     """A run's directory name: its grid overrides joined by commas (``seed=0,strategy.name=fedavg``), the form
-    Hydra's multirun gives its run directories; '/' becomes '_' so that a value never makes a subdirectory."""
-    return ",".join(overrides).replace("/", "_") or "run"
+    Hydra's multirun gives its run directories; '/' becomes '_' so that a value never makes a subdirectory, and an
+    import path's ':' becomes '.' (``pkg.mod.Net``), since a colon splits paths for TensorBoard's --logdir_spec,
+    scp and rsync."""
+    return ",".join(overrides).replace("/", "_").replace(":", ".") or "run"
+
+
+def point_dir(runs_dir: Path, overrides: list[str]) -> Path:
+    """Where a grid point's run lives: ``run_dir_name``, or the name with ':' kept that sweeps before 2026-12-01
+    gave it, where such a run is already there (so ``--resume`` still finds it)."""
+    earlier = runs_dir / ",".join(overrides).replace("/", "_")
+    return earlier if earlier.name and ":" in earlier.name and earlier.exists() else runs_dir / run_dir_name(overrides)
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -55,7 +64,7 @@ def sweep(args: argparse.Namespace) -> int:
         return 2
     failed = 0
     for number, point in enumerate(points, 1):
-        run_dir = Path(args.runs_dir) / run_dir_name(point)
+        run_dir = point_dir(Path(args.runs_dir), point)
         if speaks:
             log(f"mpifl sweep: run {number} of {len(points)}: {' '.join(point)} -> {run_dir}", rank=0)
         one = argparse.Namespace(config=args.config, overrides=[*args.overrides, *point], run_dir=str(run_dir),

@@ -52,7 +52,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            raw = read_yaml(path.read_text())
+            raw = read_yaml(path.read_text(), str(path))
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if raw is None:

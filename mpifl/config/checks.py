@@ -68,7 +68,7 @@ def _check_strategy(cfg: Config) -> None:
     if cfg.strategy.kwargs:
         raise ConfigError(f"strategy.kwargs: the built-in strategy {cfg.strategy.name!r} takes its settings from "
                           "strategy's own keys (weighting, server_lr, momentum, beta1, beta2, tau, trim_fraction); "
-                          "strategy.kwargs is for a plug-in (strategy.name: package.module:function)")
+                          "strategy.kwargs is for a plug-in (strategy.name: package.module:name)")
     problem = capability_problem(cfg, caps)
     if problem:
         raise ConfigError(problem)

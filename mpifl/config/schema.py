@@ -37,9 +37,16 @@ ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:tr
                                    list("tTfF"))
 
 
-def read_yaml(text: str) -> Any:
-    """A config's YAML (a file or an override's value) as Python values, booleans as YAML 1.2 reads them."""
-    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader subclass: safe
+def read_yaml(text: str, name: str | None = None) -> Any:
+    """A config's YAML (a file or an override's value) as Python values, booleans as YAML 1.2 reads them;
+    ``name``, the file's, is what a parse error's position names (PyYAML's own is ``<unicode string>``)."""
+    loader = ConfigLoader(text)  # a SafeLoader subclass: safe
+    if name is not None:
+        loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def field_(default: Any, doc: str, **rules: Any) -> Any:
@@ -109,32 +116,67 @@ SYNONYMS = {"learning_rate": "lr", "epochs": "local_epochs", "num_epochs": "loca
 
 
 def build(cls: type, raw: Any, prefix: str) -> Any:
-    """An instance of section class ``cls`` from mapping ``raw``; errors name the key under ``prefix``."""
+    """An instance of section class ``cls`` from mapping ``raw``; errors name the key under ``prefix``. Every
+    key-level problem is reported at once, not only the first, so a config with three typos takes one fix."""
+    problems: list[str] = []
+    built = _build(cls, raw, prefix, problems)
+    if problems:
+        raise ConfigError(problems_message(problems))
+    return built
+
+
+def problems_message(problems: list[str]) -> str:
+    """One problem as itself; several as a count and one line each, in the order the config's keys are read."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {problem}" for problem in problems)
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    """``build``'s walk: each problem is appended to ``problems`` and the walk goes on; a section with a problem
+    of its own or in a section under it is not constructed (None)."""
     where = prefix.rstrip(".") or "top level"
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+        problems.append(f"{where}: expected a mapping, got {type(raw).__name__}")
+        return None
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    before = len(problems)
     for key in raw:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5) or [
-                ours for word, ours in SYNONYMS.items()
-                if ours in fields and difflib.get_close_matches(str(key), [word], n=1, cutoff=0.8)]
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown key '{prefix}{key}'" + hint)
+            problems.append(f"unknown key '{prefix}{key}'" + _spelling_hint(str(key), fields, prefix))
     values = {}
     for name, f in fields.items():
         if name not in raw:
             continue
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):  # an empty section (``clients:``) means its defaults; [] is a mistake
-            # a type hint that is a dataclass is a section class, never an instance
-            values[name] = build(typing.cast(type, hint), {} if raw[name] is None else raw[name], f"{prefix}{name}.")
-        elif (item := _section_list(hint)) is not None:  # a list of sections (``faults:``), item by item
-            values[name] = _build_list(item, raw[name], f"{prefix}{name}")
-        else:
-            values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
-    return cls(**values)
+        try:
+            if dataclasses.is_dataclass(hint):  # an empty section (``clients:``) means its defaults; [] is a mistake
+                # a type hint that is a dataclass is a section class, never an instance
+                values[name] = _build(typing.cast(type, hint), {} if raw[name] is None else raw[name],
+                                      f"{prefix}{name}.", problems)
+            elif (item := _section_list(hint)) is not None:  # a list of sections (``faults:``), item by item
+                values[name] = _build_list(item, raw[name], f"{prefix}{name}", problems)
+            else:
+                values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
+        except ConfigError as err:
+            problems.append(str(err))
+    if len(problems) > before:
+        return None
+    try:
+        return cls(**values)
+    except ConfigError as err:  # a section's own check of its keys together
+        problems.append(str(err))
+        return None
+
+
+def _spelling_hint(key: str, fields: typing.Iterable[str], prefix: str) -> str:
+    """"did you mean" for an unknown key: a close spelling, or another framework's name for one of ours."""
+    fields = list(fields)
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.5) or [
+        ours for word, ours in SYNONYMS.items()
+        if ours in fields and difflib.get_close_matches(key, [word], n=1, cutoff=0.8)]
+    return f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
 
 
 def _section_list(hint: Any) -> type | None:
@@ -146,13 +188,13 @@ def _section_list(hint: Any) -> type | None:
     return None
 
 
-def _build_list(cls: type, raw: Any, key: str) -> tuple:
+def _build_list(cls: type, raw: Any, key: str, problems: list[str]) -> tuple:
     """A tuple of ``cls`` sections from a YAML list (None or absent: none); errors name the item, ``key[i].x``."""
     if raw is None:
         return ()
     if not isinstance(raw, list):
         raise ConfigError(f"{key}: expected a list of mappings (one per item), got {type(raw).__name__} {raw!r}")
-    return tuple(build(cls, item, f"{key}[{i}].") for i, item in enumerate(raw))
+    return tuple(_build(cls, item, f"{key}[{i}].", problems) for i, item in enumerate(raw))
 
 
 def _check_value(key: str, value: Any, hint: Any, rules: typing.Mapping) -> Any:
@@ -231,7 +273,7 @@ def _check_rules(key: str, value: Any, rules: typing.Mapping) -> None:
             except ImportError as err:
                 raise ConfigError(f"{key}: {err}") from None
             return
-        extra = " or an import path 'package.module:function'" if rules.get("import_ok") else ""
+        extra = " or an import path 'package.module:name' (a class or a function)" if rules.get("import_ok") else ""
         hint = rules.get("elsewhere", {}).get(str(value).lower())
         extra += f" ({hint})" if hint else ""
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}{extra}")

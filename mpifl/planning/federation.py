@@ -110,6 +110,11 @@ def fitted_overhead(observations: list[tuple[int, float, float]]) -> float | Non
     return max(a, 0.0) / b if b > 0 else None
 
 
+def even_spread(participants: int, client_ranks: int) -> int:
+    """The most participants a rank trains when a round's are dealt evenly over the client ranks (per_round)."""
+    return math.ceil(participants / max(1, client_ranks))
+
+
 def most_trained_per_rank(clients: ClientsConfig, client_ranks: int) -> int:
     """The most participants one client rank trains in a round, whoever the sample draws.
 
@@ -120,7 +125,7 @@ def most_trained_per_rank(clients: ClientsConfig, client_ranks: int) -> int:
     which is all a caller asks: whether a rank may train, and send, more than one.
     """
     ranks, per_round = max(1, client_ranks), clients.per_round_count()
-    spread = math.ceil(per_round / ranks)
+    spread = even_spread(per_round, ranks)
     if clients.placement == "per_round":
         return spread
     return max(spread, min(per_round, math.ceil(clients.num_clients / ranks)))

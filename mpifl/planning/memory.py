@@ -15,7 +15,7 @@ from typing import Protocol
 
 from mpifl.config import Config
 from mpifl.config.client_state import ClientStateLayout, StateSizes
-from mpifl.planning.federation import clients_of_rank, most_trained_per_rank
+from mpifl.planning.federation import clients_of_rank, even_spread, most_trained_per_rank
 from mpifl.planning.out_of_core import STATE_ITEMSIZE, out_of_core_bytes
 from mpifl.planning.pools import FloorProbe, PoolShape, floor_probe_dtype, holds_stacks, pool_bytes, pool_layout
 from mpifl.units import GIB, MIB, format_bytes
@@ -423,8 +423,7 @@ def loaned_vectors(cfg: Config, client_ranks: int, where: str) -> int:
     disk, a copy of each it lends (about as many). 0 without loans."""
     if not cfg.lends_client_state:
         return 0
-    share = -(-cfg.clients_per_round() // client_ranks)
-    return share * (2 if where == "HDF5" else 1)
+    return even_spread(cfg.clients_per_round(), client_ranks) * (2 if where == "HDF5" else 1)
 
 
 def rule_vector_elements(cfg: Config, size: ModelBytes) -> int:
@@ -436,8 +435,9 @@ def rule_vector_elements(cfg: Config, size: ModelBytes) -> int:
 def undo_vectors(cfg: Config, client_ranks: int) -> int:
     """Copies of c_i or g_i a client rank keeps through a round to put back those of clients dropped past their
     deadline (``Config.undoes_dropped_state``, storage.residuals.UndoJournal): one per client it trains that round,
-    about its share of the participants. 0 where nothing is journaled."""
-    return -(-cfg.clients_per_round() // max(1, client_ranks)) if cfg.undoes_dropped_state else 0
+    at most ``most_trained_per_rank`` (a fixed placement may draw several of one rank's clients in a round, as the
+    server's streams count them). 0 where nothing is journaled."""
+    return most_trained_per_rank(cfg.clients, client_ranks) if cfg.undoes_dropped_state else 0
 
 
 def state_layout(cfg: Config, size: ModelBytes) -> ClientStateLayout | None:

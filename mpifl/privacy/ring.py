@@ -10,6 +10,7 @@ that number: the encoder's clamp (``clamp_limit``), the server's warning and the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from mpifl.config import SecAggConfig
@@ -39,9 +40,22 @@ def fitting_fraction_bits(cohort: int, weight: float, largest: float) -> int:
     return bits
 
 
-def range_problem(cfg: SecAggConfig, cohort: int, weight: float, whose: str) -> str | None:
+def most_fraction_bits() -> int:
+    """The largest secagg.fraction_bits the schema takes (its ``max``): advice never goes past it."""
+    return int(next(f for f in dataclasses.fields(SecAggConfig) if f.name == "fraction_bits").metadata["max"])
+
+
+def advisable_fraction_bits(cohort: int, weight: float, largest: float) -> int:
+    """``fitting_fraction_bits`` within the schema's range: what a record and a warning may advise."""
+    return min(fitting_fraction_bits(cohort, weight, largest), most_fraction_bits())
+
+
+def range_problem(cfg: SecAggConfig, cohort: int, weight: float, whose: str, *,
+                  at_least: bool = False) -> str | None:
     """Why ``secagg.fraction_bits`` cannot hold values of ``secagg.min_range`` for a cohort of ``cohort`` whose
-    heaviest client weighs ``weight`` (``whose``: where that weight comes from, for the message), or None."""
+    heaviest client weighs ``weight`` (``whose``: where that weight comes from, for the message), or None.
+    ``at_least``: ``weight`` is only a floor (the data not read yet), so the advised fraction_bits is a ceiling
+    that the real largest client lowers, and the advice says where the real figure comes from."""
     if not cfg.enabled or cfg.min_range <= 0 or weight <= 0:
         return None
     bound = value_range(cfg.fraction_bits, cohort, weight)
@@ -51,6 +65,9 @@ def range_problem(cfg: SecAggConfig, cohort: int, weight: float, whose: str) -> 
     advice = (f"set secagg.fraction_bits to {fit} or less (±{value_range(fit, cohort, weight):.4g})" if fit >= 1
               else "no secagg.fraction_bits can: weigh clients equally (strategy.weighting=equal) or sample fewer "
                    "clients per round")
+    if at_least and fit >= 1:
+        advice += (" at the very most: the largest client's sample count lowers it, and `mpifl validate`, which "
+                   "reads the data, gives the figure")
     return (f"secagg.fraction_bits: {cfg.fraction_bits} holds values only within ±{bound:.4g} = (2^31 - 1) / "
             f"({cohort} x {weight:g} x 2^{cfg.fraction_bits}) for a cohort of {cohort} (clients.per_round) whose "
             f"largest client weight is {weight:g} ({whose}), below secagg.min_range={cfg.min_range:g}: larger "

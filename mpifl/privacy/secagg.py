@@ -55,7 +55,8 @@ def largest_weight(strategy: Strategy, sizes: Sequence[int] | None = None) -> tu
 def config_range_problem(cfg: Config, strategy: Strategy, sizes: Sequence[int] | None = None) -> str | None:
     """``range_problem`` for the run's cohort (clients.per_round) and largest client weight (``largest_weight``)."""
     known = largest_weight(strategy, sizes) if cfg.secagg.enabled else None
-    return range_problem(cfg.secagg, cfg.clients_per_round(), *known) if known else None
+    floor_only = not sizes and strategy.cfg.weighting != "equal"  # one sample's weight: the largest is at least it
+    return range_problem(cfg.secagg, cfg.clients_per_round(), *known, at_least=floor_only) if known else None
 
 
 class SecureAggregation:

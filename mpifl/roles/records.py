@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.logs import log
 from mpifl.metrics import OWN_METRIC_PREFIXES
 from mpifl.planning.faults import DELAYS_THE_RANK
-from mpifl.privacy.ring import fitting_fraction_bits, value_range
+from mpifl.privacy.ring import advisable_fraction_bits, value_range
 from mpifl.units import MIB, range_list
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def secagg_record(metas: dict[int, UpdateMeta], cohort: int, fraction_bits: int,
         heaviest = max(weight for weight, _ in sent)
         record.update(largest_weight=heaviest, range=value_range(fraction_bits, cohort, heaviest),
                       range_used=max(peak / value_range(fraction_bits, cohort, weight) for weight, peak in sent))
-        fits = [fitting_fraction_bits(cohort, weight, peak) for weight, peak in sent if peak > 0]
+        fits = [advisable_fraction_bits(cohort, weight, peak) for weight, peak in sent if peak > 0]
         if fits:
             record["max_fraction_bits"] = min(fits)
     if withheld:

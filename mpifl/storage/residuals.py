@@ -250,7 +250,8 @@ class UndoJournal:
     vector it lends (``remember``), put back once the loan has come home.
 
     Memory: one copy of the journaled chunks of each client read or lent since the last header, in RAM (about
-    per_round / client ranks of them; ``mpifl plan`` counts them, ``planning.memory.undo_vectors``)."""
+    per_round / client ranks of them, more where a fixed placement draws several of one rank's clients; ``mpifl plan``
+    counts them, ``planning.memory.undo_vectors``)."""
 
     def __init__(self, store: ResidualStore, chunks: Iterable[int] = (0,),
                  journaled: Callable[[int], bool] = lambda client: True):
