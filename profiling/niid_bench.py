@@ -472,8 +472,18 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
     if rc != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         why = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
+        if diverged(why) and (run_dir / "metrics.jsonl").is_file():
+            read = read_run(run_dir)
+            return {**read, "wall": wall, "diverged_round": read["rounds"] + 1, "why": why.strip()[:300]}
         return {"error": f"exit {rc}: {why.strip()[:300]} (log: {log})", "wall": wall}
     return {**read_run(run_dir), "wall": wall}
+
+
+def diverged(error_line: str) -> bool:
+    """Whether a run ended because a client's update held NaN/Inf (``clients.accept_failures: false``, the
+    protocol's: NIID-Bench drops no client), its training having diverged: a result of the algorithm on that
+    split, recorded as such, not a failure of the harness. The line is the client rank's FloatingPointError."""
+    return "FloatingPointError" in error_line and "NaN/Inf values" in error_line
 
 
 def run_with_time_limit(cmd: list[str], env: dict[str, str], out, seconds: float) -> int | None:
@@ -605,7 +615,10 @@ def main(argv: list[str] | None = None) -> int:
                 timings.append((label, seed, out))
                 print(f"  test accuracy after round {out['round']}: {out['accuracy']:.4f} ({out['wall']:.0f} s)",
                       file=sys.stderr, flush=True)
-                if full and out["round"] == PROTOCOL["rounds"]:
+                if out.get("diverged_round"):
+                    print(f"  diverged: round {out['diverged_round']}'s update held NaN/Inf, so the run stopped "
+                          f"there ({out['why']})", file=sys.stderr, flush=True)
+                if full and (out["round"] == PROTOCOL["rounds"] or out.get("diverged_round")):
                     kept = write_record(record_of(args.setting, label, seed, out, args.partition), args.records)
                     print(f"  recorded in {kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept}",
                           file=sys.stderr, flush=True)
@@ -662,7 +675,8 @@ def record_of(setting: str, label: str, seed: int, out: dict, partition: str = "
                                                  *(["--mu", label.split("mu=")[1].rstrip(")")] if "mu=" in label
                                                    else []),
                                                  *(["--partition", partition] if partition != "niid" else [])]),
-                             round_seconds=round(sum(out["round_seconds"]), 1))
+                             round_seconds=round(sum(out["round_seconds"]), 1),
+                             diverged_round=out.get("diverged_round"))
 
 
 if __name__ == "__main__":

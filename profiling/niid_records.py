@@ -50,6 +50,9 @@ class RunRecord:
     accuracy: list[float] | None = None
     round_seconds: float | None = None  # the rounds' wall time summed from metrics.jsonl (every round, resumed or not)
     note: str = ""
+    # The round in which a client's update held NaN/Inf: the run stopped there (the protocol drops no client), so
+    # ``rounds`` is the one before it and ``last`` that round's accuracy. None for a run of the whole protocol.
+    diverged_round: int | None = None
 
     @property
     def algorithm(self) -> str:
@@ -142,7 +145,11 @@ def cell_text(records: Sequence[RunRecord]) -> tuple[str, str, str]:
     """One cell's seeds (as "0 1 2"), its last-round and its best-over-rounds accuracies (mean ± std in %)."""
     if not records:
         return "not run yet", "", ""
-    seeds = " ".join(str(r.seed) for r in sorted(records, key=lambda r: r.seed))
+    ordered = sorted(records, key=lambda r: r.seed)
+    seeds = " ".join(str(r.seed) for r in ordered)
+    diverged = [f"seed {r.seed} diverged in round {r.diverged_round}" for r in ordered if r.diverged_round]
+    if diverged:  # its last figure is the round before: say so where the figure is read
+        seeds += f" ({'; '.join(diverged)})"
     return seeds, percent([r.last for r in records]), percent([r.best for r in records])
 
 

@@ -74,7 +74,8 @@ def test_every_kept_record_is_a_whole_protocol_run_named_after_its_contents(reco
         where = records.record_path(record, records.RECORDS.parent / root)
         assert where.is_file(), f"{where}: a record must live at its own cell's path"
         assert record.setting in bench.SETTINGS and record.algorithm in bench.ALGORITHMS, where
-        assert record.rounds == bench.PROTOCOL["rounds"] and len(record.commit) == 40, where
+        whole = record.diverged_round - 1 if record.diverged_round else bench.PROTOCOL["rounds"]
+        assert record.rounds == whole and len(record.commit) == 40, where
         assert 0 < record.last <= record.best <= 1 and 1 <= record.best_round <= record.rounds, where
         if record.accuracy is None:
             assert "per-round curve is not kept" in record.note, where  # only the runs from before records
@@ -91,8 +92,9 @@ def test_the_benchmarks_page_shows_the_grid_the_records_give(records, bench):
         "docs/benchmarks.md's NIID-Bench grid differs from the records: paste `python profiling/niid_bench.py --grid`")
 
 
-def fake_mpiexec(tmp_path, monkeypatch, rounds: int):
-    """A stand-in mpiexec that records its arguments and writes a run of ``rounds`` evaluated rounds."""
+def fake_mpiexec(tmp_path, monkeypatch, rounds: int, fails_with: str = ""):
+    """A stand-in mpiexec that records its arguments and writes a run of ``rounds`` evaluated rounds; with
+    ``fails_with``, it then prints that line and exits 1, as a run that stopped part way."""
     fake = tmp_path / "bin"
     fake.mkdir()
     lines = "".join(f'{{"round": {r}, "num_samples": 10, "time": {{"round": 2.0, "eval": 0.1}}, '
@@ -101,7 +103,8 @@ def fake_mpiexec(tmp_path, monkeypatch, rounds: int):
     script = fake / "mpiexec"
     script.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{tmp_path}/calls"\n'
                       'while [ "$1" != "--run-dir" ]; do shift; done\n'
-                      f'mkdir -p "$2"\ncp "{tmp_path}/metrics.jsonl" "$2/metrics.jsonl"\n')
+                      f'mkdir -p "$2"\ncp "{tmp_path}/metrics.jsonl" "$2/metrics.jsonl"\n'
+                      + (f"echo '{fails_with}'\nexit 1\n" if fails_with else ""))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr("profiling.niid_bench.dataset_problem", lambda folder=None: None)
     monkeypatch.setattr("profiling.niid_bench.write_partition",
@@ -123,6 +126,31 @@ def test_a_finished_run_is_recorded_and_then_read_instead_of_run_again(bench, re
     assert "recorded: 0.5500 after round 50" in capsys.readouterr().err
     assert bench.main([*argv, "--rerun"]) == 0
     assert len((tmp_path / "calls").read_text().splitlines()) == 2
+
+
+NAN_UPDATE = ("FloatingPointError: logical client 0 on rank 1: update contains 42156 NaN/Inf values "
+              "(clients.accept_failures=false); if its training diverged, lower train.lr")
+
+
+def test_a_run_whose_training_diverged_is_recorded_as_diverged_and_shown_so_in_the_grid(bench, records, tmp_path,
+                                                                                      monkeypatch):
+    fake = fake_mpiexec(tmp_path, monkeypatch, rounds=11, fails_with=NAN_UPDATE)
+    argv = ["--setting", "label1", "--algorithms", "scaffold", "--seeds", "0", "--bin", str(fake), "--work",
+            str(tmp_path / "work"), "--records", str(tmp_path / "records")]
+    assert bench.main(argv) == 0  # the algorithm's result on this split, not a failure of the harness
+    record = records.find_record("label1", "scaffold", 0, tmp_path / "records")
+    assert (record.rounds, record.diverged_round, record.last) == (11, 12, 0.511)
+    table = records.grid_table([record], {"label1": {"scaffold": 10.0}}, settings=["label1"],
+                               algorithms=["scaffold"])
+    assert table.splitlines()[2] == ("| `label1` | scaffold | 0 (seed 0 diverged in round 12) | 51.1 | 51.1 | 10.0 "
+                                     "| +41.1 |")
+
+
+def test_a_run_that_failed_otherwise_is_not_recorded(bench, records, tmp_path, monkeypatch):
+    fake = fake_mpiexec(tmp_path, monkeypatch, rounds=11, fails_with="mpifl: error: rank 2 made no progress")
+    assert bench.main(["--setting", "label1", "--algorithms", "scaffold", "--seeds", "0", "--bin", str(fake),
+                       "--work", str(tmp_path / "work"), "--records", str(tmp_path / "records")]) == 1
+    assert records.find_record("label1", "scaffold", 0, tmp_path / "records") is None
 
 
 def test_a_shortened_run_is_never_recorded(bench, tmp_path, monkeypatch):
