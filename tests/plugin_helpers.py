@@ -297,6 +297,21 @@ def _declare_counter():
 _declare_counter()
 
 
+class VectorBreaker(TrainingCounter):
+    """The training counter, except that logical client ``client`` from round ``from_round`` on leaves its count as
+    a new tensor of ``size`` elements of ``dtype``, all -1: a trainer that breaks the shape or dtype it declared."""
+
+    def __init__(self, cfg, client: int = 3, from_round: int = 2, size: int = 1, dtype: str = "float32") -> None:
+        super().__init__(cfg)
+        self.client, self.from_round, self.size, self.dtype = client, from_round, size, getattr(torch, dtype)
+
+    def train(self, model, data, seed, context):
+        result = super().train(model, data, seed, context)
+        if context.client == self.client and context.round >= self.from_round:
+            context.state["count"] = torch.full((self.size,), -1.0, dtype=self.dtype)
+        return result
+
+
 def crashing_on_rank_2(cfg: StrategyConfig) -> Strategy:
     """The counting strategy, except on the rank the launcher numbers 2, where building it raises: a failure before
     MPI starts on one rank only (a module or a file missing on one node), which mpifl's checks do not catch."""

@@ -7,6 +7,7 @@ rank, and ``clients.placement: per_round`` lends each client's one vector, whate
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from mpifl.storage.residuals import (
 )
 from mpifl.storage.rundir import ResumePoint
 from mpifl.units import MIB
-from mpifl.wire.flat import FlatModel
+from mpifl.wire.flat import FlatModel, dtype_name
 from mpifl.wire.layout import ExchangeLayout
 
 
@@ -116,11 +117,49 @@ def covered_tensors(flat: FlatModel, vector: StateVector) -> list[torch.Tensor]:
     return []
 
 
+VECTOR_DTYPE = torch.float32  # every declared vector's: its elements are fp32 (StateVector), as the store keeps them
+
+
+def vector_problem(trainer: str, state: Mapping[str, object], declared: Mapping[str, int]) -> str | None:
+    """What is wrong with the vectors ``trainer`` handed back, each declared with ``declared[name]`` elements, or
+    None: each must be there, a flat fp32 tensor of its declared size, as mpifl handed it over. Refused, never
+    reshaped or cast: a vector of another size holds something else than its declaration says, and a cast would
+    change silently what is kept and checkpointed (the model's dtypes are refused on a mismatch, not cast, too)."""
+    for name, elements in declared.items():
+        if name not in state:
+            return f"trainer {trainer} left no client vector {name!r} (it was declared; change it in place)"
+        value = state[name]
+        if not isinstance(value, torch.Tensor):
+            return f"trainer {trainer} left client vector {name!r} as a {type(value).__name__}, not a torch.Tensor"
+        mismatch = vector_mismatch(value, elements)
+        if mismatch is not None:
+            return f"trainer {trainer} left client vector {name!r} with {mismatch}"
+    extra = [name for name in state if name not in declared]
+    if extra:
+        return (f"trainer {trainer} left client vector {extra[0]!r}, which its client_state does not declare (it "
+                f"declares {', '.join(map(repr, declared))})")
+    return None
+
+
+def vector_mismatch(value: torch.Tensor, elements: int) -> str | None:
+    """How ``value`` differs from a vector declared with ``elements`` fp32 elements ("shape (5,) where (1,) was
+    declared"), or None."""
+    checks: tuple[tuple[str, object, object], ...] = (
+        ("shape", tuple(value.shape), (elements,)), ("dtype", dtype_name(value.dtype), dtype_name(VECTOR_DTYPE)))
+    wrong = [(what, got, want) for what, got, want in checks if got != want]
+    if not wrong:
+        return None
+    got = " and ".join(f"{what} {got}" for what, got, _ in wrong)
+    declared = " and ".join(str(want) for _, _, want in wrong)
+    return f"{got} where {declared} {'were' if len(wrong) > 1 else 'was'} declared"
+
+
 class DeclaredVectors:
     """A plug-in trainer's per-client vectors on the rank (``Trainer.client_state``): each one copied out of the
     store into the training client's ``TrainContext.state`` before it trains, and written back after, unless its
-    training failed or left a vector NaN or Inf (it keeps the old one then, as its update is refused too). A vector
-    the client never wrote starts as zeros or, with ``start='global'``, as the tensors it covers hold on arrival."""
+    training failed, left a vector not as declared (the client fails then: ``problem``) or left one NaN or Inf (it
+    keeps the old ones then). A vector the client never wrote starts as zeros or, with ``start='global'``, as the
+    tensors it covers hold on arrival."""
 
     def __init__(self, flat: FlatModel, declared: tuple[tuple[str, StateVector], ...],
                  stores: dict[str, ResidualStore]):
@@ -142,20 +181,22 @@ class DeclaredVectors:
                 state[name] = store.read(client, 0).to(self.device, copy=True)
         return state, fresh
 
+    def problem(self, trainer: str, state: Mapping[str, object]) -> str | None:
+        """What is wrong with the vectors ``trainer`` handed back for a client against their declarations, or None
+        (``vector_problem``): asked before any of them, or anything else of the client's, is kept."""
+        return vector_problem(trainer, state, {name: self.stores[name].firsts[-1] for name in self.declared})
+
     def keep(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        """Store ``client``'s vectors after it trained; all or none: a NaN or Inf in any keeps every old one, and
-        says so (its update, finite, is still folded: only the vectors are refused)."""
+        """Store ``client``'s vectors after it trained, each as declared (``problem`` found nothing); all or none:
+        a NaN or Inf in any keeps every old one, and says so (its update, finite, is still folded: only the vectors
+        are refused)."""
         bad = [name for name, v in state.items() if not bool(torch.isfinite(v).all())]
         if bad:
             log(f"logical client {client}: the trainer left NaN or Inf in its vector{'s' if len(bad) > 1 else ''} "
                 f"{', '.join(map(repr, bad))}; its old vectors are kept (its update is folded as usual)")
             return
         for name, values in state.items():
-            store = self.stores[name]
-            if values.shape != (store.firsts[-1],):
-                raise ValueError(f"logical client {client}: the trainer left its vector {name!r} of shape "
-                                 f"{tuple(values.shape)}; it was declared with {store.firsts[-1]} elements")
-            store.write(client, 0, values.detach().float().cpu())
+            self.stores[name].write(client, 0, values.detach().cpu())
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mpifl.errors import JobFailure
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import deterministic_hint
 from mpifl.learning.trainers import ConfiguredTrainer, TrainContext, Trainer, TrainResult, accepts_context
@@ -54,13 +55,24 @@ class LocalTraining:
         self.parts, self.work, self.state, self.plan, self.evaluation = parts, work, state, plan, evaluation
         self.trainer, self.faults, self.rank = parts.trainer, faults, rank
         self.context = accepts_context(parts.trainer)  # whether the trainer takes a TrainContext
+        self.trainer_name = f"{type(parts.trainer).__module__}.{type(parts.trainer).__qualname__}"  # as errors say it
         self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
         self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
 
     def train(self, round_: int, client: int, data: ClientData | None,
               anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client (``anchor``: the global model beside the one that trains, for
-        SCAFFOLD's and FedDyn's rules); a raise ends the job, or is its error under accept_failures."""
+        SCAFFOLD's and FedDyn's rules); a raise, or a declared vector left not as declared, ends the job, or is its
+        error under accept_failures."""
+        result, error = self._attempt(round_, client, data, anchor)
+        problem = self._vectors_problem() if error is None else None
+        if problem is not None:
+            return TrainResult(0, {}), self.refused(problem, round_, client)
+        return result, error
+
+    def _attempt(self, round_: int, client: int, data: ClientData | None,
+                 anchor: torch.Tensor | None) -> tuple[TrainResult, str | None]:
+        """Train ``client`` within its faults and its client half's rule; a raise is the failure rule's."""
         controls = self.state.controls
         try:
             assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
@@ -99,6 +111,22 @@ class LocalTraining:
             raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}{doing}: "
                                 f"{type(err).__name__}: {err} ({why}{hint})") from err
         return f"{type(err).__name__}: {err}{hint}"
+
+    def _vectors_problem(self) -> str | None:
+        """What is wrong with the declared vectors the trainer handed back, or None (none declared, or all as
+        declared)."""
+        declared = self.state.declared
+        return None if declared is None else declared.problem(self.trainer_name, self.vectors)
+
+    def refused(self, problem: str, round_: int, client: int) -> str:
+        """A client whose trainer left a declared vector not as declared: its error under clients.accept_failures
+        (dropped from the round, its old vectors kept), else the end of the job in one line, as mpifl's own check
+        found it (no traceback: no code of the trainer's raised)."""
+        if not self.parts.accept_failures:
+            raise JobFailure(f"round {round_}: logical client {client} (rank {self.rank}): {problem} "
+                             "(clients.accept_failures=false); change each vector in place, as context.state hands "
+                             "it over, or drop such clients from their rounds with clients.accept_failures=true")
+        return problem
 
     def non_finite(self, client: int, count: int, injected: str | None = None) -> str:
         """An update with ``count`` NaN/Inf values: the client's error under clients.accept_failures, else the end of
