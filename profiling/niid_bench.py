@@ -482,8 +482,9 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int, run_dir: Path, 
 def diverged(error_line: str) -> bool:
     """Whether a run ended because a client's update held NaN/Inf (``clients.accept_failures: false``, the
     protocol's: NIID-Bench drops no client), its training having diverged: a result of the algorithm on that
-    split, recorded as such, not a failure of the harness. The line is the client rank's FloatingPointError."""
-    return "FloatingPointError" in error_line and "NaN/Inf values" in error_line
+    split, recorded as such, not a failure of the harness. The line is the client rank's: "update contains N NaN/Inf
+    values (clients.accept_failures=false)", without ", put there by faults[i]" (an injected fault's)."""
+    return "NaN/Inf values" in error_line and "accept_failures=false" in error_line and "put there by" not in error_line
 
 
 def run_with_time_limit(cmd: list[str], env: dict[str, str], out, seconds: float) -> int | None:

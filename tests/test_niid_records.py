@@ -128,13 +128,16 @@ def test_a_finished_run_is_recorded_and_then_read_instead_of_run_again(bench, re
     assert len((tmp_path / "calls").read_text().splitlines()) == 2
 
 
-NAN_UPDATE = ("FloatingPointError: logical client 0 on rank 1: update contains 42156 NaN/Inf values "
-              "(clients.accept_failures=false); if its training diverged, lower train.lr")
+NAN_UPDATE = ("[mpifl rank 1 on host] failed, aborting the job: round 12: logical client 0 (rank 1): update contains "
+              "42156 NaN/Inf values (clients.accept_failures=false); if its training diverged, lower train.lr")
+NAN_UPDATE_BEFORE = ("FloatingPointError: logical client 0 on rank 1: update contains 42156 NaN/Inf values "
+                     "(clients.accept_failures=false); if its training diverged, lower train.lr")  # until 2026-12-01
 
 
+@pytest.mark.parametrize("line", [NAN_UPDATE, NAN_UPDATE_BEFORE], ids=["one-line", "traceback"])
 def test_a_run_whose_training_diverged_is_recorded_as_diverged_and_shown_so_in_the_grid(bench, records, tmp_path,
-                                                                                      monkeypatch):
-    fake = fake_mpiexec(tmp_path, monkeypatch, rounds=11, fails_with=NAN_UPDATE)
+                                                                                      monkeypatch, line):
+    fake = fake_mpiexec(tmp_path, monkeypatch, rounds=11, fails_with=line)
     argv = ["--setting", "label1", "--algorithms", "scaffold", "--seeds", "0", "--bin", str(fake), "--work",
             str(tmp_path / "work"), "--records", str(tmp_path / "records")]
     assert bench.main(argv) == 0  # the algorithm's result on this split, not a failure of the harness
@@ -146,8 +149,11 @@ def test_a_run_whose_training_diverged_is_recorded_as_diverged_and_shown_so_in_t
                                      "| +41.1 |")
 
 
-def test_a_run_that_failed_otherwise_is_not_recorded(bench, records, tmp_path, monkeypatch):
-    fake = fake_mpiexec(tmp_path, monkeypatch, rounds=11, fails_with="mpifl: error: rank 2 made no progress")
+@pytest.mark.parametrize("line", ["mpifl: error: rank 2 made no progress",
+                                  "round 3: logical client 0 (rank 1): update contains 5 NaN/Inf values, put there by "
+                                  "faults[0] (nan) (clients.accept_failures=false)"], ids=["watchdog", "injected"])
+def test_a_run_that_failed_otherwise_is_not_recorded(bench, records, tmp_path, monkeypatch, line):
+    fake = fake_mpiexec(tmp_path, monkeypatch, rounds=11, fails_with=line)
     assert bench.main(["--setting", "label1", "--algorithms", "scaffold", "--seeds", "0", "--bin", str(fake),
                        "--work", str(tmp_path / "work"), "--records", str(tmp_path / "records")]) == 1
     assert records.find_record("label1", "scaffold", 0, tmp_path / "records") is None

@@ -283,7 +283,7 @@ class ClientRank:
             self.faults.corrupt(round_, client, buffers, self.work, self.parts.plan, self.parts.training.seed)
         if bad:
             injected = self.faults.injected_non_finite(round_, client) if self.faults else None
-            error = self.training.non_finite(client, bad, injected)
+            error = self.training.non_finite(round_, client, bad, injected)
         seconds = time.perf_counter() - start
         metrics = {**result.metrics, **self.costs.of_update(seconds)}
         if self.replica is not None and self.replica.on_gpu:

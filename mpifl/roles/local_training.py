@@ -128,17 +128,18 @@ class LocalTraining:
                              "it over, or drop such clients from their rounds with clients.accept_failures=true")
         return problem
 
-    def non_finite(self, client: int, count: int, injected: str | None = None) -> str:
+    def non_finite(self, round_: int, client: int, count: int, injected: str | None = None) -> str:
         """An update with ``count`` NaN/Inf values: the client's error under clients.accept_failures, else the end of
-        the job with what to change. ``injected``: the config's fault that put them there, if one did (then the
-        training did not diverge, and the advice would mislead)."""
+        the job in one line with what to change (mpifl's own check found it: no traceback). ``injected``: the
+        config's fault that put them there, if one did (then the training did not diverge, and the advice would
+        mislead)."""
         error = f"update contains {count} NaN/Inf values" + (f", put there by {injected}" if injected else "")
         if not self.parts.accept_failures:
             advice = ("drop such clients from their rounds with clients.accept_failures=true" if injected else
                       "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients "
                       "from their rounds with clients.accept_failures=true")
-            raise FloatingPointError(f"logical client {client} on rank {self.rank}: {error} "
-                                     f"(clients.accept_failures=false); {advice}")
+            raise JobFailure(f"round {round_}: logical client {client} (rank {self.rank}): {error} "
+                             f"(clients.accept_failures=false); {advice}")
         return error
 
     def _context(self, round_: int, client: int) -> TrainContext:

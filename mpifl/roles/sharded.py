@@ -36,6 +36,7 @@ from mpifl.aggregation.strategies import make_strategy
 from mpifl.algorithms import model_streams
 from mpifl.algorithms.ditto import ShardPersonalModels
 from mpifl.config import Config
+from mpifl.errors import JobFailure
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import resolve_device, use_deterministic_kernels
 from mpifl.learning.models import build_model
@@ -268,9 +269,9 @@ def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, 
         return None
     error = f"update contains {bad} NaN/Inf values"
     if not accept_failures:
-        raise FloatingPointError(f"logical client {step.client}, trained by the sharded group of rank {rank}: {error} "
-                                 "(clients.accept_failures=false); if its training diverged, lower train.lr or set "
-                                 "train.max_grad_norm, or drop such clients with clients.accept_failures=true")
+        raise JobFailure(f"logical client {step.client}, trained by the sharded group of rank {rank}: {error} "
+                         "(clients.accept_failures=false); if its training diverged, lower train.lr or set "
+                         "train.max_grad_norm, or drop such clients with clients.accept_failures=true")
     return error
 
 
