@@ -299,16 +299,19 @@ _declare_counter()
 
 class VectorBreaker(TrainingCounter):
     """The training counter, except that logical client ``client`` from round ``from_round`` on leaves its count as
-    a new tensor of ``size`` elements of ``dtype``, all -1: a trainer that breaks the shape or dtype it declared."""
+    a new tensor of ``size`` elements of ``dtype``, all -1: a trainer that breaks the shape or dtype it declared;
+    with ``nan``, all NaN (as declared otherwise): a trainer whose vector diverged."""
 
-    def __init__(self, cfg, client: int = 3, from_round: int = 2, size: int = 1, dtype: str = "float32") -> None:
+    def __init__(self, cfg, client: int = 3, from_round: int = 2, size: int = 1, dtype: str = "float32",
+                 nan: bool = False) -> None:
         super().__init__(cfg)
         self.client, self.from_round, self.size, self.dtype = client, from_round, size, getattr(torch, dtype)
+        self.fill = float("nan") if nan else -1.0
 
     def train(self, model, data, seed, context):
         result = super().train(model, data, seed, context)
         if context.client == self.client and context.round >= self.from_round:
-            context.state["count"] = torch.full((self.size,), -1.0, dtype=self.dtype)
+            context.state["count"] = torch.full((self.size,), self.fill, dtype=self.dtype)
         return result
 
 

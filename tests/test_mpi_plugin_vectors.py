@@ -90,3 +90,13 @@ def test_without_accept_failures_a_vector_not_as_declared_ends_the_job_in_one_li
     line = f"round 2: logical client 3 (rank 2): {message} (clients.accept_failures=false)"
     assert [ln for ln in result.stderr.splitlines() if line in ln], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_vector_left_nan_keeps_its_old_values_says_so_with_round_and_trainer_and_the_update_still_counts(tmp_path):
+    result = run(tmp_path, 3, "train.kwargs={nan: true}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert dropped(tmp_path / "run") == {1: {}, 2: {}, 3: {}}  # only the vectors are refused, not the update
+    assert ("round 2: trainer plugin_helpers.VectorBreaker: logical client 3: the trainer left NaN or Inf in its "
+            "vector 'count'; its old vectors are kept") in result.stderr, result.stderr[-3000:]
+    counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
+    assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it

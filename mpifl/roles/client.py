@@ -278,7 +278,8 @@ class ClientRank:
         else:
             buffers, bad = self.updates.on_host(round_, client, keep, result, usable=error is None, check=check)
         if self.parts.state.declared is not None and error is None and not bad:  # else as if it had not trained
-            self.parts.state.declared.keep(client, self.training.vectors)
+            self.parts.state.declared.keep(client, self.training.vectors,
+                                            f"round {round_}: trainer {self.training.trainer_name}")
         if self.faults and error is None and not bad:  # a corruption strikes past every check
             self.faults.corrupt(round_, client, buffers, self.work, self.parts.plan, self.parts.training.seed)
         if bad:

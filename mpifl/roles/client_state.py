@@ -186,14 +186,16 @@ class DeclaredVectors:
         (``vector_problem``): asked before any of them, or anything else of the client's, is kept."""
         return vector_problem(trainer, state, {name: self.stores[name].firsts[-1] for name in self.declared})
 
-    def keep(self, client: int, state: dict[str, torch.Tensor]) -> None:
+    def keep(self, client: int, state: dict[str, torch.Tensor], where: str = "") -> None:
         """Store ``client``'s vectors after it trained, each as declared (``problem`` found nothing); all or none:
         a NaN or Inf in any keeps every old one, and says so (its update, finite, is still folded: only the vectors
-        are refused)."""
+        are refused). ``where``: the round and trainer, for the log line ("round 3: trainer pkg.Mine")."""
         bad = [name for name, v in state.items() if not bool(torch.isfinite(v).all())]
         if bad:
-            log(f"logical client {client}: the trainer left NaN or Inf in its vector{'s' if len(bad) > 1 else ''} "
-                f"{', '.join(map(repr, bad))}; its old vectors are kept (its update is folded as usual)")
+            said = f"{where}: " if where else ""
+            log(f"{said}logical client {client}: the trainer left NaN or Inf in its "
+                f"vector{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; its old vectors are kept (its "
+                "update is folded as usual)")
             return
         for name, values in state.items():
             self.stores[name].write(client, 0, values.detach().cpu())
