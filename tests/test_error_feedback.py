@@ -11,7 +11,13 @@ import torch
 
 from mpifl.config import ConfigError, load_config
 from mpifl.roles.encoding import UpdateCompressor
-from mpifl.storage.checkpointer import latest_checkpoint, prune_checkpoints, residuals_dir
+from mpifl.storage.checkpointer import (
+    WITHHELD,
+    latest_checkpoint,
+    prune_checkpoints,
+    residuals_dir,
+    withheld_ranks,
+)
 from mpifl.storage.hdf5 import CheckpointWriter
 from mpifl.storage.residuals import DiskResiduals, RamResiduals, load_snapshot, open_residuals, save_snapshot
 from mpifl.wire.codecs import TopK
@@ -129,8 +135,8 @@ def test_a_snapshot_is_read_by_client_id_whatever_rank_wrote_it(tmp_path):
     assert torch.equal(residual(resumed, 3), torch.zeros(firsts[-1]))
 
 
-def publish(directory, round_: int, residual_files: list[str] | None):
-    attrs = {"round": round_}
+def publish(directory, round_: int, residual_files: list[str] | None, **extra: str):
+    attrs = {"round": round_, **extra}
     if residual_files is not None:
         attrs["residual_files"] = json.dumps(residual_files)
         residuals_dir(directory / f"ckpt-r{round_:06d}.h5").mkdir(parents=True, exist_ok=True)
@@ -151,6 +157,17 @@ def test_a_checkpoint_whose_residuals_are_missing_is_skipped_for_the_one_before(
     assert "skipping incomplete checkpoint" in capsys.readouterr().err
     with latest_checkpoint(tmp_path) as ckpt:  # without error feedback, residuals are not needed
         assert ckpt.round == 2
+
+
+def test_a_checkpoint_saved_while_a_rank_was_silent_resumes_no_longer_run_but_still_ends_a_complete_one(tmp_path,
+                                                                                                      capsys):
+    publish(tmp_path, 1, ["rank00001.h5", "rank00002.h5"])
+    publish(tmp_path, 2, ["rank00001.h5"], **{WITHHELD: "[2]"})  # rank 2 silent as the last round was saved
+    with latest_checkpoint(tmp_path, feedback=True, rounds=3) as ckpt:  # a longer run: the state is needed
+        assert ckpt.round == 1
+        assert "rank 2 stayed silent past timeouts.first_update" in capsys.readouterr().err
+    with latest_checkpoint(tmp_path, feedback=True, rounds=2) as ckpt:  # the run is complete there: nothing to train
+        assert ckpt.round == 2 and withheld_ranks(ckpt) == [2]
 
 
 def test_pruning_removes_a_checkpoints_residuals_with_it(tmp_path):

@@ -9,7 +9,7 @@ import h5py
 import yaml
 
 from mpifl.errors import CheckpointError
-from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir
+from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
 
@@ -37,8 +37,10 @@ def inspect(path: str, verify: bool = False) -> int:
         print(f"server state: {', '.join(state) or '(none)'}")
         files = residual_files(ckpt)
         if files is not None:  # what a resume needs beside this file
+            silent = withheld_ranks(ckpt)
+            lacks = f", none of rank(s) {silent} (silent as it was saved)" if silent else ""
             print(f"per client: {kept_per_client(ckpt)}, kept by the client ranks, in {residuals_dir(ckpt.path)} "
-                  f"({len(files)} rank file(s){'' if all(f.is_file() for f in files) else ', some missing'})")
+                  f"({len(files)} rank file(s){'' if all(f.is_file() for f in files) else ', some missing'}{lacks})")
         print(f"metrics: {len(ckpt.metrics())} rounds")
         print("config:\n  " + ckpt.config.strip().replace("\n", "\n  "))
     return 0

@@ -172,7 +172,8 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
     """What the server does once no round is left to run: link ``model.h5`` to the last round's checkpoint (the
     configured last round, or the one after which the privacy budget is spent), say so, and note the outcome.
     Before it takes up what dropped ranks still send (Server.run): a rank silent there ends the job, and the run
-    directory must still say that every round is on disk."""
+    directory must still say that every round is on disk. A rank silent while the last checkpoint collected
+    per-client state ends it here, for the same reason once the run directory says so (Checkpointer.withheld)."""
     def wrap_up(done: list[dict], budget_spent: bool) -> None:
         reached = done[-1]["round"] if done else 0
         if run_dir and cfg.output.save_model and done and (reached == cfg.rounds or budget_spent):
@@ -185,6 +186,8 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
             notes("finished", reached, stopped=BUDGET_SPENT)
         else:
             notes("interrupted" if stopped_on_request(done, cfg.rounds, stop, budget_spent) else "finished", reached)
+        if checkpointer.withheld:
+            raise JobFailure(checkpointer.withheld)
 
     return wrap_up
 

@@ -17,6 +17,11 @@ checkpointer calls the ``persist`` it was built with, which has every client ran
 residuals into ``ckpt-r<round>.residuals/`` and waits for each to acknowledge (roles.residuals);
 only then is the model published, naming those files in its attribute ``residual_files``. A
 checkpoint whose listed files are missing is incomplete: a resume skips it, loudly.
+
+A client rank silent past ``timeouts.first_update`` in phase 1 ends the job (``StateWithheld``). After the run's
+last round the trained model is published all the same, naming the silent ranks in its attribute
+``state_withheld``, so that ``model.h5`` and every round are on disk before the job fails: such a checkpoint is
+incomplete too, and a longer run never resumes from it (the silent ranks' clients' state is nowhere).
 """
 from __future__ import annotations
 
@@ -48,6 +53,16 @@ FINAL_MODEL = "model.h5"
 _NAME = re.compile(r"^ckpt-r(\d{6,})\.h5$")
 _RESIDUALS = re.compile(r"^ckpt-r(\d{6,})\.residuals$")
 Persist = Callable[[int, Path], list[str]]  # (round, folder): the client ranks' residual files, published there
+WITHHELD = "state_withheld"  # the client ranks (JSON list) silent when a checkpoint collected per-client state
+
+
+class StateWithheld(JobFailure):
+    """Client ranks that stayed silent while a checkpoint collected their per-client state (a ``Persist`` raises
+    it once every other rank has answered): ``files``, what the others published; ``ranks``, the silent ones."""
+
+    def __init__(self, message: str, files: list[str], ranks: list[int]):
+        super().__init__(message)
+        self.files, self.ranks = files, ranks
 
 
 class RunDirectoryError(ValueError):
@@ -112,9 +127,21 @@ def kept_per_client(ckpt: Checkpoint) -> str:
     return "per-client state (of plug-ins not importable here: put them on PYTHONPATH to have the kinds named)"
 
 
+def withheld_ranks(ckpt: Checkpoint) -> list[int]:
+    """The client ranks whose per-client state the checkpoint lacks, silent when it was collected (none: whole)."""
+    listed = ckpt.file.attrs.get(WITHHELD)
+    return [int(rank) for rank in json.loads(listed)] if listed else []
+
+
 def missing_residuals(ckpt: Checkpoint) -> str | None:
     """Why a checkpoint cannot resume a run that keeps per-client state (error-feedback residuals, control
     variates, local tensors, personal models), or None (round 0 has none yet)."""
+    silent = withheld_ranks(ckpt)
+    if silent:
+        ranks = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+        return (f"{ckpt.path}: {ranks} stayed silent past timeouts.first_update while it was saved, so it lacks the "
+                f"{kept_per_client(ckpt)} of {ranks}'s clients (its model is whole: model.init_from=PATH starts a "
+                "new run from it)")
     files = residual_files(ckpt)
     if files is None:
         return None if ckpt.round == 0 else f"{ckpt.path}: no {kept_per_client(ckpt)} were saved with it"
@@ -148,9 +175,21 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(directory: Path, feedback: bool = False) -> Checkpoint | None:
-    """The newest checkpoint that opens and validates (and, with ``feedback``, has its residuals); broken newer
-    files are skipped loudly."""
+def budget_spent(records: list[dict]) -> bool:
+    """Whether the last of ``records`` is the round after which ``privacy.epsilon_budget`` is spent (the server
+    marks it so, in metrics.jsonl and the checkpoint's copy): the run is complete there."""
+    return bool(records and records[-1].get("privacy", {}).get("budget_spent"))
+
+
+def ends_run(ckpt: Checkpoint, rounds: int | None) -> bool:
+    """Whether ``ckpt`` ends a run of ``rounds`` (its last round or later, or the round after which the privacy
+    budget is spent): a resume from it trains nothing more, so it needs no per-client state."""
+    return rounds is not None and (ckpt.round >= rounds or budget_spent(ckpt.metrics()))
+
+
+def latest_checkpoint(directory: Path, feedback: bool = False, rounds: int | None = None) -> Checkpoint | None:
+    """The newest checkpoint that opens and validates (and, with ``feedback``, has its residuals, unless it ends a
+    run of ``rounds``); broken newer files are skipped loudly."""
     for path in reversed(list_checkpoints(directory)):
         try:
             ckpt = Checkpoint(path)
@@ -158,7 +197,7 @@ def latest_checkpoint(directory: Path, feedback: bool = False) -> Checkpoint | N
             _say(f"mpifl: skipping unusable checkpoint: {err}")
             continue
         untrusted = metadata_problem(ckpt)
-        problem = untrusted or (missing_residuals(ckpt) if feedback else None)
+        problem = untrusted or (missing_residuals(ckpt) if feedback and not ends_run(ckpt, rounds) else None)
         if problem is None:
             return ckpt
         ckpt.close()
@@ -227,6 +266,8 @@ class Checkpointer:
         self.store, self.directory, self.cfg, self.rounds, self.attrs = store, directory, cfg, rounds, attrs
         self.needed = needed  # asynchronous FL: every version is saved; those a resume would retrain from are kept
         self.persist = persist  # error feedback: publishes the client ranks' residuals of a round (phase 1)
+        # why the last round's checkpoint lacks some client ranks' state: the job fails with it once wrapped up
+        self.withheld: str | None = None
 
     def path(self, round_: int) -> Path:
         """Where the checkpoint after ``round_`` is published."""
@@ -270,10 +311,7 @@ class Checkpointer:
         try:
             if self.persist is not None and round_ > 0 and (save or self.store.durable):  # phase 1: the residuals
                 # (round 0, the initial model, has none yet)
-                folder = residuals_dir(self.path(round_))
-                shutil.rmtree(folder, ignore_errors=True)  # a crash's leftovers, perhaps from other rank counts
-                folder.mkdir(parents=True)
-                attrs["residual_files"] = json.dumps(self.persist(round_, folder))
+                attrs.update(self._persisted(round_, history))
             path = self.store.end_round(round_, attrs, history, save)
         except OSError as err:  # full disk, quota, I/O error: the message names the file
             newest = list_checkpoints(self.directory) if self.directory is not None else []
@@ -284,6 +322,27 @@ class Checkpointer:
             assert self.directory is not None
             prune_checkpoints(self.directory, self.cfg.keep, self.needed(round_) if self.needed else ())
         return path
+
+    def _persisted(self, round_: int, history: list[dict]) -> dict[str, str]:
+        """Phase 1: have the client ranks publish their state of ``round_``; the checkpoint's attributes naming it.
+        A rank silent through it ends the job, except after the run's last round: the trained model is worth more
+        than the state that only a longer run would need, so it is published without the silent ranks' state,
+        marked so (``WITHHELD``), and the job fails once the run is wrapped up (``withheld``)."""
+        assert self.persist is not None  # round_ended calls this only with error feedback
+        folder = residuals_dir(self.path(round_))
+        shutil.rmtree(folder, ignore_errors=True)  # a crash's leftovers, perhaps from other rank counts
+        folder.mkdir(parents=True)
+        try:
+            return {"residual_files": json.dumps(self.persist(round_, folder))}
+        except StateWithheld as silent:
+            if round_ != self.rounds and not budget_spent(history):
+                raise
+            ranks = f"rank {silent.ranks[0]}'s" if len(silent.ranks) == 1 else f"ranks {silent.ranks}'"
+            self.withheld = (f"{silent}; every round and the trained model are on disk ({self.path(round_)}), "
+                             f"without {ranks} per-client state, so a longer run cannot resume from it")
+            log(f"{silent}: publishing round {round_}'s model without {ranks} per-client state; the job fails "
+                "once the run is wrapped up", rank=0)
+            return {"residual_files": json.dumps(silent.files), WITHHELD: json.dumps(silent.ranks)}
 
     def round_aborted(self, round_: int, history: list[dict], model_intact: bool = True) -> Path | None:
         """The round is not applied: make sure the model after the previous round is on disk; return where."""

@@ -37,6 +37,8 @@ from mpifl.storage.checkpointer import (
     CHECKPOINTS,
     METRICS,
     RunDirectoryError,
+    budget_spent,
+    ends_run,
     latest_checkpoint,
     list_checkpoints,
     missing_residuals,
@@ -70,12 +72,6 @@ class RunComplete(Exception):
 BUDGET_SPENT = "privacy.epsilon_budget"  # what ended a complete run early, in rank 0's note (``stopped``)
 
 
-def budget_spent(records: list[dict]) -> bool:
-    """Whether the last of ``records`` is the round after which ``privacy.epsilon_budget`` is spent (the server
-    marks it so, in metrics.jsonl and the checkpoint's copy): the run is complete there."""
-    return bool(records and records[-1].get("privacy", {}).get("budget_spent"))
-
-
 def budget_line(config: dict, records: list[dict], rounds: int) -> str:
     """'privacy.epsilon_budget B spent after round R of N (epsilon E)', from a run's config and records."""
     budget = ((config or {}).get("privacy") or {}).get("epsilon_budget")
@@ -106,12 +102,14 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         run_dir = run_dir_arg or cfg.output.dir
         if not run_dir:
             raise ConfigError("--resume without a checkpoint path needs --run-dir (or output.dir) of the run")
-        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS, keeps_residuals(cfg))
+        ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS, keeps_residuals(cfg), cfg.rounds)
         if ckpt is None:
             return None
     else:
         ckpt = Checkpoint(which)
-        problem = metadata_problem(ckpt) or (missing_residuals(ckpt) if keeps_residuals(cfg) else None)
+        untrusted = metadata_problem(ckpt)
+        state = keeps_residuals(cfg) and not untrusted and not ends_run(ckpt, cfg.rounds)
+        problem = untrusted or (missing_residuals(ckpt) if state else None)
         if problem:
             ckpt.close()
             raise ConfigError(f"cannot resume: {problem}")

@@ -6,6 +6,7 @@ taken for the next round's updates; rank 0 drains it meanwhile and the rank rejo
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from conftest import run_mpi, write_config
 from reference import reference_run
 
 from mpifl.config import load_config
-from mpifl.storage.hdf5 import load_tensors
+from mpifl.storage.checkpointer import missing_residuals
+from mpifl.storage.hdf5 import Checkpoint, load_tensors
 from mpifl.wire import protocol
 from mpifl.wire.watchdog import STRAGGLER_FACTOR, STRAGGLER_FLOOR_SECONDS, StragglerRule
 
@@ -164,3 +166,49 @@ output: {progress: false}
     history = records(tmp_path / "run")
     assert [r["round"] for r in history] == [1, 2, 3, 4] and drops(history)[3] == {2}
     assert "round 3: rank 2's late updates of logical clients [2] arrived" in result.stderr
+
+
+def test_a_rank_silent_through_the_last_checkpoint_still_leaves_the_trained_model_and_the_job_fails_naming_it(
+        tmp_path):
+    """FedDyn keeps per-client state and checkpoint.every is 0, so the last round's checkpoint is the run's only one,
+    and it asks every client rank for its clients' vectors. Rank 2 stalls silently in round 2 (the last): dropped
+    at the straggler deadline, it stays silent past timeouts.first_update while the checkpoint waits for it. The
+    trained model is published all the same (model.h5, every round's metrics) and the job then ends non-zero
+    naming the rank, the round and the deadline, as a rank silent at the end of the run does; the checkpoint,
+    which lacks rank 2's clients' state, says so, and cannot resume a longer run. It used to end the job with no
+    checkpoint at all: the whole run lost (found by a new user with FedDyn and a 4 s first_update)."""
+    text = """
+seed: 0
+rounds: 2
+clients: {num_clients: 4, per_round: 4, accept_failures: true}
+data: {dataset: digits, partition: iid}
+model: {name: mlp, kwargs: {hidden: [16]}}
+train: {lr: 0.1}
+strategy: {name: feddyn}
+checkpoint: {every: 0}
+timeouts: {straggler: 1, first_update: 2}
+eval: {every: 0}
+faults: [{kind: stall, clients: [1], rounds: [2], seconds: 8}]
+output: {progress: false}
+"""
+    cfg, run_dir = write_config(tmp_path / "c.yaml", text), tmp_path / "run"
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), timeout=120)
+    assert result.returncode != 0
+    assert re.search(r"round 2: rank 2 \(its per-client state for the checkpoint of round 2\) made no progress for "
+                     r"2\.\d s at stage 'first update', past its deadline of 2 s \(timeouts.first_update\)",
+                     result.stderr), result.stderr[-3000:]
+    assert [r["round"] for r in records(run_dir)] == [1, 2] and drops(records(run_dir))[2] == {1, 3}
+    model = load_tensors(run_dir / "model.h5")
+    assert model and all(np.isfinite(t.float().numpy()).all() for t in model.values())
+    status = run_mpi(1, "status", str(run_dir))
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert re.search(r"^complete; the job then failed: JobFailure: round 2: rank 2 ", status.stdout, re.M), \
+        status.stdout
+    with Checkpoint(run_dir / "model.h5") as ckpt:  # the model is whole; rank 2's clients' state is not in it
+        assert ckpt.round == 2 and "rank 2" in (missing_residuals(ckpt) or "")
+    longer = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", str(run_dir / "model.h5"),
+                     "rounds=3", timeout=60)
+    assert longer.returncode == 2, longer.stdout + longer.stderr
+    assert "cannot resume" in longer.stderr and "rank 2 stayed silent" in longer.stderr, longer.stderr
+    again = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=60)  # a job script's next
+    assert again.returncode == 0 and "run already complete" in again.stdout + again.stderr, again.stderr
