@@ -194,7 +194,7 @@ def test_a_poisson_round_drawing_fewer_than_min_cohort_is_withheld_whole():
 
 
 def test_a_round_left_with_fewer_usable_updates_than_min_cohort_is_aborted_before_anything_is_written():
-    from mpifl.aggregation.reduction import ReductionRound, RoundAborted, checked_totals
+    from mpifl.aggregation.round_task import ReductionRound, RoundAborted, checked_totals
     from mpifl.aggregation.strategies import make_strategy
     from mpifl.wire.protocol import UpdateMeta
 
