@@ -154,7 +154,8 @@ A config is one YAML file with one section per component. Every key below may al
 the command line as `key=value`, with a YAML value: `rounds=5 train.lr=0.1
 'model.kwargs={{hidden: [32]}}'`. The whole config is checked before any MPI work starts: an
 unknown key is named with the closest valid one, a bad type or a value out of range names the
-key and what is allowed, and an import path (`package.module:attr`) must resolve. An empty
+key and what is allowed, and an import path (`package.module:attr`) must resolve; every such
+problem is listed at once, one line each. An empty
 section (`clients:`) means its defaults. Booleans are `true` and `false` only, as in YAML 1.2:
 `off`, `on`, `yes` and `no` are words, so `clock: {{mode: off}}` needs no quotes. A relative
 path (a data folder, a partition file, a trace, `model.init_from`) is read from the working
