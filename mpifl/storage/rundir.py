@@ -35,6 +35,7 @@ from mpifl.logs import log
 from mpifl.metrics import json_line
 from mpifl.storage.checkpointer import (
     CHECKPOINTS,
+    FINAL_MODEL,
     METRICS,
     RunDirectoryError,
     budget_spent,
@@ -184,6 +185,8 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
         rewind_metrics(path / METRICS, point)
         log(resume_line(path, point, cfg.rounds), rank=0)
     elif (path / METRICS).exists() and resume_asked:
+        if (path / FINAL_MODEL).exists():
+            raise RunDirectoryError(finished_without_checkpoint(path, cfg.rounds))
         aside = path / f"{METRICS}.before-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(path / METRICS, aside)
         log(f"--resume: no usable checkpoint in {path / CHECKPOINTS}: starting fresh (earlier metrics kept "
@@ -199,6 +202,17 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
     (path / "config.yaml").write_text(dump_config(cfg))
     shutil.rmtree(path / RANK_NOTES, ignore_errors=True)  # an earlier job's notes (perhaps of other ranks)
     return path, point
+
+
+def finished_without_checkpoint(path: Path, rounds: int) -> str:
+    """Why ``--resume`` refuses to start over in a run directory that holds a finished run's model but no checkpoint
+    a run of ``rounds`` can go on from (one saved without a silent rank's per-client state, or a pruned one):
+    starting fresh would replace that model, which is the run's result. Saying so costs the user one command;
+    starting over would cost them the run."""
+    return (f"--resume: {path} holds a finished run ({FINAL_MODEL}) but no checkpoint that a run of {rounds} rounds "
+            f"can go on from (the reasons are above); starting over would replace its {FINAL_MODEL}. Start a new run "
+            f"from its model instead (model.init_from={path / FINAL_MODEL} --run-dir NEW), or remove {path} to start "
+            "over")
 
 
 def read_metrics(metrics: Path) -> list[dict] | None:

@@ -212,3 +212,8 @@ output: {progress: false}
     assert "cannot resume" in longer.stderr and "rank 2 stayed silent" in longer.stderr, longer.stderr
     again = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", timeout=60)  # a job script's next
     assert again.returncode == 0 and "run already complete" in again.stdout + again.stderr, again.stderr
+    finished = (run_dir / "model.h5").read_bytes()
+    raised = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), "--resume", "rounds=3", timeout=60)
+    assert raised.returncode == 2, raised.stdout + raised.stderr  # not a fresh start over the finished model
+    assert "holds a finished run (model.h5) but no checkpoint that a run of 3 rounds can go on from" in raised.stderr
+    assert (run_dir / "model.h5").read_bytes() == finished and [r["round"] for r in records(run_dir)] == [1, 2]
