@@ -286,6 +286,32 @@ def test_inspect_and_export_a_checkpoint(tmp_path):
     assert bad.returncode == 2 and "no such checkpoint file" in bad.stderr
 
 
+def test_export_writes_the_models_tensors_only_never_the_server_state_the_checkpoint_holds(tmp_path):
+    from safetensors.torch import load_file
+
+    from mpifl.algorithms.scaffold import attach_control_variates
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    own = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    flat = FlatModel(attach_control_variates(model))  # SCAFFOLD's server c, checkpointed in /model
+    assert len(flat.spec.entries) == 2 * len(own)
+    elements = sum(t.numel() for _, t in flat.tensors())
+    state = {"h": (elements, 0.0)}  # and a server-state vector (FedDyn's h) under /server_state
+    with CheckpointWriter(tmp_path / "c.h5", flat.spec, {"round": 1, "config": "rounds: 1\n"}, state) as writer:
+        writer.write_tensors(flat.tensors())
+        writer.write_state("h", 0, np.ones(elements, np.float32))
+        path = writer.publish()
+    out = tmp_path / "m.safetensors"
+    done = mpifl_here("export", str(path), str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"wrote {len(own)} tensors to {out}\n"
+    loaded = load_file(out)
+    assert sorted(loaded) == sorted(own)
+    for name, t in own.items():
+        assert torch.equal(loaded[name], t), name
+
+
 def test_random_bytes_on_disk_inside_a_tensor_fail_verification_naming_it(tmp_path):
     torch.manual_seed(2)
     flat = FlatModel(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5)))

@@ -277,6 +277,70 @@ def test_text_blocks_longer_than_the_models_positions_are_refused_before_mpi_nam
         checked("data.kwargs={vocab_size: 256}")
 
 
+def word_tokenizer(path, ids: int) -> str:
+    """A tokenizer.json of ``ids`` token ids (a word-level one: its size is all these tests look at)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(ids)}, unk_token="w0")).save(str(path))
+    return str(path)
+
+
+def test_a_named_tokenizer_with_more_ids_than_the_model_has_rows_is_refused_before_mpi_naming_both_keys(tmp_path):
+    checked(f"data.kwargs.tokenizer={word_tokenizer(tmp_path / 'fits.json', 256)}")  # ids 0..255: 256 rows do
+    with pytest.raises(ConfigError) as refused:
+        checked(f"data.kwargs.tokenizer={word_tokenizer(tmp_path / 'big.json', 2000)}")
+    assert str(refused.value) == (
+        "data.kwargs.tokenizer: the tokenizer gives 2000 token ids, more than the model's 256-row embedding "
+        "(model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to 2000 or name a "
+        "tokenizer with fewer ids in data.kwargs.tokenizer (data.kwargs.vocab_size is for a tokenizer trained at "
+        "start-up)")
+    with pytest.raises(ConfigError, match=r"^data.kwargs.tokenizer: no tokenizer.json at '.*nope.json'$"):
+        checked(f"data.kwargs.tokenizer={tmp_path / 'nope.json'}")
+
+
+def test_a_tokenizer_trained_to_more_ids_than_the_model_has_rows_is_refused_before_mpi_naming_both_keys():
+    with pytest.raises(ConfigError) as refused:
+        checked("data.kwargs.vocab_size=2000")
+    assert str(refused.value) == (
+        "data.kwargs.vocab_size: the tokenizer gives 2000 token ids, more than the model's 256-row embedding "
+        "(model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to 2000 or lower "
+        "data.kwargs.vocab_size")
+    with pytest.raises(ConfigError, match=r"^data.kwargs.vocab_size: the tokenizer gives 8192 token ids"):
+        checked("data.kwargs={seq_len: 64}")  # text's own default vocab_size
+
+
+def test_validate_refuses_a_tokenizer_larger_than_the_model_with_exit_status_2(tmp_path):
+    import yaml
+    from conftest import mpifl_here
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY_LLAMA_RUN))
+    refused = mpifl_here("validate", str(path), f"data.kwargs.tokenizer={word_tokenizer(tmp_path / 't.json', 2000)}")
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("mpifl: config error: data.kwargs.tokenizer: the tokenizer gives 2000 token ids")
+
+
+@pytest.mark.parametrize("kwargs, advice", [
+    ({"tokenizer": "t.json"}, "name a tokenizer with fewer ids in data.kwargs.tokenizer (data.kwargs.vocab_size is "
+                              "for a tokenizer trained at start-up)"),
+    ({"vocab_size": 2000}, "lower data.kwargs.vocab_size"),
+])
+def test_a_token_id_past_the_embedding_at_run_time_is_advised_by_where_the_ids_came_from(kwargs, advice):
+    from mpifl.config import DataConfig
+    from mpifl.learning.datasets import Dataset
+    from mpifl.roles.data import vocabulary_problem
+
+    flat = build_flat_model(model_cfg("gpt2"), seed=0)
+    ids = torch.tensor([[1, 1986], [2, 3]])
+    dataset = Dataset(ids, torch.zeros(2, dtype=torch.long), ids[:1], torch.zeros(1, dtype=torch.long))
+    assert vocabulary_problem(flat, dataset, DataConfig(dataset="text", kwargs=kwargs)) == (
+        f"data: token id 1986 does not fit the model's 256-row embedding; raise model.transformers.config's "
+        f"vocab_size or {advice}")
+    assert vocabulary_problem(flat, dataset, DataConfig(dataset="my_data:tokens")) == (
+        "data: token id 1986 does not fit the model's 256-row embedding; raise model.transformers.config's "
+        "vocab_size")
+
+
 @pytest.mark.parametrize("architecture, heads, says", [
     ("llama", "num_attention_heads", r"The hidden size \(32\) is not a multiple of the number of attention heads "
                                      r"\(5\)"),  # refused by the config's validator

@@ -168,6 +168,56 @@ def test_options_the_job_cannot_run_with_are_refused_before_a_script_is_written(
     assert made.returncode == 0 and "5 ranks on 2 node(s)" in made.stdout, made.stderr
 
 
+@pytest.mark.parametrize("walltime, said", [
+    ("00:00:00", "'00:00:00' is a zero walltime: PBS would end the job as it starts; give one above 0 as HH:MM:SS, "
+                 "e.g. 01:00:00"),
+    ("0", "'0' is a zero walltime"),
+    ("99:99:99", "'99:99:99' is not a PBS walltime (minutes and seconds below 60): HH:MM:SS, e.g. 01:00:00"),
+    ("01:60:00", "'01:60:00' is not a PBS walltime (minutes and seconds below 60)"),
+    ("10:60", "'10:60' is not a PBS walltime (minutes and seconds below 60)"),
+])
+def test_a_walltime_of_zero_or_with_minutes_or_seconds_past_59_is_refused_naming_the_option(tmp_path, walltime, said):
+    refused = mpifl_here("pbs", QUICKSTART, "--walltime", walltime, "-o", str(tmp_path / "no.pbs"))
+    assert refused.returncode == 2 and f"argument --walltime: {said}" in refused.stderr, refused.stderr
+    assert not (tmp_path / "no.pbs").exists()
+
+
+def test_a_walltimes_leading_field_may_pass_59_as_qsubs_does():
+    from mpifl.cli.job_options import pbs_seconds
+
+    assert [pbs_seconds(t) for t in ("100:00:00", "90:00", "5400", "00:00:01")] == [360000, 5400, 5400, 1]
+
+
+@pytest.mark.parametrize("tool, option, name, bad", [
+    ("pbs", "--account", "A B", "' '"), ("pbs", "--queue", "prod;rm", "';'"), ("pbs", "--account", "$(id)", "'$'"),
+    ("pbs", "--queue", "debug\n#PBS -q prod", "'\\n'"), ("pbs", "--account", "", "empty"),
+    ("slurm", "--account", "A B", "' '"), ("slurm", "--partition", "gpu&", "'&'"),
+])
+def test_a_queue_partition_or_account_name_a_directive_line_cannot_carry_is_refused(tmp_path, tool, option, name,
+                                                                                   bad):
+    """The name is written raw into a #PBS or #SBATCH line, which qsub and sbatch split at whitespace: '#PBS -A A B'
+    would charge project A; a newline would start a directive of its own."""
+    refused = mpifl_here(tool, QUICKSTART, option, name, "-o", str(tmp_path / "no"))
+    assert refused.returncode == 2 and not (tmp_path / "no").exists()
+    assert (f"argument {option}: {name!r} is not a name a job script can carry ({bad}" in refused.stderr
+            if bad != "empty" else f"argument {option}: '' is not a name a job script can carry (empty)"
+            in refused.stderr), refused.stderr
+    assert "letters, digits and _ . - @ : + only" in refused.stderr
+
+
+def test_names_with_a_pbs_destinations_marks_are_written_as_given_and_slurm_leaves_an_empty_one_out(tmp_path):
+    made = mpifl_here("pbs", QUICKSTART, "--queue", "prod@pbs01.example", "--account", "my-project_2.a",
+                      "--gpus-per-node", "0", "-o", str(tmp_path / "j.pbs"))
+    assert made.returncode == 0, made.stderr
+    lines = (tmp_path / "j.pbs").read_text().splitlines()
+    assert "#PBS -q prod@pbs01.example" in lines and "#PBS -A my-project_2.a" in lines
+    made = mpifl_here("slurm", QUICKSTART, "--partition", "", "--account", "", "--gpus-per-node", "0",
+                      "-o", str(tmp_path / "j.sbatch"))
+    assert made.returncode == 0, made.stderr
+    directives = [line for line in (tmp_path / "j.sbatch").read_text().splitlines() if line.startswith("#SBATCH")]
+    assert directives and not any(line.startswith(("#SBATCH --partition", "#SBATCH --account")) for line in directives)
+
+
 @pytest.mark.parametrize("tool, limit", [("pbs", "--walltime"), ("slurm", "--time")])
 def test_a_stop_before_not_shorter_than_the_time_limit_is_refused(tmp_path, tool, limit):
     refused = mpifl_here(tool, QUICKSTART, limit, "01:00:00", "--stop-before", "4000", "-o", str(tmp_path / "no"))

@@ -60,8 +60,37 @@ def test_a_standard_workload_format_trace_deals_its_jobs_to_the_clients_in_submi
     assert runs == {0: [(100.0, 1100.0, False), (2030.0, 2630.0, False)],
                     1: [(60.0, 460.0, True), (40.0, 340.0, True)]}
     trace.write_text(SWF + "6 50 0\n")
-    with pytest.raises(ValueError, match=r"t.swf' line 8: a Standard Workload Format line has 18 fields"):
+    with pytest.raises(ValueError, match=r"t.swf' line 8: a job line needs at least 11 fields"):
         read_swf(str(trace), 2)
+
+
+def test_a_job_line_needs_the_eleven_fields_mpifl_reads_not_all_eighteen_and_a_refusal_says_so(tmp_path):
+    trace = tmp_path / "t.swf"
+    trace.write_text("1 0 100 1000 1 -1 -1 1 1000 -1 1\n")  # fields 12-18 (nodes, queue, ...) are never read
+    assert read_swf(str(trace), 1) == {0: [(100.0, 1100.0, False)]}
+    trace.write_text("1 0 100 1000 1 -1 -1 1 1000 -1\n")
+    with pytest.raises(ValueError) as refused:
+        read_swf(str(trace), 1)
+    assert str(refused.value) == (f"clock.queue_trace {str(trace)!r} line 1: a job line needs at least 11 fields (the "
+                                  "Standard Workload Format has 18; mpifl reads 2-4, 9 and 11), this one has 10")
+
+
+@pytest.mark.parametrize("line", [
+    "1 18 763 nan 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1",  # run time
+    "1 18 nan 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1",  # wait
+    "1 inf 763 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1",  # submit
+    "1 18 763 1800 1 -1 -1 1 -inf -1 1 4 1 -1 1 1 -1 -1",  # requested time
+    "1 18 763 1800 1 -1 -1 1 1800 -1 inf 4 1 -1 1 1 -1 -1",  # status
+], ids=["nan-run", "nan-wait", "inf-submit", "inf-requested", "inf-status"])
+def test_a_job_line_with_a_time_that_is_not_a_finite_number_is_refused_naming_its_line(tmp_path, line):
+    """``float`` reads 'nan' and 'inf'; a NaN wait or run time passes the skip test for unknown (-1) ones and would
+    put a job nowhere, changing the schedule without a word."""
+    trace = tmp_path / "t.swf"
+    trace.write_text(SWF + line + "\n")
+    with pytest.raises(ValueError) as refused:
+        read_swf(str(trace), 2)
+    assert str(refused.value) == (f"clock.queue_trace {str(trace)!r} line 8: fields 2-4, 9 and 11 must be finite "
+                                  f"numbers (submit, wait and run time; requested time; status), got {line!r}")
 
 
 # Two clients whose jobs overlap: each job starts at its submit time plus its wait, as the trace says.
@@ -158,7 +187,8 @@ def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggl
 
 @pytest.mark.parametrize("trace, said", [
     (None, "clock.queue_trace: '{path}' does not exist"),
-    ("1 2 3\n", "clock.queue_trace '{path}' line 1: a Standard Workload Format line has 18 fields, this one 3"),
+    ("1 2 3\n", "clock.queue_trace '{path}' line 1: a job line needs at least 11 fields (the Standard Workload "
+                "Format has 18; mpifl reads 2-4, 9 and 11), this one has 3"),
     ("; Version: 2.2\n;\n", "clock.queue_trace '{path}' holds no job with a known wait and run time"),
     ("1 18 x 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1\n", "clock.queue_trace '{path}' line 1: fields 2-4"),
 ], ids=["missing", "three-fields", "comments-only", "not-a-number"])

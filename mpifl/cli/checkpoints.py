@@ -12,8 +12,11 @@ from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
+from mpifl.wire.spec import is_control
 
 if TYPE_CHECKING:
+    import torch
+
     from mpifl.config import Config
 
 
@@ -66,7 +69,7 @@ def export(path: str, out: str) -> int:
             ckpt.verify()
         except CheckpointError as err:
             raise CheckpointError(f"export: {err}; nothing written") from None
-        tensors = ckpt.tensors()
+        tensors = model_tensors(ckpt.tensors())
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
         config = ckpt.config
     lora = _lora_config(config)
@@ -87,6 +90,14 @@ def export(path: str, out: str) -> int:
     if tokenizer is not None:
         _write_tokenizer(tokenizer, target.parent)
     return 0
+
+
+def model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's own tensors (or adapters) among a checkpoint's ``/model``: without the ``CONTROL`` section
+    (SCAFFOLD's server c, a plug-in's summed streams), which is the server's and which a loader of the export
+    would refuse as unexpected keys. Other server state (FedDyn's h, server optimizer moments, a plug-in
+    strategy's vectors) lives under ``/server_state``, which export never reads."""
+    return {name: t for name, t in tensors.items() if not is_control(name)}
 
 
 def run_tokenizer(checkpoint: Path) -> Path | None:

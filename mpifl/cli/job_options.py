@@ -86,22 +86,50 @@ def slurm_memory(text: str) -> str:
 
 
 def pbs_seconds(text: str) -> int | None:
-    """A PBS walltime in seconds: seconds, minutes:seconds or hours:minutes:seconds (qsub's ``[[HH:]MM:]SS``);
-    None for anything else."""
+    """A PBS walltime in seconds: seconds, minutes:seconds or hours:minutes:seconds (qsub's ``[[HH:]MM:]SS``), the
+    fields after the first below 60; None for anything else."""
     try:
         parts = [int(p) for p in text.split(":")]
     except ValueError:
         return None
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or any(p >= 60 for p in parts[1:]):
         return None
     return sum(p * u for p, u in zip(reversed(parts), (1, 60, 3600)))
 
 
 def pbs_walltime(text: str) -> str:
-    """``--walltime``'s argument type: ``text`` as given when PBS would take it, else argparse's error."""
-    if pbs_seconds(text) is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a PBS walltime ([[HH:]MM:]SS, e.g. 01:00:00)")
+    """``--walltime``'s argument type: ``text`` as given when PBS would take it and it leaves the job time to run,
+    else argparse's error (which names the option)."""
+    seconds = pbs_seconds(text)
+    if seconds is None:
+        within = " (minutes and seconds below 60)" if re.fullmatch(r"\d+(:\d+){1,2}", text) else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is not a PBS walltime{within}: HH:MM:SS, e.g. 01:00:00")
+    if seconds == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is a zero walltime: PBS would end the job as it starts; give "
+                                         "one above 0 as HH:MM:SS, e.g. 01:00:00")
     return text
+
+
+# A queue, partition or account name as written into the job script: letters, digits and these marks (a PBS
+# destination may be queue@server). Nothing else: the name is written raw into a #PBS or #SBATCH line, which qsub
+# and sbatch split at whitespace ('-A A B' charges A and passes B on), and the script is bash.
+SCHEDULER_NAME = re.compile(r"[A-Za-z0-9_.@:+-]+")
+
+
+def scheduler_name(text: str) -> str:
+    """``--queue``'s and ``--account``'s argument type: a name that a directive line carries as one word (see
+    ``SCHEDULER_NAME``), else argparse's error naming the first character refused."""
+    if not SCHEDULER_NAME.fullmatch(text):
+        bad = next((c for c in text if not SCHEDULER_NAME.fullmatch(c)), None)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a name a job script can carry" + (f" ({bad!r} in it)" if bad else " (empty)") +
+            ": letters, digits and _ . - @ : + only")
+    return text
+
+
+def optional_scheduler_name(text: str) -> str:
+    """``scheduler_name``, or '' (``mpifl slurm`` then writes no line for it)."""
+    return text if text == "" else scheduler_name(text)
 
 
 def add_stop_before(p: argparse.ArgumentParser, limit: str, how: str) -> None:
@@ -164,11 +192,14 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(sub, "pbs", help="write a PBS Pro job script for a config, with a memory check per node")
     add_job_arguments(p, ".pbs")
     p.add_argument("--depth", type=positive_int, default=8, help="cores per rank (Cray PALS --depth)")
-    p.add_argument("--walltime", default="01:00:00", type=pbs_walltime, help="#PBS -l walltime (HH:MM:SS)")
+    p.add_argument("--walltime", default="01:00:00", type=pbs_walltime, help="#PBS -l walltime (HH:MM:SS, "
+                   "above 0)")
     add_stop_before(p, "the walltime", "a timer in the script sends it to mpiexec, which forwards it; PBS's "
                     "SIGKILL comes the queue's kill_delay after its own SIGTERM, at the walltime")
-    p.add_argument("--queue", default="debug", help="#PBS -q queue")
-    p.add_argument("--account", default="MYPROJECT", help="#PBS -A project to charge")
+    p.add_argument("--queue", default="debug", type=scheduler_name, help="#PBS -q queue (letters, digits and "
+                   "_ . - @ : + only)")
+    p.add_argument("--account", default="MYPROJECT", type=scheduler_name, help="#PBS -A project to charge "
+                   "(letters, digits and _ . - @ : + only)")
     p.add_argument("--filesystems", default="home:eagle", help="#PBS -l filesystems (Polaris)")
     p.add_argument("--system", default="polaris", help="#PBS -l select=N:system=SYSTEM")
     add_gpu_argument(p)
@@ -187,8 +218,10 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
                    help="cores per rank (#SBATCH and srun --cpus-per-task)")
     p.add_argument("--time", default="01:00:00", type=slurm_time, help="#SBATCH --time (HH:MM:SS, or another of "
                    "Slurm's formats: minutes, days-hours, ...)")
-    p.add_argument("--partition", default="debug", help="#SBATCH --partition ('': the cluster's default)")
-    p.add_argument("--account", default="MYPROJECT", help="#SBATCH --account to charge ('': none)")
+    p.add_argument("--partition", default="debug", type=optional_scheduler_name, help="#SBATCH --partition "
+                   "(letters, digits and _ . - @ : + only; '': the cluster's default)")
+    p.add_argument("--account", default="MYPROJECT", type=optional_scheduler_name, help="#SBATCH --account to "
+                   "charge (letters, digits and _ . - @ : + only; '': none)")
     add_stop_before(p, "the time limit", "#SBATCH --signal=TERM@SECONDS; Slurm's SIGKILL comes KillWait, 30 s "
                     "by default, after its own SIGTERM, at the limit")
     p.add_argument("--mem", default="0", type=slurm_memory,

@@ -65,16 +65,22 @@ def partition_readable(cfg: Config) -> bool:
 
 def check_transformers(cfg: Config) -> None:
     """A transformers model's config (an impossible shape names model.transformers.config), the text blocks against
-    its positions, and with LoRA the model itself built on the meta device, so that each of
-    model.lora.target_modules must adapt a module: all before MPI starts, not as a traceback on every rank."""
+    its positions and the tokenizer's ids against its embedding rows, and with LoRA the model itself built on the
+    meta device, so that each of model.lora.target_modules must adapt a module: all before MPI starts, not as a
+    traceback on every rank."""
     import torch
 
     from mpifl.learning import hf
-    from mpifl.learning.text import block_length
+    from mpifl.learning.text import block_length, vocabulary_problem
 
     config = hf.transformers_config(cfg.model)
     seq_len = block_length(cfg.data.kwargs) if cfg.data.dataset == "text" else None
     problem = hf.positions_problem(config, seq_len) if isinstance(seq_len, int) else None
+    if problem is None and cfg.data.dataset == "text" and isinstance(getattr(config, "vocab_size", None), int):
+        try:  # reads a named tokenizer's file (cheap); a trained one's size is data.kwargs.vocab_size
+            problem = vocabulary_problem(cfg.data.kwargs, config.vocab_size)
+        except ValueError as err:  # a missing or unreadable tokenizer file
+            problem = str(err)
     if problem:
         raise ConfigError(problem)
     if cfg.model.lora.r:

@@ -171,6 +171,29 @@ def queue_trace_problem(path: str | None) -> str | None:
     return None
 
 
+READ_FIELDS = (1, 2, 3, 8, 10)  # 0-based: submit, wait and run time, requested time, status (SWF's 2-4, 9 and 11)
+
+
+def swf_fields(line: str, where: str) -> tuple[float, float, float, float, int]:
+    """The fields ``read_swf`` uses of one job line: submit, wait, run time, requested time and status. A line is
+    refused (``where`` names it) if it is too short for them, however many of SWF's 18 the fields after the last
+    hold, or if one is not a finite number: a NaN wait or run time passes every comparison and would place a job
+    nowhere, silently changing the schedule."""
+    fields = line.split()
+    if len(fields) <= READ_FIELDS[-1]:
+        raise ValueError(f"{where}: a job line needs at least {READ_FIELDS[-1] + 1} fields (the Standard Workload "
+                         f"Format has 18; mpifl reads 2-4, 9 and 11), this one has {len(fields)}")
+    try:
+        numbers = [float(fields[i]) for i in READ_FIELDS]
+    except ValueError:
+        numbers = [math.nan]
+    if not all(math.isfinite(x) for x in numbers):
+        raise ValueError(f"{where}: fields 2-4, 9 and 11 must be finite numbers (submit, wait and run time; "
+                         f"requested time; status), got {line!r}")
+    submit, wait, run, requested, status = numbers
+    return submit, wait, run, requested, int(status)
+
+
 def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, bool]]]:
     """Job runs from a Standard Workload Format file, dealt to clients round-robin in submit order: client ->
     [(start, end, cut short)], each at the trace's own times (a client's jobs may overlap). A job is cut short when
@@ -185,16 +208,7 @@ def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, 
         line = line.strip()
         if not line or line.startswith(";"):
             continue
-        fields = line.split()
-        if len(fields) < 11:
-            raise ValueError(f"clock.queue_trace {path!r} line {number}: a Standard Workload Format line has 18 "
-                             f"fields, this one {len(fields)}")
-        try:
-            submit, wait, run, requested, status = (float(fields[1]), float(fields[2]), float(fields[3]),
-                                                    float(fields[8]), int(float(fields[10])))
-        except ValueError:
-            raise ValueError(f"clock.queue_trace {path!r} line {number}: fields 2-4, 9 and 11 must be numbers "
-                             f"(submit, wait and run time; requested time; status), got {line!r}") from None
+        submit, wait, run, requested, status = swf_fields(line, f"clock.queue_trace {path!r} line {number}")
         if wait < 0 or run <= 0:
             continue
         jobs.append((submit, submit + wait, submit + wait + run, status != 1 and 0 < requested and run < requested))

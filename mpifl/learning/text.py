@@ -79,7 +79,44 @@ def load_tokenizer(path: str) -> Tokenizer:
     file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise ValueError(f"data.kwargs.tokenizer: no tokenizer.json at {path!r}")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+        raise ValueError(f"data.kwargs.tokenizer: cannot read {str(file)!r}: {err}") from None
+
+
+def token_ids(kwargs: dict) -> tuple[str, int]:
+    """How many token ids ``text`` gives with these ``data.kwargs``, and the key that sets it: a named tokenizer's
+    (its largest id + 1, read from its file; ``vocab_size`` is then unused), else the ``vocab_size`` a trained one
+    stops at. Cheap, unlike training: so a model too small for them is refused before MPI starts. A trained one
+    holds at least the 256 bytes and ``EOS`` whatever ``vocab_size`` says; only the ids it gives are checked then,
+    after the data is read (``mpifl.roles.data.vocabulary_problem``)."""
+    if kwargs.get("tokenizer"):
+        vocabulary = load_tokenizer(str(kwargs["tokenizer"])).get_vocab(with_added_tokens=True)
+        return "data.kwargs.tokenizer", max(vocabulary.values(), default=-1) + 1
+    return "data.kwargs.vocab_size", int(kwargs.get("vocab_size", inspect.signature(text).parameters["vocab_size"]
+                                                   .default))
+
+
+def fewer_ids(kwargs: dict) -> str:
+    """How to make ``text``'s token ids fewer with these ``data.kwargs``: a named tokenizer's ids are its own, so
+    lowering ``vocab_size`` (which only a trained one follows) would change nothing."""
+    if kwargs.get("tokenizer"):
+        return "name a tokenizer with fewer ids in data.kwargs.tokenizer (data.kwargs.vocab_size is for a " \
+               "tokenizer trained at start-up)"
+    return "lower data.kwargs.vocab_size"
+
+
+def vocabulary_problem(kwargs: dict, rows: int) -> str | None:
+    """``text``'s token ids with these ``data.kwargs`` (``token_ids``) against a model's ``rows`` embedding rows
+    (model.transformers.config's vocab_size): a larger id fails on every client as its first batch is embedded.
+    What is wrong, naming both keys, or None."""
+    key, ids = token_ids(kwargs)
+    if ids <= rows:
+        return None
+    return (f"{key}: the tokenizer gives {ids} token ids, more than the model's {rows}-row embedding "
+            f"(model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to {ids} "
+            f"or {fewer_ids(kwargs)}")
 
 
 def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:

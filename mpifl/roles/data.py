@@ -30,6 +30,7 @@ from mpifl.learning.partitions import (
     split_validation,
 )
 from mpifl.learning.sources import HeldRows
+from mpifl.learning.text import fewer_ids
 from mpifl.logs import log
 from mpifl.planning.federation import Placement, placement_for
 from mpifl.roles.launch import SetupError, agree
@@ -40,14 +41,16 @@ from mpifl.wire.shared import node_communicator, share_on_node
 from mpifl.wire.transport import recv_object, send_object
 
 
-def vocabulary_problem(flat: FlatModel, dataset: Dataset) -> str | None:
-    """Token ids must fit the transformers model's embedding: what is wrong, or None."""
+def vocabulary_problem(flat: FlatModel, dataset: Dataset, data: DataConfig) -> str | None:
+    """Token ids must fit the transformers model's embedding: what is wrong, or None. The advice follows where the
+    ids came from: a named tokenizer, one trained to data.kwargs.vocab_size, or a plug-in dataset."""
     language_model: Any = flat.module  # a transformers model (the caller checks): its methods are not nn.Module's
     rows = language_model.get_input_embeddings().num_embeddings
     largest = max(_largest_id(dataset.x_train), _largest_id(dataset.x_test))
     if largest >= rows:
+        fewer = f" or {fewer_ids(data.kwargs)}" if data.dataset == "text" else ""
         return (f"data: token id {largest} does not fit the model's {rows}-row embedding; raise "
-                "model.transformers.config's vocab_size or lower data.kwargs.vocab_size")
+                f"model.transformers.config's vocab_size{fewer}")
     return None
 
 

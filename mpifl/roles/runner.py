@@ -152,7 +152,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     built = time.monotonic() - building
     problem = None
     if dataset is not None and flat is not None and cfg.model.name == "transformers":  # it reads token ids
-        problem = vocabulary_problem(flat, dataset)
+        problem = vocabulary_problem(flat, dataset, cfg.data)
     agree_on_spec(comm, spec, problem, built, comparable=not out_of_core)
     plan = ExchangeLayout.build(spec, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                 cfg.clients.groups > 0)

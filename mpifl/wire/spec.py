@@ -160,16 +160,22 @@ def element_offsets(chunks: list[Chunk]) -> list[int]:
     return out + [total]
 
 
+def is_control(name: str) -> bool:
+    """Whether a tensor is in the ``CONTROL`` section (SCAFFOLD's server c, a plug-in's summed streams): server
+    state that travels and is checkpointed with the model in ``/model`` but is no weight of the model."""
+    return name.startswith(CONTROL + ".")
+
+
 def control_bytes(spec: ModelSpec) -> int:
     """Bytes of the model's SCAFFOLD control section (0 without one)."""
-    return sum(e.nbytes for e in spec.entries if e.name.startswith(CONTROL + "."))
+    return sum(e.nbytes for e in spec.entries if is_control(e.name))
 
 
 def is_local(name: str, local: Sequence[str]) -> bool:
     """Whether a tensor's name matches one of the ``model.local`` glob patterns (it never travels). SCAFFOLD's
     control variates never are: they are the server's c, and their names repeat their parameters' (a pattern
     such as ``*bn*`` would otherwise catch the control of a parameter it does not name)."""
-    return not name.startswith(CONTROL + ".") and any(fnmatch.fnmatchcase(name, pattern) for pattern in local)
+    return not is_control(name) and any(fnmatch.fnmatchcase(name, pattern) for pattern in local)
 
 
 def layout(described: list[tuple[str, tuple[int, ...], str]], statistics: Collection[str] = ()) -> ModelSpec:
