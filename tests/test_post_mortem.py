@@ -6,7 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from mpifl.storage.rundir import RankNotes, note_rank, post_mortem
+from mpifl.storage.notes import RankNotes, note_rank
+from mpifl.storage.rundir import post_mortem
 
 
 def run_dir_with(tmp_path, rounds_recorded: int, notes: list[tuple[int, str, int, float]]):
@@ -38,6 +39,15 @@ def test_a_failed_rank_is_named_and_ranks_killed_together_are_not_blamed(tmp_pat
     assert "rank 0 failed" in post_mortem(failed)[1][-1]
     together = run_dir_with(tmp_path / "b", 1, [(0, "round", 2, 5.0), (1, "round", 2, 5.5)])
     assert "stopped together" in post_mortem(together)[1][-1]
+
+
+def test_a_rank_its_supervisor_saw_killed_by_a_signal_is_named_before_ranks_that_failed_after_it(tmp_path):
+    run = run_dir_with(tmp_path, 1, [(0, "failed", 2, 5.0), (1, "round", 2, 5.0), (2, "round", 2, 4.0)])
+    RankNotes.picked_up(run, 2).failed("its process (pid 7) was killed by signal 9 (SIGKILL): ...", signal="SIGKILL")
+    lines = post_mortem(run)[1]
+    assert lines[-2].startswith("  rank 2: last heard of at")
+    assert "'failed' in round 2: its process (pid 7) was killed" in lines[-2]
+    assert lines[-1].startswith("not complete: ranks [0, 1, 2] did not finish; rank 2 was killed by SIGKILL")
 
 
 def test_a_run_stopped_on_request_says_so_and_blames_no_rank(tmp_path):

@@ -7,14 +7,18 @@ the job with status 2."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import run_mpi, write_config
+
+from mpifl.cli.supervisor import ANNOUNCED, MPI_STARTED, NOTES_AT, heard_from_rank, killed_line
 
 SUPERVISED = textwrap.dedent("""
     import os, signal, sys, time
@@ -58,9 +62,18 @@ def test_a_rank_that_leaves_with_0_past_pythons_cleanup_makes_its_launched_proce
     assert "[rank 2] mpifl: this rank (PID" in err and "left with exit status 0 before mpifl run finished" in err
 
 
-def test_a_rank_ended_by_a_signal_ends_its_supervisor_by_the_same_signal():
-    code, _ = finished(supervise("os.kill(os.getpid(), signal.SIGKILL)"))
+def test_a_rank_ended_by_a_signal_ends_its_supervisor_by_the_same_signal_after_a_line_that_names_it():
+    code, err = finished(supervise("os.kill(os.getpid(), signal.SIGKILL)"))
     assert code == -signal.SIGKILL
+    assert re.search(r"\] its process \(pid \d+\) was killed by signal 9 \(SIGKILL\): the kernel's OOM killer, or a "
+                     r"kill -9; the job ends$", err, re.M), err
+
+
+def test_what_a_rank_tells_its_supervisor_is_parsed_so_a_run_directory_may_hold_any_byte_but_nul():
+    said = MPI_STARTED + NOTES_AT + b"2 /runs/max-xm" + b"\0" + ANNOUNCED
+    assert heard_from_rank(said) == (MPI_STARTED + ANNOUNCED, (2, Path("/runs/max-xm")))
+    assert heard_from_rank(MPI_STARTED) == (MPI_STARTED, None)
+    assert killed_line(42, 11).startswith("its process (pid 42) was killed by signal 11 (SIGSEGV): a crash in native")
 
 
 def test_without_supervision_the_launched_process_is_the_rank_itself():

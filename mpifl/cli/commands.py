@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpifl.cli.preflight import check_model, check_partition, check_plugins, check_trainer, partition_counts_of
-from mpifl.cli.supervisor import mark_mpi_started, supervised
+from mpifl.cli.supervisor import mark_mpi_started, supervised, tell_run_dir
 from mpifl.config import Config, ConfigError, load_config
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
@@ -104,6 +104,7 @@ def _run(comm: MPI.Intracomm, cfg: Config, run_dir_arg: str | None, resume: Path
         for warning in layout_warnings(cfg) if comm.Get_rank() == 0 else []:
             log(f"mpifl: warning: {warning}", rank=0)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
+        tell_run_dir(run_dir, comm.Get_rank())  # its supervisor notes there a death by a signal
         with tracked(memray_dir, comm.Get_rank(), memray_native):
             outcome = guarded(lambda: run_rank(comm, cfg, run_dir, point))
     except SetupError as err:

@@ -28,27 +28,39 @@ Signals:
   lands in between waits for them instead of ending the supervisor (3-4 times in 30 before, when the rank
   signalled at once).
 - The rank dies with its supervisor (Linux's ``PR_SET_PDEATHSIG``).
-- The rank's exit status, or the signal that ended it, becomes the supervisor's.
+- The rank's exit status, or the signal that ended it, becomes the supervisor's. A rank ended by a signal (the
+  kernel's OOM killer's SIGKILL, most often, on a cluster) says nothing itself, and the launcher's report names a
+  PID at best; so the supervisor first says it in one line naming the rank, its host and the signal, and notes it
+  in the rank's note in the run directory, which the rank names on the pipe, so that ``mpifl status`` names it.
 
 ``MPIFL_SUPERVISE=0`` runs the rank in the launched process itself, as before. Where the C library has no
 ``prctl`` (not Linux), it always does.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from mpifl.logs import SUPERVISOR_PID, env_rank, log
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ANNOUNCED = b"x"  # what the rank writes just before it leaves through mpifl's own exit
 MPI_STARTED = b"m"  # what the rank writes once MPI has started on it
+NOTES_AT = b"d"  # then "<rank> <run directory>" and a NUL: where the rank keeps its note (tell_run_dir)
 SUPERVISOR_FD = "MPIFL_SUPERVISOR_FD"  # the rank's end of the pipe to its supervisor
 UNANNOUNCED_EXIT = 1  # the supervisor's status for a rank that left with 0 unannounced
 EVERY_RANK_ALIKE = 2  # mpifl run's status for a problem every rank finds the same way, before MPI (config errors)
+# why a rank's process may have been ended by a signal it did not raise itself (others: a crash in native code)
+SIGNAL_CAUSES: dict[int, str] = {signal.SIGKILL: "the kernel's OOM killer, or a kill -9",
+                 signal.SIGSEGV: "a crash in native code (a C extension, the MPI library, a driver)",
+                 signal.SIGBUS: "a crash in native code, or a memory-mapped file that went away",
+                 signal.SIGABRT: "an abort in native code (a failed assertion)"}
 LEFT_TO_THE_RANK = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # the launcher's group signals: ignored here
 SUPERVISOR_SIGNALS = frozenset({*LEFT_TO_THE_RANK, signal.SIGTERM})  # what _take_signals handles
 
@@ -98,12 +110,54 @@ def _run_announced(body: Callable[[], int], write_end: int) -> None:
 
 def mark_mpi_started() -> None:
     """Tell this rank's supervisor, if it has one, that MPI has started here (called once MPI is initialised)."""
+    _tell(MPI_STARTED)
+
+
+def tell_run_dir(run_dir: Path | None, rank: int) -> None:
+    """Tell this rank's supervisor, if it has one, where the rank keeps its note, so that it can note there that the
+    rank was killed."""
+    if run_dir is not None:
+        _tell(NOTES_AT + f"{rank} ".encode() + os.fsencode(Path(run_dir).resolve()) + b"\0")
+
+
+def _tell(message: bytes) -> None:
+    """Write ``message`` to this rank's supervisor, if it has one (in one write: a pipe keeps it whole)."""
     fd = os.environ.get(SUPERVISOR_FD, "")
     if fd.isdigit():
         try:
-            os.write(int(fd), MPI_STARTED)
+            os.write(int(fd), message)
         except OSError:  # the supervisor is gone: this rank dies with it
             pass
+
+
+def heard_from_rank(said: bytes) -> tuple[bytes, tuple[int, Path] | None]:
+    """What the rank wrote to its supervisor, parsed: its one-byte words, and the rank and run directory it named
+    last (``tell_run_dir``), or None. Parsed, not searched: a path may hold the bytes of a word."""
+    words, notes_at = bytearray(), None
+    while said:
+        head, said = said[:1], said[1:]
+        if head != NOTES_AT:
+            words += head
+            continue
+        named, _, said = said.partition(b"\0")
+        rank, _, path = named.partition(b" ")
+        if rank.isdigit() and path:
+            notes_at = int(rank), Path(os.fsdecode(path))
+    return bytes(words), notes_at
+
+
+def killed_line(pid: int, signum: int) -> str:
+    """What a rank's supervisor says of a rank ended by ``signum``, after the rank and host."""
+    cause = SIGNAL_CAUSES.get(signum, "from outside the rank, or a crash in native code")
+    return f"its process (pid {pid}) was killed by signal {signum} ({signal_name(signum)}): {cause}; the job ends"
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; a number this Python has no name for as ``signal N``."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _take_signals(child: int) -> None:
@@ -116,9 +170,10 @@ def _take_signals(child: int) -> None:
 def _supervise(child: int, read_end: int) -> int:
     """The supervisor: wait for the rank, then take on its exit status or the signal that ended it."""
     _, status = os.waitpid(child, 0)
-    said = _read_all(read_end)
+    said, notes_at = heard_from_rank(_read_all(read_end))
     code = os.waitstatus_to_exitcode(status)
-    if code < 0:  # ended by a signal: end the same way, so the launcher reports what happened
+    if code < 0:  # ended by a signal: say so, then end the same way, so the launcher reports what happened
+        _say_killed(child, -code, notes_at)
         _end_by(-code)
     if code == 0 and ANNOUNCED not in said:
         log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl run finished (os._exit or C's "
@@ -132,6 +187,20 @@ def _supervise(child: int, read_end: int) -> int:
             "takes as a failure that ends the job", rank=env_rank())
         _end_by(signal.SIGKILL)
     return code
+
+
+def _say_killed(child: int, signum: int, notes_at: tuple[int, Path] | None) -> None:
+    """Say on stderr, naming the rank and its host, that the rank was killed by ``signum``, and note it in the rank's
+    note (best effort: the launcher may end this process any moment once the other ranks notice)."""
+    rank = notes_at[0] if notes_at is not None else env_rank()
+    line = killed_line(child, signum)
+    with contextlib.suppress(OSError):
+        os.write(2, f"[mpifl rank {rank} on {socket.gethostname()}] {line}\n".encode(errors="replace"))
+    if notes_at is not None:
+        from mpifl.storage.notes import RankNotes  # light: json and os alone, no h5py or torch
+
+        with contextlib.suppress(Exception):  # a note is for the post-mortem: never in the way of the exit
+            RankNotes.picked_up(notes_at[1], notes_at[0]).failed(line, signal=signal_name(signum))
 
 
 def _read_all(fd: int) -> bytes:

@@ -38,11 +38,12 @@ from mpifl.roles.group import GroupLeader, GroupMember
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.lending import StateLending
 from mpifl.roles.local_training import TrainingParts
+from mpifl.storage.notes import RankNotes
 from mpifl.storage.residuals import (
     Borrowing,
     ResidualStore,
 )
-from mpifl.storage.rundir import RankNotes, ResumePoint, faults_struck, note_fault_struck
+from mpifl.storage.rundir import ResumePoint, faults_struck, note_fault_struck
 from mpifl.units import MIB
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel

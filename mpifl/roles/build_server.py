@@ -38,9 +38,9 @@ from mpifl.roles.residuals import ResidualPublisher
 from mpifl.roles.server import Evaluation, Server, ServerParts, stopped_on_request
 from mpifl.storage.checkpointer import CHECKPOINTS, METRICS, Checkpointer, checkpoint_attrs, checkpoint_name
 from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.notes import RankNotes
 from mpifl.storage.rundir import (
     BUDGET_SPENT,
-    RankNotes,
     ResumePoint,
     faults_struck,
     note_fault_struck,

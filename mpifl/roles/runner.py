@@ -35,7 +35,8 @@ from mpifl.roles.group import split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
 from mpifl.roles.sharded import serve_sharded
 from mpifl.storage.hdf5 import Checkpoint
-from mpifl.storage.rundir import RankNotes, ResumePoint
+from mpifl.storage.notes import RankNotes
+from mpifl.storage.rundir import ResumePoint
 from mpifl.units import format_bytes
 from mpifl.wire import doorbell, protocol
 from mpifl.wire.flat import DTYPES

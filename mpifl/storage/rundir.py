@@ -19,7 +19,6 @@ model's tensors once.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -48,6 +47,7 @@ from mpifl.storage.checkpointer import (
 )
 from mpifl.storage.hdf5 import Checkpoint, fsync_dir
 from mpifl.storage.integrity import metadata_problem
+from mpifl.storage.notes import RANK_NOTES, read_rank_notes, unwritten_notes
 
 
 @dataclass(frozen=True)
@@ -276,92 +276,6 @@ def faults_struck(run_dir: Path | None) -> frozenset[tuple[int, int]]:
     return frozenset(struck)
 
 
-RANK_NOTES = "ranks"  # <run dir>/ranks/rank<rank>.json: each rank's last word, for a post-mortem
-RANK_NOTE = "rank{rank:05d}.json"
-UNWRITTEN_NOTE = "rank{rank:05d}.unwritten"  # empty: this rank's newest note could not be written (a full disk)
-
-
-def note_rank(run_dir: Path | None, rank: int, state: str, round_: int, **detail: object) -> None:
-    """Record what ``rank`` is doing (``started``, ``round``, ``finished``, ``failed``, ...) with the time, by
-    atomic rename: if the launcher kills the job, the run directory still says which rank went quiet, when,
-    and in which round (``mpifl status``).
-
-    Best effort: a note is for the post-mortem, so one the file system refuses (a full disk, most often while
-    the job is already failing on a checkpoint) must not raise over the error that ends the job. It is dropped,
-    the previous note kept, its temporary file removed, and an empty ``UNWRITTEN_NOTE`` left where the disk
-    still takes one (a new file needs no data block), so that ``mpifl status`` knows the notes are incomplete."""
-    if run_dir is None:
-        return
-    folder = run_dir / RANK_NOTES
-    note = {"rank": rank, "state": state, "round": round_, "time": time.time(), **detail}
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _replace_text(folder / RANK_NOTE.format(rank=rank), json.dumps(note))
-    except OSError:
-        _touch_quietly(folder / UNWRITTEN_NOTE.format(rank=rank))
-        return
-    with contextlib.suppress(OSError):  # a later note is on disk: the notes are whole again
-        (folder / UNWRITTEN_NOTE.format(rank=rank)).unlink(missing_ok=True)
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` by atomic rename; on failure, leave ``path`` as it was and no temporary file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-def _touch_quietly(path: Path) -> None:
-    """Create ``path`` empty if the file system lets us; nothing otherwise."""
-    with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
-
-
-class RankNotes:
-    """One rank's notes (``note_rank``), remembering the round, so a failure is noted where it happened."""
-
-    def __init__(self, run_dir: Path | None, rank: int):
-        self.run_dir, self.rank, self.last_round, self.last_state = run_dir, rank, 0, ""
-
-    def __call__(self, state: str, round_: int | None = None, **detail: object) -> None:
-        """Note ``state`` in ``round_`` (default: the last round noted)."""
-        self.last_round = self.last_round if round_ is None else round_
-        self.last_state = state
-        note_rank(self.run_dir, self.rank, state, self.last_round, **detail)
-
-    def failed(self, reason: str) -> None:
-        """Note a failure; one after this rank finished (rank 0 taking up a silent rank's late update once every
-        round is on disk), or after a stop on request (a rank silent past SIGTERM's grace, aborted), leaves that
-        state, with the failure as what came after."""
-        if self.last_state in ("finished", "interrupted"):
-            self(self.last_state, then_failed=reason)
-        else:
-            self("failed", reason=reason)
-
-
-def read_rank_notes(run_dir: Path) -> dict[int, dict]:
-    """Every rank's last word, by rank (ranks that never wrote one are absent)."""
-    notes = {}
-    for path in sorted((run_dir / RANK_NOTES).glob("rank*.json")):
-        try:
-            note = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        notes[int(note["rank"])] = note
-    return notes
-
-
-def unwritten_notes(run_dir: Path) -> list[int]:
-    """The ranks whose newest note could not be written (``note_rank``): what their notes say is not their last word."""
-    return sorted(int(path.stem[4:]) for path in (run_dir / RANK_NOTES).glob("rank*.unwritten")
-                  if path.stem[4:].isdigit())
-
-
 def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     """Whether the run in ``run_dir`` is complete, and lines that say how far it got and which ranks did not
     finish, with when each was last heard of: what a job's epilogue prints after a launcher killed it."""
@@ -455,11 +369,14 @@ def struck_lines(run_dir: Path, config: dict, reached: int) -> list[str]:
 
 
 def _first_quiet(unfinished: dict[int, dict]) -> str:
-    """Which rank went quiet first, when the notes can tell (a rank that failed says why; otherwise one rank
-    behind the others by a round, or by more than 2 s); else that they stopped together."""
-    failed = [r for r, n in unfinished.items() if n["state"] == "failed"]
+    """Which rank went quiet first, when the notes can tell (a rank killed by a signal, or one that failed, says
+    why; otherwise one rank behind the others by a round, or by more than 2 s); else that they stopped together."""
+    # a rank killed by a signal (noted by its supervisor) first: the others' failures often follow from its death
+    failed = sorted((r for r, n in unfinished.items() if n["state"] == "failed"),
+                    key=lambda r: not unfinished[r].get("signal"))
     if failed:
-        return f"rank {failed[0]} failed (reason above)"
+        killed = unfinished[failed[0]].get("signal")
+        return f"rank {failed[0]} " + (f"was killed by {killed} (reason above)" if killed else "failed (reason above)")
     earliest = min(unfinished, key=lambda r: (unfinished[r]["round"], unfinished[r]["time"]))
     first, others = unfinished[earliest], [n for r, n in unfinished.items() if r != earliest]
     if others and all(first["round"] < n["round"] or first["time"] < n["time"] - 2.0 for n in others):

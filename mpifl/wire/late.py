@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +68,12 @@ class DroppedClients:
     def take(self, rank: int) -> tuple[int, ...]:
         """The clients of ``rank`` dropped since its last header (ascending), for the header about to go."""
         return tuple(sorted(self.by_rank.pop(rank, ())))
+
+
+def first_silent(owed: Iterable[OwedStream], last_heard: Callable[[OwedStream], float], now: float,
+                 limit: float) -> OwedStream | None:
+    """The first of ``owed`` whose rank was last heard from (``last_heard``) more than ``limit`` s before ``now``."""
+    return next((o for o in owed if now - last_heard(o) > limit), None)
 
 
 class LateStreams:
@@ -139,24 +145,27 @@ class LateStreams:
     def _last_heard(self, owed: OwedStream) -> float:
         return max(owed.dropped_at, self.heard_at.get(owed.rank, 0.0))
 
-    def finish(self, silence_limit: float, setting: str = "timeouts.first_update") -> None:
-        """Take up everything still owed (before the stop); a rank silent past ``silence_limit`` s (``setting``)
-        ends the job."""
-        backoff, last = Backoff(), {o.rank: self._last_heard(o) for o in self.owed}
+    def finish(self, silence_limit: float, setting: str = "timeouts.first_update",
+               heard: Callable[[], Iterable[int]] | None = None) -> None:
+        """Take up everything still owed (before the stop), for as long as each owing rank is heard from; a rank
+        silent past ``silence_limit`` s (``setting``) ends the job. ``heard``: the server's, which takes up the
+        ranks' progress reports besides these streams (None: the streams alone). A rank dropped from the last round
+        is often still training it, which sends no chunk until it is done, only progress reports: counting the
+        streams alone ended the job under a rank that kept reporting (found by a new user with a ``slowdown``)."""
+        listen = heard if heard is not None else self
+        backoff = Backoff()
         while self.owed:
-            heard = self()
+            arrived = list(listen())  # the server's heard notes its progress reports here (note)
             now = time.monotonic()
-            for rank in heard:
-                last[rank] = now
-            if heard:
+            silent = first_silent(self.owed, self._last_heard, now, silence_limit)
+            if silent is not None:
+                raise JobFailure(f"rank {silent.rank} was dropped from round {silent.round} and has sent nothing of "
+                                 f"logical clients {list(silent.clients)} for {now - self._last_heard(silent):.1f} s "
+                                 f"(the limit is {silence_limit:g} s, {setting}); every round is on disk")
+            if arrived:
                 backoff.reset()
-                continue
-            for owed in self.owed:
-                if now - last.get(owed.rank, now) > silence_limit:
-                    raise JobFailure(f"rank {owed.rank} was dropped from round {owed.round} and has sent nothing of "
-                                     f"logical clients {list(owed.clients)} for {now - last[owed.rank]:.1f} s "
-                                     f"(the limit is {silence_limit:g} s, {setting}); every round is on disk")
-            backoff.pause()
+            else:
+                backoff.pause()
 
     def _progress(self, owed: OwedStream) -> bool:
         """Receive what has landed of ``owed``; whether anything did."""

@@ -21,6 +21,7 @@ from conftest import (
 )
 
 from mpifl.storage.checkpointer import latest_checkpoint
+from mpifl.storage.notes import read_rank_notes
 
 DEADLINE = 3.0
 TRAINING = f"""
@@ -193,6 +194,33 @@ def test_sigterm_during_a_stuck_round_saves_the_last_round_and_exits_promptly(tm
     assert same_model(run_dir / "model.h5", tmp_path / "reference" / "model.h5")
     assert rounds_logged(run_dir) == [1, 2, 3]
 
+
+
+def rank_pid(run_dir, rank: int) -> int:
+    """The pid of ``rank``'s own process, from ranks.txt."""
+    return int(next(r.split()[2] for r in (run_dir / "ranks.txt").read_text().splitlines()[1:]
+                    if r.split()[0] == str(rank)))
+
+
+def test_a_rank_killed_from_outside_is_named_with_its_signal_in_the_log_and_by_status(tmp_path):
+    """``kill -9`` of rank 2's process while it trains round 2, as the kernel's OOM killer does on a cluster: its
+    supervisor says which rank died, on which host, by which signal, before the job ends, and notes it, so that
+    ``mpifl status`` names rank 2. Before, every rank's note said only that it was in a round, and status that
+    the ranks "stopped together"."""
+    cfg = write_config(tmp_path / "c.yaml", TRAINING.replace(f"first_update: {DEADLINE}", "first_update: 600"))
+    run_dir = tmp_path / "run"
+    proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FAULT": "hang", "FAULT_CALL": "3"})
+    wait_for(lambda: read_rank_notes(run_dir).get(2, {}).get("round") == 2, proc, "rank 2 in round 2")
+    worker = rank_pid(run_dir, 2)  # its own process, not its supervisor: hung in round 2, far from its 600 s deadline
+    os.kill(worker, signal.SIGKILL)
+    code, err = finish(proc, timeout=60)
+    assert code != 0
+    assert re.search(rf"^\[mpifl rank 2 on \S+\] its process \(pid {worker}\) was killed by signal 9 \(SIGKILL\): "
+                     r"the kernel's OOM killer, or a kill -9; the job ends$", err, re.M), err[-3000:]
+    status = mpifl_here("status", str(run_dir))
+    assert re.search(rf"^  rank 2: last heard of at .*, state 'failed' in round 2: its process \(pid {worker}\) "
+                     r"was killed by signal 9 \(SIGKILL\)", status.stdout, re.M), status.stdout
+    assert "did not finish; rank 2 was killed by SIGKILL (reason above)" in status.stdout, status.stdout
 
 
 def test_sigusr1_prints_where_each_rank_is_and_the_suite_shows_it_for_a_job_it_gives_up_on(tmp_path):

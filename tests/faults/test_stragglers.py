@@ -168,6 +168,38 @@ output: {progress: false}
     assert "round 3: rank 2's late updates of logical clients [2] arrived" in result.stderr
 
 
+def test_the_end_of_the_run_waits_for_a_rank_dropped_from_the_last_round_while_it_keeps_reporting_progress(
+        tmp_path):
+    """A ``slowdown`` on rank 2 in round 2, the last, makes it train about 8 s while it reports progress. Dropped at
+    the straggler deadline (1 s), it owes round 2's late update when the rounds are done, and the end of the run
+    waits for it as long as it reports, well past timeouts.first_update (3 s), then the job ends 0. The end of the
+    run used to count only late chunks, not progress reports, and ended the job after 3 s, naming rank 2 as silent
+    (found by a new user with a slowdown in the last round, 4 times in 4; a checkpoint's wait counted them)."""
+    text = """
+seed: 0
+rounds: 2
+clients: {num_clients: 4, per_round: 4, accept_failures: true}
+data: {dataset: digits, partition: iid}
+model: {name: "fl_helpers:tiny_mlp"}
+train: {trainer: "fl_helpers:Straggling", lr: 0.02}
+timeouts: {straggler: 1, first_update: 3}
+eval: {every: 0}
+faults: [{kind: slowdown, clients: [1], rounds: [2], factor: 161}]
+output: {progress: false}
+"""
+    cfg, run_dir = write_config(tmp_path / "c.yaml", text), tmp_path / "run"
+    # each client trains 0.05 s, so the slowdown adds 160 x 0.05 = 8 s to client 1's (on rank 2)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_CLIENT_SECONDS": "0.05"},
+                     timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "has sent nothing" not in result.stderr
+    assert [r["round"] for r in records(run_dir)] == [1, 2] and 1 in drops(records(run_dir))[2]
+    late = re.search(r"round 2: rank 2's late updates of logical clients \[[\d, ]+\] arrived (\d+\.\d) s after it "
+                     r"was dropped", result.stderr)
+    assert late and float(late.group(1)) > 3 + 1, result.stderr[-3000:]  # past first_update, with a margin
+    assert (run_dir / "model.h5").is_file()
+
+
 def test_a_rank_silent_through_the_last_checkpoint_still_leaves_the_trained_model_and_the_job_fails_naming_it(
         tmp_path):
     """FedDyn keeps per-client state and checkpoint.every is 0, so the last round's checkpoint is the run's only one,
