@@ -29,6 +29,7 @@ from mpifl.planning.memory import (
     client_state_plan,
     decoder_activation_bytes,
     decoder_evaluation_bytes,
+    exchanged_what,
     gathered_unit,
     journaled_elements,
     largest_fsdp_unit,
@@ -299,7 +300,7 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}"
           f"{'' if on_gpu else evaluation_note(cfg, size, plan.server_eval_bytes)}]")
     _print_clients(cfg, size, plan, ranks)
-    fit = sharded_fit(cfg, size, args, gpus)
+    fit = sharded_fit(cfg, size, args, gpus, plan)
     if fit:
         print(fit)
     _print_client_state(cfg, size, ranks)
@@ -427,32 +428,56 @@ def gathered_text(size: ModelBytes) -> str:
     return f"the largest FSDP unit gathered with its gradients ({format_bytes(held)} + {format_bytes(gradients)})"
 
 
-def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int) -> str | None:
-    """For a sharded config and a given GPU (or node) memory: the fewest ranks per client whose share fits in 90% of
-    it, and the nodes that makes per client. None without sharding or without a memory size to fit."""
+def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int,
+                plan: MemoryEstimate | None = None) -> str | None:
+    """For a given GPU (or node) memory: for a sharded config, the fewest ranks per client (powers of two) whose
+    share fits in 90% of it, and the nodes that makes per client; for a config whose client holds the whole model
+    (``plan``'s figure) and does not fit, the same for it sharded (``fsdp_variant``). Each candidate is re-planned
+    by ``planning.memory``, as ``plan`` would plan it. None where nothing is to be fitted or no memory size given."""
     from mpifl.planning.memory import client_device_bytes, sharded_client_bytes, trains_on_gpu
 
-    if cfg.clients.sharding != "fsdp":
-        return None
     on_gpu = trains_on_gpu(cfg, gpus)
     per_rank_gb = args.gpu_memory_gb if on_gpu else (
         args.node_memory_gb / max(1, args.ranks_per_node) if args.node_memory_gb else None)
     if not per_rank_gb:
         return None
+    limit = 0.9 * per_rank_gb * GIB
+    sharded = cfg
+    if cfg.clients.sharding != "fsdp":
+        whole = (plan.client_device_bytes if on_gpu else plan.client_bytes) if plan is not None else 0
+        variant = fsdp_variant(cfg)
+        if whole <= limit or variant is None:
+            return None
+        sharded = variant
     what = f"{args.gpu_memory_gb:g} GiB GPU" if on_gpu else f"{per_rank_gb:.1f} GiB of node memory per rank"
     per_node = gpus if on_gpu and gpus else max(1, args.ranks_per_node)
-    parts = 1
+    parts = 1 if sharded is cfg else 2  # a sharded variant needs two ranks or more
     while parts <= 4096:
-        shaped = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, ranks_per_client=parts))
+        shaped = dataclasses.replace(sharded, clients=dataclasses.replace(sharded.clients, ranks_per_client=parts))
         sized = dataclasses.replace(size, activations=activation_bytes(shaped))
         need = client_device_bytes(shaped, sized) if on_gpu else sharded_client_bytes(shaped, sized)
-        if need <= 0.9 * per_rank_gb * GIB:
-            nodes = -(-parts // per_node)
+        if need <= limit:
+            nodes = f"{counted(-(-parts // per_node), 'node')} of {per_node} {'GPUs' if on_gpu else 'ranks'} per client"
+            if sharded is not cfg:
+                return (f"  fit: clients.ranks_per_client={parts} clients.sharding=fsdp puts ~{need / GIB:.2f} GiB on "
+                        f"each {'GPU' if on_gpu else 'rank'} (within 90% of a {what}): {nodes}")
             return (f"  fit: a client needs clients.ranks_per_client >= {parts} to fit a {what} (~{need / GIB:.2f} GiB "
-                    f"per rank, within 90%): {nodes} node{'s' if nodes > 1 else ''} of {per_node} "
-                    f"{'GPUs' if on_gpu else 'ranks'} per client")
+                    f"per rank, within 90%): {nodes}")
         parts *= 2
-    return f"  fit: no clients.ranks_per_client up to 4096 fits a {what}"
+    return f"  fit: no clients.ranks_per_client up to 4096{'' if sharded is cfg else ' with fsdp'} fits a {what}"
+
+
+def fsdp_variant(cfg: Config) -> Config | None:
+    """``cfg`` with each client sharded over its ranks (``clients.sharding: fsdp``), or None where the config's
+    checks refuse sharding (a trainer or strategy FSDP does not take)."""
+    from mpifl.config.checks import check_combinations
+
+    variant = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, sharding="fsdp", ranks_per_client=2))
+    try:
+        check_combinations(variant)
+    except ConfigError:
+        return None
+    return variant
 
 
 def placement_note(cfg: Config, ranks: int, plan: MemoryEstimate, args: argparse.Namespace) -> str | None:
@@ -584,7 +609,8 @@ def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None
         advice.append("give the server a node to itself (--server-alone)")
     if cfg.server.state != "disk":
         advice.append("keep the server's model out of core (server.state=disk)")
-    return f"warning: {plan.describe()} > 90% of {node_memory_gb:g} GiB per node: {', or '.join(advice)}"
+    return (f"warning: {plan.describe(exchanged_what(cfg))} > 90% of {node_memory_gb:g} GiB per node: "
+            f"{', or '.join(advice)}")
 
 
 def ranks_per_gpu(ranks_per_node: int, gpus_per_node: int, client_ranks: int) -> int:
@@ -643,9 +669,11 @@ def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, 
 def client_gpu_advice(cfg: Config) -> list[str]:
     """What shrinks a client rank's GPU memory, of what the config does not do yet and can do."""
     advice = []
+    if cfg.clients.sharding != "fsdp" and fsdp_variant(cfg) is not None:
+        advice.append("shard each client over several GPUs (clients.sharding=fsdp; the fit: line says how many)")
     if cfg.model.name == "transformers" and not cfg.model.lora.r:
         advice.append("train LoRA adapters only (model.lora.r)")
-    if not cfg.model.trainable:
+    if not cfg.model.trainable and not cfg.model.lora.r:  # under LoRA only the adapters train already
         advice.append("train a subset of the tensors (model.trainable)")
     if cfg.model.dtype == "float32":
         advice.append("train in bfloat16 (model.dtype)")

@@ -93,13 +93,24 @@ class MemoryEstimate:
     update_wire_bytes: int = 0  # one update (or a group's sum) as it travels: narrowed, compressed or fp32 sums
     server_eval_bytes: int = 0  # the held-out evaluation's working set, inside server_bytes or server_device_bytes
 
-    def describe(self) -> str:
-        """One line for a job script's comment and the ``pbs`` command's output."""
+    def describe(self, exchanged: str = "model") -> str:
+        """One line for a job script's comment and the ``pbs`` command's output; ``exchanged`` names what
+        ``model_bytes`` counts (``exchanged_what``)."""
         gpu = f", GPU ~{self.client_device_bytes / GIB:.2f} GiB" if self.client_device_bytes else ""
         if self.server_device_bytes:
             gpu += f"; server's GPU ~{self.server_device_bytes / GIB:.2f} GiB"
-        return (f"model {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
+        return (f"{exchanged} {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
                 f"client rank ~{self.client_bytes / GIB:.2f} GiB{gpu}; fullest node ~{self.node_bytes / GIB:.1f} GiB")
+
+
+def exchanged_what(cfg: Config) -> str:
+    """What the exchanged bytes are, in a one-line summary: the whole model, or only the tensors that train where
+    frozen ones stay put (LoRA adapters, ``model.trainable``), so that 250 MiB is not read as a 70 B model's size."""
+    if cfg.model.exchange == "all":
+        return "model"
+    if cfg.model.lora.r:
+        return "exchanged (adapters)"
+    return "exchanged (model.trainable)" if cfg.model.trainable else "model"
 
 
 @dataclass(frozen=True)
