@@ -579,3 +579,105 @@ def test_plan_counts_the_round_that_samples_two_clients_of_one_rank_and_names_wh
                            "clients of one rank")
     assert f"With clients.placement=per_round, which deals each round's participants over the client ranks: rank 0 " \
            f"~{server_gib(dealt):.2f} GiB" in note
+
+
+def test_a_held_out_batchs_logits_grow_with_the_batch_and_the_vocabulary_and_a_narrow_model_adds_an_fp32_copy():
+    from mpifl.planning.memory import DecoderShape, decoder_evaluation_bytes
+
+    gpt2 = DecoderShape(hidden=768, intermediate=3072, layers=12, heads=12, vocab=50257)
+    bf16 = decoder_evaluation_bytes(gpt2, batch=16, seq=128, width=2)
+    logits = 16 * 128 * 50257
+    assert 10 * logits < bf16 < 10.6 * logits  # bf16 logits, their fp32 copy, the fp32 log-softmax; one layer
+    assert decoder_evaluation_bytes(gpt2, batch=32, seq=128, width=2) == 2 * bf16
+    wider = DecoderShape(hidden=768, intermediate=3072, layers=12, heads=12, vocab=2 * 50257)
+    assert decoder_evaluation_bytes(wider, batch=16, seq=128, width=2) - bf16 == 10 * logits
+    fp32 = decoder_evaluation_bytes(wider, batch=16, seq=128, width=4) - \
+        decoder_evaluation_bytes(gpt2, batch=16, seq=128, width=4)
+    assert fp32 == 8 * logits  # fp32 logits are their own fp32 copy: only the log-softmax beside them
+
+
+@pytest.mark.parametrize("overrides, counted", [
+    ((), True), (("eval.every=0",), False), (("server.state=disk", "eval.every=0"), False)])
+def test_the_server_counts_its_held_out_evaluation_only_when_it_evaluates(overrides, counted):
+    from mpifl.cli.plan import estimate
+
+    size, plan = estimate(load_config(ROOT / "configs" / "gpt2.yaml", list(overrides)), 3, 4, False)
+    assert size.evaluation_batch == 16 and (plan.server_eval_bytes == size.evaluation > GIB) == counted
+    _, off = estimate(load_config(ROOT / "configs" / "gpt2.yaml", ["eval.every=0"]), 3, 4, False)
+    if counted:
+        assert plan.server_bytes - off.server_bytes == size.evaluation
+
+
+def test_the_planned_evaluation_grows_with_eval_batch_size_up_to_the_held_out_set_and_is_shown_with_its_knob(capsys):
+    from mpifl.cli import main
+    from mpifl.cli.plan import estimate
+
+    gpt2 = ROOT / "configs" / "gpt2.yaml"  # 64 held-out blocks of 128 tokens
+    sizes = [estimate(load_config(gpt2, [f"eval.batch_size={b}"]), 3, 4, False)[0] for b in (8, 16, 64, 512)]
+    assert [s.evaluation_batch for s in sizes] == [8, 16, 64, 64]
+    assert sizes[0].evaluation < sizes[1].evaluation < sizes[2].evaluation == sizes[3].evaluation
+    assert main(["plan", str(gpt2)]) == 0
+    server = capsys.readouterr().out.splitlines()[1]
+    assert f"evaluation {format_bytes(sizes[1].evaluation)}: 16 x 128 x 50,257 logits" in server
+    assert "eval.batch_size sets it" in server
+
+
+def test_a_classifiers_held_out_batch_is_small_and_the_quick_start_plan_barely_moves():
+    from mpifl.cli.plan import estimate
+    from mpifl.planning.memory import classifier_evaluation_bytes
+
+    assert classifier_evaluation_bytes(400, [100, 300, 40], width=4) == 400 + 400 + 40
+    assert classifier_evaluation_bytes(400, [], width=4) == 0
+    size, plan = estimate(load_config(ROOT / "configs" / "quickstart.yaml"), 3, 4, False)
+    assert 0 < plan.server_eval_bytes < MIB
+
+
+def test_federated_evaluation_counts_on_a_client_rank_as_the_larger_of_it_and_the_training_activations():
+    import dataclasses
+
+    from mpifl.planning.memory import ModelBytes, client_working_set
+
+    cfg = load_config(ROOT / "configs" / "gpt2.yaml", ["eval.federated_every=1", "data.val_fraction=0.1"])
+    size = ModelBytes(exchanged=GIB, frozen=0, parameters=GIB // 2, activations=300 * MIB, evaluation=GIB)
+    assert client_working_set(cfg, size) == GIB
+    assert client_working_set(cfg, dataclasses.replace(size, evaluation=100 * MIB)) == 300 * MIB
+    assert client_working_set(load_config(ROOT / "configs" / "gpt2.yaml"), size) == 300 * MIB
+
+
+def test_a_70b_lora_client_that_does_not_fit_its_gpu_is_told_the_fsdp_group_that_does_as_the_planner_confirms():
+    import argparse
+    import re
+
+    from mpifl.cli.plan import estimate, sharded_fit
+
+    overrides = ["clients.ranks_per_client=1", "clients.sharding=replicate"]
+    result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", *overrides, "--gpus-per-node", "4",
+                        "--gpu-memory-gb", "40")
+    assert result.returncode == 0, result.stderr
+    fit = re.search(r"fit: clients.ranks_per_client=(\d+) clients.sharding=fsdp puts ~([\d.]+) GiB on each GPU",
+                    result.stdout)
+    assert fit is not None, result.stdout
+    assert "shard each client over several GPUs" in result.stdout
+    assert "model.trainable" not in result.stdout  # only the adapters train already
+    parts = int(fit[1])
+    sharded = load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml",
+                          [f"clients.ranks_per_client={parts}", "clients.sharding=fsdp"])
+    _, plan = estimate(sharded, 2 * parts + 1, 4, False, gpus_per_node=4)
+    assert plan.client_device_bytes <= 0.9 * 40 * GIB and f"{plan.client_device_bytes / GIB:.2f}" == fit[2]
+    half = load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml",
+                       [f"clients.ranks_per_client={parts // 2}", "clients.sharding=fsdp"])
+    assert estimate(half, parts + 1, 4, False, gpus_per_node=4)[1].client_device_bytes > 0.9 * 40 * GIB
+    args = argparse.Namespace(gpu_memory_gb=200.0, node_memory_gb=None, ranks_per_node=4)
+    replicated = load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml", overrides)
+    size, fits = estimate(replicated, 3, 4, False, gpus_per_node=4)
+    assert sharded_fit(replicated, size, args, 4, fits) is None  # 144 GiB fits a 200 GiB GPU: nothing to advise
+
+
+def test_the_one_line_summary_names_lora_bytes_as_the_exchanged_adapters_not_the_model():
+    from mpifl.planning.memory import exchanged_what
+
+    assert exchanged_what(load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml")) == "exchanged (adapters)"
+    assert exchanged_what(load_config(ROOT / "configs" / "gpt2.yaml")) == "model"
+    plan = MemoryEstimate(model_bytes=250 * MIB, server_bytes=GIB, server_pool_bytes=0, client_bytes=GIB,
+                          node_bytes=GIB)
+    assert plan.describe("exchanged (adapters)").startswith("exchanged (adapters) 250.00 MiB; server")

@@ -57,7 +57,9 @@ class Job:
     @property
     def memory_note(self) -> str:
         """The memory plan in one line, for the script's header."""
-        return self.plan.describe()
+        from mpifl.planning.memory import exchanged_what
+
+        return self.plan.describe(exchanged_what(self.cfg))
 
 
 def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) -> Job:

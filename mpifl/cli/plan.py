@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -23,9 +24,12 @@ from mpifl.planning.memory import (
     MemoryEstimate,
     ModelBytes,
     batched_lanes_bytes,
+    classifier_evaluation_bytes,
     client_state_elements,
     client_state_plan,
     decoder_activation_bytes,
+    decoder_evaluation_bytes,
+    exchanged_what,
     gathered_unit,
     journaled_elements,
     largest_fsdp_unit,
@@ -88,33 +92,47 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
                       parameters, largest_unit=unit, gathered_unit=gathered_unit(tensors))
 
 
-def lane_activation_bytes(cfg: Config, shape: dict) -> int:
-    """One batched lane's activations for one micro-batch (``train.batched_clients``): every module's output for
-    ``train.batch_size`` samples of the data's shape, from a forward pass on the meta device (nothing allocated);
-    0 where the model cannot be built from the data's shape."""
+def leaf_output_bytes(cfg: Config, shape: dict, batch: int) -> list[int]:
+    """Every leaf module's output bytes for ``batch`` samples of the data's shape, from a forward pass on the meta
+    device (nothing allocated); empty where the model cannot be built from the data's shape."""
     import torch
 
     from mpifl.learning.models import build_model
 
     if "input_shape" not in shape:
-        return 0
+        return []
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.seed, **shape)
-    total = 0
+    outputs: list[int] = []
 
     def count(module: torch.nn.Module, inputs: tuple, output: object) -> None:
-        nonlocal total
         if isinstance(output, torch.Tensor) and not list(module.children()):
-            total += output.numel() * output.element_size()
+            outputs.append(output.numel() * output.element_size())
 
     handles = [m.register_forward_hook(count) for m in model.modules()]
     try:
-        model(torch.empty((cfg.train.batch_size, *shape["input_shape"]), device="meta",
-                          dtype=next(model.parameters()).dtype))
+        model(torch.empty((batch, *shape["input_shape"]), device="meta", dtype=next(model.parameters()).dtype))
     finally:
         for handle in handles:
             handle.remove()
-    return total
+    return outputs
+
+
+def lane_activation_bytes(cfg: Config, shape: dict) -> int:
+    """One batched lane's activations for one micro-batch (``train.batched_clients``): every module's output for
+    ``train.batch_size`` samples of the data's shape (``leaf_output_bytes``); 0 where the model cannot be built from
+    the data's shape."""
+    return sum(leaf_output_bytes(cfg, shape, cfg.train.batch_size))
+
+
+def decoder_shape(cfg: Config) -> DecoderShape:
+    """What a transformers decoder's activations scale with, from its transformers config."""
+    from mpifl.learning.hf import transformers_config
+
+    config = transformers_config(cfg.model)
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    return DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size)
 
 
 def activation_bytes(cfg: Config, shape: dict | None = None) -> int:
@@ -127,14 +145,36 @@ def activation_bytes(cfg: Config, shape: dict | None = None) -> int:
     seq = cfg.data.kwargs.get("seq_len")
     if cfg.model.name != "transformers" or cfg.train.trainer != "causal_lm" or not isinstance(seq, int):
         return 0
-    from mpifl.learning.hf import transformers_config
-
-    config = transformers_config(cfg.model)
-    hidden = config.hidden_size
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    decoder = DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size)
     batch = -(-cfg.train.batch_size // cfg.clients.ranks_per_client)
-    return decoder_activation_bytes(decoder, batch, seq, itemsize(cfg.model.dtype), cfg.train.gradient_checkpointing)
+    return decoder_activation_bytes(decoder_shape(cfg), batch, seq, itemsize(cfg.model.dtype),
+                                    cfg.train.gradient_checkpointing)
+
+
+def evaluation_batch(cfg: Config, data: DataBytes | None) -> int:
+    """The samples in the largest held-out batch: ``eval.batch_size``, or the whole held-out set where it is smaller
+    (known when the data is read). Federated evaluation's validation batches are taken to be no larger."""
+    rows = data.test_rows if data is not None else 0
+    return min(cfg.eval.batch_size, rows) if rows else cfg.eval.batch_size
+
+
+def evaluation_bytes(cfg: Config, batch: int, shape: dict | None = None) -> int:
+    """What one held-out batch of ``batch`` samples works with beside the model, where anything evaluates
+    (``eval.every`` on the server, ``eval.federated_every`` on the clients; 0 otherwise). A transformers model is
+    scored by perplexity on blocks of ``data.kwargs.seq_len`` tokens (``decoder_evaluation_bytes``: its logits
+    dominate); a classifier holds its input batch, two leaf outputs at a time under no_grad and the loss's fp32
+    log-softmax (``classifier_evaluation_bytes``)."""
+    if not (cfg.eval.every or cfg.eval.federated_every):
+        return 0
+    seq = cfg.data.kwargs.get("seq_len")
+    if cfg.model.name == "transformers":
+        if not isinstance(seq, int):
+            return 0
+        return decoder_evaluation_bytes(decoder_shape(cfg), batch, seq, itemsize(cfg.model.dtype))
+    outputs = leaf_output_bytes(cfg, shape or {}, batch)
+    if not outputs or shape is None:
+        return 0
+    width = itemsize(cfg.model.dtype)
+    return classifier_evaluation_bytes(batch * math.prod(shape["input_shape"]) * width, outputs, width)
 
 
 def model_bytes(cfg: Config) -> ModelBytes:
@@ -149,7 +189,9 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
     from mpifl.aggregation.strategies import make_strategy
 
     (exchanged, frozen), data, shape = model_data_and_shape(cfg)
-    size = dataclasses.replace(size_of(exchanged, frozen, cfg.model.local), activations=activation_bytes(cfg, shape))
+    batch = evaluation_batch(cfg, data)
+    size = dataclasses.replace(size_of(exchanged, frozen, cfg.model.local), activations=activation_bytes(cfg, shape),
+                               evaluation=evaluation_bytes(cfg, batch, shape), evaluation_batch=batch)
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     return size, memory_estimate(cfg, size, layout, make_strategy(cfg.strategy), nranks, ranks_per_node,
@@ -253,10 +295,12 @@ def plan_main(args: argparse.Namespace) -> int:
              else "model + pool + state")
     held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"
                                           if cfg.data.feature_noise else "")
+    on_gpu = bool(plan.server_device_bytes)
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
-          f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}]")
+          f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}"
+          f"{'' if on_gpu else evaluation_note(cfg, size, plan.server_eval_bytes)}]")
     _print_clients(cfg, size, plan, ranks)
-    fit = sharded_fit(cfg, size, args, gpus)
+    fit = sharded_fit(cfg, size, args, gpus, plan)
     if fit:
         print(fit)
     _print_client_state(cfg, size, ranks)
@@ -319,7 +363,7 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
               "state]")
     if plan.server_device_bytes:
         print(f"  GPU of rank 0 (server): ~{format_bytes(plan.server_device_bytes)}  [the model, for evaluation "
-              "(eval.device); activations not included]")
+              f"(eval.device){evaluation_note(cfg, size, plan.server_eval_bytes)}]")
     if per_client > 1 and cfg.clients.sharding == "fsdp":
         print(f"  clients.ranks_per_client={per_client}, clients.sharding=fsdp: {groups_of(ranks, per_client)}, "
               f"each rank holding 1/{per_client} of its client's model; {leaders(ranks, per_client)} with rank "
@@ -384,32 +428,56 @@ def gathered_text(size: ModelBytes) -> str:
     return f"the largest FSDP unit gathered with its gradients ({format_bytes(held)} + {format_bytes(gradients)})"
 
 
-def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int) -> str | None:
-    """For a sharded config and a given GPU (or node) memory: the fewest ranks per client whose share fits in 90% of
-    it, and the nodes that makes per client. None without sharding or without a memory size to fit."""
+def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int,
+                plan: MemoryEstimate | None = None) -> str | None:
+    """For a given GPU (or node) memory: for a sharded config, the fewest ranks per client (powers of two) whose
+    share fits in 90% of it, and the nodes that makes per client; for a config whose client holds the whole model
+    (``plan``'s figure) and does not fit, the same for it sharded (``fsdp_variant``). Each candidate is re-planned
+    by ``planning.memory``, as ``plan`` would plan it. None where nothing is to be fitted or no memory size given."""
     from mpifl.planning.memory import client_device_bytes, sharded_client_bytes, trains_on_gpu
 
-    if cfg.clients.sharding != "fsdp":
-        return None
     on_gpu = trains_on_gpu(cfg, gpus)
     per_rank_gb = args.gpu_memory_gb if on_gpu else (
         args.node_memory_gb / max(1, args.ranks_per_node) if args.node_memory_gb else None)
     if not per_rank_gb:
         return None
+    limit = 0.9 * per_rank_gb * GIB
+    sharded = cfg
+    if cfg.clients.sharding != "fsdp":
+        whole = (plan.client_device_bytes if on_gpu else plan.client_bytes) if plan is not None else 0
+        variant = fsdp_variant(cfg)
+        if whole <= limit or variant is None:
+            return None
+        sharded = variant
     what = f"{args.gpu_memory_gb:g} GiB GPU" if on_gpu else f"{per_rank_gb:.1f} GiB of node memory per rank"
     per_node = gpus if on_gpu and gpus else max(1, args.ranks_per_node)
-    parts = 1
+    parts = 1 if sharded is cfg else 2  # a sharded variant needs two ranks or more
     while parts <= 4096:
-        shaped = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, ranks_per_client=parts))
+        shaped = dataclasses.replace(sharded, clients=dataclasses.replace(sharded.clients, ranks_per_client=parts))
         sized = dataclasses.replace(size, activations=activation_bytes(shaped))
         need = client_device_bytes(shaped, sized) if on_gpu else sharded_client_bytes(shaped, sized)
-        if need <= 0.9 * per_rank_gb * GIB:
-            nodes = -(-parts // per_node)
+        if need <= limit:
+            nodes = f"{counted(-(-parts // per_node), 'node')} of {per_node} {'GPUs' if on_gpu else 'ranks'} per client"
+            if sharded is not cfg:
+                return (f"  fit: clients.ranks_per_client={parts} clients.sharding=fsdp puts ~{need / GIB:.2f} GiB on "
+                        f"each {'GPU' if on_gpu else 'rank'} (within 90% of a {what}): {nodes}")
             return (f"  fit: a client needs clients.ranks_per_client >= {parts} to fit a {what} (~{need / GIB:.2f} GiB "
-                    f"per rank, within 90%): {nodes} node{'s' if nodes > 1 else ''} of {per_node} "
-                    f"{'GPUs' if on_gpu else 'ranks'} per client")
+                    f"per rank, within 90%): {nodes}")
         parts *= 2
-    return f"  fit: no clients.ranks_per_client up to 4096 fits a {what}"
+    return f"  fit: no clients.ranks_per_client up to 4096{'' if sharded is cfg else ' with fsdp'} fits a {what}"
+
+
+def fsdp_variant(cfg: Config) -> Config | None:
+    """``cfg`` with each client sharded over its ranks (``clients.sharding: fsdp``), or None where the config's
+    checks refuse sharding (a trainer or strategy FSDP does not take)."""
+    from mpifl.config.checks import check_combinations
+
+    variant = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, sharding="fsdp", ranks_per_client=2))
+    try:
+        check_combinations(variant)
+    except ConfigError:
+        return None
+    return variant
 
 
 def placement_note(cfg: Config, ranks: int, plan: MemoryEstimate, args: argparse.Namespace) -> str | None:
@@ -463,6 +531,25 @@ def groups_hint(cfg: Config, ranks: int) -> str | None:
     return (f"  hint: every participant's update travels to rank 0 ({per_round} a round from {ranks} client ranks); "
             f"{keys} {what}: {ranks} messages a round. Results then differ from this config's in fp32 rounding "
             "(other sums) and stay the same on any number of ranks (docs: how-to/cpu-training.md)")
+
+
+def evaluation_note(cfg: Config, size: ModelBytes, nbytes: int) -> str:
+    """The held-out evaluation's working set inside the server's figure, what it is made of and the key that sets
+    it, for its line of ``mpifl plan``; that it is not counted where the plan cannot estimate it."""
+    from mpifl.planning.memory import server_evaluates
+
+    if not server_evaluates(cfg):
+        return ""
+    if not nbytes:
+        return "; held-out evaluation's working set not included"
+    batch = size.evaluation_batch
+    if cfg.model.name == "transformers":
+        what = f"{batch} x {cfg.data.kwargs.get('seq_len')} x {decoder_shape(cfg).vocab:,} logits and their fp32 " \
+            "copies for the loss"
+    else:
+        what = f"a batch of {batch}"
+    whole = " (the whole held-out set)" if batch < cfg.eval.batch_size else ""
+    return f"; evaluation {format_bytes(nbytes)}: {what}{whole}, eval.batch_size sets it"
 
 
 def data_note(nbytes: int, what: str) -> str:
@@ -522,7 +609,8 @@ def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None
         advice.append("give the server a node to itself (--server-alone)")
     if cfg.server.state != "disk":
         advice.append("keep the server's model out of core (server.state=disk)")
-    return f"warning: {plan.describe()} > 90% of {node_memory_gb:g} GiB per node: {', or '.join(advice)}"
+    return (f"warning: {plan.describe(exchanged_what(cfg))} > 90% of {node_memory_gb:g} GiB per node: "
+            f"{', or '.join(advice)}")
 
 
 def ranks_per_gpu(ranks_per_node: int, gpus_per_node: int, client_ranks: int) -> int:
@@ -581,9 +669,11 @@ def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, 
 def client_gpu_advice(cfg: Config) -> list[str]:
     """What shrinks a client rank's GPU memory, of what the config does not do yet and can do."""
     advice = []
+    if cfg.clients.sharding != "fsdp" and fsdp_variant(cfg) is not None:
+        advice.append("shard each client over several GPUs (clients.sharding=fsdp; the fit: line says how many)")
     if cfg.model.name == "transformers" and not cfg.model.lora.r:
         advice.append("train LoRA adapters only (model.lora.r)")
-    if not cfg.model.trainable:
+    if not cfg.model.trainable and not cfg.model.lora.r:  # under LoRA only the adapters train already
         advice.append("train a subset of the tensors (model.trainable)")
     if cfg.model.dtype == "float32":
         advice.append("train in bfloat16 (model.dtype)")

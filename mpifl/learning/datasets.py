@@ -144,11 +144,11 @@ def surveyed_data(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
         rows = int(index.starts[-1])
         inputs = rows * math.prod(index.input_shape) * index.input_dtype.itemsize
         footprint = DataBytes(inputs, rows * 8, _nbytes(x_test) + _nbytes(y_test), per_rank=True,
-                              noisy_copy=_noisy_copy_bytes(cfg, x_test))
+                              noisy_copy=_noisy_copy_bytes(cfg, x_test), test_rows=len(y_test))
         return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}, footprint
     data = load_dataset(cfg)
     footprint = DataBytes(_nbytes(data.x_train), _nbytes(data.y_train), _nbytes(data.x_test) + _nbytes(data.y_test),
-                          per_rank=False, noisy_copy=_noisy_copy_bytes(cfg, data.x_test))
+                          per_rank=False, noisy_copy=_noisy_copy_bytes(cfg, data.x_test), test_rows=len(data.y_test))
     return {"input_shape": data.input_shape, "num_classes": data.num_classes}, footprint
 
 

@@ -2,14 +2,14 @@
 
 One source of truth. The server's receive pool is sized by the same functions the running
 server calls (``planning.pools``); the rest is the model, the strategy's server state, the
-out-of-core window and, on client ranks, the training state. ``mpifl plan``, ``mpifl pbs``
-and the tests that compare a plan with what a run allocates all use ``memory_estimate``.
-Activations are not included.
+out-of-core window, the server's held-out evaluation (``evaluation_bytes``) and, on client ranks, the training
+state and activations where they are estimated. ``mpifl plan``, ``mpifl pbs`` and the tests that compare a plan
+with what a run allocates all use ``memory_estimate``.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,6 +67,8 @@ class ModelBytes:
     largest_unit: int = 0  # bytes of the largest group of tensors FSDP gathers at once (fsdp_units; 0: unknown)
     gathered_unit: tuple[int, int] = (0, 0)  # the unit held whole in training: bytes, gradients' bytes (gathered_unit)
     activations: int = 0  # bytes of one micro-batch's activations on one rank (0: not estimated)
+    evaluation: int = 0  # bytes one held-out batch works with beside the model (0: not estimated)
+    evaluation_batch: int = 0  # its samples: eval.batch_size, or the held-out set where that is smaller
 
     @property
     def total(self) -> int:
@@ -89,14 +91,26 @@ class MemoryEstimate:
     client_device_bytes: int = 0  # GPU memory per client rank that trains on a GPU (0: it trains on the CPU)
     server_device_bytes: int = 0  # the server's evaluation copy on its GPU (eval.device; 0: it evaluates on the CPU)
     update_wire_bytes: int = 0  # one update (or a group's sum) as it travels: narrowed, compressed or fp32 sums
+    server_eval_bytes: int = 0  # the held-out evaluation's working set, inside server_bytes or server_device_bytes
 
-    def describe(self) -> str:
-        """One line for a job script's comment and the ``pbs`` command's output."""
+    def describe(self, exchanged: str = "model") -> str:
+        """One line for a job script's comment and the ``pbs`` command's output; ``exchanged`` names what
+        ``model_bytes`` counts (``exchanged_what``)."""
         gpu = f", GPU ~{self.client_device_bytes / GIB:.2f} GiB" if self.client_device_bytes else ""
         if self.server_device_bytes:
             gpu += f"; server's GPU ~{self.server_device_bytes / GIB:.2f} GiB"
-        return (f"model {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
+        return (f"{exchanged} {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
                 f"client rank ~{self.client_bytes / GIB:.2f} GiB{gpu}; fullest node ~{self.node_bytes / GIB:.1f} GiB")
+
+
+def exchanged_what(cfg: Config) -> str:
+    """What the exchanged bytes are, in a one-line summary: the whole model, or only the tensors that train where
+    frozen ones stay put (LoRA adapters, ``model.trainable``), so that 250 MiB is not read as a 70 B model's size."""
+    if cfg.model.exchange == "all":
+        return "model"
+    if cfg.model.lora.r:
+        return "exchanged (adapters)"
+    return "exchanged (model.trainable)" if cfg.model.trainable else "model"
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,7 @@ class DataBytes:
     test: int  # the held-out inputs and labels
     per_rank: bool  # a client source: each client rank reads only its own clients' inputs
     noisy_copy: int = 0  # data.feature_noise: one float32 copy of the held-out inputs, scored level by level
+    test_rows: int = 0  # held-out samples (token blocks for text): a batch of evaluation holds at most this many
 
 
 def server_data_bytes(data: DataBytes) -> int:
@@ -163,12 +178,37 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
     return pool_bytes(shape, layout, ranks)
 
 
+def server_evaluates(cfg: Config) -> bool:
+    """Whether rank 0 scores the global model on the held-out set (``eval.every``); a server that keeps the model
+    out of core (``server.state: disk``) holds no module to score."""
+    return cfg.eval.every > 0 and cfg.server.state == "memory"
+
+
+def evaluates_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
+    """Whether the server's evaluation runs on its GPU: ``eval.device`` cuda, or auto on nodes with GPUs."""
+    return cfg.eval.device == "cuda" or (cfg.eval.device == "auto" and gpus_per_node > 0)
+
+
 def server_device_bytes(cfg: Config, size: ModelBytes, gpus_per_node: int) -> int:
     """GPU memory of the server's evaluation copy (``eval.device`` cuda, or auto on nodes with GPUs): the whole
-    model; 0 where the server evaluates on the CPU, never evaluates, or keeps the model out of core."""
-    evaluates = cfg.eval.every > 0 and cfg.server.state == "memory"
-    on_gpu = cfg.eval.device == "cuda" or (cfg.eval.device == "auto" and gpus_per_node > 0)
-    return size.total if evaluates and on_gpu else 0
+    model and one held-out batch's working set (``size.evaluation``); 0 where the server evaluates on the CPU,
+    never evaluates, or keeps the model out of core."""
+    on_gpu = server_evaluates(cfg) and evaluates_on_gpu(cfg, gpus_per_node)
+    return size.total + size.evaluation if on_gpu else 0
+
+
+def server_evaluation_bytes(cfg: Config, size: ModelBytes) -> int:
+    """The held-out evaluation's working set on rank 0, wherever it runs (0 where the server never evaluates). It
+    is counted on top of the pool and state, which stay allocated between rounds: gpt2.yaml's server peaked at
+    1,997 MiB with eval.every 1 against 968 MiB with 0 (docs/explanation/memory.md)."""
+    return size.evaluation if server_evaluates(cfg) else 0
+
+
+def client_evaluation_bytes(cfg: Config, size: ModelBytes) -> int:
+    """What a client rank's federated evaluation (``eval.federated_every``) works with, held-out batch by batch,
+    before it trains: the training activations are not allocated yet, so a rank holds the larger of the two, not
+    both (``replicated_activations``)."""
+    return size.evaluation if cfg.eval.federated_every > 0 else 0
 
 
 def trains_on_gpu(cfg: Config, gpus_per_node: int) -> bool:
@@ -280,6 +320,35 @@ def decoder_activation_bytes(shape: DecoderShape, batch: int, seq: int, width: i
     return shape.layers * layer + logits
 
 
+# A held-out batch's logits, per logit, beside the model's own value (``decoder_evaluation_bytes``): transformers'
+# causal-LM loss (loss_utils.ForCausalLMLoss) upcasts them to fp32 (a copy where the model is narrower) and
+# cross_entropy's log-softmax writes another fp32 tensor of the same size. Measured on gpt2.yaml (bf16, 16 x 128 x
+# 50,257 logits, 982 MiB by this count): the server peaked 1,029 MiB higher with evaluation than without.
+LOGIT_LOSS_BYTES = 4
+
+
+def decoder_evaluation_bytes(shape: DecoderShape, batch: int, seq: int, width: int) -> int:
+    """One held-out batch's working set under no_grad (mpifl.learning.trainers.evaluate_language_model): the
+    logits, their fp32 copy for the loss where the model is narrower than fp32, the loss's fp32 log-softmax, and
+    one layer's values at a time (nothing is kept for backward, so the layers do not add up)."""
+    tokens = batch * seq
+    logits = tokens * shape.vocab * (width + LOGIT_LOSS_BYTES + (4 if width < 4 else 0))
+    layer = int(tokens * (HIDDEN_VALUES * shape.hidden + INTERMEDIATE_VALUES * shape.intermediate) * width
+                + SCORE_VALUES * batch * shape.heads * seq * seq * width)
+    return logits + layer
+
+
+def classifier_evaluation_bytes(inputs: int, outputs: Sequence[int], width: int) -> int:
+    """One held-out batch's working set for a classifier under no_grad (mpifl.learning.trainers.evaluate): its
+    inputs (``inputs`` bytes, a copy where they are cast), a leaf module's input and output at a time (``outputs``:
+    every leaf's output bytes in forward order, ``width`` bytes an element; nothing is kept for backward), and the
+    loss's fp32 log-softmax of the last output, the logits."""
+    if not outputs:
+        return 0
+    pairs = [a + b for a, b in zip(outputs, outputs[1:])] or list(outputs)
+    return inputs + max(pairs) + 4 * (outputs[-1] // width)
+
+
 def share(nbytes: int, parts: int) -> int:
     """A rank's share of ``nbytes`` split over ``parts`` ranks (rounded up)."""
     return -(-nbytes // parts)
@@ -350,13 +419,19 @@ def client_device_bytes(cfg: Config, size: ModelBytes) -> int:
     elements = size.exchanged // itemsize(cfg.model.dtype)
     group_sum = 4 * elements if cfg.clients.groups else 0
     return (size.total + size.exchanged + training_state_bytes(cfg, size) + group_sum + CUDA_WORKSPACE_BYTES
-            + state_rule_bytes(cfg, size) + replicated_activations(cfg, size))
+            + state_rule_bytes(cfg, size) + client_working_set(cfg, size))
 
 
 def replicated_activations(cfg: Config, size: ModelBytes) -> int:
     """The activations a client rank that holds the whole model keeps for backward, where the plan estimates them
     (``size.activations``: a transformers decoder under the causal_lm trainer); batched lanes count their own."""
     return 0 if cfg.train.batched_clients or cfg.train.trainer == "none" else size.activations
+
+
+def client_working_set(cfg: Config, size: ModelBytes) -> int:
+    """The larger of a replicated client rank's training activations and its federated evaluation's working set:
+    it scores the model it received before it trains, so the two never coexist."""
+    return max(replicated_activations(cfg, size), client_evaluation_bytes(cfg, size))
 
 
 def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
@@ -395,7 +470,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     client = imports_bytes(cfg) + size.total
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
-        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size) + replicated_activations(cfg, size)
+        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size) + client_working_set(cfg, size)
         if not on_gpu and (most_trained_per_rank(cfg.clients, client_ranks) > 1 or cfg.strategy.update == "delta"
                            or cfg.train.ditto_lambda):
             client += nbytes  # the global model kept for the next logical client, the delta or Ditto's regulariser
@@ -473,8 +548,9 @@ def journaled_elements(cfg: Config, size: ModelBytes) -> int:
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,  # noqa: PLR0913 - the run's shape, each from its own source
                     nranks: int, ranks_per_node: int, server_alone: bool,
                     data: DataBytes | None = None, gpus_per_node: int = 0) -> MemoryEstimate:
-    """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations not included; the data
-    only when ``data`` is known; GPU memory when client ranks train on GPUs, ``gpus_per_node``)."""
+    """Per-rank and fullest-node memory for this config on ``nranks`` ranks (activations and the held-out
+    evaluation's working set where ``size`` estimates them; the data only when ``data`` is known; GPU memory when
+    client ranks train on GPUs, ``gpus_per_node``)."""
     client_ranks = max(1, (nranks - 1) // cfg.clients.ranks_per_client)  # a group of ranks hosts as one rank
     pool = server_pool_bytes(cfg, exchange, strategy, client_ranks)
     elements = size.exchanged // itemsize(cfg.model.dtype)
@@ -487,6 +563,9 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
         server = imports_bytes(cfg) + max(store + pool + scratch, probe)
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = imports_bytes(cfg) + size.total + max(pool + scratch + strategy.state_bytes(elements), probe)
+    evaluation = server_evaluation_bytes(cfg, size)
+    if not evaluates_on_gpu(cfg, gpus_per_node):  # else it is on the GPU, in server_device_bytes
+        server += evaluation
     on_gpu = trains_on_gpu(cfg, gpus_per_node)
     client = client_bytes(cfg, size, client_ranks, on_gpu)
     server_data = client_data = node_data = shared_read = 0
@@ -499,7 +578,8 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data)
     return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
                           client_device_bytes(cfg, size) if on_gpu else 0,
-                          server_device_bytes(cfg, size, gpus_per_node), sum(c.nbytes for c in exchange.wire))
+                          server_device_bytes(cfg, size, gpus_per_node), sum(c.nbytes for c in exchange.wire),
+                          evaluation)
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
