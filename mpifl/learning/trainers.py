@@ -166,6 +166,17 @@ def shared_batch(batch: torch.Tensor, parallel: GroupParallel | None) -> tuple[t
     return share, share_weight(len(share), len(batch), parallel.size)
 
 
+def stand_in(share: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """The rows a rank runs forward and backward: its share, or the batch's first sample for an empty share (a batch
+    of fewer samples than the group has ranks: the last of a pass, or ``train.batch_size < ranks_per_client``).
+
+    Why: every rank of the group must join the collectives inside forward and backward (FSDP's gathers and
+    reduce-scatters, DDP's all-reduce) or the others wait for it, and a transformers model cannot run on 0 rows
+    (its attention reshapes with a -1). The stand-in's loss is weighed by its share's weight, 0, so its gradients
+    are exact zeros and the group's step is the weighted mean over the real samples alone."""
+    return share if len(share) else batch[:1]
+
+
 def shared_inputs(data: ClientData, batch: torch.Tensor, share: torch.Tensor, parallel: GroupParallel | None,
                   noise: torch.Generator | None) -> torch.Tensor:
     """The inputs of the rank's ``share`` of ``batch``; with feature noise (``data.noise_std``), plus the share's
@@ -337,13 +348,13 @@ class CausalLMTrainer:
             for _ in range(steps):
                 optimizer.zero_grad(set_to_none=True)
                 for k in range(c.grad_accum_steps):
-                    share, weight = shared_batch(next(batches), self.parallel)
-                    ids = data.x[share].to(_device(model))
+                    batch = next(batches)
+                    share, weight = shared_batch(batch, self.parallel)
+                    ids = data.x[stand_in(share, batch)].to(_device(model))
                     last = k == c.grad_accum_steps - 1  # DDP all-reduces on the last micro-batch only
                     with contextlib.nullcontext() if last or net is model else net.no_sync():  # type: ignore[operator]
-                        output = net(input_ids=ids, labels=ids if len(share) else None)
-                        loss = output.loss if len(share) else output.logits.sum()
-                        (loss * weight / c.grad_accum_steps).backward()  # an empty share: weight 0
+                        loss = net(input_ids=ids, labels=ids).loss
+                        (loss * weight / c.grad_accum_steps).backward()  # an empty share's stand-in: weight 0
                     total += loss.item() * len(share) if len(share) else 0.0
                     count += len(share)
                 _master_gradients(params, masters, anchors, c.prox_mu, mixed)
