@@ -18,6 +18,7 @@ from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import GroupParallel, share_of, share_weight
 from mpifl.learning.steps import MASTER_OF, split
 from mpifl.metrics import OWN_METRIC_PREFIXES, own_metric_names
+from mpifl.planning.seeds import SHARD, derive_seed
 from mpifl.plugins import kwargs_problem, resolve
 
 
@@ -142,6 +143,17 @@ def seed_model_randomness(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed_all(seed)  # started by now: applied at once, nothing queued
     elif device.type != "cpu":
         torch.manual_seed(seed)
+
+
+def model_randomness_seed(seed: int, parallel: GroupParallel | None) -> int:
+    """The seed of a rank's in-model randomness (dropout): the training seed alone, and in a client group one derived
+    from it and the rank's place in the group (``SHARD``).
+
+    Why: every rank of a group trains with the client's seed, and ranks with shares of one size would draw the same
+    dropout masks for different samples. Independent masks make a group's training statistically one rank's (not
+    bitwise: one rank draws all the batch's masks from one stream), still bitwise for a fixed group size on any
+    number of groups, sharded or replicated."""
+    return seed if parallel is None else derive_seed(seed, SHARD, parallel.rank)
 
 
 def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
@@ -278,7 +290,7 @@ class TorchTrainer:
         total, count = 0.0, 0
         stepping = steps_in_backward(params, c) if in_backward else contextlib.nullcontext()
         with torch.random.fork_rng(devices=[]), stepping:
-            seed_model_randomness(seed, device)  # dropout and other in-model randomness
+            seed_model_randomness(model_randomness_seed(seed, self.parallel), device)  # dropout and the like
             batches = minibatches(len(data), c.batch_size, seed)
             noise = noise_generator(seed) if data.noise_std else None  # data.feature_noise
             for _ in range(steps):
@@ -343,7 +355,7 @@ class CausalLMTrainer:
         net.train()
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
-            seed_model_randomness(seed, _device(model))  # dropout
+            seed_model_randomness(model_randomness_seed(seed, self.parallel), _device(model))  # dropout
             batches = minibatches(len(data), c.batch_size, seed)
             for _ in range(steps):
                 optimizer.zero_grad(set_to_none=True)
