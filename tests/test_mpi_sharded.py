@@ -1,10 +1,11 @@
 """clients.sharding: fsdp: a logical client's model sharded over the R ranks of its group with FSDP, no rank holding
 the whole model or the whole update. Its result is bitwise the replicated (DDP) group's of the same R, whatever the
-number of groups, and after a kill -9 and a resume on another number of groups; within float rounding of one rank
-per client; the frozen base of LoRA is initialised as an unsharded build initialises it, tied embeddings too; the
-out-of-core server's round 0 is gathered from the shards; SCAFFOLD's, FedDyn's and Ditto's per-client state and
-top-k's error feedback are kept by every rank over its own rows; compressed updates are encoded by the leader chunk
-by chunk; and what the sharded path does not carry yet is refused, naming the key."""
+number of groups (GPT-2's dropout too: each rank draws its own masks), and after a kill -9 and a resume on another
+number of groups; within float rounding of one rank per client; the frozen base of LoRA is initialised as an
+unsharded build initialises it, tied embeddings too; the out-of-core server's round 0 is gathered from the shards;
+SCAFFOLD's, FedDyn's and Ditto's per-client state and top-k's error feedback are kept by every rank over its own
+rows; compressed updates are encoded by the leader chunk by chunk; and what the sharded path does not carry yet is
+refused, naming the key."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -108,6 +109,12 @@ def test_tied_embeddings_shard_and_start_from_the_unsharded_initialisation(tmp_p
     gpt2 = tuple(f"{k}={v}" for k, v in GPT2.items())
     sharded = final_model(run(tmp_path, "gpt2-fsdp", 3, *gpt2))
     assert_bitwise(sharded, final_model(run(tmp_path, "gpt2-ddp", 3, *gpt2, "clients.sharding=replicate")))
+
+
+def test_each_ranks_own_dropout_masks_give_bitwise_the_same_model_on_one_or_two_groups(tmp_path):
+    """GPT-2's default dropout (0.1): a rank's masks follow the client's seed and its place in the group alone."""
+    gpt2 = tuple(f"{k}={v}" for k, v in GPT2.items())
+    assert_bitwise(final_model(run(tmp_path, "one", 3, *gpt2)), final_model(run(tmp_path, "two", 5, *gpt2)))
 
 
 def test_lora_adapters_train_on_a_sharded_frozen_base_in_bf16(tmp_path):

@@ -208,3 +208,20 @@ print(sorted(set(sys.modules) - before))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_each_rank_of_a_client_group_draws_its_own_dropout_masks_and_one_rank_draws_the_clients():
+    """Two ranks with equal shares of a batch would otherwise drop the same units of different samples."""
+    from types import SimpleNamespace
+
+    from mpifl.learning.trainers import model_randomness_seed, seed_model_randomness
+
+    def mask(parallel) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            seed_model_randomness(model_randomness_seed(7, parallel), torch.device("cpu"))
+            return torch.nn.functional.dropout(torch.ones(64), 0.5)
+
+    ranks = [mask(SimpleNamespace(rank=r, size=2)) for r in range(2)]
+    assert not torch.equal(ranks[0], ranks[1])
+    assert torch.equal(ranks[1], mask(SimpleNamespace(rank=1, size=2)))  # the same on any number of groups
+    assert model_randomness_seed(7, None) == 7

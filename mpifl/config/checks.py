@@ -540,7 +540,7 @@ NARROW_GLOBAL_LR = 1e-4
 
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
-    found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg)
+    found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -593,6 +593,18 @@ def _partition_warnings(cfg: Config) -> list[str]:
             found.append(f"data.{key}: {getattr(data, key)} is read only by data.partition {' or '.join(readers)}, "
                          f"and data.partition is {data.partition!r}: ignored")
     return found
+
+
+def _group_warnings(cfg: Config) -> list[str]:
+    """A train.batch_size below clients.ranks_per_client: legal (a rank with an empty share joins the group's
+    collectives on a stand-in weighed 0), but every step leaves ranks of each client group without a sample."""
+    ranks, batch = cfg.clients.ranks_per_client, cfg.train.batch_size
+    if cfg.train.trainer == "none" or batch >= ranks:
+        return []
+    return [f"train.batch_size: {batch} is less than clients.ranks_per_client={ranks}: every step leaves "
+            f"{ranks - batch} of each client group's {ranks} ranks without a sample (they join the group's "
+            "collectives and add nothing): raise train.batch_size to a multiple of clients.ranks_per_client, or "
+            "lower clients.ranks_per_client"]
 
 
 # What a clock.queue_trace replaces: its jobs' own waits, run times and ends (mpifl.clock.queue draws none).

@@ -18,6 +18,7 @@ from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.parallel import GroupParallel, share_of, share_weight
 from mpifl.learning.steps import MASTER_OF, split
 from mpifl.metrics import OWN_METRIC_PREFIXES, own_metric_names
+from mpifl.planning.seeds import SHARD, derive_seed
 from mpifl.plugins import kwargs_problem, resolve
 
 
@@ -144,6 +145,17 @@ def seed_model_randomness(seed: int, device: torch.device) -> None:
         torch.manual_seed(seed)
 
 
+def model_randomness_seed(seed: int, parallel: GroupParallel | None) -> int:
+    """The seed of a rank's in-model randomness (dropout): the training seed alone, and in a client group one derived
+    from it and the rank's place in the group (``SHARD``).
+
+    Why: every rank of a group trains with the client's seed, and ranks with shares of one size would draw the same
+    dropout masks for different samples. Independent masks make a group's training statistically one rank's (not
+    bitwise: one rank draws all the batch's masks from one stream), still bitwise for a fixed group size on any
+    number of groups, sharded or replicated."""
+    return seed if parallel is None else derive_seed(seed, SHARD, parallel.rank)
+
+
 def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """Index batches of shuffled passes over the data, without end; the last batch of a pass may be short."""
     generator = torch.Generator().manual_seed(seed)
@@ -164,6 +176,17 @@ def shared_batch(batch: torch.Tensor, parallel: GroupParallel | None) -> tuple[t
         return batch, 1.0
     share = share_of(batch, parallel.rank, parallel.size)
     return share, share_weight(len(share), len(batch), parallel.size)
+
+
+def stand_in(share: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """The rows a rank runs forward and backward: its share, or the batch's first sample for an empty share (a batch
+    of fewer samples than the group has ranks: the last of a pass, or ``train.batch_size < ranks_per_client``).
+
+    Why: every rank of the group must join the collectives inside forward and backward (FSDP's gathers and
+    reduce-scatters, DDP's all-reduce) or the others wait for it, and a transformers model cannot run on 0 rows
+    (its attention reshapes with a -1). The stand-in's loss is weighed by its share's weight, 0, so its gradients
+    are exact zeros and the group's step is the weighted mean over the real samples alone."""
+    return share if len(share) else batch[:1]
 
 
 def shared_inputs(data: ClientData, batch: torch.Tensor, share: torch.Tensor, parallel: GroupParallel | None,
@@ -267,7 +290,7 @@ class TorchTrainer:
         total, count = 0.0, 0
         stepping = steps_in_backward(params, c) if in_backward else contextlib.nullcontext()
         with torch.random.fork_rng(devices=[]), stepping:
-            seed_model_randomness(seed, device)  # dropout and other in-model randomness
+            seed_model_randomness(model_randomness_seed(seed, self.parallel), device)  # dropout and the like
             batches = minibatches(len(data), c.batch_size, seed)
             noise = noise_generator(seed) if data.noise_std else None  # data.feature_noise
             for _ in range(steps):
@@ -332,18 +355,18 @@ class CausalLMTrainer:
         net.train()
         total, count = 0.0, 0
         with torch.random.fork_rng(devices=[]):
-            seed_model_randomness(seed, _device(model))  # dropout
+            seed_model_randomness(model_randomness_seed(seed, self.parallel), _device(model))  # dropout
             batches = minibatches(len(data), c.batch_size, seed)
             for _ in range(steps):
                 optimizer.zero_grad(set_to_none=True)
                 for k in range(c.grad_accum_steps):
-                    share, weight = shared_batch(next(batches), self.parallel)
-                    ids = data.x[share].to(_device(model))
+                    batch = next(batches)
+                    share, weight = shared_batch(batch, self.parallel)
+                    ids = data.x[stand_in(share, batch)].to(_device(model))
                     last = k == c.grad_accum_steps - 1  # DDP all-reduces on the last micro-batch only
                     with contextlib.nullcontext() if last or net is model else net.no_sync():  # type: ignore[operator]
-                        output = net(input_ids=ids, labels=ids if len(share) else None)
-                        loss = output.loss if len(share) else output.logits.sum()
-                        (loss * weight / c.grad_accum_steps).backward()  # an empty share: weight 0
+                        loss = net(input_ids=ids, labels=ids).loss
+                        (loss * weight / c.grad_accum_steps).backward()  # an empty share's stand-in: weight 0
                     total += loss.item() * len(share) if len(share) else 0.0
                     count += len(share)
                 _master_gradients(params, masters, anchors, c.prox_mu, mixed)

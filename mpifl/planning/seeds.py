@@ -3,7 +3,8 @@
 A stream's seed is ``derive_seed(seed, key, *sub_keys)``. Keys keep the purposes apart, so
 adding a use of randomness never shifts another's draws; sub-keys name the round, the
 client or the element block. None of them depends on the rank count, which is what makes
-results rank-count independent.
+results rank-count independent (SHARD names a rank's place in its client group, which depends on
+clients.ranks_per_client but not on how many groups run).
 
 ==================  =====  ===============================================================
 key                 value  stream (sub-keys)
@@ -24,6 +25,8 @@ FEATURE_NOISE       8      noise-based feature skew (data.feature_noise): a trai
 FAULTS              9      injected faults (faults:): whether a fraction hits a client
                            (index, round, client); which bits a corruption flips (BITS,
                            index, round, client)
+SHARD               10     in-model randomness (dropout) of one rank of a client group:
+                           (rank in the group), under the run's CLIENT or PERSONAL seed
 ==================  =====  ===============================================================
 
 Purposes of the element streams under PRIVACY: CENTRAL (0) the server's noise on the sum,
@@ -44,6 +47,7 @@ POISSON = 6
 PERSONAL = 7
 FEATURE_NOISE = 8
 FAULTS = 9
+SHARD = 10
 
 CENTRAL = 0
 LOCAL = 1
