@@ -167,7 +167,9 @@ class Server:
             bar.close()
         if wrap_up is not None:
             wrap_up(self.history, self.budget_spent)
-        self.late.finish(self.parts.deadlines.current().first_update, heard=self.heard)
+        deadlines = self.parts.deadlines.current()
+        self.late.finish(deadlines.first_update, heard=self.heard, stop_requested=lambda: self.stop.requested,
+                         grace=deadlines.sigterm_grace)
         self._send_stop()
         self.inbox()  # the last progress reports: received, not left behind at MPI_Finalize
         return self.history

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from mpifl.errors import JobFailure
+from mpifl.errors import INTERRUPTED, JobFailure
 from mpifl.wire import protocol
 from mpifl.wire.memory import host_bytes
 from mpifl.wire.transport import Backoff
@@ -146,17 +146,31 @@ class LateStreams:
         return max(owed.dropped_at, self.heard_at.get(owed.rank, 0.0))
 
     def finish(self, silence_limit: float, setting: str = "timeouts.first_update",
-               heard: Callable[[], Iterable[int]] | None = None) -> None:
+               heard: Callable[[], Iterable[int]] | None = None,
+               stop_requested: Callable[[], bool] = lambda: False, grace: float = 5.0) -> None:
         """Take up everything still owed (before the stop), for as long as each owing rank is heard from; a rank
         silent past ``silence_limit`` s (``setting``) ends the job. ``heard``: the server's, which takes up the
         ranks' progress reports besides these streams (None: the streams alone). A rank dropped from the last round
         is often still training it, which sends no chunk until it is done, only progress reports: counting the
-        streams alone ended the job under a rank that kept reporting (found by a new user with a ``slowdown``)."""
+        streams alone ended the job under a rank that kept reporting (found by a new user with a ``slowdown``).
+
+        After a SIGTERM (``stop_requested``: what PBS sends before the walltime) the wait lasts ``grace`` s more
+        (timeouts.sigterm_grace), whatever the ranks report: what they still owe is discarded anyway, and every
+        round is on disk, so the job ends as stopped on request (exit 3) rather than run into the walltime."""
         listen = heard if heard is not None else self
         backoff = Backoff()
+        sigterm_at: float | None = None
         while self.owed:
             arrived = list(listen())  # the server's heard notes its progress reports here (note)
             now = time.monotonic()
+            if sigterm_at is None and stop_requested():
+                sigterm_at = now
+            if sigterm_at is not None and now - sigterm_at > grace:
+                owing = sorted({o.rank for o in self.owed})
+                raise JobFailure(f"SIGTERM arrived while rank{'s' if len(owing) > 1 else ''} "
+                                 f"{', '.join(map(str, owing))} still owed the late updates of a round it was "
+                                 f"dropped from; stopped waiting after {grace:g} s (timeouts.sigterm_grace): every "
+                                 "round is on disk, and those updates would have been discarded", INTERRUPTED)
             silent = first_silent(self.owed, self._last_heard, now, silence_limit)
             if silent is not None:
                 raise JobFailure(f"rank {silent.rank} was dropped from round {silent.round} and has sent nothing of "

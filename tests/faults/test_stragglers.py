@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import time
 
 import numpy as np
 import pytest
 import yaml
-from conftest import run_mpi, write_config
+from conftest import finish, mpifl_here, run_mpi, spawn_mpi, wait_for, write_config
 from reference import reference_run
 
 from mpifl.config import load_config
@@ -198,6 +200,38 @@ output: {progress: false}
                      r"was dropped", result.stderr)
     assert late and float(late.group(1)) > 3 + 1, result.stderr[-3000:]  # past first_update, with a margin
     assert (run_dir / "model.h5").is_file()
+
+
+def test_a_sigterm_while_the_end_of_the_run_waits_on_a_reporting_rank_ends_the_job_within_the_grace(tmp_path):
+    """As above, but rank 2's slowdown in the last round lasts about 60 s, and a SIGTERM (what PBS sends before the
+    walltime) arrives while the end of the run waits for it. What it still owes would be discarded and every
+    round is on disk, so the wait lasts timeouts.sigterm_grace more and the job ends as stopped on request (exit
+    3), not at the walltime; status says the run is complete."""
+    text = """
+seed: 0
+rounds: 2
+clients: {num_clients: 4, per_round: 4, accept_failures: true}
+data: {dataset: digits, partition: iid}
+model: {name: "fl_helpers:tiny_mlp"}
+train: {trainer: "fl_helpers:Straggling", lr: 0.02}
+timeouts: {straggler: 1, first_update: 3, sigterm_grace: 2}
+eval: {every: 0}
+faults: [{kind: slowdown, clients: [1], rounds: [2], factor: 1201}]
+output: {progress: false}
+"""
+    cfg, run_dir = write_config(tmp_path / "c.yaml", text), tmp_path / "run"
+    proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_CLIENT_SECONDS": "0.05"})
+    wait_for(lambda: (run_dir / "model.h5").exists(), proc, "the last round's model.h5")
+    time.sleep(1.0)  # the end of the run now waits for rank 2, which reports progress for about a minute more
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc, timeout=60)
+    assert code == 3 and "SIGTERM arrived while rank 2 still owed the late updates" in err, err[-3000:]
+    assert time.monotonic() - sent < 2 + 15
+    assert [r["round"] for r in records(run_dir)] == [1, 2]
+    status = mpifl_here("status", str(run_dir))  # a job script's resubmission then stops: the run is complete
+    assert status.returncode == 0 and re.search(r"^complete; the job then failed: JobFailure: SIGTERM arrived",
+                                                status.stdout, re.M), status.stdout
 
 
 def test_a_rank_silent_through_the_last_checkpoint_still_leaves_the_trained_model_and_the_job_fails_naming_it(
