@@ -170,6 +170,25 @@ output: {progress: false}
     assert "round 3: rank 2's late updates of logical clients [2] arrived" in result.stderr
 
 
+def slow_last_round(factor: int, sigterm_grace: float | None = None) -> str:
+    """A 2-round run whose client 1 (rank 2) is slowed ``factor`` times in round 2, the last, while it reports
+    progress (each client trains FL_HELPERS_CLIENT_SECONDS): dropped at the 1 s straggler deadline, it still owes
+    that round's update when the rounds are done."""
+    grace = f", sigterm_grace: {sigterm_grace:g}" if sigterm_grace is not None else ""
+    return f"""
+seed: 0
+rounds: 2
+clients: {{num_clients: 4, per_round: 4, accept_failures: true}}
+data: {{dataset: digits, partition: iid}}
+model: {{name: "fl_helpers:tiny_mlp"}}
+train: {{trainer: "fl_helpers:Straggling", lr: 0.02}}
+timeouts: {{straggler: 1, first_update: 3{grace}}}
+eval: {{every: 0}}
+faults: [{{kind: slowdown, clients: [1], rounds: [2], factor: {factor}}}]
+output: {{progress: false}}
+"""
+
+
 def test_the_end_of_the_run_waits_for_a_rank_dropped_from_the_last_round_while_it_keeps_reporting_progress(
         tmp_path):
     """A ``slowdown`` on rank 2 in round 2, the last, makes it train about 8 s while it reports progress. Dropped at
@@ -177,18 +196,7 @@ def test_the_end_of_the_run_waits_for_a_rank_dropped_from_the_last_round_while_i
     waits for it as long as it reports, well past timeouts.first_update (3 s), then the job ends 0. The end of the
     run used to count only late chunks, not progress reports, and ended the job after 3 s, naming rank 2 as silent
     (found by a new user with a slowdown in the last round, 4 times in 4; a checkpoint's wait counted them)."""
-    text = """
-seed: 0
-rounds: 2
-clients: {num_clients: 4, per_round: 4, accept_failures: true}
-data: {dataset: digits, partition: iid}
-model: {name: "fl_helpers:tiny_mlp"}
-train: {trainer: "fl_helpers:Straggling", lr: 0.02}
-timeouts: {straggler: 1, first_update: 3}
-eval: {every: 0}
-faults: [{kind: slowdown, clients: [1], rounds: [2], factor: 161}]
-output: {progress: false}
-"""
+    text = slow_last_round(factor=161)
     cfg, run_dir = write_config(tmp_path / "c.yaml", text), tmp_path / "run"
     # each client trains 0.05 s, so the slowdown adds 160 x 0.05 = 8 s to client 1's (on rank 2)
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_CLIENT_SECONDS": "0.05"},
@@ -207,18 +215,7 @@ def test_a_sigterm_while_the_end_of_the_run_waits_on_a_reporting_rank_ends_the_j
     walltime) arrives while the end of the run waits for it. What it still owes would be discarded and every
     round is on disk, so the wait lasts timeouts.sigterm_grace more and the job ends as stopped on request (exit
     3), not at the walltime; status says the run is complete."""
-    text = """
-seed: 0
-rounds: 2
-clients: {num_clients: 4, per_round: 4, accept_failures: true}
-data: {dataset: digits, partition: iid}
-model: {name: "fl_helpers:tiny_mlp"}
-train: {trainer: "fl_helpers:Straggling", lr: 0.02}
-timeouts: {straggler: 1, first_update: 3, sigterm_grace: 2}
-eval: {every: 0}
-faults: [{kind: slowdown, clients: [1], rounds: [2], factor: 1201}]
-output: {progress: false}
-"""
+    text = slow_last_round(factor=1201, sigterm_grace=2)
     cfg, run_dir = write_config(tmp_path / "c.yaml", text), tmp_path / "run"
     proc = spawn_mpi(3, "run", str(cfg), "--run-dir", str(run_dir), env={"FL_HELPERS_CLIENT_SECONDS": "0.05"})
     wait_for(lambda: (run_dir / "model.h5").exists(), proc, "the last round's model.h5")
