@@ -226,3 +226,26 @@ def test_a_plugin_strategy_must_build_the_client_half_its_builder_declares(tmp_p
     with pytest.raises(ConfigError, match=r"strategy.name: 'plugin_scaffold:mismatched' declares "
                                           r"client_rule='plugin_scaffold:CLIENT'.* builds declares client_rule=''"):
         checked_strategy(mismatched)
+
+
+@pytest.mark.parametrize("module,rule,says", [
+    ("missing_attribute", "plugin_scaffold:CLIENTX", "did you mean 'CLIENT'"),
+    ("no_colon", "plugin_scaffold.CLIENT", "nor an import path"),
+], ids=["missing-attribute", "no-colon"])
+def test_validate_refuses_a_client_half_path_that_does_not_import_naming_strategy_name(tmp_path, monkeypatch, capsys,
+                                                                                        module, rule, says):
+    from mpifl.cli import main
+
+    (tmp_path / f"{module}.py").write_text(
+        "import dataclasses\nimport plugin_scaffold\n"
+        f"CAPS = dataclasses.replace(plugin_scaffold.CAPABILITIES, client_rule={rule!r})\n"
+        "def scaffold(cfg):\n"
+        "    return plugin_scaffold.Average(cfg, plugin_scaffold.Mean(cfg), plugin_scaffold.Replace(cfg), "
+        "capabilities=CAPS)\n"
+        "scaffold.capabilities = CAPS\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    assert main(["validate", str(cfg), f"strategy.name={module}:scaffold"]) == 2
+    said = capsys.readouterr().err
+    assert f"strategy.name: '{module}:scaffold' names its client half by Capabilities.client_rule" in said
+    assert says in said and "Traceback" not in said

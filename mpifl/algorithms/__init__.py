@@ -37,6 +37,17 @@ def client_algorithm(rule: str) -> ClientAlgorithm | None:
     return found
 
 
+def client_rule_problem(rule: str, strategy_name: str) -> str | None:
+    """What stops ``rule`` (a strategy's ``Capabilities.client_rule``) from naming a client half, as a config error
+    naming ``strategy.name``; None when it names one or is empty. Why before MPI: the client ranks import it only
+    when they start training, so a mistyped path would otherwise be a traceback on every rank of a started job."""
+    try:
+        client_algorithm(rule)
+    except (ImportError, ValueError) as err:
+        return f"strategy.name: {strategy_name!r} names its client half by Capabilities.client_rule: {err}"
+    return None
+
+
 def model_streams(rule: str) -> Streams | None:
     """The summed streams the client half ``rule`` appends to the model (SCAFFOLD's c), or None."""
     algorithm = client_algorithm(rule)

@@ -24,6 +24,7 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
     Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
     """
     from mpifl.aggregation.compatibility import checked_strategy
+    from mpifl.algorithms import client_rule_problem
     from mpifl.clock.availability import availability_trace_problem
     from mpifl.clock.queue import queue_trace_problem
     from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
@@ -48,6 +49,9 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
                           f"{cfg.data.dataset!r} split naturally is read per rank, each rank its own clients only; "
                           "use clients.placement='balanced'")
     strategy = checked_strategy(cfg)
+    problem = client_rule_problem(cfg.client_rule, cfg.strategy.name)
+    if problem:
+        raise ConfigError(problem)
     # ``validate`` checks the range against the real largest client next (check_partition): not with a floor here
     problem = None if partition_follows and partition_readable(cfg) else config_range_problem(cfg, strategy)
     if problem:
