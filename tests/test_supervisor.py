@@ -138,3 +138,13 @@ def test_a_problem_found_before_mpi_on_one_rank_only_ends_the_job_with_status_2_
     assert ("[rank 0] mpifl: config error: strategy.name: building 'plugin_helpers:crashing_on_rank_2' failed: "
             "RuntimeError: deliberate failure on rank 2 before MPI starts (found on rank 2 only)") in result.stderr
     assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+
+
+def test_a_rank_that_says_more_than_a_pipe_holds_is_never_blocked_by_its_supervisor():
+    """A sweep's rank names each run's directory to its supervisor in turn (tell_run_dir); the supervisor reads as
+    the rank writes, so a grid longer than a pipe's 64 KiB of such lines does not block the rank in a write."""
+    body = ("mark_mpi_started(); from mpifl.cli.supervisor import tell_run_dir; "
+            "[tell_run_dir(f'/runs/grid/seed={p},strategy.name=fedavg,train.lr=0.01', 1) for p in range(2000)]; "
+            "return 0")
+    code, err = finished(supervise(body))
+    assert code == 0, err

@@ -114,3 +114,16 @@ def test_a_sweep_stopped_by_sigterm_exits_3_and_resume_finishes_every_run_as_uni
         expected = reference_run(load_config(None, data=yaml.safe_load(cfg.read_text()), overrides=[f"seed={seed}"]))
         for name, value in expected.items():
             assert np.array_equal(got[name].numpy().view(np.int32), value.view(np.int32)), (seed, name)
+
+
+def test_a_rank_that_leaves_a_sweep_with_0_past_pythons_cleanup_fails_the_sweep_naming_it(tmp_path):
+    """Each rank of a sweep runs under the supervisor ``mpifl run``'s ranks have (mpifl.cli.supervisor): a rank that
+    leaves through C's ``_exit(0)`` in the first grid point made MPICH end the job with status 0, the later points
+    never run, and a batch script took the sweep for a success."""
+    faults = "faults: [{kind: exit, code: 0, via: c, ranks: [1], rounds: [2]}]\n"
+    cfg = write_config(tmp_path / "c.yaml", CONFIG + faults)
+    done = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--runs-dir", str(tmp_path / "runs"))
+    assert done.returncode != 0
+    assert "[rank 1] mpifl: this rank (PID" in done.stderr, done.stderr[-3000:]
+    assert "left with exit status 0 before mpifl sweep finished" in done.stderr
+    assert not (tmp_path / "runs" / "seed=2").exists()

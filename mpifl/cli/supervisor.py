@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import socket
 import sys
@@ -54,6 +55,7 @@ ANNOUNCED = b"x"  # what the rank writes just before it leaves through mpifl's o
 MPI_STARTED = b"m"  # what the rank writes once MPI has started on it
 NOTES_AT = b"d"  # then "<rank> <run directory>" and a NUL: where the rank keeps its note (tell_run_dir)
 SUPERVISOR_FD = "MPIFL_SUPERVISOR_FD"  # the rank's end of the pipe to its supervisor
+WAIT_POLL_SECONDS = 0.5  # how often the supervisor looks whether its rank has ended, while it reads the pipe
 UNANNOUNCED_EXIT = 1  # the supervisor's status for a rank that left with 0 unannounced
 EVERY_RANK_ALIKE = 2  # mpifl run's status for a problem every rank finds the same way, before MPI (config errors)
 # why a rank's process may have been ended by a signal it did not raise itself (others: a crash in native code)
@@ -65,10 +67,10 @@ LEFT_TO_THE_RANK = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # the launche
 SUPERVISOR_SIGNALS = frozenset({*LEFT_TO_THE_RANK, signal.SIGTERM})  # what _take_signals handles
 
 
-def supervised(body: Callable[[], int]) -> int:
-    """Run ``body`` (a rank's whole ``mpifl run``) in a child process under this one, and return its exit status,
-    made 1 where the child left with 0 without announcing it. Runs ``body`` here where supervision is off or not
-    possible."""
+def supervised(body: Callable[[], int], command: str = "run") -> int:
+    """Run ``body`` (a rank's whole ``mpifl run``, or ``mpifl sweep``: its ``command``) in a child process under this
+    one, and return its exit status, made 1 where the child left with 0 without announcing it. Runs ``body`` here
+    where supervision is off or not possible."""
     prctl = _prctl()
     if os.environ.get("MPIFL_SUPERVISE", "1") == "0" or prctl is None or not hasattr(os, "fork"):
         return body()
@@ -93,7 +95,7 @@ def supervised(body: Callable[[], int]) -> int:
     os.close(write_end)
     _take_signals(child)
     signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-    return _supervise(child, read_end)
+    return _supervise(child, read_end, command)
 
 
 def _run_announced(body: Callable[[], int], write_end: int) -> None:
@@ -167,16 +169,16 @@ def _take_signals(child: int) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: _pass_on(child, signum))
 
 
-def _supervise(child: int, read_end: int) -> int:
+def _supervise(child: int, read_end: int, command: str) -> int:
     """The supervisor: wait for the rank, then take on its exit status or the signal that ended it."""
-    _, status = os.waitpid(child, 0)
-    said, notes_at = heard_from_rank(_read_all(read_end))
+    status, heard = _wait_hearing(child, read_end)
+    said, notes_at = heard_from_rank(heard)
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # ended by a signal: say so, then end the same way, so the launcher reports what happened
         _say_killed(child, -code, notes_at)
         _end_by(-code)
     if code == 0 and ANNOUNCED not in said:
-        log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl run finished (os._exit or C's "
+        log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl {command} finished (os._exit or C's "
             "_exit, past Python's cleanup): the run is incomplete; `mpifl status RUN_DIR` says how far it got "
             f"(this rank's supervisor, PID {os.getpid()}, exits {UNANNOUNCED_EXIT} so that the launcher reports a "
             "failure)", rank=env_rank())
@@ -201,6 +203,26 @@ def _say_killed(child: int, signum: int, notes_at: tuple[int, Path] | None) -> N
 
         with contextlib.suppress(Exception):  # a note is for the post-mortem: never in the way of the exit
             RankNotes.picked_up(notes_at[1], notes_at[0]).failed(line, signal=signal_name(signum))
+
+
+def _wait_hearing(child: int, read_end: int) -> tuple[int, bytes]:
+    """Wait for the rank to end, reading what it writes meanwhile; its wait status and everything it wrote. Read as
+    it comes, not once at the end: a sweep's rank names each run's directory in turn, and a pipe holds 64 KiB on
+    Linux, so a long enough grid would otherwise block the rank in its write for ever."""
+    heard = []
+    while True:
+        ended, status = os.waitpid(child, os.WNOHANG)
+        if ended:
+            heard.append(_read_all(read_end))
+            return status, b"".join(heard)
+        ready, _, _ = select.select([read_end], [], [], WAIT_POLL_SECONDS)
+        chunk = os.read(read_end, 4096) if ready else None
+        if chunk:
+            heard.append(chunk)
+        elif chunk == b"":  # every write end closed: the rank (and any child of it) is ending, nothing more comes
+            _, status = os.waitpid(child, 0)
+            os.close(read_end)
+            return status, b"".join(heard)
 
 
 def _read_all(fd: int) -> bytes:

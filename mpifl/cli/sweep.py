@@ -12,6 +12,7 @@ import itertools
 from pathlib import Path
 
 from mpifl.cli.commands import run, world_of
+from mpifl.cli.supervisor import supervised
 from mpifl.config import ConfigError
 from mpifl.errors import INTERRUPTED
 from mpifl.logs import log
@@ -53,7 +54,16 @@ def point_dir(runs_dir: Path, overrides: list[str]) -> Path:
 
 def sweep(args: argparse.Namespace) -> int:
     """Run every grid point of ``args.config`` under ``args.runs_dir``; exit status 0 when all succeeded, 3 when a
-    signal stopped one (the sweep stops there: ``--resume`` goes on), else the first failure's."""
+    signal stopped one (the sweep stops there: ``--resume`` goes on), else the first failure's. Each rank runs
+    under a supervisor, as ``mpifl run``'s do (``mpifl.cli.supervisor``), unless the caller passed its own
+    communicator."""
+    if getattr(args, "comm", None) is not None:
+        return _sweep(args)
+    return supervised(lambda: _sweep(args), command="sweep")
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``sweep`` on this rank, in the process that runs MPI."""
     from mpi4py import MPI
 
     world = world_of(getattr(args, "comm", None))
