@@ -16,7 +16,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def write_run(folder: Path, strategy: str, seed: int, rounds: int = 5) -> Path:
     """A finished run's directory: eval.loss = base / round + 0.01 x seed, accuracy = 1 - loss."""
-    base = {"fedavg": 1.0, "fedprox": 0.5}[strategy]
+    base = {"fedavg": 1.0, "scaffold": 0.5}[strategy]
     folder.mkdir(parents=True)
     records = [{"round": r, "train_loss": 2 * base / r,
                 "eval": {"loss": base / r + 0.01 * seed, "accuracy": 1 - base / r - 0.01 * seed}}
@@ -30,7 +30,7 @@ def write_run(folder: Path, strategy: str, seed: int, rounds: int = 5) -> Path:
 @pytest.fixture
 def sweep(tmp_path) -> list[str]:
     return [str(write_run(tmp_path / f"seed={s},strategy.name={n}", n, s)) for s in (0, 1, 2)
-            for n in ("fedavg", "fedprox")]
+            for n in ("fedavg", "scaffold")]
 
 
 def test_a_loss_a_perplexity_a_time_or_a_size_is_better_lower_and_accuracy_higher_unless_told():
@@ -58,11 +58,11 @@ def test_the_best_loss_is_the_lowest_and_its_target_is_reached_from_above(sweep)
 def test_runs_that_differ_only_in_their_seed_are_one_row_of_mean_and_std(sweep):
     text, groups = compare_runs(sweep, "eval.loss", target=0.205)
     assert [(label, len(members)) for label, members in groups] == [
-        ("strategy.name=fedavg", 3), ("strategy.name=fedprox", 3)]
+        ("strategy.name=fedavg", 3), ("strategy.name=scaffold", 3)]
     # final eval.loss: base / 5 + 0.01 x seed over seeds 0, 1, 2: mean base / 5 + 0.01, sample std 0.01; only
-    # seed 0's fedavg gets to 0.205 (at round 5: 0.2), every fedprox at round 3 (1/6 + 0.02 at most)
+    # seed 0's fedavg gets to 0.205 (at round 5: 0.2), every scaffold at round 3 (1/6 + 0.02 at most)
     assert "| strategy.name=fedavg | 3 | 0,1,2 | 0.2100 ± 0.0100 | 0.2100 ± 0.0100 | 5.0 (1/3 reached) |" in text
-    assert "| strategy.name=fedprox | 3 | 0,1,2 | 0.1100 ± 0.0100 | 0.1100 ± 0.0100 | 3.0 ± 0.0 (3/3 reached) |" \
+    assert "| strategy.name=scaffold | 3 | 0,1,2 | 0.1100 ± 0.0100 | 0.1100 ± 0.0100 | 3.0 ± 0.0 (3/3 reached) |" \
         in text
     accuracy, _ = compare_runs(sweep, "eval.accuracy")
     assert "| strategy.name=fedavg | 3 | 0,1,2 | 0.7900 ± 0.0100 | 0.7900 ± 0.0100 |" in accuracy  # best: highest
@@ -131,16 +131,16 @@ def test_the_strategy_column_names_the_personalisation_beside_the_strategy(tmp_p
 
 def test_rows_are_labelled_by_the_shortest_path_suffix_that_tells_the_runs_apart(tmp_path):
     ditto = write_run(tmp_path / "sw_ditto" / "seed=0", "fedavg", 0)
-    fedper = write_run(tmp_path / "sw_fedper" / "seed=0", "fedprox", 0)
-    again = write_run(tmp_path / "sw_fedper" / "seed=1", "fedprox", 1)
+    fedper = write_run(tmp_path / "sw_fedper" / "seed=0", "scaffold", 0)
+    again = write_run(tmp_path / "sw_fedper" / "seed=1", "scaffold", 1)
     text, _ = compare_runs([str(ditto), str(fedper), str(again)], "eval.loss")
     rows = [line.split(" | ")[0] for line in text.splitlines()[2:5]]
     assert rows == ["| sw_ditto/seed=0", "| sw_fedper/seed=0", "| sw_fedper/seed=1"]
     # from two sweeps, each row says its sweep although the last part alone would tell them apart
     two, _ = compare_runs([str(ditto), str(again)], "eval.loss")
-    assert "| sw_ditto/seed=0 | fedavg |" in two and "| sw_fedper/seed=1 | fedprox |" in two
+    assert "| sw_ditto/seed=0 | fedavg |" in two and "| sw_fedper/seed=1 | scaffold |" in two
     one, _ = compare_runs([str(fedper), str(again)], "eval.loss")  # one sweep's runs: their own names
-    assert "| seed=0 | fedprox |" in one and "| seed=1 | fedprox |" in one
+    assert "| seed=0 | scaffold |" in one and "| seed=1 | scaffold |" in one
 
 
 def test_each_group_in_the_figure_has_its_own_line_style_and_a_marker_at_every_point(tmp_path):
@@ -172,19 +172,28 @@ def test_a_spread_across_clients_is_better_lower_and_per_client_keys_stay_out_of
     assert "per_client" not in str(refused.value)
 
 
-def test_a_group_is_labelled_by_the_keys_it_sets_and_a_run_short_of_its_rounds_is_named(tmp_path):
-    """FedProx's mu is FedAvg's unset key: it names the FedProx group alone. A run that stopped after 3 of its 5
-    rounds is named, so its 'final' is not read as the run's end."""
-    runs = [write_run(tmp_path / f"avg{s}", "fedavg", s) for s in (0, 1)]
-    for s in (0, 1):
-        prox = write_run(tmp_path / f"prox{s}", "fedprox", s)
-        config = prox / "config.yaml"
-        config.write_text(config.read_text() + "train: {prox_mu: 0.01}\n")
-        runs.append(prox)
-    stopped = runs[-1] / "metrics.jsonl"
+def test_a_group_is_labelled_by_the_fewest_keys_that_tell_it_apart_and_a_run_short_of_its_rounds_is_named(tmp_path):
+    """A recorded config holds what the run filled in itself: a built-in strategy's update and weighting, which a
+    plug-in's strategy leaves unset, and train.prox_mu, which is FedProx on FedAvg. The labels name only what tells
+    the groups apart, not every key that differs. A run that stopped after 3 of its 5 rounds is named, so its
+    'final' is not read as the run's end."""
+    groups_of = {"avg": ("fedavg", "{name: fedavg, update: weights, weighting: samples}", 0.0),
+                 "prox": ("fedavg", "{name: fedavg, update: weights, weighting: samples}", 0.01),
+                 "dyn": ("scaffold", "{name: 'dynreg:build'}", 0.0)}
+    runs = []
+    for group, (curve, strategy, mu) in groups_of.items():
+        for s in (0, 1):
+            run = write_run(tmp_path / f"{group}{s}", curve, s)
+            (run / "config.yaml").write_text(f"name: grid\nseed: {s}\nrounds: 5\nstrategy: {strategy}\n"
+                                             f"train: {{prox_mu: {mu}}}\noutput: {{dir: {run}}}\n")
+            runs.append(run)
+    stopped = runs[3] / "metrics.jsonl"
     stopped.write_text("".join(stopped.read_text().splitlines(keepends=True)[:3]))
     text, groups = compare_runs([str(r) for r in runs])
-    assert [label for label, _ in groups] == ["strategy.name=fedavg", "strategy.name=fedprox,train.prox_mu=0.01"]
+    assert [label for label, _ in groups] == ["strategy.name=fedavg,train.prox_mu=0.0",
+                                              "strategy.name=fedavg,train.prox_mu=0.01",
+                                              "strategy.name=dynreg:build,train.prox_mu=0.0"]
+    assert "| prox0 | fedavg + prox(μ=0.01) |" in text
     assert "prox1 (3 of 5): fewer rounds recorded than the config asks" in text
 
 
@@ -193,7 +202,7 @@ def test_the_figure_says_one_run_each_where_no_group_pools_seeds(tmp_path, monke
 
     from mpifl.cli.compare import plot_groups
 
-    runs = [str(write_run(tmp_path / n, n, 0)) for n in ("fedavg", "fedprox")]
+    runs = [str(write_run(tmp_path / n, n, 0)) for n in ("fedavg", "scaffold")]
     _, groups = compare_runs(runs)
     titles: list[str] = []
     savefig = matplotlib.figure.Figure.savefig

@@ -70,13 +70,15 @@ def outcome(run_dir: Path, records: list[dict], metric: str, target: float | Non
 
 
 def strategy_label(config: dict) -> str:
-    """The strategy as it trained: its name, and the personalisation or plug-in trainer beside it
-    (``fedavg + local [fc3.*]``, ``fedavg + ditto(λ=0.1)``)."""
+    """The strategy as it trained: its name, and FedProx's term, the personalisation or plug-in trainer beside it
+    (``fedavg + prox(μ=0.01)``, ``fedavg + local [fc3.*]``, ``fedavg + ditto(λ=0.1)``)."""
     label = [str((config.get("strategy") or {}).get("name", "?"))]
     local = (config.get("model") or {}).get("local")
     if local:
         label.append(f"local [{', '.join(map(str, local))}]")
     train = config.get("train") or {}
+    if train.get("prox_mu"):  # FedProx is FedAvg's aggregation with the proximal term on the clients
+        label.append(f"prox(μ={float(train['prox_mu']):g})")
     if train.get("ditto_lambda"):
         label.append(f"ditto(λ={float(train['ditto_lambda']):g})")
     if ":" in str(train.get("trainer", "")):  # a plug-in trainer may personalise too (APFL)
@@ -120,11 +122,30 @@ def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutco
         keyed.setdefault(json.dumps(setting(o), sort_keys=True, default=str), []).append(o)
     settings = [setting(members[0]) for members in keyed.values()]
     differing = sorted({k for s in settings for k in s if any(t.get(k) != s.get(k) for t in settings)})
+    keys = telling_keys(settings, differing)
     # a key a group leaves unset (another strategy's kwarg) says nothing of it: named only where set
-    labels = [",".join(f"{k}={s[k]}" for k in differing if s.get(k) is not None) or "defaults" for s in settings]
+    labels = [",".join(f"{k}={s[k]}" for k in keys if s.get(k) is not None) or "defaults" for s in settings]
     if len(set(labels)) < len(labels):  # unset keys were what told two groups apart
-        labels = [",".join(f"{k}={s.get(k)}" for k in differing) for s in settings]
+        labels = [",".join(f"{k}={s.get(k)}" for k in keys) for s in settings]
     return list(zip(labels if len(settings) > 1 else ["all runs"], keyed.values()))
+
+
+def telling_keys(settings: Sequence[dict[str, Any]], differing: Sequence[str]) -> list[str]:
+    """The fewest of ``differing`` that still tell every group from every other, in ``differing``'s order. Why: a
+    recorded config holds every key the run filled in itself (a built-in strategy's ``strategy.update`` and
+    ``strategy.weighting``, which a plug-in's leaves unset), so the groups differ in more keys than were chosen, and
+    a label of all of them fills a legend. Keys some group leaves unset go first, then those with fewer distinct
+    values; a key stays whenever dropping it would give two groups one label."""
+    def told_apart(keys: Sequence[str]) -> bool:
+        return len({tuple(str(s.get(k)) for k in keys) for s in settings}) == len(settings)
+
+    kept = list(differing)
+    for key in sorted(differing, key=lambda k: (all(s.get(k) is not None for s in settings),
+                                                len({str(s.get(k)) for s in settings}))):
+        fewer = [k for k in kept if k != key]
+        if fewer and told_apart(fewer):
+            kept = fewer
+    return kept
 
 
 def repeated_seed(members: Sequence[RunOutcome]) -> tuple[RunOutcome, RunOutcome] | None:
