@@ -1,6 +1,7 @@
 """The memory model's node arithmetic: nodes filled in rank order as the launchers do, and advice that fits."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -681,3 +682,41 @@ def test_the_one_line_summary_names_lora_bytes_as_the_exchanged_adapters_not_the
     plan = MemoryEstimate(model_bytes=250 * MIB, server_bytes=GIB, server_pool_bytes=0, client_bytes=GIB,
                           node_bytes=GIB)
     assert plan.describe("exchanged (adapters)").startswith("exchanged (adapters) 250.00 MiB; server")
+
+
+# Client ranks' peak RSS measured on CPU (AMD EPYC, 2 cores; docs/explanation/memory.md#a-client-rank): the config,
+# then the fuller client rank's peak in MiB, from `mpiexec -n 3 mpifl run configs/gpt2.yaml rounds=1..5 ...`.
+GPT2_LORA = ("model.lora.r=8", "model.lora.target_modules=[c_attn]", "train.lr=0.002")
+MEASURED_GPT2_CLIENTS = [((), 4008), ((), 3838), (("train.batch_size=2",), 3519), (GPT2_LORA, 2170),
+                         (GPT2_LORA, 1955), ((*GPT2_LORA, "train.batch_size=8"), 3105)]
+
+
+@pytest.mark.parametrize("overrides, measured_mib", MEASURED_GPT2_CLIENTS)
+def test_a_gpt2_client_rank_on_the_cpu_is_planned_within_10_percent_of_its_measured_peak(overrides, measured_mib):
+    from mpifl.cli.plan import estimate
+
+    for evaluation in ("eval.every=0", "eval.every=1"):
+        _, plan = estimate(load_config(ROOT / "configs" / "gpt2.yaml", [*overrides, evaluation]), 3, 4, False)
+        assert 0.93 * measured_mib * MIB <= plan.client_bytes <= 1.10 * measured_mib * MIB
+
+
+def test_what_the_cpu_adds_to_a_decoders_activations_is_not_counted_on_a_gpu():
+    from mpifl.cli.plan import estimate
+
+    size, cpu = estimate(load_config(ROOT / "configs" / "gpt2.yaml"), 3, 4, False)
+    _, gpu = estimate(load_config(ROOT / "configs" / "gpt2.yaml", ["train.device=cuda"]), 3, 4, False, 1)
+    assert size.cpu_activations > size.activations > 0
+    assert gpu.client_device_bytes < cpu.client_bytes and size.cpu_activations < gpu.client_device_bytes
+
+
+def test_cpu_decoder_extra_bytes_counts_gelu_new_dropout_logit_gradients_and_the_heap():
+    from mpifl.planning.memory import DecoderShape, cpu_decoder_extra_bytes, decoder_activation_bytes
+
+    gpt2 = DecoderShape(hidden=768, intermediate=3072, layers=12, heads=12, vocab=50257)
+    assert cpu_decoder_extra_bytes(gpt2, 4, 128, 2, False) == 4 * 128 * 50257 * 12 + int(
+        0.4 * (decoder_activation_bytes(gpt2, 4, 128, 2, False) + 4 * 128 * 50257 * 12))
+    full = dataclasses.replace(gpt2, dropout=True, composed_gelu=True)
+    per_layer = 4 * 128 * (3 * 3072 * 2 + 2 * 3 * 768) + 12 * 4 * 12 * 128 * 128  # 22,992 + 18,432 B a token
+    assert per_layer == 4 * 128 * (23040 + 18432)
+    added = cpu_decoder_extra_bytes(full, 4, 128, 2, False) - cpu_decoder_extra_bytes(gpt2, 4, 128, 2, False)
+    assert abs(added - 12 * per_layer * 1.4) <= 1  # held in every layer, and 0.4 of it kept by the heap

@@ -27,10 +27,12 @@ from mpifl.planning.memory import (
     classifier_evaluation_bytes,
     client_state_elements,
     client_state_plan,
+    cpu_decoder_extra_bytes,
     decoder_activation_bytes,
     decoder_evaluation_bytes,
     exchanged_what,
     gathered_unit,
+    host_activations,
     journaled_elements,
     largest_fsdp_unit,
     loaned_vectors,
@@ -132,7 +134,16 @@ def decoder_shape(cfg: Config) -> DecoderShape:
     config = transformers_config(cfg.model)
     hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    return DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size)
+    dropout = max(getattr(config, key, 0.0) or 0.0 for key in DROPOUT_KEYS) > 0
+    act = getattr(config, "activation_function", None) or getattr(config, "hidden_act", None)
+    return DecoderShape(hidden, inner, config.num_hidden_layers, config.num_attention_heads, config.vocab_size,
+                        dropout=dropout, composed_gelu=act in COMPOSED_GELUS)
+
+
+# A transformers config's dropout probabilities in training (GPT-2's names, then Llama's and BERT's), and the
+# activations transformers writes as several torch ops (NewGELUActivation and its aliases; gelu_pytorch_tanh is fused)
+DROPOUT_KEYS = ("attn_pdrop", "resid_pdrop", "attention_dropout", "hidden_dropout_prob", "hidden_dropout")
+COMPOSED_GELUS = ("gelu_new", "gelu_fast", "quick_gelu")
 
 
 def activation_bytes(cfg: Config, shape: dict | None = None) -> int:
@@ -148,6 +159,18 @@ def activation_bytes(cfg: Config, shape: dict | None = None) -> int:
     batch = -(-cfg.train.batch_size // cfg.clients.ranks_per_client)
     return decoder_activation_bytes(decoder_shape(cfg), batch, seq, itemsize(cfg.model.dtype),
                                     cfg.train.gradient_checkpointing)
+
+
+def cpu_activation_bytes(cfg: Config) -> int:
+    """What one micro-batch adds to ``activation_bytes`` on a client rank that trains a transformers decoder on the
+    CPU (``planning.memory.cpu_decoder_extra_bytes``); 0 where activations are not estimated or lanes are batched."""
+    seq = cfg.data.kwargs.get("seq_len")
+    if cfg.train.batched_clients or cfg.model.name != "transformers" or cfg.train.trainer != "causal_lm" \
+            or not isinstance(seq, int):
+        return 0
+    batch = -(-cfg.train.batch_size // cfg.clients.ranks_per_client)
+    return cpu_decoder_extra_bytes(decoder_shape(cfg), batch, seq, itemsize(cfg.model.dtype),
+                                   cfg.train.gradient_checkpointing)
 
 
 def evaluation_batch(cfg: Config, data: DataBytes | None) -> int:
@@ -191,6 +214,7 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
     (exchanged, frozen), data, shape = model_data_and_shape(cfg)
     batch = evaluation_batch(cfg, data)
     size = dataclasses.replace(size_of(exchanged, frozen, cfg.model.local), activations=activation_bytes(cfg, shape),
+                               cpu_activations=cpu_activation_bytes(cfg),
                                evaluation=evaluation_bytes(cfg, batch, shape), evaluation_batch=batch)
     layout = ExchangeLayout.build(exchanged, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
@@ -337,7 +361,9 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
         print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [model + "
               f"{batched_what(cfg, size)}{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     else:
-        host_acts = activations_note(replicated_activations(cfg, size), bool(plan.client_device_bytes))
+        on_gpu = bool(plan.client_device_bytes)
+        host_acts = activations_note(replicated_activations(cfg, size), on_gpu,
+                                     0 if on_gpu else host_activations(cfg, size) - replicated_activations(cfg, size))
         print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [model"
               f"{training if cfg.train.trainer != 'none' else ''}"
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; {host_acts}]")
@@ -393,8 +419,11 @@ def client_ranks_head(ranks: int, nbytes: int) -> str:
     return f"{rank_span(1, ranks)} (clients): ~{nbytes / GIB:8.2f} GiB{' each' if ranks > 1 else ''}"
 
 
-def activations_note(estimated: int, on_gpu: bool) -> str:
-    """What a replicated client rank's host line says of its activations (``estimated``: 0 when not estimated)."""
+def activations_note(estimated: int, on_gpu: bool, cpu: int = 0) -> str:
+    """What a replicated client rank's host line says of its activations (``estimated``: 0 when not estimated;
+    ``cpu``: what training on the CPU adds to them, ``planning.memory.cpu_decoder_extra_bytes``)."""
+    if cpu and not on_gpu:
+        return f"activations {format_bytes(estimated + cpu)} on the CPU, backward's logit gradients and heap included"
     if not estimated:
         return "activations not included"
     return "activations on the GPU (below)" if on_gpu else f"activations {format_bytes(estimated)}"

@@ -67,6 +67,7 @@ class ModelBytes:
     largest_unit: int = 0  # bytes of the largest group of tensors FSDP gathers at once (fsdp_units; 0: unknown)
     gathered_unit: tuple[int, int] = (0, 0)  # the unit held whole in training: bytes, gradients' bytes (gathered_unit)
     activations: int = 0  # bytes of one micro-batch's activations on one rank (0: not estimated)
+    cpu_activations: int = 0  # what training on a CPU adds to them (cpu_decoder_extra_bytes; 0: not estimated)
     evaluation: int = 0  # bytes one held-out batch works with beside the model (0: not estimated)
     evaluation_batch: int = 0  # its samples: eval.batch_size, or the held-out set where that is smaller
 
@@ -295,6 +296,8 @@ class DecoderShape:
     layers: int
     heads: int
     vocab: int
+    dropout: bool = False  # dropout in training (GPT-2's attn_pdrop, resid_pdrop): the CPU keeps more (below)
+    composed_gelu: bool = False  # an activation written as several torch ops (GPT-2's gelu_new), each saving its input
 
 
 # Bytes a decoder keeps for backward, per element of what it scales with (``decoder_activation_bytes``), measured on
@@ -318,6 +321,40 @@ def decoder_activation_bytes(shape: DecoderShape, batch: int, seq: int, width: i
     if checkpointing:
         return shape.layers * tokens * shape.hidden * width + layer + logits
     return shape.layers * layer + logits
+
+
+# What a decoder that trains on a CPU holds beyond decoder_activation_bytes, measured on GPT-2 (bf16, transformers
+# 5.24, torch 2.13, CPU) by summing the tensors autograd saves (torch.autograd.graph.saved_tensors_hooks) at 1 and 3
+# layers, and from peak RSS over a forward and backward at batch 4 and 8 (docs/explanation/memory.md#a-client-rank):
+# - an activation written as several torch ops (transformers' NewGELUActivation, GPT-2's gelu_new) saves 3 more
+#   intermediate-wide values a token and layer (46,136 against 27,704 bytes with the fused gelu, at 768 wide);
+# - dropout (0.1 on GPT-2's attention and residuals) adds 22,992 bytes a token and layer: 12 bytes an attention
+#   score (the CPU's scaled_dot_product_attention falls back to its math path and keeps its scores, softmax and mask)
+#   and, per hidden value, each of the two residual dropouts' mask and output (2 x (1 + width) bytes);
+# - backward's peak: the loss's fp32 gradients of the logits (its log-softmax's, the softmax it recomputes, the
+#   upcast's narrow one) come on top of what is held, 12 bytes a logit (11-13 measured at batch 4 and 8);
+# - glibc's heap keeps freed activations in fragments, so a rank's peak grows with each micro-batch and round:
+#   GPT-2's LoRA client rose 1,756 -> 1,955 MiB within its first round and reached 2,170 MiB by round 5, 0.4 of the
+#   activations counted (CPU_RETAINED_SHARE).
+# An H100 showed none of it (configs/gpt2.yaml's client peaked at 3,000 MiB of the GPU against 2.96 GiB planned
+# without these terms: fused attention and loss kernels, and a caching allocator), so only ranks that train on the
+# CPU count it.
+COMPOSED_GELU_VALUES, DROPOUT_SCORE_BYTES, LOGIT_BACKWARD_BYTES, CPU_RETAINED_SHARE = 3, 12, 12, 0.4
+
+
+def cpu_decoder_extra_bytes(shape: DecoderShape, batch: int, seq: int, width: int, checkpointing: bool) -> int:
+    """What one micro-batch of a decoder adds on a rank that trains on the CPU, beyond
+    ``decoder_activation_bytes``: a composed activation's and dropout's saved values in every layer that keeps
+    them (one with gradient checkpointing), the logits' fp32 gradients in backward, and what the heap keeps of
+    the freed activations (the constants above, and why)."""
+    tokens = batch * seq
+    per_layer = tokens * (COMPOSED_GELU_VALUES * shape.intermediate * width if shape.composed_gelu else 0)
+    if shape.dropout:
+        per_layer += DROPOUT_SCORE_BYTES * batch * shape.heads * seq * seq + 2 * (1 + width) * tokens * shape.hidden
+    layers = 1 if checkpointing else shape.layers
+    held = decoder_activation_bytes(shape, batch, seq, width, checkpointing) + layers * per_layer
+    backward = tokens * shape.vocab * LOGIT_BACKWARD_BYTES
+    return layers * per_layer + backward + int(CPU_RETAINED_SHARE * (held + backward))
 
 
 # A held-out batch's logits, per logit, beside the model's own value (``decoder_evaluation_bytes``): transformers'
@@ -428,10 +465,19 @@ def replicated_activations(cfg: Config, size: ModelBytes) -> int:
     return 0 if cfg.train.batched_clients or cfg.train.trainer == "none" else size.activations
 
 
-def client_working_set(cfg: Config, size: ModelBytes) -> int:
-    """The larger of a replicated client rank's training activations and its federated evaluation's working set:
-    it scores the model it received before it trains, so the two never coexist."""
-    return max(replicated_activations(cfg, size), client_evaluation_bytes(cfg, size))
+def host_activations(cfg: Config, size: ModelBytes) -> int:
+    """The activations of a replicated client rank that trains on the CPU: ``replicated_activations`` and what the
+    CPU adds to them (``size.cpu_activations``: ``cpu_decoder_extra_bytes``)."""
+    acts = replicated_activations(cfg, size)
+    return acts + size.cpu_activations if acts else 0
+
+
+def client_working_set(cfg: Config, size: ModelBytes, on_cpu: bool = False) -> int:
+    """The larger of a replicated client rank's training activations (``on_cpu``: with what the CPU adds,
+    ``host_activations``) and its federated evaluation's working set: it scores the model it received before it
+    trains, so the two never coexist."""
+    acts = host_activations(cfg, size) if on_cpu else replicated_activations(cfg, size)
+    return max(acts, client_evaluation_bytes(cfg, size))
 
 
 def state_rule_bytes(cfg: Config, size: ModelBytes) -> int:
@@ -470,7 +516,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     client = imports_bytes(cfg) + size.total
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
-        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size) + client_working_set(cfg, size)
+        client += CUDA_HOST_BYTES if on_gpu else training_state_bytes(cfg, size) + client_working_set(cfg, size, True)
         if not on_gpu and (most_trained_per_rank(cfg.clients, client_ranks) > 1 or cfg.strategy.update == "delta"
                            or cfg.train.ditto_lambda):
             client += nbytes  # the global model kept for the next logical client, the delta or Ditto's regulariser
