@@ -170,7 +170,8 @@ def filesystems(text: str) -> str:
 
 def log_path(text: str) -> str:
     """``mpifl slurm --log``'s argument type: a path with Slurm's patterns, in one word, else argparse's error."""
-    return _one_word(text, LOG_PATH, "_.%/@+=,:-", "letters, digits, Slurm's % patterns and _ . / @ + = , : - only", "a log path")
+    return _one_word(text, LOG_PATH, "_.%/@+=,:-", "letters, digits, Slurm's % patterns and _ . / @ + = , : - only",
+                     "a log path")
 
 
 def optional_scheduler_name(text: str) -> str:
