@@ -68,7 +68,8 @@ def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_r
 @pytest.mark.parametrize("ranks,overrides", [
     (3, ()),
     (4, ("train.personal_ram_mb=0", "transport.chunk_mb=0.00001")),  # on disk, chunk by chunk
-], ids=["2-client-ranks-in-ram", "3-client-ranks-on-disk"])
+    (4, ("clients.placement=per_round",)),  # each v_i lent by its home rank to the rank that trains it
+], ids=["2-client-ranks-in-ram", "3-client-ranks-on-disk", "lent-per-round"])
 def test_a_client_whose_round_fails_keeps_its_personal_model_as_before_the_round_bitwise(tmp_path, ranks, overrides):
     run = ran(tmp_path, FAILING, ranks, *overrides)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
