@@ -60,8 +60,8 @@ SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 def slurm_seconds(text: str) -> int | None:
     """A Slurm time limit in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit, which ``slurm_time``
-    refuses), minutes after hours and seconds below 60; None for anything else."""
+    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit), minutes after hours and seconds below 60; None for
+    anything else."""
     match = SLURM_TIME.fullmatch(text)
     if match is None:
         return None
@@ -77,7 +77,7 @@ def slurm_seconds(text: str) -> int | None:
 
 
 def slurm_time(text: str) -> str:
-    """``--time``'s argument type: ``text`` as given when Slurm would take it and it leaves the job time to run,
+    """``--time``'s argument type: ``text`` as given when Slurm would take it (0 included: Slurm's "no limit"),
     else argparse's error (which names the option)."""
     seconds = slurm_seconds(text)
     if seconds is None:
@@ -85,10 +85,6 @@ def slurm_time(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm time limit{within}: minutes, minutes:seconds, "
                                          "hours:minutes:seconds, days-hours, days-hours:minutes or "
                                          "days-hours:minutes:seconds, e.g. 01:00:00 or 2-00")
-    if seconds == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is a zero time limit, which asks Slurm for none (a partition's "
-                                         "own limit then ends the job, with no SIGTERM before it); give one above "
-                                         "0, e.g. 01:00:00")
     return text
 
 

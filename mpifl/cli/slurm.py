@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
         args.node_memory_gb = megabytes / 1024
     seconds = slurm_seconds(args.time)
     stop = early_stop_seconds(args.stop_before, seconds)
-    problem = stop_before_problem(stop, seconds, args.time, "--time")
+    problem = stop_before_problem(stop, seconds, args.time, "--time")  # --time 0: no limit, nothing to stop before
     if problem:
         raise UsageError(problem)
     job = plan_job(args, "slurm")
