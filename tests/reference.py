@@ -526,11 +526,12 @@ def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np
     return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in local.kept.items()}
 
 
-def _fedavg_with_personalisation(cfg: Config) -> tuple[dict[str, np.ndarray], LocalTensors, DittoModels]:
+def _fedavg_with_personalisation(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
+                                 ) -> tuple[dict[str, np.ndarray], LocalTensors, DittoModels]:
     """FedAvg (weights or deltas, by groups with clients.groups) with each client's ``model.local`` tensors and,
     with ``train.ditto_lambda``, its Ditto personal model trained first from and towards (w, l_i). Returns the
     final tensors that travel, every client's local tensors and every personal model. One thread, on the ranks'
-    layout."""
+    layout. The clients in ``dropped_in[r]`` are skipped in round r, as if never sampled."""
     with one_thread():
         dataset = load_dataset(cfg.data)
         flat = ranks_layout(cfg, dataset)
@@ -542,6 +543,8 @@ def _fedavg_with_personalisation(cfg: Config) -> tuple[dict[str, np.ndarray], Lo
             old = {n: t.detach().clone() for n, t in flat.tensors()}
             sent = []
             for client in sample_clients(cfg.seed, rnd, cfg.clients.num_clients, cfg.clients_per_round()):
+                if client in (dropped_in or {}).get(rnd, ()):
+                    continue
                 data = client_data(dataset, parts[client])
                 flat.buffer.copy_(start)
                 local.load(client)  # the global model this client trains: w with its own l_i
@@ -623,15 +626,17 @@ def feddyn_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None)
         return out
 
 
-def ditto_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+def ditto_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
+                    ) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """Ditto (Li et al. 2021, Algorithm 1) over FedAvg on whole models, every personal model in memory: each
     sampled client first trains its personal model (``DittoModels``), then trains w as FedAvg does. With
     ``model.local`` (FedBN, FedPer) a client trains w with its own local tensors l_i (``LocalTensors``), its
     personal model starts from and is pulled towards (w, l_i), and only the rest is averaged. Returns the final
     tensors that travel and each trained client's personal model, flattened in the model's order (with
     model.local: as mpifl keeps each client's vector, its l_i and 1, then its personal model, the tensors that
-    travel first, and 1). One thread, on the ranks' layout."""
-    final, local, personal = _fedavg_with_personalisation(cfg)
+    travel first, and 1). One thread, on the ranks' layout. The clients in ``dropped_in[r]`` are skipped in round
+    r, as if never sampled: their personal models stay as they were."""
+    final, local, personal = _fedavg_with_personalisation(cfg, dropped_in)
     if not cfg.model.local:
         return final, {client: personal.flattened(client) for client in personal.models}
     return final, {client: np.concatenate([local.vector(client), personal.flattened(client, local),

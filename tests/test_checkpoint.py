@@ -312,6 +312,25 @@ def test_export_writes_the_models_tensors_only_never_the_server_state_the_checkp
         assert torch.equal(loaded[name], t), name
 
 
+def test_inspect_counts_the_models_tensors_and_states_scaffolds_server_control_apart(tmp_path):
+    from mpifl.algorithms.scaffold import attach_control_variates
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))  # 4 tensors, 38 fp32 elements: 152 B
+    flat = FlatModel(attach_control_variates(model))  # and SCAFFOLD's c, as many, in /model
+    with CheckpointWriter(tmp_path / "c.h5", flat.spec, {"round": 1, "config": "rounds: 1\n"}) as writer:
+        writer.write_tensors(flat.tensors())
+        path = writer.publish()
+    shown = mpifl_here("inspect", str(path))
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "tensors: 4, 0.00 MiB (+4 server control, 0.00 MiB: SCAFFOLD's c, not the model's)" in lines
+    listed = lines[lines.index(next(x for x in lines if x.startswith("tensors:"))) + 1:][:9]
+    assert sorted(x.split()[0] for x in listed[:4]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert listed[4].startswith("server control (scaffold_control.*")
+    assert all(x.split()[0].startswith("scaffold_control.") for x in listed[5:9])
+
+
 def test_random_bytes_on_disk_inside_a_tensor_fail_verification_naming_it(tmp_path):
     torch.manual_seed(2)
     flat = FlatModel(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5)))

@@ -233,9 +233,10 @@ def test_cluster_presets_validate_and_plan_without_allocating_the_model(preset, 
     assert parameters in planned.stdout and "rank 0 (server)" in planned.stdout and "clients" in planned.stdout
 
 
-TINY_LLAMA_RUN = {  # the user walkthrough's tiny llama, trained on text blocks
+TINY_LLAMA_RUN = {  # the user walkthrough's tiny llama, trained on text blocks (a trained tokenizer has 257 ids)
     "data": {"dataset": "text", "partition": "iid", "kwargs": {"vocab_size": 256, "seq_len": 64}},
-    "model": {"name": "transformers", "transformers": {"architecture": "llama", "config": TINY["llama"]}},
+    "model": {"name": "transformers", "transformers": {"architecture": "llama",
+                                                       "config": {**TINY["llama"], "vocab_size": 320}}},
     "train": {"trainer": "causal_lm"}, "eval": {"every": 0}}
 
 
@@ -286,11 +287,11 @@ def word_tokenizer(path, ids: int) -> str:
 
 
 def test_a_named_tokenizer_with_more_ids_than_the_model_has_rows_is_refused_before_mpi_naming_both_keys(tmp_path):
-    checked(f"data.kwargs.tokenizer={word_tokenizer(tmp_path / 'fits.json', 256)}")  # ids 0..255: 256 rows do
+    checked(f"data.kwargs.tokenizer={word_tokenizer(tmp_path / 'fits.json', 320)}")  # ids 0..319: 320 rows do
     with pytest.raises(ConfigError) as refused:
         checked(f"data.kwargs.tokenizer={word_tokenizer(tmp_path / 'big.json', 2000)}")
     assert str(refused.value) == (
-        "data.kwargs.tokenizer: the tokenizer gives 2000 token ids, more than the model's 256-row embedding "
+        "data.kwargs.tokenizer: the tokenizer gives 2000 token ids, more than the model's 320-row embedding "
         "(model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to 2000 or name a "
         "tokenizer with fewer ids in data.kwargs.tokenizer (data.kwargs.vocab_size is for a tokenizer trained at "
         "start-up)")
@@ -302,11 +303,36 @@ def test_a_tokenizer_trained_to_more_ids_than_the_model_has_rows_is_refused_befo
     with pytest.raises(ConfigError) as refused:
         checked("data.kwargs.vocab_size=2000")
     assert str(refused.value) == (
-        "data.kwargs.vocab_size: the tokenizer gives 2000 token ids, more than the model's 256-row embedding "
+        "data.kwargs.vocab_size: the tokenizer gives 2000 token ids, more than the model's 320-row embedding "
         "(model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to 2000 or lower "
         "data.kwargs.vocab_size")
     with pytest.raises(ConfigError, match=r"^data.kwargs.vocab_size: the tokenizer gives 8192 token ids"):
         checked("data.kwargs={seq_len: 64}")  # text's own default vocab_size
+
+
+def test_a_tokenizer_trained_to_256_ids_has_257_and_a_256_row_model_is_refused_before_mpi_naming_both_keys():
+    """A trained tokenizer holds every byte and <|endoftext|> whatever data.kwargs.vocab_size asks: 257 ids at
+    least, so vocab_size 256 does not fit a 256-row embedding, and lowering it would not help."""
+    with pytest.raises(ConfigError) as refused:
+        checked("model.transformers.config.vocab_size=256")  # data.kwargs.vocab_size: 256
+    assert str(refused.value) == (
+        "data.kwargs.vocab_size: the tokenizer trained to 256 gives 257 token ids, more than the model's 256-row "
+        "embedding (model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to 257 "
+        "or name a tokenizer with fewer ids in data.kwargs.tokenizer (one trained at start-up has at least 257, "
+        "every byte and <|endoftext|>, whatever data.kwargs.vocab_size asks)")
+    checked("model.transformers.config.vocab_size=257")
+
+
+@pytest.mark.parametrize("vocab_size", [10, 256, 257, 258, 300])
+def test_the_ids_a_trained_tokenizer_is_counted_before_mpi_to_have_are_at_least_those_it_has(vocab_size):
+    from mpifl.learning.text import FEWEST_TRAINED_IDS, train_tokenizer, trained_token_ids
+
+    docs = ["federated learning over MPI ranks, one round at a time. " * 40]
+    vocabulary = train_tokenizer(docs, vocab_size).get_vocab(with_added_tokens=True)
+    ids = max(vocabulary.values()) + 1
+    assert ids <= trained_token_ids(vocab_size) and FEWEST_TRAINED_IDS == 257
+    if vocab_size <= FEWEST_TRAINED_IDS:  # every byte and the special tokens, whatever was asked
+        assert ids == trained_token_ids(vocab_size) == FEWEST_TRAINED_IDS
 
 
 def test_validate_refuses_a_tokenizer_larger_than_the_model_with_exit_status_2(tmp_path):

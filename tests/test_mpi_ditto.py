@@ -29,8 +29,22 @@ output: {progress: false}
 """
 
 
-def reference(*overrides: str) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-    return ditto_reference(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)))
+def reference(*overrides: str, dropped_in: dict[int, set[int]] | None = None,
+              config: str = CONFIG) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    return ditto_reference(load_config(None, list(overrides), data=yaml.safe_load(config)), dropped_in)
+
+
+# Rounds 1-3 sample clients [1, 2, 4, 5, 6, 7], [0, 1, 4, 5, 6, 7], [1, 2, 4, 5, 6, 7]: client 2 sends NaN the first
+# time (it keeps no v_i), 0 and 4 raise in round 2 (0 never keeps one, 4 keeps round 1's), 6's update is lost in
+# round 3, each after its personal model was trained.
+FAILING = CONFIG.replace("clients: {num_clients: 8, per_round: 6}",
+                         "clients: {num_clients: 8, per_round: 6, accept_failures: true}") + """
+faults:
+  - {kind: nan, clients: [2], rounds: [1]}
+  - {kind: raise, clients: [0, 4], rounds: [2]}
+  - {kind: lose, clients: [6], rounds: [3], stage: send}
+"""
+FAILED_IN = {1: {2}, 2: {0, 4}, 3: {6}}
 
 
 @pytest.mark.parametrize("ranks,overrides", [
@@ -49,6 +63,22 @@ def test_ditto_equals_the_papers_rule_on_whole_models_bitwise_on_any_number_of_r
     assert_bitwise(personal, want_personal)
     if "train.personal_ram_mb=0" in overrides:
         assert len(list((tmp_path / "run" / "personal").glob("rank*.h5"))) == 3
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (3, ()),
+    (4, ("train.personal_ram_mb=0", "transport.chunk_mb=0.00001")),  # on disk, chunk by chunk
+    (4, ("clients.placement=per_round",)),  # each v_i lent by its home rank to the rank that trains it
+], ids=["2-client-ranks-in-ram", "3-client-ranks-on-disk", "lent-per-round"])
+def test_a_client_whose_round_fails_keeps_its_personal_model_as_before_the_round_bitwise(tmp_path, ranks, overrides):
+    run = ran(tmp_path, FAILING, ranks, *overrides)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["round"]: {d["client"] for d in r["dropped"]} for r in records} == FAILED_IN
+    (final, personal), (want_final, want_personal) = run_result(run), reference(
+        *overrides, dropped_in=FAILED_IN, config=FAILING)
+    assert 0 not in personal
+    assert_bitwise(final, want_final)
+    assert_bitwise(personal, want_personal)
 
 
 def test_a_resumed_ditto_run_on_another_number_of_ranks_keeps_every_personal_model(tmp_path):
@@ -86,6 +116,16 @@ def test_the_plan_counts_each_hosted_clients_personal_model():
                         ranks_per_node=3, server_alone=False)
     elements = size.exchanged // 4
     assert plan.client_bytes - plain.client_bytes >= 4 * (4 * elements)  # 4 hosted clients' fp32 models
+
+
+def test_the_plan_counts_the_personal_model_held_until_a_clients_round_stands_under_accept_failures():
+    def client_bytes(*overrides: str) -> int:
+        return estimate(load_config(None, list(overrides), data=yaml.safe_load(CONFIG)), nranks=3,
+                        ranks_per_node=3, server_alone=False)[1].client_bytes
+
+    size, _ = estimate(load_config(None, [], data=yaml.safe_load(CONFIG)), nranks=3, ranks_per_node=3,
+                       server_alone=False)
+    assert client_bytes("clients.accept_failures=true") - client_bytes() == 4 * (size.exchanged // 4)
 
 
 @pytest.mark.parametrize("overrides,message", [

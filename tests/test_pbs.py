@@ -205,6 +205,43 @@ def test_a_queue_partition_or_account_name_a_directive_line_cannot_carry_is_refu
     assert "letters, digits and _ . - @ : + only" in refused.stderr
 
 
+@pytest.mark.parametrize("tool, option, value, said", [
+    ("pbs", "--system", "polaris:ngpus=4", "is not a system name a job script can carry (':' in it): letters, digits "
+     "and _ . - only"),
+    ("pbs", "--system", "polaris\n#PBS -q prod", "('\\n' in it)"),
+    ("pbs", "--system", "a b", "(' ' in it)"),
+    ("pbs", "--filesystems", "home eagle", "is not a filesystems list a job script can carry (' ' in it): names of "
+     "letters, digits and _ . -, joined by ':' (e.g. home:eagle)"),
+    ("pbs", "--filesystems", "home:eagle;rm", "(';' in it)"),
+    ("pbs", "--filesystems", "home::eagle", "is not a filesystems list a job script can carry: names of"),
+    ("pbs", "--filesystems", "home:eagle\n#PBS -A x", "('\\n' in it)"),
+    ("slurm", "--log", "job output.txt", "is not a log path a job script can carry (' ' in it)"),
+    ("slurm", "--log", "%x.out\n#SBATCH --account=x", "('\\n' in it)"),
+    ("slurm", "--log", "$(id).out", "('$' in it): letters, digits, Slurm's % patterns and _ . / @ + = , : - only"),
+    ("slurm", "--log", "out;rm", "(';' in it)"),
+])
+def test_a_system_filesystems_or_log_value_a_directive_line_cannot_carry_is_refused_naming_the_option(
+        tmp_path, tool, option, value, said):
+    """Each is written raw into a #PBS or #SBATCH line, which qsub and sbatch split at whitespace; a newline would
+    start a directive of its own, and a ':' in the system would add a resource to select=."""
+    refused = mpifl_here(tool, QUICKSTART, option, value, "-o", str(tmp_path / "no"))
+    assert refused.returncode == 2 and not (tmp_path / "no").exists()
+    assert f"argument {option}: {value!r} " in refused.stderr and said in refused.stderr, refused.stderr
+
+
+def test_systems_filesystems_and_log_paths_of_their_marks_are_written_as_given(tmp_path):
+    made = mpifl_here("pbs", QUICKSTART, "--system", "sophia-2", "--filesystems", "home:eagle:grand.fs_1",
+                      "--gpus-per-node", "0", "-o", str(tmp_path / "j.pbs"))
+    assert made.returncode == 0, made.stderr
+    lines = (tmp_path / "j.pbs").read_text().splitlines()
+    assert "#PBS -l filesystems=home:eagle:grand.fs_1" in lines
+    assert any(x.startswith("#PBS -l select=") and x.endswith(":system=sophia-2") for x in lines), lines
+    made = mpifl_here("slurm", QUICKSTART, "--log", "logs/%x-%j_%N.out", "--gpus-per-node", "0",
+                      "-o", str(tmp_path / "j.sbatch"))
+    assert made.returncode == 0, made.stderr
+    assert "#SBATCH --output=logs/%x-%j_%N.out" in (tmp_path / "j.sbatch").read_text().splitlines()
+
+
 def test_names_with_a_pbs_destinations_marks_are_written_as_given_and_slurm_leaves_an_empty_one_out(tmp_path):
     made = mpifl_here("pbs", QUICKSTART, "--queue", "prod@pbs01.example", "--account", "my-project_2.a",
                       "--gpus-per-node", "0", "-o", str(tmp_path / "j.pbs"))

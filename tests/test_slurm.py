@@ -192,6 +192,32 @@ def test_every_rank_is_signalled_before_the_time_limit_to_checkpoint_in_time(tmp
     assert "--signal" not in (tmp_path / "j.sbatch").read_text()
 
 
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+@pytest.mark.parametrize("limit, said", [
+    ("99:99:99", "'99:99:99' is not a Slurm time limit (minutes after hours, and seconds, below 60): minutes, "
+     "minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes or days-hours:minutes:seconds"),
+    ("01:60:00", "'01:60:00' is not a Slurm time limit (minutes after hours, and seconds, below 60)"),
+    ("10:00:60", "'10:00:60' is not a Slurm time limit (minutes after hours, and seconds, below 60)"),
+    ("90:60", "'90:60' is not a Slurm time limit (minutes after hours, and seconds, below 60)"),
+    ("1-02:60", "'1-02:60' is not a Slurm time limit (minutes after hours, and seconds, below 60)"),
+    ("1-02:30:75", "'1-02:30:75' is not a Slurm time limit (minutes after hours, and seconds, below 60)"),
+])
+def test_a_time_limit_with_minutes_or_seconds_past_59_is_refused_naming_the_option(tmp_path, limit, said):
+    refused = mpifl_here("slurm", QUICKSTART, "--time", limit, "-o", str(tmp_path / "no.sbatch"))
+    assert refused.returncode == 2 and not (tmp_path / "no.sbatch").exists()
+    assert f"argument --time: {said}" in refused.stderr, refused.stderr
+
+
+def test_each_of_slurms_time_formats_is_taken_with_its_leading_field_past_59():
+    from mpifl.cli.job_options import slurm_time
+
+    formats = ("90", "90:30", "100:59:59", "2-30", "1-02:59", "1-23:59:59")  # minutes, ..., days-hours:min:sec
+    assert [slurm_time(t) for t in formats] == list(formats)
+    assert slurm_time("0") == "0"  # Slurm's "no limit": the job is then not signalled before one
+
+
 def test_srun_is_given_the_process_management_interface_of_the_mpi_found():
     """Slurm's default MpiDefault=none starts srun's tasks as singletons; MPICH and what derives from it read
     PMI-2 (PyPI's wheel cannot read PMIx), Open MPI 5 reads only PMIx."""

@@ -55,7 +55,8 @@ class PersonalModels:
     before the global training. v_i is kept as fp32 chunk by chunk (the model's chunks), in RAM or on disk,
     and published with every checkpoint. With federated evaluation due, v_i is evaluated on the client's
     validation split after its update (``personal_*`` in the header's ``evaluation``, summarised like the global
-    model's scores).
+    model's scores). Under ``clients.accept_failures`` (``deferred``) the trained v_i is held until the client's
+    round stands (``keep``) or fails (``discard``): a client dropped on its rank keeps v_i as before the round.
 
     With ``model.local`` (``with_local``), the global model a client trains is w with its own local tensors l_i
     (FedBN, FedPer: ``PersonalTensors`` has loaded them), and that is what v_i is pulled towards: v_i is a whole
@@ -64,8 +65,12 @@ class PersonalModels:
     """
 
     def __init__(self, flat: FlatModel, chunks: list[Chunk], store: ResidualStore, trainer: Trainer, lam: float,
-                 with_local: bool = False, backwards_per_step: int = 1):
+                 with_local: bool = False, backwards_per_step: int = 1, deferred: bool = False):
         self.flat, self.chunks, self.store, self.trainer, self.lam = flat, chunks, store, trainer, lam
+        # clients.accept_failures: v_i is held (``pending``) until the client's round is known to stand (``keep``)
+        # or to have failed (``discard``), so that a dropped client leaves no trace, as its c_i or g_i leaves none
+        self.deferred = deferred
+        self.pending: tuple[int, list[torch.Tensor]] | None = None
         self.backwards_per_step = backwards_per_step  # train.grad_accum_steps: Ditto's term once per step
         # called with (client, seed, w) once v_i is in the model, before it trains: a group's leader
         # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
@@ -82,6 +87,7 @@ class PersonalModels:
         """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back (and the
         client's own local tensors). Returns ``evaluate()``'s metrics of v_i when given (the caller's federated
         evaluation of the model in place)."""
+        self.pending = None
         local = list(self.local.values())
         own_local = {n: t.detach().clone() for n, t in self.local.items()}  # l_i: v_i's anchor, the model's after
         if self.store.has(client):  # a personal model of its own (a resume reloads them), else a copy of (w, l_i)
@@ -99,11 +105,9 @@ class PersonalModels:
             metrics = evaluate() if evaluate is not None else {}
             views = [self.flat.chunk_view(c) for c in self.chunks]
             if all(bool(torch.isfinite(v).all()) for v in [*views, *local]):
-                for i, view in enumerate(views):
-                    self.store.write(client, i, view.float().cpu())
-                if local:  # last: its write marks v_i as whole
-                    section = self.store.read(client, len(self.chunks))
-                    self.store.write(client, len(self.chunks), gather(local, section))
+                self.pending = client, self._trained(views, local)
+                if not self.deferred:
+                    self.keep(client)
         finally:
             self.flat.buffer.copy_(global_bytes)
             with torch.no_grad():
@@ -111,6 +115,27 @@ class PersonalModels:
                     t.copy_(own_local[n])
             self.flat.reset_local_state()
         return metrics
+
+    def _trained(self, views: list[torch.Tensor], local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """v_i's chunks as the store keeps them (fp32, on the host), then its own local tensors' when it has them:
+        copies when held for later, since the model is given w back before the client's round is known to stand."""
+        chunks = [v.to(device="cpu", dtype=torch.float32, copy=self.deferred) for v in views]
+        if not local:
+            return chunks
+        n = len(self.chunks)
+        return [*chunks, gather(local, torch.zeros(self.store.firsts[n + 1] - self.store.firsts[n]))]
+
+    def keep(self, client: int) -> None:
+        """``client``'s round stands: store the v_i it trained (nothing if its personal training diverged)."""
+        if self.pending is None or self.pending[0] != client:
+            return
+        for i, values in enumerate(self.pending[1]):  # the local tensors' chunk last: its write marks v_i as whole
+            self.store.write(client, i, values)
+        self.pending = None
+
+    def discard(self) -> None:
+        """The client's round failed (dropped under clients.accept_failures): its v_i stays as before the round."""
+        self.pending = None
 
     def _anchors(self, global_bytes: torch.Tensor, own_local: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """What each trainable parameter is pulled towards: its view in w's bytes, or for a local tensor the

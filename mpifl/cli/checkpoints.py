@@ -12,12 +12,14 @@ from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
-from mpifl.wire.spec import is_control
+from mpifl.wire.spec import CONTROL, is_control
 
 if TYPE_CHECKING:
     import torch
 
     from mpifl.config import Config
+
+Entry = tuple[str, tuple, str, int]  # a checkpoint tensor's name, shape, dtype and bytes (Checkpoint.entries)
 
 
 def inspect(path: str, verify: bool = False) -> int:
@@ -29,13 +31,9 @@ def inspect(path: str, verify: bool = False) -> int:
                   f"{ckpt.path}: readable, but written before mpifl checkpoints carried checksums: nothing to verify")
         attrs = dict(ckpt.file.attrs)
         entries = ckpt.entries()
-        total = sum(n for *_, n in entries)
         print(f"{ckpt.path}: round {ckpt.round}, spec {ckpt.spec_hash}, created {attrs.get('created', '?')}")
         print("versions: " + ", ".join(f"{k[8:]} {v}" for k, v in sorted(attrs.items()) if k.startswith("version_")))
-        print(f"tensors: {len(entries)}, {total / MIB:.2f} MiB")
-        width = max((len(n) for n, *_ in entries), default=4)
-        for name, shape, dtype, nbytes in entries:
-            print(f"  {name:<{width}}  {str(list(shape)):<18} {dtype:<9} {nbytes:>12,d} B")
+        _print_tensors(entries)
         state = list(ckpt.file["server_state"]) if "server_state" in ckpt.file else []
         print(f"server state: {', '.join(state) or '(none)'}")
         files = residual_files(ckpt)
@@ -47,6 +45,27 @@ def inspect(path: str, verify: bool = False) -> int:
         print(f"metrics: {len(ckpt.metrics())} rounds")
         print("config:\n  " + ckpt.config.strip().replace("\n", "\n  "))
     return 0
+
+
+def _print_tensors(entries: list[Entry]) -> None:
+    """The model's tensors (count, MiB, one line each), then the ``CONTROL`` section apart: SCAFFOLD's server c (or
+    a plug-in's summed streams) is the server's state, which ``/model`` holds beside the weights and export leaves
+    out, so counting it with the model would double a SCAFFOLD model's tensors."""
+    model = [e for e in entries if not is_control(e[0])]
+    control = [e for e in entries if is_control(e[0])]
+    width = max((len(n) for n, *_ in entries), default=4)
+    extra = f" (+{len(control)} server control, {_mib(control)} MiB: SCAFFOLD's c, not the model's)" if control else ""
+    print(f"tensors: {len(model)}, {_mib(model)} MiB{extra}")
+    for heading, listed in (("", model), (f"server control ({CONTROL}.*; mpifl export leaves it out):", control)):
+        if heading and listed:
+            print(heading)
+        for name, shape, dtype, nbytes in listed:
+            print(f"  {name:<{width}}  {str(list(shape)):<18} {dtype:<9} {nbytes:>12,d} B")
+
+
+def _mib(entries: list[Entry]) -> str:
+    """The entries' bytes in MiB, as inspect prints them."""
+    return f"{sum(n for *_, n in entries) / MIB:.2f}"
 
 
 def export(path: str, out: str) -> int:

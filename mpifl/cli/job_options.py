@@ -55,26 +55,36 @@ def _whole_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
 
+SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
 def slurm_seconds(text: str) -> int | None:
     """A Slurm time limit in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit); None for anything else."""
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit), minutes after hours and seconds below 60; None for
+    anything else."""
+    match = SLURM_TIME.fullmatch(text)
     if match is None:
         return None
     days, *clock = match.groups()
     parts = [int(p) for p in clock if p is not None]
     if days is not None:  # days-hours[:minutes[:seconds]]
-        return int(days) * 86400 + sum(p * u for p, u in zip(parts, (3600, 60, 1)))
-    units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]  # minutes[:seconds], hours:minutes:seconds
-    return sum(p * u for p, u in zip(parts, units))
+        units: tuple[int, ...] = (3600, 60, 1)
+    else:  # minutes[:seconds], hours:minutes:seconds
+        units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]
+    if any(p >= 60 for p in parts[1:]):  # the fields after the first: minutes after hours, and seconds
+        return None
+    return int(days or 0) * 86400 + sum(p * u for p, u in zip(parts, units))
 
 
 def slurm_time(text: str) -> str:
-    """``--time``'s argument type: ``text`` as given when Slurm would take it, else argparse's error."""
-    if slurm_seconds(text) is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm time limit (minutes, minutes:seconds, "
+    """``--time``'s argument type: ``text`` as given when Slurm would take it (0 included: Slurm's "no limit"),
+    else argparse's error (which names the option)."""
+    seconds = slurm_seconds(text)
+    if seconds is None:
+        within = " (minutes after hours, and seconds, below 60)" if SLURM_TIME.fullmatch(text) else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm time limit{within}: minutes, minutes:seconds, "
                                          "hours:minutes:seconds, days-hours, days-hours:minutes or "
-                                         "days-hours:minutes:seconds, e.g. 01:00:00 or 2-00)")
+                                         "days-hours:minutes:seconds, e.g. 01:00:00 or 2-00")
     return text
 
 
@@ -119,12 +129,45 @@ SCHEDULER_NAME = re.compile(r"[A-Za-z0-9_.@:+-]+")
 def scheduler_name(text: str) -> str:
     """``--queue``'s and ``--account``'s argument type: a name that a directive line carries as one word (see
     ``SCHEDULER_NAME``), else argparse's error naming the first character refused."""
-    if not SCHEDULER_NAME.fullmatch(text):
-        bad = next((c for c in text if not SCHEDULER_NAME.fullmatch(c)), None)
+    return _one_word(text, SCHEDULER_NAME, "_.@:+-", "letters, digits and _ . - @ : + only", "a name")
+
+
+def _one_word(text: str, pattern: re.Pattern[str], marks: str, allowed: str, what: str) -> str:
+    """``text`` when ``pattern`` takes it whole, else argparse's error naming the first character that is neither
+    an ASCII letter or digit nor one of ``marks``, and what is ``allowed``."""
+    if not pattern.fullmatch(text):
+        bad = next((c for c in text if not (c.isascii() and c.isalnum()) and c not in marks), None)
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a name a job script can carry" + (f" ({bad!r} in it)" if bad else " (empty)") +
-            ": letters, digits and _ . - @ : + only")
+            f"{text!r} is not {what} a job script can carry" + (f" ({bad!r} in it)" if bad else
+                                                                 " (empty)" if not text else "") + f": {allowed}")
     return text
+
+
+# A PBS system name, written into '#PBS -l select=N:system=NAME': a ':' would start another resource there.
+SYSTEM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# PBS Pro's filesystems resource: names joined by ':' ('home:eagle').
+FILESYSTEMS = re.compile(r"[A-Za-z0-9_.-]+(?::[A-Za-z0-9_.-]+)*")
+# A log path in '#SBATCH --output=PATH': no whitespace (sbatch splits the line there) nor shell marks, which no
+# shell expands in a directive; Slurm's filename patterns (%x, %j, ...) and folders are fine.
+LOG_PATH = re.compile(r"[A-Za-z0-9_.%/@+=,:-]+")
+
+
+def system_name(text: str) -> str:
+    """``mpifl pbs --system``'s argument type: one name (letters, digits and _ . -), else argparse's error."""
+    return _one_word(text, SYSTEM_NAME, "_.-", "letters, digits and _ . - only", "a system name")
+
+
+def filesystems(text: str) -> str:
+    """``mpifl pbs --filesystems``'s argument type: names joined by ':', e.g. home:eagle, else argparse's
+    error."""
+    return _one_word(text, FILESYSTEMS, "_.-:", "names of letters, digits and _ . -, joined by ':' (e.g. home:eagle)",
+                     "a filesystems list")
+
+
+def log_path(text: str) -> str:
+    """``mpifl slurm --log``'s argument type: a path with Slurm's patterns, in one word, else argparse's error."""
+    return _one_word(text, LOG_PATH, "_.%/@+=,:-", "letters, digits, Slurm's % patterns and _ . / @ + = , : - only",
+                     "a log path")
 
 
 def optional_scheduler_name(text: str) -> str:
@@ -200,8 +243,10 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
                    "_ . - @ : + only)")
     p.add_argument("--account", default="MYPROJECT", type=scheduler_name, help="#PBS -A project to charge "
                    "(letters, digits and _ . - @ : + only)")
-    p.add_argument("--filesystems", default="home:eagle", help="#PBS -l filesystems (Polaris)")
-    p.add_argument("--system", default="polaris", help="#PBS -l select=N:system=SYSTEM")
+    p.add_argument("--filesystems", default="home:eagle", type=filesystems, help="#PBS -l filesystems (Polaris): "
+                   "names of letters, digits and _ . -, joined by ':'")
+    p.add_argument("--system", default="polaris", type=system_name, help="#PBS -l select=N:system=SYSTEM "
+                   "(letters, digits and _ . - only)")
     add_gpu_argument(p)
     p.add_argument("--server-alone", action="store_true", help="give the server the first node to itself")
     add_node_arguments(p, "activate this venv instead of the conda module")
@@ -235,7 +280,7 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overcommit", action="store_true", help="let a node's ranks share its CPUs (#SBATCH and srun "
                    "--overcommit: --cpus-per-task is counted once per node, not per rank), e.g. 3 ranks on a "
                    "2-core workstation")
-    p.add_argument("--log", default="%x-%j.out", help="#SBATCH --output: the file for the job's stdout and "
-                   "stderr (Slurm's filename patterns: job name, job id)")
+    p.add_argument("--log", default="%x-%j.out", type=log_path, help="#SBATCH --output: the file for the job's "
+                   "stdout and stderr (Slurm's filename patterns: job name, job id; no spaces or shell marks)")
     add_gpu_argument(p)
     add_node_arguments(p, "activate this venv (bin/activate) before srun")

@@ -85,25 +85,44 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise ValueError(f"data.kwargs.tokenizer: cannot read {str(file)!r}: {err}") from None
 
 
+BYTES = 256  # a byte-level tokenizer's initial alphabet: every byte has an id of its own
+SPECIAL_TOKENS = (EOS,)  # a trained tokenizer's special tokens (train_tokenizer)
+FEWEST_TRAINED_IDS = BYTES + len(SPECIAL_TOKENS)  # BPE keeps the alphabet and the special tokens whatever it is asked
+
+
+def trained_token_ids(vocab_size: int) -> int:
+    """How many token ids a tokenizer ``train_tokenizer`` trains to ``vocab_size`` has at most: ``vocab_size``
+    (fewer where the corpus runs out of merges), but never fewer than every byte and the special tokens
+    (``FEWEST_TRAINED_IDS``, 257), which it holds whatever ``vocab_size`` asks."""
+    return max(vocab_size, FEWEST_TRAINED_IDS)
+
+
+def requested_vocab_size(kwargs: dict) -> int:
+    """``data.kwargs.vocab_size``, else ``text``'s default."""
+    return int(kwargs.get("vocab_size", inspect.signature(text).parameters["vocab_size"].default))
+
+
 def token_ids(kwargs: dict) -> tuple[str, int]:
     """How many token ids ``text`` gives with these ``data.kwargs``, and the key that sets it: a named tokenizer's
-    (its largest id + 1, read from its file; ``vocab_size`` is then unused), else the ``vocab_size`` a trained one
-    stops at. Cheap, unlike training: so a model too small for them is refused before MPI starts. A trained one
-    holds at least the 256 bytes and ``EOS`` whatever ``vocab_size`` says; only the ids it gives are checked then,
-    after the data is read (``mpifl.roles.data.vocabulary_problem``)."""
+    (its largest id + 1, read from its file; ``vocab_size`` is then unused), else those of one trained to
+    ``vocab_size`` (``trained_token_ids``). Cheap, unlike training: so a model too small for them is refused before
+    MPI starts."""
     if kwargs.get("tokenizer"):
         vocabulary = load_tokenizer(str(kwargs["tokenizer"])).get_vocab(with_added_tokens=True)
         return "data.kwargs.tokenizer", max(vocabulary.values(), default=-1) + 1
-    return "data.kwargs.vocab_size", int(kwargs.get("vocab_size", inspect.signature(text).parameters["vocab_size"]
-                                                   .default))
+    return "data.kwargs.vocab_size", trained_token_ids(requested_vocab_size(kwargs))
 
 
 def fewer_ids(kwargs: dict) -> str:
     """How to make ``text``'s token ids fewer with these ``data.kwargs``: a named tokenizer's ids are its own, so
-    lowering ``vocab_size`` (which only a trained one follows) would change nothing."""
+    lowering ``vocab_size`` (which only a trained one follows) would change nothing, nor would it below a trained
+    one's fewest ids."""
     if kwargs.get("tokenizer"):
         return "name a tokenizer with fewer ids in data.kwargs.tokenizer (data.kwargs.vocab_size is for a " \
                "tokenizer trained at start-up)"
+    if requested_vocab_size(kwargs) <= FEWEST_TRAINED_IDS:
+        return (f"name a tokenizer with fewer ids in data.kwargs.tokenizer (one trained at start-up has at least "
+                f"{FEWEST_TRAINED_IDS}, every byte and {EOS}, whatever data.kwargs.vocab_size asks)")
     return "lower data.kwargs.vocab_size"
 
 
@@ -114,7 +133,9 @@ def vocabulary_problem(kwargs: dict, rows: int) -> str | None:
     key, ids = token_ids(kwargs)
     if ids <= rows:
         return None
-    return (f"{key}: the tokenizer gives {ids} token ids, more than the model's {rows}-row embedding "
+    trained = "" if kwargs.get("tokenizer") or ids == requested_vocab_size(kwargs) else \
+        f" trained to {requested_vocab_size(kwargs)}"
+    return (f"{key}: the tokenizer{trained} gives {ids} token ids, more than the model's {rows}-row embedding "
             f"(model.transformers.config's vocab_size); raise model.transformers.config's vocab_size to {ids} "
             f"or {fewer_ids(kwargs)}")
 
@@ -128,7 +149,7 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(docs, trainer)
     return tokenizer

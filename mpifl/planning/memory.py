@@ -533,7 +533,7 @@ def client_bytes(cfg: Config, size: ModelBytes, client_ranks: int, on_gpu: bool 
     state = client_state_plan(cfg, state_elements, client_ranks * cfg.clients.ranks_per_client)  # counts ranks
     if state and state[0][2] == "RAM":  # the fullest rank's hosted clients' fp32 vectors
         client += state[0][1] * 4 * state_elements
-    client += 4 * journaled_elements(cfg, size) * undo_vectors(cfg, client_ranks)
+    client += 4 * (journaled_elements(cfg, size) * undo_vectors(cfg, client_ranks) + held_personal_elements(cfg, size))
     return client + 4 * state_elements * loaned_vectors(cfg, client_ranks, state[0][2] if state else "RAM")
 
 
@@ -589,6 +589,14 @@ def journaled_elements(cfg: Config, size: ModelBytes) -> int:
     vectors)."""
     layout = state_layout(cfg, size)
     return layout.journaled_elements if layout is not None else 0
+
+
+def held_personal_elements(cfg: Config, size: ModelBytes) -> int:
+    """Elements of the Ditto personal model a client rank holds under ``clients.accept_failures`` from its training
+    until the client's round is known to stand (mpifl.algorithms.ditto.PersonalModels.pending); 0 otherwise."""
+    layout = state_layout(cfg, size) if cfg.clients.accept_failures else None
+    part = layout.part("personal") if layout is not None else None
+    return sum(part.chunks) if part is not None else 0
 
 
 def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, strategy: StrategyFootprint,  # noqa: PLR0913 - the run's shape, each from its own source

@@ -93,7 +93,8 @@ def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work:
     if views.personal is not None:
         parts.models = PersonalModels(work, plan.chunks, views.personal, make_trainer(cfg.train),
                                       cfg.train.ditto_lambda, with_local=bool(cfg.model.local),
-                                      backwards_per_step=cfg.train.grad_accum_steps)
+                                      backwards_per_step=cfg.train.grad_accum_steps,
+                                      deferred=cfg.clients.accept_failures)
     if kinds.vectors:
         parts.declared = DeclaredVectors(work, kinds.vectors, views.vectors)
     return parts

@@ -285,6 +285,11 @@ class ClientRank:
         if bad:
             injected = self.faults.injected_non_finite(round_, client) if self.faults else None
             error = self.training.non_finite(round_, client, bad, injected)
+        models = self.parts.state.models
+        if models is not None and error is None:  # Ditto's v_i stands or falls with the client's round, as c_i
+            models.keep(client)
+        elif models is not None:
+            models.discard()
         seconds = time.perf_counter() - start
         metrics = {**result.metrics, **self.costs.of_update(seconds)}
         if self.replica is not None and self.replica.on_gpu:
