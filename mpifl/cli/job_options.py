@@ -60,8 +60,8 @@ SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 def slurm_seconds(text: str) -> int | None:
     """A Slurm time limit in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit), minutes after hours and seconds below 60; None for
-    anything else."""
+    days-hours:minutes or days-hours:minutes:seconds (sbatch's formats; 0: no limit), minutes after hours and
+    seconds below 60; None for anything else."""
     match = SLURM_TIME.fullmatch(text)
     if match is None:
         return None
