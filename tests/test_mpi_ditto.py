@@ -81,6 +81,34 @@ def test_a_client_whose_round_fails_keeps_its_personal_model_as_before_the_round
     assert_bitwise(personal, want_personal)
 
 
+def test_a_raise_in_dittos_personal_training_is_the_clients_failure_not_swallowed():
+    """Under accept_failures a raise in Ditto's personal training (a built-in trainer's: an out-of-memory error)
+    is the client's error, as one in its global training is, so the client is dropped naming why and its v_i stays
+    as before the round (ClientRank._serve_client); without accept_failures it ends the job naming the client. It
+    was swallowed: the client's global update was sent and no line said what happened."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mpifl.roles.local_training import ClientFailure, LocalTraining, TrainingParts
+
+    class OutOfMemory:
+        def train(self, *args, **kwargs):
+            raise RuntimeError("out of memory")
+
+    def training(accept_failures: bool) -> LocalTraining:
+        parts = TrainingParts(trainer=SimpleNamespace(train=lambda model, data, seed: None), seed=4,
+                              accept_failures=accept_failures)
+        return LocalTraining(parts, SimpleNamespace(module=None), SimpleNamespace(models=OutOfMemory()), None,
+                             SimpleNamespace(personal=lambda model, round_, val: None), None, rank=1)
+
+    scores, error = training(True).personal(2, 5, None, None, torch.zeros(1))
+    assert scores == {} and error == "training its personal model: RuntimeError: out of memory"
+    with pytest.raises(ClientFailure, match=r"logical client 5 on rank 1 failed in round 2 while training its "
+                                            r"personal model: RuntimeError: out of memory"):
+        training(False).personal(2, 5, None, None, torch.zeros(1))
+
+
 def test_a_resumed_ditto_run_on_another_number_of_ranks_keeps_every_personal_model(tmp_path):
     """Stopped with its clients' personal models on disk (train.personal_ram_mb=0), resumed with them in RAM."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG)

@@ -259,10 +259,13 @@ class ClientRank:
         scores = self.parts.evaluation.received(self.work.module, round_, val)
         start = time.perf_counter()
         anchor = self._anchor(keep)
+        personal_error = None
         if self.parts.state.models is not None:
             assert anchor is not None  # Ditto's ranks keep the global model (_needs_host_global, _anchor)
-            scores.update(self.training.personal(round_, client, train, val, anchor))
+            personal, personal_error = self.training.personal(round_, client, train, val, anchor)
+            scores.update(personal)
         result, error = self.training.train(round_, client, train, anchor)
+        error = error or personal_error  # a client whose personal training failed is dropped, as for its global
         if error is None and self.faults and (lost := self.faults.lost(round_, client)) is not None:
             error = self.training.failed(lost, round_, client, "")  # as if it had not been sampled
         if error is None and self.parts.state.personal is not None:

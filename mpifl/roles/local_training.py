@@ -165,13 +165,14 @@ class LocalTraining:
         return result
 
     def personal(self, round_: int, client: int, data: ClientData | None, val: ClientData | None,
-                 anchor: torch.Tensor) -> dict:
-        """Ditto: update and keep ``client``'s personal model (evaluated when federated evaluation is due); a
-        raise ends the job, or, under accept_failures, leaves the personal model as it was."""
+                 anchor: torch.Tensor) -> tuple[dict, str | None]:
+        """Ditto: update ``client``'s personal model (evaluated when federated evaluation is due); its scores, and
+        None or the client's error. A raise ends the job, or, under accept_failures, is the client's error: the
+        client is dropped from the round and its personal model stays as it was."""
         assert self.state.models is not None  # called only for Ditto
         try:
             return self.state.models.train(client, data, anchor, personal_seed(self.parts.seed, round_, client),
-                                           self.evaluation.personal(self.work.module, round_, val))
+                                           self.evaluation.personal(self.work.module, round_, val)), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            self.failed(err, round_, client, " while training its personal model")
-            return {}
+            return {}, "training its personal model: " + self.failed(err, round_, client,
+                                                                     " while training its personal model")
