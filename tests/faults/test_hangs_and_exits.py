@@ -289,7 +289,7 @@ def test_a_rank_stuck_before_any_round_is_timed_ends_the_default_job_naming_it(t
             assert "rank 2" in err and said, err[-3000:]
             if fault == "hang_build":  # the limit it waited: the floor, or 10x the slowest other rank's build
                 assert abs(float(said[1]) - max(floor, 10 * float(said[2]))) <= 1, said[0]
-            assert time.monotonic() - start < 45  # start-up, then a deadline of seconds, not 300 s
+            assert time.monotonic() - start < 60  # start-up, then a derived deadline, not the fallback of 300 s
     finally:
         for proc in jobs.values():
             if proc.poll() is None:  # a failed check above leaves no job behind
