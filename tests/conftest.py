@@ -98,7 +98,8 @@ POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "6"))  # 0: every job sta
 # Straggling, SlowOnOneRank) read them each time they are called, never at import, and keep nothing in the process
 # between jobs.
 POOLED_ENV = {"FL_HELPERS_RAISE", "FL_HELPERS_NAN", "FL_HELPERS_SEED", "FL_HELPERS_FROM_ROUND",
-              "FL_HELPERS_CLIENT_SECONDS", "FL_HELPERS_SLOW_RANK", "FL_HELPERS_SLOW_CALLS", "FL_HELPERS_SLOW_FORWARD"}
+              "FL_HELPERS_CLIENT_SECONDS", "FL_HELPERS_SLOW_RANK", "FL_HELPERS_SLOW_CALLS", "FL_HELPERS_SLOW_FACTOR",
+              "FL_HELPERS_SLOW_FORWARD"}
 JOBS_PER_POOL = 150  # then a new pool: whatever a job left in its processes goes with them
 
 

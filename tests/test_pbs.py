@@ -122,17 +122,26 @@ def test_every_rank_is_signalled_before_the_walltime_and_the_job_checkpoints_its
                        "data: {dataset: digits, partition: iid}\nmodel: {name: 'fl_helpers:tiny_mlp'}\n"
                        "train: {trainer: 'fl_helpers:Straggling'}\neval: {every: 0}\noutput: {progress: false}\n")
     script = tmp_path / "long.pbs"
-    # the timer fires 32 s in: past every rank's start-up (torch's import) even on a loaded 2-core machine, where
-    # 12 s were once too few and a rank died of the SIGTERM before it listened for it
     made = mpifl_here("pbs", str(cfg), "--ranks-per-node", "3", "--gpus-per-node", "0", "--walltime", "00:01:00",
                       "--stop-before", "28", "-o", str(script))
     assert made.returncode == 0, made.stderr
     text = script.read_text()
     assert "    WALLTIME_SECONDS=60\n" in text and "STOP_BEFORE=${STOP_BEFORE:-28}" in text  # no qstat here: 60 s
     env = fake_pbs(tmp_path, ["localhost"], "125.fake", FL_HELPERS_CLIENT_SECONDS="0.5")
+    # The timer's `sleep`, first on PATH, notes the seconds it was asked for, the walltime less STOP_BEFORE less the
+    # script's time so far, and ends once a round is recorded instead of waiting them out: its SIGTERM then comes
+    # mid-run, once every rank listens for it, whatever the machine's load (a rank still importing torch dies of it)
+    out, asked = tmp_path / "runs" / "long", tmp_path / "asked"
+    timer = tmp_path / "timer"
+    timer.mkdir()
+    (timer / "sleep").write_text(f"#!/bin/bash\necho \"$1\" >>{asked}\n"
+                                 f"until [[ -s {out / 'metrics.jsonl'} || $SECONDS -ge $1 ]]; do "
+                                 f"{shutil.which('sleep')} 0.1; done\n")
+    (timer / "sleep").chmod(0o755)
+    env["PATH"] = f"{timer}{os.pathsep}{env['PATH']}"
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
                          cwd=tmp_path)
-    out = tmp_path / "runs" / "long"
+    assert 60 - 28 - 5 <= int(asked.read_text()) <= 60 - 28, asked.read_text()  # counted from the job's start
     assert "mpifl: 28 s before the walltime: SIGTERM to every rank" in run.stdout, run.stdout + run.stderr
     assert run.returncode == 3, run.stdout + run.stderr  # stopped by SIGTERM, resumable
     rounds = len((out / "metrics.jsonl").read_text().splitlines())

@@ -10,6 +10,7 @@ The environment picks the fault, so one config serves every test:
 - ``FAULT_STAGE``: ``train`` (default: inside training, before the update header), ``send`` (after
   the first chunk of the update) or ``receive`` (the next global model is never taken up);
 - ``FAULT_MARK``: a file to write the time of the fault to (``time.time()``), for deadline checks.
+- ``FAULT_FLOOR`` (``stalling_mlp`` only): seconds, the floor of the derived deadline its hang meets.
 """
 from __future__ import annotations
 
@@ -111,12 +112,27 @@ class _StallingForward(nn.Module):
 
 def stalling_mlp(input_shape, num_classes: int) -> nn.Module:
     """A plug-in model for start-up and first-step hangs: FAULT=hang_build hangs its construction on FAULT_RANK,
-    FAULT=hang_forward its first forward pass there (see ``misbehave``)."""
+    FAULT=hang_forward its first forward pass there (see ``misbehave``). With FAULT_FLOOR=S, the floor of the
+    deadline the hang meets, derived from the other ranks (30 s in mpifl), is S s on every rank (each builds this
+    model before that deadline is computed): a test sees a default job end without waiting the floor out."""
     import math
 
     from mpi4py import MPI
 
+    if os.environ.get("FAULT_FLOOR"):
+        _lower_the_floor(os.environ.get("FAULT", ""), float(os.environ["FAULT_FLOOR"]))
     if os.environ.get("FAULT") == "hang_build" and MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FAULT_RANK", "2")):
         misbehave("hang")
     inner = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 16), nn.ReLU(), nn.Linear(16, num_classes))
     return _StallingForward(inner)
+
+
+def _lower_the_floor(fault: str, seconds: float) -> None:
+    """Set the floor of the derived deadline that ``fault`` meets: the start-up stage's, or the first update's."""
+    from mpifl.roles import launch
+    from mpifl.wire import watchdog
+
+    if fault == "hang_build":
+        launch.STARTUP_FLOOR_SECONDS = seconds
+    elif fault == "hang_forward":
+        watchdog.STALL_FLOOR_SECONDS = seconds

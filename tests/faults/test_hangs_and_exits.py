@@ -253,19 +253,43 @@ output: {progress: false}
 
 
 def test_a_rank_stuck_before_any_round_is_timed_ends_the_default_job_naming_it(tmp_path):
-    """Stuck in model construction, or in the first training step. Each job spends its time waiting out a
-    deadline of at least 30 s, so the two run at once."""
-    stages = {"hang_build": "did not finish 'model build'", "hang_forward": "at stage 'first update'"}
+    """Stuck in model construction, or in the first training step. A default job's deadline there derives from
+    the other ranks with a floor of 30 s; the jobs run with a floor of 3 s (FAULT_FLOOR), so that the test waits
+    out the same derived deadline, not the floor's 30 s, and the two run at once."""
+    from mpifl.config import TimeoutsConfig
+    from mpifl.roles.launch import STARTUP_FACTOR, startup_limit
+    from mpifl.wire.watchdog import FIRST_UPDATE, STALL_FACTOR, Watchdog, default_deadlines
+
+    # the defaults the jobs run under, but for the floor: 10x the other ranks' time, at least 30 s
+    assert STARTUP_FACTOR == STALL_FACTOR == 10 and startup_limit([0.2], 1 << 20) == 30 == startup_limit([0.01], 0)
+    assert startup_limit([4.0], 1 << 20) == 40
+    deadlines = default_deadlines(TimeoutsConfig(), chunk_bytes=1 << 20, inflight=4, slowest_train_seconds=None)
+    watchdog = Watchdog(deadlines, 1, {1: [0, 2], 2: [1, 3]})
+    assert deadlines.derive_first_update and watchdog.limit(FIRST_UPDATE, 2) == 300  # nobody has reported
+    watchdog.first_report[1] = 0.2
+    assert watchdog.limit(FIRST_UPDATE, 2) == 30 and watchdog.limit(FIRST_UPDATE, 1) == 300
+    watchdog.first_report[1] = 4.0
+    assert watchdog.limit(FIRST_UPDATE, 2) == 40
+
+    floor = 3
+    stages = {"hang_build": r"did not finish 'model build' within (\d+) s \(10x the slowest of the ranks that did, "
+                            r"(\d+\.\d) s\)",
+              "hang_forward": rf"at stage 'first update', past its deadline of \d+(\.\d+)? s \(timeouts.first_update "
+                              rf"unset and no round timed yet: 10x the other ranks' first report, at least {floor} s"}
     start, jobs = time.monotonic(), {}
     for fault in stages:
         cfg = write_config(tmp_path / f"{fault}.yaml", DEFAULTS)
-        jobs[fault] = spawn_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / fault), env={"FAULT": fault})
+        jobs[fault] = spawn_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / fault),
+                                env={"FAULT": fault, "FAULT_FLOOR": str(floor)})
     try:
         for fault, proc in jobs.items():
             code, err = finish(proc, timeout=120)
             assert code != 0, fault
-            assert "rank 2" in err and stages[fault] in err, err[-3000:]
-            assert time.monotonic() - start < 75  # the deadline derives from the other rank (at least 30 s)
+            said = re.search(stages[fault], err)
+            assert "rank 2" in err and said, err[-3000:]
+            if fault == "hang_build":  # the limit it waited: the floor, or 10x the slowest other rank's build
+                assert abs(float(said[1]) - max(floor, 10 * float(said[2]))) <= 1, said[0]
+            assert time.monotonic() - start < 60  # start-up, then a derived deadline, not the fallback of 300 s
     finally:
         for proc in jobs.values():
             if proc.poll() is None:  # a failed check above leaves no job behind

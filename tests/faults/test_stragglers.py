@@ -39,7 +39,7 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-STALL_SECONDS = 6.0  # rank 2's first client of round 2: many rounds' worth, past a 1.5 s straggler deadline
+STALL_SECONDS = 3.0  # rank 2's first client of round 2: many rounds' worth, twice a 1.5 s straggler deadline
 
 
 def drops(history: list[dict]) -> dict[int, set[int]]:
@@ -54,7 +54,9 @@ def test_a_rank_that_stays_slow_is_dropped_then_not_waited_for_until_it_rejoins_
     later round it is still training leaves it out (its clients as if not sampled, or, placed per round, dealt to
     the ready ranks) instead of waiting; it rejoins at the newest round once its late updates are in. The result
     equals the reference that leaves out exactly the dropped clients."""
-    text = STRAGGLING.replace("rounds: 3", "rounds: 60").replace("straggler: 2", "straggler: 1.5")
+    # 30 rounds of at least 2 clients x 0.05 s on each client rank: 3 s or more, past what the stall has left once
+    # rank 2 is dropped (3 - 1.5 s), so it rejoins before the end
+    text = STRAGGLING.replace("rounds: 3", "rounds: 30").replace("straggler: 2", "straggler: 1.5")
     cfg = write_config(tmp_path / "s.yaml", text)
     env = {"FL_HELPERS_CLIENT_SECONDS": "0.05", "FL_HELPERS_SLOW_RANK": "2", "FL_HELPERS_SLOW_CALLS": "3",
            "FL_HELPERS_SLOW_FACTOR": str(STALL_SECONDS / 0.05)}
@@ -121,7 +123,7 @@ def test_the_straggler_deadline_is_set_or_derived_from_the_ranks_that_finished(f
 
 def test_under_virtual_time_a_rank_slow_on_this_machine_is_not_dropped_and_the_result_does_not_change(tmp_path):
     """Under a virtual clock.mode the virtual clock alone decides who is a straggler: a rank slow in real time (here
-    6 s in round 2, past the 1.5 s wall-clock straggler deadline that drops it in real time) is waited for, so the
+    3 s in round 2, past the 1.5 s wall-clock straggler deadline that drops it in real time) is waited for, so the
     records and the model equal those of a run where nobody is slow, and the straggler setting is warned of."""
     text = STRAGGLING.replace("straggler: 2", "straggler: 1.5") + "clock: {mode: sync, seconds_per_sample: 0.01}\n"
     cfg = write_config(tmp_path / "s.yaml", text)
