@@ -11,9 +11,10 @@ are split across clients is ``mpifl.learning.partitions``.
 from __future__ import annotations
 
 import gzip
+import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -135,9 +136,27 @@ def data_shape(cfg: DataConfig) -> dict[str, Any]:
     return surveyed_data(cfg)[0]
 
 
+# One process's surveys of built-in datasets, by what they are read from: ``mpifl plan`` plans a config several times
+# (the fit advice re-plans it per layout), and a text dataset's survey trains its tokenizer each time (0.6 s for
+# configs/gpt2.yaml). A plug-in dataset function is surveyed every time: it may read anything.
+_SURVEYS: dict[str, tuple[dict[str, Any], DataBytes]] = {}
+
+
 def surveyed_data(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
     """From one read of the data (a client source is only surveyed): the ``input_shape`` and ``num_classes`` a
     model is sized from, and the bytes the ranks will hold (planning.memory counts them per rank)."""
+    key = json.dumps(asdict(cfg), sort_keys=True, default=str) if cfg.dataset in BUILTIN else None
+    if key is None or key not in _SURVEYS:
+        survey = _survey(cfg)
+        if key is None:
+            return survey
+        _SURVEYS[key] = survey
+    shape, footprint = _SURVEYS[key]
+    return dict(shape), footprint
+
+
+def _survey(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
+    """``surveyed_data``, read now."""
     source = client_source(cfg)
     if source is not None:
         index, (x_test, y_test) = source.survey()
