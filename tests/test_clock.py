@@ -98,7 +98,7 @@ def test_a_deadline_and_over_selection_keep_the_first_k_to_finish_in_time():
         previous_end = planned.end
 
 
-@pytest.mark.parametrize("buffer", [1, 4])
+@pytest.mark.parametrize("buffer", [1, 4, 15])
 def test_asynchronous_steps_apply_updates_in_arrival_order_with_their_staleness(buffer):
     cfg = clock(availability="diurnal", period=30.0, online_fraction=0.6)
     took, avail = durations(cfg), Availability(cfg, 200, 2)
@@ -118,7 +118,9 @@ def test_asynchronous_steps_apply_updates_in_arrival_order_with_their_staleness(
             assert a.client in trained_at[a.version + 1]  # trained when its version was current
         last = step.time
     bound = held_updates(plan, lambda c: 1 + c % 3)
-    assert max(bound.values()) <= 12  # never more held updates than clients in flight
+    # never more held updates than clients in flight and updates waiting in the buffer
+    assert sum(held_updates(plan, lambda c: 0).values()) <= 12 + buffer - 1
+    assert max(bound.values()) <= 12 + buffer - 1
 
 
 def test_virtual_time_settings_that_cannot_run_are_refused_naming_the_key():
@@ -129,9 +131,9 @@ def test_virtual_time_settings_that_cannot_run_are_refused_naming_the_key():
         load_config(None, data={**base, "clock": {"mode": "fedasync"}, "strategy": {"name": "fedavgm"}})
     with pytest.raises(ConfigError, match="clients.groups"):
         load_config(None, data={"clients": {"num_clients": 8, "groups": 2}, "clock": {"mode": "fedasync"}})
-    with pytest.raises(ConfigError, match="clock.concurrency: 2 clients in flight can never fill a buffer of 5"):
-        load_config(None, data={**base, "clock": {"mode": "fedbuff", "concurrency": 2},
-                                "strategy": {"update": "delta"}})
+    # a buffer larger than the clients in flight fills: each arrival dispatches another client (the doc's rule)
+    assert load_config(None, data={**base, "clock": {"mode": "fedbuff", "concurrency": 2},
+                                   "strategy": {"update": "delta"}}).clock.buffer == 5
     with pytest.raises(ConfigError, match="in-memory server only"):
         load_config(None, data={**base, "clock": {"mode": "sync"}, "server": {"state": "disk"}, "eval": {"every": 0}})
 

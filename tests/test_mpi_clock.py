@@ -44,16 +44,21 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode,ranks", [("fedbuff", 5), ("fedasync", 3)])
+# a buffer larger than the clients in flight: each arrival dispatches another client, so it fills
+FEDBUFF_WIDE = FEDBUFF.replace("buffer: 3, concurrency: 6", "buffer: 5, concurrency: 3")
+
+
+@pytest.mark.parametrize("mode,ranks", [("fedbuff", 5), ("fedbuff-buffer-over-concurrency", 4), ("fedasync", 3)])
 def test_asynchronous_runs_equal_the_single_process_reference_on_any_number_of_ranks(tmp_path, mode, ranks):
-    extra = FEDBUFF if mode == "fedbuff" else FEDASYNC
+    extra = {"fedbuff": FEDBUFF, "fedbuff-buffer-over-concurrency": FEDBUFF_WIDE, "fedasync": FEDASYNC}[mode]
     cfg, two = run(tmp_path, "two", extra, ranks=2)
     _, more = run(tmp_path, "more", extra, ranks=ranks)
     assert same_model(two / "model.h5", more / "model.h5")
     assert_equals_reference(two, cfg)
     steps = records(two)
     assert [r["round"] for r in steps] == list(range(1, 7))
-    assert all(len(r["participants"]) == (3 if mode == "fedbuff" else 1) for r in steps)
+    buffer = {"fedbuff": 3, "fedbuff-buffer-over-concurrency": 5, "fedasync": 1}[mode]
+    assert all(len(r["participants"]) == buffer for r in steps)
     assert any(s > 0 for r in steps for s in r["staleness"])  # some updates are stale
     assert [r["virtual_time"] for r in steps] == sorted(r["virtual_time"] for r in steps)
 

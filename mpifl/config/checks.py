@@ -211,9 +211,6 @@ def _check_asynchronous(cfg: Config) -> None:
     if cfg.clients.min_participants > buffer:
         raise ConfigError(f"clients.min_participants: {cfg.clients.min_participants} is more than the {buffer} "
                           f"update(s) each {clock.mode} step applies")
-    if clock.in_flight() < buffer:
-        raise ConfigError(f"clock.concurrency: {clock.concurrency} clients in flight can never fill a buffer of "
-                          f"{buffer}; raise clock.concurrency")
 
 
 def _check_privacy(cfg: Config) -> None:

@@ -507,13 +507,13 @@ class PrivacyConfig:
                                              "before a round would take epsilon past this", min=0.0,
                                           exclusive_min=True)
     adaptive_clip: bool = field_(False, "central: the clip bound follows a quantile of the update norms (Andrew "
-                                 "et al. 2021, geometric update, noised clipped-count)")
+                                 "et al. 2021, geometric update, the count of updates within C noised)")
     target_quantile: float = field_(0.5, "adaptive_clip: the quantile of update norms C tracks", min=0.0, max=1.0)
-    clip_lr: float = field_(0.2, "adaptive_clip: eta_C of C = C x exp(-eta_C (clipped fraction - quantile))",
-                            min=0.0)
-    count_noise: float | None = field_(None, "adaptive_clip: sigma_b, std of the noise on the clipped count "
-                                          "(default clients per round / 20, as Andrew et al.; its share of the "
-                                          "budget is taken out of noise_multiplier)", min=0.0, exclusive_min=True)
+    clip_lr: float = field_(0.2, "adaptive_clip: eta_C of C = C x exp(-eta_C (share of updates within C - "
+                            "target_quantile)): C shrinks while more than the quantile are within it", min=0.0)
+    count_noise: float | None = field_(None, "adaptive_clip: sigma_b, std of the noise on the count of updates "
+                                          "within C (default clients per round / 20, as Andrew et al.; its share of "
+                                          "the budget is taken out of noise_multiplier)", min=0.0, exclusive_min=True)
 
 
 @dataclass
