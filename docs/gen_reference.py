@@ -177,7 +177,7 @@ def render_config() -> str:
     titles = [f"`{prefix}`" if prefix else "Top level" for prefix, _, _ in sections]
     lines = [CONFIG_FRONT_MATTER + CONFIG_INTRO,
              "Sections: " + " · ".join(f"[{t}](#{_anchor(t)})" for t in titles) + ".", ""]
-    for (prefix, cls, rows), title in zip(sections, titles):
+    for (_, cls, rows), title in zip(sections, titles):
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
         # in a div of its own, so that docs/css/extra.css can keep the doc column readable beside long keys
         lines += [f"## {title}", "", " ".join(doc.split()), "", '<div class="config-keys" markdown>', "",
