@@ -216,3 +216,48 @@ def test_the_open_versions_after_a_step_hold_whatever_a_resume_retrains_from_eve
         assert max(opened, default=0) < step
     # the run that ends after step 20 applies nothing in flight then, but one raised to 45 steps retrains them
     assert not in_flight_versions(short, 20) and in_flight_versions(long, 20)
+
+
+def trace_file(tmp_path, clients: int) -> Path:
+    """Client c online only in [100 + 50c, 120 + 50c]: one client at a time, then nobody for ever."""
+    path = tmp_path / "avail.json"
+    path.write_text(json.dumps({str(c): [[100 + 50 * c, 120 + 50 * c]] for c in range(clients)}))
+    return path
+
+
+def test_a_sync_schedule_whose_availability_trace_runs_out_is_refused_by_validate_naming_the_key_and_round(tmp_path):
+    from conftest import mpifl_here, write_config
+
+    trace = trace_file(tmp_path, 20)
+    cfg = write_config(tmp_path / "c.yaml", "rounds: 27\nclients: {num_clients: 20, per_round: 3}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 800}}\n"
+                       f"clock: {{mode: sync, availability: trace, availability_trace: {trace}, "
+                       "seconds_per_sample: 1}\n")
+    refused = mpifl_here("validate", str(cfg))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert refused.stderr.startswith(f"mpifl: config error: cannot plan the virtual-time schedule: "
+                                     f"clock.availability_trace '{trace}': no client is online at or after virtual "
+                                     "time ")
+    assert refused.stderr.endswith(", when round 26 ended: the trace runs out at round 27\n")
+    assert mpifl_here("validate", str(cfg), "rounds=26").returncode == 0
+    fedbuff = mpifl_here("validate", str(cfg), "clock.mode=fedbuff", "strategy.update=delta")
+    assert fedbuff.returncode == 2 and f"clock.availability_trace '{trace}'" in fedbuff.stderr
+
+
+def test_a_sync_round_keeping_fewer_than_min_cohort_withholds_the_on_time_clients_not_as_stragglers():
+    cfg = clock()
+    took = lambda r, c: 1.0 + (c % 7)  # noqa: E731 - clients 0, 7, 14... finish first
+    avail = Availability(cfg, 200, 0)
+    secagg = SyncClock(0, 2, avail, took, deadline=1.5, over_selection=1.0, min_cohort=2)
+    plain = SyncClock(0, 2, avail, took, deadline=1.5, over_selection=1.0)
+    floor = SyncClock(0, 2, avail, took, deadline=1.5, over_selection=1.0, min_participants=2)
+    lone = [r for r in range(1, 40) if len(plain.round(r).kept) == 1]
+    assert lone  # some round keeps one client in time
+    for r in lone:
+        kept = plain.round(r).kept
+        assert secagg.round(r).kept == () and secagg.round(r).withheld == kept
+        assert not set(kept) & set(secagg.round(r).stragglers)
+        assert secagg.round(r).end == plain.round(r).end
+        assert floor.round(r).withheld == () and set(kept) <= set(floor.round(r).stragglers)  # no secagg: no withheld
+    full = [r for r in range(1, 40) if len(plain.round(r).kept) == 2]
+    assert full and all(secagg.round(r).kept == plain.round(r).kept and secagg.round(r).withheld == () for r in full)

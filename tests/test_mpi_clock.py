@@ -162,3 +162,55 @@ def test_a_finished_fedbuff_run_goes_on_when_rounds_are_raised_and_ends_as_the_l
     assert "retrained logical clients" in raised.stderr
     assert rounds_logged(run_dir) == list(range(1, 11))
     assert_equals_reference(run_dir, longer)
+
+
+SECAGG_SYNC = ("clients: {num_clients: 12, per_round: 2}\nsecagg: {enabled: true}\n"
+               "clock: {mode: sync, deadline: 0.05, speed_sigma: 2, seconds_per_sample: 0.001}")
+
+
+def test_a_sync_round_with_too_few_on_time_for_secagg_withholds_them_says_so_and_counts_them(tmp_path):
+    """docs/how-to/secure-aggregation.md: a synchronous round keeping fewer than secagg.min_cohort by its deadline runs
+    empty as a Poisson round drawing too few does: secagg.withheld names the on-time clients (not stragglers), rank
+    0 says so once, the run's end counts such rounds; bitwise the same on 2 and 3 client ranks."""
+    text = RUN.format(rounds=6, extra=SECAGG_SYNC).replace("clients: {num_clients: 12, per_round: 4}\n", "")
+    cfg = write_config(tmp_path / "s.yaml", text)
+    results = {n: run_mpi(n + 1, "run", str(cfg), "--run-dir", str(tmp_path / f"r{n}"), timeout=MPI_TIMEOUT)
+               for n in (2, 3)}
+    assert all(r.returncode == 0 for r in results.values()), results[2].stderr + results[3].stderr
+    rounds = records(tmp_path / "r2")
+    withheld = [r for r in rounds if r["secagg"].get("withheld")]
+    assert withheld and any(r["participants"] for r in rounds)
+    for r in withheld:
+        assert r["participants"] == [] and len(r["secagg"]["withheld"]) == 1
+        assert not set(r["secagg"]["withheld"]) & set(r["stragglers"])
+    said = results[2].stderr
+    assert said.count("finished in time (clock.mode sync), fewer than secagg.min_cohort=2: left out") == 1
+    assert [r["round"] for r in withheld] == [3, 5, 6]  # seed 3: the rounds that keep one client in time
+    assert ("secagg.min_cohort: 3 of 6 rounds (round 3,5-6) kept fewer than 2 clients in time and ran without "
+            "updates") in said
+    assert same_model(tmp_path / "r2" / "model.h5", tmp_path / "r3" / "model.h5")
+    clock_fields = ("participants", "stragglers", "secagg", "virtual_time", "wasted_seconds")
+    strip = [{k: r[k] for k in clock_fields} for r in rounds]
+    for r in strip:
+        r["secagg"] = {k: v for k, v in r["secagg"].items() if k != "mask_seconds"}
+    other = [{k: r[k] for k in clock_fields} for r in records(tmp_path / "r3")]
+    for r in other:
+        r["secagg"] = {k: v for k, v in r["secagg"].items() if k != "mask_seconds"}
+    assert strip == other
+
+
+def test_a_sync_run_whose_availability_trace_runs_out_is_refused_before_round_1_naming_the_key_and_round(tmp_path):
+    """The synchronous schedule is planned whole from the config and the seed as the job starts, as the asynchronous
+    ones are: a trace that cannot carry every round ends the job before round 1 (exit 2, one line), and status does
+    not advise a resume that would fail the same way."""
+    trace = tmp_path / "avail.json"  # client c online only in [100 + 50c, 120 + 50c]
+    trace.write_text(json.dumps({str(c): [[100 + 50 * c, 120 + 50 * c]] for c in range(12)}))
+    cfg = write_config(tmp_path / "t.yaml", RUN.format(rounds=14, extra=(
+        f"clock: {{mode: sync, availability: trace, availability_trace: {trace}, seconds_per_sample: 1}}")))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "t"), timeout=MPI_TIMEOUT)
+    assert result.returncode == 2
+    assert (f"config error: cannot plan the virtual-time schedule: clock.availability_trace '{trace}': no client is "
+            "online at or after virtual time ") in result.stderr and "the trace runs out at round 13" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "t" / "metrics.jsonl").exists()
+    status = run_mpi(1, "status", str(tmp_path / "t"))
+    assert "fix the config first: a --resume with this one fails the same way" in status.stdout

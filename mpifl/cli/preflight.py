@@ -137,19 +137,22 @@ def partition_counts_of(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError(f"cannot partition the data: {err}") from None
 
 
-def check_partition(cfg: Config) -> None:
+def check_partition(cfg: Config) -> list[int] | None:
     """Build the configured partition, as ``mpifl run``'s ranks will (``partition_counts_of``), for ``mpifl
     validate``: a plain process, so it may read the data once; then check secure aggregation's range for its largest
     client. Not for a run without data, nor for a dataset read per client rank (a client source), which cannot be
     read whole; and never before ``mpifl run``'s MPI, where every rank would read the data (there a bad split ends
-    the job in one line: 'cannot partition the data', and the server checks the range as it starts)."""
+    the job in one line: 'cannot partition the data', and the server checks the range as it starts). Returns each
+    client's training samples (None: not read)."""
     from mpifl.aggregation.strategies import make_strategy
     from mpifl.privacy.secagg import config_range_problem
 
-    if partition_readable(cfg):
-        histogram, _ = partition_counts_of(cfg)
-        if not cfg.secagg.enabled:
-            return
-        problem = config_range_problem(cfg, make_strategy(cfg.strategy), [int(n) for n in histogram.sum(axis=1)])
-        if problem:
-            raise ConfigError(problem)
+    if not partition_readable(cfg):
+        return None
+    histogram, _ = partition_counts_of(cfg)
+    sizes = [int(n) for n in histogram.sum(axis=1)]
+    problem = config_range_problem(cfg, make_strategy(cfg.strategy), sizes) if cfg.secagg.enabled else None
+    if problem:
+        raise ConfigError(problem)
+    return sizes
+

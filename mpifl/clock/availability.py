@@ -22,6 +22,7 @@ class Availability:
         if self.kind == "diurnal":
             self.phase = np.random.default_rng(derive_seed(seed, CLOCK, 1)).uniform(0.0, cfg.period, num_clients)
         self.intervals: dict[int, list[tuple[float, float]]] = {}
+        self.source = f"clock.availability_trace {cfg.availability_trace!r}"  # what may run out (named in errors)
         if self.kind == "trace":
             self.intervals = read_intervals(cfg.availability_trace, num_clients)
 

@@ -24,7 +24,8 @@ class SyncSampler(Sampler):
         """A synchronous round in virtual time: the clients the clock kept train and send."""
         planned = self.clock.round(round_)
         kept = list(planned.kept)
-        return RoundAssignment(round_, tuple(kept), self.by_rank(kept), self.streams(kept), clock=planned.record())
+        return RoundAssignment(round_, tuple(kept), self.by_rank(kept), self.streams(kept), clock=planned.record(),
+                               withheld=planned.withheld)
 
 
 class AsyncSampler(Sampler):
@@ -81,8 +82,9 @@ class AsyncSampler(Sampler):
 
 
 def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model_bytes: int,
-                  update_bytes: int) -> Sampler:
-    """The round planner for ``clock.mode``; ``samples`` is each client's training work per task, in samples."""
+                  update_bytes: int, quiet: bool = False) -> Sampler:
+    """The round planner for ``clock.mode``, its whole schedule planned now (ValueError: it cannot be, naming the
+    key); ``samples`` is each client's training work per task, in samples; ``quiet``: say nothing (validate)."""
     # secure aggregation's threshold: a round drawing fewer runs without updates rather than reveal their sum
     min_cohort = cfg.secagg.min_cohort if cfg.secagg.enabled else 1
     if cfg.clock.mode == "off":
@@ -102,9 +104,12 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         return (devices.task_seconds(client, samples[client], model_bytes, update_bytes)
                 + delay(round_, client, devices.compute_seconds(client, samples[client])))
 
-    if cfg.clock.mode == "sync":
+    if cfg.clock.mode == "sync":  # planned whole now, as the asynchronous modes are: a trace too short fails here
         clock = SyncClock(cfg.seed, cfg.clients_per_round(), availability, duration, cfg.clock.deadline,
-                          cfg.clock.over_selection, max(cfg.clients.min_participants, min_cohort))
+                          cfg.clock.over_selection, cfg.clients.min_participants, min_cohort)
+        last = clock.round(cfg.rounds)
+        if not quiet:
+            log(f"sync: {cfg.rounds} rounds planned over {last.end:.1f} virtual s", rank=0)
         return SyncSampler(cfg.seed, cfg.clients, placement, clock)
     if cfg.clock.mode == "fedcompass":
         def with_steps(client: int, local_steps: int) -> float:
@@ -121,9 +126,10 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
         plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.in_flight(), num_clients, availability, duration)
     held = held_updates(plan, placement.rank_of)
-    log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client rank "
-        f"holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; by rank: "
-        + ", ".join(f"{r}: {n}" for r, n in sorted(held.items())) + ")", rank=0)
+    if not quiet:
+        log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client "
+            f"rank holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; "
+            "by rank: " + ", ".join(f"{r}: {n}" for r, n in sorted(held.items())) + ")", rank=0)
     return AsyncSampler(cfg.seed, cfg.clients, cfg.clock, placement, plan.steps)
 
 

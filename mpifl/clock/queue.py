@@ -73,6 +73,7 @@ class QueueAvailability:
         self.wait_median, self.wait_sigma = wait_median, wait_sigma
         self.walltime, self.preemption_rate = walltime, preemption_rate
         self.jobs = [Jobs() for _ in range(num_clients)]
+        self.source = f"clock.queue_trace {trace!r}" if trace is not None else "clock.availability 'queue'"
         self.rngs = [np.random.default_rng(derive_seed(seed, CLOCK, QUEUE, c)) for c in range(num_clients)]
         if trace is not None:
             for client, runs in read_swf(trace, num_clients).items():

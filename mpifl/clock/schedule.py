@@ -48,11 +48,13 @@ class SyncRound:
     selected: tuple[int, ...]  # sampled, over-selection included (ascending)
     kept: tuple[int, ...]  # the participants (ascending): the first k to finish in time
     stragglers: tuple[int, ...]
-    wasted_seconds: float  # virtual seconds the stragglers worked before the round closed
+    wasted_seconds: float  # virtual seconds the stragglers (and any withheld) worked before the round closed
     preempted: tuple[int, ...] | None = None  # queue: stragglers whose task a preemption lost (None: no jobs)
     continued: tuple[int, ...] = ()  # queue with checkpoints: selected clients whose task ran on in a later job
     job_ended: tuple[int, ...] = ()  # queue: stragglers whose task their job's walltime or run time lost
     waited: float = 0.0  # virtual seconds from the previous round's end until a client was online to start this one
+    # secagg.min_cohort: the clients on time but too few for their sum to hide them: left out, their work wasted
+    withheld: tuple[int, ...] = ()
 
     def record(self) -> dict:
         """The round's virtual-time fields for metrics.jsonl: ``virtual_wait_seconds`` + ``virtual_round_seconds``
@@ -79,9 +81,12 @@ class SyncClock:
     """Synchronous rounds in virtual time: round r is planned after rounds 1..r-1 (cached)."""
 
     def __init__(self, seed: int, per_round: int, availability: Online, duration: Duration,
-                 deadline: float | None, over_selection: float, min_participants: int = 1) -> None:
+                 deadline: float | None, over_selection: float, min_participants: int = 1, min_cohort: int = 1) -> None:
+        """``min_participants``: clients.min_participants, ``min_cohort``: secagg.min_cohort (1 without it): a round
+        keeping fewer runs without updates; the on-time clients too few for secagg.min_cohort are ``withheld``."""
         self.seed, self.per_round, self.availability, self.duration = seed, per_round, availability, duration
         self.deadline, self.over_selection, self.min_participants = deadline, over_selection, min_participants
+        self.min_cohort = min_cohort
         self.rounds: list[SyncRound] = []
 
     def round(self, r: int) -> SyncRound:
@@ -95,7 +100,8 @@ class SyncClock:
         while not online.any():  # nobody to sample: the round starts when someone comes online
             later = self.availability.next_change(start)
             if later is None:
-                raise ValueError(f"clock.availability: no client is ever online after virtual time {start:.0f} s")
+                raise ValueError(f"{self.availability.source}: no client is online at or after virtual time "
+                                 f"{start:.0f} s, when round {r - 1} ended: the trace runs out at round {r}")
             start, online = later, self.availability.online(later)
         k = min(self.per_round, int(online.sum()))
         selected = sample_online(self.seed, (r,), online, math.ceil(k * (1 + self.over_selection) - 1e-9))
@@ -107,17 +113,18 @@ class SyncClock:
         kept = in_time[:k]
         # the k-th arrival, else the deadline, else (tasks lost, no deadline) when the last task arrived or was lost
         closes = took[kept[-1]] if len(kept) == k else self.deadline or max(took.values())
-        if len(kept) < self.min_participants:
+        withheld = tuple(sorted(kept)) if len(kept) < self.min_cohort else ()
+        if len(kept) < max(self.min_participants, self.min_cohort):
             kept = []
-        stragglers = tuple(c for c in selected if c not in kept)
-        wasted = sum(min(took[c], closes) for c in stragglers)
+        stragglers = tuple(c for c in selected if c not in kept and c not in withheld)
+        wasted = sum(min(took[c], closes) for c in (*stragglers, *withheld))
         queued = isinstance(self.availability, QueueAvailability)
         # a task its job loses after the round closed was a straggler already: the loss cost the round nothing
         preempted, job_ended = lost_by_cause([(c, ends[c].preempted) for c in selected
                                               if ends[c].at is None and took[c] <= closes])
         return SyncRound(r, start, start + closes, int(online.sum()), tuple(selected), tuple(sorted(kept)),
                          stragglers, float(wasted), preempted if queued else None,
-                         tuple(c for c in selected if ends[c].continued), job_ended, start - ready)
+                         tuple(c for c in selected if ends[c].continued), job_ended, start - ready, withheld)
 
     def _finish(self, client: int, start: float, seconds: float) -> Finish:
         """When ``client``'s task of ``seconds``, started at ``start``, arrives or is lost; a task that never arrives
@@ -219,8 +226,8 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
         dispatch(0.0)
     while version < steps:
         if not events:
-            raise ValueError("clock: no client can ever train again (availability); the run cannot reach "
-                             f"step {version + 1}")
+            raise ValueError(f"clock: no client can ever train again ({availability.source}); the run cannot "
+                             f"reach step {version + 1}")
         t, client, index = heapq.heappop(events)
         if client == -2:  # the task is lost: its client is free (and offline), another is sent
             busy[dispatches[index].client] = False

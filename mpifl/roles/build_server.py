@@ -118,7 +118,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     try:
         sampler = clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
     except (ValueError, OSError) as err:
-        raise JobFailure(f"cannot plan the virtual-time schedule: {err}") from None
+        # a config error (a trace too short for the rounds), found before round 1: exit 2, as validate's
+        raise JobFailure(f"config error: cannot plan the virtual-time schedule: {err}", 2) from None
     asynchronous = cfg.clock.asynchronous
     chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)

@@ -247,10 +247,18 @@ def note_secagg(history: list[dict], cfg: SecAggConfig) -> None:
             log(clamping_line(round_, entry, cfg.fraction_bits), rank=0)
     if entry.get("withheld") and not any(e.get("withheld") for e in earlier):
         drawn = entry["withheld"]
-        log(f"round {round_}: Poisson sampling drew {len(drawn)} client{'s' if len(drawn) != 1 else ''} "
-            f"({range_list(drawn)}), fewer than secagg.min_cohort={cfg.min_cohort}: left out, the round runs without "
-            "updates (as one that draws nobody: DP noise alone moves the model), so that no sum of so few is "
-            "revealed; said once, metrics.jsonl's secagg.withheld names them in every such round", rank=0)
+        clients = f"{len(drawn)} client{'s' if len(drawn) != 1 else ''} ({range_list(drawn)})"
+        why = f"only {clients} finished in time (clock.mode sync)" if _timed(history[-1]) else \
+            f"Poisson sampling drew {clients}"
+        how = "" if _timed(history[-1]) else " (as one that draws nobody: DP noise alone moves the model)"
+        log(f"round {round_}: {why}, fewer than secagg.min_cohort={cfg.min_cohort}: left out, the round runs without "
+            f"updates{how}, so that no sum of so few is revealed; said once, metrics.jsonl's secagg.withheld names "
+            "them in every such round", rank=0)
+
+
+def _timed(record: dict) -> bool:
+    """Whether ``record`` is a synchronous round in virtual time, which keeps the clients on time (``stragglers``)."""
+    return "stragglers" in record
 
 
 def clamping_line(round_: int, entry: dict, fraction_bits: int) -> str:
@@ -283,8 +291,9 @@ def secagg_summary(history: Sequence[dict], cfg: SecAggConfig) -> list[str]:
                      f"{most_round}); {advice} (docs/how-to/secure-aggregation.md)")
     withheld = [round_ for round_, e in entries if e.get("withheld")]
     if withheld:
+        how = "kept fewer than {} clients in time" if _timed(history[-1]) else "drew fewer than {} clients"
         lines.append(f"secagg.min_cohort: {len(withheld)} of {len(history)} rounds (round {range_list(withheld)}) "
-                     f"drew fewer than {cfg.min_cohort} clients and ran without updates")
+                     f"{how.format(cfg.min_cohort)} and ran without updates")
     return lines
 
 

@@ -290,6 +290,8 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     advice = f"a --resume would be refused: {refused}; {VERSIONS_GONE}" if refused else "continue with --resume"
     notes = read_rank_notes(run_dir)
     server = notes.get(0, {})
+    if server.get("state") == "failed" and "config error: " in server.get("reason", ""):
+        advice = "fix the config first: a --resume with this one fails the same way"
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
     complete = (reached == rounds or spent) and server.get("state", "finished") == "finished"  # before notes: rounds
     if complete:
