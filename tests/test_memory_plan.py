@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, mpifl_here, run_mpi, write_config
 
-from mpifl.cli.plan import clients_beside_server, gpu_warning, node_warning, ranks_per_gpu
+from mpifl.cli.plan import clients_beside_server, estimate, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import load_config
 from mpifl.planning.memory import (
+    IMPORTS_BYTES,
+    TRAINING_RUNTIME_BYTES,
     DataBytes,
     MemoryEstimate,
     client_data_bytes,
     client_state_plan,
     fullest_node,
     node_data_bytes,
+    reading_rank_bytes,
     server_data_bytes,
 )
 from mpifl.units import MIB, format_bytes
@@ -136,6 +140,52 @@ def test_the_shared_set_counts_once_on_each_node_with_client_ranks():
     assert fullest_node(5 * GIB, 1 * GIB, nranks=7, ranks_per_node=4, server_alone=False, shared=2 * GIB) == 10 * GIB
     # the server alone: its node holds no shared set
     assert fullest_node(9 * GIB, 1 * GIB, nranks=3, ranks_per_node=4, server_alone=True, shared=2 * GIB) == 9 * GIB
+
+
+# Fashion-MNIST as mpifl.learning.idx reads it: 60,000 + 10,000 float32 28x28 images, int64 labels
+FASHION_MNIST = DataBytes(inputs=60_000 * 784 * 4, labels=60_000 * 8, test=10_000 * (784 * 4 + 8), per_rank=False)
+# rank 1's VmHWM in `mpiexec -n 4 mpifl run fm.yaml rounds=1` (docs/explanation/memory.md, 2026-12-01)
+FASHION_MNIST_READER_PEAK = 773 * MIB
+
+
+def test_the_rank_that_reads_the_data_holds_it_twice_as_measured_on_fashion_mnist():
+    started = IMPORTS_BYTES + TRAINING_RUNTIME_BYTES
+    planned = reading_rank_bytes(started, FASHION_MNIST)
+    assert planned == started + 2 * node_data_bytes(FASHION_MNIST)  # as read, and its copy in shared memory
+    assert abs(planned - FASHION_MNIST_READER_PEAK) <= 0.15 * FASHION_MNIST_READER_PEAK
+    assert reading_rank_bytes(started, dataclasses.replace(FASHION_MNIST, per_rank=True)) == 0  # each reads its own
+
+
+def test_the_fullest_node_counts_rank_1_at_its_reading_peak_on_the_node_it_shares():
+    # 1 + 3 ranks on one node: server 1, rank 1 reading 4 (its shared copy in it), ranks 2-3 1 each beside a 2 set
+    assert fullest_node(1 * GIB, 1 * GIB, nranks=4, ranks_per_node=4, server_alone=False, shared=2 * GIB,
+                        reader=4 * GIB) == 7 * GIB
+    # server alone: rank 1 is on the first node of clients, the fullest; the next holds the set and its ranks only
+    assert fullest_node(1 * GIB, 1 * GIB, nranks=9, ranks_per_node=4, server_alone=True, shared=2 * GIB,
+                        reader=4 * GIB) == 7 * GIB
+    # one rank per node: rank 1 on node 2
+    assert fullest_node(1 * GIB, 1 * GIB, nranks=3, ranks_per_node=1, server_alone=False, shared=2 * GIB,
+                        reader=4 * GIB) == 4 * GIB
+
+
+def test_plan_gives_the_rank_that_reads_fashion_mnist_a_line_of_its_own_and_counts_it_in_the_node(capsys):
+    from mpifl.cli import main
+    from mpifl.learning.idx import FASHION_MNIST as FOLDER
+
+    if not Path(FOLDER).is_dir():
+        pytest.skip(f"no Fashion-MNIST in {FOLDER} (sudo apt-get install dataset-fashion-mnist)")
+    config = ROOT / "configs" / "fashion_mnist.yaml"
+    assert main(["plan", str(config), "--client-ranks", "3", "--ranks-per-node", "4"]) == 0
+    reader, clients = capsys.readouterr().out.splitlines()[2:4]
+    started = IMPORTS_BYTES + TRAINING_RUNTIME_BYTES
+    assert reader.startswith(f"  rank 1 (reads the data): ~{reading_rank_bytes(started, FASHION_MNIST) / GIB:8.2f} GiB")
+    assert "the data as read + its copy in shared memory, 2 x 209.88 MiB" in reader
+    assert clients.startswith("  ranks 2-3 (clients): ~")
+    _, plan = estimate(load_config(config), nranks=4, ranks_per_node=4, server_alone=False)
+    assert plan.reader_bytes == reading_rank_bytes(started, FASHION_MNIST)
+    others = 2 * (plan.client_bytes - min(plan.client_data_bytes, plan.node_data_bytes))
+    assert plan.node_bytes == plan.server_bytes + plan.reader_bytes + others  # rank 1's peak holds the node's set
+    assert "rank 1, reading the data, ~" in plan.describe()  # what pbs and slurm write in the job script
 
 
 def test_plan_counts_the_data_each_rank_holds(capsys):

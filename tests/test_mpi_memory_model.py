@@ -54,7 +54,7 @@ def test_the_quick_starts_planned_memory_per_rank_is_within_15_percent_of_a_meas
     measured = {"server": max(r["server_peak_rss_bytes"] for r in records),
                 "client": max(r["client_peak_rss_bytes"] for r in records)}
     _, plan = estimate(load_config(quickstart, ["rounds=3"]), nranks=3, ranks_per_node=4, server_alone=False)
-    planned = {"server": plan.server_bytes, "client": plan.client_bytes}
+    planned = {"server": plan.server_bytes, "client": max(plan.client_bytes, plan.reader_bytes)}  # the fullest
     for role in ("server", "client"):
         off = abs(planned[role] - measured[role])
         assert off <= CALIBRATION_TOLERANCE * measured[role] + RSS_NOISE_BYTES, (

@@ -330,8 +330,8 @@ def plan_main(args: argparse.Namespace) -> int:
     _print_client_state(cfg, size, ranks)
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
-              "client ranks map (each counts above only the pages it reads); rank 1 holds a second copy while it "
-              "reads the data")
+              "client ranks map (each counts above only the pages it reads; rank 1 all of them, and the data twice "
+              "while it reads it)")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
@@ -353,20 +353,26 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
     per_client = cfg.clients.ranks_per_client
     gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
     training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
+    apart = reads_apart(plan)
+    first = 2 if apart and ranks > 1 else 1
+    if first == 2:
+        print(reader_line(plan, "rank 1 (reads the data)"))
     if cfg.clients.sharding == "fsdp":
         what = sharded_what(cfg, size, bool(plan.client_device_bytes))
-        print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [{what}"
+        print(f"  {client_ranks_head(ranks, plan.client_bytes, first)}  [{what}"
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     elif cfg.train.batched_clients and not plan.client_device_bytes:
-        print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [model + "
+        print(f"  {client_ranks_head(ranks, plan.client_bytes, first)}  [model + "
               f"{batched_what(cfg, size)}{data_note(plan.client_data_bytes, client_data_what(cfg))}]")
     else:
         on_gpu = bool(plan.client_device_bytes)
         host_acts = activations_note(replicated_activations(cfg, size), on_gpu,
                                      0 if on_gpu else host_activations(cfg, size) - replicated_activations(cfg, size))
-        print(f"  {client_ranks_head(ranks, plan.client_bytes)}  [model"
+        print(f"  {client_ranks_head(ranks, plan.client_bytes, first)}  [model"
               f"{training if cfg.train.trainer != 'none' else ''}"
               f"{data_note(plan.client_data_bytes, client_data_what(cfg))}; {host_acts}]")
+    if apart and first == 1:
+        print(reader_line(plan, "rank 1 while it reads"))
     if plan.client_device_bytes and cfg.clients.sharding == "fsdp":
         acts = f"activations {format_bytes(size.activations)}" if size.activations else "activations not included"
         print(f"  GPU of each client rank: ~{format_bytes(plan.client_device_bytes)}  [1/{per_client} of the model, "
@@ -413,10 +419,28 @@ def leaders(ranks: int, per_client: int) -> str:
     return f"{who} lead and exchange"
 
 
-def client_ranks_head(ranks: int, nbytes: int) -> str:
-    """The start of ``mpifl plan``'s line on the client ranks: 'ranks 1-4 (clients): ~    0.60 GiB each', or
-    'rank 1 (clients): ~    0.51 GiB' where there is one."""
-    return f"{rank_span(1, ranks)} (clients): ~{nbytes / GIB:8.2f} GiB{' each' if ranks > 1 else ''}"
+def client_ranks_head(ranks: int, nbytes: int, first: int = 1) -> str:
+    """The start of ``mpifl plan``'s line on the client ranks from ``first`` on: 'ranks 1-4 (clients): ~    0.60 GiB
+    each', or 'rank 1 (clients): ~    0.51 GiB' where there is one."""
+    return f"{rank_span(first, ranks)} (clients): ~{nbytes / GIB:8.2f} GiB{' each' if ranks > first else ''}"
+
+
+def reads_apart(plan: MemoryEstimate) -> bool:
+    """Whether rank 1, which reads the shared data, gets a line of its own: where its figure, as printed, is above
+    the other client ranks'."""
+    return round(plan.reader_bytes / GIB, 2) > round(plan.client_bytes / GIB, 2)
+
+
+def reader_line(plan: MemoryEstimate, head: str) -> str:
+    """``mpifl plan``'s line on rank 1 (``head``) where it peaks above the other client ranks: it reads the data and
+    fills the node's shared copy, so it holds the data twice for a while (planning.memory.reading_rank_bytes)."""
+    if plan.reading_bytes >= plan.reader_bytes:
+        what = (f"its peak while it reads the data: libraries + the data as read + its copy in shared memory, "
+                f"2 x {format_bytes(plan.node_data_bytes)}")
+    else:
+        what = (f"as a client rank, with every page of the shared data ({format_bytes(plan.node_data_bytes)}): "
+                "it wrote them")
+    return f"  {head}: ~{plan.reader_bytes / GIB:8.2f} GiB  [{what}]"
 
 
 def activations_note(estimated: int, on_gpu: bool, cpu: int = 0) -> str:

@@ -93,6 +93,8 @@ class MemoryEstimate:
     server_device_bytes: int = 0  # the server's evaluation copy on its GPU (eval.device; 0: it evaluates on the CPU)
     update_wire_bytes: int = 0  # one update (or a group's sum) as it travels: narrowed, compressed or fp32 sums
     server_eval_bytes: int = 0  # the held-out evaluation's working set, inside server_bytes or server_device_bytes
+    reader_bytes: int = 0  # rank 1, which reads the shared data: its peak, when above client_bytes (0: not above)
+    reading_bytes: int = 0  # its peak while reading (reading_rank_bytes), inside reader_bytes when that is set
 
     def describe(self, exchanged: str = "model") -> str:
         """One line for a job script's comment and the ``pbs`` command's output; ``exchanged`` names what
@@ -100,8 +102,10 @@ class MemoryEstimate:
         gpu = f", GPU ~{self.client_device_bytes / GIB:.2f} GiB" if self.client_device_bytes else ""
         if self.server_device_bytes:
             gpu += f"; server's GPU ~{self.server_device_bytes / GIB:.2f} GiB"
+        reader = f" (rank 1, reading the data, ~{self.reader_bytes / GIB:.2f} GiB)" if self.reader_bytes else ""
         return (f"{exchanged} {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
-                f"client rank ~{self.client_bytes / GIB:.2f} GiB{gpu}; fullest node ~{self.node_bytes / GIB:.1f} GiB")
+                f"client rank ~{self.client_bytes / GIB:.2f} GiB{reader}{gpu}; fullest node "
+                f"~{self.node_bytes / GIB:.1f} GiB")
 
 
 def exchanged_what(cfg: Config) -> str:
@@ -147,6 +151,19 @@ def client_data_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> in
 def node_data_bytes(data: DataBytes) -> int:
     """The shared set, once on each node that has client ranks (wire.shared); nothing from a client source."""
     return 0 if data.per_rank else data.inputs + data.labels + data.test
+
+
+def reading_rank_bytes(started: int, data: DataBytes) -> int:
+    """Rank 1's peak while it reads the data and shares it (roles.data): what it holds once ``started`` (libraries,
+    and the torch._dynamo that a client rank's throwaway optimizer imports first), and the data twice, the tensors
+    as read and their copy in the node's shared windows, every page of which it writes. 0 from a client source
+    (each client rank reads its own clients').
+
+    Why its own term: no other rank holds the data twice, and the twice is 2 x 210 MiB for Fashion-MNIST against a
+    client rank's 0.54 GiB. Measured as VmHWM (docs/explanation/memory.md#rank-1-which-reads-the-data): on Fashion-MNIST
+    at 4 ranks, rank 1 peaked at 773 MiB while reading (this gives 788 MiB), ranks 2-3 at 404 MiB; before its bytes
+    went straight into the shared windows (a pickled broadcast, even to rank 1 itself), at 1,191 MiB."""
+    return 0 if data.per_rank else started + 2 * node_data_bytes(data)
 
 
 def streams_per_rank(cfg: Config, client_ranks: int) -> int:
@@ -622,33 +639,39 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
         server += evaluation
     on_gpu = trains_on_gpu(cfg, gpus_per_node)
     client = client_bytes(cfg, size, client_ranks, on_gpu)
-    server_data = client_data = node_data = shared_read = 0
+    server_data = client_data = node_data = shared_read = reading = 0
     if data is not None:
         server_data = server_data_bytes(data)
         client_data = client_data_bytes(data, client_ranks, cfg.clients.placement == "per_round")
         node_data = node_data_bytes(data)
         shared_read = min(client_data, node_data)  # the shared pages a rank reads: counted once, in node_data
+        reading = reading_rank_bytes(imports_bytes(cfg) + TRAINING_RUNTIME_BYTES, data)
     server, client = server + server_data, client + client_data
-    node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data)
+    # rank 1 wrote every page of the shared set, so it counts all of them, and it peaked higher while reading
+    reader = max(client - shared_read + node_data, reading) if reading else 0
+    node = fullest_node(server, client - shared_read, nranks, ranks_per_node, server_alone, node_data, reader)
     return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
                           client_device_bytes(cfg, size) if on_gpu else 0,
                           server_device_bytes(cfg, size, gpus_per_node), sum(c.nbytes for c in exchange.wire),
-                          evaluation)
+                          evaluation, reader if reader > client else 0, reading)
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
-                 shared: int = 0) -> int:
+                 shared: int = 0, reader: int = 0) -> int:
     """Bytes on the fullest node when the launcher fills nodes in rank order, ``ranks_per_node`` at a time
     (MPICH's and Cray PALS's ``-ppn``/``--ppn``), rank 0 on the first node, alone with ``server_alone``;
-    ``shared`` is held once by every node with a client rank (the data in shared memory)."""
-    def clients_node(count: int) -> int:
-        return count * client + (shared if count else 0)
+    ``shared`` is held once by every node with a client rank (the data in shared memory); ``reader``: rank 1, the
+    first client rank, which reads the data, at its own peak, the shared copy included (0: like any client rank)."""
+    def clients_node(count: int, first: bool = False) -> int:
+        held = count * client + (shared if count else 0)
+        return held + max(0, reader - client - shared) if first and count else held
 
     clients = nranks - 1
     if server_alone:
-        return max(server, clients_node(min(ranks_per_node, clients)))
+        return max(server, clients_node(min(ranks_per_node, clients), first=True))
     beside_server = min(ranks_per_node, nranks) - 1
-    return max(server + clients_node(beside_server), clients_node(min(ranks_per_node, clients - beside_server)))
+    return max(server + clients_node(beside_server, first=True),
+               clients_node(min(ranks_per_node, clients - beside_server), first=not beside_server))
 
 
 def client_state_plan(cfg: Config, elements: int, client_ranks: int) -> list[tuple[list[int], int, str]]:

@@ -105,23 +105,25 @@ def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Datas
 
 def _share_with_client_ranks(clients: MPI.Intracomm, dataset: Dataset | None,
                              error: str | None) -> tuple[Dataset | None, str | None]:
-    """Rank 1's dataset (``clients``' first rank) on every client rank, held once per node: it travels to the
-    first client rank of each node, which puts its tensors in shared-memory windows that the node's other client
-    ranks map (wire.shared). Every rank gets tensors with the same bytes, so results do not change."""
+    """Rank 1's dataset (``clients``' first rank) on every client rank, held once per node: its tensors go into
+    shared-memory windows that the node's client ranks map (wire.shared), their bytes sent over the nodes' first
+    ranks straight into each node's windows; only the rest (a small skeleton) travels as an object. Every rank gets
+    tensors with the same bytes, so results do not change. Rank 1 holds the data twice while it fills the windows,
+    its read tensors and the windows (planning.memory.reading_rank_bytes); a pickled broadcast would hold it four
+    times."""
     node = node_communicator(clients)
     leaders = clients.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, clients.Get_rank())
+    across = cast(MPI.Intracomm, leaders) if leaders != MPI.COMM_NULL else None
     try:
-        if leaders != MPI.COMM_NULL:
-            dataset, error = leaders.bcast((dataset, error), root=0)
-        error = node.bcast(error, root=0)
+        none = torch.empty(0)  # the tensors travel in windows, the rest as an object
+        skeleton = replace(dataset, x_train=none, y_train=none, x_test=none, y_test=none) if dataset else None
+        if across is not None:
+            skeleton, error = across.bcast((skeleton, error), root=0)
+        skeleton, error = node.bcast((skeleton, error), root=0)
         if error:
             return None, error
-        lead = node.Get_rank() == 0
-        held = dataset if lead else None
-        none = torch.empty(0)  # the tensors travel in windows, the rest as an object
-        skeleton = node.bcast(replace(held, x_train=none, y_train=none, x_test=none, y_test=none) if held else None,
-                              root=0)
-        x_train, y_train, x_test, y_test = (share_on_node(node, getattr(held, n) if held else None)
+        assert skeleton is not None  # without an error, rank 1 read it
+        x_train, y_train, x_test, y_test = (share_on_node(node, getattr(dataset, n) if dataset else None, across)
                                             for n in ("x_train", "y_train", "x_test", "y_test"))
         return replace(skeleton, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test), None
     finally:
