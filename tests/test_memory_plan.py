@@ -724,6 +724,28 @@ def test_a_70b_lora_client_that_does_not_fit_its_gpu_is_told_the_fsdp_group_that
     assert sharded_fit(replicated, size, args, 4, fits) is None  # 144 GiB fits a 200 GiB GPU: nothing to advise
 
 
+def test_a_built_in_model_is_built_once_a_process_however_often_its_config_is_planned(monkeypatch, tmp_path):
+    """The fit advice re-plans a config per layout: a built-in model's spec, which follows from the model section,
+    the seed and the client rule alone, is built the first time; a plug-in model may read anything, so it is
+    built each time."""
+    from mpifl.cli import plan
+    from mpifl.learning import models
+
+    built, real = [], models.model_spec
+    monkeypatch.setattr(models, "model_spec", lambda *a, **k: built.append(a[0].name) or real(*a, **k))
+    monkeypatch.setattr(plan, "_SPECS", {})
+    layouts = [["clients.ranks_per_client=8", "clients.sharding=fsdp"], ["clients.ranks_per_client=4"], []]
+    lora = [plan.model_and_data(load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml", o))[0] for o in layouts]
+    assert built == ["transformers"] and lora[0] == lora[1] == lora[2]
+    assert plan.model_and_data(load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml", ["seed=4"]))[0] == lora[0]
+    assert built == ["transformers", "transformers"]  # another seed is another key (the spec happens not to differ)
+    (tmp_path / "tiny_model.py").write_text("import torch\n\ndef tiny():\n    return torch.nn.Linear(2, 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = load_config(None, ["model.name=tiny_model:tiny", "train.trainer=none", "eval.every=0"])
+    assert plan.model_and_data(user)[0] == plan.model_and_data(user)[0]
+    assert built == ["transformers", "transformers", "tiny_model:tiny", "tiny_model:tiny"]
+
+
 def test_the_one_line_summary_names_lora_bytes_as_the_exchanged_adapters_not_the_model():
     from mpifl.planning.memory import exchanged_what
 

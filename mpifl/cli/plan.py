@@ -73,8 +73,31 @@ def model_data_and_shape(cfg: Config) -> tuple[tuple[ModelSpec, ModelSpec], Data
     if needs_dataset(cfg):
         shape, data = surveyed_data(cfg.data)
     sized = cfg.model.name != "transformers" and bool(set(supplied(cfg.model, True)) & {"input_shape", "num_classes"})
-    specs = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **(shape if sized else {}))
+    key = _spec_key(cfg, shape if sized else {})
+    specs = _SPECS.get(key) if key is not None else None
+    if specs is None:
+        specs = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **(shape if sized else {}))
+        if key is not None:
+            _SPECS[key] = specs
     return specs, data, shape
+
+
+# One process's specs of built-in models, by what they are built from: the fit advice re-plans a config per layout,
+# and a meta-device build of a large LoRA model takes about a second (configs/llama3.1-70b-lora.yaml's 320 adapted
+# projections). A plug-in model or client rule, or a transformers model read from a folder, is built every time.
+_SPECS: dict[str, tuple[ModelSpec, ModelSpec]] = {}
+
+
+def _spec_key(cfg: Config, shape: dict) -> str | None:
+    """What a built-in model's spec follows from, as a key (None where the build may read user code or files)."""
+    from mpifl.algorithms import BUILTIN_RULES
+    from mpifl.learning.models import SIZED_BY_DATA
+
+    model = cfg.model
+    builtin = model.name in (*SIZED_BY_DATA, "blob") or (model.name == "transformers" and not model.transformers.path)
+    if not builtin or (cfg.client_rule and cfg.client_rule not in BUILTIN_RULES):
+        return None
+    return json.dumps([dataclasses.asdict(model), cfg.seed, cfg.client_rule, shape], sort_keys=True, default=str)
 
 
 def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) -> ModelBytes:
