@@ -18,6 +18,7 @@ from mpifl.planning.memory import (
     client_data_bytes,
     client_state_plan,
     fullest_node,
+    mapped_inputs_bytes,
     node_data_bytes,
     reading_rank_bytes,
     server_data_bytes,
@@ -127,8 +128,13 @@ def test_the_server_holds_labels_and_the_held_out_set_never_the_training_inputs(
 def test_a_node_holds_the_shared_set_once_and_a_client_rank_its_clients_pages_and_copies_or_a_sources_rows():
     shared = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=False)
     assert node_data_bytes(shared) == 908 * MIB  # in shared memory, once per node
-    # a quarter of the training set: the pages of it the rank reads, and the copy sliced out into its clients
-    assert client_data_bytes(shared, client_ranks=4, per_round=False) == 2 * 202 * MIB
+    # a quarter of 1 MiB samples: every label, their pages (about a quarter of the set: 16 fault-around windows
+    # each) and their copy
+    big = dataclasses.replace(shared, train_rows=800)
+    held = client_data_bytes(big, client_ranks=4, per_round=False)
+    assert held == 8 * MIB + mapped_inputs_bytes(800 * MIB, 800, 4) + 202 * MIB
+    # rows of unknown size: every page of the set it reads from, and the copy of its quarter
+    assert client_data_bytes(shared, client_ranks=4, per_round=False) == 808 * MIB + 202 * MIB
     assert client_data_bytes(shared, client_ranks=4, per_round=True) == 808 * MIB  # reads every client, no copy
     source = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=True)
     assert client_data_bytes(source, client_ranks=4, per_round=False) == 8 * MIB + 202 * MIB  # labels + its rows
@@ -143,7 +149,8 @@ def test_the_shared_set_counts_once_on_each_node_with_client_ranks():
 
 
 # Fashion-MNIST as mpifl.learning.idx reads it: 60,000 + 10,000 float32 28x28 images, int64 labels
-FASHION_MNIST = DataBytes(inputs=60_000 * 784 * 4, labels=60_000 * 8, test=10_000 * (784 * 4 + 8), per_rank=False)
+FASHION_MNIST = DataBytes(inputs=60_000 * 784 * 4, labels=60_000 * 8, test=10_000 * (784 * 4 + 8), per_rank=False,
+                          train_rows=60_000)
 # rank 1's VmHWM in `mpiexec -n 4 mpifl run fm.yaml rounds=1` (docs/explanation/memory.md, 2026-12-01)
 FASHION_MNIST_READER_PEAK = 773 * MIB
 
@@ -154,6 +161,36 @@ def test_the_rank_that_reads_the_data_holds_it_twice_as_measured_on_fashion_mnis
     assert planned == started + 2 * node_data_bytes(FASHION_MNIST)  # as read, and its copy in shared memory
     assert abs(planned - FASHION_MNIST_READER_PEAK) <= 0.15 * FASHION_MNIST_READER_PEAK
     assert reading_rank_bytes(started, dataclasses.replace(FASHION_MNIST, per_rank=True)) == 0  # each reads its own
+
+
+# ranks 2-3's VmHWM in `mpiexec -n 4 mpifl run configs/fashion_mnist.yaml rounds=1` (2026-12-01, docs/explanation/
+# memory.md#the-shared-pages-a-client-rank-maps)
+FASHION_MNIST_CLIENT_PEAK = 638 * MIB
+
+
+def test_a_client_rank_maps_the_fault_around_windows_of_its_clients_samples_not_a_share_of_the_set():
+    # measured on a written /dev/shm file of 60,000 rows of 3,136 bytes, reading 1/3, 1/10, 1/30, 1/100 of them
+    inputs = FASHION_MNIST.inputs
+    for ranks, mapped in ((3, 179.3), (10, 161.2), (30, 93.5), (100, 35.4)):
+        planned = mapped_inputs_bytes(inputs, 60_000, ranks) / MIB
+        assert abs(planned - mapped) <= 0.05 * mapped, (ranks, planned, mapped)
+    assert mapped_inputs_bytes(inputs, 0, 3) == inputs  # rows of unknown size: every page
+    # samples wider than a window: little more than the rank's share (a window at each end of a sample)
+    assert 200 * MIB < mapped_inputs_bytes(800 * MIB, 800, 4) < 1.1 * 200 * MIB
+
+
+def test_plan_holds_fashion_mnists_client_ranks_within_15_percent_of_their_measured_peak():
+    from mpifl.learning.idx import FASHION_MNIST as FOLDER
+
+    if not Path(FOLDER).is_dir():
+        pytest.skip(f"no Fashion-MNIST in {FOLDER} (sudo apt-get install dataset-fashion-mnist)")
+    _, plan = estimate(load_config(ROOT / "configs" / "fashion_mnist.yaml"), nranks=4, ranks_per_node=4,
+                       server_alone=False)
+    assert abs(plan.client_bytes - FASHION_MNIST_CLIENT_PEAK) <= 0.15 * FASHION_MNIST_CLIENT_PEAK, plan.client_bytes
+    # every label, all but 0.3% of the training inputs' pages (21 images to a 64 KiB window), a copy of its third
+    share = -(-(FASHION_MNIST.inputs + FASHION_MNIST.labels) // 3)
+    assert plan.client_shared_bytes >= 0.997 * (FASHION_MNIST.inputs + FASHION_MNIST.labels)
+    assert plan.client_data_bytes == plan.client_shared_bytes + share
 
 
 def test_the_fullest_node_counts_rank_1_at_its_reading_peak_on_the_node_it_shares():
@@ -183,7 +220,7 @@ def test_plan_gives_the_rank_that_reads_fashion_mnist_a_line_of_its_own_and_coun
     assert clients.startswith("  ranks 2-3 (clients): ~")
     _, plan = estimate(load_config(config), nranks=4, ranks_per_node=4, server_alone=False)
     assert plan.reader_bytes == reading_rank_bytes(started, FASHION_MNIST)
-    others = 2 * (plan.client_bytes - min(plan.client_data_bytes, plan.node_data_bytes))
+    others = 2 * (plan.client_bytes - plan.client_shared_bytes)
     assert plan.node_bytes == plan.server_bytes + plan.reader_bytes + others  # rank 1's peak holds the node's set
     assert "rank 1, reading the data, ~" in plan.describe()  # what pbs and slurm write in the job script
 
@@ -199,8 +236,9 @@ def test_plan_counts_the_data_each_rank_holds(capsys):
     assert main(["plan", str(quickstart), "--client-ranks", "2"]) == 0
     server, clients, node = capsys.readouterr().out.splitlines()[1:4]
     assert f"data {format_bytes(labels + test)}: labels + held-out set" in server
-    share = -(-(inputs + labels) // 2)
-    assert f"data {format_bytes(2 * share)}: its clients' pages of the shared set + their copies" in clients
+    share = -(-(inputs + labels) // 2)  # its copy; it maps every page: 257 of its 256-byte rows to a 64 KiB window
+    what = "the shared set's pages around its clients' samples + their copies"
+    assert f"data {format_bytes(inputs + labels + share)}: {what}" in clients
     assert node.startswith(f"  shared data: {format_bytes(inputs + labels + test)} once per node")
 
 

@@ -353,8 +353,8 @@ def plan_main(args: argparse.Namespace) -> int:
     _print_client_state(cfg, size, ranks)
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
-              "client ranks map (each counts above only the pages it reads; rank 1 all of them, and the data twice "
-              "while it reads it)")
+              "client ranks map (each counts above the pages it maps around its clients' samples; rank 1 all of them, "
+              "and the data twice while it reads it)")
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
@@ -641,7 +641,7 @@ def client_data_what(cfg: Config) -> str:
         return "every label, its own clients' inputs"
     if cfg.clients.placement == "per_round":
         return "every client's pages of the shared set, each client copied while it trains"
-    return "its clients' pages of the shared set + their copies"
+    return "the shared set's pages around its clients' samples + their copies"
 
 
 SLOTS_SHOWN = 8

@@ -167,7 +167,8 @@ def _survey(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
         return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}, footprint
     data = load_dataset(cfg)
     footprint = DataBytes(_nbytes(data.x_train), _nbytes(data.y_train), _nbytes(data.x_test) + _nbytes(data.y_test),
-                          per_rank=False, noisy_copy=_noisy_copy_bytes(cfg, data.x_test), test_rows=len(data.y_test))
+                          per_rank=False, noisy_copy=_noisy_copy_bytes(cfg, data.x_test), test_rows=len(data.y_test),
+                          train_rows=len(data.y_train))
     return {"input_shape": data.input_shape, "num_classes": data.num_classes}, footprint
 
 

@@ -95,6 +95,7 @@ class MemoryEstimate:
     server_eval_bytes: int = 0  # the held-out evaluation's working set, inside server_bytes or server_device_bytes
     reader_bytes: int = 0  # rank 1, which reads the shared data: its peak, when above client_bytes (0: not above)
     reading_bytes: int = 0  # its peak while reading (reading_rank_bytes), inside reader_bytes when that is set
+    client_shared_bytes: int = 0  # the shared set's pages inside client_data_bytes (counted once, in node_data_bytes)
 
     def describe(self, exchanged: str = "model") -> str:
         """One line for a job script's comment and the ``pbs`` command's output; ``exchanged`` names what
@@ -128,6 +129,7 @@ class DataBytes:
     per_rank: bool  # a client source: each client rank reads only its own clients' inputs
     noisy_copy: int = 0  # data.feature_noise: one float32 copy of the held-out inputs, scored level by level
     test_rows: int = 0  # held-out samples (token blocks for text): a batch of evaluation holds at most this many
+    train_rows: int = 0  # training samples: with ``inputs``, a sample's bytes (0: unknown, every page counts)
 
 
 def server_data_bytes(data: DataBytes) -> int:
@@ -138,14 +140,49 @@ def server_data_bytes(data: DataBytes) -> int:
 
 def client_data_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> int:
     """What a client rank's resident memory holds of the data. From a client source: every label and its own
-    clients' inputs. Otherwise the shared set lies once per node in shared memory (``node_data_bytes``), and a rank
-    holds the pages of it that it reads, its clients' samples, plus a copy of them sliced out once
-    (clients.placement per_round: it reads every client's samples over a run, and copies one only while it
-    trains)."""
+    clients' inputs. Otherwise the pages of the shared set that it maps (``client_shared_bytes``; the set lies once
+    per node in shared memory, ``node_data_bytes``), plus a copy of its clients' samples sliced out once
+    (clients.placement per_round: it copies one client only while it trains)."""
     share = math.ceil((data.inputs + data.labels) / max(1, client_ranks))
     if data.per_rank:
         return data.labels + share
-    return data.inputs + data.labels if per_round else 2 * share
+    return client_shared_bytes(data, client_ranks, per_round) + (0 if per_round else share)
+
+
+# The kernel maps a file page that faults in for reading together with the cached pages around it, in aligned
+# windows of fault_around_bytes (64 KiB unless changed in debugfs); the shared set's windows are shared memory that
+# rank 1 wrote, so every page of them is cached (``mapped_inputs_bytes``).
+FAULT_AROUND_BYTES = 64 * 1024
+
+
+def mapped_inputs_bytes(inputs: int, rows: int, ranks: int) -> int:
+    """Bytes of the shared training inputs a client rank maps when it reads its 1/``ranks`` of the ``rows``
+    samples, scattered over the set (every partition but a client source's), sample by sample: a fault-around
+    window is mapped whole when any of the W / row + 1 samples it overlaps is read, so a fraction
+    1 - (1 - 1/ranks)^(W / row + 1) of the windows (``FAULT_AROUND_BYTES`` W), not 1/ranks of the set.
+
+    Why: Fashion-MNIST's 3,136-byte images are 21 to a window, so a client rank of 3 maps the whole training set.
+    Measured (docs/explanation/memory.md#a-client-rank): in `mpiexec -n 4 mpifl run configs/fashion_mnist.yaml`
+    ranks 2-3 held 186 MiB of shared memory (RssShmem) for their 57-59 MiB of samples, and peaked at 635-638 MiB
+    against 0.48 GiB planned with 1/3 of the set; reading 1/3, 1/10, 1/30 and 1/100 of 60,000 such rows out of a
+    written /dev/shm file mapped 179, 161, 94 and 35 MiB, as this gives (179, 161, 93, 36). MADV_RANDOM changes
+    none of it. ``rows`` 0 (unknown): every page."""
+    if rows <= 0 or ranks <= 1:
+        return inputs
+    samples = FAULT_AROUND_BYTES / (inputs / rows) + 1  # the samples a window overlaps
+    return min(inputs, math.ceil(inputs * (1 - (1 - 1 / ranks) ** samples)))
+
+
+def client_shared_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> int:
+    """The pages of the node's shared set a client rank maps (inside ``client_data_bytes``, counted once per node
+    in ``node_data_bytes``): every label (each rank partitions them), and the training inputs' pages around its
+    clients' samples (``mapped_inputs_bytes``); with clients.placement per_round, every client's over a run. 0 from
+    a client source."""
+    if data.per_rank:
+        return 0
+    if per_round:
+        return data.inputs + data.labels
+    return data.labels + mapped_inputs_bytes(data.inputs, data.train_rows, client_ranks)
 
 
 def node_data_bytes(data: DataBytes) -> int:
@@ -644,7 +681,7 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
         server_data = server_data_bytes(data)
         client_data = client_data_bytes(data, client_ranks, cfg.clients.placement == "per_round")
         node_data = node_data_bytes(data)
-        shared_read = min(client_data, node_data)  # the shared pages a rank reads: counted once, in node_data
+        shared_read = client_shared_bytes(data, client_ranks, cfg.clients.placement == "per_round")
         reading = reading_rank_bytes(imports_bytes(cfg) + TRAINING_RUNTIME_BYTES, data)
     server, client = server + server_data, client + client_data
     # rank 1 wrote every page of the shared set, so it counts all of them, and it peaked higher while reading
@@ -653,7 +690,7 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
                           client_device_bytes(cfg, size) if on_gpu else 0,
                           server_device_bytes(cfg, size, gpus_per_node), sum(c.nbytes for c in exchange.wire),
-                          evaluation, reader if reader > client else 0, reading)
+                          evaluation, reader if reader > client else 0, reading, shared_read)
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,
