@@ -376,7 +376,7 @@ def _print_clients(cfg: Config, size: ModelBytes, plan: MemoryEstimate, ranks: i
     per_client = cfg.clients.ranks_per_client
     gradients = " + the largest gradient (steps inside backward)" if cfg.steps_inside_backward() else " + gradients"
     training = " + CUDA libraries" if plan.client_device_bytes else gradients + " + optimizer"
-    apart = reads_apart(plan)
+    apart = plan.reads_apart
     first = 2 if apart and ranks > 1 else 1
     if first == 2:
         print(reader_line(plan, "rank 1 (reads the data)"))
@@ -446,12 +446,6 @@ def client_ranks_head(ranks: int, nbytes: int, first: int = 1) -> str:
     """The start of ``mpifl plan``'s line on the client ranks from ``first`` on: 'ranks 1-4 (clients): ~    0.60 GiB
     each', or 'rank 1 (clients): ~    0.51 GiB' where there is one."""
     return f"{rank_span(first, ranks)} (clients): ~{nbytes / GIB:8.2f} GiB{' each' if ranks > first else ''}"
-
-
-def reads_apart(plan: MemoryEstimate) -> bool:
-    """Whether rank 1, which reads the shared data, gets a line of its own: where its figure, as printed, is above
-    the other client ranks'."""
-    return round(plan.reader_bytes / GIB, 2) > round(plan.client_bytes / GIB, 2)
 
 
 def reader_line(plan: MemoryEstimate, head: str) -> str:

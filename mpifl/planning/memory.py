@@ -97,13 +97,19 @@ class MemoryEstimate:
     reading_bytes: int = 0  # its peak while reading (reading_rank_bytes), inside reader_bytes when that is set
     client_shared_bytes: int = 0  # the shared set's pages inside client_data_bytes (counted once, in node_data_bytes)
 
+    @property
+    def reads_apart(self) -> bool:
+        """Whether rank 1, which reads the shared data, is shown apart from the other client ranks: where its figure,
+        as printed (to 0.01 GiB), is above theirs."""
+        return round(self.reader_bytes / GIB, 2) > round(self.client_bytes / GIB, 2)
+
     def describe(self, exchanged: str = "model") -> str:
         """One line for a job script's comment and the ``pbs`` command's output; ``exchanged`` names what
         ``model_bytes`` counts (``exchanged_what``)."""
         gpu = f", GPU ~{self.client_device_bytes / GIB:.2f} GiB" if self.client_device_bytes else ""
         if self.server_device_bytes:
             gpu += f"; server's GPU ~{self.server_device_bytes / GIB:.2f} GiB"
-        reader = f" (rank 1, reading the data, ~{self.reader_bytes / GIB:.2f} GiB)" if self.reader_bytes else ""
+        reader = f" (rank 1, reading the data, ~{self.reader_bytes / GIB:.2f} GiB)" if self.reads_apart else ""
         return (f"{exchanged} {format_bytes(self.model_bytes)}; server ~{self.server_bytes / GIB:.2f} GiB, "
                 f"client rank ~{self.client_bytes / GIB:.2f} GiB{reader}{gpu}; fullest node "
                 f"~{self.node_bytes / GIB:.1f} GiB")
