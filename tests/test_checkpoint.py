@@ -1,6 +1,8 @@
 """Checkpoints: plain-h5py-readable, atomically published, and loud about bad files."""
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -284,6 +286,18 @@ def test_inspect_and_export_a_checkpoint(tmp_path):
         assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], t), name
     bad = mpifl_here("inspect", str(tmp_path / "nope.h5"))
     assert bad.returncode == 2 and "no such checkpoint file" in bad.stderr
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_an_exported_file_has_the_permissions_the_umask_gives_a_new_file(tmp_path, umask, mode):
+    """safetensors creates its file 0600, so collaborators on a project file system could not read an export."""
+    path = save(tmp_path / "c.h5", FlatModel(Odd(torch.float32)), 1)
+    before = os.umask(umask)
+    try:
+        assert mpifl_here("export", str(path), str(tmp_path / "m.safetensors")).returncode == 0
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((tmp_path / "m.safetensors").stat().st_mode) == mode
 
 
 def test_export_writes_the_models_tensors_only_never_the_server_state_the_checkpoint_holds(tmp_path):

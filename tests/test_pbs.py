@@ -306,6 +306,23 @@ def test_the_stop_timer_counts_from_the_walltime_pbs_granted_not_the_one_generat
     assert run.returncode == 143, run.stdout + run.stderr  # the fake launcher died of the SIGTERM
 
 
+def test_without_stop_before_the_margin_is_a_tenth_of_the_walltime_granted_not_the_one_generated(tmp_path):
+    """A script made for 30 minutes (a 180 s margin) that `qsub -l walltime=00:00:50` gives 50 s stops its ranks 5 s
+    before the end, a tenth of what it has; it kept the generated 180 s and so sent no early SIGTERM at all. A
+    --stop-before given when generating stays as given (the test above)."""
+    script = tmp_path / "q.pbs"
+    made = mpifl_here("pbs", QUICKSTART, "--walltime", "00:30:00", "--gpus-per-node", "0", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    assert "STOP_BEFORE=${STOP_BEFORE:-auto}" in script.read_text()
+    env = fake_launch(tmp_path, "00:00:50")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
+    assert ("mpifl: walltime 50 s, as PBS granted it (qstat -f: Resource_List.walltime = 00:00:50); SIGTERM to every "
+            "rank 5 s before it") in run.stdout, run.stdout + run.stderr
+    env["WALLTIME_SECONDS"] = "7200"  # a longer one: capped at 300 s
+    again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
+    assert "SIGTERM to every rank 300 s before it" in again.stdout, again.stdout + again.stderr
+
+
 def test_without_a_granted_walltime_the_timer_uses_the_generated_one_and_ends_quietly(tmp_path):
     script = tmp_path / "q.pbs"
     assert mpifl_here("pbs", QUICKSTART, "--walltime", "00:10:00", "--gpus-per-node", "0",

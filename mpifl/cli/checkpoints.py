@@ -68,6 +68,13 @@ def _mib(entries: list[Entry]) -> str:
     return f"{sum(n for *_, n in entries) / MIB:.2f}"
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` less the process's umask: the permissions ``open`` gives a new file (0644 under umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
 def export(path: str, out: str) -> int:
     """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint, and
     never from one whose checksums fail (``Checkpoint.verify``, as ``inspect --verify`` and resume check them):
@@ -97,6 +104,7 @@ def export(path: str, out: str) -> int:
     tmp = target.with_name(target.name + ".tmp")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.chmod(tmp, umask_mode())  # safetensors creates it 0600: collaborators on a project file system read it too
         os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)

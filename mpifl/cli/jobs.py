@@ -115,12 +115,17 @@ def stop_before_problem(stop: int, limit: int | None, limit_text: str, option: s
             "limit, at most 300), or 0 for none")
 
 
+# Without --stop-before, every rank gets SIGTERM a tenth of the job's time limit before it, at most this long before
+# (a PBS script works it out again at run time from the walltime the job was granted: mpifl.cli.pbs)
+STOP_SHARE, STOP_CAP_SECONDS = 10, 300
+
+
 def early_stop_seconds(asked: int | None, limit: int | None) -> int:
     """Seconds before a job's time limit at which every rank gets SIGTERM: ``asked``, else a tenth of the
     ``limit`` (seconds), at most 300 (300 when the limit cannot be read)."""
     if asked is not None:
         return asked
-    return 300 if limit is None else min(300, limit // 10)
+    return STOP_CAP_SECONDS if limit is None else min(STOP_CAP_SECONDS, limit // STOP_SHARE)
 
 
 def write_script(job: Job, output: str | None, suffix: str, script: str) -> Path:

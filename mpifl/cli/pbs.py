@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 
 from mpifl.cli.job_options import pbs_seconds
-from mpifl.cli.jobs import early_stop_seconds, final_check, plan_job, stop_before_problem, write_script
+from mpifl.cli.jobs import (
+    STOP_CAP_SECONDS,
+    STOP_SHARE,
+    early_stop_seconds,
+    final_check,
+    plan_job,
+    stop_before_problem,
+    write_script,
+)
 from mpifl.errors import UsageError
 
 TEMPLATE = r"""#!/bin/bash -l
@@ -42,6 +50,7 @@ MPIEXEC=${{MPIEXEC:-mpiexec}}
 RESUME=${{RESUME:-auto}}                    # auto: continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)
 WALLTIME_SECONDS=${{WALLTIME_SECONDS:-granted}}  # granted: the walltime PBS gave the job (qstat), else #PBS's
 STOP_BEFORE=${{STOP_BEFORE:-{stop_before}}}   # SIGTERM to every rank this long before the walltime (0: none)
+# auto: a tenth of the walltime the job is given, at most {stop_cap} s
 NODEFILE=${{PBS_NODEFILE:?PBS_NODEFILE is not set: submit with qsub, or point it at a file of host names}}
 
 cd "${{PBS_O_WORKDIR:-$PWD}}"
@@ -79,6 +88,12 @@ if [[ "$WALLTIME_SECONDS" == granted ]]; then
   else
     WALLTIME_SECONDS={walltime_seconds}
     WALLTIME_FROM="as generated ({walltime}; qstat -f gave no Resource_List.walltime)"
+  fi
+fi
+if [[ "$STOP_BEFORE" == auto ]]; then  # from the walltime the job has, so a `qsub -l walltime` override moves it too
+  STOP_BEFORE=$((WALLTIME_SECONDS / {stop_share}))
+  if [[ "$STOP_BEFORE" -gt {stop_cap} ]]; then
+    STOP_BEFORE={stop_cap}
   fi
 fi
 
@@ -142,7 +157,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(problem)
     job = plan_job(args, "pbs", args.server_alone)
     script = TEMPLATE.format(
-        walltime_seconds=walltime, stop_before=stop,
+        walltime_seconds=walltime, stop_before="auto" if args.stop_before is None else stop,
+        stop_share=STOP_SHARE, stop_cap=STOP_CAP_SECONDS,
         command=job.command, name=job.cfg.name, nodes=job.nodes, system=args.system, walltime=args.walltime,
         filesystems=args.filesystems, queue=args.queue, account=args.account, config=args.config,
         nranks=job.nranks, ranks_per_node=args.ranks_per_node, depth=args.depth,
