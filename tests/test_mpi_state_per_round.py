@@ -108,7 +108,9 @@ def test_the_plan_counts_the_vectors_a_rank_borrows_beside_its_own():
     assert loaned_vectors(per_round, client_ranks=2, where="RAM") == 3
     assert loaned_vectors(per_round, client_ranks=2, where="HDF5") == 6  # and copies the ones it lends
     assert loaned_vectors(balanced, client_ranks=2, where="RAM") == 0
-    assert lending.client_bytes - home.client_bytes == 3 * vector
+    # beside the data, which the placements map differently (planning.memory.client_data_bytes)
+    assert (lending.client_bytes - lending.client_data_bytes) - (home.client_bytes - home.client_data_bytes) \
+        == 3 * vector
 
 
 def test_a_sigterm_mid_run_publishes_every_lent_vector_home_and_the_resume_is_bitwise(tmp_path):
