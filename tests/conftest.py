@@ -59,6 +59,15 @@ def mpifl_here(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["mpifl", *args], code, out.getvalue(), err.getvalue())
 
 
+def refused_job_option(tmp_path: Path, tool: str, option: str, value: str) -> str:
+    """``mpifl pbs|slurm`` (``tool``) of the quick start with ``option value``, which it must refuse: exit status 2
+    and no script written. Its stderr, for the message."""
+    script = tmp_path / "no-script"
+    refused = mpifl_here(tool, str(ROOT / "configs" / "quickstart.yaml"), option, value, "-o", str(script))
+    assert refused.returncode == 2 and not script.exists(), refused.stdout + refused.stderr
+    return refused.stderr
+
+
 def rank_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment the suite's ranks start in: this process's, plus ``extra``, with tests/ importable (the
     plug-ins in fl_helpers)."""
