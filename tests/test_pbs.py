@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,60 @@ def test_a_server_alone_script_launches_under_mpich_with_the_server_on_the_first
     assert run.returncode == 0, run.stderr + run.stdout
     ranks = [line.split() for line in (tmp_path / "runs" / "alone" / "ranks.txt").read_text().splitlines()[1:]]
     assert [(r[0], r[3]) for r in ranks] == [("0", "0"), ("1", "0"), ("2", "1")]  # rank, local rank
+
+
+def test_a_generic_pbs_pro_site_gets_chunks_of_its_ranks_cores_mpiprocs_and_gpus_and_no_polaris_resources(tmp_path):
+    """A plain PBS Pro has no `system` or `filesystems` resource (qsub refuses a job that asks for an unknown one),
+    and gives a chunk only what it asks for: one core without `ncpus` under the cgroup hook. --site generic asks
+    each node's chunk for its ranks' cores (RANKS_PER_NODE * DEPTH), MPI processes and GPUs (PBS Pro's ncpus,
+    mpiprocs and ngpus); a --system or --filesystems given is still written."""
+    def directives(*options: str) -> list[str]:
+        made = mpifl_here("pbs", QUICKSTART, "--site", "generic", *options, "-o", str(tmp_path / "g.pbs"))
+        assert made.returncode == 0, made.stderr
+        return [line for line in (tmp_path / "g.pbs").read_text().splitlines() if line.startswith("#PBS -l")]
+
+    assert directives("--ranks-per-node", "3", "--depth", "2", "--gpus-per-node", "1") == [
+        "#PBS -l select=2:ncpus=6:mpiprocs=3:ngpus=1", "#PBS -l place=scatter", "#PBS -l walltime=01:00:00"]
+    assert directives("--gpus-per-node", "0")[0] == "#PBS -l select=2:ncpus=32:mpiprocs=4"  # 4 ranks x 8 cores
+    assert directives("--gpus-per-node", "0", "--system", "sophia", "--filesystems", "home")[::3] == [
+        "#PBS -l select=2:ncpus=32:mpiprocs=4:system=sophia", "#PBS -l filesystems=home"]
+
+
+def test_polaris_stays_the_default_site_and_its_script_is_unchanged(tmp_path):
+    """--site polaris, the default, writes what mpifl pbs wrote before --site existed: system=polaris on each chunk,
+    the filesystems line, and no chunk resources (Polaris gives whole nodes); the shipped scripts pin the rest."""
+    for name, options in (("default.pbs", ()), ("polaris.pbs", ("--site", "polaris"))):
+        assert mpifl_here("pbs", QUICKSTART, *options, "-o", str(tmp_path / name)).returncode == 0
+    default, polaris = ((tmp_path / n).read_text().splitlines() for n in ("default.pbs", "polaris.pbs"))
+    assert default[2:] == polaris[2:]  # all but the command line
+    assert default[3:7] == ["#PBS -l select=2:system=polaris", "#PBS -l place=scatter", "#PBS -l walltime=01:00:00",
+                            "#PBS -l filesystems=home:eagle"]
+
+
+@pytest.mark.parametrize("server_alone, local_ranks", [(False, ["0", "1", "0", "1"]), (True, ["0", "0", "1"])],
+                         ids=["shared", "server-alone"])
+def test_a_nodefile_listing_each_host_once_per_mpiproc_places_ranks_per_node_ranks_on_each(tmp_path, server_alone,
+                                                                                          local_ranks):
+    """PBS Pro writes a host into PBS_NODEFILE once per `mpiprocs` of its chunk (--site generic asks for
+    RANKS_PER_NODE): Hydra's `-f NODEFILE -ppn` counts each host once, and the server-alone machine file (`sort
+    -u`) gives the first node one slot and each other RANKS_PER_NODE. Two names of this machine stand for two
+    nodes, each listed twice; Hydra numbers the ranks on each from 0."""
+    cfg = write_config(tmp_path / "twice.yaml", "name: twice\nrounds: 1\nclients: {num_clients: 3}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
+    script = tmp_path / "twice.pbs"
+    clients = "2" if server_alone else "3"
+    made = mpifl_here("pbs", str(cfg), "--site", "generic", "--client-ranks", clients, "--ranks-per-node", "2",
+                      "--depth", "1", "--gpus-per-node", "0", *(["--server-alone"] if server_alone else []),
+                      "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    assert "#PBS -l select=2:ncpus=2:mpiprocs=2\n" in script.read_text()
+    env = fake_pbs(tmp_path, ["localhost", "localhost", os.uname().nodename, os.uname().nodename], "127.fake")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert f"mpifl: {len(local_ranks)} ranks on 2 node(s), 2 per node" in run.stdout, run.stdout
+    ranks = [line.split() for line in (tmp_path / "runs" / "twice" / "ranks.txt").read_text().splitlines()[1:]]
+    assert [r[3] for r in ranks] == local_ranks  # local rank, in rank order
 
 
 def test_every_rank_is_signalled_before_the_walltime_and_the_job_checkpoints_its_round(tmp_path):
@@ -319,6 +374,29 @@ def test_without_stop_before_the_margin_is_a_tenth_of_the_walltime_granted_not_t
     env["WALLTIME_SECONDS"] = "7200"  # a longer one: capped at 300 s
     again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
     assert "SIGTERM to every rank 300 s before it" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_job_whose_launcher_ends_at_once_ends_with_its_timer_and_leaves_nothing_running(tmp_path):
+    """The script ended its timer with `pkill -P TIMER sleep`, which missed a sleep not yet started (its process still
+    named bash): about 1 run in 15 whose launcher ended at once, the timer's sleep then outlived the job, holding its
+    output open for the walltime less STOP_BEFORE, and would then have sent SIGTERM to a launcher PID long gone.
+    The timer now ends its own sleep when told to stop. A launcher that ends at once (true) gives that race its best
+    chance, 40 times; each job must end, its output closed, within the limit."""
+    script = tmp_path / "q.pbs"
+    assert mpifl_here("pbs", QUICKSTART, "--walltime", "00:10:00", "--gpus-per-node", "0",
+                      "-o", str(script)).returncode == 0
+    env = dict(fake_launch(tmp_path, None), MPIEXEC=shutil.which("true") or "/bin/true")
+    for attempt in range(40):
+        job = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env, cwd=tmp_path, start_new_session=True)
+        try:
+            out, _ = job.communicate(timeout=20)  # until every process holding the job's output has ended
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)  # the leftover timer, in the job's process group
+            out, _ = job.communicate()
+            pytest.fail(f"job {attempt + 1} of 40: its output was still open 20 s on: {out}")
+        assert job.returncode == 0 and "SIGTERM to every rank 60 s before it" in out, out
+        assert "Terminated" not in out and "mpifl: 60 s before the walltime" not in out, out
 
 
 def test_without_a_granted_walltime_the_timer_uses_the_generated_one_and_ends_quietly(tmp_path):

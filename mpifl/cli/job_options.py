@@ -230,6 +230,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    "mpifl.planning.scale.Rates fields (bytes or elements per second)")
 
 
+# mpifl pbs --site: the resources a site's PBS Pro knows (Polaris: the custom system and filesystems resources
+# and whole nodes; generic: PBS Pro's built-in ncpus, mpiprocs and ngpus of each chunk)
+PBS_SITES = ("polaris", "generic")
+
+
 def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
     """The ``pbs`` subcommand's options."""
     p = add_subcommand(sub, "pbs", help="write a PBS Pro job script for a config, with a memory check per node")
@@ -243,10 +248,14 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
                    "_ . - @ : + only)")
     p.add_argument("--account", default="MYPROJECT", type=scheduler_name, help="#PBS -A project to charge "
                    "(letters, digits and _ . - @ : + only)")
-    p.add_argument("--filesystems", default="home:eagle", type=filesystems, help="#PBS -l filesystems (Polaris): "
-                   "names of letters, digits and _ . -, joined by ':'")
-    p.add_argument("--system", default="polaris", type=system_name, help="#PBS -l select=N:system=SYSTEM "
-                   "(letters, digits and _ . - only)")
+    p.add_argument("--site", default="polaris", choices=PBS_SITES, help="polaris: each chunk is select=N:system="
+                   "SYSTEM, with a filesystems line (Polaris's resources); generic: a plain PBS Pro, each chunk "
+                   "asks for its node's ranks' cores, MPI processes and GPUs (select=N:ncpus=RANKS_PER_NODE*DEPTH:"
+                   "mpiprocs=RANKS_PER_NODE[:ngpus=GPUS_PER_NODE]), and system and filesystems only when given")
+    p.add_argument("--filesystems", type=filesystems, help="#PBS -l filesystems: names of letters, digits and "
+                   "_ . -, joined by ':' (default: home:eagle with --site polaris, no line with --site generic)")
+    p.add_argument("--system", type=system_name, help="#PBS -l select=N:...:system=SYSTEM (letters, digits and "
+                   "_ . - only; default: polaris with --site polaris, none with --site generic)")
     add_gpu_argument(p)
     p.add_argument("--server-alone", action="store_true", help="give the server the first node to itself")
     add_node_arguments(p, "activate this venv instead of the conda module")
