@@ -131,6 +131,38 @@ def test_polaris_stays_the_default_site_and_its_script_is_unchanged(tmp_path):
                             "#PBS -l filesystems=home:eagle"]
 
 
+def test_a_generic_site_script_activates_the_venv_that_wrote_it_and_loads_no_polaris_module(tmp_path):
+    """Polaris's Python is a conda module under /soft/modulefiles; another site has neither, and a `module load
+    conda` there fails the job. --site generic activates the venv `mpifl pbs` ran in (where mpifl is installed)
+    unless told otherwise; --site polaris keeps its module."""
+    def script(*options: str) -> str:
+        made = mpifl_here("pbs", QUICKSTART, *options, "-o", str(tmp_path / "s.pbs"))
+        assert made.returncode == 0, made.stderr
+        return (tmp_path / "s.pbs").read_text()
+
+    generic = script("--site", "generic")
+    assert f"MPIFL_VENV=${{MPIFL_VENV:-{Path(sys.prefix)}}}" in generic and "CONDA_MODULE=${CONDA_MODULE:-}" in generic
+    assert "/soft/modulefiles" not in generic
+    assert "MPIFL_VENV=${MPIFL_VENV:-/opt/v}" in script("--site", "generic", "--venv", "/opt/v")
+    own_module = script("--site", "generic", "--conda-module", "python3")
+    assert "MPIFL_VENV=${MPIFL_VENV:-}" in own_module and "CONDA_MODULE=${CONDA_MODULE:-python3}" in own_module
+    polaris = script()
+    assert "CONDA_MODULE=${CONDA_MODULE:-conda}" in polaris and "  module use /soft/modulefiles\n" in polaris
+
+
+def test_a_job_whose_environment_has_no_mpifl_ends_before_mpiexec_saying_what_to_set(tmp_path):
+    """Without the venv or module mpifl is installed in, every rank would fail with `mpifl: command not found`:
+    the script says so once, before launching anything, naming the variables that fix it."""
+    script = tmp_path / "bare.pbs"
+    made = mpifl_here("pbs", QUICKSTART, "--site", "generic", "--conda-module", "none-here", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    env = dict(fake_pbs(tmp_path, ["localhost"], "128.fake"), PATH="/usr/bin:/bin", MPIEXEC="false")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr + run.stdout
+    assert "mpifl: no mpifl on PATH: set MPIFL_VENV (qsub -v MPIFL_VENV=DIR) or CONDA_MODULE" in run.stderr
+    assert "ranks on" not in run.stdout  # nothing launched
+
+
 @pytest.mark.parametrize("server_alone, local_ranks", [(False, ["0", "1", "0", "1"]), (True, ["0", "0", "1"])],
                          ids=["shared", "server-alone"])
 def test_a_nodefile_listing_each_host_once_per_mpiproc_places_ranks_per_node_ranks_on_each(tmp_path, server_alone,

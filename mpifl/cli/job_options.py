@@ -258,8 +258,10 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
                    "_ . - only; default: polaris with --site polaris, none with --site generic)")
     add_gpu_argument(p)
     p.add_argument("--server-alone", action="store_true", help="give the server the first node to itself")
-    add_node_arguments(p, "activate this venv instead of the conda module")
-    p.add_argument("--conda-module", default="conda", help="the module that provides Python (when no --venv)")
+    add_node_arguments(p, "activate this venv (default: --site polaris: none, the conda module instead; --site "
+                       "generic: the venv this command runs in, unless --conda-module is given)")
+    p.add_argument("--conda-module", help="the module that provides Python, when no venv is activated (default: "
+                   "conda, from /soft/modulefiles, with --site polaris; none with --site generic)")
 
 
 def add_slurm_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,6 +7,7 @@ The script is thin: every setting is a ``${VAR:-default}``, extra arguments pass
 from __future__ import annotations
 
 import argparse
+import sys
 
 from mpifl.cli.job_options import pbs_seconds
 from mpifl.cli.jobs import (
@@ -58,9 +59,13 @@ if [[ -n "$MPIFL_VENV" ]]; then
   # shellcheck disable=SC1091
   source "$MPIFL_VENV/bin/activate"
 elif [[ -n "$CONDA_MODULE" ]] && command -v module >/dev/null 2>&1; then
-  module use /soft/modulefiles
-  module load "$CONDA_MODULE"
+{module_use}  module load "$CONDA_MODULE"
   conda activate
+fi
+if ! command -v mpifl >/dev/null 2>&1; then
+  echo "mpifl: no mpifl on PATH: set MPIFL_VENV (qsub -v MPIFL_VENV=DIR) or CONDA_MODULE to the environment" \
+    "it is installed in" >&2
+  exit 2
 fi
 export MPIFL_GPUS_PER_NODE="$GPUS_PER_NODE"
 
@@ -149,8 +154,9 @@ set -e
 {final_check}"""
 
 
-# What --site polaris writes when --system or --filesystems is not given (--site generic: nothing)
-POLARIS_SYSTEM, POLARIS_FILESYSTEMS = "polaris", "home:eagle"
+# What --site polaris writes when --system, --filesystems or --conda-module is not given (--site generic: nothing)
+POLARIS_SYSTEM, POLARIS_FILESYSTEMS, POLARIS_CONDA_MODULE = "polaris", "home:eagle", "conda"
+POLARIS_MODULE_PATH = "/soft/modulefiles"  # where Polaris keeps its conda module (ALCF's Polaris docs)
 
 
 def select_chunks(args: argparse.Namespace, nodes: int) -> str:
@@ -173,6 +179,23 @@ def filesystems_directive(args: argparse.Namespace) -> str:
     return f"#PBS -l filesystems={names}\n" if names else ""
 
 
+def python_environment(args: argparse.Namespace) -> tuple[str, str, str]:
+    """The venv the script activates, the module it loads otherwise, and the ``module use`` line before it.
+
+    Polaris: the given venv, else the site's conda module. A generic site has no known module: the given venv or
+    module, else the venv this command runs in (where mpifl is installed), else mpifl on the job's PATH."""
+    if args.site == "polaris":
+        module = args.conda_module or POLARIS_CONDA_MODULE
+        return args.venv or "", module, f"  module use {POLARIS_MODULE_PATH}\n"
+    venv = args.venv or ("" if args.conda_module else running_venv())
+    return venv, args.conda_module or "", ""
+
+
+def running_venv() -> str:
+    """The virtual environment of the Python running mpifl, or '' outside one."""
+    return sys.prefix if sys.prefix != sys.base_prefix else ""
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl pbs``."""
     walltime = pbs_seconds(args.walltime)
@@ -181,14 +204,15 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         raise UsageError(problem)
     job = plan_job(args, "pbs", args.server_alone)
+    venv, conda_module, module_use = python_environment(args)
     script = TEMPLATE.format(
         walltime_seconds=walltime, stop_before="auto" if args.stop_before is None else stop,
         stop_share=STOP_SHARE, stop_cap=STOP_CAP_SECONDS,
         command=job.command, name=job.cfg.name, select=select_chunks(args, job.nodes), walltime=args.walltime,
         filesystems=filesystems_directive(args), queue=args.queue, account=args.account, config=args.config,
         nranks=job.nranks, ranks_per_node=args.ranks_per_node, depth=args.depth,
-        server_alone=int(args.server_alone), gpus_per_node=args.gpus_per_node, venv=args.venv or "",
-        conda_module=args.conda_module, memory_note=job.memory_note,
+        server_alone=int(args.server_alone), gpus_per_node=args.gpus_per_node, venv=venv,
+        conda_module=conda_module, module_use=module_use, memory_note=job.memory_note,
         overrides=job.overrides_words, final_check=final_check())
     write_script(job, args.output, ".pbs", script)
     return 0
