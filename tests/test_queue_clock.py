@@ -75,6 +75,39 @@ def test_a_job_line_needs_the_eleven_fields_mpifl_reads_not_all_eighteen_and_a_r
                                   "Standard Workload Format has 18; mpifl reads 2-4, 9 and 11), this one has 10")
 
 
+@pytest.mark.parametrize("fields, named", [("0 -50 1000", "wait -50"), ("0 10 -7", "run time -7")],
+                         ids=["wait", "run-time"])
+def test_a_negative_wait_or_run_time_other_than_unknown_is_refused_naming_its_line(tmp_path, fields, named):
+    """SWF writes -1 for a time it does not know, and those jobs are skipped; any other negative time is no time at
+    all, and skipping it silently would deal every later job to another client."""
+    trace = tmp_path / "t.swf"
+    trace.write_text(SWF + f"6 {fields} 1 -1 -1 1 1000 -1 1\n")
+    with pytest.raises(ValueError) as refused:
+        read_swf(str(trace), 2)
+    assert str(refused.value) == (f"clock.queue_trace {str(trace)!r} line 8: {named} is negative (SWF writes -1 "
+                                  "for unknown)")
+
+
+def test_jobs_that_never_ran_are_skipped_and_a_trace_of_only_those_says_how_many(tmp_path):
+    trace, without = tmp_path / "t.swf", tmp_path / "without.swf"
+    trace.write_text(SWF + "6 45 5 0 1 -1 -1 1 1000 -1 5\n")  # run time 0: cancelled in the queue
+    without.write_text(SWF)
+    assert read_swf(str(trace), 2) == read_swf(str(without), 2)
+    trace.write_text("1 0 -1 100 1 -1 -1 1 100 -1 1\n2 5 3 0 1 -1 -1 1 100 -1 5\n")
+    with pytest.raises(ValueError) as refused:
+        read_swf(str(trace), 2)
+    assert str(refused.value) == (f"clock.queue_trace {str(trace)!r} holds no job with a known wait and a run time "
+                                  "above 0 (2 job(s) skipped: wait or run time -1, or run time 0)")
+
+
+def test_jobs_submitted_in_the_same_second_go_to_clients_in_the_files_order(tmp_path):
+    """Real traces submit many jobs in one second; SWF numbers them in the file's order. Job 2 waits less than job 1
+    but is still the second job, so client 1's."""
+    trace = tmp_path / "t.swf"
+    trace.write_text("1 0 100 50 1 -1 -1 1 50 -1 1\n2 0 10 50 1 -1 -1 1 50 -1 1\n")
+    assert read_swf(str(trace), 2) == {0: [(100.0, 150.0, False)], 1: [(10.0, 60.0, False)]}
+
+
 @pytest.mark.parametrize("line", [
     "1 18 763 nan 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1",  # run time
     "1 18 nan 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1",  # wait
@@ -189,7 +222,7 @@ def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggl
     (None, "clock.queue_trace: '{path}' does not exist"),
     ("1 2 3\n", "clock.queue_trace '{path}' line 1: a job line needs at least 11 fields (the Standard Workload "
                 "Format has 18; mpifl reads 2-4, 9 and 11), this one has 3"),
-    ("; Version: 2.2\n;\n", "clock.queue_trace '{path}' holds no job with a known wait and run time"),
+    ("; Version: 2.2\n;\n", "clock.queue_trace '{path}' holds no job with a known wait and a run time above 0 (0 job(s) skipped"),
     ("1 18 x 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1\n", "clock.queue_trace '{path}' line 1: fields 2-4"),
 ], ids=["missing", "three-fields", "comments-only", "not-a-number"])
 def test_a_queue_trace_that_cannot_be_used_is_refused_before_a_job_with_its_key_file_and_line(tmp_path, trace, said):

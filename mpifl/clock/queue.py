@@ -172,6 +172,7 @@ def queue_trace_problem(path: str | None) -> str | None:
     return None
 
 
+UNKNOWN = -1  # SWF's value for a field it does not know
 READ_FIELDS = (1, 2, 3, 8, 10)  # 0-based: submit, wait and run time, requested time, status (SWF's 2-4, 9 and 11)
 
 
@@ -196,27 +197,37 @@ def swf_fields(line: str, where: str) -> tuple[float, float, float, float, int]:
 
 
 def read_swf(path: str, num_clients: int) -> dict[int, list[tuple[float, float, bool]]]:
-    """Job runs from a Standard Workload Format file, dealt to clients round-robin in submit order: client ->
-    [(start, end, cut short)], each at the trace's own times (a client's jobs may overlap). A job is cut short when
-    its run time fell short of its requested time (field 9) with a status other than completed (field 11: 1).
-    Jobs with an unknown wait or run time (-1) are skipped."""
+    """Job runs from a Standard Workload Format file, dealt to clients round-robin in submit order (jobs submitted
+    in the same second in the file's order, which SWF keeps as its job numbers): client -> [(start, end, cut
+    short)], each at the trace's own times (a client's jobs may overlap). A job is cut short when its run time fell
+    short of its requested time (field 9) with a status other than completed (field 11: 1). Jobs with an unknown
+    wait or run time (SWF's -1) and jobs that never ran (run time 0, e.g. cancelled in the queue) are skipped; any
+    other negative wait or run time is refused, naming its line: it is no time at all, and skipping it silently
+    would change which client gets every later job."""
     try:
         text = Path(path).read_text()
     except UnicodeDecodeError as err:  # a ValueError, which would otherwise not name the key
         raise ValueError(f"clock.queue_trace {path!r}: not a text file: {err}") from None
-    jobs = []
+    jobs, skipped = [], 0
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith(";"):
             continue
-        submit, wait, run, requested, status = swf_fields(line, f"clock.queue_trace {path!r} line {number}")
-        if wait < 0 or run <= 0:
+        where = f"clock.queue_trace {path!r} line {number}"
+        submit, wait, run, requested, status = swf_fields(line, where)
+        for name, value in (("wait", wait), ("run time", run)):
+            if value < 0 and value != UNKNOWN:
+                raise ValueError(f"{where}: {name} {value:g} is negative (SWF writes -1 for unknown)")
+        if wait == UNKNOWN or run == UNKNOWN or run == 0:
+            skipped += 1
             continue
-        jobs.append((submit, submit + wait, submit + wait + run, status != 1 and 0 < requested and run < requested))
+        jobs.append((submit, number, submit + wait, submit + wait + run,
+                     status != 1 and 0 < requested and run < requested))
     if not jobs:
-        raise ValueError(f"clock.queue_trace {path!r} holds no job with a known wait and run time")
+        raise ValueError(f"clock.queue_trace {path!r} holds no job with a known wait and a run time above 0 "
+                         f"({skipped} job(s) skipped: wait or run time -1, or run time 0)")
     out: dict[int, list[tuple[float, float, bool]]] = {}
-    for i, (_, start, end, cut) in enumerate(sorted(jobs)):
+    for i, (_, _, start, end, cut) in enumerate(sorted(jobs)):
         out.setdefault(i % num_clients, []).append((start, end, cut))
     return out
 
