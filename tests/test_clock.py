@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,18 @@ def test_a_task_takes_its_transfers_over_the_link_plus_its_samples_over_the_spee
         1.0 + 100 * 0.005 + 2.0)
     assert devices.task_seconds(1, 10, 0, 0) == pytest.approx(0.2)
     assert devices.task_seconds(2, 10, 0, 0) == devices.task_seconds(0, 10, 0, 0)
+
+
+def test_a_json_traces_client_ids_are_taken_in_numeric_order_as_a_pickles_are(tmp_path):
+    """JSON keys are strings: in string order client "10" would come before "9", and client 0 would get the device
+    of the trace's eleventh id."""
+    ids = range(12)
+    as_json = tmp_path / "t.json"
+    as_json.write_text(json.dumps({str(i): {"computation": i + 1, "communication": 100} for i in ids}))
+    as_pickle = tmp_path / "t.pkl"
+    as_pickle.write_bytes(pickle.dumps({i: {"computation": i + 1, "communication": 100} for i in ids}))
+    assert [ms for ms, _ in read_trace(str(as_json))] == [float(i + 1) for i in ids] == [
+        ms for ms, _ in read_trace(str(as_pickle))]
 
 
 def test_a_trace_entry_without_numbers_is_named(tmp_path):

@@ -54,9 +54,21 @@ class DataOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing {module}.{name}: a device trace holds plain data only")
 
 
+def client_id_order(key: object) -> tuple:
+    """A trace's client ids in numeric order, whether written as numbers (FedScale's pickles) or as the strings JSON
+    keys must be ("10" after "9", not after "1"); ids that are not whole numbers after them, in their own order."""
+    if isinstance(key, bool):
+        return (1, str(type(key)), key)
+    if isinstance(key, int):
+        return (0, key, "")
+    if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+        return (0, int(key), key)
+    return (1, str(type(key)), key)
+
+
 def read_trace(path: str) -> list[tuple[float, float]]:
     """(ms per sample, kbps) per entry of a FedScale device trace (JSON, or a pickle of plain data), entries
-    sorted by client id."""
+    in client id order (``client_id_order``)."""
     raw = Path(path).read_bytes()
     try:
         table = json.loads(raw)
@@ -68,7 +80,7 @@ def read_trace(path: str) -> list[tuple[float, float]]:
     if not isinstance(table, dict) or not table:
         raise ValueError(f"clock.trace {path!r}: expected a non-empty mapping client -> {{computation, communication}}")
     entries = []
-    for key in sorted(table, key=lambda k: (str(type(k)), k)):
+    for key in sorted(table, key=client_id_order):
         entry = table[key]
         try:
             entries.append((float(entry["computation"]), float(entry["communication"])))
