@@ -72,6 +72,15 @@ def test_a_run_with_batched_clients_is_refused_in_one_line_that_says_to_calibrat
     assert "calibrate an unbatched run of the same config" in line
 
 
+def test_a_one_round_run_is_refused_in_one_line_that_says_how_many_rounds_calibrate_needs(tmp_path):
+    """Round 1's times hold each rank's warm-up and are left out: a one-round run has nothing to fit."""
+    refused = mpifl_here("calibrate", str(measured_run(tmp_path / "one", lambda n, rng: 0.01, rounds=1)))
+    assert refused.returncode == 1 and refused.stdout == ""
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("mpifl calibrate: ") and "no task was timed after round 1 (the run has 1 round(s)" in line
+    assert line.endswith("calibrate a run of at least 2 rounds, whose tasks after round 1 number 2 or more")
+
+
 def test_a_fit_that_explains_little_of_the_measured_times_is_warned_of_above_its_overrides(tmp_path):
     weak = mpifl_here("calibrate", str(measured_run(tmp_path / "weak", lambda n, rng: (0.01 + 1e-4 * n)
                                                     * rng.lognormal(0, 1.0))))

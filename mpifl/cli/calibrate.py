@@ -139,6 +139,11 @@ def calibrate(run_dir: str | Path) -> dict[str, CostFit]:
     if not any(r.get("timing") for r in records):
         raise CalibrationError(f"{run_dir}: its records have no 'timing' (written since mpifl 2026-11-29); rerun it")
     tasks = measured_tasks(records, cfg, device_classes(run_dir))
+    if not tasks:
+        rounds = max(r["round"] for r in records)
+        raise CalibrationError(f"{run_dir}: no task was timed after round 1 (the run has {rounds} round(s); round "
+                               "1's times hold each rank's warm-up and are left out): calibrate a run of at least "
+                               "2 rounds, whose tasks after round 1 number 2 or more")
     return {kind: fit_costs(pairs) for kind, pairs in sorted(tasks.items())}
 
 
