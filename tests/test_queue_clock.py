@@ -222,7 +222,8 @@ def test_an_over_selected_task_its_job_loses_after_the_round_closed_is_a_straggl
     (None, "clock.queue_trace: '{path}' does not exist"),
     ("1 2 3\n", "clock.queue_trace '{path}' line 1: a job line needs at least 11 fields (the Standard Workload "
                 "Format has 18; mpifl reads 2-4, 9 and 11), this one has 3"),
-    ("; Version: 2.2\n;\n", "clock.queue_trace '{path}' holds no job with a known wait and a run time above 0 (0 job(s) skipped"),
+    ("; Version: 2.2\n;\n", "clock.queue_trace '{path}' holds no job with a known wait and a run time above 0 "
+                            "(0 job(s) skipped"),
     ("1 18 x 1800 1 -1 -1 1 1800 -1 1 4 1 -1 1 1 -1 -1\n", "clock.queue_trace '{path}' line 1: fields 2-4"),
 ], ids=["missing", "three-fields", "comments-only", "not-a-number"])
 def test_a_queue_trace_that_cannot_be_used_is_refused_before_a_job_with_its_key_file_and_line(tmp_path, trace, said):
@@ -361,3 +362,17 @@ def test_the_shipped_example_runs_on_its_shipped_trace_and_checkpoints_carry_tas
         for field, preempted in (("preempted", True), ("job_ended", False)):
             assert all(cut == preempted for c in r[field] for a, b, cut in queue.runs(c, start + 1) if a <= start < b)
     assert any(r["job_ended"] for r in lost)
+
+
+@pytest.mark.parametrize("mode, step", [("fedcompass", 8), ("fedbuff", 26)])
+def test_an_async_schedule_that_outlasts_the_queue_trace_is_refused_naming_the_trace_and_the_step(mode, step):
+    """Past the trace's last job no client trains again: validate names the trace and the first step that cannot
+    happen, for FedCompass (whose refusal once named neither) as for FedBuff."""
+    from conftest import mpifl_here
+
+    refused = mpifl_here("validate", str(ROOT / "configs" / "hpc_queue.yaml"), f"clock.mode={mode}",
+                         "clock.concurrency=3", f"rounds={step}")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith(
+        "cannot plan the virtual-time schedule: clock: no client can ever train again (clock.queue_trace "
+        f"'configs/traces/hpc_queue.swf'); the run cannot reach step {step} of rounds={step}"), refused.stderr

@@ -121,7 +121,8 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         plan = plan_compass(cfg.seed, cfg.rounds, cfg.clock.in_flight(), num_clients, availability, with_steps,
                             cfg.clock.min_steps, cfg.clock.max_steps, cfg.clock.latest_factor, late)
         if len(plan.steps) < cfg.rounds:
-            raise ValueError(f"fedcompass: only {len(plan.steps)} of {cfg.rounds} steps can happen")
+            raise ValueError(f"clock: no client can ever train again ({availability.source}); the run cannot "
+                             f"reach step {len(plan.steps) + 1} of rounds={cfg.rounds}")
     else:
         buffer = 1 if cfg.clock.mode == "fedasync" else cfg.clock.buffer
         plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.in_flight(), num_clients, availability, duration)

@@ -227,7 +227,7 @@ def plan_async(seed: int, steps: int, buffer: int, concurrency: int, num_clients
     while version < steps:
         if not events:
             raise ValueError(f"clock: no client can ever train again ({availability.source}); the run cannot "
-                             f"reach step {version + 1}")
+                             f"reach step {version + 1} of rounds={steps}")
         t, client, index = heapq.heappop(events)
         if client == -2:  # the task is lost: its client is free (and offline), another is sent
             busy[dispatches[index].client] = False
