@@ -197,6 +197,23 @@ def test_a_group_is_labelled_by_the_fewest_keys_that_tell_it_apart_and_a_run_sho
     assert "prox1 (3 of 5): fewer rounds recorded than the config asks" in text
 
 
+def test_a_key_mpifl_filled_in_from_another_never_labels_a_group_that_the_chosen_key_tells_apart(tmp_path):
+    """FedBuff's clock.mode makes strategy.update 'delta' and clock.concurrency its own: the groups differ in those
+    as a consequence, and the label names the key that was chosen, clock.mode, not strategy.update."""
+    modes = {"sync": "{mode: sync, concurrency: 10}", "fedbuff": "{mode: fedbuff, concurrency: 4, buffer: 2}"}
+    runs = []
+    for mode, clock in modes.items():
+        update = "delta" if mode == "fedbuff" else "weights"
+        for s in (0, 1):
+            run = write_run(tmp_path / f"{mode}{s}", "fedavg", s)
+            (run / "config.yaml").write_text(f"name: grid\nseed: {s}\nrounds: 5\nclock: {clock}\n"
+                                             f"strategy: {{name: fedavg, update: {update}, weighting: samples}}\n"
+                                             f"output: {{dir: {run}}}\n")
+            runs.append(run)
+    _, groups = compare_runs([str(r) for r in runs])
+    assert [label for label, _ in groups] == ["clock.mode=sync", "clock.mode=fedbuff"]
+
+
 def test_the_figure_says_one_run_each_where_no_group_pools_seeds(tmp_path, monkeypatch):
     import matplotlib.figure
 

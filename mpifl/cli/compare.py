@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpifl.cli.report import load_metrics, metric_keys, metric_of, pyplot, saved_config
+from mpifl.config.automatic import AUTOMATIC_KEYS
 
 if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
     from matplotlib.axes import Axes
@@ -134,13 +135,14 @@ def telling_keys(settings: Sequence[dict[str, Any]], differing: Sequence[str]) -
     """The fewest of ``differing`` that still tell every group from every other, in ``differing``'s order. Why: a
     recorded config holds every key the run filled in itself (a built-in strategy's ``strategy.update`` and
     ``strategy.weighting``, which a plug-in's leaves unset), so the groups differ in more keys than were chosen, and
-    a label of all of them fills a legend. Keys some group leaves unset go first, then those with fewer distinct
-    values; a key stays whenever dropping it would give two groups one label."""
+    a label of all of them fills a legend. The keys mpifl fills in from the others (``AUTOMATIC_KEYS``: FedBuff's
+    ``clock.mode`` makes ``strategy.update`` delta) go first, then keys some group leaves unset, then those with
+    fewer distinct values; a key stays whenever dropping it would give two groups one label."""
     def told_apart(keys: Sequence[str]) -> bool:
         return len({tuple(str(s.get(k)) for k in keys) for s in settings}) == len(settings)
 
     kept = list(differing)
-    for key in sorted(differing, key=lambda k: (all(s.get(k) is not None for s in settings),
+    for key in sorted(differing, key=lambda k: (k not in AUTOMATIC_KEYS, all(s.get(k) is not None for s in settings),
                                                 len({str(s.get(k)) for s in settings}))):
         fewer = [k for k in kept if k != key]
         if fewer and told_apart(fewer):

@@ -24,6 +24,9 @@ from mpifl.config.sections import Config, StrategyConfig
 from mpifl.plugins import is_import_path, resolve
 
 AUTO = "auto"
+# The keys this module fills in from the rest of the config: a recorded config holds them resolved, so two runs
+# that differ in one chosen key (clock.mode) may differ in these too, as a consequence (mpifl compare's labels)
+AUTOMATIC_KEYS = ("strategy.update", "strategy.weighting", "clock.concurrency")
 
 
 def needs_delta(caps: Capabilities | None) -> bool:
