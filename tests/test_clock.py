@@ -274,3 +274,19 @@ def test_a_sync_round_keeping_fewer_than_min_cohort_withholds_the_on_time_client
         assert floor.round(r).withheld == () and set(kept) <= set(floor.round(r).stragglers)  # no secagg: no withheld
     full = [r for r in range(1, 40) if len(plain.round(r).kept) == 2]
     assert full and all(secagg.round(r).kept == plain.round(r).kept and secagg.round(r).withheld == () for r in full)
+
+
+def test_validate_says_what_an_asynchronous_step_applies_and_how_many_train_at_once_not_clients_per_round(tmp_path):
+    from conftest import mpifl_here, write_config
+
+    cfg = write_config(tmp_path / "c.yaml", "rounds: 12\nclients: {num_clients: 10}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 300}}\n"
+                       "clock: {mode: fedbuff, concurrency: 4, buffer: 2}\n")
+    said = {mode: mpifl_here("validate", str(cfg), f"clock.mode={mode}").stdout
+            for mode in ("fedbuff", "fedasync", "fedcompass", "sync")}
+    assert ("(12 fedbuff server steps, each applying 2 buffered updates (clock.buffer), 4 of 10 clients training "
+            "at once (clock.concurrency), model") in said["fedbuff"]
+    assert "12 fedasync server steps, each applying 1 update, 4 of 10" in said["fedasync"]
+    assert "12 fedcompass server steps, each applying an arrival group, 4 of 10" in said["fedcompass"]
+    assert all("per round" not in said[mode] for mode in ("fedbuff", "fedasync", "fedcompass"))
+    assert "(12 rounds, 10 of 10 clients per round, model" in said["sync"]

@@ -312,3 +312,51 @@ def test_the_bytes_axis_starts_at_zero_so_heights_compare_as_bytes():
     ax = fig.subplots()
     _bytes(fig, ax, [{"round": r, "bytes_sent": 200_000, "bytes_received": 400_000} for r in (1, 2, 3)])
     assert ax.get_ylim()[0] == 0.0
+
+
+def test_the_staleness_plot_counts_applied_updates_only_and_says_how_many_dropped_ones_it_left_out():
+    """A step's staleness is each arrival's, aligned with arrival_order, dropped ones included: the plot's are
+    the applied ones only."""
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _staleness, applied_staleness
+
+    nan = [{"client": 1, "rank": 2, "reason": "update contains 1 NaN/Inf values"},
+           {"client": 7, "rank": 2, "reason": "update contains 1 NaN/Inf values"}]
+    records = [{"round": 10, "participants": [0, 1, 7], "dropped": nan, "arrival_order": [7, 0, 1],
+                "staleness": [0, 3, 1]},
+               {"round": 11, "participants": [2, 4], "dropped": [], "arrival_order": [4, 2], "staleness": [1, 0]}]
+    assert applied_staleness(records) == ([3, 1, 0], 2)
+    fig = Figure()
+    ax = fig.subplots()
+    _staleness(fig, ax, records)
+    assert ax.get_title() == "Staleness of 3 applied updates (median 1; 2 dropped updates not counted)"
+    assert sum(p.get_height() for p in ax.patches) == 3
+
+
+def test_the_cost_plot_draws_bytes_written_through_the_rounds_that_record_it():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _cost
+
+    cost = {"cpu_seconds": 1.0, "server_cpu_seconds": 0.5, "client_cpu_seconds": 0.5, "bytes_moved": 10.0}
+    records = [{"round": r, "cost": {**cost, **({"bytes_written": r * MIB} if r != 2 else {})},
+                "cost_to_date": cost} for r in (1, 2, 3)]
+    fig = Figure()
+    _cost(fig, fig.subplots(), records)
+    assert len(fig.axes) == 2  # the bars and, on a second axis, bytes written
+    (line,) = fig.axes[1].get_lines()
+    assert list(line.get_xdata()) == [1, 3] and list(line.get_ydata()) == [1.0, 3.0]
+
+
+def test_the_availability_plot_ticks_whole_client_ids(tmp_path):
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _availability
+
+    (tmp_path / "config.yaml").write_text("clients: {num_clients: 4}\nclock: {mode: fedbuff, concurrency: 2, "
+                                          "availability: diurnal, period: 100}\n")
+    fig = Figure()
+    ax = fig.subplots()
+    _availability(fig, ax, [{"round": r, "virtual_time": 30.0 * r} for r in (1, 2, 3)], tmp_path)
+    assert [t for t in ax.get_yticks() if -0.5 <= t <= 3.5] == [0, 1, 2, 3]

@@ -141,10 +141,21 @@ def validate(args: argparse.Namespace) -> int:
                   f"{format_bytes(size.frozen)} frozen)")
     sends = "deltas" if cfg.strategy.update == "delta" else "weights"  # update and weighting as resolved
     weights = validated_weighting(cfg)
-    print(f"{args.config}: valid ({cfg.rounds} rounds, {cfg.clients_per_round()} of "
-          f"{cfg.clients.num_clients} clients per round, model {model}, strategy {cfg.strategy.name}: clients "
+    print(f"{args.config}: valid ({validated_schedule(cfg)}, model {model}, strategy {cfg.strategy.name}: clients "
           f"send {sends}, {weights})")
     return 0
+
+
+def validated_schedule(cfg: Config) -> str:
+    """What ``validate`` says of the rounds: each round's clients, or, for the asynchronous clocks, the server steps,
+    what each applies and how many clients train at once (``clients.per_round`` plays no part there)."""
+    clock, clients = cfg.clock, cfg.clients.num_clients
+    if not clock.asynchronous:
+        return f"{cfg.rounds} rounds, {cfg.clients_per_round()} of {clients} clients per round"
+    applies = {"fedasync": "1 update", "fedbuff": f"{clock.buffer} buffered updates (clock.buffer)"}.get(
+        clock.mode, "an arrival group")
+    return (f"{cfg.rounds} {clock.mode} server steps, each applying {applies}, {clock.in_flight()} of {clients} "
+            "clients training at once (clock.concurrency)")
 
 
 def check_schedule(cfg: Config, sizes: list[int] | None) -> None:

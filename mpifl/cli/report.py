@@ -272,10 +272,11 @@ def _cost(fig: Figure, ax: Axes, records: list[dict]) -> None:
            label="client ranks")
     ax.set_ylabel("CPU-seconds")
     _label_rounds(ax)
-    if all("bytes_written" in r["cost"] for r in measured):
+    written_in = [r for r in measured if "bytes_written" in r["cost"]]
+    if written_in:  # drawn through the rounds that have it (absent where a rank could not count its own)
         written = ax.twinx()
-        written.plot(rounds, [r["cost"]["bytes_written"] / MIB for r in measured], color="tab:gray", marker=".",
-                     label="bytes written")
+        written.plot([r["round"] for r in written_in], [r["cost"]["bytes_written"] / MIB for r in written_in],
+                     color="tab:gray", marker=".", label="bytes written")
         written.set_ylabel("MiB written")
         written.set_ylim(bottom=0)  # from 0, as the bars are: a flat line of checkpoints must not look like swings
         written.legend(loc="upper right")
@@ -332,6 +333,8 @@ def _availability(fig: Figure, ax: Axes, records: list[dict], run_dir: Path) -> 
     """Who was online when (clock.availability), rebuilt from the run's own config and seed: one row per client
     (the first 40), shaded where the client could be sampled, with each round's (or step's) end marked; with batch
     jobs, a cross where a preemption took a client offline, and a circle where the record says a task was lost."""
+    from matplotlib.ticker import MaxNLocator
+
     from mpifl.clock.availability import availability_for
     from mpifl.clock.queue import QueueAvailability
     from mpifl.config import load_config
@@ -363,6 +366,7 @@ def _availability(fig: Figure, ax: Axes, records: list[dict], run_dir: Path) -> 
             ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize="small", frameon=False)
     ax.set_xlabel("virtual time (s); grey lines: round (or step) ends")
     ax.set_ylabel("logical client")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # client ids: no tick between two of them
     what = {"queue": "batch jobs running", "diurnal": "diurnal windows", "trace": "trace intervals"}
     ax.set_title(f"Clients online ({what.get(cfg.clock.availability, cfg.clock.availability)}): "
                  f"{shown} of {cfg.clients.num_clients}")
@@ -494,10 +498,29 @@ def _participation_histogram(ax: Axes, counts: dict[str, dict[int, int]], shown:
                  "(too many clients for a bar each)", fontsize="medium")
 
 
+def applied_staleness(records: list[dict]) -> tuple[list[int], int]:
+    """The staleness of every applied update, and how many dropped ones were left out: a step's ``staleness`` holds
+    each arrival's, aligned with ``arrival_order``, a dropped one's too (its client is in ``dropped``)."""
+    applied, left_out = [], 0
+    for r in records:
+        dropped = {d["client"] for d in r.get("dropped", [])}
+        staleness = r.get("staleness", [])
+        for client, value in zip(r.get("arrival_order", [None] * len(staleness)), staleness):
+            if client in dropped:
+                left_out += 1
+            else:
+                applied.append(value)
+    return applied, left_out
+
+
 def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:
-    values = [s for r in records for s in r.get("staleness", [])]
+    from matplotlib.ticker import MaxNLocator
+
+    values, dropped = applied_staleness(records)
     ax.hist(values, bins=range(0, max(values, default=0) + 2), align="left", rwidth=0.85)
     ax.set_xlabel("staleness (versions between dispatch and application)")
     ax.set_ylabel("updates")
-    ax.set_title(f"Staleness of {len(values)} applied updates (median {float(np.median(values)):g})"
-                 if values else "Staleness")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left_out = f"; {dropped} dropped update{'s' if dropped != 1 else ''} not counted" if dropped else ""
+    ax.set_title(f"Staleness of {len(values)} applied updates (median {float(np.median(values)):g}{left_out})"
+                 if values else f"Staleness (no applied updates{left_out})")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +138,10 @@ class ClientRank:
             self.parts.evaluation.ends_at(header.round)
         self.updates.begin_round(header.clip, header.cohort)
         self.training.participants = header.participants
-        self.costs.begin_round(len(header.clients))
+        if isinstance(header, protocol.HoldOrder):
+            self.costs.begin_step(len(header.send))
+        else:
+            self.costs.begin_round(len(header.clients))
         if self.parts.state.lending is not None:
             self.parts.state.lending.borrow(header)
 
@@ -192,6 +195,7 @@ class ClientRank:
                 raise RuntimeError(f"rank {self.rank}: the server asked for logical client {client}'s update, "
                                    f"which this rank does not hold (it holds {sorted(self.held)})")
             meta, buffers = self.held.pop(client)
+            meta = replace(meta, metrics={**meta.metrics, **self.costs.at_send()})
             send_object(self.comm, meta, protocol.SERVER, protocol.round_tag(protocol.META, header.round))
             self._send_update(header.round, client, protocol.round_tag(protocol.UPDATE, header.round), buffers)
 

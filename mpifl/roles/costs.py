@@ -23,12 +23,19 @@ class UpdateCosts:
         self.energy = GpuEnergy(gpu) if gpu is not None else None
         self.joules = self.energy.joules() if self.energy is not None else None
         self.left = 0  # this round's headers still to send: the last one reads the counters
+        self.holding = False  # an asynchronous step: headers are read as they are sent, not as they train
         if self.energy is not None and self.joules is None:
             log(f"GPU energy is not recorded: {self.energy.why}", rank=rank)
 
     def begin_round(self, headers: int) -> None:
         """The round's headers this rank will send (its last one reads the counters)."""
-        self.left = headers
+        self.left, self.holding = headers, False
+
+    def begin_step(self, sends: int) -> None:
+        """Asynchronous FL: the step's held updates this rank will send. Its training reads nothing; the last header
+        sent (``at_send``) reads the counters, after the step's training, so that the step's record counts what the
+        rank spent up to then, whichever step trained the update that carries it."""
+        self.left, self.holding = sends, True
 
     def of_update(self, seconds: float) -> dict[str, float]:
         """The cost fields of the header of an update that took ``seconds``: its GPU-seconds on a GPU and, with the
@@ -37,11 +44,22 @@ class UpdateCosts:
         that one reading gives exactly (the sums telescope and the peak is a high-water mark), so the other headers
         need no /proc reads (no change in round time was measurable on a CPU: CHANGELOG, 2026-11-30)."""
         cost = {"rank_gpu_seconds": seconds} if self.on_gpu else {}
+        if self.holding:
+            return cost
         self.left -= 1
         if self.left > 0:
             return cost
-        cost.update({f"rank_{key}": value for key, value in self.meter.since_last().items()},
-                    rank_peak_rss_bytes=peak_rss_bytes())
+        return {**cost, **self.reading()}
+
+    def at_send(self) -> dict[str, float]:
+        """Asynchronous FL: the reading for a held update's header as it is sent, with the step's last one only."""
+        self.left -= 1
+        return self.reading() if self.holding and self.left == 0 else {}
+
+    def reading(self) -> dict[str, float]:
+        """The rank's CPU-seconds and bytes written since its last reading, its peak RSS and the GPU's energy."""
+        cost = {f"rank_{key}": value for key, value in self.meter.since_last().items()}
+        cost["rank_peak_rss_bytes"] = peak_rss_bytes()
         if self.energy is not None and self.joules is not None:
             joules = self.energy.joules()
             assert joules is not None  # a counter that answered once keeps answering

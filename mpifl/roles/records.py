@@ -160,8 +160,11 @@ def round_cost(server: dict[str, float], ranks: dict[str, dict], bytes_moved: in
             "server_cpu_seconds": server["cpu_seconds"],
             "client_cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in clients),
             "bytes_moved": float(bytes_moved)}
-    if "bytes_written" in server and all("bytes_written" in r for r in clients):
-        cost["bytes_written"] = server["bytes_written"] + sum(r["bytes_written"] for r in clients)
+    # a rank whose headers this round carried no reading (it spent nothing since its last one) leaves no gap;
+    # a reading without bytes written does: no total that leaves that rank's out
+    readings = [r for r in clients if "cpu_seconds" in r]
+    if "bytes_written" in server and all("bytes_written" in r for r in readings):
+        cost["bytes_written"] = server["bytes_written"] + sum(r["bytes_written"] for r in readings)
     for key in ("gpu_seconds", "gpu_energy_joules"):
         if any(key in r for r in clients):
             cost[key] = sum(r.get(key, 0.0) for r in clients)

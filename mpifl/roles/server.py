@@ -214,8 +214,8 @@ class Server:
         late = rank_costs(self.late.take_discarded())
         if late:
             record["cost"] = plus_late(record["cost"], late)
-        record["cost_to_date"] = cost_to_date(self.history[-1].get("cost_to_date") if self.history else None,
-                                              record["cost"])
+        before = self.history[-1].get("cost_to_date") if self.history else None
+        record["cost_to_date"] = cost_to_date(before, record["cost"])
         if strikes or spent:
             record["faults"] = fault_entries(strikes, plan, stats.metas, spent)
         if parts.privacy:
@@ -241,7 +241,8 @@ class Server:
         # the checkpoint's copy stops before saving; the JSON line has it all: the time split, and what saving cost
         record["time"].update(times.split())
         saving = self.meter.since_last()
-        record["cost"], record["cost_to_date"] = (plus_server(record[k], saving) for k in ("cost", "cost_to_date"))
+        record["cost"] = plus_server(record["cost"], saving)
+        record["cost_to_date"] = cost_to_date(before, record["cost"])  # the round's keys, so the rounds sum to it
         return record, stopping
 
     def _dispatch(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog) -> None:
