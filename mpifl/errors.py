@@ -4,6 +4,10 @@
 INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
 
+# a job's failure that a resume repeats (the config's own faults strike the same clients): mpifl status reads it
+RESUME_FAILS_THE_SAME_WAY = "a --resume fails the same way"
+
+
 class JobFailure(RuntimeError):
     """The job cannot go on; the message says why, naming what failed. ``code`` is the job's exit status:
     ``INTERRUPTED`` where a stop on request (SIGTERM) ended it with its last round on disk, even though a rank

@@ -227,10 +227,12 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
     return {n: t.float().numpy().copy() for n, t in flat.tensors()}
 
 
-def async_reference(cfg: Config) -> dict[str, np.ndarray]:
+def async_reference(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str, np.ndarray]:
     """FedAsync / FedBuff in virtual time, by the papers' rules with every model version kept in memory:
     an event loop over virtual arrivals (its own, not mpifl's planner), each client trained on the version
-    current at its dispatch, updates applied in arrival order. Devices come from the same cost model."""
+    current at its dispatch, updates applied in arrival order. Devices come from the same cost model.
+    ``drop``: clients whose every update fails (clients.accept_failures): a FedBuff buffer's sum is divided by
+    the updates it applies, and a step with none applied keeps the model as it was."""
     from mpifl.clock.availability import Availability
     from mpifl.clock.devices import devices_for
     from mpifl.clock.staleness import staleness_weight
@@ -271,8 +273,11 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
         buffer.append(arrival)
         if len(buffer) == size:
             old, new = versions[version], {}
-            models = [(trained(client, v), v) for _, client, v in buffer]  # each trained once, in arrival order
-            for name in old:
+            # each trained once, in arrival order
+            models = [(trained(client, v), v) for _, client, v in buffer if client not in drop]
+            for name in () if models else old:
+                new[name] = old[name].copy()  # every update dropped: the step keeps the model
+            for name in old if models else ():
                 value = name in statistics and cfg.statistics_as_values  # sent as a value, not a change
                 if clock.mode == "fedasync":
                     (model, v), = models
@@ -289,7 +294,7 @@ def async_reference(cfg: Config) -> dict[str, np.ndarray]:
                 if value:  # the values' own weighted mean: no server step, nothing added
                     new[name] = acc / f(math.fsum(weights))
                     continue
-                combined, s = acc / f(len(buffer)), cfg.strategy
+                combined, s = acc / f(len(models)), cfg.strategy
                 if s.name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad") and name not in statistics:
                     tensor_state = state.setdefault(name, {"velocity": np.zeros_like(combined),
                                                            "m": np.zeros_like(combined),

@@ -290,3 +290,23 @@ def test_validate_says_what_an_asynchronous_step_applies_and_how_many_train_at_o
     assert "12 fedcompass server steps, each applying an arrival group, 4 of 10" in said["fedcompass"]
     assert all("per round" not in said[mode] for mode in ("fedbuff", "fedasync", "fedcompass"))
     assert "(12 rounds, 10 of 10 clients per round, model" in said["sync"]
+
+
+def test_a_fedbuff_buffer_divides_by_the_updates_it_applies_so_a_dropped_one_does_not_shrink_the_step():
+    """FedBuff's K is the updates the buffer applies: of K = 3 buffered, one dropped (clients.accept_failures)
+    leaves the staleness-weighted sum of two divided by 2, not 3; too few usable say how many were usable."""
+    from mpifl.aggregation.round_task import BelowQuorum, ReductionRound, checked_totals
+    from mpifl.aggregation.strategies import make_strategy
+    from mpifl.wire.protocol import UpdateMeta
+
+    strategy = make_strategy(load_config(None, data={"strategy": {"update": "delta"}}).strategy)
+    metas = {c: UpdateMeta(c, 10, 0.0, {}, "InjectedFault" if c == 1 else None) for c in range(3)}
+    task = ReductionRound(5, {1: [0, 1, 2]}, layout=None, weights={0: 1.0, 1: 0.5, 2: 0.25},  # type: ignore[arg-type]
+                          divisor=3.0)
+    assert checked_totals(strategy, metas, task, [0, 1, 2])[0] == 2.0
+    assert checked_totals(strategy, {c: UpdateMeta(c, 10, 0.0, {}) for c in range(3)}, task, [0, 1, 2])[0] == 3.0
+    with pytest.raises(BelowQuorum) as below:
+        checked_totals(strategy, metas, ReductionRound(5, {1: [0, 1, 2]}, layout=None,  # type: ignore[arg-type]
+                                                       weights=task.weights, divisor=3.0, min_participants=3),
+                       [0, 1, 2])
+    assert below.value.usable == 2 and "only 2 of 3 participants sent a usable update" in str(below.value)

@@ -80,6 +80,47 @@ def test_batchnorm_statistics_travel_as_values_and_stay_a_variance_asynchronousl
     assert variances and all((v > 0).all() for v in variances)
 
 
+RAISES = "\nfaults:\n  - {kind: raise, clients: [3]}"  # logical client 3's every training raises
+
+
+def with_failures(extra: str) -> str:
+    """``extra`` (a clock section) with clients.accept_failures and logical client 3 raising whenever it trains."""
+    return extra.replace("clock:", "clients: {num_clients: 12, per_round: 4, accept_failures: true}\nclock:") + RAISES
+
+
+@pytest.mark.parametrize("mode", ["fedasync", "fedbuff"])
+def test_a_failed_update_under_accept_failures_is_dropped_from_its_step_and_the_run_goes_on(tmp_path, mode):
+    """clients.accept_failures: a FedAsync step whose one update raised keeps the model as it was, recorded with
+    why, and the run goes on; a FedBuff buffer divides by the updates it applies, so the dropped one does not
+    shrink the step. Bitwise the reference without client 3's updates, the same on 2 and 3 client ranks."""
+    extra = with_failures(FEDASYNC if mode == "fedasync" else FEDBUFF)
+    text = RUN.format(rounds=6, extra=extra).replace("clients: {num_clients: 12, per_round: 4}\n", "")
+    cfg = write_config(tmp_path / f"{mode}.yaml", text)
+    for name, ranks in (("two", 2), ("three", 3)):
+        result = run_mpi(ranks + 1, "run", str(cfg), "--run-dir", str(tmp_path / name), timeout=MPI_TIMEOUT)
+        assert result.returncode == 0, result.stderr
+    assert same_model(tmp_path / "two" / "model.h5", tmp_path / "three" / "model.h5")
+    with one_thread():
+        expected = async_reference(load_config(cfg), drop=frozenset({3}))
+    got = load_tensors(tmp_path / "two" / "model.h5")
+    for name, value in expected.items():
+        assert np.array_equal(got[name].numpy().view(np.uint32), value.view(np.uint32)), name
+    steps = records(tmp_path / "two")
+    assert [r["round"] for r in steps] == list(range(1, 7))
+    struck = [r for r in steps if 3 in r["arrival_order"]]
+    assert struck and all([d["client"] for d in r["dropped"]] == [3] for r in struck)
+    assert all("InjectedFault" in r["dropped"][0]["reason"] for r in struck)
+    unapplied = [r["round"] for r in steps if "unapplied" in r]
+    assert unapplied == [r["round"] for r in struck if r["arrival_order"] == [3]]
+    if mode == "fedasync":
+        assert unapplied and "fewer than clients.min_participants=1" in steps[unapplied[0] - 1]["unapplied"]
+    def same_on_any_ranks(record: dict) -> tuple:  # a client's rank differs with the rank count
+        dropped = [(d["client"], d["reason"]) for d in record["dropped"]]
+        return dropped, record["arrival_order"], record["staleness"], record.get("unapplied")
+
+    assert list(map(same_on_any_ranks, steps)) == list(map(same_on_any_ranks, records(tmp_path / "three")))
+
+
 def test_synchronous_virtual_rounds_drop_stragglers_and_report_the_clock(tmp_path):
     _, plain = run(tmp_path, "plain", "", ranks=1)
     _, untimed = run(tmp_path, "untimed", "clock: {mode: sync}", ranks=1)

@@ -10,7 +10,8 @@ network reads directly (``PoolLayout.held_stacks``), beside the receives on work
 otherwise each accumulator is a participants x chunk stack.
 A participant whose header carries an error (``clients.accept_failures``) is skipped in every
 chunk; ``clients.min_participants`` (and ``secagg.min_cohort``) is checked before the first
-finished chunk is written, so an aborted round leaves the global model untouched. Under
+finished chunk is written, so an aborted round leaves the global model untouched; under a virtual clock
+(``ReductionRound.keep_model``) such a round is received to its end and every chunk committed unchanged. Under
 ``accept_failures`` a rank still training past its deadline has the rest of its round dropped
 (dropping.py). The slots and the receives posted into them are receives.py's; the held stacks,
 held.py's.
@@ -31,7 +32,7 @@ from mpifl.aggregation.dropping import Dropping, StragglerClock, dropped_headers
 from mpifl.aggregation.held import HeldStacks
 from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.aggregation.receives import PostedReceives, ReceivePool
-from mpifl.aggregation.round_task import ReductionRound, RoundAborted, checked_totals
+from mpifl.aggregation.round_task import BelowQuorum, ReductionRound, RoundAborted, checked_totals
 from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
 from mpifl.planning.pools import holds_stacks
@@ -44,7 +45,7 @@ from mpifl.wire.spec import Chunk
 from mpifl.wire.transport import Backoff, wake
 from mpifl.wire.watchdog import FIRST_UPDATE, UPDATE_COMPLETE, RankStalled, Watchdog
 
-__all__ = ["Dropping", "GlobalState", "ReceivePool", "ReductionRound", "ReductionStats", "RoundAborted",
+__all__ = ["BelowQuorum", "Dropping", "GlobalState", "ReceivePool", "ReductionRound", "ReductionStats", "RoundAborted",
            "StreamedReduction"]
 
 
@@ -74,6 +75,7 @@ class ReductionStats:
     aggregate_seconds: float = 0.0
     nonfinite: int = 0  # NaN/Inf values in the finished global model (each update was checked on its client)
     last_drop: float | None = None  # perf_counter when the last rank was dropped past a deadline this round
+    unapplied: str | None = None  # under a virtual clock: why too few usable updates left the model unchanged
 
 
 class ChunkDecoder:
@@ -303,19 +305,34 @@ class StreamedReduction:
             return storage[: participants * numel].view(participants, numel)
         return storage[:numel]
 
-    def _total_weight(self) -> float:
-        """The round's divisor, checked once, before anything is written (``checked_totals``)."""
-        if self.total_weight is None:
-            self.total_weight, self.strategy.round_statistics_total = checked_totals(
-                self.strategy, self.stats.metas, self.task, self.schedule.order)
+    def _total_weight(self) -> float | None:
+        """The round's divisor, checked once, before anything is written (``checked_totals``); None where too few
+        usable updates leave the model unchanged (a virtual clock: ``stats.unapplied`` says why)."""
+        if self.total_weight is None and self.stats.unapplied is None:
+            try:
+                self.total_weight, self.strategy.round_statistics_total = checked_totals(
+                    self.strategy, self.stats.metas, self.task, self.schedule.order)
+            except BelowQuorum as below:
+                if not self.task.keep_model or (below.usable and self.task.client_state):
+                    raise
+                self.stats.unapplied = str(below)
         return self.total_weight
+
+    def _keep(self, j: int) -> None:
+        """Commit chunk ``j`` unchanged: its target holds the old value, the server state is not touched."""
+        self.targets[j] = self.state.finish_target(self.chunks[j])
+        self._commit(j)
 
     def _finish(self, step: Finish) -> None:
         if self.held is not None:
             self._finish_held(step)
             return
         total = self._total_weight()
-        chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk)
+        chunk, acc = self.chunks[step.chunk], self.acc_of.pop(step.chunk, None)
+        if total is None:
+            self._keep(step.chunk)
+            return
+        assert acc is not None  # a chunk with a usable update has been folded into its accumulator
         if self.task.unmask is not None:  # secure aggregation: the ring sum of masked updates becomes the float sum
             self.task.unmask(acc, self.exchange.first_elements[step.chunk], self.stats.metas)
         if self.task.noise is not None:  # DP-FedAvg: the round's noise added to a chunk's sum
@@ -347,9 +364,12 @@ class StreamedReduction:
         self.held.settle()  # one chunk at a time (_perform times this step)
         total = self._total_weight()
         chunk = self.chunks[step.chunk]
-        rows = [self._received(step.chunk, slot) for slot in self.held.slots(step.chunk)]
         target, state = self.state.finish_target(chunk), self.state.server_state(chunk)
         self.targets[step.chunk] = target
+        if total is None:  # unchanged: committed as it is, its slots freed
+            self.held.finishing_in(step.chunk, [])
+            return
+        rows = [self._received(step.chunk, slot) for slot in self.held.slots(step.chunk)]
         jobs = self.strategy.start_finish(rows, step.count, total, target, state)
         if jobs is None:
             self.strategy.finish(rows, step.count, total, target, state, chunk)

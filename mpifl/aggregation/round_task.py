@@ -19,6 +19,16 @@ class RoundAborted(RuntimeError):
     """Too few usable updates: the round is not applied and the job stops."""
 
 
+class BelowQuorum(RoundAborted):
+    """Fewer usable updates than clients.min_participants or secagg.min_cohort: the round is not applied. Under a
+    virtual clock (``ReductionRound.keep_model``) the model stays as it was and the run goes on, as when too few
+    updates arrive in time; otherwise the job stops. ``usable``: how many updates were usable."""
+
+    def __init__(self, message: str, usable: int) -> None:
+        super().__init__(message)
+        self.usable = usable
+
+
 @dataclass(frozen=True)
 class ReductionRound:
     """What one round's reduction folds and how: who sends what, the pool layout, and the round's own
@@ -36,6 +46,10 @@ class ReductionRound:
     min_participants: int = 1  # clients.min_participants: fewer usable updates abort the round
     min_cohort: int = 1  # secagg.min_cohort: fewer usable updates abort the round, their sum would reveal them
     header_clients: int = 1  # the most logical clients one header lists (a reduction group's members)
+    keep_model: bool = False  # a virtual clock: too few usable updates leave the model unchanged, the run goes on
+    # per-client state (SCAFFOLD's c_i, FedDyn's g_i, ...): usable updates' state moved on, so their round cannot be
+    # left out, and too few of them still abort it; with none usable (every client put back) it is left out
+    client_state: bool = False
 
     @property
     def quorum(self) -> int:
@@ -61,27 +75,28 @@ def checked_totals(strategy: Strategy, metas: Mapping[int, protocol.UpdateMeta],
     usable = [m for m in metas.values() if m.error is None]
     only = f"round {task.round}: only {len(usable)} of {len(metas)} participants sent a usable update"
     if len(usable) < task.min_participants:
-        raise RoundAborted(f"{only}, fewer than clients.min_participants={task.min_participants}; the round is not "
-                           "applied")
+        raise BelowQuorum(f"{only}, fewer than clients.min_participants={task.min_participants}; the round is not "
+                          "applied", len(usable))
     if len(usable) < task.min_cohort:
-        raise RoundAborted(f"{only}, fewer than secagg.min_cohort={task.min_cohort}: the securely aggregated sum of "
-                           f"so few would reveal what they sent{' (one update, exactly)' if len(usable) == 1 else ''}; "
-                           "the round is not applied, and it is not unmasked")
-    total, statistics = round_totals(strategy, usable, task.weights, task.divisor)
+        raise BelowQuorum(f"{only}, fewer than secagg.min_cohort={task.min_cohort}: the securely aggregated sum of "
+                          f"so few would reveal what they sent{' (one update, exactly)' if len(usable) == 1 else ''}; "
+                          "the round is not applied, and it is not unmasked", len(usable))
+    total, statistics = round_totals(strategy, usable, task.weights, task.divisor, len(metas) - len(usable))
     if total <= 0:
         raise RoundAborted(f"round {task.round}: zero total client weight (clients {order}); cannot average")
     return total, statistics
 
 
 def round_totals(strategy: Strategy, usable: Sequence[protocol.UpdateMeta], weights: Mapping[int, float] | None,
-                 divisor: float | None) -> tuple[float, float | None]:
+                 divisor: float | None, dropped: int = 0) -> tuple[float, float | None]:
     """What the round's weighted sum is divided by, and its statistics where that differs (None: the same), from
-    its usable participants' headers: a fixed divisor (FedBuff's K, DP-FedAvg's k), asynchronous FL's staleness
-    weights' sum, or the strategy's own total; the statistics take, asynchronously where they arrive as values,
-    their weights' own sum (not FedBuff's K), otherwise the strategy's (FedNova's)."""
+    its usable participants' headers: a fixed divisor (DP-FedAvg's k; FedBuff's K less the ``dropped`` updates of
+    its buffer, so that a dropped update does not shrink the step), asynchronous FL's staleness weights' sum, or
+    the strategy's own total; the statistics take, asynchronously where they arrive as values, their weights' own
+    sum (not FedBuff's K), otherwise the strategy's (FedNova's)."""
     if weights is not None:
         own = math.fsum(weights[m.client] for m in usable)
-        total = divisor if divisor is not None else sum(weights[m.client] for m in usable)
+        total = divisor - dropped if divisor is not None else sum(weights[m.client] for m in usable)
         return total, own if strategy.statistics_absolute else None
     if divisor is not None:
         return divisor, None

@@ -49,8 +49,14 @@ class ClientsConfig:
                                     "with client, rank and reason) instead of aborting the job; so are the rest "
                                     "of a round's clients on a rank still training past its deadline "
                                     "(timeouts.first_update, timeouts.straggler); under SCAFFOLD and FedDyn the "
-                                    "dropped clients' c_i or g_i is put back when the next header names them")
-    min_participants: int = field_(1, "abort the round, and the job, when fewer updates than this remain", min=1)
+                                    "dropped clients' c_i or g_i is put back when the next header names them; a "
+                                    "round left with too few usable updates: see clients.min_participants")
+    min_participants: int = field_(1, "abort the round, and the job, when fewer usable updates than this remain "
+                                      "(with a message that says when a resume would end the same way); under "
+                                      "clock.mode other than off the round, or asynchronous step, is left out "
+                                      "instead: the model unchanged, the record's 'unapplied' says why, and the run "
+                                      "goes on (a sync round with some usable updates under per-client state still "
+                                      "aborts)", min=1)
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
                             "deterministic) or per_round (each round's participants, or their groups, spread anew "

@@ -47,6 +47,7 @@ PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor"
 # kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round;
 # under a virtual clock they delay the struck task's virtual duration instead, and only that (``delays_virtually``)
 DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
+FAILS_THE_UPDATE = frozenset({"raise", "nan", "inf", "lose"})  # kinds whose strike makes the client's update unusable
 # kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
 CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose every strike ends the job (ends_the_job adds a stall for ever)

@@ -151,7 +151,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             stragglers=straggler_rule(cfg), dropped=dropped,
                             floor=floor, lends_state=cfg.lends_client_state,
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
-                            spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round))
+                            spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round),
+                            virtual_clock=cfg.clock.mode != "off", client_state=cfg.client_state() is not None)
         server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
         publisher.listen(server.heard)
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))

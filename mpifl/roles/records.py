@@ -6,9 +6,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mpifl.errors import RESUME_FAILS_THE_SAME_WAY
 from mpifl.logs import log
 from mpifl.metrics import OWN_METRIC_PREFIXES
-from mpifl.planning.faults import DELAYS_THE_RANK
+from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE
 from mpifl.privacy.ring import advisable_fraction_bits, value_range
 from mpifl.units import MIB, range_list
 
@@ -66,6 +67,20 @@ def dropped_entries(plan: RoundAssignment, metas: dict[int, UpdateMeta],
         reasons[client] = (rank, f"rank {rank} was still training round {plan.busy_ranks[rank]}, from which it was "
                                  "dropped past its deadline: left out of this round as if not sampled, not waited for")
     return [{"client": c, "rank": rank, "reason": why} for c, (rank, why) in sorted(reasons.items())]
+
+
+def resume_advice(strikes: Sequence[Strike], metas: dict[int, UpdateMeta]) -> str:
+    """What an aborted round's message advises: ``--resume`` once the cause is fixed, unless the config's own
+    faults made the updates unusable, which strike the same clients again on a resume."""
+    failed: dict[tuple[int, str], list[int]] = {}
+    for s in strikes:
+        if s.fault.kind in FAILS_THE_UPDATE and s.client in metas and metas[s.client].error is not None:
+            failed.setdefault((s.index, s.fault.kind), []).append(s.client)
+    if not failed:
+        return "continue with --resume once the cause is fixed"
+    named = "; ".join(f"faults[{index}] ({kind!r}) strikes logical client{'s' if len(clients) > 1 else ''} "
+                      f"{range_list(sorted(clients))}" for (index, kind), clients in sorted(failed.items()))
+    return f"{named} again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults section first"
 
 
 def round_strikes(faults: FaultPlan, plan: RoundAssignment, home: Callable[[int], int],

@@ -47,6 +47,7 @@ from mpifl.roles.records import (
     plus_late,
     plus_server,
     rank_costs,
+    resume_advice,
     round_cost,
     round_strikes,
     secagg_record,
@@ -109,6 +110,8 @@ class ServerParts:
     faults: FaultPlan | None = None  # the config's faults: each round's strikes, recorded with what came of them
     # records, before the job ends, a strike that ended it (the run directory's faults-struck): a resume goes past it
     spend_fault: Callable[[Strike], None] = lambda strike: None
+    virtual_clock: bool = False  # clock.mode other than off: too few usable updates leave the model unchanged
+    client_state: bool = False  # per-client state: a round with usable updates, too few, still aborts (round_task)
 
 
 class Server:
@@ -198,7 +201,7 @@ class Server:
                             lambda: self.stop.requested, heard=self.heard)
         self._dispatch(plan, routes, watchdog)
         dispatched = time.perf_counter()
-        stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last))
+        stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last), strikes=strikes)
         if stats.nonfinite:
             self._poisoned(round_, strikes, stats.nonfinite)
         reduced = time.perf_counter()
@@ -210,6 +213,8 @@ class Server:
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds, trained, stats.last_drop)
         record = self._record(plan, routes, stats.metas, evaluation, times, work)
+        if stats.unapplied is not None:
+            record["unapplied"] = stats.unapplied
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
         late = rank_costs(self.late.take_discarded())
         if late:
@@ -310,9 +315,10 @@ class Server:
         return (lambda c: state_home(c, client_ranks)) if self.parts.lends_state else None
 
     def _reduce(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog,
-                started: dict[int, float]) -> ReductionStats:
+                started: dict[int, float], strikes: Sequence[Strike] = ()) -> ReductionStats:
         """Fold the round's updates into the global model as they stream in; the store writes finished chunks.
-        ``started``: when each rank took up the model (its straggler clock starts there)."""
+        ``started``: when each rank took up the model (its straggler clock starts there); ``strikes``: the faults
+        that strike this round, named where they make a round abort again on a resume."""
         parts, round_ = self.parts, plan.round
         parts.store.begin_round(round_, parts.checkpointer.recyclable(round_))
         if plan.mixing is not None:
@@ -329,7 +335,8 @@ class Server:
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=routes.labels,
             min_participants=self.min_participants, min_cohort=self._min_cohort(),
-            header_clients=routes.header_clients)
+            header_clients=routes.header_clients, keep_model=parts.virtual_clock,
+            client_state=parts.client_state)
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       watchdog=watchdog, dropping=self._dropping(plan, routes, started))
         try:
@@ -341,10 +348,15 @@ class Server:
             self._log_drops(plan, reduction.stats.metas)
             saved = parts.checkpointer.round_aborted(round_, self.history)
             where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
-            raise JobFailure(f"{aborted}{where}; continue with --resume once the cause is fixed") from None
+            moved = " (the usable clients' per-client state moved on, so the round cannot be left out as under a " \
+                "virtual clock it otherwise is)" if parts.virtual_clock and parts.client_state else ""
+            raise JobFailure(f"{aborted}{moved}{where}; {resume_advice(strikes, reduction.stats.metas)}") from None
         except RankStalled as stalled:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched)
         self._log_drops(plan, stats.metas)
+        if stats.unapplied is not None:
+            log(f"{stats.unapplied}: the model stays as it was (under a virtual clock, as when too few updates "
+                "arrive in time) and the run goes on", rank=0)
         return stats
 
     def _last_by_budget(self, round_: int) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from mpifl.config import Config, ConfigError, dump_config, resumable_keys, resume_conflict
-from mpifl.errors import CheckpointError
+from mpifl.errors import RESUME_FAILS_THE_SAME_WAY, CheckpointError
 from mpifl.logs import log
 from mpifl.metrics import json_line
 from mpifl.storage.checkpointer import (
@@ -292,6 +292,8 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     server = notes.get(0, {})
     if server.get("state") == "failed" and "config error: " in server.get("reason", ""):
         advice = "fix the config first: a --resume with this one fails the same way"
+    elif server.get("state") == "failed" and RESUME_FAILS_THE_SAME_WAY in server.get("reason", ""):
+        advice = f"change the config first (its faults section): {RESUME_FAILS_THE_SAME_WAY}"
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
     complete = (reached == rounds or spent) and server.get("state", "finished") == "finished"  # before notes: rounds
     if complete:

@@ -289,3 +289,39 @@ def test_a_kill_strikes_once_so_a_resume_goes_past_it_and_ends_bitwise_as_a_run_
     reference = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert same_model(run / "model.h5", tmp_path / "reference" / "model.h5")
+
+
+EVERY_CLIENT_RAISES_IN_ROUND_2 = "[{kind: raise, fraction: 1.0, rounds: [2]}]\ncheckpoint: {every: 1, keep: 4}\n"
+
+
+def test_a_round_whose_every_client_fails_by_the_configs_faults_ends_a_real_time_run_saying_a_resume_would_too(
+        tmp_path):
+    """clock.mode off: clients.min_participants ends the job; the faults strike the same clients on a resume, so the
+    message and ``mpifl status`` say to change the config, not to ``--resume``."""
+    cfg = write_config(tmp_path / "off.yaml", BASE + "faults: " + EVERY_CLIENT_RAISES_IN_ROUND_2)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "off"), timeout=MPI_TIMEOUT)
+    assert result.returncode != 0
+    assert "round 2: only 0 of 6 participants sent a usable update, fewer than clients.min_participants=1" \
+        in result.stderr
+    assert "faults[0] ('raise') strikes logical clients 0-1,4-7 again on a resume, so a --resume fails the same " \
+        "way: change the faults section first" in result.stderr
+    assert "continue with --resume" not in result.stderr and "Traceback" not in result.stderr
+    status = mpifl_here("status", str(tmp_path / "off"))
+    assert "change the config first (its faults section): a --resume fails the same way" in status.stdout
+    assert "continue with --resume" not in status.stdout
+
+
+def test_a_virtual_round_whose_every_client_fails_leaves_the_model_unchanged_and_the_run_goes_on(tmp_path):
+    """clock.mode sync: a round whose kept clients all raise is left out as one with too few on time is: the model
+    stays as it was, the record says why and names them, and the later rounds run."""
+    cfg = write_config(tmp_path / "sync.yaml", BASE + "clock: {mode: sync}\nfaults: " + EVERY_CLIENT_RAISES_IN_ROUND_2)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "sync"), timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = records(tmp_path / "sync")
+    assert [r["round"] for r in steps] == [1, 2, 3, 4]
+    assert [("unapplied" in r, len(r["dropped"])) for r in steps] == [(False, 0), (True, 6), (False, 0), (False, 0)]
+    assert "fewer than clients.min_participants=1; the round is not applied" in steps[1]["unapplied"]
+    assert "the model stays as it was (under a virtual clock, as when too few updates arrive in time)" in result.stderr
+    saved = tmp_path / "sync" / "checkpoints"
+    assert same_model(saved / "ckpt-r000001.h5", saved / "ckpt-r000002.h5")
+    assert not same_model(saved / "ckpt-r000002.h5", saved / "ckpt-r000003.h5")
