@@ -85,11 +85,12 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
             env: dict[str, str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python -m mpifl ARGS`` and kill the whole process group on timeout.
 
-    An ``mpifl run`` of at most ``POOL_SIZE`` ranks with the suite's own environment goes to this worker's job
-    pool (``tests/mpi_pool.py``): the same ranks' code on a communicator of a long-lived MPI job, with the same
-    exit status and each rank's output, without paying every rank's start-up again. ``fresh``: a job of its own,
-    for what a shared process would change: peak memory, which is the process's; start-up itself."""
-    if not fresh and set(env or {}) <= POOLED_ENV and args and args[0] == "run" and 2 <= n <= POOL_SIZE:
+    An ``mpifl run`` or ``mpifl sweep`` of at most ``POOL_SIZE`` ranks with the suite's own environment goes to
+    this worker's job pool (``tests/mpi_pool.py``): the same ranks' code on a communicator of a long-lived MPI job,
+    with the same exit status and each rank's output, without paying every rank's start-up again. ``fresh``: a job
+    of its own, for what a shared process would change: peak memory, which is the process's; start-up itself; the
+    supervisor process each rank of a job of its own runs under."""
+    if not fresh and set(env or {}) <= POOLED_ENV and args and args[0] in POOLED_COMMANDS and 2 <= n <= POOL_SIZE:
         return _job_pool().run(n, args, timeout, cwd, env or {})
     proc = spawn_mpi(n, *args, cwd=cwd, env=env)
     cmd = proc.args
@@ -102,7 +103,10 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "6"))  # 0: every job starts its own mpiexec
+POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "9"))  # 0: every job starts its own mpiexec
+# The commands that take the caller's communicator (mpifl.cli.main(argv, comm)); without a supervisor process per
+# rank there, as without one in any program that passes its own communicator.
+POOLED_COMMANDS = ("run", "sweep")
 # Variables a job may set and still run in the pool: the suite's plug-ins (tests/fl_helpers.py: FailingClients,
 # Straggling, SlowOnOneRank) read them each time they are called, never at import, and keep nothing in the process
 # between jobs.

@@ -1,5 +1,5 @@
-"""A long-lived MPI job that runs the suite's ``mpifl run`` jobs one after another, so that each rank imports
-torch once for many jobs instead of once per job.
+"""A long-lived MPI job that runs the suite's ``mpifl run`` and ``mpifl sweep`` jobs one after another, so that each
+rank imports torch once for many jobs instead of once per job.
 
 Why: nearly all of a small test job's CPU time is its ranks' start-up (Python, torch, mpi4py: about 2 CPU-s a
 rank), while its rounds take a fraction of a second. Started by ``tests/conftest.py`` (one pool per pytest

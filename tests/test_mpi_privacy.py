@@ -76,7 +76,7 @@ rounds: 3
 clients: {{num_clients: 10, per_round: 6, accept_failures: true}}
 data: {{dataset: synthetic, kwargs: {{num_samples: 600, num_features: 8, num_classes: 4}}}}
 model: {{name: mlp, kwargs: {{hidden: [8]}}}}
-train: {{trainer: "faults.injectors:Injected", lr: 0.05}}
+train: {{trainer: "fl_helpers:FailingClients", lr: 0.05}}
 secagg: {{enabled: true, masking: {masking}}}
 eval: {{every: 0}}
 output: {{progress: false}}
@@ -87,7 +87,9 @@ output: {{progress: false}}
 def test_the_securely_aggregated_sum_is_exactly_the_plain_fixed_point_sum(tmp_path, drop):
     """Masked updates, with pairwise masks cancelling and a dropped client's masks removed, give bitwise the
     model that the unmasked fixed-point updates give."""
-    env = {"FAULT": "raise", "FAULT_RANK": "1", "FAULT_CALL": "2"} if drop else {}
+    # logical client 4 raises: rank 1's second client of round 1, its only round (FailingClients reads the variables
+    # at each call, so the jobs run in the suite's job pool)
+    env = {"FL_HELPERS_RAISE": "4", "FL_HELPERS_SEED": "5"} if drop else {}
     models = {}
     for masking in ("true", "false"):
         cfg = write_config(tmp_path / f"{masking}.yaml", SECAGG.format(masking=masking))

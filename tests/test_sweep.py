@@ -122,7 +122,8 @@ def test_a_rank_that_leaves_a_sweep_with_0_past_pythons_cleanup_fails_the_sweep_
     never run, and a batch script took the sweep for a success."""
     faults = "faults: [{kind: exit, code: 0, via: c, ranks: [1], rounds: [2]}]\n"
     cfg = write_config(tmp_path / "c.yaml", CONFIG + faults)
-    done = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--runs-dir", str(tmp_path / "runs"))
+    done = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--runs-dir", str(tmp_path / "runs"),
+                   fresh=True)  # its own mpiexec: the supervisor runs only where mpifl owns the world
     assert done.returncode != 0
     assert "[rank 1] mpifl: this rank (PID" in done.stderr, done.stderr[-3000:]
     assert "left with exit status 0 before mpifl sweep finished" in done.stderr

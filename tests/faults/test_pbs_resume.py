@@ -43,10 +43,12 @@ def job(tmp_path_factory):
     return script, base / "reference" / "model.h5"
 
 
-def submit(script: Path, workdir: Path, kill_after: float | None, **extra: str) -> tuple[int | None, str]:
-    """Run the job script as PBS would; SIGKILL the whole job after ``kill_after`` seconds (None: let it end)."""
+def submit(script: Path, workdir: Path, kill_after: float | None, sleep: float = 0.2,
+           **extra: str) -> tuple[int | None, str]:
+    """Run the job script as PBS would; SIGKILL the whole job after ``kill_after`` seconds (None: let it end). Each
+    client's training sleeps ``sleep`` seconds, so that the rounds spread over the time a kill may land in."""
     env = dict(os.environ, PBS_NODEFILE=str(script.parent / "nodefile"), PBS_O_WORKDIR=str(workdir),
-               MPIEXEC=mpiexec(), FL_HELPERS_SLEEP="0.2", **extra,
+               MPIEXEC=mpiexec(), FL_HELPERS_SLEEP=str(sleep), **extra,
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -61,9 +63,10 @@ def submit(script: Path, workdir: Path, kill_after: float | None, **extra: str) 
 
 
 def resubmit_until_done(script: Path, workdir: Path, kills: list[float]) -> list[int | None]:
-    """Submit with each kill delay in turn, then once more to the end; what each submission returned."""
+    """Submit with each kill delay in turn, then once more to the end (no kill to spread its rounds for: no
+    sleep); what each submission returned."""
     codes = [submit(script, workdir, delay)[0] for delay in kills]
-    code, err = submit(script, workdir, None)
+    code, err = submit(script, workdir, None, sleep=0)
     assert code == 0, err[-3000:]
     return codes + [code]
 
@@ -74,7 +77,7 @@ def test_a_kill_before_the_first_checkpoint_and_a_finished_job_both_resubmit_cle
     assert codes[0] is None
     run_dir = tmp_path / "runs" / "sweep"
     assert same_model(run_dir / "model.h5", reference) and rounds_logged(run_dir) == list(range(1, 7))
-    code, err = submit(script, tmp_path, None)  # a chained job (qsub -W depend=afterany) after the end
+    code, err = submit(script, tmp_path, None, sleep=0)  # a chained job (qsub -W depend=afterany) after the end
     assert code == 0 and "run already complete" in err
 
 
