@@ -419,6 +419,32 @@ def test_the_planned_bytes_through_rank_0_are_what_the_record_measures(tmp_path,
     assert through_server == pytest.approx(record["cost"]["bytes_moved"], rel=0.01)  # headers and padding aside
 
 
+def test_the_planned_bytes_of_an_asynchronous_step_bound_what_its_record_measures(tmp_path):
+    """A FedBuff step applies clock.buffer updates, and the new version goes once to each rank holding a client
+    dispatched in their place, all through rank 0: a round's figure (every client of a round, both ways) would be
+    far too high. The first step also carries the first dispatch's models."""
+    overrides = ["rounds=4", "eval.every=0", "output.progress=false", "clients.num_clients=8", "clock.mode=fedbuff",
+                 "clock.concurrency=3", "clock.buffer=2"]
+    planned = mpifl_here("plan", str(ROOT / "configs" / "quickstart.yaml"), "--client-ranks", "2", *overrides)
+    assert planned.returncode == 0, planned.stderr
+    first = planned.stdout.splitlines()[0]
+    assert "3 of 8 clients training at once (clock.concurrency), ~" in first and "per round" not in first
+    assert "moved per fedbuff server step (2 updates in (clock.buffer), the new version out to each rank" in first
+    from mpifl.cli.plan import estimate, step_traffic
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", overrides)
+    size, plan = estimate(cfg, nranks=3, ranks_per_node=3, server_alone=False)
+    fewest, most, _ = step_traffic(cfg, 2, size.exchanged, plan.update_wire_bytes)
+    update, model = plan.update_wire_bytes, size.exchanged
+    assert (fewest, most) == (2 * update + model, 2 * (update + model))
+    done = run_mpi(3, "run", str(ROOT / "configs" / "quickstart.yaml"), *overrides, "--run-dir", str(tmp_path / "r"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    moved = [json.loads(line)["cost"]["bytes_moved"] for line in records]
+    assert all(0.99 * fewest <= m <= 1.01 * most for m in moved[1:]), (moved, fewest, most)
+    assert moved[0] > moved[1]  # the first dispatch's models
+
+
 def test_plan_suggests_one_group_of_equal_work_per_client_rank_only_where_the_config_can_take_it():
     from mpifl.cli.plan import groups_hint
 

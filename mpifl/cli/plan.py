@@ -326,6 +326,22 @@ def round_traffic(cfg: Config, ranks: int, model_bytes: int, update_bytes: int) 
             model_bytes * copies_sent + update_bytes * streams_received)
 
 
+def step_traffic(cfg: Config, ranks: int, model_bytes: int, update_bytes: int) -> tuple[int, int, str]:
+    """An asynchronous server step's bytes, all through rank 0, as (fewest, most, what): the updates the step
+    applies come in, and the new version goes out once to each rank that holds a client dispatched in their place
+    (one rank at least, and no more ranks than clients dispatched or client ranks). A FedCompass step applies an
+    arrival group: at most every client in flight. The first step adds the first dispatch's models, and a failed or
+    lost task adds another dispatch."""
+    applied = {"fedasync": 1, "fedbuff": cfg.clock.buffer}.get(cfg.clock.mode, cfg.clock.in_flight())
+    fewest, most = update_bytes * applied + model_bytes, update_bytes * applied + model_bytes * min(applied, ranks)
+    what = {"fedasync": "1 update in, the new version out to its client's rank",
+            "fedbuff": f"{counted(applied, 'update')} in (clock.buffer), the new version out to each rank that "
+                       "holds a client sent in their place"}.get(
+        cfg.clock.mode, f"an arrival group of up to {counted(applied, 'update')} in, the new version out to each "
+                        "rank that holds a client sent in their place")
+    return (update_bytes + model_bytes if cfg.clock.mode == "fedcompass" else fewest), most, what
+
+
 def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
     cfg, ranks = planned_config(args)
@@ -333,11 +349,18 @@ def plan_main(args: argparse.Namespace) -> int:
     size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus)
     moved, through_server = round_traffic(cfg, ranks, size.exchanged, plan.update_wire_bytes)
     local = f" ({format_bytes(size.local)} of it model.local, kept per client)" if size.local else ""
+    if cfg.clock.asynchronous:  # no trees, chains or groups under an asynchronous clock: all through rank 0
+        fewest, most, what = step_traffic(cfg, ranks, size.exchanged, plan.update_wire_bytes)
+        amount = format_bytes(most) if fewest == most else f"{format_bytes(fewest)} to {format_bytes(most)}"
+        traffic = (f"{cfg.clock.in_flight()} of {counted(cfg.clients.num_clients, 'client')} training at once "
+                   f"(clock.concurrency), ~{amount} moved per {cfg.clock.mode} server step ({what}; through rank 0, "
+                   "what a record's cost.bytes_moved counts)")
+    else:
+        traffic = (f"{counted(cfg.clients_per_round(), 'client')} per round, ~{format_bytes(moved)} moved per round "
+                   f"(~{format_bytes(through_server)} through rank 0, what a record's cost.bytes_moved counts)")
     print(f"{args.config}: {parameters_text(size.parameters)}, {cfg.model.dtype}; exchanged "
           f"{format_bytes(size.exchanged)}, frozen {format_bytes(size.frozen)}{local}; "
-          f"{counted(ranks, 'client rank')}, "
-          f"{counted(cfg.clients_per_round(), 'client')} per round, ~{format_bytes(moved)} moved per round "
-          f"(~{format_bytes(through_server)} through rank 0, what a record's cost.bytes_moved counts)")
+          f"{counted(ranks, 'client rank')}, {traffic}")
     where = ("HDF5 windows, write staging and receive pool (out of core)" if cfg.server.state == "disk"
              else "model + pool + state")
     held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"
