@@ -68,6 +68,28 @@ def test_more_client_ranks_than_clients_is_refused(tmp_path):
     assert "3 client ranks but clients.num_clients=2" in result.stderr
 
 
+def test_a_run_that_failed_before_recording_a_round_is_still_refused_but_the_refusal_says_resume_starts_it_over(
+        tmp_path):
+    """A job that failed while it started leaves an empty metrics.jsonl and no checkpoint; its directory is not
+    taken over silently (a job starting there now would be written over), but the line says what to do."""
+    from mpifl.config import load_config
+    from mpifl.storage.checkpointer import RunDirectoryError
+    from mpifl.storage.rundir import prepare_run_dir
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", BASE))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(RunDirectoryError) as refused:
+        prepare_run_dir(cfg, str(run_dir), None)
+    assert str(refused.value) == (f"run directory {str(run_dir)!r} already holds a run that recorded no round "
+                                  "(metrics.jsonl is empty, no checkpoint): if no job is running there, add --resume "
+                                  "to start it over, or choose another --run-dir")
+    path, point = prepare_run_dir(cfg, str(run_dir), None, resume_asked="latest")
+    assert (path, point) == (run_dir, None) and not (run_dir / "metrics.jsonl").exists()
+    assert [p.name.startswith("metrics.jsonl.before-") for p in run_dir.iterdir() if "metrics" in p.name] == [True]
+
+
 def test_an_existing_run_is_never_overwritten(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", BASE)
     run_dir = tmp_path / "run"

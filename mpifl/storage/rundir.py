@@ -194,14 +194,25 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
     elif resume_asked:
         log(f"--resume: nothing to resume in {path} yet: starting a new run", rank=0)
     elif (path / METRICS).exists():
-        raise RunDirectoryError(f"run directory {str(path)!r} already holds a run ({METRICS}); "
-                                "choose another --run-dir, or add --resume to continue it")
+        raise RunDirectoryError(already_holds_a_run(path))
     if not resume_asked:  # a new run: the faults an earlier attempt here spent strike again
         shutil.rmtree(path / FAULTS_STRUCK, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(dump_config(cfg))
     shutil.rmtree(path / RANK_NOTES, ignore_errors=True)  # an earlier job's notes (perhaps of other ranks)
     return path, point
+
+
+def already_holds_a_run(path: Path) -> str:
+    """Why a new run will not start in ``path``: another run's records are there. One that recorded no round and
+    left no checkpoint failed while it started (or is starting now: two jobs in one directory would write over each
+    other, so it is still refused); ``--resume`` then starts it over, keeping the empty record aside."""
+    if (path / METRICS).stat().st_size == 0 and not list_checkpoints(path / CHECKPOINTS):
+        return (f"run directory {str(path)!r} already holds a run that recorded no round ({METRICS} is empty, no "
+                "checkpoint): if no job is running there, add --resume to start it over, or choose another "
+                "--run-dir")
+    return (f"run directory {str(path)!r} already holds a run ({METRICS}); choose another --run-dir, or add "
+            "--resume to continue it")
 
 
 def finished_without_checkpoint(path: Path, rounds: int) -> str:
