@@ -201,7 +201,8 @@ def local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: in
     if dataset.source is not None:  # from a client source: read only now, and only these clients
         dataset = dataset.holding(mine)
         held = sum(len(parts[c]) for c in mine)
-        log(f"read {held} of {len(dataset.y_train)} training samples: its {len(mine)} clients' "
+        whose = "its client's" if len(mine) == 1 else f"its {len(mine)} clients'"
+        log(f"read {held} of {len(dataset.y_train)} training samples: {whose} "
             f"({cfg.data.dataset} files under {cfg.data.kwargs.get('path')})", rank=rank)
     slices = ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
     return {c: slices[c] for c in mine}
