@@ -1,7 +1,8 @@
 """Run under mpiexec (4 ranks) by tests/test_mpi_data_loading.py: rank 1 shares a dataset with the client ranks as
 if they sat on two nodes (client ranks split by parity, so the bytes also travel between the nodes' first ranks);
 every client rank must get the same bytes, and no rank may hold more than the data once beside what it held before
-(rank 1: its tensors as read, already held, and the shared copy it fills)."""
+(rank 1: its tensors as read, already held, and the shared copy it fills; the server: the labels and held-out set it
+receives, bit for bit)."""
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,13 @@ def main() -> None:
     grew = (peak_kib() - before) * 1024
     want = expected()
     if rank == 0:
-        assert got.x_train.shape == (0, 768) and torch.equal(got.x_test, want.x_test), "server view"
+        assert got.x_train.shape == (0, 768) and got.x_train.dtype == want.x_train.dtype, "server view"
+        for name in ("y_train", "x_test", "y_test"):
+            mine, theirs = getattr(got, name), getattr(want, name)
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), f"server: {name} differs"
+        assert got.tokenizer == "kept"
+        held = nbytes(got)  # labels and the held-out set, sent as raw bytes; a pickled object held them 3x
+        assert grew <= 1.5 * held, f"server: peak grew by {grew / MIB:.0f} MiB receiving {held / MIB:.0f} MiB"
     else:
         for name in ("x_train", "y_train", "x_test", "y_test"):
             mine, theirs = getattr(got, name), getattr(want, name)

@@ -11,7 +11,10 @@ from conftest import ROOT, mpifl_here, run_mpi, write_config
 from mpifl.cli.plan import clients_beside_server, estimate, gpu_warning, node_warning, ranks_per_gpu
 from mpifl.config import load_config
 from mpifl.planning.memory import (
+    CONV_KERNELS_BYTES,
+    CONV_OUTPUT_COPIES,
     IMPORTS_BYTES,
+    TABLE_READER_BYTES,
     TRAINING_RUNTIME_BYTES,
     DataBytes,
     MemoryEstimate,
@@ -191,6 +194,47 @@ def test_plan_holds_fashion_mnists_client_ranks_within_15_percent_of_their_measu
     share = -(-(FASHION_MNIST.inputs + FASHION_MNIST.labels) // 3)
     assert plan.client_shared_bytes >= 0.997 * (FASHION_MNIST.inputs + FASHION_MNIST.labels)
     assert plan.client_data_bytes == plan.client_shared_bytes + share
+
+
+# rank 0's peak RSS (/usr/bin/time -f %M) in `mpiexec -n 4 mpifl run configs/fashion_mnist.yaml rounds=2`, the median
+# of three runs (393.7, 393.8, 397.0 MiB; 2026-12-01, docs/explanation/memory.md#the-server): its last round's
+# held-out evaluation sets it
+FASHION_MNIST_SERVER_PEAK = 394 * MIB
+
+
+def test_plan_holds_fashion_mnists_server_within_10_percent_of_its_measured_peak():
+    from mpifl.learning.idx import FASHION_MNIST as FOLDER
+
+    if not Path(FOLDER).is_dir():
+        pytest.skip(f"no Fashion-MNIST in {FOLDER} (sudo apt-get install dataset-fashion-mnist)")
+    _, plan = estimate(load_config(ROOT / "configs" / "fashion_mnist.yaml", ["rounds=2"]), nranks=4,
+                       ranks_per_node=4, server_alone=False)
+    assert abs(plan.server_bytes - FASHION_MNIST_SERVER_PEAK) <= 0.10 * FASHION_MNIST_SERVER_PEAK, plan.server_bytes
+    assert plan.server_eval_bytes > CONV_KERNELS_BYTES  # LeNet's convolutions, scored on the CPU
+
+
+def test_a_convolutions_output_counts_several_times_in_a_held_out_batch_and_its_kernels_once():
+    from mpifl.planning.memory import classifier_evaluation_bytes
+
+    dense = classifier_evaluation_bytes(400, [100, 300, 40], width=4)
+    assert dense == classifier_evaluation_bytes(400, [100, 300, 40], width=4, convolutions=[False] * 3)
+    conv = classifier_evaluation_bytes(400, [100, 300, 40], width=4, convolutions=[False, True, False])
+    assert conv == 400 + 100 + CONV_OUTPUT_COPIES * 300 + 40 + CONV_KERNELS_BYTES
+
+
+def test_a_table_read_through_pyarrow_counts_its_reader_on_every_rank_that_reads_it():
+    from mpifl.config.sections import DataConfig
+    from mpifl.learning.datasets import reader_bytes
+
+    assert reader_bytes(DataConfig(dataset="table", kwargs={"path": "t.parquet"})) == TABLE_READER_BYTES
+    assert reader_bytes(DataConfig(dataset="table", kwargs={"path": "t.npz"})) == 0  # numpy reads npz
+    assert reader_bytes(DataConfig(dataset="digits")) == 0
+    source = DataBytes(inputs=800 * MIB, labels=8 * MIB, test=100 * MIB, per_rank=True, reader=TABLE_READER_BYTES)
+    assert server_data_bytes(source) == 108 * MIB + TABLE_READER_BYTES  # the server surveys and reads its held-out set
+    assert client_data_bytes(source, client_ranks=4, per_round=False) == 8 * MIB + 202 * MIB + TABLE_READER_BYTES
+    whole = dataclasses.replace(source, per_rank=False)  # read whole by rank 1 alone
+    assert server_data_bytes(whole) == 108 * MIB
+    assert reading_rank_bytes(0, whole) == TABLE_READER_BYTES + 2 * 908 * MIB
 
 
 def test_the_fullest_node_counts_rank_1_at_its_reading_peak_on_the_node_it_shares():

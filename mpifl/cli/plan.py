@@ -120,6 +120,11 @@ def size_of(exchanged: ModelSpec, frozen: ModelSpec, local: Sequence[str] = ()) 
 def leaf_output_bytes(cfg: Config, shape: dict, batch: int) -> list[int]:
     """Every leaf module's output bytes for ``batch`` samples of the data's shape, from a forward pass on the meta
     device (nothing allocated); empty where the model cannot be built from the data's shape."""
+    return [n for n, _ in leaf_outputs(cfg, shape, batch)]
+
+
+def leaf_outputs(cfg: Config, shape: dict, batch: int) -> list[tuple[int, bool]]:
+    """``leaf_output_bytes``, each with whether its leaf is a convolution."""
     import torch
 
     from mpifl.learning.models import build_model
@@ -128,11 +133,12 @@ def leaf_output_bytes(cfg: Config, shape: dict, batch: int) -> list[int]:
         return []
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.seed, **shape)
-    outputs: list[int] = []
+    outputs: list[tuple[int, bool]] = []
 
     def count(module: torch.nn.Module, inputs: tuple, output: object) -> None:
         if isinstance(output, torch.Tensor) and not list(module.children()):
-            outputs.append(output.numel() * output.element_size())
+            conv = isinstance(module, torch.nn.modules.conv._ConvNd)
+            outputs.append((output.numel() * output.element_size(), conv))
 
     handles = [m.register_forward_hook(count) for m in model.modules()]
     try:
@@ -207,8 +213,8 @@ def evaluation_bytes(cfg: Config, batch: int, shape: dict | None = None) -> int:
     """What one held-out batch of ``batch`` samples works with beside the model, where anything evaluates
     (``eval.every`` on the server, ``eval.federated_every`` on the clients; 0 otherwise). A transformers model is
     scored by perplexity on blocks of ``data.kwargs.seq_len`` tokens (``decoder_evaluation_bytes``: its logits
-    dominate); a classifier holds its input batch, two leaf outputs at a time under no_grad and the loss's fp32
-    log-softmax (``classifier_evaluation_bytes``)."""
+    dominate); a classifier holds its input batch, two leaf outputs at a time under no_grad (a convolution's several
+    times) and the loss's fp32 log-softmax (``classifier_evaluation_bytes``)."""
     if not (cfg.eval.every or cfg.eval.federated_every):
         return 0
     seq = cfg.data.kwargs.get("seq_len")
@@ -216,11 +222,12 @@ def evaluation_bytes(cfg: Config, batch: int, shape: dict | None = None) -> int:
         if not isinstance(seq, int):
             return 0
         return decoder_evaluation_bytes(decoder_shape(cfg), batch, seq, itemsize(cfg.model.dtype))
-    outputs = leaf_output_bytes(cfg, shape or {}, batch)
+    outputs = leaf_outputs(cfg, shape or {}, batch)
     if not outputs or shape is None:
         return 0
     width = itemsize(cfg.model.dtype)
-    return classifier_evaluation_bytes(batch * math.prod(shape["input_shape"]) * width, outputs, width)
+    return classifier_evaluation_bytes(batch * math.prod(shape["input_shape"]) * width, [n for n, _ in outputs],
+                                       width, [conv for _, conv in outputs])
 
 
 def model_bytes(cfg: Config) -> ModelBytes:
@@ -364,7 +371,7 @@ def plan_main(args: argparse.Namespace) -> int:
     where = ("HDF5 windows, write staging and receive pool (out of core)" if cfg.server.state == "disk"
              else "model + pool + state")
     held_out = "labels + held-out set" + (" + one noisy copy of its inputs (data.feature_noise)"
-                                          if cfg.data.feature_noise else "")
+                                          if cfg.data.feature_noise else "") + reader_note(cfg, server=True)
     on_gpu = bool(plan.server_device_bytes)
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}"
@@ -655,10 +662,20 @@ def client_data_what(cfg: Config) -> str:
     from mpifl.learning.datasets import client_source
 
     if client_source(cfg.data) is not None:
-        return "every label, its own clients' inputs"
+        return "every label, its own clients' inputs" + reader_note(cfg)
     if cfg.clients.placement == "per_round":
         return "every client's pages of the shared set, each client copied while it trains"
     return "the shared set's pages around its clients' samples + their copies"
+
+
+def reader_note(cfg: Config, server: bool = False) -> str:
+    """The library that reads the data, where it counts in a rank's data: every rank reads from a client source,
+    the ``server`` otherwise not (rank 1 reads it)."""
+    from mpifl.learning.datasets import client_source, reader_bytes
+
+    if not reader_bytes(cfg.data) or (server and client_source(cfg.data) is None):
+        return ""
+    return " + pyarrow, which reads the table"
 
 
 SLOTS_SHOWN = 8

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,9 @@ from mpifl.learning.idx import FASHION_MNIST, fashion_mnist, folder_problem, idx
 from mpifl.learning.leaf import LeafSource, leaf
 from mpifl.learning.models import SIZED_BY_DATA
 from mpifl.learning.sources import ClientIndex, ClientSource, HeldRows
-from mpifl.learning.tables import TableSource, table
+from mpifl.learning.tables import TableSource, table, table_format
 from mpifl.learning.text import text
-from mpifl.planning.memory import DataBytes
+from mpifl.planning.memory import TABLE_READER_BYTES, DataBytes
 from mpifl.plugins import kwargs_problem, resolve
 
 
@@ -163,13 +164,21 @@ def _survey(cfg: DataConfig) -> tuple[dict[str, Any], DataBytes]:
         rows = int(index.starts[-1])
         inputs = rows * math.prod(index.input_shape) * index.input_dtype.itemsize
         footprint = DataBytes(inputs, rows * 8, _nbytes(x_test) + _nbytes(y_test), per_rank=True,
-                              noisy_copy=_noisy_copy_bytes(cfg, x_test), test_rows=len(y_test))
+                              noisy_copy=_noisy_copy_bytes(cfg, x_test), test_rows=len(y_test),
+                              reader=reader_bytes(cfg))
         return {"input_shape": tuple(index.input_shape), "num_classes": index.num_classes}, footprint
     data = load_dataset(cfg)
     footprint = DataBytes(_nbytes(data.x_train), _nbytes(data.y_train), _nbytes(data.x_test) + _nbytes(data.y_test),
                           per_rank=False, noisy_copy=_noisy_copy_bytes(cfg, data.x_test), test_rows=len(data.y_test),
-                          train_rows=len(data.y_train))
+                          train_rows=len(data.y_train), reader=reader_bytes(cfg))
     return {"input_shape": data.input_shape, "num_classes": data.num_classes}, footprint
+
+
+def reader_bytes(cfg: DataConfig) -> int:
+    """What the library that reads the data adds to a rank that reads it: pyarrow for a table not in npz files."""
+    if cfg.dataset != "table" or table_format(Path(str(cfg.kwargs.get("path", "")))) == "npz":
+        return 0
+    return TABLE_READER_BYTES
 
 
 def _noisy_copy_bytes(cfg: DataConfig, x_test: torch.Tensor) -> int:

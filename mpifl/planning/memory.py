@@ -31,6 +31,22 @@ TRAINING_RUNTIME_BYTES = int(0.09 * GIB)
 # meta device for its layout): transformers 5.24 with its Llama modeling code, scipy and PIL brought in with it,
 # measured as VmHWM on torch 2.13 (CPU), 403 MiB against 254 MiB without (2026-11-29).
 LIBRARY_IMPORT_BYTES = {"transformers": 149 * MIB}
+# What reading a table (data.dataset: table, Parquet or saved Arrow files) adds to every rank that reads it: pyarrow
+# 26.0.1 with its parquet and compute modules imported (37 MiB) and the reader's buffers after a survey and one
+# rank's read (16 MiB): VmHWM of one process, 321 MiB against 268 MiB with torch, mpi4py and h5py alone, on the
+# walkthrough's 500-row table (2026-12-01, torch 2.13 CPU). From a client source every rank reads (the server
+# surveys and reads the held-out set); a table read whole is read by rank 1 only.
+TABLE_READER_BYTES = 53 * MIB
+# A classifier with convolutions, scored on the CPU (VmHWM of one process scoring LeNet on 10,000 Fashion-MNIST-
+# shaped samples, torch 2.13 CPU with oneDNN, 2026-12-01): the first convolution maps ATen's and oneDNN's kernels
+# and their caches, 25.9 MiB on a batch of 1 sample (16.1 MiB with oneDNN off), whatever the batch;
+CONV_KERNELS_BYTES = 26 * MIB
+# and a batch of B samples then held about B x 62 KiB beside that (+5, +31 and +129 MiB at B = 64, 512 and 2,048)
+# where a leaf's output and the next's came to 17 KiB a sample (conv1's 13.5 and the pooling's 3.4) and the input to
+# 3 KiB: a convolution's output is held about 4 times (in oneDNN's blocked layout, channels padded; its plain copy;
+# the functional ReLU's output; freed batches the allocator keeps). Fitted to those three batches: 4 copies and
+# CONV_KERNELS_BYTES give +30, +56 and +147 MiB, the leaf outputs once +27, +36 and +66 MiB.
+CONV_OUTPUT_COPIES = 4
 # A client rank that trains on a GPU, calibrated on one H100 (torch 2.11.0+cu130, deterministic kernels; the GPU
 # check of 2026-11-27 in docs/how-to/gpus.md):
 CUDA_WORKSPACE_BYTES = 64 * MIB  # cuBLAS's workspaces, allocated by torch: the quick start's MLP, whose tensors
@@ -136,22 +152,25 @@ class DataBytes:
     noisy_copy: int = 0  # data.feature_noise: one float32 copy of the held-out inputs, scored level by level
     test_rows: int = 0  # held-out samples (token blocks for text): a batch of evaluation holds at most this many
     train_rows: int = 0  # training samples: with ``inputs``, a sample's bytes (0: unknown, every page counts)
+    reader: int = 0  # what the reading library adds to each rank that reads the data (TABLE_READER_BYTES)
 
 
 def server_data_bytes(data: DataBytes) -> int:
     """The server holds the labels and the held-out set, never the training inputs (roles.data.server_view), and
-    with feature noise one noisy copy of the held-out inputs at a time (mpifl.learning.noise.score_over_levels)."""
-    return data.labels + data.test + data.noisy_copy
+    with feature noise one noisy copy of the held-out inputs at a time (mpifl.learning.noise.score_over_levels);
+    from a client source it reads them itself, with the reading library (``data.reader``)."""
+    return data.labels + data.test + data.noisy_copy + (data.reader if data.per_rank else 0)
 
 
 def client_data_bytes(data: DataBytes, client_ranks: int, per_round: bool) -> int:
     """What a client rank's resident memory holds of the data. From a client source: every label and its own
-    clients' inputs. Otherwise the pages of the shared set that it maps (``client_shared_bytes``; the set lies once
-    per node in shared memory, ``node_data_bytes``), plus a copy of its clients' samples sliced out once
-    (clients.placement per_round: it copies one client only while it trains)."""
+    clients' inputs, with the reading library (``data.reader``). Otherwise the pages of the shared set that it
+    maps (``client_shared_bytes``; the set lies once per node in shared memory, ``node_data_bytes``), plus a copy of
+    its clients' samples sliced out once (clients.placement per_round: it copies one client only while it
+    trains)."""
     share = math.ceil((data.inputs + data.labels) / max(1, client_ranks))
     if data.per_rank:
-        return data.labels + share
+        return data.labels + share + data.reader
     return client_shared_bytes(data, client_ranks, per_round) + (0 if per_round else share)
 
 
@@ -198,7 +217,8 @@ def node_data_bytes(data: DataBytes) -> int:
 
 def reading_rank_bytes(started: int, data: DataBytes) -> int:
     """Rank 1's peak while it reads the data and shares it (roles.data): what it holds once ``started`` (libraries,
-    and the torch._dynamo that a client rank's throwaway optimizer imports first), and the data twice, the tensors
+    and the torch._dynamo that a client rank's throwaway optimizer imports first), the reading library
+    (``data.reader``), and the data twice, the tensors
     as read and their copy in the node's shared windows, every page of which it writes. 0 from a client source
     (each client rank reads its own clients').
 
@@ -206,7 +226,7 @@ def reading_rank_bytes(started: int, data: DataBytes) -> int:
     client rank's 0.54 GiB. Measured as VmHWM (docs/explanation/memory.md#rank-1-which-reads-the-data): on Fashion-MNIST
     at 4 ranks, rank 1 peaked at 773 MiB while reading (this gives 788 MiB), ranks 2-3 at 404 MiB; before its bytes
     went straight into the shared windows (a pickled broadcast, even to rank 1 itself), at 1,191 MiB."""
-    return 0 if data.per_rank else started + 2 * node_data_bytes(data)
+    return 0 if data.per_rank else started + data.reader + 2 * node_data_bytes(data)
 
 
 def streams_per_rank(cfg: Config, client_ranks: int) -> int:
@@ -435,15 +455,20 @@ def decoder_evaluation_bytes(shape: DecoderShape, batch: int, seq: int, width: i
     return logits + layer
 
 
-def classifier_evaluation_bytes(inputs: int, outputs: Sequence[int], width: int) -> int:
+def classifier_evaluation_bytes(inputs: int, outputs: Sequence[int], width: int,
+                                convolutions: Sequence[bool] = ()) -> int:
     """One held-out batch's working set for a classifier under no_grad (mpifl.learning.trainers.evaluate): its
     inputs (``inputs`` bytes, a copy where they are cast), a leaf module's input and output at a time (``outputs``:
     every leaf's output bytes in forward order, ``width`` bytes an element; nothing is kept for backward), and the
-    loss's fp32 log-softmax of the last output, the logits."""
+    loss's fp32 log-softmax of the last output, the logits. A convolution's output (``convolutions``: which leaves
+    are) counts CONV_OUTPUT_COPIES times, and a model with any, CONV_KERNELS_BYTES once."""
     if not outputs:
         return 0
-    pairs = [a + b for a, b in zip(outputs, outputs[1:])] or list(outputs)
-    return inputs + max(pairs) + 4 * (outputs[-1] // width)
+    conv = [*convolutions, *[False] * (len(outputs) - len(convolutions))]
+    held = [n * CONV_OUTPUT_COPIES if c else n for n, c in zip(outputs, conv)]
+    pairs = [a + b for a, b in zip(held, held[1:])] or list(held)
+    kernels = CONV_KERNELS_BYTES if any(convolutions) else 0
+    return inputs + max(pairs) + 4 * (outputs[-1] // width) + kernels
 
 
 def share(nbytes: int, parts: int) -> int:

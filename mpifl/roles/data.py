@@ -37,7 +37,7 @@ from mpifl.roles.launch import SetupError, agree
 from mpifl.storage.rundir import TOKENIZER
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
-from mpifl.wire.shared import node_communicator, share_on_node
+from mpifl.wire.shared import node_communicator, recv_tensors, send_tensors, share_on_node
 from mpifl.wire.transport import recv_object, send_object
 
 
@@ -81,9 +81,7 @@ def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Datas
     clients = comm.Split(MPI.UNDEFINED if rank == 0 else 0, rank)
     try:
         if rank == 0:
-            got = recv_object(comm, 1, protocol.DATASET)
-            assert isinstance(got, tuple)  # rank 1 sends (server view or None, error or None)
-            dataset, error = got
+            dataset, error = _receive_server_view(comm)
         else:
             dataset, error = None, None
             if rank == 1:
@@ -91,8 +89,7 @@ def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Datas
                     dataset = load()
                 except (OSError, ValueError, SetupError) as err:
                     error = str(err)
-                send_object(comm, (server_view(dataset) if dataset is not None else None, error), protocol.SERVER,
-                            protocol.DATASET)
+                _send_server_view(comm, dataset, error)
             dataset, error = _share_with_client_ranks(cast(MPI.Intracomm, clients), dataset, error)
     finally:
         if clients != MPI.COMM_NULL:
@@ -101,6 +98,29 @@ def _read_on_a_client_rank(comm: MPI.Comm, load: Callable[[], Dataset]) -> Datas
         raise SetupError(error)
     assert dataset is not None  # without an error, rank 1 read it
     return dataset
+
+
+def _send_server_view(comm: MPI.Comm, dataset: Dataset | None, error: str | None) -> None:
+    """Rank 1 sends the server its view of the dataset (or the error reading it): the skeleton as an object, its
+    tensors as raw bytes (wire.shared.send_tensors), so that neither side holds them pickled."""
+    if dataset is None:
+        send_object(comm, (None, error), protocol.SERVER, protocol.DATASET)
+        return
+    view, none = server_view(dataset), torch.empty(0)
+    skeleton = replace(view, y_train=none, x_test=none, y_test=none)  # x_train: empty, its shape the inputs'
+    send_object(comm, (skeleton, None), protocol.SERVER, protocol.DATASET)
+    send_tensors(comm, [view.y_train, view.x_test, view.y_test], protocol.SERVER, protocol.DATASET)
+
+
+def _receive_server_view(comm: MPI.Comm) -> tuple[Dataset | None, str | None]:
+    """The server's view of the dataset rank 1 read (``_send_server_view``), or the error reading it."""
+    got = recv_object(comm, 1, protocol.DATASET)
+    assert isinstance(got, tuple)  # rank 1 sends (skeleton or None, error or None)
+    skeleton, error = got
+    if skeleton is None:
+        return None, error
+    y_train, x_test, y_test = recv_tensors(comm, 1, protocol.DATASET)
+    return replace(skeleton, y_train=y_train, x_test=x_test, y_test=y_test), error
 
 
 def _share_with_client_ranks(clients: MPI.Intracomm, dataset: Dataset | None,

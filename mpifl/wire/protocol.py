@@ -5,9 +5,10 @@ Start-up (once):
                      seconds its build took; rank 0 waits for a rank only as long as the build
                      took the others (mpifl.roles.launch.gather_within), names any model that
                      differs from its own, then bcasts the verdict.
-    1 -> 0  DATASET (pickled) the data rank 1 read, less its training inputs (labels, held-out set), or
-                    the error reading it; rank 1 broadcasts the whole to the other client ranks in a
-                    communicator of their own, so the server never holds the training inputs.
+    1 -> 0  DATASET (pickled, small) the data rank 1 read, less its tensors, or the error reading it;
+                    then (pickled, small) the shapes and dtypes of its training labels and held-out set,
+                    then each one's raw bytes (wire.shared.send_tensors). Rank 1 shares the whole with the
+                    other client ranks in a communicator of their own: the server never holds the inputs.
     1 -> 0  INIT    out-of-core server, fresh start only: rank 1 streams its freshly
                     built model (chunk order), which the server writes as round 0.
 Every round r:

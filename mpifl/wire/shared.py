@@ -4,17 +4,26 @@ The training set every client rank reads is the same bytes on each of them. Broa
 client ranks holds R copies; in one ``MPI_Win_allocate_shared`` window per tensor it holds one, and each rank's
 resident memory counts only the pages it touches (its own clients' samples). The windows live until the process
 ends (MPI frees them at ``MPI_Finalize``): the tensors that view them are the rank's data for the whole run.
+
+The server, on no client rank's node window, gets its part (labels, held-out set) by ``send_tensors``: a small
+pickled header of shapes and dtypes, then each tensor's bytes received straight into a tensor allocated for them.
+Pickled whole, the message, the storages' bytes inside it and the tensors rebuilt from them were all alive at once:
+on Fashion-MNIST the server peaked about 60 MiB higher for its 30 MiB held-out set (memray: ``recv_object`` 61 MiB,
+``persistent_load`` 30 MiB).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.wire.transport import recv_object, send_object, wait, wake
+
 _WINDOWS: list[MPI.Win] = []  # kept alive for as long as the tensors that view them
-BCAST_SLICE_BYTES = 2**30  # below 2**31, the largest count an MPI call takes
+SLICE_BYTES = 2**30  # below 2**31, the largest count an MPI call takes
 
 
 def node_communicator(comm: MPI.Intracomm) -> MPI.Intracomm:
@@ -55,5 +64,35 @@ def share_on_node(node: MPI.Intracomm, tensor: torch.Tensor | None,
 
 def bcast_bytes(comm: MPI.Intracomm, buffer: np.ndarray) -> None:
     """Broadcast a uint8 buffer from ``comm``'s first rank in place, in slices that an MPI count (a C int) holds."""
-    for start in range(0, len(buffer), BCAST_SLICE_BYTES):
-        comm.Bcast(buffer[start:start + BCAST_SLICE_BYTES], root=0)
+    for start in range(0, len(buffer), SLICE_BYTES):
+        comm.Bcast(buffer[start:start + SLICE_BYTES], root=0)
+
+
+def send_tensors(comm: MPI.Comm, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> None:
+    """Send ``tensors`` to ``dest`` as raw bytes: a pickled header of their shapes and dtypes, then each one's bytes
+    in slices an MPI count holds, all on ``tag`` (MPI keeps one source's messages on a tag in order)."""
+    flat = [t.detach().contiguous() for t in tensors]
+    send_object(comm, [(tuple(t.shape), t.dtype) for t in flat], dest, tag)
+    for tensor in flat:
+        for piece in _byte_slices(tensor):
+            request = comm.Isend([piece, MPI.BYTE], dest=dest, tag=tag)
+            wake(comm, dest)
+            wait(request)
+
+
+def recv_tensors(comm: MPI.Comm, source: int, tag: int) -> list[torch.Tensor]:
+    """The tensors ``send_tensors`` sent from ``source`` on ``tag``, each received into memory of its own."""
+    header = recv_object(comm, source, tag)
+    assert isinstance(header, list)  # send_tensors' (shape, dtype) per tensor
+    tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in header]
+    for tensor in tensors:
+        for piece in _byte_slices(tensor):
+            wait(comm.Irecv([piece, MPI.BYTE], source=source, tag=tag))
+    return tensors
+
+
+def _byte_slices(tensor: torch.Tensor) -> Iterator[np.ndarray]:
+    """A contiguous tensor's bytes as uint8 arrays that view it, each small enough for an MPI count."""
+    data = tensor.view(-1).view(torch.uint8).numpy()
+    for start in range(0, len(data), SLICE_BYTES):
+        yield data[start:start + SLICE_BYTES]
