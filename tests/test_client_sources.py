@@ -230,6 +230,38 @@ def test_table_mistakes_name_the_file_and_the_column(tmp_path):
         TableSource(str(tmp_path / "data.csv")).survey()
 
 
+def with_null(columns: dict, name: str, row: int = 29):
+    """The table of ``columns`` with one null in column ``name`` (a list column: one null element)."""
+    table = arrow_table(columns)
+    values = table.column(name).to_pylist()
+    if isinstance(values[row], list):
+        values[row][3] = None
+    else:
+        values[row] = None
+    return table.set_column(table.column_names.index(name), name, pa.array(values, type=table.schema.field(name).type))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+@pytest.mark.parametrize("column", ["label", "client_id", "pixels", "bias"])
+def test_a_null_in_a_table_is_refused_by_the_survey_naming_the_file_and_the_column(tmp_path, kind, column):
+    table = with_null(table_columns(), column)  # row 29: not the first client's, whose inputs the survey reads
+    path = tmp_path / "train.parquet" if kind == "parquet" else tmp_path / "train"
+    if kind == "parquet":
+        pq.write_table(table, path, row_group_size=8)
+    else:
+        save_to_disk(table, path)
+    with pytest.raises(ValueError, match=rf"^{path}: column '{column}' has 1 null value \(a missing label"):
+        TableSource(str(path)).survey()
+
+
+def test_a_missing_table_file_names_the_data_kwargs_key(tmp_path):
+    kwargs = write_table(tmp_path, "parquet")
+    with pytest.raises(FileNotFoundError, match=rf"^data.kwargs.path: no file or folder '{tmp_path}/nowhere.parquet'"):
+        TableSource(str(tmp_path / "nowhere.parquet")).survey()
+    with pytest.raises(FileNotFoundError, match=rf"^data.kwargs.test_path: no file or folder '{tmp_path}/t.parquet'"):
+        TableSource(kwargs["path"], test_path=str(tmp_path / "t.parquet")).survey()
+
+
 def test_a_federation_reading_clients_per_rank_equals_one_reading_everything(tmp_path):
     """Natural split: each client rank reads only its clients. The same split given as a partition
     file makes every rank read everything. The final models are bitwise equal."""

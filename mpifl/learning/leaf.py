@@ -172,7 +172,9 @@ class LeafSource:
 
     def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
         """Every user's labels and the encoded test split, reading each training file once."""
-        labels, files, kinds = {}, {}, set()
+        labels: dict[str, np.ndarray] = {}
+        files: dict[str, str] = {}
+        kinds: set[str] = set()
         widths = RowWidths()
         words: Counter[str] = Counter()
         for path, user, data in users_of(self.root / "train"):
