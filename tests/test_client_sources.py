@@ -134,6 +134,66 @@ def test_a_rank_opens_only_the_leaf_files_that_hold_its_clients(tmp_path, monkey
     assert opened == ["all_data_1_niid_0_keep_0_train_9.json"]
 
 
+def spoil(file, change) -> None:
+    """Rewrite a LEAF JSON file through ``change(table)``."""
+    table = json.loads(file.read_text())
+    change(table)
+    file.write_text(json.dumps(table))
+
+
+FIRST = "all_data_0_niid_0_keep_0_train_9.json"  # users f0001 and f0003
+SPOILED = {
+    "garbage after the JSON": (lambda f: f.write_text(f.read_text() + "]]"), r"not a JSON file \(Extra data"),
+    "a user without user_data": (lambda f: spoil(f, lambda t: t["users"].append("f0002")),
+                                 "user 'f0002' is listed in 'users' but has no 'user_data' entry"),
+    "a user listed twice": (lambda f: spoil(f, lambda t: t["users"].append("f0001")),
+                            "user 'f0001' is listed 2 times in 'users'"),
+    "a row of another length": (lambda f: spoil(f, lambda t: t["user_data"]["f0003"]["x"][1].extend([0.0] * 9)),
+                                "user 'f0003': input row 1 has 793 values, but user 'f0001' .* has rows of 784"),
+    "one label fewer than inputs": (lambda f: spoil(f, lambda t: t["user_data"]["f0003"]["y"].pop()),
+                                    r"user 'f0003' has 4 inputs \(x\) but 3 labels \(y\)"),
+    "a label that is no class": (lambda f: spoil(f, lambda t: t["user_data"]["f0003"]["y"].__setitem__(0, "cat")),
+                                 r"user 'f0003': labels \(y\)"),
+}
+
+
+@pytest.mark.parametrize("spoiled", SPOILED)
+def test_bad_leaf_content_is_refused_by_the_survey_naming_the_file_and_the_user(tmp_path, spoiled):
+    write_leaf(tmp_path)
+    change, error = SPOILED[spoiled]
+    change(tmp_path / "train" / FIRST)
+    with pytest.raises(ValueError, match=rf"^data.kwargs.path: {tmp_path / 'train' / FIRST}: {error}") as refused:
+        LeafSource(str(tmp_path)).survey()
+    assert "\n" not in str(refused.value)
+
+
+def test_a_leaf_user_in_two_files_is_refused_naming_both_not_cut_to_one(tmp_path):
+    write_leaf(tmp_path)
+    spoil(tmp_path / "train" / "all_data_1_niid_0_keep_0_train_9.json",
+          lambda t: (t["users"].append("f0001"), t["user_data"].__setitem__("f0001", {"x": [[0.5] * 784], "y": [3]})))
+    with pytest.raises(ValueError, match=rf"^data.kwargs.path: {tmp_path / 'train'}: user 'f0001' is in {FIRST} and "
+                                         "in all_data_1_niid_0_keep_0_train_9.json; a user's samples must be in one "
+                                         "file"):
+        LeafSource(str(tmp_path)).survey()
+
+
+def test_an_input_the_survey_does_not_read_is_refused_by_the_rank_reading_it_in_one_line(tmp_path):
+    from mpifl.errors import JobFailure
+    from mpifl.roles.data import local_data
+
+    write_leaf(tmp_path)
+    spoil(tmp_path / "train" / FIRST, lambda t: t["user_data"]["f0003"]["x"][2].__setitem__(5, "n/a"))
+    cfg = load_config(None, data={"data": {"dataset": "leaf", "kwargs": {"path": str(tmp_path)},
+                                           "partition": "natural"}, "clients": {"num_clients": 4},
+                                  "model": {"name": "mlp"}})
+    source = client_source(cfg.data)
+    dataset = surveyed_dataset(source, *source.survey())
+    with pytest.raises(JobFailure, match=rf"^cannot read its clients' data: data.kwargs.path: {tmp_path / 'train'}/"
+                                         rf"{FIRST}: user 'f0003': inputs \(x\): could not convert string to float"):
+        local_data(cfg, dataset, 2, 2)  # the client rank hosting f0003 (client 1)
+    assert sorted(local_data(cfg, dataset, 1, 2)) == [0, 2]  # the other rank's clients read
+
+
 def test_sent140_tweets_become_word_ids_over_the_training_vocabulary(tmp_path):
     write_sent140(tmp_path)
     x, y, x_test, _, clients = leaf_module.leaf(str(tmp_path), vocab_size=3, max_words=4)
@@ -168,6 +228,38 @@ def test_table_mistakes_name_the_file_and_the_column(tmp_path):
     (tmp_path / "data.csv").write_text("client_id,label\n")
     with pytest.raises(ValueError, match="data.csv: unknown table format"):
         TableSource(str(tmp_path / "data.csv")).survey()
+
+
+def with_null(columns: dict, name: str, row: int = 29):
+    """The table of ``columns`` with one null in column ``name`` (a list column: one null element)."""
+    table = arrow_table(columns)
+    values = table.column(name).to_pylist()
+    if isinstance(values[row], list):
+        values[row][3] = None
+    else:
+        values[row] = None
+    return table.set_column(table.column_names.index(name), name, pa.array(values, type=table.schema.field(name).type))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+@pytest.mark.parametrize("column", ["label", "client_id", "pixels", "bias"])
+def test_a_null_in_a_table_is_refused_by_the_survey_naming_the_file_and_the_column(tmp_path, kind, column):
+    table = with_null(table_columns(), column)  # row 29: not the first client's, whose inputs the survey reads
+    path = tmp_path / "train.parquet" if kind == "parquet" else tmp_path / "train"
+    if kind == "parquet":
+        pq.write_table(table, path, row_group_size=8)
+    else:
+        save_to_disk(table, path)
+    with pytest.raises(ValueError, match=rf"^{path}: column '{column}' has 1 null value \(a missing label"):
+        TableSource(str(path)).survey()
+
+
+def test_a_missing_table_file_names_the_data_kwargs_key(tmp_path):
+    kwargs = write_table(tmp_path, "parquet")
+    with pytest.raises(FileNotFoundError, match=rf"^data.kwargs.path: no file or folder '{tmp_path}/nowhere.parquet'"):
+        TableSource(str(tmp_path / "nowhere.parquet")).survey()
+    with pytest.raises(FileNotFoundError, match=rf"^data.kwargs.test_path: no file or folder '{tmp_path}/t.parquet'"):
+        TableSource(kwargs["path"], test_path=str(tmp_path / "t.parquet")).survey()
 
 
 def test_a_federation_reading_clients_per_rank_equals_one_reading_everything(tmp_path):

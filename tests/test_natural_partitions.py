@@ -68,6 +68,49 @@ def test_a_natural_partition_needs_a_dataset_with_clients_and_enough_of_them(tmp
         partition(leaf.data, data.y_train, 5, 0, data.clients)
 
 
+def write_leaf_user(root, user: str, x: list, y: list, file: str = "extra.json") -> None:
+    """One more training file of one LEAF user (``x`` and ``y`` as given)."""
+    (root / "train" / file).write_text(json.dumps({"users": [user], "num_samples": [len(y)],
+                                                   "user_data": {user: {"x": x, "y": y}}}))
+
+
+def test_a_natural_split_with_an_empty_client_is_refused_as_a_partition_file_s_would_be(tmp_path):
+    write_leaf(tmp_path)
+    write_leaf_user(tmp_path, "f9999", [], [])  # the fifth user in name order: client 4
+    leaf = config(dataset="leaf", kwargs={"path": str(tmp_path)}, partition="natural")
+    data = load_dataset(leaf.data)
+    assert len(partition(leaf.data, data.y_train, 4, 0, data.clients)) == 4  # the empty user is not among them
+    with pytest.raises(ValueError, match=r"^data.partition 'natural' \(the clients of data.dataset 'leaf'\): "
+                                         r"client 4 holds no samples"):
+        partition(leaf.data, data.y_train, 5, 0, data.clients)
+
+
+def own_split(kind: str = "ok"):
+    """A dataset plug-in with its own split (the fifth item): 4 clients of 10 samples, one empty or one sample
+    held twice when ``kind`` says so."""
+    rng = np.random.default_rng(0)
+    parts = [np.arange(10 * c, 10 * c + 10) for c in range(4)]
+    if kind == "empty":
+        parts[2] = np.array([], dtype=np.int64)
+    if kind == "dup":
+        parts[3] = np.append(parts[3], 0)
+    return (rng.random((40, 3)).astype(np.float32), rng.integers(0, 3, 40), rng.random((5, 3)).astype(np.float32),
+            rng.integers(0, 3, 5), parts)
+
+
+@pytest.mark.parametrize("kind,error", [("empty", "client 2 holds no samples"),
+                                        ("dup", "sample 0 is held by client 0 and client 3")])
+def test_a_dataset_plugin_s_own_split_is_checked_as_a_partition_file_is(kind, error):
+    cfg = config(dataset="test_natural_partitions:own_split", kwargs={"kind": kind}, partition="natural")
+    data = load_dataset(cfg.data)
+    with pytest.raises(ValueError, match=r"^data.partition 'natural' \(the clients of data.dataset "
+                                         rf"'test_natural_partitions:own_split'\): {error}"):
+        partition(cfg.data, data.y_train, 4, 0, data.clients)
+    ok = config(dataset="test_natural_partitions:own_split", partition="natural")
+    assert [len(p) for p in partition(ok.data, load_dataset(ok.data).y_train, 4, 0, load_dataset(ok.data).clients)] \
+        == [10, 10, 10, 10]
+
+
 def test_a_partition_file_gives_each_client_its_indices(tmp_path):
     path = tmp_path / "split.json"
     path.write_text(json.dumps({"1": [5, 3], "0": [0, 1, 2], "2": [4], "3": [6, 7]}))
@@ -165,3 +208,25 @@ output: {{progress: false}}
     assert result.returncode == 0, result.stderr
     assert rounds_logged(tmp_path / "run") == [1, 2]
     assert "partition 'natural' of 19 training samples" in result.stderr
+
+
+def test_a_run_on_a_natural_split_with_an_empty_client_ends_in_one_line_per_rank(tmp_path):
+    """Not a client failure when the empty client is first sampled, after checkpoints: the split is refused as
+    the ranks partition it, before round 1."""
+    write_leaf(tmp_path / "femnist")
+    write_leaf_user(tmp_path / "femnist", "f9999", [], [])
+    cfg = write_config(tmp_path / "c.yaml", f"""
+rounds: 2
+clients: {{num_clients: 5, per_round: 5}}
+data: {{dataset: leaf, kwargs: {{path: "{tmp_path / 'femnist'}"}}, partition: natural}}
+model: {{name: mlp, kwargs: {{hidden: [4]}}}}
+train: {{lr: 0.05, batch_size: 4}}
+output: {{progress: false}}
+""")
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    refused = [line for line in result.stderr.splitlines() if "cannot partition the data" in line]
+    assert len(refused) == 3 and all(line.endswith("data.partition 'natural' (the clients of data.dataset 'leaf'): "
+                                                   "client 4 holds no samples (every client needs at least one)")
+                                     for line in refused)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from conftest import ROOT, mpifl_here
+from test_natural_partitions import write_leaf, write_leaf_user
 
 from mpifl.config import config_warnings, load_config
 from mpifl.learning.datasets import load_dataset
@@ -43,17 +44,33 @@ def test_a_partition_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, comman
     assert "Traceback" not in result.stderr and "valid" not in result.stdout
 
 
-def test_validate_builds_the_partition_only_for_data_it_can_read_whole(tmp_path, monkeypatch):
+def test_validate_builds_the_partition_of_any_data_and_surveys_a_dataset_stored_by_client(tmp_path, monkeypatch):
     from mpifl.cli import preflight
+    from mpifl.learning.leaf import LeafSource
 
-    built = []
-    monkeypatch.setattr(preflight, "partition_counts_of",
-                        lambda cfg: (built.append(cfg.data.partition), (np.ones((8, 10), dtype=np.int64), None))[1])
-    preflight.check_partition(load_config(QUICKSTART))
+    write_leaf(tmp_path)
+    read = []
+    monkeypatch.setattr(LeafSource, "read_clients", lambda *args: read.append(args))
     leaf = load_config(None, data={"data": {"dataset": "leaf", "kwargs": {"path": str(tmp_path)},
-                                            "partition": "natural"}, "model": {"name": "cnn"}})
-    preflight.check_partition(leaf)  # read per client rank: a rank reads only its own clients' files
-    assert built == ["dirichlet"]
+                                            "partition": "natural"}, "clients": {"num_clients": 4},
+                                   "model": {"name": "cnn"}})
+    assert preflight.check_partition(leaf) == [3, 4, 5, 7]  # every user's labels, from the survey
+    assert read == []  # no inputs read: the run's ranks read their own clients' files
+    assert preflight.check_partition(load_config(None, data={"model": {"name": "blob"},
+                                                             "train": {"trainer": "none"},
+                                                             "eval": {"every": 0}})) is None
+
+
+@pytest.mark.parametrize("command", ["validate", "partition"])
+def test_validate_and_partition_name_an_empty_client_of_a_natural_split_in_one_line(tmp_path, command):
+    write_leaf(tmp_path)
+    write_leaf_user(tmp_path, "f9999", [], [])
+    result = mpifl_here(command, QUICKSTART, "data.dataset=leaf", f"data.kwargs={{path: {tmp_path}}}",
+                        "data.partition=natural", "clients.num_clients=5", "clients.per_round=2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == ("mpifl: config error: cannot partition the data: data.partition 'natural' (the "
+                                     "clients of data.dataset 'leaf'): client 4 holds no samples (every client "
+                                     "needs at least one)")
 
 
 @pytest.mark.parametrize("data,warned", [

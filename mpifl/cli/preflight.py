@@ -2,7 +2,7 @@
 ``pbs`` and ``slurm``: what the schema cannot check (plug-ins against their signatures, data, clock traces,
 transformers shapes, the model built on the meta device), so that a mistake is one line naming its key, exit 2,
 and not a traceback on every rank or a job that queues only to stop at once. ``validate`` and ``partition`` also
-build the partition (``check_partition``), which reads the whole dataset."""
+build the partition (``check_partition``), which reads the whole dataset (or surveys one stored by client)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -60,11 +60,11 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
 
 
 def partition_readable(cfg: Config) -> bool:
-    """Whether ``check_partition`` can build this run's partition in one process: a dataset read whole, not per
-    client rank (a client source), and a run that reads data at all."""
-    from mpifl.learning.datasets import client_source, needs_dataset
+    """Whether ``check_partition`` can build this run's partition in one process: whenever the run reads data (a
+    dataset stored by client, split naturally, is only surveyed: every client's labels, as the run's rank 0 does)."""
+    from mpifl.learning.datasets import needs_dataset
 
-    return needs_dataset(cfg) and client_source(cfg.data) is None
+    return needs_dataset(cfg)
 
 
 def check_transformers(cfg: Config) -> None:
@@ -122,13 +122,19 @@ def check_trainer(cfg: Config) -> None:
 
 def partition_counts_of(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     """The configured partition's counts (mpifl.learning.partitions.partition_counts), the whole dataset read
-    here: data that cannot be read, or a split that cannot be made (a bad partition file, more clients than
+    here (a dataset stored by client and split naturally: surveyed, its labels read): data that cannot be read, or
+    a split that cannot be made (a bad partition file, an empty client of a natural split, more clients than
     samples, more classes per client than classes), is a ConfigError, one line naming the key."""
-    from mpifl.learning.datasets import load_dataset
+    from mpifl.learning.datasets import client_source, load_dataset, surveyed_dataset
     from mpifl.learning.partitions import partition_counts
 
     try:
-        dataset = load_dataset(cfg.data)
+        source = client_source(cfg.data)
+        if source is None:
+            dataset = load_dataset(cfg.data)
+        else:  # stored by client: its survey (every client's labels) is what the run's ranks partition
+            index, test = source.survey()
+            dataset = surveyed_dataset(source, index, test)
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"data: cannot read the data to partition it: {err}") from None
     try:
@@ -140,10 +146,10 @@ def partition_counts_of(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
 def check_partition(cfg: Config) -> list[int] | None:
     """Build the configured partition, as ``mpifl run``'s ranks will (``partition_counts_of``), for ``mpifl
     validate``: a plain process, so it may read the data once; then check secure aggregation's range for its largest
-    client. Not for a run without data, nor for a dataset read per client rank (a client source), which cannot be
-    read whole; and never before ``mpifl run``'s MPI, where every rank would read the data (there a bad split ends
-    the job in one line: 'cannot partition the data', and the server checks the range as it starts). Returns each
-    client's training samples (None: not read)."""
+    client. Not for a run without data; a dataset read per client rank (a client source) is only surveyed, as the
+    run's rank 0 surveys it; and never before ``mpifl run``'s MPI, where every rank would read the data (there a bad
+    split ends the job in one line: 'cannot partition the data', and the server checks the range as it starts).
+    Returns each client's training samples (None: not read)."""
     from mpifl.aggregation.strategies import make_strategy
     from mpifl.privacy.secagg import config_range_problem
 

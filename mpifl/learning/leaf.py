@@ -46,19 +46,63 @@ def split_files(folder: Path) -> list[Path]:
 
 def read_file(path: Path) -> dict:
     """One LEAF file, checked for the keys every LEAF file has."""
-    table = json.loads(path.read_text())
-    missing = {"users", "user_data"} - set(table)
+    try:
+        table = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"data.kwargs.path: {path}: not a JSON file ({err})") from None
+    missing = {"users", "user_data"} - set(table) if isinstance(table, dict) else {"users", "user_data"}
     if missing:
-        raise ValueError(f"{path}: not a LEAF file (no {', '.join(sorted(missing))})")
+        raise ValueError(f"data.kwargs.path: {path}: not a LEAF file (no {', '.join(sorted(missing))})")
     return table
 
 
-def users_of(folder: Path) -> Iterator[tuple[str, str, dict]]:
-    """(file name, user, {"x", "y"}) for every user of a split, one file in memory at a time."""
+def users_of(folder: Path) -> Iterator[tuple[Path, str, dict]]:
+    """(file, user, {"x", "y"}) for every user of a split, one file in memory at a time; each user checked
+    (``user_data``)."""
     for path in split_files(folder):
         table = read_file(path)
+        listed = Counter(table["users"])
         for user in table["users"]:
-            yield path.name, user, table["user_data"][user]
+            if listed[user] > 1:
+                raise ValueError(f"data.kwargs.path: {path}: user {user!r} is listed {listed[user]} times in "
+                                 "'users' (a user is one client: list it once)")
+            yield path, user, user_data(path, table, user)
+
+
+def user_data(path: Path, table: dict, user: str) -> dict:
+    """A user's {"x", "y"} from a LEAF file's table: there, two lists of one length."""
+    data = table["user_data"].get(user)
+    if data is None:
+        raise ValueError(f"data.kwargs.path: {path}: user {user!r} is listed in 'users' but has no 'user_data' "
+                         "entry")
+    if not isinstance(data, dict) or not isinstance(data.get("x"), list) or not isinstance(data.get("y"), list):
+        raise ValueError(f"data.kwargs.path: {path}: user {user!r}: its 'user_data' is not lists 'x' and 'y'")
+    if len(data["x"]) != len(data["y"]):
+        raise ValueError(f"data.kwargs.path: {path}: user {user!r} has {len(data['x'])} inputs (x) but "
+                         f"{len(data['y'])} labels (y)")
+    return data
+
+
+class RowWidths:
+    """Checks that every input row of a folder (numbers or characters; tweets are cut to ``max_words``) is as long
+    as the first one: rows of different lengths cannot be one array."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, str, Path] | None = None
+
+    def check(self, path: Path, user: str, x: list, kind: str) -> None:
+        """Refuse ``user``'s rows (in ``path``) when one's length differs from the first row's seen."""
+        if kind == TWEETS or not x or not isinstance(x[0], (list, str)):
+            return
+        for row, values in enumerate(x):
+            width = len(values) if isinstance(values, (list, str)) else -1
+            if self.first is None:
+                self.first = (width, user, path)
+            elif width != self.first[0]:
+                unit = "characters" if kind == CHARACTERS else "values"
+                raise ValueError(f"data.kwargs.path: {path}: user {user!r}: input row {row} has {width} {unit}, "
+                                 f"but user {self.first[1]!r} (in {self.first[2].name}) has rows of "
+                                 f"{self.first[0]}: every input row must be as long")
 
 
 def kind_of(x: list) -> str:
@@ -128,20 +172,30 @@ class LeafSource:
 
     def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
         """Every user's labels and the encoded test split, reading each training file once."""
-        labels, files, kinds = {}, {}, set()
+        labels: dict[str, np.ndarray] = {}
+        files: dict[str, str] = {}
+        kinds: set[str] = set()
+        widths = RowWidths()
         words: Counter[str] = Counter()
-        for name, user, data in users_of(self.root / "train"):
-            labels[user], files[user] = labels_of(data["y"]), name
-            kinds.add(kind_of(data["x"]))
+        for path, user, data in users_of(self.root / "train"):
+            if user in files:
+                raise ValueError(f"data.kwargs.path: {self.root / 'train'}: user {user!r} is in {files[user]} and "
+                                 f"in {path.name}; a user's samples must be in one file (merge them there)")
+            labels[user], files[user] = user_labels(path, user, data["y"]), path.name
+            if data["x"]:  # an empty user shows no layout
+                kinds.add(kind_of(data["x"]))
+                widths.check(path, user, data["x"], kind_of(data["x"]))
             if TWEETS in kinds and not self.vocab_file:
                 words.update(w for row in data["x"] for w in WORD.findall(tweet_text(row)))
-        if len(kinds) != 1:
+        if len(kinds) > 1:
             raise ValueError(f"{self.root / 'train'}: users' x mix LEAF layouts ({', '.join(sorted(kinds))})")
-        kind = kinds.pop()
+        kind = kinds.pop() if kinds else NUMBERS
         encode = Encoder(kind, vocabulary(words, self.vocab_size, self.vocab_file) if kind == TWEETS else None,
                          self.max_words)
-        test = [(encode(d["x"]), labels_of(d["y"])) for _, _, d in sorted(users_of(self.root / "test"),
-                                                                          key=lambda item: item[1])]
+        test = []
+        for path, user, data in sorted(users_of(self.root / "test"), key=lambda item: item[1]):
+            widths.check(path, user, data["x"], kind)
+            test.append((encoded(encode, path, user, data["x"]), user_labels(path, user, data["y"])))
         if not test:
             raise ValueError(f"{self.root / 'test'}: the LEAF test split has no users")
         x_test, y_test = np.concatenate([x for x, _ in test]), np.concatenate([y for _, y in test])
@@ -157,10 +211,33 @@ class LeafSource:
         wanted = {users[c]: c for c in clients}
         out: dict[int, torch.Tensor] = {}
         for name in sorted({files[c] for c in clients}):
-            table = read_file(self.root / "train" / name)
+            path = self.root / "train" / name
+            table = read_file(path)
             for user in set(table["users"]) & wanted.keys():
-                out[wanted[user]] = as_inputs(index.where["encoder"](table["user_data"][user]["x"]))
+                x = user_data(path, table, user)["x"]
+                out[wanted[user]] = as_inputs(encoded(index.where["encoder"], path, user, x))
         return out
+
+
+def user_labels(path: Path, user: str, y: list) -> np.ndarray:
+    """``labels_of`` a user's ``y``; a label that is not a class (a character outside LEAF's alphabet, a negative
+    number, not a number) is refused naming the file and the user."""
+    try:
+        labels = labels_of(y)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"data.kwargs.path: {path}: user {user!r}: labels (y): {err}") from None
+    if labels.ndim != 1 or (labels < 0).any():
+        raise ValueError(f"data.kwargs.path: {path}: user {user!r}: labels (y) are not all classes 0, 1, ... "
+                         "(integers, or characters of LEAF's alphabet)")
+    return labels
+
+
+def encoded(encode: Encoder, path: Path, user: str, x: list) -> np.ndarray:
+    """``encode(x)``, an input that cannot be encoded refused naming the file and the user."""
+    try:
+        return encode(x)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"data.kwargs.path: {path}: user {user!r}: inputs (x): {err}") from None
 
 
 def leaf(path: str, vocab_size: int = 10000, max_words: int = 25, vocab_file: str | None = None) -> tuple:

@@ -150,7 +150,7 @@ def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int
     ``natural`` is the dataset's own split (LEAF users, say), for ``data.partition: natural``.
     """
     if cfg.partition == "natural":
-        return natural_partition(natural, num_clients, cfg.dataset)
+        return natural_partition(natural, len(labels), num_clients, cfg.dataset)
     if cfg.partition == "file":
         assert cfg.partition_file is not None  # config checks require it exactly when partition is 'file'
         return checked_partition(read_partition_file(cfg.partition_file, num_clients), len(labels), num_clients,
@@ -173,14 +173,17 @@ def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int
     return dirichlet_partition(labels.numpy(), num_clients, cfg.alpha, rng)
 
 
-def natural_partition(natural: tuple[np.ndarray, ...] | None, num_clients: int, dataset: str) -> list[np.ndarray]:
-    """The dataset's own clients, the first ``num_clients`` of them."""
+def natural_partition(natural: tuple[np.ndarray, ...] | None, num_samples: int, num_clients: int,
+                      dataset: str) -> list[np.ndarray]:
+    """The dataset's own clients, the first ``num_clients`` of them, checked as a partition file is
+    (``checked_partition``): none empty, every index a training sample, no sample held twice."""
     if natural is None:
         raise ValueError(f"data.partition: 'natural' needs a dataset with its own clients (e.g. 'leaf'); "
                          f"{dataset!r} has none")
     if num_clients > len(natural):
         raise ValueError(f"clients.num_clients: {num_clients} clients, but the data has {len(natural)}")
-    return [np.sort(p) for p in natural[:num_clients]]
+    return checked_partition(list(natural[:num_clients]), num_samples, num_clients,
+                             f"data.partition 'natural' (the clients of data.dataset {dataset!r})")
 
 
 def read_partition_file(path: str, num_clients: int) -> list:
@@ -238,6 +241,8 @@ def checked_partition(parts: list, num_samples: int, num_clients: int, where: st
 
 def _client_indices(indices: object, client: int, num_samples: int, where: str) -> np.ndarray:
     """One client's entry as sorted int64 indices: a non-empty list of integers below ``num_samples``."""
+    if isinstance(indices, np.ndarray) and indices.ndim == 1 and np.issubdtype(indices.dtype, np.integer):
+        return _integer_indices(indices, client, num_samples, where)  # a natural split's: checked at numpy speed
     values = indices if isinstance(indices, (list, tuple)) else np.asarray(indices).tolist()
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"{where}: client {client}'s entry is {values!r}, not a list of sample indices")
@@ -251,6 +256,17 @@ def _client_indices(indices: object, client: int, num_samples: int, where: str) 
         raise ValueError(f"{where}: client {client} has indices outside the {num_samples} training samples: "
                          f"{outside[0]}")
     return np.sort(np.asarray(values, dtype=np.int64))
+
+
+def _integer_indices(indices: np.ndarray, client: int, num_samples: int, where: str) -> np.ndarray:
+    """``_client_indices`` of an integer array, checked without a Python loop (a natural split may hold millions)."""
+    if not len(indices):
+        raise ValueError(f"{where}: client {client} holds no samples (every client needs at least one)")
+    outside = indices[(indices < 0) | (indices >= num_samples)]
+    if len(outside):
+        raise ValueError(f"{where}: client {client} has indices outside the {num_samples} training samples: "
+                         f"{outside[0]}")
+    return np.sort(indices.astype(np.int64))
 
 
 def split_validation(indices: np.ndarray, fraction: float, seed: int, client: int) -> tuple[np.ndarray, np.ndarray]:

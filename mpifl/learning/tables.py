@@ -67,22 +67,46 @@ def _arrow_table(folder: Path) -> pyarrow.Table:
     return pa.concat_tables(parts)
 
 
-def _columns(table: pyarrow.Table, names: Sequence[str]) -> dict[str, np.ndarray]:
-    """Columns of a pyarrow table as numpy arrays; list columns as (rows, length) arrays."""
+def _columns(table: pyarrow.Table, names: Sequence[str], path: Path) -> dict[str, np.ndarray]:
+    """Columns of a pyarrow table (read from ``path``) as numpy arrays; list columns as (rows, length) arrays. A
+    null is refused: it would become a NaN input, or a label or client id of nothing."""
     pa = _pyarrow()
     out = {}
     for name in names:
         column = table.column(name).combine_chunks()
+        _refuse_nulls(path, name, column.null_count)
         if pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type) \
                 or pa.types.is_large_list(column.type):
             lengths = np.unique(pa.compute.list_value_length(column).to_numpy(zero_copy_only=False))
             if len(lengths) > 1:
                 raise ValueError(f"column {name!r}: lists of different lengths {lengths.tolist()}")
-            values = column.flatten().to_numpy(zero_copy_only=False)
+            flat = column.flatten()
+            _refuse_nulls(path, name, flat.null_count)
+            values = flat.to_numpy(zero_copy_only=False)
             out[name] = values.reshape(len(column), -1)
         else:
             out[name] = column.to_numpy(zero_copy_only=False)
     return out
+
+
+def _refuse_nulls(path: Path, name: str, nulls: int) -> None:
+    """Refuse a column holding ``nulls`` > 0 nulls, naming the file and the column."""
+    if nulls:
+        raise ValueError(f"{path}: column {name!r} has {nulls} null value{'s' if nulls > 1 else ''} (a missing "
+                         "label, client id or feature cannot be trained on: fill or drop those rows)")
+
+
+def _parquet_nulls(path: Path, names: Sequence[str]) -> None:
+    """Refuse nulls in the columns ``names`` of a Parquet file from its statistics, without reading them."""
+    metadata = _pyarrow().parquet.ParquetFile(path).metadata
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        for i in range(row_group.num_columns):
+            column = row_group.column(i)
+            name = column.path_in_schema.split(".")[0]
+            stats = column.statistics
+            if name in names and stats is not None and stats.has_null_count:
+                _refuse_nulls(path, name, stats.null_count)
 
 
 class TableSource:
@@ -117,7 +141,7 @@ class TableSource:
             if ids is not None:
                 table = table.filter(pa.compute.is_in(table.column(self.client), value_set=pa.array(list(ids))))
             table = table.select(list(names))
-        return _columns(table, names)
+        return _columns(table, names, path)
 
     def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None) -> pyarrow.Table:
         """Columns ``names`` of every row, or of the rows of clients ``ids``, one row group at a time:
@@ -177,8 +201,19 @@ class TableSource:
         return self._inputs(columns, names), torch.from_numpy(columns[self.label].astype(np.int64))
 
     def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
-        """Every client's labels (clients in id order) and the test split; inputs are read for one client only."""
+        """Every client's labels (clients in id order) and the test split; inputs are read for one client only (a
+        Parquet file's features are checked for nulls from its statistics)."""
+        for key, path in (("path", self.path), ("test_path", self.test_path)):
+            if path is not None and not path.exists():
+                raise FileNotFoundError(f"data.kwargs.{key}: no file or folder {str(path)!r}")
         names = self._feature_names(self.path)
+        kind = table_format(self.path)
+        if kind == "parquet":
+            _parquet_nulls(self.path, names)
+        elif kind != "npz":  # memory-mapped Arrow: a column's null count is in its batches' headers
+            table = _arrow_table(self.path / "train" if kind == "arrow-dict" else self.path)
+            for name in names:
+                _refuse_nulls(self.path, name, table.column(name).null_count)
         columns = self._read(self.path, [self.client, self.label])
         ids, codes = np.unique(columns[self.client], return_inverse=True)
         order = np.argsort(codes, kind="stable")  # clients in id order, rows in file order

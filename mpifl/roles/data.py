@@ -219,7 +219,10 @@ def local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: in
         assert dataset.source is None  # cli.preflight.check_plugins refuses per_round with a client source
         return ClientSlices(dataset, parts, cfg.data.val_fraction, cfg.seed, cfg.data.feature_noise)
     if dataset.source is not None:  # from a client source: read only now, and only these clients
-        dataset = dataset.holding(mine)
+        try:
+            dataset = dataset.holding(mine)
+        except (ValueError, OSError) as err:  # what the survey did not read: the inputs (a LEAF row, a table's cell)
+            raise JobFailure(f"cannot read its clients' data: {err}") from None
         held = sum(len(parts[c]) for c in mine)
         whose = "its client's" if len(mine) == 1 else f"its {len(mine)} clients'"
         log(f"read {held} of {len(dataset.y_train)} training samples: {whose} "
