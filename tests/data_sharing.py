@@ -49,8 +49,10 @@ def main() -> None:
             mine, theirs = getattr(got, name), getattr(want, name)
             assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), f"server: {name} differs"
         assert got.tokenizer == "kept"
-        held = nbytes(got)  # labels and the held-out set, sent as raw bytes; a pickled object held them 3x
-        assert grew <= 1.5 * held, f"server: peak grew by {grew / MIB:.0f} MiB receiving {held / MIB:.0f} MiB"
+        # labels and the held-out set, sent as raw bytes: the peak grew 15-19 MiB for 12 MiB received (a pickled
+        # object held them about 3 times: 38 MiB); twice what arrived and 4 MiB of allocator slack tell them apart
+        held = nbytes(got)
+        assert grew <= 2 * held + 4 * MIB, f"server: peak grew by {grew / MIB:.0f} MiB receiving {held / MIB:.0f} MiB"
     else:
         for name in ("x_train", "y_train", "x_test", "y_test"):
             mine, theirs = getattr(got, name), getattr(want, name)
