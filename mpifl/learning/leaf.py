@@ -183,8 +183,9 @@ class LeafSource:
                                  f"in {path.name}; a user's samples must be in one file (merge them there)")
             labels[user], files[user] = user_labels(path, user, data["y"]), path.name
             if data["x"]:  # an empty user shows no layout
-                kinds.add(kind_of(data["x"]))
-                widths.check(path, user, data["x"], kind_of(data["x"]))
+                layout = kind_of(data["x"])
+                kinds.add(layout)
+                widths.check(path, user, data["x"], layout)
             if TWEETS in kinds and not self.vocab_file:
                 words.update(w for row in data["x"] for w in WORD.findall(tweet_text(row)))
         if len(kinds) > 1:

@@ -249,17 +249,13 @@ def _client_indices(indices: object, client: int, num_samples: int, where: str) 
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
     if bad:
         raise ValueError(f"{where}: client {client}'s index {bad[0]!r} is not an integer")
-    if not values:
-        raise ValueError(f"{where}: client {client} holds no samples (every client needs at least one)")
-    outside = [v for v in values if not 0 <= v < num_samples]
-    if outside:
-        raise ValueError(f"{where}: client {client} has indices outside the {num_samples} training samples: "
-                         f"{outside[0]}")
-    return np.sort(np.asarray(values, dtype=np.int64))
+    # integers, in an object array where one is past int64, which the range check then names
+    return _integer_indices(np.asarray(values) if values else np.empty(0, dtype=np.int64), client, num_samples, where)
 
 
 def _integer_indices(indices: np.ndarray, client: int, num_samples: int, where: str) -> np.ndarray:
-    """``_client_indices`` of an integer array, checked without a Python loop (a natural split may hold millions)."""
+    """One client's integer indices, sorted as int64: none empty, each a training sample; checked without a Python
+    loop (a natural split may hold millions)."""
     if not len(indices):
         raise ValueError(f"{where}: client {client} holds no samples (every client needs at least one)")
     outside = indices[(indices < 0) | (indices >= num_samples)]

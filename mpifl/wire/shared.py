@@ -64,8 +64,8 @@ def share_on_node(node: MPI.Intracomm, tensor: torch.Tensor | None,
 
 def bcast_bytes(comm: MPI.Intracomm, buffer: np.ndarray) -> None:
     """Broadcast a uint8 buffer from ``comm``'s first rank in place, in slices that an MPI count (a C int) holds."""
-    for start in range(0, len(buffer), SLICE_BYTES):
-        comm.Bcast(buffer[start:start + SLICE_BYTES], root=0)
+    for piece in _slices(buffer):
+        comm.Bcast(piece, root=0)
 
 
 def send_tensors(comm: MPI.Comm, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> None:
@@ -93,6 +93,10 @@ def recv_tensors(comm: MPI.Comm, source: int, tag: int) -> list[torch.Tensor]:
 
 def _byte_slices(tensor: torch.Tensor) -> Iterator[np.ndarray]:
     """A contiguous tensor's bytes as uint8 arrays that view it, each small enough for an MPI count."""
-    data = tensor.view(-1).view(torch.uint8).numpy()
-    for start in range(0, len(data), SLICE_BYTES):
-        yield data[start:start + SLICE_BYTES]
+    return _slices(tensor.view(-1).view(torch.uint8).numpy())
+
+
+def _slices(buffer: np.ndarray) -> Iterator[np.ndarray]:
+    """Views of a uint8 buffer, in order, each of at most SLICE_BYTES (an MPI count is a C int)."""
+    for start in range(0, len(buffer), SLICE_BYTES):
+        yield buffer[start:start + SLICE_BYTES]
