@@ -340,13 +340,14 @@ def step_traffic(cfg: Config, ranks: int, model_bytes: int, update_bytes: int) -
     arrival group: at most every client in flight. The first step adds the first dispatch's models, and a failed or
     lost task adds another dispatch."""
     applied = {"fedasync": 1, "fedbuff": cfg.clock.buffer}.get(cfg.clock.mode, cfg.clock.in_flight())
-    fewest, most = update_bytes * applied + model_bytes, update_bytes * applied + model_bytes * min(applied, ranks)
+    smallest = 1 if cfg.clock.mode == "fedcompass" else applied  # an arrival group may be one update
+    fewest, most = update_bytes * smallest + model_bytes, update_bytes * applied + model_bytes * min(applied, ranks)
     what = {"fedasync": "1 update in, the new version out to its client's rank",
             "fedbuff": f"{counted(applied, 'update')} in (clock.buffer), the new version out to each rank that "
                        "holds a client sent in their place"}.get(
         cfg.clock.mode, f"an arrival group of up to {counted(applied, 'update')} in, the new version out to each "
                         "rank that holds a client sent in their place")
-    return (update_bytes + model_bytes if cfg.clock.mode == "fedcompass" else fewest), most, what
+    return fewest, most, what
 
 
 def plan_main(args: argparse.Namespace) -> int:
