@@ -4,12 +4,13 @@ Hugging Face datasets)."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from conftest import MPI_TIMEOUT, run_mpi, same_model, write_config
+from conftest import MPI_TIMEOUT, ROOT, mpifl_here, run_mpi, same_model, write_config
 from test_natural_partitions import USERS, write_leaf
 
 from mpifl.config import load_config
@@ -154,6 +155,10 @@ SPOILED = {
                                     r"user 'f0003' has 4 inputs \(x\) but 3 labels \(y\)"),
     "a label that is no class": (lambda f: spoil(f, lambda t: t["user_data"]["f0003"]["y"].__setitem__(0, "cat")),
                                  r"user 'f0003': labels \(y\)"),
+    "a num_samples that is not the user's": (lambda f: spoil(f, lambda t: t["num_samples"].__setitem__(1, 40)),
+                                             "user 'f0003': num_samples says 40 but its user_data holds 4 samples"),
+    "a num_samples per user missing": (lambda f: spoil(f, lambda t: t["num_samples"].pop()),
+                                       "num_samples has 1 entry, but 'users' lists 2 users"),
 }
 
 
@@ -215,7 +220,7 @@ def test_table_columns_become_inputs_shaped_as_asked(tmp_path):
     kwargs = write_table(tmp_path, "parquet")
     source = TableSource(kwargs["path"], feature_columns=["pixels"], shape=[1, 4, 4])
     index, (x_test, _) = source.survey()
-    assert index.where["ids"] == ["w02", "w05", "w07", "w13"] and index.input_shape == (1, 4, 4)
+    assert index.ids == ("w02", "w05", "w07", "w13") and index.input_shape == (1, 4, 4)
     assert x_test.shape == (0, 1, 4, 4)  # no test_path: an empty held-out set
     x = load_dataset(data_config("table", kwargs, partition="iid")).x_train
     assert x.shape == (40, 17) and x.dtype == torch.float32  # pixels (16) and bias side by side
@@ -252,6 +257,75 @@ def test_a_null_in_a_table_is_refused_by_the_survey_naming_the_file_and_the_colu
         save_to_disk(table, path)
     with pytest.raises(ValueError, match=rf"^{path}: column '{column}' has 1 null value \(a missing label"):
         TableSource(str(path)).survey()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("where", ["path", "test_path"])
+def test_a_nan_or_infinity_in_an_npz_array_is_refused_by_the_survey_naming_the_file_and_the_array(tmp_path, value,
+                                                                                                   where):
+    kwargs = write_table(tmp_path, "npz")
+    arrays = dict(np.load(kwargs[where]))
+    arrays["pixels"][7, 3] = value  # row 7: not the first client's only (the survey reads every row's features)
+    np.savez(kwargs[where], **arrays)
+    with pytest.raises(ValueError, match=rf"^{kwargs[where]}: array 'pixels' has a NaN or infinite value in row 7 "
+                                         r"\(a feature that is not a number"):
+        TableSource(**kwargs).survey()
+
+
+def test_a_null_in_a_dataset_dict_s_test_split_is_refused_naming_the_split(tmp_path):
+    kwargs = write_table(tmp_path, "dict")
+    test = tmp_path / "dict" / "test"
+    for file in test.iterdir():
+        file.unlink()
+    test.rmdir()
+    save_to_disk(with_null(table_columns(10), "bias", 4), test)
+    with pytest.raises(ValueError, match=rf"^{test}: column 'bias' has 1 null value"):
+        TableSource(**kwargs).survey()
+    save_to_disk(with_null(table_columns(), "pixels"), tmp_path / "other" / "train")
+    (tmp_path / "other" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'other' / 'train'}: column 'pixels' has 1 null value"):
+        TableSource(str(tmp_path / "other")).survey()
+
+
+def bad_leaf(tmp_path) -> list[str]:
+    write_leaf(tmp_path)
+    spoil(tmp_path / "train" / FIRST, lambda t: t["num_samples"].__setitem__(1, 40))
+    return ["data.dataset=leaf", f"data.kwargs={{path: {tmp_path}}}"]
+
+
+def bad_npz(tmp_path) -> list[str]:
+    kwargs = write_table(tmp_path, "npz")
+    arrays = dict(np.load(kwargs["path"]))
+    arrays["bias"][30] = np.nan
+    np.savez(kwargs["path"], **arrays)
+    return ["data.dataset=table", f"data.kwargs={{path: {kwargs['path']}}}"]
+
+
+def bad_dict(tmp_path) -> list[str]:
+    kwargs = write_table(tmp_path, "dict")
+    save_to_disk(with_null(table_columns(10), "label", 2), tmp_path / "dict" / "validation")
+    (tmp_path / "dict" / "test").rename(tmp_path / "spare")
+    (tmp_path / "dict" / "validation").rename(tmp_path / "dict" / "test")
+    return ["data.dataset=table", f"data.kwargs={{path: {kwargs['path']}}}"]
+
+
+@pytest.mark.parametrize("command", ["validate", "partition"])
+@pytest.mark.parametrize("write,error", [
+    (bad_leaf, "data: cannot read the data .*: data.kwargs.path: .*/train/{first}: user 'f0003': num_samples says 40 "
+               "but its user_data holds 4 samples"),
+    (bad_npz, r"data: cannot read the data .*: .*/train.npz: array 'bias' has a NaN or infinite value in row 30"),
+    (bad_dict, r"data: cannot read the data .*: .*/dict/test: column 'label' has 1 null value"),
+    (lambda tmp_path: ["data.dataset=test_natural_partitions:own_split", "data.kwargs={kind: float}"],
+     r"cannot partition the data: data.partition 'natural' \(the clients of data.dataset "
+     r"'test_natural_partitions:own_split'\): client 1's indices are a float64 array"),
+])
+def test_validate_and_partition_refuse_bad_data_in_one_line_naming_the_file_and_the_fault(tmp_path, command, write,
+                                                                                           error):
+    result = mpifl_here(command, str(ROOT / "configs" / "quickstart.yaml"), *write(tmp_path),
+                        "data.partition=natural", "clients.num_clients=3", "clients.per_round=2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert re.match(r"^mpifl: config error: " + error.format(first=FIRST), result.stderr)
+    assert len(result.stderr.splitlines()) == 1 and "valid" not in result.stdout
 
 
 def test_a_missing_table_file_names_the_data_kwargs_key(tmp_path):

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, write_config
 
 from mpifl.config import load_config
-from mpifl.learning.datasets import load_dataset
-from mpifl.learning.partitions import partition, partition_counts
+from mpifl.learning.datasets import client_source, load_dataset, surveyed_dataset
+from mpifl.learning.partitions import checked_partition, partition, partition_counts
 
 USERS = {"f0007": 5, "f0001": 3, "f0042": 7, "f0003": 4}  # LEAF users and their sample counts
 
@@ -74,32 +75,51 @@ def write_leaf_user(root, user: str, x: list, y: list, file: str = "extra.json")
                                                    "user_data": {user: {"x": x, "y": y}}}))
 
 
-def test_a_natural_split_with_an_empty_client_is_refused_as_a_partition_file_s_would_be(tmp_path):
+def test_a_natural_split_with_an_empty_client_is_refused_as_a_partition_file_s_would_be_naming_the_user(tmp_path):
     write_leaf(tmp_path)
     write_leaf_user(tmp_path, "f9999", [], [])  # the fifth user in name order: client 4
     leaf = config(dataset="leaf", kwargs={"path": str(tmp_path)}, partition="natural")
-    data = load_dataset(leaf.data)
-    assert len(partition(leaf.data, data.y_train, 4, 0, data.clients)) == 4  # the empty user is not among them
+    source = client_source(leaf.data)
+    data = surveyed_dataset(source, *source.survey())  # as the run's ranks and mpifl validate have it
+    assert len(partition(leaf.data, data.y_train, 4, 0, data.clients, data.natural_name)) == 4  # f9999 left out
     with pytest.raises(ValueError, match=r"^data.partition 'natural' \(the clients of data.dataset 'leaf'\): "
-                                         r"client 4 holds no samples"):
-        partition(leaf.data, data.y_train, 5, 0, data.clients)
+                                         r"client 4 \(LEAF user 'f9999'\) holds no samples"):
+        partition(leaf.data, data.y_train, 5, 0, data.clients, data.natural_name)
+
+
+def test_a_natural_split_names_a_refused_client_as_the_data_does_too():
+    named = {0: "table client id 'w02'", 1: "", 2: "table client id 7"}.get
+    with pytest.raises(ValueError, match=r"^here: sample 3 is held by client 0 \(table client id 'w02'\) and "
+                                         r"client 2 \(table client id 7\) \(a sample"):
+        checked_partition([np.array([0, 3]), np.array([1]), np.array([2, 3])], 4, 3, "here", named)
+    with pytest.raises(ValueError, match=r"^here: client 1 lists sample 1 twice"):  # no name: the number only
+        checked_partition([np.array([0]), np.array([1, 1]), np.array([2])], 4, 3, "here", named)
 
 
 def own_split(kind: str = "ok"):
-    """A dataset plug-in with its own split (the fifth item): 4 clients of 10 samples, one empty or one sample
-    held twice when ``kind`` says so."""
+    """A dataset plug-in with its own split (the fifth item): 4 clients of 10 samples, one empty, one sample held
+    twice, or one client's indices floats, when ``kind`` says so."""
     rng = np.random.default_rng(0)
     parts = [np.arange(10 * c, 10 * c + 10) for c in range(4)]
     if kind == "empty":
         parts[2] = np.array([], dtype=np.int64)
     if kind == "dup":
         parts[3] = np.append(parts[3], 0)
+    if kind == "float":  # whole numbers, but floats: 10.0, 11.0, ...
+        parts[1] = parts[1].astype(np.float64)
+    if kind == "fraction":
+        parts[2] = [20, 21.5, 22]
     return (rng.random((40, 3)).astype(np.float32), rng.integers(0, 3, 40), rng.random((5, 3)).astype(np.float32),
             rng.integers(0, 3, 5), parts)
 
 
-@pytest.mark.parametrize("kind,error", [("empty", "client 2 holds no samples"),
-                                        ("dup", "sample 0 is held by client 0 and client 3")])
+@pytest.mark.parametrize("kind,error", [
+    ("empty", "client 2 holds no samples"),
+    ("dup", "sample 0 is held by client 0 and client 3"),
+    ("float", r"client 1's indices are a float64 array; sample indices must have an integer dtype \(whole-number "
+              r"floats such as 3.0 are refused too"),
+    ("fraction", "client 2's indices are a float64 array"),
+])
 def test_a_dataset_plugin_s_own_split_is_checked_as_a_partition_file_is(kind, error):
     cfg = config(dataset="test_natural_partitions:own_split", kwargs={"kind": kind}, partition="natural")
     data = load_dataset(cfg.data)
@@ -109,6 +129,20 @@ def test_a_dataset_plugin_s_own_split_is_checked_as_a_partition_file_is(kind, er
     ok = config(dataset="test_natural_partitions:own_split", partition="natural")
     assert [len(p) for p in partition(ok.data, load_dataset(ok.data).y_train, 4, 0, load_dataset(ok.data).clients)] \
         == [10, 10, 10, 10]
+
+
+def test_the_run_s_partition_line_counts_the_samples_of_the_users_taken_of_how_many(tmp_path):
+    from mpifl.roles.data import partition_scope
+
+    write_leaf(tmp_path)
+    leaf = config(dataset="leaf", kwargs={"path": str(tmp_path)}, partition="natural")
+    source = client_source(leaf.data)
+    data = surveyed_dataset(source, *source.survey())
+    taken = replace(leaf, clients=replace(leaf.clients, num_clients=3))  # f0001, f0003, f0007: 3 + 4 + 5 samples
+    histogram, validation = partition_counts(taken.data, data, 3, 0)
+    assert partition_scope(taken, data, histogram, validation) == ("12 training samples: those of the first 3 of the "
+                                                                   "data's 4 clients (LEAF users), 19 samples in all")
+    assert partition_scope(leaf, data, *partition_counts(leaf.data, data, 4, 0)) == "19 training samples"
 
 
 def test_a_partition_file_gives_each_client_its_indices(tmp_path):
@@ -227,6 +261,7 @@ output: {{progress: false}}
     assert result.returncode != 0 and "Traceback" not in result.stderr
     refused = [line for line in result.stderr.splitlines() if "cannot partition the data" in line]
     assert len(refused) == 3 and all(line.endswith("data.partition 'natural' (the clients of data.dataset 'leaf'): "
-                                                   "client 4 holds no samples (every client needs at least one)")
+                                                   "client 4 (LEAF user 'f9999') holds no samples (every client "
+                                                   "needs at least one)")
                                      for line in refused)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -62,15 +62,15 @@ def test_validate_builds_the_partition_of_any_data_and_surveys_a_dataset_stored_
 
 
 @pytest.mark.parametrize("command", ["validate", "partition"])
-def test_validate_and_partition_name_an_empty_client_of_a_natural_split_in_one_line(tmp_path, command):
+def test_validate_and_partition_name_an_empty_client_of_a_natural_split_and_its_user_in_one_line(tmp_path, command):
     write_leaf(tmp_path)
     write_leaf_user(tmp_path, "f9999", [], [])
     result = mpifl_here(command, QUICKSTART, "data.dataset=leaf", f"data.kwargs={{path: {tmp_path}}}",
                         "data.partition=natural", "clients.num_clients=5", "clients.per_round=2")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip() == ("mpifl: config error: cannot partition the data: data.partition 'natural' (the "
-                                     "clients of data.dataset 'leaf'): client 4 holds no samples (every client "
-                                     "needs at least one)")
+                                     "clients of data.dataset 'leaf'): client 4 (LEAF user 'f9999') holds no "
+                                     "samples (every client needs at least one)")
 
 
 @pytest.mark.parametrize("data,warned", [

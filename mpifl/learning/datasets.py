@@ -62,6 +62,10 @@ class Dataset:
             return self.known_classes
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
+    def natural_name(self, client: int) -> str:
+        """How the data itself names ``client`` of its own split (LEAF user 'f0042'), or '' when it does not."""
+        return self.source[1].named(client) if self.source is not None else ""
+
     def holding(self, clients: list[int]) -> Dataset:
         """The same dataset with the inputs of ``clients`` read from its source (itself when it has none)."""
         if self.source is None:
@@ -218,7 +222,8 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     parts = fn(**cfg.kwargs)
     if not isinstance(parts, (tuple, list)) or len(parts) not in (4, 5):
         raise TypeError(f"data.dataset {cfg.dataset!r} must return (x_train, y_train, x_test, y_test[, clients])")
-    clients = tuple(np.asarray(c, dtype=np.int64) for c in parts[4]) if len(parts) == 5 else None
+    # as given: a natural partition refuses indices that are not integers (learning.partitions.checked_partition)
+    clients = tuple(np.asarray(c) for c in parts[4]) if len(parts) == 5 else None
     x_tr, y_tr, x_te, y_te = (torch.as_tensor(p) for p in parts[:4])
     if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
         raise ValueError(f"data.dataset {cfg.dataset!r}: inputs and labels differ in length")

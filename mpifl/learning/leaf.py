@@ -58,15 +58,28 @@ def read_file(path: Path) -> dict:
 
 def users_of(folder: Path) -> Iterator[tuple[Path, str, dict]]:
     """(file, user, {"x", "y"}) for every user of a split, one file in memory at a time; each user checked
-    (``user_data``)."""
+    (``user_data``), and against its ``num_samples`` entry when the file has them (LEAF's files do)."""
     for path in split_files(folder):
         table = read_file(path)
         listed = Counter(table["users"])
-        for user in table["users"]:
+        stated = table.get("num_samples", [])
+        if not isinstance(stated, list):
+            raise ValueError(f"data.kwargs.path: {path}: num_samples is a {type(stated).__name__}, not a list of "
+                             "counts (one per user)")
+        for i, user in enumerate(table["users"]):
             if listed[user] > 1:
                 raise ValueError(f"data.kwargs.path: {path}: user {user!r} is listed {listed[user]} times in "
                                  "'users' (a user is one client: list it once)")
-            yield path, user, user_data(path, table, user)
+            data = user_data(path, table, user)
+            if i < len(stated) and stated[i] != len(data["y"]):
+                raise ValueError(f"data.kwargs.path: {path}: user {user!r}: num_samples says {stated[i]!r} but its "
+                                 f"user_data holds {len(data['y'])} samples (a truncated or edited file? make them "
+                                 "agree)")
+            yield path, user, data
+        if "num_samples" in table and len(stated) != len(table["users"]):
+            raise ValueError(f"data.kwargs.path: {path}: num_samples has {len(stated)} "
+                             f"entr{'y' if len(stated) == 1 else 'ies'}, but 'users' lists {len(table['users'])} "
+                             "users (one count per user)")
 
 
 def user_data(path: Path, table: dict, user: str) -> dict:
@@ -203,12 +216,12 @@ class LeafSource:
         users = sorted(labels)
         index = ClientIndex(tuple(labels[u] for u in users), tuple(as_inputs(x_test[:1]).shape[1:]),
                             as_inputs(x_test[:1]).dtype, classes_in(*labels.values(), y_test),
-                            {"users": users, "files": [files[u] for u in users], "encoder": encode})
+                            {"files": [files[u] for u in users], "encoder": encode}, tuple(users), "LEAF user")
         return index, (as_inputs(x_test), torch.from_numpy(y_test))
 
     def read_clients(self, index: ClientIndex, clients: Sequence[int]) -> dict[int, torch.Tensor]:
         """The encoded inputs of ``clients``, opening only the training files that hold them."""
-        users, files = index.where["users"], index.where["files"]
+        users, files = index.ids, index.where["files"]
         wanted = {users[c]: c for c in clients}
         out: dict[int, torch.Tensor] = {}
         for name in sorted({files[c] for c in clients}):

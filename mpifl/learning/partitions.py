@@ -144,13 +144,15 @@ def unbalanced_partition(num_samples: int, num_clients: int, sigma: float,
 
 
 def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int,
-              natural: tuple[np.ndarray, ...] | None = None) -> list[np.ndarray]:
+              natural: tuple[np.ndarray, ...] | None = None,
+              named: Callable[[int], str] | None = None) -> list[np.ndarray]:
     """The configured partition of the training set (identical on every rank).
 
-    ``natural`` is the dataset's own split (LEAF users, say), for ``data.partition: natural``.
+    ``natural`` is the dataset's own split (LEAF users, say), for ``data.partition: natural``; ``named(c)`` how the
+    data names its client c in messages ("LEAF user 'f0042'"; Dataset.natural_name).
     """
     if cfg.partition == "natural":
-        return natural_partition(natural, len(labels), num_clients, cfg.dataset)
+        return natural_partition(natural, len(labels), num_clients, cfg.dataset, named)
     if cfg.partition == "file":
         assert cfg.partition_file is not None  # config checks require it exactly when partition is 'file'
         return checked_partition(read_partition_file(cfg.partition_file, num_clients), len(labels), num_clients,
@@ -174,16 +176,17 @@ def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int
 
 
 def natural_partition(natural: tuple[np.ndarray, ...] | None, num_samples: int, num_clients: int,
-                      dataset: str) -> list[np.ndarray]:
+                      dataset: str, named: Callable[[int], str] | None = None) -> list[np.ndarray]:
     """The dataset's own clients, the first ``num_clients`` of them, checked as a partition file is
-    (``checked_partition``): none empty, every index a training sample, no sample held twice."""
+    (``checked_partition``): none empty, every index a training sample, no sample held twice; a refused client is
+    named as the data names it too (``named``)."""
     if natural is None:
         raise ValueError(f"data.partition: 'natural' needs a dataset with its own clients (e.g. 'leaf'); "
                          f"{dataset!r} has none")
     if num_clients > len(natural):
         raise ValueError(f"clients.num_clients: {num_clients} clients, but the data has {len(natural)}")
     return checked_partition(list(natural[:num_clients]), num_samples, num_clients,
-                             f"data.partition 'natural' (the clients of data.dataset {dataset!r})")
+                             f"data.partition 'natural' (the clients of data.dataset {dataset!r})", named)
 
 
 def read_partition_file(path: str, num_clients: int) -> list:
@@ -218,50 +221,63 @@ def _by_client_id(table: dict, num_clients: int, where: str) -> list:
     return [ids[c] for c in range(num_clients)]
 
 
-def checked_partition(parts: list, num_samples: int, num_clients: int, where: str) -> list[np.ndarray]:
+def checked_partition(parts: list, num_samples: int, num_clients: int, where: str,
+                      named: Callable[[int], str] | None = None) -> list[np.ndarray]:
     """A user's partition, checked: one list of integer indices per client, each a training sample, none
-    empty, and no sample held twice. Entries past ``num_clients`` are left out."""
+    empty, and no sample held twice. Entries past ``num_clients`` are left out. A refused client is 'client c',
+    followed by ``named(c)`` in brackets when that is not empty (the data's own name for it)."""
     if not isinstance(parts, (list, tuple)):
         raise ValueError(f"{where}: one index list per client, not a {type(parts).__name__}")
     if len(parts) < num_clients:
         raise ValueError(f"{where}: {len(parts)} clients, but clients.num_clients={num_clients}")
-    arrays = [_client_indices(p, c, num_samples, where) for c, p in enumerate(parts[:num_clients])]
+    who = (lambda c: client_text(c, named)) if named else client_text
+    arrays = [_client_indices(p, who(c), num_samples, where) for c, p in enumerate(parts[:num_clients])]
     owner = np.full(num_samples, -1, dtype=np.int64)
     for client, idx in enumerate(arrays):
         twice = idx[1:][idx[1:] == idx[:-1]]
         if len(twice):
-            raise ValueError(f"{where}: client {client} lists sample {twice[0]} twice")
+            raise ValueError(f"{where}: {who(client)} lists sample {twice[0]} twice")
         held = idx[owner[idx] >= 0]
         if len(held):
-            raise ValueError(f"{where}: sample {held[0]} is held by client {owner[held[0]]} and client {client} "
+            raise ValueError(f"{where}: sample {held[0]} is held by {who(int(owner[held[0]]))} and {who(client)} "
                              "(a sample belongs to one client)")
         owner[idx] = client
     return arrays
 
 
-def _client_indices(indices: object, client: int, num_samples: int, where: str) -> np.ndarray:
-    """One client's entry as sorted int64 indices: a non-empty list of integers below ``num_samples``."""
+def client_text(client: int, named: Callable[[int], str] | None = None) -> str:
+    """'client 3', or 'client 3 (LEAF user 'f0042')' when ``named`` gives the data's own name for it."""
+    name = named(client) if named else ""
+    return f"client {client} ({name})" if name else f"client {client}"
+
+
+def _client_indices(indices: object, who: str, num_samples: int, where: str) -> np.ndarray:
+    """One client's entry (``who``) as sorted int64 indices: a non-empty list of integers below ``num_samples``."""
     if isinstance(indices, np.ndarray) and indices.ndim == 1 and np.issubdtype(indices.dtype, np.integer):
-        return _integer_indices(indices, client, num_samples, where)  # a natural split's: checked at numpy speed
+        return _integer_indices(indices, who, num_samples, where)  # a natural split's: checked at numpy speed
+    if isinstance(indices, np.ndarray) and indices.size and indices.dtype.kind in "fcb":
+        # a whole array at once: its values would be converted silently (5.7 to 5), whole numbers or not
+        raise ValueError(f"{where}: {who}'s indices are a {indices.dtype} array; sample indices must have an "
+                         "integer dtype (whole-number floats such as 3.0 are refused too: cast them with "
+                         ".astype(np.int64) where they are made)")
     values = indices if isinstance(indices, (list, tuple)) else np.asarray(indices).tolist()
     if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{where}: client {client}'s entry is {values!r}, not a list of sample indices")
+        raise ValueError(f"{where}: {who}'s entry is {values!r}, not a list of sample indices")
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
     if bad:
-        raise ValueError(f"{where}: client {client}'s index {bad[0]!r} is not an integer")
+        raise ValueError(f"{where}: {who}'s index {bad[0]!r} is not an integer")
     # integers, in an object array where one is past int64, which the range check then names
-    return _integer_indices(np.asarray(values) if values else np.empty(0, dtype=np.int64), client, num_samples, where)
+    return _integer_indices(np.asarray(values) if values else np.empty(0, dtype=np.int64), who, num_samples, where)
 
 
-def _integer_indices(indices: np.ndarray, client: int, num_samples: int, where: str) -> np.ndarray:
-    """One client's integer indices, sorted as int64: none empty, each a training sample; checked without a Python
-    loop (a natural split may hold millions)."""
+def _integer_indices(indices: np.ndarray, who: str, num_samples: int, where: str) -> np.ndarray:
+    """One client's (``who``) integer indices, sorted as int64: none empty, each a training sample; checked without
+    a Python loop (a natural split may hold millions)."""
     if not len(indices):
-        raise ValueError(f"{where}: client {client} holds no samples (every client needs at least one)")
+        raise ValueError(f"{where}: {who} holds no samples (every client needs at least one)")
     outside = indices[(indices < 0) | (indices >= num_samples)]
     if len(outside):
-        raise ValueError(f"{where}: client {client} has indices outside the {num_samples} training samples: "
-                         f"{outside[0]}")
+        raise ValueError(f"{where}: {who} has indices outside the {num_samples} training samples: {outside[0]}")
     return np.sort(indices.astype(np.int64))
 
 
@@ -285,7 +301,7 @@ def label_histogram(parts: list[np.ndarray], labels: np.ndarray, num_classes: in
 def partition_counts(cfg: DataConfig, dataset: Dataset, num_clients: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """What each client trains on, by class (clients x classes), and how many samples it holds out for validation
     (``data.val_fraction``; zeros without it): the split ``split_validation`` makes on the client ranks."""
-    parts = partition(cfg, dataset.y_train, num_clients, seed, dataset.clients)
+    parts = partition(cfg, dataset.y_train, num_clients, seed, dataset.clients, dataset.natural_name)
     splits = [split_validation(p, cfg.val_fraction, seed, c) for c, p in enumerate(parts)]
     train = label_histogram([t for t, _ in splits], dataset.y_train.numpy(), dataset.num_classes)
     return train, np.array([len(v) for _, v in splits], dtype=np.int64)

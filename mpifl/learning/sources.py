@@ -30,11 +30,17 @@ class ClientIndex:
     input_dtype: torch.dtype
     num_classes: int
     where: dict[str, Any] = field(default_factory=dict)  # the source's own notes: files per client, vocabulary
+    ids: tuple = ()  # each client's id in the data (a LEAF user, a table's client id), clients in order
+    id_kind: str = "client id"  # what the data calls an id, for messages: 'LEAF user', 'table client id'
 
     @property
     def starts(self) -> np.ndarray:
         """Global index of each client's first sample, then the total (length clients + 1)."""
         return np.concatenate([[0], np.cumsum([len(y) for y in self.labels])]).astype(np.int64)
+
+    def named(self, client: int) -> str:
+        """How the data names ``client``, for messages: "LEAF user 'f0042_17'" (empty without ids)."""
+        return f"{self.id_kind} {self.ids[client]!r}" if client < len(self.ids) else ""
 
     def ranges(self) -> tuple[np.ndarray, ...]:
         """Each client's global sample indices (the natural partition)."""

@@ -109,6 +109,24 @@ def _parquet_nulls(path: Path, names: Sequence[str]) -> None:
                 _refuse_nulls(path, name, stats.null_count)
 
 
+CHUNK_BYTES = 1 << 24  # what a finiteness check holds at once beyond the data: 16 MiB of values and their flags
+
+
+def _refuse_nonfinite(path: Path, name: str, values: np.ndarray) -> None:
+    """Refuse NaN or infinite floats in array ``name`` of an npz file (a NaN input poisons the model it trains, as a
+    null would), naming the first such row; checked a slice of rows at a time, so the check holds little beyond
+    ``values`` (a rank reads each array whole anyway: npz cannot be read in part)."""
+    if values.dtype.kind not in "fc" or not values.size:
+        return
+    rows = max(1, CHUNK_BYTES // max(1, values[:1].nbytes))
+    for start in range(0, len(values), rows):
+        chunk = values[start:start + rows]
+        bad = ~np.isfinite(chunk.reshape(len(chunk), -1)).all(axis=1)
+        if bad.any():
+            raise ValueError(f"{path}: array {name!r} has a NaN or infinite value in row {start + int(np.argmax(bad))} "
+                             "(a feature that is not a number cannot be trained on: fill or drop those rows)")
+
+
 class TableSource:
     """A table with a client-id column; see the module docstring."""
 
@@ -129,12 +147,18 @@ class TableSource:
                 if missing:
                     raise ValueError(f"{path}: no column {missing[0]!r} (it has {', '.join(arrays.files)})")
                 keep = np.isin(arrays[self.client], np.asarray(ids)) if ids is not None else slice(None)
-                return {n: arrays[n][keep] for n in names}
+                out = {}
+                for n in names:
+                    values = arrays[n]
+                    _refuse_nonfinite(path, n, values)  # every row, not only those kept: the survey reads each
+                    out[n] = values[keep]                # feature array here, so it refuses any row's
+                return out
         pa = _pyarrow()
         if kind == "parquet":
             table = self._parquet_rows(path, names, ids)
         else:
-            table = _arrow_table(path / split if kind == "arrow-dict" else path)
+            path = path / split if kind == "arrow-dict" else path  # a DatasetDict's split is named in messages
+            table = _arrow_table(path)
             missing = [n for n in names if n not in table.column_names]
             if missing:
                 raise ValueError(f"{path}: no column {missing[0]!r} (it has {', '.join(table.column_names)})")
@@ -202,7 +226,8 @@ class TableSource:
 
     def survey(self) -> tuple[ClientIndex, tuple[torch.Tensor, torch.Tensor]]:
         """Every client's labels (clients in id order) and the test split; inputs are read for one client only (a
-        Parquet file's features are checked for nulls from its statistics)."""
+        Parquet file's features are checked for nulls from its statistics, an Arrow folder's from its batches'
+        headers; an npz file's arrays are read whole for that client, NaN and infinities refused as they are)."""
         for key, path in (("path", self.path), ("test_path", self.test_path)):
             if path is not None and not path.exists():
                 raise FileNotFoundError(f"data.kwargs.{key}: no file or folder {str(path)!r}")
@@ -211,9 +236,10 @@ class TableSource:
         if kind == "parquet":
             _parquet_nulls(self.path, names)
         elif kind != "npz":  # memory-mapped Arrow: a column's null count is in its batches' headers
-            table = _arrow_table(self.path / "train" if kind == "arrow-dict" else self.path)
+            folder = self.path / "train" if kind == "arrow-dict" else self.path
+            table = _arrow_table(folder)
             for name in names:
-                _refuse_nulls(self.path, name, table.column(name).null_count)
+                _refuse_nulls(folder, name, table.column(name).null_count)
         columns = self._read(self.path, [self.client, self.label])
         ids, codes = np.unique(columns[self.client], return_inverse=True)
         order = np.argsort(codes, kind="stable")  # clients in id order, rows in file order
@@ -223,12 +249,12 @@ class TableSource:
         if len(x_test) == 0:
             x_test = first[:0]
         index = ClientIndex(tuple(labels), tuple(first.shape[1:]), first.dtype, classes_in(*labels, y_test.numpy()),
-                            {"ids": ids.tolist(), "features": names})
+                            {"features": names}, tuple(ids.tolist()), "table client id")
         return index, (x_test, y_test)
 
     def read_clients(self, index: ClientIndex, clients: Sequence[int]) -> dict[int, torch.Tensor]:
         """The inputs of ``clients``, reading only their rows (Parquet row groups without them stay unread)."""
-        ids, names = index.where["ids"], index.where["features"]
+        ids, names = index.ids, index.where["features"]
         wanted = [ids[c] for c in sorted(clients)]
         if not wanted:
             return {}

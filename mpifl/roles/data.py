@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -165,7 +166,7 @@ def report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> Non
         histogram, validation = partition_counts(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
     held_out = (f" ({int(validation.sum())} of them held out for validation, data.val_fraction "
                 f"{cfg.data.val_fraction:g})" if validation.any() else "")
-    log(f"partition '{cfg.data.partition}' of {len(dataset.y_train)} training samples{held_out}:\n"
+    log(f"partition '{cfg.data.partition}' of {partition_scope(cfg, dataset, histogram, validation)}{held_out}:\n"
         + partition_table(histogram, validation=validation), rank=0)
     if cfg.data.feature_noise:
         n, scale = cfg.clients.num_clients, cfg.data.feature_noise
@@ -174,6 +175,21 @@ def report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> Non
             f"held-out set is scored at each of the {n} levels", rank=0)
     if run_dir is not None:
         (run_dir / "partition.csv").write_text(partition_csv(histogram, validation))
+
+
+def partition_scope(cfg: Config, dataset: Dataset, histogram: np.ndarray,
+                    validation: np.ndarray) -> str:
+    """How many training samples the clients hold ("19 training samples"), and, when that is not all of them, of
+    how many: a natural split takes the data's first clients.num_clients clients, a label split may leave classes
+    out."""
+    taken, total = int(histogram.sum() + validation.sum()), len(dataset.y_train)
+    scope = f"{taken} training samples"
+    if cfg.data.partition == "natural" and dataset.clients is not None \
+            and len(dataset.clients) > cfg.clients.num_clients:
+        kind = f" ({dataset.source[1].id_kind}s)" if dataset.source is not None else ""
+        return (f"{scope}: those of the first {cfg.clients.num_clients} of the data's {len(dataset.clients)} "
+                f"clients{kind}, {total} samples in all")
+    return scope if taken == total else f"{scope} (of {total} in the data)"
 
 
 def keep_tokenizer(dataset: Dataset, run_dir: Path | None) -> None:
@@ -197,7 +213,8 @@ def client_partition(cfg: Config, dataset: Dataset | None) -> list | None:
     if dataset is None:
         return None
     with _partition_errors():
-        return partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
+        return partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients,
+                         dataset.natural_name)
 
 
 def placement_of(cfg: Config, parts: list | None, client_ranks: int) -> Placement:
