@@ -310,7 +310,8 @@ def async_reference(cfg: Config, drop: frozenset[int] = frozenset()) -> dict[str
     return versions[version]
 
 
-def scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None) -> dict[str, np.ndarray]:
+def scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
+                       controls: bool = False) -> dict[str, np.ndarray]:
     """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II) on whole models, every c_i in memory: each
     sampled client trains from x, every optimizer step followed by y -= lr (c - c_i) (outside any momentum, as
     NIID-Bench does; for plain SGD the paper's step), forms delta_c_i = (x - y) / (K lr) - c,
@@ -319,12 +320,14 @@ def scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = Non
     c += sum w_i * (delta_c_i / w_i) / N, the sums in ascending client id. The final tensors, and c as
     ``control.<parameter>``. Trained with one thread, as every rank trains (a GEMM's sums follow the
     thread count, and the control delta magnifies a last-bit difference in y by 1 / (K lr)). The clients in
-    ``dropped_in[r]`` are skipped in round r, as if never sampled: their c_i stays, and nothing of theirs is summed."""
+    ``dropped_in[r]`` are skipped in round r, as if never sampled: their c_i stays, and nothing of theirs is summed;
+    a round with every client skipped leaves x and c as they were. ``controls``: each client's c_i too (the
+    trainable parameters' in order, one vector), as ``client.<id>``, for the clients that kept one."""
     with one_thread():
-        return _scaffold_reference(cfg, dropped_in or {})
+        return _scaffold_reference(cfg, dropped_in or {}, controls)
 
 
-def _scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]]) -> dict[str, np.ndarray]:
+def _scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]], controls: bool = False) -> dict[str, np.ndarray]:
     dataset = load_dataset(cfg.data)
     flat = FlatModel(build_model(cfg.model, cfg.seed, dataset.input_shape, dataset.num_classes))
     parts = partition(cfg.data, dataset.y_train, cfg.clients.num_clients, cfg.seed, dataset.clients)
@@ -379,17 +382,19 @@ def _scaffold_reference(cfg: Config, dropped_in: dict[int, set[int]]) -> dict[st
             return weighted_mean([(w, v) for _, w, v in values], divisor)
 
         for n, t in flat.tensors():
-            if local.named(n):
-                t.copy_(old[n])  # the server's copy is never updated
+            if local.named(n) or not sent:
+                t.copy_(old[n])  # the server's copy is never updated; nothing sent, nothing changes
                 continue
             step = mean([(client, w, dy[n]) for client, w, dy, _ in sent])
             scaled = step * eta if eta != 1 and n not in statistics else step  # eta_g steps the parameters only
             t.copy_(torch.from_numpy(scaled + old[n].numpy()))
-        for n in c:
+        for n in c if sent else ():
             c[n] = c[n] + torch.from_numpy(mean([(client, w, dc[n]) for client, w, _, dc in sent],
                                                 divisor=cfg.clients.num_clients))
     out = {n: t.float().numpy().copy() for n, t in flat.tensors() if not local.named(n)}
     out.update({f"control.{n}": t.numpy().copy() for n, t in c.items()})
+    if controls:
+        out.update({f"client.{k}": torch.cat([v.flatten() for v in own[k].values()]).numpy() for k in own})
     if cfg.model.local:  # each client's one vector: its c_i, then its local tensors and their mark
         out.update({f"client.{k}": np.concatenate([torch.cat([v.flatten() for v in own[k].values()]).numpy(),
                                                    local.vector(k)]) for k in local.kept})

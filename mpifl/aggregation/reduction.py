@@ -11,7 +11,8 @@ otherwise each accumulator is a participants x chunk stack.
 A participant whose header carries an error (``clients.accept_failures``) is skipped in every
 chunk; ``clients.min_participants`` (and ``secagg.min_cohort``) is checked before the first
 finished chunk is written, so an aborted round leaves the global model untouched; under a virtual clock
-(``ReductionRound.keep_model``) such a round is received to its end and every chunk committed unchanged. Under
+(``ReductionRound.keep_model``) such a round is received to its end and every chunk committed unchanged (the server
+then has its usable clients' per-client state put back: roles.server). Under
 ``accept_failures`` a rank still training past its deadline has the rest of its round dropped
 (dropping.py). The slots and the receives posted into them are receives.py's; the held stacks,
 held.py's.
@@ -313,7 +314,7 @@ class StreamedReduction:
                 self.total_weight, self.strategy.round_statistics_total = checked_totals(
                     self.strategy, self.stats.metas, self.task, self.schedule.order)
             except BelowQuorum as below:
-                if not self.task.keep_model or (below.usable and self.task.client_state):
+                if not self.task.keep_model or (below.usable and self.task.lasting_state):
                     raise
                 self.stats.unapplied = str(below)
         return self.total_weight

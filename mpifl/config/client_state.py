@@ -172,6 +172,15 @@ class ClientState:
     personal: bool = False
     vectors: tuple[tuple[str, StateVector], ...] = ()  # a plug-in trainer's declared vectors, in declared order
 
+    @property
+    def lasting(self) -> str:
+        """What of it a client keeps as its training left it though the round is not applied, as the logs name it
+        ("" where none): top-k's residuals, local tensors and Ditto's personal models, which no put-back undoes
+        (``ClientStateLayout.journaled_chunks``)."""
+        kinds = [kind for kind, kept in (("residuals", self.residuals), ("local", self.local),
+                                         ("personal", self.personal)) if kept]
+        return " and ".join(KINDS[kind][0] for kind in kinds)
+
     def layout(self, sizes: StateSizes) -> ClientStateLayout:
         """The layout of each client's vector for a model of ``sizes``."""
         shared = sum(map(bool, (self.rule, self.residuals, self.local, self.personal))) + len(self.vectors) > 1

@@ -55,8 +55,9 @@ class ClientsConfig:
                                       "(with a message that says when a resume would end the same way); under "
                                       "clock.mode other than off the round, or asynchronous step, is left out "
                                       "instead: the model unchanged, the record's 'unapplied' says why, and the run "
-                                      "goes on (a sync round with some usable updates under per-client state still "
-                                      "aborts)", min=1)
+                                      "goes on, the usable clients' SCAFFOLD, FedDyn or declared vectors put back "
+                                      "(record 'state_put_back'; a sync round with some usable updates still aborts "
+                                      "under top-k residuals, model.local or Ditto, which no put-back undoes)", min=1)
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
                             "deterministic) or per_round (each round's participants, or their groups, spread anew "

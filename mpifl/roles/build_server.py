@@ -152,7 +152,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             floor=floor, lends_state=cfg.lends_client_state,
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
                             spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round),
-                            virtual_clock=cfg.clock.mode != "off", client_state=cfg.client_state() is not None)
+                            virtual_clock=cfg.clock.mode != "off", client_state=cfg.client_state() is not None,
+                            lasting_state=_lasting_state(cfg))
         server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
         publisher.listen(server.heard)
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
@@ -192,6 +193,18 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
             raise JobFailure(checkpointer.withheld)
 
     return wrap_up
+
+
+def _lasting_state(cfg: Config) -> str:
+    """What of the per-client state a usable client keeps though its round is not applied, as the logs name it: ""
+    where the run keeps none, or puts it all back (clients.accept_failures journals SCAFFOLD's, FedDyn's and
+    declared vectors: ``Config.undoes_dropped_state``)."""
+    state = cfg.client_state()
+    if state is None:
+        return ""
+    if (state.rule or state.vectors) and not cfg.undoes_dropped_state:
+        return state.what
+    return state.lasting
 
 
 def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], resumed: bool) -> list[Trackers]:

@@ -151,9 +151,9 @@ class ClientRank:
         assert self.parts.state.journal is not None  # called only with one
         undone = self.parts.state.journal.settle(header.dropped)
         if undone:
-            log(f"logical clients {range_list(undone)} were dropped past their deadline: each one's "
-                f"{self.parts.state.put_back()} is put "
-                "back as it was before it trained", rank=self.rank)
+            log(f"logical clients {range_list(undone)} were dropped from the round they trained (past its deadline, "
+                f"or it was not applied): each one's {self.parts.state.put_back()} is put back as it was before it "
+                "trained", rank=self.rank)
 
     def persist(self, header: protocol.PersistOrder) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,

@@ -111,7 +111,8 @@ class ServerParts:
     # records, before the job ends, a strike that ended it (the run directory's faults-struck): a resume goes past it
     spend_fault: Callable[[Strike], None] = lambda strike: None
     virtual_clock: bool = False  # clock.mode other than off: too few usable updates leave the model unchanged
-    client_state: bool = False  # per-client state: a round with usable updates, too few, still aborts (round_task)
+    client_state: bool = False  # per-client state: an unapplied round's usable clients have theirs put back
+    lasting_state: str = ""  # what of it no put-back undoes: a round with usable updates, too few, still aborts
 
 
 class Server:
@@ -213,8 +214,7 @@ class Server:
         times = RoundTimes(start, dispatched, stats.first_arrival or dispatched, reduced, evaluated, evaluated,
                            evaluated, stats.aggregate_seconds, trained, stats.last_drop)
         record = self._record(plan, routes, stats.metas, evaluation, times, work)
-        if stats.unapplied is not None:
-            record["unapplied"] = stats.unapplied
+        record.update(self._left_out(plan, stats))
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
         late = rank_costs(self.late.take_discarded())
         if late:
@@ -285,6 +285,23 @@ class Server:
 
         return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), owe)
 
+    def _left_out(self, plan: RoundAssignment, stats: ReductionStats) -> dict:
+        """A round not applied (a virtual clock): why, for its record, and under per-client state the usable clients
+        whose state is put back (``state_put_back``). They are noted as dropped, so that the rank that trained each
+        (and, under per_round placement, its home) puts its journaled state back before anything reads, lends or
+        publishes it, as if it had not been sampled; the failed ones kept none (a client's state stands only with a
+        usable update)."""
+        if stats.unapplied is None:
+            return {}
+        usable = sorted(c for c, m in stats.metas.items() if m.error is None) if self.parts.client_state else []
+        if not usable:
+            return {"unapplied": stats.unapplied}
+        for client in usable:
+            self.parts.dropped.add(self._rank_of(plan, client), (client,), self._state_home())
+        log(f"round {plan.round}: logical clients {range_list(usable)} sent usable updates to a round not applied: "
+            "each one's per-client state is put back as if it had not been sampled", rank=0)
+        return {"unapplied": stats.unapplied, "state_put_back": usable}
+
     def _without_busy(self, plan: RoundAssignment) -> RoundAssignment:
         """clients.accept_failures: ``plan`` without the ranks still training a round they were dropped from, which
         nobody waits for (a rank silent too long is retired: wire.late.LateStreams.busy)."""
@@ -336,7 +353,7 @@ class Server:
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=routes.labels,
             min_participants=self.min_participants, min_cohort=self._min_cohort(),
             header_clients=routes.header_clients, keep_model=parts.virtual_clock,
-            client_state=parts.client_state)
+            lasting_state=bool(parts.lasting_state))
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       watchdog=watchdog, dropping=self._dropping(plan, routes, started))
         try:
@@ -348,8 +365,9 @@ class Server:
             self._log_drops(plan, reduction.stats.metas)
             saved = parts.checkpointer.round_aborted(round_, self.history)
             where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
-            moved = " (the usable clients' per-client state moved on, so the round cannot be left out as under a " \
-                "virtual clock it otherwise is)" if parts.virtual_clock and parts.client_state else ""
+            moved = f" (the usable clients' {parts.lasting_state} moved on, and no put-back undoes that, so the " \
+                "round cannot be left out as under a virtual clock it otherwise is)" \
+                if parts.virtual_clock and parts.lasting_state else ""
             raise JobFailure(f"{aborted}{moved}{where}; {resume_advice(strikes, reduction.stats.metas)}") from None
         except RankStalled as stalled:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched)

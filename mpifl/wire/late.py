@@ -50,9 +50,10 @@ class _Drain:
 
 
 class DroppedClients:
-    """Rank 0's note of the logical clients it dropped past their deadline, by rank, until the rank's next header
-    names them (``Header.dropped``): a dropped rank cannot tell while it trains, and a rank whose clients
-    keep state that the server's must match (SCAFFOLD's c_i, FedDyn's g_i) puts theirs back when it reads it."""
+    """Rank 0's note of the logical clients it dropped past their deadline, or whose usable updates went to a round
+    not applied (under a virtual clock), by rank, until the rank's next header names them (``Header.dropped``): a
+    dropped rank cannot tell while it trains, and a rank whose clients keep state that the server's must match
+    (SCAFFOLD's c_i, FedDyn's g_i) puts theirs back when it reads it."""
 
     def __init__(self) -> None:
         self.by_rank: dict[int, set[int]] = {}
@@ -60,9 +61,15 @@ class DroppedClients:
     def note(self, owed: OwedStream, home: Callable[[int], int] | None = None) -> None:
         """``owed``'s clients were dropped from its rank's round; ``home``: the rank that keeps each client's state
         when that is another (``clients.placement: per_round``), which puts it back, so it is told too."""
-        self.by_rank.setdefault(owed.rank, set()).update(owed.clients)
+        self.add(owed.rank, owed.clients, home)
+
+    def add(self, rank: int, clients: Iterable[int], home: Callable[[int], int] | None = None) -> None:
+        """``clients`` of ``rank`` are left out of the round they trained (dropped past a deadline, or in a round not
+        applied); ``home`` as for ``note``."""
+        clients = tuple(clients)
+        self.by_rank.setdefault(rank, set()).update(clients)
         if home is not None:
-            for client in owed.clients:
+            for client in clients:
                 self.by_rank.setdefault(home(client), set()).add(client)
 
     def take(self, rank: int) -> tuple[int, ...]:

@@ -3,7 +3,8 @@ any other, and the clients it was still training end as if they had not been sam
 
 A dropped rank cannot tell while it trains, so it folds those clients' deltas into their c_i or g_i; the server
 never sums them into c or h. Its next header names the dropped clients (Header.dropped), and the rank puts
-their vectors back as they were before the round (storage.residuals.UndoJournal)."""
+their vectors back as they were before the round (storage.residuals.UndoJournal). Under a virtual clock, a round
+left with too few usable updates names its usable clients the same way, and is left out for them too."""
 from __future__ import annotations
 
 import json
@@ -11,14 +12,17 @@ import shutil
 from collections import deque
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, run_mpi, same_model, write_config
 from reference import feddyn_reference, scaffold_reference
-from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
+from results import assert_bitwise, client_vectors, reference_controls_numbered, run_controls_numbered
 
 from mpifl.config import load_config
+from mpifl.planning.federation import sample_clients
 from mpifl.storage.checkpointer import checkpoint_name, list_checkpoints, residuals_dir
 from mpifl.storage.residuals import RamResiduals, UndoJournal
 from mpifl.wire.late import DroppedClients, OwedStream
@@ -154,9 +158,115 @@ def test_a_dropped_clients_plugin_vectors_are_put_back_as_if_it_had_not_trained(
     dropped = drops(history)
     assert any(d["rank"] == 2 and "straggler deadline" in d["reason"] for r in history for d in r["dropped"])
     assert "each one's trainer state is put back as it was before it trained" in result.stderr
-    from results import client_vectors
 
     counts = {c: int(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
     trained = {c: sum(c in r["participants"] and c not in dropped.get(r["round"], ()) for r in history)
                for c in range(8)}
     assert {c: n for c, n in counts.items() if n} == {c: n for c, n in trained.items() if n}
+
+
+UNAPPLIED = """
+seed: 4
+rounds: {rounds}
+clients: {{num_clients: 8, per_round: 6, accept_failures: true, min_participants: 5}}
+data: {{dataset: synthetic, kwargs: {{num_samples: 480, num_features: 8, num_classes: 4}}}}
+model: {{name: mlp, kwargs: {{hidden: [8]}}}}
+train: {{lr: 0.1, batch_size: 8, device: cpu}}
+strategy: {{name: scaffold, update: delta}}
+clock: {{mode: sync}}
+faults: [{{kind: raise, clients: {struck}, rounds: [2]}}]
+checkpoint: {{every: 1, keep: 5}}
+eval: {{every: 0}}
+output: {{progress: false}}
+"""
+
+
+def checkpoint_vectors(run_dir: Path, round_: int) -> dict[int, np.ndarray]:
+    """Every client's per-client vector in the per-rank files of round ``round_``'s checkpoint."""
+    vectors = {}
+    for path in residuals_dir(run_dir / "checkpoints" / checkpoint_name(round_)).glob("rank*.h5"):
+        with h5py.File(path, "r") as f:
+            vectors.update({int(c): f["clients"][c][()] for c in f["clients"]})
+    return vectors
+
+
+def same_vectors(got: dict[int, np.ndarray], want: dict[int, np.ndarray]) -> None:
+    """The same vector, bitwise, for each client of ``want``; every other client of ``got`` all zeros (a client
+    first trained in a round it was put back from keeps a zero vector, as one never trained reads)."""
+    for client, vector in got.items():
+        expected = want.get(client, np.zeros_like(vector))
+        assert np.array_equal(vector.view(np.uint32), expected.view(np.uint32)), client
+    assert set(want) <= set(got)
+
+
+@pytest.mark.parametrize("ranks,rounds", [(3, 4), (4, 4), (3, 2)])
+def test_a_virtual_round_with_too_few_usable_updates_under_scaffold_is_left_out_with_every_c_i_put_back(
+        tmp_path, ranks, rounds):
+    """clock.mode sync, clients.accept_failures: round 2 keeps 6 clients, 2 of which raise, leaving 4 usable
+    updates, fewer than clients.min_participants=5. The round is left out: the model and c stay as they were, the
+    4 usable clients (the record's state_put_back) have their c_i put back before the next header (round 2's
+    checkpoint, the next round, or the stop when round 2 is the last), and the run goes on. The final model, c and
+    every c_i equal, bitwise, the reference that never trains round 2's clients; on 2 and 3 client ranks. (A virtual
+    clock refuses clients.placement: per_round.)"""
+    sampled = sample_clients(4, 2, 8, 6)
+    struck = sampled[:2]
+    text = UNAPPLIED.format(rounds=rounds, struck=struck)
+    cfg = write_config(tmp_path / "c.yaml", text)
+    result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = records(tmp_path / "run")
+    assert [r["round"] for r in history] == list(range(1, rounds + 1))
+    assert ["unapplied" in r for r in history] == [r["round"] == 2 for r in history]
+    second = history[1]
+    assert second["participants"] == sampled and {d["client"] for d in second["dropped"]} == set(struck)
+    usable = [c for c in sampled if c not in struck]
+    assert second["state_put_back"] == usable
+    assert "only 4 of 6 participants sent a usable update, fewer than clients.min_participants=5" in \
+        second["unapplied"]
+    assert "sent usable updates to a round not applied: each one's per-client state is put back" in result.stderr
+    assert "each one's c_i is put back as it was before it trained" in result.stderr
+    if rounds > 2:  # a put-back c_i is read again
+        assert any(c in later["participants"] for later in history[2:] for c in usable)
+    saved = tmp_path / "run" / "checkpoints"
+    assert same_model(saved / checkpoint_name(1), saved / checkpoint_name(2))  # the model and its control section c
+    same_vectors(checkpoint_vectors(tmp_path / "run", 2), checkpoint_vectors(tmp_path / "run", 1))
+    want = scaffold_reference(load_config(cfg), dropped_in={2: set(sampled)}, controls=True)
+    clients = {int(k.removeprefix("client.")): want.pop(k) for k in [k for k in want if k.startswith("client.")]}
+    assert_bitwise(run_controls_numbered(tmp_path / "run"), reference_controls_numbered(want))
+    same_vectors(client_vectors(tmp_path / "run"), clients)
+
+
+def test_a_virtual_round_left_out_by_a_robust_strategy_puts_back_the_usable_clients_declared_vectors(tmp_path):
+    """The median finishes each chunk from the participants' receive slots (held stacks, one participant per rank):
+    a round left with too few usable updates commits every chunk unchanged there too, and the usable clients'
+    declared vectors are put back. Each client's training count ends as the rounds whose updates were applied."""
+    text = UNAPPLIED.format(rounds=4, struck=[0]).replace(
+        "num_clients: 8, per_round: 6, accept_failures: true, min_participants: 5",
+        "num_clients: 3, per_round: 3, accept_failures: true, min_participants: 3").replace(
+        "{name: scaffold, update: delta}", "{name: median}").replace(
+        "device: cpu}", "device: cpu, trainer: 'plugin_helpers:TrainingCounter'}")
+    cfg = write_config(tmp_path / "c.yaml", text)
+    result = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = records(tmp_path / "run")
+    assert ["unapplied" in r for r in history] == [False, True, False, False]
+    assert history[1]["state_put_back"] == [1, 2] and [d["client"] for d in history[1]["dropped"]] == [0]
+    assert "each one's trainer state is put back as it was before it trained" in result.stderr
+    saved = tmp_path / "run" / "checkpoints"
+    assert same_model(saved / checkpoint_name(1), saved / checkpoint_name(2))
+    assert not same_model(saved / checkpoint_name(2), saved / checkpoint_name(3))
+    assert {c: int(v[0]) for c, v in client_vectors(tmp_path / "run").items()} == {0: 3, 1: 3, 2: 3}
+
+
+def test_a_virtual_round_with_too_few_usable_updates_still_ends_the_job_where_no_put_back_undoes_their_state(
+        tmp_path):
+    """Ditto's personal models (as top-k's residuals and model.local tensors) keep what the usable clients' training
+    made of them, which no put-back undoes: such a round cannot be left out, and the job ends naming why."""
+    text = UNAPPLIED.format(rounds=3, struck=sample_clients(4, 2, 8, 6)[:2]).replace(
+        "{name: scaffold, update: delta}", "{name: fedavg}").replace("device: cpu}", "device: cpu, ditto_lambda: 0.1}")
+    cfg = write_config(tmp_path / "c.yaml", text)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
+    assert result.returncode != 0
+    assert "fewer than clients.min_participants=5; the round is not applied (the usable clients' Ditto personal " \
+        "models moved on, and no put-back undoes that" in result.stderr
+    assert [r["round"] for r in records(tmp_path / "run")] == [1]
