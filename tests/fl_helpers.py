@@ -248,3 +248,30 @@ class SteppingNoiseTrainer(NoiseTrainer):
         samples = len(data) if data is not None else 1
         result.local_steps = self.cfg.local_epochs * math.ceil(samples / self.cfg.batch_size)
         return result
+
+
+class ExplodingBeforeNorm(nn.Sequential):
+    """``bn_mlp`` whose inputs blow up, for chosen clients, before its BatchNorm: on rank FL_HELPERS_EXPLODE_RANK, the
+    FL_HELPERS_EXPLODE_CALLS-th times it is put in training mode (once per logical client's training, as
+    ``SlowOnOneRank`` counts them), each forward pass scales its inputs by 1e30. The BatchNorm's running variance
+    overflows to Inf while the normalised activations, and so the gradients and the parameters, stay finite: a
+    training that diverged in its statistics only."""
+
+    def __init__(self, input_shape, num_classes: int, width: int = 8):
+        super().__init__(nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.BatchNorm1d(width), nn.ReLU(),
+                         nn.Linear(width, num_classes))
+        self.trainings, self.exploding = 0, False
+
+    def train(self, mode: bool = True):
+        import os
+
+        from mpi4py import MPI
+
+        if mode:
+            self.trainings += 1
+            self.exploding = MPI.COMM_WORLD.Get_rank() == int(os.environ.get("FL_HELPERS_EXPLODE_RANK", "-1")) and \
+                str(self.trainings) in os.environ.get("FL_HELPERS_EXPLODE_CALLS", "").split(",")
+        return super().train(mode)
+
+    def forward(self, x):
+        return super().forward(x * 1e30 if self.exploding and self.training else x)

@@ -99,8 +99,30 @@ def test_participation_counts_an_update_as_applied_only_if_its_client_was_not_dr
         # an asynchronous step: its arrivals, and the tasks lost since the last step (no stragglers)
         {"round": 3, "participants": [2, 5], "preempted": [], "job_ended": [6]},
     ]
-    assert participation_counts(records) == {"applied": {0: 1, 2: 3, 5: 1}, "dropped": {1: 2}, "stragglers": {3: 2},
-                                             "preempted": {4: 1}, "job_ended": {0: 1, 6: 1}}
+    assert participation_counts(records) == {"applied": {0: 1, 2: 3, 5: 1}, "unapplied": {}, "dropped": {1: 2},
+                                             "stragglers": {3: 2}, "preempted": {4: 1}, "job_ended": {0: 1, 6: 1}}
+
+
+def test_participation_counts_the_usable_updates_of_a_round_not_applied_apart_and_says_how_many():
+    """A virtual clock's round with too few usable updates leaves the model unchanged (its record's ``unapplied``):
+    its usable updates are not "updates applied", but a stack of their own, and the title counts them."""
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _participation, participation_counts
+
+    failed = [{"client": 1, "rank": 1, "reason": "raised ValueError"}]
+    records = [{"round": 1, "participants": [0, 1, 2], "dropped": [], "stragglers": []},
+               {"round": 2, "participants": [0, 1, 2], "dropped": failed, "stragglers": [3],
+                "unapplied": "only 2 of 3 participants sent a usable update, fewer than clients.min_participants=3"}]
+    counts = participation_counts(records)
+    assert counts["applied"] == {0: 1, 1: 1, 2: 1} and counts["unapplied"] == {0: 1, 2: 1}
+    assert counts["dropped"] == {1: 1} and counts["stragglers"] == {3: 1}
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    _participation(fig, ax, records, 4)
+    assert ax.get_title() == ("Participation per client\n(2 usable updates to rounds not applied, not counted as "
+                              "applied)")
+    assert "usable, but its round\nnot applied" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_the_availability_plot_circles_each_lost_task_at_the_end_of_the_stretch_that_lost_it():

@@ -406,20 +406,25 @@ def _virtual_time(fig: Figure, ax: Axes, records: list[dict]) -> None:
 # (record outcome, label, colour), stacked in this order
 PARTICIPATION = (("applied", "updates applied", "tab:blue"), ("dropped", "dropped (failed, or its rank late)",
                                                               "tab:purple"),
+                 ("unapplied", "usable, but its round\nnot applied", "tab:olive"),
                  ("stragglers", "stragglers (past the deadline\nor over-selected)", "tab:orange"),
                  ("preempted", "task lost to a preemption", "tab:red"),
                  ("job_ended", "task lost at its job's end\n(walltime or run time)", "tab:gray"))
 
 
 def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
-    """Rounds per client by outcome (``PARTICIPATION``'s keys): an update is applied only if its client took part
-    and was not dropped; a straggler whose task its job lost is counted under that cause, not twice (an
-    asynchronous step lists its lost tasks, and no stragglers)."""
+    """Rounds per client by outcome (``PARTICIPATION``'s keys): an update is applied only if its client took part,
+    was not dropped, and its round was applied (a round under a virtual clock with too few usable updates leaves
+    the model unchanged: its record's ``unapplied``, and its usable updates count as such); a straggler whose task
+    its job lost is counted under that cause, not twice (an asynchronous step lists its lost tasks, and no
+    stragglers)."""
     counts: dict[str, dict[int, int]] = {key: {} for key, _, _ in PARTICIPATION}
     for r in records:
         dropped = {d["client"] for d in r.get("dropped", [])}
         lost = set(r.get("preempted", [])) | set(r.get("job_ended", []))
-        outcomes = {"applied": [c for c in r.get("participants", []) if c not in dropped], "dropped": sorted(dropped),
+        usable = [c for c in r.get("participants", []) if c not in dropped]
+        applied, unapplied = ([], usable) if "unapplied" in r else (usable, [])
+        outcomes = {"applied": applied, "unapplied": unapplied, "dropped": sorted(dropped),
                     "stragglers": [c for c in r.get("stragglers", []) if c not in lost],
                     "preempted": r.get("preempted", []), "job_ended": r.get("job_ended", [])}
         for key, clients in outcomes.items():
@@ -435,6 +440,7 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
     from matplotlib.patches import Patch
 
     counts = participation_counts(records)
+    left_out = unapplied_note(counts)
     seen = sorted({c for per_client in counts.values() for c in per_client})
     shown = [(key, label, colour) for key, label, colour in PARTICIPATION if key == "applied" or counts[key]]
     ax.legend(handles=[Patch(color=colour, label=label) for _, label, colour in shown], loc="upper left",
@@ -442,7 +448,7 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
     fig.tight_layout()
     clients = max(num_clients or 0, len(seen), max(seen, default=-1) + 1)
     if clients > bar_columns(fig, ax):
-        _participation_histogram(ax, counts, shown, clients)
+        _participation_histogram(ax, counts, shown, clients, left_out)
         return
     bottom = np.zeros(len(seen))
     for key, _, colour in shown:
@@ -453,7 +459,15 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
     if len(seen) <= AVAILABILITY_CLIENTS:
         ax.set_xticks(seen)
     ax.set_ylabel("rounds (asynchronous: tasks)")
-    ax.set_title("Participation per client")
+    title = ax.set_title(f"Participation per client{left_out}")
+    if left_out:
+        title.set_fontsize("medium")
+
+
+def unapplied_note(counts: dict[str, dict[int, int]]) -> str:
+    """The title's note of the usable updates left out of "updates applied" (their rounds were not applied), or ""."""
+    n = sum(counts["unapplied"].values())
+    return f"\n({n} usable update{'s' if n != 1 else ''} to rounds not applied, not counted as applied)" if n else ""
 
 
 PIXELS_PER_BAR = 2  # a bar and a gap: narrower, neighbouring bars merge and antialiasing fades a lone one
@@ -477,7 +491,7 @@ def participation_histogram(counts: dict[str, dict[int, int]], clients: int) -> 
 
 
 def _participation_histogram(ax: Axes, counts: dict[str, dict[int, int]], shown: list[tuple[str, str, str]],
-                             clients: int) -> None:
+                             clients: int, left_out: str = "") -> None:
     """Clients by their number of rounds of each outcome, side by side, on a log axis so that a handful of
     stragglers shows beside hundreds of clients never sampled; each bar's count written on it."""
     from matplotlib.ticker import MaxNLocator
@@ -495,7 +509,7 @@ def _participation_histogram(ax: Axes, counts: dict[str, dict[int, int]], shown:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("clients")
     ax.set_title(f"Participation of {clients} clients: how many had each number of rounds\n"
-                 "(too many clients for a bar each)", fontsize="medium")
+                 f"(too many clients for a bar each){left_out}", fontsize="medium")
 
 
 def applied_staleness(records: list[dict]) -> tuple[list[int], int]:

@@ -152,8 +152,8 @@ class ClientRank:
         undone = self.parts.state.journal.settle(header.dropped)
         if undone:
             log(f"logical clients {range_list(undone)} were dropped from the round they trained (past its deadline, "
-                f"or it was not applied): each one's {self.parts.state.put_back()} is put back as it was before it "
-                "trained", rank=self.rank)
+                f"its update refused or failed, or the round not applied): each one's {self.parts.state.put_back()} is "
+                "put back as it was before it trained", rank=self.rank)
 
     def persist(self, header: protocol.PersistOrder) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,
@@ -272,8 +272,6 @@ class ClientRank:
         error = error or personal_error  # a client whose personal training failed is dropped, as for its global
         if error is None and self.faults and (lost := self.faults.lost(round_, client)) is not None:
             error = self.training.failed(lost, round_, client, "")  # as if it had not been sampled
-        if error is None and self.parts.state.personal is not None:
-            self.parts.state.personal.keep(client)
         if error is None and self.parts.state.controls is not None:
             assert anchor is not None  # scaffold and feddyn send deltas, so the rank keeps the global model
             self.parts.state.controls.update(client, anchor, result.local_steps or 0, self.parts.weight(
@@ -284,7 +282,9 @@ class ClientRank:
             buffers, bad = None, self.updates.on_device(check)
         else:
             buffers, bad = self.updates.on_host(round_, client, keep, result, usable=error is None, check=check)
-        if self.parts.state.declared is not None and error is None and not bad:  # else as if it had not trained
+        if self.parts.state.personal is not None and error is None and not bad:  # else as if it had not trained
+            self.parts.state.personal.keep(client)
+        if self.parts.state.declared is not None and error is None and not bad:
             self.parts.state.declared.keep(client, self.training.vectors,
                                             f"round {round_}: trainer {self.training.trainer_name}")
         if self.faults and error is None and not bad:  # a corruption strikes past every check

@@ -108,10 +108,12 @@ def strike_line(strike: Strike, spent: bool = False) -> str:
 
 
 def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta],
-                  spent: Sequence[Strike] = ()) -> list[dict]:
+                  spent: Sequence[Strike] = (), unapplied: str | None = None) -> list[dict]:
     """Each strike of the round with what came of it: ``dropped`` (with the client's error), ``folded`` (its
-    update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), or, asynchronously,
-    ``held`` (trained now, sent in a later step), or, under the virtual clock, ``straggler`` (its task arrived
+    update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), ``unapplied`` (its
+    update was usable, but the round was not applied: a virtual clock's round with too few, ``unapplied`` saying
+    why), or, asynchronously, ``held`` (trained now, sent in a later step), or, under the virtual clock,
+    ``straggler`` (its task arrived
     after the round closed, so the clock left it out: the round's ``stragglers`` lists it). In real time a stall or
     a slowdown delays its whole rank: the rank's other logical clients dropped this round are listed with it
     (``rank_clients_dropped``), since their own drop reason can only say what the server saw, a rank past its
@@ -123,7 +125,8 @@ def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int,
     for strike in strikes:
         meta = metas.get(strike.client)
         if meta is not None:
-            outcome = {"outcome": "dropped", "reason": meta.error} if meta.error is not None else {"outcome": "folded"}
+            outcome = {"outcome": "dropped", "reason": meta.error} if meta.error is not None else \
+                {"outcome": "unapplied", "reason": unapplied} if unapplied is not None else {"outcome": "folded"}
         elif strike.client in stragglers:
             outcome = {"outcome": "straggler",
                        "reason": "the virtual clock left it out: its task did not arrive by the round's close"}

@@ -111,7 +111,7 @@ class ServerParts:
     # records, before the job ends, a strike that ended it (the run directory's faults-struck): a resume goes past it
     spend_fault: Callable[[Strike], None] = lambda strike: None
     virtual_clock: bool = False  # clock.mode other than off: too few usable updates leave the model unchanged
-    client_state: bool = False  # per-client state: an unapplied round's usable clients have theirs put back
+    client_state: bool = False  # per-client state: refused clients, and an unapplied round's usable ones, put back
     lasting_state: str = ""  # what of it no put-back undoes: a round with usable updates, too few, still aborts
 
 
@@ -205,6 +205,7 @@ class Server:
         stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last), strikes=strikes)
         if stats.nonfinite:
             self._poisoned(round_, strikes, stats.nonfinite)
+        self._put_back_refused(plan, stats)
         reduced = time.perf_counter()
         last_by_budget = self._last_by_budget(round_)
         evaluation = parts.evaluation(round_, last=last_by_budget)
@@ -222,7 +223,7 @@ class Server:
         before = self.history[-1].get("cost_to_date") if self.history else None
         record["cost_to_date"] = cost_to_date(before, record["cost"])
         if strikes or spent:
-            record["faults"] = fault_entries(strikes, plan, stats.metas, spent)
+            record["faults"] = fault_entries(strikes, plan, stats.metas, spent, stats.unapplied)
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
         if parts.secagg:
@@ -285,12 +286,23 @@ class Server:
 
         return Dropping(rule, began, functools.partial(self.parts.sampler.stream_members, plan), owe)
 
+    def _put_back_refused(self, plan: RoundAssignment, stats: ReductionStats) -> None:
+        """Per-client state: note every participant whose update was refused or failed (its header's error) as
+        dropped, so that the rank that trained it (and, under per_round placement, its home) puts its journaled state
+        back before anything reads, lends or publishes it, as if it had not been sampled. A rule keeps its client's
+        vector before the update's NaN/Inf check: SCAFFOLD's c_i or FedDyn's g_i had moved on where only what the
+        rule does not read went non-finite (a BatchNorm's running variance, a fault's NaN there)."""
+        if not self.parts.client_state:
+            return
+        for client in sorted(c for c, m in stats.metas.items() if m.error is not None):
+            self.parts.dropped.add(self._rank_of(plan, client), (client,), self._state_home())
+
     def _left_out(self, plan: RoundAssignment, stats: ReductionStats) -> dict:
         """A round not applied (a virtual clock): why, for its record, and under per-client state the usable clients
         whose state is put back (``state_put_back``). They are noted as dropped, so that the rank that trained each
         (and, under per_round placement, its home) puts its journaled state back before anything reads, lends or
-        publishes it, as if it had not been sampled; the failed ones kept none (a client's state stands only with a
-        usable update)."""
+        publishes it, as if it had not been sampled (the failed ones are noted as every refused update is:
+        ``_put_back_refused``)."""
         if stats.unapplied is None:
             return {}
         usable = sorted(c for c, m in stats.metas.items() if m.error is None) if self.parts.client_state else []

@@ -75,8 +75,8 @@ class ShardedState:
         undone = self.journal.settle(tuple(dropped))
         if undone and self.shard[0] == 0:
             log(f"logical clients {', '.join(map(str, undone))} were dropped from the round they trained (past its "
-                "deadline, or it was not applied): each one's per-client state is put back on every rank of its "
-                "group as it was before it trained", rank=rank)
+                "deadline, its update refused or failed, or the round not applied): each one's per-client state is "
+                "put back on every rank of its group as it was before it trained", rank=rank)
 
     def persist(self, folder: Path, rank: int, round_: int) -> str:
         """Publish this rank's rows of its clients' vectors for round ``round_``'s checkpoint; the file's name."""

@@ -50,10 +50,10 @@ class _Drain:
 
 
 class DroppedClients:
-    """Rank 0's note of the logical clients it dropped past their deadline, or whose usable updates went to a round
-    not applied (under a virtual clock), by rank, until the rank's next header names them (``Header.dropped``): a
-    dropped rank cannot tell while it trains, and a rank whose clients keep state that the server's must match
-    (SCAFFOLD's c_i, FedDyn's g_i) puts theirs back when it reads it."""
+    """Rank 0's note of the logical clients it dropped past their deadline, whose update it refused or that failed,
+    or whose usable updates went to a round not applied (under a virtual clock), by rank, until the rank's next
+    header names them (``Header.dropped``): a dropped rank cannot tell while it trains, and a rank whose clients keep
+    state that the server's must match (SCAFFOLD's c_i, FedDyn's g_i) puts theirs back when it reads it."""
 
     def __init__(self) -> None:
         self.by_rank: dict[int, set[int]] = {}

@@ -194,6 +194,23 @@ def test_a_stall_lists_the_clients_its_rank_then_lost_to_the_deadline_beside_its
                                       "client 3 then dropped past the deadline")
 
 
+def test_a_struck_client_whose_usable_update_went_to_a_round_not_applied_is_recorded_unapplied_not_folded():
+    """Under a virtual clock a round with too few usable updates leaves the model unchanged: a struck client that
+    still sent a usable update (a slowdown) was not folded, and its entry says why the round was not applied; the
+    failed one is dropped as ever."""
+    slowdown = FaultConfig(kind="slowdown", clients=[1], factor=2.0)
+    failure = FaultConfig(kind="raise", clients=[5], stage="train")
+    plan = RoundAssignment(round=2, participants=(1, 5), train={1: [1, 5]}, streams={1: [1, 5]},
+                           clock={"stragglers": []})
+    metas = {1: UpdateMeta(1, 10, 0.1), 5: UpdateMeta(5, 0, 0.0, error="InjectedFault")}
+    why = "round 2: only 1 of 2 participants sent a usable update, fewer than clients.min_participants=2"
+    strikes = [Strike(0, slowdown, 2, 1, 1), Strike(1, failure, 2, 5, 1)]
+    applied, unapplied = fault_entries(strikes, plan, metas), fault_entries(strikes, plan, metas, unapplied=why)
+    assert [e["outcome"] for e in applied] == ["folded", "dropped"]
+    assert [e["outcome"] for e in unapplied] == ["unapplied", "dropped"] and unapplied[0]["reason"] == why
+    assert fault_line(unapplied[0]) == f"faults[0] 'slowdown' on logical client 1 (rank 1): unapplied ({why})"
+
+
 def test_a_stall_for_ever_strikes_once_too_so_a_resume_of_the_job_it_ended_goes_past_it(tmp_path):
     """Rank 1 hangs in round 3; past the first-update deadline the job ends keeping round 2. Redone by a resume,
     round 3 would hang again for ever, so the stall is recorded before it acts, as a kill is."""

@@ -4,7 +4,9 @@ any other, and the clients it was still training end as if they had not been sam
 A dropped rank cannot tell while it trains, so it folds those clients' deltas into their c_i or g_i; the server
 never sums them into c or h. Its next header names the dropped clients (Header.dropped), and the rank puts
 their vectors back as they were before the round (storage.residuals.UndoJournal). Under a virtual clock, a round
-left with too few usable updates names its usable clients the same way, and is left out for them too."""
+left with too few usable updates names its usable clients the same way, and is left out for them too. A client whose
+update is refused (NaN/Inf) or failed is named the same way: a rule may have kept its vector before the update's
+check refused it."""
 from __future__ import annotations
 
 import json
@@ -270,3 +272,52 @@ def test_a_virtual_round_with_too_few_usable_updates_still_ends_the_job_where_no
     assert "fewer than clients.min_participants=5; the round is not applied (the usable clients' Ditto personal " \
         "models moved on, and no put-back undoes that" in result.stderr
     assert [r["round"] for r in records(tmp_path / "run")] == [1]
+
+
+REFUSED = """
+seed: 4
+rounds: 4
+clients: {num_clients: 8, per_round: 6, accept_failures: true}
+data: {dataset: synthetic, kwargs: {num_samples: 480, num_features: 8, num_classes: 4}}
+model: {name: "fl_helpers:ExplodingBeforeNorm"}
+train: {lr: 0.1, batch_size: 8, device: cpu}
+strategy: {name: scaffold, update: delta}
+checkpoint: {every: 1, keep: 5}
+eval: {every: 0}
+output: {progress: false}
+"""
+# on 2 client ranks, rank 2 trains clients 1, 5 and 7 in rounds 1 and 2: client 1 is its 4th training, in round 2
+EXPLODING = {"FL_HELPERS_EXPLODE_RANK": "2", "FL_HELPERS_EXPLODE_CALLS": "4"}
+
+
+@pytest.mark.parametrize("case", ["scaffold-diverged", "feddyn-diverged", "scaffold-local-nan"])
+def test_a_client_whose_update_is_refused_as_non_finite_ends_the_round_as_if_never_sampled(tmp_path, case):
+    """Client 1, trained again in every later round, has its round-2 update refused: its training diverged in its
+    BatchNorm's running variance only (Inf), so SCAFFOLD's control delta or FedDyn's g_i update, which read the
+    parameters alone, were finite and kept; or a ``nan`` fault struck its shared layer while its ``model.local`` head
+    stayed finite. Its c_i, g_i and local tensors are put back as before round 2, and the final model, c and every
+    client's vector equal, bitwise, the reference that never trains client 1 in round 2."""
+    text, env = REFUSED, EXPLODING
+    if case == "feddyn-diverged":
+        text = text.replace("{name: scaffold, update: delta}", "{name: feddyn, update: delta, weighting: equal}")
+    if case == "scaffold-local-nan":
+        text = text.replace('{name: "fl_helpers:ExplodingBeforeNorm"}', "{name: mlp, kwargs: {hidden: [8]}, "
+                            "local: ['3.*']}") + "faults: [{kind: nan, clients: [1], rounds: [2]}]\n"
+        env = {}
+    cfg = write_config(tmp_path / "c.yaml", text)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), env=env, timeout=MPI_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = records(tmp_path / "run")
+    assert drops(history) == {2: {1}} and "NaN/Inf" in history[1]["dropped"][0]["reason"]
+    assert all(1 in r["participants"] for r in history)  # its put-back state is read again
+    state = "g_i" if case.startswith("feddyn") else "c_i"
+    assert f"logical clients 1 were dropped from the round they trained (past its deadline, its update refused or " \
+        f"failed, or the round not applied): each one's {state} is put back" in result.stderr
+    if case.startswith("feddyn"):
+        want = feddyn_reference(load_config(cfg), dropped_in={2: {1}})
+        assert_bitwise(run_controls_numbered(tmp_path / "run"), reference_controls_numbered(want))
+        return
+    want = scaffold_reference(load_config(cfg), dropped_in={2: {1}}, controls=True)
+    clients = {int(k.removeprefix("client.")): want.pop(k) for k in [k for k in want if k.startswith("client.")]}
+    assert_bitwise(run_controls_numbered(tmp_path / "run"), reference_controls_numbered(want))
+    same_vectors(client_vectors(tmp_path / "run"), clients)  # c_i, then the local head and its mark
