@@ -35,7 +35,7 @@ lint: $(VENV)/.test-installed
 # tests/test_docs.py builds the docs site with `mkdocs build --strict` and checks the generated reference.
 # --durations: the 25 slowest tests close the log, where the suite's time goes.
 test: lint
-	$(BIN)/python -m pytest -n 2 --durations=25
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=25
 
 # The documentation site (mkdocs.yml, docs/): `make docs` serves it at http://127.0.0.1:8000,
 # `make docs-build` checks it and writes site/.

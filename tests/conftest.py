@@ -24,6 +24,23 @@ MPI_TIMEOUT = 120  # seconds; no test may hang a job
 os.environ.setdefault("MPIFL_BIND", "none")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep the tests of a file that share a module- or class-scoped fixture on one pytest worker (the Makefile's
+    ``--dist loadgroup``): spread over two, each worker would build the fixture, often a whole MPI run, once more."""
+    for item in items:
+        if shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or class-scoped fixture of its own file (not the suite's session ones)."""
+    info = getattr(item, "_fixtureinfo", None)
+    path = item.nodeid.split("::")[0]
+    return info is not None and any(d.scope in ("module", "class") and d.baseid.startswith(path)
+                                    for defs in info.name2fixturedefs.values() for d in defs)
+
+
 def mpiexec() -> str:
     """The mpiexec next to this interpreter (the venv's PyPI MPICH), else the one on PATH."""
     local = Path(sys.executable).parent / "mpiexec"
