@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -269,6 +271,48 @@ def test_a_nan_or_infinity_in_an_npz_array_is_refused_by_the_survey_naming_the_f
     np.savez(kwargs[where], **arrays)
     with pytest.raises(ValueError, match=rf"^{kwargs[where]}: array 'pixels' has a NaN or infinite value in row 7 "
                                          r"\(a feature that is not a number"):
+        TableSource(**kwargs).survey()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+@pytest.mark.parametrize("column", ["pixels", "bias"])
+def test_a_nan_in_a_table_s_float_column_is_refused_where_its_rows_are_read_naming_the_file_and_the_column(
+        tmp_path, kind, column):
+    """Parquet's statistics count nulls, not NaN: a NaN feature (a value, not a null) is refused where the rows are
+    read, by the survey for the held-out split and by the rank that reads a client's rows, before round 1."""
+    kwargs = write_table(tmp_path, kind)
+    columns = table_columns()
+    row = next(r for r in range(20, 40) if columns["client_id"][r] != min(columns["client_id"]))
+    # not the first client's (in id order), whose inputs the survey reads
+    if columns[column].ndim == 2:
+        columns[column][row, 3] = np.nan
+    else:
+        columns[column][row] = np.nan
+    path = Path(kwargs["path"])
+    if kind == "parquet":
+        pq.write_table(arrow_table(columns), path, row_group_size=8)
+    else:
+        for file in path.iterdir():
+            file.unlink()
+        path.rmdir()
+        save_to_disk(arrow_table(columns), path)
+    source = TableSource(**kwargs)
+    index, _ = source.survey()
+    client = index.ids.index(columns["client_id"][row])
+    with pytest.raises(ValueError, match=rf"^{path}: column '{column}' has a NaN or infinite value in row \d+ of the "
+                                         r"rows read for this rank's clients \(a feature that is not a number"):
+        source.read_clients(index, [client])
+    others = [c for c in range(len(index.ids)) if c != client]
+    assert sorted(source.read_clients(index, others)) == others  # the other clients' rows are clean
+    test = table_columns(10)
+    test["bias"][4] = np.inf
+    if kind == "parquet":
+        pq.write_table(arrow_table(test), kwargs["test_path"])
+    else:
+        shutil.rmtree(kwargs["test_path"])
+        save_to_disk(arrow_table(test), Path(kwargs["test_path"]))
+    with pytest.raises(ValueError, match=rf"^{kwargs['test_path']}: column 'bias' has a NaN or infinite value in "
+                                         r"row 4 \("):
         TableSource(**kwargs).survey()
 
 

@@ -67,9 +67,11 @@ def _arrow_table(folder: Path) -> pyarrow.Table:
     return pa.concat_tables(parts)
 
 
-def _columns(table: pyarrow.Table, names: Sequence[str], path: Path) -> dict[str, np.ndarray]:
-    """Columns of a pyarrow table (read from ``path``) as numpy arrays; list columns as (rows, length) arrays. A
-    null is refused: it would become a NaN input, or a label or client id of nothing."""
+def _columns(table: pyarrow.Table, names: Sequence[str], path: Path, rows_of: str = "") -> dict[str, np.ndarray]:
+    """Columns of a pyarrow table (read from ``path``; ``rows_of``: whose rows, where not the file's all) as numpy
+    arrays; list columns as (rows, length) arrays. A null is refused: it would become a NaN input, or a label or
+    client id of nothing; so is a NaN or infinite float, which would become the same input (Parquet's statistics
+    count nulls, not NaN, so it is seen where the rows are read)."""
     pa = _pyarrow()
     out = {}
     for name in names:
@@ -82,10 +84,10 @@ def _columns(table: pyarrow.Table, names: Sequence[str], path: Path) -> dict[str
                 raise ValueError(f"column {name!r}: lists of different lengths {lengths.tolist()}")
             flat = column.flatten()
             _refuse_nulls(path, name, flat.null_count)
-            values = flat.to_numpy(zero_copy_only=False)
-            out[name] = values.reshape(len(column), -1)
+            out[name] = flat.to_numpy(zero_copy_only=False).reshape(len(column), -1)
         else:
             out[name] = column.to_numpy(zero_copy_only=False)
+        _refuse_nonfinite(path, f"column {name!r}", out[name], rows_of)
     return out
 
 
@@ -112,10 +114,11 @@ def _parquet_nulls(path: Path, names: Sequence[str]) -> None:
 CHUNK_BYTES = 1 << 24  # what a finiteness check holds at once beyond the data: 16 MiB of values and their flags
 
 
-def _refuse_nonfinite(path: Path, name: str, values: np.ndarray) -> None:
-    """Refuse NaN or infinite floats in array ``name`` of an npz file (a NaN input poisons the model it trains, as a
-    null would), naming the first such row; checked a slice of rows at a time, so the check holds little beyond
-    ``values`` (a rank reads each array whole anyway: npz cannot be read in part)."""
+def _refuse_nonfinite(path: Path, what: str, values: np.ndarray, rows_of: str = "") -> None:
+    """Refuse NaN or infinite floats in ``values``, an npz file's array or a table's column (``what``: "array 'x'",
+    "column 'x'"): a NaN input poisons the model it trains, as a null would. The first such row is named, counted
+    in the file, or among the rows read when ``rows_of`` says whose they are (one client's rows of a table). Checked
+    a slice of rows at a time, so the check holds little beyond ``values``."""
     if values.dtype.kind not in "fc" or not values.size:
         return
     rows = max(1, CHUNK_BYTES // max(1, values[:1].nbytes))
@@ -123,8 +126,10 @@ def _refuse_nonfinite(path: Path, name: str, values: np.ndarray) -> None:
         chunk = values[start:start + rows]
         bad = ~np.isfinite(chunk.reshape(len(chunk), -1)).all(axis=1)
         if bad.any():
-            raise ValueError(f"{path}: array {name!r} has a NaN or infinite value in row {start + int(np.argmax(bad))} "
-                             "(a feature that is not a number cannot be trained on: fill or drop those rows)")
+            row = start + int(np.argmax(bad))
+            where = f"row {row} of {rows_of}" if rows_of else f"row {row}"
+            raise ValueError(f"{path}: {what} has a NaN or infinite value in {where} (a feature that is not a number "
+                             "cannot be trained on: fill or drop those rows)")
 
 
 class TableSource:
@@ -150,8 +155,9 @@ class TableSource:
                 out = {}
                 for n in names:
                     values = arrays[n]
-                    _refuse_nonfinite(path, n, values)  # every row, not only those kept: the survey reads each
-                    out[n] = values[keep]                # feature array here, so it refuses any row's
+                    # every row, not only those kept: the survey reads each feature array here, so it refuses any row's
+                    _refuse_nonfinite(path, f"array {n!r}", values)
+                    out[n] = values[keep]
                 return out
         pa = _pyarrow()
         if kind == "parquet":
@@ -165,7 +171,7 @@ class TableSource:
             if ids is not None:
                 table = table.filter(pa.compute.is_in(table.column(self.client), value_set=pa.array(list(ids))))
             table = table.select(list(names))
-        return _columns(table, names, path)
+        return _columns(table, names, path, "the rows read for this rank's clients" if ids is not None else "")
 
     def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None) -> pyarrow.Table:
         """Columns ``names`` of every row, or of the rows of clients ``ids``, one row group at a time:
