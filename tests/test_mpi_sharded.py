@@ -243,6 +243,47 @@ def test_ditto_on_sharded_clients_keeps_each_personal_model_over_the_ranks_rows_
         assert relative_l2({"v": personal}, {"v": single[client]}) < TOLERANCE
 
 
+def rows_by_checkpoint(run_dir: Path, client: int) -> dict[int, list[np.ndarray]]:
+    """``client``'s per-client vector in each checkpoint of a sharded run, by round: every rank's rows, rank by rank."""
+    import h5py
+
+    out = {}
+    for folder in sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals")):
+        rows = []
+        for path in sorted(folder.glob("rank*.h5")):
+            with h5py.File(path, "r") as f:
+                rows.append(f["clients"][str(client)][()])
+        out[int(folder.name.removeprefix("ckpt-r").split(".")[0])] = rows
+    return out
+
+
+@pytest.mark.parametrize("state", ["scaffold", "feddyn", "ditto"])
+def test_a_sharded_client_whose_update_is_refused_as_non_finite_keeps_its_vector_as_before_the_round(tmp_path,
+                                                                                                    state):
+    """A ``nan`` fault puts a NaN in client 1's round-2 update, past its SCAFFOLD c_i or FedDyn g_i (kept over every
+    rank's rows before the update is checked) and its Ditto v_i (trained before the global model): the group refuses
+    the update, and on every rank of the group the client's c_i or g_i is put back (the leader relays the server's
+    note of the refused client), and its v_i is never kept, so each ends round 2 bitwise as it ended round 1, as if
+    never sampled; the other clients' vectors moved on."""
+    import json
+
+    kind = {"scaffold": SCAFFOLD, "feddyn": FEDDYN, "ditto": ("train.ditto_lambda=0.5",)}[state]
+    result = run_mpi(3, "run", str(config(tmp_path)), "--run-dir", str(tmp_path / "run"), *kind, "checkpoint.every=1",
+                     "checkpoint.keep=5", "clients.accept_failures=true",
+                     "faults=[{kind: nan, clients: [1], rounds: [2]}]")
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [[d["client"] for d in r["dropped"]] for r in history] == [[], [1]]
+    assert "put there by faults[0] ('nan')" in history[1]["dropped"][0]["reason"]
+    if state != "ditto":
+        assert "logical clients 1 were dropped from the round they trained" in result.stderr
+    refused, other = rows_by_checkpoint(tmp_path / "run", 1), rows_by_checkpoint(tmp_path / "run", 2)
+    assert sorted(refused) == [1, 2] and len(refused[2]) == 2  # both rounds' checkpoints, a file per rank
+    for before, after in zip(refused[1], refused[2]):
+        assert_bitwise({"rows": after}, {"rows": before})
+    assert all(not np.array_equal(a, b) for a, b in zip(other[1], other[2]))
+
+
 def test_compressed_updates_from_sharded_clients_are_bitwise_the_replicated_groups(tmp_path):
     """The leader widens every rank's pieces of a chunk, encodes the chunk as an unsharded client does (the same
     quantization noise by element) and sends it; nothing else changes on the wire."""
@@ -286,3 +327,10 @@ def test_sharding_is_for_transformers_models(tmp_path):
     with pytest.raises(ConfigError, match="model.name"):
         load_config(cfg, ["model.name=mlp", "data.dataset=digits", "train.trainer=torch",
                           "model.transformers.config={}"])
+
+
+def test_a_sharded_group_takes_nan_and_inf_faults_and_refuses_the_others_naming_the_key(tmp_path):
+    cfg = config(tmp_path)
+    assert load_config(cfg, ["faults=[{kind: inf, clients: [1], rounds: [2]}]"]).faults[0].kind == "inf"
+    with pytest.raises(ConfigError, match=r"faults: .*'nan' or 'inf'"):
+        load_config(cfg, ["faults=[{kind: raise, clients: [1]}]"])

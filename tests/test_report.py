@@ -348,12 +348,34 @@ def test_the_staleness_plot_counts_applied_updates_only_and_says_how_many_droppe
     records = [{"round": 10, "participants": [0, 1, 7], "dropped": nan, "arrival_order": [7, 0, 1],
                 "staleness": [0, 3, 1]},
                {"round": 11, "participants": [2, 4], "dropped": [], "arrival_order": [4, 2], "staleness": [1, 0]}]
-    assert applied_staleness(records) == ([3, 1, 0], 2)
+    assert applied_staleness(records) == ([3, 1, 0], 2, 0)
     fig = Figure()
     ax = fig.subplots()
     _staleness(fig, ax, records)
     assert ax.get_title() == "Staleness of 3 applied updates (median 1; 2 dropped updates not counted)"
     assert sum(p.get_height() for p in ax.patches) == 3
+
+
+def test_the_staleness_plot_leaves_out_the_usable_updates_of_a_step_not_applied_and_says_how_many():
+    """An asynchronous step with too few usable updates leaves the model unchanged (its record's ``unapplied``): its
+    usable updates were not applied, so the histogram leaves them out, apart from the dropped ones, and the title
+    counts them, as participation.png does."""
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _staleness, applied_staleness
+
+    nan = [{"client": 1, "rank": 2, "reason": "update contains 1 NaN/Inf values"}]
+    records = [{"round": 10, "participants": [0, 3], "dropped": [], "arrival_order": [3, 0], "staleness": [2, 0]},
+               {"round": 11, "participants": [1, 4, 5], "dropped": nan, "arrival_order": [4, 1, 5],
+                "staleness": [1, 4, 3], "unapplied": "step 11: only 2 of 3 arrivals were usable, fewer than "
+                                                     "clients.min_participants=3"}]
+    assert applied_staleness(records) == ([2, 0], 1, 2)
+    fig = Figure()
+    ax = fig.subplots()
+    _staleness(fig, ax, records)
+    assert ax.get_title() == ("Staleness of 2 applied updates (median 1; 1 dropped update not counted)\n"
+                              "(2 usable updates to steps not applied, not counted as applied)")
+    assert sum(p.get_height() for p in ax.patches) == 2
 
 
 def test_the_cost_plot_draws_bytes_written_through_the_rounds_that_record_it():

@@ -148,18 +148,23 @@ class ShardPersonalModels:
     """Ditto on one rank of a sharded client (``clients.sharding: fsdp``): each hosted client's v_i over this rank's
     rows of the trained parameters (a transformers model's buffers are constants, never trained), in one chunk of
     the store. As ``PersonalModels``: v_i (the global w the first time) is trained on the client's data with every
-    gradient's rows plus lambda (v - w) (``regularized_shard_gradients``), kept unless it diverged on any rank of
-    the group, and the shard is then given w back (``restore``) before the client trains w."""
+    gradient's rows plus lambda (v - w) (``regularized_shard_gradients``), held unless it diverged on any rank of
+    the group, and the shard is then given w back (``restore``) before the client trains w. The held v_i is kept
+    (``keep``) only once the client's update is checked usable on every rank, as ``PersonalModels`` defers it: a
+    client whose update is refused (NaN/Inf) keeps v_i as before the round."""
 
     def __init__(self, rows: ShardRows, store: ResidualStore, trainer: Trainer, lam: float,
                  restore: Callable[[], None], backwards_per_step: int = 1):
         self.rows, self.store, self.trainer, self.lam, self.restore = rows, store, trainer, lam, restore
         self.backwards_per_step = backwards_per_step
         self.zeros = [torch.zeros(r.shape, dtype=torch.float32, device=r.device) for r in rows.rows]
-        self.scratch = torch.empty(rows.elements, dtype=torch.float32)  # v_i's rows on their way to the store
+        self.scratch = torch.empty(rows.elements, dtype=torch.float32)  # v_i's rows, held until the update stands
+        self.pending: int | None = None  # the client whose v_i ``scratch`` holds
 
     def train(self, client: int, module: torch.nn.Module, data: ClientData | None, seed: int) -> None:
-        """Update ``client``'s v_i on this rank's rows and keep it; the shard holds w again afterwards."""
+        """Update ``client``'s v_i on this rank's rows and hold it (``keep`` stores it); the shard holds w again
+        afterwards."""
+        self.pending = None
         try:
             if self.store.has(client):
                 scatter(self.store.read(client, 0), list(self.rows.rows))
@@ -167,6 +172,14 @@ class ShardPersonalModels:
                                              self.backwards_per_step):
                 self.trainer.train(module, data, seed)
             if self.rows.all_ranks(all(bool(torch.isfinite(r).all()) for r in self.rows.rows)):
-                self.store.write(client, 0, gather(list(self.rows.rows), self.scratch))
+                gather(list(self.rows.rows), self.scratch)
+                self.pending = client
         finally:
             self.restore()
+
+    def keep(self, client: int, usable: bool) -> None:
+        """``client``'s update was checked on every rank of the group: store the v_i it trained if the update is
+        ``usable`` (nothing if its personal training diverged), else leave v_i as before the round."""
+        if usable and self.pending == client:
+            self.store.write(client, 0, self.scratch)
+        self.pending = None

@@ -512,29 +512,37 @@ def _participation_histogram(ax: Axes, counts: dict[str, dict[int, int]], shown:
                  f"(too many clients for a bar each){left_out}", fontsize="medium")
 
 
-def applied_staleness(records: list[dict]) -> tuple[list[int], int]:
-    """The staleness of every applied update, and how many dropped ones were left out: a step's ``staleness`` holds
-    each arrival's, aligned with ``arrival_order``, a dropped one's too (its client is in ``dropped``)."""
-    applied, left_out = [], 0
+def applied_staleness(records: list[dict]) -> tuple[list[int], int, int]:
+    """The staleness of every applied update, and how many were left out: dropped ones, then the usable ones of a
+    step not applied (its record's ``unapplied``: too few usable updates, the model left unchanged). A step's
+    ``staleness`` holds each arrival's, aligned with ``arrival_order``, a dropped one's too (its client is in
+    ``dropped``)."""
+    applied, dropped_out, unapplied = [], 0, 0
     for r in records:
         dropped = {d["client"] for d in r.get("dropped", [])}
         staleness = r.get("staleness", [])
         for client, value in zip(r.get("arrival_order", [None] * len(staleness)), staleness):
             if client in dropped:
-                left_out += 1
+                dropped_out += 1
+            elif "unapplied" in r:
+                unapplied += 1
             else:
                 applied.append(value)
-    return applied, left_out
+    return applied, dropped_out, unapplied
 
 
 def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    values, dropped = applied_staleness(records)
+    values, dropped, unapplied = applied_staleness(records)
     ax.hist(values, bins=range(0, max(values, default=0) + 2), align="left", rwidth=0.85)
     ax.set_xlabel("staleness (versions between dispatch and application)")
     ax.set_ylabel("updates")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     left_out = f"; {dropped} dropped update{'s' if dropped != 1 else ''} not counted" if dropped else ""
-    ax.set_title(f"Staleness of {len(values)} applied updates (median {float(np.median(values)):g}{left_out})"
-                 if values else f"Staleness (no applied updates{left_out})")
+    note = f"\n({unapplied} usable update{'s' if unapplied != 1 else ''} to steps not applied, not counted as " \
+        "applied)" if unapplied else ""
+    title = ax.set_title((f"Staleness of {len(values)} applied updates (median {float(np.median(values)):g}{left_out})"
+                          if values else f"Staleness (no applied updates{left_out})") + note)
+    if note:
+        title.set_fontsize("medium")

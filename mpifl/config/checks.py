@@ -352,6 +352,9 @@ def _check_ranks_per_client(cfg: Config) -> None:
                           "clients.ranks_per_client=1")
 
 
+SHARDED_FAULTS = ("nan", "inf")  # the fault kinds a sharded client group injects (ShardedLeader.poison)
+
+
 def _check_sharding(cfg: Config) -> None:
     """``clients.sharding: fsdp``: what a sharded client group runs today (mpifl.roles.sharded). Each refusal names
     its key; none of these is refused for a reason of principle, only because the sharded path does not carry it yet."""
@@ -383,7 +386,8 @@ def _check_sharding(cfg: Config) -> None:
         ("transport.dispatch_fanout", cfg.transport.dispatch_fanout == 0, "0"),
         ("transport.reduce", cfg.transport.reduce == "direct", "'direct'"),
         ("eval.federated_every", cfg.eval.federated_every == 0, "0"),
-        ("faults", not cfg.faults, "empty"),
+        ("faults", all(f.kind in SHARDED_FAULTS for f in cfg.faults),
+         "only faults of kind 'nan' or 'inf' (the others stop or slow one rank mid-collective)"),
     ]
     for key, fine, what in not_yet:
         if not fine:
@@ -706,9 +710,10 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
         raise ConfigError(f"{key}.stage: 'send' strikes after a client's first chunk, and with clients.groups or "
                           "transport.reduce='chain' a rank sends its group's sum instead; use stage 'train' or "
                           "'receive'")
-    if cfg.clients.ranks_per_client > 1:
+    if cfg.clients.ranks_per_client > 1 and cfg.clients.sharding != "fsdp":
         raise ConfigError(f"{key}: faults are not injected into clients trained by a group of ranks "
-                          "(clients.ranks_per_client > 1) yet")
+                          "(clients.ranks_per_client > 1) yet, but for 'nan' and 'inf' into a sharded one "
+                          "(clients.sharding='fsdp')")
     _check_hang_in_virtual_time(cfg, fault, key)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from mpifl.aggregation.strategies import make_strategy
@@ -46,6 +47,7 @@ from mpifl.learning.sharding import (
     load_pretrained_rows,
     shard_buffers,
 )
+from mpifl.learning.steps import own_rows, trainable
 from mpifl.learning.trainers import (
     CausalLMTrainer,
     ConfiguredTrainer,
@@ -57,6 +59,7 @@ from mpifl.learning.trainers import (
 )
 from mpifl.logs import log
 from mpifl.metrics import CostMeter
+from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.encoding import UpdateCompressor
 from mpifl.roles.group import rendezvous_store
@@ -64,7 +67,7 @@ from mpifl.roles.launch import startup_limit
 from mpifl.roles.local_training import ClientFailure
 from mpifl.roles.sharded_chunks import ShardedGroup, ShardedModel, receive_ring, tensors_by_name
 from mpifl.roles.sharded_state import ShardedState, every_rank, open_sharded_state, rows_of
-from mpifl.storage.rundir import ResumePoint
+from mpifl.storage.rundir import ResumePoint, faults_struck
 from mpifl.units import format_bytes
 from mpifl.wire import protocol
 from mpifl.wire.flat import build_spec, split_tensors
@@ -99,9 +102,10 @@ class ShardedLeader:
     def __init__(self, comm: MPI.Comm, group: ShardedGroup, trainer: Trainer,  # noqa: PLR0913 - keyword-only, each from serve_sharded
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, seed: int,
                  accept_failures: bool, parallel: ShardedParallel, state: ShardedState | None,
-                 note: Callable[[str, int], None] = lambda state, round_: None):
+                 faults: FaultPlan | None = None, note: Callable[[str, int], None] = lambda state, round_: None):
         self.comm, self.group, self.trainer, self.local_data = comm, group, trainer, local_data
         self.seed, self.accept_failures, self.parallel, self.state = seed, accept_failures, parallel, state
+        self.faults = faults  # the config's faults: nan and inf only (the config checks)
         self.note = note  # this rank's notes in the run directory (mpifl status)
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.progress = ProgressReporter(comm)
@@ -156,6 +160,20 @@ class ShardedLeader:
         names = self.group.group.gather(mine, root=0)
         send_object(self.comm, names, protocol.SERVER, protocol.RESIDUALS)
 
+    def poison(self, round_: int, client: int) -> str | None:
+        """A ``nan`` or ``inf`` fault on ``client`` in ``round_`` (the only kinds a sharded group takes): its value
+        in the leader's first row of the trained model, after the client's per-client state was updated (as a
+        divergence in what its rule does not read), so that the update is refused; the fault, named, or None."""
+        for strike in self.faults.strikes(round_, client, self.comm.Get_rank()) if self.faults else []:
+            if strike.fault.kind in ("nan", "inf"):
+                log(f"faults[{strike.index}]: injecting {strike.fault.kind!r} into logical client {client} in round "
+                    f"{round_} at stage 'train'", rank=self.rank)
+                _, first = trainable(self.group.model.module)[0]
+                with torch.no_grad():
+                    own_rows(first.data).view(-1)[0] = float(strike.fault.kind)
+                return f"faults[{strike.index}] ({strike.fault.kind!r})"
+        return None
+
     def serve_round(self, header: protocol.RoundOrder) -> None:
         """Take the global model with the group, then train and send each logical client in id order."""
         self.order(GroupStep(MODEL, round=header.round))
@@ -172,7 +190,10 @@ class ShardedLeader:
             result = train_client(self.group, self.trainer, self.local_data, step, round_=header.round,
                                   rank=self.rank, state=self.state)
             trained = time.perf_counter()
-            error = checked_update(self.group, step, self.accept_failures, self.rank)
+            injected = self.poison(header.round, client)
+            error = checked_update(self.group, step, self.accept_failures, self.rank, injected)
+            if self.state is not None:
+                self.state.checked(client, usable=error is None)
             metrics = {**result.metrics, **self.group.costs(self.meter),
                        "group_setup_seconds": self.parallel.setup_seconds if self.first else 0.0,
                        "group_dispatch_seconds": dispatched - began, "group_train_seconds": trained - dispatched}
@@ -217,6 +238,8 @@ class ShardedMember:
                 train_client(self.group, self.trainer, self.local_data, step, round_=-1, rank=self.rank,
                              state=self.state)
                 error = checked_update(self.group, step, self.accept_failures, self.rank)
+                if self.state is not None:
+                    self.state.checked(step.client, usable=error is None)
                 self.group.costs(self.meter)
                 residuals = self.state.residuals if self.state is not None else None
                 drain(self.group.update_chunks(step.client, -1, residuals, usable=error is None))
@@ -261,17 +284,19 @@ def train_client(group: ShardedGroup, trainer: Trainer,
                             "mid-collective, so the job ends)") from err
 
 
-def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, rank: int) -> str | None:
+def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, rank: int,
+                   injected: str | None = None) -> str | None:
     """Every rank: the update's NaN/Inf values over the group; the client's error under accept_failures, else the
-    job ends on every rank of the group."""
+    job ends on every rank of the group. ``injected``: the config's fault that put them there (the leader's)."""
     bad = group.nonfinite()
     if not bad:
         return None
-    error = f"update contains {bad} NaN/Inf values"
+    error = f"update contains {bad} NaN/Inf values" + (f", put there by {injected}" if injected else "")
     if not accept_failures:
+        advice = "drop such clients" if injected else \
+            "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients"
         raise JobFailure(f"logical client {step.client}, trained by the sharded group of rank {rank}: {error} "
-                         "(clients.accept_failures=false); if its training diverged, lower train.lr or set "
-                         "train.max_grad_norm, or drop such clients with clients.accept_failures=true")
+                         f"(clients.accept_failures=false); {advice} with clients.accept_failures=true")
     return error
 
 
@@ -332,7 +357,7 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
                 f"{format_bytes(spec.total_bytes)} exchanged (built in {parallel.setup_seconds:.1f} s)", rank=1)
         leader = ShardedLeader(federation, group, trainer, local, seed=cfg.seed,
                                accept_failures=cfg.clients.accept_failures, parallel=parallel, state=state,
-                               note=note)
+                               faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None, note=note)
         if federation.Get_rank() == 1 and upload_initial and cfg.server.state == "disk":
             leader.upload_initial()
         interrupted = leader.run()

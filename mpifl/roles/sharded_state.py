@@ -78,6 +78,12 @@ class ShardedState:
                 "deadline, its update refused or failed, or the round not applied): each one's per-client state is "
                 "put back on every rank of its group as it was before it trained", rank=rank)
 
+    def checked(self, client: int, usable: bool) -> None:
+        """``client``'s update was checked on every rank: Ditto's v_i, held since it trained, stands only with a
+        ``usable`` update, as on an unsharded rank (a refused client ends the round as if never sampled)."""
+        if self.personal is not None:
+            self.personal.keep(client, usable)
+
     def persist(self, folder: Path, rank: int, round_: int) -> str:
         """Publish this rank's rows of its clients' vectors for round ``round_``'s checkpoint; the file's name."""
         return save_snapshot(self.kept, self.kept.firsts, folder, rank, round_, self.shard)
