@@ -300,7 +300,7 @@ def test_a_nan_in_a_table_s_float_column_is_refused_where_its_rows_are_read_nami
     index, _ = source.survey()
     client = index.ids.index(columns["client_id"][row])
     with pytest.raises(ValueError, match=rf"^{path}: column '{column}' has a NaN or infinite value in row \d+ of the "
-                                         r"rows read for this rank's clients \(a feature that is not a number"):
+                                         r"rows read for 1 client id \(a feature that is not a number"):
         source.read_clients(index, [client])
     others = [c for c in range(len(index.ids)) if c != client]
     assert sorted(source.read_clients(index, others)) == others  # the other clients' rows are clean

@@ -276,7 +276,7 @@ def test_a_sharded_client_whose_update_is_refused_as_non_finite_keeps_its_vector
     assert [[d["client"] for d in r["dropped"]] for r in history] == [[], [1]]
     assert "put there by faults[0] ('nan')" in history[1]["dropped"][0]["reason"]
     if state != "ditto":
-        assert "logical clients 1 were dropped from the round they trained" in result.stderr
+        assert "logical client 1 was dropped from the round it trained" in result.stderr
     refused, other = rows_by_checkpoint(tmp_path / "run", 1), rows_by_checkpoint(tmp_path / "run", 2)
     assert sorted(refused) == [1, 2] and len(refused[2]) == 2  # both rounds' checkpoints, a file per rank
     for before, after in zip(refused[1], refused[2]):

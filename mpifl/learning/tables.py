@@ -91,6 +91,11 @@ def _columns(table: pyarrow.Table, names: Sequence[str], path: Path, rows_of: st
     return out
 
 
+def _rows_of(ids: Sequence | np.ndarray | None) -> str:
+    """Whose rows a read of client ``ids`` holds, for a message that counts a row among them ('' for every row)."""
+    return "" if ids is None else f"the rows read for {len(ids)} client id{'' if len(ids) == 1 else 's'}"
+
+
 def _refuse_nulls(path: Path, name: str, nulls: int) -> None:
     """Refuse a column holding ``nulls`` > 0 nulls, naming the file and the column."""
     if nulls:
@@ -171,7 +176,7 @@ class TableSource:
             if ids is not None:
                 table = table.filter(pa.compute.is_in(table.column(self.client), value_set=pa.array(list(ids))))
             table = table.select(list(names))
-        return _columns(table, names, path, "the rows read for this rank's clients" if ids is not None else "")
+        return _columns(table, names, path, _rows_of(ids))
 
     def _parquet_rows(self, path: Path, names: Sequence[str], ids: Sequence | np.ndarray | None) -> pyarrow.Table:
         """Columns ``names`` of every row, or of the rows of clients ``ids``, one row group at a time:

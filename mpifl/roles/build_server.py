@@ -123,12 +123,14 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     asynchronous = cfg.clock.asynchronous
     chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
-    feedback = cfg.client_state() is not None  # its checkpoints carry the client ranks' per-client state
+    kept = cfg.client_state()  # its checkpoints carry the client ranks' per-client state
+    feedback = kept is not None
     dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
     publisher = ResidualPublisher(comm, deadlines, dropped)
     checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
                                 sampler.open_versions if asynchronous and directory else None,
-                                persist=publisher.publish if feedback else None)
+                                persist=publisher.publish if feedback else None,
+                                persisted=kept.what if kept is not None else "per-client state")
     if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
     privacy = None

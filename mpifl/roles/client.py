@@ -16,7 +16,7 @@ from mpifl.learning.trainers import local_steps
 from mpifl.logs import log
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
-from mpifl.roles.client_state import ClientStateParts
+from mpifl.roles.client_state import ClientStateParts, put_back_line
 from mpifl.roles.costs import UpdateCosts
 from mpifl.roles.encoding import GroupSum, UpdateCompressor, UpdateEncoder
 from mpifl.roles.evaluation import FederatedEvaluation
@@ -25,7 +25,6 @@ from mpifl.roles.grouped import GroupedClients
 from mpifl.roles.local_training import LocalTraining, TrainingParts
 from mpifl.roles.pipeline import UpdatePipeline
 from mpifl.storage.residuals import save_snapshot
-from mpifl.units import range_list
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
@@ -151,9 +150,7 @@ class ClientRank:
         assert self.parts.state.journal is not None  # called only with one
         undone = self.parts.state.journal.settle(header.dropped)
         if undone:
-            log(f"logical clients {range_list(undone)} were dropped from the round they trained (past its deadline, "
-                f"its update refused or failed, or the round not applied): each one's {self.parts.state.put_back()} is "
-                "put back as it was before it trained", rank=self.rank)
+            log(put_back_line(undone, self.parts.state.put_back()), rank=self.rank)
 
     def persist(self, header: protocol.PersistOrder) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,

@@ -7,7 +7,7 @@ rank, and ``clients.placement: per_round`` lends each client's one vector, whate
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from mpifl.storage.residuals import (
     open_residuals,
 )
 from mpifl.storage.rundir import ResumePoint
-from mpifl.units import MIB
+from mpifl.units import MIB, range_list
 from mpifl.wire.flat import FlatModel, dtype_name
 from mpifl.wire.layout import ExchangeLayout
 
@@ -229,3 +229,13 @@ class ClientStateParts:
     def residuals(self) -> ResidualStore | None:
         """Top-k's error-feedback residuals, read by the exchange's chunk indices."""
         return self.views.residuals
+
+
+def put_back_line(clients: Sequence[int], state: str, where: str = "") -> str:
+    """The log line of a rank that put back ``clients``' ``state`` (its journaled vectors) as a header named them:
+    dropped past a deadline, refused or failed, or in a round not applied; ``where`` adds where it is put back."""
+    one = len(clients) == 1
+    who = f"logical client {clients[0]} was" if one else f"logical clients {range_list(clients)} were"
+    return (f"{who} dropped from the round {'it' if one else 'they'} trained (past its deadline, its update refused or "
+            f"failed, or the round not applied): {'its' if one else 'each one' + chr(39) + 's'} {state} is put "
+            f"back{where} as it was before it trained")

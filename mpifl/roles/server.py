@@ -385,8 +385,9 @@ class Server:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched)
         self._log_drops(plan, stats.metas)
         if stats.unapplied is not None:
+            goes_on = " and the run goes on" if round_ < self.rounds else ""
             log(f"{stats.unapplied}: the model stays as it was (under a virtual clock, as when too few updates "
-                "arrive in time) and the run goes on", rank=0)
+                f"arrive in time){goes_on}", rank=0)
         return stats
 
     def _last_by_budget(self, round_: int) -> bool:

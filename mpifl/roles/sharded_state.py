@@ -29,7 +29,7 @@ from mpifl.config import Config, ConfigError
 from mpifl.config.client_state import StateSizes
 from mpifl.learning.steps import own_rows, trainable
 from mpifl.logs import log
-from mpifl.roles.client_state import open_client_state, state_views
+from mpifl.roles.client_state import open_client_state, put_back_line, state_views
 from mpifl.roles.sharded_chunks import ShardedModel
 from mpifl.storage.residuals import DiskResiduals, RamResiduals, ResidualStore, UndoJournal, save_snapshot
 from mpifl.storage.rundir import ResumePoint
@@ -74,9 +74,7 @@ class ShardedState:
             return
         undone = self.journal.settle(tuple(dropped))
         if undone and self.shard[0] == 0:
-            log(f"logical clients {', '.join(map(str, undone))} were dropped from the round they trained (past its "
-                "deadline, its update refused or failed, or the round not applied): each one's per-client state is "
-                "put back on every rank of its group as it was before it trained", rank=rank)
+            log(put_back_line(undone, "per-client state", " on every rank of its group"), rank=rank)
 
     def checked(self, client: int, usable: bool) -> None:
         """``client``'s update was checked on every rank: Ditto's v_i, held since it trained, stands only with a

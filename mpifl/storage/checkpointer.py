@@ -262,10 +262,12 @@ class Checkpointer:
     """Decides when a round's model is saved, has the store publish it, prunes, links ``model.h5``."""
 
     def __init__(self, store: GlobalStore, directory: Path | None, cfg: CheckpointConfig, rounds: int, attrs: dict,
-                 needed: Callable[[int], set[int]] | None = None, persist: Persist | None = None):
+                 needed: Callable[[int], set[int]] | None = None, persist: Persist | None = None,
+                 persisted: str = "per-client state"):
         self.store, self.directory, self.cfg, self.rounds, self.attrs = store, directory, cfg, rounds, attrs
         self.needed = needed  # asynchronous FL: every version is saved; those a resume would retrain from are kept
-        self.persist = persist  # error feedback: publishes the client ranks' residuals of a round (phase 1)
+        self.persist = persist  # per-client state: publishes the client ranks' vectors of a round (phase 1)
+        self.persisted = persisted  # what those vectors are, as the logs name them ("SCAFFOLD control variates")
         # why the last round's checkpoint lacks some client ranks' state: the job fails with it once wrapped up
         self.withheld: str | None = None
 
@@ -353,8 +355,9 @@ class Checkpointer:
             return newest[-1] if newest else None
         if not model_intact or round_ == 1 or self.directory is None or self.persist is not None:
             if self.persist is not None and model_intact:
-                log(f"round {round_} aborted after the clients' error-feedback residuals moved on: the newest "
-                    "checkpoint on disk, with its residuals, is the one to resume from", rank=0)
+                log(f"round {round_} aborted after the clients' {self.persisted} moved on, so the model before it "
+                    f"is not saved again without them: a resume starts from the newest checkpoint on disk, which "
+                    f"holds its own {self.persisted}", rank=0)
             if not model_intact:
                 log(f"round {round_} was partly applied in memory: the newest checkpoint on disk is the model to "
                     "resume from", rank=0)
