@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import MPI_TIMEOUT, rounds_logged, run_mpi, write_config
+from conftest import MPI_TIMEOUT, mpifl_here, rounds_logged, run_mpi, write_config
 
 from mpifl.config import load_config
 from mpifl.learning.datasets import client_source, load_dataset, surveyed_dataset
@@ -265,3 +265,6 @@ output: {{progress: false}}
                                                    "needs at least one)")
                                      for line in refused)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    status = mpifl_here("status", str(tmp_path / "run"))  # a resume on the same data would be refused the same way
+    assert "fix what rank 0 names first (the data, the config or the launch): a --resume as it stands fails the " \
+        "same way" in status.stdout and "continue with --resume" not in status.stdout

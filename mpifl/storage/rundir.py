@@ -287,6 +287,19 @@ def faults_struck(run_dir: Path | None) -> frozenset[tuple[int, int]]:
     return frozenset(struck)
 
 
+# how a rank's note begins or reads where the job ended before round 1 on its input, not on a fault or a crash: a
+# problem every rank finds alike (roles.launch.SetupError: the data, the config, the rank count), or a client rank's
+# own clients' data or split refused as it read them (roles.data)
+SETUP_REFUSALS = ("SetupError: ", "cannot read its clients' data: ", "cannot partition the data: ")
+
+
+def setup_refusal(notes: dict[int, dict]) -> int | None:
+    """The first rank whose note says the job ended before round 1 refusing its input (``SETUP_REFUSALS``), if any:
+    a resume with the same input would be refused the same way."""
+    return next((rank for rank, note in sorted(notes.items()) if note.get("state") == "failed"
+                 and note.get("round", 0) == 0 and any(s in note.get("reason", "") for s in SETUP_REFUSALS)), None)
+
+
 def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     """Whether the run in ``run_dir`` is complete, and lines that say how far it got and which ranks did not
     finish, with when each was last heard of: what a job's epilogue prints after a launcher killed it."""
@@ -303,6 +316,9 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     server = notes.get(0, {})
     if server.get("state") == "failed" and "config error: " in server.get("reason", ""):
         advice = "fix the config first: a --resume with this one fails the same way"
+    elif not records and (refusal := setup_refusal(notes)) is not None:
+        advice = f"fix what rank {refusal} names first (the data, the config or the launch): a --resume as it " \
+            "stands fails the same way"
     elif server.get("state") == "failed" and RESUME_FAILS_THE_SAME_WAY in server.get("reason", ""):
         advice = f"change the config first (its faults section): {RESUME_FAILS_THE_SAME_WAY}"
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
