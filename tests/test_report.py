@@ -313,6 +313,20 @@ def test_participation_of_a_few_clients_draws_a_bar_each():
     assert len(ax.patches) == 2 * 40  # applied and stragglers, a bar per client seen
 
 
+def test_participation_keeps_a_place_and_a_tick_for_each_client_never_sampled():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _participation
+
+    records = [{"round": 1, "participants": [1, 3], "dropped": []}, {"round": 2, "participants": [3, 4], "dropped": []}]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    _participation(fig, ax, records, 6)  # clients 0, 2 and 5 never sampled
+    assert list(ax.get_xticks()) == [0, 1, 2, 3, 4, 5]
+    assert [round(bar.get_height()) for bar in ax.patches] == [0, 1, 0, 2, 1, 0]
+    assert ax.get_title() == "Participation per client\n(3 clients never sampled: no bar)"
+
+
 def test_the_staleness_title_gives_the_median_of_the_recorded_values():
     from matplotlib.figure import Figure
 

@@ -438,6 +438,7 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
     clients than the axes have pixel columns for (``bar_columns``), how many clients had 0, 1, 2, ... rounds of each
     outcome instead (``participation_histogram``), since bars narrower than a pixel merge or vanish."""
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     counts = participation_counts(records)
     left_out = unapplied_note(counts)
@@ -450,17 +451,21 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
     if clients > bar_columns(fig, ax):
         _participation_histogram(ax, counts, shown, clients, left_out)
         return
-    bottom = np.zeros(len(seen))
+    every = list(range(clients))  # a client never sampled keeps its place and tick, with no bar
+    bottom = np.zeros(clients)
     for key, _, colour in shown:
-        heights = np.array([counts[key].get(c, 0) for c in seen])
-        ax.bar(seen, heights, bottom=bottom, color=colour)
+        heights = np.array([counts[key].get(c, 0) for c in every])
+        ax.bar(every, heights, bottom=bottom, color=colour)
         bottom += heights
     ax.set_xlabel("logical client")
-    if len(seen) <= AVAILABILITY_CLIENTS:
-        ax.set_xticks(seen)
+    if clients <= AVAILABILITY_CLIENTS:
+        ax.set_xticks(every)
     ax.set_ylabel("rounds (asynchronous: tasks)")
-    title = ax.set_title(f"Participation per client{left_out}")
-    if left_out:
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of rounds: no tick between two
+    never = clients - len(seen)
+    note = f"\n({never} client{'s' if never != 1 else ''} never sampled: no bar)" if never else ""
+    title = ax.set_title(f"Participation per client{left_out}{note}")
+    if left_out or note:
         title.set_fontsize("medium")
 
 
