@@ -294,7 +294,11 @@ class Server:
         rule does not read went non-finite (a BatchNorm's running variance, a fault's NaN there)."""
         if not self.parts.client_state:
             return
-        for client in sorted(c for c, m in stats.metas.items() if m.error is not None):
+        self._put_back(plan, sorted(c for c, m in stats.metas.items() if m.error is not None))
+
+    def _put_back(self, plan: RoundAssignment, clients: list[int]) -> None:
+        """Name ``clients`` as dropped in the next header of the rank that trained each (and of its home)."""
+        for client in clients:
             self.parts.dropped.add(self._rank_of(plan, client), (client,), self._state_home())
 
     def _left_out(self, plan: RoundAssignment, stats: ReductionStats) -> dict:
@@ -308,8 +312,7 @@ class Server:
         usable = sorted(c for c, m in stats.metas.items() if m.error is None) if self.parts.client_state else []
         if not usable:
             return {"unapplied": stats.unapplied}
-        for client in usable:
-            self.parts.dropped.add(self._rank_of(plan, client), (client,), self._state_home())
+        self._put_back(plan, usable)
         log(f"round {plan.round}: logical clients {range_list(usable)} sent usable updates to a round not applied: "
             "each one's per-client state is put back as if it had not been sampled", rank=0)
         return {"unapplied": stats.unapplied, "state_put_back": usable}
