@@ -526,22 +526,27 @@ class DittoModels:
         return out
 
 
-def personal_reference(cfg: Config) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+def personal_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
+                       unapplied: frozenset[int] = frozenset()) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """FedBN / FedPer (``model.local``) on whole models: every sampled client trains from the global shared
     tensors and its own local ones (the built values until it first trains), keeps its local ones, and sends
     the rest; the server averages only the rest (weighted mean, ascending client id; by groups with
     clients.groups). Returns the final shared tensors and each trained client's local tensors, flattened in the
-    ranks' order. Trained with one thread, on the ranks' layout, as every rank trains."""
-    shared, local, _ = _fedavg_with_personalisation(cfg)
+    ranks' order. Trained with one thread, on the ranks' layout, as every rank trains. ``dropped_in`` and
+    ``unapplied`` as for ``_fedavg_with_personalisation``."""
+    shared, local, _ = _fedavg_with_personalisation(cfg, dropped_in, unapplied)
     return shared, {c: torch.cat([v.flatten() for v in d.values()]).float().numpy() for c, d in local.kept.items()}
 
 
 def _fedavg_with_personalisation(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
+                                 unapplied: frozenset[int] = frozenset(),
                                  ) -> tuple[dict[str, np.ndarray], LocalTensors, DittoModels]:
     """FedAvg (weights or deltas, by groups with clients.groups) with each client's ``model.local`` tensors and,
     with ``train.ditto_lambda``, its Ditto personal model trained first from and towards (w, l_i). Returns the
     final tensors that travel, every client's local tensors and every personal model. One thread, on the ranks'
-    layout. The clients in ``dropped_in[r]`` are skipped in round r, as if never sampled."""
+    layout. The clients in ``dropped_in[r]`` are skipped in round r, as if never sampled. In the rounds of
+    ``unapplied`` the clients train and keep their local tensors and personal models, and the model that travels
+    stays as it was (a round a virtual clock leaves out)."""
     with one_thread():
         dataset = load_dataset(cfg.data)
         flat = ranks_layout(cfg, dataset)
@@ -567,6 +572,9 @@ def _fedavg_with_personalisation(cfg: Config, dropped_in: dict[int, set[int]] | 
                 w = float(result.num_samples) if s.weighting == "samples" else 1.0
                 sent.append((client, w, {n: (t.float().numpy() - old[n].numpy() if s.update == "delta"
                                              else t.float().numpy().copy()) for n, t in flat.tensors()}))
+            if rnd in unapplied:
+                flat.buffer.copy_(start)
+                continue
             for n, t in flat.tensors():
                 values = [(c, w, u[n]) for c, w, u in sent]
                 combined = (grouped_weighted_mean(values, cfg.clients.groups) if cfg.clients.groups
@@ -637,7 +645,7 @@ def feddyn_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None)
 
 
 def ditto_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
-                    ) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+                    unapplied: frozenset[int] = frozenset()) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """Ditto (Li et al. 2021, Algorithm 1) over FedAvg on whole models, every personal model in memory: each
     sampled client first trains its personal model (``DittoModels``), then trains w as FedAvg does. With
     ``model.local`` (FedBN, FedPer) a client trains w with its own local tensors l_i (``LocalTensors``), its
@@ -645,8 +653,9 @@ def ditto_reference(cfg: Config, dropped_in: dict[int, set[int]] | None = None,
     tensors that travel and each trained client's personal model, flattened in the model's order (with
     model.local: as mpifl keeps each client's vector, its l_i and 1, then its personal model, the tensors that
     travel first, and 1). One thread, on the ranks' layout. The clients in ``dropped_in[r]`` are skipped in round
-    r, as if never sampled: their personal models stay as they were."""
-    final, local, personal = _fedavg_with_personalisation(cfg, dropped_in)
+    r, as if never sampled: their personal models stay as they were. The rounds of ``unapplied`` train every
+    personal model and leave the model that travels as it was."""
+    final, local, personal = _fedavg_with_personalisation(cfg, dropped_in, unapplied)
     if not cfg.model.local:
         return final, {client: personal.flattened(client) for client in personal.models}
     return final, {client: np.concatenate([local.vector(client), personal.flattened(client, local),

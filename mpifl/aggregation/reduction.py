@@ -314,7 +314,7 @@ class StreamedReduction:
                 self.total_weight, self.strategy.round_statistics_total = checked_totals(
                     self.strategy, self.stats.metas, self.task, self.schedule.order)
             except BelowQuorum as below:
-                if not self.task.keep_model or (below.usable and self.task.lasting_state):
+                if not self.task.keep_model or (below.usable and self.task.unrestorable_state):
                     raise
                 self.stats.unapplied = str(below)
         return self.total_weight

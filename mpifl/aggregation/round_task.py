@@ -22,7 +22,8 @@ class RoundAborted(RuntimeError):
 class BelowQuorum(RoundAborted):
     """Fewer usable updates than clients.min_participants or secagg.min_cohort: the round is not applied. Under a
     virtual clock (``ReductionRound.keep_model``) the model stays as it was and the run goes on, as when too few
-    updates arrive in time (unless usable clients keep state no put-back undoes: ``ReductionRound.lasting_state``);
+    updates arrive in time (unless usable clients moved state the run cannot put back:
+    ``ReductionRound.unrestorable_state``);
     otherwise the job stops. ``usable``: how many updates were usable."""
 
     def __init__(self, message: str, usable: int) -> None:
@@ -48,10 +49,12 @@ class ReductionRound:
     min_cohort: int = 1  # secagg.min_cohort: fewer usable updates abort the round, their sum would reveal them
     header_clients: int = 1  # the most logical clients one header lists (a reduction group's members)
     keep_model: bool = False  # a virtual clock: too few usable updates leave the model unchanged, the run goes on
-    # per-client state that no put-back undoes (top-k's residuals, local tensors, Ditto's personal models): usable
-    # updates' state moved on, so too few of them still abort the round; with none usable it is left out. SCAFFOLD's
-    # c_i, FedDyn's g_i and declared vectors are put back (the server names the usable clients as dropped)
-    lasting_state: bool = False
+    # per-client state that must read as if the client had not trained and that the run cannot put back (SCAFFOLD's
+    # c_i, FedDyn's g_i or declared vectors without clients.accept_failures' journal): usable updates moved it on,
+    # so too few of them still abort the round; with none usable it is left out. With the journal they are put back
+    # (the server names the usable clients as dropped); top-k's residuals, local tensors and Ditto's personal models
+    # keep what the training made of them, as a dropped client's do
+    unrestorable_state: bool = False
 
     @property
     def quorum(self) -> int:

@@ -173,10 +173,19 @@ class ClientState:
     vectors: tuple[tuple[str, StateVector], ...] = ()  # a plug-in trainer's declared vectors, in declared order
 
     @property
+    def restorable(self) -> str:
+        """What of it the put-back of a dropped client restores, as the logs name it ("" where none): the strategy's
+        rule's vector (SCAFFOLD's c_i, FedDyn's g_i) and a plug-in trainer's declared vectors
+        (``ClientStateLayout.journaled_chunks``), which must read as if the client had not trained."""
+        kinds = ([KINDS.get(self.rule, PLUGIN_RULE)[0]] if self.rule else []) + (
+            [KINDS["vectors"][0]] if self.vectors else [])
+        return " and ".join(kinds)
+
+    @property
     def lasting(self) -> str:
-        """What of it a client keeps as its training left it though the round is not applied, as the logs name it
-        ("" where none): top-k's residuals, local tensors and Ditto's personal models, which no put-back undoes
-        (``ClientStateLayout.journaled_chunks``)."""
+        """What of it a client keeps as its training left it though its update is not applied (dropped past its
+        deadline, or its round left out), as the logs name it ("" where none): top-k's residuals, local tensors and
+        Ditto's personal models, which are the client's own (``ClientStateLayout.journaled_chunks``)."""
         kinds = [kind for kind, kept in (("residuals", self.residuals), ("local", self.local),
                                          ("personal", self.personal)) if kept]
         return " and ".join(KINDS[kind][0] for kind in kinds)

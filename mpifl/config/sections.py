@@ -56,8 +56,9 @@ class ClientsConfig:
                                       "clock.mode other than off the round, or asynchronous step, is left out "
                                       "instead: the model unchanged, the record's 'unapplied' says why, and the run "
                                       "goes on, the usable clients' SCAFFOLD, FedDyn or declared vectors put back "
-                                      "(record 'state_put_back'; a sync round with some usable updates still aborts "
-                                      "under top-k residuals, model.local or Ditto, which no put-back undoes)", min=1)
+                                      "(record 'state_put_back'), their top-k residuals, model.local tensors and "
+                                      "Ditto personal models kept as their training left them, as a client's dropped "
+                                      "past its deadline are (record 'state_kept')", min=1)
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
                             "deterministic) or per_round (each round's participants, or their groups, spread anew "

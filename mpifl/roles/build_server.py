@@ -154,8 +154,10 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             floor=floor, lends_state=cfg.lends_client_state,
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
                             spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round),
-                            virtual_clock=cfg.clock.mode != "off", client_state=cfg.client_state() is not None,
-                            lasting_state=_lasting_state(cfg))
+                            virtual_clock=cfg.clock.mode != "off", client_state=kept is not None,
+                            unrestorable_state=_unrestorable_state(cfg),
+                            restored_state=kept.restorable if kept is not None and cfg.undoes_dropped_state else "",
+                            kept_state=kept.lasting if kept is not None else "")
         server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
         publisher.listen(server.heard)
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
@@ -197,16 +199,14 @@ def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop
     return wrap_up
 
 
-def _lasting_state(cfg: Config) -> str:
-    """What of the per-client state a usable client keeps though its round is not applied, as the logs name it: ""
-    where the run keeps none, or puts it all back (clients.accept_failures journals SCAFFOLD's, FedDyn's and
-    declared vectors: ``Config.undoes_dropped_state``)."""
+def _unrestorable_state(cfg: Config) -> str:
+    """The per-client state, as the logs name it, that must read as if a client of a round not applied had not
+    trained and that the run cannot put back: SCAFFOLD's, FedDyn's or declared vectors without the journal of
+    clients.accept_failures (``Config.undoes_dropped_state``); "" where there is none."""
     state = cfg.client_state()
-    if state is None:
+    if state is None or not (state.rule or state.vectors) or cfg.undoes_dropped_state:
         return ""
-    if (state.rule or state.vectors) and not cfg.undoes_dropped_state:
-        return state.what
-    return state.lasting
+    return state.what
 
 
 def _trackers(cfg: Config, run_dir: Path | None, start: int, kept: list[dict], resumed: bool) -> list[Trackers]:

@@ -112,7 +112,10 @@ class ServerParts:
     spend_fault: Callable[[Strike], None] = lambda strike: None
     virtual_clock: bool = False  # clock.mode other than off: too few usable updates leave the model unchanged
     client_state: bool = False  # per-client state: refused clients, and an unapplied round's usable ones, put back
-    lasting_state: str = ""  # what of it no put-back undoes: a round with usable updates, too few, still aborts
+    # what of it usable clients moved on and the run cannot put back: a round with usable updates, too few, aborts
+    unrestorable_state: str = ""
+    restored_state: str = ""  # what of it a put-back restores (clients.accept_failures' journal), as the logs name it
+    kept_state: str = ""  # what of it a client keeps from a round that does not apply its update: its own
 
 
 class Server:
@@ -302,20 +305,31 @@ class Server:
             self.parts.dropped.add(self._rank_of(plan, client), (client,), self._state_home())
 
     def _left_out(self, plan: RoundAssignment, stats: ReductionStats) -> dict:
-        """A round not applied (a virtual clock): why, for its record, and under per-client state the usable clients
-        whose state is put back (``state_put_back``). They are noted as dropped, so that the rank that trained each
-        (and, under per_round placement, its home) puts its journaled state back before anything reads, lends or
-        publishes it, as if it had not been sampled (the failed ones are noted as every refused update is:
-        ``_put_back_refused``)."""
+        """A round not applied (a virtual clock): why, for its record, and under per-client state what became of the
+        usable clients' state. Those whose journaled vectors are put back (``state_put_back``) are noted as dropped,
+        so that the rank that trained each (and, under per_round placement, its home) puts them back before
+        anything reads, lends or publishes them, as if it had not been sampled (the failed ones are noted as every
+        refused update is: ``_put_back_refused``). Their residuals, local tensors and personal models stay as
+        their training left them (``state_kept``), as a client's dropped past its deadline do."""
         if stats.unapplied is None:
             return {}
-        usable = sorted(c for c, m in stats.metas.items() if m.error is None) if self.parts.client_state else []
+        parts = self.parts
+        usable = sorted(c for c, m in stats.metas.items() if m.error is None) if parts.client_state else []
+        record: dict = {"unapplied": stats.unapplied}
         if not usable:
-            return {"unapplied": stats.unapplied}
-        self._put_back(plan, usable)
-        log(f"round {plan.round}: logical clients {range_list(usable)} sent usable updates to a round not applied: "
-            "each one's per-client state is put back as if it had not been sampled", rank=0)
-        return {"unapplied": stats.unapplied, "state_put_back": usable}
+            return record
+        said = []
+        if parts.restored_state:
+            self._put_back(plan, usable)
+            record["state_put_back"] = usable
+            said.append(f"put back as if not sampled: {parts.restored_state}")
+        if parts.kept_state:
+            record["state_kept"] = usable
+            said.append(f"kept as this round's training left them, as a client's dropped past its deadline are: "
+                        f"{parts.kept_state}")
+        who = f"logical client {usable[0]}" if len(usable) == 1 else f"logical clients {range_list(usable)}"
+        log(f"round {plan.round}: {who} sent usable updates to a round not applied; {'; '.join(said)}", rank=0)
+        return record
 
     def _without_busy(self, plan: RoundAssignment) -> RoundAssignment:
         """clients.accept_failures: ``plan`` without the ranks still training a round they were dropped from, which
@@ -368,7 +382,7 @@ class Server:
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=routes.labels,
             min_participants=self.min_participants, min_cohort=self._min_cohort(),
             header_clients=routes.header_clients, keep_model=parts.virtual_clock,
-            lasting_state=bool(parts.lasting_state))
+            unrestorable_state=bool(parts.unrestorable_state))
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       watchdog=watchdog, dropping=self._dropping(plan, routes, started))
         try:
@@ -380,9 +394,9 @@ class Server:
             self._log_drops(plan, reduction.stats.metas)
             saved = parts.checkpointer.round_aborted(round_, self.history)
             where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
-            moved = f" (the usable clients' {parts.lasting_state} moved on, and no put-back undoes that, so the " \
-                "round cannot be left out as under a virtual clock it otherwise is)" \
-                if parts.virtual_clock and parts.lasting_state else ""
+            moved = f" (the usable clients' {parts.unrestorable_state} moved on, and without the journal of " \
+                "clients.accept_failures nothing puts them back, so the round cannot be left out as under a virtual " \
+                "clock it otherwise is)" if parts.virtual_clock and parts.unrestorable_state else ""
             raise JobFailure(f"{aborted}{moved}{where}; {resume_advice(strikes, reduction.stats.metas)}") from None
         except RankStalled as stalled:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched)

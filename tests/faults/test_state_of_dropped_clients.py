@@ -20,13 +20,14 @@ import pytest
 import torch
 import yaml
 from conftest import MPI_TIMEOUT, run_mpi, same_model, write_config
-from reference import feddyn_reference, scaffold_reference
-from results import assert_bitwise, client_vectors, reference_controls_numbered, run_controls_numbered
+from reference import ditto_reference, feddyn_reference, personal_reference, scaffold_reference
+from results import assert_bitwise, client_vectors, reference_controls_numbered, run_controls_numbered, run_result
 
 from mpifl.config import load_config
 from mpifl.planning.federation import sample_clients
 from mpifl.storage.checkpointer import checkpoint_name, list_checkpoints, residuals_dir
 from mpifl.storage.residuals import RamResiduals, UndoJournal
+from mpifl.units import range_list
 from mpifl.wire.late import DroppedClients, OwedStream
 
 CONFIG = """
@@ -225,7 +226,8 @@ def test_a_virtual_round_with_too_few_usable_updates_under_scaffold_is_left_out_
     assert second["state_put_back"] == usable
     assert "only 4 of 6 participants sent a usable update, fewer than clients.min_participants=5" in \
         second["unapplied"]
-    assert "sent usable updates to a round not applied: each one's per-client state is put back" in result.stderr
+    assert "sent usable updates to a round not applied; put back as if not sampled: SCAFFOLD control variates" \
+        in result.stderr
     assert " c_i is put back as it was before it trained" in result.stderr
     if rounds > 2:  # a put-back c_i is read again
         assert any(c in later["participants"] for later in history[2:] for c in usable)
@@ -260,21 +262,69 @@ def test_a_virtual_round_left_out_by_a_robust_strategy_puts_back_the_usable_clie
     assert {c: int(v[0]) for c, v in client_vectors(tmp_path / "run").items()} == {0: 3, 1: 3, 2: 3}
 
 
-def test_a_virtual_round_with_too_few_usable_updates_still_ends_the_job_where_no_put_back_undoes_their_state(
-        tmp_path):
-    """Ditto's personal models (as top-k's residuals and model.local tensors) keep what the usable clients' training
-    made of them, which no put-back undoes: such a round cannot be left out, and the job ends naming why."""
-    text = UNAPPLIED.format(rounds=3, struck=sample_clients(4, 2, 8, 6)[:2]).replace(
-        "{name: scaffold, update: delta}", "{name: fedavg}").replace("device: cpu}", "device: cpu, ditto_lambda: 0.1}")
+@pytest.mark.parametrize("kind", ["ditto", "fedper"])
+def test_a_virtual_round_left_out_leaves_the_usable_clients_personal_models_and_local_tensors_as_they_trained(
+        tmp_path, kind):
+    """Ditto's personal models and ``model.local`` tensors are each client's own: under a virtual clock a round with
+    too few usable updates is left out (the model unchanged), and its usable clients keep what their training made
+    of them, as a client dropped past its deadline does (the record's ``state_kept``), while the 2 that raised keep
+    theirs as before the round. The final model and every client's vector equal, bitwise, the reference that
+    trains round 2's usable clients and does not apply the round; on 2 and 3 client ranks alike."""
+    sampled = sample_clients(4, 2, 8, 6)
+    struck = sampled[:2]
+    text = UNAPPLIED.format(rounds=3, struck=struck).replace("{name: scaffold, update: delta}", "{name: fedavg}")
+    text = text.replace("device: cpu}", "device: cpu, ditto_lambda: 0.1}") if kind == "ditto" else \
+        text.replace("hidden: [8]}}", "hidden: [8]}, local: ['3.*']}")
     cfg = write_config(tmp_path / "c.yaml", text)
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=MPI_TIMEOUT)
-    assert result.returncode != 0
-    assert "fewer than clients.min_participants=5; the round is not applied (the usable clients' Ditto personal " \
-        "models moved on, and no put-back undoes that" in result.stderr
-    assert "round 2 aborted after the clients' Ditto personal models moved on, so the model before it is not saved " \
-        "again without them: a resume starts from the newest checkpoint on disk" in result.stderr
-    assert "error-feedback" not in result.stderr  # the state this run keeps, named as such
-    assert [r["round"] for r in records(tmp_path / "run")] == [1]
+    reference = ditto_reference if kind == "ditto" else personal_reference
+    want_final, want_vectors = reference(load_config(cfg), dropped_in={2: set(struck)}, unapplied=frozenset({2}))
+    for ranks in (3, 4):
+        run = tmp_path / f"run{ranks}"
+        result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(run), timeout=MPI_TIMEOUT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        history = records(run)
+        assert ["unapplied" in r for r in history] == [False, True, False]
+        usable = [c for c in sampled if c not in struck]
+        assert history[1]["state_kept"] == usable and "state_put_back" not in history[1]
+        what = "Ditto personal models" if kind == "ditto" else "local tensors (model.local)"
+        assert f"round 2: logical clients {range_list(usable)} sent usable updates to a round not applied; kept as " \
+            f"this round's training left them, as a client's dropped past its deadline are: {what}" in result.stderr
+        saved = run / "checkpoints"
+        assert same_model(saved / checkpoint_name(1), saved / checkpoint_name(2))
+        final, vectors = run_result(run)
+        assert_bitwise(final, want_final)
+        assert_bitwise(vectors, want_vectors)
+    assert not same_model(tmp_path / "run3" / "checkpoints" / checkpoint_name(2),
+                          tmp_path / "run3" / "checkpoints" / checkpoint_name(3))
+
+
+def test_a_virtual_round_left_out_under_top_k_keeps_each_usable_clients_residual_the_same_on_any_ranks(tmp_path):
+    """Top-k's error-feedback residuals are the client's own too: a left-out round's usable clients keep what their
+    training left in them (what they sent is lost with the round, as a dropped client's is), a plug-in trainer's
+    declared vectors are put back beside them (each client's count of its trainings leaves the round out), the run
+    goes on, and 2 and 3 client ranks end with the same bits (model and every client's vector)."""
+    sampled = sample_clients(4, 2, 8, 6)
+    text = UNAPPLIED.format(rounds=3, struck=sampled[:2]).replace("{name: scaffold, update: delta}", "{name: fedavg}")
+    text = text.replace("device: cpu}", "device: cpu, trainer: 'plugin_helpers:TrainingCounter'}") + \
+        "compression: {method: topk, fraction: 0.3}\n"
+    cfg = write_config(tmp_path / "c.yaml", text)
+    runs = []
+    for ranks in (3, 4):
+        run = tmp_path / f"run{ranks}"
+        result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(run), timeout=MPI_TIMEOUT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        second = records(run)[1]
+        usable = [c for c in sampled if c not in sampled[:2]]
+        assert "unapplied" in second and second["state_put_back"] == usable == second["state_kept"]
+        assert "put back as if not sampled: the trainer's per-client vectors; kept as this round's training left " \
+            "them, as a client's dropped past its deadline are: error-feedback residuals" in result.stderr
+        runs.append(run)
+    assert same_model(runs[0] / "model.h5", runs[1] / "model.h5")
+    same_vectors(client_vectors(runs[0]), client_vectors(runs[1]))
+    counts = {c: int(v[-2]) for c, v in client_vectors(runs[0]).items()}  # each vector ends with the count, its mark
+    assert counts == {c: sum(c in sample_clients(4, r, 8, 6) for r in (1, 3)) for c in counts}
+    after, before = checkpoint_vectors(runs[0], 2), checkpoint_vectors(runs[0], 1)
+    assert all(not np.array_equal(after[c], before.get(c, np.zeros_like(after[c]))) for c in usable)  # residuals
 
 
 REFUSED = """
