@@ -154,7 +154,35 @@ def test_every_round_records_its_cost_per_rank_and_the_run_s_totals_which_a_resu
     stopped_and_resumed(tmp_path, cfg, resume_ranks=3)
     split = records(tmp_path / "split")
     assert split[-1]["cost_to_date"]["cpu_seconds"] > split[1]["cost_to_date"]["cpu_seconds"]
+    # across the resume too, each record's totals are the previous one's plus its own cost, key by key: the resume
+    # carries on from round 2's line, which holds what writing its checkpoint cost
+    for previous, record in zip(split, split[1:]):
+        assert record["cost_to_date"] == pytest.approx(cost_to_date(previous["cost_to_date"], record["cost"]))
     assert split[-1]["cost_to_date"]["bytes_moved"] == whole[-1]["cost_to_date"]["bytes_moved"]
+
+
+def test_a_resume_carries_the_totals_on_from_the_line_metrics_jsonl_wrote_after_the_checkpoint(tmp_path):
+    """The checkpoint copies its round's record before it is written; the JSON line, written after, adds what writing
+    it cost. A resume carries on from the line, so each record's totals stay the previous one's plus its own cost
+    across the resume; where the file lost the line, from the checkpoint's own copy, consistent with itself."""
+    from pathlib import Path
+
+    from mpifl.metrics import json_line
+    from mpifl.storage.rundir import ResumePoint, rewind_metrics
+
+    def record(round_: int, cost: float, total: float) -> dict:
+        return {"round": round_, "cost": {"cpu_seconds": cost, "bytes_written": cost},
+                "cost_to_date": {"cpu_seconds": total, "bytes_written": total}}
+
+    copied = [record(1, 1.0, 1.0), record(2, 2.0, 3.0)]  # round 2's copy: before its checkpoint was written
+    lines = [record(1, 1.0, 1.0), record(2, 2.5, 3.5), record(3, 9.0, 12.5)]  # the killed attempt's file
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json_line(r) + "\n" for r in lines))
+    point = rewind_metrics(metrics, ResumePoint(Path("ckpt-r000002.h5"), 2, copied, None))
+    assert point.metrics == lines[:2] and records(tmp_path) == lines[:2]
+    metrics.write_text(json_line(lines[0]) + "\n")  # round 2's line lost: the checkpoint's copy stands
+    point = rewind_metrics(metrics, ResumePoint(Path("ckpt-r000002.h5"), 2, copied, None))
+    assert point.metrics == copied and records(tmp_path) == copied
 
 
 def test_a_dropped_ranks_work_counts_in_the_round_its_discarded_header_lands():

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -182,7 +182,7 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
     if resume is not None:
         point = verified_resume(resume, latest=resume_asked == "latest", feedback=keeps_residuals(cfg))
     if point is not None:
-        rewind_metrics(path / METRICS, point)
+        point = rewind_metrics(path / METRICS, point)
         log(resume_line(path, point, cfg.rounds), rank=0)
     elif (path / METRICS).exists() and resume_asked:
         if (path / FINAL_MODEL).exists():
@@ -241,8 +241,9 @@ def read_metrics(metrics: Path) -> list[dict] | None:
     return records
 
 
-def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
-    """Keep the metrics records up to the checkpoint's round (atomically): no duplicated, missing or torn rounds."""
+def rewind_metrics(metrics: Path, point: ResumePoint) -> ResumePoint:
+    """Keep the metrics records up to the checkpoint's round (atomically): no duplicated, missing or torn rounds.
+    Returns the point the run goes on from, whose last record's cost is the file's (``with_saved_cost``)."""
     upto = point.round
     records = read_metrics(metrics)
     kept = [r for r in records or [] if r.get("round", upto + 1) <= upto]
@@ -252,6 +253,21 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> None:
     tmp = metrics.with_name(metrics.name + ".tmp")
     tmp.write_text("".join(json_line(r) + "\n" for r in kept))
     os.replace(tmp, metrics)
+    return replace(point, metrics=with_saved_cost(point.metrics, kept))
+
+
+COST_KEYS = ("cost", "cost_to_date")
+
+
+def with_saved_cost(saved: list[dict], recorded: list[dict]) -> list[dict]:
+    """The checkpoint's records (``saved``) with the last one's ``cost`` and ``cost_to_date`` as ``metrics.jsonl``
+    recorded that round (``recorded``). Why: the checkpoint copies its round's record before it is written, and the
+    JSON line, written after, adds what writing it cost; a resume that carried on from the copy would leave that
+    out, and the file's totals would stop adding up at the round it resumed from."""
+    if not saved or not recorded or recorded[-1].get("round") != saved[-1].get("round"):
+        return saved
+    last = {**saved[-1], **{key: recorded[-1][key] for key in COST_KEYS if key in recorded[-1]}}
+    return [*saved[:-1], last]
 
 
 TOKENIZER = "tokenizer.json"  # <run dir>/tokenizer.json: the tokenizer that made a text dataset's token ids
