@@ -230,4 +230,59 @@ def test_the_figure_says_one_run_each_where_no_group_pools_seeds(tmp_path, monke
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     out = plot_groups(groups, "eval.accuracy", tmp_path / "f.png")
-    assert out.read_bytes().startswith(PNG) and titles == ["eval.accuracy: one run each"]
+    assert out.read_bytes().startswith(PNG) and titles == ["held-out accuracy: one run each"]
+
+
+def test_a_fault_sweep_is_labelled_by_the_field_of_the_fault_it_varies(tmp_path):
+    """A list of sections (``faults``) is compared field by field, so a sweep of ``faults.0.fraction`` is labelled
+    by that field, not by the whole list; a run without faults is the 'defaults' group."""
+    runs = []
+    for fraction in (0.1, 0.3):
+        for seed in (0, 1):
+            run = write_run(tmp_path / f"f{fraction}" / f"seed={seed}", "fedavg", seed)
+            (run / "config.yaml").write_text((run / "config.yaml").read_text() + (
+                f"faults: [{{kind: raise, fraction: {fraction}, clients: [], rounds: []}}]\n"))
+            runs.append(str(run))
+    clean = write_run(tmp_path / "clean" / "seed=0", "fedavg", 0)
+    (clean / "config.yaml").write_text((clean / "config.yaml").read_text() + "faults: []\n")
+    _, groups = compare_runs([*runs, str(clean)], "eval.loss")
+    assert [label for label, _ in groups] == ["faults.0.fraction=0.1", "faults.0.fraction=0.3", "defaults"]
+
+
+def test_latex_cells_escape_braces_and_set_greek_letters_and_plus_minus_in_math_mode():
+    from mpifl.cli.compare import latex_cell
+
+    assert latex_cell("fedavg + prox(μ=0.01)") == "fedavg + prox($\\mu$=0.01)"
+    assert latex_cell("ditto(λ=0.1) {a_b} 50% ± 1 >= 2 & ~^$#\\") == (
+        "ditto($\\lambda$=0.1) \\{a\\_b\\} 50\\% $\\pm$ 1 $\\geq$ 2 \\& \\textasciitilde{}\\textasciicircum{}\\$\\#"
+        "\\textbackslash{}")
+
+
+def test_a_pooled_seed_that_stopped_short_is_marked_with_how_far_it_got(sweep, tmp_path):
+    short = write_run(tmp_path / "seed=3,strategy.name=fedavg", "fedavg", 3, rounds=2)
+    (short / "config.yaml").write_text((short / "config.yaml").read_text().replace("rounds: 2", "rounds: 5"))
+    text, _ = compare_runs([*sweep, str(short)], "eval.loss")
+    assert "| strategy.name=fedavg | 4 | 0,1,2,3 (2 of 5) |" in text
+    assert "A seed marked (R of N) recorded R of its config's N rounds: its 'final' is round R's" in text
+
+
+def test_settings_the_groups_differ_in_beyond_their_labels_are_named(tmp_path):
+    """Two groups apart in the momentum and the clock: the label names the momentum alone (the fewest keys that
+    tell them apart), and a line names the clock too, which a reader would otherwise not see."""
+    runs = []
+    for momentum, clock in ((0.9, "off"), (0.0, "sync")):
+        for seed in (0, 1):
+            run = write_run(tmp_path / f"m{momentum}" / f"seed={seed}", "fedavg", seed)
+            (run / "config.yaml").write_text((run / "config.yaml").read_text() + (
+                f"train: {{momentum: {momentum}}}\nclock: {{mode: {clock}}}\n"))
+            runs.append(str(run))
+    text, groups = compare_runs(runs, "eval.loss")
+    assert [label for label, _ in groups] == ["train.momentum=0.9", "train.momentum=0.0"]
+    assert "The groups also differ in clock.mode: each label names only the fewest settings" in text
+
+
+def test_the_figure_names_what_the_metric_measures_beside_its_key():
+    from mpifl.cli.compare import metric_name
+
+    assert metric_name("eval.accuracy") == "held-out accuracy (eval.accuracy)"
+    assert metric_name("time.round") == "time.round"

@@ -90,6 +90,19 @@ def test_a_bad_grid_point_fails_alone_and_the_others_run(tmp_path):
     assert "config error in run 2 (strategy.name=nosuch), said above" in done.stderr
     assert done.stderr.count("[rank 0] mpifl: config error: strategy.name") == 1, done.stderr
     assert rounds_logged(tmp_path / "runs" / "strategy.name=fedavg") == [1, 2]
+    assert f"mpifl sweep: 2 runs in {tmp_path / 'runs'}: 1 finished, 1 failed (run 2; the config of run 2 was " \
+        "refused, said above)" in done.stderr
+
+
+def test_the_sweeps_last_line_says_how_many_runs_finished_and_when_none_started():
+    """A grid key misspelt fails every run alike: the last line says none started, not "2 runs in DIR"."""
+    from mpifl.cli.sweep import sweep_summary
+
+    assert sweep_summary(2, "runs", {}) == "mpifl sweep: 2 runs in runs"
+    assert sweep_summary(2, "runs", {1: 2, 2: 2}).startswith("mpifl sweep: none of the 2 runs started: every run's "
+                                                             "config was refused (said above)")
+    assert sweep_summary(3, "runs", {1: 1, 3: 2}) == ("mpifl sweep: 3 runs in runs: 1 finished, 2 failed (run 1,3; "
+                                                      "the config of run 3 was refused, said above)")
 
 
 def test_a_sweep_stopped_by_sigterm_exits_3_and_resume_finishes_every_run_as_uninterrupted(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,28 +102,39 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
 
 
 def flat(config: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested config as dotted keys."""
+    """A nested config as dotted keys; a list of sections (``faults``) by index, ``faults.0.fraction``, so a group
+    is labelled by the one field its runs set apart, as the override that set it names it. An empty list adds no
+    key: it is what a config that leaves the section out holds."""
     out: dict[str, Any] = {}
     for key, value in config.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(flat(value, dotted + "."))
-        else:
+        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            out.update(flat({str(i): item for i, item in enumerate(value)}, dotted + "."))
+        elif value != []:
             out[dotted] = value
     return out
+
+
+def setting(o: RunOutcome) -> dict[str, Any]:
+    """What a run's group is made of: its config as dotted keys, but the seed, name and output."""
+    return {k: v for k, v in flat(o.config).items() if k.split(".")[0] not in NOT_THE_SETTING}
+
+
+def differing_keys(settings: Sequence[dict[str, Any]]) -> list[str]:
+    """The dotted keys whose values are not the same in every one of ``settings``, sorted."""
+    return sorted({k for s in settings for k in s if any(t.get(k) != s.get(k) for t in settings)})
 
 
 def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutcome]]]:
     """The runs grouped by everything in their config but the seed (and name, output), in first-seen order, each
     labelled by the settings that tell the groups apart ('all runs' for a single group)."""
-    def setting(o: RunOutcome) -> dict[str, Any]:
-        return {k: v for k, v in flat(o.config).items() if k.split(".")[0] not in NOT_THE_SETTING}
-
     keyed: dict[str, list[RunOutcome]] = {}
     for o in outcomes:
         keyed.setdefault(json.dumps(setting(o), sort_keys=True, default=str), []).append(o)
     settings = [setting(members[0]) for members in keyed.values()]
-    differing = sorted({k for s in settings for k in s if any(t.get(k) != s.get(k) for t in settings)})
+    differing = differing_keys(settings)
     keys = telling_keys(settings, differing)
     # a key a group leaves unset (another strategy's kwarg) says nothing of it: named only where set
     labels = [",".join(f"{k}={s[k]}" for k in keys if s.get(k) is not None) or "defaults" for s in settings]
@@ -150,6 +162,22 @@ def telling_keys(settings: Sequence[dict[str, Any]], differing: Sequence[str]) -
     return kept
 
 
+def unlabelled_differences(groups: Sequence[tuple[str, list[RunOutcome]]]) -> list[str]:
+    """The settings the groups differ in beyond those their labels name (``telling_keys`` keeps the fewest that
+    tell them apart), but the ones mpifl fills in from others (``AUTOMATIC_KEYS``): a difference a reader would
+    otherwise not see (one set of runs under a virtual clock, another model)."""
+    settings = [setting(members[0]) for _, members in groups]
+    differing = differing_keys(settings)
+    named = set(telling_keys(settings, differing))
+    return [k for k in differing if k not in named and k not in AUTOMATIC_KEYS]
+
+
+def seeds_cell(members: Sequence[RunOutcome]) -> str:
+    """A group's seeds, each run that recorded fewer rounds than its config asks marked with how far it got."""
+    return ",".join(f"{o.config.get('seed', '?')}" + (f" ({o.last_round} of {o.config.get('rounds')})"
+                                                       if o.incomplete else "") for o in members)
+
+
 def repeated_seed(members: Sequence[RunOutcome]) -> tuple[RunOutcome, RunOutcome] | None:
     """The first two runs of a seed group (``seed_groups``) with the same seed, or None."""
     seen: dict[Any, RunOutcome] = {}
@@ -170,16 +198,25 @@ def mean_std(values: Sequence[float], digits: int = 4) -> str:
     return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+# What a table cell's characters become in LaTeX: its special characters escaped, the symbols mpifl prints (±, the
+# μ and λ of FedProx and Ditto, >= and <=) in math mode, so that pdflatex compiles the table without a package
+LATEX = {"\\": "\\textbackslash{}", "{": "\\{", "}": "\\}", "&": "\\&", "%": "\\%", "$": "\\$", "#": "\\#",
+         "_": "\\_", "~": "\\textasciitilde{}", "^": "\\textasciicircum{}", "±": "$\\pm$", "μ": "$\\mu$",
+         "λ": "$\\lambda$", ">=": "$\\geq$", "<=": "$\\leq$"}
+LATEX_SPECIAL = re.compile("|".join(re.escape(k) for k in sorted(LATEX, key=len, reverse=True)))
+
+
+def latex_cell(text: str) -> str:
+    """``text`` as a LaTeX table cell (``LATEX``), each character replaced once."""
+    return LATEX_SPECIAL.sub(lambda m: LATEX[m.group(0)], text)
+
+
 def render(header: Sequence[str], rows: Sequence[Sequence[str]], fmt: str) -> str:
     """A table as Markdown or as a LaTeX tabular."""
     if fmt == "latex":
-        def cell(text: str) -> str:
-            return text.replace("\\", "\\textbackslash{}").replace("&", "\\&").replace("%", "\\%").replace(
-                "_", "\\_").replace("#", "\\#").replace("±", "$\\pm$").replace(">=", "$\\geq$").replace(
-                "<=", "$\\leq$")
         lines = ["\\begin{tabular}{" + "l" * len(header) + "}", "\\hline",
-                 " & ".join(map(cell, header)) + " \\\\", "\\hline"]
-        lines += [" & ".join(map(cell, row)) + " \\\\" for row in rows]
+                 " & ".join(map(latex_cell, header)) + " \\\\", "\\hline"]
+        lines += [" & ".join(map(latex_cell, row)) + " \\\\" for row in rows]
         return "\n".join([*lines, "\\hline", "\\end{tabular}"])
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
                       *("| " + " | ".join(row) + " |" for row in rows)])
@@ -241,14 +278,45 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     if any(len(members) > 1 for _, members in groups):
         group_rows = []
         for label, members in groups:
-            seeds = ",".join(str(o.config.get("seed", "?")) for o in members)
+            seeds = seeds_cell(members)
             reached = [float(o.reached_round) for o in members if o.reached_round]
             group_rows.append([label, str(len(members)), seeds, mean_std([o.best for o in members]),
                                mean_std([o.final for o in members]),
                                *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else [])])
         text += "\n\n" + render(["runs (seeds pooled)", "n", "seeds", f"best ({direction}), mean ± std",
                                  "final, mean ± std", *([f"{reach}, mean ± std"] if reach else [])], group_rows, fmt)
-    return text, groups
+    return text + group_notes(groups), groups
+
+
+def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
+    """What the groups' table and labels do not show: a pooled run that stopped short, and the settings the groups
+    differ in beyond their labels ("" where there is neither)."""
+    notes = []
+    if any(len(members) > 1 and o.incomplete for _, members in groups for o in members):
+        notes.append("A seed marked (R of N) recorded R of its config's N rounds: its 'final' is round R's, pooled "
+                     "with the others' last rounds, and the figure draws its group only to the last round every run "
+                     "of the group recorded")
+    hidden = unlabelled_differences(groups) if len(groups) > 1 else []
+    if hidden:
+        shown = ", ".join(hidden[:8]) + (f" and {len(hidden) - 8} more" if len(hidden) > 8 else "")
+        notes.append(f"The groups also differ in {shown}: each label names only the fewest settings that tell the "
+                     "groups apart (each run's config.yaml has them all)")
+    return "".join(f"\n\n{note}" for note in notes)
+
+
+# What a figure calls the metrics a run records most often (its axis keeps the key, the name of --metric)
+METRIC_NAMES = {"eval.accuracy": "held-out accuracy", "eval.loss": "held-out loss",
+                "eval.perplexity": "held-out perplexity", "train_loss": "training loss (participants' mean)",
+                "federated_eval.accuracy": "clients' validation accuracy",
+                "federated_eval.loss": "clients' validation loss",
+                "federated_eval.personal_accuracy": "clients' validation accuracy, personal models",
+                "virtual_time": "virtual time (s)"}
+
+
+def metric_name(metric: str) -> str:
+    """``metric`` as a figure's axis names it: what it measures and the key (``held-out accuracy
+    (eval.accuracy)``), or the key alone where mpifl has no name for it."""
+    return f"{METRIC_NAMES[metric]} ({metric})" if metric in METRIC_NAMES else metric
 
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -268,9 +336,10 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     draw_groups(ax, groups)
     ax.set_xlabel("round")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel(metric)
+    ax.set_ylabel(metric_name(metric))
     pooled = any(len(members) > 1 for _, members in groups)
-    ax.set_title(f"{subject or metric}: {'mean ± std over seeds' if pooled else 'one run each'}")
+    ax.set_title(f"{subject or METRIC_NAMES.get(metric, metric)}: "
+                 f"{'mean ± std over seeds' if pooled else 'one run each'}")
     # below the axes, one group a line: long labels (several differing keys) widen the figure, not squeeze the plot
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
     out = Path(path)

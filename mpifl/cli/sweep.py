@@ -17,6 +17,7 @@ from mpifl.config import ConfigError
 from mpifl.errors import INTERRUPTED
 from mpifl.logs import log
 from mpifl.planning.world import too_few_ranks
+from mpifl.units import range_list
 
 
 def grid_overrides(grid: list[str]) -> list[list[str]]:
@@ -72,7 +73,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if world.Get_size() < 2:  # every point would be refused alike: say it once, before any run directory
         log(f"mpifl sweep: {too_few_ranks('sweep')} ...", rank=0)
         return 2
-    failed = 0
+    failed: dict[int, int] = {}  # run number -> its exit status, for the runs that failed
     for number, point in enumerate(points, 1):
         run_dir = point_dir(Path(args.runs_dir), point)
         if speaks:
@@ -95,8 +96,22 @@ def _sweep(args: argparse.Namespace) -> int:
                 log(f"mpifl sweep: stopped by a signal in run {number} of {len(points)}; rerun with --resume to go "
                     "on", rank=0)
             return status
-        failed = failed or status
+        if status:
+            failed[number] = status
     if speaks:
-        log(f"mpifl sweep: {len(points)} runs in {args.runs_dir}" + (" (at least one failed)" if failed else ""),
-            rank=0)
-    return failed
+        log(sweep_summary(len(points), args.runs_dir, failed), rank=0)
+    return next(iter(failed.values()), 0)
+
+
+def sweep_summary(total: int, runs_dir: str, failed: dict[int, int]) -> str:
+    """The sweep's last line: how many of its ``total`` runs finished and which failed (``failed``: run number to
+    exit status; 2 is a config the ranks refused before the run started)."""
+    if not failed:
+        return f"mpifl sweep: {total} runs in {runs_dir}"
+    refused = sorted(n for n, status in failed.items() if status == 2)
+    if len(refused) == total:
+        return (f"mpifl sweep: none of the {total} runs started: every run's config was refused (said above); "
+                "a key or value the grid gives every run is the likeliest cause")
+    return (f"mpifl sweep: {total} runs in {runs_dir}: {total - len(failed)} finished, {len(failed)} failed (run "
+            f"{range_list(sorted(failed))}" + (f"; the config of run {range_list(refused)} was refused" if refused
+                                               else "") + ", said above)")
