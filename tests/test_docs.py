@@ -115,6 +115,39 @@ def test_site_builds_strictly(tmp_path):
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
 
 
+FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
+ACCIDENTAL_HEADING = re.compile(r"^ {0,3}#[^\s#]")
+
+
+def _accidental_headings(text: str) -> list[tuple[int, str]]:
+    """Lines outside fenced code that begin with ``#`` and a word: Markdown makes each an <h1>."""
+    found, fence = [], ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if opened := FENCE.match(line):
+            marker = opened.group(1)
+            if not fence:
+                fence = marker
+            elif marker[0] == fence[0] and len(marker) >= len(fence) and not line.strip()[len(marker):].strip():
+                fence = ""
+            continue
+        if not fence and ACCIDENTAL_HEADING.match(line):
+            found.append((number, line))
+    return found
+
+
+def test_accidental_headings_are_found_outside_code_only():
+    text = "## Real\ntext wrapped before\n#C = 3 here\n```bash\n#!/bin/bash\n#PBS -l walltime\n```\n"
+    assert _accidental_headings(text) == [(3, "#C = 3 here")]
+
+
+def test_no_wrapped_line_starts_a_heading_by_accident():
+    # a paragraph re-wrapped so that a line begins "#C = 3" renders as a page title and cuts the table of contents
+    pages = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
+    found = [f"{page.relative_to(ROOT)}:{number}: {line}" for page in pages
+             for number, line in _accidental_headings(page.read_text())]
+    assert found == [], "re-wrap these lines so no line of prose begins with '#':\n" + "\n".join(found)
+
+
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; keep it a front door (at most 250) and link to docs/"
