@@ -49,8 +49,10 @@ class ClientsConfig:
                                     "with client, rank and reason) instead of aborting the job; so are the rest "
                                     "of a round's clients on a rank still training past its deadline "
                                     "(timeouts.first_update, timeouts.straggler); under SCAFFOLD and FedDyn the "
-                                    "dropped clients' c_i or g_i is put back when the next header names them; a "
-                                    "round left with too few usable updates: see clients.min_participants")
+                                    "dropped clients' c_i or g_i, and a plug-in trainer's declared vectors, are put "
+                                    "back when the next header names them, while their top-k residuals, model.local "
+                                    "tensors and Ditto personal models are kept as trained; a round left with too "
+                                    "few usable updates: see clients.min_participants")
     min_participants: int = field_(1, "abort the round, and the job, when fewer usable updates than this remain "
                                       "(with a message that says when a resume would end the same way); under "
                                       "clock.mode other than off the round, or asynchronous step, is left out "
