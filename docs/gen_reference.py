@@ -42,6 +42,14 @@ def _cell(text: object) -> str:
     return out
 
 
+DOCS_PATH = re.compile(r"\bdocs/((?:[\w.-]|\\_)+(?:/(?:[\w.-]|\\_)+)*\.md)")
+
+
+def _linked(cell: str) -> str:
+    """A cell whose ``docs/PAGE.md`` mentions are links, relative to the reference pages in docs/reference/."""
+    return DOCS_PATH.sub(lambda m: f"[{m.group(0)}](../{m.group(1).replace(chr(92), '')})", cell)
+
+
 def _code(value: object) -> str:
     """A value as inline code (a table-safe pipe is the only escape code spans need here)."""
     text = str(value).replace("|", "\\|")
@@ -180,12 +188,12 @@ def render_config() -> str:
     for (_, cls, rows), title in zip(sections, titles):
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
         # in a div of its own, so that docs/css/extra.css can keep the doc column readable beside long keys
-        lines += [f"## {title}", "", " ".join(doc.split()), "", '<div class="config-keys" markdown>', "",
+        lines += [f"## {title}", "", _linked(" ".join(doc.split())), "", '<div class="config-keys" markdown>', "",
                   "| key | type | default | allowed | doc |", "|---|---|---|---|---|"]
         for key, hint, default, meta in rows:
             allowed = _allowed_or_type(meta, hint, key)
             lines.append(f"| `{key}` | {_type_name(hint)} | {_code(_yaml(default))} | {allowed} | "
-                         f"{_cell(meta.get('doc', ''))} |")
+                         f"{_linked(_cell(meta.get('doc', '')))} |")
         lines += ["", "</div>", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -267,7 +275,7 @@ def _argument_default(action: argparse.Action) -> str:
 
 
 def _argument_help(action: argparse.Action) -> str:
-    text = _cell((action.help or "").replace("%%", "%"))  # argparse %-formats help: a literal % is written %%
+    text = _linked(_cell((action.help or "").replace("%%", "%")))  # argparse %-formats help: a literal % is written %%
     if action.choices and action.option_strings:
         text = (text + "; " if text else "") + "one of " + ", ".join(_code(c) for c in action.choices)
     if action.nargs == "?" and action.const is not None:

@@ -93,6 +93,15 @@ def test_cli_page_lists_every_option():
     assert not missing, f"options missing from docs/reference/cli.md: {missing}; {REGENERATE}"
 
 
+def test_generated_pages_link_the_docs_pages_their_descriptions_name():
+    # a description's "(docs/how-to/faults.md)" showed as plain text on the site
+    for page in ("config.md", "cli.md"):
+        text = (DOCS / "reference" / page).read_text()
+        plain = [m.group(0) for m in re.finditer(r"(?<![\[/])docs/[\w./\\-]+\.md(?!\]\()", text)]
+        assert plain == [], f"docs/reference/{page} names {plain} without linking them; {REGENERATE}"
+    assert _generator()._linked("see (docs/how-to/faults.md)") == "see ([docs/how-to/faults.md](../how-to/faults.md))"
+
+
 def test_generated_tables_keep_their_columns():
     """A stray pipe in a doc string or a type (``int | None``) would shift a row's cells."""
     for page in ("config.md", "cli.md"):
