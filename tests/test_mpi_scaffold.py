@@ -18,6 +18,7 @@ from mpifl.config import ConfigError, StrategyConfig, load_config
 from mpifl.learning.steps import corrected_steps
 from mpifl.wire.spec import Chunk
 
+EXAMPLE = "examples.client_half.scaffold"  # the shipped SCAFFOLD plug-in, both halves on mpifl.api
 CONFIG = """
 seed: 5
 rounds: 3
@@ -198,50 +199,49 @@ def test_an_adaptive_local_optimizer_under_a_rule_that_assumes_sgd_steps_is_warn
     (4, ("strategy.control_ram_mb=0", "clients.groups=3", "strategy.weighting=equal")),
 ], ids=["2-client-ranks", "on-disk-with-reduction-groups"])
 def test_a_scaffold_of_ones_own_on_the_public_contract_equals_the_papers_rule_bitwise(tmp_path, ranks, overrides):
-    # tests/plugin_scaffold.py: both halves on mpifl.api alone, its client half named by Capabilities.client_rule
+    # examples/client_half/scaffold.py: both halves on mpifl.api alone, its client half named by
+    # Capabilities.client_rule
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("strategy: {name: scaffold,",
-                                                           "strategy: {name: 'plugin_scaffold:scaffold',"))
+                                                           f"strategy: {{name: '{EXAMPLE}:scaffold',"))
     result = run_mpi(ranks, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_bitwise(run_controls_numbered(tmp_path / "run"), reference(*overrides))
 
 
 def test_a_plugin_strategy_must_build_the_client_half_its_builder_declares(tmp_path):
-    import plugin_scaffold
-
+    from examples.client_half import scaffold
     from mpifl.aggregation.compatibility import checked_strategy
 
-    cfg = load_config(None, ["strategy.name=plugin_scaffold:scaffold"], data=yaml.safe_load(CONFIG))
-    assert cfg.client_rule == "plugin_scaffold:CLIENT" and cfg.summed_streams
-    assert cfg.client_state() is not None and cfg.client_state().rule == "plugin_scaffold:CLIENT"
-    original = plugin_scaffold.scaffold.capabilities
+    cfg = load_config(None, [f"strategy.name={EXAMPLE}:scaffold"], data=yaml.safe_load(CONFIG))
+    assert cfg.client_rule == f"{EXAMPLE}:CLIENT" and cfg.summed_streams
+    assert cfg.client_state() is not None and cfg.client_state().rule == f"{EXAMPLE}:CLIENT"
+    original = scaffold.scaffold.capabilities
     try:
-        plugin_scaffold.scaffold.capabilities = StrategyConfig  # not a Capabilities: no client half is read
-        assert load_config(None, ["strategy.name=plugin_scaffold:scaffold"],
+        scaffold.scaffold.capabilities = StrategyConfig  # not a Capabilities: no client half is read
+        assert load_config(None, [f"strategy.name={EXAMPLE}:scaffold"],
                            data=yaml.safe_load(CONFIG)).client_rule == ""
     finally:
-        plugin_scaffold.scaffold.capabilities = original
-    assert checked_strategy(cfg).capabilities.client_rule == "plugin_scaffold:CLIENT"
+        scaffold.scaffold.capabilities = original
+    assert checked_strategy(cfg).capabilities.client_rule == f"{EXAMPLE}:CLIENT"
     mismatched = load_config(None, ["strategy.name=plugin_scaffold:mismatched"], data=yaml.safe_load(CONFIG))
     with pytest.raises(ConfigError, match=r"strategy.name: 'plugin_scaffold:mismatched' declares "
-                                          r"client_rule='plugin_scaffold:CLIENT'.* builds declares client_rule=''"):
+                                          rf"client_rule='{EXAMPLE}:CLIENT'.* builds declares client_rule=''"):
         checked_strategy(mismatched)
 
 
 @pytest.mark.parametrize("module,rule,says", [
-    ("missing_attribute", "plugin_scaffold:CLIENTX", "did you mean 'CLIENT'"),
-    ("no_colon", "plugin_scaffold.CLIENT", "nor an import path"),
+    ("missing_attribute", "examples.client_half.scaffold:CLIENTX", "did you mean 'CLIENT'"),
+    ("no_colon", "examples.client_half.scaffold.CLIENT", "nor an import path"),
 ], ids=["missing-attribute", "no-colon"])
 def test_validate_refuses_a_client_half_path_that_does_not_import_naming_strategy_name(tmp_path, monkeypatch, capsys,
                                                                                         module, rule, says):
     from mpifl.cli import main
 
     (tmp_path / f"{module}.py").write_text(
-        "import dataclasses\nimport plugin_scaffold\n"
-        f"CAPS = dataclasses.replace(plugin_scaffold.CAPABILITIES, client_rule={rule!r})\n"
+        "import dataclasses\nfrom examples.client_half import scaffold as example\n"
+        f"CAPS = dataclasses.replace(example.CAPABILITIES, client_rule={rule!r})\n"
         "def scaffold(cfg):\n"
-        "    return plugin_scaffold.Average(cfg, plugin_scaffold.Mean(cfg), plugin_scaffold.Replace(cfg), "
-        "capabilities=CAPS)\n"
+        "    return example.Average(cfg, example.Mean(cfg), example.Replace(cfg), capabilities=CAPS)\n"
         "scaffold.capabilities = CAPS\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
