@@ -303,14 +303,19 @@ class VectorBreaker(TrainingCounter):
     with ``nan``, all NaN (as declared otherwise): a trainer whose vector diverged."""
 
     def __init__(self, cfg, client: int = 3, from_round: int = 2, size: int = 1, dtype: str = "float32",
-                 nan: bool = False) -> None:
+                 nan: bool = False, returns: str = "") -> None:
         super().__init__(cfg)
         self.client, self.from_round, self.size, self.dtype = client, from_round, size, getattr(torch, dtype)
         self.fill = float("nan") if nan else -1.0
+        self.returns = returns  # 'tuple' or 'dict': what train returns instead of its TrainResult (vectors as declared)
 
     def train(self, model, data, seed, context):
         result = super().train(model, data, seed, context)
         if context.client == self.client and context.round >= self.from_round:
+            if self.returns == "tuple":
+                return result.num_samples, result.metrics
+            if self.returns == "dict":
+                return {"num_samples": result.num_samples, **result.metrics}
             context.state["count"] = torch.full((self.size,), self.fill, dtype=self.dtype)
         return result
 
@@ -340,3 +345,95 @@ class ReportsValidation:
         if self.claim:
             result.metrics.update(val_accuracy=0.99, val_loss=0.01, val_samples=7)
         return result
+
+
+class WithoutTrain:
+    """A trainer class that forgot its ``train``."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg) -> None:
+        pass
+
+
+class WithoutModifiesWeights:
+    """A trainer class that forgot to say whether training changes the model."""
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def train(self, model, data, seed):
+        raise AssertionError("never built")
+
+
+def without_modifies_weights(cfg):
+    """A builder function whose trainer lacks ``modifies_weights``: seen only once it is built."""
+    return WithoutModifiesWeights(cfg)
+
+
+class ShortCombine(WeightedMean):
+    """The weighted mean, one element short: a combine that returns the wrong shape."""
+
+    capabilities = Capabilities(summable=True, needs_every_row=False)
+
+    def combine(self, acc, count, total_weight):
+        return super().combine(acc, count, total_weight)[:-1]
+
+
+class WideCombine(ShortCombine):
+    """The weighted mean in float64: a combine that returns the wrong dtype."""
+
+    def combine(self, acc, count, total_weight):
+        return acc.div(total_weight).double()
+
+
+class SqueezedStack(Median):
+    """A stacked combiner whose combine (reached through the default combine_into) returns one value per chunk."""
+
+    def combine_into(self, out, acc, count, total_weight):
+        Combiner.combine_into(self, out, acc, count, total_weight)
+
+    def combine(self, acc, count, total_weight):
+        return acc[0][:1].clone()
+
+
+def short_combine(cfg: StrategyConfig) -> Strategy:
+    from mpifl.api import ServerOptimizer
+
+    return Strategy(cfg, ShortCombine(cfg), ServerOptimizer(cfg))
+
+
+def wide_combine(cfg: StrategyConfig) -> Strategy:
+    from mpifl.api import ServerOptimizer
+
+    return Strategy(cfg, WideCombine(cfg), ServerOptimizer(cfg))
+
+
+def squeezed_stack(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, SqueezedStack(cfg), Replace(cfg))
+
+
+def _server_step(kind: str):
+    """A server optimizer with momentum state ``m`` whose step works in place (``kind`` 'in_place'), returns a new
+    tensor instead of writing into delta ('returns'), or binds a new tensor to state['m'] ('rebinds')."""
+    from mpifl.api import ServerOptimizer
+
+    class Step(ServerOptimizer):
+        def __init__(self, cfg: StrategyConfig) -> None:
+            super().__init__(cfg)
+            self.state_init = {"m": 0.0}
+
+        def step(self, delta, state):
+            if kind == "returns":
+                return delta * 2.0
+            if kind == "rebinds":
+                state["m"] = state["m"] * 0.5 + delta
+                return None
+            state["m"].mul_(0.5).add_(delta)
+            return delta.add_(state["m"])  # returning delta itself is fine
+
+    Step.__qualname__ = f"Step_{kind}"
+    return lambda cfg: Strategy(cfg, WeightedMean(cfg), Step(cfg))
+
+
+step_in_place, step_returns, step_rebinds = (_server_step(k) for k in ("in_place", "returns", "rebinds"))

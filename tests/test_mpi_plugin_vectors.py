@@ -2,7 +2,8 @@
 that client, as a raise would. Under clients.accept_failures the client is dropped from the round, its old vectors
 kept, on any number of ranks; without it the job ends with one line naming the round, the client, its rank, the
 trainer, the vector and both shapes or dtypes (tests/plugin_helpers.py: VectorBreaker, which breaks client 3's
-one-element count from round 2 on)."""
+one-element count from round 2 on). A train() that returns something other than a TrainResult (a tuple, a dict)
+fails its client the same way."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,8 @@ output: {progress: false}
 SHAPE = "trainer plugin_helpers.VectorBreaker left client vector 'count' with shape (5,) where (1,) was declared"
 DTYPE = "trainer plugin_helpers.VectorBreaker left client vector 'count' with dtype float64 where float32 was declared"
 BROKEN = {"shape": ("train.kwargs={size: 5}", SHAPE), "dtype": ("train.kwargs={dtype: float64}", DTYPE)}
+RETURNED = ("trainer plugin_helpers.VectorBreaker: train() returned {} "  # then what it returned, abridged
+            "; it must return mpifl.api.TrainResult(num_samples, metrics, local_steps)")
 
 
 def run(folder: Path, ranks: int, *overrides: str):
@@ -100,3 +103,32 @@ def test_a_vector_left_nan_keeps_its_old_values_says_so_with_round_and_trainer_a
             "vector 'count'; its old vectors are kept") in result.stderr, result.stderr[-3000:]
     counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
     assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it
+
+
+def returned_line(kind: str, said: str) -> bool:
+    """Whether ``said`` says that VectorBreaker's train returned a ``kind``, what, and what it must return."""
+    head, tail = RETURNED.split(" ; ")
+    return said.startswith(head.format(kind)) and said.endswith("; " + tail) and len(said) > len(head + tail) + 10
+
+
+def test_under_accept_failures_a_train_that_returns_no_train_result_drops_its_client_as_any_dropped_client(tmp_path):
+    result = run(tmp_path, 3, "train.kwargs={returns: tuple}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reasons = dropped(tmp_path / "run")
+    assert reasons[1] == {} and set(reasons[2]) == {3} and set(reasons[3]) == {3}, reasons
+    assert returned_line("tuple", reasons[2][3]) and returned_line("tuple", reasons[3][3]), reasons
+    counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
+    assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it
+    want, got = reference_dropping({2: {3}, 3: {3}}), final_model(tmp_path / "run")
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
+def test_without_accept_failures_a_train_that_returns_no_train_result_ends_the_job_in_one_line(tmp_path):
+    result = run(tmp_path, 3, "train.kwargs={returns: dict}", "clients.accept_failures=false")
+    assert result.returncode != 0
+    head = "round 2: logical client 3 (rank 2): " + RETURNED.split(" ; ")[0].format("dict")
+    lines = [ln for ln in result.stderr.splitlines() if head in ln]
+    assert lines and "(clients.accept_failures=false); make every train() call return one" in lines[0], \
+        result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "AttributeError" not in result.stderr

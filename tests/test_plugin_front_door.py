@@ -1,18 +1,25 @@
 """What a plug-in author gets besides the hooks themselves: settings typed by their annotations (``1e6`` is a
 number), ``train.kwargs`` for trainers, a trainer that knows which client and round it trains, and what plug-ins
-measure recorded each round in metrics.jsonl and the trackers."""
+measure recorded each round in metrics.jsonl and the trackers; and the plug-in API's mistakes named where mpifl
+meets them (a trainer class without train or modifies_weights, a combine of the wrong shape, a server step whose
+result would be dropped)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
 import pytest
+import torch
 from conftest import MPI_TIMEOUT, mpifl_here, run_mpi
 
 from mpifl.aggregation.compatibility import checked_strategy
+from mpifl.aggregation.strategies import make_strategy
 from mpifl.cli.preflight import check_plugins
 from mpifl.config import ConfigError, load_config
+from mpifl.errors import JobFailure
+from mpifl.learning.trainers import TrainResult, make_trainer
 from mpifl.plugins import typed_kwargs
 from mpifl.roles.records import client_metrics
 from mpifl.trackers import scalars
@@ -174,3 +181,73 @@ def test_an_annotation_only_a_type_checker_can_resolve_leaves_the_other_settings
     converted, problem = typed_kwargs(annotated_with_a_checker_only_name, {"clip": "1e6", "model": "x"},
                                       "strategy.kwargs")
     assert problem is None and converted == {"clip": 1e6, "model": "x"} and type(converted["clip"]) is float
+
+
+@pytest.mark.parametrize(("trainer", "missing"), [
+    ("plugin_helpers:WithoutTrain", "has no train method; a trainer defines train(self, model, data, seed"),
+    ("plugin_helpers:WithoutModifiesWeights", "has no modifies_weights; a trainer class sets it: True"),
+])
+def test_a_trainer_class_missing_train_or_modifies_weights_is_refused_before_mpi_naming_train_trainer(trainer,
+                                                                                                     missing):
+    cfg = load_config(None, data={**SYNTHETIC, "train": {"trainer": trainer}})
+    with pytest.raises(ConfigError, match=re.escape(f"train.trainer: {trainer!r} {missing}")):
+        check_plugins(cfg)
+
+
+def test_a_builder_functions_trainer_missing_modifies_weights_is_refused_where_it_is_built():
+    cfg = load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:without_modifies_weights"}})
+    assert check_plugins(cfg) == []  # a function: what it builds is seen only once built
+    with pytest.raises(ConfigError, match=r"train\.trainer: 'plugin_helpers:without_modifies_weights' has no "
+                                          r"modifies_weights"):
+        make_trainer(cfg.train)
+
+
+def finish_chunk(name: str, **strategy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finish one 6-element chunk of two participants with plug-in strategy ``name``: the old global chunk and the
+    new one, and the server state after the step."""
+    built = make_strategy(load_config(None, data={**SYNTHETIC, "strategy": {"name": name, **strategy}}).strategy)
+    rows = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    acc = rows.clone() if built.stacked else torch.zeros(6)
+    for i, row in enumerate(rows):
+        built.fold(acc, row, 1.0, i)
+    target = torch.ones(6)
+    state = {k: torch.full((6,), v) for k, v in built.state_init.items()}
+    built.finish(acc, 2, 2.0, target, state, None)
+    return target, state.get("m", torch.zeros(0))
+
+
+@pytest.mark.parametrize(("name", "got"), [
+    ("plugin_helpers:short_combine", "ShortCombine.combine returned a float32 tensor of shape (5,)"),
+    ("plugin_helpers:wide_combine", "WideCombine.combine returned a float64 tensor of shape (6,)"),
+    ("plugin_helpers:squeezed_stack", "SqueezedStack.combine returned a float32 tensor of shape (1,)"),
+])
+def test_a_combine_that_returns_the_wrong_shape_or_dtype_ends_the_job_naming_strategy_name_and_both(name, got):
+    with pytest.raises(JobFailure, match=re.escape(f"strategy.name {name!r}: {got} where the combined chunk, a "
+                                                   "float32 tensor of shape (6,), was expected")):
+        finish_chunk(name)
+
+
+def test_a_server_step_that_works_in_place_moves_the_model_and_keeps_its_state():
+    target, m = finish_chunk("plugin_helpers:step_in_place")
+    delta = torch.arange(3, 9, dtype=torch.float32) - 1  # the mean of the two rows less the old chunk
+    assert torch.equal(m, delta) and torch.equal(target, 1 + 2 * delta)
+
+
+@pytest.mark.parametrize(("name", "did"), [
+    ("plugin_helpers:step_returns", "Step_returns.step returned a new tensor instead of writing into delta"),
+    ("plugin_helpers:step_rebinds", "Step_rebinds.step bound state['m'] to a new tensor instead of changing it "
+                                    "in place"),
+])
+def test_a_server_step_whose_result_mpifl_would_drop_ends_the_job_naming_strategy_name_and_the_rule(name, did):
+    with pytest.raises(JobFailure, match=re.escape(f"strategy.name {name!r}: {did}, which mpifl would drop; write "
+                                                   "the step into delta and change each state tensor in place")):
+        finish_chunk(name)
+
+
+def test_what_a_trainer_returns_other_than_a_train_result_is_named_with_what_it_must_return():
+    from mpifl.learning.trainers import result_problem
+
+    assert result_problem("pkg.T", TrainResult(3, {})) is None
+    said = result_problem("pkg.T", (3, {"loss": 0.5}))
+    assert said == ("trainer pkg.T: train() returned tuple (3, {'loss': 0.5}); it must return "
+                    "mpifl.api.TrainResult(num_samples, metrics, local_steps)")

@@ -29,6 +29,7 @@ from mpifl.config.capabilities import (
     ORDER_STATISTIC,
     Capabilities,
 )
+from mpifl.errors import JobFailure
 from mpifl.wire.memory import share_malloc_arenas
 from mpifl.wire.protocol import UpdateMeta
 
@@ -48,6 +49,19 @@ def declared_capabilities(combiner: Combiner) -> Capabilities | None:
         if COMBINING & vars(cls).keys():
             return None
     return None
+
+
+def checked_combined(combined: object, combiner: Combiner, numel: int, strategy: str) -> torch.Tensor:
+    """``combiner.combine``'s result, once it is the fp32 chunk of ``numel`` elements it must be (shape and dtype
+    only: nothing per element); else the job ends naming ``strategy`` (strategy.name), the method and both."""
+    if isinstance(combined, torch.Tensor) and combined.shape == (numel,) and \
+            combined.dtype == kernels.ACCUMULATOR_DTYPE:
+        return combined
+    got = (f"a {str(combined.dtype).removeprefix('torch.')} tensor of shape {tuple(combined.shape)}"
+           if isinstance(combined, torch.Tensor) else type(combined).__name__)
+    raise JobFailure(f"strategy.name {strategy!r}: {type(combiner).__qualname__}.combine returned {got} where the "
+                     f"combined chunk, a float32 tensor of shape ({numel},), was expected; return the chunk "
+                     "computed in acc's memory (WeightedMean's acc.div_(total_weight), say)")
 
 
 class Combiner:
@@ -93,7 +107,7 @@ class Combiner:
 
     def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
         """Write the combined chunk into ``out`` (the model's dtype), rounded once."""
-        out.copy_(self.combine(acc, count, total_weight))
+        out.copy_(checked_combined(self.combine(acc, count, total_weight), self, out.numel(), self.cfg.name))
 
     def start_combine_into(self, out: torch.Tensor, acc: kernels.Rows, count: int,
                            total_weight: float) -> list[Future] | None:

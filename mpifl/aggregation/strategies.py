@@ -27,13 +27,14 @@ from concurrent.futures import Future
 
 import torch
 
-from mpifl.aggregation.combiners import Combiner, declared_capabilities
+from mpifl.aggregation.combiners import Combiner, checked_combined, declared_capabilities
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, Rows
 from mpifl.aggregation.registry import BUILTIN, STRATEGIES, STRATEGY_CLASSES, stages
 from mpifl.aggregation.updates import ServerUpdate
 from mpifl.config import ConfigError, StrategyConfig
 from mpifl.config.automatic import resolve_lone_strategy
 from mpifl.config.capabilities import UNDECLARED, Capabilities
+from mpifl.errors import JobFailure
 from mpifl.plugins import is_import_path, resolve
 from mpifl.wire.protocol import UpdateMeta
 from mpifl.wire.spec import Chunk, ModelSpec
@@ -133,7 +134,8 @@ class Strategy:
         statistics = self.statistic_spans(chunk)
         own = self.round_statistics_total
         means = [stack[lo:hi] / own for lo, hi in statistics] if own is not None else []  # before acc is spent
-        combined = self.combiner.combine(stack, count, total_weight)
+        combined = checked_combined(self.combiner.combine(stack, count, total_weight), self.combiner, target.numel(),
+                                    self.name)
         for (lo, hi), mean in zip(statistics, means):
             combined[lo:hi] = mean
         values = not self.delta or self.statistics_absolute  # the statistics' combination is a value, not a change
@@ -145,11 +147,24 @@ class Strategy:
             for lo, hi in statistics:
                 combined[lo:hi].sub_(target[lo:hi])
         for lo, hi in parameter_spans(stepped, combined.numel()):
-            self.update.step(combined[lo:hi], {k: v[lo:hi] for k, v in state.items()} if stepped else state)
+            self._step(combined[lo:hi], {k: v[lo:hi] for k, v in state.items()} if stepped else state)
         combined.add_(target)
         for (lo, hi), mean in zip(stepped, averaged):  # values: the mean itself, not (mean - x) + x
             combined[lo:hi] = mean
         target.copy_(combined)
+
+    def _step(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """The server update's step on ``delta`` and ``state``, checked to have worked in place (cheaply: the
+        objects and their memory, nothing per element), since a new tensor returned or bound in ``state`` would
+        be dropped without a word."""
+        before = {name: (tensor, tensor.data_ptr()) for name, tensor in state.items()}
+        # a plug-in's step may return what its base declares it never does
+        returned = self.update.step(delta, state)  # type: ignore[func-returns-value]
+        problem = step_problem(delta, returned, before, state)
+        if problem is not None:
+            raise JobFailure(f"strategy.name {self.name!r}: {type(self.update).__qualname__}.step {problem}, which "
+                             "mpifl would drop; write the step into delta and change each state tensor in place "
+                             "(delta.mul_(lr), state['m'].mul_(beta).add_(delta)), and return None")
 
     def statistic_spans(self, chunk: Chunk | None) -> list[tuple[int, int]]:
         """The element ranges of ``chunk`` that hold statistics (none without a chunk, or before ``bind``)."""
@@ -173,6 +188,22 @@ class Strategy:
     def accumulator_rows(self, participants: int) -> int:
         """fp32 accumulator rows per chunk for ``participants`` participants (1, or one per participant)."""
         return self.combiner.accumulator_rows(participants)
+
+
+def step_problem(delta: torch.Tensor, returned: object, before: Mapping[str, tuple[torch.Tensor, int]],
+                 state: Mapping[str, torch.Tensor]) -> str | None:
+    """What a server update's step did that mpifl cannot see, or None: returned a tensor other than ``delta`` (in
+    place it writes into delta), or left in ``state`` another tensor, or other memory, than it was handed
+    (``before``: each name's tensor and its address)."""
+    if isinstance(returned, torch.Tensor) and not (returned.data_ptr() == delta.data_ptr()
+                                                   and returned.shape == delta.shape):
+        return "returned a new tensor instead of writing into delta"
+    if state.keys() != before.keys():
+        return f"changed state's names from {sorted(before)} to {sorted(state)}"
+    for name, (tensor, address) in before.items():
+        if state[name] is not tensor or tensor.data_ptr() != address:
+            return f"bound state[{name!r}] to a new tensor instead of changing it in place"
+    return None
 
 
 def statistic_ranges(spec: ModelSpec) -> tuple[tuple[int, int], ...]:

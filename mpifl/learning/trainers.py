@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -427,9 +428,37 @@ def make_trainer(cfg: TrainConfig) -> Trainer:
     if builtin:
         return builtin(cfg)
     try:
-        return resolve(cfg.trainer)(cfg, **cfg.kwargs)
+        trainer = resolve(cfg.trainer)(cfg, **cfg.kwargs)
     except Exception as err:  # a setting the plug-in refuses: named as the config key it came from
         raise ConfigError(construction_problem(cfg, err)) from err
+    problem = members_problem(cfg, trainer)  # a builder function's trainer, which the check before MPI cannot see
+    if problem:
+        raise ConfigError(problem)
+    return trainer
+
+
+def members_problem(cfg: TrainConfig, trainer: object) -> str | None:
+    """What a trainer (its class, or the object built) lacks of the members mpifl calls, or None."""
+    if not callable(getattr(trainer, "train", None)):
+        return (f"train.trainer: {cfg.trainer!r} has no train method; a trainer defines train(self, model, data, "
+                "seed[, context]) returning mpifl.api.TrainResult")
+    if not hasattr(trainer, "modifies_weights"):
+        return (f"train.trainer: {cfg.trainer!r} has no modifies_weights; a trainer class sets it: True (training "
+                "changes the model) or False (a model-only exchange)")
+    return None
+
+
+def trainer_name(trainer: Trainer) -> str:
+    """A trainer as errors name it: its class's import path."""
+    return f"{type(trainer).__module__}.{type(trainer).__qualname__}"
+
+
+def result_problem(name: str, result: object) -> str | None:
+    """Why what trainer ``name``'s ``train`` returned cannot be used, or None (a ``TrainResult``)."""
+    if isinstance(result, TrainResult):
+        return None
+    return (f"trainer {name}: train() returned {type(result).__name__} {reprlib.repr(result)}; it must return "
+            "mpifl.api.TrainResult(num_samples, metrics, local_steps)")
 
 
 def construction_problem(cfg: TrainConfig, err: Exception) -> str:
@@ -447,6 +476,8 @@ def trainer_problem(cfg: TrainConfig) -> str | None:
     except (TypeError, ValueError):  # no signature to check against
         return None
     problem = kwargs_problem(build, cfg.kwargs, "train.kwargs", supplied=(first,) if first else ())
+    if problem is None and inspect.isclass(build):  # a builder function's trainer is checked once it is built
+        problem = members_problem(cfg, build)
     declares = bool(getattr(build, "client_state", None))
     train = getattr(build, "train", None)
     if problem is None and declares and train is not None and "context" not in inspect.signature(train).parameters:

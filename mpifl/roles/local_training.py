@@ -15,7 +15,15 @@ import torch
 from mpifl.errors import JobFailure
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import deterministic_hint
-from mpifl.learning.trainers import ConfiguredTrainer, TrainContext, Trainer, TrainResult, accepts_context
+from mpifl.learning.trainers import (
+    ConfiguredTrainer,
+    TrainContext,
+    Trainer,
+    TrainResult,
+    accepts_context,
+    result_problem,
+    trainer_name,
+)
 from mpifl.planning.faults import FaultPlan, Strike
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.batched import BatchedClients
@@ -27,6 +35,10 @@ from mpifl.wire.layout import ExchangeLayout
 
 if TYPE_CHECKING:  # roles.group imports roles.client's neighbours only: the type alone, no import at run time
     from mpifl.roles.group import GroupLeader
+
+
+VECTORS_ADVICE = "change each vector in place, as context.state hands it over"
+RETURN_ADVICE = "make every train() call return one"
 
 
 class ClientFailure(RuntimeError):
@@ -55,20 +67,25 @@ class LocalTraining:
         self.parts, self.work, self.state, self.plan, self.evaluation = parts, work, state, plan, evaluation
         self.trainer, self.faults, self.rank = parts.trainer, faults, rank
         self.context = accepts_context(parts.trainer)  # whether the trainer takes a TrainContext
-        self.trainer_name = f"{type(parts.trainer).__module__}.{type(parts.trainer).__qualname__}"  # as errors say it
+        self.trainer_name = trainer_name(parts.trainer)  # as errors say it
         self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
         self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
 
     def train(self, round_: int, client: int, data: ClientData | None,
               anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client (``anchor``: the global model beside the one that trains, for
-        SCAFFOLD's and FedDyn's rules); a raise, or a declared vector left not as declared, ends the job, or is its
-        error under accept_failures."""
+        SCAFFOLD's and FedDyn's rules); a raise, a result that is not a TrainResult, or a declared vector left not
+        as declared, ends the job, or is its error under accept_failures."""
         result, error = self._attempt(round_, client, data, anchor)
-        problem = self._vectors_problem() if error is None else None
+        if error is not None:
+            return result, error
+        problem = result_problem(self.trainer_name, result)
         if problem is not None:
-            return TrainResult(0, {}), self.refused(problem, round_, client)
-        return result, error
+            return TrainResult(0, {}), self.refused(problem, round_, client, RETURN_ADVICE)
+        problem = self._vectors_problem()
+        if problem is not None:
+            return TrainResult(0, {}), self.refused(problem, round_, client, VECTORS_ADVICE)
+        return result, None
 
     def _attempt(self, round_: int, client: int, data: ClientData | None,
                  anchor: torch.Tensor | None) -> tuple[TrainResult, str | None]:
@@ -118,14 +135,15 @@ class LocalTraining:
         declared = self.state.declared
         return None if declared is None else declared.problem(self.trainer_name, self.vectors)
 
-    def refused(self, problem: str, round_: int, client: int) -> str:
-        """A client whose trainer left a declared vector not as declared: its error under clients.accept_failures
-        (dropped from the round, its old vectors kept), else the end of the job in one line, as mpifl's own check
-        found it (no traceback: no code of the trainer's raised)."""
+    def refused(self, problem: str, round_: int, client: int, advice: str) -> str:
+        """A client whose trainer returned what mpifl cannot use (not a TrainResult, a declared vector not as
+        declared): its error under clients.accept_failures (dropped from the round, its old vectors kept), else the
+        end of the job in one line with ``advice``, as mpifl's own check found it (no traceback: no code of the
+        trainer's raised)."""
         if not self.parts.accept_failures:
             raise JobFailure(f"round {round_}: logical client {client} (rank {self.rank}): {problem} "
-                             "(clients.accept_failures=false); change each vector in place, as context.state hands "
-                             "it over, or drop such clients from their rounds with clients.accept_failures=true")
+                             f"(clients.accept_failures=false); {advice}, or drop such clients from their rounds "
+                             "with clients.accept_failures=true")
         return problem
 
     def non_finite(self, round_: int, client: int, count: int, injected: str | None = None) -> str:
@@ -161,7 +179,8 @@ class LocalTraining:
         costs = self.parts.group.dispatch(client, seed, own_steps, controls.shared if controls else None)
         began = time.perf_counter()
         result = self.trainer.train(self.work.module, data, seed)
-        result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)
+        if isinstance(result, TrainResult):  # anything else is refused by ``train``, naming what it is
+            result.metrics.update(costs, group_train_seconds=time.perf_counter() - began)
         return result
 
     def personal(self, round_: int, client: int, data: ClientData | None, val: ClientData | None,

@@ -56,6 +56,8 @@ from mpifl.learning.trainers import (
     TrainResult,
     local_steps,
     make_trainer,
+    result_problem,
+    trainer_name,
 )
 from mpifl.logs import log
 from mpifl.metrics import CostMeter
@@ -273,10 +275,16 @@ def train_client(group: ShardedGroup, trainer: Trainer,
             state.personal.train(step.client, group.model.module, train, step.personal)
         with local_steps(trainer, step.steps), half.training(step.client) if half else contextlib.nullcontext():
             result = trainer.train(group.model.module, train, step.seed)
+        problem = result_problem(trainer_name(trainer), result)
+        if problem is not None:  # every rank of the group trained the same trainer: each ends here
+            raise JobFailure(f"round {round_}: logical client {step.client} (rank {rank}, a rank of its sharded "
+                             f"group): {problem} (a group cannot go on mid-collective, so the job ends)")
         if state is not None and state.half is not None:
             state.half.update(step.client, result.local_steps or 0, state.weight(protocol.UpdateMeta(
                 step.client, result.num_samples, 0.0, dict(result.metrics), local_steps=result.local_steps)))
         return result
+    except JobFailure:
+        raise
     except Exception as err:
         when = f" in round {round_}" if round_ >= 0 else ""
         raise ClientFailure(f"logical client {step.client} failed{when} on rank {rank}, a rank of its sharded group "
