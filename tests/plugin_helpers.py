@@ -366,6 +366,16 @@ class WithoutModifiesWeights:
         raise AssertionError("never built")
 
 
+class ModifiesWeightsInInit:
+    """A trainer whose ``__init__`` sets ``modifies_weights`` (an instance attribute): as valid as a class one."""
+
+    def __init__(self, cfg) -> None:
+        self.modifies_weights = True
+
+    def train(self, model, data, seed):
+        raise AssertionError("never trained in the test")
+
+
 def without_modifies_weights(cfg):
     """A builder function whose trainer lacks ``modifies_weights``: seen only once it is built."""
     return WithoutModifiesWeights(cfg)
@@ -395,6 +405,20 @@ class SqueezedStack(Median):
 
     def combine(self, acc, count, total_weight):
         return acc[0][:1].clone()
+
+
+class HalvedMean(WeightedMean):
+    """The weighted mean halved: a WeightedMean subclass that overrides combine alone (its combine_into is the
+    built-in's fused division, which must not skip it)."""
+
+    capabilities = Capabilities(summable=True, needs_every_row=False)
+
+    def combine(self, acc, count, total_weight):
+        return super().combine(acc, count, total_weight).mul_(0.5)
+
+
+def halved_mean(cfg: StrategyConfig) -> Strategy:
+    return Strategy(cfg, HalvedMean(cfg), Replace(cfg))
 
 
 def short_combine(cfg: StrategyConfig) -> Strategy:

@@ -537,3 +537,21 @@ def test_a_checkpoint_says_what_its_clients_kept_even_where_its_model_plug_in_ca
         "per-client state (of plug-ins not importable here: put them on PYTHONPATH to have the kinds named)")
     apfl = {"trainer": "examples.apfl.apfl:APFLTrainer"}  # importable: its vectors are named, in their order
     assert kept(train=apfl) == "the trainer's per-client vectors (personal, alpha)"
+
+
+def test_an_aborted_rounds_line_names_the_per_client_state_it_would_be_saved_with_as_a_noun(tmp_path, capsys):
+    """Under per-client state the model before an aborted round is not saved again: the line names that state in
+    parentheses (a name such as "the trainer's per-client vectors" read "the clients' the trainer's ...") and says
+    it may have moved on, not that it did (every client may have been dropped)."""
+    from types import SimpleNamespace
+
+    from mpifl.config import CheckpointConfig
+    from mpifl.storage.checkpointer import Checkpointer
+
+    store = SimpleNamespace(abandon_round=lambda: None, durable=False)
+    checkpointer = Checkpointer(store, tmp_path, CheckpointConfig(), 3, {}, persist=lambda *args: None,
+                                persisted="the trainer's per-client vectors")
+    assert checkpointer.round_aborted(2, []) is None
+    assert ("round 2 aborted: the model before it is not saved again, since the per-client state it would be saved "
+            "with (the trainer's per-client vectors) may have moved on in the round; a resume starts from the "
+            "newest checkpoint on disk") in capsys.readouterr().err

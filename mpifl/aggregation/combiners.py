@@ -140,7 +140,11 @@ class WeightedMean(Combiner):
         return acc.div_(total_weight)
 
     def combine_into(self, out: torch.Tensor, acc: torch.Tensor, count: int, total_weight: float) -> None:
-        """One fp32 division straight into ``out``, one rounding."""
+        """One fp32 division straight into ``out``, one rounding; through ``combine`` where a subclass overrides it
+        (a plug-in's own rule over the weighted sums), which the fused division would skip."""
+        if type(self).combine is not WeightedMean.combine:
+            super().combine_into(out, acc, count, total_weight)
+            return
         kernels.weighted_mean_into(out, acc, total_weight)
 
 

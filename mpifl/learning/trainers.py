@@ -431,18 +431,20 @@ def make_trainer(cfg: TrainConfig) -> Trainer:
         trainer = resolve(cfg.trainer)(cfg, **cfg.kwargs)
     except Exception as err:  # a setting the plug-in refuses: named as the config key it came from
         raise ConfigError(construction_problem(cfg, err)) from err
-    problem = members_problem(cfg, trainer)  # a builder function's trainer, which the check before MPI cannot see
+    problem = members_problem(cfg, trainer)  # what the check before MPI cannot see: a builder's trainer, and an
+    # attribute the trainer's __init__ sets
     if problem:
         raise ConfigError(problem)
     return trainer
 
 
-def members_problem(cfg: TrainConfig, trainer: object) -> str | None:
-    """What a trainer (its class, or the object built) lacks of the members mpifl calls, or None."""
+def members_problem(cfg: TrainConfig, trainer: object, built: bool = True) -> str | None:
+    """What a trainer lacks of the members mpifl calls, or None: its class (``built`` False, before MPI starts) has
+    no ``train``; the object built has no ``train`` or no ``modifies_weights`` (which its ``__init__`` may set)."""
     if not callable(getattr(trainer, "train", None)):
         return (f"train.trainer: {cfg.trainer!r} has no train method; a trainer defines train(self, model, data, "
                 "seed[, context]) returning mpifl.api.TrainResult")
-    if not hasattr(trainer, "modifies_weights"):
+    if built and not hasattr(trainer, "modifies_weights"):
         return (f"train.trainer: {cfg.trainer!r} has no modifies_weights; a trainer class sets it: True (training "
                 "changes the model) or False (a model-only exchange)")
     return None
@@ -477,7 +479,7 @@ def trainer_problem(cfg: TrainConfig) -> str | None:
         return None
     problem = kwargs_problem(build, cfg.kwargs, "train.kwargs", supplied=(first,) if first else ())
     if problem is None and inspect.isclass(build):  # a builder function's trainer is checked once it is built
-        problem = members_problem(cfg, build)
+        problem = members_problem(cfg, build, built=False)
     declares = bool(getattr(build, "client_state", None))
     train = getattr(build, "train", None)
     if problem is None and declares and train is not None and "context" not in inspect.signature(train).parameters:

@@ -355,9 +355,9 @@ class Checkpointer:
             return newest[-1] if newest else None
         if not model_intact or round_ == 1 or self.directory is None or self.persist is not None:
             if self.persist is not None and model_intact:
-                log(f"round {round_} aborted after the clients' {self.persisted} moved on, so the model before it "
-                    f"is not saved again without them: a resume starts from the newest checkpoint on disk, which "
-                    f"holds its own {self.persisted}", rank=0)
+                log(f"round {round_} aborted: the model before it is not saved again, since the per-client state it "
+                    f"would be saved with ({self.persisted}) may have moved on in the round; a resume starts from the "
+                    "newest checkpoint on disk, which holds its own", rank=0)
             if not model_intact:
                 log(f"round {round_} was partly applied in memory: the newest checkpoint on disk is the model to "
                     "resume from", rank=0)
