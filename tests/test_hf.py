@@ -161,6 +161,51 @@ def test_a_local_tokenizer_file_is_used_as_is(tmp_path):
     assert int(x.max()) < 280
 
 
+def test_one_path_for_data_kwargs_files_reads_as_a_list_of_that_one_file(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Return the sum of two numbers. Raise ValueError when empty.\n" * 50)
+    alone = text(files=str(corpus), vocab_size=260, seq_len=16)
+    listed = text(files=[str(corpus)], vocab_size=260, seq_len=16)
+    assert all(torch.equal(a, b) for a, b in zip(alone, listed))
+    with pytest.raises(ValueError, match=r"^data.kwargs.files: takes a list of paths to UTF-8 text files \(or one "
+                                         r"path\), not \{'a': 1\}$"):
+        text(files={"a": 1}, vocab_size=260, seq_len=16)
+
+
+@pytest.mark.parametrize("content, says", [("", "is empty"), (" \n\t\n", "holds only whitespace")])
+def test_a_corpus_file_without_text_is_refused_naming_the_key_and_the_path_even_beside_one_with_text(
+        tmp_path, content, says):
+    good, empty = tmp_path / "good.txt", tmp_path / "empty.txt"
+    good.write_text("Return the sum of two numbers. Raise ValueError when empty.\n" * 50)
+    empty.write_text(content)
+    for files in ([str(empty)], [str(good), str(empty)]):
+        with pytest.raises(ValueError) as refused:
+            text(files=files, vocab_size=260, seq_len=16)
+        assert str(refused.value) == f"data.kwargs.files: {str(empty)!r} {says}; name files that hold text"
+
+
+def test_a_corpus_file_that_is_not_utf8_is_refused_naming_the_key_the_path_and_the_bytes_offset_in_the_file(
+        tmp_path):
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(b"x" * 20_000 + b"\xff" + b"y" * 100)  # past a text-mode read's first chunk
+    with pytest.raises(ValueError) as refused:
+        text(files=[str(binary)], vocab_size=260, seq_len=16)
+    assert str(refused.value) == (f"data.kwargs.files: {str(binary)!r} must be UTF-8 text, but byte 0xff at offset "
+                                  f"20000 does not decode (invalid start byte)")
+
+
+def test_a_tokenizer_file_that_is_not_a_tokenizers_json_is_refused_naming_the_key_the_path_and_the_format(tmp_path):
+    from mpifl.learning.text import load_tokenizer
+
+    garbage = tmp_path / "corpus.txt"
+    garbage.write_text("not json at all\n")
+    with pytest.raises(ValueError) as refused:
+        load_tokenizer(str(garbage))
+    assert str(refused.value).startswith(
+        f"data.kwargs.tokenizer: {str(garbage)!r} is not a Hugging Face tokenizers JSON file (tokenizer.json, as "
+        f"Tokenizer.save writes it): ")
+
+
 def test_the_default_corpus_is_the_standard_librarys_docstrings():
     docs = stdlib_docstrings(max_chars=20_000)
     assert sum(map(len, docs)) >= 20_000 and all(isinstance(d, str) and d for d in docs)

@@ -556,6 +556,23 @@ def test_a_sharded_rank_holds_one_rth_of_what_scales_with_the_model_plus_what_do
     assert sharded_client_bytes(cfg[2], size) - sharded_client_bytes(cfg[4], size) == scaled // 2 - scaled // 4
 
 
+def test_a_sharded_ranks_chunk_ring_counts_each_chunk_at_most_the_exchanged_model():
+    """C is transport.chunk_mb, at most S (docs/explanation/memory.md): every rank's ring slots and the leader's
+    gathered chunk are the widest chunk, so a model smaller than a chunk is counted at its own size, (F + 2) x S."""
+    from mpifl.planning.memory import ModelBytes, sharded_client_bytes
+
+    def planned(size: ModelBytes, chunk_mb: int, compression: str = "none") -> int:
+        return sharded_client_bytes(load_config(None, [*TINY_SHARDED, f"transport.chunk_mb={chunk_mb}",
+                                                       "transport.inflight=4", f"compression.method={compression}"]),
+                                    size)
+
+    small = ModelBytes(exchanged=545 * 1024, frozen=0, parameters=545 * 256)  # the walkthrough's tiny llama
+    assert planned(small, 16) == planned(small, 1) == planned(small, 64)
+    assert planned(small, 16, "topk") == planned(small, 1, "topk")
+    large = ModelBytes(exchanged=GIB, frozen=0, parameters=GIB // 4)
+    assert planned(large, 16) - planned(large, 8) == (4 + 2) * 8 * MIB  # chunks narrower than S: C each
+
+
 def test_activations_scale_with_the_batch_share_and_checkpointing_keeps_one_layer():
     from mpifl.planning.memory import DecoderShape, decoder_activation_bytes
 
@@ -830,6 +847,22 @@ def test_a_70b_lora_client_that_does_not_fit_its_gpu_is_told_the_fsdp_group_that
     replicated = load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml", overrides)
     size, fits = estimate(replicated, 3, 4, False, gpus_per_node=4)
     assert sharded_fit(replicated, size, args, 4, fits) is None  # 144 GiB fits a 200 GiB GPU: nothing to advise
+
+
+def test_a_sharded_client_that_does_not_fit_its_gpu_is_told_first_the_ranks_per_client_the_fit_line_finds():
+    import re
+
+    result = mpifl_here("plan", "configs/llama3.1-8b-full.yaml", "clients.ranks_per_client=4", "--ranks-per-node",
+                        "4", "--gpus-per-node", "4", "--gpu-memory-gb", "40")
+    assert result.returncode == 0, result.stderr
+    fit = re.search(r"fit: a client needs clients.ranks_per_client >= (\d+) to fit a 40 GiB GPU \(~([\d.]+) GiB",
+                    result.stdout)
+    assert fit is not None and int(fit[1]) > 4, result.stdout
+    warning = re.search(r"warning: the fullest GPU holds a client rank's ~[\d.]+ GiB, > 90% of 40 GiB: (.*)",
+                        result.stdout)
+    assert warning is not None, result.stdout
+    assert warning[1].startswith(f"raise clients.ranks_per_client to {fit[1]}, which puts ~{fit[2]} GiB on each GPU "
+                                 f"(the fit: line), or train LoRA adapters only")
 
 
 def test_a_built_in_model_is_built_once_a_process_however_often_its_config_is_planned(monkeypatch, tmp_path):

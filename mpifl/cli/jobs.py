@@ -13,6 +13,7 @@ from pathlib import Path
 from mpifl.cli.plan import (
     clients_beside_server,
     estimate,
+    fewest_fitting_ranks,
     gpu_warning,
     node_warning,
     planned_config,
@@ -71,11 +72,13 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     problem = node_count_problem(args.nodes, nranks, args.ranks_per_node, server_alone)
     if problem:
         raise UsageError(problem)
-    _, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
+    size, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
+    fit = fewest_fitting_ranks(cfg, size, args, args.gpus_per_node, plan)
     for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone, server_alone_offered=tool != "slurm"),
                     gpu_warning(cfg, plan, args.gpu_memory_gb if args.gpus_per_node > 0 else None,
                                 ranks_per_gpu(args.ranks_per_node, args.gpus_per_node, nranks - 1),
-                                clients_beside_server(args.ranks_per_node, args.gpus_per_node, nranks, server_alone))):
+                                clients_beside_server(args.ranks_per_node, args.gpus_per_node, nranks, server_alone),
+                                fit)):
         if warning:
             print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -378,9 +379,9 @@ def plan_main(args: argparse.Namespace) -> int:
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}"
           f"{'' if on_gpu else evaluation_note(cfg, size, plan.server_eval_bytes)}]")
     _print_clients(cfg, size, plan, ranks)
-    fit = sharded_fit(cfg, size, args, gpus, plan)
+    fit = fewest_fitting_ranks(cfg, size, args, gpus, plan)
     if fit:
-        print(fit)
+        print(fit.line())
     _print_client_state(cfg, size, ranks)
     if plan.node_data_bytes:
         print(f"  shared data: {format_bytes(plan.node_data_bytes)} once per node, in shared memory that the node's "
@@ -391,7 +392,7 @@ def plan_main(args: argparse.Namespace) -> int:
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
     for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone),
                     gpu_warning(cfg, plan, args.gpu_memory_gb, ranks_per_gpu(args.ranks_per_node, gpus, ranks),
-                                clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone))):
+                                clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone), fit)):
         if warning:
             print(warning)
     for note in (placement_note(cfg, ranks, plan, args), groups_hint(cfg, ranks)):
@@ -529,8 +530,41 @@ def gathered_text(size: ModelBytes) -> str:
     return f"the largest FSDP unit gathered with its gradients ({format_bytes(held)} + {format_bytes(gradients)})"
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedFit:
+    """``fewest_fitting_ranks``' answer: the fewest ranks per client that fit (None: none up to 4096), what they put
+    on each GPU (or rank), for the config as it is or for it sharded (``variant``), and where."""
+
+    parts: int | None
+    need: int
+    variant: bool  # the config holds each client's whole model: the fit is for it sharded (fsdp_variant)
+    on_gpu: bool
+    what: str  # the memory fitted: "40 GiB GPU", or node memory per rank
+    per_node: int  # GPUs (or ranks) per node
+
+    def line(self) -> str:
+        """The plan's ``fit:`` line."""
+        where = "GPU" if self.on_gpu else "rank"
+        if self.parts is None:
+            return f"  fit: no clients.ranks_per_client up to 4096{' with fsdp' if self.variant else ''} fits a " \
+                   f"{self.what}"
+        nodes = f"{counted(-(-self.parts // self.per_node), 'node')} of {self.per_node} {where}s per client"
+        if self.variant:
+            return (f"  fit: clients.ranks_per_client={self.parts} clients.sharding=fsdp puts ~{self.need / GIB:.2f} "
+                    f"GiB on each {where} (within 90% of a {self.what}): {nodes}")
+        return (f"  fit: a client needs clients.ranks_per_client >= {self.parts} to fit a {self.what} "
+                f"(~{self.need / GIB:.2f} GiB per rank, within 90%): {nodes}")
+
+
 def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int,
                 plan: MemoryEstimate | None = None) -> str | None:
+    """The plan's ``fit:`` line (``fewest_fitting_ranks``), or None where nothing is to be fitted."""
+    fit = fewest_fitting_ranks(cfg, size, args, gpus, plan)
+    return fit.line() if fit is not None else None
+
+
+def fewest_fitting_ranks(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int,
+                         plan: MemoryEstimate | None = None) -> ShardedFit | None:
     """For a given GPU (or node) memory: for a sharded config, the fewest ranks per client (powers of two) whose
     share fits in 90% of it, and the nodes that makes per client; for a config whose client holds the whole model
     (``plan``'s figure) and does not fit, the same for it sharded (``fsdp_variant``). Each candidate is re-planned
@@ -552,20 +586,16 @@ def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: i
         sharded = variant
     what = f"{args.gpu_memory_gb:g} GiB GPU" if on_gpu else f"{per_rank_gb:.1f} GiB of node memory per rank"
     per_node = gpus if on_gpu and gpus else max(1, args.ranks_per_node)
+    found = functools.partial(ShardedFit, variant=sharded is not cfg, on_gpu=on_gpu, what=what, per_node=per_node)
     parts = 1 if sharded is cfg else 2  # a sharded variant needs two ranks or more
     while parts <= 4096:
         shaped = dataclasses.replace(sharded, clients=dataclasses.replace(sharded.clients, ranks_per_client=parts))
         sized = dataclasses.replace(size, activations=activation_bytes(shaped))
         need = client_device_bytes(shaped, sized) if on_gpu else sharded_client_bytes(shaped, sized)
         if need <= limit:
-            nodes = f"{counted(-(-parts // per_node), 'node')} of {per_node} {'GPUs' if on_gpu else 'ranks'} per client"
-            if sharded is not cfg:
-                return (f"  fit: clients.ranks_per_client={parts} clients.sharding=fsdp puts ~{need / GIB:.2f} GiB on "
-                        f"each {'GPU' if on_gpu else 'rank'} (within 90% of a {what}): {nodes}")
-            return (f"  fit: a client needs clients.ranks_per_client >= {parts} to fit a {what} (~{need / GIB:.2f} GiB "
-                    f"per rank, within 90%): {nodes}")
+            return found(parts, need)
         parts *= 2
-    return f"  fit: no clients.ranks_per_client up to 4096{'' if sharded is cfg else ' with fsdp'} fits a {what}"
+    return found(None, 0)
 
 
 def fsdp_variant(cfg: Config) -> Config | None:
@@ -749,11 +779,12 @@ def _fullest_gpu_slots(slots: int, gpus_per_node: int) -> int:
 
 
 def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, sharing: int = 1,
-                beside_server: int = 0) -> str | None:
+                beside_server: int = 0, fit: ShardedFit | None = None) -> str | None:
     """A warning when the fullest GPU would pass 90% of ``gpu_memory_gb`` (activations counted where the plan estimates
     them: a decoder's, batched lanes'): one holding
     ``sharing`` client ranks, or the server's, with its evaluation copy (``eval.device``) and ``beside_server``
-    client ranks. Its advice fits the config (never what it already does or cannot do); None when every GPU fits,
+    client ranks. Its advice fits the config (never what it already does or cannot do), the ranks per client that
+    fit first where more would (``fit``: the plan's fit: line, ``fewest_fitting_ranks``); None when every GPU fits,
     no rank uses a GPU, or no GPU size is given."""
     clients = plan.client_device_bytes * max(sharing, 1)
     servers = plan.server_device_bytes + plan.client_device_bytes * beside_server if plan.server_device_bytes else 0
@@ -771,17 +802,24 @@ def gpu_warning(cfg: Config, plan: MemoryEstimate, gpu_memory_gb: float | None, 
             f"the fullest GPU holds a client rank's {each}"
         advice = ["give each client rank a GPU of its own (fewer ranks per node)"] if sharing > 1 else []
     if plan.client_device_bytes and (servers <= clients or beside_server):
-        advice += client_gpu_advice(cfg)
+        advice += client_gpu_advice(cfg, fit)
     if not advice:
         advice.append("use a GPU with more memory: a client's whole model trains on one GPU (DDP, no sharding)")
     return f"warning: {what}, > 90% of {gpu_memory_gb:g} GiB: {', or '.join(advice)}"
 
 
-def client_gpu_advice(cfg: Config) -> list[str]:
-    """What shrinks a client rank's GPU memory, of what the config does not do yet and can do."""
+def client_gpu_advice(cfg: Config, fit: ShardedFit | None = None) -> list[str]:
+    """What shrinks a client rank's GPU memory, of what the config does not do yet and can do: first the ranks per
+    client that fit (``fit``, the plan's fit: line), where the config shards and more ranks fit or it could shard."""
     advice = []
+    fits = fit.parts if fit is not None and fit.on_gpu else None
+    if fit is not None and fits and cfg.clients.sharding == "fsdp" and fits > cfg.clients.ranks_per_client:
+        advice.append(f"raise clients.ranks_per_client to {fits}, which puts ~{fit.need / GIB:.2f} GiB on each GPU "
+                      f"(the fit: line)")
     if cfg.clients.sharding != "fsdp" and fsdp_variant(cfg) is not None:
-        advice.append("shard each client over several GPUs (clients.sharding=fsdp; the fit: line says how many)")
+        shard = f"clients.ranks_per_client={fits} clients.sharding=fsdp, the fit: line" if fits else \
+            "clients.sharding=fsdp; the fit: line says how many"
+        advice.append(f"shard each client over several GPUs ({shard})")
     if cfg.model.name == "transformers" and not cfg.model.lora.r:
         advice.append("train LoRA adapters only (model.lora.r)")
     if not cfg.model.trainable and not cfg.model.lora.r:  # under LoRA only the adapters train already

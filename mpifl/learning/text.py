@@ -58,18 +58,51 @@ def _docstrings_of(path: str) -> tuple[str, ...]:
     return tuple(doc for node in ast.walk(tree) if isinstance(node, DOCUMENTED) and (doc := ast.get_docstring(node)))
 
 
-def read_files(files: Sequence[str], max_chars: int | None = None) -> list[str]:
-    """Local UTF-8 text files, one document each."""
+def read_files(files: Sequence[str] | str, max_chars: int | None = None) -> list[str]:
+    """Local UTF-8 text files, one document each (``corpus_files``: one path alone is a list of one)."""
     docs, total = [], 0
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise ValueError(f"data.kwargs.files: {name!r} is not a file")
-        docs.append(path.read_text(encoding="utf-8"))
+    for name in corpus_files(files):
+        docs.append(read_text_file(name))
         total += len(docs[-1])
         if max_chars is not None and total >= max_chars:
             break
     return docs
+
+
+def corpus_files(files: object) -> list[str]:
+    """``data.kwargs.files`` as a list of paths: a list as it is, one path alone as a list of one (a string is
+    not iterated character by character); anything else is refused naming the key."""
+    if isinstance(files, (str, Path)):
+        return [str(files)]
+    if isinstance(files, (list, tuple)) and all(isinstance(name, (str, Path)) for name in files):
+        return [str(name) for name in files]
+    raise ValueError(f"data.kwargs.files: takes a list of paths to UTF-8 text files (or one path), not {files!r}")
+
+
+def read_text_file(name: str) -> str:
+    """One corpus file's text: a problem (not a file, not UTF-8, no text in it) names ``data.kwargs.files`` and the
+    path, since a corpus that merely runs short would otherwise be blamed on ``data.kwargs.seq_len``."""
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"data.kwargs.files: {name!r} is not a file")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"data.kwargs.files: {name!r} must be UTF-8 text, but {_undecodable(path)}") from None
+    if not content.strip():
+        empty = "is empty" if not content else "holds only whitespace"
+        raise ValueError(f"data.kwargs.files: {name!r} {empty}; name files that hold text")
+    return content
+
+
+def _undecodable(path: Path) -> str:
+    """Where a file stops being UTF-8, as a byte offset into the file (a text-mode read reports offsets into the
+    chunk it was decoding, not the file)."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"byte 0x{err.object[err.start]:02x} at offset {err.start} does not decode ({err.reason})"
+    return "it does not decode"
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -82,7 +115,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(file))
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
-        raise ValueError(f"data.kwargs.tokenizer: cannot read {str(file)!r}: {err}") from None
+        raise ValueError(f"data.kwargs.tokenizer: {str(file)!r} is not a Hugging Face tokenizers JSON file "
+                         f"(tokenizer.json, as Tokenizer.save writes it): {err}") from None
 
 
 BYTES = 256  # a byte-level tokenizer's initial alphabet: every byte has an id of its own
@@ -195,7 +229,7 @@ class TokenBlocks(tuple):
     tokenizer: str
 
 
-def text(files: Sequence[str] | None = None, tokenizer: str | None = None, vocab_size: int = 8192,
+def text(files: Sequence[str] | str | None = None, tokenizer: str | None = None, vocab_size: int = 8192,
          seq_len: int = 128, test_fraction: float = 0.1, max_chars: int | None = None,
          split_seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Token blocks for causal-LM training: ``x`` is ``[blocks, seq_len]`` token ids (the max

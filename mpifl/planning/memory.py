@@ -507,10 +507,12 @@ def sharded_client_bytes(cfg: Config, size: ModelBytes, on_gpu: bool = False, gr
         client += sharded_training_bytes(cfg, size, parts) + share(size.exchanged, parts)  # and the global rows
     if cfg.train.trainer != "none":
         client += TRAINING_RUNTIME_BYTES
-    ring = (cfg.transport.inflight + 2) * cfg.transport.chunk_bytes
+    # every rank's ring slots and the leader's gathered chunk are the widest chunk, which is the whole exchanged
+    # model where that is smaller than transport.chunk_mb (C, at most S): a 545 KiB model's ring is not 6 x 16 MiB
+    chunk = min(cfg.transport.chunk_bytes, size.exchanged)
+    ring = (cfg.transport.inflight + 2) * chunk
     if cfg.compression.method != "none":  # one chunk widened to fp32, the pieces gathered or scattered, this
         # rank's residual rows (3 x fp32), and the leader's ring of encoded chunks (no larger than a chunk)
-        chunk = min(cfg.transport.chunk_bytes, size.exchanged)
         ring += 12 * (chunk // itemsize(cfg.model.dtype)) + (cfg.transport.inflight + 1) * chunk
     return client + ring + sharded_state_bytes(cfg, size, groups)
 
