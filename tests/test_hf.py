@@ -172,6 +172,14 @@ def test_one_path_for_data_kwargs_files_reads_as_a_list_of_that_one_file(tmp_pat
         text(files={"a": 1}, vocab_size=260, seq_len=16)
 
 
+def test_an_empty_list_of_corpus_files_is_refused_rather_than_read_as_the_key_left_out():
+    """Leaving data.kwargs.files out trains on the standard library's docstrings; an empty list names no file, and
+    was read the same way without a word."""
+    with pytest.raises(ValueError, match=r"^data.kwargs.files: an empty list names no corpus file; name the files, "
+                                         r"or leave the key out"):
+        text(files=[], vocab_size=260, seq_len=16)
+
+
 @pytest.mark.parametrize("content, says", [("", "is empty"), (" \n\t\n", "holds only whitespace")])
 def test_a_corpus_file_without_text_is_refused_naming_the_key_and_the_path_even_beside_one_with_text(
         tmp_path, content, says):

@@ -74,6 +74,9 @@ def corpus_files(files: object) -> list[str]:
     not iterated character by character); anything else is refused naming the key."""
     if isinstance(files, (str, Path)):
         return [str(files)]
+    if isinstance(files, (list, tuple)) and not files:  # not the key left out, which reads the docstrings
+        raise ValueError("data.kwargs.files: an empty list names no corpus file; name the files, or leave the key "
+                         "out to train on the standard library's docstrings")
     if isinstance(files, (list, tuple)) and all(isinstance(name, (str, Path)) for name in files):
         return [str(name) for name in files]
     raise ValueError(f"data.kwargs.files: takes a list of paths to UTF-8 text files (or one path), not {files!r}")
@@ -235,7 +238,7 @@ def text(files: Sequence[str] | str | None = None, tokenizer: str | None = None,
     """Token blocks for causal-LM training: ``x`` is ``[blocks, seq_len]`` token ids (the max
     sequence length), ``y`` is all zeros (one "class", so iid and unbalanced partitions apply).
     A shuffled ``test_fraction`` of the blocks is the held-out split for perplexity."""
-    docs = read_files(files, max_chars) if files else stdlib_docstrings(max_chars)
+    docs = read_files(files, max_chars) if files is not None else stdlib_docstrings(max_chars)
     tok = load_tokenizer(tokenizer) if tokenizer else train_tokenizer(docs, vocab_size)
     blocks = token_blocks(tok, docs, seq_len)
     order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(blocks)))
