@@ -824,7 +824,7 @@ def test_a_70b_lora_client_that_does_not_fit_its_gpu_is_told_the_fsdp_group_that
     import argparse
     import re
 
-    from mpifl.cli.plan import estimate, sharded_fit
+    from mpifl.cli.plan import estimate, fewest_fitting_ranks
 
     overrides = ["clients.ranks_per_client=1", "clients.sharding=replicate"]
     result = mpifl_here("plan", "configs/llama3.1-70b-lora.yaml", *overrides, "--gpus-per-node", "4",
@@ -846,7 +846,7 @@ def test_a_70b_lora_client_that_does_not_fit_its_gpu_is_told_the_fsdp_group_that
     args = argparse.Namespace(gpu_memory_gb=200.0, node_memory_gb=None, ranks_per_node=4)
     replicated = load_config(ROOT / "configs" / "llama3.1-70b-lora.yaml", overrides)
     size, fits = estimate(replicated, 3, 4, False, gpus_per_node=4)
-    assert sharded_fit(replicated, size, args, 4, fits) is None  # 144 GiB fits a 200 GiB GPU: nothing to advise
+    assert fewest_fitting_ranks(replicated, size, args, 4, fits) is None  # 144 GiB fits a 200 GiB GPU: no advice
 
 
 def test_a_sharded_client_that_does_not_fit_its_gpu_is_told_first_the_ranks_per_client_the_fit_line_finds():

@@ -556,13 +556,6 @@ class ShardedFit:
                 f"(~{self.need / GIB:.2f} GiB per rank, within 90%): {nodes}")
 
 
-def sharded_fit(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int,
-                plan: MemoryEstimate | None = None) -> str | None:
-    """The plan's ``fit:`` line (``fewest_fitting_ranks``), or None where nothing is to be fitted."""
-    fit = fewest_fitting_ranks(cfg, size, args, gpus, plan)
-    return fit.line() if fit is not None else None
-
-
 def fewest_fitting_ranks(cfg: Config, size: ModelBytes, args: argparse.Namespace, gpus: int,
                          plan: MemoryEstimate | None = None) -> ShardedFit | None:
     """For a given GPU (or node) memory: for a sharded config, the fewest ranks per client (powers of two) whose
