@@ -111,11 +111,12 @@ class ServerParts:
     # records, before the job ends, a strike that ended it (the run directory's faults-struck): a resume goes past it
     spend_fault: Callable[[Strike], None] = lambda strike: None
     virtual_clock: bool = False  # clock.mode other than off: too few usable updates leave the model unchanged
-    client_state: bool = False  # per-client state: refused clients, and an unapplied round's usable ones, put back
-    # what of it usable clients moved on and the run cannot put back: a round with usable updates, too few, aborts
+    client_state: bool = False  # per-client state: refused or failed clients named in their ranks' next headers
+    # the per-client state, as the logs name it, that usable clients moved on and the run cannot put back: a round
+    # with usable updates, too few, aborts
     unrestorable_state: str = ""
-    restored_state: str = ""  # what of it a put-back restores (clients.accept_failures' journal), as the logs name it
-    kept_state: str = ""  # what of it a client keeps from a round that does not apply its update: its own
+    restored_state: str = ""  # the per-client state a put-back restores (clients.accept_failures' journal)
+    kept_state: str = ""  # the per-client state a client keeps from a round that does not apply its update: its own
 
 
 class Server:
@@ -314,9 +315,9 @@ class Server:
         if stats.unapplied is None:
             return {}
         parts = self.parts
-        usable = sorted(c for c, m in stats.metas.items() if m.error is None) if parts.client_state else []
         record: dict = {"unapplied": stats.unapplied}
-        if not usable:
+        usable = sorted(c for c, m in stats.metas.items() if m.error is None)
+        if not usable or not (parts.restored_state or parts.kept_state):  # nothing of theirs to put back or keep
             return record
         said = []
         if parts.restored_state:
