@@ -301,3 +301,46 @@ def test_a_failure_inside_a_client_group_ends_the_job_naming_the_rank(tmp_path, 
     assert expected in result.stderr, result.stderr[-3000:]
     assert "deliberate failure inside a client group" in result.stderr
     assert time.monotonic() - began < 60
+
+
+# Every kind of fault that strikes a client, not a rank: the leader injects it (members train only what it orders).
+GROUP_FAULTS = ("faults=[{kind: raise, clients: [1], rounds: [2]}, {kind: nan, clients: [2], rounds: [3]}, "
+                "{kind: lose, clients: [0], stage: send, rounds: [3]}, {kind: scale, clients: [4], factor: -1}, "
+                "{kind: corrupt, clients: [3], bits: 4, rounds: [1]}, "
+                "{kind: stall, clients: [5], seconds: 0.2, stage: send}, "
+                "{kind: slowdown, clients: [3], factor: 1.5, rounds: [3]}]")
+
+
+def test_a_group_takes_the_configs_faults_through_its_leader_as_one_rank_would(tmp_path):
+    """A client trained by a group of ranks is struck by the config's faults as one rank's client is: a ``raise``
+    before the group is ordered to train, a ``nan`` in the trained model and a lost update drop the client under
+    accept_failures (the group never strands a member mid-collective), a scale, a corruption, a stall and a
+    slowdown are folded. The same strikes and drops on one group, two groups and one rank per client; the bits of
+    one group on two; one rank's model up to float rounding."""
+    faulted = ("clients.accept_failures=true", GROUP_FAULTS)
+    one, two = run(tmp_path, "one", 3, *faulted), run(tmp_path, "two", 5, *faulted)
+    single = run(tmp_path, "single", 3, *faulted, "clients.ranks_per_client=1")
+    assert_bitwise(final_model(two), final_model(one))
+    assert_one_ranks_model_up_to_rounding(final_model(one), final_model(single))
+
+    def outcomes(run_dir: Path) -> list[list[tuple]]:
+        return [sorted((f["kind"], f["client"], f["outcome"]) for f in r.get("faults", [])) for r in records(run_dir)]
+
+    struck = outcomes(one)
+    assert struck == outcomes(two) == outcomes(single)
+    kinds = {(kind, outcome) for round_ in struck for kind, _, outcome in round_}
+    assert {k for k, _ in kinds} == {"raise", "nan", "lose", "scale", "corrupt", "stall", "slowdown"}  # each struck
+    assert {k for k, outcome in kinds if outcome == "dropped"} == {"raise", "nan", "lose"}
+    assert {k for k, outcome in kinds if outcome == "folded"} == {"scale", "corrupt", "stall", "slowdown"}
+    dropped = [sorted(d["client"] for d in r["dropped"]) for r in records(one)]
+    assert dropped == [sorted(c for k, c, o in round_ if o == "dropped") for round_ in struck]
+    assert "InjectedFault: faults[0]" in next(d["reason"] for r in records(one) for d in r["dropped"]
+                                               if d["client"] == 1)
+
+
+def test_a_fault_naming_ranks_is_refused_where_groups_of_ranks_train_the_clients(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    assert load_config(cfg, ["faults=[{kind: raise, fraction: 0.5}]"]).faults[0].fraction == 0.5
+    with pytest.raises(ConfigError, match=r"faults\[0\]\.ranks: names client ranks, and with "
+                                          r"clients.ranks_per_client=2 each client is trained by a group of ranks"):
+        load_config(cfg, ["faults=[{kind: slowdown, ranks: [1], factor: 2}]"])

@@ -710,10 +710,10 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
         raise ConfigError(f"{key}.stage: 'send' strikes after a client's first chunk, and with clients.groups or "
                           "transport.reduce='chain' a rank sends its group's sum instead; use stage 'train' or "
                           "'receive'")
-    if cfg.clients.ranks_per_client > 1 and cfg.clients.sharding != "fsdp":
-        raise ConfigError(f"{key}: faults are not injected into clients trained by a group of ranks "
-                          "(clients.ranks_per_client > 1) yet, but for 'nan' and 'inf' into a sharded one "
-                          "(clients.sharding='fsdp')")
+    if cfg.clients.ranks_per_client > 1 and fault.ranks:
+        raise ConfigError(f"{key}.ranks: names client ranks, and with clients.ranks_per_client="
+                          f"{cfg.clients.ranks_per_client} each client is trained by a group of ranks, not by one: "
+                          f"name the clients ({key}.clients) or a fraction ({key}.fraction) instead")
     _check_hang_in_virtual_time(cfg, fault, key)
 
 

@@ -91,18 +91,21 @@ class LocalTraining:
                  anchor: torch.Tensor | None) -> tuple[TrainResult, str | None]:
         """Train ``client`` within its faults and its client half's rule; a raise is the failure rule's."""
         controls = self.state.controls
+        in_group = False  # whether a group of ranks trains with this one now (a raise then strands it mid-collective)
         try:
             assert anchor is not None or controls is None  # scaffold and feddyn send deltas: the rank keeps the global
             if self.faults:
                 self.faults.before_training(round_, client)
             began = time.perf_counter()
+            in_group = self.parts.group is not None
             with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
                 result = self._steps(round_, client, data)
+            in_group = False
             if self.faults:
                 self.faults.after_training(round_, client, self.work, self.plan, anchor, time.perf_counter() - began)
             return result, None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
-            return TrainResult(0, {}), self.failed(err, round_, client, "")
+            return TrainResult(0, {}), self.failed(err, round_, client, "", in_group)
 
     def _steps(self, round_: int, client: int, data: ClientData | None) -> TrainResult:
         """The local steps themselves: as a lane of the client's batch (the model holds the global one; the batch
@@ -117,14 +120,15 @@ class LocalTraining:
                                       context=self._context(round_, client))
         return self.trainer.train(self.work.module, data, seed)
 
-    def failed(self, err: Exception, round_: int, client: int, doing: str) -> str:
+    def failed(self, err: Exception, round_: int, client: int, doing: str, in_group: bool = False) -> str:
         """The failure rule: a raise in a client's training ends the job, naming the client, its rank and the round;
-        under clients.accept_failures it is the client's error instead (not in a group of ranks, which cannot go on
-        mid-collective)."""
+        under clients.accept_failures it is the client's error instead, but where it struck while a group of ranks
+        trained with this one (``in_group``), which cannot go on mid-collective. A group's client that fails before
+        its group was ordered to train (an injected ``raise``) or after (a lost update) is dropped as any other."""
         hint = deterministic_hint(err)
-        if not self.parts.accept_failures or self.parts.group is not None:
+        if not self.parts.accept_failures or in_group:
             why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
-                   if self.parts.group is not None else "clients.accept_failures=false")
+                   if in_group else "clients.accept_failures=false")
             raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}{doing}: "
                                 f"{type(err).__name__}: {err} ({why}{hint})") from err
         return f"{type(err).__name__}: {err}{hint}"
@@ -194,4 +198,5 @@ class LocalTraining:
                                            self.evaluation.personal(self.work.module, round_, val)), None
         except Exception as err:  # noqa: BLE001 - a failing client is data when accept_failures is on
             return {}, "training its personal model: " + self.failed(err, round_, client,
-                                                                     " while training its personal model")
+                                                                     " while training its personal model",
+                                                                     self.parts.group is not None)
