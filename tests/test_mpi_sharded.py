@@ -329,8 +329,52 @@ def test_sharding_is_for_transformers_models(tmp_path):
                           "model.transformers.config={}"])
 
 
-def test_a_sharded_group_takes_nan_and_inf_faults_and_refuses_the_others_naming_the_key(tmp_path):
+def test_a_sharded_group_refuses_the_faults_that_change_a_whole_update_naming_the_key(tmp_path):
     cfg = config(tmp_path)
     assert load_config(cfg, ["faults=[{kind: inf, clients: [1], rounds: [2]}]"]).faults[0].kind == "inf"
-    with pytest.raises(ConfigError, match=r"faults: .*'nan' or 'inf'"):
-        load_config(cfg, ["faults=[{kind: raise, clients: [1]}]"])
+    for kind in ("scale, factor: -1", "corrupt"):
+        with pytest.raises(ConfigError, match=r"faults: .*other than 'scale' and 'corrupt' \(they change the whole "
+                                              r"update, which no rank of a sharded group holds\)"):
+            load_config(cfg, [f"faults=[{{kind: {kind}, clients: [1]}}]"])
+
+
+# Every kind a sharded group takes, each on a client sampled in its round (all 4 are, each round)
+SHARDED_FAULTS = ("faults=[{kind: raise, clients: [1], rounds: [1]}, {kind: nan, clients: [0], rounds: [2]}, "
+                  "{kind: lose, clients: [2], stage: send, rounds: [2]}, "
+                  "{kind: slowdown, clients: [3], factor: 1.5, rounds: [1]}, "
+                  "{kind: stall, clients: [3], seconds: 0.2, stage: send, rounds: [2]}, "
+                  "{kind: stall, clients: [2], seconds: 0.1, stage: receive, rounds: [1]}]")
+
+
+def test_a_sharded_group_takes_the_configs_faults_through_its_leader_bitwise_as_a_replicated_group(tmp_path):
+    """The leader does every strike on its group's clients and tells the members what they need in each step: a
+    ``raise`` before training (no rank of the group trains the client) and a lost update are every rank's refusal,
+    a ``nan`` is found by the group's check; stalls and a slowdown only delay. Under accept_failures the same
+    clients are dropped with the same reasons as in a replicated group, and the model ends bitwise the same."""
+    import json
+
+    faulted = ("clients.accept_failures=true", SHARDED_FAULTS)
+    sharded, replicated = run(tmp_path, "fsdp", 3, *faulted), run(tmp_path, "ddp", 3, *faulted,
+                                                                  "clients.sharding=replicate")
+    assert_bitwise(final_model(sharded), final_model(replicated))
+
+    def records(run_dir: Path) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def outcomes(run_dir: Path) -> list[list[tuple]]:
+        return [sorted((f["kind"], f["client"], f["outcome"], f.get("reason", "")) for f in r.get("faults", []))
+                for r in records(run_dir)]
+
+    assert outcomes(sharded) == outcomes(replicated)
+    assert [[(k, c, o) for k, c, o, _ in round_] for round_ in outcomes(sharded)] == [
+        [("raise", 1, "dropped"), ("slowdown", 3, "folded"), ("stall", 2, "folded")],
+        [("lose", 2, "dropped"), ("nan", 0, "dropped"), ("stall", 3, "folded")]]
+    assert [sorted(d["client"] for d in r["dropped"]) for r in records(sharded)] == [[1], [0, 2]]
+
+
+def test_an_injected_raise_in_a_sharded_group_ends_the_job_without_accept_failures_naming_the_client(tmp_path):
+    result = run_mpi(3, "run", str(config(tmp_path)), "--run-dir", str(tmp_path / "run"), "rounds=1",
+                     "faults=[{kind: raise, clients: [1]}]")
+    assert result.returncode != 0
+    assert ("logical client 1, trained by the sharded group of rank 1, failed: InjectedFault: faults[0]: an injected "
+            "exception in round 1 (clients.accept_failures=false)") in result.stderr, result.stderr[-3000:]

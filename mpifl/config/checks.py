@@ -352,7 +352,9 @@ def _check_ranks_per_client(cfg: Config) -> None:
                           "clients.ranks_per_client=1")
 
 
-SHARDED_FAULTS = ("nan", "inf")  # the fault kinds a sharded client group injects (ShardedLeader.poison)
+# the fault kinds a sharded client group takes, through its leader (ShardedLeader): not those that change a whole
+# update, which no rank of the group holds
+SHARDED_FAULTS = ("raise", "nan", "inf", "stall", "slowdown", "exit", "kill", "lose")
 
 
 def _check_sharding(cfg: Config) -> None:
@@ -387,7 +389,8 @@ def _check_sharding(cfg: Config) -> None:
         ("transport.reduce", cfg.transport.reduce == "direct", "'direct'"),
         ("eval.federated_every", cfg.eval.federated_every == 0, "0"),
         ("faults", all(f.kind in SHARDED_FAULTS for f in cfg.faults),
-         "only faults of kind 'nan' or 'inf' (the others stop or slow one rank mid-collective)"),
+         "faults of kinds other than 'scale' and 'corrupt' (they change the whole update, which no rank of a "
+         "sharded group holds)"),
     ]
     for key, fine, what in not_yet:
         if not fine:

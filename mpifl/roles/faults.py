@@ -84,15 +84,20 @@ class FaultInjector:
     def after_training(self, round_: int, client: int, work: FlatModel, layout: ExchangeLayout,
                        anchor: torch.Tensor | None, trained_seconds: float) -> None:
         """Stage 'train', on the trained model: slow it down, scale its update, or put a NaN or Inf in it."""
-        for strike in self._at(round_, client, "train", ("slowdown", "scale", "nan", "inf")):
+        self.slow_down(round_, client, trained_seconds)
+        for strike in self._at(round_, client, "train", ("scale", "nan", "inf")):
             kind = strike.fault.kind
-            if kind == "slowdown":
-                self._slow(delay_seconds(strike, trained_seconds))
-            elif kind == "scale":
+            if kind == "scale":
                 assert anchor is not None  # FaultInjector.scales keeps the global model on the rank
                 scale_update(work, layout, anchor, strike.fault.factor)
             else:
                 first_float_view(work, layout)[0] = float("nan") if kind == "nan" else float("inf")
+
+    def slow_down(self, round_: int, client: int, trained_seconds: float) -> None:
+        """Stage 'train', once the client trained in ``trained_seconds``: a slowdown makes it ``factor`` times as
+        long, the rank reporting progress as it waits."""
+        for strike in self._at(round_, client, "train", ("slowdown",)):
+            self._slow(delay_seconds(strike, trained_seconds))
 
     def corrupt(self, round_: int, client: int, buffers: Sequence[np.ndarray] | None, work: FlatModel,
                 layout: ExchangeLayout, seed: int) -> None:

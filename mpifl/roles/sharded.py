@@ -64,12 +64,13 @@ from mpifl.metrics import CostMeter
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.encoding import UpdateCompressor
+from mpifl.roles.faults import FaultInjector, InjectedFault
 from mpifl.roles.group import rendezvous_store
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.local_training import ClientFailure
 from mpifl.roles.sharded_chunks import ShardedGroup, ShardedModel, receive_ring, tensors_by_name
 from mpifl.roles.sharded_state import ShardedState, every_rank, open_sharded_state, rows_of
-from mpifl.storage.rundir import ResumePoint, faults_struck
+from mpifl.storage.rundir import ResumePoint, faults_struck, note_fault_struck
 from mpifl.units import format_bytes
 from mpifl.wire import protocol
 from mpifl.wire.flat import build_spec, split_tensors
@@ -96,6 +97,10 @@ class GroupStep:
     round: int = -1  # PERSIST, and MODEL: the round served (the members note it in the run directory)
     folder: str = ""  # PERSIST
     interrupted: bool = False  # STOP: the run stopped on request before its last round (protocol.Stop)
+    # TRAIN: the error the config's faults give the client, which every rank then treats as refused: a 'raise' (the
+    # client does not train, ``trains`` false) or a 'lose' (it trains, and its update is lost on the way)
+    refused: str = ""
+    trains: bool = True
 
 
 class ShardedLeader:
@@ -104,14 +109,18 @@ class ShardedLeader:
     def __init__(self, comm: MPI.Comm, group: ShardedGroup, trainer: Trainer,  # noqa: PLR0913 - keyword-only, each from serve_sharded
                  local_data: Mapping[int, tuple[ClientData | None, ClientData | None]], *, seed: int,
                  accept_failures: bool, parallel: ShardedParallel, state: ShardedState | None,
-                 faults: FaultPlan | None = None, note: Callable[[str, int], None] = lambda state, round_: None):
+                 faults: FaultPlan | None = None, note: Callable[[str, int], None] = lambda state, round_: None,
+                 run_dir: Path | None = None):
         self.comm, self.group, self.trainer, self.local_data = comm, group, trainer, local_data
         self.seed, self.accept_failures, self.parallel, self.state = seed, accept_failures, parallel, state
-        self.faults = faults  # the config's faults: nan and inf only (the config checks)
+        self.faults = faults  # the config's faults: all but scale and corrupt (the config checks)
         self.note = note  # this rank's notes in the run directory (mpifl status)
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.progress = ProgressReporter(comm)
         self.progress.attach(group.model.module)
+        # the leader does every strike on the group's clients: the members learn of one only through the steps
+        self.injector = FaultInjector(faults, comm.Get_rank(), self.progress.tick, lambda strike: note_fault_struck(
+            run_dir, strike.index, strike.round)) if faults else None
         self.meter = CostMeter()
         self.first = True
 
@@ -176,8 +185,23 @@ class ShardedLeader:
                 return f"faults[{strike.index}] ({strike.fault.kind!r})"
         return None
 
+    def struck(self, round_: int, client: int) -> tuple[str, bool]:
+        """The config's faults on ``client`` before it trains (stage 'train'): a stall, an exit or a kill is done
+        here; a raise or a lost update is the client's error, which the group learns from its step. Returns the
+        error ("" for none) and whether the client trains."""
+        if self.injector is None:
+            return "", True
+        try:
+            self.injector.before_training(round_, client)
+        except InjectedFault as err:
+            return f"{type(err).__name__}: {err}", False
+        lost = self.injector.lost(round_, client)
+        return (f"{type(lost).__name__}: {lost}", True) if lost is not None else ("", True)
+
     def serve_round(self, header: protocol.RoundOrder) -> None:
         """Take the global model with the group, then train and send each logical client in id order."""
+        if self.injector is not None:
+            self.injector.before_receive(header.round, header.clients)
         self.order(GroupStep(MODEL, round=header.round))
         self.group.take_model(receive_ring(self.comm, protocol.round_tag(protocol.MODEL, header.round), self.group))
         steps = dict(zip(header.clients, header.steps))
@@ -185,14 +209,17 @@ class ShardedLeader:
         meta_tag, update_tag = (protocol.round_tag(kind, header.round) for kind in (protocol.META, protocol.UPDATE))
         for client in header.clients:
             began = time.perf_counter()
+            refused, trains = self.struck(header.round, client)
             step = GroupStep(TRAIN, client, client_seed(self.seed, header.round, client), steps.get(client, own),
-                             personal=personal_seed(self.seed, header.round, client))
+                             personal=personal_seed(self.seed, header.round, client), refused=refused, trains=trains)
             self.order(step)
             dispatched = time.perf_counter()
             result = train_client(self.group, self.trainer, self.local_data, step, round_=header.round,
                                   rank=self.rank, state=self.state)
             trained = time.perf_counter()
-            injected = self.poison(header.round, client)
+            if self.injector is not None and trains:
+                self.injector.slow_down(header.round, client, trained - dispatched)
+            injected = self.poison(header.round, client) if trains else None
             error = checked_update(self.group, step, self.accept_failures, self.rank, injected)
             if self.state is not None:
                 self.state.checked(client, usable=error is None)
@@ -204,9 +231,19 @@ class ShardedLeader:
                                        result.local_steps)
             send_object(self.comm, meta, protocol.SERVER, meta_tag)
             residuals = self.state.residuals if self.state is not None else None
-            send_chunks(self.comm, [protocol.SERVER], update_tag,
-                        self.group.update_chunks(client, header.round, residuals, usable=error is None),
+            chunks = self.group.update_chunks(client, header.round, residuals, usable=error is None)
+            send_chunks(self.comm, [protocol.SERVER], update_tag, self.struck_after_first(header.round, client, chunks),
                         self.group.plan.inflight)
+
+    def struck_after_first(self, round_: int, client: int, chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+        """``chunks``, with the config's faults at stage 'send' done once the first has been handed to MPI (the
+        members wait in the gather of the next)."""
+        strikes = self.injector.send_strikes(round_, client) if self.injector is not None else []
+        for index, chunk in enumerate(chunks):
+            yield chunk
+            if index == 0 and strikes:
+                assert self.injector is not None
+                self.injector.act(strikes)
 
 
 class ShardedMember:
@@ -268,6 +305,8 @@ def train_client(group: ShardedGroup, trainer: Trainer,
     """Every rank: train ``step.client`` with the group from the round's global model, inside its client half
     where the run keeps per-client state, which then keeps the client's new vector over this rank's rows."""
     group.start_client()
+    if not step.trains:  # an injected raise: the client fails before it trains, on every rank alike
+        return TrainResult(0, {})
     train, _ = local_data.get(step.client, (None, None))
     half = state.half if state is not None else None
     try:
@@ -295,10 +334,14 @@ def train_client(group: ShardedGroup, trainer: Trainer,
 def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, rank: int,
                    injected: str | None = None) -> str | None:
     """Every rank: the update's NaN/Inf values over the group; the client's error under accept_failures, else the
-    job ends on every rank of the group. ``injected``: the config's fault that put them there (the leader's)."""
+    job ends on every rank of the group. ``injected``: the config's fault that put them there (the leader's). The
+    error the config's faults gave the client in its step (``step.refused``) is its error as well: before the check
+    where the client did not train (a raise), after it where it did (a lost update), as on an unsharded rank."""
+    if step.refused and not step.trains:
+        return refused_by_fault(step, accept_failures, rank)
     bad = group.nonfinite()
     if not bad:
-        return None
+        return refused_by_fault(step, accept_failures, rank) if step.refused else None
     error = f"update contains {bad} NaN/Inf values" + (f", put there by {injected}" if injected else "")
     if not accept_failures:
         advice = "drop such clients" if injected else \
@@ -306,6 +349,16 @@ def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, 
         raise JobFailure(f"logical client {step.client}, trained by the sharded group of rank {rank}: {error} "
                          f"(clients.accept_failures=false); {advice} with clients.accept_failures=true")
     return error
+
+
+def refused_by_fault(step: GroupStep, accept_failures: bool, rank: int) -> str:
+    """Every rank: the error an injected raise or loss gives ``step.client``; the job ends on every rank of the group
+    without clients.accept_failures, as it ends on an unsharded rank."""
+    if not accept_failures:
+        raise JobFailure(f"logical client {step.client}, trained by the sharded group of rank {rank}, failed: "
+                         f"{step.refused} (clients.accept_failures=false); drop such clients from their rounds with "
+                         "clients.accept_failures=true")
+    return step.refused
 
 
 def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - keyword-only, each from the runner
@@ -365,7 +418,8 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
                 f"{format_bytes(spec.total_bytes)} exchanged (built in {parallel.setup_seconds:.1f} s)", rank=1)
         leader = ShardedLeader(federation, group, trainer, local, seed=cfg.seed,
                                accept_failures=cfg.clients.accept_failures, parallel=parallel, state=state,
-                               faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None, note=note)
+                               faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None, note=note,
+                               run_dir=run_dir)
         if federation.Get_rank() == 1 and upload_initial and cfg.server.state == "disk":
             leader.upload_initial()
         interrupted = leader.run()
