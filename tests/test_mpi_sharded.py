@@ -329,18 +329,10 @@ def test_sharding_is_for_transformers_models(tmp_path):
                           "model.transformers.config={}"])
 
 
-def test_a_sharded_group_refuses_the_faults_that_change_a_whole_update_naming_the_key(tmp_path):
-    cfg = config(tmp_path)
-    assert load_config(cfg, ["faults=[{kind: inf, clients: [1], rounds: [2]}]"]).faults[0].kind == "inf"
-    for kind in ("scale, factor: -1", "corrupt"):
-        with pytest.raises(ConfigError, match=r"faults: .*other than 'scale' and 'corrupt' \(they change the whole "
-                                              r"update, which no rank of a sharded group holds\)"):
-            load_config(cfg, [f"faults=[{{kind: {kind}, clients: [1]}}]"])
-
-
-# Every kind a sharded group takes, each on a client sampled in its round (all 4 are, each round)
+# Every kind of fault that strikes a client, each on a client sampled in its round (all 4 are, each round)
 SHARDED_FAULTS = ("faults=[{kind: raise, clients: [1], rounds: [1]}, {kind: nan, clients: [0], rounds: [2]}, "
-                  "{kind: lose, clients: [2], stage: send, rounds: [2]}, "
+                  "{kind: lose, clients: [2], stage: send, rounds: [2]}, {kind: scale, clients: [3], factor: -1}, "
+                  "{kind: corrupt, clients: [1], bits: 6, rounds: [2]}, "
                   "{kind: slowdown, clients: [3], factor: 1.5, rounds: [1]}, "
                   "{kind: stall, clients: [3], seconds: 0.2, stage: send, rounds: [2]}, "
                   "{kind: stall, clients: [2], seconds: 0.1, stage: receive, rounds: [1]}]")
@@ -349,11 +341,12 @@ SHARDED_FAULTS = ("faults=[{kind: raise, clients: [1], rounds: [1]}, {kind: nan,
 def test_a_sharded_group_takes_the_configs_faults_through_its_leader_bitwise_as_a_replicated_group(tmp_path):
     """The leader does every strike on its group's clients and tells the members what they need in each step: a
     ``raise`` before training (no rank of the group trains the client) and a lost update are every rank's refusal,
-    a ``nan`` is found by the group's check; stalls and a slowdown only delay. Under accept_failures the same
-    clients are dropped with the same reasons as in a replicated group, and the model ends bitwise the same."""
+    a ``nan`` is found by the group's check, a ``scale`` is each rank's on its rows, a corruption flips the bits of
+    the gathered chunks as they leave; stalls and a slowdown only delay. Under accept_failures the same clients are
+    dropped or folded with the same reasons as in a replicated group, and the model ends bitwise the same."""
     import json
 
-    faulted = ("clients.accept_failures=true", SHARDED_FAULTS)
+    faulted = ("clients.accept_failures=true", SHARDED_FAULTS, *SCAFFOLD)  # c_i reads the scaled model, as unsharded
     sharded, replicated = run(tmp_path, "fsdp", 3, *faulted), run(tmp_path, "ddp", 3, *faulted,
                                                                   "clients.sharding=replicate")
     assert_bitwise(final_model(sharded), final_model(replicated))
@@ -367,8 +360,9 @@ def test_a_sharded_group_takes_the_configs_faults_through_its_leader_bitwise_as_
 
     assert outcomes(sharded) == outcomes(replicated)
     assert [[(k, c, o) for k, c, o, _ in round_] for round_ in outcomes(sharded)] == [
-        [("raise", 1, "dropped"), ("slowdown", 3, "folded"), ("stall", 2, "folded")],
-        [("lose", 2, "dropped"), ("nan", 0, "dropped"), ("stall", 3, "folded")]]
+        [("raise", 1, "dropped"), ("scale", 3, "folded"), ("slowdown", 3, "folded"), ("stall", 2, "folded")],
+        [("corrupt", 1, "folded"), ("lose", 2, "dropped"), ("nan", 0, "dropped"), ("scale", 3, "folded"),
+         ("stall", 3, "folded")]]
     assert [sorted(d["client"] for d in r["dropped"]) for r in records(sharded)] == [[1], [0, 2]]
 
 

@@ -352,11 +352,6 @@ def _check_ranks_per_client(cfg: Config) -> None:
                           "clients.ranks_per_client=1")
 
 
-# the fault kinds a sharded client group takes, through its leader (ShardedLeader): not those that change a whole
-# update, which no rank of the group holds
-SHARDED_FAULTS = ("raise", "nan", "inf", "stall", "slowdown", "exit", "kill", "lose")
-
-
 def _check_sharding(cfg: Config) -> None:
     """``clients.sharding: fsdp``: what a sharded client group runs today (mpifl.roles.sharded). Each refusal names
     its key; none of these is refused for a reason of principle, only because the sharded path does not carry it yet."""
@@ -388,9 +383,6 @@ def _check_sharding(cfg: Config) -> None:
         ("transport.dispatch_fanout", cfg.transport.dispatch_fanout == 0, "0"),
         ("transport.reduce", cfg.transport.reduce == "direct", "'direct'"),
         ("eval.federated_every", cfg.eval.federated_every == 0, "0"),
-        ("faults", all(f.kind in SHARDED_FAULTS for f in cfg.faults),
-         "faults of kinds other than 'scale' and 'corrupt' (they change the whole update, which no rank of a "
-         "sharded group holds)"),
     ]
     for key, fine, what in not_yet:
         if not fine:

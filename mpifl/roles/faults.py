@@ -108,6 +108,16 @@ class FaultInjector:
                 [work.chunk_view(c) for c in layout.chunks]
             flip_bits(chunks, seed, strike)
 
+    def scale_factors(self, round_: int, client: int) -> tuple[float, ...]:
+        """The factors of the ``scale`` strikes on ``client`` in ``round_``, in the list's order (a sharded group's
+        ranks each scale their rows of the update: ``ShardedModel.scale_update``)."""
+        return tuple(s.fault.factor for s in self._at(round_, client, "train", ("scale",)))
+
+    def flipped(self, round_: int, client: int, seed: int, total_bytes: int) -> list[np.ndarray]:
+        """The bits each ``corrupt`` strike on ``client`` flips in an update of ``total_bytes`` on the wire, for a
+        stream that flips them chunk by chunk as it leaves (``flip_bits_in_chunk``)."""
+        return [flipped_bits(seed, s, total_bytes * 8) for s in self._at(round_, client, "train", ("corrupt",))]
+
     def injected_non_finite(self, round_: int, client: int) -> str | None:
         """The ``nan`` or ``inf`` strike on ``client`` in ``round_``, named as its update's error says it, or None."""
         strikes = self._at(round_, client, "train", ("nan", "inf"))
@@ -184,6 +194,15 @@ def scale_update(work: FlatModel, layout: ExchangeLayout, anchor: torch.Tensor, 
             continue
         global_ = anchor[chunk.offset:chunk.offset + chunk.nbytes].view(trained.dtype)
         trained.sub_(global_).mul_(factor).add_(global_)
+
+
+def flip_bits_in_chunk(chunk: np.ndarray, first_byte: int, bits: np.ndarray) -> None:
+    """Flip those of ``bits`` (positions in the whole update) that fall in ``chunk``, which starts at byte
+    ``first_byte`` of the update, in place: chunk by chunk, the flips of ``flip_bits`` over the whole."""
+    raw = chunk.reshape(-1).view(np.uint8)
+    inside = bits[(bits >= first_byte * 8) & (bits < (first_byte + raw.size) * 8)]
+    for bit in inside:
+        raw[int(bit) // 8 - first_byte] ^= np.uint8(1 << (int(bit) % 8))
 
 
 def flip_bits(buffers: Sequence[torch.Tensor], seed: int, strike: Strike) -> None:

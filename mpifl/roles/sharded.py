@@ -64,7 +64,7 @@ from mpifl.metrics import CostMeter
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.encoding import UpdateCompressor
-from mpifl.roles.faults import FaultInjector, InjectedFault
+from mpifl.roles.faults import FaultInjector, InjectedFault, flip_bits_in_chunk
 from mpifl.roles.group import rendezvous_store
 from mpifl.roles.launch import startup_limit
 from mpifl.roles.local_training import ClientFailure
@@ -101,6 +101,7 @@ class GroupStep:
     # client does not train, ``trains`` false) or a 'lose' (it trains, and its update is lost on the way)
     refused: str = ""
     trains: bool = True
+    scale: tuple[float, ...] = ()  # TRAIN: the factors of the client's 'scale' faults, which every rank applies
 
 
 class ShardedLeader:
@@ -210,8 +211,10 @@ class ShardedLeader:
         for client in header.clients:
             began = time.perf_counter()
             refused, trains = self.struck(header.round, client)
+            scale = self.injector.scale_factors(header.round, client) if self.injector is not None else ()
             step = GroupStep(TRAIN, client, client_seed(self.seed, header.round, client), steps.get(client, own),
-                             personal=personal_seed(self.seed, header.round, client), refused=refused, trains=trains)
+                             personal=personal_seed(self.seed, header.round, client), refused=refused, trains=trains,
+                             scale=scale)
             self.order(step)
             dispatched = time.perf_counter()
             result = train_client(self.group, self.trainer, self.local_data, step, round_=header.round,
@@ -232,17 +235,28 @@ class ShardedLeader:
             send_object(self.comm, meta, protocol.SERVER, meta_tag)
             residuals = self.state.residuals if self.state is not None else None
             chunks = self.group.update_chunks(client, header.round, residuals, usable=error is None)
-            send_chunks(self.comm, [protocol.SERVER], update_tag, self.struck_after_first(header.round, client, chunks),
+            send_chunks(self.comm, [protocol.SERVER], update_tag,
+                        self.struck_on_the_way(header.round, client, chunks, corrupt=error is None),
                         self.group.plan.inflight)
 
-    def struck_after_first(self, round_: int, client: int, chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
-        """``chunks``, with the config's faults at stage 'send' done once the first has been handed to MPI (the
-        members wait in the gather of the next)."""
-        strikes = self.injector.send_strikes(round_, client) if self.injector is not None else []
+    def struck_on_the_way(self, round_: int, client: int, chunks: Iterator[np.ndarray],
+                          corrupt: bool) -> Iterator[np.ndarray]:
+        """``chunks``, each with the bits the config's ``corrupt`` faults flip in it (of a usable update: after
+        every check, as on an unsharded rank), and the faults at stage 'send' done once the first has been handed
+        to MPI (the members wait in the gather of the next)."""
+        if self.injector is None:
+            yield from chunks
+            return
+        strikes = self.injector.send_strikes(round_, client)
+        total = sum(chunk.nbytes for chunk in self.group.plan.wire)
+        flips = self.injector.flipped(round_, client, self.seed, total) if corrupt else []
+        first = 0
         for index, chunk in enumerate(chunks):
+            for bits in flips:
+                flip_bits_in_chunk(chunk, first, bits)
+            first += chunk.nbytes
             yield chunk
             if index == 0 and strikes:
-                assert self.injector is not None
                 self.injector.act(strikes)
 
 
@@ -318,6 +332,8 @@ def train_client(group: ShardedGroup, trainer: Trainer,
         if problem is not None:  # every rank of the group trained the same trainer: each ends here
             raise JobFailure(f"round {round_}: logical client {step.client} (rank {rank}, a rank of its sharded "
                              f"group): {problem} (a group cannot go on mid-collective, so the job ends)")
+        for factor in step.scale:  # before the client half reads the trained model, as on an unsharded rank
+            group.model.scale_update(factor)
         if state is not None and state.half is not None:
             state.half.update(step.client, result.local_steps or 0, state.weight(protocol.UpdateMeta(
                 step.client, result.num_samples, 0.0, dict(result.metrics), local_steps=result.local_steps)))

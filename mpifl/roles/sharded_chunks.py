@@ -90,6 +90,16 @@ class ShardedModel:
             for span in self.receiving:
                 self.local[span.name].copy_(self.global_rows[span.name])
 
+    def scale_update(self, factor: float) -> None:
+        """A ``scale`` fault on this rank's rows: the trained w becomes g + factor (w - g), g the round's global
+        rows, for every floating-point tensor, as an unsharded client's whole model becomes (``scale_update``)."""
+        with torch.no_grad():
+            for span in self.receiving:
+                dtype = self.dtypes[span.name]
+                if dtype.is_floating_point:
+                    global_ = self.global_rows[span.name].view(dtype)
+                    self.local[span.name].view(dtype).sub_(global_).mul_(factor).add_(global_)
+
     def pack(self, index: int, values: bool) -> torch.Tensor:
         """The pieces of update chunk ``index`` that this rank holds, back to back: the delta against the global rows (a
         statistic's value under Config.statistics_as_values), or the values when ``values``."""
