@@ -1,10 +1,10 @@
 """``clients.accept_failures``: a rank past its deadline while it trains loses the rest of its round.
 
-The server measures each rank's training from when it took up the round's model to its last header
-(``StragglerClock``); the straggler rule turns those times into a deadline, and a rank still training past it, or
-silent past its stage's watchdog deadline, has the rest of its round dropped by the reduction: its receives are
-cancelled, its participants without a header are recorded as failed (``dropped_headers``), and what it still sends
-goes to the late-stream drain (wire.late).
+The server measures each rank's training from when it took up the round's model (or, if later, from when the
+reduction began taking up updates) to its last header (``StragglerClock``); the straggler rule turns those times
+into a deadline, and a rank still training past it, or silent past its stage's watchdog deadline, has the rest of
+its round dropped by the reduction: its receives are cancelled, its participants without a header are recorded as
+failed (``dropped_headers``), and what it still sends goes to the late-stream drain (wire.late).
 """
 from __future__ import annotations
 
@@ -38,8 +38,15 @@ class StragglerClock:
         self.next_check = began
 
     def started(self, rank: int) -> float | None:
-        """When ``rank`` took up the round's model (None: it is still finishing a round it was dropped from)."""
-        return self.dropping.started(rank) if self.dropping is not None else self.began
+        """When ``rank``'s training began, as far as the server can tell: when it took up the round's model or, if
+        later, when this reduction began taking up updates (None: it is still finishing a round it was dropped
+        from). Before the reduction a rank that has trained waits for the server to take its update, and the server
+        cannot tell it from one still training: a round whose dispatch waited on ranks finishing a dropped round
+        would otherwise drop a rank that trained in time, and leave it out of the next round too."""
+        if self.dropping is None:
+            return self.began
+        took_up = self.dropping.started(rank)
+        return None if took_up is None else max(took_up, self.began)
 
     def header_landed(self, rank: int, more_to_come: bool) -> None:
         """A header from ``rank`` landed; with none ``more_to_come`` its training this round is over."""

@@ -373,7 +373,8 @@ class TimeoutsConfig:
     sigterm_grace: float = field_(5.0, "after SIGTERM, seconds a round may wait on a silent rank before the server "
                                   "saves what it can and ends the job", min=0.0)
     straggler: float | None = field_(None, "with clients.accept_failures: seconds a rank may train (from taking up "
-                                        "the model) before the rest of its round is dropped; later rounds leave it "
+                                        "the model, or from when the server begins taking up updates if later) "
+                                        "before the rest of its round is dropped; later rounds leave it "
                                         "out, not waiting, until its late updates are in, and it rejoins at the "
                                         "newest round (default: once half the ranks have finished, 3 x the slowest "
                                         "of them, at least 60); real time only: under a virtual clock.mode, the "

@@ -135,7 +135,11 @@ class LateStreams:
         """The ranks still sending a round they were dropped from (rank -> that round), which round ``round_``
         leaves out rather than wait for. One silent past ``silence_limit`` s (``setting``) since it was dropped or
         last heard from is retired, said once: every round leaves it out until it is heard from again, and if it
-        never is, ``finish`` ends the job naming it once the last round is on disk."""
+        never is, ``finish`` ends the job naming it once the last round is on disk. What has already arrived is
+        taken up first: a rank whose small late chunks went out eagerly may have trained and sent a later round
+        since, and is not busy."""
+        while self():
+            pass
         now = time.monotonic()
         busy: dict[int, int] = {}
         for owed in self.owed:

@@ -282,3 +282,21 @@ output: {progress: false}
     assert raised.returncode == 2, raised.stdout + raised.stderr  # not a fresh start over the finished model
     assert "holds a finished run (model.h5) but no checkpoint that a run of 3 rounds can go on from" in raised.stderr
     assert (run_dir / "model.h5").read_bytes() == finished and [r["round"] for r in records(run_dir)] == [1, 2]
+
+
+def test_a_rank_that_trained_in_time_while_the_round_waited_on_another_is_not_dropped_as_a_straggler(tmp_path):
+    """Both client ranks are dropped from round 2 (one stalls 2.5 s, the other 6 s, past a 1.5 s deadline), so
+    round 3 waits for them to finish round 2 before it can send them its model. Rank 1 takes up round 3's model
+    long before the server, still sending to rank 2, begins taking up updates, and trains its clients in time:
+    the time it then waits for the server is not training. It is dropped from no later round (it was dropped from
+    round 3 as 'still training after 1.9 s', and so left out of round 4 too)."""
+    text = STRAGGLING.replace("rounds: 3", "rounds: 4").replace("straggler: 2", "straggler: 1.5").replace(
+        'train: {trainer: "fl_helpers:Straggling", lr: 0.02}', "train: {lr: 0.02}").replace(
+        "num_clients: 6, per_round: 6", "num_clients: 10, per_round: 10")
+    text += ("faults: [{kind: stall, clients: [8], seconds: 2.5, rounds: [2]}, "
+             "{kind: stall, clients: [1], seconds: 6, rounds: [2]}]\n")
+    cfg = write_config(tmp_path / "s.yaml", text)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "round 3: ranks 1-2 are still training rounds they were dropped from" in result.stderr  # it waited
+    assert drops(records(tmp_path / "run")) == {2: {1, 3, 5, 7, 8, 9}}, result.stderr[-3000:]
