@@ -3,11 +3,35 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "MV2_COMM_WORLD_RANK")
 
 
 SUPERVISOR_PID = "MPIFL_SUPERVISOR_PID"  # set in a rank's environment by its supervisor (mpifl.cli.supervisor)
+
+
+# The COMM_WORLD rank of each rank of the communicator the server and the client ranks talk over: the same rank,
+# but under clients.ranks_per_client R > 1, where the server and the group leaders talk over a communicator of their
+# own (the k-th group's leader is rank k there): set once by the run (mpifl.roles.runner, from GroupLayout).
+def _same_rank(rank: int) -> int:
+    return rank
+
+
+_world_rank: Callable[[int], int] = _same_rank
+
+
+def name_ranks_by_world(to_world: Callable[[int], int]) -> None:
+    """From now on messages and records name a rank of the server's communicator by ``to_world(rank)``, its
+    COMM_WORLD rank: the rank a user sees in mpiexec's, the supervisor's and the run directory's words."""
+    global _world_rank
+    _world_rank = to_world
+
+
+def world_rank(rank: int) -> int:
+    """The COMM_WORLD rank of ``rank`` of the server's communicator (``name_ranks_by_world``), for messages and
+    records: a group's leader is named by its own MPI rank, not by its group's place among the groups."""
+    return _world_rank(rank)
 
 
 def env_rank() -> int | None:

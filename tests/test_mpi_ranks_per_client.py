@@ -336,6 +336,10 @@ def test_a_group_takes_the_configs_faults_through_its_leader_as_one_rank_would(t
     assert dropped == [sorted(c for k, c, o in round_ if o == "dropped") for round_ in struck]
     assert "InjectedFault: faults[0]" in next(d["reason"] for r in records(one) for d in r["dropped"]
                                                if d["client"] == 1)
+    # records name the leaders by their own MPI ranks (groups of ranks 1-2 and 3-4), not by the groups' places 1, 2
+    named = {run_dir: {f["rank"] for r in records(run_dir) for f in r.get("faults", []) + r["dropped"]}
+             for run_dir in (one, two)}
+    assert named == {one: {1}, two: {1, 3}}
 
 
 def test_a_fault_naming_ranks_is_refused_where_groups_of_ranks_train_the_clients(tmp_path):

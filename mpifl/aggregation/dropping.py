@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from mpifl.logs import world_rank
 from mpifl.wire import protocol
 from mpifl.wire.late import OwedStream
 from mpifl.wire.watchdog import CHECK_EVERY_SECONDS, FIRST_UPDATE, StragglerRule
@@ -66,7 +67,8 @@ class StragglerClock:
             started = self.started(rank)
             took = 0.0 if started is None else time.monotonic() - started
             if limit is not None and stage == FIRST_UPDATE and took > limit:
-                out.append((rank, f"rank {rank} was still training after {took:.1f} s, past the straggler deadline "
+                out.append((rank, f"rank {world_rank(rank)} was still training after {took:.1f} s, past the "
+                                  "straggler deadline "
                                   f"of {limit:g} s ({self.dropping.rule.describe()})"))
         return out
 

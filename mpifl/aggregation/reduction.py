@@ -36,6 +36,7 @@ from mpifl.aggregation.receives import PostedReceives, ReceivePool
 from mpifl.aggregation.round_task import BelowQuorum, ReductionRound, RoundAborted, checked_totals
 from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
+from mpifl.logs import world_rank
 from mpifl.planning.pools import holds_stacks
 from mpifl.wire import protocol
 from mpifl.wire.codecs import Codec
@@ -207,7 +208,7 @@ class StreamedReduction:
         self.arrived[ticket.rank][0] += 1
         stream, usable, members = _header(meta)
         if stream is None or self.schedule.rank_of.get(stream) != ticket.rank:
-            raise RuntimeError(f"rank {ticket.rank} sent an unexpected update header: {meta!r}")
+            raise RuntimeError(f"rank {world_rank(ticket.rank)} sent an unexpected update header: {meta!r}")
         if self.stats.first_arrival is None:
             self.stats.first_arrival = time.perf_counter()
         self.stats.metas.update((m.client, m) for m in members)

@@ -19,6 +19,7 @@ import numpy as np
 
 from mpifl.config import Config
 from mpifl.config.sections import FaultConfig
+from mpifl.logs import world_rank
 from mpifl.planning.seeds import BITS, FAULTS, derive_seed
 
 
@@ -35,7 +36,7 @@ class Strike:
     def describe(self) -> dict:
         """The record's entry (metrics.jsonl: a round's ``faults``), before the outcome is known."""
         entry: dict = {"fault": self.index, "kind": self.fault.kind, "stage": self.fault.stage,
-                       "client": self.client, "rank": self.rank}
+                       "client": self.client, "rank": world_rank(self.rank)}
         entry.update({name: getattr(self.fault, name) for name in PARAMETERS.get(self.fault.kind, ())})
         return entry
 

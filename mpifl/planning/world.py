@@ -43,6 +43,10 @@ class GroupLayout:
         group = self.group_of(rank)
         return 0 if group is None else group + 1
 
+    def leader_world_rank(self, federation_rank: int) -> int:
+        """The world rank of the leader the server knows by ``federation_rank`` (the server stays 0)."""
+        return 0 if federation_rank == 0 else 1 + (federation_rank - 1) * self.ranks_per_client
+
     def leader_of(self, rank: int) -> int:
         """The world rank of ``rank``'s group leader."""
         group = self.group_of(rank)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.logs import world_rank
 from mpifl.roles.encoding import GroupSum
 from mpifl.wire import protocol
 from mpifl.wire.memory import host_bytes
@@ -42,7 +43,8 @@ class ChainSender:
         hops = header.chain
         missing = sorted({g for hop in hops for g in hop.groups} ^ set(metas))
         if missing:
-            raise RuntimeError(f"rank {self.rank}: round {header.round}'s chain lists groups that this rank does not "
+            raise RuntimeError(f"rank {world_rank(self.rank)}: round {header.round}'s chain lists groups that this "
+                               "rank does not "
                                f"train, or leaves out groups it does: {missing}")
         running_usable = self._metas(header, metas)
         usable = {g: any(m.error is None for m in metas[g]) for g in metas}
@@ -79,7 +81,8 @@ class ChainSender:
             if hop.source is not None:
                 received = recv_object(self.comm, hop.source, reduce_meta)
                 if not isinstance(received, protocol.GroupMeta):
-                    raise RuntimeError(f"rank {self.rank}: rank {hop.source} sent {received!r} where the chain's "
+                    raise RuntimeError(f"rank {world_rank(self.rank)}: rank {world_rank(hop.source)} sent "
+                                       f"{received!r} where the chain's "
                                        "GroupMeta belongs")
                 before = received.members
             running_usable.append(any(m.error is None for m in before))

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import local_steps
-from mpifl.logs import log
+from mpifl.logs import log, world_rank
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client_state import ClientStateParts, put_back_line
@@ -107,7 +107,7 @@ class ClientRank:
         while True:
             header = recv_object(self.comm, protocol.SERVER, protocol.HEADER)
             if not isinstance(header, protocol.Header):
-                raise RuntimeError(f"rank {self.rank}: the server sent {header!r} where a header belongs")
+                raise RuntimeError(f"rank {world_rank(self.rank)}: the server sent {header!r} where a header belongs")
             if self.parts.state.lending is not None:
                 self.parts.state.lending.settle()  # every vector home before it is put back, lent again or published
             if self.parts.state.journal is not None:  # before anything reads, lends or publishes the state
@@ -119,7 +119,8 @@ class ClientRank:
                 self.persist(header)
                 continue
             if not isinstance(header, protocol.RoundOrder):
-                raise RuntimeError(f"rank {self.rank}: the server sent {header!r}, a header this rank cannot serve")
+                raise RuntimeError(f"rank {world_rank(self.rank)}: the server sent {header!r}, a header this rank "
+                                   "cannot serve")
             self._begin_round(header)
             if isinstance(header, protocol.HoldOrder):
                 self.serve_step(header)
@@ -150,7 +151,7 @@ class ClientRank:
         assert self.parts.state.journal is not None  # called only with one
         undone = self.parts.state.journal.settle(header.dropped)
         if undone:
-            log(put_back_line(undone, self.parts.state.put_back()), rank=self.rank)
+            log(put_back_line(undone, self.parts.state.put_back()), rank=world_rank(self.rank))
 
     def persist(self, header: protocol.PersistOrder) -> None:
         """Publish this rank's per-client state of the round just ended (error-feedback residuals, control variates,
@@ -189,7 +190,8 @@ class ClientRank:
                 self.held[client] = meta, [np.array(b, copy=True) for b in buffers]
         for client in header.send:
             if client not in self.held:
-                raise RuntimeError(f"rank {self.rank}: the server asked for logical client {client}'s update, "
+                raise RuntimeError(f"rank {world_rank(self.rank)}: the server asked for logical client {client}'s "
+                                   "update, "
                                    f"which this rank does not hold (it holds {sorted(self.held)})")
             meta, buffers = self.held.pop(client)
             meta = replace(meta, metrics={**meta.metrics, **self.costs.at_send()})

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from mpifl.logs import log
+from mpifl.logs import log, world_rank
 from mpifl.planning.faults import FaultPlan, Strike, delay_seconds, ends_the_job, flipped_bits
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
@@ -142,7 +142,7 @@ class FaultInjector:
     def _announce(self, strike: Strike) -> None:
         fault = strike.fault
         log(f"faults[{strike.index}]: injecting {fault.kind!r} into logical client {strike.client} in round "
-            f"{strike.round} at stage {fault.stage!r}", rank=self.rank)
+            f"{strike.round} at stage {fault.stage!r}", rank=world_rank(self.rank))
 
     def _act(self, strike: Strike) -> None:
         """A fault that stops, stalls, ends or kills the rank, or raises in the client's training."""

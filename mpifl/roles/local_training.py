@@ -24,6 +24,7 @@ from mpifl.learning.trainers import (
     result_problem,
     trainer_name,
 )
+from mpifl.logs import world_rank
 from mpifl.planning.faults import FaultPlan, Strike
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.batched import BatchedClients
@@ -129,7 +130,8 @@ class LocalTraining:
         if not self.parts.accept_failures or in_group:
             why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
                    if in_group else "clients.accept_failures=false")
-            raise ClientFailure(f"logical client {client} on rank {self.rank} failed in round {round_}{doing}: "
+            raise ClientFailure(f"logical client {client} on rank {world_rank(self.rank)} failed in round "
+                                f"{round_}{doing}: "
                                 f"{type(err).__name__}: {err} ({why}{hint})") from err
         return f"{type(err).__name__}: {err}{hint}"
 
@@ -145,7 +147,7 @@ class LocalTraining:
         end of the job in one line with ``advice``, as mpifl's own check found it (no traceback: no code of the
         trainer's raised)."""
         if not self.parts.accept_failures:
-            raise JobFailure(f"round {round_}: logical client {client} (rank {self.rank}): {problem} "
+            raise JobFailure(f"round {round_}: logical client {client} (rank {world_rank(self.rank)}): {problem} "
                              f"(clients.accept_failures=false); {advice}, or drop such clients from their rounds "
                              "with clients.accept_failures=true")
         return problem
@@ -160,7 +162,7 @@ class LocalTraining:
             advice = ("drop such clients from their rounds with clients.accept_failures=true" if injected else
                       "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients "
                       "from their rounds with clients.accept_failures=true")
-            raise JobFailure(f"round {round_}: logical client {client} (rank {self.rank}): {error} "
+            raise JobFailure(f"round {round_}: logical client {client} (rank {world_rank(self.rank)}): {error} "
                              f"(clients.accept_failures=false); {advice}")
         return error
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpifl.errors import RESUME_FAILS_THE_SAME_WAY
-from mpifl.logs import log
+from mpifl.logs import log, world_rank
 from mpifl.metrics import OWN_METRIC_PREFIXES
 from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE
 from mpifl.privacy.ring import advisable_fraction_bits, value_range
@@ -64,9 +64,10 @@ def dropped_entries(plan: RoundAssignment, metas: dict[int, UpdateMeta],
     error), or left out because its rank was still training a round it had been dropped from."""
     reasons = {c: (rank_of(plan, c), m.error) for c, m in metas.items() if m.error is not None}
     for client, rank in plan.busy_clients.items():
-        reasons[client] = (rank, f"rank {rank} was still training round {plan.busy_ranks[rank]}, from which it was "
+        reasons[client] = (rank, f"rank {world_rank(rank)} was still training round {plan.busy_ranks[rank]}, from "
+                                 "which it was "
                                  "dropped past its deadline: left out of this round as if not sampled, not waited for")
-    return [{"client": c, "rank": rank, "reason": why} for c, (rank, why) in sorted(reasons.items())]
+    return [{"client": c, "rank": world_rank(rank), "reason": why} for c, (rank, why) in sorted(reasons.items())]
 
 
 def resume_advice(strikes: Sequence[Strike], metas: dict[int, UpdateMeta]) -> str:
@@ -103,8 +104,9 @@ def strike_line(strike: Strike, spent: bool = False) -> str:
         from mpifl.storage.rundir import FAULTS_STRUCK  # here: the report imports this module, and rundir h5py
 
         return (f"{what} ended an earlier attempt of this run in this round ({FAULTS_STRUCK}/{strike.index}-r"
-                f"{strike.round}): it strikes once, so not logical client {strike.client} (rank {strike.rank}) now")
-    return f"{what} strikes logical client {strike.client} (rank {strike.rank})"
+                f"{strike.round}): it strikes once, so not logical client {strike.client} (rank "
+                f"{world_rank(strike.rank)}) now")
+    return f"{what} strikes logical client {strike.client} (rank {world_rank(strike.rank)})"
 
 
 def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta],

@@ -25,7 +25,7 @@ from mpifl.aggregation.strategies import Strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.config import TransportConfig
 from mpifl.errors import INTERRUPTED, JobFailure
-from mpifl.logs import log
+from mpifl.logs import log, world_rank
 from mpifl.metrics import CostMeter, JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.planning.faults import CHANGES_PAST_THE_CHECK, FaultPlan, Strike
 from mpifl.planning.federation import RoundAssignment, Sampler, state_home, state_loans
@@ -341,14 +341,14 @@ class Server:
         plan = self.parts.sampler.without_busy(plan, busy, self._state_home(),
                                                max(1, self.min_participants, self._min_cohort()))
         if not plan.busy_ranks:
-            log(f"round {plan.round}: ranks {range_list(busy)} are still training rounds they were dropped from, "
-                "and without them no rank or too few participants (clients.min_participants, secagg.min_cohort) "
-                "would be left: this round waits for them", rank=0)
+            log(f"round {plan.round}: ranks {range_list([world_rank(r) for r in busy])} are still training rounds "
+                "they were dropped from, and without them no rank or too few participants (clients.min_participants, "
+                "secagg.min_cohort) would be left: this round waits for them", rank=0)
         for rank, since in sorted(plan.busy_ranks.items()):
             left = [c for c, r in sorted(plan.busy_clients.items()) if r == rank]
             what = f"logical clients {range_list(left)} left out of it as if not sampled" if left else "nothing to do"
-            log(f"round {plan.round}: rank {rank} is still training round {since}, from which it was dropped: "
-                f"{what}, not waited for", rank=0)
+            log(f"round {plan.round}: rank {world_rank(rank)} is still training round {since}, from which it was "
+                f"dropped: {what}, not waited for", rank=0)
         return plan
 
     def _min_cohort(self) -> int:
@@ -466,7 +466,8 @@ class Server:
         suspects = [s for s in strikes if s.fault.kind in CHANGES_PAST_THE_CHECK]
         for strike in suspects:
             self.parts.spend_fault(strike)
-        why = ("; ".join(f"faults[{s.index}] ({s.fault.kind!r}) struck logical client {s.client} (rank {s.rank})"
+        why = ("; ".join(f"faults[{s.index}] ({s.fault.kind!r}) struck logical client {s.client} (rank "
+                         f"{world_rank(s.rank)})"
                          for s in suspects) + " this round, and a resume goes past it") if suspects else \
             "a value changed after the check (a corrupted link or memory), or the strategy's server step overflowed"
         kept = f"the newest model on disk is {saved}" if saved else "no checkpoint is on disk: a resume starts over"
@@ -483,7 +484,8 @@ class Server:
     def _log_drops(self, plan: RoundAssignment, metas: dict) -> None:
         for client, meta in sorted(metas.items()):
             if meta.error is not None:
-                log(f"round {plan.round}: dropped logical client {client} (rank {self._rank_of(plan, client)}): "
+                log(f"round {plan.round}: dropped logical client {client} (rank "
+                    f"{world_rank(self._rank_of(plan, client))}): "
                     f"{meta.error}", rank=0)
 
     def _pool_layout(self, by_rank: dict[int, list[int]], summed: bool) -> PoolLayout:

@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpifl.errors import INTERRUPTED, JobFailure
+from mpifl.logs import world_rank
 from mpifl.wire import protocol
 from mpifl.wire.memory import host_bytes
 from mpifl.wire.transport import Backoff
@@ -147,7 +148,8 @@ class LateStreams:
             silent = now - self._last_heard(owed)
             if silent > silence_limit and owed.rank not in self.retired:
                 self.retired.add(owed.rank)
-                self.log(f"round {round_}: rank {owed.rank}, dropped from round {owed.round} past its deadline, has "
+                self.log(f"round {round_}: rank {world_rank(owed.rank)}, dropped from round {owed.round} past its "
+                         "deadline, has "
                          f"sent nothing for {silent:.1f} s (past {silence_limit:g} s, {setting}): retired, every "
                          "round leaves it out until it is heard from; if it never is, the job ends non-zero, naming "
                          "it, once the last round is on disk")
@@ -184,7 +186,8 @@ class LateStreams:
                                  "round is on disk, and those updates would have been discarded", INTERRUPTED)
             silent = first_silent(self.owed, self._last_heard, now, silence_limit)
             if silent is not None:
-                raise JobFailure(f"rank {silent.rank} was dropped from round {silent.round} and has sent nothing of "
+                raise JobFailure(f"rank {world_rank(silent.rank)} was dropped from round {silent.round} and has "
+                                 "sent nothing of "
                                  f"logical clients {list(silent.clients)} for {now - self._last_heard(silent):.1f} s "
                                  f"(the limit is {silence_limit:g} s, {setting}); every round is on disk")
             if arrived:
@@ -222,5 +225,6 @@ class LateStreams:
         self.owed.remove(owed)
         self.drains.pop(id(owed), None)
         self.finished[owed.rank] = time.monotonic()
-        self.log(f"round {owed.round}: rank {owed.rank}'s late updates of logical clients {list(owed.clients)} "
+        self.log(f"round {owed.round}: rank {world_rank(owed.rank)}'s late updates of logical clients "
+                 f"{list(owed.clients)} "
                  f"arrived {time.monotonic() - owed.dropped_at:.1f} s after it was dropped, and were discarded")

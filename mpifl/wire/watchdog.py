@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from mpifl.config import TimeoutsConfig
 from mpifl.errors import JobFailure
+from mpifl.logs import world_rank
 
 MODEL_DELIVERED = "model delivered"
 FIRST_UPDATE = "first update"
@@ -120,7 +121,7 @@ class Watchdog:
                        f"at least {STALL_FLOOR_SECONDS:g} s, else {FIRST_UPDATE_FALLBACK_SECONDS:g} s")
         why = (f"SIGTERM arrived and it stayed silent {limit:g} s more (timeouts.sigterm_grace)" if interrupted
                else f"past its deadline of {limit:g} s ({setting})")
-        return RankStalled(f"round {self.round}: rank {rank} ({who}) made no progress for {waited:.1f} s "
+        return RankStalled(f"round {self.round}: rank {world_rank(rank)} ({who}) made no progress for {waited:.1f} s "
                            f"at stage '{stage}', {why}", rank, stage, interrupted)
 
 
