@@ -340,6 +340,8 @@ def test_a_group_takes_the_configs_faults_through_its_leader_as_one_rank_would(t
     named = {run_dir: {f["rank"] for r in records(run_dir) for f in r.get("faults", []) + r["dropped"]}
              for run_dir in (one, two)}
     assert named == {one: {1}, two: {1, 3}}
+    assert {rank for r in records(two) for rank in r["ranks"]} == {"1", "3"}  # mpifl calibrate reads ranks.txt
+    assert {rank for r in records(two) for _, rank, _, _ in r["timing"]} == {1, 3}  # by them
 
 
 def test_a_fault_naming_ranks_is_refused_where_groups_of_ranks_train_the_clients(tmp_path):

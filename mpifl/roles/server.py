@@ -545,7 +545,8 @@ class Server:
             "server_pool_bytes": self.pool.nbytes,
             "client_train_seconds": max((m.train_seconds for m in metas.values()), default=0.0),
             # each usable participant's [client, rank, samples, seconds]: what mpifl calibrate fits the cost model to
-            "timing": [[m.client, self._rank_of(plan, m.client), m.num_samples, m.train_seconds] for m in usable],
+            "timing": [[m.client, world_rank(self._rank_of(plan, m.client)), m.num_samples, m.train_seconds]
+                       for m in usable],
             "ranks": work,
             "client_peak_rss_bytes": max((m.metrics.get("rank_peak_rss_bytes", 0) for m in metas.values()), default=0),
             "time": times.split(),
@@ -582,6 +583,6 @@ class Server:
         what the rank spent (records.rank_costs)."""
         by_rank: dict[str, list] = {}
         for client, meta in sorted(metas.items()):
-            by_rank.setdefault(str(self._rank_of(plan, client)), []).append(meta)
+            by_rank.setdefault(str(world_rank(self._rank_of(plan, client))), []).append(meta)
         return {rank: {"clients": len(reported), "train_seconds": sum(m.train_seconds for m in reported),
                        **rank_costs(reported)} for rank, reported in by_rank.items()}
