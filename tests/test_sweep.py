@@ -47,6 +47,16 @@ def test_a_runs_directory_is_named_by_its_grid_point_and_never_nests():
     assert run_dir_name(["seed=0", "strategy.name=fedavg"]) == "seed=0,strategy.name=fedavg"
     assert run_dir_name(["model.name=pkg/mod:Net"]) == "model.name=pkg_mod.Net"  # no ':' for --logdir_spec
     assert run_dir_name([]) == "run"
+    # nothing a shell reads: typed and globbed as written
+    assert run_dir_name(["model.local=['5.*']", "seed=0"]) == "model.local=5.x,seed=0"
+    assert run_dir_name(['data.kwargs={a: "b c"}']) == "data.kwargs=a._b_c"
+
+
+def test_two_grid_points_that_would_share_a_directory_are_refused_naming_both():
+    with pytest.raises(ConfigError) as err:
+        grid_overrides(["model.local=['5.*'],[\"5.*\"]"])
+    assert ("""the points model.local=['5.*'] and model.local=["5.*"] would share the run directory """
+            "'model.local=5.x'") in str(err.value)
 
 
 def test_a_sweep_resumed_from_before_colons_were_replaced_finds_its_runs_under_their_old_names(tmp_path):
@@ -54,6 +64,10 @@ def test_a_sweep_resumed_from_before_colons_were_replaced_finds_its_runs_under_t
     assert point_dir(tmp_path, point) == tmp_path / "strategy.name=pkg.mod.Mine,seed=0"
     (tmp_path / "strategy.name=pkg.mod:Mine,seed=0").mkdir()
     assert point_dir(tmp_path, point) == tmp_path / "strategy.name=pkg.mod:Mine,seed=0"
+    bracketed = ["model.local=['5.*']"]  # named before quotes, brackets and wildcards were left out
+    assert point_dir(tmp_path, bracketed) == tmp_path / "model.local=5.x"
+    (tmp_path / "model.local=['5.*']").mkdir()
+    assert point_dir(tmp_path, bracketed) == tmp_path / "model.local=['5.*']"
 
 
 def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skips_finished_runs(tmp_path):

@@ -35,22 +35,40 @@ def grid_overrides(grid: list[str]) -> list[list[str]]:
         if any(not v for v in choices):
             raise ConfigError(f"--grid {axis!r}: an empty value")
         axes[key] = [f"{key}={v}" for v in choices]
-    return [list(combination) for combination in itertools.product(*axes.values())]
+    points = [list(combination) for combination in itertools.product(*axes.values())]
+    named: dict[str, list[str]] = {}
+    for point in points:
+        other = named.setdefault(run_dir_name(point), point)
+        if other is not point:
+            raise ConfigError(f"--grid: the points {' '.join(other)} and {' '.join(point)} would share the run "
+                              f"directory {run_dir_name(point)!r} (a directory name keeps no quotes, brackets or "
+                              "wildcards): write the two values so that they differ in letters or digits")
+    return points
+
+
+# What a directory name keeps of a grid point: no '/' (a value never makes a subdirectory), no ':' (it splits paths
+# for TensorBoard's --logdir_spec, scp and rsync: an import path reads pkg.mod.Net), and none of the characters a
+# shell would read (quotes, brackets, wildcards, spaces), so a run's directory is typed and globbed as it is written.
+DIRECTORY_SAFE = str.maketrans({"/": "_", ":": ".", " ": "_", "\\": "_", "*": "x", "?": "x", **dict.fromkeys(
+    "'\"[]{}()$`!&;|<>~#", None)})
 
 
 def run_dir_name(overrides: list[str]) -> str:
     """A run's directory name: its grid overrides joined by commas (``seed=0,strategy.name=fedavg``), the form
-    Hydra's multirun gives its run directories; '/' becomes '_' so that a value never makes a subdirectory, and an
-    import path's ':' becomes '.' (``pkg.mod.Net``), since a colon splits paths for TensorBoard's --logdir_spec,
-    scp and rsync."""
-    return ",".join(overrides).replace("/", "_").replace(":", ".") or "run"
+    Hydra's multirun gives its run directories, with only the characters a shell and a path take as they are
+    (``DIRECTORY_SAFE``): ``model.local=['5.*']`` names ``model.local=5.x``."""
+    return ",".join(overrides).translate(DIRECTORY_SAFE) or "run"
 
 
 def point_dir(runs_dir: Path, overrides: list[str]) -> Path:
-    """Where a grid point's run lives: ``run_dir_name``, or the name with ':' kept that sweeps before 2026-12-01
-    gave it, where such a run is already there (so ``--resume`` still finds it)."""
-    earlier = runs_dir / ",".join(overrides).replace("/", "_")
-    return earlier if earlier.name and ":" in earlier.name and earlier.exists() else runs_dir / run_dir_name(overrides)
+    """Where a grid point's run lives: ``run_dir_name``, or where it is already there (so ``--resume`` still finds
+    it) a name that earlier sweeps gave it: with ':' kept (before 2026-12-01), or with quotes, brackets and
+    wildcards kept (before 2026-12-02)."""
+    joined = ",".join(overrides).replace("/", "_")
+    for earlier in (runs_dir / joined, runs_dir / joined.replace(":", ".")):
+        if earlier.name and earlier.name != run_dir_name(overrides) and earlier.exists():
+            return earlier
+    return runs_dir / run_dir_name(overrides)
 
 
 def sweep(args: argparse.Namespace) -> int:
