@@ -129,6 +129,25 @@ def test_the_strategy_column_names_the_personalisation_beside_the_strategy(tmp_p
     assert "| apfl | fedavg + trainer examples.apfl.apfl:APFLTrainer | off |" in text
 
 
+def test_the_strategy_column_names_dp_secure_aggregation_and_compression_which_change_the_updates(tmp_path):
+    """Ditto with and without central DP, FedPer under secure aggregation, top-k: rows that would otherwise read
+    alike (and one run a group: no note about groups, since no groups table is printed)."""
+    runs = {"ditto": "train: {ditto_lambda: 0.1}\n",
+            "ditto_dp": "train: {ditto_lambda: 0.1}\nprivacy: {mode: central, noise_multiplier: 1.1}\n",
+            "fedper_sa": "model: {local: ['fc3.*']}\nsecagg: {enabled: true}\n",
+            "topk": "compression: {method: topk, fraction: 0.1}\n", "int8": "compression: {method: int8}\n"}
+    for name, extra in runs.items():
+        run = write_run(tmp_path / name, "fedavg", 0)
+        (run / "config.yaml").write_text((run / "config.yaml").read_text() + extra)
+    text, _ = compare_runs([str(tmp_path / name) for name in runs], "eval.loss")
+    assert "| ditto | fedavg + ditto(λ=0.1) | off |" in text
+    assert "| ditto_dp | fedavg + ditto(λ=0.1) + DP(central, z=1.1) | off |" in text
+    assert "| fedper_sa | fedavg + local [fc3.*] + secagg | off |" in text
+    assert "| topk | fedavg + topk(0.1, error feedback) | off |" in text
+    assert "| int8 | fedavg + int8 | off |" in text
+    assert "groups" not in text
+
+
 def test_rows_are_labelled_by_the_shortest_path_suffix_that_tells_the_runs_apart(tmp_path):
     ditto = write_run(tmp_path / "sw_ditto" / "seed=0", "fedavg", 0)
     fedper = write_run(tmp_path / "sw_fedper" / "seed=0", "scaffold", 0)

@@ -73,7 +73,9 @@ def outcome(run_dir: Path, records: list[dict], metric: str, target: float | Non
 
 def strategy_label(config: dict) -> str:
     """The strategy as it trained: its name, and FedProx's term, the personalisation or plug-in trainer beside it
-    (``fedavg + prox(μ=0.01)``, ``fedavg + local [fc3.*]``, ``fedavg + ditto(λ=0.1)``)."""
+    (``fedavg + prox(μ=0.01)``, ``fedavg + local [fc3.*]``, ``fedavg + ditto(λ=0.1)``), then DP, secure
+    aggregation and compression (``fedavg + ditto(λ=0.1) + DP(central, z=1)``, ``fedavg + topk(0.1, error
+    feedback)``)."""
     label = [str((config.get("strategy") or {}).get("name", "?"))]
     local = (config.get("model") or {}).get("local")
     if local:
@@ -85,7 +87,26 @@ def strategy_label(config: dict) -> str:
         label.append(f"ditto(λ={float(train['ditto_lambda']):g})")
     if ":" in str(train.get("trainer", "")):  # a plug-in trainer may personalise too (APFL)
         label.append(f"trainer {train['trainer']}")
-    return " + ".join(label)
+    return " + ".join(label + protection_labels(config))
+
+
+def protection_labels(config: dict) -> list[str]:
+    """What changes the updates on their way beside the strategy, as a table row must say it (two runs that differ
+    only in it would otherwise read alike): DP with its noise multiplier, secure aggregation, compression."""
+    out = []
+    privacy = config.get("privacy") or {}
+    if privacy.get("mode", "off") != "off":
+        out.append(f"DP({privacy['mode']}, z={float(privacy.get('noise_multiplier', 1.0)):g})")
+    if (config.get("secagg") or {}).get("enabled"):
+        out.append("secagg")
+    compression = config.get("compression") or {}
+    method = compression.get("method", "none")
+    if method == "topk":
+        feedback = ", error feedback" if compression.get("error_feedback", True) else ""
+        out.append(f"topk({float(compression.get('fraction', 0.01)):g}{feedback})")
+    elif method != "none":
+        out.append(str(method))
+    return out
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
@@ -285,7 +306,8 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                                *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else [])])
         text += "\n\n" + render(["runs (seeds pooled)", "n", "seeds", f"best ({direction}), mean ± std",
                                  "final, mean ± std", *([f"{reach}, mean ± std"] if reach else [])], group_rows, fmt)
-    return text + group_notes(groups), groups
+        text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
+    return text, groups
 
 
 def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
