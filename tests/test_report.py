@@ -418,3 +418,51 @@ def test_the_availability_plot_ticks_whole_client_ids(tmp_path):
     ax = fig.subplots()
     _availability(fig, ax, [{"round": r, "virtual_time": 30.0 * r} for r in (1, 2, 3)], tmp_path)
     assert [t for t in ax.get_yticks() if -0.5 <= t <= 3.5] == [0, 1, 2, 3]
+
+
+def test_the_quality_plot_draws_the_clients_validation_losses_a_diverged_round_as_a_gap():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _quality, loss_series
+
+    records = [{"round": r, "train_loss": 1.0, "federated_eval": {"accuracy": 0.5, "loss": 1.0 / r,
+                                                                  "personal_loss": None if r == 2 else 0.5}}
+               for r in (1, 2, 3)]
+    global_, personal = loss_series(records)
+    assert global_ == ("clients' validation loss: global model", [1, 2, 3], [1.0, 0.5, 1 / 3], "tab:purple")
+    assert personal[1:3] == ([1, 2, 3], [0.5, None, 0.5])
+    fig = Figure()
+    _quality(fig, fig.subplots(), records)
+    assert {line.get_label() for line in fig.axes[0].get_lines()} >= {global_[0], personal[0]}
+
+
+def test_a_dp_run_gets_epsilon_against_round_with_its_budget_beside_held_out_accuracy():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _privacy, privacy_series
+
+    records = [{"round": r, "privacy": {"epsilon": 0.5 * r, "delta": 1e-5},
+                **({"eval": {"accuracy": 0.1 * r}} if r % 2 == 0 else {})} for r in (1, 2, 3, 4)]
+    assert privacy_series(records) == ([1, 2, 3, 4], [0.5, 1.0, 1.5, 2.0])
+    assert privacy_series([{"round": 1}]) == ([], [])  # no DP: no plot
+    fig = Figure()
+    _privacy(fig, fig.subplots(), records, budget=8.0)
+    spent, accuracy = fig.axes
+    assert [line.get_label() for line in spent.get_lines()] == ["ε (δ = 1e-05)", "privacy.epsilon_budget = 8"]
+    assert list(accuracy.get_lines()[0].get_xdata()) == [2, 4]
+
+
+def test_the_faults_plot_stacks_each_rounds_strikes_by_kind_beside_the_clients_dropped():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _faults, fault_counts
+
+    records = [{"round": 1, "faults": [{"kind": "scale"}, {"kind": "nan"}], "dropped": [{"client": 3}]},
+               {"round": 2, "dropped": [{"client": 1}, {"client": 4}]},  # past a deadline: no fault
+               {"round": 3, "faults": [{"kind": "nan"}, {"kind": "nan"}], "dropped": []}]
+    assert fault_counts(records) == ([1, 2, 3], {"nan": [1, 0, 2], "scale": [1, 0, 0]}, [1, 2, 0])
+    fig = Figure()
+    ax = fig.subplots()
+    _faults(fig, ax, records)
+    assert len(ax.patches) == 6  # a bar for each kind and round, stacked
+    assert list(ax.get_lines()[0].get_ydata()) == [1, 2, 0]

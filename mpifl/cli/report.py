@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -96,6 +97,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plots.append(("staleness.png", _staleness))
     if any("cost" in r for r in records):
         plots.append(("cost.png", _cost))
+    if privacy_series(records)[0]:
+        budget = (saved_config(run_dir).get("privacy") or {}).get("epsilon_budget")
+        plots.append(("privacy.png", lambda fig, ax, records: _privacy(fig, ax, records, budget)))
+    if any(r.get("faults") or r.get("dropped") for r in records):
+        plots.append(("faults.png", _faults))
     clock = saved_config(run_dir).get("clock") or {}
     if clock.get("availability", "always") != "always" and any("virtual_time" in r for r in records):
         plots.append(("availability.png", lambda fig, ax, records: _availability(fig, ax, records, run_dir)))
@@ -149,6 +155,81 @@ def accuracy_series(records: list[dict], local: bool = False) -> list[tuple[str,
     return out
 
 
+# The clients' validation losses (eval.federated_every): the global model's and Ditto's personal models', as
+# ACCURACIES names them
+# (drawn dotted in its accuracy's colour: one colour, one model and split)
+FEDERATED_LOSSES = (("loss", "clients' validation loss: global model", "tab:purple"),
+                    ("personal_loss", "clients' validation loss: personal models (gaps: not finite)", "tab:red"))
+
+
+def loss_series(records: list[dict]) -> list[tuple[str, list[int], list[float | None], str]]:
+    """Each clients' validation loss some round recorded: (label, rounds, values, colour); a round whose loss was not
+    finite (a diverged personal model: NaN, written null) is a gap."""
+    out = []
+    for metric, label, colour in FEDERATED_LOSSES:
+        points = [(r["round"], r["federated_eval"][metric]) for r in records
+                  if isinstance(r.get("federated_eval"), dict) and metric in r["federated_eval"]]
+        if points:
+            values = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for _, v in points]
+            out.append((label, [p[0] for p in points], values, colour))
+    return out
+
+
+def privacy_series(records: list[dict]) -> tuple[list[int], list[float]]:
+    """(rounds, epsilon) of the rounds whose record has the privacy accountant's epsilon."""
+    points = [(r["round"], r["privacy"]["epsilon"]) for r in records
+              if isinstance(r.get("privacy"), dict) and isinstance(r["privacy"].get("epsilon"), (int, float))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _privacy(fig: Figure, ax: Axes, records: list[dict], budget: float | None = None) -> None:
+    """The privacy spent, epsilon against round (delta in the label, the budget as a line), and held-out accuracy
+    on a second axis: what a DP study trades, read off one figure."""
+    rounds, epsilons = privacy_series(records)
+    delta = next((r["privacy"].get("delta") for r in records if isinstance(r.get("privacy"), dict)), None)
+    ax.plot(rounds, epsilons, color="tab:red", marker=".", label=f"ε (δ = {delta:g})" if delta else "ε")
+    if budget:
+        ax.axhline(budget, color="tab:red", linestyle="--", linewidth=1, label=f"privacy.epsilon_budget = {budget:g}")
+    ax.set_ylabel("ε spent")
+    ax.set_ylim(bottom=0)
+    _label_rounds(ax)
+    evals = [(r["round"], r["eval"]["accuracy"]) for r in records
+             if isinstance(r.get("eval"), dict) and "accuracy" in r["eval"]]
+    if evals:
+        acc = ax.twinx()
+        acc.plot([e[0] for e in evals], [e[1] for e in evals], color="tab:green", marker="s",
+                 label="held-out accuracy")
+        acc.set_ylabel("accuracy")
+        acc.set_ylim(0, 1)
+    ax.set_title("Privacy spent and accuracy")
+    fig.legend(loc="lower center", ncols=3, fontsize="small")
+    fig.subplots_adjust(bottom=0.25)
+
+
+def fault_counts(records: list[dict]) -> tuple[list[int], dict[str, list[int]], list[int]]:
+    """(rounds, strikes of each kind by round, clients dropped by round): what ``faults.png`` draws."""
+    rounds = [r["round"] for r in records]
+    kinds = sorted({f["kind"] for r in records for f in r.get("faults", [])})
+    strikes = {kind: [sum(1 for f in r.get("faults", []) if f["kind"] == kind) for r in records] for kind in kinds}
+    return rounds, strikes, [len(r.get("dropped", [])) for r in records]
+
+
+def _faults(fig: Figure, ax: Axes, records: list[dict]) -> None:
+    """Each round's strikes of the config's faults, stacked by kind, and the clients dropped from it (whatever
+    the cause: a fault, a deadline, a refused update): in real time as under a virtual clock."""
+    rounds, strikes, dropped = fault_counts(records)
+    bottom = [0] * len(rounds)
+    for kind, counts in strikes.items():
+        ax.bar(rounds, counts, bottom=bottom, label=f"{kind} strikes")
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    ax.plot(rounds, dropped, color="black", marker="o", linestyle="-", label="clients dropped")
+    ax.set_ylabel("clients")
+    ax.set_ylim(bottom=0)
+    _label_rounds(ax)
+    ax.set_title("Faults struck and clients dropped per round")
+    ax.legend(fontsize="small")
+
+
 def kept_local_tensors(run_dir: Path) -> bool:
     """Whether the run's saved config names model.local patterns."""
     return bool((saved_config(run_dir).get("model") or {}).get("local"))
@@ -161,6 +242,8 @@ def _quality(fig: Figure, ax: Axes, records: list[dict], local: bool = False) ->
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
     if evals:
         ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], marker="o", label="held-out loss")
+    for label, rounds, values, colour in loss_series(records):
+        ax.plot(rounds, values, color=colour, marker="^", linestyle=":", label=label)  # type: ignore[arg-type]
     series = accuracy_series(records, local)
     if series:
         acc = ax.twinx()
