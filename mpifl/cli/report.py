@@ -242,8 +242,8 @@ def _quality(fig: Figure, ax: Axes, records: list[dict], local: bool = False) ->
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
     if evals:
         ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], marker="o", label="held-out loss")
-    for label, rounds, values, colour in loss_series(records):
-        ax.plot(rounds, values, color=colour, marker="^", linestyle=":", label=label)  # type: ignore[arg-type]
+    for name, at, losses, colour in loss_series(records):  # a gap is None: the stubs admit numbers only
+        ax.plot(at, losses, color=colour, marker="^", linestyle=":", label=name)  # type: ignore[arg-type]
     series = accuracy_series(records, local)
     if series:
         acc = ax.twinx()
