@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import IO, Protocol
 
 # Names an update's header carries for mpifl's own records: the ranks' peaks and costs (rank_*), a client group's
-# costs (group_*) and secure aggregation's (secagg_*). A trainer's metric must not take them: the server would
-# read it as mpifl's own, and leave it out of client_metrics.
-OWN_METRIC_PREFIXES = ("rank_", "group_", "secagg_")
+# costs (group_*), secure aggregation's (secagg_*) and Ditto's (ditto_*). A trainer's metric must not take them:
+# the server would read it as mpifl's own, and leave it out of client_metrics.
+OWN_METRIC_PREFIXES = ("rank_", "group_", "secagg_", "ditto_")
+# Ditto (train.ditto_lambda): the client's personal training went non-finite, so its v_i was not kept (the round's
+# record names these clients: ``personal_diverged``)
+PERSONAL_DIVERGED = "ditto_personal_diverged"
 
 
 def own_metric_names(names: Iterable[object]) -> list[str]:

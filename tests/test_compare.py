@@ -305,3 +305,20 @@ def test_the_figure_names_what_the_metric_measures_beside_its_key():
 
     assert metric_name("eval.accuracy") == "held-out accuracy (eval.accuracy)"
     assert metric_name("time.round") == "time.round"
+
+
+def test_a_metric_recorded_only_as_non_finite_is_said_to_be_non_finite_not_missing(tmp_path):
+    """metrics.jsonl writes NaN and Inf as null (a diverged Ditto run's ``federated_eval.personal_loss``): a run
+    whose every round has null is non-finite, not a run that never recorded the metric, alone or beside others."""
+    diverged = write_run(tmp_path / "diverged", "fedavg", 0, rounds=2)
+    (diverged / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "federated_eval": {"personal_loss": None}})
+                                                    + "\n" for r in (1, 2)))
+    text, _ = compare_runs([str(diverged)], "federated_eval.personal_loss")
+    assert "| diverged | fedavg | off | non-finite in every round | - |" in text
+    assert ("diverged: federated_eval.personal_loss was non-finite (NaN or Inf, null in metrics.jsonl) in every round "
+            "that recorded it") in text and "no round recorded" not in text
+    fine = write_run(tmp_path / "fine", "scaffold", 0, rounds=2)
+    (fine / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "federated_eval": {"personal_loss": 1 / r}})
+                                                + "\n" for r in (1, 2)))
+    text, _ = compare_runs([str(diverged), str(fine)], "federated_eval.personal_loss")
+    assert "non-finite in every round" in text and "| 0.5000 | 0.5000 |" in text

@@ -281,3 +281,42 @@ def test_settings_of_a_feature_that_is_switched_off_are_warned_of_as_ignored():
         "clipped count from the clients' noised bits); under privacy.mode 'local' it is ignored and every client clips "
         "at privacy.clip for the whole run"]
     assert said(*local) == []
+
+
+def test_ditto_is_warned_of_when_lr_times_lambda_reaches_the_regularisers_stability_bound():
+    """SGD's step on Ditto's term lambda/2 ||v - w||^2 multiplies v - w by 1 - lr lambda: past lr lambda = 2, or
+    2 (1 + beta) with momentum beta, the personal models grow to NaN/Inf. The run was silent about it."""
+    from mpifl.config import config_warnings
+
+    def said(*overrides: str) -> list[str]:
+        return [w for w in config_warnings(load_config(None, list(overrides))) if w.startswith("train.ditto_lambda")]
+
+    assert said("train.lr=0.1", "train.ditto_lambda=19.9") == []  # lr x lambda = 1.99 < 2
+    assert said("train.lr=0.1", "train.ditto_lambda=20") == [
+        "train.ditto_lambda: train.lr x train.ditto_lambda = 0.1 x 20 = 2 is at or past 2, where SGD's step on Ditto's "
+        "regulariser is unstable (stable while lr x lambda < 2): the personal models will diverge to NaN/Inf and not "
+        "be kept. Lower train.lr or train.ditto_lambda"]
+    assert said("train.lr=0.1", "train.momentum=0.9", "train.ditto_lambda=37") == []  # 3.7 < 2 (1 + 0.9)
+    assert "with train.momentum=0.9 (stable while lr x lambda < 2 x (1 + momentum))" in \
+        said("train.lr=0.1", "train.momentum=0.9", "train.ditto_lambda=100")[0]
+    assert said("train.lr=0.1", "train.optimizer=adam", "train.ditto_lambda=100") == []  # no such bound for Adam
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("strategy.name=scaffold", "compression.method=int8"), "set compression.method='none' or choose fedavg"),
+    (("strategy.name=feddyn", "compression.method=int4"), "set compression.method='none' or choose fedavg"),
+    (("strategy.name=scaffold", "strategy.wire_dtype=bfloat16"), "unset strategy.wire_dtype or choose fedavg"),
+    (("secagg.enabled=true", "compression.method=int8"),
+     "secagg.enabled: compression.method 'int8' needs secagg.enabled=false (secure aggregation sends its own "
+     "fixed-point values, one encoding at a time); or set compression.method='none' to keep secure aggregation"),
+    (("secagg.enabled=true", "strategy.wire_dtype=bfloat16"),
+     "strategy.wire_dtype: secagg.enabled needs strategy.wire_dtype unset (masked updates travel as fixed-point "
+     "ring values in fp32's bytes, which bfloat16 cannot hold): unset strategy.wire_dtype, or set "
+     "secagg.enabled=false to keep it"),
+], ids=["scaffold-int8", "feddyn-int4", "scaffold-bf16-wire", "secagg-int8", "secagg-bf16-wire"])
+def test_a_refused_encoding_names_both_ways_out(overrides, message):
+    """A refusal says what to change on either side: the encoding, or the strategy or secure aggregation that
+    refuses it (a SCAFFOLD run told only to drop compression may rather drop SCAFFOLD)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["strategy.update=delta", *overrides])
+    assert message in str(err.value)

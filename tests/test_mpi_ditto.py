@@ -15,6 +15,7 @@ from results import assert_bitwise, run_result
 
 from mpifl.cli.plan import estimate
 from mpifl.config import ConfigError, load_config
+from mpifl.units import range_list
 
 CONFIG = """
 seed: 4
@@ -164,3 +165,30 @@ def test_the_plan_counts_the_personal_model_held_until_a_clients_round_stands_un
 def test_ditto_is_refused_beside_what_it_cannot_share_a_rank_with(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*overrides], data=yaml.safe_load(CONFIG))
+
+
+def test_a_diverged_personal_model_is_named_warned_about_and_left_out_of_the_personal_scores(tmp_path):
+    """lr x lambda far past SGD's stability bound (0.1 x 1000 against 2 (1 + 0.9)): a client whose personal model
+    goes NaN/Inf keeps none that round, the round's record names it (``personal_diverged``), rank 0 warns naming it
+    with the keys to lower, and the federated personal scores are over the other clients (``personal_clients``).
+    The run was silent, and its diverged personal models were scored and averaged as if valid."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), "data.val_fraction=0.2",
+                     "eval.federated_every=1", "rounds=2", "train.lr=0.1", "train.momentum=0.9",
+                     "train.ditto_lambda=1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: train.ditto_lambda: train.lr x train.ditto_lambda = 0.1 x 1000 = 100 is at or past 3.8" \
+        in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(record["personal_diverged"] for record in records)
+    for record in records:
+        diverged, federated = record["personal_diverged"], record["federated_eval"]
+        scored = sorted(map(int, federated.get("personal_accuracy_per_client", {})))
+        assert sorted(diverged + scored) == record["participants"], record
+        assert federated["personal_clients"] == len(scored)
+        assert federated.get("personal_loss", 0.0) is not None  # no NaN written as null
+        if diverged:
+            clients = f"client{'s' if len(diverged) > 1 else ''} {range_list(diverged)}"
+            assert f"round {record['round']}: Ditto: the personal training of logical {clients} went non-finite" \
+                in result.stderr
+    assert "Lower train.lr or train.ditto_lambda" in result.stderr

@@ -217,3 +217,22 @@ def test_a_record_is_strict_json_and_an_unbounded_epsilon_is_null(tmp_path):
 
     assert json.loads(line, parse_constant=strict) == {"round": 1, "privacy": {"epsilon": None, "delta": 1e-5},
                                                         "losses": [0.5, None]}
+
+
+def test_the_accountants_convergence_note_names_no_rank_outside_an_mpi_launch(capfd, monkeypatch):
+    """``mpifl validate`` runs without MPI, and its budget check may reach dp-accounting's convergence warning: the
+    note it gives in mpifl's words had '[rank 0]' before it there; under a launcher it keeps its rank."""
+    import logging
+
+    from mpifl.logs import RANK_VARIABLES
+    from mpifl.privacy.accounting import _ConvergenceNotes
+
+    record = logging.LogRecord("absl", logging.WARNING, __file__, 1, "_compute_log_a_frac failed to converge", (),
+                               None)
+    for var in RANK_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    assert _ConvergenceNotes().filter(record) is False
+    assert capfd.readouterr().err.startswith("privacy: dp-accounting's RDP series did not converge")
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert _ConvergenceNotes().filter(record) is False
+    assert capfd.readouterr().err.startswith("[rank 0] privacy: dp-accounting's")

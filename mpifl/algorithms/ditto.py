@@ -71,6 +71,8 @@ class PersonalModels:
         # or to have failed (``discard``), so that a dropped client leaves no trace, as its c_i or g_i leaves none
         self.deferred = deferred
         self.pending: tuple[int, list[torch.Tensor]] | None = None
+        # the client whose personal training went non-finite last (its v_i not kept, nor scored), else None
+        self.diverged: int | None = None
         self.backwards_per_step = backwards_per_step  # train.grad_accum_steps: Ditto's term once per step
         # called with (client, seed, w) once v_i is in the model, before it trains: a group's leader
         # (clients.ranks_per_client) sends its group both models there (GroupLeader.dispatch_personal)
@@ -86,8 +88,10 @@ class PersonalModels:
               evaluate: Callable[[], dict] | None) -> dict:
         """Update ``client``'s v_i and keep it (unless it diverged); give the model the global w back (and the
         client's own local tensors). Returns ``evaluate()``'s metrics of v_i when given (the caller's federated
-        evaluation of the model in place)."""
-        self.pending = None
+        evaluation of the model in place). A v_i gone non-finite is neither kept (the client's next personal
+        training starts from its last kept v_i, or from w when it has none) nor scored: ``diverged`` names it."""
+        self.pending = self.diverged = None
+        metrics: dict = {}
         local = list(self.local.values())
         own_local = {n: t.detach().clone() for n, t in self.local.items()}  # l_i: v_i's anchor, the model's after
         if self.store.has(client):  # a personal model of its own (a resume reloads them), else a copy of (w, l_i)
@@ -102,9 +106,11 @@ class PersonalModels:
                 self.starting(client, seed, global_bytes)
             with regularized_gradients(self.params, anchors, self.zeros, self.lam, self.backwards_per_step):
                 self.trainer.train(self.flat.module, data, seed)
-            metrics = evaluate() if evaluate is not None else {}
             views = [self.flat.chunk_view(c) for c in self.chunks]
-            if all(bool(torch.isfinite(v).all()) for v in [*views, *local]):
+            if not all(bool(torch.isfinite(v).all()) for v in [*views, *local]):
+                self.diverged = client
+            else:
+                metrics = evaluate() if evaluate is not None else {}
                 self.pending = client, self._trained(views, local)
                 if not self.deferred:
                     self.keep(client)
@@ -160,11 +166,12 @@ class ShardPersonalModels:
         self.zeros = [torch.zeros(r.shape, dtype=torch.float32, device=r.device) for r in rows.rows]
         self.scratch = torch.empty(rows.elements, dtype=torch.float32)  # v_i's rows, held until the update stands
         self.pending: int | None = None  # the client whose v_i ``scratch`` holds
+        self.diverged: int | None = None  # the client whose personal training went non-finite last (v_i not kept)
 
     def train(self, client: int, module: torch.nn.Module, data: ClientData | None, seed: int) -> None:
         """Update ``client``'s v_i on this rank's rows and hold it (``keep`` stores it); the shard holds w again
-        afterwards."""
-        self.pending = None
+        afterwards; ``diverged`` names the client when its v_i went non-finite on any rank of the group."""
+        self.pending = self.diverged = None
         try:
             if self.store.has(client):
                 scatter(self.store.read(client, 0), list(self.rows.rows))
@@ -174,6 +181,8 @@ class ShardPersonalModels:
             if self.rows.all_ranks(all(bool(torch.isfinite(r).all()) for r in self.rows.rows)):
                 gather(list(self.rows.rows), self.scratch)
                 self.pending = client
+            else:
+                self.diverged = client
         finally:
             self.restore()
 

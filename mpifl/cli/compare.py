@@ -50,6 +50,7 @@ class RunOutcome:
     reached_round: int | None
     reached_virtual_seconds: float | None
     last_round: int = 0  # the last round the run recorded (a stopped or failed run's is short of config rounds)
+    non_finite: int = 0  # rounds that recorded the metric as null: NaN or Inf (metrics.jsonl writes them so)
 
     @property
     def incomplete(self) -> bool:
@@ -68,7 +69,17 @@ def outcome(run_dir: Path, records: list[dict], metric: str, target: float | Non
         None)
     return RunOutcome(run_dir, saved_config(run_dir), curve, pick(values) if values else math.nan,
                       values[-1] if values else math.nan, reached["round"] if reached else None,
-                      reached.get("virtual_time") if reached else None, records[-1]["round"] if records else 0)
+                      reached.get("virtual_time") if reached else None, records[-1]["round"] if records else 0,
+                      sum(recorded_null(r, metric) for r in records))
+
+
+def recorded_null(record: dict, dotted: str) -> bool:
+    """Whether a round's record has the dotted key as null: a value that was NaN or Inf when written."""
+    *sections, leaf = dotted.split(".")
+    section: Any = record
+    for part in sections:
+        section = section.get(part) if isinstance(section, dict) else None
+    return isinstance(section, dict) and leaf in section and section[leaf] is None
 
 
 def strategy_label(config: dict) -> str:
@@ -257,7 +268,7 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         given[key] = d
     runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
     known = set().union(*(metric_keys(records) for _, records in runs))
-    if metric not in known:
+    if metric not in known and not any(recorded_null(r, metric) for _, records in runs for r in records):
         import difflib
 
         close = difflib.get_close_matches(metric, sorted(known), n=1)
@@ -276,7 +287,8 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     for o in outcomes:
         to_target = [str(o.reached_round) if o.reached_round else "not reached",
                      f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"]
-        values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else ["no round recorded it", "-"]
+        values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else \
+            ["non-finite in every round" if o.non_finite else "no round recorded it", "-"]
         rows.append([names[o.run_dir], strategy_label(o.config),
                      str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
     text = render(header, rows, fmt)
@@ -285,10 +297,7 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     if short:
         text += (f"\n\n{', '.join(short)}: fewer rounds recorded than the config asks (stopped, failed or still "
                  "running: `mpifl status` says which); 'final' is the last round recorded")
-    empty = [names[o.run_dir] for o in outcomes if not o.curve]
-    if empty:  # a run that failed before its first round, or one that never records the metric
-        text += (f"\n\n{', '.join(empty)}: no round recorded {metric} (`mpifl status` says how far a run got); "
-                 "left out of the groups below and of the figure")
+    text += empty_notes(outcomes, names, metric)
     groups = seed_groups([o for o in outcomes if o.curve])
     for _, members in groups:
         repeat = repeated_seed(members)
@@ -308,6 +317,22 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                                  "final, mean ± std", *([f"{reach}, mean ± std"] if reach else [])], group_rows, fmt)
         text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
     return text, groups
+
+
+def empty_notes(outcomes: Sequence[RunOutcome], names: dict[Path, str], metric: str) -> str:
+    """The notes on runs without a value of ``metric``: none recorded (a run that failed before its first round,
+    or one that never records it), or only non-finite ones (a diverged model's loss)."""
+    text = ""
+    missing = [names[o.run_dir] for o in outcomes if not o.curve and not o.non_finite]
+    if missing:
+        text += (f"\n\n{', '.join(missing)}: no round recorded {metric} (`mpifl status` says how far a run got); "
+                 "left out of the groups below and of the figure")
+    diverged = [names[o.run_dir] for o in outcomes if not o.curve and o.non_finite]
+    if diverged:
+        text += (f"\n\n{', '.join(diverged)}: {metric} was non-finite (NaN or Inf, null in metrics.jsonl) in every "
+                 "round that recorded it (a diverged model: lower the learning rate); left out of the groups below "
+                 "and of the figure")
+    return text
 
 
 def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:

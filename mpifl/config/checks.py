@@ -144,11 +144,12 @@ def _client_state_problem(cfg: Config, name: str) -> str | None:
                 f"{why}: set secagg.enabled=false or choose fedavg")
     if cfg.compression.method != "none":
         return (f"compression.method: a compressed update would lose parts of the delta that the client has "
-                f"already folded into its own {state}; {why}: set compression.method='none'")
+                f"already folded into its own {state}; {why}: set compression.method='none' or choose fedavg "
+                "(which takes int8, int4 and top-k)")
     if cfg.strategy.wire_dtype in ("bfloat16", "float16") and cfg.model.dtype not in ("bfloat16", "float16"):
         return (f"strategy.wire_dtype: a {cfg.strategy.wire_dtype} update loses low bits of the delta that the client "
                 f"has already folded into its own {state} at full precision, so the server's state drifts from the "
-                f"clients'; {why}: unset strategy.wire_dtype")
+                f"clients'; {why}: unset strategy.wire_dtype or choose fedavg")
     if cfg.clock.mode in ASYNCHRONOUS_MODES:
         return (f"clock.mode: {cfg.clock.mode!r} applies stale updates one by one; {why} and needs synchronous "
                 "rounds: choose clock.mode 'off' or 'sync'")
@@ -241,7 +242,10 @@ def _check_secagg(cfg: Config) -> None:
         return
     needs = [("model.dtype", cfg.model.dtype == "float32",
               "'float32' (fixed-point ring values travel in fp32's bytes)"),
-             ("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset"),
+             ("strategy.wire_dtype", cfg.strategy.wire_dtype is None,
+              "strategy.wire_dtype unset (masked updates travel as fixed-point ring values in fp32's bytes, which "
+              f"{cfg.strategy.wire_dtype} cannot hold): unset strategy.wire_dtype, or set secagg.enabled=false to "
+              "keep it"),
              ("clients.groups", not cfg.clients.groups, "0 (each client masks its own update)"),
              ("clock.mode", cfg.clock.mode in ("off", "sync"), "'off' or 'sync' (a cohort shares its masks)"),
              ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central' (local DP needs no secure sum)")]
@@ -265,7 +269,9 @@ def _check_compression(cfg: Config) -> None:
              ("clients.groups", not cfg.clients.groups or cfg.compression.method != "topk",
               "0 with top-k (error feedback keeps a residual per client; int8 and int4 quantize group sums)"),
              ("transport.reduce", cfg.transport.reduce == "direct", "'direct' (the chain adds fp32 sums)"),
-             ("secagg.enabled", not cfg.secagg.enabled, "false (secure aggregation has its own fixed point)"),
+             ("secagg.enabled", not cfg.secagg.enabled,
+              "secagg.enabled=false (secure aggregation sends its own fixed-point values, one encoding at a time); "
+              "or set compression.method='none' to keep secure aggregation"),
              ("privacy.mode", cfg.privacy.mode != "local", "'off' or 'central'")]
     if cfg.compression.method == "topk":
         needs.append(("strategy.update", cfg.strategy.update == "delta", "'delta' (a sparse update is a change)"))
@@ -536,7 +542,8 @@ NARROW_GLOBAL_LR = 1e-4
 
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
-    found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg)
+    found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg) + \
+        _ditto_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -601,6 +608,24 @@ def _group_warnings(cfg: Config) -> list[str]:
             f"{ranks - batch} of each client group's {ranks} ranks without a sample (they join the group's "
             "collectives and add nothing): raise train.batch_size to a multiple of clients.ranks_per_client, or "
             "lower clients.ranks_per_client"]
+
+
+def _ditto_warnings(cfg: Config) -> list[str]:
+    """train.lr x train.ditto_lambda at or past the bound where SGD's step on Ditto's regulariser
+    lambda/2 ||v - w||^2 alone stops shrinking v - w: it multiplies v - w by 1 - lr lambda, stable below 2; with
+    heavy-ball momentum beta, below 2 (1 + beta). Past it the personal models grow until they are NaN/Inf."""
+    train = cfg.train
+    if not train.ditto_lambda or train.optimizer != "sgd" or train.trainer not in ("torch", "causal_lm"):
+        return []
+    bound = 2 * (1 + train.momentum)
+    product = train.lr * train.ditto_lambda
+    if product < bound:
+        return []
+    with_momentum = f" with train.momentum={train.momentum:g}" if train.momentum else ""
+    return [f"train.ditto_lambda: train.lr x train.ditto_lambda = {train.lr:g} x {train.ditto_lambda:g} = "
+            f"{product:g} is at or past {bound:g}, where SGD's step on Ditto's regulariser is unstable{with_momentum} "
+            f"(stable while lr x lambda < 2{' x (1 + momentum)' if train.momentum else ''}): the personal models "
+            "will diverge to NaN/Inf and not be kept. Lower train.lr or train.ditto_lambda"]
 
 
 # What a clock.queue_trace replaces: its jobs' own waits, run times and ends (mpifl.clock.queue draws none).

@@ -51,7 +51,7 @@ class _ConvergenceNotes(logging.Filter):
         if not self.told:
             self.told = True
             log("privacy: dp-accounting's RDP series did not converge at some orders (its own warning, shown once); "
-                "epsilon comes from the orders that did", rank=0)
+                "epsilon comes from the orders that did")  # its rank when launched ([rank 0]), none in validate
         return False
 
 

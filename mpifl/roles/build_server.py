@@ -157,7 +157,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             virtual_clock=cfg.clock.mode != "off", client_state=kept is not None,
                             unrestorable_state=_unrestorable_state(cfg),
                             restored_state=kept.restorable if kept is not None and cfg.undoes_dropped_state else "",
-                            kept_state=kept.lasting if kept is not None else "")
+                            kept_state=kept.lasting if kept is not None else "",
+                            personal=cfg.train.ditto_lambda > 0)
         server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
         publisher.listen(server.heard)
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))

@@ -14,6 +14,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import local_steps
 from mpifl.logs import log, world_rank
+from mpifl.metrics import PERSONAL_DIVERGED
 from mpifl.privacy.dp import ClientPrivacy
 from mpifl.privacy.secagg import SecureAggregation
 from mpifl.roles.client_state import ClientStateParts, put_back_line
@@ -254,6 +255,11 @@ class ClientRank:
             self.parts.state.personal.load(client)
         return self._serve_client(round_, client, keep, check)
 
+    def _personal_flags(self, client: int) -> dict:
+        """Ditto: the header's mark of a client whose personal model diverged (the server's record names it)."""
+        models = self.parts.state.models
+        return {PERSONAL_DIVERGED: True} if models is not None and models.diverged == client else {}
+
     def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None,
                       check_update: bool = True) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
         """Train one logical client and turn its model into the update it sends, with its header (no buffers:
@@ -298,6 +304,7 @@ class ClientRank:
             models.discard()
         seconds = time.perf_counter() - start
         metrics = {**result.metrics, **self.costs.of_update(seconds)}
+        metrics.update(self._personal_flags(client))
         if self.replica is not None and self.replica.on_gpu:
             metrics["rank_peak_device_bytes"] = self.replica.peak_bytes()
         meta = protocol.UpdateMeta(client, result.num_samples, seconds, metrics, error, result.local_steps, scores)

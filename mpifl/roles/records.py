@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from mpifl.errors import RESUME_FAILS_THE_SAME_WAY
 from mpifl.logs import log, world_rank
-from mpifl.metrics import OWN_METRIC_PREFIXES
+from mpifl.metrics import OWN_METRIC_PREFIXES, PERSONAL_DIVERGED
 from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE
 from mpifl.privacy.ring import advisable_fraction_bits, value_range
 from mpifl.units import MIB, range_list
@@ -324,7 +324,10 @@ def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:
     """The round's clients' scores of their own validation splits (``UpdateMeta.evaluation``, mpifl's alone: never a
     trainer's metrics): each score's mean weighted by validation samples, and for each accuracy (the received
     model's, Ditto's ``personal_accuracy``) how it spreads across the clients (``client_spread``); None when no
-    client was evaluated. Summed in ascending client id, so the record is the same bits on any number of ranks."""
+    client was evaluated. Summed in ascending client id, so the record is the same bits on any number of ranks.
+
+    Ditto's ``personal_*`` scores are over the clients whose personal model stayed finite (``personal_clients`` of
+    them): a client whose personal training diverged has no personal model to score (``PERSONAL_DIVERGED``)."""
     scored = sorted((m for m in metas if "samples" in m.evaluation), key=lambda m: m.client)
     if not scored:
         return None
@@ -333,6 +336,8 @@ def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:
     keys = [k for k in dict.fromkeys(k for r in reports for k in r) if k != "samples"]
     out = {k: sum(r[k] * r["samples"] for r in reports if k in r) / sum(r["samples"] for r in reports if k in r)
            for k in keys}
+    if any(k.startswith("personal_") for k in keys) or any(m.metrics.get(PERSONAL_DIVERGED) for m in scored):
+        out["personal_clients"] = sum(any(k.startswith("personal_") for k in r) for r in reports)
     if "perplexity" in out:  # of the pooled loss, not a mean of perplexities
         out["perplexity"] = math.exp(min(out["loss"], 50.0))
     spreads: dict = {}
@@ -340,6 +345,20 @@ def federated_evaluation(metas: Iterable[UpdateMeta]) -> dict | None:
         per_client = {m.client: float(m.evaluation[key]) for m in scored if key in m.evaluation}
         spreads.update({f"{key}_{stat}": value for stat, value in client_spread(per_client).items()})
     return {**out, "clients": len(reports), "samples": n, **spreads}
+
+
+def personal_diverged(metas: Iterable[UpdateMeta]) -> list[int]:
+    """Ditto: the round's clients whose personal training went non-finite (their v_i not kept), by id."""
+    return sorted(m.client for m in metas if m.metrics.get(PERSONAL_DIVERGED))
+
+
+def divergence_line(round_: int, clients: Sequence[int]) -> str:
+    """The warning for a round whose clients' personal models diverged (``personal_diverged``)."""
+    return (f"round {round_}: Ditto: the personal training of logical client{'s' if len(clients) != 1 else ''} "
+            f"{range_list(clients)} went non-finite (NaN/Inf); their personal models were not kept (each starts "
+            "again from its last kept one, or from the global model) and are left out of the federated personal "
+            "scores. Lower train.lr or train.ditto_lambda: the regulariser's step is stable only while "
+            "lr * ditto_lambda < 2 (2 * (1 + momentum) with momentum)")
 
 
 WORST_SHARE = 10  # the worst tenth of the clients: Ditto's fairness measure (Li et al. 2021, "worst 10%")
@@ -417,7 +436,7 @@ def summary(record: dict) -> str:
     parts += [f"{k} {v:.4f}" for k, v in record.get("eval", {}).items()]
     if "federated_eval" in record:
         parts += [f"federated_{k} {v:.4f}" for k, v in record["federated_eval"].items()
-                  if k not in ("clients", "samples") and not k.endswith(SPREAD_NOT_LOGGED)]
+                  if k not in ("clients", "samples", "personal_clients") and not k.endswith(SPREAD_NOT_LOGGED)]
     return ", ".join(parts)
 
 

@@ -38,12 +38,14 @@ from mpifl.roles.records import (
     RoundTimes,
     client_metrics,
     cost_to_date,
+    divergence_line,
     dropped_entries,
     fault_entries,
     federated_evaluation,
     group_split,
     note_memory_growth,
     note_secagg,
+    personal_diverged,
     plus_late,
     plus_server,
     rank_costs,
@@ -117,6 +119,7 @@ class ServerParts:
     unrestorable_state: str = ""
     restored_state: str = ""  # the per-client state a put-back restores (clients.accept_failures' journal)
     kept_state: str = ""  # the per-client state a client keeps from a round that does not apply its update: its own
+    personal: bool = False  # train.ditto_lambda: each record names the clients whose personal model diverged
 
 
 class Server:
@@ -220,6 +223,7 @@ class Server:
                            evaluated, stats.aggregate_seconds, trained, stats.last_drop)
         record = self._record(plan, routes, stats.metas, evaluation, times, work)
         record.update(self._left_out(plan, stats))
+        record.update(self._personal(round_, stats.metas))
         record["cost"] = round_cost(self.meter.since_last(), work, record["bytes_sent"] + record["bytes_received"])
         late = rank_costs(self.late.take_discarded())
         if late:
@@ -577,6 +581,16 @@ class Server:
         if strategy:
             record["strategy_metrics"] = dict(strategy)
         return record
+
+    def _personal(self, round_: int, metas: dict) -> dict:
+        """Ditto: the record's ``personal_diverged`` (the clients whose personal model went non-finite), with a
+        warning that names them; nothing without Ditto."""
+        if not self.parts.personal:
+            return {}
+        diverged = personal_diverged(metas.values())
+        if diverged:
+            log(divergence_line(round_, diverged), rank=0)
+        return {"personal_diverged": diverged}
 
     def _work_by_rank(self, plan: RoundAssignment, metas: dict) -> dict[str, dict]:
         """Each client rank's logical clients this round, their training time (they train one after another) and

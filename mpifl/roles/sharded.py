@@ -60,7 +60,7 @@ from mpifl.learning.trainers import (
     trainer_name,
 )
 from mpifl.logs import log
-from mpifl.metrics import CostMeter
+from mpifl.metrics import PERSONAL_DIVERGED, CostMeter
 from mpifl.planning.faults import FaultPlan
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.encoding import UpdateCompressor
@@ -229,6 +229,9 @@ class ShardedLeader:
             metrics = {**result.metrics, **self.group.costs(self.meter),
                        "group_setup_seconds": self.parallel.setup_seconds if self.first else 0.0,
                        "group_dispatch_seconds": dispatched - began, "group_train_seconds": trained - dispatched}
+            personal = self.state.personal if self.state is not None else None
+            if trains and personal is not None and personal.diverged == client:  # named in the round's record
+                metrics[PERSONAL_DIVERGED] = True
             self.first = False
             meta = protocol.UpdateMeta(client, result.num_samples, time.perf_counter() - began, metrics, error,
                                        result.local_steps)
