@@ -14,11 +14,12 @@ SUPERVISOR_PID = "MPIFL_SUPERVISOR_PID"  # set in a rank's environment by its su
 # The COMM_WORLD rank of each rank of the communicator the server and the client ranks talk over: the same rank,
 # but under clients.ranks_per_client R > 1, where the server and the group leaders talk over a communicator of their
 # own (the k-th group's leader is rank k there): set once by the run (mpifl.roles.runner, from GroupLayout).
-def _same_rank(rank: int) -> int:
+def same_rank(rank: int) -> int:
+    """``rank`` itself: the naming of a run whose client ranks talk to the server over COMM_WORLD."""
     return rank
 
 
-_world_rank: Callable[[int], int] = _same_rank
+_world_rank: Callable[[int], int] = same_rank
 
 
 def name_ranks_by_world(to_world: Callable[[int], int]) -> None:

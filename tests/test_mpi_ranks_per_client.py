@@ -350,3 +350,17 @@ def test_a_fault_naming_ranks_is_refused_where_groups_of_ranks_train_the_clients
     with pytest.raises(ConfigError, match=r"faults\[0\]\.ranks: names client ranks, and with "
                                           r"clients.ranks_per_client=2 each client is trained by a group of ranks"):
         load_config(cfg, ["faults=[{kind: slowdown, ranks: [1], factor: 2}]"])
+
+
+def test_a_sweep_that_runs_groups_then_single_ranks_in_one_process_names_each_runs_ranks_its_own_way(tmp_path):
+    """The naming of leaders by their MPI ranks belongs to the run that has groups: the next run of the same
+    processes (mpifl sweep), with one rank per client, names its ranks as they are (it named client 1's rank 3,
+    its group leader's rank in the run before, instead of 2)."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(5, "sweep", str(cfg), "--grid", "clients.ranks_per_client=2,1", "--runs-dir",
+                     str(tmp_path / "runs"), "rounds=1", "clients.accept_failures=true",
+                     "faults=[{kind: raise, clients: [1]}]")
+    assert result.returncode == 0, result.stderr[-3000:]
+    named = {r: [d["rank"] for d in records(tmp_path / "runs" / f"clients.ranks_per_client={r}")[0]["dropped"]]
+             for r in (2, 1)}
+    assert named == {2: [3], 1: [2]}  # client 1: the second group's leader, then the second of 4 client ranks

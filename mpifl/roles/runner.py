@@ -23,7 +23,7 @@ from mpifl.learning.datasets import (
 )
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
 from mpifl.learning.trainers import load_optimizer_machinery
-from mpifl.logs import SUPERVISOR_PID, log, name_ranks_by_world
+from mpifl.logs import SUPERVISOR_PID, log, name_ranks_by_world, same_rank
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
@@ -168,7 +168,10 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     layout, group = GroupLayout(cfg.clients.ranks_per_client), None
     if layout.ranks_per_client > 1:  # the server and the groups' leaders go on as if each group were one rank
         federation, group = split_world(comm, layout)
-        name_ranks_by_world(layout.leader_world_rank)  # messages and records name the leaders' own MPI ranks
+        # messages and records name the leaders by their own MPI ranks, for this run only: a process that runs
+        # several (mpifl sweep, a caller's communicator) may run the next with one rank per client
+        name_ranks_by_world(layout.leader_world_rank)
+        open_while_running.callback(name_ranks_by_world, same_rank)
         if federation is None:
             assert group is not None  # a group's other ranks are client ranks
             local = local_data(cfg, dataset, layout.federation_rank(comm.Get_rank()), layout.groups(comm.Get_size()))
