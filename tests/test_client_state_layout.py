@@ -35,6 +35,15 @@ def test_the_layouts_of_one_or_two_kinds_are_those_earlier_checkpoints_hold(kind
     assert firsts(**kinds) == before
 
 
+def test_each_marked_part_names_the_element_that_holds_its_mark_and_a_part_alone_has_none():
+    state = client_state("control_variates", False, True, True, {}, BUDGETS)
+    assert state is not None
+    layout = state.layout(SIZES)  # c_i [0, 7), local [7, 9) + mark 9, personal [10, 20) (5, 3, 2) + mark 20
+    assert [layout.mark(part) for part in layout.parts] == [None, 9, 20]
+    alone = client_state(None, False, False, True, {}, BUDGETS)
+    assert alone is not None and alone.layout(SIZES).mark(alone.layout(SIZES).parts[0]) is None
+
+
 def test_three_built_in_kinds_lay_out_one_after_another_each_with_its_mark():
     # SCAFFOLD's c_i, the client's local tensors and their mark, its personal model with its own local tensors,
     # and that model's mark

@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                                   "naming the first corrupt tensor, nothing written)")
     exp.add_argument("checkpoint", help="an mpifl checkpoint (.h5) to export")
     exp.add_argument("out", help="output .safetensors file")
+    exp.add_argument("--client", type=int, metavar="ID", help="the model logical client ID uses instead: its Ditto "
+                     "personal model (train.ditto_lambda), or the global tensors with its own model.local ones "
+                     "(FedPer, FedBN), read from the checkpoint's per-rank files (exit 2 where it has none)")
     exp.set_defaults(func=commands.export)
     status = _command(sub, "status", "after a job: how far a run got, which ranks did not finish and when each "
                                "was last heard of, and whether a resume can start from its newest checkpoint (exit 0 "

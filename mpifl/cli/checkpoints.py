@@ -75,10 +75,12 @@ def umask_mode(mode: int = 0o666) -> int:
     return mode & ~mask
 
 
-def export(path: str, out: str) -> int:
+def export(path: str, out: str, client: int | None = None) -> int:
     """Write the checkpoint's model to a safetensors file (needs the 'hf' extra); never over a checkpoint, and
     never from one whose checksums fail (``Checkpoint.verify``, as ``inspect --verify`` and resume check them):
-    a flipped byte would otherwise leave mpifl as a model that loads without a word."""
+    a flipped byte would otherwise leave mpifl as a model that loads without a word. With ``client``, the model
+    that logical client uses: its Ditto personal model, or the global tensors with its own model.local ones
+    (mpifl.cli.client_model)."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -95,8 +97,15 @@ def export(path: str, out: str) -> int:
             ckpt.verify()
         except CheckpointError as err:
             raise CheckpointError(f"export: {err}; nothing written") from None
-        tensors = model_tensors(ckpt.tensors())
         meta = {"format": "pt", "mpifl_round": str(ckpt.round), "mpifl_spec_hash": ckpt.spec_hash}
+        if client is None:
+            tensors = model_tensors(ckpt.tensors())
+        else:
+            from mpifl.cli.client_model import client_tensors
+
+            own, which = client_tensors(ckpt, client)
+            tensors = model_tensors(own)
+            meta.update(mpifl_client=str(client), mpifl_client_model=which)
         config = ckpt.config
     lora = _lora_config(config)
     if lora is not None:  # peft's adapter file names each tensor without its adapter ('default')
@@ -109,7 +118,8 @@ def export(path: str, out: str) -> int:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"export: could not write {out}: {err}") from None
-    print(f"wrote {len(tensors)} tensors to {out}")
+    whose = "" if client is None else f" of client {client}'s model ({meta['mpifl_client_model']})"
+    print(f"wrote {len(tensors)} tensors{whose} to {out}")
     tokenizer = run_tokenizer(Path(path))
     _write_transformers_config(config, target.parent, tokenizer)
     if lora is not None:

@@ -262,10 +262,10 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    """``mpifl export``: a checkpoint's model as safetensors."""
+    """``mpifl export``: a checkpoint's model (or one client's, ``--client``) as safetensors."""
     from mpifl.cli import checkpoints
 
-    return checkpoints.export(args.checkpoint, args.out)
+    return checkpoints.export(args.checkpoint, args.out, args.client)
 
 
 def plan(args: argparse.Namespace) -> int:

@@ -127,6 +127,13 @@ class ClientStateLayout:
         """The part named ``name``, or None when the run keeps no such state."""
         return next((p for p in self.parts if p.name == name), None)
 
+    def mark(self, part: Part) -> int | None:
+        """The element of each client's vector that holds ``part``'s mark (1 once the client wrote that part
+        whole), or None for a part without one: the last element of its stored chunks."""
+        if not part.marked:
+            return None
+        return self.firsts[part.first + len(self._stored_chunks(part))] - 1
+
     def journaled_chunks(self) -> tuple[int, ...]:
         """The chunks put back when a client is dropped past its deadline (``clients.accept_failures``): SCAFFOLD's
         and FedDyn's vectors, which the server's c or h never took the dropped delta into, and every plug-in vector

@@ -17,9 +17,12 @@ import torch
 from torch import nn
 
 from mpifl.config import ConfigError, ModelConfig
+from mpifl.config.client_state import StateSizes
+from mpifl.learning.steps import trainable_elements
 from mpifl.plugins import is_import_path, kwargs_problem, resolve
 from mpifl.units import MIB
 from mpifl.wire.flat import DTYPES, FlatModel, build_spec, split_tensors
+from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.spec import CONTROL, ModelSpec
 
 
@@ -398,6 +401,23 @@ def output_width_problem(cfg: ModelConfig, model: nn.Module, input_shape: Sequen
     return None
 
 
+def state_sizes(plan: ExchangeLayout, flat: FlatModel) -> StateSizes:
+    """The sizes a per-client layout needs (mpifl.config.client_state), read off a model and its exchange layout:
+    a client rank's, and ``mpifl export --client``'s model built as the run built it."""
+    return StateSizes(trainable=trainable_elements(flat.module, flat.local),
+                      chunks=tuple(c.nbytes // c.itemsize for c in plan.chunks),
+                      local=sum(t.numel() for _, t in flat.local_tensors()),
+                      tensors=sum(t.numel() for _, t in flat.tensors()))
+
+
+def meta_flat_model(cfg: ModelConfig, seed: int, streams: Streams | None = None, **shape: Any) -> FlatModel:
+    """The model built on the meta device, then bound to flat buffers allocated but not written: the layout a
+    run's ranks have, for a caller that fills every tensor it reads itself (from a checkpoint)."""
+    with torch.device("meta"):
+        module = build_model(cfg, seed, streams=streams, **shape)
+    return FlatModel(module, cfg.exchange == "trainable", local=local_patterns(cfg, module))
+
+
 def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, streams: Streams | None = None,
                      **shape: Any) -> FlatModel:
     """Build the model with its weights allocated once, in the flat buffer(s).
@@ -417,9 +437,7 @@ def build_flat_model(cfg: ModelConfig, seed: int, read_init: bool = True, stream
             assert cfg.transformers.path is not None  # config checks refuse pretrained without a path
             hf.load_pretrained(flat, cfg.transformers.path)
     elif cfg.init_from and not (trainable_only and cfg.trainable):  # the checkpoint holds every tensor
-        with torch.device("meta"):
-            module = build_model(cfg, seed, streams=streams, **shape)
-        flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))
+        flat = meta_flat_model(cfg, seed, streams, **shape)
     else:
         module = build_model(cfg, seed, streams=streams, **shape)
         flat = FlatModel(module, trainable_only, local=local_patterns(cfg, module))

@@ -18,6 +18,7 @@ from mpifl.learning.device import (
     DeviceReplica,
     training_replica,
 )
+from mpifl.learning.models import state_sizes
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import CausalLMTrainer, Evaluator, TorchTrainer, Trainer, make_evaluator, make_trainer
 from mpifl.logs import log
@@ -30,7 +31,6 @@ from mpifl.roles.client_state import (
     ClientStateParts,
     DeclaredVectors,
     open_client_state,
-    state_sizes,
     state_views,
 )
 from mpifl.roles.evaluation import FederatedEvaluation

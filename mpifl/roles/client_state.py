@@ -17,9 +17,9 @@ from mpifl.algorithms.contract import ClientHalf
 from mpifl.algorithms.ditto import PersonalModels
 from mpifl.algorithms.local_layers import PersonalTensors
 from mpifl.config import Config
-from mpifl.config.client_state import ClientStateLayout, StateSizes, StateVector
+from mpifl.config.client_state import ClientStateLayout, StateVector
 from mpifl.errors import JobFailure
-from mpifl.learning.steps import gather, trainable, trainable_elements
+from mpifl.learning.steps import gather, trainable
 from mpifl.logs import log
 from mpifl.roles.lending import StateLending
 from mpifl.storage.residuals import (
@@ -37,15 +37,6 @@ from mpifl.storage.residuals import (
 from mpifl.storage.rundir import ResumePoint
 from mpifl.units import MIB, range_list
 from mpifl.wire.flat import FlatModel, dtype_name
-from mpifl.wire.layout import ExchangeLayout
-
-
-def state_sizes(plan: ExchangeLayout, flat: FlatModel) -> StateSizes:
-    """The sizes a layout needs, read off the rank's model and its exchange layout."""
-    return StateSizes(trainable=trainable_elements(flat.module, flat.local),
-                      chunks=tuple(c.nbytes // c.itemsize for c in plan.chunks),
-                      local=sum(t.numel() for _, t in flat.local_tensors()),
-                      tensors=sum(t.numel() for _, t in flat.tensors()))
 
 
 def open_client_state(cfg: Config, layout: ClientStateLayout, rank: int, hosted: list[int], run_dir: Path | None,

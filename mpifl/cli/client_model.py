@@ -1,0 +1,128 @@
+"""``mpifl export --client``: the model one logical client uses, out of a checkpoint and its per-rank files.
+
+With ``model.local`` (FedBN, FedPer) a client uses the global exchanged tensors with its own local ones; with Ditto
+(``train.ditto_lambda``) its personal model v_i. Either is a part of the client's one vector
+(mpifl.config.client_state), published by the rank that hosted it beside each checkpoint
+(``ckpt-r<round>.residuals/rank<rank>.h5``, ``/clients/<id>``). It is decoded as a client rank loads it: into the
+model built as the run built it, through the run's exchange chunks (as ``PersonalModels`` reads v_i) and its local
+tensors (as ``PersonalTensors`` reads them), so that no layout arithmetic is written twice.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import h5py
+import torch
+import yaml
+
+from mpifl.config import ConfigError, load_config
+from mpifl.errors import CheckpointError
+from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
+from mpifl.storage.hdf5 import Checkpoint
+
+if TYPE_CHECKING:
+    from mpifl.config import Config
+    from mpifl.config.client_state import ClientState, ClientStateLayout
+
+OWN_MODELS = "model.local (FedBN, FedPer) or train.ditto_lambda (Ditto)"
+
+
+def client_tensors(ckpt: Checkpoint, client: int) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of the model logical client ``client`` uses at the checkpoint's round, and which it is ('personal'
+    or 'local'); CheckpointError saying why where the checkpoint holds none of its own."""
+    from mpifl.algorithms import model_streams
+    from mpifl.learning.datasets import data_shape, needs_dataset
+    from mpifl.learning.models import meta_flat_model, state_sizes
+    from mpifl.learning.steps import scatter
+    from mpifl.wire.layout import ExchangeLayout
+
+    cfg = _run_config(ckpt)
+    state = _own_models(ckpt, cfg, client)
+    shape = data_shape(cfg.data) if needs_dataset(cfg) else {}  # as the run's ranks size the model
+    flat = meta_flat_model(cfg.model, cfg.seed, model_streams(cfg.client_rule), **shape)
+    ckpt.check_spec(flat.spec)
+    plan = ExchangeLayout.build(flat.spec, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
+                                cfg.clients.groups > 0)
+    layout = state.layout(state_sizes(plan, flat))
+    which = "personal" if state.personal else "local"
+    part = layout.part(which)
+    assert part is not None  # _own_models refused a run without either
+    vector = _client_vector(ckpt, client, layout)
+    mark = layout.mark(part)
+    if mark is not None and float(vector[mark]) != 1.0:
+        raise CheckpointError(f"export --client {client}: {ckpt.path}: client {client} has no {_named(which)} of its "
+                              f"own at round {ckpt.round} (it never kept one: not yet trained, or its every training "
+                              "diverged), so the global model is what it would use: export it without --client")
+    firsts = layout.firsts
+
+    def chunk(index: int) -> torch.Tensor:
+        return vector[firsts[index]:firsts[index + 1]]
+
+    ckpt.read_into(flat.tensors())
+    local = [t for _, t in flat.local_tensors()]
+    if which == "personal":  # v_i: the exchange's chunks, then its own local tensors with model.local
+        for i, c in enumerate(plan.chunks):
+            flat.chunk_view(c).copy_(chunk(part.first + i))
+        if state.local:
+            scatter(chunk(part.first + len(plan.chunks)), local)
+    else:
+        scatter(chunk(part.first), local)
+    return {name: t.clone() for name, t in [*flat.tensors(), *flat.local_tensors()]}, which
+
+
+def _named(which: str) -> str:
+    """A part of the vector as a message names it."""
+    return {"personal": "Ditto personal model", "local": "model.local tensors"}[which]
+
+
+def _run_config(ckpt: Checkpoint) -> Config:
+    """The config of the run that wrote the checkpoint (its model is built from it)."""
+    try:
+        return load_config(None, data=yaml.safe_load(ckpt.config) or {})
+    except (ConfigError, yaml.YAMLError) as err:
+        raise CheckpointError(f"export --client: {ckpt.path}: its run's config cannot be read here, and the "
+                              f"client's vector is laid out by it: {err}") from None
+
+
+def _own_models(ckpt: Checkpoint, cfg: Config, client: int) -> ClientState:
+    """The run's per-client state, once it is known to hold a model of a client's own that can be read here."""
+    state = cfg.client_state()
+    if state is None or not (state.local or state.personal):
+        kept = f"kept {kept_per_client(ckpt)} per client" if state is not None else "kept nothing per client"
+        raise CheckpointError(f"export --client: {ckpt.path}: its run {kept}, no model of a client's own: only runs "
+                              f"with {OWN_MODELS} keep one; export the global model without --client")
+    if cfg.clients.sharding == "fsdp":
+        raise CheckpointError(f"export --client: {ckpt.path}: its run sharded each client (clients.sharding: fsdp), "
+                              "so each rank file holds only its rows of a client's vector; export --client does not "
+                              "join them")
+    if not 0 <= client < cfg.clients.num_clients:
+        raise CheckpointError(f"export --client: {ckpt.path}: no client {client}: its run had clients 0 to "
+                              f"{cfg.clients.num_clients - 1} (clients.num_clients: {cfg.clients.num_clients})")
+    return state
+
+
+def _client_vector(ckpt: Checkpoint, client: int, layout: ClientStateLayout) -> torch.Tensor:
+    """``client``'s whole vector from whichever of the checkpoint's rank files holds it."""
+    files = residual_files(ckpt)
+    if files is None:
+        raise CheckpointError(f"export --client {client}: {ckpt.path}: saved with no per-client state (round "
+                              f"{ckpt.round}): no client has a model of its own yet")
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"export --client {client}: {ckpt.path}: its per-client files {missing} are missing")
+    for path in files:
+        with h5py.File(path, "r") as f:
+            if int(f.attrs.get("shards", 1)) > 1:
+                raise CheckpointError(f"export --client {client}: {path} holds one shard of each client's rows "
+                                      "(clients.sharding: fsdp); export --client does not join them")
+            if int(f.attrs["elements"]) != layout.elements:
+                raise CheckpointError(f"export --client {client}: {path}: vectors of {int(f.attrs['elements'])} "
+                                      f"elements, where the run's layout has {layout.elements}")
+            if str(client) in f["clients"]:
+                return torch.from_numpy(f["clients"][str(client)][()])
+    silent = withheld_ranks(ckpt)
+    lacks = f", or it was hosted by rank(s) {silent}, silent when it was saved" if silent else ""
+    raise CheckpointError(f"export --client {client}: client {client}'s vector is in none of the {len(files)} rank "
+                          f"file(s) of {residuals_dir(ckpt.path)}: it kept no state by round {ckpt.round}{lacks}; "
+                          "with no model of its own yet, the global model is what it would use: export it without "
+                          "--client")
