@@ -115,14 +115,20 @@ def test_a_run_without_rounds_is_named_and_left_out_of_the_means(sweep, tmp_path
     assert "| strategy.name=fedavg | 3 | 0,1,2 |" in text
 
 
-def test_the_strategy_column_names_the_personalisation_beside_the_strategy(tmp_path):
-    runs = {"fedper": "model: {local: ['fc3.*']}\n", "ditto": "train: {ditto_lambda: 0.1}\n",
-            "both": "model: {local: ['fc3.*', 'bn.*']}\ntrain: {ditto_lambda: 0.5}\n",
-            "apfl": "train: {trainer: 'examples.apfl.apfl:APFLTrainer'}\n"}
+def compared_with_extras(tmp_path, runs: dict[str, str]) -> str:
+    """``compare``'s text of one FedAvg run per entry of ``runs`` (name: YAML added to its config)."""
     for name, extra in runs.items():
         run = write_run(tmp_path / name, "fedavg", 0)
         (run / "config.yaml").write_text((run / "config.yaml").read_text() + extra)
     text, _ = compare_runs([str(tmp_path / name) for name in runs], "eval.loss")
+    return text
+
+
+def test_the_strategy_column_names_the_personalisation_beside_the_strategy(tmp_path):
+    runs = {"fedper": "model: {local: ['fc3.*']}\n", "ditto": "train: {ditto_lambda: 0.1}\n",
+            "both": "model: {local: ['fc3.*', 'bn.*']}\ntrain: {ditto_lambda: 0.5}\n",
+            "apfl": "train: {trainer: 'examples.apfl.apfl:APFLTrainer'}\n"}
+    text = compared_with_extras(tmp_path, runs)
     assert "| fedper | fedavg + local [fc3.*] | off |" in text
     assert "| ditto | fedavg + ditto(λ=0.1) | off |" in text
     assert "| both | fedavg + local [fc3.*, bn.*] + ditto(λ=0.5) | off |" in text
@@ -136,10 +142,7 @@ def test_the_strategy_column_names_dp_secure_aggregation_and_compression_which_c
             "ditto_dp": "train: {ditto_lambda: 0.1}\nprivacy: {mode: central, noise_multiplier: 1.1}\n",
             "fedper_sa": "model: {local: ['fc3.*']}\nsecagg: {enabled: true}\n",
             "topk": "compression: {method: topk, fraction: 0.1}\n", "int8": "compression: {method: int8}\n"}
-    for name, extra in runs.items():
-        run = write_run(tmp_path / name, "fedavg", 0)
-        (run / "config.yaml").write_text((run / "config.yaml").read_text() + extra)
-    text, _ = compare_runs([str(tmp_path / name) for name in runs], "eval.loss")
+    text = compared_with_extras(tmp_path, runs)
     assert "| ditto | fedavg + ditto(λ=0.1) | off |" in text
     assert "| ditto_dp | fedavg + ditto(λ=0.1) + DP(central, z=1.1) | off |" in text
     assert "| fedper_sa | fedavg + local [fc3.*] + secagg | off |" in text
