@@ -347,6 +347,22 @@ class ReportsValidation:
         return result
 
 
+class PersonalizedWithoutContext:
+    """A trainer with a personalised model to score (``personalized``) whose ``train`` takes no context, where the
+    client's state it would read lives."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def train(self, model, data, seed):
+        raise AssertionError("refused before it trains")
+
+    def personalized(self, model, context):
+        raise AssertionError("refused before it scores")
+
+
 class WithoutTrain:
     """A trainer class that forgot its ``train``."""
 

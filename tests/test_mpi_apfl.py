@@ -126,3 +126,19 @@ def test_apfl_gives_the_same_bits_on_any_number_of_ranks_and_placed_per_round(tm
 def test_apfl_killed_with_sigkill_resumes_on_2_ranks_to_the_same_bits(tmp_path):
     slow = {**SETTINGS, "rounds": 4, "train": {**SETTINGS["train"], "trainer": "plugin_helpers:SlowAPFLTrainer"}}
     assert_same_run(killed_and_resumed(tmp_path / "killed", slow, 6, 3), run(tmp_path / "whole", slow, 4))
+
+
+def test_apfls_personalised_model_is_scored_on_each_clients_validation_split_leaving_its_training_bitwise(tmp_path):
+    """With eval.federated_every, the plug-in's personalized() puts alpha v + (1 - alpha) w in the model and mpifl
+    scores it on the client's validation split (federated_eval.personal_*) beside the received global model; the
+    run's model and every client's vectors are bitwise those of the same run without federated evaluation."""
+    import json
+
+    split = {**SETTINGS, "rounds": 2, "data": {**SETTINGS["data"], "val_fraction": 0.3}}
+    scored = run(tmp_path / "scored", {**split, "eval": {"every": 0, "federated_every": 1}}, 3)
+    assert_same_run(scored, run(tmp_path / "plain", split, 3))
+    records = [json.loads(line) for line in (scored / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        federated = record["federated_eval"]
+        assert {"accuracy", "personal_accuracy", "personal_loss"} <= set(federated)
+        assert federated["personal_accuracy"] != federated["accuracy"]  # the mixture, not the received model

@@ -190,6 +190,14 @@ def test_a_trainer_class_without_train_is_refused_before_mpi_naming_train_traine
         check_plugins(cfg)
 
 
+def test_a_trainer_with_a_personalised_model_to_score_but_no_context_in_train_is_refused_naming_train_trainer():
+    cfg = load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:PersonalizedWithoutContext"}})
+    with pytest.raises(ConfigError, match=re.escape("defines personalized(model, context), which reads the client's "
+                                                    "state from the TrainContext of its training: give train a "
+                                                    "keyword parameter context")):
+        make_trainer(cfg.train)
+
+
 def test_a_trainer_without_modifies_weights_is_refused_where_it_is_built_and_one_its_init_sets_runs():
     """``modifies_weights`` may be set by the trainer's ``__init__`` (an instance attribute, which the class before
     MPI starts does not show): only the object built can be judged."""

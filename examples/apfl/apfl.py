@@ -19,7 +19,9 @@ the config's optimizer (``train.optimizer``), v and alpha with plain SGD, as in 
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -91,3 +93,14 @@ class APFLTrainer:
             total_personal += personal_loss.item()
         return TrainResult(len(data), {"loss": total / steps, "personal_loss": total_personal / steps,
                                        "alpha": float(alpha)}, local_steps=steps)
+
+    @contextlib.contextmanager
+    def personalized(self, model: nn.Module, context: TrainContext) -> Iterator[nn.Module]:
+        """The client's personalised model v_bar = alpha v + (1 - alpha) w in ``model``, w as its training left it:
+        what mpifl's federated evaluation scores on the client's validation split (``federated_eval.personal_*``).
+        mpifl puts w back afterwards."""
+        alpha = float(context.state["alpha"])
+        with torch.no_grad():
+            for w, v in zip(context.covers["personal"], context.views("personal")):
+                w.mul_(1 - alpha).add_(v.to(w.dtype), alpha=alpha)
+        yield model

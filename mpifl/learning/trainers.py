@@ -69,7 +69,12 @@ class Trainer(Protocol):
     def train(self, model: nn.Module, data: ClientData | None, seed: int) -> TrainResult:
         """Train ``model`` in place on ``data`` (None: the client has no local data), seeded by ``seed``.
 
-        A plug-in may add a keyword parameter ``context`` (a ``TrainContext``): mpifl then passes it."""
+        A plug-in may add a keyword parameter ``context`` (a ``TrainContext``): mpifl then passes it.
+
+        A plug-in that keeps a personalised model of its own (APFL's mixture, a personal head) may also define
+        ``personalized(model, context)``, a context manager within which ``model`` is the client's personalised
+        model: with ``eval.federated_every`` mpifl scores it on the client's validation split right after the
+        client trained (``federated_eval.personal_*``), and puts the trained model back bitwise afterwards."""
         ...
 
 
@@ -447,6 +452,13 @@ def members_problem(cfg: TrainConfig, trainer: object, built: bool = True) -> st
     if built and not hasattr(trainer, "modifies_weights"):
         return (f"train.trainer: {cfg.trainer!r} has no modifies_weights; a trainer class sets it: True (training "
                 "changes the model) or False (a model-only exchange)")
+    personalized = getattr(trainer, "personalized", None)
+    if personalized is not None and not callable(personalized):
+        return (f"train.trainer: {cfg.trainer!r} has a personalized that is not a method; define "
+                "personalized(self, model, context) returning a context manager")
+    if personalized is not None and not accepts_context(trainer):  # type: ignore[arg-type]
+        return (f"train.trainer: {cfg.trainer!r} defines personalized(model, context), which reads the client's "
+                "state from the TrainContext of its training: give train a keyword parameter context")
     return None
 
 

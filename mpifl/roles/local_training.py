@@ -71,6 +71,7 @@ class LocalTraining:
         self.trainer_name = trainer_name(parts.trainer)  # as errors say it
         self.participants = 0  # this round's logical clients on every rank together (a trainer's TrainContext)
         self.vectors: dict[str, torch.Tensor] = {}  # the training client's declared vectors, kept once it is usable
+        self.trained_context: TrainContext | None = None  # the last client's, as its training left it
 
     def train(self, round_: int, client: int, data: ClientData | None,
               anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
@@ -117,9 +118,31 @@ class LocalTraining:
         if self.parts.group is not None:
             return self._train_in_group(client, data, seed)
         if self.context:
+            self.trained_context = self._context(round_, client)
             return self.trainer.train(self.work.module, data, seed,  # type: ignore[call-arg]
-                                      context=self._context(round_, client))
+                                      context=self.trained_context)
         return self.trainer.train(self.work.module, data, seed)
+
+    def personalized_scores(self, round_: int, client: int, val: ClientData | None) -> dict:
+        """A plug-in trainer's personalised model (its ``personalized``), scored on ``client``'s validation split as
+        ``personal_*`` when federated evaluation is due, right after the client trained, with the context it trained
+        with (its vectors as training left them); the trained model, exchanged and local tensors, is put back
+        bitwise afterwards, whatever the trainer's context manager did to it."""
+        personalized = getattr(self.trainer, "personalized", None)
+        context = self.trained_context
+        evaluate = self.evaluation.personal(self.work.module, round_, val) if personalized else None
+        if evaluate is None or context is None or context.client != client or context.round != round_:
+            return {}
+        trained = self.work.buffer.clone()
+        local = [t.detach().clone() for _, t in self.work.local_tensors()]
+        try:
+            with personalized(self.work.module, context):
+                return evaluate()
+        finally:
+            with torch.no_grad():
+                self.work.buffer.copy_(trained)
+                for (_, tensor), saved in zip(self.work.local_tensors(), local):
+                    tensor.copy_(saved)
 
     def failed(self, err: Exception, round_: int, client: int, doing: str, in_group: bool = False) -> str:
         """The failure rule: a raise in a client's training ends the job, naming the client, its rank and the round;
