@@ -274,8 +274,8 @@ class ClientRank:
             personal, personal_error = self.training.personal(round_, client, train, val, anchor)
             scores.update(personal)
         result, error = self.training.train(round_, client, train, anchor)
-        if error is None:  # a plug-in trainer's own personalised model (personalized), before the update is formed
-            scores.update(self.training.personalized_scores(round_, client, val))
+        # a plug-in trainer's own personalised model (its personalized), before the update is formed
+        scores.update(self.training.personalized_scores(round_, client, val, trained=error is None))
         error = error or personal_error  # a client whose personal training failed is dropped, as for its global
         if error is None and self.faults and (lost := self.faults.lost(round_, client)) is not None:
             error = self.training.failed(lost, round_, client, "")  # as if it had not been sampled

@@ -123,24 +123,28 @@ class LocalTraining:
                                       context=self.trained_context)
         return self.trainer.train(self.work.module, data, seed)
 
-    def personalized_scores(self, round_: int, client: int, val: ClientData | None) -> dict:
+    def personalized_scores(self, round_: int, client: int, val: ClientData | None, trained: bool) -> dict:
         """A plug-in trainer's personalised model (its ``personalized``), scored on ``client``'s validation split as
         ``personal_*`` when federated evaluation is due, right after the client trained, with the context it trained
         with (its vectors as training left them); the trained model, exchanged and local tensors, is put back
-        bitwise afterwards, whatever the trainer's context manager did to it."""
+        bitwise afterwards, whatever the trainer's context manager did to it. Nothing for a client that failed to
+        train (``trained`` false)."""
         personalized = getattr(self.trainer, "personalized", None)
         context = self.trained_context
-        evaluate = self.evaluation.personal(self.work.module, round_, val) if personalized else None
-        if evaluate is None or context is None or context.client != client or context.round != round_:
+        if not trained or personalized is None or context is None or (context.client, context.round) != (client,
+                                                                                                      round_):
             return {}
-        trained = self.work.buffer.clone()
+        evaluate = self.evaluation.personal(self.work.module, round_, val)
+        if evaluate is None:  # not due this round, or no validation split
+            return {}
+        model = self.work.buffer.clone()
         local = [t.detach().clone() for _, t in self.work.local_tensors()]
         try:
             with personalized(self.work.module, context):
                 return evaluate()
         finally:
             with torch.no_grad():
-                self.work.buffer.copy_(trained)
+                self.work.buffer.copy_(model)
                 for (_, tensor), saved in zip(self.work.local_tensors(), local):
                     tensor.copy_(saved)
 
