@@ -8,6 +8,12 @@ INTERRUPTED = 3  # the exit status of a run a signal stopped before its last rou
 RESUME_FAILS_THE_SAME_WAY = "a --resume fails the same way"
 
 
+def strikes_again(named: str) -> str:
+    """What a job's last message advises where the config's faults ``named`` ended it and strike again on a resume
+    (a ``raise``, a lost update, a stall of some seconds: only a kill, an exit or a stall for ever strike once)."""
+    return f"{named} again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults section first"
+
+
 class JobFailure(RuntimeError):
     """The job cannot go on; the message says why, naming what failed. ``code`` is the job's exit status:
     ``INTERRUPTED`` where a stop on request (SIGTERM) ended it with its last round on disk, even though a rank

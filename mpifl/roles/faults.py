@@ -37,11 +37,20 @@ PROGRESS_EVERY = 0.25  # seconds between a slowed rank's progress reports
 
 
 class InjectedFault(RuntimeError):
-    """The exception a ``raise`` fault throws in a client's training."""
+    """The exception a ``raise`` fault throws in a client's training; ``index``: the fault's place in the list (-1:
+    unknown, as after a pickle)."""
+
+    kind = "raise"
+
+    def __init__(self, message: str, index: int = -1):
+        super().__init__(message)
+        self.index = index
 
 
 class LostUpdate(InjectedFault):
     """A ``lose`` fault: the client's update never reaches the server."""
+
+    kind = "lose"
 
 
 class FaultInjector:
@@ -127,7 +136,8 @@ class FaultInjector:
         """The loss of ``client``'s update in ``round_`` (a ``lose`` strike), or None where it is not lost."""
         for strike in self._at(round_, client, "send", ("lose",)):
             self._announce(strike)
-            return LostUpdate(f"faults[{strike.index}]: lost on its way to the server in round {strike.round}")
+            return LostUpdate(f"faults[{strike.index}]: lost on its way to the server in round {strike.round}",
+                              strike.index)
         return None
 
     def send_strikes(self, round_: int, client: int) -> list[Strike]:
@@ -151,7 +161,8 @@ class FaultInjector:
         if ends_the_job(fault) and self.spend is not None:
             self.spend(strike)
         if fault.kind == "raise":
-            raise InjectedFault(f"faults[{strike.index}]: an injected exception in round {strike.round}")
+            raise InjectedFault(f"faults[{strike.index}]: an injected exception in round {strike.round}",
+                                strike.index)
         if fault.kind == "stall":
             seconds = delay_seconds(strike, 0.0)
             while seconds == math.inf:  # a hang

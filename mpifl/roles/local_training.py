@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mpifl.errors import JobFailure
+from mpifl.errors import JobFailure, strikes_again
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import deterministic_hint
 from mpifl.learning.trainers import (
@@ -30,7 +30,7 @@ from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.batched import BatchedClients
 from mpifl.roles.client_state import ClientStateParts
 from mpifl.roles.evaluation import FederatedEvaluation
-from mpifl.roles.faults import FaultInjector
+from mpifl.roles.faults import FaultInjector, InjectedFault
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 
@@ -157,9 +157,10 @@ class LocalTraining:
         if not self.parts.accept_failures or in_group:
             why = ("its group of ranks (clients.ranks_per_client) cannot go on mid-collective"
                    if in_group else "clients.accept_failures=false")
+            again = f"; {strikes_again(f'faults[{err.index}] ({err.kind!r}) strikes logical client {client}')}" \
+                if isinstance(err, InjectedFault) and err.index >= 0 else ""
             raise ClientFailure(f"logical client {client} on rank {world_rank(self.rank)} failed in round "
-                                f"{round_}{doing}: "
-                                f"{type(err).__name__}: {err} ({why}{hint})") from err
+                                f"{round_}{doing}: {type(err).__name__}: {err} ({why}{hint}){again}") from err
         return f"{type(err).__name__}: {err}{hint}"
 
     def _vectors_problem(self) -> str | None:
@@ -186,7 +187,8 @@ class LocalTraining:
         mislead)."""
         error = f"update contains {count} NaN/Inf values" + (f", put there by {injected}" if injected else "")
         if not self.parts.accept_failures:
-            advice = ("drop such clients from their rounds with clients.accept_failures=true" if injected else
+            advice = (f"{strikes_again(f'{injected} strikes logical client {client}')}, or drop such clients from "
+                      "their rounds with clients.accept_failures=true" if injected else
                       "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients "
                       "from their rounds with clients.accept_failures=true")
             raise JobFailure(f"round {round_}: logical client {client} (rank {world_rank(self.rank)}): {error} "

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpifl.errors import RESUME_FAILS_THE_SAME_WAY
+from mpifl.errors import strikes_again
 from mpifl.logs import log, world_rank
 from mpifl.metrics import OWN_METRIC_PREFIXES, PERSONAL_DIVERGED
 from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE
@@ -81,7 +81,23 @@ def resume_advice(strikes: Sequence[Strike], metas: dict[int, UpdateMeta]) -> st
         return "continue with --resume once the cause is fixed"
     named = "; ".join(f"faults[{index}] ({kind!r}) strikes logical client{'s' if len(clients) > 1 else ''} "
                       f"{range_list(sorted(clients))}" for (index, kind), clients in sorted(failed.items()))
-    return f"{named} again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults section first"
+    return strikes_again(named)
+
+
+def stalled_by(strikes: Sequence[Strike], rank: int) -> tuple[str, str]:
+    """What a deadline's message adds of the config's stalls on ``rank`` among the round's ``strikes``, and what it
+    advises: a stall of some seconds strikes again on a resume; one for ever is recorded as struck, and does not."""
+    stalls = [s for s in strikes if s.rank == rank and s.fault.kind == "stall"]
+    if not stalls:
+        return "", "continue with --resume once the cause is fixed"
+    named = {f"faults[{s.index}] ({s.fault.kind!r} at stage {s.fault.stage!r}"
+             + (f", {s.fault.seconds:g} s)" if s.fault.seconds > 0 else ", for ever)"): s for s in stalls}
+    why = f": {' and '.join(named)} stall{'s' if len(named) == 1 else ''} it this round"
+    again = sorted({s.index for s in stalls if s.fault.seconds > 0})
+    if not again:
+        return why + ", recorded as struck, so a resume goes past it", "continue with --resume"
+    which = ", ".join(f"faults[{i}]" for i in again)
+    return why, strikes_again(f"{which} stall{'s' if len(again) == 1 else ''} rank {rank}")
 
 
 def round_strikes(faults: FaultPlan, plan: RoundAssignment, home: Callable[[int], int],

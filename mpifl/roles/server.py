@@ -53,6 +53,7 @@ from mpifl.roles.records import (
     round_cost,
     round_strikes,
     secagg_record,
+    stalled_by,
     strike_line,
     summary,
 )
@@ -207,7 +208,7 @@ class Server:
         self._send_headers(plan, routes)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
                             lambda: self.stop.requested, heard=self.heard)
-        self._dispatch(plan, routes, watchdog)
+        self._dispatch(plan, routes, watchdog, strikes)
         dispatched = time.perf_counter()
         stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last), strikes=strikes)
         if stats.nonfinite:
@@ -259,9 +260,11 @@ class Server:
         record["cost_to_date"] = cost_to_date(before, record["cost"])  # the round's keys, so the rounds sum to it
         return record, stopping
 
-    def _dispatch(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog) -> None:
+    def _dispatch(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog,
+                  strikes: Sequence[Strike] = ()) -> None:
         """Stream the global model to the ranks that train this round (or to the tree's first level); ranks still
-        finishing a round they were dropped from get it last, so they hold nobody else up."""
+        finishing a round they were dropped from get it last, so they hold nobody else up (``strikes``: the round's
+        faults, named where one stalls a rank past its deadline)."""
         dests = routes.model_dests
         late = [r for r in dests if self.late.owes(r)] if routes.tree is None else []
         tag = protocol.round_tag(protocol.MODEL, plan.round)
@@ -271,7 +274,7 @@ class Server:
                     send_windows(self.comm, batch, tag, self.parts.store.outgoing(), self.parts.plan.inflight,
                                  watchdog)
         except RankStalled as stalled:
-            self._give_up(plan.round, stalled, model_intact=True)
+            self._give_up(plan.round, stalled, model_intact=True, strikes=strikes)
 
     def _dropping(self, plan: RoundAssignment, routes: RoundRoutes, started: dict[int, float]) -> Dropping | None:
         """clients.accept_failures: how a rank past its deadline is dropped from this round (not from an
@@ -404,7 +407,7 @@ class Server:
                 "clock it otherwise is)" if parts.virtual_clock and parts.unrestorable_state else ""
             raise JobFailure(f"{aborted}{moved}{where}; {resume_advice(strikes, reduction.stats.metas)}") from None
         except RankStalled as stalled:
-            self._give_up(round_, stalled, model_intact=not reduction.model_touched)
+            self._give_up(round_, stalled, model_intact=not reduction.model_touched, strikes=strikes)
         self._log_drops(plan, stats.metas)
         if stats.unapplied is not None:
             goes_on = " and the run goes on" if round_ < self.rounds else ""
@@ -451,8 +454,9 @@ class Server:
             log(f"resume: retrained logical clients {clients} from version "
                 f"{plan.round - 1} (in flight when round {resumed} ended)", rank=0)
 
-    def _give_up(self, round_: int, stalled: RankStalled, model_intact: bool) -> None:
-        """A silent rank: keep the last completed round on disk, then end the job naming the rank. After a stop on
+    def _give_up(self, round_: int, stalled: RankStalled, model_intact: bool, strikes: Sequence[Strike] = ()) -> None:
+        """A silent rank: keep the last completed round on disk, then end the job naming the rank, and the config's
+        stalls on it (``strikes``: the round's), which strike again on a resume unless for ever. After a stop on
         request (SIGTERM), the job ends as a stopped one (``INTERRUPTED``, noted so): the walltime came, not a
         failure, and the rounds on disk resume as after any stop."""
         saved = self.parts.checkpointer.round_aborted(round_, self.history, model_intact)
@@ -460,7 +464,8 @@ class Server:
         if stalled.interrupted:
             self.parts.note("interrupted", round_ - 1)
             raise JobFailure(f"{stalled}{where}; continue with --resume", INTERRUPTED) from None
-        raise JobFailure(f"{stalled}{where}; continue with --resume once the cause is fixed") from None
+        why, advice = stalled_by(strikes, stalled.rank)
+        raise JobFailure(f"{stalled}{why}{where}; {advice}") from None
 
     def _poisoned(self, round_: int, strikes: list[Strike], nonfinite: int) -> NoReturn:
         """The round's new global model holds NaN/Inf values although every update passed its client's check: it is

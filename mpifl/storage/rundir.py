@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -335,8 +336,8 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     elif not records and (refusal := setup_refusal(notes)) is not None:
         advice = f"fix what rank {refusal} names first (the data, the config or the launch): a --resume as it " \
             "stands fails the same way"
-    elif server.get("state") == "failed" and RESUME_FAILS_THE_SAME_WAY in server.get("reason", ""):
-        advice = f"change the config first (its faults section): {RESUME_FAILS_THE_SAME_WAY}"
+    elif (again := faults_again(notes)) is not None:
+        advice = f"change the config first (its faults section{again}): {RESUME_FAILS_THE_SAME_WAY}"
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
     complete = (reached == rounds or spent) and server.get("state", "finished") == "finished"  # before notes: rounds
     if complete:
@@ -364,6 +365,17 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         cause = "every rank finished, but not every round is on disk"
     lines.append(f"not complete: {cause}; {advice}")
     return False, lines
+
+
+def faults_again(notes: dict[int, dict]) -> str | None:
+    """Where a rank's failure says the config's faults ended the job and strike again on a resume (the server's
+    or a client rank's message, ``RESUME_FAILS_THE_SAME_WAY``): the faults it names, as ``: faults[0]``; else None."""
+    reasons = [n.get("reason", "") for _, n in sorted(notes.items()) if n.get("state") == "failed"]
+    again = [r for r in reasons if RESUME_FAILS_THE_SAME_WAY in r]
+    if not again:
+        return None
+    named = dict.fromkeys(m for r in again for m in re.findall(r"faults\[\d+\]", r))
+    return f": {', '.join(named)}" if named else ""
 
 
 def newest_checkpoint(run_dir: Path) -> tuple[Path | None, str | None, str | None]:

@@ -324,7 +324,7 @@ def test_a_round_whose_every_client_fails_by_the_configs_faults_ends_a_real_time
         "way: change the faults section first" in result.stderr
     assert "continue with --resume" not in result.stderr and "Traceback" not in result.stderr
     status = mpifl_here("status", str(tmp_path / "off"))
-    assert "change the config first (its faults section): a --resume fails the same way" in status.stdout
+    assert "change the config first (its faults section: faults[0]): a --resume fails the same way" in status.stdout
     assert "continue with --resume" not in status.stdout
 
 

@@ -62,12 +62,16 @@ HANG_BEFORE_THE_MODEL = "faults: [{kind: stall, ranks: [2], rounds: [2], stage: 
     (LARGE_CHUNKS + HANG_BEFORE_THE_MODEL, "model delivered", "logical clients [1, 3]"),
 ], ids=["training", "sending", "receiving"])
 def test_a_silent_rank_at_each_stage_ends_the_job_naming_it_and_keeps_the_last_round(tmp_path, text, stage, client):
+    stage_of = {"first update": "train", "update complete": "send", "model delivered": "receive"}
     result, seconds = run_with_fault(tmp_path, text)
     assert result.returncode != 0
     assert "[rank 2] faults[0]: injecting 'stall' into logical client" in result.stderr, result.stderr[-3000:]
     assert f"rank 2 ({client}) made no progress for" in result.stderr, result.stderr[-3000:]
     assert f"at stage '{stage}', past its deadline of {DEADLINE:g} s" in result.stderr
     assert "the model after round 1 is in" in result.stderr
+    # the stall for ever is named, and recorded as struck before it acted: a resume goes past it
+    assert ("faults[0] ('stall' at stage '{}', for ever) stalls it this round, recorded as struck, so a resume goes "
+            "past it").format(stage_of[stage]) in result.stderr, result.stderr[-3000:]
     assert seconds < 45  # round 1 and start-up, then its deadline of 3 s
     with latest_checkpoint(tmp_path / "run" / "checkpoints") as ckpt:
         assert ckpt.round == 1 and len(ckpt.metrics()) == 1
@@ -156,10 +160,33 @@ def test_an_interrupt_in_user_code_ends_the_job_with_a_message(tmp_path):
 
 
 def test_a_failing_trainer_is_reported_naming_its_logical_client_rank_and_round(tmp_path):
+    """An injected raise strikes again on a resume: the message and ``mpifl status`` say to change the faults section
+    first, naming the fault, not to ``--resume``."""
     result, _ = run_with_fault(tmp_path, TRAINING + "faults: [{kind: raise, clients: [1], rounds: [2]}]\n")
     assert result.returncode != 0
     assert ("logical client 1 on rank 2 failed in round 2: InjectedFault: faults[0]: an injected exception in round 2 "
-            "(clients.accept_failures=false)") in result.stderr, result.stderr[-3000:]
+            "(clients.accept_failures=false); faults[0] ('raise') strikes logical client 1 again on a resume, so a "
+            "--resume fails the same way: change the faults section first") in result.stderr, result.stderr[-3000:]
+    status = mpifl_here("status", str(tmp_path / "run"))
+    assert status.stdout.rstrip().endswith("rank 2 failed (reason above); change the config first (its faults "
+                                           "section: faults[0]): a --resume fails the same way"), status.stdout
+
+
+def test_a_rank_stalled_past_its_deadline_by_the_configs_fault_names_it_and_says_a_resume_stalls_again(tmp_path):
+    """A stall of some seconds, mid-stream of a many-chunk update, ends the job at stage 'update complete'; it is not
+    a stall for ever, so a resume redoing the round is stalled again: the message names the fault and says so, and
+    ``mpifl status`` advises changing the faults section, not ``--resume``."""
+    result, _ = run_with_fault(
+        tmp_path, TRAINING + "faults: [{kind: stall, clients: [1], rounds: [2], stage: send, seconds: 8}]\n")
+    assert result.returncode != 0
+    assert re.search(r"round 2: rank 2 \(logical client 1\) made no progress for [0-9.]+ s at stage 'update "
+                     r"complete', past its deadline of 3 s \(timeouts.update_complete\): faults\[0\] \('stall' at stage "
+                     r"'send', 8 s\) stalls it this round; the model after round 1 is in \S+; faults\[0\] stalls rank 2 "
+                     "again on a resume, so a --resume fails the same way: change the faults section first",
+                     result.stderr), result.stderr[-3000:]
+    status = mpifl_here("status", str(tmp_path / "run"))
+    assert status.stdout.rstrip().endswith("change the config first (its faults section: faults[0]): a --resume "
+                                           "fails the same way"), status.stdout
 
 
 def test_the_run_directory_maps_every_pid_to_its_rank(tmp_path):
