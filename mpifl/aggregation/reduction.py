@@ -36,8 +36,9 @@ from mpifl.aggregation.receives import PostedReceives, ReceivePool
 from mpifl.aggregation.round_task import BelowQuorum, ReductionRound, RoundAborted, checked_totals
 from mpifl.aggregation.schedule import ChunkTicket, Finish, Fold, FoldSchedule, Ticket
 from mpifl.aggregation.strategies import ACCUMULATOR_DTYPE, Strategy
-from mpifl.logs import world_rank
+from mpifl.logs import log, world_rank
 from mpifl.planning.pools import holds_stacks
+from mpifl.units import range_list
 from mpifl.wire import protocol
 from mpifl.wire.codecs import Codec
 from mpifl.wire.flat import DTYPES
@@ -124,6 +125,7 @@ class StreamedReduction:
         self.receives = PostedReceives(list(task.by_rank), watchdog)
         self.acc_of: dict[int, torch.Tensor] = {}
         self.stats = ReductionStats()
+        self.waited: set[int] = set()  # ranks past a deadline waited for, as too few would be left (said once)
         self.clock = StragglerClock(dropping, time.monotonic())
 
     def run(self) -> ReductionStats:
@@ -223,7 +225,7 @@ class StreamedReduction:
         training and can be dropped, as can a straggler. Whether a rank was dropped (folds may be possible)."""
         dropped = False
         for rank, why in self.clock.overdue(self.waiting, len(self.task.by_rank)):
-            dropped |= self._drop(rank, why)
+            dropped |= self._drop(rank, why, straggler=True)
         if self.watchdog is None:
             return dropped
         try:
@@ -234,9 +236,10 @@ class StreamedReduction:
             dropped = True
         return dropped
 
-    def _drop(self, rank: int, why: str) -> bool:
+    def _drop(self, rank: int, why: str, straggler: bool = False) -> bool:
         """Drop the rest of ``rank``'s round: only while it trains (nothing of those participants is folded), and
-        only if clients.min_participants (and secagg.min_cohort) can still be met. Whether it was dropped."""
+        only if clients.min_participants (and secagg.min_cohort) can still be met, else a ``straggler`` is waited
+        for, which the log says. Whether it was dropped."""
         dropping = self.clock.dropping
         assert dropping is not None  # _check_deadlines drops only with a Dropping
         stage = self.waiting().get(rank)
@@ -246,7 +249,10 @@ class StreamedReduction:
         members = {s: dropping.members(rank, s) for s in streams}
         everyone = sum(len(dropping.members(r, s)) for r, ss in self.task.by_rank.items() for s in ss)
         failed = sum(1 for m in self.stats.metas.values() if m.error is not None)
-        if everyone - failed - sum(map(len, members.values())) < self.task.quorum:
+        left = everyone - failed - sum(map(len, members.values()))
+        if left < self.task.quorum:
+            if straggler:
+                self._waited_for(rank, why, members, left)
             return False
         raced_metas, raced_chunks = self.receives.cancel(rank)
         self.schedule.drop(rank)
@@ -258,6 +264,21 @@ class StreamedReduction:
                                 len(streams) - raced_metas, deque(sizes[raced_chunks:])))
         self.stats.last_drop = time.perf_counter()
         return True
+
+    def _waited_for(self, rank: int, why: str, members: Mapping[int, tuple[int, ...]], left: int) -> None:
+        """Say, once a round for each rank, that ``rank`` past its deadline is waited for: dropping its
+        participants (``members``) would leave ``left`` usable updates, too few for the round's quorum."""
+        if rank in self.waited:
+            return
+        self.waited.add(rank)
+        task = self.task
+        rule = f"clients.min_participants={task.min_participants}" if task.min_participants >= task.min_cohort \
+            else f"secagg.min_cohort={task.min_cohort}"
+        clients = sorted(c for cs in members.values() for c in cs)
+        plural = "s" if len(clients) > 1 else ""
+        log(f"round {task.round}: {why}; waited for, not dropped: dropping logical client{plural} "
+            f"{range_list(clients)} would leave {max(left, 0)} usable update{'s' if left != 1 else ''}, fewer than "
+            f"{rule}", rank=0)
 
     def _perform(self) -> None:
         """Fold and finish what the schedule allows now; a folded chunk's slot takes its rank's next chunk."""

@@ -70,8 +70,8 @@ def test_a_silent_rank_at_each_stage_ends_the_job_naming_it_and_keeps_the_last_r
     assert f"at stage '{stage}', past its deadline of {DEADLINE:g} s" in result.stderr
     assert "the model after round 1 is in" in result.stderr
     # the stall for ever is named, and recorded as struck before it acted: a resume goes past it
-    assert ("faults[0] ('stall' at stage '{}', for ever) stalls it this round, recorded as struck, so a resume goes "
-            "past it").format(stage_of[stage]) in result.stderr, result.stderr[-3000:]
+    assert (f"faults[0] ('stall' at stage '{stage_of[stage]}', for ever) stalls it this round, recorded as struck, "
+            "so a resume goes past it") in result.stderr, result.stderr[-3000:]
     assert seconds < 45  # round 1 and start-up, then its deadline of 3 s
     with latest_checkpoint(tmp_path / "run" / "checkpoints") as ckpt:
         assert ckpt.round == 1 and len(ckpt.metrics()) == 1
@@ -180,8 +180,9 @@ def test_a_rank_stalled_past_its_deadline_by_the_configs_fault_names_it_and_says
         tmp_path, TRAINING + "faults: [{kind: stall, clients: [1], rounds: [2], stage: send, seconds: 8}]\n")
     assert result.returncode != 0
     assert re.search(r"round 2: rank 2 \(logical client 1\) made no progress for [0-9.]+ s at stage 'update "
-                     r"complete', past its deadline of 3 s \(timeouts.update_complete\): faults\[0\] \('stall' at stage "
-                     r"'send', 8 s\) stalls it this round; the model after round 1 is in \S+; faults\[0\] stalls rank 2 "
+                     r"complete', past its deadline of 3 s \(timeouts.update_complete\): faults\[0\] \('stall' at "
+                     r"stage 'send', 8 s\) stalls it this round; the model after round 1 is in \S+; faults\[0\] stalls "
+                     "rank 2 "
                      "again on a resume, so a --resume fails the same way: change the faults section first",
                      result.stderr), result.stderr[-3000:]
     status = mpifl_here("status", str(tmp_path / "run"))

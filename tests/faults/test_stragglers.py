@@ -88,6 +88,23 @@ def test_a_rank_that_stays_slow_is_dropped_then_not_waited_for_until_it_rejoins_
         assert np.array_equal(got[name].float().numpy(), value), name
 
 
+def test_a_straggler_that_cannot_be_dropped_for_clients_min_participants_is_waited_for_and_the_log_says_so(tmp_path):
+    """Both client ranks stall past the 1.5 s straggler deadline in round 2: rank 1 is dropped, and dropping rank 2
+    too would leave no usable update, so it is waited for, said once for the round and rank, not silently."""
+    text = STRAGGLING.replace("rounds: 3", "rounds: 2").replace("straggler: 2", "straggler: 1.5").replace(
+        'train: {trainer: "fl_helpers:Straggling", lr: 0.02}', "train: {lr: 0.02}") + (
+        "faults: [{kind: stall, clients: [0], seconds: 2.5, rounds: [2]}, "
+        "{kind: stall, clients: [1], seconds: 4, rounds: [2]}]\n")
+    cfg = write_config(tmp_path / "s.yaml", text)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    waited = re.findall(r"round 2: rank 2 was still training after [0-9.]+ s, past the straggler deadline of 1.5 s "
+                        r"\(timeouts.straggler\); waited for, not dropped: dropping logical clients 1,3,5 would leave "
+                        r"0 usable updates, fewer than clients.min_participants=1", result.stderr)
+    assert len(waited) == 1, result.stderr[-3000:]
+    assert {d["client"] for d in records(tmp_path / "run")[1]["dropped"]} >= {0, 2, 4}
+
+
 def test_without_accept_failures_nobody_is_dropped_for_being_slow(tmp_path):
     cfg = write_config(tmp_path / "s.yaml", STRAGGLING.replace("accept_failures: true", "accept_failures: false"))
     env = {"FL_HELPERS_CLIENT_SECONDS": "0.05", "FL_HELPERS_SLOW_RANK": "2", "FL_HELPERS_SLOW_CALLS": "3,4"}
