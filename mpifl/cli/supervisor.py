@@ -45,6 +45,7 @@ import select
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def supervised(body: Callable[[], int], command: str = "run") -> int:
     # lands in between would otherwise find the supervisor with the default action and end it (SIGUSR1, SIGTERM)
     # or raise KeyboardInterrupt in it (SIGINT). The rank starts with the mask as it was.
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
+    since = time.time() - 1.0  # a fault recorded after this is this job's (a file's time may round down)
     child = os.fork()
     if child == 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
@@ -95,7 +97,7 @@ def supervised(body: Callable[[], int], command: str = "run") -> int:
     os.close(write_end)
     _take_signals(child)
     signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-    return _supervise(child, read_end, command)
+    return _supervise(child, read_end, command, since)
 
 
 def _run_announced(body: Callable[[], int], write_end: int) -> None:
@@ -148,9 +150,11 @@ def heard_from_rank(said: bytes) -> tuple[bytes, tuple[int, Path] | None]:
     return bytes(words), notes_at
 
 
-def killed_line(pid: int, signum: int) -> str:
-    """What a rank's supervisor says of a rank ended by ``signum``, after the rank and host."""
-    cause = SIGNAL_CAUSES.get(signum, "from outside the rank, or a crash in native code")
+def killed_line(pid: int, signum: int, fault: str | None = None) -> str:
+    """What a rank's supervisor says of a rank ended by ``signum``, after the rank and host (``fault``: the config's
+    fault that sent it, named)."""
+    cause = f"the config's {fault}, as asked" if fault else \
+        SIGNAL_CAUSES.get(signum, "from outside the rank, or a crash in native code")
     return f"its process (pid {pid}) was killed by signal {signum} ({signal_name(signum)}): {cause}; the job ends"
 
 
@@ -169,13 +173,13 @@ def _take_signals(child: int) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: _pass_on(child, signum))
 
 
-def _supervise(child: int, read_end: int, command: str) -> int:
+def _supervise(child: int, read_end: int, command: str, since: float) -> int:
     """The supervisor: wait for the rank, then take on its exit status or the signal that ended it."""
     status, heard = _wait_hearing(child, read_end)
     said, notes_at = heard_from_rank(heard)
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # ended by a signal: say so, then end the same way, so the launcher reports what happened
-        _say_killed(child, -code, notes_at)
+        _say_killed(child, -code, notes_at, since)
         _end_by(-code)
     if code == 0 and ANNOUNCED not in said:
         log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl {command} finished (os._exit or C's "
@@ -191,11 +195,13 @@ def _supervise(child: int, read_end: int, command: str) -> int:
     return code
 
 
-def _say_killed(child: int, signum: int, notes_at: tuple[int, Path] | None) -> None:
-    """Say on stderr, naming the rank and its host, that the rank was killed by ``signum``, and note it in the rank's
-    note (best effort: the launcher may end this process any moment once the other ranks notice)."""
+def _say_killed(child: int, signum: int, notes_at: tuple[int, Path] | None, since: float) -> None:
+    """Say on stderr, naming the rank and its host, that the rank was killed by ``signum`` (by the config's ``kill``
+    fault, where the run directory's record of it says so), and note it in the rank's note (best effort: the
+    launcher may end this process any moment once the other ranks notice)."""
     rank = notes_at[0] if notes_at is not None else env_rank()
-    line = killed_line(child, signum)
+    fault = struck_here(notes_at[1], notes_at[0], "kill", since) if notes_at and signum == signal.SIGKILL else None
+    line = killed_line(child, signum, fault)
     with contextlib.suppress(OSError):
         os.write(2, f"[mpifl rank {rank} on {socket.gethostname()}] {line}\n".encode(errors="replace"))
     if notes_at is not None:
@@ -203,6 +209,21 @@ def _say_killed(child: int, signum: int, notes_at: tuple[int, Path] | None) -> N
 
         with contextlib.suppress(Exception):  # a note is for the post-mortem: never in the way of the exit
             RankNotes.picked_up(notes_at[1], notes_at[0]).failed(line, signal=signal_name(signum))
+
+
+def struck_here(run_dir: Path, rank: int, kind: str, since: float) -> str | None:
+    """The config's fault of ``kind`` that struck ``rank`` by the run directory's record of it (``faults-struck``,
+    written before the strike acts), written since ``since`` (this job's, not an earlier attempt's), named as
+    ``faults[0] ('kill' in round 2)``; else None."""
+    from mpifl.storage.notes import struck_records  # light: json and os alone, no h5py or torch
+
+    with contextlib.suppress(OSError):
+        mine = [(record.get("time", 0.0), index, round_) for (index, round_), record in struck_records(run_dir).items()
+                if record.get("rank") == rank and record.get("kind") == kind and record.get("time", 0.0) >= since]
+        if mine:
+            _, index, round_ = max(mine)
+            return f"faults[{index}] ({kind!r} in round {round_})"
+    return None
 
 
 def _wait_hearing(child: int, read_end: int) -> tuple[int, bytes]:

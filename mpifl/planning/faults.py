@@ -13,6 +13,7 @@ depend on. ``delay_seconds`` is the one rule for both clocks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +68,10 @@ class FaultPlan:
     global model non-finite): a resume that redid the round would be ended again, for ever, so each strikes once,
     as a node fails once."""
 
-    def __init__(self, cfg: Config, spent: frozenset[tuple[int, int]] = frozenset()):
-        self.faults, self.seed, self.rounds, self.spent = cfg.faults, cfg.seed, cfg.rounds, spent
+    def __init__(self, cfg: Config, spent: Mapping[tuple[int, int], tuple[int, int] | None] | None = None):
+        """``spent``: each with the (logical client, rank) it struck then, None where its record does not say."""
+        self.faults, self.seed, self.rounds = cfg.faults, cfg.seed, cfg.rounds
+        self.spent = dict(spent or {})
         self.virtual = cfg.clock.mode != "off"  # stalls and slowdowns then delay the virtual clock, not the rank
 
     def __bool__(self) -> bool:
@@ -80,6 +83,17 @@ class FaultPlan:
         return [Strike(i, fault, round_, client, rank) for i, fault in enumerate(self.faults)
                 if fault.strikes_in(round_, self.rounds) and self._targets(i, fault, round_, client, rank)
                 and ((i, round_) in self.spent) == spent]
+
+    def spent_in(self, round_: int) -> dict[int, tuple[int, int] | None]:
+        """The faults whose strike in ``round_`` ended an earlier attempt of the run, by index, each with the
+        (logical client, rank) it struck then (None: its record does not say)."""
+        return {i: where for (i, r), where in sorted(self.spent.items()) if r == round_ and i < len(self.faults)}
+
+    def spent_strikes(self, round_: int) -> list[Strike]:
+        """The strikes in ``round_`` that ended an earlier attempt of the run, on the logical client and rank they
+        struck then, where their records say (``spent_in``)."""
+        return [Strike(i, self.faults[i], round_, *where) for i, where in self.spent_in(round_).items()
+                if where is not None]
 
     def delays_virtually(self, strike: Strike) -> bool:
         """Whether ``strike`` acts on the virtual clock alone: a stall or a slowdown under ``clock.mode`` other than

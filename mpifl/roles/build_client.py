@@ -128,7 +128,8 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         accept_failures=cfg.clients.accept_failures, group=leader,
         batched=batched_clients(cfg, replica.flat if replica else flat, local, state),
         faults=FaultPlan(cfg, faults_struck(note.run_dir)) if cfg.faults else None,
-        spend_fault=lambda strike: note_fault_struck(note.run_dir, strike.index, strike.round))
+        spend_fault=lambda strike: note_fault_struck(note.run_dir, strike.index, strike.round,
+                                                     strike.fault.kind, strike.client, strike.rank))
     parts = ClientParts(
         plan=plan, training=training, delta=cfg.strategy.update == "delta",
         statistics_as_values=cfg.statistics_as_values, groups=cfg.clients.groups,

@@ -153,7 +153,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             stragglers=straggler_rule(cfg), dropped=dropped,
                             floor=floor, lends_state=cfg.lends_client_state,
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
-                            spend_fault=lambda strike: note_fault_struck(run_dir, strike.index, strike.round),
+                            spend_fault=lambda strike: note_fault_struck(
+                                run_dir, strike.index, strike.round, strike.fault.kind, strike.client, strike.rank),
                             virtual_clock=cfg.clock.mode != "off", client_state=kept is not None,
                             unrestorable_state=_unrestorable_state(cfg),
                             restored_state=kept.restorable if kept is not None and cfg.undoes_dropped_state else "",

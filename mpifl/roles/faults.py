@@ -53,6 +53,14 @@ class LostUpdate(InjectedFault):
     kind = "lose"
 
 
+class InjectedExit(SystemExit):
+    """An ``exit`` fault via ``sys``: ``sys.exit(code)``, saying which of the config's faults asked for it."""
+
+    def __init__(self, code: int, fault: str):
+        super().__init__(code)
+        self.fault = fault  # as the job's last message names it: faults[0] ('exit' in round 2)
+
+
 class FaultInjector:
     """The strikes that fall on this rank, done at each stage. ``tick``: report progress (a slowed rank is slow,
     not silent)."""
@@ -172,7 +180,7 @@ class FaultInjector:
             sys.stdout.flush()
             sys.stderr.flush()
             if fault.via == "sys":
-                sys.exit(fault.code)
+                raise InjectedExit(fault.code, f"faults[{strike.index}] ('exit' in round {strike.round})")
             if fault.via == "os":
                 os._exit(fault.code)
             ctypes.CDLL(None)._exit(fault.code)  # C's _exit: no Python cleanup, no atexit

@@ -211,7 +211,9 @@ def guarded(fn: Callable[[], T]) -> T:
         except JobFailure as err:
             abort(str(err), err.code, "stopped on request" if err.code == INTERRUPTED else "failed")
         except SystemExit as err:
-            abort(f"SystemExit({err.code!r}) inside the run (sys.exit in user code?): one rank cannot leave while "
+            fault = getattr(err, "fault", None)  # roles.faults.InjectedExit: the config's fault asked for it
+            why = f"asked for by the config's {fault}" if fault else "(sys.exit in user code?)"
+            abort(f"SystemExit({err.code!r}) inside the run {why}: one rank cannot leave while "
                   "the others wait for it\n" + _traceback(err),
                   err.code if isinstance(err.code, int) and 0 < err.code < 256 else 1)
         except KeyboardInterrupt as err:

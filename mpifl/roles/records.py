@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.errors import strikes_again
 from mpifl.logs import log, world_rank
 from mpifl.metrics import OWN_METRIC_PREFIXES, PERSONAL_DIVERGED
-from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE
+from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE, ends_the_job
 from mpifl.privacy.ring import advisable_fraction_bits, value_range
 from mpifl.units import MIB, range_list
 
@@ -105,23 +105,54 @@ def round_strikes(faults: FaultPlan, plan: RoundAssignment, home: Callable[[int]
     """The faults that strike this round's training clients (config ``faults:``), by client, then list order; and,
     under the virtual clock, the stalls and slowdowns on its stragglers (on their ``home`` rank), which made them
     late: those acted, though the client never trained. ``spent``: instead the strikes that ended an earlier attempt
-    of the run in this round, and strike no more."""
+    of the run in this round, and strike no more: each once, on the client and rank it struck then where its record
+    says (a resume on another number of ranks places the clients anew), else on each client it would strike now."""
+    if spent:
+        then = faults.spent_in(plan.round)
+        unrecorded = [s for rank, clients in plan.train.items() for client in clients
+                      for s in faults.strikes(plan.round, client, rank, True) if then.get(s.index) is None]
+        return sorted(faults.spent_strikes(plan.round) + unrecorded, key=lambda s: (s.client, s.index))
     trained = [s for rank, clients in plan.train.items() for client in clients
-               for s in faults.strikes(plan.round, client, rank, spent)]
-    late = [] if spent else [s for client in plan.clock.get("stragglers", ())
-                             for s in faults.strikes(plan.round, client, home(client)) if faults.delays_virtually(s)]
+               for s in faults.strikes(plan.round, client, rank)]
+    late = [s for client in plan.clock.get("stragglers", ())
+            for s in faults.strikes(plan.round, client, home(client)) if faults.delays_virtually(s)]
     return sorted(trained + late, key=lambda s: (s.client, s.index))
 
 
-def strike_line(strike: Strike, spent: bool = False) -> str:
-    """The server's log line for one strike, at the start of its round (``spent``: it ended an earlier attempt)."""
+def strike_lines(strikes: Sequence[Strike], spent: bool = False, recorded: bool = True) -> list[str]:
+    """The server's log lines for a round's strikes: one for each, but one for a fault's strikes on one rank where it
+    strikes the rank once (a kill, an exit or a stall for ever ends it at the first; at stage 'receive' it acts once
+    before the rank takes up the model). ``spent``, ``recorded``: as ``strike_line``'s."""
+    groups: dict[tuple[int, int], list[Strike]] = {}
+    for strike in strikes:
+        once = not spent and (ends_the_job(strike.fault) or strike.fault.stage == "receive")
+        groups.setdefault((strike.index, strike.rank) if once else (id(strike), -1), []).append(strike)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(strike_line(group[0], spent, recorded))
+            continue
+        first, clients = group[0], range_list(sorted(s.client for s in group))
+        when = "once, before it takes up the model" if first.fault.stage == "receive" else \
+            "once, at the first it trains, which ends the job"
+        out.append(f"round {first.round}: faults[{first.index}] ({first.fault.kind!r} at stage {first.fault.stage!r})"
+                   f" strikes rank {world_rank(first.rank)} (its logical clients {clients} this round) {when}")
+    return out
+
+
+def strike_line(strike: Strike, spent: bool = False, recorded: bool = True) -> str:
+    """The server's log line for one strike, at the start of its round (``spent``: it ended an earlier attempt, on
+    the client and rank its record names, or, not ``recorded``, on the one it would strike now)."""
     what = f"round {strike.round}: faults[{strike.index}] ({strike.fault.kind!r} at stage {strike.fault.stage!r})"
     if spent:
-        from mpifl.storage.rundir import FAULTS_STRUCK  # here: the report imports this module, and rundir h5py
+        from mpifl.storage.notes import FAULTS_STRUCK  # light: the report imports this module
 
-        return (f"{what} ended an earlier attempt of this run in this round ({FAULTS_STRUCK}/{strike.index}-r"
-                f"{strike.round}): it strikes once, so not logical client {strike.client} (rank "
-                f"{world_rank(strike.rank)}) now")
+        where = f"{FAULTS_STRUCK}/{strike.index}-r{strike.round}"
+        if recorded:
+            return (f"{what} ended an earlier attempt of this run in this round ({where}), striking logical client "
+                    f"{strike.client} (rank {world_rank(strike.rank)}) then: it strikes once, so nobody now")
+        return (f"{what} ended an earlier attempt of this run in this round ({where}): it strikes once, so not "
+                f"logical client {strike.client} (rank {world_rank(strike.rank)}) now")
     return f"{what} strikes logical client {strike.client} (rank {world_rank(strike.rank)})"
 
 

@@ -55,6 +55,7 @@ from mpifl.roles.records import (
     secagg_record,
     stalled_by,
     strike_line,
+    strike_lines,
     summary,
 )
 from mpifl.storage.checkpointer import Checkpointer
@@ -199,10 +200,11 @@ class Server:
         strikes = round_strikes(parts.faults, plan, parts.sampler.rank_of) if parts.faults else []
         spent = round_strikes(parts.faults, plan, parts.sampler.rank_of, spent=True) \
             if parts.faults and parts.faults.spent else []
+        recorded = parts.faults.spent if parts.faults else {}
         for strike in spent:
-            log(strike_line(strike, spent=True), rank=0)
-        for strike in strikes:
-            log(strike_line(strike), rank=0)
+            log(strike_line(strike, spent=True, recorded=recorded.get((strike.index, round_)) is not None), rank=0)
+        for line in strike_lines(strikes):
+            log(line, rank=0)
         parts.strategy.begin_round(round_, len(plan.participants))
         routes = RoundRoutes.of(plan, self.transport, parts.plan.grouped)
         self._send_headers(plan, routes)

@@ -121,7 +121,7 @@ class ShardedLeader:
         self.progress.attach(group.model.module)
         # the leader does every strike on the group's clients: the members learn of one only through the steps
         self.injector = FaultInjector(faults, comm.Get_rank(), self.progress.tick, lambda strike: note_fault_struck(
-            run_dir, strike.index, strike.round)) if faults else None
+            run_dir, strike.index, strike.round, strike.fault.kind, strike.client, strike.rank)) if faults else None
         self.meter = CostMeter()
         self.first = True
 

@@ -14,6 +14,27 @@ from pathlib import Path
 RANK_NOTES = "ranks"  # <run dir>/ranks/rank<rank>.json: each rank's last word, for a post-mortem
 RANK_NOTE = "rank{rank:05d}.json"
 UNWRITTEN_NOTE = "rank{rank:05d}.unwritten"  # empty: this rank's newest note could not be written (a full disk)
+# <run dir>/faults-struck/<index>-r<round>: each strike that ended an attempt, holding {kind, client, rank} as JSON
+# (empty where an older mpifl wrote it)
+FAULTS_STRUCK = "faults-struck"
+
+
+def struck_records(run_dir: Path | None) -> dict[tuple[int, int], dict]:
+    """(fault index, round) of every strike that ended an attempt of the run, each with what its file says of it
+    (``kind``, ``client``, ``rank`` and ``time``, its file's; no more where an older mpifl left it empty). Here, not in
+    ``storage.rundir``, so that a rank's supervisor can say that the config's fault killed its rank."""
+    folder = run_dir / FAULTS_STRUCK if run_dir is not None else None
+    if folder is None or not folder.is_dir():
+        return {}
+    struck = {}
+    for path in folder.iterdir():
+        index, _, round_ = path.name.partition("-r")
+        if index.isdigit() and round_.isdigit():
+            record: dict = {}
+            with contextlib.suppress(OSError, ValueError):
+                record = {**json.loads(path.read_text() or "{}"), "time": path.stat().st_mtime}
+            struck[(int(index), int(round_))] = record if isinstance(record, dict) else {}
+    return struck
 
 
 def note_rank(run_dir: Path | None, rank: int, state: str, round_: int, **detail: object) -> None:

@@ -48,7 +48,7 @@ from mpifl.storage.checkpointer import (
 )
 from mpifl.storage.hdf5 import Checkpoint, fsync_dir
 from mpifl.storage.integrity import metadata_problem
-from mpifl.storage.notes import RANK_NOTES, read_rank_notes, unwritten_notes
+from mpifl.storage.notes import FAULTS_STRUCK, RANK_NOTES, read_rank_notes, struck_records, unwritten_notes
 
 
 @dataclass(frozen=True)
@@ -272,36 +272,35 @@ def with_saved_cost(saved: list[dict], recorded: list[dict]) -> list[dict]:
 
 
 TOKENIZER = "tokenizer.json"  # <run dir>/tokenizer.json: the tokenizer that made a text dataset's token ids
-FAULTS_STRUCK = "faults-struck"  # <run dir>/faults-struck/<index>-r<round>: each strike that ended an attempt
 
 
-def note_fault_struck(run_dir: Path | None, index: int, round_: int) -> None:
+def note_fault_struck(run_dir: Path | None, index: int, round_: int, kind: str = "", client: int = -1,
+                      rank: int = -1) -> None:
     """Record, durably and before it ends the job, that ``faults[index]`` (a kill, an exit, or a corruption that
-    made the global model non-finite) strikes in ``round_``: a resume of this run then goes past it
-    (mpifl.planning.faults.FaultPlan's ``spent``)."""
+    made the global model non-finite) strikes in ``round_``, of ``kind``, on logical ``client`` trained by ``rank``:
+    a resume of this run then goes past it (mpifl.planning.faults.FaultPlan's ``spent``), and a rank's supervisor
+    and ``mpifl status`` name it."""
     if run_dir is None:
         return
     folder = run_dir / FAULTS_STRUCK
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / f"{index}-r{round_}", os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(folder / f"{index}-r{round_}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        os.write(fd, json.dumps({"kind": kind, "client": client, "rank": rank}).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     fsync_dir(folder)
 
 
-def faults_struck(run_dir: Path | None) -> frozenset[tuple[int, int]]:
-    """(fault index, round) of every strike that ended an earlier attempt of the run (``note_fault_struck``)."""
-    folder = run_dir / FAULTS_STRUCK if run_dir is not None else None
-    if folder is None or not folder.is_dir():
-        return frozenset()
-    struck = set()
-    for path in folder.iterdir():
-        index, _, round_ = path.name.partition("-r")
-        if index.isdigit() and round_.isdigit():
-            struck.add((int(index), int(round_)))
-    return frozenset(struck)
+def faults_struck(run_dir: Path | None) -> dict[tuple[int, int], tuple[int, int] | None]:
+    """(fault index, round) of every strike that ended an earlier attempt of the run (``note_fault_struck``), each
+    with the (logical client, rank) it struck then, or None where the record does not say."""
+    out: dict[tuple[int, int], tuple[int, int] | None] = {}
+    for key, record in struck_records(run_dir).items():
+        client, rank = record.get("client", -1), record.get("rank", -1)
+        out[key] = (client, rank) if isinstance(client, int) and isinstance(rank, int) and client >= 0 else None
+    return out
 
 
 # how a rank's note begins or reads where the job ended before round 1 on its input, not on a fault or a crash: a

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -257,8 +258,11 @@ def test_a_corruption_that_makes_the_global_model_non_finite_is_never_saved_and_
     assert (run / "faults-struck" / "0-r2").exists()
     resumed = run_mpi(4, "run", str(cfg), "--run-dir", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "faults[0] ('corrupt' at stage 'train') ended an earlier attempt of this run in this round" in resumed.stderr
-    assert records(run)[1]["faults"] == [{"fault": 0, "kind": "corrupt", "stage": "train", "client": 3, "rank": 1,
+    assert ("faults[0] ('corrupt' at stage 'train') ended an earlier attempt of this run in this round "
+            "(faults-struck/0-r2), striking logical client 3 (rank 2) then: it strikes once, so nobody now") \
+        in resumed.stderr, resumed.stderr[-3000:]
+    # the rank it struck in the attempt it ended (3 ranks), not client 3's rank now (4 ranks)
+    assert records(run)[1]["faults"] == [{"fault": 0, "kind": "corrupt", "stage": "train", "client": 3, "rank": 2,
                                           "bits": 64, "outcome": "ended an earlier attempt"}]
     clean = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "clean"))
     assert clean.returncode == 0, clean.stderr[-3000:]
@@ -290,8 +294,17 @@ def test_a_kill_strikes_once_so_a_resume_goes_past_it_and_ends_bitwise_as_a_run_
         "checkpoint: {every: 1}\nfaults: [{kind: kill, ranks: [1], rounds: [3]}]\n"
     cfg = write_config(tmp_path / "c.yaml", text)
     run = tmp_path / "run"
-    assert run_mpi(3, "run", str(cfg), "--run-dir", str(run)).returncode != 0
+    first = run_mpi(3, "run", str(cfg), "--run-dir", str(run), fresh=True)  # fresh: each rank's supervisor
+    assert first.returncode != 0
+    # one kill of rank 1, logged once for the rank, and its supervisor names the fault, not the OOM killer
+    struck = re.findall(r"round 3: faults\[0\] \('kill' at stage 'train'\) strikes rank 1 \(its logical clients "
+                        r"([0-9,-]+) this round\) once, at the first it trains, which ends the job", first.stderr)
+    assert len(struck) == 1 and "strikes logical client" not in first.stderr, first.stderr[-3000:]
+    assert "killed by signal 9 (SIGKILL): the config's faults[0] ('kill' in round 3), as asked" in first.stderr
+    assert "OOM" not in first.stderr
     assert sorted(p.name for p in (run / "faults-struck").iterdir()) == ["0-r3"]
+    then = json.loads((run / "faults-struck" / "0-r3").read_text())
+    assert then["kind"] == "kill" and then["rank"] == 1
     status = mpifl_here("status", str(run))  # the launcher's message names only a PID
     assert status.returncode == 1 and ("faults[0] ('kill', asked for in config.yaml) ended the job in round 3 "
                                        "(faults-struck/0-r3); a resume goes past it") in status.stdout, status.stdout
@@ -300,7 +313,12 @@ def test_a_kill_strikes_once_so_a_resume_goes_past_it_and_ends_bitwise_as_a_run_
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2, 3, 4]
     spent = [f for r in records for f in r.get("faults", [])]  # redone round 3 says why nobody is killed now
-    assert spent and all(f["fault"] == 0 and f["outcome"] == "ended an earlier attempt" for f in spent)
+    # once, on the client and rank it killed then: on 4 ranks rank 1 hosts other clients, never struck
+    assert spent == [{"fault": 0, "kind": "kill", "stage": "train", "client": then["client"], "rank": 1,
+                      "outcome": "ended an earlier attempt"}]
+    assert resumed.stderr.count("ended an earlier attempt") == 1, resumed.stderr[-3000:]
+    assert (f"(faults-struck/0-r3), striking logical client {then['client']} (rank 1) then: it strikes once, so "
+            "nobody now") in resumed.stderr
     assert [r["round"] for r in records if r.get("faults")] == [3]
     assert "faults[0] ('kill' at stage 'train') ended an earlier attempt of this run in this round" in resumed.stderr
     reference = run_mpi(3, "run", str(cfg), "faults=[]", "--run-dir", str(tmp_path / "reference"))

@@ -140,7 +140,8 @@ def test_under_accept_failures_a_silent_rank_is_dropped_the_rounds_complete_and_
     ("{kind: exit, clients: [3], rounds: [1], code: 3, via: os, stage: send}", "os._exit(3) called inside the run"),
     ("{kind: raise, ranks: [2], rounds: [2], stage: receive}", "InjectedFault: faults[0]: an injected exception"),
     ("{kind: kill, clients: [1], rounds: [2], stage: send}", "Killed (signal 9)"),
-    ("{kind: exit, clients: [3], rounds: [1], code: 7}", "SystemExit(7) inside the run"),
+    ("{kind: exit, clients: [3], rounds: [1], code: 7}",
+     "SystemExit(7) inside the run asked for by the config's faults[0] ('exit' in round 1)"),
 ], ids=["sys.exit(0) in training", "os._exit(3) after a chunk", "a raise before the model", "SIGKILL after a chunk",
         "sys.exit(7) in training"])
 def test_any_way_out_asked_for_in_the_faults_section_ends_the_job_with_a_message(tmp_path, fault, message):
