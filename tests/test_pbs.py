@@ -83,6 +83,29 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_pat
                            timeout=MPI_TIMEOUT, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    # qsub passes a job script no arguments: MPIFL_ARGS carries them (qsub -v MPIFL_ARGS="rounds=4")
+    more = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**env, "MPIFL_ARGS": "rounds=4"},
+                          timeout=MPI_TIMEOUT, cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_launcher_that_exits_0_without_creating_the_run_fails_the_job_saying_nothing_ran(tmp_path):
+    script = tmp_path / "q.pbs"
+    made = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--gpus-per-node", "0", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    env = {**fake_pbs(tmp_path, ["localhost"], "7.fake"), "MPIEXEC": "true", "RUN_DIR": "runs/never"}
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "the launcher exited 0, but runs/never holds no run (no config.yaml): nothing ran" in done.stderr
+
+
+@pytest.mark.parametrize("option,value", [("--venv", "x}; touch pwned; #"), ("--conda-module", "x}; echo INJECTED; #"),
+                                          ("--node-memory-gb", "0"), ("--gpu-memory-gb", "-3")])
+def test_an_option_the_script_would_run_as_shell_code_or_a_memory_size_not_above_0_is_refused(tmp_path, option,
+                                                                                              value):
+    message = refused_job_option(tmp_path, "pbs", option, value)
+    assert option in message and ("shell code" in message or "above 0 GiB" in message), message
 
 
 def test_a_server_alone_script_launches_under_mpich_with_the_server_on_the_first_node_alone(tmp_path):

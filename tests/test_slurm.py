@@ -125,6 +125,23 @@ def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
                          "--gpus-per-task=1", sys.executable, "-m", "mpifl"], words
 
 
+@pytest.mark.parametrize("option,value", [("--mpi", "x}; touch pwned; #"), ("--mpi", "pmi2 --foo"),
+                                          ("--venv", "a b"), ("--mem", "1 G")])
+def test_an_option_the_script_would_run_as_shell_code_is_refused_naming_it(tmp_path, option, value):
+    message = refused_job_option(tmp_path, "slurm", option, value)
+    assert f"argument {option}" in message, message
+
+
+def test_time_0_writes_no_signal_line_and_refuses_a_stop_before_as_there_is_no_limit_to_stop_before(tmp_path):
+    script = tmp_path / "no-limit.sbatch"
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    assert mpifl_here("slurm", quickstart, "--time", "0", "-o", str(script)).returncode == 0
+    assert "#SBATCH --signal" not in script.read_text()
+    refused = mpifl_here("slurm", quickstart, "--time", "0", "--stop-before", "30", "-o", str(tmp_path / "x.sbatch"))
+    assert refused.returncode == 2 and not (tmp_path / "x.sbatch").exists()
+    assert "--time 0 sets no time limit, so there is nothing to stop 30 s before" in refused.stderr, refused.stderr
+
+
 def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY.replace("rounds: 2", "rounds: 5"))
     script = tmp_path / "two.sbatch"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 
 from mpifl.cli.parsing import add_subcommand
 
@@ -90,9 +91,36 @@ def slurm_time(text: str) -> str:
 
 def slurm_memory(text: str) -> str:
     """``--mem``'s argument type: ``text`` as given when Slurm would take it, else argparse's error."""
-    if text and slurm_megabytes(text) is None:
+    if text and (slurm_megabytes(text) is None or text != "".join(text.split())):
         raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm memory size (e.g. 0, 200G, 190000)")
     return text
+
+
+# What a job script may hold of a word it pastes into shell code: no space, quote, $, `, ;, {, } or glob
+SHELL_WORD = re.compile(r"[A-Za-z0-9_./+@%,=-]+")
+
+
+def shell_word(what: str) -> Callable[[str], str]:
+    """An argument type for an option whose value a job script runs as part of its shell code (a venv's path, a
+    module, srun's --mpi plugin): ``text`` as given when it holds only letters, digits and ``_ . / + @ % , = -``,
+    else argparse's error, naming ``what`` it is; '' passes (the option's 'none')."""
+    def parse(text: str) -> str:
+        if text and not SHELL_WORD.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}: the script would run it as shell code; use "
+                                             "letters, digits and _ . / + @ % , = - only")
+        return text
+    return parse
+
+
+def positive_gib(text: str) -> float:
+    """A memory size in GiB for the checks: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a memory size must be above 0 GiB")
+    return value
 
 
 def pbs_seconds(text: str) -> int | None:
@@ -198,14 +226,14 @@ def add_gpu_argument(p: argparse.ArgumentParser) -> None:
     """--gpus-per-node, and the memory of each for the check."""
     p.add_argument("--gpus-per-node", type=non_negative_int, default=4, help="GPUs per node: each rank sees one, "
                    "from its node-local rank (0: CPU only)")
-    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="memory per GPU (GiB) for the check "
+    p.add_argument("--gpu-memory-gb", type=positive_gib, default=40.0, help="memory per GPU (GiB) for the check "
                    "(Polaris: A100 40 GB)")
 
 
 def add_node_arguments(p: argparse.ArgumentParser, venv_help: str) -> None:
     """The memory per node for the check, and the venv to activate."""
-    p.add_argument("--node-memory-gb", type=float, default=512.0, help="memory per node (GiB) for the check")
-    p.add_argument("--venv", help=venv_help)
+    p.add_argument("--node-memory-gb", type=positive_gib, default=512.0, help="memory per node (GiB) for the check")
+    p.add_argument("--venv", type=shell_word("a venv's path"), help=venv_help)
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -221,9 +249,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=non_negative_int, default=None, help="GPUs per node, for the binding of "
                    "each local rank and, with train.device auto, whether client ranks train on GPUs (default: this "
                    "machine's: CUDA_VISIBLE_DEVICES, MPIFL_GPUS_PER_NODE or the NVIDIA driver's count)")
-    p.add_argument("--node-memory-gb", type=float, default=None, help="memory per node (GiB): warn when the "
+    p.add_argument("--node-memory-gb", type=positive_gib, default=None, help="memory per node (GiB): warn when the "
                    "fullest node would pass 90%% of it")
-    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (GiB): warn when a client "
+    p.add_argument("--gpu-memory-gb", type=positive_gib, default=None, help="memory per GPU (GiB): warn when a client "
                    "rank's GPU would pass 90%% of it (activations counted where the plan estimates them)")
     p.add_argument("--time", action="store_true", help="also predict the round time (mpifl.planning.scale's model)")
     p.add_argument("--rates", default="polaris", help="for --time: 'polaris', 'lustre', or a JSON file of "
@@ -260,7 +288,8 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-alone", action="store_true", help="give the server the first node to itself")
     add_node_arguments(p, "activate this venv (default: --site polaris: none, the conda module instead; --site "
                        "generic: the venv this command runs in, unless --conda-module is given)")
-    p.add_argument("--conda-module", help="the module that provides Python, when no venv is activated (default: "
+    p.add_argument("--conda-module", type=shell_word("a module's name"),
+                   help="the module that provides Python, when no venv is activated (default: "
                    "conda, from /soft/modulefiles, with --site polaris; none with --site generic)")
 
 
@@ -285,7 +314,8 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
                    "0: all of each node's memory (Slurm's special case), so that a cluster's default memory per "
                    "CPU cannot end the job short of what the check counted; a size replaces --node-memory-gb in "
                    "the check; '': no --mem line")
-    p.add_argument("--mpi", default=None, help="srun --mpi: the process-management interface (PMI) the ranks' MPI "
+    p.add_argument("--mpi", default=None, type=shell_word("an srun --mpi plugin (pmi2, pmix, ...)"),
+                   help="srun --mpi: the process-management interface (PMI) the ranks' MPI "
                    "reads (default: from the MPI that mpi4py finds here: pmi2 for MPICH, PyPI's included, Intel MPI "
                    "and MVAPICH; pmix for Open MPI and Cray MPICH); '': srun's default (MpiDefault, SLURM_MPI_TYPE)")
     p.add_argument("--overcommit", action="store_true", help="let a node's ranks share its CPUs (#SBATCH and srun "

@@ -27,8 +27,12 @@ from mpifl.planning.memory import MemoryEstimate
 FINAL_CHECK_TEMPLATE = """\
 # A launcher can report 0 after a rank left through C's _exit and it killed the others: the run directory
 # decides. `mpifl status` says how far the run got and which ranks did not finish; 0 only when complete.
+# A launcher that reports 0 with no run directory ran nothing (a wrapper, a misconfigured MPIEXEC or SRUN).
 if [[ "$STATUS" == 0 && -f "$RUN_DIR/config.yaml" ]]; then
   {mpifl} status "$RUN_DIR" || STATUS=$?
+elif [[ "$STATUS" == 0 ]]; then
+  echo "mpifl: the launcher exited 0, but $RUN_DIR holds no run (no config.yaml): nothing ran" >&2
+  STATUS=1
 fi
 exit "$STATUS"
 """
@@ -108,9 +112,13 @@ def node_count_problem(asked: int | None, nranks: int, ranks_per_node: int, serv
             f"charged: ask for --nodes {needed} (or leave it out), or spread the ranks with a lower --ranks-per-node")
 
 
-def stop_before_problem(stop: int, limit: int | None, limit_text: str, option: str) -> str | None:
+def stop_before_problem(stop: int, limit: int | None, limit_text: str, option: str, asked: bool = False) -> str | None:
     """Why SIGTERM ``stop`` seconds before a time limit of ``limit`` seconds (``limit_text`` as given to ``option``)
-    cannot work, or None: the script's timer (or Slurm's --signal) would be due before the job starts."""
+    cannot work, or None: the script's timer (or Slurm's --signal) would be due before the job starts, or the
+    ``asked`` --stop-before has no limit to come before (0: none)."""
+    if asked and stop and limit == 0:
+        return (f"argument --stop-before: {option} {limit_text} sets no time limit, so there is nothing to stop "
+                f"{stop} s before: give {option} a limit, or --stop-before 0")
     if stop == 0 or not limit or stop < limit:
         return None
     return (f"argument --stop-before: {stop} s is not shorter than the time limit ({option} {limit_text}, {limit} s), "

@@ -110,7 +110,10 @@ else                                                   # Cray PALS (Polaris)
   PLACE=(--ppn "$RANKS_PER_NODE" --depth "$DEPTH" --cpu-bind depth)
   HOSTS=()
 fi
-RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "$@")
+# qsub passes a job script no arguments: MPIFL_ARGS carries more mpifl run arguments, split at spaces
+# (qsub -v MPIFL_ARGS="--memray runs/prof"); arguments of `bash SCRIPT ...` come last
+read -ra MORE <<<"${{MPIFL_ARGS:-}}"
+RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}" "$@")
 
 echo "mpifl: $NRANKS ranks on $NNODES node(s), $RANKS_PER_NODE per node, run dir $RUN_DIR"
 echo "mpifl: walltime $WALLTIME_SECONDS s, $WALLTIME_FROM; SIGTERM to every rank $STOP_BEFORE s before it (0: none)"
@@ -119,6 +122,7 @@ if [[ "$SERVER_ALONE" == 1 && "$NNODES" -gt 1 && ${{#HOSTS[@]}} -gt 0 ]]; then
   # MPICH Hydra takes one host list per launch (a second --hosts is "duplicate host file or host list setting"):
   # a machine file of host:slots gives rank 0 the first node alone, the client ranks RANKS_PER_NODE on each other
   MACHINES=$(mktemp "${{TMPDIR:-/tmp}}/mpifl-machines.XXXXXX")
+  trap 'rm -f "$MACHINES"' EXIT
   {{ echo "$SERVER_HOST:1"
      sort -u "$NODEFILE" | grep -vxF "$SERVER_HOST" | sed "s/\$/:$RANKS_PER_NODE/"; }} >"$MACHINES"
   "$MPIEXEC" -n "$NRANKS" -f "$MACHINES" "${{RUN[@]}}" &

@@ -75,7 +75,10 @@ fi
 if [[ "$GPUS_PER_NODE" -gt 0 ]]; then
   PLACE+=(--gpus-per-task=1)
 fi
-RUN=("$MPIFL_PYTHON" -m mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "$@")
+# more mpifl run arguments, split at spaces (sbatch --export=ALL,MPIFL_ARGS=...), before those of the script's own
+read -ra MORE <<<"${{MPIFL_ARGS:-}}"
+RUN=("$MPIFL_PYTHON" -m mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}"
+     "$@")
 
 echo "mpifl: $NRANKS ranks on $NNODES node(s) (${{SLURM_JOB_NODELIST:-?}}), $RANKS_PER_NODE per node," \
   "run dir $RUN_DIR, srun --mpi=${{SRUN_MPI:-(default)}}"
@@ -92,8 +95,8 @@ def main(args: argparse.Namespace) -> int:
     if megabytes:  # a size, not 0 (all of each node's): the check counts against what the job asks for
         args.node_memory_gb = megabytes / 1024
     seconds = slurm_seconds(args.time)
-    stop = early_stop_seconds(args.stop_before, seconds)
-    problem = stop_before_problem(stop, seconds, args.time, "--time")  # --time 0: no limit, nothing to stop before
+    stop = early_stop_seconds(args.stop_before, seconds) if seconds != 0 or args.stop_before else 0
+    problem = stop_before_problem(stop, seconds, args.time, "--time", asked=args.stop_before is not None)
     if problem:
         raise UsageError(problem)
     job = plan_job(args, "slurm")
