@@ -122,3 +122,31 @@ def test_status_names_the_failed_rank_and_its_reason_when_its_failure_note_was_w
     lines = post_mortem(run)[1]
     assert "state 'failed' in round 2: JobFailure: round 2: could not write checkpoint 'c.tmp': disk full" in lines[1]
     assert lines[-1].endswith("rank 0 failed (reason above); continue with --resume")
+
+
+def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resume(tmp_path):
+    """A job checked mid-chain: its ranks are alive on this host (ranks.txt), so status says it is still running
+    instead of advising a --resume that would start a second job on the same directory. A rank whose note says it
+    ended, and a pid that now runs another program, do not count."""
+    import socket
+    import subprocess
+    import sys
+
+    run = run_dir_with(tmp_path, 2, [(0, "round", 3, 50.0), (1, "round", 3, 50.0), (2, "failed", 2, 49.0)])
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mpifl-rank-stand-in"])
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        host = socket.gethostname()
+        (run / "ranks.txt").write_text(f"rank host pid local_rank cores gpu threads\n0 {host} {rank.pid} 0 0 - 1\n"
+                                       f"1 {host} {other.pid} 1 0 - 1\n2 {host} {rank.pid} 2 0 - 1\n")
+        complete, lines = post_mortem(run)
+        assert not complete
+        assert lines[-1] == (f"not complete: still running (rank 0 PID {rank.pid} alive on this host): wait for the "
+                             "job to end, then ask again; do not --resume a run that is running")
+    finally:
+        rank.kill()
+        other.kill()
+        rank.wait()
+        other.wait()
+    complete, lines = post_mortem(run)  # once it ended: what the notes say, and the advice to resume
+    assert not complete and "still running" not in lines[-1] and lines[-1].endswith("continue with --resume")

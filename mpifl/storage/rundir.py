@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -346,6 +347,13 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     unwritten = unwritten_notes(run_dir)
     for rank in sorted({*notes, *unwritten}):
         lines.append(f"  rank {rank}: {_note_line(notes.get(rank), rank in unwritten)}")
+    alive = [(rank, pid) for rank, pid in running_ranks(run_dir)  # a rank whose note says it ended runs no more
+             if notes.get(rank, {}).get("state") not in ENDED_STATES]
+    if alive:  # a job still at it: a --resume now would start a second one on the same directory
+        pids = ", ".join(f"rank {rank} PID {pid}" for rank, pid in alive)
+        lines.append(f"not complete: still running ({pids} alive on this host): wait for the job to end, then ask "
+                     "again; do not --resume a run that is running")
+        return False, lines
     if server.get("state") == "interrupted":  # SIGTERM (by hand, or a scheduler's before its walltime): no failure
         lines.append(f"not complete: stopped on request after round {server['round']} (SIGTERM: by hand, or a "
                      f"scheduler's signal before its time limit), as the rounds on disk show; {advice}")
@@ -364,6 +372,39 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         cause = "every rank finished, but not every round is on disk"
     lines.append(f"not complete: {cause}; {advice}")
     return False, lines
+
+
+ENDED_STATES = ("finished", "failed", "interrupted")  # a rank's last note once its part of the run is over
+
+
+def running_ranks(run_dir: Path) -> list[tuple[int, int]]:
+    """(rank, pid) of the run's ranks that still run on this host, by ``ranks.txt`` (where each rank ran): its pid
+    alive and running mpifl, so that a pid the system has given another program since is not taken for it. Ranks
+    on other hosts cannot be seen from here."""
+    table = run_dir / "ranks.txt"  # rank host pid local_rank cores gpu threads
+    if not table.is_file():
+        return []
+    host = socket.gethostname()
+    alive = []
+    for row in (line.split() for line in table.read_text().splitlines()[1:]):
+        if len(row) > 2 and row[0].isdigit() and row[2].isdigit() and row[1] == host and _runs_mpifl(int(row[2])):
+            alive.append((int(row[0]), int(row[2])))
+    return alive
+
+
+def _runs_mpifl(pid: int) -> bool:
+    """Whether process ``pid`` is alive and its command line names mpifl (Linux's /proc; elsewhere, alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's: not this run's ranks
+        return False
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    try:
+        return b"mpifl" in cmdline.read_bytes() if Path("/proc/self").exists() else True
+    except OSError:
+        return False
 
 
 def faults_again(notes: dict[int, dict]) -> str | None:
