@@ -933,3 +933,13 @@ def test_cpu_decoder_extra_bytes_counts_gelu_new_dropout_logit_gradients_and_the
     assert per_layer == 4 * 128 * (23040 + 18432)
     added = cpu_decoder_extra_bytes(full, 4, 128, 2, False) - cpu_decoder_extra_bytes(gpt2, 4, 128, 2, False)
     assert abs(added - 12 * per_layer * 1.4) <= 1  # held in every layer, and 0.4 of it kept by the heap
+
+
+def test_a_bad_rates_file_is_refused_before_anything_is_printed_as_a_bad_option_is(tmp_path):
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    (tmp_path / "broken.json").write_text("{not json")
+    for rates, said in (("bogus", "'bogus' is neither a preset (polaris, lustre) nor a JSON file"),
+                        (str(tmp_path / "broken.json"), "broken.json: Expecting property name")):
+        refused = mpifl_here("plan", quickstart, "--time", "--rates", rates)
+        assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+        assert "argument --rates: " in refused.stderr and said in refused.stderr, refused.stderr

@@ -62,6 +62,20 @@ def test_memory_check_warns_when_a_node_cannot_hold_the_ranks(tmp_path):
     result = mpifl_here("pbs", str(cfg), "--ranks-per-node", "4", "--node-memory-gb", "8",
                         "-o", str(tmp_path / "j.pbs"))
     assert result.returncode == 0 and "warning:" in result.stdout and "fullest node" in result.stdout
+    assert "use fewer ranks per node (--ranks-per-node)" in result.stdout
+
+
+def test_at_one_rank_per_node_the_memory_check_advises_what_shrinks_a_rank_not_fewer_ranks(tmp_path):
+    """A node that cannot hold one rank: fewer ranks per node cannot help, what makes a rank smaller can."""
+    cfg = write_config(tmp_path / "big.yaml", "name: big\nmodel: {name: mlp, kwargs: {hidden: [16384, 16384]}}\n"
+                       "data: {dataset: synthetic}\neval: {every: 0}\nclients: {num_clients: 8}\n"
+                       "train: {optimizer: adam}\n")
+    result = mpifl_here("pbs", str(cfg), "--ranks-per-node", "1", "--server-alone", "--node-memory-gb", "2",
+                        "-o", str(tmp_path / "j.pbs"))
+    assert result.returncode == 0, result.stderr
+    warning = next(line for line in result.stdout.splitlines() if "fullest node" in line)
+    assert "--ranks-per-node" not in warning
+    assert "train a subset of the tensors (model.trainable)" in warning and "use SGD" in warning
 
 
 def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_path):

@@ -78,7 +78,8 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
         raise UsageError(problem)
     size, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
     fit = fewest_fitting_ranks(cfg, size, args, args.gpus_per_node, plan)
-    for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone, server_alone_offered=tool != "slurm"),
+    for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone, server_alone_offered=tool != "slurm",
+                                 ranks_per_node=args.ranks_per_node, fit=fit),
                     gpu_warning(cfg, plan, args.gpu_memory_gb if args.gpus_per_node > 0 else None,
                                 ranks_per_gpu(args.ranks_per_node, args.gpus_per_node, nranks - 1),
                                 clients_beside_server(args.ranks_per_node, args.gpus_per_node, nranks, server_alone),

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mpifl.config import Config, ConfigError, load_config
+from mpifl.errors import UsageError
 from mpifl.planning import binding
 from mpifl.planning.federation import even_spread, most_trained_per_rank
 from mpifl.planning.memory import (
@@ -353,6 +354,7 @@ def step_traffic(cfg: Config, ranks: int, model_bytes: int, update_bytes: int) -
 
 def plan_main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl plan``: bytes and expected memory per rank, without allocating the model."""
+    rates = load_rates(args.rates) if args.time else None  # a bad --rates is refused before anything is printed
     cfg, ranks = planned_config(args)
     gpus = gpus_per_node(args.gpus_per_node)
     size, plan = estimate(cfg, ranks + 1, args.ranks_per_node, args.server_alone, gpus)
@@ -390,7 +392,8 @@ def plan_main(args: argparse.Namespace) -> int:
     print(f"  fullest node at {args.ranks_per_node} ranks per node"
           f"{' (server alone)' if args.server_alone else ''}: ~{plan.node_bytes / GIB:.1f} GiB")
     print(binding_line(args.ranks_per_node, args.cores_per_node, args.gpus_per_node))
-    for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone),
+    for warning in (node_warning(cfg, plan, args.node_memory_gb, args.server_alone,
+                                 ranks_per_node=args.ranks_per_node, fit=fit),
                     gpu_warning(cfg, plan, args.gpu_memory_gb, ranks_per_gpu(args.ranks_per_node, gpus, ranks),
                                 clients_beside_server(args.ranks_per_node, gpus, ranks + 1, args.server_alone), fit)):
         if warning:
@@ -399,7 +402,8 @@ def plan_main(args: argparse.Namespace) -> int:
         if note:
             print(note)
     if args.time:
-        print_time_model(cfg, size.exchanged, load_rates(args.rates))
+        assert rates is not None  # loaded with --time
+        print_time_model(cfg, size.exchanged, rates)
     return 0
 
 
@@ -732,17 +736,22 @@ def binding_line(ranks_per_node: int, cores: int | None, gpus: int | None) -> st
 
 
 def node_warning(cfg: Config, plan: MemoryEstimate, node_memory_gb: float | None, server_alone: bool,
-                 server_alone_offered: bool = True) -> str | None:
+                 server_alone_offered: bool = True, ranks_per_node: int = 2, fit: ShardedFit | None = None
+                 ) -> str | None:
     """A warning when the fullest node would pass 90% of ``node_memory_gb``, with advice that fits the config
     and the command (never what it already does, nor --server-alone where the command has none: ``mpifl
-    slurm``); None when it fits or no node size is given."""
+    slurm``); at one rank per node, where no node can hold fewer, what shrinks a rank (``client_gpu_advice``).
+    None when it fits or no node size is given."""
     if node_memory_gb is None or plan.node_bytes <= 0.9 * node_memory_gb * GIB:
         return None
-    advice = ["use fewer ranks per node (--ranks-per-node)"]
+    advice = ["use fewer ranks per node (--ranks-per-node)"] if ranks_per_node > 1 else []
     if server_alone_offered and not server_alone:
         advice.append("give the server a node to itself (--server-alone)")
     if cfg.server.state != "disk":
         advice.append("keep the server's model out of core (server.state=disk)")
+    if ranks_per_node <= 1:
+        advice += client_gpu_advice(cfg, fit) or ["use nodes with more memory (--node-memory-gb counts what one "
+                                                  "holds)"]
     return (f"warning: {plan.describe(exchanged_what(cfg))} > 90% of {node_memory_gb:g} GiB per node: "
             f"{', or '.join(advice)}")
 
@@ -835,12 +844,12 @@ def load_rates(name: str) -> Rates:
         return presets[name]
     path = Path(name)
     if not path.is_file():
-        raise SystemExit(f"--rates: {name!r} is neither a preset ({', '.join(presets)}) nor a JSON file")
-    fields = json.loads(path.read_text())
+        raise UsageError(f"argument --rates: {name!r} is neither a preset ({', '.join(presets)}) nor a JSON file")
     try:
+        fields = json.loads(path.read_text())
         return Rates(**{"name": path.stem, **fields, "sources": tuple(fields.get("sources", ()))})
-    except TypeError as err:
-        raise SystemExit(f"--rates {name}: {err}") from None
+    except (TypeError, AttributeError, ValueError) as err:  # not JSON, not a mapping, or not Rates' fields
+        raise UsageError(f"argument --rates: {name}: {err}") from None
 
 
 def print_time_model(cfg: Config, exchanged: int, rates: Rates) -> None:
