@@ -114,6 +114,21 @@ def test_a_launcher_that_exits_0_without_creating_the_run_fails_the_job_saying_n
     assert "the launcher exited 0, but runs/never holds no run (no config.yaml): nothing ran" in done.stderr
 
 
+def test_a_venv_that_is_not_one_stops_the_job_naming_it_and_an_empty_one_means_none(tmp_path):
+    script = tmp_path / "q.pbs"
+    made = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--gpus-per-node", "0", "--site", "generic",
+                      "--venv", str(tmp_path / "venv"), "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    env = {**fake_pbs(tmp_path, ["localhost"], "8.fake"), "MPIEXEC": "true", "RUN_DIR": "runs/never"}
+    stopped = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert stopped.returncode == 2
+    assert f"MPIFL_VENV={tmp_path / 'venv'} is not a venv (no bin/activate)" in stopped.stderr, stopped.stderr
+    # set empty, the generated venv is not used: mpifl from PATH (this venv's), and the launcher (true) runs
+    none = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**env, "MPIFL_VENV": ""},
+                          timeout=60, cwd=tmp_path)
+    assert "is not a venv" not in none.stderr and "nothing ran" in none.stderr, none.stderr
+
+
 @pytest.mark.parametrize("option,value", [("--venv", "x}; touch pwned; #"), ("--conda-module", "x}; echo INJECTED; #"),
                                           ("--node-memory-gb", "0"), ("--gpu-memory-gb", "-3")])
 def test_an_option_the_script_would_run_as_shell_code_or_a_memory_size_not_above_0_is_refused(tmp_path, option,
@@ -178,11 +193,11 @@ def test_a_generic_site_script_activates_the_venv_that_wrote_it_and_loads_no_pol
         return (tmp_path / "s.pbs").read_text()
 
     generic = script("--site", "generic")
-    assert f"MPIFL_VENV=${{MPIFL_VENV:-{Path(sys.prefix)}}}" in generic and "CONDA_MODULE=${CONDA_MODULE:-}" in generic
+    assert f"MPIFL_VENV=${{MPIFL_VENV-{Path(sys.prefix)}}}" in generic and "CONDA_MODULE=${CONDA_MODULE:-}" in generic
     assert "/soft/modulefiles" not in generic
-    assert "MPIFL_VENV=${MPIFL_VENV:-/opt/v}" in script("--site", "generic", "--venv", "/opt/v")
+    assert "MPIFL_VENV=${MPIFL_VENV-/opt/v}" in script("--site", "generic", "--venv", "/opt/v")
     own_module = script("--site", "generic", "--conda-module", "python3")
-    assert "MPIFL_VENV=${MPIFL_VENV:-}" in own_module and "CONDA_MODULE=${CONDA_MODULE:-python3}" in own_module
+    assert "MPIFL_VENV=${MPIFL_VENV-}" in own_module and "CONDA_MODULE=${CONDA_MODULE:-python3}" in own_module
     polaris = script()
     assert "CONDA_MODULE=${CONDA_MODULE:-conda}" in polaris and "  module use /soft/modulefiles\n" in polaris
 

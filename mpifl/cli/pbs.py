@@ -44,7 +44,7 @@ RANKS_PER_NODE=${{RANKS_PER_NODE:-{ranks_per_node}}}
 DEPTH=${{DEPTH:-{depth}}}                   # cores per rank (--depth / --cpu-bind depth)
 SERVER_ALONE=${{SERVER_ALONE:-{server_alone}}}        # 1: the server gets the first node to itself
 GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus_per_node}}}     # >0: each rank sees one GPU, from its node-local rank
-MPIFL_VENV=${{MPIFL_VENV:-{venv}}}
+MPIFL_VENV=${{MPIFL_VENV-{venv}}}         # set empty: no venv (CONDA_MODULE instead)
 CONDA_MODULE=${{CONDA_MODULE:-{conda_module}}}
 MPIEXEC=${{MPIEXEC:-mpiexec}}
 RESUME=${{RESUME:-auto}}                    # auto: continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)
@@ -56,6 +56,11 @@ NODEFILE=${{PBS_NODEFILE:?PBS_NODEFILE is not set: submit with qsub, or point it
 cd "${{PBS_O_WORKDIR:-$PWD}}"
 
 if [[ -n "$MPIFL_VENV" ]]; then
+  if [[ ! -f "$MPIFL_VENV/bin/activate" ]]; then
+    echo "mpifl: MPIFL_VENV=$MPIFL_VENV is not a venv (no bin/activate): set MPIFL_VENV" \
+      "(qsub -v MPIFL_VENV=DIR) to the environment mpifl is installed in" >&2
+    exit 2
+  fi
   # shellcheck disable=SC1091
   source "$MPIFL_VENV/bin/activate"
 elif [[ -n "$CONDA_MODULE" ]] && command -v module >/dev/null 2>&1; then

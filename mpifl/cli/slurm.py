@@ -54,6 +54,11 @@ NNODES=${{SLURM_NNODES:?SLURM_NNODES is not set: submit with sbatch, or set it (
 cd "${{SLURM_SUBMIT_DIR:-$PWD}}"
 
 if [[ -n "$MPIFL_VENV" ]]; then
+  if [[ ! -f "$MPIFL_VENV/bin/activate" ]]; then
+    echo "mpifl: MPIFL_VENV=$MPIFL_VENV is not a venv (no bin/activate): set MPIFL_VENV" \
+      "(sbatch --export=ALL,MPIFL_VENV=DIR) to the environment mpifl is installed in" >&2
+    exit 2
+  fi
   # shellcheck disable=SC1091
   source "$MPIFL_VENV/bin/activate"
 fi
