@@ -108,10 +108,19 @@ def test_a_launcher_that_exits_0_without_creating_the_run_fails_the_job_saying_n
     script = tmp_path / "q.pbs"
     made = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--gpus-per-node", "0", "-o", str(script))
     assert made.returncode == 0, made.stderr
-    env = {**fake_pbs(tmp_path, ["localhost"], "7.fake"), "MPIEXEC": "true", "RUN_DIR": "runs/never"}
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mpiexec").write_text("#!/bin/sh\nexit 0\n")  # a launcher that starts nothing, and says 0
+    (fake / "mpiexec").chmod(0o755)
+    env = fake_pbs(tmp_path, ["localhost"], "7.fake")
+    env = {**env, "MPIEXEC": "mpiexec", "RUN_DIR": "runs/never", "PATH": f"{fake}{os.pathsep}{env['PATH']}"}
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert "the launcher exited 0, but runs/never holds no run (no config.yaml): nothing ran" in done.stderr
+    assert "mpiexec exited 0, but runs/never holds no run (no config.yaml): nothing ran" in done.stderr
+    # a launcher set to another program on purpose is a dry run: said, not failed
+    dry = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**env, "MPIEXEC": "echo"},
+                         timeout=60, cwd=tmp_path)
+    assert dry.returncode == 0 and "nothing ran (MPIEXEC=echo, a dry run?)" in dry.stderr, dry.stderr
 
 
 def test_a_venv_that_is_not_one_stops_the_job_naming_it_and_an_empty_one_means_none(tmp_path):
@@ -126,7 +135,7 @@ def test_a_venv_that_is_not_one_stops_the_job_naming_it_and_an_empty_one_means_n
     # set empty, the generated venv is not used: mpifl from PATH (this venv's), and the launcher (true) runs
     none = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**env, "MPIFL_VENV": ""},
                           timeout=60, cwd=tmp_path)
-    assert "is not a venv" not in none.stderr and "nothing ran" in none.stderr, none.stderr
+    assert "is not a venv" not in none.stderr and "nothing ran (MPIEXEC=true" in none.stderr, none.stderr
 
 
 @pytest.mark.parametrize("option,value", [("--venv", "x}; touch pwned; #"), ("--conda-module", "x}; echo INJECTED; #"),

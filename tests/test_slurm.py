@@ -117,9 +117,9 @@ def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
     cfg = write_config(tmp_path / "two.yaml", TINY)
     script = tmp_path / "two.sbatch"
     assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "2", "--mpi", "pmix", "-o", str(script)).returncode == 0
-    env, log = fake_slurm(tmp_path, "exit 0")  # a dry run: srun runs nothing, no run directory to check
+    env, log = fake_slurm(tmp_path, "exit 0")  # srun runs nothing and says 0: the job fails, as nothing ran
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 1 and "srun exited 0, but runs/two holds no run" in run.stderr, run.stderr
     words = log.read_text().split()
     assert words[:9] == ["--ntasks=3", "--ntasks-per-node=4", "--cpus-per-task=8", "--cpu-bind=cores", "--mpi=pmix",
                          "--gpus-per-task=1", sys.executable, "-m", "mpifl"], words

@@ -27,20 +27,24 @@ from mpifl.planning.memory import MemoryEstimate
 FINAL_CHECK_TEMPLATE = """\
 # A launcher can report 0 after a rank left through C's _exit and it killed the others: the run directory
 # decides. `mpifl status` says how far the run got and which ranks did not finish; 0 only when complete.
-# A launcher that reports 0 with no run directory ran nothing (a wrapper, a misconfigured MPIEXEC or SRUN).
+# The launcher reporting 0 with no run directory ran nothing: the job fails, unless {launcher} was set to another
+# program on purpose (a dry run: {launcher}=echo prints the launch line).
 if [[ "$STATUS" == 0 && -f "$RUN_DIR/config.yaml" ]]; then
   {mpifl} status "$RUN_DIR" || STATUS=$?
-elif [[ "$STATUS" == 0 ]]; then
-  echo "mpifl: the launcher exited 0, but $RUN_DIR holds no run (no config.yaml): nothing ran" >&2
+elif [[ "$STATUS" == 0 && "${launcher}" == {default} ]]; then
+  echo "mpifl: {default} exited 0, but $RUN_DIR holds no run (no config.yaml): nothing ran" >&2
   STATUS=1
+elif [[ "$STATUS" == 0 ]]; then
+  echo "mpifl: $RUN_DIR holds no run: nothing ran ({launcher}=${launcher}, a dry run?)" >&2
 fi
 exit "$STATUS"
 """
 
 
-def final_check(mpifl: str = "mpifl") -> str:
-    """The script's last lines, with ``mpifl`` as the script calls it."""
-    return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl)
+def final_check(mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = "mpiexec") -> str:
+    """The script's last lines, with ``mpifl`` as the script calls it and ``launcher``, the variable that names
+    the launcher (``default`` unless set to another program on purpose)."""
+    return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default)
 
 
 @dataclass(frozen=True)

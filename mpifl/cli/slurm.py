@@ -127,6 +127,6 @@ def main(args: argparse.Namespace) -> int:
         nranks=job.nranks, gpus_per_node=args.gpus_per_node, venv=args.venv or "", memory_note=job.memory_note,
         overrides=job.overrides_words, python="$MPIFL_VENV/bin/python" if args.venv else sys.executable,
         mpi=mpi, mpi_found=why, overcommit=" --overcommit" if args.overcommit else "",
-        final_check=final_check('"$MPIFL_PYTHON" -m mpifl'))
+        final_check=final_check('"$MPIFL_PYTHON" -m mpifl', launcher="SRUN", default="srun"))
     write_script(job, args.output, ".sbatch", script)
     return 0
