@@ -302,6 +302,22 @@ def test_ditto_is_warned_of_when_lr_times_lambda_reaches_the_regularisers_stabil
     assert said("train.lr=0.1", "train.optimizer=adam", "train.ditto_lambda=100") == []  # no such bound for Adam
 
 
+def test_ditto_stability_warning_counts_weight_decay_with_lambda():
+    """The optimiser's weight decay wd/2 ||v||^2 adds its curvature to Ditto's: SGD multiplies the personal model by
+    1 - lr (lambda + wd), so lr x lambda below the bound can still diverge once weight decay is added."""
+    from mpifl.config import config_warnings
+
+    def said(*overrides: str) -> list[str]:
+        return [w for w in config_warnings(load_config(None, list(overrides))) if w.startswith("train.ditto_lambda")]
+
+    assert said("train.lr=0.1", "train.ditto_lambda=15", "train.weight_decay=4.9") == []  # 0.1 x 19.9 < 2
+    assert said("train.lr=0.1", "train.ditto_lambda=15", "train.weight_decay=5") == [
+        "train.ditto_lambda: train.lr x (train.ditto_lambda + train.weight_decay) = 0.1 x (15 + 5) = 2 is at or past "
+        "2, where SGD's step on Ditto's regulariser is unstable (stable while lr x (lambda + weight_decay) < 2): the "
+        "personal models will diverge to NaN/Inf and not be kept. Lower train.lr, train.ditto_lambda or "
+        "train.weight_decay"]
+
+
 @pytest.mark.parametrize("overrides,message", [
     (("strategy.name=scaffold", "compression.method=int8"), "set compression.method='none' or choose fedavg"),
     (("strategy.name=feddyn", "compression.method=int4"), "set compression.method='none' or choose fedavg"),

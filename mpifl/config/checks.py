@@ -611,21 +611,37 @@ def _group_warnings(cfg: Config) -> list[str]:
 
 
 def _ditto_warnings(cfg: Config) -> list[str]:
-    """train.lr x train.ditto_lambda at or past the bound where SGD's step on Ditto's regulariser
-    lambda/2 ||v - w||^2 alone stops shrinking v - w: it multiplies v - w by 1 - lr lambda, stable below 2; with
-    heavy-ball momentum beta, below 2 (1 + beta). Past it the personal models grow until they are NaN/Inf."""
+    """train.lr x (train.ditto_lambda + train.weight_decay) at or past the bound where SGD's step on the personal
+    model's two quadratic terms alone stops shrinking them: Ditto's lambda/2 ||v - w||^2 and the optimiser's weight
+    decay wd/2 ||v||^2 together multiply v by 1 - lr (lambda + wd) (towards lambda w / (lambda + wd)), stable
+    below 2; with heavy-ball momentum beta, below 2 (1 + beta). Past it the personal models grow until they are
+    NaN/Inf. (The loss's own curvature adds to it: the bound is necessary, not sufficient.)"""
     train = cfg.train
     if not train.ditto_lambda or train.optimizer != "sgd" or train.trainer not in ("torch", "causal_lm"):
         return []
-    bound = 2 * (1 + train.momentum)
-    product = train.lr * train.ditto_lambda
+    bound = ditto_stability_bound(train.momentum)
+    curvature = train.ditto_lambda + train.weight_decay
+    product = train.lr * curvature
     if product < bound:
         return []
     with_momentum = f" with train.momentum={train.momentum:g}" if train.momentum else ""
-    return [f"train.ditto_lambda: train.lr x train.ditto_lambda = {train.lr:g} x {train.ditto_lambda:g} = "
-            f"{product:g} is at or past {bound:g}, where SGD's step on Ditto's regulariser is unstable{with_momentum} "
-            f"(stable while lr x lambda < 2{' x (1 + momentum)' if train.momentum else ''}): the personal models "
-            "will diverge to NaN/Inf and not be kept. Lower train.lr or train.ditto_lambda"]
+    if train.weight_decay:
+        terms = (f"train.lr x (train.ditto_lambda + train.weight_decay) = {train.lr:g} x ({train.ditto_lambda:g} + "
+                 f"{train.weight_decay:g})")
+        stable, lower = "lr x (lambda + weight_decay)", "train.lr, train.ditto_lambda or train.weight_decay"
+    else:
+        terms = f"train.lr x train.ditto_lambda = {train.lr:g} x {train.ditto_lambda:g}"
+        stable, lower = "lr x lambda", "train.lr or train.ditto_lambda"
+    return [f"train.ditto_lambda: {terms} = {product:g} is at or past {bound:g}, where SGD's step on Ditto's "
+            f"regulariser is unstable{with_momentum} (stable while {stable} < 2"
+            f"{' x (1 + momentum)' if train.momentum else ''}): the personal models will diverge to NaN/Inf and not "
+            f"be kept. Lower {lower}"]
+
+
+def ditto_stability_bound(momentum: float) -> float:
+    """The largest stable lr x curvature of SGD with heavy-ball momentum on a quadratic: 2 (1 + momentum)
+    (Goh, "Why Momentum Really Works", Distill 2017: convergence for 0 < lr x curvature < 2 + 2 beta)."""
+    return 2 * (1 + momentum)
 
 
 # What a clock.queue_trace replaces: its jobs' own waits, run times and ends (mpifl.clock.queue draws none).
