@@ -144,3 +144,13 @@ def test_an_unknown_client_a_run_without_own_models_and_a_sharded_runs_files_are
             f.attrs["shards"] = 2
     rewrite_config(copy / "ckpt-r000002.h5", "local: []", "local:\n  - 3.*")
     assert "holds one shard of each client's rows" in refusal(copy / "ckpt-r000002.h5", out, "--client", "1")
+
+
+def test_inspect_says_how_to_export_a_clients_own_model_where_the_run_kept_one(fedper, ditto):
+    """The global model alone is not what a FedPer or Ditto client uses: inspect names the export that is."""
+    said = mpifl_here("inspect", str(last(fedper)))
+    assert said.returncode == 0, said.stderr
+    assert (f"each client's own model (the global tensors with its model.local ones): mpifl export {last(fedper)} "
+            "OUT --client ID (ID 0 to 7)") in said.stdout
+    said = mpifl_here("inspect", str(last(ditto)))
+    assert f"each client's own personal model (Ditto): mpifl export {last(ditto)} OUT --client ID" in said.stdout

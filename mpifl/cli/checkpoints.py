@@ -42,9 +42,32 @@ def inspect(path: str, verify: bool = False) -> int:
             lacks = f", none of rank(s) {silent} (silent as it was saved)" if silent else ""
             print(f"per client: {kept_per_client(ckpt)}, kept by the client ranks, in {residuals_dir(ckpt.path)} "
                   f"({len(files)} rank file(s){'' if all(f.is_file() for f in files) else ', some missing'}{lacks})")
+            own = own_models_hint(ckpt)
+            if own:
+                print(own)
         print(f"metrics: {len(ckpt.metrics())} rounds")
         print("config:\n  " + ckpt.config.strip().replace("\n", "\n  "))
     return 0
+
+
+def own_models_hint(ckpt: Checkpoint) -> str | None:
+    """How to get one client's own model out (``mpifl export --client``), where the checkpoint's run kept models
+    of the clients' own that export can join: the global model alone is not what such a client uses."""
+    from mpifl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(None, data=yaml.safe_load(ckpt.config) or {})
+        state = cfg.client_state()
+    except (ConfigError, yaml.YAMLError):
+        return None
+    if state is None or not (state.local or state.personal):
+        return None
+    what = "personal model (Ditto)" if state.personal else "model (the global tensors with its model.local ones)"
+    if cfg.clients.sharding == "fsdp":
+        return (f"each client's own {what}: kept in rows over its group's ranks (clients.sharding: fsdp), which "
+                "mpifl export --client does not join")
+    return (f"each client's own {what}: mpifl export {ckpt.path} OUT --client ID "
+            f"(ID 0 to {cfg.clients.num_clients - 1})")
 
 
 def _print_tensors(entries: list[Entry]) -> None:
