@@ -182,8 +182,10 @@ def _supervise(child: int, read_end: int, command: str, since: float) -> int:
         _say_killed(child, -code, notes_at, since)
         _end_by(-code)
     if code == 0 and ANNOUNCED not in said:
-        log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl {command} finished (os._exit or C's "
-            "_exit, past Python's cleanup): the run is incomplete; `mpifl status RUN_DIR` says how far it got "
+        fault = struck_here(notes_at[1], notes_at[0], "exit", since) if notes_at else None
+        how = f"the config's {fault}, as asked" if fault else "os._exit or C's _exit"
+        log(f"mpifl: this rank (PID {child}) left with exit status 0 before mpifl {command} finished ({how}, past "
+            "Python's cleanup): the run is incomplete; `mpifl status RUN_DIR` says how far it got "
             f"(this rank's supervisor, PID {os.getpid()}, exits {UNANNOUNCED_EXIT} so that the launcher reports a "
             "failure)", rank=env_rank())
         code = UNANNOUNCED_EXIT

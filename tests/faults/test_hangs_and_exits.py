@@ -42,11 +42,13 @@ LARGE_CHUNKS = TRAINING.replace("data: {dataset: synthetic, kwargs: {num_samples
     "chunk_mb: 0.001", "chunk_mb: 1")
 
 
-def run_with_fault(tmp_path, text: str, **fault: str):
+def run_with_fault(tmp_path, text: str, fresh: bool = False, **fault: str):
+    """``text`` run on 3 ranks; ``fresh``: as a job of its own, each rank under its supervisor (which names a rank
+    that leaves with status 0 past Python's cleanup), not in the suite's job pool."""
     cfg = write_config(tmp_path / "c.yaml", text)
     start = time.monotonic()
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), timeout=120,
-                     env={k.upper(): str(v) for k, v in fault.items()})
+                     env={k.upper(): str(v) for k, v in fault.items()}, fresh=fresh)
     return result, time.monotonic() - start
 
 
@@ -142,10 +144,13 @@ def test_under_accept_failures_a_silent_rank_is_dropped_the_rounds_complete_and_
     ("{kind: kill, clients: [1], rounds: [2], stage: send}", "Killed (signal 9)"),
     ("{kind: exit, clients: [3], rounds: [1], code: 7}",
      "SystemExit(7) inside the run asked for by the config's faults[0] ('exit' in round 1)"),
+    ("{kind: exit, clients: [3], rounds: [1], code: 0, via: c}",
+     "left with exit status 0 before mpifl run finished (the config's faults[0] ('exit' in round 1), as asked, past "
+     "Python's cleanup)"),
 ], ids=["sys.exit(0) in training", "os._exit(3) after a chunk", "a raise before the model", "SIGKILL after a chunk",
-        "sys.exit(7) in training"])
+        "sys.exit(7) in training", "C's _exit(0) in training"])
 def test_any_way_out_asked_for_in_the_faults_section_ends_the_job_with_a_message(tmp_path, fault, message):
-    result, seconds = run_with_fault(tmp_path, TRAINING + f"faults: [{fault}]\n")
+    result, seconds = run_with_fault(tmp_path, TRAINING + f"faults: [{fault}]\n", fresh="via: c" in fault)
     assert result.returncode != 0
     if "SystemExit(7)" in message:  # a sys.exit's own code is the job's: the rank aborts every rank with it
         assert result.returncode == 7, result.stderr[-3000:]
