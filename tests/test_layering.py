@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mpifl"
 
 # Lowest floor first. A top-level module (units.py, ...) is its own unit; a subpackage is one unit.
 FLOORS: list[tuple[str, ...]] = [
-    ("units", "errors"),
+    ("units", "errors", "caches"),
     ("logs", "plugins", "metrics", "trackers"),
     ("config",),
     ("wire",),

@@ -24,7 +24,6 @@ import os
 import platform
 import shlex
 import subprocess
-import tempfile
 from _ctypes import CFuncPtr as Kernel  # a loaded C function: the class ctypes keeps as its private _CFuncPtr
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregation.networks import window_network
+from mpifl.caches import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def kernel(p: int, k: int, dtype: torch.dtype) -> Kernel | None:
     if dtype not in ROW_TYPES or not 1 <= p <= MAX_PARTICIPANTS or os.environ.get("MPIFL_NATIVE", "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(_built(kernel_source(p, k, window_network(p, k)), _cache_dir())))
+        lib = ctypes.CDLL(str(_built(kernel_source(p, k, window_network(p, k)), cache_dir())))
     except (OSError, subprocess.SubprocessError) as err:
         _warn_once(str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
         return None
@@ -122,20 +122,6 @@ def trimmed_mean(out: np.ndarray, rows: list[torch.Tensor], first: int, k: int) 
 def _warn_once(reason: str) -> None:
     log.warning("robust aggregation runs the numpy sorting network (the same bits, slower): no native kernel "
                 "could be built or loaded (%s); MPIFL_NATIVE=0 silences this", reason)
-
-
-def _cache_dir() -> Path:
-    """Where built kernels live: $MPIFL_CACHE_DIR, else the user's cache folder, else a temporary one."""
-    if os.environ.get("MPIFL_CACHE_DIR"):
-        return Path(os.environ["MPIFL_CACHE_DIR"])
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpifl"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"mpifl-{os.getuid()}"
 
 
 def _built(source: str, folder: Path) -> Path:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import inspect
+import os
+import sys
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from mpifl import caches
 
 if TYPE_CHECKING:  # the 'hf' extra: imported where a tokenizer is loaded or trained
     from tokenizers import Tokenizer
@@ -29,15 +34,21 @@ DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 def stdlib_docstrings(max_chars: int | None = None) -> list[str]:
     """Module, class and function docstrings of the running Python's standard library, in path order; the files
-    past ``max_chars`` are not read."""
+    past ``max_chars`` are not read. Parsing the whole library takes 5-8 CPU-seconds, paid by every process that
+    reads the corpus (``mpifl plan``, ``validate``, each job's reading rank): each file's docstrings are kept in
+    the cache folder (mpifl.caches), keyed by its size and modification time, and parsed again only when those
+    change."""
     docs, total = [], 0
-    for path in _stdlib_files():
-        for doc in _docstrings_of(path):
-            docs.append(doc)
-            total += len(doc)
-            if max_chars is not None and total >= max_chars:
-                return docs
-    return docs
+    try:
+        for path in _stdlib_files():
+            for doc in _docstrings_of(path):
+                docs.append(doc)
+                total += len(doc)
+                if max_chars is not None and total >= max_chars:
+                    return docs
+        return docs
+    finally:
+        _save_parsed()
 
 
 @functools.cache
@@ -49,13 +60,61 @@ def _stdlib_files() -> tuple[str, ...]:
 
 @functools.cache
 def _docstrings_of(path: str) -> tuple[str, ...]:
-    """One file's docstrings, parsed once a process: parsing the whole standard library takes about 5 s, and
-    ``mpifl validate`` builds the corpus twice (the model's shape, then the partition)."""
+    """One file's docstrings: from the cache where the file is unchanged since they were cached, else parsed
+    (and then cached); once a process either way (``mpifl validate`` builds the corpus twice: the model's shape,
+    then the partition)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return ()
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    cached = _parsed().get(path)
+    if isinstance(cached, list) and len(cached) == 3 and cached[:2] == stamp and isinstance(cached[2], list):
+        return tuple(cached[2])
+    docs = _parse_docstrings(path)
+    _parsed()[path] = [*stamp, list(docs)]
+    _unsaved.add(path)
+    return docs
+
+
+def _parse_docstrings(path: str) -> tuple[str, ...]:
+    """``path``'s module, class and function docstrings, in ``ast.walk``'s order."""
     try:
         tree = ast.parse(Path(path).read_bytes())
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, OSError):
         return ()
     return tuple(doc for node in ast.walk(tree) if isinstance(node, DOCUMENTED) and (doc := ast.get_docstring(node)))
+
+
+# The cache file of this interpreter's standard library (its parse and its files are the interpreter's), and the
+# format of its entries (path -> [size, mtime_ns, docstrings]): bump DOCSTRING_CACHE_FORMAT when what is kept changes.
+DOCSTRING_CACHE_FORMAT = 1
+_unsaved: set[str] = set()
+
+
+def _cache_name() -> str:
+    root = sysconfig.get_paths()["stdlib"]
+    key = hashlib.sha256(f"{DOCSTRING_CACHE_FORMAT} {sys.version} {root}".encode()).hexdigest()[:16]
+    return f"stdlib-docstrings-{sys.implementation.cache_tag}-{key}.json"
+
+
+@functools.cache
+def _parsed() -> dict[str, object]:
+    """The cached files' entries, read once a process (empty where there is no readable cache)."""
+    document = caches.read_json(_cache_name())
+    return document if isinstance(document, dict) else {}
+
+
+def _save_parsed() -> None:
+    """Write the cache where this process parsed files it did not hold; merged with what another process may have
+    cached meanwhile (the last writer's whole file wins, so an entry is at worst parsed again)."""
+    if not _unsaved:
+        return
+    merged = caches.read_json(_cache_name())
+    merged = merged if isinstance(merged, dict) else {}
+    merged.update(_parsed())
+    caches.write_json(_cache_name(), merged)
+    _unsaved.clear()
 
 
 def read_files(files: Sequence[str] | str, max_chars: int | None = None) -> list[str]:
