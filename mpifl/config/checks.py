@@ -615,7 +615,7 @@ def _ditto_warnings(cfg: Config) -> list[str]:
     model's two quadratic terms alone stops shrinking them: Ditto's lambda/2 ||v - w||^2 and the optimiser's weight
     decay wd/2 ||v||^2 together multiply v by 1 - lr (lambda + wd) (towards lambda w / (lambda + wd)), stable
     below 2; with heavy-ball momentum beta, below 2 (1 + beta). Past it the personal models grow until they are
-    NaN/Inf. (The loss's own curvature adds to it: the bound is necessary, not sufficient.)"""
+    NaN/Inf. The loss's own curvature adds to it: the bound is necessary, not sufficient."""
     train = cfg.train
     if not train.ditto_lambda or train.optimizer != "sgd" or train.trainer not in ("torch", "causal_lm"):
         return []
