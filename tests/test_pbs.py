@@ -123,6 +123,37 @@ def test_a_launcher_that_exits_0_without_creating_the_run_fails_the_job_saying_n
     assert dry.returncode == 0 and "nothing ran (MPIEXEC=echo, a dry run?)" in dry.stderr, dry.stderr
 
 
+def test_a_sigterm_reported_by_the_launcher_after_the_run_completed_does_not_fail_the_job(tmp_path):
+    """The early stop's SIGTERM (or the scheduler's) can reach the ranks while a complete run shuts down, and the
+    launcher reports it (143 or 15): the run directory holds every round, so the job succeeds, saying so. A run
+    that is not complete keeps the launcher's status. (A launcher that reports the signal is faked here, on the run
+    directory a real job left.)"""
+    script = tmp_path / "q.pbs"
+    made = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--gpus-per-node", "0", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    env = fake_pbs(tmp_path, ["localhost"], "9.fake")
+    done = subprocess.run(["bash", str(script), "rounds=1"], capture_output=True, text=True, env=env,
+                          timeout=MPI_TIMEOUT, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for status in (143, 15):
+        (fake / "mpiexec").write_text(f"#!/bin/sh\nexit {status}\n")
+        (fake / "mpiexec").chmod(0o755)
+        signalled = {**env, "MPIEXEC": "mpiexec", "PATH": f"{fake}{os.pathsep}{env['PATH']}"}
+        again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=signalled, timeout=120,
+                               cwd=tmp_path)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.rstrip().endswith("complete"), again.stdout
+        assert f"mpifl: mpiexec exited {status} (SIGTERM) after the run completed: the job succeeds" in again.stderr
+    # the same launcher's SIGTERM on a run short of its rounds: the job fails with it
+    config = tmp_path / "runs" / "quickstart" / "config.yaml"
+    config.write_text(config.read_text().replace("rounds: 1", "rounds: 3"))
+    short = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=signalled, timeout=120,
+                           cwd=tmp_path)
+    assert short.returncode == 15 and "the job succeeds" not in short.stderr, short.stderr
+
+
 def test_a_venv_that_is_not_one_stops_the_job_naming_it_and_an_empty_one_means_none(tmp_path):
     script = tmp_path / "q.pbs"
     made = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--gpus-per-node", "0", "--site", "generic",

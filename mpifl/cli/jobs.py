@@ -23,7 +23,8 @@ from mpifl.config import Config
 from mpifl.errors import UsageError
 from mpifl.planning.memory import MemoryEstimate
 
-# After the launcher exits 0, the run directory decides the job's exit status (both schedulers' scripts).
+# After the launcher exits 0, or by SIGTERM, the run directory decides the job's exit status (both schedulers'
+# scripts).
 FINAL_CHECK_TEMPLATE = """\
 # A launcher can report 0 after a rank left through C's _exit and it killed the others: the run directory
 # decides. `mpifl status` says how far the run got and which ranks did not finish; 0 only when complete.
@@ -36,6 +37,15 @@ elif [[ "$STATUS" == 0 && "${launcher}" == {default} ]]; then
   STATUS=1
 elif [[ "$STATUS" == 0 ]]; then
   echo "mpifl: $RUN_DIR holds no run: nothing ran ({launcher}=${launcher}, a dry run?)" >&2
+elif [[ ("$STATUS" == 143 || "$STATUS" == 15) && -f "$RUN_DIR/config.yaml" ]]; then
+  # SIGTERM (the early stop, or the scheduler's) can reach the ranks while a complete run shuts down: the
+  # launcher then reports it, but the run directory holds every round, so the job succeeds.
+  FINAL=$({mpifl} status "$RUN_DIR") || FINAL=
+  if [[ "$FINAL" == *$'\n'complete && "$FINAL" != *"the job then failed"* ]]; then
+    echo "$FINAL"
+    echo "mpifl: ${launcher} exited $STATUS (SIGTERM) after the run completed: the job succeeds" >&2
+    STATUS=0
+  fi
 fi
 exit "$STATUS"
 """
