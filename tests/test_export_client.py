@@ -1,7 +1,8 @@
 """``mpifl export CKPT OUT --client ID``: the model a logical client uses, as safetensors: under FedPer (model.local)
 the global tensors with the client's own local ones, under Ditto its personal model v_i (with its own local tensors
 beside model.local), each tensor bitwise the client's vector decoded here by hand from the per-rank files; and a
-client with no model of its own, a run that keeps none, an unknown id and a sharded run's files refused, saying why."""
+client with no model of its own, a run that keeps none, an unknown id and sharded files under a config that keeps
+whole vectors refused, saying why (a sharded run's export: tests/test_mpi_sharded.py)."""
 from __future__ import annotations
 
 import shutil

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import killed_and_resumed, run_mpi, write_config
+from conftest import killed_and_resumed, mpifl_here, run_mpi, write_config
 from results import assert_bitwise, final_model, relative_l2
+from safetensors import numpy as safetensors_numpy
 
 from mpifl.config import ConfigError, load_config
 
@@ -241,6 +242,16 @@ def test_ditto_on_sharded_clients_keeps_each_personal_model_over_the_ranks_rows_
     assert sorted(whole) == sorted(single) == [0, 1, 2, 3]
     for client, personal in whole.items():
         assert relative_l2({"v": personal}, {"v": single[client]}) < TOLERANCE
+    # `mpifl export --client` joins a client's rows from its group's rank files: its personal model, bitwise
+    last = sorted((sharded / "checkpoints").glob("ckpt-r*.h5"))[-1]
+    out = tmp_path / "client2.safetensors"
+    done = mpifl_here("export", str(last), str(out), "--client", "2")
+    assert done.returncode == 0, done.stderr
+    exported = safetensors_numpy.load_file(str(out))
+    names = [e.name for e in model_spec(cfg.model, cfg.seed)[0].entries]
+    assert list(exported) == names or sorted(exported) == sorted(names)
+    joined = np.concatenate([exported[name].reshape(-1) for name in names])
+    assert np.array_equal(joined, whole[2].astype(joined.dtype))
 
 
 def rows_by_checkpoint(run_dir: Path, client: int) -> dict[int, list[np.ndarray]]:

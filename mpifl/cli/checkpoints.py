@@ -63,9 +63,6 @@ def own_models_hint(ckpt: Checkpoint) -> str | None:
     if state is None or not (state.local or state.personal):
         return None
     what = "personal model (Ditto)" if state.personal else "model (the global tensors with its model.local ones)"
-    if cfg.clients.sharding == "fsdp":
-        return (f"each client's own {what}: kept in rows over its group's ranks (clients.sharding: fsdp), which "
-                "mpifl export --client does not join")
     return (f"each client's own {what}: mpifl export {ckpt.path} OUT --client ID "
             f"(ID 0 to {cfg.clients.num_clients - 1})")
 
