@@ -31,20 +31,34 @@ def cache_dir() -> Path:
 
 def read_json(name: str) -> object | None:
     """The JSON document cached as ``name``, or None where there is none or it cannot be read whole."""
+    text = read_text(name)
     try:
-        return json.loads((cache_dir() / name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json.loads(text) if text is not None else None
+    except ValueError:
         return None
 
 
 def write_json(name: str, document: object) -> None:
-    """Cache ``document`` as ``name``, published by rename (processes writing at once each publish a whole file);
-    best effort: a cache that cannot be written costs time, never the run."""
+    """Cache ``document`` as ``name`` (``write_text``)."""
+    write_text(name, json.dumps(document))
+
+
+def read_text(name: str) -> str | None:
+    """The text cached as ``name``, or None where there is none or it cannot be read."""
+    try:
+        return (cache_dir() / name).read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
+
+
+def write_text(name: str, text: str) -> None:
+    """Cache ``text`` as ``name``, published by rename (processes writing at once each publish a whole file, and
+    none is read half-written); best effort: a cache that cannot be written costs time, never the run."""
     folder = cache_dir()
     partial = folder / f".{name}.{os.getpid()}"
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(document), encoding="utf-8")
+        partial.write_text(text, encoding="utf-8")
         os.replace(partial, folder / name)
     with contextlib.suppress(OSError):
         partial.unlink(missing_ok=True)

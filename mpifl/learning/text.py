@@ -9,6 +9,7 @@ holding one) or a byte-level BPE trained on the spot with the ``tokenizers`` lib
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -237,18 +238,44 @@ def vocabulary_problem(kwargs: dict, rows: int) -> str | None:
 
 
 def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (GPT-2 style) trained on ``docs``; deterministic for the same input."""
+    """A byte-level BPE (GPT-2 style) trained on ``docs``; deterministic for the same input, so the one trained
+    before on the same documents, vocabulary size and tokenizers version is read from the cache folder instead
+    (training on the standard library's docstrings takes 2-3 CPU-seconds, paid by every process that reads the
+    corpus)."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise ImportError("data.dataset='text' needs the tokenizers library: pip install 'mpifl[hf]'") from None
+    name = _tokenizer_cache_name(docs, vocab_size)
+    cached = caches.read_text(name)
+    if cached is not None:
+        with contextlib.suppress(Exception):  # the library raises a bare Exception for a file it cannot read
+            return Tokenizer.from_str(cached)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(docs, trainer)
+    caches.write_text(name, tokenizer.to_str())
     return tokenizer
+
+
+def _tokenizer_cache_name(docs: list[str], vocab_size: int) -> str:
+    """The cache file of the tokenizer ``train_tokenizer`` trains on ``docs`` to ``vocab_size``: keyed by every
+    document (each with its length, so that no two lists hash alike), the size, how mpifl sets the trainer up
+    (TOKENIZER_RECIPE) and the library's version."""
+    import tokenizers
+
+    digest = hashlib.sha256(f"{TOKENIZER_RECIPE} {tokenizers.__version__} {vocab_size}".encode())
+    for doc in docs:
+        encoded = doc.encode("utf-8", "surrogatepass")
+        digest.update(len(encoded).to_bytes(8, "little"))
+        digest.update(encoded)
+    return f"tokenizer-bpe-{digest.hexdigest()[:24]}.json"
+
+
+TOKENIZER_RECIPE = 1  # bump when train_tokenizer's set-up changes: a cached tokenizer is then trained again
 
 
 def token_blocks(tokenizer: Tokenizer, docs: list[str], seq_len: int) -> torch.Tensor:

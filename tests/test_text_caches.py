@@ -1,6 +1,8 @@
-"""The default text corpus (the standard library's docstrings) is parsed once per machine, not once per process:
-each file's docstrings are cached in the cache folder keyed by its size and modification time, read back exactly
-as parsed, parsed again when the file changes, and a cache that is unreadable or cannot be written costs time only."""
+"""The default text corpus (the standard library's docstrings) is parsed, and a tokenizer trained on a corpus, once per
+machine, not once per process: each file's docstrings are cached in the cache folder keyed by its size and
+modification time, read back exactly as parsed, parsed again when the file changes; a tokenizer is cached keyed by
+its documents and size, and is the one training gives; a cache that is unreadable or cannot be written costs time
+only."""
 from __future__ import annotations
 
 import os
@@ -64,3 +66,34 @@ def test_a_cache_that_cannot_be_read_or_written_costs_time_only(fresh_process, m
     assert text.stdlib_docstrings() == ["Module a."]
     fresh_process()
     assert text.stdlib_docstrings() == ["Module a."]
+
+
+def test_a_tokenizer_trained_before_on_the_same_documents_is_read_from_the_cache_as_trained(fresh_process,
+                                                                                          monkeypatch, tmp_path):
+    """BPE training is deterministic for the same documents and size, so the cached tokenizer is the one training
+    gives; other documents or another size train another."""
+    pytest.importorskip("tokenizers")
+    docs = text.stdlib_docstrings(max_chars=30_000)
+    trained = text.train_tokenizer(docs, 400).to_str()
+    files = list((tmp_path / "cache").glob("tokenizer-bpe-*.json"))
+    assert len(files) == 1
+    monkeypatch.setenv("MPIFL_CACHE_DIR", str(tmp_path / "elsewhere"))  # nothing cached: trained again
+    assert text.train_tokenizer(docs, 400).to_str() == trained
+    # read, not trained: another tokenizer put in its place is what comes back
+    smaller = text.train_tokenizer(docs, 300).to_str()
+    monkeypatch.setenv("MPIFL_CACHE_DIR", str(tmp_path / "cache"))
+    files[0].write_text(smaller)
+    assert text.train_tokenizer(docs, 400).to_str() == smaller
+    # keyed by every document, the size and the documents' boundaries
+    assert text._tokenizer_cache_name(docs, 400) == files[0].name
+    assert text._tokenizer_cache_name(docs, 401) != files[0].name
+    assert text._tokenizer_cache_name([*docs[:-1], docs[-1] + "x"], 400) != files[0].name
+    assert text._tokenizer_cache_name(["ab", "c"], 400) != text._tokenizer_cache_name(["a", "bc"], 400)
+
+
+def test_a_cached_tokenizer_that_cannot_be_read_is_trained_again(fresh_process, tmp_path):
+    pytest.importorskip("tokenizers")
+    docs = text.stdlib_docstrings(max_chars=30_000)
+    trained = text.train_tokenizer(docs, 400).to_str()
+    (tmp_path / "cache" / text._tokenizer_cache_name(docs, 400)).write_text('{"version": "1.0", "trunc')
+    assert text.train_tokenizer(docs, 400).to_str() == trained
