@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     """Check the config on every rank before MPI starts, agree on what the checks found, then run."""
-    from mpifl.storage.rundir import RunComplete, find_resume
+    from mpifl.storage.rundir import RunComplete, find_resume, resume_warnings
 
     checked, problem, complete = None, None, None
     try:
@@ -47,6 +47,7 @@ def _run_command(args: argparse.Namespace) -> int:
         if cfg.model.local:  # which tensors stay is known only from the built model (a plug-in: on the ranks)
             check_model(cfg)
         resume = find_resume(cfg, args.run_dir, args.resume) if args.resume else None
+        warnings += resume_warnings(cfg, resume) if resume is not None else []
         checked = cfg, warnings, resume
     except RunComplete as done:
         complete = str(done)

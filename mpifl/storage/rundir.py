@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from mpifl.config import Config, ConfigError, dump_config, resumable_keys, resume_conflict
+from mpifl.config import Config, ConfigError, TransportConfig, dump_config, resumable_keys, resume_conflict
 from mpifl.errors import RESUME_FAILS_THE_SAME_WAY, CheckpointError
 from mpifl.logs import log
 from mpifl.metrics import json_line
@@ -134,6 +134,32 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
         if gone:  # else the job would start, build everything, and fail as it resends them (roles.server)
             raise ConfigError(f"cannot resume: {gone}; {VERSIONS_GONE}")
         return ckpt.path
+
+
+def resume_warnings(cfg: Config, resume: Path) -> list[str]:
+    """What this resume changes that a resume may change, but that changes the result all the same: a compressed
+    run's chunk size (quantization blocks and top-k selections restart at chunk boundaries, so the rounds from here
+    differ from the uninterrupted run's; every other transport setting leaves the numbers as they are)."""
+    if cfg.compression.method == "none":
+        return []
+    with Checkpoint(resume) as ckpt:
+        saved = (yaml.safe_load(ckpt.config) or {}).get("transport") or {}
+    try:
+        before = TransportConfig(**saved)
+    except (TypeError, ValueError, ConfigError):  # a section this version cannot read: nothing to compare
+        return []
+    if before.chunk_bytes == cfg.transport.chunk_bytes:
+        return []
+    return [f"transport.chunk_mb: {cfg.transport.chunk_mb:g} ({cfg.transport.chunk_bytes}-byte chunks) where "
+            f"{resume.name}'s run had {before.chunk_mb:g} ({before.chunk_bytes}-byte chunks): compression.method "
+            f"{cfg.compression.method!r} {CHUNKED_COMPRESSION.get(cfg.compression.method, 'encodes each chunk')}, so "
+            "the rounds from here differ from the uninterrupted run's (unless both chunks hold the whole model); "
+            f"resume with transport.chunk_mb={before.chunk_mb:g} to keep its result"]
+
+
+# How each compression method depends on the chunking (docs/explanation/determinism.md: compressed runs).
+CHUNKED_COMPRESSION = {"int8": "quantizes each chunk in blocks of its own", "int4": "quantizes each chunk in "
+                       "blocks of its own", "topk": "selects the largest elements within each chunk"}
 
 
 VERSIONS_GONE = ("restore the missing checkpoint files, resume from an older checkpoint that has its versions "
