@@ -17,15 +17,14 @@ Exit status 1 when a case that should be rank-count independent is not, or a run
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import h5py
-import numpy as np
+from mpifl.storage.comparison import Result
+from mpifl.storage.comparison import digest as result_digest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -154,22 +153,9 @@ def bn_net(input_shape, num_classes, width: int = 16):
 
 
 def digest(run_dir: Path) -> str:
-    """SHA-256 of every tensor of the final model, then of every kept per-client vector of the last checkpoint."""
-    h = hashlib.sha256()
-    with h5py.File(run_dir / "model.h5", "r") as f:
-        model = f["model"]
-        for name in sorted(model):
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(model[name][()]).tobytes())
-    snapshots = sorted((run_dir / "checkpoints").glob("ckpt-r*.residuals"))
-    vectors: dict[int, bytes] = {}
-    for path in sorted(snapshots[-1].glob("rank*.h5")) if snapshots else []:
-        with h5py.File(path, "r") as f:
-            vectors.update({int(c): f["clients"][c][()].tobytes() for c in f["clients"]})
-    for client in sorted(vectors):
-        h.update(str(client).encode())
-        h.update(vectors[client])
-    return h.hexdigest()[:16]
+    """SHA-256 of every tensor of the final model, then of every kept per-client vector of the last checkpoint:
+    ``mpifl diff``'s and ``mpifl inspect``'s digest of the run directory."""
+    return result_digest(Result.at(run_dir))
 
 
 def run(bin_dir: Path, ranks: int, run_dir: Path, overrides: list[str], resume: bool = False,

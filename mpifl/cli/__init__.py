@@ -1,4 +1,4 @@
-"""The ``mpifl`` command: run, validate, inspect, export, report, profile-report, pbs, slurm, bench."""
+"""The ``mpifl`` command: run, validate, inspect, diff, export, report, profile-report, pbs, slurm, bench."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "
                      "naming the first corrupt tensor)")
     ins.set_defaults(func=commands.inspect)
+    diff = _command(sub, "diff", "whether two runs (or checkpoints) hold the same bits: every tensor of the model and "
+                                 "every client's kept vector; what differs, by how much, where they do (exit 0: "
+                                 "bitwise equal, 1: they differ)")
+    diff.add_argument("a", help="a run directory (its model.h5 and newest checkpoint), or an .h5 file")
+    diff.add_argument("b", help="the other")
+    diff.set_defaults(func=commands.diff)
     exp = _command(sub, "export", "write a checkpoint's model as safetensors, once its checksums hold (exit 2 "
                                   "naming the first corrupt tensor, nothing written)")
     exp.add_argument("checkpoint", help="an mpifl checkpoint (.h5) to export")

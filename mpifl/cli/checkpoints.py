@@ -10,6 +10,7 @@ import yaml
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
+from mpifl.storage.comparison import Result, compare, digest
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
 from mpifl.wire.spec import CONTROL, is_control
@@ -46,8 +47,43 @@ def inspect(path: str, verify: bool = False) -> int:
             if own:
                 print(own)
         print(f"metrics: {len(ckpt.metrics())} rounds")
+        print(f"digest: {digest(Result.at(path))} (SHA-256 of its tensors and clients' vectors; mpifl diff compares "
+              "two results)")
         print("config:\n  " + ckpt.config.strip().replace("\n", "\n  "))
     return 0
+
+
+def diff(a: str, b: str) -> int:
+    """Print whether two results hold the same bits (``mpifl.storage.comparison``); 0 when they do, else 1."""
+    first, second = Result.at(a), Result.at(b)
+    for label, result, path in (("a", first, a), ("b", second, b)):
+        vectors = f" and the clients' vectors of {result.vectors.name}" if result.vectors else ""
+        print(f"{label}: {path}: {result.model.name}{vectors}; digest {digest(result)}")
+    try:
+        found = compare(first, second)
+    except ValueError as err:
+        raise CheckpointError(f"mpifl diff: {err}") from None
+    verdict = "bitwise equal" if not found.differences else f"{len(found.differences)} of them differ"
+    print(f"model: {found.tensors} tensors in both, {found.elements:,} elements: {verdict}")
+    for change in found.differences:
+        print(f"  {change.line()}")
+    for side, names in (("a", found.only_in_a), ("b", found.only_in_b)):
+        if names:
+            print(f"  only in {side}: {', '.join(names)}")
+    if found.clients is None:
+        print("clients' vectors: not compared (kept by " + ("neither" if not (first.vectors or second.vectors) else
+                                                           "one of them only") + ")")
+    else:
+        verdict = "bitwise equal" if not found.client_differences else \
+            f"{len(found.client_differences)} of them differ"
+        print(f"clients' vectors: {found.clients} clients in both: {verdict}")
+        for change in found.client_differences:
+            print(f"  {change.line()}")
+        for side, clients in (("a", found.clients_only_in_a), ("b", found.clients_only_in_b)):
+            if clients:
+                print(f"  only in {side}: clients {', '.join(map(str, clients))}")
+    print("bitwise equal" if found.bitwise_equal else "they differ")
+    return 0 if found.bitwise_equal else 1
 
 
 def own_models_hint(ckpt: Checkpoint) -> str | None:

@@ -262,6 +262,13 @@ def inspect(args: argparse.Namespace) -> int:
     return checkpoints.inspect(args.checkpoint, args.verify)
 
 
+def diff(args: argparse.Namespace) -> int:
+    """``mpifl diff``: two results bit for bit."""
+    from mpifl.cli import checkpoints
+
+    return checkpoints.diff(args.a, args.b)
+
+
 def export(args: argparse.Namespace) -> int:
     """``mpifl export``: a checkpoint's model (or one client's, ``--client``) as safetensors."""
     from mpifl.cli import checkpoints

@@ -304,7 +304,8 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         if repeat:
             raise SystemExit(f"mpifl compare: {repeat[0].run_dir} and {repeat[1].run_dir} have the same config and "
                              f"seed {repeat[0].config.get('seed')}: a repeat of one run, not another seed, so the "
-                             "mean ± std would count it twice; give one of them")
+                             "mean ± std would count it twice; give one of them (mpifl diff checks that two "
+                             "such runs hold the same bits)")
     if any(len(members) > 1 for _, members in groups):
         group_rows = []
         for label, members in groups:

@@ -1,0 +1,118 @@
+"""``mpifl diff A B``: whether two results hold the same bits, every tensor of the model and every client's kept
+vector, and where they do not, which elements differ and by how much (exit 0 when bitwise equal, 1 when not, 2 for
+what cannot be read); its digest is ``mpifl inspect``'s and ``profiling/combinations.py``'s."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+from conftest import mpifl_here, run_mpi, write_config
+
+from mpifl.storage.comparison import Result, difference, digest
+
+
+def model_file(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str, ...] = ()) -> Path:
+    """An HDF5 file laid out as a checkpoint's /model (bf16: uint16 bits with a dtype attribute)."""
+    with h5py.File(path, "w") as f:
+        group = f.create_group("model")
+        for name, values in tensors.items():
+            group.create_dataset(name, data=values)
+            if name in bf16:
+                group[name].attrs["dtype"] = "bfloat16"
+    return path
+
+
+WEIGHTS = {"0.weight": np.arange(12, dtype=np.float32).reshape(3, 4) / 7, "0.bias": np.zeros(3, np.float32)}
+
+
+def test_identical_files_are_bitwise_equal_and_share_a_digest(tmp_path):
+    a, b = model_file(tmp_path / "a.h5", WEIGHTS), model_file(tmp_path / "b.h5", dict(reversed(WEIGHTS.items())))
+    said = mpifl_here("diff", str(a), str(b))
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert "model: 2 tensors in both, 15 elements: bitwise equal" in said.stdout
+    assert said.stdout.rstrip().endswith("bitwise equal")
+    assert digest(Result.at(a)) == digest(Result.at(b))
+
+
+def test_one_element_a_rounding_step_away_is_named_with_its_size(tmp_path):
+    changed = dict(WEIGHTS, **{"0.weight": WEIGHTS["0.weight"].copy()})
+    changed["0.weight"][1, 2] = np.nextafter(changed["0.weight"][1, 2], np.float32(9))
+    a, b = model_file(tmp_path / "a.h5", WEIGHTS), model_file(tmp_path / "b.h5", changed)
+    said = mpifl_here("diff", str(a), str(b))
+    assert said.returncode == 1
+    step = float(changed["0.weight"][1, 2]) - float(WEIGHTS["0.weight"][1, 2])
+    assert f"  0.weight [3, 4]: 1 of 12 elements differ, max |a - b| {step:.3g}, relative L2 " in said.stdout
+    assert "model: 2 tensors in both, 15 elements: 1 of them differ" in said.stdout
+    assert said.stdout.rstrip().endswith("they differ")
+    assert digest(Result.at(a)) != digest(Result.at(b))
+
+
+def test_bytes_decide_signed_zeros_differ_the_same_nan_does_not():
+    zero, nan = np.array([0.0, 1.0], np.float32), np.array([np.nan, 1.0], np.float32)
+    assert difference("z", zero, -zero + np.array([0.0, 0.0], np.float32)) is not None  # -0.0 against 0.0
+    assert difference("n", nan, nan.copy()) is None
+
+
+def test_bf16_is_sized_as_the_values_its_bits_encode(tmp_path):
+    bits = np.array([0x3F80, 0x4000], np.uint16)  # 1.0, 2.0 in bfloat16
+    other = np.array([0x3F80, 0x4001], np.uint16)  # 2.0 + 2^-6
+    change = difference("w", bits, other, "bfloat16")
+    assert change is not None and change.differing == 1 and change.max_abs == 2.0 ** -6
+
+
+def test_a_tensor_only_one_result_has_is_named_and_unreadable_input_exits_2(tmp_path):
+    a = model_file(tmp_path / "a.h5", WEIGHTS)
+    b = model_file(tmp_path / "b.h5", {"0.weight": WEIGHTS["0.weight"]})
+    said = mpifl_here("diff", str(a), str(b))
+    assert said.returncode == 1 and "  only in a: 0.bias" in said.stdout
+    missing = mpifl_here("diff", str(a), str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and f"{tmp_path / 'nowhere'}: no such file or run directory" in missing.stderr
+    (tmp_path / "junk.h5").write_text("not hdf5")
+    junk = mpifl_here("diff", str(a), str(tmp_path / "junk.h5"))
+    assert junk.returncode == 2 and "cannot be read as HDF5" in junk.stderr
+
+
+def test_a_sharded_groups_rank_files_are_joined_into_each_clients_vector(tmp_path):
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / "ckpt-r000001.residuals"
+    folder.mkdir(parents=True)
+    model_file(run / "checkpoints" / "ckpt-r000001.h5", WEIGHTS)
+    for shard, rows in ((1, [3.0, 4.0]), (0, [1.0, 2.0])):
+        with h5py.File(folder / f"rank{shard + 1:05d}.h5", "w") as f:
+            f.attrs.update({"shard": shard, "shards": 2})
+            f.create_group("clients").create_dataset("7", data=np.array(rows, np.float32))
+    assert np.array_equal(Result.at(run).client_vectors()[7], [1.0, 2.0, 3.0, 4.0])
+
+
+SCAFFOLD = """
+seed: 2
+rounds: 2
+clients: {num_clients: 6, per_round: 4}
+data: {dataset: digits, partition: dirichlet, alpha: 0.5}
+model: {name: mlp, kwargs: {hidden: [16]}}
+train: {lr: 0.05, batch_size: 16, local_epochs: 1}
+strategy: {name: scaffold, update: delta}
+checkpoint: {every: 1}
+eval: {every: 0}
+output: {progress: false}
+"""
+
+
+def test_one_config_on_two_rank_counts_diffs_bitwise_equal_with_every_clients_vector(tmp_path):
+    """The determinism promise checked as a user would: SCAFFOLD on 2 and 3 client ranks, its model and every
+    client's c_i; the same digest in diff and inspect; another seed differs."""
+    cfg = write_config(tmp_path / "c.yaml", SCAFFOLD)
+    for name, ranks, extra in (("two", 3, ()), ("three", 4, ()), ("seed", 3, ("seed=3",))):
+        done = run_mpi(ranks, "run", str(cfg), *extra, "--run-dir", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr
+    same = mpifl_here("diff", str(tmp_path / "two"), str(tmp_path / "three"))
+    assert same.returncode == 0, same.stdout
+    kept = len(Result.at(tmp_path / "two").client_vectors())
+    assert kept >= 4 and f"clients' vectors: {kept} clients in both: bitwise equal" in same.stdout, same.stdout
+    code = digest(Result.at(tmp_path / "two"))
+    assert f"digest {code}" in same.stdout
+    inspected = mpifl_here("inspect", str(tmp_path / "two" / "checkpoints" / "ckpt-r000002.h5"))
+    assert f"digest: {code} " in inspected.stdout
+    other = mpifl_here("diff", str(tmp_path / "two"), str(tmp_path / "seed"))
+    assert other.returncode == 1 and "they differ" in other.stdout
