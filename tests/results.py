@@ -113,3 +113,23 @@ def recorded(run_dir: Path) -> list[dict]:
                            for rank, work in record.get("ranks", {}).items()}
         out.append(record)
     return out
+
+
+# What the same run writes differently on another number of client ranks (docs/reference/run-directory.md): what
+# the ranks did rather than what they computed. Whole keys, and the rank named inside each entry of a list.
+RANK_COUNT = ("bytes_sent", "bytes_received", "ranks", "server_pool_bytes", "state_loans")
+RANK_COUNT_IN_ENTRIES = {"dropped": ("rank",), "faults": ("rank", "rank_clients_dropped")}
+
+
+def recorded_on_any_rank_count(run_dir: Path) -> list[dict]:
+    """``recorded`` less what depends on the number of client ranks (``RANK_COUNT``, and the rank of each
+    ``dropped`` and ``faults`` entry: ``RANK_COUNT_IN_ENTRIES``): what the same run must write alike on 2 or 4
+    client ranks."""
+    out = []
+    for record in recorded(run_dir):
+        record = {k: v for k, v in record.items() if k not in RANK_COUNT}
+        for key, inner in RANK_COUNT_IN_ENTRIES.items():
+            if key in record:
+                record[key] = [{k: v for k, v in entry.items() if k not in inner} for entry in record[key]]
+        out.append(record)
+    return out

@@ -129,6 +129,18 @@ def test_clients_per_round():
     assert load(clients={"num_clients": 10, "per_round": 20}).clients_per_round() == 10
 
 
+@pytest.mark.parametrize("clients,fraction,sampled", [
+    (12, 0.3, 4),  # 3.6: the nearest whole number, not the floor
+    (12, 0.25, 3),
+    (10, 0.25, 2), (10, 0.35, 4), (6, 0.25, 2),  # 2.5, 3.5, 1.5: a tie goes to the even count
+    (10, 0.01, 1), (100, 0.004, 1),  # at least one client a round
+    (8, 1.0, 8)])
+def test_clients_fraction_samples_fraction_times_clients_rounded_half_to_even_and_at_least_one(clients, fraction,
+                                                                                                sampled):
+    """The rule clients.fraction's description states (docs/reference/config.md)."""
+    assert load(clients={"num_clients": clients, "fraction": fraction}).clients_per_round() == sampled
+
+
 def test_shipped_configs_validate():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         load_config(path)
@@ -142,6 +154,29 @@ def test_validate_command_exit_codes(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "unknown key 'train.batchsize'; did you mean 'train.batch_size'?" in bad.stderr
+
+
+def test_validate_and_plan_warn_that_train_threads_other_than_1_make_results_depend_on_the_thread_count(
+        tmp_path, capsys):
+    """A thread count other than 1 on the CPU is the one setting whose results depend on the ranks' layout: the
+    checks before the run say so (validate, plan, and rank 0 of the run once), not only the run itself."""
+    from mpifl.cli import main
+    from mpifl.config import config_warnings
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {dataset: synthetic}\nrounds: 1\n")
+    assert main(["validate", str(path), "train.threads=2"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: train.threads=2: training on the CPU, torch's kernels split their sums by thread, so the " \
+           "results depend on the thread count; train.threads=1 keeps them bitwise equal on any number of ranks" in out
+    assert main(["validate", str(path), "train.threads=1"]) == 0
+    assert "thread count" not in capsys.readouterr().out
+    assert main(["plan", str(path), "train.threads=2"]) == 0
+    assert "results depend on the thread count" in capsys.readouterr().out
+    (auto,) = [w for w in config_warnings(load_config(None, ["train.threads=auto"])) if w.startswith("train.threads")]
+    assert "depend on the thread count, which 'auto' takes from the cores per rank" in auto
+    assert not [w for w in config_warnings(load_config(None, ["train.threads=4", "train.device=cuda"]))
+                if w.startswith("train.threads")]  # a GPU's kernels do not split their sums by CPU thread
 
 
 @pytest.mark.parametrize("overrides,says", [
@@ -240,7 +275,8 @@ def test_a_chain_reduction_without_reduction_groups_is_refused_naming_the_key():
 
 def test_compression_with_reduction_groups_quantizes_group_sums_but_top_k_and_the_chain_are_refused():
     assert load(clients={"groups": 2}, compression={"method": "int8"}).compression.method == "int8"
-    with pytest.raises(ConfigError, match=r"clients.groups: compression.method 'topk' needs 0 with top-k"):
+    with pytest.raises(ConfigError, match=r"clients.groups: compression.method 'topk' needs clients.groups=0 \(top-k "
+                                          r"sparsifies each client's own update"):
         load(clients={"groups": 2}, strategy={"update": "delta"}, compression={"method": "topk"})
     with pytest.raises(ConfigError, match=r"transport.reduce: compression.method 'int4' needs 'direct'"):
         load(clients={"groups": 2}, transport={"reduce": "chain"}, compression={"method": "int4"})

@@ -514,9 +514,21 @@ def test_plan_counts_one_client_rank_per_group_and_refuses_more_ranks_than_group
     assert main(["plan", quickstart, "clients.groups=2"]) == 0
     assert "; 2 client ranks, 4 clients per round" in capsys.readouterr().out.splitlines()[0]
     assert main(["plan", quickstart, "--client-ranks", "3", "clients.groups=2"]) == 2
-    assert ("config error: clients.groups=2 < 3 client ranks: a group lives on one client rank, so 1 would idle; "
-            "launch at most 3 ranks or raise clients.groups (planned for 3 client ranks; --client-ranks sets them)"
+    assert ("config error: clients.groups=2 < 3 client ranks: a group lives on one client rank, so 1 of the 3 "
+            "client ranks would hold no group and idle; launch at most 3 ranks or raise clients.groups (planned for 3 "
+            "client ranks; --client-ranks sets them)"
             in capsys.readouterr().err)
+
+
+def test_too_few_groups_for_the_client_ranks_says_how_many_ranks_would_idle():
+    """The count that idles is of client ranks (or client groups of ranks), not of clients.groups."""
+    from mpifl.planning.world import world_problem
+
+    assert world_problem(5, load_config(None, ["clients.groups=2"])) == (
+        "clients.groups=2 < 4 client ranks: a group lives on one client rank, so 2 of the 4 client ranks would hold "
+        "no group and idle; launch at most 3 ranks or raise clients.groups")
+    assert "so 1 of the 3 client groups of 2 ranks would hold no group and idle; launch at most 5 ranks" in \
+        world_problem(7, load_config(None, ["clients.groups=2", "clients.ranks_per_client=2"]))
 
 
 def test_a_chain_rank_with_k_groups_holds_k_group_sums_until_the_chain_passes():

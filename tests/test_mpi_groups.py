@@ -169,15 +169,6 @@ def test_a_chain_under_per_round_placement_with_groups_by_cost_is_rank_count_ind
     assert_bitwise(run(tmp_path, "direct", 3, *grouped[:-1]), on_two)  # and the point-to-point groups' bits
 
 
-def test_only_cpu_threads_make_results_depend_on_the_layout():
-    from mpifl.roles.runner import layout_warnings
-
-    chain = load_config(None, ["transport.reduce=chain", "clients.groups=4"], data=yaml.safe_load(CONFIG))
-    assert layout_warnings(chain) == []  # several groups per rank or not: the groups' order, bitwise
-    (threads,) = layout_warnings(load_config(None, ["train.threads=auto"], data=yaml.safe_load(CONFIG)))
-    assert "depend on the thread count, which 'auto' takes from the cores per rank" in threads
-
-
 def test_quantized_group_sums_are_rank_count_independent_and_a_quarter_of_the_bytes(tmp_path):
     grouped = ("clients.groups=2", "strategy.update=delta", "rounds=2")
     on_two = run(tmp_path, "int8-2", 2, *grouped, "compression.method=int8")

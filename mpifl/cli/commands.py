@@ -97,13 +97,11 @@ def agree_on_checks(comm: MPI.Intracomm, problem: str | None, complete: str | No
 def _run(comm: MPI.Intracomm, cfg: Config, run_dir_arg: str | None, resume: Path | None,
          resume_asked: str | None, memray_dir: str | None, memray_native: bool) -> int:
     from mpifl.cli.profiling import tracked
-    from mpifl.roles.runner import check_world, layout_warnings, run_rank
+    from mpifl.roles.runner import check_world, run_rank
     from mpifl.storage.rundir import prepare_run_dir
 
     try:
         check_world(comm.Get_size(), cfg)
-        for warning in layout_warnings(cfg) if comm.Get_rank() == 0 else []:
-            log(f"mpifl: warning: {warning}", rank=0)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         tell_run_dir(run_dir, comm.Get_rank())  # its supervisor notes there a death by a signal
         with tracked(memray_dir, comm.Get_rank(), memray_native):

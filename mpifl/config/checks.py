@@ -267,7 +267,8 @@ def _check_compression(cfg: Config) -> None:
         return
     needs = [("strategy.wire_dtype", cfg.strategy.wire_dtype is None, "unset (one encoding at a time)"),
              ("clients.groups", not cfg.clients.groups or cfg.compression.method != "topk",
-              "0 with top-k (error feedback keeps a residual per client; int8 and int4 quantize group sums)"),
+              "clients.groups=0 (top-k sparsifies each client's own update and error feedback keeps a residual "
+              "per client, while a group sends one sum; int8 and int4 quantize group sums)"),
              ("transport.reduce", cfg.transport.reduce == "direct", "'direct' (the chain adds fp32 sums)"),
              ("secagg.enabled", not cfg.secagg.enabled,
               "secagg.enabled=false (secure aggregation sends its own fixed-point values, one encoding at a time); "
@@ -543,7 +544,7 @@ NARROW_GLOBAL_LR = 1e-4
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg) + \
-        _ditto_warnings(cfg)
+        _ditto_warnings(cfg) + _thread_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -608,6 +609,19 @@ def _group_warnings(cfg: Config) -> list[str]:
             f"{ranks - batch} of each client group's {ranks} ranks without a sample (they join the group's "
             "collectives and add nothing): raise train.batch_size to a multiple of clients.ranks_per_client, or "
             "lower clients.ranks_per_client"]
+
+
+def _thread_warnings(cfg: Config) -> list[str]:
+    """train.threads other than 1 on the CPU: legal, but the only setting whose results depend on the layout of the
+    ranks, so that a comparison across rank counts (or a resume on another count) is not a surprise."""
+    threads = cfg.train.threads
+    if threads == 1 or cfg.train.device == "cuda":  # "auto": the CPU where no GPU is seen
+        return []
+    auto = ", which 'auto' takes from the cores per rank, and so on the number of ranks per node" \
+        if threads == "auto" else ""
+    return [f"train.threads={threads!r}: training on the CPU, torch's kernels split their sums by thread, so the "
+            f"results depend on the thread count{auto}; train.threads=1 keeps them bitwise equal on any number of "
+            "ranks"]
 
 
 def _ditto_warnings(cfg: Config) -> list[str]:

@@ -44,7 +44,10 @@ class ClientsConfig:
 
     num_clients: int = field_(8, "logical clients in the federation (may exceed client ranks)", min=1, max=10**7)
     per_round: int | None = field_(None, "clients sampled per round (overrides fraction)", min=1)
-    fraction: float = field_(1.0, "fraction of clients sampled per round", min=0.0, max=1.0, exclusive_min=True)
+    fraction: float = field_(1.0, "fraction of clients sampled per round: fraction x num_clients rounded to the "
+                             "nearest whole number, a tie to the even one (Python's round), and at least 1: 12 "
+                             "clients x 0.3 sample 4, 10 x 0.25 sample 2, 10 x 0.01 sample 1", min=0.0, max=1.0,
+                             exclusive_min=True)
     accept_failures: bool = field_(False, "drop a logical client that raises or sends NaN/Inf from the round (logged "
                                     "with client, rank and reason) instead of aborting the job; so are the rest "
                                     "of a round's clients on a rank still training past its deadline "

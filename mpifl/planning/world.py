@@ -93,8 +93,8 @@ def world_problem(size: int, cfg: Config) -> str | None:
                 f"use at most {ranks_for(cfg.clients.num_clients)} ranks or raise clients.num_clients")
     groups = cfg.clients.groups
     if groups and groups < hosts:
-        return (f"clients.groups={groups} < {unit}: a group lives on one client rank, so "
-                f"{hosts - groups} would idle; launch at most {ranks_for(groups)} ranks or raise "
+        return (f"clients.groups={groups} < {unit}: a group lives on one client rank, so {hosts - groups} of the "
+                f"{unit} would hold no group and idle; launch at most {ranks_for(groups)} ranks or raise "
                 "clients.groups")
     if cfg.server.state == "disk" and groups and groups > hosts and cfg.transport.reduce != "chain":
         return (f"server.state='disk' takes one update stream per client rank, but clients.groups={groups} "

@@ -53,19 +53,6 @@ def check_world(size: int, cfg: Config) -> None:
         raise SetupError(problem)
 
 
-def layout_warnings(cfg: Config) -> list[str]:
-    """Legal settings whose results depend on the layout of the ranks, which is otherwise never the case: said
-    once, by rank 0, so that a comparison across rank counts (or a resume on another count) is not a surprise."""
-    found = []
-    if cfg.train.threads != 1 and cfg.train.device != "cuda":  # "auto": the CPU where no GPU is seen
-        auto = ", which 'auto' takes from the cores per rank, and so on the number of ranks per node" \
-            if cfg.train.threads == "auto" else ""
-        found.append(f"train.threads={cfg.train.threads!r}: training on the CPU, torch's kernels split their sums by "
-                     f"thread, so the results depend on the thread count{auto}; train.threads=1 keeps them bitwise "
-                     "equal on any number of ranks")
-    return found
-
-
 def record_ranks(comm: MPI.Comm, run_dir: Path | None, bound: Binding) -> None:
     """Where every rank runs (host, pid) and what it is bound to (node-local rank, cores, GPU, threads), in
     ``ranks.txt``: the launcher's report of a killed process names only its pid."""
