@@ -10,7 +10,7 @@ import yaml
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
-from mpifl.storage.comparison import Result, compare, digest
+from mpifl.storage.comparison import Difference, Result, compare, digest
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.units import MIB
 from mpifl.wire.spec import CONTROL, is_control
@@ -63,27 +63,28 @@ def diff(a: str, b: str) -> int:
         found = compare(first, second)
     except ValueError as err:
         raise CheckpointError(f"mpifl diff: {err}") from None
-    verdict = "bitwise equal" if not found.differences else f"{len(found.differences)} of them differ"
-    print(f"model: {found.tensors} tensors in both, {found.elements:,} elements: {verdict}")
-    for change in found.differences:
-        print(f"  {change.line()}")
-    for side, names in (("a", found.only_in_a), ("b", found.only_in_b)):
-        if names:
-            print(f"  only in {side}: {', '.join(names)}")
+    _print_section(f"model: {found.tensors} tensors in both, {found.elements:,} elements", found.differences,
+                   found.only_in_a, found.only_in_b)
     if found.clients is None:
         print("clients' vectors: not compared (kept by " + ("neither" if not (first.vectors or second.vectors) else
                                                            "one of them only") + ")")
     else:
-        verdict = "bitwise equal" if not found.client_differences else \
-            f"{len(found.client_differences)} of them differ"
-        print(f"clients' vectors: {found.clients} clients in both: {verdict}")
-        for change in found.client_differences:
-            print(f"  {change.line()}")
-        for side, clients in (("a", found.clients_only_in_a), ("b", found.clients_only_in_b)):
-            if clients:
-                print(f"  only in {side}: clients {', '.join(map(str, clients))}")
+        _print_section(f"clients' vectors: {found.clients} clients in both", found.client_differences,
+                       [f"client {c}" for c in found.clients_only_in_a],
+                       [f"client {c}" for c in found.clients_only_in_b])
     print("bitwise equal" if found.bitwise_equal else "they differ")
     return 0 if found.bitwise_equal else 1
+
+
+def _print_section(heading: str, differences: list[Difference], only_in_a: list[str], only_in_b: list[str]) -> None:
+    """One part of ``diff``'s report: its verdict, each difference, and what only one side has."""
+    verdict = f"{len(differences)} of them differ" if differences else "bitwise equal"
+    print(f"{heading}: {verdict}")
+    for change in differences:
+        print(f"  {change.line()}")
+    for side, names in (("a", only_in_a), ("b", only_in_b)):
+        if names:
+            print(f"  only in {side}: {', '.join(names)}")
 
 
 def own_models_hint(ckpt: Checkpoint) -> str | None:
