@@ -99,7 +99,7 @@ def assert_bitwise(got: dict, want: dict) -> None:
 # What a round's record measures of the machine (wall times, memory, the exchange against the floor): the only
 # keys in which two identical runs' metrics.jsonl may differ.
 MEASURED = ("time", "exchange", "client_train_seconds", "client_peak_rss_bytes", "client_peak_device_bytes",
-            "server_rss_bytes", "server_peak_rss_bytes", "cost", "cost_to_date", "timing")
+            "server_rss_bytes", "server_peak_rss_bytes", "cost", "cost_to_date", "timing", "client_group")
 RANK_MEASURED = ("train_seconds", "cpu_seconds", "bytes_written", "gpu_seconds", "gpu_energy_joules")
 
 
