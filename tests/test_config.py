@@ -372,3 +372,17 @@ def test_a_refused_encoding_names_both_ways_out(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["strategy.update=delta", *overrides])
     assert message in str(err.value)
+
+
+def test_below_quorum_keep_without_accept_failures_is_warned_of():
+    """Only clients.accept_failures leaves a round with too few usable updates: without it 'keep' does nothing."""
+    from mpifl.config import config_warnings
+
+    def said(*overrides: str) -> list[str]:
+        return [w for w in config_warnings(load_config(None, list(overrides))) if w.startswith("clients.below_quorum")]
+
+    assert said("clients.below_quorum=keep") == [
+        "clients.below_quorum: 'keep' acts on a round left with too few usable updates, which only "
+        "clients.accept_failures=true leaves (without it a failed client ends the job itself): set "
+        "clients.accept_failures=true"]
+    assert said("clients.below_quorum=keep", "clients.accept_failures=true") == []

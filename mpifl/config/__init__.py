@@ -75,9 +75,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: di
 # same results, each with its test). The *_ram_mb budgets say whether a rank keeps its clients' state in RAM or in
 # an HDF5 file: a checkpoint's snapshot of that state has one format either way, keyed by client.
 # clients.placement says only which rank trains which client; that state is found by client id on resume, as it
-# is on another number of ranks.
+# is on another number of ranks. clients.below_quorum acts only where a round would otherwise end the job, so a
+# resume that keeps such a round ends where the same run with 'keep' throughout would.
 RESUMABLE = ("name", "rounds", "checkpoint", "output", "eval", "transport", "server", "timeouts",
-             "clients.placement", "model.nhwc_pooling", "train.reuse_freed_memory", "train.step_in_backward",
+             "clients.placement", "clients.below_quorum", "model.nhwc_pooling", "train.reuse_freed_memory",
+             "train.step_in_backward",
              "strategy.control_ram_mb", "model.local_ram_mb", "train.personal_ram_mb", "train.state_ram_mb",
              "compression.residual_ram_mb")
 

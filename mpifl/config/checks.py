@@ -554,6 +554,10 @@ def config_warnings(cfg: Config) -> list[str]:
         if late:
             found.append(f"faults[{i}]: round {late[0]} is past the run's last (rounds={cfg.rounds}): it strikes only "
                          "if a resume raises rounds")
+    if cfg.clients.below_quorum == "keep" and not cfg.clients.accept_failures and cfg.clock.mode == "off":
+        found.append("clients.below_quorum: 'keep' acts on a round left with too few usable updates, which only "
+                     "clients.accept_failures=true leaves (without it a failed client ends the job itself): set "
+                     "clients.accept_failures=true")
     if cfg.clients.per_round is not None and cfg.clients.per_round > cfg.clients.num_clients:
         found.append(f"clients.per_round: {cfg.clients.per_round} is more than clients.num_clients="
                      f"{cfg.clients.num_clients}: every client takes part in every round")

@@ -64,6 +64,12 @@ class ClientsConfig:
                                       "(record 'state_put_back'), their top-k residuals, model.local tensors and "
                                       "Ditto personal models kept as their training left them, as a client's dropped "
                                       "past its deadline are (record 'state_kept')", min=1)
+    below_quorum: str = field_("abort", "a round left with fewer usable updates than clients.min_participants "
+                               "(only clients.accept_failures leaves one) without a virtual clock: 'abort' ends the "
+                               "job; 'keep' leaves the model unchanged, records why ('unapplied') and goes on, as "
+                               "under clock.mode other than off, so that a diverging run (every update NaN/Inf, as "
+                               "FedAvg under a strong attack) runs to its last round and a sweep to its next point",
+                               choices=("abort", "keep"))
     placement: str = field_("round_robin", "which rank trains which client: round_robin (client, or its group, mod "
                             "the client ranks), balanced (a fixed home by samples x epochs, heaviest first, "
                             "deterministic) or per_round (each round's participants, or their groups, spread anew "

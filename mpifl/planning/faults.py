@@ -52,6 +52,9 @@ DELAYS_THE_RANK = frozenset({"stall", "slowdown"})
 FAILS_THE_UPDATE = frozenset({"raise", "nan", "inf", "lose"})  # kinds whose strike makes the client's update unusable
 # kinds that change an update after its client's NaN/Inf check: a NaN/Inf they make shows first in the global model
 CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})
+# kinds that change a usable update's values (an attack): they can drive the global model to diverge, after which
+# every client's update is NaN/Inf, in later rounds than the strikes themselves
+ALTERS_THE_UPDATE = frozenset({"scale", "corrupt"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose every strike ends the job (ends_the_job adds a stall for ever)
 
 

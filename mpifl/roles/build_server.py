@@ -155,7 +155,9 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                             faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
                             spend_fault=lambda strike: note_fault_struck(
                                 run_dir, strike.index, strike.round, strike.fault.kind, strike.client, strike.rank),
-                            virtual_clock=cfg.clock.mode != "off", client_state=kept is not None,
+                            virtual_clock=cfg.clock.mode != "off",
+                            keeps_below_quorum=cfg.clock.mode != "off" or cfg.clients.below_quorum == "keep",
+                            client_state=kept is not None,
                             unrestorable_state=_unrestorable_state(cfg),
                             restored_state=kept.restorable if kept is not None and cfg.undoes_dropped_state else "",
                             kept_state=kept.lasting if kept is not None else "",

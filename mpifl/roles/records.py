@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpifl.errors import strikes_again
+from mpifl.errors import RESUME_FAILS_THE_SAME_WAY, strikes_again
 from mpifl.logs import log, world_rank
 from mpifl.metrics import OWN_METRIC_PREFIXES, PERSONAL_DIVERGED
-from mpifl.planning.faults import DELAYS_THE_RANK, FAILS_THE_UPDATE, ends_the_job
+from mpifl.planning.faults import ALTERS_THE_UPDATE, DELAYS_THE_RANK, FAILS_THE_UPDATE, ends_the_job
 from mpifl.privacy.ring import advisable_fraction_bits, value_range
 from mpifl.units import MIB, range_list
 
@@ -77,11 +77,22 @@ def resume_advice(strikes: Sequence[Strike], metas: dict[int, UpdateMeta]) -> st
     for s in strikes:
         if s.fault.kind in FAILS_THE_UPDATE and s.client in metas and metas[s.client].error is not None:
             failed.setdefault((s.index, s.fault.kind), []).append(s.client)
-    if not failed:
-        return "continue with --resume once the cause is fixed"
-    named = "; ".join(f"faults[{index}] ({kind!r}) strikes logical client{'s' if len(clients) > 1 else ''} "
-                      f"{range_list(sorted(clients))}" for (index, kind), clients in sorted(failed.items()))
-    return strikes_again(named)
+    if failed:
+        named = "; ".join(f"faults[{index}] ({kind!r}) strikes logical client{'s' if len(clients) > 1 else ''} "
+                          f"{range_list(sorted(clients))}" for (index, kind), clients in sorted(failed.items()))
+        return strikes_again(named)
+    altering: dict[tuple[int, str], list[int]] = {}
+    for s in strikes:
+        if s.fault.kind in ALTERS_THE_UPDATE:
+            altering.setdefault((s.index, s.fault.kind), []).append(s.client)
+    if altering and all(m.error is not None for m in metas.values()):
+        named = "; ".join(f"faults[{index}] ({kind!r}) strikes logical client{'s' if len(clients) > 1 else ''} "
+                          f"{range_list(sorted(clients))}" for (index, kind), clients in sorted(altering.items()))
+        return (f"{named} this round, and the updates it alters can drive the model to diverge (every update here "
+                f"is unusable); it strikes again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults "
+                "section first, or set clients.below_quorum='keep' to let such a run go on to its last round, as a "
+                "result")
+    return "continue with --resume once the cause is fixed"
 
 
 def stalled_by(strikes: Sequence[Strike], rank: int) -> tuple[str, str]:

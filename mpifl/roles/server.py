@@ -114,7 +114,9 @@ class ServerParts:
     faults: FaultPlan | None = None  # the config's faults: each round's strikes, recorded with what came of them
     # records, before the job ends, a strike that ended it (the run directory's faults-struck): a resume goes past it
     spend_fault: Callable[[Strike], None] = lambda strike: None
-    virtual_clock: bool = False  # clock.mode other than off: too few usable updates leave the model unchanged
+    virtual_clock: bool = False  # clock.mode other than off
+    # clock.mode other than off, or clients.below_quorum='keep': too few usable updates leave the model unchanged
+    keeps_below_quorum: bool = False
     client_state: bool = False  # per-client state: refused or failed clients named in their ranks' next headers
     # the per-client state, as the logs name it, that usable clients moved on and the run cannot put back: a round
     # with usable updates, too few, aborts
@@ -391,7 +393,7 @@ class Server:
             order=plan.order, weights=plan.weights, divisor=private.divisor if private else plan.divisor, noise=noise,
             unmask=parts.secagg.unmask(round_, plan.participants) if parts.secagg else None, labels=routes.labels,
             min_participants=self.min_participants, min_cohort=self._min_cohort(),
-            header_clients=routes.header_clients, keep_model=parts.virtual_clock,
+            header_clients=routes.header_clients, keep_model=parts.keeps_below_quorum,
             unrestorable_state=bool(parts.unrestorable_state))
         reduction = StreamedReduction(self.comm, parts.store, parts.plan, parts.strategy, self.pool, task,
                                       watchdog=watchdog, dropping=self._dropping(plan, routes, started))
@@ -406,15 +408,17 @@ class Server:
             where = f"; the model after round {round_ - 1} is in {saved}" if saved else ""
             moved = f" (the usable clients' {parts.unrestorable_state} moved on, and without the journal of " \
                 "clients.accept_failures nothing puts them back, so the round cannot be left out as under a virtual " \
-                "clock it otherwise is)" if parts.virtual_clock and parts.unrestorable_state else ""
+                "clock or clients.below_quorum='keep' it otherwise is)" if parts.keeps_below_quorum and \
+                parts.unrestorable_state else ""
             raise JobFailure(f"{aborted}{moved}{where}; {resume_advice(strikes, reduction.stats.metas)}") from None
         except RankStalled as stalled:
             self._give_up(round_, stalled, model_intact=not reduction.model_touched, strikes=strikes)
         self._log_drops(plan, stats.metas)
         if stats.unapplied is not None:
             goes_on = " and the run goes on" if round_ < self.rounds else ""
-            log(f"{stats.unapplied}: the model stays as it was (under a virtual clock, as when too few updates "
-                f"arrive in time){goes_on}", rank=0)
+            why = "under a virtual clock, as when too few updates arrive in time" if self.parts.virtual_clock else \
+                "clients.below_quorum='keep'"
+            log(f"{stats.unapplied}: the model stays as it was ({why}){goes_on}", rank=0)
         return stats
 
     def _last_by_budget(self, round_: int) -> bool:

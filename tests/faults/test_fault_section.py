@@ -361,3 +361,44 @@ def test_a_virtual_round_whose_every_client_fails_leaves_the_model_unchanged_and
     saved = tmp_path / "sync" / "checkpoints"
     assert same_model(saved / "ckpt-r000001.h5", saved / "ckpt-r000002.h5")
     assert not same_model(saved / "ckpt-r000002.h5", saved / "ckpt-r000003.h5")
+
+
+ATTACK = """
+seed: 0
+rounds: 6
+clients: {num_clients: 6, per_round: 6, accept_failures: true}
+data: {dataset: digits, partition: iid}
+model: {name: mlp, kwargs: {hidden: [32]}}
+train: {optimizer: sgd, lr: 0.1, momentum: 0.9, local_epochs: 1, batch_size: 32}
+eval: {every: 1}
+checkpoint: {every: 1}
+output: {progress: false}
+faults: [{kind: scale, clients: [0, 1], factor: -1.0e+6}]
+"""
+
+
+def test_an_attack_that_drives_fedavg_to_diverge_is_named_and_below_quorum_keep_runs_it_to_its_last_round(tmp_path):
+    """Two clients' updates scaled by -1e6 drive FedAvg's model to overflow: in round 5 every update is NaN/Inf.
+    By default that round ends the job, and the message and ``mpifl status`` name the fault, which strikes again
+    on a resume, and the way to run it out; with clients.below_quorum='keep' the diverged rounds leave the model as
+    it was and the run finishes, as a result (the same bits stopped and resumed on another rank count)."""
+    cfg = write_config(tmp_path / "attack.yaml", ATTACK)
+    aborted = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "split"), fresh=True)
+    assert aborted.returncode != 0
+    assert ("round 5: only 0 of 6 participants sent a usable update, fewer than clients.min_participants=1; the round "
+            "is not applied; the model after round 4 is in") in aborted.stderr, aborted.stderr[-3000:]
+    assert ("faults[0] ('scale') strikes logical clients 0-1 this round, and the updates it alters can drive the "
+            "model to diverge (every update here is unusable); it strikes again on a resume, so a --resume fails the "
+            "same way: change the faults section first, or set clients.below_quorum='keep' to let such a run go on "
+            "to its last round, as a result") in aborted.stderr
+    status = mpifl_here("status", str(tmp_path / "split"))
+    assert "change the config first (its faults section: faults[0])" in status.stdout, status.stdout
+    resumed = run_mpi(4, "run", str(cfg), "clients.below_quorum=keep", "--run-dir", str(tmp_path / "split"),
+                      "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the model stays as it was (clients.below_quorum='keep') and the run goes on" in resumed.stderr
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if "unapplied" in r] == [5, 6]
+    whole = run_mpi(3, "run", str(cfg), "clients.below_quorum=keep", "--run-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert same_model(tmp_path / "whole" / "model.h5", tmp_path / "split" / "model.h5")
