@@ -310,3 +310,21 @@ def test_a_fedbuff_buffer_divides_by_the_updates_it_applies_so_a_dropped_one_doe
                                                        weights=task.weights, divisor=3.0, min_participants=3),
                        [0, 1, 2])
     assert below.value.usable == 2 and "only 2 of 3 participants sent a usable update" in str(below.value)
+
+
+def test_the_stacked_models_warning_counts_the_updates_a_buffered_step_applies_not_the_clients_per_round():
+    """A robust rule under FedBuff stacks the buffer's updates (clock.buffer), not clients.per_round's clients."""
+    from mpifl.config import load_config
+    from mpifl.roles.build_server import stacked_models_warning
+
+    def said(*overrides: str) -> str | None:
+        return stacked_models_warning(load_config(None, ["strategy.name=median", "clients.num_clients=10",
+                                                         "clients.per_round=10", *overrides]), 2)
+
+    assert said().startswith("strategy median: 10 participants per round on 2 client ranks: a rank's participants")
+    buffered = said("clock.mode=fedbuff", "strategy.update=delta", "clock.buffer=5")
+    assert buffered.startswith("strategy median: 5 updates per server step (clock.buffer) on 2 client ranks")
+    assert said("clock.mode=fedbuff", "strategy.update=delta", "clock.buffer=2") is None
+    grouped = said("clock.mode=fedcompass", "strategy.update=delta", "clock.concurrency=4")
+    assert grouped.startswith("strategy median: up to 4 updates per server step (an arrival group, at most "
+                              "clock.concurrency) on 2 client ranks")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.cli.preflight import check_model, check_partition, check_plugins, check_trainer, partition_counts_of
 from mpifl.cli.supervisor import mark_mpi_started, supervised, tell_run_dir
 from mpifl.config import Config, ConfigError, load_config
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
@@ -187,12 +188,25 @@ def check_schedule(cfg: Config, sizes: list[int] | None) -> None:
 def validated_weighting(cfg: Config) -> str:
     """How a round combines the clients' updates, as the run will: what ``validate`` says. The asynchronous clocks
     weigh each update by its staleness (mpifl.clock.planners), not by samples, whatever strategy.weighting says."""
-    clock = cfg.clock
+    clock, statistic = cfg.clock, order_statistic(cfg)
     if clock.mode == "fedasync":
         return f"each update mixed in at alpha x s(staleness), alpha {clock.alpha:g}, s {clock.staleness}"
+    if statistic and clock.mode in ("fedbuff", "fedcompass"):
+        return (f"the {statistic} of each step's updates, unweighted: a stale update counts as much as a fresh one "
+                f"(s(staleness) is not applied)")
     if clock.mode in ("fedbuff", "fedcompass"):
         return f"each update weighted by s(staleness) ({clock.staleness}), the sum divided by the updates applied"
+    if statistic:
+        return f"the {statistic} of the round's updates, unweighted"
     return "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
+
+
+def order_statistic(cfg: Config) -> str | None:
+    """What a built-in robust strategy takes of the updates, coordinate by coordinate (its fold ignores the weights:
+    mpifl.aggregation.combiners.SortedStack), or None for another strategy."""
+    if BUILTIN_CAPABILITIES.get(cfg.strategy.name) != ORDER_STATISTIC:
+        return None
+    return f"coordinate-wise {cfg.strategy.name.replace('_', ' ')}"
 
 
 def partition(args: argparse.Namespace) -> int:

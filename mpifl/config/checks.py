@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from mpifl.config.automatic import automatic_concurrency
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
 from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
@@ -107,6 +108,11 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
     if cfg.secagg.enabled:
         return (f"strategy.name: secagg.enabled needs a sum-based strategy: the server sees only the sum; strategy "
                 f"{what}{remedy}choose a summable strategy")
+    if cfg.compression.method == "topk" and caps.needs_every_row:
+        return (f"compression.method: 'topk' sends each client's update as its largest fraction of coordinates, zeros "
+                f"elsewhere, and strategy {what}: a coordinate-wise order statistic (median, trimmed mean) of sparse "
+                f"updates is mostly zeros, a coordinate being 0 wherever fewer than half the participants kept it"
+                f"{remedy}set compression.method to 'int8', 'int4' or 'none', or choose a summable strategy.name")
     if cfg.clock.mode == "fedasync":
         return (f"{FEDASYNC}: it needs strategy.name='fedavg' or another summable strategy, and "
                 f"strategy.update='weights'; strategy {what}{remedy}choose a summable strategy")
@@ -549,6 +555,10 @@ def config_warnings(cfg: Config) -> list[str]:
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
                          f"and to_round={fault.to_round} are ignored beside them: set one or the other")
+    for i, fault in enumerate(cfg.faults):  # legal, so that a sweep over the factor can hold the clean baseline
+        if fault.kind == "scale" and fault.factor == 1:
+            found.append(f"faults[{i}].factor: a scale fault with factor 1 changes nothing: the run is the clean "
+                         "baseline; -1 flips the update's sign")
     for i, fault in enumerate(cfg.faults):  # a run stopped early (rounds=2) and resumed with more still strikes later
         late = [r for r in (fault.rounds or (fault.from_round, fault.to_round)) if r > cfg.rounds]
         if late:
@@ -707,10 +717,16 @@ def _clock_warnings(cfg: Config) -> list[str]:
     straggler deadline, which virtual time does not apply."""
     clock, defaults = cfg.clock, type(cfg.clock)()
     if clock.mode == "off":
-        ignored = changed_settings(clock, "clock", skip=("mode", "concurrency"))
+        ignored = changed_settings(clock, "clock", skip=("mode", "concurrency")) + _set_concurrency(cfg)
         return [f"{', '.join(ignored)}: read only under virtual time, and clock.mode is 'off' (rounds in real time): "
                 "ignored; set clock.mode (sync, fedasync, fedbuff or fedcompass) to use them"] if ignored else []
-    found = []
+    found = _other_mode_warnings(cfg)
+    if clock.mode == "fedcompass" and cfg.clients.num_clients > clock.in_flight():
+        idle = cfg.clients.num_clients - clock.in_flight()
+        found.append(f"clock.concurrency: clock.mode 'fedcompass' keeps the same {clock.in_flight()} clients "
+                     f"(clock.concurrency) in the federation for the whole run, so {idle} of the "
+                     f"clients.num_clients={cfg.clients.num_clients} never train and their data is never seen: raise "
+                     f"clock.concurrency to {cfg.clients.num_clients}, or lower clients.num_clients")
     if cfg.timeouts.straggler is not None:
         found.append("timeouts.straggler: a wall-clock straggler deadline is not applied under virtual time "
                      f"(clock.mode {clock.mode!r}), where the virtual clock decides who is a straggler "
@@ -727,6 +743,29 @@ def _clock_warnings(cfg: Config) -> list[str]:
         found.append(f"{', '.join(replaced)}: ignored beside clock.queue_trace, whose jobs' own waits and run times "
                      "(their walltimes and preemptions) replace the model's; unset one or the other")
     return found
+
+
+# clock.* keys read by some virtual-time modes only (clock.mode 'off' reads none of them: _clock_warnings).
+MODE_SETTINGS = {"deadline": ("sync",), "over_selection": ("sync",), "buffer": ("fedbuff",),
+                 "concurrency": ASYNCHRONOUS_MODES}
+
+
+def _set_concurrency(cfg: Config) -> list[str]:
+    """``clock.concurrency`` where the user set it: load_config fills it in when unset (``automatic_concurrency``),
+    so only a value other than that one is known to be the user's."""
+    return ["clock.concurrency"] if cfg.clock.concurrency != automatic_concurrency(cfg) else []
+
+
+def _other_mode_warnings(cfg: Config) -> list[str]:
+    """clock.deadline or clock.over_selection beside an asynchronous mode, clock.buffer beside another mode than
+    fedbuff, clock.concurrency beside sync: each set, and read by no step of this clock.mode."""
+    mode = cfg.clock.mode
+    ignored = changed_settings(cfg.clock, "clock", only=tuple(k for k, modes in MODE_SETTINGS.items()
+                                                              if mode not in modes and k != "concurrency"))
+    if mode not in MODE_SETTINGS["concurrency"]:
+        ignored += _set_concurrency(cfg)
+    return [f"{key}: read only under clock.mode {' or '.join(map(repr, MODE_SETTINGS[key.split('.')[1]]))}, and "
+            f"clock.mode is {mode!r}: ignored" for key in ignored]
 
 
 # The keys that mean something only for some kinds of fault, and their defaults: set on another kind, a mistake.
@@ -758,8 +797,6 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
                           f"{fault.stage!r}")
     if fault.kind == "slowdown" and fault.factor <= 1:
         raise ConfigError(f"{key}.factor: a slowdown needs a factor above 1, got {fault.factor}")
-    if fault.kind == "scale" and fault.factor == 1:
-        raise ConfigError(f"{key}.factor: a scale fault with factor 1 changes nothing; -1 flips the update's sign")
     if fault.stage == "send" and (cfg.clients.groups or cfg.transport.reduce == "chain"):
         raise ConfigError(f"{key}.stage: 'send' strikes after a client's first chunk, and with clients.groups or "
                           "transport.reduce='chain' a rank sends its group's sum instead; use stage 'train' or "

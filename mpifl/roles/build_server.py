@@ -280,11 +280,26 @@ def strategy_for(cfg: Config) -> Strategy:
 
 
 def _warn_stacked_models(cfg: Config, strategy: Strategy, client_ranks: int) -> None:
-    if strategy.stacked and cfg.clients_per_round() > client_ranks:
-        log(f"strategy {cfg.strategy.name}: {cfg.clients_per_round()} participants per round on "
-            f"{client_ranks} client ranks: a rank's participants arrive one after another, so the server "
-            "stacks every participant's whole model (participants x model x 4 bytes); one client rank per "
-            "participant keeps it at participants x chunk", rank=0)
+    said = stacked_models_warning(cfg, client_ranks) if strategy.stacked else None
+    if said:
+        log(said, rank=0)
+
+
+def stacked_models_warning(cfg: Config, client_ranks: int) -> str | None:
+    """A stacking strategy's participants per round (per server step: the updates a buffered clock applies at once)
+    outnumbering the client ranks, so that the server stacks whole models; None where they do not."""
+    clock = cfg.clock
+    if clock.mode in ("fedbuff", "fedcompass"):
+        most = clock.buffer if clock.mode == "fedbuff" else clock.in_flight()
+        what = (f"{most} updates per server step (clock.buffer)" if clock.mode == "fedbuff" else
+                f"up to {most} updates per server step (an arrival group, at most clock.concurrency)")
+    else:
+        most, what = cfg.clients_per_round(), f"{cfg.clients_per_round()} participants per round"
+    if most <= client_ranks:
+        return None
+    return (f"strategy {cfg.strategy.name}: {what} on {client_ranks} client ranks: a rank's participants arrive one "
+            "after another, so the server stacks every participant's whole model (participants x model x 4 bytes); "
+            "one client rank per participant keeps it at participants x chunk")
 
 
 def warn_statistics(cfg: Config, spec: ModelSpec) -> None:

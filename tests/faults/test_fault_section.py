@@ -64,6 +64,14 @@ def test_a_fault_past_the_last_round_is_a_warning_as_a_resume_may_raise_rounds()
         config_warnings(config("[{kind: raise, clients: [1], rounds: [5]}]"))
 
 
+def test_a_scale_fault_with_factor_1_is_a_warning_so_that_a_sweep_over_the_factor_can_hold_the_clean_baseline():
+    scaled = config("[{kind: scale, clients: [1], factor: 1}]")
+    assert scaled.faults[0].factor == 1
+    assert config_warnings(scaled) == ["faults[0].factor: a scale fault with factor 1 changes nothing: the run is the "
+                                       "clean baseline; -1 flips the update's sign"]
+    assert config_warnings(config("[{kind: scale, clients: [1], factor: -1}]")) == []
+
+
 def test_rounds_beside_from_round_or_to_round_is_a_warning_as_the_rounds_alone_decide():
     both = config("[{kind: raise, clients: [1], rounds: [2], from_round: 3, to_round: 9}]")
     assert config_warnings(both) == ["faults[0]: rounds [2] decide when it strikes; from_round=3 and to_round=9 are "
