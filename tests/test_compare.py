@@ -325,3 +325,74 @@ def test_a_metric_recorded_only_as_non_finite_is_said_to_be_non_finite_not_missi
                                                 + "\n" for r in (1, 2)))
     text, _ = compare_runs([str(diverged), str(fine)], "federated_eval.personal_loss")
     assert "non-finite in every round" in text and "| 0.5000 | 0.5000 |" in text
+
+
+def write_async_run(folder: Path, seed: int, staleness: list[list[int]], virtual: bool = True) -> Path:
+    """An asynchronous run's directory: each step's staleness list, eval.accuracy 0.3 x step, and with ``virtual``
+    the virtual clock's time, 10 s a step for seed 0 and 20 s for seed 1."""
+    folder.mkdir(parents=True)
+    records = [{"round": r, "staleness": s, "eval": {"accuracy": 0.3 * r},
+                **({"virtual_time": (10.0 + 10.0 * seed) * r} if virtual else {})}
+               for r, s in enumerate(staleness, start=1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "config.yaml").write_text(f"seed: {seed}\nrounds: {len(staleness)}\nclock: {{mode: fedbuff}}\n"
+                                        f"strategy: {{name: fedavg}}\n")
+    return folder
+
+
+def test_a_metric_recorded_as_a_list_per_round_compares_each_rounds_mean_and_says_so(tmp_path):
+    runs = [str(write_async_run(tmp_path / f"seed={s}", s, [[0, 0], [1, 2], [3, s]])) for s in (0, 1)]
+    text, groups = compare_runs(runs, "staleness")
+    assert "| seed=0 | fedavg | fedbuff | 0.0000 | 1.5000 |" in text  # best (lower) round 1's 0, final (3 + 0) / 2
+    assert "| all runs | 2 | 0,1 | 0.0000 ± 0.0000 | 1.7500 ± 0.3536 |" in text
+    assert "staleness: the mean of each record's list" in text
+    assert groups[0][1][0].curve == {1: 0.0, 2: 1.5, 3: 1.5}
+
+
+def test_the_spread_of_a_fraction_is_shaded_within_zero_and_one():
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.compare import RunOutcome, draw_groups, fraction_range
+
+    members = [RunOutcome(Path(f"s{s}"), {"seed": s}, {1: 0.5, 2: v}, v, v, None, None)
+               for s, v in enumerate((0.99, 0.7, 0.98))]  # round 2: mean 0.89, std 0.16: the band passes 1
+    groups = [("all runs", members)]
+    assert fraction_range(groups, "eval.accuracy") == (0.0, 1.0)
+    assert fraction_range(groups, "eval.loss") is None  # a loss may pass 1
+    ax = Figure().subplots()
+    draw_groups(ax, groups, fraction_range(groups, "eval.accuracy"))
+    band = np.concatenate([p.vertices for p in ax.collections[0].get_paths()])
+    assert band[:, 1].max() == pytest.approx(1.0)
+
+
+def test_the_pooled_table_gives_virtual_seconds_to_the_target_and_the_figure_draws_against_them(tmp_path):
+    runs = [str(write_async_run(tmp_path / f"seed={s}", s, [[0]] * 3)) for s in (0, 1)]
+    text, groups = compare_runs(runs, target=0.5, x="virtual")  # reached at step 2: 20 s and 40 s
+    assert text.endswith("| rounds to eval.accuracy >= 0.5, mean ± std | virtual s to target, mean ± std |\n"
+                         "|---|---|---|---|---|---|---|\n"
+                         "| all runs | 2 | 0,1 | 0.9000 ± 0.0000 | 0.9000 ± 0.0000 | 2.0 ± 0.0 (2/2 reached) | "
+                         "30.0 ± 14.1 |")
+    pytest.importorskip("matplotlib")
+    figure = tmp_path / "virtual.png"
+    result = mpifl_here("compare", *runs, "--plot", str(figure), "--x", "virtual")
+    assert result.returncode == 0, result.stderr
+    assert figure.read_bytes()[:8] == PNG
+
+
+def test_a_groups_curve_against_virtual_seconds_holds_each_runs_value_until_its_next():
+    from mpifl.cli.compare import RunOutcome, group_curve
+
+    fast, slow = (RunOutcome(Path(f"s{s}"), {"seed": s}, {1: 0.1, 2: 0.2, 3: 0.3}, 0.3, 0.3, None, None,
+                             virtual_at={1: t, 2: 2 * t, 3: 3 * t}) for s, t in ((0, 10.0), (1, 20.0)))
+    # the span both cover: 20 s (the slow run's first) to 30 s (the fast run's last)
+    assert group_curve([fast, slow], "virtual") == ([20.0, 30.0], [[0.2, 0.3], [0.1, 0.1]])
+
+
+def test_a_figure_against_virtual_seconds_names_the_runs_without_them(tmp_path):
+    timed = write_async_run(tmp_path / "timed", 0, [[0]] * 2)
+    untimed = write_async_run(tmp_path / "untimed", 1, [[0]] * 2, virtual=False)
+    with pytest.raises(SystemExit, match=r"--x virtual draws against the virtual clock's time, which untimed did "
+                                         r"not record"):
+        compare_runs([str(timed), str(untimed)], x="virtual")
+    assert "virtual s to target" not in compare_runs([str(timed), str(untimed)], target=0.5)[0]

@@ -466,3 +466,34 @@ def test_the_faults_plot_stacks_each_rounds_strikes_by_kind_beside_the_clients_d
     _faults(fig, ax, records)
     assert len(ax.patches) == 6  # a bar for each kind and round, stacked
     assert list(ax.get_lines()[0].get_ydata()) == [1, 2, 0]
+
+
+def test_the_quality_plot_draws_a_diverged_runs_losses_on_a_log_axis_and_the_held_out_loss_dotted_in_green():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _quality
+
+    diverged = [{"round": r, "train_loss": 2.0 * 10 ** (4 * r), "eval": {"loss": 3.0 * 10 ** (4 * r),
+                                                                         "accuracy": 0.1}} for r in (1, 2, 3, 4)]
+    diverged.append({"round": 5, "train_loss": None, "eval": {"loss": None, "accuracy": 0.1}})  # NaN: a gap
+    fig = Figure()
+    _quality(fig, ax := fig.subplots(), diverged)
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "loss (log scale)"
+    held_out = next(line for line in ax.get_lines() if line.get_label() == "held-out loss")
+    assert (held_out.get_color(), held_out.get_linestyle()) == ("tab:green", ":")  # its accuracy's colour, dotted
+    calm = [{"round": r, "train_loss": 2.0 / r, "eval": {"loss": 1.0 / r, "accuracy": 0.5}} for r in (1, 2, 3)]
+    fig = Figure()
+    _quality(fig, ax := fig.subplots(), calm)
+    assert ax.get_yscale() == "linear"
+
+
+def test_the_faults_plot_ticks_whole_clients_only():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _faults
+
+    records = [{"round": 1, "faults": [{"kind": "scale"}], "dropped": []}, {"round": 2, "dropped": []}]
+    fig = Figure()
+    _faults(fig, ax := fig.subplots(), records)
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="the tables' format")
     cmp_.add_argument("--plot", metavar="PNG", help="also draw each group's mean curve with ± one std shaded "
                       "(needs the 'plot' extra)")
+    cmp_.add_argument("--x", choices=("round", "virtual"), default="round", help="the figure's x axis: rounds, or "
+                      "the virtual clock's seconds (runs with clock.mode; an asynchronous step is no sync round)")
     cmp_.set_defaults(func=commands.compare)
     cal = _command(sub, "calibrate", "fit the virtual-time cost model (clock.task_overhead, seconds_per_sample, "
                                      "speed_sigma) to a measured run's client times")

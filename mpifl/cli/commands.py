@@ -227,10 +227,12 @@ def compare(args: argparse.Namespace) -> int:
     """``mpifl compare``: runs side by side, seeds pooled into mean ± std, and optionally one figure."""
     from mpifl.cli.compare import compare_runs, plot_groups
 
-    text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format)
+    if args.x != "round" and not args.plot:
+        raise SystemExit(f"mpifl compare: --x {args.x} is the figure's axis: give --plot FILE.png too")
+    text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format, args.x)
     print(text)
     if args.plot:
-        print(f"wrote {plot_groups(groups, args.metric, args.plot)}")
+        print(f"wrote {plot_groups(groups, args.metric, args.plot, x=args.x)}")
     return 0
 
 

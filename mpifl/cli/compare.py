@@ -8,12 +8,13 @@ accuracy is better higher. The direction is read from the metric's name (``bette
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ class RunOutcome:
     reached_virtual_seconds: float | None
     last_round: int = 0  # the last round the run recorded (a stopped or failed run's is short of config rounds)
     non_finite: int = 0  # rounds that recorded the metric as null: NaN or Inf (metrics.jsonl writes them so)
+    virtual_at: dict[int, float] = field(default_factory=dict)  # round -> virtual_time, where the record has it
 
     @property
     def incomplete(self) -> bool:
@@ -58,19 +60,55 @@ class RunOutcome:
         rounds = self.config.get("rounds")
         return isinstance(rounds, int) and self.last_round < rounds
 
+    @property
+    def has_virtual_time(self) -> bool:
+        """Whether every round that recorded the metric has the virtual clock's time (``virtual_time``)."""
+        return bool(self.curve) and all(r in self.virtual_at for r in self.curve)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a number as a record holds it (an int or float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def value_of(record: dict, metric: str) -> float | None:
+    """A round's value of ``metric``: the number, or the mean of a list of numbers (an asynchronous step's
+    ``staleness``, one per arrival); None where absent, null or an empty list."""
+    value = metric_of(record, metric)
+    if isinstance(value, list):
+        return statistics.fmean(value) if value and all(map(is_number, value)) else None
+    return value
+
+
+def list_keys(records: list[dict]) -> set[str]:
+    """The dotted keys whose value is a non-empty list of numbers in some round (``staleness``, one per arrival)."""
+    keys: set[str] = set()
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for inner, item in value.items():
+                walk(item, f"{key}.{inner}" if key else str(inner))
+        elif isinstance(value, list) and value and all(map(is_number, value)):
+            keys.add(key)
+
+    for record in records:
+        walk(record, "")
+    return keys
+
 
 def outcome(run_dir: Path, records: list[dict], metric: str, target: float | None, lower: bool) -> RunOutcome:
     """``records``' metric as one run's outcome (better = ``lower`` or higher)."""
-    curve = {r["round"]: float(v) for r in records if (v := metric_of(r, metric)) is not None}
+    curve = {r["round"]: float(v) for r in records if (v := value_of(r, metric)) is not None}
     values = list(curve.values())
     pick = min if lower else max
     reached = None if target is None else next(
-        (r for r in records if (v := metric_of(r, metric)) is not None and (v <= target if lower else v >= target)),
+        (r for r in records if (v := value_of(r, metric)) is not None and (v <= target if lower else v >= target)),
         None)
     return RunOutcome(run_dir, saved_config(run_dir), curve, pick(values) if values else math.nan,
                       values[-1] if values else math.nan, reached["round"] if reached else None,
                       reached.get("virtual_time") if reached else None, records[-1]["round"] if records else 0,
-                      sum(recorded_null(r, metric) for r in records))
+                      sum(recorded_null(r, metric) for r in records),
+                      {r["round"]: float(r["virtual_time"]) for r in records if is_number(r.get("virtual_time"))})
 
 
 def recorded_null(record: dict, dotted: str) -> bool:
@@ -255,9 +293,10 @@ def render(header: Sequence[str], rows: Sequence[Sequence[str]], fmt: str) -> st
 
 
 def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target: float | None = None,
-                 better: str = "auto", fmt: str = "markdown") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
+                 better: str = "auto", fmt: str = "markdown",
+                 x: str = "round") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
     """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
-    the groups (for a figure)."""
+    the groups (for a figure against ``x``: 'round', or 'virtual', which every run drawn must have)."""
     given: dict[Path, str] = {}  # each run directory as the command line first named it
     for d in run_dirs:
         key = Path(d).resolve()
@@ -268,10 +307,11 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         given[key] = d
     runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
     known = set().union(*(metric_keys(records) for _, records in runs))
-    if metric not in known and not any(recorded_null(r, metric) for _, records in runs for r in records):
+    listed_in = set().union(*(list_keys(records) for _, records in runs))
+    if metric not in known | listed_in and not any(recorded_null(r, metric) for _, records in runs for r in records):
         import difflib
 
-        close = difflib.get_close_matches(metric, sorted(known), n=1)
+        close = difflib.get_close_matches(metric, sorted(known | listed_in), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         listed = sorted(k for k in known if not k.startswith("ranks.") and "_per_client." not in k)
         raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
@@ -292,6 +332,9 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         rows.append([names[o.run_dir], strategy_label(o.config),
                      str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
     text = render(header, rows, fmt)
+    if metric in listed_in:
+        text += (f"\n\n{metric}: the mean of each record's list (a round's value; the records list every arrival's, "
+                 "a dropped update's too)")
     short = [f"{names[o.run_dir]} ({o.last_round} of {o.config.get('rounds')})" for o in outcomes
              if o.curve and o.incomplete]
     if short:
@@ -306,18 +349,35 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                              f"seed {repeat[0].config.get('seed')}: a repeat of one run, not another seed, so the "
                              "mean ± std would count it twice; give one of them (mpifl diff checks that two "
                              "such runs hold the same bits)")
+    lacking = [names[o.run_dir] for _, members in groups for o in members if not o.has_virtual_time]
+    if x == "virtual" and lacking:
+        raise SystemExit(f"mpifl compare: --x virtual draws against the virtual clock's time, which "
+                         f"{', '.join(lacking)} did not record (virtual_time in metrics.jsonl: runs with clock.mode); "
+                         "leave them out or draw against --x round")
     if any(len(members) > 1 for _, members in groups):
+        # virtual seconds to the target, where every run of some group ran under the virtual clock
+        virtual = reach is not None and any(all(o.virtual_at for o in members) for _, members in groups)
         group_rows = []
         for label, members in groups:
             seeds = seeds_cell(members)
             reached = [float(o.reached_round) for o in members if o.reached_round]
             group_rows.append([label, str(len(members)), seeds, mean_std([o.best for o in members]),
                                mean_std([o.final for o in members]),
-                               *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else [])])
+                               *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else []),
+                               *([virtual_to_target(members)] if virtual else [])])
         text += "\n\n" + render(["runs (seeds pooled)", "n", "seeds", f"best ({direction}), mean ± std",
-                                 "final, mean ± std", *([f"{reach}, mean ± std"] if reach else [])], group_rows, fmt)
+                                 "final, mean ± std", *([f"{reach}, mean ± std"] if reach else []),
+                                 *(["virtual s to target, mean ± std"] if virtual else [])], group_rows, fmt)
         text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
     return text, groups
+
+
+def virtual_to_target(members: Sequence[RunOutcome]) -> str:
+    """A group's virtual seconds to the target as mean ± std over the runs that reached it, or '-' where some run
+    has no virtual time (then it is not a group's figure) or none reached it."""
+    if not all(o.virtual_at for o in members):
+        return "-"
+    return mean_std([o.reached_virtual_seconds for o in members if o.reached_virtual_seconds is not None], 1)
 
 
 def empty_notes(outcomes: Sequence[RunOutcome], names: dict[Path, str], metric: str) -> str:
@@ -377,13 +437,17 @@ def group_style(index: int) -> tuple[str, str]:
 
 
 def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, path: str | Path,
-                subject: str = "") -> Path:
-    """One figure of ``draw_groups``; ``subject`` leads the title (what was run; default: the metric)."""
+                subject: str = "", x: str = "round") -> Path:
+    """One figure of ``draw_groups`` against ``x`` ('round', or 'virtual': the virtual clock's seconds);
+    ``subject`` leads the title (what was run; default: the metric)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    draw_groups(ax, groups)
-    ax.set_xlabel("round")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    draw_groups(ax, groups, fraction_range(groups, metric), x)
+    if x == "virtual":
+        ax.set_xlabel("virtual time (s); a value holds until the next")
+    else:
+        ax.set_xlabel("round")
+        ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(metric_name(metric))
     pooled = any(len(members) > 1 for _, members in groups)
     ax.set_title(f"{subject or METRIC_NAMES.get(metric, metric)}: "
@@ -396,23 +460,61 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     return out
 
 
-def draw_groups(ax: Axes, groups: Sequence[tuple[str, list[RunOutcome]]]) -> list[Line2D]:
-    """Each group's mean curve over the rounds every one of its runs recorded, with ± one standard deviation shaded
-    (a single run: its curve alone). Each group has its own line style and marker, so groups with the same curve
-    (FedAvg and Ditto's global model) stay visible one over the other, and a marker at every point, so a round
-    without the metric shows as a gap between markers rather than as a point on the line."""
-    lines = []
-    for index, (label, members) in enumerate(groups):
+def fraction_range(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str) -> tuple[float, float] | None:
+    """(0, 1) where ``metric`` is a fraction: every value drawn lies in [0, 1] and it is no loss (an accuracy, an
+    error rate, a spread of accuracies), so its ± std band may not pass either end; else None."""
+    words = set(metric.replace(".", "_").replace(" ", "_").split("_"))
+    values = [v for _, members in groups for o in members for v in o.curve.values()]
+    if not values or words & {"loss", "perplexity"} or not all(0.0 <= v <= 1.0 for v in values):
+        return None
+    return 0.0, 1.0
+
+
+def held_at(o: RunOutcome, times: Sequence[float]) -> list[float]:
+    """``o``'s value at each virtual time: the value of the last round that recorded it by then (the model the
+    server held; what it was last measured at)."""
+    rounds = sorted(o.curve)
+    at = [o.virtual_at[r] for r in rounds]
+    return [o.curve[rounds[max(bisect.bisect_right(at, t) - 1, 0)]] for t in times]
+
+
+def group_curve(members: Sequence[RunOutcome], x: str) -> tuple[list[float], list[list[float]]]:
+    """A group's common x and each member's values on it: against rounds, the rounds every run recorded; against
+    virtual seconds, every time some run recorded a value, within the span all of them cover (``held_at``)."""
+    if x != "virtual":
         rounds = sorted(set.intersection(*(set(o.curve) for o in members)))
-        if not rounds:
+        return [float(r) for r in rounds], [[o.curve[r] for r in rounds] for o in members]
+    spans = [[o.virtual_at[r] for r in sorted(o.curve)] for o in members]
+    start, end = max(s[0] for s in spans), min(s[-1] for s in spans)
+    times = sorted({t for s in spans for t in s if start <= t <= end})
+    return times, [held_at(o, times) for o in members]
+
+
+def draw_groups(ax: Axes, groups: Sequence[tuple[str, list[RunOutcome]]], clip: tuple[float, float] | None = None,
+                x: str = "round") -> list[Line2D]:
+    """Each group's mean curve over the rounds every one of its runs recorded, with ± one standard deviation shaded
+    (a single run: its curve alone), the band cut to ``clip`` (a fraction's [0, 1]). Each group has its own line
+    style and marker, so groups with the same curve (FedAvg and Ditto's global model) stay visible one over the
+    other, and a marker at every point, so a round without the metric shows as a gap between markers rather than
+    as a point on the line. Against virtual seconds (``x='virtual'``) a curve is a step: a value holds until the
+    next one (``group_curve``)."""
+    lines = []
+    steps = x == "virtual"
+    for index, (label, members) in enumerate(groups):
+        at, values = group_curve(members, x)
+        if not at:
             continue
-        means = [statistics.fmean(o.curve[r] for o in members) for r in rounds]
+        means = [statistics.fmean(column) for column in zip(*values)]
         style, marker = group_style(index)
-        line, = ax.plot(rounds, means, label=f"{label} (n={len(members)})", linestyle=style, marker=marker,
-                        markersize=max(3.0, 8.0 - index), markerfacecolor="none" if index % 2 else None)
+        line, = ax.plot(at, means, label=f"{label} (n={len(members)})", linestyle=style, marker=marker,
+                        markersize=max(3.0, 8.0 - index), markerfacecolor="none" if index % 2 else None,
+                        drawstyle="steps-post" if steps else "default")
         lines.append(line)
         if len(members) > 1:
-            spread = [statistics.stdev(o.curve[r] for o in members) for r in rounds]
-            ax.fill_between(rounds, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)],
-                            color=line.get_color(), alpha=0.2, linewidth=0)
+            spread = [statistics.stdev(column) for column in zip(*values)]
+            low, high = [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
+            if clip:
+                low, high = [max(v, clip[0]) for v in low], [min(v, clip[1]) for v in high]
+            ax.fill_between(at, low, high, color=line.get_color(), alpha=0.2, linewidth=0,
+                            step="post" if steps else None)
     return lines

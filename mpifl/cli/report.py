@@ -217,6 +217,8 @@ def fault_counts(records: list[dict]) -> tuple[list[int], dict[str, list[int]], 
 def _faults(fig: Figure, ax: Axes, records: list[dict]) -> None:
     """Each round's strikes of the config's faults, stacked by kind, and the clients dropped from it (whatever
     the cause: a fault, a deadline, a refused update): in real time as under a virtual clock."""
+    from matplotlib.ticker import MaxNLocator
+
     rounds, strikes, dropped = fault_counts(records)
     bottom = [0] * len(rounds)
     for kind, counts in strikes.items():
@@ -225,6 +227,7 @@ def _faults(fig: Figure, ax: Axes, records: list[dict]) -> None:
     ax.plot(rounds, dropped, color="black", marker="o", linestyle="-", label="clients dropped")
     ax.set_ylabel("clients")
     ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of clients: no tick between two
     _label_rounds(ax)
     ax.set_title("Faults struck and clients dropped per round")
     ax.legend(fontsize="small")
@@ -235,15 +238,28 @@ def kept_local_tensors(run_dir: Path) -> bool:
     return bool((saved_config(run_dir).get("model") or {}).get("local"))
 
 
+LOG_DECADES = 3  # a loss axis spanning more than this many orders of magnitude is drawn on a log scale
+
+
+def spans_decades(ax: Axes, decades: float = LOG_DECADES) -> bool:
+    """Whether the finite positive values of ``ax``'s lines span more than ``decades`` orders of magnitude."""
+    values = [float(v) for line in ax.get_lines() for v in np.asarray(line.get_ydata(), dtype=float)
+              if math.isfinite(v) and v > 0]
+    return bool(values) and math.log10(max(values) / min(values)) > decades
+
+
 def _quality(fig: Figure, ax: Axes, records: list[dict], local: bool = False) -> None:
     # a round without a training loss plots as a gap (None); matplotlib's stubs admit numbers only
     ax.plot([r["round"] for r in records], [r.get("train_loss") for r in records], marker=".",  # type: ignore[arg-type]
             label="train loss (clients)")
     evals = [(r["round"], r["eval"]) for r in records if "eval" in r]
-    if evals:
-        ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], marker="o", label="held-out loss")
+    if evals:  # dotted in its accuracy's colour (ACCURACIES): one colour, one model and split
+        ax.plot([e[0] for e in evals], [e[1].get("loss") for e in evals], color="tab:green", marker="o",
+                linestyle=":", label="held-out loss")
     for name, at, losses, colour in loss_series(records):  # a gap is None: the stubs admit numbers only
         ax.plot(at, losses, color=colour, marker="^", linestyle=":", label=name)  # type: ignore[arg-type]
+    if spans_decades(ax):  # a diverged run's 1e27 would flatten every other loss onto the axis
+        ax.set_yscale("log")
     series = accuracy_series(records, local)
     if series:
         acc = ax.twinx()
@@ -252,7 +268,7 @@ def _quality(fig: Figure, ax: Axes, records: list[dict], local: bool = False) ->
         acc.set_ylabel("accuracy")
         acc.set_ylim(0, 1)
     _label_rounds(ax)
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (log scale)" if ax.get_yscale() == "log" else "loss")
     ax.set_title("Model quality")
     if len(series) > 1:  # one label a line: each says what was measured and when
         fig.set_size_inches(7, 4 + 0.2 * len(series))
@@ -627,6 +643,7 @@ def _staleness(fig: Figure, ax: Axes, records: list[dict]) -> None:
     ax.set_xlabel("staleness (versions between dispatch and application)")
     ax.set_ylabel("updates")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of updates
     left_out = f"; {dropped} dropped update{'s' if dropped != 1 else ''} not counted" if dropped else ""
     note = f"\n({unapplied} usable update{'s' if unapplied != 1 else ''} to steps not applied, not counted as " \
         "applied)" if unapplied else ""
