@@ -550,7 +550,7 @@ NARROW_GLOBAL_LR = 1e-4
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg) + \
-        _ditto_warnings(cfg) + _thread_warnings(cfg)
+        _ditto_warnings(cfg) + _thread_warnings(cfg) + _quorum_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -564,10 +564,6 @@ def config_warnings(cfg: Config) -> list[str]:
         if late:
             found.append(f"faults[{i}]: round {late[0]} is past the run's last (rounds={cfg.rounds}): it strikes only "
                          "if a resume raises rounds")
-    if cfg.clients.below_quorum == "keep" and not cfg.clients.accept_failures and cfg.clock.mode == "off":
-        found.append("clients.below_quorum: 'keep' acts on a round left with too few usable updates, which only "
-                     "clients.accept_failures=true leaves (without it a failed client ends the job itself): set "
-                     "clients.accept_failures=true")
     if cfg.clients.per_round is not None and cfg.clients.per_round > cfg.clients.num_clients:
         found.append(f"clients.per_round: {cfg.clients.per_round} is more than clients.num_clients="
                      f"{cfg.clients.num_clients}: every client takes part in every round")
@@ -623,6 +619,16 @@ def _group_warnings(cfg: Config) -> list[str]:
             f"{ranks - batch} of each client group's {ranks} ranks without a sample (they join the group's "
             "collectives and add nothing): raise train.batch_size to a multiple of clients.ranks_per_client, or "
             "lower clients.ranks_per_client"]
+
+
+def _quorum_warnings(cfg: Config) -> list[str]:
+    """clients.below_quorum='keep' where nothing leaves a round below quorum: without clients.accept_failures a
+    failed client ends the job itself (a virtual clock keeps such rounds whatever the key says)."""
+    if cfg.clients.below_quorum != "keep" or cfg.clients.accept_failures or cfg.clock.mode != "off":
+        return []
+    return ["clients.below_quorum: 'keep' acts on a round left with too few usable updates, which only "
+            "clients.accept_failures=true leaves (without it a failed client ends the job itself): set "
+            "clients.accept_failures=true"]
 
 
 def _thread_warnings(cfg: Config) -> list[str]:
