@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, run_mpi, write_config
 
 BASE = """
 rounds: 2
@@ -117,7 +117,7 @@ def run_failures(tmp_path, *overrides: str, raising: str = "", poisoned: str = "
     env = {"FL_HELPERS_RAISE": raising, "FL_HELPERS_NAN": poisoned, "FL_HELPERS_SEED": "5",
            "FL_HELPERS_FROM_ROUND": str(from_round)}
     aborts = "clients.accept_failures=false" in overrides  # its own job: an abort would end the suite's pool
-    return run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, env=env, timeout=90,
+    return run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, env=env, timeout=MPI_TIMEOUT,
                    fresh=aborts)
 
 

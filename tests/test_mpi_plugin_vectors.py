@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_mpi, write_config
+from conftest import MPI_TIMEOUT, run_mpi, write_config
 from reference import reference_run
 from results import client_vectors, final_model
 from stateful_plugins import assert_same_run
@@ -44,7 +44,8 @@ def run(folder: Path, ranks: int, *overrides: str):
     folder.mkdir(parents=True, exist_ok=True)
     cfg = write_config(folder / "c.yaml", CONFIG)
     aborts = "clients.accept_failures=false" in overrides
-    return run_mpi(ranks, "run", str(cfg), "--run-dir", str(folder / "run"), *overrides, timeout=90, fresh=aborts)
+    return run_mpi(ranks, "run", str(cfg), "--run-dir", str(folder / "run"), *overrides, timeout=MPI_TIMEOUT,
+                   fresh=aborts)
 
 
 def dropped(run_dir: Path) -> dict[int, dict[int, str]]:

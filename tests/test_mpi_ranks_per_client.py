@@ -295,7 +295,7 @@ def test_a_failure_inside_a_client_group_ends_the_job_naming_the_rank(tmp_path, 
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("model: {name: mlp, kwargs: {hidden: [16]}}",
                                                           "model: {name: 'fl_helpers:FailsOnOneRank'}"))
     began = time.monotonic()
-    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, timeout=90,
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), *overrides, timeout=MPI_TIMEOUT,
                      env={"FL_HELPERS_FAIL_RANK": str(rank), "FL_HELPERS_FAIL_AFTER": str(fail_after)})
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-3000:]

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import yaml
-from conftest import finish, mpifl_here, run_mpi, spawn_mpi, wait_for, write_config
+from conftest import MPI_TIMEOUT, finish, mpifl_here, run_mpi, spawn_mpi, wait_for, write_config
 from reference import reference_run
 
 from mpifl.config import load_config
@@ -109,7 +109,7 @@ def test_without_accept_failures_nobody_is_dropped_for_being_slow(tmp_path):
     cfg = write_config(tmp_path / "s.yaml", STRAGGLING.replace("accept_failures: true", "accept_failures: false"))
     env = {"FL_HELPERS_CLIENT_SECONDS": "0.05", "FL_HELPERS_SLOW_RANK": "2", "FL_HELPERS_SLOW_CALLS": "3,4"}
     result = run_mpi(4, "run", str(cfg), "--run-dir", str(tmp_path / "run"), "timeouts.straggler=0.2", env=env,
-                     timeout=90)
+                     timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(r["dropped"] == [] for r in records(tmp_path / "run"))
     want = reference_run(load_config(None, data=yaml.safe_load(STRAGGLING)))
