@@ -11,6 +11,7 @@ KEYS = (
     "checkpoint.every",
     "checkpoint.keep",
     "clients.accept_failures",
+    "clients.below_quorum",
     "clients.fraction",
     "clients.group_by",
     "clients.groups",
