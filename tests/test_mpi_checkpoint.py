@@ -200,7 +200,7 @@ def test_out_of_core_server_memory_does_not_grow_with_the_model(tmp_path):
     peaks = {}
     # The server's buffers are bounded by budgets, not by the model: with budgets below both models' sizes the
     # server's peak is the same for both (380 MiB each here, for 48 and 192 MB as for 96 and 384 MB), while a
-    # second model in the server would add 192 MiB, 5x the 10% allowed. (With the default 256 MiB pool and
+    # second model in the server would add 192 MiB, twice the 96 MiB allowed. (With the default 256 MiB pool and
     # 96 MiB of windows, a 96 MB model fills neither budget and a 384 MB one fills both, so the peak rises once,
     # by the budgets' unfilled part.) Smaller models than those would leave the budgets unfilled.
     budgets = ("transport.pool_mb=32", "server.window_mb=16", "transport.chunk_mb=4")
@@ -209,7 +209,10 @@ def test_out_of_core_server_memory_does_not_grow_with_the_model(tmp_path):
                          "--run-dir", str(tmp_path / str(mb)), fresh=True)  # the server's peak is its process's
         assert result.returncode == 0, result.stderr
         peaks[mb] = server_peak(tmp_path / str(mb))
-    assert peaks[192] <= 1.10 * peaks[48], peaks
+    # bounded by half of the larger model: a second copy of it would add all 192 MiB, while a process's peak RSS
+    # varies run to run by tens of MiB (the 48 MB run peaked at 334 MiB in one fresh-clone suite, 380 in others,
+    # which a 10% bound on the ratio took for growth)
+    assert peaks[192] - peaks[48] < 96 * 2**20, peaks
     assert peaks[192] < 1 << 30
 
 
