@@ -82,18 +82,7 @@ def value_of(record: dict, metric: str) -> float | None:
 
 def list_keys(records: list[dict]) -> set[str]:
     """The dotted keys whose value is a non-empty list of numbers in some round (``staleness``, one per arrival)."""
-    keys: set[str] = set()
-
-    def walk(value: Any, key: str) -> None:
-        if isinstance(value, dict):
-            for inner, item in value.items():
-                walk(item, f"{key}.{inner}" if key else str(inner))
-        elif isinstance(value, list) and value and all(map(is_number, value)):
-            keys.add(key)
-
-    for record in records:
-        walk(record, "")
-    return keys
+    return metric_keys(records, lambda value: isinstance(value, list) and bool(value) and all(map(is_number, value)))
 
 
 def outcome(run_dir: Path, records: list[dict], metric: str, target: float | None, lower: bool) -> RunOutcome:

@@ -53,15 +53,17 @@ def metric_of(record: dict, dotted: str) -> float | None:
     return value
 
 
-def metric_keys(records: list[dict]) -> set[str]:
-    """The dotted keys of every number in the records (``eval.accuracy``, ``time.dispatch``): what --metric takes."""
+def metric_keys(records: list[dict], holds: Callable[[Any], bool] | None = None) -> set[str]:
+    """The dotted keys of every number in the records (``eval.accuracy``, ``time.dispatch``): what --metric takes;
+    ``holds``: instead the keys whose value it accepts (a list of numbers: ``staleness``)."""
     keys: set[str] = set()
+    accepts = holds or (lambda value: isinstance(value, (int, float)) and not isinstance(value, bool))
 
     def walk(value: Any, key: str) -> None:
         if isinstance(value, dict):
             for inner, item in value.items():
                 walk(item, f"{key}.{inner}" if key else str(inner))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif accepts(value):
             keys.add(key)
 
     for record in records:
