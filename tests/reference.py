@@ -134,6 +134,39 @@ def trimmed_mean(stack: np.ndarray, beta: float) -> np.ndarray:
     return acc / np.float32(p - 2 * k)
 
 
+WHOLE_UPDATE_RULES = ("krum", "multi_krum", "geometric_median")
+
+
+def whole_update_coefficients(s, weights: list[float], updates: list[dict[str, np.ndarray]]) -> list[float]:
+    """What each update counts in Krum / Multi-Krum (Blanchard et al. 2017; El Mhamdi et al. 2018) or the geometric
+    median (smoothed Weiszfeld, Pillutla et al. 2022), computed on the whole flattened updates in float64 as the
+    papers write them: explicit distances and an explicit median point, no Gram matrix."""
+    x = np.stack([np.concatenate([u[n].astype(np.float64).ravel() for n in u]) for u in updates])
+    w = np.array(weights)
+    n = len(x)
+    if s.name == "geometric_median":
+        alphas = w / math.fsum(w)
+        z = alphas @ x
+        objective = float(alphas @ np.linalg.norm(x - z, axis=1))
+        coefficients = alphas
+        for _ in range(s.geomed_iterations):
+            betas = alphas / np.maximum(s.geomed_smoothing, np.linalg.norm(x - z, axis=1))
+            coefficients = betas / math.fsum(betas)
+            z = coefficients @ x
+            value = float(alphas @ np.linalg.norm(x - z, axis=1))
+            improved, objective = objective - value, value
+            if improved <= s.geomed_tolerance * objective:
+                break
+        return coefficients.tolist()
+    f = s.byzantine_clients
+    neighbours = max(1, min(n - f - 2, n - 1)) if n > 1 else 0
+    scores = [sorted(float(np.sum((x[i] - x[j]) ** 2)) for j in range(n) if j != i)[:neighbours] for i in range(n)]
+    keep = 1 if s.name == "krum" else max(1, min(s.krum_keep or n - f, n))
+    chosen = sorted(sorted(range(n), key=lambda i: (sum(scores[i]), i))[:keep])
+    total = math.fsum(w[chosen])
+    return [float(w[i] / total) if i in chosen else 0.0 for i in range(n)]
+
+
 def server_step(name: str, delta: np.ndarray, state: dict, cfg) -> np.ndarray:
     """The server optimizer's step for pseudo-gradient delta (Reddi et al. 2021, Algorithm 2)."""
     f = np.float32
@@ -202,12 +235,20 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
                 update[n] = round_to(x, wire)
             sent.append((c, weight, update))
         divisor = fednova_divisor(steps) if s.name == "fednova" else None
+        whole = whole_update_coefficients(s, [w for _, w, _ in sent], [u for _, _, u in sent]) \
+            if s.name in WHOLE_UPDATE_RULES else None
         for name, tensor in flat.tensors():
             if s.name == "fednova" and name in statistics:  # the fold's weights p_i / tau_i, normalised: convex
                 divisor = math.fsum(w for _, w, _ in sent)
             elif s.name == "fednova":
                 divisor = fednova_divisor(steps)
-            if s.name == "median":
+            if whole is not None:  # sum_i c_i x_i in float64, row by row, rounded once
+                combined = np.zeros(old[name].shape)
+                for c, (_, _, u) in zip(whole, sent):
+                    if c != 0.0:
+                        combined += c * u[name].astype(np.float64)
+                combined = combined.astype(np.float32)
+            elif s.name == "median":
                 combined = median(np.stack([u[name] for _, _, u in sent]))
             elif s.name == "trimmed_mean":
                 combined = trimmed_mean(np.stack([u[name] for _, _, u in sent]), s.trim_fraction)

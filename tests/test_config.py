@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from mpifl.config import ConfigError, load_config
+from mpifl.config import ConfigError, config_warnings, load_config
 
 ROOT = __import__("pathlib").Path(__file__).parent.parent
 
@@ -193,6 +193,15 @@ def test_validate_and_plan_warn_that_train_threads_other_than_1_make_results_dep
     (("strategy.name=trimmed_mean", "clock.mode=fedcompass", "clock.concurrency=8"),
      "the coordinate-wise trimmed mean of each step's updates, unweighted: a stale update counts as much as a fresh "
      "one (s(staleness) is not applied)"),
+    (("strategy.name=krum", "strategy.byzantine_clients=1"),
+     "the one of the round's updates with the lowest of the Krum scores (f=1: squared distances to the n - f - 2 "
+     "nearest others)"),
+    (("strategy.name=multi_krum", "strategy.byzantine_clients=2", "strategy.weighting=equal"),
+     "the mean weighted by equal weights of the n - f = n - 2 of the round's updates with the lowest Krum scores "
+     "(f=2: squared distances to the n - f - 2 nearest others)"),
+    (("strategy.name=geometric_median", "clock.mode=fedbuff"),
+     "the geometric median of each step's updates weighted by s(staleness) (polynomial) (at most 4 smoothed "
+     "Weiszfeld iterations)"),
 ])
 def test_validate_says_how_a_round_weighs_the_updates_as_the_run_will(overrides, says):
     from mpifl.cli.commands import validated_weighting
@@ -200,9 +209,36 @@ def test_validate_says_how_a_round_weighs_the_updates_as_the_run_will(overrides,
     assert validated_weighting(load_config(ROOT / "configs" / "quickstart.yaml", list(overrides))) == says
 
 
+def test_a_robust_rules_key_beside_a_strategy_that_does_not_read_it_is_warned_of():
+    warnings = config_warnings(load_config(None, ["strategy.name=median", "strategy.byzantine_clients=2",
+                                                  "strategy.geomed_iterations=9"]))
+    assert "strategy.byzantine_clients: read only by strategy.name 'krum' or 'multi_krum', and strategy.name is " \
+           "'median': ignored" in warnings
+    assert any(w.startswith("strategy.geomed_iterations: read only by strategy.name 'geometric_median'")
+               for w in warnings)
+    assert not [w for w in config_warnings(load_config(None, ["strategy.name=multi_krum", "strategy.krum_keep=3",
+                                                              "strategy.byzantine_clients=1"]))
+                if w.startswith("strategy.")]
+
+
+def test_krum_with_fewer_participants_than_its_guarantee_needs_is_warned_of():
+    (said,) = [w for w in config_warnings(load_config(None, ["strategy.name=krum", "strategy.byzantine_clients=2",
+                                                             "clients.num_clients=10", "clients.per_round=6"]))
+               if w.startswith("strategy.")]
+    assert "needs n >= 2f + 3 participants per round, and clients.per_round gives 6 for f=2 (each update scored " \
+           "over its 2 nearest others): a Byzantine update may be kept; raise clients.per_round to 7" in said
+
+
+def test_krum_and_the_geometric_median_take_top_k_updates_where_a_coordinate_wise_rule_does_not():
+    for name in ("krum", "multi_krum", "geometric_median"):
+        load_config(None, [f"strategy.name={name}", "compression.method=topk"])
+    with pytest.raises(ConfigError, match="compression.method: 'topk'"):
+        load_config(None, ["strategy.name=median", "compression.method=topk"])
+
+
 def test_strategy_and_evaluation_combinations_are_checked():
-    with pytest.raises(ConfigError, match=r"strategy.name: 'krum' is not allowed; choose one of 'fedavg', 'fedavgm'"):
-        load(strategy={"name": "krum"})
+    with pytest.raises(ConfigError, match=r"strategy.name: 'bulyan' is not allowed; choose one of 'fedavg', 'fedavgm'"):
+        load(strategy={"name": "bulyan"})
     with pytest.raises(ConfigError, match=r"strategy.trim_fraction: must be <= 0.49"):
         load(strategy={"name": "trimmed_mean", "trim_fraction": 0.5})
     with pytest.raises(ConfigError, match=r"eval.federated_every: .* set data.val_fraction"):

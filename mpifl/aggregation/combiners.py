@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -68,6 +68,9 @@ class Combiner:
     """Base class: an unweighted, unstacked combiner; subclasses implement fold and combine."""
 
     stacked = False  # True: the accumulator is a (participants, chunk) stack, not one running row
+    # True: the combination needs whole updates (distances.py's Krum, geometric median): the reduction ``keep``s
+    # every participant's chunks and finishes every chunk after the last has landed, instead of folding
+    whole_update = False
     capabilities: Capabilities | None = None  # None: declares nothing, the safe side is assumed
 
     def __init__(self, cfg: StrategyConfig) -> None:
@@ -113,6 +116,30 @@ class Combiner:
                            total_weight: float) -> list[Future] | None:
         """``combine_into`` begun on worker threads (its jobs), or None where the combiner has none."""
         return None
+
+    def round_metrics(self) -> Mapping[str, float]:
+        """What the combination measured in the round just reduced (recorded in ``strategy_metrics``); none here."""
+        return {}
+
+    # A whole-update combiner (``whole_update``; distances.DistanceRule) is called through these instead of fold and
+    # combine: ``begin`` a round, ``keep`` each usable participant's chunks as they land, ``solve`` once every chunk
+    # has, then each chunk's ``combined_chunk`` is finished as a combined chunk would be.
+
+    def begin(self, rows: int, elements: int) -> None:
+        """A round of at most ``rows`` usable participants, each update ``elements`` elements long."""
+        raise NotImplementedError
+
+    def keep(self, row: int, start: int, x: torch.Tensor, weight: float, client: int) -> None:
+        """Keep the ``row``-th usable participant's (logical client ``client``) elements from ``start`` on."""
+        raise NotImplementedError
+
+    def solve(self, count: int) -> None:
+        """Apply the rule to the first ``count`` kept participants (every chunk has landed)."""
+        raise NotImplementedError
+
+    def combined_chunk(self, start: int, numel: int) -> torch.Tensor:
+        """The combination's fp32 elements ``start`` .. ``start + numel``."""
+        raise NotImplementedError
 
 
 class WeightedMean(Combiner):

@@ -127,6 +127,10 @@ class StreamedReduction:
         self.stats = ReductionStats()
         self.waited: set[int] = set()  # ranks past a deadline waited for, as too few would be left (said once)
         self.clock = StragglerClock(dropping, time.monotonic())
+        # a whole-update rule (Krum, the geometric median): chunks are kept, and finished once the last has landed
+        self.whole = strategy.whole_update
+        self.whole_count: int | None = None  # the usable participants the whole-update rule combines
+        self.whole_written = False
 
     def run(self) -> ReductionStats:
         """Post receives, fold chunks in order as they land, finish every chunk."""
@@ -134,9 +138,13 @@ class StreamedReduction:
             self._post_meta(rank)
             for _ in range(self.task.layout.slots_per_rank):
                 self._post_chunk(rank, self.free_slots.pop())
+        if self.whole:
+            self.strategy.combiner.begin(len(self.schedule.order), sum(c.numel for c in self.chunks))
         try:
             self._receive_and_fold()
             self._settle()
+            if self.whole:
+                self._finish_whole()
         finally:
             if self.held is not None:
                 self.held.drain()
@@ -196,8 +204,9 @@ class StreamedReduction:
 
     @property
     def model_touched(self) -> bool:
-        """Whether any finished chunk has been written into the global state this round."""
-        return any(self.schedule.finished)
+        """Whether any finished chunk has been written into the global state this round (a whole-update rule writes
+        none before the last chunk has landed)."""
+        return self.whole_written if self.whole else any(self.schedule.finished)
 
     def _landed(self, ticket: Ticket, meta: object) -> None:
         wake(self.comm, ticket.rank)  # its send is complete: it may post the next message, or go on
@@ -300,7 +309,7 @@ class StreamedReduction:
         if self.held is not None:
             self.held.hold(step.chunk, step.row, step.rank, step.slot)
             return
-        if step.row == 0:
+        if step.row == 0 and not self.whole:
             self.acc_of[step.chunk] = self._accumulator(step.chunk)
         if self.decoder is not None:  # compressed: decoded into a reused fp32 scratch, then folded as usual
             x = self.decoder.decode(self.pool.slots[step.slot], self.chunks[step.chunk].numel)
@@ -309,6 +318,9 @@ class StreamedReduction:
         # a group's partial sum arrives weighted: it folds with weight 1; a single update, with its own
         grouped = step.client in self.stats.groups
         weight = 1.0 if grouped else self._weight(self.stats.metas[step.client])
+        if self.whole:
+            self.strategy.combiner.keep(step.row, self.exchange.first_elements[step.chunk], x, weight, step.client)
+            return
         self.strategy.fold(self.acc_of[step.chunk], x, weight, step.row)
 
     def _received(self, chunk: int, slot: int) -> torch.Tensor:
@@ -355,6 +367,9 @@ class StreamedReduction:
         if total is None:
             self._keep(step.chunk)
             return
+        if self.whole:  # finished with the others once the last chunk has landed (_finish_whole)
+            self.whole_count = step.count
+            return
         assert acc is not None  # a chunk with a usable update has been folded into its accumulator
         if self.task.unmask is not None:  # secure aggregation: the ring sum of masked updates becomes the float sum
             self.task.unmask(acc, self.exchange.first_elements[step.chunk], self.stats.metas)
@@ -363,6 +378,23 @@ class StreamedReduction:
         target = self.targets[step.chunk] = self.state.finish_target(chunk)
         self.strategy.finish(acc, self._participants(step), total, target, self.state.server_state(chunk), chunk)
         self._commit(step.chunk)
+
+    def _finish_whole(self) -> None:
+        """A whole-update rule, once every chunk has landed: solve it over the kept updates, then finish every chunk
+        in order with its combination (nothing when too few usable updates left the model unchanged)."""
+        if self.total_weight is None or self.whole_count is None:
+            return
+        start = time.perf_counter()
+        combiner = self.strategy.combiner
+        combiner.solve(self.whole_count)
+        self.whole_written = True
+        for j, chunk in enumerate(self.chunks):
+            target = self.targets[j] = self.state.finish_target(chunk)
+            combined = combiner.combined_chunk(self.exchange.first_elements[j], chunk.numel)
+            self.strategy.finish(combined, self.whole_count, self.total_weight, target, self.state.server_state(chunk),
+                                 chunk)
+            self._commit(j)
+        self.stats.aggregate_seconds += time.perf_counter() - start
 
     def _commit(self, j: int) -> None:
         """Commit finished chunk ``j``, counting the NaN/Inf values of its new value first: every update was checked

@@ -51,6 +51,7 @@ class Strategy:
         self.name = cfg.name
         self.delta = cfg.update == "delta"  # clients send trained - global, not their weights
         self.stacked = combiner.stacked
+        self.whole_update = combiner.whole_update  # keeps whole updates, finishing every chunk after the last lands
         self.state_init = dict(update.state_init)
         self.weigher = combiner  # whose weight_of weighs the participants (kept when a run mode swaps the combiner)
         declared = capabilities or declared_capabilities(combiner)
@@ -102,8 +103,9 @@ class Strategy:
     def round_metrics(self) -> Mapping[str, float]:
         """What the strategy measured in the round just finished, recorded as ``strategy_metrics`` in
         metrics.jsonl and every tracker (numbers by name); none by default. A rule that measures per chunk
-        accumulates in ``finish`` and resets in ``begin_round``."""
-        return {}
+        accumulates in ``finish`` and resets in ``begin_round``. Here the combiner's (Krum's kept and rejected
+        counts, the geometric median's iterations)."""
+        return self.combiner.round_metrics()
 
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
         """Take in the ``index``-th included participant's chunk (acc is a stack row per participant when stacked)."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.cli.preflight import check_model, check_partition, check_plugins, check_trainer, partition_counts_of
 from mpifl.cli.supervisor import mark_mpi_started, supervised, tell_run_dir
 from mpifl.config import Config, ConfigError, load_config
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC, RULE_KEYS
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
@@ -191,6 +191,12 @@ def validated_weighting(cfg: Config) -> str:
     clock, statistic = cfg.clock, order_statistic(cfg)
     if clock.mode == "fedasync":
         return f"each update mixed in at alpha x s(staleness), alpha {clock.alpha:g}, s {clock.staleness}"
+    caps = BUILTIN_CAPABILITIES.get(cfg.strategy.name)
+    if caps is not None and caps.whole_update:
+        buffered = clock.mode in ("fedbuff", "fedcompass")
+        weights = f"s(staleness) ({clock.staleness})" if buffered else \
+            ("equal weights" if cfg.strategy.weighting == "equal" else "samples")
+        return distance_rule(cfg, "each step's" if buffered else "the round's", weights)
     if statistic and clock.mode in ("fedbuff", "fedcompass"):
         return (f"the {statistic} of each step's updates, unweighted: a stale update counts as much as a fresh one "
                 f"(s(staleness) is not applied)")
@@ -199,6 +205,20 @@ def validated_weighting(cfg: Config) -> str:
     if statistic:
         return f"the {statistic} of the round's updates, unweighted"
     return "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
+
+
+def distance_rule(cfg: Config, updates: str, weights: str) -> str:
+    """What a built-in rule over whole updates (mpifl.aggregation.distances: Capabilities.whole_update) takes of
+    ``updates``, the mean or median weighted by ``weights``; which rule, by the keys it reads (RULE_KEYS)."""
+    s, reads = cfg.strategy, RULE_KEYS.get(cfg.strategy.name, ())
+    scored = f"Krum scores (f={s.byzantine_clients}: squared distances to the n - f - 2 nearest others)"
+    if "krum_keep" in reads:
+        m = f"m={s.krum_keep}" if s.krum_keep else f"n - f = n - {s.byzantine_clients}"
+        return f"the mean weighted by {weights} of the {m} of {updates} updates with the lowest {scored}"
+    if "byzantine_clients" in reads:
+        return f"the one of {updates} updates with the lowest of the {scored}"
+    return (f"the geometric median of {updates} updates weighted by {weights} (at most {s.geomed_iterations} "
+            "smoothed Weiszfeld iterations)")
 
 
 def order_statistic(cfg: Config) -> str | None:

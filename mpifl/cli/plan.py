@@ -380,6 +380,11 @@ def plan_main(args: argparse.Namespace) -> int:
     print(f"  rank 0 (server):      ~{plan.server_bytes / GIB:8.2f} GiB  [{where}; receive pool "
           f"{format_bytes(plan.server_pool_bytes)}{data_note(plan.server_data_bytes, held_out)}"
           f"{'' if on_gpu else evaluation_note(cfg, size, plan.server_eval_bytes)}]")
+    if plan.kept_updates_bytes:
+        print(f"  kept updates ({cfg.strategy.name}): {format_bytes(plan.kept_updates_bytes)} per "
+              f"{'server step' if cfg.clock.asynchronous else 'round'}, every participant's whole update as fp32 "
+              + ("in an unlinked temporary file in $TMPDIR (disk and page cache, not rank 0's memory)"
+                 if plan.kept_on_disk else "in rank 0's RAM (counted above)"))
     _print_clients(cfg, size, plan, ranks)
     fit = fewest_fitting_ranks(cfg, size, args, gpus, plan)
     if fit:

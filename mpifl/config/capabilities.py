@@ -51,12 +51,17 @@ class Capabilities:
     # The client half appends summed streams to the model (SCAFFOLD's c and the clients' control deltas), which
     # every update carries: nothing may rewrite them on the way (secure aggregation's masks among others).
     summed_streams: bool = False
+    # Needs every participant's whole update before any chunk is finished (distances between whole updates: Krum,
+    # the geometric median): the server keeps the round's updates (RAM, or a temporary file) and finishes every
+    # chunk once the last has landed. Unlike a coordinate-wise rule it takes sparse (top-k) updates.
+    whole_update: bool = False
 
 
 UNDECLARED = Capabilities()
 MEAN = Capabilities(summable=True, needs_every_row=False)
 SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_state=True)
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
+WHOLE_UPDATE = Capabilities(summable=False, needs_every_row=True, whole_update=True)
 NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True, sgd_steps=True)
 CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
                                 sgd_steps=True, client_rule="control_variates", corrects_steps=True,
@@ -74,7 +79,19 @@ BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
     "fedadagrad": SERVER_OPTIMIZER,
     "median": ORDER_STATISTIC,
     "trimmed_mean": ORDER_STATISTIC,
+    "krum": WHOLE_UPDATE,
+    "multi_krum": WHOLE_UPDATE,
+    "geometric_median": WHOLE_UPDATE,
     "fednova": NORMALIZED_MEAN,
     "scaffold": CONTROLLED_MEAN,
     "feddyn": DYNAMIC_MEAN,
+}
+
+# The keys of the strategy section that a built-in strategy reads beyond weighting, update and wire_dtype, for the
+# robust rules: set beside a built-in strategy that does not read them, a config warning says they are ignored.
+RULE_KEYS: dict[str, tuple[str, ...]] = {
+    "trimmed_mean": ("trim_fraction",),
+    "krum": ("byzantine_clients",),
+    "multi_krum": ("byzantine_clients", "krum_keep"),
+    "geometric_median": ("geomed_iterations", "geomed_tolerance", "geomed_smoothing"),
 }

@@ -5,7 +5,7 @@ import dataclasses
 from pathlib import Path
 
 from mpifl.config.automatic import automatic_concurrency
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES, Capabilities
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, RULE_KEYS, Capabilities
 from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import ASYNCHRONOUS_MODES, UPDATE_FAULTS, Config, FaultConfig, LoraConfig
@@ -68,7 +68,8 @@ def _check_strategy(cfg: Config) -> None:
         return
     if cfg.strategy.kwargs:
         raise ConfigError(f"strategy.kwargs: the built-in strategy {cfg.strategy.name!r} takes its settings from "
-                          "strategy's own keys (weighting, server_lr, momentum, beta1, beta2, tau, trim_fraction); "
+                          "strategy's own keys (weighting, server_lr, momentum, beta1, beta2, tau, trim_fraction, "
+                          "byzantine_clients, krum_keep, geomed_*); "
                           "strategy.kwargs is for a plug-in (strategy.name: package.module:name)")
     problem = capability_problem(cfg, caps)
     if problem:
@@ -108,7 +109,7 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
     if cfg.secagg.enabled:
         return (f"strategy.name: secagg.enabled needs a sum-based strategy: the server sees only the sum; strategy "
                 f"{what}{remedy}choose a summable strategy")
-    if cfg.compression.method == "topk" and caps.needs_every_row:
+    if cfg.compression.method == "topk" and caps.needs_every_row and not caps.whole_update:
         return (f"compression.method: 'topk' sends each client's update as its largest fraction of coordinates, zeros "
                 f"elsewhere, and strategy {what}: a coordinate-wise order statistic (median, trimmed mean) of sparse "
                 f"updates is mostly zeros, a coordinate being 0 wherever fewer than half the participants kept it"
@@ -550,7 +551,7 @@ NARROW_GLOBAL_LR = 1e-4
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg) + \
-        _ditto_warnings(cfg) + _thread_warnings(cfg) + _quorum_warnings(cfg)
+        _ditto_warnings(cfg) + _thread_warnings(cfg) + _quorum_warnings(cfg) + _robust_rule_warnings(cfg)
     for i, fault in enumerate(cfg.faults):
         if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
             found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
@@ -772,6 +773,32 @@ def _other_mode_warnings(cfg: Config) -> list[str]:
         ignored += _set_concurrency(cfg)
     return [f"{key}: read only under clock.mode {' or '.join(map(repr, MODE_SETTINGS[key.split('.')[1]]))}, and "
             f"clock.mode is {mode!r}: ignored" for key in ignored]
+
+
+def _robust_rule_warnings(cfg: Config) -> list[str]:
+    """A robust rule's key (capabilities.RULE_KEYS) set beside a built-in strategy that does not read it (plug-ins
+    may read any key of their StrategyConfig); Krum with fewer participants per round than its guarantee needs
+    (n >= 2f + 3, Blanchard et al. 2017); Multi-Krum asked to keep more updates than a round has."""
+    name = cfg.strategy.name
+    if name not in BUILTIN_CAPABILITIES:
+        return []
+    reads = RULE_KEYS.get(name, ())
+    every = tuple(dict.fromkeys(k for keys in RULE_KEYS.values() for k in keys))
+    found = [f"{key}: read only by strategy.name "
+             f"{' or '.join(repr(n) for n, keys in RULE_KEYS.items() if key.split('.')[1] in keys)}, and "
+             f"strategy.name is {name!r}: ignored"
+             for key in changed_settings(cfg.strategy, "strategy", only=every) if key.split(".")[1] not in reads]
+    f, n = cfg.strategy.byzantine_clients, cfg.clients_per_round()
+    if "byzantine_clients" in reads and n < 2 * f + 3:
+        scored = max(1, n - f - 2)
+        found.append(f"strategy.byzantine_clients: Krum's guarantee needs n >= 2f + 3 participants per round, and "
+                     f"clients.per_round gives {n} for f={f} (each update scored over its {scored} nearest "
+                     f"other{'s' if scored > 1 else ''}): a Byzantine update may be kept; raise clients.per_round to "
+                     f"{2 * f + 3} or lower f")
+    if "krum_keep" in reads and cfg.strategy.krum_keep > n:
+        found.append(f"strategy.krum_keep: {cfg.strategy.krum_keep} is more than the {n} participants per round "
+                     "(clients.per_round): every update is kept, as FedAvg would")
+    return found
 
 
 # The keys that mean something only for some kinds of fault, and their defaults: set on another kind, a mistake.

@@ -68,6 +68,10 @@ class StrategyFootprint(Protocol):
     def state_bytes(self, elements: int) -> int:
         """Bytes of server state for a model of ``elements`` exchanged elements."""
 
+    @property
+    def whole_update(self) -> bool:
+        """Whether it keeps every participant's whole update for the round (Krum, the geometric median)."""
+
 
 @dataclass(frozen=True)
 class ModelBytes:
@@ -112,6 +116,8 @@ class MemoryEstimate:
     reader_bytes: int = 0  # rank 1, which reads the shared data: its peak, when above client_bytes (0: not above)
     reading_bytes: int = 0  # its peak while reading (reading_rank_bytes), inside reader_bytes when that is set
     client_shared_bytes: int = 0  # the shared set's pages inside client_data_bytes (counted once, in node_data_bytes)
+    kept_updates_bytes: int = 0  # a whole-update rule's kept updates (Krum, geometric median): RAM or a temporary file
+    kept_on_disk: bool = False  # whether they go to the temporary file (else they are inside server_bytes)
 
     @property
     def reads_apart(self) -> bool:
@@ -257,6 +263,27 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
     held = holds_stacks(strategy.stacked, exchange.codec is not None, summed, per_rank)
     layout = pool_layout(shape, budget, ranks, stacked=strategy.stacked, held=held, sequential=per_rank > 1)
     return pool_bytes(shape, layout, ranks)
+
+
+KEPT_UPDATES_RAM_BYTES = 256 * MIB  # a whole-update rule keeps the round's updates in RAM up to this, else in a file
+
+
+def updates_per_step(cfg: Config) -> int:
+    """The most updates one server step combines: a round's participants, a FedBuff buffer, or the clients a
+    FedCompass arrival group can hold."""
+    if cfg.clock.mode == "fedbuff":
+        return cfg.clock.buffer
+    if cfg.clock.mode == "fedcompass":
+        return cfg.clock.in_flight()
+    return cfg.clients_per_round()
+
+
+def kept_updates_bytes(cfg: Config, elements: int) -> tuple[int, bool]:
+    """What a whole-update rule (Krum, the geometric median: mpifl.aggregation.distances) keeps each step, fp32
+    rows of every participant's update, and whether in a temporary file (past ``KEPT_UPDATES_RAM_BYTES``, or on an
+    out-of-core server) rather than RAM."""
+    nbytes = updates_per_step(cfg) * elements * 4
+    return nbytes, cfg.server.state == "disk" or nbytes > KEPT_UPDATES_RAM_BYTES
 
 
 def server_evaluates(cfg: Config) -> bool:
@@ -704,6 +731,9 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
         server = imports_bytes(cfg) + max(store + pool + scratch, probe)
     else:  # the model, the pool, fp32 server-state vectors (momentum, moments)
         server = imports_bytes(cfg) + size.total + max(pool + scratch + strategy.state_bytes(elements), probe)
+    kept, kept_on_disk = kept_updates_bytes(cfg, elements) if strategy.whole_update else (0, False)
+    if not kept_on_disk:
+        server += kept
     evaluation = server_evaluation_bytes(cfg, size)
     if not evaluates_on_gpu(cfg, gpus_per_node):  # else it is on the GPU, in server_device_bytes
         server += evaluation
@@ -723,7 +753,7 @@ def memory_estimate(cfg: Config, size: ModelBytes, exchange: ExchangeLayout, str
     return MemoryEstimate(size.exchanged, server, pool, client, node, server_data, client_data, node_data,
                           client_device_bytes(cfg, size) if on_gpu else 0,
                           server_device_bytes(cfg, size, gpus_per_node), sum(c.nbytes for c in exchange.wire),
-                          evaluation, reader if reader > client else 0, reading, shared_read)
+                          evaluation, reader if reader > client else 0, reading, shared_read, kept, kept_on_disk)
 
 
 def fullest_node(server: int, client: int, nranks: int, ranks_per_node: int, server_alone: bool,

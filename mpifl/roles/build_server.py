@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
+from mpifl.aggregation.distances import DistanceRule
 from mpifl.aggregation.floor import FloorRate
 from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing
@@ -270,6 +271,8 @@ def strategy_for(cfg: Config) -> Strategy:
     """The configured strategy, with the stage a run mode replaces: FedAsync mixes each update in
     (``Mixing``); secure aggregation sums masked fixed-point updates in the ring (``RingSum``)."""
     strategy = make_strategy(cfg.strategy)
+    if cfg.server.state == "disk" and isinstance(strategy.combiner, DistanceRule):
+        strategy.combiner.ram_bytes = 0  # out of core: the round's kept updates go to a temporary file, never RAM
     if cfg.clock.mode != "fedasync" and not cfg.secagg.enabled:
         strategy.statistics_absolute = cfg.statistics_as_values
         return strategy

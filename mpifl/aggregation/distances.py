@@ -1,0 +1,308 @@
+"""Distance-based robust combiners: Krum, Multi-Krum and the geometric median.
+
+Krum (Blanchard et al. 2017, "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent",
+NeurIPS) keeps the update whose squared distances to its n - f - 2 nearest others sum least, n the round's
+usable participants and f how many of them may be Byzantine; Multi-Krum (El Mhamdi et al. 2018, "The
+Hidden Vulnerability of Distributed Learning in Byzantium", ICML) averages the m best-scored. The
+geometric median (RFA: Pillutla, Kakade and Harchaoui 2022, "Robust Aggregation for Federated Learning",
+IEEE TSP) minimises sum_i a_i ||z - x_i||, by the smoothed Weiszfeld iteration.
+
+All three need *whole* updates: which participants Krum keeps, and the median's weights, depend on
+distances between whole updates, known only once the last chunk has landed, while the streamed reduction
+finishes chunk by chunk. So these combiners declare ``whole_update``: the reduction hands them every
+participant's chunks as they land (``keep``: fp32 rows, participants x model, in RAM up to ``RAM_BYTES``,
+else, and always on an out-of-core server (``server.state: disk``), in an unlinked temporary file in
+``tempfile``'s directory, ``$TMPDIR``), and finishes every chunk
+once the last has landed. The rules work on the n x n Gram matrix of the kept updates, centred on the
+first (``kept_gram``: float64, in fixed blocks of the flat model, so that neither the chunk size nor the
+rank count changes a bit): squared distances are G_ii + G_jj - 2 G_ij, and a Weiszfeld iterate is a
+combination sum_i c_i x_i of the updates, so it never needs a model of its own. The result, chunk by
+chunk, is sum_i c_i x_i, accumulated in float64 in row order and rounded once to fp32.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpifl.aggregation.combiners import Combiner
+from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE
+from mpifl.config import StrategyConfig
+from mpifl.config.capabilities import WHOLE_UPDATE
+from mpifl.errors import JobFailure
+from mpifl.logs import log
+from mpifl.planning.memory import KEPT_UPDATES_RAM_BYTES as RAM_BYTES  # up to this in RAM; larger, in a file
+from mpifl.units import range_list
+
+GRAM_BLOCK = 1 << 16  # elements of each row per block of the Gram matrix: fixed, so the sums never depend on chunks
+
+
+# -- the rules, over the n x n Gram matrix ----------------------------------------------------------------------
+
+def squared_distances(gram: np.ndarray) -> np.ndarray:
+    """||x_i - x_j||^2 from the Gram matrix G_ij = x_i . x_j (of any common centring), never below 0."""
+    diagonal = np.diag(gram)
+    return np.maximum(diagonal[:, None] + diagonal[None, :] - 2.0 * gram, 0.0)
+
+
+def krum_neighbours(participants: int, byzantine: int) -> int:
+    """How many nearest others Krum sums each update's squared distances over: n - f - 2, at least 1 (and 0 for a
+    lone participant). Blanchard et al.'s guarantee needs n >= 2f + 3; below, fewer neighbours than that."""
+    if participants < 2:
+        return 0
+    return max(1, min(participants - byzantine - 2, participants - 1))
+
+
+def krum_scores(distances: np.ndarray, byzantine: int) -> np.ndarray:
+    """Each update's Krum score: the sum of its ``krum_neighbours`` smallest squared distances to the others."""
+    n = distances.shape[0]
+    k = krum_neighbours(n, byzantine)
+    others = np.where(np.eye(n, dtype=bool), np.inf, distances)
+    return np.sort(others, axis=1)[:, :k].sum(axis=1)
+
+
+def krum_selection(distances: np.ndarray, byzantine: int, keep: int) -> tuple[int, ...]:
+    """The rows of the ``keep`` best-scored updates (lowest Krum score; a tie goes to the lower row), ascending."""
+    order = np.argsort(krum_scores(distances, byzantine), kind="stable")
+    return tuple(sorted(int(i) for i in order[:max(1, min(keep, len(order)))]))
+
+
+def mean_coefficients(weights: np.ndarray, rows: tuple[int, ...]) -> np.ndarray:
+    """The coefficients of the ``weights``-weighted mean of ``rows`` (0 elsewhere)."""
+    coefficients = np.zeros(len(weights))
+    chosen = list(rows)
+    coefficients[chosen] = weights[chosen] / math.fsum(weights[chosen])
+    return coefficients
+
+
+@dataclass(frozen=True)
+class Weiszfeld:
+    """The smoothed Weiszfeld iteration's result: the median's coefficients over the updates, the iterations
+    taken, and the objective sum_i a_i ||z - x_i|| at the median."""
+
+    coefficients: np.ndarray
+    iterations: int
+    objective: float
+
+
+def distances_to(gram: np.ndarray, coefficients: np.ndarray) -> np.ndarray:
+    """||z - x_i|| for z = sum_j c_j x_j (the coefficients sum to 1), from the Gram matrix."""
+    gc = gram @ coefficients
+    return np.sqrt(np.maximum(coefficients @ gc - 2.0 * gc + np.diag(gram), 0.0))
+
+
+def weiszfeld(gram: np.ndarray, weights: np.ndarray, iterations: int, tolerance: float,
+              smoothing: float) -> Weiszfeld:
+    """The geometric median of the updates with weights a_i, as coefficients: from the weighted mean, at most
+    ``iterations`` smoothed Weiszfeld steps z <- sum_i b_i x_i / sum_i b_i, b_i = a_i / max(nu, ||z - x_i||)
+    (Pillutla et al. 2022, Algorithm 3; nu = ``smoothing`` keeps a step finite when z lands on an update),
+    stopping once the objective improves by less than ``tolerance`` of itself."""
+    alphas = weights / math.fsum(weights)
+    coefficients = alphas.copy()
+    objective = float(alphas @ distances_to(gram, coefficients))
+    taken = 0
+    while taken < iterations:
+        betas = alphas / np.maximum(smoothing, distances_to(gram, coefficients))
+        candidate = betas / math.fsum(betas)
+        value = float(alphas @ distances_to(gram, candidate))
+        taken += 1
+        improved = objective - value
+        coefficients, objective = candidate, value
+        if improved <= tolerance * objective:
+            break
+    return Weiszfeld(coefficients, taken, objective)
+
+
+# -- the kept updates ------------------------------------------------------------------------------------------
+
+class KeptRows:
+    """Every participant's whole update as fp32 rows (participants x elements): a RAM array up to ``ram_bytes``,
+    else an unlinked temporary file read and written at offsets (its pages are the kernel's cache, not this
+    process's memory, so an out-of-core server's resident size does not grow by the kept updates)."""
+
+    def __init__(self, rows: int, elements: int, ram_bytes: int = RAM_BYTES):
+        self.rows, self.elements = rows, elements
+        size = rows * elements * 4
+        self.array = np.empty((rows, elements), dtype=np.float32) if size <= ram_bytes else None
+        self.file = None if self.array is not None else tempfile.TemporaryFile(prefix="mpifl-kept-updates-")
+        if self.file is not None:
+            os.ftruncate(self.file.fileno(), size)
+
+    def fits(self, rows: int, elements: int, ram_bytes: int) -> bool:
+        """Whether these rows can hold that many (reused from round to round)."""
+        return rows <= self.rows and elements == self.elements and \
+            (self.array is None) == (rows * elements * 4 > ram_bytes)
+
+    def write(self, row: int, start: int, values: np.ndarray) -> None:
+        """Row ``row``'s elements from ``start`` on are ``values`` (fp32)."""
+        if self.array is not None:
+            self.array[row, start:start + len(values)] = values
+            return
+        assert self.file is not None
+        view, offset = np.ascontiguousarray(values, dtype=np.float32).data.cast("B"), \
+            (row * self.elements + start) * 4
+        while view:
+            written = os.pwrite(self.file.fileno(), view, offset)
+            view, offset = view[written:], offset + written
+
+    def read(self, row: int, start: int, out: np.ndarray) -> np.ndarray:
+        """Row ``row``'s ``len(out)`` elements from ``start`` on, into ``out`` (fp32)."""
+        if self.array is not None:
+            out[:] = self.array[row, start:start + len(out)]
+            return out
+        assert self.file is not None
+        view, offset = out.data.cast("B"), (row * self.elements + start) * 4
+        while view:
+            got = os.preadv(self.file.fileno(), [view], offset)
+            if got <= 0:
+                raise OSError(f"the kept updates' temporary file ended at byte {offset}")
+            view, offset = view[got:], offset + got
+        return out
+
+    def close(self) -> None:
+        """Free the rows (the file is unlinked already: closing it returns its disk space)."""
+        if self.file is not None:
+            self.file.close()
+        self.array = self.file = None
+
+
+def kept_gram(kept: KeptRows, count: int, block: int = GRAM_BLOCK) -> np.ndarray:
+    """The float64 Gram matrix of the first ``count`` kept rows centred on row 0, y_i = x_i - x_0, summed block by
+    block of ``block`` elements (a fixed split of the flat model, numpy's own loops: the same bits whatever the
+    chunks were). Centring keeps the distances exact where updates are large and close (weights, not deltas)."""
+    gram = np.zeros((count, count))
+    rows = np.empty((count, min(block, kept.elements)), dtype=np.float32)
+    for start in range(0, kept.elements, block):
+        width = min(block, kept.elements - start)
+        for i in range(count):
+            kept.read(i, start, rows[i, :width])
+        centred = rows[:, :width].astype(np.float64)
+        centred -= centred[0]
+        gram += np.einsum("ij,kj->ik", centred, centred)
+    return gram
+
+
+# -- the combiners ---------------------------------------------------------------------------------------------
+
+class DistanceRule(Combiner):
+    """A combiner over whole updates: the reduction ``begin``s a round, ``keep``s every usable participant's chunks
+    as they land, and, once the last has, ``solve``s the rule and asks for each ``combined_chunk``, which ``combine``
+    passes on unchanged. A rule is ``coefficients(gram, weights)``: what each kept row counts in the result."""
+
+    whole_update = True
+    capabilities = WHOLE_UPDATE
+    ram_bytes = RAM_BYTES
+
+    def __init__(self, cfg: StrategyConfig) -> None:
+        super().__init__(cfg)
+        self.kept: KeptRows | None = None
+        self.weights = np.zeros(0)
+        self.clients: list[int] = []
+        self.solved: np.ndarray | None = None
+        self.metrics: dict[str, float] = {}
+
+    def weight(self, num_samples: int) -> float:
+        """The sample count with ``strategy.weighting: samples``, else 1."""
+        return float(num_samples) if self.cfg.weighting == "samples" else 1.0
+
+    def begin(self, rows: int, elements: int) -> None:
+        """A round of at most ``rows`` usable participants, each update ``elements`` elements long."""
+        if self.kept is None or not self.kept.fits(rows, elements, self.ram_bytes):
+            if self.kept is not None:
+                self.kept.close()
+            self.kept = KeptRows(rows, elements, self.ram_bytes)
+        self.weights, self.clients = np.zeros(rows), [-1] * rows
+        self.solved, self.metrics = None, {}
+
+    def keep(self, row: int, start: int, x: torch.Tensor, weight: float, client: int) -> None:
+        """Keep the ``row``-th usable participant's (logical client ``client``, weighing ``weight``) elements from
+        ``start`` on, ``x`` (any float dtype, widened exactly to fp32)."""
+        assert self.kept is not None  # begin comes first
+        values = x.numpy() if x.dtype == ACCUMULATOR_DTYPE else x.to(ACCUMULATOR_DTYPE).numpy()
+        self.kept.write(row, start, values)
+        self.weights[row], self.clients[row] = weight, client
+
+    def solve(self, count: int) -> None:
+        """Apply the rule to the first ``count`` kept rows (every chunk has landed)."""
+        assert self.kept is not None  # begin comes first
+        weights = self.weights[:count]
+        if count and not (np.isfinite(weights).all() and (weights > 0).all()):
+            raise JobFailure(f"strategy.name {self.cfg.name!r}: the participants' weights must be positive and finite, "
+                             f"got {weights.tolist()}")
+        coefficients = self.coefficients(kept_gram(self.kept, count), weights)
+        self.solved = coefficients
+
+    def coefficients(self, gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """What each of the updates counts in the result (the rule; the coefficients sum to 1)."""
+        raise NotImplementedError
+
+    def combined_chunk(self, start: int, numel: int) -> torch.Tensor:
+        """The result's ``numel`` elements from ``start`` on: sum_i c_i x_i in float64, row by row, rounded once."""
+        assert self.kept is not None and self.solved is not None  # solve comes first
+        total, row = np.zeros(numel), np.empty(numel, dtype=np.float32)
+        for i, c in enumerate(self.solved):
+            if c != 0.0:
+                total += c * self.kept.read(i, start, row)
+        return torch.from_numpy(total.astype(np.float32))
+
+    def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
+        """Never called: a whole-update rule keeps its rows (``keep``)."""
+        raise JobFailure(f"strategy.name {self.cfg.name!r} combines whole updates: the reduction keeps them (keep), "
+                         "it does not fold them")
+
+    def combine(self, acc: torch.Tensor, count: int, total_weight: float) -> torch.Tensor:
+        """``acc``, the chunk ``combined_chunk`` computed already."""
+        return acc
+
+    def round_metrics(self) -> Mapping[str, float]:
+        """What the rule found this round (``strategy_metrics``)."""
+        return dict(self.metrics)
+
+
+class Krum(DistanceRule):
+    """Multi-Krum: the weighted mean (``strategy.weighting``) of the ``strategy.krum_keep`` updates with the lowest
+    Krum scores, f = ``strategy.byzantine_clients``; ``keep`` 1 is Krum itself."""
+
+    keep_default = 0  # 0: n - f
+
+    def kept_count(self, participants: int) -> int:
+        """How many updates are averaged: the configured m, or n - f, within 1..n."""
+        wanted = self.keep_default if self.keep_default else self.cfg.krum_keep
+        return max(1, min(wanted or participants - self.cfg.byzantine_clients, participants))
+
+    def coefficients(self, gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The selection's weighted mean; the kept logical clients are logged and counted."""
+        n = len(weights)
+        rows = krum_selection(squared_distances(gram), self.cfg.byzantine_clients, self.kept_count(n))
+        kept = sorted(self.clients[i] for i in rows)
+        dropped = sorted(self.clients[i] for i in range(n) if i not in rows)
+        self.metrics = {"kept": float(len(rows)), "rejected": float(n - len(rows))}
+        if n < 2 * self.cfg.byzantine_clients + 3:
+            self.metrics["below_guarantee"] = 1.0
+        log(f"{self.cfg.name}: kept logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"
+            + (f", rejected {range_list(dropped)}" if dropped else "")
+            + (f" (n={n} < 2f+3={2 * self.cfg.byzantine_clients + 3}: Krum's guarantee does not hold this round)"
+               if n < 2 * self.cfg.byzantine_clients + 3 else ""), rank=0)
+        return mean_coefficients(weights, rows)
+
+
+class SingleKrum(Krum):
+    """Krum: the one update with the lowest score."""
+
+    keep_default = 1
+
+
+class GeometricMedian(DistanceRule):
+    """RFA's geometric median, weighted by ``strategy.weighting`` (Pillutla et al. weight by samples)."""
+
+    def coefficients(self, gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The smoothed Weiszfeld median's coefficients; its iterations and objective are recorded."""
+        found = weiszfeld(gram, weights, self.cfg.geomed_iterations, self.cfg.geomed_tolerance,
+                          self.cfg.geomed_smoothing)
+        self.metrics = {"weiszfeld_iterations": float(found.iterations), "median_objective": found.objective}
+        return found.coefficients

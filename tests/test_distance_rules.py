@@ -1,0 +1,198 @@
+"""Krum, Multi-Krum and the geometric median: the rules over the Gram matrix, and the kept updates they read."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from mpifl.aggregation.distances import (
+    GeometricMedian,
+    KeptRows,
+    Krum,
+    SingleKrum,
+    kept_gram,
+    krum_neighbours,
+    krum_scores,
+    krum_selection,
+    squared_distances,
+    weiszfeld,
+)
+from mpifl.config import StrategyConfig
+
+
+def honest_and_byzantine(honest: int = 7, byzantine: int = 2, dim: int = 50, seed: int = 0) -> np.ndarray:
+    """Honest updates scattered around one point, Byzantine ones far away (as a sign-flipped, scaled attack)."""
+    rng = np.random.default_rng(seed)
+    centre = rng.normal(size=dim)
+    good = centre + 0.1 * rng.normal(size=(honest, dim))
+    bad = -10.0 * centre + rng.normal(size=(byzantine, dim))
+    return np.vstack([good, bad])
+
+
+def gram_of(points: np.ndarray) -> np.ndarray:
+    return points @ points.T
+
+
+def test_squared_distances_from_the_gram_matrix_are_the_pairwise_distances():
+    points = np.random.default_rng(1).normal(size=(5, 8))
+    want = np.array([[np.sum((a - b) ** 2) for b in points] for a in points])
+    np.testing.assert_allclose(squared_distances(gram_of(points)), want, atol=1e-12)
+
+
+def test_krum_sums_each_updates_distances_to_its_n_minus_f_minus_2_nearest_others():
+    points = np.array([[0.0], [1.0], [3.0], [7.0], [20.0]])
+    scores = krum_scores(squared_distances(gram_of(points)), byzantine=1)  # 5 - 1 - 2 = 2 neighbours
+    assert scores.tolist() == [1 + 9, 1 + 4, 4 + 9, 16 + 36, 169 + 289]
+
+
+def test_krum_neighbours_never_fall_below_one_and_a_lone_update_has_none():
+    assert krum_neighbours(9, 2) == 5
+    assert krum_neighbours(4, 3) == 1  # n < 2f + 3: fewer than the guarantee needs, never none
+    assert krum_neighbours(1, 0) == 0
+
+
+def test_krum_keeps_an_honest_update_and_multi_krum_rejects_every_byzantine_one():
+    points = honest_and_byzantine()
+    distances = squared_distances(gram_of(points))
+    (single,) = krum_selection(distances, byzantine=2, keep=1)
+    assert single < 7
+    assert krum_selection(distances, byzantine=2, keep=7) == tuple(range(7))
+
+
+def test_a_tie_in_krum_scores_goes_to_the_lower_row():
+    points = np.array([[0.0], [1.0], [0.0], [1.0]])
+    assert krum_selection(squared_distances(gram_of(points)), byzantine=0, keep=1) == (0,)
+
+
+def brute_force_median(points: np.ndarray, weights: np.ndarray) -> float:
+    """The smallest sum_i a_i ||z - x_i|| over a fine grid of 2-D points z."""
+    xs = np.linspace(points[:, 0].min(), points[:, 0].max(), 401)
+    ys = np.linspace(points[:, 1].min(), points[:, 1].max(), 401)
+    grid = np.stack(np.meshgrid(xs, ys), axis=-1).reshape(-1, 2)
+    return float(np.min(np.sum(weights * np.linalg.norm(grid[:, None, :] - points[None], axis=2), axis=1)))
+
+
+def test_weiszfeld_finds_the_geometric_median_of_weighted_points():
+    points = np.array([[0.0, 0.0], [4.0, 0.0], [0.0, 3.0], [5.0, 5.0], [1.0, 2.0]])
+    weights = np.array([1.0, 2.0, 1.0, 1.0, 3.0])
+    found = weiszfeld(gram_of(points), weights, iterations=200, tolerance=0.0, smoothing=1e-9)
+    assert found.coefficients.sum() == pytest.approx(1.0)
+    z = found.coefficients @ points
+    objective = float(np.sum(weights / weights.sum() * np.linalg.norm(points - z, axis=1)))
+    # distances from the Gram matrix lose ~sqrt(eps) * |x| to cancellation where z lies on an update, as here
+    assert found.objective == pytest.approx(objective, rel=1e-6)
+    assert objective <= brute_force_median(points, weights / weights.sum()) + 1e-4
+
+
+def test_the_geometric_median_barely_moves_under_far_outliers_where_the_mean_does():
+    points = honest_and_byzantine()
+    honest_centre = points[:7].mean(axis=0)
+    found = weiszfeld(gram_of(points), np.ones(9), iterations=50, tolerance=1e-9, smoothing=1e-6)
+    median_error = np.linalg.norm(found.coefficients @ points - honest_centre)
+    mean_error = np.linalg.norm(points.mean(axis=0) - honest_centre)
+    assert median_error < 0.1 * mean_error
+
+
+def test_weiszfeld_stops_once_the_objective_improves_by_less_than_the_tolerance():
+    points = honest_and_byzantine()
+    assert weiszfeld(gram_of(points), np.ones(9), iterations=100, tolerance=1e-2, smoothing=1e-6).iterations < 100
+    assert weiszfeld(gram_of(points), np.ones(9), iterations=0, tolerance=0.0, smoothing=1e-6).coefficients \
+        .tolist() == pytest.approx([1 / 9] * 9)
+
+
+def keep_in_chunks(rule, points: np.ndarray, chunk: int, weights=None) -> None:
+    """Hand ``rule`` the points row by row in chunks of ``chunk`` elements, as the reduction does."""
+    rule.begin(len(points), points.shape[1])
+    for start in range(0, points.shape[1], chunk):
+        for row, x in enumerate(points):
+            weight = 1.0 if weights is None else float(weights[row])
+            rule.keep(row, start, torch.from_numpy(x[start:start + chunk].astype(np.float32)), weight, 10 + row)
+
+
+@pytest.mark.parametrize("ram_bytes", [1 << 30, 0])  # in RAM, and in a temporary file
+def test_the_gram_matrix_of_kept_updates_does_not_depend_on_the_chunks_they_arrived_in(ram_bytes):
+    points = np.random.default_rng(3).normal(size=(4, 1000)).astype(np.float32)
+    grams = []
+    for chunk in (7, 256, 1000):
+        kept = KeptRows(4, 1000, ram_bytes)
+        for start in range(0, 1000, chunk):
+            for row in range(4):
+                kept.write(row, start, points[row, start:start + chunk])
+        grams.append(kept_gram(kept, 4, block=128))
+        kept.close()
+    assert all(np.array_equal(grams[0], g) for g in grams[1:])
+    centred = points.astype(np.float64) - points[0]
+    np.testing.assert_allclose(grams[0], centred @ centred.T, rtol=1e-12, atol=1e-9)
+
+
+def test_kept_updates_in_a_file_read_back_as_written():
+    kept = KeptRows(3, 10, ram_bytes=0)
+    assert kept.array is None
+    kept.write(2, 4, np.arange(6, dtype=np.float32))
+    assert kept.read(2, 4, np.empty(6, dtype=np.float32)).tolist() == list(range(6))
+    kept.close()
+
+
+def test_krum_gives_the_selected_update_itself_bit_for_bit():
+    points = honest_and_byzantine(dim=30).astype(np.float32)
+    rule = SingleKrum(StrategyConfig(name="krum", byzantine_clients=2))
+    keep_in_chunks(rule, points, chunk=8)
+    rule.solve(len(points))
+    got = torch.cat([rule.combined_chunk(start, min(8, 30 - start)) for start in range(0, 30, 8)]).numpy()
+    assert any(np.array_equal(got, p) for p in points[:7])
+    assert rule.round_metrics() == {"kept": 1.0, "rejected": 8.0}
+
+
+def test_multi_krum_averages_the_kept_updates_by_their_weights():
+    points = honest_and_byzantine(dim=12).astype(np.float32)
+    weights = np.arange(1, 10, dtype=np.float64)
+    rule = Krum(StrategyConfig(name="multi_krum", weighting="samples", byzantine_clients=2))
+    keep_in_chunks(rule, points, chunk=5, weights=weights)
+    rule.solve(len(points))
+    got = torch.cat([rule.combined_chunk(s, min(5, 12 - s)) for s in range(0, 12, 5)]).numpy()
+    want = (weights[:7, None] * points[:7].astype(np.float64)).sum(axis=0) / weights[:7].sum()
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert rule.round_metrics() == {"kept": 7.0, "rejected": 2.0}
+
+
+def test_multi_krum_keeps_krum_keep_updates_when_it_is_set():
+    rule = Krum(StrategyConfig(name="multi_krum", byzantine_clients=2, krum_keep=3))
+    assert [rule.kept_count(n) for n in (9, 2)] == [3, 2]
+
+
+def test_the_geometric_median_rule_records_its_iterations_and_objective():
+    points = honest_and_byzantine(dim=20).astype(np.float32)
+    rule = GeometricMedian(StrategyConfig(name="geometric_median", geomed_iterations=3))
+    keep_in_chunks(rule, points, chunk=6)
+    rule.solve(len(points))
+    metrics = rule.round_metrics()
+    assert metrics["weiszfeld_iterations"] <= 3 and metrics["median_objective"] > 0
+
+
+def test_a_later_round_with_fewer_participants_reuses_the_kept_rows():
+    rule = GeometricMedian(StrategyConfig(name="geometric_median"))
+    for rows in (5, 3):
+        keep_in_chunks(rule, np.ones((rows, 4)), chunk=4)
+        rule.solve(rows)
+        assert torch.equal(rule.combined_chunk(0, 4), torch.ones(4))
+
+
+def test_a_combination_of_identical_updates_is_that_update():
+    for name, cls in (("krum", SingleKrum), ("multi_krum", Krum), ("geometric_median", GeometricMedian)):
+        rule = cls(StrategyConfig(name=name))
+        keep_in_chunks(rule, np.full((4, 6), 0.25), chunk=4)
+        rule.solve(4)
+        assert torch.equal(rule.combined_chunk(0, 6), torch.full((6,), 0.25)), name
+
+
+def test_every_pair_of_rows_enters_the_distances_once_centred():
+    points = np.random.default_rng(4).normal(size=(6, 9)).astype(np.float32)
+    kept = KeptRows(6, 9)
+    for row in range(6):
+        kept.write(row, 0, points[row])
+    distances = squared_distances(kept_gram(kept, 6))
+    for i, j in itertools.combinations(range(6), 2):
+        assert distances[i, j] == pytest.approx(float(np.sum((points[i].astype(np.float64) - points[j]) ** 2)),
+                                                rel=1e-9)
