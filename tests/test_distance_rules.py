@@ -127,6 +127,31 @@ def test_the_gram_matrix_of_kept_updates_does_not_depend_on_the_chunks_they_arri
     np.testing.assert_allclose(grams[0], centred @ centred.T, rtol=1e-12, atol=1e-9)
 
 
+def test_the_gram_matrix_has_the_same_bits_however_its_blocks_are_handed_out():
+    points = np.random.default_rng(5).normal(size=(5, 700)).astype(np.float32)
+    kept = KeptRows(5, 700)
+    for row in range(5):
+        kept.write(row, 0, points[row])
+    whole = kept_gram(kept, 5, block=64)
+    pieces = np.zeros((5, 5))
+    for start, stop in ((0, 128), (128, 640), (640, 700)):  # as chunks finish: whole blocks, then the last
+        kept_gram(kept, 5, pieces, start, stop, block=64)
+    assert np.array_equal(pieces, whole)
+
+
+def test_a_rule_sums_the_gram_matrix_as_chunks_land_to_the_same_bits():
+    points = np.random.default_rng(6).normal(size=(4, 200_000)).astype(np.float32)
+    ahead, at_end = (GeometricMedian(StrategyConfig(name="geometric_median")) for _ in range(2))
+    for rule in (ahead, at_end):
+        keep_in_chunks(rule, points, chunk=200_000)
+    ahead.advance(4, 70_000)  # one whole block of 65,536 elements summed ahead
+    assert ahead.summed == 65_536
+    ahead.advance(4, 150_000)
+    for rule in (ahead, at_end):
+        rule.solve(4)
+    assert np.array_equal(ahead.gram, at_end.gram) and np.array_equal(ahead.solved, at_end.solved)
+
+
 def test_kept_updates_in_a_file_read_back_as_written():
     kept = KeptRows(3, 10, ram_bytes=0)
     assert kept.array is None

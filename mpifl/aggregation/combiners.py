@@ -133,6 +133,10 @@ class Combiner:
         """Keep the ``row``-th usable participant's (logical client ``client``) elements from ``start`` on."""
         raise NotImplementedError
 
+    def advance(self, count: int, landed: int) -> None:
+        """The first ``count`` kept participants (the round's usable ones) hold elements 0 .. ``landed``: work ahead
+        on them while the rest lands (nothing by default)."""
+
     def solve(self, count: int) -> None:
         """Apply the rule to the first ``count`` kept participants (every chunk has landed)."""
         raise NotImplementedError

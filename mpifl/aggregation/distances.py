@@ -12,12 +12,14 @@ distances between whole updates, known only once the last chunk has landed, whil
 finishes chunk by chunk. So these combiners declare ``whole_update``: the reduction hands them every
 participant's chunks as they land (``keep``: fp32 rows, participants x model, in RAM up to ``RAM_BYTES``,
 else, and always on an out-of-core server (``server.state: disk``), in an unlinked temporary file in
-``tempfile``'s directory, ``$TMPDIR``), and finishes every chunk
-once the last has landed. The rules work on the n x n Gram matrix of the kept updates, centred on the
-first (``kept_gram``: float64, in fixed blocks of the flat model, so that neither the chunk size nor the
-rank count changes a bit): squared distances are G_ii + G_jj - 2 G_ij, and a Weiszfeld iterate is a
-combination sum_i c_i x_i of the updates, so it never needs a model of its own. The result, chunk by
-chunk, is sum_i c_i x_i, accumulated in float64 in row order and rounded once to fp32.
+``tempfile``'s directory, ``$TMPDIR``), and finishes every chunk once the last has landed.
+
+The rules work on the n x n Gram matrix of the kept updates, centred on the first (``kept_gram``:
+float64, over fixed blocks of the flat model, each summed as soon as every row holds it and added in
+turn, so that neither the chunk size, the rank count nor the arrival order changes a bit). Squared
+distances are G_ii + G_jj - 2 G_ij, and a Weiszfeld iterate is a combination sum_i c_i x_i of the
+updates, so it never needs a model of its own. The result, chunk by chunk, is sum_i c_i x_i,
+accumulated in float64 in row order and rounded once to fp32.
 """
 from __future__ import annotations
 
@@ -171,19 +173,35 @@ class KeptRows:
         self.array = self.file = None
 
 
-def kept_gram(kept: KeptRows, count: int, block: int = GRAM_BLOCK) -> np.ndarray:
-    """The float64 Gram matrix of the first ``count`` kept rows centred on row 0, y_i = x_i - x_0, summed block by
-    block of ``block`` elements (a fixed split of the flat model, numpy's own loops: the same bits whatever the
-    chunks were). Centring keeps the distances exact where updates are large and close (weights, not deltas)."""
-    gram = np.zeros((count, count))
+def block_gram(centred: np.ndarray) -> np.ndarray:
+    """The Gram matrix of one block's rows (float64): each row's products with the rows from it on, summed by
+    numpy's pairwise summation along the row, one thread, so the same bits whatever BLAS or cores the server has
+    (a BLAS product may split its sums by thread)."""
+    count = len(centred)
+    gram = np.empty((count, count))
+    for i in range(count):
+        gram[i, i:] = (centred[i:] * centred[i]).sum(axis=1)
+        gram[i:, i] = gram[i, i:]
+    return gram
+
+
+def kept_gram(kept: KeptRows, count: int, gram: np.ndarray | None = None, start: int = 0, stop: int | None = None,
+              block: int = GRAM_BLOCK) -> np.ndarray:
+    """Add to ``gram`` (float64, count x count; zeros when None) the Gram matrix of the first ``count`` kept rows
+    centred on row 0, y_i = x_i - x_0, over elements ``start`` .. ``stop`` (whole blocks of ``block`` elements from
+    element 0, but the last), block by block: however the blocks are handed out, each is added in turn, so the sum
+    has the same bits whatever the chunks were and whenever they landed. Centring keeps the distances exact where
+    updates are large and close (weights, not deltas)."""
+    stop = kept.elements if stop is None else stop
+    gram = np.zeros((count, count)) if gram is None else gram
     rows = np.empty((count, min(block, kept.elements)), dtype=np.float32)
-    for start in range(0, kept.elements, block):
-        width = min(block, kept.elements - start)
+    for at in range(start, stop, block):
+        width = min(block, kept.elements - at)
         for i in range(count):
-            kept.read(i, start, rows[i, :width])
+            kept.read(i, at, rows[i, :width])
         centred = rows[:, :width].astype(np.float64)
         centred -= centred[0]
-        gram += np.einsum("ij,kj->ik", centred, centred)
+        gram += block_gram(centred)
     return gram
 
 
@@ -218,6 +236,8 @@ class DistanceRule(Combiner):
             self.kept = KeptRows(rows, elements, self.ram_bytes)
         self.weights, self.clients = np.zeros(rows), [-1] * rows
         self.solved, self.metrics = None, {}
+        self.gram: np.ndarray | None = None  # the kept rows' Gram matrix, summed block by block as chunks finish
+        self.summed = 0  # the elements it covers, from 0
 
     def keep(self, row: int, start: int, x: torch.Tensor, weight: float, client: int) -> None:
         """Keep the ``row``-th usable participant's (logical client ``client``, weighing ``weight``) elements from
@@ -227,6 +247,17 @@ class DistanceRule(Combiner):
         self.kept.write(row, start, values)
         self.weights[row], self.clients[row] = weight, client
 
+    def advance(self, count: int, landed: int) -> None:
+        """Every row holds elements 0 .. ``landed`` of the first ``count`` (the round's usable participants): sum the
+        Gram matrix over the whole blocks among them not summed yet, while the rest is still on its way."""
+        assert self.kept is not None  # begin comes first
+        if self.gram is None:
+            self.gram = np.zeros((count, count))
+        stop = landed if landed >= self.kept.elements else landed - landed % GRAM_BLOCK
+        if stop > self.summed:
+            kept_gram(self.kept, count, self.gram, self.summed, stop)
+            self.summed = stop
+
     def solve(self, count: int) -> None:
         """Apply the rule to the first ``count`` kept rows (every chunk has landed)."""
         assert self.kept is not None  # begin comes first
@@ -234,8 +265,9 @@ class DistanceRule(Combiner):
         if count and not (np.isfinite(weights).all() and (weights > 0).all()):
             raise JobFailure(f"strategy.name {self.cfg.name!r}: the participants' weights must be positive and finite, "
                              f"got {weights.tolist()}")
-        coefficients = self.coefficients(kept_gram(self.kept, count), weights)
-        self.solved = coefficients
+        self.advance(count, self.kept.elements)
+        assert self.gram is not None and self.gram.shape == (count, count)  # advance summed the same participants
+        self.solved = self.coefficients(self.gram, weights)
 
     def coefficients(self, gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """What each of the updates counts in the result (the rule; the coefficients sum to 1)."""

@@ -131,6 +131,8 @@ class StreamedReduction:
         self.whole = strategy.whole_update
         self.whole_count: int | None = None  # the usable participants the whole-update rule combines
         self.whole_written = False
+        self.kept = [False] * len(self.chunks)  # the chunks every usable participant's rows hold (whole-update rules)
+        self.kept_below = 0  # the first chunk not kept yet: elements below its first are, in every row
 
     def run(self) -> ReductionStats:
         """Post receives, fold chunks in order as they land, finish every chunk."""
@@ -369,6 +371,10 @@ class StreamedReduction:
             return
         if self.whole:  # finished with the others once the last chunk has landed (_finish_whole)
             self.whole_count = step.count
+            self.kept[step.chunk] = True  # folded (kept) for every participant: the schedule's Finish follows them
+            while self.kept_below < len(self.chunks) and self.kept[self.kept_below]:
+                self.kept_below += 1
+            self.strategy.combiner.advance(step.count, self.exchange.first_elements[self.kept_below])
             return
         assert acc is not None  # a chunk with a usable update has been folded into its accumulator
         if self.task.unmask is not None:  # secure aggregation: the ring sum of masked updates becomes the float sum
