@@ -1,7 +1,8 @@
 """The robust strategies against FedAvg, side by side: their round-time ratio.
 
 Runs ``mpifl bench exchange`` (model-only, one client rank per participant) for FedAvg and each
-robust strategy (the median, the trimmed mean, Krum, Multi-Krum, the geometric median), one job after another, ``--repeats`` times interleaved, so the
+robust strategy (the median, the trimmed mean, Krum, Multi-Krum, the geometric median), one job
+after another, ``--repeats`` times interleaved, so the
 three strategies see the same machine. Each job also times the raw-MPI floor, so a strategy's
 "x floor" is normalised by a floor measured minutes, not hours, apart. Prints, per repeat,
 each strategy's median round and its ratio to that repeat's FedAvg round; then the median ratio

@@ -78,6 +78,7 @@ KEYS = (
     "faults[].rounds",
     "faults[].seconds",
     "faults[].stage",
+    "faults[].std",
     "faults[].to_round",
     "faults[].via",
     "model.dtype",

@@ -803,6 +803,7 @@ def _robust_rule_warnings(cfg: Config) -> list[str]:
 
 # The keys that mean something only for some kinds of fault, and their defaults: set on another kind, a mistake.
 FAULT_PARAMETERS = {"seconds": (("stall",), 0.0), "factor": (("slowdown", "scale"), 1.0), "bits": (("corrupt",), 1),
+                    "std": (("noise",), 0.0),
                     "code": (("exit",), 1), "via": (("exit",), "sys")}
 
 
@@ -834,11 +835,25 @@ def _check_fault(cfg: Config, fault: FaultConfig, key: str) -> None:
         raise ConfigError(f"{key}.stage: 'send' strikes after a client's first chunk, and with clients.groups or "
                           "transport.reduce='chain' a rank sends its group's sum instead; use stage 'train' or "
                           "'receive'")
+    if fault.kind in ("noise", "label_flip"):
+        _check_poisoning(cfg, fault, key)
     if cfg.clients.ranks_per_client > 1 and fault.ranks:
         raise ConfigError(f"{key}.ranks: names client ranks, and with clients.ranks_per_client="
                           f"{cfg.clients.ranks_per_client} each client is trained by a group of ranks, not by one: "
                           f"name the clients ({key}.clients) or a fraction ({key}.fraction) instead")
     _check_hang_in_virtual_time(cfg, fault, key)
+
+
+def _check_poisoning(cfg: Config, fault: FaultConfig, key: str) -> None:
+    """A ``noise`` or ``label_flip`` fault where one rank trains its client (a group of ranks trains elsewhere; batched
+    clients take no faults at all); ``label_flip`` with class labels to flip (not a causal LM's tokens)."""
+    if cfg.clients.ranks_per_client > 1:
+        raise ConfigError(f"{key}.kind: a {fault.kind!r} fault acts where one rank trains its client, and with "
+                          f"clients.ranks_per_client={cfg.clients.ranks_per_client} a group of ranks trains each: "
+                          "use 'scale' (a group scales its rows) or one rank per client")
+    if fault.kind == "label_flip" and cfg.train.trainer == "causal_lm":
+        raise ConfigError(f"{key}.kind: 'label_flip' flips class labels, and train.trainer 'causal_lm' predicts "
+                          "tokens: use 'noise' or 'scale' to attack a language model's updates")
 
 
 def _check_hang_in_virtual_time(cfg: Config, fault: FaultConfig, key: str) -> None:

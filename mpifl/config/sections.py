@@ -609,6 +609,9 @@ FAULT_KINDS = {
     "inf": "the client's trained model holds an Inf",
     "corrupt": "`bits` random bits of the client's update flip after its checks, as a corrupted chunk would",
     "scale": "the client's update (trained - global) is multiplied by `factor`: -1 flips its sign (a Byzantine client)",
+    "noise": "the client's update (trained - global) is replaced by Gaussian noise of standard deviation `std` (a "
+             "Gaussian Byzantine client; std 0: it sends no change, a free rider)",
+    "label_flip": "the client trains on flipped labels, y -> C - 1 - y for C classes (data poisoning)",
     "stall": "the rank sleeps `seconds`, silent (no progress reports)",
     "slowdown": "the client's training takes `factor` x as long (the rank keeps reporting progress)",
     "exit": "the rank exits with `code`, `via` sys.exit, os._exit or C's _exit",
@@ -617,7 +620,8 @@ FAULT_KINDS = {
             "it",
 }
 FAULT_STAGES = ("train", "send", "receive")
-UPDATE_FAULTS = ("nan", "inf", "corrupt", "scale", "slowdown")  # on a trained model or its update: stage train only
+# on a client's training data, trained model or update: stage train only
+UPDATE_FAULTS = ("nan", "inf", "corrupt", "scale", "noise", "slowdown", "label_flip")
 
 
 @dataclass
@@ -647,6 +651,8 @@ class FaultConfig:
                             min=0.0)
     factor: float = field_(1.0, "slowdown: how many times as long the training takes (under clock.mode other than "
                                 "off: its virtual compute time, transfers unchanged); scale: the update's factor")
+    std: float = field_(0.0, "noise: the standard deviation of the Gaussian noise the client sends as its update "
+                             "(drawn from the seed, the fault, the round, the client and the tensor)", min=0.0)
     bits: int = field_(1, "corrupt: how many bits flip in the update", min=1)
     code: int = field_(1, "exit: the exit status", min=0, max=255)
     via: str = field_("sys", "exit: sys (sys.exit), os (os._exit) or c (C's _exit, past everything Python can catch)",

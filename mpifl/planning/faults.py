@@ -21,7 +21,7 @@ import numpy as np
 from mpifl.config import Config
 from mpifl.config.sections import FaultConfig
 from mpifl.logs import world_rank
-from mpifl.planning.seeds import BITS, FAULTS, derive_seed
+from mpifl.planning.seeds import BITS, FAULTS, NOISE, derive_seed
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Strike:
 
 
 PARAMETERS = {"stall": ("seconds",), "slowdown": ("factor",), "scale": ("factor",), "corrupt": ("bits",),
-              "exit": ("code", "via")}
+              "noise": ("std",), "exit": ("code", "via")}
 
 
 # kinds that delay the struck rank itself, so also the logical clients it trains after the struck one this round;
@@ -54,7 +54,7 @@ FAILS_THE_UPDATE = frozenset({"raise", "nan", "inf", "lose"})  # kinds whose str
 CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})
 # kinds that change a usable update's values (an attack): they can drive the global model to diverge, after which
 # every client's update is NaN/Inf, in later rounds than the strikes themselves
-ALTERS_THE_UPDATE = frozenset({"scale", "corrupt"})
+ALTERS_THE_UPDATE = frozenset({"scale", "corrupt", "noise", "label_flip"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose every strike ends the job (ends_the_job adds a stall for ever)
 
 
@@ -148,3 +148,15 @@ def flipped_bits(seed: int, strike: Strike, total_bits: int) -> np.ndarray:
     from the seed, the fault, the round and the client."""
     rng = np.random.default_rng(derive_seed(seed, FAULTS, BITS, strike.index, strike.round, strike.client))
     return np.sort(rng.choice(total_bits, size=min(strike.fault.bits, total_bits), replace=False))
+
+
+def noise_seed(seed: int, strike: Strike, entry: int) -> int:
+    """The seed of a ``noise`` strike's Gaussian values for the ``entry``-th exchanged tensor: from the run's seed, the
+    fault, the round, the client and the tensor, so the same values on any rank count and chunk size."""
+    return derive_seed(seed, FAULTS, NOISE, strike.index, strike.round, strike.client, entry)
+
+
+def flipped_labels(labels: np.ndarray, classes: int) -> np.ndarray:
+    """All-to-all label flipping (Fang et al. 2020, "Local Model Poisoning Attacks to Byzantine-Robust Federated
+    Learning", USENIX Security): class y becomes C - 1 - y."""
+    return classes - 1 - labels

@@ -57,7 +57,8 @@ GROUP_COMPRESSION = 8
 
 VALIDATION = 0  # sub-keys of FEATURE_NOISE
 HELD_OUT = 1
-BITS = 0  # a sub-key of FAULTS
+BITS = 0  # sub-keys of FAULTS
+NOISE = 1
 
 
 def derive_seed(seed: int, *keys: int) -> int:

@@ -102,7 +102,7 @@ def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work:
 
 def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping, *,  # noqa: PLR0913 - keyword-only parts, each built once by the runner
                     upload_initial: bool, replica: DeviceReplica | None, state: ClientStateParts, note: RankNotes,
-                    group: MPI.Comm | None) -> None:
+                    group: MPI.Comm | None, classes: int = 0) -> None:
     """Serve as a client rank (a group's leader with ``group``) until the server says stop: upload the fresh model
     for an out-of-core server, build the trainer and the rank's parts, run the round loop."""
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
@@ -129,7 +129,8 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         batched=batched_clients(cfg, replica.flat if replica else flat, local, state),
         faults=FaultPlan(cfg, faults_struck(note.run_dir)) if cfg.faults else None,
         spend_fault=lambda strike: note_fault_struck(note.run_dir, strike.index, strike.round,
-                                                     strike.fault.kind, strike.client, strike.rank))
+                                                     strike.fault.kind, strike.client, strike.rank),
+        classes=classes)
     parts = ClientParts(
         plan=plan, training=training, delta=cfg.strategy.update == "delta",
         statistics_as_values=cfg.statistics_as_values, groups=cfg.clients.groups,

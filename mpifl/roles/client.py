@@ -85,8 +85,8 @@ class ClientRank:
             self._train)
         self.progress = ProgressReporter(comm)  # the server's watchdog hears this rank's forward passes
         self.progress.attach(self.work.module)
-        self.faults = FaultInjector(parts.training.faults, self.rank, self.progress.tick,
-                                    parts.training.spend_fault) if parts.training.faults else None
+        self.faults = None if not parts.training.faults else FaultInjector(
+            parts.training.faults, self.rank, self.progress.tick, parts.training.spend_fault, parts.training.classes)
         self.training = LocalTraining(parts.training, self.work, parts.state, parts.plan, parts.evaluation,
                                       self.faults, self.rank)
         self.costs = UpdateCosts(self.replica, self.rank)  # reported with each update's header
@@ -260,11 +260,17 @@ class ClientRank:
         models = self.parts.state.models
         return {PERSONAL_DIVERGED: True} if models is not None and models.diverged == client else {}
 
+    def _data(self, round_: int, client: int) -> tuple[ClientData | None, ClientData | None]:
+        """The client's training and validation data; a label_flip strike poisons what it trains on (its global and
+        personal models), never its validation split."""
+        train, val = self.local_data.get(client, (None, None))
+        return (self.faults.poisoned(round_, client, train) if self.faults else train), val
+
     def _serve_client(self, round_: int, client: int, keep: torch.Tensor | None,
                       check_update: bool = True) -> tuple[protocol.UpdateMeta, list[np.ndarray] | None]:
         """Train one logical client and turn its model into the update it sends, with its header (no buffers:
         the update stays on the device for the group's sum)."""
-        train, val = self.local_data.get(client, (None, None))
+        train, val = self._data(round_, client)
         scores = self.parts.evaluation.received(self.work.module, round_, val)
         start = time.perf_counter()
         anchor = self._anchor(keep)

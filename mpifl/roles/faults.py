@@ -1,8 +1,9 @@
 """A client rank's side of the config's ``faults:``: each strike (mpifl.planning.faults) done where it belongs.
 
 Stages: ``receive`` before the rank takes up a round's model (once per round, for any of its clients struck),
-``train`` before a client trains (raise, stall, exit, kill) or on its trained model and update (nan, inf, scale,
-slowdown, corrupt), ``send`` after the first chunk of the client's update, or, for ``lose``, as the update leaves.
+``train`` before a client trains (raise, stall, exit, kill; label_flip, on its training data) or on its trained model
+and update (nan, inf, scale, noise, slowdown, corrupt), ``send`` after the first chunk of the client's update, or,
+for ``lose``, as the update leaves.
 
 A lost update: MPI never loses a message, so the loss is the outcome a lost message has. The client trains, its
 update is marked lost in its header and never folded (the rank still streams its chunks, which the server
@@ -18,6 +19,8 @@ wall-clock deadlines, making the run depend on the machine.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import math
 import os
 import signal
@@ -28,8 +31,17 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from mpifl.learning.datasets import ClientData
 from mpifl.logs import log, world_rank
-from mpifl.planning.faults import FaultPlan, Strike, delay_seconds, ends_the_job, flipped_bits
+from mpifl.planning.faults import (
+    FaultPlan,
+    Strike,
+    delay_seconds,
+    ends_the_job,
+    flipped_bits,
+    flipped_labels,
+    noise_seed,
+)
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.layout import ExchangeLayout
 
@@ -66,9 +78,10 @@ class FaultInjector:
     not silent)."""
 
     def __init__(self, plan: FaultPlan, rank: int, tick: Callable[[], None],
-                 spend: Callable[[Strike], None] | None = None):
-        """``spend``: record, before it acts, a kill or exit that is about to end the job (so a resume goes past it)."""
-        self.plan, self.rank, self.tick, self.spend = plan, rank, tick, spend
+                 spend: Callable[[Strike], None] | None = None, classes: int = 0):
+        """``spend``: record, before it acts, a kill or exit that is about to end the job (so a resume goes past it);
+        ``classes``: the dataset's class count, which a label flip needs."""
+        self.plan, self.rank, self.tick, self.spend, self.classes = plan, rank, tick, spend, classes
         self._struck: tuple[tuple[int, int], list[Strike]] = ((0, -1), [])  # the last client's strikes, drawn once
 
     def __bool__(self) -> bool:
@@ -76,8 +89,9 @@ class FaultInjector:
 
     @property
     def scales(self) -> bool:
-        """Whether a fault may scale an update, which needs the round's global model beside the trained one."""
-        return any(f.kind == "scale" for f in self.plan.faults)
+        """Whether a fault may scale an update or replace it by noise, which needs the round's global model beside
+        the trained one."""
+        return any(f.kind in ("scale", "noise") for f in self.plan.faults)
 
     def _at(self, round_: int, client: int, stage: str, kinds: Iterable[str] | None = None) -> list[Strike]:
         """The strikes on ``client`` in ``round_`` at ``stage`` (of ``kinds``); a client's are drawn once, however
@@ -102,13 +116,30 @@ class FaultInjector:
                        anchor: torch.Tensor | None, trained_seconds: float) -> None:
         """Stage 'train', on the trained model: slow it down, scale its update, or put a NaN or Inf in it."""
         self.slow_down(round_, client, trained_seconds)
-        for strike in self._at(round_, client, "train", ("scale", "nan", "inf")):
+        for strike in self._at(round_, client, "train", ("scale", "noise", "nan", "inf")):
             kind = strike.fault.kind
             if kind == "scale":
                 assert anchor is not None  # FaultInjector.scales keeps the global model on the rank
                 scale_update(work, layout, anchor, strike.fault.factor)
+            elif kind == "noise":
+                assert anchor is not None  # as for scale
+                noise_update(work, layout, anchor, strike.fault.std, functools.partial(noise_seed, self.plan.seed,
+                                                                                                strike))
             else:
                 first_float_view(work, layout)[0] = float("nan") if kind == "nan" else float("inf")
+
+    def poisoned(self, round_: int, client: int, data: ClientData | None) -> ClientData | None:
+        """Stage 'train', before the client trains: its training data with every label flipped (``label_flip``),
+        else as it is. The validation split stays clean: what the attacked model scores on its own data."""
+        strikes = self._at(round_, client, "train", ("label_flip",)) if data is not None else []
+        if not strikes:
+            return data
+        assert data is not None  # no strike is drawn without data
+        if self.classes < 2:
+            raise ValueError(f"faults[{strikes[0].index}] ('label_flip'): the dataset has no class labels to flip")
+        self._announce(strikes[0])
+        labels = torch.from_numpy(flipped_labels(data.y.numpy(), self.classes)) if len(strikes) % 2 else data.y
+        return dataclasses.replace(data, y=labels)  # two flips in one round put the labels back
 
     def slow_down(self, round_: int, client: int, trained_seconds: float) -> None:
         """Stage 'train', once the client trained in ``trained_seconds``: a slowdown makes it ``factor`` times as
@@ -213,6 +244,21 @@ def scale_update(work: FlatModel, layout: ExchangeLayout, anchor: torch.Tensor, 
             continue
         global_ = anchor[chunk.offset:chunk.offset + chunk.nbytes].view(trained.dtype)
         trained.sub_(global_).mul_(factor).add_(global_)
+
+
+def noise_update(work: FlatModel, layout: ExchangeLayout, anchor: torch.Tensor, std: float,
+                 seed_of: Callable[[int], int]) -> None:
+    """The trained model w becomes g + std * N(0, 1), g the round's global model (``anchor``, the flat bytes): the
+    update is Gaussian noise. Drawn tensor by tensor of the exchanged model (``seed_of(entry)``) in float64, rounded
+    once to the tensor's dtype, so the same values on any rank count and chunk size."""
+    for index, entry in enumerate(layout.spec.entries):
+        trained = work.view(entry)
+        if not trained.is_floating_point():
+            continue
+        global_ = anchor[entry.offset:entry.offset + entry.nbytes].view(trained.dtype).reshape(trained.shape)
+        noise = np.random.default_rng(seed_of(index)).standard_normal(trained.numel()) * std
+        values = global_.double().cpu() + torch.from_numpy(noise).reshape(trained.shape)
+        trained.copy_(values.to(trained.dtype))
 
 
 def flip_bits_in_chunk(chunk: np.ndarray, first_byte: int, bits: np.ndarray) -> None:

@@ -58,6 +58,7 @@ class TrainingParts:
     batched: BatchedClients | None = None  # train.batched_clients: clients trained K at a time, served one by one
     faults: FaultPlan | None = None  # the config's faults: what strikes this rank's clients, and when
     spend_fault: Callable[[Strike], None] | None = None  # records a kill or exit before it ends the job
+    classes: int = 0  # the dataset's class count (a label_flip fault flips labels among them); 0: none, or no labels
 
 
 class LocalTraining:

@@ -128,6 +128,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     record_ranks(comm, run_dir, bound)
     dataset = shared_dataset(comm, cfg.data) if needs_dataset(cfg) else None
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
+    classes = dataset.num_classes if dataset else 0  # a label_flip fault flips labels among them
     building = time.monotonic()
     out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
     sharded = comm.Get_rank() != 0 and cfg.clients.sharding == "fsdp"  # built later, by its group, in shards
@@ -191,7 +192,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             clients_of_rank(comm.Get_rank(), cfg.clients.num_clients, comm.Get_size() - 1)  # homes: state_home
         state = client_state_parts(cfg, plan, flat, work, comm.Get_rank(), hosted, run_dir, resume)
         serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica, state=state,
-                        note=notes, group=group)
+                        note=notes, group=group, classes=classes)
         return None
     return serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
 
