@@ -268,7 +268,33 @@ def test_a_fault_sweep_is_labelled_by_the_field_of_the_fault_it_varies(tmp_path)
     clean = write_run(tmp_path / "clean" / "seed=0", "fedavg", 0)
     (clean / "config.yaml").write_text((clean / "config.yaml").read_text() + "faults: []\n")
     _, groups = compare_runs([*runs, str(clean)], "eval.loss")
-    assert [label for label, _ in groups] == ["faults.0.fraction=0.1", "faults.0.fraction=0.3", "defaults"]
+    assert [label for label, _ in groups] == ["faults.0.fraction=0.1", "faults.0.fraction=0.3", "faults=[]"]
+
+
+def test_a_clean_baseline_beside_attacks_of_two_kinds_is_labelled_as_having_no_faults(tmp_path):
+    runs = []
+    for name, faults in (("scale", "[{kind: scale, clients: [0], factor: -1}]"),
+                         ("noise", "[{kind: noise, clients: [0], std: 1.0}]"), ("clean", "[]")):
+        run = write_run(tmp_path / name, "fedavg", 0)
+        (run / "config.yaml").write_text((run / "config.yaml").read_text() + f"faults: {faults}\n")
+        runs.append(str(run))
+    _, groups = compare_runs(runs, "eval.loss")
+    assert [label for label, _ in groups][2] == "faults=[]"
+
+
+def test_groups_given_names_of_their_own_are_labelled_by_them(tmp_path):
+    """Runs started with ``name=...`` (one name per group, shared by its seeds) are labelled by those names, not
+    by the settings, so a paper's legend reads as the paper does."""
+    runs = []
+    for name, strategy in (("FedAvg", "fedavg"), ("SCAFFOLD", "scaffold")):
+        for seed in (0, 1):
+            run = write_run(tmp_path / f"{name}{seed}", strategy, seed)
+            (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("name: grid", f"name: {name}"))
+            runs.append(str(run))
+    text, groups = compare_runs(runs)
+    assert [label for label, _ in groups] == ["FedAvg", "SCAFFOLD"]
+    renamed = runs[:3]  # one of SCAFFOLD's seeds alone keeps its name: a group of one name still
+    assert [label for label, _ in compare_runs(renamed)[1]] == ["FedAvg", "SCAFFOLD"]
 
 
 def test_latex_cells_escape_braces_and_set_greek_letters_and_plus_minus_in_math_mode():

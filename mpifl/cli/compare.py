@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpifl.cli.report import load_metrics, metric_keys, metric_of, pyplot, saved_config
 from mpifl.config.automatic import AUTOMATIC_KEYS
+from mpifl.config.sections import Config
 
 if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
     from matplotlib.axes import Axes
@@ -27,6 +28,8 @@ if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
 
 LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "bytes", "staleness", "std"})
 NOT_THE_SETTING = frozenset({"seed", "name", "output"})  # what a group's runs may differ in
+DEFAULT_NAME = Config().name  # a run left with the default name has no name of its group's own
+LIST_ENTRY = re.compile(r"^[a-z_]+\.\d+\.")  # a key of one entry of a list of sections: faults.0.kind
 
 
 def better_direction(metric: str, asked: str = "auto") -> str:
@@ -193,13 +196,35 @@ def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutco
     for o in outcomes:
         keyed.setdefault(json.dumps(setting(o), sort_keys=True, default=str), []).append(o)
     settings = [setting(members[0]) for members in keyed.values()]
+    named = names_of(list(keyed.values()))
+    if named is not None:
+        return list(zip(named, keyed.values()))
     differing = differing_keys(settings)
     keys = telling_keys(settings, differing)
-    # a key a group leaves unset (another strategy's kwarg) says nothing of it: named only where set
-    labels = [",".join(f"{k}={s[k]}" for k in keys if s.get(k) is not None) or "defaults" for s in settings]
+    # a key a group leaves unset (another strategy's kwarg) says nothing of it: named only where set; a list of
+    # sections the group leaves out altogether (faults: [], the clean baseline) is named as empty
+    labels = [",".join([f"{k}={s[k]}" for k in keys if s.get(k) is not None] + left_out_sections(s, keys))
+              or "defaults" for s in settings]
     if len(set(labels)) < len(labels):  # unset keys were what told two groups apart
         labels = [",".join(f"{k}={s.get(k)}" for k in keys) for s in settings]
     return list(zip(labels if len(settings) > 1 else ["all runs"], keyed.values()))
+
+
+def names_of(groups: Sequence[Sequence[RunOutcome]]) -> list[str] | None:
+    """The groups' own names, where the runs were given them (``name=...`` when they were started): each group's runs
+    share one, and no two groups do; None otherwise (the default name, a sweep's, or one name per seed)."""
+    names = [{str(o.config.get("name")) for o in members} for members in groups]
+    if len(groups) < 2 or any(len(n) != 1 for n in names):
+        return None
+    labels = [next(iter(n)) for n in names]
+    return labels if len(set(labels)) == len(labels) and DEFAULT_NAME not in labels else None
+
+
+def left_out_sections(setting: dict[str, Any], keys: Sequence[str]) -> list[str]:
+    """``faults=[]`` for each list of sections (a key ``faults.0.kind``) among ``keys`` that ``setting`` holds no entry
+    of: the run left the list empty, which is what tells it from the others."""
+    sections = dict.fromkeys(k.split(".")[0] for k in keys if LIST_ENTRY.match(k))
+    return [f"{section}=[]" for section in sections if not any(k.startswith(f"{section}.") for k in setting)]
 
 
 def telling_keys(settings: Sequence[dict[str, Any]], differing: Sequence[str]) -> list[str]:
