@@ -328,3 +328,19 @@ def test_the_stacked_models_warning_counts_the_updates_a_buffered_step_applies_n
     grouped = said("clock.mode=fedcompass", "strategy.update=delta", "clock.concurrency=4")
     assert grouped.startswith("strategy median: up to 4 updates per server step (an arrival group, at most "
                               "clock.concurrency) on 2 client ranks")
+
+
+def test_a_fault_on_a_client_never_dispatched_in_its_steps_is_named_with_the_steps_it_does_train_in():
+    """Under an asynchronous clock a fault strikes a client in the step it is dispatched in: one whose steps dispatch
+    none of its clients would never strike them, silently, so each such client is named."""
+    from mpifl.clock.planners import unstruck_targets
+    from mpifl.clock.schedule import AsyncStep
+    from mpifl.config import load_config
+
+    cfg = load_config(None, ["rounds=4", "clock.mode=fedbuff", "clock.buffer=2",
+                             "faults=[{kind: scale, clients: [0, 5], factor: -1, rounds: [2, 3]}]"])
+    steps = [AsyncStep(1, 1.0, (), (0, 1, 5)), AsyncStep(2, 2.0, (), (5,)), AsyncStep(3, 3.0, (), ()),
+             AsyncStep(4, 4.0, (), (0,))]
+    (said,) = unstruck_targets(cfg, steps)
+    assert said.startswith("faults[0]: logical client 0 is dispatched in none of the steps it strikes in (fedbuff:")
+    assert said.endswith("so it never strikes it; the schedule dispatches it in steps 1, 4")

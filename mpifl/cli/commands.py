@@ -128,7 +128,7 @@ def validate(args: argparse.Namespace) -> int:
     warnings = check_plugins(cfg, partition_follows=True)
     check_model(cfg)
     check_trainer(cfg)
-    check_schedule(cfg, check_partition(cfg))
+    warnings += check_schedule(cfg, check_partition(cfg))
     for warning in warnings:
         print(f"warning: {warning}")
     model = f"{cfg.model.name} {cfg.model.dtype}"
@@ -158,22 +158,22 @@ def validated_schedule(cfg: Config) -> str:
             "clients training at once (clock.concurrency)")
 
 
-def check_schedule(cfg: Config, sizes: list[int] | None) -> None:
+def check_schedule(cfg: Config, sizes: list[int] | None) -> list[str]:
     """Plan the whole virtual-time schedule (``clock.mode`` other than 'off') as the run's server does before round
     1, for ``mpifl validate``: a schedule that cannot be made (an availability trace that runs out before the last
     round) is a ConfigError naming the key and the round. It needs each client's training samples (``sizes``, from
     ``check_partition``) unless clients train fixed local_steps or on no data; not checked where it needs them and
     they were not read, nor where faults name ranks (the schedule then depends on the job's ranks): the server checks
-    it as it starts."""
+    it as it starts. What it returns: warnings of the schedule's (faults that would never strike their client)."""
     from mpifl.cli.plan import model_specs
-    from mpifl.clock.planners import clock_sampler, task_samples
+    from mpifl.clock.planners import AsyncSampler, clock_sampler, task_samples, unstruck_targets
     from mpifl.learning.datasets import needs_dataset
     from mpifl.planning.federation import placement_for
     from mpifl.wire.layout import ExchangeLayout
 
     sized = sizes is not None or cfg.train.local_steps or not needs_dataset(cfg)
     if cfg.clock.mode == "off" or not sized or any(f.ranks for f in cfg.faults):
-        return
+        return []
     layout = ExchangeLayout.build(model_specs(cfg)[0], cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                   cfg.clients.groups > 0)
     work = [float(n * cfg.train.local_epochs) for n in sizes] if sizes and not cfg.train.local_steps else None
@@ -181,9 +181,10 @@ def check_schedule(cfg: Config, sizes: list[int] | None) -> None:
     samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
                            cfg.train.batch_size)
     try:
-        clock_sampler(cfg, placement, samples, layout.model_bytes, layout.update_bytes, quiet=True)
+        sampler = clock_sampler(cfg, placement, samples, layout.model_bytes, layout.update_bytes, quiet=True)
     except (ValueError, OSError) as err:
         raise ConfigError(f"cannot plan the virtual-time schedule: {err}") from None
+    return unstruck_targets(cfg, sampler.steps) if isinstance(sampler, AsyncSampler) else []
 
 def validated_weighting(cfg: Config) -> str:
     """How a round combines the clients' updates, as the run will: what ``validate`` says. The asynchronous clocks

@@ -128,10 +128,31 @@ def clock_sampler(cfg: Config, placement: Placement, samples: list[float], model
         plan = plan_async(cfg.seed, cfg.rounds, buffer, cfg.clock.in_flight(), num_clients, availability, duration)
     held = held_updates(plan, placement.rank_of)
     if not quiet:
+        for warning in unstruck_targets(cfg, plan.steps):
+            log(f"warning: {warning}", rank=0)
         log(f"{cfg.clock.mode}: {len(plan.steps)} steps planned over {plan.steps[-1].time:.1f} virtual s; a client "
             f"rank holds at most {max(held.values(), default=0)} updates in flight ({update_bytes / MIB:.1f} MiB each; "
             "by rank: " + ", ".join(f"{r}: {n}" for r, n in sorted(held.items())) + ")", rank=0)
     return AsyncSampler(cfg.seed, cfg.clients, cfg.clock, placement, plan.steps)
+
+
+def unstruck_targets(cfg: Config, steps: list[AsyncStep]) -> list[str]:
+    """Under an asynchronous clock a fault strikes a client in the server step it is dispatched in (the step whose
+    model it trains from: ``AsyncStep.train``), and its update is applied some steps later. A fault that names
+    ``clients`` and ``rounds`` (steps) none of which dispatches one of them would never strike it, silently: each
+    such client, named with the steps the schedule does dispatch it in (first few)."""
+    found = []
+    for index, fault in enumerate(cfg.faults):
+        for client in fault.clients:
+            dispatched = [s.step for s in steps if client in s.train]
+            if not any(fault.strikes_in(step, cfg.rounds) for step in dispatched):
+                shown = ", ".join(map(str, dispatched[:6])) + (", ..." if len(dispatched) > 6 else "")
+                when = f"step{'s' if len(dispatched) > 1 else ''} {shown}" if dispatched else "no step"
+                found.append(f"faults[{index}]: logical client {client} is dispatched in none of the steps it "
+                             f"strikes in ({cfg.clock.mode}: a fault strikes a client in the step it is dispatched in, "
+                             f"whose model it trains from), so it never strikes it; the schedule dispatches it in "
+                             f"{when}")
+    return found
 
 
 def task_samples(train_sizes: list[int] | None, num_clients: int, local_epochs: int, local_steps: int | None,
