@@ -327,6 +327,27 @@ def test_participation_keeps_a_place_and_a_tick_for_each_client_never_sampled():
     assert ax.get_title() == "Participation per client\n(3 clients never sampled: no bar)"
 
 
+def test_participation_hatches_the_applied_rounds_an_attack_altered_and_says_so_in_the_legend():
+    from matplotlib.figure import Figure
+
+    from mpifl.cli.report import _participation, attacked_counts
+
+    attack = {"fault": 0, "kind": "scale", "stage": "train", "rank": 1, "outcome": "folded"}
+    records = [{"round": 1, "participants": [0, 1, 2], "dropped": [], "faults": [{**attack, "client": 0}]},
+               {"round": 2, "participants": [0, 1, 2], "dropped": [],
+                "faults": [{**attack, "client": 0}, {**attack, "client": 2, "kind": "noise"},
+                           {**attack, "client": 1, "kind": "raise", "outcome": "dropped"}]},
+               {"round": 3, "participants": [0, 1], "dropped": [], "unapplied": "too few",
+                "faults": [{**attack, "client": 1}]}]  # its round was not applied: nothing altered the model
+    assert attacked_counts(records) == {0: 2, 2: 1}
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    _participation(fig, ax, records, 3)
+    hatched = [round(p.get_height()) for p in ax.patches if p.get_hatch()]
+    assert hatched == [2, 0, 1]
+    assert any(t.get_text().startswith("applied, altered by a fault") for t in ax.get_legend().get_texts())
+
+
 def test_the_staleness_title_gives_the_median_of_the_recorded_values():
     from matplotlib.figure import Figure
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from mpifl.planning.faults import ALTERS_THE_UPDATE
 from mpifl.roles.records import MEMORY_SIGNALS, cost_line
 from mpifl.units import MIB
 
@@ -534,6 +535,19 @@ def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
     return counts
 
 
+def attacked_counts(records: list[dict]) -> dict[int, int]:
+    """Rounds per client whose applied update a fault altered (``faults:`` kinds that change a usable update's values:
+    scale, noise, corrupt, label_flip), from each record's ``faults`` entries folded into an applied round."""
+    counts: dict[int, int] = {}
+    for r in records:
+        if "unapplied" in r:
+            continue
+        for entry in r.get("faults", []):
+            if entry.get("kind") in ALTERS_THE_UPDATE and entry.get("outcome") == "folded":
+                counts[entry["client"]] = counts.get(entry["client"], 0) + 1
+    return counts
+
+
 def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int | None = None) -> None:
     """Each client's rounds, stacked by outcome: applied updates first, then why the others were not; with more
     clients than the axes have pixel columns for (``bar_columns``), how many clients had 0, 1, 2, ... rounds of each
@@ -542,11 +556,15 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
     from matplotlib.ticker import MaxNLocator
 
     counts = participation_counts(records)
+    attacked = attacked_counts(records)
     left_out = unapplied_note(counts)
     seen = sorted({c for per_client in counts.values() for c in per_client})
     shown = [(key, label, colour) for key, label, colour in PARTICIPATION if key == "applied" or counts[key]]
-    ax.legend(handles=[Patch(color=colour, label=label) for _, label, colour in shown], loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    handles = [Patch(color=colour, label=label) for _, label, colour in shown]
+    if attacked:
+        handles.append(Patch(facecolor="none", edgecolor="black", hatch=ATTACK_HATCH,
+                             label="applied, altered by a fault\n(scale, noise, corrupt, label_flip)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     clients = max(num_clients or 0, len(seen), max(seen, default=-1) + 1)
     if clients > bar_columns(fig, ax):
@@ -558,6 +576,9 @@ def _participation(fig: Figure, ax: Axes, records: list[dict], num_clients: int 
         heights = np.array([counts[key].get(c, 0) for c in every])
         ax.bar(every, heights, bottom=bottom, color=colour)
         bottom += heights
+    if attacked:  # hatched over the foot of the applied bar: the rounds whose applied update an attack altered
+        ax.bar(every, [attacked.get(c, 0) for c in every], facecolor="none", edgecolor="black", hatch=ATTACK_HATCH,
+               linewidth=0.0)
     ax.set_xlabel("logical client")
     if clients <= AVAILABILITY_CLIENTS:
         ax.set_xticks(every)
@@ -575,6 +596,8 @@ def unapplied_note(counts: dict[str, dict[int, int]]) -> str:
     n = sum(counts["unapplied"].values())
     return f"\n({n} usable update{'s' if n != 1 else ''} to rounds not applied, not counted as applied)" if n else ""
 
+
+ATTACK_HATCH = "////"  # participation.png: the applied rounds a fault altered
 
 PIXELS_PER_BAR = 2  # a bar and a gap: narrower, neighbouring bars merge and antialiasing fades a lone one
 
