@@ -85,6 +85,7 @@ def test_krum_rejects_the_sign_flipping_clients_in_every_round_and_records_it(tm
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("multi_krum: kept logical clients 2-7, rejected 0-1") == 3
     assert [r["strategy_metrics"] for r in records(tmp_path / "krum")] == [{"kept": 6.0, "rejected": 2.0}] * 3
+    assert [r["rejected"] for r in records(tmp_path / "krum")] == [[0, 1]] * 3
     krum = {n: t.float().numpy() for n, t in load_tensors(tmp_path / "krum" / "model.h5").items()}
     # it equals FedAvg over the six honest clients (0 and 1 raising, dropped), float64 against fp32 sums apart
     honest = run(tmp_path, "honest", 3, "strategy.update=delta", "clients.accept_failures=true",

@@ -99,8 +99,9 @@ def test_participation_counts_an_update_as_applied_only_if_its_client_was_not_dr
         # an asynchronous step: its arrivals, and the tasks lost since the last step (no stragglers)
         {"round": 3, "participants": [2, 5], "preempted": [], "job_ended": [6]},
     ]
-    assert participation_counts(records) == {"applied": {0: 1, 2: 3, 5: 1}, "unapplied": {}, "dropped": {1: 2},
-                                             "stragglers": {3: 2}, "preempted": {4: 1}, "job_ended": {0: 1, 6: 1}}
+    assert participation_counts(records) == {"applied": {0: 1, 2: 3, 5: 1}, "rejected": {}, "unapplied": {},
+                                             "dropped": {1: 2}, "stragglers": {3: 2}, "preempted": {4: 1},
+                                             "job_ended": {0: 1, 6: 1}}
 
 
 def test_participation_counts_the_usable_updates_of_a_round_not_applied_apart_and_says_how_many():
@@ -330,7 +331,7 @@ def test_participation_keeps_a_place_and_a_tick_for_each_client_never_sampled():
 def test_participation_hatches_the_applied_rounds_an_attack_altered_and_says_so_in_the_legend():
     from matplotlib.figure import Figure
 
-    from mpifl.cli.report import _participation, attacked_counts
+    from mpifl.cli.report import _participation, attacked_counts, participation_counts
 
     attack = {"fault": 0, "kind": "scale", "stage": "train", "rank": 1, "outcome": "folded"}
     records = [{"round": 1, "participants": [0, 1, 2], "dropped": [], "faults": [{**attack, "client": 0}]},
@@ -340,6 +341,10 @@ def test_participation_hatches_the_applied_rounds_an_attack_altered_and_says_so_
                {"round": 3, "participants": [0, 1], "dropped": [], "unapplied": "too few",
                 "faults": [{**attack, "client": 1}]}]  # its round was not applied: nothing altered the model
     assert attacked_counts(records) == {0: 2, 2: 1}
+    records[1]["rejected"] = [0]  # Krum left client 0's attacked update out of round 2: not applied, not altering
+    assert attacked_counts(records) == {0: 1, 2: 1}
+    assert participation_counts(records)["rejected"] == {0: 1}
+    del records[1]["rejected"]
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     _participation(fig, ax, records, 3)

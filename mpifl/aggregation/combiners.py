@@ -121,6 +121,11 @@ class Combiner:
         """What the combination measured in the round just reduced (recorded in ``strategy_metrics``); none here."""
         return {}
 
+    def round_rejected(self) -> tuple[int, ...] | None:
+        """The logical clients whose usable updates the combination left out of the round just reduced (Krum's
+        rejected), recorded as the round's ``rejected``; None for a combiner that leaves nobody out by choice."""
+        return None
+
     # A whole-update combiner (``whole_update``; distances.DistanceRule) is called through these instead of fold and
     # combine: ``begin`` a round, ``keep`` each usable participant's chunks as they land, ``solve`` once every chunk
     # has, then each chunk's ``combined_chunk`` is finished as a combined chunk would be.

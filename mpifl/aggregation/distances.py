@@ -223,6 +223,7 @@ class DistanceRule(Combiner):
         self.clients: list[int] = []
         self.solved: np.ndarray | None = None
         self.metrics: dict[str, float] = {}
+        self.rejected: tuple[int, ...] | None = None  # the logical clients the rule left out this round
 
     def weight(self, num_samples: int) -> float:
         """The sample count with ``strategy.weighting: samples``, else 1."""
@@ -235,7 +236,7 @@ class DistanceRule(Combiner):
                 self.kept.close()
             self.kept = KeptRows(rows, elements, self.ram_bytes)
         self.weights, self.clients = np.zeros(rows), [-1] * rows
-        self.solved, self.metrics = None, {}
+        self.solved, self.metrics, self.rejected = None, {}, None
         self.gram: np.ndarray | None = None  # the kept rows' Gram matrix, summed block by block as chunks finish
         self.summed = 0  # the elements it covers, from 0
 
@@ -295,6 +296,10 @@ class DistanceRule(Combiner):
         """What the rule found this round (``strategy_metrics``)."""
         return dict(self.metrics)
 
+    def round_rejected(self) -> tuple[int, ...] | None:
+        """The logical clients the rule left out this round (Krum's), or None (the geometric median weighs all)."""
+        return self.rejected
+
 
 class Krum(DistanceRule):
     """Multi-Krum: the weighted mean (``strategy.weighting``) of the ``strategy.krum_keep`` updates with the lowest
@@ -314,6 +319,7 @@ class Krum(DistanceRule):
         kept = sorted(self.clients[i] for i in rows)
         dropped = sorted(self.clients[i] for i in range(n) if i not in rows)
         self.metrics = {"kept": float(len(rows)), "rejected": float(n - len(rows))}
+        self.rejected = tuple(dropped)
         if n < 2 * self.cfg.byzantine_clients + 3:
             self.metrics["below_guarantee"] = 1.0
         log(f"{self.cfg.name}: kept logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"

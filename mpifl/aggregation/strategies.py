@@ -107,6 +107,11 @@ class Strategy:
         counts, the geometric median's iterations)."""
         return self.combiner.round_metrics()
 
+    def round_rejected(self) -> tuple[int, ...] | None:
+        """The logical clients whose usable updates the round just reduced left out by the strategy's own choice
+        (Krum's rejected: the record's ``rejected``), or None where the strategy never leaves one out."""
+        return self.combiner.round_rejected()
+
     def fold(self, acc: torch.Tensor, x: torch.Tensor, weight: float, index: int) -> None:
         """Take in the ``index``-th included participant's chunk (acc is a stack row per participant when stacked)."""
         self.combiner.fold(acc, x, weight, index)

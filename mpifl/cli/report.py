@@ -506,8 +506,9 @@ def _virtual_time(fig: Figure, ax: Axes, records: list[dict]) -> None:
 
 
 # (record outcome, label, colour), stacked in this order
-PARTICIPATION = (("applied", "updates applied", "tab:blue"), ("dropped", "dropped (failed, or its rank late)",
-                                                              "tab:purple"),
+PARTICIPATION = (("applied", "updates applied", "tab:blue"),
+                 ("rejected", "usable, left out by the\nstrategy (Krum's rejected)", "tab:brown"),
+                 ("dropped", "dropped (failed, or its rank late)", "tab:purple"),
                  ("unapplied", "usable, but its round\nnot applied", "tab:olive"),
                  ("stragglers", "stragglers (past the deadline\nor over-selected)", "tab:orange"),
                  ("preempted", "task lost to a preemption", "tab:red"),
@@ -526,7 +527,9 @@ def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
         lost = set(r.get("preempted", [])) | set(r.get("job_ended", []))
         usable = [c for c in r.get("participants", []) if c not in dropped]
         applied, unapplied = ([], usable) if "unapplied" in r else (usable, [])
-        outcomes = {"applied": applied, "unapplied": unapplied, "dropped": sorted(dropped),
+        rejected = [c for c in applied if c in set(r.get("rejected", []))]
+        applied = [c for c in applied if c not in rejected]
+        outcomes = {"applied": applied, "rejected": rejected, "unapplied": unapplied, "dropped": sorted(dropped),
                     "stragglers": [c for c in r.get("stragglers", []) if c not in lost],
                     "preempted": r.get("preempted", []), "job_ended": r.get("job_ended", [])}
         for key, clients in outcomes.items():
@@ -537,13 +540,16 @@ def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
 
 def attacked_counts(records: list[dict]) -> dict[int, int]:
     """Rounds per client whose applied update a fault altered (``faults:`` kinds that change a usable update's values:
-    scale, noise, corrupt, label_flip), from each record's ``faults`` entries folded into an applied round."""
+    scale, noise, corrupt, label_flip), from each record's ``faults`` entries folded into an applied round and not
+    rejected by the strategy (Krum's ``rejected``)."""
     counts: dict[int, int] = {}
     for r in records:
         if "unapplied" in r:
             continue
+        left_out = set(r.get("rejected", []))  # a robust rule's rejected: not applied
         for entry in r.get("faults", []):
-            if entry.get("kind") in ALTERS_THE_UPDATE and entry.get("outcome") == "folded":
+            if entry.get("kind") in ALTERS_THE_UPDATE and entry.get("outcome") == "folded" and \
+                    entry["client"] not in left_out:
                 counts[entry["client"]] = counts.get(entry["client"], 0) + 1
     return counts
 

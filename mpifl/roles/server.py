@@ -591,6 +591,9 @@ class Server:
         strategy = self.parts.strategy.round_metrics()
         if strategy:
             record["strategy_metrics"] = dict(strategy)
+        rejected = self.parts.strategy.round_rejected()
+        if rejected is not None:  # a robust rule's choice: usable updates it left out (Krum's)
+            record["rejected"] = list(rejected)
         return record
 
     def _personal(self, round_: int, metas: dict) -> dict:
