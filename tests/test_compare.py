@@ -272,14 +272,18 @@ def test_a_fault_sweep_is_labelled_by_the_field_of_the_fault_it_varies(tmp_path)
 
 
 def test_a_clean_baseline_beside_attacks_of_two_kinds_is_labelled_as_having_no_faults(tmp_path):
+    """A recorded fault holds every field (bits, code, ...); those the baseline lacks only because it has no faults
+    are no hidden difference between the groups: the note names only what the attacks themselves differ in."""
     runs = []
-    for name, faults in (("scale", "[{kind: scale, clients: [0], factor: -1}]"),
-                         ("noise", "[{kind: noise, clients: [0], std: 1.0}]"), ("clean", "[]")):
-        run = write_run(tmp_path / name, "fedavg", 0)
-        (run / "config.yaml").write_text((run / "config.yaml").read_text() + f"faults: {faults}\n")
-        runs.append(str(run))
-    _, groups = compare_runs(runs, "eval.loss")
-    assert [label for label, _ in groups][2] == "faults=[]"
+    for name, faults in (("scale", "[{kind: scale, clients: [0], factor: -1.0, std: 0.0, bits: 1}]"),
+                         ("noise", "[{kind: noise, clients: [0], factor: 1.0, std: 1.0, bits: 1}]"), ("clean", "[]")):
+        for seed in (0, 1):
+            run = write_run(tmp_path / f"{name}{seed}", "fedavg", seed)
+            (run / "config.yaml").write_text((run / "config.yaml").read_text() + f"faults: {faults}\n")
+            runs.append(str(run))
+    text, groups = compare_runs(runs, "eval.loss")
+    assert [label for label, _ in groups] == ["faults.0.kind=scale", "faults.0.kind=noise", "faults=[]"]
+    assert "The groups also differ in faults.0.factor, faults.0.std:" in text
 
 
 def test_groups_given_names_of_their_own_are_labelled_by_them(tmp_path):

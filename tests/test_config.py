@@ -225,8 +225,29 @@ def test_krum_with_fewer_participants_than_its_guarantee_needs_is_warned_of():
     (said,) = [w for w in config_warnings(load_config(None, ["strategy.name=krum", "strategy.byzantine_clients=2",
                                                              "clients.num_clients=10", "clients.per_round=6"]))
                if w.startswith("strategy.")]
-    assert "needs n >= 2f + 3 participants per round, and clients.per_round gives 6 for f=2 (each update scored " \
+    assert "needs n >= 2f + 3 updates per server step, and clients.per_round gives 6 for f=2 (each update scored " \
            "over its 2 nearest others): a Byzantine update may be kept; raise clients.per_round to 7" in said
+
+
+def test_krums_n_under_fedbuff_is_the_buffer_and_f_at_least_n_is_refused():
+    cfg = load_config(None, ["strategy.name=multi_krum", "strategy.byzantine_clients=2", "clients.num_clients=10",
+                             "clients.per_round=8", "clock.mode=fedbuff", "clock.buffer=5", "clock.concurrency=8"])
+    (said,) = [w for w in config_warnings(cfg) if w.startswith("strategy.byzantine_clients")]
+    assert "clock.buffer gives 5 for f=2" in said
+    with pytest.raises(ConfigError, match=r"strategy.byzantine_clients: f=8 is not below the 8 updates per server "
+                                          r"step \(clients.per_round\)"):
+        load_config(None, ["strategy.name=krum", "strategy.byzantine_clients=8", "clients.num_clients=8",
+                           "clients.per_round=8"])
+
+
+def test_every_strategy_key_beside_a_built_in_strategy_that_does_not_read_it_is_warned_of():
+    warnings = config_warnings(load_config(None, ["strategy.name=krum", "strategy.server_lr=0.5",
+                                                  "strategy.beta1=0.5", "strategy.alpha=0.1"]))
+    for key in ("server_lr", "beta1", "alpha"):
+        assert any(w.startswith(f"strategy.{key}: read only by strategy.name") for w in warnings), key
+    assert not [w for w in config_warnings(load_config(None, ["strategy.name=fedadam", "strategy.server_lr=0.5",
+                                                              "strategy.beta1=0.5", "strategy.tau=0.01"]))
+                if w.startswith("strategy.")]
 
 
 def test_krum_and_the_geometric_median_take_top_k_updates_where_a_coordinate_wise_rule_does_not():

@@ -83,9 +83,10 @@ def test_krum_rejects_the_sign_flipping_clients_in_every_round_and_records_it(tm
     cfg_path = write_config(tmp_path / "attacked.yaml", config)
     result = run_mpi(3, "run", str(cfg_path), "--run-dir", str(tmp_path / "krum"), *overrides, timeout=MPI_TIMEOUT)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.count("multi_krum: kept logical clients 2-7, rejected 0-1") == 3
+    assert result.stderr.count("multi_krum kept logical clients 2-7, rejected 0-1") == 3
     assert [r["strategy_metrics"] for r in records(tmp_path / "krum")] == [{"kept": 6.0, "rejected": 2.0}] * 3
     assert [r["rejected"] for r in records(tmp_path / "krum")] == [[0, 1]] * 3
+    assert {f["outcome"] for r in records(tmp_path / "krum") for f in r["faults"]} == {"rejected"}
     krum = {n: t.float().numpy() for n, t in load_tensors(tmp_path / "krum" / "model.h5").items()}
     # it equals FedAvg over the six honest clients (0 and 1 raising, dropped), float64 against fp32 sums apart
     honest = run(tmp_path, "honest", 3, "strategy.update=delta", "clients.accept_failures=true",

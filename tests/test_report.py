@@ -342,9 +342,13 @@ def test_participation_hatches_the_applied_rounds_an_attack_altered_and_says_so_
                 "faults": [{**attack, "client": 1}]}]  # its round was not applied: nothing altered the model
     assert attacked_counts(records) == {0: 2, 2: 1}
     records[1]["rejected"] = [0]  # Krum left client 0's attacked update out of round 2: not applied, not altering
+    records[1]["faults"][0] = {**records[1]["faults"][0], "outcome": "rejected"}
     assert attacked_counts(records) == {0: 1, 2: 1}
     assert participation_counts(records)["rejected"] == {0: 1}
     del records[1]["rejected"]
+    records[1]["faults"][0] = {**records[1]["faults"][0], "outcome": "folded"}
+    held = [{"round": 1, "participants": [], "faults": [{**attack, "client": 1, "outcome": "held"}]}]
+    assert attacked_counts(held) == {1: 1}  # asynchronous: trained on the struck step, applied later
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     _participation(fig, ax, records, 3)

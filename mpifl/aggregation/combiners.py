@@ -130,8 +130,9 @@ class Combiner:
     # combine: ``begin`` a round, ``keep`` each usable participant's chunks as they land, ``solve`` once every chunk
     # has, then each chunk's ``combined_chunk`` is finished as a combined chunk would be.
 
-    def begin(self, rows: int, elements: int) -> None:
-        """A round of at most ``rows`` usable participants, each update ``elements`` elements long."""
+    def begin(self, rows: int, elements: int, round_: int = 0) -> None:
+        """Round (or server step) ``round_`` of at most ``rows`` usable participants, each update ``elements``
+        elements long."""
         raise NotImplementedError
 
     def keep(self, row: int, start: int, x: torch.Tensor, weight: float, client: int) -> None:

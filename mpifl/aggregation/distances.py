@@ -224,19 +224,21 @@ class DistanceRule(Combiner):
         self.solved: np.ndarray | None = None
         self.metrics: dict[str, float] = {}
         self.rejected: tuple[int, ...] | None = None  # the logical clients the rule left out this round
+        self.round = 0  # the round (or server step) being reduced, as the log names it
 
     def weight(self, num_samples: int) -> float:
         """The sample count with ``strategy.weighting: samples``, else 1."""
         return float(num_samples) if self.cfg.weighting == "samples" else 1.0
 
-    def begin(self, rows: int, elements: int) -> None:
-        """A round of at most ``rows`` usable participants, each update ``elements`` elements long."""
+    def begin(self, rows: int, elements: int, round_: int = 0) -> None:
+        """Round (or server step) ``round_`` of at most ``rows`` usable participants, each update ``elements``
+        elements long."""
         if self.kept is None or not self.kept.fits(rows, elements, self.ram_bytes):
             if self.kept is not None:
                 self.kept.close()
             self.kept = KeptRows(rows, elements, self.ram_bytes)
         self.weights, self.clients = np.zeros(rows), [-1] * rows
-        self.solved, self.metrics, self.rejected = None, {}, None
+        self.solved, self.metrics, self.rejected, self.round = None, {}, None, round_
         self.gram: np.ndarray | None = None  # the kept rows' Gram matrix, summed block by block as chunks finish
         self.summed = 0  # the elements it covers, from 0
 
@@ -322,7 +324,7 @@ class Krum(DistanceRule):
         self.rejected = tuple(dropped)
         if n < 2 * self.cfg.byzantine_clients + 3:
             self.metrics["below_guarantee"] = 1.0
-        log(f"{self.cfg.name}: kept logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"
+        log(f"round {self.round}: {self.cfg.name} kept logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"
             + (f", rejected {range_list(dropped)}" if dropped else "")
             + (f" (n={n} < 2f+3={2 * self.cfg.byzantine_clients + 3}: Krum's guarantee does not hold this round)"
                if n < 2 * self.cfg.byzantine_clients + 3 else ""), rank=0)

@@ -141,7 +141,7 @@ class StreamedReduction:
             for _ in range(self.task.layout.slots_per_rank):
                 self._post_chunk(rank, self.free_slots.pop())
         if self.whole:
-            self.strategy.combiner.begin(len(self.schedule.order), sum(c.numel for c in self.chunks))
+            self.strategy.combiner.begin(len(self.schedule.order), sum(c.numel for c in self.chunks), self.task.round)
         try:
             self._receive_and_fold()
             self._settle()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.cli.preflight import check_model, check_partition, check_plugins, check_trainer, partition_counts_of
 from mpifl.cli.supervisor import mark_mpi_started, supervised, tell_run_dir
 from mpifl.config import Config, ConfigError, load_config
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC, RULE_KEYS
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC, reads_key
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
@@ -210,13 +210,14 @@ def validated_weighting(cfg: Config) -> str:
 
 def distance_rule(cfg: Config, updates: str, weights: str) -> str:
     """What a built-in rule over whole updates (mpifl.aggregation.distances: Capabilities.whole_update) takes of
-    ``updates``, the mean or median weighted by ``weights``; which rule, by the keys it reads (RULE_KEYS)."""
-    s, reads = cfg.strategy, RULE_KEYS.get(cfg.strategy.name, ())
+    ``updates``, the mean or median weighted by ``weights``; which rule, by the keys it reads
+    (capabilities.STRATEGY_KEYS)."""
+    s = cfg.strategy
     scored = f"Krum scores (f={s.byzantine_clients}: squared distances to the n - f - 2 nearest others)"
-    if "krum_keep" in reads:
+    if reads_key(s.name, "krum_keep"):
         m = f"m={s.krum_keep}" if s.krum_keep else f"n - f = n - {s.byzantine_clients}"
         return f"the mean weighted by {weights} of the {m} of {updates} updates with the lowest {scored}"
-    if "byzantine_clients" in reads:
+    if reads_key(s.name, "byzantine_clients"):
         return f"the one of {updates} updates with the lowest of the {scored}"
     return (f"the geometric median of {updates} updates weighted by {weights} (at most {s.geomed_iterations} "
             "smoothed Weiszfeld iterations)")

@@ -233,17 +233,25 @@ def telling_keys(settings: Sequence[dict[str, Any]], differing: Sequence[str]) -
     ``strategy.weighting``, which a plug-in's leaves unset), so the groups differ in more keys than were chosen, and
     a label of all of them fills a legend. The keys mpifl fills in from the others (``AUTOMATIC_KEYS``: FedBuff's
     ``clock.mode`` makes ``strategy.update`` delta) go first, then keys some group leaves unset, then those with
-    fewer distinct values; a key stays whenever dropping it would give two groups one label."""
+    fewer distinct values, and a fault's ``kind`` last; a key stays whenever dropping it would give two groups one
+    label."""
     def told_apart(keys: Sequence[str]) -> bool:
         return len({tuple(str(s.get(k)) for k in keys) for s in settings}) == len(settings)
 
     kept = list(differing)
-    for key in sorted(differing, key=lambda k: (k not in AUTOMATIC_KEYS, all(s.get(k) is not None for s in settings),
+    for key in sorted(differing, key=lambda k: (k not in AUTOMATIC_KEYS, is_entry_kind(k),
+                                                all(s.get(k) is not None for s in settings),
                                                 len({str(s.get(k)) for s in settings}))):
         fewer = [k for k in kept if k != key]
         if fewer and told_apart(fewer):
             kept = fewer
     return kept
+
+
+def is_entry_kind(key: str) -> bool:
+    """Whether ``key`` is the kind of one entry of a list of sections (``faults.0.kind``): what a reader names an
+    attack by, so it is the last such key a label gives up."""
+    return bool(LIST_ENTRY.match(key)) and key.endswith(".kind")
 
 
 def unlabelled_differences(groups: Sequence[tuple[str, list[RunOutcome]]]) -> list[str]:
@@ -253,7 +261,17 @@ def unlabelled_differences(groups: Sequence[tuple[str, list[RunOutcome]]]) -> li
     settings = [setting(members[0]) for _, members in groups]
     differing = differing_keys(settings)
     named = set(telling_keys(settings, differing))
-    return [k for k in differing if k not in named and k not in AUTOMATIC_KEYS]
+    return [k for k in differing if k not in named and k not in AUTOMATIC_KEYS and not only_left_out(k, settings)]
+
+
+def only_left_out(key: str, settings: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``key``, a field of one entry of a list of sections (``faults.0.bits``), differs only because some
+    groups leave the list empty (``faults=[]``, which their labels say): every group that has the entry agrees."""
+    if not LIST_ENTRY.match(key):
+        return False
+    entry = key[:LIST_ENTRY.match(key).end()]  # type: ignore[union-attr]  # matched just above
+    values = {str(s.get(key)) for s in settings if any(k.startswith(entry) for k in s)}
+    return len(values) == 1
 
 
 def seeds_cell(members: Sequence[RunOutcome]) -> str:

@@ -540,16 +540,15 @@ def participation_counts(records: list[dict]) -> dict[str, dict[int, int]]:
 
 def attacked_counts(records: list[dict]) -> dict[int, int]:
     """Rounds per client whose applied update a fault altered (``faults:`` kinds that change a usable update's values:
-    scale, noise, corrupt, label_flip), from each record's ``faults`` entries folded into an applied round and not
-    rejected by the strategy (Krum's ``rejected``)."""
+    scale, noise, corrupt, label_flip), from each record's ``faults`` entries folded into an applied round (an entry
+    the strategy rejected, Krum's, is ``rejected``), or held (asynchronous: trained in that step, applied in a
+    later one)."""
     counts: dict[int, int] = {}
     for r in records:
         if "unapplied" in r:
             continue
-        left_out = set(r.get("rejected", []))  # a robust rule's rejected: not applied
-        for entry in r.get("faults", []):
-            if entry.get("kind") in ALTERS_THE_UPDATE and entry.get("outcome") == "folded" and \
-                    entry["client"] not in left_out:
+        for entry in r.get("faults", []):  # asynchronous: counted in the step that dispatched it (held)
+            if entry.get("kind") in ALTERS_THE_UPDATE and entry.get("outcome") in ("folded", "held"):
                 counts[entry["client"]] = counts.get(entry["client"], 0) + 1
     return counts
 

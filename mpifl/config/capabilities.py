@@ -87,11 +87,27 @@ BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
     "feddyn": DYNAMIC_MEAN,
 }
 
-# The keys of the strategy section that a built-in strategy reads beyond weighting, update and wire_dtype, for the
-# robust rules: set beside a built-in strategy that does not read them, a config warning says they are ignored.
-RULE_KEYS: dict[str, tuple[str, ...]] = {
-    "trimmed_mean": ("trim_fraction",),
-    "krum": ("byzantine_clients",),
-    "multi_krum": ("byzantine_clients", "krum_keep"),
-    "geometric_median": ("geomed_iterations", "geomed_tolerance", "geomed_smoothing"),
+# The keys of the strategy section that only some built-in strategies read (beyond name, kwargs, weighting, update
+# and wire_dtype), and which: set beside a built-in strategy that does not read one, a config warning says it is
+# ignored (a plug-in may read any key of its StrategyConfig, so it is not warned of).
+ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
+STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
+    "server_lr": ("fedavgm", *ADAPTIVE, "scaffold"),
+    "momentum": ("fedavgm",),
+    "beta1": ADAPTIVE,
+    "beta2": ("fedadam", "fedyogi"),
+    "tau": ADAPTIVE,
+    "trim_fraction": ("trimmed_mean",),
+    "byzantine_clients": ("krum", "multi_krum"),
+    "krum_keep": ("multi_krum",),
+    "geomed_iterations": ("geometric_median",),
+    "geomed_tolerance": ("geometric_median",),
+    "geomed_smoothing": ("geometric_median",),
+    "control_ram_mb": ("scaffold", "feddyn"),
+    "alpha": ("feddyn",),
 }
+
+
+def reads_key(strategy: str, key: str) -> bool:
+    """Whether built-in ``strategy`` reads ``strategy.<key>`` (keys not in ``STRATEGY_KEYS`` every strategy reads)."""
+    return strategy in STRATEGY_KEYS.get(key, (strategy,))

@@ -5,7 +5,7 @@ import dataclasses
 from pathlib import Path
 
 from mpifl.config.automatic import automatic_concurrency
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES, RULE_KEYS, Capabilities
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, STRATEGY_KEYS, Capabilities, reads_key
 from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import ASYNCHRONOUS_MODES, UPDATE_FAULTS, Config, FaultConfig, LoraConfig
@@ -74,6 +74,11 @@ def _check_strategy(cfg: Config) -> None:
     problem = capability_problem(cfg, caps)
     if problem:
         raise ConfigError(problem)
+    f, n = cfg.strategy.byzantine_clients, cfg.updates_per_step()
+    if reads_key(cfg.strategy.name, "byzantine_clients") and f >= n:
+        raise ConfigError(f"strategy.byzantine_clients: f={f} is not below the {n} updates per server step "
+                          f"({cfg.updates_per_step_key()}): no update could be trusted; Krum's guarantee needs "
+                          f"n >= 2f + 3")
 
 
 
@@ -551,20 +556,8 @@ NARROW_GLOBAL_LR = 1e-4
 def config_warnings(cfg: Config) -> list[str]:
     """Legal values that are surely a mistake: each warning names its key."""
     found = _clock_warnings(cfg) + _switched_off_warnings(cfg) + _partition_warnings(cfg) + _group_warnings(cfg) + \
-        _ditto_warnings(cfg) + _thread_warnings(cfg) + _quorum_warnings(cfg) + _robust_rule_warnings(cfg)
-    for i, fault in enumerate(cfg.faults):
-        if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
-            found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
-                         f"and to_round={fault.to_round} are ignored beside them: set one or the other")
-    for i, fault in enumerate(cfg.faults):  # legal, so that a sweep over the factor can hold the clean baseline
-        if fault.kind == "scale" and fault.factor == 1:
-            found.append(f"faults[{i}].factor: a scale fault with factor 1 changes nothing: the run is the clean "
-                         "baseline; -1 flips the update's sign")
-    for i, fault in enumerate(cfg.faults):  # a run stopped early (rounds=2) and resumed with more still strikes later
-        late = [r for r in (fault.rounds or (fault.from_round, fault.to_round)) if r > cfg.rounds]
-        if late:
-            found.append(f"faults[{i}]: round {late[0]} is past the run's last (rounds={cfg.rounds}): it strikes only "
-                         "if a resume raises rounds")
+        _ditto_warnings(cfg) + _thread_warnings(cfg) + _quorum_warnings(cfg) + _robust_rule_warnings(cfg) + \
+        _fault_warnings(cfg)
     if cfg.clients.per_round is not None and cfg.clients.per_round > cfg.clients.num_clients:
         found.append(f"clients.per_round: {cfg.clients.per_round} is more than clients.num_clients="
                      f"{cfg.clients.num_clients}: every client takes part in every round")
@@ -775,29 +768,51 @@ def _other_mode_warnings(cfg: Config) -> list[str]:
             f"clock.mode is {mode!r}: ignored" for key in ignored]
 
 
+def _fault_warnings(cfg: Config) -> list[str]:
+    """Faults legal but surely not what was meant: rounds beside a range, a scale by 1 or noise of std 0 (each the clean
+    end of a sweep, so warned, not refused), a round past the run's last."""
+    found: list[str] = []
+    for i, fault in enumerate(cfg.faults):
+        if fault.rounds and (fault.from_round, fault.to_round) != (1, 0):  # FaultConfig.strikes_in reads rounds alone
+            found.append(f"faults[{i}]: rounds {fault.rounds} decide when it strikes; from_round={fault.from_round} "
+                         f"and to_round={fault.to_round} are ignored beside them: set one or the other")
+    for i, fault in enumerate(cfg.faults):  # legal, so that a sweep over the factor can hold the clean baseline
+        if fault.kind == "scale" and fault.factor == 1:
+            found.append(f"faults[{i}].factor: a scale fault with factor 1 changes nothing: the run is the clean "
+                         "baseline; -1 flips the update's sign")
+    for i, fault in enumerate(cfg.faults):  # legal: a free rider, and a sweep over std's clean end
+        if fault.kind == "noise" and fault.std == 0:
+            found.append(f"faults[{i}].std: a noise fault with std 0 sends no change at all (a free rider); give "
+                         "std > 0 for Gaussian updates")
+    for i, fault in enumerate(cfg.faults):  # a run stopped early (rounds=2) and resumed with more still strikes later
+        late = [r for r in (fault.rounds or (fault.from_round, fault.to_round)) if r > cfg.rounds]
+        if late:
+            found.append(f"faults[{i}]: round {late[0]} is past the run's last (rounds={cfg.rounds}): it strikes only "
+                         "if a resume raises rounds")
+    return found
+
+
 def _robust_rule_warnings(cfg: Config) -> list[str]:
-    """A robust rule's key (capabilities.RULE_KEYS) set beside a built-in strategy that does not read it (plug-ins
-    may read any key of their StrategyConfig); Krum with fewer participants per round than its guarantee needs
-    (n >= 2f + 3, Blanchard et al. 2017); Multi-Krum asked to keep more updates than a round has."""
+    """A strategy key (capabilities.STRATEGY_KEYS) set beside a built-in strategy that does not read it (plug-ins may
+    read any key of their StrategyConfig); Krum with fewer updates per server step than its guarantee needs (n >= 2f +
+    3, Blanchard et al. 2017); Multi-Krum asked to keep more updates than a step has."""
     name = cfg.strategy.name
     if name not in BUILTIN_CAPABILITIES:
         return []
-    reads = RULE_KEYS.get(name, ())
-    every = tuple(dict.fromkeys(k for keys in RULE_KEYS.values() for k in keys))
     found = [f"{key}: read only by strategy.name "
-             f"{' or '.join(repr(n) for n, keys in RULE_KEYS.items() if key.split('.')[1] in keys)}, and "
-             f"strategy.name is {name!r}: ignored"
-             for key in changed_settings(cfg.strategy, "strategy", only=every) if key.split(".")[1] not in reads]
-    f, n = cfg.strategy.byzantine_clients, cfg.clients_per_round()
-    if "byzantine_clients" in reads and n < 2 * f + 3:
+             f"{' or '.join(map(repr, STRATEGY_KEYS[key.split('.')[1]]))}, and strategy.name is {name!r}: ignored"
+             for key in changed_settings(cfg.strategy, "strategy", only=tuple(STRATEGY_KEYS))
+             if not reads_key(name, key.split(".")[1])]
+    f, n, per = cfg.strategy.byzantine_clients, cfg.updates_per_step(), cfg.updates_per_step_key()
+    if reads_key(name, "byzantine_clients") and f and n < 2 * f + 3:
         scored = max(1, n - f - 2)
-        found.append(f"strategy.byzantine_clients: Krum's guarantee needs n >= 2f + 3 participants per round, and "
-                     f"clients.per_round gives {n} for f={f} (each update scored over its {scored} nearest "
-                     f"other{'s' if scored > 1 else ''}): a Byzantine update may be kept; raise clients.per_round to "
+        found.append(f"strategy.byzantine_clients: Krum's guarantee needs n >= 2f + 3 updates per server step, and "
+                     f"{per} gives {n} for f={f} (each update scored over its {scored} nearest "
+                     f"other{'s' if scored > 1 else ''}): a Byzantine update may be kept; raise {per} to "
                      f"{2 * f + 3} or lower f")
-    if "krum_keep" in reads and cfg.strategy.krum_keep > n:
-        found.append(f"strategy.krum_keep: {cfg.strategy.krum_keep} is more than the {n} participants per round "
-                     "(clients.per_round): every update is kept, as FedAvg would")
+    if reads_key(name, "krum_keep") and cfg.strategy.krum_keep > n:
+        found.append(f"strategy.krum_keep: {cfg.strategy.krum_keep} is more than the {n} updates per server step "
+                     f"({per}): every update is kept, as FedAvg would")
     return found
 
 

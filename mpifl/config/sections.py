@@ -700,6 +700,17 @@ class Config:
         """How many logical clients take part in each round."""
         return self.clients.per_round_count()
 
+    def updates_per_step(self) -> int:
+        """The most updates one server step combines: a round's participants, a FedBuff buffer, or the clients a
+        FedCompass arrival group can hold (clock.concurrency); FedAsync applies one at a time."""
+        return {"fedasync": 1, "fedbuff": self.clock.buffer, "fedcompass": self.clock.in_flight()}.get(
+            self.clock.mode, self.clients_per_round())
+
+    def updates_per_step_key(self) -> str:
+        """The key that sets ``updates_per_step``, as a message names it."""
+        return {"fedasync": "clock.mode", "fedbuff": "clock.buffer", "fedcompass": "clock.concurrency"}.get(
+            self.clock.mode, "clients.per_round")
+
     def steps_inside_backward(self) -> bool:
         """Whether the torch trainer steps each parameter inside backward in this run (TrainConfig's rule, and
         neither DDP across ranks nor a client half that acts after every optimizer step: SCAFFOLD's correction)."""

@@ -268,21 +268,11 @@ def server_pool_bytes(cfg: Config, exchange: ExchangeLayout, strategy: StrategyF
 KEPT_UPDATES_RAM_BYTES = 256 * MIB  # a whole-update rule keeps the round's updates in RAM up to this, else in a file
 
 
-def updates_per_step(cfg: Config) -> int:
-    """The most updates one server step combines: a round's participants, a FedBuff buffer, or the clients a
-    FedCompass arrival group can hold."""
-    if cfg.clock.mode == "fedbuff":
-        return cfg.clock.buffer
-    if cfg.clock.mode == "fedcompass":
-        return cfg.clock.in_flight()
-    return cfg.clients_per_round()
-
-
 def kept_updates_bytes(cfg: Config, elements: int) -> tuple[int, bool]:
     """What a whole-update rule (Krum, the geometric median: mpifl.aggregation.distances) keeps each step, fp32
     rows of every participant's update, and whether in a temporary file (past ``KEPT_UPDATES_RAM_BYTES``, or on an
     out-of-core server) rather than RAM."""
-    nbytes = updates_per_step(cfg) * elements * 4
+    nbytes = cfg.updates_per_step() * elements * 4
     return nbytes, cfg.server.state == "disk" or nbytes > KEPT_UPDATES_RAM_BYTES
 
 

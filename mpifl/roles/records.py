@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -168,7 +168,8 @@ def strike_line(strike: Strike, spent: bool = False, recorded: bool = True) -> s
 
 
 def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int, UpdateMeta],
-                  spent: Sequence[Strike] = (), unapplied: str | None = None) -> list[dict]:
+                  spent: Sequence[Strike] = (), unapplied: str | None = None,
+                  rejected: Collection[int] = ()) -> list[dict]:
     """Each strike of the round with what came of it: ``dropped`` (with the client's error), ``folded`` (its
     update was used: mpifl checks updates for NaN/Inf, not for a scaled or corrupted value), ``unapplied`` (its
     update was usable, but the round was not applied: a virtual clock's round with too few, ``unapplied`` saying
@@ -179,14 +180,17 @@ def fault_entries(strikes: list[Strike], plan: RoundAssignment, metas: dict[int,
     (``rank_clients_dropped``), since their own drop reason can only say what the server saw, a rank past its
     deadline. Under the virtual clock (``plan.clock`` set) it delays only the struck task's virtual time.
     ``spent``: the strikes that ended an earlier attempt of the run in this round, recorded as such (they strike
-    once)."""
+    once). ``rejected``: the clients whose usable updates the strategy left out (Krum's), whose strikes are
+    ``rejected``, not folded."""
     out = [{**strike.describe(), "outcome": "ended an earlier attempt"} for strike in spent]
     stragglers = set(plan.clock.get("stragglers", ()))
     for strike in strikes:
         meta = metas.get(strike.client)
         if meta is not None:
             outcome = {"outcome": "dropped", "reason": meta.error} if meta.error is not None else \
-                {"outcome": "unapplied", "reason": unapplied} if unapplied is not None else {"outcome": "folded"}
+                {"outcome": "unapplied", "reason": unapplied} if unapplied is not None else \
+                {"outcome": "rejected", "reason": "the strategy left its update out"} if strike.client in rejected \
+                else {"outcome": "folded"}
         elif strike.client in stragglers:
             outcome = {"outcome": "straggler",
                        "reason": "the virtual clock left it out: its task did not arrive by the round's close"}

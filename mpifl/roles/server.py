@@ -236,7 +236,8 @@ class Server:
         before = self.history[-1].get("cost_to_date") if self.history else None
         record["cost_to_date"] = cost_to_date(before, record["cost"])
         if strikes or spent:
-            record["faults"] = fault_entries(strikes, plan, stats.metas, spent, stats.unapplied)
+            record["faults"] = fault_entries(strikes, plan, stats.metas, spent, stats.unapplied,
+                                             parts.strategy.round_rejected() or ())
         if parts.privacy:
             record["privacy"] = parts.privacy.after_round(round_, stats.metas)
         if parts.secagg:
