@@ -32,6 +32,14 @@ changes ``weight``/``weight_of`` keeps its base's; one that overrides ``fold``/`
 its own, or is assumed neither summable nor free of the others' rows, and refused where that
 would be wrong, before MPI starts.
 
+**A rule over whole updates** (Krum, the geometric median): subclass ``DistanceRule`` and write
+``coefficients(gram, weights)``, what each of the round's n usable updates counts in the result (n floats
+summing to 1), from their n x n float64 Gram matrix (centred on the first: squared distances are
+``G_ii + G_jj - 2 G_ij``) and their weights. mpifl keeps the updates (RAM, or a temporary file) and finishes
+every chunk with sum_i c_i x_i once the last has landed; ``self.clients[i]`` is update i's logical client,
+``self.metrics`` what ``round_metrics()`` records and ``self.rejected`` the clients left out (the record's
+``rejected``). Its capabilities are ``whole_update``: every participant's own update, like the median.
+
 **ServerUpdate** (second stage): ``step(delta, state)`` turns the fp32 pseudo-gradient into the
 step added to the old global chunk, in place; per-element state lives in fp32 vectors named in
 ``state_init`` (checkpointed); ``reads_previous = True`` when the update needs the old global chunk;
@@ -82,6 +90,7 @@ clients weighted by their samples, its ``min``, ``max`` and ``clients``. A strat
 from __future__ import annotations
 
 from mpifl.aggregation.combiners import Combiner, Median, SortedStack, TrimmedMean, WeightedMean
+from mpifl.aggregation.distances import DistanceRule, GeometricMedian, Krum, squared_distances
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE, fold, weighted_mean_into
 from mpifl.aggregation.strategies import Strategy, section_span
 from mpifl.aggregation.updates import FedAdagrad, FedAdam, FedYogi, Momentum, Replace, ServerOptimizer, ServerUpdate
@@ -114,10 +123,13 @@ __all__ = [
     "Combiner",
     "ConfigError",
     "DataConfig",
+    "DistanceRule",
     "FedAdagrad",
     "FedAdam",
     "FedYogi",
+    "GeometricMedian",
     "GroupHalf",
+    "Krum",
     "LaneCorrections",
     "Median",
     "ModelConfig",
@@ -150,6 +162,7 @@ __all__ = [
     "scatter",
     "section_span",
     "split",
+    "squared_distances",
     "trainable",
     "weighted_mean_into",
 ]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mpifl.aggregation.distances import (
+    DistanceRule,
     GeometricMedian,
     KeptRows,
     Krum,
@@ -221,3 +222,31 @@ def test_every_pair_of_rows_enters_the_distances_once_centred():
     for i, j in itertools.combinations(range(6), 2):
         assert distances[i, j] == pytest.approx(float(np.sum((points[i].astype(np.float64) - points[j]) ** 2)),
                                                 rel=1e-9)
+
+
+class Medoid(DistanceRule):
+    """The plug-in of docs/reference/plugins.md: the update with the smallest sum of squared distances to the rest."""
+
+    def coefficients(self, gram, weights):
+        best = int(np.argmin(squared_distances(gram).sum(axis=1)))
+        self.metrics = {"medoid": float(self.clients[best])}
+        return np.eye(len(weights))[best]
+
+
+def test_a_plug_in_rule_over_whole_updates_writes_only_its_coefficients():
+    from mpifl.api import Replace, Strategy
+    from mpifl.config import load_config
+
+    strategy = Strategy(StrategyConfig(name="tests:medoid"), Medoid(StrategyConfig(name="tests:medoid")),
+                        Replace(StrategyConfig()))
+    assert strategy.whole_update and strategy.capabilities.whole_update and strategy.declared
+    points = honest_and_byzantine(dim=10).astype(np.float32)
+    keep_in_chunks(strategy.combiner, points, chunk=3)
+    strategy.combiner.solve(len(points))
+    got = torch.cat([strategy.combiner.combined_chunk(s, min(3, 10 - s)) for s in range(0, 10, 3)]).numpy()
+    medoid = int(np.argmin(((points[:, None] - points[None]) ** 2).sum(axis=(1, 2))))
+    assert np.array_equal(got, points[medoid]) and strategy.round_metrics() == {"medoid": 10.0 + medoid}
+    from mpifl.aggregation.compatibility import strategy_problem
+
+    problem = strategy_problem(strategy, load_config(None, ["clients.groups=2"]))  # needs every own update
+    assert problem is not None and problem.startswith("clients.groups:")
