@@ -267,9 +267,10 @@ def unlabelled_differences(groups: Sequence[tuple[str, list[RunOutcome]]]) -> li
 def only_left_out(key: str, settings: Sequence[dict[str, Any]]) -> bool:
     """Whether ``key``, a field of one entry of a list of sections (``faults.0.bits``), differs only because some
     groups leave the list empty (``faults=[]``, which their labels say): every group that has the entry agrees."""
-    if not LIST_ENTRY.match(key):
+    matched = LIST_ENTRY.match(key)
+    if matched is None:
         return False
-    entry = key[:LIST_ENTRY.match(key).end()]  # type: ignore[union-attr]  # matched just above
+    entry = key[:matched.end()]
     values = {str(s.get(key)) for s in settings if any(k.startswith(entry) for k in s)}
     return len(values) == 1
 
