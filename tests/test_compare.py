@@ -286,6 +286,31 @@ def test_a_clean_baseline_beside_attacks_of_two_kinds_is_labelled_as_having_no_f
     assert "The groups also differ in faults.0.factor, faults.0.std:" in text
 
 
+def test_a_sweeps_variants_label_its_groups_and_the_note_says_which_settings_they_set(tmp_path):
+    """Run directories of ``mpifl sweep --grid attack=@attacks.yaml --grid seed=0,1`` are named
+    ``attack=sign_flip,seed=0``: the variant's name is in no config, so the groups are labelled by it, and a plain
+    axis beside it by its KEY=VALUE as the directory writes it."""
+    runs = []
+    for attack, faults in (("clean", "[]"), ("sign_flip", "[{kind: scale, clients: [0], factor: -5.0}]"),
+                           ("noise", "[{kind: noise, clients: [0], std: 1.0}]")):
+        for strategy in ("fedavg", "scaffold"):
+            for seed in (0, 1):
+                run = write_run(tmp_path / f"attack={attack},strategy.name={strategy},seed={seed}", strategy, seed)
+                (run / "config.yaml").write_text((run / "config.yaml").read_text() + f"faults: {faults}\n")
+                runs.append(str(run))
+    text, groups = compare_runs(runs, "eval.loss")
+    assert [(label, len(members)) for label, members in groups] == [
+        ("attack=clean,strategy.name=fedavg", 2), ("attack=clean,strategy.name=scaffold", 2),
+        ("attack=sign_flip,strategy.name=fedavg", 2), ("attack=sign_flip,strategy.name=scaffold", 2),
+        ("attack=noise,strategy.name=fedavg", 2), ("attack=noise,strategy.name=scaffold", 2)]
+    assert ("Each group is labelled by its sweep's variants (its run directories' names), which set faults.0.clients, "
+            "faults.0.factor, faults.0.kind, faults.0.std, strategy.name") in text
+    # a sweep of plain axes only (every part of the names a config key): labelled by the settings, as before
+    plain = [str(write_run(tmp_path / "plain" / f"rounds={r},seed={s}", "fedavg", s, rounds=r)) for r in (3, 5)
+             for s in (0, 1)]
+    assert [label for label, _ in compare_runs(plain, "eval.loss")[1]] == ["rounds=3", "rounds=5"]
+
+
 def test_groups_given_names_of_their_own_are_labelled_by_them(tmp_path):
     """Runs started with ``name=...`` (one name per group, shared by its seeds) are labelled by those names, not
     by the settings, so a paper's legend reads as the paper does."""

@@ -6,11 +6,11 @@ import signal
 import numpy as np
 import pytest
 import yaml
-from conftest import finish, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
+from conftest import ROOT, finish, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
 from reference import reference_run
 
 from mpifl.cli.compare import compare_runs
-from mpifl.cli.sweep import grid_overrides, point_dir, run_dir_name
+from mpifl.cli.sweep import grid_points, point_dir, run_dir_name
 from mpifl.config import ConfigError, load_config
 from mpifl.storage.hdf5 import load_tensors
 
@@ -26,11 +26,87 @@ output: {progress: false}
 """
 
 
+def overrides_of(grid):
+    return [point.overrides for point in grid_points(grid)]
+
+
 def test_the_grid_is_every_combination_with_the_last_axis_changing_fastest():
-    assert grid_overrides(["seed=0,1", "strategy.name=fedavg,fedprox"]) == [
+    assert overrides_of(["seed=0,1", "strategy.name=fedavg,fedprox"]) == [
         ["seed=0", "strategy.name=fedavg"], ["seed=0", "strategy.name=fedprox"],
         ["seed=1", "strategy.name=fedavg"], ["seed=1", "strategy.name=fedprox"]]
-    assert grid_overrides([]) == [[]]  # no axis: the config's one run
+    assert overrides_of([]) == [[]]  # no axis: the config's one run
+
+
+ATTACKS = """
+clean: {}                       # the config as it is
+sign_flip:
+  faults: [{kind: scale, clients: [0, 1], factor: -5}]
+prox: {train: {prox_mu: 0.01, lr: 0.02}, strategy.name: median, clock.mode: 'off'}
+"""
+
+
+def test_a_variants_axis_sets_each_variants_keys_and_names_the_run_by_the_variant(tmp_path):
+    """``NAME=@FILE``: one grid value sets several keys, or a whole list, which a comma-split value cannot."""
+    (tmp_path / "attacks.yaml").write_text(ATTACKS)
+    points = grid_points([f"attack=@{tmp_path / 'attacks.yaml'}", "seed=0,1"])
+    assert [point.labels for point in points] == [
+        ["attack=clean", "seed=0"], ["attack=clean", "seed=1"], ["attack=sign_flip", "seed=0"],
+        ["attack=sign_flip", "seed=1"], ["attack=prox", "seed=0"], ["attack=prox", "seed=1"]]  # the file's order
+    assert points[2].overrides == ["faults=[{kind: scale, clients: [0, 1], factor: -5}]", "seed=0"]
+    # a nested mapping sets its keys one by one (the config's other train keys stay); other values replace whole
+    assert points[4].overrides == ["train.prox_mu=0.01", "train.lr=0.02", "strategy.name=median",
+                                   "clock.mode='off'", "seed=0"]
+    assert points[4].describe() == ("attack=prox (train.prox_mu=0.01 train.lr=0.02 strategy.name=median "
+                                    "clock.mode='off') seed=0")
+    assert run_dir_name(points[2].labels) == "attack=sign_flip,seed=0"
+    # each override reads back as the value the file holds
+    base = {"train": {"batch_size": 7}}
+    cfg = load_config(None, data=base, overrides=points[4].overrides)
+    assert (cfg.train.prox_mu, cfg.train.lr, cfg.train.batch_size, cfg.clock.mode) == (0.01, 0.02, 7, "off")
+    attacked = load_config(None, overrides=["clients.num_clients=4", *points[2].overrides])
+    assert [(f.kind, f.clients, f.factor) for f in attacked.faults] == [("scale", [0, 1], -5.0)]
+    assert points[0].overrides == ["seed=0"]
+
+
+@pytest.mark.parametrize("text,message", [
+    (None, "the variants file '.*attacks.yaml' does not exist"),
+    ("[a, b]", "the top level must map each variant's name to the keys it sets"),
+    ("a: [1]", "variant 'a' must be a mapping of config keys"),
+    ("a: {b: 1\n", "not valid YAML"),
+    ("a: {1: 2}", "variant 'a': a key must be a name, not 1"),
+])
+def test_a_malformed_variants_file_is_a_config_error_naming_the_file_and_the_variant(tmp_path, text, message):
+    if text is not None:
+        (tmp_path / "attacks.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=message) as err:
+        grid_points([f"attack=@{tmp_path / 'attacks.yaml'}"])
+    assert str(err.value).startswith("--grid 'attack=@")
+
+
+def test_a_dry_run_lists_every_run_and_checks_each_config_without_mpi(tmp_path, capsys):
+    """Before a grid goes to a batch queue: each point's directory and keys, each config checked as ``mpifl
+    validate`` checks one, a warning all points share said once, and exit status 2 when a point is refused."""
+    from mpifl.cli import main
+
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    (tmp_path / "strategies.yaml").write_text("plain: {}\nrobust: {strategy: {name: krum, byzantine_clients: 1}}\n"
+                                              "typo: {strategy.nmae: fedavg}\n")
+    runs = tmp_path / "runs"
+    (runs / "s=plain,seed=1").mkdir(parents=True)
+    status = main(["sweep", str(cfg), "faults=[{kind: scale, clients: [0], factor: 1}]", "--grid",
+                   f"s=@{tmp_path / 'strategies.yaml'}", "--grid", "seed=1,2", "--runs-dir", str(runs), "--dry-run"])
+    out = capsys.readouterr().out
+    assert status == 2
+    assert out.startswith("warning (every run): faults[0].factor: a scale fault with factor 1 changes nothing")
+    assert out.count("factor 1 changes nothing") == 1
+    assert f"run 1 of 6: s=plain seed=1 -> {runs / 's=plain,seed=1'} (already there: --resume goes on with it)" in out
+    assert (f"run 3 of 6: s=robust (strategy.name=krum strategy.byzantine_clients=1) seed=1 -> "
+            f"{runs / 's=robust,seed=1'}\n  valid (2 rounds, 4 of 6 clients per round") in out
+    assert "; faults[0]: scale (factor 1) on client 0, rounds 1-end)" in out  # what validate says of faults
+    assert "\n  warning: strategy.byzantine_clients: Krum's guarantee needs n >= 2f + 3" in out
+    assert "run 5 of 6: s=typo (strategy.nmae=fedavg) seed=1" in out and "unknown key 'strategy.nmae'" in out
+    assert out.rstrip().endswith("mpifl sweep --dry-run: 6 runs, the config of run 5-6 refused")
+    assert sorted(p.name for p in runs.iterdir()) == ["s=plain,seed=1"]  # nothing written
 
 
 @pytest.mark.parametrize("axes,message", [
@@ -40,7 +116,24 @@ def test_the_grid_is_every_combination_with_the_last_axis_changing_fastest():
 ])
 def test_a_malformed_grid_is_a_config_error_naming_the_axis(axes, message):
     with pytest.raises(ConfigError, match=message):
-        grid_overrides(axes)
+        grid_points(axes)
+
+
+def test_the_shipped_variants_files_make_a_byzantine_study_of_the_quick_start_with_no_warning(tmp_path, capsys):
+    """configs/variants/: FedAvg and the robust strategies, each with only the keys it reads, against the attacks
+    of docs/how-to/faults.md, as that page runs them."""
+    from mpifl.cli import main
+
+    variants = ROOT / "configs" / "variants"
+    status = main(["sweep", str(ROOT / "configs" / "quickstart.yaml"), "clients.per_round=8", "rounds=5",
+                   "--grid", f"strategy=@{variants / 'robust_strategies.yaml'}",
+                   "--grid", f"attack=@{variants / 'byzantine_attacks.yaml'}", "--runs-dir", str(tmp_path),
+                   "--dry-run"])
+    out = capsys.readouterr().out
+    assert status == 0 and out.rstrip().endswith("16 runs, every config valid") and "warning" not in out, out
+    assert [line.split(" -> ")[1] for line in out.splitlines() if line.startswith("run ")][:5] == [
+        str(tmp_path / f"strategy=fedavg,attack={a}") for a in ("clean", "sign_flip", "noise", "label_flip")] + [
+        str(tmp_path / "strategy=median,attack=clean")]
 
 
 def test_a_runs_directory_is_named_by_its_grid_point_and_never_nests():
@@ -54,7 +147,7 @@ def test_a_runs_directory_is_named_by_its_grid_point_and_never_nests():
 
 def test_two_grid_points_that_would_share_a_directory_are_refused_naming_both():
     with pytest.raises(ConfigError) as err:
-        grid_overrides(["model.local=['5.*'],[\"5.*\"]"])
+        grid_points(["model.local=['5.*'],[\"5.*\"]"])
     assert ("""the points model.local=['5.*'] and model.local=["5.*"] would share the run directory """
             "'model.local=5.x'") in str(err.value)
 
@@ -71,30 +164,32 @@ def test_a_sweep_resumed_from_before_colons_were_replaced_finds_its_runs_under_t
 
 
 def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skips_finished_runs(tmp_path):
+    """The second axis is a variants file: its ``equal`` variant sets two keys, each run as that config's."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
-    runs = tmp_path / "runs"
-    done = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--grid", "strategy.weighting=samples,equal",
-                   "--runs-dir", str(runs))
+    (tmp_path / "w.yaml").write_text("samples: {}\nequal: {strategy: {weighting: equal}, train.lr: 0.02}\n")
+    runs, grid = tmp_path / "runs", ["--grid", "seed=1,2", "--grid", f"w=@{tmp_path / 'w.yaml'}"]
+    done = run_mpi(3, "sweep", str(cfg), *grid, "--runs-dir", str(runs))
     assert done.returncode == 0, done.stderr
     assert "mpifl sweep: 4 runs in" in done.stderr
+    assert "run 2 of 4: seed=1 w=equal (strategy.weighting=equal train.lr=0.02) -> " in done.stderr
     for seed in (1, 2):
-        for weighting in ("samples", "equal"):
-            point = [f"seed={seed}", f"strategy.weighting={weighting}"]
-            got = load_tensors(runs / run_dir_name(point) / "model.h5")
-            expected = reference_run(load_config(None, data=yaml.safe_load(CONFIG), overrides=point))
+        for weighting, keys in (("samples", []), ("equal", ["strategy.weighting=equal", "train.lr=0.02"])):
+            got = load_tensors(runs / f"seed={seed},w={weighting}" / "model.h5")
+            expected = reference_run(load_config(None, data=yaml.safe_load(CONFIG), overrides=[f"seed={seed}", *keys]))
             for name, value in expected.items():
-                assert np.array_equal(got[name].numpy().view(np.int32), value.view(np.int32)), (point, name)
-    # mpifl compare pools the seeds of each weighting into mean ± std, the lowest train loss being the best
+                assert np.array_equal(got[name].numpy().view(np.int32), value.view(np.int32)), (seed, keys, name)
+    # mpifl compare pools the seeds of each variant into mean ± std, the lowest train loss being the best
     text, groups = compare_runs(sorted(str(p) for p in runs.iterdir()), "train_loss")
     assert [(label, [o.config["seed"] for o in members]) for label, members in groups] == [
-        ("strategy.weighting=equal", [1, 2]), ("strategy.weighting=samples", [1, 2])]
+        ("w=equal", [1, 2]), ("w=samples", [1, 2])]  # the variants' names, which no config holds
+    assert "labelled by its sweep's variants (its run directories' names), which set strategy.weighting, train.lr" \
+        in text
     assert all(o.best == min(o.curve.values()) for _, members in groups for o in members)
     assert "| runs (seeds pooled) | n | seeds | best (lower), mean ± std | final, mean ± std |" in text
-    again = run_mpi(3, "sweep", str(cfg), "--grid", "seed=1,2", "--grid", "strategy.weighting=samples,equal",
-                    "--runs-dir", str(runs), "--resume")
+    again = run_mpi(3, "sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume")
     assert again.returncode == 0, again.stderr
     assert again.stderr.count("run already complete") == 4
-    assert rounds_logged(runs / "seed=1,strategy.weighting=samples") == [1, 2]  # not run twice
+    assert rounds_logged(runs / "seed=1,w=samples") == [1, 2]  # not run twice
 
 
 def test_a_bad_grid_point_fails_alone_and_the_others_run(tmp_path):

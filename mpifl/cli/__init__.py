@@ -36,10 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     grid = _config_arguments(_command(sub, "sweep", "run a grid of one config's runs one after another in one MPI "
                                                     "job (under mpiexec), each an ordinary run in its own directory"))
     grid.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                      help="an axis of the grid (repeat for more; the last changes fastest); no --grid: one run")
+                      help="an axis of the grid (repeat for more; the last changes fastest); NAME=@FILE: one run per "
+                           "variant in FILE, each setting its own keys; no --grid: one run")
     grid.add_argument("--runs-dir", required=True, help="the folder of the runs: RUNS_DIR/KEY=V,KEY2=V2 each")
     grid.add_argument("--resume", action="store_true",
                       help="skip finished runs, resume unfinished ones from their newest checkpoint, start the rest")
+    grid.add_argument("--dry-run", action="store_true",
+                      help="list the runs and check each one's config as validate does, without MPI")
     grid.set_defaults(func=sweep)
     validate = _command(sub, "validate", "check a config without running it (no MPI needed)")
     _config_arguments(validate).set_defaults(func=commands.validate)

@@ -12,6 +12,7 @@ from mpifl.config import Config, ConfigError, load_config
 from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC, reads_key
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
+from mpifl.planning.faults import fault_summary
 from mpifl.roles.launch import SetupError, agree, bind_gpu_from_local_rank, guarded
 from mpifl.units import range_list
 
@@ -124,13 +125,26 @@ def _another_singleton(comm: MPI.Intracomm) -> bool:
 
 def validate(args: argparse.Namespace) -> int:
     """``mpifl validate``: check a config (transformers and plug-in models are built on meta) without MPI."""
-    cfg = load_config(args.config, args.overrides)
+    cfg, warnings = checked_config(args.config, args.overrides)
+    for warning in warnings:
+        print(f"warning: {warning}")
+    print(f"{args.config}: valid ({validated_summary(cfg)})")
+    return 0
+
+
+def checked_config(config: str, overrides: list[str]) -> tuple[Config, list[str]]:
+    """The config with every check ``validate`` makes (plug-ins, the model on meta, the trainer, the partition, the
+    virtual-time schedule), and its warnings; a problem is a ConfigError naming the key."""
+    cfg = load_config(config, overrides)
     warnings = check_plugins(cfg, partition_follows=True)
     check_model(cfg)
     check_trainer(cfg)
     warnings += check_schedule(cfg, check_partition(cfg))
-    for warning in warnings:
-        print(f"warning: {warning}")
+    return cfg, warnings
+
+
+def validated_summary(cfg: Config) -> str:
+    """What ``validate`` says of a valid config: the schedule, the model, the strategy and what clients send."""
     model = f"{cfg.model.name} {cfg.model.dtype}"
     if cfg.model.name == "transformers":
         from mpifl.cli.plan import model_bytes, parameters_text
@@ -141,9 +155,9 @@ def validate(args: argparse.Namespace) -> int:
                   f"{format_bytes(size.frozen)} frozen)")
     sends = "deltas" if cfg.strategy.update == "delta" else "weights"  # update and weighting as resolved
     weights = validated_weighting(cfg)
-    print(f"{args.config}: valid ({validated_schedule(cfg)}, model {model}, strategy {cfg.strategy.name}: clients "
-          f"send {sends}, {weights})")
-    return 0
+    faults = "; ".join(f"faults[{i}]: {fault_summary(f)}" for i, f in enumerate(cfg.faults))
+    return (f"{validated_schedule(cfg)}, model {model}, strategy {cfg.strategy.name}: clients send {sends}, "
+            f"{weights}" + (f"; {faults}" if faults else ""))
 
 
 def validated_schedule(cfg: Config) -> str:

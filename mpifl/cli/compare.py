@@ -196,7 +196,7 @@ def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutco
     for o in outcomes:
         keyed.setdefault(json.dumps(setting(o), sort_keys=True, default=str), []).append(o)
     settings = [setting(members[0]) for members in keyed.values()]
-    named = names_of(list(keyed.values()))
+    named = names_of(list(keyed.values())) or variant_labels(list(keyed.values()))
     if named is not None:
         return list(zip(named, keyed.values()))
     differing = differing_keys(settings)
@@ -218,6 +218,30 @@ def names_of(groups: Sequence[Sequence[RunOutcome]]) -> list[str] | None:
         return None
     labels = [next(iter(n)) for n in names]
     return labels if len(set(labels)) == len(labels) and DEFAULT_NAME not in labels else None
+
+
+def variant_labels(groups: Sequence[Sequence[RunOutcome]]) -> list[str] | None:
+    """The groups' labels from their sweep's run directories (``attack=sign_flip,seed=0``) where the sweep had a
+    variants axis (``--grid attack=@attacks.yaml``): a variant's name is in no config, only in the directory's name,
+    and it names the settings the variant sets together better than any one of them. The label is the directory's
+    ``KEY=VALUE`` parts but the seed; each group's runs must share it and no two groups may. None where no run
+    directory names a variant."""
+    labels, variants = [], False
+    for members in groups:
+        found = set()
+        for o in members:
+            pairs = [part.partition("=") for part in o.run_dir.name.split(",")]
+            if any(not sep or not key or not value for key, sep, value in pairs):
+                return None
+            keys = flat(o.config)
+            variants |= any(key not in keys and key not in NOT_THE_SETTING for key, _, _ in pairs)
+            found.add(",".join(f"{key}={value}" for key, _, value in pairs if key != "seed"))
+        if len(found) != 1:
+            return None
+        labels.append(next(iter(found)))
+    if not variants or len(groups) < 2 or len(set(labels)) < len(labels) or "" in labels:
+        return None
+    return labels
 
 
 def left_out_sections(setting: dict[str, Any], keys: Sequence[str]) -> list[str]:
@@ -438,11 +462,19 @@ def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
                      "with the others' last rounds, and the figure draws its group only to the last round every run "
                      "of the group recorded")
     hidden = unlabelled_differences(groups) if len(groups) > 1 else []
-    if hidden:
-        shown = ", ".join(hidden[:8]) + (f" and {len(hidden) - 8} more" if len(hidden) > 8 else "")
-        notes.append(f"The groups also differ in {shown}: each label names only the fewest settings that tell the "
-                     "groups apart (each run's config.yaml has them all)")
+    if variant_labels([members for _, members in groups]) is not None:  # the labels name no setting: say which
+        notes.append(f"Each group is labelled by its sweep's variants (its run directories' names), which set "
+                     f"{first_few(differing_keys([setting(members[0]) for _, members in groups]))} (each run's "
+                     "config.yaml has them all)")
+    elif hidden:
+        notes.append(f"The groups also differ in {first_few(hidden)}: each label names only the fewest settings that "
+                     "tell the groups apart (each run's config.yaml has them all)")
     return "".join(f"\n\n{note}" for note in notes)
+
+
+def first_few(keys: Sequence[str], shown: int = 8) -> str:
+    """``keys`` for a note: the first ``shown`` and how many more."""
+    return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 # What a figure calls the metrics a run records most often (its axis keeps the key, the name of --metric)

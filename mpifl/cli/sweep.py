@@ -9,41 +9,124 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.cli.commands import run, world_of
+import yaml
+
+from mpifl.cli.commands import checked_config, run, validated_summary, world_of
 from mpifl.cli.supervisor import supervised
 from mpifl.config import ConfigError
+from mpifl.config.schema import read_yaml
 from mpifl.errors import INTERRUPTED
 from mpifl.logs import log
 from mpifl.planning.world import too_few_ranks
 from mpifl.units import range_list
 
 
-def grid_overrides(grid: list[str]) -> list[list[str]]:
-    """Every combination of the ``KEY=V1,V2,...`` axes as ``KEY=V`` overrides, the last axis changing fastest
-    (as nested loops written in the same order would visit them). Values are split at commas, so a grid value
-    cannot hold one (a list value stays in the config or a plain override)."""
-    axes: dict[str, list[str]] = {}
+@dataclass(frozen=True)
+class GridPoint:
+    """One run of a sweep: one (label, overrides) pair per axis. A label is ``KEY=VALUE`` for a plain axis, whose
+    overrides are that word alone, and ``NAME=VARIANT`` for a variants axis, whose overrides are the variant's
+    keys."""
+
+    choices: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @property
+    def labels(self) -> list[str]:
+        """What names the run's directory: each axis's label."""
+        return [label for label, _ in self.choices]
+
+    @property
+    def overrides(self) -> list[str]:
+        """The ``KEY=VALUE`` words the run applies, axis by axis."""
+        return [word for _, words in self.choices for word in words]
+
+    def describe(self) -> str:
+        """The point for a log line: its labels, each variant followed by the keys it sets."""
+        return " ".join(label if list(words) in ([label], []) else f"{label} ({' '.join(words)})"
+                        for label, words in self.choices)
+
+
+def grid_points(grid: list[str]) -> list[GridPoint]:
+    """Every combination of the axes, the last axis changing fastest (as nested loops written in the same order
+    would visit them). A plain axis is ``KEY=V1,V2,...``: values split at commas, so a grid value cannot hold one.
+    A variants axis is ``NAME=@FILE``: FILE maps each variant's name to the keys it sets, so that one grid value
+    can set several keys, or a list (``variant_overrides``)."""
+    axes: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
     for axis in grid:
         key, sep, values = axis.partition("=")
         if not sep or not key or not values:
-            raise ConfigError(f"--grid {axis!r}: expected KEY=VALUE1,VALUE2,...")
+            raise ConfigError(f"--grid {axis!r}: expected KEY=VALUE1,VALUE2,... or NAME=@FILE")
         if key in axes:
             raise ConfigError(f"--grid names a key twice: {key}")
+        if values.startswith("@"):
+            axes[key] = [(f"{key}={name}", tuple(words)) for name, words in read_variants(axis, Path(values[1:]))]
+            continue
         choices = values.split(",")
         if any(not v for v in choices):
             raise ConfigError(f"--grid {axis!r}: an empty value")
-        axes[key] = [f"{key}={v}" for v in choices]
-    points = [list(combination) for combination in itertools.product(*axes.values())]
-    named: dict[str, list[str]] = {}
+        axes[key] = [(f"{key}={v}", (f"{key}={v}",)) for v in choices]
+    points = [GridPoint(combination) for combination in itertools.product(*axes.values())]
+    named: dict[str, GridPoint] = {}
     for point in points:
-        other = named.setdefault(run_dir_name(point), point)
+        other = named.setdefault(run_dir_name(point.labels), point)
         if other is not point:
-            raise ConfigError(f"--grid: the points {' '.join(other)} and {' '.join(point)} would share the run "
-                              f"directory {run_dir_name(point)!r} (a directory name keeps no quotes, brackets or "
-                              "wildcards): write the two values so that they differ in letters or digits")
+            raise ConfigError(f"--grid: the points {' '.join(other.labels)} and {' '.join(point.labels)} would share "
+                              f"the run directory {run_dir_name(point.labels)!r} (a directory name keeps no quotes, "
+                              "brackets or wildcards): write the two values so that they differ in letters or digits")
     return points
+
+
+def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
+    """A variants file's entries in the file's order, each as (name, its ``KEY=VALUE`` overrides). The file's top
+    level maps each variant's name to a mapping of config keys (sections nested or dotted, as in a config file);
+    an empty variant (``clean: {}``) runs the config as it is."""
+    where = f"--grid {axis!r}"
+    if not path.is_file():
+        raise ConfigError(f"{where}: the variants file {str(path)!r} does not exist (NAME=@FILE reads each variant's "
+                          "keys from FILE)")
+    try:
+        raw = read_yaml(path.read_text(), str(path))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: {path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{where}: {path}: the top level must map each variant's name to the keys it sets, e.g. "
+                          "'sign_flip: {faults: [{kind: scale, factor: -5, clients: [0, 1]}]}'")
+    variants = []
+    for name, keys in raw.items():
+        if not isinstance(name, (str, int, float)) or isinstance(name, bool) or not str(name).strip():
+            raise ConfigError(f"{where}: {path}: a variant's name must be a word, not {name!r}")
+        if keys is not None and not isinstance(keys, dict):
+            raise ConfigError(f"{where}: {path}: variant {name!r} must be a mapping of config keys (or empty), "
+                              f"got {type(keys).__name__}")
+        variants.append((str(name), variant_overrides(keys or {}, f"{where}: {path}: variant {name!r}")))
+    return variants
+
+
+def variant_overrides(keys: dict, where: str, prefix: str = "") -> list[str]:
+    """A variant's keys as ``KEY=VALUE`` overrides, applied as a config file's would be: a nested mapping sets its
+    keys one by one (``strategy: {name: fedprox, mu: 0.01}`` leaves the config's other strategy keys), any other
+    value (a list, a scalar) replaces the key's value whole. Each value is written as YAML flow text, which the
+    override reads back as the same value."""
+    words = []
+    for key, value in keys.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}: a key must be a name, not {key!r}")
+        dotted = prefix + key
+        if isinstance(value, dict) and value:
+            words += variant_overrides(value, where, dotted + ".")
+        else:
+            words.append(f"{dotted}={yaml_flow(value)}")
+    return words
+
+
+def yaml_flow(value: object) -> str:
+    """``value`` as one line of YAML that reads back as itself (strings YAML 1.1 would take for booleans, such as
+    'off', quoted)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True,
+                          sort_keys=False).strip()
+    return text.removesuffix("...").strip()
 
 
 # What a directory name keeps of a grid point: no '/' (a value never makes a subdirectory), no ':' (it splits paths
@@ -76,9 +159,47 @@ def sweep(args: argparse.Namespace) -> int:
     signal stopped one (the sweep stops there: ``--resume`` goes on), else the first failure's. Each rank runs
     under a supervisor, as ``mpifl run``'s do (``mpifl.cli.supervisor``), unless the caller passed its own
     communicator."""
+    if getattr(args, "dry_run", False):
+        return dry_run(args)
     if getattr(args, "comm", None) is not None:
         return _sweep(args)
     return supervised(lambda: _sweep(args), command="sweep")
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """``mpifl sweep --dry-run``: each grid point's run directory and the keys it sets, each config checked as
+    ``mpifl validate`` checks one, in a plain process (no MPI), so that a grid submitted to a batch queue holds no
+    refused point. A warning every valid point shares is said once, first; exit status 2 when any point is
+    refused."""
+    points = grid_points(args.grid)
+    lines: list[tuple[str, list[str]]] = []
+    warned: list[set[str]] = []
+    refused: list[int] = []
+    for number, point in enumerate(points, 1):
+        run_dir = point_dir(Path(args.runs_dir), point.labels)
+        head = f"run {number} of {len(points)}: {point.describe()} -> {run_dir}" + (
+            " (already there: --resume goes on with it)" if run_dir.exists() else "")
+        try:
+            cfg, warnings = checked_config(args.config, [*args.overrides, *point.overrides])
+        except ConfigError as err:
+            refused.append(number)
+            lines.append((f"{head}\n  config error: {err}", []))
+            continue
+        lines.append((f"{head}\n  valid ({validated_summary(cfg)})", warnings))
+        warned.append(set(warnings))
+    everywhere = set.intersection(*warned) if len(warned) > 1 else set()  # among the valid points
+    for warning in sorted(everywhere):
+        print(f"warning (every run): {warning}")
+    for text, warnings in lines:
+        print(text)
+        for warning in warnings:
+            if warning not in everywhere:
+                print(f"  warning: {warning}")
+    if refused:
+        print(f"mpifl sweep --dry-run: {len(points)} runs, the config of run {range_list(refused)} refused")
+        return 2
+    print(f"mpifl sweep --dry-run: {len(points)} runs, every config valid")
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -86,17 +207,18 @@ def _sweep(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     world = world_of(getattr(args, "comm", None))
-    points = grid_overrides(args.grid)
+    points = grid_points(args.grid)
     speaks = world.Get_rank() == 0
     if world.Get_size() < 2:  # every point would be refused alike: say it once, before any run directory
         log(f"mpifl sweep: {too_few_ranks('sweep')} ...", rank=0)
         return 2
     failed: dict[int, int] = {}  # run number -> its exit status, for the runs that failed
     for number, point in enumerate(points, 1):
-        run_dir = point_dir(Path(args.runs_dir), point)
+        run_dir = point_dir(Path(args.runs_dir), point.labels)
         if speaks:
-            log(f"mpifl sweep: run {number} of {len(points)}: {' '.join(point)} -> {run_dir}", rank=0)
-        one = argparse.Namespace(config=args.config, overrides=[*args.overrides, *point], run_dir=str(run_dir),
+            log(f"mpifl sweep: run {number} of {len(points)}: {point.describe()} -> {run_dir}", rank=0)
+        one = argparse.Namespace(config=args.config, overrides=[*args.overrides, *point.overrides],
+                                 run_dir=str(run_dir),
                                  resume="latest" if args.resume else None, memray=None, memray_native=False,
                                  comm=world.Dup())  # its own message space: nothing of one run reaches the next
         try:
@@ -104,7 +226,8 @@ def _sweep(args: argparse.Namespace) -> int:
         finally:
             one.comm.Free()
         if status == 2 and speaks:  # the other grid points may still be valid
-            log(f"mpifl sweep: config error in run {number} ({' '.join(point)}), said above: the other runs go on",
+            log(f"mpifl sweep: config error in run {number} ({' '.join(point.labels)}), said above: the other runs go "
+                "on",
                 rank=0)
         # only the server learns that a signal stopped the run (the clients end as after the last round): the
         # ranks agree on the worst status, so that all stop, or all go on to the next point

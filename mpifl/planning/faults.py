@@ -22,6 +22,7 @@ from mpifl.config import Config
 from mpifl.config.sections import FaultConfig
 from mpifl.logs import world_rank
 from mpifl.planning.seeds import BITS, FAULTS, NOISE, derive_seed
+from mpifl.units import range_list
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,25 @@ CHANGES_PAST_THE_CHECK = frozenset({"corrupt"})
 # every client's update is NaN/Inf, in later rounds than the strikes themselves
 ALTERS_THE_UPDATE = frozenset({"scale", "corrupt", "noise", "label_flip"})
 ENDS_THE_JOB = frozenset({"kill", "exit"})  # kinds whose every strike ends the job (ends_the_job adds a stall for ever)
+
+
+def fault_summary(fault: FaultConfig) -> str:
+    """One fault in a few words, for ``mpifl validate``: its kind with the parameters it reads, whom and when it
+    strikes, and its stage where that is not the default ('scale (factor -5) on clients 0-1, rounds 1-end')."""
+    parameters = ", ".join(f"{name} {getattr(fault, name):g}" if isinstance(getattr(fault, name), float)
+                           else f"{name} {getattr(fault, name)}" for name in PARAMETERS.get(fault.kind, ()))
+    what = fault.kind + (f" ({parameters})" if parameters else "")
+    if fault.clients:
+        whom = f"client{'s' if len(fault.clients) > 1 else ''} {range_list(sorted(fault.clients))}"
+    elif fault.ranks:
+        whom = f"rank{'s' if len(fault.ranks) > 1 else ''} {range_list(sorted(fault.ranks))}"
+    else:
+        whom = f"{fault.fraction:.0%} of trained clients"
+    if fault.rounds:
+        when = f"round{'s' if len(fault.rounds) > 1 else ''} {range_list(sorted(fault.rounds))}"
+    else:
+        when = f"rounds {fault.from_round}-{fault.to_round or 'end'}"
+    return f"{what} on {whom}, {when}" + ("" if fault.stage == "train" else f", at stage {fault.stage}")
 
 
 def ends_the_job(fault: FaultConfig) -> bool:

@@ -15,7 +15,7 @@ from results import recorded_on_any_rank_count
 from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.config import ConfigError, config_warnings, load_config
 from mpifl.config.sections import FaultConfig
-from mpifl.planning.faults import FaultPlan, Strike, drawn
+from mpifl.planning.faults import FaultPlan, Strike, drawn, fault_summary
 from mpifl.planning.federation import RoundAssignment
 from mpifl.roles.faults import flip_bits
 from mpifl.roles.records import fault_entries, fault_line
@@ -99,6 +99,17 @@ def test_rounds_from_to_and_targets_pick_exactly_the_strikes_asked_for():
     assert [(s.index, s.round) for r in range(1, 5) for s in plan.strikes(r, 2, rank=1)] == [(0, 1), (0, 3)]
     assert [s.round for r in range(1, 5) for s in plan.strikes(r, 5, rank=2)] == [2, 3]
     assert plan.bad_ranks(client_ranks=1) == "faults[1].ranks: [2] is not client ranks of this job (ranks 1..1)"
+
+
+def test_validate_says_what_each_fault_does_to_whom_and_when():
+    cfg = config("[{kind: scale, clients: [0, 1, 3], factor: -5}, {kind: noise, fraction: 0.25, std: 1.5, "
+                 "rounds: [3, 1]}, {kind: kill, ranks: [2], rounds: [3], stage: send}, "
+                 "{kind: exit, ranks: [1, 2], from_round: 2, to_round: 3, code: 7}]")
+    assert [fault_summary(f) for f in cfg.faults] == [
+        "scale (factor -5) on clients 0-1,3, rounds 1-end",
+        "noise (std 1.5) on 25% of trained clients, rounds 1,3",
+        "kill on rank 2, round 3, at stage send",
+        "exit (code 7, via sys) on ranks 1-2, rounds 2-3"]
 
 
 def test_a_corruption_flips_exactly_its_bits_the_same_ones_every_time():
