@@ -74,6 +74,7 @@ def test_a_variants_axis_sets_each_variants_keys_and_names_the_run_by_the_varian
     ("a: [1]", "variant 'a' must be a mapping of config keys"),
     ("a: {b: 1\n", "not valid YAML"),
     ("a: {1: 2}", "variant 'a': a key must be a name, not 1"),
+    ("'a,b': {seed: 1}", "a variant's name must be a word without ',' or '=', not 'a,b'"),
 ])
 def test_a_malformed_variants_file_is_a_config_error_naming_the_file_and_the_variant(tmp_path, text, message):
     if text is not None:

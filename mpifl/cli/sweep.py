@@ -95,8 +95,9 @@ def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
                           "'sign_flip: {faults: [{kind: scale, factor: -5, clients: [0, 1]}]}'")
     variants = []
     for name, keys in raw.items():
-        if not isinstance(name, (str, int, float)) or isinstance(name, bool) or not str(name).strip():
-            raise ConfigError(f"{where}: {path}: a variant's name must be a word, not {name!r}")
+        if not isinstance(name, (str, int, float)) or isinstance(name, bool) or not str(name).strip() or any(
+                c in str(name) for c in ",="):  # a run directory's name splits at both
+            raise ConfigError(f"{where}: {path}: a variant's name must be a word without ',' or '=', not {name!r}")
         if keys is not None and not isinstance(keys, dict):
             raise ConfigError(f"{where}: {path}: variant {name!r} must be a mapping of config keys (or empty), "
                               f"got {type(keys).__name__}")
@@ -106,7 +107,7 @@ def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
 
 def variant_overrides(keys: dict, where: str, prefix: str = "") -> list[str]:
     """A variant's keys as ``KEY=VALUE`` overrides, applied as a config file's would be: a nested mapping sets its
-    keys one by one (``strategy: {name: fedprox, mu: 0.01}`` leaves the config's other strategy keys), any other
+    keys one by one (``train: {prox_mu: 0.01, lr: 0.05}`` leaves the config's other train keys), any other
     value (a list, a scalar) replaces the key's value whole. Each value is written as YAML flow text, which the
     override reads back as the same value."""
     words = []
