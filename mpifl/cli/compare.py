@@ -464,7 +464,7 @@ def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
     hidden = unlabelled_differences(groups) if len(groups) > 1 else []
     if variant_labels([members for _, members in groups]) is not None:  # the labels name no setting: say which
         settings = [setting(members[0]) for _, members in groups]
-        set_apart = [k for k in differing_keys(settings) if k not in AUTOMATIC_KEYS and not only_left_out(k, settings)]
+        set_apart = [k for k in differing_keys(settings) if not only_left_out(k, settings)]
         notes.append(f"Each group is labelled by its sweep's variants (its run directories' names), which set "
                      f"{first_few(set_apart)} (each run's config.yaml has them all)")
     elif hidden:
