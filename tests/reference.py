@@ -134,7 +134,37 @@ def trimmed_mean(stack: np.ndarray, beta: float) -> np.ndarray:
     return acc / np.float32(p - 2 * k)
 
 
-WHOLE_UPDATE_RULES = ("krum", "multi_krum", "geometric_median")
+WHOLE_UPDATE_RULES = ("krum", "multi_krum", "geometric_median")  # each a combination sum_i c_i x_i of the updates
+
+
+def bulyan_selection(s, updates: list[dict[str, np.ndarray]]) -> list[int]:
+    """Bulyan's first stage (El Mhamdi et al. 2018, Algorithm 1) on the whole flattened updates, with explicit
+    distances: theta = n - 2f times, the Krum choice among the updates not chosen yet (a tie to the lower)."""
+    x = np.stack([np.concatenate([u[n].astype(np.float64).ravel() for n in u]) for u in updates])
+    f, remaining, chosen = s.byzantine_clients, list(range(len(x))), []
+    while len(chosen) < max(1, len(x) - 2 * f):
+        m = len(remaining)
+        neighbours = max(1, min(m - f - 2, m - 1)) if m > 1 else 0
+        scores = [sum(sorted(float(np.sum((x[i] - x[j]) ** 2)) for j in remaining if j != i)[:neighbours])
+                  for i in remaining]
+        chosen.append(remaining.pop(min(range(m), key=lambda a: (scores[a], a))))
+    return sorted(chosen)
+
+
+def bulyan_coordinates(selected: list[np.ndarray], beta: int) -> np.ndarray:
+    """Bulyan's second stage, coordinate by coordinate as the paper writes it: the mean of the beta selected values
+    nearest the coordinate's median (a tie to the lower value), summed in ascending order in float64."""
+    stack = np.stack([u.astype(np.float64).ravel() for u in selected])
+    theta, beta = len(stack), max(1, min(beta, len(stack)))
+    out = np.empty(stack.shape[1])
+    for k in range(stack.shape[1]):
+        values = sorted(stack[:, k])
+        median = values[theta // 2] if theta % 2 else (values[theta // 2 - 1] + values[theta // 2]) / 2.0
+        acc = 0.0
+        for v in sorted(sorted(values, key=lambda v: (abs(v - median), v))[:beta]):
+            acc += v
+        out[k] = acc / beta
+    return out.astype(np.float32).reshape(selected[0].shape)
 
 
 def whole_update_coefficients(s, weights: list[float], updates: list[dict[str, np.ndarray]]) -> list[float]:
@@ -237,12 +267,16 @@ def reference_run(cfg: Config, drop: frozenset[int] = frozenset(),
         divisor = fednova_divisor(steps) if s.name == "fednova" else None
         whole = whole_update_coefficients(s, [w for _, w, _ in sent], [u for _, _, u in sent]) \
             if s.name in WHOLE_UPDATE_RULES else None
+        bulyan = bulyan_selection(s, [u for _, _, u in sent]) if s.name == "bulyan" else None
         for name, tensor in flat.tensors():
             if s.name == "fednova" and name in statistics:  # the fold's weights p_i / tau_i, normalised: convex
                 divisor = math.fsum(w for _, w, _ in sent)
             elif s.name == "fednova":
                 divisor = fednova_divisor(steps)
-            if whole is not None:  # sum_i c_i x_i in float64, row by row, rounded once
+            if bulyan is not None:
+                beta = max(1, max(1, len(sent) - 2 * s.byzantine_clients) - 2 * s.byzantine_clients)
+                combined = bulyan_coordinates([sent[i][2][name] for i in bulyan], beta)
+            elif whole is not None:  # sum_i c_i x_i in float64, row by row, rounded once
                 combined = np.zeros(old[name].shape)
                 for c, (_, _, u) in zip(whole, sent):
                     if c != 0.0:

@@ -212,8 +212,8 @@ def test_validate_says_how_a_round_weighs_the_updates_as_the_run_will(overrides,
 def test_a_robust_rules_key_beside_a_strategy_that_does_not_read_it_is_warned_of():
     warnings = config_warnings(load_config(None, ["strategy.name=median", "strategy.byzantine_clients=2",
                                                   "strategy.geomed_iterations=9"]))
-    assert "strategy.byzantine_clients: read only by strategy.name 'krum' or 'multi_krum', and strategy.name is " \
-           "'median': ignored" in warnings
+    assert "strategy.byzantine_clients: read only by strategy.name 'krum' or 'multi_krum' or 'bulyan', and " \
+           "strategy.name is 'median': ignored" in warnings
     assert any(w.startswith("strategy.geomed_iterations: read only by strategy.name 'geometric_median'")
                for w in warnings)
     assert not [w for w in config_warnings(load_config(None, ["strategy.name=multi_krum", "strategy.krum_keep=3",
@@ -250,16 +250,18 @@ def test_every_strategy_key_beside_a_built_in_strategy_that_does_not_read_it_is_
                 if w.startswith("strategy.")]
 
 
-def test_krum_and_the_geometric_median_take_top_k_updates_where_a_coordinate_wise_rule_does_not():
+def test_krum_and_the_geometric_median_take_top_k_updates_where_a_coordinate_wise_rule_or_bulyan_does_not():
     for name in ("krum", "multi_krum", "geometric_median"):
         load_config(None, [f"strategy.name={name}", "compression.method=topk"])
-    with pytest.raises(ConfigError, match="compression.method: 'topk'"):
-        load_config(None, ["strategy.name=median", "compression.method=topk"])
+    for name in ("median", "bulyan"):  # Bulyan ends in a coordinate-wise statistic: mostly zeros of sparse updates
+        with pytest.raises(ConfigError, match="compression.method: 'topk'"):
+            load_config(None, [f"strategy.name={name}", "compression.method=topk"])
 
 
 def test_strategy_and_evaluation_combinations_are_checked():
-    with pytest.raises(ConfigError, match=r"strategy.name: 'bulyan' is not allowed; choose one of 'fedavg', 'fedavgm'"):
-        load(strategy={"name": "bulyan"})
+    with pytest.raises(ConfigError,
+                       match=r"strategy.name: 'centered_clipping' is not allowed; choose one of 'fedavg', 'fedavgm'"):
+        load(strategy={"name": "centered_clipping"})
     with pytest.raises(ConfigError, match=r"strategy.trim_fraction: must be <= 0.49"):
         load(strategy={"name": "trimmed_mean", "trim_fraction": 0.5})
     with pytest.raises(ConfigError, match=r"eval.federated_every: .* set data.val_fraction"):
@@ -463,7 +465,8 @@ def test_robust_rules_are_refused_with_topk_whose_sparse_updates_make_their_orde
     assert said.startswith(f"compression.method: 'topk' sends each client's update as its largest fraction of "
                            f"coordinates, zeros elsewhere, and strategy {strategy!r} needs every participant's own "
                            "update")
-    assert "a coordinate-wise order statistic (median, trimmed mean) of sparse updates is mostly zeros" in said
+    assert ("a coordinate-wise order statistic (median, trimmed mean, Bulyan's values nearest the median) of sparse "
+            "updates is mostly zeros") in said
     assert "set compression.method to 'int8', 'int4' or 'none', or choose a summable strategy.name" in said
     for method in ("int8", "int4"):
         assert load(strategy={"name": strategy}, compression={"method": method}).compression.method == method

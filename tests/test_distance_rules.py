@@ -1,4 +1,4 @@
-"""Krum, Multi-Krum and the geometric median: the rules over the Gram matrix, and the kept updates they read."""
+"""Krum, Multi-Krum, Bulyan and the geometric median: the rules over the Gram matrix, and the kept updates they read."""
 from __future__ import annotations
 
 import itertools
@@ -8,11 +8,15 @@ import pytest
 import torch
 
 from mpifl.aggregation.distances import (
+    Bulyan,
     DistanceRule,
     GeometricMedian,
     KeptRows,
     Krum,
     SingleKrum,
+    bulyan_coordinates,
+    bulyan_counts,
+    bulyan_selection,
     kept_gram,
     krum_neighbours,
     krum_scores,
@@ -186,6 +190,51 @@ def test_multi_krum_averages_the_kept_updates_by_their_weights():
 def test_multi_krum_keeps_krum_keep_updates_when_it_is_set():
     rule = Krum(StrategyConfig(name="multi_krum", byzantine_clients=2, krum_keep=3))
     assert [rule.kept_count(n) for n in (9, 2)] == [3, 2]
+
+
+def test_bulyan_selects_n_minus_2f_and_averages_n_minus_4f_values_a_coordinate_never_fewer_than_one():
+    assert bulyan_counts(11, 2) == (7, 3)  # n = 4f + 3: the guarantee's least n
+    assert bulyan_counts(9, 2) == (5, 1)
+    assert bulyan_counts(5, 2) == (1, 1)  # below: one update, its own values
+    assert bulyan_counts(4, 0) == (4, 4)  # f = 0: every update, every value (the plain mean)
+
+
+def test_bulyans_krum_selection_takes_the_honest_updates_one_at_a_time():
+    points = honest_and_byzantine(honest=9, byzantine=2)
+    chosen = bulyan_selection(squared_distances(gram_of(points)), byzantine=2, theta=7)
+    assert len(chosen) == 7 and set(chosen) <= set(range(9))
+    # one at a time: the first choice is Krum's own, each later one Krum's among the rest
+    assert chosen[0] == min(chosen) and krum_selection(squared_distances(gram_of(points)), 2, 1)[0] in chosen
+
+
+def test_bulyans_coordinate_rule_is_the_mean_of_the_beta_values_nearest_the_median_whatever_the_rows_order():
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(7, 40)).astype(np.float32)
+    got = bulyan_coordinates(rows, beta=3)
+    for k in range(40):  # the paper's argmin over every subset of beta values, by brute force
+        column = rows[:, k].astype(np.float64)
+        med = float(np.median(column))
+        best = min(itertools.combinations(column, 3), key=lambda subset: sum(abs(v - med) for v in subset))
+        assert got[k] == pytest.approx(sum(best) / 3, abs=1e-12)
+    assert np.array_equal(bulyan_coordinates(rows[rng.permutation(7)], beta=3), got)
+    assert np.array_equal(bulyan_coordinates(rows, beta=7), rows.astype(np.float64).sum(axis=0) / 7)  # the mean
+    assert np.array_equal(bulyan_coordinates(rows, beta=1), np.median(rows.astype(np.float64), axis=0))
+
+
+def test_bulyan_in_chunks_rejects_the_far_updates_and_records_what_it_kept():
+    points = honest_and_byzantine(honest=9, byzantine=2, dim=23).astype(np.float32)
+    rule = Bulyan(StrategyConfig(name="bulyan", byzantine_clients=2))
+    keep_in_chunks(rule, points, chunk=6)
+    rule.solve(len(points))
+    got = torch.cat([rule.combined_chunk(s, min(6, 23 - s)) for s in range(0, 23, 6)]).numpy()
+    chosen = bulyan_selection(squared_distances(gram_of(points.astype(np.float64))), 2, 7)
+    np.testing.assert_array_equal(got, bulyan_coordinates(points[list(chosen)], beta=3).astype(np.float32))
+    assert rule.round_metrics() == {"kept": 7.0, "rejected": 4.0, "averaged_per_coordinate": 3.0}
+    assert set(rule.round_rejected()) >= {19, 20}  # the Byzantine clients (keep_in_chunks: client 10 + row)
+    small = Bulyan(StrategyConfig(name="bulyan", byzantine_clients=2))
+    keep_in_chunks(small, points[:8], chunk=6)
+    small.solve(8)
+    assert small.round_metrics()["below_guarantee"] == 1.0  # 8 < 4f + 3 = 11
 
 
 def test_the_geometric_median_rule_records_its_iterations_and_objective():

@@ -1,4 +1,4 @@
-"""Under mpiexec: Krum, Multi-Krum and the geometric median, streamed chunk by chunk, equal the papers' rules
+"""Under mpiexec: Krum, Multi-Krum, Bulyan and the geometric median, streamed chunk by chunk, equal the papers' rules
 computed on whole updates, on any rank count and chunk size, in memory or out of core, and resist an attack."""
 from __future__ import annotations
 
@@ -54,8 +54,12 @@ def records(run_dir) -> list[dict]:
          "strategy.wire_dtype=bfloat16", "transport.chunk_mb=0.0000095")),
     # equal weights, m set: the mean of the 3 best-scored
     (3, ("strategy.name=multi_krum", "strategy.krum_keep=3", "strategy.weighting=equal")),
+    # Bulyan, f = 1 of 7: 5 selected one at a time, the mean of the 3 values nearest each coordinate's median
+    (4, ("strategy.name=bulyan", "strategy.byzantine_clients=1", "transport.chunk_mb=0.00095")),
+    (8, ("strategy.name=bulyan", "strategy.byzantine_clients=1", "strategy.update=delta",
+         "strategy.wire_dtype=bfloat16", "transport.chunk_mb=0.0000095")),
 ])
-def test_krum_and_multi_krum_equal_the_papers_rules_on_whole_updates_bitwise(tmp_path, ranks, overrides):
+def test_krum_multi_krum_and_bulyan_equal_the_papers_rules_on_whole_updates_bitwise(tmp_path, ranks, overrides):
     assert_bitwise(run(tmp_path, "run", ranks, *overrides), expected(*overrides))
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 from reference import (
     WHOLE_UPDATE_RULES,
+    bulyan_coordinates,
+    bulyan_selection,
     median,
     round_to,
     server_step,
@@ -33,7 +35,7 @@ from mpifl.wire.protocol import UpdateMeta
 from mpifl.wire.spec import Chunk, layout
 
 BUILTIN = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "krum", "multi_krum",
-           "geometric_median", "fednova",
+           "bulyan", "geometric_median", "fednova",
            "scaffold", "feddyn")
 # scaffold's and feddyn's servers are bound to a model and a federation (Strategy.bind), and need their clients'
 # vectors: tests/test_mpi_scaffold.py and tests/test_mpi_feddyn.py check them on whole models
@@ -88,6 +90,10 @@ def reference_round(cfg: StrategyConfig, old: np.ndarray, sent: list[tuple[float
         combined = median(np.stack([u for _, u in sent]))
     elif cfg.name == "trimmed_mean":
         combined = trimmed_mean(np.stack([u for _, u in sent]), cfg.trim_fraction)
+    elif cfg.name == "bulyan":
+        chosen = bulyan_selection(cfg, [{"x": u} for _, u in sent])
+        theta = max(1, len(sent) - 2 * cfg.byzantine_clients)
+        combined = bulyan_coordinates([sent[i][1] for i in chosen], max(1, theta - 2 * cfg.byzantine_clients))
     elif cfg.name in WHOLE_UPDATE_RULES:
         coefficients = whole_update_coefficients(cfg, [w for w, _ in sent], [{"x": u} for _, u in sent])
         combined = sum((c * u.astype(np.float64) for c, (_, u) in zip(coefficients, sent) if c != 0.0),
@@ -130,7 +136,8 @@ def run_both(cfg: StrategyConfig, dtype: str, wire: str, participants: int, chun
 def test_chunked_strategy_matches_the_whole_model_reference(name, dtype, wire, update):
     for seed, (participants, chunk) in enumerate(itertools.product((3, 4, 5), CHUNKS)):
         weighting = ("samples", "equal")[seed % 2]  # CHUNKS has an even length: both for every count
-        cfg = StrategyConfig(name=name, update=update, weighting=weighting, trim_fraction=0.25)
+        cfg = StrategyConfig(name=name, update=update, weighting=weighting, trim_fraction=0.25,
+                             byzantine_clients=1 if name == "bulyan" else 0)  # Bulyan: theta = n - 2, beta = n - 4
         got, want = run_both(cfg, dtype, wire, participants, chunk, seed)
         where = f"{participants} participants, {weighting}, chunks of {chunk}"
         if name in OPTIMIZERS or name == "geometric_median":  # the tolerances of test_mpi_strategies.py (the
@@ -275,7 +282,8 @@ def test_the_registry_lists_exactly_the_builtin_names_and_their_stages_resolve()
     ("fedavg", False, {}, 0), ("fedavgm", False, {"velocity": 0.0}, 4),
     ("fedadam", False, {"m": 0.0, "v": 1e-6}, 8), ("fedyogi", False, {"m": 0.0, "v": 1e-6}, 8),
     ("fedadagrad", False, {"m": 0.0, "v": 1e-6}, 8), ("median", True, {}, 0), ("trimmed_mean", True, {}, 0),
-    ("fednova", False, {}, 0), ("krum", False, {}, 0), ("multi_krum", False, {}, 0), ("geometric_median", False, {}, 0),
+    ("fednova", False, {}, 0), ("krum", False, {}, 0), ("multi_krum", False, {}, 0), ("bulyan", False, {}, 0),
+    ("geometric_median", False, {}, 0),
 ])
 def test_each_strategy_declares_its_stack_state_and_weights(name, stacked, state, state_bytes):
     s = make_strategy(StrategyConfig(name=name, update="weights"))

@@ -1,13 +1,15 @@
-"""Distance-based robust combiners: Krum, Multi-Krum and the geometric median.
+"""Distance-based robust combiners: Krum, Multi-Krum, Bulyan and the geometric median.
 
 Krum (Blanchard et al. 2017, "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent",
 NeurIPS) keeps the update whose squared distances to its n - f - 2 nearest others sum least, n the round's
 usable participants and f how many of them may be Byzantine; Multi-Krum (El Mhamdi et al. 2018, "The
-Hidden Vulnerability of Distributed Learning in Byzantium", ICML) averages the m best-scored. The
-geometric median (RFA: Pillutla, Kakade and Harchaoui 2022, "Robust Aggregation for Federated Learning",
-IEEE TSP) minimises sum_i a_i ||z - x_i||, by the smoothed Weiszfeld iteration.
+Hidden Vulnerability of Distributed Learning in Byzantium", ICML) averages the m best-scored, and the same
+paper's Bulyan selects theta = n - 2f updates by Krum, one at a time, then takes coordinate by coordinate the
+mean of the beta = theta - 2f selected values closest to their median. The geometric median (RFA: Pillutla,
+Kakade and Harchaoui 2022, "Robust Aggregation for Federated Learning", IEEE TSP) minimises
+sum_i a_i ||z - x_i||, by the smoothed Weiszfeld iteration.
 
-All three need *whole* updates: which participants Krum keeps, and the median's weights, depend on
+All four need *whole* updates: which participants Krum keeps, and the median's weights, depend on
 distances between whole updates, known only once the last chunk has landed, while the streamed reduction
 finishes chunk by chunk. So these combiners declare ``whole_update``: the reduction hands them every
 participant's chunks as they land (``keep``: fp32 rows, participants x model, in RAM up to ``RAM_BYTES``,
@@ -19,7 +21,8 @@ float64, over fixed blocks of the flat model, each summed as soon as every row h
 turn, so that neither the chunk size, the rank count nor the arrival order changes a bit). Squared
 distances are G_ii + G_jj - 2 G_ij, and a Weiszfeld iterate is a combination sum_i c_i x_i of the
 updates, so it never needs a model of its own. The result, chunk by chunk, is sum_i c_i x_i,
-accumulated in float64 in row order and rounded once to fp32.
+accumulated in float64 in row order and rounded once to fp32; Bulyan's, which is no such combination, is its
+coordinate rule over the selected rows (``bulyan_coordinates``), each coordinate on its own.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 from mpifl.aggregation.combiners import Combiner
 from mpifl.aggregation.kernels import ACCUMULATOR_DTYPE
 from mpifl.config import StrategyConfig
-from mpifl.config.capabilities import WHOLE_UPDATE
+from mpifl.config.capabilities import WHOLE_UPDATE, WHOLE_UPDATE_COORDINATE_WISE
 from mpifl.errors import JobFailure
 from mpifl.logs import log
 from mpifl.planning.memory import KEPT_UPDATES_RAM_BYTES as RAM_BYTES  # up to this in RAM; larger, in a file
@@ -80,6 +83,42 @@ def mean_coefficients(weights: np.ndarray, rows: tuple[int, ...]) -> np.ndarray:
     chosen = list(rows)
     coefficients[chosen] = weights[chosen] / math.fsum(weights[chosen])
     return coefficients
+
+
+def bulyan_counts(participants: int, byzantine: int) -> tuple[int, int]:
+    """Bulyan's (theta, beta): theta = n - 2f updates selected by Krum, beta = theta - 2f values averaged per
+    coordinate, each at least 1 (El Mhamdi et al. 2018; their guarantee needs n >= 4f + 3)."""
+    theta = max(1, participants - 2 * byzantine)
+    return theta, max(1, theta - 2 * byzantine)
+
+
+def bulyan_selection(distances: np.ndarray, byzantine: int, theta: int) -> tuple[int, ...]:
+    """Bulyan's first stage: ``theta`` rows chosen one at a time, each the Krum choice (lowest score, f =
+    ``byzantine``, a tie to the lower row) among the rows not chosen yet, scored over those rows alone; ascending."""
+    remaining = list(range(distances.shape[0]))
+    chosen: list[int] = []
+    while len(chosen) < min(theta, distances.shape[0]):
+        scores = krum_scores(distances[np.ix_(remaining, remaining)], byzantine)
+        chosen.append(remaining.pop(int(np.argmin(scores))))  # argmin: the first of equal scores, the lower row
+    return tuple(sorted(chosen))
+
+
+def bulyan_coordinates(rows: np.ndarray, beta: int) -> np.ndarray:
+    """Bulyan's second stage over the selected rows (theta x elements): for each coordinate, the mean of the
+    ``beta`` values closest to the coordinate's median, in float64. Sorted, those values are a run of beta
+    neighbours; the run with the least sum of |value - median| is taken (the lowest on a tie) and summed in sorted
+    order, so the result does not depend on the rows' order."""
+    values = np.sort(rows.astype(np.float64), axis=0)
+    theta = values.shape[0]
+    beta = max(1, min(beta, theta))
+    middle = theta // 2
+    median = values[middle] if theta % 2 else (values[middle - 1] + values[middle]) / 2.0
+    distance = np.abs(values - median)
+    cumulative = np.concatenate([np.zeros((1, values.shape[1])), np.cumsum(distance, axis=0)])
+    cost = cumulative[beta:] - cumulative[:-beta]  # (theta - beta + 1) x elements: each run's summed distance
+    first = np.argmin(cost, axis=0)  # the first of equal costs: the lowest run
+    window = np.take_along_axis(values, first[None, :] + np.arange(beta)[:, None], axis=0)
+    return window.sum(axis=0) / beta
 
 
 @dataclass(frozen=True)
@@ -335,6 +374,45 @@ class SingleKrum(Krum):
     """Krum: the one update with the lowest score."""
 
     keep_default = 1
+
+
+class Bulyan(DistanceRule):
+    """Bulyan (El Mhamdi et al. 2018): theta = n - 2f updates selected by Krum one at a time, then, coordinate by
+    coordinate, the mean of the beta = theta - 2f selected values closest to their median; f =
+    ``strategy.byzantine_clients``. Unweighted, as the paper's rule (``strategy.weighting`` plays no part)."""
+
+    capabilities = WHOLE_UPDATE_COORDINATE_WISE
+    selected: tuple[int, ...] = ()  # the rows Krum selected this round, ascending
+    beta = 1  # how many of their values closest to the median each coordinate averages
+
+    def coefficients(self, gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The selection (``combined_chunk`` applies the coordinate rule to it); logged and counted as Krum's.
+        What it returns, the selection's plain mean, is not the result: Bulyan is no combination of the rows."""
+        n, f = len(weights), self.cfg.byzantine_clients
+        theta, self.beta = bulyan_counts(n, f)
+        self.selected = bulyan_selection(squared_distances(gram), f, theta)
+        kept = sorted(self.clients[i] for i in self.selected)
+        dropped = sorted(self.clients[i] for i in range(n) if i not in self.selected)
+        self.metrics = {"kept": float(len(self.selected)), "rejected": float(n - len(self.selected)),
+                        "averaged_per_coordinate": float(min(self.beta, len(self.selected)))}
+        self.rejected = tuple(dropped)
+        if n < 4 * f + 3:
+            self.metrics["below_guarantee"] = 1.0
+        log(f"round {self.round}: bulyan selected logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"
+            + (f", rejected {range_list(dropped)}" if dropped else "")
+            + (f"; the mean of the {min(self.beta, len(kept))} values closest to each coordinate's median"
+               if min(self.beta, len(kept)) > 1 else "; the value closest to each coordinate's median")
+            + (f" (n={n} < 4f+3={4 * f + 3}: Bulyan's guarantee does not hold this round)" if n < 4 * f + 3 else ""),
+            rank=0)
+        return mean_coefficients(np.ones(n), self.selected)
+
+    def combined_chunk(self, start: int, numel: int) -> torch.Tensor:
+        """The coordinate rule over the selected rows' ``numel`` elements from ``start`` on, rounded once to fp32."""
+        assert self.kept is not None and self.solved is not None  # solve comes first
+        rows = np.empty((len(self.selected), numel), dtype=np.float32)
+        for k, i in enumerate(self.selected):
+            self.kept.read(i, start, rows[k])
+        return torch.from_numpy(bulyan_coordinates(rows, self.beta).astype(np.float32))
 
 
 class GeometricMedian(DistanceRule):

@@ -17,7 +17,7 @@ from mpifl.plugins import resolve
 
 COMBINERS = "mpifl.aggregation.combiners"
 UPDATES = "mpifl.aggregation.updates"
-DISTANCES = "mpifl.aggregation.distances"  # the rules over whole updates (Krum, the geometric median)
+DISTANCES = "mpifl.aggregation.distances"  # the rules over whole updates (Krum, Bulyan, the geometric median)
 # Algorithms with a client half live in one file each, both halves together (mpifl.algorithms), above this
 # package: named by import path, as a plug-in is, and imported on first use.
 SCAFFOLD = "mpifl.algorithms.scaffold"
@@ -34,6 +34,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "trimmed_mean": ("TrimmedMean", "Replace"),
     "krum": (f"{DISTANCES}:SingleKrum", "Replace"),
     "multi_krum": (f"{DISTANCES}:Krum", "Replace"),
+    "bulyan": (f"{DISTANCES}:Bulyan", "Replace"),
     "geometric_median": (f"{DISTANCES}:GeometricMedian", "Replace"),
     "fednova": ("NormalizedAverage", "Replace"),
     "scaffold": (f"{SCAFFOLD}:ControlledMean", "GlobalStep"),

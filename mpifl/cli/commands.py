@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mpifl.cli.preflight import check_model, check_partition, check_plugins, check_trainer, partition_counts_of
 from mpifl.cli.supervisor import mark_mpi_started, supervised, tell_run_dir
 from mpifl.config import Config, ConfigError, load_config
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC, reads_key
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, ORDER_STATISTIC, WHOLE_UPDATE_RULES
 from mpifl.errors import INTERRUPTED, CheckpointError, MissingExtra
 from mpifl.logs import log
 from mpifl.planning.faults import fault_summary
@@ -224,17 +224,11 @@ def validated_weighting(cfg: Config) -> str:
 
 def distance_rule(cfg: Config, updates: str, weights: str) -> str:
     """What a built-in rule over whole updates (mpifl.aggregation.distances: Capabilities.whole_update) takes of
-    ``updates``, the mean or median weighted by ``weights``; which rule, by the keys it reads
-    (capabilities.STRATEGY_KEYS)."""
+    ``updates``, the mean or median weighted by ``weights`` (capabilities.WHOLE_UPDATE_RULES' words)."""
     s = cfg.strategy
-    scored = f"Krum scores (f={s.byzantine_clients}: squared distances to the n - f - 2 nearest others)"
-    if reads_key(s.name, "krum_keep"):
-        m = f"m={s.krum_keep}" if s.krum_keep else f"n - f = n - {s.byzantine_clients}"
-        return f"the mean weighted by {weights} of the {m} of {updates} updates with the lowest {scored}"
-    if reads_key(s.name, "byzantine_clients"):
-        return f"the one of {updates} updates with the lowest of the {scored}"
-    return (f"the geometric median of {updates} updates weighted by {weights} (at most {s.geomed_iterations} "
-            "smoothed Weiszfeld iterations)")
+    m = f"m={s.krum_keep}" if s.krum_keep else f"n - f = n - {s.byzantine_clients}"
+    return WHOLE_UPDATE_RULES[s.name].format(updates=updates, weights=weights, f=s.byzantine_clients, m=m,
+                                             iterations=s.geomed_iterations)
 
 
 def order_statistic(cfg: Config) -> str | None:

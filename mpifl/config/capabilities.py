@@ -55,6 +55,9 @@ class Capabilities:
     # the geometric median): the server keeps the round's updates (RAM, or a temporary file) and finishes every
     # chunk once the last has landed. Unlike a coordinate-wise rule it takes sparse (top-k) updates.
     whole_update: bool = False
+    # A whole-update rule that ends in a coordinate-wise order statistic (Bulyan's values nearest each coordinate's
+    # median): sparse (top-k) updates would make it mostly zeros, as they would the median's.
+    coordinate_wise: bool = False
 
 
 UNDECLARED = Capabilities()
@@ -62,6 +65,8 @@ MEAN = Capabilities(summable=True, needs_every_row=False)
 SERVER_OPTIMIZER = Capabilities(summable=True, needs_every_row=False, server_state=True)
 ORDER_STATISTIC = Capabilities(summable=False, needs_every_row=True)
 WHOLE_UPDATE = Capabilities(summable=False, needs_every_row=True, whole_update=True)
+WHOLE_UPDATE_COORDINATE_WISE = Capabilities(summable=False, needs_every_row=True, whole_update=True,
+                                            coordinate_wise=True)
 NORMALIZED_MEAN = Capabilities(summable=True, needs_every_row=False, own_total=True, sgd_steps=True)
 CONTROLLED_MEAN = Capabilities(summable=True, needs_every_row=False, server_state=True, client_state=True,
                                 sgd_steps=True, client_rule="control_variates", corrects_steps=True,
@@ -81,10 +86,28 @@ BUILTIN_CAPABILITIES: dict[str, Capabilities] = {
     "trimmed_mean": ORDER_STATISTIC,
     "krum": WHOLE_UPDATE,
     "multi_krum": WHOLE_UPDATE,
+    "bulyan": WHOLE_UPDATE_COORDINATE_WISE,
     "geometric_median": WHOLE_UPDATE,
     "fednova": NORMALIZED_MEAN,
     "scaffold": CONTROLLED_MEAN,
     "feddyn": DYNAMIC_MEAN,
+}
+
+# The built-in rules that select updates by Krum's scores: the name a message gives each and the Byzantine guarantee
+# it needs, n >= factor * f + 3 updates per server step (Krum and Multi-Krum: Blanchard et al. 2017; Bulyan: El
+# Mhamdi et al. 2018); and what each takes of a step's updates, as `mpifl validate` says it ({updates}, {weights},
+# {f}, {m} filled in).
+KRUM_SELECTIONS: dict[str, tuple[str, int]] = {"krum": ("Krum", 2), "multi_krum": ("Multi-Krum", 2),
+                                                "bulyan": ("Bulyan", 4)}
+WHOLE_UPDATE_RULES: dict[str, str] = {
+    "krum": "the one of {updates} updates with the lowest of the Krum scores (f={f}: squared distances to the n - f "
+            "- 2 nearest others)",
+    "multi_krum": "the mean weighted by {weights} of the {m} of {updates} updates with the lowest Krum scores (f={f}: "
+                  "squared distances to the n - f - 2 nearest others)",
+    "bulyan": "coordinate by coordinate, the mean of the n - 4f values closest to the median among the n - 2f of "
+              "{updates} updates that Krum selects one at a time (f={f}), unweighted",
+    "geometric_median": "the geometric median of {updates} updates weighted by {weights} (at most {iterations} "
+                        "smoothed Weiszfeld iterations)",
 }
 
 # The keys of the strategy section that only some built-in strategies read (beyond name, kwargs, weighting, update
@@ -98,7 +121,7 @@ STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
     "beta2": ("fedadam", "fedyogi"),
     "tau": ADAPTIVE,
     "trim_fraction": ("trimmed_mean",),
-    "byzantine_clients": ("krum", "multi_krum"),
+    "byzantine_clients": ("krum", "multi_krum", "bulyan"),
     "krum_keep": ("multi_krum",),
     "geomed_iterations": ("geometric_median",),
     "geomed_tolerance": ("geometric_median",),

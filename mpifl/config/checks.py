@@ -5,7 +5,7 @@ import dataclasses
 from pathlib import Path
 
 from mpifl.config.automatic import automatic_concurrency
-from mpifl.config.capabilities import BUILTIN_CAPABILITIES, STRATEGY_KEYS, Capabilities, reads_key
+from mpifl.config.capabilities import BUILTIN_CAPABILITIES, KRUM_SELECTIONS, STRATEGY_KEYS, Capabilities, reads_key
 from mpifl.config.client_state import RULE_VECTORS, declared_vectors
 from mpifl.config.schema import ConfigError
 from mpifl.config.sections import ASYNCHRONOUS_MODES, UPDATE_FAULTS, Config, FaultConfig, LoraConfig
@@ -75,10 +75,12 @@ def _check_strategy(cfg: Config) -> None:
     if problem:
         raise ConfigError(problem)
     f, n = cfg.strategy.byzantine_clients, cfg.updates_per_step()
-    if reads_key(cfg.strategy.name, "byzantine_clients") and f >= n:
+    selection = KRUM_SELECTIONS.get(cfg.strategy.name)
+    if selection and f >= n:
+        rule, factor = selection
         raise ConfigError(f"strategy.byzantine_clients: f={f} is not below the {n} updates per server step "
-                          f"({cfg.updates_per_step_key()}): no update could be trusted; Krum's guarantee needs "
-                          f"n >= 2f + 3")
+                          f"({cfg.updates_per_step_key()}): no update could be trusted; {rule}'s guarantee needs "
+                          f"n >= {factor}f + 3")
 
 
 
@@ -114,9 +116,10 @@ def capability_problem(cfg: Config, caps: Capabilities, declared: bool = True) -
     if cfg.secagg.enabled:
         return (f"strategy.name: secagg.enabled needs a sum-based strategy: the server sees only the sum; strategy "
                 f"{what}{remedy}choose a summable strategy")
-    if cfg.compression.method == "topk" and caps.needs_every_row and not caps.whole_update:
+    if cfg.compression.method == "topk" and caps.needs_every_row and (caps.coordinate_wise or not caps.whole_update):
         return (f"compression.method: 'topk' sends each client's update as its largest fraction of coordinates, zeros "
-                f"elsewhere, and strategy {what}: a coordinate-wise order statistic (median, trimmed mean) of sparse "
+                f"elsewhere, and strategy {what}: a coordinate-wise order statistic (median, trimmed mean, Bulyan's "
+                f"values nearest the median) of sparse "
                 f"updates is mostly zeros, a coordinate being 0 wherever fewer than half the participants kept it"
                 f"{remedy}set compression.method to 'int8', 'int4' or 'none', or choose a summable strategy.name")
     if cfg.clock.mode == "fedasync":
@@ -804,12 +807,13 @@ def _robust_rule_warnings(cfg: Config) -> list[str]:
              for key in changed_settings(cfg.strategy, "strategy", only=tuple(STRATEGY_KEYS))
              if not reads_key(name, key.split(".")[1])]
     f, n, per = cfg.strategy.byzantine_clients, cfg.updates_per_step(), cfg.updates_per_step_key()
-    if reads_key(name, "byzantine_clients") and f and n < 2 * f + 3:
+    rule, factor = KRUM_SELECTIONS.get(name, ("", 0))
+    if factor and f and n < factor * f + 3:
         scored = max(1, n - f - 2)
-        found.append(f"strategy.byzantine_clients: Krum's guarantee needs n >= 2f + 3 updates per server step, and "
-                     f"{per} gives {n} for f={f} (each update scored over its {scored} nearest "
+        found.append(f"strategy.byzantine_clients: {rule}'s guarantee needs n >= {factor}f + 3 updates per server "
+                     f"step, and {per} gives {n} for f={f} (each update scored over its {scored} nearest "
                      f"other{'s' if scored > 1 else ''}): a Byzantine update may be kept; raise {per} to "
-                     f"{2 * f + 3} or lower f")
+                     f"{factor * f + 3} or lower f")
     if reads_key(name, "krum_keep") and cfg.strategy.krum_keep > n:
         found.append(f"strategy.krum_keep: {cfg.strategy.krum_keep} is more than the {n} updates per server step "
                      f"({per}): every update is kept, as FedAvg would")

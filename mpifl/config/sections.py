@@ -21,7 +21,7 @@ NO_CLIENT_HALF = Capabilities()  # what Config.capabilities says of a plug-in st
 # The names a config may give strategy.name besides an import path. mpifl.aggregation.registry maps each to
 # its stages and refuses, on import, to differ from this tuple: the config stays below aggregation.
 STRATEGIES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "krum",
-              "multi_krum", "geometric_median", "fednova", "scaffold", "feddyn")
+              "multi_krum", "bulyan", "geometric_median", "fednova", "scaffold", "feddyn")
 
 # Algorithms from the literature that are not a server strategy in mpifl, and the key that gives each: a user who
 # writes strategy.name=ditto is told where Ditto lives instead of only that 'ditto' is not a choice.
@@ -32,8 +32,6 @@ ELSEWHERE = {
              "layers named bn1, bn2; ['1.*', '4.*'] for the built-in cnn)",
     "fedper": "FedPer keeps the head on each client: model.local (e.g. ['fc3.*'])",
     "rfa": "RFA is the geometric median: strategy.name=geometric_median",
-    "bulyan": "Bulyan is not built in; the robust strategies are median, trimmed_mean, krum, multi_krum and "
-              "geometric_median, and a plug-in can add it (docs: reference/strategies.md)",
     "fedasync": "FedAsync is an asynchronous clock: clock.mode=fedasync with strategy.name=fedavg",
     "fedbuff": "FedBuff is an asynchronous clock: clock.mode=fedbuff with strategy.name=fedavg",
     "fedcompass": "FedCompass is an asynchronous clock: clock.mode=fedcompass with strategy.name=fedavg",
@@ -299,10 +297,11 @@ class StrategyConfig:
     """How the server combines updates."""
 
     name: str = field_("fedavg", "fedavg, fedavgm (server momentum), fedadam/fedyogi/fedadagrad (Reddi et al. 2021), "
-                        "median or trimmed_mean (coordinate-wise, unweighted), krum or multi_krum (Blanchard et al. "
-                        "2017, El Mhamdi et al. 2018), geometric_median (RFA, Pillutla et al. 2022), fednova (Wang et "
-                        "al. 2020: deltas normalised by each client's local steps; clients send deltas), scaffold "
-                        "(Karimireddy et al. 2020: control variates correct each local step; clients send deltas), "
+                        "median or trimmed_mean (coordinate-wise, unweighted), krum, multi_krum or bulyan (Blanchard "
+                        "et al. 2017, El Mhamdi et al. 2018), geometric_median (RFA, Pillutla et al. 2022), fednova "
+                        "(Wang et al. 2020: deltas normalised by each client's local steps; clients send deltas), "
+                        "scaffold (Karimireddy et al. 2020: control variates correct each local step; clients send "
+                        "deltas), "
                         "feddyn (Acar et al. 2021: a dynamic regulariser per client; deltas, equal weights), or an "
                         "import path to a "
                         "plug-in called as fn(cfg, **strategy.kwargs), cfg this StrategyConfig, returning a Strategy "
@@ -329,9 +328,10 @@ class StrategyConfig:
     tau: float = field_(1e-3, "adaptive strategies: adaptivity tau (also v's initial value tau^2)", min=0.0,
                          exclusive_min=True)
     trim_fraction: float = field_(0.1, "trimmed_mean: fraction beta trimmed from each end (< 0.5)", min=0.0, max=0.49)
-    byzantine_clients: int = field_(0, "krum, multi_krum: f, how many of a round's participants may be Byzantine: "
-                                    "each update is scored by its squared distances to its n - f - 2 nearest others "
-                                    "(Blanchard et al. 2017; their guarantee needs n >= 2f + 3)", min=0)
+    byzantine_clients: int = field_(0, "krum, multi_krum, bulyan: f, how many of a round's participants may be "
+                                    "Byzantine: each update is scored by its squared distances to its n - f - 2 "
+                                    "nearest others (Blanchard et al. 2017; their guarantee needs n >= 2f + 3, "
+                                    "Bulyan's n >= 4f + 3)", min=0)
     krum_keep: int = field_(0, "multi_krum: m, how many of the best-scored updates are averaged (El Mhamdi et al. "
                             "2018); 0: n - f", min=0)
     geomed_iterations: int = field_(4, "geometric_median: most smoothed Weiszfeld iterations (RFA, Pillutla et al. "
