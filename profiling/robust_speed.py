@@ -1,7 +1,7 @@
 """The robust strategies against FedAvg, side by side: their round-time ratio.
 
 Runs ``mpifl bench exchange`` (model-only, one client rank per participant) for FedAvg and each
-robust strategy (the median, the trimmed mean, Krum, Multi-Krum, the geometric median), one job
+robust strategy (the median, the trimmed mean, Krum, Multi-Krum, Bulyan, the geometric median), one job
 after another, ``--repeats`` times interleaved, so the
 three strategies see the same machine. Each job also times the raw-MPI floor, so a strategy's
 "x floor" is normalised by a floor measured minutes, not hours, apart. Prints, per repeat,
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-STRATEGIES = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum", "geometric_median")
+STRATEGIES = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median")
 
 
 def bench(bin_dir: str, strategy: str, args: argparse.Namespace, out: Path) -> dict:
