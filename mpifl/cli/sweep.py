@@ -19,7 +19,7 @@ from mpifl.cli.supervisor import supervised
 from mpifl.config import ConfigError
 from mpifl.config.schema import read_yaml
 from mpifl.errors import INTERRUPTED
-from mpifl.logs import log
+from mpifl.logs import env_rank, log
 from mpifl.planning.world import too_few_ranks
 from mpifl.units import range_list
 
@@ -173,6 +173,8 @@ def dry_run(args: argparse.Namespace) -> int:
     refused point. A warning every valid point shares is said once, first; exit status 2 when any point is
     refused."""
     points = grid_points(args.grid)
+    if env_rank() not in (0, None):  # started under mpiexec after all: the first rank says it for all
+        return 0
     lines: list[tuple[str, list[str]]] = []
     warned: list[set[str]] = []
     refused: list[int] = []
