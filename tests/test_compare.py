@@ -304,12 +304,31 @@ def test_a_sweeps_variants_label_its_groups_and_the_note_says_which_settings_the
         ("attack=sign_flip,strategy.name=fedavg", 2), ("attack=sign_flip,strategy.name=scaffold", 2),
         ("attack=noise,strategy.name=fedavg", 2), ("attack=noise,strategy.name=scaffold", 2)]
     # not faults.0.clients, which the clean runs lack only for having no faults
-    assert ("Each group is labelled by its sweep's variants (its run directories' names), which set "
+    assert ("Each group is labelled by its sweep's variants (its run directories' names); the groups differ in "
             "faults.0.factor, faults.0.kind, faults.0.std, strategy.name (each") in text
+    # an axis every group shares tells none apart: the attacked runs alone are labelled by the attack only
+    fedavg_only = [r for r in runs if "strategy.name=fedavg" in r]
+    assert [label for label, _ in compare_runs(fedavg_only, "eval.loss")[1]] == [
+        "attack=clean", "attack=sign_flip", "attack=noise"]
+    latex, _ = compare_runs(runs, "eval.loss", fmt="latex")  # the notes as comments: the output inputs as it is
+    assert "\n% Each group is labelled by its sweep's variants" in latex and "\nEach group" not in latex
     # a sweep of plain axes only (every part of the names a config key): labelled by the settings, as before
     plain = [str(write_run(tmp_path / "plain" / f"rounds={r},seed={s}", "fedavg", s, rounds=r)) for r in (3, 5)
              for s in (0, 1)]
     assert [label for label, _ in compare_runs(plain, "eval.loss")[1]] == ["rounds=3", "rounds=5"]
+
+
+def test_a_group_that_differs_in_its_strategy_and_one_more_key_is_labelled_by_its_strategy(tmp_path):
+    """SCAFFOLD runs made with train.momentum=0 beside FedAvg at the default: the strategy is what a reader names."""
+    runs = []
+    for strategy, momentum in (("fedavg", 0.9), ("scaffold", 0.0)):
+        for seed in (0, 1):
+            run = write_run(tmp_path / f"{strategy}{seed}", strategy, seed)
+            (run / "config.yaml").write_text((run / "config.yaml").read_text() + f"train: {{momentum: {momentum}}}\n")
+            runs.append(str(run))
+    text, groups = compare_runs(runs, "eval.loss")
+    assert [label for label, _ in groups] == ["strategy.name=fedavg", "strategy.name=scaffold"]
+    assert "The groups also differ in train.momentum" in text
 
 
 def test_groups_given_names_of_their_own_are_labelled_by_them(tmp_path):

@@ -113,6 +113,21 @@ def test_a_yaml_error_names_the_file_and_line_not_pyyamls_unicode_string(tmp_pat
     assert f'in "{bad}", line 3' in str(err.value) and "<unicode string>" not in str(err.value)
 
 
+def test_a_key_written_twice_is_refused_naming_both_lines_and_a_merged_key_may_be_overridden(tmp_path):
+    """PyYAML keeps the last of two equal keys silently; YAML 1.2 says keys are unique, and a config whose second
+    ``rounds:`` quietly wins is a run nobody asked for."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("rounds: 3\nseed: 1\nclients:\n  num_clients: 8\nrounds: 4\n")
+    with pytest.raises(ConfigError, match="found the key 'rounds' twice, first on line 1") as err:
+        load_config(twice)
+    assert f'in "{twice}", line 5' in str(err.value)
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("train: &t {lr: 0.1, batch_size: 8}\neval:\n  every: 0\nx_train: {<<: *t, lr: 0.2}\n")
+    from mpifl.config.schema import read_yaml
+
+    assert read_yaml(merged.read_text())["x_train"] == {"lr": 0.2, "batch_size": 8}
+
+
 def test_every_key_level_problem_is_reported_at_once_in_the_order_the_keys_are_read():
     with pytest.raises(ConfigError) as err:
         load(rounds=0, clients={"num_clientz": 4}, train={"lr": "abc", "learning_rate": 1})

@@ -75,6 +75,10 @@ def test_a_variants_axis_sets_each_variants_keys_and_names_the_run_by_the_varian
     ("a: {b: 1\n", "not valid YAML"),
     ("a: {1: 2}", "variant 'a': a key must be a name, not 1"),
     ("'a,b': {seed: 1}", "a variant's name must be a word without ',' or '=', not 'a,b'"),
+    ("true: {seed: 1}", "not True .YAML reads true, false, null and such unquoted as values: quote the name"),
+    ("a: {}\nb: {seed: 1}\na: {seed: 2}", "found the key 'a' twice, first on line 1"),
+    ("", "holds no variant: write one entry per grid value"),
+
 ])
 def test_a_malformed_variants_file_is_a_config_error_naming_the_file_and_the_variant(tmp_path, text, message):
     if text is not None:
@@ -82,6 +86,19 @@ def test_a_malformed_variants_file_is_a_config_error_naming_the_file_and_the_var
     with pytest.raises(ConfigError, match=message) as err:
         grid_points([f"attack=@{tmp_path / 'attacks.yaml'}"])
     assert str(err.value).startswith("--grid 'attack=@")
+
+
+def test_two_axes_that_set_one_key_are_refused_since_the_directory_would_name_a_value_not_used(tmp_path):
+    (tmp_path / "lr.yaml").write_text("fast: {train: {lr: 0.2}}\nslow: {train: {lr: 0.01, momentum: 0.5}}\n")
+    (tmp_path / "f.yaml").write_text("clean: {faults: []}\n")
+    for grid, key in ((["train.lr=0.05,0.1", f"v=@{tmp_path / 'lr.yaml'}"], "train.lr"),
+                      ([f"v=@{tmp_path / 'lr.yaml'}", "train=@" + str(tmp_path / "lr.yaml")], "train.lr"),
+                      (["faults.0.factor=1,-1", f"a=@{tmp_path / 'f.yaml'}"], "faults")):
+        with pytest.raises(ConfigError, match=rf"both set {key}: a run would take the later axis's value"):
+            grid_points(grid)
+    with pytest.raises(ConfigError, match="no file follows '@'"):
+        grid_points(["v=@"])
+    assert len(grid_points([f"v=@{tmp_path / 'lr.yaml'}", "train.batch_size=8,16"])) == 4  # other keys go together
 
 
 def test_a_dry_run_lists_every_run_and_checks_each_config_without_mpi(tmp_path, capsys):
@@ -94,19 +111,21 @@ def test_a_dry_run_lists_every_run_and_checks_each_config_without_mpi(tmp_path, 
                                               "typo: {strategy.nmae: fedavg}\n")
     runs = tmp_path / "runs"
     (runs / "s=plain,seed=1").mkdir(parents=True)
+    (runs / "s=plain,seed=1" / "metrics.jsonl").write_text("")  # a run there already: refused without --resume
     status = main(["sweep", str(cfg), "faults=[{kind: scale, clients: [0], factor: 1}]", "--grid",
                    f"s=@{tmp_path / 'strategies.yaml'}", "--grid", "seed=1,2", "--runs-dir", str(runs), "--dry-run"])
     out = capsys.readouterr().out
     assert status == 2
     assert out.startswith("warning (every run): faults[0].factor: a scale fault with factor 1 changes nothing")
     assert out.count("factor 1 changes nothing") == 1
-    assert f"run 1 of 6: s=plain seed=1 -> {runs / 's=plain,seed=1'} (already there: --resume goes on with it)" in out
+    assert (f"run 1 of 6: s=plain seed=1 -> {runs / 's=plain,seed=1'}\n  config error: run directory "
+            f"'{runs / 's=plain,seed=1'}' already holds a run that recorded no round") in out and "--runs-dir" in out
     assert (f"run 3 of 6: s=robust (strategy.name=krum strategy.byzantine_clients=1) seed=1 -> "
             f"{runs / 's=robust,seed=1'}\n  valid (2 rounds, 4 of 6 clients per round") in out
     assert "; faults[0]: scale (factor 1) on client 0, rounds 1-end)" in out  # what validate says of faults
     assert "\n  warning: strategy.byzantine_clients: Krum's guarantee needs n >= 2f + 3" in out
     assert "run 5 of 6: s=typo (strategy.nmae=fedavg) seed=1" in out and "unknown key 'strategy.nmae'" in out
-    assert out.rstrip().endswith("mpifl sweep --dry-run: 6 runs, the config of run 5-6 refused")
+    assert out.rstrip().endswith("mpifl sweep --dry-run: 6 runs, run 1,5-6 refused")
     assert sorted(p.name for p in runs.iterdir()) == ["s=plain,seed=1"]  # nothing written
 
 
@@ -164,7 +183,7 @@ def test_a_sweep_resumed_from_before_colons_were_replaced_finds_its_runs_under_t
     assert point_dir(tmp_path, bracketed) == tmp_path / "model.local=['5.*']"
 
 
-def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skips_finished_runs(tmp_path):
+def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skips_finished_runs(tmp_path, capsys):
     """The second axis is a variants file: its ``equal`` variant sets two keys, each run as that config's."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG)
     (tmp_path / "w.yaml").write_text("samples: {}\nequal: {strategy: {weighting: equal}, train.lr: 0.02}\n")
@@ -183,10 +202,21 @@ def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skip
     text, groups = compare_runs(sorted(str(p) for p in runs.iterdir()), "train_loss")
     assert [(label, [o.config["seed"] for o in members]) for label, members in groups] == [
         ("w=equal", [1, 2]), ("w=samples", [1, 2])]  # the variants' names, which no config holds
-    assert "labelled by its sweep's variants (its run directories' names), which set strategy.weighting, train.lr" \
-        in text
+    assert ("labelled by its sweep's variants (its run directories' names); the groups differ in strategy.weighting, "
+            "train.lr") in text
     assert all(o.best == min(o.curve.values()) for _, members in groups for o in members)
     assert "| runs (seeds pooled) | n | seeds | best (lower), mean ± std | final, mean ± std |" in text
+    # before a resubmission: --dry-run --resume says each run is complete, and refuses a point whose variant changed
+    from mpifl.cli import main
+
+    assert main(["sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume", "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("(complete: --resume skips it)") == 4
+    (tmp_path / "w.yaml").write_text("samples: {}\nequal: {strategy: {weighting: equal}, train.lr: 0.03}\n")
+    assert main(["sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume", "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "config error: cannot resume from" in out and "train.lr: 0.02 in the checkpoint, 0.03 now" in out
+    assert out.rstrip().endswith("4 runs, run 2,4 refused")
+    (tmp_path / "w.yaml").write_text("samples: {}\nequal: {strategy: {weighting: equal}, train.lr: 0.02}\n")
     again = run_mpi(3, "sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume")
     assert again.returncode == 0, again.stderr
     assert again.stderr.count("run already complete") == 4
@@ -209,8 +239,9 @@ def test_the_sweeps_last_line_says_how_many_runs_finished_and_when_none_started(
     from mpifl.cli.sweep import sweep_summary
 
     assert sweep_summary(2, "runs", {}) == "mpifl sweep: 2 runs in runs"
-    assert sweep_summary(2, "runs", {1: 2, 2: 2}).startswith("mpifl sweep: none of the 2 runs started: every run's "
-                                                             "config was refused (said above)")
+    assert sweep_summary(2, "runs", {1: 2, 2: 2}).startswith("mpifl sweep: none of the 2 runs started: every run "
+                                                             "was refused (said above)")
+    assert "or run directories that already hold runs (add --resume)" in sweep_summary(2, "runs", {1: 2, 2: 2})
     assert sweep_summary(3, "runs", {1: 1, 3: 2}) == ("mpifl sweep: 3 runs in runs: 1 finished, 2 failed (run 1,3; "
                                                       "the config of run 3 was refused, said above)")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,8 +157,10 @@ def validated_summary(cfg: Config) -> str:
     sends = "deltas" if cfg.strategy.update == "delta" else "weights"  # update and weighting as resolved
     weights = validated_weighting(cfg)
     faults = "; ".join(f"faults[{i}]: {fault_summary(f)}" for i, f in enumerate(cfg.faults))
-    return (f"{validated_schedule(cfg)}, model {model}, strategy {cfg.strategy.name}: clients send {sends}, "
-            f"{weights}" + (f"; {faults}" if faults else ""))
+    from mpifl.cli.compare import strategy_label  # the strategy as compare's table names it: fedavg + prox(μ=0.01)
+
+    return (f"{validated_schedule(cfg)}, model {model}, strategy {strategy_label(cfg.to_dict())}: clients send "
+            f"{sends}, {weights}" + (f"; {faults}" if faults else ""))
 
 
 def validated_schedule(cfg: Config) -> str:
@@ -261,8 +264,9 @@ def compare(args: argparse.Namespace) -> int:
         raise SystemExit(f"mpifl compare: --x {args.x} is the figure's axis: give --plot FILE.png too")
     text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format, args.x)
     print(text)
-    if args.plot:
-        print(f"wrote {plot_groups(groups, args.metric, args.plot, x=args.x)}")
+    if args.plot:  # beside a LaTeX table on stdout, on stderr: `> table.tex` keeps the table alone
+        print(f"wrote {plot_groups(groups, args.metric, args.plot, x=args.x)}",
+              file=sys.stderr if args.format == "latex" else sys.stdout)
     return 0
 
 

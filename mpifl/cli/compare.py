@@ -30,6 +30,7 @@ LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "byte
 NOT_THE_SETTING = frozenset({"seed", "name", "output"})  # what a group's runs may differ in
 DEFAULT_NAME = Config().name  # a run left with the default name has no name of its group's own
 LIST_ENTRY = re.compile(r"^[a-z_]+\.\d+\.")  # a key of one entry of a list of sections: faults.0.kind
+STRATEGY_KEY = "strategy.name"  # what a reader names a method by: the last key a group's label gives up
 
 
 def better_direction(metric: str, asked: str = "auto") -> str:
@@ -239,9 +240,12 @@ def variant_labels(groups: Sequence[Sequence[RunOutcome]]) -> list[str] | None:
         if len(found) != 1:
             return None
         labels.append(next(iter(found)))
-    if not variants or len(groups) < 2 or len(set(labels)) < len(labels) or "" in labels:
+    if not variants or len(groups) < 2 or len(set(labels)) < len(labels):
         return None
-    return labels
+    parts = [label.split(",") for label in labels]  # an axis every group shares tells none apart: left out
+    shared = set.intersection(*(set(p) for p in parts))
+    labels = [",".join(part for part in p if part not in shared) for p in parts]
+    return labels if "" not in labels and len(set(labels)) == len(labels) else None
 
 
 def left_out_sections(setting: dict[str, Any], keys: Sequence[str]) -> list[str]:
@@ -257,13 +261,13 @@ def telling_keys(settings: Sequence[dict[str, Any]], differing: Sequence[str]) -
     ``strategy.weighting``, which a plug-in's leaves unset), so the groups differ in more keys than were chosen, and
     a label of all of them fills a legend. The keys mpifl fills in from the others (``AUTOMATIC_KEYS``: FedBuff's
     ``clock.mode`` makes ``strategy.update`` delta) go first, then keys some group leaves unset, then those with
-    fewer distinct values, and a fault's ``kind`` last; a key stays whenever dropping it would give two groups one
-    label."""
+    fewer distinct values, then a fault's ``kind``, and ``strategy.name`` last (what a reader names a method by); a
+    key stays whenever dropping it would give two groups one label."""
     def told_apart(keys: Sequence[str]) -> bool:
         return len({tuple(str(s.get(k)) for k in keys) for s in settings}) == len(settings)
 
     kept = list(differing)
-    for key in sorted(differing, key=lambda k: (k not in AUTOMATIC_KEYS, is_entry_kind(k),
+    for key in sorted(differing, key=lambda k: (k not in AUTOMATIC_KEYS, k == STRATEGY_KEY, is_entry_kind(k),
                                                 all(s.get(k) is not None for s in settings),
                                                 len({str(s.get(k)) for s in settings}))):
         fewer = [k for k in kept if k != key]
@@ -426,7 +430,14 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                                  "final, mean ± std", *([f"{reach}, mean ± std"] if reach else []),
                                  *(["virtual s to target, mean ± std"] if virtual else [])], group_rows, fmt)
         text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
-    return text, groups
+    return (latex_notes(text) if fmt == "latex" else text), groups
+
+
+def latex_notes(text: str) -> str:
+    """``text`` with each paragraph that is not a table made a LaTeX comment, so that the output is input as it is
+    (a note's underscores and backticks would stop pdflatex)."""
+    return "\n\n".join(part if part.startswith("\\begin{tabular}") else
+                        "\n".join(f"% {line}" for line in part.splitlines()) for part in text.split("\n\n"))
 
 
 def virtual_to_target(members: Sequence[RunOutcome]) -> str:
@@ -462,11 +473,12 @@ def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
                      "with the others' last rounds, and the figure draws its group only to the last round every run "
                      "of the group recorded")
     hidden = unlabelled_differences(groups) if len(groups) > 1 else []
-    if variant_labels([members for _, members in groups]) is not None:  # the labels name no setting: say which
+    members_of = [members for _, members in groups]
+    if names_of(members_of) is None and variant_labels(members_of) is not None:  # labels naming no setting
         settings = [setting(members[0]) for _, members in groups]
         set_apart = [k for k in differing_keys(settings) if not only_left_out(k, settings)]
-        notes.append(f"Each group is labelled by its sweep's variants (its run directories' names), which set "
-                     f"{first_few(set_apart)} (each run's config.yaml has them all)")
+        notes.append(f"Each group is labelled by its sweep's variants (its run directories' names); the groups differ "
+                     f"in {first_few(set_apart)} (each run's config.yaml has them all)")
     elif hidden:
         notes.append(f"The groups also differ in {first_few(hidden)}: each label names only the fewest settings that "
                      "tell the groups apart (each run's config.yaml has them all)")
@@ -474,8 +486,10 @@ def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
 
 
 def first_few(keys: Sequence[str], shown: int = 8) -> str:
-    """``keys`` for a note: the first ``shown`` and how many more."""
-    return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+    """``keys`` for a note: the first ``shown`` and how many more (all of them where only one more would be left)."""
+    if len(keys) <= shown + 1:
+        return ", ".join(keys)
+    return ", ".join(keys[:shown]) + f" and {len(keys) - shown} more"
 
 
 # What a figure calls the metrics a run records most often (its axis keeps the key, the name of --metric)

@@ -16,7 +16,7 @@ import yaml
 
 from mpifl.cli.commands import checked_config, run, validated_summary, world_of
 from mpifl.cli.supervisor import supervised
-from mpifl.config import ConfigError
+from mpifl.config import Config, ConfigError
 from mpifl.config.schema import read_yaml
 from mpifl.errors import INTERRUPTED
 from mpifl.logs import env_rank, log
@@ -67,6 +67,9 @@ def grid_points(grid: list[str]) -> list[GridPoint]:
         if any(not v for v in choices):
             raise ConfigError(f"--grid {axis!r}: an empty value")
         axes[key] = [(f"{key}={v}", (f"{key}={v}",)) for v in choices]
+    clash = shared_key(axes)
+    if clash:
+        raise ConfigError(clash)
     points = [GridPoint(combination) for combination in itertools.product(*axes.values())]
     named: dict[str, GridPoint] = {}
     for point in points:
@@ -78,11 +81,25 @@ def grid_points(grid: list[str]) -> list[GridPoint]:
     return points
 
 
+def shared_key(axes: dict[str, list[tuple[str, tuple[str, ...]]]]) -> str | None:
+    """Why two axes cannot go together, or None: both set one key (or one a key inside the other's section), so a
+    run would take the later axis's value while its directory names both."""
+    keys = {axis: {word.partition("=")[0] for _, words in choices for word in words} for axis, choices in axes.items()}
+    for (first, a), (second, b) in itertools.combinations(keys.items(), 2):
+        for x, y in itertools.product(sorted(a), sorted(b)):
+            if x == y or x.startswith(y + ".") or y.startswith(x + "."):
+                return (f"--grid: the axes {first!r} and {second!r} both set {min(x, y, key=len)}: a run would take "
+                        f"the later axis's value while its directory names both; set each key on one axis only")
+    return None
+
+
 def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
     """A variants file's entries in the file's order, each as (name, its ``KEY=VALUE`` overrides). The file's top
     level maps each variant's name to a mapping of config keys (sections nested or dotted, as in a config file);
     an empty variant (``clean: {}``) runs the config as it is."""
     where = f"--grid {axis!r}"
+    if not str(path) or str(path) == ".":
+        raise ConfigError(f"{where}: no file follows '@' (NAME=@FILE reads each variant's keys from FILE)")
     if not path.is_file():
         raise ConfigError(f"{where}: the variants file {str(path)!r} does not exist (NAME=@FILE reads each variant's "
                           "keys from FILE)")
@@ -90,14 +107,19 @@ def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
         raw = read_yaml(path.read_text(), str(path))
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: {path}: not valid YAML: {err}") from None
-    if not isinstance(raw, dict) or not raw:
+    if raw is None or raw == {}:
+        raise ConfigError(f"{where}: {path} holds no variant: write one entry per grid value, e.g. "
+                          "'clean: {}' and 'sign_flip: {faults: [{kind: scale, factor: -5, clients: [0, 1]}]}'")
+    if not isinstance(raw, dict):
         raise ConfigError(f"{where}: {path}: the top level must map each variant's name to the keys it sets, e.g. "
                           "'sign_flip: {faults: [{kind: scale, factor: -5, clients: [0, 1]}]}'")
     variants = []
     for name, keys in raw.items():
         if not isinstance(name, (str, int, float)) or isinstance(name, bool) or not str(name).strip() or any(
                 c in str(name) for c in ",="):  # a run directory's name splits at both
-            raise ConfigError(f"{where}: {path}: a variant's name must be a word without ',' or '=', not {name!r}")
+            raise ConfigError(f"{where}: {path}: a variant's name must be a word without ',' or '=', not {name!r}"
+                              + (" (YAML reads true, false, null and such unquoted as values: quote the name)"
+                                 if name is None or isinstance(name, bool) else ""))
         if keys is not None and not isinstance(keys, dict):
             raise ConfigError(f"{where}: {path}: variant {name!r} must be a mapping of config keys (or empty), "
                               f"got {type(keys).__name__}")
@@ -180,15 +202,16 @@ def dry_run(args: argparse.Namespace) -> int:
     refused: list[int] = []
     for number, point in enumerate(points, 1):
         run_dir = point_dir(Path(args.runs_dir), point.labels)
-        head = f"run {number} of {len(points)}: {point.describe()} -> {run_dir}" + (
-            " (already there: --resume goes on with it)" if run_dir.exists() else "")
+        head = f"run {number} of {len(points)}: {point.describe()} -> {run_dir}"
         try:
             cfg, warnings = checked_config(args.config, [*args.overrides, *point.overrides])
+            there = existing_run(cfg, run_dir, bool(args.resume))
         except ConfigError as err:
             refused.append(number)
             lines.append((f"{head}\n  config error: {err}", []))
             continue
-        lines.append((f"{head}\n  valid ({validated_summary(cfg)})", warnings))
+        lines.append((f"{head}" + (f" ({there})" if there else "") + f"\n  valid ({validated_summary(cfg)})",
+                      warnings))
         warned.append(set(warnings))
     everywhere = set.intersection(*warned) if len(warned) > 1 else set()  # among the valid points
     for warning in sorted(everywhere):
@@ -198,11 +221,31 @@ def dry_run(args: argparse.Namespace) -> int:
         for warning in warnings:
             if warning not in everywhere:
                 print(f"  warning: {warning}")
+    runs = f"{len(points)} run{'s' if len(points) > 1 else ''}"
     if refused:
-        print(f"mpifl sweep --dry-run: {len(points)} runs, the config of run {range_list(refused)} refused")
+        print(f"mpifl sweep --dry-run: {runs}, run {range_list(refused)} refused")
         return 2
-    print(f"mpifl sweep --dry-run: {len(points)} runs, every config valid")
+    print(f"mpifl sweep --dry-run: {runs}, every config valid")
     return 0
+
+
+def existing_run(cfg: Config, run_dir: Path, resume: bool) -> str:
+    """What the sweep will do with a run already in ``run_dir`` ('' where none is): without ``--resume`` it refuses
+    the point (a ConfigError, as the run would); with it, it skips a complete run, goes on from the newest
+    checkpoint, or refuses one whose checkpoint's config differs from the point's (the key, as ``--resume`` says)."""
+    from mpifl.storage.rundir import METRICS, RunComplete, already_holds_a_run, find_resume
+
+    if not (run_dir / METRICS).exists():
+        return ""
+    if not resume:
+        raise ConfigError(already_holds_a_run(run_dir).replace("--run-dir", "--runs-dir"))
+    try:
+        checkpoint = find_resume(cfg, str(run_dir), "latest")
+    except RunComplete:
+        return "complete: --resume skips it"
+    if checkpoint is None:
+        return "no checkpoint: --resume starts it over"
+    return f"--resume goes on from {checkpoint.name}"
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -251,11 +294,12 @@ def sweep_summary(total: int, runs_dir: str, failed: dict[int, int]) -> str:
     """The sweep's last line: how many of its ``total`` runs finished and which failed (``failed``: run number to
     exit status; 2 is a config the ranks refused before the run started)."""
     if not failed:
-        return f"mpifl sweep: {total} runs in {runs_dir}"
+        return f"mpifl sweep: {total} run{'s' if total > 1 else ''} in {runs_dir}"
     refused = sorted(n for n, status in failed.items() if status == 2)
     if len(refused) == total:
-        return (f"mpifl sweep: none of the {total} runs started: every run's config was refused (said above); "
-                "a key or value the grid gives every run is the likeliest cause")
+        return (f"mpifl sweep: none of the {total} runs started: every run was refused (said above); a key or value "
+                "the grid gives every run, or run directories that already hold runs (add --resume), are the "
+                "likeliest causes")
     return (f"mpifl sweep: {total} runs in {runs_dir}: {total - len(failed)} finished, {len(failed)} failed (run "
             f"{range_list(sorted(failed))}" + (f"; the config of run {range_list(refused)} was refused" if refused
                                                else "") + ", said above)")

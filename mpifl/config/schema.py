@@ -27,7 +27,24 @@ class ConfigError(ValueError):
 
 class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's booleans: only true and false. YAML 1.1, PyYAML's default, also reads
-    on, off, yes and no as booleans, so ``mode: off`` (clock.mode, privacy.mode) came out as False."""
+    on, off, yes and no as booleans, so ``mode: off`` (clock.mode, privacy.mode) came out as False. A key written
+    twice in one mapping is an error, as YAML 1.2 says, not the last one silently winning (PyYAML keeps the last);
+    keys a merge (``<<: *defaults``) brings in may be overridden, as YAML's merge key means."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """The mapping, once no key is written twice in it (a merged-in key may be)."""
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found the key {key!r} twice, first on line {seen[key]}", key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 ConfigLoader.yaml_implicit_resolvers = {
