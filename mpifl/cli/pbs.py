@@ -15,6 +15,7 @@ from mpifl.cli.jobs import (
     STOP_SHARE,
     early_stop_seconds,
     final_check,
+    launch_words,
     plan_job,
     stop_before_problem,
     write_script,
@@ -38,7 +39,7 @@ set -euo pipefail
 
 CONFIG=${{CONFIG:-{config}}}
 OVERRIDES=({overrides})   # the overrides this script was generated and planned with; arguments given later win
-RUN_DIR=${{RUN_DIR:-runs/{name}}}
+{folder}
 NRANKS=${{NRANKS:-{nranks}}}                # 1 server + client ranks
 RANKS_PER_NODE=${{RANKS_PER_NODE:-{ranks_per_node}}}
 DEPTH=${{DEPTH:-{depth}}}                   # cores per rank (--depth / --cpu-bind depth)
@@ -47,7 +48,7 @@ GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus_per_node}}}     # >0: each rank sees one G
 MPIFL_VENV=${{MPIFL_VENV-{venv}}}         # set empty: no venv (CONDA_MODULE instead)
 CONDA_MODULE=${{CONDA_MODULE:-{conda_module}}}
 MPIEXEC=${{MPIEXEC:-mpiexec}}
-RESUME=${{RESUME:-auto}}                    # auto: continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)
+RESUME=${{RESUME:-auto}}                    # auto: {resume_note}
 WALLTIME_SECONDS=${{WALLTIME_SECONDS:-granted}}  # granted: the walltime PBS gave the job (qstat), else #PBS's
 STOP_BEFORE=${{STOP_BEFORE:-{stop_before}}}   # SIGTERM to every rank this long before the walltime (0: none)
 # auto: a tenth of the walltime the job is given, at most {stop_cap} s
@@ -76,7 +77,7 @@ export MPIFL_GPUS_PER_NODE="$GPUS_PER_NODE"
 
 EXTRA=()
 if [[ "$RESUME" == auto ]]; then
-  EXTRA+=(--resume=latest)
+  EXTRA+=({resume})
 fi
 
 # `qsub -l walltime=...` overrides the #PBS line above: the stop timer counts from the walltime the job was given,
@@ -118,9 +119,9 @@ fi
 # qsub passes a job script no arguments: MPIFL_ARGS carries more mpifl run arguments, split at spaces
 # (qsub -v MPIFL_ARGS="--memray runs/prof"); arguments of `bash SCRIPT ...` come last
 read -ra MORE <<<"${{MPIFL_ARGS:-}}"
-RUN=(mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}" "$@")
+RUN=({launch} "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}" "$@")
 
-echo "mpifl: $NRANKS ranks on $NNODES node(s), $RANKS_PER_NODE per node, run dir $RUN_DIR"
+echo "mpifl: $NRANKS ranks on $NNODES node(s), $RANKS_PER_NODE per node, {folder_said}"
 echo "mpifl: walltime $WALLTIME_SECONDS s, $WALLTIME_FROM; SIGTERM to every rank $STOP_BEFORE s before it (0: none)"
 set +e
 if [[ "$SERVER_ALONE" == 1 && "$NNODES" -gt 1 && ${{#HOSTS[@]}} -gt 0 ]]; then
@@ -222,6 +223,6 @@ def main(args: argparse.Namespace) -> int:
         nranks=job.nranks, ranks_per_node=args.ranks_per_node, depth=args.depth,
         server_alone=int(args.server_alone), gpus_per_node=args.gpus_per_node, venv=venv,
         conda_module=conda_module, module_use=module_use, memory_note=job.memory_note,
-        overrides=job.overrides_words, final_check=final_check())
+        overrides=job.overrides_words, final_check=final_check(sweep=bool(job.grid)), **launch_words(job, "mpifl"))
     write_script(job, args.output, ".pbs", script)
     return 0

@@ -15,7 +15,14 @@ import argparse
 import sys
 
 from mpifl.cli.job_options import slurm_megabytes, slurm_seconds
-from mpifl.cli.jobs import early_stop_seconds, final_check, plan_job, stop_before_problem, write_script
+from mpifl.cli.jobs import (
+    early_stop_seconds,
+    final_check,
+    launch_words,
+    plan_job,
+    stop_before_problem,
+    write_script,
+)
 from mpifl.cli.slurm_site import JobShape, fit_warnings, mpi_library, srun_mpi_plugin
 from mpifl.errors import UsageError
 
@@ -36,7 +43,7 @@ set -euo pipefail
 
 CONFIG=${{CONFIG:-{config}}}
 OVERRIDES=({overrides})   # the overrides this script was generated and planned with; arguments given later win
-RUN_DIR=${{RUN_DIR:-runs/{name}}}
+{folder}
 NRANKS=${{NRANKS:-{nranks}}}                # 1 server + client ranks
 RANKS_PER_NODE=${{RANKS_PER_NODE:-{ranks_per_node}}}
 CPUS_PER_TASK=${{CPUS_PER_TASK:-{cpus_per_task}}}     # cores per rank (srun --cpus-per-task, --cpu-bind=cores)
@@ -48,7 +55,7 @@ SRUN=${{SRUN:-srun}}
 # srun --mpi: the process-management interface (PMI) the MPI reads ({mpi_found}). srun's own default,
 # MpiDefault=none on a Slurm as installed, starts each rank alone, a world of one. '': srun's default.
 SRUN_MPI=${{SRUN_MPI-{mpi}}}
-RESUME=${{RESUME:-auto}}                    # auto: continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)
+RESUME=${{RESUME:-auto}}                    # auto: {resume_note}
 NNODES=${{SLURM_NNODES:?SLURM_NNODES is not set: submit with sbatch, or set it (and an srun on PATH) for a dry run}}
 
 cd "${{SLURM_SUBMIT_DIR:-$PWD}}"
@@ -70,7 +77,7 @@ export MPIFL_GPUS_PER_NODE="$GPUS_PER_NODE"
 
 EXTRA=()
 if [[ "$RESUME" == auto ]]; then
-  EXTRA+=(--resume=latest)
+  EXTRA+=({resume})
 fi
 
 PLACE=(--ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK" --cpu-bind=cores{overcommit})
@@ -82,11 +89,11 @@ if [[ "$GPUS_PER_NODE" -gt 0 ]]; then
 fi
 # more mpifl run arguments, split at spaces (sbatch --export=ALL,MPIFL_ARGS=...), before those of the script's own
 read -ra MORE <<<"${{MPIFL_ARGS:-}}"
-RUN=("$MPIFL_PYTHON" -m mpifl run "$CONFIG" --run-dir "$RUN_DIR" "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}"
+RUN=({launch} "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}"
      "$@")
 
 echo "mpifl: $NRANKS ranks on $NNODES node(s) (${{SLURM_JOB_NODELIST:-?}}), $RANKS_PER_NODE per node," \
-  "run dir $RUN_DIR, srun --mpi=${{SRUN_MPI:-(default)}}"
+  "{folder_said}, srun --mpi=${{SRUN_MPI:-(default)}}"
 set +e
 "$SRUN" --ntasks="$NRANKS" "${{PLACE[@]}}" "${{RUN[@]}}"
 STATUS=$?
@@ -127,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
         nranks=job.nranks, gpus_per_node=args.gpus_per_node, venv=args.venv or "", memory_note=job.memory_note,
         overrides=job.overrides_words, python="$MPIFL_VENV/bin/python" if args.venv else sys.executable,
         mpi=mpi, mpi_found=why, overcommit=" --overcommit" if args.overcommit else "",
-        final_check=final_check('"$MPIFL_PYTHON" -m mpifl', launcher="SRUN", default="srun"))
+        final_check=final_check('"$MPIFL_PYTHON" -m mpifl', launcher="SRUN", default="srun", sweep=bool(job.grid)),
+        **launch_words(job, '"$MPIFL_PYTHON" -m mpifl'))
     write_script(job, args.output, ".sbatch", script)
     return 0
