@@ -289,7 +289,7 @@ def test_every_test_file_is_described_on_the_testing_page():
 FEATURES = ("FedAvg", "FedProx", "FedNova", "SCAFFOLD", "FedDyn", "FedBN", "Ditto", "MOON", "APFL", "FedAsync",
             "FedBuff", "FedCompass", "DP-FedAvg", "secure aggregation", "LoRA", "out-of-core", "PBS", "Slurm",
             "memray", "mpifl sweep", "mpifl status", "mpifl report", "mpifl compare", "TensorBoard",
-            "accept_failures", "faults:")
+            "accept_failures", "faults:", "Krum", "Multi-Krum", "Bulyan", "geometric median")
 
 
 def test_the_readme_and_the_docs_index_name_the_same_features():
