@@ -124,6 +124,7 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
     if args.runs_dir and not args.grid:
         raise UsageError("argument --runs-dir: it names a sweep's folder of runs; give the sweep's --grid too (one "
                          "run's folder is the script's RUN_DIR)")
+    given = tuple(args.overrides)  # the job's own overrides: a sweep's script passes each point's through GRID
     cfg, client_ranks, args, size, plan = planned_point(args, server_alone)
     nranks = client_ranks + 1
     nodes = nodes_filled(nranks, args.ranks_per_node, server_alone)
@@ -140,22 +141,21 @@ def plan_job(args: argparse.Namespace, tool: str, server_alone: bool = False) ->
         if warning:
             print(warning)
     command = f"mpifl {tool} " + " ".join(shlex.quote(a) for a in args.argv)
-    return Job(cfg, nranks, nodes, plan, command, tuple(args.overrides[:len(args.overrides) - len(args.point)]),
-               tuple(args.grid), args.runs_dir or f"runs/{cfg.name}-sweep")
+    return Job(cfg, nranks, nodes, plan, command, given, tuple(args.grid), args.runs_dir or f"runs/{cfg.name}-sweep")
 
 
 def planned_point(args: argparse.Namespace, server_alone: bool) -> tuple[Config, int, argparse.Namespace, ModelBytes,
                                                                          MemoryEstimate]:
-    """The config to plan the job for, its client ranks, the arguments it was planned with (``point``: the grid
-    point's own overrides, after the job's), and its model size and memory plan: the config itself, or, for a
-    sweep, every grid point checked and the one whose fullest node needs the most (a config warning said once)."""
+    """The config to plan the job for, its client ranks, the arguments it was planned with (the grid point's
+    overrides after the job's), and its model size and memory plan: the config itself, or, for a sweep, every grid
+    point checked and the one whose fullest node needs the most (a config warning said once)."""
     from mpifl.cli.sweep import GridPoint, grid_points
 
     points: list[GridPoint | None] = list(grid_points(args.grid)) if args.grid else [None]
     planned, said = [], set[str]()
     for point in points:
         extra = point.overrides if point else []
-        one = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *extra], "point": extra})
+        one = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *extra]})
         try:
             cfg, client_ranks = planned_config(one, said)
         except ConfigError as err:
