@@ -128,6 +128,20 @@ def test_a_sweeps_script_runs_every_grid_point_and_a_resubmission_skips_the_fini
     again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT,
                            cwd=tmp_path)
     assert again.returncode == 0 and again.stderr.count("run already complete") == 4, again.stderr
+    # a SIGTERM the launcher reports (143) once every run had completed: the job succeeds, saying so; with a run of
+    # the grid short of its rounds, it keeps the launcher's status
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mpiexec").write_text("#!/bin/sh\nexit 143\n")
+    (fake / "mpiexec").chmod(0o755)
+    signalled = {**env, "MPIEXEC": "mpiexec", "PATH": f"{fake}{os.pathsep}{env['PATH']}"}
+    late = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=signalled, timeout=120,
+                          cwd=tmp_path)
+    assert late.returncode == 0, late.stderr
+    assert "mpiexec exited 143 (SIGTERM) after every run of the sweep completed: the job succeeds" in late.stderr
+    short = subprocess.run(["bash", str(script), "rounds=3"], capture_output=True, text=True, env=signalled,
+                           timeout=120, cwd=tmp_path)
+    assert short.returncode == 143 and "the job succeeds" not in short.stderr, short.stderr
 
 
 def test_a_sweeps_grid_points_are_each_checked_and_must_plan_one_number_of_ranks(tmp_path):

@@ -210,7 +210,8 @@ def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skip
     from mpifl.cli import main
 
     assert main(["sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume", "--dry-run"]) == 0
-    assert capsys.readouterr().out.count("(complete: --resume skips it)") == 4
+    out = capsys.readouterr().out
+    assert out.count("(complete: --resume skips it)") == 4 and out.rstrip().endswith(", every run complete")
     (tmp_path / "w.yaml").write_text("samples: {}\nequal: {strategy: {weighting: equal}, train.lr: 0.03}\n")
     assert main(["sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume", "--dry-run"]) == 2
     out = capsys.readouterr().out

@@ -60,6 +60,15 @@ SWEEP_CHECK_TEMPLATE = """\
 if [[ "$STATUS" == 0 && ! -d "$RUNS_DIR" && "${launcher}" == {default} ]]; then
   echo "mpifl: {default} exited 0, but $RUNS_DIR holds no runs: nothing ran" >&2
   STATUS=1
+elif [[ ("$STATUS" == 143 || "$STATUS" == 15) && -d "$RUNS_DIR" ]]; then
+  # SIGTERM can reach the ranks while a finished sweep shuts down: if every run of the grid is complete, the job
+  # succeeds (mpifl sweep --dry-run --resume checks each run as a resubmission would, without MPI)
+  FINAL=$({mpifl} sweep "$CONFIG" --runs-dir "$RUNS_DIR" "${{GRID[@]}}" "${{OVERRIDES[@]}}" "${{MORE[@]}}" "$@" \\
+    --resume --dry-run 2>/dev/null | tail -n 1) || FINAL=
+  if [[ "$FINAL" == *", {complete}" ]]; then
+    echo "mpifl: ${launcher} exited $STATUS (SIGTERM) after every run of the sweep completed: the job succeeds" >&2
+    STATUS=0
+  fi
 fi
 exit "$STATUS"
 """
@@ -68,8 +77,11 @@ exit "$STATUS"
 def final_check(mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = "mpiexec", sweep: bool = False) -> str:
     """The script's last lines, with ``mpifl`` as the script calls it and ``launcher``, the variable that names
     the launcher (``default`` unless set to another program on purpose); for a sweep's job, ``sweep``."""
-    template = SWEEP_CHECK_TEMPLATE if sweep else FINAL_CHECK_TEMPLATE
-    return template.format(mpifl=mpifl, launcher=launcher, default=default)
+    if sweep:
+        from mpifl.cli.sweep import EVERY_RUN_COMPLETE
+
+        return SWEEP_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default, complete=EVERY_RUN_COMPLETE)
+    return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default)
 
 
 def launch_words(job: Job, mpifl: str) -> dict[str, str]:

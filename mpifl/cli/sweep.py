@@ -200,6 +200,7 @@ def dry_run(args: argparse.Namespace) -> int:
     lines: list[tuple[str, list[str]]] = []
     warned: list[set[str]] = []
     refused: list[int] = []
+    complete = 0
     for number, point in enumerate(points, 1):
         run_dir = point_dir(Path(args.runs_dir), point.labels)
         head = f"run {number} of {len(points)}: {point.describe()} -> {run_dir}"
@@ -210,6 +211,7 @@ def dry_run(args: argparse.Namespace) -> int:
             refused.append(number)
             lines.append((f"{head}\n  config error: {err}", []))
             continue
+        complete += there.startswith(COMPLETE)
         lines.append((f"{head}" + (f" ({there})" if there else "") + f"\n  valid ({validated_summary(cfg)})",
                       warnings))
         warned.append(set(warnings))
@@ -225,8 +227,14 @@ def dry_run(args: argparse.Namespace) -> int:
     if refused:
         print(f"mpifl sweep --dry-run: {runs}, run {range_list(refused)} refused")
         return 2
-    print(f"mpifl sweep --dry-run: {runs}, every config valid")
+    print(f"mpifl sweep --dry-run: {runs}, every config valid" + (f", {EVERY_RUN_COMPLETE}" if complete == len(points)
+                                                                   else ""))
     return 0
+
+
+# What --dry-run --resume says of a finished run, and of a grid whose every run is: a sweep's job script reads the
+# latter after a SIGTERM that reached the ranks once the last run had completed (mpifl.cli.jobs)
+COMPLETE, EVERY_RUN_COMPLETE = "complete", "every run complete"
 
 
 def existing_run(cfg: Config, run_dir: Path, resume: bool) -> str:
@@ -242,7 +250,7 @@ def existing_run(cfg: Config, run_dir: Path, resume: bool) -> str:
     try:
         checkpoint = find_resume(cfg, str(run_dir), "latest")
     except RunComplete:
-        return "complete: --resume skips it"
+        return f"{COMPLETE}: --resume skips it"
     if checkpoint is None:
         return "no checkpoint: --resume starts it over"
     return f"--resume goes on from {checkpoint.name}"
