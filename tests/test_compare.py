@@ -344,6 +344,7 @@ def test_groups_given_names_of_their_own_are_labelled_by_them(tmp_path):
     assert [label for label, _ in groups] == ["FedAvg", "SCAFFOLD"]
     renamed = runs[:3]  # one of SCAFFOLD's seeds alone keeps its name: a group of one name still
     assert [label for label, _ in compare_runs(renamed)[1]] == ["FedAvg", "SCAFFOLD"]
+    assert [label for label, _ in compare_runs(runs[:2])[1]] == ["FedAvg"]  # the only group keeps its name
 
 
 def test_latex_cells_escape_braces_and_set_greek_letters_and_plus_minus_in_math_mode():

@@ -78,6 +78,7 @@ def test_a_variants_axis_sets_each_variants_keys_and_names_the_run_by_the_varian
     ("true: {seed: 1}", "not True .YAML reads true, false, null and such unquoted as values: quote the name"),
     ("a: {}\nb: {seed: 1}\na: {seed: 2}", "found the key 'a' twice, first on line 1"),
     ("", "holds no variant: write one entry per grid value"),
+    ("_common: &c {train: {lr: 0.1}}\n", "holds no variant"),  # an anchor's holder is no variant
 
 ])
 def test_a_malformed_variants_file_is_a_config_error_naming_the_file_and_the_variant(tmp_path, text, message):
@@ -86,6 +87,18 @@ def test_a_malformed_variants_file_is_a_config_error_naming_the_file_and_the_var
     with pytest.raises(ConfigError, match=message) as err:
         grid_points([f"attack=@{tmp_path / 'attacks.yaml'}"])
     assert str(err.value).startswith("--grid 'attack=@")
+
+
+def test_an_underscored_entry_holds_a_yaml_anchor_and_a_variants_axis_may_not_be_named_like_a_config_key(tmp_path):
+    (tmp_path / "v.yaml").write_text("_slow: &slow {train: {lr: 0.01}}\nplain: *slow\n"
+                                     "prox: {<<: *slow, train.prox_mu: 0.01}\n")
+    points = grid_points([f"method=@{tmp_path / 'v.yaml'}"])
+    assert [(p.labels, p.overrides) for p in points] == [
+        (["method=plain"], ["train.lr=0.01"]), (["method=prox"], ["train.lr=0.01", "train.prox_mu=0.01"])]
+    for name in ("seed", "strategy.name", "faults"):
+        with pytest.raises(ConfigError, match=rf"'{name}' is a config key, and a variants axis's name goes into"):
+            grid_points([f"{name}=@{tmp_path / 'v.yaml'}"])
+    assert len(grid_points([f"strategy=@{tmp_path / 'v.yaml'}"])) == 2  # a section's name is no key: allowed
 
 
 def test_two_axes_that_set_one_key_are_refused_since_the_directory_would_name_a_value_not_used(tmp_path):

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import statistics
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,7 +209,16 @@ def seed_groups(outcomes: Sequence[RunOutcome]) -> list[tuple[str, list[RunOutco
               or "defaults" for s in settings]
     if len(set(labels)) < len(labels):  # unset keys were what told two groups apart
         labels = [",".join(f"{k}={s.get(k)}" for k in keys) for s in settings]
-    return list(zip(labels if len(settings) > 1 else ["all runs"], keyed.values()))
+    if len(settings) == 1:
+        labels = [one_groups_name(next(iter(keyed.values())))]
+    return list(zip(labels, keyed.values()))
+
+
+def one_groups_name(members: Sequence[RunOutcome]) -> str:
+    """The label of the only group: its runs' own name where they share one (``name=Ditto``), else 'all runs'."""
+    names = {o.config.get("name") for o in members}
+    name = next(iter(names))
+    return name if len(names) == 1 and isinstance(name, str) and name and name != DEFAULT_NAME else "all runs"
 
 
 def names_of(groups: Sequence[Sequence[RunOutcome]]) -> list[str] | None:
@@ -454,8 +464,9 @@ def empty_notes(outcomes: Sequence[RunOutcome], names: dict[Path, str], metric: 
     text = ""
     missing = [names[o.run_dir] for o in outcomes if not o.curve and not o.non_finite]
     if missing:
-        text += (f"\n\n{', '.join(missing)}: no round recorded {metric} (`mpifl status` says how far a run got); "
-                 "left out of the groups below and of the figure")
+        text += (f"\n\n{', '.join(missing)}: no round recorded {metric} (a run that never records it, or one that "
+                 "stopped before its first round: `mpifl status` says how far a run got); left out of the groups below "
+                 "and of the figure")
     diverged = [names[o.run_dir] for o in outcomes if not o.curve and o.non_finite]
     if diverged:
         text += (f"\n\n{', '.join(diverged)}: {metric} was non-finite (NaN or Inf, null in metrics.jsonl) in every "
@@ -528,7 +539,7 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     else:
         ax.set_xlabel("round")
         ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel(metric_name(metric))
+    ax.set_ylabel(textwrap.fill(metric_name(metric), 40))  # a long name on two lines, not past the axes
     pooled = any(len(members) > 1 for _, members in groups)
     ax.set_title(f"{subject or METRIC_NAMES.get(metric, metric)}: "
                  f"{'mean ± std over seeds' if pooled else 'one run each'}")

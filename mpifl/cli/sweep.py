@@ -61,6 +61,10 @@ def grid_points(grid: list[str]) -> list[GridPoint]:
         if key in axes:
             raise ConfigError(f"--grid names a key twice: {key}")
         if values.startswith("@"):
+            if key in CONFIG_KEYS:
+                raise ConfigError(f"--grid {axis!r}: {key!r} is a config key, and a variants axis's name goes into "
+                                  "each run's directory beside the keys it sets: name the axis for what its variants "
+                                  "are (method, attack, split)")
             axes[key] = [(f"{key}={name}", tuple(words)) for name, words in read_variants(axis, Path(values[1:]))]
             continue
         choices = values.split(",")
@@ -79,6 +83,19 @@ def grid_points(grid: list[str]) -> list[GridPoint]:
                               f"the run directory {run_dir_name(point.labels)!r} (a directory name keeps no quotes, "
                               "brackets or wildcards): write the two values so that they differ in letters or digits")
     return points
+
+
+def config_keys(values: dict, prefix: str = "") -> set[str]:
+    """Every dotted key of a config's values (``seed``, ``strategy.name``, ...)."""
+    keys = set()
+    for key, value in values.items():
+        keys.add(prefix + key)
+        if isinstance(value, dict):
+            keys |= config_keys(value, f"{prefix}{key}.")
+    return keys - {key for key, value in values.items() if isinstance(value, dict)}  # a section may name an axis
+
+
+CONFIG_KEYS = config_keys(Config().to_dict())  # what a variants axis may not be named
 
 
 def shared_key(axes: dict[str, list[tuple[str, tuple[str, ...]]]]) -> str | None:
@@ -107,7 +124,7 @@ def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
         raw = read_yaml(path.read_text(), str(path))
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: {path}: not valid YAML: {err}") from None
-    if raw is None or raw == {}:
+    if raw is None or raw == {} or (isinstance(raw, dict) and all(str(k).startswith("_") for k in raw)):
         raise ConfigError(f"{where}: {path} holds no variant: write one entry per grid value, e.g. "
                           "'clean: {}' and 'sign_flip: {faults: [{kind: scale, factor: -5, clients: [0, 1]}]}'")
     if not isinstance(raw, dict):
@@ -115,6 +132,8 @@ def read_variants(axis: str, path: Path) -> list[tuple[str, list[str]]]:
                           "'sign_flip: {faults: [{kind: scale, factor: -5, clients: [0, 1]}]}'")
     variants = []
     for name, keys in raw.items():
+        if isinstance(name, str) and name.startswith("_"):  # a YAML anchor's holder (_common: &common {...}), no run
+            continue
         if not isinstance(name, (str, int, float)) or isinstance(name, bool) or not str(name).strip() or any(
                 c in str(name) for c in ",="):  # a run directory's name splits at both
             raise ConfigError(f"{where}: {path}: a variant's name must be a word without ',' or '=', not {name!r}"
