@@ -6,7 +6,7 @@ import signal
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, finish, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
+from conftest import ROOT, finish, mpifl_here, rounds_logged, run_mpi, spawn_mpi, wait_for, write_config
 from reference import reference_run
 
 from mpifl.cli.compare import compare_runs
@@ -273,9 +273,14 @@ def test_a_sweep_stopped_by_sigterm_exits_3_and_resume_finishes_every_run_as_uni
     code, err = finish(proc)
     assert code == 3, err
     assert "stopped by a signal in run 2 of 3" in err and not (runs / "seed=3").exists()
+    # mpifl status on the sweep's folder: each run, then how many are complete
+    said = mpifl_here("status", str(runs))
+    assert said.returncode == 1 and said.stdout.rstrip().endswith(f"{runs}: 1 of 2 runs complete"), said.stdout
+    assert "not complete: stopped on request after round" in said.stdout
     done = run_mpi(3, "sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume")
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("run already complete") == 1
+    assert mpifl_here("status", str(runs)).stdout.rstrip().endswith("3 of 3 runs complete")
     for seed in (1, 2, 3):
         assert rounds_logged(runs / f"seed={seed}") == [1, 2, 3, 4]
         got = load_tensors(runs / f"seed={seed}" / "model.h5")

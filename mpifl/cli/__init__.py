@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     status = _command(sub, "status", "after a job: how far a run got, which ranks did not finish and when each "
                                "was last heard of, and whether a resume can start from its newest checkpoint (exit 0 "
                                "only for a complete run); for a job script's epilogue")
-    status.add_argument("run_dir", help="a run directory")
+    status.add_argument("run_dir", help="a run directory, or a sweep's folder of runs (each run, then how many are "
+                        "complete)")
     status.set_defaults(func=commands.status)
     rep = _command(sub, "report", "plot a run's metrics (quality, time split, bytes, memory) as PNGs")
     rep.add_argument("run_dir", help="a run directory (with metrics.jsonl)")

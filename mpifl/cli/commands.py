@@ -353,12 +353,23 @@ def bench_exchange(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    """``mpifl status``: the post-mortem of a run directory; exit 0 for a complete run, 1 otherwise."""
+    """``mpifl status``: the post-mortem of a run directory, or of each run in a sweep's folder of runs (``--runs-dir``)
+    and how many are complete; exit 0 when complete (every run), 1 otherwise."""
     from mpifl.storage.rundir import post_mortem
 
     run_dir = Path(args.run_dir)
+    runs = sorted(d for d in run_dir.iterdir() if (d / "config.yaml").is_file()) if run_dir.is_dir() else []
+    if not (run_dir / "config.yaml").is_file() and runs:  # a sweep's folder of runs: each run, then the count
+        done = 0
+        for one in runs:
+            complete, lines = post_mortem(one)
+            done += complete
+            print("\n".join(lines[:1] + lines[-1:] if complete else lines))
+        print(f"{run_dir}: {done} of {len(runs)} runs complete")
+        return 0 if done == len(runs) else 1
     if not (run_dir / "config.yaml").is_file():
-        what = "does not exist" if not run_dir.exists() else "is not an mpifl run directory (no config.yaml)"
+        what = "does not exist" if not run_dir.exists() else \
+            "is not an mpifl run directory (no config.yaml), nor a sweep's folder of them"
         raise SystemExit(f"mpifl status: {run_dir} {what}")
     complete, lines = post_mortem(run_dir)
     print("\n".join(lines))
