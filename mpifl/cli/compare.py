@@ -391,13 +391,15 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     lower = direction == "lower"
     outcomes = [outcome(d, records, metric, target, lower) for d, records in runs]
     reach = f"rounds to {metric} {'<=' if lower else '>='} {target:g}" if target is not None else None
-    header = ["run", "strategy", "clock", *([reach, "virtual s to it"] if reach else []), f"best ({direction})",
-              "final"]
+    clocked = any(o.has_virtual_time for o in outcomes)  # the virtual seconds column only where some run has them
+    reaching = ([reach, "virtual s to it"] if clocked else [reach]) if reach else []
+    header = ["run", "strategy", "clock", *reaching, f"best ({direction})", "final"]
     rows = []
     names = dict(zip((o.run_dir for o in outcomes), run_labels([o.run_dir for o in outcomes])))
     for o in outcomes:
         to_target = [str(o.reached_round) if o.reached_round else "not reached",
-                     f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"]
+                     f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"][
+            :len(reaching)]
         values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else \
             ["non-finite in every round" if o.non_finite else "no round recorded it", "-"]
         rows.append([names[o.run_dir], strategy_label(o.config),
