@@ -10,7 +10,7 @@ from conftest import ROOT, finish, mpifl_here, rounds_logged, run_mpi, spawn_mpi
 from reference import reference_run
 
 from mpifl.cli.compare import compare_runs
-from mpifl.cli.sweep import grid_points, point_dir, run_dir_name
+from mpifl.cli.grid import grid_points, point_dir, run_dir_name
 from mpifl.config import ConfigError, load_config
 from mpifl.storage.hdf5 import load_tensors
 

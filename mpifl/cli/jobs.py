@@ -78,7 +78,7 @@ def final_check(mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = 
     """The script's last lines, with ``mpifl`` as the script calls it and ``launcher``, the variable that names
     the launcher (``default`` unless set to another program on purpose); for a sweep's job, ``sweep``."""
     if sweep:
-        from mpifl.cli.sweep import EVERY_RUN_COMPLETE
+        from mpifl.cli.grid import EVERY_RUN_COMPLETE
 
         return SWEEP_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default, complete=EVERY_RUN_COMPLETE)
     return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default)
@@ -161,7 +161,7 @@ def planned_point(args: argparse.Namespace, server_alone: bool) -> tuple[Config,
     """The config to plan the job for, its client ranks, the arguments it was planned with (the grid point's
     overrides after the job's), and its model size and memory plan: the config itself, or, for a sweep, every grid
     point checked and the one whose fullest node needs the most (a config warning said once)."""
-    from mpifl.cli.sweep import GridPoint, grid_points
+    from mpifl.cli.grid import GridPoint, grid_points
 
     points: list[GridPoint | None] = list(grid_points(args.grid)) if args.grid else [None]
     planned, said = [], set[str]()
