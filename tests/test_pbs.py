@@ -151,6 +151,13 @@ def test_a_sweeps_grid_points_are_each_checked_and_must_plan_one_number_of_ranks
         "4 for clients.per_round=4)" in ranks.stderr
     bad = mpifl_here("pbs", cfg, "--grid", "train.lr=0.1,-1", "-o", str(tmp_path / "b.pbs"))
     assert bad.returncode == 2 and "grid point train.lr=-1: train.lr" in bad.stderr
+    warned = mpifl_here("pbs", cfg, "clients.per_round=8", "strategy.byzantine_clients=2", "--grid",
+                        "strategy.name=median,bulyan", "--gpus-per-node", "0", "-o", str(tmp_path / "w.pbs"))
+    assert warned.returncode == 0, warned.stderr  # a warning one point has names the point
+    assert "warning: grid point strategy.name=bulyan: strategy.byzantine_clients: Bulyan's guarantee needs n >= " \
+        "4f + 3" in warned.stdout
+    assert "warning: grid point strategy.name=median: strategy.byzantine_clients: read only by" in warned.stdout
+    (tmp_path / "w.pbs").unlink()
     lone = mpifl_here("pbs", cfg, "--runs-dir", "runs/x", "-o", str(tmp_path / "c.pbs"))
     assert lone.returncode != 0 and "argument --runs-dir: it names a sweep's folder of runs" in lone.stderr
     assert not any(tmp_path.glob("*.pbs"))

@@ -215,8 +215,8 @@ def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skip
     text, groups = compare_runs(sorted(str(p) for p in runs.iterdir()), "train_loss")
     assert [(label, [o.config["seed"] for o in members]) for label, members in groups] == [
         ("w=equal", [1, 2]), ("w=samples", [1, 2])]  # the variants' names, which no config holds
-    assert ("labelled by its sweep's variants (its run directories' names); the groups differ in strategy.weighting, "
-            "train.lr") in text
+    assert ("labelled by its sweep's variants (its run directories' names); the groups differ in train.lr; and in "
+            "strategy.weighting, which mpifl fills in from other keys unless set") in text
     assert all(o.best == min(o.curve.values()) for _, members in groups for o in members)
     assert "| runs (seeds pooled) | n | seeds | best (lower), mean ± std | final, mean ± std |" in text
     # before a resubmission: --dry-run --resume says each run is complete, and refuses a point whose variant changed

@@ -401,7 +401,7 @@ class Bulyan(DistanceRule):
         self.rejected = tuple(dropped)
         if n < 4 * f + 3:
             self.metrics["below_guarantee"] = 1.0
-        log(f"round {self.round}: bulyan selected logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"
+        log(f"round {self.round}: bulyan kept logical client{'s' if len(kept) > 1 else ''} {range_list(kept)}"
             + (f", rejected {range_list(dropped)}" if dropped else "")
             + (f"; the mean of the {min(self.beta, len(kept))} values closest to each coordinate's median"
                if min(self.beta, len(kept)) > 1 else "; the value closest to each coordinate's median")

@@ -490,8 +490,12 @@ def group_notes(groups: Sequence[tuple[str, list[RunOutcome]]]) -> str:
     if names_of(members_of) is None and variant_labels(members_of) is not None:  # labels naming no setting
         settings = [setting(members[0]) for _, members in groups]
         set_apart = [k for k in differing_keys(settings) if not only_left_out(k, settings)]
+        chosen = [k for k in set_apart if k not in AUTOMATIC_KEYS]
+        filled = [k for k in set_apart if k in AUTOMATIC_KEYS]
+        also = f"; and in {', '.join(filled)}, which mpifl fills in from other keys unless set" if chosen and filled \
+            else ""
         notes.append(f"Each group is labelled by its sweep's variants (its run directories' names); the groups differ "
-                     f"in {first_few(set_apart)} (each run's config.yaml has them all)")
+                     f"in {first_few(chosen or filled)}{also} (each run's config.yaml has them all)")
     elif hidden:
         notes.append(f"The groups also differ in {first_few(hidden)}: each label names only the fewest settings that "
                      "tell the groups apart (each run's config.yaml has them all)")

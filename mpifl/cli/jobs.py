@@ -60,6 +60,8 @@ SWEEP_CHECK_TEMPLATE = """\
 if [[ "$STATUS" == 0 && ! -d "$RUNS_DIR" && "${launcher}" == {default} ]]; then
   echo "mpifl: {default} exited 0, but $RUNS_DIR holds no runs: nothing ran" >&2
   STATUS=1
+elif [[ "$STATUS" == 0 && ! -d "$RUNS_DIR" ]]; then
+  echo "mpifl: $RUNS_DIR holds no runs: nothing ran ({launcher}=${launcher}, a dry run?)" >&2
 elif [[ ("$STATUS" == 143 || "$STATUS" == 15) && -d "$RUNS_DIR" ]]; then
   # SIGTERM can reach the ranks while a finished sweep shuts down: if every run of the grid is complete, the job
   # succeeds (mpifl sweep --dry-run --resume checks each run as a resubmission would, without MPI)
@@ -92,14 +94,14 @@ def launch_words(job: Job, mpifl: str) -> dict[str, str]:
         return {"folder": f"RUN_DIR=${{RUN_DIR:-runs/{job.cfg.name}}}",
                 "resume_note": "continue RUN_DIR (fresh if no checkpoint; exit 0 if complete)",
                 "resume": "--resume=latest", "launch": f'{mpifl} run "$CONFIG" --run-dir "$RUN_DIR"',
-                "folder_said": "run dir $RUN_DIR"}
+                "folder_said": "run dir $RUN_DIR", "tool": "mpifl run", "more_example": "--memray runs/prof"}
     grid = " ".join(f"--grid '{axis}'" if "'" not in axis else f"--grid {shlex.quote(axis)}" for axis in job.grid)
     # quoted always: a comma between words reads to shellcheck as a mistaken array separator (SC2054)
     return {"folder": f"RUNS_DIR=${{RUNS_DIR:-{job.runs_dir}}}\nGRID=({grid})   # the sweep's axes, as mpifl sweep "
                       "takes them",
             "resume_note": "skip the sweep's finished runs, resume unfinished ones, start the rest",
             "resume": "--resume", "launch": f'{mpifl} sweep "$CONFIG" --runs-dir "$RUNS_DIR" "${{GRID[@]}}"',
-            "folder_said": "runs dir $RUNS_DIR"}
+            "folder_said": "runs dir $RUNS_DIR", "tool": "mpifl sweep", "more_example": "rounds=50"}
 
 
 @dataclass(frozen=True)
@@ -164,18 +166,29 @@ def planned_point(args: argparse.Namespace, server_alone: bool) -> tuple[Config,
     from mpifl.cli.grid import GridPoint, grid_points
 
     points: list[GridPoint | None] = list(grid_points(args.grid)) if args.grid else [None]
-    planned, said = [], set[str]()
+    if points == [None]:
+        cfg, client_ranks = planned_config(args)
+        size, plan = estimate(cfg, client_ranks + 1, args.ranks_per_node, server_alone, args.gpus_per_node)
+        return cfg, client_ranks, args, size, plan
+    planned, warned = [], {}
     for point in points:
-        extra = point.overrides if point else []
-        one = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *extra]})
+        assert point is not None
+        one = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *point.overrides]})
+        warnings: list[str] = []
         try:
-            cfg, client_ranks = planned_config(one, said)
+            cfg, client_ranks = planned_config(one, warnings)
         except ConfigError as err:
-            if point is None:
-                raise
             raise ConfigError(f"grid point {' '.join(point.labels)}: {err}") from None
+        warned[" ".join(point.labels)] = warnings
         size, plan = estimate(cfg, client_ranks + 1, args.ranks_per_node, server_alone, args.gpus_per_node)
         planned.append((cfg, client_ranks, one, size, plan, point))
+    everywhere = set.intersection(*(set(w) for w in warned.values()))
+    for warning in sorted(everywhere):  # a warning every point has, once; the others naming their point
+        print(f"warning: {warning}")
+    for label, warnings in warned.items():
+        for warning in warnings:
+            if warning not in everywhere:
+                print(f"warning: grid point {label}: {warning}")
     ranks = {client_ranks for _, client_ranks, *_ in planned}
     if len(ranks) > 1:
         each = ", ".join(f"{c} for {' '.join(p.labels)}" for _, c, _, _, _, p in planned if p)

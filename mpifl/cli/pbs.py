@@ -33,7 +33,7 @@ TEMPLATE = r"""#!/bin/bash -l
 #PBS -j oe
 #
 # Every setting below can be changed from the environment (qsub -v VAR=value, or VAR=value bash
-# this-file); extra arguments pass through to `mpifl run`, e.g. rounds=50.
+# this-file); extra arguments pass through to `{tool}`, e.g. rounds=50.
 # Memory plan ({memory_note}).
 set -euo pipefail
 
@@ -116,8 +116,8 @@ else                                                   # Cray PALS (Polaris)
   PLACE=(--ppn "$RANKS_PER_NODE" --depth "$DEPTH" --cpu-bind depth)
   HOSTS=()
 fi
-# qsub passes a job script no arguments: MPIFL_ARGS carries more mpifl run arguments, split at spaces
-# (qsub -v MPIFL_ARGS="--memray runs/prof"); arguments of `bash SCRIPT ...` come last
+# qsub passes a job script no arguments: MPIFL_ARGS carries more {tool} arguments, split at spaces
+# (qsub -v MPIFL_ARGS="{more_example}"); arguments of `bash SCRIPT ...` come last
 read -ra MORE <<<"${{MPIFL_ARGS:-}}"
 RUN=({launch} "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}" "$@")
 

@@ -254,19 +254,19 @@ def estimate(cfg: Config, nranks: int, ranks_per_node: int, server_alone: bool,
                                  server_alone, data, gpus_per_node)
 
 
-def planned_config(args: argparse.Namespace, said: set[str] | None = None) -> tuple[Config, int]:
+def planned_config(args: argparse.Namespace, warnings: list[str] | None = None) -> tuple[Config, int]:
     """The config of ``mpifl plan``, ``pbs`` or ``slurm`` and its client ranks (``client_ranks``), checked as ``mpifl
     run`` checks it before MPI starts (plug-ins, data, clock traces, the model built on the meta device:
     ``check_plugins``, ``check_model``), so that a job is not written, queued and started only to stop at once. The
-    config's warnings are printed, each once where ``said`` collects them (a sweep's grid points)."""
+    config's warnings are printed, or added to ``warnings`` where given (a sweep's grid points: said once each)."""
     from mpifl.cli.preflight import check_model, check_plugins
 
     cfg = load_config(args.config, args.overrides)
     for warning in check_plugins(cfg):
-        if said is None or warning not in said:
+        if warnings is None:
             print(f"warning: {warning}")
-        if said is not None:
-            said.add(warning)
+        else:
+            warnings.append(warning)
     check_model(cfg)
     return cfg, client_ranks(cfg, args)
 

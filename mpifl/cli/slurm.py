@@ -36,7 +36,7 @@ TEMPLATE = r"""#!/bin/bash -l
 {optional}#SBATCH --output={log}
 #
 # Every setting below can be changed from the environment (sbatch --export=ALL,VAR=value, or VAR=value bash
-# this-file); extra arguments pass through to `mpifl run`, e.g. rounds=50. The server (rank 0) shares the
+# this-file); extra arguments pass through to `{tool}`, e.g. rounds=50. The server (rank 0) shares the
 # first node with client ranks.
 # Memory plan ({memory_note}).
 set -euo pipefail
@@ -87,7 +87,7 @@ fi
 if [[ "$GPUS_PER_NODE" -gt 0 ]]; then
   PLACE+=(--gpus-per-task=1)
 fi
-# more mpifl run arguments, split at spaces (sbatch --export=ALL,MPIFL_ARGS=...), before those of the script's own
+# more {tool} arguments, split at spaces (sbatch --export=ALL,MPIFL_ARGS=...), before those of the script's own
 read -ra MORE <<<"${{MPIFL_ARGS:-}}"
 RUN=({launch} "${{OVERRIDES[@]}}" "${{EXTRA[@]}}" "${{MORE[@]}}"
      "$@")
