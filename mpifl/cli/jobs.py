@@ -86,6 +86,12 @@ def final_check(mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = 
     return FINAL_CHECK_TEMPLATE.format(mpifl=mpifl, launcher=launcher, default=default)
 
 
+def script_words(job: Job, mpifl: str = "mpifl", launcher: str = "MPIEXEC", default: str = "mpiexec") -> dict[str, str]:
+    """What both schedulers' templates fill in alike: the launch (``launch_words``) and the final check."""
+    return {**launch_words(job, mpifl),
+            "final_check": final_check(mpifl, launcher=launcher, default=default, sweep=bool(job.grid))}
+
+
 def launch_words(job: Job, mpifl: str) -> dict[str, str]:
     """What a job script's template says differently for one run (``mpifl run`` into ``RUN_DIR``) and for a sweep
     (``mpifl sweep`` over ``GRID`` into ``RUNS_DIR``): the folder's lines, the resume flag, the command and the

@@ -14,9 +14,8 @@ from mpifl.cli.jobs import (
     STOP_CAP_SECONDS,
     STOP_SHARE,
     early_stop_seconds,
-    final_check,
-    launch_words,
     plan_job,
+    script_words,
     stop_before_problem,
     write_script,
 )
@@ -223,6 +222,6 @@ def main(args: argparse.Namespace) -> int:
         nranks=job.nranks, ranks_per_node=args.ranks_per_node, depth=args.depth,
         server_alone=int(args.server_alone), gpus_per_node=args.gpus_per_node, venv=venv,
         conda_module=conda_module, module_use=module_use, memory_note=job.memory_note,
-        overrides=job.overrides_words, final_check=final_check(sweep=bool(job.grid)), **launch_words(job, "mpifl"))
+        overrides=job.overrides_words, **script_words(job))
     write_script(job, args.output, ".pbs", script)
     return 0

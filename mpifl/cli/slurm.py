@@ -15,14 +15,7 @@ import argparse
 import sys
 
 from mpifl.cli.job_options import slurm_megabytes, slurm_seconds
-from mpifl.cli.jobs import (
-    early_stop_seconds,
-    final_check,
-    launch_words,
-    plan_job,
-    stop_before_problem,
-    write_script,
-)
+from mpifl.cli.jobs import early_stop_seconds, plan_job, script_words, stop_before_problem, write_script
 from mpifl.cli.slurm_site import JobShape, fit_warnings, mpi_library, srun_mpi_plugin
 from mpifl.errors import UsageError
 
@@ -134,7 +127,6 @@ def main(args: argparse.Namespace) -> int:
         nranks=job.nranks, gpus_per_node=args.gpus_per_node, venv=args.venv or "", memory_note=job.memory_note,
         overrides=job.overrides_words, python="$MPIFL_VENV/bin/python" if args.venv else sys.executable,
         mpi=mpi, mpi_found=why, overcommit=" --overcommit" if args.overcommit else "",
-        final_check=final_check('"$MPIFL_PYTHON" -m mpifl', launcher="SRUN", default="srun", sweep=bool(job.grid)),
-        **launch_words(job, '"$MPIFL_PYTHON" -m mpifl'))
+        **script_words(job, '"$MPIFL_PYTHON" -m mpifl', launcher="SRUN", default="srun"))
     write_script(job, args.output, ".sbatch", script)
     return 0
