@@ -77,7 +77,8 @@ def test_status_of_a_folder_that_is_no_run_says_which_without_calling_it_a_confi
 
     missing, plain = mpifl_here("status", str(tmp_path / "nothere")), mpifl_here("status", str(tmp_path))
     assert (missing.returncode, missing.stderr) == (1, f"mpifl status: {tmp_path / 'nothere'} does not exist\n")
-    assert plain.stderr == f"mpifl status: {tmp_path} is not an mpifl run directory (no config.yaml)\n"
+    assert plain.stderr == (f"mpifl status: {tmp_path} is not an mpifl run directory (no config.yaml), nor a sweep's "
+                            "folder of them\n")
 
 
 def full_disk(path: Path, *args, **kwargs):
