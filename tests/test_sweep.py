@@ -235,6 +235,12 @@ def test_each_run_of_a_sweep_equals_the_single_process_reference_and_resume_skip
     assert again.returncode == 0, again.stderr
     assert again.stderr.count("run already complete") == 4
     assert rounds_logged(runs / "seed=1,w=samples") == [1, 2]  # not run twice
+    # a finished run whose checkpoints cannot be read: the dry run refuses it as --resume would, keeping its model
+    for checkpoint in (runs / "seed=2,w=equal" / "checkpoints").glob("*.h5"):
+        checkpoint.write_bytes(b"garbage")
+    assert main(["sweep", str(cfg), *grid, "--runs-dir", str(runs), "--resume", "--dry-run"]) == 2
+    assert "holds a finished run (model.h5) but no checkpoint that a run of 2 rounds can go on from" in \
+        capsys.readouterr().out
 
 
 def test_a_bad_grid_point_fails_alone_and_the_others_run(tmp_path):

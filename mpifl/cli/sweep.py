@@ -14,7 +14,7 @@ from mpifl.cli.commands import checked_config, run, validated_summary, world_of
 from mpifl.cli.grid import COMPLETE, EVERY_RUN_COMPLETE, grid_points, point_dir
 from mpifl.cli.supervisor import supervised
 from mpifl.config import Config, ConfigError
-from mpifl.errors import INTERRUPTED
+from mpifl.errors import INTERRUPTED, CheckpointError
 from mpifl.logs import env_rank, log
 from mpifl.planning.world import too_few_ranks
 from mpifl.units import range_list
@@ -50,9 +50,9 @@ def dry_run(args: argparse.Namespace) -> int:
         try:
             cfg, warnings = checked_config(args.config, [*args.overrides, *point.overrides])
             there = existing_run(cfg, run_dir, bool(args.resume))
-        except ConfigError as err:
+        except (ConfigError, CheckpointError) as err:  # a checkpoint that cannot be read refuses its point alone
             refused.append(number)
-            lines.append((f"{head}\n  config error: {err}", []))
+            lines.append((f"{head}\n  {'config error: ' if isinstance(err, ConfigError) else ''}{err}", []))
             continue
         complete += there.startswith(COMPLETE)
         lines.append((f"{head}" + (f" ({there})" if there else "") + f"\n  valid ({validated_summary(cfg)})",
@@ -75,12 +75,18 @@ def dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def existing_run(cfg: Config, run_dir: Path, resume: bool) -> str:
     """What the sweep will do with a run already in ``run_dir`` ('' where none is): without ``--resume`` it refuses
     the point (a ConfigError, as the run would); with it, it skips a complete run, goes on from the newest
     checkpoint, or refuses one whose checkpoint's config differs from the point's (the key, as ``--resume`` says)."""
-    from mpifl.storage.rundir import METRICS, RunComplete, already_holds_a_run, find_resume
+    from mpifl.storage.rundir import (
+        FINAL_MODEL,
+        METRICS,
+        RunComplete,
+        already_holds_a_run,
+        find_resume,
+        finished_without_checkpoint,
+    )
 
     if not (run_dir / METRICS).exists():
         return ""
@@ -90,6 +96,8 @@ def existing_run(cfg: Config, run_dir: Path, resume: bool) -> str:
         checkpoint = find_resume(cfg, str(run_dir), "latest")
     except RunComplete:
         return f"{COMPLETE}: --resume skips it"
+    if checkpoint is None and (run_dir / FINAL_MODEL).exists():  # as the run refuses it: its model is its result
+        raise ConfigError(finished_without_checkpoint(run_dir, cfg.rounds))
     if checkpoint is None:
         return "no checkpoint: --resume starts it over"
     return f"--resume goes on from {checkpoint.name}"
