@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpifl.cli.report import load_metrics, metric_keys, metric_of, pyplot, saved_config
 from mpifl.config.automatic import AUTOMATIC_KEYS
+from mpifl.config.schema import dotted_values
 from mpifl.config.sections import Config
 
 if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
@@ -165,25 +166,9 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [str(Path(d)) for d in run_dirs]
 
 
-def flat(config: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested config as dotted keys; a list of sections (``faults``) by index, ``faults.0.fraction``, so a group
-    is labelled by the one field its runs set apart, as the override that set it names it. An empty list adds no
-    key: it is what a config that leaves the section out holds."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat(value, dotted + "."))
-        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-            out.update(flat({str(i): item for i, item in enumerate(value)}, dotted + "."))
-        elif value != []:
-            out[dotted] = value
-    return out
-
-
 def setting(o: RunOutcome) -> dict[str, Any]:
     """What a run's group is made of: its config as dotted keys, but the seed, name and output."""
-    return {k: v for k, v in flat(o.config).items() if k.split(".")[0] not in NOT_THE_SETTING}
+    return {k: v for k, v in dotted_values(o.config).items() if k.split(".")[0] not in NOT_THE_SETTING}
 
 
 def differing_keys(settings: Sequence[dict[str, Any]]) -> list[str]:
@@ -244,7 +229,7 @@ def variant_labels(groups: Sequence[Sequence[RunOutcome]]) -> list[str] | None:
             pairs = [part.partition("=") for part in o.run_dir.name.split(",")]
             if any(not sep or not key or not value for key, sep, value in pairs):
                 return None
-            keys = flat(o.config)
+            keys = dotted_values(o.config)
             variants |= any(key not in keys and key not in NOT_THE_SETTING for key, _, _ in pairs)
             found.add(",".join(f"{key}={value}" for key, _, value in pairs if key != "seed"))
         if len(found) != 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from mpifl.config import Config, ConfigError
-from mpifl.config.schema import read_yaml
+from mpifl.config.schema import dotted_values, read_yaml
 
 
 @dataclass(frozen=True)
@@ -74,17 +74,8 @@ def grid_points(grid: list[str]) -> list[GridPoint]:
     return points
 
 
-def config_keys(values: dict, prefix: str = "") -> set[str]:
-    """Every dotted key of a config's values (``seed``, ``strategy.name``, ...)."""
-    keys = set()
-    for key, value in values.items():
-        keys.add(prefix + key)
-        if isinstance(value, dict):
-            keys |= config_keys(value, f"{prefix}{key}.")
-    return keys - {key for key, value in values.items() if isinstance(value, dict)}  # a section may name an axis
-
-
-CONFIG_KEYS = config_keys(Config().to_dict())  # what a variants axis may not be named
+# What a variants axis may not be named: every key a config may set (a section, such as strategy, may name one)
+CONFIG_KEYS = set(dotted_values(Config().to_dict(), empty_lists=True))
 
 
 def shared_key(axes: dict[str, list[tuple[str, tuple[str, ...]]]]) -> str | None:

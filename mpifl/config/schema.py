@@ -80,6 +80,22 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def dotted_values(config: dict, prefix: str = "", empty_lists: bool = False) -> dict[str, Any]:
+    """A nested config as dotted keys; a list of sections (``faults``) by index, ``faults.0.fraction``, as an
+    override names a key. An empty list adds no key (it is what a config that leaves the section out holds) unless
+    ``empty_lists``: the keys a config may set, as opposed to the values it holds."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(dotted_values(value, dotted + ".", empty_lists))
+        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            out.update(dotted_values({str(i): item for i, item in enumerate(value)}, dotted + ".", empty_lists))
+        elif value != [] or empty_lists:
+            out[dotted] = value
+    return out
+
+
 def apply_override(raw: dict, item: str) -> None:
     """Set one dotted ``key=value`` override in ``raw`` (the value is read as YAML; empty means None)."""
     key, sep, text = item.partition("=")
