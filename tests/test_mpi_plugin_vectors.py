@@ -2,8 +2,8 @@
 that client, as a raise would. Under clients.accept_failures the client is dropped from the round, its old vectors
 kept, on any number of ranks; without it the job ends with one line naming the round, the client, its rank, the
 trainer, the vector and both shapes or dtypes (tests/plugin_helpers.py: VectorBreaker, which breaks client 3's
-one-element count from round 2 on). A train() that returns something other than a TrainResult (a tuple, a dict)
-fails its client the same way."""
+one-element count from round 2 on). A vector left NaN fails its client the same way, as a diverged update does. A
+train() that returns something other than a TrainResult (a tuple, a dict) fails its client the same way too."""
 from __future__ import annotations
 
 import json
@@ -96,14 +96,29 @@ def test_without_accept_failures_a_vector_not_as_declared_ends_the_job_in_one_li
     assert "Traceback" not in result.stderr
 
 
-def test_a_vector_left_nan_keeps_its_old_values_says_so_with_round_and_trainer_and_the_update_still_counts(tmp_path):
+def test_a_vector_left_nan_fails_its_client_so_under_accept_failures_its_update_is_not_folded_either(tmp_path):
+    """A diverged vector and the update beside it stand or fall together: folding the update while keeping the old
+    vector would break what the two halves keep in step (a server mean of the clients' vectors)."""
     result = run(tmp_path, 3, "train.kwargs={nan: true}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert dropped(tmp_path / "run") == {1: {}, 2: {}, 3: {}}  # only the vectors are refused, not the update
-    assert ("round 2: trainer plugin_helpers.VectorBreaker: logical client 3: the trainer left NaN or Inf in its "
-            "vector 'count'; its old vectors are kept") in result.stderr, result.stderr[-3000:]
+    message = "trainer plugin_helpers.VectorBreaker left 1 NaN/Inf values in client vector 'count'"
+    assert dropped(tmp_path / "run") == {1: {}, 2: {3: message}, 3: {3: message}}
+    assert f"round 2: dropped logical client 3 (rank 2): {message}" in result.stderr, result.stderr[-3000:]
     counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
     assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it
+    want, got = reference_dropping({2: {3}, 3: {3}}), final_model(tmp_path / "run")
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
+def test_without_accept_failures_a_vector_left_nan_ends_the_job_in_one_line_with_the_divergence_advice(tmp_path):
+    result = run(tmp_path, 3, "train.kwargs={nan: true}", "clients.accept_failures=false")
+    assert result.returncode != 0
+    line = ("round 2: logical client 3 (rank 2): trainer plugin_helpers.VectorBreaker left 1 NaN/Inf values in client "
+            "vector 'count' (clients.accept_failures=false); if its training diverged, lower train.lr or set "
+            "train.max_grad_norm, or drop such clients")
+    assert [ln for ln in result.stderr.splitlines() if line in ln], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
 
 
 def returned_line(kind: str, said: str) -> bool:

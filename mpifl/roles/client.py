@@ -298,8 +298,7 @@ class ClientRank:
         if self.parts.state.personal is not None and error is None and not bad:  # else as if it had not trained
             self.parts.state.personal.keep(client)
         if self.parts.state.declared is not None and error is None and not bad:
-            self.parts.state.declared.keep(client, self.training.vectors,
-                                            f"round {round_}: trainer {self.training.trainer_name}")
+            self.parts.state.declared.keep(client, self.training.vectors)
         if self.faults and error is None and not bad:  # a corruption strikes past every check
             self.faults.corrupt(round_, client, buffers, self.work, self.parts.plan, self.parts.training.seed)
         if bad:

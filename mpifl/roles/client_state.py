@@ -132,6 +132,17 @@ def vector_problem(trainer: str, state: Mapping[str, object], declared: Mapping[
     return None
 
 
+def vector_divergence(trainer: str, state: Mapping[str, torch.Tensor]) -> str | None:
+    """The first of the vectors ``trainer`` handed back (each as declared) that holds NaN or Inf, said with how
+    many, or None. Such a client fails as one whose update diverged does: its update folded beside its old vectors
+    would break what the two halves keep in step (FedDC's server mean of the clients' drifts, for one)."""
+    for name, value in state.items():
+        non_finite = int((~torch.isfinite(value)).sum())
+        if non_finite:
+            return f"trainer {trainer} left {non_finite} NaN/Inf values in client vector {name!r}"
+    return None
+
+
 def vector_mismatch(value: torch.Tensor, elements: int) -> str | None:
     """How ``value`` differs from a vector declared with ``elements`` fp32 elements ("shape (5,) where (1,) was
     declared"), or None."""
@@ -148,8 +159,8 @@ def vector_mismatch(value: torch.Tensor, elements: int) -> str | None:
 class DeclaredVectors:
     """A plug-in trainer's per-client vectors on the rank (``Trainer.client_state``): each one copied out of the
     store into the training client's ``TrainContext.state`` before it trains, and written back after, unless its
-    training failed, left a vector not as declared (the client fails then: ``problem``) or left one NaN or Inf (it
-    keeps the old ones then). A vector the client never wrote starts as zeros or, with ``start='global'``, as the
+    training failed or left a vector not as declared or holding NaN or Inf (the client fails then: ``problem``, and
+    keeps its old ones). A vector the client never wrote starts as zeros or, with ``start='global'``, as the
     tensors it covers hold on arrival."""
 
     def __init__(self, flat: FlatModel, declared: tuple[tuple[str, StateVector], ...],
@@ -177,17 +188,15 @@ class DeclaredVectors:
         (``vector_problem``): asked before any of them, or anything else of the client's, is kept."""
         return vector_problem(trainer, state, {name: self.stores[name].firsts[-1] for name in self.declared})
 
-    def keep(self, client: int, state: dict[str, torch.Tensor], where: str = "") -> None:
-        """Store ``client``'s vectors after it trained, each as declared (``problem`` found nothing); all or none:
-        a NaN or Inf in any keeps every old one, and says so (its update, finite, is still folded: only the vectors
-        are refused). ``where``: the round and trainer, for the log line ("round 3: trainer pkg.Mine")."""
-        bad = [name for name, v in state.items() if not bool(torch.isfinite(v).all())]
-        if bad:
-            said = f"{where}: " if where else ""
-            log(f"{said}logical client {client}: the trainer left NaN or Inf in its "
-                f"vector{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; its old vectors are kept (its "
-                "update is folded as usual)")
-            return
+    def divergence(self, trainer: str, state: Mapping[str, torch.Tensor]) -> str | None:
+        """Which of the vectors ``trainer`` handed back (``problem`` found nothing) holds NaN or Inf, or None
+        (``vector_divergence``)."""
+        return vector_divergence(trainer, state)
+
+    def keep(self, client: int, state: dict[str, torch.Tensor]) -> None:
+        """Store ``client``'s vectors after it trained, each as declared (``problem`` found nothing, NaN and Inf
+        included: a client whose vectors diverged fails, so that an update is never folded beside vectors it did not
+        leave)."""
         for name, values in state.items():
             self.stores[name].write(client, 0, values.detach().cpu())
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # roles.group imports roles.client's neighbours only: the typ
 
 
 VECTORS_ADVICE = "change each vector in place, as context.state hands it over"
+DIVERGED_ADVICE = "if its training diverged, lower train.lr or set train.max_grad_norm"
 RETURN_ADVICE = "make every train() call return one"
 
 
@@ -78,7 +79,7 @@ class LocalTraining:
               anchor: torch.Tensor | None = None) -> tuple[TrainResult, str | None]:
         """Local training of one logical client (``anchor``: the global model beside the one that trains, for
         SCAFFOLD's and FedDyn's rules); a raise, a result that is not a TrainResult, or a declared vector left not
-        as declared, ends the job, or is its error under accept_failures."""
+        as declared or holding NaN or Inf, ends the job, or is its error under accept_failures."""
         result, error = self._attempt(round_, client, data, anchor)
         if error is not None:
             return result, error
@@ -88,6 +89,10 @@ class LocalTraining:
         problem = self._vectors_problem()
         if problem is not None:
             return TrainResult(0, {}), self.refused(problem, round_, client, VECTORS_ADVICE)
+        declared = self.state.declared
+        diverged = None if declared is None else declared.divergence(self.trainer_name, self.vectors)
+        if diverged is not None:
+            return TrainResult(0, {}), self.refused(diverged, round_, client, DIVERGED_ADVICE)
         return result, None
 
     def _attempt(self, round_: int, client: int, data: ClientData | None,
@@ -190,8 +195,7 @@ class LocalTraining:
         if not self.parts.accept_failures:
             advice = (f"{strikes_again(f'{injected} strikes logical client {client}')}, or drop such clients from "
                       "their rounds with clients.accept_failures=true" if injected else
-                      "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients "
-                      "from their rounds with clients.accept_failures=true")
+                      f"{DIVERGED_ADVICE}, or drop such clients from their rounds with clients.accept_failures=true")
             raise JobFailure(f"round {round_}: logical client {client} (rank {world_rank(self.rank)}): {error} "
                              f"(clients.accept_failures=false); {advice}")
         return error
