@@ -1,6 +1,7 @@
-"""``mpifl diff A B``: whether two results hold the same bits, every tensor of the model and every client's kept
-vector, and where they do not, which elements differ and by how much (exit 0 when bitwise equal, 1 when not, 2 for
-what cannot be read); its digest is ``mpifl inspect``'s and ``profiling/combinations.py``'s."""
+"""``mpifl diff A B``: whether two results hold the same bits, every tensor of the model, the server's state and
+every client's kept vector, each side's checksums verified first, and where they do not, which elements differ and
+by how much (exit 0 when bitwise equal, 1 when not, 2 for what cannot be read or is corrupt); its digest is
+``mpifl inspect``'s and ``profiling/combinations.py``'s."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,14 +13,19 @@ from conftest import mpifl_here, run_mpi, write_config
 from mpifl.storage.comparison import Result, difference, digest
 
 
-def model_file(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str, ...] = ()) -> Path:
-    """An HDF5 file laid out as a checkpoint's /model (bf16: uint16 bits with a dtype attribute)."""
+def model_file(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str, ...] = (),
+               state: dict[str, np.ndarray] | None = None) -> Path:
+    """An HDF5 file laid out as a checkpoint's /model (bf16: uint16 bits with a dtype attribute) and, with
+    ``state``, its /server_state."""
     with h5py.File(path, "w") as f:
         group = f.create_group("model")
         for name, values in tensors.items():
             group.create_dataset(name, data=values)
             if name in bf16:
                 group[name].attrs["dtype"] = "bfloat16"
+        if state is not None:
+            for name, values in state.items():
+                f.require_group("server_state").create_dataset(name, data=values)
     return path
 
 
@@ -73,6 +79,33 @@ def test_a_tensor_only_one_result_has_is_named_and_unreadable_input_exits_2(tmp_
     assert junk.returncode == 2 and "cannot be read as HDF5" in junk.stderr
 
 
+def test_the_server_state_is_compared_and_digested_slice_by_slice(tmp_path, monkeypatch):
+    """FedAdam's moments or FedDyn's h are part of the result a resume goes on from: a difference there alone is a
+    difference, sized as a tensor's is, and read in slices (one is as long as the model)."""
+    monkeypatch.setattr("mpifl.storage.comparison.STATE_SLICE", 3)
+    h = np.linspace(-1, 1, 10, dtype=np.float32)
+    moved = h.copy()
+    moved[7] += 0.5
+    a = model_file(tmp_path / "a.h5", WEIGHTS, state={"h": h})
+    same = model_file(tmp_path / "same.h5", WEIGHTS, state={"h": h.copy()})
+    b = model_file(tmp_path / "b.h5", WEIGHTS, state={"h": moved})
+    equal = mpifl_here("diff", str(a), str(same))
+    assert equal.returncode == 0 and "server state: 1 vectors in both: bitwise equal" in equal.stdout, equal.stdout
+    said = mpifl_here("diff", str(a), str(b))
+    assert said.returncode == 1, said.stdout + said.stderr
+    assert "model: 2 tensors in both, 15 elements: bitwise equal" in said.stdout
+    want = 0.5 / float(np.linalg.norm(moved.astype(np.float64)))
+    line = next(ln for ln in said.stdout.splitlines() if ln.startswith("  server_state/h [10]"))
+    assert line.startswith("  server_state/h [10]: 1 of 10 elements differ, max |a - b| 0.5, relative L2 "), line
+    assert line.endswith(f"relative L2 {want:.3g}"), line
+    assert digest(Result.at(a)) == digest(Result.at(same)) != digest(Result.at(b))
+    # a result without server state digests as it did before the state was part of the digest
+    assert digest(Result.at(model_file(tmp_path / "plain.h5", WEIGHTS))) != digest(Result.at(a))
+    lacking = mpifl_here("diff", str(a), str(tmp_path / "plain.h5"))
+    assert lacking.returncode == 1 and "server state: 0 vectors in both: bitwise equal\n  only in a: h" in \
+        lacking.stdout, lacking.stdout
+
+
 def test_a_sharded_groups_rank_files_are_joined_into_each_clients_vector(tmp_path):
     run = tmp_path / "run"
     folder = run / "checkpoints" / "ckpt-r000001.residuals"
@@ -116,3 +149,20 @@ def test_one_config_on_two_rank_counts_diffs_bitwise_equal_with_every_clients_ve
     assert f"digest: {code} " in inspected.stdout
     other = mpifl_here("diff", str(tmp_path / "two"), str(tmp_path / "seed"))
     assert other.returncode == 1 and "they differ" in other.stdout
+    assert "; checksums verified (" in same.stdout
+    # a model.h5 keeps no clients' vectors: equal as far as compared, and the last line says how far
+    partial = mpifl_here("diff", str(tmp_path / "two" / "model.h5"), str(tmp_path / "three"))
+    assert partial.returncode == 0 and "clients' vectors: not compared (kept by b only)" in partial.stdout
+    assert partial.stdout.rstrip().splitlines()[-1].startswith("bitwise equal as far as compared: the clients' "
+                                                               "vectors were not, b alone keeping them")
+    # a side whose bytes no longer match its checksums is no result to compare: exit 2, naming what changed
+    edited = tmp_path / "edited.h5"
+    edited.write_bytes((tmp_path / "two" / "model.h5").read_bytes())
+    with h5py.File(edited, "r+") as f:
+        name = sorted(f["model"])[0]
+        values = f["model"][name][()]
+        values.flat[0] += 1
+        f["model"][name][...] = values
+    corrupt = mpifl_here("diff", str(tmp_path / "two" / "model.h5"), str(edited))
+    assert corrupt.returncode == 2, corrupt.stdout + corrupt.stderr
+    assert f"mpifl diff: {edited}: tensor {name!r} is corrupt" in corrupt.stderr and "not compared" in corrupt.stderr

@@ -12,6 +12,7 @@ from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
 from mpifl.storage.comparison import Difference, Result, compare, digest
 from mpifl.storage.hdf5 import Checkpoint
+from mpifl.storage.integrity import GROUP as INTEGRITY
 from mpifl.units import MIB
 from mpifl.wire.spec import CONTROL, is_control
 
@@ -54,26 +55,51 @@ def inspect(path: str, verify: bool = False) -> int:
 
 
 def diff(a: str, b: str) -> int:
-    """Print whether two results hold the same bits (``mpifl.storage.comparison``); 0 when they do, else 1."""
+    """Print whether two results hold the same bits (``mpifl.storage.comparison``); 0 when they do, else 1. Each
+    side's checksums are verified first (a corrupt file is no result to compare: exit 2, naming what changed)."""
     first, second = Result.at(a), Result.at(b)
     for label, result, path in (("a", first, a), ("b", second, b)):
         vectors = f" and the clients' vectors of {result.vectors.name}" if result.vectors else ""
-        print(f"{label}: {path}: {result.model.name}{vectors}; digest {digest(result)}")
+        print(f"{label}: {path}: {result.model.name}{vectors}; digest {digest(result)}; {checksums(result.model)}")
     try:
         found = compare(first, second)
     except ValueError as err:
         raise CheckpointError(f"mpifl diff: {err}") from None
     _print_section(f"model: {found.tensors} tensors in both, {found.elements:,} elements", found.differences,
                    found.only_in_a, found.only_in_b)
+    if found.states or found.states_only_in_a or found.states_only_in_b:
+        _print_section(f"server state: {found.states} vectors in both", found.state_differences,
+                       found.states_only_in_a, found.states_only_in_b)
+    one_side = None if found.clients is not None or not (first.vectors or second.vectors) else \
+        ("a" if first.vectors else "b")
     if found.clients is None:
-        print("clients' vectors: not compared (kept by " + ("neither" if not (first.vectors or second.vectors) else
-                                                           "one of them only") + ")")
+        print("clients' vectors: not compared (kept by " + (f"{one_side} only" if one_side else "neither") + ")")
     else:
         _print_section(f"clients' vectors: {found.clients} clients in both", found.client_differences,
                        [f"client {c}" for c in found.clients_only_in_a],
                        [f"client {c}" for c in found.clients_only_in_b])
-    print("bitwise equal" if found.bitwise_equal else "they differ")
+    if not found.bitwise_equal:
+        print("they differ")
+    elif one_side:  # equal as far as compared: the last line says how far
+        print(f"bitwise equal as far as compared: the clients' vectors were not, {one_side} alone keeping them (a "
+              "model.h5 has none: diff two run directories, or two checkpoints)")
+    else:
+        print("bitwise equal")
     return 0 if found.bitwise_equal else 1
+
+
+def checksums(path: Path) -> str:
+    """``path``'s tensors and server state checked against its CRC32s (``Checkpoint.verify``), as diff says it; a
+    file without an integrity record (not written by mpifl's checkpointer) said to have none."""
+    with h5py.File(path, "r") as f:
+        recorded = INTEGRITY in f
+    if not recorded:
+        return "no checksums to verify"
+    with Checkpoint(path) as ckpt:
+        try:
+            return f"checksums verified ({ckpt.verify()} chunks)"
+        except CheckpointError as err:
+            raise CheckpointError(f"mpifl diff: {err}; not compared") from None
 
 
 def _print_section(heading: str, differences: list[Difference], only_in_a: list[str], only_in_b: list[str]) -> None:

@@ -1,8 +1,10 @@
 """Two results compared bit for bit (``mpifl diff``), and one result's digest (``mpifl inspect``, ``mpifl diff``,
 ``profiling/combinations.py``).
 
-A result is what a run leaves: its model's tensors (``model.h5``, else its newest checkpoint), and every client's
-kept vector (SCAFFOLD's c_i, Ditto's v_i, local tensors, residuals) from its newest checkpoint's per-rank files.
+A result is what a run leaves: its model's tensors (``model.h5``, else its newest checkpoint), the server's state
+beside them (``/server_state``: FedAvgM's velocity, FedAdam's moments, FedDyn's h, a plug-in's vectors), and every
+client's kept vector (SCAFFOLD's c_i, Ditto's v_i, local tensors, residuals) from its newest checkpoint's per-rank
+files.
 The claim mpifl makes is that the same config gives the same bytes on any number of ranks, chunk size, placement or
 resume (docs/explanation/determinism.md), so the check is on bytes: a tensor is equal when its bytes are, and a
 difference is then sized (how many elements, the largest absolute difference, the relative L2) to tell rounding
@@ -14,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -25,6 +27,7 @@ from mpifl.storage.checkpointer import CHECKPOINTS, list_checkpoints
 
 MODEL_FILE = "model.h5"
 DIGEST_CHARS = 16  # hex characters a digest is quoted by (64 bits)
+STATE_SLICE = 1 << 22  # elements of a server state vector read at once (16 MiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,19 @@ class Result:
             for name in sorted(group):
                 yield name, group[name][()]
 
+    def state_names(self) -> list[str]:
+        """The server state's vectors (``/server_state``), in name order; none where the strategy keeps none."""
+        with h5py.File(self.model, "r") as f:
+            return sorted(f["server_state"]) if "server_state" in f else []
+
+    def state_slices(self, name: str) -> Iterator[np.ndarray]:
+        """Server state vector ``name`` in slices of ``STATE_SLICE`` elements: one is as long as the model (FedAdam
+        keeps two), so it is never read whole."""
+        with h5py.File(self.model, "r") as f:
+            ds = f["server_state"][name]
+            for start in range(0, ds.shape[0], STATE_SLICE):
+                yield ds[start:start + STATE_SLICE]
+
     def dtypes(self) -> dict[str, str]:
         """Each tensor's recorded dtype (bf16 is stored as uint16 and says so in an attribute)."""
         with model_group(self.model) as group:
@@ -83,13 +99,18 @@ def _with_vectors(checkpoint: Path) -> Path | None:
 
 
 def digest(result: Result) -> str:
-    """SHA-256 of every tensor (its name, then its bytes, in name order), then of every kept vector (its client
-    id, then its bytes, in id order): equal for two results exactly when both are bitwise equal, whatever the
-    chunking. The first ``DIGEST_CHARS`` hex characters."""
+    """SHA-256 of every tensor (its name, then its bytes, in name order), then of every server state vector (its
+    name under ``server_state/``, then its bytes, in name order), then of every kept vector (its client id, then its
+    bytes, in id order): equal for two results exactly when both are bitwise equal, whatever the chunking. A result
+    without server state digests as before the state was part of it. The first ``DIGEST_CHARS`` hex characters."""
     h = hashlib.sha256()
     for name, values in result.tensors():
         h.update(name.encode())
         h.update(np.ascontiguousarray(values).tobytes())
+    for name in result.state_names():
+        h.update(f"server_state/{name}".encode())
+        for values in result.state_slices(name):
+            h.update(np.ascontiguousarray(values).tobytes())
     vectors = result.client_vectors()
     for client in sorted(vectors):
         h.update(str(client).encode())
@@ -121,18 +142,46 @@ def difference(name: str, a: np.ndarray, b: np.ndarray, dtype: str = "") -> Diff
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"{name}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
                          "one config")
+    return tally(name, tuple(a.shape), [gap_sums(a, b, dtype)])
+
+
+def sliced_difference(name: str, a: Iterator[np.ndarray], b: Iterator[np.ndarray], elements: int,
+                      dtype: str = "") -> Difference | None:
+    """``difference`` of two long vectors read slice by slice (a server state vector), alike slices paired."""
+    sums = []
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ValueError(f"{name}: {x.dtype} against {y.dtype}, or slices of other lengths: not results of one "
+                             "config")
+        sums.append(gap_sums(x, y, dtype))
+    return tally(name, (elements,), sums)
+
+
+GapSums = tuple[int, float, float, float]  # elements that differ, max |a - b| (NaN: none finite), ||a - b||², ||b||²
+
+
+def gap_sums(a: np.ndarray, b: np.ndarray, dtype: str = "") -> GapSums:
+    """What ``difference`` reports of one piece of two arrays of one shape, as sums that add over pieces."""
     bits = np.dtype(f"u{a.dtype.itemsize}")
     differs = np.ascontiguousarray(a).view(bits) != np.ascontiguousarray(b).view(bits)
     count = int(np.count_nonzero(differs))
-    if not count:
-        return None
     x, y = as_float64(a, dtype), as_float64(b, dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         gaps = np.abs(x - y)[differs]
-        max_abs = float(np.nan if np.isnan(gaps).all() else np.nanmax(gaps))
-        norm = float(np.linalg.norm(y))
-        relative = float(np.linalg.norm(x - y)) / norm if norm else float("inf")
-    return Difference(name, tuple(a.shape), count, int(a.size), max_abs, relative)
+        max_abs = float(np.nan if not count or np.isnan(gaps).all() else np.nanmax(gaps))
+        return count, max_abs, float(np.sum(np.square(x - y))), float(np.sum(np.square(y)))
+
+
+def tally(name: str, shape: tuple[int, ...], pieces: list[GapSums]) -> Difference | None:
+    """The pieces' sums as one Difference, or None where no element differs."""
+    count = sum(p[0] for p in pieces)
+    if not count:
+        return None
+    maxima = [p[1] for p in pieces if not np.isnan(p[1])]
+    norm = float(np.sqrt(sum(p[3] for p in pieces)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        relative = float(np.sqrt(sum(p[2] for p in pieces))) / norm if norm else float("inf")
+    return Difference(name, shape, count, int(np.prod(shape)), max(maxima) if maxima else float("nan"), relative)
 
 
 def as_float64(values: np.ndarray, dtype: str = "") -> np.ndarray:
@@ -156,12 +205,18 @@ class Comparison:
     client_differences: list[Difference]
     clients_only_in_a: list[int]
     clients_only_in_b: list[int]
+    states: int = 0  # server state vectors in both
+    state_differences: list[Difference] = field(default_factory=list)
+    states_only_in_a: list[str] = field(default_factory=list)
+    states_only_in_b: list[str] = field(default_factory=list)
 
     @property
     def bitwise_equal(self) -> bool:
-        """Whether every tensor and kept vector compared holds the same bytes, and neither has one the other lacks."""
+        """Whether every tensor, server state vector and kept vector compared holds the same bytes, and neither has
+        one the other lacks."""
         return not (self.differences or self.only_in_a or self.only_in_b or self.client_differences
-                    or self.clients_only_in_a or self.clients_only_in_b)
+                    or self.clients_only_in_a or self.clients_only_in_b or self.state_differences
+                    or self.states_only_in_a or self.states_only_in_b)
 
 
 def compare(a: Result, b: Result) -> Comparison:
@@ -179,6 +234,9 @@ def compare(a: Result, b: Result) -> Comparison:
             if change is not None:
                 found.append(change)
             elements += int(values.size)
+    states_a, states_b = a.state_names(), b.state_names()
+    states = sorted(set(states_a) & set(states_b))
+    state_changes = [d for name in states if (d := state_difference(a, b, name)) is not None]
     vectors_a, vectors_b = a.client_vectors(), b.client_vectors()
     compared = bool(vectors_a) and bool(vectors_b)
     both = sorted(set(vectors_a) & set(vectors_b))
@@ -186,7 +244,18 @@ def compare(a: Result, b: Result) -> Comparison:
     return Comparison(len(shared), elements, found, sorted(set(dtypes_a) - set(dtypes_b)),
                       sorted(set(dtypes_b) - set(dtypes_a)), len(both) if compared else None, client_changes,
                       sorted(set(vectors_a) - set(vectors_b)) if compared else [],
-                      sorted(set(vectors_b) - set(vectors_a)) if compared else [])
+                      sorted(set(vectors_b) - set(vectors_a)) if compared else [],
+                      len(states), state_changes, sorted(set(states_a) - set(states_b)),
+                      sorted(set(states_b) - set(states_a)))
+
+
+def state_difference(a: Result, b: Result, name: str) -> Difference | None:
+    """How server state vector ``name`` differs between ``a`` and ``b``, slice by slice; None where it does not."""
+    with h5py.File(a.model, "r") as fa, h5py.File(b.model, "r") as fb:
+        length, other = fa["server_state"][name].shape[0], fb["server_state"][name].shape[0]
+    if length != other:
+        raise ValueError(f"server_state/{name}: {length} elements against {other}: not results of one config")
+    return sliced_difference(f"server_state/{name}", a.state_slices(name), b.state_slices(name), length)
 
 
 @contextlib.contextmanager
