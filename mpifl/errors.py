@@ -1,5 +1,8 @@
 """Failures that carry their whole explanation (rank, client, stage): reported without a traceback."""
+from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 
 INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
@@ -35,3 +38,17 @@ class MissingExtra(ImportError):
 class UsageError(ValueError):
     """A command's options that cannot go together (``--nodes`` too few for the ranks, say): reported as argparse
     reports a bad option, with the subcommand's usage and exit status 2."""
+
+
+@contextlib.contextmanager
+def noted(where: str) -> Iterator[None]:
+    """Add ``where`` as a note to an exception that escapes (a plug-in's bug, say), so the line a rank aborts with
+    says where in the run it struck, not only what (``mpifl.roles.launch.guarded``); mpifl's own failures say it
+    already and pass through untouched."""
+    try:
+        yield
+    except (JobFailure, CheckpointError):
+        raise
+    except Exception as err:
+        err.add_note(where)
+        raise

@@ -455,7 +455,8 @@ def squeezed_stack(cfg: StrategyConfig) -> Strategy:
 
 def _server_step(kind: str):
     """A server optimizer with momentum state ``m`` whose step works in place (``kind`` 'in_place'), returns a new
-    tensor instead of writing into delta ('returns'), or binds a new tensor to state['m'] ('rebinds')."""
+    tensor instead of writing into delta ('returns'), binds a new tensor to state['m'] ('rebinds'), or raises
+    ('raises')."""
     from mpifl.api import ServerOptimizer
 
     class Step(ServerOptimizer):
@@ -464,6 +465,8 @@ def _server_step(kind: str):
             self.state_init = {"m": 0.0}
 
         def step(self, delta, state):
+            if kind == "raises":
+                raise RuntimeError("a bug in the server half")
             if kind == "returns":
                 return delta * 2.0
             if kind == "rebinds":
@@ -476,4 +479,5 @@ def _server_step(kind: str):
     return lambda cfg: Strategy(cfg, WeightedMean(cfg), Step(cfg))
 
 
-step_in_place, step_returns, step_rebinds = (_server_step(k) for k in ("in_place", "returns", "rebinds"))
+step_in_place, step_returns, step_rebinds, step_raises = (_server_step(k)
+                                                         for k in ("in_place", "returns", "rebinds", "raises"))

@@ -47,6 +47,19 @@ def test_a_client_that_raises_aborts_the_job_with_its_traceback(tmp_path):
     assert seconds < 30
 
 
+def test_a_plug_in_strategy_that_raises_on_the_server_ends_the_job_saying_the_round_and_strategy_name(tmp_path):
+    """A bug in a server half is the plug-in's, not mpifl's: the abort line says where it struck before what it was,
+    and the traceback follows."""
+    cfg = write_config(tmp_path / "c.yaml", BASE)
+    result, seconds = timed(3, "run", str(cfg), "strategy.name=plugin_helpers:step_raises",
+                            "--run-dir", str(tmp_path / "run"))
+    assert result.returncode != 0
+    line = ("[mpifl rank 0 on ", "] failed, aborting the job: round 1: strategy.name 'plugin_helpers:step_raises', "
+            "in the server's reduction: RuntimeError: a bug in the server half")
+    assert [ln for ln in result.stderr.splitlines() if ln.startswith(line[0]) and line[1] in ln], result.stderr
+    assert "Traceback" in result.stderr and seconds < 30
+
+
 def test_a_client_with_a_different_model_is_refused_naming_the_tensor(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", BASE)
     result = run_mpi(3, "run", str(cfg), "model.name=fl_helpers:rank_dependent_mlp", "model.kwargs={}",

@@ -219,7 +219,8 @@ def guarded(fn: Callable[[], T]) -> T:
         except KeyboardInterrupt as err:
             abort("interrupted (KeyboardInterrupt)\n" + _traceback(err))
         except BaseException as err:  # noqa: BLE001 - any escape from a rank must end the job
-            abort(f"{type(err).__name__}: {err}" + _traceback(err))  # the culprit in one line, then the details
+            where = "".join(f"{note}: " for note in getattr(err, "__notes__", ()))  # errors.noted's
+            abort(f"{where}{type(err).__name__}: {err}" + _traceback(err))  # the culprit in one line, then details
 
 
 def abort(reason: str, code: int = 1, what: str = "failed") -> NoReturn:

@@ -24,7 +24,7 @@ from mpifl.aggregation.reduction import (
 from mpifl.aggregation.strategies import Strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.config import TransportConfig
-from mpifl.errors import INTERRUPTED, JobFailure
+from mpifl.errors import INTERRUPTED, JobFailure, noted
 from mpifl.logs import log, world_rank
 from mpifl.metrics import CostMeter, JsonLines, current_rss_bytes, peak_rss_bytes
 from mpifl.planning.faults import CHANGES_PAST_THE_CHECK, FaultPlan, Strike
@@ -207,14 +207,16 @@ class Server:
             log(strike_line(strike, spent=True, recorded=recorded.get((strike.index, round_)) is not None), rank=0)
         for line in strike_lines(strikes):
             log(line, rank=0)
-        parts.strategy.begin_round(round_, len(plan.participants))
+        with noted(f"round {round_}: strategy.name {parts.strategy.name!r}, in begin_round"):
+            parts.strategy.begin_round(round_, len(plan.participants))
         routes = RoundRoutes.of(plan, self.transport, parts.plan.grouped)
         self._send_headers(plan, routes)
         watchdog = Watchdog(parts.deadlines.current(), round_, {**plan.train, **plan.streams},
                             lambda: self.stop.requested, heard=self.heard)
         self._dispatch(plan, routes, watchdog, strikes)
         dispatched = time.perf_counter()
-        stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last), strikes=strikes)
+        with noted(f"round {round_}: strategy.name {parts.strategy.name!r}, in the server's reduction"):
+            stats = self._reduce(plan, routes, watchdog, started=dict(watchdog.last), strikes=strikes)
         if stats.nonfinite:
             self._poisoned(round_, strikes, stats.nonfinite)
         self._put_back_refused(plan, stats)
