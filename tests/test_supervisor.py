@@ -6,6 +6,7 @@ status or its signal. And the ranks agree on what their checks before MPI found,
 the job with status 2."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -74,6 +75,48 @@ def test_what_a_rank_tells_its_supervisor_is_parsed_so_a_run_directory_may_hold_
     assert heard_from_rank(said) == (MPI_STARTED + ANNOUNCED, (2, Path("/runs/max-xm")))
     assert heard_from_rank(MPI_STARTED) == (MPI_STARTED, None)
     assert killed_line(42, 11).startswith("its process (pid 42) was killed by signal 11 (SIGSEGV): a crash in native")
+
+
+LAUNCHER = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+    time.sleep(120)
+""")
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped by init, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("launched", [True, False], ids=["under-a-launcher", "singleton"])
+def test_a_launched_rank_ends_with_the_launchers_process_and_a_singleton_outlives_its_shell(tmp_path, launched):
+    """mpiexec and its proxy killed by SIGKILL left the ranks running alone to the end of the run, writing
+    checkpoints; a rank variable (PMI_RANK) says a launcher's process started the supervisor, which then dies with
+    it, and the rank with the supervisor. Without one (nohup mpifl run ...), the shell's end ends nothing."""
+    pids = tmp_path / "pids"
+    body = f"open({str(pids)!r}, 'w').write(f'{{os.getppid()}} {{os.getpid()}}'); time.sleep(60); return 0"
+    env = {**os.environ, "PMI_RANK": "1"} if launched else {k: v for k, v in os.environ.items() if k != "PMI_RANK"}
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, SUPERVISED.format(body=body)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and " " in pids.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        supervisor, rank = map(int, pids.read_text().split())
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while launched and (alive(supervisor) or alive(rank)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (alive(supervisor), alive(rank)) == ((False, False) if launched else (True, True))
+    finally:
+        for pid in (locals().get("rank"), locals().get("supervisor")):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_without_supervision_the_launched_process_is_the_rank_itself():

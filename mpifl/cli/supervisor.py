@@ -27,7 +27,11 @@ Signals:
 - These four signals are blocked from just before the fork until the supervisor's handlers are set, so one that
   lands in between waits for them instead of ending the supervisor (3-4 times in 30 before, when the rank
   signalled at once).
-- The rank dies with its supervisor (Linux's ``PR_SET_PDEATHSIG``).
+- The rank dies with its supervisor (Linux's ``PR_SET_PDEATHSIG``), and a supervisor a launcher started (a rank
+  variable set: ``PMI_RANK``, ``PMIX_RANK``, ...) dies with the launcher's process that started it (MPICH's
+  ``hydra_pmi_proxy``, ``slurmstepd``): with ``mpiexec`` and its proxy killed by SIGKILL, the ranks went on alone
+  to the end of the run, writing checkpoints into a run directory that a resume might be writing into too. A
+  singleton (``mpifl run`` with no launcher, under ``nohup``, say) outlives the shell that started it.
 - The rank's exit status, or the signal that ended it, becomes the supervisor's. A rank ended by a signal (the
   kernel's OOM killer's SIGKILL, most often, on a cluster) says nothing itself, and the launcher's report names a
   PID at best; so the supervisor first says it in one line naming the rank, its host and the signal, and notes it
@@ -75,6 +79,11 @@ def supervised(body: Callable[[], int], command: str = "run") -> int:
     prctl = _prctl()
     if os.environ.get("MPIFL_SUPERVISE", "1") == "0" or prctl is None or not hasattr(os, "fork"):
         return body()
+    if env_rank() is not None:  # started by a launcher: ends with the launcher's process that started it
+        launcher = os.getppid()
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # it died before the line above took effect
+            _end_by(signal.SIGKILL)
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
