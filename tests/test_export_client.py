@@ -139,6 +139,10 @@ def test_an_unknown_client_a_run_without_own_models_and_a_sharded_runs_files_are
     said = refusal(copy / "ckpt-r000002.h5", out, "--client", "1")
     assert "kept nothing per client, no model of a client's own" in said
     assert "model.local (FedBN, FedPer) or train.ditto_lambda (Ditto)" in said
+    # a plug-in trainer's declared vectors (APFL's personal model, say) are the trainer's to turn into a model
+    rewrite_config(copy / "ckpt-r000002.h5", "trainer: torch", "trainer: plugin_helpers:VectorBreaker")
+    said = refusal(copy / "ckpt-r000002.h5", out, "--client", "1")
+    assert "its trainer's declared vectors, 'count', are the trainer's own to turn into the model a client " in said
     # each rank file holding rows of every client (clients.sharding: fsdp)
     for path in (copy / "ckpt-r000002.residuals").glob("rank*.h5"):
         with h5py.File(path, "r+") as f:

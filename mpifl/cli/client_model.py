@@ -96,8 +96,12 @@ def _own_models(ckpt: Checkpoint, cfg: Config, client: int) -> ClientState:
     state = cfg.client_state()
     if state is None or not (state.local or state.personal):
         kept = f"kept {kept_per_client(ckpt)} per client" if state is not None else "kept nothing per client"
+        vectors = [name for name, _ in state.vectors] if state is not None else []
+        theirs = (f" (its trainer's declared vectors, {', '.join(map(repr, vectors))}, are the trainer's own to "
+                  "turn into the model a client uses, as APFL mixes its personal model with the global one: export "
+                  "cannot do that for it)") if vectors else ""
         raise CheckpointError(f"export --client: {ckpt.path}: its run {kept}, no model of a client's own: only runs "
-                              f"with {OWN_MODELS} keep one; export the global model without --client")
+                              f"with {OWN_MODELS} keep one; export the global model without --client{theirs}")
     if not 0 <= client < cfg.clients.num_clients:
         raise CheckpointError(f"export --client: {ckpt.path}: no client {client}: its run had clients 0 to "
                               f"{cfg.clients.num_clients - 1} (clients.num_clients: {cfg.clients.num_clients})")
