@@ -101,14 +101,18 @@ def _run(comm: MPI.Intracomm, cfg: Config, run_dir_arg: str | None, resume: Path
          resume_asked: str | None, memray_dir: str | None, memray_native: bool) -> int:
     from mpifl.cli.profiling import tracked
     from mpifl.roles.runner import check_world, run_rank
+    from mpifl.storage.lock import release_run_dir
     from mpifl.storage.rundir import prepare_run_dir
 
     try:
         check_world(comm.Get_size(), cfg)
         run_dir, point = agree(comm, lambda: prepare_run_dir(cfg, run_dir_arg, resume, resume_asked))
         tell_run_dir(run_dir, comm.Get_rank())  # its supervisor notes there a death by a signal
-        with tracked(memray_dir, comm.Get_rank(), memray_native):
-            outcome = guarded(lambda: run_rank(comm, cfg, run_dir, point))
+        try:
+            with tracked(memray_dir, comm.Get_rank(), memray_native):
+                outcome = guarded(lambda: run_rank(comm, cfg, run_dir, point))
+        finally:
+            release_run_dir(run_dir)  # rank 0's: the run is over (a rank that aborted took it with its process)
     except SetupError as err:
         if comm.Get_rank() == 0 and not _another_singleton(comm):
             log(f"mpifl: {err}", rank=0)

@@ -49,6 +49,7 @@ from mpifl.storage.checkpointer import (
 )
 from mpifl.storage.hdf5 import Checkpoint, fsync_dir
 from mpifl.storage.integrity import metadata_problem
+from mpifl.storage.lock import lock_run_dir, release_run_dir
 from mpifl.storage.notes import FAULTS_STRUCK, RANK_NOTES, read_rank_notes, struck_records, unwritten_notes
 
 
@@ -200,12 +201,26 @@ def resume_line(run_dir: Path, point: ResumePoint, rounds: int) -> str:
 
 def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
                     resume_asked: str | None = None) -> tuple[Path, ResumePoint | None]:
-    """Ready the run directory (never over another run) and pick the verified checkpoint to resume from.
+    """Ready the run directory (never over another run, nor while another job runs there: its lock,
+    mpifl.storage.lock, is this process's from here until ``release_run_dir``) and pick the verified checkpoint to
+    resume from.
 
     Returns (run directory, resume point or None for a fresh start). On a fresh start after
-    ``--resume``, an earlier ``metrics.jsonl`` is kept aside, never overwritten.
+    ``--resume``, an earlier ``metrics.jsonl`` is kept aside, never overwritten. A refusal drops the lock again.
     """
     path = run_directory(cfg, run_dir_arg)
+    try:
+        return _prepared(cfg, path, resume, resume_asked)
+    except BaseException:
+        release_run_dir(path)
+        raise
+
+
+def _prepared(cfg: Config, path: Path, resume: Path | None,
+              resume_asked: str | None) -> tuple[Path, ResumePoint | None]:
+    """``prepare_run_dir``'s work, in ``path``."""
+    if path.is_dir():  # before anything in it is read or changed: a job still running there refuses this one
+        lock_run_dir(path)
     point = None
     if resume is not None:
         point = verified_resume(resume, latest=resume_asked == "latest", feedback=keeps_residuals(cfg))
@@ -226,6 +241,7 @@ def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
     if not resume_asked:  # a new run: the faults an earlier attempt here spent strike again
         shutil.rmtree(path / FAULTS_STRUCK, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
+    lock_run_dir(path)  # a new directory: taken before this job writes into it
     (path / "config.yaml").write_text(dump_config(cfg))
     shutil.rmtree(path / RANK_NOTES, ignore_errors=True)  # an earlier job's notes (perhaps of other ranks)
     return path, point
