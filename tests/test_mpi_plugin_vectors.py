@@ -67,6 +67,16 @@ def reference_dropping(dropped_in: dict[int, set[int]]) -> dict[str, np.ndarray]
         torch.set_num_threads(threads)
 
 
+def assert_as_if_client_3_never_trained_after_round_1(run_dir: Path) -> None:
+    """Client 3, dropped in rounds 2 and 3, kept its count as round 1 left it, and the model is the reference's
+    without it in those rounds."""
+    counts = {c: float(v[0]) for c, v in client_vectors(run_dir).items()}
+    assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}
+    want, got = reference_dropping({2: {3}, 3: {3}}), final_model(run_dir)
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
 @pytest.mark.parametrize("broken", ["shape", "dtype"])
 def test_under_accept_failures_a_vector_not_as_declared_drops_its_client_and_keeps_its_old_vectors(tmp_path, broken):
     override, message = BROKEN[broken]
@@ -74,11 +84,7 @@ def test_under_accept_failures_a_vector_not_as_declared_drops_its_client_and_kee
     assert result.returncode == 0, result.stderr[-3000:]
     assert dropped(tmp_path / "3" / "run") == {1: {}, 2: {3: message}, 3: {3: message}}
     assert f"round 2: dropped logical client 3 (rank 2): {message}" in result.stderr  # 2 client ranks: 1 + 3 % 2
-    counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "3" / "run").items()}
-    assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it
-    want, got = reference_dropping({2: {3}, 3: {3}}), final_model(tmp_path / "3" / "run")
-    for name, value in want.items():
-        assert np.array_equal(got[name], value), name
+    assert_as_if_client_3_never_trained_after_round_1(tmp_path / "3" / "run")
     if broken == "shape":  # the same client dropped on any number of ranks: the same bits
         other = run(tmp_path / "4", 4, override)
         assert other.returncode == 0, other.stderr[-3000:]
@@ -104,11 +110,7 @@ def test_a_vector_left_nan_fails_its_client_so_under_accept_failures_its_update_
     message = "trainer plugin_helpers.VectorBreaker left 1 NaN/Inf values in client vector 'count'"
     assert dropped(tmp_path / "run") == {1: {}, 2: {3: message}, 3: {3: message}}
     assert f"round 2: dropped logical client 3 (rank 2): {message}" in result.stderr, result.stderr[-3000:]
-    counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
-    assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it
-    want, got = reference_dropping({2: {3}, 3: {3}}), final_model(tmp_path / "run")
-    for name, value in want.items():
-        assert np.array_equal(got[name], value), name
+    assert_as_if_client_3_never_trained_after_round_1(tmp_path / "run")
 
 
 def test_without_accept_failures_a_vector_left_nan_ends_the_job_in_one_line_with_the_divergence_advice(tmp_path):
@@ -133,11 +135,7 @@ def test_under_accept_failures_a_train_that_returns_no_train_result_drops_its_cl
     reasons = dropped(tmp_path / "run")
     assert reasons[1] == {} and set(reasons[2]) == {3} and set(reasons[3]) == {3}, reasons
     assert returned_line("tuple", reasons[2][3]) and returned_line("tuple", reasons[3][3]), reasons
-    counts = {c: float(v[0]) for c, v in client_vectors(tmp_path / "run").items()}
-    assert counts == {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.0, 4: 3.0, 5: 3.0}  # client 3's count as round 1 left it
-    want, got = reference_dropping({2: {3}, 3: {3}}), final_model(tmp_path / "run")
-    for name, value in want.items():
-        assert np.array_equal(got[name], value), name
+    assert_as_if_client_3_never_trained_after_round_1(tmp_path / "run")
 
 
 def test_without_accept_failures_a_train_that_returns_no_train_result_ends_the_job_in_one_line(tmp_path):
