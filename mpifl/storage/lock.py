@@ -59,25 +59,3 @@ def release_run_dir(path: Path) -> None:
     fd = _held.pop(path.resolve(), None)
     if fd is not None:
         os.close(fd)  # closing the last descriptor of the open file drops the flock
-
-
-def lock_holder(path: Path) -> str | None:
-    """Who holds ``path``'s lock, as its file names the job (``pid 81234 on HOST, since ...``), while a process other
-    than this one holds it; else None (no lock file, the lock free, or no flock on this file system). What
-    ``mpifl status`` reads to tell a run still going on another node from one that stopped."""
-    lock = path / LOCK_FILE
-    if path.resolve() in _held or not lock.is_file():
-        return None
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return os.read(fd, 512).decode(errors="replace").strip() or "another job"
-        return None
-    finally:
-        os.close(fd)  # a shared lock taken here goes with it
-    return None
