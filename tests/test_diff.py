@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 from conftest import mpifl_here, run_mpi, write_config
 
-from mpifl.storage.comparison import Result, difference, digest
+from mpifl.storage.comparison import Entry, Result, difference, digest
 
 
 def model_file(path: Path, tensors: dict[str, np.ndarray], bf16: tuple[str, ...] = (),
@@ -82,7 +82,7 @@ def test_a_tensor_only_one_result_has_is_named_and_unreadable_input_exits_2(tmp_
 def test_the_server_state_is_compared_and_digested_slice_by_slice(tmp_path, monkeypatch):
     """FedAdam's moments or FedDyn's h are part of the result a resume goes on from: a difference there alone is a
     difference, sized as a tensor's is, and read in slices (one is as long as the model)."""
-    monkeypatch.setattr("mpifl.storage.comparison.STATE_SLICE", 3)
+    monkeypatch.setattr("mpifl.storage.comparison.SLICE", 3)
     h = np.linspace(-1, 1, 10, dtype=np.float32)
     moved = h.copy()
     moved[7] += 0.5
@@ -104,6 +104,35 @@ def test_the_server_state_is_compared_and_digested_slice_by_slice(tmp_path, monk
     lacking = mpifl_here("diff", str(a), str(tmp_path / "plain.h5"))
     assert lacking.returncode == 1 and "server state: 0 vectors in both: bitwise equal\n  only in a: h" in \
         lacking.stdout, lacking.stdout
+
+
+def test_a_tensor_is_read_in_slices_of_whole_rows_sized_and_digested_as_if_read_whole(tmp_path, monkeypatch):
+    """A 70B model's embedding is 2 GiB of bf16: diff reads every tensor a few rows at a time, one slice of each side
+    in memory, and neither its verdict nor its size nor the digest depends on how it was sliced."""
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((7, 5)).astype(np.float32)
+    moved = big.copy()
+    moved[0, 1] += 0.25
+    moved[6, 4] -= 2.0
+    a = model_file(tmp_path / "a.h5", {"emb": big, "b": np.float32(3.0)})
+    b = model_file(tmp_path / "b.h5", {"emb": moved, "b": np.float32(3.0)})
+    whole = mpifl_here("diff", str(a), str(b)).stdout
+    codes = digest(Result.at(a)), digest(Result.at(b))
+    read: list[tuple[int, ...]] = []
+    original = Entry.slices
+
+    def recording(entry):
+        for piece in original(entry):
+            read.append(piece.shape)
+            yield piece
+
+    monkeypatch.setattr("mpifl.storage.comparison.SLICE", 11)  # two rows of five at a time
+    monkeypatch.setattr(Entry, "slices", recording)
+    sliced = mpifl_here("diff", str(a), str(b)).stdout
+    assert sliced == whole and "emb [7, 5]: 2 of 35 elements differ, max |a - b| 2, relative L2 " in sliced, sliced
+    assert max(n for (n,) in read) == 10  # never more than two rows of the matrix at once
+    assert (digest(Result.at(a)), digest(Result.at(b))) == codes
+    assert f"digest {codes[0]}" in sliced and f"digest {codes[1]}" in sliced
 
 
 def test_a_sharded_groups_rank_files_are_joined_into_each_clients_vector(tmp_path):

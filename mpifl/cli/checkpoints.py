@@ -10,7 +10,7 @@ import yaml
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
-from mpifl.storage.comparison import Difference, Result, compare, digest
+from mpifl.storage.comparison import Part, Result, compare, digest, model_group
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import GROUP as INTEGRITY
 from mpifl.units import MIB
@@ -56,28 +56,27 @@ def inspect(path: str, verify: bool = False) -> int:
 
 def diff(a: str, b: str) -> int:
     """Print whether two results hold the same bits (``mpifl.storage.comparison``); 0 when they do, else 1. Each
-    side's checksums are verified first (a corrupt file is no result to compare: exit 2, naming what changed)."""
-    first, second = Result.at(a), Result.at(b)
-    for label, result, path in (("a", first, a), ("b", second, b)):
-        vectors = f" and the clients' vectors of {result.vectors.name}" if result.vectors else ""
-        print(f"{label}: {path}: {result.model.name}{vectors}; digest {digest(result)}; {checksums(result.model)}")
+    side's checksums are verified first (a corrupt file is no result to compare: exit 2, naming what changed); then
+    both are read once more, side by side, for the comparison and the digests."""
+    sides = [(label, Result.at(path), path) for label, path in (("a", a), ("b", b))]
+    verified = [checksums(result.model) for _, result, _ in sides]
     try:
-        found = compare(first, second)
+        found = compare(sides[0][1], sides[1][1])
     except ValueError as err:
         raise CheckpointError(f"mpifl diff: {err}") from None
-    _print_section(f"model: {found.tensors} tensors in both, {found.elements:,} elements", found.differences,
-                   found.only_in_a, found.only_in_b)
-    if found.states or found.states_only_in_a or found.states_only_in_b:
-        _print_section(f"server state: {found.states} vectors in both", found.state_differences,
-                       found.states_only_in_a, found.states_only_in_b)
+    for (label, result, path), checked, code in zip(sides, verified, found.digests, strict=True):
+        vectors = f" and the clients' vectors of {result.vectors.name}" if result.vectors else ""
+        print(f"{label}: {path}: {result.model.name}{vectors}; digest {code}; {checked}")
+    _print_section(f"model: {found.model.compared} tensors in both, {found.model.elements:,} elements", found.model)
+    if found.server_state.compared or not found.server_state.equal:
+        _print_section(f"server state: {found.server_state.compared} vectors in both", found.server_state)
+    first, second = sides[0][1], sides[1][1]
     one_side = None if found.clients is not None or not (first.vectors or second.vectors) else \
         ("a" if first.vectors else "b")
     if found.clients is None:
         print("clients' vectors: not compared (kept by " + (f"{one_side} only" if one_side else "neither") + ")")
     else:
-        _print_section(f"clients' vectors: {found.clients} clients in both", found.client_differences,
-                       [f"client {c}" for c in found.clients_only_in_a],
-                       [f"client {c}" for c in found.clients_only_in_b])
+        _print_section(f"clients' vectors: {found.clients.compared} clients in both", found.clients)
     if not found.bitwise_equal:
         print("they differ")
     elif one_side:  # equal as far as compared: the last line says how far
@@ -91,8 +90,8 @@ def diff(a: str, b: str) -> int:
 def checksums(path: Path) -> str:
     """``path``'s tensors and server state checked against its CRC32s (``Checkpoint.verify``), as diff says it; a
     file without an integrity record (not written by mpifl's checkpointer) said to have none."""
-    with h5py.File(path, "r") as f:
-        recorded = INTEGRITY in f
+    with model_group(path) as group:  # CheckpointError naming a file that is no checkpoint
+        recorded = INTEGRITY in group.file
     if not recorded:
         return "no checksums to verify"
     with Checkpoint(path) as ckpt:
@@ -102,13 +101,13 @@ def checksums(path: Path) -> str:
             raise CheckpointError(f"mpifl diff: {err}; not compared") from None
 
 
-def _print_section(heading: str, differences: list[Difference], only_in_a: list[str], only_in_b: list[str]) -> None:
+def _print_section(heading: str, part: Part) -> None:
     """One part of ``diff``'s report: its verdict, each difference, and what only one side has."""
-    verdict = f"{len(differences)} of them differ" if differences else "bitwise equal"
+    verdict = f"{len(part.differences)} of them differ" if part.differences else "bitwise equal"
     print(f"{heading}: {verdict}")
-    for change in differences:
+    for change in part.differences:
         print(f"  {change.line()}")
-    for side, names in (("a", only_in_a), ("b", only_in_b)):
+    for side, names in (("a", part.only_in_a), ("b", part.only_in_b)):
         if names:
             print(f"  only in {side}: {', '.join(names)}")
 

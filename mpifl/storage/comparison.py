@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -27,7 +27,36 @@ from mpifl.storage.checkpointer import CHECKPOINTS, list_checkpoints
 
 MODEL_FILE = "model.h5"
 DIGEST_CHARS = 16  # hex characters a digest is quoted by (64 bits)
-STATE_SLICE = 1 << 22  # elements of a server state vector read at once (16 MiB of fp32)
+SLICE = 1 << 22  # elements of one tensor or vector read at once (16 MiB of fp32): a 70B model's embedding is ~1e9
+SECTIONS = ("model", "server_state", "clients")  # a result's parts, in the order the digest covers them
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor, server state vector or client's kept vector of a result, where its bytes lie: one dataset, or
+    a sharded group's rows (one per rank file of the group, in the order of the ranks' index in it)."""
+
+    label: str  # what the digest hashes before its bytes: the tensor's name, server_state/NAME, the client's id
+    shape: tuple[int, ...]
+    dtype: str  # as recorded (bf16 is stored as uint16 and says so in an attribute)
+    parts: tuple[h5py.Dataset, ...]
+
+    def slices(self) -> Iterator[np.ndarray]:
+        """The entry's elements in order, flat, in slices of about ``SLICE`` elements (whole rows of a matrix), so
+        that one is never held whole: a 70B model's embedding is 2 GiB of bf16, a state vector as long as the
+        model."""
+        for ds in self.parts:
+            if ds.ndim == 0:
+                yield np.asarray(ds[()]).reshape(-1)
+                continue
+            rows = max(1, SLICE // max(1, int(np.prod(ds.shape[1:]))))
+            for start in range(0, ds.shape[0], rows):
+                yield ds[start:start + rows].reshape(-1)
+
+    @property
+    def elements(self) -> int:
+        """How many elements the entry holds."""
+        return int(np.prod(self.shape))
 
 
 @dataclass(frozen=True)
@@ -53,44 +82,36 @@ class Result:
             raise CheckpointError(f"{path}: no such file or run directory")
         return cls(path, None if path.name == MODEL_FILE else _with_vectors(path))
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """The model's tensors in name order, as stored (bf16 as its uint16 bits), one read at a time."""
-        with model_group(self.model) as group:
-            for name in sorted(group):
-                yield name, group[name][()]
-
-    def state_names(self) -> list[str]:
-        """The server state's vectors (``/server_state``), in name order; none where the strategy keeps none."""
-        with h5py.File(self.model, "r") as f:
-            return sorted(f["server_state"]) if "server_state" in f else []
-
-    def state_slices(self, name: str) -> Iterator[np.ndarray]:
-        """Server state vector ``name`` in slices of ``STATE_SLICE`` elements: one is as long as the model (FedAdam
-        keeps two), so it is never read whole."""
-        with h5py.File(self.model, "r") as f:
-            ds = f["server_state"][name]
-            for start in range(0, ds.shape[0], STATE_SLICE):
-                yield ds[start:start + STATE_SLICE]
-
-    def dtypes(self) -> dict[str, str]:
-        """Each tensor's recorded dtype (bf16 is stored as uint16 and says so in an attribute)."""
-        with model_group(self.model) as group:
-            return {name: str(ds.attrs.get("dtype", ds.dtype)) for name, ds in group.items()}
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[dict[str, dict[str | int, Entry]]]:
+        """The result's entries by section (``SECTIONS``), by name (a client by its id), its files held open while
+        they are read: one pass over a result opens each file once."""
+        with contextlib.ExitStack() as stack:
+            group = stack.enter_context(model_group(self.model))
+            state = group.file.get("server_state")
+            sections: dict[str, dict[str | int, Entry]] = {
+                "model": {name: Entry(name, ds.shape, str(ds.attrs.get("dtype", ds.dtype)), (ds,))
+                          for name, ds in group.items()},
+                "server_state": {name: Entry(f"server_state/{name}", ds.shape, str(ds.dtype), (ds,))
+                                 for name, ds in (state.items() if state is not None else [])},
+                "clients": {}}
+            pieces: dict[int, dict[int, h5py.Dataset]] = {}
+            if self.vectors is not None:
+                for path in sorted(self.vectors.with_suffix(".residuals").glob("rank*.h5")):
+                    f = stack.enter_context(h5py.File(path, "r"))
+                    shard = int(f.attrs.get("shard", 0))
+                    for client, ds in f["clients"].items():
+                        pieces.setdefault(int(client), {})[shard] = ds
+            for client, by_shard in pieces.items():
+                parts = tuple(ds for _, ds in sorted(by_shard.items()))
+                sections["clients"][client] = Entry(str(client), (sum(int(ds.size) for ds in parts),),
+                                                    str(parts[0].dtype), parts)
+            yield sections
 
     def client_vectors(self) -> dict[int, np.ndarray]:
-        """Every client's kept vector, by client id; a sharded group's rows (one file per rank of it) joined in the
-        order of the ranks' index in the group. Empty where the result keeps none."""
-        if self.vectors is None:
-            return {}
-        folder = self.vectors.with_suffix(".residuals")
-        pieces: dict[int, dict[int, np.ndarray]] = {}
-        for path in sorted(folder.glob("rank*.h5")):
-            with h5py.File(path, "r") as f:
-                shard = int(f.attrs.get("shard", 0))
-                for client in f["clients"]:
-                    pieces.setdefault(int(client), {})[shard] = f["clients"][client][()]
-        return {client: np.concatenate([rows for _, rows in sorted(by_shard.items())])
-                for client, by_shard in pieces.items()}
+        """Every client's kept vector, by client id, read whole; empty where the result keeps none."""
+        with self.opened() as sections:
+            return {int(c): np.concatenate(list(e.slices())) for c, e in sections["clients"].items()}
 
 
 def _with_vectors(checkpoint: Path) -> Path | None:
@@ -104,18 +125,18 @@ def digest(result: Result) -> str:
     bytes, in id order): equal for two results exactly when both are bitwise equal, whatever the chunking. A result
     without server state digests as before the state was part of it. The first ``DIGEST_CHARS`` hex characters."""
     h = hashlib.sha256()
-    for name, values in result.tensors():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(values).tobytes())
-    for name in result.state_names():
-        h.update(f"server_state/{name}".encode())
-        for values in result.state_slices(name):
-            h.update(np.ascontiguousarray(values).tobytes())
-    vectors = result.client_vectors()
-    for client in sorted(vectors):
-        h.update(str(client).encode())
-        h.update(vectors[client].tobytes())
+    with result.opened() as sections:
+        for section in SECTIONS:
+            for key in sorted(sections[section]):
+                _hash(h, sections[section][key])
     return h.hexdigest()[:DIGEST_CHARS]
+
+
+def _hash(h: hashlib._Hash, entry: Entry) -> None:
+    """Add ``entry`` to digest ``h``: its label, then its bytes."""
+    h.update(entry.label.encode())
+    for values in entry.slices():
+        h.update(np.ascontiguousarray(values).data)
 
 
 @dataclass(frozen=True)
@@ -142,22 +163,38 @@ def difference(name: str, a: np.ndarray, b: np.ndarray, dtype: str = "") -> Diff
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"{name}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
                          "one config")
-    bits = np.dtype(f"u{a.dtype.itemsize}")
-    if np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits)):
+    if same_bytes(a, b):
         return None  # the common case, without the float64 copies that size a difference
     return tally(name, tuple(a.shape), [gap_sums(a, b, dtype)])
 
 
-def sliced_difference(name: str, a: Iterator[np.ndarray], b: Iterator[np.ndarray], elements: int,
-                      dtype: str = "") -> Difference | None:
-    """``difference`` of two long vectors read slice by slice (a server state vector), alike slices paired."""
-    sums = []
-    for x, y in zip(a, b, strict=True):
-        if x.shape != y.shape or x.dtype != y.dtype:
-            raise ValueError(f"{name}: {x.dtype} against {y.dtype}, or slices of other lengths: not results of one "
-                             "config")
-        sums.append(gap_sums(x, y, dtype))
-    return tally(name, (elements,), sums)
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one shape and dtype hold the same bytes."""
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return bool(np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits)))
+
+
+def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._Hash] | None = None
+                     ) -> Difference | None:
+    """``difference`` of one entry of two results, read slice by slice (one slice of each side in memory at a
+    time), each side's bytes added to ``digests`` as they pass. An equal entry is read once and costs no float64
+    copy; one that differs is read again to size the difference."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.parts[0].dtype != b.parts[0].dtype:
+        raise ValueError(f"{a.label}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
+                         "one config")
+    if digests is not None:
+        for h, entry in zip(digests, (a, b), strict=True):
+            h.update(entry.label.encode())
+    equal = True
+    for x, y in zip(a.slices(), b.slices(), strict=True):
+        if digests is not None:
+            digests[0].update(np.ascontiguousarray(x).data)
+            digests[1].update(np.ascontiguousarray(y).data)
+        equal = equal and same_bytes(x, y)
+    if equal:
+        return None
+    dtype = a.dtype if a.dtype == "bfloat16" else ""
+    return tally(a.label, a.shape, [gap_sums(x, y, dtype) for x, y in zip(a.slices(), b.slices(), strict=True)])
 
 
 GapSums = tuple[int, float, float, float]  # elements that differ, max |a - b| (NaN: none finite), ||a - b||², ||b||²
@@ -192,76 +229,79 @@ def tally(name: str, shape: tuple[int, ...], pieces: list[GapSums]) -> Differenc
 
 def as_float64(values: np.ndarray, dtype: str = "") -> np.ndarray:
     """``values`` as float64; bf16's raw uint16 bits as the floats they encode."""
-    if dtype == "bfloat16":
-        return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return values.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a signalling NaN's bits are a value like any other here
+        if dtype == "bfloat16":
+            return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return values.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One section of a comparison (the model, the server state or the clients' vectors)."""
+
+    compared: int  # entries both results have
+    elements: int  # their elements
+    differences: list[Difference]
+    only_in_a: list[str]
+    only_in_b: list[str]
+
+    @property
+    def equal(self) -> bool:
+        """Whether nothing differs in this section and neither side has an entry the other lacks."""
+        return not (self.differences or self.only_in_a or self.only_in_b)
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """Everything that differs between two results: tensors that differ, tensors only one of them has, and the
-    same for the clients' kept vectors (compared where both keep some)."""
+    """Everything that differs between two results, by section: tensors that differ, tensors only one of them has,
+    the same for the server's state and for the clients' kept vectors (compared where both keep some), and each
+    side's digest, taken in the same pass."""
 
-    tensors: int
-    elements: int
-    differences: list[Difference]
-    only_in_a: list[str]
-    only_in_b: list[str]
-    clients: int | None  # clients whose vectors were compared (None: not both keep any)
-    client_differences: list[Difference]
-    clients_only_in_a: list[int]
-    clients_only_in_b: list[int]
-    states: int = 0  # server state vectors in both
-    state_differences: list[Difference] = field(default_factory=list)
-    states_only_in_a: list[str] = field(default_factory=list)
-    states_only_in_b: list[str] = field(default_factory=list)
+    model: Part
+    server_state: Part
+    clients: Part | None  # None: not both keep clients' vectors
+    digests: tuple[str, str]
 
     @property
     def bitwise_equal(self) -> bool:
         """Whether every tensor, server state vector and kept vector compared holds the same bytes, and neither has
         one the other lacks."""
-        return not (self.differences or self.only_in_a or self.only_in_b or self.client_differences
-                    or self.clients_only_in_a or self.clients_only_in_b or self.state_differences
-                    or self.states_only_in_a or self.states_only_in_b)
+        return self.model.equal and self.server_state.equal and (self.clients is None or self.clients.equal)
 
 
 def compare(a: Result, b: Result) -> Comparison:
-    """``a`` against ``b``, tensor by tensor (one in memory at a time, each side) and client by client."""
-    dtypes_a, dtypes_b = a.dtypes(), b.dtypes()
-    shared = sorted(set(dtypes_a) & set(dtypes_b))
+    """``a`` against ``b``, entry by entry in digest order, each read once in slices (one slice of each side in
+    memory at a time; a differing one read again to size it), both digests taken as they pass."""
+    hashes = (hashlib.sha256(), hashlib.sha256())
+    with a.opened() as side_a, b.opened() as side_b:
+        model = _compare_section(side_a["model"], side_b["model"], hashes)
+        state = _compare_section(side_a["server_state"], side_b["server_state"], hashes)
+        clients_a, clients_b = side_a["clients"], side_b["clients"]
+        if clients_a and clients_b:
+            clients: Part | None = _compare_section(clients_a, clients_b, hashes, "client ")
+        else:  # compared only where both keep some; still part of each side's digest
+            clients = None
+            for h, entries in zip(hashes, (clients_a, clients_b), strict=True):
+                for key in sorted(entries):
+                    _hash(h, entries[key])
+    return Comparison(model, state, clients,
+                      (hashes[0].hexdigest()[:DIGEST_CHARS], hashes[1].hexdigest()[:DIGEST_CHARS]))
+
+
+def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Hash], prefix: str = "") -> Part:
+    """One section of two results compared, every key of either side in sorted order (each side's digest order)
+    added to its side's digest."""
     found, elements = [], 0
-    with model_group(a.model) as group_a, model_group(b.model) as group_b:
-        for name in shared:
-            if dtypes_a[name] != dtypes_b[name]:
-                raise ValueError(f"{name}: dtype {dtypes_a[name]} against {dtypes_b[name]}: not results of one "
-                                 "config")
-            values = group_a[name][()]
-            change = difference(name, values, group_b[name][()], dtypes_a[name])
+    for key in sorted(set(a) | set(b)):
+        if key in a and key in b:
+            change = entry_difference(a[key], b[key], hashes)
+            elements += a[key].elements
             if change is not None:
                 found.append(change)
-            elements += int(values.size)
-    states_a, states_b = a.state_names(), b.state_names()
-    states = sorted(set(states_a) & set(states_b))
-    state_changes = [d for name in states if (d := state_difference(a, b, name)) is not None]
-    vectors_a, vectors_b = a.client_vectors(), b.client_vectors()
-    compared = bool(vectors_a) and bool(vectors_b)
-    both = sorted(set(vectors_a) & set(vectors_b))
-    client_changes = [d for c in both if (d := difference(f"client {c}", vectors_a[c], vectors_b[c])) is not None]
-    return Comparison(len(shared), elements, found, sorted(set(dtypes_a) - set(dtypes_b)),
-                      sorted(set(dtypes_b) - set(dtypes_a)), len(both) if compared else None, client_changes,
-                      sorted(set(vectors_a) - set(vectors_b)) if compared else [],
-                      sorted(set(vectors_b) - set(vectors_a)) if compared else [],
-                      len(states), state_changes, sorted(set(states_a) - set(states_b)),
-                      sorted(set(states_b) - set(states_a)))
-
-
-def state_difference(a: Result, b: Result, name: str) -> Difference | None:
-    """How server state vector ``name`` differs between ``a`` and ``b``, slice by slice; None where it does not."""
-    with h5py.File(a.model, "r") as fa, h5py.File(b.model, "r") as fb:
-        length, other = fa["server_state"][name].shape[0], fb["server_state"][name].shape[0]
-    if length != other:
-        raise ValueError(f"server_state/{name}: {length} elements against {other}: not results of one config")
-    return sliced_difference(f"server_state/{name}", a.state_slices(name), b.state_slices(name), length)
+        else:
+            _hash(hashes[0] if key in a else hashes[1], a[key] if key in a else b[key])
+    return Part(len(set(a) & set(b)), elements, found, [f"{prefix}{k}" for k in sorted(set(a) - set(b))],
+                [f"{prefix}{k}" for k in sorted(set(b) - set(a))])
 
 
 @contextlib.contextmanager
