@@ -188,11 +188,6 @@ class DeclaredVectors:
         (``vector_problem``): asked before any of them, or anything else of the client's, is kept."""
         return vector_problem(trainer, state, {name: self.stores[name].firsts[-1] for name in self.declared})
 
-    def divergence(self, trainer: str, state: Mapping[str, torch.Tensor]) -> str | None:
-        """Which of the vectors ``trainer`` handed back (``problem`` found nothing) holds NaN or Inf, or None
-        (``vector_divergence``)."""
-        return vector_divergence(trainer, state)
-
     def keep(self, client: int, state: dict[str, torch.Tensor]) -> None:
         """Store ``client``'s vectors after it trained, each as declared (``problem`` found nothing, NaN and Inf
         included: a client whose vectors diverged fails, so that an update is never folded beside vectors it did not

@@ -28,7 +28,7 @@ from mpifl.logs import world_rank
 from mpifl.planning.faults import FaultPlan, Strike
 from mpifl.planning.seeds import client_seed, personal_seed
 from mpifl.roles.batched import BatchedClients
-from mpifl.roles.client_state import ClientStateParts
+from mpifl.roles.client_state import ClientStateParts, vector_divergence
 from mpifl.roles.evaluation import FederatedEvaluation
 from mpifl.roles.faults import FaultInjector, InjectedFault
 from mpifl.wire.flat import FlatModel
@@ -89,8 +89,7 @@ class LocalTraining:
         problem = self._vectors_problem()
         if problem is not None:
             return TrainResult(0, {}), self.refused(problem, round_, client, VECTORS_ADVICE)
-        declared = self.state.declared
-        diverged = None if declared is None else declared.divergence(self.trainer_name, self.vectors)
+        diverged = None if self.state.declared is None else vector_divergence(self.trainer_name, self.vectors)
         if diverged is not None:
             return TrainResult(0, {}), self.refused(diverged, round_, client, DIVERGED_ADVICE)
         return result, None
