@@ -481,3 +481,28 @@ def _server_step(kind: str):
 
 step_in_place, step_returns, step_rebinds, step_raises = (_server_step(k)
                                                          for k in ("in_place", "returns", "rebinds", "raises"))
+
+
+class _MetricsRaise(WeightedMean):
+    """A combiner whose round_metrics has a bug."""
+
+    def round_metrics(self):
+        raise KeyError("spread")
+
+
+def metrics_raises(cfg: StrategyConfig) -> Strategy:
+    """A plug-in whose per-round metrics raise after its reduction is done."""
+    return Strategy(cfg, _MetricsRaise(cfg), Replace(cfg))
+
+
+class _BindRaises(Strategy):
+    """A strategy whose bind has a bug (it reads a key the federation does not have)."""
+
+    def bind(self, spec, num_clients):
+        super().bind(spec, num_clients)
+        raise ValueError(f"{num_clients} clients: expected a multiple of 7")
+
+
+def bind_raises(cfg: StrategyConfig) -> Strategy:
+    """A plug-in whose bind raises before the first round."""
+    return _BindRaises(cfg, WeightedMean(cfg), Replace(cfg))

@@ -60,6 +60,20 @@ def test_a_plug_in_strategy_that_raises_on_the_server_ends_the_job_saying_the_ro
     assert "Traceback" in result.stderr and seconds < 30
 
 
+@pytest.mark.parametrize("plugin, where", [
+    ("metrics_raises", "round 1: strategy.name 'plugin_helpers:metrics_raises', in round_metrics: KeyError: 'spread'"),
+    ("bind_raises", "strategy.name 'plugin_helpers:bind_raises', in bind, before the first round: ValueError: 4 "
+                    "clients: expected a multiple of 7"),
+])
+def test_a_bug_in_a_server_halfs_other_hooks_is_named_with_the_hook_too(tmp_path, plugin, where):
+    cfg = write_config(tmp_path / "c.yaml", BASE)
+    result = run_mpi(3, "run", str(cfg), f"strategy.name=plugin_helpers:{plugin}", "--run-dir",
+                     str(tmp_path / "run"), timeout=60)
+    assert result.returncode != 0
+    assert [ln for ln in result.stderr.splitlines() if ln.startswith("[mpifl rank 0 on ") and where in ln], \
+        result.stderr
+
+
 def test_a_client_with_a_different_model_is_refused_naming_the_tensor(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", BASE)
     result = run_mpi(3, "run", str(cfg), "model.name=fl_helpers:rank_dependent_mlp", "model.kwargs={}",

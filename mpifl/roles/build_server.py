@@ -15,7 +15,7 @@ from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.clock.planners import clock_sampler, task_samples
 from mpifl.config import Config
-from mpifl.errors import JobFailure
+from mpifl.errors import JobFailure, noted
 from mpifl.learning.datasets import (
     Dataset,
 )
@@ -77,7 +77,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler rule, then the rounds;
     what the run came to."""
     strategy = strategy_for(cfg)
-    strategy.bind(plan.spec, cfg.clients.num_clients)
+    with noted(f"strategy.name {strategy.name!r}, in bind, before the first round"):
+        strategy.bind(plan.spec, cfg.clients.num_clients)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     warn_statistics(cfg, plan.spec)
     if flat is None and run_dir is None:

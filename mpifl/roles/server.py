@@ -591,10 +591,11 @@ class Server:
         reported = client_metrics(usable)
         if reported is not None:
             record["client_metrics"] = reported
-        strategy = self.parts.strategy.round_metrics()
+        with noted(f"round {plan.round}: strategy.name {self.parts.strategy.name!r}, in round_metrics"):
+            strategy = self.parts.strategy.round_metrics()
+            rejected = self.parts.strategy.round_rejected()
         if strategy:
             record["strategy_metrics"] = dict(strategy)
-        rejected = self.parts.strategy.round_rejected()
         if rejected is not None:  # a robust rule's choice: usable updates it left out (Krum's)
             record["rejected"] = list(rejected)
         return record
