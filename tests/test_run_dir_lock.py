@@ -1,7 +1,8 @@
 """One job at a time in a run directory (mpifl.storage.lock): rank 0 of a job holds ``<run dir>/.lock`` from the
 moment it readies the directory until its run is over, so a second job there (a batch job resubmitted while the first
-still runs) is refused before it reads or writes anything, naming the job that holds it; the kernel drops the lock
-with its holder's process, however that ends, so a killed job never blocks its own resume."""
+still runs) is refused before it reads or writes anything, naming the job that holds it, and ``mpifl status`` says
+the run is still going; the kernel drops the lock with its holder's process, however that ends, so a killed job never
+blocks its own resume."""
 from __future__ import annotations
 
 import os
@@ -14,10 +15,10 @@ import textwrap
 import pytest
 
 from mpifl.config import load_config
-from mpifl.storage.lock import LOCK_FILE, RunDirectoryInUse, release_run_dir
-from mpifl.storage.rundir import prepare_run_dir
+from mpifl.storage.lock import LOCK_FILE, RunDirectoryInUse, lock_holder, release_run_dir
+from mpifl.storage.rundir import post_mortem, prepare_run_dir
 
-CONFIG = {"rounds": 1, "clients": {"num_clients": 2}, "output": {"progress": False}}
+CONFIG = {"rounds": 3, "clients": {"num_clients": 2}, "output": {"progress": False}}
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -50,6 +51,10 @@ def test_a_second_job_in_a_run_directory_still_in_use_is_refused_naming_the_hold
                                f"{socket.gethostname()}, since ")
         assert "two jobs writing one run directory would interleave their checkpoints" in said
         assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # metrics not put aside
+        # mpifl status tells a run still going (its rank 0 perhaps on another node) from one that stopped
+        complete, lines = post_mortem(run_dir)
+        assert not complete and lines[-1].startswith(f"not complete: still running (its job holds {run_dir / LOCK_FILE}"
+                                                     f": pid {holder.pid} on {socket.gethostname()}, since "), lines
     finally:
         holder.kill()
         holder.wait()
@@ -78,3 +83,4 @@ def test_a_job_releases_the_directory_when_its_run_is_over_and_a_refused_one_nev
     holder = holding(run_dir)  # neither this process's run nor its refusal kept the lock
     holder.kill()
     holder.wait()
+    assert lock_holder(run_dir) is None  # gone with its holder: nothing says the run is still going

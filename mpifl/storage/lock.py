@@ -59,3 +59,35 @@ def release_run_dir(path: Path) -> None:
     fd = _held.pop(path.resolve(), None)
     if fd is not None:
         os.close(fd)  # closing the last descriptor of the open file drops the flock
+
+
+HOLDER_PATIENCE = 2.0  # seconds a held lock is watched before it is taken for a job still running
+
+
+def lock_holder(path: Path, patience: float = HOLDER_PATIENCE) -> str | None:
+    """Who holds ``path``'s lock, as its file names the job (``pid 81234 on HOST, since ...``), while a process other
+    than this one holds it for ``patience`` seconds; else None (no lock file, the lock free or freed meanwhile, or no
+    flock on this file system). What ``mpifl status`` reads to tell a run still going on another node from one that
+    stopped. The patience is for a job that has just failed: its launcher returns while its dying rank 0 still
+    holds the lock for an instant."""
+    lock = path / LOCK_FILE
+    if path.resolve() in _held or not lock.is_file():
+        return None
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            if time.monotonic() >= deadline:
+                return os.read(fd, 512).decode(errors="replace").strip() or "another job"
+        else:
+            return None  # free: the shared lock taken here goes with the descriptor
+        finally:
+            os.close(fd)
+        time.sleep(0.1)

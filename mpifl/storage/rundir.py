@@ -49,7 +49,7 @@ from mpifl.storage.checkpointer import (
 )
 from mpifl.storage.hdf5 import Checkpoint, fsync_dir
 from mpifl.storage.integrity import metadata_problem
-from mpifl.storage.lock import lock_run_dir, release_run_dir
+from mpifl.storage.lock import LOCK_FILE, lock_holder, lock_run_dir, release_run_dir
 from mpifl.storage.notes import FAULTS_STRUCK, RANK_NOTES, read_rank_notes, struck_records, unwritten_notes
 
 
@@ -395,6 +395,12 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         pids = ", ".join(f"rank {rank} PID {pid}" for rank, pid in alive)
         lines.append(f"not complete: still running ({pids} alive on this host): wait for the job to end, then ask "
                      "again; do not --resume a run that is running")
+        return False, lines
+    ended = any(n.get("state") in ("failed", "interrupted") for n in notes.values())
+    holder = None if ended else lock_holder(run_dir)
+    if holder is not None:  # its rank 0 on another node (mpifl.storage.lock): a --resume would be refused
+        lines.append(f"not complete: still running (its job holds {run_dir / LOCK_FILE}: {holder}): wait for the job "
+                     "to end, then ask again; a --resume now is refused")
         return False, lines
     if server.get("state") == "interrupted":  # SIGTERM (by hand, or a scheduler's before its walltime): no failure
         lines.append(f"not complete: stopped on request after round {server['round']} (SIGTERM: by hand, or a "
