@@ -147,6 +147,34 @@ def test_a_sharded_groups_rank_files_are_joined_into_each_clients_vector(tmp_pat
     assert np.array_equal(Result.at(run).client_vectors()[7], [1.0, 2.0, 3.0, 4.0])
 
 
+def test_a_vector_kept_by_a_group_of_two_diffs_equal_to_the_same_vector_kept_whole(tmp_path, monkeypatch):
+    """One config on groups of two ranks and of one: a client's vector in two rank files against one, read in slices
+    that cross the files' boundary, is bitwise equal, and a change past the boundary is found."""
+    monkeypatch.setattr("mpifl.storage.comparison.SLICE", 3)
+    vector = np.arange(7, dtype=np.float32) / 3
+
+    def run_with(name: str, pieces: list[np.ndarray]) -> Path:
+        run = tmp_path / name
+        folder = run / "checkpoints" / "ckpt-r000001.residuals"
+        folder.mkdir(parents=True)
+        model_file(run / "checkpoints" / "ckpt-r000001.h5", WEIGHTS)
+        for shard, rows in enumerate(pieces):
+            with h5py.File(folder / f"rank{shard + 1:05d}.h5", "w") as f:
+                f.attrs.update({"shard": shard, "shards": len(pieces)})
+                f.create_group("clients").create_dataset("7", data=rows)
+        return run
+
+    whole, halves = run_with("whole", [vector]), run_with("halves", [vector[:4], vector[4:]])
+    said = mpifl_here("diff", str(whole), str(halves))
+    assert said.returncode == 0 and "clients' vectors: 1 clients in both: bitwise equal" in said.stdout, said.stdout
+    assert digest(Result.at(whole)) == digest(Result.at(halves))
+    moved = vector.copy()
+    moved[5] += 1
+    other = mpifl_here("diff", str(whole), str(run_with("moved", [moved[:2], moved[2:]])))
+    assert other.returncode == 1 and "  client 7 [7]: 1 of 7 elements differ, max |a - b| 1," in other.stdout, \
+        other.stdout
+
+
 SCAFFOLD = """
 seed: 2
 rounds: 2

@@ -37,6 +37,7 @@ class Entry:
     a sharded group's rows (one per rank file of the group, in the order of the ranks' index in it)."""
 
     label: str  # what the digest hashes before its bytes: the tensor's name, server_state/NAME, the client's id
+    name: str  # what diff calls it: the label, or 'client ID'
     shape: tuple[int, ...]
     dtype: str  # as recorded (bf16 is stored as uint16 and says so in an attribute)
     parts: tuple[h5py.Dataset, ...]
@@ -44,19 +45,35 @@ class Entry:
     def slices(self) -> Iterator[np.ndarray]:
         """The entry's elements in order, flat, in slices of about ``SLICE`` elements (whole rows of a matrix), so
         that one is never held whole: a 70B model's embedding is 2 GiB of bf16, a state vector as long as the
-        model."""
-        for ds in self.parts:
-            if ds.ndim == 0:
-                yield np.asarray(ds[()]).reshape(-1)
-                continue
-            rows = max(1, SLICE // max(1, int(np.prod(ds.shape[1:]))))
-            for start in range(0, ds.shape[0], rows):
-                yield ds[start:start + rows].reshape(-1)
+        model. A vector kept in pieces (a sharded group's rank files) is cut at the same places as one kept whole,
+        so that two results of one config pair slice for slice whatever their group sizes."""
+        if len(self.parts) > 1:
+            yield from _joined_slices(self.parts)
+            return
+        ds = self.parts[0]
+        if ds.ndim == 0:
+            yield np.asarray(ds[()]).reshape(-1)
+            return
+        rows = max(1, SLICE // max(1, int(np.prod(ds.shape[1:]))))  # a 1-D vector: SLICE elements
+        for start in range(0, ds.shape[0], rows):
+            yield ds[start:start + rows].reshape(-1)
 
     @property
     def elements(self) -> int:
         """How many elements the entry holds."""
         return int(np.prod(self.shape))
+
+
+def _joined_slices(parts: tuple[h5py.Dataset, ...]) -> Iterator[np.ndarray]:
+    """The 1-D parts joined end to end, in slices of ``SLICE`` elements (the last shorter) whatever the parts'
+    lengths."""
+    ends = np.cumsum([int(ds.size) for ds in parts])
+    starts = ends - [int(ds.size) for ds in parts]
+    for at in range(0, int(ends[-1]), SLICE):
+        stop = min(at + SLICE, int(ends[-1]))
+        yield np.concatenate([ds[max(at - first, 0):min(stop, last) - first].reshape(-1)
+                              for ds, first, last in zip(parts, starts, ends, strict=True)
+                              if first < stop and last > at])
 
 
 @dataclass(frozen=True)
@@ -90,9 +107,10 @@ class Result:
             group = stack.enter_context(model_group(self.model))
             state = group.file.get("server_state")
             sections: dict[str, dict[str | int, Entry]] = {
-                "model": {name: Entry(name, ds.shape, str(ds.attrs.get("dtype", ds.dtype)), (ds,))
+                "model": {name: Entry(name, name, ds.shape, str(ds.attrs.get("dtype", ds.dtype)), (ds,))
                           for name, ds in group.items()},
-                "server_state": {name: Entry(f"server_state/{name}", ds.shape, str(ds.dtype), (ds,))
+                "server_state": {name: Entry(f"server_state/{name}", f"server_state/{name}", ds.shape,
+                                             str(ds.dtype), (ds,))
                                  for name, ds in (state.items() if state is not None else [])},
                 "clients": {}}
             pieces: dict[int, dict[int, h5py.Dataset]] = {}
@@ -104,8 +122,9 @@ class Result:
                         pieces.setdefault(int(client), {})[shard] = ds
             for client, by_shard in pieces.items():
                 parts = tuple(ds for _, ds in sorted(by_shard.items()))
-                sections["clients"][client] = Entry(str(client), (sum(int(ds.size) for ds in parts),),
-                                                    str(parts[0].dtype), parts)
+                length = sum(int(ds.size) for ds in parts)
+                sections["clients"][client] = Entry(str(client), f"client {client}", (length,), str(parts[0].dtype),
+                                                    parts)
             yield sections
 
     def client_vectors(self) -> dict[int, np.ndarray]:
@@ -180,7 +199,7 @@ def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._
     time), each side's bytes added to ``digests`` as they pass. An equal entry is read once and costs no float64
     copy; one that differs is read again to size the difference."""
     if a.shape != b.shape or a.dtype != b.dtype or a.parts[0].dtype != b.parts[0].dtype:
-        raise ValueError(f"{a.label}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
+        raise ValueError(f"{a.name}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
                          "one config")
     if digests is not None:
         for h, entry in zip(digests, (a, b), strict=True):
@@ -194,7 +213,7 @@ def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._
     if equal:
         return None
     dtype = a.dtype if a.dtype == "bfloat16" else ""
-    return tally(a.label, a.shape, [gap_sums(x, y, dtype) for x, y in zip(a.slices(), b.slices(), strict=True)])
+    return tally(a.name, a.shape, [gap_sums(x, y, dtype) for x, y in zip(a.slices(), b.slices(), strict=True)])
 
 
 GapSums = tuple[int, float, float, float]  # elements that differ, max |a - b| (NaN: none finite), ||a - b||², ||b||²
