@@ -130,7 +130,8 @@ class Result:
     def client_vectors(self) -> dict[int, np.ndarray]:
         """Every client's kept vector, by client id, read whole; empty where the result keeps none."""
         with self.opened() as sections:
-            return {int(c): np.concatenate(list(e.slices())) for c, e in sections["clients"].items()}
+            return {int(c): np.concatenate([np.empty(0, e.parts[0].dtype), *e.slices()])
+                    for c, e in sections["clients"].items()}
 
 
 def _with_vectors(checkpoint: Path) -> Path | None:
