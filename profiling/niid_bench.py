@@ -490,18 +490,31 @@ def diverged(error_line: str) -> bool:
 def run_with_time_limit(cmd: list[str], env: dict[str, str], out, seconds: float) -> int | None:
     """``cmd``'s exit status, or None when it ran past ``seconds``. An MPI job that hangs would hold the
     reproduction (and a batch allocation) forever: past the limit the job gets SIGTERM, as a walltime would give
-    it, so mpifl checkpoints the round it is in and exits; SIGKILL follows a minute later if it has not."""
+    it, so mpifl checkpoints the round it is in and exits; SIGKILL follows a minute later if it has not. The job
+    runs in a session of its own (a terminal's Ctrl-C is the harness's to pass on): a harness stopped by Ctrl-C or
+    SIGTERM stops its job the same way before it goes, instead of leaving it running orphaned."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_job(proc)
         return None
+    except BaseException:  # Ctrl-C, or SIGTERM to the harness
+        stop_job(proc)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_job(proc: subprocess.Popen) -> None:
+    """SIGTERM to the job's process group (each rank checkpoints its round and exits), SIGKILL a minute later."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
