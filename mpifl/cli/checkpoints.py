@@ -10,7 +10,7 @@ import yaml
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
-from mpifl.storage.comparison import Part, Result, compare, digest, model_group
+from mpifl.storage.comparison import Result, Section, compare, digest, model_group
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import GROUP as INTEGRITY
 from mpifl.units import MIB
@@ -101,7 +101,7 @@ def checksums(path: Path) -> str:
             raise CheckpointError(f"mpifl diff: {err}; not compared") from None
 
 
-def _print_section(heading: str, part: Part) -> None:
+def _print_section(heading: str, part: Section) -> None:
     """One part of ``diff``'s report: its verdict, each difference, and what only one side has."""
     verdict = f"{len(part.differences)} of them differ" if part.differences else "bitwise equal"
     print(f"{heading}: {verdict}")

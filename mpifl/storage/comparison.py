@@ -256,7 +256,7 @@ def as_float64(values: np.ndarray, dtype: str = "") -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Part:
+class Section:
     """One section of a comparison (the model, the server state or the clients' vectors)."""
 
     compared: int  # entries both results have
@@ -277,9 +277,9 @@ class Comparison:
     the same for the server's state and for the clients' kept vectors (compared where both keep some), and each
     side's digest, taken in the same pass."""
 
-    model: Part
-    server_state: Part
-    clients: Part | None  # None: not both keep clients' vectors
+    model: Section
+    server_state: Section
+    clients: Section | None  # None: not both keep clients' vectors
     digests: tuple[str, str]
 
     @property
@@ -298,7 +298,7 @@ def compare(a: Result, b: Result) -> Comparison:
         state = _compare_section(side_a["server_state"], side_b["server_state"], hashes)
         clients_a, clients_b = side_a["clients"], side_b["clients"]
         if clients_a and clients_b:
-            clients: Part | None = _compare_section(clients_a, clients_b, hashes, "client ")
+            clients: Section | None = _compare_section(clients_a, clients_b, hashes, "client ")
         else:  # compared only where both keep some; still part of each side's digest
             clients = None
             for h, entries in zip(hashes, (clients_a, clients_b), strict=True):
@@ -308,7 +308,7 @@ def compare(a: Result, b: Result) -> Comparison:
                       (hashes[0].hexdigest()[:DIGEST_CHARS], hashes[1].hexdigest()[:DIGEST_CHARS]))
 
 
-def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Hash], prefix: str = "") -> Part:
+def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Hash], prefix: str = "") -> Section:
     """One section of two results compared, every key of either side in sorted order (each side's digest order)
     added to its side's digest."""
     found, elements = [], 0
@@ -320,7 +320,7 @@ def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Has
                 found.append(change)
         else:
             _hash(hashes[0] if key in a else hashes[1], a[key] if key in a else b[key])
-    return Part(len(set(a) & set(b)), elements, found, [f"{prefix}{k}" for k in sorted(set(a) - set(b))],
+    return Section(len(set(a) & set(b)), elements, found, [f"{prefix}{k}" for k in sorted(set(a) - set(b))],
                 [f"{prefix}{k}" for k in sorted(set(b) - set(a))])
 
 
