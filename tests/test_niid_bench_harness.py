@@ -251,3 +251,36 @@ def test_flowers_split_exists_for_label_quantity_only(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--partition", "flower", "--setting", "iid"])
     assert "Flower's split is written for label1, label2, label3 only" in capsys.readouterr().err
+
+
+def test_a_harness_stopped_by_sigterm_stops_its_job_instead_of_leaving_it_orphaned(tmp_path):
+    """The job runs in a session of its own, so a signal to the harness never reaches it: the harness passes SIGTERM
+    on (each rank checkpoints its round) before it goes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    job = tmp_path / "job.pid"
+    harness = subprocess.Popen([sys.executable, "-c", (
+        "import sys; sys.path.insert(0, sys.argv[1]); from profiling import niid_bench; "
+        "job = ['bash', '-c', 'echo $$ > ' + sys.argv[2] + '; exec sleep 300']; "
+        "niid_bench.run_with_time_limit(job, {}, None, 600)"),
+        str(ROOT), str(job)])
+    deadline = time.monotonic() + 30
+    while not (job.exists() and job.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = int(job.read_text())
+    harness.send_signal(signal.SIGTERM)
+    assert harness.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"the job (pid {pid}) outlived its harness")
