@@ -77,7 +77,7 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler rule, then the rounds;
     what the run came to."""
     strategy = strategy_for(cfg)
-    with noted(f"strategy.name {strategy.name!r}, in bind, before the first round"):
+    with noted(f"strategy.name {strategy.name!r}, in bind, before any round"):
         strategy.bind(plan.spec, cfg.clients.num_clients)
     _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
     warn_statistics(cfg, plan.spec)
