@@ -194,22 +194,19 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits)))
 
 
-def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._Hash] | None = None
-                     ) -> Difference | None:
+def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._Hash]) -> Difference | None:
     """``difference`` of one entry of two results, read slice by slice (one slice of each side in memory at a
     time), each side's bytes added to ``digests`` as they pass. An equal entry is read once and costs no float64
     copy; one that differs is read again to size the difference."""
     if a.shape != b.shape or a.dtype != b.dtype or a.parts[0].dtype != b.parts[0].dtype:
         raise ValueError(f"{a.name}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
                          "one config")
-    if digests is not None:
-        for h, entry in zip(digests, (a, b), strict=True):
-            h.update(entry.label.encode())
+    for h, entry in zip(digests, (a, b), strict=True):
+        h.update(entry.label.encode())
     equal = True
     for x, y in zip(a.slices(), b.slices(), strict=True):
-        if digests is not None:
-            digests[0].update(np.ascontiguousarray(x).data)
-            digests[1].update(np.ascontiguousarray(y).data)
+        digests[0].update(np.ascontiguousarray(x).data)
+        digests[1].update(np.ascontiguousarray(y).data)
         equal = equal and same_bytes(x, y)
     if equal:
         return None
