@@ -24,14 +24,18 @@ if [[ ${PACK:-} == 1 ]]; then
     for run in runs/niid_grid-*/*-seed*/; do
         run=${run%/}
         [[ -e $run/model.h5 || ! -d $run/checkpoints ]] && continue
-        newest=$(ls "$run/checkpoints" | grep -E '^ckpt-r[0-9]+\.h5$' | sort | tail -1)
+        newest=
+        for ckpt in "$run"/checkpoints/ckpt-r*.h5; do  # the glob sorts, and rounds are zero-padded
+            [[ ${ckpt##*/} =~ ^ckpt-r[0-9]+\.h5$ ]] && newest=${ckpt##*/}
+        done
         [[ -z $newest ]] && continue
         older=()
         for ckpt in "$run"/checkpoints/*; do
             [[ ${ckpt##*/} != "$newest" && ${ckpt##*/} != "${newest%.h5}.residuals" ]] && older+=(--exclude "${ckpt#runs/}")
         done
-        tar -czf "$UNFINISHED/${run##*/}.tar.gz" -C runs "${older[@]}" --exclude "${run#runs/}/.lock" "${run#runs/}" \
-            $(cd runs && ls -d "${run#runs/}.log" 2>/dev/null)
+        members=("${run#runs/}")
+        [[ -e $run.log ]] && members+=("${run#runs/}.log")
+        tar -czf "$UNFINISHED/${run##*/}.tar.gz" -C runs "${older[@]}" --exclude "${run#runs/}/.lock" "${members[@]}"
         echo "niid_grid: packed $run at ${newest} into $UNFINISHED/${run##*/}.tar.gz"
     done
     exit 0
