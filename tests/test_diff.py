@@ -1,5 +1,5 @@
 """``mpifl diff A B``: whether two results hold the same bits, every tensor of the model, the server's state and
-every client's kept vector, each side's checksums verified first, and where they do not, which elements differ and
+every client's kept vector, each side read once with its checksums checked as it passes, and where they do not, which elements differ and
 by how much (exit 0 when bitwise equal, 1 when not, 2 for what cannot be read or is corrupt); its digest is
 ``mpifl inspect``'s and ``profiling/combinations.py``'s."""
 from __future__ import annotations
@@ -223,3 +223,64 @@ def test_one_config_on_two_rank_counts_diffs_bitwise_equal_with_every_clients_ve
     corrupt = mpifl_here("diff", str(tmp_path / "two" / "model.h5"), str(edited))
     assert corrupt.returncode == 2, corrupt.stdout + corrupt.stderr
     assert f"mpifl diff: {edited}: tensor {name!r} is corrupt" in corrupt.stderr and "not compared" in corrupt.stderr
+
+
+def checkpoint(path: Path, flat, chunk_bytes: int, h: np.ndarray) -> Path:
+    """A checkpoint of ``flat`` with server-state vector ``h``, its checksums taken over chunks of ``chunk_bytes``."""
+    from mpifl.storage.hdf5 import CheckpointWriter
+
+    with CheckpointWriter(path, flat.spec, {"round": 1, "config": "rounds: 1\n"}, state={"h": (len(h), 0.0)},
+                          chunk_bytes=chunk_bytes) as writer:
+        writer.write_tensors(flat.tensors())
+        writer.write_state("h", 0, h)
+        writer.write_metrics([])
+        return writer.publish()
+
+
+def test_each_side_is_read_once_its_bytes_checked_against_its_own_checksums_as_they_pass(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A 70B checkpoint is 140 GB: diff reads each side once, comparing, digesting and checking its CRC32s in the
+    same pass, whatever chunk size each side's checksums were taken over and wherever a slice cuts a checksummed
+    piece. A corrupt side names the piece ``Checkpoint.verify`` names, before anything is printed."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from mpifl.cli.checkpoints import diff
+    from mpifl.errors import CheckpointError
+    from mpifl.storage.hdf5 import Checkpoint
+    from mpifl.wire.flat import FlatModel
+
+    torch.manual_seed(0)
+    flat = FlatModel(nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3)))
+    elements = sum(t.numel() for _, t in flat.tensors())
+    h = np.linspace(-1, 1, elements, dtype=np.float32)
+    a, b = checkpoint(tmp_path / "a.h5", flat, 24, h), checkpoint(tmp_path / "b.h5", flat, 40, h)
+    monkeypatch.setattr("mpifl.storage.comparison.SLICE", 5)  # slices of 5 elements, pieces of 6 and 10
+    reads: list[str] = []
+    sliced = Entry.slices
+    monkeypatch.setattr(Entry, "slices", lambda entry: (reads.append(entry.label), sliced(entry))[1])
+    monkeypatch.setattr(Checkpoint, "read_range", lambda *_: pytest.fail("read chunk by chunk to verify"))
+    assert diff(str(a), str(b)) == 0
+    said = capsys.readouterr().out
+    with Checkpoint(a) as ckpt_a, Checkpoint(b) as ckpt_b:
+        chunks = (len(ckpt_a.spec().chunks(24)), len(ckpt_b.spec().chunks(40)))
+    assert f"; checksums verified ({chunks[0]} chunks)" in said and f"; checksums verified ({chunks[1]} chunks)" in said
+    assert chunks[0] != chunks[1] and said.rstrip().endswith("bitwise equal"), said
+    assert sorted(reads) == sorted(2 * ([name for name, _ in flat.tensors()] + ["server_state/h"]))  # once a side
+    monkeypatch.undo()
+    monkeypatch.setattr("mpifl.storage.comparison.SLICE", 5)
+
+    for where in ("model/0.weight", "server_state/h"):
+        edited = tmp_path / f"edited-{where.replace('/', '-')}.h5"
+        edited.write_bytes(b.read_bytes())
+        with h5py.File(edited, "r+") as f:
+            values = f[where][()]
+            values.flat[17] += 1  # in the piece after the first, inside a slice
+            f[where][...] = values
+        with Checkpoint(edited) as ckpt, pytest.raises(CheckpointError) as verified:
+            ckpt.verify()
+        with pytest.raises(CheckpointError) as compared:
+            diff(str(a), str(edited))
+        assert str(compared.value) == f"mpifl diff: {verified.value}; not compared"
+        assert capsys.readouterr().out == ""

@@ -13,6 +13,7 @@ from mpifl.storage.checkpointer import kept_per_client, residual_files, residual
 from mpifl.storage.comparison import Result, Section, compare, digest, model_group
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import GROUP as INTEGRITY
+from mpifl.storage.integrity import RecordedChecksums, recorded_checksums
 from mpifl.units import MIB
 from mpifl.wire.spec import CONTROL, is_control
 
@@ -55,15 +56,19 @@ def inspect(path: str, verify: bool = False) -> int:
 
 
 def diff(a: str, b: str) -> int:
-    """Print whether two results hold the same bits (``mpifl.storage.comparison``); 0 when they do, else 1. Each
-    side's checksums are verified first (a corrupt file is no result to compare: exit 2, naming what changed); then
-    both are read once more, side by side, for the comparison and the digests."""
+    """Print whether two results hold the same bits (``mpifl.storage.comparison``); 0 when they do, else 1. Both
+    are read once, side by side, for the comparison and the digests, and each side's bytes are checked against its
+    checksums as they pass (a corrupt file is no result to compare: exit 2, naming what changed, before anything is
+    printed)."""
     sides = [(label, Result.at(path), path) for label, path in (("a", a), ("b", b))]
-    verified = [checksums(result.model) for _, result, _ in sides]
+    recorded = [recorded_checksums_of(result.model) for _, result, _ in sides]
     try:
-        found = compare(sides[0][1], sides[1][1])
-    except ValueError as err:
+        found = compare(sides[0][1], sides[1][1], (recorded[0], recorded[1]))
+    except CheckpointError as err:  # a side's bytes failed their checksums, or could not be read
+        raise CheckpointError(f"mpifl diff: {err}; not compared") from None
+    except ValueError as err:  # not results of one config
         raise CheckpointError(f"mpifl diff: {err}") from None
+    verified = [f"checksums verified ({r.chunks} chunks)" if r else "no checksums to verify" for r in recorded]
     for (label, result, path), checked, code in zip(sides, verified, found.digests, strict=True):
         vectors = f" and the clients' vectors of {result.vectors.name}" if result.vectors else ""
         print(f"{label}: {path}: {result.model.name}{vectors}; digest {code}; {checked}")
@@ -87,16 +92,17 @@ def diff(a: str, b: str) -> int:
     return 0 if found.bitwise_equal else 1
 
 
-def checksums(path: Path) -> str:
-    """``path``'s tensors and server state checked against its CRC32s (``Checkpoint.verify``), as diff says it; a
-    file without an integrity record (not written by mpifl's checkpointer) said to have none."""
+def recorded_checksums_of(path: Path) -> RecordedChecksums | None:
+    """``path``'s CRC32s, its metadata, spec and metrics checked (what ``Checkpoint.verify`` checks before the
+    tensors); None for a file without an integrity record (not written by mpifl's checkpointer)."""
     with model_group(path) as group:  # CheckpointError naming a file that is no checkpoint
         recorded = INTEGRITY in group.file
     if not recorded:
-        return "no checksums to verify"
+        return None
     with Checkpoint(path) as ckpt:
         try:
-            return f"checksums verified ({ckpt.verify()} chunks)"
+            ckpt.metrics_readable()
+            return recorded_checksums(ckpt)
         except CheckpointError as err:
             raise CheckpointError(f"mpifl diff: {err}; not compared") from None
 

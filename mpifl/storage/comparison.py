@@ -8,8 +8,9 @@ files.
 The claim mpifl makes is that the same config gives the same bytes on any number of ranks, chunk size, placement or
 resume (docs/explanation/determinism.md), so the check is on bytes: a tensor is equal when its bytes are, and a
 difference is then sized (how many elements, the largest absolute difference, the relative L2) to tell rounding
-from a different result. The checkpoint's own CRC32s cannot serve: they are taken per chunk of the checkpoint's
-``chunk_bytes``, which may differ between the two.
+from a different result. The checkpoint's own CRC32s cannot serve for that: they are taken per chunk of the
+checkpoint's ``chunk_bytes``, which may differ between the two. They are checked in the same pass instead, each side
+against its own (``RecordedChecksums``), so that a file is read once, not once to verify and once to compare.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import CHECKPOINTS, list_checkpoints
+from mpifl.storage.integrity import RecordedChecksums, StreamedCheck
 
 MODEL_FILE = "model.h5"
 DIGEST_CHARS = 16  # hex characters a digest is quoted by (64 bits)
@@ -46,17 +48,22 @@ class Entry:
         """The entry's elements in order, flat, in slices of about ``SLICE`` elements (whole rows of a matrix), so
         that one is never held whole: a 70B model's embedding is 2 GiB of bf16, a state vector as long as the
         model. A vector kept in pieces (a sharded group's rank files) is cut at the same places as one kept whole,
-        so that two results of one config pair slice for slice whatever their group sizes."""
-        if len(self.parts) > 1:
-            yield from _joined_slices(self.parts)
-            return
-        ds = self.parts[0]
-        if ds.ndim == 0:
-            yield np.asarray(ds[()]).reshape(-1)
-            return
-        rows = max(1, SLICE // max(1, int(np.prod(ds.shape[1:]))))  # a 1-D vector: SLICE elements
-        for start in range(0, ds.shape[0], rows):
-            yield ds[start:start + rows].reshape(-1)
+        so that two results of one config pair slice for slice whatever their group sizes. A read that fails (a
+        truncated file) is a CheckpointError naming the file and the entry."""
+        try:
+            if len(self.parts) > 1:
+                yield from _joined_slices(self.parts)
+                return
+            ds = self.parts[0]
+            if ds.ndim == 0:
+                yield np.asarray(ds[()]).reshape(-1)
+                return
+            rows = max(1, SLICE // max(1, int(np.prod(ds.shape[1:]))))  # a 1-D vector: SLICE elements
+            for start in range(0, ds.shape[0], rows):
+                yield ds[start:start + rows].reshape(-1)
+        except OSError as err:
+            raise CheckpointError(f"{self.parts[0].file.filename}: {self.name} is unreadable (truncated or corrupt?): "
+                                  f"{err}") from None
 
     @property
     def elements(self) -> int:
@@ -152,11 +159,15 @@ def digest(result: Result) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
-def _hash(h: hashlib._Hash, entry: Entry) -> None:
-    """Add ``entry`` to digest ``h``: its label, then its bytes."""
+def _hash(h: hashlib._Hash, entry: Entry, check: StreamedCheck | None = None) -> None:
+    """Add ``entry`` to digest ``h``: its label, then its bytes (each checked by ``check`` as it passes)."""
     h.update(entry.label.encode())
     for values in entry.slices():
         h.update(np.ascontiguousarray(values).data)
+        if check is not None:
+            check.feed(values)
+    if check is not None:
+        check.finish()
 
 
 @dataclass(frozen=True)
@@ -194,10 +205,12 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits)))
 
 
-def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._Hash]) -> Difference | None:
+def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._Hash],
+                     checks: tuple[StreamedCheck | None, StreamedCheck | None] = (None, None)) -> Difference | None:
     """``difference`` of one entry of two results, read slice by slice (one slice of each side in memory at a
-    time), each side's bytes added to ``digests`` as they pass. An equal entry is read once and costs no float64
-    copy; one that differs is read again to size the difference."""
+    time), each side's bytes added to ``digests`` and checked against its recorded checksums (``checks``) as they
+    pass. An equal entry is read once and costs no float64 copy; one that differs is read again to size the
+    difference."""
     if a.shape != b.shape or a.dtype != b.dtype or a.parts[0].dtype != b.parts[0].dtype:
         raise ValueError(f"{a.name}: {a.dtype} {list(a.shape)} against {b.dtype} {list(b.shape)}: not results of "
                          "one config")
@@ -207,7 +220,13 @@ def entry_difference(a: Entry, b: Entry, digests: tuple[hashlib._Hash, hashlib._
     for x, y in zip(a.slices(), b.slices(), strict=True):
         digests[0].update(np.ascontiguousarray(x).data)
         digests[1].update(np.ascontiguousarray(y).data)
+        for check, values in zip(checks, (x, y), strict=True):
+            if check is not None:
+                check.feed(values)
         equal = equal and same_bytes(x, y)
+    for check in checks:
+        if check is not None:
+            check.finish()
     if equal:
         return None
     dtype = a.dtype if a.dtype == "bfloat16" else ""
@@ -286,16 +305,22 @@ class Comparison:
         return self.model.equal and self.server_state.equal and (self.clients is None or self.clients.equal)
 
 
-def compare(a: Result, b: Result) -> Comparison:
+Recorded = tuple[RecordedChecksums | None, RecordedChecksums | None]  # each side's checksums, where it has some
+
+
+def compare(a: Result, b: Result, recorded: Recorded = (None, None)) -> Comparison:
     """``a`` against ``b``, entry by entry in digest order, each read once in slices (one slice of each side in
-    memory at a time; a differing one read again to size it), both digests taken as they pass."""
+    memory at a time; a differing one read again to size it), both digests taken as they pass, and each side's
+    model and server state checked against its ``recorded`` checksums in the same pass (CheckpointError at the
+    first piece that fails)."""
     hashes = (hashlib.sha256(), hashlib.sha256())
     with a.opened() as side_a, b.opened() as side_b:
-        model = _compare_section(side_a["model"], side_b["model"], hashes)
-        state = _compare_section(side_a["server_state"], side_b["server_state"], hashes)
+        model = _compare_section(side_a["model"], side_b["model"], hashes, recorded, "model")
+        state = _compare_section(side_a["server_state"], side_b["server_state"], hashes, recorded, "server_state")
         clients_a, clients_b = side_a["clients"], side_b["clients"]
         if clients_a and clients_b:
-            clients: Section | None = _compare_section(clients_a, clients_b, hashes, "client ")
+            clients: Section | None = _compare_section(clients_a, clients_b, hashes, (None, None), "clients",
+                                                       "client ")
         else:  # compared only where both keep some; still part of each side's digest
             clients = None
             for h, entries in zip(hashes, (clients_a, clients_b), strict=True):
@@ -305,18 +330,21 @@ def compare(a: Result, b: Result) -> Comparison:
                       (hashes[0].hexdigest()[:DIGEST_CHARS], hashes[1].hexdigest()[:DIGEST_CHARS]))
 
 
-def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Hash], prefix: str = "") -> Section:
+def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Hash], recorded: Recorded,
+                     section: str, prefix: str = "") -> Section:
     """One section of two results compared, every key of either side in sorted order (each side's digest order)
-    added to its side's digest."""
+    added to its side's digest and checked against its recorded checksums."""
     found, elements = [], 0
     for key in sorted(set(a) | set(b)):
+        checks = tuple(r.check(section, str(key)) if r is not None else None for r in recorded)
         if key in a and key in b:
-            change = entry_difference(a[key], b[key], hashes)
+            change = entry_difference(a[key], b[key], hashes, (checks[0], checks[1]))
             elements += a[key].elements
             if change is not None:
                 found.append(change)
         else:
-            _hash(hashes[0] if key in a else hashes[1], a[key] if key in a else b[key])
+            side = 0 if key in a else 1
+            _hash(hashes[side], (a if key in a else b)[key], checks[side])
     return Section(len(set(a) & set(b)), elements, found, [f"{prefix}{k}" for k in sorted(set(a) - set(b))],
                 [f"{prefix}{k}" for k in sorted(set(b) - set(a))])
 

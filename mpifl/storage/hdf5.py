@@ -266,9 +266,13 @@ class Checkpoint:
 
     def verify(self) -> int:
         """Read everything back and check every chunk's checksum; the number of chunks checked (0: none stored)."""
+        self.metrics_readable()
+        return verify(self)
+
+    def metrics_readable(self) -> None:
+        """CheckpointError naming the file where its metrics history cannot be read."""
         with self._reading("metrics"):
             self.metrics()
-        return verify(self)
 
     @contextlib.contextmanager
     def _reading(self, what: str) -> Iterator[None]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import h5py
@@ -40,7 +42,6 @@ except ImportError:  # a platform without isal's wheels: zlib's table-driven CRC
     from zlib import crc32 as _crc32
 
 if TYPE_CHECKING:  # the checkpoint's type alone: storage.hdf5 imports this module, so it is described, not imported
-    from pathlib import Path
     from typing import Protocol
 
     class CheckpointFile(Protocol):
@@ -178,6 +179,28 @@ def verify(ckpt: CheckpointFile) -> int:
     """Check a checkpoint's metadata, tensors and server state against its stored CRC32s, chunk by chunk;
     return the number of chunks checked. Raise CheckpointError naming what changed (the metadata, or the
     first tensor or state vector whose bytes changed), or saying the integrity record is missing."""
+    spec, chunks, cut, first, stored = _checked_layout(ckpt)
+    buffer = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
+    for c in chunks:
+        ckpt.read_range(spec, c.offset, buffer[:c.nbytes])
+        for i in range(first[c.index], first[c.index + 1]):
+            offset, nbytes, name = cut[i]
+            if crc32(buffer[offset - c.offset:offset - c.offset + nbytes]) != stored[i]:
+                raise CheckpointError(_corrupt_tensor(ckpt.path, name, offset, nbytes))
+    elements = element_offsets(chunks)
+    group = ckpt.file[GROUP]
+    for name, ds in ckpt.file["server_state"].items() if "server_state" in ckpt.file else []:
+        sums = group["state"][name][...]
+        for c in chunks:
+            if crc32(ds[elements[c.index]:elements[c.index + 1]]) != sums[c.index]:
+                raise CheckpointError(_corrupt_state(ckpt.path, name, elements[c.index], elements[c.index + 1]))
+    return len(chunks)
+
+
+def _checked_layout(ckpt: CheckpointFile) -> tuple[ModelSpec, list[Chunk], list[tuple[int, int, str]], list[int],
+                                                   np.ndarray]:
+    """The layout a checkpoint's checksums were taken over (spec, chunks, pieces and where each chunk's start) and
+    the model's stored CRC32s, once its metadata, spec hash and checksum count are checked; no tensor is read."""
     problem = metadata_problem(ckpt)
     if problem:
         raise CheckpointError(problem)
@@ -187,22 +210,91 @@ def verify(ckpt: CheckpointFile) -> int:
         raise CheckpointError(f"{ckpt.path}: its tensors' names, shapes or dtypes no longer match its spec hash")
     chunks = spec.chunks(int(group.attrs["chunk_bytes"]))
     stored = group["model"][...]
-    buffer = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
     cut, first = pieces(spec, chunks)
     if len(cut) != len(stored):
         raise CheckpointError(f"{ckpt.path}: /{GROUP}/model has {len(stored)} checksums, the layout {len(cut)}")
-    for c in chunks:
-        ckpt.read_range(spec, c.offset, buffer[:c.nbytes])
-        for i in range(first[c.index], first[c.index + 1]):
-            offset, nbytes, name = cut[i]
-            if crc32(buffer[offset - c.offset:offset - c.offset + nbytes]) != stored[i]:
-                raise CheckpointError(f"{ckpt.path}: tensor {name!r} is corrupt: its bytes at flat offset "
-                                      f"{offset}..{offset + nbytes} fail their checksum")
+    return spec, chunks, cut, first, stored
+
+
+def _corrupt_tensor(path: Path, name: str, offset: int, nbytes: int) -> str:
+    return (f"{path}: tensor {name!r} is corrupt: its bytes at flat offset {offset}..{offset + nbytes} fail their "
+            "checksum")
+
+
+def _corrupt_state(path: Path, name: str, lo: int, hi: int) -> str:
+    return f"{path}: server_state/{name} is corrupt: elements {lo}..{hi} fail their checksum"
+
+
+@dataclass(frozen=True)
+class RecordedChecksums:
+    """A checkpoint's stored CRC32s regrouped by what they cover, so that a pass reading the file entry by entry
+    (``mpifl diff``, in its digest's name order) checks every byte as it reads it, instead of reading the file once
+    more chunk by chunk (``verify``): for a 70B model that is 140 GB of reading saved on each side."""
+
+    path: Path
+    chunks: int  # the chunks the checksums were taken over
+    tensors: dict[str, list[tuple[int, int, int]]]  # name -> (flat offset, bytes, CRC32) of its pieces, in order
+    state: dict[str, list[tuple[int, int, int]]]  # vector -> (first element, elements, CRC32) per chunk's slice
+
+    def check(self, section: str, name: str) -> StreamedCheck | None:
+        """The check of one entry's bytes as they pass (``section``: 'model' or 'server_state'); None for what the
+        record does not cover (clients' vectors)."""
+        path = self.path
+        if section == "model":
+            cut = self.tensors.get(name, [])
+            return StreamedCheck(f"{path}: tensor {name!r}", [(n, crc) for _, n, crc in cut],
+                                 lambda i: _corrupt_tensor(path, name, cut[i][0], cut[i][1]))
+        if section == "server_state" and name in self.state:
+            slices = self.state[name]
+            return StreamedCheck(f"{path}: server_state/{name}", [(n, crc) for _, n, crc in slices],
+                                 lambda i: _corrupt_state(path, name, slices[i][0], slices[i][0] + slices[i][1]),
+                                 per_element=True)
+        return None
+
+
+def recorded_checksums(ckpt: CheckpointFile) -> RecordedChecksums:
+    """``ckpt``'s CRC32s by tensor and by server-state vector, once its metadata, spec hash and checksum count are
+    checked (CheckpointError naming what is wrong, as ``verify`` does); reads the record alone, no tensor."""
+    _, chunks, cut, _, stored = _checked_layout(ckpt)
+    tensors: dict[str, list[tuple[int, int, int]]] = {}
+    for (offset, nbytes, name), crc in zip(cut, stored, strict=True):
+        tensors.setdefault(name, []).append((offset, nbytes, int(crc)))
     elements = element_offsets(chunks)
-    for name, ds in ckpt.file["server_state"].items() if "server_state" in ckpt.file else []:
-        sums = group["state"][name][...]
-        for c in chunks:
-            if crc32(ds[elements[c.index]:elements[c.index + 1]]) != sums[c.index]:
-                raise CheckpointError(f"{ckpt.path}: server_state/{name} is corrupt: elements "
-                                      f"{elements[c.index]}..{elements[c.index + 1]} fail their checksum")
-    return len(chunks)
+    group = ckpt.file[GROUP]
+    state = {name: [(elements[c.index], elements[c.index + 1] - elements[c.index], int(crc))
+                    for c, crc in zip(chunks, group["state"][name][...], strict=True)]
+             for name in (ckpt.file["server_state"] if "server_state" in ckpt.file else [])}
+    return RecordedChecksums(ckpt.path, len(chunks), tensors, state)
+
+
+class StreamedCheck:
+    """One entry's bytes checked against its recorded pieces as they stream past in order, in slices cut anywhere
+    (the CRC32 carries over a slice's end). ``per_element``: piece sizes count elements (a state vector's chunk
+    slices), turned into bytes by the first slice's item size."""
+
+    def __init__(self, what: str, pieces: list[tuple[int, int]], corrupt: Callable[[int], str],
+                 per_element: bool = False):
+        self.what, self.pieces, self.corrupt, self.per_element = what, pieces, corrupt, per_element
+        self.index, self.done, self.crc = 0, 0, 0  # the piece being summed, its bytes summed so far, their CRC32
+
+    def feed(self, values: np.ndarray) -> None:
+        """Sum the next slice of the entry's bytes; CheckpointError (``corrupt``) at the first piece that fails."""
+        data = memoryview(np.ascontiguousarray(values)).cast("B")  # type: ignore[arg-type]
+        scale = values.dtype.itemsize if self.per_element else 1
+        at = 0
+        while at < len(data):
+            if self.index >= len(self.pieces):
+                raise CheckpointError(f"{self.what} holds more bytes than its checksums cover")
+            size = self.pieces[self.index][0] * scale
+            take = min(size - self.done, len(data) - at)
+            self.crc = _crc32(data[at:at + take], self.crc)
+            self.done, at = self.done + take, at + take
+            if self.done == size:
+                if self.crc != self.pieces[self.index][1]:
+                    raise CheckpointError(self.corrupt(self.index))
+                self.index, self.done, self.crc = self.index + 1, 0, 0
+
+    def finish(self) -> None:
+        """Every piece was summed: a shorter entry than its record (cannot be, from a checked spec) is an error."""
+        if self.index < len(self.pieces):
+            raise CheckpointError(f"{self.what} holds fewer bytes than its checksums cover")
