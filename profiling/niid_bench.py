@@ -54,6 +54,8 @@ from profiling.niid_records import (  # noqa: E402
     RECORDS,
     RunRecord,
     algorithm_of,
+    describe,
+    describe_cell,
     find_record,
     grid_table,
     mean_std,
@@ -517,6 +519,31 @@ def stop_job(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+
+def variants(algorithm: str, mus: Sequence[float]) -> list[tuple[str, list[str]]]:
+    """The grid rows an algorithm runs as, each with its overrides: FedProx once per mu ("fedprox (mu=0.01)")."""
+    if algorithm == "fedprox":
+        return [(f"fedprox (mu={mu:g})", [f"train.prox_mu={mu}"]) for mu in mus]
+    return [(algorithm, [])]
+
+
+def describe_records(setting: str, label: str, seeds: Sequence[int], root: Path = RECORDS) -> list[str]:
+    """``describe`` of each recorded seed of one cell, against FedAvg's record of the same seed, then the cell over
+    every seed recorded; says which seeds have no record."""
+    lines = []
+    for seed in seeds:
+        record = find_record(setting, label, seed, root)
+        if record is None:
+            lines.append(f"{setting} {label} seed {seed}: no record")
+            continue
+        fedavg = find_record(setting, "fedavg", seed, root) if algorithm_of(label) != "fedavg" else None
+        lines.extend(describe(record, fedavg))
+    cell = [r for r in read_records(root) if r.setting == setting and r.label == label]
+    if cell:
+        lines.append(describe_cell(cell))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=3, help="MPI ranks per run: 1 server + RANKS-1 client ranks")
@@ -555,12 +582,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", action="store_true",
                    help="print the grid table (every setting and algorithm beside Flower's runs) from the records "
                         "alone and exit; runs nothing")
+    p.add_argument("--describe", action="store_true",
+                   help="print what the benchmarks page says of each recorded run of --setting, --algorithms and "
+                        "--seeds (last and best, the range and largest change from round 10, the last 10 rounds' "
+                        "mean, against FedAvg on the same seed) and of the cell over its recorded seeds; runs "
+                        "nothing")
     p.add_argument("--plot", type=Path, default=None, metavar="FOLDER",
                    help="with --grid: also draw one figure per setting into FOLDER (niid_grid-<setting>.png): each "
                         "algorithm's accuracy per round, mean ± std over seeds, from the records' curves")
     args = p.parse_args(argv)
     args.records = args.records or (FLOWER_SPLIT_RECORDS if args.partition == "flower" else RECORDS)
 
+    if args.describe:
+        for algorithm in args.algorithms:
+            for label, _ in variants(algorithm, args.mu):
+                print("\n".join(describe_records(args.setting, label, args.seeds, args.records)))
+        return 0
     if args.grid:
         kept = read_records(args.records)
         print(grid_table(kept, FLOWER_FMNIST))
@@ -601,9 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     full = (args.rounds in (None, PROTOCOL["rounds"]) and args.epochs in (None, PROTOCOL["train.local_epochs"])
             and args.partition in ("niid", "flower") and not args.set)
     for algorithm in args.algorithms:  # one run at a time
-        variants = [(f"fedprox (mu={mu:g})", [f"train.prox_mu={mu}"]) for mu in args.mu] \
-            if algorithm == "fedprox" else [(algorithm, [])]
-        for label, extra in variants:
+        for label, extra in variants(algorithm, args.mu):
             for seed in args.seeds:
                 print(f"niid_bench: {label}, seed {seed}", file=sys.stderr, flush=True)
                 recorded = find_record(args.setting, label, seed, args.records) if full and not args.rerun else None

@@ -204,3 +204,72 @@ def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str
             written.append(plot_groups(list(groups.items()), "test accuracy", folder / f"niid_grid-{setting}.png",
                                        subject=subject))
     return written
+
+
+# What docs/benchmarks.md says of each run, beside its figures: the curve from round SETTLED on (the first rounds
+# climb from chance), and the mean of its last LAST_ROUNDS rounds (the best of 50 rounds is the top of a swing).
+SETTLED, LAST_ROUNDS = 10, 10
+
+
+def settled_range(accuracy: Sequence[float], from_round: int = SETTLED) -> tuple[float, float]:
+    """The lowest and highest accuracy from round ``from_round`` (1-based) on."""
+    tail = accuracy[from_round - 1:]
+    return min(tail), max(tail)
+
+
+def largest_change(accuracy: Sequence[float], from_round: int = SETTLED) -> tuple[float, int]:
+    """The largest change from one round to the next (signed, in accuracy) between rounds from ``from_round`` on,
+    and the round it led into; the first such round where two are as large."""
+    changes = [(accuracy[i] - accuracy[i - 1], i + 1) for i in range(from_round, len(accuracy))]
+    return max(changes, key=lambda c: (abs(c[0]), -c[1])) if changes else (0.0, from_round)
+
+
+def last_rounds_mean(accuracy: Sequence[float], rounds: int = LAST_ROUNDS) -> float:
+    """The mean accuracy over the last ``rounds`` rounds."""
+    return statistics.fmean(accuracy[-rounds:])
+
+
+def against(accuracy: Sequence[float], other: Sequence[float], from_round: int = SETTLED + 1) -> tuple[int, int, float]:
+    """How a curve lies against another of the same split: the rounds it is strictly above the other, the rounds
+    both have, and its mean gap (accuracy) over the rounds from ``from_round`` on."""
+    both = min(len(accuracy), len(other))
+    above = sum(a > b for a, b in zip(accuracy[:both], other[:both], strict=True))
+    gaps = [accuracy[i] - other[i] for i in range(from_round - 1, both)]
+    return above, both, statistics.fmean(gaps) if gaps else 0.0
+
+
+def describe(record: RunRecord, reference: RunRecord | None = None) -> list[str]:
+    """The figures docs/benchmarks.md gives of one run, as lines: its last and best accuracy, the range and the
+    largest round-to-round change from round ``SETTLED`` on, the mean of its last rounds, and how it lies against
+    ``reference`` (FedAvg on the same seed) where both keep a curve. A record without a curve gives its figures."""
+    head = (f"{record.setting} {record.label} seed {record.seed} (commit {record.commit[:7]}, {record.date}"
+            + (f", {record.round_seconds:,.0f} s of rounds" if record.round_seconds else "") + ")")
+    lines = [head, f"  after round {record.rounds}: {100 * record.last:.2f}%; best {100 * record.best:.2f}% "
+                   f"(round {record.best_round})"
+             + (f"; diverged in round {record.diverged_round}" if record.diverged_round else "")]
+    curve = record.accuracy
+    if curve is None:
+        return [*lines, "  no per-round curve kept" + (" (the record's note says why)" if record.note else "")]
+    if len(curve) >= SETTLED + 1:
+        low, high = settled_range(curve)
+        change, at = largest_change(curve)
+        lines.append(f"  from round {SETTLED}: {100 * low:.2f}-{100 * high:.2f}%; largest change {100 * change:+.2f} "
+                     f"points ({100 * curve[at - 2]:.2f}% -> {100 * curve[at - 1]:.2f}%, round {at})")
+    lines.append(f"  rounds {max(1, len(curve) - LAST_ROUNDS + 1)}-{len(curve)}: "
+                 f"{100 * last_rounds_mean(curve):.2f}% on average")
+    if reference is not None and reference.accuracy is not None and reference is not record:
+        above, both, gap = against(curve, reference.accuracy)
+        lines.append(f"  against {reference.label} seed {reference.seed}: above it in {above} of {both} rounds; "
+                     f"{100 * gap:+.2f} points on average from round {SETTLED + 1}; its rounds "
+                     f"{max(1, len(reference.accuracy) - LAST_ROUNDS + 1)}-{len(reference.accuracy)}: "
+                     f"{100 * last_rounds_mean(reference.accuracy):.2f}%")
+    elif reference is not None and reference is not record:
+        lines.append(f"  against {reference.label} seed {reference.seed}: no curve kept (after round "
+                     f"{reference.rounds} {100 * reference.last:.2f}%, best {100 * reference.best:.2f}%)")
+    return lines
+
+
+def describe_cell(records: Sequence[RunRecord]) -> str:
+    """One cell over its recorded seeds: last and best, mean ± sample std in %, as the grid table gives them."""
+    seeds, last, best = cell_text(records)
+    return f"{records[0].setting} {records[0].label} over seeds {seeds}: after the last round {last}, best {best}"

@@ -1,7 +1,7 @@
 """``mpifl diff A B``: whether two results hold the same bits, every tensor of the model, the server's state and
-every client's kept vector, each side read once with its checksums checked as it passes, and where they do not, which elements differ and
-by how much (exit 0 when bitwise equal, 1 when not, 2 for what cannot be read or is corrupt); its digest is
-``mpifl inspect``'s and ``profiling/combinations.py``'s."""
+every client's kept vector, each side read once with its checksums checked as it passes, and where they do not,
+which elements differ and by how much (exit 0 when bitwise equal, 1 when not, 2 for what cannot be read or is
+corrupt); its digest is ``mpifl inspect``'s and ``profiling/combinations.py``'s."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -197,3 +197,38 @@ def test_the_grid_figures_draw_each_setting_with_curves_and_leave_out_records_wi
     assert bench.main(["--grid", "--records", str(tmp_path / "records"), "--plot", str(tmp_path / "figures")]) == 0
     assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["niid_grid-iid.png"]
     assert (tmp_path / "figures" / "niid_grid-iid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_describe_gives_the_figures_the_page_quotes_of_a_run_from_its_record(records):
+    """The page's paragraph of each run quotes its range and largest swing from round 10, its last 10 rounds' mean
+    and how it lies against FedAvg on the same seed: ``--describe`` computes them from the record."""
+    curve = [0.1] * 9 + [0.5, 0.8, 0.4, 0.7, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.9]  # 20 rounds
+    fedavg = [0.2] * 9 + [0.6] * 11
+    assert records.settled_range(curve) == (0.4, 0.9)
+    assert records.largest_change(curve) == pytest.approx((-0.4, 12))  # 0.8 -> 0.4 beats +0.3 and +0.3
+    assert records.last_rounds_mean(curve) == pytest.approx(0.64)
+    above, both, gap = records.against(curve, fedavg)
+    assert (above, both) == (3, 20) and gap == pytest.approx((0.2 - 0.2 + 0.1 + 0.0 * 6 + 0.3) / 10)
+    run = a_record(records, label="fednova", seed=1, curve=curve, setting="label1")
+    lines = records.describe(run, a_record(records, seed=1, curve=fedavg, setting="label1"))
+    assert lines[1] == "  after round 20: 90.00%; best 90.00% (round 20)"
+    assert lines[2] == "  from round 10: 40.00-90.00%; largest change -40.00 points (80.00% -> 40.00%, round 12)"
+    assert lines[3] == "  rounds 11-20: 64.00% on average"
+    assert lines[4].startswith("  against fedavg seed 1: above it in 3 of 20 rounds; +4.00 points on average from "
+                               "round 11; its rounds 11-20: 60.00%")
+    lost = records.RunRecord(setting="label2", label="fedavg", seed=0, rounds=50, last=0.8, best=0.81, best_round=40,
+                             commit="c" * 40, date="2026-11-30", machine="test", command="", note="lost")
+    assert records.describe(lost)[2] == "  no per-round curve kept (the record's note says why)"
+
+
+def test_describe_prints_each_seed_against_fedavg_and_the_cell_over_its_seeds(bench, records, tmp_path, capsys):
+    for seed, curve in ((0, [0.5, 0.7]), (1, [0.6, 0.9])):
+        records.write_record(a_record(records, label="fednova", seed=seed, curve=curve), tmp_path)
+    records.write_record(a_record(records, seed=1, curve=(0.7, 0.8)), tmp_path)
+    assert bench.main(["--describe", "--setting", "label2", "--algorithms", "fednova", "--seeds", "1", "2",
+                       "--records", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("label2 fednova seed 1 (commit ccccccc, 2026-11-30)")
+    assert out[3].startswith("  against fedavg seed 1: above it in 1 of 2 rounds")
+    assert out[4] == "label2 fednova seed 2: no record"
+    assert out[5] == "label2 fednova over seeds 0 1: after the last round 80.0 ± 14.1, best 80.0 ± 14.1"

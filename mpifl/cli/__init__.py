@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     ins.set_defaults(func=commands.inspect)
     diff = _command(sub, "diff", "whether two runs (or checkpoints) hold the same bits: every tensor of the model, "
                                  "the server's state and every client's kept vector, each read once, its checksums "
-                                 "checked as it passes; what differs, by how much, where they do (exit 0: bitwise equal, 1: they "
-                                 "differ, 2: unreadable or corrupt)")
+                                 "checked as it passes; what differs, by how much, where they do (exit 0: bitwise "
+                                 "equal, 1: they differ, 2: unreadable or corrupt)")
     diff.add_argument("a", help="a run directory (its model.h5 and newest checkpoint), or an .h5 file")
     diff.add_argument("b", help="the other")
     diff.set_defaults(func=commands.diff)
