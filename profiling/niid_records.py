@@ -191,17 +191,21 @@ def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str
 
     written = []
     for setting in settings:
-        groups: dict[str, list[RunOutcome]] = {}
+        # one group per algorithm in the table's order, empty where no curve is kept: an algorithm keeps its colour
+        # and marker in every figure
+        groups: dict[str, tuple[str, list[RunOutcome]]] = {a: (a, []) for a in GRID_ALGORITHMS}
         for r in records:
             if r.setting == setting and r.accuracy is not None:
-                groups.setdefault(r.label, []).append(RunOutcome(
+                _, members = groups.setdefault(r.algorithm, (r.label, []))
+                groups[r.algorithm] = (r.label, members)
+                members.append(RunOutcome(
                     run_dir=Path(r.file_name), config={"seed": r.seed},
                     curve={i + 1: a for i, a in enumerate(r.accuracy)}, best=r.best, final=r.last,
                     reached_round=None, reached_virtual_seconds=None))
-        if groups:
+        if any(members for _, members in groups.values()):
             folder.mkdir(parents=True, exist_ok=True)
             subject = f"{setting}, {split}" if split else setting
-            written.append(plot_groups(list(groups.items()), "test accuracy", folder / f"niid_grid-{setting}.png",
+            written.append(plot_groups(list(groups.values()), "test accuracy", folder / f"niid_grid-{setting}.png",
                                        subject=subject))
     return written
 

@@ -178,6 +178,12 @@ def test_each_group_in_the_figure_has_its_own_line_style_and_a_marker_at_every_p
     plt.close(fig)
     assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 3
     assert all(line.get_marker() not in (None, "None", "") for line in lines)
+    # an empty group keeps its place: the groups after it are drawn as they are where it has runs
+    fig, ax = plt.subplots()
+    kept = draw_groups(ax, [("absent", []), *groups[1:]])
+    plt.close(fig)
+    assert [(ln.get_color(), ln.get_linestyle(), ln.get_marker()) for ln in kept] == \
+        [(ln.get_color(), ln.get_linestyle(), ln.get_marker()) for ln in lines[1:]]
 
 
 def test_a_spread_across_clients_is_better_lower_and_per_client_keys_stay_out_of_the_hint(tmp_path):

@@ -579,16 +579,19 @@ def draw_groups(ax: Axes, groups: Sequence[tuple[str, list[RunOutcome]]], clip: 
     style and marker, so groups with the same curve (FedAvg and Ditto's global model) stay visible one over the
     other, and a marker at every point, so a round without the metric shows as a gap between markers rather than
     as a point on the line. Against virtual seconds (``x='virtual'``) a curve is a step: a value holds until the
-    next one (``group_curve``)."""
+    next one (``group_curve``). A group's colour and style follow its place in ``groups``, so an empty group keeps
+    its place: figures that leave out different groups (an algorithm not run on one setting) draw the others
+    alike."""
     lines = []
     steps = x == "virtual"
     for index, (label, members) in enumerate(groups):
-        at, values = group_curve(members, x)
+        at, values = group_curve(members, x) if members else ([], [])
         if not at:
             continue
         means = [statistics.fmean(column) for column in zip(*values)]
         style, marker = group_style(index)
-        line, = ax.plot(at, means, label=f"{label} (n={len(members)})", linestyle=style, marker=marker,
+        line, = ax.plot(at, means, label=f"{label} (n={len(members)})", color=f"C{index % 10}", linestyle=style,
+                        marker=marker,
                         markersize=max(3.0, 8.0 - index), markerfacecolor="none" if index % 2 else None,
                         drawstyle="steps-post" if steps else "default")
         lines.append(line)
