@@ -284,3 +284,9 @@ def test_each_side_is_read_once_its_bytes_checked_against_its_own_checksums_as_t
             diff(str(a), str(edited))
         assert str(compared.value) == f"mpifl diff: {verified.value}; not compared"
         assert capsys.readouterr().out == ""
+    stripped = tmp_path / "stripped.h5"  # its server state's checksums deleted: named, not a traceback
+    stripped.write_bytes(b.read_bytes())
+    with h5py.File(stripped, "r+") as f:
+        del f["integrity/state/h"]
+    with pytest.raises(CheckpointError, match=f"{stripped}: /integrity/state/h has 0 checksums, the layout "):
+        diff(str(a), str(stripped))

@@ -261,9 +261,14 @@ def recorded_checksums(ckpt: CheckpointFile) -> RecordedChecksums:
         tensors.setdefault(name, []).append((offset, nbytes, int(crc)))
     elements = element_offsets(chunks)
     group = ckpt.file[GROUP]
-    state = {name: [(elements[c.index], elements[c.index + 1] - elements[c.index], int(crc))
-                    for c, crc in zip(chunks, group["state"][name][...], strict=True)]
-             for name in (ckpt.file["server_state"] if "server_state" in ckpt.file else [])}
+    state = {}
+    for name in ckpt.file["server_state"] if "server_state" in ckpt.file else []:
+        sums = group["state"][name][...] if name in group.get("state", {}) else np.empty(0, np.uint32)
+        if len(sums) != len(chunks):
+            raise CheckpointError(f"{ckpt.path}: /{GROUP}/state/{name} has {len(sums)} checksums, the layout "
+                                  f"{len(chunks)}")
+        state[name] = [(elements[c.index], elements[c.index + 1] - elements[c.index], int(crc))
+                       for c, crc in zip(chunks, sums, strict=True)]
     return RecordedChecksums(ckpt.path, len(chunks), tensors, state)
 
 
