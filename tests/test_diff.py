@@ -290,3 +290,5 @@ def test_each_side_is_read_once_its_bytes_checked_against_its_own_checksums_as_t
         del f["integrity/state/h"]
     with pytest.raises(CheckpointError, match=f"{stripped}: /integrity/state/h has 0 checksums, the layout "):
         diff(str(a), str(stripped))
+    with Checkpoint(stripped) as ckpt, pytest.raises(CheckpointError, match="/integrity/state/h has 0 checksums"):
+        ckpt.verify()  # mpifl inspect --verify says the same

@@ -188,9 +188,8 @@ def verify(ckpt: CheckpointFile) -> int:
             if crc32(buffer[offset - c.offset:offset - c.offset + nbytes]) != stored[i]:
                 raise CheckpointError(_corrupt_tensor(ckpt.path, name, offset, nbytes))
     elements = element_offsets(chunks)
-    group = ckpt.file[GROUP]
     for name, ds in ckpt.file["server_state"].items() if "server_state" in ckpt.file else []:
-        sums = group["state"][name][...]
+        sums = _state_sums(ckpt, name, len(chunks))
         for c in chunks:
             if crc32(ds[elements[c.index]:elements[c.index + 1]]) != sums[c.index]:
                 raise CheckpointError(_corrupt_state(ckpt.path, name, elements[c.index], elements[c.index + 1]))
@@ -214,6 +213,16 @@ def _checked_layout(ckpt: CheckpointFile) -> tuple[ModelSpec, list[Chunk], list[
     if len(cut) != len(stored):
         raise CheckpointError(f"{ckpt.path}: /{GROUP}/model has {len(stored)} checksums, the layout {len(cut)}")
     return spec, chunks, cut, first, stored
+
+
+def _state_sums(ckpt: CheckpointFile, name: str, chunks: int) -> np.ndarray:
+    """The stored CRC32s of server-state vector ``name``, one per chunk; CheckpointError where they are missing or
+    miscounted."""
+    states = ckpt.file[GROUP].get("state")
+    sums = states[name][...] if states is not None and name in states else np.empty(0, np.uint32)
+    if len(sums) != chunks:
+        raise CheckpointError(f"{ckpt.path}: /{GROUP}/state/{name} has {len(sums)} checksums, the layout {chunks}")
+    return sums
 
 
 def _corrupt_tensor(path: Path, name: str, offset: int, nbytes: int) -> str:
@@ -260,13 +269,9 @@ def recorded_checksums(ckpt: CheckpointFile) -> RecordedChecksums:
     for (offset, nbytes, name), crc in zip(cut, stored, strict=True):
         tensors.setdefault(name, []).append((offset, nbytes, int(crc)))
     elements = element_offsets(chunks)
-    group = ckpt.file[GROUP]
     state = {}
     for name in ckpt.file["server_state"] if "server_state" in ckpt.file else []:
-        sums = group["state"][name][...] if name in group.get("state", {}) else np.empty(0, np.uint32)
-        if len(sums) != len(chunks):
-            raise CheckpointError(f"{ckpt.path}: /{GROUP}/state/{name} has {len(sums)} checksums, the layout "
-                                  f"{len(chunks)}")
+        sums = _state_sums(ckpt, name, len(chunks))
         state[name] = [(elements[c.index], elements[c.index + 1] - elements[c.index], int(crc))
                        for c, crc in zip(chunks, sums, strict=True)]
     return RecordedChecksums(ckpt.path, len(chunks), tensors, state)
