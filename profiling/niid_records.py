@@ -196,8 +196,8 @@ def plot_grid(records: Sequence[RunRecord], folder: Path, settings: Sequence[str
         groups: dict[str, tuple[str, list[RunOutcome]]] = {a: (a, []) for a in GRID_ALGORITHMS}
         for r in records:
             if r.setting == setting and r.accuracy is not None:
-                _, members = groups.setdefault(r.algorithm, (r.label, []))
-                groups[r.algorithm] = (r.label, members)
+                members = groups.setdefault(r.algorithm, (r.label, []))[1]
+                groups[r.algorithm] = (r.label, members)  # the row's label ("fedprox (mu=0.01)")
                 members.append(RunOutcome(
                     run_dir=Path(r.file_name), config={"seed": r.seed},
                     curve={i + 1: a for i, a in enumerate(r.accuracy)}, best=r.best, final=r.last,

@@ -280,7 +280,7 @@ def recorded_checksums(ckpt: CheckpointFile) -> RecordedChecksums:
 class StreamedCheck:
     """One entry's bytes checked against its recorded pieces as they stream past in order, in slices cut anywhere
     (the CRC32 carries over a slice's end). ``per_element``: piece sizes count elements (a state vector's chunk
-    slices), turned into bytes by the first slice's item size."""
+    slices), turned into bytes by each slice's item size."""
 
     def __init__(self, what: str, pieces: list[tuple[int, int]], corrupt: Callable[[int], str],
                  per_element: bool = False):
