@@ -26,6 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpifl", description="MPI federated learning simulation.",
                                 allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_sweep, _add_config_checks, _add_compare, _add_calibrate, _add_checkpoint_commands,
+                _add_run_readers, _add_job_scripts, _add_bench):
+        add(sub)
+    return p
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    """``mpifl run``: one federated experiment, under mpiexec."""
     run = _config_arguments(_command(sub, "run", "run a federated experiment (under mpiexec, >= 2 ranks)"))
     run.add_argument("--run-dir", help="output directory (default: output.dir or runs/<name>-<time>)")
     run.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
@@ -33,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--memray", metavar="DIR", help="profile every rank with memray: DIR/rank00000.bin, ...")
     run.add_argument("--memray-native", action="store_true", help="record native stacks too (slower)")
     run.set_defaults(func=commands.run)
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    """``mpifl sweep``: a grid of one config's runs in one MPI job."""
     grid = _config_arguments(_command(sub, "sweep", "run a grid of one config's runs one after another in one MPI "
                                                     "job (under mpiexec), each an ordinary run in its own directory"))
     grid.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -44,12 +56,20 @@ def _parser() -> argparse.ArgumentParser:
     grid.add_argument("--dry-run", action="store_true",
                       help="list the runs and check each one's config as validate does, without MPI")
     grid.set_defaults(func=sweep)
+
+
+def _add_config_checks(sub: argparse._SubParsersAction) -> None:
+    """``mpifl validate`` and ``mpifl partition``: a config read without MPI."""
     validate = _command(sub, "validate", "check a config without running it (no MPI needed)")
     _config_arguments(validate).set_defaults(func=commands.validate)
     part = _config_arguments(_command(sub, "partition", "print how a config splits the data (clients x "
                                             "labels); optional plot"))
     part.add_argument("--plot", metavar="PNG", help="also save a stacked bar chart (needs the 'plot' extra)")
     part.set_defaults(func=commands.partition)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    """``mpifl compare``: runs side by side, seeds pooled, one figure."""
     cmp_ = _command(sub, "compare", "runs side by side (best, final, rounds to a target), and runs that differ "
                                     "only in their seed as mean ± std; optionally one figure of their curves")
     cmp_.add_argument("run_dirs", nargs="+", help="run directories to compare (each with metrics.jsonl)")
@@ -65,10 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--x", choices=("round", "virtual"), default="round", help="the figure's x axis: rounds, or "
                       "the virtual clock's seconds (runs with clock.mode; an asynchronous step is no sync round)")
     cmp_.set_defaults(func=commands.compare)
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    """``mpifl calibrate``: the virtual clock's cost model fitted to a measured run."""
     cal = _command(sub, "calibrate", "fit the virtual-time cost model (clock.task_overhead, seconds_per_sample, "
                                      "speed_sigma) to a measured run's client times")
     cal.add_argument("run_dir", help="a run directory whose clients trained for real (its metrics.jsonl has timing)")
     cal.set_defaults(func=commands.calibrate)
+
+
+def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
+    """``mpifl inspect``, ``diff`` and ``export``: what a checkpoint holds, checked."""
     ins = _command(sub, "inspect", "print a checkpoint's round, tensors, config and versions")
     ins.add_argument("checkpoint", help="an mpifl checkpoint (.h5): ckpt-r<round>.h5 or model.h5")
     ins.add_argument("--verify", action="store_true", help="read every dataset and check its checksum (exit 2 "
@@ -89,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
                      "personal model (train.ditto_lambda), or the global tensors with its own model.local ones "
                      "(FedPer, FedBN), read from the checkpoint's per-rank files (exit 2 where it has none)")
     exp.set_defaults(func=commands.export)
+
+
+def _add_run_readers(sub: argparse._SubParsersAction) -> None:
+    """``mpifl status``, ``report`` and ``profile-report``: what a run did, read from its directory."""
     status = _command(sub, "status", "after a job: how far a run got, which ranks did not finish and when each "
                                "was last heard of, and whether a resume can start from its newest checkpoint (exit 0 "
                                "only for a complete run); for a job script's epilogue")
@@ -103,12 +135,20 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("profile_dir", help="the --memray DIR of a run (rank00000.bin, ...)")
     prof.add_argument("--flamegraph", action="store_true", help="also write memray flamegraph HTML per rank")
     prof.set_defaults(func=commands.profile_report)
+
+
+def _add_job_scripts(sub: argparse._SubParsersAction) -> None:
+    """``mpifl pbs``, ``slurm`` and ``plan``: job scripts and the memory plan."""
     add_pbs_parser(sub)
     add_slurm_parser(sub)
     add_plan_parser(sub)
     sub.choices["pbs"].set_defaults(func=commands.pbs)
     sub.choices["slurm"].set_defaults(func=commands.slurm)
     sub.choices["plan"].set_defaults(func=commands.plan)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """``mpifl bench exchange``: the exchange against raw MPI and pickle, under mpiexec."""
     bench = _command(sub, "bench", "benchmarks (under mpiexec)")
     kinds = bench.add_subparsers(dest="kind", required=True)
     ex = _command(kinds, "exchange", "model-only exchange: mpifl vs raw MPI floor vs pickle")
@@ -131,8 +171,6 @@ def _parser() -> argparse.ArgumentParser:
                     "(chain: one reduction group per client rank, partial sums added along a chain)")
     ex.add_argument("--json", help="write the results to this JSON file")
     ex.set_defaults(func=commands.bench_exchange)
-    return p
-
 
 def _command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` shows its summary and every option's default."""

@@ -353,43 +353,16 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                  x: str = "round") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
     """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
     the groups (for a figure against ``x``: 'round', or 'virtual', which every run drawn must have)."""
-    given: dict[Path, str] = {}  # each run directory as the command line first named it
-    for d in run_dirs:
-        key = Path(d).resolve()
-        if key in given:
-            first = given[key]
-            raise SystemExit(f"mpifl compare: {d} is given twice{f' (as {first})' if first != d else ''}: its seed "
-                             "would count twice in the mean ± std")
-        given[key] = d
+    _refuse_repeated_paths(run_dirs)
     runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
-    known = set().union(*(metric_keys(records) for _, records in runs))
     listed_in = set().union(*(list_keys(records) for _, records in runs))
-    if metric not in known | listed_in and not any(recorded_null(r, metric) for _, records in runs for r in records):
-        import difflib
-
-        close = difflib.get_close_matches(metric, sorted(known | listed_in), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        listed = sorted(k for k in known if not k.startswith("ranks.") and "_per_client." not in k)
-        raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
-                         f"{', '.join(listed)})")
+    _refuse_unrecorded_metric(metric, runs, listed_in)
     direction = better_direction(metric, better)
     lower = direction == "lower"
     outcomes = [outcome(d, records, metric, target, lower) for d, records in runs]
     reach = f"rounds to {metric} {'<=' if lower else '>='} {target:g}" if target is not None else None
-    clocked = any(o.has_virtual_time for o in outcomes)  # the virtual seconds column only where some run has them
-    reaching = ([reach, "virtual s to it"] if clocked else [reach]) if reach else []
-    header = ["run", "strategy", "clock", *reaching, f"best ({direction})", "final"]
-    rows = []
     names = dict(zip((o.run_dir for o in outcomes), run_labels([o.run_dir for o in outcomes])))
-    for o in outcomes:
-        to_target = [str(o.reached_round) if o.reached_round else "not reached",
-                     f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"][
-            :len(reaching)]
-        values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else \
-            ["non-finite in every round" if o.non_finite else "no round recorded it", "-"]
-        rows.append([names[o.run_dir], strategy_label(o.config),
-                     str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
-    text = render(header, rows, fmt)
+    text = _runs_table(outcomes, names, reach, direction, fmt)
     if metric in listed_in:
         text += (f"\n\n{metric}: the mean of each record's list (a round's value; the records list every arrival's, "
                  "a dropped update's too)")
@@ -400,6 +373,62 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
                  "running: `mpifl status` says which); 'final' is the last round recorded")
     text += empty_notes(outcomes, names, metric)
     groups = seed_groups([o for o in outcomes if o.curve])
+    _refuse_ungroupable(groups, names, x)
+    if any(len(members) > 1 for _, members in groups):
+        text += "\n\n" + _seeds_table(groups, reach, direction, fmt)
+        text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
+    return (latex_notes(text) if fmt == "latex" else text), groups
+
+
+def _refuse_repeated_paths(run_dirs: Sequence[str]) -> None:
+    """A run directory named twice (as itself or by another path) ends the command: its seed would count twice."""
+    given: dict[Path, str] = {}  # each run directory as the command line first named it
+    for d in run_dirs:
+        key = Path(d).resolve()
+        if key in given:
+            first = given[key]
+            raise SystemExit(f"mpifl compare: {d} is given twice{f' (as {first})' if first != d else ''}: its seed "
+                             "would count twice in the mean ± std")
+        given[key] = d
+
+
+def _refuse_unrecorded_metric(metric: str, runs: Sequence[tuple[Path, list[dict]]], listed_in: set[str]) -> None:
+    """A metric no round of these runs recorded (not even as null) ends the command, with the closest key and
+    the keys they have."""
+    known = set().union(*(metric_keys(records) for _, records in runs))
+    if metric in known | listed_in or any(recorded_null(r, metric) for _, records in runs for r in records):
+        return
+    import difflib
+
+    close = difflib.get_close_matches(metric, sorted(known | listed_in), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    listed = sorted(k for k in known if not k.startswith("ranks.") and "_per_client." not in k)
+    raise SystemExit(f"mpifl compare: --metric {metric!r} is in no round of these runs{hint} (they have: "
+                     f"{', '.join(listed)})")
+
+
+def _runs_table(outcomes: Sequence[RunOutcome], names: dict[Path, str], reach: str | None, direction: str,
+                fmt: str) -> str:
+    """One row a run: its strategy and clock, the rounds (and virtual seconds, where some run has them) to the
+    target, its best and its final value."""
+    clocked = any(o.has_virtual_time for o in outcomes)  # the virtual seconds column only where some run has them
+    reaching = ([reach, "virtual s to it"] if clocked else [reach]) if reach else []
+    header = ["run", "strategy", "clock", *reaching, f"best ({direction})", "final"]
+    rows = []
+    for o in outcomes:
+        to_target = [str(o.reached_round) if o.reached_round else "not reached",
+                     f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"][
+            :len(reaching)]
+        values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else \
+            ["non-finite in every round" if o.non_finite else "no round recorded it", "-"]
+        rows.append([names[o.run_dir], strategy_label(o.config),
+                     str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
+    return render(header, rows, fmt)
+
+
+def _refuse_ungroupable(groups: Sequence[tuple[str, list[RunOutcome]]], names: dict[Path, str], x: str) -> None:
+    """Two runs of one config and one seed (a repeat, not another seed), or a run without virtual time drawn
+    against it, end the command."""
     for _, members in groups:
         repeat = repeated_seed(members)
         if repeat:
@@ -412,22 +441,24 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         raise SystemExit(f"mpifl compare: --x virtual draws against the virtual clock's time, which "
                          f"{', '.join(lacking)} did not record (virtual_time in metrics.jsonl: runs with clock.mode); "
                          "leave them out or draw against --x round")
-    if any(len(members) > 1 for _, members in groups):
-        # virtual seconds to the target, where every run of some group ran under the virtual clock
-        virtual = reach is not None and any(all(o.virtual_at for o in members) for _, members in groups)
-        group_rows = []
-        for label, members in groups:
-            seeds = seeds_cell(members)
-            reached = [float(o.reached_round) for o in members if o.reached_round]
-            group_rows.append([label, str(len(members)), seeds, mean_std([o.best for o in members]),
-                               mean_std([o.final for o in members]),
-                               *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else []),
-                               *([virtual_to_target(members)] if virtual else [])])
-        text += "\n\n" + render(["runs (seeds pooled)", "n", "seeds", f"best ({direction}), mean ± std",
-                                 "final, mean ± std", *([f"{reach}, mean ± std"] if reach else []),
-                                 *(["virtual s to target, mean ± std"] if virtual else [])], group_rows, fmt)
-        text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
-    return (latex_notes(text) if fmt == "latex" else text), groups
+
+
+def _seeds_table(groups: Sequence[tuple[str, list[RunOutcome]]], reach: str | None, direction: str,
+                 fmt: str) -> str:
+    """One row a group of runs that differ only in their seed: the mean ± std of their best and final values and
+    of the rounds (and, where every run of some group ran under the virtual clock, virtual seconds) to the
+    target."""
+    virtual = reach is not None and any(all(o.virtual_at for o in members) for _, members in groups)
+    rows = []
+    for label, members in groups:
+        reached = [float(o.reached_round) for o in members if o.reached_round]
+        rows.append([label, str(len(members)), seeds_cell(members), mean_std([o.best for o in members]),
+                     mean_std([o.final for o in members]),
+                     *([f"{mean_std(reached, 1)} ({len(reached)}/{len(members)} reached)"] if reach else []),
+                     *([virtual_to_target(members)] if virtual else [])])
+    header = ["runs (seeds pooled)", "n", "seeds", f"best ({direction}), mean ± std", "final, mean ± std",
+              *([f"{reach}, mean ± std"] if reach else []), *(["virtual s to target, mean ± std"] if virtual else [])]
+    return render(header, rows, fmt)
 
 
 def latex_notes(text: str) -> str:

@@ -29,6 +29,7 @@ from mpifl.learning.partitions import split_validation
 from mpifl.logs import log
 from mpifl.metrics import JsonLines
 from mpifl.planning.faults import FaultPlan
+from mpifl.planning.federation import Sampler
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation, config_range_problem
 from mpifl.roles.build_client import evaluator_for
@@ -47,7 +48,7 @@ from mpifl.storage.rundir import (
     note_fault_struck,
     read_metrics,
 )
-from mpifl.storage.stores import open_store
+from mpifl.storage.stores import GlobalStore, open_store
 from mpifl.trackers import Trackers, open_trackers
 from mpifl.units import MIB
 from mpifl.wire import protocol
@@ -75,27 +76,14 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                      floor: FloorRate | None = None) -> RunOutcome:
     """Serve as rank 0 until the last round or a stop: the strategy bound to the model, the global store (from the
     resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler rule, then the rounds;
-    what the run came to."""
-    strategy = strategy_for(cfg)
-    with noted(f"strategy.name {strategy.name!r}, in bind, before any round"):
-        strategy.bind(plan.spec, cfg.clients.num_clients)
-    _warn_stacked_models(cfg, strategy, comm.Get_size() - 1)
-    warn_statistics(cfg, plan.spec)
+    what the run came to. The parts are built in the order the client ranks expect: the store's initial model
+    is received from rank 1 before anything reads the data's partition."""
+    strategy = _bound_strategy(cfg, plan.spec, comm.Get_size() - 1)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
     directory = run_dir / CHECKPOINTS if run_dir else None
-    if directory:
-        directory.mkdir(parents=True, exist_ok=True)
     attrs = checkpoint_attrs(cfg)
-
-    def path_of(round_: int) -> Path:
-        # a store writes only with a directory: saves need one, and disk state without a run directory is refused
-        assert directory is not None
-        return directory / checkpoint_name(round_)
-
-    store = open_store(plan, flat, path_of, int(cfg.server.window_mb * MIB),
-                       strategy.state_init, read_previous=strategy.needs_previous_global,
-                       map_windows=cfg.server.map_windows)
+    store = _global_store(cfg, plan, flat, directory, strategy)
     if dataset is not None and resume is None:
         report_partition(cfg, dataset, run_dir)
     if dataset is not None:
@@ -106,70 +94,120 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     if cfg.model.local and cfg.eval.every:
         log(f"model.local {cfg.model.local}: the server evaluates the averaged tensors with the local ones as "
             "built; eval.federated_every measures each client with its own", rank=0)
-    score = None
-    if dataset is not None and flat is not None:
-        score = _score(cfg, flat, dataset)
-    needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off" or cfg.secagg.enabled
-    parts_ = client_partition(cfg, dataset) if needs_sizes else None
-    placement = placement_of(cfg, parts_, comm.Get_size() - 1)
-    sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
-        if parts_ is not None else None
-    _check_secagg_range(cfg, strategy, sizes)
-    samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
-                           cfg.train.batch_size)
-    try:
-        sampler = clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
-    except (ValueError, OSError) as err:
-        # a config error (a trace too short for the rounds), found before round 1: exit 2, as validate's
-        raise JobFailure(f"config error: cannot plan the virtual-time schedule: {err}", 2) from None
-    asynchronous = cfg.clock.asynchronous
+    score = _score(cfg, flat, dataset) if dataset is not None and flat is not None else None
+    sampler = _sampler(cfg, plan, strategy, dataset, comm.Get_size() - 1)
     chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
-    kept = cfg.client_state()  # its checkpoints carry the client ranks' per-client state
-    feedback = kept is not None
     dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
     publisher = ResidualPublisher(comm, deadlines, dropped)
-    checkpointer = Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
-                                sampler.open_versions if asynchronous and directory else None,
-                                persist=publisher.publish if feedback else None,
-                                persisted=kept.what if kept is not None else "per-client state")
-    if asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
+    checkpointer = _checkpointer(cfg, store, directory, attrs, sampler, publisher)
+    if cfg.clock.asynchronous and directory and resume is None:  # version 0, for a resume that retrains from it
         checkpointer.round_ended(0, [], stopping=False)
-    privacy = None
-    if cfg.privacy.mode != "off":
-        privacy = ServerPrivacy(cfg.privacy, cfg.seed, cfg.clients.num_clients, cfg.clients_per_round(), history)
-        try:
-            log(f"privacy: {cfg.privacy.mode} DP, noise multiplier {cfg.privacy.noise_multiplier}, clip "
-                f"{privacy.clip:.4g}; epsilon after all {cfg.rounds} rounds {privacy.epsilon(cfg.rounds):.3f} "
-                f"at delta {cfg.privacy.delta}", rank=0)
-        except ImportError as err:
-            raise JobFailure(str(err)) from None
+    privacy = _server_privacy(cfg, history)
     # opened last, so that no setup error above leaves a tracker's run open (MLflow's RUNNING, W&B's unfinished)
     trackers = _trackers(cfg, run_dir, start, history, resume is not None)
     sink = JsonLines(run_dir / METRICS if run_dir else None, also=trackers)
     try:
         parts = ServerParts(plan=plan, sampler=sampler, strategy=strategy, store=store, checkpointer=checkpointer,
                             evaluation=Evaluation(score, cfg.eval.every, cfg.rounds), sink=sink, deadlines=deadlines,
-                            privacy=privacy,
-                            secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None, note=notes,
-                            stragglers=straggler_rule(cfg), dropped=dropped,
-                            floor=floor, lends_state=cfg.lends_client_state,
-                            faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
-                            spend_fault=lambda strike: note_fault_struck(
-                                run_dir, strike.index, strike.round, strike.fault.kind, strike.client, strike.rank),
-                            virtual_clock=cfg.clock.mode != "off",
-                            keeps_below_quorum=cfg.clock.mode != "off" or cfg.clients.below_quorum == "keep",
-                            client_state=kept is not None,
-                            unrestorable_state=_unrestorable_state(cfg),
-                            restored_state=kept.restorable if kept is not None and cfg.undoes_dropped_state else "",
-                            kept_state=kept.lasting if kept is not None else "",
-                            personal=cfg.train.ditto_lambda > 0)
+                            privacy=privacy, note=notes, dropped=dropped, floor=floor,
+                            **_configured_parts(cfg, run_dir))
         server = Server(comm, parts, cfg.transport, stop, cfg.output.progress, cfg.clients.min_participants)
         publisher.listen(server.heard)
         history = server.run(start, history, _wrap_up(cfg, run_dir, checkpointer, stop, notes))
     finally:
         sink.close()
     return RunOutcome(history, interrupted=stopped_on_request(history, cfg.rounds, stop, server.budget_spent))
+
+
+def _bound_strategy(cfg: Config, spec: ModelSpec, client_ranks: int) -> Strategy:
+    """The configured strategy bound to the model (a plug-in's error there names the strategy), with the warnings
+    its choice calls for."""
+    strategy = strategy_for(cfg)
+    with noted(f"strategy.name {strategy.name!r}, in bind, before any round"):
+        strategy.bind(spec, cfg.clients.num_clients)
+    _warn_stacked_models(cfg, strategy, client_ranks)
+    warn_statistics(cfg, spec)
+    return strategy
+
+
+def _global_store(cfg: Config, plan: ExchangeLayout, flat: FlatModel | None, directory: Path | None,
+                  strategy: Strategy) -> GlobalStore:
+    """The global model and the strategy's server state: in ``flat`` (memory) or, with ``flat`` None, window by
+    window in the round's checkpoint under ``directory`` (server.state 'disk')."""
+    if directory:
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def path_of(round_: int) -> Path:
+        # a store writes only with a directory: saves need one, and disk state without a run directory is refused
+        assert directory is not None
+        return directory / checkpoint_name(round_)
+
+    return open_store(plan, flat, path_of, int(cfg.server.window_mb * MIB), strategy.state_init,
+                      read_previous=strategy.needs_previous_global, map_windows=cfg.server.map_windows)
+
+
+def _sampler(cfg: Config, plan: ExchangeLayout, strategy: Strategy, dataset: Dataset | None,
+             client_ranks: int) -> Sampler:
+    """Who trains in each round, and when under virtual time: the clients' sizes are read from their partition
+    only where the placement, the clock or secure aggregation's range needs them."""
+    needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off" or cfg.secagg.enabled
+    parts_ = client_partition(cfg, dataset) if needs_sizes else None
+    placement = placement_of(cfg, parts_, client_ranks)
+    sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
+        if parts_ is not None else None
+    _check_secagg_range(cfg, strategy, sizes)
+    samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
+                           cfg.train.batch_size)
+    try:
+        return clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
+    except (ValueError, OSError) as err:
+        # a config error (a trace too short for the rounds), found before round 1: exit 2, as validate's
+        raise JobFailure(f"config error: cannot plan the virtual-time schedule: {err}", 2) from None
+
+
+def _checkpointer(cfg: Config, store: GlobalStore, directory: Path | None, attrs: dict, sampler: Sampler,
+                  publisher: ResidualPublisher) -> Checkpointer:
+    """The checkpointer; under a strategy whose clients keep state, its checkpoints also collect that state from
+    the client ranks (``publisher``)."""
+    kept = cfg.client_state()
+    return Checkpointer(store, directory, cfg.checkpoint, cfg.rounds, attrs,
+                        sampler.open_versions if cfg.clock.asynchronous and directory else None,
+                        persist=publisher.publish if kept is not None else None,
+                        persisted=kept.what if kept is not None else "per-client state")
+
+
+def _server_privacy(cfg: Config, history: list[dict]) -> ServerPrivacy | None:
+    """Differential privacy's server half (privacy.mode), with the epsilon the whole run will spend said once;
+    None without DP. ``history``: the rounds a resume keeps, whose spending the accountant counts again."""
+    if cfg.privacy.mode == "off":
+        return None
+    privacy = ServerPrivacy(cfg.privacy, cfg.seed, cfg.clients.num_clients, cfg.clients_per_round(), history)
+    try:
+        log(f"privacy: {cfg.privacy.mode} DP, noise multiplier {cfg.privacy.noise_multiplier}, clip "
+            f"{privacy.clip:.4g}; epsilon after all {cfg.rounds} rounds {privacy.epsilon(cfg.rounds):.3f} "
+            f"at delta {cfg.privacy.delta}", rank=0)
+    except ImportError as err:
+        raise JobFailure(str(err)) from None
+    return privacy
+
+
+def _configured_parts(cfg: Config, run_dir: Path | None) -> dict:
+    """The server's parts and flags that follow from the config (and the run directory's record of faults struck)
+    alone: secure aggregation, the straggler rule, the fault plan, the clock's and the per-client state's rules."""
+    kept = cfg.client_state()
+    return dict(secagg=SecureAggregation(cfg.secagg, cfg.seed) if cfg.secagg.enabled else None,
+                stragglers=straggler_rule(cfg), lends_state=cfg.lends_client_state,
+                faults=FaultPlan(cfg, faults_struck(run_dir)) if cfg.faults else None,
+                spend_fault=lambda strike: note_fault_struck(
+                    run_dir, strike.index, strike.round, strike.fault.kind, strike.client, strike.rank),
+                virtual_clock=cfg.clock.mode != "off",
+                keeps_below_quorum=cfg.clock.mode != "off" or cfg.clients.below_quorum == "keep",
+                client_state=kept is not None,
+                unrestorable_state=_unrestorable_state(cfg),
+                restored_state=kept.restorable if kept is not None and cfg.undoes_dropped_state else "",
+                kept_state=kept.lasting if kept is not None else "",
+                personal=cfg.train.ditto_lambda > 0)
 
 
 def _check_secagg_range(cfg: Config, strategy: Strategy, sizes: list[int] | None) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from mpifl.aggregation.floor import FloorRate, measure_floor
 from mpifl.algorithms import model_streams
 from mpifl.config import Config
 from mpifl.learning.datasets import (
+    Dataset,
     needs_dataset,
 )
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
@@ -39,7 +41,7 @@ from mpifl.storage.notes import RankNotes
 from mpifl.storage.rundir import ResumePoint
 from mpifl.units import format_bytes
 from mpifl.wire import doorbell, protocol
-from mpifl.wire.flat import DTYPES
+from mpifl.wire.flat import DTYPES, FlatModel
 from mpifl.wire.layout import ExchangeLayout
 from mpifl.wire.spec import ModelSpec
 from mpifl.wire.transport import use_doorbells
@@ -127,32 +129,11 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     torch.set_num_threads(bound.threads)  # 1 by default: torch's CPU reductions split their work by thread
     record_ranks(comm, run_dir, bound)
     dataset = shared_dataset(comm, cfg.data) if needs_dataset(cfg) else None
-    shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
     classes = dataset.num_classes if dataset else 0  # a label_flip fault flips labels among them
-    building = time.monotonic()
-    out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
-    sharded = comm.Get_rank() != 0 and cfg.clients.sharding == "fsdp"  # built later, by its group, in shards
-    if out_of_core or sharded:  # the out-of-core server never allocates the model
-        spec, flat = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **shape)[0], None
-    else:
-        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, streams=model_streams(cfg.client_rule),
-                                **shape)
-        spec = flat.spec
-    built = time.monotonic() - building
-    problem = None
-    if dataset is not None and flat is not None and cfg.model.name == "transformers":  # it reads token ids
-        problem = vocabulary_problem(flat, dataset, cfg.data)
-    agree_on_spec(comm, spec, problem, built, comparable=not out_of_core)
+    spec, flat = _agreed_model(comm, cfg, dataset)
     plan = ExchangeLayout.build(spec, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                 cfg.clients.groups > 0)
-    if cfg.model.init_from:  # rank 0 checks it is this model's; then every rank reads it
-        init_path = Path(cfg.model.init_from)
-        agree(comm, lambda: open_checkpoint(init_path, spec).close())
-        if flat is not None:
-            read_init_from(flat, cfg.model.init_from)
-    opened: dict[str, Checkpoint] = {}  # rank 0 opens the resume checkpoint once: checked here, loaded by the store
-    if resume is not None:  # rank 0 checks; every rank learns whether it fits
-        agree(comm, lambda: opened.setdefault("ckpt", open_checkpoint(resume.path, spec)) and None)
+    resumed = _opened_starting_points(comm, cfg, spec, flat, resume)
     layout, group = GroupLayout(cfg.clients.ranks_per_client), None
     if layout.ranks_per_client > 1:  # the server and the groups' leaders go on as if each group were one rank
         federation, group = split_world(comm, layout)
@@ -164,13 +145,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             assert group is not None  # a group's other ranks are client ranks
             local = local_data(cfg, dataset, layout.federation_rank(comm.Get_rank()), layout.groups(comm.Get_size()))
             del dataset  # like its leader, a member keeps only its group's clients' samples
-            if sharded:
-                stopped = serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False, run_dir=run_dir,
-                                        resume=resume, note=notes)
-                notes("interrupted" if stopped else "finished")
-            else:
-                assert flat is not None  # built above for every rank but a sharded one and the out-of-core server
-                serve_as_member(group, cfg, flat, local, notes)
+            _serve_as_group_member(group, cfg, spec, plan, flat, local, run_dir, resume, notes)
             return None
         comm = federation
     floor = _floor_probe(comm, cfg, plan)  # raw MPI: before the doorbells
@@ -179,22 +154,82 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     if comm.Get_rank() != 0:
         local = local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
-        if sharded:
-            assert group is not None  # the config checks: sharding needs clients.ranks_per_client > 1
-            stopped = serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None,
-                                    run_dir=run_dir, resume=resume, note=notes)
-            notes("interrupted" if stopped else "finished")
-            return None
-        assert flat is not None  # only rank 0's out-of-core server and sharded ranks build no model here
-        replica = rank_replica(cfg, flat)
-        work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
-        hosted = sorted(local) if not cfg.lends_client_state else \
-            clients_of_rank(comm.Get_rank(), cfg.clients.num_clients, comm.Get_size() - 1)  # homes: state_home
-        state = client_state_parts(cfg, plan, flat, work, comm.Get_rank(), hosted, run_dir, resume)
-        serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica, state=state,
-                        note=notes, group=group, classes=classes)
+        _serve_as_client_rank(comm, group, cfg, spec, plan, flat, local, run_dir, resume, notes, classes)
         return None
-    return serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, opened.get("ckpt"), stop, notes, floor)
+    return serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, resumed, stop, notes, floor)
+
+
+def _agreed_model(comm: MPI.Comm, cfg: Config, dataset: Dataset | None) -> tuple[ModelSpec, FlatModel | None]:
+    """The rank's model, built from the config and the seed, and its spec, checked to be every rank's: no model
+    (None) on the out-of-core server, which never allocates it, nor on a sharded client rank, whose group builds
+    it later in shards."""
+    shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
+    building = time.monotonic()
+    out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
+    sharded = comm.Get_rank() != 0 and cfg.clients.sharding == "fsdp"  # built later, by its group, in shards
+    if out_of_core or sharded:
+        spec, flat = model_spec(cfg.model, cfg.seed, streams=model_streams(cfg.client_rule), **shape)[0], None
+    else:
+        flat = build_flat_model(cfg.model, cfg.seed, read_init=False, streams=model_streams(cfg.client_rule),
+                                **shape)
+        spec = flat.spec
+    built = time.monotonic() - building
+    problem = None
+    if dataset is not None and flat is not None and cfg.model.name == "transformers":  # it reads token ids
+        problem = vocabulary_problem(flat, dataset, cfg.data)
+    agree_on_spec(comm, spec, problem, built, comparable=not out_of_core)
+    return spec, flat
+
+
+def _opened_starting_points(comm: MPI.Comm, cfg: Config, spec: ModelSpec, flat: FlatModel | None,
+                            resume: ResumePoint | None) -> Checkpoint | None:
+    """model.init_from, checked by rank 0 to hold this model and then read by every rank that holds one; and on
+    rank 0 the resume checkpoint, opened once and checked here, loaded later by the store. Every rank learns
+    whether either check failed."""
+    if cfg.model.init_from:
+        init_path = Path(cfg.model.init_from)
+        agree(comm, lambda: open_checkpoint(init_path, spec).close())
+        if flat is not None:
+            read_init_from(flat, cfg.model.init_from)
+    opened: dict[str, Checkpoint] = {}
+    if resume is not None:
+        agree(comm, lambda: opened.setdefault("ckpt", open_checkpoint(resume.path, spec)) and None)
+    return opened.get("ckpt")
+
+
+def _serve_as_group_member(group: MPI.Comm, cfg: Config, spec: ModelSpec, plan: ExchangeLayout,  # noqa: PLR0913 - the rank's parts, built by _run_rank
+                           flat: FlatModel | None, local: Mapping, run_dir: Path | None,
+                           resume: ResumePoint | None, notes: RankNotes) -> None:
+    """Serve as one of a client group's ranks other than its leader: a shard of a sharded client, or a replica
+    that trains a share of each batch."""
+    if cfg.clients.sharding == "fsdp":
+        stopped = serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False, run_dir=run_dir,
+                                resume=resume, note=notes)
+        notes("interrupted" if stopped else "finished")
+        return
+    assert flat is not None  # built for every rank but a sharded one and the out-of-core server
+    serve_as_member(group, cfg, flat, local, notes)
+
+
+def _serve_as_client_rank(comm: MPI.Comm, group: MPI.Comm | None, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - the rank's parts, built by _run_rank
+                          plan: ExchangeLayout, flat: FlatModel | None, local: Mapping, run_dir: Path | None,
+                          resume: ResumePoint | None, notes: RankNotes, classes: int) -> None:
+    """Serve as a client rank (a group's leader too) until the last round or a stop: a sharded client's leader, or
+    a rank that trains its clients with their per-client state."""
+    if cfg.clients.sharding == "fsdp":
+        assert group is not None  # the config checks: sharding needs clients.ranks_per_client > 1
+        stopped = serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None,
+                                run_dir=run_dir, resume=resume, note=notes)
+        notes("interrupted" if stopped else "finished")
+        return
+    assert flat is not None  # only rank 0's out-of-core server and sharded ranks build no model here
+    replica = rank_replica(cfg, flat)
+    work = replica.flat if replica else flat  # the model that trains, which per-client state's rules act on
+    hosted = sorted(local) if not cfg.lends_client_state else \
+        clients_of_rank(comm.Get_rank(), cfg.clients.num_clients, comm.Get_size() - 1)  # homes: state_home
+    state = client_state_parts(cfg, plan, flat, work, comm.Get_rank(), hosted, run_dir, resume)
+    serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica, state=state,
+                    note=notes, group=group, classes=classes)
 
 
 def _floor_probe(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout) -> FloorRate | None:

@@ -199,14 +199,7 @@ class Server:
         """One round, top to bottom; also says whether a SIGTERM made it the last (it then checkpointed)."""
         parts, start = self.parts, time.perf_counter()
         plan = self._without_busy(parts.sampler.plan(round_))
-        strikes = round_strikes(parts.faults, plan, parts.sampler.rank_of) if parts.faults else []
-        spent = round_strikes(parts.faults, plan, parts.sampler.rank_of, spent=True) \
-            if parts.faults and parts.faults.spent else []
-        recorded = parts.faults.spent if parts.faults else {}
-        for strike in spent:
-            log(strike_line(strike, spent=True, recorded=recorded.get((strike.index, round_)) is not None), rank=0)
-        for line in strike_lines(strikes):
-            log(line, rank=0)
+        strikes, spent = self._strikes(round_, plan)
         with noted(f"round {round_}: strategy.name {parts.strategy.name!r}, in begin_round"):
             parts.strategy.begin_round(round_, len(plan.participants))
         routes = RoundRoutes.of(plan, self.transport, parts.plan.grouped)
@@ -237,23 +230,9 @@ class Server:
             record["cost"] = plus_late(record["cost"], late)
         before = self.history[-1].get("cost_to_date") if self.history else None
         record["cost_to_date"] = cost_to_date(before, record["cost"])
-        if strikes or spent:
-            record["faults"] = fault_entries(strikes, plan, stats.metas, spent, stats.unapplied,
-                                             parts.strategy.round_rejected() or ())
-        if parts.privacy:
-            record["privacy"] = parts.privacy.after_round(round_, stats.metas)
-        if parts.secagg:
-            record["secagg"] = secagg_record(stats.metas, len(plan.participants), parts.secagg.cfg.fraction_bits,
-                                             parts.strategy.weight_of, plan.withheld)
+        record.update(self._safeguards(round_, plan, stats, strikes, spent))
         self.history.append(record)
-        note_memory_growth(self.history)
-        if parts.secagg:
-            note_secagg(self.history, parts.secagg.cfg)
-        parts.deadlines.observe(record["client_train_seconds"])
-        self.rounds_here += 1
-        if self.rounds_here > 1:  # a rank's first clients pay one-time costs (torch's lazy imports, first touches)
-            seconds = {int(rank): work["train_seconds"] for rank, work in record["ranks"].items()}
-            parts.sampler.placement.observe(plan.train, seconds)
+        self._learn_from(plan, record)
         stopping = self.stop.requested  # read once: a later SIGTERM is handled after the next round
         if last_by_budget:
             self._spend_budget(round_, record)
@@ -266,6 +245,51 @@ class Server:
         record["cost"] = plus_server(record["cost"], saving)
         record["cost_to_date"] = cost_to_date(before, record["cost"])  # the round's keys, so the rounds sum to it
         return record, stopping
+
+    def _strikes(self, round_: int, plan: RoundAssignment) -> tuple[list[Strike], list[Strike]]:
+        """The faults (``faults:``) that strike this round, and those a resumed run's record says already struck
+        and that are therefore spent; each logged as it is decided."""
+        faults = self.parts.faults
+        if faults is None:
+            return [], []
+        strikes = round_strikes(faults, plan, self.parts.sampler.rank_of)
+        spent = round_strikes(faults, plan, self.parts.sampler.rank_of, spent=True) if faults.spent else []
+        for strike in spent:
+            log(strike_line(strike, spent=True, recorded=faults.spent.get((strike.index, round_)) is not None),
+                rank=0)
+        for line in strike_lines(strikes):
+            log(line, rank=0)
+        return strikes, spent
+
+    def _safeguards(self, round_: int, plan: RoundAssignment, stats: ReductionStats, strikes: list[Strike],
+                    spent: list[Strike]) -> dict:
+        """The round's record of what struck it and what guarded it: the faults and the strategy's rejections,
+        the privacy accountant's spending, secure aggregation's cohort."""
+        parts = self.parts
+        record: dict[str, object] = {}
+        if strikes or spent:
+            record["faults"] = fault_entries(strikes, plan, stats.metas, spent, stats.unapplied,
+                                             parts.strategy.round_rejected() or ())
+        if parts.privacy:
+            record["privacy"] = parts.privacy.after_round(round_, stats.metas)
+        if parts.secagg:
+            record["secagg"] = secagg_record(stats.metas, len(plan.participants), parts.secagg.cfg.fraction_bits,
+                                             parts.strategy.weight_of, plan.withheld)
+        return record
+
+    def _learn_from(self, plan: RoundAssignment, record: dict) -> None:
+        """What the run learns from a recorded round: memory growth and secure aggregation's notices, the
+        derived deadlines, and (after the first round here, whose clients pay one-time costs: torch's lazy
+        imports, first touches) each rank's training speed for the placement."""
+        parts = self.parts
+        note_memory_growth(self.history)
+        if parts.secagg:
+            note_secagg(self.history, parts.secagg.cfg)
+        parts.deadlines.observe(record["client_train_seconds"])
+        self.rounds_here += 1
+        if self.rounds_here > 1:
+            seconds = {int(rank): work["train_seconds"] for rank, work in record["ranks"].items()}
+            parts.sampler.placement.observe(plan.train, seconds)
 
     def _dispatch(self, plan: RoundAssignment, routes: RoundRoutes, watchdog: Watchdog,
                   strikes: Sequence[Strike] = ()) -> None:
