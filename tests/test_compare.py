@@ -92,6 +92,30 @@ def test_a_misspelt_metric_is_named_with_the_closest_one(sweep, tmp_path):
         compare_runs([sweep[0], str(tmp_path / "nope")])
 
 
+def test_a_torn_last_record_is_left_out_saying_so_and_a_bad_record_before_it_ends_the_command(sweep, capsys):
+    metrics = Path(sweep[0]) / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])  # a job killed while it appended round 5
+    text, _ = compare_runs(sweep[:1], "eval.loss")
+    assert "| 0.2500 | 0.2500 |" in text  # the best and final of rounds 1-4
+    assert f"{metrics}: line 5 is torn (a job killed while writing it?); reading the rounds before it" in \
+        capsys.readouterr().err
+    metrics.write_text("\n".join([lines[0], "{oops", *lines[2:]]) + "\n")
+    with pytest.raises(SystemExit, match=rf"mpifl compare: {metrics}: line 2 is not JSON \(Expecting property name"):
+        compare_runs(sweep[:1], "eval.loss")
+
+
+def test_a_figure_into_a_folder_that_does_not_exist_is_refused_before_any_work(sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    missing = tmp_path / "no" / "loss.png"
+    result = mpifl_here("compare", *sweep, "--plot", str(missing))
+    assert result.returncode == 1 and not result.stdout
+    assert result.stderr.strip() == f"mpifl compare: --plot {missing}: folder '{missing.parent}' does not exist"
+    result = mpifl_here("partition", "configs/quickstart.yaml", "--plot", str(missing))
+    assert result.returncode == 1 and not result.stdout
+    assert result.stderr.strip() == f"mpifl partition: --plot {missing}: folder '{missing.parent}' does not exist"
+
+
 def test_a_run_given_twice_is_refused_since_its_seed_would_count_twice(sweep):
     with pytest.raises(SystemExit, match=r"is given twice: its seed would count twice in the mean ± std"):
         compare_runs([sweep[0], sweep[1], sweep[0]])

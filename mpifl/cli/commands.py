@@ -249,8 +249,11 @@ def order_statistic(cfg: Config) -> str | None:
 def partition(args: argparse.Namespace) -> int:
     """``mpifl partition``: the clients x labels table of what each client trains on, optionally plotted; a split
     that cannot be made is one line, exit 2."""
+    from mpifl.cli.report import figure_path
     from mpifl.learning.partitions import partition_table, plot_partition
 
+    if args.plot:
+        figure_path(args.plot, "partition")
     cfg = load_config(args.config, args.overrides)
     histogram, validation = partition_counts_of(cfg)
     print(partition_table(histogram, max_rows=10**6, validation=validation))
@@ -263,9 +266,12 @@ def partition(args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace) -> int:
     """``mpifl compare``: runs side by side, seeds pooled into mean ± std, and optionally one figure."""
     from mpifl.cli.compare import compare_runs, plot_groups
+    from mpifl.cli.report import figure_path
 
     if args.x != "round" and not args.plot:
         raise SystemExit(f"mpifl compare: --x {args.x} is the figure's axis: give --plot FILE.png too")
+    if args.plot:
+        figure_path(args.plot, "compare")
     text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format, args.x)
     print(text)
     if args.plot:  # beside a LaTeX table on stdout, on stderr: `> table.tex` keeps the table alone
@@ -291,9 +297,10 @@ def report(args: argparse.Namespace) -> int:
     from mpifl.cli.report import load_metrics, write_report
     from mpifl.roles.records import cost_line
 
-    for path in write_report(args.run_dir, args.out):
+    records = load_metrics(Path(args.run_dir))
+    for path in write_report(args.run_dir, args.out, records):
         print(f"wrote {path}")
-    last = load_metrics(Path(args.run_dir))[-1]
+    last = records[-1]
     if "cost_to_date" in last:
         print(f"{cost_line(last['cost_to_date'])} (rounds 1-{last['round']})")
     return 0

@@ -553,7 +553,7 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
                 subject: str = "", x: str = "round") -> Path:
     """One figure of ``draw_groups`` against ``x`` ('round', or 'virtual': the virtual clock's seconds);
     ``subject`` leads the title (what was run; default: the metric)."""
-    plt = pyplot()
+    plt = pyplot("compare")
     fig, ax = plt.subplots(figsize=(7, 4))
     draw_groups(ax, groups, fraction_range(groups, metric), x)
     if x == "virtual":

@@ -89,7 +89,7 @@ def write_profile_report(directory: str | Path, flamegraph: bool = False) -> Pat
 def _plot(directory: Path, summaries: list[dict]) -> None:
     from mpifl.cli.report import pyplot
 
-    plt = pyplot()
+    plt = pyplot("profile-report")
     for s in summaries:
         if not s["snapshots"]:
             continue

@@ -24,24 +24,49 @@ DPI = 110  # the report's PNGs: what a plot that draws one mark per client measu
 SPLIT = ("dispatch", "client_train", "dropped_wait", "return", "aggregate", "eval", "checkpoint", "other")
 
 
-def pyplot() -> ModuleType:
+def pyplot(command: str = "report") -> ModuleType:
     """The pyplot module of matplotlib on the Agg backend (files, no display), or a clear exit naming the extra."""
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("mpifl report needs matplotlib: pip install 'mpifl[plot]'") from None
+        raise SystemExit(f"mpifl {command} needs matplotlib to draw: pip install 'mpifl[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
+def figure_path(path: str, command: str) -> Path:
+    """Where ``--plot`` writes its figure, checked before any work: its folder must exist, and matplotlib must be
+    installed (a figure that cannot be written would otherwise end the command after the table, with a
+    traceback)."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise SystemExit(f"mpifl {command}: --plot {path}: folder {str(target.parent)!r} does not exist")
+    pyplot(command)
+    return target
+
+
 def load_metrics(run_dir: Path, command: str = "report") -> list[dict]:
-    """The run's per-round records (``command``: the mpifl command that says so when there are none)."""
+    """The run's per-round records (``command``: the mpifl command that says so when there are none). A torn last
+    line (a job killed while it appended) is left out, saying so; any other line that is not JSON ends the command
+    naming the file and the line, since the records around it can no longer be trusted to be the run's."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"mpifl {command}: {path} does not exist (is {run_dir} a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if index == len(lines) - 1:
+                print(f"mpifl {command}: {path}: line {number} is torn (a job killed while writing it?); "
+                      "reading the rounds before it", file=sys.stderr)
+                break
+            raise SystemExit(f"mpifl {command}: {path}: line {number} is not JSON ({err.msg} at column "
+                             f"{err.colno})") from None
+    return records
 
 
 def metric_of(record: dict, dotted: str) -> float | None:
@@ -78,10 +103,12 @@ def saved_config(run_dir: Path) -> dict:
     return (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
-    """Write quality, time-split, bytes and memory plots; return their paths."""
+def write_report(run_dir: str | Path, out: str | Path | None = None, records: list[dict] | None = None
+                 ) -> list[Path]:
+    """Write quality, time-split, bytes and memory plots; return their paths (``records``: the run's, where the
+    caller has read them already)."""
     run_dir = Path(run_dir)
-    records = load_metrics(run_dir)
+    records = load_metrics(run_dir) if records is None else records
     if not records:
         raise SystemExit(f"mpifl report: {run_dir / 'metrics.jsonl'} holds no round yet, so there is nothing to "
                          f"plot; `mpifl status {run_dir}` says how far the run got")
