@@ -92,8 +92,25 @@ def rank_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
                 PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
 
+def note_launch(kind: str, n: int, args: tuple[str, ...], seconds: float | None) -> None:
+    """With ``MPIFL_TEST_LAUNCHES=FILE``: one JSON line per MPI job the suite starts (``kind``: 'pooled', 'fresh'
+    or 'spawned', whose end the test itself awaits), with the test, the ranks and the seconds it took; what
+    tells how much of the suite's time goes to jobs of their own (docs/explanation/testing.md)."""
+    ledger = os.environ.get("MPIFL_TEST_LAUNCHES")
+    if ledger:
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "kind": kind, "ranks": n,
+                "command": args[0] if args else "", "seconds": seconds}
+        with open(ledger, "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+
 def spawn_mpi(n: int, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``mpiexec -n n python -m mpifl ARGS`` in its own session (so it can be killed whole)."""
+    note_launch("spawned", n, args, None)
+    return _started(n, args, cwd, env)
+
+
+def _started(n: int, args: tuple[str, ...], cwd: Path | None, env: dict[str, str] | None) -> subprocess.Popen:
     return subprocess.Popen(mpifl_command(n, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=rank_environment(env), cwd=cwd or ROOT, start_new_session=True)
 
@@ -107,17 +124,20 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
     with the same exit status and each rank's output, without paying every rank's start-up again. ``fresh``: a job
     of its own, for what a shared process would change: peak memory, which is the process's; start-up itself; the
     supervisor process each rank of a job of its own runs under."""
+    started = time.monotonic()
     if not fresh and set(env or {}) <= POOLED_ENV and args and args[0] in POOLED_COMMANDS and 2 <= n <= POOL_SIZE:
-        return _job_pool().run(n, args, timeout, cwd, env or {})
-    proc = spawn_mpi(n, *args, cwd=cwd, env=env)
-    cmd = proc.args
+        done = _job_pool().run(n, args, timeout, cwd, env or {})
+        note_launch("pooled", n, args, time.monotonic() - started)
+        return done
+    proc = _started(n, args, cwd, env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_showing_stacks(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} mpifl {' '.join(args)} hung for {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    note_launch("fresh", n, args, time.monotonic() - started)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 POOL_SIZE = int(os.environ.get("MPIFL_TEST_POOL_SIZE", "9"))  # 0: every job starts its own mpiexec
