@@ -76,8 +76,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
                      floor: FloorRate | None = None) -> RunOutcome:
     """Serve as rank 0 until the last round or a stop: the strategy bound to the model, the global store (from the
     resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler rule, then the rounds;
-    what the run came to. The parts are built in the order the client ranks expect: the store's initial model
-    is received from rank 1 before anything reads the data's partition."""
+    what the run came to. Of the parts built here only the out-of-core store talks to a client rank before the
+    rounds: a fresh run's initial model arrives from rank 1 (``store.start``), which never builds it on rank 0."""
     strategy = _bound_strategy(cfg, plan.spec, comm.Get_size() - 1)
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
