@@ -27,6 +27,19 @@ def test_a_complete_run_says_so_and_nothing_else(tmp_path):
     assert post_mortem(run) == (True, [f"{run}: 6 of 6 rounds recorded; no checkpoint", "complete"])
 
 
+def test_a_torn_last_record_counts_the_rounds_before_it_and_says_which_line_tore(tmp_path, capsys):
+    """A job killed while it appended round 4's record: status used to count no round at all, and to say it was
+    rebuilding the file, which only a resume does."""
+    run = run_dir_with(tmp_path, 3, [(0, "round", 4, 5.0), (1, "round", 4, 5.0)])
+    with open(run / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"round": 4, "ev')
+    complete, lines = post_mortem(run)
+    assert not complete
+    assert lines[0] == f"{run}: 3 of 6 rounds recorded (line 4 of metrics.jsonl is torn or not JSON: the rounds " \
+        "before it); no checkpoint"
+    assert "rebuilding" not in capsys.readouterr().err
+
+
 def test_a_rank_a_round_behind_the_others_is_named_as_the_first_to_go_quiet(tmp_path):
     run = run_dir_with(tmp_path, 2, [(0, "round", 3, 50.0), (1, "round", 3, 50.0), (2, "round", 2, 49.9)])
     complete, lines = post_mortem(run)

@@ -272,6 +272,16 @@ def finished_without_checkpoint(path: Path, rounds: int) -> str:
 
 def read_metrics(metrics: Path) -> list[dict] | None:
     """The records of a metrics.jsonl, or None when a line is torn or not JSON (a crash mid-write)."""
+    records, torn = metrics_before_torn(metrics)
+    if torn is not None:
+        log(f"{metrics}: line {torn} is torn or not JSON; rebuilding the file from the checkpoint's copy", rank=0)
+        return None
+    return records
+
+
+def metrics_before_torn(metrics: Path) -> tuple[list[dict], int | None]:
+    """The records of a metrics.jsonl up to its first line that is torn or not JSON, and that line's number (None
+    where every line reads)."""
     records = []
     for number, line in enumerate(metrics.read_text().splitlines() if metrics.exists() else [], 1):
         if not line.strip():
@@ -279,10 +289,8 @@ def read_metrics(metrics: Path) -> list[dict] | None:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            log(f"{metrics}: line {number} is torn or not JSON; rebuilding the file from the checkpoint's copy",
-                rank=0)
-            return None
-    return records
+            return records, number
+    return records, None
 
 
 def rewind_metrics(metrics: Path, point: ResumePoint) -> ResumePoint:
@@ -364,10 +372,11 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     finish, with when each was last heard of: what a job's epilogue prints after a launcher killed it."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     rounds = int((config or {}).get("rounds", 0))
-    records = read_metrics(run_dir / METRICS) or []
+    records, torn = metrics_before_torn(run_dir / METRICS)
     reached = records[-1]["round"] if records else 0
     newest, unusable, refused = newest_checkpoint(run_dir)
     lines = [f"{run_dir}: {reached} of {rounds} rounds recorded"
+             + (f" (line {torn} of {METRICS} is torn or not JSON: the rounds before it)" if torn else "")
              + (f"; newest checkpoint {newest.name}" if newest else "; no checkpoint")
              + (f" (unusable, so a resume starts from the one before: {unusable})" if unusable else "")]
     advice = f"a --resume would be refused: {refused}; {VERSIONS_GONE}" if refused else "continue with --resume"
