@@ -7,6 +7,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -68,6 +69,31 @@ def json_line(record: dict) -> str:
     """``record`` as one line of RFC 8259 JSON: a non-finite float (epsilon without noise is infinite, a diverged
     loss NaN) becomes null, since Python's ``Infinity`` and ``NaN`` stop strict readers (jq, JavaScript)."""
     return json.dumps(finite_or_null(record), allow_nan=False)
+
+
+@dataclass(frozen=True)
+class ReadRecords:
+    """A metrics.jsonl read up to its first line that is torn or not JSON: the records before it, and that line's
+    number (None where every line reads), JSON's complaint about it, and whether it is the file's last line (a job
+    killed while it appended) or has records after it (the file was damaged)."""
+
+    records: list[dict]
+    bad_line: int | None = None
+    complaint: str = ""
+    bad_line_is_last: bool = False
+
+
+def read_records(path: Path) -> ReadRecords:
+    """The records of the JSON-lines file ``path`` (none where it does not exist), blank lines skipped."""
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1)
+             if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            return ReadRecords(records, number, f"{err.msg} at column {err.colno}", index == len(lines) - 1)
+    return ReadRecords(records)
 
 
 def finite_or_null(value: object) -> object:

@@ -8,6 +8,7 @@ longest 64), not a goal picked from elsewhere.
 from __future__ import annotations
 
 import ast
+import functools
 import statistics
 from pathlib import Path
 
@@ -16,6 +17,7 @@ LONGEST = 64  # lines, decorators excluded, docstring included: one screen
 TYPICAL = 8  # the median's bound: most functions do one thing in a few lines
 
 
+@functools.cache
 def function_lengths() -> dict[str, int]:
     """Every function and method of the package by ``path:line name``, with its length in lines."""
     lengths = {}

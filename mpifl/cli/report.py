@@ -1,7 +1,6 @@
 """``mpifl report RUN_DIR``: PNG plots from a run's metrics.jsonl (needs the 'plot' extra)."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from mpifl.metrics import read_records
 from mpifl.planning.faults import ALTERS_THE_UPDATE
 from mpifl.roles.records import MEMORY_SIGNALS, cost_line
 from mpifl.units import MIB
@@ -54,19 +54,13 @@ def load_metrics(run_dir: Path, command: str = "report") -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"mpifl {command}: {path} does not exist (is {run_dir} a run directory?)")
-    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    records = []
-    for index, (number, line) in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if index == len(lines) - 1:
-                print(f"mpifl {command}: {path}: line {number} is torn (a job killed while writing it?); "
-                      "reading the rounds before it", file=sys.stderr)
-                break
-            raise SystemExit(f"mpifl {command}: {path}: line {number} is not JSON ({err.msg} at column "
-                             f"{err.colno})") from None
-    return records
+    read = read_records(path)
+    if read.bad_line is not None and not read.bad_line_is_last:
+        raise SystemExit(f"mpifl {command}: {path}: line {read.bad_line} is not JSON ({read.complaint})")
+    if read.bad_line is not None:
+        print(f"mpifl {command}: {path}: line {read.bad_line} is torn (a job killed while writing it?); reading the "
+              "rounds before it", file=sys.stderr)
+    return read.records
 
 
 def metric_of(record: dict, dotted: str) -> float | None:

@@ -33,7 +33,7 @@ import yaml
 from mpifl.config import Config, ConfigError, TransportConfig, dump_config, resumable_keys, resume_conflict
 from mpifl.errors import RESUME_FAILS_THE_SAME_WAY, CheckpointError
 from mpifl.logs import log
-from mpifl.metrics import json_line
+from mpifl.metrics import json_line, read_records
 from mpifl.storage.checkpointer import (
     CHECKPOINTS,
     FINAL_MODEL,
@@ -272,25 +272,12 @@ def finished_without_checkpoint(path: Path, rounds: int) -> str:
 
 def read_metrics(metrics: Path) -> list[dict] | None:
     """The records of a metrics.jsonl, or None when a line is torn or not JSON (a crash mid-write)."""
-    records, torn = metrics_before_torn(metrics)
-    if torn is not None:
-        log(f"{metrics}: line {torn} is torn or not JSON; rebuilding the file from the checkpoint's copy", rank=0)
+    read = read_records(metrics)
+    if read.bad_line is not None:
+        log(f"{metrics}: line {read.bad_line} is torn or not JSON; rebuilding the file from the checkpoint's copy",
+            rank=0)
         return None
-    return records
-
-
-def metrics_before_torn(metrics: Path) -> tuple[list[dict], int | None]:
-    """The records of a metrics.jsonl up to its first line that is torn or not JSON, and that line's number (None
-    where every line reads)."""
-    records = []
-    for number, line in enumerate(metrics.read_text().splitlines() if metrics.exists() else [], 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            return records, number
-    return records, None
+    return read.records
 
 
 def rewind_metrics(metrics: Path, point: ResumePoint) -> ResumePoint:
@@ -372,7 +359,8 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     finish, with when each was last heard of: what a job's epilogue prints after a launcher killed it."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     rounds = int((config or {}).get("rounds", 0))
-    records, torn = metrics_before_torn(run_dir / METRICS)
+    read = read_records(run_dir / METRICS)
+    records, torn = read.records, read.bad_line
     reached = records[-1]["round"] if records else 0
     newest, unusable, refused = newest_checkpoint(run_dir)
     lines = [f"{run_dir}: {reached} of {rounds} rounds recorded"
