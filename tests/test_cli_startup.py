@@ -48,3 +48,11 @@ def test_status_and_inspect_read_a_run_without_importing_torch(tmp_path):
     assert seen["modules"] == ["h5py"], seen
     assert "1 of 2 rounds recorded; newest checkpoint ckpt-r000001.h5" in seen["out"]
     assert "bfloat16" in seen["out"] and seen["out"].splitlines()[-1] == "0"  # inspect's exit status
+
+
+def test_mpifl_run_starts_mpi_only_in_the_rank_its_supervisor_forks():
+    """``mpifl run`` imports its command's modules before its supervisor forks the rank (mpifl.cli.supervisor); had
+    one of them imported mpi4py, MPI would have started in the supervisor, and the forked rank's ``MPI_Finalize``
+    hung in UCX's clean-up (PyPI's MPICH, three times out of three, 2026-12-03)."""
+    seen = imported_after("import mpifl.cli.commands, mpifl.cli.supervisor, mpifl.roles.launch")
+    assert seen["modules"] == []

@@ -73,6 +73,9 @@ def agree_on_checks(comm: MPI.Intracomm, problem: str | None, complete: str | No
     every rank (2: a problem, 0: the run is already complete). Rank 0 says it once, naming the ranks that found it
     when not all did: a problem found on one rank only (a file missing on one node) must end the job, not leave
     the other ranks waiting."""
+    from mpifl.wire.transport import arrive_together  # here: importing mpi4py starts MPI (see mpifl.cli.supervisor)
+
+    arrive_together(comm)  # the ranks end their checks (torch's import among them) at different times
     outcomes = comm.allgather((problem, complete))
     problems: dict[str, list[int]] = {}
     for rank, (line, _) in enumerate(outcomes):

@@ -107,6 +107,8 @@ def _sweep(args: argparse.Namespace) -> int:
     """``sweep`` on this rank, in the process that runs MPI."""
     from mpi4py import MPI
 
+    from mpifl.wire.transport import arrive_together  # here: importing mpi4py starts MPI (see mpifl.cli.supervisor)
+
     world = world_of(getattr(args, "comm", None))
     points = grid_points(args.grid)
     speaks = world.Get_rank() == 0
@@ -131,7 +133,9 @@ def _sweep(args: argparse.Namespace) -> int:
                 "on",
                 rank=0)
         # only the server learns that a signal stopped the run (the clients end as after the last round): the
-        # ranks agree on the worst status, so that all stop, or all go on to the next point
+        # ranks agree on the worst status, so that all stop, or all go on to the next point; the clients, done
+        # first, sleep until the server has written the run's last files
+        arrive_together(world)
         status = world.allreduce(status, op=MPI.MAX)
         if status == INTERRUPTED:
             if speaks:

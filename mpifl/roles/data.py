@@ -39,7 +39,7 @@ from mpifl.storage.rundir import TOKENIZER
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
 from mpifl.wire.shared import node_communicator, recv_tensors, send_tensors, share_on_node
-from mpifl.wire.transport import recv_object, send_object
+from mpifl.wire.transport import arrive_together, recv_object, send_object
 
 
 def vocabulary_problem(flat: FlatModel, dataset: Dataset, data: DataConfig) -> str | None:
@@ -132,6 +132,7 @@ def _share_with_client_ranks(clients: MPI.Intracomm, dataset: Dataset | None,
     tensors with the same bytes, so results do not change. Rank 1 holds the data twice while it fills the windows,
     its read tensors and the windows (planning.memory.reading_rank_bytes); a pickled broadcast would hold it four
     times."""
+    arrive_together(clients)  # the others sleep while rank 1 reads
     node = node_communicator(clients)
     leaders = clients.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, clients.Get_rank())
     across = cast(MPI.Intracomm, leaders) if leaders != MPI.COMM_NULL else None

@@ -50,12 +50,15 @@ class StopRequest:
 
 def agree(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 and share its result with every rank; its error becomes SetupError everywhere."""
+    from mpifl.wire.transport import arrive_together  # here: importing mpi4py starts MPI (see mpifl.cli.supervisor)
+
     result = error = None
     if comm.Get_rank() == 0:
         try:
             result = fn()
         except (OSError, ValueError, SetupError) as err:
             error = str(err)
+    arrive_together(comm)  # the other ranks sleep while rank 0 runs ``fn``
     result, error = comm.bcast((result, error), root=0)
     if error:
         raise SetupError(error)
@@ -139,12 +142,15 @@ def bind_rank(comm: MPI.Comm, threads: int | str = 1, proc: Path | None = None) 
     Collective over ``comm``."""
     from mpi4py import MPI
 
+    from mpifl.wire.transport import arrive_together  # here: importing mpi4py starts MPI (see mpifl.cli.supervisor)
+
     try:
         binding.bind_requested(os.environ)
         binding.node_gpus(os.environ, proc)
     except ValueError as err:  # the same environment on every rank: each raises here, none waits in the split
         raise SetupError(str(err)) from None
     launcher = binding.launcher_local_rank(os.environ)
+    arrive_together(comm)  # the server is here long before its client ranks, which import torch._dynamo
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         every = node.allgather((launcher.rank if launcher is not None else None, _affinity()))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpifl.wire.transport import recv_object, send_object, wait, wake
+from mpifl.wire.transport import arrive_together, recv_object, send_object, wait, wake
 
 _WINDOWS: list[MPI.Win] = []  # kept alive for as long as the tensors that view them
 SLICE_BYTES = 2**30  # below 2**31, the largest count an MPI call takes
@@ -58,7 +58,7 @@ def share_on_node(node: MPI.Intracomm, tensor: torch.Tensor | None,
             filled[:] = tensor.view(-1).view(torch.uint8).numpy()
         if across is not None:
             bcast_bytes(across, filled)
-    node.Barrier()  # every rank sees the bytes only once the first has written them
+    arrive_together(node)  # every rank sees the bytes only once the first has written them (asleep meanwhile)
     return torch.frombuffer(memory, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
 
 

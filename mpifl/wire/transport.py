@@ -112,6 +112,15 @@ def wait_all(requests: Sequence[MPI.Request]) -> None:
         backoff.pause()
 
 
+def arrive_together(comm: MPI.Comm) -> None:
+    """Return once every rank of ``comm`` has called this: a barrier whose wait sleeps (``Ibarrier`` polled).
+
+    Why: MPICH's blocking collectives poll a core while they wait. Called before a blocking collective that ranks
+    reach at different times (at start-up, while others still import torch), it keeps the early ranks off the
+    cores the late ones need."""
+    wait(comm.Ibarrier())
+
+
 def send_object(comm: MPI.Comm, obj: object, dest: int, tag: int) -> None:
     """Send a small control object (pickled), waiting politely."""
     request = comm.isend(obj, dest=dest, tag=tag)
