@@ -92,14 +92,15 @@ def rank_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
                 PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
 
-def note_launch(kind: str, n: int, args: tuple[str, ...], seconds: float | None) -> None:
+def note_launch(kind: str, n: int, args: tuple[str, ...], seconds: float | None, **pooled: object) -> None:
     """With ``MPIFL_TEST_LAUNCHES=FILE``: one JSON line per MPI job the suite starts (``kind``: 'pooled', 'fresh'
-    or 'spawned', whose end the test itself awaits), with the test, the ranks and the seconds it took; what
-    tells how much of the suite's time goes to jobs of their own (docs/explanation/testing.md)."""
+    or 'spawned', whose end the test itself awaits), with the test, the ranks and the seconds it took, and for a
+    pooled job its place in its pool (1: the pool started for it) and whether it ended the pool (a rank aborted);
+    what tells how much of the suite's time goes to start-ups (docs/explanation/testing.md)."""
     ledger = os.environ.get("MPIFL_TEST_LAUNCHES")
     if ledger:
         line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "kind": kind, "ranks": n,
-                "command": args[0] if args else "", "seconds": seconds}
+                "command": args[0] if args else "", "seconds": seconds, **pooled}
         with open(ledger, "a") as out:
             out.write(json.dumps(line) + "\n")
 
@@ -126,8 +127,10 @@ def run_mpi(n: int, *args: str, timeout: float = MPI_TIMEOUT, cwd: Path | None =
     supervisor process each rank of a job of its own runs under."""
     started = time.monotonic()
     if not fresh and set(env or {}) <= POOLED_ENV and args and args[0] in POOLED_COMMANDS and 2 <= n <= POOL_SIZE:
-        done = _job_pool().run(n, args, timeout, cwd, env or {})
-        note_launch("pooled", n, args, time.monotonic() - started)
+        pool = _job_pool()
+        done = pool.run(n, args, timeout, cwd, env or {})
+        note_launch("pooled", n, args, time.monotonic() - started, job_in_pool=pool.last_job_in_pool,
+                    ended_pool=pool.proc is None)
         return done
     proc = _started(n, args, cwd, env)
     try:
@@ -160,6 +163,7 @@ class JobPool:
         self.size, self.proc, self.queue, self.served = size, None, Path(), 0
         self.ids = itertools.count()
         self.environment: dict[str, str] = {}  # the one the pool's ranks started in
+        self.last_job_in_pool = 0  # the last job's place in its pool, for the ledger (note_launch)
 
     def _ready(self) -> subprocess.Popen:
         """The running pool; a new one if there is none, the last retired or died, or the environment changed
@@ -187,6 +191,7 @@ class JobPool:
         staged.write_text(json.dumps(dict(id=job_id, n=n, argv=list(args), cwd=str(cwd or ROOT), env=env)))
         staged.rename(self.queue / f"{job_id}.job")
         self.served += 1
+        self.last_job_in_pool = self.served
         result, deadline = self.queue / f"{job_id}.result", time.monotonic() + timeout
         while not result.exists() and proc.poll() is None:
             if time.monotonic() > deadline:
