@@ -27,6 +27,16 @@ class JobFailure(RuntimeError):
         self.code = code
 
 
+class InputRefused(JobFailure):
+    """Input this run cannot use, found only once MPI has started and the data is read: a split that cannot be made,
+    a client's files, a config key that needs the clients' sizes (``config error: ...``). Found while the ranks agree
+    on the rounds (``mpifl.roles.runner``), every rank learns it and the job exits 2 in one line, as a config error
+    before MPI does; found by one rank later, it ends the job as any JobFailure, also with exit status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 2)
+
+
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used, with the file and the reason in the message."""
 

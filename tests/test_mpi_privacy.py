@@ -180,6 +180,7 @@ def test_a_fraction_bits_the_largest_client_cannot_use_ends_the_run_before_its_f
     (40 samples) before round 1, as ``mpifl validate`` does."""
     result, records = small_secagg(tmp_path, "refused", "secagg.fraction_bits=28")
     assert result.returncode == 2 and records == []  # a config error's exit status, as before MPI starts
+    assert "MPI_Abort" not in result.stderr  # every rank leaves with the reason, none is aborted
     assert ("config error: secagg.fraction_bits: 28 holds values only within ±0.06667 = (2^31 - 1) / (3 x 40 x 2^28) "
             "for a cohort of 3 (clients.per_round) whose largest client weight is 40") in result.stderr
 

@@ -157,14 +157,14 @@ def test_federated_evaluation_shards_and_fedprox_under_mpiexec(tmp_path):
 
 def test_a_partition_that_cannot_be_made_ends_the_job_in_a_line_and_leaves_the_run_dir_free(tmp_path):
     """A partition file is read only once MPI has started (each rank would have to read the data before it):
-    the error ends the job naming the file and the client, and writes no metrics, so that the same --run-dir
-    takes the corrected run."""
+    the error ends the job naming the file and the client, with a config error's exit status and no abort, and
+    writes no metrics, so that the same --run-dir takes the corrected run."""
     split, run_dir = tmp_path / "split.json", tmp_path / "run"
     split.write_text(json.dumps([list(range(0, 700)), list(range(700, 1437)), [1437, 99999]]))
     args = ("run", str(ROOT / "configs" / "quickstart.yaml"), "--run-dir", str(run_dir), "rounds=1",
             "clients.num_clients=3", "data.partition=file", f"data.partition_file={split}", "data.alpha=0.5")
     failed = run_mpi(3, *args, timeout=MPI_TIMEOUT)
-    assert failed.returncode != 0
+    assert failed.returncode == 2 and "MPI_Abort" not in failed.stderr
     assert (f"cannot partition the data: data.partition_file '{split}': client 2 has indices outside the 1438 "
             "training samples: 99999") in failed.stderr
     assert not (run_dir / "metrics.jsonl").exists()

@@ -254,6 +254,21 @@ def test_a_bad_grid_point_fails_alone_and_the_others_run(tmp_path):
         "refused, said above)" in done.stderr
 
 
+def test_a_grid_point_whose_split_cannot_be_made_is_refused_alone_and_the_others_run(tmp_path):
+    """Only the ranks read the data, so the split is refused after MPI has started: every rank leaves that run
+    with its one line and a config error's status (no abort, which would end the whole sweep), and the sweep goes
+    on to the next point."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("partition: dirichlet, alpha: 0.5", "partition: labels"))
+    done = run_mpi(3, "sweep", str(cfg), "--grid", "data.classes_per_client=11,2", "--runs-dir",
+                   str(tmp_path / "runs"))
+    assert done.returncode == 2 and "MPI_Abort" not in done.stderr
+    assert done.stderr.count("[rank 0] mpifl: cannot partition the data: data.classes_per_client: 11 classes per "
+                             "client, but the training labels have only 10 classes") == 1, done.stderr
+    assert "config error in run 1 (data.classes_per_client=11), said above" in done.stderr
+    assert rounds_logged(tmp_path / "runs" / "data.classes_per_client=2") == [1, 2]
+    assert not (tmp_path / "runs" / "data.classes_per_client=11" / "metrics.jsonl").exists()
+
+
 def test_the_sweeps_last_line_says_how_many_runs_finished_and_when_none_started():
     """A grid key misspelt fails every run alike: the last line says none started, not "2 runs in DIR"."""
     from mpifl.cli.sweep import sweep_summary

@@ -14,8 +14,8 @@ from mpifl.aggregation.floor import FloorRate
 from mpifl.aggregation.strategies import Strategy, make_strategy
 from mpifl.aggregation.updates import Mixing
 from mpifl.clock.planners import clock_sampler, task_samples
-from mpifl.config import Config
-from mpifl.errors import JobFailure, noted
+from mpifl.config import Config, ConfigError
+from mpifl.errors import InputRefused, JobFailure, noted
 from mpifl.learning.datasets import (
     Dataset,
 )
@@ -70,15 +70,40 @@ class RunOutcome:
     interrupted: bool
 
 
+@dataclass(frozen=True)
+class RoundsPlan:
+    """What rank 0 settles before the ranks go on to round 1 (``plan_rounds``): the strategy bound to the model,
+    and who trains in each round (and when, under virtual time)."""
+
+    strategy: Strategy
+    sampler: Sampler
+
+
+def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, dataset: Dataset | None,
+                client_ranks: int) -> RoundsPlan:
+    """The strategy bound to the model and the rounds' sampler, from the clients' partition, which is made here
+    first: what only the data read after MPI started can refuse (a split that cannot be made, a virtual-time
+    schedule or a secure-aggregation range the clients' sizes rule out) is an InputRefused, which the runner
+    shares with every rank before round 1 (an exit with status 2 in one line, as a config error before MPI)."""
+    parts = client_partition(cfg, dataset)
+    strategy = _bound_strategy(cfg, spec, client_ranks)
+    try:
+        sampler = _sampler(cfg, plan, strategy, parts, client_ranks)
+    except ConfigError as err:
+        raise InputRefused(f"config error: {err}") from None
+    return RoundsPlan(strategy, sampler)
+
+
 def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,  # noqa: PLR0913 - the server's parts, each built once by the runner
                      dataset: Dataset | None, run_dir: Path | None, resume: ResumePoint | None,
-                     resumed: Checkpoint | None, stop: StopRequest, notes: RankNotes,
+                     resumed: Checkpoint | None, rounds: RoundsPlan, stop: StopRequest, notes: RankNotes,
                      floor: FloorRate | None = None) -> RunOutcome:
-    """Serve as rank 0 until the last round or a stop: the strategy bound to the model, the global store (from the
-    resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler rule, then the rounds;
-    what the run came to. Of the parts built here only the out-of-core store talks to a client rank before the
-    rounds: a fresh run's initial model arrives from rank 1 (``store.start``), which never builds it on rank 0."""
-    strategy = _bound_strategy(cfg, plan.spec, comm.Get_size() - 1)
+    """Serve as rank 0 until the last round or a stop: with the strategy and the sampler ``plan_rounds`` made, the
+    global store (from the resumed checkpoint, or fresh), the checkpointer, evaluation, trackers and the straggler
+    rule, then the rounds; what the run came to. Of the parts built here only the out-of-core store talks to a
+    client rank before the rounds: a fresh run's initial model arrives from rank 1 (``store.start``), which never
+    builds it on rank 0."""
+    strategy, sampler = rounds.strategy, rounds.sampler
     if flat is None and run_dir is None:
         raise JobFailure("server.state='disk' needs a run directory for its HDF5 state")
     directory = run_dir / CHECKPOINTS if run_dir else None
@@ -95,7 +120,6 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         log(f"model.local {cfg.model.local}: the server evaluates the averaged tensors with the local ones as "
             "built; eval.federated_every measures each client with its own", rank=0)
     score = _score(cfg, flat, dataset) if dataset is not None and flat is not None else None
-    sampler = _sampler(cfg, plan, strategy, dataset, comm.Get_size() - 1)
     chain = cfg.clients.groups > 0 and cfg.transport.reduce == "chain"  # a rank there waits on the one before it
     deadlines = RunDeadlines(cfg.timeouts, plan.chunk_bytes, plan.inflight, derive=not chain)
     dropped = DroppedClients()  # named in each rank's next header, a round's or a checkpoint's
@@ -147,23 +171,23 @@ def _global_store(cfg: Config, plan: ExchangeLayout, flat: FlatModel | None, dir
                       read_previous=strategy.needs_previous_global, map_windows=cfg.server.map_windows)
 
 
-def _sampler(cfg: Config, plan: ExchangeLayout, strategy: Strategy, dataset: Dataset | None,
+def _sampler(cfg: Config, plan: ExchangeLayout, strategy: Strategy, parts: list | None,
              client_ranks: int) -> Sampler:
-    """Who trains in each round, and when under virtual time: the clients' sizes are read from their partition
-    only where the placement, the clock or secure aggregation's range needs them."""
+    """Who trains in each round, and when under virtual time, from the clients' partition ``parts`` (None without
+    data): their sizes count only where the placement, the clock or secure aggregation's range needs them. A config
+    that the sizes rule out is a ConfigError naming the key."""
     needs_sizes = cfg.clients.placement != "round_robin" or cfg.clock.mode != "off" or cfg.secagg.enabled
-    parts_ = client_partition(cfg, dataset) if needs_sizes else None
-    placement = placement_of(cfg, parts_, client_ranks)
-    sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(parts_)] \
-        if parts_ is not None else None
+    sized = parts if needs_sizes else None
+    placement = placement_of(cfg, sized, client_ranks)
+    sizes = [len(split_validation(p, cfg.data.val_fraction, cfg.seed, c)[0]) for c, p in enumerate(sized)] \
+        if sized is not None else None
     _check_secagg_range(cfg, strategy, sizes)
     samples = task_samples(sizes, cfg.clients.num_clients, cfg.train.local_epochs, cfg.train.local_steps,
                            cfg.train.batch_size)
     try:
         return clock_sampler(cfg, placement, samples, plan.model_bytes, plan.update_bytes)
-    except (ValueError, OSError) as err:
-        # a config error (a trace too short for the rounds), found before round 1: exit 2, as validate's
-        raise JobFailure(f"config error: cannot plan the virtual-time schedule: {err}", 2) from None
+    except (ValueError, OSError) as err:  # a trace too short for the rounds: as validate says it
+        raise ConfigError(f"cannot plan the virtual-time schedule: {err}") from None
 
 
 def _checkpointer(cfg: Config, store: GlobalStore, directory: Path | None, attrs: dict, sampler: Sampler,
@@ -212,10 +236,10 @@ def _configured_parts(cfg: Config, run_dir: Path | None) -> dict:
 
 def _check_secagg_range(cfg: Config, strategy: Strategy, sizes: list[int] | None) -> None:
     """Secure aggregation's range for the largest client, known only now (``mpifl run`` reads no data before MPI
-    starts; ``mpifl validate`` checks the same): a fraction_bits that cannot hold secagg.min_range ends the job."""
+    starts; ``mpifl validate`` checks the same): a fraction_bits that cannot hold secagg.min_range is a ConfigError."""
     problem = config_range_problem(cfg, strategy, sizes)
     if problem:
-        raise JobFailure(f"config error: {problem}", 2)  # the exit status of every config error
+        raise ConfigError(problem)
 
 
 def _wrap_up(cfg: Config, run_dir: Path | None, checkpointer: Checkpointer, stop: StopRequest,

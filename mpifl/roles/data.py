@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 from mpifl.config import Config, DataConfig
-from mpifl.errors import JobFailure
+from mpifl.errors import InputRefused
 from mpifl.learning.datasets import (
     ClientData,
     Dataset,
@@ -206,7 +206,7 @@ def _partition_errors() -> Iterator[None]:
     try:
         yield
     except (ValueError, OSError) as err:
-        raise JobFailure(f"cannot partition the data: {err}") from None
+        raise InputRefused(f"cannot partition the data: {err}") from None
 
 
 def client_partition(cfg: Config, dataset: Dataset | None) -> list | None:
@@ -240,7 +240,7 @@ def local_data(cfg: Config, dataset: Dataset | None, rank: int, client_ranks: in
         try:
             dataset = dataset.holding(mine)
         except (ValueError, OSError) as err:  # what the survey did not read: the inputs (a LEAF row, a table's cell)
-            raise JobFailure(f"cannot read its clients' data: {err}") from None
+            raise InputRefused(f"cannot read its clients' data: {err}") from None
         held = sum(len(parts[c]) for c in mine)
         whose = "its client's" if len(mine) == 1 else f"its {len(mine)} clients'"
         log(f"read {held} of {len(dataset.y_train)} training samples: {whose} "

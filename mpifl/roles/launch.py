@@ -48,15 +48,19 @@ class StopRequest:
         self.requested = True
 
 
-def agree(comm: MPI.Comm, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 and share its result with every rank; its error becomes SetupError everywhere."""
+SETUP_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, SetupError)
+
+
+def agree(comm: MPI.Comm, fn: Callable[[], T], refusals: tuple[type[BaseException], ...] = SETUP_ERRORS) -> T:
+    """Run ``fn`` on rank 0 and share its result with every rank; its error of one of the ``refusals`` types
+    becomes SetupError everywhere (any other ends the job from rank 0, as every failure there does)."""
     from mpifl.wire.transport import arrive_together  # here: importing mpi4py starts MPI (see mpifl.cli.supervisor)
 
     result = error = None
     if comm.Get_rank() == 0:
         try:
             result = fn()
-        except (OSError, ValueError, SetupError) as err:
+        except refusals as err:
             error = str(err)
     arrive_together(comm)  # the other ranks sleep while rank 0 runs ``fn``
     result, error = comm.bcast((result, error), root=0)

@@ -19,6 +19,7 @@ from mpi4py import MPI
 from mpifl.aggregation.floor import FloorRate, measure_floor
 from mpifl.algorithms import model_streams
 from mpifl.config import Config
+from mpifl.errors import InputRefused
 from mpifl.learning.datasets import (
     Dataset,
     needs_dataset,
@@ -31,7 +32,7 @@ from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.planning.world import GroupLayout, srun_singleton_problem, world_problem
 from mpifl.roles.build_client import client_state_parts, rank_replica, serve_as_client, serve_as_member
-from mpifl.roles.build_server import RunOutcome, open_checkpoint, serve_as_server
+from mpifl.roles.build_server import RoundsPlan, RunOutcome, open_checkpoint, plan_rounds, serve_as_server
 from mpifl.roles.data import local_data, shared_dataset, vocabulary_problem
 from mpifl.roles.group import split_world
 from mpifl.roles.launch import SetupError, StopRequest, agree, bind_rank, gather_within, startup_limit
@@ -135,6 +136,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
                                 cfg.clients.groups > 0)
     resumed = _opened_starting_points(comm, cfg, spec, flat, resume)
     layout, group = GroupLayout(cfg.clients.ranks_per_client), None
+    rounds = _planned_rounds(comm, cfg, spec, plan, dataset, layout.groups(comm.Get_size()))
     if layout.ranks_per_client > 1:  # the server and the groups' leaders go on as if each group were one rank
         federation, group = split_world(comm, layout)
         # messages and records name the leaders by their own MPI ranks, for this run only: a process that runs
@@ -156,7 +158,8 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
         del dataset  # a client rank keeps only its own clients' samples
         _serve_as_client_rank(comm, group, cfg, spec, plan, flat, local, run_dir, resume, notes, classes)
         return None
-    return serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, resumed, stop, notes, floor)
+    assert rounds is not None  # rank 0 planned them
+    return serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, resumed, rounds, stop, notes, floor)
 
 
 def _agreed_model(comm: MPI.Comm, cfg: Config, dataset: Dataset | None) -> tuple[ModelSpec, FlatModel | None]:
@@ -195,6 +198,16 @@ def _opened_starting_points(comm: MPI.Comm, cfg: Config, spec: ModelSpec, flat: 
     if resume is not None:
         agree(comm, lambda: opened.setdefault("ckpt", open_checkpoint(resume.path, spec)) and None)
     return opened.get("ckpt")
+
+
+def _planned_rounds(comm: MPI.Comm, cfg: Config, spec: ModelSpec, plan: ExchangeLayout, dataset: Dataset | None,
+                    client_ranks: int) -> RoundsPlan | None:
+    """Rank 0's plan of the rounds (``plan_rounds``: the partition, the strategy, the sampler), None elsewhere. The
+    other ranks wait for it, so that what it refuses (InputRefused) ends every rank alike, in one line with exit
+    status 2 and no abort, before any rank has moved a byte of the model or written a record."""
+    planned: list[RoundsPlan] = []
+    agree(comm, lambda: planned.append(plan_rounds(cfg, spec, plan, dataset, client_ranks)), refusals=(InputRefused,))
+    return planned[0] if planned else None
 
 
 def _serve_as_group_member(group: MPI.Comm, cfg: Config, spec: ModelSpec, plan: ExchangeLayout,  # noqa: PLR0913 - the rank's parts, built by _run_rank
