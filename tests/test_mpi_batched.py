@@ -1,13 +1,13 @@
 """train.batched_clients: K: a rank's logical clients trained K at a time as lanes of one batched model. For a
 fixed K the run is bitwise equal on any number of ranks, with reduction groups, with SCAFFOLD, and after a kill -9
 and a resume on another number of ranks; it is within float rounding of clients trained one at a time; and the
-model a lane cannot train is refused on the rank, naming the key and the module."""
+model a lane cannot train is refused by validate and, before round 1, by the run, naming the key and the module."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from conftest import killed_and_resumed, run_mpi, write_config
+from conftest import killed_and_resumed, mpifl_here, run_mpi, write_config
 from results import assert_bitwise, final_model, recorded, relative_l2
 
 CONFIG = """
@@ -61,9 +61,15 @@ def test_killed_with_sigkill_and_resumed_on_another_number_of_ranks_it_ends_bitw
     assert_bitwise(final_model(run_dir), final_model(run(tmp_path, "whole", 4, *longer)))
 
 
-def test_a_model_that_keeps_running_statistics_is_refused_on_the_rank_naming_the_module(tmp_path):
+def test_a_model_that_keeps_running_statistics_is_refused_by_validate_and_before_round_1_naming_the_module(tmp_path):
+    """A config error, found by validate before a job queues, and by the run's rank 0 on the model it built: every
+    rank leaves with the one line and a config error's exit status, no abort and no record."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("model: {name: mlp, kwargs: {hidden: [16]}}",
                                                            "model: {name: 'fl_helpers:bn_mlp'}"))
+    said = "train.batched_clients: module '2' (BatchNorm1d) keeps running statistics"
+    checked = mpifl_here("validate", str(cfg))
+    assert checked.returncode == 2 and f"config error: {said}" in checked.stderr, checked.stderr
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
-    assert result.returncode != 0
-    assert "train.batched_clients: module '2' (BatchNorm1d) keeps running statistics" in result.stderr
+    assert result.returncode == 2 and "MPI_Abort" not in result.stderr
+    assert result.stderr.count(f"[rank 0] mpifl: config error: {said}") == 1, result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

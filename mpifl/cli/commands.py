@@ -145,7 +145,7 @@ def checked_config(config: str, overrides: list[str]) -> tuple[Config, list[str]
     virtual-time schedule), and its warnings; a problem is a ConfigError naming the key."""
     cfg = load_config(config, overrides)
     warnings = check_plugins(cfg, partition_follows=True)
-    check_model(cfg)
+    check_model(cfg, batched=True)
     check_trainer(cfg)
     warnings += check_schedule(cfg, check_partition(cfg))
     return cfg, warnings

@@ -13,6 +13,7 @@ from mpifl.trackers import tracker_problem
 
 if TYPE_CHECKING:
     import numpy as np
+    from torch import nn
 
 
 def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
@@ -92,21 +93,31 @@ def check_transformers(cfg: Config) -> None:
             hf.build(cfg.model)
 
 
-def check_model(cfg: Config) -> None:
+def check_model(cfg: Config, batched: bool = False) -> None:
     """Build a plug-in model, a built-in sized from the data (``lenet`` needs images of 16x16 or more), or any model
     with ``model.local`` patterns, once on the meta device, sized from the data when it asks for its shape: a
     signature or construction mistake is a ConfigError naming model.name, a pattern that names no tensor one naming
-    model.local, before any MPI work."""
+    model.local, before any MPI work. ``batched`` (``validate``'s): also any model under ``train.batched_clients``,
+    refused naming that key where its clients cannot train as lanes of one batch (a module with running
+    statistics, say), which a run's rank 0 finds only once it has built the model."""
+    from mpifl.learning.batched import batched_problem
     from mpifl.learning.datasets import data_shape, needs_dataset
     from mpifl.learning.models import SIZED_BY_DATA, build_problem, supplied
 
-    if not is_import_path(cfg.model.name) and cfg.model.name not in SIZED_BY_DATA and not cfg.model.local:
+    batched = batched and cfg.train.batched_clients > 0
+    if not is_import_path(cfg.model.name) and cfg.model.name not in SIZED_BY_DATA and not cfg.model.local \
+            and not batched:
         return
     try:
         shape = data_shape(cfg.data) if supplied(cfg.model, needs_dataset(cfg)) else {}
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"data: cannot read the data that sizes model {cfg.model.name!r}: {err}") from None
-    problem = build_problem(cfg.model, cfg.seed, **shape)
+
+    def lanes(model: nn.Module) -> str | None:
+        problem = batched_problem(model, cfg.train)
+        return f"train.batched_clients: {problem}" if problem else None
+
+    problem = build_problem(cfg.model, cfg.seed, lanes if batched else None, **shape)
     if problem:
         raise ConfigError(problem)
 

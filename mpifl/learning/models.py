@@ -358,9 +358,11 @@ def local_patterns(cfg: ModelConfig, module: nn.Module) -> list[str]:
     return list(cfg.local)
 
 
-def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
+def build_problem(cfg: ModelConfig, seed: int, judge: Callable[[nn.Module], str | None] | None = None,
+                  **shape: Any) -> str | None:
     """Build the model once as every rank will, on the meta device (on the CPU when its construction reads
-    values), so a plug-in's mistake shows before any MPI work: what went wrong, naming model.name, or None."""
+    values), so a plug-in's mistake shows before any MPI work: what went wrong, naming model.name, or None.
+    ``judge``: what else the built model may be refused for (a setting of another section that it cannot serve)."""
     problem = None
     for device in ("meta", "cpu"):
         try:
@@ -375,7 +377,8 @@ def build_problem(cfg: ModelConfig, seed: int, **shape: Any) -> str | None:
             local_patterns(cfg, model)
         except ConfigError as err:
             return str(err)
-        return output_width_problem(cfg, model, shape.get("input_shape"), shape.get("num_classes"))
+        return output_width_problem(cfg, model, shape.get("input_shape"), shape.get("num_classes")) \
+            or (judge(model) if judge is not None else None)
     return problem
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mpi4py import MPI
+from torch import nn
 
 from mpifl.aggregation.strategies import make_strategy
 from mpifl.algorithms import client_algorithm
@@ -152,14 +153,21 @@ def batched_clients(cfg: Config, work: FlatModel, local: Mapping, state: ClientS
     (``batched_problem``) is refused, naming the key and the module."""
     if not cfg.train.batched_clients:
         return None
-    problem = batched_problem(work.module, cfg.train)
-    if problem is not None:
-        raise ConfigError(f"train.batched_clients: {problem}")
+    check_batched(cfg, work.module)
     controls = state.controls
     if controls is not None and not isinstance(controls, LaneCorrections):  # the config checks allow SCAFFOLD
         raise ConfigError(f"train.batched_clients: the strategy's client half ({type(controls).__name__}) has no "
                           "correction a lane can take (LaneCorrections); set train.batched_clients=0")
     return BatchedClients(cfg.train, cfg.seed, local, controls.correction if controls is not None else None)
+
+
+def check_batched(cfg: Config, module: nn.Module) -> None:
+    """``train.batched_clients`` with a model whose clients cannot train as lanes of one batch (``batched_problem``:
+    running statistics, dropout, ...): a ConfigError naming the key and the module. Rank 0 checks it before round 1
+    on the model every rank built (``plan_rounds``), each client rank again as it builds its lanes."""
+    problem = batched_problem(module, cfg.train) if cfg.train.batched_clients else None
+    if problem is not None:
+        raise ConfigError(f"train.batched_clients: {problem}")
 
 
 def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:

@@ -136,7 +136,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
                                 cfg.clients.groups > 0)
     resumed = _opened_starting_points(comm, cfg, spec, flat, resume)
     layout, group = GroupLayout(cfg.clients.ranks_per_client), None
-    rounds = _planned_rounds(comm, cfg, spec, plan, dataset, layout.groups(comm.Get_size()))
+    rounds = _planned_rounds(comm, cfg, spec, plan, flat, dataset, layout.groups(comm.Get_size()))
     if layout.ranks_per_client > 1:  # the server and the groups' leaders go on as if each group were one rank
         federation, group = split_world(comm, layout)
         # messages and records name the leaders by their own MPI ranks, for this run only: a process that runs
@@ -200,13 +200,14 @@ def _opened_starting_points(comm: MPI.Comm, cfg: Config, spec: ModelSpec, flat: 
     return opened.get("ckpt")
 
 
-def _planned_rounds(comm: MPI.Comm, cfg: Config, spec: ModelSpec, plan: ExchangeLayout, dataset: Dataset | None,
-                    client_ranks: int) -> RoundsPlan | None:
+def _planned_rounds(comm: MPI.Comm, cfg: Config, spec: ModelSpec, plan: ExchangeLayout,
+                    flat: FlatModel | None, dataset: Dataset | None, client_ranks: int) -> RoundsPlan | None:
     """Rank 0's plan of the rounds (``plan_rounds``: the partition, the strategy, the sampler), None elsewhere. The
     other ranks wait for it, so that what it refuses (InputRefused) ends every rank alike, in one line with exit
     status 2 and no abort, before any rank has moved a byte of the model or written a record."""
     planned: list[RoundsPlan] = []
-    agree(comm, lambda: planned.append(plan_rounds(cfg, spec, plan, dataset, client_ranks)), refusals=(InputRefused,))
+    agree(comm, lambda: planned.append(plan_rounds(cfg, spec, plan, flat, dataset, client_ranks)),
+          refusals=(InputRefused,))
     return planned[0] if planned else None
 
 
