@@ -84,10 +84,16 @@ def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, flat: FlatMo
     """The strategy bound to the model and the rounds' sampler, from the clients' partition, which is made here
     first: what only the data read or the model built after MPI started can refuse (a split that cannot be made, a
     virtual-time schedule or a secure-aggregation range the clients' sizes rule out, ``train.batched_clients`` with
-    a model whose clients cannot train as lanes) is an InputRefused, which the runner shares with every rank before
-    round 1 (an exit with status 2 in one line, as a config error before MPI)."""
+    a model whose clients cannot train as lanes, an ``eval.device`` this rank does not see) is an InputRefused, which
+    the runner shares with every rank before round 1 (an exit with status 2 in one line, as a config error before
+    MPI)."""
     parts = client_partition(cfg, dataset)
     strategy = _bound_strategy(cfg, spec, client_ranks)
+    if dataset is not None and flat is not None:  # the rank that evaluates must see the device it evaluates on
+        try:
+            resolve_device(cfg.eval.device, "eval.device")
+        except JobFailure as err:
+            raise InputRefused(str(err)) from None
     try:
         if flat is not None:  # the out-of-core server builds none: its client ranks check it as they build
             check_batched(cfg, flat.module)
