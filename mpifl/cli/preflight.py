@@ -13,7 +13,6 @@ from mpifl.trackers import tracker_problem
 
 if TYPE_CHECKING:
     import numpy as np
-    from torch import nn
 
 
 def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
@@ -100,7 +99,7 @@ def check_model(cfg: Config, batched: bool = False) -> None:
     model.local, before any MPI work. ``batched`` (``validate``'s): also any model under ``train.batched_clients``,
     refused naming that key where its clients cannot train as lanes of one batch (a module with running
     statistics, say), which a run's rank 0 finds only once it has built the model."""
-    from mpifl.learning.batched import batched_problem
+    from mpifl.learning.batched import batched_refusal
     from mpifl.learning.datasets import data_shape, needs_dataset
     from mpifl.learning.models import SIZED_BY_DATA, build_problem, supplied
 
@@ -112,12 +111,8 @@ def check_model(cfg: Config, batched: bool = False) -> None:
         shape = data_shape(cfg.data) if supplied(cfg.model, needs_dataset(cfg)) else {}
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"data: cannot read the data that sizes model {cfg.model.name!r}: {err}") from None
-
-    def lanes(model: nn.Module) -> str | None:
-        problem = batched_problem(model, cfg.train)
-        return f"train.batched_clients: {problem}" if problem else None
-
-    problem = build_problem(cfg.model, cfg.seed, lanes if batched else None, **shape)
+    lanes = (lambda model: batched_refusal(model, cfg.train)) if batched else None
+    problem = build_problem(cfg.model, cfg.seed, lanes, **shape)
     if problem:
         raise ConfigError(problem)
 

@@ -41,7 +41,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.noise import batch_noise, noise_generator
 from mpifl.learning.trainers import LOSSES, TrainResult, make_loss, minibatches
 
-__all__ = ["Lane", "LaneWeights", "batched_problem", "lane_steps", "train_lanes"]
+__all__ = ["Lane", "LaneWeights", "batched_problem", "batched_refusal", "lane_steps", "train_lanes"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, which make_optimizer keeps
@@ -80,6 +80,13 @@ def batched_problem(model: nn.Module, cfg: TrainConfig) -> str | None:
         return (f"train.loss {cfg.loss!r} takes no 'reduction' argument: a batch weighs out its padding rows "
                 "from each sample's loss (reduction='none')")
     return None
+
+
+def batched_refusal(model: nn.Module, cfg: TrainConfig) -> str | None:
+    """``batched_problem`` as the config error says it, naming ``train.batched_clients``; None where the model's
+    clients can train as lanes or the key is off. What ``mpifl validate`` and the run's ranks refuse alike."""
+    problem = batched_problem(model, cfg) if cfg.batched_clients else None
+    return f"train.batched_clients: {problem}" if problem else None
 
 
 def _takes_reduction(loss: Callable) -> bool:

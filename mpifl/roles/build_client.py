@@ -14,7 +14,7 @@ from mpifl.algorithms.contract import LaneCorrections
 from mpifl.algorithms.ditto import GroupPersonalModels, PersonalModels
 from mpifl.algorithms.local_layers import PersonalTensors
 from mpifl.config import Config, ConfigError
-from mpifl.learning.batched import batched_problem
+from mpifl.learning.batched import batched_refusal
 from mpifl.learning.device import (
     DeviceReplica,
     training_replica,
@@ -165,9 +165,9 @@ def check_batched(cfg: Config, module: nn.Module) -> None:
     """``train.batched_clients`` with a model whose clients cannot train as lanes of one batch (``batched_problem``:
     running statistics, dropout, ...): a ConfigError naming the key and the module. Rank 0 checks it before round 1
     on the model every rank built (``plan_rounds``), each client rank again as it builds its lanes."""
-    problem = batched_problem(module, cfg.train) if cfg.train.batched_clients else None
+    problem = batched_refusal(module, cfg.train)
     if problem is not None:
-        raise ConfigError(f"train.batched_clients: {problem}")
+        raise ConfigError(problem)
 
 
 def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
