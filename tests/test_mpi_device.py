@@ -70,6 +70,17 @@ def test_evaluating_on_a_gpu_the_server_rank_lacks_ends_the_job_naming_eval_devi
     assert result.stderr.count("[rank 0] mpifl: eval.device='cuda' but this rank sees no GPU") == 1, result.stderr
 
 
+def test_training_on_a_gpu_the_client_ranks_lack_ends_the_job_before_round_1_naming_train_device(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cfg = write_config(tmp_path / "c.yaml", CONFIG)
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), "train.device=cuda")
+    assert result.returncode == 2 and "MPI_Abort" not in result.stderr, result.stderr  # left by every rank
+    assert result.stderr.count("[rank 0] mpifl: rank 1: train.device='cuda' but this rank sees no GPU") == 1, \
+        result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_server_evaluates_on_its_gpu_as_on_the_cpu_up_to_rounding(tmp_path):
     scores = {}

@@ -97,8 +97,10 @@ def test_a_setting_the_trainer_itself_refuses_is_named_by_validate_and_by_the_ra
             "'scale': -1.0} failed: ValueError: scale must be > 0, got -1.0")
     checked = mpifl_here("validate", str(cfg))
     assert checked.returncode == 2 and said in checked.stderr, checked.stderr
-    ran = run_mpi(2, "run", str(cfg), "--run-dir", str(tmp_path / "run"))  # built on the client rank, after MPI
-    assert ran.returncode != 0 and said in ran.stderr, ran.stderr[-3000:]
+    ran = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))  # built on the client ranks, after MPI
+    assert ran.returncode == 2 and "MPI_Abort" not in ran.stderr, ran.stderr[-3000:]  # every rank left, no abort
+    assert ran.stderr.count(f"[rank 0] mpifl: rank 1: {said}") == 1, ran.stderr[-3000:]  # said once, naming the rank
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before round 1
 
 
 def meta(client: int, samples: int, **metrics) -> UpdateMeta:

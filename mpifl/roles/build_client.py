@@ -17,6 +17,7 @@ from mpifl.config import Config, ConfigError
 from mpifl.learning.batched import batched_refusal
 from mpifl.learning.device import (
     DeviceReplica,
+    resolve_device,
     training_replica,
 )
 from mpifl.learning.models import state_sizes
@@ -73,6 +74,15 @@ def kept_tensors_note(frozen: ModelSpec, local: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
+def rank_trainer(cfg: Config) -> Trainer:
+    """The client rank's trainer, built once before the ranks agree on the model (``runner._agreed_model``), and
+    its ``train.device`` checked: a setting a plug-in trainer's constructor refuses (``train.kwargs``) or a GPU this
+    rank lacks is then said once and ends every rank with exit status 2, before a byte of the model moved, instead
+    of aborting the job from this rank as it starts training. A ConfigError or JobFailure naming the key."""
+    resolve_device(cfg.train.device)
+    return make_trainer(cfg.train)
+
+
 def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work: FlatModel, rank: int,
                        hosted: list[int], run_dir: Path | None, resume: ResumePoint | None) -> ClientStateParts:
     """The per-client state of the ``hosted`` clients (mpifl.config.client_state), opened, reloaded on a resume,
@@ -102,10 +112,11 @@ def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work:
 
 
 def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel, local: Mapping, *,  # noqa: PLR0913 - keyword-only parts, each built once by the runner
-                    upload_initial: bool, replica: DeviceReplica | None, state: ClientStateParts, note: RankNotes,
-                    group: MPI.Comm | None, classes: int = 0) -> None:
+                    trainer: Trainer, upload_initial: bool, replica: DeviceReplica | None, state: ClientStateParts,
+                    note: RankNotes, group: MPI.Comm | None, classes: int = 0) -> None:
     """Serve as a client rank (a group's leader with ``group``) until the server says stop: upload the fresh model
-    for an out-of-core server, build the trainer and the rank's parts, run the round loop."""
+    for an out-of-core server, build the rank's parts around its ``trainer`` (``rank_trainer``), run the round
+    loop."""
     if comm.Get_rank() == 1 and flat.frozen_spec.entries:
         log(f"exchanging {len(plan.spec.entries)} tensors ({plan.spec.total_bytes / MIB:.1f} MiB); "
             f"{kept_tensors_note(flat.frozen_spec, cfg.model.local)}", rank=1)
@@ -113,7 +124,6 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
         assert flat.bytes is not None  # a client rank's model is built in host memory (build_flat_model)
         send_chunks(comm, [protocol.SERVER], protocol.INIT, plan.chunk_slices(flat.bytes), plan.inflight)
     federated = cfg.eval.federated_every > 0
-    trainer = make_trainer(cfg.train)
     leader = None
     if group is not None:  # clients.ranks_per_client > 1: this rank leads its group
         parallel = _parallel(trainer, group)
@@ -170,12 +180,12 @@ def check_batched(cfg: Config, module: nn.Module) -> None:
         raise ConfigError(problem)
 
 
-def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, notes: RankNotes) -> None:
+def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mapping, trainer: Trainer,
+                    notes: RankNotes) -> None:
     """A group's other rank (clients.ranks_per_client): train what the leader orders, with the group, on the
-    device the leader trains on."""
+    device the leader trains on, with its ``trainer`` (``rank_trainer``)."""
     replica = rank_replica(cfg, flat)
     work = replica.flat if replica else flat
-    trainer = make_trainer(cfg.train)
     parallel = _parallel(trainer, group)
     algorithm = client_algorithm(cfg.client_rule)
     state = algorithm.member(work, cfg) if algorithm is not None else None

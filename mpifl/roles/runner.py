@@ -18,20 +18,20 @@ from mpi4py import MPI
 
 from mpifl.aggregation.floor import FloorRate, measure_floor
 from mpifl.algorithms import model_streams
-from mpifl.config import Config
-from mpifl.errors import InputRefused
+from mpifl.config import Config, ConfigError
+from mpifl.errors import InputRefused, JobFailure
 from mpifl.learning.datasets import (
     Dataset,
     needs_dataset,
 )
 from mpifl.learning.models import build_flat_model, model_spec, read_init_from
-from mpifl.learning.trainers import load_optimizer_machinery
+from mpifl.learning.trainers import Trainer, load_optimizer_machinery
 from mpifl.logs import SUPERVISOR_PID, log, name_ranks_by_world, same_rank
 from mpifl.planning.binding import Binding, core_ranges, describe
 from mpifl.planning.federation import clients_of_rank
 from mpifl.planning.pools import FloorProbe, floor_probe_dtype
 from mpifl.planning.world import GroupLayout, srun_singleton_problem, world_problem
-from mpifl.roles.build_client import client_state_parts, rank_replica, serve_as_client, serve_as_member
+from mpifl.roles.build_client import client_state_parts, rank_replica, rank_trainer, serve_as_client, serve_as_member
 from mpifl.roles.build_server import RoundsPlan, RunOutcome, open_checkpoint, plan_rounds, serve_as_server
 from mpifl.roles.data import local_data, shared_dataset, vocabulary_problem
 from mpifl.roles.group import split_world
@@ -131,7 +131,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     record_ranks(comm, run_dir, bound)
     dataset = shared_dataset(comm, cfg.data) if needs_dataset(cfg) else None
     classes = dataset.num_classes if dataset else 0  # a label_flip fault flips labels among them
-    spec, flat = _agreed_model(comm, cfg, dataset)
+    spec, flat, trainer = _agreed_model(comm, cfg, dataset)
     plan = ExchangeLayout.build(spec, cfg.transport, cfg.compression, cfg.strategy.wire_dtype,
                                 cfg.clients.groups > 0)
     resumed = _opened_starting_points(comm, cfg, spec, flat, resume)
@@ -147,7 +147,7 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
             assert group is not None  # a group's other ranks are client ranks
             local = local_data(cfg, dataset, layout.federation_rank(comm.Get_rank()), layout.groups(comm.Get_size()))
             del dataset  # like its leader, a member keeps only its group's clients' samples
-            _serve_as_group_member(group, cfg, spec, plan, flat, local, run_dir, resume, notes)
+            _serve_as_group_member(group, cfg, spec, plan, flat, local, trainer, run_dir, resume, notes)
             return None
         comm = federation
     floor = _floor_probe(comm, cfg, plan)  # raw MPI: before the doorbells
@@ -156,16 +156,18 @@ def _run_rank(comm: MPI.Comm, cfg: Config, run_dir: Path | None, resume: ResumeP
     if comm.Get_rank() != 0:
         local = local_data(cfg, dataset, comm.Get_rank(), comm.Get_size() - 1)
         del dataset  # a client rank keeps only its own clients' samples
-        _serve_as_client_rank(comm, group, cfg, spec, plan, flat, local, run_dir, resume, notes, classes)
+        _serve_as_client_rank(comm, group, cfg, spec, plan, flat, local, trainer, run_dir, resume, notes, classes)
         return None
     assert rounds is not None  # rank 0 planned them
     return serve_as_server(comm, cfg, plan, flat, dataset, run_dir, resume, resumed, rounds, stop, notes, floor)
 
 
-def _agreed_model(comm: MPI.Comm, cfg: Config, dataset: Dataset | None) -> tuple[ModelSpec, FlatModel | None]:
+def _agreed_model(comm: MPI.Comm, cfg: Config, dataset: Dataset | None
+                  ) -> tuple[ModelSpec, FlatModel | None, Trainer | None]:
     """The rank's model, built from the config and the seed, and its spec, checked to be every rank's: no model
     (None) on the out-of-core server, which never allocates it, nor on a sharded client rank, whose group builds
-    it later in shards."""
+    it later in shards. A client rank's trainer (None on rank 0) is built here too, so that what it refuses is
+    agreed on with the model."""
     shape = dict(input_shape=dataset.input_shape, num_classes=dataset.num_classes) if dataset else {}
     building = time.monotonic()
     out_of_core = comm.Get_rank() == 0 and cfg.server.state == "disk"
@@ -177,11 +179,21 @@ def _agreed_model(comm: MPI.Comm, cfg: Config, dataset: Dataset | None) -> tuple
                                 **shape)
         spec = flat.spec
     built = time.monotonic() - building
-    problem = None
+    trainer, problem = _client_trainer(comm, cfg)
     if dataset is not None and flat is not None and cfg.model.name == "transformers":  # it reads token ids
-        problem = vocabulary_problem(flat, dataset, cfg.data)
+        problem = problem or vocabulary_problem(flat, dataset, cfg.data)
     agree_on_spec(comm, spec, problem, built, comparable=not out_of_core)
-    return spec, flat
+    return spec, flat, trainer
+
+
+def _client_trainer(comm: MPI.Comm, cfg: Config) -> tuple[Trainer | None, str | None]:
+    """A client rank's trainer (``rank_trainer``), or what it refuses, naming the rank; (None, None) on rank 0."""
+    if comm.Get_rank() == 0:
+        return None, None
+    try:
+        return rank_trainer(cfg), None
+    except (ConfigError, JobFailure) as err:
+        return None, f"rank {comm.Get_rank()}: {err}"
 
 
 def _opened_starting_points(comm: MPI.Comm, cfg: Config, spec: ModelSpec, flat: FlatModel | None,
@@ -212,27 +224,29 @@ def _planned_rounds(comm: MPI.Comm, cfg: Config, spec: ModelSpec, plan: Exchange
 
 
 def _serve_as_group_member(group: MPI.Comm, cfg: Config, spec: ModelSpec, plan: ExchangeLayout,  # noqa: PLR0913 - the rank's parts, built by _run_rank
-                           flat: FlatModel | None, local: Mapping, run_dir: Path | None,
+                           flat: FlatModel | None, local: Mapping, trainer: Trainer | None, run_dir: Path | None,
                            resume: ResumePoint | None, notes: RankNotes) -> None:
     """Serve as one of a client group's ranks other than its leader: a shard of a sharded client, or a replica
     that trains a share of each batch."""
+    assert trainer is not None  # built on every client rank (_client_trainer)
     if cfg.clients.sharding == "fsdp":
-        stopped = serve_sharded(None, group, cfg, spec, plan, local, upload_initial=False, run_dir=run_dir,
-                                resume=resume, note=notes)
+        stopped = serve_sharded(None, group, cfg, spec, plan, local, trainer=trainer, upload_initial=False,
+                                run_dir=run_dir, resume=resume, note=notes)
         notes("interrupted" if stopped else "finished")
         return
     assert flat is not None  # built for every rank but a sharded one and the out-of-core server
-    serve_as_member(group, cfg, flat, local, notes)
+    serve_as_member(group, cfg, flat, local, trainer, notes)
 
 
 def _serve_as_client_rank(comm: MPI.Comm, group: MPI.Comm | None, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - the rank's parts, built by _run_rank
-                          plan: ExchangeLayout, flat: FlatModel | None, local: Mapping, run_dir: Path | None,
-                          resume: ResumePoint | None, notes: RankNotes, classes: int) -> None:
+                          plan: ExchangeLayout, flat: FlatModel | None, local: Mapping, trainer: Trainer | None,
+                          run_dir: Path | None, resume: ResumePoint | None, notes: RankNotes, classes: int) -> None:
     """Serve as a client rank (a group's leader too) until the last round or a stop: a sharded client's leader, or
     a rank that trains its clients with their per-client state."""
+    assert trainer is not None  # built on every client rank (_client_trainer)
     if cfg.clients.sharding == "fsdp":
         assert group is not None  # the config checks: sharding needs clients.ranks_per_client > 1
-        stopped = serve_sharded(comm, group, cfg, spec, plan, local, upload_initial=resume is None,
+        stopped = serve_sharded(comm, group, cfg, spec, plan, local, trainer=trainer, upload_initial=resume is None,
                                 run_dir=run_dir, resume=resume, note=notes)
         notes("interrupted" if stopped else "finished")
         return
@@ -242,7 +256,8 @@ def _serve_as_client_rank(comm: MPI.Comm, group: MPI.Comm | None, cfg: Config, s
     hosted = sorted(local) if not cfg.lends_client_state else \
         clients_of_rank(comm.Get_rank(), cfg.clients.num_clients, comm.Get_size() - 1)  # homes: state_home
     state = client_state_parts(cfg, plan, flat, work, comm.Get_rank(), hosted, run_dir, resume)
-    serve_as_client(comm, cfg, plan, flat, local, upload_initial=resume is None, replica=replica, state=state,
+    serve_as_client(comm, cfg, plan, flat, local, trainer=trainer, upload_initial=resume is None, replica=replica,
+                    state=state,
                     note=notes, group=group, classes=classes)
 
 

@@ -55,7 +55,6 @@ from mpifl.learning.trainers import (
     Trainer,
     TrainResult,
     local_steps,
-    make_trainer,
     result_problem,
     trainer_name,
 )
@@ -382,7 +381,7 @@ def refused_by_fault(step: GroupStep, accept_failures: bool, rank: int) -> str:
 
 def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config, spec: ModelSpec,  # noqa: PLR0913 - keyword-only, each from the runner
                   plan: ExchangeLayout, local: Mapping[int, tuple[ClientData | None, ClientData | None]], *,
-                  upload_initial: bool, run_dir: Path | None, resume: ResumePoint | None,
+                  trainer: Trainer, upload_initial: bool, run_dir: Path | None, resume: ResumePoint | None,
                   note: Callable[[str, int], None] = lambda state, round_: None) -> bool:
     """Every rank of a sharded group (the leader with the ``federation``): join the group's process group, build
     this rank's shard of the model and its rows of the clients' state, then serve the rounds (the leader) or follow
@@ -412,7 +411,6 @@ def serve_sharded(federation: MPI.Comm | None, group_comm: MPI.Comm, cfg: Config
         assert cfg.model.transformers.path is not None  # config checks refuse pretrained without a path
         load_pretrained_rows(module, cfg.model.transformers.path, size, rank)
     parallel.setup_seconds += time.perf_counter() - began
-    trainer = make_trainer(cfg.train)
     assert isinstance(trainer, (TorchTrainer, CausalLMTrainer))  # the config checks allow only these
     trainer.parallel = parallel
     model = ShardedModel(module, spec, plan, rank, size, cfg.strategy.update == "delta", cfg.statistics_as_values,
