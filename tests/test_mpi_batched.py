@@ -62,8 +62,9 @@ def test_killed_with_sigkill_and_resumed_on_another_number_of_ranks_it_ends_bitw
 
 
 def test_a_model_that_keeps_running_statistics_is_refused_by_validate_and_before_round_1_naming_the_module(tmp_path):
-    """A config error, found by validate before a job queues, and by the run's rank 0 on the model it built: every
-    rank leaves with the one line and a config error's exit status, no abort and no record."""
+    """A config error, found by validate before a job queues, and by the run's client ranks on the model they built,
+    agreed on with it: every rank leaves with the one line and a config error's exit status, no abort and no
+    record."""
     cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("model: {name: mlp, kwargs: {hidden: [16]}}",
                                                            "model: {name: 'fl_helpers:bn_mlp'}"))
     said = "train.batched_clients: module '2' (BatchNorm1d) keeps running statistics"
@@ -71,5 +72,17 @@ def test_a_model_that_keeps_running_statistics_is_refused_by_validate_and_before
     assert checked.returncode == 2 and f"config error: {said}" in checked.stderr, checked.stderr
     result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "MPI_Abort" not in result.stderr
-    assert result.stderr.count(f"[rank 0] mpifl: config error: {said}") == 1, result.stderr
+    assert result.stderr.count(f"[rank 0] mpifl: rank 1: {said}") == 1, result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_with_an_out_of_core_server_the_client_ranks_refuse_the_model_before_round_1_naming_rank_and_module(tmp_path):
+    """The out-of-core server builds no model to check: the client ranks find it as they build theirs, and the
+    ranks agree on it with the model, so every rank still leaves with one line and exit status 2."""
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("model: {name: mlp, kwargs: {hidden: [16]}}",
+                                                           "model: {name: 'fl_helpers:bn_mlp'}"))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), "server.state=disk", "clients.groups=2")
+    assert result.returncode == 2 and "MPI_Abort" not in result.stderr
+    said = "rank 1: train.batched_clients: module '2' (BatchNorm1d) keeps running statistics"
+    assert result.stderr.count(f"[rank 0] mpifl: {said}") == 1, result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -74,12 +74,16 @@ def kept_tensors_note(frozen: ModelSpec, local: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
-def rank_trainer(cfg: Config) -> Trainer:
-    """The client rank's trainer, built once before the ranks agree on the model (``runner._agreed_model``), and
-    its ``train.device`` checked: a setting a plug-in trainer's constructor refuses (``train.kwargs``) or a GPU this
-    rank lacks is then said once and ends every rank with exit status 2, before a byte of the model moved, instead
-    of aborting the job from this rank as it starts training. A ConfigError or JobFailure naming the key."""
+def rank_trainer(cfg: Config, module: nn.Module | None) -> Trainer:
+    """The client rank's trainer, built once before the ranks agree on the model (``runner._agreed_model``), with
+    its ``train.device`` and, under ``train.batched_clients``, its model (``check_batched``; None: a sharded rank's,
+    built later) checked: a setting a plug-in trainer's constructor refuses (``train.kwargs``), a GPU this rank
+    lacks or a model whose clients cannot train as lanes is then said once and ends every rank with exit status 2,
+    before a byte of the model moved, instead of aborting the job from this rank as it starts training. A
+    ConfigError or JobFailure naming the key."""
     resolve_device(cfg.train.device)
+    if cfg.train.batched_clients and module is not None:
+        check_batched(cfg, module)
     return make_trainer(cfg.train)
 
 
@@ -159,11 +163,10 @@ def serve_as_client(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
 
 
 def batched_clients(cfg: Config, work: FlatModel, local: Mapping, state: ClientStateParts) -> BatchedClients | None:
-    """``train.batched_clients``: the rank's batches, or None; a model whose clients cannot train as lanes
-    (``batched_problem``) is refused, naming the key and the module."""
+    """``train.batched_clients``: the rank's batches, or None (the model was checked for lanes with the trainer:
+    ``rank_trainer``); a strategy whose client half has no correction a lane can take is refused."""
     if not cfg.train.batched_clients:
         return None
-    check_batched(cfg, work.module)
     controls = state.controls
     if controls is not None and not isinstance(controls, LaneCorrections):  # the config checks allow SCAFFOLD
         raise ConfigError(f"train.batched_clients: the strategy's client half ({type(controls).__name__}) has no "
@@ -173,8 +176,8 @@ def batched_clients(cfg: Config, work: FlatModel, local: Mapping, state: ClientS
 
 def check_batched(cfg: Config, module: nn.Module) -> None:
     """``train.batched_clients`` with a model whose clients cannot train as lanes of one batch (``batched_problem``:
-    running statistics, dropout, ...): a ConfigError naming the key and the module. Rank 0 checks it before round 1
-    on the model every rank built (``plan_rounds``), each client rank again as it builds its lanes."""
+    running statistics, dropout, ...): a ConfigError naming the key and the module. Each client rank checks the
+    model it built before the ranks agree on it (``rank_trainer``)."""
     problem = batched_refusal(module, cfg.train)
     if problem is not None:
         raise ConfigError(problem)

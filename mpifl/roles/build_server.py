@@ -32,7 +32,7 @@ from mpifl.planning.faults import FaultPlan
 from mpifl.planning.federation import Sampler
 from mpifl.privacy.dp import ServerPrivacy
 from mpifl.privacy.secagg import RingSum, SecureAggregation, config_range_problem
-from mpifl.roles.build_client import check_batched, evaluator_for
+from mpifl.roles.build_client import evaluator_for
 from mpifl.roles.data import client_partition, keep_tokenizer, placement_of, report_partition
 from mpifl.roles.launch import StopRequest
 from mpifl.roles.records import fault_line, log_final, memory_warning_line, secagg_summary
@@ -83,8 +83,8 @@ def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, flat: FlatMo
                 dataset: Dataset | None, client_ranks: int) -> RoundsPlan:
     """The strategy bound to the model and the rounds' sampler, from the clients' partition, which is made here
     first: what only the data read or the model built after MPI started can refuse (a split that cannot be made, a
-    virtual-time schedule or a secure-aggregation range the clients' sizes rule out, ``train.batched_clients`` with
-    a model whose clients cannot train as lanes, an ``eval.device`` this rank does not see) is an InputRefused, which
+    virtual-time schedule or a secure-aggregation range the clients' sizes rule out, an ``eval.device`` this rank
+    does not see) is an InputRefused, which
     the runner shares with every rank before round 1 (an exit with status 2 in one line, as a config error before
     MPI)."""
     parts = client_partition(cfg, dataset)
@@ -95,8 +95,6 @@ def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, flat: FlatMo
         except JobFailure as err:
             raise InputRefused(str(err)) from None
     try:
-        if flat is not None:  # the out-of-core server builds none: its client ranks check it as they build
-            check_batched(cfg, flat.module)
         sampler = _sampler(cfg, plan, strategy, parts, client_ranks)
     except ConfigError as err:
         raise InputRefused(f"config error: {err}") from None

@@ -179,19 +179,20 @@ def _agreed_model(comm: MPI.Comm, cfg: Config, dataset: Dataset | None
                                 **shape)
         spec = flat.spec
     built = time.monotonic() - building
-    trainer, problem = _client_trainer(comm, cfg)
+    trainer, problem = _client_trainer(comm, cfg, flat)
     if dataset is not None and flat is not None and cfg.model.name == "transformers":  # it reads token ids
         problem = problem or vocabulary_problem(flat, dataset, cfg.data)
     agree_on_spec(comm, spec, problem, built, comparable=not out_of_core)
     return spec, flat, trainer
 
 
-def _client_trainer(comm: MPI.Comm, cfg: Config) -> tuple[Trainer | None, str | None]:
-    """A client rank's trainer (``rank_trainer``), or what it refuses, naming the rank; (None, None) on rank 0."""
+def _client_trainer(comm: MPI.Comm, cfg: Config, flat: FlatModel | None) -> tuple[Trainer | None, str | None]:
+    """A client rank's trainer (``rank_trainer``, which checks its model too), or what it refuses, naming the rank;
+    (None, None) on rank 0."""
     if comm.Get_rank() == 0:
         return None, None
     try:
-        return rank_trainer(cfg), None
+        return rank_trainer(cfg, flat.module if flat is not None else None), None
     except (ConfigError, JobFailure) as err:
         return None, f"rank {comm.Get_rank()}: {err}"
 
