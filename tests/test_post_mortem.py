@@ -138,6 +138,17 @@ def test_status_names_the_failed_rank_and_its_reason_when_its_failure_note_was_w
     assert lines[-1].endswith("rank 0 failed (reason above); continue with --resume")
 
 
+def wait_until_running(pid: int, marker: bytes, seconds: float = 30.0) -> None:
+    """Until process ``pid`` runs the program whose command line holds ``marker``: between fork and exec its
+    command line is still its parent's."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while marker not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"process {pid} did not start its program within {seconds} s"
+        time.sleep(0.01)
+
+
 def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resume(tmp_path):
     """A job checked mid-chain: its ranks are alive on this host (ranks.txt), so status says it is still running
     instead of advising a --resume that would start a second job on the same directory. A rank whose note says it
@@ -150,6 +161,8 @@ def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resum
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mpifl-rank-stand-in"])
     other = subprocess.Popen(["sleep", "60"])
     try:
+        wait_until_running(rank.pid, b"mpifl-rank-stand-in")  # on a loaded machine it may not have exec'd yet
+        wait_until_running(other.pid, b"sleep\x0060")
         host = socket.gethostname()
         (run / "ranks.txt").write_text(f"rank host pid local_rank cores gpu threads\n0 {host} {rank.pid} 0 0 - 1\n"
                                        f"1 {host} {other.pid} 1 0 - 1\n2 {host} {rank.pid} 2 0 - 1\n")
