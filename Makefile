@@ -31,7 +31,9 @@ lint: $(VENV)/.test-installed
 
 # Two pytest workers: most of the suite's time is MPI jobs starting up (torch imports), which
 # two workers overlap on two cores. Three were slower here (2026-11-25: half the suite in 18 min,
-# against all of it in 23.5 min with two, and 5 failures; docs/benchmarks.md#reliability).
+# against all of it in 23.5 min with two, and 5 failures; docs/benchmarks.md#reliability). Measured again
+# 2026-12-03 (docs/explanation/testing.md): two workers keep the two cores 88% busy on a quiet machine, so a
+# third could save at most about a tenth, and with a benchmark beside it three and four took the same 16 min.
 # tests/test_docs.py builds the docs site with `mkdocs build --strict` and checks the generated reference.
 # --durations: the 25 slowest tests close the log, where the suite's time goes.
 test: lint
