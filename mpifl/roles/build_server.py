@@ -84,9 +84,9 @@ def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, flat: FlatMo
     """The strategy bound to the model and the rounds' sampler, from the clients' partition, which is made here
     first: what only the data read or the model built after MPI started can refuse (a split that cannot be made, a
     virtual-time schedule or a secure-aggregation range the clients' sizes rule out, an ``eval.device`` this rank
-    does not see) is an InputRefused, which
-    the runner shares with every rank before round 1 (an exit with status 2 in one line, as a config error before
-    MPI)."""
+    does not see) is an InputRefused, which the runner shares with every rank before round 1 (an exit with status 2
+    in one line, as a config error before MPI). What a client rank refuses of its own model and trainer is agreed on
+    earlier, with the model (``runner._client_trainer``)."""
     parts = client_partition(cfg, dataset)
     strategy = _bound_strategy(cfg, spec, client_ranks)
     if dataset is not None and flat is not None:  # the rank that evaluates must see the device it evaluates on
