@@ -98,7 +98,7 @@ def check_model(cfg: Config, batched: bool = False) -> None:
     signature or construction mistake is a ConfigError naming model.name, a pattern that names no tensor one naming
     model.local, before any MPI work. ``batched`` (``validate``'s): also any model under ``train.batched_clients``,
     refused naming that key where its clients cannot train as lanes of one batch (a module with running
-    statistics, say), which a run's rank 0 finds only once it has built the model."""
+    statistics, say), which a run's client ranks find only once they have built it."""
     from mpifl.learning.batched import batched_refusal
     from mpifl.learning.datasets import data_shape, needs_dataset
     from mpifl.learning.models import SIZED_BY_DATA, build_problem, supplied

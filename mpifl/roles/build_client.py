@@ -82,7 +82,7 @@ def rank_trainer(cfg: Config, module: nn.Module | None) -> Trainer:
     before a byte of the model moved, instead of aborting the job from this rank as it starts training. A
     ConfigError or JobFailure naming the key."""
     resolve_device(cfg.train.device)
-    if cfg.train.batched_clients and module is not None:
+    if module is not None:  # batched_refusal is None while train.batched_clients is off
         check_batched(cfg, module)
     return make_trainer(cfg.train)
 
