@@ -302,6 +302,12 @@ def partition_counts(cfg: DataConfig, dataset: Dataset, num_clients: int, seed: 
     """What each client trains on, by class (clients x classes), and how many samples it holds out for validation
     (``data.val_fraction``; zeros without it): the split ``split_validation`` makes on the client ranks."""
     parts = partition(cfg, dataset.y_train, num_clients, seed, dataset.clients, dataset.natural_name)
+    return counts_of(parts, cfg, dataset, seed)
+
+
+def counts_of(parts: list, cfg: DataConfig, dataset: Dataset, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``partition_counts`` of a partition already made (``parts``: each client's training indices), so that a
+    rank which made it for its sampler does not draw it again to report it."""
     splits = [split_validation(p, cfg.val_fraction, seed, c) for c, p in enumerate(parts)]
     train = label_histogram([t for t, _ in splits], dataset.y_train.numpy(), dataset.num_classes)
     return train, np.array([len(v) for _, v in splits], dtype=np.int64)

@@ -73,10 +73,12 @@ class RunOutcome:
 @dataclass(frozen=True)
 class RoundsPlan:
     """What rank 0 settles before the ranks go on to round 1 (``plan_rounds``): the strategy bound to the model,
-    and who trains in each round (and when, under virtual time)."""
+    and who trains in each round (and when, under virtual time), from the clients' partition, kept to be reported
+    (None without data)."""
 
     strategy: Strategy
     sampler: Sampler
+    partition: list | None = None
 
 
 def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, flat: FlatModel | None,
@@ -98,7 +100,7 @@ def plan_rounds(cfg: Config, spec: ModelSpec, plan: ExchangeLayout, flat: FlatMo
         sampler = _sampler(cfg, plan, strategy, parts, client_ranks)
     except ConfigError as err:
         raise InputRefused(f"config error: {err}") from None
-    return RoundsPlan(strategy, sampler)
+    return RoundsPlan(strategy, sampler, parts)
 
 
 def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: FlatModel | None,  # noqa: PLR0913 - the server's parts, each built once by the runner
@@ -116,8 +118,8 @@ def serve_as_server(comm: MPI.Comm, cfg: Config, plan: ExchangeLayout, flat: Fla
     directory = run_dir / CHECKPOINTS if run_dir else None
     attrs = checkpoint_attrs(cfg)
     store = _global_store(cfg, plan, flat, directory, strategy)
-    if dataset is not None and resume is None:
-        report_partition(cfg, dataset, run_dir)
+    if dataset is not None and rounds.partition is not None and resume is None:
+        report_partition(cfg, dataset, rounds.partition, run_dir)
     if dataset is not None:
         keep_tokenizer(dataset, run_dir)
     start, history = (resume.round, resume.metrics) if resume is not None else (0, [])

@@ -24,8 +24,8 @@ from mpifl.learning.datasets import (
 )
 from mpifl.learning.noise import client_noise_std, validation_inputs
 from mpifl.learning.partitions import (
+    counts_of,
     partition,
-    partition_counts,
     partition_csv,
     partition_table,
     split_validation,
@@ -160,11 +160,11 @@ def server_view(dataset: Dataset) -> Dataset:
     return replace(dataset, x_train=torch.empty((0, *x.shape[1:]), dtype=x.dtype))
 
 
-def report_partition(cfg: Config, dataset: Dataset, run_dir: Path | None) -> None:
-    """Print the clients x labels table of what each client trains on (its validation samples apart); keep it as
-    partition.csv in the run directory."""
+def report_partition(cfg: Config, dataset: Dataset, parts: list, run_dir: Path | None) -> None:
+    """Print the clients x labels table of what each client trains on (``parts``, as ``client_partition`` made
+    it; its validation samples apart); keep it as partition.csv in the run directory."""
     with _partition_errors():
-        histogram, validation = partition_counts(cfg.data, dataset, cfg.clients.num_clients, cfg.seed)
+        histogram, validation = counts_of(parts, cfg.data, dataset, cfg.seed)
     held_out = (f" ({int(validation.sum())} of them held out for validation, data.val_fraction "
                 f"{cfg.data.val_fraction:g})" if validation.any() else "")
     log(f"partition '{cfg.data.partition}' of {partition_scope(cfg, dataset, histogram, validation)}{held_out}:\n"
