@@ -11,6 +11,7 @@ from conftest import run_mpi, stopped_and_resumed, write_config
 from reference import one_thread, reference_run, scaffold_reference
 from results import assert_bitwise, reference_controls_numbered, run_controls_numbered
 
+from examples.client_half.scaffold import Leader, Member
 from mpifl.aggregation.strategies import make_strategy, section_span
 from mpifl.algorithms.scaffold import ControlledAverage, control_delta
 from mpifl.cli.plan import estimate
@@ -249,3 +250,49 @@ def test_validate_refuses_a_client_half_path_that_does_not_import_naming_strateg
     said = capsys.readouterr().err
     assert f"strategy.name: '{module}:scaffold' names its client half by Capabilities.client_rule" in said
     assert says in said and "Traceback" not in said
+
+
+def test_a_plugin_client_half_that_corrects_no_step_is_refused_lanes_before_mpi_naming_the_key_and_its_class(tmp_path):
+    """train.batched_clients trains clients as lanes, which take a client half only as a correction of every step
+    (mpifl.api.LaneCorrections). The shipped example's Leader has none: validate refuses it, and so does the run
+    before MPI starts, naming the key and the class, with a config error's exit status and nothing written."""
+    from conftest import mpifl_here
+
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("strategy: {name: scaffold,",
+                                                           f"strategy: {{name: '{EXAMPLE}:scaffold',"))
+    said = "config error: train.batched_clients: the strategy's client half (Leader) has no correction a lane can take"
+    checked = mpifl_here("validate", str(cfg), "train.batched_clients=2")
+    assert checked.returncode == 2 and said in checked.stderr and "Traceback" not in checked.stderr, checked.stderr
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"), "train.batched_clients=2")
+    assert result.returncode == 2 and said in result.stderr, result.stderr[-3000:]
+    assert "MPI_Abort" not in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_type_of_a_client_half_tells_lanes_whether_it_corrects_steps_and_an_undeclared_one_is_left_to_the_rank():
+    """lanes_problem reads the half's class from ClientAlgorithm.leader: the class itself, or a builder's return
+    annotation. A lambda declares nothing, so the rank checks the half it builds (batched_clients)."""
+    from mpifl.algorithms import lanes_problem
+    from mpifl.api import ClientAlgorithm
+
+    class Corrected(Leader):
+        def correction(self, client: int) -> torch.Tensor:
+            return torch.zeros(1)
+
+    def annotated(work, store, cfg) -> Leader:
+        return Leader(work, store, cfg)
+
+    halves = {"plain": Leader, "corrected": Corrected, "annotated": annotated,
+              "lambda": lambda work, store, cfg: Leader(work, store, cfg)}
+    found = {}
+    for name, leader in halves.items():
+        module = type(torch)(f"halves_{name}")
+        module.CLIENT = ClientAlgorithm(state="c_i", leader=leader, member=Member)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(__import__("sys").modules, module.__name__, module)
+            found[name] = lanes_problem(f"{module.__name__}:CLIENT", 2)
+            assert lanes_problem(f"{module.__name__}:CLIENT", 0) is None  # lanes off: nothing to refuse
+    assert found["plain"] is not None and "(Leader)" in found["plain"]
+    assert found["annotated"] == found["plain"]
+    assert found["corrected"] is None and found["lambda"] is None
+    assert lanes_problem("control_variates", 2) is None  # SCAFFOLD's built-in half trains as lanes

@@ -12,8 +12,10 @@ strategy; this table names client halves only.
 """
 from __future__ import annotations
 
+import typing
+
 from mpifl.algorithms import feddyn, scaffold
-from mpifl.algorithms.contract import ClientAlgorithm
+from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, LaneCorrections
 from mpifl.learning.models import Streams
 from mpifl.plugins import is_import_path, resolve
 
@@ -46,6 +48,41 @@ def client_rule_problem(rule: str, strategy_name: str) -> str | None:
     except (ImportError, ValueError) as err:
         return f"strategy.name: {strategy_name!r} names its client half by Capabilities.client_rule: {err}"
     return None
+
+
+def lanes_problem(rule: str, batched_clients: int) -> str | None:
+    """What stops ``train.batched_clients`` from training the clients of the client half ``rule`` as lanes, as a
+    config error naming that key; None when nothing does, or when the half's type is not declared. A lane takes a
+    client half only as a correction of every step (``LaneCorrections``), which the half's class tells: the
+    ``ClientAlgorithm.leader`` given as a class, or as a function annotated to return one. Why before MPI: the
+    half is built only as a rank starts training, where a refusal ends the job with an abort; a half whose type
+    is undeclared (a lambda) is still checked there, once built (``no_lanes``)."""
+    if not batched_clients:
+        return None
+    algorithm = client_algorithm(rule)
+    half = _declared_half(algorithm.leader) if algorithm is not None else None
+    if half is None or issubclass(half, LaneCorrections):
+        return None
+    return no_lanes(half.__name__)
+
+
+def no_lanes(half: str) -> str:
+    """The refusal of ``train.batched_clients`` for the client half of class ``half``, which corrects no step."""
+    return (f"train.batched_clients: the strategy's client half ({half}) has no correction a lane can take (a "
+            "mpifl.api.LaneCorrections: a method correction(client) giving the client's step correction); set "
+            "train.batched_clients=0")
+
+
+def _declared_half(leader: typing.Callable[..., ClientHalf]) -> type | None:
+    """The class ``leader`` builds: itself when it is one, else its return annotation when that resolves to a
+    class; None when neither tells (a lambda, an annotation naming what its module does not import)."""
+    if isinstance(leader, type):
+        return leader
+    try:
+        returned = typing.get_type_hints(leader).get("return")
+    except Exception:  # noqa: BLE001 - any unresolvable annotation only means the type is not declared
+        return None
+    return returned if isinstance(returned, type) else None
 
 
 def model_streams(rule: str) -> Streams | None:

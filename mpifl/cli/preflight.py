@@ -24,7 +24,7 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
     Raises ConfigError naming the key; returns warnings for legal values that are surely mistakes.
     """
     from mpifl.aggregation.compatibility import checked_strategy
-    from mpifl.algorithms import client_rule_problem
+    from mpifl.algorithms import client_rule_problem, lanes_problem
     from mpifl.clock.availability import availability_trace_problem
     from mpifl.clock.queue import queue_trace_problem
     from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
@@ -49,7 +49,8 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
                           f"{cfg.data.dataset!r} split naturally is read per rank, each rank its own clients only; "
                           "use clients.placement='balanced'")
     strategy = checked_strategy(cfg)
-    problem = client_rule_problem(cfg.client_rule, cfg.strategy.name)
+    problem = client_rule_problem(cfg.client_rule, cfg.strategy.name) or \
+        lanes_problem(cfg.client_rule, cfg.train.batched_clients)
     if problem:
         raise ConfigError(problem)
     # ``validate`` checks the range against the real largest client next (check_partition): not with a floor here

@@ -415,8 +415,8 @@ def _check_sharding(cfg: Config) -> None:
 def _check_batched_clients(cfg: Config) -> None:
     """``train.batched_clients: K``: what lanes of one batched model can train (mpifl.learning.batched). The client
     rules need a lane's own form: FedProx's term and SCAFFOLD's corrected steps have one; the others are refused by
-    name, as is what trains a client other than the built-in loop. A plug-in client half is checked where the rank
-    builds it: it must be a ``LaneCorrections``."""
+    name, as is what trains a client other than the built-in loop. A plug-in client half must be a
+    ``LaneCorrections``, which only its imported class tells (mpifl.algorithms.lanes_problem)."""
     if not cfg.train.batched_clients:
         return
     why = f"train.batched_clients={cfg.train.batched_clients} trains a rank's clients as lanes of one batched model"

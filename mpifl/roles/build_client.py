@@ -9,7 +9,7 @@ from mpi4py import MPI
 from torch import nn
 
 from mpifl.aggregation.strategies import make_strategy
-from mpifl.algorithms import client_algorithm
+from mpifl.algorithms import client_algorithm, no_lanes
 from mpifl.algorithms.contract import LaneCorrections
 from mpifl.algorithms.ditto import GroupPersonalModels, PersonalModels
 from mpifl.algorithms.local_layers import PersonalTensors
@@ -169,8 +169,7 @@ def batched_clients(cfg: Config, work: FlatModel, local: Mapping, state: ClientS
         return None
     controls = state.controls
     if controls is not None and not isinstance(controls, LaneCorrections):  # the config checks allow SCAFFOLD
-        raise ConfigError(f"train.batched_clients: the strategy's client half ({type(controls).__name__}) has no "
-                          "correction a lane can take (LaneCorrections); set train.batched_clients=0")
+        raise ConfigError(no_lanes(type(controls).__name__))  # an undeclared type (lanes_problem)
     return BatchedClients(cfg.train, cfg.seed, local, controls.correction if controls is not None else None)
 
 
