@@ -116,6 +116,25 @@ def test_a_figure_into_a_folder_that_does_not_exist_is_refused_before_any_work(s
     assert result.stderr.strip() == f"mpifl partition: --plot {missing}: folder '{missing.parent}' does not exist"
 
 
+def test_a_figure_matplotlib_cannot_write_is_refused_in_one_line_naming_the_path(sweep, tmp_path):
+    """A suffix matplotlib has no writer for, a folder given for the file, and a file given for its folder: one
+    line each, before the table, no traceback."""
+    pytest.importorskip("matplotlib")
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    said = {
+        "out.txt": "matplotlib writes no txt figure; end the name in one of ",
+        str(tmp_path): "is a folder: give the figure's file name",
+        str(afile / "x.png"): f"folder '{afile}' is a file, not a folder",
+    }
+    for path, says in said.items():
+        result = mpifl_here("compare", *sweep, "--plot", path, cwd=tmp_path)
+        assert result.returncode == 1 and not result.stdout and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith(f"mpifl compare: --plot {path}") and says in result.stderr, result.stderr
+        assert path != "out.txt" or ".pdf, .pgf, .png" in result.stderr  # the formats it has, named
+    assert afile.read_text() == "kept"
+
+
 def test_a_run_given_twice_is_refused_since_its_seed_would_count_twice(sweep):
     with pytest.raises(SystemExit, match=r"is given twice: its seed would count twice in the mean ± std"):
         compare_runs([sweep[0], sweep[1], sweep[0]])
@@ -137,6 +156,24 @@ def test_a_run_without_rounds_is_named_and_left_out_of_the_means(sweep, tmp_path
     assert "seed=3,strategy.name=fedavg: no round recorded eval.loss" in text and "nan" not in text
     assert [len(members) for _, members in groups] == [3, 3]  # the failed run is in no group's mean ± std
     assert "| strategy.name=fedavg | 3 | 0,1,2 |" in text
+
+
+def test_a_run_directory_without_records_is_compared_as_one_no_round_recorded_and_a_non_run_still_ends_it(sweep,
+                                                                                                         tmp_path):
+    """A sweep's grid point refused at start-up, or a run killed before round 1, leaves a config.yaml and no
+    metrics.jsonl: the other runs are still compared. A path that is no run directory, or a run's records file
+    given for its directory, ends the command naming it."""
+    unstarted = write_run(tmp_path / "seed=4,strategy.name=fedavg", "fedavg", 4)
+    (unstarted / "metrics.jsonl").unlink()
+    text, groups = compare_runs([*sweep, str(unstarted)], "eval.loss")
+    assert "| seed=4,strategy.name=fedavg | fedavg | off | no round recorded it | - |" in text
+    assert [len(members) for _, members in groups] == [3, 3]
+    with pytest.raises(SystemExit, match=r"nowhere/metrics.jsonl does not exist \(is .*nowhere a run directory"):
+        compare_runs([*sweep, str(tmp_path / "nowhere")])
+    records = Path(sweep[0]) / "metrics.jsonl"
+    with pytest.raises(SystemExit, match=rf"{records} is a file: give the run directory that holds the run's "
+                                         rf"records \({sweep[0]}\)"):
+        compare_runs([str(records)])
 
 
 def compared_with_extras(tmp_path, runs: dict[str, str]) -> str:

@@ -28,6 +28,17 @@ def test_report_writes_the_plots(profiled_run, tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == PNG, name
 
 
+def test_an_out_that_is_a_file_or_cannot_be_made_is_refused_in_one_line_and_the_file_kept(profiled_run, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    for out, says in ((afile, f"--out {afile} is a file, not a folder for the plots"),
+                      (afile / "plots", f"--out {afile / 'plots'}: cannot make the folder")):
+        result = mpifl_here("report", str(profiled_run / "run"), "--out", str(out))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().startswith(f"mpifl report: {says}"), result.stderr
+    assert afile.read_text() == "kept"
+
+
 def test_a_run_that_failed_before_its_first_round_gets_a_clear_refusal_and_no_empty_plots(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

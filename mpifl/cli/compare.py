@@ -354,7 +354,7 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
     """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
     the groups (for a figure against ``x``: 'round', or 'virtual', which every run drawn must have)."""
     _refuse_repeated_paths(run_dirs)
-    runs = [(Path(d), load_metrics(Path(d), "compare")) for d in run_dirs]
+    runs = [(Path(d), run_records(Path(d))) for d in run_dirs]
     listed_in = set().union(*(list_keys(records) for _, records in runs))
     _refuse_unrecorded_metric(metric, runs, listed_in)
     direction = better_direction(metric, better)
@@ -378,6 +378,15 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         text += "\n\n" + _seeds_table(groups, reach, direction, fmt)
         text += group_notes(groups)  # of that table: with one run a group, there is none to annotate
     return (latex_notes(text) if fmt == "latex" else text), groups
+
+
+def run_records(run_dir: Path) -> list[dict]:
+    """A run's per-round records; none for a run directory without ``metrics.jsonl`` (a run that failed or was
+    stopped before its first round, a sweep's grid point refused at start-up), which the table then shows as a
+    run no round recorded, while the other runs are compared. What is not a run directory ends the command."""
+    if (run_dir / "config.yaml").is_file() and not (run_dir / "metrics.jsonl").exists():
+        return []
+    return load_metrics(run_dir, "compare")
 
 
 def _refuse_repeated_paths(run_dirs: Sequence[str]) -> None:

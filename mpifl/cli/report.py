@@ -42,9 +42,31 @@ def figure_path(path: str, command: str) -> Path:
     traceback)."""
     target = Path(path)
     if not target.parent.is_dir():
-        raise SystemExit(f"mpifl {command}: --plot {path}: folder {str(target.parent)!r} does not exist")
-    pyplot(command)
+        what = "is a file, not a folder" if target.parent.exists() else "does not exist"
+        raise SystemExit(f"mpifl {command}: --plot {path}: folder {str(target.parent)!r} {what}")
+    if target.is_dir():
+        raise SystemExit(f"mpifl {command}: --plot {path} is a folder: give the figure's file name (say "
+                         f"{target / 'figure.png'})")
+    plt = pyplot(command)
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    kind = target.suffix.lstrip(".").lower()
+    if kind not in formats:
+        raise SystemExit(f"mpifl {command}: --plot {path}: matplotlib writes no {kind or 'suffix-less'} figure; end "
+                         f"the name in one of {', '.join('.' + k for k in sorted(formats))}")
     return target
+
+
+def report_folder(out: Path) -> Path:
+    """``mpifl report --out``: the folder its plots go to, made if missing; a path that is a file, or a folder that
+    cannot be made, ends the command naming it (before any plot is drawn)."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"mpifl report: --out {out} is a file, not a folder for the plots")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"mpifl report: --out {out}: cannot make the folder ({err.strerror})") from None
+    return out
 
 
 def load_metrics(run_dir: Path, command: str = "report") -> list[dict]:
@@ -52,6 +74,9 @@ def load_metrics(run_dir: Path, command: str = "report") -> list[dict]:
     line (a job killed while it appended) is left out, saying so; any other line that is not JSON ends the command
     naming the file and the line, since the records around it can no longer be trusted to be the run's."""
     path = run_dir / "metrics.jsonl"
+    if run_dir.is_file():
+        raise SystemExit(f"mpifl {command}: {run_dir} is a file: give the run directory that holds the run's "
+                         f"records ({run_dir.parent})")
     if not path.is_file():
         raise SystemExit(f"mpifl {command}: {path} does not exist (is {run_dir} a run directory?)")
     read = read_records(path)
@@ -106,8 +131,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, records: li
     if not records:
         raise SystemExit(f"mpifl report: {run_dir / 'metrics.jsonl'} holds no round yet, so there is nothing to "
                          f"plot; `mpifl status {run_dir}` says how far the run got")
-    out = Path(out) if out else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    out = report_folder(Path(out) if out else run_dir / "report")
     plt = pyplot()
     written = []
     local = kept_local_tensors(run_dir)
