@@ -114,6 +114,27 @@ def test_a_round_s_cost_adds_the_server_and_every_rank_and_the_run_s_sums_the_ro
     assert cost_line(gpu) == "cost: 1 CPU-s (0 on the server), 0 MiB moved, 2 GPU-s, 0.1 kWh of GPU energy"
 
 
+def test_gpu_energy_is_totalled_only_where_every_gpu_rank_counted_it_else_the_line_says_it_was_not():
+    """A GPU without NVML's energy counter would make a total of the others' a silent underestimate: the round
+    records how many GPU ranks went uncounted instead, the run's total carries that count, and the cost line says
+    the energy was not counted. CPU ranks (no gpu_seconds) are no gap."""
+    counted = {"cpu_seconds": 1.0, "gpu_seconds": 2.0, "gpu_energy_joules": 3.6e5}
+    uncounted = {"cpu_seconds": 1.0, "gpu_seconds": 2.0}
+    mixed = round_cost({"cpu_seconds": 1.0}, {"1": counted, "2": uncounted, "3": {"cpu_seconds": 1.0}}, 0)
+    assert mixed["gpu_seconds"] == 4.0 and "gpu_energy_joules" not in mixed
+    assert mixed["gpu_energy_uncounted_ranks"] == 1.0
+    assert cost_line(mixed).endswith(", 4 GPU-s, GPU energy not counted (no NVML energy counter in 1 rank-round; "
+                                     "each rank's log says why)")
+    whole = round_cost({"cpu_seconds": 1.0}, {"1": counted, "3": {"cpu_seconds": 1.0}}, 0)
+    assert "gpu_energy_uncounted_ranks" not in whole and whole["gpu_energy_joules"] == 3.6e5
+    total = cost_to_date(cost_to_date(None, whole), mixed)  # one round counted, then one with a gap
+    assert "GPU energy not counted (no NVML energy counter in 1 rank-round" in cost_line(total)
+    assert cost_line(cost_to_date(None, whole)).endswith("2 GPU-s, 0.1 kWh of GPU energy")
+    late = plus_late(whole, {"cpu_seconds": 1.0, "gpu_seconds": 1.0})  # a dropped GPU rank's late header
+    assert late["gpu_energy_uncounted_ranks"] == 1.0 and "not counted" in cost_line(late)
+    assert "GPU" not in cost_line(round_cost({"cpu_seconds": 1.0}, {"1": {"cpu_seconds": 1.0}}, 0))
+
+
 def test_a_rank_whose_headers_carried_no_reading_leaves_the_round_s_bytes_written_whole():
     """Asynchronous FL: a rank's update sent without a reading (another of its headers carried it, or will) is no
     rank that cannot count its writes."""

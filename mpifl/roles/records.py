@@ -247,9 +247,14 @@ def round_cost(server: dict[str, float], ranks: dict[str, dict], bytes_moved: in
     readings = [r for r in clients if "cpu_seconds" in r]
     if "bytes_written" in server and all("bytes_written" in r for r in readings):
         cost["bytes_written"] = server["bytes_written"] + sum(r["bytes_written"] for r in readings)
-    for key in ("gpu_seconds", "gpu_energy_joules"):
-        if any(key in r for r in clients):
-            cost[key] = sum(r.get(key, 0.0) for r in clients)
+    on_gpus = [r for r in clients if "gpu_seconds" in r]
+    if on_gpus:
+        cost["gpu_seconds"] = sum(r["gpu_seconds"] for r in on_gpus)
+        uncounted = sum("gpu_energy_joules" not in r for r in on_gpus)  # no NVML energy counter on that GPU
+        if uncounted:  # no total that leaves a GPU's energy out: the count of those left out, said by cost_line
+            cost["gpu_energy_uncounted_ranks"] = float(uncounted)
+        else:
+            cost["gpu_energy_joules"] = sum(r["gpu_energy_joules"] for r in on_gpus)
     return cost
 
 
@@ -273,6 +278,8 @@ def plus_late(cost: dict[str, float], late: dict[str, float]) -> dict[str, float
     for key in ("bytes_written", "gpu_seconds", "gpu_energy_joules"):
         if key in late and key in cost:
             out[key] = cost[key] + late[key]
+    if "gpu_seconds" in late and "gpu_seconds" in cost and "gpu_energy_joules" not in late:  # no energy counter
+        out["gpu_energy_uncounted_ranks"] = cost.get("gpu_energy_uncounted_ranks", 0.0) + 1.0
     return out
 
 
@@ -289,10 +296,18 @@ def cost_line(total: dict[str, float]) -> str:
     if "bytes_written" in total:
         parts.append(f"{total['bytes_written'] / MIB:.3g} MiB written")
     if "gpu_seconds" in total:
-        parts.append(f"{total['gpu_seconds']:.3g} GPU-s")
-    if "gpu_energy_joules" in total:
-        parts.append(f"{total['gpu_energy_joules'] / 3.6e6:.3g} kWh of GPU energy")
+        parts += [f"{total['gpu_seconds']:.3g} GPU-s", energy_said(total)]
     return "cost: " + ", ".join(parts)
+
+
+def energy_said(total: dict[str, float]) -> str:
+    """The GPU energy of a cost with GPU-seconds: the kWh NVML counted, or that some GPU rank had no energy counter
+    (``gpu_energy_uncounted_ranks``: its rounds, summed), never a total that leaves a GPU out."""
+    uncounted = int(total.get("gpu_energy_uncounted_ranks", 0))
+    if uncounted or "gpu_energy_joules" not in total:
+        where = f" in {uncounted} rank-round{'s' if uncounted != 1 else ''}" if uncounted else ""
+        return f"GPU energy not counted (no NVML energy counter{where}; each rank's log says why)"
+    return f"{total['gpu_energy_joules'] / 3.6e6:.3g} kWh of GPU energy"
 
 
 def secagg_record(metas: dict[int, UpdateMeta], cohort: int, fraction_bits: int,
