@@ -247,6 +247,39 @@ def test_each_group_in_the_figure_has_its_own_line_style_and_a_marker_at_every_p
         [(ln.get_color(), ln.get_linestyle(), ln.get_marker()) for ln in lines[1:]]
 
 
+def test_a_group_evaluated_in_one_round_only_draws_its_spread_as_an_error_bar_on_that_rounds_own_tick(tmp_path):
+    """eval.every = rounds: each seed has one value, so there is no band to shade between rounds; the spread is an
+    error bar, and the x axis holds the round's whole number rather than fractions around it."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from mpifl.cli.compare import plot_groups
+
+    runs = []
+    for seed in (0, 1):
+        run = write_run(tmp_path / f"seed={seed}", "fedavg", seed, rounds=6)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for record in records[:-1]:
+            del record["eval"]  # evaluated in the last round only
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        runs.append(str(run))
+    _, groups = compare_runs(runs, "eval.accuracy")
+    drawn = {}
+    original = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        drawn.update(ticks=list(ax.get_xticks()), bars=[c for c in ax.containers if hasattr(c, "has_yerr")],
+                     bands=len(ax.collections))
+        return original(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plt.Figure, "savefig", keep)
+        plot_groups(groups, "eval.accuracy", tmp_path / "one.png")
+    assert drawn["ticks"] == [6.0]
+    assert len(drawn["bars"]) == 1 and drawn["bars"][0].has_yerr
+    low, high = drawn["bars"][0].lines[1]  # the caps: mean -/+ the std of 1 - 1/6 - 0.01 seed over seeds 0 and 1
+    assert high.get_ydata()[0] - low.get_ydata()[0] == pytest.approx(2 * 0.01 / 2 ** 0.5)
+
+
 def test_a_spread_across_clients_is_better_lower_and_per_client_keys_stay_out_of_the_hint(tmp_path):
     assert better_direction("federated_eval.accuracy_std") == "lower"
     assert better_direction("federated_eval.accuracy_worst10") == "higher"

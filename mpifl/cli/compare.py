@@ -564,12 +564,16 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     ``subject`` leads the title (what was run; default: the metric)."""
     plt = pyplot("compare")
     fig, ax = plt.subplots(figsize=(7, 4))
-    draw_groups(ax, groups, fraction_range(groups, metric), x)
+    lines = draw_groups(ax, groups, fraction_range(groups, metric), x)
     if x == "virtual":
         ax.set_xlabel("virtual time (s); a value holds until the next")
     else:
         ax.set_xlabel("round")
         ax.xaxis.get_major_locator().set_params(integer=True)
+        drawn = sorted({float(r) for line in lines for r in line.get_xdata()})
+        if len(drawn) == 1:  # one round (eval.every = rounds): its own tick, not a span of fractional rounds
+            ax.set_xlim(drawn[0] - 1, drawn[0] + 1)
+            ax.set_xticks(drawn)
     ax.set_ylabel(textwrap.fill(metric_name(metric), 40))  # a long name on two lines, not past the axes
     pooled = any(len(members) > 1 for _, members in groups)
     ax.set_title(f"{subject or METRIC_NAMES.get(metric, metric)}: "
@@ -614,14 +618,14 @@ def group_curve(members: Sequence[RunOutcome], x: str) -> tuple[list[float], lis
 
 def draw_groups(ax: Axes, groups: Sequence[tuple[str, list[RunOutcome]]], clip: tuple[float, float] | None = None,
                 x: str = "round") -> list[Line2D]:
-    """Each group's mean curve over the rounds every one of its runs recorded, with ± one standard deviation shaded
-    (a single run: its curve alone), the band cut to ``clip`` (a fraction's [0, 1]). Each group has its own line
-    style and marker, so groups with the same curve (FedAvg and Ditto's global model) stay visible one over the
-    other, and a marker at every point, so a round without the metric shows as a gap between markers rather than
-    as a point on the line. Against virtual seconds (``x='virtual'``) a curve is a step: a value holds until the
-    next one (``group_curve``). A group's colour and style follow its place in ``groups``, so an empty group keeps
-    its place: figures that leave out different groups (an algorithm not run on one setting) draw the others
-    alike."""
+    """Each group's mean curve over the rounds every one of its runs recorded, with ± one standard deviation shaded (a
+    single run: its curve alone; a single round: an error bar), the band cut to ``clip`` (a fraction's [0, 1]). Each
+    group has its own line style and marker, so groups with the same curve (FedAvg and Ditto's global model) stay
+    visible one over the other, and a marker at every point, so a round without the metric shows as a gap between
+    markers rather than as a point on the line. Against virtual seconds (``x='virtual'``) a curve is a step: a value
+    holds until the next one (``group_curve``). A group's colour and style follow its place in ``groups``, so an
+    empty group keeps its place: figures that leave out different groups (an algorithm not run on one setting) draw
+    the others alike."""
     lines = []
     steps = x == "virtual"
     for index, (label, members) in enumerate(groups):
@@ -640,6 +644,10 @@ def draw_groups(ax: Axes, groups: Sequence[tuple[str, list[RunOutcome]]], clip: 
             low, high = [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
             if clip:
                 low, high = [max(v, clip[0]) for v in low], [min(v, clip[1]) for v in high]
-            ax.fill_between(at, low, high, color=line.get_color(), alpha=0.2, linewidth=0,
-                            step="post" if steps else None)
+            if len(at) == 1:  # a band needs two points: one round's spread is an error bar
+                ax.errorbar(at, means, yerr=[[means[0] - low[0]], [high[0] - means[0]]], color=line.get_color(),
+                            capsize=5, linestyle="none")
+            else:
+                ax.fill_between(at, low, high, color=line.get_color(), alpha=0.2, linewidth=0,
+                                step="post" if steps else None)
     return lines
