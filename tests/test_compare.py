@@ -40,6 +40,30 @@ def test_a_loss_a_perplexity_a_time_or_a_size_is_better_lower_and_accuracy_highe
     assert better_direction("eval.loss", "higher") == "higher"
 
 
+def test_a_privacy_loss_the_ratio_to_the_mpi_floor_and_counts_of_clamped_or_dropped_are_better_lower():
+    assert [better_direction(m) for m in ("privacy.epsilon", "exchange.ratio_to_floor", "secagg.clamped",
+                                          "secagg.dropped", "num_samples")] == ["lower"] * 4 + ["higher"]
+
+
+def test_a_list_of_client_ids_or_a_whole_section_is_refused_as_a_metric_naming_what_to_give(sweep, tmp_path):
+    run = write_run(tmp_path / "ids", "fedavg", 0)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "participants": [0, 3, 5], "num_samples": 90}) + "\n"
+                                               for r in records))
+    with pytest.raises(SystemExit, match=r"--metric 'participants' lists client ids, which measure nothing"):
+        compare_runs([str(run)], "participants")
+    with pytest.raises(SystemExit, match=r"--metric 'eval' is a section of the records: name one of its keys "
+                                         r"\(eval.accuracy, eval.loss\)"):
+        compare_runs([str(run)], "eval")
+
+
+def test_large_figures_such_as_bytes_are_whole_numbers_with_thousands_separated():
+    from mpifl.cli.compare import mean_std
+
+    assert mean_std([280428544.0, 280240123.0]) == "280,334,334 ± 133,234"
+    assert mean_std([0.84, 0.86]) == "0.8500 ± 0.0141" and mean_std([12.5], 1) == "12.5"
+
+
 def test_the_help_names_every_word_that_makes_a_metric_lower_is_better():
     from mpifl.cli import _parser
     from mpifl.cli.compare import LOWER_WORDS

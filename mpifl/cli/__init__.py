@@ -78,7 +78,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     cmp_.add_argument("--metric", default="eval.accuracy", help="dotted key in each round's record")
     cmp_.add_argument("--better", choices=("auto", "higher", "lower"), default="auto", help="which way is better: "
                       "auto reads it from the metric's name (loss, perplexity, error, seconds, time, bytes, "
-                      "staleness, std: lower)")
+                      "staleness, std, epsilon, floor, clamped, dropped: lower)")
     cmp_.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="the tables' format")
     cmp_.add_argument("--plot", metavar="PNG", help="also draw each group's mean curve with ± one std shaded "
                       "(needs the 'plot' extra)")

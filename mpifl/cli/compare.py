@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # the 'plot' extra: matplotlib is imported only when plotting
     from matplotlib.axes import Axes
     from matplotlib.lines import Line2D
 
-LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "bytes", "staleness", "std"})
+# a privacy loss (epsilon), the exchange's ratio to its raw-MPI floor, values clamped and updates dropped count too
+LOWER_WORDS = frozenset({"loss", "perplexity", "error", "seconds", "time", "bytes", "staleness", "std", "epsilon",
+                         "floor", "clamped", "dropped"})
 NOT_THE_SETTING = frozenset({"seed", "name", "output"})  # what a group's runs may differ in
 DEFAULT_NAME = Config().name  # a run left with the default name has no name of its group's own
 LIST_ENTRY = re.compile(r"^[a-z_]+\.\d+\.")  # a key of one entry of a list of sections: faults.0.kind
@@ -87,8 +89,18 @@ def value_of(record: dict, metric: str) -> float | None:
 
 
 def list_keys(records: list[dict]) -> set[str]:
-    """The dotted keys whose value is a non-empty list of numbers in some round (``staleness``, one per arrival)."""
-    return metric_keys(records, lambda value: isinstance(value, list) and bool(value) and all(map(is_number, value)))
+    """The dotted keys whose value is a non-empty list of numbers in some round (``staleness``, one per arrival),
+    but for lists of client ids (``CLIENT_IDS``), whose mean measures nothing."""
+    lists = metric_keys(records, lambda value: isinstance(value, list) and bool(value) and all(map(is_number, value)))
+    return {key for key in lists if not names_clients(key)}
+
+
+CLIENT_IDS = frozenset({"participants", "personal_diverged", "withheld"})  # a record's lists of client ids
+
+
+def names_clients(metric: str) -> bool:
+    """Whether the dotted key is a list of client ids (``participants``, ``secagg.withheld``), not a measure."""
+    return metric.rsplit(".", 1)[-1] in CLIENT_IDS
 
 
 def outcome(run_dir: Path, records: list[dict], metric: str, target: float | None, lower: bool) -> RunOutcome:
@@ -316,12 +328,22 @@ def repeated_seed(members: Sequence[RunOutcome]) -> tuple[RunOutcome, RunOutcome
 
 
 def mean_std(values: Sequence[float], digits: int = 4) -> str:
-    """'mean ± std' (the sample standard deviation), or the value alone for one run."""
+    """'mean ± std' (the sample standard deviation), or the value alone for one run, as ``number`` writes them."""
     if not values:
         return "-"
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+        return number(values[0], digits)
+    mean = statistics.fmean(values)
+    return f"{number(mean, digits)} ± {number(statistics.stdev(values), digits, like=mean)}"
+
+
+def number(value: float, digits: int = 4, like: float | None = None) -> str:
+    """A table's figure: ``digits`` decimals for a value under 1,000 (an accuracy, a loss, seconds), whole with
+    thousands separated for a larger one (bytes, samples), where decimals would only be noise; ``like``: the
+    value whose form it takes (a std beside its mean)."""
+    if abs(value if like is None else like) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
 
 
 # What a table cell's characters become in LaTeX: its special characters escaped, the symbols mpifl prints (±, the
@@ -407,6 +429,13 @@ def _refuse_unrecorded_metric(metric: str, runs: Sequence[tuple[Path, list[dict]
     known = set().union(*(metric_keys(records) for _, records in runs))
     if metric in known | listed_in or any(recorded_null(r, metric) for _, records in runs for r in records):
         return
+    if names_clients(metric):
+        raise SystemExit(f"mpifl compare: --metric {metric!r} lists client ids, which measure nothing to compare; "
+                         "num_samples counts the samples the round's clients trained on")
+    inside = sorted(k for k in known | listed_in if k.startswith(metric + "."))
+    if inside:
+        raise SystemExit(f"mpifl compare: --metric {metric!r} is a section of the records: name one of its keys "
+                         f"({first_few(inside)})")
     import difflib
 
     close = difflib.get_close_matches(metric, sorted(known | listed_in), n=1)
@@ -428,7 +457,7 @@ def _runs_table(outcomes: Sequence[RunOutcome], names: dict[Path, str], reach: s
         to_target = [str(o.reached_round) if o.reached_round else "not reached",
                      f"{o.reached_virtual_seconds:.1f}" if o.reached_virtual_seconds is not None else "-"][
             :len(reaching)]
-        values = [f"{o.best:.4f}", f"{o.final:.4f}"] if o.curve else \
+        values = [number(o.best), number(o.final)] if o.curve else \
             ["non-finite in every round" if o.non_finite else "no round recorded it", "-"]
         rows.append([names[o.run_dir], strategy_label(o.config),
                      str(o.config.get("clock", {}).get("mode", "off")), *(to_target if reach else []), *values])
@@ -564,13 +593,13 @@ def plot_groups(groups: Sequence[tuple[str, list[RunOutcome]]], metric: str, pat
     ``subject`` leads the title (what was run; default: the metric)."""
     plt = pyplot("compare")
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines = draw_groups(ax, groups, fraction_range(groups, metric), x)
+    draw_groups(ax, groups, fraction_range(groups, metric), x)
     if x == "virtual":
         ax.set_xlabel("virtual time (s); a value holds until the next")
     else:
         ax.set_xlabel("round")
         ax.xaxis.get_major_locator().set_params(integer=True)
-        drawn = sorted({float(r) for line in lines for r in line.get_xdata()})
+        drawn = sorted({r for _, members in groups if members for r in group_curve(members, x)[0]})
         if len(drawn) == 1:  # one round (eval.every = rounds): its own tick, not a span of fractional rounds
             ax.set_xlim(drawn[0] - 1, drawn[0] + 1)
             ax.set_xticks(drawn)
