@@ -486,6 +486,12 @@ def test_a_pooled_seed_that_stopped_short_is_marked_with_how_far_it_got(sweep, t
     text, _ = compare_runs([*sweep, str(short)], "eval.loss")
     assert "| strategy.name=fedavg | 4 | 0,1,2,3 (2 of 5) |" in text
     assert "A seed marked (R of N) recorded R of its config's N rounds: its 'final' is round R's" in text
+    # --complete-only: the stopped seed stays in the per-run table, out of the group's mean ± std
+    text, groups = compare_runs([*sweep, str(short)], "eval.loss", complete_only=True)
+    assert "| seed=3,strategy.name=fedavg | fedavg | off |" in text
+    assert "seed=3,strategy.name=fedavg: left out of the groups below and of the figure (--complete-only)" in text
+    assert "| strategy.name=fedavg | 3 | 0,1,2 |" in text and "(R of N)" not in text
+    assert [len(members) for _, members in groups] == [3, 3]
 
 
 def test_settings_the_groups_differ_in_beyond_their_labels_are_named(tmp_path):

@@ -84,6 +84,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                       "(needs the 'plot' extra)")
     cmp_.add_argument("--x", choices=("round", "virtual"), default="round", help="the figure's x axis: rounds, or "
                       "the virtual clock's seconds (runs with clock.mode; an asynchronous step is no sync round)")
+    cmp_.add_argument("--complete-only", action="store_true", help="pool only the runs that recorded every round "
+                      "their config asks; a stopped or failed seed stays in the per-run table, out of the means")
     cmp_.set_defaults(func=commands.compare)
 
 

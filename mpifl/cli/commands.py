@@ -275,7 +275,8 @@ def compare(args: argparse.Namespace) -> int:
         raise SystemExit(f"mpifl compare: --x {args.x} is the figure's axis: give --plot FILE.png too")
     if args.plot:
         figure_path(args.plot, "compare")
-    text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format, args.x)
+    text, groups = compare_runs(args.run_dirs, args.metric, args.target, args.better, args.format, args.x,
+                                args.complete_only)
     print(text)
     if args.plot:  # beside a LaTeX table on stdout, on stderr: `> table.tex` keeps the table alone
         print(f"wrote {plot_groups(groups, args.metric, args.plot, x=args.x)}",

@@ -371,10 +371,12 @@ def render(header: Sequence[str], rows: Sequence[Sequence[str]], fmt: str) -> st
 
 
 def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target: float | None = None,
-                 better: str = "auto", fmt: str = "markdown",
-                 x: str = "round") -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
+                 better: str = "auto", fmt: str = "markdown", x: str = "round",
+                 complete_only: bool = False) -> tuple[str, list[tuple[str, list[RunOutcome]]]]:
     """The per-run table and, where some runs differ only in their seed, the table of mean ± std per group; and
-    the groups (for a figure against ``x``: 'round', or 'virtual', which every run drawn must have)."""
+    the groups (for a figure against ``x``: 'round', or 'virtual', which every run drawn must have).
+    ``complete_only``: a run that recorded fewer rounds than its config asks stays in the per-run table but out of
+    the groups, so that no group pools a stopped seed's earlier round with the others' last."""
     _refuse_repeated_paths(run_dirs)
     runs = [(Path(d), run_records(Path(d))) for d in run_dirs]
     listed_in = set().union(*(list_keys(records) for _, records in runs))
@@ -394,7 +396,11 @@ def compare_runs(run_dirs: Sequence[str], metric: str = "eval.accuracy", target:
         text += (f"\n\n{', '.join(short)}: fewer rounds recorded than the config asks (stopped, failed or still "
                  "running: `mpifl status` says which); 'final' is the last round recorded")
     text += empty_notes(outcomes, names, metric)
-    groups = seed_groups([o for o in outcomes if o.curve])
+    set_aside = [o for o in outcomes if o.curve and o.incomplete] if complete_only else []
+    if set_aside:
+        text += (f"\n\n{', '.join(names[o.run_dir] for o in set_aside)}: left out of the groups below and of the "
+                 "figure (--complete-only)")
+    groups = seed_groups([o for o in outcomes if o.curve and o not in set_aside])
     _refuse_ungroupable(groups, names, x)
     if any(len(members) > 1 for _, members in groups):
         text += "\n\n" + _seeds_table(groups, reach, direction, fmt)
