@@ -166,7 +166,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, records: li
             continue
         if not fig.legends:
             fig.tight_layout()
-        fig.savefig(out / name, dpi=DPI)
+        fig.savefig(out / name, dpi=DPI, bbox_inches="tight")  # a legend placed below the axes is kept
         plt.close(fig)
         written.append(out / name)
     return written
@@ -342,6 +342,16 @@ def time_parts(records: list[dict]) -> list[tuple[str, list[float]]]:
     return [(part, values) for part, values in parts if any(values)]
 
 
+MANY_BARS = 60  # rounds beyond which a bar is a pixel or two wide: bars then touch
+
+
+def bar_width(bars: int) -> float:
+    """A round's bar width: 0.8 of a round, gaps between, while the bars are wide; 1 (touching) for more than
+    ``MANY_BARS``, where gaps a pixel wide fall on the screen's pixels unevenly and stripe the plot like a change
+    in the run."""
+    return 1.0 if bars > MANY_BARS else 0.8
+
+
 def _time_split(fig: Figure, ax: Axes, records: list[dict]) -> None:
     """Seconds per round, the axis cut above the usual round so start-up does not hide the rest; below,
     each round's parts as shares of it, so every round's make-up is visible."""
@@ -353,11 +363,12 @@ def _time_split(fig: Figure, ax: Axes, records: list[dict]) -> None:
     rounds, parts = [r["round"] for r in records], time_parts(records)
     totals = [sum(column) for column in zip(*(values for _, values in parts))] or [0.0] * len(records)
     bottom, share_bottom = [0.0] * len(records), [0.0] * len(records)
+    width = bar_width(len(rounds))
     for part, values in parts:
         share = [v / t if t else 0.0 for v, t in zip(values, totals)]
         colour = f"C{SPLIT.index(part)}"  # a part keeps its colour whichever others a run shows
-        seconds.bar(rounds, values, bottom=bottom, label=part, color=colour)
-        shares.bar(rounds, share, bottom=share_bottom, color=colour)
+        seconds.bar(rounds, values, width, bottom=bottom, label=part, color=colour, linewidth=0)
+        shares.bar(rounds, share, width, bottom=share_bottom, color=colour, linewidth=0)
         bottom = [b + v for b, v in zip(bottom, values)]
         share_bottom = [b + s for b, s in zip(share_bottom, share)]
     top = time_axis_limit(totals)
@@ -414,9 +425,10 @@ def _cost(fig: Figure, ax: Axes, records: list[dict]) -> None:
     measured = [r for r in records if "cost" in r]
     rounds = [r["round"] for r in measured]
     server = [r["cost"]["server_cpu_seconds"] for r in measured]
-    ax.bar(rounds, server, color="tab:blue", label="server")
-    ax.bar(rounds, [r["cost"]["client_cpu_seconds"] for r in measured], bottom=server, color="tab:orange",
-           label="client ranks")
+    width = bar_width(len(rounds))
+    ax.bar(rounds, server, width, color="tab:blue", label="server", linewidth=0)
+    ax.bar(rounds, [r["cost"]["client_cpu_seconds"] for r in measured], width, bottom=server, color="tab:orange",
+           label="client ranks", linewidth=0)
     ax.set_ylabel("CPU-seconds")
     _label_rounds(ax)
     written_in = [r for r in measured if "bytes_written" in r["cost"]]
@@ -426,8 +438,9 @@ def _cost(fig: Figure, ax: Axes, records: list[dict]) -> None:
                      color="tab:gray", marker=".", label="bytes written")
         written.set_ylabel("MiB written")
         written.set_ylim(bottom=0)  # from 0, as the bars are: a flat line of checkpoints must not look like swings
-        written.legend(loc="upper right")
-    ax.legend(loc="upper left")
+    # one legend below the axes, for both: inside, either would cover a round's bar or point
+    handles = [h for axis in fig.axes for h in axis.get_legend_handles_labels()[0]]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=len(handles), frameon=False)
     ax.set_title(cost_line(measured[-1]["cost_to_date"]).replace("cost: ", "run: ", 1), fontsize=8)
 
 
@@ -444,9 +457,9 @@ def _memory(fig: Figure, ax: Axes, records: list[dict]) -> None:
     _note_memory_warnings(ax, records)
     _label_rounds(ax)
     ax.set_ylabel("MiB")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.1 * ax.get_ylim()[1])  # from 0; headroom so that a flat peak is not drawn on the frame
     ax.set_title("Memory")
-    ax.legend()
+    ax.legend(loc="lower right")  # the lines run high (from 0, memory is mostly held): the bottom is free
 
 
 def memory_notes(records: list[dict]) -> list[str]:
