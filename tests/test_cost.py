@@ -189,7 +189,7 @@ def test_a_resume_carries_the_totals_on_from_the_line_metrics_jsonl_wrote_after_
     from pathlib import Path
 
     from mpifl.metrics import json_line
-    from mpifl.storage.rundir import ResumePoint, rewind_metrics
+    from mpifl.storage.rundir import ResumePoint, resume_line, rewind_metrics
 
     def record(round_: int, cost: float, total: float) -> dict:
         return {"round": round_, "cost": {"cpu_seconds": cost, "bytes_written": cost},
@@ -201,9 +201,15 @@ def test_a_resume_carries_the_totals_on_from_the_line_metrics_jsonl_wrote_after_
     metrics.write_text("".join(json_line(r) + "\n" for r in lines))
     point = rewind_metrics(metrics, ResumePoint(Path("ckpt-r000002.h5"), 2, copied, None))
     assert point.metrics == lines[:2] and records(tmp_path) == lines[:2]
+    # the resume's first line says which recorded rounds it dropped, to be trained again
+    assert point.redone == (3,)
+    assert resume_line(Path("runs/a"), point, 5) == (
+        "resuming run runs/a from ckpt-r000002.h5 (round 2 of 5 done; rounds 3..5 to go); round 3, recorded in "
+        "metrics.jsonl after that checkpoint, dropped from it and trained again")
     metrics.write_text(json_line(lines[0]) + "\n")  # round 2's line lost: the checkpoint's copy stands
     point = rewind_metrics(metrics, ResumePoint(Path("ckpt-r000002.h5"), 2, copied, None))
     assert point.metrics == copied and records(tmp_path) == copied
+    assert point.redone == () and resume_line(Path("runs/a"), point, 3).endswith("(round 2 of 3 done; round 3 to go)")
 
 
 def test_a_dropped_ranks_work_counts_in_the_round_its_discarded_header_lands():

@@ -380,7 +380,9 @@ def status(args: argparse.Namespace) -> int:
             complete, lines = post_mortem(one)
             done += complete
             print("\n".join(lines[:1] + lines[-1:] if complete else lines))
-        print(f"{run_dir}: {done} of {len(runs)} runs complete")
+        unfinished = "" if done == len(runs) else (": the sweep's own command with --resume finishes them and starts "
+                                                   "the grid points not begun, which are not counted here")
+        print(f"{run_dir}: {done} of {len(runs)} runs complete{unfinished}")
         return 0 if done == len(runs) else 1
     if not (run_dir / "config.yaml").is_file():
         what = "does not exist" if not run_dir.exists() else \

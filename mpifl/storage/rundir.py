@@ -61,6 +61,9 @@ class ResumePoint:
     round: int
     metrics: list[dict]  # the records of rounds 1..round, as the checkpoint saved them
     residual_files: list[Path] | None  # error feedback: each client rank's residuals at this checkpoint
+    # the rounds metrics.jsonl recorded after this checkpoint (the job ended before the next one was written):
+    # dropped from the file by ``rewind_metrics``, trained again
+    redone: tuple[int, ...] = ()
 
     @classmethod
     def read(cls, ckpt: Checkpoint) -> ResumePoint:
@@ -196,7 +199,12 @@ def resume_line(run_dir: Path, point: ResumePoint, rounds: int) -> str:
     left = rounds - point.round
     rest = {0: "no rounds left to train", 1: f"round {rounds} to go"}.get(left, f"rounds {point.round + 1}..{rounds} "
                                                                            "to go")
-    return f"resuming run {run_dir} from {point.path.name} (round {point.round} of {rounds} done; {rest})"
+    line = f"resuming run {run_dir} from {point.path.name} (round {point.round} of {rounds} done; {rest})"
+    if point.redone:
+        first, last = point.redone[0], point.redone[-1]
+        which = f"round {first}" if first == last else f"rounds {first}..{last}"
+        line += (f"; {which}, recorded in metrics.jsonl after that checkpoint, dropped from it and trained again")
+    return line
 
 
 def prepare_run_dir(cfg: Config, run_dir_arg: str | None, resume: Path | None,
@@ -292,7 +300,8 @@ def rewind_metrics(metrics: Path, point: ResumePoint) -> ResumePoint:
     tmp = metrics.with_name(metrics.name + ".tmp")
     tmp.write_text("".join(json_line(r) + "\n" for r in kept))
     os.replace(tmp, metrics)
-    return replace(point, metrics=with_saved_cost(point.metrics, kept))
+    redone = tuple(sorted(r["round"] for r in records or [] if isinstance(r.get("round"), int) and r["round"] > upto))
+    return replace(point, metrics=with_saved_cost(point.metrics, kept), redone=redone)
 
 
 COST_KEYS = ("cost", "cost_to_date")
