@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 INTERRUPTED = 3  # the exit status of a run a signal stopped before its last round (its checkpoint is on disk)
 
@@ -11,10 +12,14 @@ INTERRUPTED = 3  # the exit status of a run a signal stopped before its last rou
 RESUME_FAILS_THE_SAME_WAY = "a --resume fails the same way"
 
 
+# advice to change a key a resume keeps (mpifl.config.RESUMABLE lists those it may change): the run starts anew
+IN_A_NEW_RUN = "in a new run directory (a resume keeps the run's config)"
+
+
 def strikes_again(named: str) -> str:
     """What a job's last message advises where the config's faults ``named`` ended it and strike again on a resume
     (a ``raise``, a lost update, a stall of some seconds: only a kill, an exit or a stall for ever strike once)."""
-    return f"{named} again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults section first"
+    return f"{named} again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults section {IN_A_NEW_RUN}"
 
 
 class JobFailure(RuntimeError):
@@ -62,3 +67,28 @@ def noted(where: str) -> Iterator[None]:
     except Exception as err:
         err.add_note(where)
         raise
+
+
+def plugin_name(obj: object) -> str:
+    """A plug-in's object as errors name it: its class's import path (``badhalves.LeaderNotCM``)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+@contextlib.contextmanager
+def entered(make: Callable[[], AbstractContextManager[object]], where: str) -> Iterator[None]:
+    """Inside the context manager ``make`` returns (a client half's ``training``), ``where`` noted on what its own
+    set-up raises, and a clear TypeError where it returns no context manager, so a plug-in's mistake names the
+    plug-in and the call; what the body raises passes through unnoted (it is the trainer's, not the half's)."""
+    with contextlib.ExitStack() as stack:
+        with noted(where):
+            manager = make()
+            if not hasattr(manager, "__enter__") or not hasattr(manager, "__exit__"):
+                raise TypeError(f"returned {type(manager).__name__}, not a context manager (decorate the method "
+                                "with @contextlib.contextmanager and yield inside it)")
+            stack.enter_context(manager)
+        yield
+
+
+def noted_in(err: BaseException) -> str:
+    """Where ``noted`` says ``err`` struck, as a prefix ("the client half x.Y, in training: "), or ""."""
+    return "".join(f"{note}: " for note in getattr(err, "__notes__", ()))

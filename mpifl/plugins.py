@@ -75,6 +75,27 @@ def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = 
     return None
 
 
+def call_problem(fn: Any, called: str, args: tuple[str, ...], keywords: tuple[str, ...] = ()) -> str | None:
+    """Why ``fn`` cannot be called as mpifl calls it, with the positional ``args`` and the ``keywords`` (their
+    names, as the contract writes them), or None: "LeaderNoCfg.__init__(work, store) cannot take mpifl's call
+    training(work, store, cfg): missing a required argument: 'cfg'". A class is checked as its ``__init__``
+    (without self), a method of a class as the class's function (self then given too). Why before MPI: the call
+    would otherwise fail on every client rank once it starts training, with a traceback each."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return None
+    try:
+        signature.bind(*args, **{k: None for k in keywords})
+    except TypeError as err:
+        name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+        if inspect.isclass(fn):
+            name += ".__init__"
+        shown = ", ".join(n for n in signature.parameters)
+        return f"{name}({shown}) cannot take mpifl's call {called}: {err}"
+    return None
+
+
 # a number written as text, as YAML 1.1 leaves `1e6`: the config schema reads it with the same pattern
 NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 

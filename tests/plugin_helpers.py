@@ -363,6 +363,18 @@ class PersonalizedWithoutContext:
         raise AssertionError("refused before it scores")
 
 
+class TrainWithoutSeed:
+    """A trainer class whose ``train`` forgot the seed mpifl passes it."""
+
+    modifies_weights = True
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def train(self, model, data):
+        raise AssertionError("never called: refused before MPI")
+
+
 class WithoutTrain:
     """A trainer class that forgot its ``train``."""
 

@@ -296,3 +296,31 @@ def test_the_type_of_a_client_half_tells_lanes_whether_it_corrects_steps_and_an_
     assert found["annotated"] == found["plain"]
     assert found["corrected"] is None and found["lambda"] is None
     assert lanes_problem("control_variates", 2) is None  # SCAFFOLD's built-in half trains as lanes
+
+
+@pytest.mark.parametrize("builder,says", [
+    ("leader_without_cfg", "LeaderWithoutCfg.__init__(work, store) cannot take mpifl's call leader(work, store, cfg)"),
+    ("member_without_cfg", "MemberWithoutCfg.__init__(work) cannot take mpifl's call member(work, cfg)"),
+    ("update_without_weight", "UpdateWithoutWeight.update(self, client, global_bytes, steps) cannot take mpifl's call "
+                              "update(client, global_bytes, steps, weight)"),
+])
+def test_a_client_half_that_cannot_take_mpifls_calls_is_refused_before_mpi_naming_it_and_the_call(builder, says):
+    """The builders and the methods of the classes they are (or declare) are checked against the contract's calls
+    by validate and by the run before MPI, rather than failing on every client rank once training starts."""
+    from mpifl.cli.preflight import check_plugins
+
+    cfg = load_config(None, [f"strategy.name=plugin_scaffold:{builder}"], data=yaml.safe_load(CONFIG))
+    with pytest.raises(ConfigError) as refused:
+        check_plugins(cfg)
+    assert str(refused.value) == (f"strategy.name: 'plugin_scaffold:{builder}', its client half "
+                                  f"'plugin_scaffold:{builder.upper()}': {says}: too many positional arguments")
+
+
+def test_a_client_half_whose_training_is_no_context_manager_ends_the_job_naming_it_the_client_and_the_round(tmp_path):
+    named = "strategy: {name: 'plugin_scaffold:training_without_context',"
+    cfg = write_config(tmp_path / "c.yaml", CONFIG.replace("strategy: {name: scaffold,", named))
+    result = run_mpi(3, "run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert ("failed in round 1: the client half plugin_scaffold.TrainingWithoutContext, in training: TypeError: "
+            "returned NoneType, not a context manager (decorate the method with @contextlib.contextmanager and "
+            "yield inside it) (clients.accept_failures=false)") in result.stderr, result.stderr[-3000:]

@@ -192,6 +192,14 @@ def test_a_trainer_class_without_train_is_refused_before_mpi_naming_train_traine
         check_plugins(cfg)
 
 
+def test_a_trainer_whose_train_cannot_take_mpifls_call_is_refused_before_mpi_naming_train_trainer_and_the_call():
+    cfg = load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:TrainWithoutSeed"}})
+    with pytest.raises(ConfigError, match=re.escape("train.trainer: 'plugin_helpers:TrainWithoutSeed': "
+                                                    "TrainWithoutSeed.train(self, model, data) cannot take mpifl's "
+                                                    "call train(model, data, seed): too many positional arguments")):
+        check_plugins(cfg)
+
+
 def test_a_trainer_with_a_personalised_model_to_score_but_no_context_in_train_is_refused_naming_train_trainer():
     cfg = load_config(None, data={**SYNTHETIC, "train": {"trainer": "plugin_helpers:PersonalizedWithoutContext"}})
     with pytest.raises(ConfigError, match=re.escape("defines personalized(model, context), which reads the client's "

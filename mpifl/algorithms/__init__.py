@@ -17,7 +17,7 @@ import typing
 from mpifl.algorithms import feddyn, scaffold
 from mpifl.algorithms.contract import ClientAlgorithm, ClientHalf, LaneCorrections
 from mpifl.learning.models import Streams
-from mpifl.plugins import is_import_path, resolve
+from mpifl.plugins import call_problem, is_import_path, resolve
 
 # Capabilities.client_rule of a built-in strategy -> its client half
 BUILTIN_RULES: dict[str, ClientAlgorithm] = {"control_variates": scaffold.CLIENT, "dynamic_regularizer": feddyn.CLIENT}
@@ -44,9 +44,55 @@ def client_rule_problem(rule: str, strategy_name: str) -> str | None:
     naming ``strategy.name``; None when it names one or is empty. Why before MPI: the client ranks import it only
     when they start training, so a mistyped path would otherwise be a traceback on every rank of a started job."""
     try:
-        client_algorithm(rule)
+        algorithm = client_algorithm(rule)
     except (ImportError, ValueError) as err:
         return f"strategy.name: {strategy_name!r} names its client half by Capabilities.client_rule: {err}"
+    problem = half_problem(algorithm) if algorithm is not None and rule not in BUILTIN_RULES else None
+    if problem:
+        return f"strategy.name: {strategy_name!r}, its client half {rule!r}: {problem}"
+    return None
+
+
+# What mpifl calls of a client half: the builders (ClientAlgorithm's fields), then the methods of the classes they
+# build, where the builder is the class or declares it (``_declared_half``), with their arguments as the contract
+# names them (mpifl.algorithms.contract)
+BUILDER_CALLS = (("leader", ("work", "store", "cfg")), ("member", ("work", "cfg")), ("shard", ("rows", "store", "cfg")),
+                 ("streams", ("model", "local")))
+LEADER_CALLS = (("training", ("client", "global_bytes")), ("update", ("client", "global_bytes", "steps", "weight")))
+MEMBER_CALLS = (("training", ()),)
+SHARD_CALLS = (("training", ("client",)), ("update", ("client", "steps", "weight")))
+
+
+def half_problem(algorithm: ClientAlgorithm) -> str | None:
+    """Why mpifl cannot call a plug-in client half as the contract says it will, or None: a builder that does not
+    take its arguments (``leader(work, store, cfg)``), or, in the class a builder declares, a method missing or not
+    taking its arguments (``update(client, global_bytes, steps, weight)``). Why before MPI: each would otherwise be
+    a TypeError on every client rank once training starts. A half built by a lambda is checked only as far as its
+    builder; what its methods do is known only when they run."""
+    for field, args in BUILDER_CALLS:
+        builder = getattr(algorithm, field)
+        problem = call_problem(builder, f"{field}({', '.join(args)})", args) if builder is not None else None
+        if problem:
+            return problem
+    for field, calls in (("leader", LEADER_CALLS), ("member", MEMBER_CALLS), ("shard", SHARD_CALLS)):
+        builder = getattr(algorithm, field)
+        half = _declared_half(builder) if builder is not None else None
+        problem = methods_problem(half, calls) if half is not None else None
+        if problem:
+            return problem
+    return None
+
+
+def methods_problem(half: type, calls: tuple[tuple[str, tuple[str, ...]], ...]) -> str | None:
+    """Why the class ``half`` lacks a method mpifl calls, or takes other arguments than it is called with."""
+    for method, args in calls:
+        fn = getattr(half, method, None)
+        called = f"{method}({', '.join(args)})"
+        if not callable(fn):
+            return f"{half.__name__} has no method {called}, which mpifl calls"
+        problem = call_problem(fn, called, ("self", *args))
+        if problem:
+            return problem
     return None
 
 

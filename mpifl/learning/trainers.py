@@ -20,7 +20,7 @@ from mpifl.learning.parallel import GroupParallel, share_of, share_weight
 from mpifl.learning.steps import MASTER_OF, split
 from mpifl.metrics import OWN_METRIC_PREFIXES, own_metric_names
 from mpifl.planning.seeds import SHARD, derive_seed
-from mpifl.plugins import kwargs_problem, resolve
+from mpifl.plugins import call_problem, kwargs_problem, resolve
 
 
 @dataclass(frozen=True)
@@ -449,6 +449,12 @@ def members_problem(cfg: TrainConfig, trainer: object, built: bool = True) -> st
     if not callable(getattr(trainer, "train", None)):
         return (f"train.trainer: {cfg.trainer!r} has no train method; a trainer defines train(self, model, data, "
                 "seed[, context]) returning mpifl.api.TrainResult")
+    train = trainer.train  # type: ignore[attr-defined]
+    given = ("context",) if "context" in _parameters(train) else ()  # mpifl passes it where train takes it
+    called = call_problem(train, "train(model, data, seed" + (", context=...)" if given else ")"),
+                          ("model", "data", "seed") if built else ("self", "model", "data", "seed"), given)
+    if called:
+        return f"train.trainer: {cfg.trainer!r}: {called}"
     if built and not hasattr(trainer, "modifies_weights"):
         return (f"train.trainer: {cfg.trainer!r} has no modifies_weights; a trainer class sets it: True (training "
                 "changes the model) or False (a model-only exchange)")
@@ -460,6 +466,14 @@ def members_problem(cfg: TrainConfig, trainer: object, built: bool = True) -> st
         return (f"train.trainer: {cfg.trainer!r} defines personalized(model, context), which reads the client's "
                 "state from the TrainContext of its training: give train a keyword parameter context")
     return None
+
+
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
+    """``fn``'s parameters by name; none where it has no signature to read (a builtin)."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 def trainer_name(trainer: Trainer) -> str:

@@ -14,6 +14,7 @@ from mpifl.algorithms.contract import LaneCorrections
 from mpifl.algorithms.ditto import GroupPersonalModels, PersonalModels
 from mpifl.algorithms.local_layers import PersonalTensors
 from mpifl.config import Config, ConfigError
+from mpifl.errors import noted
 from mpifl.learning.batched import batched_refusal
 from mpifl.learning.device import (
     DeviceReplica,
@@ -102,7 +103,9 @@ def client_state_parts(cfg: Config, plan: ExchangeLayout, flat: FlatModel, work:
     parts = ClientStateParts(store, views)
     algorithm = client_algorithm(cfg.client_rule)
     if views.rule is not None and algorithm is not None:
-        parts.controls, parts.controls_state = algorithm.leader(work, views.rule, cfg), algorithm.state
+        with noted(f"the client half {cfg.client_rule!r}, building it: leader(work, store, cfg)"):
+            parts.controls = algorithm.leader(work, views.rule, cfg)
+        parts.controls_state = algorithm.state
     if views.local is not None:
         parts.personal = PersonalTensors(work, views.local, marked=views.local_marked)
     if views.personal is not None:
@@ -190,7 +193,8 @@ def serve_as_member(group: MPI.Comm, cfg: Config, flat: FlatModel, local: Mappin
     work = replica.flat if replica else flat
     parallel = _parallel(trainer, group)
     algorithm = client_algorithm(cfg.client_rule)
-    state = algorithm.member(work, cfg) if algorithm is not None else None
+    with noted(f"the client half {cfg.client_rule!r}, building it: member(work, cfg)"):
+        state = algorithm.member(work, cfg) if algorithm is not None else None
     personal = GroupPersonalModels(work, cfg.train.ditto_lambda, cfg.train.grad_accum_steps) \
         if cfg.train.ditto_lambda else None
     member = GroupMember(group, parallel, work, trainer, local, _group_timeout(flat), state, personal, notes)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpifl.errors import noted, plugin_name
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import DeviceReplica
 from mpifl.learning.trainers import local_steps
@@ -287,9 +288,11 @@ class ClientRank:
             error = self.training.failed(lost, round_, client, "")  # as if it had not been sampled
         if error is None and self.parts.state.controls is not None:
             assert anchor is not None  # scaffold and feddyn send deltas, so the rank keeps the global model
-            self.parts.state.controls.update(client, anchor, result.local_steps or 0, self.parts.weight(
-                protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
-                                    local_steps=result.local_steps)))
+            controls = self.parts.state.controls
+            with noted(f"round {round_}, logical client {client}: the client half {plugin_name(controls)}, in update"):
+                controls.update(client, anchor, result.local_steps or 0, self.parts.weight(
+                    protocol.UpdateMeta(client, result.num_samples, 0.0, dict(result.metrics),
+                                        local_steps=result.local_steps)))
         check = check_update and error is None and (self.trainer.modifies_weights or self.encoder.narrowed)
         if self.replica is not None and self.group_sum is not None:  # the update stays on the device
             buffers, bad = None, self.updates.on_device(check)

@@ -30,6 +30,7 @@ from torch import distributed as dist
 
 from mpifl.algorithms.contract import GroupHalf
 from mpifl.algorithms.ditto import GroupPersonalModels
+from mpifl.errors import entered, plugin_name
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
@@ -172,7 +173,8 @@ class GroupMember:
         state = self.state  # SCAFFOLD's correction or FedDyn's g_i, from the leader (the client half's GroupHalf)
         self.parallel.broadcast([*client_model(self.work), *([state.vector] if state else [])])
         train, _ = self.local_data.get(order.client, (None, None))
-        with local_steps(self.trainer, order.steps), state.training() if state else nullcontext():
+        with local_steps(self.trainer, order.steps), entered(state.training, f"the client half {plugin_name(state)}, "
+                                                             "in training") if state else nullcontext():
             self.trainer.train(self.work.module, train, order.seed)
 
     def train_personal(self, order: protocol.TrainOrder) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
-from mpifl.errors import INTERRUPTED, JobFailure
+from mpifl.errors import INTERRUPTED, JobFailure, noted_in
 from mpifl.planning import binding
 
 if TYPE_CHECKING:  # mpi4py is imported only inside the functions: GPU binding must come before MPI starts
@@ -229,8 +229,8 @@ def guarded(fn: Callable[[], T]) -> T:
         except KeyboardInterrupt as err:
             abort("interrupted (KeyboardInterrupt)\n" + _traceback(err))
         except BaseException as err:  # noqa: BLE001 - any escape from a rank must end the job
-            where = "".join(f"{note}: " for note in getattr(err, "__notes__", ()))  # errors.noted's
-            abort(f"{where}{type(err).__name__}: {err}" + _traceback(err))  # the culprit in one line, then details
+            # the culprit in one line (where errors.noted says it struck), then details
+            abort(f"{noted_in(err)}{type(err).__name__}: {err}" + _traceback(err))
 
 
 def abort(reason: str, code: int = 1, what: str = "failed") -> NoReturn:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mpifl.errors import JobFailure, strikes_again
+from mpifl.errors import IN_A_NEW_RUN, JobFailure, entered, noted_in, plugin_name, strikes_again
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import deterministic_hint
 from mpifl.learning.trainers import (
@@ -105,7 +105,8 @@ class LocalTraining:
                 self.faults.before_training(round_, client)
             began = time.perf_counter()
             in_group = self.parts.group is not None
-            with controls.training(client, anchor) if controls and anchor is not None else contextlib.nullcontext():
+            with entered(lambda: controls.training(client, anchor), f"the client half {plugin_name(controls)}, in "
+                         "training") if controls and anchor is not None else contextlib.nullcontext():
                 result = self._steps(round_, client, data)
             in_group = False
             if self.faults:
@@ -165,8 +166,9 @@ class LocalTraining:
             again = f"; {strikes_again(f'faults[{err.index}] ({err.kind!r}) strikes logical client {client}')}" \
                 if isinstance(err, InjectedFault) and err.index >= 0 else ""
             raise ClientFailure(f"logical client {client} on rank {world_rank(self.rank)} failed in round "
-                                f"{round_}{doing}: {type(err).__name__}: {err} ({why}{hint}){again}") from err
-        return f"{type(err).__name__}: {err}{hint}"
+                                f"{round_}{doing}: {noted_in(err)}{type(err).__name__}: {err} ({why}{hint}){again}"
+                                ) from err
+        return f"{noted_in(err)}{type(err).__name__}: {err}{hint}"
 
     def _vectors_problem(self) -> str | None:
         """What is wrong with the declared vectors the trainer handed back, or None (none declared, or all as
@@ -182,7 +184,7 @@ class LocalTraining:
         if not self.parts.accept_failures:
             raise JobFailure(f"round {round_}: logical client {client} (rank {world_rank(self.rank)}): {problem} "
                              f"(clients.accept_failures=false); {advice}, or drop such clients from their rounds "
-                             "with clients.accept_failures=true")
+                             f"with clients.accept_failures=true {IN_A_NEW_RUN}")
         return problem
 
     def non_finite(self, round_: int, client: int, count: int, injected: str | None = None) -> str:
@@ -193,8 +195,9 @@ class LocalTraining:
         error = f"update contains {count} NaN/Inf values" + (f", put there by {injected}" if injected else "")
         if not self.parts.accept_failures:
             advice = (f"{strikes_again(f'{injected} strikes logical client {client}')}, or drop such clients from "
-                      "their rounds with clients.accept_failures=true" if injected else
-                      f"{DIVERGED_ADVICE}, or drop such clients from their rounds with clients.accept_failures=true")
+                      f"their rounds with clients.accept_failures=true {IN_A_NEW_RUN}" if injected else
+                      f"{DIVERGED_ADVICE}, or drop such clients from their rounds with clients.accept_failures=true "
+                      f"{IN_A_NEW_RUN}")
             raise JobFailure(f"round {round_}: logical client {client} (rank {world_rank(self.rank)}): {error} "
                              f"(clients.accept_failures=false); {advice}")
         return error

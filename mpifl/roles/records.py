@@ -6,7 +6,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpifl.errors import RESUME_FAILS_THE_SAME_WAY, strikes_again
+from mpifl.errors import IN_A_NEW_RUN, RESUME_FAILS_THE_SAME_WAY, strikes_again
 from mpifl.logs import log, world_rank
 from mpifl.metrics import OWN_METRIC_PREFIXES, PERSONAL_DIVERGED
 from mpifl.planning.faults import ALTERS_THE_UPDATE, DELAYS_THE_RANK, FAILS_THE_UPDATE, ends_the_job
@@ -90,8 +90,8 @@ def resume_advice(strikes: Sequence[Strike], metas: dict[int, UpdateMeta]) -> st
                           f"{range_list(sorted(clients))}" for (index, kind), clients in sorted(altering.items()))
         return (f"{named} this round, and the updates it alters can drive the model to diverge (every update here "
                 f"is unusable); it strikes again on a resume, so {RESUME_FAILS_THE_SAME_WAY}: change the faults "
-                "section first, or set clients.below_quorum='keep' to let such a run go on to its last round, as a "
-                "result")
+                f"section {IN_A_NEW_RUN}, or set clients.below_quorum='keep' (a resume may) to let such a run go on "
+                "to its last round, as a result")
     return "continue with --resume once the cause is fixed"
 
 

@@ -58,7 +58,7 @@ from mpifl.roles.records import (
     strike_lines,
     summary,
 )
-from mpifl.storage.checkpointer import Checkpointer
+from mpifl.storage.checkpointer import Checkpointer, StateWithheld
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.stores import GlobalStore
 from mpifl.units import MIB, range_list
@@ -237,7 +237,11 @@ class Server:
         if last_by_budget:
             self._spend_budget(round_, record)
             stopping = True
-        parts.checkpointer.round_ended(round_, self.history, stopping)
+        try:
+            parts.checkpointer.round_ended(round_, self.history, stopping)
+        except StateWithheld as silent:  # the config's stall on that rank, if one kept it silent, strikes again
+            why, advice = stalled_by(strikes, silent.ranks[0])
+            raise JobFailure(f"{silent}{why}; {advice}") from None
         times.checkpointed = times.end = time.perf_counter()
         # the checkpoint's copy stops before saving; the JSON line has it all: the time split, and what saving cost
         record["time"].update(times.split())

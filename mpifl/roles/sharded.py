@@ -37,7 +37,7 @@ from mpifl.aggregation.strategies import make_strategy
 from mpifl.algorithms import model_streams
 from mpifl.algorithms.ditto import ShardPersonalModels
 from mpifl.config import Config
-from mpifl.errors import JobFailure
+from mpifl.errors import IN_A_NEW_RUN, JobFailure, entered, noted, plugin_name
 from mpifl.learning.datasets import ClientData
 from mpifl.learning.device import resolve_device, use_deterministic_kernels
 from mpifl.learning.models import build_model
@@ -328,7 +328,9 @@ def train_client(group: ShardedGroup, trainer: Trainer,
     try:
         if state is not None and state.personal is not None:  # Ditto: v_i first, then w from the global model
             state.personal.train(step.client, group.model.module, train, step.personal)
-        with local_steps(trainer, step.steps), half.training(step.client) if half else contextlib.nullcontext():
+        with local_steps(trainer, step.steps), entered(lambda: half.training(step.client), f"the client half "
+                                                       f"{plugin_name(half)}, in training") \
+                if half else contextlib.nullcontext():
             result = trainer.train(group.model.module, train, step.seed)
         problem = result_problem(trainer_name(trainer), result)
         if problem is not None:  # every rank of the group trained the same trainer: each ends here
@@ -337,8 +339,9 @@ def train_client(group: ShardedGroup, trainer: Trainer,
         for factor in step.scale:  # before the client half reads the trained model, as on an unsharded rank
             group.model.scale_update(factor)
         if state is not None and state.half is not None:
-            state.half.update(step.client, result.local_steps or 0, state.weight(protocol.UpdateMeta(
-                step.client, result.num_samples, 0.0, dict(result.metrics), local_steps=result.local_steps)))
+            with noted(f"the client half {plugin_name(state.half)}, in update"):
+                state.half.update(step.client, result.local_steps or 0, state.weight(protocol.UpdateMeta(
+                    step.client, result.num_samples, 0.0, dict(result.metrics), local_steps=result.local_steps)))
         return result
     except JobFailure:
         raise
@@ -365,7 +368,7 @@ def checked_update(group: ShardedGroup, step: GroupStep, accept_failures: bool, 
         advice = "drop such clients" if injected else \
             "if its training diverged, lower train.lr or set train.max_grad_norm, or drop such clients"
         raise JobFailure(f"logical client {step.client}, trained by the sharded group of rank {rank}: {error} "
-                         f"(clients.accept_failures=false); {advice} with clients.accept_failures=true")
+                         f"(clients.accept_failures=false); {advice} with clients.accept_failures=true {IN_A_NEW_RUN}")
     return error
 
 
@@ -375,7 +378,7 @@ def refused_by_fault(step: GroupStep, accept_failures: bool, rank: int) -> str:
     if not accept_failures:
         raise JobFailure(f"logical client {step.client}, trained by the sharded group of rank {rank}, failed: "
                          f"{step.refused} (clients.accept_failures=false); drop such clients from their rounds with "
-                         "clients.accept_failures=true")
+                         f"clients.accept_failures=true {IN_A_NEW_RUN}")
     return step.refused
 
 

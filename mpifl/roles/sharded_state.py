@@ -27,6 +27,7 @@ from mpifl.algorithms.contract import ShardHalf, ShardRows
 from mpifl.algorithms.ditto import ShardPersonalModels
 from mpifl.config import Config, ConfigError
 from mpifl.config.client_state import StateSizes
+from mpifl.errors import noted
 from mpifl.learning.steps import own_rows, trainable
 from mpifl.logs import log
 from mpifl.roles.client_state import open_client_state, put_back_line, state_views
@@ -111,7 +112,8 @@ def open_sharded_state(cfg: Config, rows: ShardRows, pieces: Sequence[int], shar
     views = state_views(cfg, layout, kept)
     state = ShardedState(kept, views.journal, shard, weight)
     if algorithm is not None and algorithm.shard is not None and views.rule is not None:
-        state.half = algorithm.shard(rows, views.rule, cfg)
+        with noted(f"the client half {cfg.client_rule!r}, building it: shard(rows, store, cfg)"):
+            state.half = algorithm.shard(rows, views.rule, cfg)
     if views.personal is not None:
         state.personal = personal(views.personal)
     state.residuals = views.residuals

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from mpifl.config import Config, ConfigError, TransportConfig, dump_config, resumable_keys, resume_conflict
-from mpifl.errors import RESUME_FAILS_THE_SAME_WAY, CheckpointError
+from mpifl.errors import IN_A_NEW_RUN, RESUME_FAILS_THE_SAME_WAY, CheckpointError
 from mpifl.logs import log
 from mpifl.metrics import json_line, read_records
 from mpifl.storage.checkpointer import (
@@ -123,7 +123,8 @@ def find_resume(cfg: Config, run_dir_arg: str | None, which: str) -> Path | None
     with ckpt:
         conflict = resume_conflict(yaml.safe_load(ckpt.config) or {}, cfg.to_dict(), Config().to_dict())
         if conflict:
-            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only {resumable_keys()} may change)")
+            raise ConfigError(f"cannot resume from {ckpt.path}: {conflict} (only {resumable_keys()} may change; "
+                              f"to change it, start {IN_A_NEW_RUN.removeprefix('in ')})")
         history = ckpt.metrics()
         if budget_spent(history) and ckpt.round < cfg.rounds:  # privacy is not resumable: the budget stays spent
             raise RunComplete(f"run already complete: {budget_line(cfg.to_dict(), history, cfg.rounds)} "
@@ -385,7 +386,7 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
         advice = f"fix what rank {refusal} names first (the data, the config or the launch): a --resume as it " \
             "stands fails the same way"
     elif (again := faults_again(notes)) is not None:
-        advice = f"change the config first (its faults section{again}): {RESUME_FAILS_THE_SAME_WAY}"
+        advice = f"change the config (its faults section{again}) {IN_A_NEW_RUN}: {RESUME_FAILS_THE_SAME_WAY}"
     spent = reached < rounds and (budget_spent(records) or server.get("stopped") == BUDGET_SPENT)
     complete = (reached == rounds or spent) and server.get("state", "finished") == "finished"  # before notes: rounds
     if complete:

@@ -15,6 +15,7 @@ from results import recorded_on_any_rank_count
 from mpifl.aggregation.kernels import count_nonfinite
 from mpifl.config import ConfigError, config_warnings, load_config
 from mpifl.config.sections import FaultConfig
+from mpifl.errors import IN_A_NEW_RUN
 from mpifl.planning.faults import FaultPlan, Strike, drawn, fault_summary
 from mpifl.planning.federation import RoundAssignment
 from mpifl.roles.faults import flip_bits
@@ -359,10 +360,11 @@ def test_a_round_whose_every_client_fails_by_the_configs_faults_ends_a_real_time
     assert "round 2: only 0 of 6 participants sent a usable update, fewer than clients.min_participants=1" \
         in result.stderr
     assert "faults[0] ('raise') strikes logical clients 0-1,4-7 again on a resume, so a --resume fails the same " \
-        "way: change the faults section first" in result.stderr
+        f"way: change the faults section {IN_A_NEW_RUN}" in result.stderr
     assert "continue with --resume" not in result.stderr and "Traceback" not in result.stderr
     status = mpifl_here("status", str(tmp_path / "off"))
-    assert "change the config first (its faults section: faults[0]): a --resume fails the same way" in status.stdout
+    assert f"change the config (its faults section: faults[0]) {IN_A_NEW_RUN}: a --resume fails the same way" \
+        in status.stdout
     assert "continue with --resume" not in status.stdout
 
 
@@ -408,10 +410,10 @@ def test_an_attack_that_drives_fedavg_to_diverge_is_named_and_below_quorum_keep_
             "is not applied; the model after round 4 is in") in aborted.stderr, aborted.stderr[-3000:]
     assert ("faults[0] ('scale') strikes logical clients 0-1 this round, and the updates it alters can drive the "
             "model to diverge (every update here is unusable); it strikes again on a resume, so a --resume fails the "
-            "same way: change the faults section first, or set clients.below_quorum='keep' to let such a run go on "
-            "to its last round, as a result") in aborted.stderr
+            f"same way: change the faults section {IN_A_NEW_RUN}, or set clients.below_quorum='keep' (a resume may) "
+            "to let such a run go on to its last round, as a result") in aborted.stderr
     status = mpifl_here("status", str(tmp_path / "split"))
-    assert "change the config first (its faults section: faults[0])" in status.stdout, status.stdout
+    assert "change the config (its faults section: faults[0])" in status.stdout, status.stdout
     resumed = run_mpi(4, "run", str(cfg), "clients.below_quorum=keep", "--run-dir", str(tmp_path / "split"),
                       "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

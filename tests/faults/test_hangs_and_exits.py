@@ -20,6 +20,7 @@ from conftest import (
     write_config,
 )
 
+from mpifl.errors import IN_A_NEW_RUN
 from mpifl.storage.checkpointer import latest_checkpoint
 from mpifl.storage.notes import read_rank_notes
 
@@ -172,10 +173,11 @@ def test_a_failing_trainer_is_reported_naming_its_logical_client_rank_and_round(
     assert result.returncode != 0
     assert ("logical client 1 on rank 2 failed in round 2: InjectedFault: faults[0]: an injected exception in round 2 "
             "(clients.accept_failures=false); faults[0] ('raise') strikes logical client 1 again on a resume, so a "
-            "--resume fails the same way: change the faults section first") in result.stderr, result.stderr[-3000:]
+            f"--resume fails the same way: change the faults section {IN_A_NEW_RUN}") in result.stderr, \
+        result.stderr[-3000:]
     status = mpifl_here("status", str(tmp_path / "run"))
-    assert status.stdout.rstrip().endswith("rank 2 failed (reason above); change the config first (its faults "
-                                           "section: faults[0]): a --resume fails the same way"), status.stdout
+    assert status.stdout.rstrip().endswith("rank 2 failed (reason above); change the config (its faults section: "
+                                           f"faults[0]) {IN_A_NEW_RUN}: a --resume fails the same way"), status.stdout
 
 
 def test_a_rank_stalled_past_its_deadline_by_the_configs_fault_names_it_and_says_a_resume_stalls_again(tmp_path):
@@ -189,11 +191,30 @@ def test_a_rank_stalled_past_its_deadline_by_the_configs_fault_names_it_and_says
                      r"complete', past its deadline of 3 s \(timeouts.update_complete\): faults\[0\] \('stall' at "
                      r"stage 'send', 8 s\) stalls it this round; the model after round 1 is in \S+; faults\[0\] stalls "
                      "rank 2 "
-                     "again on a resume, so a --resume fails the same way: change the faults section first",
+                     "again on a resume, so a --resume fails the same way: change the faults section in a new run "
+                     r"directory \(a resume keeps the run's config\)",
                      result.stderr), result.stderr[-3000:]
     status = mpifl_here("status", str(tmp_path / "run"))
-    assert status.stdout.rstrip().endswith("change the config first (its faults section: faults[0]): a --resume "
-                                           "fails the same way"), status.stdout
+    assert status.stdout.rstrip().endswith(f"change the config (its faults section: faults[0]) {IN_A_NEW_RUN}: a "
+                                           "--resume fails the same way"), status.stdout
+
+
+def test_a_stall_that_keeps_a_rank_holding_client_state_from_the_checkpoint_names_the_fault_and_its_resume(tmp_path):
+    """Under accept_failures the stalled rank's clients are dropped from round 2, but the checkpoint after it needs
+    that rank's per-client state (SCAFFOLD's c_i) and the rank is still stalled: the job ends, and since the stall
+    strikes again on a resume, the message and ``mpifl status`` name the fault and advise a new run, not --resume."""
+    text = TRAINING.replace('train: {trainer: "faults.injectors:Injected", lr: 0.01}', "train: {lr: 0.01}").replace(
+        "clients: {num_clients: 4}", "clients: {num_clients: 4, accept_failures: true}")
+    result, _ = run_with_fault(tmp_path, text + "strategy: {name: scaffold, update: delta}\ncheckpoint: {every: 1}\n"
+                               "faults: [{kind: stall, ranks: [2], rounds: [2], seconds: 8}]\n")
+    assert result.returncode != 0
+    assert re.search(r"round 2: rank 2 \(its per-client state for the checkpoint of round 2\) made no progress for "
+                     r"[0-9.]+ s.*: faults\[0\] \('stall' at stage 'train', 8 s\) stalls it this round; faults\[0\] "
+                     r"stalls rank 2 again on a resume, so a --resume fails the same way: change the faults section "
+                     r"in a new run directory", result.stderr), result.stderr[-3000:]
+    status = mpifl_here("status", str(tmp_path / "run"))
+    assert status.stdout.rstrip().endswith(f"change the config (its faults section: faults[0]) {IN_A_NEW_RUN}: a "
+                                           "--resume fails the same way"), status.stdout
 
 
 def test_the_run_directory_maps_every_pid_to_its_rank(tmp_path):
