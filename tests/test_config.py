@@ -217,6 +217,11 @@ def test_validate_and_plan_warn_that_train_threads_other_than_1_make_results_dep
     (("strategy.name=geometric_median", "clock.mode=fedbuff"),
      "the geometric median of each step's updates weighted by s(staleness) (polynomial) (at most 4 smoothed "
      "Weiszfeld iterations)"),
+    # a plug-in combiner with its own weight_of: strategy.weighting is not read, so validate does not echo it
+    (("strategy.name=examples.custom_strategy.strategy:build", "strategy.weighting=equal"),
+     "weighted by examples.custom_strategy.strategy.PowerMean.weight_of, the plug-in's own "
+     "(strategy.weighting='equal' is not read)"),
+    (("strategy.name=examples.client_half.scaffold:scaffold",), "weighted by samples"),  # mpifl's weights
 ])
 def test_validate_says_how_a_round_weighs_the_updates_as_the_run_will(overrides, says):
     from mpifl.cli.commands import validated_weighting

@@ -229,7 +229,23 @@ def validated_weighting(cfg: Config) -> str:
         return f"each update weighted by s(staleness) ({clock.staleness}), the sum divided by the updates applied"
     if statistic:
         return f"the {statistic} of the round's updates, unweighted"
+    owner = own_weighting(cfg) if caps is None else None
+    if owner is not None:
+        return f"weighted by {owner}, the plug-in's own (strategy.weighting={cfg.strategy.weighting!r} is not read)"
     return "equal weights" if cfg.strategy.weighting == "equal" else "weighted by samples"
+
+
+def own_weighting(cfg: Config) -> str | None:
+    """Where a plug-in strategy's combiner weighs the participants by its own ``weight_of`` or ``weight`` (the
+    method's import path), rather than by mpifl's, which read ``strategy.weighting``; None where mpifl's do."""
+    from mpifl.aggregation.strategies import make_strategy
+
+    weigher = type(make_strategy(cfg.strategy).weigher)
+    for name in ("weight_of", "weight"):
+        method = getattr(weigher, name, None)
+        if method is not None and not getattr(method, "__module__", "mpifl.").startswith("mpifl."):
+            return f"{method.__module__}.{method.__qualname__}"
+    return None
 
 
 def distance_rule(cfg: Config, updates: str, weights: str) -> str:
