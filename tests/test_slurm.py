@@ -113,16 +113,23 @@ def test_memory_check_warns_when_a_gpu_cannot_hold_its_client_ranks(tmp_path):
     assert "#SBATCH" in (tmp_path / "b").read_text()  # a warning, not a refusal: the script is written
 
 
-def test_srun_gets_one_gpu_per_task_when_gpus_are_used(tmp_path):
+@pytest.mark.parametrize("gpus,ranks_per_node,gets", [
+    ("4", "4", "--gpus-per-task=1"),  # a GPU each
+    ("2", "4", "--gpus-per-node=2"),  # shared: a step of one GPU per task would ask for 4 of the node's 2
+], ids=["one-each", "shared"])
+def test_srun_gives_each_task_a_gpu_or_where_ranks_outnumber_gpus_the_nodes_gpus_to_share(tmp_path, gpus,
+                                                                                          ranks_per_node, gets):
     cfg = write_config(tmp_path / "two.yaml", TINY)
     script = tmp_path / "two.sbatch"
-    assert mpifl_here("slurm", str(cfg), "--gpus-per-node", "2", "--mpi", "pmix", "-o", str(script)).returncode == 0
+    made = mpifl_here("slurm", str(cfg), "--gpus-per-node", gpus, "--ranks-per-node", ranks_per_node, "--mpi", "pmix",
+                      "-o", str(script))
+    assert made.returncode == 0, made.stderr
     env, log = fake_slurm(tmp_path, "exit 0")  # srun runs nothing and says 0: the job fails, as nothing ran
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert run.returncode == 1 and "srun exited 0, but runs/two holds no run" in run.stderr, run.stderr
     words = log.read_text().split()
-    assert words[:9] == ["--ntasks=3", "--ntasks-per-node=4", "--cpus-per-task=8", "--cpu-bind=cores", "--mpi=pmix",
-                         "--gpus-per-task=1", sys.executable, "-m", "mpifl"], words
+    assert words[:9] == ["--ntasks=3", f"--ntasks-per-node={ranks_per_node}", "--cpus-per-task=8", "--cpu-bind=cores",
+                         "--mpi=pmix", gets, sys.executable, "-m", "mpifl"], words
 
 
 @pytest.mark.parametrize("option,value", [("--mpi", "x}; touch pwned; #"), ("--mpi", "pmi2 --foo"),

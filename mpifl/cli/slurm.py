@@ -40,7 +40,7 @@ OVERRIDES=({overrides})   # the overrides this script was generated and planned 
 NRANKS=${{NRANKS:-{nranks}}}                # 1 server + client ranks
 RANKS_PER_NODE=${{RANKS_PER_NODE:-{ranks_per_node}}}
 CPUS_PER_TASK=${{CPUS_PER_TASK:-{cpus_per_task}}}     # cores per rank (srun --cpus-per-task, --cpu-bind=cores)
-GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus_per_node}}}     # >0: each rank gets one GPU (srun --gpus-per-task=1)
+GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus_per_node}}}     # >0: a GPU per rank (srun --gpus-per-task=1), or shared
 MPIFL_VENV=${{MPIFL_VENV:-{venv}}}     # activated before srun when set (a relative path: from the submit dir)
 # The Python that runs mpifl on every rank, by its path: a login shell (bash -l) may reset PATH and lose the venv.
 MPIFL_PYTHON=${{MPIFL_PYTHON:-{python}}}
@@ -77,8 +77,12 @@ PLACE=(--ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK" --cp
 if [[ -n "$SRUN_MPI" ]]; then
   PLACE+=(--mpi="$SRUN_MPI")
 fi
-if [[ "$GPUS_PER_NODE" -gt 0 ]]; then
+if [[ "$GPUS_PER_NODE" -gt 0 && "$RANKS_PER_NODE" -le "$GPUS_PER_NODE" ]]; then
   PLACE+=(--gpus-per-task=1)
+elif [[ "$GPUS_PER_NODE" -gt 0 ]]; then
+  # more ranks than GPUs on a node: a step of one GPU per task would not fit the job; every rank sees the node's
+  # GPUs and mpifl binds node-local rank r to GPU r mod GPUS_PER_NODE (MPIFL_GPUS_PER_NODE)
+  PLACE+=(--gpus-per-node="$GPUS_PER_NODE")
 fi
 # more {tool} arguments, split at spaces (sbatch --export=ALL,MPIFL_ARGS=...), before those of the script's own
 read -ra MORE <<<"${{MPIFL_ARGS:-}}"
