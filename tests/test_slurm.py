@@ -305,3 +305,16 @@ def test_a_script_whose_python_cannot_import_mpifl_stops_before_srun_and_says_wh
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert run.returncode == 2 and not log.exists()
     assert "cannot import mpifl: set MPIFL_PYTHON (or MPIFL_VENV)" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["slurm", "pbs", "plan"])
+def test_a_gpu_config_planned_with_no_gpus_is_refused_before_a_job_is_written(tmp_path, command):
+    """train.device cuda with --gpus-per-node 0: every rank would refuse it at start-up, after the queue wait."""
+    cfg = write_config(tmp_path / "two.yaml", TINY)
+    out = ["-o", str(tmp_path / "job")] if command != "plan" else []
+    result = mpifl_here(command, str(cfg), "train.device=cuda", "--gpus-per-node", "0", *out)
+    assert result.returncode == 2 and not (tmp_path / "job").exists()
+    assert result.stderr.strip() == ("mpifl: config error: train.device='cuda' but --gpus-per-node 0 gives the job no "
+                                     "GPU, so every rank would refuse it at start-up: ask for the node's GPUs "
+                                     "(--gpus-per-node), or set train.device=cpu (or auto)"), result.stderr
+    assert mpifl_here(command, str(cfg), "train.device=auto", "--gpus-per-node", "0", *out).returncode == 0

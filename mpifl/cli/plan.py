@@ -268,7 +268,23 @@ def planned_config(args: argparse.Namespace, warnings: list[str] | None = None) 
         else:
             warnings.append(warning)
     check_model(cfg)
+    problem = gpu_less_problem(cfg, getattr(args, "gpus_per_node", None))
+    if problem:
+        raise ConfigError(problem)
     return cfg, client_ranks(cfg, args)
+
+
+def gpu_less_problem(cfg: Config, gpus_per_node: int | None) -> str | None:
+    """A job planned with ``--gpus-per-node 0`` for a config that asks for a GPU (``train.device`` or
+    ``eval.device`` 'cuda'): every rank would refuse it at start-up, after the queue wait. None otherwise (no
+    ``--gpus-per-node`` given: ``mpifl plan`` from a login node without GPUs plans a GPU job all the same)."""
+    if gpus_per_node != 0:
+        return None
+    for key, device in (("train.device", cfg.train.device), ("eval.device", cfg.eval.device)):
+        if device == "cuda":
+            return (f"{key}='cuda' but --gpus-per-node 0 gives the job no GPU, so every rank would refuse it at "
+                    f"start-up: ask for the node's GPUs (--gpus-per-node), or set {key}=cpu (or auto)")
+    return None
 
 
 def client_ranks(cfg: Config, args: argparse.Namespace) -> int:
