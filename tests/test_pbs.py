@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from conftest import MPI_TIMEOUT, ROOT, mpiexec, mpifl_here, rank_environment, refused_job_option, write_config
+
+from mpifl.config import ConfigError
 
 SHIPPED = sorted((ROOT / "pbs").glob("*.pbs"))
 
@@ -41,7 +44,7 @@ def test_shipped_scripts_are_what_mpifl_pbs_generates(tmp_path, script):
 def test_polaris_example_has_the_directives_and_launch_line_polaris_users_expect():
     text = (ROOT / "pbs" / "polaris_exchange_large.pbs").read_text()
     for line in ("#PBS -l select=3:system=polaris", "#PBS -l place=scatter", "#PBS -l walltime=01:00:00",
-                 "#PBS -l filesystems=home:eagle", "#PBS -q prod", "#PBS -A MYPROJECT",
+                 "#PBS -l filesystems=home:eagle", "#PBS -q debug-scaling", "#PBS -A MYPROJECT",
                  "module use /soft/modulefiles", "--depth \"$DEPTH\" --cpu-bind depth",
                  "SERVER_ALONE=${SERVER_ALONE:-1}"):
         assert line in text, line
@@ -595,3 +598,46 @@ def test_without_a_granted_walltime_the_timer_uses_the_generated_one_and_ends_qu
     env["WALLTIME_SECONDS"] = "1200"
     again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
     assert "mpifl: walltime 1200 s, as WALLTIME_SECONDS set it" in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize("nodes,hours,queue", [
+    (1, 1, "debug"), (2, 0.5, "debug"), (3, 1, "debug-scaling"), (10, 1, "debug-scaling"), (5, 3, "preemptable"),
+    (11, 1, "prod"), (24, 3, "prod"), (50, 6, "prod"), (400, 24, "prod"),
+])
+def test_polaris_jobs_get_the_queue_whose_node_and_walltime_limits_admit_them(nodes, hours, queue):
+    """ALCF's "Running Jobs on Polaris" table: debug 1-2 nodes, debug-scaling up to 10, prod 10-496 (3, 6 or 24 h
+    by size), preemptable up to 10 nodes for 72 h; demand only on request, so never chosen."""
+    from mpifl.cli.pbs import polaris_queue
+
+    chosen, note = polaris_queue(None, nodes, int(hours * 3600))
+    assert chosen == queue
+    assert (note is not None) == (queue == "preemptable")  # its jobs may be killed: said
+
+
+@pytest.mark.parametrize("given,nodes,hours,says", [
+    ("debug", 5, 1, "--queue debug: Polaris's debug queue takes 1-2 nodes for up to 1 h, not 5 nodes for 1 h; "
+                    "debug-scaling, preemptable would take it"),
+    ("prod", 3, 1, "--queue prod: Polaris's prod queue takes 10-24 nodes for up to 3 h; 25-99 nodes for up to 6 h; "
+                   "100-496 nodes for up to 24 h, not 3 nodes for 1 h; debug-scaling, preemptable would take it"),
+    ("prod", 20, 6, "not 20 nodes for 6 h"),
+    (None, 20, 6, "no Polaris queue takes 20 nodes for 6 h (the longest walltime for that many nodes: 3 h)"),
+])
+def test_a_polaris_job_no_queue_would_take_is_refused_naming_the_limits(given, nodes, hours, says):
+    from mpifl.cli.pbs import polaris_queue
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        polaris_queue(given, nodes, int(hours * 3600))
+    assert polaris_queue("myqueue", nodes, int(hours * 3600)) == ("myqueue", None)  # another site's: as given
+
+
+def test_a_polaris_script_asking_a_queue_qsub_would_refuse_is_not_written(tmp_path):
+    cfg = write_config(tmp_path / "two.yaml", "name: two\nrounds: 2\nclients: {num_clients: 8}\n"
+                       "data: {dataset: synthetic, kwargs: {num_samples: 300}}\n")
+    script = tmp_path / "two.pbs"
+    refused = mpifl_here("pbs", str(cfg), "--ranks-per-node", "1", "--queue", "debug", "-o", str(script))
+    assert refused.returncode == 2 and not script.exists()
+    assert "--queue debug: Polaris's debug queue takes 1-2 nodes for up to 1 h, not 9 nodes" in refused.stderr
+    assert mpifl_here("pbs", str(cfg), "--ranks-per-node", "1", "-o", str(script)).returncode == 0
+    assert "#PBS -q debug-scaling" in script.read_text().splitlines()
+    assert mpifl_here("pbs", str(cfg), "--ranks-per-node", "1", "--site", "generic", "-o", str(script)).returncode == 0
+    assert "#PBS -q debug" in script.read_text().splitlines()  # a generic PBS: the queue as given, debug by default

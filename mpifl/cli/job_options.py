@@ -278,8 +278,10 @@ def add_pbs_parser(sub: argparse._SubParsersAction) -> None:
                    "above 0)")
     add_stop_before(p, "the walltime", "a timer in the script sends it to mpiexec, which forwards it; PBS's "
                     "SIGKILL comes the queue's kill_delay after its own SIGTERM, at the walltime")
-    p.add_argument("--queue", default="debug", type=scheduler_name, help="#PBS -q queue (letters, digits and "
-                   "_ . - @ : + only)")
+    p.add_argument("--queue", default=None, type=scheduler_name, help="#PBS -q queue (letters, digits and "
+                   "_ . - @ : + only). Default with --site polaris: the queue Polaris's limits admit for the job's "
+                   "nodes and walltime (debug, debug-scaling, prod or preemptable), and a queue given is checked "
+                   "against them; with --site generic: debug")
     p.add_argument("--account", default="MYPROJECT", type=scheduler_name, help="#PBS -A project to charge "
                    "(letters, digits and _ . - @ : + only)")
     p.add_argument("--site", default="polaris", choices=PBS_SITES, help="polaris: each chunk is select=N:system="

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from mpifl.cli.job_options import pbs_seconds
 from mpifl.cli.jobs import (
@@ -19,6 +20,7 @@ from mpifl.cli.jobs import (
     stop_before_problem,
     write_script,
 )
+from mpifl.config import ConfigError
 from mpifl.errors import UsageError
 
 TEMPLATE = r"""#!/bin/bash -l
@@ -205,20 +207,71 @@ def running_venv() -> str:
     return sys.prefix if sys.prefix != sys.base_prefix else ""
 
 
+@dataclass(frozen=True)
+class Queue:
+    """A Polaris queue's limits: nodes and walltime (ALCF, "Running Jobs on Polaris",
+    https://docs.alcf.anl.gov/polaris/running-jobs/; qsub refuses a job outside them)."""
+
+    name: str
+    min_nodes: int
+    max_nodes: int
+    max_hours: float
+    note: str = ""
+
+
+# In the order the default is chosen from: the first whose limits admit the job. prod routes a job by its nodes to
+# small (10-24 nodes, 3 h), medium (25-99, 6 h) or large (100-496, 24 h), whose walltimes bound it
+POLARIS_QUEUES = (Queue("debug", 1, 2, 1), Queue("debug-scaling", 1, 10, 1), Queue("prod", 10, 24, 3),
+                  Queue("prod", 25, 99, 6), Queue("prod", 100, 496, 24),
+                  Queue("preemptable", 1, 10, 72, "a job there may be killed at any time for the demand queue's; "
+                        "resubmitted, the run resumes from its newest checkpoint"),
+                  Queue("demand", 1, 56, 1, "by request only"))
+ON_REQUEST = frozenset({"demand"})  # never chosen nor suggested: a project must be granted it
+
+
+def polaris_queue(given: str | None, nodes: int, walltime_seconds: int) -> tuple[str, str | None]:
+    """The queue of a Polaris job of ``nodes`` nodes and the walltime: ``given``, checked against its limits (a
+    ConfigError naming the limits and the queues that would take the job), or the first that admits it; and a
+    note to print where the chosen queue has one. A queue not in Polaris's table is taken as given."""
+    hours = walltime_seconds / 3600
+    fits = [q for q in POLARIS_QUEUES if q.min_nodes <= nodes <= q.max_nodes and hours <= q.max_hours
+            and (q.name == given or q.name not in ON_REQUEST)]
+    if given is None:
+        if not fits:
+            longest = max((q.max_hours for q in POLARIS_QUEUES if q.min_nodes <= nodes <= q.max_nodes), default=0)
+            raise ConfigError(f"no Polaris queue takes {nodes} nodes for {hours:g} h (the longest walltime for that "
+                              f"many nodes: {longest:g} h); shorten --walltime (a resubmitted job resumes)")
+        return fits[0].name, fits[0].note or None
+    known = [q for q in POLARIS_QUEUES if q.name == given]
+    if known and not any(q in fits for q in known):
+        limits = "; ".join(f"{q.min_nodes}-{q.max_nodes} nodes for up to {q.max_hours:g} h" for q in known)
+        takers = sorted({q.name for q in fits}, key=[q.name for q in POLARIS_QUEUES].index)
+        instead = f"; {', '.join(takers)} would take it" if takers else ""
+        raise ConfigError(f"--queue {given}: Polaris's {given} queue takes {limits}, not {nodes} nodes for "
+                          f"{hours:g} h{instead} (docs.alcf.anl.gov/polaris/running-jobs)")
+    note = next((q.note for q in known if q.note), None)
+    return given, note
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``mpifl pbs``."""
     walltime = pbs_seconds(args.walltime)
+    assert walltime is not None  # --walltime's type (pbs_walltime) refused any other
     stop = early_stop_seconds(args.stop_before, walltime)
     problem = stop_before_problem(stop, walltime, args.walltime, "--walltime")
     if problem:
         raise UsageError(problem)
     job = plan_job(args, "pbs", args.server_alone)
+    queue, note = polaris_queue(args.queue, job.nodes, walltime) if args.site == "polaris" else \
+        (args.queue or "debug", None)
+    if note:
+        print(f"note: queue {queue}: {note}")
     venv, conda_module, module_use = python_environment(args)
     script = TEMPLATE.format(
         walltime_seconds=walltime, stop_before="auto" if args.stop_before is None else stop,
         stop_share=STOP_SHARE, stop_cap=STOP_CAP_SECONDS,
         command=job.command, name=job.cfg.name, select=select_chunks(args, job.nodes), walltime=args.walltime,
-        filesystems=filesystems_directive(args), queue=args.queue, account=args.account, config=args.config,
+        filesystems=filesystems_directive(args), queue=queue, account=args.account, config=args.config,
         nranks=job.nranks, ranks_per_node=args.ranks_per_node, depth=args.depth,
         server_alone=int(args.server_alone), gpus_per_node=args.gpus_per_node, venv=venv,
         conda_module=conda_module, module_use=module_use, memory_note=job.memory_note,
