@@ -182,6 +182,25 @@ def test_every_round_records_its_cost_per_rank_and_the_run_s_totals_which_a_resu
     assert split[-1]["cost_to_date"]["bytes_moved"] == whole[-1]["cost_to_date"]["bytes_moved"]
 
 
+def test_members_costs_are_summed_with_their_largest_peak_and_bytes_only_where_every_rank_counted_them():
+    """A replicated client group (clients.ranks_per_client) sends its updates from its leader alone: each member
+    sends the leader what it spent on each order, and the leader's reading adds them, so that the group counts as
+    one rank, as a sharded group does (the group runs of test_mpi_ranks_per_client take this path every round)."""
+    from mpifl.roles.costs import with_members
+    from mpifl.roles.group import summed_costs
+
+    members = summed_costs([{"cpu_seconds": 1.0, "bytes_written": 10.0, "peak_rss_bytes": 5.0},
+                            {"cpu_seconds": 2.0, "bytes_written": 20.0, "peak_rss_bytes": 7.0}])
+    assert members == {"cpu_seconds": 3.0, "bytes_written": 30.0, "peak_rss_bytes": 7.0}
+    leader = {"rank_cpu_seconds": 0.5, "rank_bytes_written": 1.0, "rank_peak_rss_bytes": 9.0}
+    assert with_members(leader, members) == {"rank_cpu_seconds": 3.5, "rank_bytes_written": 31.0,
+                                             "rank_peak_rss_bytes": 9.0}
+    uncounted = summed_costs([{"cpu_seconds": 1.0, "peak_rss_bytes": 5.0}, {"cpu_seconds": 1.0, "bytes_written": 2.0,
+                                                                           "peak_rss_bytes": 5.0}])
+    assert "bytes_written" not in uncounted and "rank_bytes_written" not in with_members(leader, uncounted)
+    assert with_members(leader, summed_costs([])) == leader
+
+
 def test_a_resume_carries_the_totals_on_from_the_line_metrics_jsonl_wrote_after_the_checkpoint(tmp_path):
     """The checkpoint copies its round's record before it is written; the JSON line, written after, adds what writing
     it cost. A resume carries on from the line, so each record's totals stay the previous one's plus its own cost

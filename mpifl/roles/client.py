@@ -90,7 +90,8 @@ class ClientRank:
             parts.training.faults, self.rank, self.progress.tick, parts.training.spend_fault, parts.training.classes)
         self.training = LocalTraining(parts.training, self.work, parts.state, parts.plan, parts.evaluation,
                                       self.faults, self.rank)
-        self.costs = UpdateCosts(self.replica, self.rank)  # reported with each update's header
+        group = parts.training.group  # a replicated client group: its members' spending counts as this rank's
+        self.costs = UpdateCosts(self.replica, self.rank, group.members_spent if group is not None else None)
 
     def run(self) -> bool:
         """Serve rounds until the server says stop; whether it stopped on request before the last round."""

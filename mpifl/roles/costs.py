@@ -3,9 +3,25 @@ reading (receiving the model and the previous update's send included), its peak 
 seconds and the energy NVML's counter saw (roles.records sums them per rank and round)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mpifl.learning.device import DeviceReplica, GpuEnergy
 from mpifl.logs import log
 from mpifl.metrics import CostMeter, peak_rss_bytes
+
+
+def with_members(cost: dict[str, float], members: dict[str, float]) -> dict[str, float]:
+    """A leader's reading (``rank_*`` keys) with its group members' (``members``: ``summed_costs``) added: CPU and
+    bytes written summed (bytes only where both counted them), the larger peak RSS."""
+    if not members:
+        return cost
+    out = {**cost, "rank_cpu_seconds": cost["rank_cpu_seconds"] + members["cpu_seconds"],
+           "rank_peak_rss_bytes": max(cost["rank_peak_rss_bytes"], members["peak_rss_bytes"])}
+    if "rank_bytes_written" in cost and "bytes_written" in members:
+        out["rank_bytes_written"] = cost["rank_bytes_written"] + members["bytes_written"]
+    else:
+        out.pop("rank_bytes_written", None)
+    return out
 
 
 class UpdateCosts:
@@ -16,8 +32,10 @@ class UpdateCosts:
     LEAF CNN fell from 109 to 72 client updates/s (about 4.8 ms more per update) once every update read the
     counter; that cost was inferred from the two checks, not timed on its own."""
 
-    def __init__(self, replica: DeviceReplica | None, rank: int):
+    def __init__(self, replica: DeviceReplica | None, rank: int,
+                 members: Callable[[], dict[str, float]] | None = None):
         self.meter = CostMeter()
+        self.members = members  # a replicated client group's other ranks' spending (GroupLeader.members_spent)
         gpu = replica.flat.buffer.device if replica is not None and replica.on_gpu else None
         self.on_gpu = gpu is not None
         self.energy = GpuEnergy(gpu) if gpu is not None else None
@@ -60,6 +78,8 @@ class UpdateCosts:
         """The rank's CPU-seconds and bytes written since its last reading, its peak RSS and the GPU's energy."""
         cost = {f"rank_{key}": value for key, value in self.meter.since_last().items()}
         cost["rank_peak_rss_bytes"] = peak_rss_bytes()
+        if self.members is not None:  # the group's ranks count as one: their sums, their largest peak
+            cost = with_members(cost, self.members())
         if self.energy is not None and self.joules is not None:
             joules = self.energy.joules()
             assert joules is not None  # a counter that answered once keeps answering

@@ -35,6 +35,7 @@ from mpifl.learning.datasets import ClientData
 from mpifl.learning.parallel import DataParallel
 from mpifl.learning.trainers import Trainer, local_steps
 from mpifl.logs import log
+from mpifl.metrics import CostMeter, peak_rss_bytes
 from mpifl.planning.world import GroupLayout
 from mpifl.wire import protocol
 from mpifl.wire.flat import FlatModel
@@ -63,6 +64,18 @@ def rendezvous_store(address: tuple[str, int] | None, size: int, timeout_s: floa
     return dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s)), address
 
 
+def summed_costs(readings: list[dict]) -> dict[str, float]:
+    """The members' readings as one: CPU-seconds summed, bytes written summed where every reading has them (no
+    total that leaves a rank out), the largest peak RSS; {} for none."""
+    if not readings:
+        return {}
+    out = {"cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in readings),
+           "peak_rss_bytes": max(r.get("peak_rss_bytes", 0.0) for r in readings)}
+    if all("bytes_written" in r for r in readings):
+        out["bytes_written"] = sum(r["bytes_written"] for r in readings)
+    return out
+
+
 def client_model(work: FlatModel) -> list[torch.Tensor]:
     """What the leader sends its group before a logical client trains: the global model (the flat buffer) and
     the client's own local tensors (``model.local``: FedBN, FedPer), which the leader has just loaded into its
@@ -76,6 +89,17 @@ class GroupLeader:
     def __init__(self, comm: MPI.Comm, parallel: DataParallel, work: FlatModel, timeout_s: float):
         self.comm, self.parallel, self.work, self.timeout_s = comm, parallel, work, timeout_s
         self.round = 0  # the round the leader serves (set by its client rank), named in each order
+        self.owed = 0  # orders each member has trained (or is training) whose cost the leader has not taken
+
+    def members_spent(self) -> dict[str, float]:
+        """What the group's other ranks spent on the orders since the last call, summed (``cpu_seconds``,
+        ``bytes_written`` where every member counted it) and their largest ``peak_rss_bytes``, for the leader's
+        reading (``UpdateCosts``): without it a replicated group's cost would be its leader's alone. Each member
+        sends its meter's reading once it has trained an order, in step with the leader, so this waits little."""
+        readings = [recv_object(self.comm, member, protocol.GROUP_COST) for _ in range(self.owed)
+                    for member in range(1, self.comm.Get_size())]
+        self.owed = 0
+        return summed_costs([r for r in readings if isinstance(r, dict)])
 
     def dispatch(self, client: int, seed: int, steps: int | None,
                  shared: torch.Tensor | None = None) -> dict[str, float]:
@@ -104,6 +128,7 @@ class GroupLeader:
         order = dataclasses.replace(order, address=address, round=self.round)
         for member in range(1, self.comm.Get_size()):
             send_object(self.comm, order, member, protocol.GROUP)
+        self.owed += 1
         if address is not None:
             self.parallel.start(store, self.work.device, self.timeout_s)
             why = " (its ranks share a GPU, which NCCL refuses)" if (
@@ -114,6 +139,7 @@ class GroupLeader:
     def release(self, interrupted: bool = False) -> None:
         """The run is over (``interrupted``: stopped on request before its last round): let the members leave, then
         leave the process group."""
+        self.members_spent()  # what the last orders cost, taken so that no member's message is left unreceived
         for member in range(1, self.comm.Get_size()):
             send_object(self.comm, protocol.TrainOrder(stop=True, interrupted=interrupted), member, protocol.GROUP)
         self.parallel.close()
@@ -133,6 +159,7 @@ class GroupMember:
         self.comm, self.parallel, self.work, self.trainer = comm, parallel, work, trainer
         self.local_data, self.timeout_s, self.state, self.personal = local_data, timeout_s, state, personal
         self.note, self.noted = note, 0  # this rank's notes in the run directory: the round it last trained in
+        self.meter = CostMeter()  # what this rank spent, sent to the leader after each order (members_spent)
 
     def run(self) -> bool:
         """Follow the leader's orders until it says stop; whether the run stopped on request before its last
@@ -152,6 +179,8 @@ class GroupMember:
                     self.train_personal(order)
                 else:
                     self.train(order)
+                send_object(self.comm, {**self.meter.since_last(), "peak_rss_bytes": float(peak_rss_bytes())}, 0,
+                            protocol.GROUP_COST)
             except Exception as err:
                 what = "personal model" if order.personal else "training"
                 raise GroupMemberFailure(

@@ -85,6 +85,7 @@ FLOOR_DOWN = 23  # the raw-MPI floor probe before round 1 (mpifl.aggregation.flo
 FLOOR_UP = 24
 STATE = 25  # round-scoped: per-client state lent to the rank that trains the client (per_round placement)
 STATE_BACK = 26  # round-scoped: that state handed back, updated
+GROUP_COST = 27  # in a client group's communicator: what a member spent on an order, to its leader
 
 ROUND_TAG_STRIDE = 32  # every fixed tag above is below it
 ROUND_TAG_CYCLE = 1000  # rounds before a tag repeats: 20 + 32 * 999 stays within 32767, MPI's least TAG_UB
