@@ -1,4 +1,5 @@
 """Config: strict validation with messages that name the key, before any MPI work."""
+import re
 import subprocess
 import sys
 
@@ -99,6 +100,10 @@ def test_an_override_that_is_not_yaml_names_the_key_and_shows_it_quoted():
 def test_bad_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+    (tmp_path / "llama3.1-70b-lora.yaml").write_text("rounds: 1\n")  # a file the misspelt name is close to
+    with pytest.raises(ConfigError, match=re.escape(f"lorra.yaml' does not exist; did you mean "
+                                                    f"'{tmp_path / 'llama3.1-70b-lora.yaml'}'?")):
+        load_config(tmp_path / "llama3.1-70b-lorra.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("rounds: [1,\n")
     with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):

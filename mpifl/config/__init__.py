@@ -44,13 +44,27 @@ __all__ = ["CheckpointConfig", "ClientsConfig", "ClockConfig", "CompressionConfi
            "config_warnings", "dump_config", "load_config", "resumable_keys", "resume_conflict"]
 
 
+def closest_file(path: Path) -> str:
+    """"; did you mean 'configs/llama3.1-70b-lora.yaml'?" for a mistyped config file: the closest name of a YAML
+    file in its folder, else nothing (the folder missing too, or nothing close)."""
+    import difflib
+
+    folder = path.parent
+    try:
+        names = [p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml")]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f"; did you mean {str(folder / close[0])!r}?" if close else ""
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), data: dict | None = None) -> Config:
     """Read a YAML file (or a dict), apply ``key=value`` overrides, resolve the ``auto`` keys, validate everything."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            raise ConfigError(f"config file {str(path)!r} does not exist{closest_file(path)}")
         try:
             raw = read_yaml(path.read_text(), str(path))
         except yaml.YAMLError as err:
