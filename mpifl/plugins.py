@@ -78,7 +78,7 @@ def kwargs_problem(fn: Any, kwargs: dict, key: str, supplied: tuple[str, ...] = 
 def call_problem(fn: Any, called: str, args: tuple[str, ...], keywords: tuple[str, ...] = ()) -> str | None:
     """Why ``fn`` cannot be called as mpifl calls it, with the positional ``args`` and the ``keywords`` (their
     names, as the contract writes them), or None: "LeaderNoCfg.__init__(work, store) cannot take mpifl's call
-    training(work, store, cfg): missing a required argument: 'cfg'". A class is checked as its ``__init__``
+    leader(work, store, cfg): too many positional arguments". A class is checked as its ``__init__``
     (without self), a method of a class as the class's function (self then given too). Why before MPI: the call
     would otherwise fail on every client rank once it starts training, with a traceback each."""
     try:
