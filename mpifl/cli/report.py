@@ -47,9 +47,10 @@ def figure_path(path: str, command: str) -> Path:
     if target.is_dir():
         raise SystemExit(f"mpifl {command}: --plot {path} is a folder: give the figure's file name (say "
                          f"{target / 'figure.png'})")
-    plt = pyplot(command)
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    pyplot(command)
+    from matplotlib.backend_bases import FigureCanvasBase  # the writers matplotlib registers, read without a figure
+
+    formats = FigureCanvasBase.get_supported_filetypes()
     kind = target.suffix.lstrip(".").lower()
     if kind not in formats:
         raise SystemExit(f"mpifl {command}: --plot {path}: matplotlib writes no {kind or 'suffix-less'} figure; end "

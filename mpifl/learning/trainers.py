@@ -450,7 +450,7 @@ def members_problem(cfg: TrainConfig, trainer: object, built: bool = True) -> st
         return (f"train.trainer: {cfg.trainer!r} has no train method; a trainer defines train(self, model, data, "
                 "seed[, context]) returning mpifl.api.TrainResult")
     train = trainer.train  # type: ignore[attr-defined]
-    given = ("context",) if "context" in _parameters(train) else ()  # mpifl passes it where train takes it
+    given = ("context",) if accepts_context(trainer) else ()  # type: ignore[arg-type] # mpifl passes it where taken
     called = call_problem(train, "train(model, data, seed" + (", context=...)" if given else ")"),
                           ("model", "data", "seed") if built else ("self", "model", "data", "seed"), given)
     if called:
@@ -466,14 +466,6 @@ def members_problem(cfg: TrainConfig, trainer: object, built: bool = True) -> st
         return (f"train.trainer: {cfg.trainer!r} defines personalized(model, context), which reads the client's "
                 "state from the TrainContext of its training: give train a keyword parameter context")
     return None
-
-
-def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
-    """``fn``'s parameters by name; none where it has no signature to read (a builtin)."""
-    try:
-        return inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
 
 
 def trainer_name(trainer: Trainer) -> str:
