@@ -149,7 +149,7 @@ def wait_until_running(pid: int, marker: bytes, seconds: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resume(tmp_path):
+def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resume(tmp_path, monkeypatch):
     """A job checked mid-chain: its ranks are alive on this host (ranks.txt), so status says it is still running
     instead of advising a --resume that would start a second job on the same directory. A rank whose note says it
     ended, and a pid that now runs another program, do not count."""
@@ -157,6 +157,7 @@ def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resum
     import subprocess
     import sys
 
+    monkeypatch.setattr("mpifl.storage.rundir.TEARDOWN_GRACE_S", 0.3)  # rank 2 failed: status waits that long first
     run = run_dir_with(tmp_path, 2, [(0, "round", 3, 50.0), (1, "round", 3, 50.0), (2, "failed", 2, 49.0)])
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mpifl-rank-stand-in"])
     other = subprocess.Popen(["sleep", "60"])
@@ -177,3 +178,24 @@ def test_status_of_a_run_whose_ranks_still_run_here_says_so_and_advises_no_resum
         other.wait()
     complete, lines = post_mortem(run)  # once it ended: what the notes say, and the advice to resume
     assert not complete and "still running" not in lines[-1] and lines[-1].endswith("continue with --resume")
+
+
+def test_status_asked_as_a_failed_job_is_torn_down_waits_for_its_dying_ranks_instead_of_calling_it_running(tmp_path):
+    """A launcher returns once it has signalled the ranks, not once they are gone: a status asked at once (a job's
+    epilogue) found a rank of a job that one rank's failure ended still alive, and said the job was running. Where a
+    note says a rank failed, status gives the others a few seconds to go."""
+    import socket
+    import subprocess
+    import sys
+
+    run = run_dir_with(tmp_path, 1, [(0, "failed", 2, 50.0), (1, "round", 2, 50.0)])
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)", "mpifl-rank-stand-in"])
+    try:
+        wait_until_running(dying.pid, b"mpifl-rank-stand-in")
+        (run / "ranks.txt").write_text("rank host pid local_rank cores gpu threads\n"
+                                       f"1 {socket.gethostname()} {dying.pid} 0 0 - 1\n")
+        complete, lines = post_mortem(run)  # it exits half a second in (a zombie runs nothing)
+    finally:
+        dying.kill()
+        dying.wait()
+    assert not complete and not any("still running" in line for line in lines)

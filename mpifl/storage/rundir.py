@@ -396,8 +396,7 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
     unwritten = unwritten_notes(run_dir)
     for rank in sorted({*notes, *unwritten}):
         lines.append(f"  rank {rank}: {_note_line(notes.get(rank), rank in unwritten)}")
-    alive = [(rank, pid) for rank, pid in running_ranks(run_dir)  # a rank whose note says it ended runs no more
-             if notes.get(rank, {}).get("state") not in ENDED_STATES]
+    alive = ranks_still_running(run_dir, notes)
     if alive:  # a job still at it: a --resume now would start a second one on the same directory
         pids = ", ".join(f"rank {rank} PID {pid}" for rank, pid in alive)
         lines.append(f"not complete: still running ({pids} alive on this host): wait for the job to end, then ask "
@@ -430,6 +429,24 @@ def post_mortem(run_dir: Path) -> tuple[bool, list[str]]:
 
 
 ENDED_STATES = ("finished", "failed", "interrupted")  # a rank's last note once its part of the run is over
+
+
+TEARDOWN_GRACE_S = 5.0  # how long a job that a rank's failure ends may take to be gone once its launcher returned
+
+
+def ranks_still_running(run_dir: Path, notes: dict[int, dict]) -> list[tuple[int, int]]:
+    """(rank, pid) of the ranks still running on this host whose note does not say their part ended. Where another
+    rank's note says it failed, the job is being torn down: a launcher returns once it has signalled the ranks, not
+    once they are gone, so a status asked at once (a job's epilogue, a test) waits up to ``TEARDOWN_GRACE_S`` for
+    them to go rather than call a dying job running."""
+    def alive() -> list[tuple[int, int]]:
+        return [(rank, pid) for rank, pid in running_ranks(run_dir)
+                if notes.get(rank, {}).get("state") not in ENDED_STATES]
+    found, deadline = alive(), time.monotonic() + TEARDOWN_GRACE_S
+    while found and any(n.get("state") == "failed" for n in notes.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = alive()
+    return found
 
 
 def running_ranks(run_dir: Path) -> list[tuple[int, int]]:
