@@ -228,6 +228,32 @@ def test_a_partition_plugin_by_import_path(tmp_path):
     assert all((labels.numpy()[p] % 4 == c).all() for c, p in enumerate(parts))
 
 
+def split_without_a_seed(labels, num_clients):
+    """A partition plugin written without the seed mpifl passes."""
+    return np.array_split(np.arange(len(labels)), num_clients)
+
+
+@pytest.mark.parametrize("path, says", [
+    ("test_natural_partitions:split_without_a_seed", "data.partition 'test_natural_partitions:split_without_a_seed'"
+     ": split_without_a_seed(labels, num_clients) cannot take mpifl's call partition(labels, num_clients, seed): "
+     "too many positional arguments"),
+    ("test_natural_partitions:USERS", "data.partition: 'test_natural_partitions:USERS' names a 'dict' object, not a "
+     "function fn(labels, num_clients, seed)"),
+    ("test_natural_partitions:by_labels", "data.partition: module 'test_natural_partitions' has no attribute "
+     "'by_labels' (from 'test_natural_partitions:by_labels'); did you mean 'by_label'?"),
+])
+def test_validate_refuses_a_partition_plugin_it_cannot_call_in_one_line_naming_the_key(tmp_path, path, says):
+    """It used to pass the checks and end validate (and every rank of a run) with a TypeError traceback."""
+    cfg = write_config(tmp_path / "c.yaml", f"""
+clients: {{num_clients: 4}}
+data: {{dataset: synthetic, partition: "{path}"}}
+model: {{name: mlp, kwargs: {{hidden: [4]}}}}
+""")
+    result = mpifl_here("validate", str(cfg))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"mpifl: config error: {says}"
+
+
 def test_a_federated_run_on_leaf_users_under_mpiexec(tmp_path):
     write_leaf(tmp_path / "femnist")
     cfg = write_config(tmp_path / "c.yaml", f"""

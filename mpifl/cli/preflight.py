@@ -29,6 +29,7 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
     from mpifl.clock.queue import queue_trace_problem
     from mpifl.learning.datasets import client_source, dataset_problem, needs_dataset
     from mpifl.learning.models import model_problem
+    from mpifl.learning.partitions import partition_problem
     from mpifl.learning.trainers import trainer_problem
     from mpifl.privacy.accounting import accounting_problem, budget_problem
     from mpifl.privacy.secagg import config_range_problem
@@ -37,7 +38,7 @@ def check_plugins(cfg: Config, partition_follows: bool = False) -> list[str]:
         check_transformers(cfg)
     has_data = needs_dataset(cfg)
     problem = model_problem(cfg.model, has_data) or (dataset_problem(cfg.data) if has_data else None) or \
-        trainer_problem(cfg.train)
+        (partition_problem(cfg.data) if has_data else None) or trainer_problem(cfg.train)
     problem = problem or tracker_problem(cfg.output.trackers) or accounting_problem(cfg.privacy.mode) or \
         budget_problem(cfg.privacy, cfg.clients.num_clients, cfg.clients_per_round()) or \
         queue_trace_problem(cfg.clock.queue_trace) or \

@@ -19,7 +19,7 @@ import torch
 from mpifl.config import DataConfig
 from mpifl.learning.datasets import Dataset
 from mpifl.planning.seeds import PARTITION, derive_seed
-from mpifl.plugins import is_import_path, resolve
+from mpifl.plugins import call_problem, is_import_path, resolve
 from mpifl.units import range_list
 
 
@@ -141,6 +141,22 @@ def unbalanced_partition(num_samples: int, num_clients: int, sigma: float,
     sizes[np.argmax(sizes)] += num_samples - sizes.sum()
     cuts = np.cumsum(sizes)[:-1]
     return [np.sort(part) for part in np.split(rng.permutation(num_samples), cuts)]
+
+
+def partition_problem(cfg: DataConfig) -> str | None:
+    """Why a plug-in ``data.partition`` cannot be imported or called as mpifl calls it, ``fn(labels, num_clients,
+    seed)``, or None: before MPI, instead of a traceback on every rank that splits the data."""
+    if not is_import_path(cfg.partition):
+        return None
+    try:
+        fn = resolve(cfg.partition)
+    except ImportError as err:
+        return f"data.partition: {err}"
+    if not callable(fn):
+        return f"data.partition: {cfg.partition!r} names a {type(fn).__name__!r} object, not a function " \
+            "fn(labels, num_clients, seed)"
+    problem = call_problem(fn, "partition(labels, num_clients, seed)", ("labels", "num_clients", "seed"))
+    return f"data.partition {cfg.partition!r}: {problem}" if problem else None
 
 
 def partition(cfg: DataConfig, labels: torch.Tensor, num_clients: int, seed: int,
