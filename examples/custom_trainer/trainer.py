@@ -40,8 +40,8 @@ class DecayTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         received = [p.detach().clone() for p in params]
         optimizer = make_optimizer(params, self.cfg)
-        floor = self.final_fraction
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - (1.0 - floor) * step / steps)
+        floor, last = self.final_fraction, max(steps - 1, 1)  # steps 0..steps-1: the last one runs at floor x lr
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - (1.0 - floor) * step / last)
         batches = minibatches(len(data), self.cfg.batch_size, seed)  # seeded: every run trains the same
         first = next(model.parameters())  # the data stays on the host; batches go where the model is
         model.train()

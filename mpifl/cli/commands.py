@@ -175,11 +175,12 @@ def validated_schedule(cfg: Config) -> str:
     what each applies and how many clients train at once (``clients.per_round`` plays no part there)."""
     clock, clients = cfg.clock, cfg.clients.num_clients
     if not clock.asynchronous:
-        return f"{cfg.rounds} rounds, {cfg.clients_per_round()} of {clients} clients per round"
+        rounds = f"{cfg.rounds} round{'s' * (cfg.rounds != 1)}"
+        return f"{rounds}, {cfg.clients_per_round()} of {clients} clients per round"
     applies = {"fedasync": "1 update", "fedbuff": f"{clock.buffer} buffered updates (clock.buffer)"}.get(
         clock.mode, "an arrival group")
-    return (f"{cfg.rounds} {clock.mode} server steps, each applying {applies}, {clock.in_flight()} of {clients} "
-            "clients training at once (clock.concurrency)")
+    return (f"{cfg.rounds} {clock.mode} server step{'s' * (cfg.rounds != 1)}, each applying {applies}, "
+            f"{clock.in_flight()} of {clients} clients training at once (clock.concurrency)")
 
 
 def check_schedule(cfg: Config, sizes: list[int] | None) -> list[str]:

@@ -64,8 +64,8 @@ def _largest_id(rows: torch.Tensor | HeldRows) -> int:
 
 
 def shared_dataset(comm: MPI.Comm, cfg: DataConfig) -> Dataset:
-    """The data every rank starts from: read once on rank 0 and shared; or, from a client source,
-    only its index shared (labels, shapes), each client rank reading its own clients' inputs later."""
+    """The data every rank starts from: read once on rank 1 and shared (``_read_on_a_client_rank``); or, from a
+    client source, only its index shared (labels, shapes), each client rank reading its own clients' inputs later."""
     source = client_source(cfg)
     if source is None:
         return _read_on_a_client_rank(comm, lambda: load_dataset(cfg))
