@@ -19,7 +19,9 @@ included participant's chunk ``x`` into the fp32 accumulator (index 0 overwrites
 model's dtype). ``stacked = True`` gives one accumulator row per participant. A participant's
 weight is ``weight_of(meta)`` from its ``UpdateMeta`` (``num_samples``, ``local_steps``, the
 trainer's ``metrics``; by default ``weight(meta.num_samples)``); clients compute it too, so it may
-read only those fields. ``fold`` is the fused fp32 ``acc (+)= w * x`` a weighted sum uses.
+read only those fields. The module-level ``fold(acc, x, weight, first, scratch=None)`` is the fused fp32
+``acc (+)= w * x`` a weighted sum uses: ``first=True`` overwrites ``acc`` (pass ``index == 0`` from the
+method), ``first=False`` adds to it.
 
 **Capabilities** (what run modes a strategy can take, never judged by its name): a combiner
 declares ``capabilities = Capabilities(summable=..., needs_every_row=...)``. ``summable`` (fold is
@@ -32,7 +34,8 @@ changes ``weight``/``weight_of`` keeps its base's; one that overrides ``fold``/`
 its own, or is assumed neither summable nor free of the others' rows, and refused where that
 would be wrong, before MPI starts.
 
-**A rule over whole updates** (Krum, the geometric median): subclass ``DistanceRule`` and write
+**A rule over whole updates** (Krum, the geometric median; the exported ``Krum`` is Multi-Krum, the rule behind
+``strategy.name: multi_krum``, and Krum's single choice is its ``m = 1``): subclass ``DistanceRule`` and write
 ``coefficients(gram, weights)``, what each of the round's n usable updates counts in the result (n floats
 summing to 1), from their n x n float64 Gram matrix (centred on the first: squared distances are
 ``G_ii + G_jj - 2 G_ij``) and their weights. mpifl keeps the updates (RAM, or a temporary file) and finishes
@@ -81,7 +84,7 @@ against the plug-in's signature before MPI starts (a typo is named with the clos
 converted to its annotated types as the config loads (``clip: float`` set to ``1e6`` is 1000000.0).
 
 **Metrics**: every number in a trainer's ``TrainResult.metrics`` besides ``loss`` (which is
-``train_loss``; names starting with ``rank_``, ``group_`` or ``secagg_`` are mpifl's own and refused) is
+``train_loss``; names starting with ``rank_``, ``group_``, ``secagg_`` or ``ditto_`` are mpifl's own and refused) is
 recorded each round as ``client_metrics.<name>``: its mean over the round's usable
 clients weighted by their samples, its ``min``, ``max`` and ``clients``. A strategy's
 ``round_metrics()`` is recorded as ``strategy_metrics``. Both reach metrics.jsonl and every tracker

@@ -41,9 +41,10 @@ class Capabilities:
     # Reads the local steps as plain SGD steps of size lr (SCAFFOLD's option II control variates (x - y) / (K lr),
     # FedNova's normaliser): with an adaptive local optimizer (Adam) that rule is scaled wrongly, which is warned of.
     sgd_steps: bool = False
-    # The strategy's client half (with client_state), in mpifl.algorithms: 'control_variates' (SCAFFOLD's corrected
-    # steps and c_i) or 'dynamic_regularizer' (FedDyn's g_i and its regulariser); '' for none, or for a plug-in,
-    # whose client half is its trainer (its declared client_state vectors).
+    # The strategy's client half (with client_state): a built-in rule of mpifl.algorithms ('control_variates':
+    # SCAFFOLD's corrected steps and c_i; 'dynamic_regularizer': FedDyn's g_i and its regulariser), or a plug-in's
+    # import path 'package.module:attr' to a ClientAlgorithm; '' for none (a plug-in trainer's declared
+    # client_state vectors need no rule).
     client_rule: str = ""
     # The client half acts after every optimizer step (SCAFFOLD's correction, outside the optimizer's momentum):
     # the optimizer must step once over the whole model, never parameter by parameter inside backward.
