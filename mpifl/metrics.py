@@ -92,7 +92,8 @@ def read_records(path: Path) -> ReadRecords:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as err:
-            return ReadRecords(records, number, f"{err.msg} at column {err.colno}", index == len(lines) - 1)
+            complaint = f"{err.msg.removesuffix(' at')} at column {err.colno}"  # json's msg may end in 'at'
+            return ReadRecords(records, number, complaint, index == len(lines) - 1)
     return ReadRecords(records)
 
 

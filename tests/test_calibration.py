@@ -81,6 +81,20 @@ def test_a_one_round_run_is_refused_in_one_line_that_says_how_many_rounds_calibr
     assert line.endswith("calibrate a run of at least 2 rounds, whose tasks after round 1 number 2 or more")
 
 
+def test_records_with_no_round_or_a_malformed_timing_are_refused_in_one_line_naming_the_round(tmp_path):
+    """They used to say the records were older than 'timing', and to end with a ValueError traceback."""
+    run = measured_run(tmp_path / "run", lambda n, rng: 0.01)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("")
+    refused = mpifl_here("calibrate", str(run))
+    assert refused.returncode == 1 and "metrics.jsonl records no round yet" in refused.stderr, refused.stderr
+    bad = {**json.loads(lines[1]), "timing": "x"}
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], json.dumps(bad), *lines[2:]]) + "\n")
+    refused = mpifl_here("calibrate", str(run))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"round {bad['round']}: 'timing' holds 'x', not [client, rank, samples, seconds]" in refused.stderr
+
+
 def test_a_fit_that_explains_little_of_the_measured_times_is_warned_of_above_its_overrides(tmp_path):
     weak = mpifl_here("calibrate", str(measured_run(tmp_path / "weak", lambda n, rng: (0.01 + 1e-4 * n)
                                                     * rng.lognormal(0, 1.0))))

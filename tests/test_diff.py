@@ -4,6 +4,7 @@ which elements differ and by how much (exit 0 when bitwise equal, 1 when not, 2 
 corrupt); its digest is ``mpifl inspect``'s and ``profiling/combinations.py``'s."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import h5py
@@ -206,12 +207,33 @@ def test_one_config_on_two_rank_counts_diffs_bitwise_equal_with_every_clients_ve
     assert f"digest: {code} " in inspected.stdout
     other = mpifl_here("diff", str(tmp_path / "two"), str(tmp_path / "seed"))
     assert other.returncode == 1 and "they differ" in other.stdout
+    assert "configs differ in 1 key(s): seed 2 -> 3" in other.stdout  # what a difference is read against
+    assert f"digest: {code} " in mpifl_here("inspect", str(tmp_path / "two")).stdout  # a run directory: its result
     assert "; checksums verified (" in same.stdout
-    # a model.h5 keeps no clients' vectors: equal as far as compared, and the last line says how far
-    partial = mpifl_here("diff", str(tmp_path / "two" / "model.h5"), str(tmp_path / "three"))
+    # a run's model.h5 is a hard link to its final checkpoint, whose clients' vectors it stands for: the same
+    # digest in inspect, whichever name it is given by
+    final = mpifl_here("inspect", str(tmp_path / "two" / "model.h5"))
+    assert f"digest: {code} " in final.stdout
+    # a model.h5 away from its run directory keeps none: equal as far as compared, and the last line says how far
+    (tmp_path / "alone").mkdir()
+    shutil.copy(tmp_path / "two" / "model.h5", tmp_path / "alone" / "model.h5")
+    partial = mpifl_here("diff", str(tmp_path / "alone" / "model.h5"), str(tmp_path / "three"))
     assert partial.returncode == 0 and "clients' vectors: not compared (kept by b only)" in partial.stdout
     assert partial.stdout.rstrip().splitlines()[-1].startswith("bitwise equal as far as compared: the clients' "
                                                                "vectors were not, b alone keeping them")
+    # a file of clients' vectors torn or gone: no result to compare or export, exit 2 naming it, no traceback
+    shutil.copytree(tmp_path / "two", tmp_path / "torn")
+    torn = sorted((tmp_path / "torn" / "checkpoints" / "ckpt-r000002.residuals").glob("rank*.h5"))[-1]
+    torn.write_bytes(torn.read_bytes()[:500])
+    for command in (("diff", str(tmp_path / "two"), str(tmp_path / "torn")),
+                    ("inspect", "--verify", str(tmp_path / "torn" / "model.h5"))):
+        refused = mpifl_here(*command)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert f"{torn}: cannot read this file of clients' vectors" in refused.stderr, refused.stderr
+    shutil.rmtree(torn.parent)
+    gone = mpifl_here("diff", str(tmp_path / "two"), str(tmp_path / "torn"))
+    assert gone.returncode == 2 and "files of its clients' vectors that ckpt-r000002.h5 lists are missing" in \
+        gone.stderr, gone.stderr
     # a side whose bytes no longer match its checksums is no result to compare: exit 2, naming what changed
     edited = tmp_path / "edited.h5"
     edited.write_bytes((tmp_path / "two" / "model.h5").read_bytes())
@@ -222,7 +244,7 @@ def test_one_config_on_two_rank_counts_diffs_bitwise_equal_with_every_clients_ve
         f["model"][name][...] = values
     corrupt = mpifl_here("diff", str(tmp_path / "two" / "model.h5"), str(edited))
     assert corrupt.returncode == 2, corrupt.stdout + corrupt.stderr
-    assert f"mpifl diff: {edited}: tensor {name!r} is corrupt" in corrupt.stderr and "not compared" in corrupt.stderr
+    assert f"mpifl: diff: {edited}: tensor {name!r} is corrupt" in corrupt.stderr and "not compared" in corrupt.stderr
 
 
 def checkpoint(path: Path, flat, chunk_bytes: int, h: np.ndarray) -> Path:
@@ -282,7 +304,7 @@ def test_each_side_is_read_once_its_bytes_checked_against_its_own_checksums_as_t
             ckpt.verify()
         with pytest.raises(CheckpointError) as compared:
             diff(str(a), str(edited))
-        assert str(compared.value) == f"mpifl diff: {verified.value}; not compared"
+        assert str(compared.value) == f"diff: {verified.value}; not compared"
         assert capsys.readouterr().out == ""
     stripped = tmp_path / "stripped.h5"  # its server state's checksums deleted: named, not a traceback
     stripped.write_bytes(b.read_bytes())

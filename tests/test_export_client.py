@@ -13,8 +13,10 @@ import pytest
 from conftest import mpifl_here, ran
 from results import client_vectors
 
+from mpifl.storage.comparison import vector_clients
 from mpifl.storage.hdf5 import load_tensors
 from mpifl.storage.integrity import GROUP, metadata_crc32
+from mpifl.units import range_list
 
 safetensors = pytest.importorskip("safetensors.numpy")
 
@@ -151,11 +153,25 @@ def test_an_unknown_client_a_run_without_own_models_and_a_sharded_runs_files_are
     assert "holds one shard of each client's rows" in refusal(copy / "ckpt-r000002.h5", out, "--client", "1")
 
 
+def test_a_torn_file_of_clients_vectors_is_named_in_one_line_and_nothing_is_written(fedper, tmp_path):
+    """It used to end the export with h5py's OSError and a traceback."""
+    copy = tmp_path / "torn" / "checkpoints"
+    shutil.copytree(last(fedper).parent, copy)
+    for path in (copy / "ckpt-r000002.residuals").glob("rank*.h5"):
+        path.write_bytes(path.read_bytes()[:500])
+    said = refusal(copy / "ckpt-r000002.h5", tmp_path / "x.safetensors", "--client", "1")
+    assert "cannot read this file of clients' vectors" in said and "nothing written" in said
+    assert "Traceback" not in said
+
+
 def test_inspect_says_how_to_export_a_clients_own_model_where_the_run_kept_one(fedper, ditto):
     """The global model alone is not what a FedPer or Ditto client uses: inspect names the export that is."""
     said = mpifl_here("inspect", str(last(fedper)))
     assert said.returncode == 0, said.stderr
+    trained = vector_clients(last(fedper))  # the clients with a model of their own: those sampled so far
+    assert 0 < len(trained) < 8
     assert (f"each client's own model (the global tensors with its model.local ones): mpifl export {last(fedper)} "
-            "OUT --client ID (ID 0 to 7)") in said.stdout
+            f"OUT --client ID (ID one of {range_list(trained)}, the {len(trained)} of 8 clients that have trained)") \
+        in said.stdout
     said = mpifl_here("inspect", str(last(ditto)))
     assert f"each client's own personal model (Ditto): mpifl export {last(ditto)} OUT --client ID" in said.stdout

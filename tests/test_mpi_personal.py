@@ -72,7 +72,7 @@ def test_a_resumed_run_on_another_number_of_ranks_keeps_every_clients_local_tens
     inspect = mpifl_here("inspect", str(last))
     assert "per client: local tensors (model.local), kept by the client ranks, in " in inspect.stdout
     assert (f"each client's own model (the global tensors with its model.local ones): mpifl export {last} OUT "
-            "--client ID (ID 0 to 7)") in inspect.stdout
+            "--client ID (ID one of ") in inspect.stdout
     shutil.rmtree(last.with_suffix(".residuals"))
     again = subprocess.run([sys.executable, "-m", "mpifl", "run", str(cfg), "rounds=4", "--run-dir",
                             str(tmp_path / "split"), "--resume", str(last)], capture_output=True, text=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -59,6 +60,17 @@ def test_memray_writes_one_profile_per_rank_and_a_report(profiled_run):
     assert "| 0 | server |" in (prof / "peaks.md").read_text()
     for rank in range(3):
         assert (prof / f"rank{rank:05d}-memory.png").read_bytes()[:8] == PNG
+    # a rank killed while it profiled leaves its file torn: left out, named, and the others still reported
+    torn = profiled_run / "torn"
+    shutil.copytree(prof, torn)
+    (torn / "rank00002.bin").write_bytes((torn / "rank00002.bin").read_bytes()[:2000])
+    result = mpifl_here("profile-report", str(torn))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"warning: {torn / 'rank00002.bin'} cannot be read, left out" in result.stderr
+    assert "| 1 | client |" in (torn / "peaks.md").read_text() and "| 2 |" not in (torn / "peaks.md").read_text()
+    for missing in (profiled_run / "nowhere", prof / "rank00000.bin"):
+        refused = mpifl_here("profile-report", str(missing))
+        assert refused.returncode == 1 and refused.stderr.startswith(f"mpifl profile-report: {missing} "), refused
     server = summarize(prof / "rank00000.bin")
     ru_maxrss = json.loads((profiled_run / "run" / "metrics.jsonl").read_text().splitlines()[-1])[
         "server_peak_rss_bytes"]

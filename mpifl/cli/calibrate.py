@@ -119,7 +119,11 @@ def measured_tasks(records: Sequence[dict], cfg: Config, classes: dict[int, str]
     for record in records:
         if record["round"] == 1:
             continue
-        for _, rank, samples, seconds in record.get("timing", ()):
+        for task in record.get("timing", ()):
+            if not (isinstance(task, list) and len(task) == 4 and all(isinstance(v, (int, float)) for v in task)):
+                raise CalibrationError(f"round {record['round']}: 'timing' holds {task!r}, not [client, rank, "
+                                       "samples, seconds]: this record is not one mpifl wrote")
+            _, rank, samples, seconds = task
             out.setdefault(classes.get(rank, "cpu"), []).append((task_work(samples, cfg), seconds))
     return out
 
@@ -136,6 +140,9 @@ def calibrate(run_dir: str | Path) -> dict[str, CostFit]:
             "recorded as its first client's (the others' as about 0) and is set by its longest client, so no "
             "per-client cost can be fitted; calibrate an unbatched run of the same config "
             "(train.batched_clients=0)")
+    if not records:
+        raise CalibrationError(f"{run_dir / 'metrics.jsonl'} records no round yet: calibrate a run that finished "
+                               "2 rounds or more")
     if not any(r.get("timing") for r in records):
         raise CalibrationError(f"{run_dir}: its records have no 'timing' (written since mpifl 2026-11-29); rerun it")
     tasks = measured_tasks(records, cfg, device_classes(run_dir))

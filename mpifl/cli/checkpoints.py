@@ -10,11 +10,11 @@ import yaml
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
-from mpifl.storage.comparison import Result, Section, compare, digest, model_group
+from mpifl.storage.comparison import Result, Section, compare, digest, model_group, vector_clients
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import GROUP as INTEGRITY
 from mpifl.storage.integrity import RecordedChecksums, recorded_checksums
-from mpifl.units import MIB
+from mpifl.units import MIB, range_list
 from mpifl.wire.spec import CONTROL, is_control
 
 if TYPE_CHECKING:
@@ -26,12 +26,19 @@ Entry = tuple[str, tuple, str, int]  # a checkpoint tensor's name, shape, dtype 
 
 
 def inspect(path: str, verify: bool = False) -> int:
-    """Print a checkpoint's round, tensors, config and versions; with ``verify``, check every checksum first."""
+    """Print a checkpoint's round, tensors, config and versions; with ``verify``, check every checksum first, and
+    that every file of the clients' vectors it goes with opens. A run directory stands for its result (its
+    ``model.h5``, else its newest checkpoint), as in ``mpifl diff``."""
+    path = str(Result.at(path).model) if Path(path).is_dir() else path
     with Checkpoint(path) as ckpt:
         if verify:  # a failure raises CheckpointError: exit 2 with the tensor named
             checked = ckpt.verify()
             print(f"{ckpt.path}: verified: {checked} chunks match their CRC32 checksums" if checked else
                   f"{ckpt.path}: readable, but written before mpifl checkpoints carried checksums: nothing to verify")
+            opened = _verify_vector_files(ckpt)
+            if opened:
+                print(f"{residuals_dir(ckpt.path)}: its {opened} file(s) of clients' vectors open (they carry no "
+                      "checksums of their own)")
         attrs = dict(ckpt.file.attrs)
         entries = ckpt.entries()
         print(f"{ckpt.path}: round {ckpt.round}, spec {ckpt.spec_hash}, created {attrs.get('created', '?')}")
@@ -43,9 +50,11 @@ def inspect(path: str, verify: bool = False) -> int:
         if files is not None:  # what a resume needs beside this file
             silent = withheld_ranks(ckpt)
             lacks = f", none of rank(s) {silent} (silent as it was saved)" if silent else ""
+            missing = sum(not f.is_file() for f in files)
+            gone = "" if not missing else ", all missing" if missing == len(files) else f", {missing} missing"
             print(f"per client: {kept_per_client(ckpt)}, kept by the client ranks, in {residuals_dir(ckpt.path)} "
-                  f"({len(files)} rank file(s){'' if all(f.is_file() for f in files) else ', some missing'}{lacks})")
-            own = own_models_hint(ckpt)
+                  f"({len(files)} rank file(s){gone}{lacks})")
+            own = own_models_hint(ckpt) if not missing else None
             if own:
                 print(own)
         print(f"metrics: {len(ckpt.metrics())} rounds")
@@ -65,14 +74,22 @@ def diff(a: str, b: str) -> int:
     try:
         found = compare(sides[0][1], sides[1][1], (recorded[0], recorded[1]))
     except CheckpointError as err:  # a side's bytes failed their checksums, or could not be read
-        raise CheckpointError(f"mpifl diff: {err}; not compared") from None
+        raise CheckpointError(f"diff: {err}; not compared") from None
     except ValueError as err:  # not results of one config
-        raise CheckpointError(f"mpifl diff: {err}") from None
+        raise CheckpointError(f"diff: {err}") from None
     verified = [f"checksums verified ({r.chunks} chunks)" if r else "no checksums to verify" for r in recorded]
-    for (label, result, path), checked, code in zip(sides, verified, found.digests, strict=True):
+    described = [_described(result.model) for _, result, _ in sides]
+    for (label, result, path), checked, code, (round_, spec, _, _) in zip(sides, verified, found.digests, described,
+                                                                          strict=True):
         vectors = f" and the clients' vectors of {result.vectors.name}" if result.vectors else ""
-        print(f"{label}: {path}: {result.model.name}{vectors}; digest {code}; {checked}")
-    _print_section(f"model: {found.model.compared} tensors in both, {found.model.elements:,} elements", found.model)
+        what = f" (round {round_}, spec {spec})" if round_ is not None else ""
+        print(f"{label}: {path}: {result.model.name}{what}{vectors}; digest {code}; {checked}")
+    for line in setup_differences(described[0], described[1]):
+        print(line)
+    controls = described[0][3]
+    of_them = f" ({controls} of them the server control {CONTROL}.*, not the model's)" if controls else ""
+    _print_section(f"model: {found.model.compared} tensors in both{of_them}, {found.model.elements:,} elements",
+                   found.model)
     if found.server_state.compared or not found.server_state.equal:
         _print_section(f"server state: {found.server_state.compared} vectors in both", found.server_state)
     first, second = sides[0][1], sides[1][1]
@@ -86,10 +103,73 @@ def diff(a: str, b: str) -> int:
         print("they differ")
     elif one_side:  # equal as far as compared: the last line says how far
         print(f"bitwise equal as far as compared: the clients' vectors were not, {one_side} alone keeping them (a "
-              "model.h5 has none: diff two run directories, or two checkpoints)")
+              "model.h5 away from its run directory has none: diff two run directories, or two checkpoints)")
     else:
         print("bitwise equal")
     return 0 if found.bitwise_equal else 1
+
+
+Described = tuple[int | None, str, str, int]  # a result's round, spec hash, config YAML, server-control tensors
+
+
+def _described(path: Path) -> Described:
+    """What ``diff`` says of a side beside its bits: its round, its model's layout (spec hash), its config, and how
+    many of its tensors are the server control section; for an HDF5 file of tensors that is no mpifl checkpoint
+    (``model_group`` reads those too), the count alone."""
+    try:
+        with Checkpoint(path) as ckpt:
+            controls = sum(is_control(name) for name, *_ in ckpt.entries())
+            return ckpt.round, ckpt.spec_hash, ckpt.config, controls
+    except CheckpointError:
+        with model_group(path) as group:
+            return None, "", "", sum(is_control(name) for name in group)
+
+
+def setup_differences(a: Described, b: Described, shown: int = 12) -> list[str]:
+    """Lines saying how the two sides' rounds, model layouts and configs differ (nothing where they agree): what
+    a differing result is read against. Config keys are compared flattened (``clients.per_round``); ``name``
+    and ``output.*`` change no result and are left out."""
+    lines: list[str] = []
+    if a[0] is None or b[0] is None:  # a side that is no checkpoint says none of these
+        return lines
+    if a[0] != b[0]:
+        lines.append(f"rounds: a is round {a[0]}, b round {b[0]}")
+    if a[1] != b[1]:
+        lines.append(f"model layouts differ: spec {a[1]} against {b[1]}")
+    flat = [_flattened(yaml.safe_load(side[2]) or {}) for side in (a, b)]
+    keys = sorted(k for k in set(flat[0]) | set(flat[1]) if flat[0].get(k, "(unset)") != flat[1].get(k, "(unset)")
+                  and k != "name" and not k.startswith("output."))
+    if keys:
+        pairs = [f"{k} {flat[0].get(k, '(unset)')!r} -> {flat[1].get(k, '(unset)')!r}" for k in keys[:shown]]
+        more = f"; {len(keys) - shown} more" if len(keys) > shown else ""
+        lines.append(f"configs differ in {len(keys)} key(s): " + "; ".join(pairs) + more)
+    return lines
+
+
+def _flattened(config: dict, prefix: str = "") -> dict[str, object]:
+    """A nested config as dotted keys to leaf values."""
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _verify_vector_files(ckpt: Checkpoint) -> int:
+    """How many files of clients' vectors the checkpoint lists, each found and opened (CheckpointError naming the
+    first that is missing or unreadable)."""
+    files = residual_files(ckpt) or []
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing: {ckpt.path.name} lists it among its files of clients' vectors")
+        try:
+            with h5py.File(path, "r") as f:
+                len(f["clients"])
+        except (OSError, KeyError) as err:
+            raise CheckpointError(f"{path}: cannot read this file of clients' vectors: {err}") from None
+    return len(files)
 
 
 def recorded_checksums_of(path: Path) -> RecordedChecksums | None:
@@ -104,7 +184,7 @@ def recorded_checksums_of(path: Path) -> RecordedChecksums | None:
             ckpt.metrics_readable()
             return recorded_checksums(ckpt)
         except CheckpointError as err:
-            raise CheckpointError(f"mpifl diff: {err}; not compared") from None
+            raise CheckpointError(f"diff: {err}; not compared") from None
 
 
 def _print_section(heading: str, part: Section) -> None:
@@ -131,8 +211,12 @@ def own_models_hint(ckpt: Checkpoint) -> str | None:
     if state is None or not (state.local or state.personal):
         return None
     what = "personal model (Ditto)" if state.personal else "model (the global tensors with its model.local ones)"
-    return (f"each client's own {what}: mpifl export {ckpt.path} OUT --client ID "
-            f"(ID 0 to {cfg.clients.num_clients - 1})")
+    have = vector_clients(residuals_dir(ckpt.path).with_suffix(".h5"))
+    if not have:
+        return None
+    ids = range_list(have)
+    return (f"each client's own {what}: mpifl export {ckpt.path} OUT --client ID (ID one of {ids}, the "
+            f"{len(have)} of {cfg.clients.num_clients} clients that have trained)")
 
 
 def _print_tensors(entries: list[Entry]) -> None:
@@ -174,7 +258,10 @@ def export(path: str, out: str, client: int | None = None) -> int:
     except ImportError:
         raise SystemExit("mpifl export needs safetensors: pip install 'mpifl[hf]' "
                          "(or pip install safetensors)") from None
+    path = str(Result.at(path).model) if Path(path).is_dir() else path  # a run directory: its result, as diff
     target = Path(out)
+    if target.is_dir():
+        raise CheckpointError(f"export: {out} is a folder: name the .safetensors file to write in it")
     if target.exists() and (target.resolve() == Path(path).resolve() or h5py.is_hdf5(target)):
         raise CheckpointError(f"export: {out} is an HDF5 file (the checkpoint itself?); refusing to overwrite it "
                               "with safetensors: name a .safetensors file")

@@ -185,7 +185,12 @@ def _client_vector(ckpt: Checkpoint, client: int, layout: ClientStateLayout) -> 
     """``client``'s whole vector from whichever of the checkpoint's rank files holds it."""
     files = _rank_files(ckpt, client)
     for path in files:
-        with h5py.File(path, "r") as f:
+        try:
+            opened = h5py.File(path, "r")
+        except OSError as err:
+            raise CheckpointError(f"export --client {client}: {path}: cannot read this file of clients' vectors: "
+                                  f"{err}; nothing written") from None
+        with opened as f:
             if int(f.attrs.get("shards", 1)) > 1:
                 raise CheckpointError(f"export --client {client}: {path} holds one shard of each client's rows "
                                       "(clients.sharding: fsdp), but its run's config keeps whole vectors: the files "

@@ -61,13 +61,37 @@ def summarize(profile: Path, top: int = 3) -> dict:
         reader.close()
 
 
+def readable_summaries(profiles: list[Path]) -> tuple[list[dict], list[str]]:
+    """The summaries of the profiles memray can read, and a warning (printed) naming each it cannot: a rank
+    killed while it profiled (SIGKILL, a scheduler's walltime) leaves its file torn, and the others still say
+    what they held."""
+    summaries, unread = [], []
+    for profile in profiles:
+        try:
+            summaries.append({**summarize(profile), "path": profile})
+        except (OSError, RuntimeError) as err:
+            unread.append(f"{profile.name}: {err}")
+            print(f"mpifl profile-report: warning: {profile} cannot be read, left out (a rank killed while it "
+                  f"profiled leaves its file torn): {err}", file=sys.stderr)
+    return summaries, unread
+
+
 def write_profile_report(directory: str | Path, flamegraph: bool = False) -> Path:
     """Peak table (markdown) and one memory-over-time PNG per rank; optional flamegraph HTML."""
     directory = Path(directory)
+    if directory.is_file():
+        raise SystemExit(f"mpifl profile-report: {directory} is a file: give the folder mpifl run --memray wrote "
+                         f"the ranks' profiles to ({directory.parent})")
+    if not directory.is_dir():
+        raise SystemExit(f"mpifl profile-report: {directory} does not exist (the folder given to mpifl run --memray)")
     profiles = sorted(directory.glob("rank*.bin"))
     if not profiles:
-        raise SystemExit(f"no rank*.bin profiles in {directory}")
-    summaries = [summarize(p) for p in profiles]
+        raise SystemExit(f"mpifl profile-report: no rank*.bin profiles in {directory}")
+    summaries, unread = readable_summaries(profiles)
+    if not summaries:
+        raise SystemExit(f"mpifl profile-report: none of the {len(profiles)} profiles in {directory} can be read "
+                         f"({'; '.join(unread)})")
+    profiles = [p for p in profiles if any(s["path"] == p for s in summaries)]
     lines = ["| rank | role | peak RSS (MiB) | peak heap (MiB) | largest allocation sites at the heap peak |",
              "|---|---|---|---|---|"]
     for s in summaries:

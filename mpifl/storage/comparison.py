@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,10 @@ import h5py
 import numpy as np
 
 from mpifl.errors import CheckpointError
-from mpifl.storage.checkpointer import CHECKPOINTS, list_checkpoints
+from mpifl.storage.checkpointer import CHECKPOINTS, FINAL_MODEL, list_checkpoints, residuals_dir
 from mpifl.storage.integrity import RecordedChecksums, StreamedCheck
 
-MODEL_FILE = "model.h5"
+MODEL_FILE = FINAL_MODEL
 DIGEST_CHARS = 16  # hex characters a digest is quoted by (64 bits)
 SLICE = 1 << 22  # elements of one tensor or vector read at once (16 MiB of fp32): a 70B model's embedding is ~1e9
 SECTIONS = ("model", "server_state", "clients")  # a result's parts, in the order the digest covers them
@@ -93,7 +94,8 @@ class Result:
     @classmethod
     def at(cls, path: str | Path) -> Result:
         """A run directory (its ``model.h5``, else its newest checkpoint, and its newest checkpoint's clients'
-        vectors) or an HDF5 file (a checkpoint brings its own vectors; ``model.h5`` has none)."""
+        vectors) or an HDF5 file: a checkpoint brings its own vectors, and a run's ``model.h5``, a hard link to its
+        final checkpoint, that checkpoint's, where its run directory still has them (a copy alone has none)."""
         path = Path(path)
         if path.is_dir():
             newest = list_checkpoints(path / CHECKPOINTS)
@@ -104,7 +106,9 @@ class Result:
             return cls(model, _with_vectors(newest[-1]) if newest else None)
         if not path.is_file():
             raise CheckpointError(f"{path}: no such file or run directory")
-        return cls(path, None if path.name == MODEL_FILE else _with_vectors(path))
+        if path.name == MODEL_FILE:
+            return cls(path, _with_vectors(residuals_dir(path).with_suffix(".h5")))
+        return cls(path, _with_vectors(path))
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[dict[str, dict[str | int, Entry]]]:
@@ -121,12 +125,11 @@ class Result:
                                  for name, ds in (state.items() if state is not None else [])},
                 "clients": {}}
             pieces: dict[int, dict[int, h5py.Dataset]] = {}
-            if self.vectors is not None:
-                for path in sorted(self.vectors.with_suffix(".residuals").glob("rank*.h5")):
-                    f = stack.enter_context(h5py.File(path, "r"))
-                    shard = int(f.attrs.get("shard", 0))
-                    for client, ds in f["clients"].items():
-                        pieces.setdefault(int(client), {})[shard] = ds
+            for path in vector_files(self.vectors) if self.vectors is not None else []:
+                f = stack.enter_context(_opened_vectors(path))
+                shard = int(f.attrs.get("shard", 0))
+                for client, ds in f["clients"].items():
+                    pieces.setdefault(int(client), {})[shard] = ds
             for client, by_shard in pieces.items():
                 parts = tuple(ds for _, ds in sorted(by_shard.items()))
                 length = sum(int(ds.size) for ds in parts)
@@ -141,9 +144,58 @@ class Result:
                     for c, e in sections["clients"].items()}
 
 
+def vector_files(checkpoint: Path) -> list[Path]:
+    """The per-rank files of ``checkpoint``'s clients' vectors, as its ``residual_files`` attribute lists them (every
+    one there: a result missing some is no result to compare), else those found beside it."""
+    folder = checkpoint.with_suffix(".residuals")
+    try:
+        with h5py.File(checkpoint, "r") as f:
+            listed = f.attrs.get("residual_files")
+    except OSError as err:
+        raise CheckpointError(f"{checkpoint}: cannot read it: {err}") from None
+    if listed is None:
+        return sorted(folder.glob("rank*.h5"))
+    files = [folder / name for name in json.loads(listed)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder}: {len(missing)} of the {len(files)} files of its clients' vectors that "
+                              f"{checkpoint.name} lists are missing ({', '.join(missing)})")
+    return files
+
+
+def vector_clients(checkpoint: Path) -> list[int]:
+    """The logical clients, ascending, that have a vector in ``checkpoint``'s files (their ids only: nothing read)."""
+    clients: set[int] = set()
+    for path in vector_files(checkpoint):
+        with _opened_vectors(path) as f:
+            clients.update(int(c) for c in f["clients"])
+    return sorted(clients)
+
+
+@contextlib.contextmanager
+def _opened_vectors(path: Path) -> Iterator[h5py.File]:
+    """A per-rank file of clients' vectors, open; one that cannot be read (truncated, not HDF5) is named."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read this file of clients' vectors: {err}") from None
+    with f:
+        yield f
+
+
 def _with_vectors(checkpoint: Path) -> Path | None:
-    """``checkpoint`` where per-rank files of the clients' vectors were published beside it, else None."""
-    return checkpoint if checkpoint.with_suffix(".residuals").is_dir() else None
+    """``checkpoint`` where per-rank files of the clients' vectors were published beside it, or where it lists
+    some and is a run's own (in its ``checkpoints/``: ``vector_files`` then names those missing), else None: a
+    checkpoint copied away from its run keeps no vectors."""
+    if checkpoint.with_suffix(".residuals").is_dir():
+        return checkpoint
+    if checkpoint.parent.name != CHECKPOINTS:
+        return None
+    try:
+        with h5py.File(checkpoint, "r") as f:
+            return checkpoint if "residual_files" in f.attrs else None
+    except OSError:  # not there, or unreadable: the model's own reading says which
+        return None
 
 
 def digest(result: Result) -> str:
