@@ -173,14 +173,20 @@ def vector_clients(checkpoint: Path) -> list[int]:
 
 
 @contextlib.contextmanager
-def _opened_vectors(path: Path) -> Iterator[h5py.File]:
-    """A per-rank file of clients' vectors, open; one that cannot be read (truncated, not HDF5) is named."""
+def _opened_hdf5(path: Path, unreadable: str) -> Iterator[h5py.File]:
+    """``path`` open for reading; CheckpointError naming it, and saying ``unreadable``, where h5py cannot open it
+    (truncated, not HDF5): a traceback names neither the file nor what it was to be."""
     try:
         f = h5py.File(path, "r")
     except OSError as err:
-        raise CheckpointError(f"{path}: cannot read this file of clients' vectors: {err}") from None
+        raise CheckpointError(f"{path}: {unreadable}: {err}") from None
     with f:
         yield f
+
+
+def _opened_vectors(path: Path) -> contextlib.AbstractContextManager[h5py.File]:
+    """A per-rank file of clients' vectors, open."""
+    return _opened_hdf5(path, "cannot read this file of clients' vectors")
 
 
 def _with_vectors(checkpoint: Path) -> Path | None:
@@ -404,11 +410,7 @@ def _compare_section(a: dict, b: dict, hashes: tuple[hashlib._Hash, hashlib._Has
 @contextlib.contextmanager
 def model_group(path: Path) -> Iterator[h5py.Group]:
     """A checkpoint's ``/model`` group; CheckpointError naming the file where it is not one."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read as HDF5: {err}") from None
-    with f:
+    with _opened_hdf5(path, "cannot be read as HDF5") as f:
         if "model" not in f:
             raise CheckpointError(f"{path}: no /model group: not an mpifl checkpoint")
         yield f["model"]
