@@ -1,1 +1,2 @@
-"""A plug-in trainer: local SGD with a learning rate that decays linearly within each client's steps, to a floor of its own setting."""
+"""A plug-in trainer: local SGD with a learning rate that decays linearly within each client's steps, to a floor
+of its own setting."""
