@@ -10,7 +10,7 @@ import yaml
 
 from mpifl.errors import CheckpointError
 from mpifl.storage.checkpointer import kept_per_client, residual_files, residuals_dir, withheld_ranks
-from mpifl.storage.comparison import Result, Section, compare, digest, model_group, vector_clients
+from mpifl.storage.comparison import Result, Section, compare, digest, model_group, vector_clients, vector_files
 from mpifl.storage.hdf5 import Checkpoint
 from mpifl.storage.integrity import GROUP as INTEGRITY
 from mpifl.storage.integrity import RecordedChecksums, recorded_checksums
@@ -158,18 +158,13 @@ def _flattened(config: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _verify_vector_files(ckpt: Checkpoint) -> int:
-    """How many files of clients' vectors the checkpoint lists, each found and opened (CheckpointError naming the
-    first that is missing or unreadable)."""
-    files = residual_files(ckpt) or []
-    for path in files:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing: {ckpt.path.name} lists it among its files of clients' vectors")
-        try:
-            with h5py.File(path, "r") as f:
-                len(f["clients"])
-        except (OSError, KeyError) as err:
-            raise CheckpointError(f"{path}: cannot read this file of clients' vectors: {err}") from None
-    return len(files)
+    """How many files of clients' vectors the checkpoint lists, each found and opened by ``vector_clients``
+    (CheckpointError naming those missing, or the first unreadable)."""
+    if residual_files(ckpt) is None:
+        return 0
+    checkpoint = residuals_dir(ckpt.path).with_suffix(".h5")  # model.h5's are its final checkpoint's
+    vector_clients(checkpoint)
+    return len(vector_files(checkpoint))
 
 
 def recorded_checksums_of(path: Path) -> RecordedChecksums | None:

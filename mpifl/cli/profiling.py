@@ -91,7 +91,7 @@ def write_profile_report(directory: str | Path, flamegraph: bool = False) -> Pat
     if not summaries:
         raise SystemExit(f"mpifl profile-report: none of the {len(profiles)} profiles in {directory} can be read "
                          f"({'; '.join(unread)})")
-    profiles = [p for p in profiles if any(s["path"] == p for s in summaries)]
+    profiles = [s["path"] for s in summaries]  # the readable ones, for the flamegraphs
     lines = ["| rank | role | peak RSS (MiB) | peak heap (MiB) | largest allocation sites at the heap peak |",
              "|---|---|---|---|---|"]
     for s in summaries:
